@@ -1,0 +1,303 @@
+"""The IR: a handful of frozen dataclasses, each carrying its source location.
+
+A ``Kernel`` is the validated configuration, the tensors' paths, the SMEM
+buffers and a schedule (prologue, a mainloop over KV blocks, epilogue) of
+``Step``s and ``Sync``s. Passes return new kernels via ``dataclasses.replace``.
+
+Thread model: a CTA of ``warps`` warps. Every SMEM access is made by all warps
+at once, each over either its own row slice of the buffer (``Partition.SLICE``:
+warp w touches rows [w*rows/warps, (w+1)*rows/warps)) or the whole buffer
+(``Partition.WHOLE``). Lanes of one warp may touch each other's bytes (cp.async,
+ldmatrix and 16-byte stores all move data between lanes), so even a one-warp
+hazard needs a warp barrier.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+from .errors import Loc
+
+
+class Dtype(Enum):
+    BF16 = "bf16"
+    FP16 = "fp16"
+
+    @property
+    def nbytes(self) -> int:
+        return 2
+
+    @property
+    def cuda_type(self) -> str:
+        return {Dtype.BF16: "__nv_bfloat16", Dtype.FP16: "half"}[self]
+
+
+class Target(Enum):
+    SM80 = "sm_80"
+    SM90A = "sm_90a"  # reserved for the sm_90 path (TMA, wgmma)
+
+    @property
+    def smem_limit(self) -> int:
+        """Dynamic SMEM one CTA may use (bytes), as the hardware allows."""
+        return {Target.SM80: 163 * 1024, Target.SM90A: 227 * 1024}[self]
+
+    @property
+    def smem_per_sm(self) -> int:
+        return {Target.SM80: 164 * 1024, Target.SM90A: 228 * 1024}[self]
+
+
+class Mask(Enum):
+    NONE = "none"
+    CAUSAL = "causal"
+
+
+class Level(Enum):
+    GMEM = "gmem"
+    SMEM = "smem"
+    RF = "rf"
+
+
+class Instr(Enum):
+    CP_ASYNC = "cp.async"
+    LDMATRIX = "ldmatrix"
+    LDMATRIX_TRANS = "ldmatrix.trans"
+    ST_SHARED = "st.shared"
+    ST_GLOBAL = "st.global"
+    TMA = "tma"  # reserved: sm_90 path
+    WGMMA = "wgmma"  # reserved: sm_90 path
+
+
+class Scope(Enum):
+    """Who shares an SMEM tile, and which barrier orders accesses to it."""
+
+    WARP = "warp"
+    WARPGROUP = "warpgroup"  # reserved: sm_90 path
+    CTA = "cta"
+
+
+class Role(Enum):
+    Q = "Q"
+    K = "K"
+    V = "V"
+    O = "O"
+
+
+class AliasPolicy(Enum):
+    SCOPED = "scoped"  # share a region only between tiles of the same scope
+    ANY = "any"  # share whenever live ranges are disjoint
+    OFF = "off"  # every buffer gets its own region
+
+
+class Phase(Enum):
+    PROLOGUE = "prologue"
+    MAINLOOP = "mainloop"
+    EPILOGUE = "epilogue"
+
+
+class Partition(Enum):
+    SLICE = "slice"
+    WHOLE = "whole"
+
+
+class Mode(Enum):
+    READ = "read"
+    WRITE = "write"
+
+
+class HazardKind(Enum):
+    RAW = "RAW"
+    WAR = "WAR"
+    WAW = "WAW"
+
+
+class SyncKind(Enum):
+    SYNCWARP = "__syncwarp()"
+    SYNCTHREADS = "__syncthreads()"
+    CP_ASYNC_WAIT = "cp.async.wait_group"
+
+
+@dataclass(frozen=True)
+class Swizzle:
+    """The seeds' swizzle<B, M, S>: element address a -> a ^ ((a >> S) & ((2^B - 1) << M))."""
+
+    bits: int
+    base: int
+    shift: int
+    loc: Loc
+
+    def __str__(self) -> str:
+        return f"xor({self.bits}, {self.base}, {self.shift})"
+
+
+@dataclass(frozen=True)
+class Hop:
+    src: Level
+    dst: Level
+    instr: Instr
+    loc: Loc
+
+
+@dataclass(frozen=True)
+class Tensor:
+    role: Role
+    hops: tuple[Hop, ...]
+    smem_scope: Scope
+    loc: Loc
+
+    def path_text(self) -> str:
+        parts = [self.hops[0].src.value]
+        for hop in self.hops:
+            level = hop.dst.value
+            if hop.dst is Level.SMEM:
+                level += f"[{self.smem_scope.value}]"
+            parts.append(f"-{hop.instr.value}-> {level}")
+        return " ".join(parts)
+
+
+@dataclass(frozen=True)
+class Config:
+    name: str
+    target: Target
+    dtypes: tuple[Dtype, ...]
+    head_dim: int
+    block_r: int
+    block_c: int
+    warps: int
+    mask: Mask
+    swizzle: Swizzle | None
+    smem_alias: AliasPolicy
+    loc: Loc
+    key_locs: tuple[tuple[str, Loc], ...] = ()
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps
+
+    def loc_of(self, key: str) -> Loc:
+        return dict(self.key_locs).get(key, self.loc)
+
+
+@dataclass(frozen=True)
+class Buffer:
+    """One SMEM tile. ``offset`` and ``region`` are filled in by plan_smem."""
+
+    name: str
+    rows: int
+    cols: int
+    elem_bytes: int
+    scope: Scope
+    swizzle: Swizzle | None
+    loc: Loc
+    offset: int | None = None
+    region: int | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows * self.cols * self.elem_bytes
+
+
+@dataclass(frozen=True)
+class Access:
+    buffer: str
+    mode: Mode
+    partition: Partition
+
+
+@dataclass(frozen=True)
+class Step:
+    """One schedule step. ``is_async`` steps issue cp.async and commit one group."""
+
+    op: str
+    phase: Phase
+    accesses: tuple[Access, ...]
+    is_async: bool
+    title: str
+    loc: Loc
+
+
+@dataclass(frozen=True)
+class Hazard:
+    """Two accesses to overlapping SMEM bytes, at least one a write, that a sync must order."""
+
+    kind: HazardKind
+    earlier: str  # op of the earlier step
+    later: str  # op of the later step
+    earlier_buffer: str
+    later_buffer: str
+    scope: Scope  # WARP: only same-warp pairs conflict; CTA: warps cross
+    back_edge: bool  # the earlier access is in the previous mainloop iteration
+    async_write: bool  # the earlier access is a cp.async write that must be waited for
+
+    def describe(self) -> str:
+        bufs = self.earlier_buffer
+        if self.later_buffer != self.earlier_buffer:
+            bufs = f"{self.earlier_buffer}/{self.later_buffer} (aliased)"
+        edge = " across the loop back edge" if self.back_edge else ""
+        who = "warps cross" if self.scope is Scope.CTA else "within each warp"
+        return f"{self.kind.value} on {bufs}: {self.earlier} -> {self.later}{edge} ({who})"
+
+
+@dataclass(frozen=True)
+class Sync:
+    kind: SyncKind
+    phase: Phase
+    serves: tuple[Hazard, ...]
+    loc: Loc
+    groups: int = 0  # for CP_ASYNC_WAIT: groups that may stay in flight
+
+    def text(self) -> str:
+        if self.kind is SyncKind.CP_ASYNC_WAIT:
+            return f"cp.async.wait_group {self.groups}"
+        return self.kind.value
+
+
+Item = Step | Sync
+
+
+@dataclass(frozen=True)
+class Region:
+    """A span of SMEM that buffers with disjoint live ranges share."""
+
+    index: int
+    offset: int
+    nbytes: int
+    members: tuple[str, ...]
+    reasons: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Kernel:
+    config: Config
+    tensors: tuple[Tensor, ...]
+    buffers: tuple[Buffer, ...]
+    prologue: tuple[Item, ...]
+    mainloop: tuple[Item, ...]
+    epilogue: tuple[Item, ...]
+    regions: tuple[Region, ...] = ()
+    smem_bytes: int | None = None
+
+    def buffer(self, name: str) -> Buffer:
+        for buf in self.buffers:
+            if buf.name == name:
+                return buf
+        raise KeyError(name)
+
+    def tensor(self, role: Role) -> Tensor:
+        for tensor in self.tensors:
+            if tensor.role is role:
+                return tensor
+        raise KeyError(role)
+
+    def phases(self) -> tuple[tuple[Phase, tuple[Item, ...]], ...]:
+        return (
+            (Phase.PROLOGUE, self.prologue),
+            (Phase.MAINLOOP, self.mainloop),
+            (Phase.EPILOGUE, self.epilogue),
+        )
+
+    def steps(self) -> tuple[Step, ...]:
+        return tuple(i for _, items in self.phases() for i in items if isinstance(i, Step))
+
+    def syncs(self) -> tuple[Sync, ...]:
+        return tuple(i for _, items in self.phases() for i in items if isinstance(i, Sync))

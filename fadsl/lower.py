@@ -1,0 +1,630 @@
+"""Lower the AST to the IR, validating as we go.
+
+Every problem becomes a located diagnostic; independent problems are collected
+and reported together. A knob the grammar accepts but the compiler cannot yet
+honour is refused here ("not supported yet"), never silently ignored.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from .errors import DiagnosticSink, Loc, one_of, suggest
+from .ir import (
+    AliasPolicy,
+    Config,
+    Dtype,
+    Hop,
+    Instr,
+    Level,
+    Mask,
+    Role,
+    Scope,
+    Swizzle,
+    Target,
+    Tensor,
+)
+from .syntax import Assign, Call, KernelDecl, LoopStep, Number, PathDecl, Setting, Word
+
+HEAD_DIMS = (64, 96, 128, 256)
+MAX_TILE = 256
+MAX_WARPS = 16
+REGISTERS_PER_THREAD = 255
+
+# The hop each (from, to) pair allows, and the reserved sm_90 instructions.
+HOP_INSTRS: dict[tuple[Level, Level], tuple[Instr, ...]] = {
+    (Level.GMEM, Level.SMEM): (Instr.CP_ASYNC,),
+    (Level.SMEM, Level.RF): (Instr.LDMATRIX, Instr.LDMATRIX_TRANS),
+    (Level.RF, Level.SMEM): (Instr.ST_SHARED,),
+    (Level.SMEM, Level.GMEM): (Instr.ST_GLOBAL,),
+}
+RESERVED_INSTRS = (Instr.TMA, Instr.WGMMA)
+
+# Mainloop steps as written in a spec, and the schedule op each one is.
+LOOP_STEPS = {
+    "K -> smem": "k_g2s",
+    "K -> rf": "k_s2r",
+    "S = Q @ K^T": "qk",
+    "softmax": "softmax",
+    "V -> smem": "v_g2s",
+    "V -> rf": "v_s2r",
+    "O += P @ V": "pv",
+}
+DEFAULT_ORDER = tuple(LOOP_STEPS.values())
+# (earlier, later, why): each later op reads what the earlier op produces.
+LOOP_DEPENDENCIES = (
+    ("k_g2s", "k_s2r", "it reads the K tile that 'K -> smem' writes"),
+    ("k_s2r", "qk", "it multiplies the K fragments that 'K -> rf' loads"),
+    ("qk", "softmax", "it normalises the scores S that 'S = Q @ K^T' computes"),
+    ("softmax", "pv", "it multiplies the probabilities P that 'softmax' produces"),
+    ("v_g2s", "v_s2r", "it reads the V tile that 'V -> smem' writes"),
+    ("v_s2r", "pv", "it multiplies the V fragments that 'V -> rf' loads"),
+)
+OP_TEXT = {op: text for text, op in LOOP_STEPS.items()}
+
+REQUIRED_KEYS = ("target", "dtype", "head_dim", "tile", "warps")
+OPTIONAL_KEYS = ("mask", "swizzle", "smem_alias", "stages")
+
+
+@dataclass(frozen=True)
+class Lowered:
+    config: Config
+    tensors: tuple[Tensor, ...]
+    order: tuple[tuple[str, Loc], ...]  # mainloop ops with the location that asked for each
+
+
+class _Lowerer:
+    def __init__(self, decl: KernelDecl, sink: DiagnosticSink, partial: bool) -> None:
+        self.decl = decl
+        self.sink = sink
+        self.partial = partial  # syntax errors removed lines: don't report missing things
+        self.values: dict[str, object] = {}
+        self.key_locs: dict[str, Loc] = {}
+
+    def error(self, loc: Loc, message: str) -> None:
+        self.sink.error(loc, message)
+
+    def missing(self, loc: Loc, message: str) -> None:
+        if not self.partial:
+            self.error(loc, message)
+
+    # --- settings ---------------------------------------------------------------
+
+    def settings(self) -> None:
+        handlers: dict[str, Callable[[Setting], object]] = {
+            "target": self.target,
+            "dtype": self.dtype,
+            "head_dim": self.head_dim,
+            "tile": self.tile,
+            "warps": self.warps,
+            "mask": self.mask,
+            "swizzle": self.swizzle,
+            "smem_alias": self.smem_alias,
+            "stages": self.stages,
+        }
+        for setting in self.decl.settings:
+            key = setting.key.text
+            if key not in handlers:
+                hint = suggest(key, handlers)
+                if key in ("Q", "K", "V", "O"):
+                    hint = f" (a path needs a colon: '{key}: gmem -cp.async-> ...')"
+                self.error(setting.key.loc, f"unknown key '{key}'{hint}")
+                continue
+            if key in self.key_locs:
+                first = self.key_locs[key]
+                self.error(
+                    setting.key.loc, f"duplicate key '{key}' (first set at line {first.line})"
+                )
+                continue
+            self.key_locs[key] = setting.key.loc
+            value = handlers[key](setting)
+            if value is not None:
+                self.values[key] = value
+        for key in REQUIRED_KEYS:
+            if key not in self.key_locs:
+                self.missing(
+                    self.decl.loc, f"missing key '{key}' in kernel '{self.decl.name.text}'"
+                )
+
+    def single(self, setting: Setting) -> Word | Number | Call | Assign | None:
+        if len(setting.values) != 1:
+            extra = setting.values[1]
+            self.error(extra.loc, f"'{setting.key.text}' takes one value")
+            return None
+        return setting.values[0]
+
+    def word_choice(self, setting: Setting, choices: dict[str, object]) -> object | None:
+        value = self.single(setting)
+        if value is None:
+            return None
+        if not isinstance(value, Word):
+            self.error(
+                value.loc, f"'{setting.key.text}' expects {one_of(choices)}, not {_show(value)}"
+            )
+            return None
+        if value.text not in choices:
+            self.error(
+                value.loc,
+                f"unknown {setting.key.text} '{value.text}'; expected {one_of(choices)}"
+                + suggest(value.text, choices),
+            )
+            return None
+        return choices[value.text]
+
+    def number(self, value: object, what: str, lo: int, hi: int) -> int | None:
+        if not isinstance(value, Number):
+            self.error(value.loc, f"{what} must be a number, not {_show(value)}")
+            return None
+        if not lo <= value.value <= hi:
+            self.error(value.loc, f"{what} = {_clip(value.value)} is out of range ({lo} to {hi})")
+            return None
+        return value.value
+
+    def target(self, setting: Setting) -> Target | None:
+        target = self.word_choice(setting, {t.value: t for t in Target})
+        if target is Target.SM90A:
+            self.error(
+                setting.values[0].loc,
+                "target 'sm_90a' is not supported yet (reserved for the TMA/wgmma path); "
+                "use 'sm_80', which runs on sm_80 to sm_90",
+            )
+            return None
+        return target
+
+    def dtype(self, setting: Setting) -> tuple[Dtype, ...] | None:
+        dtypes: list[Dtype] = []
+        names = {d.value: d for d in Dtype}
+        for value in setting.values:
+            if not isinstance(value, Word) or value.text not in names:
+                shown = value.text if isinstance(value, Word) else _show(value)
+                hint = suggest(shown, names) if isinstance(value, Word) else ""
+                self.error(value.loc, f"unknown dtype '{shown}'; expected {one_of(names)}{hint}")
+                continue
+            if names[value.text] in dtypes:
+                self.error(value.loc, f"dtype '{value.text}' is listed twice")
+                continue
+            dtypes.append(names[value.text])
+        return tuple(dtypes) if dtypes and len(dtypes) == len(setting.values) else None
+
+    def head_dim(self, setting: Setting) -> int | None:
+        value = self.single(setting)
+        if value is None:
+            return None
+        dim = self.number(value, "head_dim", 1, 1 << 30)
+        if dim is None:
+            return None
+        if dim not in HEAD_DIMS:
+            shown = ", ".join(map(str, HEAD_DIMS))
+            self.error(value.loc, f"head_dim {dim} is not supported; expected one of {shown}")
+            return None
+        return dim
+
+    def tile(self, setting: Setting) -> dict[str, int] | None:
+        sizes: dict[str, int] = {}
+        for value in setting.values:
+            if not isinstance(value, Assign):
+                self.error(value.loc, f"'tile' expects 'B_r = N, B_c = N', not {_show(value)}")
+                continue
+            name = value.name.text
+            if name not in ("B_r", "B_c"):
+                hint = suggest(name, ("B_r", "B_c"))
+                self.error(
+                    value.name.loc, f"unknown tile size '{name}'; expected 'B_r' or 'B_c'{hint}"
+                )
+                continue
+            if name in sizes:
+                self.error(value.name.loc, f"tile size '{name}' is given twice")
+                continue
+            size = self.number(value.value, name, 16, MAX_TILE)
+            if size is not None and size % 16:
+                self.error(
+                    value.value.loc, f"{name} = {size} is not a multiple of 16 (the mma tile)"
+                )
+                size = None
+            if size is not None:
+                sizes[name] = size
+                self.key_locs[name] = value.value.loc
+        for name in ("B_r", "B_c"):
+            if name not in sizes and not any(
+                isinstance(v, Assign) and v.name.text == name for v in setting.values
+            ):
+                self.error(setting.key.loc, f"'tile' is missing '{name} = N'")
+        return sizes if len(sizes) == 2 else None
+
+    def warps(self, setting: Setting) -> int | None:
+        value = self.single(setting)
+        if value is None:
+            return None
+        warps = self.number(value, "warps", 1, MAX_WARPS)
+        if warps is not None and warps & (warps - 1):
+            self.error(value.loc, f"warps = {warps} is not a power of two")
+            return None
+        return warps
+
+    def mask(self, setting: Setting) -> Mask | None:
+        mask = self.word_choice(setting, {m.value: m for m in Mask})
+        if mask is Mask.CAUSAL:
+            self.error(setting.values[0].loc, "mask 'causal' is not supported yet")
+            return None
+        return mask
+
+    def swizzle(self, setting: Setting) -> Swizzle | None | str:
+        value = self.single(setting)
+        if value is None:
+            return None
+        if isinstance(value, Word) and value.text == "none":
+            return "none"
+        if not isinstance(value, Call) or value.name.text != "xor":
+            self.error(value.loc, f"swizzle expects 'none' or 'xor(B, M, S)', not {_show(value)}")
+            return None
+        if len(value.args) != 3:
+            self.error(value.loc, f"xor(B, M, S) takes 3 numbers, got {len(value.args)}")
+            return None
+        nums = [self.number(arg, name, 0, 16) for arg, name in zip(value.args, "BMS")]
+        if None in nums:
+            return None
+        return Swizzle(nums[0], nums[1], nums[2], value.loc)
+
+    def smem_alias(self, setting: Setting) -> AliasPolicy | None:
+        return self.word_choice(setting, {p.value: p for p in AliasPolicy})
+
+    def stages(self, setting: Setting) -> int | None:
+        value = self.single(setting)
+        if value is None:
+            return None
+        stages = self.number(value, "stages", 1, 8)
+        if stages is not None and stages > 1:
+            self.error(value.loc, f"stages = {stages} is not supported yet (one K/V stage for now)")
+            return None
+        return stages
+
+    # --- paths --------------------------------------------------------------------
+
+    def paths(self) -> dict[Role, Tensor]:
+        tensors: dict[Role, Tensor] = {}
+        seen: dict[str, Loc] = {}
+        for path in self.decl.paths:
+            name = path.tensor.text
+            if name not in Role.__members__:
+                self.error(
+                    path.tensor.loc,
+                    f"unknown tensor '{name}'; a kernel moves Q, K, V and O"
+                    + suggest(name, Role.__members__),
+                )
+                continue
+            if name in seen:
+                self.error(
+                    path.tensor.loc,
+                    f"tensor '{name}' has two paths (first at line {seen[name].line})",
+                )
+                continue
+            seen[name] = path.tensor.loc
+            tensor = self.path(Role[name], path)
+            if tensor is not None:
+                tensors[tensor.role] = tensor
+        for role in Role:
+            if role.value not in seen:
+                self.missing(self.decl.loc, f"missing the path of tensor '{role.value}'")
+        return tensors
+
+    def path(self, role: Role, path: PathDecl) -> Tensor | None:
+        ok = True
+        levels: list[Level] = []
+        scope: Scope | None = None
+        for ref in path.levels:
+            if ref.name.text not in {lv.value for lv in Level}:
+                names = [lv.value for lv in Level]
+                self.error(
+                    ref.name.loc,
+                    f"unknown memory level '{ref.name.text}'; expected {one_of(names)}"
+                    + suggest(ref.name.text, names),
+                )
+                ok = False
+                continue
+            level = Level(ref.name.text)
+            levels.append(level)
+            if level is not Level.SMEM:
+                if ref.scope is not None:
+                    self.error(ref.scope.loc, f"only smem takes a sharing scope, not {level.value}")
+                    ok = False
+                continue
+            if ref.scope is None:
+                self.error(ref.loc, "smem needs a sharing scope: smem[warp] or smem[cta]")
+                ok = False
+                continue
+            names = [s.value for s in Scope]
+            if ref.scope.text not in names:
+                self.error(
+                    ref.scope.loc,
+                    f"unknown scope '{ref.scope.text}'; expected 'warp' or 'cta'"
+                    + suggest(ref.scope.text, names),
+                )
+                ok = False
+            elif ref.scope.text == Scope.WARPGROUP.value:
+                self.error(ref.scope.loc, "scope 'warpgroup' is not supported yet (sm_90 path)")
+                ok = False
+            else:
+                scope = Scope(ref.scope.text)
+        if not ok:
+            return None
+        hops: list[Hop] = []
+        for (src, dst), ref in zip(zip(levels, levels[1:]), path.hops):
+            hop = self.hop(src, dst, ref.instr)
+            if hop is None:
+                ok = False
+            else:
+                hops.append(hop)
+        if not ok:
+            return None
+        if not self.path_shape(role, path, levels, hops, scope):
+            return None
+        assert scope is not None
+        return Tensor(role, tuple(hops), scope, path.loc)
+
+    def hop(self, src: Level, dst: Level, word: Word) -> Hop | None:
+        names = [i.value for i in Instr]
+        if word.text not in names:
+            self.error(word.loc, f"unknown instruction '{word.text}'" + suggest(word.text, names))
+            return None
+        instr = Instr(word.text)
+        if instr in RESERVED_INSTRS:
+            self.error(word.loc, f"instruction '{instr.value}' is not supported yet (sm_90 path)")
+            return None
+        if src is dst:
+            self.error(
+                word.loc, f"a hop must change level, but this one goes {src.value} -> {dst.value}"
+            )
+            return None
+        allowed = HOP_INSTRS.get((src, dst))
+        if allowed is None:
+            self.error(
+                word.loc,
+                f"there is no direct {src.value} -> {dst.value} hop; stage the tile through smem",
+            )
+            return None
+        if instr not in allowed:
+            self.error(
+                word.loc,
+                f"'{instr.value}' cannot copy {src.value} -> {dst.value}; "
+                f"{one_of(i.value for i in allowed)} does",
+            )
+            return None
+        return Hop(src, dst, instr, word.loc)
+
+    def path_shape(self, role, path, levels, hops, scope) -> bool:
+        where = path.tensor.loc
+        if role is Role.O:
+            if levels[0] is not Level.RF:
+                self.error(
+                    path.levels[0].name.loc,
+                    "O is the output: its path starts in registers (rf), where the mma "
+                    f"accumulates it, not in {levels[0].value}",
+                )
+                return False
+            if levels != [Level.RF, Level.SMEM, Level.GMEM]:
+                self.error(where, "O must go rf -st.shared-> smem[...] -st.global-> gmem")
+                return False
+        else:
+            if levels[0] is not Level.GMEM:
+                self.error(
+                    path.levels[0].name.loc,
+                    f"{role.value} is an input: its path starts in gmem, not {levels[0].value}",
+                )
+                return False
+            if levels[-1] is not Level.RF:
+                self.error(
+                    path.levels[-1].name.loc,
+                    f"{role.value} never reaches registers (rf), where the mma reads its operands",
+                )
+                return False
+            if levels != [Level.GMEM, Level.SMEM, Level.RF]:
+                self.error(where, f"{role.value} must go gmem -cp.async-> smem[...] -ldmatrix-> rf")
+                return False
+            want = Instr.LDMATRIX_TRANS if role is Role.V else Instr.LDMATRIX
+            load = hops[1]
+            if load.instr is not want:
+                why = {
+                    Role.Q: "Q is the A operand of S = Q @ K^T, read row-major",
+                    Role.K: "K is the B operand of S = Q @ K^T; row-major K is K^T column-major",
+                    Role.V: "V is the B operand of O += P @ V and must be transposed on load",
+                }[role]
+                self.error(load.loc, f"{role.value} must be loaded with '{want.value}': {why}")
+                return False
+        return True
+
+    # --- mainloop order -------------------------------------------------------------
+
+    def order(self) -> tuple[tuple[str, Loc], ...]:
+        loops = self.decl.mainloops
+        if not loops:
+            return tuple((op, self.decl.loc) for op in DEFAULT_ORDER)
+        for extra in loops[1:]:
+            self.error(extra.loc, f"duplicate mainloop (first at line {loops[0].loc.line})")
+        loop = loops[0]
+        placed: dict[str, LoopStep] = {}
+        for step in loop.steps:
+            op = self.loop_op(step)
+            if op is None:
+                continue
+            if op in placed:
+                self.error(
+                    step.loc,
+                    f"'{step.text()}' appears twice in the mainloop (first at line "
+                    f"{placed[op].loc.line})",
+                )
+                continue
+            placed[op] = step
+        for op in DEFAULT_ORDER:
+            if op not in placed:
+                self.missing(loop.loc, f"the mainloop is missing '{OP_TEXT[op]}'")
+        position = {op: i for i, op in enumerate(placed)}
+        for earlier, later, why in LOOP_DEPENDENCIES:
+            if earlier in position and later in position and position[later] < position[earlier]:
+                self.error(
+                    placed[later].loc,
+                    f"'{OP_TEXT[later]}' must come after '{OP_TEXT[earlier]}': {why}",
+                )
+        return tuple((op, step.loc) for op, step in placed.items())
+
+    def loop_op(self, step: LoopStep) -> str | None:
+        text = step.text()
+        if text in LOOP_STEPS:
+            return LOOP_STEPS[text]
+        first = step.words[0]
+        if step.form == "move" and first.text in ("Q", "O"):
+            self.error(
+                step.loc,
+                f"{first.text} moves once, in the {'prologue' if first.text == 'Q' else 'epilogue'};"
+                " the mainloop moves only K and V",
+            )
+        elif step.form == "move" and first.text in ("K", "V"):
+            self.error(
+                step.words[1].loc,
+                f"in the mainloop {first.text} moves to 'smem' and then to 'rf', "
+                f"not to '{step.words[1].text}'",
+            )
+        else:
+            self.error(
+                step.loc,
+                f"unknown mainloop step '{text}'; expected one of: "
+                + ", ".join(f"'{s}'" for s in LOOP_STEPS)
+                + suggest(text, LOOP_STEPS),
+            )
+        return None
+
+    # --- cross-field checks -----------------------------------------------------------
+
+    def config(self, tensors: dict[Role, Tensor]) -> Config | None:
+        v = self.values
+        if any(key not in v for key in REQUIRED_KEYS):
+            return None
+        tile = v["tile"]
+        block_r, block_c = tile["B_r"], tile["B_c"]
+        warps, head_dim = v["warps"], v["head_dim"]
+        ok = True
+        if block_r % (16 * warps):
+            self.error(
+                self.key_locs["B_r"],
+                f"B_r = {block_r} is not divisible by 16 x warps = {16 * warps}: "
+                "each warp owns a whole number of 16-row mma tiles",
+            )
+            ok = False
+        per_warp = block_c * head_dim * 2 // warps
+        if block_c % warps or per_warp % 512:
+            self.error(
+                self.key_locs["B_c"],
+                f"B_c = {block_c} with {warps} warps leaves each warp {per_warp} bytes of a K/V "
+                "tile to copy, not a whole number of 512-byte warp-wide cp.async rounds",
+            )
+            ok = False
+        if head_dim == 256:
+            rows = block_r // warps
+            regs = block_c * head_dim // 64
+            self.error(
+                self.key_locs["head_dim"],
+                f"head_dim 256 is not supported yet: the whole {block_c}x{head_dim} K tile in "
+                f"registers takes {regs} registers per thread (budget {REGISTERS_PER_THREAD}); "
+                f"it needs fragment-wise K/V loads ({rows} query rows per warp)",
+            )
+            ok = False
+        swizzle = v.get("swizzle")
+        if isinstance(swizzle, Swizzle) and not self.swizzle_fits(swizzle, head_dim):
+            ok = False
+        for role in (Role.K, Role.V):
+            tensor = tensors.get(role)
+            if tensor is not None and tensor.smem_scope is Scope.WARP and warps > 1:
+                self.error(
+                    _scope_loc(self.decl, role),
+                    f"{role.value}'s SMEM tile is declared warp-scoped, but every warp reads all "
+                    f"of it (each warp multiplies its query rows by all {block_c} keys): with "
+                    f"{warps} warps that is a race; declare smem[cta]",
+                )
+                ok = False
+        for role in (Role.Q, Role.O):
+            tensor = tensors.get(role)
+            if tensor is not None and tensor.smem_scope is Scope.CTA:
+                self.error(
+                    _scope_loc(self.decl, role),
+                    f"{role.value} in smem[cta] (a CTA-wide copy of the whole tile) is not "
+                    "supported yet; each warp moves its own rows: smem[warp]",
+                )
+                ok = False
+        if not ok:
+            return None
+        return Config(
+            name=self.decl.name.text,
+            target=v["target"],
+            dtypes=v["dtype"],
+            head_dim=head_dim,
+            block_r=block_r,
+            block_c=block_c,
+            warps=warps,
+            mask=v.get("mask", Mask.NONE),
+            swizzle=swizzle if isinstance(swizzle, Swizzle) else None,
+            smem_alias=v.get("smem_alias", AliasPolicy.SCOPED),
+            loc=self.decl.loc,
+            key_locs=tuple(sorted(self.key_locs.items())),
+        )
+
+    def swizzle_fits(self, swz: Swizzle, head_dim: int) -> bool:
+        """The swizzle must keep 16-byte chunks whole and stay inside one row."""
+        if swz.base < 3:
+            self.error(
+                swz.loc,
+                f"xor(B, M, S) with M = {swz.base} splits the 16-byte chunks that cp.async and "
+                "ldmatrix move (M must be at least 3 for 2-byte elements)",
+            )
+            return False
+        if swz.shift < swz.bits:
+            self.error(swz.loc, f"xor(B, M, S) needs S >= B, got S = {swz.shift}, B = {swz.bits}")
+            return False
+        if head_dim & (head_dim - 1) or swz.base + swz.bits > head_dim.bit_length() - 1:
+            self.error(
+                swz.loc,
+                f"xor({swz.bits}, {swz.base}, {swz.shift}) permutes {1 << (swz.base + swz.bits)}-"
+                f"element spans, which do not tile a {head_dim}-element row",
+            )
+            return False
+        return True
+
+
+def _scope_loc(decl: KernelDecl, role: Role) -> Loc:
+    for path in decl.paths:
+        if path.tensor.text == role.value:
+            for level in path.levels:
+                if level.scope is not None:
+                    return level.scope.loc
+            return path.loc
+    return decl.loc
+
+
+def _show(value: object) -> str:
+    match value:
+        case Word(text=text):
+            return f"'{text}'"
+        case Number(value=n):
+            return f"the number {_clip(n)}"
+        case Call(name=name):
+            return f"'{name.text}(...)'"
+        case Assign(name=name):
+            return f"'{name.text} = ...'"
+        case _:
+            raise AssertionError(f"unknown value {value!r}")
+
+
+def _clip(n: int) -> str:
+    text = str(n)
+    return text if len(text) <= 20 else text[:8] + "..." + f" ({len(text)} digits)"
+
+
+def lower(decl: KernelDecl, sink: DiagnosticSink, partial: bool = False) -> Lowered | None:
+    """Validate a parsed spec; on success return its config, tensors and mainloop order."""
+    lowerer = _Lowerer(decl, sink, partial)
+    lowerer.settings()
+    tensors = lowerer.paths()
+    order = lowerer.order()
+    config = lowerer.config(tensors)
+    if sink.diagnostics or config is None or len(tensors) != len(Role):
+        return None
+    return Lowered(config, tuple(tensors[r] for r in Role), order)

@@ -1,0 +1,286 @@
+"""insert_barriers: order every SMEM hazard with the cheapest sync that covers it.
+
+The pass walks the schedule as it runs -- prologue, two mainloop iterations
+(the second one exposes hazards across the back edge), epilogue -- keeping a
+history of the SMEM accesses made so far and, for each, whether a sync has
+already ordered it against later accesses of the same warp or of every warp.
+When a step conflicts with an access that nothing orders yet, a sync goes
+immediately before that step (as late as the consumer allows):
+``__syncwarp()`` when only one warp's lanes conflict, ``__syncthreads()``
+when warps cross; a ``cp.async.wait_group N`` first when the earlier access is
+an asynchronous write, with N the groups committed since (they stay in
+flight). A hazard from the prologue into the first iteration is ordered at the
+end of the prologue instead, so that it is not paid on every iteration. The
+walk restarts after each insertion until nothing is missing; then every sync
+that can be dropped without reopening a hazard is dropped; finally a last walk
+records which hazards each remaining sync serves.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Iterator
+
+from ..ir import (
+    Access,
+    Buffer,
+    Hazard,
+    HazardKind,
+    Item,
+    Kernel,
+    Mode,
+    Partition,
+    Phase,
+    Scope,
+    Step,
+    Sync,
+    SyncKind,
+)
+
+# A static position: (phase, index of the item in that phase's tuple).
+Pos = tuple[Phase, int]
+
+
+@dataclass
+class _Past:
+    """One access made earlier in the walk."""
+
+    access: Access
+    step: Step
+    iteration: int  # -1 outside the loop, else 0 or 1
+    group: int | None  # cp.async commit group of an async write
+    waited_by: int | None = None  # id of the cp.async wait that completed it
+    warp_ordered: list[int] = field(default_factory=list)  # ids of syncs that order it per warp
+    cta_ordered: list[int] = field(default_factory=list)  # ids of syncs that order it CTA-wide
+
+
+@dataclass(frozen=True)
+class _Need:
+    """What the walk found missing before ``pos``."""
+
+    pos: Pos
+    scope: Scope
+    wait_groups: int | None
+
+
+def _bytes(buf: Buffer, part: Partition, warp: int, warps: int) -> tuple[int, int]:
+    assert buf.offset is not None, "plan_smem must run before insert_barriers"
+    if part is Partition.WHOLE:
+        return buf.offset, buf.offset + buf.nbytes
+    size = buf.nbytes // warps
+    return buf.offset + warp * size, buf.offset + (warp + 1) * size
+
+
+def conflict_scope(kernel: Kernel, a: Access, b: Access) -> Scope | None:
+    """CTA if two different warps touch common bytes, WARP if only a warp with itself."""
+    if a.mode is Mode.READ and b.mode is Mode.READ:
+        return None
+    warps = kernel.config.warps
+    ba, bb = kernel.buffer(a.buffer), kernel.buffer(b.buffer)
+    scope = None
+    for wa in range(warps):
+        lo_a, hi_a = _bytes(ba, a.partition, wa, warps)
+        for wb in range(warps):
+            lo_b, hi_b = _bytes(bb, b.partition, wb, warps)
+            if lo_a < hi_b and lo_b < hi_a:
+                if wa != wb:
+                    return Scope.CTA
+                scope = Scope.WARP
+    return scope
+
+
+def _kind(earlier: Access, later: Access) -> HazardKind:
+    if earlier.mode is Mode.WRITE:
+        return HazardKind.WAW if later.mode is Mode.WRITE else HazardKind.RAW
+    return HazardKind.WAR
+
+
+def _trace(kernel: Kernel) -> Iterator[tuple[Pos, Item, int]]:
+    """Static positions in execution order: prologue, iterations 0 and 1, epilogue."""
+    for i, item in enumerate(kernel.prologue):
+        yield (Phase.PROLOGUE, i), item, -1
+    for it in (0, 1):
+        for i, item in enumerate(kernel.mainloop):
+            yield (Phase.MAINLOOP, i), item, it
+    for i, item in enumerate(kernel.epilogue):
+        yield (Phase.EPILOGUE, i), item, -1
+
+
+def _walk(kernel: Kernel) -> tuple[_Need | None, dict[int, list[Hazard]]]:
+    """Run the schedule once; return the first missing sync and the hazards each sync serves."""
+    history: list[_Past] = []
+    groups = 0
+    served: dict[int, list[Hazard]] = {}
+    sync_ids = {id(s): n for n, s in enumerate(kernel.syncs())}
+    for pos, item, iteration in _trace(kernel):
+        if isinstance(item, Sync):
+            sid = sync_ids[id(item)]
+            for past in history:
+                if item.kind is SyncKind.CP_ASYNC_WAIT:
+                    done = past.group is not None and past.group < groups - item.groups
+                    if done and past.waited_by is None:
+                        past.waited_by = sid
+                    continue
+                if past.group is not None and past.waited_by is None:
+                    continue  # still in flight: a barrier does not order it
+                if item.kind is SyncKind.SYNCTHREADS:
+                    past.cta_ordered.append(sid)
+                past.warp_ordered.append(sid)
+            continue
+        need_scope: Scope | None = None
+        need_wait: int | None = None
+        for acc in item.accesses:
+            for n, past in enumerate(history):
+                scope = conflict_scope(kernel, past.access, acc)
+                if scope is None:
+                    continue
+                by = past.cta_ordered if scope is Scope.CTA else past.warp_ordered
+                hazard = Hazard(
+                    kind=_kind(past.access, acc),
+                    earlier=past.step.op,
+                    later=item.op,
+                    earlier_buffer=past.access.buffer,
+                    later_buffer=acc.buffer,
+                    scope=scope,
+                    back_edge=past.iteration == 0 and iteration == 1,
+                    async_write=past.group is not None,
+                )
+                if by:
+                    if not _shadowed(kernel, history[n + 1 :], past.access, acc):
+                        served.setdefault(by[0], []).append(hazard)
+                        if past.waited_by is not None:
+                            served.setdefault(past.waited_by, []).append(hazard)
+                    continue
+                need_scope = Scope.CTA if scope is Scope.CTA else (need_scope or Scope.WARP)
+                if past.group is not None and past.waited_by is None:
+                    after = groups - past.group - 1
+                    need_wait = after if need_wait is None else min(need_wait, after)
+        if need_scope is not None:
+            if (
+                pos[0] is Phase.MAINLOOP
+                and iteration == 0
+                and _only_prologue(history, item, kernel)
+            ):
+                pos = (Phase.PROLOGUE, len(kernel.prologue))
+            return _Need(pos, need_scope, need_wait), served
+        for acc in item.accesses:
+            history.append(_Past(acc, item, iteration, groups if item.is_async else None))
+        if item.is_async:
+            groups += 1
+    return None, served
+
+
+def _span(kernel: Kernel, access: Access) -> tuple[int, int]:
+    buf = kernel.buffer(access.buffer)
+    assert buf.offset is not None
+    return buf.offset, buf.offset + buf.nbytes
+
+
+def _shadowed(kernel: Kernel, between: list[_Past], earlier: Access, later: Access) -> bool:
+    """A hazard is reported only where it is direct: no access in between touches the
+    bytes both sides share (the chain through that access implies it)."""
+    lo = max(_span(kernel, earlier)[0], _span(kernel, later)[0])
+    hi = min(_span(kernel, earlier)[1], _span(kernel, later)[1])
+    for past in between:
+        m_lo, m_hi = _span(kernel, past.access)
+        if m_lo < hi and lo < m_hi:
+            return True
+    return False
+
+
+def _only_prologue(history: list[_Past], item: Step, kernel: Kernel) -> bool:
+    """True when every unordered conflict of ``item`` comes from the prologue."""
+    for acc in item.accesses:
+        for past in history:
+            scope = conflict_scope(kernel, past.access, acc)
+            if scope is None:
+                continue
+            by = past.cta_ordered if scope is Scope.CTA else past.warp_ordered
+            if not by and past.iteration != -1:
+                return False
+    return True
+
+
+def _items(kernel: Kernel, phase: Phase) -> list[Item]:
+    return list(dict(kernel.phases())[phase])
+
+
+def _with_items(kernel: Kernel, phase: Phase, items: list[Item]) -> Kernel:
+    field_name = {
+        Phase.PROLOGUE: "prologue",
+        Phase.MAINLOOP: "mainloop",
+        Phase.EPILOGUE: "epilogue",
+    }
+    return replace(kernel, **{field_name[phase]: tuple(items)})
+
+
+def _insert(kernel: Kernel, need: _Need) -> Kernel:
+    """Add (or strengthen) the wait and barrier right before ``need.pos``."""
+    phase, index = need.pos
+    items = _items(kernel, phase)
+    loc = items[index].loc if index < len(items) else kernel.config.loc
+    # The run of syncs immediately before the position.
+    start = index
+    while start > 0 and isinstance(items[start - 1], Sync):
+        start -= 1
+    run = items[start:index]
+    if need.wait_groups is not None:
+        waits = [s for s in run if s.kind is SyncKind.CP_ASYNC_WAIT]
+        if waits:
+            i = items.index(waits[0], start)
+            items[i] = replace(waits[0], groups=min(waits[0].groups, need.wait_groups))
+        else:
+            items.insert(start, Sync(SyncKind.CP_ASYNC_WAIT, phase, (), loc, need.wait_groups))
+            index += 1
+        run = items[start:index]
+    kind = SyncKind.SYNCTHREADS if need.scope is Scope.CTA else SyncKind.SYNCWARP
+    barriers = [s for s in run if s.kind is not SyncKind.CP_ASYNC_WAIT]
+    if barriers:
+        i = items.index(barriers[0], start)
+        if kind is SyncKind.SYNCTHREADS:
+            items[i] = replace(barriers[0], kind=kind)
+    else:
+        items.insert(index, Sync(kind, phase, (), loc))
+    return _with_items(kernel, phase, items)
+
+
+def _without(kernel: Kernel, phase: Phase, index: int) -> Kernel:
+    items = _items(kernel, phase)
+    del items[index]
+    return _with_items(kernel, phase, items)
+
+
+def insert_barriers(kernel: Kernel) -> Kernel:
+    # Start from a schedule without syncs: the pass owns them.
+    for phase, _ in kernel.phases():
+        kernel = _with_items(
+            kernel, phase, [i for i in _items(kernel, phase) if isinstance(i, Step)]
+        )
+    while True:
+        need, _ = _walk(kernel)
+        if need is None:
+            break
+        kernel = _insert(kernel, need)
+    # Drop each sync that the plan does not need (last placed first).
+    for phase, items in reversed(kernel.phases()):
+        for index in reversed(range(len(items))):
+            if isinstance(items[index], Sync):
+                candidate = _without(kernel, phase, index)
+                if _walk(candidate)[0] is None:
+                    kernel = candidate
+    # Record, on each sync, the hazards it serves.
+    _, served = _walk(kernel)
+    syncs = kernel.syncs()
+    annotated = {id(s): replace(s, serves=_unique(served.get(n, []))) for n, s in enumerate(syncs)}
+    for phase, items in kernel.phases():
+        kernel = _with_items(
+            kernel, phase, [annotated.get(id(i), i) if isinstance(i, Sync) else i for i in items]
+        )
+    return kernel
+
+
+def _unique(hazards: list[Hazard]) -> tuple[Hazard, ...]:
+    seen: dict[Hazard, None] = {}
+    for h in hazards:
+        seen.setdefault(h, None)
+    return tuple(seen)

@@ -1,0 +1,66 @@
+"""The compiler pipeline, in order. Each pass is a pure function Kernel -> Kernel.
+
+Ordering rules:
+- plan_smem runs before insert_barriers: aliasing creates hazards (K's reads
+  against V's writes into the same bytes), and the barriers must see the final
+  byte offsets to know which warps' accesses overlap.
+- verify runs last and shares no code with insert_barriers: it re-derives every
+  hazard from the final schedule and proves the placed syncs order each one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import DiagnosticSink, SpecError
+from .ir import Kernel
+from .lower import lower
+from .passes import insert_barriers, plan_smem, verify
+from .schedule import build_schedule
+from .syntax import parse_recovering
+
+
+@dataclass(frozen=True)
+class Compiled:
+    """A spec taken through every pass, with the text and name it came from."""
+
+    kernel: Kernel
+    source: str
+    file: str
+    stages: tuple[tuple[str, Kernel], ...]  # the IR after each pass, for golden tests and explain
+
+
+def front_end(source: str, file: str = "<spec>") -> Kernel:
+    """Parse and validate a spec and build its (sync-free, unplanned) schedule."""
+    sink = DiagnosticSink(source)
+    decl = parse_recovering(source, file, sink)
+    lowered = lower(decl, sink, partial=bool(sink.diagnostics)) if decl is not None else None
+    sink.raise_if_any()
+    assert lowered is not None
+    return build_schedule(lowered)
+
+
+def compile_source(source: str, file: str = "<spec>") -> Compiled:
+    kernel = front_end(source, file)
+    stages = [("schedule", kernel)]
+    try:
+        kernel = plan_smem(kernel)  # liveness -> regions and offsets; SMEM limit check
+        stages.append(("plan_smem", kernel))
+        kernel = insert_barriers(kernel)  # cheapest syncs for every SMEM hazard
+        stages.append(("insert_barriers", kernel))
+        kernel = verify(kernel)  # independent proof that the syncs suffice
+        stages.append(("verify", kernel))
+    except SpecError as err:
+        raise SpecError(err.diagnostics, source) from None
+    return Compiled(kernel, source, file, tuple(stages))
+
+
+def compile_file(path: str | Path) -> Compiled:
+    path = Path(path)
+    return compile_source(read_spec(path), str(path))
+
+
+def read_spec(path: Path) -> str:
+    """Read a spec as text; undecodable bytes become U+FFFD and are reported by the parser."""
+    return path.read_bytes().decode("utf-8", errors="replace")

@@ -1,0 +1,336 @@
+"""Parse a spec with Lark into a small AST whose every node carries its location.
+
+Syntax errors are reported with a located, human message; independent errors on
+different lines are all reported (the parser skips the offending line and goes
+on), so a user fixes a file in one round trip, not one error at a time.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from importlib import resources
+from typing import Union
+
+import lark
+from lark import Lark, Token, Transformer, v_args
+
+from .errors import Diagnostic, DiagnosticSink, Loc, SpecError
+
+# --- AST ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Word:
+    text: str
+    loc: Loc
+
+
+@dataclass(frozen=True)
+class Number:
+    value: int
+    loc: Loc
+
+
+@dataclass(frozen=True)
+class Call:
+    name: Word
+    args: tuple["Atom", ...]
+    loc: Loc
+
+
+Atom = Union[Word, Number, Call]
+
+
+@dataclass(frozen=True)
+class Assign:
+    name: Word
+    value: Atom
+    loc: Loc
+
+
+Value = Union[Atom, Assign]
+
+
+@dataclass(frozen=True)
+class Setting:
+    key: Word
+    values: tuple[Value, ...]
+    loc: Loc
+
+
+@dataclass(frozen=True)
+class LevelRef:
+    name: Word
+    scope: Word | None
+    loc: Loc
+
+
+@dataclass(frozen=True)
+class HopRef:
+    instr: Word
+    loc: Loc
+
+
+@dataclass(frozen=True)
+class PathDecl:
+    tensor: Word
+    levels: tuple[LevelRef, ...]
+    hops: tuple[HopRef, ...]
+    loc: Loc
+
+
+@dataclass(frozen=True)
+class LoopStep:
+    """One mainloop line; ``words`` are its names in order, e.g. S, Q, K, T."""
+
+    form: str  # "move" | "gemm_assign" | "gemm_accumulate" | "compute"
+    words: tuple[Word, ...]
+    loc: Loc
+
+    def text(self) -> str:
+        w = [x.text for x in self.words]
+        match self.form:
+            case "move":
+                return f"{w[0]} -> {w[1]}"
+            case "gemm_assign":
+                return f"{w[0]} = {w[1]} @ {w[2]}^{w[3]}"
+            case "gemm_accumulate":
+                return f"{w[0]} += {w[1]} @ {w[2]}"
+            case "compute":
+                return w[0]
+            case _:
+                raise AssertionError(f"unknown loop step form {self.form}")
+
+
+@dataclass(frozen=True)
+class MainloopDecl:
+    steps: tuple[LoopStep, ...]
+    loc: Loc
+
+
+@dataclass(frozen=True)
+class KernelDecl:
+    name: Word
+    settings: tuple[Setting, ...]
+    paths: tuple[PathDecl, ...]
+    mainloops: tuple[MainloopDecl, ...]
+    loc: Loc
+
+
+# --- Parsing -----------------------------------------------------------------
+
+# Names a person reads instead of Lark's terminal names; literal terminals
+# (braces, arrows, keywords) are shown as their text.
+_TOKEN_NAMES = {
+    "NAME": "a name",
+    "INSTR": "an instruction name",
+    "INT": "a number",
+    "_NL": "end of line",
+    "$END": "end of file",
+}
+
+
+@functools.cache
+def _parser() -> Lark:
+    grammar = resources.files("fadsl.grammar").joinpath("fadsl.lark").read_text()
+    return Lark(grammar, parser="lalr", propagate_positions=True, maybe_placeholders=False)
+
+
+def _token_name(name: str) -> str:
+    if name in _TOKEN_NAMES:
+        return _TOKEN_NAMES[name]
+    literals = {t.name: t.pattern.value for t in _parser().terminals if t.pattern.type == "str"}
+    return f"'{literals[name]}'" if name in literals else name.lower()
+
+
+def _expected(names: set[str]) -> str:
+    shown = sorted({_token_name(n) for n in names if not n.startswith("__IGNORE")})
+    if not shown:
+        return ""
+    if len(shown) > 6:
+        return ""
+    return "; expected " + (
+        ", ".join(shown[:-1]) + " or " + shown[-1] if len(shown) > 1 else shown[0]
+    )
+
+
+def _describe(token: Token) -> str:
+    match token.type:
+        case "_NL":
+            return "end of line"
+        case "$END":
+            return "end of file"
+        case _:
+            return f"'{token.value}'"
+
+
+def _syntax_message(err: lark.exceptions.UnexpectedInput, source: str) -> tuple[int, int, str]:
+    match err:
+        case lark.exceptions.UnexpectedCharacters():
+            char = source[err.pos_in_stream] if err.pos_in_stream < len(source) else ""
+            shown = (
+                repr(char)[1:-1] if char.isprintable() and char.strip() else f"U+{ord(char):04X}"
+            )
+            return err.line, err.column, f"unexpected character '{shown}'"
+        case lark.exceptions.UnexpectedEOF():
+            lines = source.splitlines() or [""]
+            return (
+                len(lines),
+                len(lines[-1]) + 1,
+                "unexpected end of file" + _expected(set(err.expected)),
+            )
+        case lark.exceptions.UnexpectedToken():
+            token = err.token
+            if token.type == "$END":
+                lines = source.splitlines() or [""]
+                return (
+                    len(lines),
+                    len(lines[-1]) + 1,
+                    "unexpected end of file" + _expected(err.expected),
+                )
+            line, col = token.line, token.column
+            if token.type == "_NL":
+                # A newline token starts at the end of the previous line.
+                line = token.line
+                col = (
+                    len(source.splitlines()[line - 1]) + 1
+                    if line <= len(source.splitlines())
+                    else 1
+                )
+            return line, col, f"unexpected {_describe(token)}" + _expected(err.expected)
+        case _:
+            raise AssertionError(f"unexpected parser error {type(err).__name__}")
+
+
+class _ToAst(Transformer):
+    def __init__(self, file: str) -> None:
+        super().__init__()
+        self.file = file
+
+    def _loc(self, meta_or_token) -> Loc:
+        return Loc(self.file, meta_or_token.line, meta_or_token.column)
+
+    def _word(self, token: Token) -> Word:
+        return Word(str(token), self._loc(token))
+
+    @v_args(meta=True)
+    def kernel(self, meta, children):
+        name, *items = children
+        return KernelDecl(
+            self._word(name),
+            tuple(i for i in items if isinstance(i, Setting)),
+            tuple(i for i in items if isinstance(i, PathDecl)),
+            tuple(i for i in items if isinstance(i, MainloopDecl)),
+            self._loc(meta),
+        )
+
+    @v_args(meta=True)
+    def setting(self, meta, children):
+        key, *values = children
+        return Setting(self._word(key), tuple(values), self._loc(meta))
+
+    def word(self, children):
+        return self._word(children[0])
+
+    def number(self, children):
+        token = children[0]
+        return Number(int(token), self._loc(token))
+
+    @v_args(meta=True)
+    def call(self, meta, children):
+        name, *args = children
+        return Call(self._word(name), tuple(args), self._loc(meta))
+
+    @v_args(meta=True)
+    def assign(self, meta, children):
+        name, value = children
+        return Assign(self._word(name), value, self._loc(meta))
+
+    @v_args(meta=True)
+    def path(self, meta, children):
+        tensor, *rest = children
+        levels = tuple(c for c in rest if isinstance(c, LevelRef))
+        hops = tuple(c for c in rest if isinstance(c, HopRef))
+        return PathDecl(self._word(tensor), levels, hops, self._loc(meta))
+
+    @v_args(meta=True)
+    def level(self, meta, children):
+        scope = self._word(children[1]) if len(children) > 1 else None
+        return LevelRef(self._word(children[0]), scope, self._loc(meta))
+
+    @v_args(meta=True)
+    def hop(self, meta, children):
+        return HopRef(self._word(children[0]), self._loc(meta))
+
+    @v_args(meta=True)
+    def mainloop(self, meta, children):
+        return MainloopDecl(tuple(children), self._loc(meta))
+
+    def _step(form):  # noqa: N805 - a small factory of methods
+        @v_args(meta=True)
+        def method(self, meta, children):
+            return LoopStep(form, tuple(self._word(t) for t in children), self._loc(meta))
+
+        return method
+
+    move = _step("move")
+    gemm_assign = _step("gemm_assign")
+    gemm_accumulate = _step("gemm_accumulate")
+    compute = _step("compute")
+
+    def start(self, children):
+        return children[0]
+
+
+def _blank_line(text: str, line: int) -> str:
+    lines = text.split("\n")
+    lines[line - 1] = " " * len(lines[line - 1])
+    return "\n".join(lines)
+
+
+def _recoverable(text: str, line: int) -> bool:
+    """Only lines strictly inside the kernel body are skipped to find more errors;
+    skipping the header or the closing brace would only cascade."""
+    lines = text.split("\n")
+    header = next((i for i, t in enumerate(lines, 1) if t.strip().startswith("kernel")), None)
+    closing = max((i for i, t in enumerate(lines, 1) if t.strip().startswith("}")), default=None)
+    return header is not None and closing is not None and header < line < closing
+
+
+def parse_recovering(source: str, file: str, sink: DiagnosticSink) -> KernelDecl | None:
+    """Parse spec text, adding every syntax error to ``sink``.
+
+    After a syntax error the offending line is blanked and parsing starts over, so
+    that errors on other lines are found too. Returns the AST of what parsed (with
+    the bad lines left out), or None when nothing could be recovered.
+    """
+    if "\x00" in source:
+        pos = source.index("\x00")
+        line = source.count("\n", 0, pos) + 1
+        col = pos - (source.rfind("\n", 0, pos) + 1) + 1
+        sink.error(Loc(file, line, col), "the spec contains a NUL byte; is it a binary file?")
+        return None
+    text = source
+    blanked: set[int] = set()
+    while True:
+        try:
+            tree = _parser().parse(text)
+        except lark.exceptions.UnexpectedInput as err:
+            line, col, message = _syntax_message(err, text)
+            sink.error(Loc(file, line, col), message)
+            if line in blanked or not _recoverable(text, line) or len(sink.diagnostics) >= 20:
+                return None
+            blanked.add(line)
+            text = _blank_line(text, line)
+            continue
+        return _ToAst(file).transform(tree)
+
+
+def parse(source: str, file: str = "<spec>") -> KernelDecl:
+    """Parse spec text into a KernelDecl, or raise SpecError with every syntax error."""
+    sink = DiagnosticSink(source)
+    decl = parse_recovering(source, file, sink)
+    sink.raise_if_any()
+    assert decl is not None
+    return decl
