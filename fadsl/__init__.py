@@ -1,0 +1,7 @@
+"""fadsl: a compiler from a short declarative spec to a FlashAttention forward kernel."""
+
+__version__ = "0.1.0"
+
+from .errors import Loc, SpecError  # noqa: E402
+
+__all__ = ["__version__", "Loc", "SpecError"]

@@ -55,14 +55,14 @@ def build_schedule(lowered: Lowered) -> Kernel:
 
     def g2s(role: Role, phase: Phase, loc: Loc) -> Step:
         hop = tensors[role].hops[0]
-        who = "each warp its own" if read_partition(role) is Partition.SLICE else "warps split the"
+        rows = _slice_rows(shape[role], cfg.warps)
         return Step(
             op=f"{role.value.lower()}_g2s",
             phase=phase,
             accesses=(Access(role.value, Mode.WRITE, Partition.SLICE),),
             is_async=True,
-            title=f"{role.value}: gmem -> smem ({hop.instr.value}, {who} {rows_of(role)} "
-            f"of {shape[role]}), one commit group",
+            title=f"{role.value}: gmem -> smem ({hop.instr.value}; warp w copies rows "
+            f"[{rows}w, {rows}w + {rows}) of {shape[role]}), one commit group",
             loc=loc,
         )
 

@@ -97,6 +97,10 @@ struct SmemLayout {
   // 16-byte accesses (cp.async, ldmatrix rows, ld.shared.v4) stay contiguous only
   // if the swizzle leaves the low 3 element bits alone.
   static_assert(Swz::kBits == 0 || Swz::kBase >= 3, "swizzle must move whole 8-element chunks (M >= 3)");
+  // The swizzle only permutes elements inside aligned blocks of this many
+  // elements: a buffer (or a warp's private slice of one) that is a whole
+  // number of such blocks is mapped onto itself.
+  static constexpr int kSwizzleBlockElems = 1 << (Swz::kBase + Swz::kBits);
 
   // Byte offset of logical element (row, col) from the start of the buffer.
   __device__ __forceinline__ static uint32_t byte_offset(int row, int col) {
