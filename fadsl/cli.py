@@ -37,6 +37,16 @@ def cmd_explain(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_compile(args: argparse.Namespace) -> int:
+    from .codegen import write
+
+    compiled = _compile(args.spec)
+    out_dir = Path(args.output)
+    for path in write(compiled, out_dir):
+        print(f"wrote {path}")
+    return EXIT_OK
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fadsl",
@@ -55,6 +65,16 @@ def build_parser() -> argparse.ArgumentParser:
     explain.add_argument("spec", metavar="SPEC", help="path to a .fa spec")
     explain.add_argument("--json", action="store_true", help="print the report as JSON")
     explain.set_defaults(run=cmd_explain)
+
+    comp = sub.add_parser(
+        "compile",
+        help="write one .cu per dtype (kernel, launcher, torch binding) and the helper header",
+    )
+    comp.add_argument("spec", metavar="SPEC", help="path to a .fa spec")
+    comp.add_argument(
+        "-o", "--output", metavar="DIR", default="build", help="output folder (default: build)"
+    )
+    comp.set_defaults(run=cmd_compile)
     return parser
 
 

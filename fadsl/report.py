@@ -36,9 +36,13 @@ def format_kernel(kernel: Kernel) -> str:
         out.append(f"tensor {t.role.value}: {t.path_text()}")
     for b in kernel.buffers:
         place = "unplanned" if b.offset is None else f"offset={b.offset} region={b.region}"
-        out.append(f"buffer {b.name} {b.rows}x{b.cols}x{b.elem_bytes}B scope={b.scope.value} {place}")
+        out.append(
+            f"buffer {b.name} {b.rows}x{b.cols}x{b.elem_bytes}B scope={b.scope.value} {place}"
+        )
     for r in kernel.regions:
-        out.append(f"region {r.index} offset={r.offset} bytes={r.nbytes} members={','.join(r.members)}")
+        out.append(
+            f"region {r.index} offset={r.offset} bytes={r.nbytes} members={','.join(r.members)}"
+        )
         out.extend(f"  why: {why}" for why in r.reasons)
     if kernel.smem_bytes is not None:
         out.append(f"smem_bytes {kernel.smem_bytes}")
@@ -134,7 +138,13 @@ def explain_data(compiled: Compiled) -> dict[str, Any]:
         "smem_alias": cfg.smem_alias.value,
         "smem": buffers,
         "regions": [
-            {"region": r.index, "offset": r.offset, "bytes": r.nbytes, "members": list(r.members), "why": list(r.reasons)}
+            {
+                "region": r.index,
+                "offset": r.offset,
+                "bytes": r.nbytes,
+                "members": list(r.members),
+                "why": list(r.reasons),
+            }
             for r in k.regions
         ],
         "smem_total": k.smem_bytes,
@@ -170,7 +180,9 @@ def explain_text(compiled: Compiled) -> str:
     out.append("")
     out.append("Schedule (each sync with the hazards it orders)")
     for phase in data["schedule"]:
-        title = phase["phase"] + (" (once per KV block)" if phase["phase"] == Phase.MAINLOOP.value else "")
+        title = phase["phase"] + (
+            " (once per KV block)" if phase["phase"] == Phase.MAINLOOP.value else ""
+        )
         out.append(f"  {title}")
         for item in phase["items"]:
             if "step" in item:

@@ -1,7 +1,194 @@
-"""verify: placeholder replaced by the independent verifier."""
+"""verify: an independent proof that the schedule's syncs order every SMEM hazard.
 
-from ..ir import Kernel
+It shares no logic with insert_barriers or plan_smem. The schedule is unrolled
+into the traces prologue + n mainloop iterations + epilogue for n = 1 and 2 (the
+mainloop runs at least once; a pair of accesses two back edges apart has a window
+that contains the window of the same pair one edge apart, so longer traces add
+nothing). Every access becomes one byte interval per warp (SLICE: warp w's rows of
+the buffer; WHOLE: the whole buffer), and every pair of accesses, the earlier one
+at trace position i and the later at j, that overlap for warps (wa, wb) with at
+least one a write must be ordered by a sync in (i, j):
+
+- ``__syncthreads()`` orders any warp pair, ``__syncwarp()`` only wa == wb (lanes
+  of one warp exchange data, so one warp still needs a warp barrier);
+- an asynchronous write (a write of an ``is_async`` step, which commits one
+  cp.async group) is complete only after a ``cp.async.wait_group N`` at a point
+  where at least N groups were committed after its own (PTX: the N most recent
+  groups may stay pending); the barrier must follow that wait.
+
+Two warps whose accesses in one step conflict cannot be ordered by any sync.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..ir import Access, Buffer, HazardKind, Item, Kernel, Mode, Partition, Step, Sync, SyncKind
+
+_WARP = "a warp barrier (__syncwarp())"
+_CTA = "a CTA barrier (__syncthreads())"
+
+
+@dataclass(frozen=True)
+class Failure:
+    """One unordered hazard: ``earlier`` and ``later`` read 'op (phase[, iteration i])'."""
+
+    kind: HazardKind
+    earlier: str
+    later: str
+    buffers: tuple[str, str]  # the earlier access's buffer, the later access's
+    lo: int  # the overlapping bytes [lo, hi)
+    hi: int
+    warps: tuple[int, int]  # the warp of the earlier access, of the later
+    missing: str
+
+    def __str__(self) -> str:
+        a, b = self.buffers
+        bufs = a if a == b else f"{a}/{b} (aliased)"
+        wa, wb = self.warps
+        who = f"warp {wa}" if wa == wb else f"warp {wa} then warp {wb}"
+        return (
+            f"{self.kind.value} on {bufs}, bytes [{self.lo}, {self.hi}), {who}: "
+            f"{self.earlier} -> {self.later}: missing {self.missing}"
+        )
+
+
+class VerifyError(Exception):
+    """The schedule's syncs leave SMEM hazards unordered; ``failures`` lists them."""
+
+    def __init__(self, failures: tuple[Failure, ...]) -> None:
+        self.failures = tuple(failures)
+        lines = "\n".join(f"  {f}" for f in self.failures)
+        super().__init__(f"{len(self.failures)} unordered SMEM hazard(s):\n{lines}")
+
+
+@dataclass(frozen=True)
+class _Event:
+    pos: int  # position in the trace
+    step: Step
+    iteration: int | None  # None outside the mainloop
+    access: Access
+
+    def where(self) -> str:
+        it = "" if self.iteration is None else f", iteration {self.iteration}"
+        return f"{self.step.op} ({self.step.phase.value}{it})"
+
+    @property
+    def async_write(self) -> bool:
+        return self.step.is_async and self.access.mode is Mode.WRITE
+
+
+def _trace(kernel: Kernel, n: int) -> list[tuple[Item, int | None]]:
+    loop = [(item, it) for it in range(n) for item in kernel.mainloop]
+    return (
+        [(item, None) for item in kernel.prologue]
+        + loop
+        + [(item, None) for item in kernel.epilogue]
+    )
+
+
+def _span(buf: Buffer, part: Partition, warp: int, warps: int) -> tuple[int, int]:
+    """The bytes [lo, hi) that ``warp`` touches in ``buf``."""
+    assert buf.offset is not None
+    if part is Partition.WHOLE:
+        return buf.offset, buf.offset + buf.nbytes
+    row = buf.nbytes // buf.rows
+    return (
+        buf.offset + warp * buf.rows // warps * row,
+        buf.offset + (warp + 1) * buf.rows // warps * row,
+    )
+
+
+def _missing(trace: list[tuple[Item, int | None]], a: _Event, b: _Event, same_warp: bool):
+    """None if a sync in the trace orders a before b for the warp pair, else what is missing."""
+    if a.pos == b.pos:
+        return "nothing that can exist: two warps conflict inside one step (split the step)"
+    barrier = _WARP if same_warp else _CTA
+    start = a.pos
+    if a.async_write:
+        commits = 0
+        for p in range(a.pos + 1, b.pos):
+            item = trace[p][0]
+            if isinstance(item, Step) and item.is_async:
+                commits += 1
+            elif (
+                isinstance(item, Sync)
+                and item.kind is SyncKind.CP_ASYNC_WAIT
+                and commits >= item.groups
+            ):
+                start = p
+                break
+        else:
+            return (
+                f"a cp.async wait before the barrier: cp.async.wait_group {commits} (or lower) "
+                f"after the cp.async, then {barrier}"
+            )
+    for p in range(start + 1, b.pos):
+        item = trace[p][0]
+        if isinstance(item, Sync) and (
+            item.kind is SyncKind.SYNCTHREADS or (same_warp and item.kind is SyncKind.SYNCWARP)
+        ):
+            return None
+    return barrier + (" after the cp.async wait" if start != a.pos else "")
+
+
+def _kind(a: Access, b: Access) -> HazardKind:
+    if a.mode is Mode.WRITE:
+        return HazardKind.WAW if b.mode is Mode.WRITE else HazardKind.RAW
+    return HazardKind.WAR
+
+
+def _check(kernel: Kernel, n: int) -> list[tuple[tuple, Failure]]:
+    warps = kernel.config.warps
+    trace = _trace(kernel, n)
+    events = [
+        _Event(pos, item, it, acc)
+        for pos, (item, it) in enumerate(trace)
+        if isinstance(item, Step)
+        for acc in item.accesses
+    ]
+    spans = {
+        (e.pos, e.access, w): _span(kernel.buffer(e.access.buffer), e.access.partition, w, warps)
+        for e in events
+        for w in range(warps)
+    }
+    found = []
+    for x, a in enumerate(events):
+        for y in range(x, len(events)):
+            b = events[y]
+            if Mode.WRITE not in (a.access.mode, b.access.mode):
+                continue
+            for wa in range(warps):
+                for wb in range(warps):
+                    if a.pos == b.pos and wa == wb:
+                        continue  # one warp inside one step: the step's own code orders it
+                    (alo, ahi), (blo, bhi) = spans[a.pos, a.access, wa], spans[b.pos, b.access, wb]
+                    lo, hi = max(alo, blo), min(ahi, bhi)
+                    if lo >= hi:
+                        continue
+                    missing = _missing(trace, a, b, wa == wb)
+                    if missing is None:
+                        continue
+                    bufs = (a.access.buffer, b.access.buffer)
+                    edge = a.iteration is not None and b.iteration not in (None, a.iteration)
+                    key = (a.step.op, a.step.phase, b.step.op, b.step.phase, edge, bufs, missing)
+                    fail = Failure(
+                        _kind(a.access, b.access), a.where(), b.where(), bufs, lo, hi, (wa, wb),
+                        missing,
+                    )  # fmt: skip
+                    found.append((key, fail))
+    return found
 
 
 def verify(kernel: Kernel) -> Kernel:
+    """Return ``kernel`` if its syncs order every SMEM hazard, else raise VerifyError."""
+    for buf in kernel.buffers:
+        if buf.offset is None:
+            raise ValueError(f"buffer {buf.name} has no offset: run plan_smem before verify")
+    failures: dict[tuple, Failure] = {}
+    for n in (1, 2):
+        for key, fail in _check(kernel, n):
+            failures.setdefault(key, fail)
+    if failures:
+        raise VerifyError(tuple(failures.values()))
     return kernel

@@ -1,0 +1,115 @@
+"""The runtime's argument checks and spec loading, on the CPU (no GPU needed)."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import fadsl
+from fadsl.codegen import spec_hash
+from conftest import ROOT
+
+SPEC = ROOT / "examples" / "fa2_kernel1.fa"
+
+
+@pytest.fixture(scope="module")
+def kern():
+    return fadsl.load(SPEC)
+
+
+def qkv(shape=(2, 128, 4, 128), dtype=torch.bfloat16, kv_shape=None):
+    kv_shape = kv_shape or shape
+    return (
+        torch.randn(shape, dtype=dtype),
+        torch.randn(kv_shape, dtype=dtype),
+        torch.randn(kv_shape, dtype=dtype),
+    )
+
+
+def test_load_accepts_a_path_a_string_path_and_spec_text():
+    by_path = fadsl.load(SPEC)
+    by_str = fadsl.load(str(SPEC))
+    by_text = fadsl.load(SPEC.read_text())
+    assert by_path.source("bf16") == by_str.source("bf16")
+    assert spec_hash(by_text.compiled.kernel) == spec_hash(by_path.compiled.kernel)
+    assert "fa2_kernel1_bf16_kernel" in by_text.source("bf16")
+
+
+def test_load_reports_spec_errors_with_location():
+    with pytest.raises(fadsl.SpecError, match=r"<spec>:3:12: warps = 3 is not a power of two"):
+        fadsl.load("kernel x {\n  target sm_80\n  warps    3\n}\n")
+
+
+def test_load_missing_file_names_it():
+    with pytest.raises(FileNotFoundError, match="nope.fa"):
+        fadsl.load("nope.fa")
+
+
+@pytest.mark.parametrize(
+    "mutate, error, message",
+    [
+        (lambda q, k, v: ([1], k, v), TypeError, r"q must be a torch.Tensor, got list"),
+        (
+            lambda q, k, v: (q.float(), k, v),
+            TypeError,
+            r"q has dtype torch.float32; kernel 'fa2_kernel1' was compiled for torch.bfloat16, torch.float16",
+        ),
+        (
+            lambda q, k, v: (q, k.half(), v),
+            TypeError,
+            r"k has dtype torch.float16 but q has torch.bfloat16",
+        ),
+        (
+            lambda q, k, v: (q[0], k, v),
+            ValueError,
+            r"q must be 4-D \(batch, seqlen, heads, head_dim\), got shape \(128, 4, 128\)",
+        ),
+        (
+            lambda q, k, v: (q[..., :64], k, v),
+            ValueError,
+            r"q.shape\[3\] is the head_dim, which the spec fixes at 128, got 64",
+        ),
+        (
+            lambda q, k, v: (q, k.transpose(1, 3).contiguous().transpose(1, 3), v),
+            ValueError,
+            r"k must be contiguous in its last dimension",
+        ),
+        (lambda q, k, v: (q, k, v[:, :64]), ValueError, r"k and v must have the same shape"),
+        (lambda q, k, v: (q, k[:1], v[:1]), ValueError, r"k has batch 1 but q has batch 2"),
+        (
+            lambda q, k, v: (q, k[:, :, :3], v[:, :, :3]),
+            ValueError,
+            r"q's heads \(4\) must be a multiple of k's and v's heads \(3\)",
+        ),
+        (
+            lambda q, k, v: (q[:, :100], k, v),
+            ValueError,
+            r"q's sequence length 100 is not a positive multiple of B_r = 64",
+        ),
+        (
+            lambda q, k, v: (q, k[:, :96], v[:, :96]),
+            ValueError,
+            r"k's sequence length 96 is not a positive multiple of B_c = 64",
+        ),
+        (lambda q, k, v: (q, k, v), ValueError, r"q must be on a CUDA device, got cpu"),
+    ],
+)
+def test_bad_tensors_are_named(kern, mutate, error, message):
+    with pytest.raises(error, match=message):
+        kern(*mutate(*qkv()))
+
+
+def test_gqa_shapes_pass_the_shape_checks(kern):
+    q, k, v = qkv((1, 64, 8, 128), kv_shape=(1, 192, 2, 128))
+    with pytest.raises(ValueError, match="CUDA device"):  # only the device is wrong
+        kern(q, k, v)
+
+
+@pytest.mark.parametrize(
+    "scale, error",
+    [("0.1", TypeError), (True, TypeError), (float("nan"), ValueError), (-1.0, ValueError)],
+)
+def test_bad_softmax_scale(kern, scale, error, monkeypatch):
+    monkeypatch.setattr(type(kern), "_validate", lambda self, q, k, v: fadsl.ir.Dtype.BF16)
+    with pytest.raises(error, match="softmax_scale"):
+        kern(*qkv(), softmax_scale=scale)
