@@ -39,12 +39,12 @@ class SpecError(Exception):
         super().__init__(self.render())
 
     def render(self) -> str:
-        lines = self.source.splitlines()
+        lines = self.source.split("\n")  # as the parser counts lines: only \n ends one
         blocks = []
         for diag in self.diagnostics:
             block = f"{diag.loc}: {diag.message}"
-            if 1 <= diag.loc.line <= len(lines):
-                text = lines[diag.loc.line - 1].expandtabs(1)
+            if 1 <= diag.loc.line <= len(lines) and lines[diag.loc.line - 1].strip():
+                text = lines[diag.loc.line - 1].rstrip("\r").expandtabs(1)
                 caret = " " * (max(diag.loc.col, 1) - 1) + "^"
                 block += f"\n    {text}\n    {caret}"
             blocks.append(block)
@@ -68,10 +68,15 @@ class DiagnosticSink:
             raise SpecError(self.diagnostics, self.source)
 
 
+def closest(word: str, choices: Iterable[str]) -> str | None:
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return close[0] if close else None
+
+
 def suggest(word: str, choices: Iterable[str]) -> str:
     """' (did you mean 'x'?)' when a choice is close to ``word``, else ''."""
-    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
-    return f" (did you mean '{close[0]}'?)" if close else ""
+    close = closest(word, choices)
+    return f" (did you mean '{close}'?)" if close else ""
 
 
 def one_of(choices: Iterable[str]) -> str:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from .errors import DiagnosticSink, Loc, one_of, suggest
+from .errors import DiagnosticSink, Loc, closest, one_of, suggest
 from .ir import (
     AliasPolicy,
     Config,
@@ -80,6 +80,8 @@ class _Lowerer:
         self.sink = sink
         self.partial = partial  # syntax errors removed lines: don't report missing things
         self.values: dict[str, object] = {}
+        # Names a did-you-mean already pointed at: not reported again as missing.
+        self.suggested: set[str] = set()
         self.key_locs: dict[str, Loc] = {}
 
     def error(self, loc: Loc, message: str) -> None:
@@ -107,6 +109,7 @@ class _Lowerer:
             key = setting.key.text
             if key not in handlers:
                 hint = suggest(key, handlers)
+                self.suggested.add(closest(key, handlers) or "")
                 if key in ("Q", "K", "V", "O"):
                     hint = f" (a path needs a colon: '{key}: gmem -cp.async-> ...')"
                 self.error(setting.key.loc, f"unknown key '{key}'{hint}")
@@ -121,11 +124,6 @@ class _Lowerer:
             value = handlers[key](setting)
             if value is not None:
                 self.values[key] = value
-        for key in REQUIRED_KEYS:
-            if key not in self.key_locs:
-                self.missing(
-                    self.decl.loc, f"missing key '{key}' in kernel '{self.decl.name.text}'"
-                )
 
     def single(self, setting: Setting) -> Word | Number | Call | Assign | None:
         if len(setting.values) != 1:
@@ -157,7 +155,7 @@ class _Lowerer:
             self.error(value.loc, f"{what} must be a number, not {_show(value)}")
             return None
         if not lo <= value.value <= hi:
-            self.error(value.loc, f"{what} = {_clip(value.value)} is out of range ({lo} to {hi})")
+            self.error(value.loc, f"{what} = {_clip(value.text)} is out of range ({lo} to {hi})")
             return None
         return value.value
 
@@ -176,10 +174,14 @@ class _Lowerer:
         dtypes: list[Dtype] = []
         names = {d.value: d for d in Dtype}
         for value in setting.values:
-            if not isinstance(value, Word) or value.text not in names:
-                shown = value.text if isinstance(value, Word) else _show(value)
-                hint = suggest(shown, names) if isinstance(value, Word) else ""
-                self.error(value.loc, f"unknown dtype '{shown}'; expected {one_of(names)}{hint}")
+            if not isinstance(value, Word):
+                self.error(value.loc, f"dtype expects {one_of(names)}, not {_show(value)}")
+                continue
+            if value.text not in names:
+                hint = suggest(value.text, names)
+                self.error(
+                    value.loc, f"unknown dtype '{value.text}'; expected {one_of(names)}{hint}"
+                )
                 continue
             if names[value.text] in dtypes:
                 self.error(value.loc, f"dtype '{value.text}' is listed twice")
@@ -191,14 +193,23 @@ class _Lowerer:
         value = self.single(setting)
         if value is None:
             return None
-        dim = self.number(value, "head_dim", 1, 1 << 30)
-        if dim is None:
+        supported = "64, 96 or 128 (256 is not supported yet)"
+        if not isinstance(value, Number):
+            self.error(value.loc, f"head_dim must be a number, not {_show(value)}")
             return None
-        if dim not in HEAD_DIMS:
-            shown = ", ".join(map(str, HEAD_DIMS))
-            self.error(value.loc, f"head_dim {dim} is not supported; expected one of {shown}")
+        if value.value == 256:
+            self.error(
+                value.loc,
+                "head_dim 256 is not supported yet: K and V would have to be loaded into "
+                "registers fragment by fragment; use 64, 96 or 128",
+            )
             return None
-        return dim
+        if value.value not in HEAD_DIMS:
+            self.error(
+                value.loc, f"head_dim {_clip(value.text)} is not supported; expected {supported}"
+            )
+            return None
+        return value.value
 
     def tile(self, setting: Setting) -> dict[str, int] | None:
         sizes: dict[str, int] = {}
@@ -225,11 +236,10 @@ class _Lowerer:
             if size is not None:
                 sizes[name] = size
                 self.key_locs[name] = value.value.loc
-        for name in ("B_r", "B_c"):
-            if name not in sizes and not any(
-                isinstance(v, Assign) and v.name.text == name for v in setting.values
-            ):
-                self.error(setting.key.loc, f"'tile' is missing '{name} = N'")
+        if all(isinstance(v, Assign) for v in setting.values):
+            for name in ("B_r", "B_c"):
+                if not any(v.name.text == name for v in setting.values):
+                    self.error(setting.key.loc, f"'tile' is missing '{name} = N'")
         return sizes if len(sizes) == 2 else None
 
     def warps(self, setting: Setting) -> int | None:
@@ -238,14 +248,14 @@ class _Lowerer:
             return None
         warps = self.number(value, "warps", 1, MAX_WARPS)
         if warps is not None and warps & (warps - 1):
-            self.error(value.loc, f"warps = {warps} is not a power of two")
+            self.error(value.loc, f"warps = {warps} is not a power of two; use 1, 2, 4, 8 or 16")
             return None
         return warps
 
     def mask(self, setting: Setting) -> Mask | None:
         mask = self.word_choice(setting, {m.value: m for m in Mask})
         if mask is Mask.CAUSAL:
-            self.error(setting.values[0].loc, "mask 'causal' is not supported yet")
+            self.error(setting.values[0].loc, "mask 'causal' is not supported yet; use 'mask none'")
             return None
         return mask
 
@@ -261,7 +271,9 @@ class _Lowerer:
         if len(value.args) != 3:
             self.error(value.loc, f"xor(B, M, S) takes 3 numbers, got {len(value.args)}")
             return None
-        nums = [self.number(arg, name, 0, 16) for arg, name in zip(value.args, "BMS")]
+        nums = [
+            self.number(arg, f"xor(B, M, S): {name}", 0, 16) for arg, name in zip(value.args, "BMS")
+        ]
         if None in nums:
             return None
         return Swizzle(nums[0], nums[1], nums[2], value.loc)
@@ -287,6 +299,7 @@ class _Lowerer:
         for path in self.decl.paths:
             name = path.tensor.text
             if name not in Role.__members__:
+                self.suggested.add(closest(name, Role.__members__) or "")
                 self.error(
                     path.tensor.loc,
                     f"unknown tensor '{name}'; a kernel moves Q, K, V and O"
@@ -303,10 +316,25 @@ class _Lowerer:
             tensor = self.path(Role[name], path)
             if tensor is not None:
                 tensors[tensor.role] = tensor
-        for role in Role:
-            if role.value not in seen:
-                self.missing(self.decl.loc, f"missing the path of tensor '{role.value}'")
+        self.report_missing(
+            [k for k in REQUIRED_KEYS if k not in self.key_locs],
+            [r.value for r in Role if r.value not in seen],
+        )
         return tensors
+
+    def report_missing(self, keys: list[str], tensors: list[str]) -> None:
+        """One message for everything the kernel lacks (a misspelling aside)."""
+        keys = [k for k in keys if k not in self.suggested]
+        tensors = [t for t in tensors if t not in self.suggested]
+        parts = []
+        if keys:
+            parts.append(("key " if len(keys) == 1 else "keys ") + _and(f"'{k}'" for k in keys))
+        if tensors:
+            parts.append(("the path of " if len(tensors) == 1 else "the paths of ") + _and(tensors))
+        if parts:
+            self.missing(
+                self.decl.loc, f"kernel '{self.decl.name.text}' is missing {' and '.join(parts)}"
+            )
 
     def path(self, role: Role, path: PathDecl) -> Tensor | None:
         ok = True
@@ -412,10 +440,17 @@ class _Lowerer:
                     f"{role.value} is an input: its path starts in gmem, not {levels[0].value}",
                 )
                 return False
-            if levels[-1] is not Level.RF:
+            if Level.RF not in levels:
                 self.error(
                     path.levels[-1].name.loc,
                     f"{role.value} never reaches registers (rf), where the mma reads its operands",
+                )
+                return False
+            if levels[-1] is not Level.RF:
+                self.error(
+                    path.levels[-1].name.loc,
+                    f"{role.value}'s path must end in rf: {role.value} must go "
+                    "gmem -cp.async-> smem[...] -ldmatrix-> rf",
                 )
                 return False
             if levels != [Level.GMEM, Level.SMEM, Level.RF]:
@@ -455,9 +490,11 @@ class _Lowerer:
                 )
                 continue
             placed[op] = step
-        for op in DEFAULT_ORDER:
-            if op not in placed:
-                self.missing(loop.loc, f"the mainloop is missing '{OP_TEXT[op]}'")
+        absent = [op for op in DEFAULT_ORDER if op not in placed and op not in self.suggested]
+        if absent:
+            self.missing(
+                loop.loc, f"the mainloop is missing {_and(repr(OP_TEXT[op]) for op in absent)}"
+            )
         position = {op: i for i, op in enumerate(placed)}
         for earlier, later, why in LOOP_DEPENDENCIES:
             if earlier in position and later in position and position[later] < position[earlier]:
@@ -484,12 +521,14 @@ class _Lowerer:
                 f"in the mainloop {first.text} moves to 'smem' and then to 'rf', "
                 f"not to '{step.words[1].text}'",
             )
+        elif closest(text, LOOP_STEPS):
+            self.suggested.add(LOOP_STEPS[closest(text, LOOP_STEPS)])
+            self.error(step.loc, f"unknown mainloop step '{text}'" + suggest(text, LOOP_STEPS))
         else:
             self.error(
                 step.loc,
                 f"unknown mainloop step '{text}'; expected one of: "
-                + ", ".join(f"'{s}'" for s in LOOP_STEPS)
-                + suggest(text, LOOP_STEPS),
+                + ", ".join(f"'{s}'" for s in LOOP_STEPS),
             )
         return None
 
@@ -516,16 +555,6 @@ class _Lowerer:
                 self.key_locs["B_c"],
                 f"B_c = {block_c} with {warps} warps leaves each warp {per_warp} bytes of a K/V "
                 "tile to copy, not a whole number of 512-byte warp-wide cp.async rounds",
-            )
-            ok = False
-        if head_dim == 256:
-            rows = block_r // warps
-            regs = block_c * head_dim // 64
-            self.error(
-                self.key_locs["head_dim"],
-                f"head_dim 256 is not supported yet: the whole {block_c}x{head_dim} K tile in "
-                f"registers takes {regs} registers per thread (budget {REGISTERS_PER_THREAD}); "
-                f"it needs fragment-wise K/V loads ({rows} query rows per warp)",
             )
             ok = False
         swizzle = v.get("swizzle")
@@ -579,11 +608,15 @@ class _Lowerer:
         if swz.shift < swz.bits:
             self.error(swz.loc, f"xor(B, M, S) needs S >= B, got S = {swz.shift}, B = {swz.bits}")
             return False
-        if head_dim & (head_dim - 1) or swz.base + swz.bits > head_dim.bit_length() - 1:
+        if head_dim & (head_dim - 1):
+            self.error(swz.loc, f"a swizzle needs rows of a power-of-two length, not {head_dim}")
+            return False
+        if swz.base + swz.bits > head_dim.bit_length() - 1:
             self.error(
                 swz.loc,
-                f"xor({swz.bits}, {swz.base}, {swz.shift}) permutes {1 << (swz.base + swz.bits)}-"
-                f"element spans, which do not tile a {head_dim}-element row",
+                f"xor({swz.bits}, {swz.base}, {swz.shift}) permutes spans of "
+                f"{1 << (swz.base + swz.bits)} elements, wider than a {head_dim}-element row "
+                f"(need M + B <= {head_dim.bit_length() - 1})",
             )
             return False
         return True
@@ -603,8 +636,8 @@ def _show(value: object) -> str:
     match value:
         case Word(text=text):
             return f"'{text}'"
-        case Number(value=n):
-            return f"the number {_clip(n)}"
+        case Number(text=text):
+            return f"the number {_clip(text)}"
         case Call(name=name):
             return f"'{name.text}(...)'"
         case Assign(name=name):
@@ -613,8 +646,12 @@ def _show(value: object) -> str:
             raise AssertionError(f"unknown value {value!r}")
 
 
-def _clip(n: int) -> str:
-    text = str(n)
+def _and(items) -> str:
+    items = list(items)
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
+
+
+def _clip(text: str) -> str:
     return text if len(text) <= 20 else text[:8] + "..." + f" ({len(text)} digits)"
 
 

@@ -63,4 +63,4 @@ def compile_file(path: str | Path) -> Compiled:
 
 def read_spec(path: Path) -> str:
     """Read a spec as text; undecodable bytes become U+FFFD and are reported by the parser."""
-    return path.read_bytes().decode("utf-8", errors="replace")
+    return path.read_bytes().decode("utf-8-sig", errors="replace")

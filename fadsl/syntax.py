@@ -8,6 +8,7 @@ on), so a user fixes a file in one round trip, not one error at a time.
 from __future__ import annotations
 
 import functools
+import re
 from dataclasses import dataclass
 from importlib import resources
 from typing import Union
@@ -30,6 +31,7 @@ class Word:
 class Number:
     value: int
     loc: Loc
+    text: str
 
 
 @dataclass(frozen=True)
@@ -128,6 +130,8 @@ _TOKEN_NAMES = {
     "INT": "a number",
     "_NL": "end of line",
     "$END": "end of file",
+    "KERNEL": "'kernel'",
+    "MAINLOOP": "'mainloop'",
 }
 
 
@@ -146,59 +150,73 @@ def _token_name(name: str) -> str:
 
 def _expected(names: set[str]) -> str:
     shown = sorted({_token_name(n) for n in names if not n.startswith("__IGNORE")})
-    if not shown:
+    if not shown or len(shown) > 6:
         return ""
-    if len(shown) > 6:
-        return ""
-    return "; expected " + (
-        ", ".join(shown[:-1]) + " or " + shown[-1] if len(shown) > 1 else shown[0]
-    )
+    if len(shown) == 1:
+        return f"; expected {shown[0]}"
+    return "; expected " + ", ".join(shown[:-1]) + " or " + shown[-1]
 
 
-def _describe(token: Token) -> str:
-    match token.type:
-        case "_NL":
-            return "end of line"
-        case "$END":
-            return "end of file"
-        case _:
-            return f"'{token.value}'"
+def quote_char(char: str) -> str:
+    """A character as a person should see it in a message."""
+    if char == "\ufffd":
+        return "bytes that are not valid UTF-8 (shown as U+FFFD)"
+    if char == "\ufeff":
+        return "a UTF-8 byte-order mark (save the file without one)"
+    if not char.isprintable() or not char.strip():
+        return f"character U+{ord(char):04X}"
+    return f'character "{char}"' if char in "'\\" else f"character '{char}'"
 
 
-def _syntax_message(err: lark.exceptions.UnexpectedInput, source: str) -> tuple[int, int, str]:
+def _lines(text: str) -> list[str]:
+    """Lines as Lark counts them: only \\n ends a line."""
+    return text.split("\n")
+
+
+def _end_of(text: str) -> tuple[int, int]:
+    """Line and column just past the last non-blank line's text."""
+    lines = _lines(text)
+    line = max((i for i, t in enumerate(lines, 1) if t.strip()), default=1)
+    return line, len(lines[line - 1].rstrip("\r")) + 1
+
+
+def _syntax_message(err: lark.exceptions.UnexpectedInput, text: str) -> tuple[int, int, str]:
+    lines = _lines(text)
     match err:
         case lark.exceptions.UnexpectedCharacters():
-            char = source[err.pos_in_stream] if err.pos_in_stream < len(source) else ""
-            shown = (
-                repr(char)[1:-1] if char.isprintable() and char.strip() else f"U+{ord(char):04X}"
-            )
-            return err.line, err.column, f"unexpected character '{shown}'"
-        case lark.exceptions.UnexpectedEOF():
-            lines = source.splitlines() or [""]
-            return (
-                len(lines),
-                len(lines[-1]) + 1,
-                "unexpected end of file" + _expected(set(err.expected)),
-            )
-        case lark.exceptions.UnexpectedToken():
+            char = text[err.pos_in_stream] if err.pos_in_stream < len(text) else ""
+            message = f"unexpected {quote_char(char)}"
+            if char == ">" or (char == "-" and "->" not in lines[err.line - 1]):
+                message += "; a hop is written '-INSTR->', e.g. '-cp.async->'"
+            return err.line, err.column, message
+        case lark.exceptions.UnexpectedToken() if err.token.type not in ("$END", "<END-OF-FILE>"):
             token = err.token
-            if token.type == "$END":
-                lines = source.splitlines() or [""]
-                return (
-                    len(lines),
-                    len(lines[-1]) + 1,
-                    "unexpected end of file" + _expected(err.expected),
-                )
             line, col = token.line, token.column
-            if token.type == "_NL":
-                # A newline token starts at the end of the previous line.
-                line = token.line
-                col = (
-                    len(source.splitlines()[line - 1]) + 1
-                    if line <= len(source.splitlines())
-                    else 1
+            source_line = lines[line - 1]
+            if token.type == "KERNEL":
+                return line, col, "only one kernel per file"
+            path = re.match(r"(\s*)([QKVO])\s+(gmem|smem|rf)\b", source_line)
+            if path and token.type != "_NL":
+                t = path.group(2)
+                return (
+                    line,
+                    len(path.group(1)) + 2,
+                    f"missing ':' after '{t}': a path is written '{t}: gmem -cp.async-> ...'",
                 )
-            return line, col, f"unexpected {_describe(token)}" + _expected(err.expected)
+            expected = _expected(set(err.accepts or err.expected))
+            if token.type == "_NL":
+                # The newline token starts right after the line's text.
+                return line, col, "unexpected end of line" + expected
+            if "_NL" in (err.accepts or err.expected):
+                expected += " (one setting per line)"
+            return line, col, f"unexpected '{token.value}'" + expected
+        case lark.exceptions.UnexpectedToken() | lark.exceptions.UnexpectedEOF():
+            line, col = _end_of(text)
+            if not text.strip():
+                return line, col, "the spec is empty; expected 'kernel NAME { ... }'"
+            if all(not t.strip() or t.strip().startswith("#") for t in lines):
+                return line, col, "the spec has only comments; expected 'kernel NAME { ... }'"
+            return line, col, "unexpected end of file" + _expected(set(err.expected))
         case _:
             raise AssertionError(f"unexpected parser error {type(err).__name__}")
 
@@ -216,7 +234,7 @@ class _ToAst(Transformer):
 
     @v_args(meta=True)
     def kernel(self, meta, children):
-        name, *items = children
+        _keyword, name, *items = children
         return KernelDecl(
             self._word(name),
             tuple(i for i in items if isinstance(i, Setting)),
@@ -235,7 +253,9 @@ class _ToAst(Transformer):
 
     def number(self, children):
         token = children[0]
-        return Number(int(token), self._loc(token))
+        # Python refuses int() of very long digit strings; no knob needs more than 18 digits.
+        value = int(token) if len(token) <= 18 else 10**18
+        return Number(value, self._loc(token), str(token))
 
     @v_args(meta=True)
     def call(self, meta, children):
@@ -265,7 +285,8 @@ class _ToAst(Transformer):
 
     @v_args(meta=True)
     def mainloop(self, meta, children):
-        return MainloopDecl(tuple(children), self._loc(meta))
+        _keyword, *steps = children
+        return MainloopDecl(tuple(steps), self._loc(meta))
 
     def _step(form):  # noqa: N805 - a small factory of methods
         @v_args(meta=True)
@@ -289,10 +310,13 @@ def _blank_line(text: str, line: int) -> str:
     return "\n".join(lines)
 
 
+MAX_SYNTAX_ERRORS = 20
+
+
 def _recoverable(text: str, line: int) -> bool:
     """Only lines strictly inside the kernel body are skipped to find more errors;
     skipping the header or the closing brace would only cascade."""
-    lines = text.split("\n")
+    lines = _lines(text)
     header = next((i for i, t in enumerate(lines, 1) if t.strip().startswith("kernel")), None)
     closing = max((i for i, t in enumerate(lines, 1) if t.strip().startswith("}")), default=None)
     return header is not None and closing is not None and header < line < closing
@@ -319,7 +343,12 @@ def parse_recovering(source: str, file: str, sink: DiagnosticSink) -> KernelDecl
         except lark.exceptions.UnexpectedInput as err:
             line, col, message = _syntax_message(err, text)
             sink.error(Loc(file, line, col), message)
-            if line in blanked or not _recoverable(text, line) or len(sink.diagnostics) >= 20:
+            if len(sink.diagnostics) >= MAX_SYNTAX_ERRORS:
+                sink.error(
+                    Loc(file, line, col), f"(stopping after {MAX_SYNTAX_ERRORS} syntax errors)"
+                )
+                return None
+            if line in blanked or not _recoverable(text, line):
                 return None
             blanked.add(line)
             text = _blank_line(text, line)

@@ -9,4 +9,6 @@ from fadsl.report import format_kernel
 def test_ir_after_each_pass(example, golden):
     compiled = compile_file(example.relative_to(ROOT))
     for stage, kernel in compiled.stages:
-        golden.check(ROOT / "tests" / "golden" / "ir" / f"{example.stem}.{stage}.txt", format_kernel(kernel))
+        golden.check(
+            ROOT / "tests" / "golden" / "ir" / f"{example.stem}.{stage}.txt", format_kernel(kernel)
+        )

@@ -113,3 +113,56 @@ def test_bad_softmax_scale(kern, scale, error, monkeypatch):
     monkeypatch.setattr(type(kern), "_validate", lambda self, q, k, v: fadsl.ir.Dtype.BF16)
     with pytest.raises(error, match="softmax_scale"):
         kern(*qkv(), softmax_scale=scale)
+
+
+def test_cache_rebuilds_a_corrupt_entry(tmp_path, monkeypatch, capsys):
+    """An entry whose shared object no longer imports is deleted and built again."""
+    from torch.utils import cpp_extension
+
+    from fadsl import runtime
+
+    monkeypatch.setenv("FADSL_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(runtime, "_nvcc_version", lambda: "nvcc test")
+    builds = []
+
+    def fake_load(name, sources, build_directory, **kwargs):
+        builds.append(name)
+        Path(build_directory, f"{name}.so").write_bytes(b"\x7fELF but truncated")
+        return f"module {name}"
+
+    monkeypatch.setattr(cpp_extension, "load", fake_load)
+    source = fadsl.load(SPEC, verbose=False)._sources[fadsl.ir.Dtype.BF16]
+    assert runtime.build(source, "spec", "sm_90a") == f"module {builds[0]}"
+    assert (tmp_path / builds[0] / "BUILT").exists()
+    # The entry exists but its .so is garbage: the next load must rebuild it, and say so.
+    assert runtime.build(source, "spec", "sm_90a") == f"module {builds[0]}"
+    assert len(builds) == 2
+    assert "is corrupt" in capsys.readouterr().err
+    # A different arch is a different entry.
+    runtime.build(source, "spec", "sm_80")
+    assert len(set(builds)) == 2
+
+
+def test_cache_lock_serialises_builders(tmp_path):
+    import threading
+
+    from fadsl.runtime import _locked
+
+    order = []
+    lock = tmp_path / "x.lock"
+    inside = threading.Event()
+
+    def second():
+        inside.wait()
+        with _locked(lock):
+            order.append("second")
+
+    thread = threading.Thread(target=second)
+    thread.start()
+    with _locked(lock):
+        inside.set()
+        thread.join(timeout=0.3)
+        assert thread.is_alive(), "the second builder entered while the first held the lock"
+        order.append("first")
+    thread.join()
+    assert order == ["first", "second"]

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Everything the GPU machine checks, in one call (device time is scarce):
+#   build all example kernels in parallel, run the GPU tests, compute-sanitizer
+#   (racecheck, synccheck, memcheck) at a small shape, then the benchmarks if asked.
+# Usage (repo root, on the device): bash scripts/device.sh [tests] [sanitize] [bench ARGS...]
+set -uo pipefail
+export PYTHONUNBUFFERED=1 FADSL_CACHE_DIR=/tmp/fadsl-cache
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+# lark travels as a wheel; fadsl is installed non-editable so its grammar/ and emit/ resolve.
+python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl || exit 1
+python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site . || exit 1
+export PYTHONPATH=/tmp/site
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
+python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
+
+start=$SECONDS
+python3 scripts/prebuild.py 2>&1 | tee "$OUT/prebuild.log" | tail -20
+echo "prebuild: $((SECONDS - start)) s"
+
+want() { [[ " $* " == *" $1 "* ]]; }
+steps=" $* "
+status=0
+if [[ $steps == *" tests "* || $# -eq 0 ]]; then
+  python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider 2>&1 | tee "$OUT/pytest_gpu.log" | tail -25
+  status=$((status | ${PIPESTATUS[0]}))
+fi
+if [[ $steps == *" sanitize "* || $# -eq 0 ]]; then
+  for tool in racecheck synccheck memcheck; do
+    echo "== compute-sanitizer --tool $tool"
+    compute-sanitizer --tool $tool --error-exitcode 9 python3 scripts/sanitize.py 2>&1 \
+      | tee "$OUT/sanitize_$tool.log" | grep -E "ERROR SUMMARY|RACECHECK SUMMARY|ran,|Error|error" | head -20
+    status=$((status | ${PIPESTATUS[0]}))
+  done
+fi
+if [[ $steps == *" bench "* ]]; then
+  shift $(( $(printf '%s\n' "$@" | grep -n '^bench$' | cut -d: -f1) ))
+  for spec in "$@"; do
+    python3 -m fadsl.cli bench "$spec" --json "$OUT/$(basename "$spec" .fa).json" \
+      --plot "$OUT/$(basename "$spec" .fa).png" 2>&1 | tee -a "$OUT/bench.log" | tail -15
+  done
+fi
+echo "device.sh status $status"
+exit $status
