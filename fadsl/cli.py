@@ -47,6 +47,51 @@ def cmd_compile(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from . import bench
+    from .runtime import FlashAttention
+
+    try:
+        import torch
+    except ImportError:
+        print("fadsl bench: needs PyTorch", file=sys.stderr)
+        return EXIT_FAILURE
+    if not torch.cuda.is_available():
+        print("fadsl bench: needs a CUDA GPU, and none is visible", file=sys.stderr)
+        return EXIT_FAILURE
+    kern = FlashAttention(_compile(args.spec))
+    try:
+        result = bench.run(
+            kern,
+            seqlens=tuple(args.seqlens),
+            dtype_name=args.dtype,
+            causal=args.causal,
+            tokens=args.tokens,
+            heads=args.heads,
+            warmup=args.warmup,
+            runs=args.runs,
+        )
+    except (ValueError, RuntimeError) as err:
+        print(f"fadsl bench: {err}", file=sys.stderr)
+        return EXIT_FAILURE
+    print(bench.table(result))
+    if args.json:
+        bench.write_json(result, Path(args.json))
+    if args.plot:
+        bench.plot(result, Path(args.plot))
+    return EXIT_OK
+
+
+def _seqlens(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got '{text}'")
+    if any(v <= 0 for v in values):
+        raise argparse.ArgumentTypeError("sequence lengths must be positive")
+    return values
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fadsl",
@@ -75,6 +120,28 @@ def build_parser() -> argparse.ArgumentParser:
         "-o", "--output", metavar="DIR", default="build", help="output folder (default: build)"
     )
     comp.set_defaults(run=cmd_compile)
+
+    bench = sub.add_parser(
+        "bench",
+        help="time the kernel against PyTorch's FLASH_ATTENTION and CUDNN_ATTENTION backends",
+    )
+    bench.add_argument("spec", metavar="SPEC", help="path to a .fa spec")
+    bench.add_argument(
+        "--seqlens",
+        type=_seqlens,
+        default=[512, 1024, 2048, 4096, 8192, 16384],
+        metavar="N,N,...",
+        help="sequence lengths (default: 512,...,16384)",
+    )
+    bench.add_argument("--dtype", choices=["bf16", "fp16"], help="default: the spec's first")
+    bench.add_argument("--causal", action="store_true", help="causal masking")
+    bench.add_argument("--tokens", type=int, default=16384, help="batch x seqlen (default 16384)")
+    bench.add_argument("--heads", type=int, default=16, help="heads (default 16)")
+    bench.add_argument("--warmup", type=int, default=32, help="warm-up runs (default 32)")
+    bench.add_argument("--runs", type=int, default=128, help="timed runs (default 128)")
+    bench.add_argument("--json", metavar="PATH", help="write the numbers as JSON")
+    bench.add_argument("--plot", metavar="PATH", help="write a PNG plot (needs matplotlib)")
+    bench.set_defaults(run=cmd_bench)
     return parser
 
 

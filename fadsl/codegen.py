@@ -59,7 +59,8 @@ def spec_hash(kernel: Kernel) -> str:
 
 def _sync_comment(sync: Sync) -> str:
     if sync.kind is SyncKind.CP_ASYNC_WAIT:
-        head = f"wait for all but the newest {sync.groups} cp.async groups; completes:"
+        landed = "all" if sync.groups == 0 else f"all but the newest {sync.groups}"
+        head = f"cp.async.wait_group {sync.groups}: {landed} of this thread's copy groups have landed; completes:"
     elif sync.kind is SyncKind.SYNCWARP:
         head = "warp barrier; orders:"
     else:

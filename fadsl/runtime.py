@@ -161,6 +161,13 @@ class FlashAttention:
             self._modules[dtype, arch] = build(self._sources[dtype], normalised, arch, self.verbose)
         return self._modules[dtype, arch]
 
+    def resources(self, dtype: str, device=None) -> dict:
+        """Registers per thread, local (spill) bytes, SMEM per CTA and CTAs per SM, as built."""
+        import torch
+
+        device = device if device is not None else torch.device("cuda")
+        return dict(self.module(Dtype(dtype), device).attributes())
+
     def __call__(self, q, k, v, softmax_scale: float | None = None, *, out=None):
         """Attention of q over (k, v): softmax(q k^T * softmax_scale) v, returned as ``out``.
 

@@ -56,6 +56,8 @@ def occupancy(kernel: Kernel) -> dict[str, frozenset[int]]:
 
 def _live_text(steps: list[Step], idx: frozenset[int]) -> str:
     ops = [steps[i].op for i in sorted(idx)]
+    if not ops:
+        return "never"
     return f"{ops[0]}..{ops[-1]}" if len(ops) > 1 else ops[0]
 
 

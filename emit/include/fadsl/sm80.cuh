@@ -67,10 +67,10 @@ struct FwdParams {
 // 2. Shared-memory layouts
 // ---------------------------------------------------------------------------
 
-// XOR swizzle on element offsets: bits [M, M+B) are XORed with bits [M+S, M+S+B).
-// Requires S >= B so that the bits read are never the bits written, which makes
-// the map an involution (a bijection on every aligned block of 2^(M+B+S) elements).
-// Swizzle<0, 0, 0> is the identity.
+// XOR swizzle on element offsets: bits [M, M+B) are XORed with bits [M+S, M+S+B)
+// (the seed's swizzle<B,M,S>).  S >= B keeps the bits read apart from the bits
+// written, so the map is its own inverse and only permutes elements within
+// aligned blocks of 2^(M+B) elements.  Swizzle<0, 0, 0> is the identity.
 template <int B, int M, int S>
 struct Swizzle {
   static_assert(B >= 0 && M >= 0 && S >= B, "Swizzle<B,M,S> needs S >= B >= 0, M >= 0");
@@ -93,6 +93,7 @@ template <int PITCH, class Swz>
 struct SmemLayout {
   static constexpr int kPitch = PITCH;
   using swizzle = Swz;
+  static constexpr bool kSwizzled = Swz::kBits != 0;
   static_assert(PITCH % kChunkElems == 0, "SMEM rows must be 16-byte aligned");
   // 16-byte accesses (cp.async, ldmatrix rows, ld.shared.v4) stay contiguous only
   // if the swizzle leaves the low 3 element bits alone.
@@ -101,10 +102,27 @@ struct SmemLayout {
   // elements: a buffer (or a warp's private slice of one) that is a whole
   // number of such blocks is mapped onto itself.
   static constexpr int kSwizzleBlockElems = 1 << (Swz::kBase + Swz::kBits);
+  // The swizzle reads and writes only bits below log2(kPeriodElems), so adding a
+  // multiple of kPeriodElems to an offset adds the same to its swizzled value.
+  // kRowPeriod rows span a whole number of periods.
+  static constexpr int kPeriodElems = Swz::kBits == 0 ? 1 : 1 << (Swz::kBase + Swz::kShift + Swz::kBits);
+  // = kPeriodElems / gcd(PITCH, kPeriodElems); the gcd with a power of two is
+  // the lowest set bit of PITCH, capped at kPeriodElems.
+  static constexpr int kPitchLowBit = PITCH & -PITCH;
+  static constexpr int kRowPeriod = kPeriodElems / (kPitchLowBit < kPeriodElems ? kPitchLowBit : kPeriodElems);
 
   // Byte offset of logical element (row, col) from the start of the buffer.
   __device__ __forceinline__ static uint32_t byte_offset(int row, int col) {
     return kElemBytes * Swz::apply(static_cast<uint32_t>(row * PITCH + col));
+  }
+
+  // Byte offset of element (row + d_row, col), where d_row is a compile-time
+  // constant after unrolling.  Whole row periods of d_row are added after the
+  // swizzle, where they fold into the immediate offset of the load/store: a
+  // loop over d_row evaluates the swizzle once per distinct remainder only.
+  __device__ __forceinline__ static uint32_t byte_offset(int row, int d_row, int col) {
+    const int whole_periods = d_row - d_row % kRowPeriod;
+    return byte_offset(row + (d_row - whole_periods), col) + whole_periods * PITCH * kElemBytes;
   }
 };
 
@@ -215,6 +233,19 @@ __device__ __forceinline__ uint32_t pack_f32x2(float lo, float hi) {
 // 4. Warp-level tile copies
 // ---------------------------------------------------------------------------
 
+// Per-lane SMEM addresses of a swizzled layout cost a few integer ops each and
+// are loop-invariant, so the compiler hoists all of them out of the mainloop,
+// where each then holds a register for the whole loop.  Passing the lane id
+// through an empty asm makes it opaque, so the addresses are recomputed (cheaply)
+// by each tile copy instead.  Unswizzled addresses are base + immediate anyway.
+template <class Layout>
+__device__ __forceinline__ int lane_for_addressing(int lane) {
+  if constexpr (Layout::kSwizzled) {
+    asm volatile("" : "+r"(lane));
+  }
+  return lane;
+}
+
 // How one warp walks a ROWS x COLS row-major tile in 16-byte chunks, for
 // GMEM<->SMEM copies: kThreadsPerRow consecutive lanes cover one row (largest
 // power of two dividing the chunks per row, at most 32), so every pass moves
@@ -240,19 +271,23 @@ struct WarpChunkWalk {
 template <class Layout, int ROWS, int COLS, typename T>
 __device__ __forceinline__ void copy_tile_g2s_async(uint32_t smem_buf, int row0, const T* gmem,
                                                     int64_t gmem_row_stride, int lane) {
+  lane = lane_for_addressing<Layout>(lane);
   using Walk = WarpChunkWalk<ROWS, COLS>;
   const int lane_row = lane / Walk::kThreadsPerRow;
   const int lane_chunk = lane % Walk::kThreadsPerRow;
-  const T* lane_src = gmem + lane_row * gmem_row_stride + lane_chunk * kChunkElems;
+  // Step the source pointer pass by pass: precomputed per-pass offsets would be
+  // loop-invariant in the mainloop and each pin two registers there.
+  const int64_t pass_stride = Walk::kRowsPerPass * gmem_row_stride;
+  const T* src = gmem + lane_row * gmem_row_stride + lane_chunk * kChunkElems;
 #pragma unroll
-  for (int pass = 0; pass < Walk::kPasses; ++pass) {
+  for (int pass = 0; pass < Walk::kPasses; ++pass, src += pass_stride) {
     const int row = pass * Walk::kRowsPerPass + lane_row;
     if (Walk::kEvenPasses || row < ROWS) {
 #pragma unroll
       for (int i = 0; i < Walk::kChunksPerLane; ++i) {
         const int col = (i * Walk::kThreadsPerRow + lane_chunk) * kChunkElems;
-        cp_async_16(smem_buf + Layout::byte_offset(row0 + row, col),
-                    lane_src + pass * Walk::kRowsPerPass * gmem_row_stride + i * Walk::kThreadsPerRow * kChunkElems);
+        cp_async_16(smem_buf + Layout::byte_offset(row0 + lane_row, pass * Walk::kRowsPerPass, col),
+                    src + i * Walk::kThreadsPerRow * kChunkElems);
       }
     }
   }
@@ -263,20 +298,22 @@ __device__ __forceinline__ void copy_tile_g2s_async(uint32_t smem_buf, int row0,
 template <class Layout, int ROWS, int COLS, typename T>
 __device__ __forceinline__ void copy_tile_s2g(uint32_t smem_buf, int row0, T* gmem, int64_t gmem_row_stride,
                                               int lane) {
+  lane = lane_for_addressing<Layout>(lane);
   using Walk = WarpChunkWalk<ROWS, COLS>;
   const int lane_row = lane / Walk::kThreadsPerRow;
   const int lane_chunk = lane % Walk::kThreadsPerRow;
-  T* lane_dst = gmem + lane_row * gmem_row_stride + lane_chunk * kChunkElems;
+  const int64_t pass_stride = Walk::kRowsPerPass * gmem_row_stride;
+  T* dst = gmem + lane_row * gmem_row_stride + lane_chunk * kChunkElems;
 #pragma unroll
-  for (int pass = 0; pass < Walk::kPasses; ++pass) {
+  for (int pass = 0; pass < Walk::kPasses; ++pass, dst += pass_stride) {
     const int row = pass * Walk::kRowsPerPass + lane_row;
     if (Walk::kEvenPasses || row < ROWS) {
 #pragma unroll
       for (int i = 0; i < Walk::kChunksPerLane; ++i) {
         const int col = (i * Walk::kThreadsPerRow + lane_chunk) * kChunkElems;
-        const uint4 chunk = ld_shared_v4(smem_buf + Layout::byte_offset(row0 + row, col));
-        *reinterpret_cast<uint4*>(lane_dst + pass * Walk::kRowsPerPass * gmem_row_stride +
-                                  i * Walk::kThreadsPerRow * kChunkElems) = chunk;
+        const uint32_t src = smem_buf + Layout::byte_offset(row0 + lane_row, pass * Walk::kRowsPerPass, col);
+        const uint4 chunk = ld_shared_v4(src);
+        *reinterpret_cast<uint4*>(dst + i * Walk::kThreadsPerRow * kChunkElems) = chunk;
       }
     }
   }
@@ -284,39 +321,73 @@ __device__ __forceinline__ void copy_tile_s2g(uint32_t smem_buf, int row0, T* gm
 
 // SMEM -> RF: the ROWS x COLS tile at buffer rows [row0, row0 + ROWS) into
 // frag[ROWS/8][COLS/8] (A-operand layout, or B for an n-major tile such as K).
-// Each ldmatrix.x4 fetches the 2x2 block of 8x8 matrices {(r,c), (r+1,c),
-// (r,c+1), (r+1,c+1)}: lane L addresses tile row 8r + L%16, chunk c + L/16.
+// Each ldmatrix.x4 fetches four 8x8 matrices side by side, (r, c) .. (r, c+3):
+// lane L addresses tile row 8r + L%8, chunk c + L/8.  (Tiles whose width is not
+// a multiple of 32 use 2x2 groups {(r,c), (r+1,c), (r,c+1), (r+1,c+1)} instead:
+// lane L addresses row 8r + L%16, chunk c + L/16.)  Column groups are the outer
+// loop: they are the reduction dim of Q K^T, which gemm_frag walks outermost.
 template <class Layout, int ROWS, int COLS>
 __device__ __forceinline__ void ldmatrix_tile(uint32_t (&frag)[ROWS / 8][COLS / 8], uint32_t smem_buf, int row0,
                                               int lane) {
-  static_assert(ROWS % 16 == 0 && COLS % 16 == 0, "ldmatrix.x4 tiles are 16 x 16");
-  const int lane_row = lane % 16;
-  const int lane_chunk = lane / 16;
+  lane = lane_for_addressing<Layout>(lane);
+  static_assert(ROWS % 8 == 0 && COLS % 16 == 0, "ldmatrix tiles are 8 x 8");
+  if constexpr (COLS % 32 == 0) {
+    const int lane_row = lane % 8;
+    const int lane_chunk = lane / 8;
 #pragma unroll
-  for (int r = 0; r < ROWS / 8; r += 2) {
+    for (int c = 0; c < COLS / 8; c += 4) {
+#pragma unroll
+      for (int r = 0; r < ROWS / 8; ++r) {
+        const uint32_t src = smem_buf + Layout::byte_offset(row0 + lane_row, r * 8, (c + lane_chunk) * kChunkElems);
+        ldmatrix_x4(frag[r][c], frag[r][c + 1], frag[r][c + 2], frag[r][c + 3], src);
+      }
+    }
+  } else {
+    static_assert(ROWS % 16 == 0, "2x2 ldmatrix groups need a multiple of 16 rows");
+    const int lane_row = lane % 16;
+    const int lane_chunk = lane / 16;
 #pragma unroll
     for (int c = 0; c < COLS / 8; c += 2) {
-      const uint32_t src = smem_buf + Layout::byte_offset(row0 + r * 8 + lane_row, (c + lane_chunk) * kChunkElems);
-      ldmatrix_x4(frag[r][c], frag[r + 1][c], frag[r][c + 1], frag[r + 1][c + 1], src);
+#pragma unroll
+      for (int r = 0; r < ROWS / 8; r += 2) {
+        const uint32_t src = smem_buf + Layout::byte_offset(row0 + lane_row, r * 8, (c + lane_chunk) * kChunkElems);
+        ldmatrix_x4(frag[r][c], frag[r + 1][c], frag[r][c + 1], frag[r + 1][c + 1], src);
+      }
     }
   }
 }
 
 // SMEM -> RF, transposed: the row-major ROWS x COLS tile (rows = reduction dim k,
 // cols = output dim n, e.g. V) into frag_t[COLS/8][ROWS/8], the B operand of
-// mma.row.col.  Same addresses as ldmatrix_tile; matrix (r, c) lands in frag_t[c][r].
+// mma.row.col.  Same matrix groups and lane addresses as ldmatrix_tile; matrix
+// (r, c) lands in frag_t[c][r].  Row groups are the outer loop: rows are the
+// reduction dim of P V, which gemm_frag walks outermost.
 template <class Layout, int ROWS, int COLS>
 __device__ __forceinline__ void ldmatrix_tile_trans(uint32_t (&frag_t)[COLS / 8][ROWS / 8], uint32_t smem_buf,
                                                     int row0, int lane) {
-  static_assert(ROWS % 16 == 0 && COLS % 16 == 0, "ldmatrix.x4 tiles are 16 x 16");
-  const int lane_row = lane % 16;
-  const int lane_chunk = lane / 16;
+  lane = lane_for_addressing<Layout>(lane);
+  static_assert(ROWS % 16 == 0 && COLS % 16 == 0, "ldmatrix tiles are 8 x 8; mma k16 needs 16 rows");
+  if constexpr (COLS % 32 == 0) {
+    const int lane_row = lane % 8;
+    const int lane_chunk = lane / 8;
 #pragma unroll
-  for (int r = 0; r < ROWS / 8; r += 2) {
+    for (int r = 0; r < ROWS / 8; ++r) {
 #pragma unroll
-    for (int c = 0; c < COLS / 8; c += 2) {
-      const uint32_t src = smem_buf + Layout::byte_offset(row0 + r * 8 + lane_row, (c + lane_chunk) * kChunkElems);
-      ldmatrix_x4_trans(frag_t[c][r], frag_t[c][r + 1], frag_t[c + 1][r], frag_t[c + 1][r + 1], src);
+      for (int c = 0; c < COLS / 8; c += 4) {
+        const uint32_t src = smem_buf + Layout::byte_offset(row0 + lane_row, r * 8, (c + lane_chunk) * kChunkElems);
+        ldmatrix_x4_trans(frag_t[c][r], frag_t[c + 1][r], frag_t[c + 2][r], frag_t[c + 3][r], src);
+      }
+    }
+  } else {
+    const int lane_row = lane % 16;
+    const int lane_chunk = lane / 16;
+#pragma unroll
+    for (int r = 0; r < ROWS / 8; r += 2) {
+#pragma unroll
+      for (int c = 0; c < COLS / 8; c += 2) {
+        const uint32_t src = smem_buf + Layout::byte_offset(row0 + lane_row, r * 8, (c + lane_chunk) * kChunkElems);
+        ldmatrix_x4_trans(frag_t[c][r], frag_t[c][r + 1], frag_t[c + 1][r], frag_t[c + 1][r + 1], src);
+      }
     }
   }
 }
@@ -326,6 +397,7 @@ __device__ __forceinline__ void ldmatrix_tile_trans(uint32_t (&frag_t)[COLS / 8]
 template <class Layout, int ROWS, int COLS>
 __device__ __forceinline__ void store_frag_tile_r2s(const uint32_t (&frag)[ROWS / 8][COLS / 8], uint32_t smem_buf,
                                                     int row0, int lane) {
+  lane = lane_for_addressing<Layout>(lane);
   static_assert(ROWS % 8 == 0 && COLS % 8 == 0, "fragments are 8 x 8");
   const int lane_row = lane / 4;
   const int lane_col = (lane % 4) * 2;
@@ -333,7 +405,7 @@ __device__ __forceinline__ void store_frag_tile_r2s(const uint32_t (&frag)[ROWS 
   for (int r = 0; r < ROWS / 8; ++r) {
 #pragma unroll
     for (int c = 0; c < COLS / 8; ++c) {
-      st_shared_b32(smem_buf + Layout::byte_offset(row0 + r * 8 + lane_row, c * 8 + lane_col), frag[r][c]);
+      st_shared_b32(smem_buf + Layout::byte_offset(row0 + lane_row, r * 8, c * 8 + lane_col), frag[r][c]);
     }
   }
 }

@@ -1,0 +1,227 @@
+"""`fadsl bench`: time a spec's kernel against PyTorch's FlashAttention and cuDNN backends.
+
+Method (the seeds' appendix): for each sequence length, batch = tokens / seqlen,
+random inputs rotated among enough buffer sets that L2 never holds the next
+call's operands, a correctness check against a float32 reference before any
+timing (a wrong kernel is never timed), then warm-up runs and timed runs with
+CUDA events; the median is reported. All contenders run on the same tensors in
+the same process. FLOPs = 4 * B * H * Sq * Sk * D (half that when causal).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import statistics
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from .codegen import spec_hash
+from .runtime import FlashAttention
+
+DEFAULT_SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
+
+
+@dataclass
+class Row:
+    seqlen: int
+    batch: int
+    heads: int
+    head_dim: int
+    ms: dict[str, float] = field(default_factory=dict)
+    tflops: dict[str, float] = field(default_factory=dict)
+    max_error: float = 0.0
+    error_bound: float = 0.0
+
+
+def flops(batch: int, heads: int, sq: int, sk: int, d: int, causal: bool) -> float:
+    total = 4.0 * batch * heads * sq * sk * d
+    return total / 2 if causal else total
+
+
+def _time(fn: Callable[[int], object], sets: int, warmup: int, runs: int) -> float:
+    """Median milliseconds of ``fn(i)`` over ``runs`` calls, after ``warmup``."""
+    import torch
+
+    for i in range(warmup):
+        fn(i % sets)
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(runs)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(runs)]
+    for i in range(runs):
+        starts[i].record()
+        fn(i % sets)
+        ends[i].record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
+
+
+def _reference_rows(q, k, v, scale: float, rows: int, dtype):
+    """Attention for the first ``rows`` queries of batch 0, every head, in ``dtype``."""
+    import torch
+
+    qs = q[0, :rows].transpose(0, 1).to(dtype)  # (H, rows, D)
+    ks = k[0].transpose(0, 1).to(dtype)
+    vs = v[0].transpose(0, 1).to(dtype)
+    scores = torch.matmul(qs, ks.transpose(1, 2)) * scale
+    return torch.matmul(torch.softmax(scores.float(), dim=-1).to(dtype), vs).transpose(0, 1)
+
+
+def _backends() -> dict[str, object]:
+    from torch.nn.attention import SDPBackend
+
+    names = {"flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION"}
+    return {
+        name: getattr(SDPBackend, attr) for name, attr in names.items() if hasattr(SDPBackend, attr)
+    }
+
+
+def run(
+    kern: FlashAttention,
+    seqlens: tuple[int, ...] = DEFAULT_SEQLENS,
+    dtype_name: str | None = None,
+    causal: bool = False,
+    tokens: int = 16384,
+    heads: int = 16,
+    warmup: int = 32,
+    runs: int = 128,
+    log: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True),
+) -> dict:
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import sdpa_kernel
+
+    if causal:
+        raise ValueError("--causal needs a spec with 'mask causal', which is not supported yet")
+    cfg = kern.config
+    dtype_name = dtype_name or cfg.dtypes[0].value
+    if dtype_name not in [d.value for d in cfg.dtypes]:
+        raise ValueError(
+            f"--dtype {dtype_name}: the spec compiles {', '.join(d.value for d in cfg.dtypes)}"
+        )
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]
+    d = cfg.head_dim
+    scale = 1.0 / math.sqrt(d)
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    backends = _backends()
+    rows = []
+    for seqlen in seqlens:
+        batch = max(1, tokens // seqlen)
+        set_bytes = 4 * batch * seqlen * heads * d * 2  # q, k, v and o
+        sets = max(2, min(8, math.ceil(2 * l2 / set_bytes)))
+        log(
+            f"fadsl bench: seqlen {seqlen}, batch {batch}, heads {heads}, head_dim {d}, {dtype_name}, {sets} buffer sets"
+        )
+        qkv = [
+            [torch.randn(batch, seqlen, heads, d, device="cuda", dtype=dtype) for _ in range(3)]
+            for _ in range(sets)
+        ]
+        outs = [torch.empty_like(q) for q, _, _ in qkv]
+        row = Row(seqlen, batch, heads, d)
+        # Correctness first: 128 query rows of batch 0, every head, against float32.
+        q, k, v = qkv[0]
+        out = kern(q, k, v, scale, out=outs[0].fill_(float("nan")))
+        check = min(128, seqlen)
+        ref = _reference_rows(q, k, v, scale, check, torch.float32)
+        low = _reference_rows(q, k, v, scale, check, dtype).float()
+        row.max_error = (out[0, :check].float() - ref).abs().max().item()
+        row.error_bound = 2 * (low - ref).abs().max().item() + 1e-3
+        if not row.max_error <= row.error_bound:
+            raise RuntimeError(
+                f"seqlen {seqlen}: fadsl's max error {row.max_error:.3e} exceeds "
+                f"{row.error_bound:.3e}; not timing a wrong kernel"
+            )
+        contenders: dict[str, Callable[[int], object]] = {
+            "fadsl": lambda i: kern(*qkv[i], scale, out=outs[i])
+        }
+        for name, backend in backends.items():
+            views = [[t.transpose(1, 2) for t in s] for s in qkv]
+
+            def call(i, backend=backend, views=views):
+                with sdpa_kernel(backend):
+                    return F.scaled_dot_product_attention(*views[i], scale=scale)
+
+            try:
+                call(0)
+            except RuntimeError as err:
+                log(f"fadsl bench: {name} backend unavailable here: {str(err).splitlines()[0]}")
+                continue
+            contenders[name] = call
+        total = flops(batch, heads, seqlen, seqlen, d, causal)
+        for name, fn in contenders.items():
+            ms = _time(fn, sets, warmup, runs)
+            row.ms[name] = ms
+            row.tflops[name] = total / (ms * 1e-3) / 1e12
+        rows.append(row)
+        del qkv, outs
+        torch.cuda.empty_cache()
+    props = torch.cuda.get_device_properties(0)
+    return {
+        "spec": kern.compiled.file,
+        "spec_hash": spec_hash(kern.compiled.kernel),
+        "kernel": cfg.name,
+        "dtype": dtype_name,
+        "causal": causal,
+        "device": props.name,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "method": {
+            "tokens": tokens,
+            "heads": heads,
+            "warmup": warmup,
+            "runs": runs,
+            "statistic": "median",
+        },
+        "resources": kern.resources(dtype_name),
+        "rows": [asdict(r) for r in rows],
+    }
+
+
+def table(result: dict) -> str:
+    names = list(result["rows"][0]["tflops"]) if result["rows"] else ["fadsl"]
+    refs = [n for n in names if n != "fadsl"]
+    head = f"{'seqlen':>7} {'batch':>5} " + " ".join(f"{n + ' TF/s':>12}" for n in names)
+    head += "".join(f" {'fadsl/' + r:>12}" for r in refs)
+    lines = [head]
+    for row in result["rows"]:
+        tf = row["tflops"]
+        line = f"{row['seqlen']:>7} {row['batch']:>5} " + " ".join(
+            f"{tf.get(n, float('nan')):>12.1f}" for n in names
+        )
+        line += "".join(f" {tf['fadsl'] / tf[r]:>12.2f}" for r in refs if r in tf)
+        lines.append(line)
+    res = result.get("resources") or {}
+    if res:
+        lines.append(
+            f"resources: {res.get('registers')} registers/thread, {res.get('smem_bytes')} B SMEM/CTA, "
+            f"{res.get('local_bytes')} B local (spills), {res.get('ctas_per_sm')} CTAs/SM"
+        )
+    return "\n".join(lines)
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    seqlens = [r["seqlen"] for r in result["rows"]]
+    for name in result["rows"][0]["tflops"]:
+        ax.plot(seqlens, [r["tflops"].get(name) for r in result["rows"]], marker="o", label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(seqlens, [str(s) for s in seqlens])
+    ax.set_xlabel("sequence length")
+    ax.set_ylabel("TFLOP/s")
+    ax.set_title(f"{result['kernel']} {result['dtype']} on {result['device']}")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def write_json(result: dict, path: Path) -> None:
+    path.write_text(json.dumps(result, indent=2) + "\n")

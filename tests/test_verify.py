@@ -1,0 +1,309 @@
+"""verify: the compiled kernels pass, every mutation of their syncs fails, and verify agrees
+with an independent brute-force race detector (tests/bruteforce.py) on random schedules."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from bruteforce import races
+from fadsl.errors import Loc
+from fadsl.ir import (
+    Access,
+    AliasPolicy,
+    Buffer,
+    Config,
+    Dtype,
+    Kernel,
+    Mask,
+    Mode,
+    Partition,
+    Phase,
+    Scope,
+    Step,
+    Sync,
+    SyncKind,
+    Target,
+)
+from fadsl.passes.verify import VerifyError, verify
+from fadsl.pipeline import compile_file, compile_source
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "fa2_kernel1.fa"
+EAGER = """  mainloop {
+    K -> smem
+    V -> smem
+    K -> rf
+    S = Q @ K^T
+    softmax
+    V -> rf
+    O += P @ V
+  }
+"""
+V_FIRST = EAGER.replace("K -> smem\n    V -> smem", "V -> smem\n    K -> smem")
+
+
+def spec(*edits: tuple[str, str], extra: str = "") -> str:
+    """The example's text with each (old, new) substitution made and ``extra`` lines added."""
+    text = EXAMPLE.read_text()
+    for old, new in edits:
+        assert old in text, old
+        text = text.replace(old, new)
+    return text.replace("  swizzle none\n", "  swizzle none\n" + extra)
+
+
+WARPS_2 = (("warps    4", "warps    2"), ("B_r = 64", "B_r = 32"))
+VARIANTS = {
+    "example": spec(),
+    "alias_off": spec(extra="  smem_alias off\n"),
+    "alias_any": spec(extra="  smem_alias any\n"),
+    "eager": spec(extra=EAGER),
+    "eager_alias_any": spec(extra="  smem_alias any\n" + EAGER),
+    "eager_alias_off": spec(extra="  smem_alias off\n" + EAGER),
+    "v_first": spec(extra=V_FIRST),
+    "warps_2": spec(*WARPS_2),
+    "warps_2_eager": spec(*WARPS_2, extra=EAGER),
+    "warps_2_alias_any": spec(*WARPS_2, extra="  smem_alias any\n"),
+    "warps_1": spec(("warps    4", "warps    1"), ("B_r = 64", "B_r = 16")),
+    "warps_8": spec(("warps    4", "warps    8"), ("B_r = 64", "B_r = 128")),
+    "bc_32_hd_64": spec(("head_dim 128", "head_dim 64"), ("B_c = 64", "B_c = 32")),
+    "br_128_bc_32_any": spec(("B_r = 64", "B_r = 128"), ("B_c = 64", "B_c = 32"), extra=EAGER),
+}
+
+
+def compiled(name: str) -> Kernel:
+    return compile_source(VARIANTS[name], f"{name}.fa").kernel
+
+
+PHASES = ("prologue", "mainloop", "epilogue")
+
+
+def sync_sites(kernel: Kernel):
+    """(phase attribute, index, sync) for every Sync in the schedule."""
+    for phase in PHASES:
+        for i, item in enumerate(getattr(kernel, phase)):
+            if isinstance(item, Sync):
+                yield phase, i, item
+
+
+def with_item(kernel: Kernel, phase: str, i: int, new: Sync | None) -> Kernel:
+    items = getattr(kernel, phase)
+    return replace(kernel, **{phase: items[:i] + ((new,) if new else ()) + items[i + 1 :]})
+
+
+def rejects(kernel: Kernel) -> VerifyError | None:
+    try:
+        verify(kernel)
+    except VerifyError as err:
+        return err
+    return None
+
+
+# --- the compiled kernels ---------------------------------------------------------------------
+
+
+def test_compile_file_verifies():
+    kernel = compile_file(EXAMPLE).kernel
+    assert verify(kernel) is kernel
+    assert not races(kernel)
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_variant_verifies(name):
+    kernel = compiled(name)
+    assert verify(kernel) is kernel
+    assert not races(kernel)
+
+
+def test_variants_differ():
+    """The variants exercise different plans and schedules, not one kernel many times."""
+    shapes = {
+        (tuple((b.name, b.offset) for b in k.buffers), tuple(s.text() for s in k.syncs()))
+        for k in map(compiled, VARIANTS)
+    }
+    assert len(shapes) >= 6
+
+
+# --- mutations: every sync is needed, none may be weakened ------------------------------------
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_removing_any_sync_fails(name):
+    kernel = compiled(name)
+    for phase, i, sync in sync_sites(kernel):
+        mutant = with_item(kernel, phase, i, None)
+        assert rejects(mutant), f"{sync.text()} at {phase}[{i}] is redundant (insert_barriers)"
+        assert races(mutant), f"brute force: {sync.text()} at {phase}[{i}] is redundant"
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_weakening_any_sync_fails(name):
+    kernel = compiled(name)
+    waits = 0
+    for phase, i, sync in sync_sites(kernel):
+        if sync.kind is SyncKind.SYNCTHREADS:
+            mutant = with_item(kernel, phase, i, replace(sync, kind=SyncKind.SYNCWARP))
+        elif sync.kind is SyncKind.CP_ASYNC_WAIT:
+            if not rejects(with_item(kernel, phase, i, None)):
+                continue  # orders nothing (already reported as redundant by the removal test)
+            mutant = with_item(kernel, phase, i, replace(sync, groups=sync.groups + 1))
+            waits += 1
+        else:
+            continue
+        assert rejects(mutant), f"{sync.text()} at {phase}[{i}] could be weaker"
+        assert races(mutant), f"brute force: {sync.text()} at {phase}[{i}] could be weaker"
+    assert waits >= 1
+
+
+# --- failure messages -------------------------------------------------------------------------
+
+
+def find_sync(kernel: Kernel, phase: str, kind: SyncKind, nth: int = 0) -> int:
+    hits = [i for p, i, s in sync_sites(kernel) if p == phase and s.kind is kind]
+    return hits[nth]
+
+
+def test_message_cta_barrier():
+    kernel = compiled("example")
+    i = find_sync(kernel, "mainloop", SyncKind.SYNCTHREADS, 1)  # after K's wait, before k_s2r
+    err = rejects(with_item(kernel, "mainloop", i, None))
+    text = str(err)
+    assert "k_g2s (mainloop, iteration 0) -> k_s2r (mainloop, iteration 0)" in text
+    assert "RAW on K" in text and "__syncthreads()" in text and "CTA barrier" in text
+    cross = [f for f in err.failures if f.warps[0] != f.warps[1]]
+    assert cross and all("CTA barrier" in f.missing for f in cross)
+    k = kernel.buffer("K")
+    for f in err.failures:
+        assert f.buffers == ("K", "K")
+        assert k.offset <= f.lo < f.hi <= k.offset + k.nbytes
+        assert str(f) in text
+
+
+def test_message_warp_barrier():
+    kernel = compiled("example")
+    i = find_sync(kernel, "epilogue", SyncKind.SYNCWARP)
+    (fail,) = rejects(with_item(kernel, "epilogue", i, None)).failures
+    assert (fail.earlier, fail.later) == ("o_r2s (epilogue)", "o_s2g (epilogue)")
+    assert fail.buffers == ("O", "O") and fail.warps[0] == fail.warps[1]
+    assert "warp barrier (__syncwarp())" in fail.missing and "CTA" not in fail.missing
+    assert str(fail).startswith("RAW on O, bytes [")
+
+
+def test_message_cp_async_wait():
+    kernel = compiled("example")
+    i = find_sync(kernel, "prologue", SyncKind.CP_ASYNC_WAIT)
+    err = rejects(with_item(kernel, "prologue", i, None))
+    assert "q_g2s (prologue) -> q_s2r (prologue)" in str(err)
+    assert "cp.async wait before the barrier" in str(err)
+    assert "cp.async.wait_group 0" in str(err)
+
+
+def test_message_barrier_before_wait_does_not_count():
+    """Swap K's wait and barrier: the barrier now precedes the wait and orders nothing."""
+    kernel = compiled("example")
+    i = find_sync(kernel, "mainloop", SyncKind.CP_ASYNC_WAIT)
+    loop = kernel.mainloop
+    assert isinstance(loop[i + 1], Sync) and loop[i + 1].kind is SyncKind.SYNCTHREADS
+    swapped = replace(kernel, mainloop=loop[:i] + (loop[i + 1], loop[i]) + loop[i + 2 :])
+    err = rejects(swapped)
+    assert any(
+        f.earlier.startswith("k_g2s") and f.later.startswith("k_s2r") and "after the" in f.missing
+        for f in err.failures
+    ), str(err)
+    assert races(swapped)
+
+
+def test_message_aliased_buffers():
+    kernel = compiled("example")  # K and V share a region
+    assert kernel.buffer("K").offset == kernel.buffer("V").offset
+    i = find_sync(kernel, "mainloop", SyncKind.SYNCTHREADS, 2)  # before v_g2s
+    err = rejects(with_item(kernel, "mainloop", i, None))
+    assert "WAR on K/V (aliased)" in str(err)
+    assert all(f.earlier.startswith("k_s2r") and f.later.startswith("v_g2s") for f in err.failures)
+
+
+def test_unplanned_kernel_is_refused():
+    from fadsl.pipeline import front_end
+
+    with pytest.raises(ValueError, match="plan_smem"):
+        verify(front_end(VARIANTS["example"]))
+
+
+# --- verify against the brute force on random kernels -----------------------------------------
+
+LOC = Loc("<random>", 1, 1)
+ROW = 8  # bytes per row: cols 4 x 2-byte elements
+
+
+@st.composite
+def random_kernels(draw) -> Kernel:
+    warps = draw(st.sampled_from([2, 3]))
+    names = [f"B{i}" for i in range(draw(st.integers(2, 4)))]
+    buffers = tuple(
+        Buffer(
+            name,
+            rows=warps * draw(st.integers(1, 2)),
+            cols=4,
+            elem_bytes=2,
+            scope=Scope.CTA,
+            swizzle=None,
+            loc=LOC,
+            offset=ROW * draw(st.integers(0, 5)),
+        )
+        for name in names
+    )
+    access = st.builds(
+        Access, st.sampled_from(names), st.sampled_from(Mode), st.sampled_from(Partition)
+    )
+
+    def items(phase: Phase, lo: int, hi: int) -> tuple:
+        out = []
+        for k in range(draw(st.integers(lo, hi))):
+            if draw(st.integers(0, 9)) < 4:
+                kind = draw(st.sampled_from(SyncKind))
+                groups = draw(st.integers(0, 2)) if kind is SyncKind.CP_ASYNC_WAIT else 0
+                out.append(Sync(kind, phase, (), LOC, groups))
+            else:
+                accesses = tuple(draw(st.lists(access, max_size=2)))
+                is_async = draw(st.booleans())
+                out.append(Step(f"s{phase.value[0]}{k}", phase, accesses, is_async, "", LOC))
+        return tuple(out)
+
+    config = Config(
+        "random", Target.SM80, (Dtype.BF16,), 64, 16 * warps, 64, warps, Mask.NONE, None,
+        AliasPolicy.SCOPED, LOC,
+    )  # fmt: skip
+    return Kernel(
+        config,
+        (),
+        buffers,
+        items(Phase.PROLOGUE, 0, 4),
+        items(Phase.MAINLOOP, 1, 6),
+        items(Phase.EPILOGUE, 0, 4),
+    )
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(random_kernels())
+def test_verify_agrees_with_brute_force(kernel):
+    found = races(kernel)
+    err = rejects(kernel)
+    assert (err is not None) == bool(found), (err, found[:3])
+
+
+def test_brute_force_agrees_on_mutants():
+    """Every single-sync removal or weakening of every variant: same verdict both ways."""
+    for name in VARIANTS:
+        kernel = compiled(name)
+        for phase, i, sync in sync_sites(kernel):
+            weaker = {
+                SyncKind.SYNCTHREADS: replace(sync, kind=SyncKind.SYNCWARP),
+                SyncKind.SYNCWARP: None,
+                SyncKind.CP_ASYNC_WAIT: replace(sync, groups=sync.groups + 1),
+            }[sync.kind]
+            for new in (None, weaker):
+                mutant = with_item(kernel, phase, i, new)
+                assert (rejects(mutant) is not None) == bool(races(mutant)), (name, phase, i)
