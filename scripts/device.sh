@@ -4,7 +4,7 @@
 #   (racecheck, synccheck, memcheck) at a small shape, then the benchmarks if asked.
 # Usage (repo root, on the device): bash scripts/device.sh [tests] [sanitize] [bench ARGS...]
 set -uo pipefail
-export PYTHONUNBUFFERED=1 FADSL_CACHE_DIR=/tmp/fadsl-cache
+export PYTHONUNBUFFERED=1 FADSL_CACHE_DIR=$PWD/build/fadsl-cache  # build/ survives between calls on a warm machine
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 # lark travels as a wheel; fadsl is installed non-editable so its grammar/ and emit/ resolve.
@@ -18,7 +18,6 @@ start=$SECONDS
 python3 scripts/prebuild.py 2>&1 | tee "$OUT/prebuild.log" | tail -20
 echo "prebuild: $((SECONDS - start)) s"
 
-want() { [[ " $* " == *" $1 "* ]]; }
 steps=" $* "
 status=0
 if [[ $steps == *" tests "* || $# -eq 0 ]]; then
