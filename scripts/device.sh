@@ -21,7 +21,8 @@ echo "prebuild: $((SECONDS - start)) s"
 steps=" $* "
 status=0
 if [[ $steps == *" tests "* || $# -eq 0 ]]; then
-  python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider 2>&1 | tee "$OUT/pytest_gpu.log" | tail -25
+  # -P: import the installed fadsl, not the source folder (whose grammar/ and emit/ are not subpackages)
+  python3 -P -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider 2>&1 | tee "$OUT/pytest_gpu.log" | tail -25
   status=$((status | ${PIPESTATUS[0]}))
 fi
 if [[ $steps == *" sanitize "* || $# -eq 0 ]]; then
