@@ -8,8 +8,8 @@ export PYTHONUNBUFFERED=1 FADSL_CACHE_DIR=$PWD/build/fadsl-cache  # build/ survi
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 # lark travels as a wheel; fadsl is installed non-editable so its grammar/ and emit/ resolve.
-python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl || exit 1
-python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site . || exit 1
+python3 -m pip install -q --upgrade --no-index --no-deps --target /tmp/site .whl/*.whl || exit 1
+python3 -m pip install -q --upgrade --no-index --no-deps --no-build-isolation --target /tmp/site . || exit 1
 export PYTHONPATH=/tmp/site
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
@@ -22,7 +22,7 @@ steps=" $* "
 status=0
 if [[ $steps == *" tests "* || $# -eq 0 ]]; then
   # -P: import the installed fadsl, not the source folder (whose grammar/ and emit/ are not subpackages)
-  python3 -P -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider 2>&1 | tee "$OUT/pytest_gpu.log" | tail -25
+  python3 -P -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider --durations=8 2>&1 | tee "$OUT/pytest_gpu.log" | tail -25
   status=$((status | ${PIPESTATUS[0]}))
 fi
 if [[ $steps == *" sanitize "* || $# -eq 0 ]]; then
