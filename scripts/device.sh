@@ -36,7 +36,7 @@ fi
 if [[ $steps == *" bench "* ]]; then
   shift $(( $(printf '%s\n' "$@" | grep -n '^bench$' | cut -d: -f1) ))
   for spec in "$@"; do
-    python3 -m fadsl.cli bench "$spec" --json "$OUT/$(basename "$spec" .fa).json" \
+    python3 -P -m fadsl.cli bench "$spec" --json "$OUT/$(basename "$spec" .fa).json" \
       --plot "$OUT/$(basename "$spec" .fa).png" 2>&1 | tee -a "$OUT/bench.log" | tail -15
   done
 fi
