@@ -134,7 +134,7 @@ def run(
                 f"{row.error_bound:.3e}; not timing a wrong kernel"
             )
         contenders: dict[str, Callable[[int], object]] = {
-            "fadsl": lambda i: kern(*qkv[i], scale, out=outs[i])
+            "fadsl": lambda i, qkv=qkv, outs=outs: kern(*qkv[i], scale, out=outs[i])
         }
         for name, backend in backends.items():
             views = [[t.transpose(1, 2) for t in s] for s in qkv]
@@ -214,6 +214,7 @@ def plot(result: dict, path: Path) -> None:
         ax.plot(seqlens, [r["tflops"].get(name) for r in result["rows"]], marker="o", label=name)
     ax.set_xscale("log", base=2)
     ax.set_xticks(seqlens, [str(s) for s in seqlens])
+    ax.set_ylim(bottom=0)
     ax.set_xlabel("sequence length")
     ax.set_ylabel("TFLOP/s")
     ax.set_title(f"{result['kernel']} {result['dtype']} on {result['device']}")

@@ -30,10 +30,11 @@ def cmd_explain(args: argparse.Namespace) -> int:
     from .report import explain_data, explain_text
 
     compiled = _compile(args.spec)
+    use_nvcc = not args.no_nvcc
     if args.json:
-        print(json.dumps(explain_data(compiled), indent=2))
+        print(json.dumps(explain_data(compiled, use_nvcc), indent=2))
     else:
-        print(explain_text(compiled), end="")
+        print(explain_text(compiled, use_nvcc), end="")
     return EXIT_OK
 
 
@@ -109,6 +110,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     explain.add_argument("spec", metavar="SPEC", help="path to a .fa spec")
     explain.add_argument("--json", action="store_true", help="print the report as JSON")
+    explain.add_argument(
+        "--no-nvcc",
+        action="store_true",
+        help="skip the ptxas resource report (registers, spills, CTAs per SM) even if nvcc is there",
+    )
     explain.set_defaults(run=cmd_explain)
 
     comp = sub.add_parser(

@@ -19,7 +19,7 @@ import jinja2
 from . import __version__
 from .ir import Dtype, Kernel, Step, Sync, SyncKind
 from .pipeline import Compiled
-from .report import format_kernel
+from .printer import format_kernel
 
 TEMPLATE = "kernel_sm80.cu.j2"
 HEADER = "include/fadsl/sm80.cuh"

@@ -4,61 +4,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from .ir import Kernel, Phase, Step, Sync
+from .ir import Kernel, Phase, Step
 from .lower import OP_TEXT
 from .passes.plan_smem import occupancy
 from .pipeline import Compiled
+from .resources import ctas_per_sm
 
-# SMEM per SM and the bytes the driver reserves per CTA, by GPU family.
-DEVICES = (
-    ("sm_80", "A100", 164 * 1024, 1024),
-    ("sm_90", "H100/H200", 228 * 1024, 1024),
-)
-MAX_THREADS_PER_SM = 2048
-MAX_CTAS_PER_SM = 32
-
-
-def ctas_per_sm(smem_bytes: int, threads: int, smem_per_sm: int, reserved: int) -> int:
-    by_smem = smem_per_sm // (smem_bytes + reserved)
-    return min(by_smem, MAX_THREADS_PER_SM // threads, MAX_CTAS_PER_SM)
-
-
-def format_kernel(kernel: Kernel) -> str:
-    """A deterministic dump of the IR, for golden tests of each pass."""
-    cfg = kernel.config
-    out = [
-        f"kernel {cfg.name} target={cfg.target.value} "
-        f"dtypes={','.join(d.value for d in cfg.dtypes)} head_dim={cfg.head_dim} "
-        f"B_r={cfg.block_r} B_c={cfg.block_c} warps={cfg.warps} mask={cfg.mask.value} "
-        f"swizzle={cfg.swizzle or 'none'} smem_alias={cfg.smem_alias.value}"
-    ]
-    for t in kernel.tensors:
-        out.append(f"tensor {t.role.value}: {t.path_text()}")
-    for b in kernel.buffers:
-        place = "unplanned" if b.offset is None else f"offset={b.offset} region={b.region}"
-        out.append(
-            f"buffer {b.name} {b.rows}x{b.cols}x{b.elem_bytes}B scope={b.scope.value} {place}"
-        )
-    for r in kernel.regions:
-        out.append(
-            f"region {r.index} offset={r.offset} bytes={r.nbytes} members={','.join(r.members)}"
-        )
-        out.extend(f"  why: {why}" for why in r.reasons)
-    if kernel.smem_bytes is not None:
-        out.append(f"smem_bytes {kernel.smem_bytes}")
-    for phase, items in kernel.phases():
-        out.append(f"{phase.value}:")
-        for item in items:
-            if isinstance(item, Step):
-                acc = ", ".join(
-                    f"{a.mode.value} {a.buffer}/{a.partition.value}" for a in item.accesses
-                )
-                flag = " async" if item.is_async else ""
-                out.append(f"  step {item.op}{flag}" + (f" [{acc}]" if acc else ""))
-            else:
-                out.append(f"  sync {item.text()}")
-                out.extend(f"    serves {h.describe()}" for h in item.serves)
-    return "\n".join(out) + "\n"
+# The GPU families each target runs on, for the occupancy lines.
+FAMILIES = (("sm_80", "A100"), ("sm_90a", "H100/H200"))
 
 
 def summary(compiled: Compiled) -> str:
@@ -91,7 +44,37 @@ def _live(kernel: Kernel) -> dict[str, str]:
     return result
 
 
-def explain_data(compiled: Compiled) -> dict[str, Any]:
+def _resources(compiled: Compiled, use_nvcc: bool) -> list[dict[str, Any]]:
+    """ptxas's report per dtype and architecture, when nvcc is there and wanted."""
+    from .codegen import render
+    from .resources import nvcc, ptxas_usage
+    from .runtime import cache_dir
+
+    if not use_nvcc or nvcc() is None:
+        return []
+    k = compiled.kernel
+    rows = []
+    for source in render(compiled):
+        for arch, family in FAMILIES:
+            usage = ptxas_usage(source, arch, cache_dir())
+            occ = ctas_per_sm(usage["registers"], k.config.threads, k.smem_bytes, arch)
+            limit = min((n, why) for why, n in occ.items() if why != "ctas_per_sm")[1]
+            rows.append(
+                {
+                    "dtype": source.dtype.value,
+                    "arch": arch,
+                    "registers": usage["registers"],
+                    "spill_bytes": usage["spill_store_bytes"] + usage["spill_load_bytes"],
+                    "stack_bytes": usage["stack_bytes"],
+                    "smem_bytes": k.smem_bytes + usage["static_smem_bytes"],
+                    "ctas_per_sm": occ["ctas_per_sm"],
+                    "limited_by": limit,
+                }
+            )
+    return rows
+
+
+def explain_data(compiled: Compiled, use_nvcc: bool = False) -> dict[str, Any]:
     """Everything `fadsl explain` prints, as plain data (the --json form)."""
     k = compiled.kernel
     cfg = k.config
@@ -148,16 +131,17 @@ def explain_data(compiled: Compiled) -> dict[str, Any]:
             for r in k.regions
         ],
         "smem_total": k.smem_bytes,
-        "ctas_per_sm": {
-            f"{arch} ({name})": ctas_per_sm(k.smem_bytes, cfg.threads, per_sm, reserved)
-            for arch, name, per_sm, reserved in DEVICES
+        "ctas_per_sm_by_smem": {
+            f"{arch} ({family})": ctas_per_sm(0, cfg.threads, k.smem_bytes, arch)["smem"]
+            for arch, family in FAMILIES
         },
+        "resources": _resources(compiled, use_nvcc),
         "schedule": schedule,
     }
 
 
-def explain_text(compiled: Compiled) -> str:
-    data = explain_data(compiled)
+def explain_text(compiled: Compiled, use_nvcc: bool = False) -> str:
+    data = explain_data(compiled, use_nvcc)
     out = [
         f"{data['kernel']} ({data['spec']}): target {data['target']}, "
         f"{'/'.join(data['dtypes'])}, B_r = {data['block_r']}, B_c = {data['block_c']}, "
@@ -175,8 +159,19 @@ def explain_text(compiled: Compiled) -> str:
         for why in r["why"]:
             out.append(f"  region {r['region']}: {why}")
     out.append(f"smem total: {data['smem_total']} bytes")
-    for device, n in data["ctas_per_sm"].items():
+    for device, n in data["ctas_per_sm_by_smem"].items():
         out.append(f"CTAs per SM that this SMEM allows on {device}: {n}")
+    if data["resources"]:
+        out.append("")
+        out.append(
+            "Resources (ptxas): registers/thread, spills, SMEM/CTA and the CTAs per SM they allow"
+        )
+        for r in data["resources"]:
+            out.append(
+                f"  {r['dtype']} {r['arch']:<7} {r['registers']:>3} registers, {r['spill_bytes']} B spills, "
+                f"{r['stack_bytes']} B stack, {r['smem_bytes']} B SMEM -> {r['ctas_per_sm']} CTAs/SM "
+                f"(limited by {r['limited_by']})"
+            )
     out.append("")
     out.append("Schedule (each sync with the hazards it orders)")
     for phase in data["schedule"]:

@@ -16,7 +16,7 @@ from typing import Union
 import lark
 from lark import Lark, Token, Transformer, v_args
 
-from .errors import Diagnostic, DiagnosticSink, Loc, SpecError
+from .errors import DiagnosticSink, Loc
 
 # --- AST ---------------------------------------------------------------------
 

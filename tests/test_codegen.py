@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import re
-import shutil
-import subprocess
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 
 from conftest import EXAMPLES, ROOT
 from fadsl.codegen import context, header_text, render
+from fadsl.ir import SyncKind
 from fadsl.pipeline import compile_file
+from fadsl.resources import ARCH_FLAGS, nvcc, ptxas_usage
 
 GENERATED = ROOT / "generated"
 
@@ -30,24 +29,24 @@ def test_rendering_is_deterministic(example):
 
 
 def test_every_sync_is_rendered_with_its_hazards(example):
-    """The .cu holds exactly the plan's syncs, in order, each commented with its hazards."""
+    """The kernel holds exactly the plan's syncs, in order, each commented with its hazards."""
     compiled = compile_file(example.relative_to(ROOT))
     source, *_ = render(compiled)
-    emitted = re.findall(r"__syncthreads\(\)|__syncwarp\(\)|cp_async_wait<(\d+)>", source.text)
+    body = source.text.split("_kernel(", 1)[1].split("_launch(", 1)[0]
+    emitted = re.findall(r"(__syncthreads\(\)|__syncwarp\(\)|cp_async_wait<\d+>\(\));", body)
     planned = []
     for sync in compiled.kernel.syncs():
-        planned.append(str(sync.groups) if sync.kind.name == "CP_ASYNC_WAIT" else "")
-    kernel_part = source.text.split("_kernel(", 1)[1]
-    emitted = [
-        m.group(1) or ""
-        for m in re.finditer(
-            r"__syncthreads\(\);|__syncwarp\(\);|cp_async_wait<(\d+)>\(\);", kernel_part
-        )
-    ]
+        match sync.kind:
+            case SyncKind.CP_ASYNC_WAIT:
+                planned.append(f"cp_async_wait<{sync.groups}>()")
+            case SyncKind.SYNCWARP | SyncKind.SYNCTHREADS:
+                planned.append(sync.kind.value)
+            case _:
+                raise AssertionError(sync.kind)
     assert emitted == planned
     for sync in compiled.kernel.syncs():
         for hazard in sync.serves:
-            assert hazard.describe() in source.text
+            assert hazard.describe() in body
 
 
 def test_context_offsets_match_the_plan(example):
@@ -59,57 +58,22 @@ def test_context_offsets_match_the_plan(example):
             assert ctx["buffers"][buf.name]["offset"] == buf.offset
 
 
-def _nvcc() -> str | None:
-    return shutil.which("nvcc") or next(
-        (p for p in ("/usr/local/cuda/bin/nvcc",) if Path(p).exists()), None
-    )
-
-
-ARCHS = {
-    "sm_80": ["-arch=sm_80"],
-    "sm_90a": ["-gencode=arch=compute_90a,code=sm_90a"],
-}
-
-
-def ptxas_report(cu: Path, arch: str) -> dict[str, int]:
-    cmd = [_nvcc(), "-std=c++17", "-O3", "-cubin", "--resource-usage", *ARCHS[arch]]
-    cmd += ["-o", str(cu.with_suffix(f".{arch}.cubin")), str(cu)]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr
-    text = proc.stdout + proc.stderr
-    assert "warning" not in text.lower(), text
-    numbers = {}
-    for key, pattern in {
-        "registers": r"Used (\d+) registers",
-        "stack": r"(\d+) bytes stack frame",
-        "spill_stores": r"(\d+) bytes spill stores",
-        "spill_loads": r"(\d+) bytes spill loads",
-        "static_smem": r"(\d+) bytes smem",
-    }.items():
-        match = re.search(pattern, text)
-        numbers[key] = int(match.group(1)) if match else 0
-    return numbers
-
-
 @pytest.mark.nvcc
-@pytest.mark.skipif(_nvcc() is None, reason="needs nvcc")
+@pytest.mark.skipif(nvcc() is None, reason="needs nvcc")
 @pytest.mark.parametrize("spec", EXAMPLES, ids=[p.stem for p in EXAMPLES])
-def test_kernels_compile_without_spills(spec, tmp_path):
-    """Every dtype for sm_80 and sm_90a: no spills, no stack, all SMEM dynamic and as planned."""
+def test_kernels_compile_without_spills(spec):
+    """Every dtype for sm_80 and sm_90a: no warnings, spills or stack; all SMEM dynamic, as planned."""
     compiled = compile_file(spec.relative_to(ROOT))
-    (tmp_path / "fadsl").mkdir()
-    (tmp_path / "fadsl" / "sm80.cuh").write_text(header_text())
     jobs = []
     for source in render(compiled):
-        cu = tmp_path / source.filename
-        cu.write_text(source.text)
         assert f"constexpr int kSmemBytes = {compiled.kernel.smem_bytes};" in source.text
-        jobs += [(cu, arch) for arch in ARCHS]
+        jobs += [(source, arch) for arch in ARCH_FLAGS]
     with ThreadPoolExecutor(max_workers=4) as pool:
-        reports = list(pool.map(lambda job: (job, ptxas_report(*job)), jobs))
-    for (cu, arch), report in reports:
-        where = f"{cu.name} {arch}: {report}"
-        assert report["spill_stores"] == report["spill_loads"] == 0, where
-        assert report["stack"] == 0, where
-        assert report["static_smem"] == 0, where
-        assert 0 < report["registers"] <= 255, where
+        reports = list(pool.map(lambda job: (job, ptxas_usage(*job)), jobs))
+    for (source, arch), usage in reports:
+        where = f"{source.filename} {arch}: {usage}"
+        assert usage["warnings"] == 0, where
+        assert usage["spill_store_bytes"] == usage["spill_load_bytes"] == 0, where
+        assert usage["stack_bytes"] == 0, where
+        assert usage["static_smem_bytes"] == 0, where
+        assert 0 < usage["registers"] <= 255, where

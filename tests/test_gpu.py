@@ -105,7 +105,12 @@ def test_second_process_reuses_the_cache(tmp_path):
     )
     env = dict(os.environ)
     run = lambda: subprocess.run(  # noqa: E731
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True, cwd=tmp_path
+        [sys.executable, "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=tmp_path,
     )
     run()  # may build, if no earlier test did
     elapsed = float(run().stdout.strip().splitlines()[-1])

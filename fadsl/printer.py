@@ -1,0 +1,43 @@
+"""A deterministic text form of the IR, for golden tests of each pass and for hashing."""
+
+from __future__ import annotations
+
+from .ir import Kernel, Step
+
+
+def format_kernel(kernel: Kernel) -> str:
+    """A deterministic dump of the IR, for golden tests of each pass."""
+    cfg = kernel.config
+    out = [
+        f"kernel {cfg.name} target={cfg.target.value} "
+        f"dtypes={','.join(d.value for d in cfg.dtypes)} head_dim={cfg.head_dim} "
+        f"B_r={cfg.block_r} B_c={cfg.block_c} warps={cfg.warps} mask={cfg.mask.value} "
+        f"swizzle={cfg.swizzle or 'none'} smem_alias={cfg.smem_alias.value}"
+    ]
+    for t in kernel.tensors:
+        out.append(f"tensor {t.role.value}: {t.path_text()}")
+    for b in kernel.buffers:
+        place = "unplanned" if b.offset is None else f"offset={b.offset} region={b.region}"
+        out.append(
+            f"buffer {b.name} {b.rows}x{b.cols}x{b.elem_bytes}B scope={b.scope.value} {place}"
+        )
+    for r in kernel.regions:
+        out.append(
+            f"region {r.index} offset={r.offset} bytes={r.nbytes} members={','.join(r.members)}"
+        )
+        out.extend(f"  why: {why}" for why in r.reasons)
+    if kernel.smem_bytes is not None:
+        out.append(f"smem_bytes {kernel.smem_bytes}")
+    for phase, items in kernel.phases():
+        out.append(f"{phase.value}:")
+        for item in items:
+            if isinstance(item, Step):
+                acc = ", ".join(
+                    f"{a.mode.value} {a.buffer}/{a.partition.value}" for a in item.accesses
+                )
+                flag = " async" if item.is_async else ""
+                out.append(f"  step {item.op}{flag}" + (f" [{acc}]" if acc else ""))
+            else:
+                out.append(f"  sync {item.text()}")
+                out.extend(f"    serves {h.describe()}" for h in item.serves)
+    return "\n".join(out) + "\n"

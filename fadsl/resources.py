@@ -1,0 +1,112 @@
+"""What ptxas says a rendered kernel uses, and the occupancy that follows (no GPU needed).
+
+The seeds' appendix reads registers per thread, spill bytes and SMEM per CTA
+off `nvcc --resource-usage`; from those and the SM's limits follow the CTAs
+per SM. Results are cached on disk by source hash, since ptxas takes a while.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+from .codegen import HEADER, Source, header_text
+
+# nvcc flags per architecture; wgmma-era Hopper needs the arch-specific "a" target.
+ARCH_FLAGS = {
+    "sm_80": ["-arch=sm_80"],
+    "sm_90a": ["-gencode=arch=compute_90a,code=sm_90a"],
+}
+# Per-SM limits: registers, register allocation unit per warp, warps, CTAs, SMEM and
+# the SMEM the driver reserves per CTA.
+SM_LIMITS = {
+    "sm_80": {
+        "regs": 65536,
+        "unit": 256,
+        "warps": 64,
+        "ctas": 32,
+        "smem": 164 * 1024,
+        "reserved": 1024,
+    },
+    "sm_90a": {
+        "regs": 65536,
+        "unit": 256,
+        "warps": 64,
+        "ctas": 32,
+        "smem": 228 * 1024,
+        "reserved": 1024,
+    },
+}
+
+_PATTERNS = {
+    "registers": r"Used (\d+) registers",
+    "stack_bytes": r"(\d+) bytes stack frame",
+    "spill_store_bytes": r"(\d+) bytes spill stores",
+    "spill_load_bytes": r"(\d+) bytes spill loads",
+    "static_smem_bytes": r"(\d+) bytes smem",
+}
+
+
+def nvcc() -> str | None:
+    found = shutil.which("nvcc")
+    if found:
+        return found
+    default = Path("/usr/local/cuda/bin/nvcc")
+    return str(default) if default.exists() else None
+
+
+def parse_ptxas(text: str) -> dict[str, int]:
+    numbers = {}
+    for key, pattern in _PATTERNS.items():
+        match = re.search(pattern, text)
+        numbers[key] = int(match.group(1)) if match else 0
+    return numbers
+
+
+def ptxas_usage(source: Source, arch: str, cache: Path | None = None) -> dict[str, int]:
+    """Compile ``source`` to a cubin for ``arch`` and return what ptxas reports."""
+    compiler = nvcc()
+    if compiler is None:
+        raise FileNotFoundError("nvcc is not on the PATH")
+    key = hashlib.sha256((source.text + header_text() + arch).encode()).hexdigest()[:20]
+    cached = cache / f"ptxas-{key}.json" if cache else None
+    if cached and cached.exists():
+        return json.loads(cached.read_text())
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        (root / "fadsl").mkdir()
+        (root / HEADER.removeprefix("include/")).write_text(header_text())
+        cu = root / source.filename
+        cu.write_text(source.text)
+        cmd = [compiler, "-std=c++17", "-O3", "-cubin", "--resource-usage", *ARCH_FLAGS[arch]]
+        proc = subprocess.run(
+            cmd + ["-o", str(root / "k.cubin"), str(cu)], capture_output=True, text=True
+        )
+    if proc.returncode != 0:
+        raise RuntimeError(f"nvcc failed on {source.filename}:\n{proc.stderr}")
+    usage = parse_ptxas(proc.stdout + proc.stderr)
+    usage["warnings"] = (proc.stdout + proc.stderr).lower().count("warning")
+    if cached:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        cached.write_text(json.dumps(usage))
+    return usage
+
+
+def ctas_per_sm(registers: int, threads: int, smem_bytes: int, arch: str) -> dict[str, int]:
+    """CTAs per SM allowed by each limit, and the binding one."""
+    lim = SM_LIMITS[arch]
+    warps = threads // 32
+    regs_per_warp = -(-registers * 32 // lim["unit"]) * lim["unit"]
+    by = {
+        "registers": lim["regs"] // (regs_per_warp * warps) if registers else lim["ctas"],
+        "smem": lim["smem"] // (smem_bytes + lim["reserved"]),
+        "warps": lim["warps"] // warps,
+        "ctas": lim["ctas"],
+    }
+    by["ctas_per_sm"] = min(by.values())
+    return by
