@@ -105,6 +105,7 @@ def context(compiled: Compiled, dtype: Dtype) -> dict[str, Any]:
         "block_r": cfg.block_r,
         "block_c": cfg.block_c,
         "warps": cfg.warps,
+        "mask": cfg.mask.value,
         "smem_bytes": kernel.smem_bytes,
         "buffers": buffers,
         "phases": [

@@ -276,6 +276,9 @@ class Kernel:
     epilogue: tuple[Item, ...]
     regions: tuple[Region, ...] = ()
     smem_bytes: int | None = None
+    # The mainloop may run zero times (a causal Q block above every key): then the
+    # epilogue follows the prologue directly, and the syncs must order that too.
+    loop_may_be_empty: bool = False
 
     def buffer(self, name: str) -> Buffer:
         for buf in self.buffers:

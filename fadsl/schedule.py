@@ -13,6 +13,7 @@ from .ir import (
     Access,
     Buffer,
     Kernel,
+    Mask,
     Mode,
     Partition,
     Phase,
@@ -155,4 +156,5 @@ def build_schedule(lowered: Lowered) -> Kernel:
         prologue=prologue,
         mainloop=tuple(loop_steps),
         epilogue=epilogue,
+        loop_may_be_empty=cfg.mask is Mask.CAUSAL,
     )

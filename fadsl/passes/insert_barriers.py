@@ -95,11 +95,11 @@ def _kind(earlier: Access, later: Access) -> HazardKind:
     return HazardKind.WAR
 
 
-def _trace(kernel: Kernel) -> Iterator[tuple[Pos, Item, int]]:
-    """Static positions in execution order: prologue, iterations 0 and 1, epilogue."""
+def _trace(kernel: Kernel, iterations: int) -> Iterator[tuple[Pos, Item, int]]:
+    """Static positions in execution order: prologue, the iterations, epilogue."""
     for i, item in enumerate(kernel.prologue):
         yield (Phase.PROLOGUE, i), item, -1
-    for it in (0, 1):
+    for it in range(iterations):
         for i, item in enumerate(kernel.mainloop):
             yield (Phase.MAINLOOP, i), item, it
     for i, item in enumerate(kernel.epilogue):
@@ -107,12 +107,24 @@ def _trace(kernel: Kernel) -> Iterator[tuple[Pos, Item, int]]:
 
 
 def _walk(kernel: Kernel) -> tuple[_Need | None, dict[int, list[Hazard]]]:
-    """Run the schedule once; return the first missing sync and the hazards each sync serves."""
+    """Run the schedule with two iterations (the second exposes the back edge) and, when
+    the loop may be empty, with none; return the first missing sync and what each sync serves."""
+    served: dict[int, list[Hazard]] = {}
+    for iterations in (2, 0) if kernel.loop_may_be_empty else (2,):
+        need, more = _walk_trace(kernel, iterations)
+        if need is not None:
+            return need, served
+        for sid, hazards in more.items():
+            served.setdefault(sid, []).extend(hazards)
+    return None, served
+
+
+def _walk_trace(kernel: Kernel, iterations: int) -> tuple[_Need | None, dict[int, list[Hazard]]]:
     history: list[_Past] = []
     groups = 0
     served: dict[int, list[Hazard]] = {}
     sync_ids = {id(s): n for n, s in enumerate(kernel.syncs())}
-    for pos, item, iteration in _trace(kernel):
+    for pos, item, iteration in _trace(kernel, iterations):
         if isinstance(item, Sync):
             sid = sync_ids[id(item)]
             for past in history:

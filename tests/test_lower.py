@@ -1,0 +1,61 @@
+"""Parsing and lowering of valid specs: what the IR holds."""
+
+import pytest
+
+from fadsl.errors import SpecError
+from fadsl.ir import AliasPolicy, Dtype, Instr, Level, Mask, Role, Scope, Target
+from fadsl.pipeline import front_end, read_spec
+from variants import EAGER_ORDER, KERNEL1, variant
+
+
+def test_kernel1_config_and_paths():
+    k = front_end(KERNEL1, "k.fa")
+    cfg = k.config
+    assert (cfg.name, cfg.target, cfg.dtypes) == (
+        "fa2_kernel1",
+        Target.SM80,
+        (Dtype.BF16, Dtype.FP16),
+    )
+    assert (cfg.head_dim, cfg.block_r, cfg.block_c, cfg.warps) == (128, 64, 64, 4)
+    assert (cfg.mask, cfg.swizzle, cfg.smem_alias) == (Mask.NONE, None, AliasPolicy.SCOPED)
+    v = k.tensor(Role.V)
+    assert [(h.src, h.dst, h.instr) for h in v.hops] == [
+        (Level.GMEM, Level.SMEM, Instr.CP_ASYNC),
+        (Level.SMEM, Level.RF, Instr.LDMATRIX_TRANS),
+    ]
+    assert v.smem_scope is Scope.CTA and k.tensor(Role.Q).smem_scope is Scope.WARP
+    assert (v.loc.line, v.loc.col) == (13, 3)
+    assert [s.op for s in k.mainloop] == ["k_g2s", "k_s2r", "qk", "softmax", "v_g2s", "v_s2r", "pv"]
+
+
+def test_explicit_mainloop_order_and_step_locations():
+    k = front_end(variant(order=EAGER_ORDER), "k.fa")
+    assert [s.op for s in k.mainloop] == ["k_g2s", "v_g2s", "k_s2r", "qk", "softmax", "v_s2r", "pv"]
+    assert k.mainloop[1].loc.line == 19  # the 'V -> smem' line
+
+
+def test_swizzle_and_alias_knobs():
+    k = front_end(variant(swizzle="xor(3, 3, 4)", alias="any"), "k.fa")
+    assert (k.config.swizzle.bits, k.config.swizzle.base, k.config.swizzle.shift) == (3, 3, 4)
+    assert k.config.smem_alias is AliasPolicy.ANY
+    assert all(b.swizzle == k.config.swizzle for b in k.buffers)
+
+
+def test_crlf_line_endings_and_a_byte_order_mark(tmp_path):
+    path = tmp_path / "k.fa"
+    path.write_bytes(b"\xef\xbb\xbf" + KERNEL1.replace("\n", "\r\n").encode())
+    assert front_end(read_spec(path), str(path)).config.name == "fa2_kernel1"
+
+
+def test_a_keyword_glued_to_a_name_is_not_a_keyword():
+    with pytest.raises(SpecError, match="unexpected 'kernelfa2_kernel1'"):
+        front_end(KERNEL1.replace("kernel fa2_kernel1", "kernelfa2_kernel1"), "k.fa")
+
+
+def test_comments_and_blank_lines_anywhere():
+    text = (
+        "\n# a\n\n"
+        + KERNEL1.replace("  mask     none\n", "  mask     none\n\n  # x\n\n")
+        + "\n# end\n"
+    )
+    assert front_end(text, "k.fa").config.mask is Mask.NONE
