@@ -107,5 +107,7 @@ def _simulate(kernel: Kernel, n: int) -> list[str]:
 
 
 def races(kernel: Kernel, max_iterations: int = 3) -> list[str]:
-    """Every race found in the traces with 1 .. max_iterations mainloop iterations."""
-    return [race for n in range(1, max_iterations + 1) for race in _simulate(kernel, n)]
+    """Every race in the traces with 1 (0 if the loop may be empty) .. max_iterations
+    mainloop iterations."""
+    first = 0 if kernel.loop_may_be_empty else 1
+    return [race for n in range(first, max_iterations + 1) for race in _simulate(kernel, n)]

@@ -2,10 +2,10 @@
 
 ``smem_plan_problems`` checks an SMEM plan against liveness computed by running the
 schedule, not by dataflow: the steps of prologue + n mainloop iterations + epilogue
-(n = 1..3) are walked in order and each written value is live from the step that
-writes it to the last step that reads it before the next write (a value never read
-still occupies its bytes at the step that writes it). Two buffers whose bytes
-overlap must never be live at the same step.
+(n = 1..3, and 0 when the loop may be empty) are walked in order and each written
+value is live from the step that writes it to the last step that reads it before the
+next write (a value never read still occupies its bytes at the step that writes it).
+Two buffers whose bytes overlap must never be live at the same step.
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ def smem_plan_problems(kernel: Kernel) -> list[str]:
         if max(a.offset, b.offset) < min(a.offset + a.nbytes, b.offset + b.nbytes)
     ]
     seen = set()
-    for n in (1, 2, 3):
+    for n in (0, 1, 2, 3) if kernel.loop_may_be_empty else (1, 2, 3):
         steps = trace_steps(kernel, n)
         live = live_ranges(kernel, n)
         for a, b in pairs:

@@ -49,10 +49,10 @@ def describe(sync):
 def test_each_sync_records_the_hazards_it_serves():
     k = plan(KERNEL1)
     top, _, raw_k, war_kv, _, raw_v = [s for s in k.mainloop if isinstance(s, Sync)]
-    assert (
-        describe(top)[0]
-        == "WAR on V/K (aliased): v_s2r -> k_g2s across the loop back edge (warps cross)"
-    )
+    assert describe(top) == [
+        "WAR on Q/O (aliased): q_s2r -> o_r2s (within each warp)",
+        "WAR on V/K (aliased): v_s2r -> k_g2s across the loop back edge (warps cross)",
+    ]
     assert describe(raw_k) == ["RAW on K: k_g2s -> k_s2r (warps cross)"]
     assert describe(war_kv) == ["WAR on K/V (aliased): k_s2r -> v_g2s (warps cross)"]
     assert describe(raw_v) == ["RAW on V: v_g2s -> v_s2r (warps cross)"]

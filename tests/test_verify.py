@@ -29,8 +29,9 @@ from fadsl.ir import (
     SyncKind,
     Target,
 )
+from fadsl.passes import insert_barriers, plan_smem
 from fadsl.passes.verify import VerifyError, verify
-from fadsl.pipeline import compile_file, compile_source
+from fadsl.pipeline import compile_file, compile_source, front_end
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "fa2_kernel1.fa"
 EAGER = """  mainloop {
@@ -70,7 +71,8 @@ VARIANTS = {
     "warps_1": spec(("warps    4", "warps    1"), ("B_r = 64", "B_r = 16")),
     "warps_8": spec(("warps    4", "warps    8"), ("B_r = 64", "B_r = 128")),
     "bc_32_hd_64": spec(("head_dim 128", "head_dim 64"), ("B_c = 64", "B_c = 32")),
-    "br_128_bc_32_any": spec(("B_r = 64", "B_r = 128"), ("B_c = 64", "B_c = 32"), extra=EAGER),
+    "swizzled": (EXAMPLE.parent / "fa2_swizzled.fa").read_text(),
+    "br_128_bc_32_eager": spec(("B_r = 64", "B_r = 128"), ("B_c = 64", "B_c = 32"), extra=EAGER),
 }
 
 
@@ -226,8 +228,6 @@ def test_message_aliased_buffers():
 
 
 def test_unplanned_kernel_is_refused():
-    from fadsl.pipeline import front_end
-
     with pytest.raises(ValueError, match="plan_smem"):
         verify(front_end(VARIANTS["example"]))
 
@@ -283,6 +283,7 @@ def random_kernels(draw) -> Kernel:
         items(Phase.PROLOGUE, 0, 4),
         items(Phase.MAINLOOP, 1, 6),
         items(Phase.EPILOGUE, 0, 4),
+        loop_may_be_empty=draw(st.integers(0, 3)) == 0,
     )
 
 
@@ -307,3 +308,94 @@ def test_brute_force_agrees_on_mutants():
             for new in (None, weaker):
                 mutant = with_item(kernel, phase, i, new)
                 assert (rejects(mutant) is not None) == bool(races(mutant)), (name, phase, i)
+
+
+# --- insert_barriers on random well-formed schedules --------------------------------------------
+#
+# Well-formed like build_schedule's output: a step makes at most one access, writes are
+# per-warp slices, and a cp.async step writes at most one slice. Any failure here is an
+# insert_barriers bug (or, for the brute force, a verify bug).
+
+SPEC_BASE = front_end(VARIANTS["example"])  # an unplanned schedule, for its config and tensors
+
+
+@st.composite
+def wellformed_schedules(draw, async_phases=(Phase.MAINLOOP,)) -> Kernel:
+    warps = draw(st.sampled_from([1, 2, 4]))
+    names = [f"B{i}" for i in range(draw(st.integers(1, 4)))]
+    buffers = tuple(
+        Buffer(name, draw(st.sampled_from([16, 32, 64])), draw(st.sampled_from([8, 64])), 2,
+               draw(st.sampled_from([Scope.WARP, Scope.CTA])), None, LOC)
+        for name in names
+    )  # fmt: skip
+    write = st.builds(Access, st.sampled_from(names), st.just(Mode.WRITE), st.just(Partition.SLICE))
+    read = st.builds(Access, st.sampled_from(names), st.just(Mode.READ), st.sampled_from(Partition))
+
+    def steps(phase: Phase, lo: int, hi: int) -> tuple[Step, ...]:
+        out = []
+        for k in range(draw(st.integers(lo, hi))):
+            is_async = phase in async_phases and draw(st.booleans())
+            access = draw(st.lists(write if is_async else write | read, max_size=1))
+            out.append(Step(f"{phase.value[0]}{k}", phase, tuple(access), is_async, "", LOC))
+        return tuple(out)
+
+    policy = draw(st.sampled_from(list(AliasPolicy)))
+    return Kernel(
+        replace(SPEC_BASE.config, warps=warps, smem_alias=policy),
+        SPEC_BASE.tensors,
+        buffers,
+        steps(Phase.PROLOGUE, 0, 3),
+        steps(Phase.MAINLOOP, 1, 4),
+        steps(Phase.EPILOGUE, 0, 3),
+        loop_may_be_empty=draw(st.booleans()),
+    )
+
+
+@pytest.mark.parametrize("async_phases", [(Phase.MAINLOOP,), (Phase.PROLOGUE, Phase.EPILOGUE)])
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_insert_barriers_random_schedules(async_phases, data):
+    """cp.async in the mainloop only, or outside it only: both bugs below need both."""
+    kernel = insert_barriers(plan_smem(data.draw(wellformed_schedules(async_phases))))
+    assert verify(kernel) is kernel
+    assert not races(kernel, 2)
+    for phase, i, sync in sync_sites(kernel):
+        assert rejects(with_item(kernel, phase, i, None)), f"redundant {sync.text()} {phase}[{i}]"
+
+
+def bug_kernel(mainloop_tail: tuple, epilogue: tuple) -> Kernel:
+    """Two aliased 1-warp buffers; the prologue cp.asyncs B0; the mainloop commits a group."""
+    buffers = tuple(Buffer(n, 16, 8, 2, Scope.WARP, None, LOC) for n in ("B0", "B1"))
+    config = replace(SPEC_BASE.config, warps=1, smem_alias=AliasPolicy.SCOPED)
+    p0 = Step("p0", Phase.PROLOGUE, (Access("B0", Mode.WRITE, Partition.SLICE),), True, "", LOC)
+    m0 = Step("m0", Phase.MAINLOOP, (), True, "", LOC)
+    kernel = Kernel(config, SPEC_BASE.tensors, buffers, (p0,), (m0,) + mainloop_tail, epilogue)
+    return plan_smem(kernel)
+
+
+def test_wait_group_counts_one_iteration():
+    """p0 cp.async -> B0; loop: m0 commits a group; epilogue e0 reads B0. After one
+    iteration only m0's group follows p0's, so the wait before e0 must be wait_group 1
+    (wait_group 2 would leave p0's group in flight)."""
+    e0 = Step("e0", Phase.EPILOGUE, (Access("B0", Mode.READ, Partition.SLICE),), False, "", LOC)
+    kernel = insert_barriers(bug_kernel((), (e0,)))
+    (wait,) = [
+        s for s in kernel.epilogue if isinstance(s, Sync) and s.kind is SyncKind.CP_ASYNC_WAIT
+    ]
+    assert wait.groups == 1
+    assert not races(kernel)
+    verify(kernel)
+
+
+def test_hoisted_wait_counts_only_prologue_groups():
+    """p0 cp.async -> B0; loop: m0 commits a group, m1 reads B0. Ordering p0 -> m1 at the end
+    of the prologue must wait for every group (none is committed there after p0's); an
+    earlier insert_barriers kept asking for wait_group 1 there and never terminated."""
+    m1 = Step("m1", Phase.MAINLOOP, (Access("B0", Mode.READ, Partition.SLICE),), False, "", LOC)
+    kernel = insert_barriers(bug_kernel((m1,), ()))
+    assert [s.text() for s in kernel.prologue if isinstance(s, Sync)] == [
+        "cp.async.wait_group 0",
+        "__syncwarp()",
+    ]
+    assert not races(kernel)
+    verify(kernel)

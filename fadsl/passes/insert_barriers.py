@@ -110,7 +110,9 @@ def _walk(kernel: Kernel) -> tuple[_Need | None, dict[int, list[Hazard]]]:
     """Run the schedule with two iterations (the second exposes the back edge) and, when
     the loop may be empty, with none; return the first missing sync and what each sync serves."""
     served: dict[int, list[Hazard]] = {}
-    for iterations in (2, 0) if kernel.loop_may_be_empty else (2,):
+    # One iteration too: a wait count that counts groups of a second iteration is too lax
+    # when the loop runs once.
+    for iterations in (1, 2, 0) if kernel.loop_may_be_empty else (1, 2):
         need, more = _walk_trace(kernel, iterations)
         if need is not None:
             return need, served
@@ -122,6 +124,7 @@ def _walk(kernel: Kernel) -> tuple[_Need | None, dict[int, list[Hazard]]]:
 def _walk_trace(kernel: Kernel, iterations: int) -> tuple[_Need | None, dict[int, list[Hazard]]]:
     history: list[_Past] = []
     groups = 0
+    prologue_groups = sum(1 for i in kernel.prologue if isinstance(i, Step) and i.is_async)
     served: dict[int, list[Hazard]] = {}
     sync_ids = {id(s): n for n, s in enumerate(kernel.syncs())}
     for pos, item, iteration in _trace(kernel, iterations):
@@ -140,7 +143,7 @@ def _walk_trace(kernel: Kernel, iterations: int) -> tuple[_Need | None, dict[int
                 past.warp_ordered.append(sid)
             continue
         need_scope: Scope | None = None
-        need_wait: int | None = None
+        need_group: int | None = None  # the newest cp.async group that must have landed
         for acc in item.accesses:
             for n, past in enumerate(history):
                 scope = conflict_scope(kernel, past.access, acc)
@@ -165,16 +168,19 @@ def _walk_trace(kernel: Kernel, iterations: int) -> tuple[_Need | None, dict[int
                     continue
                 need_scope = Scope.CTA if scope is Scope.CTA else (need_scope or Scope.WARP)
                 if past.group is not None and past.waited_by is None:
-                    after = groups - past.group - 1
-                    need_wait = after if need_wait is None else min(need_wait, after)
+                    need_group = max(past.group, need_group if need_group is not None else -1)
         if need_scope is not None:
+            committed = groups  # groups issued before the sync goes in
             if (
                 pos[0] is Phase.MAINLOOP
                 and iteration == 0
                 and _only_prologue(history, item, kernel)
             ):
                 pos = (Phase.PROLOGUE, len(kernel.prologue))
-            return _Need(pos, need_scope, need_wait), served
+                committed = prologue_groups
+            # wait_group N lets the N newest groups stay in flight.
+            wait = None if need_group is None else committed - need_group - 1
+            return _Need(pos, need_scope, wait), served
         for acc in item.accesses:
             history.append(_Past(acc, item, iteration, groups if item.is_async else None))
         if item.is_async:
@@ -272,7 +278,10 @@ def insert_barriers(kernel: Kernel) -> Kernel:
         need, _ = _walk(kernel)
         if need is None:
             break
-        kernel = _insert(kernel, need)
+        placed = _insert(kernel, need)
+        if placed == kernel:
+            raise AssertionError(f"insert_barriers: no progress placing {need}")
+        kernel = placed
     # Drop each sync that the plan does not need (last placed first).
     for phase, items in reversed(kernel.phases()):
         for index in reversed(range(len(items))):

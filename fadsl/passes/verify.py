@@ -1,13 +1,13 @@
 """verify: an independent proof that the schedule's syncs order every SMEM hazard.
 
 It shares no logic with insert_barriers or plan_smem. The schedule is unrolled
-into the traces prologue + n mainloop iterations + epilogue for n = 1 and 2 (the
-mainloop runs at least once; a pair of accesses two back edges apart has a window
-that contains the window of the same pair one edge apart, so longer traces add
-nothing). Every access becomes one byte interval per warp (SLICE: warp w's rows of
-the buffer; WHOLE: the whole buffer), and every pair of accesses, the earlier one
-at trace position i and the later at j, that overlap for warps (wa, wb) with at
-least one a write must be ordered by a sync in (i, j):
+into the traces prologue + n mainloop iterations + epilogue for n = 1 and 2, and
+n = 0 when ``kernel.loop_may_be_empty`` (a pair of accesses two back edges apart
+has a window that contains the window of the same pair one edge apart, so longer
+traces add nothing). Every access becomes one byte interval per warp (SLICE: warp
+w's rows of the buffer; WHOLE: the whole buffer), and every pair of accesses, the
+earlier one at trace position i and the later at j, that overlap for warps
+(wa, wb) with at least one a write must be ordered by a sync in (i, j):
 
 - ``__syncthreads()`` orders any warp pair, ``__syncwarp()`` only wa == wb (lanes
   of one warp exchange data, so one warp still needs a warp barrier);
@@ -102,7 +102,7 @@ def _span(buf: Buffer, part: Partition, warp: int, warps: int) -> tuple[int, int
 def _missing(trace: list[tuple[Item, int | None]], a: _Event, b: _Event, same_warp: bool):
     """None if a sync in the trace orders a before b for the warp pair, else what is missing."""
     if a.pos == b.pos:
-        return "nothing that can exist: two warps conflict inside one step (split the step)"
+        return "a barrier inside one step (two warps conflict within it: split the step)"
     barrier = _WARP if same_warp else _CTA
     start = a.pos
     if a.async_write:
@@ -186,7 +186,7 @@ def verify(kernel: Kernel) -> Kernel:
         if buf.offset is None:
             raise ValueError(f"buffer {buf.name} has no offset: run plan_smem before verify")
     failures: dict[tuple, Failure] = {}
-    for n in (1, 2):
+    for n in (0, 1, 2) if kernel.loop_may_be_empty else (1, 2):
         for key, fail in _check(kernel, n):
             failures.setdefault(key, fail)
     if failures:
