@@ -10,6 +10,7 @@ from typing import Callable, Sequence
 
 from . import __version__
 from .errors import SpecError
+from .passes.verify import VerifyError
 from .pipeline import Compiled, compile_file
 
 EXIT_OK, EXIT_FAILURE, EXIT_SPEC_ERROR, EXIT_INTERNAL = 0, 1, 2, 3
@@ -159,6 +160,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SpecError as err:
         print(err, file=sys.stderr)
         return EXIT_SPEC_ERROR
+    except VerifyError as err:
+        print(
+            "fadsl: internal error: the barrier plan failed its independent check; "
+            f"please report this with the spec.\n{err}",
+            file=sys.stderr,
+        )
+        return EXIT_INTERNAL
     except OSError as err:
         print(f"fadsl: error: {err.strerror or err}: '{err.filename}'", file=sys.stderr)
         return EXIT_SPEC_ERROR

@@ -1,0 +1,100 @@
+"""The command line: exit codes, output, and no tracebacks."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT
+from fadsl.cli import main
+
+SPEC = "examples/fa2_kernel1.fa"
+
+
+FADSL = str(Path(sys.executable).parent / "fadsl")  # the installed console script
+
+
+def run(*args, cwd=ROOT):
+    return subprocess.run([FADSL, *args], capture_output=True, text=True, cwd=cwd)
+
+
+def test_check_prints_the_configuration(capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    assert main(["check", SPEC]) == 0
+    out = capsys.readouterr().out
+    assert "examples/fa2_kernel1.fa: ok" in out
+    assert "B_r = 64, B_c = 64, head_dim = 128" in out
+    assert "V         gmem -cp.async-> smem[cta] -ldmatrix.trans-> rf" in out
+
+
+def test_explain_shows_the_plan_and_the_syncs(capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    assert main(["explain", SPEC, "--no-nvcc"]) == 0
+    out = capsys.readouterr().out
+    assert "smem total: 32768 bytes" in out
+    assert "region 0: Q (live q_g2s..q_s2r) and O (live o_r2s..o_s2g) are never live at once" in out
+    assert out.count(">> __syncthreads()") == 4
+    assert "WAR on K/V (aliased): k_s2r -> v_g2s (warps cross)" in out
+
+
+def test_explain_json(capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    assert main(["explain", SPEC, "--json", "--no-nvcc"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["smem_total"] == 32768
+    assert {b["buffer"]: b["shares_with"] for b in data["smem"]}["K"] == ["V"]
+    syncs = [i for p in data["schedule"] for i in p["items"] if "sync" in i]
+    assert all(s["serves"] for s in syncs)
+
+
+def test_explain_with_alias_off(tmp_path, capsys):
+    spec = tmp_path / "off.fa"
+    spec.write_text(
+        (ROOT / SPEC).read_text().replace("swizzle none", "swizzle none\n  smem_alias off")
+    )
+    assert main(["explain", str(spec), "--no-nvcc"]) == 0
+    out = capsys.readouterr().out
+    assert "smem total: 65536 bytes" in out and out.count(">> __syncthreads()") == 2
+
+
+def test_compile_writes_one_file_per_dtype(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    assert main(["compile", SPEC, "-o", str(tmp_path)]) == 0
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["fa2_kernel1_bf16.cu", "fa2_kernel1_fp16.cu", "fadsl"]
+    assert (tmp_path / "fadsl" / "sm80.cuh").exists()
+
+
+def test_bad_spec_exits_2_with_a_located_message(tmp_path):
+    spec = tmp_path / "bad.fa"
+    spec.write_text((ROOT / SPEC).read_text().replace("warps    4", "warps    3"))
+    proc = run("check", str(spec))
+    assert proc.returncode == 2
+    assert f"{spec}:7:12: warps = 3 is not a power of two" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_missing_file_exits_2_without_traceback():
+    proc = run("check", "no/such.fa")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "no/such.fa" in proc.stderr
+
+
+@pytest.mark.parametrize("command", ["check", "explain", "compile", "bench"])
+def test_every_command_has_help(command):
+    proc = run(command, "--help")
+    assert proc.returncode == 0 and "usage: fadsl" in proc.stdout
+
+
+def test_version():
+    proc = run("--version")
+    assert proc.returncode == 0 and proc.stdout.startswith("fadsl ")
+
+
+def test_bench_without_a_gpu_says_so():
+    proc = run("bench", SPEC)
+    if proc.returncode == 0:
+        pytest.skip("a GPU is present")
+    assert proc.returncode == 1 and "needs a CUDA GPU" in proc.stderr
