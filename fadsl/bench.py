@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Callable
 
 from .codegen import spec_hash
+from .ir import Mask
 from .runtime import FlashAttention
 
 DEFAULT_SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
@@ -58,7 +59,7 @@ def _time(fn: Callable[[int], object], sets: int, warmup: int, runs: int) -> flo
     return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
 
 
-def _reference_rows(q, k, v, scale: float, rows: int, dtype):
+def _reference_rows(q, k, v, scale: float, rows: int, dtype, causal: bool = False):
     """Attention for the first ``rows`` queries of batch 0, every head, in ``dtype``."""
     import torch
 
@@ -66,6 +67,11 @@ def _reference_rows(q, k, v, scale: float, rows: int, dtype):
     ks = k[0].transpose(0, 1).to(dtype)
     vs = v[0].transpose(0, 1).to(dtype)
     scores = torch.matmul(qs, ks.transpose(1, 2)) * scale
+    if causal:  # bottom-right aligned; seqlen_q == seqlen_k here, so row i sees keys <= i
+        keys = torch.arange(ks.shape[1], device=q.device)
+        scores = scores.masked_fill(
+            keys[None, None, :] > torch.arange(rows, device=q.device)[None, :, None], float("-inf")
+        )
     return torch.matmul(torch.softmax(scores.float(), dim=-1).to(dtype), vs).transpose(0, 1)
 
 
@@ -93,9 +99,13 @@ def run(
     import torch.nn.functional as F
     from torch.nn.attention import sdpa_kernel
 
-    if causal:
-        raise ValueError("--causal needs a spec with 'mask causal', which is not supported yet")
     cfg = kern.config
+    if causal != (cfg.mask is Mask.CAUSAL):
+        raise ValueError(
+            "--causal needs a spec with 'mask causal'"
+            if causal
+            else f"spec '{cfg.name}' is causal: pass --causal so the references mask too"
+        )
     dtype_name = dtype_name or cfg.dtypes[0].value
     if dtype_name not in [d.value for d in cfg.dtypes]:
         raise ValueError(
@@ -124,8 +134,8 @@ def run(
         q, k, v = qkv[0]
         out = kern(q, k, v, scale, out=outs[0].fill_(float("nan")))
         check = min(128, seqlen)
-        ref = _reference_rows(q, k, v, scale, check, torch.float32)
-        low = _reference_rows(q, k, v, scale, check, dtype).float()
+        ref = _reference_rows(q, k, v, scale, check, torch.float32, causal)
+        low = _reference_rows(q, k, v, scale, check, dtype, causal).float()
         row.max_error = (out[0, :check].float() - ref).abs().max().item()
         row.error_bound = 2 * (low - ref).abs().max().item() + 1e-3
         if not row.max_error <= row.error_bound:
@@ -141,7 +151,7 @@ def run(
 
             def call(i, backend=backend, views=views):
                 with sdpa_kernel(backend):
-                    return F.scaled_dot_product_attention(*views[i], scale=scale)
+                    return F.scaled_dot_product_attention(*views[i], scale=scale, is_causal=causal)
 
             try:
                 call(0)

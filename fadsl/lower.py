@@ -253,11 +253,7 @@ class _Lowerer:
         return warps
 
     def mask(self, setting: Setting) -> Mask | None:
-        mask = self.word_choice(setting, {m.value: m for m in Mask})
-        if mask is Mask.CAUSAL:
-            self.error(setting.values[0].loc, "mask 'causal' is not supported yet; use 'mask none'")
-            return None
-        return mask
+        return self.word_choice(setting, {m.value: m for m in Mask})
 
     def swizzle(self, setting: Setting) -> Swizzle | None | str:
         value = self.single(setting)

@@ -168,12 +168,19 @@ class FlashAttention:
         device = device if device is not None else torch.device("cuda")
         return dict(self.module(Dtype(dtype), device).attributes())
 
-    def __call__(self, q, k, v, softmax_scale: float | None = None, *, out=None):
-        """Attention of q over (k, v): softmax(q k^T * softmax_scale) v, returned as ``out``.
+    def __call__(
+        self, q, k, v, softmax_scale: float | None = None, *, out=None, return_lse: bool = False
+    ):
+        """Attention of q over (k, v): softmax(q k^T * softmax_scale [+ mask]) v.
 
         q: (batch, seqlen_q, heads_q, head_dim); k, v: (batch, seqlen_k, heads_kv, head_dim)
-        with heads_q a multiple of heads_kv (GQA/MQA). ``out``, if given, receives the
-        result (same shape, dtype and device as q); otherwise a new tensor does.
+        with heads_q a multiple of heads_kv (GQA/MQA): query head h reads KV head
+        h // (heads_q // heads_kv). A causal spec aligns the diagonal to the bottom right
+        (query i sees key j when j <= i + seqlen_k - seqlen_q), as FlashAttention does.
+        ``out``, if given, receives the result (q's shape, dtype and device). Returns the
+        output, or ``(output, lse)`` with ``return_lse=True``: the natural-log log-sum-exp
+        of each row's scaled scores, shape (batch, heads_q, seqlen_q), float32, -inf for
+        a row that sees no key.
         """
         import torch
 
@@ -186,12 +193,18 @@ class FlashAttention:
             )
         elif not math.isfinite(softmax_scale) or softmax_scale <= 0:
             raise ValueError(f"softmax_scale must be finite and positive, got {softmax_scale}")
+        if not isinstance(return_lse, bool):
+            raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
         if out is None:
             out = torch.empty_like(q)
         else:
             self._validate_out(out, q)
-        self.module(dtype, q.device).forward(q, k, v, out, float(softmax_scale))
-        return out
+        lse = None
+        if return_lse:
+            batch, seqlen_q, heads_q, _ = q.shape
+            lse = torch.empty(batch, heads_q, seqlen_q, device=q.device, dtype=torch.float32)
+        self.module(dtype, q.device).forward(q, k, v, out, lse, float(softmax_scale))
+        return (out, lse) if return_lse else out
 
     @staticmethod
     def _validate_out(out, q) -> None:
@@ -260,14 +273,12 @@ class FlashAttention:
             raise ValueError(
                 f"q's heads ({heads_q}) must be a multiple of k's and v's heads ({heads_kv})"
             )
-        for name, n, tile, what in (
-            ("q", seqlen_q, cfg.block_r, "B_r"),
-            ("k", seqlen_k, cfg.block_c, "B_c"),
-        ):
-            if n == 0 or n % tile:
+        for name, n in (("q", seqlen_q), ("k", seqlen_k)):
+            if n == 0:
+                raise ValueError(f"{name}'s sequence length must be at least 1, got 0")
+            if n >= 2**31:
                 raise ValueError(
-                    f"{name}'s sequence length {n} is not a positive multiple of {what} = {tile}; "
-                    "this kernel does not handle partial tiles yet"
+                    f"{name}'s sequence length {n} does not fit the kernel's int32 indices"
                 )
         if batch > GRID_YZ_LIMIT or heads_q > GRID_YZ_LIMIT or batch == 0:
             raise ValueError(
