@@ -1,10 +1,12 @@
-"""Build every example kernel for the local GPU, all dtypes in parallel (one process each)."""
+"""Build every kernel the GPU tests need for the local GPU, in parallel (one process each):
+the examples and the general-attention matrix of tests/gpu_specs.py."""
 
 import sys
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
 
 
 def build(job: tuple[str, str]) -> str:
@@ -16,14 +18,16 @@ def build(job: tuple[str, str]) -> str:
     spec, dtype = job
     kern = fadsl.load(spec, verbose=False)
     kern.module(Dtype(dtype), torch.device("cuda"))
-    return f"built {Path(spec).name} {dtype}"
+    return f"built {kern.config.name} {dtype}"
 
 
 if __name__ == "__main__":
     import fadsl
+    from gpu_specs import general_specs
 
-    specs = [Path(a) for a in sys.argv[1:]] or sorted((ROOT / "examples").glob("*.fa"))
-    jobs = [(str(s), d.value) for s in specs for d in fadsl.load(s, verbose=False).config.dtypes]
-    with ProcessPoolExecutor(max_workers=len(jobs)) as pool:
+    specs = [str(s) for s in sorted((ROOT / "examples").glob("*.fa"))]
+    specs += list(general_specs().values())
+    jobs = [(s, d.value) for s in specs for d in fadsl.load(s, verbose=False).config.dtypes]
+    with ProcessPoolExecutor(max_workers=min(len(jobs), 16)) as pool:
         for line in pool.map(build, jobs):
             print(line, flush=True)
