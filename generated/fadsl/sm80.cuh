@@ -7,7 +7,7 @@
 //   3. thin PTX wrappers (cp.async, ldmatrix, st/ld.shared, mma, cvt)
 //   4. warp-level tile copies (GMEM->SMEM, SMEM->RF, RF->SMEM, SMEM->GMEM)
 //   5. warp-level GEMM on register fragments
-//   6. online-softmax helpers on register fragments
+//   6. online-softmax helpers on register fragments (masking, LSE)
 //
 // Register fragment conventions (used by every helper below):
 //   * A 16-bit tile of R x C elements lives in `uint32_t frag[R/8][C/8]`:
@@ -44,21 +44,31 @@ constexpr int kElemBytes = 2;
 // One 16-byte vector (cp.async, ld.shared.v4, one ldmatrix row) holds 8 elements.
 constexpr int kChunkElems = 8;
 
+// int min/max usable in device and host code alike (the host emulator compiles the header too).
+__host__ __device__ __forceinline__ constexpr int imin(int a, int b) { return a < b ? a : b; }
+__host__ __device__ __forceinline__ constexpr int imax(int a, int b) { return a > b ? a : b; }
+
 // ---------------------------------------------------------------------------
 // 1. Runtime parameters
 // ---------------------------------------------------------------------------
 
 // Tensors are (batch, seqlen, heads, head_dim); strides are in elements and the
 // head_dim stride is 1.  GQA: query head h reads KV head h / (heads_q / heads_kv).
+// Any seqlen_q, seqlen_k >= 0 (a seqlen_k of 0 gives O = 0, LSE = -inf).
 struct FwdParams {
   const void* q;
   const void* k;
   const void* v;
   void* o;
+  // Optional log-sum-exp of each row's scaled scores (natural log), fp32, shape
+  // (batch, heads_q, seqlen_q) with seq stride 1; -inf for a row that sees no key.
+  // nullptr: not written.
+  float* lse;
   int64_t q_batch_stride, q_seq_stride, q_head_stride;
   int64_t k_batch_stride, k_seq_stride, k_head_stride;
   int64_t v_batch_stride, v_seq_stride, v_head_stride;
   int64_t o_batch_stride, o_seq_stride, o_head_stride;
+  int64_t lse_batch_stride, lse_head_stride;
   int batch, heads_q, heads_kv, seqlen_q, seqlen_k;
   float softmax_scale;  // e.g. 1/sqrt(head_dim)
 };
@@ -144,6 +154,26 @@ __device__ __forceinline__ void cp_async_16(uint32_t smem_dst, const void* gmem_
                : "memory");
 }
 
+// Same, but copies only `src_bytes` (0 or 16) bytes and zero-fills the rest of the
+// 16 destination bytes: src_bytes = 0 writes 16 zero bytes and reads nothing.  The
+// source address must still be a valid global address (callers pass an in-bounds one).
+__device__ __forceinline__ void cp_async_16_zfill(uint32_t smem_dst, const void* gmem_src, uint32_t src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
+               :
+               : "r"(smem_dst), "l"(__cvta_generic_to_global(gmem_src)), "r"(src_bytes)
+               : "memory");
+}
+
+// %ctaid.x read through volatile asm: each call is a fresh S2R that the compiler can
+// neither merge with an earlier read nor hoist out of a loop.  For a value that the
+// mainloop needs once per iteration and that is cheaper to recompute than to hold
+// in a register through the loop (register pressure there decides the occupancy).
+__device__ __forceinline__ int ctaid_x_fresh() {
+  int v;
+  asm volatile("mov.u32 %0, %%ctaid.x;\n" : "=r"(v));
+  return v;
+}
+
 // Close the group of cp.async issued by this thread since the previous commit.
 __device__ __forceinline__ void cp_async_commit() {
   asm volatile("cp.async.commit_group;\n" ::: "memory");
@@ -188,6 +218,16 @@ __device__ __forceinline__ uint4 ld_shared_v4(uint32_t smem_src) {
                : "r"(smem_src)
                : "memory");
   return v;
+}
+
+// Plain global stores (st.global.v4 / st.global.f32), wrapped so that every global
+// write of the kernel goes through this section.
+__device__ __forceinline__ void st_global_v4(void* gmem_dst, uint4 value) {
+  *reinterpret_cast<uint4*>(gmem_dst) = value;
+}
+
+__device__ __forceinline__ void st_global_f32(float* gmem_dst, float value) {
+  *gmem_dst = value;
 }
 
 // D = A * B + D for one m16n8k16 tile, fp32 accumulators, T = __nv_bfloat16 or half.
@@ -267,11 +307,20 @@ struct WarpChunkWalk {
 // GMEM -> SMEM, asynchronous: one warp copies ROWS x COLS elements starting at
 // `gmem` (row stride `gmem_row_stride` elements, unit column stride) into rows
 // [row0, row0 + ROWS) of the SMEM buffer at `smem_buf`.  The caller commits.
-// A later sequence-tail predicate goes on `row` (cp.async with src-size 0 zero-fills).
-template <class Layout, int ROWS, int COLS, typename T>
-__device__ __forceinline__ void copy_tile_g2s_async(uint32_t smem_buf, int row0, const T* gmem,
-                                                    int64_t gmem_row_stride, int lane) {
+// kZeroFill: tile rows >= rows_valid (any int; <= 0 means none) are not read but
+// zero-filled (cp.async with src-size 0).  Their source address is clamped to row
+// rows_valid - 1 of `gmem`, which the caller guarantees is a row of the tensor
+// (the last one, in practice), so no out-of-bounds address is ever formed.
+template <class Layout, int ROWS, int COLS, bool kZeroFill, typename T>
+__device__ __forceinline__ void copy_tile_g2s_async_impl(uint32_t smem_buf, int row0, const T* gmem,
+                                                         int64_t gmem_row_stride, int lane, int rows_valid) {
   lane = lane_for_addressing<Layout>(lane);
+  if constexpr (kZeroFill) {
+    // The zero-filling copy sits in a rarely taken branch of the mainloop.  An opaque
+    // rows_valid keeps the clamp arithmetic in that branch: hoisted out of the loop,
+    // its invariant parts would hold registers through every iteration.
+    asm volatile("" : "+r"(rows_valid));
+  }
   using Walk = WarpChunkWalk<ROWS, COLS>;
   const int lane_row = lane / Walk::kThreadsPerRow;
   const int lane_chunk = lane % Walk::kThreadsPerRow;
@@ -279,6 +328,8 @@ __device__ __forceinline__ void copy_tile_g2s_async(uint32_t smem_buf, int row0,
   // loop-invariant in the mainloop and each pin two registers there.
   const int64_t pass_stride = Walk::kRowsPerPass * gmem_row_stride;
   const T* src = gmem + lane_row * gmem_row_stride + lane_chunk * kChunkElems;
+  // kZeroFill: where the rows past rows_valid point instead (the last valid row).
+  const T* clamped = kZeroFill ? gmem + (rows_valid - 1) * gmem_row_stride + lane_chunk * kChunkElems : nullptr;
 #pragma unroll
   for (int pass = 0; pass < Walk::kPasses; ++pass, src += pass_stride) {
     const int row = pass * Walk::kRowsPerPass + lane_row;
@@ -286,34 +337,54 @@ __device__ __forceinline__ void copy_tile_g2s_async(uint32_t smem_buf, int row0,
 #pragma unroll
       for (int i = 0; i < Walk::kChunksPerLane; ++i) {
         const int col = (i * Walk::kThreadsPerRow + lane_chunk) * kChunkElems;
-        cp_async_16(smem_buf + Layout::byte_offset(row0 + lane_row, pass * Walk::kRowsPerPass, col),
-                    src + i * Walk::kThreadsPerRow * kChunkElems);
+        const uint32_t dst = smem_buf + Layout::byte_offset(row0 + lane_row, pass * Walk::kRowsPerPass, col);
+        if constexpr (kZeroFill) {
+          const bool valid = row < rows_valid;
+          cp_async_16_zfill(dst, (valid ? src : clamped) + i * Walk::kThreadsPerRow * kChunkElems, valid ? 16u : 0u);
+        } else {
+          cp_async_16(dst, src + i * Walk::kThreadsPerRow * kChunkElems);
+        }
       }
     }
   }
 }
 
+// Full tile: every row exists.
+template <class Layout, int ROWS, int COLS, typename T>
+__device__ __forceinline__ void copy_tile_g2s_async(uint32_t smem_buf, int row0, const T* gmem,
+                                                    int64_t gmem_row_stride, int lane) {
+  copy_tile_g2s_async_impl<Layout, ROWS, COLS, false>(smem_buf, row0, gmem, gmem_row_stride, lane, ROWS);
+}
+
+// Sequence tail: rows >= rows_valid are zero-filled (see copy_tile_g2s_async_impl;
+// the row rows_valid - 1 of `gmem` must exist).
+template <class Layout, int ROWS, int COLS, typename T>
+__device__ __forceinline__ void copy_tile_g2s_async_zfill(uint32_t smem_buf, int row0, const T* gmem,
+                                                          int64_t gmem_row_stride, int lane, int rows_valid) {
+  copy_tile_g2s_async_impl<Layout, ROWS, COLS, true>(smem_buf, row0, gmem, gmem_row_stride, lane, rows_valid);
+}
+
 // SMEM -> GMEM with 16-byte loads and stores: rows [row0, row0 + ROWS) of the
-// SMEM buffer go to `gmem` (row stride `gmem_row_stride` elements).
+// SMEM buffer go to `gmem` (row stride `gmem_row_stride` elements); only tile rows
+// < rows_valid are written (no address is formed for the others).
 template <class Layout, int ROWS, int COLS, typename T>
 __device__ __forceinline__ void copy_tile_s2g(uint32_t smem_buf, int row0, T* gmem, int64_t gmem_row_stride,
-                                              int lane) {
+                                              int lane, int rows_valid) {
   lane = lane_for_addressing<Layout>(lane);
   using Walk = WarpChunkWalk<ROWS, COLS>;
   const int lane_row = lane / Walk::kThreadsPerRow;
   const int lane_chunk = lane % Walk::kThreadsPerRow;
-  const int64_t pass_stride = Walk::kRowsPerPass * gmem_row_stride;
-  T* dst = gmem + lane_row * gmem_row_stride + lane_chunk * kChunkElems;
 #pragma unroll
-  for (int pass = 0; pass < Walk::kPasses; ++pass, dst += pass_stride) {
+  for (int pass = 0; pass < Walk::kPasses; ++pass) {
     const int row = pass * Walk::kRowsPerPass + lane_row;
-    if (Walk::kEvenPasses || row < ROWS) {
+    if ((Walk::kEvenPasses || row < ROWS) && row < rows_valid) {
+      T* dst = gmem + row * gmem_row_stride + lane_chunk * kChunkElems;
 #pragma unroll
       for (int i = 0; i < Walk::kChunksPerLane; ++i) {
         const int col = (i * Walk::kThreadsPerRow + lane_chunk) * kChunkElems;
         const uint32_t src = smem_buf + Layout::byte_offset(row0 + lane_row, pass * Walk::kRowsPerPass, col);
         const uint4 chunk = ld_shared_v4(src);
-        *reinterpret_cast<uint4*>(dst + i * Walk::kThreadsPerRow * kChunkElems) = chunk;
+        st_global_v4(dst + i * Walk::kThreadsPerRow * kChunkElems, chunk);
       }
     }
   }
@@ -475,6 +546,35 @@ __device__ __forceinline__ float exp_reference(float row_max) {
   return row_max == -INFINITY ? 0.f : row_max;
 }
 
+// Mask one score tile: s[i][j][e] = -inf where its column c = 8j + 2*(lane%4) + e
+// (relative to the tile) is at or past its row's end.  Row 8i + lane/4 ends at
+//   col_end                            (kCausal false: keys past seqlen_k),
+//   min(col_end, diag_end + 8i)        (kCausal true: also keys past the diagonal),
+// diag_end being the end for row lane/4 (i = 0); either may be <= 0 (all masked)
+// or past the tile (none).  The lane's column offset moves into the bound, so each
+// element costs one compare with an immediate and one select.
+template <bool kCausal, int R8, int C8>
+__device__ __forceinline__ void mask_scores(float (&s)[R8][C8][2], int col_end, int diag_end, int lane) {
+  const int lane_col = 2 * (lane % 4);
+#pragma unroll
+  for (int i = 0; i < R8; ++i) {
+    int end = col_end;
+    if constexpr (kCausal) {
+      end = imin(end, diag_end + 8 * i);
+    }
+    end -= lane_col;
+#pragma unroll
+    for (int j = 0; j < C8; ++j) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        if (8 * j + e >= end) {
+          s[i][j][e] = -INFINITY;
+        }
+      }
+    }
+  }
+}
+
 // m_new[i] = max(m_run[i], max of row i of s): first over this lane's elements,
 // then across the quad of lanes sharing the row (xor 2, then xor 1).
 template <int R8, int C8>
@@ -554,8 +654,29 @@ __device__ __forceinline__ void row_sum_quad(float (&l)[R8]) {
   }
 }
 
-// o_acc /= l row-wise.  A row with l == 0 (nothing attended, e.g. seqlen_k == 0
-// or, later, fully masked) is written as 0 instead of 0/0 = NaN.
+// Log-sum-exp of each row, natural log: sum_j exp(x_j) = 2^m * l with the row max m
+// in log2 units and l the (quad-reduced) row sum, so lse = (m + log2 l) * ln 2;
+// -inf for a row that saw no key (l == 0).  `lse_rows` points at the entry of the
+// warp's first row (row 8i + lane/4 at lse_rows[8i + lane/4]); rows >= rows_valid
+// are not written.  One lane per quad writes.
+template <int R8>
+__device__ __forceinline__ void store_row_lse(float* lse_rows, const float (&m)[R8], const float (&l)[R8],
+                                              int rows_valid, int lane) {
+  if (lane % 4 != 0) {
+    return;
+  }
+#pragma unroll
+  for (int i = 0; i < R8; ++i) {
+    const int row = 8 * i + lane / 4;
+    if (row < rows_valid) {
+      const float lse = l[i] == 0.f ? -INFINITY : (m[i] + log2f(l[i])) * 0.6931471805599453f;
+      st_global_f32(lse_rows + row, lse);
+    }
+  }
+}
+
+// o_acc /= l row-wise.  A row with l == 0 (nothing attended: seqlen_k == 0, or a
+// causal row before every key) is written as 0 instead of 0/0 = NaN.
 template <int R8, int D8>
 __device__ __forceinline__ void normalize_rows(float (&o_acc)[R8][D8][2], const float (&l)[R8]) {
 #pragma unroll

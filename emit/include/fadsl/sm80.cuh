@@ -44,6 +44,10 @@ constexpr int kElemBytes = 2;
 // One 16-byte vector (cp.async, ld.shared.v4, one ldmatrix row) holds 8 elements.
 constexpr int kChunkElems = 8;
 
+// int min/max usable in device and host code alike (the host emulator compiles the header too).
+__host__ __device__ __forceinline__ constexpr int imin(int a, int b) { return a < b ? a : b; }
+__host__ __device__ __forceinline__ constexpr int imax(int a, int b) { return a > b ? a : b; }
+
 // ---------------------------------------------------------------------------
 // 1. Runtime parameters
 // ---------------------------------------------------------------------------
@@ -158,6 +162,16 @@ __device__ __forceinline__ void cp_async_16_zfill(uint32_t smem_dst, const void*
                :
                : "r"(smem_dst), "l"(__cvta_generic_to_global(gmem_src)), "r"(src_bytes)
                : "memory");
+}
+
+// %ctaid.x read through volatile asm: each call is a fresh S2R that the compiler can
+// neither merge with an earlier read nor hoist out of a loop.  For a value that the
+// mainloop needs once per iteration and that is cheaper to recompute than to hold
+// in a register through the loop (register pressure there decides the occupancy).
+__device__ __forceinline__ int ctaid_x_fresh() {
+  int v;
+  asm volatile("mov.u32 %0, %%ctaid.x;\n" : "=r"(v));
+  return v;
 }
 
 // Close the group of cp.async issued by this thread since the previous commit.
@@ -301,6 +315,12 @@ template <class Layout, int ROWS, int COLS, bool kZeroFill, typename T>
 __device__ __forceinline__ void copy_tile_g2s_async_impl(uint32_t smem_buf, int row0, const T* gmem,
                                                          int64_t gmem_row_stride, int lane, int rows_valid) {
   lane = lane_for_addressing<Layout>(lane);
+  if constexpr (kZeroFill) {
+    // The zero-filling copy sits in a rarely taken branch of the mainloop.  An opaque
+    // rows_valid keeps the clamp arithmetic in that branch: hoisted out of the loop,
+    // its invariant parts would hold registers through every iteration.
+    asm volatile("" : "+r"(rows_valid));
+  }
   using Walk = WarpChunkWalk<ROWS, COLS>;
   const int lane_row = lane / Walk::kThreadsPerRow;
   const int lane_chunk = lane % Walk::kThreadsPerRow;
@@ -308,6 +328,8 @@ __device__ __forceinline__ void copy_tile_g2s_async_impl(uint32_t smem_buf, int 
   // loop-invariant in the mainloop and each pin two registers there.
   const int64_t pass_stride = Walk::kRowsPerPass * gmem_row_stride;
   const T* src = gmem + lane_row * gmem_row_stride + lane_chunk * kChunkElems;
+  // kZeroFill: where the rows past rows_valid point instead (the last valid row).
+  const T* clamped = kZeroFill ? gmem + (rows_valid - 1) * gmem_row_stride + lane_chunk * kChunkElems : nullptr;
 #pragma unroll
   for (int pass = 0; pass < Walk::kPasses; ++pass, src += pass_stride) {
     const int row = pass * Walk::kRowsPerPass + lane_row;
@@ -317,9 +339,8 @@ __device__ __forceinline__ void copy_tile_g2s_async_impl(uint32_t smem_buf, int 
         const int col = (i * Walk::kThreadsPerRow + lane_chunk) * kChunkElems;
         const uint32_t dst = smem_buf + Layout::byte_offset(row0 + lane_row, pass * Walk::kRowsPerPass, col);
         if constexpr (kZeroFill) {
-          // The row itself while it exists, else the last row that does.
-          const T* row_src = gmem + min(row, rows_valid - 1) * gmem_row_stride + lane_chunk * kChunkElems;
-          cp_async_16_zfill(dst, row_src + i * Walk::kThreadsPerRow * kChunkElems, row < rows_valid ? 16u : 0u);
+          const bool valid = row < rows_valid;
+          cp_async_16_zfill(dst, (valid ? src : clamped) + i * Walk::kThreadsPerRow * kChunkElems, valid ? 16u : 0u);
         } else {
           cp_async_16(dst, src + i * Walk::kThreadsPerRow * kChunkElems);
         }
@@ -539,7 +560,7 @@ __device__ __forceinline__ void mask_scores(float (&s)[R8][C8][2], int col_end, 
   for (int i = 0; i < R8; ++i) {
     int end = col_end;
     if constexpr (kCausal) {
-      end = min(end, diag_end + 8 * i);
+      end = imin(end, diag_end + 8 * i);
     }
     end -= lane_col;
 #pragma unroll
