@@ -22,7 +22,7 @@ steps=" $* "
 status=0
 if [[ $steps == *" tests "* || $# -eq 0 ]]; then
   # -P: import the installed fadsl, not the source folder (whose grammar/ and emit/ are not subpackages)
-  python3 -P -m pytest -q -m gpu tests/test_gpu.py tests/test_gpu_general.py -p no:cacheprovider --durations=8 2>&1 | tee "$OUT/pytest_gpu.log" | tail -25
+  python3 -P -m pytest -q -m gpu tests/test_gpu.py tests/test_gpu_general.py -p no:cacheprovider --durations=8 --timeout=120 2>&1 | tee "$OUT/pytest_gpu.log" | tail -25
   status=$((status | ${PIPESTATUS[0]}))
 fi
 if [[ $steps == *" sanitize "* || $# -eq 0 ]]; then

@@ -14,10 +14,10 @@ import sys
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import fadsl
 from conftest import EXAMPLES, ROOT
+from test_gpu_general import reference as general_reference
 
 pytestmark = [
     pytest.mark.gpu,
@@ -45,15 +45,10 @@ def kern(request):
     return fadsl.load(request.param.relative_to(ROOT))
 
 
-def reference(q, k, v, scale, dtype):
-    """softmax(q k^T * scale) v with heads expanded for GQA, computed in ``dtype``."""
-    groups = q.shape[2] // k.shape[2]
-    q, k, v = (t.to(dtype).transpose(1, 2) for t in (q, k, v))
-    k = k.repeat_interleave(groups, dim=1)
-    v = v.repeat_interleave(groups, dim=1)
-    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
-        o = F.scaled_dot_product_attention(q, k, v, scale=scale)
-    return o.transpose(1, 2)
+def reference(q, k, v, scale, dtype, causal=False):
+    """softmax(q k^T * scale [+ bottom-right causal mask]) v, heads expanded for GQA, in
+    ``dtype`` (softmax in fp32); float32 output."""
+    return general_reference(q, k, v, scale, causal, dtype)[0]
 
 
 def check(kern, dtype, batch, sq, sk, hq, hkv, scale=None):
@@ -65,8 +60,9 @@ def check(kern, dtype, batch, sq, sk, hq, hkv, scale=None):
     out = torch.full_like(q, float("nan"))
     kern(q, k, v, scale, out=out)
     torch.cuda.synchronize()
-    ref = reference(q, k, v, scale, torch.float32)
-    low = reference(q, k, v, scale, dtype).float()
+    causal = kern.config.mask.value == "causal"
+    ref = reference(q, k, v, scale, torch.float32, causal)
+    low = reference(q, k, v, scale, dtype, causal)
     assert not out.isnan().any(), "some outputs were never written"
     err = (out.float() - ref).abs().max().item()
     bound = 2 * (low - ref).abs().max().item() + 1e-3
@@ -85,12 +81,14 @@ def test_softmax_scale_and_out_argument(kern):
 
 def test_non_contiguous_inputs_through_strides(kern):
     """q sliced out of a packed qkv tensor: strides, not copies."""
-    qkv = torch.randn(2, 256, 3, 4, 128, device="cuda", dtype=torch.bfloat16)
+    d = kern.config.head_dim
+    qkv = torch.randn(2, 256, 3, 4, d, device="cuda", dtype=torch.bfloat16)
     q, k, v = qkv.unbind(2)
     assert not q.is_contiguous()
     out = kern(q, k, v)
-    ref = reference(q, k, v, 128**-0.5, torch.float32)
-    low = reference(q, k, v, 128**-0.5, torch.bfloat16).float()
+    causal = kern.config.mask.value == "causal"
+    ref = reference(q, k, v, d**-0.5, torch.float32, causal)
+    low = reference(q, k, v, d**-0.5, torch.bfloat16, causal)
     assert (out.float() - ref).abs().max() <= 2 * (low - ref).abs().max() + 1e-3
 
 
