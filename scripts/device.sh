@@ -29,14 +29,15 @@ if [[ $steps == *" sanitize "* || $# -eq 0 ]]; then
   for tool in racecheck synccheck memcheck; do
     echo "== compute-sanitizer --tool $tool"
     compute-sanitizer --tool $tool --error-exitcode 9 python3 scripts/sanitize.py 2>&1 \
-      | tee "$OUT/sanitize_$tool.log" | grep -E "ERROR SUMMARY|RACECHECK SUMMARY|ran,|Error|error" | head -20
+      | tee "$OUT/sanitize_$tool.log" | grep -E "ERROR SUMMARY|RACECHECK SUMMARY|Error|error" | tail -5
     status=$((status | ${PIPESTATUS[0]}))
   done
 fi
 if [[ $steps == *" bench "* ]]; then
   shift $(( $(printf '%s\n' "$@" | grep -n '^bench$' | cut -d: -f1) ))
   for spec in "$@"; do
-    python3 -P -m fadsl.cli bench "$spec" --json "$OUT/$(basename "$spec" .fa).json" \
+    causal=$(grep -qE '^\s*mask\s+causal' "$spec" && echo --causal)
+    python3 -P -m fadsl.cli bench "$spec" $causal --json "$OUT/$(basename "$spec" .fa).json" \
       --plot "$OUT/$(basename "$spec" .fa).png" 2>&1 | tee -a "$OUT/bench.log" | tail -15
   done
 fi
