@@ -193,22 +193,16 @@ class _Lowerer:
         value = self.single(setting)
         if value is None:
             return None
-        supported = "64, 96 or 128 (256 is not supported yet)"
+        supported = "64, 96, 128 or 256"
         if not isinstance(value, Number):
             self.error(value.loc, f"head_dim must be a number, not {_show(value)}")
-            return None
-        if value.value == 256:
-            self.error(
-                value.loc,
-                "head_dim 256 is not supported yet: K and V would have to be loaded into "
-                "registers fragment by fragment; use 64, 96 or 128",
-            )
             return None
         if value.value not in HEAD_DIMS:
             self.error(
                 value.loc, f"head_dim {_clip(value.text)} is not supported; expected {supported}"
             )
             return None
+        self.key_locs["head_dim"] = value.loc  # budget errors point at the number
         return value.value
 
     def tile(self, setting: Setting) -> dict[str, int] | None:
@@ -551,6 +545,24 @@ class _Lowerer:
                 self.key_locs["B_c"],
                 f"B_c = {block_c} with {warps} warps leaves each warp {per_warp} bytes of a K/V "
                 "tile to copy, not a whole number of 512-byte warp-wide cp.async rounds",
+            )
+            ok = False
+        rows = block_r // warps
+        # Registers per thread that stay live across S = Q K^T (4-byte registers, 32 lanes):
+        # this warp's Q fragments, its fp32 O accumulators, and the whole K tile.
+        q_regs, o_regs, k_regs = (
+            rows * head_dim // 64,
+            rows * head_dim // 32,
+            block_c * head_dim // 64,
+        )
+        if ok and q_regs + o_regs + k_regs > REGISTERS_PER_THREAD:
+            self.error(
+                self.key_locs["head_dim"],
+                f"head_dim {head_dim} with B_c = {block_c} and {rows} query rows per warp does not "
+                f"fit the {REGISTERS_PER_THREAD}-register budget per thread: Q fragments ({q_regs}), "
+                f"O accumulators ({o_regs}) and the whole K tile ({k_regs}) need "
+                f"{q_regs + o_regs + k_regs}; use a smaller B_c or more warps (fragment-wise K/V "
+                "loads are not supported yet)",
             )
             ok = False
         swizzle = v.get("swizzle")

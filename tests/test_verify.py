@@ -72,7 +72,12 @@ VARIANTS = {
     "warps_8": spec(("warps    4", "warps    8"), ("B_r = 64", "B_r = 128")),
     "bc_32_hd_64": spec(("head_dim 128", "head_dim 64"), ("B_c = 64", "B_c = 32")),
     "swizzled": (EXAMPLE.parent / "fa2_swizzled.fa").read_text(),
-    "br_128_bc_32_eager": spec(("B_r = 64", "B_r = 128"), ("B_c = 64", "B_c = 32"), extra=EAGER),
+    "br_128_bc_32_eager": spec(
+        ("B_r = 64", "B_r = 128"),
+        ("B_c = 64", "B_c = 32"),
+        ("warps    4", "warps    8"),
+        extra=EAGER,
+    ),
 }
 
 
