@@ -32,18 +32,10 @@ from fadsl.ir import (
 from fadsl.passes import insert_barriers, plan_smem
 from fadsl.passes.verify import VerifyError, verify
 from fadsl.pipeline import compile_file, compile_source, front_end
+from variants import EAGER_ORDER
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "fa2_kernel1.fa"
-EAGER = """  mainloop {
-    K -> smem
-    V -> smem
-    K -> rf
-    S = Q @ K^T
-    softmax
-    V -> rf
-    O += P @ V
-  }
-"""
+EAGER = EAGER_ORDER
 V_FIRST = EAGER.replace("K -> smem\n    V -> smem", "V -> smem\n    K -> smem")
 
 
