@@ -15,9 +15,6 @@ from .ir import (
     AliasPolicy,
     Config,
     Dtype,
-    Hop,
-    Instr,
-    Level,
     Mask,
     Role,
     Scope,
@@ -25,43 +22,18 @@ from .ir import (
     Target,
     Tensor,
 )
-from .syntax import Assign, Call, KernelDecl, LoopStep, Number, PathDecl, Setting, Word
+from .lower_paths import (
+    PathChecks,
+    _and,
+    _scope_loc,
+)  # noqa: F401
+from .syntax import Assign, Call, KernelDecl, Number, Setting, Word
 
 HEAD_DIMS = (64, 96, 128, 256)
 MAX_TILE = 256
 MAX_WARPS = 16
 REGISTERS_PER_THREAD = 255
 
-# The hop each (from, to) pair allows, and the reserved sm_90 instructions.
-HOP_INSTRS: dict[tuple[Level, Level], tuple[Instr, ...]] = {
-    (Level.GMEM, Level.SMEM): (Instr.CP_ASYNC,),
-    (Level.SMEM, Level.RF): (Instr.LDMATRIX, Instr.LDMATRIX_TRANS),
-    (Level.RF, Level.SMEM): (Instr.ST_SHARED,),
-    (Level.SMEM, Level.GMEM): (Instr.ST_GLOBAL,),
-}
-RESERVED_INSTRS = (Instr.TMA, Instr.WGMMA)
-
-# Mainloop steps as written in a spec, and the schedule op each one is.
-LOOP_STEPS = {
-    "K -> smem": "k_g2s",
-    "K -> rf": "k_s2r",
-    "S = Q @ K^T": "qk",
-    "softmax": "softmax",
-    "V -> smem": "v_g2s",
-    "V -> rf": "v_s2r",
-    "O += P @ V": "pv",
-}
-DEFAULT_ORDER = tuple(LOOP_STEPS.values())
-# (earlier, later, why): each later op reads what the earlier op produces.
-LOOP_DEPENDENCIES = (
-    ("k_g2s", "k_s2r", "it reads the K tile that 'K -> smem' writes"),
-    ("k_s2r", "qk", "it multiplies the K fragments that 'K -> rf' loads"),
-    ("qk", "softmax", "it normalises the scores S that 'S = Q @ K^T' computes"),
-    ("softmax", "pv", "it multiplies the probabilities P that 'softmax' produces"),
-    ("v_g2s", "v_s2r", "it reads the V tile that 'V -> smem' writes"),
-    ("v_s2r", "pv", "it multiplies the V fragments that 'V -> rf' loads"),
-)
-OP_TEXT = {op: text for text, op in LOOP_STEPS.items()}
 
 REQUIRED_KEYS = ("target", "dtype", "head_dim", "tile", "warps")
 OPTIONAL_KEYS = ("mask", "swizzle", "smem_alias", "stages")
@@ -74,7 +46,7 @@ class Lowered:
     order: tuple[tuple[str, Loc], ...]  # mainloop ops with the location that asked for each
 
 
-class _Lowerer:
+class _Lowerer(PathChecks):
     def __init__(self, decl: KernelDecl, sink: DiagnosticSink, partial: bool) -> None:
         self.decl = decl
         self.sink = sink
@@ -281,37 +253,6 @@ class _Lowerer:
             return None
         return stages
 
-    # --- paths --------------------------------------------------------------------
-
-    def paths(self) -> dict[Role, Tensor]:
-        tensors: dict[Role, Tensor] = {}
-        seen: dict[str, Loc] = {}
-        for path in self.decl.paths:
-            name = path.tensor.text
-            if name not in Role.__members__:
-                self.suggested.add(closest(name, Role.__members__) or "")
-                self.error(
-                    path.tensor.loc,
-                    f"unknown tensor '{name}'; a kernel moves Q, K, V and O"
-                    + suggest(name, Role.__members__),
-                )
-                continue
-            if name in seen:
-                self.error(
-                    path.tensor.loc,
-                    f"tensor '{name}' has two paths (first at line {seen[name].line})",
-                )
-                continue
-            seen[name] = path.tensor.loc
-            tensor = self.path(Role[name], path)
-            if tensor is not None:
-                tensors[tensor.role] = tensor
-        self.report_missing(
-            [k for k in REQUIRED_KEYS if k not in self.key_locs],
-            [r.value for r in Role if r.value not in seen],
-        )
-        return tensors
-
     def report_missing(self, keys: list[str], tensors: list[str]) -> None:
         """One message for everything the kernel lacks (a misspelling aside)."""
         keys = [k for k in keys if k not in self.suggested]
@@ -325,202 +266,6 @@ class _Lowerer:
             self.missing(
                 self.decl.loc, f"kernel '{self.decl.name.text}' is missing {' and '.join(parts)}"
             )
-
-    def path(self, role: Role, path: PathDecl) -> Tensor | None:
-        ok = True
-        levels: list[Level] = []
-        scope: Scope | None = None
-        for ref in path.levels:
-            if ref.name.text not in {lv.value for lv in Level}:
-                names = [lv.value for lv in Level]
-                self.error(
-                    ref.name.loc,
-                    f"unknown memory level '{ref.name.text}'; expected {one_of(names)}"
-                    + suggest(ref.name.text, names),
-                )
-                ok = False
-                continue
-            level = Level(ref.name.text)
-            levels.append(level)
-            if level is not Level.SMEM:
-                if ref.scope is not None:
-                    self.error(ref.scope.loc, f"only smem takes a sharing scope, not {level.value}")
-                    ok = False
-                continue
-            if ref.scope is None:
-                self.error(ref.loc, "smem needs a sharing scope: smem[warp] or smem[cta]")
-                ok = False
-                continue
-            names = [s.value for s in Scope]
-            if ref.scope.text not in names:
-                self.error(
-                    ref.scope.loc,
-                    f"unknown scope '{ref.scope.text}'; expected 'warp' or 'cta'"
-                    + suggest(ref.scope.text, names),
-                )
-                ok = False
-            elif ref.scope.text == Scope.WARPGROUP.value:
-                self.error(ref.scope.loc, "scope 'warpgroup' is not supported yet (sm_90 path)")
-                ok = False
-            else:
-                scope = Scope(ref.scope.text)
-        if not ok:
-            return None
-        hops: list[Hop] = []
-        for (src, dst), ref in zip(zip(levels, levels[1:]), path.hops):
-            hop = self.hop(src, dst, ref.instr)
-            if hop is None:
-                ok = False
-            else:
-                hops.append(hop)
-        if not ok:
-            return None
-        if not self.path_shape(role, path, levels, hops, scope):
-            return None
-        assert scope is not None
-        return Tensor(role, tuple(hops), scope, path.loc)
-
-    def hop(self, src: Level, dst: Level, word: Word) -> Hop | None:
-        names = [i.value for i in Instr]
-        if word.text not in names:
-            self.error(word.loc, f"unknown instruction '{word.text}'" + suggest(word.text, names))
-            return None
-        instr = Instr(word.text)
-        if instr in RESERVED_INSTRS:
-            self.error(word.loc, f"instruction '{instr.value}' is not supported yet (sm_90 path)")
-            return None
-        if src is dst:
-            self.error(
-                word.loc, f"a hop must change level, but this one goes {src.value} -> {dst.value}"
-            )
-            return None
-        allowed = HOP_INSTRS.get((src, dst))
-        if allowed is None:
-            self.error(
-                word.loc,
-                f"there is no direct {src.value} -> {dst.value} hop; stage the tile through smem",
-            )
-            return None
-        if instr not in allowed:
-            self.error(
-                word.loc,
-                f"'{instr.value}' cannot copy {src.value} -> {dst.value}; "
-                f"{one_of(i.value for i in allowed)} does",
-            )
-            return None
-        return Hop(src, dst, instr, word.loc)
-
-    def path_shape(self, role, path, levels, hops, scope) -> bool:
-        where = path.tensor.loc
-        if role is Role.O:
-            if levels[0] is not Level.RF:
-                self.error(
-                    path.levels[0].name.loc,
-                    "O is the output: its path starts in registers (rf), where the mma "
-                    f"accumulates it, not in {levels[0].value}",
-                )
-                return False
-            if levels != [Level.RF, Level.SMEM, Level.GMEM]:
-                self.error(where, "O must go rf -st.shared-> smem[...] -st.global-> gmem")
-                return False
-        else:
-            if levels[0] is not Level.GMEM:
-                self.error(
-                    path.levels[0].name.loc,
-                    f"{role.value} is an input: its path starts in gmem, not {levels[0].value}",
-                )
-                return False
-            if Level.RF not in levels:
-                self.error(
-                    path.levels[-1].name.loc,
-                    f"{role.value} never reaches registers (rf), where the mma reads its operands",
-                )
-                return False
-            if levels[-1] is not Level.RF:
-                self.error(
-                    path.levels[-1].name.loc,
-                    f"{role.value}'s path must end in rf: {role.value} must go "
-                    "gmem -cp.async-> smem[...] -ldmatrix-> rf",
-                )
-                return False
-            if levels != [Level.GMEM, Level.SMEM, Level.RF]:
-                self.error(where, f"{role.value} must go gmem -cp.async-> smem[...] -ldmatrix-> rf")
-                return False
-            want = Instr.LDMATRIX_TRANS if role is Role.V else Instr.LDMATRIX
-            load = hops[1]
-            if load.instr is not want:
-                why = {
-                    Role.Q: "Q is the A operand of S = Q @ K^T, read row-major",
-                    Role.K: "K is the B operand of S = Q @ K^T; row-major K is K^T column-major",
-                    Role.V: "V is the B operand of O += P @ V and must be transposed on load",
-                }[role]
-                self.error(load.loc, f"{role.value} must be loaded with '{want.value}': {why}")
-                return False
-        return True
-
-    # --- mainloop order -------------------------------------------------------------
-
-    def order(self) -> tuple[tuple[str, Loc], ...]:
-        loops = self.decl.mainloops
-        if not loops:
-            return tuple((op, self.decl.loc) for op in DEFAULT_ORDER)
-        for extra in loops[1:]:
-            self.error(extra.loc, f"duplicate mainloop (first at line {loops[0].loc.line})")
-        loop = loops[0]
-        placed: dict[str, LoopStep] = {}
-        for step in loop.steps:
-            op = self.loop_op(step)
-            if op is None:
-                continue
-            if op in placed:
-                self.error(
-                    step.loc,
-                    f"'{step.text()}' appears twice in the mainloop (first at line "
-                    f"{placed[op].loc.line})",
-                )
-                continue
-            placed[op] = step
-        absent = [op for op in DEFAULT_ORDER if op not in placed and op not in self.suggested]
-        if absent:
-            self.missing(
-                loop.loc, f"the mainloop is missing {_and(repr(OP_TEXT[op]) for op in absent)}"
-            )
-        position = {op: i for i, op in enumerate(placed)}
-        for earlier, later, why in LOOP_DEPENDENCIES:
-            if earlier in position and later in position and position[later] < position[earlier]:
-                self.error(
-                    placed[later].loc,
-                    f"'{OP_TEXT[later]}' must come after '{OP_TEXT[earlier]}': {why}",
-                )
-        return tuple((op, step.loc) for op, step in placed.items())
-
-    def loop_op(self, step: LoopStep) -> str | None:
-        text = step.text()
-        if text in LOOP_STEPS:
-            return LOOP_STEPS[text]
-        first = step.words[0]
-        if step.form == "move" and first.text in ("Q", "O"):
-            self.error(
-                step.loc,
-                f"{first.text} moves once, in the {'prologue' if first.text == 'Q' else 'epilogue'};"
-                " the mainloop moves only K and V",
-            )
-        elif step.form == "move" and first.text in ("K", "V"):
-            self.error(
-                step.words[1].loc,
-                f"in the mainloop {first.text} moves to 'smem' and then to 'rf', "
-                f"not to '{step.words[1].text}'",
-            )
-        elif closest(text, LOOP_STEPS):
-            self.suggested.add(LOOP_STEPS[closest(text, LOOP_STEPS)])
-            self.error(step.loc, f"unknown mainloop step '{text}'" + suggest(text, LOOP_STEPS))
-        else:
-            self.error(
-                step.loc,
-                f"unknown mainloop step '{text}'; expected one of: "
-                + ", ".join(f"'{s}'" for s in LOOP_STEPS),
-            )
-        return None
 
     # --- cross-field checks -----------------------------------------------------------
 
@@ -630,16 +375,6 @@ class _Lowerer:
         return True
 
 
-def _scope_loc(decl: KernelDecl, role: Role) -> Loc:
-    for path in decl.paths:
-        if path.tensor.text == role.value:
-            for level in path.levels:
-                if level.scope is not None:
-                    return level.scope.loc
-            return path.loc
-    return decl.loc
-
-
 def _show(value: object) -> str:
     match value:
         case Word(text=text):
@@ -654,11 +389,6 @@ def _show(value: object) -> str:
             raise AssertionError(f"unknown value {value!r}")
 
 
-def _and(items) -> str:
-    items = list(items)
-    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
-
-
 def _clip(text: str) -> str:
     return text if len(text) <= 20 else text[:8] + "..." + f" ({len(text)} digits)"
 
@@ -668,6 +398,9 @@ def lower(decl: KernelDecl, sink: DiagnosticSink, partial: bool = False) -> Lowe
     lowerer = _Lowerer(decl, sink, partial)
     lowerer.settings()
     tensors = lowerer.paths()
+    lowerer.report_missing(
+        [k for k in REQUIRED_KEYS if k not in lowerer.key_locs], lowerer.missing_tensors
+    )
     order = lowerer.order()
     config = lowerer.config(tensors)
     if sink.diagnostics or config is None or len(tensors) != len(Role):

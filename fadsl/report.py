@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from .ir import Kernel, Phase, Step
-from .lower import OP_TEXT
+from .lower_paths import OP_TEXT
 from .passes.plan_smem import occupancy
 from .pipeline import Compiled
 from .resources import ctas_per_sm
