@@ -10,6 +10,7 @@ builds of one entry safe; an entry that fails to import is rebuilt.
 from __future__ import annotations
 
 import contextlib
+from dataclasses import replace
 import fcntl
 import hashlib
 import importlib.util
@@ -141,7 +142,10 @@ class FlashAttention:
         self.compiled = compiled
         self.config = compiled.kernel.config
         self.verbose = verbose
-        self._sources = {s.dtype: s for s in render(compiled)}
+        # Rendered under the kernel's name rather than the path it was loaded by, so that the
+        # cache key (which hashes the source) does not depend on how the spec was reached.
+        canonical = replace(compiled, file=f"{self.config.name}.fa")
+        self._sources = {s.dtype: s for s in render(canonical)}
         self._modules: dict[tuple[Dtype, str], ModuleType] = {}
 
     def __repr__(self) -> str:

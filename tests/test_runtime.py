@@ -32,6 +32,8 @@ def test_load_accepts_a_path_a_string_path_and_spec_text():
     by_text = fadsl.load(SPEC.read_text())
     assert by_path.source("bf16") == by_str.source("bf16")
     assert spec_hash(by_text.compiled.kernel) == spec_hash(by_path.compiled.kernel)
+    # The path a spec was loaded by is not part of the source, so not of the cache key.
+    assert by_text.source("bf16") == by_path.source("bf16")
     assert "fa2_kernel1_bf16_kernel" in by_text.source("bf16")
 
 
