@@ -10,7 +10,6 @@ builds of one entry safe; an entry that fails to import is rebuilt.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import replace
 import fcntl
 import hashlib
 import importlib.util
@@ -21,6 +20,7 @@ import shutil
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from types import ModuleType
 from typing import Iterator
