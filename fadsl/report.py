@@ -6,7 +6,7 @@ from typing import Any
 
 from .ir import Kernel, Phase, Step
 from .lower_paths import OP_TEXT
-from .passes.plan_smem import occupancy
+from .passes.plan_smem import live_text, occupancy
 from .pipeline import Compiled
 from .resources import ctas_per_sm
 
@@ -36,12 +36,8 @@ def summary(compiled: Compiled) -> str:
 
 
 def _live(kernel: Kernel) -> dict[str, str]:
-    steps = kernel.steps()
-    result = {}
-    for name, idx in occupancy(kernel).items():
-        ops = [steps[i].op for i in sorted(idx)]
-        result[name] = f"{ops[0]}..{ops[-1]}" if ops else "-"
-    return result
+    steps = list(kernel.steps())
+    return {name: live_text(steps, idx) for name, idx in occupancy(kernel).items()}
 
 
 def _resources(compiled: Compiled, use_nvcc: bool) -> list[dict[str, Any]]:

@@ -221,11 +221,7 @@ class FlashAttention:
                 f"out must match q: shape {tuple(q.shape)}, {q.dtype}, {q.device}; got shape "
                 f"{tuple(out.shape)}, {out.dtype}, {out.device}"
             )
-        if out.stride(3) != 1 or out.data_ptr() % 16 or any(s % 8 for s in out.stride()[:3]):
-            raise ValueError(
-                "out must be contiguous in its last dimension and 16-byte aligned with strides "
-                f"that are multiples of 8 elements, got strides {out.stride()}"
-            )
+        _check_layout("out", out)
 
     def _validate(self, q, k, v) -> Dtype:
         import torch
@@ -255,16 +251,7 @@ class FlashAttention:
                     f"{name}.shape[3] is the head_dim, which the spec fixes at {cfg.head_dim}, "
                     f"got {t.shape[3]}"
                 )
-            if t.stride(3) != 1:
-                raise ValueError(
-                    f"{name} must be contiguous in its last dimension (stride 1), got strides "
-                    f"{t.stride()}; pass {name}.contiguous()"
-                )
-            if t.data_ptr() % 16 or any(s % 8 for s in t.stride()[:3]):
-                raise ValueError(
-                    f"{name} must be 16-byte aligned with strides that are multiples of 8 "
-                    f"elements (16-byte vector loads), got strides {t.stride()}"
-                )
+            _check_layout(name, t)
         batch, seqlen_q, heads_q, _ = q.shape
         if k.shape != v.shape:
             raise ValueError(
@@ -294,6 +281,20 @@ class FlashAttention:
             if t.device != q.device:
                 raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
         return torch_dtypes[q.dtype]
+
+
+def _check_layout(name: str, t) -> None:
+    """The kernel moves 16-byte vectors: last dimension contiguous, base and strides aligned."""
+    if t.stride(3) != 1:
+        raise ValueError(
+            f"{name} must be contiguous in its last dimension (stride 1), got strides "
+            f"{t.stride()}; pass {name}.contiguous()"
+        )
+    if t.data_ptr() % 16 or any(st % 8 for st, n in zip(t.stride()[:3], t.shape[:3]) if n > 1):
+        raise ValueError(
+            f"{name} must be 16-byte aligned with strides that are multiples of 8 "
+            f"elements (16-byte vector loads), got strides {t.stride()}"
+        )
 
 
 def load(spec: str | os.PathLike, verbose: bool = True) -> FlashAttention:

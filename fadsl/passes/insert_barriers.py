@@ -144,6 +144,7 @@ def _walk_trace(kernel: Kernel, iterations: int) -> tuple[_Need | None, dict[int
             continue
         need_scope: Scope | None = None
         need_group: int | None = None  # the newest cp.async group that must have landed
+        from_loop = False  # some unordered earlier access was made inside the mainloop
         for acc in item.accesses:
             for n, past in enumerate(history):
                 scope = conflict_scope(kernel, past.access, acc)
@@ -167,15 +168,12 @@ def _walk_trace(kernel: Kernel, iterations: int) -> tuple[_Need | None, dict[int
                             served.setdefault(past.waited_by, []).append(hazard)
                     continue
                 need_scope = Scope.CTA if scope is Scope.CTA else (need_scope or Scope.WARP)
+                from_loop = from_loop or past.iteration != -1
                 if past.group is not None and past.waited_by is None:
                     need_group = max(past.group, need_group if need_group is not None else -1)
         if need_scope is not None:
             committed = groups  # groups issued before the sync goes in
-            if (
-                pos[0] is Phase.MAINLOOP
-                and iteration == 0
-                and _only_prologue(history, item, kernel)
-            ):
+            if pos[0] is Phase.MAINLOOP and iteration == 0 and not from_loop:
                 pos = (Phase.PROLOGUE, len(kernel.prologue))
                 committed = prologue_groups
             # wait_group N lets the N newest groups stay in flight.
@@ -204,19 +202,6 @@ def _shadowed(kernel: Kernel, between: list[_Past], earlier: Access, later: Acce
         if m_lo < hi and lo < m_hi:
             return True
     return False
-
-
-def _only_prologue(history: list[_Past], item: Step, kernel: Kernel) -> bool:
-    """True when every unordered conflict of ``item`` comes from the prologue."""
-    for acc in item.accesses:
-        for past in history:
-            scope = conflict_scope(kernel, past.access, acc)
-            if scope is None:
-                continue
-            by = past.cta_ordered if scope is Scope.CTA else past.warp_ordered
-            if not by and past.iteration != -1:
-                return False
-    return True
 
 
 def _items(kernel: Kernel, phase: Phase) -> list[Item]:

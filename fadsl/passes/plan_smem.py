@@ -54,7 +54,7 @@ def occupancy(kernel: Kernel) -> dict[str, frozenset[int]]:
     return {name: frozenset(idx) for name, idx in occupied.items()}
 
 
-def _live_text(steps: list[Step], idx: frozenset[int]) -> str:
+def live_text(steps: list[Step], idx: frozenset[int]) -> str:
     ops = [steps[i].op for i in sorted(idx)]
     if not ops:
         return "never"
@@ -83,8 +83,8 @@ def plan_smem(kernel: Kernel) -> Kernel:
             for m in members:
                 scope = f"both {buf.scope.value}-scoped" if m.scope is buf.scope else "any scope"
                 why.append(
-                    f"{m.name} (live {_live_text(steps, occupied[m.name])}) and {buf.name} "
-                    f"(live {_live_text(steps, occupied[buf.name])}) are never live at once; "
+                    f"{m.name} (live {live_text(steps, occupied[m.name])}) and {buf.name} "
+                    f"(live {live_text(steps, occupied[buf.name])}) are never live at once; "
                     f"{scope}"
                 )
             members.append(buf)
