@@ -22,7 +22,9 @@ from .pipeline import Compiled
 from .printer import format_kernel
 
 TEMPLATE = "kernel_sm80.cu.j2"
-HEADER = "include/fadsl/sm80.cuh"
+# The CUDA headers a generated source includes, relative to emit/include (where they ship)
+# and to the folder they are written to next to it.
+HEADERS = ("fadsl/sm80_ptx.cuh", "fadsl/sm80.cuh")
 
 
 @dataclass(frozen=True)
@@ -49,7 +51,23 @@ def _environment() -> jinja2.Environment:
 
 
 def header_text() -> str:
-    return resources.files("fadsl.emit").joinpath(HEADER).read_text()
+    """The headers' text, all of it (for cache keys)."""
+    return "".join(_header(name) for name in HEADERS)
+
+
+def _header(name: str) -> str:
+    return resources.files("fadsl.emit").joinpath("include", name).read_text()
+
+
+def write_headers(root: Path) -> list[Path]:
+    """Write the headers under ``root`` (``root/fadsl/...``), where ``-I root`` finds them."""
+    paths = []
+    for name in HEADERS:
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(_header(name))
+        paths.append(path)
+    return paths
 
 
 def spec_hash(kernel: Kernel) -> str:
@@ -108,6 +126,7 @@ def context(compiled: Compiled, dtype: Dtype) -> dict[str, Any]:
         "mask": cfg.mask.value,
         "smem_bytes": kernel.smem_bytes,
         "buffers": buffers,
+        "reg_load": {t.role.value: t.reg_load.value for t in kernel.tensors},
         "phases": [
             {"name": phase.value, "items": [_item(i) for i in items]}
             for phase, items in kernel.phases()
@@ -128,12 +147,9 @@ def render(compiled: Compiled) -> tuple[Source, ...]:
 
 
 def write(compiled: Compiled, out_dir: Path) -> list[Path]:
-    """Write the .cu files and the helper header they include into ``out_dir``."""
+    """Write the .cu files and the helper headers they include into ``out_dir``."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    header = out_dir / HEADER.removeprefix("include/")
-    header.parent.mkdir(parents=True, exist_ok=True)
-    header.write_text(header_text())
-    paths = [header]
+    paths = write_headers(out_dir)
     for source in render(compiled):
         path = out_dir / source.filename
         path.write_text(source.text)

@@ -76,6 +76,13 @@ class Scope(Enum):
     CTA = "cta"
 
 
+class RegLoad(Enum):
+    """How an input tile reaches registers from SMEM (the bracket on its ``rf`` level)."""
+
+    TILE = "tile"  # the whole tile, by a step of its own, before the mma that reads it
+    FRAG = "frag"  # one k16 slice at a time, inside the mma loop (fewer live registers)
+
+
 class Role(Enum):
     Q = "Q"
     K = "K"
@@ -144,6 +151,7 @@ class Tensor:
     hops: tuple[Hop, ...]
     smem_scope: Scope
     loc: Loc
+    reg_load: RegLoad = RegLoad.TILE  # inputs only: O is accumulated in registers
 
     def path_text(self) -> str:
         parts = [self.hops[0].src.value]
@@ -151,6 +159,8 @@ class Tensor:
             level = hop.dst.value
             if hop.dst is Level.SMEM:
                 level += f"[{self.smem_scope.value}]"
+            elif hop.dst is Level.RF and self.reg_load is RegLoad.FRAG:
+                level += f"[{self.reg_load.value}]"
             parts.append(f"-{hop.instr.value}-> {level}")
         return " ".join(parts)
 

@@ -16,6 +16,7 @@ from .ir import (
     Config,
     Dtype,
     Mask,
+    RegLoad,
     Role,
     Scope,
     Swizzle,
@@ -293,22 +294,7 @@ class _Lowerer(PathChecks):
             )
             ok = False
         rows = block_r // warps
-        # Registers per thread that stay live across S = Q K^T (4-byte registers, 32 lanes):
-        # this warp's Q fragments, its fp32 O accumulators, and the whole K tile.
-        q_regs, o_regs, k_regs = (
-            rows * head_dim // 64,
-            rows * head_dim // 32,
-            block_c * head_dim // 64,
-        )
-        if ok and q_regs + o_regs + k_regs > REGISTERS_PER_THREAD:
-            self.error(
-                self.key_locs["head_dim"],
-                f"head_dim {head_dim} with B_c = {block_c} and {rows} query rows per warp does not "
-                f"fit the {REGISTERS_PER_THREAD}-register budget per thread: Q fragments ({q_regs}), "
-                f"O accumulators ({o_regs}) and the whole K tile ({k_regs}) need "
-                f"{q_regs + o_regs + k_regs}; use a smaller B_c or more warps (fragment-wise K/V "
-                "loads are not supported yet)",
-            )
+        if ok and not self.registers_fit(tensors, rows, block_c, head_dim):
             ok = False
         swizzle = v.get("swizzle")
         if isinstance(swizzle, Swizzle) and not self.swizzle_fits(swizzle, head_dim):
@@ -348,6 +334,51 @@ class _Lowerer(PathChecks):
             loc=self.decl.loc,
             key_locs=tuple(sorted(self.key_locs.items())),
         )
+
+    def registers_fit(
+        self, tensors: dict[Role, Tensor], rows: int, block_c: int, head_dim: int
+    ) -> bool:
+        """Registers per thread (4 bytes, 32 lanes) live through each mma must fit the budget.
+
+        An estimate, deliberately simple: the larger of the two mma steps' operands and
+        accumulators, plus Q's fragments for the whole loop when Q is loaded as a tile. A
+        tile loaded fragment-wise costs one k16 slice. (nvcc's 0-spill check is the real guard.)
+        """
+
+        def whole(role: Role) -> bool:
+            tensor = tensors.get(role)
+            return tensor is None or tensor.reg_load is RegLoad.TILE
+
+        def operand(role: Role, tile_rows: int, slice_regs: int) -> tuple[str, int]:
+            if whole(role):
+                return f"the whole {role.value} tile", tile_rows * head_dim // 64
+            return f"a k16 slice of {role.value}", slice_regs
+
+        o = ("O accumulators", rows * head_dim // 32)
+        q = operand(Role.Q, rows, rows // 4)
+        phases = {
+            "S = Q @ K^T": [o, q, operand(Role.K, block_c, block_c // 4)],
+            "O += P @ V": [o, ("P", rows * block_c // 64), operand(Role.V, block_c, head_dim // 4)],
+        }
+        if whole(Role.Q):
+            phases["O += P @ V"].append(("Q fragments held through the loop", q[1]))
+        step, parts = max(phases.items(), key=lambda kv: sum(n for _, n in kv[1]))
+        need = sum(n for _, n in parts)
+        if need <= REGISTERS_PER_THREAD:
+            return True
+        tiles = [r.value for r in (Role.Q, Role.K, Role.V) if whole(r)]
+        hint = "use a smaller B_c or more warps"
+        if tiles:
+            paths = f"{tiles[0]}'s path" if len(tiles) == 1 else f"the paths of {_and(tiles)}"
+            hint = f"load fragment-wise (end {paths} in rf[frag]), or " + hint
+        listed = _and(f"{what} ({n})" for what, n in parts)
+        self.error(
+            self.key_locs["head_dim"],
+            f"head_dim {head_dim} with B_c = {block_c} and {rows} query rows per warp does not "
+            f"fit the {REGISTERS_PER_THREAD}-register budget per thread: during '{step}', "
+            f"{listed} need {need}; {hint}",
+        )
+        return False
 
     def swizzle_fits(self, swz: Swizzle, head_dim: int) -> bool:
         """The swizzle must keep 16-byte chunks whole and stay inside one row."""
@@ -401,7 +432,7 @@ def lower(decl: KernelDecl, sink: DiagnosticSink, partial: bool = False) -> Lowe
     lowerer.report_missing(
         [k for k in REQUIRED_KEYS if k not in lowerer.key_locs], lowerer.missing_tensors
     )
-    order = lowerer.order()
+    order = lowerer.order(tensors)
     config = lowerer.config(tensors)
     if sink.diagnostics or config is None or len(tensors) != len(Role):
         return None

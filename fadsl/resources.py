@@ -15,7 +15,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from .codegen import HEADER, Source, header_text
+from .codegen import Source, header_text, write_headers
 
 # nvcc flags per architecture; wgmma-era Hopper needs the arch-specific "a" target.
 ARCH_FLAGS = {
@@ -79,8 +79,7 @@ def ptxas_usage(source: Source, arch: str, cache: Path | None = None) -> dict[st
         return json.loads(cached.read_text())
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        (root / "fadsl").mkdir()
-        (root / HEADER.removeprefix("include/")).write_text(header_text())
+        write_headers(root)
         cu = root / source.filename
         cu.write_text(source.text)
         cmd = [compiler, "-std=c++17", "-O3", "-cubin", "--resource-usage", *ARCH_FLAGS[arch]]

@@ -26,7 +26,7 @@ from types import ModuleType
 from typing import Iterator
 
 from . import __version__
-from .codegen import HEADER, Source, header_text, render, spec_hash
+from .codegen import Source, header_text, write_headers, render, spec_hash
 from .ir import Dtype
 from .pipeline import Compiled, compile_file, compile_source
 
@@ -105,8 +105,8 @@ def build(source: Source, normalised: str, arch: str, verbose: bool = True) -> M
             except ImportError as err:
                 print(f"fadsl: cache entry {entry} is corrupt ({err}); rebuilding", file=sys.stderr)
         shutil.rmtree(entry, ignore_errors=True)
-        (entry / "fadsl").mkdir(parents=True)
-        (entry / HEADER.removeprefix("include/")).write_text(header_text())
+        entry.mkdir(parents=True)
+        write_headers(entry)
         cu = entry / source.filename
         cu.write_text(source.text)
         if verbose:

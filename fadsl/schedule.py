@@ -1,9 +1,11 @@
 """Build the schedule: which step touches which SMEM buffer, how, and by whom.
 
-Prologue: Q gmem -> smem -> rf and the softmax state. Mainloop (once per KV
-block, in the spec's order): K and V gmem -> smem -> rf, S = Q K^T, online
-softmax, O += P V. Epilogue: normalise, O rf -> smem -> gmem. No syncs yet:
-insert_barriers adds them.
+Prologue: Q gmem -> smem (-> rf unless Q is loaded fragment-wise), the first
+K/V block of a tile the mainloop loads ahead, and the softmax state. Mainloop
+(once per KV block, in the spec's order): K and V gmem -> smem -> rf, S = Q K^T,
+online softmax, O += P V; a tile loaded fragment-wise (rf[frag]) has no
+smem -> rf step: the mma that multiplies it reads its SMEM tile. Epilogue:
+normalise, O rf -> smem -> gmem. No syncs yet: insert_barriers adds them.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from .ir import (
     Mode,
     Partition,
     Phase,
+    RegLoad,
     Role,
     Scope,
     Step,
@@ -54,15 +57,17 @@ def build_schedule(lowered: Lowered) -> Kernel:
         # only by the warp that owns the slice.
         return Partition.WHOLE if tensors[role].smem_scope is Scope.CTA else Partition.SLICE
 
-    def g2s(role: Role, phase: Phase, loc: Loc) -> Step:
+    def g2s(role: Role, phase: Phase, loc: Loc, block: str = "") -> Step:
+        """block: '' for Q or the current K/V block, 'first' (prologue) or 'next' (ahead)."""
         hop = tensors[role].hops[0]
         rows = _slice_rows(shape[role], cfg.warps)
+        which = f" of the {block} block" if block else ""
         return Step(
-            op=f"{role.value.lower()}_g2s",
+            op=f"{role.value.lower()}_g2s" + ("_next" if block == "next" else ""),
             phase=phase,
             accesses=(Access(role.value, Mode.WRITE, Partition.SLICE),),
             is_async=True,
-            title=f"{role.value}: gmem -> smem ({hop.instr.value}; warp w copies rows "
+            title=f"{role.value}{which}: gmem -> smem ({hop.instr.value}; warp w copies rows "
             f"[{rows}w, {rows}w + {rows}) of {shape[role]}), one commit group",
             loc=loc,
         )
@@ -80,15 +85,17 @@ def build_schedule(lowered: Lowered) -> Kernel:
             loc=loc,
         )
 
-    def compute(op: str, phase: Phase, title: str, loc: Loc) -> Step:
-        return Step(op=op, phase=phase, accesses=(), is_async=False, title=title, loc=loc)
+    def compute(op: str, phase: Phase, title: str, loc: Loc, reads: tuple[Role, ...] = ()):
+        """A register-only step, except the tiles it loads fragment-wise from SMEM itself."""
+        fused = [r for r in reads if tensors[r].reg_load is RegLoad.FRAG]
+        accesses = tuple(Access(r.value, Mode.READ, read_partition(r)) for r in fused)
+        if fused:
+            loads = ", ".join(f"{r.value} ({tensors[r].hops[1].instr.value})" for r in fused)
+            title += f"; loads {loads} one k16 slice at a time from smem"
+        return Step(op=op, phase=phase, accesses=accesses, is_async=False, title=title, loc=loc)
 
     q, o = tensors[Role.Q], tensors[Role.O]
-    prologue = (
-        g2s(Role.Q, Phase.PROLOGUE, q.hops[0].loc),
-        compute("init", Phase.PROLOGUE, "zero the O accumulators; m = -inf, l = 0", cfg.loc),
-        s2r(Role.Q, Phase.PROLOGUE, q.hops[1].loc),
-    )
+    first_blocks = []  # tiles the mainloop loads one block ahead: the prologue loads block 0
     explicit = any(loc != cfg.loc for _, loc in lowered.order)
     loop_steps = []
     for op, loc in lowered.order:
@@ -98,6 +105,12 @@ def build_schedule(lowered: Lowered) -> Kernel:
                 loop_steps.append(
                     g2s(role, Phase.MAINLOOP, loc if explicit else tensors[role].hops[0].loc)
                 )
+            case "k_g2s_next" | "v_g2s_next":
+                # The first block's tile is loaded by the prologue; each iteration loads the next.
+                role = Role(op[0].upper())
+                hop_loc = tensors[role].hops[0].loc
+                first_blocks.append(g2s(role, Phase.PROLOGUE, hop_loc, "first"))
+                loop_steps.append(g2s(role, Phase.MAINLOOP, loc, "next"))
             case "k_s2r" | "v_s2r":
                 role = Role(op[0].upper())
                 loop_steps.append(
@@ -110,6 +123,7 @@ def build_schedule(lowered: Lowered) -> Kernel:
                         Phase.MAINLOOP,
                         "S = Q @ K^T (mma.sync m16n8k16, fp32 accumulators)",
                         loc,
+                        reads=(Role.Q, Role.K),
                     )
                 )
             case "softmax":
@@ -123,10 +137,17 @@ def build_schedule(lowered: Lowered) -> Kernel:
                 )
             case "pv":
                 loop_steps.append(
-                    compute(op, Phase.MAINLOOP, "O += P @ V (mma.sync m16n8k16)", loc)
+                    compute(op, Phase.MAINLOOP, "O += P @ V (mma.sync m16n8k16)", loc, (Role.V,))
                 )
             case _:
                 raise AssertionError(f"unknown mainloop op {op}")
+    prologue = [
+        g2s(Role.Q, Phase.PROLOGUE, q.hops[0].loc),
+        *first_blocks,
+        compute("init", Phase.PROLOGUE, "zero the O accumulators; m = -inf, l = 0", cfg.loc),
+    ]
+    if q.reg_load is RegLoad.TILE:
+        prologue.append(s2r(Role.Q, Phase.PROLOGUE, q.hops[1].loc))
     epilogue = (
         compute(
             "normalize", Phase.EPILOGUE, "finish the row sums l across each quad; O /= l", cfg.loc
@@ -153,7 +174,7 @@ def build_schedule(lowered: Lowered) -> Kernel:
         config=cfg,
         tensors=lowered.tensors,
         buffers=buffers,
-        prologue=prologue,
+        prologue=tuple(prologue),
         mainloop=tuple(loop_steps),
         epilogue=epilogue,
         loop_may_be_empty=cfg.mask is Mask.CAUSAL,

@@ -86,7 +86,7 @@ class PathDecl:
 class LoopStep:
     """One mainloop line; ``words`` are its names in order, e.g. S, Q, K, T."""
 
-    form: str  # "move" | "gemm_assign" | "gemm_accumulate" | "compute"
+    form: str  # "move" | "move_next" | "gemm_assign" | "gemm_accumulate" | "compute"
     words: tuple[Word, ...]
     loc: Loc
 
@@ -95,6 +95,8 @@ class LoopStep:
         match self.form:
             case "move":
                 return f"{w[0]} -> {w[1]}"
+            case "move_next":
+                return f"{w[0]}({w[1]}) -> {w[2]}"
             case "gemm_assign":
                 return f"{w[0]} = {w[1]} @ {w[2]}^{w[3]}"
             case "gemm_accumulate":
@@ -296,6 +298,7 @@ class _ToAst(Transformer):
         return method
 
     move = _step("move")
+    move_next = _step("move_next")
     gemm_assign = _step("gemm_assign")
     gemm_accumulate = _step("gemm_accumulate")
     compute = _step("compute")

@@ -134,9 +134,19 @@ fa2_hdim64_fp16_kernel(const __grid_constant__ fa2_hdim64_fp16_params params) {
   // K/V blocks [0, n_kv_blocks) are visited.
   int n_kv_blocks = params.seqlen_k / Cfg::kBlockC + (params.seqlen_k % Cfg::kBlockC != 0);
 
-  // exp(x) = exp2(x * log2(e)): the scores are multiplied once by
-  // softmax_scale * log2(e), so every exponential is a single exp2f (MUFU.EX2)
-  // and the running row max is kept in the same log2 units.
+  // Keys [0, unmasked_keys()) exist and every query row of this CTA sees them; a K/V block that ends past
+  // them needs masking.
+  auto unmasked_keys = [&]() {
+    return params.seqlen_k;
+  };
+  // Only a block with keys past seqlen_k zero-fills rows in its K/V loads (the branch is
+  // taken at run time: a zero-filling copy held in a loop of its own would keep its
+  // address arithmetic in registers through that loop).
+  auto past_seqlen_k = [&](int block) { return (block + 1) * Cfg::kBlockC > params.seqlen_k; };
+
+  // exp(x) = exp2(x * log2(e)): each exponential is one FFMA, s * scale_log2 - m * scale_log2
+  // (scale_log2 = softmax_scale * log2(e), m the running row max of the raw scores), and
+  // one MUFU.EX2.
   const float scale_log2 = params.softmax_scale * 1.4426950408889634f;
 
   // Register tiles (fragment layouts: see fadsl/sm80.cuh).  All indices are
@@ -148,7 +158,7 @@ fa2_hdim64_fp16_kernel(const __grid_constant__ fa2_hdim64_fp16_params params) {
   uint32_t p_frag[kQ8][kC8];   // P in 16 bits: A operand of P V
   float o_acc[kQ8][kD8][2];    // unnormalised output accumulator
   uint32_t o_frag[kQ8][kD8];   // normalised output in 16 bits
-  float row_max[kQ8];          // running row max (log2 units), one per row of this lane
+  float row_max[kQ8];          // running row max of the raw scores, one per row of this lane
   float row_sum[kQ8];          // running row sum over this lane's columns only
 
   // ================================ prologue ================================
@@ -173,12 +183,15 @@ fa2_hdim64_fp16_kernel(const __grid_constant__ fa2_hdim64_fp16_params params) {
   fadsl::ldmatrix_tile<Cfg::SmemQ, kQRows, Cfg::kHeadDim>(q_frag, smem_q, warp * kQRows, lane);
 
   // ================================ mainloop ================================
+  // Blocks [0, n_unmasked) need no mask and run the first loop, the rest (the sequence
+  // tail) the second.  The loops have the same body, so the
+  // schedule's syncs are the same for every iteration; `masked` is a compile-time constant
+  // in each, so the masking code exists only in the second.
+  const int n_unmasked = fadsl::imin(n_kv_blocks, fadsl::imax(0, unmasked_keys()) / Cfg::kBlockC);
+  int kv_block = 0;
   #pragma unroll 1
-  for (int kv_block = 0; kv_block < n_kv_blocks; ++kv_block) {
-    // A block needs no mask when it ends at or before seqlen_k (only the last one may not).
-    const bool masked = (kv_block + 1) * Cfg::kBlockC > params.seqlen_k;
-    // A masked block takes a CTA-uniform branch in k_g2s, v_g2s and softmax: K/V rows
-    // past seqlen_k are zero-filled, and the scores masked.
+  for (; kv_block < n_unmasked; ++kv_block) {
+    constexpr bool masked = false;
 
     // CTA barrier; orders:
     //   WAR on Q/O (aliased): q_s2r -> o_r2s (within each warp)
@@ -186,9 +199,9 @@ fa2_hdim64_fp16_kernel(const __grid_constant__ fa2_hdim64_fp16_params params) {
     __syncthreads();
 
     // K: gmem -> smem (cp.async; warp w copies rows [16w, 16w + 16) of 64), one commit group
-    if (masked) {
-      // Rows past seqlen_k are zero-filled (their scores are masked).
-      fadsl::copy_tile_g2s_async_zfill<Cfg::SmemK, kKVRows, Cfg::kHeadDim>(smem_k, warp * kKVRows, k_warp, params.k_seq_stride, lane, params.seqlen_k - kv_block * Cfg::kBlockC - warp * kKVRows);
+    if (masked && past_seqlen_k(kv_block)) {
+      // Rows past seqlen_k are zero-filled: their scores are masked.
+      fadsl::copy_tile_g2s_async_zfill<Cfg::SmemK, kKVRows, Cfg::kHeadDim>(smem_k, warp * kKVRows, k_warp, params.k_seq_stride, lane, params.seqlen_k - (kv_block) * Cfg::kBlockC - warp * kKVRows);
     } else {
       fadsl::copy_tile_g2s_async<Cfg::SmemK, kKVRows, Cfg::kHeadDim>(smem_k, warp * kKVRows, k_warp, params.k_seq_stride, lane);
     }
@@ -206,12 +219,10 @@ fa2_hdim64_fp16_kernel(const __grid_constant__ fa2_hdim64_fp16_params params) {
 
     // S = Q @ K^T (mma.sync m16n8k16, fp32 accumulators)
     fadsl::fill_acc(s_acc, 0.f);
-    fadsl::gemm_frag<T>(s_acc, q_frag, k_frag);
+    fadsl::gemm<T, kQ8, kC8, kD8>(s_acc, fadsl::RegTile<kQ8, kD8>{q_frag}, fadsl::RegTile<kC8, kD8>{k_frag});
 
     // online softmax: row max, rescale O and l, P = exp(S - m)
     {
-      // Scores to log2 units (S * softmax_scale * log2 e) so that exp() is one exp2f.
-      fadsl::scale_acc(s_acc, scale_log2);
       if (masked) {
         // Keys past seqlen_k -> -inf.
         const int kv_rows_left = params.seqlen_k - kv_block * Cfg::kBlockC;  // keys from this block's first on
@@ -219,8 +230,8 @@ fa2_hdim64_fp16_kernel(const __grid_constant__ fa2_hdim64_fp16_params params) {
       }
       float row_max_new[kQ8];
       fadsl::row_max_quad(s_acc, row_max, row_max_new);
-      fadsl::rescale_running_stats(row_max, row_max_new, row_sum, o_acc);
-      fadsl::exp2_rows_accumulate(s_acc, row_max, row_sum);
+      fadsl::rescale_running_stats(row_max, row_max_new, row_sum, o_acc, scale_log2);
+      fadsl::exp2_rows_accumulate(s_acc, row_max, row_sum, scale_log2);
       fadsl::pack_acc<T>(s_acc, p_frag);
     }
 
@@ -229,9 +240,9 @@ fa2_hdim64_fp16_kernel(const __grid_constant__ fa2_hdim64_fp16_params params) {
     __syncthreads();
 
     // V: gmem -> smem (cp.async; warp w copies rows [16w, 16w + 16) of 64), one commit group
-    if (masked) {
+    if (masked && past_seqlen_k(kv_block)) {
       // Rows past seqlen_k are zero-filled: P is 0 there, and 0 * (zero-filled V) = 0.
-      fadsl::copy_tile_g2s_async_zfill<Cfg::SmemV, kKVRows, Cfg::kHeadDim>(smem_v, warp * kKVRows, v_warp, params.v_seq_stride, lane, params.seqlen_k - kv_block * Cfg::kBlockC - warp * kKVRows);
+      fadsl::copy_tile_g2s_async_zfill<Cfg::SmemV, kKVRows, Cfg::kHeadDim>(smem_v, warp * kKVRows, v_warp, params.v_seq_stride, lane, params.seqlen_k - (kv_block) * Cfg::kBlockC - warp * kKVRows);
     } else {
       fadsl::copy_tile_g2s_async<Cfg::SmemV, kKVRows, Cfg::kHeadDim>(smem_v, warp * kKVRows, v_warp, params.v_seq_stride, lane);
     }
@@ -248,7 +259,83 @@ fa2_hdim64_fp16_kernel(const __grid_constant__ fa2_hdim64_fp16_params params) {
     fadsl::ldmatrix_tile_trans<Cfg::SmemV, Cfg::kBlockC, Cfg::kHeadDim>(v_frag, smem_v, 0, lane);
 
     // O += P @ V (mma.sync m16n8k16)
-    fadsl::gemm_frag<T>(o_acc, p_frag, v_frag);
+    fadsl::gemm<T, kQ8, kD8, kC8>(o_acc, fadsl::RegTile<kQ8, kC8>{p_frag}, fadsl::RegTile<kD8, kC8>{v_frag});
+
+    // Next K/V block.
+    k_warp += k_block_stride;
+    v_warp += v_block_stride;
+  }
+  #pragma unroll 1
+  for (; kv_block < n_kv_blocks; ++kv_block) {
+    constexpr bool masked = true;
+
+    // CTA barrier; orders:
+    //   WAR on Q/O (aliased): q_s2r -> o_r2s (within each warp)
+    //   WAR on V/K (aliased): v_s2r -> k_g2s across the loop back edge (warps cross)
+    __syncthreads();
+
+    // K: gmem -> smem (cp.async; warp w copies rows [16w, 16w + 16) of 64), one commit group
+    if (masked && past_seqlen_k(kv_block)) {
+      // Rows past seqlen_k are zero-filled: their scores are masked.
+      fadsl::copy_tile_g2s_async_zfill<Cfg::SmemK, kKVRows, Cfg::kHeadDim>(smem_k, warp * kKVRows, k_warp, params.k_seq_stride, lane, params.seqlen_k - (kv_block) * Cfg::kBlockC - warp * kKVRows);
+    } else {
+      fadsl::copy_tile_g2s_async<Cfg::SmemK, kKVRows, Cfg::kHeadDim>(smem_k, warp * kKVRows, k_warp, params.k_seq_stride, lane);
+    }
+    fadsl::cp_async_commit();
+
+    // cp.async.wait_group 0: all of this thread's copy groups have landed; completes:
+    //   RAW on K: k_g2s -> k_s2r (warps cross)
+    fadsl::cp_async_wait<0>();
+    // CTA barrier; orders:
+    //   RAW on K: k_g2s -> k_s2r (warps cross)
+    __syncthreads();
+
+    // K: smem -> rf (ldmatrix, each warp the whole 64-row tile)
+    fadsl::ldmatrix_tile<Cfg::SmemK, Cfg::kBlockC, Cfg::kHeadDim>(k_frag, smem_k, 0, lane);
+
+    // S = Q @ K^T (mma.sync m16n8k16, fp32 accumulators)
+    fadsl::fill_acc(s_acc, 0.f);
+    fadsl::gemm<T, kQ8, kC8, kD8>(s_acc, fadsl::RegTile<kQ8, kD8>{q_frag}, fadsl::RegTile<kC8, kD8>{k_frag});
+
+    // online softmax: row max, rescale O and l, P = exp(S - m)
+    {
+      if (masked) {
+        // Keys past seqlen_k -> -inf.
+        const int kv_rows_left = params.seqlen_k - kv_block * Cfg::kBlockC;  // keys from this block's first on
+        fadsl::mask_scores<Cfg::kCausal>(s_acc, kv_rows_left, 0, lane);
+      }
+      float row_max_new[kQ8];
+      fadsl::row_max_quad(s_acc, row_max, row_max_new);
+      fadsl::rescale_running_stats(row_max, row_max_new, row_sum, o_acc, scale_log2);
+      fadsl::exp2_rows_accumulate(s_acc, row_max, row_sum, scale_log2);
+      fadsl::pack_acc<T>(s_acc, p_frag);
+    }
+
+    // CTA barrier; orders:
+    //   WAR on K/V (aliased): k_s2r -> v_g2s (warps cross)
+    __syncthreads();
+
+    // V: gmem -> smem (cp.async; warp w copies rows [16w, 16w + 16) of 64), one commit group
+    if (masked && past_seqlen_k(kv_block)) {
+      // Rows past seqlen_k are zero-filled: P is 0 there, and 0 * (zero-filled V) = 0.
+      fadsl::copy_tile_g2s_async_zfill<Cfg::SmemV, kKVRows, Cfg::kHeadDim>(smem_v, warp * kKVRows, v_warp, params.v_seq_stride, lane, params.seqlen_k - (kv_block) * Cfg::kBlockC - warp * kKVRows);
+    } else {
+      fadsl::copy_tile_g2s_async<Cfg::SmemV, kKVRows, Cfg::kHeadDim>(smem_v, warp * kKVRows, v_warp, params.v_seq_stride, lane);
+    }
+    fadsl::cp_async_commit();
+
+    // cp.async.wait_group 0: all of this thread's copy groups have landed; completes:
+    //   RAW on V: v_g2s -> v_s2r (warps cross)
+    fadsl::cp_async_wait<0>();
+    // CTA barrier; orders:
+    //   RAW on V: v_g2s -> v_s2r (warps cross)
+    __syncthreads();
+
+    // V: smem -> rf (ldmatrix.trans, each warp the whole 64-row tile)
+    fadsl::ldmatrix_tile_trans<Cfg::SmemV, Cfg::kBlockC, Cfg::kHeadDim>(v_frag, smem_v, 0, lane);
+
+    // O += P @ V (mma.sync m16n8k16)
+    fadsl::gemm<T, kQ8, kD8, kC8>(o_acc, fadsl::RegTile<kQ8, kC8>{p_frag}, fadsl::RegTile<kD8, kC8>{v_frag});
 
     // Next K/V block.
     k_warp += k_block_stride;
@@ -260,7 +347,7 @@ fa2_hdim64_fp16_kernel(const __grid_constant__ fa2_hdim64_fp16_params params) {
   fadsl::row_sum_quad(row_sum);
   if (params.lse != nullptr) {
     float* lse_warp = params.lse + batch * params.lse_batch_stride + head * params.lse_head_stride + q_row0;
-    fadsl::store_row_lse(lse_warp, row_max, row_sum, q_rows_valid, lane);
+    fadsl::store_row_lse(lse_warp, row_max, row_sum, scale_log2, q_rows_valid, lane);
   }
   fadsl::normalize_rows(o_acc, row_sum);
   fadsl::pack_acc<T>(o_acc, o_frag);

@@ -1,21 +1,35 @@
-"""The spec matrix the general GPU tests build: head dims x masks, from the swizzled example."""
+"""The spec matrix the general GPU tests build: head dims x masks, from the examples.
+
+Head dims 64, 96 and 128 vary the swizzled example (whole tiles in registers); 256 is the
+head_dim 256 example (fragment-wise loads, loads ahead), and `pipelined` the head_dim 128
+kernel with FA2's schedule, so that tails and causal masks run through every kind of load.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-BASE = (ROOT / "examples" / "fa2_swizzled.fa").read_text()
+SWIZZLED = (ROOT / "examples" / "fa2_swizzled.fa").read_text()
 SWIZZLE = {64: "xor(3, 3, 3)", 96: "none", 128: "xor(3, 3, 4)"}  # 96-element rows: no XOR swizzle
+OTHERS = {"d256": "fa2_hdim256", "pipelined": "fa2_pipelined"}
+
+
+def _masked(name: str, text: str, kernel: str, mask: str) -> str:
+    text = text.replace(f"kernel {kernel}", f"kernel {name}")
+    return text.replace("mask     none", f"mask     {mask}")
 
 
 def general_specs() -> dict[str, str]:
     specs = {}
-    for head_dim, swizzle in SWIZZLE.items():
-        for mask in ("none", "causal"):
+    for mask in ("none", "causal"):
+        for head_dim, swizzle in SWIZZLE.items():
             name = f"general_d{head_dim}_{mask}"
-            text = BASE.replace("kernel fa2_swizzled", f"kernel {name}")
-            text = text.replace("head_dim 128", f"head_dim {head_dim}")
+            text = SWIZZLED.replace("head_dim 128", f"head_dim {head_dim}")
             text = text.replace("swizzle xor(3, 3, 4)", f"swizzle {swizzle}")
-            specs[name] = text.replace("mask     none", f"mask     {mask}")
+            specs[name] = _masked(name, text, "fa2_swizzled", mask)
+        for label, example in OTHERS.items():
+            name = f"general_{label}_{mask}"
+            text = (ROOT / "examples" / f"{example}.fa").read_text()
+            specs[name] = _masked(name, text, example, mask)
     return specs

@@ -8,8 +8,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from conftest import EXAMPLES, ROOT
-from fadsl.codegen import context, header_text, render
-from fadsl.ir import SyncKind
+from fadsl.codegen import HEADERS, context, render
+from fadsl.ir import Sync, SyncKind
 from fadsl.pipeline import compile_file
 from fadsl.resources import ARCH_FLAGS, nvcc, ptxas_usage
 
@@ -20,7 +20,8 @@ def test_generated_cuda_is_current(example, golden):
     compiled = compile_file(example.relative_to(ROOT))
     for source in render(compiled):
         golden.check(GENERATED / source.filename, source.text)
-    golden.check(GENERATED / "fadsl" / "sm80.cuh", header_text())
+    for name in HEADERS:
+        golden.check(GENERATED / name, (ROOT / "emit" / "include" / name).read_text())
 
 
 def test_rendering_is_deterministic(example):
@@ -29,13 +30,17 @@ def test_rendering_is_deterministic(example):
 
 
 def test_every_sync_is_rendered_with_its_hazards(example):
-    """The kernel holds exactly the plan's syncs, in order, each commented with its hazards."""
+    """The kernel holds exactly the plan's syncs, in order, each commented with its hazards.
+    The mainloop body is rendered twice: the loop over unmasked blocks, then the masked one."""
     compiled = compile_file(example.relative_to(ROOT))
     source, *_ = render(compiled)
     body = source.text.split("_kernel(", 1)[1].split("_launch(", 1)[0]
     emitted = re.findall(r"(__syncthreads\(\)|__syncwarp\(\)|cp_async_wait<\d+>\(\));", body)
     planned = []
-    for sync in compiled.kernel.syncs():
+    kernel = compiled.kernel
+    for sync in (*kernel.prologue, *kernel.mainloop, *kernel.mainloop, *kernel.epilogue):
+        if not isinstance(sync, Sync):
+            continue
         match sync.kind:
             case SyncKind.CP_ASYNC_WAIT:
                 planned.append(f"cp_async_wait<{sync.groups}>()")

@@ -1,6 +1,6 @@
 """GPU tests of general attention: tails, seqlen_q != seqlen_k, causal, GQA/MQA, head dims, LSE.
 
-FlashAttention's matrix of sequence-length pairs, head dims 64, 96 and 128, causal on and off,
+FlashAttention's matrix of sequence-length pairs, head dims 64, 96, 128 and 256, causal on and off,
 GQA ratios 1, 4 and 8 and MQA, both dtypes; tolerance as in test_gpu.py, and the LSE within
 1e-3 relative of torch.logsumexp over the float32 scores. Outputs are poisoned first.
 """

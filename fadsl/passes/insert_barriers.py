@@ -10,7 +10,9 @@ immediately before that step (as late as the consumer allows):
 when warps cross; a ``cp.async.wait_group N`` first when the earlier access is
 an asynchronous write, with N the groups committed since (they stay in
 flight). A hazard from the prologue into the first iteration is ordered at the
-end of the prologue instead, so that it is not paid on every iteration. The
+end of the prologue instead, so that it is not paid on every iteration. A sync
+separated from an earlier one only by cp.async issues joins that one instead
+(one barrier instead of two, for waiting a few issue cycles earlier). The
 walk restarts after each insertion until nothing is missing; then every sync
 that can be dropped without reopening a hazard is dropped; finally a last walk
 records which hazards each remaining sync serves.
@@ -217,8 +219,38 @@ def _with_items(kernel: Kernel, phase: Phase, items: list[Item]) -> Kernel:
     return replace(kernel, **{field_name[phase]: tuple(items)})
 
 
+def _join_earlier(kernel: Kernel, items: list[Item], need: _Need) -> _Need:
+    """Move a need back to an earlier run of syncs when only cp.async issues stand between.
+
+    Issuing a cp.async takes a few cycles; a barrier makes every warp wait for the slowest.
+    So a sync that would follow another with nothing but issues between them joins it,
+    provided none of those issues is a side of a hazard that the sync orders (it would then
+    come before its own earlier side). Its wait keeps the groups it completes: each skipped
+    issue is one group fewer committed at the earlier position.
+    """
+    phase, index = need.pos
+    start = index
+    while start > 0 and isinstance(items[start - 1], Sync):
+        start -= 1
+    if index >= len(items) or not isinstance(items[index], Step):
+        return need
+    later = items[index]
+    j = start
+    while j > 0 and isinstance(items[j - 1], Step) and items[j - 1].is_async:
+        issue = items[j - 1]
+        if any(conflict_scope(kernel, a, b) for a in issue.accesses for b in later.accesses):
+            return need
+        j -= 1
+    skipped = start - j
+    if skipped == 0 or j == 0 or not isinstance(items[j - 1], Sync):
+        return need
+    wait = None if need.wait_groups is None else need.wait_groups - skipped
+    return _Need((phase, j), need.scope, wait)
+
+
 def _insert(kernel: Kernel, need: _Need) -> Kernel:
     """Add (or strengthen) the wait and barrier right before ``need.pos``."""
+    need = _join_earlier(kernel, _items(kernel, need.pos[0]), need)
     phase, index = need.pos
     items = _items(kernel, phase)
     loc = items[index].loc if index < len(items) else kernel.config.loc
