@@ -35,11 +35,23 @@ if [[ $steps == *" sanitize "* || $# -eq 0 ]]; then
 fi
 if [[ $steps == *" bench "* ]]; then
   shift $(( $(printf '%s\n' "$@" | grep -n '^bench$' | cut -d: -f1) ))
+  # Build the specs' bf16 kernels in parallel first (bench builds one at a time).
+  python3 -c "
+import sys, torch, fadsl
+from concurrent.futures import ProcessPoolExecutor
+def build(s):
+    fadsl.load(s, verbose=False).module(fadsl.ir.Dtype.BF16, torch.device('cuda')); return s
+with ProcessPoolExecutor(16) as pool:
+    list(pool.map(build, sys.argv[1:]))
+" "$@" 2>&1 | tail -3
+  mkdir -p "$OUT/bench"
   for spec in "$@"; do
     causal=$(grep -qE '^\s*mask\s+causal' "$spec" && echo --causal)
-    python3 -P -m fadsl.cli bench "$spec" $causal --json "$OUT/$(basename "$spec" .fa).json" \
-      --plot "$OUT/$(basename "$spec" .fa).png" 2>&1 | tee -a "$OUT/bench.log" | tail -15
+    python3 -P -m fadsl.cli bench "$spec" $causal --json "$OUT/bench/$(basename "$spec" .fa).json" \
+      --plot "$OUT/bench/$(basename "$spec" .fa).png" 2>&1 | tee -a "$OUT/bench/bench.log" | tail -9
   done
+  # At most 8 files come back from the device: one archive of the results.
+  tar -C "$OUT" -cf "$OUT/bench.tar" bench && rm -r "$OUT/bench"
 fi
 echo "device.sh status $status"
 exit $status
