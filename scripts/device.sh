@@ -36,11 +36,12 @@ fi
 if [[ $steps == *" bench "* ]]; then
   shift $(( $(printf '%s\n' "$@" | grep -n '^bench$' | cut -d: -f1) ))
   # Build the specs' bf16 kernels in parallel first (bench builds one at a time).
-  python3 -c "
+  python3 -P -c "
 import sys, torch, fadsl
+from fadsl.ir import Dtype
 from concurrent.futures import ProcessPoolExecutor
 def build(s):
-    fadsl.load(s, verbose=False).module(fadsl.ir.Dtype.BF16, torch.device('cuda')); return s
+    fadsl.load(s, verbose=False).module(Dtype.BF16, torch.device('cuda')); return s
 with ProcessPoolExecutor(16) as pool:
     list(pool.map(build, sys.argv[1:]))
 " "$@" 2>&1 | tail -3
