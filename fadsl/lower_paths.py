@@ -301,6 +301,8 @@ class PathChecks:
                 return None
             return op
         if step.form == "move_next" and step.words[1].text != "next":
+            if first.text in ("K", "V"):
+                self.suggested.add(f"{first.text.lower()}_g2s_next")
             self.error(
                 step.words[1].loc,
                 f"unknown block '{step.words[1].text}' in '{text}'; only "

@@ -2,6 +2,8 @@
 
 from dataclasses import replace
 
+from conftest import ROOT
+
 from fadsl.ir import Step, Sync, SyncKind
 from fadsl.passes import insert_barriers, plan_smem
 from fadsl.pipeline import compile_source, front_end
@@ -99,3 +101,52 @@ def test_the_pass_owns_the_syncs():
     """Running it again on its own output changes nothing (it starts from the steps alone)."""
     k = plan(KERNEL1)
     assert insert_barriers(k) == k
+
+
+PIPELINED = (ROOT / "examples" / "fa2_pipelined.fa").read_text()
+
+
+def test_fa2_schedule_needs_two_barriers_per_iteration():
+    """FA2's order: the CTA barrier that lets V's load overwrite the V that the previous
+    P @ V read also publishes K, whose wait moves ahead of V's issue; the barrier that lets
+    the next K overwrite K also publishes V, whose wait moves ahead of K's issue."""
+    k = plan(PIPELINED)
+    assert shape(k.prologue) == ["q_g2s", "k_g2s", "init"]
+    assert shape(k.mainloop) == [
+        "wait 0", "cta", "v_g2s", "qk", "softmax", "wait 0", "cta", "k_g2s_next", "pv",
+    ]  # fmt: skip
+    top, middle = (s for s in k.mainloop if isinstance(s, Sync) and s.kind is SyncKind.SYNCTHREADS)
+    assert {"RAW on K: k_g2s_next -> qk across the loop back edge (warps cross)",
+            "WAR on V: pv -> v_g2s across the loop back edge (warps cross)"} <= set(describe(top))  # fmt: skip
+    assert {"WAR on K: qk -> k_g2s_next (warps cross)",
+            "RAW on V: v_g2s -> pv (warps cross)"} <= set(describe(middle))  # fmt: skip
+
+
+def test_a_sync_joins_an_earlier_one_only_across_cp_async_issues():
+    """Between the two barriers a compute step (softmax) stands: no join, the V wait stays
+    after it, and the cp.async of K's next block may stay in flight through P @ V."""
+    late_k = PIPELINED.replace(
+        "    softmax\n    K(next) -> smem         # the next block's K, in flight during O += P @ V\n",
+        "    K(next) -> smem\n    softmax\n",
+    )
+    k = plan(late_k)
+    assert shape(k.mainloop) == [
+        "wait 0", "cta", "v_g2s", "qk", "cta", "k_g2s_next", "softmax", "wait 1", "cta", "pv",
+    ]  # fmt: skip
+
+
+def test_no_join_past_the_write_a_sync_waits_for():
+    """Kernel 1's K barrier follows K's own cp.async: it cannot move before it."""
+    k = plan(KERNEL1)
+    assert shape(k.mainloop)[:4] == ["cta", "k_g2s", "wait 0", "cta"]
+
+
+def test_fragment_wise_loads_drop_their_steps():
+    k = plan(PIPELINED)
+    ops = [s.op for s in k.steps()]
+    assert "q_s2r" not in ops and "k_s2r" not in ops and "v_s2r" not in ops
+    qk = next(s for s in k.mainloop if isinstance(s, Step) and s.op == "qk")
+    assert {(a.buffer, a.mode.value, a.partition.value) for a in qk.accesses} == {
+        ("Q", "read", "slice"),
+        ("K", "read", "whole"),
+    }

@@ -49,6 +49,16 @@ def spec(*edits: tuple[str, str], extra: str = "") -> str:
 
 
 WARPS_2 = (("warps    4", "warps    2"), ("B_r = 64", "B_r = 32"))
+# K fragment-wise, V loaded one block ahead and as a whole tile: the mirror of FA2's order.
+LOAD_V_AHEAD = """  mainloop {
+    K -> smem
+    S = Q @ K^T
+    softmax
+    V -> rf
+    V(next) -> smem
+    O += P @ V
+  }
+"""
 VARIANTS = {
     "example": spec(),
     "alias_off": spec(extra="  smem_alias off\n"),
@@ -69,6 +79,16 @@ VARIANTS = {
         ("B_c = 64", "B_c = 32"),
         ("warps    4", "warps    8"),
         extra=EAGER,
+    ),
+    "pipelined": (EXAMPLE.parent / "fa2_pipelined.fa").read_text(),
+    "pipelined_causal_alias_any": (EXAMPLE.parent / "fa2_pipelined.fa")
+    .read_text()
+    .replace("mask     none", "mask     causal")
+    .replace("  swizzle xor", "  smem_alias any\n  swizzle xor"),
+    "hdim256": (EXAMPLE.parent / "fa2_hdim256.fa").read_text(),
+    "frag_k_ahead_v": spec(
+        ("-ldmatrix->       rf\n  V", "-ldmatrix->       rf[frag]\n  V"),
+        extra=LOAD_V_AHEAD,
     ),
 }
 

@@ -14,8 +14,10 @@ end of the prologue instead, so that it is not paid on every iteration. A sync
 separated from an earlier one only by cp.async issues joins that one instead
 (one barrier instead of two, for waiting a few issue cycles earlier). The
 walk restarts after each insertion until nothing is missing; then every sync
-that can be dropped without reopening a hazard is dropped; finally a last walk
-records which hazards each remaining sync serves.
+that can be dropped without reopening a hazard is dropped, and every other one
+is weakened as far as it can be (a warp barrier for a CTA barrier, a wait that
+leaves more groups in flight); finally a last walk records which hazards each
+remaining sync serves.
 """
 
 from __future__ import annotations
@@ -299,13 +301,26 @@ def insert_barriers(kernel: Kernel) -> Kernel:
         if placed == kernel:
             raise AssertionError(f"insert_barriers: no progress placing {need}")
         kernel = placed
-    # Drop each sync that the plan does not need (last placed first).
+    # Drop each sync that the plan does not need (last placed first), and weaken each one
+    # that stays as far as the plan allows: a sync placed for one hazard may end up serving
+    # only hazards that need less (the others covered by a sync placed later).
+    most = sum(1 for s in kernel.steps() if s.is_async)
     for phase, items in reversed(kernel.phases()):
         for index in reversed(range(len(items))):
-            if isinstance(items[index], Sync):
-                candidate = _without(kernel, phase, index)
-                if _walk(candidate)[0] is None:
-                    kernel = candidate
+            if not isinstance(items[index], Sync):
+                continue
+            candidate = _without(kernel, phase, index)
+            if _walk(candidate)[0] is None:
+                kernel = candidate
+                continue
+            weaker = _weaker(items[index], most)
+            while weaker is not None:
+                current = _items(kernel, phase)
+                current[index] = weaker
+                candidate = _with_items(kernel, phase, current)
+                if _walk(candidate)[0] is not None:
+                    break
+                kernel, weaker = candidate, _weaker(weaker, most)
     # Record, on each sync, the hazards it serves.
     _, served = _walk(kernel)
     syncs = kernel.syncs()
@@ -315,6 +330,16 @@ def insert_barriers(kernel: Kernel) -> Kernel:
             kernel, phase, [annotated.get(id(i), i) if isinstance(i, Sync) else i for i in items]
         )
     return kernel
+
+
+def _weaker(sync: Sync, most_groups: int) -> Sync | None:
+    """The next weaker sync in the same place: a warp barrier for a CTA barrier; a wait
+    that lets one more group stay in flight."""
+    if sync.kind is SyncKind.SYNCTHREADS:
+        return replace(sync, kind=SyncKind.SYNCWARP)
+    if sync.kind is SyncKind.CP_ASYNC_WAIT and sync.groups < most_groups:
+        return replace(sync, groups=sync.groups + 1)
+    return None
 
 
 def _unique(hazards: list[Hazard]) -> tuple[Hazard, ...]:
