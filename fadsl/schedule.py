@@ -85,7 +85,7 @@ def build_schedule(lowered: Lowered) -> Kernel:
             loc=loc,
         )
 
-    def compute(op: str, phase: Phase, title: str, loc: Loc, reads: tuple[Role, ...] = ()):
+    def compute(op: str, phase: Phase, title: str, loc: Loc, reads: tuple[Role, ...] = ()) -> Step:
         """A register-only step, except the tiles it loads fragment-wise from SMEM itself."""
         fused = [r for r in reads if tensors[r].reg_load is RegLoad.FRAG]
         accesses = tuple(Access(r.value, Mode.READ, read_partition(r)) for r in fused)
