@@ -143,13 +143,6 @@ fa2_causal_bf16_kernel(const __grid_constant__ fa2_causal_bf16_params params) {
     n_kv_blocks = fadsl::imin(n_kv_blocks, fadsl::imax(0, (visible_keys + Cfg::kBlockC - 1) / Cfg::kBlockC));
   }
 
-  // Keys [0, unmasked_keys()) exist and every query row of this CTA sees them (the first
-  // row, q0, sees keys <= q0 + seqlen_k - seqlen_q); a K/V block that ends past
-  // them needs masking. (From a fresh %ctaid.x read rather than held in a register through
-  // the loop.)
-  auto unmasked_keys = [&]() {
-    return fadsl::imin(params.seqlen_k, fadsl::ctaid_x_fresh() * Cfg::kBlockR + params.seqlen_k - params.seqlen_q + 1);
-  };
   // Only a block with keys past seqlen_k zero-fills rows in its K/V loads (the branch is
   // taken at run time: a zero-filling copy held in a loop of its own would keep its
   // address arithmetic in registers through that loop).
@@ -198,7 +191,11 @@ fa2_causal_bf16_kernel(const __grid_constant__ fa2_causal_bf16_params params) {
   // tail, the diagonal) the second.  The loops have the same body, so the
   // schedule's syncs are the same for every iteration; `masked` is a compile-time constant
   // in each, so the masking code exists only in the second.
-  const int n_unmasked = fadsl::imin(n_kv_blocks, fadsl::imax(0, unmasked_keys()) / Cfg::kBlockC);
+  // Keys [0, unmasked_keys) exist and every query row of this CTA sees them (its first
+  // row, q0, sees keys <= q0 + seqlen_k - seqlen_q); a K/V block that ends past
+  // them needs masking.
+  const int unmasked_keys = fadsl::imin(params.seqlen_k, q_block * Cfg::kBlockR + params.seqlen_k - params.seqlen_q + 1);
+  const int n_unmasked = fadsl::imin(n_kv_blocks, fadsl::imax(0, unmasked_keys) / Cfg::kBlockC);
   int kv_block = 0;
   #pragma unroll 1
   for (; kv_block < n_unmasked; ++kv_block) {

@@ -134,11 +134,6 @@ fa2_hdim256_fp16_kernel(const __grid_constant__ fa2_hdim256_fp16_params params) 
   // K/V blocks [0, n_kv_blocks) are visited.
   int n_kv_blocks = params.seqlen_k / Cfg::kBlockC + (params.seqlen_k % Cfg::kBlockC != 0);
 
-  // Keys [0, unmasked_keys()) exist and every query row of this CTA sees them; a K/V block that ends past
-  // them needs masking.
-  auto unmasked_keys = [&]() {
-    return params.seqlen_k;
-  };
   // Only a block with keys past seqlen_k zero-fills rows in its K/V loads (the branch is
   // taken at run time: a zero-filling copy held in a loop of its own would keep its
   // address arithmetic in registers through that loop).
@@ -165,11 +160,13 @@ fa2_hdim256_fp16_kernel(const __grid_constant__ fa2_hdim256_fp16_params params) 
   fadsl::cp_async_commit();
 
   // K of the first block: gmem -> smem (cp.async; warp w copies rows [16w, 16w + 16) of 64), one commit group
-  if (past_seqlen_k(0)) {
-    // Rows past seqlen_k are zero-filled: their scores are masked.
-    fadsl::copy_tile_g2s_async_zfill<Cfg::SmemK, kKVRows, Cfg::kHeadDim>(smem_k, warp * kKVRows, k_warp, params.k_seq_stride, lane, params.seqlen_k - (0) * Cfg::kBlockC - warp * kKVRows);
-  } else {
-    fadsl::copy_tile_g2s_async<Cfg::SmemK, kKVRows, Cfg::kHeadDim>(smem_k, warp * kKVRows, k_warp, params.k_seq_stride, lane);
+  if (n_kv_blocks > 0) {  // (a causal Q block above every key visits none)
+    if (past_seqlen_k(0)) {
+      // Rows past seqlen_k are zero-filled: their scores are masked.
+      fadsl::copy_tile_g2s_async_zfill<Cfg::SmemK, kKVRows, Cfg::kHeadDim>(smem_k, warp * kKVRows, k_warp, params.k_seq_stride, lane, params.seqlen_k - (0) * Cfg::kBlockC - warp * kKVRows);
+    } else {
+      fadsl::copy_tile_g2s_async<Cfg::SmemK, kKVRows, Cfg::kHeadDim>(smem_k, warp * kKVRows, k_warp, params.k_seq_stride, lane);
+    }
   }
   fadsl::cp_async_commit();
 
@@ -183,7 +180,10 @@ fa2_hdim256_fp16_kernel(const __grid_constant__ fa2_hdim256_fp16_params params) 
   // tail) the second.  The loops have the same body, so the
   // schedule's syncs are the same for every iteration; `masked` is a compile-time constant
   // in each, so the masking code exists only in the second.
-  const int n_unmasked = fadsl::imin(n_kv_blocks, fadsl::imax(0, unmasked_keys()) / Cfg::kBlockC);
+  // Keys [0, unmasked_keys) exist and every query row of this CTA sees them; a K/V block that ends past
+  // them needs masking.
+  const int unmasked_keys = params.seqlen_k;
+  const int n_unmasked = fadsl::imin(n_kv_blocks, fadsl::imax(0, unmasked_keys) / Cfg::kBlockC);
   int kv_block = 0;
   #pragma unroll 1
   for (; kv_block < n_unmasked; ++kv_block) {

@@ -134,11 +134,6 @@ fa2_kernel1_fp16_kernel(const __grid_constant__ fa2_kernel1_fp16_params params) 
   // K/V blocks [0, n_kv_blocks) are visited.
   int n_kv_blocks = params.seqlen_k / Cfg::kBlockC + (params.seqlen_k % Cfg::kBlockC != 0);
 
-  // Keys [0, unmasked_keys()) exist and every query row of this CTA sees them; a K/V block that ends past
-  // them needs masking.
-  auto unmasked_keys = [&]() {
-    return params.seqlen_k;
-  };
   // Only a block with keys past seqlen_k zero-fills rows in its K/V loads (the branch is
   // taken at run time: a zero-filling copy held in a loop of its own would keep its
   // address arithmetic in registers through that loop).
@@ -187,7 +182,10 @@ fa2_kernel1_fp16_kernel(const __grid_constant__ fa2_kernel1_fp16_params params) 
   // tail) the second.  The loops have the same body, so the
   // schedule's syncs are the same for every iteration; `masked` is a compile-time constant
   // in each, so the masking code exists only in the second.
-  const int n_unmasked = fadsl::imin(n_kv_blocks, fadsl::imax(0, unmasked_keys()) / Cfg::kBlockC);
+  // Keys [0, unmasked_keys) exist and every query row of this CTA sees them; a K/V block that ends past
+  // them needs masking.
+  const int unmasked_keys = params.seqlen_k;
+  const int n_unmasked = fadsl::imin(n_kv_blocks, fadsl::imax(0, unmasked_keys) / Cfg::kBlockC);
   int kv_block = 0;
   #pragma unroll 1
   for (; kv_block < n_unmasked; ++kv_block) {

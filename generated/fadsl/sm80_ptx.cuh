@@ -146,16 +146,6 @@ __device__ __forceinline__ void cp_async_16_zfill(uint32_t smem_dst, const void*
                : "memory");
 }
 
-// %ctaid.x read through volatile asm: each call is a fresh S2R that the compiler can
-// neither merge with an earlier read nor hoist out of a loop.  For a value that the
-// mainloop needs once per iteration and that is cheaper to recompute than to hold
-// in a register through the loop (register pressure there decides the occupancy).
-__device__ __forceinline__ int ctaid_x_fresh() {
-  int v;
-  asm volatile("mov.u32 %0, %%ctaid.x;\n" : "=r"(v));
-  return v;
-}
-
 // Close the group of cp.async issued by this thread since the previous commit.
 __device__ __forceinline__ void cp_async_commit() {
   asm volatile("cp.async.commit_group;\n" ::: "memory");
