@@ -1,0 +1,237 @@
+"""The program model in which verify proves a warp-specialised (Hopper) sync plan.
+
+A pipeline is a few *agents*, each a sequential program: the elected producer thread
+issuing TMA, each consumer warpgroup (or a representative pair of its threads) running
+wgmma and softmax. They share SMEM and synchronise only through what the hardware gives:
+
+- **mbarriers** with an arrival count fixed at init, a transaction count raised by
+  ``expect_tx`` and lowered by the bytes a TMA copy lands, and a phase that completes when
+  both reach zero; ``try_wait.parity p`` returns once the barrier's current phase has a
+  parity other than ``p`` (so it cannot tell phase k from phase k + 2: the parity bug);
+- **named barriers** (``bar.sync id, threads`` / ``bar.arrive``): a generation completes when
+  ``threads`` threads have arrived;
+- **asynchronous operations** that access memory after they are issued: a TMA load writes its
+  tile and completes on an mbarrier phase; a TMA store reads SMEM until
+  ``cp.async.bulk.wait_group.read``; a ``wgmma`` reads its SMEM operands (and register
+  operands) and writes its accumulators until ``wgmma.wait_group`` retires its group;
+- **proxies**: TMA and wgmma access SMEM through the async proxy, ordinary loads and stores
+  through the generic proxy; a generic write becomes visible to the async proxy only through
+  a ``fence.proxy.async`` executed by the writer after it.
+
+These are shared data types: the sync pass that builds the plan and verify that checks it
+both speak them, but they share no decisions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Span:
+    """Bytes [lo, hi) of a memory ``space``: "smem", or an agent's registers ("rf:<agent>")."""
+
+    space: str
+    lo: int
+    hi: int
+    name: str  # the tile (for messages): "K[slot 1]", "S accumulators"
+
+    def overlaps(self, other: Span) -> bool:
+        return self.space == other.space and self.lo < other.hi and other.lo < self.hi
+
+
+# --- events -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Access:
+    """A synchronous access through the generic proxy (ld/st.shared, ldmatrix, stmatrix, math)."""
+
+    span: Span
+    write: bool
+    what: str
+
+
+@dataclass(frozen=True)
+class TmaLoad:
+    """cp.async.bulk.tensor global -> shared: writes ``span``; its bytes complete on ``barrier``."""
+
+    span: Span
+    barrier: str
+    nbytes: int
+    what: str
+
+
+@dataclass(frozen=True)
+class TmaStore:
+    """cp.async.bulk.tensor shared -> global: reads ``span`` until its bulk group is waited for."""
+
+    span: Span
+    what: str
+
+
+@dataclass(frozen=True)
+class BulkCommit:
+    """cp.async.bulk.commit_group: closes the agent's open group of TMA stores."""
+
+
+@dataclass(frozen=True)
+class BulkWait:
+    """cp.async.bulk.wait_group.read N: all but the N newest bulk groups have read their SMEM."""
+
+    pending: int
+
+
+@dataclass(frozen=True)
+class Wgmma:
+    """wgmma.mma_async: reads ``reads`` (SMEM through the async proxy, or registers) and writes
+    ``writes`` (accumulator registers) until a wgmma.wait_group retires its group."""
+
+    reads: tuple[Span, ...]
+    writes: tuple[Span, ...]
+    what: str
+
+
+@dataclass(frozen=True)
+class WgmmaCommit:
+    """wgmma.commit_group: closes the agent's open group of wgmma operations."""
+
+
+@dataclass(frozen=True)
+class WgmmaWait:
+    """wgmma.wait_group N: all but the N newest wgmma groups have completed."""
+
+    pending: int
+
+
+@dataclass(frozen=True)
+class Arrive:
+    """mbarrier.arrive (release), ``count`` arrivals; ``tx`` > 0 makes it arrive.expect_tx."""
+
+    barrier: str
+    count: int = 1
+    tx: int = 0
+    why: str = ""
+
+
+@dataclass(frozen=True)
+class ExpectTx:
+    """mbarrier.expect_tx without an arrival: raises the current phase's transaction count."""
+
+    barrier: str
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Wait:
+    """mbarrier.try_wait.parity loop (acquire): returns once the current phase's parity != p."""
+
+    barrier: str
+    parity: int
+    why: str = ""
+
+
+@dataclass(frozen=True)
+class BarSync:
+    """bar.sync id, threads: arrive with the agent's threads, then wait for the generation."""
+
+    barrier: int
+    threads: int
+    why: str = ""
+
+
+@dataclass(frozen=True)
+class BarArrive:
+    """bar.arrive id, threads: arrive with the agent's threads and go on."""
+
+    barrier: int
+    threads: int
+    why: str = ""
+
+
+@dataclass(frozen=True)
+class FenceProxyAsync:
+    """fence.proxy.async.shared::cta: the agent's earlier generic SMEM writes become visible to
+    async-proxy operations that are ordered after the fence."""
+
+
+Event = (
+    Access
+    | TmaLoad
+    | TmaStore
+    | BulkCommit
+    | BulkWait
+    | Wgmma
+    | WgmmaCommit
+    | WgmmaWait
+    | Arrive
+    | ExpectTx
+    | Wait
+    | BarSync
+    | BarArrive
+    | FenceProxyAsync
+)
+
+
+@dataclass(frozen=True)
+class Agent:
+    """A sequential program run by ``threads`` threads in step (1 for an elected thread)."""
+
+    name: str
+    threads: int
+    events: tuple[Event, ...]
+
+
+@dataclass(frozen=True)
+class Program:
+    """Agents sharing SMEM; ``mbarriers`` maps each mbarrier to the arrival count of its init."""
+
+    agents: tuple[Agent, ...]
+    mbarriers: tuple[tuple[str, int], ...]
+
+    def arrivals(self, barrier: str) -> int:
+        return dict(self.mbarriers)[barrier]
+
+
+def where(agent: Agent, index: int) -> str:
+    """'agent #index (event)' for messages."""
+    event = agent.events[index]
+    return f"{agent.name} #{index} ({describe(event)})"
+
+
+def describe(event: Event) -> str:
+    match event:
+        case Access(span=span, write=write, what=what):
+            return f"{what}: {'write' if write else 'read'} {span.name}"
+        case TmaLoad(span=span, barrier=bar, nbytes=n, what=what):
+            return f"{what}: TMA load into {span.name}, {n} bytes on {bar}"
+        case TmaStore(span=span, what=what):
+            return f"{what}: TMA store from {span.name}"
+        case BulkCommit():
+            return "cp.async.bulk.commit_group"
+        case BulkWait(pending=n):
+            return f"cp.async.bulk.wait_group.read {n}"
+        case Wgmma(what=what):
+            return f"{what}: wgmma"
+        case WgmmaCommit():
+            return "wgmma.commit_group"
+        case WgmmaWait(pending=n):
+            return f"wgmma.wait_group {n}"
+        case Arrive(barrier=bar, count=c, tx=tx):
+            return (
+                f"arrive on {bar}"
+                + (f" x{c}" if c != 1 else "")
+                + (f", expect {tx} B" if tx else "")
+            )
+        case ExpectTx(barrier=bar, nbytes=n):
+            return f"expect_tx {n} B on {bar}"
+        case Wait(barrier=bar, parity=p):
+            return f"wait on {bar}, parity {p}"
+        case BarSync(barrier=b, threads=t):
+            return f"bar.sync {b}, {t}"
+        case BarArrive(barrier=b, threads=t):
+            return f"bar.arrive {b}, {t}"
+        case FenceProxyAsync():
+            return "fence.proxy.async"
+        case _:
+            raise AssertionError(f"not an event: {event!r}")

@@ -1,0 +1,483 @@
+"""verify for warp-specialised pipelines: a proof that a Program's syncs are enough.
+
+It shares no logic with the pass that places the syncs. Three parts:
+
+1. **One execution.** Run the agents with a fixed scheduler (the first agent that can move
+   moves; a TMA copy lands as soon as it is issued) under the hardware's rules for mbarriers
+   and named barriers. If every agent cannot finish, the plan hangs in this execution, and the
+   blocked waits are reported. Otherwise the run tells which phase of which barrier each
+   arrival, transaction and TMA copy joined, and which phase each wait saw complete.
+
+2. **That execution stands for all of them.** Happens-before is program order plus
+   contribution -> phase completion -> the waits that saw it. The matching of step 1 is the
+   same in every execution, and no execution hangs, when
+   - every contribution to phase k of a barrier happens after phase k - 1 completed (else it
+     could be counted in an earlier phase), and
+   - a wait that saw phase k starts after phase k - 1 completed (else its parity already
+     holds and it returns at once: the wrong-parity bug) and happens before phase k + 1
+     completes (else the barrier is two phases on, the parity matches again and the wait
+     blocks for a phase it was not meant for).
+   Each phase must expect exactly the bytes its TMA copies land, and some wait must see the
+   phase of each copy complete (a copy nobody waits for is in flight at exit).
+
+3. **Every hazard is ordered.** Each access has a start and an end: a synchronous access is
+   one point; a TMA load ends when its phase completes; a TMA store and a wgmma end at the
+   agent's bulk / wgmma wait_group that retires their group. Any two accesses to overlapping
+   bytes, one a write, must be ordered end -> start; a generic-proxy write followed by an
+   async-proxy access also needs a fence.proxy.async by the writer between the two.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .async_model import (
+    Access,
+    Agent,
+    Arrive,
+    BarArrive,
+    BarSync,
+    BulkCommit,
+    BulkWait,
+    Event,
+    ExpectTx,
+    FenceProxyAsync,
+    Program,
+    Span,
+    TmaLoad,
+    TmaStore,
+    Wait,
+    Wgmma,
+    WgmmaCommit,
+    WgmmaWait,
+    where,
+)
+
+Point = tuple[int, int]  # (agent index, event index)
+Completion = tuple[str, object, int]  # ("mbar", name, phase) or ("bar", id, generation)
+
+
+class AsyncVerifyError(Exception):
+    """The plan hangs, depends on timing, or leaves hazards unordered; ``failures`` says how."""
+
+    def __init__(self, failures: tuple[str, ...]) -> None:
+        self.failures = tuple(failures)
+        lines = "\n".join(f"  {f}" for f in self.failures)
+        super().__init__(f"{len(self.failures)} problem(s) in the sync plan:\n{lines}")
+
+
+@dataclass
+class _MBarrier:
+    arrivals: int  # the init count
+    phase: int = 0
+    pending: int = 0
+    tx: int = 0
+
+    def __post_init__(self) -> None:
+        self.pending = self.arrivals
+
+
+@dataclass
+class _Named:
+    generation: int = 0
+    arrived: int = 0
+    threads: int | None = None
+
+
+@dataclass
+class _Run:
+    """What the one execution of step 1 found."""
+
+    clock: dict[object, int] = field(default_factory=dict)  # node -> time it happened
+    joined: dict[Point, Completion] = field(default_factory=dict)  # contribution -> its phase
+    saw: dict[Point, Completion | None] = field(default_factory=dict)  # wait -> phase it saw
+    completed: set[Completion] = field(default_factory=set)
+    problems: list[str] = field(default_factory=list)
+
+
+def _execute(program: Program) -> _Run:
+    agents = program.agents
+    mbars = {name: _MBarrier(count) for name, count in program.mbarriers}
+    named: dict[int, _Named] = {}
+    pcs = [0] * len(agents)
+    arrived_gen: dict[int, int] = {}  # agent -> generation it arrived at in a pending bar.sync
+    run = _Run()
+    time = 0
+
+    def tick(node: object) -> None:
+        nonlocal time
+        run.clock[node] = time
+        time += 1
+
+    def complete_if_done(name: str) -> None:
+        bar = mbars[name]
+        if bar.pending == 0 and bar.tx == 0:
+            node = ("mbar", name, bar.phase)
+            tick(node)
+            run.completed.add(node)
+            bar.phase += 1
+            bar.pending = bar.arrivals
+
+    def step(a: int) -> bool:
+        """Run agent a's next event if it can; False if it is blocked."""
+        event = agents[a].events[pcs[a]]
+        here = (a, pcs[a])
+        match event:
+            case Wait(barrier=name, parity=parity):
+                bar = mbars[name]
+                if bar.phase % 2 == parity:
+                    return False
+                tick(here)
+                run.saw[here] = ("mbar", name, bar.phase - 1) if bar.phase else None
+            case Arrive(barrier=name, count=count, tx=tx):
+                bar = mbars[name]
+                if count > bar.pending:
+                    run.problems.append(
+                        f"{where(agents[a], pcs[a])}: {count} arrival(s) where phase "
+                        f"{bar.phase} of {name} expects {bar.pending} more"
+                    )
+                    count = bar.pending
+                tick(here)
+                run.joined[here] = ("mbar", name, bar.phase)
+                bar.tx += tx
+                bar.pending -= count
+                complete_if_done(name)
+            case ExpectTx(barrier=name, nbytes=nbytes):
+                tick(here)
+                run.joined[here] = ("mbar", name, mbars[name].phase)
+                mbars[name].tx += nbytes
+            case TmaLoad(barrier=name, nbytes=nbytes):
+                tick(here)
+                run.joined[here] = ("mbar", name, mbars[name].phase)  # lands at once
+                mbars[name].tx -= nbytes
+                complete_if_done(name)
+            case BarSync(barrier=bid, threads=threads) | BarArrive(barrier=bid, threads=threads):
+                bar = named.setdefault(bid, _Named())
+                if a not in arrived_gen:
+                    if bar.threads is not None and bar.threads != threads:
+                        run.problems.append(
+                            f"{where(agents[a], pcs[a])}: named barrier {bid} counts {threads} "
+                            f"threads here but {bar.threads} in the same generation elsewhere"
+                        )
+                    bar.threads = threads
+                    tick(here)
+                    run.joined[here] = ("bar", bid, bar.generation)
+                    arrived_gen[a] = bar.generation
+                    bar.arrived += agents[a].threads
+                    if bar.arrived >= threads:
+                        if bar.arrived > threads:
+                            run.problems.append(
+                                f"named barrier {bid}: {bar.arrived} threads arrive in "
+                                f"generation {bar.generation}, which counts {threads}"
+                            )
+                        node = ("bar", bid, bar.generation)
+                        tick(node)
+                        run.completed.add(node)
+                        bar.generation += 1
+                        bar.arrived, bar.threads = 0, None
+                if isinstance(event, BarSync) and named[bid].generation <= arrived_gen[a]:
+                    return False
+                del arrived_gen[a]
+            case _:
+                tick(here)
+        pcs[a] += 1
+        return True
+
+    while True:
+        moved = False
+        for a, agent in enumerate(agents):
+            while pcs[a] < len(agent.events) and step(a):
+                moved = True
+        if not moved:
+            break
+    for a, agent in enumerate(agents):
+        if pcs[a] < len(agent.events):
+            why = _why_blocked(agent.events[pcs[a]], mbars, named)
+            run.problems.append(f"hang: {where(agent, pcs[a])} never returns ({why})")
+    return run
+
+
+def _why_blocked(event: Event, mbars: dict[str, _MBarrier], named: dict[int, _Named]) -> str:
+    match event:
+        case Wait(barrier=name):
+            bar = mbars[name]
+            return (
+                f"{name} stays in phase {bar.phase} with {bar.pending} arrival(s) and "
+                f"{bar.tx} transaction byte(s) outstanding"
+            )
+        case BarSync(barrier=bid, threads=threads):
+            return f"named barrier {bid} gets {named[bid].arrived} of {threads} threads"
+        case _:
+            raise AssertionError(f"{event!r} cannot block")
+
+
+class _Order:
+    """Happens-before over the points and completions of the one execution."""
+
+    def __init__(self, program: Program, run: _Run) -> None:
+        preds: dict[object, list[object]] = {node: [] for node in run.clock}
+        for a, agent in enumerate(program.agents):
+            for i in range(1, len(agent.events)):
+                if (a, i) in preds and (a, i - 1) in preds:
+                    preds[(a, i)].append((a, i - 1))
+        for point, node in run.joined.items():
+            if node in preds:
+                preds[node].append(point)
+                after = (point[0], point[1] + 1)
+                event = program.agents[point[0]].events[point[1]]
+                if isinstance(event, BarSync) and after in preds:
+                    preds[after].append(node)  # bar.sync returns once its generation completes
+        for point, node in run.saw.items():
+            if node is not None:
+                preds[point].append(node)
+        self.preds = preds
+        self.ancestors: dict[object, int] = {}
+        self.bit = {node: 1 << n for n, node in enumerate(sorted(run.clock, key=run.clock.get))}
+        for node in sorted(run.clock, key=run.clock.get):
+            mask = 0
+            for p in preds[node]:
+                mask |= self.ancestors[p] | self.bit[p]
+            self.ancestors[node] = mask
+
+    def before(self, x: object, y: object) -> bool:
+        """x happens before y (or is y)."""
+        return x == y or bool(self.ancestors[y] & self.bit[x])
+
+    def before_start(self, x: object, wait: Point, seen: object) -> bool:
+        """x happens before ``wait`` starts: before one of its predecessors other than the
+        completion it waits for (a wait's node is the moment it returns)."""
+        return any(self.before(x, p) for p in self.preds[wait] if p != seen)
+
+
+@dataclass(frozen=True)
+class _Op:
+    """One access to a span: issued at ``start``, done by ``end`` (None: never done)."""
+
+    agent: int
+    index: int
+    span: Span
+    write: bool
+    generic: bool  # through the generic proxy (a plain load or store)
+    start: object
+    end: object | None
+    is_wgmma: bool = False
+
+
+def _retirements(agent: Agent, a: int, commit: type, wait: type) -> dict[int, Point]:
+    """For each event of a group-committed kind, the wait that retires it."""
+    open_ops: list[int] = []
+    groups: list[list[int]] = []
+    done: dict[int, Point] = {}
+    kind = Wgmma if commit is WgmmaCommit else TmaStore
+    for i, event in enumerate(agent.events):
+        if isinstance(event, kind):
+            open_ops.append(i)
+        elif isinstance(event, commit):
+            groups.append(open_ops)
+            open_ops = []
+        elif isinstance(event, wait):
+            keep = len(groups) - event.pending
+            for group in groups[: max(keep, 0)]:
+                for op in group:
+                    done[op] = (a, i)
+            groups = groups[max(keep, 0) :]
+    return done
+
+
+def _ops(program: Program, run: _Run) -> tuple[list[_Op], list[str]]:
+    ops, problems = [], []
+    for a, agent in enumerate(program.agents):
+        wgmma_done = _retirements(agent, a, WgmmaCommit, WgmmaWait)
+        store_done = _retirements(agent, a, BulkCommit, BulkWait)
+        for i, event in enumerate(agent.events):
+            here = (a, i)
+            if here not in run.clock:
+                continue  # after a hang: already reported
+            match event:
+                case Access(span=span, write=write):
+                    ops.append(_Op(a, i, span, write, True, here, here))
+                case TmaLoad(span=span):
+                    phase = run.joined[here]
+                    end = phase if phase in run.completed else None
+                    ops.append(_Op(a, i, span, True, False, here, end))
+                case TmaStore(span=span):
+                    ops.append(_Op(a, i, span, False, False, here, store_done.get(i)))
+                case Wgmma(reads=reads, writes=writes):
+                    end = wgmma_done.get(i)
+                    for span in reads:
+                        ops.append(_Op(a, i, span, False, False, here, end, True))
+                    for span in writes:
+                        ops.append(_Op(a, i, span, True, False, here, end, True))
+                case _:
+                    continue
+            if ops[-1].end is None:
+                problems.append(f"{where(agent, i)} is still in flight when {agent.name} ends")
+    return ops, problems
+
+
+def _robustness(program: Program, run: _Run, order: _Order) -> list[str]:
+    problems = []
+    agents = program.agents
+
+    def completion(node: Completion, k: int) -> Completion | None:
+        other = (node[0], node[1], k)
+        return other if other in run.completed else None
+
+    for (a, i), node in run.joined.items():
+        prev = completion(node, node[2] - 1)
+        if node[2] > 0 and prev is not None and not order.before(prev, (a, i)):
+            problems.append(
+                f"{where(agents[a], i)} may count towards phase {node[2] - 1} of "
+                f"{node[1]} instead of phase {node[2]}: nothing orders it after that phase "
+                "completes"
+            )
+        event = agents[a].events[i]
+        if isinstance(event, TmaLoad) and (
+            node not in run.completed or not any(s == node for s in run.saw.values())
+        ):
+            problems.append(f"{where(agents[a], i)}: no wait sees its phase complete")
+    problems += _transactions(program, run)
+    for (a, i), seen in run.saw.items():
+        event = agents[a].events[i]
+        assert isinstance(event, Wait)
+        k = -1 if seen is None else seen[2]
+        before = completion(("mbar", event.barrier, 0), k - 1) if k >= 1 else None
+        if before is not None and not order.before_start(before, (a, i), seen):
+            problems.append(
+                f"{where(agents[a], i)} may return at once: phase {k - 1} of {event.barrier} "
+                f"need not have completed when it starts, and its parity {event.parity} "
+                f"already holds then (wrong parity or a missing wait before it)"
+            )
+        after = completion(("mbar", event.barrier, 0), k + 1)
+        if after is not None and not order.before((a, i), after):
+            problems.append(
+                f"{where(agents[a], i)} may wait for the wrong phase: phase {k + 1} of "
+                f"{event.barrier} can complete before it starts, and then parity "
+                f"{event.parity} means phase {k + 2}"
+            )
+    return problems
+
+
+def _transactions(program: Program, run: _Run) -> list[str]:
+    """Each phase must expect exactly the bytes its TMA copies land: fewer lets it complete
+    before the data is there, more makes it hang."""
+    expected: dict[Completion, int] = {}
+    landed: dict[Completion, int] = {}
+    for (a, i), node in run.joined.items():
+        match program.agents[a].events[i]:
+            case Arrive(tx=tx) | ExpectTx(nbytes=tx):
+                expected[node] = expected.get(node, 0) + tx
+            case TmaLoad(nbytes=nbytes):
+                landed[node] = landed.get(node, 0) + nbytes
+    return [
+        f"phase {node[2]} of {node[1]} expects {expected.get(node, 0)} transaction bytes but "
+        f"its TMA copies land {landed.get(node, 0)}"
+        for node in sorted(set(expected) | set(landed), key=str)
+        if expected.get(node, 0) != landed.get(node, 0)
+    ]
+
+
+def _hazards(program: Program, ops: list[_Op], order: _Order, clock: dict) -> list[str]:
+    agents = program.agents
+    problems = []
+    fences = _indices(program, FenceProxyAsync)
+    for n, x in enumerate(ops):
+        for y in ops[n + 1 :]:
+            if not (x.write or y.write) or not x.span.overlaps(y.span):
+                continue
+            same = x.agent == y.agent
+            if same and (x.index == y.index or (x.is_wgmma and y.is_wgmma)):
+                continue  # one event's own accesses; the tensor core runs wgmma in order
+            if same and x.generic and y.generic:
+                first, second = (x, y) if x.index < y.index else (y, x)  # program order
+            else:
+                first, second = _ordered(x, y, order)
+            if first is None or second is None:
+                a, b = (y, x) if clock[y.start] < clock[x.start] else (x, y)  # as they ran
+                kind = "WAW" if a.write and b.write else ("RAW" if a.write else "WAR")
+                problems.append(
+                    f"{kind} on {a.span.name}: {where(agents[a.agent], a.index)} and "
+                    f"{where(agents[b.agent], b.index)} are not ordered"
+                )
+            elif same and agents[x.agent].threads > 1 and x.span.space == "smem":
+                problems += _across_threads(program, first, second)
+            elif (
+                first.generic and first.write and not second.generic and second.span.space == "smem"
+            ):
+                if not any(
+                    f > first.index and order.before((first.agent, f), second.start)
+                    for f in fences[first.agent]
+                ):
+                    problems.append(_unfenced(program, first, second))
+    return problems
+
+
+def _indices(program: Program, kind: type) -> dict[int, list[int]]:
+    return {
+        a: [i for i, e in enumerate(agent.events) if isinstance(e, kind)]
+        for a, agent in enumerate(program.agents)
+    }
+
+
+def _across_threads(program: Program, first: _Op, second: _Op) -> list[str]:
+    """Two accesses of one many-threaded agent to the same SMEM bytes: different threads make
+    them (a thread's share of a tile, an elected thread's TMA), so a bar.sync of the agent must
+    come between; a generic write that an async operation reads also needs the writers'
+    fence.proxy.async before that bar.sync. A TMA load's completion and a wgmma's retirement
+    are seen by every thread (all of them wait), so those need nothing more."""
+    if isinstance(first.start, tuple) and not first.generic:
+        event = program.agents[first.agent].events[first.index]
+        if isinstance(event, TmaLoad) or first.is_wgmma:
+            return []
+    agent = program.agents[first.agent]
+    done = first.index if first.generic else first.end[1]
+    barriers = [b for b in _indices(program, BarSync)[first.agent] if done < b < second.index]
+    if not barriers:
+        return [
+            f"{where(agent, first.index)} and {where(agent, second.index)} touch "
+            f"{first.span.name} from different threads of {agent.name} with no bar.sync of "
+            f"{agent.name} in between"
+        ]
+    if first.generic and first.write and not second.generic:
+        fences = _indices(program, FenceProxyAsync)[first.agent]
+        if not any(first.index < f < max(barriers) for f in fences):
+            return [_unfenced(program, first, second) + " before its bar.sync"]
+    return []
+
+
+def _unfenced(program: Program, first: _Op, second: _Op) -> str:
+    agents = program.agents
+    return (
+        f"{where(agents[first.agent], first.index)} writes {first.span.name} through the "
+        f"generic proxy and {where(agents[second.agent], second.index)} reads or writes it "
+        f"through the async proxy with no fence.proxy.async by {agents[first.agent].name} "
+        "in between"
+    )
+
+
+def _ordered(x: _Op, y: _Op, order: _Order) -> tuple[_Op | None, _Op | None]:
+    if x.end is not None and order.before(x.end, y.start):
+        return x, y
+    if y.end is not None and order.before(y.end, x.start):
+        return y, x
+    return None, None
+
+
+def check(program: Program) -> tuple[str, ...]:
+    """Every problem with the program's sync plan; empty when it is proven."""
+    run = _execute(program)
+    if run.problems:
+        return tuple(run.problems)
+    order = _Order(program, run)
+    ops, problems = _ops(program, run)
+    problems += _robustness(program, run, order)
+    problems += _hazards(program, ops, order, run.clock)
+    return tuple(dict.fromkeys(problems))
+
+
+def verify_program(program: Program) -> Program:
+    """Return ``program`` if its sync plan is proven, else raise AsyncVerifyError."""
+    problems = check(program)
+    if problems:
+        raise AsyncVerifyError(problems)
+    return program

@@ -1,0 +1,158 @@
+"""Hand-written warp-specialised pipelines (FlashAttention-3's protocol) for the async verifier.
+
+``fa3(...)`` builds the sync plan the seed describes, for one Q tile: a producer thread loads Q
+on a one-shot barrier and K and V into a ring of ``stages`` slots, each slot with a full and an
+empty mbarrier; ``consumers`` warpgroups wait on full, run S = Q K^T and O += P V with wgmma,
+and release each slot on empty as soon as its wgmma has retired; the epilogue writes O over the
+dead V ring, fences, meets at a named barrier and stores O with TMA. Knobs break it on purpose.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from fadsl.passes.async_model import (
+    Access,
+    Agent,
+    Arrive,
+    BarSync,
+    BulkCommit,
+    BulkWait,
+    FenceProxyAsync,
+    Program,
+    Span,
+    TmaLoad,
+    TmaStore,
+    Wait,
+    Wgmma,
+    WgmmaCommit,
+    WgmmaWait,
+)
+
+ROWS = 64  # query rows per consumer warpgroup
+TILE = 1024  # bytes of one K or V slot (small numbers keep messages readable)
+
+
+def fa3(
+    stages: int = 2,
+    blocks: int = 3,
+    consumers: int = 2,
+    data_slots: int | None = None,
+    o_over_v: bool = True,
+    mutate: dict | None = None,
+) -> Program:
+    """The correct plan. ``data_slots`` < ``stages`` shrinks the ring's bytes but not its
+    barriers (a broken ring). ``mutate`` maps an event's label (``LABELS``) to None (drop it
+    everywhere: in every iteration and every warpgroup) or to a function of the event."""
+    mutate = mutate or {}
+
+    def emit(events: list, label: str, event) -> None:
+        if label in mutate:
+            if mutate[label] is None:
+                return
+            event = mutate[label](event)
+        events.append(event)
+
+    slots = stages if data_slots is None else data_slots
+    q = [Span("smem", w * TILE, (w + 1) * TILE, f"Q rows of wg{w}") for w in range(consumers)]
+    base = consumers * TILE
+    k = [Span("smem", base + s * TILE, base + (s + 1) * TILE, f"K[slot {s}]") for s in range(slots)]
+    base += slots * TILE
+    v = [Span("smem", base + s * TILE, base + (s + 1) * TILE, f"V[slot {s}]") for s in range(slots)]
+    # O (consumers * TILE / 2 bytes here) placed over the dead V ring, or after it.
+    o_base = v[0].lo if o_over_v else base + slots * TILE
+    o = [
+        Span("smem", o_base + w * TILE // 2, o_base + (w + 1) * TILE // 2, f"O rows of wg{w}")
+        for w in range(consumers)
+    ]
+    o_all = Span("smem", o_base, o_base + consumers * TILE // 2, "O")
+
+    producer: list = []
+    emit(producer, "arrive q_full", Arrive("q_full", tx=consumers * TILE))
+    q_all = Span("smem", 0, consumers * TILE, "Q")
+    emit(producer, "load Q", TmaLoad(q_all, "q_full", consumers * TILE, "load Q"))
+    for j in range(blocks):
+        s, r = j % stages, j // stages
+        for t, ring in (("k", k), ("v", v)):
+            emit(producer, f"wait {t}_empty", Wait(f"{t}_empty{s}", (r + 1) % 2))
+            emit(producer, f"arrive {t}_full", Arrive(f"{t}_full{s}", tx=TILE))
+            load = TmaLoad(ring[j % slots], f"{t}_full{s}", TILE, f"load {t.upper()} block {j}")
+            emit(producer, f"load {t}", load)
+    agents = [Agent("producer", 1, tuple(producer))]
+    for w in range(consumers):
+        regs = f"rf:wg{w}"
+        s_acc, p_regs, o_acc = (
+            Span(regs, 0, 64, "S"),
+            Span(regs, 64, 96, "P"),
+            Span(regs, 96, 160, "O acc"),
+        )
+        events: list = []
+        emit(events, "wait q_full", Wait("q_full", 0))
+        emit(events, "zero O", Access(o_acc, True, "zero O"))
+        for j in range(blocks):
+            s, r = j % stages, j // stages
+            qk = Wgmma((q[w], k[j % slots]), (s_acc,), f"S = Q K^T, block {j}")
+            pv = Wgmma((p_regs, v[j % slots]), (o_acc,), f"O += P V, block {j}")
+            for label, event in (
+                ("wait k_full", Wait(f"k_full{s}", r % 2)),
+                ("qk", qk),
+                ("commit qk", WgmmaCommit()),
+                ("wgmma wait qk", WgmmaWait(0)),
+                ("arrive k_empty", Arrive(f"k_empty{s}")),
+                ("read S", Access(s_acc, False, f"softmax {j}: read S")),
+                ("write P", Access(p_regs, True, f"softmax {j}: write P")),
+                ("rescale O", Access(o_acc, True, f"softmax {j}: rescale O")),
+                ("wait v_full", Wait(f"v_full{s}", r % 2)),
+                ("pv", pv),
+                ("commit pv", WgmmaCommit()),
+                ("wgmma wait pv", WgmmaWait(0)),
+                ("arrive v_empty", Arrive(f"v_empty{s}")),
+            ):
+                emit(events, label, event)
+        threads = 128 * consumers
+        why_1 = "every warpgroup's last P V is done before O overwrites V"
+        for label, event in (
+            ("normalize O", Access(o_acc, True, "normalize O")),
+            ("bar.sync 1", BarSync(1, threads, why_1)),
+            ("O -> smem", Access(o[w], True, "O -> smem")),
+            ("fence", FenceProxyAsync()),
+            ("bar.sync 2", BarSync(2, threads, "all of O is in smem before the TMA store")),
+        ):
+            emit(events, label, event)
+        if w == 0:
+            emit(events, "store O", TmaStore(o_all, "store O"))
+            emit(events, "bulk commit", BulkCommit())
+            emit(events, "bulk wait", BulkWait(0))
+        agents.append(Agent(f"wg{w}", 128, tuple(events)))
+    barriers = [("q_full", 1)] + [
+        (f"{t}_{kind}{s}", 1 if kind == "full" else consumers)
+        for s in range(stages)
+        for t in ("k", "v")
+        for kind in ("full", "empty")
+    ]
+    return Program(tuple(agents), tuple(barriers))
+
+
+# Every sync event's label, by what a mutation may do to it.
+ARRIVES = ("arrive q_full", "arrive k_full", "arrive v_full", "arrive k_empty", "arrive v_empty")
+WAITS = ("wait q_full", "wait k_empty", "wait v_empty", "wait k_full", "wait v_full")
+OTHER_SYNCS = ("wgmma wait qk", "wgmma wait pv", "fence", "bar.sync 1", "bar.sync 2", "bulk wait")
+
+
+def drop(program: Program, agent: int, index: int) -> Program:
+    """The program without one event."""
+    a = program.agents[agent]
+    events = a.events[:index] + a.events[index + 1 :]
+    return _with_agent(program, agent, replace(a, events=events))
+
+
+def swap(program: Program, agent: int, index: int, event) -> Program:
+    """The program with one event replaced."""
+    a = program.agents[agent]
+    events = a.events[:index] + (event,) + a.events[index + 1 :]
+    return _with_agent(program, agent, replace(a, events=events))
+
+
+def _with_agent(program: Program, index: int, agent: Agent) -> Program:
+    agents = program.agents[:index] + (agent,) + program.agents[index + 1 :]
+    return replace(program, agents=agents)
