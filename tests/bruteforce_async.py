@@ -65,8 +65,8 @@ def _conflict(a, b) -> bool:
     )
 
 
-def explore(program: Program, limit: int = 400_000) -> set[str]:
-    """Every kind of problem found, as short strings ('hang', 'race ...', ...)."""
+def explore(program: Program, limit: int = 400_000, all_kinds: bool = False) -> set[str]:
+    """The kinds of problem found ('hang', 'race', ...): the first one, or all of them."""
     agents = program.agents
     names = [name for name, _ in program.mbarriers]
     counts = dict(program.mbarriers)
@@ -90,6 +90,8 @@ def explore(program: Program, limit: int = 400_000) -> set[str]:
     while stack:
         if len(seen) > limit:
             raise RuntimeError("state space too large for the brute-force checker")
+        if found and not all_kinds:
+            break
         state = stack.pop()
         pcs, mbars, named, blocked, flight, groups, unfenced, own = state
         nxt = [
