@@ -15,6 +15,7 @@ from fadsl.passes.async_model import (
     Access,
     Agent,
     Arrive,
+    BarArrive,
     BarSync,
     BulkCommit,
     BulkWait,
@@ -156,3 +157,136 @@ def swap(program: Program, agent: int, index: int, event) -> Program:
 def _with_agent(program: Program, index: int, agent: Agent) -> Program:
     agents = program.agents[:index] + (agent,) + program.agents[index + 1 :]
     return replace(program, agents=agents)
+
+
+def fa3_overlap(stages: int = 2, blocks: int = 3, consumers: int = 2, mutate=None) -> Program:
+    """The plan of emit/sm90's kernel: K one block ahead of V in the producer; in each consumer
+    S(j) and O += P(j-1) V(j-1) in flight together (wgmma.wait_group 1, then 0); ping-pong named
+    barriers handing the tensor cores from warpgroup to warpgroup; the empty barriers count one
+    arrival per consumer warp; O over the dead V ring, stored by one thread per warpgroup."""
+    mutate = mutate or {}
+    warps = 4
+    sched, ring_dead, o_store = 5, 1, 2  # named barrier ids: 5 + wg, 1, 2 + wg
+
+    def emit(events: list, label: str, event) -> None:
+        if label in mutate:
+            if mutate[label] is None:
+                return
+            event = mutate[label](event)
+        events.append(event)
+
+    q = [Span("smem", w * TILE, (w + 1) * TILE, f"Q rows of wg{w}") for w in range(consumers)]
+    base = consumers * TILE
+    k = [
+        Span("smem", base + s * TILE, base + (s + 1) * TILE, f"K[slot {s}]") for s in range(stages)
+    ]
+    base += stages * TILE
+    v = [
+        Span("smem", base + s * TILE, base + (s + 1) * TILE, f"V[slot {s}]") for s in range(stages)
+    ]
+    half = TILE // 2
+    o = [
+        Span("smem", v[0].lo + w * half, v[0].lo + (w + 1) * half, f"O rows of wg{w}")
+        for w in range(consumers)
+    ]
+
+    producer: list = []
+    emit(producer, "arrive q_full", Arrive("q_full", tx=consumers * TILE))
+    q_all = Span("smem", 0, consumers * TILE, "Q")
+    emit(producer, "load Q", TmaLoad(q_all, "q_full", consumers * TILE, "load Q"))
+
+    def load(t: str, ring: list[Span], j: int) -> None:
+        s, r = j % stages, j // stages
+        emit(producer, f"wait {t}_empty", Wait(f"{t}_empty{s}", (r + 1) % 2))
+        emit(producer, f"arrive {t}_full", Arrive(f"{t}_full{s}", tx=TILE))
+        emit(producer, f"load {t}", TmaLoad(ring[s], f"{t}_full{s}", TILE, f"load {t.upper()} {j}"))
+
+    load("k", k, 0)
+    for j in range(1, blocks):
+        load("k", k, j)
+        load("v", v, j - 1)
+    load("v", v, blocks - 1)
+    agents = [Agent("producer", 1, tuple(producer))]
+
+    pingpong = consumers > 1
+    turn = 256  # the warpgroup waiting for its turn + the one handing over
+    for w in range(consumers):
+        regs = f"rf:wg{w}"
+        s_acc, p_regs, o_acc = (
+            Span(regs, 0, 64, "S"),
+            Span(regs, 64, 96, "P"),
+            Span(regs, 96, 160, "O acc"),
+        )
+        mine, nxt = sched + w, sched + (w + 1) % consumers
+        ev: list = []
+        put = lambda label, event: emit(ev, label, event)  # noqa: E731
+        put("zero O", Access(o_acc, True, "zero O"))
+        if pingpong and w == consumers - 1:
+            put("open turn", BarArrive(sched, turn, "the last warpgroup opens warpgroup 0's turn"))
+        put("wait q_full", Wait("q_full", 0))
+
+        def issue_qk(j: int) -> None:
+            s, r = j % stages, j // stages
+            put("wait k_full", Wait(f"k_full{s}", r % 2))
+            if pingpong:
+                put("my turn", BarSync(mine, turn))
+            put("qk", Wgmma((q[w], k[s]), (s_acc,), f"S = Q K^T, block {j}"))
+            put("commit qk", WgmmaCommit())
+
+        def issue_pv(j: int) -> None:
+            s, r = j % stages, j // stages
+            put("rescale O", Access(o_acc, True, f"rescale O before P V {j}"))
+            put("wait v_full", Wait(f"v_full{s}", r % 2))
+            put("pv", Wgmma((p_regs, v[s]), (o_acc,), f"O += P V, block {j}"))
+            put("commit pv", WgmmaCommit())
+
+        def release(t: str, j: int) -> None:
+            put(f"arrive {t}_empty", Arrive(f"{t}_empty{j % stages}", count=warps))
+
+        issue_qk(0)
+        if pingpong:
+            put("hand over", BarArrive(nxt, turn))
+        put("wgmma wait qk", WgmmaWait(0))
+        release("k", 0)
+        put("softmax", Access(s_acc, True, "softmax 0"))
+        put("convert P", Access(p_regs, True, "convert P 0"))
+        for j in range(1, blocks):
+            issue_qk(j)
+            issue_pv(j - 1)
+            if pingpong:
+                put("hand over", BarArrive(nxt, turn))
+            put("wgmma wait qk", WgmmaWait(1))
+            release("k", j)
+            put("softmax", Access(s_acc, True, f"softmax {j}"))
+            put("wgmma wait pv", WgmmaWait(0))
+            release("v", j - 1)
+            put("convert P", Access(p_regs, True, f"convert P {j}"))
+        put("rescale O", Access(o_acc, True, "rescale O before the last P V"))
+        s, r = (blocks - 1) % stages, (blocks - 1) // stages
+        put("wait v_full", Wait(f"v_full{s}", r % 2))
+        if pingpong:
+            put("my turn", BarSync(mine, turn))
+        put("pv", Wgmma((p_regs, v[s]), (o_acc,), f"O += P V, block {blocks - 1}"))
+        put("commit pv", WgmmaCommit())
+        if pingpong:
+            put("hand over", BarArrive(nxt, turn))
+        put("wgmma wait pv", WgmmaWait(0))
+        release("v", blocks - 1)
+        if pingpong and w == 0:
+            put("close turn", BarSync(sched, turn, "take the last hand-over"))
+        put("normalize O", Access(o_acc, True, "normalize O"))
+        put("bar.sync 1", BarSync(ring_dead, 128 * consumers, "the rings are dead"))
+        put("O -> smem", Access(o[w], True, "O -> smem"))
+        put("fence", FenceProxyAsync())
+        put("bar.sync 2", BarSync(o_store + w, 128, "O rows in smem before the TMA store"))
+        put("store O", TmaStore(o[w], f"store O rows of wg{w}"))
+        put("bulk commit", BulkCommit())
+        put("bulk wait", BulkWait(0))
+        agents.append(Agent(f"wg{w}", 128, tuple(ev)))
+    barriers = [("q_full", 1)] + [
+        (f"{t}_{kind}{s}", 1 if kind == "full" else warps * consumers)
+        for s in range(stages)
+        for t in ("k", "v")
+        for kind in ("full", "empty")
+    ]
+    return Program(tuple(agents), tuple(barriers))

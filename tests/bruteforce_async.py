@@ -71,7 +71,7 @@ def explore(program: Program, limit: int = 400_000, all_kinds: bool = False) -> 
     names = [name for name, _ in program.mbarriers]
     counts = dict(program.mbarriers)
     found: set[str] = set()
-    # state: pcs, mbarriers (phase, pending, tx), named barriers {id: (gen, arrived)},
+    # state: pcs, mbarriers (phase, pending, tx), named barriers {id: (gen, arrived, agents)},
     # agents waiting in bar.sync {agent: gen}, in-flight ops (agent, index, group id or -1),
     # open group numbers per agent, unfenced generic writes (agent, index)
     start = (
@@ -129,6 +129,8 @@ def explore(program: Program, limit: int = 400_000, all_kinds: bool = False) -> 
                 found.add("hang")
             elif flight:
                 found.add("in flight at exit")
+            elif any(arrived for _, (_, arrived, _) in named):
+                found.add("unmatched arrive")
             continue
         for moved in moves:
             if moved not in seen:
@@ -205,18 +207,21 @@ def _move(program: Program, state, a: int, event, found: set[str]):
             table = dict(named)
             waiting = dict(blocked)
             if a in waiting:  # arrived earlier: go on once the generation has completed
-                if table.get(bid, (0, 0))[0] <= waiting[a]:
+                if table.get(bid, (0, 0, ()))[0] <= waiting[a]:
                     return None
                 del waiting[a]
             else:
-                gen, arrived = table.get(bid, (0, 0))
+                gen, arrived, who = table.get(bid, (0, 0, ()))
+                if a in who:
+                    found.add("double arrive")  # an agent's threads twice in one generation
+                who = tuple(sorted(who + (a,)))
                 arrived += agent.threads
                 if arrived > threads:
                     found.add("over-arrival")
                 if arrived >= threads:
-                    table[bid] = (gen + 1, 0)
+                    table[bid] = (gen + 1, 0, ())
                 else:
-                    table[bid] = (gen, arrived)
+                    table[bid] = (gen, arrived, who)
                 if isinstance(event, BarSync):
                     waiting[a] = gen
                     advance = table[bid][0] > gen

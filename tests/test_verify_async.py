@@ -13,7 +13,7 @@ from dataclasses import replace
 
 import pytest
 
-from async_programs import ARRIVES, OTHER_SYNCS, WAITS, drop, fa3, swap
+from async_programs import ARRIVES, OTHER_SYNCS, WAITS, drop, fa3, fa3_overlap, swap
 from bruteforce_async import explore
 from fadsl.passes.async_model import (
     Access,
@@ -178,3 +178,40 @@ def test_bruteforce_agrees_on_random_mutants(seed):
         assert bool(check(program)) == bool(found), (found, check(program))
         broken += bool(found)
     assert 0 < broken < 15  # the sample holds both proven and broken plans
+
+
+# The plan of the sm_90a kernel (emit/sm90): K one block ahead of V, S(j) and P(j-1) V(j-1)
+# in flight together, ping-pong named barriers between consumer warpgroups.
+OVERLAP_SYNCS = ARRIVES + WAITS + OTHER_SYNCS + ("open turn", "my turn", "hand over", "close turn")
+
+
+@pytest.mark.parametrize("stages,blocks,consumers", [(1, 3, 1), (2, 1, 2), (2, 4, 2), (3, 5, 3)])
+def test_overlapped_pingpong_plan_is_proven(stages, blocks, consumers):
+    assert check(fa3_overlap(stages, blocks, consumers)) == ()
+
+
+def test_bruteforce_agrees_on_the_overlapped_plan():
+    assert explore(fa3_overlap(2, 2, 2), all_kinds=True) == set()
+
+
+@pytest.mark.parametrize("label", OVERLAP_SYNCS)
+def test_overlapped_plan_needs_every_sync(label):
+    program = fa3_overlap(stages=2, blocks=3, consumers=2, mutate={label: None})
+    assert check(program), f"dropping {label} must fail"
+    assert explore(program)
+
+
+@pytest.mark.parametrize("label", WAITS)
+def test_overlapped_plan_refuses_flipped_parities(label):
+    flip = {label: lambda e: replace(e, parity=1 - e.parity)}
+    program = fa3_overlap(stages=2, blocks=3, consumers=2, mutate=flip)
+    assert check(program)
+    assert explore(program)
+
+
+def test_waiting_for_the_newest_wgmma_group_only_is_refused():
+    """wgmma.wait_group 1 after S(j) and P V: with 2 it would retire neither group, and the
+    softmax would read S while its wgmma still writes it."""
+    program = fa3_overlap(2, 3, 2, mutate={"wgmma wait qk": lambda e: replace(e, pending=2)})
+    assert any("RAW on S" in p or "WAW on S" in p for p in check(program))
+    assert explore(program)

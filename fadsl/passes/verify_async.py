@@ -82,6 +82,7 @@ class _Named:
     generation: int = 0
     arrived: int = 0
     threads: int | None = None
+    agents: set[int] = field(default_factory=set)
 
 
 @dataclass
@@ -160,6 +161,12 @@ def _execute(program: Program) -> _Run:
                             f"threads here but {bar.threads} in the same generation elsewhere"
                         )
                     bar.threads = threads
+                    if a in bar.agents:
+                        run.problems.append(
+                            f"{where(agents[a], pcs[a])}: {agents[a].name} arrives twice in "
+                            f"generation {bar.generation} of named barrier {bid}"
+                        )
+                    bar.agents.add(a)
                     tick(here)
                     run.joined[here] = ("bar", bid, bar.generation)
                     arrived_gen[a] = bar.generation
@@ -174,7 +181,7 @@ def _execute(program: Program) -> _Run:
                         tick(node)
                         run.completed.add(node)
                         bar.generation += 1
-                        bar.arrived, bar.threads = 0, None
+                        bar.arrived, bar.threads, bar.agents = 0, None, set()
                 if isinstance(event, BarSync) and named[bid].generation <= arrived_gen[a]:
                     return False
                 del arrived_gen[a]
@@ -194,6 +201,12 @@ def _execute(program: Program) -> _Run:
         if pcs[a] < len(agent.events):
             why = _why_blocked(agent.events[pcs[a]], mbars, named)
             run.problems.append(f"hang: {where(agent, pcs[a])} never returns ({why})")
+    for bid, bar in sorted(named.items()):
+        if bar.arrived and not run.problems:
+            run.problems.append(
+                f"named barrier {bid}: {bar.arrived} thread(s) arrive in generation "
+                f"{bar.generation}, which never completes (an unmatched bar.arrive)"
+            )
     return run
 
 
