@@ -279,7 +279,9 @@ def reference(q, k, v, causal: bool, scale: float, dtype):
     return o, lse
 
 
-def check_case(kern: Kernel, b, sq, sk, hq, hkv, packed=False, seed=0) -> tuple[bool, str]:
+def check_case(
+    kern: Kernel, b, sq, sk, hq, hkv, packed=False, seed=0, scale=None
+) -> tuple[bool, str]:
     import torch
 
     cfg = kern.cfg
@@ -297,7 +299,7 @@ def check_case(kern: Kernel, b, sq, sk, hq, hkv, packed=False, seed=0) -> tuple[
         v = torch.randn(b, sk, hkv, d, device="cuda", dtype=dt, generator=g)
     o = torch.full((b, sq, hq, d), float("nan"), device="cuda", dtype=dt)
     lse = torch.full((b, hq, sq), float("nan"), device="cuda", dtype=torch.float32)
-    scale = d**-0.5
+    scale = d**-0.5 if scale is None else scale
     kern(q, k, v, o, lse, scale)
     torch.cuda.synchronize()
     ref_o, ref_lse = reference(q, k, v, cfg.causal, scale, torch.float32)
@@ -339,10 +341,10 @@ def run_tests(cfgs: list[Config], quick: bool) -> int:
                 failures += not ok
                 if not ok or big:
                     print(f"  {'ok  ' if ok else 'FAIL'} {cfg.name} {sq}x{sk} h{hq}/{hkv}: {msg}")
-        ok, msg = check_case(kern, 2, 200, 200, 4, 4, packed=True, seed=total)
+        ok, msg = check_case(kern, 2, 200, 200, 4, 4, packed=True, seed=total, scale=0.7)
         total += 1
         failures += not ok
-        print(f"  {'ok  ' if ok else 'FAIL'} {cfg.name} packed-qkv 200x200: {msg}")
+        print(f"  {'ok  ' if ok else 'FAIL'} {cfg.name} packed-qkv 200x200 scale 0.7: {msg}")
     print(f"correctness: {total - failures}/{total} passed")
     return failures
 

@@ -87,8 +87,13 @@ struct Wgmma<{n}> {{
 """
 
 
+def render() -> str:
+    """The header's full text."""
+    return HEAD + "".join(width_block(n) for n in WIDTHS) + "\n}  // namespace fadsl::sm90\n"
+
+
 def main() -> None:
-    text = HEAD + "".join(width_block(n) for n in WIDTHS) + "\n}  // namespace fadsl::sm90\n"
+    text = render()
     OUT.write_text(text)
     print(f"wrote {OUT} ({len(text.splitlines())} lines)")
 
