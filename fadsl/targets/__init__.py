@@ -15,7 +15,7 @@ and one line in ``_PACKAGES``.
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from ..ir import Dtype, Instr, Kernel, Level
@@ -68,7 +68,6 @@ class Target:
     passes: tuple[tuple[str, Callable[[Kernel, "Target"], Kernel]], ...]
     template: str  # under emit/
     context: Callable[[Kernel, Dtype], dict[str, Any]]  # the template's target-specific slots
-    dtypes: tuple[Dtype, ...] = field(default=(Dtype.BF16, Dtype.FP16))
 
 
 def names() -> tuple[str, ...]:
