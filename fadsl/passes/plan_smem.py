@@ -1,7 +1,8 @@
 """plan_smem: liveness over the schedule, then interval colouring into regions.
 
 Liveness is the textbook backward dataflow over the schedule's control flow:
-prologue -> mainloop -> epilogue, plus the mainloop's back edge, so a buffer
+prologue -> mainloop -> epilogue, plus the mainloop's back edge (and the edge
+prologue -> epilogue when the loop may run zero times), so a buffer
 read in iteration j+1 that was written in iteration j stays live across the
 edge. A buffer occupies every step where it is live or written. Buffers whose
 occupied steps are disjoint may share a region; the spec's ``smem_alias``
@@ -30,6 +31,9 @@ def _flow(kernel: Kernel) -> tuple[list[Step], list[list[int]]]:
     if loop:
         first, last = len(pro), len(pro) + len(loop) - 1
         succ[last] = [first] + ([last + 1] if epi else [])
+        if kernel.loop_may_be_empty and pro and epi:
+            # The loop may run zero times: the prologue's values may reach the epilogue.
+            succ[first - 1].append(last + 1)
     return steps, succ
 
 
