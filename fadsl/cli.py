@@ -44,7 +44,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
 
     compiled = _compile(args.spec)
     out_dir = Path(args.output)
-    for path in write(compiled, out_dir):
+    for path in write(compiled.kernel, compiled.target, compiled.file, out_dir):
         print(f"wrote {path}")
     return EXIT_OK
 

@@ -4,20 +4,29 @@ A ``Kernel`` is the validated configuration, the tensors' paths, the SMEM
 buffers and a schedule (prologue, a mainloop over KV blocks, epilogue) of
 ``Step``s and ``Sync``s. Passes return new kernels via ``dataclasses.replace``.
 
-Thread model: a CTA of ``warps`` warps. Every SMEM access is made by all warps
-at once, each over either its own row slice of the buffer (``Partition.SLICE``:
-warp w touches rows [w*rows/warps, (w+1)*rows/warps)) or the whole buffer
-(``Partition.WHOLE``). Lanes of one warp may touch each other's bytes (cp.async,
-ldmatrix and 16-byte stores all move data between lanes), so even a one-warp
-hazard needs a warp barrier.
+Thread model: a CTA of ``warps`` warps. Each step says which threads run it
+(``Step.who``; on sm_80 always ``Threads.ALL_WARPS``). Every SMEM access of a step
+is made by those warps at once, each over either its own row slice of the buffer
+(``Partition.SLICE``: warp w touches rows [w*rows/warps, (w+1)*rows/warps)) or the
+whole buffer (``Partition.WHOLE``). Lanes of one warp may touch each other's bytes
+(cp.async, ldmatrix and 16-byte stores all move data between lanes), so even a
+one-warp hazard needs a warp barrier.
+
+Ops (``fadsl.ops.Op``) and sync kinds (``fadsl.syncmodel``) are types; which ones
+exist and what they mean is the target's business (``fadsl.targets``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
+from typing import TYPE_CHECKING
 
 from .errors import Loc
+
+if TYPE_CHECKING:
+    from .ops import Op
+    from .syncmodel import AsyncKind, SyncKind
 
 
 class Dtype(Enum):
@@ -31,20 +40,6 @@ class Dtype(Enum):
     @property
     def cuda_type(self) -> str:
         return {Dtype.BF16: "__nv_bfloat16", Dtype.FP16: "half"}[self]
-
-
-class Target(Enum):
-    SM80 = "sm_80"
-    SM90A = "sm_90a"  # reserved for the sm_90 path (TMA, wgmma)
-
-    @property
-    def smem_limit(self) -> int:
-        """Dynamic SMEM one CTA may use (bytes), as the hardware allows."""
-        return {Target.SM80: 163 * 1024, Target.SM90A: 227 * 1024}[self]
-
-    @property
-    def smem_per_sm(self) -> int:
-        return {Target.SM80: 164 * 1024, Target.SM90A: 228 * 1024}[self]
 
 
 class Mask(Enum):
@@ -118,10 +113,10 @@ class HazardKind(Enum):
     WAW = "WAW"
 
 
-class SyncKind(Enum):
-    SYNCWARP = "__syncwarp()"
-    SYNCTHREADS = "__syncthreads()"
-    CP_ASYNC_WAIT = "cp.async.wait_group"
+class Threads(Enum):
+    """Which threads run a step. sm_90 adds a producer warp and consumer warpgroups."""
+
+    ALL_WARPS = "all_warps"
 
 
 @dataclass(frozen=True)
@@ -168,7 +163,7 @@ class Tensor:
 @dataclass(frozen=True)
 class Config:
     name: str
-    target: Target
+    target: str  # the spec's spelling, a key of fadsl.targets
     dtypes: tuple[Dtype, ...]
     head_dim: int
     block_r: int
@@ -216,14 +211,20 @@ class Access:
 
 @dataclass(frozen=True)
 class Step:
-    """One schedule step. ``is_async`` steps issue cp.async and commit one group."""
+    """One schedule step. A step with an ``async_kind`` issues writes of that kind that
+    complete later (sm_80: cp.async, one commit group per step)."""
 
-    op: str
+    op: Op
     phase: Phase
     accesses: tuple[Access, ...]
-    is_async: bool
+    async_kind: AsyncKind | None
     title: str
     loc: Loc
+    who: Threads = Threads.ALL_WARPS
+
+    @property
+    def is_async(self) -> bool:
+        return self.async_kind is not None
 
 
 @dataclass(frozen=True)
@@ -231,13 +232,13 @@ class Hazard:
     """Two accesses to overlapping SMEM bytes, at least one a write, that a sync must order."""
 
     kind: HazardKind
-    earlier: str  # op of the earlier step
-    later: str  # op of the later step
+    earlier: Op  # op of the earlier step
+    later: Op  # op of the later step
     earlier_buffer: str
     later_buffer: str
     scope: Scope  # WARP: only same-warp pairs conflict; CTA: warps cross
     back_edge: bool  # the earlier access is in the previous mainloop iteration
-    async_write: bool  # the earlier access is a cp.async write that must be waited for
+    async_write: bool  # the earlier access is an async write that must be waited for
 
     def describe(self) -> str:
         bufs = self.earlier_buffer
@@ -245,7 +246,10 @@ class Hazard:
             bufs = f"{self.earlier_buffer}/{self.later_buffer} (aliased)"
         edge = " across the loop back edge" if self.back_edge else ""
         who = "warps cross" if self.scope is Scope.CTA else "within each warp"
-        return f"{self.kind.value} on {bufs}: {self.earlier} -> {self.later}{edge} ({who})"
+        return (
+            f"{self.kind.value} on {bufs}: {self.earlier.spelling} -> {self.later.spelling}"
+            f"{edge} ({who})"
+        )
 
 
 @dataclass(frozen=True)
@@ -254,12 +258,10 @@ class Sync:
     phase: Phase
     serves: tuple[Hazard, ...]
     loc: Loc
-    groups: int = 0  # for CP_ASYNC_WAIT: groups that may stay in flight
+    groups: int = 0  # for a counted wait: the groups that may stay in flight
 
     def text(self) -> str:
-        if self.kind is SyncKind.CP_ASYNC_WAIT:
-            return f"cp.async.wait_group {self.groups}"
-        return self.kind.value
+        return f"{self.kind.name} {self.groups}" if self.kind.counted else self.kind.name
 
 
 Item = Step | Sync

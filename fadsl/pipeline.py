@@ -1,6 +1,11 @@
-"""The compiler pipeline, in order. Each pass is a pure function Kernel -> Kernel.
+"""The driver: spec text -> the target's schedule -> the target's passes, in order.
 
-Ordering rules:
+    parse (syntax) -> lower (settings, paths, mainloop order; target.validate)
+    -> target.build_schedule -> target.passes (sm_80: plan_smem, insert_barriers,
+    verify) -> codegen.render(kernel, target) (the target's template)
+
+The target is the one the spec's ``target`` line names (fadsl.targets). Each pass
+is a pure function (Kernel, Target) -> Kernel. Ordering rules on sm_80:
 - plan_smem runs before insert_barriers: aliasing creates hazards (K's reads
   against V's writes into the same bytes), and the barriers must see the final
   byte offsets to know which warps' accesses overlap.
@@ -13,11 +18,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import targets
 from .errors import DiagnosticSink, SpecError
 from .ir import Kernel
 from .lower import lower
-from .passes import insert_barriers, plan_smem, verify
-from .schedule import build_schedule
 from .syntax import parse_recovering
 
 
@@ -30,6 +34,10 @@ class Compiled:
     file: str
     stages: tuple[tuple[str, Kernel], ...]  # the IR after each pass, for golden tests and explain
 
+    @property
+    def target(self) -> targets.Target:
+        return targets.target_of(self.kernel)
+
 
 def front_end(source: str, file: str = "<spec>") -> Kernel:
     """Parse and validate a spec and build its (sync-free, unplanned) schedule."""
@@ -38,19 +46,17 @@ def front_end(source: str, file: str = "<spec>") -> Kernel:
     lowered = lower(decl, sink, partial=bool(sink.diagnostics)) if decl is not None else None
     sink.raise_if_any()
     assert lowered is not None
-    return build_schedule(lowered)
+    return targets.get(lowered.config.target).build_schedule(lowered)
 
 
 def compile_source(source: str, file: str = "<spec>") -> Compiled:
     kernel = front_end(source, file)
+    target = targets.target_of(kernel)
     stages = [("schedule", kernel)]
     try:
-        kernel = plan_smem(kernel)  # liveness -> regions and offsets; SMEM limit check
-        stages.append(("plan_smem", kernel))
-        kernel = insert_barriers(kernel)  # cheapest syncs for every SMEM hazard
-        stages.append(("insert_barriers", kernel))
-        kernel = verify(kernel)  # independent proof that the syncs suffice
-        stages.append(("verify", kernel))
+        for name, run in target.passes:
+            kernel = run(kernel, target)
+            stages.append((name, kernel))
     except SpecError as err:
         raise SpecError(err.diagnostics, source) from None
     return Compiled(kernel, source, file, tuple(stages))

@@ -1,15 +1,18 @@
-"""A deterministic text form of the IR, for golden tests of each pass and for hashing."""
+"""A deterministic text form of the IR, for golden tests of each pass and for hashing.
+
+fadsl.irread parses it back (print, read, print is the identity), so that a pass
+test can start from IR written by hand."""
 
 from __future__ import annotations
 
-from .ir import Kernel, Step
+from .ir import Kernel, Step, Threads
 
 
 def format_kernel(kernel: Kernel) -> str:
     """A deterministic dump of the IR, for golden tests of each pass."""
     cfg = kernel.config
     out = [
-        f"kernel {cfg.name} target={cfg.target.value} "
+        f"kernel {cfg.name} target={cfg.target} "
         f"dtypes={','.join(d.value for d in cfg.dtypes)} head_dim={cfg.head_dim} "
         f"B_r={cfg.block_r} B_c={cfg.block_c} warps={cfg.warps} mask={cfg.mask.value} "
         f"swizzle={cfg.swizzle or 'none'} smem_alias={cfg.smem_alias.value}"
@@ -35,8 +38,9 @@ def format_kernel(kernel: Kernel) -> str:
                 acc = ", ".join(
                     f"{a.mode.value} {a.buffer}/{a.partition.value}" for a in item.accesses
                 )
-                flag = " async" if item.is_async else ""
-                out.append(f"  step {item.op}{flag}" + (f" [{acc}]" if acc else ""))
+                flag = "" if item.async_kind is None else f" {item.async_kind.flag}"
+                who = "" if item.who is Threads.ALL_WARPS else f" by {item.who.value}"
+                out.append(f"  step {item.op.spelling}{flag}{who}" + (f" [{acc}]" if acc else ""))
             else:
                 out.append(f"  sync {item.text()}")
                 out.extend(f"    serves {h.describe()}" for h in item.serves)

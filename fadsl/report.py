@@ -5,13 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 from .ir import Kernel, Phase, Step
-from .lower_paths import OP_TEXT
 from .passes.plan_smem import live_text, occupancy
 from .pipeline import Compiled
 from .resources import ctas_per_sm
-
-# The GPU families each target runs on, for the occupancy lines.
-FAMILIES = (("sm_80", "A100"), ("sm_90a", "H100/H200"))
 
 
 def summary(compiled: Compiled) -> str:
@@ -19,10 +15,10 @@ def summary(compiled: Compiled) -> str:
     k = compiled.kernel
     cfg = k.config
     rows = cfg.block_r // cfg.warps
-    order = ", ".join(OP_TEXT[s.op] for s in k.mainloop if isinstance(s, Step))
+    order = ", ".join(s.op.loop_text or s.op.spelling for s in k.mainloop if isinstance(s, Step))
     lines = [
         f"{compiled.file}: ok",
-        f"  kernel    {cfg.name} (target {cfg.target.value})",
+        f"  kernel    {cfg.name} (target {cfg.target})",
         f"  dtypes    {', '.join(d.value for d in cfg.dtypes)} (fp32 softmax and accumulators)",
         f"  tiles     B_r = {cfg.block_r}, B_c = {cfg.block_c}, head_dim = {cfg.head_dim}",
         f"  warps     {cfg.warps} ({cfg.threads} threads; {rows} query rows per warp)",
@@ -50,8 +46,8 @@ def _resources(compiled: Compiled, use_nvcc: bool) -> list[dict[str, Any]]:
         return []
     k = compiled.kernel
     rows = []
-    for source in render(compiled):
-        for arch, family in FAMILIES:
+    for source in render(k, compiled.target, compiled.file):
+        for arch, family in compiled.target.capabilities.archs:
             usage = ptxas_usage(source, arch, cache_dir())
             occ = ctas_per_sm(usage["registers"], k.config.threads, k.smem_bytes, arch)
             limit = min((n, why) for why, n in occ.items() if why != "ctas_per_sm")[1]
@@ -95,7 +91,7 @@ def explain_data(compiled: Compiled, use_nvcc: bool = False) -> dict[str, Any]:
         entries = []
         for item in items:
             if isinstance(item, Step):
-                entries.append({"step": item.op, "what": item.title})
+                entries.append({"step": item.op.spelling, "what": item.title})
             else:
                 entries.append(
                     {
@@ -108,7 +104,7 @@ def explain_data(compiled: Compiled, use_nvcc: bool = False) -> dict[str, Any]:
     return {
         "spec": compiled.file,
         "kernel": cfg.name,
-        "target": cfg.target.value,
+        "target": cfg.target,
         "dtypes": [d.value for d in cfg.dtypes],
         "head_dim": cfg.head_dim,
         "block_r": cfg.block_r,
@@ -129,7 +125,7 @@ def explain_data(compiled: Compiled, use_nvcc: bool = False) -> dict[str, Any]:
         "smem_total": k.smem_bytes,
         "ctas_per_sm_by_smem": {
             f"{arch} ({family})": ctas_per_sm(0, cfg.threads, k.smem_bytes, arch)["smem"]
-            for arch, family in FAMILIES
+            for arch, family in compiled.target.capabilities.archs
         },
         "resources": _resources(compiled, use_nvcc),
         "schedule": schedule,

@@ -145,7 +145,8 @@ class FlashAttention:
         # Rendered under the kernel's name rather than the path it was loaded by, so that the
         # cache key (which hashes the source) does not depend on how the spec was reached.
         canonical = replace(compiled, file=f"{self.config.name}.fa")
-        self._sources = {s.dtype: s for s in render(canonical)}
+        sources = render(canonical.kernel, canonical.target, canonical.file)
+        self._sources = {s.dtype: s for s in sources}
         self._modules: dict[tuple[Dtype, str], ModuleType] = {}
 
     def __repr__(self) -> str:

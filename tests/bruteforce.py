@@ -18,7 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from fadsl.ir import Kernel, Mode, Partition, Step, SyncKind
+from fadsl.ir import Kernel, Mode, Partition, Step
+from fadsl.targets.sm80 import caps as sm80
 
 LANES = 2
 
@@ -69,9 +70,9 @@ def _simulate(kernel: Kernel, n: int) -> list[str]:
 
     for pos, item in enumerate(items):
         if not isinstance(item, Step):
-            if item.kind is SyncKind.SYNCTHREADS:
+            if item.kind is sm80.SYNCTHREADS:
                 join(list(range(lanes)))
-            elif item.kind is SyncKind.SYNCWARP:
+            elif item.kind is sm80.SYNCWARP:
                 for w in range(warps):
                     join([w * LANES + k for k in range(LANES)])
             else:
@@ -88,7 +89,7 @@ def _simulate(kernel: Kernel, n: int) -> list[str]:
             for acc in item.accesses:
                 lo, hi = _bytes(kernel, acc.buffer, acc.partition, warp)
                 write = acc.mode is Mode.WRITE
-                what = f"{item.op} [{where[pos]}] {acc.mode.value}s {acc.buffer} as warp {warp}"
+                what = f"{item.op.spelling} [{where[pos]}] {acc.mode.value}s {acc.buffer} as warp {warp}"
                 rec = _Rec(lane, clocks[lane][lane], pos, warp, lo, hi, write, what)
                 in_flight = [r for g in groups for grp in g for r in grp]
                 for r, flying in [(r, False) for r in done] + [(r, True) for r in in_flight]:

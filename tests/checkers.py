@@ -10,6 +10,7 @@ Two buffers whose bytes overlap must never be live at the same step.
 
 from __future__ import annotations
 
+from fadsl import targets
 from fadsl.ir import Kernel, Mode, Step
 
 ALIGN = 16  # bytes: cp.async and ldmatrix move 16-byte vectors
@@ -50,7 +51,7 @@ def smem_plan_problems(kernel: Kernel) -> list[str]:
     problems = []
     if kernel.smem_bytes is None:
         return ["the kernel has no smem_bytes: it was not planned"]
-    if kernel.smem_bytes > kernel.config.target.smem_limit:
+    if kernel.smem_bytes > targets.target_of(kernel).capabilities.smem_per_cta:
         problems.append(f"smem_bytes {kernel.smem_bytes} exceeds the target's limit")
     for buf in kernel.buffers:
         if buf.offset is None:
@@ -85,7 +86,7 @@ def smem_plan_problems(kernel: Kernel) -> list[str]:
                         hi = min(a.offset + a.nbytes, b.offset + b.nbytes)
                         problems.append(
                             f"{a.name} and {b.name} share bytes [{lo}, {hi}) and are both live "
-                            f"at {step.op} ({where}; trace with {n} iteration(s))"
+                            f"at {step.op.spelling} ({where}; trace with {n} iteration(s))"
                         )
     return problems
 

@@ -64,7 +64,8 @@ def test_compile_writes_one_file_per_dtype(tmp_path, capsys, monkeypatch):
     assert main(["compile", SPEC, "-o", str(tmp_path)]) == 0
     names = sorted(p.name for p in tmp_path.iterdir())
     assert names == ["fa2_kernel1_bf16.cu", "fa2_kernel1_fp16.cu", "fadsl"]
-    assert sorted(p.name for p in (tmp_path / "fadsl").iterdir()) == ["sm80.cuh", "sm80_ptx.cuh"]
+    headers = sorted(p.name for p in (tmp_path / "fadsl").iterdir())
+    assert headers == ["params.cuh", "sm80.cuh", "sm80_ptx.cuh"]
 
 
 def test_bad_spec_exits_2_with_a_located_message(tmp_path):

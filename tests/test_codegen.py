@@ -8,32 +8,37 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from conftest import EXAMPLES, ROOT
-from fadsl.codegen import HEADERS, context, render
-from fadsl.ir import Sync, SyncKind
+from fadsl.codegen import HEADERS, context, read_header, render
+from fadsl.ir import Sync
+from fadsl.targets.sm80 import caps as sm80
 from fadsl.pipeline import compile_file
 from fadsl.resources import ARCH_FLAGS, nvcc, ptxas_usage
 
 GENERATED = ROOT / "generated"
 
 
+def sources(compiled):
+    return render(compiled.kernel, compiled.target, compiled.file)
+
+
 def test_generated_cuda_is_current(example, golden):
     compiled = compile_file(example.relative_to(ROOT))
-    for source in render(compiled):
+    for source in render(compiled.kernel, compiled.target, compiled.file):
         golden.check(GENERATED / source.filename, source.text)
     for name in HEADERS:
-        golden.check(GENERATED / name, (ROOT / "emit" / "include" / name).read_text())
+        golden.check(GENERATED / name, read_header(name))
 
 
 def test_rendering_is_deterministic(example):
     compiled = compile_file(example.relative_to(ROOT))
-    assert render(compiled) == render(compile_file(example.relative_to(ROOT)))
+    assert sources(compiled) == sources(compile_file(example.relative_to(ROOT)))
 
 
 def test_every_sync_is_rendered_with_its_hazards(example):
     """The kernel holds exactly the plan's syncs, in order, each commented with its hazards.
     The mainloop body is rendered twice: the loop over unmasked blocks, then the masked one."""
     compiled = compile_file(example.relative_to(ROOT))
-    source, *_ = render(compiled)
+    source, *_ = sources(compiled)
     body = source.text.split("_kernel(", 1)[1].split("_launch(", 1)[0]
     emitted = re.findall(r"(__syncthreads\(\)|__syncwarp\(\)|cp_async_wait<\d+>\(\));", body)
     planned = []
@@ -42,10 +47,10 @@ def test_every_sync_is_rendered_with_its_hazards(example):
         if not isinstance(sync, Sync):
             continue
         match sync.kind:
-            case SyncKind.CP_ASYNC_WAIT:
+            case sm80.CP_ASYNC_WAIT:
                 planned.append(f"cp_async_wait<{sync.groups}>()")
-            case SyncKind.SYNCWARP | SyncKind.SYNCTHREADS:
-                planned.append(sync.kind.value)
+            case sm80.SYNCWARP | sm80.SYNCTHREADS:
+                planned.append(sync.kind.name)
             case _:
                 raise AssertionError(sync.kind)
     assert emitted == planned
@@ -57,7 +62,7 @@ def test_every_sync_is_rendered_with_its_hazards(example):
 def test_context_offsets_match_the_plan(example):
     compiled = compile_file(example.relative_to(ROOT))
     for dtype in compiled.kernel.config.dtypes:
-        ctx = context(compiled, dtype)
+        ctx = context(compiled.kernel, compiled.target, compiled.file, dtype)
         assert ctx["smem_bytes"] == compiled.kernel.smem_bytes
         for buf in compiled.kernel.buffers:
             assert ctx["buffers"][buf.name]["offset"] == buf.offset
@@ -70,7 +75,7 @@ def test_kernels_compile_without_spills(spec):
     """Every dtype for sm_80 and sm_90a: no warnings, spills or stack; all SMEM dynamic, as planned."""
     compiled = compile_file(spec.relative_to(ROOT))
     jobs = []
-    for source in render(compiled):
+    for source in sources(compiled):
         assert f"constexpr int kSmemBytes = {compiled.kernel.smem_bytes};" in source.text
         jobs += [(source, arch) for arch in ARCH_FLAGS]
     with ThreadPoolExecutor(max_workers=4) as pool:

@@ -4,7 +4,9 @@ from dataclasses import replace
 
 from conftest import ROOT
 
-from fadsl.ir import Step, Sync, SyncKind
+from fadsl.ir import Step, Sync
+from fadsl.ops import Op
+from fadsl.targets.sm80 import caps as sm80
 from fadsl.passes import insert_barriers, plan_smem
 from fadsl.pipeline import compile_source, front_end
 from variants import EAGER_ORDER, KERNEL1, variant
@@ -20,12 +22,12 @@ def shape(items):
     for item in items:
         match item:
             case Step():
-                out.append(item.op)
-            case Sync(kind=SyncKind.CP_ASYNC_WAIT):
+                out.append(item.op.spelling)
+            case Sync(kind=sm80.CP_ASYNC_WAIT):
                 out.append(f"wait {item.groups}")
-            case Sync(kind=SyncKind.SYNCWARP):
+            case Sync(kind=sm80.SYNCWARP):
                 out.append("warp")
-            case Sync(kind=SyncKind.SYNCTHREADS):
+            case Sync(kind=sm80.SYNCTHREADS):
                 out.append("cta")
             case _:
                 raise AssertionError(item)
@@ -66,7 +68,7 @@ def test_without_aliasing_the_two_seed_barriers_do_double_duty():
     assert shape(k.mainloop) == [
         "k_g2s", "wait 0", "cta", "k_s2r", "qk", "softmax", "v_g2s", "wait 0", "cta", "v_s2r", "pv",
     ]  # fmt: skip
-    first, second = [s for s in k.syncs() if s.kind is SyncKind.SYNCTHREADS]
+    first, second = [s for s in k.syncs() if s.kind is sm80.SYNCTHREADS]
     assert "WAR on V: v_s2r -> v_g2s across the loop back edge (warps cross)" in describe(first)
     assert "WAR on K: k_s2r -> k_g2s across the loop back edge (warps cross)" in describe(second)
 
@@ -81,7 +83,7 @@ def test_eager_load_waits_only_for_the_group_it_needs():
 
 def test_one_warp_needs_only_warp_barriers():
     k = plan(variant(warps=1, block_r=16))
-    assert {s.kind for s in k.syncs()} <= {SyncKind.SYNCWARP, SyncKind.CP_ASYNC_WAIT}
+    assert {s.kind for s in k.syncs()} <= {sm80.SYNCWARP, sm80.CP_ASYNC_WAIT}
 
 
 def test_an_empty_loop_is_ordered_too():
@@ -115,7 +117,7 @@ def test_fa2_schedule_needs_two_barriers_per_iteration():
     assert shape(k.mainloop) == [
         "wait 0", "cta", "v_g2s", "qk", "softmax", "wait 0", "cta", "k_g2s_next", "pv",
     ]  # fmt: skip
-    top, middle = (s for s in k.mainloop if isinstance(s, Sync) and s.kind is SyncKind.SYNCTHREADS)
+    top, middle = (s for s in k.mainloop if isinstance(s, Sync) and s.kind is sm80.SYNCTHREADS)
     assert {"RAW on K: k_g2s_next -> qk across the loop back edge (warps cross)",
             "WAR on V: pv -> v_g2s across the loop back edge (warps cross)"} <= set(describe(top))  # fmt: skip
     assert {"WAR on K: qk -> k_g2s_next (warps cross)",
@@ -144,8 +146,8 @@ def test_no_join_past_the_write_a_sync_waits_for():
 def test_fragment_wise_loads_drop_their_steps():
     k = plan(PIPELINED)
     ops = [s.op for s in k.steps()]
-    assert "q_s2r" not in ops and "k_s2r" not in ops and "v_s2r" not in ops
-    qk = next(s for s in k.mainloop if isinstance(s, Step) and s.op == "qk")
+    assert Op.Q_S2R not in ops and Op.K_S2R not in ops and Op.V_S2R not in ops
+    qk = next(s for s in k.mainloop if isinstance(s, Step) and s.op is Op.QK)
     assert {(a.buffer, a.mode.value, a.partition.value) for a in qk.accesses} == {
         ("Q", "read", "slice"),
         ("K", "read", "whole"),

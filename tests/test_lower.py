@@ -3,7 +3,8 @@
 import pytest
 
 from fadsl.errors import SpecError
-from fadsl.ir import AliasPolicy, Dtype, Instr, Level, Mask, Role, Scope, Target
+from fadsl.ir import AliasPolicy, Dtype, Instr, Level, Mask, Role, Scope
+from fadsl.ops import Op
 from fadsl.pipeline import front_end, read_spec
 from variants import EAGER_ORDER, KERNEL1, variant
 
@@ -13,7 +14,7 @@ def test_kernel1_config_and_paths():
     cfg = k.config
     assert (cfg.name, cfg.target, cfg.dtypes) == (
         "fa2_kernel1",
-        Target.SM80,
+        "sm_80",
         (Dtype.BF16, Dtype.FP16),
     )
     assert (cfg.head_dim, cfg.block_r, cfg.block_c, cfg.warps) == (128, 64, 64, 4)
@@ -25,12 +26,16 @@ def test_kernel1_config_and_paths():
     ]
     assert v.smem_scope is Scope.CTA and k.tensor(Role.Q).smem_scope is Scope.WARP
     assert (v.loc.line, v.loc.col) == (13, 3)
-    assert [s.op for s in k.mainloop] == ["k_g2s", "k_s2r", "qk", "softmax", "v_g2s", "v_s2r", "pv"]
+    assert [s.op for s in k.mainloop] == [
+        Op.K_G2S, Op.K_S2R, Op.QK, Op.SOFTMAX, Op.V_G2S, Op.V_S2R, Op.PV,
+    ]  # fmt: skip
 
 
 def test_explicit_mainloop_order_and_step_locations():
     k = front_end(variant(order=EAGER_ORDER), "k.fa")
-    assert [s.op for s in k.mainloop] == ["k_g2s", "v_g2s", "k_s2r", "qk", "softmax", "v_s2r", "pv"]
+    assert [s.op for s in k.mainloop] == [
+        Op.K_G2S, Op.V_G2S, Op.K_S2R, Op.QK, Op.SOFTMAX, Op.V_S2R, Op.PV,
+    ]  # fmt: skip
     assert k.mainloop[1].loc.line == 19  # the 'V -> smem' line
 
 

@@ -11,7 +11,9 @@ from hypothesis import strategies as st
 from checkers import check_smem_plan, live_ranges, smem_plan_problems
 from fadsl.errors import Loc
 from fadsl.ir import Access, AliasPolicy, Buffer, Kernel, Mode, Phase, Partition, Scope, Step
+from fadsl.ops import Op
 from fadsl.passes import plan_smem
+from fadsl.targets.sm80 import caps as sm80
 from test_verify import SPEC_BASE as BASE
 from test_verify import VARIANTS, compiled
 
@@ -68,8 +70,8 @@ def schedules(draw, policy: AliasPolicy) -> Kernel:
 
     def steps(phase: Phase, lo: int, hi: int) -> tuple[Step, ...]:
         return tuple(
-            Step(f"{phase.value[0]}{k}", phase, tuple(draw(st.lists(access, max_size=2))),
-                 draw(st.booleans()), "", LOC)
+            Step(list(Op)[k % len(Op)], phase, tuple(draw(st.lists(access, max_size=2))),
+                 sm80.CP_ASYNC if draw(st.booleans()) else None, "", LOC)
             for k in range(draw(st.integers(lo, hi)))
         )  # fmt: skip
 
@@ -142,7 +144,7 @@ def test_plan_smem_with_unused_buffer(policy):
         BASE,
         config=replace(BASE.config, smem_alias=policy),
         prologue=(),
-        mainloop=(Step("m0", Phase.MAINLOOP, (), False, "", LOC),),
+        mainloop=(Step(Op.QK, Phase.MAINLOOP, (), None, "", LOC),),
         epilogue=(),
     )
     check_smem_plan(plan_smem(kernel))

@@ -26,9 +26,10 @@ from fadsl.ir import (
     Scope,
     Step,
     Sync,
-    SyncKind,
-    Target,
 )
+from fadsl.ops import Op
+from fadsl.syncmodel import SyncKind
+from fadsl.targets.sm80 import caps as sm80
 from fadsl.passes import insert_barriers, plan_smem
 from fadsl.passes.verify import VerifyError, verify
 from fadsl.pipeline import compile_file, compile_source, front_end
@@ -163,9 +164,9 @@ def test_weakening_any_sync_fails(name):
     kernel = compiled(name)
     waits = 0
     for phase, i, sync in sync_sites(kernel):
-        if sync.kind is SyncKind.SYNCTHREADS:
-            mutant = with_item(kernel, phase, i, replace(sync, kind=SyncKind.SYNCWARP))
-        elif sync.kind is SyncKind.CP_ASYNC_WAIT:
+        if sync.kind is sm80.SYNCTHREADS:
+            mutant = with_item(kernel, phase, i, replace(sync, kind=sm80.SYNCWARP))
+        elif sync.kind is sm80.CP_ASYNC_WAIT:
             if not rejects(with_item(kernel, phase, i, None)):
                 continue  # orders nothing (already reported as redundant by the removal test)
             mutant = with_item(kernel, phase, i, replace(sync, groups=sync.groups + 1))
@@ -187,7 +188,7 @@ def find_sync(kernel: Kernel, phase: str, kind: SyncKind, nth: int = 0) -> int:
 
 def test_message_cta_barrier():
     kernel = compiled("example")
-    i = find_sync(kernel, "mainloop", SyncKind.SYNCTHREADS, 1)  # after K's wait, before k_s2r
+    i = find_sync(kernel, "mainloop", sm80.SYNCTHREADS, 1)  # after K's wait, before k_s2r
     err = rejects(with_item(kernel, "mainloop", i, None))
     text = str(err)
     assert "k_g2s (mainloop, iteration 0) -> k_s2r (mainloop, iteration 0)" in text
@@ -203,7 +204,7 @@ def test_message_cta_barrier():
 
 def test_message_warp_barrier():
     kernel = compiled("example")
-    i = find_sync(kernel, "epilogue", SyncKind.SYNCWARP)
+    i = find_sync(kernel, "epilogue", sm80.SYNCWARP)
     (fail,) = rejects(with_item(kernel, "epilogue", i, None)).failures
     assert (fail.earlier, fail.later) == ("o_r2s (epilogue)", "o_s2g (epilogue)")
     assert fail.buffers == ("O", "O") and fail.warps[0] == fail.warps[1]
@@ -213,7 +214,7 @@ def test_message_warp_barrier():
 
 def test_message_cp_async_wait():
     kernel = compiled("example")
-    i = find_sync(kernel, "prologue", SyncKind.CP_ASYNC_WAIT)
+    i = find_sync(kernel, "prologue", sm80.CP_ASYNC_WAIT)
     err = rejects(with_item(kernel, "prologue", i, None))
     assert "q_g2s (prologue) -> q_s2r (prologue)" in str(err)
     assert "cp.async wait before the barrier" in str(err)
@@ -223,9 +224,9 @@ def test_message_cp_async_wait():
 def test_message_barrier_before_wait_does_not_count():
     """Swap K's wait and barrier: the barrier now precedes the wait and orders nothing."""
     kernel = compiled("example")
-    i = find_sync(kernel, "mainloop", SyncKind.CP_ASYNC_WAIT)
+    i = find_sync(kernel, "mainloop", sm80.CP_ASYNC_WAIT)
     loop = kernel.mainloop
-    assert isinstance(loop[i + 1], Sync) and loop[i + 1].kind is SyncKind.SYNCTHREADS
+    assert isinstance(loop[i + 1], Sync) and loop[i + 1].kind is sm80.SYNCTHREADS
     swapped = replace(kernel, mainloop=loop[:i] + (loop[i + 1], loop[i]) + loop[i + 2 :])
     err = rejects(swapped)
     assert any(
@@ -238,7 +239,7 @@ def test_message_barrier_before_wait_does_not_count():
 def test_message_aliased_buffers():
     kernel = compiled("example")  # K and V share a region
     assert kernel.buffer("K").offset == kernel.buffer("V").offset
-    i = find_sync(kernel, "mainloop", SyncKind.SYNCTHREADS, 2)  # before v_g2s
+    i = find_sync(kernel, "mainloop", sm80.SYNCTHREADS, 2)  # before v_g2s
     err = rejects(with_item(kernel, "mainloop", i, None))
     assert "WAR on K/V (aliased)" in str(err)
     assert all(f.earlier.startswith("k_s2r") and f.later.startswith("v_g2s") for f in err.failures)
@@ -280,17 +281,18 @@ def random_kernels(draw) -> Kernel:
         out = []
         for k in range(draw(st.integers(lo, hi))):
             if draw(st.integers(0, 9)) < 4:
-                kind = draw(st.sampled_from(SyncKind))
-                groups = draw(st.integers(0, 2)) if kind is SyncKind.CP_ASYNC_WAIT else 0
+                kind = draw(st.sampled_from(sm80.SYNC_MODEL.kinds()))
+                groups = draw(st.integers(0, 2)) if kind is sm80.CP_ASYNC_WAIT else 0
                 out.append(Sync(kind, phase, (), LOC, groups))
             else:
                 accesses = tuple(draw(st.lists(access, max_size=2)))
                 is_async = draw(st.booleans())
-                out.append(Step(f"s{phase.value[0]}{k}", phase, accesses, is_async, "", LOC))
+                op = list(Op)[k % len(Op)]
+                out.append(Step(op, phase, accesses, sm80.CP_ASYNC if is_async else None, "", LOC))
         return tuple(out)
 
     config = Config(
-        "random", Target.SM80, (Dtype.BF16,), 64, 16 * warps, 64, warps, Mask.NONE, None,
+        "random", "sm_80", (Dtype.BF16,), 64, 16 * warps, 64, warps, Mask.NONE, None,
         AliasPolicy.SCOPED, LOC,
     )  # fmt: skip
     return Kernel(
@@ -318,9 +320,9 @@ def test_brute_force_agrees_on_mutants():
         kernel = compiled(name)
         for phase, i, sync in sync_sites(kernel):
             weaker = {
-                SyncKind.SYNCTHREADS: replace(sync, kind=SyncKind.SYNCWARP),
-                SyncKind.SYNCWARP: None,
-                SyncKind.CP_ASYNC_WAIT: replace(sync, groups=sync.groups + 1),
+                sm80.SYNCTHREADS: replace(sync, kind=sm80.SYNCWARP),
+                sm80.SYNCWARP: None,
+                sm80.CP_ASYNC_WAIT: replace(sync, groups=sync.groups + 1),
             }[sync.kind]
             for new in (None, weaker):
                 mutant = with_item(kernel, phase, i, new)
@@ -353,7 +355,8 @@ def wellformed_schedules(draw, async_phases=(Phase.MAINLOOP,)) -> Kernel:
         for k in range(draw(st.integers(lo, hi))):
             is_async = phase in async_phases and draw(st.booleans())
             access = draw(st.lists(write if is_async else write | read, max_size=1))
-            out.append(Step(f"{phase.value[0]}{k}", phase, tuple(access), is_async, "", LOC))
+            kind = sm80.CP_ASYNC if is_async else None
+            out.append(Step(list(Op)[k % len(Op)], phase, tuple(access), kind, "", LOC))
         return tuple(out)
 
     policy = draw(st.sampled_from(list(AliasPolicy)))
@@ -384,8 +387,15 @@ def bug_kernel(mainloop_tail: tuple, epilogue: tuple) -> Kernel:
     """Two aliased 1-warp buffers; the prologue cp.asyncs B0; the mainloop commits a group."""
     buffers = tuple(Buffer(n, 16, 8, 2, Scope.WARP, None, LOC) for n in ("B0", "B1"))
     config = replace(SPEC_BASE.config, warps=1, smem_alias=AliasPolicy.SCOPED)
-    p0 = Step("p0", Phase.PROLOGUE, (Access("B0", Mode.WRITE, Partition.SLICE),), True, "", LOC)
-    m0 = Step("m0", Phase.MAINLOOP, (), True, "", LOC)
+    p0 = Step(
+        Op.Q_G2S,
+        Phase.PROLOGUE,
+        (Access("B0", Mode.WRITE, Partition.SLICE),),
+        sm80.CP_ASYNC,
+        "",
+        LOC,
+    )
+    m0 = Step(Op.K_G2S, Phase.MAINLOOP, (), sm80.CP_ASYNC, "", LOC)
     kernel = Kernel(config, SPEC_BASE.tensors, buffers, (p0,), (m0,) + mainloop_tail, epilogue)
     return plan_smem(kernel)
 
@@ -394,11 +404,9 @@ def test_wait_group_counts_one_iteration():
     """p0 cp.async -> B0; loop: m0 commits a group; epilogue e0 reads B0. After one
     iteration only m0's group follows p0's, so the wait before e0 must be wait_group 1
     (wait_group 2 would leave p0's group in flight)."""
-    e0 = Step("e0", Phase.EPILOGUE, (Access("B0", Mode.READ, Partition.SLICE),), False, "", LOC)
+    e0 = Step(Op.O_S2G, Phase.EPILOGUE, (Access("B0", Mode.READ, Partition.SLICE),), None, "", LOC)
     kernel = insert_barriers(bug_kernel((), (e0,)))
-    (wait,) = [
-        s for s in kernel.epilogue if isinstance(s, Sync) and s.kind is SyncKind.CP_ASYNC_WAIT
-    ]
+    (wait,) = [s for s in kernel.epilogue if isinstance(s, Sync) and s.kind is sm80.CP_ASYNC_WAIT]
     assert wait.groups == 1
     assert not races(kernel)
     verify(kernel)
@@ -408,7 +416,7 @@ def test_hoisted_wait_counts_only_prologue_groups():
     """p0 cp.async -> B0; loop: m0 commits a group, m1 reads B0. Ordering p0 -> m1 at the end
     of the prologue must wait for every group (none is committed there after p0's); an
     earlier insert_barriers kept asking for wait_group 1 there and never terminated."""
-    m1 = Step("m1", Phase.MAINLOOP, (Access("B0", Mode.READ, Partition.SLICE),), False, "", LOC)
+    m1 = Step(Op.K_S2R, Phase.MAINLOOP, (Access("B0", Mode.READ, Partition.SLICE),), None, "", LOC)
     kernel = insert_barriers(bug_kernel((m1,), ()))
     assert [s.text() for s in kernel.prologue if isinstance(s, Sync)] == [
         "cp.async.wait_group 0",

@@ -1,5 +1,10 @@
 """insert_barriers: order every SMEM hazard with the cheapest sync that covers it.
 
+The pass is generic over the target's sync model: it asks the model for the
+cheapest barrier that covers a scope and for the wait that completes an async
+write kind, and reads each placed sync by its fields (the scope a barrier meets,
+the writes a wait completes and by which rule). On sm_80 that is:
+
 The pass walks the schedule as it runs -- prologue, two mainloop iterations
 (the second one exposes hazards across the back edge), epilogue -- keeping a
 history of the SMEM accesses made so far and, for each, whether a sync has
@@ -25,6 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Iterator
 
+from .. import targets
 from ..ir import (
     Access,
     Buffer,
@@ -38,8 +44,8 @@ from ..ir import (
     Scope,
     Step,
     Sync,
-    SyncKind,
 )
+from ..syncmodel import AsyncKind, SyncModel, WaitRule, covers
 
 # A static position: (phase, index of the item in that phase's tuple).
 Pos = tuple[Phase, int]
@@ -52,8 +58,8 @@ class _Past:
     access: Access
     step: Step
     iteration: int  # -1 outside the loop, else 0 or 1
-    group: int | None  # cp.async commit group of an async write
-    waited_by: int | None = None  # id of the cp.async wait that completed it
+    group: int | None  # the commit group of an async write (counted per async kind)
+    waited_by: int | None = None  # id of the wait that completed it
     warp_ordered: list[int] = field(default_factory=list)  # ids of syncs that order it per warp
     cta_ordered: list[int] = field(default_factory=list)  # ids of syncs that order it CTA-wide
 
@@ -64,7 +70,8 @@ class _Need:
 
     pos: Pos
     scope: Scope
-    wait_groups: int | None
+    wait_groups: int | None  # a wait for ``async_kind`` first, leaving this many in flight
+    async_kind: AsyncKind | None = None
 
 
 def _bytes(buf: Buffer, part: Partition, warp: int, warps: int) -> tuple[int, int]:
@@ -125,29 +132,46 @@ def _walk(kernel: Kernel) -> tuple[_Need | None, dict[int, list[Hazard]]]:
     return None, served
 
 
+def _completes(wait: Sync, past: _Past, committed: int) -> bool:
+    """Whether ``wait``, placed after ``committed`` groups of its kind, completes ``past``."""
+    kind = wait.kind
+    if past.group is None or past.step.async_kind != kind.completes:
+        return False
+    match kind.rule:
+        case WaitRule.NEWEST_PENDING:
+            return past.group < committed - wait.groups
+        case _:
+            raise AssertionError(f"insert_barriers: no rule for {kind.name}")
+
+
 def _walk_trace(kernel: Kernel, iterations: int) -> tuple[_Need | None, dict[int, list[Hazard]]]:
     history: list[_Past] = []
-    groups = 0
-    prologue_groups = sum(1 for i in kernel.prologue if isinstance(i, Step) and i.is_async)
+    groups: dict[AsyncKind, int] = {}  # groups committed so far, per async kind
+    prologue_groups: dict[AsyncKind, int] = {}
+    for item in kernel.prologue:
+        if isinstance(item, Step) and item.async_kind is not None:
+            prologue_groups[item.async_kind] = prologue_groups.get(item.async_kind, 0) + 1
     served: dict[int, list[Hazard]] = {}
     sync_ids = {id(s): n for n, s in enumerate(kernel.syncs())}
     for pos, item, iteration in _trace(kernel, iterations):
         if isinstance(item, Sync):
             sid = sync_ids[id(item)]
             for past in history:
-                if item.kind is SyncKind.CP_ASYNC_WAIT:
-                    done = past.group is not None and past.group < groups - item.groups
-                    if done and past.waited_by is None:
+                if item.kind.completes is not None:
+                    committed = groups.get(item.kind.completes, 0)
+                    if _completes(item, past, committed) and past.waited_by is None:
                         past.waited_by = sid
                     continue
                 if past.group is not None and past.waited_by is None:
                     continue  # still in flight: a barrier does not order it
-                if item.kind is SyncKind.SYNCTHREADS:
+                assert item.kind.scope is not None
+                if covers(item.kind.scope, Scope.CTA):
                     past.cta_ordered.append(sid)
                 past.warp_ordered.append(sid)
             continue
         need_scope: Scope | None = None
-        need_group: int | None = None  # the newest cp.async group that must have landed
+        need_group: int | None = None  # the newest async group that must have landed
+        need_kind: AsyncKind | None = None
         from_loop = False  # some unordered earlier access was made inside the mainloop
         for acc in item.accesses:
             for n, past in enumerate(history):
@@ -174,19 +198,27 @@ def _walk_trace(kernel: Kernel, iterations: int) -> tuple[_Need | None, dict[int
                 need_scope = Scope.CTA if scope is Scope.CTA else (need_scope or Scope.WARP)
                 from_loop = from_loop or past.iteration != -1
                 if past.group is not None and past.waited_by is None:
+                    kind = past.step.async_kind
+                    if need_kind not in (None, kind):
+                        raise AssertionError("insert_barriers: one sync waits for one async kind")
+                    need_kind = kind
                     need_group = max(past.group, need_group if need_group is not None else -1)
         if need_scope is not None:
-            committed = groups  # groups issued before the sync goes in
+            count = groups  # groups issued before the sync goes in
             if pos[0] is Phase.MAINLOOP and iteration == 0 and not from_loop:
                 pos = (Phase.PROLOGUE, len(kernel.prologue))
-                committed = prologue_groups
-            # wait_group N lets the N newest groups stay in flight.
-            wait = None if need_group is None else committed - need_group - 1
-            return _Need(pos, need_scope, wait), served
+                count = prologue_groups
+            # wait N lets the N newest groups stay in flight.
+            wait = None
+            if need_group is not None:
+                wait = count.get(need_kind, 0) - need_group - 1
+            return _Need(pos, need_scope, wait, need_kind), served
+        kind = item.async_kind
         for acc in item.accesses:
-            history.append(_Past(acc, item, iteration, groups if item.is_async else None))
-        if item.is_async:
-            groups += 1
+            group = groups.get(kind, 0) if kind is not None else None
+            history.append(_Past(acc, item, iteration, group))
+        if kind is not None:
+            groups[kind] = groups.get(kind, 0) + 1
     return None, served
 
 
@@ -224,7 +256,7 @@ def _with_items(kernel: Kernel, phase: Phase, items: list[Item]) -> Kernel:
 def _join_earlier(kernel: Kernel, items: list[Item], need: _Need) -> _Need:
     """Move a need back to an earlier run of syncs when only cp.async issues stand between.
 
-    Issuing a cp.async takes a few cycles; a barrier makes every warp wait for the slowest.
+    Issuing an async copy takes a few cycles; a barrier makes every warp wait for the slowest.
     So a sync that would follow another with nothing but issues between them joins it,
     provided none of those issues is a side of a hazard that the sync orders (it would then
     come before its own earlier side). Its wait keeps the groups it completes: each skipped
@@ -238,19 +270,20 @@ def _join_earlier(kernel: Kernel, items: list[Item], need: _Need) -> _Need:
         return need
     later = items[index]
     j = start
+    skipped = 0  # issues of the awaited kind between the two positions
     while j > 0 and isinstance(items[j - 1], Step) and items[j - 1].is_async:
         issue = items[j - 1]
         if any(conflict_scope(kernel, a, b) for a in issue.accesses for b in later.accesses):
             return need
+        skipped += issue.async_kind == need.async_kind
         j -= 1
-    skipped = start - j
-    if skipped == 0 or j == 0 or not isinstance(items[j - 1], Sync):
+    if j == start or j == 0 or not isinstance(items[j - 1], Sync):
         return need
     wait = None if need.wait_groups is None else need.wait_groups - skipped
-    return _Need((phase, j), need.scope, wait)
+    return _Need((phase, j), need.scope, wait, need.async_kind)
 
 
-def _insert(kernel: Kernel, need: _Need) -> Kernel:
+def _insert(kernel: Kernel, need: _Need, model: SyncModel) -> Kernel:
     """Add (or strengthen) the wait and barrier right before ``need.pos``."""
     need = _join_earlier(kernel, _items(kernel, need.pos[0]), need)
     phase, index = need.pos
@@ -262,19 +295,21 @@ def _insert(kernel: Kernel, need: _Need) -> Kernel:
         start -= 1
     run = items[start:index]
     if need.wait_groups is not None:
-        waits = [s for s in run if s.kind is SyncKind.CP_ASYNC_WAIT]
+        assert need.async_kind is not None
+        wait_kind = model.wait_for(need.async_kind)
+        waits = [s for s in run if s.kind == wait_kind]
         if waits:
             i = items.index(waits[0], start)
             items[i] = replace(waits[0], groups=min(waits[0].groups, need.wait_groups))
         else:
-            items.insert(start, Sync(SyncKind.CP_ASYNC_WAIT, phase, (), loc, need.wait_groups))
+            items.insert(start, Sync(wait_kind, phase, (), loc, need.wait_groups))
             index += 1
         run = items[start:index]
-    kind = SyncKind.SYNCTHREADS if need.scope is Scope.CTA else SyncKind.SYNCWARP
-    barriers = [s for s in run if s.kind is not SyncKind.CP_ASYNC_WAIT]
+    kind = model.barrier_for(need.scope)
+    barriers = [s for s in run if s.kind.scope is not None]
     if barriers:
         i = items.index(barriers[0], start)
-        if kind is SyncKind.SYNCTHREADS:
+        if not covers(barriers[0].kind.scope, need.scope):
             items[i] = replace(barriers[0], kind=kind)
     else:
         items.insert(index, Sync(kind, phase, (), loc))
@@ -287,7 +322,9 @@ def _without(kernel: Kernel, phase: Phase, index: int) -> Kernel:
     return _with_items(kernel, phase, items)
 
 
-def insert_barriers(kernel: Kernel) -> Kernel:
+def insert_barriers(kernel: Kernel, target: targets.Target | None = None) -> Kernel:
+    """Place the syncs the target's sync model offers (by default the kernel's target)."""
+    model = (target or targets.target_of(kernel)).sync_model
     # Start from a schedule without syncs: the pass owns them.
     for phase, _ in kernel.phases():
         kernel = _with_items(
@@ -297,7 +334,7 @@ def insert_barriers(kernel: Kernel) -> Kernel:
         need, _ = _walk(kernel)
         if need is None:
             break
-        placed = _insert(kernel, need)
+        placed = _insert(kernel, need, model)
         if placed == kernel:
             raise AssertionError(f"insert_barriers: no progress placing {need}")
         kernel = placed
@@ -313,14 +350,14 @@ def insert_barriers(kernel: Kernel) -> Kernel:
             if _walk(candidate)[0] is None:
                 kernel = candidate
                 continue
-            weaker = _weaker(items[index], most)
+            weaker = _weaker(items[index], most, model)
             while weaker is not None:
                 current = _items(kernel, phase)
                 current[index] = weaker
                 candidate = _with_items(kernel, phase, current)
                 if _walk(candidate)[0] is not None:
                     break
-                kernel, weaker = candidate, _weaker(weaker, most)
+                kernel, weaker = candidate, _weaker(weaker, most, model)
     # Record, on each sync, the hazards it serves.
     _, served = _walk(kernel)
     syncs = kernel.syncs()
@@ -332,12 +369,13 @@ def insert_barriers(kernel: Kernel) -> Kernel:
     return kernel
 
 
-def _weaker(sync: Sync, most_groups: int) -> Sync | None:
-    """The next weaker sync in the same place: a warp barrier for a CTA barrier; a wait
-    that lets one more group stay in flight."""
-    if sync.kind is SyncKind.SYNCTHREADS:
-        return replace(sync, kind=SyncKind.SYNCWARP)
-    if sync.kind is SyncKind.CP_ASYNC_WAIT and sync.groups < most_groups:
+def _weaker(sync: Sync, most_groups: int, model: SyncModel) -> Sync | None:
+    """The next weaker sync in the same place: the next cheaper barrier (a warp barrier
+    for a CTA barrier); a counted wait that lets one more group stay in flight."""
+    if sync.kind.scope is not None:
+        weaker = model.weaker_barrier(sync.kind)
+        return None if weaker is None else replace(sync, kind=weaker)
+    if sync.kind.counted and sync.groups < most_groups:
         return replace(sync, groups=sync.groups + 1)
     return None
 

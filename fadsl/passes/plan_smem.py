@@ -1,7 +1,8 @@
 """plan_smem: liveness over the schedule, then interval colouring into regions.
 
 Liveness is the textbook backward dataflow over the schedule's control flow:
-prologue -> mainloop -> epilogue, plus the mainloop's back edge, so a buffer
+prologue -> mainloop -> epilogue, plus the mainloop's back edge (and the edge
+prologue -> epilogue when the loop may run zero times), so a buffer
 read in iteration j+1 that was written in iteration j stays live across the
 edge. A buffer occupies every step where it is live or written. Buffers whose
 occupied steps are disjoint may share a region; the spec's ``smem_alias``
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from .. import targets
 from ..errors import Diagnostic, SpecError
 from ..ir import AliasPolicy, Buffer, Kernel, Mode, Region, Step
 
@@ -29,6 +31,9 @@ def _flow(kernel: Kernel) -> tuple[list[Step], list[list[int]]]:
     if loop:
         first, last = len(pro), len(pro) + len(loop) - 1
         succ[last] = [first] + ([last + 1] if epi else [])
+        if kernel.loop_may_be_empty and pro and epi:
+            # The loop may run zero times: the prologue's values may reach the epilogue.
+            succ[first - 1].append(last + 1)
     return steps, succ
 
 
@@ -55,7 +60,7 @@ def occupancy(kernel: Kernel) -> dict[str, frozenset[int]]:
 
 
 def live_text(steps: list[Step], idx: frozenset[int]) -> str:
-    ops = [steps[i].op for i in sorted(idx)]
+    ops = [steps[i].op.spelling for i in sorted(idx)]
     if not ops:
         return "never"
     return f"{ops[0]}..{ops[-1]}" if len(ops) > 1 else ops[0]
@@ -65,7 +70,10 @@ def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-def plan_smem(kernel: Kernel) -> Kernel:
+def plan_smem(kernel: Kernel, target: targets.Target | None = None) -> Kernel:
+    """Place every buffer; the SMEM limit is the target's (by default the kernel's own)."""
+    target = target or targets.target_of(kernel)
+    limit = target.capabilities.smem_per_cta
     cfg = kernel.config
     steps, _ = _flow(kernel)
     occupied = occupancy(kernel)
@@ -101,14 +109,14 @@ def plan_smem(kernel: Kernel) -> Kernel:
             planned[m.name] = replace(m, offset=offset, region=index)
         out_regions.append(Region(index, offset, size, tuple(m.name for m in members), tuple(why)))
         offset += size
-    if offset > cfg.target.smem_limit:
+    if offset > limit:
         where = cfg.loc_of("tile")
         raise SpecError(
             [
                 Diagnostic(
                     where,
-                    f"the SMEM plan needs {offset} bytes per CTA, over {cfg.target.value}'s "
-                    f"limit of {cfg.target.smem_limit} bytes; use smaller tiles or smem_alias "
+                    f"the SMEM plan needs {offset} bytes per CTA, over {target.name}'s "
+                    f"limit of {limit} bytes; use smaller tiles or smem_alias "
                     "scoped/any",
                 )
             ]

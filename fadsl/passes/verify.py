@@ -1,6 +1,8 @@
 """verify: an independent proof that the schedule's syncs order every SMEM hazard.
 
-It shares no logic with insert_barriers or plan_smem. The schedule is unrolled
+It shares no logic with insert_barriers or plan_smem, only data: the IR and the
+target's sync model, whose kinds it reads by their fields (the warps a barrier
+meets, the async writes a wait completes and its rule). The schedule is unrolled
 into the traces prologue + n mainloop iterations + epilogue for n = 1 and 2, and
 n = 0 when ``kernel.loop_may_be_empty`` (a pair of accesses two back edges apart
 has a window that contains the window of the same pair one edge apart, so longer
@@ -9,12 +11,14 @@ w's rows of the buffer; WHOLE: the whole buffer), and every pair of accesses, th
 earlier one at trace position i and the later at j, that overlap for warps
 (wa, wb) with at least one a write must be ordered by a sync in (i, j):
 
-- ``__syncthreads()`` orders any warp pair, ``__syncwarp()`` only wa == wb (lanes
-  of one warp exchange data, so one warp still needs a warp barrier);
-- an asynchronous write (a write of an ``is_async`` step, which commits one
-  cp.async group) is complete only after a ``cp.async.wait_group N`` at a point
-  where at least N groups were committed after its own (PTX: the N most recent
-  groups may stay pending); the barrier must follow that wait.
+- a barrier orders warps wa and wb when one group of its scope holds both: a CTA
+  barrier (``__syncthreads()``) any pair, a warp barrier (``__syncwarp()``) only
+  wa == wb (lanes of one warp exchange data, so one warp still needs a warp barrier);
+- an asynchronous write (a write of a step with an ``async_kind``, which commits one
+  group of that kind) is complete only after a wait for that kind: under the rule
+  ``NEWEST_PENDING`` (``cp.async.wait_group N``) one at a point where at least N
+  groups of the kind were committed after its own (PTX: the N most recent groups may
+  stay pending); the barrier must follow that wait.
 
 Two warps whose accesses in one step conflict cannot be ordered by any sync.
 """
@@ -23,10 +27,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..ir import Access, Buffer, HazardKind, Item, Kernel, Mode, Partition, Step, Sync, SyncKind
-
-_WARP = "a warp barrier (__syncwarp())"
-_CTA = "a CTA barrier (__syncthreads())"
+from .. import targets
+from ..ir import Access, Buffer, HazardKind, Item, Kernel, Mode, Partition, Step, Sync
+from ..syncmodel import SyncModel, WaitRule, narrowest, same_group
 
 
 @dataclass(frozen=True)
@@ -71,11 +74,11 @@ class _Event:
 
     def where(self) -> str:
         it = "" if self.iteration is None else f", iteration {self.iteration}"
-        return f"{self.step.op} ({self.step.phase.value}{it})"
+        return f"{self.step.op.spelling} ({self.step.phase.value}{it})"
 
     @property
     def async_write(self) -> bool:
-        return self.step.is_async and self.access.mode is Mode.WRITE
+        return self.step.async_kind is not None and self.access.mode is Mode.WRITE
 
 
 def _trace(kernel: Kernel, n: int) -> list[tuple[Item, int | None]]:
@@ -99,37 +102,54 @@ def _span(buf: Buffer, part: Partition, warp: int, warps: int) -> tuple[int, int
     )
 
 
-def _missing(trace: list[tuple[Item, int | None]], a: _Event, b: _Event, same_warp: bool):
+def _waited(wait: Sync, commits: int) -> bool:
+    """Whether ``wait``, with ``commits`` groups of its kind committed after the write's
+    own, completes that write."""
+    match wait.kind.rule:
+        case WaitRule.NEWEST_PENDING:
+            return commits >= wait.groups
+        case _:
+            raise AssertionError(f"verify: no rule for {wait.kind.name}")
+
+
+def _missing(
+    model: SyncModel,
+    trace: list[tuple[Item, int | None]],
+    a: _Event,
+    b: _Event,
+    warps: tuple[int, int],
+):
     """None if a sync in the trace orders a before b for the warp pair, else what is missing."""
     if a.pos == b.pos:
         return "a barrier inside one step (two warps conflict within it: split the step)"
-    barrier = _WARP if same_warp else _CTA
+    needed = model.barrier_for(narrowest(*warps))
+    barrier = f"{needed.what} ({needed.name})"
     start = a.pos
+    kind = a.step.async_kind
     if a.async_write:
         commits = 0
         for p in range(a.pos + 1, b.pos):
             item = trace[p][0]
-            if isinstance(item, Step) and item.is_async:
+            if isinstance(item, Step) and item.async_kind == kind:
                 commits += 1
-            elif (
-                isinstance(item, Sync)
-                and item.kind is SyncKind.CP_ASYNC_WAIT
-                and commits >= item.groups
-            ):
+            elif isinstance(item, Sync) and item.kind.completes == kind and _waited(item, commits):
                 start = p
                 break
         else:
+            wait = model.wait_for(kind)
             return (
-                f"a cp.async wait before the barrier: cp.async.wait_group {commits} (or lower) "
-                f"after the cp.async, then {barrier}"
+                f"{wait.what} before the barrier: {wait.name} {commits} (or lower) "
+                f"after the {kind.name}, then {barrier}"
             )
     for p in range(start + 1, b.pos):
         item = trace[p][0]
-        if isinstance(item, Sync) and (
-            item.kind is SyncKind.SYNCTHREADS or (same_warp and item.kind is SyncKind.SYNCWARP)
+        if (
+            isinstance(item, Sync)
+            and item.kind.scope is not None
+            and same_group(item.kind.scope, *warps)
         ):
             return None
-    return barrier + (" after the cp.async wait" if start != a.pos else "")
+    return barrier + (f" after the {kind.name} wait" if start != a.pos else "")
 
 
 def _kind(a: Access, b: Access) -> HazardKind:
@@ -138,7 +158,7 @@ def _kind(a: Access, b: Access) -> HazardKind:
     return HazardKind.WAR
 
 
-def _check(kernel: Kernel, n: int) -> list[tuple[tuple, Failure]]:
+def _check(kernel: Kernel, model: SyncModel, n: int) -> list[tuple[tuple, Failure]]:
     warps = kernel.config.warps
     trace = _trace(kernel, n)
     events = [
@@ -166,7 +186,7 @@ def _check(kernel: Kernel, n: int) -> list[tuple[tuple, Failure]]:
                     lo, hi = max(alo, blo), min(ahi, bhi)
                     if lo >= hi:
                         continue
-                    missing = _missing(trace, a, b, wa == wb)
+                    missing = _missing(model, trace, a, b, (wa, wb))
                     if missing is None:
                         continue
                     bufs = (a.access.buffer, b.access.buffer)
@@ -180,14 +200,15 @@ def _check(kernel: Kernel, n: int) -> list[tuple[tuple, Failure]]:
     return found
 
 
-def verify(kernel: Kernel) -> Kernel:
+def verify(kernel: Kernel, target: targets.Target | None = None) -> Kernel:
     """Return ``kernel`` if its syncs order every SMEM hazard, else raise VerifyError."""
+    model = (target or targets.target_of(kernel)).sync_model
     for buf in kernel.buffers:
         if buf.offset is None:
             raise ValueError(f"buffer {buf.name} has no offset: run plan_smem before verify")
     failures: dict[tuple, Failure] = {}
     for n in (0, 1, 2) if kernel.loop_may_be_empty else (1, 2):
-        for key, fail in _check(kernel, n):
+        for key, fail in _check(kernel, model, n):
             failures.setdefault(key, fail)
     if failures:
         raise VerifyError(tuple(failures.values()))

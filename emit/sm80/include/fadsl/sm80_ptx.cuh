@@ -2,10 +2,9 @@
 // ldmatrix / cp.async; also runs on sm_86..sm_90): what the kernel, its launcher and
 // the tile operations of fadsl/sm80.cuh build on.
 //
-// Contents:
-//   1. runtime parameters shared by kernel, launcher and bindings (FwdParams)
-//   2. shared-memory layouts: row pitch + XOR swizzle (Swizzle, SmemLayout)
-//   3. thin PTX wrappers (cp.async, ldmatrix, st/ld.shared, mma, cvt, ex2)
+// Contents (the runtime parameters, FwdParams, are every target's: fadsl/params.cuh):
+//   1. shared-memory layouts: row pitch + XOR swizzle (Swizzle, SmemLayout)
+//   2. thin PTX wrappers (cp.async, ldmatrix, st/ld.shared, mma, cvt, ex2)
 //
 #pragma once
 
@@ -16,6 +15,8 @@
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
+
+#include "params.cuh"  // (next to this file)
 
 namespace fadsl {
 
@@ -31,32 +32,7 @@ __host__ __device__ __forceinline__ constexpr int imin(int a, int b) { return a 
 __host__ __device__ __forceinline__ constexpr int imax(int a, int b) { return a > b ? a : b; }
 
 // ---------------------------------------------------------------------------
-// 1. Runtime parameters
-// ---------------------------------------------------------------------------
-
-// Tensors are (batch, seqlen, heads, head_dim); strides are in elements and the
-// head_dim stride is 1.  GQA: query head h reads KV head h / (heads_q / heads_kv).
-// Any seqlen_q, seqlen_k >= 0 (a seqlen_k of 0 gives O = 0, LSE = -inf).
-struct FwdParams {
-  const void* q;
-  const void* k;
-  const void* v;
-  void* o;
-  // Optional log-sum-exp of each row's scaled scores (natural log), fp32, shape
-  // (batch, heads_q, seqlen_q) with seq stride 1; -inf for a row that sees no key.
-  // nullptr: not written.
-  float* lse;
-  int64_t q_batch_stride, q_seq_stride, q_head_stride;
-  int64_t k_batch_stride, k_seq_stride, k_head_stride;
-  int64_t v_batch_stride, v_seq_stride, v_head_stride;
-  int64_t o_batch_stride, o_seq_stride, o_head_stride;
-  int64_t lse_batch_stride, lse_head_stride;
-  int batch, heads_q, heads_kv, seqlen_q, seqlen_k;
-  float softmax_scale;  // e.g. 1/sqrt(head_dim)
-};
-
-// ---------------------------------------------------------------------------
-// 2. Shared-memory layouts
+// 1. Shared-memory layouts
 // ---------------------------------------------------------------------------
 
 // XOR swizzle on element offsets: bits [M, M+B) are XORed with bits [M+S, M+S+B)
@@ -119,7 +95,7 @@ struct SmemLayout {
 };
 
 // ---------------------------------------------------------------------------
-// 3. PTX wrappers
+// 2. PTX wrappers
 // ---------------------------------------------------------------------------
 
 // 32-bit .shared address of a generic pointer into shared memory.

@@ -1,4 +1,8 @@
-"""Build the schedule: which step touches which SMEM buffer, how, and by whom.
+"""sm_80's schedule: which step touches which SMEM buffer, how, and by whom.
+
+Every warp runs every step (``Threads.ALL_WARPS``), each over its own rows of a
+warp-scoped tile or the whole of a CTA-scoped one; a gmem -> smem step issues
+cp.async copies and commits them as one group.
 
 Prologue: Q gmem -> smem (-> rf unless Q is loaded fragment-wise), the first
 K/V block of a tile the mainloop loads ahead, and the softmax state. Mainloop
@@ -10,8 +14,8 @@ normalise, O rf -> smem -> gmem. No syncs yet: insert_barriers adds them.
 
 from __future__ import annotations
 
-from .errors import Loc
-from .ir import (
+from ...errors import Loc
+from ...ir import (
     Access,
     Buffer,
     Kernel,
@@ -24,7 +28,9 @@ from .ir import (
     Scope,
     Step,
 )
-from .lower import Lowered
+from ...lower import Lowered
+from ...ops import Move, Op
+from .caps import CAPABILITIES, CP_ASYNC
 
 
 def _slice_rows(rows: int, warps: int) -> int:
@@ -63,10 +69,10 @@ def build_schedule(lowered: Lowered) -> Kernel:
         rows = _slice_rows(shape[role], cfg.warps)
         which = f" of the {block} block" if block else ""
         return Step(
-            op=f"{role.value.lower()}_g2s" + ("_next" if block == "next" else ""),
+            op=Op.of(role, Move.G2S, ahead=block == "next"),
             phase=phase,
             accesses=(Access(role.value, Mode.WRITE, Partition.SLICE),),
-            is_async=True,
+            async_kind=CP_ASYNC,
             title=f"{role.value}{which}: gmem -> smem ({hop.instr.value}; warp w copies rows "
             f"[{rows}w, {rows}w + {rows}) of {shape[role]}), one commit group",
             loc=loc,
@@ -77,22 +83,22 @@ def build_schedule(lowered: Lowered) -> Kernel:
         part = read_partition(role)
         what = f"the whole {shape[role]}-row tile" if part is Partition.WHOLE else rows_of(role)
         return Step(
-            op=f"{role.value.lower()}_s2r",
+            op=Op.of(role, Move.S2R),
             phase=phase,
             accesses=(Access(role.value, Mode.READ, part),),
-            is_async=False,
+            async_kind=None,
             title=f"{role.value}: smem -> rf ({hop.instr.value}, each warp {what})",
             loc=loc,
         )
 
-    def compute(op: str, phase: Phase, title: str, loc: Loc, reads: tuple[Role, ...] = ()) -> Step:
+    def compute(op: Op, phase: Phase, title: str, loc: Loc, reads: tuple[Role, ...] = ()) -> Step:
         """A register-only step, except the tiles it loads fragment-wise from SMEM itself."""
         fused = [r for r in reads if tensors[r].reg_load is RegLoad.FRAG]
         accesses = tuple(Access(r.value, Mode.READ, read_partition(r)) for r in fused)
         if fused:
             loads = ", ".join(f"{r.value} ({tensors[r].hops[1].instr.value})" for r in fused)
             title += f"; loads {loads} one k16 slice at a time from smem"
-        return Step(op=op, phase=phase, accesses=accesses, is_async=False, title=title, loc=loc)
+        return Step(op=op, phase=phase, accesses=accesses, async_kind=None, title=title, loc=loc)
 
     q, o = tensors[Role.Q], tensors[Role.O]
     first_blocks = []  # tiles the mainloop loads one block ahead: the prologue loads block 0
@@ -100,33 +106,28 @@ def build_schedule(lowered: Lowered) -> Kernel:
     loop_steps = []
     for op, loc in lowered.order:
         match op:
-            case "k_g2s" | "v_g2s":
-                role = Role(op[0].upper())
-                loop_steps.append(
-                    g2s(role, Phase.MAINLOOP, loc if explicit else tensors[role].hops[0].loc)
-                )
-            case "k_g2s_next" | "v_g2s_next":
+            case Op.K_G2S | Op.V_G2S:
+                hop_loc = tensors[op.tensor].hops[0].loc
+                loop_steps.append(g2s(op.tensor, Phase.MAINLOOP, loc if explicit else hop_loc))
+            case Op.K_G2S_NEXT | Op.V_G2S_NEXT:
                 # The first block's tile is loaded by the prologue; each iteration loads the next.
-                role = Role(op[0].upper())
-                hop_loc = tensors[role].hops[0].loc
-                first_blocks.append(g2s(role, Phase.PROLOGUE, hop_loc, "first"))
-                loop_steps.append(g2s(role, Phase.MAINLOOP, loc, "next"))
-            case "k_s2r" | "v_s2r":
-                role = Role(op[0].upper())
-                loop_steps.append(
-                    s2r(role, Phase.MAINLOOP, loc if explicit else tensors[role].hops[1].loc)
-                )
-            case "qk":
+                hop_loc = tensors[op.tensor].hops[0].loc
+                first_blocks.append(g2s(op.tensor, Phase.PROLOGUE, hop_loc, "first"))
+                loop_steps.append(g2s(op.tensor, Phase.MAINLOOP, loc, "next"))
+            case Op.K_S2R | Op.V_S2R:
+                hop_loc = tensors[op.tensor].hops[1].loc
+                loop_steps.append(s2r(op.tensor, Phase.MAINLOOP, loc if explicit else hop_loc))
+            case Op.QK:
                 loop_steps.append(
                     compute(
                         op,
                         Phase.MAINLOOP,
-                        "S = Q @ K^T (mma.sync m16n8k16, fp32 accumulators)",
+                        f"S = Q @ K^T ({CAPABILITIES.mma}, fp32 accumulators)",
                         loc,
                         reads=(Role.Q, Role.K),
                     )
                 )
-            case "softmax":
+            case Op.SOFTMAX:
                 loop_steps.append(
                     compute(
                         op,
@@ -135,36 +136,36 @@ def build_schedule(lowered: Lowered) -> Kernel:
                         loc,
                     )
                 )
-            case "pv":
+            case Op.PV:
                 loop_steps.append(
-                    compute(op, Phase.MAINLOOP, "O += P @ V (mma.sync m16n8k16)", loc, (Role.V,))
+                    compute(op, Phase.MAINLOOP, f"O += P @ V ({CAPABILITIES.mma})", loc, (Role.V,))
                 )
             case _:
                 raise AssertionError(f"unknown mainloop op {op}")
     prologue = [
         g2s(Role.Q, Phase.PROLOGUE, q.hops[0].loc),
         *first_blocks,
-        compute("init", Phase.PROLOGUE, "zero the O accumulators; m = -inf, l = 0", cfg.loc),
+        compute(Op.INIT, Phase.PROLOGUE, "zero the O accumulators; m = -inf, l = 0", cfg.loc),
     ]
     if q.reg_load is RegLoad.TILE:
         prologue.append(s2r(Role.Q, Phase.PROLOGUE, q.hops[1].loc))
     epilogue = (
         compute(
-            "normalize", Phase.EPILOGUE, "finish the row sums l across each quad; O /= l", cfg.loc
+            Op.NORMALIZE, Phase.EPILOGUE, "finish the row sums l across each quad; O /= l", cfg.loc
         ),
         Step(
-            op="o_r2s",
+            op=Op.O_R2S,
             phase=Phase.EPILOGUE,
             accesses=(Access("O", Mode.WRITE, Partition.SLICE),),
-            is_async=False,
+            async_kind=None,
             title=f"O: rf -> smem ({o.hops[0].instr.value}, each warp its own {rows_of(Role.O)})",
             loc=o.hops[0].loc,
         ),
         Step(
-            op="o_s2g",
+            op=Op.O_S2G,
             phase=Phase.EPILOGUE,
             accesses=(Access("O", Mode.READ, Partition.SLICE),),
-            is_async=False,
+            async_kind=None,
             title=f"O: smem -> gmem ({o.hops[1].instr.value}, 16 bytes a lane, each warp its own "
             f"{rows_of(Role.O)})",
             loc=o.hops[1].loc,

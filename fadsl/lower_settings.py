@@ -1,0 +1,208 @@
+"""Lowering, part one: the settings (``key value`` lines), each checked on its own.
+
+What a setting means in combination with the others and with the target (tile
+shapes the MMA allows, register and SMEM budgets) is checked later, by the target
+(fadsl/targets/<t>/validate.py). A knob the grammar accepts but the compiler
+cannot yet honour is refused here ("not supported yet"), never silently ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from . import targets
+from .checks import Checks, clip, show
+from .errors import closest, one_of, suggest
+from .ir import AliasPolicy, Dtype, Mask, Swizzle
+from .syntax import Assign, Call, Number, Setting, Word
+
+HEAD_DIMS = (64, 96, 128, 256)
+MAX_TILE = 256
+MAX_WARPS = 16
+
+REQUIRED_KEYS = ("target", "dtype", "head_dim", "tile", "warps")
+OPTIONAL_KEYS = ("mask", "swizzle", "smem_alias", "stages")
+
+
+def read_settings(c: Checks) -> None:
+    handlers: dict[str, Callable[[Checks, Setting], object]] = {
+        "target": target,
+        "dtype": dtype,
+        "head_dim": head_dim,
+        "tile": tile,
+        "warps": warps,
+        "mask": mask,
+        "swizzle": swizzle,
+        "smem_alias": smem_alias,
+        "stages": stages,
+    }
+    for setting in c.decl.settings:
+        key = setting.key.text
+        if key not in handlers:
+            hint = suggest(key, handlers)
+            c.suggested.add(closest(key, handlers) or "")
+            if key in ("Q", "K", "V", "O"):
+                hint = f" (a path needs a colon: '{key}: gmem -cp.async-> ...')"
+            c.error(setting.key.loc, f"unknown key '{key}'{hint}")
+            continue
+        if key in c.key_locs:
+            first = c.key_locs[key]
+            c.error(setting.key.loc, f"duplicate key '{key}' (first set at line {first.line})")
+            continue
+        c.key_locs[key] = setting.key.loc
+        value = handlers[key](c, setting)
+        if value is not None:
+            c.values[key] = value
+
+
+def _single(c: Checks, setting: Setting) -> Word | Number | Call | Assign | None:
+    if len(setting.values) != 1:
+        extra = setting.values[1]
+        c.error(extra.loc, f"'{setting.key.text}' takes one value")
+        return None
+    return setting.values[0]
+
+
+def _word_choice(c: Checks, setting: Setting, choices: dict[str, object]) -> object | None:
+    value = _single(c, setting)
+    if value is None:
+        return None
+    if not isinstance(value, Word):
+        c.error(value.loc, f"'{setting.key.text}' expects {one_of(choices)}, not {show(value)}")
+        return None
+    if value.text not in choices:
+        c.error(
+            value.loc,
+            f"unknown {setting.key.text} '{value.text}'; expected {one_of(choices)}"
+            + suggest(value.text, choices),
+        )
+        return None
+    return choices[value.text]
+
+
+def _number(c: Checks, value: object, what: str, lo: int, hi: int) -> int | None:
+    if not isinstance(value, Number):
+        c.error(value.loc, f"{what} must be a number, not {show(value)}")
+        return None
+    if not lo <= value.value <= hi:
+        c.error(value.loc, f"{what} = {clip(value.text)} is out of range ({lo} to {hi})")
+        return None
+    return value.value
+
+
+def target(c: Checks, setting: Setting) -> str | None:
+    spellings = (*targets.names(), *targets.RESERVED)
+    name = _word_choice(c, setting, {spelling: spelling for spelling in spellings})
+    if name in targets.RESERVED:
+        c.error(setting.values[0].loc, targets.RESERVED[name])
+        return None
+    return name
+
+
+def dtype(c: Checks, setting: Setting) -> tuple[Dtype, ...] | None:
+    dtypes: list[Dtype] = []
+    names = {d.value: d for d in Dtype}
+    for value in setting.values:
+        if not isinstance(value, Word):
+            c.error(value.loc, f"dtype expects {one_of(names)}, not {show(value)}")
+            continue
+        if value.text not in names:
+            hint = suggest(value.text, names)
+            c.error(value.loc, f"unknown dtype '{value.text}'; expected {one_of(names)}{hint}")
+            continue
+        if names[value.text] in dtypes:
+            c.error(value.loc, f"dtype '{value.text}' is listed twice")
+            continue
+        dtypes.append(names[value.text])
+    return tuple(dtypes) if dtypes and len(dtypes) == len(setting.values) else None
+
+
+def head_dim(c: Checks, setting: Setting) -> int | None:
+    value = _single(c, setting)
+    if value is None:
+        return None
+    supported = "64, 96, 128 or 256"
+    if not isinstance(value, Number):
+        c.error(value.loc, f"head_dim must be a number, not {show(value)}")
+        return None
+    if value.value not in HEAD_DIMS:
+        c.error(value.loc, f"head_dim {clip(value.text)} is not supported; expected {supported}")
+        return None
+    c.key_locs["head_dim"] = value.loc  # budget errors point at the number
+    return value.value
+
+
+def tile(c: Checks, setting: Setting) -> dict[str, int] | None:
+    sizes: dict[str, int] = {}
+    for value in setting.values:
+        if not isinstance(value, Assign):
+            c.error(value.loc, f"'tile' expects 'B_r = N, B_c = N', not {show(value)}")
+            continue
+        name = value.name.text
+        if name not in ("B_r", "B_c"):
+            hint = suggest(name, ("B_r", "B_c"))
+            c.error(value.name.loc, f"unknown tile size '{name}'; expected 'B_r' or 'B_c'{hint}")
+            continue
+        if name in sizes:
+            c.error(value.name.loc, f"tile size '{name}' is given twice")
+            continue
+        size = _number(c, value.value, name, 16, MAX_TILE)
+        if size is not None and size % 16:
+            c.error(value.value.loc, f"{name} = {size} is not a multiple of 16 (the mma tile)")
+            size = None
+        if size is not None:
+            sizes[name] = size
+            c.key_locs[name] = value.value.loc
+    if all(isinstance(v, Assign) for v in setting.values):
+        for name in ("B_r", "B_c"):
+            if not any(v.name.text == name for v in setting.values):
+                c.error(setting.key.loc, f"'tile' is missing '{name} = N'")
+    return sizes if len(sizes) == 2 else None
+
+
+def warps(c: Checks, setting: Setting) -> int | None:
+    value = _single(c, setting)
+    if value is None:
+        return None
+    warps = _number(c, value, "warps", 1, MAX_WARPS)
+    if warps is not None and warps & (warps - 1):
+        c.error(value.loc, f"warps = {warps} is not a power of two; use 1, 2, 4, 8 or 16")
+        return None
+    return warps
+
+
+def mask(c: Checks, setting: Setting) -> Mask | None:
+    return _word_choice(c, setting, {m.value: m for m in Mask})
+
+
+def swizzle(c: Checks, setting: Setting) -> Swizzle | None | str:
+    value = _single(c, setting)
+    if value is None:
+        return None
+    if isinstance(value, Word) and value.text == "none":
+        return "none"
+    if not isinstance(value, Call) or value.name.text != "xor":
+        c.error(value.loc, f"swizzle expects 'none' or 'xor(B, M, S)', not {show(value)}")
+        return None
+    if len(value.args) != 3:
+        c.error(value.loc, f"xor(B, M, S) takes 3 numbers, got {len(value.args)}")
+        return None
+    nums = [_number(c, arg, f"xor(B, M, S): {name}", 0, 16) for arg, name in zip(value.args, "BMS")]
+    if None in nums:
+        return None
+    return Swizzle(nums[0], nums[1], nums[2], value.loc)
+
+
+def smem_alias(c: Checks, setting: Setting) -> AliasPolicy | None:
+    return _word_choice(c, setting, {p.value: p for p in AliasPolicy})
+
+
+def stages(c: Checks, setting: Setting) -> int | None:
+    value = _single(c, setting)
+    if value is None:
+        return None
+    stages = _number(c, value, "stages", 1, 8)
+    if stages is not None and stages > 1:
+        c.error(value.loc, f"stages = {stages} is not supported yet (one K/V stage for now)")
+        return None
+    return stages

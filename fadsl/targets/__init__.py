@@ -1,0 +1,91 @@
+"""Targets: one package per instruction set, known to the rest of fadsl only through ``Target``.
+
+Everything that differs between instruction sets lives in a target: its
+capabilities (data), the checks a spec must pass for it (located errors), the
+schedule builder (which ops, run by which threads, with which async writes), the
+sync model, the pass list and the emitter (a template under ``emit/<package>/``
+and the context it needs). The front end, the generic passes and the driver ask
+the registry below for the target a spec's ``target`` line names.
+
+Adding an instruction set: a package ``fadsl/targets/<package>/`` whose
+``__init__`` defines ``TARGET``, its templates and headers under ``emit/<package>/``,
+and one line in ``_PACKAGES``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Mapping
+
+from ..ir import Dtype, Instr, Kernel, Level
+
+if TYPE_CHECKING:
+    from ..lower import Lowered
+    from ..checks import Checks
+    from ..ir import Tensor, Role
+    from ..syncmodel import SyncModel
+
+# spec spelling -> package under fadsl/targets (and emit/)
+_PACKAGES: dict[str, str] = {"sm_80": "sm80"}
+# Spellings the grammar reserves for targets still to come, with the message that says so.
+RESERVED: dict[str, str] = {
+    "sm_90a": "target 'sm_90a' is not supported yet (reserved for the TMA/wgmma path); "
+    "use 'sm_80', which runs on sm_80 to sm_90",
+}
+# Whose rules check a spec's paths when its target line is missing or wrong, so that
+# the other mistakes are still reported.
+FALLBACK = "sm_80"
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What an instruction set offers, as data."""
+
+    mma: str  # in titles and messages: "mma.sync m16n8k16"
+    smem_per_cta: int  # bytes of dynamic SMEM one CTA may use
+    smem_per_sm: int
+    registers_per_thread: int
+    # the instructions each (from, to) hop may use; instructions named but not usable
+    hop_instrs: Mapping[tuple[Level, Level], tuple[Instr, ...]]
+    reserved_instrs: tuple[Instr, ...]
+    # the nvcc architectures the kernel is built and reported for, with their GPUs
+    archs: tuple[tuple[str, str], ...]
+
+
+@dataclass(frozen=True)
+class Target:
+    name: str  # as a spec spells it: "sm_80"
+    package: str  # fadsl/targets/<package>, emit/<package>
+    capabilities: Capabilities
+    sync_model: SyncModel
+    # Target-specific checks of a lowered spec; report through ``checks``, return ok.
+    validate: Callable[[Checks, dict[Role, Tensor]], bool]
+    # The paths each tensor may take, checked per path; report through ``checks``.
+    validate_path: Callable[[Checks, Role, Any, list[Level], list[Any]], bool]
+    build_schedule: Callable[[Lowered], Kernel]
+    # The passes after schedule building, in order, each (name, pass(kernel, target)).
+    passes: tuple[tuple[str, Callable[[Kernel, "Target"], Kernel]], ...]
+    template: str  # under emit/
+    context: Callable[[Kernel, Dtype], dict[str, Any]]  # the template's target-specific slots
+
+
+def names() -> tuple[str, ...]:
+    """The target spellings a spec may use."""
+    return tuple(_PACKAGES)
+
+
+def packages() -> tuple[str, ...]:
+    return tuple(_PACKAGES.values())
+
+
+def get(name: str) -> Target:
+    """The target a spec's ``target`` line names (KeyError for an unknown one)."""
+    module = importlib.import_module(f"{__name__}.{_PACKAGES[name]}")
+    target = module.TARGET
+    assert isinstance(target, Target) and target.name == name
+    return target
+
+
+def target_of(kernel: Kernel) -> Target:
+    return get(kernel.config.target)

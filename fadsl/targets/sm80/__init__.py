@@ -1,0 +1,32 @@
+"""The sm_80 target: mma.sync m16n8k16, cp.async and ldmatrix; runs on sm_80 to sm_90.
+
+Every warp runs every step (its rows of a warp-scoped tile, or all of a
+CTA-scoped one); SMEM is ordered by __syncwarp() / __syncthreads() and cp.async
+commit groups by cp.async.wait_group.
+"""
+
+from __future__ import annotations
+
+from ...passes import insert_barriers, plan_smem, verify
+from .. import Target
+from .caps import CAPABILITIES, SYNC_MODEL
+from .emit import TEMPLATE, context
+from .schedule import build_schedule
+from .validate import validate, validate_path
+
+TARGET = Target(
+    name="sm_80",
+    package="sm80",
+    capabilities=CAPABILITIES,
+    sync_model=SYNC_MODEL,
+    validate=validate,
+    validate_path=validate_path,
+    build_schedule=build_schedule,
+    passes=(
+        ("plan_smem", plan_smem),  # liveness -> regions and offsets; SMEM limit check
+        ("insert_barriers", insert_barriers),  # cheapest syncs for every SMEM hazard
+        ("verify", verify),  # independent proof that the syncs suffice
+    ),
+    template=TEMPLATE,
+    context=context,
+)

@@ -1,0 +1,48 @@
+"""sm_80's capabilities and sync model, as data.
+
+mma.sync m16n8k16 on registers, cp.async (16 bytes a lane, completed by commit
+groups and cp.async.wait_group), ldmatrix; runs on sm_80 to sm_90.
+"""
+
+from __future__ import annotations
+
+from ...ir import Instr, Level, Scope
+from ...syncmodel import AsyncKind, SyncKind, SyncModel, WaitRule
+from .. import Capabilities
+
+CAPABILITIES = Capabilities(
+    mma="mma.sync m16n8k16",
+    smem_per_cta=163 * 1024,
+    smem_per_sm=164 * 1024,
+    registers_per_thread=255,
+    hop_instrs={
+        (Level.GMEM, Level.SMEM): (Instr.CP_ASYNC,),
+        (Level.SMEM, Level.RF): (Instr.LDMATRIX, Instr.LDMATRIX_TRANS),
+        (Level.RF, Level.SMEM): (Instr.ST_SHARED,),
+        (Level.SMEM, Level.GMEM): (Instr.ST_GLOBAL,),
+    },
+    reserved_instrs=(Instr.TMA, Instr.WGMMA),
+    archs=(("sm_80", "A100"), ("sm_90a", "H100/H200")),
+)
+
+# A cp.async copy lands in SMEM some time after it is issued; each step that issues
+# copies commits them as one group.
+CP_ASYNC = AsyncKind(name="cp.async", flag="async")
+
+SYNCWARP = SyncKind("__syncwarp()", "a warp barrier", scope=Scope.WARP, cost=1)
+SYNCTHREADS = SyncKind("__syncthreads()", "a CTA barrier", scope=Scope.CTA, cost=10)
+# cp.async.wait_group N: all but this thread's N most recent groups have landed. It
+# orders nothing across threads: a barrier must follow for other threads to see the data.
+CP_ASYNC_WAIT = SyncKind(
+    "cp.async.wait_group",
+    "a cp.async wait",
+    completes=CP_ASYNC,
+    rule=WaitRule.NEWEST_PENDING,
+    cost=2,
+)
+
+SYNC_MODEL = SyncModel(
+    async_kinds=(CP_ASYNC,),
+    barriers=(SYNCWARP, SYNCTHREADS),
+    waits=(CP_ASYNC_WAIT,),
+)
