@@ -30,7 +30,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 SOURCE = ROOT / "emit" / "sm90" / "prototype" / "fa3_fwd.cu"
-INCLUDES = [ROOT / "emit" / "include", ROOT / "emit" / "sm90" / "include"]
+INCLUDES = [ROOT / "emit" / "common" / "include", ROOT / "emit" / "sm90" / "include"]
 BUILD = ROOT / "build" / "sm90"
 
 

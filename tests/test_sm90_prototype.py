@@ -49,7 +49,7 @@ def test_wgmma_wrappers_name_every_accumulator_register():
 
 def _nvcc(defines: list[str], out: Path, kind: str) -> subprocess.CompletedProcess:
     cmd = [NVCC, "-gencode=arch=compute_90a,code=sm_90a", f"-{kind}", "-O3", "--resource-usage"]
-    cmd += ["-std=c++17", f"-I{ROOT / 'emit' / 'include'}", f"-I{SM90 / 'include'}"]
+    cmd += ["-std=c++17", f"-I{ROOT / 'emit' / 'common' / 'include'}", f"-I{SM90 / 'include'}"]
     cmd += [*defines, str(SOURCE), "-o", str(out)]
     return subprocess.run(cmd, capture_output=True, text=True)
 

@@ -20,10 +20,13 @@
 #include <cmath>
 #include <cstdint>
 
-#include "fadsl/sm80_ptx.cuh"  // FwdParams (shared with the sm_80 path)
+#include "fadsl/params.cuh"  // FwdParams (every target's)
 #include "fadsl/sm90_ptx.cuh"
 
 namespace fadsl::sm90 {
+
+__host__ __device__ __forceinline__ constexpr int imin(int a, int b) { return a < b ? a : b; }
+__host__ __device__ __forceinline__ constexpr int imax(int a, int b) { return a > b ? a : b; }
 
 // ---------------------------------------------------------------------------
 // 1. Runtime parameters
