@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .errors import DiagnosticSink, Loc
+from .errors import DiagnosticSink, Loc, quoted
 from .ir import Role
 from .syntax import Assign, Call, KernelDecl, Number, Word
 
@@ -48,13 +48,13 @@ def show(value: object) -> str:
     """A setting's value as a message quotes it."""
     match value:
         case Word(text=text):
-            return f"'{text}'"
+            return f"'{quoted(text)}'"
         case Number(text=text):
             return f"the number {clip(text)}"
         case Call(name=name):
-            return f"'{name.text}(...)'"
+            return f"'{quoted(name.text)}(...)'"
         case Assign(name=name):
-            return f"'{name.text} = ...'"
+            return f"'{quoted(name.text)} = ...'"
         case _:
             raise AssertionError(f"unknown value {value!r}")
 

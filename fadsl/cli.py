@@ -9,21 +9,38 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from . import __version__
+from .compile_check import RegisterCheck, check_registers
 from .errors import SpecError
 from .passes.verify import VerifyError
-from .pipeline import Compiled, compile_file
+from .pipeline import Compiled, compile_source, read_spec
 
 EXIT_OK, EXIT_FAILURE, EXIT_SPEC_ERROR, EXIT_INTERNAL = 0, 1, 2, 3
 
 
+class UnreadableSpec(Exception):
+    """The spec file cannot be read (exit 2, like a bad spec)."""
+
+
 def _compile(path: str) -> Compiled:
-    return compile_file(Path(path))
+    try:
+        source = read_spec(Path(path))
+    except OSError as err:
+        raise UnreadableSpec(f"fadsl: error: cannot read '{path}': {err.strerror or err}") from None
+    return compile_source(source, str(Path(path)))
+
+
+def _register_check(compiled: Compiled, args: argparse.Namespace) -> RegisterCheck:
+    """Compile the kernel (unless told not to) and refuse it if it spills."""
+    if args.no_compile:
+        return RegisterCheck((), "--no-compile")
+    return check_registers(compiled)
 
 
 def cmd_check(args: argparse.Namespace) -> int:
     from .report import summary
 
-    print(summary(_compile(args.spec)), end="")
+    compiled = _compile(args.spec)
+    print(summary(compiled, _register_check(compiled, args)), end="")
     return EXIT_OK
 
 
@@ -31,11 +48,11 @@ def cmd_explain(args: argparse.Namespace) -> int:
     from .report import explain_data, explain_text
 
     compiled = _compile(args.spec)
-    use_nvcc = not args.no_nvcc
+    registers = _register_check(compiled, args)
     if args.json:
-        print(json.dumps(explain_data(compiled, use_nvcc), indent=2))
+        print(json.dumps(explain_data(compiled, registers), indent=2))
     else:
-        print(explain_text(compiled, use_nvcc), end="")
+        print(explain_text(compiled, registers), end="")
     return EXIT_OK
 
 
@@ -44,6 +61,12 @@ def cmd_compile(args: argparse.Namespace) -> int:
 
     compiled = _compile(args.spec)
     out_dir = Path(args.output)
+    if out_dir.exists() and not out_dir.is_dir():
+        print(
+            f"fadsl compile: the output path '{out_dir}' is a file; -o names a folder",
+            file=sys.stderr,
+        )
+        return EXIT_FAILURE
     for path in write(compiled.kernel, compiled.target, compiled.file, out_dir):
         print(f"wrote {path}")
     return EXIT_OK
@@ -53,6 +76,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from . import bench
     from .runtime import FlashAttention
 
+    compiled = _compile(args.spec)  # a bad spec is reported (exit 2) before the GPU check
     try:
         import torch
     except ImportError:
@@ -61,7 +85,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if not torch.cuda.is_available():
         print("fadsl bench: needs a CUDA GPU, and none is visible", file=sys.stderr)
         return EXIT_FAILURE
-    kern = FlashAttention(_compile(args.spec))
+    kern = FlashAttention(compiled)
     try:
         result = bench.run(
             kern,
@@ -102,8 +126,19 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"fadsl {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
-    check = sub.add_parser("check", help="parse and validate a spec; print its configuration")
+    no_compile = {
+        "action": "store_true",
+        "dest": "no_compile",
+        "help": "don't compile the kernel to check its registers (spills, stack), even if a "
+        "CUDA compiler is there",
+    }
+    check = sub.add_parser(
+        "check",
+        help="parse and validate a spec, compile it (with nvcc, if there) to refuse register "
+        "spills; print its configuration",
+    )
     check.add_argument("spec", metavar="SPEC", help="path to a .fa spec")
+    check.add_argument("--no-compile", **no_compile)
     check.set_defaults(run=cmd_check)
 
     explain = sub.add_parser(
@@ -111,11 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     explain.add_argument("spec", metavar="SPEC", help="path to a .fa spec")
     explain.add_argument("--json", action="store_true", help="print the report as JSON")
-    explain.add_argument(
-        "--no-nvcc",
-        action="store_true",
-        help="skip the ptxas resource report (registers, spills, CTAs per SM) even if nvcc is there",
-    )
+    explain.add_argument("--no-compile", "--no-nvcc", **no_compile)
     explain.set_defaults(run=cmd_explain)
 
     comp = sub.add_parser(
@@ -160,6 +191,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SpecError as err:
         print(err, file=sys.stderr)
         return EXIT_SPEC_ERROR
+    except UnreadableSpec as err:
+        print(err, file=sys.stderr)
+        return EXIT_SPEC_ERROR
     except VerifyError as err:
         print(
             "fadsl: internal error: the barrier plan failed its independent check; "
@@ -167,11 +201,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return EXIT_INTERNAL
-    except OSError as err:
-        print(f"fadsl: error: {err.strerror or err}: '{err.filename}'", file=sys.stderr)
-        return EXIT_SPEC_ERROR
+    except OSError as err:  # writing output, or anything else the system refused
+        where = f": '{err.filename}'" if err.filename else ""
+        print(f"fadsl: error: {err.strerror or err}{where}", file=sys.stderr)
+        return EXIT_FAILURE
     except KeyboardInterrupt:
         return 130
+    except Exception as err:  # a bug in fadsl: one line, never a traceback
+        text = str(err).split("\n", 1)[0][:200]
+        print(
+            f"fadsl: internal error: {type(err).__name__}: {text} "
+            f"(please report this with the spec and 'fadsl {__version__}')",
+            file=sys.stderr,
+        )
+        return EXIT_INTERNAL
 
 
 if __name__ == "__main__":

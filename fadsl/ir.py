@@ -174,6 +174,7 @@ class Config:
     smem_alias: AliasPolicy
     loc: Loc
     key_locs: tuple[tuple[str, Loc], ...] = ()
+    allow_spills: bool = False  # `spills allow`: an experiment that may spill registers
 
     @property
     def threads(self) -> int:

@@ -54,7 +54,7 @@ _HEADER = re.compile(
     r"kernel (?P<name>\S+) target=(?P<target>\S+) dtypes=(?P<dtypes>\S+) "
     r"head_dim=(?P<head_dim>\d+) B_r=(?P<block_r>\d+) B_c=(?P<block_c>\d+) "
     r"warps=(?P<warps>\d+) mask=(?P<mask>\S+) swizzle=(?P<swizzle>none|xor\(\d+, \d+, \d+\)) "
-    r"smem_alias=(?P<alias>\S+)$"
+    r"smem_alias=(?P<alias>\S+)(?P<spills> spills=allow)?$"
 )
 _BUFFER = re.compile(
     r"buffer (?P<name>\S+) (?P<rows>\d+)x(?P<cols>\d+)x(?P<elem>\d+)B scope=(?P<scope>\S+) "
@@ -177,6 +177,7 @@ class _Reader:
             swizzle=swizzle,
             smem_alias=self.enum(AliasPolicy, m["alias"]),
             loc=self.loc(),
+            allow_spills=m["spills"] is not None,
         )
 
     def tensor(self, line: str) -> Tensor:

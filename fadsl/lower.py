@@ -13,13 +13,17 @@ from dataclasses import dataclass
 
 from . import targets
 from .checks import Checks, and_list
-from .errors import DiagnosticSink, Loc
+from .errors import DiagnosticSink, Loc, quoted
 from .ir import AliasPolicy, Config, Mask, Role, Swizzle, Tensor
 from .lower_order import read_order
 from .lower_paths import read_paths
 from .lower_settings import REQUIRED_KEYS, read_settings
 from .ops import Op
 from .syntax import KernelDecl
+
+# The name prefixes every CUDA symbol and file the kernel becomes ("NAME_bf16_kernel",
+# "NAME_bf16.cu", cache entries that add a hash): it must stay a short C++ identifier.
+MAX_NAME = 64
 
 
 @dataclass(frozen=True)
@@ -32,6 +36,7 @@ class Lowered:
 def lower(decl: KernelDecl, sink: DiagnosticSink, partial: bool = False) -> Lowered | None:
     """Validate a parsed spec; on success return its config, tensors and mainloop order."""
     c = Checks(decl, sink, partial)
+    _kernel_name(c)
     read_settings(c)
     # A missing or wrong target line is reported already; its paths are still checked,
     # by the fallback target's rules, so that their mistakes are reported too.
@@ -45,6 +50,22 @@ def lower(decl: KernelDecl, sink: DiagnosticSink, partial: bool = False) -> Lowe
     return Lowered(config, tuple(tensors[r] for r in Role), order)
 
 
+def _kernel_name(c: Checks) -> None:
+    name = c.decl.name
+    if len(name.text) > MAX_NAME:
+        c.error(
+            name.loc,
+            f"the kernel name is {len(name.text)} characters long; at most {MAX_NAME} "
+            "(it names the CUDA symbols and the files the kernel compiles to)",
+        )
+    elif name.text.startswith("__") or (name.text[:1] == "_" and name.text[1:2].isupper()):
+        c.error(
+            name.loc,
+            f"kernel name '{name.text}' is reserved in C++ (names that begin with '__' or "
+            "'_' and a capital letter); it prefixes the kernel's CUDA symbols",
+        )
+
+
 def _report_missing(c: Checks, keys: list[str], tensors: list[str]) -> None:
     """One message for everything the kernel lacks (a misspelling aside)."""
     keys = [k for k in keys if k not in c.suggested]
@@ -55,7 +76,8 @@ def _report_missing(c: Checks, keys: list[str], tensors: list[str]) -> None:
     if tensors:
         parts.append(("the path of " if len(tensors) == 1 else "the paths of ") + and_list(tensors))
     if parts:
-        c.missing(c.decl.loc, f"kernel '{c.decl.name.text}' is missing {' and '.join(parts)}")
+        name = quoted(c.decl.name.text)
+        c.missing(c.decl.loc, f"kernel '{name}' is missing {' and '.join(parts)}")
 
 
 def _config(c: Checks, target: targets.Target, tensors: dict[Role, Tensor]) -> Config | None:
@@ -76,6 +98,7 @@ def _config(c: Checks, target: targets.Target, tensors: dict[Role, Tensor]) -> C
         mask=v.get("mask", Mask.NONE),
         swizzle=swizzle if isinstance(swizzle, Swizzle) else None,
         smem_alias=v.get("smem_alias", AliasPolicy.SCOPED),
+        allow_spills=v.get("spills", False),
         loc=c.decl.loc,
         key_locs=tuple(sorted(c.key_locs.items())),
     )

@@ -9,7 +9,7 @@ overwritten before this iteration's reader is done with it.
 from __future__ import annotations
 
 from .checks import Checks, and_list
-from .errors import Loc, closest, suggest
+from .errors import Loc, closest, quoted, suggest
 from .ir import RegLoad, Role, Tensor
 from .ops import DEFAULT_ORDER, LOOP_STEPS, Move, Op, fused_reader
 from .syntax import LoopStep
@@ -83,7 +83,7 @@ def _loop_op(c: Checks, step: LoopStep, tensors: dict[Role, Tensor], frag: set[R
             c.suggested.add(Op.of(Role(first.text), Move.G2S, ahead=True))
         c.error(
             step.words[1].loc,
-            f"unknown block '{step.words[1].text}' in '{text}'; only "
+            f"unknown block '{quoted(step.words[1].text)}' in '{quoted(text)}'; only "
             f"'{first.text}(next) -> smem' (the next block's tile, loaded ahead) exists",
         )
     elif step.form in ("move", "move_next") and first.text in ("Q", "O"):
@@ -96,20 +96,20 @@ def _loop_op(c: Checks, step: LoopStep, tensors: dict[Role, Tensor], frag: set[R
         c.error(
             step.words[1].loc,
             f"in the mainloop {first.text} moves to 'smem' and then to 'rf', "
-            f"not to '{step.words[1].text}'",
+            f"not to '{quoted(step.words[1].text)}'",
         )
     elif step.form == "move_next" and first.text in ("K", "V"):
         c.error(
             step.words[2].loc,
-            f"'{first.text}(next)' is loaded ahead into 'smem', not '{step.words[2].text}'",
+            f"'{first.text}(next)' is loaded ahead into 'smem', not '{quoted(step.words[2].text)}'",
         )
     elif closest(text, LOOP_STEPS):
         c.suggested.add(LOOP_STEPS[closest(text, LOOP_STEPS)])
-        c.error(step.loc, f"unknown mainloop step '{text}'" + suggest(text, LOOP_STEPS))
+        c.error(step.loc, f"unknown mainloop step '{quoted(text)}'" + suggest(text, LOOP_STEPS))
     else:
         c.error(
             step.loc,
-            f"unknown mainloop step '{text}'; expected one of: "
+            f"unknown mainloop step '{quoted(text)}'; expected one of: "
             + ", ".join(f"'{s}'" for s in LOOP_STEPS),
         )
     return None

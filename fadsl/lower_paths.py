@@ -8,10 +8,13 @@ have from the target's ``validate_path``.
 from __future__ import annotations
 
 from .checks import Checks
-from .errors import closest, one_of, suggest
+from .errors import closest, one_of, quoted, suggest
 from .ir import Hop, Instr, Level, RegLoad, Role, Scope, Tensor
 from .syntax import PathDecl, Word
 from .targets import Target
+
+# Every path has two hops; a longer one is refused as a whole, not hop by hop.
+MAX_HOPS = 4
 
 
 def read_paths(c: Checks, target: Target) -> dict[Role, Tensor]:
@@ -23,7 +26,7 @@ def read_paths(c: Checks, target: Target) -> dict[Role, Tensor]:
             c.suggested.add(closest(name, Role.__members__) or "")
             c.error(
                 path.tensor.loc,
-                f"unknown tensor '{name}'; a kernel moves Q, K, V and O"
+                f"unknown tensor '{quoted(name)}'; a kernel moves Q, K, V and O"
                 + suggest(name, Role.__members__),
             )
             continue
@@ -42,6 +45,13 @@ def read_paths(c: Checks, target: Target) -> dict[Role, Tensor]:
 
 
 def _path(c: Checks, target: Target, role: Role, path: PathDecl) -> Tensor | None:
+    if len(path.hops) > MAX_HOPS:
+        shape = "rf -> smem -> gmem" if role is Role.O else "gmem -> smem -> rf"
+        c.error(
+            path.hops[MAX_HOPS].loc,
+            f"{role.value}'s path has {len(path.hops)} hops; a path has two ({shape})",
+        )
+        return None
     ok = True
     levels: list[Level] = []
     scope: Scope | None = None
@@ -51,7 +61,7 @@ def _path(c: Checks, target: Target, role: Role, path: PathDecl) -> Tensor | Non
             names = [lv.value for lv in Level]
             c.error(
                 ref.name.loc,
-                f"unknown memory level '{ref.name.text}'; expected {one_of(names)}"
+                f"unknown memory level '{quoted(ref.name.text)}'; expected {one_of(names)}"
                 + suggest(ref.name.text, names),
             )
             ok = False
@@ -76,7 +86,7 @@ def _path(c: Checks, target: Target, role: Role, path: PathDecl) -> Tensor | Non
         if ref.scope.text not in names:
             c.error(
                 ref.scope.loc,
-                f"unknown scope '{ref.scope.text}'; expected 'warp' or 'cta'"
+                f"unknown scope '{quoted(ref.scope.text)}'; expected 'warp' or 'cta'"
                 + suggest(ref.scope.text, names),
             )
             ok = False
@@ -121,7 +131,7 @@ def _reg_load(c: Checks, role: Role, word: Word) -> RegLoad | None:
     if word.text not in names:
         c.error(
             word.loc,
-            f"unknown register load '{word.text}'; expected 'tile' (the whole tile, by its "
+            f"unknown register load '{quoted(word.text)}'; expected 'tile' (the whole tile, by its "
             "own mainloop step) or 'frag' (one k16 slice at a time, inside the mma)"
             + suggest(word.text, names),
         )
@@ -132,7 +142,7 @@ def _reg_load(c: Checks, role: Role, word: Word) -> RegLoad | None:
 def _hop(c: Checks, target: Target, src: Level, dst: Level, word: Word) -> Hop | None:
     names = [i.value for i in Instr]
     if word.text not in names:
-        c.error(word.loc, f"unknown instruction '{word.text}'" + suggest(word.text, names))
+        c.error(word.loc, f"unknown instruction '{quoted(word.text)}'" + suggest(word.text, names))
         return None
     instr = Instr(word.text)
     caps = target.capabilities

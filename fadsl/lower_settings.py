@@ -12,7 +12,7 @@ from typing import Callable
 
 from . import targets
 from .checks import Checks, clip, show
-from .errors import closest, one_of, suggest
+from .errors import closest, one_of, quoted, suggest
 from .ir import AliasPolicy, Dtype, Mask, Swizzle
 from .syntax import Assign, Call, Number, Setting, Word
 
@@ -21,7 +21,8 @@ MAX_TILE = 256
 MAX_WARPS = 16
 
 REQUIRED_KEYS = ("target", "dtype", "head_dim", "tile", "warps")
-OPTIONAL_KEYS = ("mask", "swizzle", "smem_alias", "stages")
+OPTIONAL_KEYS = ("mask", "swizzle", "smem_alias", "stages", "spills")
+SPILLS = {"refuse": False, "allow": True}  # `spills allow`: compile a kernel that spills
 
 
 def read_settings(c: Checks) -> None:
@@ -35,6 +36,7 @@ def read_settings(c: Checks) -> None:
         "swizzle": swizzle,
         "smem_alias": smem_alias,
         "stages": stages,
+        "spills": spills,
     }
     for setting in c.decl.settings:
         key = setting.key.text
@@ -43,7 +45,7 @@ def read_settings(c: Checks) -> None:
             c.suggested.add(closest(key, handlers) or "")
             if key in ("Q", "K", "V", "O"):
                 hint = f" (a path needs a colon: '{key}: gmem -cp.async-> ...')"
-            c.error(setting.key.loc, f"unknown key '{key}'{hint}")
+            c.error(setting.key.loc, f"unknown key '{quoted(key)}'{hint}")
             continue
         if key in c.key_locs:
             first = c.key_locs[key]
@@ -73,7 +75,7 @@ def _word_choice(c: Checks, setting: Setting, choices: dict[str, object]) -> obj
     if value.text not in choices:
         c.error(
             value.loc,
-            f"unknown {setting.key.text} '{value.text}'; expected {one_of(choices)}"
+            f"unknown {setting.key.text} '{quoted(value.text)}'; expected {one_of(choices)}"
             + suggest(value.text, choices),
         )
         return None
@@ -108,7 +110,9 @@ def dtype(c: Checks, setting: Setting) -> tuple[Dtype, ...] | None:
             continue
         if value.text not in names:
             hint = suggest(value.text, names)
-            c.error(value.loc, f"unknown dtype '{value.text}'; expected {one_of(names)}{hint}")
+            c.error(
+                value.loc, f"unknown dtype '{quoted(value.text)}'; expected {one_of(names)}{hint}"
+            )
             continue
         if names[value.text] in dtypes:
             c.error(value.loc, f"dtype '{value.text}' is listed twice")
@@ -141,7 +145,10 @@ def tile(c: Checks, setting: Setting) -> dict[str, int] | None:
         name = value.name.text
         if name not in ("B_r", "B_c"):
             hint = suggest(name, ("B_r", "B_c"))
-            c.error(value.name.loc, f"unknown tile size '{name}'; expected 'B_r' or 'B_c'{hint}")
+            c.error(
+                value.name.loc,
+                f"unknown tile size '{quoted(name)}'; expected 'B_r' or 'B_c'{hint}",
+            )
             continue
         if name in sizes:
             c.error(value.name.loc, f"tile size '{name}' is given twice")
@@ -191,6 +198,10 @@ def swizzle(c: Checks, setting: Setting) -> Swizzle | None | str:
     if None in nums:
         return None
     return Swizzle(nums[0], nums[1], nums[2], value.loc)
+
+
+def spills(c: Checks, setting: Setting) -> bool | None:
+    return _word_choice(c, setting, SPILLS)
 
 
 def smem_alias(c: Checks, setting: Setting) -> AliasPolicy | None:

@@ -22,7 +22,7 @@ from . import targets
 from .errors import DiagnosticSink, SpecError
 from .ir import Kernel
 from .lower import lower
-from .syntax import parse_recovering
+from .syntax import MAX_CHARS, parse_recovering, spec_text
 
 
 @dataclass(frozen=True)
@@ -41,6 +41,7 @@ class Compiled:
 
 def front_end(source: str, file: str = "<spec>") -> Kernel:
     """Parse and validate a spec and build its (sync-free, unplanned) schedule."""
+    source = spec_text(source)
     sink = DiagnosticSink(source)
     decl = parse_recovering(source, file, sink)
     lowered = lower(decl, sink, partial=bool(sink.diagnostics)) if decl is not None else None
@@ -50,6 +51,7 @@ def front_end(source: str, file: str = "<spec>") -> Kernel:
 
 
 def compile_source(source: str, file: str = "<spec>") -> Compiled:
+    source = spec_text(source)
     kernel = front_end(source, file)
     target = targets.target_of(kernel)
     stages = [("schedule", kernel)]
@@ -68,5 +70,8 @@ def compile_file(path: str | Path) -> Compiled:
 
 
 def read_spec(path: Path) -> str:
-    """Read a spec as text; undecodable bytes become U+FFFD and are reported by the parser."""
-    return path.read_bytes().decode("utf-8-sig", errors="replace")
+    """Read a spec as text; undecodable bytes become U+FFFD and are reported by the parser.
+    Of a huge file only the beginning is read: enough for the parser to refuse it."""
+    with path.open("rb") as spec:
+        data = spec.read(4 * (2 * MAX_CHARS + 2))  # UTF-8: up to 4 bytes a character
+    return data.decode("utf-8-sig", errors="replace")

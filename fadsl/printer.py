@@ -16,6 +16,7 @@ def format_kernel(kernel: Kernel) -> str:
         f"dtypes={','.join(d.value for d in cfg.dtypes)} head_dim={cfg.head_dim} "
         f"B_r={cfg.block_r} B_c={cfg.block_c} warps={cfg.warps} mask={cfg.mask.value} "
         f"swizzle={cfg.swizzle or 'none'} smem_alias={cfg.smem_alias.value}"
+        + (" spills=allow" if cfg.allow_spills else "")
     ]
     for t in kernel.tensors:
         out.append(f"tensor {t.role.value}: {t.path_text()}")

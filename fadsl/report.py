@@ -4,14 +4,15 @@ from __future__ import annotations
 
 from typing import Any
 
+from .compile_check import RegisterCheck, register_cap
 from .ir import Kernel, Phase, Step
 from .passes.plan_smem import live_text, occupancy
 from .pipeline import Compiled
 from .resources import ctas_per_sm
 
 
-def summary(compiled: Compiled) -> str:
-    """`fadsl check`: the configuration in a few lines."""
+def summary(compiled: Compiled, registers: RegisterCheck | None = None) -> str:
+    """`fadsl check`: the configuration in a few lines, and what the compiler said."""
     k = compiled.kernel
     cfg = k.config
     rows = cfg.block_r // cfg.warps
@@ -28,7 +29,26 @@ def summary(compiled: Compiled) -> str:
     ]
     lines += [f"  {t.role.value}         {t.path_text()}" for t in k.tensors]
     lines.append(f"  mainloop  {order}")
+    if registers is not None:
+        cap = register_cap(compiled.target.capabilities, cfg.threads)
+        lines.append(f"  registers {_registers_line(registers, cap)}")
     return "\n".join(lines) + "\n"
+
+
+def _registers_line(check: RegisterCheck, cap: int) -> str:
+    if not check.ran:
+        return f"not checked ({check.compiler})"
+    per_dtype: dict[str, list[str]] = {}
+    for row in check.rows:
+        per_dtype.setdefault(row.dtype.value, []).append(f"{row.usage.registers} {row.arch}")
+    used = "; ".join(f"{dtype}: {', '.join(rows)}" for dtype, rows in per_dtype.items())
+    spilling = [r for r in check.rows if r.usage.spills]
+    verdict = "no spills"
+    if spilling:
+        verdict = "spills allowed: " + ", ".join(
+            f"{r.dtype.value} {r.arch} {r.usage.spill_store_bytes} B" for r in spilling
+        )
+    return f"{used} (cap {cap}; {check.compiler}; {verdict})"
 
 
 def _live(kernel: Kernel) -> dict[str, str]:
@@ -36,38 +56,33 @@ def _live(kernel: Kernel) -> dict[str, str]:
     return {name: live_text(steps, idx) for name, idx in occupancy(kernel).items()}
 
 
-def _resources(compiled: Compiled, use_nvcc: bool) -> list[dict[str, Any]]:
-    """ptxas's report per dtype and architecture, when nvcc is there and wanted."""
-    from .codegen import render
-    from .resources import nvcc, ptxas_usage
-    from .runtime import cache_dir
-
-    if not use_nvcc or nvcc() is None:
-        return []
+def _resources(compiled: Compiled, check: RegisterCheck) -> list[dict[str, Any]]:
+    """The compiler's report per dtype and architecture, with the CTAs per SM it allows."""
     k = compiled.kernel
     rows = []
-    for source in render(k, compiled.target, compiled.file):
-        for arch, family in compiled.target.capabilities.archs:
-            usage = ptxas_usage(source, arch, cache_dir())
-            occ = ctas_per_sm(usage["registers"], k.config.threads, k.smem_bytes, arch)
-            limit = min((n, why) for why, n in occ.items() if why != "ctas_per_sm")[1]
-            rows.append(
-                {
-                    "dtype": source.dtype.value,
-                    "arch": arch,
-                    "registers": usage["registers"],
-                    "spill_bytes": usage["spill_store_bytes"] + usage["spill_load_bytes"],
-                    "stack_bytes": usage["stack_bytes"],
-                    "smem_bytes": k.smem_bytes + usage["static_smem_bytes"],
-                    "ctas_per_sm": occ["ctas_per_sm"],
-                    "limited_by": limit,
-                }
-            )
+    for row in check.rows:
+        u = row.usage
+        occ = ctas_per_sm(u.registers, k.config.threads, k.smem_bytes, row.arch)
+        limit = min((n, why) for why, n in occ.items() if why != "ctas_per_sm")[1]
+        rows.append(
+            {
+                "dtype": row.dtype.value,
+                "arch": row.arch,
+                "registers": u.registers,
+                "spill_bytes": u.spill_store_bytes + u.spill_load_bytes,
+                "stack_bytes": u.stack_bytes,
+                "smem_bytes": k.smem_bytes + u.static_smem_bytes,
+                "ctas_per_sm": occ["ctas_per_sm"],
+                "limited_by": limit,
+            }
+        )
     return rows
 
 
-def explain_data(compiled: Compiled, use_nvcc: bool = False) -> dict[str, Any]:
-    """Everything `fadsl explain` prints, as plain data (the --json form)."""
+def explain_data(compiled: Compiled, registers: RegisterCheck | None = None) -> dict[str, Any]:
+    """Everything `fadsl explain` prints, as plain data (the --json form). ``registers``:
+    the compile-based register check, if it ran (fadsl.compile_check)."""
+    registers = registers or RegisterCheck((), "not compiled")
     k = compiled.kernel
     cfg = k.config
     live = _live(k)
@@ -127,13 +142,15 @@ def explain_data(compiled: Compiled, use_nvcc: bool = False) -> dict[str, Any]:
             f"{arch} ({family})": ctas_per_sm(0, cfg.threads, k.smem_bytes, arch)["smem"]
             for arch, family in compiled.target.capabilities.archs
         },
-        "resources": _resources(compiled, use_nvcc),
+        "resources": _resources(compiled, registers),
+        "compiler": registers.compiler,
+        "register_cap": register_cap(compiled.target.capabilities, cfg.threads),
         "schedule": schedule,
     }
 
 
-def explain_text(compiled: Compiled, use_nvcc: bool = False) -> str:
-    data = explain_data(compiled, use_nvcc)
+def explain_text(compiled: Compiled, registers: RegisterCheck | None = None) -> str:
+    data = explain_data(compiled, registers)
     out = [
         f"{data['kernel']} ({data['spec']}): target {data['target']}, "
         f"{'/'.join(data['dtypes'])}, B_r = {data['block_r']}, B_c = {data['block_c']}, "
@@ -153,10 +170,13 @@ def explain_text(compiled: Compiled, use_nvcc: bool = False) -> str:
     out.append(f"smem total: {data['smem_total']} bytes")
     for device, n in data["ctas_per_sm_by_smem"].items():
         out.append(f"CTAs per SM that this SMEM allows on {device}: {n}")
-    if data["resources"]:
-        out.append("")
+    out.append("")
+    if not data["resources"]:
+        out.append(f"Resources: not checked ({data['compiler']})")
+    else:
         out.append(
-            "Resources (ptxas): registers/thread, spills, SMEM/CTA and the CTAs per SM they allow"
+            f"Resources ({data['compiler']}; at most {data['register_cap']} registers per "
+            "thread): registers/thread, spills, SMEM/CTA and the CTAs per SM they allow"
         )
         for r in data["resources"]:
             out.append(

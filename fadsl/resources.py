@@ -7,15 +7,19 @@ per SM. Results are cached on disk by source hash, since ptxas takes a while.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import hashlib
 import json
-import re
+import os
 import shutil
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
 
 from .codegen import Source, header_text, write_headers
+from .compile_check import parse_resource_usage
 
 # nvcc flags per architecture; wgmma-era Hopper needs the arch-specific "a" target.
 ARCH_FLAGS = {
@@ -43,14 +47,6 @@ SM_LIMITS = {
     },
 }
 
-_PATTERNS = {
-    "registers": r"Used (\d+) registers",
-    "stack_bytes": r"(\d+) bytes stack frame",
-    "spill_store_bytes": r"(\d+) bytes spill stores",
-    "spill_load_bytes": r"(\d+) bytes spill loads",
-    "static_smem_bytes": r"(\d+) bytes smem",
-}
-
 
 def nvcc() -> str | None:
     found = shutil.which("nvcc")
@@ -60,12 +56,21 @@ def nvcc() -> str | None:
     return str(default) if default.exists() else None
 
 
-def parse_ptxas(text: str) -> dict[str, int]:
-    numbers = {}
-    for key, pattern in _PATTERNS.items():
-        match = re.search(pattern, text)
-        numbers[key] = int(match.group(1)) if match else 0
-    return numbers
+@functools.cache
+def nvcc_version() -> str:
+    """nvcc's release, e.g. '13.0' (part of every cache key)."""
+    compiler = nvcc()
+    if compiler is None:
+        return "none"
+    out = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
+    release = [line for line in out.splitlines() if "release" in line]
+    return release[-1].split("release")[-1].split(",")[0].strip() if release else "unknown"
+
+
+def usage_cache() -> Path:
+    """Where ptxas reports are cached: under $FADSL_CACHE_DIR (default ~/.cache/fadsl)."""
+    root = os.environ.get("FADSL_CACHE_DIR") or Path.home() / ".cache" / "fadsl"
+    return Path(root) / "ptxas"
 
 
 def ptxas_usage(source: Source, arch: str, cache: Path | None = None) -> dict[str, int]:
@@ -73,7 +78,9 @@ def ptxas_usage(source: Source, arch: str, cache: Path | None = None) -> dict[st
     compiler = nvcc()
     if compiler is None:
         raise FileNotFoundError("nvcc is not on the PATH")
-    key = hashlib.sha256((source.text + header_text() + arch).encode()).hexdigest()[:20]
+    key = hashlib.sha256(
+        (source.text + header_text() + arch + nvcc_version()).encode()
+    ).hexdigest()[:20]
     cached = cache / f"ptxas-{key}.json" if cache else None
     if cached and cached.exists():
         return json.loads(cached.read_text())
@@ -88,11 +95,13 @@ def ptxas_usage(source: Source, arch: str, cache: Path | None = None) -> dict[st
         )
     if proc.returncode != 0:
         raise RuntimeError(f"nvcc failed on {source.filename}:\n{proc.stderr}")
-    usage = parse_ptxas(proc.stdout + proc.stderr)
+    usage = dataclasses.asdict(parse_resource_usage(proc.stdout + proc.stderr))
     usage["warnings"] = (proc.stdout + proc.stderr).lower().count("warning")
-    if cached:
+    if cached:  # written whole or not at all: a concurrent reader never sees half a file
         cached.parent.mkdir(parents=True, exist_ok=True)
-        cached.write_text(json.dumps(usage))
+        partial = cached.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
+        partial.write_text(json.dumps(usage))
+        os.replace(partial, cached)
     return usage
 
 

@@ -7,6 +7,7 @@ on), so a user fixes a file in one round trip, not one error at a time.
 
 from __future__ import annotations
 
+import bisect
 import functools
 import re
 from dataclasses import dataclass
@@ -16,7 +17,7 @@ from typing import Union
 import lark
 from lark import Lark, Token, Transformer, v_args
 
-from .errors import DiagnosticSink, Loc
+from .errors import DiagnosticSink, Loc, quoted
 
 # --- AST ---------------------------------------------------------------------
 
@@ -211,7 +212,7 @@ def _syntax_message(err: lark.exceptions.UnexpectedInput, text: str) -> tuple[in
                 return line, col, "unexpected end of line" + expected
             if "_NL" in (err.accepts or err.expected):
                 expected += " (one setting per line)"
-            return line, col, f"unexpected '{token.value}'" + expected
+            return line, col, f"unexpected '{quoted(token.value)}'" + expected
         case lark.exceptions.UnexpectedToken() | lark.exceptions.UnexpectedEOF():
             line, col = _end_of(text)
             if not text.strip():
@@ -314,6 +315,55 @@ def _blank_line(text: str, line: int) -> str:
 
 
 MAX_SYNTAX_ERRORS = 20
+# A kernel takes 90 to 140 words and symbols and about 1 KB. Parsing costs some 20 us a token,
+# so these limits keep any input's answer well under a second.
+MAX_TOKENS = 2000
+MAX_CHARS = 256 * 1024
+# Each recovery parses again from the top: all attempts together parse at most this many
+# tokens before the errors found so far are reported.
+RECOVERY_TOKENS = 3 * MAX_TOKENS
+_COUNTED = re.compile(r"#[^\n]*|[A-Za-z0-9_.]+|[^\s#A-Za-z0-9_.]")
+
+
+def spec_text(source: str) -> str:
+    """The text the parser reads: CRLF and CR-only line ends become \\n (the only one the
+    parser counts), and of an over-long spec only as much as proves it too long (CRLF
+    -> \\n at most halves it), so that no step takes time in proportion to a huge input."""
+    return source[: 2 * MAX_CHARS + 2].replace("\r\n", "\n").replace("\r", "\n")
+
+
+def _loc_at(source: str, file: str, pos: int) -> Loc:
+    line = source.count("\n", 0, pos) + 1
+    return Loc(file, line, pos - (source.rfind("\n", 0, pos) + 1) + 1)
+
+
+def _token_starts(source: str, file: str, sink: DiagnosticSink) -> list[int] | None:
+    """Where each token starts (comments aside), or None, reported, when the text is too
+    long for a spec or is binary."""
+    if "\x00" in source:
+        loc = _loc_at(source, file, source.index("\x00"))
+        sink.error(loc, "the spec contains a NUL byte; is it a binary file?")
+        return None
+    if len(source) > MAX_CHARS:
+        sink.error(
+            _loc_at(source, file, MAX_CHARS),
+            f"the spec is too long: over {MAX_CHARS // 1024} KB (a kernel takes about 1 KB); "
+            "is this the right file?",
+        )
+        return None
+    starts = []
+    for match in _COUNTED.finditer(source):
+        if match.group().startswith("#"):
+            continue
+        if len(starts) == MAX_TOKENS:
+            sink.error(
+                _loc_at(source, file, match.start()),
+                f"the spec is too long: over {MAX_TOKENS} words and symbols (a kernel takes "
+                "about 140); is this the right file?",
+            )
+            return None
+        starts.append(match.start())
+    return starts
 
 
 def _recoverable(text: str, line: int) -> bool:
@@ -326,30 +376,31 @@ def _recoverable(text: str, line: int) -> bool:
 
 
 def parse_recovering(source: str, file: str, sink: DiagnosticSink) -> KernelDecl | None:
-    """Parse spec text, adding every syntax error to ``sink``.
+    """Parse spec text (as spec_text returns it), adding every
+    syntax error to ``sink``.
 
     After a syntax error the offending line is blanked and parsing starts over, so
-    that errors on other lines are found too. Returns the AST of what parsed (with
+    that errors on other lines are found too (up to MAX_SYNTAX_ERRORS, or until the
+    attempts have parsed RECOVERY_TOKENS tokens). Returns the AST of what parsed (with
     the bad lines left out), or None when nothing could be recovered.
     """
-    if "\x00" in source:
-        pos = source.index("\x00")
-        line = source.count("\n", 0, pos) + 1
-        col = pos - (source.rfind("\n", 0, pos) + 1) + 1
-        sink.error(Loc(file, line, col), "the spec contains a NUL byte; is it a binary file?")
+    starts = _token_starts(source, file, sink)
+    if starts is None:
         return None
     text = source
     blanked: set[int] = set()
+    parsed = found = 0
     while True:
         try:
             tree = _parser().parse(text)
         except lark.exceptions.UnexpectedInput as err:
             line, col, message = _syntax_message(err, text)
             sink.error(Loc(file, line, col), message)
-            if len(sink.diagnostics) >= MAX_SYNTAX_ERRORS:
-                sink.error(
-                    Loc(file, line, col), f"(stopping after {MAX_SYNTAX_ERRORS} syntax errors)"
-                )
+            found += 1
+            pos = getattr(err, "pos_in_stream", None)
+            parsed += bisect.bisect(starts, len(text) if pos is None else pos)
+            if found >= MAX_SYNTAX_ERRORS or parsed >= RECOVERY_TOKENS:
+                sink.error(Loc(file, line, col), f"(stopping after {found} syntax errors)")
                 return None
             if line in blanked or not _recoverable(text, line):
                 return None
@@ -361,6 +412,7 @@ def parse_recovering(source: str, file: str, sink: DiagnosticSink) -> KernelDecl
 
 def parse(source: str, file: str = "<spec>") -> KernelDecl:
     """Parse spec text into a KernelDecl, or raise SpecError with every syntax error."""
+    source = spec_text(source)
     sink = DiagnosticSink(source)
     decl = parse_recovering(source, file, sink)
     sink.raise_if_any()

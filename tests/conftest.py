@@ -48,3 +48,13 @@ def golden(request: pytest.FixtureRequest) -> Golden:
 @pytest.fixture(params=EXAMPLES, ids=[p.stem for p in EXAMPLES])
 def example(request: pytest.FixtureRequest) -> Path:
     return request.param
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked slow run only when asked for: `pytest -m slow`."""
+    if "slow" in (config.getoption("-m") or ""):
+        return
+    skip = pytest.mark.skip(reason="slow lane: run with `pytest -m slow`")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)

@@ -11,7 +11,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 SWIZZLED = (ROOT / "examples" / "fa2_swizzled.fa").read_text()
-SWIZZLE = {64: "xor(3, 3, 3)", 96: "none", 128: "xor(3, 3, 4)"}  # 96-element rows: no XOR swizzle
+# 96-element rows: 32-element spans (FlashAttention's Swizzle<2, 3, 3>), whole in every row.
+SWIZZLE = {64: "xor(3, 3, 3)", 96: "xor(2, 3, 3)", 128: "xor(3, 3, 4)"}
 OTHERS = {"d256": "fa2_hdim256", "pipelined": "fa2_pipelined"}
 
 

@@ -22,9 +22,10 @@ def run(*args, cwd=ROOT):
 
 def test_check_prints_the_configuration(capsys, monkeypatch):
     monkeypatch.chdir(ROOT)
-    assert main(["check", SPEC]) == 0
+    assert main(["check", SPEC, "--no-compile"]) == 0
     out = capsys.readouterr().out
     assert "examples/fa2_kernel1.fa: ok" in out
+    assert "registers not checked (--no-compile)" in out
     assert "B_r = 64, B_c = 64, head_dim = 128" in out
     assert "V         gmem -cp.async-> smem[cta] -ldmatrix.trans-> rf" in out
 
@@ -99,3 +100,47 @@ def test_bench_without_a_gpu_says_so():
     if proc.returncode == 0:
         pytest.skip("a GPU is present")
     assert proc.returncode == 1 and "needs a CUDA GPU" in proc.stderr
+
+
+def test_an_unexpected_exception_is_exit_3_with_one_line(monkeypatch, capsys):
+    import fadsl.cli
+
+    def broken(source, file):
+        raise RuntimeError("boom\nsecond line")
+
+    monkeypatch.setattr(fadsl.cli, "compile_source", broken)
+    assert main(["check", str(ROOT / SPEC)]) == 3
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert "internal error: RuntimeError: boom" in err and "please report" in err
+
+
+def test_an_output_path_that_is_a_file_is_exit_1(tmp_path):
+    target = tmp_path / "out"
+    target.write_text("not a folder")
+    proc = run("compile", SPEC, "-o", str(target))
+    assert proc.returncode == 1, proc.stderr
+    assert f"the output path '{target}' is a file" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_an_output_folder_under_a_file_is_exit_1(tmp_path):
+    (tmp_path / "f").write_text("")
+    proc = run("compile", SPEC, "-o", str(tmp_path / "f" / "out"))
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert str(tmp_path / "f") in proc.stderr
+
+
+def test_bench_reports_a_bad_spec_before_looking_for_a_gpu(tmp_path):
+    spec = tmp_path / "bad.fa"
+    spec.write_text((ROOT / SPEC).read_text().replace("warps    4", "warps    3"))
+    proc = run("bench", str(spec))
+    assert proc.returncode == 2
+    assert f"{spec}:7:12: warps = 3 is not a power of two" in proc.stderr
+    assert "GPU" not in proc.stderr
+
+
+def test_a_folder_given_as_the_spec_is_exit_2(tmp_path):
+    proc = run("check", str(tmp_path))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert f"cannot read '{tmp_path}'" in proc.stderr

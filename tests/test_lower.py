@@ -64,3 +64,32 @@ def test_comments_and_blank_lines_anywhere():
         + "\n# end\n"
     )
     assert front_end(text, "k.fa").config.mask is Mask.NONE
+
+
+def test_cr_only_line_endings_read_as_line_breaks():
+    k = front_end(KERNEL1.replace("\n", "\r"), "k.fa")
+    assert k.config.name == "fa2_kernel1" and k.tensor(Role.V).loc.line == 13
+
+
+def test_a_mixed_line_ending_error_is_located_on_its_line():
+    text = KERNEL1.replace("warps    4", "warps    3").replace("\n", "\r", 3)
+    with pytest.raises(SpecError, match=r"k.fa:7:12: warps = 3"):
+        front_end(text, "k.fa")
+
+
+def test_head_dim_96_takes_a_swizzle_whose_span_divides_the_row():
+    k = front_end(variant(head_dim=96, swizzle="xor(2, 3, 3)"), "k.fa")
+    swz = k.config.swizzle
+    assert (k.config.head_dim, swz.bits, swz.base, swz.shift) == (96, 2, 3, 3)
+    # Every row of 96 elements is mapped onto itself, and no two elements collide.
+    for row in range(64):
+        cols = [row * 96 + c for c in range(96)]
+        assert sorted(a ^ ((a >> 3) & (0b11 << 3)) for a in cols) == cols
+
+
+def test_head_dim_96_refuses_a_swizzle_that_spans_rows_and_says_which_fit():
+    with pytest.raises(SpecError) as err:
+        front_end(variant(head_dim=96, swizzle="xor(3, 3, 3)"), "k.fa")
+    message = str(err.value)
+    assert "spans of 64 elements, which do not tile a 96-element row" in message
+    assert "M + B <= 5, e.g. xor(2, 3, 3)" in message

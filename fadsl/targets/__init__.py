@@ -45,7 +45,8 @@ class Capabilities:
     mma: str  # in titles and messages: "mma.sync m16n8k16"
     smem_per_cta: int  # bytes of dynamic SMEM one CTA may use
     smem_per_sm: int
-    registers_per_thread: int
+    registers_per_thread: int  # the most one thread may have
+    registers_per_sm: int  # shared by a CTA's threads: at most this / threads each
     # the instructions each (from, to) hop may use; instructions named but not usable
     hop_instrs: Mapping[tuple[Level, Level], tuple[Instr, ...]]
     reserved_instrs: tuple[Instr, ...]

@@ -15,6 +15,7 @@ CAPABILITIES = Capabilities(
     smem_per_cta=163 * 1024,
     smem_per_sm=164 * 1024,
     registers_per_thread=255,
+    registers_per_sm=65536,
     hop_instrs={
         (Level.GMEM, Level.SMEM): (Instr.CP_ASYNC,),
         (Level.SMEM, Level.RF): (Instr.LDMATRIX, Instr.LDMATRIX_TRANS),

@@ -2,9 +2,10 @@
 
 - each warp owns whole 16-row mma tiles; each warp's share of a K/V tile is a whole
   number of 512-byte warp-wide cp.async rounds;
-- the registers live through each mma fit the per-thread budget
-  (``register_budget_fits``: an estimate; nvcc's 0-spill check is the real guard);
-- a swizzle keeps the 16-byte chunks that cp.async and ldmatrix move whole;
+- the registers live at the peak of each mma fit the per-thread cap
+  (``register_budget_fits``: a lower bound; fadsl.compile_check compiles and is the guard);
+- a swizzle keeps the 16-byte chunks that cp.async and ldmatrix move whole and permutes
+  spans that divide a row;
 - paths: inputs gmem -cp.async-> smem -ldmatrix-> rf (V transposed), the output
   rf -st.shared-> smem -st.global-> gmem; Q and O warp-scoped, K and V CTA-scoped.
 """
@@ -15,6 +16,10 @@ from ...checks import Checks, and_list
 from ...ir import Instr, Level, RegLoad, Role, Scope, Swizzle, Tensor
 from ...syntax import PathDecl
 from .caps import CAPABILITIES
+
+# A conflict-free swizzle for each head_dim's rows: the 8 rows one ldmatrix reads land on
+# 8 different 16-byte bank groups (96: FlashAttention's Swizzle<2, 3, 3>).
+SWIZZLES = {64: "xor(3, 3, 3)", 96: "xor(2, 3, 3)", 128: "xor(3, 3, 4)", 256: "xor(3, 3, 5)"}
 
 
 def validate(c: Checks, tensors: dict[Role, Tensor]) -> bool:
@@ -40,7 +45,7 @@ def validate(c: Checks, tensors: dict[Role, Tensor]) -> bool:
         )
         ok = False
     rows = block_r // warps
-    if ok and not register_budget_fits(c, tensors, rows, block_c, head_dim):
+    if ok and not register_budget_fits(c, tensors, rows, block_c, head_dim, warps):
         ok = False
     swizzle = v.get("swizzle")
     if isinstance(swizzle, Swizzle) and not swizzle_fits(c, swizzle, head_dim):
@@ -68,47 +73,60 @@ def validate(c: Checks, tensors: dict[Role, Tensor]) -> bool:
 
 
 def register_budget_fits(
-    c: Checks, tensors: dict[Role, Tensor], rows: int, block_c: int, head_dim: int
+    c: Checks, tensors: dict[Role, Tensor], rows: int, block_c: int, head_dim: int, warps: int
 ) -> bool:
-    """Registers per thread (4 bytes, 32 lanes) live through each mma must fit the budget.
+    """Registers per thread (4 bytes, 32 lanes) live at the peak of each mma step must fit
+    the per-thread cap: 255, or 65536 / threads when a CTA's threads share fewer.
 
-    An estimate, deliberately simple: the larger of the two mma steps' operands and
-    accumulators, plus Q's fragments for the whole loop when Q is loaded as a tile. A
-    tile loaded fragment-wise costs one k16 slice. (nvcc's 0-spill check is the real guard.)
+    A lower bound, deliberately: the fp32 accumulators of O (rows x head_dim) and of S
+    (rows x B_c, through S = Q @ K^T), P in 16 bits (through O += P @ V), the softmax row
+    statistics, Q's fragments when Q is held as a whole tile through the loop, and a k16
+    slice of each other operand: ptxas issues a tile's ldmatrix just before the mma that
+    reads it, so a tile loaded whole costs no more at the peak (measured: whole K and V
+    tiles of B_c = 128 compile to 255 registers without spills). What else the compiler
+    keeps live only it knows: fadsl.compile_check compiles the kernel and is the guard.
     """
-
-    def whole(role: Role) -> bool:
-        tensor = tensors.get(role)
-        return tensor is None or tensor.reg_load is RegLoad.TILE
-
-    def operand(role: Role, tile_rows: int, slice_regs: int) -> tuple[str, int]:
-        if whole(role):
-            return f"the whole {role.value} tile", tile_rows * head_dim // 64
-        return f"a k16 slice of {role.value}", slice_regs
-
+    caps = CAPABILITIES
+    threads = 32 * warps
+    cap = min(caps.registers_per_thread, caps.registers_per_sm // threads)
+    q_held = tensors.get(Role.Q) is None or tensors[Role.Q].reg_load is RegLoad.TILE
     o = ("O accumulators", rows * head_dim // 32)
-    q = operand(Role.Q, rows, rows // 4)
+    stats = ("softmax row statistics", rows // 4)
+    q = ("Q fragments held through the loop", rows * head_dim // 64)
     phases = {
-        "S = Q @ K^T": [o, q, operand(Role.K, block_c, block_c // 4)],
-        "O += P @ V": [o, ("P", rows * block_c // 64), operand(Role.V, block_c, head_dim // 4)],
+        "S = Q @ K^T": [
+            o,
+            ("S accumulators", rows * block_c // 32),
+            q if q_held else ("a k16 slice of Q", rows // 4),
+            ("a k16 slice of K", block_c // 4),
+            stats,
+        ],
+        "O += P @ V": [
+            o,
+            ("P", rows * block_c // 64),
+            ("a k16 slice of V", head_dim // 4),
+            stats,
+            *([q] if q_held else []),
+        ],
     }
-    if whole(Role.Q):
-        phases["O += P @ V"].append(("Q fragments held through the loop", q[1]))
     step, parts = max(phases.items(), key=lambda kv: sum(n for _, n in kv[1]))
     need = sum(n for _, n in parts)
-    if need <= CAPABILITIES.registers_per_thread:
+    if need <= cap:
         return True
-    tiles = [r.value for r in (Role.Q, Role.K, Role.V) if whole(r)]
     hint = "use a smaller B_c or more warps"
-    if tiles:
-        paths = f"{tiles[0]}'s path" if len(tiles) == 1 else f"the paths of {and_list(tiles)}"
-        hint = f"load fragment-wise (end {paths} in rf[frag]), or " + hint
+    if q_held:
+        hint = "load Q fragment-wise (end Q's path in rf[frag]), or " + hint
+    budget = f"the {cap}-register budget per thread"
+    loc = c.key_locs["head_dim"]
+    if cap < caps.registers_per_thread and need <= caps.registers_per_thread:
+        budget = f"the {cap} registers per thread that {threads} threads allow"
+        hint = f"use at most {caps.registers_per_sm // (32 * caps.registers_per_thread)} warps"
+        loc = c.key_locs["warps"]
     listed = and_list(f"{what} ({n})" for what, n in parts)
     c.error(
-        c.key_locs["head_dim"],
+        loc,
         f"head_dim {head_dim} with B_c = {block_c} and {rows} query rows per warp does not "
-        f"fit the {CAPABILITIES.registers_per_thread}-register budget per thread: during '{step}', "
-        f"{listed} need {need}; {hint}",
+        f"fit {budget}: during '{step}', {listed} need {need}; {hint}",
     )
     return False
 
@@ -125,15 +143,21 @@ def swizzle_fits(c: Checks, swz: Swizzle, head_dim: int) -> bool:
     if swz.shift < swz.bits:
         c.error(swz.loc, f"xor(B, M, S) needs S >= B, got S = {swz.shift}, B = {swz.bits}")
         return False
-    if head_dim & (head_dim - 1):
-        c.error(swz.loc, f"a swizzle needs rows of a power-of-two length, not {head_dim}")
-        return False
-    if swz.base + swz.bits > head_dim.bit_length() - 1:
+    # The XOR permutes elements inside aligned spans of 2^(M + B): when the span divides
+    # the row, every row starts a span and is mapped onto itself (FlashAttention swizzles
+    # head_dim 96 this way, in 32-element spans).
+    span = 1 << (swz.base + swz.bits)
+    if head_dim % span:
+        fit = (head_dim & -head_dim).bit_length() - 1  # the largest M + B that divides
+        if span > head_dim:
+            why = f"wider than a {head_dim}-element row"
+        else:
+            why = f"which do not tile a {head_dim}-element row"
         c.error(
             swz.loc,
-            f"xor({swz.bits}, {swz.base}, {swz.shift}) permutes spans of "
-            f"{1 << (swz.base + swz.bits)} elements, wider than a {head_dim}-element row "
-            f"(need M + B <= {head_dim.bit_length() - 1})",
+            f"xor({swz.bits}, {swz.base}, {swz.shift}) permutes spans of {span} elements, "
+            f"{why} (need 2^(M + B) to divide {head_dim}: M + B <= {fit}, "
+            f"e.g. {SWIZZLES[head_dim]})",
         )
         return False
     return True

@@ -1,0 +1,179 @@
+"""Compile the rendered kernel and refuse a spec whose kernel spills: the register truth
+behind `fadsl check` and `fadsl explain`.
+
+lower's register estimate counts the fragments a kernel must hold and refuses what
+surely cannot fit; only the compiler knows what else it keeps live (addresses, loop
+state, values it hoists), so where a CUDA compiler is available the kernel is compiled
+for every architecture its target runs on, and a kernel that spills registers or uses
+a stack frame is refused with a message on the spec's `tile` (or `warps`) line, unless
+the spec says `spills allow` (for experiments).
+
+The compiler is a plain function ``(source, arch) -> Usage``, so that nvcc (today) and
+NVRTC (later) plug in alike; ``find_compiler`` picks one, or says why there is none.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Callable
+
+from .codegen import Source, render
+from .errors import Diagnostic, SpecError
+from .ir import Dtype, RegLoad
+from .pipeline import Compiled
+from .targets import Capabilities
+
+
+@dataclass(frozen=True)
+class Usage:
+    """What the compiler reports for one kernel (its entry function and what it calls)."""
+
+    registers: int
+    spill_store_bytes: int = 0
+    spill_load_bytes: int = 0
+    stack_bytes: int = 0
+    static_smem_bytes: int = 0
+
+    @property
+    def spills(self) -> bool:
+        return bool(self.spill_store_bytes or self.spill_load_bytes or self.stack_bytes)
+
+
+@dataclass(frozen=True)
+class KernelUsage:
+    dtype: Dtype
+    arch: str
+    usage: Usage
+
+
+Compiler = Callable[[Source, str], Usage]
+
+
+@dataclass(frozen=True)
+class RegisterCheck:
+    """The outcome: one row per dtype and architecture, or why nothing was compiled."""
+
+    rows: tuple[KernelUsage, ...]
+    compiler: str  # e.g. "nvcc 13.0", or why there is none: "no CUDA compiler (...)"
+    allowed_spills: bool = False
+
+    @property
+    def ran(self) -> bool:
+        return bool(self.rows)
+
+
+_FIELDS = {
+    "registers": re.compile(r"Used (\d+) registers"),
+    "stack_bytes": re.compile(r"(\d+) bytes (?:stack frame|cumulative stack size)"),
+    "spill_store_bytes": re.compile(r"(\d+) bytes spill stores"),
+    "spill_load_bytes": re.compile(r"(\d+) bytes spill loads"),
+    "static_smem_bytes": re.compile(r"(\d+) bytes smem"),
+}
+
+
+def parse_resource_usage(log: str) -> Usage:
+    """Read ptxas's ``-v`` / ``--resource-usage`` report (nvcc's output, or NVRTC's log with
+    ``--ptxas-options=-v``). Each field is the largest over the functions reported: the
+    kernel and any function it calls that was not inlined."""
+    values: dict[str, int] = {}
+    for line in log.splitlines():
+        for field, pattern in _FIELDS.items():
+            for match in pattern.finditer(line):
+                values[field] = max(values.get(field, 0), int(match.group(1)))
+    if "registers" not in values:
+        raise ValueError(f"no 'Used N registers' line in the compiler's report:\n{log.strip()}")
+    return Usage(**values)
+
+
+def nvcc_compiler() -> Compiler | None:
+    """nvcc on the PATH (or in /usr/local/cuda), through fadsl.resources, or None."""
+    from . import resources
+
+    if resources.nvcc() is None:
+        return None
+
+    def compile_with_nvcc(source: Source, arch: str) -> Usage:
+        usage = resources.ptxas_usage(source, arch, resources.usage_cache())
+        return Usage(
+            registers=usage["registers"],
+            spill_store_bytes=usage["spill_store_bytes"],
+            spill_load_bytes=usage["spill_load_bytes"],
+            stack_bytes=usage["stack_bytes"],
+            static_smem_bytes=usage["static_smem_bytes"],
+        )
+
+    compile_with_nvcc.__doc__ = f"nvcc {resources.nvcc_version()}"
+    return compile_with_nvcc
+
+
+def find_compiler() -> tuple[Compiler | None, str]:
+    """The compiler to check with and its name, or None and why there is none."""
+    compiler = nvcc_compiler()
+    if compiler is None:
+        return None, "no CUDA compiler: nvcc is not on the PATH"
+    return compiler, compiler.__doc__ or "nvcc"
+
+
+def register_cap(caps: Capabilities, threads: int) -> int:
+    """Registers per thread that one CTA of ``threads`` threads can have (ptxas's bound
+    under __launch_bounds__)."""
+    return min(caps.registers_per_thread, caps.registers_per_sm // threads)
+
+
+def check_registers(
+    compiled: Compiled, compiler: Compiler | None = None, name: str | None = None
+) -> RegisterCheck:
+    """Compile every dtype of ``compiled`` for every architecture its target runs on (in
+    parallel) and refuse, by SpecError, a kernel that spills or uses a stack frame,
+    unless the spec allows spills. With no compiler given, ``find_compiler`` picks one;
+    with none found, nothing is compiled and the result says why."""
+    if compiler is None:
+        compiler, name = find_compiler()
+        if compiler is None:
+            return RegisterCheck((), name)
+    cfg = compiled.kernel.config
+    target = compiled.target
+    # Rendered under the kernel's name, not the spec's path, so that one kernel is compiled
+    # once whatever file it is checked from (results are cached).
+    sources = render(compiled.kernel, target, f"{cfg.name}.fa")
+    archs = [arch for arch, _family in target.capabilities.archs]
+    jobs = [(source, arch) for source in sources for arch in archs]
+    with ThreadPoolExecutor(max_workers=min(len(jobs), os.cpu_count() or 1)) as pool:
+        usages = list(pool.map(lambda job: compiler(*job), jobs))
+    rows = tuple(KernelUsage(src.dtype, arch, u) for (src, arch), u in zip(jobs, usages))
+    result = RegisterCheck(rows, name or compiler.__doc__ or "a CUDA compiler", cfg.allow_spills)
+    spilling = [row for row in rows if row.usage.spills]
+    if spilling and not cfg.allow_spills:
+        raise SpecError([_spill_diagnostic(compiled, spilling)], compiled.source)
+    return result
+
+
+def _spill_diagnostic(compiled: Compiled, spilling: list[KernelUsage]) -> Diagnostic:
+    cfg = compiled.kernel.config
+    caps = compiled.target.capabilities
+    cap = register_cap(caps, cfg.threads)
+    worst = max(spilling, key=lambda r: (r.usage.spill_store_bytes, r.usage.stack_bytes))
+    u = worst.usage
+    where = ", ".join(sorted({f"{r.dtype.value} on {r.arch}" for r in spilling}))
+    if cap < caps.registers_per_thread:
+        loc = cfg.loc_of("warps")
+        limit = f"the {cap} registers per thread that {cfg.threads} threads allow"
+        full = caps.registers_per_sm // (32 * caps.registers_per_thread)
+        hint = f"use at most {full} warps (then each thread may have {caps.registers_per_thread})"
+    else:
+        loc = cfg.loc_of("tile")
+        limit = f"the {cap}-register limit per thread"
+        tiles = [t.role.value for t in compiled.kernel.tensors if t.reg_load is RegLoad.TILE]
+        hint = "use a smaller B_c or more warps"
+        if set(tiles) - {"O"}:
+            hint = "load fragment-wise (rf[frag]), " + hint
+    return Diagnostic(
+        loc,
+        f"the kernel does not fit {limit}: it uses {u.registers} registers and spills "
+        f"({u.spill_store_bytes} bytes of spill stores, {u.spill_load_bytes} of loads, a "
+        f"{u.stack_bytes}-byte stack frame; {where}); {hint}, or add 'spills allow' to "
+        "accept it for an experiment",
+    )
