@@ -105,16 +105,17 @@ def nvcc_compiler() -> Compiler | None:
             static_smem_bytes=usage["static_smem_bytes"],
         )
 
-    compile_with_nvcc.__doc__ = f"nvcc {resources.nvcc_version()}"
     return compile_with_nvcc
 
 
 def find_compiler() -> tuple[Compiler | None, str]:
     """The compiler to check with and its name, or None and why there is none."""
+    from .resources import nvcc_version
+
     compiler = nvcc_compiler()
     if compiler is None:
         return None, "no CUDA compiler: nvcc is not on the PATH"
-    return compiler, compiler.__doc__ or "nvcc"
+    return compiler, f"nvcc {nvcc_version()}"
 
 
 def register_cap(caps: Capabilities, threads: int) -> int:
@@ -124,7 +125,7 @@ def register_cap(caps: Capabilities, threads: int) -> int:
 
 
 def check_registers(
-    compiled: Compiled, compiler: Compiler | None = None, name: str | None = None
+    compiled: Compiled, compiler: Compiler | None = None, name: str = "a CUDA compiler"
 ) -> RegisterCheck:
     """Compile every dtype of ``compiled`` for every architecture its target runs on (in
     parallel) and refuse, by SpecError, a kernel that spills or uses a stack frame,
@@ -144,7 +145,7 @@ def check_registers(
     with ThreadPoolExecutor(max_workers=min(len(jobs), os.cpu_count() or 1)) as pool:
         usages = list(pool.map(lambda job: compiler(*job), jobs))
     rows = tuple(KernelUsage(src.dtype, arch, u) for (src, arch), u in zip(jobs, usages))
-    result = RegisterCheck(rows, name or compiler.__doc__ or "a CUDA compiler", cfg.allow_spills)
+    result = RegisterCheck(rows, name, cfg.allow_spills)
     spilling = [row for row in rows if row.usage.spills]
     if spilling and not cfg.allow_spills:
         raise SpecError([_spill_diagnostic(compiled, spilling)], compiled.source)
