@@ -376,8 +376,7 @@ def _recoverable(text: str, line: int) -> bool:
 
 
 def parse_recovering(source: str, file: str, sink: DiagnosticSink) -> KernelDecl | None:
-    """Parse spec text (as spec_text returns it), adding every
-    syntax error to ``sink``.
+    """Parse spec text (as spec_text returns it), adding every syntax error to ``sink``.
 
     After a syntax error the offending line is blanked and parsing starts over, so
     that errors on other lines are found too (up to MAX_SYNTAX_ERRORS, or until the
