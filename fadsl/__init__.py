@@ -2,7 +2,20 @@
 
 __version__ = "0.1.0"
 
-from .errors import Loc, SpecError  # noqa: E402
-from .runtime import FlashAttention, load  # noqa: E402
+from pathlib import Path as _Path
 
-__all__ = ["__version__", "FlashAttention", "Loc", "SpecError", "load"]
+# Installed, the grammar and the templates are the subpackages fadsl.grammar and fadsl.emit
+# (pyproject.toml maps grammar/ and emit/ there). Imported from a source checkout (the
+# repository root on sys.path, after a plain `pip install .` too), they are the folders
+# beside this one: let the package find them there.
+_root = _Path(__file__).resolve().parent.parent
+if (
+    not (_Path(__file__).parent / "grammar").is_dir()
+    and (_root / "grammar" / "fadsl.lark").is_file()
+):
+    __path__.append(str(_root))  # type: ignore[name-defined]  # noqa: F821
+
+from .errors import Loc, SpecError  # noqa: E402
+from .runtime import FlashAttention, build_ahead, load  # noqa: E402
+
+__all__ = ["__version__", "FlashAttention", "Loc", "SpecError", "build_ahead", "load"]

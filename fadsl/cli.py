@@ -1,4 +1,4 @@
-"""The `fadsl` command line: check, explain, compile and bench a spec."""
+"""The `fadsl` command line: check, explain, compile, build and bench a spec; the cache."""
 
 from __future__ import annotations
 
@@ -72,9 +72,55 @@ def cmd_compile(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_build(args: argparse.Namespace) -> int:
+    from .runtime import build_ahead
+
+    compiled = _compile(args.spec)
+    archs = [a.strip() for a in args.arch.split(",") if a.strip()]
+    try:
+        paths = build_ahead(compiled, archs, Path(args.output))
+    except ValueError as err:
+        print(f"fadsl build: {err}", file=sys.stderr)
+        return EXIT_FAILURE
+    except RuntimeError as err:  # the compiler's message, or no compiler
+        print(f"fadsl build: {err}", file=sys.stderr)
+        return EXIT_FAILURE
+    for path in paths:
+        print(f"wrote {path}")
+    return EXIT_OK
+
+
+def cmd_cache(args: argparse.Namespace) -> int:
+    from . import cache
+
+    folder = cache.cache_dir()
+    if args.action == "clear":
+        print(f"removed {cache.clear(folder)} files from {folder}")
+        return EXIT_OK
+    rows = cache.entries(folder)
+    print(f"{folder}: {len(rows)} entries")
+    for row in rows:
+        state = "" if row["ok"] else "  (corrupt: rebuilt on next use)"
+        print(
+            f"  {row['kernel']:<32} {row['arch']:<7} {row['compiler']:<11} "
+            f"{row['bytes']:>8} B  {row['name']}{state}"
+        )
+    return EXIT_OK
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from . import bench
     from .runtime import FlashAttention
+
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401  (checked before the run, not after it)
+        except ImportError:
+            print(
+                "fadsl bench: --plot needs matplotlib: pip install 'fadsl[bench]'",
+                file=sys.stderr,
+            )
+            return EXIT_FAILURE
 
     compiled = _compile(args.spec)  # a bad spec is reported (exit 2) before the GPU check
     try:
@@ -146,18 +192,38 @@ def build_parser() -> argparse.ArgumentParser:
     )
     explain.add_argument("spec", metavar="SPEC", help="path to a .fa spec")
     explain.add_argument("--json", action="store_true", help="print the report as JSON")
-    explain.add_argument("--no-compile", "--no-nvcc", **no_compile)
+    explain.add_argument("--no-compile", "--no-nvcc", "--no-ptxas", **no_compile)
     explain.set_defaults(run=cmd_explain)
 
     comp = sub.add_parser(
         "compile",
-        help="write one .cu per dtype (kernel, launcher, torch binding) and the helper header",
+        help="write one .cu per dtype (device code only) and the helper headers",
     )
     comp.add_argument("spec", metavar="SPEC", help="path to a .fa spec")
     comp.add_argument(
         "-o", "--output", metavar="DIR", default="build", help="output folder (default: build)"
     )
     comp.set_defaults(run=cmd_compile)
+
+    build = sub.add_parser(
+        "build",
+        help="compile the spec's kernels to cubins ahead of time (no GPU needed)",
+    )
+    build.add_argument("spec", metavar="SPEC", help="path to a .fa spec")
+    build.add_argument(
+        "--arch",
+        default="sm_80,sm_90a",
+        metavar="ARCH,...",
+        help="architectures, comma-separated (default: sm_80,sm_90a)",
+    )
+    build.add_argument(
+        "-o", "--output", metavar="DIR", default="cubins", help="output folder (default: cubins)"
+    )
+    build.set_defaults(run=cmd_build)
+
+    cache_cmd = sub.add_parser("cache", help="list or clear the cubin cache ($FADSL_CACHE_DIR)")
+    cache_cmd.add_argument("action", choices=["list", "clear"])
+    cache_cmd.set_defaults(run=cmd_cache)
 
     bench = sub.add_parser(
         "bench",

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import os
 from dataclasses import dataclass
 from importlib import resources
 from importlib.abc import Traversable
@@ -20,6 +21,7 @@ from typing import Any
 import jinja2
 
 from . import __version__, targets
+from .atomic import write_atomic
 from .ir import Dtype, Kernel
 from .printer import format_kernel
 
@@ -60,8 +62,17 @@ HEADERS: tuple[str, ...] = tuple(_header_files())
 @functools.cache
 def environment() -> jinja2.Environment:
     root = resources.files("fadsl.emit")
+    # Compiled templates are kept next to the cubins (compiling the template takes longer
+    # than rendering it; a warm start pays neither).
+    bytecode = Path(os.environ.get("FADSL_CACHE_DIR", Path.home() / ".cache" / "fadsl")) / "jinja"
+    try:
+        bytecode.mkdir(parents=True, exist_ok=True)
+        bytecode_cache = jinja2.FileSystemBytecodeCache(str(bytecode))
+    except OSError:  # a read-only home: no cache, only slower
+        bytecode_cache = None
     return jinja2.Environment(
         loader=jinja2.FunctionLoader(lambda name: _join(root, name).read_text()),
+        bytecode_cache=bytecode_cache,
         undefined=jinja2.StrictUndefined,
         trim_blocks=True,
         lstrip_blocks=True,
@@ -82,13 +93,7 @@ def header_text() -> str:
 
 def write_headers(root: Path) -> list[Path]:
     """Write the headers under ``root`` (``root/fadsl/...``), where ``-I root`` finds them."""
-    paths = []
-    for name in HEADERS:
-        path = root / name
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(read_header(name))
-        paths.append(path)
-    return paths
+    return [write_atomic(root / name, read_header(name)) for name in HEADERS]
 
 
 def spec_hash(kernel: Kernel) -> str:
@@ -121,11 +126,10 @@ def render(kernel: Kernel, target: targets.Target, spec_name: str) -> tuple[Sour
 
 
 def write(kernel: Kernel, target: targets.Target, spec_name: str, out_dir: Path) -> list[Path]:
-    """Write the .cu files and the helper headers they include into ``out_dir``."""
+    """Write the .cu files and the helper headers they include into ``out_dir`` (each file
+    whole or not at all: a reader never sees a torn file)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = write_headers(out_dir)
     for source in render(kernel, target, spec_name):
-        path = out_dir / source.filename
-        path.write_text(source.text)
-        paths.append(path)
+        paths.append(write_atomic(out_dir / source.filename, source.text))
     return paths

@@ -8,8 +8,8 @@ for every architecture its target runs on, and a kernel that spills registers or
 a stack frame is refused with a message on the spec's `tile` (or `warps`) line, unless
 the spec says `spills allow` (for experiments).
 
-The compiler is a plain function ``(source, arch) -> Usage``, so that nvcc (today) and
-NVRTC (later) plug in alike; ``find_compiler`` picks one, or says why there is none.
+The compiler is a plain function ``(source, arch) -> Usage``; ``find_compiler`` picks the
+runtime's (NVRTC, else nvcc), or says why there is none.
 """
 
 from __future__ import annotations
@@ -89,10 +89,11 @@ def parse_resource_usage(log: str) -> Usage:
 
 
 def nvcc_compiler() -> Compiler | None:
-    """nvcc on the PATH (or in /usr/local/cuda), through fadsl.resources, or None."""
+    """The runtime's compiler (NVRTC from the pip wheels, else nvcc on the PATH or in
+    /usr/local/cuda), through fadsl.resources, or None."""
     from . import resources
 
-    if resources.nvcc() is None:
+    if not resources.can_compile():
         return None
 
     def compile_with_nvcc(source: Source, arch: str) -> Usage:
@@ -110,12 +111,12 @@ def nvcc_compiler() -> Compiler | None:
 
 def find_compiler() -> tuple[Compiler | None, str]:
     """The compiler to check with and its name, or None and why there is none."""
-    from .resources import nvcc_version
+    from .compiler import compiler_id
 
     compiler = nvcc_compiler()
     if compiler is None:
-        return None, "no CUDA compiler: nvcc is not on the PATH"
-    return compiler, f"nvcc {nvcc_version()}"
+        return None, "no CUDA compiler: neither NVRTC (cuda-bindings) nor nvcc"
+    return compiler, compiler_id()
 
 
 def register_cap(caps: Capabilities, threads: int) -> int:

@@ -1,24 +1,22 @@
 """What ptxas says a rendered kernel uses, and the occupancy that follows (no GPU needed).
 
 The seeds' appendix reads registers per thread, spill bytes and SMEM per CTA
-off `nvcc --resource-usage`; from those and the SM's limits follow the CTAs
-per SM. Results are cached on disk by source hash, since ptxas takes a while.
+off ptxas's report; from those and the SM's limits follow the CTAs per SM. The
+kernel is compiled as the runtime compiles it (NVRTC, else nvcc), and the cubin
+and its log are kept in a cubin cache, since ptxas takes a while.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
-import json
 import os
 import shutil
 import subprocess
 import tempfile
-import threading
 from pathlib import Path
 
-from .codegen import Source, header_text, write_headers
+from .codegen import Source, header_text
 from .compile_check import parse_resource_usage
 
 # nvcc flags per architecture; wgmma-era Hopper needs the arch-specific "a" target.
@@ -73,35 +71,42 @@ def usage_cache() -> Path:
     return Path(root) / "ptxas"
 
 
+def can_compile() -> bool:
+    """Whether a compiler is here: NVRTC from the pip wheels, or nvcc."""
+    from .compiler import nvrtc_available
+
+    return nvrtc_available() or nvcc() is not None
+
+
 def ptxas_usage(source: Source, arch: str, cache: Path | None = None) -> dict[str, int]:
-    """Compile ``source`` to a cubin for ``arch`` and return what ptxas reports."""
-    compiler = nvcc()
-    if compiler is None:
-        raise FileNotFoundError("nvcc is not on the PATH")
-    key = hashlib.sha256(
-        (source.text + header_text() + arch + nvcc_version()).encode()
-    ).hexdigest()[:20]
-    cached = cache / f"ptxas-{key}.json" if cache else None
-    if cached and cached.exists():
-        return json.loads(cached.read_text())
+    """Compile ``source`` to a cubin for ``arch`` as the runtime does (NVRTC, else nvcc; see
+    fadsl/compiler.py) and return what ptxas reports, and the count of warnings. ``cache``: a
+    cubin cache folder (fadsl/cache.py: entries written whole, built once across processes)."""
+    from . import cache as cubin_cache
+    from .compiler import compile_cubin
+
+    if arch not in ARCH_FLAGS:
+        raise ValueError(f"unknown architecture {arch!r}; expected one of {sorted(ARCH_FLAGS)}")
+    request = cubin_cache.Request(
+        kernel=f"{source.kernel_name}_kernel",
+        filename=source.filename,
+        text=source.text,
+        headers=header_text(),
+        normalised="",
+        arch=arch,
+    )
     with tempfile.TemporaryDirectory() as tmp:
-        root = Path(tmp)
-        write_headers(root)
-        cu = root / source.filename
-        cu.write_text(source.text)
-        cmd = [compiler, "-std=c++17", "-O3", "-cubin", "--resource-usage", *ARCH_FLAGS[arch]]
-        proc = subprocess.run(
-            cmd + ["-o", str(root / "k.cubin"), str(cu)], capture_output=True, text=True
-        )
-    if proc.returncode != 0:
-        raise RuntimeError(f"nvcc failed on {source.filename}:\n{proc.stderr}")
-    usage = dataclasses.asdict(parse_resource_usage(proc.stdout + proc.stderr))
-    usage["warnings"] = (proc.stdout + proc.stderr).lower().count("warning")
-    if cached:  # written whole or not at all: a concurrent reader never sees half a file
-        cached.parent.mkdir(parents=True, exist_ok=True)
-        partial = cached.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
-        partial.write_text(json.dumps(usage))
-        os.replace(partial, cached)
+        where = Path(cache) if cache is not None else Path(tmp)
+
+        def build():
+            return compile_cubin(source.text, source.filename, request.kernel, arch, where)
+
+        if cache is None:
+            log = build().log
+        else:
+            log = cubin_cache.get_or_build(request, build, announce=False, folder=cache).log
+    usage = dataclasses.asdict(parse_resource_usage(log))
+    usage["warnings"] = log.lower().count("warning")
     return usage
 
 

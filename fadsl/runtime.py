@@ -1,153 +1,109 @@
-"""Build a compiled spec with torch.utils.cpp_extension and call it from PyTorch.
+"""A compiled spec as a PyTorch operator: NVRTC builds the kernel, the driver API launches it.
 
-Builds are cached on disk under ``$FADSL_CACHE_DIR`` (default ``~/.cache/fadsl``),
-one folder per (kernel, dtype) keyed by a hash of everything that changes the
-binary: the normalised spec, the rendered source, the nvcc version, the GPU
-architecture, and the fadsl and torch versions. A file lock makes concurrent
-builds of one entry safe; an entry that fails to import is rebuilt.
+``fadsl.load(spec)`` renders the kernel's CUDA (device code only) and returns a
+``FlashAttention``. Its first call for a dtype on a device finds the cubin in an
+ahead-of-time folder (``fadsl build``), else in the cache under ``$FADSL_CACHE_DIR``
+(default ``~/.cache/fadsl``), else builds it with NVRTC (about a second) and caches it; see
+fadsl/cache.py. Each kernel is also a ``torch.library.custom_op`` (fadsl/op.py), so
+``torch.compile(fullgraph=True)`` traces through it, and its backward says it is forward-only.
+
+Eager calls that need no autograd launch directly, without the dispatcher: the checks, the
+params struct (fadsl/params.py) and one ``cuLaunchKernel`` on the current stream.
 """
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
-import hashlib
-import importlib.util
+import functools
+import logging
 import math
 import numbers
 import os
-import shutil
-import subprocess
+import re
 import sys
-import time
 from dataclasses import replace
 from pathlib import Path
-from types import ModuleType
-from typing import Iterator
+from typing import Iterable
 
-from . import __version__
-from .codegen import Source, header_text, write_headers, render, spec_hash
+from . import cache
+from .codegen import Source, header_text, render, spec_hash
+from .compiler import compile_cubin
 from .ir import Dtype
+from .params import Args, launch_for
 from .pipeline import Compiled, compile_file, compile_source
 
 GRID_YZ_LIMIT = 65535
+# The kernels index rows with 32-bit ints and add two sequence lengths: both stay below 2^30.
+SEQLEN_LIMIT = 2**30
+
+log = logging.getLogger("fadsl")
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("FADSL_CACHE_DIR", Path.home() / ".cache" / "fadsl"))
-
-
-def _nvcc_version() -> str:
-    from torch.utils.cpp_extension import CUDA_HOME
-
-    nvcc = Path(CUDA_HOME or "/usr/local/cuda") / "bin" / "nvcc"
-    try:
-        out = subprocess.run([str(nvcc), "--version"], capture_output=True, text=True, check=True)
-    except (OSError, subprocess.CalledProcessError) as err:
-        raise RuntimeError(f"fadsl needs nvcc to build kernels; running {nvcc} failed: {err}")
-    return out.stdout.strip().splitlines()[-1]
+    return cache.cache_dir()
 
 
 def arch_of(device) -> str:
-    """The nvcc architecture for a device: sm_90a on Hopper (wgmma, setmaxnreg), else sm_XY."""
+    """The architecture to build for: sm_90a on Hopper (wgmma, setmaxnreg), else sm_XY."""
     import torch
 
     major, minor = torch.cuda.get_device_capability(device)
     return f"sm_{major}{minor}" + ("a" if (major, minor) == (9, 0) else "")
 
 
-@contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+# The GPUs each target's instructions run on: (lowest compute capability, that one only).
+TARGET_DEVICES = {"sm_80": ((8, 0), False), "sm_90a": ((9, 0), True)}
 
 
-def _import(name: str, so_path: Path) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(name, so_path)
-    if spec is None or spec.loader is None:
-        raise ImportError(f"cannot import {so_path}")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def build(source: Source, normalised: str, arch: str, verbose: bool = True) -> ModuleType:
-    """Build (or fetch from the cache) the extension for one rendered source."""
+def check_device(target: str, kernel_name: str, device) -> None:
+    """Refuse a GPU the spec's target cannot run on, before building anything."""
     import torch
-    from torch.utils import cpp_extension
 
-    key = hashlib.sha256(
-        "\0".join(
-            [
-                normalised,
-                source.text,
-                header_text(),
-                _nvcc_version(),
-                arch,
-                __version__,
-                torch.__version__,
-            ]
-        ).encode()
-    ).hexdigest()
-    name = f"fadsl_{source.kernel_name}_{key[:12]}"
-    entry = cache_dir() / name
-    so_path = entry / f"{name}.so"
-    done = entry / "BUILT"
-    with _locked(cache_dir() / f"{name}.lock"):
-        if done.exists() and so_path.exists():
-            try:
-                return _import(name, so_path)
-            except ImportError as err:
-                print(f"fadsl: cache entry {entry} is corrupt ({err}); rebuilding", file=sys.stderr)
-        shutil.rmtree(entry, ignore_errors=True)
-        entry.mkdir(parents=True)
-        write_headers(entry)
-        cu = entry / source.filename
-        cu.write_text(source.text)
-        if verbose:
-            print(
-                f"fadsl: compiling {source.kernel_name} for {arch} (not in the cache {cache_dir()}; "
-                "about a minute)",
-                file=sys.stderr,
-                flush=True,
-            )
-        start = time.monotonic()
-        gencode = f"-gencode=arch=compute_{arch[3:]},code={arch}"
-        module = cpp_extension.load(
-            name=name,
-            sources=[str(cu)],
-            extra_cflags=["-O3", "-DFADSL_WITH_TORCH"],
-            extra_cuda_cflags=["-O3", "-std=c++17", "-DFADSL_WITH_TORCH", gencode, "-lineinfo"],
-            build_directory=str(entry),
-            verbose=False,
+    capability = torch.cuda.get_device_capability(device)
+    lowest, only = TARGET_DEVICES[target]
+    ok = capability == lowest if only else capability >= lowest
+    if not ok:
+        needs = f"compute capability {lowest[0]}.{lowest[1]}" + ("" if only else " or newer")
+        name = torch.cuda.get_device_name(device)
+        raise RuntimeError(
+            f"kernel '{kernel_name}' targets {target}, which needs {needs}; "
+            f"{device} is {name} (compute capability {capability[0]}.{capability[1]})"
         )
-        done.write_text(f"{key}\n")
-        if verbose:
-            print(
-                f"fadsl: built {source.kernel_name} in {time.monotonic() - start:.1f} s",
-                file=sys.stderr,
-            )
-        return module
+
+
+def _ensure_log_handler() -> None:
+    """Show the one-line build messages by default, unless the program set up logging."""
+    if not log.handlers and not logging.getLogger().handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        log.addHandler(handler)
+        if log.level == logging.NOTSET:
+            log.setLevel(logging.INFO)
 
 
 class FlashAttention:
     """A compiled spec; call it on CUDA tensors shaped (batch, seqlen, heads, head_dim)."""
 
-    def __init__(self, compiled: Compiled, verbose: bool = True) -> None:
+    def __init__(
+        self, compiled: Compiled, verbose: bool = True, cubin_dirs: Iterable[os.PathLike] = ()
+    ) -> None:
         self.compiled = compiled
         self.config = compiled.kernel.config
         self.verbose = verbose
+        self.cubin_dirs = [Path(d) for d in cubin_dirs]
         # Rendered under the kernel's name rather than the path it was loaded by, so that the
         # cache key (which hashes the source) does not depend on how the spec was reached.
         canonical = replace(compiled, file=f"{self.config.name}.fa")
         sources = render(canonical.kernel, canonical.target, canonical.file)
         self._sources = {s.dtype: s for s in sources}
-        self._modules: dict[tuple[Dtype, str], ModuleType] = {}
+        self._launch = launch_for(self.config.target)
+        self._block = self._launch.block(compiled.kernel)
+        self._modules: dict[tuple[Dtype, int], object] = {}
+        self._entries: dict[tuple[Dtype, str], cache.Entry] = {}
+        self.op_name = f"{self.config.name}_{spec_hash(compiled.kernel)[:12]}"
+        from .op import ops_for
+
+        # Registered now, not on first use: torch.compile cannot trace a registration.
+        self._ops = ops_for(self)
 
     def __repr__(self) -> str:
         cfg = self.config
@@ -159,20 +115,82 @@ class FlashAttention:
     def source(self, dtype: str) -> str:
         return self._sources[Dtype(dtype)].text
 
-    def module(self, dtype: Dtype, device) -> ModuleType:
-        arch = arch_of(device)
-        if (dtype, arch) not in self._modules:
-            normalised = spec_hash(self.compiled.kernel)
-            self._modules[dtype, arch] = build(self._sources[dtype], normalised, arch, self.verbose)
-        return self._modules[dtype, arch]
+    # ------------------------------------------------------------------ building
+    def request(self, dtype: Dtype, arch: str) -> cache.Request:
+        source: Source = self._sources[dtype]
+        return cache.Request(
+            kernel=f"{source.kernel_name}_kernel",
+            filename=source.filename,
+            text=source.text,
+            headers=header_text(),
+            normalised=spec_hash(self.compiled.kernel),
+            arch=arch,
+        )
 
-    def resources(self, dtype: str, device=None) -> dict:
-        """Registers per thread, local (spill) bytes, SMEM per CTA and CTAs per SM, as built."""
+    def cubin(self, dtype: Dtype, arch: str, rebuild: bool = False) -> cache.Entry:
+        """The cubin for ``dtype`` on ``arch``: ahead-of-time folders first, then the cache
+        (built there if missing). Needs no GPU."""
+        if not rebuild and (dtype, arch) in self._entries:
+            return self._entries[dtype, arch]
+        request = self.request(dtype, arch)
+        entry = None if rebuild else cache.find_aot(request, self.cubin_dirs + cache.cubin_path())
+        if entry is None:
+            if self.verbose:
+                _ensure_log_handler()
+
+            def build():
+                return compile_cubin(
+                    request.text, request.filename, request.kernel, arch, cache.cache_dir()
+                )
+
+            entry = cache.get_or_build(request, build, announce=self.verbose, rebuild=rebuild)
+        self._entries[dtype, arch] = entry
+        return entry
+
+    def module(self, dtype: Dtype, device):
+        """The loaded kernel for ``dtype`` on ``device`` (a torch.device or index)."""
         import torch
 
-        device = device if device is not None else torch.device("cuda")
-        return dict(self.module(Dtype(dtype), device).attributes())
+        from .driver import DriverError, Module
 
+        device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        found = self._modules.get((dtype, index))
+        if found is not None:
+            return found
+        check_device(self.config.target, self.config.name, torch.device("cuda", index))
+        arch = arch_of(index)
+        name = self.request(dtype, arch).kernel
+        smem = self.compiled.kernel.smem_bytes
+        entry = self.cubin(dtype, arch)
+        with torch.cuda.device(index):
+            try:
+                module = Module(entry.cubin, name, smem, self._block[0])
+            except DriverError as err:
+                log.warning("fadsl: %s does not load (%s); building it again", entry.path, err)
+                entry = self.cubin(dtype, arch, rebuild=True)
+                module = Module(entry.cubin, name, smem, self._block[0])
+            module.prepare(index)
+        self._modules[dtype, index] = module
+        return module
+
+    def resources(self, dtype: str, device=None) -> dict:
+        """What the kernel uses on ``device`` (default: the current one): registers per
+        thread, local (spill) bytes, SMEM per CTA and CTAs per SM from the driver, and
+        ptxas's report (spill stores/loads, stack) from the build log."""
+        import torch
+
+        device = torch.device(device if device is not None else "cuda")
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        module = self.module(Dtype(dtype), index)
+        with torch.cuda.device(index):
+            found = module.attributes(index)
+        ptxas = self.cubin(Dtype(dtype), arch_of(index)).meta.get("ptxas", {})
+        for key in ("spill_store_bytes", "spill_load_bytes", "stack_bytes"):
+            found[key] = int(ptxas.get(key, 0))
+        return found
+
+    # ------------------------------------------------------------------ calling
     def __call__(
         self, q, k, v, softmax_scale: float | None = None, *, out=None, return_lse: bool = False
     ):
@@ -182,49 +200,147 @@ class FlashAttention:
         with heads_q a multiple of heads_kv (GQA/MQA): query head h reads KV head
         h // (heads_q // heads_kv). A causal spec aligns the diagonal to the bottom right
         (query i sees key j when j <= i + seqlen_k - seqlen_q), as FlashAttention does.
-        ``out``, if given, receives the result (q's shape, dtype and device). Returns the
-        output, or ``(output, lse)`` with ``return_lse=True``: the natural-log log-sum-exp
-        of each row's scaled scores, shape (batch, heads_q, seqlen_q), float32, -inf for
-        a row that sees no key.
+        ``out``, if given, receives the result (q's shape, dtype and device; memory of its
+        own). Returns the output, or ``(output, lse)`` with ``return_lse=True``: the
+        natural-log log-sum-exp of each row's scaled scores, shape (batch, heads_q,
+        seqlen_q), float32, -inf for a row that sees no key. Forward only: a backward
+        through it raises.
         """
         import torch
 
-        dtype = self._validate(q, k, v)
-        if softmax_scale is None:
-            softmax_scale = 1.0 / math.sqrt(self.config.head_dim)
-        elif isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
-            raise TypeError(
-                f"softmax_scale must be a real number, got {type(softmax_scale).__name__}"
-            )
-        elif not math.isfinite(softmax_scale) or softmax_scale <= 0:
-            raise ValueError(f"softmax_scale must be finite and positive, got {softmax_scale}")
+        scale = self._scale(softmax_scale)
         if not isinstance(return_lse, bool):
             raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+        if torch.compiler.is_compiling():
+            return self._call_op(q, k, v, scale, out, return_lse)
+        if torch.is_grad_enabled() and any(
+            isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v)
+        ):
+            if out is not None:
+                raise RuntimeError(
+                    f"fadsl kernel '{self.config.name}' is forward-only and out= does not "
+                    "support automatic differentiation; call it under torch.no_grad() or "
+                    "pass q, k and v detached"
+                )
+            return self._call_op(q, k, v, scale, None, return_lse)
+        return self.forward(q, k, v, scale, out, return_lse)
+
+    def _call_op(self, q, k, v, scale: float, out, return_lse: bool):
+        import torch
+
+        functional, with_out = self._ops
+        if out is None:
+            o, lse = functional(q, k, v, scale, return_lse)
+            return (o, lse) if return_lse else o
+        lse = None
+        if return_lse:
+            lse = torch.empty(lse_shape(q), device=q.device, dtype=torch.float32)
+        with_out(q, k, v, out, lse, scale)
+        return (out, lse) if return_lse else out
+
+    def forward(self, q, k, v, scale: float, out=None, return_lse: bool = False):
+        """Check the arguments, allocate what is missing and launch (no dispatcher)."""
+        import torch
+
+        dtype = self.check_inputs(q, k, v)
+        if (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16:
+            for name, t in (("q", q), ("k", k), ("v", v)):
+                _check_base(name, t)
         if out is None:
             out = torch.empty_like(q)
         else:
-            self._validate_out(out, q)
+            self._check_out(out, q, k, v)
         lse = None
         if return_lse:
-            batch, seqlen_q, heads_q, _ = q.shape
-            lse = torch.empty(batch, heads_q, seqlen_q, device=q.device, dtype=torch.float32)
-        self.module(dtype, q.device).forward(q, k, v, out, lse, float(softmax_scale))
+            lse = torch.empty(lse_shape(q), device=q.device, dtype=torch.float32)
+        self.launch(dtype, q, k, v, out, lse, scale)
         return (out, lse) if return_lse else out
 
-    @staticmethod
-    def _validate_out(out, q) -> None:
+    def forward_into(self, q, k, v, out, lse, scale: float) -> None:
+        """Check the arguments and launch, writing ``out`` and ``lse`` (if not None)."""
+        dtype = self.check_inputs(q, k, v)
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            _check_base(name, t)
+        self._check_out(out, q, k, v)
+        if lse is not None:
+            check_lse(lse, q)
+        self.launch(dtype, q, k, v, out, lse, scale)
+
+    def launch(self, dtype: Dtype, q, k, v, out, lse, scale: float) -> None:
+        """Launch on q's device and that device's current stream (arguments checked)."""
         import torch
 
-        if not isinstance(out, torch.Tensor):
-            raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
-        if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
-            raise ValueError(
-                f"out must match q: shape {tuple(q.shape)}, {q.dtype}, {q.device}; got shape "
-                f"{tuple(out.shape)}, {out.dtype}, {out.device}"
-            )
-        _check_layout("out", out)
+        index = q.device.index
+        args = Args(q, k, v, out, lse, scale)
+        kernel = self.compiled.kernel
+        params = self._launch.pack(kernel, args)
+        grid = self._launch.grid(kernel, args)
+        module = self._modules.get((dtype, index)) or self.module(dtype, index)
+        if index == torch.cuda.current_device():
+            module.launch(grid, self._block, params, _current_stream(index))
+        else:
+            with torch.cuda.device(index):
+                module.launch(grid, self._block, params, _current_stream(index))
 
-    def _validate(self, q, k, v) -> Dtype:
+    # ------------------------------------------------------------------ checks
+    def _scale(self, softmax_scale) -> float:
+        if softmax_scale is None:
+            return 1.0 / math.sqrt(self.config.head_dim)
+        if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
+            raise TypeError(
+                f"softmax_scale must be a real number, got {type(softmax_scale).__name__}"
+            )
+        if not math.isfinite(softmax_scale) or softmax_scale <= 0:
+            raise ValueError(f"softmax_scale must be finite and positive, got {softmax_scale}")
+        return float(softmax_scale)
+
+    def check_inputs(self, q, k, v) -> Dtype:
+        """Types, dtypes, shapes, strides and devices of q, k, v (no memory access: fake
+        tensors pass). One cheap test first; the checks that name what is wrong run only when
+        it fails (a call's host time is a few microseconds)."""
+        try:
+            dtype = self._accepts(q, k, v)
+        except Exception:  # anything unexpected (not tensors, symbolic sizes): the full checks
+            dtype = None
+        return dtype if dtype is not None else self._explain_inputs(q, k, v)
+
+    def _accepts(self, q, k, v) -> Dtype | None:
+        dtype = self._dtypes.get(q.dtype)
+        qs, ks, qst, kst, vst = q.shape, k.shape, q.stride(), k.stride(), v.stride()
+        d = self.config.head_dim
+        device = q.get_device()
+        ok = (
+            dtype is not None
+            and k.dtype == q.dtype
+            and v.dtype == q.dtype
+            and len(qs) == 4
+            and ks == v.shape
+            and len(ks) == 4
+            and qs[3] == d
+            and ks[3] == d
+            and ks[0] == qs[0]
+            and 0 < ks[2] <= qs[2] <= GRID_YZ_LIMIT
+            and qs[2] % ks[2] == 0
+            and 0 < qs[0] <= GRID_YZ_LIMIT
+            and 0 < qs[1] < SEQLEN_LIMIT
+            and 0 < ks[1] < SEQLEN_LIMIT
+            and qst[3] == kst[3] == vst[3] == 1
+            and not any(st % 8 for st in (*qst[:3], *kst[:3], *vst[:3]))
+            and device >= 0
+            and k.get_device() == device
+            and v.get_device() == device
+            and q.device.type == "cuda"
+        )
+        return dtype if ok else None
+
+    @functools.cached_property
+    def _dtypes(self) -> dict:
+        import torch
+
+        torch_dtypes = {torch.bfloat16: Dtype.BF16, torch.float16: Dtype.FP16}
+        return {t: d for t, d in torch_dtypes.items() if d in self.config.dtypes}
+
+    def _explain_inputs(self, q, k, v) -> Dtype:
         import torch
 
         cfg = self.config
@@ -252,7 +368,7 @@ class FlashAttention:
                     f"{name}.shape[3] is the head_dim, which the spec fixes at {cfg.head_dim}, "
                     f"got {t.shape[3]}"
                 )
-            _check_layout(name, t)
+            _check_strides(name, t)
         batch, seqlen_q, heads_q, _ = q.shape
         if k.shape != v.shape:
             raise ValueError(
@@ -268,9 +384,10 @@ class FlashAttention:
         for name, n in (("q", seqlen_q), ("k", seqlen_k)):
             if n == 0:
                 raise ValueError(f"{name}'s sequence length must be at least 1, got 0")
-            if n >= 2**31:
+            if n >= SEQLEN_LIMIT:
                 raise ValueError(
-                    f"{name}'s sequence length {n} does not fit the kernel's int32 indices"
+                    f"{name}'s sequence length {n} must be below 2^30 (the kernel's int32 "
+                    "index arithmetic)"
                 )
         if batch > GRID_YZ_LIMIT or heads_q > GRID_YZ_LIMIT or batch == 0:
             raise ValueError(
@@ -283,23 +400,160 @@ class FlashAttention:
                 raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
         return torch_dtypes[q.dtype]
 
+    @staticmethod
+    def check_out_meta(out, q) -> None:
+        import torch
 
-def _check_layout(name: str, t) -> None:
-    """The kernel moves 16-byte vectors: last dimension contiguous, base and strides aligned."""
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
+        if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
+            raise ValueError(
+                f"out must match q: shape {tuple(q.shape)}, {q.dtype}, {q.device}; got shape "
+                f"{tuple(out.shape)}, {out.dtype}, {out.device}"
+            )
+        _check_strides("out", out)
+
+    def _check_out(self, out, q, k, v) -> None:
+        self.check_out_meta(out, q)
+        _check_base("out", out)
+        # A contiguous out (the usual case) has no overlapping elements: skip the walk.
+        if not out.is_contiguous() and _overlaps_itself(out):
+            raise ValueError(
+                f"out's elements must not overlap (got strides {out.stride()} for shape "
+                f"{tuple(out.shape)}); pass a tensor such as torch.empty_like(q)"
+            )
+        out_first, out_end = _span(out)
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            first, end = _span(t)
+            if first < out_end and out_first < end:
+                raise ValueError(
+                    f"out shares memory with {name}; the kernel reads {name} while it writes "
+                    "out, so out must have memory of its own"
+                )
+
+
+def _current_stream(index: int) -> int:
+    """The handle of PyTorch's current stream on device ``index`` (a CUDA graph capture's
+    stream while capturing)."""
+    import torch
+
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # no Stream object: faster
+    return raw(index) if raw is not None else torch.cuda.current_stream(index).cuda_stream
+
+
+def _check_strides(name: str, t) -> None:
+    """The kernel moves 16-byte vectors: last dimension contiguous, strides aligned."""
     if t.stride(3) != 1:
         raise ValueError(
             f"{name} must be contiguous in its last dimension (stride 1), got strides "
             f"{t.stride()}; pass {name}.contiguous()"
         )
-    if t.data_ptr() % 16 or any(st % 8 for st, n in zip(t.stride()[:3], t.shape[:3]) if n > 1):
+    if any(st % 8 for st, n in zip(t.stride()[:3], t.shape[:3]) if n > 1):
         raise ValueError(
             f"{name} must be 16-byte aligned with strides that are multiples of 8 "
             f"elements (16-byte vector loads), got strides {t.stride()}"
         )
 
 
-def load(spec: str | os.PathLike, verbose: bool = True) -> FlashAttention:
-    """Compile a spec (a path to a .fa file, or the spec text itself) into a callable kernel."""
+def _check_base(name: str, t) -> None:
+    if t.data_ptr() % 16:
+        raise ValueError(
+            f"{name} must be 16-byte aligned with strides that are multiples of 8 "
+            f"elements (16-byte vector loads), got an address {t.data_ptr() % 16} bytes past "
+            "a 16-byte boundary"
+        )
+
+
+def lse_shape(q) -> tuple[int, int, int]:
+    batch, seqlen_q, heads_q, _ = q.shape
+    return (batch, heads_q, seqlen_q)
+
+
+def check_lse(lse, q) -> None:
+    import torch
+
+    expected = lse_shape(q)
+    if not isinstance(lse, torch.Tensor):
+        raise TypeError(f"lse must be a torch.Tensor, got {type(lse).__name__}")
+    if (
+        tuple(lse.shape) != expected
+        or lse.dtype != torch.float32
+        or lse.device != q.device
+        or (expected[2] > 1 and lse.stride(2) != 1)
+    ):
+        raise ValueError(
+            f"lse must be float32 of shape {expected} on {q.device} with its last dimension "
+            f"contiguous; got {tuple(lse.shape)}, {lse.dtype}, {lse.device}"
+        )
+
+
+def _span(t) -> tuple[int, int]:
+    """The byte range [first, last + 1) that a tensor's elements lie in."""
+    last = sum((n - 1) * st for n, st in zip(t.shape, t.stride()) if n > 0)
+    return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+
+
+def _overlaps_itself(t) -> bool:
+    """Whether two elements of ``t`` may share memory: the dims sorted by stride must each
+    step past everything the smaller ones span (sufficient for no overlap)."""
+    reach = 1  # elements spanned by the dims seen so far, plus one
+    for stride, n in sorted(
+        (st, n) for st, n in zip(t.stride(), t.shape) if n > 1
+    ):  # (a stride 0 fails at once)
+        if stride < reach:
+            return True
+        reach += (n - 1) * stride
+    return False
+
+
+ARCH_PATTERN = re.compile(r"sm_(\d)(\d+)(a?)")
+
+
+def check_arch(target: str, arch: str) -> None:
+    """Refuse an architecture name that is malformed or that the target cannot run on."""
+    match = ARCH_PATTERN.fullmatch(arch)
+    if match is None:
+        raise ValueError(f"bad architecture '{arch}': expected a name such as sm_80 or sm_90a")
+    capability = (int(match.group(1)), int(match.group(2)))
+    lowest, only = TARGET_DEVICES[target]
+    if only and arch != target:
+        raise ValueError(f"target {target} runs only on {target}, not {arch}")
+    if capability < lowest:
+        raise ValueError(f"target {target} needs {target} or newer, not {arch}")
+
+
+def build_ahead(compiled: Compiled, archs: Iterable[str], out_dir: Path) -> list[Path]:
+    """Compile every dtype of a spec for each architecture into ``out_dir`` (no GPU needed);
+    ``fadsl.load(..., cubin_dirs=[out_dir])`` or ``$FADSL_CUBIN_PATH`` finds them."""
+    import time
+
+    kern = FlashAttention(compiled, verbose=False)
+    archs = list(archs)
+    for arch in archs:
+        check_arch(kern.config.target, arch)
+    written = []
+    for dtype in kern.config.dtypes:
+        for arch in archs:
+            request = kern.request(dtype, arch)
+            start = time.monotonic()
+            built = compile_cubin(request.text, request.filename, request.kernel, arch, out_dir)
+            seconds = time.monotonic() - start
+            entry = cache.write(out_dir, request.stem(with_compiler=False), request, built, seconds)
+            log.info("fadsl: built %s for %s in %.1f s", request.kernel, arch, seconds)
+            written.append(entry.path)
+    return written
+
+
+def load(
+    spec: str | os.PathLike, verbose: bool = True, cubin_dirs: Iterable[os.PathLike] = ()
+) -> FlashAttention:
+    """Compile a spec (a path to a .fa file, or the spec text itself) into a callable kernel.
+
+    ``cubin_dirs``: folders of ahead-of-time cubins (``fadsl build``), searched before
+    ``$FADSL_CUBIN_PATH`` and the cache. ``verbose=False`` keeps builds quiet.
+    """
     if isinstance(spec, os.PathLike) or ("\n" not in spec and "{" not in spec):
-        return FlashAttention(compile_file(Path(spec)), verbose)
-    return FlashAttention(compile_source(spec, "<spec>"), verbose)
+        compiled = compile_file(Path(spec))
+    else:
+        compiled = compile_source(spec, "<spec>")
+    return FlashAttention(compiled, verbose, cubin_dirs)

@@ -141,7 +141,11 @@ _TOKEN_NAMES = {
 @functools.cache
 def _parser() -> Lark:
     grammar = resources.files("fadsl.grammar").joinpath("fadsl.lark").read_text()
-    return Lark(grammar, parser="lalr", propagate_positions=True, maybe_placeholders=False)
+    # cache=True: Lark keeps the analysed grammar in the temp folder, keyed by its hash (a
+    # warm start then skips building the parse table).
+    return Lark(
+        grammar, parser="lalr", propagate_positions=True, maybe_placeholders=False, cache=True
+    )
 
 
 def _token_name(name: str) -> str:

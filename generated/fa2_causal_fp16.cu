@@ -11,11 +11,9 @@
 //     V: 16384, 64 x 128, Swizzle<3,3,4>
 //     O: 0, 64 x 128, Swizzle<3,3,4>
 //
-// Build: nvcc -std=c++17 -arch=sm_80 -I <fadsl>/emit/include (runs on sm_80..sm_90);
-// add -DFADSL_WITH_TORCH (torch.utils.cpp_extension) for the Python binding.
-#include <cstdint>
-
-#include <cuda_runtime.h>
+// Device code only (no host headers): NVRTC builds it, or
+// nvcc -std=c++17 -cubin -arch=sm_80 -I <folder of fadsl/> (runs on sm_80..sm_90).
+#include <cuda/std/cstdint>
 
 #include "fadsl/sm80.cuh"
 
@@ -93,7 +91,8 @@ using fa2_causal_fp16_params = fadsl::FwdParams;
 // and seqlen_k >= 0 (both < 2^30): rows past either end are zero-filled in SMEM,
 // their scores masked and their output not stored. Causal: K/V blocks wholly above
 // the diagonal are neither loaded nor computed.
-__global__ void __launch_bounds__(fa2_causal_fp16_config::kThreads)
+// extern "C": the runtime looks the kernel up by this unmangled name.
+extern "C" __global__ void __launch_bounds__(fa2_causal_fp16_config::kThreads)
 fa2_causal_fp16_kernel(const __grid_constant__ fa2_causal_fp16_params params) {
   using Cfg = fa2_causal_fp16_config;
   using T = Cfg::Element;
@@ -379,149 +378,3 @@ fa2_causal_fp16_kernel(const __grid_constant__ fa2_causal_fp16_params params) {
     fadsl::copy_tile_s2g<Cfg::SmemO, kQRows, Cfg::kHeadDim>(smem_o, warp * kQRows, o_warp, params.o_seq_stride, lane, q_rows_valid);
   }
 }
-
-// Launches fa2_causal_fp16_kernel on `stream`; returns the launch error (if any).
-cudaError_t fa2_causal_fp16_launch(const fa2_causal_fp16_params& params, cudaStream_t stream) {
-  using Cfg = fa2_causal_fp16_config;
-  // Last guard only: the fadsl front end validates shapes before calling.
-  // seqlen_k >= 1: the schedule's syncs assume a non-empty mainloop unless the spec is causal
-  // (then an empty one is ordered too), and the only syncs in the kernel are the schedule's.
-  if (params.batch < 0 || params.seqlen_q < 0 || params.seqlen_k < 1 || params.heads_q < 0 ||
-      params.heads_kv < 0 || params.batch > 65535 || params.heads_q > 65535) {
-    return cudaErrorInvalidValue;
-  }
-  if (params.batch == 0 || params.seqlen_q == 0 || params.heads_q == 0) {
-    return cudaSuccess;  // empty output, and an empty grid is a launch error
-  }
-  if (params.heads_kv == 0 || params.heads_q % params.heads_kv != 0) {
-    return cudaErrorInvalidValue;
-  }
-  if constexpr (Cfg::kSmemBytes > 48 * 1024) {
-    // Above 48 KiB, dynamic shared memory has to be opted into per kernel.
-    const cudaError_t err = cudaFuncSetAttribute(fa2_causal_fp16_kernel,
-                                                 cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
-    if (err != cudaSuccess) {
-      return err;
-    }
-  }
-  const dim3 grid((params.seqlen_q - 1) / Cfg::kBlockR + 1, params.heads_q, params.batch);
-  fa2_causal_fp16_kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(params);
-  return cudaGetLastError();
-}
-
-#ifdef FADSL_WITH_TORCH
-// ---------------------------------------------------------------------------
-// torch binding (built by torch.utils.cpp_extension with -DFADSL_WITH_TORCH).
-// The Python side validates inputs; these checks are a last guard.
-// ---------------------------------------------------------------------------
-#include <torch/extension.h>
-// c10 headers only (at::cuda aliases c10::cuda): ATen/cuda/CUDAContext.h would
-// also pull in the cuBLAS/cuSPARSE/cuSOLVER headers, which a minimal toolkit lacks.
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
-
-namespace {
-
-void fa2_causal_fp16_check_input(const torch::Tensor& t, const char* name) {
-  using Cfg = fa2_causal_fp16_config;
-  TORCH_CHECK(t.is_cuda(), name, " must be a CUDA tensor");
-  TORCH_CHECK(t.scalar_type() == at::kHalf, name, " must be fp16, got ", t.scalar_type());
-  TORCH_CHECK(t.dim() == 4, name, " must be (batch, seqlen, heads, head_dim), got ", t.dim(), " dims");
-  TORCH_CHECK(t.size(3) == Cfg::kHeadDim, name, ": head_dim must be ", Cfg::kHeadDim, ", got ", t.size(3));
-  TORCH_CHECK(t.stride(3) == 1, name, ": the last dim must be contiguous");
-  // 16-byte vector accesses: aligned base and strides that are multiples of 8 elements.
-  TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, name, " must be 16-byte aligned");
-  for (int d = 0; d < 3; ++d) {
-    TORCH_CHECK(t.size(d) <= 1 || t.stride(d) % fadsl::kChunkElems == 0, name, ": stride(", d,
-                ") must be a multiple of ", fadsl::kChunkElems);
-  }
-}
-
-}  // namespace
-
-// o = softmax(q k^T * softmax_scale + causal mask) v, written into `o` (shaped like q); if `lse` is
-// given (fp32, (batch, heads_q, seqlen_q), last dim contiguous), also the natural-log
-// log-sum-exp of each row's scaled scores (-inf for a row that sees no key).
-void forward(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor o, c10::optional<torch::Tensor> lse,
-             double softmax_scale) {
-  fa2_causal_fp16_check_input(q, "q");
-  fa2_causal_fp16_check_input(k, "k");
-  fa2_causal_fp16_check_input(v, "v");
-  TORCH_CHECK(k.device() == q.device() && v.device() == q.device(), "q, k, v must be on the same device");
-  TORCH_CHECK(k.sizes() == v.sizes(), "k and v must have the same shape");
-  TORCH_CHECK(k.size(0) == q.size(0), "q and k must have the same batch size");
-  TORCH_CHECK(q.size(2) == 0 || (k.size(2) > 0 && q.size(2) % k.size(2) == 0), "heads_q must be a multiple of heads_kv");
-  TORCH_CHECK(q.size(1) <= INT32_MAX / 2 && k.size(1) <= INT32_MAX / 2, "seqlen_q and seqlen_k must be < 2^30");
-
-  fa2_causal_fp16_check_input(o, "o");
-  TORCH_CHECK(o.sizes() == q.sizes() && o.device() == q.device(), "o must have q's shape and device");
-  const bool with_lse = lse.has_value() && lse->defined();
-  if (with_lse) {
-    TORCH_CHECK(lse->is_cuda() && lse->device() == q.device(), "lse must be on q's device");
-    TORCH_CHECK(lse->scalar_type() == at::kFloat, "lse must be float32, got ", lse->scalar_type());
-    TORCH_CHECK(lse->dim() == 3 && lse->size(0) == q.size(0) && lse->size(1) == q.size(2) && lse->size(2) == q.size(1),
-                "lse must be (batch, heads_q, seqlen_q) = (", q.size(0), ", ", q.size(2), ", ", q.size(1), "), got ",
-                lse->sizes());
-    TORCH_CHECK(lse->size(2) <= 1 || lse->stride(2) == 1, "lse: the last dim must be contiguous");
-  }
-  const c10::cuda::CUDAGuard device_guard(q.device());
-
-  fa2_causal_fp16_params params{};
-  params.q = q.data_ptr();
-  params.k = k.data_ptr();
-  params.v = v.data_ptr();
-  params.o = o.data_ptr();
-  params.lse = with_lse ? lse->data_ptr<float>() : nullptr;
-  params.q_batch_stride = q.stride(0);
-  params.q_seq_stride = q.stride(1);
-  params.q_head_stride = q.stride(2);
-  params.k_batch_stride = k.stride(0);
-  params.k_seq_stride = k.stride(1);
-  params.k_head_stride = k.stride(2);
-  params.v_batch_stride = v.stride(0);
-  params.v_seq_stride = v.stride(1);
-  params.v_head_stride = v.stride(2);
-  params.o_batch_stride = o.stride(0);
-  params.o_seq_stride = o.stride(1);
-  params.o_head_stride = o.stride(2);
-  params.lse_batch_stride = with_lse ? lse->stride(0) : 0;
-  params.lse_head_stride = with_lse ? lse->stride(1) : 0;
-  params.batch = static_cast<int>(q.size(0));
-  params.seqlen_q = static_cast<int>(q.size(1));
-  params.heads_q = static_cast<int>(q.size(2));
-  params.seqlen_k = static_cast<int>(k.size(1));
-  params.heads_kv = static_cast<int>(k.size(2));
-  params.softmax_scale = static_cast<float>(softmax_scale);
-
-  const cudaError_t err = fa2_causal_fp16_launch(params, at::cuda::getCurrentCUDAStream());
-  TORCH_CHECK(err == cudaSuccess, "fa2_causal_fp16 launch failed: ", cudaGetErrorString(err));
-}
-
-// What the compiled kernel uses on this device: registers, local memory (spills), SMEM, occupancy.
-pybind11::dict attributes() {
-  using Cfg = fa2_causal_fp16_config;
-  cudaFuncAttributes attr{};
-  TORCH_CHECK(cudaFuncGetAttributes(&attr, fa2_causal_fp16_kernel) == cudaSuccess, "cudaFuncGetAttributes failed");
-  if constexpr (Cfg::kSmemBytes > 48 * 1024) {
-    cudaFuncSetAttribute(fa2_causal_fp16_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
-  }
-  int ctas = 0;
-  TORCH_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas, fa2_causal_fp16_kernel, Cfg::kThreads,
-                                                            Cfg::kSmemBytes) == cudaSuccess,
-              "cudaOccupancyMaxActiveBlocksPerMultiprocessor failed");
-  pybind11::dict d;
-  d["registers"] = attr.numRegs;
-  d["local_bytes"] = static_cast<int64_t>(attr.localSizeBytes);
-  d["smem_bytes"] = Cfg::kSmemBytes + static_cast<int64_t>(attr.sharedSizeBytes);
-  d["threads"] = Cfg::kThreads;
-  d["ctas_per_sm"] = ctas;
-  return d;
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("forward", &forward, "fa2_causal_fp16: FlashAttention-2 forward (q, k, v, o, lse or None, softmax_scale)",
-        pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("o"), pybind11::arg("lse"),
-        pybind11::arg("softmax_scale"));
-  m.def("attributes", &attributes, "registers, local bytes, SMEM and CTAs per SM of fa2_causal_fp16_kernel");
-}
-#endif  // FADSL_WITH_TORCH

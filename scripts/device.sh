@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Everything the GPU machine checks, in one call (device time is scarce):
-#   build all example kernels in parallel, run the GPU tests, compute-sanitizer
-#   (racecheck, synccheck, memcheck) at a small shape, then the benchmarks if asked.
+#   build all example cubins in parallel with NVRTC, run the GPU tests (runtime ones
+#   included: torch.compile, CUDA graphs, streams, cold/warm start), the host-overhead
+#   comparison with SDPA FLASH, compute-sanitizer (racecheck, synccheck, memcheck) at a small
+#   shape, then the benchmarks if asked.
 # Usage (repo root, on the device): bash scripts/device.sh [tests] [sanitize] [bench ARGS...]
 set -uo pipefail
 export PYTHONUNBUFFERED=1 FADSL_CACHE_DIR=$PWD/build/fadsl-cache  # build/ survives between calls on a warm machine
@@ -13,6 +15,9 @@ python3 -m pip install -q --upgrade --no-index --no-deps --no-build-isolation --
 export PYTHONPATH=/tmp/site
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
+python3 -c "
+from fadsl.compiler import compiler_id, cuda_include_dirs
+import cuda.bindings; print('cuda-bindings', cuda.bindings.__version__, '|', compiler_id(), '| headers', cuda_include_dirs())"
 
 start=$SECONDS
 python3 scripts/prebuild.py 2>&1 | tee "$OUT/prebuild.log" | tail -20
@@ -21,27 +26,34 @@ echo "prebuild: $((SECONDS - start)) s"
 steps=" $* "
 status=0
 if [[ $steps == *" tests "* || $# -eq 0 ]]; then
-  # -P: import the installed fadsl, not the source folder (whose grammar/ and emit/ are not subpackages)
-  python3 -P -m pytest -q -m gpu tests/test_gpu.py tests/test_gpu_general.py -p no:cacheprovider --durations=8 --timeout=120 2>&1 | tee "$OUT/pytest_gpu.log" | tail -25
+  # -P: import the installed fadsl (the one pip built), not the source folder
+  python3 -P -m pytest -q -m gpu tests/test_gpu_runtime.py tests/test_gpu.py tests/test_gpu_general.py -p no:cacheprovider --durations=8 --timeout=120 -rs 2>&1 | tee "$OUT/pytest_gpu.log" | tail -25
+  status=$((status | ${PIPESTATUS[0]}))
+  python3 -P scripts/runtime_bench.py 2>&1 | tee "$OUT/runtime_bench.log" | tail -3
   status=$((status | ${PIPESTATUS[0]}))
 fi
 if [[ $steps == *" sanitize "* || $# -eq 0 ]]; then
   for tool in racecheck synccheck memcheck; do
     echo "== compute-sanitizer --tool $tool"
-    compute-sanitizer --tool $tool --error-exitcode 9 python3 scripts/sanitize.py 2>&1 \
+    # --report-api-errors no: cuda-bindings probes the driver for every entry point it knows
+    # (cuGetProcAddress answers "invalid value" for those newer than the driver); fadsl raises
+    # on any failed driver call itself, so only the kernels' own errors are wanted here.
+    compute-sanitizer --tool $tool --report-api-errors no --error-exitcode 9 python3 scripts/sanitize.py 2>&1 \
       | tee "$OUT/sanitize_$tool.log" | grep -E "ERROR SUMMARY|RACECHECK SUMMARY|Error|error" | tail -5
     status=$((status | ${PIPESTATUS[0]}))
   done
 fi
 if [[ $steps == *" bench "* ]]; then
   shift $(( $(printf '%s\n' "$@" | grep -n '^bench$' | cut -d: -f1) ))
-  # Build the specs' bf16 kernels in parallel first (bench builds one at a time).
+  # Build the specs' bf16 cubins in parallel first (bench builds one at a time).
   python3 -P -c "
 import sys, torch, fadsl
 from fadsl.ir import Dtype
+from fadsl.runtime import arch_of
 from concurrent.futures import ProcessPoolExecutor
+ARCH = arch_of(0)
 def build(s):
-    fadsl.load(s, verbose=False).module(Dtype.BF16, torch.device('cuda')); return s
+    fadsl.load(s, verbose=False).cubin(Dtype.BF16, ARCH); return s
 with ProcessPoolExecutor(16) as pool:
     list(pool.map(build, sys.argv[1:]))
 " "$@" 2>&1 | tail -3

@@ -1,7 +1,9 @@
-"""Build every kernel the GPU tests need for the local GPU, in parallel (one process each):
-the examples and the general-attention matrix of tests/gpu_specs.py."""
+"""Build every cubin the GPU tests need, in parallel (one process each; NVRTC needs no GPU):
+the examples and the general-attention matrix of tests/gpu_specs.py, for the local GPU's
+architecture (or the one given: python3 scripts/prebuild.py sm_90a)."""
 
 import sys
+import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
@@ -9,27 +11,35 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
 
-def build(job: tuple[str, str]) -> str:
-    import torch
-
+def build(job: tuple[str, str, str]) -> str:
     import fadsl
     from fadsl.ir import Dtype
 
-    spec, dtype = job
+    spec, dtype, arch = job
     kern = fadsl.load(spec, verbose=False)
-    kern.module(Dtype(dtype), torch.device("cuda"))
-    return f"built {kern.config.name} {dtype}"
+    start = time.monotonic()
+    kern.cubin(Dtype(dtype), arch)
+    return f"{kern.config.name} {dtype} {arch}: {time.monotonic() - start:.1f} s"
 
 
 if __name__ == "__main__":
     import fadsl
+
+    if len(sys.argv) > 1:
+        arch = sys.argv[1]
+    else:
+        import torch
+
+        from fadsl.runtime import arch_of
+
+        arch = arch_of(torch.cuda.current_device())
     from gpu_specs import general_specs
 
-    # Relative paths, as the tests load them: the spec's name is in the generated source,
-    # and so in the cache key.
+    # Relative paths, as the tests load them (the runtime renders every spec under its
+    # kernel's name, so the path does not change the cache key).
     specs = [str(s.relative_to(ROOT)) for s in sorted((ROOT / "examples").glob("*.fa"))]
     specs += list(general_specs().values())
-    jobs = [(s, d.value) for s in specs for d in fadsl.load(s, verbose=False).config.dtypes]
+    jobs = [(s, d.value, arch) for s in specs for d in fadsl.load(s, verbose=False).config.dtypes]
     with ProcessPoolExecutor(max_workers=min(len(jobs), 16)) as pool:
         for line in pool.map(build, jobs):
             print(line, flush=True)

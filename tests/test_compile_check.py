@@ -131,11 +131,11 @@ def test_without_a_compiler_check_and_explain_say_so(monkeypatch, capsys):
     monkeypatch.setattr(compile_check, "nvcc_compiler", lambda: None)
     monkeypatch.chdir(ROOT)
     assert main(["check", "examples/fa2_pipelined.fa"]) == 0
-    assert "registers not checked (no CUDA compiler: nvcc is not on the PATH)" in (
+    assert "registers not checked (no CUDA compiler: neither NVRTC (cuda-bindings) nor nvcc)" in (
         capsys.readouterr().out
     )
     assert main(["explain", "examples/fa2_pipelined.fa"]) == 0
-    assert "Resources: not checked (no CUDA compiler: nvcc is not on the PATH)" in (
+    assert "Resources: not checked (no CUDA compiler: neither NVRTC (cuda-bindings) nor nvcc)" in (
         capsys.readouterr().out
     )
     assert main(["explain", "examples/fa2_pipelined.fa", "--json"]) == 0

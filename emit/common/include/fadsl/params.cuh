@@ -1,8 +1,8 @@
 // fadsl/params.cuh -- what every target's kernel takes at run time: FwdParams.
-// Target-neutral: no PTX, no target header; the host side (launcher, runtime) fills it.
+// Target-neutral: no PTX, no target header; the host side (fadsl/params.py) packs the same bytes.
 #pragma once
 
-#include <cstdint>
+#include <cuda/std/cstdint>  // (device code only: NVRTC needs no host headers)
 
 namespace fadsl {
 

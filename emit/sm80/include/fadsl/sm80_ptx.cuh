@@ -1,5 +1,5 @@
 // fadsl/sm80_ptx.cuh -- the lowest layer of the fadsl sm_80 code path (mma.sync /
-// ldmatrix / cp.async; also runs on sm_86..sm_90): what the kernel, its launcher and
+// ldmatrix / cp.async; also runs on sm_86..sm_90): what the kernel and
 // the tile operations of fadsl/sm80.cuh build on.
 //
 // Contents (the runtime parameters, FwdParams, are every target's: fadsl/params.cuh):
@@ -8,11 +8,12 @@
 //
 #pragma once
 
-#include <cmath>
-#include <cstdint>
-#include <type_traits>
+// Device code only, so that NVRTC builds it with no host toolkit: libcu++'s <cuda/std/...>
+// forms of the standard headers, and no <cuda_runtime.h>.
+#include <cuda/std/cmath>
+#include <cuda/std/cstdint>
+#include <cuda/std/type_traits>
 
-#include <cuda_runtime.h>
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 
@@ -188,8 +189,8 @@ template <typename T>
 __device__ __forceinline__ void mma_m16n8k16_f32(float& d0, float& d1, float& d2, float& d3,
                                                  uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
                                                  uint32_t b0, uint32_t b1) {
-  static_assert(std::is_same_v<T, __nv_bfloat16> || std::is_same_v<T, half>, "bf16 or fp16 only");
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+  static_assert(cuda::std::is_same_v<T, __nv_bfloat16> || cuda::std::is_same_v<T, half>, "bf16 or fp16 only");
+  if constexpr (cuda::std::is_same_v<T, __nv_bfloat16>) {
     asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
         "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
         : "+f"(d0), "+f"(d1), "+f"(d2), "+f"(d3)
@@ -207,9 +208,9 @@ __device__ __forceinline__ void mma_m16n8k16_f32(float& d0, float& d1, float& d2
 // Note the PTX operand order: cvt.rn.{bf16x2,f16x2}.f32 d, hi, lo.
 template <typename T>
 __device__ __forceinline__ uint32_t pack_f32x2(float lo, float hi) {
-  static_assert(std::is_same_v<T, __nv_bfloat16> || std::is_same_v<T, half>, "bf16 or fp16 only");
+  static_assert(cuda::std::is_same_v<T, __nv_bfloat16> || cuda::std::is_same_v<T, half>, "bf16 or fp16 only");
   uint32_t packed;
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+  if constexpr (cuda::std::is_same_v<T, __nv_bfloat16>) {
     asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(packed) : "f"(hi), "f"(lo));
   } else {
     asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(packed) : "f"(hi), "f"(lo));

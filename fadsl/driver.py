@@ -1,0 +1,135 @@
+"""Load cubins and launch kernels through the CUDA driver API (cuda.bindings), on the
+tensors' device and PyTorch's current stream.
+
+A cubin is loaded once as a context-independent library (``cuLibraryLoadData``); its kernel
+is prepared once per device (the dynamic SMEM opt-in above 48 KiB) and launched in the
+device's primary context, which PyTorch makes current.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import threading
+
+
+class DriverError(RuntimeError):
+    """A CUDA driver call failed."""
+
+
+@functools.cache
+def _driver():
+    from cuda.bindings import driver
+
+    _check(driver, driver.cuInit(0), "cuInit")
+    return driver
+
+
+def _check(driver, result, what: str):
+    err = result[0]
+    if err != driver.CUresult.CUDA_SUCCESS:
+        _, name = driver.cuGetErrorName(err)
+        _, text = driver.cuGetErrorString(err)
+        name = name.decode() if isinstance(name, bytes) else name
+        text = text.decode() if isinstance(text, bytes) else text
+        raise DriverError(f"{what} failed: {name}: {text}")
+    return result[1] if len(result) == 2 else result[1:]
+
+
+class Module:
+    """One loaded cubin and its kernel ``name``."""
+
+    def __init__(self, cubin: bytes, name: str, smem_bytes: int, threads: int) -> None:
+        driver = _driver()
+        self._driver = driver
+        self.name = name
+        self.smem_bytes = smem_bytes
+        self.threads = threads
+        self._library = _check(
+            driver,
+            driver.cuLibraryLoadData(cubin, None, None, 0, None, None, 0),
+            f"loading the cubin of {name} (cuLibraryLoadData)",
+        )
+        kernel = _check(
+            driver, driver.cuLibraryGetKernel(self._library, name.encode()), "cuLibraryGetKernel"
+        )
+        self._kernel = kernel
+        self._function = driver.CUfunction(int(kernel))  # a CUkernel launches as a CUfunction
+        self._ready: set[int] = set()
+        self._lock = threading.Lock()
+
+    def prepare(self, device_index: int) -> None:
+        """Opt into the dynamic SMEM the kernel needs on this device (once per device)."""
+        if device_index in self._ready:
+            return
+        driver = self._driver
+        with self._lock:
+            device = _check(driver, driver.cuDeviceGet(device_index), "cuDeviceGet")
+            if self.smem_bytes > 48 * 1024:
+                attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+                _check(
+                    driver,
+                    driver.cuKernelSetAttribute(attr, self.smem_bytes, self._kernel, device),
+                    f"raising {self.name}'s dynamic SMEM limit to {self.smem_bytes} bytes",
+                )
+            self._ready.add(device_index)
+
+    def launch(
+        self,
+        grid: tuple[int, int, int],
+        block: tuple[int, int, int],
+        params: bytes,
+        stream: int,
+    ) -> None:
+        """Launch with one by-value argument, the params struct ``params``, on ``stream``."""
+        driver = self._driver
+        buffer = ctypes.create_string_buffer(params, len(params))
+        pointers = (ctypes.c_void_p * 1)(ctypes.addressof(buffer))
+        err = driver.cuLaunchKernel(
+            self._function,
+            grid[0],
+            grid[1],
+            grid[2],
+            block[0],
+            block[1],
+            block[2],
+            self.smem_bytes,
+            driver.CUstream(stream),
+            ctypes.addressof(pointers),
+            0,
+        )[0]
+        if err != driver.CUresult.CUDA_SUCCESS:
+            _check(driver, (err,), f"launching {self.name} (grid {grid}, block {block})")
+
+    def attributes(self, device_index: int) -> dict[str, int]:
+        """Registers, local memory, SMEM and CTAs per SM of the kernel on this device (whose
+        context must be current)."""
+        driver = self._driver
+        self.prepare(device_index)
+        device = _check(driver, driver.cuDeviceGet(device_index), "cuDeviceGet")
+        attr = driver.CUfunction_attribute
+
+        def get(which) -> int:
+            return int(
+                _check(
+                    driver,
+                    driver.cuKernelGetAttribute(which, self._kernel, device),
+                    "cuKernelGetAttribute",
+                )
+            )
+
+        function = _check(driver, driver.cuKernelGetFunction(self._kernel), "cuKernelGetFunction")
+        ctas = _check(
+            driver,
+            driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(
+                function, self.threads, self.smem_bytes
+            ),
+            "cuOccupancyMaxActiveBlocksPerMultiprocessor",
+        )
+        return {
+            "registers": get(attr.CU_FUNC_ATTRIBUTE_NUM_REGS),
+            "local_bytes": get(attr.CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES),
+            "smem_bytes": self.smem_bytes + get(attr.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES),
+            "threads": self.threads,
+            "ctas_per_sm": int(ctas),
+        }
