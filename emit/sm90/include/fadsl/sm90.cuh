@@ -25,6 +25,14 @@
 
 namespace fadsl::sm90 {
 
+// Tags for a loop body instantiated with and without masking (no <type_traits> needed).
+struct true_type {
+  static constexpr bool value = true;
+};
+struct false_type {
+  static constexpr bool value = false;
+};
+
 __host__ __device__ __forceinline__ constexpr int imin(int a, int b) { return a < b ? a : b; }
 __host__ __device__ __forceinline__ constexpr int imax(int a, int b) { return a > b ? a : b; }
 
