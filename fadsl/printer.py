@@ -5,7 +5,7 @@ test can start from IR written by hand."""
 
 from __future__ import annotations
 
-from .ir import Kernel, Step, Threads
+from .ir import Kernel, Mask, Step, Threads
 
 
 def format_kernel(kernel: Kernel) -> str:
@@ -53,4 +53,6 @@ def format_kernel(kernel: Kernel) -> str:
                 out.extend(f"    serves {h.describe()}" for h in item.serves)
                 if item.note:
                     out.append(f"    note: {item.note}")
+    if kernel.loop_may_be_empty != (cfg.mask is Mask.CAUSAL):  # irread's default otherwise
+        out.append(f"loop_may_be_empty {str(kernel.loop_may_be_empty).lower()}")
     return "\n".join(out) + "\n"

@@ -30,7 +30,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 SOURCE = ROOT / "emit" / "sm90" / "prototype" / "fa3_fwd.cu"
-INCLUDES = [ROOT / "emit" / "common" / "include", ROOT / "emit" / "sm90" / "include"]
+# The sm90 headers include params.cuh as a neighbour (as `fadsl compile` writes them).
+INCLUDES = [
+    ROOT / "emit" / "common" / "include",
+    ROOT / "emit" / "common" / "include" / "fadsl",
+    ROOT / "emit" / "sm90" / "include",
+]
 BUILD = ROOT / "build" / "sm90"
 
 

@@ -20,8 +20,8 @@
 #include <cmath>
 #include <cstdint>
 
-#include "fadsl/params.cuh"  // FwdParams (every target's)
-#include "fadsl/sm90_ptx.cuh"
+#include "params.cuh"  // FwdParams (every target's; next to this file)
+#include "sm90_ptx.cuh"  // (next to this file)
 
 namespace fadsl::sm90 {
 
