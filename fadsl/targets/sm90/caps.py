@@ -17,6 +17,7 @@ CAPABILITIES = Capabilities(
     smem_per_cta=227 * 1024,
     smem_per_sm=228 * 1024,
     registers_per_thread=255,
+    registers_per_sm=65536,
     hop_instrs={
         (Level.GMEM, Level.SMEM): (Instr.TMA,),
         (Level.SMEM, Level.RF): (Instr.WGMMA,),
