@@ -43,11 +43,12 @@ def _join(root: Traversable, path: str) -> Traversable:
     return root
 
 
-def _header_files() -> dict[str, Traversable]:
-    """Every header a generated source may include: name (as included) -> file."""
+def _header_files(packages: tuple[str, ...] | None = None) -> dict[str, Traversable]:
+    """Every header a generated source may include (of ``packages``' targets, default
+    all): name (as included) -> file."""
     emit = resources.files("fadsl.emit")
     found: dict[str, Traversable] = {}
-    for folder in ("common", *targets.packages()):
+    for folder in ("common", *(targets.packages() if packages is None else packages)):
         include = _join(emit, f"{folder}/include/fadsl")
         for entry in sorted(include.iterdir(), key=lambda e: e.name):
             if entry.name.endswith(".cuh"):
@@ -91,9 +92,11 @@ def header_text() -> str:
     return "".join(read_header(name) for name in HEADERS)
 
 
-def write_headers(root: Path) -> list[Path]:
-    """Write the headers under ``root`` (``root/fadsl/...``), where ``-I root`` finds them."""
-    return [write_atomic(root / name, read_header(name)) for name in HEADERS]
+def write_headers(root: Path, package: str | None = None) -> list[Path]:
+    """Write the headers (the common ones and ``package``'s, default all) under ``root``
+    (``root/fadsl/...``), where ``-I root`` finds them; each whole or not at all."""
+    names = _header_files(None if package is None else (package,))
+    return [write_atomic(root / name, read_header(name)) for name in names]
 
 
 def spec_hash(kernel: Kernel) -> str:
@@ -129,7 +132,7 @@ def write(kernel: Kernel, target: targets.Target, spec_name: str, out_dir: Path)
     """Write the .cu files and the helper headers they include into ``out_dir`` (each file
     whole or not at all: a reader never sees a torn file)."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    paths = write_headers(out_dir)
+    paths = write_headers(out_dir, target.package)
     for source in render(kernel, target, spec_name):
         paths.append(write_atomic(out_dir / source.filename, source.text))
     return paths

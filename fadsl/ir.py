@@ -59,15 +59,16 @@ class Instr(Enum):
     LDMATRIX_TRANS = "ldmatrix.trans"
     ST_SHARED = "st.shared"
     ST_GLOBAL = "st.global"
-    TMA = "tma"  # reserved: sm_90 path
-    WGMMA = "wgmma"  # reserved: sm_90 path
+    TMA = "tma"  # sm_90a: cp.async.bulk.tensor (gmem <-> smem)
+    WGMMA = "wgmma"  # sm_90a: wgmma.mma_async reads its SMEM operand through a descriptor
+    STMATRIX = "stmatrix"  # sm_90a: rf -> smem, 8x8 16-bit matrices
 
 
 class Scope(Enum):
     """Who shares an SMEM tile, and which barrier orders accesses to it."""
 
     WARP = "warp"
-    WARPGROUP = "warpgroup"  # reserved: sm_90 path
+    WARPGROUP = "warpgroup"  # sm_90a: the 4 warps of one warpgroup (its 64 rows)
     CTA = "cta"
 
 
@@ -114,9 +115,34 @@ class HazardKind(Enum):
 
 
 class Threads(Enum):
-    """Which threads run a step. sm_90 adds a producer warp and consumer warpgroups."""
+    """Which threads run a step or a sync.
 
-    ALL_WARPS = "all_warps"
+    sm_80: every warp. sm_90a (warp specialisation): warpgroup 0 is the producer, of
+    which one elected thread issues every TMA load; warpgroups 1..W are consumers, each
+    on its own 64 query rows (``wg`` = warpgroup - 1 in expressions).
+    """
+
+    ALL_WARPS = "all_warps"  # every thread of the CTA
+    THREAD0 = "thread0"  # threadIdx.x == 0 (mbarrier init)
+    PRODUCER = "producer"  # warpgroup 0 as a whole (setmaxnreg)
+    PRODUCER_THREAD = "producer_thread"  # the elected thread of warp 0 of warpgroup 0
+    CONSUMERS = "consumers"  # every consumer warpgroup, each on its own rows
+    CONSUMER_FIRST = "consumer_first"  # consumer warpgroup 0 only
+    CONSUMER_LAST = "consumer_last"  # consumer warpgroup W - 1 only
+    CONSUMER_WARP_LANE0 = "consumer_warp_lane0"  # lane 0 of each consumer warp
+    CONSUMER_ELECTED = "consumer_elected"  # one elected thread per consumer warpgroup
+
+
+class Parity(Enum):
+    """sm_90a: the parity an mbarrier wait passes on, from the ring position of its item.
+
+    Item i of a ring of S slots sits in slot i % S, round i // S; phase = round & 1.
+    """
+
+    ZERO = "0"  # a one-shot barrier's first phase (Q)
+    PHASE = "phase"  # consumers wait for the full barrier's phase of this round
+    PHASE_FLIP = "phase^1"  # the producer waits for the empty barrier of the previous round
+    # (a fresh barrier passes parity 1 at once: the first round waits for nothing)
 
 
 @dataclass(frozen=True)
@@ -161,6 +187,27 @@ class Tensor:
 
 
 @dataclass(frozen=True)
+class Hopper:
+    """sm_90a's warp specialisation and pipeline (None on sm_80)."""
+
+    consumers: int  # consumer warpgroups, 64 query rows each
+    stages: int  # K/V ring slots
+    producer_regs: int  # setmaxnreg.dec of the producer warpgroup
+    consumer_regs: int  # setmaxnreg.inc of each consumer warpgroup
+    swizzle_bytes: int  # TMA/wgmma swizzle span: 128
+    pingpong: bool  # named-barrier turns between consumer warpgroups
+    overlap: bool  # S(j+1) in flight during softmax(j)
+
+    def text(self) -> str:
+        on = {True: "on", False: "off"}
+        return (
+            f"sm90 consumers={self.consumers} stages={self.stages} "
+            f"regs={self.producer_regs}/{self.consumer_regs} swizzle={self.swizzle_bytes}B "
+            f"pingpong={on[self.pingpong]} overlap={on[self.overlap]}"
+        )
+
+
+@dataclass(frozen=True)
 class Config:
     name: str
     target: str  # the spec's spelling, a key of fadsl.targets
@@ -175,6 +222,7 @@ class Config:
     loc: Loc
     key_locs: tuple[tuple[str, Loc], ...] = ()
     allow_spills: bool = False  # `spills allow`: an experiment that may spill registers
+    hopper: Hopper | None = None
 
     @property
     def threads(self) -> int:
@@ -197,10 +245,15 @@ class Buffer:
     loc: Loc
     offset: int | None = None
     region: int | None = None
+    slots: int = 1  # sm_90a: a ring of this many tiles (the K/V stages)
+
+    @property
+    def tile_bytes(self) -> int:
+        return self.rows * self.cols * self.elem_bytes
 
     @property
     def nbytes(self) -> int:
-        return self.rows * self.cols * self.elem_bytes
+        return self.tile_bytes * self.slots
 
 
 @dataclass(frozen=True)
@@ -222,6 +275,10 @@ class Step:
     title: str
     loc: Loc
     who: Threads = Threads.ALL_WARPS
+    # sm_90a: the K/V block a ring step works on is item ``it + lag`` of its ring, where
+    # the prologue runs at it = 0, the mainloop at it = 1 .. n_blocks - 1 and the
+    # epilogue at it = n_blocks (so K(it) has lag 0 and V(it - 1) lag -1). None: no ring.
+    lag: int | None = None
 
     @property
     def is_async(self) -> bool:
@@ -240,13 +297,20 @@ class Hazard:
     scope: Scope  # WARP: only same-warp pairs conflict; CTA: warps cross
     back_edge: bool  # the earlier access is in the previous mainloop iteration
     async_write: bool  # the earlier access is an async write that must be waited for
+    # sm_90a: the roles on each side ("producer -> consumers"); '' when one role
+    across: str = ""
 
     def describe(self) -> str:
         bufs = self.earlier_buffer
         if self.later_buffer != self.earlier_buffer:
             bufs = f"{self.earlier_buffer}/{self.later_buffer} (aliased)"
         edge = " across the loop back edge" if self.back_edge else ""
-        who = "warps cross" if self.scope is Scope.CTA else "within each warp"
+        if self.across:
+            who = self.across
+        elif self.scope is Scope.WARPGROUP:
+            who = "within each warpgroup"
+        else:
+            who = "warps cross" if self.scope is Scope.CTA else "within each warp"
         return (
             f"{self.kind.value} on {bufs}: {self.earlier.spelling} -> {self.later.spelling}"
             f"{edge} ({who})"
@@ -260,9 +324,39 @@ class Sync:
     serves: tuple[Hazard, ...]
     loc: Loc
     groups: int = 0  # for a counted wait: the groups that may stay in flight
+    # sm_90a (defaults elsewhere): who runs it, and what it operates on
+    who: Threads = Threads.ALL_WARPS
+    barrier: str = ""  # an mbarrier ("k_full") or a named barrier ("turn", "ring_dead")
+    lag: int | None = None  # a ring barrier: the slot of item it + lag (see Step.lag)
+    parity: Parity | None = None  # an mbarrier wait
+    count: int = 0  # init: arrivals per phase; named barrier: threads
+    tx: int = 0  # arrive.expect_tx: transaction bytes
+    bar_id: int = -1  # a named barrier's id (its first id when per warpgroup)
+    peer: int | None = None  # per warpgroup: id = bar_id + (wg + peer) % W; None: bar_id
+    note: str = ""  # why, when the sync orders no SMEM hazard (ping-pong turns)
 
     def text(self) -> str:
-        return f"{self.kind.name} {self.groups}" if self.kind.counted else self.kind.name
+        head = f"{self.kind.name} {self.groups}" if self.kind.counted else self.kind.name
+        args = []
+        if self.barrier:
+            ring = "" if self.lag is None else f"[it{self.lag:+d}]" if self.lag else "[it]"
+            args.append(f"bar={self.barrier}{ring}")
+        if self.bar_id >= 0:
+            args.append(f"id={self.bar_id_text()}")
+        if self.parity is not None:
+            args.append(f"parity={self.parity.value}")
+        if self.count:
+            args.append(f"count={self.count}")
+        if self.tx:
+            args.append(f"tx={self.tx}")
+        if self.who is not Threads.ALL_WARPS:
+            args.append(f"by {self.who.value}")
+        return " ".join([head, *args])
+
+    def bar_id_text(self) -> str:
+        if self.peer is None:
+            return str(self.bar_id)
+        return f"{self.bar_id}+wg" if self.peer == 0 else f"{self.bar_id}+(wg+{self.peer})%W"
 
 
 Item = Step | Sync

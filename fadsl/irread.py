@@ -12,6 +12,7 @@ Sync kinds and async flags are read through the sync model of the kernel's targe
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 
 from . import targets
 from .errors import Loc
@@ -24,12 +25,14 @@ from .ir import (
     Hazard,
     HazardKind,
     Hop,
+    Hopper,
     Instr,
     Item,
     Kernel,
     Level,
     Mask,
     Mode,
+    Parity,
     Partition,
     Phase,
     RegLoad,
@@ -57,14 +60,20 @@ _HEADER = re.compile(
     r"smem_alias=(?P<alias>\S+)(?P<spills> spills=allow)?$"
 )
 _BUFFER = re.compile(
-    r"buffer (?P<name>\S+) (?P<rows>\d+)x(?P<cols>\d+)x(?P<elem>\d+)B scope=(?P<scope>\S+) "
+    r"buffer (?P<name>\S+) (?P<rows>\d+)x(?P<cols>\d+)x(?P<elem>\d+)B(?: slots=(?P<slots>\d+))? "
+    r"scope=(?P<scope>\S+) "
     r"(?:unplanned|offset=(?P<offset>\d+) region=(?P<region>\d+))$"
+)
+_HOPPER = re.compile(
+    r"sm90 consumers=(?P<consumers>\d+) stages=(?P<stages>\d+) "
+    r"regs=(?P<preg>\d+)/(?P<creg>\d+) swizzle=(?P<swizzle>\d+)B "
+    r"pingpong=(?P<pingpong>on|off) overlap=(?P<overlap>on|off)$"
 )
 _REGION = re.compile(r"region (\d+) offset=(\d+) bytes=(\d+) members=(\S*)$")
 _STEP = re.compile(r"  step (?P<op>\S+)(?P<flags>(?: [^\[\s]\S*)*)(?: \[(?P<acc>.*)\])?$")
 _HAZARD = re.compile(
     r"    serves (?P<kind>RAW|WAR|WAW) on (?P<bufs>.+?): (?P<earlier>\S+) -> (?P<later>\S+)"
-    r"(?P<edge> across the loop back edge)? \((?P<who>warps cross|within each warp)\)$"
+    r"(?P<edge> across the loop back edge)? \((?P<who>[^()]+)\)$"
 )
 
 
@@ -89,6 +98,10 @@ class _Reader:
     def read(self, lines: list[str]) -> Kernel:
         self.line = 1
         config = self.config(lines[0])
+        if len(lines) > 1 and lines[1].startswith("sm90 "):
+            self.line = 2
+            config = replace(config, hopper=self.hopper(lines[1]))
+            lines = [lines[0], *lines[2:]]
         model = targets.get(config.target).sync_model
         tensors: list[Tensor] = []
         buffers: list[Buffer] = []
@@ -120,6 +133,15 @@ class _Reader:
                 phases[phase].append(self.step(line, phase, model))
             elif phase is not None and line.startswith("  sync "):
                 phases[phase].append(self.sync(line[len("  sync ") :], phase, model))
+            elif phase is not None and line.startswith("    note: ") and phases[phase]:
+                last = phases[phase][-1]
+                note = line[len("    note: ") :]
+                if isinstance(last, _Served):
+                    last.sync = replace(last.sync, note=note)
+                elif isinstance(last, Sync):
+                    phases[phase][-1] = replace(last, note=note)
+                else:
+                    raise self.fail(line, "a note belongs to the sync above it")
             elif phase is not None and line.startswith("    serves ") and phases[phase]:
                 if not isinstance(phases[phase][-1], (Sync, _Served)):
                     raise self.fail(line, "a hazard belongs to the sync above it")
@@ -180,6 +202,20 @@ class _Reader:
             allow_spills=m["spills"] is not None,
         )
 
+    def hopper(self, line: str) -> Hopper:
+        m = _HOPPER.match(line)
+        if m is None:
+            raise self.fail(line, "expected 'sm90 consumers=N stages=N regs=P/C ...'")
+        return Hopper(
+            consumers=int(m["consumers"]),
+            stages=int(m["stages"]),
+            producer_regs=int(m["preg"]),
+            consumer_regs=int(m["creg"]),
+            swizzle_bytes=int(m["swizzle"]),
+            pingpong=m["pingpong"] == "on",
+            overlap=m["overlap"] == "on",
+        )
+
     def tensor(self, line: str) -> Tensor:
         role_text, _, path = line[len("tensor ") :].partition(": ")
         words = path.split(" ")
@@ -224,6 +260,7 @@ class _Reader:
             loc=self.loc(),
             offset=int(m["offset"]) if planned else None,
             region=int(m["region"]) if planned else None,
+            slots=int(m["slots"]) if m["slots"] else 1,
         )
 
     def region(self, line: str) -> Region:
@@ -242,6 +279,9 @@ class _Reader:
         if len(flags) >= 2 and flags[-2] == "by":
             who = self.enum(Threads, flags[-1])
             flags = flags[:-2]
+        lag = None
+        if flags and flags[-1].startswith("item=it"):
+            lag = self.lag(flags.pop()[len("item=it") :])
         if len(flags) > 1:
             raise self.fail(line, "a step has at most one async flag")
         try:
@@ -253,19 +293,58 @@ class _Reader:
             mode, _, rest = text.partition(" ")
             buffer, _, part = rest.partition("/")
             accesses.append(Access(buffer, self.enum(Mode, mode), self.enum(Partition, part)))
-        return Step(self.enum(Op, m["op"]), phase, tuple(accesses), async_kind, "", self.loc(), who)
+        op = self.enum(Op, m["op"])
+        return Step(op, phase, tuple(accesses), async_kind, "", self.loc(), who, lag)
+
+    def lag(self, text: str) -> int:
+        if text == "":
+            return 0
+        if not re.fullmatch(r"[+-]\d+", text):
+            raise self.fail(text, "expected an item 'it', 'it+N' or 'it-N'")
+        return int(text)
 
     def sync(self, text: str, phase: Phase, model: SyncModel) -> Sync:
-        name, _, count = text.rpartition(" ")
-        for kind_name, groups in ((text, None), (name, count)):
-            try:
-                kind = model.kind_named(kind_name)
-            except KeyError:
-                continue
-            if kind.counted != (groups is not None):
-                continue
-            return Sync(kind, phase, (), self.loc(), self.number(groups) if groups else 0)
-        raise self.fail(text, "not a sync of this target")
+        words = text.split(" ")
+        try:
+            kind = model.kind_named(words[0])
+        except KeyError:
+            raise self.fail(text, "not a sync of this target") from None
+        groups = 0
+        rest = words[1:]
+        if kind.counted:
+            if not rest:
+                raise self.fail(text, "a counted wait needs its count")
+            groups, rest = self.number(rest[0]), rest[1:]
+        sync = Sync(kind, phase, (), self.loc(), groups)
+        if len(rest) >= 2 and rest[-2] == "by":
+            sync = replace(sync, who=self.enum(Threads, rest[-1]))
+            rest = rest[:-2]
+        for word in rest:
+            if "=" not in word:
+                raise self.fail(text, "not a sync of this target")
+            key, _, value = word.partition("=")
+            match key:
+                case "bar":
+                    m = re.fullmatch(r"(\w+)(?:\[it([+-]\d+)?\])?", value)
+                    if m is None:
+                        raise self.fail(word, "expected bar=NAME or bar=NAME[it+N]")
+                    lag = None if "[" not in value else self.lag(m[2] or "")
+                    sync = replace(sync, barrier=m[1], lag=lag)
+                case "id":
+                    m = re.fullmatch(r"(\d+)(\+wg|\+\(wg\+(\d+)\)%W)?", value)
+                    if m is None:
+                        raise self.fail(word, "expected id=N, id=N+wg or id=N+(wg+P)%W")
+                    peer = None if m[2] is None else int(m[3] or 0)
+                    sync = replace(sync, bar_id=int(m[1]), peer=peer)
+                case "parity":
+                    sync = replace(sync, parity=self.enum(Parity, value))
+                case "count":
+                    sync = replace(sync, count=self.number(value))
+                case "tx":
+                    sync = replace(sync, tx=self.number(value))
+                case _:
+                    raise self.fail(word, "unknown sync argument")
+        return sync
 
     def hazard(self, line: str, steps: list[Step]) -> Hazard:
         m = _HAZARD.match(line)
@@ -277,15 +356,22 @@ class _Reader:
         else:
             earlier_buffer = later_buffer = bufs
         earlier = self.enum(Op, m["earlier"])
+        scopes = {
+            "warps cross": Scope.CTA,
+            "within each warp": Scope.WARP,
+            "within each warpgroup": Scope.WARPGROUP,
+        }
+        who = m["who"]
         return Hazard(
             kind=HazardKind(m["kind"]),
             earlier=earlier,
             later=self.enum(Op, m["later"]),
             earlier_buffer=earlier_buffer,
             later_buffer=later_buffer,
-            scope=Scope.CTA if m["who"] == "warps cross" else Scope.WARP,
+            scope=scopes.get(who, Scope.CTA),
             back_edge=m["edge"] is not None,
             async_write=any(s.op is earlier and s.is_async for s in steps),
+            across="" if who in scopes else who,
         )
 
 
@@ -301,11 +387,5 @@ class _Served:
 
 def _resolve(item, hazards: list[Hazard]) -> Item:
     if isinstance(item, _Served):
-        return Sync(
-            item.sync.kind,
-            item.sync.phase,
-            tuple(hazards[i] for i in item.indices),
-            item.sync.loc,
-            item.sync.groups,
-        )
+        return replace(item.sync, serves=tuple(hazards[i] for i in item.indices))
     return item

@@ -42,9 +42,11 @@ def lower(decl: KernelDecl, sink: DiagnosticSink, partial: bool = False) -> Lowe
     # by the fallback target's rules, so that their mistakes are reported too.
     target = targets.get(c.values.get("target", targets.FALLBACK))
     tensors = read_paths(c, target)
-    _report_missing(c, [k for k in REQUIRED_KEYS if k not in c.key_locs], c.missing_tensors)
+    required = (*REQUIRED_KEYS, *target.required_keys)
+    _report_foreign_keys(c, target)
+    _report_missing(c, [k for k in required if k not in c.key_locs], c.missing_tensors)
     order = read_order(c, tensors)
-    config = _config(c, target, tensors)
+    config = _config(c, target, tensors, required)
     if sink.diagnostics or config is None or len(tensors) != len(Role):
         return None
     return Lowered(config, tuple(tensors[r] for r in Role), order)
@@ -80,12 +82,38 @@ def _report_missing(c: Checks, keys: list[str], tensors: list[str]) -> None:
         c.missing(c.decl.loc, f"kernel '{name}' is missing {' and '.join(parts)}")
 
 
-def _config(c: Checks, target: targets.Target, tensors: dict[Role, Tensor]) -> Config | None:
+def _report_foreign_keys(c: Checks, target: targets.Target) -> None:
+    """A key that another target takes (sm_80's 'warps' in an sm_90a spec) is refused."""
+    if "target" not in c.values:
+        return  # the target line is wrong or missing, and reported: no second guess
+    own = {*REQUIRED_KEYS, *target.required_keys, *target.keys}
+    for setting in c.decl.settings:
+        key = setting.key.text
+        if key in c.key_locs and key not in own and c.key_locs[key] == setting.key.loc:
+            others = [t for t in targets.names() if key in _keys_of(targets.get(t))]
+            c.error(
+                setting.key.loc,
+                f"'{key}' is not a setting of target {target.name}"
+                + (f" (it is {and_list(others)}'s)" if others else "")
+                + (f"; {target.key_hints[key]}" if key in target.key_hints else ""),
+            )
+            c.values.pop(key, None)
+
+
+def _keys_of(target: targets.Target) -> set[str]:
+    return {*target.required_keys, *target.keys}
+
+
+def _config(
+    c: Checks, target: targets.Target, tensors: dict[Role, Tensor], required: tuple[str, ...]
+) -> Config | None:
     v = c.values
-    if any(key not in v for key in REQUIRED_KEYS):
+    if any(key not in v for key in required):
         return None
     if not target.validate(c, tensors):
         return None
+    if target.configure is not None:
+        return target.configure(c)
     swizzle = v.get("swizzle")
     return Config(
         name=c.decl.name.text,

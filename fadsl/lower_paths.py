@@ -78,20 +78,30 @@ def _path(c: Checks, target: Target, role: Role, path: PathDecl) -> Tensor | Non
                 c.error(ref.scope.loc, f"only smem takes a sharing scope, not {level.value}")
                 ok = False
             continue
+        offered = target.capabilities.scopes
         if ref.scope is None:
-            c.error(ref.loc, "smem needs a sharing scope: smem[warp] or smem[cta]")
+            listed = " or ".join(f"smem[{s.value}]" for s in offered)
+            c.error(ref.loc, f"smem needs a sharing scope: {listed}")
             ok = False
             continue
         names = [s.value for s in Scope]
         if ref.scope.text not in names:
             c.error(
                 ref.scope.loc,
-                f"unknown scope '{quoted(ref.scope.text)}'; expected 'warp' or 'cta'"
+                f"unknown scope '{quoted(ref.scope.text)}'; expected "
+                + " or ".join(f"'{s.value}'" for s in offered)
                 + suggest(ref.scope.text, names),
             )
             ok = False
-        elif ref.scope.text == Scope.WARPGROUP.value:
-            c.error(ref.scope.loc, "scope 'warpgroup' is not supported yet (sm_90 path)")
+        elif Scope(ref.scope.text) not in offered:
+            c.error(
+                ref.scope.loc,
+                (
+                    f"scope '{ref.scope.text}' is not supported yet (sm_90 path)"
+                    if ref.scope.text == Scope.WARPGROUP.value
+                    else f"scope '{ref.scope.text}' is not one of target {target.name}'s"
+                ),
+            )
             ok = False
         else:
             scope = Scope(ref.scope.text)

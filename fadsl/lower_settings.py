@@ -20,8 +20,20 @@ HEAD_DIMS = (64, 96, 128, 256)
 MAX_TILE = 256
 MAX_WARPS = 16
 
-REQUIRED_KEYS = ("target", "dtype", "head_dim", "tile", "warps")
-OPTIONAL_KEYS = ("mask", "swizzle", "smem_alias", "stages", "spills")
+# Every target needs these; a target adds its own (Target.required_keys: sm_80 'warps',
+# sm_90a 'warpgroups') and says which optional ones it takes (Target.keys).
+REQUIRED_KEYS = ("target", "dtype", "head_dim", "tile")
+OPTIONAL_KEYS = (
+    "mask",
+    "swizzle",
+    "smem_alias",
+    "stages",
+    "registers",
+    "pingpong",
+    "overlap",
+    "spills",
+)
+TMA_SWIZZLE = "128B"  # `swizzle 128B`: the swizzle TMA writes and wgmma reads
 SPILLS = {"refuse": False, "allow": True}  # `spills allow`: compile a kernel that spills
 
 
@@ -37,6 +49,10 @@ def read_settings(c: Checks) -> None:
         "smem_alias": smem_alias,
         "stages": stages,
         "spills": spills,
+        "warpgroups": warpgroups,
+        "registers": registers,
+        "pingpong": on_off,
+        "overlap": on_off,
     }
     for setting in c.decl.settings:
         key = setting.key.text
@@ -186,10 +202,14 @@ def swizzle(c: Checks, setting: Setting) -> Swizzle | None | str:
     value = _single(c, setting)
     if value is None:
         return None
-    if isinstance(value, Word) and value.text == "none":
-        return "none"
+    if isinstance(value, Word) and value.text in ("none", TMA_SWIZZLE):
+        c.key_locs["swizzle_value"] = value.loc
+        return value.text
     if not isinstance(value, Call) or value.name.text != "xor":
-        c.error(value.loc, f"swizzle expects 'none' or 'xor(B, M, S)', not {show(value)}")
+        c.error(
+            value.loc,
+            f"swizzle expects 'none', 'xor(B, M, S)' or '{TMA_SWIZZLE}', not {show(value)}",
+        )
         return None
     if len(value.args) != 3:
         c.error(value.loc, f"xor(B, M, S) takes 3 numbers, got {len(value.args)}")
@@ -212,8 +232,48 @@ def stages(c: Checks, setting: Setting) -> int | None:
     value = _single(c, setting)
     if value is None:
         return None
-    stages = _number(c, value, "stages", 1, 8)
-    if stages is not None and stages > 1:
-        c.error(value.loc, f"stages = {stages} is not supported yet (one K/V stage for now)")
-        return None
-    return stages
+    c.key_locs["stages_value"] = value.loc  # the target's checks point at the number
+    return _number(c, value, "stages", 1, 8)
+
+
+def _assigns(c: Checks, setting: Setting, names: tuple[str, ...], lo: int, hi: int) -> dict:
+    """`key a = N, b = N`: each name once, each a number in [lo, hi]; all or nothing."""
+    key = setting.key.text
+    form = ", ".join(f"{n} = N" for n in names)
+    found: dict[str, int] = {}
+    for value in setting.values:
+        if not isinstance(value, Assign):
+            c.error(value.loc, f"'{key}' expects '{form}', not {show(value)}")
+            continue
+        name = value.name.text
+        if name not in names:
+            c.error(
+                value.name.loc,
+                f"unknown {key} '{name}'; expected {one_of(names)}" + suggest(name, names),
+            )
+            continue
+        if name in found:
+            c.error(value.name.loc, f"'{name}' is given twice")
+            continue
+        number = _number(c, value.value, f"{key} {name}", lo, hi)
+        if number is not None:
+            found[name] = number
+            c.key_locs[f"{key}.{name}"] = value.value.loc
+    missing = [n for n in names if n not in found]
+    if missing and all(isinstance(v, Assign) and v.name.text in names for v in setting.values):
+        c.error(setting.key.loc, f"'{key}' is missing '{missing[0]} = N'")
+    return found if not missing else None
+
+
+def warpgroups(c: Checks, setting: Setting) -> dict[str, int] | None:
+    """`warpgroups producer = 1, consumers = N` (sm_90a's warp specialisation)."""
+    return _assigns(c, setting, ("producer", "consumers"), 1, 4)
+
+
+def registers(c: Checks, setting: Setting) -> dict[str, int] | None:
+    """`registers producer = N, consumers = N`: setmaxnreg per thread of each role."""
+    return _assigns(c, setting, ("producer", "consumers"), 1, 1024)
+
+
+def on_off(c: Checks, setting: Setting) -> bool | None:
+    return _word_choice(c, setting, {"on": True, "off": False})

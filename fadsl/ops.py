@@ -48,6 +48,10 @@ class Op(Enum):
     NORMALIZE = "normalize"
     O_R2S = "o_r2s"
     O_S2G = "o_s2g"
+    # sm_90a
+    SETMAXNREG = "setmaxnreg"  # a warpgroup's register budget (producer down, consumers up)
+    RESCALE_O = "rescale_o"  # O *= exp2(m_old - m_new), before the P V that accumulates on it
+    CONVERT_P = "convert_p"  # P (fp32) -> 16-bit pairs: the A operand (registers) of P V
 
     @property
     def spelling(self) -> str:
@@ -105,6 +109,9 @@ _INFO: dict[Op, _Info] = {
     Op.NORMALIZE: _Info(None, Move.COMPUTE, None),
     Op.O_R2S: _Info(Role.O, Move.R2S, None),
     Op.O_S2G: _Info(Role.O, Move.S2G, None),
+    Op.SETMAXNREG: _Info(None, Move.COMPUTE, None),
+    Op.RESCALE_O: _Info(None, Move.COMPUTE, None),
+    Op.CONVERT_P: _Info(None, Move.COMPUTE, None),
 }
 _TWIN = {
     Op.K_G2S: Op.K_G2S_NEXT,

@@ -5,7 +5,7 @@ test can start from IR written by hand."""
 
 from __future__ import annotations
 
-from .ir import Kernel, Step, Threads
+from .ir import Kernel, Mask, Step, Threads
 
 
 def format_kernel(kernel: Kernel) -> str:
@@ -18,12 +18,16 @@ def format_kernel(kernel: Kernel) -> str:
         f"swizzle={cfg.swizzle or 'none'} smem_alias={cfg.smem_alias.value}"
         + (" spills=allow" if cfg.allow_spills else "")
     ]
+    if cfg.hopper is not None:
+        out.append(cfg.hopper.text())
     for t in kernel.tensors:
         out.append(f"tensor {t.role.value}: {t.path_text()}")
     for b in kernel.buffers:
         place = "unplanned" if b.offset is None else f"offset={b.offset} region={b.region}"
         out.append(
-            f"buffer {b.name} {b.rows}x{b.cols}x{b.elem_bytes}B scope={b.scope.value} {place}"
+            f"buffer {b.name} {b.rows}x{b.cols}x{b.elem_bytes}B"
+            + (f" slots={b.slots}" if b.slots != 1 else "")
+            + f" scope={b.scope.value} {place}"
         )
     for r in kernel.regions:
         out.append(
@@ -40,9 +44,15 @@ def format_kernel(kernel: Kernel) -> str:
                     f"{a.mode.value} {a.buffer}/{a.partition.value}" for a in item.accesses
                 )
                 flag = "" if item.async_kind is None else f" {item.async_kind.flag}"
+                if item.lag is not None:
+                    flag += f" item=it{item.lag:+d}" if item.lag else " item=it"
                 who = "" if item.who is Threads.ALL_WARPS else f" by {item.who.value}"
                 out.append(f"  step {item.op.spelling}{flag}{who}" + (f" [{acc}]" if acc else ""))
             else:
                 out.append(f"  sync {item.text()}")
                 out.extend(f"    serves {h.describe()}" for h in item.serves)
+                if item.note:
+                    out.append(f"    note: {item.note}")
+    if kernel.loop_may_be_empty != (cfg.mask is Mask.CAUSAL):  # irread's default otherwise
+        out.append(f"loop_may_be_empty {str(kernel.loop_may_be_empty).lower()}")
     return "\n".join(out) + "\n"

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-from .ir import Scope
+from .ir import Parity, Scope
 
 # Scopes from narrowest to widest: a barrier of a scope orders the threads of any
 # narrower one too.
@@ -55,6 +55,21 @@ class WaitRule(Enum):
     # ``wait N`` completes every write of this kind except those of the N most recently
     # committed groups (cp.async.wait_group, wgmma.wait_group).
     NEWEST_PENDING = "all but the N newest groups"
+    # mbarrier.try_wait.parity: the writes that completed the barrier's phase of the
+    # waited item's round (ring_position) have landed (TMA complete_tx).
+    PHASE_PARITY = "the phase of the item's round"
+
+
+class Signal(Enum):
+    """What an sm_90a sync does, beyond a barrier's meeting or a wait's completing."""
+
+    INIT = "init"  # mbarrier.init (arrival count)
+    ARRIVE = "arrive"  # mbarrier.arrive (one arrival)
+    EXPECT_TX = "arrive.expect_tx"  # one arrival + the transaction bytes the phase waits for
+    TURN_SYNC = "bar.sync"  # named barrier: arrive and wait for the generation
+    TURN_ARRIVE = "bar.arrive"  # named barrier: arrive and go on
+    FENCE = "fence"  # orders this thread's accesses (init / proxies / wgmma registers)
+    COMMIT = "commit"  # closes this thread's (warpgroup's) open group of async ops
 
 
 @dataclass(frozen=True)
@@ -75,6 +90,7 @@ class SyncKind:
     completes: AsyncKind | None = None  # a wait: the async writes it completes
     rule: WaitRule | None = None
     cost: int = 0  # relative; the passes prefer the cheaper of two that both suffice
+    signal: Signal | None = None  # sm_90a: what it does besides meeting/completing
 
     @property
     def counted(self) -> bool:
@@ -87,6 +103,7 @@ class SyncModel:
     async_kinds: tuple[AsyncKind, ...]
     barriers: tuple[SyncKind, ...]  # cheapest first
     waits: tuple[SyncKind, ...]
+    others: tuple[SyncKind, ...] = ()  # sm_90a: inits, arrivals, fences, commits
 
     def barrier_for(self, scope: Scope) -> SyncKind:
         """The cheapest barrier that orders accesses conflicting within ``scope``."""
@@ -108,7 +125,7 @@ class SyncModel:
         raise AssertionError(f"no wait completes {async_kind.name}")
 
     def kinds(self) -> tuple[SyncKind, ...]:
-        return self.barriers + self.waits
+        return self.barriers + self.waits + self.others
 
     def kind_named(self, name: str) -> SyncKind:
         for kind in self.kinds():
@@ -121,3 +138,23 @@ class SyncModel:
             if kind.flag == flag:
                 return kind
         raise KeyError(flag)
+
+
+def ring_position(item: int, stages: int) -> tuple[int, int]:
+    """(slot, phase) of item ``item`` of a ring of ``stages`` slots: slot item % stages,
+    phase parity (item // stages) & 1, flipping each time the ring wraps."""
+    return item % stages, (item // stages) & 1
+
+
+def wait_parity(rule: Parity, item: int, stages: int) -> int:
+    """The parity an mbarrier wait on ``item``'s barrier passes on (``ir.Parity``)."""
+    phase = ring_position(item, stages)[1]
+    match rule:
+        case Parity.ZERO:
+            return 0
+        case Parity.PHASE:
+            return phase
+        case Parity.PHASE_FLIP:
+            return phase ^ 1
+        case _:
+            raise AssertionError(f"unknown parity rule {rule}")

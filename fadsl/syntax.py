@@ -131,6 +131,7 @@ _TOKEN_NAMES = {
     "NAME": "a name",
     "INSTR": "an instruction name",
     "INT": "a number",
+    "SIZE": "a size such as 128B",
     "_NL": "end of line",
     "$END": "end of file",
     "KERNEL": "'kernel'",

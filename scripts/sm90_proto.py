@@ -30,7 +30,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 SOURCE = ROOT / "emit" / "sm90" / "prototype" / "fa3_fwd.cu"
-INCLUDES = [ROOT / "emit" / "common" / "include", ROOT / "emit" / "sm90" / "include"]
+# The sm90 headers include params.cuh as a neighbour (as `fadsl compile` writes them).
+INCLUDES = [
+    ROOT / "emit" / "common" / "include",
+    ROOT / "emit" / "common" / "include" / "fadsl",
+    ROOT / "emit" / "sm90" / "include",
+]
 BUILD = ROOT / "build" / "sm90"
 
 
@@ -42,13 +47,23 @@ class Config:
     block_n: int
     stages: int
     causal: bool
+    source: str = ""  # a fadsl-generated .cu (`fadsl compile`); "" = the prototype
+
+    @property
+    def symbol(self) -> str:
+        """The kernel's name; its launch info is <symbol>_launch_info."""
+        return Path(self.source).stem if self.source else "fa3_fwd"
 
     @property
     def name(self) -> str:
+        if self.source:
+            return Path(self.source).stem
         c = "causal" if self.causal else "full"
         return f"{self.dtype}_d{self.head_dim}_{64 * self.wgs}x{self.block_n}_s{self.stages}_{c}"
 
     def defines(self) -> list[str]:
+        if self.source:
+            return []
         return [
             f"-DFA3_DTYPE={self.dtype}",
             f"-DFA3_HEAD_DIM={self.head_dim}",
@@ -97,15 +112,32 @@ def all_configs() -> list[Config]:
 # ---------------------------------------------------------------------------
 
 
+def generated_configs(folder: Path) -> list[Config]:
+    """One config per generated .cu in ``folder`` (headers beside them, as `fadsl compile`
+    writes them), read from its FwdConfig<T, head_dim, consumers, B_c, stages, causal> line."""
+    cfgs = []
+    pattern = re.compile(r"FwdConfig<(\w+), (\d+), (\d+), (\d+), (\d+), (true|false)>")
+    for path in sorted(folder.glob("*.cu")):
+        m = pattern.search(path.read_text())
+        if m is None:
+            continue
+        dtype = {"__nv_bfloat16": "bf16", "half": "fp16"}[m[1]]
+        cfgs.append(
+            Config(dtype, int(m[2]), int(m[3]), int(m[4]), int(m[5]), m[6] == "true", str(path))
+        )
+    return cfgs
+
+
 def build_one(cfg: Config) -> tuple[Config, str]:
     BUILD.mkdir(parents=True, exist_ok=True)
     cubin = BUILD / f"{cfg.name}.cubin"
+    includes = ([Path(cfg.source).parent] if cfg.source else []) + INCLUDES
     cmd = ["nvcc", "-gencode=arch=compute_90a,code=sm_90a", "-cubin", "-O3", "--resource-usage"]
     cmd += [
         "-std=c++17",
-        *[f"-I{p}" for p in INCLUDES],
+        *[f"-I{p}" for p in includes],
         *cfg.defines(),
-        str(SOURCE),
+        cfg.source or str(SOURCE),
         "-o",
         str(cubin),
     ]
@@ -163,8 +195,9 @@ class Kernel:
         self.cfg = cfg
         data = (BUILD / f"{cfg.name}.cubin").read_bytes()
         self.module = _check(driver.cuModuleLoadData(data))
-        self.func = _check(driver.cuModuleGetFunction(self.module, b"fa3_fwd"))
-        dptr, nbytes = _check(driver.cuModuleGetGlobal(self.module, b"fa3_launch_info"))
+        self.func = _check(driver.cuModuleGetFunction(self.module, cfg.symbol.encode()))
+        info_name = f"{cfg.symbol}_launch_info" if cfg.source else "fa3_launch_info"
+        dptr, nbytes = _check(driver.cuModuleGetGlobal(self.module, info_name.encode()))
         info = (ctypes.c_int * 4)()
         _check(driver.cuMemcpyDtoH(ctypes.addressof(info), dptr, nbytes))
         self.threads, self.smem, self.block_m, self.block_n = list(info)
@@ -485,9 +518,15 @@ def main() -> int:
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--only", default="", help="regex on config names")
     ap.add_argument("--no-build", action="store_true")
+    ap.add_argument(
+        "--generated",
+        type=Path,
+        help="test fadsl's generated kernels: a folder of `fadsl compile` output",
+    )
     args = ap.parse_args()
 
-    cfgs = [c for c in all_configs() if re.search(args.only, c.name)]
+    pool = generated_configs(args.generated) if args.generated else all_configs()
+    cfgs = [c for c in pool if re.search(args.only, c.name)]
     status = 0
     if not args.no_build:
         print(f"building {len(cfgs)} configs")

@@ -50,6 +50,7 @@ def test_wgmma_wrappers_name_every_accumulator_register():
 def _nvcc(defines: list[str], out: Path, kind: str) -> subprocess.CompletedProcess:
     cmd = [NVCC, "-gencode=arch=compute_90a,code=sm_90a", f"-{kind}", "-O3", "--resource-usage"]
     cmd += ["-std=c++17", f"-I{ROOT / 'emit' / 'common' / 'include'}", f"-I{SM90 / 'include'}"]
+    cmd += [f"-I{ROOT / 'emit' / 'common' / 'include' / 'fadsl'}"]  # params.cuh, a neighbour
     cmd += [*defines, str(SOURCE), "-o", str(out)]
     return subprocess.run(cmd, capture_output=True, text=True)
 

@@ -14,11 +14,12 @@ and one line in ``_PACKAGES``.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
-from ..ir import Dtype, Instr, Kernel, Level
+from ..ir import Config, Dtype, Instr, Kernel, Level, Scope
 
 if TYPE_CHECKING:
     from ..lower import Lowered
@@ -27,12 +28,9 @@ if TYPE_CHECKING:
     from ..syncmodel import SyncModel
 
 # spec spelling -> package under fadsl/targets (and emit/)
-_PACKAGES: dict[str, str] = {"sm_80": "sm80"}
+_PACKAGES: dict[str, str] = {"sm_80": "sm80", "sm_90a": "sm90"}
 # Spellings the grammar reserves for targets still to come, with the message that says so.
-RESERVED: dict[str, str] = {
-    "sm_90a": "target 'sm_90a' is not supported yet (reserved for the TMA/wgmma path); "
-    "use 'sm_80', which runs on sm_80 to sm_90",
-}
+RESERVED: dict[str, str] = {}
 # Whose rules check a spec's paths when its target line is missing or wrong, so that
 # the other mistakes are still reported.
 FALLBACK = "sm_80"
@@ -52,6 +50,8 @@ class Capabilities:
     reserved_instrs: tuple[Instr, ...]
     # the nvcc architectures the kernel is built and reported for, with their GPUs
     archs: tuple[tuple[str, str], ...]
+    # the SMEM sharing scopes a path may name
+    scopes: tuple[Scope, ...] = (Scope.WARP, Scope.CTA)
 
 
 @dataclass(frozen=True)
@@ -69,6 +69,12 @@ class Target:
     passes: tuple[tuple[str, Callable[[Kernel, "Target"], Kernel]], ...]
     template: str  # under emit/
     context: Callable[[Kernel, Dtype], dict[str, Any]]  # the template's target-specific slots
+    # Settings beyond fadsl.lower_settings.REQUIRED_KEYS that this target needs / takes.
+    required_keys: tuple[str, ...] = ("warps",)
+    keys: tuple[str, ...] = ("mask", "swizzle", "smem_alias", "stages", "spills")
+    key_hints: Mapping[str, str] = dataclasses.field(default_factory=dict)  # for foreign keys
+    # Builds the Config itself (sm_90a: warp specialisation); None: the common fields only.
+    configure: Callable[[Checks], Config] | None = None
 
 
 def names() -> tuple[str, ...]:

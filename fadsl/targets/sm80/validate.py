@@ -50,6 +50,20 @@ def validate(c: Checks, tensors: dict[Role, Tensor]) -> bool:
     swizzle = v.get("swizzle")
     if isinstance(swizzle, Swizzle) and not swizzle_fits(c, swizzle, head_dim):
         ok = False
+    if swizzle == "128B":
+        c.error(
+            c.key_locs["swizzle_value"],
+            "swizzle 128B is the TMA/wgmma layout of target sm_90a; sm_80 takes 'none' or "
+            "'xor(B, M, S)'",
+        )
+        ok = False
+    stages = v.get("stages", 1)
+    if stages > 1:
+        c.error(
+            c.key_locs["stages_value"],
+            f"stages = {stages} is not supported yet (one K/V stage for now)",
+        )
+        ok = False
     for role in (Role.K, Role.V):
         tensor = tensors.get(role)
         if tensor is not None and tensor.smem_scope is Scope.WARP and warps > 1:

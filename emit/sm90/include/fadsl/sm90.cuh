@@ -20,10 +20,18 @@
 #include <cmath>
 #include <cstdint>
 
-#include "fadsl/params.cuh"  // FwdParams (every target's)
-#include "fadsl/sm90_ptx.cuh"
+#include "params.cuh"  // FwdParams (every target's; next to this file)
+#include "sm90_ptx.cuh"  // (next to this file)
 
 namespace fadsl::sm90 {
+
+// Tags for a loop body instantiated with and without masking (no <type_traits> needed).
+struct true_type {
+  static constexpr bool value = true;
+};
+struct false_type {
+  static constexpr bool value = false;
+};
 
 __host__ __device__ __forceinline__ constexpr int imin(int a, int b) { return a < b ? a : b; }
 __host__ __device__ __forceinline__ constexpr int imax(int a, int b) { return a > b ? a : b; }

@@ -21,11 +21,19 @@
 #include <cstdint>
 #include <type_traits>
 
+#if defined(__CUDACC_RTC__)
+// NVRTC has no <cuda.h>: the driver's opaque 128-byte tensor map, aligned as CUDA 13's
+// cuda.h aligns it (FwdParamsSm90's layout, 768 bytes, depends on it).
+struct alignas(128) CUtensorMap {
+  unsigned long long opaque[16];
+};
+#else
 #include <cuda.h>  // CUtensorMap
+#endif
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
-#include "fadsl/sm90_wgmma.cuh"
+#include "sm90_wgmma.cuh"  // (next to this file)
 
 namespace fadsl::sm90 {
 

@@ -1,0 +1,40 @@
+"""The sm_90a target: TMA, wgmma, an mbarrier K/V ring and warp specialisation (FlashAttention-3).
+
+A producer warpgroup (one elected thread) issues TMA loads of Q and of the K/V blocks
+into rings of ``stages`` slots; 1 to 3 consumer warpgroups, 64 query rows each, run
+S = Q K^T and O += P V as wgmma with the softmax between, optionally in ping-pong
+(named-barrier turns) and with S(j+1) overlapping softmax(j); O goes through SMEM over
+the dead V ring to a TMA store. The sync pass (insert_syncs) places every mbarrier,
+wgmma wait, named barrier and fence; verify (to come) takes the list's last place.
+"""
+
+from __future__ import annotations
+
+from .. import Target
+from .caps import CAPABILITIES, SYNC_MODEL
+from .emit import TEMPLATE, context
+from .insert_syncs import insert_syncs
+from .plan_smem import plan_smem
+from .schedule import build_schedule
+from .validate import configure, validate, validate_path
+
+TARGET = Target(
+    name="sm_90a",
+    package="sm90",
+    capabilities=CAPABILITIES,
+    sync_model=SYNC_MODEL,
+    validate=validate,
+    validate_path=validate_path,
+    build_schedule=build_schedule,
+    passes=(
+        ("plan_smem", plan_smem),  # Q | K ring | V ring | mbarriers; O over the dead V ring
+        ("insert_syncs", insert_syncs),  # mbarriers with parity, wgmma waits, named barriers
+        # ("verify", verify) goes last: an independent proof over fadsl.passes.async_model
+    ),
+    template=TEMPLATE,
+    context=context,
+    required_keys=("warpgroups",),
+    keys=("mask", "swizzle", "stages", "registers", "pingpong", "overlap", "spills"),
+    key_hints={"warps": "use 'warpgroups producer = 1, consumers = N'"},
+    configure=configure,
+)

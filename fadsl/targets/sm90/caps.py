@@ -1,0 +1,97 @@
+"""sm_90a's capabilities and sync model, as data.
+
+TMA (cp.async.bulk.tensor) moves whole tiles between gmem and smem and completes on an
+mbarrier phase (transaction bytes); wgmma.mma_async reads its SMEM operands through
+descriptors and completes by commit groups; warpgroups meet on named barriers; a generic
+SMEM write reaches the async proxy (TMA store) only after fence.proxy.async.
+"""
+
+from __future__ import annotations
+
+from ...ir import Instr, Level, Scope
+from ...syncmodel import AsyncKind, Signal, SyncKind, SyncModel, WaitRule
+from .. import Capabilities
+
+CAPABILITIES = Capabilities(
+    mma="wgmma.mma_async m64nNk16",
+    smem_per_cta=227 * 1024,
+    smem_per_sm=228 * 1024,
+    registers_per_thread=255,
+    registers_per_sm=65536,
+    hop_instrs={
+        (Level.GMEM, Level.SMEM): (Instr.TMA,),
+        (Level.SMEM, Level.RF): (Instr.WGMMA,),
+        (Level.RF, Level.SMEM): (Instr.STMATRIX,),
+        (Level.SMEM, Level.GMEM): (Instr.TMA,),
+    },
+    reserved_instrs=(),
+    archs=(("sm_90a", "H100/H200"),),
+    scopes=(Scope.WARPGROUP, Scope.CTA),
+)
+
+REGISTERS_PER_SM = 65536
+SETMAXNREG_RANGE = (24, 256)  # multiples of 8
+HEAD_DIMS = (64, 128, 256)
+MAX_CONSUMERS = 3
+ROWS_PER_CONSUMER = 64  # wgmma's M
+NAMED_BARRIERS = 16  # ids 0..15; 0 is __syncthreads
+
+# Asynchronous operations: what they access after the issuing instruction returns.
+TMA_LOAD = AsyncKind(name="TMA load (complete_tx on an mbarrier)", flag="tma")
+WGMMA = AsyncKind(name="wgmma.mma_async (commit groups)", flag="wgmma")
+TMA_STORE = AsyncKind(name="TMA store (bulk groups)", flag="tma_store")
+
+SYNCTHREADS = SyncKind("__syncthreads()", "a CTA barrier", scope=Scope.CTA, cost=10)
+MBAR_INIT = SyncKind("mbarrier.init", "an mbarrier init", signal=Signal.INIT)
+FENCE_MBAR_INIT = SyncKind("fence.mbarrier_init", "an init fence", signal=Signal.FENCE)
+MBAR_EXPECT_TX = SyncKind(
+    "mbarrier.arrive.expect_tx", "an arrival with transaction bytes", signal=Signal.EXPECT_TX
+)
+MBAR_ARRIVE = SyncKind("mbarrier.arrive", "an mbarrier arrival", signal=Signal.ARRIVE)
+MBAR_WAIT = SyncKind(
+    "mbarrier.try_wait.parity",
+    "an mbarrier wait",
+    completes=TMA_LOAD,
+    rule=WaitRule.PHASE_PARITY,
+    cost=2,
+)
+WGMMA_FENCE = SyncKind("wgmma.fence", "a wgmma register fence", signal=Signal.FENCE)
+WGMMA_COMMIT = SyncKind("wgmma.commit_group", "a wgmma commit", signal=Signal.COMMIT)
+WGMMA_WAIT = SyncKind(
+    "wgmma.wait_group", "a wgmma wait", completes=WGMMA, rule=WaitRule.NEWEST_PENDING, cost=2
+)
+BAR_SYNC = SyncKind(
+    "bar.sync", "a named barrier", scope=Scope.WARPGROUP, cost=5, signal=Signal.TURN_SYNC
+)
+BAR_ARRIVE = SyncKind("bar.arrive", "a named-barrier arrival", signal=Signal.TURN_ARRIVE)
+FENCE_PROXY_ASYNC = SyncKind("fence.proxy.async", "a proxy fence", signal=Signal.FENCE)
+BULK_COMMIT = SyncKind("cp.async.bulk.commit_group", "a bulk commit", signal=Signal.COMMIT)
+BULK_WAIT = SyncKind(
+    "cp.async.bulk.wait_group.read",
+    "a bulk wait",
+    completes=TMA_STORE,
+    rule=WaitRule.NEWEST_PENDING,
+    cost=2,
+)
+
+SYNC_MODEL = SyncModel(
+    async_kinds=(TMA_LOAD, WGMMA, TMA_STORE),
+    barriers=(BAR_SYNC, SYNCTHREADS),
+    waits=(MBAR_WAIT, WGMMA_WAIT, BULK_WAIT),
+    others=(
+        MBAR_INIT,
+        FENCE_MBAR_INIT,
+        MBAR_EXPECT_TX,
+        MBAR_ARRIVE,
+        WGMMA_FENCE,
+        WGMMA_COMMIT,
+        BAR_ARRIVE,
+        FENCE_PROXY_ASYNC,
+        BULK_COMMIT,
+    ),
+)
+
+
+def default_registers(consumers: int) -> tuple[int, int]:
+    """FlashAttention-3's setmaxnreg split (producer, consumer) for 1..3 consumer warpgroups."""
+    return {1: (56, 256), 2: (24, 240), 3: (32, 160)}[consumers]

@@ -1,0 +1,203 @@
+"""sm_90a's emitter glue: the template's slots, computed from the planned, synced kernel.
+
+The template (emit/sm90/kernel.cu.j2) holds the kernel's structure: setup, the
+producer branch (its elected thread's prologue / loop / epilogue) and the consumer
+branch (the loop twice: masked leading iterations, then unmasked ones). Each step is a
+macro of emit/sm90/ops.cu.j2, each sync one of its sync macros, with a comment naming
+the hazards it orders (or why it is there). Ring items are C++ expressions of ``it``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ...ir import Dtype, Kernel, Phase, Step, Sync, Threads
+from ...ops import Op
+from .caps import (
+    BAR_ARRIVE,
+    BAR_SYNC,
+    BULK_COMMIT,
+    BULK_WAIT,
+    FENCE_MBAR_INIT,
+    FENCE_PROXY_ASYNC,
+    MBAR_ARRIVE,
+    MBAR_EXPECT_TX,
+    MBAR_INIT,
+    MBAR_WAIT,
+    SYNCTHREADS,
+    WGMMA_COMMIT,
+    WGMMA_FENCE,
+    WGMMA_WAIT,
+)
+from .insert_syncs import role_of
+from .plan_smem import mbarrier_offset
+from .schedule import REGISTERS
+
+TEMPLATE = "sm90/kernel.cu.j2"
+
+_SYNC_MACROS = {
+    MBAR_INIT: "sync_mbar_init",
+    FENCE_MBAR_INIT: "sync_fence_mbar_init",
+    SYNCTHREADS: "sync_syncthreads",
+    MBAR_EXPECT_TX: "sync_expect_tx",
+    MBAR_ARRIVE: "sync_mbar_arrive",
+    MBAR_WAIT: "sync_mbar_wait",
+    WGMMA_FENCE: "sync_wgmma_fence",
+    WGMMA_COMMIT: "sync_wgmma_commit",
+    WGMMA_WAIT: "sync_wgmma_wait",
+    BAR_SYNC: "sync_bar_sync",
+    BAR_ARRIVE: "sync_bar_arrive",
+    FENCE_PROXY_ASYNC: "sync_fence_proxy_async",
+    BULK_COMMIT: "sync_bulk_commit",
+    BULK_WAIT: "sync_bulk_wait",
+}
+# Which threads of a role run a sync or step, as a C++ condition ('' = all of the role).
+_GUARDS = {
+    Threads.THREAD0: "threadIdx.x == 0",
+    Threads.CONSUMER_FIRST: "wg == 0",
+    Threads.CONSUMER_LAST: "wg == Cfg::kConsumerWGs - 1",
+    Threads.CONSUMER_WARP_LANE0: "lane == 0",
+}
+_REG_ARRAYS = {"S": "s", "P": "p", "O": "o"}
+
+
+def item_expr(lag: int) -> str:
+    return "it" if lag == 0 else f"it - {-lag}" if lag < 0 else f"it + {lag}"
+
+
+def _comment(sync: Sync) -> list[str]:
+    lines = [f"hazard {h.describe()}" for h in sync.serves]
+    if sync.note:
+        lines.append(sync.note)
+    return lines or [sync.kind.what]
+
+
+class _Render:
+    def __init__(self, kernel: Kernel) -> None:
+        self.kernel = kernel
+        self.in_flight: list[Step] = []
+        inits = [s for s in kernel.syncs() if s.kind == MBAR_INIT]
+        single = [s.barrier for s in inits if not self._ring(s.barrier)]
+        ring = [s.barrier for s in inits if self._ring(s.barrier)]
+        self.barriers = {name: (i, False) for i, name in enumerate(single)}
+        for j, name in enumerate(ring):
+            self.barriers[name] = (len(single) + j, True)
+        self.ring_barriers = len(ring)
+
+    def _ring(self, barrier: str) -> bool:
+        return self.kernel.buffer(barrier.split("_")[0].upper()).slots > 1
+
+    def bar(self, name: str, lag: int | None) -> str:
+        index, ring = self.barriers[name]
+        if not ring:
+            return f"bar_{name}"
+        return f"bar_{name}(ring_slot({item_expr(lag)}))"
+
+    def sync(self, sync: Sync) -> dict[str, Any]:
+        args: dict[str, Any] = {}
+        if sync.barrier and sync.barrier in self.barriers:
+            index, ring = self.barriers[sync.barrier]
+            args["ring"] = ring
+            args["name"] = sync.barrier
+            if sync.kind != MBAR_INIT:
+                args["bar"] = self.bar(sync.barrier, sync.lag)
+        if sync.parity is not None:
+            args["parity"] = {
+                "0": "0",
+                "phase": f"ring_phase({item_expr(sync.lag or 0)})",
+                "phase^1": f"ring_phase({item_expr(sync.lag or 0)}) ^ 1u",
+            }[sync.parity.value]
+        if sync.bar_id >= 0:
+            if sync.peer is None:
+                args["id"] = str(sync.bar_id)
+            elif sync.peer == 0:
+                args["id"] = f"{sync.bar_id} + wg"
+            else:
+                args["id"] = f"{sync.bar_id} + (wg + {sync.peer}) % Cfg::kConsumerWGs"
+        args["count"] = sync.count
+        args["tx"] = sync.tx
+        args["groups"] = sync.groups
+        fences = []
+        if sync.kind == WGMMA_WAIT:
+            keep = sync.groups
+            retired = self.in_flight[: len(self.in_flight) - keep]
+            self.in_flight = self.in_flight[len(self.in_flight) - keep :]
+            regs = sorted({r for s in retired for r in REGISTERS[s.op][1] | REGISTERS[s.op][0]})
+            fences = [_REG_ARRAYS[r] for r in regs]
+        args["fences"] = fences
+        return {
+            "kind": "sync",
+            "macro": _SYNC_MACROS[sync.kind],
+            "args": args,
+            "guard": _GUARDS.get(sync.who, ""),
+            "elected": sync.who is Threads.CONSUMER_ELECTED,
+            "comment": _comment(sync),
+        }
+
+    def step(self, step: Step, phase: Phase) -> dict[str, Any]:
+        if step.op is Op.QK or step.op is Op.PV:
+            self.in_flight.append(step)
+        return {
+            "kind": "step",
+            "macro": step.op.spelling,
+            "args": {
+                "item": item_expr(step.lag) if step.lag is not None else "",
+                "phase": phase.value,
+                "role": role_of(step.who),
+                "tensor": "" if step.op.tensor is None else step.op.tensor.value.lower(),
+            },
+            "guard": _GUARDS.get(step.who, ""),
+            "elected": step.who is Threads.CONSUMER_ELECTED,
+            "comment": [step.title] if step.title else [],
+        }
+
+
+def context(kernel: Kernel, dtype: Dtype) -> dict[str, Any]:
+    cfg = kernel.config
+    hw = cfg.hopper
+    assert hw is not None and kernel.smem_bytes is not None
+    render = _Render(kernel)
+    roles: dict[str, dict[str, list]] = {
+        r: {p.value: [] for p in Phase} for r in ("setup", "producer", "consumers")
+    }
+    for phase, items in kernel.phases():
+        for item in items:
+            role = role_of(item.who)
+            rendered = render.sync(item) if isinstance(item, Sync) else render.step(item, phase)
+            roles[role][phase.value].append(rendered)
+    # The consumers' epilogue runs its GEMM part only when there are blocks (inside the
+    # `if (n_blocks > 0)`), its tail (normalise, store) always.
+    epi = roles["consumers"]["epilogue"]
+    cut = next(i for i, x in enumerate(epi) if x["macro"] == Op.NORMALIZE.spelling)
+    pro = roles["consumers"]["prologue"]
+    head = [x for x in pro if x["macro"] in (Op.SETMAXNREG.spelling, Op.INIT.spelling)]
+    bufs = {b.name: b for b in kernel.buffers}
+    return {
+        "head_dim": cfg.head_dim,
+        "block_r": cfg.block_r,
+        "block_c": cfg.block_c,
+        "consumers": hw.consumers,
+        "stages": hw.stages,
+        "producer_regs": hw.producer_regs,
+        "consumer_regs": hw.consumer_regs,
+        "pingpong": hw.pingpong,
+        "overlap": hw.overlap,
+        "mask": cfg.mask.value,
+        "cuda_type": dtype.cuda_type,
+        "smem_bytes": kernel.smem_bytes,
+        "offsets": {name: b.offset for name, b in bufs.items()},
+        "off_bar": mbarrier_offset(kernel),
+        "barriers": {name: index for name, (index, _) in render.barriers.items()},
+        "ring_barriers": render.ring_barriers,
+        "num_barriers": len(render.barriers)
+        - render.ring_barriers
+        + render.ring_barriers * hw.stages,
+        "setup": roles["setup"]["prologue"],
+        "producer": roles["producer"],
+        "consumer_head": head,
+        "consumer_prologue": [x for x in pro if x not in head],
+        "consumer_loop": roles["consumers"]["mainloop"],
+        "consumer_epilogue": epi[:cut],
+        "consumer_tail": [x for x in epi[cut:] if not x["elected"]],
+        "consumer_store": [x for x in epi[cut:] if x["elected"]],
+    }

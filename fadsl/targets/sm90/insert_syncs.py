@@ -1,0 +1,525 @@
+"""insert_syncs (sm_90a): the mbarrier pipeline, wgmma groups, named barriers and fences.
+
+Derived from the schedule's steps (role, ring item, SMEM accesses, async kind) and the
+consumer ops' register uses (schedule.REGISTERS); each sync records the hazards it orders:
+
+- a TMA load by the producer, read by the consumers (RAW across roles): the producer
+  arms the buffer's full mbarrier (arrive.expect_tx with the tile's bytes) before the
+  load; the consumers wait on it with the parity of the item's round before the first
+  step that reads the item. Q's barrier is one-shot (parity 0);
+- a ring slot read by a consumer wgmma and refilled by the producer a round later (WAR
+  across roles, across the back edge): once a wgmma wait has retired the reading group,
+  lane 0 of each consumer warp arrives on the slot's empty barrier (count = consumer
+  warps); the producer waits on it with the flipped parity before the load;
+- wgmma results and operands in registers (RAW/WAR within a warpgroup): each wgmma is
+  preceded by wgmma.fence and followed by its own commit group; before a step that
+  touches registers an in-flight group writes (or reads), wgmma.wait_group N keeps the
+  N newer groups in flight. With ``overlap off`` every GEMM is waited for at once;
+- ping-pong (``pingpong on``, performance, no hazard): each warpgroup's run of wgmma
+  issues is a turn: bar.sync on its own named barrier before, bar.arrive on the next
+  warpgroup's after; the last warpgroup opens warpgroup 0's first turn and warpgroup 0
+  takes the last hand-over, so every arrive is matched;
+- O over the dead rings (WAR across consumer warpgroups): a named barrier of every
+  consumer thread before stmatrix; stmatrix (generic proxy) before the TMA store (async
+  proxy): fence.proxy.async, then the warpgroup's named barrier (the elected thread
+  stores rows the others wrote); the store's SMEM reads complete before the CTA exits:
+  bulk commit and wait_group.read 0;
+- mbarrier init by thread 0, fence.mbarrier_init, __syncthreads before any use.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from ... import targets
+from ...ir import Hazard, HazardKind, Item, Kernel, Mode, Parity, Phase, Scope, Step, Sync, Threads
+from ...ops import Op
+from .caps import (
+    BAR_ARRIVE,
+    BAR_SYNC,
+    BULK_COMMIT,
+    BULK_WAIT,
+    FENCE_MBAR_INIT,
+    FENCE_PROXY_ASYNC,
+    MBAR_ARRIVE,
+    MBAR_EXPECT_TX,
+    MBAR_INIT,
+    MBAR_WAIT,
+    SYNCTHREADS,
+    TMA_LOAD,
+    TMA_STORE,
+    WGMMA,
+    WGMMA_COMMIT,
+    WGMMA_FENCE,
+    WGMMA_WAIT,
+)
+from .schedule import REGISTERS
+
+# Named barrier ids (0 is __syncthreads); per-warpgroup ones take consumers ids from the base.
+RING_DEAD_ID = 1
+O_STORE_ID = 2  # + wg (up to 3 consumer warpgroups: 2..4)
+TURN_ID = 5  # + wg
+TURN_THREADS = 256  # the warpgroup waiting for its turn + the one handing over
+
+PRODUCER_ROLES = (Threads.PRODUCER, Threads.PRODUCER_THREAD)
+TO_CONSUMERS = "producer -> consumers"
+TO_PRODUCER = "consumers -> producer"
+
+
+def role_of(who: Threads) -> str:
+    """'setup', 'producer' or 'consumers': the program a step or sync belongs to."""
+    if who in (Threads.ALL_WARPS, Threads.THREAD0):
+        return "setup"
+    return "producer" if who in PRODUCER_ROLES else "consumers"
+
+
+def _hazard(kind, earlier, later, buf, later_buf=None, back=False, async_write=False, across=""):
+    return Hazard(
+        kind=kind,
+        earlier=earlier,
+        later=later,
+        earlier_buffer=buf,
+        later_buffer=later_buf or buf,
+        scope=Scope.CTA if across else Scope.WARPGROUP,
+        back_edge=back,
+        async_write=async_write,
+        across=across,
+    )
+
+
+@dataclass
+class _Group:
+    """A committed wgmma group in flight in each consumer warpgroup."""
+
+    step: Step
+    reads: frozenset[str]
+    writes: frozenset[str]
+
+
+@dataclass
+class _Consumers:
+    """The consumer program being built, with what is in flight."""
+
+    kernel: Kernel
+    readers: dict[str, list[Step]]  # buffer -> the consumer steps that read it
+    in_flight: list[_Group] = field(default_factory=list)
+    in_turn: bool = False
+    q_waited: set[str] = field(default_factory=set)
+    out: list[Item] = field(default_factory=list)
+
+    @property
+    def hw(self):
+        return self.kernel.config.hopper
+
+    def sync(self, kind, phase, serves=(), who=Threads.CONSUMERS, **args) -> None:
+        self.out.append(Sync(kind, phase, tuple(serves), self.kernel.config.loc, who=who, **args))
+
+    def open_turn(self, phase: Phase) -> None:
+        self.sync(
+            BAR_ARRIVE,
+            phase,
+            who=Threads.CONSUMER_LAST,
+            barrier="turn",
+            bar_id=TURN_ID,
+            count=TURN_THREADS,
+            note="ping-pong: the last warpgroup opens warpgroup 0's first turn",
+        )
+
+    def take_turn(self, phase: Phase) -> None:
+        if self.hw.pingpong and not self.in_turn:
+            self.sync(
+                BAR_SYNC,
+                phase,
+                barrier="turn",
+                bar_id=TURN_ID,
+                peer=0,
+                count=TURN_THREADS,
+                note="ping-pong: wait for this warpgroup's turn on the tensor cores",
+            )
+            self.in_turn = True
+
+    def hand_over(self, phase: Phase) -> None:
+        if self.in_turn:
+            self.sync(
+                BAR_ARRIVE,
+                phase,
+                barrier="turn",
+                bar_id=TURN_ID,
+                peer=1,
+                count=TURN_THREADS,
+                note="ping-pong: hand the tensor cores to the next warpgroup",
+            )
+            self.in_turn = False
+
+    def wait_full(self, step: Step, phase: Phase, waited: set) -> None:
+        """The consumers' mbarrier wait before the first read of a TMA-loaded item."""
+        for access in step.accesses:
+            buf = self.kernel.buffer(access.buffer)
+            key = (buf.name, step.lag if buf.slots > 1 else None)
+            if access.mode is not Mode.READ or key in waited or buf.name in self.q_waited:
+                continue
+            waited.add(key)
+            if buf.slots == 1:
+                self.q_waited.add(buf.name)
+            loads = [s for s in self.kernel.steps() if _writes(s, buf.name, TMA_LOAD)]
+            self.sync(
+                MBAR_WAIT,
+                phase,
+                [
+                    _hazard(
+                        HazardKind.RAW,
+                        load.op,
+                        step.op,
+                        buf.name,
+                        async_write=True,
+                        across=TO_CONSUMERS,
+                    )
+                    for load in loads[:1]
+                ],
+                barrier=f"{buf.name.lower()}_full",
+                lag=step.lag if buf.slots > 1 else None,
+                parity=Parity.PHASE if buf.slots > 1 else Parity.ZERO,
+            )
+
+    def wait_groups(self, step: Step | None, phase: Phase, force: bool = False) -> None:
+        """wgmma.wait_group N before ``step`` if it touches registers an in-flight group uses."""
+        reads, writes = REGISTERS.get(step.op, (frozenset(), frozenset())) if step else ((), ())
+        newest = -1
+        served = []
+        for index, group in enumerate(self.in_flight):
+            raw = group.writes & (set(reads) | set(writes))
+            war = group.reads & set(writes)
+            for reg in sorted(raw):
+                served.append(
+                    _hazard(HazardKind.RAW, group.step.op, step.op, f"{reg} (rf)", async_write=True)
+                )
+            for reg in sorted(war - raw):
+                served.append(_hazard(HazardKind.WAR, group.step.op, step.op, f"{reg} (rf)"))
+            if raw or war or force:
+                newest = index
+        if newest < 0:
+            return
+        self.hand_over(phase)
+        retired, self.in_flight = self.in_flight[: newest + 1], self.in_flight[newest + 1 :]
+        note = "" if served else "overlap off: one GEMM in flight at a time"
+        self.out.append(
+            Sync(
+                WGMMA_WAIT,
+                phase,
+                tuple(served),
+                self.kernel.config.loc,
+                groups=len(self.in_flight),
+                who=Threads.CONSUMERS,
+                note=note,
+            )
+        )
+        for group in retired:
+            self.release(group.step, phase)
+
+    def release(self, step: Step, phase: Phase) -> None:
+        """Empty-barrier arrivals for the ring slots a retired wgmma group has read."""
+        for access in step.accesses:
+            buf = self.kernel.buffer(access.buffer)
+            if buf.slots == 1:
+                continue
+            loads = [s for s in self.kernel.steps() if _writes(s, buf.name, TMA_LOAD)]
+            self.sync(
+                MBAR_ARRIVE,
+                phase,
+                [
+                    _hazard(
+                        HazardKind.WAR,
+                        step.op,
+                        loads[0].op,
+                        buf.name,
+                        back=True,
+                        across=TO_PRODUCER,
+                    )
+                ],
+                who=Threads.CONSUMER_WARP_LANE0,
+                barrier=f"{buf.name.lower()}_empty",
+                lag=step.lag,
+            )
+
+
+def _writes(step: Step, buffer: str, kind=None) -> bool:
+    return any(a.buffer == buffer and a.mode is Mode.WRITE for a in step.accesses) and (
+        kind is None or step.async_kind == kind
+    )
+
+
+def _overlaps(a, b) -> bool:
+    return a.offset < b.offset + b.nbytes and b.offset < a.offset + a.nbytes
+
+
+def insert_syncs(kernel: Kernel, target: targets.Target) -> Kernel:
+    hw = kernel.config.hopper
+    assert hw is not None and kernel.smem_bytes is not None, "run plan_smem first"
+    steps = kernel.steps()
+    consumer_steps = [s for s in steps if role_of(s.who) == "consumers"]
+    readers: dict[str, list[Step]] = {}
+    for s in consumer_steps:
+        for a in s.accesses:
+            if a.mode is Mode.READ:
+                readers.setdefault(a.buffer, []).append(s)
+    loc = kernel.config.loc
+
+    # --- setup: one mbarrier per TMA-loaded tile (full) and per ring (empty) ---------
+    setup: list[Item] = []
+    init_note = "mbarrier.init before any arrive, wait or complete_tx"
+    for buf in kernel.buffers:
+        if not any(_writes(s, buf.name, TMA_LOAD) for s in steps):
+            continue
+        ring = buf.slots > 1
+        setup.append(
+            Sync(
+                MBAR_INIT,
+                Phase.PROLOGUE,
+                (),
+                loc,
+                who=Threads.THREAD0,
+                barrier=f"{buf.name.lower()}_full",
+                count=1,
+                note=init_note + " (one arrival: the producer's arrive.expect_tx)",
+            )
+        )
+        if ring:
+            setup.append(
+                Sync(
+                    MBAR_INIT,
+                    Phase.PROLOGUE,
+                    (),
+                    loc,
+                    who=Threads.THREAD0,
+                    barrier=f"{buf.name.lower()}_empty",
+                    count=4 * hw.consumers,
+                    note=init_note + " (one arrival per consumer warp)",
+                )
+            )
+    if setup:
+        setup.append(
+            Sync(
+                FENCE_MBAR_INIT,
+                Phase.PROLOGUE,
+                (),
+                loc,
+                who=Threads.THREAD0,
+                note="mbarrier.init visible to the async proxy (TMA complete_tx)",
+            )
+        )
+        setup.append(
+            Sync(
+                SYNCTHREADS,
+                Phase.PROLOGUE,
+                (),
+                loc,
+                note="mbarrier.init (thread 0) before every other thread's arrive or wait",
+            )
+        )
+
+    # --- producer: arm the full barrier; wait for the slot's previous round to be read ---
+    def producer(items: tuple[Item, ...], phase: Phase) -> list[Item]:
+        out: list[Item] = []
+        for step in items:
+            if not isinstance(step, Step) or role_of(step.who) != "producer":
+                continue
+            if step.async_kind == TMA_LOAD:
+                (access,) = step.accesses
+                buf = kernel.buffer(access.buffer)
+                name = buf.name.lower()
+                lag = step.lag if buf.slots > 1 else None
+                raws = [
+                    _hazard(
+                        HazardKind.RAW,
+                        step.op,
+                        r.op,
+                        buf.name,
+                        async_write=True,
+                        across=TO_CONSUMERS,
+                    )
+                    for r in _unique_ops(readers.get(buf.name, []))
+                ]
+                if buf.slots > 1:
+                    wars = [
+                        _hazard(
+                            HazardKind.WAR, r.op, step.op, buf.name, back=True, across=TO_PRODUCER
+                        )
+                        for r in _unique_ops(readers.get(buf.name, []))
+                    ]
+                    out.append(
+                        Sync(
+                            MBAR_WAIT,
+                            phase,
+                            tuple(wars),
+                            loc,
+                            who=Threads.PRODUCER_THREAD,
+                            barrier=f"{name}_empty",
+                            lag=lag,
+                            parity=Parity.PHASE_FLIP,
+                        )
+                    )
+                out.append(
+                    Sync(
+                        MBAR_EXPECT_TX,
+                        phase,
+                        tuple(raws),
+                        loc,
+                        who=Threads.PRODUCER_THREAD,
+                        barrier=f"{name}_full",
+                        lag=lag,
+                        tx=buf.tile_bytes,
+                    )
+                )
+            out.append(step)
+        return out
+
+    # --- consumers -----------------------------------------------------------------
+    c = _Consumers(kernel, readers)
+    last_wgmma = max(i for i, s in enumerate(consumer_steps) if s.async_kind == WGMMA)
+    position = 0
+    opened = False
+    for phase, items in kernel.phases():
+        waited: set = set()
+        for step in items:
+            if not isinstance(step, Step) or role_of(step.who) != "consumers":
+                continue
+            if step.async_kind == WGMMA:
+                if hw.pingpong and not opened:
+                    c.open_turn(phase)
+                    opened = True
+                c.wait_groups(step, phase)
+                c.wait_full(step, phase, waited)
+                c.take_turn(phase)
+                c.sync(
+                    WGMMA_FENCE,
+                    phase,
+                    note="registers written by ordinary code (O rescaled, P converted) before wgmma reads them",
+                )
+                c.out.append(step)
+                c.sync(WGMMA_COMMIT, phase, note=f"closes {step.op.spelling}'s wgmma group")
+                reads, writes = REGISTERS[step.op]
+                c.in_flight.append(_Group(step, reads, writes))
+                if not hw.overlap:
+                    c.wait_groups(None, phase, force=True)
+            else:
+                c.wait_groups(step, phase)
+                if position > last_wgmma and hw.pingpong and not c.in_flight and opened:
+                    c.sync(
+                        BAR_SYNC,
+                        phase,
+                        who=Threads.CONSUMER_FIRST,
+                        barrier="turn",
+                        bar_id=TURN_ID,
+                        count=TURN_THREADS,
+                        note="ping-pong: warpgroup 0 takes the last warpgroup's final hand-over, so every bar.arrive is matched",
+                    )
+                    opened = False
+                _before_smem(c, step, phase)
+                c.out.append(step)
+                if step.async_kind == TMA_STORE:
+                    c.sync(
+                        BULK_COMMIT,
+                        phase,
+                        who=Threads.CONSUMER_ELECTED,
+                        note="closes the TMA store's bulk group",
+                    )
+                    c.sync(
+                        BULK_WAIT,
+                        phase,
+                        who=Threads.CONSUMER_ELECTED,
+                        groups=0,
+                        note="SMEM stays allocated until the TMA store has read it (CTA exit)",
+                    )
+            position += 1
+        c.out.append(_PhaseEnd(phase))
+
+    consumer_items: dict[Phase, list[Item]] = {p: [] for p in Phase}
+    phase_of = Phase.PROLOGUE
+    current: list[Item] = []
+    for item in c.out:
+        if isinstance(item, _PhaseEnd):
+            consumer_items[item.phase] = current
+            current = []
+        else:
+            current.append(item)
+    new = {}
+    for phase, items in kernel.phases():
+        head = setup if phase is Phase.PROLOGUE else []
+        new[phase] = tuple(head + producer(items, phase) + consumer_items[phase])
+    del phase_of
+    return replace(
+        kernel,
+        prologue=new[Phase.PROLOGUE],
+        mainloop=new[Phase.MAINLOOP],
+        epilogue=new[Phase.EPILOGUE],
+    )
+
+
+@dataclass(frozen=True)
+class _PhaseEnd:
+    phase: Phase
+
+
+def _unique_ops(steps: list[Step]) -> list[Step]:
+    seen: dict[Op, Step] = {}
+    for s in steps:
+        seen.setdefault(s.op, s)
+    return list(seen.values())
+
+
+def _before_smem(c: _Consumers, step: Step, phase: Phase) -> None:
+    """Named barriers and the proxy fence before a consumer's generic SMEM write or TMA store."""
+    kernel = c.kernel
+    for access in step.accesses:
+        buf = kernel.buffer(access.buffer)
+        if access.mode is Mode.WRITE and step.async_kind is None:
+            # WAR against every consumer warpgroup's wgmma reads of the bytes it overwrites
+            served = []
+            for other in kernel.buffers:
+                if other.name == buf.name or not _overlaps(other, buf):
+                    continue
+                for reader in _unique_ops(c.readers.get(other.name, [])):
+                    served.append(
+                        _hazard(
+                            HazardKind.WAR,
+                            reader.op,
+                            step.op,
+                            other.name,
+                            buf.name,
+                            across="consumer warpgroups cross",
+                        )
+                    )
+            if served:
+                c.sync(
+                    BAR_SYNC,
+                    phase,
+                    served,
+                    barrier="ring_dead",
+                    bar_id=RING_DEAD_ID,
+                    count=128 * c.hw.consumers,
+                )
+        if access.mode is Mode.READ and step.async_kind == TMA_STORE:
+            writers = [s for s in kernel.steps() if _writes(s, buf.name) and s.async_kind is None]
+            for w in writers:
+                c.sync(
+                    FENCE_PROXY_ASYNC,
+                    phase,
+                    [
+                        _hazard(
+                            HazardKind.RAW,
+                            w.op,
+                            step.op,
+                            buf.name,
+                            across="generic proxy -> async proxy",
+                        )
+                    ],
+                )
+            c.sync(
+                BAR_SYNC,
+                phase,
+                [_hazard(HazardKind.RAW, w.op, step.op, buf.name) for w in writers],
+                barrier="o_store",
+                bar_id=O_STORE_ID,
+                peer=0,
+                count=128,
+            )

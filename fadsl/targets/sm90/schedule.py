@@ -1,0 +1,183 @@
+"""sm_90a's schedule: which role runs each step, which ring item it works on, what it touches.
+
+Roles (``Step.who``): the producer warpgroup (setmaxnreg.dec) whose elected thread
+issues every TMA load; the consumer warpgroups (setmaxnreg.inc), each running every
+consumer step on its own 64 query rows (``Partition.SLICE`` of a warpgroup-scoped
+tile) or the whole of a CTA-scoped K/V slot (``Partition.WHOLE``).
+
+The K/V blocks are items of two rings (``Buffer.slots`` = stages). Both roles run the
+same iteration space: the prologue at it = 0, the mainloop at it = 1 .. n_blocks - 1,
+the epilogue at it = n_blocks; a ring step works on item it + lag (``Step.lag``):
+
+  producer   prologue Q, K(it)     mainloop K(it), V(it-1)     epilogue V(it-1)
+  consumers  prologue S(it), softmax(it), P                     (K one block ahead of V)
+             mainloop, overlap on:  S(it), rescale O, O += P V(it-1), softmax(it), P
+             mainloop, overlap off: rescale O, O += P V(it-1), S(it), softmax(it), P
+             epilogue rescale O, O += P V(it-1), normalise, O -> smem, O -> gmem
+
+S = Q K^T and O += P V are wgmma (async: ``WGMMA``), the loads TMA (``TMA_LOAD``), O's
+store a TMA store (``TMA_STORE``). Register tiles are not SMEM buffers: their uses are
+``REGISTERS`` below, which the sync pass reads to place wgmma waits. No syncs yet.
+"""
+
+from __future__ import annotations
+
+from ...ir import Access, Buffer, Kernel, Mode, Partition, Phase, Role, Scope, Step, Threads
+from ...lower import Lowered
+from ...ops import Move, Op
+from .caps import TMA_LOAD, TMA_STORE, WGMMA
+
+# Register tiles each consumer op reads and writes (per thread, in the warpgroup's rows).
+S, P, O_ACC = "S", "P", "O"
+REGISTERS: dict[Op, tuple[frozenset[str], frozenset[str]]] = {  # op -> (reads, writes)
+    Op.INIT: (frozenset(), frozenset({O_ACC})),
+    Op.QK: (frozenset(), frozenset({S})),
+    Op.SOFTMAX: (frozenset({S}), frozenset({S})),
+    Op.CONVERT_P: (frozenset({S}), frozenset({P})),
+    Op.RESCALE_O: (frozenset({O_ACC}), frozenset({O_ACC})),
+    Op.PV: (frozenset({P, O_ACC}), frozenset({O_ACC})),
+    Op.NORMALIZE: (frozenset({O_ACC}), frozenset({O_ACC})),
+    Op.O_R2S: (frozenset({O_ACC}), frozenset()),
+}
+
+
+def build_schedule(lowered: Lowered) -> Kernel:
+    cfg = lowered.config
+    hw = cfg.hopper
+    assert hw is not None
+    tensors = {t.role: t for t in lowered.tensors}
+    elem = cfg.dtypes[0].nbytes
+    rows = {Role.Q: cfg.block_r, Role.K: cfg.block_c, Role.V: cfg.block_c, Role.O: cfg.block_r}
+    buffers = tuple(
+        Buffer(
+            name=role.value,
+            rows=rows[role],
+            cols=cfg.head_dim,
+            elem_bytes=elem,
+            scope=tensors[role].smem_scope,
+            swizzle=None,
+            loc=tensors[role].loc,
+            slots=hw.stages if role in (Role.K, Role.V) else 1,
+        )
+        for role in Role
+    )
+
+    def loc(role: Role, hop: int):
+        return tensors[role].hops[hop].loc
+
+    def load(role: Role, phase: Phase, lag: int | None) -> Step:
+        what = "the CTA's Q tile" if lag is None else f"{role.value}(it{lag:+d})"
+        what = what.replace("(it+0)", "(it)")
+        return Step(
+            op=Op.of(role, Move.G2S),
+            phase=phase,
+            accesses=(Access(role.value, Mode.WRITE, Partition.WHOLE),),
+            async_kind=TMA_LOAD,
+            title=f"{what}: gmem -> smem (TMA, {rows[role]} rows in 64-column panels, "
+            f"128-byte swizzle)" + ("" if lag is None else " into its ring slot"),
+            loc=loc(role, 0),
+            who=Threads.PRODUCER_THREAD,
+            lag=lag,
+        )
+
+    def consumer(op: Op, phase: Phase, title: str, where, accesses=(), lag=None, kind=None):
+        return Step(op, phase, tuple(accesses), kind, title, where, Threads.CONSUMERS, lag)
+
+    def qk(phase: Phase) -> Step:
+        return consumer(
+            Op.QK,
+            phase,
+            "S = Q K^T (wgmma, Q and K from SMEM through descriptors), one commit group",
+            loc(Role.K, 1),
+            (Access("Q", Mode.READ, Partition.SLICE), Access("K", Mode.READ, Partition.WHOLE)),
+            lag=0,
+            kind=WGMMA,
+        )
+
+    def pv(phase: Phase) -> Step:
+        return consumer(
+            Op.PV,
+            phase,
+            "O += P V(it-1) (wgmma, P from registers, V from SMEM), one commit group",
+            loc(Role.V, 1),
+            (Access("V", Mode.READ, Partition.WHOLE),),
+            lag=-1,
+            kind=WGMMA,
+        )
+
+    def softmax(phase: Phase) -> list[Step]:
+        return [
+            consumer(
+                Op.SOFTMAX,
+                phase,
+                "mask (leading iterations only) and online softmax of S in place",
+                cfg.loc,
+            ),
+            consumer(Op.CONVERT_P, phase, "P to 16-bit pairs (the A operand of P V)", cfg.loc),
+        ]
+
+    def rescale(phase: Phase) -> Step:
+        return consumer(Op.RESCALE_O, phase, "O *= the previous softmax's rescale", cfg.loc)
+
+    regs = Step(
+        Op.SETMAXNREG,
+        Phase.PROLOGUE,
+        (),
+        None,
+        f"setmaxnreg.dec to {hw.producer_regs} registers",
+        cfg.loc_of("registers"),
+        Threads.PRODUCER,
+    )
+    prologue = [
+        regs,
+        load(Role.Q, Phase.PROLOGUE, None),
+        load(Role.K, Phase.PROLOGUE, 0),
+        consumer(
+            Op.SETMAXNREG,
+            Phase.PROLOGUE,
+            f"setmaxnreg.inc to {hw.consumer_regs} registers",
+            cfg.loc_of("registers"),
+        ),
+        consumer(Op.INIT, Phase.PROLOGUE, "O = 0, m = -inf, l = 0", cfg.loc),
+        qk(Phase.PROLOGUE),
+        *softmax(Phase.PROLOGUE),
+    ]
+    loop = [load(Role.K, Phase.MAINLOOP, 0), load(Role.V, Phase.MAINLOOP, -1)]
+    if hw.overlap:
+        loop += [qk(Phase.MAINLOOP), rescale(Phase.MAINLOOP), pv(Phase.MAINLOOP)]
+    else:
+        loop += [rescale(Phase.MAINLOOP), pv(Phase.MAINLOOP), qk(Phase.MAINLOOP)]
+    loop += softmax(Phase.MAINLOOP)
+    o_slice = (Access("O", Mode.WRITE, Partition.SLICE),)
+    epilogue = [
+        load(Role.V, Phase.EPILOGUE, -1),
+        rescale(Phase.EPILOGUE),
+        pv(Phase.EPILOGUE),
+        consumer(Op.NORMALIZE, Phase.EPILOGUE, "row sums, LSE, O /= l", cfg.loc),
+        consumer(
+            Op.O_R2S,
+            Phase.EPILOGUE,
+            "O -> 16 bits -> the warpgroup's rows of the O tile in SMEM (stmatrix)",
+            loc(Role.O, 0),
+            o_slice,
+        ),
+        Step(
+            Op.O_S2G,
+            Phase.EPILOGUE,
+            (Access("O", Mode.READ, Partition.SLICE),),
+            TMA_STORE,
+            "the warpgroup's 64 O rows: smem -> gmem (TMA store, rows past seqlen_q clipped)",
+            loc(Role.O, 1),
+            Threads.CONSUMER_ELECTED,
+        ),
+    ]
+    assert all(t.smem_scope in (Scope.WARPGROUP, Scope.CTA) for t in tensors.values())
+    return Kernel(
+        config=cfg,
+        tensors=lowered.tensors,
+        buffers=buffers,
+        prologue=tuple(prologue),
+        mainloop=tuple(loop),
+        epilogue=tuple(epilogue),
+        loop_may_be_empty=True,  # n_blocks = 1 runs no mainloop iteration
+    )

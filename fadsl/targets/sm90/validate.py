@@ -1,0 +1,225 @@
+"""sm_90a's checks of a spec: what TMA, wgmma and warp specialisation allow, with located errors.
+
+- head_dim 64, 128 or 256; B_c a multiple of 16 up to 256 (wgmma's N for S = Q K^T and
+  TMA's box rows); B_r = 64 x consumer warpgroups (wgmma's M per warpgroup);
+- warpgroups: one producer and 1 to 3 consumers; setmaxnreg values multiples of 8 in
+  [24, 256] whose total over the CTA fits the SM's 64K registers, and a consumer
+  budget that holds the consumer's register tiles (``consumer_registers``, an estimate;
+  nvcc's 0-spill check is the real guard);
+- the SMEM plan (Q + 2 x stages x B_c x d x 2 bytes + mbarriers) fits 227 KiB;
+- paths: Q, K, V gmem -tma-> smem -wgmma-> rf (wgmma reads the SMEM tile through a
+  descriptor), O rf -stmatrix-> smem -tma-> gmem; Q and O warpgroup-scoped, K and V
+  CTA-scoped; `swizzle 128B` (TMA's and wgmma's layout);
+- ping-pong needs two consumer warpgroups; the schedule is set by `pingpong` and
+  `overlap`, not by a mainloop block.
+TMA's 16-byte stride and alignment rules concern the tensors: the runtime checks them.
+"""
+
+from __future__ import annotations
+
+from ...checks import Checks, and_list
+from ...ir import AliasPolicy, Config, Hopper, Instr, Level, Mask, Role, Scope, Tensor
+from ...syntax import PathDecl
+from .caps import (
+    CAPABILITIES,
+    HEAD_DIMS,
+    MAX_CONSUMERS,
+    REGISTERS_PER_SM,
+    ROWS_PER_CONSUMER,
+    SETMAXNREG_RANGE,
+    default_registers,
+)
+
+SCOPES = {Role.Q: Scope.WARPGROUP, Role.K: Scope.CTA, Role.V: Scope.CTA, Role.O: Scope.WARPGROUP}
+OVERHEAD_REGS = 24  # softmax state, addresses, loop counters: an estimate
+
+
+def smem_bytes(block_r: int, block_c: int, head_dim: int, stages: int) -> int:
+    """The plan's size: Q, the K and V rings, 1 + 4 x stages mbarriers, 1024 bytes of
+    alignment slack (O lies over the dead V ring)."""
+    return (block_r + 2 * stages * block_c) * head_dim * 2 + 8 * (1 + 4 * stages) + 1024
+
+
+def consumer_registers(head_dim: int, block_c: int, overlap: bool) -> list[tuple[str, int]]:
+    """Registers per consumer thread live at once: O's and S's fp32 accumulators (a
+    warpgroup's 64 rows over 128 threads: d/2 and B_c/2) and, with overlap, P(j) as 16-bit
+    pairs (B_c/4) while S(j+1) is in flight."""
+    parts = [("O accumulators", head_dim // 2), ("S accumulators", block_c // 2)]
+    if overlap:
+        parts.append(("P of the previous block, held during S (overlap on)", block_c // 4))
+    parts.append(("softmax state and addresses", OVERHEAD_REGS))
+    return parts
+
+
+def validate(c: Checks, tensors: dict[Role, Tensor]) -> bool:
+    v = c.values
+    ok = True
+    head_dim = v["head_dim"]
+    block_r, block_c = v["tile"]["B_r"], v["tile"]["B_c"]
+    if head_dim not in HEAD_DIMS:
+        c.error(
+            c.key_locs["head_dim"],
+            f"head_dim {head_dim} is not supported on sm_90a; expected 64, 128 or 256 "
+            "(whole 64-column panels of the 128-byte swizzle)",
+        )
+        ok = False
+    groups = v["warpgroups"]
+    consumers = groups["consumers"]
+    if groups["producer"] != 1:
+        c.error(
+            c.key_locs["warpgroups.producer"],
+            f"producer = {groups['producer']}: one producer warpgroup issues every TMA load",
+        )
+        ok = False
+    if not 1 <= consumers <= MAX_CONSUMERS:
+        c.error(
+            c.key_locs["warpgroups.consumers"],
+            f"consumers = {consumers} is out of range (1 to {MAX_CONSUMERS} consumer warpgroups)",
+        )
+        return False
+    if block_r != ROWS_PER_CONSUMER * consumers:
+        c.error(
+            c.key_locs["B_r"],
+            f"B_r = {block_r} must be 64 x consumers = {ROWS_PER_CONSUMER * consumers}: each "
+            "consumer warpgroup owns 64 query rows (wgmma's M)",
+        )
+        ok = False
+    if block_c > 256:
+        c.error(c.key_locs["B_c"], f"B_c = {block_c} is over 256 (wgmma's N and TMA's box)")
+        ok = False
+    stages = v.get("stages", 2)
+    need = smem_bytes(block_r, block_c, head_dim, stages)
+    if ok and need > CAPABILITIES.smem_per_cta:
+        where = c.key_locs.get("stages_value", c.key_locs["B_c"])
+        c.error(
+            where,
+            f"the SMEM plan needs {need} bytes (Q {block_r}x{head_dim}, K and V rings of "
+            f"{stages} x {block_c}x{head_dim}, bf16/fp16, mbarriers, alignment), over "
+            f"sm_90a's {CAPABILITIES.smem_per_cta}; use fewer stages or a smaller B_c",
+        )
+        ok = False
+    ok = _registers(c, consumers, head_dim, block_c) and ok
+    ok = _knobs(c, consumers) and ok
+    swizzle = v.get("swizzle", "128B")
+    if swizzle != "128B":
+        c.error(
+            c.key_locs.get("swizzle_value", c.key_locs["swizzle"]),
+            "sm_90a's tiles use the 128-byte swizzle that TMA writes and wgmma reads: "
+            "'swizzle 128B'",
+        )
+        ok = False
+    for loop in c.decl.mainloops:
+        c.error(
+            loop.loc,
+            "sm_90a's mainloop is set by its schedule knobs ('pingpong on|off', "
+            "'overlap on|off'), not by a mainloop block",
+        )
+        ok = False
+    for role, scope in SCOPES.items():
+        tensor = tensors.get(role)
+        if tensor is not None and tensor.smem_scope is not scope:
+            why = (
+                "each consumer warpgroup owns its 64 rows"
+                if scope is Scope.WARPGROUP
+                else "every consumer warpgroup reads the whole tile"
+            )
+            c.error(c.scope_loc(role), f"{role.value} lives in smem[{scope.value}]: {why}")
+            ok = False
+    return ok
+
+
+def _registers(c: Checks, consumers: int, head_dim: int, block_c: int) -> bool:
+    regs = c.values.get("registers") or dict(
+        zip(("producer", "consumers"), default_registers(consumers))
+    )
+    lo, hi = SETMAXNREG_RANGE
+    ok = True
+    for role in ("producer", "consumers"):
+        n = regs[role]
+        if n % 8 or not lo <= n <= hi:
+            c.error(
+                c.key_locs.get(f"registers.{role}", c.decl.loc),
+                f"setmaxnreg takes a multiple of 8 in [{lo}, {hi}], not {n}",
+            )
+            ok = False
+    if not ok:
+        return False
+    total = 128 * regs["producer"] + 128 * consumers * regs["consumers"]
+    if total > REGISTERS_PER_SM:
+        c.error(
+            c.key_locs.get("registers.consumers", c.decl.loc),
+            f"128 x {regs['producer']} + 128 x {consumers} x {regs['consumers']} = {total} "
+            f"registers, over the SM's {REGISTERS_PER_SM}",
+        )
+        return False
+    overlap = c.values.get("overlap", True)
+    parts = consumer_registers(head_dim, block_c, overlap)
+    need = sum(n for _, n in parts)
+    if need > regs["consumers"]:
+        listed = and_list(f"{what} ({n})" for what, n in parts)
+        c.error(
+            c.key_locs.get("registers.consumers", c.key_locs["B_c"]),
+            f"a consumer thread needs about {need} registers (head_dim {head_dim}, "
+            f"B_c = {block_c}: {listed}), over its setmaxnreg budget of {regs['consumers']}; "
+            "use a smaller B_c, overlap off, or fewer consumer warpgroups with more registers",
+        )
+        return False
+    return True
+
+
+def _knobs(c: Checks, consumers: int) -> bool:
+    if c.values.get("pingpong", consumers > 1) and consumers < 2:
+        c.error(
+            c.key_locs.get("pingpong", c.decl.loc),
+            "pingpong hands the tensor cores between consumer warpgroups: it needs "
+            "consumers >= 2 (or 'pingpong off')",
+        )
+        return False
+    return True
+
+
+def configure(c: Checks) -> Config:
+    v = c.values
+    consumers = v["warpgroups"]["consumers"]
+    regs = v.get("registers") or dict(zip(("producer", "consumers"), default_registers(consumers)))
+    return Config(
+        name=c.decl.name.text,
+        target=v["target"],
+        dtypes=v["dtype"],
+        head_dim=v["head_dim"],
+        block_r=v["tile"]["B_r"],
+        block_c=v["tile"]["B_c"],
+        warps=4 * (1 + consumers),
+        mask=v.get("mask", Mask.NONE),
+        swizzle=None,
+        smem_alias=AliasPolicy.SCOPED,
+        loc=c.decl.loc,
+        key_locs=tuple(sorted(c.key_locs.items())),
+        allow_spills=v.get("spills", False),
+        hopper=Hopper(
+            consumers=consumers,
+            stages=v.get("stages", 2),
+            producer_regs=regs["producer"],
+            consumer_regs=regs["consumers"],
+            swizzle_bytes=128,
+            pingpong=v.get("pingpong", consumers > 1),
+            overlap=v.get("overlap", True),
+        ),
+    )
+
+
+def validate_path(c: Checks, role: Role, path: PathDecl, levels: list[Level], hops: list) -> bool:
+    if role is Role.O:
+        want = [Level.RF, Level.SMEM, Level.GMEM]
+        text = "O must go rf -stmatrix-> smem[warpgroup] -tma-> gmem"
+    else:
+        want = [Level.GMEM, Level.SMEM, Level.RF]
+        text = (
+            f"{role.value} must go gmem -tma-> smem[...] -wgmma-> rf "
+            "(wgmma reads the SMEM tile through a descriptor)"
+        )
+    if levels != want:
+        c.error(path.tensor.loc, text)
+        return False
+    assert all(h.instr in (Instr.TMA, Instr.WGMMA, Instr.STMATRIX) for h in hops)
+    return True

@@ -1,0 +1,381 @@
+// fadsl/sm90.cuh -- tile operations of the fadsl sm_90a path (FlashAttention-3's kernel:
+// TMA, wgmma, an mbarrier K/V ring, warp specialisation), one device function per step so
+// that a generated kernel body is a short list of steps and syncs.
+//
+// None of these functions waits, arrives or fences: every mbarrier wait/arrive/expect_tx,
+// wgmma commit/wait, named barrier and proxy fence is a separate call in the kernel body
+// (fadsl/sm90_ptx.cuh), where the compiler's sync plan places it and names its hazard.
+// (The one exception is the compiler-only register fence fence_regs(), which is not a
+// hardware sync.)
+//
+// Contents:
+//   1. runtime parameters (FwdParamsSm90: 4 tensor maps + the sm80 path's FwdParams)
+//   2. the configuration: tile shape, warpgroups, registers, SMEM plan
+//   3. producer steps: TMA loads of the Q tile and of one K or V tile into a ring slot
+//   4. consumer steps: S = Q K^T, masking, online softmax, P to 16 bits, O += P V,
+//      rescale
+//   5. epilogue steps: row sums, normalise, LSE, O into SMEM (stmatrix), TMA store
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include "params.cuh"  // FwdParams (every target's; next to this file)
+#include "sm90_ptx.cuh"  // (next to this file)
+
+namespace fadsl::sm90 {
+
+// Tags for a loop body instantiated with and without masking (no <type_traits> needed).
+struct true_type {
+  static constexpr bool value = true;
+};
+struct false_type {
+  static constexpr bool value = false;
+};
+
+__host__ __device__ __forceinline__ constexpr int imin(int a, int b) { return a < b ? a : b; }
+__host__ __device__ __forceinline__ constexpr int imax(int a, int b) { return a > b ? a : b; }
+
+// ---------------------------------------------------------------------------
+// 1. Runtime parameters
+// ---------------------------------------------------------------------------
+
+// Passed by value as `const __grid_constant__`, so that TMA reads the tensor maps straight
+// from the kernel's parameter space.  Each map is 4-D (head_dim, seqlen, heads, batch)
+// with the tensor's strides; boxes are 64 head_dim elements (128 bytes, the 128-byte
+// swizzle's width) by a tile's rows, one head, one batch:
+//   q: box rows = kBlockM    k, v: box rows = kBlockN    o: box rows = 64 (one warpgroup)
+struct FwdParamsSm90 {
+  CUtensorMap tma_q;
+  CUtensorMap tma_k;
+  CUtensorMap tma_v;
+  CUtensorMap tma_o;
+  FwdParams base;  // pointers, strides, sizes, softmax_scale, LSE (see sm80_ptx.cuh)
+};
+
+// ---------------------------------------------------------------------------
+// 2. Configuration
+// ---------------------------------------------------------------------------
+
+template <class T_, int kHeadDim_, int kConsumerWGs_, int kBlockN_, int kStages_, bool kCausal_>
+struct FwdConfig {
+  using T = T_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kConsumerWGs = kConsumerWGs_;  // each owns 64 query rows
+  static constexpr int kBlockM = 64 * kConsumerWGs;
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr int kStages = kStages_;
+  static constexpr bool kCausal = kCausal_;
+
+  static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "head_dim 64, 128 or 256");
+  static_assert(kConsumerWGs >= 1 && kConsumerWGs <= 3, "1 to 3 consumer warpgroups");
+  static_assert(kBlockN % 16 == 0 && kBlockN >= 16 && kBlockN <= 256, "B_c: a multiple of 16 up to 256 (wgmma N, TMA box)");
+  static_assert(kStages >= 1, "at least one ring slot");
+
+  static constexpr int kThreads = 128 * (1 + kConsumerWGs);  // warpgroup 0 produces
+  static constexpr int kConsumerThreads = 128 * kConsumerWGs;
+  static constexpr int kConsumerWarps = 4 * kConsumerWGs;
+  // setmaxnreg budgets (FlashAttention-3's): producer + consumers fit 64K registers.
+  static constexpr int kProducerRegs = kConsumerWGs == 1 ? 56 : (kConsumerWGs == 2 ? 24 : 32);
+  static constexpr int kConsumerRegs = kConsumerWGs == 1 ? 256 : (kConsumerWGs == 2 ? 240 : 160);
+  static_assert(128 * kProducerRegs + kConsumerThreads * kConsumerRegs <= 65536, "register budget");
+
+  // Per-thread register tiles of a consumer (wgmma accumulator layout, sm90_wgmma.cuh).
+  static constexpr int kSRegs = kBlockN / 2;   // S = Q K^T, fp32, 64 x B_c per warpgroup
+  static constexpr int kPRegs = kBlockN / 4;   // P, 16-bit pairs
+  static constexpr int kORegs = kHeadDim / 2;  // O, fp32, 64 x head_dim per warpgroup
+
+  // SMEM plan: tiles are column panels of 64 elements (128-byte rows, 128-byte swizzle).
+  static constexpr int kPanels = kHeadDim / 64;
+  static constexpr int kRowBytes = 128;
+  static constexpr int kQBytes = kBlockM * kHeadDim * 2;
+  static constexpr int kKVBytes = kBlockN * kHeadDim * 2;  // one ring slot of K or of V
+  static constexpr int kOBytes = kBlockM * kHeadDim * 2;
+  static constexpr int kOffQ = 0;
+  static constexpr int kOffK = kOffQ + kQBytes;
+  static constexpr int kOffV = kOffK + kStages * kKVBytes;
+  static constexpr int kOffBar = kOffV + kStages * kKVBytes;
+  // O is written after the last wgmma of every consumer, when the K/V rings are dead: it
+  // starts at the V ring, or ends where the V ring ends when larger (running into the
+  // dead K ring).
+  static constexpr int kOffO = kOBytes <= kStages * kKVBytes ? kOffV : kOffBar - kOBytes;
+  static_assert(kOffO >= kOffK, "O must fit over the dead K/V rings");
+  static_assert(kQBytes % 1024 == 0 && kKVBytes % 1024 == 0 && kOffO % 1024 == 0, "1024-byte aligned tiles");
+  // mbarriers: q_full, then per slot k_full, k_empty, v_full, v_empty.
+  static constexpr int kNumBars = 1 + 4 * kStages;
+  static constexpr int kSmemBytes = kOffBar + 8 * kNumBars + 1024;  // + slack to align the base to 1024
+  static_assert(kSmemBytes <= 227 * 1024, "SMEM over the sm_90 limit of 227 KB per block");
+
+  // Named barrier ids (0 is __syncthreads).
+  static constexpr int kBarRingDead = 1;  // all consumer threads: K/V rings no longer read
+  static constexpr int kBarOStore = 2;    // + wg: one warpgroup's O rows are in SMEM
+  static constexpr int kBarSched = 5;     // + wg: this warpgroup's turn to issue wgmma
+  static constexpr int kSchedThreads = 256;  // the waiting warpgroup + the one handing over
+};
+
+// Position in a ring of kStages slots: the slot, and the phase parity of its barriers in
+// the current round (flips each time the ring wraps).
+template <int kStages>
+struct RingPos {
+  int slot = 0;
+  uint32_t phase = 0;
+  __device__ __forceinline__ void advance() {
+    if (++slot == kStages) {
+      slot = 0;
+      phase ^= 1u;
+    }
+  }
+};
+
+// The CTA's tile and its K/V range.  Blocks are visited from the last (n_blocks - 1)
+// down to 0, so the ones that need masking (the seqlen_k tail, the causal diagonal) come
+// first: iterations it < n_masked mask, the rest do not.
+struct TileWork {
+  int m_block, head, batch, head_kv;
+  int m0;         // first query row of the CTA
+  int n_blocks;   // K/V blocks visited (0: the CTA writes O = 0, LSE = -inf)
+  int n_masked;   // leading iterations that need masking
+};
+
+template <class Cfg>
+__device__ __forceinline__ TileWork tile_work(const FwdParams& p) {
+  TileWork w;
+  w.m_block = Cfg::kCausal ? static_cast<int>(gridDim.x - 1 - blockIdx.x) : static_cast<int>(blockIdx.x);  // long rows first
+  w.head = blockIdx.y;
+  w.batch = blockIdx.z;
+  w.head_kv = w.head / (p.heads_q / p.heads_kv);
+  w.m0 = w.m_block * Cfg::kBlockM;
+  // Causal, aligned bottom-right: query i sees key j iff j <= i + seqlen_k - seqlen_q.
+  const int diag = p.seqlen_k - p.seqlen_q;
+  int kv_end = p.seqlen_k;
+  int kv_full_end = p.seqlen_k;  // keys below this need no mask for any row of the CTA
+  if constexpr (Cfg::kCausal) {
+    kv_end = imin(kv_end, imax(0, w.m0 + Cfg::kBlockM + diag));
+    kv_full_end = imin(kv_full_end, imax(0, w.m0 + 1 + diag));
+  }
+  w.n_blocks = (kv_end + Cfg::kBlockN - 1) / Cfg::kBlockN;
+  w.n_masked = w.n_blocks - imin(w.n_blocks, kv_full_end / Cfg::kBlockN);
+  return w;
+}
+
+// ---------------------------------------------------------------------------
+// 3. Producer steps (one elected thread of the producer warpgroup)
+// ---------------------------------------------------------------------------
+
+// The CTA's Q tile (kBlockM rows, all head_dim panels) into smem_q; its kQBytes land as
+// complete_tx on `bar`.
+template <class Cfg>
+__device__ __forceinline__ void load_q(const FwdParamsSm90& P, uint32_t smem_q, uint32_t bar, const TileWork& w) {
+#pragma unroll
+  for (int panel = 0; panel < Cfg::kPanels; ++panel) {
+    tma_load_4d(smem_q + panel * Cfg::kBlockM * Cfg::kRowBytes, &P.tma_q, bar, 64 * panel, w.m0, w.head, w.batch);
+  }
+}
+
+// K or V block n (kBlockN rows) into one ring slot; kKVBytes land on `bar`.
+template <class Cfg>
+__device__ __forceinline__ void load_kv(const CUtensorMap* tmap, uint32_t smem_slot, uint32_t bar, int n_block,
+                                        const TileWork& w) {
+#pragma unroll
+  for (int panel = 0; panel < Cfg::kPanels; ++panel) {
+    tma_load_4d(smem_slot + panel * Cfg::kBlockN * Cfg::kRowBytes, tmap, bar, 64 * panel, n_block * Cfg::kBlockN,
+                w.head_kv, w.batch);
+  }
+}
+
+// ---------------------------------------------------------------------------
+// 4. Consumer steps (one warpgroup, 64 query rows)
+// ---------------------------------------------------------------------------
+// Register tiles use the wgmma accumulator layout: d[4j + 2r + e] is (row 16 * warp + g +
+// 8r, col 8j + 2t + e) of the warpgroup's tile, g = lane / 4, t = lane % 4.  Each thread
+// owns two rows (r = 0, 1); a row's values are spread over the 4 threads of a quad.
+
+// Issue S = Q K^T (64 x kBlockN) over one K slot: head_dim / 16 wgmma, both operands
+// K-major in SMEM.  smem_q_wg: the warpgroup's first Q row in panel 0.
+template <class Cfg>
+__device__ __forceinline__ void issue_qk(float (&s)[Cfg::kSRegs], uint32_t smem_q_wg, uint32_t smem_k_slot) {
+#pragma unroll
+  for (int kk = 0; kk < Cfg::kHeadDim / 16; ++kk) {
+    const uint32_t panel = kk / 4, k_bytes = (kk % 4) * 32;
+    const uint64_t desc_q = make_desc_kmajor_sw128(smem_q_wg + panel * Cfg::kBlockM * Cfg::kRowBytes + k_bytes);
+    const uint64_t desc_k = make_desc_kmajor_sw128(smem_k_slot + panel * Cfg::kBlockN * Cfg::kRowBytes + k_bytes);
+    Wgmma<Cfg::kBlockN>::template ss<typename Cfg::T, 0, 0>(s, desc_q, desc_k, kk > 0 ? 1u : 0u);
+  }
+}
+
+// Issue O += P V over one V slot: kBlockN / 16 wgmma, P from registers (A), V MN-major
+// in SMEM (head_dim contiguous: transposed B).
+template <class Cfg>
+__device__ __forceinline__ void issue_pv(float (&o)[Cfg::kORegs], const uint32_t (&p)[Cfg::kPRegs],
+                                         uint32_t smem_v_slot) {
+  constexpr uint32_t kPanelBytes = Cfg::kBlockN * Cfg::kRowBytes;
+#pragma unroll
+  for (int kk = 0; kk < Cfg::kBlockN / 16; ++kk) {
+    const uint32_t a[4] = {p[4 * kk], p[4 * kk + 1], p[4 * kk + 2], p[4 * kk + 3]};
+    const uint64_t desc_v = make_desc_mnmajor_sw128(smem_v_slot + kk * 16 * Cfg::kRowBytes, kPanelBytes);
+    Wgmma<Cfg::kHeadDim>::template rs<typename Cfg::T, 1>(o, a, desc_v, 1u);
+  }
+}
+
+// Per-thread row bounds for masking: key column c (relative to the block) of row r is
+// kept iff c < limit[r] - 2t.  Rows end at seqlen_k and, causal, after their diagonal.
+struct RowLimits {
+  int row0;  // global index of this thread's row r = 0 (row 1 is row0 + 8)
+};
+
+template <class Cfg>
+__device__ __forceinline__ RowLimits row_limits(const TileWork& w, int wg, int warp, int lane) {
+  return RowLimits{w.m0 + 64 * wg + 16 * warp + lane / 4};
+}
+
+// s = -inf where key n_block * kBlockN + col is at or past seqlen_k or (causal) past the
+// row's diagonal.
+template <class Cfg>
+__device__ __forceinline__ void mask_scores(float (&s)[Cfg::kSRegs], const FwdParams& p, const RowLimits& rows,
+                                            int n_block, int lane) {
+  const int col0 = n_block * Cfg::kBlockN + 2 * (lane % 4);
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    int end = p.seqlen_k;
+    if constexpr (Cfg::kCausal) {
+      end = imin(end, rows.row0 + 8 * r + p.seqlen_k - p.seqlen_q + 1);
+    }
+    end -= col0;
+#pragma unroll
+    for (int j = 0; j < Cfg::kBlockN / 8; ++j) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        if (8 * j + e >= end) s[4 * j + 2 * r + e] = -INFINITY;
+      }
+    }
+  }
+}
+
+// A row whose max is still -inf has seen no key: use 0 as its reference so that
+// 2^(-inf - ref) = 0 rather than NaN.
+__device__ __forceinline__ float scaled_max(float row_max, float scale_log2) {
+  return row_max == -INFINITY ? 0.f : row_max * scale_log2;
+}
+
+// Online softmax on S (in place, S becomes the unnormalised P in fp32):
+//   m_new = max(m, rowmax(S));  scale = 2^((m - m_new) * c);  S = 2^(S * c - m_new * c);
+//   l = l * scale + rowsum(S) (this thread's partial sum);  m = m_new,
+// with c = softmax_scale * log2(e).  O is rescaled by `scale` separately (rescale_o),
+// when no wgmma is using it.
+template <class Cfg>
+__device__ __forceinline__ void online_softmax(float (&s)[Cfg::kSRegs], float (&m)[2], float (&l)[2],
+                                               float (&scale)[2], float scale_log2) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float mx = m[r];
+#pragma unroll
+    for (int j = 0; j < Cfg::kBlockN / 8; ++j) {
+      mx = fmaxf(mx, fmaxf(s[4 * j + 2 * r], s[4 * j + 2 * r + 1]));
+    }
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    const float ref = scaled_max(mx, scale_log2);
+    scale[r] = fast_exp2(m[r] * scale_log2 - ref);  // m = -inf (nothing seen yet): 0
+    float sum = 0.f;
+#pragma unroll
+    for (int j = 0; j < Cfg::kBlockN / 8; ++j) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        float& x = s[4 * j + 2 * r + e];
+        x = fast_exp2(fmaf(x, scale_log2, -ref));
+        sum += x;
+      }
+    }
+    l[r] = l[r] * scale[r] + sum;
+    m[r] = mx;
+  }
+}
+
+// P (fp32, accumulator layout) -> 16-bit pairs, which is the RS A-operand layout:
+// p[i] = (s[2i], s[2i + 1]).
+template <class Cfg>
+__device__ __forceinline__ void convert_p(const float (&s)[Cfg::kSRegs], uint32_t (&p)[Cfg::kPRegs]) {
+#pragma unroll
+  for (int i = 0; i < Cfg::kPRegs; ++i) p[i] = pack_f32x2<typename Cfg::T>(s[2 * i], s[2 * i + 1]);
+}
+
+template <class Cfg>
+__device__ __forceinline__ void rescale_o(float (&o)[Cfg::kORegs], const float (&scale)[2]) {
+#pragma unroll
+  for (int j = 0; j < Cfg::kHeadDim / 8; ++j) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      o[4 * j + 2 * r] *= scale[r];
+      o[4 * j + 2 * r + 1] *= scale[r];
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------
+// 5. Epilogue steps
+// ---------------------------------------------------------------------------
+
+// Add up the 4 partial row sums of each quad.
+__device__ __forceinline__ void row_sum_quad(float (&l)[2]) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+  }
+}
+
+// O /= l; a row with l == 0 (it saw no key) becomes 0.
+template <class Cfg>
+__device__ __forceinline__ void normalize_o(float (&o)[Cfg::kORegs], const float (&l)[2]) {
+  float inv[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) inv[r] = l[r] == 0.f ? 0.f : 1.f / l[r];
+  rescale_o<Cfg>(o, inv);
+}
+
+// LSE (natural log) of this thread's two rows: (m * c + log2 l) * ln 2, -inf when l == 0;
+// written by lane t == 0 of each quad, for rows < seqlen_q, if p.lse is set.
+template <class Cfg>
+__device__ __forceinline__ void store_lse(const FwdParams& p, const TileWork& w, const RowLimits& rows,
+                                          const float (&m)[2], const float (&l)[2], float scale_log2, int lane) {
+  if (p.lse == nullptr || lane % 4 != 0) return;
+  float* lse = p.lse + w.batch * p.lse_batch_stride + w.head * p.lse_head_stride;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = rows.row0 + 8 * r;
+    if (row < p.seqlen_q) {
+      lse[row] = l[r] == 0.f ? -INFINITY : (m[r] * scale_log2 + log2f(l[r])) * 0.6931471805599453f;
+    }
+  }
+}
+
+// O (fp32 registers) -> 16 bits -> the warpgroup's 64 rows of the O tile in SMEM, in the
+// TMA store's 128-byte-swizzled panel layout, one stmatrix.x4 per 16 x 16 piece.
+// smem_o_wg: the warpgroup's first row in panel 0 (panels are kBlockM rows apart).
+template <class Cfg>
+__device__ __forceinline__ void store_o_smem(const float (&o)[Cfg::kORegs], uint32_t smem_o_wg, int warp, int lane) {
+  using T = typename Cfg::T;
+  const int mat = lane / 8;                                  // which of the 4 matrices this lane addresses
+  const int row = 16 * warp + (lane % 8) + 8 * (mat & 1);    // row within the warpgroup's 64
+  const int col_in16 = 8 * (mat >> 1);
+#pragma unroll
+  for (int kk = 0; kk < Cfg::kHeadDim / 16; ++kk) {
+    const int col = 16 * kk + col_in16;
+    const uint32_t addr = smem_o_wg + (col / 64) * Cfg::kBlockM * Cfg::kRowBytes +
+                          swizzle128(row * Cfg::kRowBytes + (col % 64) * 2);
+    stmatrix_x4(addr, pack_f32x2<T>(o[8 * kk], o[8 * kk + 1]), pack_f32x2<T>(o[8 * kk + 2], o[8 * kk + 3]),
+                pack_f32x2<T>(o[8 * kk + 4], o[8 * kk + 5]), pack_f32x2<T>(o[8 * kk + 6], o[8 * kk + 7]));
+  }
+}
+
+// The warpgroup's 64 O rows from SMEM to GMEM (rows past seqlen_q are clipped by TMA).
+template <class Cfg>
+__device__ __forceinline__ void store_o_tma(const FwdParamsSm90& P, uint32_t smem_o_wg, const TileWork& w, int wg) {
+#pragma unroll
+  for (int panel = 0; panel < Cfg::kPanels; ++panel) {
+    tma_store_4d(&P.tma_o, smem_o_wg + panel * Cfg::kBlockM * Cfg::kRowBytes, 64 * panel, w.m0 + 64 * wg, w.head,
+                 w.batch);
+  }
+}
+
+}  // namespace fadsl::sm90

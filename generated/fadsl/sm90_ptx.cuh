@@ -1,0 +1,314 @@
+// fadsl/sm90_ptx.cuh -- the lowest layer of the fadsl sm_90a code path: thin wrappers over
+// the Hopper-only PTX that the tile operations (fadsl/sm90.cuh) and the generated kernels
+// are written in.  Each wrapper is one instruction (or one retry loop); none of them
+// synchronises anything beyond what its instruction does, so every wait, arrive and fence
+// stays visible in the kernel body, where the compiler's sync plan puts it.
+//
+// Contents:
+//   1. mbarriers: init, arrive, arrive.expect_tx, try_wait.parity (+ a blocking wait)
+//   2. fences: fence.proxy.async, fence.mbarrier_init
+//   3. TMA (cp.async.bulk.tensor): 2-D/3-D/4-D tiled loads completing on an mbarrier,
+//      4-D tiled store, its bulk-group commit/wait, descriptor prefetch
+//   4. wgmma: fence / commit_group / wait_group<N>, shared-memory matrix descriptors for
+//      the 128-byte swizzle (K-major and MN-major), operand fences; the mma_async
+//      instructions themselves are in sm90_wgmma.cuh (generated)
+//   5. warp specialisation: setmaxnreg inc/dec, named barriers, elect.sync
+//   6. stmatrix, 16-bit packing, ex2
+//
+// Needs sm_90a (wgmma, setmaxnreg): nvcc -gencode=arch=compute_90a,code=sm_90a.
+#pragma once
+
+#include <cstdint>
+#include <type_traits>
+
+#if defined(__CUDACC_RTC__)
+// NVRTC has no <cuda.h>: the driver's opaque 128-byte tensor map, aligned as CUDA 13's
+// cuda.h aligns it (FwdParamsSm90's layout, 768 bytes, depends on it).
+struct alignas(128) CUtensorMap {
+  unsigned long long opaque[16];
+};
+#else
+#include <cuda.h>  // CUtensorMap
+#endif
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "sm90_wgmma.cuh"  // (next to this file)
+
+namespace fadsl::sm90 {
+
+// 32-bit .shared::cta address of a generic pointer into shared memory.
+__device__ __forceinline__ uint32_t smem_u32(const void* ptr) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(ptr));
+}
+
+// ---------------------------------------------------------------------------
+// 1. mbarriers (64-bit objects in shared memory, 8-byte aligned)
+// ---------------------------------------------------------------------------
+// An mbarrier completes its current phase when `count` arrivals have been made and the
+// transaction count (bytes announced with expect_tx, minus bytes delivered by the copy
+// engine with complete_tx) is back at zero; the phase bit then flips and the arrival
+// count resets.  A fresh mbarrier is in phase 0.  try_wait.parity(P) succeeds once the
+// phase with parity P has completed, i.e. while the current phase's parity differs from
+// P: on a fresh barrier, parity 1 (the "previous" phase) succeeds at once and parity 0
+// waits for the first completion.  A waiter that tracks `phase` as the ring wraps waits
+// with parity = phase (consumers of a full barrier), or phase ^ 1 (producers on an empty
+// barrier, whose first round must not block).
+
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+
+// One arrival (release semantics at CTA scope: this thread's prior memory accesses are
+// visible to whoever observes the phase completion).
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.release.cta.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+
+// One arrival that also announces `tx_bytes` bytes the copy engine will deliver to this
+// phase (complete_tx); the phase cannot complete before they have landed.
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t tx_bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.release.cta.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(tx_bytes)
+               : "memory");
+}
+
+// Non-blocking probe (the hardware may suspend the thread for a while inside it): true
+// once the phase with parity `parity` has completed.  Acquire semantics at CTA scope.
+__device__ __forceinline__ bool mbar_try_wait_parity(uint32_t bar, uint32_t parity) {
+  uint32_t done;
+  asm volatile(
+      "{\n"
+      "  .reg .pred p;\n"
+      "  mbarrier.try_wait.parity.acquire.cta.shared::cta.b64 p, [%1], %2;\n"
+      "  selp.u32 %0, 1, 0, p;\n"
+      "}\n"
+      : "=r"(done)
+      : "r"(bar), "r"(parity)
+      : "memory");
+  return done != 0;
+}
+
+// Block until the phase with parity `parity` has completed.
+__device__ __forceinline__ void mbar_wait_parity(uint32_t bar, uint32_t parity) {
+  while (!mbar_try_wait_parity(bar, parity)) {
+  }
+}
+
+// ---------------------------------------------------------------------------
+// 2. Fences
+// ---------------------------------------------------------------------------
+
+// Orders this thread's generic-proxy shared-memory accesses (st.shared, stmatrix) before
+// later async-proxy accesses (TMA store reading SMEM, wgmma reading SMEM, TMA load writing
+// SMEM it read before).  Each writing thread fences before the barrier that hands the
+// data to the thread issuing the async operation.
+__device__ __forceinline__ void fence_proxy_async_smem() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+// Makes mbarrier.init visible to the async proxy (TMA complete_tx) and, with the CTA
+// barrier that follows, to the other threads.
+__device__ __forceinline__ void fence_mbarrier_init() {
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+
+// ---------------------------------------------------------------------------
+// 3. TMA: cp.async.bulk.tensor (tiled mode)
+// ---------------------------------------------------------------------------
+// Coordinates are element indices in the tensor map's dimension order (innermost first);
+// a box that reaches past the tensor's extent is zero-filled on load and clipped on
+// store.  A load delivers the whole box's bytes (zero-filled ones too) as complete_tx on
+// `bar`.  The destination must be aligned to the swizzle's repeat (1024 bytes for the
+// 128-byte swizzle).  `tmap` is the generic address of a CUtensorMap in .param (a
+// __grid_constant__ kernel parameter), .const or .global memory.
+
+__device__ __forceinline__ void tma_prefetch_desc(const CUtensorMap* tmap) {
+  asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(tmap)) : "memory");
+}
+
+__device__ __forceinline__ void tma_load_2d(uint32_t smem_dst, const CUtensorMap* tmap, uint32_t bar, int c0, int c1) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%3, %4}], [%2];\n" ::"r"(smem_dst),
+      "l"(reinterpret_cast<uint64_t>(tmap)), "r"(bar), "r"(c0), "r"(c1)
+      : "memory");
+}
+
+__device__ __forceinline__ void tma_load_3d(uint32_t smem_dst, const CUtensorMap* tmap, uint32_t bar, int c0, int c1,
+                                            int c2) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%3, %4, %5}], [%2];\n" ::"r"(smem_dst),
+      "l"(reinterpret_cast<uint64_t>(tmap)), "r"(bar), "r"(c0), "r"(c1), "r"(c2)
+      : "memory");
+}
+
+__device__ __forceinline__ void tma_load_4d(uint32_t smem_dst, const CUtensorMap* tmap, uint32_t bar, int c0, int c1,
+                                            int c2, int c3) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%3, %4, %5, %6}], [%2];\n" ::"r"(smem_dst),
+      "l"(reinterpret_cast<uint64_t>(tmap)), "r"(bar), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+      : "memory");
+}
+
+// SMEM -> GMEM, one box; elements outside the tensor are not written.  Completion is
+// tracked per thread with bulk groups (tma_store_commit / tma_store_wait_read).
+__device__ __forceinline__ void tma_store_4d(const CUtensorMap* tmap, uint32_t smem_src, int c0, int c1, int c2,
+                                             int c3) {
+  asm volatile("cp.async.bulk.tensor.4d.global.shared::cta.tile.bulk_group [%0, {%2, %3, %4, %5}], [%1];\n" ::"l"(
+                   reinterpret_cast<uint64_t>(tmap)),
+               "r"(smem_src), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+               : "memory");
+}
+
+__device__ __forceinline__ void tma_store_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+
+// Wait until at most N of this thread's bulk groups still read their SMEM source (the
+// SMEM may then be reused or the CTA may exit; the global writes may still be in flight).
+template <int N>
+__device__ __forceinline__ void tma_store_wait_read() {
+  asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory");
+}
+
+// ---------------------------------------------------------------------------
+// 4. wgmma: ordering, and shared-memory matrix descriptors
+// ---------------------------------------------------------------------------
+
+// Must precede the first wgmma.mma_async of a batch whenever its accumulator or A
+// registers were written by ordinary instructions since the previous fence (e.g. after
+// rescaling O or converting P), and orders prior SMEM writes by the warpgroup.
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+
+// Closes the batch of wgmma.mma_async issued since the previous commit into one group.
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+
+// Wait until at most N committed groups of this warpgroup are pending: the accumulators
+// (and RS A registers) of the others may be used, and their SMEM operands were read.
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+
+// Compiler-only fence on registers in flight in an async wgmma: keeps the compiler from
+// moving ordinary reads/writes of these registers across the mma_async/wait pair.
+template <int R>
+__device__ __forceinline__ void fence_regs(float (&r)[R]) {
+#pragma unroll
+  for (int i = 0; i < R; ++i) asm volatile("" : "+f"(r[i])::"memory");
+}
+template <int R>
+__device__ __forceinline__ void fence_regs(uint32_t (&r)[R]) {
+#pragma unroll
+  for (int i = 0; i < R; ++i) asm volatile("" : "+r"(r[i])::"memory");
+}
+
+// The 128-byte swizzle, as TMA (CU_TENSOR_MAP_SWIZZLE_128B) writes it and wgmma reads it:
+// within each 1024-byte block of 8 rows x 128 bytes, the 16-byte chunk index (address
+// bits 4..6) is XORed with the row index (address bits 7..9).  Tiles are stored as
+// column panels of 64 16-bit elements: element (row, col) of a ROWS-row tile lies at
+//   (col / 64) * ROWS * 128 + row * 128 + swizzle((col % 64) * 2).
+// Byte offset within a 1024-byte-aligned tile:
+__host__ __device__ __forceinline__ constexpr uint32_t swizzle128(uint32_t byte_offset) {
+  return byte_offset ^ (((byte_offset >> 7) & 7u) << 4);
+}
+
+constexpr uint64_t kDescSwizzle128B = 1;  // descriptor bits 62-63: 1 = 128-byte swizzle
+
+// Descriptor fields (PTX ISA, "Matrix Descriptor"): bits 0-13 start address >> 4,
+// 16-29 leading-dimension byte offset (LBO) >> 4, 32-45 stride-dimension byte offset
+// (SBO) >> 4, 49-51 base offset (0: every tile here starts 1024-byte aligned), 62-63
+// swizzle mode.
+__device__ __forceinline__ uint64_t make_smem_desc(uint32_t smem_addr, uint32_t lbo_bytes, uint32_t sbo_bytes) {
+  return static_cast<uint64_t>((smem_addr & 0x3FFFFu) >> 4) | (static_cast<uint64_t>((lbo_bytes >> 4) & 0x3FFFu) << 16) |
+         (static_cast<uint64_t>((sbo_bytes >> 4) & 0x3FFFu) << 32) | (kDescSwizzle128B << 62);
+}
+
+// K-major operand (rows = M or N, K contiguous; Q and K for S = Q K^T), 128-byte swizzle:
+// core matrices are 8 rows x 16 bytes; 8-row groups lie SBO = 1024 bytes apart; one
+// k16 step spans 32 bytes of a 128-byte row, so the k16 slices inside a 64-column panel
+// are addressed by moving the start address by 32 bytes (the hardware applies the
+// swizzle to the final address); LBO is unused for swizzled K-major layouts (set to 1).
+__device__ __forceinline__ uint64_t make_desc_kmajor_sw128(uint32_t smem_addr) {
+  return make_smem_desc(smem_addr, 16, 1024);
+}
+
+// MN-major operand (K rows, MN contiguous; V for O = P V with N = head_dim), 128-byte
+// swizzle: 64 MN elements per 128-byte row, 8 K rows per 1024-byte atom, atoms along K
+// SBO = 1024 bytes apart, 64-wide MN panels LBO = panel_bytes apart.
+__device__ __forceinline__ uint64_t make_desc_mnmajor_sw128(uint32_t smem_addr, uint32_t panel_bytes) {
+  return make_smem_desc(smem_addr, panel_bytes, 1024);
+}
+
+// ---------------------------------------------------------------------------
+// 5. Warp specialisation
+// ---------------------------------------------------------------------------
+
+// Move this warpgroup's per-thread register budget (all 4 warps execute it; takes effect
+// only with a register cap at entry, __launch_bounds__(threads, 1)).
+template <int kRegs>
+__device__ __forceinline__ void setmaxnreg_inc() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+}
+template <int kRegs>
+__device__ __forceinline__ void setmaxnreg_dec() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+}
+
+// Named barrier `id` (1..15; 0 is __syncthreads) over `count` threads (a multiple of 32):
+// sync waits until `count` arrivals (its own included); arrive adds this warp's and goes on.
+__device__ __forceinline__ void named_bar_sync(uint32_t id, uint32_t count) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+__device__ __forceinline__ void named_bar_arrive(uint32_t id, uint32_t count) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+
+// True in exactly one lane of the (converged, full) warp.
+__device__ __forceinline__ bool elect_one() {
+  uint32_t elected;
+  asm volatile(
+      "{\n"
+      "  .reg .pred p;\n"
+      "  .reg .b32 r;\n"
+      "  elect.sync r|p, 0xffffffff;\n"
+      "  selp.u32 %0, 1, 0, p;\n"
+      "}\n"
+      : "=r"(elected));
+  return elected != 0;
+}
+
+// ---------------------------------------------------------------------------
+// 6. stmatrix, packing, ex2
+// ---------------------------------------------------------------------------
+
+// Four 8x8 16-bit matrices to SMEM: lane L gives the address of row L % 8 of matrix L / 8;
+// register rI holds (row lane / 4, cols 2 * (lane % 4) + {0, 1}) of matrix I, which is the
+// accumulator layout (d[4j + 2r + e]) after packing pairs.
+__device__ __forceinline__ void stmatrix_x4(uint32_t smem_dst, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(smem_dst), "r"(r0), "r"(r1),
+               "r"(r2), "r"(r3)
+               : "memory");
+}
+
+// Round two fp32 values to 16 bits (RNE); `lo` lands in the low half (the lower column).
+template <typename T>
+__device__ __forceinline__ uint32_t pack_f32x2(float lo, float hi) {
+  static_assert(std::is_same_v<T, __nv_bfloat16> || std::is_same_v<T, half>, "bf16 or fp16 only");
+  uint32_t packed;
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(packed) : "f"(hi), "f"(lo));
+  } else {
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(packed) : "f"(hi), "f"(lo));
+  }
+  return packed;
+}
+
+// 2^x with one MUFU.EX2 (flushes subnormal results to 0; 2^-inf = 0).
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+}  // namespace fadsl::sm90

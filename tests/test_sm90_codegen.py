@@ -1,0 +1,173 @@
+"""sm_90a: the sync plan the pass derives, its rendering, the knobs, and nvcc compile checks."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT
+from fadsl.codegen import render, write
+from fadsl.ir import Parity, Sync, Threads
+from fadsl.pipeline import compile_file, compile_source
+from fadsl.resources import nvcc
+from fadsl.targets.sm90 import caps
+
+SPECS = sorted((ROOT / "examples").glob("fa3_*.fa")) + sorted(
+    (ROOT / "tests" / "specs" / "sm90").glob("*.fa")
+)
+IDS = [p.stem for p in SPECS]
+HOPPER = (ROOT / "examples" / "fa3_hopper.fa").read_text()
+
+
+def _kinds(kernel, who=None):
+    return [
+        (s.kind.name, s.barrier, s.lag, s.parity, s.groups)
+        for s in kernel.syncs()
+        if who is None or s.who in who
+    ]
+
+
+def test_the_plan_is_the_prototypes():
+    """fa3_hopper's consumer mainloop is the prototype's (NOTES.md, sync-plan table)."""
+    kernel = compile_file("examples/fa3_hopper.fa").kernel
+    loop = [
+        (i.kind.name, i.barrier, i.groups) if isinstance(i, Sync) else i.op.spelling
+        for i in kernel.mainloop
+        if i.who not in (Threads.PRODUCER_THREAD,)
+    ]
+    assert loop == [
+        ("mbarrier.try_wait.parity", "k_full", 0),
+        ("bar.sync", "turn", 0),
+        ("wgmma.fence", "", 0),
+        "qk",
+        ("wgmma.commit_group", "", 0),
+        "rescale_o",
+        ("mbarrier.try_wait.parity", "v_full", 0),
+        ("wgmma.fence", "", 0),
+        "pv",
+        ("wgmma.commit_group", "", 0),
+        ("bar.arrive", "turn", 0),
+        ("wgmma.wait_group", "", 1),
+        ("mbarrier.arrive", "k_empty", 0),
+        "softmax",
+        ("wgmma.wait_group", "", 0),
+        ("mbarrier.arrive", "v_empty", 0),
+        "convert_p",
+    ]
+    producer = _kinds(kernel, (Threads.PRODUCER_THREAD,))
+    # the producer waits for the previous round with the flipped parity, then arms the full barrier
+    assert ("mbarrier.try_wait.parity", "k_empty", 0, Parity.PHASE_FLIP, 0) in producer
+    assert ("mbarrier.try_wait.parity", "v_empty", -1, Parity.PHASE_FLIP, 0) in producer
+    turns = [s for s in kernel.syncs() if s.barrier == "turn"]
+    assert {(s.kind.name, s.bar_id, s.peer, s.count) for s in turns} == {
+        ("bar.arrive", 5, None, 256),  # the last warpgroup opens warpgroup 0's turn
+        ("bar.sync", 5, 0, 256),
+        ("bar.arrive", 5, 1, 256),
+        ("bar.sync", 5, None, 256),  # warpgroup 0 takes the final hand-over
+    }
+    every = {s.kind for s in kernel.syncs()}
+    assert {caps.FENCE_PROXY_ASYNC, caps.BULK_WAIT, caps.MBAR_INIT, caps.SYNCTHREADS} <= every
+
+
+def test_off_knobs_drop_turns_and_wait_after_each_gemm():
+    text = HOPPER.replace("pingpong   on", "pingpong   off").replace(
+        "overlap    on", "overlap    off"
+    )
+    kernel = compile_source(text).kernel
+    assert not [s for s in kernel.syncs() if s.barrier == "turn"]
+    waits = [s.groups for s in kernel.syncs() if s.kind == caps.WGMMA_WAIT]
+    assert waits and set(waits) == {0}
+    # each GEMM is followed by its wait before anything else is issued
+    loop = kernel.mainloop
+    for i, item in enumerate(loop):
+        if getattr(item, "op", None) is not None and item.async_kind == caps.WGMMA:
+            assert loop[i + 1].kind == caps.WGMMA_COMMIT and loop[i + 2].kind == caps.WGMMA_WAIT
+
+
+def test_ring_barriers_count_consumer_warps_and_o_lies_over_v():
+    kernel = compile_file("examples/fa3_hdim64.fa").kernel
+    inits = {s.barrier: s.count for s in kernel.syncs() if s.kind == caps.MBAR_INIT}
+    assert inits == {"q_full": 1, "k_full": 1, "k_empty": 12, "v_full": 1, "v_empty": 12}
+    assert kernel.buffer("O").offset == kernel.buffer("V").offset
+    assert kernel.buffer("K").slots == kernel.buffer("V").slots == 2
+    ring_dead = [s for s in kernel.syncs() if s.barrier == "ring_dead"]
+    assert [s.count for s in ring_dead] == [128 * 3] and ring_dead[0].serves
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=IDS)
+def test_every_sync_is_rendered_with_its_hazards(spec):
+    compiled = compile_file(spec.relative_to(ROOT))
+    text = render(compiled.kernel, compiled.target, compiled.file)[0].text
+    assert f"from {spec.relative_to(ROOT)}" in text
+    assert re.search(
+        r'extern "C" __global__ void __launch_bounds__\(Cfg::kThreads, 1\) '
+        r"\w+\(const __grid_constant__ FwdParamsSm90 P\)",
+        text,
+    )
+    assert re.search(r'extern "C" __device__ const int \w+_launch_info\[4\]', text)
+    for sync in compiled.kernel.syncs():
+        for hazard in sync.serves:
+            assert f"// hazard {hazard.describe()}" in text
+        if sync.note:
+            assert sync.note in text
+    calls = len(
+        re.findall(
+            r"\b(mbar_wait_parity|mbar_arrive|mbar_arrive_expect_tx|wgmma_wait<\d>|named_bar_sync|named_bar_arrive|fence_proxy_async_smem)\(",
+            text,
+        )
+    )
+    planned = [
+        s
+        for s in compiled.kernel.syncs()
+        if s.kind
+        in (
+            caps.MBAR_WAIT,
+            caps.MBAR_ARRIVE,
+            caps.MBAR_EXPECT_TX,
+            caps.WGMMA_WAIT,
+            caps.BAR_SYNC,
+            caps.BAR_ARRIVE,
+            caps.FENCE_PROXY_ASYNC,
+        )
+    ]
+    assert calls == len(planned)
+
+
+@pytest.mark.nvcc
+@pytest.mark.skipif(nvcc() is None, reason="needs nvcc")
+@pytest.mark.parametrize("spec", SPECS, ids=IDS)
+def test_sm90a_kernels_compile_without_spills_to_hopper_ptx(spec):
+    compiled = compile_file(spec.relative_to(ROOT))
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp)
+        paths = [
+            p
+            for p in write(compiled.kernel, compiled.target, compiled.file, out)
+            if p.suffix == ".cu"
+        ]
+        for cu in paths:
+            flags = ["-std=c++17", "-O3", "-gencode=arch=compute_90a,code=sm_90a", f"-I{out}"]
+            res = subprocess.run(
+                [nvcc(), *flags, "-cubin", "--resource-usage", "-o", str(out / "k.cubin"), str(cu)],
+                capture_output=True,
+                text=True,
+            )
+            assert res.returncode == 0, res.stderr
+            log = res.stdout + res.stderr
+            assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in log, log
+            assert "warning" not in log.lower(), log
+            ptx = subprocess.run(
+                [nvcc(), *flags, "-ptx", "-o", "-", str(cu)], capture_output=True, text=True
+            ).stdout
+            for instr in (
+                "wgmma.mma_async",
+                "cp.async.bulk.tensor",
+                "mbarrier",
+                "setmaxnreg",
+                "stmatrix",
+            ):
+                assert instr in ptx, (cu.name, instr)
