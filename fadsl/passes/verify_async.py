@@ -478,6 +478,15 @@ def _ordered(x: _Op, y: _Op, order: _Order) -> tuple[_Op | None, _Op | None]:
 
 def check(program: Program) -> tuple[str, ...]:
     """Every problem with the program's sync plan; empty when it is proven."""
+    known = {name for name, _ in program.mbarriers}
+    unknown = [
+        f"{where(agent, i)}: mbarrier {event.barrier} is never initialised"
+        for agent in program.agents
+        for i, event in enumerate(agent.events)
+        if isinstance(event, (Arrive, ExpectTx, Wait, TmaLoad)) and event.barrier not in known
+    ]
+    if unknown:
+        return tuple(unknown)
     run = _execute(program)
     if run.problems:
         return tuple(run.problems)

@@ -1,0 +1,338 @@
+"""verify for sm_90a: an independent proof that the sync plan of a warp-specialised kernel
+orders every SMEM and register hazard, and never hangs.
+
+It reads the kernel as the generated code runs it, and shares no decision with
+insert_syncs. For n = 1 .. stages + 2 K/V blocks (and n = 0 when the loop may be empty:
+a causal Q block above every key), each role's items are unrolled (prologue at it = 0,
+the mainloop at it = 1 .. n - 1, the epilogue at it = n) into the agents of
+``fadsl.passes.async_model``: the producer's elected thread, and one agent per consumer
+warpgroup. ``verify_async`` then proves the plan for that program (mbarrier phases and
+parities, transaction bytes, named-barrier generations, wgmma and bulk groups, proxy
+fences). Two rules live here because they concern instructions the program model leaves
+out: every mbarrier is initialised (then ``fence.mbarrier_init`` and a CTA barrier)
+before use, and a wgmma reads no register that ordinary code wrote since the warpgroup's
+last ``wgmma.fence``.
+
+What the generated code does, as this module reads it:
+- a TMA load of tensor X completes on the mbarrier ``x_full`` of its ring item;
+- ring item i sits in slot i % stages; its parity rule is ``ir.Parity``: PHASE is
+  (i // stages) & 1, PHASE_FLIP its complement, ZERO is 0;
+- per-warpgroup named barriers have id ``bar_id + (wg + peer) % W``;
+- with no K/V block the producer issues nothing, and the consumers skip everything
+  between their register setup (setmaxnreg, init) and the epilogue's ``normalize``;
+- ``consumer_warp_lane0`` arrivals are one per consumer warp (4 per warpgroup).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ...ir import Buffer, Kernel, Mask, Mode, Partition, Phase, Parity, Step, Sync, Threads
+from ...ops import Op
+from ...passes.async_model import (
+    Access,
+    Agent,
+    Arrive,
+    BarArrive,
+    BarSync,
+    BulkCommit,
+    BulkWait,
+    Event,
+    FenceProxyAsync,
+    Program,
+    Span,
+    TmaLoad,
+    TmaStore,
+    Wait,
+    Wgmma,
+    WgmmaCommit,
+    WgmmaWait,
+)
+from ...passes.verify_async import AsyncVerifyError, check
+from . import caps
+
+WARPS_PER_WARPGROUP = 4
+ROWS_PER_WARPGROUP = 64
+
+# The registers each op reads and writes (S: scores, P: 16-bit probabilities, O: output).
+_REG_READS: dict[Op, tuple[str, ...]] = {
+    Op.SOFTMAX: ("S",),
+    Op.CONVERT_P: ("S",),
+    Op.RESCALE_O: ("O",),
+    Op.PV: ("P", "O"),
+    Op.NORMALIZE: ("O",),
+    Op.O_R2S: ("O",),
+}
+_REG_WRITES: dict[Op, tuple[str, ...]] = {
+    Op.INIT: ("O",),
+    Op.QK: ("S",),
+    Op.SOFTMAX: ("S",),
+    Op.CONVERT_P: ("P",),
+    Op.RESCALE_O: ("O",),
+    Op.PV: ("O",),
+    Op.NORMALIZE: ("O",),
+}
+_REG_INDEX = {"S": 0, "P": 1, "O": 2}
+
+
+def verify(kernel: Kernel, target=None) -> Kernel:
+    """Return ``kernel`` if its sync plan is proven for every block count, else raise."""
+    hopper = kernel.config.hopper
+    assert hopper is not None, "the sm_90a verify needs an sm_90a kernel"
+    problems = list(_setup_problems(kernel))
+    counts = range(0 if kernel.config.mask is Mask.CAUSAL else 1, hopper.stages + 3)
+    for n in counts:
+        found = list(check(build_program(kernel, n)))
+        found += _wgmma_fence_problems(build_program(kernel, n, fences=True))
+        problems += [f"with {n} K/V block(s): {p}" for p in found]
+        if problems:
+            break  # the smallest failing count says enough
+    if problems:
+        raise AsyncVerifyError(tuple(problems))
+    return kernel
+
+
+def _setup_problems(kernel: Kernel) -> list[str]:
+    """Every mbarrier a sync uses is initialised, then fenced for the async proxy, then a
+    CTA barrier orders the inits before every other thread's use."""
+    setup = [i for i in kernel.prologue if isinstance(i, Sync) and i.who is Threads.THREAD0]
+    setup += [i for i in kernel.prologue if isinstance(i, Sync) and i.kind is caps.SYNCTHREADS]
+    inits = {s.barrier for s in kernel.prologue if isinstance(s, Sync) and s.kind is caps.MBAR_INIT}
+    used = {s.barrier for s in kernel.syncs() if s.kind in _MBARRIER_USES}
+    problems = [f"mbarrier {name} is used but never initialised" for name in sorted(used - inits)]
+    order = [s.kind for s in kernel.prologue if isinstance(s, Sync)]
+    last_init = max((i for i, k in enumerate(order) if k is caps.MBAR_INIT), default=-1)
+    fences = [i for i, k in enumerate(order) if k is caps.FENCE_MBAR_INIT and i > last_init]
+    if inits and not fences:
+        problems.append("no fence.mbarrier_init after the mbarrier inits (TMA's complete_tx)")
+    elif inits and not any(k is caps.SYNCTHREADS for k in order[fences[0] :]):
+        problems.append("no CTA barrier between the mbarrier inits and their first use")
+    return problems
+
+
+_MBARRIER_USES = (caps.MBAR_WAIT, caps.MBAR_ARRIVE, caps.MBAR_EXPECT_TX)
+
+
+def build_program(kernel: Kernel, blocks: int, fences: bool = False) -> Program:
+    """The kernel's roles as agents, for ``blocks`` K/V blocks (with ``fences``, also the
+    wgmma.fence markers, which are not async_model events)."""
+    hopper = kernel.config.hopper
+    assert hopper is not None
+    consumers = hopper.consumers
+    rings = {s.barrier for s in kernel.syncs() if s.lag is not None}
+    counts: list[tuple[str, int]] = []
+    for sync in kernel.prologue:
+        if isinstance(sync, Sync) and sync.kind is caps.MBAR_INIT:
+            names = (
+                [f"{sync.barrier}[{slot}]" for slot in range(hopper.stages)]
+                if sync.barrier in rings
+                else [sync.barrier]
+            )
+            counts += [(name, sync.count) for name in names]
+    roles = [("producer", None, 1)] + [(f"wg{wg}", wg, 128) for wg in range(consumers)]
+    agents = []
+    for name, wg, threads in roles:
+        events = _Agent(kernel, name, wg, blocks).events()
+        if not fences:
+            events = [e for e in events if not isinstance(e, _WgmmaFence)]
+        agents.append(Agent(name, threads, tuple(events)))
+    return Program(tuple(agents), tuple(counts))
+
+
+class _Agent:
+    """One role's unrolled program: the producer thread (wg None) or consumer warpgroup wg."""
+
+    def __init__(self, kernel: Kernel, name: str, wg: int | None, blocks: int) -> None:
+        self.kernel = kernel
+        self.hopper = kernel.config.hopper
+        self.name = name
+        self.wg = wg
+        self.blocks = blocks
+        self.rings = {s.barrier for s in kernel.syncs() if s.lag is not None}
+
+    def runs(self, who: Threads) -> bool:
+        last = self.hopper.consumers - 1
+        match who:
+            case Threads.PRODUCER_THREAD:
+                return self.wg is None
+            case Threads.CONSUMERS | Threads.CONSUMER_WARP_LANE0 | Threads.CONSUMER_ELECTED:
+                return self.wg is not None
+            case Threads.CONSUMER_FIRST:
+                return self.wg == 0
+            case Threads.CONSUMER_LAST:
+                return self.wg == last
+            case Threads.PRODUCER | Threads.THREAD0 | Threads.ALL_WARPS:
+                return False  # setmaxnreg and the setup: no SMEM, no pipeline sync
+            case _:
+                raise AssertionError(f"unknown threads {who}")
+
+    def events(self) -> list[Event]:
+        out: list[Event] = []
+        if self.blocks == 0:
+            if self.wg is None:
+                return out  # the producer issues nothing
+            head = [i for i in self.kernel.prologue if isinstance(i, Step) and i.op in (Op.INIT,)]
+            tail_start = next(
+                n
+                for n, i in enumerate(self.kernel.epilogue)
+                if isinstance(i, Step) and i.op is Op.NORMALIZE
+            )
+            for item in head + list(self.kernel.epilogue[tail_start:]):
+                if self.runs(item.who):
+                    out += self.item(item, 0)
+            return out
+        trace = [(Phase.PROLOGUE, 0)]
+        trace += [(Phase.MAINLOOP, it) for it in range(1, self.blocks)]
+        trace += [(Phase.EPILOGUE, self.blocks)]
+        items = dict(self.kernel.phases())
+        for phase, it in trace:
+            for item in items[phase]:
+                if self.runs(item.who):
+                    out += self.item(item, it)
+        return out
+
+    # --- items -> events ---------------------------------------------------------------
+
+    def item(self, item: Step | Sync, it: int) -> list[Event]:
+        match item:
+            case Step():
+                return self.step(item, it)
+            case Sync():
+                return self.sync(item, it)
+            case _:
+                raise AssertionError(f"not an item: {item!r}")
+
+    def slot(self, lag: int | None, it: int) -> int:
+        return 0 if lag is None else (it + lag) % self.hopper.stages
+
+    def barrier(self, sync: Sync, it: int) -> str:
+        if sync.lag is None:
+            return sync.barrier
+        return f"{sync.barrier}[{self.slot(sync.lag, it)}]"
+
+    def span(self, buf: Buffer, partition: Partition, slot: int) -> Span:
+        assert buf.offset is not None
+        slot = slot if buf.slots > 1 else 0  # a step's ring item names the slot of its ring
+        base = buf.offset + slot * buf.tile_bytes
+        label = buf.name if buf.slots == 1 else f"{buf.name}[slot {slot}]"
+        if partition is Partition.WHOLE or self.wg is None:
+            return Span("smem", base, base + buf.tile_bytes, label)
+        rows = buf.tile_bytes // buf.rows * ROWS_PER_WARPGROUP
+        lo = base + self.wg * rows
+        return Span("smem", lo, lo + rows, f"{label} rows of wg{self.wg}")
+
+    def regs(self, names: tuple[str, ...]) -> tuple[Span, ...]:
+        space = f"rf:{self.name}"
+        return tuple(Span(space, _REG_INDEX[n], _REG_INDEX[n] + 1, n) for n in names)
+
+    def step(self, step: Step, it: int) -> list[Event]:
+        slot = self.slot(step.lag, it)
+        smem = [
+            (self.span(self.kernel.buffer(a.buffer), a.partition, slot), a.mode)
+            for a in step.accesses
+        ]
+        what = f"{step.op.spelling} (it={it})"
+        reads = self.regs(_REG_READS.get(step.op, ()))
+        writes = self.regs(_REG_WRITES.get(step.op, ()))
+        match step.async_kind:
+            case caps.TMA_LOAD:
+                ((span, mode),) = smem
+                assert mode is Mode.WRITE and step.op.tensor is not None
+                full = f"{step.op.tensor.value.lower()}_full"
+                barrier = f"{full}[{slot}]" if full in self.rings else full
+                return [TmaLoad(span, barrier, span.hi - span.lo, what)]
+            case caps.TMA_STORE:
+                return [TmaStore(span, what) for span, _ in smem]
+            case caps.WGMMA:
+                return [Wgmma(tuple(s for s, _ in smem) + reads, writes, what)]
+            case None:
+                events: list[Event] = [Access(s, m is Mode.WRITE, what) for s, m in smem]
+                events += [Access(r, False, what) for r in reads if r not in writes]
+                events += [Access(w, True, what) for w in writes]
+                return events
+            case _:
+                raise AssertionError(f"unknown async kind {step.async_kind}")
+
+    def sync(self, sync: Sync, it: int) -> list[Event]:
+        why = "; ".join(h.describe() for h in sync.serves) or sync.note
+        match sync.kind:
+            case caps.MBAR_EXPECT_TX:
+                return [Arrive(self.barrier(sync, it), 1, sync.tx, why)]
+            case caps.MBAR_ARRIVE:
+                count = WARPS_PER_WARPGROUP if sync.who is Threads.CONSUMER_WARP_LANE0 else 1
+                return [Arrive(self.barrier(sync, it), count, 0, why)]
+            case caps.MBAR_WAIT:
+                return [Wait(self.barrier(sync, it), self.parity(sync, it), why)]
+            case caps.BAR_SYNC | caps.BAR_ARRIVE:
+                bar_id = sync.bar_id
+                if sync.peer is not None:
+                    assert self.wg is not None
+                    bar_id += (self.wg + sync.peer) % self.hopper.consumers
+                kind = BarSync if sync.kind is caps.BAR_SYNC else BarArrive
+                return [kind(bar_id, sync.count, why)]
+            case caps.WGMMA_COMMIT:
+                return [WgmmaCommit()]
+            case caps.WGMMA_WAIT:
+                return [WgmmaWait(sync.groups)]
+            case caps.WGMMA_FENCE:
+                return [_WGMMA_FENCE]
+            case caps.FENCE_PROXY_ASYNC:
+                return [FenceProxyAsync()]
+            case caps.BULK_COMMIT:
+                return [BulkCommit()]
+            case caps.BULK_WAIT:
+                return [BulkWait(sync.groups)]
+            case caps.MBAR_INIT | caps.FENCE_MBAR_INIT | caps.SYNCTHREADS:
+                raise AssertionError("setup syncs run before the roles split")
+            case _:
+                raise AssertionError(f"unknown sync kind {sync.kind.name}")
+
+    def parity(self, sync: Sync, it: int) -> int:
+        item = it + (sync.lag or 0)
+        phase = (item // self.hopper.stages) & 1
+        match sync.parity:
+            case Parity.ZERO:
+                return 0
+            case Parity.PHASE:
+                return phase
+            case Parity.PHASE_FLIP:
+                return phase ^ 1
+            case _:
+                raise AssertionError(f"an mbarrier wait needs a parity rule: {sync.parity}")
+
+
+@dataclass(frozen=True)
+class _WgmmaFence:
+    """wgmma.fence: no effect on SMEM, so it is not an async_model event; the register rule
+    below reads it from the unfiltered events."""
+
+
+_WGMMA_FENCE = _WgmmaFence()
+
+
+def _wgmma_fence_problems(program: Program) -> list[str]:
+    """PTX's rule for wgmma's register operands: a wgmma.fence before a warpgroup's first wgmma,
+    and between ordinary code writing registers and a wgmma that reads or accumulates into
+    them."""
+    problems = []
+    for agent in program.agents:
+        dirty: set[Span] = set()
+        fenced = False  # the first wgmma of a warpgroup needs a wgmma.fence before it
+        for index, event in enumerate(agent.events):
+            match event:
+                case Access(span=span, write=True) if span.space.startswith("rf:"):
+                    dirty.add(span)
+                case _WgmmaFence():
+                    dirty.clear()
+                    fenced = True
+                case Wgmma(what=what) if not fenced:
+                    problems.append(f"{agent.name} #{index} ({what}): no wgmma.fence before it")
+                    fenced = True
+                case Wgmma(reads=reads, writes=writes, what=what):
+                    stale = sorted(s.name for s in dirty & set(reads + writes))
+                    if stale:
+                        problems.append(
+                            f"{agent.name} #{index} ({what}) uses register(s) "
+                            f"{', '.join(stale)} written since its last wgmma.fence"
+                        )
+    return problems
