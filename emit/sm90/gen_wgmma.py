@@ -28,8 +28,8 @@ HEAD = """\
 // those registers were written since the last one.
 #pragma once
 
-#include <cstdint>
-#include <type_traits>
+#include <cuda/std/cstdint>
+#include <cuda/std/type_traits>
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -71,16 +71,16 @@ struct Wgmma<{n}> {{
   static constexpr int kRegs = {regs};
   template <class T, int kTransA, int kTransB>
   __device__ __forceinline__ static void ss(float (&d)[{regs}], uint64_t desc_a, uint64_t desc_b, uint32_t scale_d) {{
-    if constexpr (std::is_same_v<T, __nv_bfloat16>) {{
+    if constexpr (cuda::std::is_same_v<T, __nv_bfloat16>) {{
 {ss("bf16")}    }} else {{
-      static_assert(std::is_same_v<T, half>, "bf16 or fp16 only");
+      static_assert(cuda::std::is_same_v<T, half>, "bf16 or fp16 only");
 {ss("f16")}    }}
   }}
   template <class T, int kTransB>
   __device__ __forceinline__ static void rs(float (&d)[{regs}], const uint32_t (&a)[4], uint64_t desc_b, uint32_t scale_d) {{
-    if constexpr (std::is_same_v<T, __nv_bfloat16>) {{
+    if constexpr (cuda::std::is_same_v<T, __nv_bfloat16>) {{
 {rsf("bf16")}    }} else {{
-      static_assert(std::is_same_v<T, half>, "bf16 or fp16 only");
+      static_assert(cuda::std::is_same_v<T, half>, "bf16 or fp16 only");
 {rsf("f16")}    }}
   }}
 }};

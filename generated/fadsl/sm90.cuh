@@ -17,8 +17,8 @@
 //   5. epilogue steps: row sums, normalise, LSE, O into SMEM (stmatrix), TMA store
 #pragma once
 
-#include <cmath>
-#include <cstdint>
+#include <cuda/std/cmath>
+#include <cuda/std/cstdint>
 
 #include "params.cuh"  // FwdParams (every target's; next to this file)
 #include "sm90_ptx.cuh"  // (next to this file)

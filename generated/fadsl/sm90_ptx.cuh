@@ -18,8 +18,8 @@
 // Needs sm_90a (wgmma, setmaxnreg): nvcc -gencode=arch=compute_90a,code=sm_90a.
 #pragma once
 
-#include <cstdint>
-#include <type_traits>
+#include <cuda/std/cstdint>
+#include <cuda/std/type_traits>
 
 #if defined(__CUDACC_RTC__)
 // NVRTC has no <cuda.h>: the driver's opaque 128-byte tensor map, aligned as CUDA 13's
@@ -294,9 +294,9 @@ __device__ __forceinline__ void stmatrix_x4(uint32_t smem_dst, uint32_t r0, uint
 // Round two fp32 values to 16 bits (RNE); `lo` lands in the low half (the lower column).
 template <typename T>
 __device__ __forceinline__ uint32_t pack_f32x2(float lo, float hi) {
-  static_assert(std::is_same_v<T, __nv_bfloat16> || std::is_same_v<T, half>, "bf16 or fp16 only");
+  static_assert(cuda::std::is_same_v<T, __nv_bfloat16> || cuda::std::is_same_v<T, half>, "bf16 or fp16 only");
   uint32_t packed;
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+  if constexpr (cuda::std::is_same_v<T, __nv_bfloat16>) {
     asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(packed) : "f"(hi), "f"(lo));
   } else {
     asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(packed) : "f"(hi), "f"(lo));

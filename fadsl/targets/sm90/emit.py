@@ -31,7 +31,7 @@ from .caps import (
 )
 from .insert_syncs import role_of
 from .plan_smem import mbarrier_offset
-from .schedule import REGISTERS
+from .schedule import REGISTERS, ring_buffers
 
 TEMPLATE = "sm90/kernel.cu.j2"
 
@@ -75,6 +75,7 @@ def _comment(sync: Sync) -> list[str]:
 class _Render:
     def __init__(self, kernel: Kernel) -> None:
         self.kernel = kernel
+        self.rings = ring_buffers(kernel)
         self.in_flight: list[Step] = []
         inits = [s for s in kernel.syncs() if s.kind == MBAR_INIT]
         single = [s.barrier for s in inits if not self._ring(s.barrier)]
@@ -85,7 +86,7 @@ class _Render:
         self.ring_barriers = len(ring)
 
     def _ring(self, barrier: str) -> bool:
-        return self.kernel.buffer(barrier.split("_")[0].upper()).slots > 1
+        return barrier.split("_")[0].upper() in self.rings
 
     def bar(self, name: str, lag: int | None) -> str:
         index, ring = self.barriers[name]

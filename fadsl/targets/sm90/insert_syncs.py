@@ -53,7 +53,7 @@ from .caps import (
     WGMMA_FENCE,
     WGMMA_WAIT,
 )
-from .schedule import REGISTERS
+from .schedule import REGISTERS, ring_buffers
 
 # Named barrier ids (0 is __syncthreads); per-warpgroup ones take consumers ids from the base.
 RING_DEAD_ID = 1
@@ -102,8 +102,12 @@ class _Consumers:
 
     kernel: Kernel
     readers: dict[str, list[Step]]  # buffer -> the consumer steps that read it
+    rings: frozenset[str]  # the tiles loaded per K/V block (schedule.ring_buffers)
     in_flight: list[_Group] = field(default_factory=list)
     in_turn: bool = False
+    # ordinary code wrote registers since the last wgmma.fence (PTX: a wgmma after such
+    # writes, and the first wgmma, need a wgmma.fence before them)
+    registers_written: bool = True
     q_waited: set[str] = field(default_factory=set)
     out: list[Item] = field(default_factory=list)
 
@@ -155,11 +159,12 @@ class _Consumers:
         """The consumers' mbarrier wait before the first read of a TMA-loaded item."""
         for access in step.accesses:
             buf = self.kernel.buffer(access.buffer)
-            key = (buf.name, step.lag if buf.slots > 1 else None)
+            ring = buf.name in self.rings
+            key = (buf.name, step.lag if ring else None)
             if access.mode is not Mode.READ or key in waited or buf.name in self.q_waited:
                 continue
             waited.add(key)
-            if buf.slots == 1:
+            if not ring:
                 self.q_waited.add(buf.name)
             loads = [s for s in self.kernel.steps() if _writes(s, buf.name, TMA_LOAD)]
             self.sync(
@@ -177,8 +182,8 @@ class _Consumers:
                     for load in loads[:1]
                 ],
                 barrier=f"{buf.name.lower()}_full",
-                lag=step.lag if buf.slots > 1 else None,
-                parity=Parity.PHASE if buf.slots > 1 else Parity.ZERO,
+                lag=step.lag if ring else None,
+                parity=Parity.PHASE if ring else Parity.ZERO,
             )
 
     def wait_groups(self, step: Step | None, phase: Phase, force: bool = False) -> None:
@@ -220,8 +225,8 @@ class _Consumers:
         """Empty-barrier arrivals for the ring slots a retired wgmma group has read."""
         for access in step.accesses:
             buf = self.kernel.buffer(access.buffer)
-            if buf.slots == 1:
-                continue
+            if buf.name not in self.rings or phase is Phase.EPILOGUE:
+                continue  # not a ring, or no load refills the slot after the last block
             loads = [s for s in self.kernel.steps() if _writes(s, buf.name, TMA_LOAD)]
             self.sync(
                 MBAR_ARRIVE,
@@ -263,6 +268,7 @@ def insert_syncs(kernel: Kernel, target: targets.Target) -> Kernel:
             if a.mode is Mode.READ:
                 readers.setdefault(a.buffer, []).append(s)
     loc = kernel.config.loc
+    rings = ring_buffers(kernel)
 
     # --- setup: one mbarrier per TMA-loaded tile (full) and per ring (empty) ---------
     setup: list[Item] = []
@@ -270,7 +276,7 @@ def insert_syncs(kernel: Kernel, target: targets.Target) -> Kernel:
     for buf in kernel.buffers:
         if not any(_writes(s, buf.name, TMA_LOAD) for s in steps):
             continue
-        ring = buf.slots > 1
+        ring = buf.name in rings
         setup.append(
             Sync(
                 MBAR_INIT,
@@ -327,7 +333,7 @@ def insert_syncs(kernel: Kernel, target: targets.Target) -> Kernel:
                 (access,) = step.accesses
                 buf = kernel.buffer(access.buffer)
                 name = buf.name.lower()
-                lag = step.lag if buf.slots > 1 else None
+                lag = step.lag if buf.name in rings else None
                 raws = [
                     _hazard(
                         HazardKind.RAW,
@@ -339,7 +345,10 @@ def insert_syncs(kernel: Kernel, target: targets.Target) -> Kernel:
                     )
                     for r in _unique_ops(readers.get(buf.name, []))
                 ]
-                if buf.slots > 1:
+                # item it + lag of the prologue (it = 0) in the ring's first round: the
+                # fresh empty barrier passes parity 1 at once, so there is nothing to wait for
+                first_round = phase is Phase.PROLOGUE and 0 <= (lag or 0) < hw.stages
+                if buf.name in rings and not first_round:
                     wars = [
                         _hazard(
                             HazardKind.WAR, r.op, step.op, buf.name, back=True, across=TO_PRODUCER
@@ -374,12 +383,15 @@ def insert_syncs(kernel: Kernel, target: targets.Target) -> Kernel:
         return out
 
     # --- consumers -----------------------------------------------------------------
-    c = _Consumers(kernel, readers)
+    c = _Consumers(kernel, readers, rings)
     last_wgmma = max(i for i, s in enumerate(consumer_steps) if s.async_kind == WGMMA)
     position = 0
     opened = False
     for phase, items in kernel.phases():
         waited: set = set()
+        # A phase is entered from more than one place (the loop from the prologue and from
+        # its own end): assume registers were written before it.
+        c.registers_written = True
         for step in items:
             if not isinstance(step, Step) or role_of(step.who) != "consumers":
                 continue
@@ -390,11 +402,13 @@ def insert_syncs(kernel: Kernel, target: targets.Target) -> Kernel:
                 c.wait_groups(step, phase)
                 c.wait_full(step, phase, waited)
                 c.take_turn(phase)
-                c.sync(
-                    WGMMA_FENCE,
-                    phase,
-                    note="registers written by ordinary code (O rescaled, P converted) before wgmma reads them",
-                )
+                if c.registers_written:
+                    c.sync(
+                        WGMMA_FENCE,
+                        phase,
+                        note="registers written by ordinary code (O rescaled, P converted) before wgmma reads them",
+                    )
+                    c.registers_written = False
                 c.out.append(step)
                 c.sync(WGMMA_COMMIT, phase, note=f"closes {step.op.spelling}'s wgmma group")
                 reads, writes = REGISTERS[step.op]
@@ -416,6 +430,7 @@ def insert_syncs(kernel: Kernel, target: targets.Target) -> Kernel:
                     opened = False
                 _before_smem(c, step, phase)
                 c.out.append(step)
+                c.registers_written |= bool(REGISTERS.get(step.op, ((), ()))[1])
                 if step.async_kind == TMA_STORE:
                     c.sync(
                         BULK_COMMIT,

@@ -17,6 +17,7 @@ from ... import targets
 from ...errors import Diagnostic, SpecError
 from ...ir import Buffer, Kernel, Region
 from ...passes.plan_smem import _flow, live_text, occupancy
+from .schedule import ring_buffers
 
 TILE_ALIGN = 1024
 BASE_SLACK = 1024  # dynamic SMEM is only 16-byte aligned: the kernel rounds its base up
@@ -31,10 +32,11 @@ def mbarrier_count(kernel: Kernel) -> int:
         for a in s.accesses
         if a.mode.value == "write"
     }
+    rings = ring_buffers(kernel)
     count = 0
     for buf in kernel.buffers:
         if buf.name in loaded:
-            count += buf.slots + (buf.slots if buf.slots > 1 else 0)
+            count += buf.slots + (buf.slots if buf.name in rings else 0)
     return count
 
 

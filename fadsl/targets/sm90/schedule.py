@@ -41,6 +41,18 @@ REGISTERS: dict[Op, tuple[frozenset[str], frozenset[str]]] = {  # op -> (reads, 
 }
 
 
+def ring_buffers(kernel: Kernel) -> frozenset[str]:
+    """The tiles loaded once per K/V block (their steps carry a ring item): rings of
+    ``stages`` slots, even a ring of one slot, as opposed to Q, loaded once."""
+    return frozenset(
+        a.buffer
+        for s in kernel.steps()
+        if s.lag is not None
+        for a in s.accesses
+        if a.mode is Mode.WRITE
+    )
+
+
 def build_schedule(lowered: Lowered) -> Kernel:
     cfg = lowered.config
     hw = cfg.hopper
