@@ -2,9 +2,10 @@
 argument bytes.
 
 Each target registers a ``Launch``: how its params struct is packed (the one kernel
-argument, passed by value) and its grid. The sm_80 kernels take ``fadsl::FwdParams``
-(emit/common/include/fadsl/params.cuh); a Hopper target would pack ``CUtensorMap`` TMA
-descriptors into a ``__grid_constant__`` struct through the same hook.
+argument, passed by value), its grid, and the name of its ``__global__`` function. The
+sm_80 kernels take ``fadsl::FwdParams`` (emit/common/include/fadsl/params.cuh); the sm_90a
+kernels take ``FwdParamsSm90``, four TMA descriptors and the same ``FwdParams``
+(fadsl/tma.py encodes the descriptors).
 """
 
 from __future__ import annotations
@@ -30,10 +31,21 @@ class Args(NamedTuple):
 
 @dataclass(frozen=True)
 class Launch:
-    """A target's launch: ``pack`` returns the params struct's bytes, ``grid`` the grid."""
+    """A target's launch: ``pack`` returns the params struct's bytes, ``grid`` the grid.
+
+    The kernel of a rendered source ``NAME`` is the symbol ``NAME + kernel_suffix``; with
+    ``launch_info``, the cubin also exports ``int <symbol>_launch_info[4]`` (threads,
+    dynamic SMEM bytes, B_r, B_c), which the driver reads instead of trusting the host's
+    copy of the plan.
+    """
 
     pack: Callable[[Kernel, Args], bytes]
     grid: Callable[[Kernel, Args], tuple[int, int, int]]
+    kernel_suffix: str = "_kernel"
+    launch_info: bool = False
+
+    def symbol(self, source_name: str) -> str:
+        return source_name + self.kernel_suffix
 
     def block(self, kernel: Kernel) -> tuple[int, int, int]:
         return (kernel.config.threads, 1, 1)
@@ -80,9 +92,43 @@ def row_block_grid(kernel: Kernel, a: Args) -> tuple[int, int, int]:
     return (-(-seqlen_q // kernel.config.block_r), heads_q, batch)
 
 
+# FwdParamsSm90 (emit/sm90/include/fadsl/sm90.cuh): the Q, K, V and O tensor maps (128
+# bytes each, 128-byte aligned), then FwdParams at 512; 768 bytes in all (the struct's
+# alignment rounds 688 up). tests/test_params.py checks these against the C++ struct.
+TENSOR_MAP_BYTES = 128
+SM90_BASE_OFFSET = 4 * TENSOR_MAP_BYTES
+SM90_PARAMS_BYTES = 768
+_SM90_PAD = bytes(SM90_PARAMS_BYTES - SM90_BASE_OFFSET - FWD_PARAMS.size)
+# The kernels move tiles as 64-column panels (128-byte rows, the 128-byte swizzle's span),
+# and each consumer warpgroup stores its own 64 rows of O.
+PANEL_COLS = 64
+O_BOX_ROWS = 64
+
+
+def pack_fwd_params_sm90(kernel: Kernel, a: Args) -> bytes:
+    """FwdParamsSm90: Q's map with B_r-row boxes, K's and V's with B_c-row boxes, O's with
+    64-row boxes (one consumer warpgroup's rows), then FwdParams."""
+    from .tma import tensor_map
+
+    cfg = kernel.config
+    return b"".join(
+        (
+            tensor_map(a.q, PANEL_COLS, cfg.block_r),
+            tensor_map(a.k, PANEL_COLS, cfg.block_c),
+            tensor_map(a.v, PANEL_COLS, cfg.block_c),
+            tensor_map(a.out, PANEL_COLS, O_BOX_ROWS),
+            pack_fwd_params(kernel, a),
+            _SM90_PAD,
+        )
+    )
+
+
 # target (as a spec spells it) -> its launch
 LAUNCHES: dict[str, Launch] = {
     "sm_80": Launch(pack=pack_fwd_params, grid=row_block_grid),
+    "sm_90a": Launch(
+        pack=pack_fwd_params_sm90, grid=row_block_grid, kernel_suffix="", launch_info=True
+    ),
 }
 
 

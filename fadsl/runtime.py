@@ -119,7 +119,7 @@ class FlashAttention:
     def request(self, dtype: Dtype, arch: str) -> cache.Request:
         source: Source = self._sources[dtype]
         return cache.Request(
-            kernel=f"{source.kernel_name}_kernel",
+            kernel=self._launch.symbol(source.kernel_name),
             filename=source.filename,
             text=source.text,
             headers=header_text(),
@@ -161,8 +161,8 @@ class FlashAttention:
         check_device(self.config.target, self.config.name, torch.device("cuda", index))
         arch = arch_of(index)
         name = self.request(dtype, arch).kernel
-        smem = self.compiled.kernel.smem_bytes
         entry = self.cubin(dtype, arch)
+        smem = self._smem_bytes(entry.cubin, name)
         with torch.cuda.device(index):
             try:
                 module = Module(entry.cubin, name, smem, self._block[0])
@@ -173,6 +173,23 @@ class FlashAttention:
             module.prepare(index)
         self._modules[dtype, index] = module
         return module
+
+    def _smem_bytes(self, cubin: bytes, name: str) -> int:
+        """The dynamic SMEM to launch with: the plan's, checked against the launch info the
+        cubin exports (threads, SMEM, B_r, B_c) where the target has one."""
+        smem = self.compiled.kernel.smem_bytes
+        if not self._launch.launch_info:
+            return smem
+        from .elf import read_ints
+
+        built = read_ints(cubin, f"{name}_launch_info", 4)
+        expected = (self._block[0], smem, self.config.block_r, self.config.block_c)
+        if built != expected:
+            raise RuntimeError(
+                f"{name}'s cubin says (threads, SMEM bytes, B_r, B_c) = {built} but the spec "
+                f"compiled to {expected}; the generator and the header disagree"
+            )
+        return smem
 
     def resources(self, dtype: str, device=None) -> dict:
         """What the kernel uses on ``device`` (default: the current one): registers per
@@ -245,7 +262,7 @@ class FlashAttention:
         dtype = self.check_inputs(q, k, v)
         if (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16:
             for name, t in (("q", q), ("k", k), ("v", v)):
-                _check_base(name, t)
+                _check_base(name, t, self.config.target)
         if out is None:
             out = torch.empty_like(q)
         else:
@@ -260,7 +277,7 @@ class FlashAttention:
         """Check the arguments and launch, writing ``out`` and ``lse`` (if not None)."""
         dtype = self.check_inputs(q, k, v)
         for name, t in (("q", q), ("k", k), ("v", v)):
-            _check_base(name, t)
+            _check_base(name, t, self.config.target)
         self._check_out(out, q, k, v)
         if lse is not None:
             check_lse(lse, q)
@@ -368,7 +385,7 @@ class FlashAttention:
                     f"{name}.shape[3] is the head_dim, which the spec fixes at {cfg.head_dim}, "
                     f"got {t.shape[3]}"
                 )
-            _check_strides(name, t)
+            _check_strides(name, t, cfg.target)
         batch, seqlen_q, heads_q, _ = q.shape
         if k.shape != v.shape:
             raise ValueError(
@@ -400,8 +417,7 @@ class FlashAttention:
                 raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
         return torch_dtypes[q.dtype]
 
-    @staticmethod
-    def check_out_meta(out, q) -> None:
+    def check_out_meta(self, out, q) -> None:
         import torch
 
         if not isinstance(out, torch.Tensor):
@@ -411,11 +427,11 @@ class FlashAttention:
                 f"out must match q: shape {tuple(q.shape)}, {q.dtype}, {q.device}; got shape "
                 f"{tuple(out.shape)}, {out.dtype}, {out.device}"
             )
-        _check_strides("out", out)
+        _check_strides("out", out, self.config.target)
 
     def _check_out(self, out, q, k, v) -> None:
         self.check_out_meta(out, q)
-        _check_base("out", out)
+        _check_base("out", out, self.config.target)
         # A contiguous out (the usual case) has no overlapping elements: skip the walk.
         if not out.is_contiguous() and _overlaps_itself(out):
             raise ValueError(
@@ -441,26 +457,37 @@ def _current_stream(index: int) -> int:
     return raw(index) if raw is not None else torch.cuda.current_stream(index).cuda_stream
 
 
-def _check_strides(name: str, t) -> None:
-    """The kernel moves 16-byte vectors: last dimension contiguous, strides aligned."""
+# Why the strides and the base must be 16-byte aligned, per target (the rule is the same).
+ALIGNMENT_REASON = {
+    "sm_80": "16-byte vector loads",
+    "sm_90a": "TMA descriptors need every stride but the last a multiple of 16 bytes and a "
+    "16-byte aligned base",
+}
+
+
+def _check_strides(name: str, t, target: str = "sm_80") -> None:
+    """The kernel moves 16-byte vectors (sm_80) or TMA boxes (sm_90a): last dimension
+    contiguous, the others' strides multiples of 16 bytes (a size-1 dimension's is free)."""
     if t.stride(3) != 1:
         raise ValueError(
             f"{name} must be contiguous in its last dimension (stride 1), got strides "
             f"{t.stride()}; pass {name}.contiguous()"
         )
     if any(st % 8 for st, n in zip(t.stride()[:3], t.shape[:3]) if n > 1):
+        in_bytes = tuple(st * t.element_size() for st in t.stride())
         raise ValueError(
             f"{name} must be 16-byte aligned with strides that are multiples of 8 "
-            f"elements (16-byte vector loads), got strides {t.stride()}"
+            f"elements ({ALIGNMENT_REASON[target]}), got strides {t.stride()} "
+            f"({in_bytes} bytes) for shape {tuple(t.shape)}; pass {name}.contiguous()"
         )
 
 
-def _check_base(name: str, t) -> None:
+def _check_base(name: str, t, target: str = "sm_80") -> None:
     if t.data_ptr() % 16:
         raise ValueError(
             f"{name} must be 16-byte aligned with strides that are multiples of 8 "
-            f"elements (16-byte vector loads), got an address {t.data_ptr() % 16} bytes past "
-            "a 16-byte boundary"
+            f"elements ({ALIGNMENT_REASON[target]}), got an address {t.data_ptr() % 16} bytes "
+            "past a 16-byte boundary"
         )
 
 
