@@ -1,9 +1,11 @@
-"""The params struct packed in Python matches fadsl::FwdParams byte for byte (NVRTC checks
-every offset with static_assert), and the grid covers every query row."""
+"""The params structs packed in Python match fadsl::FwdParams and sm_90a's FwdParamsSm90
+byte for byte (NVRTC checks every offset with static_assert), the TMA descriptors get the
+boxes and byte strides the kernels expect, and the grid covers every query row."""
 
 from __future__ import annotations
 
 import struct
+from dataclasses import replace
 
 import pytest
 import torch
@@ -11,7 +13,18 @@ import torch
 import fadsl
 from conftest import ROOT
 from fadsl.compiler import compile_cubin, nvrtc_available
-from fadsl.params import FWD_PARAMS, FWD_PARAMS_FIELDS, Args, launch_for
+from fadsl.codegen import HEADERS
+from fadsl.params import (
+    FWD_PARAMS,
+    FWD_PARAMS_FIELDS,
+    SM90_BASE_OFFSET,
+    SM90_PARAMS_BYTES,
+    TENSOR_MAP_BYTES,
+    Args,
+    launch_for,
+    pack_fwd_params,
+    pack_fwd_params_sm90,
+)
 
 SPEC = ROOT / "examples" / "fa2_kernel1.fa"
 
@@ -70,3 +83,80 @@ def test_pack_and_grid():
     no_lse = dict(zip(FWD_PARAMS_FIELDS, FWD_PARAMS.unpack(
         launch.pack(kern.compiled.kernel, Args(q, k, k, out, None, 1.0)))))  # fmt: skip
     assert no_lse["lse"] == 0 and no_lse["lse_batch_stride"] == 0
+
+
+# ---------------------------------------------------------------------------------- sm_90a
+SM90_MAPS = ("tma_q", "tma_k", "tma_v", "tma_o")
+
+
+@pytest.mark.skipif(not nvrtc_available(), reason="needs NVRTC (cuda-bindings)")
+@pytest.mark.skipif("fadsl/sm90.cuh" not in HEADERS, reason="the sm_90a target is not built in")
+def test_sm90_layout_matches_the_cuda_struct(tmp_path):
+    """FwdParamsSm90 as NVRTC sees it (the opaque 128-byte CUtensorMap): the four maps, then
+    FwdParams at SM90_BASE_OFFSET with every field where FWD_PARAMS puts it."""
+    struct_name = "fadsl::sm90::FwdParamsSm90"
+    checks = [f'static_assert(sizeof({struct_name}) == {SM90_PARAMS_BYTES}, "size");']
+    for i, name in enumerate(SM90_MAPS):
+        checks.append(
+            f"static_assert(__builtin_offsetof({struct_name}, {name}) == "
+            f'{i * TENSOR_MAP_BYTES}, "{name}");'
+        )
+    for name, offset in offsets().items():
+        checks.append(
+            f"static_assert(__builtin_offsetof({struct_name}, base) + "
+            f"__builtin_offsetof(fadsl::FwdParams, {name}) == {SM90_BASE_OFFSET + offset}, "
+            f'"{name}");'
+        )
+    source = '#include "fadsl/sm90.cuh"\n' + "\n".join(checks) + "\n"
+    source += f'extern "C" __global__ void probe(const __grid_constant__ {struct_name} p) {{}}\n'
+    compile_cubin(source, "layout90.cu", "probe", "sm_90a", tmp_path)  # raises on a mismatch
+
+
+def test_sm90_pack_places_the_maps_and_params(monkeypatch):
+    """pack_fwd_params_sm90 with the driver's encoder replaced by one that records its
+    arguments: Q's boxes are B_r rows, K's and V's B_c, O's 64; 64-column panels; strides in
+    bytes in TMA's order (seqlen, heads, batch), a size-1 dimension's made the row's bytes;
+    FwdParams at byte 512; 768 bytes in all; a second call with the same tensors encodes
+    nothing."""
+    import fadsl.tma as tma
+
+    calls = []
+
+    def fake_encode(ptr, dtype, shape, strides, element_size, box_cols, box_rows):
+        calls.append((ptr, tuple(shape), tma.tma_strides(shape, strides, element_size)))
+        calls[-1] += (box_cols, box_rows)
+        return bytes([len(calls)]) * tma.MAP_BYTES
+
+    monkeypatch.setattr(tma, "_encode", fake_encode)
+    monkeypatch.setattr(tma, "_encoded", {})
+    kernel = _sm90_kernel(block_r=128, block_c=176)
+    qkv = torch.zeros(3, 130, 3, 5, 128, dtype=torch.bfloat16)  # packed: strided views
+    q, k, v = qkv.unbind(2)
+    out = torch.empty(3, 130, 5, 128, dtype=torch.bfloat16)[:1]  # batch 1 (a free stride)
+    q1 = q[:1]
+    args = Args(q1, k[:1], v[:1], out, None, 0.5)
+    raw = pack_fwd_params_sm90(kernel, args)
+    assert len(raw) == SM90_PARAMS_BYTES
+    assert [raw[i * TENSOR_MAP_BYTES] for i in range(4)] == [1, 2, 3, 4]
+    base = raw[SM90_BASE_OFFSET : SM90_BASE_OFFSET + FWD_PARAMS.size]
+    assert base == pack_fwd_params(kernel, args)
+    assert raw[SM90_BASE_OFFSET + FWD_PARAMS.size :] == bytes(len(raw) - 688)
+    packed_row = 3 * 5 * 128 * 2  # bytes from one token to the next in qkv
+    q_call, k_call, v_call, o_call = calls
+    assert q_call == (q1.data_ptr(), (1, 130, 5, 128), (packed_row, 256, 256), 64, 128)
+    assert k_call[0] == k.data_ptr() and k_call[3:] == (64, 176)
+    assert v_call[2] == (packed_row, 256, 256) and v_call[3:] == (64, 176)
+    assert o_call[2] == (5 * 128 * 2, 256, 256) and o_call[3:] == (64, 64)
+    pack_fwd_params_sm90(kernel, args)
+    assert len(calls) == 4, "the same tensors must reuse their descriptors"
+    launch = launch_for("sm_90a")
+    assert launch.grid(kernel, args) == (2, 5, 1)  # ceil(130 / 128) q blocks, heads, batch
+    assert launch.symbol("fa3_hopper_bf16") == "fa3_hopper_bf16" and launch.launch_info
+
+
+def _sm90_kernel(block_r: int, block_c: int):
+    """An sm_80 example's kernel with its tile changed: the sm_90a packer reads only the
+    config's B_r and B_c (and FwdParams' fields), whatever the target."""
+    kern = fadsl.load(SPEC, verbose=False).compiled.kernel
+    config = replace(kern.config, block_r=block_r, block_c=block_c)
+    return replace(kern, config=config)
