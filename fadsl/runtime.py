@@ -54,14 +54,22 @@ def arch_of(device) -> str:
 TARGET_DEVICES = {"sm_80": ((8, 0), False), "sm_90a": ((9, 0), True)}
 
 
-def check_device(target: str, kernel_name: str, device) -> None:
-    """Refuse a GPU the spec's target cannot run on, before building anything."""
+def runs_on(target: str, device) -> bool:
+    """Whether the target's instructions run on ``device``'s GPU."""
     import torch
 
     capability = torch.cuda.get_device_capability(device)
     lowest, only = TARGET_DEVICES[target]
-    ok = capability == lowest if only else capability >= lowest
-    if not ok:
+    return capability == lowest if only else capability >= lowest
+
+
+def check_device(target: str, kernel_name: str, device) -> None:
+    """Refuse a GPU the spec's target cannot run on, before building anything."""
+    import torch
+
+    if not runs_on(target, device):
+        capability = torch.cuda.get_device_capability(device)
+        lowest, only = TARGET_DEVICES[target]
         needs = f"compute capability {lowest[0]}.{lowest[1]}" + ("" if only else " or newer")
         name = torch.cuda.get_device_name(device)
         raise RuntimeError(

@@ -5,6 +5,8 @@
 #   comparison with SDPA FLASH, compute-sanitizer (racecheck, synccheck, memcheck) at a small
 #   shape, then the benchmarks if asked.
 # Usage (repo root, on the device): bash scripts/device.sh [tests] [sanitize] [bench ARGS...]
+#   GPU_TESTS: the pytest arguments instead of every GPU test file (e.g. "tests/test_gpu_sm90.py")
+#   SANITIZE_ONLY: a regex of the kernel names scripts/sanitize.py runs (default: all)
 set -uo pipefail
 export PYTHONUNBUFFERED=1 FADSL_CACHE_DIR=$PWD/build/fadsl-cache  # build/ survives between calls on a warm machine
 OUT=${OUT:-/tmp/out}
@@ -27,10 +29,16 @@ steps=" $* "
 status=0
 if [[ $steps == *" tests "* || $# -eq 0 ]]; then
   # -P: import the installed fadsl (the one pip built), not the source folder
-  python3 -P -m pytest -q -m gpu tests/test_gpu_runtime.py tests/test_gpu.py tests/test_gpu_general.py -p no:cacheprovider --durations=8 --timeout=120 -rs 2>&1 | tee "$OUT/pytest_gpu.log" | tail -25
+  python3 -P -m pytest -q -m gpu ${GPU_TESTS:-tests/test_gpu_runtime.py tests/test_gpu.py tests/test_gpu_general.py tests/test_gpu_sm90.py} -p no:cacheprovider --durations=8 --timeout=120 -rs 2>&1 | tee "$OUT/pytest_gpu.log" | tail -25
   status=$((status | ${PIPESTATUS[0]}))
-  python3 -P scripts/runtime_bench.py 2>&1 | tee "$OUT/runtime_bench.log" | tail -3
-  status=$((status | ${PIPESTATUS[0]}))
+  bench_specs=examples/fa2_pipelined.fa
+  if python3 -c "import torch, sys; sys.exit(torch.cuda.get_device_capability() != (9, 0))" && [[ -f examples/fa3_hopper.fa ]]; then
+    bench_specs="$bench_specs examples/fa3_hopper.fa"
+  fi
+  for spec in $bench_specs; do
+    python3 -P scripts/runtime_bench.py "$spec" 2>&1 | tee -a "$OUT/runtime_bench.log" | tail -3
+    status=$((status | ${PIPESTATUS[0]}))
+  done
 fi
 if [[ $steps == *" sanitize "* || $# -eq 0 ]]; then
   for tool in racecheck synccheck memcheck; do
@@ -38,7 +46,7 @@ if [[ $steps == *" sanitize "* || $# -eq 0 ]]; then
     # --report-api-errors no: cuda-bindings probes the driver for every entry point it knows
     # (cuGetProcAddress answers "invalid value" for those newer than the driver); fadsl raises
     # on any failed driver call itself, so only the kernels' own errors are wanted here.
-    compute-sanitizer --tool $tool --report-api-errors no --error-exitcode 9 python3 scripts/sanitize.py 2>&1 \
+    compute-sanitizer --tool $tool --report-api-errors no --error-exitcode 9 python3 scripts/sanitize.py "${SANITIZE_ONLY:-}" 2>&1 \
       | tee "$OUT/sanitize_$tool.log" | grep -E "ERROR SUMMARY|RACECHECK SUMMARY|Error|error" | tail -5
     status=$((status | ${PIPESTATUS[0]}))
   done

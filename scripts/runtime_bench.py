@@ -2,7 +2,9 @@
 call against PyTorch's SDPA with the FLASH_ATTENTION backend on the same tensors in the same
 process: loops of 100 calls, synchronised between loops so that the launch queue never fills
 and the GPU never holds the host back; the median loop, in microseconds per call. Also the
-same through torch.compile(fullgraph=True), and the GPU time per call for reference."""
+same through torch.compile(fullgraph=True), and the GPU time per call for reference. For an
+sm_90a spec also the cost of encoding one TMA descriptor (what a call on tensors it has not
+seen pays, four times)."""
 
 from __future__ import annotations
 
@@ -59,10 +61,20 @@ def main(spec: str) -> None:
     fadsl_out_us = per_call_us(lambda: kern(q, k, v, out=out))
     compiled = torch.compile(lambda q, k, v: kern(q, k, v), fullgraph=True)
     compiled_us = per_call_us(lambda: compiled(q, k, v))
-    print(f"host us/call at (1, 128, 1, 128) bf16: SDPA FLASH {flash:.1f}, fadsl {fadsl_us:.1f} "
+    print(f"{kern.config.name}: host us/call at (1, 128, 1, 128) bf16: SDPA FLASH {flash:.1f}, fadsl {fadsl_us:.1f} "
           f"(out= {fadsl_out_us:.1f}), fadsl under torch.compile {compiled_us:.1f}; "
           f"fadsl - FLASH = {fadsl_us - flash:+.1f} us; back-to-back per call (GPU-bound if "
           f"above the host time): FLASH {flash_gpu:.1f}, fadsl {fadsl_gpu:.1f} us")  # fmt: skip
+    if kern.config.target == "sm_90a":
+        from fadsl import tma
+
+        def encode():
+            tma._encoded.clear()
+            tma.tensor_map(q, 64, kern.config.block_r)
+
+        print(f"{kern.config.name}: one TMA descriptor encoded (cache miss) "
+              f"{per_call_us(encode):.1f} us, found (cache hit) "
+              f"{per_call_us(lambda: tma.tensor_map(q, 64, kern.config.block_r)):.2f} us")  # fmt: skip
 
 
 if __name__ == "__main__":

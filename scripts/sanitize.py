@@ -1,9 +1,11 @@
 """Run every example kernel once per dtype at small shapes, tails and causal corners
-included (for compute-sanitizer).
+included (for compute-sanitizer). Kernels whose target does not run on this GPU are
+skipped (and said so); the sm_90a examples also run with their mask flipped.
 
-Usage: compute-sanitizer --tool racecheck python3 scripts/sanitize.py
+Usage: compute-sanitizer --tool racecheck python3 scripts/sanitize.py [NAME_REGEX]
 """
 
+import re
 import sys
 from pathlib import Path
 
@@ -13,7 +15,9 @@ import fadsl
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
-from gpu_specs import general_specs  # noqa: E402
+from gpu_specs import general_specs, sm90_specs  # noqa: E402
+
+from fadsl.runtime import runs_on  # noqa: E402
 
 # (seqlen_q, seqlen_k): whole tiles, ragged tails, and causal rows that see no key.
 SHAPES = [(128, 128), (113, 203), (200, 100), (1, 65)]
@@ -23,9 +27,16 @@ SPECS = {p.name: str(p.relative_to(ROOT)) for p in sorted((ROOT / "examples").gl
 SPECS.update(
     {n: t for n, t in general_specs().items() if n.endswith(("d256_causal", "pipelined_causal"))}
 )
+SPECS.update({n: t for n, t in sm90_specs().items() if n not in SPECS})
+ONLY = re.compile(sys.argv[1] if len(sys.argv) > 1 else "")
 
 for name, spec in SPECS.items():
+    if not ONLY.search(name):
+        continue
     kern = fadsl.load(spec, verbose=False)
+    if not runs_on(kern.config.target, 0):
+        print(f"{name}: skipped ({kern.config.target} does not run on this GPU)")
+        continue
     d = kern.config.head_dim
     for dtype in kern.config.dtypes:
         torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype.value]

@@ -3,10 +3,12 @@
 Head dims 64, 96 and 128 vary the swizzled example (whole tiles in registers); 256 is the
 head_dim 256 example (fragment-wise loads, loads ahead), and `pipelined` the head_dim 128
 kernel with FA2's schedule, so that tails and causal masks run through every kind of load.
+``sm90_specs()``: the sm_90a examples with and without the causal mask.
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -34,3 +36,39 @@ def general_specs() -> dict[str, str]:
             text = (ROOT / "examples" / f"{example}.fa").read_text()
             specs[name] = _masked(name, text, example, mask)
     return specs
+
+
+def sm90_specs() -> dict[str, str]:
+    """Every sm_90a example, and each with its mask flipped (named ``<example>_causal`` or
+    ``<example>_full``), so that every head dim runs with and without the causal mask; a
+    flipped spec that another example already is (fa3_causal is fa3_hopper, causal) is
+    left out."""
+    examples = {}
+    for path in sorted((ROOT / "examples").glob("*.fa")):
+        text = path.read_text()
+        if re.search(r"^\s*target\s+sm_90a\b", text, re.MULTILINE):
+            examples[path.stem] = text
+    specs = dict(examples)
+    seen = {_body(text) for text in examples.values()}
+    for stem, text in examples.items():
+        causal = re.search(r"^\s*mask\s+causal\b", text, re.MULTILINE) is not None
+        name = f"{stem}_{'full' if causal else 'causal'}"
+        flipped = re.sub(
+            r"^(\s*mask\s+)(none|causal)\b",
+            lambda m: m.group(1) + ("none" if causal else "causal"),
+            text,
+            count=1,
+            flags=re.MULTILINE,
+        )
+        flipped = re.sub(r"\bkernel\s+\w+", f"kernel {name}", flipped, count=1)
+        if _body(flipped) not in seen:
+            seen.add(_body(flipped))
+            specs[name] = flipped
+    return specs
+
+
+def _body(text: str) -> str:
+    """A spec without its comments, name and blank space (to find duplicates)."""
+    text = re.sub(r"#[^\n]*", "", text)
+    text = re.sub(r"\bkernel\s+\w+", "kernel _", text, count=1)
+    return " ".join(text.split())

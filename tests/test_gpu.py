@@ -17,6 +17,7 @@ import torch
 
 import fadsl
 from conftest import EXAMPLES, ROOT
+from fadsl.runtime import runs_on
 from test_gpu_general import reference as general_reference
 
 pytestmark = [
@@ -42,7 +43,10 @@ SHAPES = [
 
 @pytest.fixture(scope="module", params=EXAMPLES, ids=[p.stem for p in EXAMPLES])
 def kern(request):
-    return fadsl.load(request.param.relative_to(ROOT))
+    kern = fadsl.load(request.param.relative_to(ROOT))
+    if not runs_on(kern.config.target, 0):
+        pytest.skip(f"{kern.config.target} does not run on {torch.cuda.get_device_name(0)}")
+    return kern
 
 
 def reference(q, k, v, scale, dtype, causal=False):

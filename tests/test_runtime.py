@@ -150,3 +150,26 @@ def test_out_must_match_q(kern):
         kern._check_out(q[:1].clone(), q, k, v)
     with pytest.raises(TypeError, match="out must be a torch.Tensor, got list"):
         kern._check_out([], q, k, v)
+
+
+HOPPER_SPEC = ROOT / "examples" / "fa3_hopper.fa"
+
+
+@pytest.mark.skipif(not HOPPER_SPEC.exists(), reason="the sm_90a examples are not here")
+@pytest.mark.parametrize(
+    "name, make",
+    [
+        ("q", lambda q, k, v: (torch.zeros(2, 128, 4, 132, dtype=q.dtype)[..., :128], k, v)),
+        ("v", lambda q, k, v: (q, k, torch.zeros(2, 128, 4, 5, 128, dtype=q.dtype)[:, :, :, 0])),
+    ],
+)
+def test_sm90_names_tmas_stride_rule(name, make):
+    """An sm_90a kernel refuses strides that are not multiples of 16 bytes, naming the
+    argument, TMA's rule and the strides it got (in elements and in bytes)."""
+    kern = fadsl.load(HOPPER_SPEC, verbose=False)
+    with pytest.raises(ValueError) as error:
+        kern(*make(*qkv()))
+    message = str(error.value)
+    assert message.startswith(f"{name} must be 16-byte aligned with strides that are multiples")
+    assert "TMA descriptors need every stride but the last a multiple of 16 bytes" in message
+    assert "bytes) for shape (2, 128, 4, 128)" in message
