@@ -160,7 +160,14 @@ HOPPER_SPEC = ROOT / "examples" / "fa3_hopper.fa"
     "name, make",
     [
         ("q", lambda q, k, v: (torch.zeros(2, 128, 4, 132, dtype=q.dtype)[..., :128], k, v)),
-        ("v", lambda q, k, v: (q, k, torch.zeros(2, 128, 4, 5, 128, dtype=q.dtype)[:, :, :, 0])),
+        (  # rows 516 elements apart: 1032 bytes
+            "v",
+            lambda q, k, v: (
+                q,
+                k,
+                v.new_zeros(2 * 128 * 516).as_strided(v.shape, (66048, 516, 128, 1)),
+            ),
+        ),
     ],
 )
 def test_sm90_names_tmas_stride_rule(name, make):
