@@ -18,7 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 # Options that change the binary (besides the architecture); part of every cache key.
-OPTIONS = ("-std=c++17", "-lineinfo", "--ptxas-options=-v")
+# -default-device: NVRTC 13.0 takes a generic lambda inside a kernel (sm_90a's mainloop body)
+# for host code unless unannotated functions default to __device__ (later NVRTCs do not ask).
+OPTIONS = ("-std=c++17", "-lineinfo", "--ptxas-options=-v", "-default-device")
 
 _PTXAS_PATTERNS = {
     "registers": r"Used (\d+) registers",
