@@ -18,24 +18,34 @@ def summary(compiled: Compiled, registers: RegisterCheck | None = None) -> str:
     rows = cfg.block_r // cfg.warps
     order = ", ".join(s.op.loop_text or s.op.spelling for s in k.mainloop if isinstance(s, Step))
     lines = [
-        f"{compiled.file}: ok",
-        f"  kernel    {cfg.name} (target {cfg.target})",
-        f"  dtypes    {', '.join(d.value for d in cfg.dtypes)} (fp32 softmax and accumulators)",
-        f"  tiles     B_r = {cfg.block_r}, B_c = {cfg.block_c}, head_dim = {cfg.head_dim}",
-        f"  warps     {cfg.warps} ({cfg.threads} threads; {rows} query rows per warp)",
-        f"  mask      {cfg.mask.value}",
-        f"  swizzle   {cfg.swizzle or 'none'}",
-        f"  smem      {k.smem_bytes} bytes ({cfg.smem_alias.value} aliasing)",
+        ("kernel", f"{cfg.name} (target {cfg.target})"),
+        ("dtypes", f"{', '.join(d.value for d in cfg.dtypes)} (fp32 softmax and accumulators)"),
+        ("tiles", f"B_r = {cfg.block_r}, B_c = {cfg.block_c}, head_dim = {cfg.head_dim}"),
+        ("warps", f"{cfg.warps} ({cfg.threads} threads; {rows} query rows per warp)"),
+        ("mask", cfg.mask.value),
+        ("swizzle", f"{cfg.swizzle or 'none'}"),
+        ("smem", f"{k.smem_bytes} bytes ({cfg.smem_alias.value} aliasing)"),
     ]
-    lines += [f"  {t.role.value}         {t.path_text()}" for t in k.tensors]
-    lines.append(f"  mainloop  {order}")
+    lines += [(t.role.value, t.path_text()) for t in k.tensors]
+    lines.append(("mainloop", order))
+    report = compiled.target.report
+    if report is not None:
+        lines = report.check_lines(k, lines)
     if registers is not None:
-        cap = register_cap(compiled.target.capabilities, cfg.threads)
-        lines.append(f"  registers {_registers_line(registers, cap)}")
-    return "\n".join(lines) + "\n"
+        cap, why = _register_cap(compiled)
+        lines.append(("registers", _registers_line(registers, cap, why)))
+    return f"{compiled.file}: ok\n" + "".join(f"  {key:<10}{value}\n" for key, value in lines)
 
 
-def _registers_line(check: RegisterCheck, cap: int) -> str:
+def _register_cap(compiled: Compiled) -> tuple[int, str]:
+    """The registers per thread to compare the compiler's count with, and why (or '')."""
+    report = compiled.target.report
+    if report is not None:
+        return report.register_cap(compiled.kernel, compiled.target.capabilities)
+    return register_cap(compiled.target.capabilities, compiled.kernel.config.threads), ""
+
+
+def _registers_line(check: RegisterCheck, cap: int, why: str = "") -> str:
     if not check.ran:
         return f"not checked ({check.compiler})"
     per_dtype: dict[str, list[str]] = {}
@@ -48,7 +58,8 @@ def _registers_line(check: RegisterCheck, cap: int) -> str:
         verdict = "spills allowed: " + ", ".join(
             f"{r.dtype.value} {r.arch} {r.usage.spill_store_bytes} B" for r in spilling
         )
-    return f"{used} (cap {cap}; {check.compiler}; {verdict})"
+    because = f", {why}" if why else ""
+    return f"{used} (cap {cap}{because}; {check.compiler}; {verdict})"
 
 
 def _live(kernel: Kernel) -> dict[str, str]:
@@ -116,7 +127,8 @@ def explain_data(compiled: Compiled, registers: RegisterCheck | None = None) -> 
                     }
                 )
         schedule.append({"phase": phase.value, "items": entries})
-    return {
+    cap, why = _register_cap(compiled)
+    data: dict[str, Any] = {
         "spec": compiled.file,
         "kernel": cfg.name,
         "target": cfg.target,
@@ -144,25 +156,37 @@ def explain_data(compiled: Compiled, registers: RegisterCheck | None = None) -> 
         },
         "resources": _resources(compiled, registers),
         "compiler": registers.compiler,
-        "register_cap": register_cap(compiled.target.capabilities, cfg.threads),
+        "register_cap": cap,
         "schedule": schedule,
     }
+    if why:
+        data["register_cap_why"] = why
+    report = compiled.target.report
+    if report is not None:
+        data.update(report.explain_data(k))
+    return data
 
 
 def explain_text(compiled: Compiled, registers: RegisterCheck | None = None) -> str:
     data = explain_data(compiled, registers)
+    report = compiled.target.report
+    alias_key = "smem_alias" in compiled.target.keys  # sm_90a places its tiles one way
+    # the columns widen for long entries (sm_90a's "warpgroup" scope)
+    scope_w = max([6] + [len(b["scope"]) + 1 for b in data["smem"]])
+    live_w = max([16] + [len(b["live"]) + 1 for b in data["smem"]])
     out = [
         f"{data['kernel']} ({data['spec']}): target {data['target']}, "
         f"{'/'.join(data['dtypes'])}, B_r = {data['block_r']}, B_c = {data['block_c']}, "
         f"head_dim = {data['head_dim']}, {data['warps']} warps",
         "",
-        f"SMEM map (smem_alias {data['smem_alias']})",
-        f"  {'buffer':<7}{'offset':>7}{'bytes':>7}{'region':>8}  {'scope':<6}{'live':<16}shares with",
+        "SMEM map" + (f" (smem_alias {data['smem_alias']})" if alias_key else ""),
+        f"  {'buffer':<7}{'offset':>7}{'bytes':>7}{'region':>8}  {'scope':<{scope_w}}"
+        f"{'live':<{live_w}}shares with",
     ]
     for b in data["smem"]:
         out.append(
-            f"  {b['buffer']:<7}{b['offset']:>7}{b['bytes']:>7}{b['region']:>8}  {b['scope']:<6}"
-            f"{b['live']:<16}{', '.join(b['shares_with']) or '-'}"
+            f"  {b['buffer']:<7}{b['offset']:>7}{b['bytes']:>7}{b['region']:>8}  "
+            f"{b['scope']:<{scope_w}}{b['live']:<{live_w}}{', '.join(b['shares_with']) or '-'}"
         )
     for r in data["regions"]:
         for why in r["why"]:
@@ -171,12 +195,15 @@ def explain_text(compiled: Compiled, registers: RegisterCheck | None = None) -> 
     for device, n in data["ctas_per_sm_by_smem"].items():
         out.append(f"CTAs per SM that this SMEM allows on {device}: {n}")
     out.append("")
+    if report is not None:
+        out += report.explain_sections(data)
     if not data["resources"]:
         out.append(f"Resources: not checked ({data['compiler']})")
     else:
         out.append(
             f"Resources ({data['compiler']}; at most {data['register_cap']} registers per "
-            "thread): registers/thread, spills, SMEM/CTA and the CTAs per SM they allow"
+            f"thread{_because(data)}): registers/thread, spills, SMEM/CTA and the CTAs per SM "
+            "they allow"
         )
         for r in data["resources"]:
             out.append(
@@ -185,6 +212,9 @@ def explain_text(compiled: Compiled, registers: RegisterCheck | None = None) -> 
                 f"(limited by {r['limited_by']})"
             )
     out.append("")
+    if report is not None:
+        out += report.explain_schedule(data)
+        return "\n".join(out) + "\n"
     out.append("Schedule (each sync with the hazards it orders)")
     for phase in data["schedule"]:
         title = phase["phase"] + (
@@ -198,3 +228,8 @@ def explain_text(compiled: Compiled, registers: RegisterCheck | None = None) -> 
                 out.append(f"    >> {item['sync']}")
                 out.extend(f"         {h}" for h in item["serves"])
     return "\n".join(out) + "\n"
+
+
+def _because(data: dict[str, Any]) -> str:
+    why = data.get("register_cap_why")
+    return f", {why}" if why else ""

@@ -55,6 +55,25 @@ class Capabilities:
 
 
 @dataclass(frozen=True)
+class Report:
+    """What `fadsl check` and `fadsl explain` (fadsl.report) say about a target's kernels
+    beyond the common report, which is sm_80's: every warp runs every step of one
+    mainloop under a register cap of registers_per_sm / threads."""
+
+    # check: the common (key, value) lines in, the target's lines out (replaced, dropped
+    # or added; the registers line follows them)
+    check_lines: Callable[[Kernel, list[tuple[str, str]]], list[tuple[str, str]]]
+    # The registers per thread to compare the compiler's count with, and why that number.
+    register_cap: Callable[[Kernel, Capabilities], tuple[int, str]]
+    # explain --json: the target's sections as plain data, added to the common ones
+    explain_data: Callable[[Kernel], dict[str, Any]]
+    # explain: those sections as text (after the SMEM map) ...
+    explain_sections: Callable[[Mapping[str, Any]], list[str]]
+    # ... and the schedule's text, in place of the common one
+    explain_schedule: Callable[[Mapping[str, Any]], list[str]]
+
+
+@dataclass(frozen=True)
 class Target:
     name: str  # as a spec spells it: "sm_80"
     package: str  # fadsl/targets/<package>, emit/<package>
@@ -75,6 +94,8 @@ class Target:
     key_hints: Mapping[str, str] = dataclasses.field(default_factory=dict)  # for foreign keys
     # Builds the Config itself (sm_90a: warp specialisation); None: the common fields only.
     configure: Callable[[Checks], Config] | None = None
+    # How check and explain describe its kernels; None: the common report (fadsl.report).
+    report: Report | None = None
 
 
 def names() -> tuple[str, ...]:

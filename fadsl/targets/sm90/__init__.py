@@ -16,6 +16,7 @@ from .caps import CAPABILITIES, SYNC_MODEL
 from .emit import TEMPLATE, context
 from .insert_syncs import insert_syncs
 from .plan_smem import plan_smem
+from .report import REPORT
 from .schedule import build_schedule
 from .validate import configure, validate, validate_path
 from .verify import verify
@@ -39,4 +40,5 @@ TARGET = Target(
     keys=("mask", "swizzle", "stages", "registers", "pingpong", "overlap", "spills"),
     key_hints={"warps": "use 'warpgroups producer = 1, consumers = N'"},
     configure=configure,
+    report=REPORT,  # roles, rings, named barriers, one program per role
 )

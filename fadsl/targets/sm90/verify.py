@@ -75,13 +75,20 @@ _REG_WRITES: dict[Op, tuple[str, ...]] = {
 _REG_INDEX = {"S": 0, "P": 1, "O": 2}
 
 
+def block_counts(kernel: Kernel) -> range:
+    """The K/V block counts the plan is proven for: 1 .. stages + 2, and 0 when the loop
+    may be empty (causal)."""
+    hopper = kernel.config.hopper
+    assert hopper is not None, "the sm_90a verify needs an sm_90a kernel"
+    return range(0 if kernel.config.mask is Mask.CAUSAL else 1, hopper.stages + 3)
+
+
 def verify(kernel: Kernel, target=None) -> Kernel:
     """Return ``kernel`` if its sync plan is proven for every block count, else raise."""
     hopper = kernel.config.hopper
     assert hopper is not None, "the sm_90a verify needs an sm_90a kernel"
     problems = list(_setup_problems(kernel))
-    counts = range(0 if kernel.config.mask is Mask.CAUSAL else 1, hopper.stages + 3)
-    for n in counts:
+    for n in block_counts(kernel):
         found = list(check(build_program(kernel, n)))
         found += _wgmma_fence_problems(build_program(kernel, n, fences=True))
         problems += [f"with {n} K/V block(s): {p}" for p in found]

@@ -1,0 +1,345 @@
+"""What `fadsl check` and `fadsl explain` say about an sm_90a kernel beyond the common report.
+
+Warp specialisation replaces sm_80's picture of every warp running one mainloop: the
+roles and their setmaxnreg split, the TMA tiles with their mbarriers (K/V rings of
+``stages`` slots, Q's one-shot barrier), the schedule knobs, the named barriers, and
+the schedule as one program per role. Everything is read off the kernel's IR (roles in
+``who``, barriers, ring items in ``lag``, parities, counts, transaction bytes, ids).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from ...compile_check import register_cap as launch_register_cap
+from ...ir import Kernel, Phase, Step, Sync
+from .. import Capabilities, Report
+from .caps import (
+    MBAR_ARRIVE,
+    MBAR_EXPECT_TX,
+    MBAR_INIT,
+    MBAR_WAIT,
+    REGISTERS_PER_SM,
+    ROWS_PER_CONSUMER,
+)
+from .insert_syncs import role_of
+from .plan_smem import mbarrier_count, mbarrier_offset
+from .verify import block_counts
+
+WARPGROUP_THREADS = 128
+VERIFIER = "fadsl/targets/sm90/verify.py"
+ROLE_TITLES = {
+    "setup": "setup (thread 0 initialises the mbarriers, then a CTA barrier)",
+    "producer": "producer program (warpgroup 0; TMA loads by its elected thread)",
+    "consumers": f"consumer program (each consumer warpgroup, on its {ROWS_PER_CONSUMER} query rows)",
+}
+PHASE_TITLES = {
+    Phase.PROLOGUE: "prologue (it = 0)",
+    Phase.MAINLOOP: "mainloop (once per K/V block: it = 1 .. n_blocks - 1)",
+    Phase.EPILOGUE: "epilogue (it = n_blocks)",
+}
+
+
+def _warpgroups(first: int, count: int) -> str:
+    return f"warpgroup {first}" if count == 1 else f"warpgroups {first}..{first + count - 1}"
+
+
+def _on(flag: bool) -> str:
+    return "on" if flag else "off"
+
+
+def check_lines(kernel: Kernel, lines: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    cfg = kernel.config
+    hw = cfg.hopper
+    assert hw is not None
+    consumers = (
+        f"{_warpgroups(1, hw.consumers)}, setmaxnreg.inc {hw.consumer_regs}; "
+        f"{ROWS_PER_CONSUMER} query rows each"
+    )
+    replaced = {
+        "warps": f"{cfg.warps} ({cfg.threads} threads: {1 + hw.consumers} warpgroups)",
+        "swizzle": f"{hw.swizzle_bytes}B (TMA writes it, wgmma reads it)",
+        "smem": f"{kernel.smem_bytes} bytes (Q, K ring, V ring, {mbarrier_count(kernel)} "
+        "mbarriers; O over the dead V ring)",
+    }
+    out: list[tuple[str, str]] = []
+    for key, value in lines:
+        if key == "mainloop":  # no mainloop block: the knobs below set the schedule
+            continue
+        out.append((key, replaced.get(key, value)))
+        if key == "warps":
+            out.append(
+                (
+                    "producer",
+                    f"warpgroup 0, setmaxnreg.dec {hw.producer_regs}; "
+                    "one elected thread issues every TMA load",
+                )
+            )
+            out.append(("consumers", consumers))
+    out.append(("stages", f"{hw.stages} (K and V rings of {hw.stages} slots, mbarrier pipeline)"))
+    out.append(("schedule", f"pingpong {_on(hw.pingpong)}, overlap {_on(hw.overlap)}"))
+    return out
+
+
+def register_cap(kernel: Kernel, caps: Capabilities) -> tuple[int, str]:
+    """The consumers' setmaxnreg: what their code may use. The compiler reports one count
+    per kernel, the allocation every thread launches with (bounded by the launch bounds)
+    before setmaxnreg moves registers from the producer to the consumers."""
+    hw = kernel.config.hopper
+    assert hw is not None
+    threads = kernel.config.threads
+    launch = launch_register_cap(caps, threads)
+    return hw.consumer_regs, (
+        "the consumers' setmaxnreg.inc; the compiler's count is the launch allocation "
+        f"before setmaxnreg, at most {caps.registers_per_sm} / {threads} = {launch}"
+    )
+
+
+# --- explain: data --------------------------------------------------------------------
+
+
+def _syncs_on(kernel: Kernel, barrier: str) -> list[Sync]:
+    return [s for s in kernel.syncs() if s.barrier == barrier]
+
+
+def _who(syncs: list[Sync]) -> list[str]:
+    return sorted({s.who.value for s in syncs})
+
+
+def _mbarriers(kernel: Kernel) -> list[dict[str, Any]]:
+    """Per TMA-loaded tile: its slots and the mbarriers that guard them, from their inits,
+    arrivals and waits."""
+    tiles: dict[str, dict[str, Any]] = {}
+    for init in (s for s in kernel.syncs() if s.kind is MBAR_INIT):
+        uses = _syncs_on(kernel, init.barrier)
+        arrivals = [s for s in uses if s.kind in (MBAR_ARRIVE, MBAR_EXPECT_TX)]
+        waits = [s for s in uses if s.kind is MBAR_WAIT]
+        buffer = next(h.earlier_buffer for s in uses for h in s.serves)
+        buf = kernel.buffer(buffer)
+        ring = any(s.lag is not None for s in uses)
+        tile = tiles.setdefault(
+            buffer,
+            {
+                "buffer": buffer,
+                "ring": ring,
+                "slots": buf.slots,
+                "slot_bytes": buf.tile_bytes,
+                "offset": buf.offset,
+                "mbarriers": [],
+            },
+        )
+        tile["mbarriers"].append(
+            {
+                "mbarrier": init.barrier,
+                "per_slot": ring,
+                "arrivals": init.count,
+                "arrive": sorted({f"{s.kind.name} by {s.who.value}" for s in arrivals}),
+                "tx_bytes": max((s.tx for s in arrivals), default=0),
+                "waited_by": _who(waits),
+                "parity": sorted({s.parity.value for s in waits if s.parity is not None}),
+            }
+        )
+    return list(tiles.values())
+
+
+def _named_barriers(kernel: Kernel) -> list[dict[str, Any]]:
+    hw = kernel.config.hopper
+    assert hw is not None
+    found: dict[str, dict[str, Any]] = {}
+    for s in kernel.syncs():
+        if s.bar_id < 0:
+            continue
+        entry = found.setdefault(
+            s.barrier, {"barrier": s.barrier, "ids": set(), "threads": s.count, "uses": set()}
+        )
+        ids = [s.bar_id] if s.peer is None else [s.bar_id + wg for wg in range(hw.consumers)]
+        entry["ids"].update(ids)
+        entry["uses"].add(f"{s.kind.name} id={s.bar_id_text()} by {s.who.value}")
+    return [
+        {**e, "ids": sorted(e["ids"]), "uses": sorted(e["uses"])}
+        for e in sorted(found.values(), key=lambda e: min(e["ids"]))
+    ]
+
+
+def _entry(item: Step | Sync) -> dict[str, Any]:
+    if isinstance(item, Step):
+        return {"step": item.op.spelling, "what": item.title, "who": item.who.value}
+    entry: dict[str, Any] = {
+        "sync": item.text(),
+        "line": item.loc.line,
+        "serves": [h.describe() for h in item.serves],
+    }
+    if item.note:
+        entry["note"] = item.note
+    return entry
+
+
+def _programs(kernel: Kernel) -> list[dict[str, Any]]:
+    programs = []
+    for role in ROLE_TITLES:
+        phases = []
+        for phase, items in kernel.phases():
+            mine = [_entry(i) for i in items if role_of(i.who) == role]
+            if mine:
+                phases.append({"phase": phase.value, "items": mine})
+        programs.append({"role": role, "phases": phases})
+    return programs
+
+
+def explain_data(kernel: Kernel) -> dict[str, Any]:
+    cfg = kernel.config
+    hw = cfg.hopper
+    assert hw is not None
+    counts = block_counts(kernel)
+    consumer_threads = WARPGROUP_THREADS * hw.consumers
+    return {
+        "warp_specialisation": {
+            "warpgroups": 1 + hw.consumers,
+            "roles": [
+                {
+                    "role": "producer",
+                    "warpgroups": [0],
+                    "threads": WARPGROUP_THREADS,
+                    "setmaxnreg": hw.producer_regs,
+                    "issues": "every TMA load, by one elected thread",
+                },
+                {
+                    "role": "consumers",
+                    "warpgroups": list(range(1, 1 + hw.consumers)),
+                    "threads": consumer_threads,
+                    "setmaxnreg": hw.consumer_regs,
+                    "rows_per_warpgroup": ROWS_PER_CONSUMER,
+                },
+            ],
+            "registers_per_sm": {
+                "used": WARPGROUP_THREADS * hw.producer_regs + consumer_threads * hw.consumer_regs,
+                "available": REGISTERS_PER_SM,
+            },
+            "stages": hw.stages,
+            "pingpong": hw.pingpong,
+            "overlap": hw.overlap,
+        },
+        "tma_tiles": _mbarriers(kernel),
+        "mbarrier_array": {
+            "count": mbarrier_count(kernel),
+            "offset": mbarrier_offset(kernel),
+            "bytes": 8 * mbarrier_count(kernel),
+        },
+        "named_barriers": _named_barriers(kernel),
+        "verified": {
+            "by": VERIFIER,
+            "block_counts": [counts.start, counts.stop - 1],
+        },
+        "programs": _programs(kernel),
+    }
+
+
+# --- explain: text --------------------------------------------------------------------
+
+
+def explain_sections(data: Mapping[str, Any]) -> list[str]:
+    ws = data["warp_specialisation"]
+    producer, consumers = ws["roles"]
+    regs = ws["registers_per_sm"]
+    wgs = consumers["warpgroups"]
+    out = [
+        f"Warp specialisation ({data['warps']} warps = {ws['warpgroups']} warpgroups of "
+        f"{WARPGROUP_THREADS} threads)",
+        f"  producer   warpgroup 0, setmaxnreg.dec to {producer['setmaxnreg']} registers: "
+        f"one elected thread issues every TMA load (Q once, K and V per block)",
+        f"  consumers  {_warpgroups(wgs[0], len(wgs))}, setmaxnreg.inc to "
+        f"{consumers['setmaxnreg']} registers: {consumers['rows_per_warpgroup']} query rows "
+        f"each (B_r = {data['block_r']})",
+        f"  registers  {producer['threads']} x {producer['setmaxnreg']} + "
+        f"{consumers['threads']} x {consumers['setmaxnreg']} = {regs['used']} of the SM's "
+        f"{regs['available']}",
+        f"  stages     {ws['stages']}: K and V each in a ring of {ws['stages']} slots",
+        "  pingpong   "
+        + (
+            "on: the consumer warpgroups take turns issuing wgmma (named barrier 'turn')"
+            if ws["pingpong"]
+            else "off: the consumer warpgroups issue wgmma without turns"
+        ),
+        "  overlap    "
+        + (
+            "on: S(j+1) = Q K^T is in flight during softmax(j)"
+            if ws["overlap"]
+            else "off: each GEMM is waited for before the next step"
+        ),
+        "",
+    ]
+    array = data["mbarrier_array"]
+    out.append(
+        f"TMA tiles and their mbarriers ({array['count']} mbarriers, {array['bytes']} bytes at "
+        f"offset {array['offset']}, after the rings)"
+    )
+    for tile in data["tma_tiles"]:
+        name, slots = tile["buffer"], tile["slots"]
+        if tile["ring"]:
+            out.append(
+                f"  {name}  ring of {slots} slot{'s' if slots > 1 else ''} x {tile['slot_bytes']} "
+                f"bytes at offset {tile['offset']}; block i in slot i % {slots}, "
+                f"phase (i / {slots}) & 1; per slot:"
+            )
+        else:
+            out.append(
+                f"  {name}  one-shot tile of {tile['slot_bytes']} bytes at offset {tile['offset']}:"
+            )
+        for bar in tile["mbarriers"]:
+            tx = f" + {bar['tx_bytes']} transaction bytes" if bar["tx_bytes"] else ""
+            out.append(
+                f"       {bar['mbarrier']:<8} {bar['arrivals']} arrival"
+                f"{'s' if bar['arrivals'] > 1 else ''}{tx} ({', '.join(bar['arrive'])}); "
+                f"waited by {', '.join(bar['waited_by'])} at parity {', '.join(bar['parity'])}"
+            )
+    out.append("")
+    out.append("Named barriers (id 0 is __syncthreads: every thread)")
+    for bar in data["named_barriers"]:
+        ids = bar["ids"]
+        id_text = f"id {ids[0]}" if len(ids) == 1 else f"ids {ids[0]}..{ids[-1]}"
+        out.append(f"  {bar['barrier']:<10} {id_text:<9} {bar['threads']} threads")
+        out.extend(f"             {use}" for use in bar["uses"])
+    counts = data["verified"]["block_counts"]
+    out += [
+        "",
+        f"Verified: {data['verified']['by']} proves this plan (every hazard ordered, no wait "
+        f"left hanging) over the async model for {counts[0]}..{counts[1]} K/V blocks "
+        "(up to stages + 2)",
+        "",
+    ]
+    return out
+
+
+def explain_schedule(data: Mapping[str, Any]) -> list[str]:
+    out = [
+        "Schedule per role (each sync with the hazards it orders, or why; [it+lag]: the ring "
+        "slot of K/V block it + lag)"
+    ]
+    titles = {p.value: t for p, t in PHASE_TITLES.items()}
+    for program in data["programs"]:
+        if not program["phases"]:
+            continue
+        out.append(f"  {ROLE_TITLES[program['role']]}")
+        for phase in program["phases"]:
+            indent = "    "
+            if program["role"] != "setup":
+                out.append(f"    {titles[phase['phase']]}")
+                indent = "      "
+            for item in phase["items"]:
+                if "step" in item:
+                    out.append(f"{indent}{item['step']:<10} {item['what']}")
+                    continue
+                out.append(f"{indent}>> {item['sync']}")
+                out.extend(f"{indent}     {h}" for h in item["serves"])
+                if "note" in item:
+                    out.append(f"{indent}     why: {item['note']}")
+    return out
+
+
+REPORT = Report(
+    check_lines=check_lines,
+    register_cap=register_cap,
+    explain_data=explain_data,
+    explain_sections=explain_sections,
+    explain_schedule=explain_schedule,
+)
