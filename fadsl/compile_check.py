@@ -160,7 +160,11 @@ def _spill_diagnostic(compiled: Compiled, spilling: list[KernelUsage]) -> Diagno
     worst = max(spilling, key=lambda r: (r.usage.spill_store_bytes, r.usage.stack_bytes))
     u = worst.usage
     where = ", ".join(sorted({f"{r.dtype.value} on {r.arch}" for r in spilling}))
-    if cap < caps.registers_per_thread:
+    if cfg.hopper is not None:  # sm_90a: setmaxnreg, not the launch, bounds the consumers
+        loc = cfg.loc_of("registers") if "registers" in dict(cfg.key_locs) else cfg.loc_of("tile")
+        limit = f"the {cfg.hopper.consumer_regs} registers per consumer thread (setmaxnreg)"
+        hint = "use a smaller B_c, give the consumers more registers, or turn overlap off"
+    elif cap < caps.registers_per_thread:
         loc = cfg.loc_of("warps")
         limit = f"the {cap} registers per thread that {cfg.threads} threads allow"
         full = caps.registers_per_sm // (32 * caps.registers_per_thread)

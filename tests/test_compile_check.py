@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 
+from pathlib import Path
+
 import pytest
 
 import fadsl.compile_check as compile_check
@@ -208,3 +210,14 @@ def test_explain_prints_what_ptxas_reports(capsys, monkeypatch):
     out = capsys.readouterr().out
     assert "at most 255 registers per thread" in out
     assert "bf16 sm_90a  178 registers, 0 B spills, 0 B stack" in out
+
+
+def test_an_sm90a_kernel_that_spills_is_refused_on_the_registers_line():
+    spec = (Path(__file__).resolve().parents[1] / "examples" / "fa3_hopper.fa").read_text()
+    compiler, _ = _fake(Usage(168, 64, 64, 32))
+    with pytest.raises(SpecError) as err:
+        check_registers(compile_source(spec, "fa3.fa"), compiler, "fake")
+    (diag,) = err.value.diagnostics
+    assert spec.split("\n")[diag.loc.line - 1].lstrip().startswith("registers")
+    assert "the 240 registers per consumer thread (setmaxnreg)" in diag.message
+    assert "warps" not in diag.message
