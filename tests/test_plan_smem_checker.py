@@ -125,7 +125,8 @@ def test_plan_smem_aliases_random_schedules():
     """Not vacuous: under 'any' the random schedules do get aliased buffers."""
     found = []
 
-    @settings(max_examples=100, deadline=None, database=None)
+    # derandomize: the same 100 schedules every run, so the count cannot flake (it was 9 once)
+    @settings(max_examples=100, deadline=None, database=None, derandomize=True)
     @given(schedules(AliasPolicy.ANY))
     def collect(kernel):
         assume(accessed(kernel))
@@ -133,7 +134,7 @@ def test_plan_smem_aliases_random_schedules():
         found.append(len({b.offset for b in plan.buffers}) < len(plan.buffers))
 
     collect()
-    assert sum(found) >= 10
+    assert sum(found) >= 10, sum(found)
 
 
 @pytest.mark.parametrize("policy", list(AliasPolicy))
