@@ -8,7 +8,7 @@ have from the target's ``validate_path``.
 from __future__ import annotations
 
 from .checks import Checks
-from .errors import closest, one_of, quoted, suggest
+from .errors import Loc, closest, one_of, quoted, suggest
 from .ir import Hop, Instr, Level, RegLoad, Role, Scope, Tensor
 from .syntax import PathDecl, Word
 from .targets import Target

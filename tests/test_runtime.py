@@ -1,7 +1,5 @@
 """The runtime's argument checks and spec loading, on the CPU (no GPU needed)."""
 
-from pathlib import Path
-
 import pytest
 import torch
 
