@@ -167,14 +167,6 @@ def explain_data(compiled: Compiled, registers: RegisterCheck | None = None) -> 
     return data
 
 
-def _threads_text(compiled: Compiled, warps: int) -> str:
-    """'4 warps', or for a warp-specialised kernel its warpgroups by role."""
-    hopper = compiled.kernel.config.hopper
-    if hopper is None:
-        return f"{warps} warps"
-    return f"{warps // 4} warpgroups (1 producer, {hopper.consumers} consumer)"
-
-
 def explain_text(compiled: Compiled, registers: RegisterCheck | None = None) -> str:
     data = explain_data(compiled, registers)
     report = compiled.target.report
@@ -185,7 +177,8 @@ def explain_text(compiled: Compiled, registers: RegisterCheck | None = None) -> 
     out = [
         f"{data['kernel']} ({data['spec']}): target {data['target']}, "
         f"{'/'.join(data['dtypes'])}, B_r = {data['block_r']}, B_c = {data['block_c']}, "
-        f"head_dim = {data['head_dim']}, " + _threads_text(compiled, data["warps"]),
+        f"head_dim = {data['head_dim']}, "
+        + (report.threads_text(compiled.kernel) if report else f"{data['warps']} warps"),
         "",
         "SMEM map" + (f" (smem_alias {data['smem_alias']})" if alias_key else ""),
         f"  {'buffer':<7}{'offset':>7}{'bytes':>7}{'region':>8}  {'scope':<{scope_w}}"

@@ -67,6 +67,8 @@ class Report:
     register_cap: Callable[[Kernel, Capabilities], tuple[int, str]]
     # explain --json: the target's sections as plain data, added to the common ones
     explain_data: Callable[[Kernel], dict[str, Any]]
+    # explain's first line: the kernel's threads ("3 warpgroups (1 producer, 2 consumer)")
+    threads_text: Callable[[Kernel], str]
     # explain: those sections as text (after the SMEM map) ...
     explain_sections: Callable[[Mapping[str, Any]], list[str]]
     # ... and the schedule's text, in place of the common one

@@ -336,8 +336,15 @@ def explain_schedule(data: Mapping[str, Any]) -> list[str]:
     return out
 
 
+def threads_text(kernel: Kernel) -> str:
+    hopper = kernel.config.hopper
+    assert hopper is not None
+    return f"{1 + hopper.consumers} warpgroups (1 producer, {hopper.consumers} consumer)"
+
+
 REPORT = Report(
     check_lines=check_lines,
+    threads_text=threads_text,
     register_cap=register_cap,
     explain_data=explain_data,
     explain_sections=explain_sections,
