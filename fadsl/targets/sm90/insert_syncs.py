@@ -387,6 +387,7 @@ def insert_syncs(kernel: Kernel, target: targets.Target) -> Kernel:
     last_wgmma = max(i for i, s in enumerate(consumer_steps) if s.async_kind == WGMMA)
     position = 0
     opened = False
+    consumer_items: dict[Phase, list[Item]] = {}
     for phase, items in kernel.phases():
         waited: set = set()
         # A phase is entered from more than one place (the loop from the prologue and from
@@ -446,33 +447,18 @@ def insert_syncs(kernel: Kernel, target: targets.Target) -> Kernel:
                         note="SMEM stays allocated until the TMA store has read it (CTA exit)",
                     )
             position += 1
-        c.out.append(_PhaseEnd(phase))
+        consumer_items[phase], c.out = c.out, []
 
-    consumer_items: dict[Phase, list[Item]] = {p: [] for p in Phase}
-    phase_of = Phase.PROLOGUE
-    current: list[Item] = []
-    for item in c.out:
-        if isinstance(item, _PhaseEnd):
-            consumer_items[item.phase] = current
-            current = []
-        else:
-            current.append(item)
     new = {}
     for phase, items in kernel.phases():
         head = setup if phase is Phase.PROLOGUE else []
         new[phase] = tuple(head + producer(items, phase) + consumer_items[phase])
-    del phase_of
     return replace(
         kernel,
         prologue=new[Phase.PROLOGUE],
         mainloop=new[Phase.MAINLOOP],
         epilogue=new[Phase.EPILOGUE],
     )
-
-
-@dataclass(frozen=True)
-class _PhaseEnd:
-    phase: Phase
 
 
 def _unique_ops(steps: list[Step]) -> list[Step]:

@@ -15,7 +15,7 @@ from dataclasses import replace
 
 from ... import targets
 from ...errors import Diagnostic, SpecError
-from ...ir import Buffer, Kernel, Region
+from ...ir import Buffer, Kernel, Mode, Region
 from ...passes.plan_smem import _flow, live_text, occupancy
 from .schedule import ring_buffers
 
@@ -26,11 +26,7 @@ BASE_SLACK = 1024  # dynamic SMEM is only 16-byte aligned: the kernel rounds its
 def mbarrier_count(kernel: Kernel) -> int:
     """One full barrier per TMA-loaded tile or ring slot, one empty barrier per ring slot."""
     loaded = {
-        a.buffer
-        for s in kernel.steps()
-        if s.is_async
-        for a in s.accesses
-        if a.mode.value == "write"
+        a.buffer for s in kernel.steps() if s.is_async for a in s.accesses if a.mode is Mode.WRITE
     }
     rings = ring_buffers(kernel)
     count = 0
