@@ -76,13 +76,13 @@ def cmd_build(args: argparse.Namespace) -> int:
     from .runtime import build_ahead
 
     compiled = _compile(args.spec)
-    archs = [a.strip() for a in args.arch.split(",") if a.strip()]
+    if args.arch is None:
+        archs = [arch for arch, _ in compiled.target.capabilities.archs]
+    else:
+        archs = [a.strip() for a in args.arch.split(",") if a.strip()]
     try:
         paths = build_ahead(compiled, archs, Path(args.output))
-    except ValueError as err:
-        print(f"fadsl build: {err}", file=sys.stderr)
-        return EXIT_FAILURE
-    except RuntimeError as err:  # the compiler's message, or no compiler
+    except (ValueError, RuntimeError) as err:  # a bad --arch; the compiler's message
         print(f"fadsl build: {err}", file=sys.stderr)
         return EXIT_FAILURE
     for path in paths:
@@ -212,9 +212,9 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("spec", metavar="SPEC", help="path to a .fa spec")
     build.add_argument(
         "--arch",
-        default="sm_80,sm_90a",
+        default=None,
         metavar="ARCH,...",
-        help="architectures, comma-separated (default: sm_80,sm_90a)",
+        help="architectures, comma-separated (default: every one the spec's target runs on)",
     )
     build.add_argument(
         "-o", "--output", metavar="DIR", default="cubins", help="output folder (default: cubins)"

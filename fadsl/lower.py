@@ -38,11 +38,13 @@ def lower(decl: KernelDecl, sink: DiagnosticSink, partial: bool = False) -> Lowe
     c = Checks(decl, sink, partial)
     _kernel_name(c)
     read_settings(c)
-    # A missing or wrong target line is reported already; its paths are still checked,
-    # by the fallback target's rules, so that their mistakes are reported too.
-    target = targets.get(c.values.get("target", targets.FALLBACK))
+    # A missing or wrong target line is reported already; its paths are still checked, by
+    # the rules of the target the spec's other keys point to, so that their mistakes are
+    # reported too, and no key is asked for on a guess.
+    known = "target" in c.values
+    target = targets.get(c.values["target"]) if known else _likely_target(c)
     tensors = read_paths(c, target)
-    required = (*REQUIRED_KEYS, *target.required_keys)
+    required = (*REQUIRED_KEYS, *(target.required_keys if known else ()))
     _report_foreign_keys(c, target)
     _report_missing(c, [k for k in required if k not in c.key_locs], c.missing_tensors)
     order = read_order(c, tensors)
@@ -50,6 +52,16 @@ def lower(decl: KernelDecl, sink: DiagnosticSink, partial: bool = False) -> Lowe
     if sink.diagnostics or config is None or len(tensors) != len(Role):
         return None
     return Lowered(config, tuple(tensors[r] for r in Role), order)
+
+
+def _likely_target(c: Checks) -> targets.Target:
+    """With no valid target line: the target whose own required keys the spec sets
+    ('warpgroups': sm_90a), else the fallback."""
+    for name in targets.names():
+        target = targets.get(name)
+        if target.required_keys and all(k in c.key_locs for k in target.required_keys):
+            return target
+    return targets.get(targets.FALLBACK)
 
 
 def _kernel_name(c: Checks) -> None:

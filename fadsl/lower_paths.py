@@ -7,7 +7,8 @@ have from the target's ``validate_path``.
 
 from __future__ import annotations
 
-from .checks import Checks
+from . import targets
+from .checks import Checks, and_list
 from .errors import Loc, closest, one_of, quoted, suggest
 from .ir import Hop, Instr, Level, RegLoad, Role, Scope, Tensor
 from .syntax import PathDecl, Word
@@ -94,13 +95,15 @@ def _path(c: Checks, target: Target, role: Role, path: PathDecl) -> Tensor | Non
             )
             ok = False
         elif Scope(ref.scope.text) not in offered:
+            owners = [
+                t
+                for t in targets.names()
+                if Scope(ref.scope.text) in targets.get(t).capabilities.scopes
+            ]
             c.error(
                 ref.scope.loc,
-                (
-                    f"scope '{ref.scope.text}' is not supported yet (sm_90 path)"
-                    if ref.scope.text == Scope.WARPGROUP.value
-                    else f"scope '{ref.scope.text}' is not one of target {target.name}'s"
-                ),
+                f"scope '{ref.scope.text}' is not one of target {target.name}'s"
+                + (f" (it is {and_list(owners)}'s)" if owners else ""),
             )
             ok = False
         else:
@@ -156,9 +159,6 @@ def _hop(c: Checks, target: Target, src: Level, dst: Level, word: Word) -> Hop |
         return None
     instr = Instr(word.text)
     caps = target.capabilities
-    if instr in caps.reserved_instrs:
-        c.error(word.loc, f"instruction '{instr.value}' is not supported yet (sm_90 path)")
-        return None
     if src is dst:
         c.error(word.loc, f"a hop must change level, but this one goes {src.value} -> {dst.value}")
         return None
@@ -172,8 +172,25 @@ def _hop(c: Checks, target: Target, src: Level, dst: Level, word: Word) -> Hop |
     if instr not in allowed:
         c.error(
             word.loc,
-            f"'{instr.value}' cannot copy {src.value} -> {dst.value}; "
+            _foreign(instr, target, src, dst, allowed)
+            or f"'{instr.value}' cannot copy {src.value} -> {dst.value}; "
             f"{one_of(i.value for i in allowed)} does",
         )
         return None
     return Hop(src, dst, instr, word.loc)
+
+
+def _foreign(instr: Instr, target: Target, src: Level, dst: Level, allowed) -> str:
+    """For an instruction only other targets offer, say whose it is and what this one uses."""
+    owners = [
+        name
+        for name in targets.names()
+        if name != target.name
+        and any(instr in usable for usable in targets.get(name).capabilities.hop_instrs.values())
+    ]
+    if not owners:
+        return ""
+    return (
+        f"'{instr.value}' is an instruction of target {and_list(owners)}; {target.name} "
+        f"copies {src.value} -> {dst.value} with {one_of(i.value for i in allowed)}"
+    )

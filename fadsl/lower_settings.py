@@ -23,16 +23,6 @@ MAX_WARPS = 16
 # Every target needs these; a target adds its own (Target.required_keys: sm_80 'warps',
 # sm_90a 'warpgroups') and says which optional ones it takes (Target.keys).
 REQUIRED_KEYS = ("target", "dtype", "head_dim", "tile")
-OPTIONAL_KEYS = (
-    "mask",
-    "swizzle",
-    "smem_alias",
-    "stages",
-    "registers",
-    "pingpong",
-    "overlap",
-    "spills",
-)
 TMA_SWIZZLE = "128B"  # `swizzle 128B`: the swizzle TMA writes and wgmma reads
 SPILLS = {"refuse": False, "allow": True}  # `spills allow`: compile a kernel that spills
 

@@ -87,11 +87,6 @@ class Op(Enum):
                 return op
         raise KeyError((tensor, move, ahead))
 
-    @classmethod
-    def parse(cls, spelling: str) -> Op:
-        """The op spelled ``spelling`` in the printed IR (ValueError when none is)."""
-        return cls(spelling)
-
 
 _INFO: dict[Op, _Info] = {
     Op.INIT: _Info(None, Move.COMPUTE, None),

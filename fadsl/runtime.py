@@ -541,7 +541,7 @@ def _overlaps_itself(t) -> bool:
     return False
 
 
-ARCH_PATTERN = re.compile(r"sm_(\d)(\d+)(a?)")
+ARCH_PATTERN = re.compile(r"sm_(\d+)(\d)([af]?)")  # sm_90a: (9, 0); sm_100: (10, 0)
 
 
 def check_arch(target: str, arch: str) -> None:

@@ -203,6 +203,26 @@ def test_aot_build_refuses_a_bad_architecture(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
+def test_architecture_names_with_three_digits():
+    from fadsl.runtime import check_arch
+
+    check_arch("sm_80", "sm_100")  # Blackwell runs sm_80 code: capability (10, 0), not (1, 0)
+    with pytest.raises(ValueError, match="runs only on sm_90a, not sm_100a"):
+        check_arch("sm_90a", "sm_100a")
+
+
+@needs_nvrtc
+def test_aot_build_defaults_to_the_architectures_of_the_spec_target(tmp_path):
+    """An sm_90a spec builds for sm_90a alone (sm_80 cannot run it), with no --arch."""
+    spec = ROOT / "examples" / "fa3_hopper.fa"
+    proc = subprocess.run(
+        [FADSL, "build", str(spec), "-o", str(tmp_path)], capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr
+    cubins = sorted(p.name for p in tmp_path.glob("*.cubin"))
+    assert len(cubins) == 2 and all("sm_90a" in name for name in cubins), cubins
+
+
 @needs_nvrtc
 def test_build_error_shows_the_compiler_message_and_the_source_path(tmp_path, monkeypatch):
     from fadsl.compiler import BuildError, compile_cubin

@@ -45,9 +45,8 @@ class Capabilities:
     smem_per_sm: int
     registers_per_thread: int  # the most one thread may have
     registers_per_sm: int  # shared by a CTA's threads: at most this / threads each
-    # the instructions each (from, to) hop may use; instructions named but not usable
+    # the instructions each (from, to) hop may use
     hop_instrs: Mapping[tuple[Level, Level], tuple[Instr, ...]]
-    reserved_instrs: tuple[Instr, ...]
     # the nvcc architectures the kernel is built and reported for, with their GPUs
     archs: tuple[tuple[str, str], ...]
     # the SMEM sharing scopes a path may name

@@ -22,7 +22,6 @@ CAPABILITIES = Capabilities(
         (Level.RF, Level.SMEM): (Instr.ST_SHARED,),
         (Level.SMEM, Level.GMEM): (Instr.ST_GLOBAL,),
     },
-    reserved_instrs=(Instr.TMA, Instr.WGMMA),
     archs=(("sm_80", "A100"), ("sm_90a", "H100/H200")),
 )
 

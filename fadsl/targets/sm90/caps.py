@@ -24,7 +24,6 @@ CAPABILITIES = Capabilities(
         (Level.RF, Level.SMEM): (Instr.STMATRIX,),
         (Level.SMEM, Level.GMEM): (Instr.TMA,),
     },
-    reserved_instrs=(),
     archs=(("sm_90a", "H100/H200"),),
     scopes=(Scope.WARPGROUP, Scope.CTA),
 )
