@@ -15,31 +15,16 @@ runtime's (NVRTC, else nvcc), or says why there is none.
 from __future__ import annotations
 
 import os
-import re
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
 
 from .codegen import Source, render
+from .compiler import Usage, parse_resource_usage  # noqa: F401  (re-exported)
 from .errors import Diagnostic, SpecError
 from .ir import Dtype, RegLoad
 from .pipeline import Compiled
 from .targets import Capabilities
-
-
-@dataclass(frozen=True)
-class Usage:
-    """What the compiler reports for one kernel (its entry function and what it calls)."""
-
-    registers: int
-    spill_store_bytes: int = 0
-    spill_load_bytes: int = 0
-    stack_bytes: int = 0
-    static_smem_bytes: int = 0
-
-    @property
-    def spills(self) -> bool:
-        return bool(self.spill_store_bytes or self.spill_load_bytes or self.stack_bytes)
 
 
 @dataclass(frozen=True)
@@ -63,29 +48,6 @@ class RegisterCheck:
     @property
     def ran(self) -> bool:
         return bool(self.rows)
-
-
-_FIELDS = {
-    "registers": re.compile(r"Used (\d+) registers"),
-    "stack_bytes": re.compile(r"(\d+) bytes (?:stack frame|cumulative stack size)"),
-    "spill_store_bytes": re.compile(r"(\d+) bytes spill stores"),
-    "spill_load_bytes": re.compile(r"(\d+) bytes spill loads"),
-    "static_smem_bytes": re.compile(r"(\d+) bytes smem"),
-}
-
-
-def parse_resource_usage(log: str) -> Usage:
-    """Read ptxas's ``-v`` / ``--resource-usage`` report (nvcc's output, or NVRTC's log with
-    ``--ptxas-options=-v``). Each field is the largest over the functions reported: the
-    kernel and any function it calls that was not inlined."""
-    values: dict[str, int] = {}
-    for line in log.splitlines():
-        for field, pattern in _FIELDS.items():
-            for match in pattern.finditer(line):
-                values[field] = max(values.get(field, 0), int(match.group(1)))
-    if "registers" not in values:
-        raise ValueError(f"no 'Used N registers' line in the compiler's report:\n{log.strip()}")
-    return Usage(**values)
 
 
 def nvcc_compiler() -> Compiler | None:

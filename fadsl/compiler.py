@@ -8,6 +8,7 @@ with ``-v``, so the compiler's log holds the registers, spills and stack it repo
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import re
@@ -21,14 +22,6 @@ from pathlib import Path
 # -default-device: NVRTC 13.0 takes a generic lambda inside a kernel (sm_90a's mainloop body)
 # for host code unless unannotated functions default to __device__ (later NVRTCs do not ask).
 OPTIONS = ("-std=c++17", "-lineinfo", "--ptxas-options=-v", "-default-device")
-
-_PTXAS_PATTERNS = {
-    "registers": r"Used (\d+) registers",
-    "stack_bytes": r"(\d+) bytes stack frame",
-    "spill_store_bytes": r"(\d+) bytes spill stores",
-    "spill_load_bytes": r"(\d+) bytes spill loads",
-    "static_smem_bytes": r"(\d+) bytes smem",
-}
 
 
 class BuildError(RuntimeError):
@@ -44,16 +37,49 @@ class Compiled:
     compiler: str  # e.g. "nvrtc 13.0"
 
     def ptxas(self) -> dict[str, int]:
-        return parse_ptxas(self.log)
+        """ptxas's report as a dict (all zero when the log has none)."""
+        try:
+            return dataclasses.asdict(parse_resource_usage(self.log))
+        except ValueError:
+            return dataclasses.asdict(Usage(registers=0))
 
 
-def parse_ptxas(text: str) -> dict[str, int]:
-    """Registers, stack, spills and static SMEM from ptxas's ``-v`` report (0 when absent)."""
-    found = {}
-    for key, pattern in _PTXAS_PATTERNS.items():
-        match = re.search(pattern, text)
-        found[key] = int(match.group(1)) if match else 0
-    return found
+@dataclass(frozen=True)
+class Usage:
+    """What the compiler reports for one kernel (its entry function and what it calls)."""
+
+    registers: int
+    spill_store_bytes: int = 0
+    spill_load_bytes: int = 0
+    stack_bytes: int = 0
+    static_smem_bytes: int = 0
+
+    @property
+    def spills(self) -> bool:
+        return bool(self.spill_store_bytes or self.spill_load_bytes or self.stack_bytes)
+
+
+_FIELDS = {
+    "registers": re.compile(r"Used (\d+) registers"),
+    "stack_bytes": re.compile(r"(\d+) bytes (?:stack frame|cumulative stack size)"),
+    "spill_store_bytes": re.compile(r"(\d+) bytes spill stores"),
+    "spill_load_bytes": re.compile(r"(\d+) bytes spill loads"),
+    "static_smem_bytes": re.compile(r"(\d+) bytes smem"),
+}
+
+
+def parse_resource_usage(log: str) -> Usage:
+    """Read ptxas's ``-v`` / ``--resource-usage`` report (nvcc's output, or NVRTC's log with
+    ``--ptxas-options=-v``). Each field is the largest over the functions reported: the
+    kernel and any function it calls that was not inlined."""
+    values: dict[str, int] = {}
+    for line in log.splitlines():
+        for field, pattern in _FIELDS.items():
+            for match in pattern.finditer(line):
+                values[field] = max(values.get(field, 0), int(match.group(1)))
+    if "registers" not in values:
+        raise ValueError(f"no 'Used N registers' line in the compiler's report:\n{log.strip()}")
+    return Usage(**values)
 
 
 def fadsl_headers() -> dict[str, str]:

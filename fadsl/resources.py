@@ -9,15 +9,13 @@ and its log are kept in a cubin cache, since ptxas takes a while.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
-import shutil
-import subprocess
 import tempfile
 from pathlib import Path
 
 from .codegen import Source, header_text
-from .compile_check import parse_resource_usage
+from .compiler import nvcc  # noqa: F401  (re-exported: tests and compile_check ask here)
+from .compiler import parse_resource_usage
 
 # nvcc flags per architecture; wgmma-era Hopper needs the arch-specific "a" target.
 ARCH_FLAGS = {
@@ -44,25 +42,6 @@ SM_LIMITS = {
         "reserved": 1024,
     },
 }
-
-
-def nvcc() -> str | None:
-    found = shutil.which("nvcc")
-    if found:
-        return found
-    default = Path("/usr/local/cuda/bin/nvcc")
-    return str(default) if default.exists() else None
-
-
-@functools.cache
-def nvcc_version() -> str:
-    """nvcc's release, e.g. '13.0' (part of every cache key)."""
-    compiler = nvcc()
-    if compiler is None:
-        return "none"
-    out = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    release = [line for line in out.splitlines() if "release" in line]
-    return release[-1].split("release")[-1].split(",")[0].strip() if release else "unknown"
 
 
 def usage_cache() -> Path:
