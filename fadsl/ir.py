@@ -139,10 +139,14 @@ class Parity(Enum):
     Item i of a ring of S slots sits in slot i % S, round i // S; phase = round & 1.
     """
 
-    ZERO = "0"  # a one-shot barrier's first phase (Q)
+    ZERO = "0"  # a one-shot barrier's first phase
     PHASE = "phase"  # consumers wait for the full barrier's phase of this round
     PHASE_FLIP = "phase^1"  # the producer waits for the empty barrier of the previous round
     # (a fresh barrier passes parity 1 at once: the first round waits for nothing)
+    # A per-tile barrier (no ring item: Q's, O's) is a ring of one slot whose items are the
+    # CTA's non-empty tiles t = 0, 1, ... in the order it runs them: phase = t & 1.
+    TILE = "tile"  # wait for this tile's phase (Q loaded)
+    TILE_FLIP = "tile^1"  # wait for the previous tile's phase (Q no longer read, O stored)
 
 
 @dataclass(frozen=True)
@@ -197,13 +201,17 @@ class Hopper:
     swizzle_bytes: int  # TMA/wgmma swizzle span: 128
     pingpong: bool  # named-barrier turns between consumer warpgroups
     overlap: bool  # S(j+1) in flight during softmax(j)
+    # The CTA runs a sequence of tiles either way; persistent: about one CTA per SM, each
+    # looping over many tiles; off ("scheduler grid"): one CTA per tile.
+    persistent: bool = True
 
     def text(self) -> str:
         on = {True: "on", False: "off"}
+        scheduler = "persistent" if self.persistent else "grid"
         return (
             f"sm90 consumers={self.consumers} stages={self.stages} "
             f"regs={self.producer_regs}/{self.consumer_regs} swizzle={self.swizzle_bytes}B "
-            f"pingpong={on[self.pingpong]} overlap={on[self.overlap]}"
+            f"pingpong={on[self.pingpong]} overlap={on[self.overlap]} scheduler={scheduler}"
         )
 
 

@@ -67,7 +67,8 @@ _BUFFER = re.compile(
 _HOPPER = re.compile(
     r"sm90 consumers=(?P<consumers>\d+) stages=(?P<stages>\d+) "
     r"regs=(?P<preg>\d+)/(?P<creg>\d+) swizzle=(?P<swizzle>\d+)B "
-    r"pingpong=(?P<pingpong>on|off) overlap=(?P<overlap>on|off)$"
+    r"pingpong=(?P<pingpong>on|off) overlap=(?P<overlap>on|off) "
+    r"scheduler=(?P<scheduler>persistent|grid)$"
 )
 _REGION = re.compile(r"region (\d+) offset=(\d+) bytes=(\d+) members=(\S*)$")
 _STEP = re.compile(r"  step (?P<op>\S+)(?P<flags>(?: [^\[\s]\S*)*)(?: \[(?P<acc>.*)\])?$")
@@ -214,6 +215,7 @@ class _Reader:
             swizzle_bytes=int(m["swizzle"]),
             pingpong=m["pingpong"] == "on",
             overlap=m["overlap"] == "on",
+            persistent=m["scheduler"] == "persistent",
         )
 
     def tensor(self, line: str) -> Tensor:

@@ -43,6 +43,7 @@ def read_settings(c: Checks) -> None:
         "registers": registers,
         "pingpong": on_off,
         "overlap": on_off,
+        "scheduler": scheduler,
     }
     for setting in c.decl.settings:
         key = setting.key.text
@@ -267,3 +268,9 @@ def registers(c: Checks, setting: Setting) -> dict[str, int] | None:
 
 def on_off(c: Checks, setting: Setting) -> bool | None:
     return _word_choice(c, setting, {"on": True, "off": False})
+
+
+def scheduler(c: Checks, setting: Setting) -> bool | None:
+    """`scheduler persistent` (about one CTA per SM, looping over tiles) or `grid` (one CTA
+    per tile): True when persistent."""
+    return _word_choice(c, setting, {"persistent": True, "grid": False})

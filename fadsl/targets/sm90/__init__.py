@@ -37,7 +37,7 @@ TARGET = Target(
     template=TEMPLATE,
     context=context,
     required_keys=("warpgroups",),
-    keys=("mask", "swizzle", "stages", "registers", "pingpong", "overlap", "spills"),
+    keys=("mask", "swizzle", "stages", "registers", "pingpong", "overlap", "scheduler", "spills"),
     key_hints={"warps": "use 'warpgroups producer = 1, consumers = N'"},
     configure=configure,
     report=REPORT,  # roles, rings, named barriers, one program per role

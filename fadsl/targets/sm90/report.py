@@ -77,7 +77,13 @@ def check_lines(kernel: Kernel, lines: list[tuple[str, str]]) -> list[tuple[str,
             )
             out.append(("consumers", consumers))
     out.append(("stages", f"{hw.stages} (K and V rings of {hw.stages} slots, mbarrier pipeline)"))
-    out.append(("schedule", f"pingpong {_on(hw.pingpong)}, overlap {_on(hw.overlap)}"))
+    scheduler = "persistent" if hw.persistent else "grid"
+    out.append(
+        (
+            "schedule",
+            f"pingpong {_on(hw.pingpong)}, overlap {_on(hw.overlap)}, scheduler {scheduler}",
+        )
+    )
     return out
 
 
@@ -218,6 +224,7 @@ def explain_data(kernel: Kernel) -> dict[str, Any]:
             "stages": hw.stages,
             "pingpong": hw.pingpong,
             "overlap": hw.overlap,
+            "scheduler": "persistent" if hw.persistent else "grid",
         },
         "tma_tiles": _mbarriers(kernel),
         "mbarrier_array": {
@@ -246,7 +253,7 @@ def explain_sections(data: Mapping[str, Any]) -> list[str]:
         f"Warp specialisation ({data['warps']} warps = {ws['warpgroups']} warpgroups of "
         f"{WARPGROUP_THREADS} threads)",
         f"  producer   warpgroup 0, setmaxnreg.dec to {producer['setmaxnreg']} registers: "
-        f"one elected thread issues every TMA load (Q once, K and V per block)",
+        f"one elected thread issues every TMA load (Q per tile, K and V per block)",
         f"  consumers  {_warpgroups(wgs[0], len(wgs))}, setmaxnreg.inc to "
         f"{consumers['setmaxnreg']} registers: {consumers['rows_per_warpgroup']} query rows "
         f"each (B_r = {data['block_r']})",
@@ -265,6 +272,14 @@ def explain_sections(data: Mapping[str, Any]) -> list[str]:
             "on: S(j+1) = Q K^T is in flight during softmax(j)"
             if ws["overlap"]
             else "off: each GEMM is waited for before the next step"
+        ),
+        "  scheduler  "
+        + (
+            "persistent: one CTA per SM (at most one per tile), each running tiles in turn, "
+            "longest first; the producer loads the next tile's Q and K during this one's "
+            "epilogue"
+            if ws["scheduler"] == "persistent"
+            else "grid: one CTA per tile"
         ),
         "",
     ]

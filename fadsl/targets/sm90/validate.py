@@ -204,6 +204,7 @@ def configure(c: Checks) -> Config:
             swizzle_bytes=128,
             pingpong=v.get("pingpong", consumers > 1),
             overlap=v.get("overlap", True),
+            persistent=v.get("scheduler", True),
         ),
     )
 
