@@ -10,6 +10,7 @@ kernels take ``FwdParamsSm90``, four TMA descriptors and the same ``FwdParams``
 
 from __future__ import annotations
 
+import functools
 import struct
 from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple
@@ -92,6 +93,34 @@ def row_block_grid(kernel: Kernel, a: Args) -> tuple[int, int, int]:
     return (-(-seqlen_q // kernel.config.block_r), heads_q, batch)
 
 
+GRID_X_LIMIT = 2**31 - 1  # CUDA's gridDim.x (and the kernel's int tile index)
+
+
+@functools.cache
+def sm_count(device_index: int) -> int:
+    """The device's streaming multiprocessors (torch caches the properties)."""
+    import torch
+
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def tile_grid(kernel: Kernel, a: Args) -> tuple[int, int, int]:
+    """sm_90a: a 1-D grid over the tiles (q block, head, batch), which the kernel's
+    TileScheduler deals out: one CTA per SM at most (``scheduler persistent``, one CTA
+    fits an SM), or one CTA per tile (``scheduler grid``)."""
+    batch, seqlen_q, heads_q = a.q.shape[0], a.q.shape[1], a.q.shape[2]
+    tiles = -(-seqlen_q // kernel.config.block_r) * heads_q * batch
+    if tiles > GRID_X_LIMIT:
+        raise ValueError(
+            f"q has {tiles} tiles of {kernel.config.block_r} rows x heads x batch, over "
+            f"{GRID_X_LIMIT}; split the batch"
+        )
+    hopper = kernel.config.hopper
+    if hopper is not None and hopper.persistent:
+        tiles = min(tiles, sm_count(a.q.device.index))
+    return (tiles, 1, 1)
+
+
 # FwdParamsSm90 (emit/sm90/include/fadsl/sm90.cuh): the Q, K, V and O tensor maps (128
 # bytes each, 128-byte aligned), then FwdParams at 512; 768 bytes in all (the struct's
 # alignment rounds 688 up). tests/test_params.py checks these against the C++ struct.
@@ -126,9 +155,7 @@ def pack_fwd_params_sm90(kernel: Kernel, a: Args) -> bytes:
 # target (as a spec spells it) -> its launch
 LAUNCHES: dict[str, Launch] = {
     "sm_80": Launch(pack=pack_fwd_params, grid=row_block_grid),
-    "sm_90a": Launch(
-        pack=pack_fwd_params_sm90, grid=row_block_grid, kernel_suffix="", launch_info=True
-    ),
+    "sm_90a": Launch(pack=pack_fwd_params_sm90, grid=tile_grid, kernel_suffix="", launch_info=True),
 }
 
 

@@ -11,9 +11,11 @@ import pytest
 import torch
 
 import fadsl
+import fadsl.params as params
 from conftest import ROOT
 from fadsl.compiler import compile_cubin, nvrtc_available
 from fadsl.codegen import HEADERS
+from fadsl.ir import Hopper
 from fadsl.params import (
     FWD_PARAMS,
     FWD_PARAMS_FIELDS,
@@ -150,7 +152,17 @@ def test_sm90_pack_places_the_maps_and_params(monkeypatch):
     pack_fwd_params_sm90(kernel, args)
     assert len(calls) == 4, "the same tensors must reuse their descriptors"
     launch = launch_for("sm_90a")
-    assert launch.grid(kernel, args) == (2, 5, 1)  # ceil(130 / 128) q blocks, heads, batch
+    # one CTA per tile: ceil(130 / 128) q blocks x 5 heads x batch 1
+    assert launch.grid(kernel, args) == (10, 1, 1)
+    hopper = Hopper(2, 2, 24, 240, 128, pingpong=True, overlap=True, persistent=True)
+    persistent = replace(kernel, config=replace(kernel.config, hopper=hopper))
+    monkeypatch.setattr(params, "sm_count", lambda index: 4)
+    assert launch.grid(persistent, args) == (4, 1, 1)  # one CTA per SM
+    monkeypatch.setattr(params, "sm_count", lambda index: 132)
+    assert launch.grid(persistent, args) == (10, 1, 1)  # never more CTAs than tiles
+    too_many = args._replace(q=torch.empty(2**16, 130, 2**15, 128, device="meta"))
+    with pytest.raises(ValueError, match="tiles"):
+        launch.grid(kernel, too_many)
     assert launch.symbol("fa3_hopper_bf16") == "fa3_hopper_bf16" and launch.launch_info
 
 

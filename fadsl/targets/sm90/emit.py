@@ -4,14 +4,17 @@ The template (emit/sm90/kernel.cu.j2) holds the kernel's structure: setup, the
 producer branch (its elected thread's prologue / loop / epilogue) and the consumer
 branch (the loop twice: masked leading iterations, then unmasked ones). Each step is a
 macro of emit/sm90/ops.cu.j2, each sync one of its sync macros, with a comment naming
-the hazards it orders (or why it is there). Ring items are C++ expressions of ``it``.
+the hazards it orders (or why it is there). Both roles run the IR's phases once per
+non-empty tile: block items are C++ expressions of ``it`` (the tile's K/V block),
+ring items add ``ring_base`` (the ring items of the CTA's earlier tiles), and the
+per-tile barriers' parity comes from ``tile_count`` (the CTA's non-empty tiles so far).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from ...ir import Dtype, Kernel, Phase, Step, Sync, Threads
+from ...ir import Dtype, Kernel, Parity, Phase, Step, Sync, Threads
 from ...ops import Op
 from .caps import (
     BAR_ARRIVE,
@@ -62,7 +65,22 @@ _REG_ARRAYS = {"S": "s", "P": "p", "O": "o"}
 
 
 def item_expr(lag: int) -> str:
+    """The tile's K/V block item it + lag."""
     return "it" if lag == 0 else f"it - {-lag}" if lag < 0 else f"it + {lag}"
+
+
+def ring_expr(lag: int) -> str:
+    """The ring item of block item it + lag: the rings go on from the CTA's earlier tiles."""
+    return f"ring_base + {item_expr(lag)}"
+
+
+_PARITY = {
+    Parity.ZERO: "0",
+    Parity.PHASE: "ring_phase({ring})",
+    Parity.PHASE_FLIP: "ring_phase({ring}) ^ 1u",
+    Parity.TILE: "tile_phase(tile_count)",
+    Parity.TILE_FLIP: "tile_phase(tile_count) ^ 1u",
+}
 
 
 def _comment(sync: Sync) -> list[str]:
@@ -92,7 +110,7 @@ class _Render:
         index, ring = self.barriers[name]
         if not ring:
             return f"bar_{name}"
-        return f"bar_{name}(ring_slot({item_expr(lag)}))"
+        return f"bar_{name}(ring_slot({ring_expr(lag)}))"
 
     def sync(self, sync: Sync) -> dict[str, Any]:
         args: dict[str, Any] = {}
@@ -103,11 +121,7 @@ class _Render:
             if sync.kind != MBAR_INIT:
                 args["bar"] = self.bar(sync.barrier, sync.lag)
         if sync.parity is not None:
-            args["parity"] = {
-                "0": "0",
-                "phase": f"ring_phase({item_expr(sync.lag or 0)})",
-                "phase^1": f"ring_phase({item_expr(sync.lag or 0)}) ^ 1u",
-            }[sync.parity.value]
+            args["parity"] = _PARITY[sync.parity].format(ring=ring_expr(sync.lag or 0))
         if sync.bar_id >= 0:
             if sync.peer is None:
                 args["id"] = str(sync.bar_id)
@@ -143,6 +157,7 @@ class _Render:
             "macro": step.op.spelling,
             "args": {
                 "item": item_expr(step.lag) if step.lag is not None else "",
+                "ring": ring_expr(step.lag) if step.lag is not None else "",
                 "phase": phase.value,
                 "role": role_of(step.who),
                 "tensor": "" if step.op.tensor is None else step.op.tensor.value.lower(),
@@ -171,7 +186,8 @@ def context(kernel: Kernel, dtype: Dtype) -> dict[str, Any]:
     epi = roles["consumers"]["epilogue"]
     cut = next(i for i, x in enumerate(epi) if x["macro"] == Op.NORMALIZE.spelling)
     pro = roles["consumers"]["prologue"]
-    head = [x for x in pro if x["macro"] in (Op.SETMAXNREG.spelling, Op.INIT.spelling)]
+    head = [x for x in pro if x["macro"] == Op.SETMAXNREG.spelling]
+    init = [x for x in pro if x["macro"] == Op.INIT.spelling]
     bufs = {b.name: b for b in kernel.buffers}
     return {
         "head_dim": cfg.head_dim,
@@ -182,6 +198,7 @@ def context(kernel: Kernel, dtype: Dtype) -> dict[str, Any]:
         "producer_regs": hw.producer_regs,
         "consumer_regs": hw.consumer_regs,
         "pingpong": hw.pingpong,
+        "persistent": hw.persistent,
         "overlap": hw.overlap,
         "mask": cfg.mask.value,
         "cuda_type": dtype.cuda_type,
@@ -196,7 +213,8 @@ def context(kernel: Kernel, dtype: Dtype) -> dict[str, Any]:
         "setup": roles["setup"]["prologue"],
         "producer": roles["producer"],
         "consumer_head": head,
-        "consumer_prologue": [x for x in pro if x not in head],
+        "consumer_init": init,
+        "consumer_prologue": [x for x in pro if x not in head and x not in init],
         "consumer_loop": roles["consumers"]["mainloop"],
         "consumer_epilogue": epi[:cut],
         "consumer_tail": [x for x in epi[cut:] if not x["elected"]],

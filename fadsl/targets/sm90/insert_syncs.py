@@ -3,14 +3,22 @@
 Derived from the schedule's steps (role, ring item, SMEM accesses, async kind) and the
 consumer ops' register uses (schedule.REGISTERS); each sync records the hazards it orders:
 
+- the kernel is a loop over tiles (q block, head, batch); each role runs the IR's
+  prologue, mainloop and epilogue once per non-empty tile, ring items counting on across
+  tiles (a tile with no K/V block touches no SMEM and no barrier);
 - a TMA load by the producer, read by the consumers (RAW across roles): the producer
   arms the buffer's full mbarrier (arrive.expect_tx with the tile's bytes) before the
-  load; the consumers wait on it with the parity of the item's round before the first
-  step that reads the item. Q's barrier is one-shot (parity 0);
+  load; the consumers wait on it with the parity of the item's round (K/V) or of the
+  tile (Q) before the first step that reads the item;
 - a ring slot read by a consumer wgmma and refilled by the producer a round later (WAR
-  across roles, across the back edge): once a wgmma wait has retired the reading group,
-  lane 0 of each consumer warp arrives on the slot's empty barrier (count = consumer
-  warps); the producer waits on it with the flipped parity before the load;
+  across roles, across the back edge and across tiles): once a wgmma wait has retired
+  the reading group, lane 0 of each consumer warp arrives on the slot's empty barrier
+  (count = consumer warps); the producer waits on it with the flipped parity before
+  every load, the first tile's included (the ring goes on from the previous tile);
+- Q, read by every S = Q K^T of a tile and reloaded for the next tile (WAR across roles
+  and tiles): when the consumers enter the epilogue (no S in flight), lane 0 of each
+  warp arrives on Q's empty barrier; the producer waits on it with the previous tile's
+  parity before loading the next Q;
 - wgmma results and operands in registers (RAW/WAR within a warpgroup): each wgmma is
   preceded by wgmma.fence and followed by its own commit group; before a step that
   touches registers an in-flight group writes (or reads), wgmma.wait_group N keeps the
@@ -18,12 +26,13 @@ consumer ops' register uses (schedule.REGISTERS); each sync records the hazards 
 - ping-pong (``pingpong on``, performance, no hazard): each warpgroup's run of wgmma
   issues is a turn: bar.sync on its own named barrier before, bar.arrive on the next
   warpgroup's after; the last warpgroup opens warpgroup 0's first turn and warpgroup 0
-  takes the last hand-over, so every arrive is matched;
+  takes the last hand-over, so every arrive is matched, in every tile;
 - O over the dead rings (WAR across consumer warpgroups): a named barrier of every
   consumer thread before stmatrix; stmatrix (generic proxy) before the TMA store (async
   proxy): fence.proxy.async, then the warpgroup's named barrier (the elected thread
-  stores rows the others wrote); the store's SMEM reads complete before the CTA exits:
-  bulk commit and wait_group.read 0;
+  stores rows the others wrote); the store's SMEM reads complete (bulk commit and
+  wait_group.read 0) before the elected thread arrives on O's free barrier, on which the
+  producer waits with the previous tile's parity before every load into O's bytes;
 - mbarrier init by thread 0, fence.mbarrier_init, __syncthreads before any use.
 """
 
@@ -64,6 +73,7 @@ TURN_THREADS = 256  # the warpgroup waiting for its turn + the one handing over
 PRODUCER_ROLES = (Threads.PRODUCER, Threads.PRODUCER_THREAD)
 TO_CONSUMERS = "producer -> consumers"
 TO_PRODUCER = "consumers -> producer"
+TO_NEXT_TILE = "consumers -> producer, next tile"
 
 
 def role_of(who: Threads) -> str:
@@ -183,7 +193,7 @@ class _Consumers:
                 ],
                 barrier=f"{buf.name.lower()}_full",
                 lag=step.lag if ring else None,
-                parity=Parity.PHASE if ring else Parity.ZERO,
+                parity=Parity.PHASE if ring else Parity.TILE,
             )
 
     def wait_groups(self, step: Step | None, phase: Phase, force: bool = False) -> None:
@@ -225,8 +235,8 @@ class _Consumers:
         """Empty-barrier arrivals for the ring slots a retired wgmma group has read."""
         for access in step.accesses:
             buf = self.kernel.buffer(access.buffer)
-            if buf.name not in self.rings or phase is Phase.EPILOGUE:
-                continue  # not a ring, or no load refills the slot after the last block
+            if buf.name not in self.rings:
+                continue  # Q is released once per tile (release_tile), O by its store
             loads = [s for s in self.kernel.steps() if _writes(s, buf.name, TMA_LOAD)]
             self.sync(
                 MBAR_ARRIVE,
@@ -244,6 +254,24 @@ class _Consumers:
                 who=Threads.CONSUMER_WARP_LANE0,
                 barrier=f"{buf.name.lower()}_empty",
                 lag=step.lag,
+            )
+
+    def release_tile(self, phase: Phase, once: list[str]) -> None:
+        """Entering the epilogue, no S = Q K^T is in flight: the tile's Q is dead, and
+        lane 0 of each consumer warp arrives on its empty barrier for the next tile's load."""
+        for name in once:
+            in_flight = [a.buffer for g in self.in_flight for a in g.step.accesses]
+            assert name not in in_flight, f"{name} still read by a wgmma in flight"
+            loads = [s for s in self.kernel.steps() if _writes(s, name, TMA_LOAD)]
+            self.sync(
+                MBAR_ARRIVE,
+                phase,
+                [
+                    _hazard(HazardKind.WAR, r.op, loads[0].op, name, across=TO_NEXT_TILE)
+                    for r in _unique_ops(self.readers.get(name, []))
+                ],
+                who=Threads.CONSUMER_WARP_LANE0,
+                barrier=f"{name.lower()}_empty",
             )
 
 
@@ -289,19 +317,42 @@ def insert_syncs(kernel: Kernel, target: targets.Target) -> Kernel:
                 note=init_note + " (one arrival: the producer's arrive.expect_tx)",
             )
         )
-        if ring:
-            setup.append(
-                Sync(
-                    MBAR_INIT,
-                    Phase.PROLOGUE,
-                    (),
-                    loc,
-                    who=Threads.THREAD0,
-                    barrier=f"{buf.name.lower()}_empty",
-                    count=4 * hw.consumers,
-                    note=init_note + " (one arrival per consumer warp)",
-                )
+        setup.append(
+            Sync(
+                MBAR_INIT,
+                Phase.PROLOGUE,
+                (),
+                loc,
+                who=Threads.THREAD0,
+                barrier=f"{buf.name.lower()}_empty",
+                count=4 * hw.consumers,
+                note=init_note
+                + (" (one arrival per consumer warp" + ("" if ring else ", once per tile") + ")"),
             )
+        )
+    # A TMA-stored tile over loaded bytes (O over the dead V ring): its store frees them.
+    loaded = [b for b in kernel.buffers if any(_writes(s, b.name, TMA_LOAD) for s in steps)]
+    stores = [s for s in steps if s.async_kind == TMA_STORE]
+    stored = [kernel.buffer(a.buffer) for s in stores for a in s.accesses]
+    freed = {
+        out.name: [b.name for b in loaded if _overlaps(out, b)]
+        for out in stored
+        if any(_overlaps(out, b) for b in loaded)
+    }
+    for name in freed:
+        setup.append(
+            Sync(
+                MBAR_INIT,
+                Phase.PROLOGUE,
+                (),
+                loc,
+                who=Threads.THREAD0,
+                barrier=f"{name.lower()}_free",
+                count=hw.consumers,
+                note=init_note
+                + " (one arrival per consumer warpgroup: its TMA store has read the bytes)",
+            )
+        )
     if setup:
         setup.append(
             Sync(
@@ -345,26 +396,54 @@ def insert_syncs(kernel: Kernel, target: targets.Target) -> Kernel:
                     )
                     for r in _unique_ops(readers.get(buf.name, []))
                 ]
-                # item it + lag of the prologue (it = 0) in the ring's first round: the
-                # fresh empty barrier passes parity 1 at once, so there is nothing to wait for
-                first_round = phase is Phase.PROLOGUE and 0 <= (lag or 0) < hw.stages
-                if buf.name in rings and not first_round:
-                    wars = [
-                        _hazard(
-                            HazardKind.WAR, r.op, step.op, buf.name, back=True, across=TO_PRODUCER
-                        )
-                        for r in _unique_ops(readers.get(buf.name, []))
-                    ]
+                # The slot's (or, for Q, the tile's) previous use: always waited for, as
+                # the ring goes on from the previous tile (a fresh barrier passes at once).
+                ring = buf.name in rings
+                wars = [
+                    _hazard(
+                        HazardKind.WAR,
+                        r.op,
+                        step.op,
+                        buf.name,
+                        back=ring,
+                        across=TO_PRODUCER if ring else TO_NEXT_TILE,
+                    )
+                    for r in _unique_ops(readers.get(buf.name, []))
+                ]
+                out.append(
+                    Sync(
+                        MBAR_WAIT,
+                        phase,
+                        tuple(wars),
+                        loc,
+                        who=Threads.PRODUCER_THREAD,
+                        barrier=f"{name}_empty",
+                        lag=lag,
+                        parity=Parity.PHASE_FLIP if ring else Parity.TILE_FLIP,
+                    )
+                )
+                for out_name, under in freed.items():
+                    if buf.name not in under:
+                        continue
+                    store = next(s for s in stores if s.accesses[0].buffer == out_name)
                     out.append(
                         Sync(
                             MBAR_WAIT,
                             phase,
-                            tuple(wars),
+                            (
+                                _hazard(
+                                    HazardKind.WAR,
+                                    store.op,
+                                    step.op,
+                                    out_name,
+                                    buf.name,
+                                    across=TO_NEXT_TILE,
+                                ),
+                            ),
                             loc,
                             who=Threads.PRODUCER_THREAD,
-                            barrier=f"{name}_empty",
-                            lag=lag,
-                            parity=Parity.PHASE_FLIP,
+                            barrier=f"{out_name.lower()}_free",
+                            parity=Parity.TILE_FLIP,
                         )
                     )
                 out.append(
@@ -393,6 +472,8 @@ def insert_syncs(kernel: Kernel, target: targets.Target) -> Kernel:
         # A phase is entered from more than one place (the loop from the prologue and from
         # its own end): assume registers were written before it.
         c.registers_written = True
+        if phase is Phase.EPILOGUE:
+            c.release_tile(phase, [b.name for b in loaded if b.name not in rings])
         for step in items:
             if not isinstance(step, Step) or role_of(step.who) != "consumers":
                 continue
@@ -439,13 +520,34 @@ def insert_syncs(kernel: Kernel, target: targets.Target) -> Kernel:
                         who=Threads.CONSUMER_ELECTED,
                         note="closes the TMA store's bulk group",
                     )
+                    (access,) = step.accesses
                     c.sync(
                         BULK_WAIT,
                         phase,
                         who=Threads.CONSUMER_ELECTED,
                         groups=0,
-                        note="SMEM stays allocated until the TMA store has read it (CTA exit)",
+                        note="the TMA store has read O's SMEM: its bytes may be reused (the "
+                        "next tile's loads) or released (CTA exit)",
                     )
+                    if access.buffer in freed:
+                        c.sync(
+                            MBAR_ARRIVE,
+                            phase,
+                            [
+                                _hazard(
+                                    HazardKind.WAR,
+                                    step.op,
+                                    load.op,
+                                    access.buffer,
+                                    under,
+                                    across=TO_NEXT_TILE,
+                                )
+                                for under in freed[access.buffer]
+                                for load in [next(s for s in steps if _writes(s, under, TMA_LOAD))]
+                            ],
+                            who=Threads.CONSUMER_ELECTED,
+                            barrier=f"{access.buffer.lower()}_free",
+                        )
             position += 1
         consumer_items[phase], c.out = c.out, []
 

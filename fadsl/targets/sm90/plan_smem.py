@@ -5,8 +5,9 @@ Q | K ring | V ring | mbarriers. O is written only after every consumer's last w
 has read the rings, so it lies over the V ring (ending where the V ring ends, into the
 dead K ring, when larger). Why that is safe is recorded from the generic liveness
 (fadsl.passes.plan_smem.occupancy over the schedule, back edge included): O is never
-live at a step where K or V is. The mbarrier array has one full barrier per TMA-loaded
-tile or ring slot and one empty barrier per ring slot.
+live at a step where K or V is, within a tile; the next tile's loads into those bytes
+wait for O's TMA store (insert_syncs' free barrier). The mbarrier array has a full and
+an empty barrier per TMA-loaded tile or ring slot, and O's free barrier.
 """
 
 from __future__ import annotations
@@ -17,23 +18,19 @@ from ... import targets
 from ...errors import Diagnostic, SpecError
 from ...ir import Buffer, Kernel, Mode, Region
 from ...passes.plan_smem import _flow, live_text, occupancy
-from .schedule import ring_buffers
 
 TILE_ALIGN = 1024
 BASE_SLACK = 1024  # dynamic SMEM is only 16-byte aligned: the kernel rounds its base up
 
 
 def mbarrier_count(kernel: Kernel) -> int:
-    """One full barrier per TMA-loaded tile or ring slot, one empty barrier per ring slot."""
+    """A full and an empty barrier per TMA-loaded tile or ring slot (Q's empty: the next
+    tile may load it), and one free barrier for O, whose store frees the ring bytes under
+    it for the next tile's loads."""
     loaded = {
         a.buffer for s in kernel.steps() if s.is_async for a in s.accesses if a.mode is Mode.WRITE
     }
-    rings = ring_buffers(kernel)
-    count = 0
-    for buf in kernel.buffers:
-        if buf.name in loaded:
-            count += buf.slots + (buf.slots if buf.name in rings else 0)
-    return count
+    return sum(2 * buf.slots for buf in kernel.buffers if buf.name in loaded) + 1
 
 
 def plan_smem(kernel: Kernel, target: targets.Target) -> Kernel:
@@ -72,7 +69,8 @@ def plan_smem(kernel: Kernel, target: targets.Target) -> Kernel:
     why = [
         f"V (live {live_text(steps, occupied['V'])}) and O (live "
         f"{live_text(steps, occupied['O'])}) are never live at once; O is written after "
-        "every consumer warpgroup's last wgmma has read the rings"
+        "every consumer warpgroup's last wgmma of the tile has read the rings, and the next "
+        "tile's V loads wait for O's TMA store"
     ]
     if o_offset < v.offset:
         why.append(

@@ -78,7 +78,7 @@ def build_schedule(lowered: Lowered) -> Kernel:
         return tensors[role].hops[hop].loc
 
     def load(role: Role, phase: Phase, lag: int | None) -> Step:
-        what = "the CTA's Q tile" if lag is None else f"{role.value}(it{lag:+d})"
+        what = "the tile's Q" if lag is None else f"{role.value}(it{lag:+d})"
         what = what.replace("(it+0)", "(it)")
         return Step(
             op=Op.of(role, Move.G2S),

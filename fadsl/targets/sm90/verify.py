@@ -312,6 +312,10 @@ class _Agent:
                 return phase
             case Parity.PHASE_FLIP:
                 return phase ^ 1
+            case Parity.TILE:  # the CTA's first tile (multi-tile programs: to come)
+                return 0
+            case Parity.TILE_FLIP:
+                return 1
             case _:
                 raise AssertionError(f"an mbarrier wait needs a parity rule: {sync.parity}")
 

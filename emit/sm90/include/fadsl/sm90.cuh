@@ -11,10 +11,12 @@
 // Contents:
 //   1. runtime parameters (FwdParamsSm90: 4 tensor maps + the sm80 path's FwdParams)
 //   2. the configuration: tile shape, warpgroups, registers, SMEM plan
+//   2b. the tile scheduler: which (q block, head, batch) tiles a CTA runs, in which order
 //   3. producer steps: TMA loads of the Q tile and of one K or V tile into a ring slot
 //   4. consumer steps: S = Q K^T, masking, online softmax, P to 16 bits, O += P V,
 //      rescale
-//   5. epilogue steps: row sums, normalise, LSE, O into SMEM (stmatrix), TMA store
+//   5. epilogue steps: row sums, normalise, LSE, O into SMEM (stmatrix), TMA store; a tile
+//      with no key
 #pragma once
 
 #include <cuda/std/cmath>
@@ -101,8 +103,8 @@ struct FwdConfig {
   static constexpr int kOffO = kOBytes <= kStages * kKVBytes ? kOffV : kOffBar - kOBytes;
   static_assert(kOffO >= kOffK, "O must fit over the dead K/V rings");
   static_assert(kQBytes % 1024 == 0 && kKVBytes % 1024 == 0 && kOffO % 1024 == 0, "1024-byte aligned tiles");
-  // mbarriers: q_full, then per slot k_full, k_empty, v_full, v_empty.
-  static constexpr int kNumBars = 1 + 4 * kStages;
+  // mbarriers: q_full, q_empty, o_free, then per slot k_full, k_empty, v_full, v_empty.
+  static constexpr int kNumBars = 3 + 4 * kStages;
   static constexpr int kSmemBytes = kOffBar + 8 * kNumBars + 1024;  // + slack to align the base to 1024
   static_assert(kSmemBytes <= 227 * 1024, "SMEM over the sm_90 limit of 227 KB per block");
 
@@ -127,28 +129,78 @@ struct RingPos {
   }
 };
 
-// The CTA's tile and its K/V range.  Blocks are visited from the last (n_blocks - 1)
-// down to 0, so the ones that need masking (the seqlen_k tail, the causal diagonal) come
-// first: iterations it < n_masked mask, the rest do not.
+// One tile of the launch: 128 (kBlockM) query rows of one (batch, head).
+struct TileCoord {
+  int m_block, head, batch;
+};
+
+// Which tiles this CTA runs, and in which order.  The launch has grid = min(tiles,
+// SMs) CTAs (`scheduler persistent`) or one CTA per tile (`scheduler grid`); tile
+// indices are dealt out in rounds of gridDim.x, in CTA order on even rounds and in
+// reverse order on odd ones, so that causal's long-first tiles even out between CTAs.
+// Index -> tile: the (batch, head) pairs go in groups whose K and V fit kL2Budget
+// together, so that the CTAs running at once share K/V through L2; within a group the
+// query blocks go round the group's heads, the longest first (causal: the last block).
+template <class Cfg>
+struct TileScheduler {
+  static constexpr long long kL2Budget = 32ll << 20;  // bytes of K + V kept hot in L2 (of 50 MB)
+  int num_m, num_bh, num_tiles, group, heads_q;
+
+  __device__ explicit TileScheduler(const FwdParams& p) {
+    heads_q = p.heads_q;
+    num_m = (p.seqlen_q + Cfg::kBlockM - 1) / Cfg::kBlockM;
+    num_bh = p.heads_q * p.batch;
+    num_tiles = num_m * num_bh;
+    // K and V bytes per query head (GQA: query heads share a KV head's bytes).
+    const long long kv_bytes = 2ll * p.seqlen_k * Cfg::kHeadDim * sizeof(typename Cfg::T) * p.heads_kv / p.heads_q;
+    group = static_cast<int>(kL2Budget / (kv_bytes > 0 ? kv_bytes : 1));
+    group = imax(1, imin(group, num_bh));
+  }
+
+  // The index of the CTA's tile in round `round`, or -1 when it has no more tiles.
+  __device__ __forceinline__ int index(int round) const {
+    const int ctas = gridDim.x, cta = blockIdx.x;
+    const long long t = static_cast<long long>(round) * ctas + ((round & 1) ? ctas - 1 - cta : cta);
+    return t < num_tiles ? static_cast<int>(t) : -1;
+  }
+
+  __device__ __forceinline__ TileCoord coords(int t) const {
+    const int per_group = group * num_m;
+    const int first_bh = (t / per_group) * group;
+    const int heads_here = imin(group, num_bh - first_bh);  // the last group may be short
+    const int r = t - first_bh * num_m;
+    const int m_rank = r / heads_here;
+    const int bh = first_bh + r % heads_here;
+    TileCoord c;
+    c.m_block = Cfg::kCausal ? num_m - 1 - m_rank : m_rank;  // causal: long rows first
+    c.batch = bh / heads_q;
+    c.head = bh % heads_q;
+    return c;
+  }
+};
+
+// A tile and its K/V range.  Blocks are visited from the last (n_blocks - 1) down to 0,
+// so the ones that need masking (the seqlen_k tail, the causal diagonal) come first:
+// iterations it < n_masked mask, the rest do not.
 struct TileWork {
   int m_block, head, batch, head_kv;
-  int m0;         // first query row of the CTA
-  int n_blocks;   // K/V blocks visited (0: the CTA writes O = 0, LSE = -inf)
+  int m0;         // first query row of the tile
+  int n_blocks;   // K/V blocks visited (0: the tile's rows see no key; store_empty_tile)
   int n_masked;   // leading iterations that need masking
 };
 
 template <class Cfg>
-__device__ __forceinline__ TileWork tile_work(const FwdParams& p) {
+__device__ __forceinline__ TileWork tile_work(const FwdParams& p, const TileCoord& c) {
   TileWork w;
-  w.m_block = Cfg::kCausal ? static_cast<int>(gridDim.x - 1 - blockIdx.x) : static_cast<int>(blockIdx.x);  // long rows first
-  w.head = blockIdx.y;
-  w.batch = blockIdx.z;
+  w.m_block = c.m_block;
+  w.head = c.head;
+  w.batch = c.batch;
   w.head_kv = w.head / (p.heads_q / p.heads_kv);
   w.m0 = w.m_block * Cfg::kBlockM;
   // Causal, aligned bottom-right: query i sees key j iff j <= i + seqlen_k - seqlen_q.
   const int diag = p.seqlen_k - p.seqlen_q;
   int kv_end = p.seqlen_k;
-  int kv_full_end = p.seqlen_k;  // keys below this need no mask for any row of the CTA
+  int kv_full_end = p.seqlen_k;  // keys below this need no mask for any row of the tile
   if constexpr (Cfg::kCausal) {
     kv_end = imin(kv_end, imax(0, w.m0 + Cfg::kBlockM + diag));
     kv_full_end = imin(kv_full_end, imax(0, w.m0 + 1 + diag));
@@ -157,6 +209,9 @@ __device__ __forceinline__ TileWork tile_work(const FwdParams& p) {
   w.n_masked = w.n_blocks - imin(w.n_blocks, kv_full_end / Cfg::kBlockN);
   return w;
 }
+
+// Phase parity of the per-tile barriers (Q's, O's) in the CTA's tile number t.
+__device__ __forceinline__ uint32_t tile_phase(int t) { return static_cast<uint32_t>(t) & 1u; }
 
 // ---------------------------------------------------------------------------
 // 3. Producer steps (one elected thread of the producer warpgroup)
@@ -375,6 +430,25 @@ __device__ __forceinline__ void store_o_tma(const FwdParamsSm90& P, uint32_t sme
   for (int panel = 0; panel < Cfg::kPanels; ++panel) {
     tma_store_4d(&P.tma_o, smem_o_wg + panel * Cfg::kBlockM * Cfg::kRowBytes, 64 * panel, w.m0 + 64 * wg, w.head,
                  w.batch);
+  }
+}
+
+// A tile whose rows see no key (causal with seqlen_q > seqlen_k): O = 0 and LSE = -inf,
+// written straight to global memory by the warpgroup's 128 threads (16 bytes a store),
+// with no SMEM and no barrier, so that the tile takes no part in the pipeline.
+template <class Cfg>
+__device__ __forceinline__ void store_empty_tile(const FwdParams& p, const TileWork& w, int wg, int thread) {
+  constexpr int kChunks = Cfg::kHeadDim * 2 / 16;  // 16-byte pieces per row
+  const int row0 = w.m0 + 64 * wg;
+  char* o = static_cast<char*>(p.o) + 2 * (w.batch * p.o_batch_stride + w.head * p.o_head_stride);
+  for (int i = thread; i < 64 * kChunks; i += 128) {
+    const int row = row0 + i / kChunks;
+    if (row < p.seqlen_q) {
+      reinterpret_cast<uint4*>(o + 2 * row * p.o_seq_stride)[i % kChunks] = make_uint4(0u, 0u, 0u, 0u);
+    }
+  }
+  if (p.lse != nullptr && thread < 64 && row0 + thread < p.seqlen_q) {
+    p.lse[w.batch * p.lse_batch_stride + w.head * p.lse_head_stride + row0 + thread] = -INFINITY;
   }
 }
 
