@@ -93,7 +93,7 @@ def row_block_grid(kernel: Kernel, a: Args) -> tuple[int, int, int]:
     return (-(-seqlen_q // kernel.config.block_r), heads_q, batch)
 
 
-GRID_X_LIMIT = 2**31 - 1  # CUDA's gridDim.x (and the kernel's int tile index)
+TILE_LIMIT = 2**30  # the kernel's int tile indices (steps past the last tile stay below 2^31)
 
 
 @functools.cache
@@ -110,10 +110,10 @@ def tile_grid(kernel: Kernel, a: Args) -> tuple[int, int, int]:
     fits an SM), or one CTA per tile (``scheduler grid``)."""
     batch, seqlen_q, heads_q = a.q.shape[0], a.q.shape[1], a.q.shape[2]
     tiles = -(-seqlen_q // kernel.config.block_r) * heads_q * batch
-    if tiles > GRID_X_LIMIT:
+    if tiles >= TILE_LIMIT:
         raise ValueError(
             f"q has {tiles} tiles of {kernel.config.block_r} rows x heads x batch, over "
-            f"{GRID_X_LIMIT}; split the batch"
+            f"{TILE_LIMIT - 1}; split the batch"
         )
     hopper = kernel.config.hopper
     if hopper is not None and hopper.persistent:

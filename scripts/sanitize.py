@@ -21,6 +21,9 @@ from fadsl.runtime import runs_on  # noqa: E402
 
 # (seqlen_q, seqlen_k): whole tiles, ragged tails, and causal rows that see no key.
 SHAPES = [(128, 128), (113, 203), (200, 100), (1, 65)]
+# sm_90a's tile loop: more tiles than SMs (each CTA runs 3 or more, rings, Q and O barriers
+# going on across tiles; 3 K/V blocks, odd against 2 stages; causal tiles with no key).
+MANY_TILES = (2, 600, 333, 70, 7)  # batch, seqlen_q, seqlen_k, heads_q, heads_kv
 
 # The examples, and causal versions of those that load fragment-wise and one block ahead.
 SPECS = {p.name: str(p.relative_to(ROOT)) for p in sorted((ROOT / "examples").glob("*.fa"))}
@@ -47,3 +50,11 @@ for name, spec in SPECS.items():
             out, lse = kern(q, k, v, return_lse=True)
             torch.cuda.synchronize()
             print(f"{name} {dtype.value} {sq}x{sk}: ran, finite={bool(out.isfinite().all())}")
+        if kern.config.target == "sm_90a" and dtype is kern.config.dtypes[0]:
+            batch, sq, sk, hq, hkv = MANY_TILES
+            q = torch.randn(batch, sq, hq, d, device="cuda", dtype=torch_dtype)
+            k = torch.randn(batch, sk, hkv, d, device="cuda", dtype=torch_dtype)
+            v = torch.randn(batch, sk, hkv, d, device="cuda", dtype=torch_dtype)
+            out, lse = kern(q, k, v, return_lse=True)
+            torch.cuda.synchronize()
+            print(f"{name} {dtype.value} {MANY_TILES}: ran, finite={bool(out.isfinite().all())}")

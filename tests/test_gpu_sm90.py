@@ -12,6 +12,7 @@ the TMA alignment refusals, torch.compile(fullgraph=True) and CUDA-graph replay.
 from __future__ import annotations
 
 import itertools
+import re
 
 import pytest
 import torch
@@ -90,6 +91,43 @@ def test_matches_float32_reference(kernels, name, dtype, sq, sk, hq, hkv):
     kern.forward_into(q, k, v, out, lse, scale)  # the poisoned LSE buffer is written in place
     torch.cuda.synchronize()
     assert_matches(kern, q, k, v, scale, out, lse)
+
+
+# More tiles than an H100 has SMs (132): each CTA of the persistent grid runs several,
+# the K/V rings, Q's and O's barriers going on across them; odd and even block counts
+# against the ring's 2 stages; causal tiles whose rows see no key (seqlen_q > seqlen_k).
+MANY_TILES = [(1000, 333), (777, 1024), (2048, 130)]
+
+
+def as_grid_scheduler(text: str) -> str:
+    """The spec with `scheduler grid` (one CTA per tile) and its own kernel name."""
+    text = re.sub(r"^(\s*scheduler\s+)persistent\b", r"\1grid", text, count=1, flags=re.M)
+    return re.sub(r"\bkernel\s+(\w+)", r"kernel \1_grid", text, count=1)
+
+
+@pytest.mark.parametrize("sq, sk", MANY_TILES)
+@pytest.mark.parametrize("name", list(SPECS))
+def test_persistent_ctas_run_many_tiles(kernels, name, sq, sk):
+    kern = kernels[name]
+    assert kern.config.hopper.persistent
+    d = kern.config.head_dim
+    batch, hq, hkv = 3, 24, 8
+    tiles = -(-sq // kern.config.block_r) * hq * batch
+    assert tiles > 2 * torch.cuda.get_device_properties(0).multi_processor_count
+    q, k, v = random_qkv(batch, sq, sk, hq, hkv, d, torch.bfloat16, sq + 31 * sk)
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((batch, hq, sq), float("nan"), device="cuda", dtype=torch.float32)
+    kern.forward_into(q, k, v, out, lse, d**-0.5)
+    torch.cuda.synchronize()
+    assert_matches(kern, q, k, v, d**-0.5, out, lse)
+    # One CTA per tile computes each tile the same way: the same bits.
+    grid = fadsl.load(as_grid_scheduler(SPECS[name]), verbose=False)
+    assert not grid.config.hopper.persistent
+    out_grid = torch.full_like(q, float("nan"))
+    lse_grid = torch.full_like(lse, float("nan"))
+    grid.forward_into(q, k, v, out_grid, lse_grid, d**-0.5)
+    torch.cuda.synchronize()
+    assert torch.equal(out, out_grid) and torch.equal(lse, lse_grid)
 
 
 @pytest.mark.parametrize("name", list(SPECS))

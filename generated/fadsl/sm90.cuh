@@ -11,10 +11,12 @@
 // Contents:
 //   1. runtime parameters (FwdParamsSm90: 4 tensor maps + the sm80 path's FwdParams)
 //   2. the configuration: tile shape, warpgroups, registers, SMEM plan
+//   2b. the tile scheduler: which (q block, head, batch) tiles a CTA runs, in which order
 //   3. producer steps: TMA loads of the Q tile and of one K or V tile into a ring slot
 //   4. consumer steps: S = Q K^T, masking, online softmax, P to 16 bits, O += P V,
 //      rescale
-//   5. epilogue steps: row sums, normalise, LSE, O into SMEM (stmatrix), TMA store
+//   5. epilogue steps: row sums, normalise, LSE, O into SMEM (stmatrix), TMA store; a tile
+//      with no key
 #pragma once
 
 #include <cuda/std/cmath>
@@ -57,7 +59,8 @@ struct FwdParamsSm90 {
 // 2. Configuration
 // ---------------------------------------------------------------------------
 
-template <class T_, int kHeadDim_, int kConsumerWGs_, int kBlockN_, int kStages_, bool kCausal_>
+template <class T_, int kHeadDim_, int kConsumerWGs_, int kBlockN_, int kStages_, bool kCausal_,
+          bool kPersistent_ = true>
 struct FwdConfig {
   using T = T_;
   static constexpr int kHeadDim = kHeadDim_;
@@ -66,6 +69,7 @@ struct FwdConfig {
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kStages = kStages_;
   static constexpr bool kCausal = kCausal_;
+  static constexpr bool kPersistent = kPersistent_;  // grid = min(tiles, SMs), or one CTA per tile
 
   static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "head_dim 64, 128 or 256");
   static_assert(kConsumerWGs >= 1 && kConsumerWGs <= 3, "1 to 3 consumer warpgroups");
@@ -101,8 +105,8 @@ struct FwdConfig {
   static constexpr int kOffO = kOBytes <= kStages * kKVBytes ? kOffV : kOffBar - kOBytes;
   static_assert(kOffO >= kOffK, "O must fit over the dead K/V rings");
   static_assert(kQBytes % 1024 == 0 && kKVBytes % 1024 == 0 && kOffO % 1024 == 0, "1024-byte aligned tiles");
-  // mbarriers: q_full, then per slot k_full, k_empty, v_full, v_empty.
-  static constexpr int kNumBars = 1 + 4 * kStages;
+  // mbarriers: q_full, q_empty, o_free, then per slot k_full, k_empty, v_full, v_empty.
+  static constexpr int kNumBars = 3 + 4 * kStages;
   static constexpr int kSmemBytes = kOffBar + 8 * kNumBars + 1024;  // + slack to align the base to 1024
   static_assert(kSmemBytes <= 227 * 1024, "SMEM over the sm_90 limit of 227 KB per block");
 
@@ -127,28 +131,81 @@ struct RingPos {
   }
 };
 
-// The CTA's tile and its K/V range.  Blocks are visited from the last (n_blocks - 1)
-// down to 0, so the ones that need masking (the seqlen_k tail, the causal diagonal) come
-// first: iterations it < n_masked mask, the rest do not.
+// One tile of the launch: 128 (kBlockM) query rows of one (batch, head).
+struct TileCoord {
+  int m_block, head, batch;
+};
+
+// Which tiles this CTA runs, and in which order.  Tiles are numbered query block
+// fastest, then head, then batch, so that the CTAs running at once work on few heads and
+// share their K and V through L2.
+//   kPersistent (`scheduler persistent`): grid = min(tiles, SMs); CTA c runs steps
+//     s = 0, 1, ...  Without a mask, step s is tile c + s * gridDim.x.  Causal: tiles go
+//     in pairs of a head's long and short query block (m = num_m - 1 - i, then i: the
+//     pair's blocks add up to num_m + 1), the CTA running pairs c, c + gridDim.x, ..., so
+//     that every CTA gets the same work however long each tile is.
+//   grid (`scheduler grid`): one CTA per tile, the hardware handing out tiles as SMs
+//     free up; causal puts the longest query blocks first.
+// (Functions of the launch's parameters, read from the constant bank at each call:
+// nothing of the scheduler stays in registers across a tile but the step.)
+template <class Cfg>
+__device__ __forceinline__ int num_m_blocks(const FwdParams& p) {
+  return (p.seqlen_q + Cfg::kBlockM - 1) / Cfg::kBlockM;
+}
+
+// The index of the CTA's tile at step `step`, or -1 when it has no more tiles (the host
+// keeps the tile count under 2^30, so no index here overflows).
+template <class Cfg>
+__device__ __forceinline__ int tile_index(const FwdParams& p, int step) {
+  const int ctas = gridDim.x, cta = blockIdx.x;
+  int t = cta;  // one CTA per tile (the grid has exactly one per tile): step 0 only
+  if constexpr (Cfg::kPersistent && Cfg::kCausal) {
+    t = 2 * (cta + (step / 2) * ctas) + (step & 1);
+  } else if constexpr (Cfg::kPersistent) {
+    t = cta + step * ctas;
+  } else if (step > 0) {
+    return -1;
+  }
+  return t < num_m_blocks<Cfg>(p) * p.heads_q * p.batch ? t : -1;
+}
+
+template <class Cfg>
+__device__ __forceinline__ TileCoord tile_coords(const FwdParams& p, int t) {
+  const int m = num_m_blocks<Cfg>(p);
+  const int j = t % m, bh = t / m;
+  TileCoord c;
+  if constexpr (Cfg::kCausal && Cfg::kPersistent) {
+    c.m_block = (j & 1) ? j / 2 : m - 1 - j / 2;  // num_m - 1, 0, num_m - 2, 1, ...
+  } else {
+    c.m_block = Cfg::kCausal ? m - 1 - j : j;  // causal: long rows first
+  }
+  c.head = bh % p.heads_q;
+  c.batch = bh / p.heads_q;
+  return c;
+}
+
+// A tile and its K/V range.  Blocks are visited from the last (n_blocks - 1) down to 0,
+// so the ones that need masking (the seqlen_k tail, the causal diagonal) come first:
+// iterations it < n_masked mask, the rest do not.
 struct TileWork {
   int m_block, head, batch, head_kv;
-  int m0;         // first query row of the CTA
-  int n_blocks;   // K/V blocks visited (0: the CTA writes O = 0, LSE = -inf)
+  int m0;         // first query row of the tile
+  int n_blocks;   // K/V blocks visited (0: the tile's rows see no key; store_empty_tile)
   int n_masked;   // leading iterations that need masking
 };
 
 template <class Cfg>
-__device__ __forceinline__ TileWork tile_work(const FwdParams& p) {
+__device__ __forceinline__ TileWork tile_work(const FwdParams& p, const TileCoord& c) {
   TileWork w;
-  w.m_block = Cfg::kCausal ? static_cast<int>(gridDim.x - 1 - blockIdx.x) : static_cast<int>(blockIdx.x);  // long rows first
-  w.head = blockIdx.y;
-  w.batch = blockIdx.z;
+  w.m_block = c.m_block;
+  w.head = c.head;
+  w.batch = c.batch;
   w.head_kv = w.head / (p.heads_q / p.heads_kv);
   w.m0 = w.m_block * Cfg::kBlockM;
   // Causal, aligned bottom-right: query i sees key j iff j <= i + seqlen_k - seqlen_q.
   const int diag = p.seqlen_k - p.seqlen_q;
   int kv_end = p.seqlen_k;
-  int kv_full_end = p.seqlen_k;  // keys below this need no mask for any row of the CTA
+  int kv_full_end = p.seqlen_k;  // keys below this need no mask for any row of the tile
   if constexpr (Cfg::kCausal) {
     kv_end = imin(kv_end, imax(0, w.m0 + Cfg::kBlockM + diag));
     kv_full_end = imin(kv_full_end, imax(0, w.m0 + 1 + diag));
@@ -157,6 +214,9 @@ __device__ __forceinline__ TileWork tile_work(const FwdParams& p) {
   w.n_masked = w.n_blocks - imin(w.n_blocks, kv_full_end / Cfg::kBlockN);
   return w;
 }
+
+// Phase parity of the per-tile barriers (Q's, O's) in the CTA's tile number t.
+__device__ __forceinline__ uint32_t tile_phase(int t) { return static_cast<uint32_t>(t) & 1u; }
 
 // ---------------------------------------------------------------------------
 // 3. Producer steps (one elected thread of the producer warpgroup)
@@ -375,6 +435,25 @@ __device__ __forceinline__ void store_o_tma(const FwdParamsSm90& P, uint32_t sme
   for (int panel = 0; panel < Cfg::kPanels; ++panel) {
     tma_store_4d(&P.tma_o, smem_o_wg + panel * Cfg::kBlockM * Cfg::kRowBytes, 64 * panel, w.m0 + 64 * wg, w.head,
                  w.batch);
+  }
+}
+
+// A tile whose rows see no key (causal with seqlen_q > seqlen_k): O = 0 and LSE = -inf,
+// written straight to global memory by the warpgroup's 128 threads (16 bytes a store),
+// with no SMEM and no barrier, so that the tile takes no part in the pipeline.
+template <class Cfg>
+__device__ __forceinline__ void store_empty_tile(const FwdParams& p, const TileWork& w, int wg, int thread) {
+  constexpr int kChunks = Cfg::kHeadDim * 2 / 16;  // 16-byte pieces per row
+  const int row0 = w.m0 + 64 * wg;
+  char* o = static_cast<char*>(p.o) + 2 * (w.batch * p.o_batch_stride + w.head * p.o_head_stride);
+  for (int i = thread; i < 64 * kChunks; i += 128) {
+    const int row = row0 + i / kChunks;
+    if (row < p.seqlen_q) {
+      reinterpret_cast<uint4*>(o + 2 * row * p.o_seq_stride)[i % kChunks] = make_uint4(0u, 0u, 0u, 0u);
+    }
+  }
+  if (p.lse != nullptr && thread < 64 && row0 + thread < p.seqlen_q) {
+    p.lse[w.batch * p.lse_batch_stride + w.head * p.lse_head_stride + row0 + thread] = -INFINITY;
   }
 }
 

@@ -275,9 +275,9 @@ def explain_sections(data: Mapping[str, Any]) -> list[str]:
         ),
         "  scheduler  "
         + (
-            "persistent: one CTA per SM (at most one per tile), each running tiles in turn, "
-            "longest first; the producer loads the next tile's Q and K during this one's "
-            "epilogue"
+            "persistent: one CTA per SM (at most one per tile), each running tiles in turn "
+            "(causal: a long and a short query block in pairs); the producer loads the next "
+            "tile's Q and K during this one's epilogue"
             if ws["scheduler"] == "persistent"
             else "grid: one CTA per tile"
         ),

@@ -59,7 +59,8 @@ struct FwdParamsSm90 {
 // 2. Configuration
 // ---------------------------------------------------------------------------
 
-template <class T_, int kHeadDim_, int kConsumerWGs_, int kBlockN_, int kStages_, bool kCausal_>
+template <class T_, int kHeadDim_, int kConsumerWGs_, int kBlockN_, int kStages_, bool kCausal_,
+          bool kPersistent_ = true>
 struct FwdConfig {
   using T = T_;
   static constexpr int kHeadDim = kHeadDim_;
@@ -68,6 +69,7 @@ struct FwdConfig {
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kStages = kStages_;
   static constexpr bool kCausal = kCausal_;
+  static constexpr bool kPersistent = kPersistent_;  // grid = min(tiles, SMs), or one CTA per tile
 
   static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "head_dim 64, 128 or 256");
   static_assert(kConsumerWGs >= 1 && kConsumerWGs <= 3, "1 to 3 consumer warpgroups");
@@ -134,50 +136,53 @@ struct TileCoord {
   int m_block, head, batch;
 };
 
-// Which tiles this CTA runs, and in which order.  The launch has grid = min(tiles,
-// SMs) CTAs (`scheduler persistent`) or one CTA per tile (`scheduler grid`); tile
-// indices are dealt out in rounds of gridDim.x, in CTA order on even rounds and in
-// reverse order on odd ones, so that causal's long-first tiles even out between CTAs.
-// Index -> tile: the (batch, head) pairs go in groups whose K and V fit kL2Budget
-// together, so that the CTAs running at once share K/V through L2; within a group the
-// query blocks go round the group's heads, the longest first (causal: the last block).
+// Which tiles this CTA runs, and in which order.  Tiles are numbered query block
+// fastest, then head, then batch, so that the CTAs running at once work on few heads and
+// share their K and V through L2.
+//   kPersistent (`scheduler persistent`): grid = min(tiles, SMs); CTA c runs steps
+//     s = 0, 1, ...  Without a mask, step s is tile c + s * gridDim.x.  Causal: tiles go
+//     in pairs of a head's long and short query block (m = num_m - 1 - i, then i: the
+//     pair's blocks add up to num_m + 1), the CTA running pairs c, c + gridDim.x, ..., so
+//     that every CTA gets the same work however long each tile is.
+//   grid (`scheduler grid`): one CTA per tile, the hardware handing out tiles as SMs
+//     free up; causal puts the longest query blocks first.
+// (Functions of the launch's parameters, read from the constant bank at each call:
+// nothing of the scheduler stays in registers across a tile but the step.)
 template <class Cfg>
-struct TileScheduler {
-  static constexpr long long kL2Budget = 32ll << 20;  // bytes of K + V kept hot in L2 (of 50 MB)
-  int num_m, num_bh, num_tiles, group, heads_q;
+__device__ __forceinline__ int num_m_blocks(const FwdParams& p) {
+  return (p.seqlen_q + Cfg::kBlockM - 1) / Cfg::kBlockM;
+}
 
-  __device__ explicit TileScheduler(const FwdParams& p) {
-    heads_q = p.heads_q;
-    num_m = (p.seqlen_q + Cfg::kBlockM - 1) / Cfg::kBlockM;
-    num_bh = p.heads_q * p.batch;
-    num_tiles = num_m * num_bh;
-    // K and V bytes per query head (GQA: query heads share a KV head's bytes).
-    const long long kv_bytes = 2ll * p.seqlen_k * Cfg::kHeadDim * sizeof(typename Cfg::T) * p.heads_kv / p.heads_q;
-    group = static_cast<int>(kL2Budget / (kv_bytes > 0 ? kv_bytes : 1));
-    group = imax(1, imin(group, num_bh));
+// The index of the CTA's tile at step `step`, or -1 when it has no more tiles (the host
+// keeps the tile count under 2^30, so no index here overflows).
+template <class Cfg>
+__device__ __forceinline__ int tile_index(const FwdParams& p, int step) {
+  const int ctas = gridDim.x, cta = blockIdx.x;
+  int t = cta;  // one CTA per tile (the grid has exactly one per tile): step 0 only
+  if constexpr (Cfg::kPersistent && Cfg::kCausal) {
+    t = 2 * (cta + (step / 2) * ctas) + (step & 1);
+  } else if constexpr (Cfg::kPersistent) {
+    t = cta + step * ctas;
+  } else if (step > 0) {
+    return -1;
   }
+  return t < num_m_blocks<Cfg>(p) * p.heads_q * p.batch ? t : -1;
+}
 
-  // The index of the CTA's tile in round `round`, or -1 when it has no more tiles.
-  __device__ __forceinline__ int index(int round) const {
-    const int ctas = gridDim.x, cta = blockIdx.x;
-    const long long t = static_cast<long long>(round) * ctas + ((round & 1) ? ctas - 1 - cta : cta);
-    return t < num_tiles ? static_cast<int>(t) : -1;
+template <class Cfg>
+__device__ __forceinline__ TileCoord tile_coords(const FwdParams& p, int t) {
+  const int m = num_m_blocks<Cfg>(p);
+  const int j = t % m, bh = t / m;
+  TileCoord c;
+  if constexpr (Cfg::kCausal && Cfg::kPersistent) {
+    c.m_block = (j & 1) ? j / 2 : m - 1 - j / 2;  // num_m - 1, 0, num_m - 2, 1, ...
+  } else {
+    c.m_block = Cfg::kCausal ? m - 1 - j : j;  // causal: long rows first
   }
-
-  __device__ __forceinline__ TileCoord coords(int t) const {
-    const int per_group = group * num_m;
-    const int first_bh = (t / per_group) * group;
-    const int heads_here = imin(group, num_bh - first_bh);  // the last group may be short
-    const int r = t - first_bh * num_m;
-    const int m_rank = r / heads_here;
-    const int bh = first_bh + r % heads_here;
-    TileCoord c;
-    c.m_block = Cfg::kCausal ? num_m - 1 - m_rank : m_rank;  // causal: long rows first
-    c.batch = bh / heads_q;
-    c.head = bh % heads_q;
-    return c;
-  }
-};
+  c.head = bh % p.heads_q;
+  c.batch = bh / p.heads_q;
+  return c;
+}
 
 // A tile and its K/V range.  Blocks are visited from the last (n_blocks - 1) down to 0,
 // so the ones that need masking (the seqlen_k tail, the causal diagonal) come first:
