@@ -12,7 +12,9 @@ It shares no logic with the pass that places the syncs. Three parts:
    contribution -> phase completion -> the waits that saw it. The matching of step 1 is the
    same in every execution, and no execution hangs, when
    - every contribution to phase k of a barrier happens after phase k - 1 completed (else it
-     could be counted in an earlier phase), and
+     could be counted in an earlier phase; an arrival of the same agent, threads and barrier
+     that came after the arrival completing phase k - 1 does: the phase flips within that
+     atomic arrive), and
    - a wait that saw phase k starts after phase k - 1 completed (else its parity already
      holds and it returns at once: the wrong-parity bug) and happens before phase k + 1
      completes (else the barrier is two phases on, the parity matches again and the wait
@@ -92,6 +94,8 @@ class _Run:
     clock: dict[object, int] = field(default_factory=dict)  # node -> time it happened
     joined: dict[Point, Completion] = field(default_factory=dict)  # contribution -> its phase
     saw: dict[Point, Completion | None] = field(default_factory=dict)  # wait -> phase it saw
+    # an arrival that completed its phase (the phase flips within that atomic arrive)
+    completed_by: dict[Point, Completion] = field(default_factory=dict)
     completed: set[Completion] = field(default_factory=set)
     problems: list[str] = field(default_factory=list)
 
@@ -143,6 +147,8 @@ def _execute(program: Program, patient: bool = False) -> _Run:
                 bar.tx += tx
                 bar.pending -= count
                 complete_if_done(name)
+                if mbars[name].phase > run.joined[here][2]:
+                    run.completed_by[here] = run.joined[here]
             case ExpectTx(barrier=name, nbytes=nbytes):
                 tick(here)
                 run.joined[here] = ("mbar", name, mbars[name].phase)
@@ -342,6 +348,8 @@ def _robustness(program: Program, run: _Run, order: _Order) -> list[str]:
     for (a, i), node in run.joined.items():
         prev = completion(node, node[2] - 1)
         if node[2] > 0 and prev is not None and not order.before(prev, (a, i)):
+            if _after_own_completion(program, run, (a, i), prev):
+                continue
             problems.append(
                 f"{where(agents[a], i)} may count towards phase {node[2] - 1} of "
                 f"{node[1]} instead of phase {node[2]}: nothing orders it after that phase "
@@ -372,6 +380,19 @@ def _robustness(program: Program, run: _Run, order: _Order) -> list[str]:
                 f"{event.parity} means phase {k + 2}"
             )
     return problems
+
+
+def _after_own_completion(program: Program, run: _Run, point: Point, prev: Completion) -> bool:
+    """``point`` is an arrival made after (in program order) an arrival of the same agent on
+    the same barrier, with the same count (the same threads), that completed phase ``prev``."""
+    a, i = point
+    event = program.agents[a].events[i]
+    return isinstance(event, Arrive) and any(
+        (a, j) in run.completed_by
+        and run.completed_by[(a, j)] == prev
+        and program.agents[a].events[j].count == event.count
+        for j in range(i)
+    )
 
 
 def _transactions(program: Program, run: _Run) -> list[str]:

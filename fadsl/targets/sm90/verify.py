@@ -29,7 +29,25 @@ What the generated code does, as this module reads it:
 - ``consumer_warp_lane0`` arrivals are one per consumer warp (4 per warpgroup),
   ``consumer_elected`` and ``producer_thread`` ones a single arrival.
 
-TILE_SEQUENCES_DOC
+The tile sequences (``tile_sequences``; S = stages), and why they cover a CTA's tile loop.
+What the plan does at tile t depends on the tile's shape (no mainloop, one iteration, more;
+n = 1 .. S + 2 also wraps its ring once inside the tile), on where its ring items start
+(base_t mod 2S: the slot and the phase parity), on t & 1 (the per-tile barriers' parity),
+and on the tiles before it that its roles can still overlap with:
+- every single tile of 1 .. S + 2 blocks: each shape alone (the one-tile proof of old);
+- every pair: a first tile of 1 .. max(S + 2, 2S) blocks, so the second starts at every
+  slot and phase of the ring, times every shape of the second: each boundary between two
+  tiles, the second tile's per-tile waits on a barrier that is no longer fresh (parity
+  TILE / TILE_FLIP against ZERO, Q and O freed for the next tile, the producer running into
+  the next tile while the consumers finish this one, the last ring slot released);
+- triples whose middle tile is short (1 .. max(1, S - 1) blocks) and whose last has 1 .. S:
+  a ring slot of the third tile last held a block of the first (the ring reaches across
+  two boundaries), the producer two tiles ahead of a consumer if any barrier lets it be, and
+  the per-tile barriers' third phase (t = 2, the same parity as t = 0 but no longer fresh).
+A longer tile, or a later one, repeats one of these states: a ring item's barrier state
+depends only on its slot and phase, every wgmma and bulk group is retired and every named
+barrier generation completed by the end of each tile, and the per-tile barriers cycle with
+period 2.
 """
 
 from __future__ import annotations
@@ -92,19 +110,26 @@ def block_counts(kernel: Kernel) -> range:
     return range(1, hopper.stages + 3)
 
 
-MAX_TILES = 3
-
-
 def tile_sequences(kernel: Kernel) -> tuple[tuple[int, ...], ...]:
-    """Every sequence of 1 .. MAX_TILES non-empty tiles with counts in ``block_counts``,
-    shortest (and smallest) first, so the first failure is the smallest."""
-    counts = block_counts(kernel)
-    sequences = [(n,) for n in counts]
-    for _ in range(MAX_TILES - 1):
-        sequences += [
-            seq + (n,) for seq in sequences if len(seq) == len(sequences[-1]) for n in counts
-        ]
-    return tuple(sorted(sequences, key=lambda seq: (len(seq), sum(seq), seq)))
+    """The sequences of non-empty tiles (K/V blocks of each) the plan is proven for, shortest
+    and smallest first, so that the first failure is the smallest; see the module docstring
+    for why these cover the tile loop."""
+    stages = kernel.config.hopper.stages
+    shapes = block_counts(kernel)  # 1 .. S + 2
+    singles = [(n,) for n in shapes]
+    pairs = [(a, b) for a in range(1, max(stages + 2, 2 * stages) + 1) for b in shapes]
+    triples = [
+        (a, b, c)
+        for a in shapes
+        for b in range(1, max(1, stages - 1) + 1)
+        for c in range(1, stages + 1)
+    ]
+    return tuple(sorted(singles + pairs + triples, key=lambda seq: (len(seq), sum(seq), seq)))
+
+
+def max_tiles(kernel: Kernel) -> int:
+    """The longest sequence of tiles the plan is proven for."""
+    return max(len(tiles) for tiles in tile_sequences(kernel))
 
 
 def describe_tiles(tiles: tuple[int, ...]) -> str:
@@ -364,10 +389,6 @@ class _Agent:
                 return phase
             case Parity.PHASE_FLIP:
                 return phase ^ 1
-            case Parity.TILE:  # the CTA's first tile (multi-tile programs: to come)
-                return 0
-            case Parity.TILE_FLIP:
-                return 1
             case _:
                 raise AssertionError(f"a ring barrier's wait needs a ring parity: {sync.parity}")
 
