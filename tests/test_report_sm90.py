@@ -94,7 +94,8 @@ def test_explain_shows_roles_rings_and_barriers(capsys, monkeypatch):
         "  o_store    ids 2..3  128 threads",
         "  ring_dead  id 1      256 threads",
         "Verified: fadsl/targets/sm90/verify.py proves this plan (every hazard ordered, no wait "
-        "left hanging) over the async model for 1..4 K/V blocks (up to stages + 2)",
+        "left hanging) over the async model for a CTA running 1-3 tiles in turn, each of 1..4 "
+        "K/V blocks (up to stages + 2; empty tiles touch no SMEM)",
         "  producer program (warpgroup 0; TMA loads by its elected thread)",
         "  consumer program (each consumer warpgroup, on its 64 query rows)",
     ]:
@@ -116,6 +117,7 @@ def test_explain_json_splits_the_schedule_by_role(capsys, monkeypatch):
     assert bars["k_empty"]["arrivals"] == 8 and bars["k_full"]["tx_bytes"] == 32768
     assert bars["q_full"]["parity"] == ["0"]
     assert data["verified"]["block_counts"] == [1, 4]
+    assert data["verified"]["tiles"] == [1, 3]
     # every item of the phase-ordered schedule sits in exactly one role's program
     everything = [i for p in data["schedule"] for i in p["items"]]
     per_role = [i for prog in data["programs"] for p in prog["phases"] for i in p["items"]]
@@ -148,6 +150,7 @@ def test_rings_and_verified_counts_follow_stages(stages):
 def test_one_consumer_causal_without_pingpong(capsys, monkeypatch):
     out = run(capsys, monkeypatch, "explain", ONE_WG)
     assert "  consumers  warpgroup 1, setmaxnreg.inc to 256 registers" in out
-    assert "for 0..5 K/V blocks" in out  # causal: a Q block above every key runs none
+    # causal: a Q block above every key is an empty tile, which touches no SMEM
+    assert "1-3 tiles in turn, each of 1..5 K/V blocks" in out
     assert "bar=turn" not in out and "  turn " not in out and "pingpong   off" in out
     assert "  o_store    id 2      128 threads" in out

@@ -12,7 +12,9 @@ It shares no logic with the pass that places the syncs. Three parts:
    contribution -> phase completion -> the waits that saw it. The matching of step 1 is the
    same in every execution, and no execution hangs, when
    - every contribution to phase k of a barrier happens after phase k - 1 completed (else it
-     could be counted in an earlier phase), and
+     could be counted in an earlier phase; an arrival of the same agent, threads and barrier
+     that came after the arrival completing phase k - 1 does: the phase flips within that
+     atomic arrive), and
    - a wait that saw phase k starts after phase k - 1 completed (else its parity already
      holds and it returns at once: the wrong-parity bug) and happens before phase k + 1
      completes (else the barrier is two phases on, the parity matches again and the wait
@@ -92,11 +94,13 @@ class _Run:
     clock: dict[object, int] = field(default_factory=dict)  # node -> time it happened
     joined: dict[Point, Completion] = field(default_factory=dict)  # contribution -> its phase
     saw: dict[Point, Completion | None] = field(default_factory=dict)  # wait -> phase it saw
+    # an arrival that completed its phase (the phase flips within that atomic arrive)
+    completed_by: dict[Point, Completion] = field(default_factory=dict)
     completed: set[Completion] = field(default_factory=set)
     problems: list[str] = field(default_factory=list)
 
 
-def _execute(program: Program) -> _Run:
+def _execute(program: Program, patient: bool = False) -> _Run:
     agents = program.agents
     mbars = {name: _MBarrier(count) for name, count in program.mbarriers}
     named: dict[int, _Named] = {}
@@ -143,6 +147,8 @@ def _execute(program: Program) -> _Run:
                 bar.tx += tx
                 bar.pending -= count
                 complete_if_done(name)
+                if mbars[name].phase > run.joined[here][2]:
+                    run.completed_by[here] = run.joined[here]
             case ExpectTx(barrier=name, nbytes=nbytes):
                 tick(here)
                 run.joined[here] = ("mbar", name, mbars[name].phase)
@@ -190,6 +196,9 @@ def _execute(program: Program) -> _Run:
         pcs[a] += 1
         return True
 
+    if patient:  # one event at a time, the last agent that can move first
+        while any(pcs[a] < len(agents[a].events) and step(a) for a in reversed(range(len(agents)))):
+            pass
     while True:
         moved = False
         for a, agent in enumerate(agents):
@@ -339,6 +348,8 @@ def _robustness(program: Program, run: _Run, order: _Order) -> list[str]:
     for (a, i), node in run.joined.items():
         prev = completion(node, node[2] - 1)
         if node[2] > 0 and prev is not None and not order.before(prev, (a, i)):
+            if _after_own_completion(program, run, (a, i), prev):
+                continue
             problems.append(
                 f"{where(agents[a], i)} may count towards phase {node[2] - 1} of "
                 f"{node[1]} instead of phase {node[2]}: nothing orders it after that phase "
@@ -371,6 +382,19 @@ def _robustness(program: Program, run: _Run, order: _Order) -> list[str]:
     return problems
 
 
+def _after_own_completion(program: Program, run: _Run, point: Point, prev: Completion) -> bool:
+    """``point`` is an arrival made after (in program order) an arrival of the same agent on
+    the same barrier, with the same count (the same threads), that completed phase ``prev``."""
+    a, i = point
+    event = program.agents[a].events[i]
+    return isinstance(event, Arrive) and any(
+        (a, j) in run.completed_by
+        and run.completed_by[(a, j)] == prev
+        and program.agents[a].events[j].count == event.count
+        for j in range(i)
+    )
+
+
 def _transactions(program: Program, run: _Run) -> list[str]:
     """Each phase must expect exactly the bytes its TMA copies land: fewer lets it complete
     before the data is there, more makes it hang."""
@@ -392,37 +416,60 @@ def _transactions(program: Program, run: _Run) -> list[str]:
 
 def _hazards(program: Program, ops: list[_Op], order: _Order, clock: dict) -> list[str]:
     agents = program.agents
-    problems = []
+    found: list[tuple[int, int, list[str]]] = []
     fences = _indices(program, FenceProxyAsync)
-    for n, x in enumerate(ops):
-        for y in ops[n + 1 :]:
-            if not (x.write or y.write) or not x.span.overlaps(y.span):
-                continue
-            same = x.agent == y.agent
-            if same and (x.index == y.index or (x.is_wgmma and y.is_wgmma)):
-                continue  # one event's own accesses; the tensor core runs wgmma in order
-            if same and x.generic and y.generic:
-                first, second = (x, y) if x.index < y.index else (y, x)  # program order
-            else:
-                first, second = _ordered(x, y, order)
-            if first is None or second is None:
-                a, b = (y, x) if clock[y.start] < clock[x.start] else (x, y)  # as they ran
-                kind = "WAW" if a.write and b.write else ("RAW" if a.write else "WAR")
-                problems.append(
-                    f"{kind} on {a.span.name}: {where(agents[a.agent], a.index)} and "
-                    f"{where(agents[b.agent], b.index)} are not ordered"
+    barriers = _indices(program, BarSync)
+    for n, m in _overlapping_pairs(ops):
+        x, y = ops[n], ops[m]
+        same = x.agent == y.agent
+        if same and (x.index == y.index or (x.is_wgmma and y.is_wgmma)):
+            continue  # one event's own accesses; the tensor core runs wgmma in order
+        if same and x.generic and y.generic:
+            first, second = (x, y) if x.index < y.index else (y, x)  # program order
+        else:
+            first, second = _ordered(x, y, order)
+        if first is None or second is None:
+            a, b = (y, x) if clock[y.start] < clock[x.start] else (x, y)  # as they ran
+            kind = "WAW" if a.write and b.write else ("RAW" if a.write else "WAR")
+            found.append(
+                (
+                    n,
+                    m,
+                    [
+                        f"{kind} on {a.span.name}: {where(agents[a.agent], a.index)} and "
+                        f"{where(agents[b.agent], b.index)} are not ordered"
+                    ],
                 )
-            elif same and agents[x.agent].threads > 1 and x.span.space == "smem":
-                problems += _across_threads(program, first, second)
-            elif (
-                first.generic and first.write and not second.generic and second.span.space == "smem"
+            )
+        elif same and agents[x.agent].threads > 1 and x.span.space == "smem":
+            found.append((n, m, _across_threads(program, first, second, fences, barriers)))
+        elif first.generic and first.write and not second.generic and second.span.space == "smem":
+            if not any(
+                f > first.index and order.before((first.agent, f), second.start)
+                for f in fences[first.agent]
             ):
-                if not any(
-                    f > first.index and order.before((first.agent, f), second.start)
-                    for f in fences[first.agent]
-                ):
-                    problems.append(_unfenced(program, first, second))
-    return problems
+                found.append((n, m, [_unfenced(program, first, second)]))
+    return [problem for _, _, some in sorted(found, key=lambda f: f[:2]) for problem in some]
+
+
+def _overlapping_pairs(ops: list[_Op]) -> list[tuple[int, int]]:
+    """(n, m), n < m, for every two ops on overlapping bytes, at least one a write: ops are
+    grouped by span, so only groups that overlap are compared."""
+    groups: dict[tuple[str, int, int], list[int]] = {}
+    for n, op in enumerate(ops):
+        groups.setdefault((op.span.space, op.span.lo, op.span.hi), []).append(n)
+    keys = list(groups)
+    pairs = []
+    for i, (space, lo, hi) in enumerate(keys):
+        for other in keys[i:]:
+            if other[0] != space or not (lo < other[2] and other[1] < hi):
+                continue
+            mine, theirs = groups[(space, lo, hi)], groups[other]
+            for n in mine:
+                for m in theirs:
+                    if (n < m or (other != keys[i] and m < n)) and (ops[n].write or ops[m].write):
+                        pairs.append((n, m) if n < m else (m, n))
+    return pairs
 
 
 def _indices(program: Program, kind: type) -> dict[int, list[int]]:
@@ -432,7 +479,13 @@ def _indices(program: Program, kind: type) -> dict[int, list[int]]:
     }
 
 
-def _across_threads(program: Program, first: _Op, second: _Op) -> list[str]:
+def _across_threads(
+    program: Program,
+    first: _Op,
+    second: _Op,
+    fences: dict[int, list[int]],
+    barriers: dict[int, list[int]],
+) -> list[str]:
     """Two accesses of one many-threaded agent to the same SMEM bytes: different threads make
     them (a thread's share of a tile, an elected thread's TMA), so a bar.sync of the agent must
     come between; a generic write that an async operation reads also needs the writers'
@@ -444,16 +497,15 @@ def _across_threads(program: Program, first: _Op, second: _Op) -> list[str]:
             return []
     agent = program.agents[first.agent]
     done = first.index if first.generic else first.end[1]
-    barriers = [b for b in _indices(program, BarSync)[first.agent] if done < b < second.index]
-    if not barriers:
+    between = [b for b in barriers[first.agent] if done < b < second.index]
+    if not between:
         return [
             f"{where(agent, first.index)} and {where(agent, second.index)} touch "
             f"{first.span.name} from different threads of {agent.name} with no bar.sync of "
             f"{agent.name} in between"
         ]
     if first.generic and first.write and not second.generic:
-        fences = _indices(program, FenceProxyAsync)[first.agent]
-        if not any(first.index < f < max(barriers) for f in fences):
+        if not any(first.index < f < max(between) for f in fences[first.agent]):
             return [_unfenced(program, first, second) + " before its bar.sync"]
     return []
 
@@ -488,8 +540,21 @@ def check(program: Program) -> tuple[str, ...]:
     if unknown:
         return tuple(unknown)
     run = _execute(program)
-    if run.problems:
+    if not run.problems:
+        return _proof_problems(program, run)
+    # A hang in the eager run (the first agent runs as far as it can): a producer that ran
+    # ahead often hangs a consumer whose real problem is an unordered hazard or a wait that
+    # returns early. A patient run (the consumers, listed last, first) may finish; then its
+    # problems name the cause, and some there must be, since that run would otherwise prove
+    # the plan, hangs included.
+    patient = _execute(program, patient=True)
+    if patient.problems:
         return tuple(run.problems)
+    return tuple(dict.fromkeys(list(_proof_problems(program, patient)) + run.problems))
+
+
+def _proof_problems(program: Program, run: _Run) -> tuple[str, ...]:
+    """Steps 2 and 3 over a run that finished."""
     order = _Order(program, run)
     ops, problems = _ops(program, run)
     problems += _robustness(program, run, order)

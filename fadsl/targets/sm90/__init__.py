@@ -6,7 +6,8 @@ S = Q K^T and O += P V as wgmma with the softmax between, optionally in ping-pon
 (named-barrier turns) and with S(j+1) overlapping softmax(j); O goes through SMEM over
 the dead V ring to a TMA store. The sync pass (insert_syncs) places every mbarrier,
 wgmma wait, named barrier and fence; verify, written apart from it, proves the plan
-over the async model (fadsl/passes/async_model.py) for every block count up to stages + 2.
+over the async model (fadsl/passes/async_model.py) for a CTA's tile loop (tile sequences of
+1-3 tiles, 1 .. stages + 2 blocks each).
 """
 
 from __future__ import annotations

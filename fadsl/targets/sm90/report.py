@@ -24,7 +24,7 @@ from .caps import (
 )
 from .insert_syncs import role_of
 from .plan_smem import mbarrier_count, mbarrier_offset
-from .verify import block_counts
+from .verify import block_counts, max_tiles
 
 WARPGROUP_THREADS = 128
 VERIFIER = "fadsl/targets/sm90/verify.py"
@@ -236,6 +236,7 @@ def explain_data(kernel: Kernel) -> dict[str, Any]:
         "verified": {
             "by": VERIFIER,
             "block_counts": [counts.start, counts.stop - 1],
+            "tiles": [1, max_tiles(kernel)],
         },
         "programs": _programs(kernel),
     }
@@ -315,11 +316,13 @@ def explain_sections(data: Mapping[str, Any]) -> list[str]:
         out.append(f"  {bar['barrier']:<10} {id_text:<9} {bar['threads']} threads")
         out.extend(f"             {use}" for use in bar["uses"])
     counts = data["verified"]["block_counts"]
+    tiles = data["verified"]["tiles"]
     out += [
         "",
         f"Verified: {data['verified']['by']} proves this plan (every hazard ordered, no wait "
-        f"left hanging) over the async model for {counts[0]}..{counts[1]} K/V blocks "
-        "(up to stages + 2)",
+        f"left hanging) over the async model for a CTA running {tiles[0]}-{tiles[1]} tiles in "
+        f"turn, each of {counts[0]}..{counts[1]} K/V blocks (up to stages + 2; empty tiles "
+        "touch no SMEM)",
         "",
     ]
     return out

@@ -1,26 +1,53 @@
 """verify for sm_90a: an independent proof that the sync plan of a warp-specialised kernel
-orders every SMEM and register hazard, and never hangs.
+orders every SMEM and register hazard, and never hangs, over a CTA's whole tile loop.
 
 It reads the kernel as the generated code runs it, and shares no decision with
-insert_syncs. For n = 1 .. stages + 2 K/V blocks (and n = 0 when the loop may be empty:
-a causal Q block above every key), each role's items are unrolled (prologue at it = 0,
-the mainloop at it = 1 .. n - 1, the epilogue at it = n) into the agents of
-``fadsl.passes.async_model``: the producer's elected thread, and one agent per consumer
-warpgroup. ``verify_async`` then proves the plan for that program (mbarrier phases and
-parities, transaction bytes, named-barrier generations, wgmma and bulk groups, proxy
+insert_syncs. A CTA runs a sequence of tiles (persistent: many per CTA; grid: one, the same
+loop). For each tile sequence of ``tile_sequences`` each role's items are unrolled, tile after
+tile (prologue at it = 0, the mainloop at it = 1 .. n - 1, the epilogue at it = n), into the
+agents of ``fadsl.passes.async_model``: the producer's elected thread, and one agent per
+consumer warpgroup. ``verify_async`` then proves the plan for that program (mbarrier phases
+and parities, transaction bytes, named-barrier generations, wgmma and bulk groups, proxy
 fences). Two rules live here because they concern instructions the program model leaves
 out: every mbarrier is initialised (then ``fence.mbarrier_init`` and a CTA barrier)
 before use, and a wgmma reads no register that ordinary code wrote since the warpgroup's
 last ``wgmma.fence``.
 
 What the generated code does, as this module reads it:
+- the setup (mbarrier inits, their fence, ``__syncthreads``) and setmaxnreg run once per CTA
+  or role, before the tiles; every other item runs once per tile (the consumers' init and
+  the whole tail included);
+- a tile of no K/V block touches no SMEM and no barrier in any role, so the non-empty tiles
+  alone make the program; they are numbered t = 0, 1, ... in the order the CTA runs them;
+- the ring items go on across tiles: a ring item or sync at iteration it of tile t works on
+  item base_t + it + lag, base_t being the K/V blocks of the earlier tiles; item i sits in
+  slot i % stages and ``ir.Parity`` reads PHASE as (i // stages) & 1, PHASE_FLIP as its
+  complement; a barrier of no ring is a ring of one slot whose items are the tiles: TILE is
+  t & 1, TILE_FLIP its complement, and ZERO is 0 in every tile;
 - a TMA load of tensor X completes on the mbarrier ``x_full`` of its ring item;
-- ring item i sits in slot i % stages; its parity rule is ``ir.Parity``: PHASE is
-  (i // stages) & 1, PHASE_FLIP its complement, ZERO is 0;
 - per-warpgroup named barriers have id ``bar_id + (wg + peer) % W``;
-- with no K/V block the producer issues nothing, and the consumers skip everything
-  between their register setup (setmaxnreg, init) and the epilogue's ``normalize``;
-- ``consumer_warp_lane0`` arrivals are one per consumer warp (4 per warpgroup).
+- ``consumer_warp_lane0`` arrivals are one per consumer warp (4 per warpgroup),
+  ``consumer_elected`` and ``producer_thread`` ones a single arrival.
+
+The tile sequences (``tile_sequences``; S = stages), and why they cover a CTA's tile loop.
+What the plan does at tile t depends on the tile's shape (no mainloop, one iteration, more;
+n = 1 .. S + 2 also wraps its ring once inside the tile), on where its ring items start
+(base_t mod 2S: the slot and the phase parity), on t & 1 (the per-tile barriers' parity),
+and on the tiles before it that its roles can still overlap with:
+- every single tile of 1 .. S + 2 blocks: each shape alone (the one-tile proof of old);
+- every pair: a first tile of 1 .. max(S + 2, 2S) blocks, so the second starts at every
+  slot and phase of the ring, times every shape of the second: each boundary between two
+  tiles, the second tile's per-tile waits on a barrier that is no longer fresh (parity
+  TILE / TILE_FLIP against ZERO, Q and O freed for the next tile, the producer running into
+  the next tile while the consumers finish this one, the last ring slot released);
+- triples whose middle tile is short (1 .. max(1, S - 1) blocks) and whose last has 1 .. S:
+  a ring slot of the third tile last held a block of the first (the ring reaches across
+  two boundaries), the producer two tiles ahead of a consumer if any barrier lets it be, and
+  the per-tile barriers' third phase (t = 2, the same parity as t = 0 but no longer fresh).
+A longer tile, or a later one, repeats one of these states: a ring item's barrier state
+depends only on its slot and phase, every wgmma and bulk group is retired and every named
+barrier generation completed by the end of each tile, and the per-tile barriers cycle with
+period 2.
 """
 
 from __future__ import annotations
@@ -76,27 +103,61 @@ _REG_INDEX = {"S": 0, "P": 1, "O": 2}
 
 
 def block_counts(kernel: Kernel) -> range:
-    """The K/V block counts the plan is proven for: 1 .. stages + 2, and 0 when the loop
-    may be empty (causal)."""
+    """The K/V block counts of each tile the plan is proven for: 1 .. stages + 2 (an empty
+    tile runs nothing the proof could see)."""
     hopper = kernel.config.hopper
     assert hopper is not None, "the sm_90a verify needs an sm_90a kernel"
-    return range(0 if kernel.config.mask is Mask.CAUSAL else 1, hopper.stages + 3)
+    return range(1, hopper.stages + 3)
+
+
+def tile_sequences(kernel: Kernel) -> tuple[tuple[int, ...], ...]:
+    """The sequences of non-empty tiles (K/V blocks of each) the plan is proven for, shortest
+    and smallest first, so that the first failure is the smallest; see the module docstring
+    for why these cover the tile loop."""
+    stages = kernel.config.hopper.stages
+    shapes = block_counts(kernel)  # 1 .. S + 2
+    singles = [(n,) for n in shapes]
+    pairs = [(a, b) for a in range(1, max(stages + 2, 2 * stages) + 1) for b in shapes]
+    triples = [
+        (a, b, c)
+        for a in shapes
+        for b in range(1, max(1, stages - 1) + 1)
+        for c in range(1, stages + 1)
+    ]
+    return tuple(sorted(singles + pairs + triples, key=lambda seq: (len(seq), sum(seq), seq)))
+
+
+def max_tiles(kernel: Kernel) -> int:
+    """The longest sequence of tiles the plan is proven for."""
+    return max(len(tiles) for tiles in tile_sequences(kernel))
+
+
+def describe_tiles(tiles: tuple[int, ...]) -> str:
+    """'tiles of 2, 1 K/V blocks' (the non-empty ones) for messages."""
+    shown = [n for n in tiles if n > 0]
+    if len(shown) == 1:
+        return f"one tile of {shown[0]} K/V block{'s' if shown[0] != 1 else ''}"
+    return f"tiles of {', '.join(map(str, shown))} K/V blocks"
 
 
 def verify(kernel: Kernel, target=None) -> Kernel:
-    """Return ``kernel`` if its sync plan is proven for every block count, else raise."""
+    """Return ``kernel`` if its sync plan is proven for every tile sequence, else raise."""
     hopper = kernel.config.hopper
     assert hopper is not None, "the sm_90a verify needs an sm_90a kernel"
     problems = list(_setup_problems(kernel))
-    for n in block_counts(kernel):
-        marked = build_program(kernel, n, fences=True)
-        found = list(check(_without_fences(marked))) + _wgmma_fence_problems(marked)
-        problems += [f"with {n} K/V block(s): {p}" for p in found]
-        if problems:
-            break  # the smallest failing count says enough
     if problems:
         raise AsyncVerifyError(tuple(problems))
+    for tiles in tile_sequences(kernel):
+        found = problems_of(kernel, tiles)
+        if found:  # the smallest failing sequence says enough
+            raise AsyncVerifyError(tuple(f"with {describe_tiles(tiles)}: {p}" for p in found))
     return kernel
+
+
+def problems_of(kernel: Kernel, tiles: tuple[int, ...]) -> list[str]:
+    """Every problem of the plan for one sequence of tiles (empty when it is proven)."""
+    marked = build_program(kernel, tiles, fences=True)
+    return list(check(_without_fences(marked))) + _wgmma_fence_problems(marked)
 
 
 def _setup_problems(kernel: Kernel) -> list[str]:
@@ -118,11 +179,14 @@ def _setup_problems(kernel: Kernel) -> list[str]:
 _MBARRIER_USES = (caps.MBAR_WAIT, caps.MBAR_ARRIVE, caps.MBAR_EXPECT_TX)
 
 
-def build_program(kernel: Kernel, blocks: int, fences: bool = False) -> Program:
-    """The kernel's roles as agents, for ``blocks`` K/V blocks (with ``fences``, also the
-    wgmma.fence markers, which are not async_model events)."""
+def build_program(kernel: Kernel, tiles: int | tuple[int, ...], fences: bool = False) -> Program:
+    """The kernel's roles as agents, for a CTA running tiles of ``tiles`` K/V blocks in turn
+    (an int: one tile); with ``fences``, also the wgmma.fence markers, which are not
+    async_model events."""
     hopper = kernel.config.hopper
     assert hopper is not None
+    tiles = (tiles,) if isinstance(tiles, int) else tuple(tiles)
+    assert all(n >= 0 for n in tiles), tiles
     consumers = hopper.consumers
     rings = {s.barrier for s in kernel.syncs() if s.lag is not None}
     counts: list[tuple[str, int]] = []
@@ -136,7 +200,7 @@ def build_program(kernel: Kernel, blocks: int, fences: bool = False) -> Program:
             counts += [(name, sync.count) for name in names]
     roles = [("producer", None, 1)] + [(f"wg{wg}", wg, 128) for wg in range(consumers)]
     agents = tuple(
-        Agent(name, threads, tuple(_Agent(kernel, name, wg, blocks).events()))
+        Agent(name, threads, tuple(_Agent(kernel, name, wg).events(tiles)))
         for name, wg, threads in roles
     )
     program = Program(agents, tuple(counts))
@@ -157,13 +221,25 @@ def _without_fences(program: Program) -> Program:
 class _Agent:
     """One role's unrolled program: the producer thread (wg None) or consumer warpgroup wg."""
 
-    def __init__(self, kernel: Kernel, name: str, wg: int | None, blocks: int) -> None:
+    def __init__(self, kernel: Kernel, name: str, wg: int | None) -> None:
         self.kernel = kernel
         self.hopper = kernel.config.hopper
         self.name = name
         self.wg = wg
-        self.blocks = blocks
         self.rings = {s.barrier for s in kernel.syncs() if s.lag is not None}
+        self.tile = 0  # t: the non-empty tiles run so far
+        self.base = 0  # base_t: the K/V blocks of the earlier tiles
+        # the items this role runs in each tile, and why each sync is there (for messages)
+        self.plan = {
+            phase: [i for i in items if self.runs(i.who) and not _once(i)]
+            for phase, items in kernel.phases()
+        }
+        self.why = {
+            id(i): "; ".join(h.describe() for h in i.serves) or i.note
+            for items in self.plan.values()
+            for i in items
+            if isinstance(i, Sync)
+        }
 
     def runs(self, who: Threads) -> bool:
         last = self.hopper.consumers - 1
@@ -177,33 +253,23 @@ class _Agent:
             case Threads.CONSUMER_LAST:
                 return self.wg == last
             case Threads.PRODUCER | Threads.THREAD0 | Threads.ALL_WARPS:
-                return False  # setmaxnreg and the setup: no SMEM, no pipeline sync
+                return False  # setmaxnreg and the setup: once, no SMEM, no pipeline sync
             case _:
                 raise AssertionError(f"unknown threads {who}")
 
-    def events(self) -> list[Event]:
+    def events(self, tiles: tuple[int, ...]) -> list[Event]:
         out: list[Event] = []
-        if self.blocks == 0:
-            if self.wg is None:
-                return out  # the producer issues nothing
-            head = [i for i in self.kernel.prologue if isinstance(i, Step) and i.op in (Op.INIT,)]
-            tail_start = next(
-                n
-                for n, i in enumerate(self.kernel.epilogue)
-                if isinstance(i, Step) and i.op is Op.NORMALIZE
-            )
-            for item in head + list(self.kernel.epilogue[tail_start:]):
-                if self.runs(item.who):
-                    out += self.item(item, 0)
-            return out
-        trace = [(Phase.PROLOGUE, 0)]
-        trace += [(Phase.MAINLOOP, it) for it in range(1, self.blocks)]
-        trace += [(Phase.EPILOGUE, self.blocks)]
-        items = dict(self.kernel.phases())
-        for phase, it in trace:
-            for item in items[phase]:
-                if self.runs(item.who):
+        for blocks in tiles:
+            if blocks == 0:
+                continue  # an empty tile: no SMEM, no barrier, not counted
+            trace = [(Phase.PROLOGUE, 0)]
+            trace += [(Phase.MAINLOOP, it) for it in range(1, blocks)]
+            trace += [(Phase.EPILOGUE, blocks)]
+            for phase, it in trace:
+                for item in self.plan[phase]:
                     out += self.item(item, it)
+            self.tile += 1
+            self.base += blocks
         return out
 
     # --- items -> events ---------------------------------------------------------------
@@ -218,7 +284,7 @@ class _Agent:
                 raise AssertionError(f"not an item: {item!r}")
 
     def slot(self, lag: int | None, it: int) -> int:
-        return 0 if lag is None else (it + lag) % self.hopper.stages
+        return 0 if lag is None else (self.base + it + lag) % self.hopper.stages
 
     def barrier(self, sync: Sync, it: int) -> str:
         if sync.lag is None:
@@ -246,7 +312,7 @@ class _Agent:
             (self.span(self.kernel.buffer(a.buffer), a.partition, slot), a.mode)
             for a in step.accesses
         ]
-        what = f"{step.op.spelling} (it={it})"
+        what = f"{step.op.spelling} (tile {self.tile}, it={it})"
         reads = self.regs(_REG_READS.get(step.op, ()))
         writes = self.regs(_REG_WRITES.get(step.op, ()))
         match step.async_kind:
@@ -269,7 +335,7 @@ class _Agent:
                 raise AssertionError(f"unknown async kind {step.async_kind}")
 
     def sync(self, sync: Sync, it: int) -> list[Event]:
-        why = "; ".join(h.describe() for h in sync.serves) or sync.note
+        why = self.why[id(sync)]
         match sync.kind:
             case caps.MBAR_EXPECT_TX:
                 return [Arrive(self.barrier(sync, it), 1, sync.tx, why)]
@@ -303,8 +369,19 @@ class _Agent:
                 raise AssertionError(f"unknown sync kind {sync.kind.name}")
 
     def parity(self, sync: Sync, it: int) -> int:
-        item = it + (sync.lag or 0)
-        phase = (item // self.hopper.stages) & 1
+        if sync.lag is None:
+            match sync.parity:
+                case Parity.ZERO:
+                    return 0
+                case Parity.TILE:
+                    return self.tile & 1
+                case Parity.TILE_FLIP:
+                    return (self.tile & 1) ^ 1
+                case _:
+                    raise AssertionError(
+                        f"a per-tile barrier's wait needs a tile parity: {sync.parity}"
+                    )
+        phase = ((self.base + it + sync.lag) // self.hopper.stages) & 1
         match sync.parity:
             case Parity.ZERO:
                 return 0
@@ -312,12 +389,15 @@ class _Agent:
                 return phase
             case Parity.PHASE_FLIP:
                 return phase ^ 1
-            case Parity.TILE:  # the CTA's first tile (multi-tile programs: to come)
-                return 0
-            case Parity.TILE_FLIP:
-                return 1
             case _:
-                raise AssertionError(f"an mbarrier wait needs a parity rule: {sync.parity}")
+                raise AssertionError(f"a ring barrier's wait needs a ring parity: {sync.parity}")
+
+
+def _once(item: Step | Sync) -> bool:
+    """Run once per CTA or role before the tiles, not per tile: the setup and setmaxnreg."""
+    if isinstance(item, Step):
+        return item.op is Op.SETMAXNREG
+    return item.kind in (caps.MBAR_INIT, caps.FENCE_MBAR_INIT, caps.SYNCTHREADS)
 
 
 @dataclass(frozen=True)
