@@ -37,7 +37,7 @@ def test_check_shows_roles_not_sm80_lines(capsys, monkeypatch):
     assert "  schedule  pingpong on, overlap on, scheduler persistent" in lines
     assert "query rows per warp" not in out
     assert not any(line.startswith("  mainloop") for line in lines)
-    assert "9 mbarriers; O over the dead V ring" in out
+    assert "11 mbarriers; O over the dead V ring" in out
 
 
 def test_register_cap_is_the_consumers_setmaxnreg():
@@ -82,11 +82,15 @@ def test_explain_shows_roles_rings_and_barriers(capsys, monkeypatch):
         "  registers  128 x 24 + 256 x 240 = 64512 of the SM's 65536",
         "  pingpong   on: the consumer warpgroups take turns issuing wgmma (named barrier 'turn')",
         "  overlap    on: S(j+1) = Q K^T is in flight during softmax(j)",
-        "TMA tiles and their mbarriers (9 mbarriers, 72 bytes at offset 163840, after the rings)",
-        "  Q  one-shot tile of 32768 bytes at offset 0:",
+        "TMA tiles and their mbarriers (11 mbarriers, 88 bytes at offset 212992, after the rings)",
+        "  Q  one tile of 32768 bytes at offset 0, per CTA tile t (phase t & 1):",
         "       q_full   1 arrival + 32768 transaction bytes (mbarrier.arrive.expect_tx by "
-        "producer_thread); waited by consumers at parity 0",
-        "  K  ring of 2 slots x 32768 bytes at offset 32768; block i in slot i % 2, "
+        "producer_thread); waited by consumers at parity tile",
+        "       q_empty  8 arrivals (mbarrier.arrive by consumer_warp_lane0); waited by "
+        "producer_thread at parity tile^1",
+        "       o_free   2 arrivals (mbarrier.arrive by consumer_elected); waited by "
+        "producer_thread at parity tile^1",
+        "  K  ring of 2 slots x 45056 bytes at offset 32768; block i in slot i % 2, "
         "phase (i / 2) & 1; per slot:",
         "       v_empty  8 arrivals (mbarrier.arrive by consumer_warp_lane0); waited by "
         "producer_thread at parity phase^1",
@@ -114,8 +118,8 @@ def test_explain_json_splits_the_schedule_by_role(capsys, monkeypatch):
     tiles = {t["buffer"]: t for t in data["tma_tiles"]}
     assert tiles["Q"]["ring"] is False and tiles["K"]["slots"] == 2
     bars = {b["mbarrier"]: b for t in data["tma_tiles"] for b in t["mbarriers"]}
-    assert bars["k_empty"]["arrivals"] == 8 and bars["k_full"]["tx_bytes"] == 32768
-    assert bars["q_full"]["parity"] == ["0"]
+    assert bars["k_empty"]["arrivals"] == 8 and bars["k_full"]["tx_bytes"] == 176 * 128 * 2
+    assert bars["q_full"]["parity"] == ["tile"] and bars["q_empty"]["parity"] == ["tile^1"]
     assert data["verified"]["block_counts"] == [1, 4]
     assert data["verified"]["tiles"] == [1, 3]
     # every item of the phase-ordered schedule sits in exactly one role's program
@@ -134,15 +138,17 @@ def _keyed(items: list[dict]) -> list[str]:
 
 @pytest.mark.parametrize("stages", [1, 3])
 def test_rings_and_verified_counts_follow_stages(stages):
-    source = (ROOT / HOPPER).read_text().replace("stages     2", f"stages     {stages}")
+    source = (ROOT / "bench/specs/fa3_hopper_bc128.fa").read_text()
+    source = source.replace("stages     2", f"stages     {stages}")
     compiled = compile_source(source, f"fa3_s{stages}.fa")
     data = explain_data(compiled)
     assert {t["buffer"]: t["slots"] for t in data["tma_tiles"]} == {
         "Q": 1,
         "K": stages,
         "V": stages,
+        "O": 1,  # its free barrier: the next tile's V loads wait for its store
     }
-    assert data["mbarrier_array"]["count"] == 1 + 4 * stages
+    assert data["mbarrier_array"]["count"] == 3 + 4 * stages
     assert data["verified"]["block_counts"] == [1, stages + 2]
     assert block_counts(compiled.kernel) == range(1, stages + 3)
 

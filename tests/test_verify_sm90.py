@@ -31,7 +31,9 @@ ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = sorted((ROOT / "examples").glob("fa3_*.fa"))
 # insert_syncs' plan before the persistent scheduler (its golden IR then, kept by hand)
 SINGLE_TILE = read_kernel((ROOT / "tests/fixtures/fa3_hopper.single_tile_plan.ir").read_text())
-HOPPER = (ROOT / "examples" / "fa3_hopper.fa").read_text()
+# The variants' base: fa3_hopper with a 128 x 128 tile (room for 3 stages); the example
+# itself (128 x 176) is among the specs above.
+HOPPER = (ROOT / "bench" / "specs" / "fa3_hopper_bc128.fa").read_text()
 
 
 def _variant(**settings: str) -> str:

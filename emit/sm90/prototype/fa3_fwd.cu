@@ -70,7 +70,9 @@ extern "C" __global__ void __launch_bounds__(Cfg::kThreads, 1) fa3_fwd(const __g
   const int warpgroup = threadIdx.x / 128;
   const int warp = (threadIdx.x / 32) % 4;  // within the warpgroup
   const int lane = threadIdx.x % 32;
-  const TileWork w = tile_work<Cfg>(P.base);
+  const TileCoord tile = {Cfg::kCausal ? static_cast<int>(gridDim.x - 1 - blockIdx.x) : static_cast<int>(blockIdx.x),
+                          static_cast<int>(blockIdx.y), static_cast<int>(blockIdx.z)};  // one CTA per tile
+  const TileWork w = tile_work<Cfg>(P.base, tile);
 
   if (threadIdx.x == 0) {
     tma_prefetch_desc(&P.tma_q);

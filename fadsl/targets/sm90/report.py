@@ -2,7 +2,7 @@
 
 Warp specialisation replaces sm_80's picture of every warp running one mainloop: the
 roles and their setmaxnreg split, the TMA tiles with their mbarriers (K/V rings of
-``stages`` slots, Q's one-shot barrier), the schedule knobs, the named barriers, and
+``stages`` slots, Q's and O's per-tile barriers), the schedule knobs, the named barriers, and
 the schedule as one program per role. Everything is read off the kernel's IR (roles in
 ``who``, barriers, ring items in ``lag``, parities, counts, transaction bytes, ids).
 """
@@ -299,7 +299,8 @@ def explain_sections(data: Mapping[str, Any]) -> list[str]:
             )
         else:
             out.append(
-                f"  {name}  one-shot tile of {tile['slot_bytes']} bytes at offset {tile['offset']}:"
+                f"  {name}  one tile of {tile['slot_bytes']} bytes at offset {tile['offset']}, "
+                "per CTA tile t (phase t & 1):"
             )
         for bar in tile["mbarriers"]:
             tx = f" + {bar['tx_bytes']} transaction bytes" if bar["tx_bytes"] else ""
