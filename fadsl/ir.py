@@ -93,9 +93,14 @@ class AliasPolicy(Enum):
 
 
 class Phase(Enum):
+    # sm_90a runs prologue, mainloop and epilogue once per tile of a CTA's tile loop, its
+    # setup once before the first tile and its teardown once after the last (sm_80 has a
+    # tile per CTA and neither).
+    SETUP = "setup"
     PROLOGUE = "prologue"
     MAINLOOP = "mainloop"
     EPILOGUE = "epilogue"
+    TEARDOWN = "teardown"
 
 
 class Partition(Enum):
@@ -394,6 +399,8 @@ class Kernel:
     # The mainloop may run zero times (a causal Q block above every key): then the
     # epilogue follows the prologue directly, and the syncs must order that too.
     loop_may_be_empty: bool = False
+    setup: tuple[Item, ...] = ()  # sm_90a: once per CTA, before its first tile
+    teardown: tuple[Item, ...] = ()  # sm_90a: once per CTA, after its last tile
 
     def buffer(self, name: str) -> Buffer:
         for buf in self.buffers:
@@ -408,10 +415,17 @@ class Kernel:
         raise KeyError(role)
 
     def phases(self) -> tuple[tuple[Phase, tuple[Item, ...]], ...]:
-        return (
-            (Phase.PROLOGUE, self.prologue),
-            (Phase.MAINLOOP, self.mainloop),
-            (Phase.EPILOGUE, self.epilogue),
+        """The phases in program order; setup and teardown only when they hold items."""
+        return tuple(
+            (phase, items)
+            for phase, items in (
+                (Phase.SETUP, self.setup),
+                (Phase.PROLOGUE, self.prologue),
+                (Phase.MAINLOOP, self.mainloop),
+                (Phase.EPILOGUE, self.epilogue),
+                (Phase.TEARDOWN, self.teardown),
+            )
+            if items or phase in (Phase.PROLOGUE, Phase.MAINLOOP, Phase.EPILOGUE)
         )
 
     def steps(self) -> tuple[Step, ...]:

@@ -162,6 +162,8 @@ class _Reader:
             prologue=items[Phase.PROLOGUE],
             mainloop=items[Phase.MAINLOOP],
             epilogue=items[Phase.EPILOGUE],
+            setup=items[Phase.SETUP],
+            teardown=items[Phase.TEARDOWN],
             regions=tuple(regions),
             smem_bytes=smem_bytes,
             loop_may_be_empty=loop_may_be_empty,

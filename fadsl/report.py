@@ -6,7 +6,7 @@ from typing import Any
 
 from .compile_check import RegisterCheck, register_cap
 from .ir import Kernel, Phase, Step
-from .passes.plan_smem import live_text, occupancy
+from .passes.plan_smem import flow, live_text, occupancy
 from .pipeline import Compiled
 from .resources import ctas_per_sm
 
@@ -63,7 +63,7 @@ def _registers_line(check: RegisterCheck, cap: int, why: str = "") -> str:
 
 
 def _live(kernel: Kernel) -> dict[str, str]:
-    steps = list(kernel.steps())
+    steps, _ = flow(kernel)  # the steps occupancy indexes (a tile's, no setup)
     return {name: live_text(steps, idx) for name, idx in occupancy(kernel).items()}
 
 

@@ -21,8 +21,9 @@ from ..ir import AliasPolicy, Buffer, Kernel, Mode, Region, Step
 ALIGN = 128  # bytes: keeps every region 128-byte aligned for 16-byte vectors and swizzles
 
 
-def _flow(kernel: Kernel) -> tuple[list[Step], list[list[int]]]:
-    """The steps in program order and each step's successors (back edge included)."""
+def flow(kernel: Kernel) -> tuple[list[Step], list[list[int]]]:
+    """The steps of a tile in program order (no setup or teardown) and each step's
+    successors (back edge included)."""
     pro = [i for i in kernel.prologue if isinstance(i, Step)]
     loop = [i for i in kernel.mainloop if isinstance(i, Step)]
     epi = [i for i in kernel.epilogue if isinstance(i, Step)]
@@ -39,7 +40,7 @@ def _flow(kernel: Kernel) -> tuple[list[Step], list[list[int]]]:
 
 def occupancy(kernel: Kernel) -> dict[str, frozenset[int]]:
     """For each buffer, the indices of the steps (program order) at which it holds data."""
-    steps, succ = _flow(kernel)
+    steps, succ = flow(kernel)
     uses = [{a.buffer for a in s.accesses if a.mode is Mode.READ} for s in steps]
     defs = [{a.buffer for a in s.accesses if a.mode is Mode.WRITE} for s in steps]
     live_in: list[set[str]] = [set() for _ in steps]
@@ -75,7 +76,7 @@ def plan_smem(kernel: Kernel, target: targets.Target | None = None) -> Kernel:
     target = target or targets.target_of(kernel)
     limit = target.capabilities.smem_per_cta
     cfg = kernel.config
-    steps, _ = _flow(kernel)
+    steps, _ = flow(kernel)
     occupied = occupancy(kernel)
     policy = cfg.smem_alias
     regions: list[list[Buffer]] = []

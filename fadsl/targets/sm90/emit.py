@@ -186,7 +186,6 @@ def context(kernel: Kernel, dtype: Dtype) -> dict[str, Any]:
     epi = roles["consumers"]["epilogue"]
     cut = next(i for i, x in enumerate(epi) if x["macro"] == Op.NORMALIZE.spelling)
     pro = roles["consumers"]["prologue"]
-    head = [x for x in pro if x["macro"] == Op.SETMAXNREG.spelling]
     init = [x for x in pro if x["macro"] == Op.INIT.spelling]
     bufs = {b.name: b for b in kernel.buffers}
     return {
@@ -210,11 +209,12 @@ def context(kernel: Kernel, dtype: Dtype) -> dict[str, Any]:
         "num_barriers": len(render.barriers)
         - render.ring_barriers
         + render.ring_barriers * hw.stages,
-        "setup": roles["setup"]["prologue"],
+        "setup": roles["setup"]["setup"],
         "producer": roles["producer"],
-        "consumer_head": head,
+        "consumer_head": roles["consumers"]["setup"],
         "consumer_init": init,
-        "consumer_prologue": [x for x in pro if x not in head and x not in init],
+        "consumer_prologue": [x for x in pro if x not in init],
+        "consumer_teardown": roles["consumers"]["teardown"],
         "consumer_loop": roles["consumers"]["mainloop"],
         "consumer_epilogue": epi[:cut],
         "consumer_tail": [x for x in epi[cut:] if not x["elected"]],

@@ -25,15 +25,16 @@ consumer ops' register uses (schedule.REGISTERS); each sync records the hazards 
   N newer groups in flight. With ``overlap off`` every GEMM is waited for at once;
 - ping-pong (``pingpong on``, performance, no hazard): each warpgroup's run of wgmma
   issues is a turn: bar.sync on its own named barrier before, bar.arrive on the next
-  warpgroup's after; the last warpgroup opens warpgroup 0's first turn and warpgroup 0
-  takes the last hand-over, so every arrive is matched, in every tile;
+  warpgroup's after; the turns go on from tile to tile: in the setup the last warpgroup
+  opens warpgroup 0's first turn, in the teardown warpgroup 0 takes the last hand-over,
+  so every arrive is matched;
 - O over the dead rings (WAR across consumer warpgroups): a named barrier of every
   consumer thread before stmatrix; stmatrix (generic proxy) before the TMA store (async
   proxy): fence.proxy.async, then the warpgroup's named barrier (the elected thread
   stores rows the others wrote); the store's SMEM reads complete (bulk commit and
   wait_group.read 0) before the elected thread arrives on O's free barrier, on which the
   producer waits with the previous tile's parity before every load into O's bytes;
-- mbarrier init by thread 0, fence.mbarrier_init, __syncthreads before any use.
+- mbarrier init by thread 0, fence.mbarrier_init, __syncthreads before any use (setup).
 """
 
 from __future__ import annotations
@@ -308,7 +309,7 @@ def insert_syncs(kernel: Kernel, target: targets.Target) -> Kernel:
         setup.append(
             Sync(
                 MBAR_INIT,
-                Phase.PROLOGUE,
+                Phase.SETUP,
                 (),
                 loc,
                 who=Threads.THREAD0,
@@ -320,7 +321,7 @@ def insert_syncs(kernel: Kernel, target: targets.Target) -> Kernel:
         setup.append(
             Sync(
                 MBAR_INIT,
-                Phase.PROLOGUE,
+                Phase.SETUP,
                 (),
                 loc,
                 who=Threads.THREAD0,
@@ -343,7 +344,7 @@ def insert_syncs(kernel: Kernel, target: targets.Target) -> Kernel:
         setup.append(
             Sync(
                 MBAR_INIT,
-                Phase.PROLOGUE,
+                Phase.SETUP,
                 (),
                 loc,
                 who=Threads.THREAD0,
@@ -357,7 +358,7 @@ def insert_syncs(kernel: Kernel, target: targets.Target) -> Kernel:
         setup.append(
             Sync(
                 FENCE_MBAR_INIT,
-                Phase.PROLOGUE,
+                Phase.SETUP,
                 (),
                 loc,
                 who=Threads.THREAD0,
@@ -367,7 +368,7 @@ def insert_syncs(kernel: Kernel, target: targets.Target) -> Kernel:
         setup.append(
             Sync(
                 SYNCTHREADS,
-                Phase.PROLOGUE,
+                Phase.SETUP,
                 (),
                 loc,
                 note="mbarrier.init (thread 0) before every other thread's arrive or wait",
@@ -463,11 +464,22 @@ def insert_syncs(kernel: Kernel, target: targets.Target) -> Kernel:
 
     # --- consumers -----------------------------------------------------------------
     c = _Consumers(kernel, readers, rings)
-    last_wgmma = max(i for i, s in enumerate(consumer_steps) if s.async_kind == WGMMA)
-    position = 0
-    opened = False
     consumer_items: dict[Phase, list[Item]] = {}
-    for phase, items in kernel.phases():
+    for phase, items in (*kernel.phases(), (Phase.TEARDOWN, ())):
+        if phase is Phase.TEARDOWN and hw.pingpong:
+            # The turns go on from tile to tile (the last warpgroup's final hand-over of
+            # a tile opens warpgroup 0's first turn of the next): opened once before the
+            # first tile, closed once after the last.
+            c.sync(
+                BAR_SYNC,
+                phase,
+                who=Threads.CONSUMER_FIRST,
+                barrier="turn",
+                bar_id=TURN_ID,
+                count=TURN_THREADS,
+                note="ping-pong: warpgroup 0 takes the last warpgroup's final hand-over, so "
+                "every bar.arrive is matched",
+            )
         waited: set = set()
         # A phase is entered from more than one place (the loop from the prologue and from
         # its own end): assume registers were written before it.
@@ -478,9 +490,6 @@ def insert_syncs(kernel: Kernel, target: targets.Target) -> Kernel:
             if not isinstance(step, Step) or role_of(step.who) != "consumers":
                 continue
             if step.async_kind == WGMMA:
-                if hw.pingpong and not opened:
-                    c.open_turn(phase)
-                    opened = True
                 c.wait_groups(step, phase)
                 c.wait_full(step, phase, waited)
                 c.take_turn(phase)
@@ -499,17 +508,6 @@ def insert_syncs(kernel: Kernel, target: targets.Target) -> Kernel:
                     c.wait_groups(None, phase, force=True)
             else:
                 c.wait_groups(step, phase)
-                if position > last_wgmma and hw.pingpong and not c.in_flight and opened:
-                    c.sync(
-                        BAR_SYNC,
-                        phase,
-                        who=Threads.CONSUMER_FIRST,
-                        barrier="turn",
-                        bar_id=TURN_ID,
-                        count=TURN_THREADS,
-                        note="ping-pong: warpgroup 0 takes the last warpgroup's final hand-over, so every bar.arrive is matched",
-                    )
-                    opened = False
                 _before_smem(c, step, phase)
                 c.out.append(step)
                 c.registers_written |= bool(REGISTERS.get(step.op, ((), ()))[1])
@@ -548,18 +546,21 @@ def insert_syncs(kernel: Kernel, target: targets.Target) -> Kernel:
                             who=Threads.CONSUMER_ELECTED,
                             barrier=f"{access.buffer.lower()}_free",
                         )
-            position += 1
+        if phase is Phase.SETUP and hw.pingpong:
+            c.open_turn(phase)
         consumer_items[phase], c.out = c.out, []
 
-    new = {}
+    new = {Phase.TEARDOWN: tuple(consumer_items[Phase.TEARDOWN])}
     for phase, items in kernel.phases():
-        head = setup if phase is Phase.PROLOGUE else []
+        head = setup if phase is Phase.SETUP else []
         new[phase] = tuple(head + producer(items, phase) + consumer_items[phase])
     return replace(
         kernel,
+        setup=new[Phase.SETUP],
         prologue=new[Phase.PROLOGUE],
         mainloop=new[Phase.MAINLOOP],
         epilogue=new[Phase.EPILOGUE],
+        teardown=new[Phase.TEARDOWN],
     )
 
 

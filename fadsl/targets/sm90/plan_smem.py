@@ -17,7 +17,7 @@ from dataclasses import replace
 from ... import targets
 from ...errors import Diagnostic, SpecError
 from ...ir import Buffer, Kernel, Mode, Region
-from ...passes.plan_smem import _flow, live_text, occupancy
+from ...passes.plan_smem import flow, live_text, occupancy
 
 TILE_ALIGN = 1024
 BASE_SLACK = 1024  # dynamic SMEM is only 16-byte aligned: the kernel rounds its base up
@@ -34,7 +34,7 @@ def mbarrier_count(kernel: Kernel) -> int:
 
 
 def plan_smem(kernel: Kernel, target: targets.Target) -> Kernel:
-    steps, _ = _flow(kernel)
+    steps, _ = flow(kernel)
     occupied = occupancy(kernel)
     bufs = {b.name: b for b in kernel.buffers}
     placed: dict[str, Buffer] = {}

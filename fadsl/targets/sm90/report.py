@@ -34,9 +34,11 @@ ROLE_TITLES = {
     "consumers": f"consumer program (each consumer warpgroup, on its {ROWS_PER_CONSUMER} query rows)",
 }
 PHASE_TITLES = {
-    Phase.PROLOGUE: "prologue (it = 0)",
+    Phase.SETUP: "setup (once, before the CTA's first tile)",
+    Phase.PROLOGUE: "prologue (each tile: it = 0)",
     Phase.MAINLOOP: "mainloop (once per K/V block: it = 1 .. n_blocks - 1)",
     Phase.EPILOGUE: "epilogue (it = n_blocks)",
+    Phase.TEARDOWN: "teardown (once, after the CTA's last tile)",
 }
 
 

@@ -6,8 +6,9 @@ consumer step on its own 64 query rows (``Partition.SLICE`` of a warpgroup-scope
 tile) or the whole of a CTA-scoped K/V slot (``Partition.WHOLE``).
 
 The K/V blocks are items of two rings (``Buffer.slots`` = stages). Both roles run the
-same iteration space: the prologue at it = 0, the mainloop at it = 1 .. n_blocks - 1,
-the epilogue at it = n_blocks; a ring step works on item it + lag (``Step.lag``):
+same iteration space, once per tile of the CTA's tile loop: the prologue at it = 0, the
+mainloop at it = 1 .. n_blocks - 1, the epilogue at it = n_blocks (setmaxnreg runs once,
+in the setup); a ring step works on item it + lag (``Step.lag``):
 
   producer   prologue Q, K(it)     mainloop K(it), V(it-1)     epilogue V(it-1)
   consumers  prologue S(it), softmax(it), P                     (K one block ahead of V)
@@ -133,23 +134,25 @@ def build_schedule(lowered: Lowered) -> Kernel:
 
     regs = Step(
         Op.SETMAXNREG,
-        Phase.PROLOGUE,
+        Phase.SETUP,
         (),
         None,
         f"setmaxnreg.dec to {hw.producer_regs} registers",
         cfg.loc_of("registers"),
         Threads.PRODUCER,
     )
-    prologue = [
+    setup = [
         regs,
-        load(Role.Q, Phase.PROLOGUE, None),
-        load(Role.K, Phase.PROLOGUE, 0),
         consumer(
             Op.SETMAXNREG,
-            Phase.PROLOGUE,
+            Phase.SETUP,
             f"setmaxnreg.inc to {hw.consumer_regs} registers",
             cfg.loc_of("registers"),
         ),
+    ]
+    prologue = [
+        load(Role.Q, Phase.PROLOGUE, None),
+        load(Role.K, Phase.PROLOGUE, 0),
         consumer(Op.INIT, Phase.PROLOGUE, "O = 0, m = -inf, l = 0", cfg.loc),
         qk(Phase.PROLOGUE),
         *softmax(Phase.PROLOGUE),
@@ -192,4 +195,5 @@ def build_schedule(lowered: Lowered) -> Kernel:
         mainloop=tuple(loop),
         epilogue=tuple(epilogue),
         loop_may_be_empty=True,  # n_blocks = 1 runs no mainloop iteration
+        setup=tuple(setup),  # once per CTA, before its first tile
     )

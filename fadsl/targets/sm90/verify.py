@@ -14,9 +14,10 @@ before use, and a wgmma reads no register that ordinary code wrote since the war
 last ``wgmma.fence``.
 
 What the generated code does, as this module reads it:
-- the setup (mbarrier inits, their fence, ``__syncthreads``) and setmaxnreg run once per CTA
-  or role, before the tiles; every other item runs once per tile (the consumers' init and
-  the whole tail included);
+- the setup phase (mbarrier inits, their fence, ``__syncthreads``, setmaxnreg, the first
+  ping-pong turn's opening) runs once per CTA, before the tiles, and the teardown phase
+  once after them; every other item runs once per tile (the consumers' init and the whole
+  tail included);
 - a tile of no K/V block touches no SMEM and no barrier in any role, so the non-empty tiles
   alone make the program; they are numbered t = 0, 1, ... in the order the CTA runs them;
 - the ring items go on across tiles: a ring item or sync at iteration it of tile t works on
@@ -163,10 +164,10 @@ def problems_of(kernel: Kernel, tiles: tuple[int, ...]) -> list[str]:
 def _setup_problems(kernel: Kernel) -> list[str]:
     """Every mbarrier a sync uses is initialised, then fenced for the async proxy, then a
     CTA barrier orders the inits before every other thread's use."""
-    inits = {s.barrier for s in kernel.prologue if isinstance(s, Sync) and s.kind is caps.MBAR_INIT}
+    inits = {s.barrier for s in kernel.setup if isinstance(s, Sync) and s.kind is caps.MBAR_INIT}
     used = {s.barrier for s in kernel.syncs() if s.kind in _MBARRIER_USES}
     problems = [f"mbarrier {name} is used but never initialised" for name in sorted(used - inits)]
-    order = [s.kind for s in kernel.prologue if isinstance(s, Sync)]
+    order = [s.kind for s in kernel.setup if isinstance(s, Sync)]
     last_init = max((i for i, k in enumerate(order) if k is caps.MBAR_INIT), default=-1)
     fences = [i for i, k in enumerate(order) if k is caps.FENCE_MBAR_INIT and i > last_init]
     if inits and not fences:
@@ -190,7 +191,7 @@ def build_program(kernel: Kernel, tiles: int | tuple[int, ...], fences: bool = F
     consumers = hopper.consumers
     rings = {s.barrier for s in kernel.syncs() if s.lag is not None}
     counts: list[tuple[str, int]] = []
-    for sync in kernel.prologue:
+    for sync in kernel.setup:
         if isinstance(sync, Sync) and sync.kind is caps.MBAR_INIT:
             names = (
                 [f"{sync.barrier}[{slot}]" for slot in range(hopper.stages)]
@@ -231,8 +232,7 @@ class _Agent:
         self.base = 0  # base_t: the K/V blocks of the earlier tiles
         # the items this role runs in each tile, and why each sync is there (for messages)
         self.plan = {
-            phase: [i for i in items if self.runs(i.who) and not _once(i)]
-            for phase, items in kernel.phases()
+            phase: [i for i in items if self.runs(i.who)] for phase, items in kernel.phases()
         }
         self.why = {
             id(i): "; ".join(h.describe() for h in i.serves) or i.note
@@ -259,6 +259,8 @@ class _Agent:
 
     def events(self, tiles: tuple[int, ...]) -> list[Event]:
         out: list[Event] = []
+        for item in self.plan.get(Phase.SETUP, []):  # once, before the first tile
+            out += self.item(item, 0)
         for blocks in tiles:
             if blocks == 0:
                 continue  # an empty tile: no SMEM, no barrier, not counted
@@ -270,6 +272,8 @@ class _Agent:
                     out += self.item(item, it)
             self.tile += 1
             self.base += blocks
+        for item in self.plan.get(Phase.TEARDOWN, []):  # once, after the last tile
+            out += self.item(item, 0)
         return out
 
     # --- items -> events ---------------------------------------------------------------
@@ -391,13 +395,6 @@ class _Agent:
                 return phase ^ 1
             case _:
                 raise AssertionError(f"a ring barrier's wait needs a ring parity: {sync.parity}")
-
-
-def _once(item: Step | Sync) -> bool:
-    """Run once per CTA or role before the tiles, not per tile: the setup and setmaxnreg."""
-    if isinstance(item, Step):
-        return item.op is Op.SETMAXNREG
-    return item.kind in (caps.MBAR_INIT, caps.FENCE_MBAR_INIT, caps.SYNCTHREADS)
 
 
 @dataclass(frozen=True)
