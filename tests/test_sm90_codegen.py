@@ -88,17 +88,29 @@ def test_off_knobs_drop_turns_and_wait_after_each_gemm():
             assert loop[i + 1].kind == caps.WGMMA_COMMIT and loop[i + 2].kind == caps.WGMMA_WAIT
 
 
-def test_ring_barriers_count_consumer_warps_and_o_lies_over_v():
+def test_ring_barriers_count_consumer_warps_and_o_has_its_own_bytes():
     kernel = compile_file("examples/fa3_hdim64.fa").kernel
     inits = {s.barrier: s.count for s in kernel.syncs() if s.kind == caps.MBAR_INIT}
     assert inits == {
-        **{"q_full": 1, "q_empty": 12, "o_free": 3},  # per tile: Q loaded, Q read, O stored
+        **{"q_full": 1, "q_empty": 12},  # per tile: Q loaded, Q read
         **{"k_full": 1, "k_empty": 12, "v_full": 1, "v_empty": 12},
     }
+    v, o = kernel.buffer("V"), kernel.buffer("O")
+    assert o.offset >= v.offset + v.nbytes  # O's own bytes: they fit
+    assert kernel.buffer("K").slots == v.slots == 2
+    assert not [s for s in kernel.syncs() if s.barrier in ("ring_dead", "o_free")]
+    # the previous tile's O store before this tile's stmatrix: the tile's first turn
+    first_turn = next(s for s in kernel.prologue if isinstance(s, Sync) and s.kind is caps.BAR_SYNC)
+    assert first_turn.barrier == "turn" and "o_s2g -> o_r2s" in first_turn.serves[0].describe()
+
+
+def test_o_over_the_v_ring_when_its_own_bytes_do_not_fit():
+    kernel = compile_file("examples/fa3_hdim256.fa").kernel  # 128 x 80, d256: 225 KiB
+    inits = {s.barrier: s.count for s in kernel.syncs() if s.kind == caps.MBAR_INIT}
+    assert inits["o_free"] == 2  # one arrival per consumer warpgroup: its store has read O
     assert kernel.buffer("O").offset == kernel.buffer("V").offset
-    assert kernel.buffer("K").slots == kernel.buffer("V").slots == 2
     ring_dead = [s for s in kernel.syncs() if s.barrier == "ring_dead"]
-    assert [s.count for s in ring_dead] == [128 * 3] and ring_dead[0].serves
+    assert [s.count for s in ring_dead] == [128 * 2] and ring_dead[0].serves
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=IDS)

@@ -32,7 +32,7 @@ TARGET = Target(
     validate_path=validate_path,
     build_schedule=build_schedule,
     passes=(
-        ("plan_smem", plan_smem),  # Q | K ring | V ring | mbarriers; O over the dead V ring
+        ("plan_smem", plan_smem),  # Q | K ring | V ring | O (or over the dead V ring) | mbarriers
         ("insert_syncs", insert_syncs),  # mbarriers with parity, wgmma waits, named barriers
         ("verify", verify),  # independent proof: every hazard ordered, no wait can hang
     ),

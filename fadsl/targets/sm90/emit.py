@@ -33,7 +33,7 @@ from .caps import (
     WGMMA_WAIT,
 )
 from .insert_syncs import role_of
-from .plan_smem import mbarrier_offset
+from .plan_smem import mbarrier_offset, o_over_rings
 from .schedule import REGISTERS, ring_buffers
 
 TEMPLATE = "sm90/kernel.cu.j2"
@@ -203,6 +203,7 @@ def context(kernel: Kernel, dtype: Dtype) -> dict[str, Any]:
         "cuda_type": dtype.cuda_type,
         "smem_bytes": kernel.smem_bytes,
         "offsets": {name: b.offset for name, b in bufs.items()},
+        "o_aliased": o_over_rings(kernel),
         "off_bar": mbarrier_offset(kernel),
         "barriers": {name: index for name, (index, _) in render.barriers.items()},
         "ring_barriers": render.ring_barriers,

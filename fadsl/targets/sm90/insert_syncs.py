@@ -29,7 +29,9 @@ consumer ops' register uses (schedule.REGISTERS); each sync records the hazards 
   opens warpgroup 0's first turn, in the teardown warpgroup 0 takes the last hand-over,
   so every arrive is matched;
 - O over the dead rings (WAR across consumer warpgroups): a named barrier of every
-  consumer thread before stmatrix; stmatrix (generic proxy) before the TMA store (async
+  consumer thread before stmatrix; in O's own bytes, the warpgroup's named barrier
+  before stmatrix (the previous tile's store, which the elected thread waited for, has
+  read them); stmatrix (generic proxy) before the TMA store (async
   proxy): fence.proxy.async, then the warpgroup's named barrier (the elected thread
   stores rows the others wrote); the store's SMEM reads complete (bulk commit and
   wait_group.read 0) before the elected thread arrives on O's free barrier, on which the
@@ -120,6 +122,9 @@ class _Consumers:
     # writes, and the first wgmma, need a wgmma.fence before them)
     registers_written: bool = True
     q_waited: set[str] = field(default_factory=set)
+    # hazards from the previous tile that the tile's first turn (a bar.sync of every thread
+    # of the warpgroup) orders on its way
+    carried: list[Hazard] = field(default_factory=list)
     out: list[Item] = field(default_factory=list)
 
     @property
@@ -145,6 +150,7 @@ class _Consumers:
             self.sync(
                 BAR_SYNC,
                 phase,
+                self.carried,
                 barrier="turn",
                 bar_id=TURN_ID,
                 peer=0,
@@ -152,6 +158,7 @@ class _Consumers:
                 note="ping-pong: wait for this warpgroup's turn on the tensor cores",
             )
             self.in_turn = True
+            self.carried = []
 
     def hand_over(self, phase: Phase) -> None:
         if self.in_turn:
@@ -486,6 +493,8 @@ def insert_syncs(kernel: Kernel, target: targets.Target) -> Kernel:
         c.registers_written = True
         if phase is Phase.EPILOGUE:
             c.release_tile(phase, [b.name for b in loaded if b.name not in rings])
+        if phase is Phase.PROLOGUE and hw.pingpong:
+            c.carried = _reused_by_next_tile(kernel, freed)
         for step in items:
             if not isinstance(step, Step) or role_of(step.who) != "consumers":
                 continue
@@ -564,6 +573,30 @@ def insert_syncs(kernel: Kernel, target: targets.Target) -> Kernel:
     )
 
 
+def _reused_by_next_tile(kernel: Kernel, freed: dict[str, list[str]]) -> list[Hazard]:
+    """A TMA-stored tile in its own bytes, written again by the next tile's consumers: the
+    previous tile's store (waited for by one elected thread) before every thread's write."""
+    hazards = []
+    for store in kernel.steps():
+        if store.async_kind != TMA_STORE:
+            continue
+        for access in store.accesses:
+            if access.buffer in freed:
+                continue  # over the rings: ordered by the all-consumer barrier
+            for writer in kernel.steps():
+                if _writes(writer, access.buffer) and writer.async_kind is None:
+                    hazards.append(
+                        _hazard(
+                            HazardKind.WAR,
+                            store.op,
+                            writer.op,
+                            access.buffer,
+                            across="within each warpgroup, previous tile",
+                        )
+                    )
+    return hazards
+
+
 def _unique_ops(steps: list[Step]) -> list[Step]:
     seen: dict[Op, Step] = {}
     for s in steps:
@@ -593,14 +626,29 @@ def _before_smem(c: _Consumers, step: Step, phase: Phase) -> None:
                             across="consumer warpgroups cross",
                         )
                     )
+            # WAR against the previous tile's TMA store of these bytes, whose SMEM reads
+            # the elected thread waited for: every thread of its warpgroup after it (in
+            # O's own bytes with ping-pong, the tile's first turn, a bar.sync of the
+            # warpgroup, orders it)
+            previous = _reused_by_next_tile(kernel, {}) if served or not c.hw.pingpong else []
             if served:
                 c.sync(
                     BAR_SYNC,
                     phase,
-                    served,
+                    served + previous,
                     barrier="ring_dead",
                     bar_id=RING_DEAD_ID,
                     count=128 * c.hw.consumers,
+                )
+            elif previous:
+                c.sync(
+                    BAR_SYNC,
+                    phase,
+                    previous,
+                    barrier="o_store",
+                    bar_id=O_STORE_ID,
+                    peer=0,
+                    count=128,
                 )
         if access.mode is Mode.READ and step.async_kind == TMA_STORE:
             writers = [s for s in kernel.steps() if _writes(s, buf.name) and s.async_kind is None]

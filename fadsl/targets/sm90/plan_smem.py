@@ -1,13 +1,16 @@
-"""plan_smem for sm_90a: Q, the K and V rings (slots x stages), mbarriers; O over the dead V ring.
+"""plan_smem for sm_90a: Q, the K and V rings (slots x stages), O, mbarriers.
 
 Tiles start 1024-byte aligned (the 128-byte swizzle repeats every 8 rows of 128 bytes):
-Q | K ring | V ring | mbarriers. O is written only after every consumer's last wgmma
-has read the rings, so it lies over the V ring (ending where the V ring ends, into the
-dead K ring, when larger). Why that is safe is recorded from the generic liveness
-(fadsl.passes.plan_smem.occupancy over the schedule, back edge included): O is never
-live at a step where K or V is, within a tile; the next tile's loads into those bytes
-wait for O's TMA store (insert_syncs' free barrier). The mbarrier array has a full and
-an empty barrier per TMA-loaded tile or ring slot, and O's free barrier.
+Q | K ring | V ring | O | mbarriers when O's bytes fit, so that the next tile's V loads
+need not wait for this tile's O store (nor each consumer warpgroup for the others
+before stmatrix). When they do not fit, O lies over the V ring (ending where the V ring
+ends, into the dead K ring, when larger): it is written only after every consumer's last
+wgmma of the tile has read the rings. Why that is safe is recorded from the generic
+liveness (fadsl.passes.plan_smem.occupancy over the schedule, back edge included): O is
+never live at a step where K or V is, within a tile; the next tile's loads into those
+bytes wait for O's TMA store (insert_syncs' free barrier). The mbarrier array has a full
+and an empty barrier per TMA-loaded tile or ring slot, and O's free barrier when O lies
+over the rings.
 """
 
 from __future__ import annotations
@@ -23,14 +26,16 @@ TILE_ALIGN = 1024
 BASE_SLACK = 1024  # dynamic SMEM is only 16-byte aligned: the kernel rounds its base up
 
 
-def mbarrier_count(kernel: Kernel) -> int:
+def mbarrier_count(kernel: Kernel, o_aliased: bool | None = None) -> int:
     """A full and an empty barrier per TMA-loaded tile or ring slot (Q's empty: the next
-    tile may load it), and one free barrier for O, whose store frees the ring bytes under
-    it for the next tile's loads."""
+    tile may load it), and, when O lies over the V ring, a free barrier for O, whose store
+    frees those bytes for the next tile's loads (``o_aliased`` None: as planned)."""
+    if o_aliased is None:
+        o_aliased = o_over_rings(kernel)
     loaded = {
         a.buffer for s in kernel.steps() if s.is_async for a in s.accesses if a.mode is Mode.WRITE
     }
-    return sum(2 * buf.slots for buf in kernel.buffers if buf.name in loaded) + 1
+    return sum(2 * buf.slots for buf in kernel.buffers if buf.name in loaded) + o_aliased
 
 
 def plan_smem(kernel: Kernel, target: targets.Target) -> Kernel:
@@ -43,44 +48,36 @@ def plan_smem(kernel: Kernel, target: targets.Target) -> Kernel:
     for index, name in enumerate(("Q", "K", "V")):
         buf = bufs[name]
         placed[name] = replace(buf, offset=offset, region=index)
-        size = -(-buf.nbytes // TILE_ALIGN) * TILE_ALIGN
+        size = _aligned(buf.nbytes)
         regions.append(Region(index, offset, size, (name,), ()))
         offset += size
-    rings_end = offset
     o = bufs["O"]
-    for ring in ("K", "V"):
-        if occupied["O"] & occupied[ring]:
-            raise SpecError(
-                [Diagnostic(o.loc, f"O is live while the {ring} ring is: O cannot lie over it")]
-            )
-    v = placed["V"]
-    o_offset = v.offset if o.nbytes <= v.nbytes else rings_end - o.nbytes
-    if o_offset < placed["K"].offset:
-        raise SpecError(
-            [
-                Diagnostic(
-                    o.loc,
-                    f"O ({o.nbytes} bytes) is larger than the K and V rings together; "
-                    "use more stages",
-                )
-            ]
-        )
-    placed["O"] = replace(o, offset=o_offset, region=2)
-    why = [
-        f"V (live {live_text(steps, occupied['V'])}) and O (live "
-        f"{live_text(steps, occupied['O'])}) are never live at once; O is written after "
-        "every consumer warpgroup's last wgmma of the tile has read the rings, and the next "
-        "tile's V loads wait for O's TMA store"
-    ]
-    if o_offset < v.offset:
-        why.append(
-            f"O ({o.nbytes} bytes) is larger than the V ring: it ends where the V ring ends and "
-            f"runs into the K ring (live {live_text(steps, occupied['K'])}), dead too"
-        )
-    regions[2] = replace(regions[2], members=("V", "O"), reasons=tuple(why))
-    bars = mbarrier_count(kernel)
-    total = rings_end + 8 * bars + BASE_SLACK
     limit = target.capabilities.smem_per_cta
+    if offset + _aligned(o.nbytes) + 8 * mbarrier_count(kernel, False) + BASE_SLACK <= limit:
+        # Room for O's own bytes: the next tile's V loads need not wait for this tile's O
+        # store, nor every consumer warpgroup for the others before stmatrix.
+        placed["O"] = replace(o, offset=offset, region=3)
+        why = "O has bytes of its own (they fit): the next tile loads V while this one stores O"
+        regions.append(Region(3, offset, _aligned(o.nbytes), ("O",), (why,)))
+        offset += _aligned(o.nbytes)
+        bars = mbarrier_count(kernel, False)
+    else:
+        placed["O"] = _o_over_v(o, placed, steps, occupied, offset)
+        why = [
+            f"V (live {live_text(steps, occupied['V'])}) and O (live "
+            f"{live_text(steps, occupied['O'])}) are never live at once; O is written after "
+            "every consumer warpgroup's last wgmma of the tile has read the rings, and the "
+            "next tile's V loads wait for O's TMA store (no room for O's own bytes)"
+        ]
+        if placed["O"].offset < placed["V"].offset:
+            why.append(
+                f"O ({o.nbytes} bytes) is larger than the V ring: it ends where the V ring "
+                f"ends and runs into the K ring (live {live_text(steps, occupied['K'])}), "
+                "dead too"
+            )
+        regions[2] = replace(regions[2], members=("V", "O"), reasons=tuple(why))
+        bars = mbarrier_count(kernel, True)
+    total = offset + 8 * bars + BASE_SLACK
     if total > limit:
         raise SpecError(
             [
@@ -99,6 +96,42 @@ def plan_smem(kernel: Kernel, target: targets.Target) -> Kernel:
     )
 
 
+def o_over_rings(kernel: Kernel) -> bool:
+    """Whether the planned O lies over the K/V rings' bytes."""
+    o = kernel.buffer("O")
+    assert o.offset is not None, "run plan_smem first"
+    return any(
+        b.name != "O" and b.offset < o.offset + o.nbytes and o.offset < b.offset + b.nbytes
+        for b in kernel.buffers
+    )
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // TILE_ALIGN) * TILE_ALIGN
+
+
+def _o_over_v(o: Buffer, placed: dict[str, Buffer], steps, occupied, rings_end: int) -> Buffer:
+    """O over the dead V ring (ending where it ends, into the dead K ring, when larger)."""
+    for ring in ("K", "V"):
+        if occupied["O"] & occupied[ring]:
+            raise SpecError(
+                [Diagnostic(o.loc, f"O is live while the {ring} ring is: O cannot lie over it")]
+            )
+    v = placed["V"]
+    o_offset = v.offset if o.nbytes <= v.nbytes else rings_end - o.nbytes
+    if o_offset < placed["K"].offset:
+        raise SpecError(
+            [
+                Diagnostic(
+                    o.loc,
+                    f"O ({o.nbytes} bytes) is larger than the K and V rings together; "
+                    "use more stages",
+                )
+            ]
+        )
+    return replace(o, offset=o_offset, region=2)
+
+
 def mbarrier_offset(kernel: Kernel) -> int:
-    """Where the mbarrier array starts: after the rings."""
+    """Where the mbarrier array starts: after the tiles."""
     return max(r.offset + r.nbytes for r in kernel.regions)

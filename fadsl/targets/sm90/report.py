@@ -23,7 +23,7 @@ from .caps import (
     ROWS_PER_CONSUMER,
 )
 from .insert_syncs import role_of
-from .plan_smem import mbarrier_count, mbarrier_offset
+from .plan_smem import mbarrier_count, mbarrier_offset, o_over_rings
 from .verify import block_counts, max_tiles
 
 WARPGROUP_THREADS = 128
@@ -62,7 +62,7 @@ def check_lines(kernel: Kernel, lines: list[tuple[str, str]]) -> list[tuple[str,
         "warps": f"{cfg.warps} ({cfg.threads} threads: {1 + hw.consumers} warpgroups)",
         "swizzle": f"{hw.swizzle_bytes}B (TMA writes it, wgmma reads it)",
         "smem": f"{kernel.smem_bytes} bytes (Q, K ring, V ring, {mbarrier_count(kernel)} "
-        "mbarriers; O over the dead V ring)",
+        f"mbarriers; O {'over the dead V ring' if o_over_rings(kernel) else 'in its own bytes'})",
     }
     out: list[tuple[str, str]] = []
     for key, value in lines:
