@@ -3,9 +3,10 @@
 A producer warpgroup (one elected thread) issues TMA loads of Q and of the K/V blocks
 into rings of ``stages`` slots; 1 to 3 consumer warpgroups, 64 query rows each, run
 S = Q K^T and O += P V as wgmma with the softmax between, optionally in ping-pong
-(named-barrier turns) and with S(j+1) overlapping softmax(j); O goes through SMEM over
-the dead V ring to a TMA store. Each CTA loops over (q block, head, batch) tiles
-(``scheduler persistent``: about one CTA per SM; ``grid``: one per tile). The sync pass (insert_syncs) places every mbarrier,
+(named-barrier turns) and with S(j+1) overlapping softmax(j); O goes through SMEM (its
+own bytes where they fit, else over the dead V ring) to a TMA store. Each CTA loops over
+(q block, head, batch) tiles (``scheduler persistent``: about one CTA per SM; ``grid``:
+one per tile). The sync pass (insert_syncs) places every mbarrier,
 wgmma wait, named barrier and fence; verify, written apart from it, proves the plan
 over the async model (fadsl/passes/async_model.py) for a CTA's tile loop (tile sequences of
 1-3 tiles, 1 .. stages + 2 blocks each).

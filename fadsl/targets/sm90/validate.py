@@ -36,7 +36,7 @@ OVERHEAD_REGS = 24  # softmax state, addresses, loop counters: an estimate
 
 def smem_bytes(block_r: int, block_c: int, head_dim: int, stages: int) -> int:
     """The plan's size: Q, the K and V rings, 3 + 4 x stages mbarriers, 1024 bytes of
-    alignment slack (O lies over the dead V ring)."""
+    alignment slack (the least it can be: O over the dead V ring)."""
     return (block_r + 2 * stages * block_c) * head_dim * 2 + 8 * (3 + 4 * stages) + 1024
 
 

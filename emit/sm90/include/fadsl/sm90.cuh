@@ -99,9 +99,10 @@ struct FwdConfig {
   static constexpr int kOffK = kOffQ + kQBytes;
   static constexpr int kOffV = kOffK + kStages * kKVBytes;
   static constexpr int kOffBar = kOffV + kStages * kKVBytes;
-  // O is written after the last wgmma of every consumer, when the K/V rings are dead: it
-  // starts at the V ring, or ends where the V ring ends when larger (running into the
-  // dead K ring).
+  // Defaults (a generated kernel's Cfg sets the offsets from plan_smem, which gives O bytes
+  // of its own where they fit): O is written after the last wgmma of every consumer, when
+  // the K/V rings are dead: it starts at the V ring, or ends where the V ring ends when
+  // larger (running into the dead K ring).
   static constexpr int kOffO = kOBytes <= kStages * kKVBytes ? kOffV : kOffBar - kOBytes;
   static_assert(kOffO >= kOffK, "O must fit over the dead K/V rings");
   static_assert(kQBytes % 1024 == 0 && kKVBytes % 1024 == 0 && kOffO % 1024 == 0, "1024-byte aligned tiles");
