@@ -533,8 +533,8 @@ def insert_syncs(kernel: Kernel, target: targets.Target) -> Kernel:
                         phase,
                         who=Threads.CONSUMER_ELECTED,
                         groups=0,
-                        note="the TMA store has read O's SMEM: its bytes may be reused (the "
-                        "next tile's loads) or released (CTA exit)",
+                        note="the TMA store has read O's SMEM: its bytes may be written again "
+                        "(the next tile) or released (CTA exit)",
                     )
                     if access.buffer in freed:
                         c.sync(
