@@ -29,9 +29,10 @@ consumer ops' register uses (schedule.REGISTERS); each sync records the hazards 
   opens warpgroup 0's first turn, in the teardown warpgroup 0 takes the last hand-over,
   so every arrive is matched;
 - O over the dead rings (WAR across consumer warpgroups): a named barrier of every
-  consumer thread before stmatrix; in O's own bytes, the warpgroup's named barrier
-  before stmatrix (the previous tile's store, which the elected thread waited for, has
-  read them); stmatrix (generic proxy) before the TMA store (async
+  consumer thread before stmatrix; in O's own bytes (WAR across tiles within a
+  warpgroup: the previous tile's store, which one elected thread waited for, read them),
+  the tile's first ping-pong turn, a bar.sync of the whole warpgroup, or without
+  ping-pong the warpgroup's named barrier before stmatrix; stmatrix (generic proxy) before the TMA store (async
   proxy): fence.proxy.async, then the warpgroup's named barrier (the elected thread
   stores rows the others wrote); the store's SMEM reads complete (bulk commit and
   wait_group.read 0) before the elected thread arrives on O's free barrier, on which the
@@ -306,7 +307,7 @@ def insert_syncs(kernel: Kernel, target: targets.Target) -> Kernel:
     loc = kernel.config.loc
     rings = ring_buffers(kernel)
 
-    # --- setup: one mbarrier per TMA-loaded tile (full) and per ring (empty) ---------
+    # --- setup: a full and an empty mbarrier per TMA-loaded tile or ring slot ----------
     setup: list[Item] = []
     init_note = "mbarrier.init before any arrive, wait or complete_tx"
     for buf in kernel.buffers:
