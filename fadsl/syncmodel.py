@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-from .ir import Parity, Scope
+from .ir import Scope
 
 # Scopes from narrowest to widest: a barrier of a scope orders the threads of any
 # narrower one too.
@@ -56,7 +56,7 @@ class WaitRule(Enum):
     # committed groups (cp.async.wait_group, wgmma.wait_group).
     NEWEST_PENDING = "all but the N newest groups"
     # mbarrier.try_wait.parity: the writes that completed the barrier's phase of the
-    # waited item's round (ring_position) have landed (TMA complete_tx).
+    # waited item's round (ir.Parity) have landed (TMA complete_tx).
     PHASE_PARITY = "the phase of the item's round"
 
 
@@ -138,23 +138,3 @@ class SyncModel:
             if kind.flag == flag:
                 return kind
         raise KeyError(flag)
-
-
-def ring_position(item: int, stages: int) -> tuple[int, int]:
-    """(slot, phase) of item ``item`` of a ring of ``stages`` slots: slot item % stages,
-    phase parity (item // stages) & 1, flipping each time the ring wraps."""
-    return item % stages, (item // stages) & 1
-
-
-def wait_parity(rule: Parity, item: int, stages: int) -> int:
-    """The parity an mbarrier wait on ``item``'s barrier passes on (``ir.Parity``)."""
-    phase = ring_position(item, stages)[1]
-    match rule:
-        case Parity.ZERO:
-            return 0
-        case Parity.PHASE:
-            return phase
-        case Parity.PHASE_FLIP:
-            return phase ^ 1
-        case _:
-            raise AssertionError(f"unknown parity rule {rule}")

@@ -185,20 +185,18 @@ class _Consumers:
             waited.add(key)
             if not ring:
                 self.q_waited.add(buf.name)
-            loads = [s for s in self.kernel.steps() if _writes(s, buf.name, TMA_LOAD)]
             self.sync(
                 MBAR_WAIT,
                 phase,
                 [
                     _hazard(
                         HazardKind.RAW,
-                        load.op,
+                        _first_load(self.kernel, buf.name).op,
                         step.op,
                         buf.name,
                         async_write=True,
                         across=TO_CONSUMERS,
                     )
-                    for load in loads[:1]
                 ],
                 barrier=f"{buf.name.lower()}_full",
                 lag=step.lag if ring else None,
@@ -246,7 +244,6 @@ class _Consumers:
             buf = self.kernel.buffer(access.buffer)
             if buf.name not in self.rings:
                 continue  # Q is released once per tile (release_tile), O by its store
-            loads = [s for s in self.kernel.steps() if _writes(s, buf.name, TMA_LOAD)]
             self.sync(
                 MBAR_ARRIVE,
                 phase,
@@ -254,7 +251,7 @@ class _Consumers:
                     _hazard(
                         HazardKind.WAR,
                         step.op,
-                        loads[0].op,
+                        _first_load(self.kernel, buf.name).op,
                         buf.name,
                         back=True,
                         across=TO_PRODUCER,
@@ -271,12 +268,12 @@ class _Consumers:
         for name in once:
             in_flight = [a.buffer for g in self.in_flight for a in g.step.accesses]
             assert name not in in_flight, f"{name} still read by a wgmma in flight"
-            loads = [s for s in self.kernel.steps() if _writes(s, name, TMA_LOAD)]
+            load = _first_load(self.kernel, name)
             self.sync(
                 MBAR_ARRIVE,
                 phase,
                 [
-                    _hazard(HazardKind.WAR, r.op, loads[0].op, name, across=TO_NEXT_TILE)
+                    _hazard(HazardKind.WAR, r.op, load.op, name, across=TO_NEXT_TILE)
                     for r in _unique_ops(self.readers.get(name, []))
                 ],
                 who=Threads.CONSUMER_WARP_LANE0,
@@ -495,7 +492,8 @@ def insert_syncs(kernel: Kernel, target: targets.Target) -> Kernel:
         if phase is Phase.EPILOGUE:
             c.release_tile(phase, [b.name for b in loaded if b.name not in rings])
         if phase is Phase.PROLOGUE and hw.pingpong:
-            c.carried = _reused_by_next_tile(kernel, freed)
+            # O in its own bytes (over the rings, the all-consumer barrier orders it)
+            c.carried = [h for h in _reused_by_next_tile(kernel) if h.later_buffer not in freed]
         for step in items:
             if not isinstance(step, Step) or role_of(step.who) != "consumers":
                 continue
@@ -545,13 +543,12 @@ def insert_syncs(kernel: Kernel, target: targets.Target) -> Kernel:
                                 _hazard(
                                     HazardKind.WAR,
                                     step.op,
-                                    load.op,
+                                    _first_load(kernel, under).op,
                                     access.buffer,
                                     under,
                                     across=TO_NEXT_TILE,
                                 )
                                 for under in freed[access.buffer]
-                                for load in [next(s for s in steps if _writes(s, under, TMA_LOAD))]
                             ],
                             who=Threads.CONSUMER_ELECTED,
                             barrier=f"{access.buffer.lower()}_free",
@@ -574,16 +571,19 @@ def insert_syncs(kernel: Kernel, target: targets.Target) -> Kernel:
     )
 
 
-def _reused_by_next_tile(kernel: Kernel, freed: dict[str, list[str]]) -> list[Hazard]:
-    """A TMA-stored tile in its own bytes, written again by the next tile's consumers: the
-    previous tile's store (waited for by one elected thread) before every thread's write."""
+def _first_load(kernel: Kernel, buffer: str) -> Step:
+    """The TMA load that fills ``buffer`` (the step the hazards of its barriers name)."""
+    return next(s for s in kernel.steps() if _writes(s, buffer, TMA_LOAD))
+
+
+def _reused_by_next_tile(kernel: Kernel) -> list[Hazard]:
+    """A TMA-stored tile written again by the next tile's consumers: the previous tile's
+    store (waited for by one elected thread) before every thread's write."""
     hazards = []
     for store in kernel.steps():
         if store.async_kind != TMA_STORE:
             continue
         for access in store.accesses:
-            if access.buffer in freed:
-                continue  # over the rings: ordered by the all-consumer barrier
             for writer in kernel.steps():
                 if _writes(writer, access.buffer) and writer.async_kind is None:
                     hazards.append(
@@ -631,7 +631,7 @@ def _before_smem(c: _Consumers, step: Step, phase: Phase) -> None:
             # the elected thread waited for: every thread of its warpgroup after it (in
             # O's own bytes with ping-pong, the tile's first turn, a bar.sync of the
             # warpgroup, orders it)
-            previous = _reused_by_next_tile(kernel, {}) if served or not c.hw.pingpong else []
+            previous = _reused_by_next_tile(kernel) if served or not c.hw.pingpong else []
             if served:
                 c.sync(
                     BAR_SYNC,
