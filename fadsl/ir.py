@@ -209,14 +209,20 @@ class Hopper:
     # The CTA runs a sequence of tiles either way; persistent: about one CTA per SM, each
     # looping over many tiles; off ("scheduler grid"): one CTA per tile.
     persistent: bool = True
+    # Lazy ("rescale lazy"): a row keeps the max its P is scaled by until the max grows past
+    # 2^8 of it, so O's rescale (a multiply per O register) is skipped in most blocks;
+    # every ("rescale every"): rescaled after each block, as FlashAttention-2/3.
+    lazy_rescale: bool = True
 
     def text(self) -> str:
         on = {True: "on", False: "off"}
         scheduler = "persistent" if self.persistent else "grid"
+        rescale = "lazy" if self.lazy_rescale else "every"
         return (
             f"sm90 consumers={self.consumers} stages={self.stages} "
             f"regs={self.producer_regs}/{self.consumer_regs} swizzle={self.swizzle_bytes}B "
-            f"pingpong={on[self.pingpong]} overlap={on[self.overlap]} scheduler={scheduler}"
+            f"pingpong={on[self.pingpong]} overlap={on[self.overlap]} scheduler={scheduler} "
+            f"rescale={rescale}"
         )
 
 

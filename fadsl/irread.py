@@ -68,7 +68,7 @@ _HOPPER = re.compile(
     r"sm90 consumers=(?P<consumers>\d+) stages=(?P<stages>\d+) "
     r"regs=(?P<preg>\d+)/(?P<creg>\d+) swizzle=(?P<swizzle>\d+)B "
     r"pingpong=(?P<pingpong>on|off) overlap=(?P<overlap>on|off) "
-    r"scheduler=(?P<scheduler>persistent|grid)$"
+    r"scheduler=(?P<scheduler>persistent|grid) rescale=(?P<rescale>every|lazy)$"
 )
 _REGION = re.compile(r"region (\d+) offset=(\d+) bytes=(\d+) members=(\S*)$")
 _STEP = re.compile(r"  step (?P<op>\S+)(?P<flags>(?: [^\[\s]\S*)*)(?: \[(?P<acc>.*)\])?$")
@@ -218,6 +218,7 @@ class _Reader:
             pingpong=m["pingpong"] == "on",
             overlap=m["overlap"] == "on",
             persistent=m["scheduler"] == "persistent",
+            lazy_rescale=m["rescale"] == "lazy",
         )
 
     def tensor(self, line: str) -> Tensor:

@@ -44,6 +44,7 @@ def read_settings(c: Checks) -> None:
         "pingpong": on_off,
         "overlap": on_off,
         "scheduler": scheduler,
+        "rescale": rescale,
     }
     for setting in c.decl.settings:
         key = setting.key.text
@@ -274,3 +275,9 @@ def scheduler(c: Checks, setting: Setting) -> bool | None:
     """`scheduler persistent` (about one CTA per SM, looping over tiles) or `grid` (one CTA
     per tile): True when persistent."""
     return _word_choice(c, setting, {"persistent": True, "grid": False})
+
+
+def rescale(c: Checks, setting: Setting) -> bool | None:
+    """`rescale every` (O and l rescaled after each block, as FlashAttention-2/3) or `lazy`
+    (only when a row's max grows past 2^8 of the max it keeps): True when lazy."""
+    return _word_choice(c, setting, {"lazy": True, "every": False})

@@ -7,6 +7,8 @@
 # Usage (repo root, on the device): bash scripts/device.sh [tests] [sanitize] [bench ARGS...]
 #   GPU_TESTS: the pytest arguments instead of every GPU test file (e.g. "tests/test_gpu_sm90.py")
 #   SANITIZE_ONLY: a regex of the kernel names scripts/sanitize.py runs (default: all)
+#   BENCH_DTYPE (bf16/fp16; default the spec's first), BENCH_SEQLENS ("2048,4096"), BENCH_TAG
+#   (a suffix for the result files, e.g. "_run2" when a spec is timed more than once)
 set -uo pipefail
 export PYTHONUNBUFFERED=1 FADSL_CACHE_DIR=$PWD/build/fadsl-cache  # build/ survives between calls on a warm machine
 OUT=${OUT:-/tmp/out}
@@ -53,26 +55,28 @@ if [[ $steps == *" sanitize "* || $# -eq 0 ]]; then
 fi
 if [[ $steps == *" bench "* ]]; then
   shift $(( $(printf '%s\n' "$@" | grep -n '^bench$' | cut -d: -f1) ))
-  # Build the specs' bf16 cubins in parallel first (bench builds one at a time).
+  # Build the specs' cubins in parallel first (bench builds one at a time).
   python3 -P -c "
 import sys, torch, fadsl
-from fadsl.ir import Dtype
 from fadsl.runtime import arch_of
 from concurrent.futures import ProcessPoolExecutor
 ARCH = arch_of(0)
 def build(s):
-    fadsl.load(s, verbose=False).cubin(Dtype.BF16, ARCH); return s
+    kern = fadsl.load(s, verbose=False)
+    for dtype in kern.config.dtypes: kern.cubin(dtype, ARCH)
+    return s
 with ProcessPoolExecutor(16) as pool:
     list(pool.map(build, sys.argv[1:]))
 " "$@" 2>&1 | tail -3
   mkdir -p "$OUT/bench"
   for spec in "$@"; do
     causal=$(grep -qE '^\s*mask\s+causal' "$spec" && echo --causal)
-    python3 -P -m fadsl.cli bench "$spec" $causal --json "$OUT/bench/$(basename "$spec" .fa).json" \
-      --plot "$OUT/bench/$(basename "$spec" .fa).png" 2>&1 | tee -a "$OUT/bench/bench.log" | tail -9
+    name=$(basename "$spec" .fa)${BENCH_DTYPE:+_$BENCH_DTYPE}${BENCH_TAG:-}
+    python3 -P -m fadsl.cli bench "$spec" $causal ${BENCH_DTYPE:+--dtype $BENCH_DTYPE} ${BENCH_SEQLENS:+--seqlens $BENCH_SEQLENS} \
+      --json "$OUT/bench/$name.json" --plot "$OUT/bench/$name.png" 2>&1 | tee -a "$OUT/bench/bench.log" | tail -9
   done
   # At most 8 files come back from the device: one archive of the results.
-  tar -C "$OUT" -cf "$OUT/bench.tar" bench && rm -r "$OUT/bench"
+  tar -C "$OUT" -cf "$OUT/bench${BENCH_DTYPE:+_$BENCH_DTYPE}${BENCH_TAG:-}.tar" bench && rm -r "$OUT/bench"
 fi
 echo "device.sh status $status"
 exit $status

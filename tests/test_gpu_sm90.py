@@ -12,6 +12,7 @@ the TMA alignment refusals, torch.compile(fullgraph=True) and CUDA-graph replay.
 from __future__ import annotations
 
 import itertools
+import math
 import re
 
 import pytest
@@ -128,6 +129,34 @@ def test_persistent_ctas_run_many_tiles(kernels, name, sq, sk):
     grid.forward_into(q, k, v, out_grid, lse_grid, d**-0.5)
     torch.cuda.synchronize()
     assert torch.equal(out, out_grid) and torch.equal(lse, lse_grid)
+
+
+@pytest.mark.parametrize("growth", [2.5, 0.7])
+@pytest.mark.parametrize("name", list(SPECS))
+def test_lazy_rescale_follows_a_growing_row_max(kernels, name, growth):
+    """Scores that rise block after block in the order the kernel visits the key blocks (the
+    last one first): by `growth` x the lazy slack (2^8) per block. 2.5: every block moves
+    the rows' max, so O is rescaled in each; 0.7: the kept max lags the true one by up to
+    2^8 (P up to 256 in 16 bits, O and l scaled up alike). Both match the reference."""
+    kern = kernels[name]
+    assert kern.config.hopper.lazy_rescale
+    d, block_c = kern.config.head_dim, kern.config.block_c
+    sq, sk, heads = 300, 1500, 2
+    gen = torch.Generator(device="cuda").manual_seed(int(10 * growth) + d)
+    slope = growth * 8 / (block_c * math.log2(math.e))  # score rise per key (scale 1)
+    rise = slope * torch.arange(sk - 1, -1, -1, device="cuda", dtype=torch.float32)
+
+    def noise(*shape):
+        return 1 + 0.05 * torch.randn(*shape, device="cuda", generator=gen)
+
+    q = noise(1, sq, heads, d).to(torch.bfloat16)
+    k = (rise[None, :, None, None] / d * noise(1, sk, heads, d)).to(torch.bfloat16)
+    v = torch.randn(1, sk, heads, d, device="cuda", generator=gen).to(torch.bfloat16)
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((1, heads, sq), float("nan"), device="cuda", dtype=torch.float32)
+    kern.forward_into(q, k, v, out, lse, 1.0)
+    torch.cuda.synchronize()
+    assert_matches(kern, q, k, v, 1.0, out, lse)
 
 
 @pytest.mark.parametrize("name", list(SPECS))

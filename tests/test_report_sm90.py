@@ -35,7 +35,7 @@ def test_check_shows_roles_not_sm80_lines(capsys, monkeypatch):
     assert "  consumers warpgroups 1..2, setmaxnreg.inc 240; 64 query rows each" in lines
     assert "  swizzle   128B (TMA writes it, wgmma reads it)" in lines
     assert "  stages    2 (K and V rings of 2 slots, mbarrier pipeline)" in lines
-    assert "  schedule  pingpong on, overlap on, scheduler persistent" in lines
+    assert "  schedule  pingpong on, overlap on, scheduler persistent, rescale lazy" in lines
     assert "query rows per warp" not in out
     assert not any(line.startswith("  mainloop") for line in lines)
     assert "11 mbarriers; O over the dead V ring" in out

@@ -186,3 +186,20 @@ def test_sm90a_kernels_compile_without_spills_to_hopper_ptx(spec):
                 "stmatrix",
             ):
                 assert instr in ptx, (cu.name, instr)
+
+
+def test_rescale_knob_reaches_the_kernel_config():
+    """`rescale lazy` is the default; `every` is FlashAttention-3's per-block rescale. The
+    choice is the Cfg's last template argument (the header's online_softmax reads it)."""
+    silent = re.sub(r"^  rescale .*\n", "", HOPPER, flags=re.M)
+    every = HOPPER.replace("rescale    lazy", "rescale    every")
+    assert silent != HOPPER and every != HOPPER
+    configs = {}
+    for name, text in {"example": HOPPER, "silent": silent, "every": every}.items():
+        compiled = compile_source(text)
+        assert compiled.kernel.config.hopper.lazy_rescale is (name != "every")
+        cuda = render(compiled.kernel, compiled.target, compiled.file)[0].text
+        configs[name] = re.search(r"struct Cfg : FwdConfig<([^>]*)>", cuda).group(1)
+        assert f"rescale {'every' if name == 'every' else 'lazy'}" in cuda
+    assert configs["example"] == configs["silent"]
+    assert configs["example"].endswith(", true") and configs["every"].endswith(", false")

@@ -40,7 +40,17 @@ TARGET = Target(
     template=TEMPLATE,
     context=context,
     required_keys=("warpgroups",),
-    keys=("mask", "swizzle", "stages", "registers", "pingpong", "overlap", "scheduler", "spills"),
+    keys=(
+        "mask",
+        "swizzle",
+        "stages",
+        "registers",
+        "pingpong",
+        "overlap",
+        "scheduler",
+        "rescale",
+        "spills",
+    ),
     key_hints={"warps": "use 'warpgroups producer = 1, consumers = N'"},
     configure=configure,
     report=REPORT,  # roles, rings, named barriers, one program per role

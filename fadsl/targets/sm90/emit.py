@@ -199,6 +199,7 @@ def context(kernel: Kernel, dtype: Dtype) -> dict[str, Any]:
         "pingpong": hw.pingpong,
         "persistent": hw.persistent,
         "overlap": hw.overlap,
+        "lazy_rescale": hw.lazy_rescale,
         "mask": cfg.mask.value,
         "cuda_type": dtype.cuda_type,
         "smem_bytes": kernel.smem_bytes,

@@ -83,7 +83,8 @@ def check_lines(kernel: Kernel, lines: list[tuple[str, str]]) -> list[tuple[str,
     out.append(
         (
             "schedule",
-            f"pingpong {_on(hw.pingpong)}, overlap {_on(hw.overlap)}, scheduler {scheduler}",
+            f"pingpong {_on(hw.pingpong)}, overlap {_on(hw.overlap)}, scheduler {scheduler}, "
+            f"rescale {'lazy' if hw.lazy_rescale else 'every'}",
         )
     )
     return out
@@ -227,6 +228,7 @@ def explain_data(kernel: Kernel) -> dict[str, Any]:
             "pingpong": hw.pingpong,
             "overlap": hw.overlap,
             "scheduler": "persistent" if hw.persistent else "grid",
+            "rescale": "lazy" if hw.lazy_rescale else "every",
         },
         "tma_tiles": _mbarriers(kernel),
         "mbarrier_array": {
@@ -283,6 +285,13 @@ def explain_sections(data: Mapping[str, Any]) -> list[str]:
             "tile's Q and K during this one's epilogue"
             if ws["scheduler"] == "persistent"
             else "grid: one CTA per tile"
+        ),
+        "  rescale    "
+        + (
+            "lazy: a row keeps the max its P and O refer to until the max grows past 2^8 of "
+            "it; O is multiplied only in the blocks where some row of the warp moved"
+            if ws["rescale"] == "lazy"
+            else "every: O and l are rescaled to the new row max after each block"
         ),
         "",
     ]

@@ -205,6 +205,7 @@ def configure(c: Checks) -> Config:
             pingpong=v.get("pingpong", consumers > 1),
             overlap=v.get("overlap", True),
             persistent=v.get("scheduler", True),
+            lazy_rescale=v.get("rescale", True),
         ),
     )
 

@@ -60,7 +60,7 @@ struct FwdParamsSm90 {
 // ---------------------------------------------------------------------------
 
 template <class T_, int kHeadDim_, int kConsumerWGs_, int kBlockN_, int kStages_, bool kCausal_,
-          bool kPersistent_ = true>
+          bool kPersistent_ = true, bool kLazyRescale_ = false>
 struct FwdConfig {
   using T = T_;
   static constexpr int kHeadDim = kHeadDim_;
@@ -70,6 +70,10 @@ struct FwdConfig {
   static constexpr int kStages = kStages_;
   static constexpr bool kCausal = kCausal_;
   static constexpr bool kPersistent = kPersistent_;  // grid = min(tiles, SMs), or one CTA per tile
+  // A row's reference max moves only when the max grows past 2^kRescaleSlack of it (P <= 2^8
+  // then: far inside 16-bit and fp32 range), so most blocks skip O's rescale (online_softmax).
+  static constexpr bool kLazyRescale = kLazyRescale_;
+  static constexpr float kRescaleSlack = 8.f;
 
   static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "head_dim 64, 128 or 256");
   static_assert(kConsumerWGs >= 1 && kConsumerWGs <= 3, "1 to 3 consumer warpgroups");
@@ -322,7 +326,9 @@ __device__ __forceinline__ float scaled_max(float row_max, float scale_log2) {
 //   m_new = max(m, rowmax(S));  scale = 2^((m - m_new) * c);  S = 2^(S * c - m_new * c);
 //   l = l * scale + rowsum(S) (this thread's partial sum);  m = m_new,
 // with c = softmax_scale * log2(e).  O is rescaled by `scale` separately (rescale_o),
-// when no wgmma is using it.
+// when no wgmma is using it.  kLazyRescale: m_new stays m (scale = 1) unless the row's max
+// grew past 2^kRescaleSlack of it; the result is the same (P, l and O all refer to m), only
+// the reference moves less often (FlashAttention-4's conditional rescale).
 template <class Cfg>
 __device__ __forceinline__ void online_softmax(float (&s)[Cfg::kSRegs], float (&m)[2], float (&l)[2],
                                                float (&scale)[2], float scale_log2) {
@@ -335,8 +341,13 @@ __device__ __forceinline__ void online_softmax(float (&s)[Cfg::kSRegs], float (&
     }
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    // Lazy: m = -inf and a finite max give inf > slack, so a row's first key always sets
+    // m; a row that still has no key (both -inf) gives NaN, false, and keeps m = -inf.
+    const bool keep = Cfg::kLazyRescale && !((mx - m[r]) * scale_log2 > Cfg::kRescaleSlack);
+    if (keep) mx = m[r];
     const float ref = scaled_max(mx, scale_log2);
-    scale[r] = fast_exp2(m[r] * scale_log2 - ref);  // m = -inf (nothing seen yet): 0
+    // 1 exactly when m is kept (rescale_o tests for it); m = -inf (nothing seen yet): 0
+    scale[r] = keep ? 1.f : fast_exp2(m[r] * scale_log2 - ref);
     float sum = 0.f;
 #pragma unroll
     for (int j = 0; j < Cfg::kBlockN / 8; ++j) {
@@ -362,6 +373,11 @@ __device__ __forceinline__ void convert_p(const float (&s)[Cfg::kSRegs], uint32_
 
 template <class Cfg>
 __device__ __forceinline__ void rescale_o(float (&o)[Cfg::kORegs], const float (&scale)[2]) {
+  if constexpr (Cfg::kLazyRescale) {
+    // Most blocks keep every row's reference (scale exactly 1): then the warp skips the
+    // multiplies.  A warp-uniform branch, so no lane diverges around the wgmma code.
+    if (!__any_sync(0xffffffffu, scale[0] != 1.f || scale[1] != 1.f)) return;
+  }
 #pragma unroll
   for (int j = 0; j < Cfg::kHeadDim / 8; ++j) {
 #pragma unroll
