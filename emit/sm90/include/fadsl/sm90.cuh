@@ -72,6 +72,8 @@ struct FwdConfig {
   static constexpr bool kPersistent = kPersistent_;  // grid = min(tiles, SMs), or one CTA per tile
   // A row's reference max moves only when the max grows past 2^kRescaleSlack of it (P <= 2^8
   // then: far inside 16-bit and fp32 range), so most blocks skip O's rescale (online_softmax).
+  // Generated kernels pass the spec's `rescale` (lazy by default); the default here keeps the
+  // hand-written prototype (prototype/fa3_fwd.cu) FlashAttention-3's rescale after every block.
   static constexpr bool kLazyRescale = kLazyRescale_;
   static constexpr float kRescaleSlack = 8.f;
 
