@@ -118,7 +118,15 @@ def generated_configs(folder: Path) -> list[Config]:
     cfgs = []
     pattern = re.compile(r"FwdConfig<(\w+), (\d+), (\d+), (\d+), (\d+), (true|false)>")
     for path in sorted(folder.glob("*.cu")):
-        m = pattern.search(path.read_text())
+        text = path.read_text()
+        m = pattern.search(text)
+        if m is None and "FwdConfig<" in text:
+            # Since the persistent scheduler, a generated kernel is a tile loop (1-D grid,
+            # FwdParamsSm90.tile_grid) that this launcher's (m, head, batch) grid cannot drive.
+            raise SystemExit(
+                f"{path}: a tile-loop kernel (scheduler/rescale arguments); run generated "
+                "kernels through fadsl.load or `fadsl bench` instead"
+            )
         if m is None:
             continue
         dtype = {"__nv_bfloat16": "bf16", "half": "fp16"}[m[1]]
