@@ -1,6 +1,8 @@
-"""Fuzz the front end: whatever text it is given, the compiler answers within a second,
-in under 100 KB, either with a compiled kernel or with a SpecError of located
-diagnostics. Nothing else may escape (the CLI would turn it into exit 3).
+"""Fuzz the front end: whatever text it is given, the compiler answers in under 100 KB,
+either with a SpecError of located diagnostics within a second, or with a compiled kernel
+within three (an accepted sm_90a kernel has its sync plan proven over every tile sequence
+verify needs, which grows with stages x consumer warpgroups: about 0.55 s for 3 x 3 on an
+idle core). Nothing else may escape (the CLI would turn it into exit 3).
 
 Inputs: seeded mutants of the examples and bench specs (tests/mutate.py: token-, line-
 and character-level edits, unicode, huge numbers, very long lines, many lines), and
@@ -27,7 +29,8 @@ from fadsl.report import summary
 from mutate import SEEDS, mutants
 
 FILE = "fuzz/spec.fa"
-TIME_LIMIT_S = 1.0
+TIME_LIMIT_S = 1.0  # a refusal
+ACCEPTED_LIMIT_S = 3.0  # a kernel, its sync plan proven
 OUTPUT_LIMIT_BYTES = 100_000
 HANG_LIMIT_S = 10  # an input still running after this is stopped (and fails)
 
@@ -100,7 +103,7 @@ def _run(seed: int, count: int) -> dict[str, float]:
         except Exception as exc:
             raise AssertionError(f"{where}: {type(exc).__name__}: {exc}") from exc
         size = len(output.encode())
-        assert elapsed < TIME_LIMIT_S, f"{where} took {elapsed:.2f} s"
+        assert elapsed < _limit(output), f"{where} took {elapsed:.2f} s"
         assert size < OUTPUT_LIMIT_BYTES, f"{where} printed {size} bytes"
         slowest, largest = max(slowest, elapsed), max(largest, size)
         accepted += output.startswith(f"{FILE}: ok\n")
@@ -125,9 +128,13 @@ def test_ten_thousand_mutants() -> None:
     _run(seed=int(os.environ.get("FADSL_FUZZ_SEED", "1")), count=10_000)
 
 
+def _limit(output: str) -> float:
+    return ACCEPTED_LIMIT_S if output.startswith(f"{FILE}: ok\n") else TIME_LIMIT_S
+
+
 def _check(source: str) -> None:
     output, elapsed = answer(source)
-    assert elapsed < TIME_LIMIT_S and len(output.encode()) < OUTPUT_LIMIT_BYTES
+    assert elapsed < _limit(output) and len(output.encode()) < OUTPUT_LIMIT_BYTES
 
 
 @settings(
