@@ -47,23 +47,13 @@ class Config:
     block_n: int
     stages: int
     causal: bool
-    source: str = ""  # a fadsl-generated .cu (`fadsl compile`); "" = the prototype
-
-    @property
-    def symbol(self) -> str:
-        """The kernel's name; its launch info is <symbol>_launch_info."""
-        return Path(self.source).stem if self.source else "fa3_fwd"
 
     @property
     def name(self) -> str:
-        if self.source:
-            return Path(self.source).stem
         c = "causal" if self.causal else "full"
         return f"{self.dtype}_d{self.head_dim}_{64 * self.wgs}x{self.block_n}_s{self.stages}_{c}"
 
     def defines(self) -> list[str]:
-        if self.source:
-            return []
         return [
             f"-DFA3_DTYPE={self.dtype}",
             f"-DFA3_HEAD_DIM={self.head_dim}",
@@ -112,40 +102,15 @@ def all_configs() -> list[Config]:
 # ---------------------------------------------------------------------------
 
 
-def generated_configs(folder: Path) -> list[Config]:
-    """One config per generated .cu in ``folder`` (headers beside them, as `fadsl compile`
-    writes them), read from its FwdConfig<T, head_dim, consumers, B_c, stages, causal> line."""
-    cfgs = []
-    pattern = re.compile(r"FwdConfig<(\w+), (\d+), (\d+), (\d+), (\d+), (true|false)>")
-    for path in sorted(folder.glob("*.cu")):
-        text = path.read_text()
-        m = pattern.search(text)
-        if m is None and "FwdConfig<" in text:
-            # Since the persistent scheduler, a generated kernel is a tile loop (1-D grid,
-            # FwdParamsSm90.tile_grid) that this launcher's (m, head, batch) grid cannot drive.
-            raise SystemExit(
-                f"{path}: a tile-loop kernel (scheduler/rescale arguments); run generated "
-                "kernels through fadsl.load or `fadsl bench` instead"
-            )
-        if m is None:
-            continue
-        dtype = {"__nv_bfloat16": "bf16", "half": "fp16"}[m[1]]
-        cfgs.append(
-            Config(dtype, int(m[2]), int(m[3]), int(m[4]), int(m[5]), m[6] == "true", str(path))
-        )
-    return cfgs
-
-
 def build_one(cfg: Config) -> tuple[Config, str]:
     BUILD.mkdir(parents=True, exist_ok=True)
     cubin = BUILD / f"{cfg.name}.cubin"
-    includes = ([Path(cfg.source).parent] if cfg.source else []) + INCLUDES
     cmd = ["nvcc", "-gencode=arch=compute_90a,code=sm_90a", "-cubin", "-O3", "--resource-usage"]
     cmd += [
         "-std=c++17",
-        *[f"-I{p}" for p in includes],
+        *[f"-I{p}" for p in INCLUDES],
         *cfg.defines(),
-        cfg.source or str(SOURCE),
+        str(SOURCE),
         "-o",
         str(cubin),
     ]
@@ -203,9 +168,8 @@ class Kernel:
         self.cfg = cfg
         data = (BUILD / f"{cfg.name}.cubin").read_bytes()
         self.module = _check(driver.cuModuleLoadData(data))
-        self.func = _check(driver.cuModuleGetFunction(self.module, cfg.symbol.encode()))
-        info_name = f"{cfg.symbol}_launch_info" if cfg.source else "fa3_launch_info"
-        dptr, nbytes = _check(driver.cuModuleGetGlobal(self.module, info_name.encode()))
+        self.func = _check(driver.cuModuleGetFunction(self.module, b"fa3_fwd"))
+        dptr, nbytes = _check(driver.cuModuleGetGlobal(self.module, b"fa3_launch_info"))
         info = (ctypes.c_int * 4)()
         _check(driver.cuMemcpyDtoH(ctypes.addressof(info), dptr, nbytes))
         self.threads, self.smem, self.block_m, self.block_n = list(info)
@@ -526,14 +490,9 @@ def main() -> int:
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--only", default="", help="regex on config names")
     ap.add_argument("--no-build", action="store_true")
-    ap.add_argument(
-        "--generated",
-        type=Path,
-        help="test fadsl's generated kernels: a folder of `fadsl compile` output",
-    )
     args = ap.parse_args()
 
-    pool = generated_configs(args.generated) if args.generated else all_configs()
+    pool = all_configs()
     cfgs = [c for c in pool if re.search(args.only, c.name)]
     status = 0
     if not args.no_build:
