@@ -134,22 +134,53 @@ PANEL_COLS = 64
 O_BOX_ROWS = 64
 
 
+# Packed FwdParamsSm90 by everything they are made of: a call on tensors seen before (the
+# usual case: the caching allocator hands the same blocks back) costs one key and one lookup
+# instead of four descriptor lookups and a struct pack (about 3 us less per call).
+_SM90_PACKED: dict[tuple, bytes] = {}
+_SM90_PACKED_LIMIT = 4096
+
+
 def pack_fwd_params_sm90(kernel: Kernel, a: Args) -> bytes:
     """FwdParamsSm90: Q's map with B_r-row boxes, K's and V's with B_c-row boxes, O's with
     64-row boxes (one consumer warpgroup's rows), then FwdParams."""
-    from .tma import tensor_map
-
+    q, k, v, o, lse = a.q, a.k, a.v, a.out, a.lse
     cfg = kernel.config
-    return b"".join(
-        (
-            tensor_map(a.q, PANEL_COLS, cfg.block_r),
-            tensor_map(a.k, PANEL_COLS, cfg.block_c),
-            tensor_map(a.v, PANEL_COLS, cfg.block_c),
-            tensor_map(a.out, PANEL_COLS, O_BOX_ROWS),
-            pack_fwd_params(kernel, a),
-            _SM90_PAD,
-        )
+    key = (
+        cfg.block_r,
+        cfg.block_c,
+        q.dtype,
+        q.data_ptr(),
+        k.data_ptr(),
+        v.data_ptr(),
+        o.data_ptr(),
+        None if lse is None else (lse.data_ptr(), lse.stride()),
+        q.shape,
+        k.shape,
+        q.stride(),
+        k.stride(),
+        v.stride(),
+        o.stride(),
+        a.softmax_scale,
     )
+    found = _SM90_PACKED.get(key)
+    if found is None:
+        from .tma import tensor_map
+
+        found = b"".join(
+            (
+                tensor_map(q, PANEL_COLS, cfg.block_r),
+                tensor_map(k, PANEL_COLS, cfg.block_c),
+                tensor_map(v, PANEL_COLS, cfg.block_c),
+                tensor_map(o, PANEL_COLS, O_BOX_ROWS),
+                pack_fwd_params(kernel, a),
+                _SM90_PAD,
+            )
+        )
+        if len(_SM90_PACKED) >= _SM90_PACKED_LIMIT:
+            _SM90_PACKED.clear()
+        _SM90_PACKED[key] = found
+    return found
 
 
 # target (as a spec spells it) -> its launch

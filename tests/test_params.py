@@ -131,6 +131,7 @@ def test_sm90_pack_places_the_maps_and_params(monkeypatch):
 
     monkeypatch.setattr(tma, "_encode", fake_encode)
     monkeypatch.setattr(tma, "_encoded", {})
+    monkeypatch.setattr(params, "_SM90_PACKED", {})
     kernel = _sm90_kernel(block_r=128, block_c=176)
     qkv = torch.zeros(3, 130, 3, 5, 128, dtype=torch.bfloat16)  # packed: strided views
     q, k, v = qkv.unbind(2)
@@ -151,6 +152,24 @@ def test_sm90_pack_places_the_maps_and_params(monkeypatch):
     assert o_call[2] == (5 * 128 * 2, 256, 256) and o_call[3:] == (64, 64)
     pack_fwd_params_sm90(kernel, args)
     assert len(calls) == 4, "the same tensors must reuse their descriptors"
+    # A call on tensors seen before is one lookup of the whole struct: no descriptor lookups.
+    looked_up = []
+    real_map = tma.tensor_map
+    monkeypatch.setattr(tma, "tensor_map", lambda *a: looked_up.append(a) or real_map(*a))
+    assert pack_fwd_params_sm90(kernel, args) == raw and not looked_up
+    # Anything the struct is made of is in the key: another scale repacks FwdParams (the
+    # descriptors come from their own cache), another lse or out pointer too.
+    rescaled = pack_fwd_params_sm90(kernel, args._replace(softmax_scale=0.25))
+    assert rescaled[:SM90_BASE_OFFSET] == raw[:SM90_BASE_OFFSET] and rescaled != raw
+    assert len(looked_up) == 4 and len(calls) == 4
+    lse = torch.empty(1, 5, 130)
+    with_lse = pack_fwd_params_sm90(kernel, args._replace(lse=lse))
+    assert with_lse[SM90_BASE_OFFSET:] == pack_fwd_params(kernel, args._replace(lse=lse)) + bytes(
+        len(raw) - 688
+    )
+    other_out = torch.empty(1, 130, 5, 128, dtype=torch.bfloat16)
+    moved = pack_fwd_params_sm90(kernel, args._replace(out=other_out))
+    assert moved[3 * TENSOR_MAP_BYTES] == 5 and len(calls) == 5  # O's map encoded anew
     launch = launch_for("sm_90a")
     # one CTA per tile: ceil(130 / 128) q blocks x 5 heads x batch 1
     assert launch.grid(kernel, args) == (10, 1, 1)
