@@ -283,6 +283,7 @@ class FlashAttention:
 
     def forward_into(self, q, k, v, out, lse, scale: float) -> None:
         """Check the arguments and launch, writing ``out`` and ``lse`` (if not None)."""
+        scale = self._scale(scale)
         dtype = self.check_inputs(q, k, v)
         for name, t in (("q", q), ("k", k), ("v", v)):
             _check_base(name, t, self.config.target)

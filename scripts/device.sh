@@ -55,15 +55,18 @@ if [[ $steps == *" sanitize "* || $# -eq 0 ]]; then
 fi
 if [[ $steps == *" bench "* ]]; then
   shift $(( $(printf '%s\n' "$@" | grep -n '^bench$' | cut -d: -f1) ))
-  # Build the specs' cubins in parallel first (bench builds one at a time).
+  # Build the cubins bench will time (its dtype) in parallel first (bench builds one at a time).
   python3 -P -c "
-import sys, torch, fadsl
+import os, sys, torch, fadsl
 from fadsl.runtime import arch_of
 from concurrent.futures import ProcessPoolExecutor
 ARCH = arch_of(0)
+WANTED = os.environ.get('BENCH_DTYPE')  # bench times this dtype only (default: the first)
 def build(s):
     kern = fadsl.load(s, verbose=False)
-    for dtype in kern.config.dtypes: kern.cubin(dtype, ARCH)
+    dtypes = kern.config.dtypes
+    for dtype in [d for d in dtypes if d.value == WANTED] if WANTED else dtypes[:1]:
+        kern.cubin(dtype, ARCH)
     return s
 with ProcessPoolExecutor(16) as pool:
     list(pool.map(build, sys.argv[1:]))
@@ -72,7 +75,7 @@ with ProcessPoolExecutor(16) as pool:
   for spec in "$@"; do
     causal=$(grep -qE '^\s*mask\s+causal' "$spec" && echo --causal)
     name=$(basename "$spec" .fa)${BENCH_DTYPE:+_$BENCH_DTYPE}${BENCH_TAG:-}
-    python3 -P -m fadsl.cli bench "$spec" $causal ${BENCH_DTYPE:+--dtype $BENCH_DTYPE} ${BENCH_SEQLENS:+--seqlens $BENCH_SEQLENS} \
+    python3 -P -m fadsl.cli bench "$spec" $causal ${BENCH_DTYPE:+--dtype $BENCH_DTYPE} ${BENCH_SEQLENS:+--seqlens "$BENCH_SEQLENS"} \
       --json "$OUT/bench/$name.json" --plot "$OUT/bench/$name.png" 2>&1 | tee -a "$OUT/bench/bench.log" | tail -9
   done
   # At most 8 files come back from the device: one archive of the results.

@@ -131,32 +131,54 @@ def test_persistent_ctas_run_many_tiles(kernels, name, sq, sk):
     assert torch.equal(out, out_grid) and torch.equal(lse, lse_grid)
 
 
+def as_rescale_every(text: str) -> str:
+    """The spec with `rescale every` (FlashAttention-3's per-block rescale), its own name."""
+    text = re.sub(r"^(\s*rescale\s+)lazy\b", r"\1every", text, count=1, flags=re.M)
+    return re.sub(r"\bkernel\s+(\w+)", r"kernel \1_every", text, count=1)
+
+
 @pytest.mark.parametrize("growth", [2.5, 0.7])
 @pytest.mark.parametrize("name", list(SPECS))
 def test_lazy_rescale_follows_a_growing_row_max(kernels, name, growth):
     """Scores that rise block after block in the order the kernel visits the key blocks (the
-    last one first): by `growth` x the lazy slack (2^8) per block. 2.5: every block moves
-    the rows' max, so O is rescaled in each; 0.7: the kept max lags the true one by up to
-    2^8 (P up to 256 in 16 bits, O and l scaled up alike). Both match the reference."""
+    last one first), by up to `growth` x the lazy slack (2^8) per block, each row at its own
+    rate (0.3x to 2x), so that rows of one warp, and the two rows of one thread, keep and
+    move their max in different blocks. 2.5: most rows move every block; 0.7: the kept max
+    lags the true one by up to 2^8 (P up to 256 in 16 bits). Both dtypes, against the
+    float64 reference and, more tightly, against the same spec with `rescale every`."""
     kern = kernels[name]
-    assert kern.config.hopper.lazy_rescale
+    if not kern.config.hopper.lazy_rescale:
+        pytest.skip("the example rescales every block")
+    every = fadsl.load(as_rescale_every(SPECS[name]), verbose=False)
+    assert not every.config.hopper.lazy_rescale
     d, block_c = kern.config.head_dim, kern.config.block_c
     sq, sk, heads = 300, 1500, 2
     gen = torch.Generator(device="cuda").manual_seed(int(10 * growth) + d)
     slope = growth * 8 / (block_c * math.log2(math.e))  # score rise per key (scale 1)
     rise = slope * torch.arange(sk - 1, -1, -1, device="cuda", dtype=torch.float32)
+    row_rate = torch.linspace(0.3, 2.0, sq, device="cuda")[
+        torch.randperm(sq, device="cuda", generator=gen)
+    ]
 
     def noise(*shape):
         return 1 + 0.05 * torch.randn(*shape, device="cuda", generator=gen)
 
-    q = noise(1, sq, heads, d).to(torch.bfloat16)
-    k = (rise[None, :, None, None] / d * noise(1, sk, heads, d)).to(torch.bfloat16)
-    v = torch.randn(1, sk, heads, d, device="cuda", generator=gen).to(torch.bfloat16)
-    out = torch.full_like(q, float("nan"))
-    lse = torch.full((1, heads, sq), float("nan"), device="cuda", dtype=torch.float32)
-    kern.forward_into(q, k, v, out, lse, 1.0)
-    torch.cuda.synchronize()
-    assert_matches(kern, q, k, v, 1.0, out, lse)
+    for dtype in (torch.bfloat16, torch.float16):
+        q = (row_rate[None, :, None, None] * noise(1, sq, heads, d)).to(dtype)
+        k = (rise[None, :, None, None] / d * noise(1, sk, heads, d)).to(dtype)
+        v = torch.randn(1, sk, heads, d, device="cuda", generator=gen).to(dtype)
+        outs = {}
+        for label, kernel in (("lazy", kern), ("every", every)):
+            out = torch.full_like(q, float("nan"))
+            lse = torch.full((1, heads, sq), float("nan"), device="cuda", dtype=torch.float32)
+            kernel.forward_into(q, k, v, out, lse, 1.0)
+            torch.cuda.synchronize()
+            assert_matches(kernel, q, k, v, 1.0, out, lse)
+            outs[label] = out.float()
+        ref, _ = reference(q, k, v, 1.0, is_causal(kern), torch.float64)
+        err_lazy = (outs["lazy"] - ref.float()).abs().max().item()
+        err_every = (outs["every"] - ref.float()).abs().max().item()
+        assert err_lazy <= 2 * err_every + 1e-3, (dtype, err_lazy, err_every)
 
 
 @pytest.mark.parametrize("name", list(SPECS))

@@ -167,6 +167,16 @@ def test_sm90_pack_places_the_maps_and_params(monkeypatch):
     assert with_lse[SM90_BASE_OFFSET:] == pack_fwd_params(kernel, args._replace(lse=lse)) + bytes(
         len(raw) - 688
     )
+    assert len(calls) == 4  # the descriptors did not change
+    store = torch.empty(1, 130 * 5)  # one buffer, two views: same pointer and shape
+    lse_rows, lse_cols = store.view(1, 5, 130), store.view(1, 130, 5).transpose(1, 2)
+    assert lse_rows.data_ptr() == lse_cols.data_ptr() and lse_rows.shape == lse_cols.shape
+    by_rows = pack_fwd_params_sm90(kernel, args._replace(lse=lse_rows))
+    by_cols = pack_fwd_params_sm90(kernel, args._replace(lse=lse_cols))
+    assert by_cols != by_rows  # the strides alone are in the key
+    assert by_cols[SM90_BASE_OFFSET:] == pack_fwd_params(
+        kernel, args._replace(lse=lse_cols)
+    ) + bytes(len(raw) - 688)
     other_out = torch.empty(1, 130, 5, 128, dtype=torch.bfloat16)
     moved = pack_fwd_params_sm90(kernel, args._replace(out=other_out))
     assert moved[3 * TENSOR_MAP_BYTES] == 5 and len(calls) == 5  # O's map encoded anew
