@@ -214,15 +214,23 @@ class Hopper:
     # every ("rescale every"): rescaled after each block, as FlashAttention-2/3.
     lazy_rescale: bool = True
 
+    @property
+    def scheduler(self) -> str:
+        """The `scheduler` setting as a spec spells it."""
+        return "persistent" if self.persistent else "grid"
+
+    @property
+    def rescale(self) -> str:
+        """The `rescale` setting as a spec spells it."""
+        return "lazy" if self.lazy_rescale else "every"
+
     def text(self) -> str:
         on = {True: "on", False: "off"}
-        scheduler = "persistent" if self.persistent else "grid"
-        rescale = "lazy" if self.lazy_rescale else "every"
         return (
             f"sm90 consumers={self.consumers} stages={self.stages} "
             f"regs={self.producer_regs}/{self.consumer_regs} swizzle={self.swizzle_bytes}B "
-            f"pingpong={on[self.pingpong]} overlap={on[self.overlap]} scheduler={scheduler} "
-            f"rescale={rescale}"
+            f"pingpong={on[self.pingpong]} overlap={on[self.overlap]} "
+            f"scheduler={self.scheduler} rescale={self.rescale}"
         )
 
 

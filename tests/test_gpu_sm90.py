@@ -100,10 +100,15 @@ def test_matches_float32_reference(kernels, name, dtype, sq, sk, hq, hkv):
 MANY_TILES = [(1000, 333), (777, 1024), (2048, 130)]
 
 
+def with_setting(text: str, key: str, old: str, new: str) -> str:
+    """The spec with `key old` set to `key new`, its kernel named after the new value."""
+    text = re.sub(rf"^(\s*{key}\s+){old}\b", rf"\g<1>{new}", text, count=1, flags=re.M)
+    return re.sub(r"\bkernel\s+(\w+)", rf"kernel \1_{new}", text, count=1)
+
+
 def as_grid_scheduler(text: str) -> str:
-    """The spec with `scheduler grid` (one CTA per tile) and its own kernel name."""
-    text = re.sub(r"^(\s*scheduler\s+)persistent\b", r"\1grid", text, count=1, flags=re.M)
-    return re.sub(r"\bkernel\s+(\w+)", r"kernel \1_grid", text, count=1)
+    """The spec with `scheduler grid` (one CTA per tile)."""
+    return with_setting(text, "scheduler", "persistent", "grid")
 
 
 @pytest.mark.parametrize("sq, sk", MANY_TILES)
@@ -132,9 +137,8 @@ def test_persistent_ctas_run_many_tiles(kernels, name, sq, sk):
 
 
 def as_rescale_every(text: str) -> str:
-    """The spec with `rescale every` (FlashAttention-3's per-block rescale), its own name."""
-    text = re.sub(r"^(\s*rescale\s+)lazy\b", r"\1every", text, count=1, flags=re.M)
-    return re.sub(r"\bkernel\s+(\w+)", r"kernel \1_every", text, count=1)
+    """The spec with `rescale every` (FlashAttention-3's per-block rescale)."""
+    return with_setting(text, "rescale", "lazy", "every")
 
 
 @pytest.mark.parametrize("growth", [2.5, 0.7])

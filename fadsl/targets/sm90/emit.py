@@ -200,6 +200,8 @@ def context(kernel: Kernel, dtype: Dtype) -> dict[str, Any]:
         "persistent": hw.persistent,
         "overlap": hw.overlap,
         "lazy_rescale": hw.lazy_rescale,
+        "scheduler": hw.scheduler,
+        "rescale": hw.rescale,
         "mask": cfg.mask.value,
         "cuda_type": dtype.cuda_type,
         "smem_bytes": kernel.smem_bytes,

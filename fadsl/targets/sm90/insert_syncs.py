@@ -123,8 +123,10 @@ class _Consumers:
     # writes, and the first wgmma, need a wgmma.fence before them)
     registers_written: bool = True
     q_waited: set[str] = field(default_factory=set)
-    # hazards from the previous tile that the tile's first turn (a bar.sync of every thread
-    # of the warpgroup) orders on its way
+    # WAR of the previous tile's TMA store against this tile's writes of the same bytes
+    # (_reused_by_next_tile), and those of them the tile's first turn (a bar.sync of every
+    # thread of the warpgroup) orders on its way
+    reused: list[Hazard] = field(default_factory=list)
     carried: list[Hazard] = field(default_factory=list)
     out: list[Item] = field(default_factory=list)
 
@@ -468,7 +470,7 @@ def insert_syncs(kernel: Kernel, target: targets.Target) -> Kernel:
         return out
 
     # --- consumers -----------------------------------------------------------------
-    c = _Consumers(kernel, readers, rings)
+    c = _Consumers(kernel, readers, rings, reused=_reused_by_next_tile(kernel))
     consumer_items: dict[Phase, list[Item]] = {}
     for phase, items in (*kernel.phases(), (Phase.TEARDOWN, ())):
         if phase is Phase.TEARDOWN and hw.pingpong:
@@ -493,7 +495,7 @@ def insert_syncs(kernel: Kernel, target: targets.Target) -> Kernel:
             c.release_tile(phase, [b.name for b in loaded if b.name not in rings])
         if phase is Phase.PROLOGUE and hw.pingpong:
             # O in its own bytes (over the rings, the all-consumer barrier orders it)
-            c.carried = [h for h in _reused_by_next_tile(kernel) if h.later_buffer not in freed]
+            c.carried = [h for h in c.reused if h.later_buffer not in freed]
         for step in items:
             if not isinstance(step, Step) or role_of(step.who) != "consumers":
                 continue
@@ -631,7 +633,7 @@ def _before_smem(c: _Consumers, step: Step, phase: Phase) -> None:
             # the elected thread waited for: every thread of its warpgroup after it (in
             # O's own bytes with ping-pong, the tile's first turn, a bar.sync of the
             # warpgroup, orders it)
-            previous = _reused_by_next_tile(kernel) if served or not c.hw.pingpong else []
+            previous = c.reused if served or not c.hw.pingpong else []
             if served:
                 c.sync(
                     BAR_SYNC,

@@ -53,14 +53,14 @@ def plan_smem(kernel: Kernel, target: targets.Target) -> Kernel:
         offset += size
     o = bufs["O"]
     limit = target.capabilities.smem_per_cta
-    if offset + _aligned(o.nbytes) + 8 * mbarrier_count(kernel, False) + BASE_SLACK <= limit:
+    bars = mbarrier_count(kernel, o_aliased=False)
+    if offset + _aligned(o.nbytes) + 8 * bars + BASE_SLACK <= limit:
         # Room for O's own bytes: the next tile's V loads need not wait for this tile's O
         # store, nor every consumer warpgroup for the others before stmatrix.
         placed["O"] = replace(o, offset=offset, region=3)
         why = "O has bytes of its own (they fit): the next tile loads V while this one stores O"
         regions.append(Region(3, offset, _aligned(o.nbytes), ("O",), (why,)))
         offset += _aligned(o.nbytes)
-        bars = mbarrier_count(kernel, False)
     else:
         placed["O"] = _o_over_v(o, placed, steps, occupied, offset)
         why = [
@@ -76,7 +76,7 @@ def plan_smem(kernel: Kernel, target: targets.Target) -> Kernel:
                 "dead too"
             )
         regions[2] = replace(regions[2], members=("V", "O"), reasons=tuple(why))
-        bars = mbarrier_count(kernel, True)
+        bars = mbarrier_count(kernel, o_aliased=True)
     total = offset + 8 * bars + BASE_SLACK
     if total > limit:
         raise SpecError(

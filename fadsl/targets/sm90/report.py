@@ -79,12 +79,11 @@ def check_lines(kernel: Kernel, lines: list[tuple[str, str]]) -> list[tuple[str,
             )
             out.append(("consumers", consumers))
     out.append(("stages", f"{hw.stages} (K and V rings of {hw.stages} slots, mbarrier pipeline)"))
-    scheduler = "persistent" if hw.persistent else "grid"
     out.append(
         (
             "schedule",
-            f"pingpong {_on(hw.pingpong)}, overlap {_on(hw.overlap)}, scheduler {scheduler}, "
-            f"rescale {'lazy' if hw.lazy_rescale else 'every'}",
+            f"pingpong {_on(hw.pingpong)}, overlap {_on(hw.overlap)}, "
+            f"scheduler {hw.scheduler}, rescale {hw.rescale}",
         )
     )
     return out
@@ -227,8 +226,8 @@ def explain_data(kernel: Kernel) -> dict[str, Any]:
             "stages": hw.stages,
             "pingpong": hw.pingpong,
             "overlap": hw.overlap,
-            "scheduler": "persistent" if hw.persistent else "grid",
-            "rescale": "lazy" if hw.lazy_rescale else "every",
+            "scheduler": hw.scheduler,
+            "rescale": hw.rescale,
         },
         "tma_tiles": _mbarriers(kernel),
         "mbarrier_array": {
