@@ -123,6 +123,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
             return EXIT_FAILURE
 
     compiled = _compile(args.spec)  # a bad spec is reported (exit 2) before the GPU check
+    heads = 16 if args.heads is None else args.heads
+    if args.hidden is not None:
+        head_dim = compiled.kernel.config.head_dim
+        if args.hidden % head_dim:
+            print(
+                f"fadsl bench: --hidden {args.hidden} is not a multiple of the "
+                f"spec's head_dim {head_dim}",
+                file=sys.stderr,
+            )
+            return EXIT_FAILURE
+        heads = args.hidden // head_dim
     try:
         import torch
     except ImportError:
@@ -139,7 +150,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             dtype_name=args.dtype,
             causal=args.causal,
             tokens=args.tokens,
-            heads=args.heads,
+            heads=heads,
             warmup=args.warmup,
             runs=args.runs,
         )
@@ -162,6 +173,16 @@ def _seqlens(text: str) -> list[int]:
     if any(v <= 0 for v in values):
         raise argparse.ArgumentTypeError("sequence lengths must be positive")
     return values
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got '{text}'")
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -239,10 +260,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("--dtype", choices=["bf16", "fp16"], help="default: the spec's first")
     bench.add_argument("--causal", action="store_true", help="causal masking")
-    bench.add_argument("--tokens", type=int, default=16384, help="batch x seqlen (default 16384)")
-    bench.add_argument("--heads", type=int, default=16, help="heads (default 16)")
+    bench.add_argument(
+        "--tokens", type=_positive, default=16384, help="batch x seqlen (default 16384)"
+    )
+    width = bench.add_mutually_exclusive_group()
+    width.add_argument("--heads", type=_positive, help="heads (default 16)")
+    width.add_argument(
+        "--hidden",
+        type=_positive,
+        metavar="H",
+        help="heads = H / head_dim, as the FlashAttention papers do (hidden 2048)",
+    )
     bench.add_argument("--warmup", type=int, default=32, help="warm-up runs (default 32)")
-    bench.add_argument("--runs", type=int, default=128, help="timed runs (default 128)")
+    bench.add_argument("--runs", type=_positive, default=128, help="timed runs (default 128)")
     bench.add_argument("--json", metavar="PATH", help="write the numbers as JSON")
     bench.add_argument("--plot", metavar="PATH", help="write a PNG plot (needs matplotlib)")
     bench.set_defaults(run=cmd_bench)

@@ -7,7 +7,8 @@
 # Usage (repo root, on the device): bash scripts/device.sh [tests] [sanitize] [bench ARGS...]
 #   GPU_TESTS: the pytest arguments instead of every GPU test file (e.g. "tests/test_gpu_sm90.py")
 #   SANITIZE_ONLY: a regex of the kernel names scripts/sanitize.py runs (default: all)
-#   BENCH_DTYPE (bf16/fp16; default the spec's first), BENCH_SEQLENS ("2048,4096"), BENCH_TAG
+#   BENCH_DTYPE (bf16/fp16; default the spec's first), BENCH_SEQLENS ("2048,4096"),
+#   BENCH_HIDDEN (heads = hidden / head_dim, the FA papers' 2048; default 16 heads), BENCH_TAG
 #   (a suffix for the result files, e.g. "_run2" when a spec is timed more than once)
 set -uo pipefail
 export PYTHONUNBUFFERED=1 FADSL_CACHE_DIR=$PWD/build/fadsl-cache  # build/ survives between calls on a warm machine
@@ -75,7 +76,7 @@ with ProcessPoolExecutor(16) as pool:
   for spec in "$@"; do
     causal=$(grep -qE '^\s*mask\s+causal' "$spec" && echo --causal)
     name=$(basename "$spec" .fa)${BENCH_DTYPE:+_$BENCH_DTYPE}${BENCH_TAG:-}
-    python3 -P -m fadsl.cli bench "$spec" $causal ${BENCH_DTYPE:+--dtype $BENCH_DTYPE} ${BENCH_SEQLENS:+--seqlens "$BENCH_SEQLENS"} \
+    python3 -P -m fadsl.cli bench "$spec" $causal ${BENCH_DTYPE:+--dtype $BENCH_DTYPE} ${BENCH_SEQLENS:+--seqlens "$BENCH_SEQLENS"} ${BENCH_HIDDEN:+--hidden $BENCH_HIDDEN} \
       --json "$OUT/bench/$name.json" --plot "$OUT/bench/$name.png" 2>&1 | tee -a "$OUT/bench/bench.log" | tail -9
   done
   # At most 8 files come back from the device: one archive of the results.

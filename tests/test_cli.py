@@ -144,3 +144,21 @@ def test_a_folder_given_as_the_spec_is_exit_2(tmp_path):
     proc = run("check", str(tmp_path))
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert f"cannot read '{tmp_path}'" in proc.stderr
+
+
+def test_bench_hidden_must_be_a_multiple_of_head_dim():
+    proc = run("bench", "examples/fa3_hdim64.fa", "--hidden", "2000")
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert "--hidden 2000 is not a multiple of the spec's head_dim 64" in proc.stderr
+    assert "GPU" not in proc.stderr  # refused before looking for one
+
+
+def test_bench_hidden_and_heads_exclude_each_other():
+    proc = run("bench", SPEC, "--hidden", "2048", "--heads", "16")
+    assert proc.returncode == 2 and "not allowed with argument" in proc.stderr
+
+
+@pytest.mark.parametrize("option", ["--heads", "--hidden", "--tokens", "--runs"])
+def test_bench_counts_must_be_positive(option):
+    proc = run("bench", SPEC, option, "0")
+    assert proc.returncode == 2 and f"argument {option}: must be positive, got 0" in proc.stderr
