@@ -24,6 +24,7 @@ from .ir import Mask
 from .runtime import FlashAttention
 
 DEFAULT_SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
+DEFAULT_HEADS = 16
 
 
 @dataclass
@@ -90,7 +91,7 @@ def run(
     dtype_name: str | None = None,
     causal: bool = False,
     tokens: int = 16384,
-    heads: int = 16,
+    heads: int = DEFAULT_HEADS,
     warmup: int = 32,
     runs: int = 128,
     log: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True),

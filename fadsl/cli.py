@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Callable, Sequence
 
-from . import __version__
+from . import __version__, bench
 from .compile_check import RegisterCheck, check_registers
 from .errors import SpecError
 from .passes.verify import VerifyError
@@ -109,7 +109,6 @@ def cmd_cache(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from . import bench
     from .runtime import FlashAttention
 
     if args.plot:
@@ -123,7 +122,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             return EXIT_FAILURE
 
     compiled = _compile(args.spec)  # a bad spec is reported (exit 2) before the GPU check
-    heads = 16 if args.heads is None else args.heads
+    heads = bench.DEFAULT_HEADS if args.heads is None else args.heads
     if args.hidden is not None:
         head_dim = compiled.kernel.config.head_dim
         if args.hidden % head_dim:
@@ -246,36 +245,36 @@ def build_parser() -> argparse.ArgumentParser:
     cache_cmd.add_argument("action", choices=["list", "clear"])
     cache_cmd.set_defaults(run=cmd_cache)
 
-    bench = sub.add_parser(
+    bench_cmd = sub.add_parser(
         "bench",
         help="time the kernel against PyTorch's FLASH_ATTENTION and CUDNN_ATTENTION backends",
     )
-    bench.add_argument("spec", metavar="SPEC", help="path to a .fa spec")
-    bench.add_argument(
+    bench_cmd.add_argument("spec", metavar="SPEC", help="path to a .fa spec")
+    bench_cmd.add_argument(
         "--seqlens",
         type=_seqlens,
-        default=[512, 1024, 2048, 4096, 8192, 16384],
+        default=list(bench.DEFAULT_SEQLENS),
         metavar="N,N,...",
         help="sequence lengths (default: 512,...,16384)",
     )
-    bench.add_argument("--dtype", choices=["bf16", "fp16"], help="default: the spec's first")
-    bench.add_argument("--causal", action="store_true", help="causal masking")
-    bench.add_argument(
+    bench_cmd.add_argument("--dtype", choices=["bf16", "fp16"], help="default: the spec's first")
+    bench_cmd.add_argument("--causal", action="store_true", help="causal masking")
+    bench_cmd.add_argument(
         "--tokens", type=_positive, default=16384, help="batch x seqlen (default 16384)"
     )
-    width = bench.add_mutually_exclusive_group()
-    width.add_argument("--heads", type=_positive, help="heads (default 16)")
+    width = bench_cmd.add_mutually_exclusive_group()
+    width.add_argument("--heads", type=_positive, help=f"heads (default {bench.DEFAULT_HEADS})")
     width.add_argument(
         "--hidden",
         type=_positive,
         metavar="H",
         help="heads = H / head_dim, as the FlashAttention papers do (hidden 2048)",
     )
-    bench.add_argument("--warmup", type=int, default=32, help="warm-up runs (default 32)")
-    bench.add_argument("--runs", type=_positive, default=128, help="timed runs (default 128)")
-    bench.add_argument("--json", metavar="PATH", help="write the numbers as JSON")
-    bench.add_argument("--plot", metavar="PATH", help="write a PNG plot (needs matplotlib)")
-    bench.set_defaults(run=cmd_bench)
+    bench_cmd.add_argument("--warmup", type=int, default=32, help="warm-up runs (default 32)")
+    bench_cmd.add_argument("--runs", type=_positive, default=128, help="timed runs (default 128)")
+    bench_cmd.add_argument("--json", metavar="PATH", help="write the numbers as JSON")
+    bench_cmd.add_argument("--plot", metavar="PATH", help="write a PNG plot (needs matplotlib)")
+    bench_cmd.set_defaults(run=cmd_bench)
     return parser
 
 

@@ -152,6 +152,10 @@ def test_sm90_pack_places_the_maps_and_params(monkeypatch):
     assert o_call[2] == (5 * 128 * 2, 256, 256) and o_call[3:] == (64, 64)
     pack_fwd_params_sm90(kernel, args)
     assert len(calls) == 4, "the same tensors must reuse their descriptors"
+
+    def base_and_pad(a):  # FwdParamsSm90 past its four tensor maps
+        return pack_fwd_params(kernel, a) + bytes(len(raw) - SM90_BASE_OFFSET - FWD_PARAMS.size)
+
     # A call on tensors seen before is one lookup of the whole struct: no descriptor lookups.
     looked_up = []
     real_map = tma.tensor_map
@@ -164,9 +168,7 @@ def test_sm90_pack_places_the_maps_and_params(monkeypatch):
     assert len(looked_up) == 4 and len(calls) == 4
     lse = torch.empty(1, 5, 130)
     with_lse = pack_fwd_params_sm90(kernel, args._replace(lse=lse))
-    assert with_lse[SM90_BASE_OFFSET:] == pack_fwd_params(kernel, args._replace(lse=lse)) + bytes(
-        len(raw) - 688
-    )
+    assert with_lse[SM90_BASE_OFFSET:] == base_and_pad(args._replace(lse=lse))
     assert len(calls) == 4  # the descriptors did not change
     store = torch.empty(1, 130 * 5)  # one buffer, two views: same pointer and shape
     lse_rows, lse_cols = store.view(1, 5, 130), store.view(1, 130, 5).transpose(1, 2)
@@ -174,9 +176,7 @@ def test_sm90_pack_places_the_maps_and_params(monkeypatch):
     by_rows = pack_fwd_params_sm90(kernel, args._replace(lse=lse_rows))
     by_cols = pack_fwd_params_sm90(kernel, args._replace(lse=lse_cols))
     assert by_cols != by_rows  # the strides alone are in the key
-    assert by_cols[SM90_BASE_OFFSET:] == pack_fwd_params(
-        kernel, args._replace(lse=lse_cols)
-    ) + bytes(len(raw) - 688)
+    assert by_cols[SM90_BASE_OFFSET:] == base_and_pad(args._replace(lse=lse_cols))
     other_out = torch.empty(1, 130, 5, 128, dtype=torch.bfloat16)
     moved = pack_fwd_params_sm90(kernel, args._replace(out=other_out))
     assert moved[3 * TENSOR_MAP_BYTES] == 5 and len(calls) == 5  # O's map encoded anew
