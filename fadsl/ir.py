@@ -148,10 +148,11 @@ class Parity(Enum):
     PHASE = "phase"  # consumers wait for the full barrier's phase of this round
     PHASE_FLIP = "phase^1"  # the producer waits for the empty barrier of the previous round
     # (a fresh barrier passes parity 1 at once: the first round waits for nothing)
-    # A per-tile barrier (no ring item: Q's, O's) is a ring of one slot whose items are the
-    # CTA's non-empty tiles t = 0, 1, ... in the order it runs them: phase = t & 1.
+    # A per-tile barrier (no ring item: Q's, O's) is a ring of Sync.slots slots whose items
+    # are the CTA's non-empty tiles t = 0, 1, ... in the order it runs them: tile t uses
+    # slot t % slots, phase (t // slots) & 1 (one slot: phase t & 1).
     TILE = "tile"  # wait for this tile's phase (Q loaded)
-    TILE_FLIP = "tile^1"  # wait for the previous tile's phase (Q no longer read, O stored)
+    TILE_FLIP = "tile^1"  # wait for the slot's previous tile's phase (Q no longer read, O stored)
 
 
 @dataclass(frozen=True)
@@ -213,6 +214,9 @@ class Hopper:
     # 2^8 of it, so O's rescale (a multiply per O register) is skipped in most blocks;
     # every ("rescale every"): rescaled after each block, as FlashAttention-2/3.
     lazy_rescale: bool = True
+    # Q slots: tile t's Q in slot t % q_slots; with 2 the producer loads the next tile's Q
+    # while this tile's runs (its barriers a ring of tiles, Parity.TILE).
+    q_slots: int = 1
 
     @property
     def scheduler(self) -> str:
@@ -231,6 +235,7 @@ class Hopper:
             f"regs={self.producer_regs}/{self.consumer_regs} swizzle={self.swizzle_bytes}B "
             f"pingpong={on[self.pingpong]} overlap={on[self.overlap]} "
             f"scheduler={self.scheduler} rescale={self.rescale}"
+            + (f" q_slots={self.q_slots}" if self.q_slots > 1 else "")
         )
 
 
@@ -355,6 +360,7 @@ class Sync:
     who: Threads = Threads.ALL_WARPS
     barrier: str = ""  # an mbarrier ("k_full") or a named barrier ("turn", "ring_dead")
     lag: int | None = None  # a ring barrier: the slot of item it + lag (see Step.lag)
+    slots: int = 1  # a per-tile barrier: its ring of tiles (Parity.TILE); init: how many
     parity: Parity | None = None  # an mbarrier wait
     count: int = 0  # init: arrivals per phase; named barrier: threads
     tx: int = 0  # arrive.expect_tx: transaction bytes
@@ -367,6 +373,7 @@ class Sync:
         args = []
         if self.barrier:
             ring = "" if self.lag is None else f"[it{self.lag:+d}]" if self.lag else "[it]"
+            ring = f"[t%{self.slots}]" if self.slots > 1 else ring
             args.append(f"bar={self.barrier}{ring}")
         if self.bar_id >= 0:
             args.append(f"id={self.bar_id_text()}")

@@ -38,6 +38,7 @@ def read_settings(c: Checks) -> None:
         "swizzle": swizzle,
         "smem_alias": smem_alias,
         "stages": stages,
+        "q_slots": q_slots,
         "spills": spills,
         "warpgroups": warpgroups,
         "registers": registers,
@@ -226,6 +227,16 @@ def stages(c: Checks, setting: Setting) -> int | None:
         return None
     c.key_locs["stages_value"] = value.loc  # the target's checks point at the number
     return _number(c, value, "stages", 1, 8)
+
+
+def q_slots(c: Checks, setting: Setting) -> int | None:
+    """`q_slots N` (sm_90a): Q in a ring of N tiles; with 2 the producer loads the next
+    tile's Q while this tile's runs."""
+    value = _single(c, setting)
+    if value is None:
+        return None
+    c.key_locs["q_slots_value"] = value.loc
+    return _number(c, value, "q_slots", 1, 2)
 
 
 def _assigns(c: Checks, setting: Setting, names: tuple[str, ...], lo: int, hi: int) -> dict:

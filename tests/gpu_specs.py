@@ -3,7 +3,7 @@
 Head dims 64, 96 and 128 vary the swizzled example (whole tiles in registers); 256 is the
 head_dim 256 example (fragment-wise loads, loads ahead), and `pipelined` the head_dim 128
 kernel with FA2's schedule, so that tails and causal masks run through every kind of load.
-``sm90_specs()``: the sm_90a examples with and without the causal mask.
+``sm90_specs()``: the sm_90a examples (and ``Q_RING``) with and without the causal mask.
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ SWIZZLED = (ROOT / "examples" / "fa2_swizzled.fa").read_text()
 # 96-element rows: 32-element spans (FlashAttention's Swizzle<2, 3, 3>), whole in every row.
 SWIZZLE = {64: "xor(3, 3, 3)", 96: "xor(2, 3, 3)", 128: "xor(3, 3, 4)"}
 OTHERS = {"d256": "fa2_hdim256", "pipelined": "fa2_pipelined"}
+# Not an example (yet): Q in a ring of two tiles (q_slots 2), run by the sm_90a GPU tests too.
+Q_RING = "tests/specs/sm90/fa3_q_ring.fa"
 
 
 def _masked(name: str, text: str, kernel: str, mask: str) -> str:
@@ -44,7 +46,7 @@ def sm90_specs() -> dict[str, str]:
     flipped spec that another example already is (fa3_causal is fa3_hopper, causal) is
     left out."""
     examples = {}
-    for path in sorted((ROOT / "examples").glob("*.fa")):
+    for path in sorted((ROOT / "examples").glob("*.fa")) + [ROOT / Q_RING]:
         text = path.read_text()
         if re.search(r"^\s*target\s+sm_90a\b", text, re.MULTILINE):
             examples[path.stem] = text

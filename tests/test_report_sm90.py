@@ -165,3 +165,22 @@ def test_one_consumer_causal_without_pingpong(capsys, monkeypatch):
     assert "1-3 tiles in turn, each of 1..5 K/V blocks" in out
     assert "bar=turn" not in out and "  turn " not in out and "pingpong   off" in out
     assert "  o_store    id 2      128 threads" in out
+
+
+def test_explain_shows_the_q_ring_of_tiles(capsys, monkeypatch):
+    """q_slots 2: Q and its barriers a ring of two tiles, in the text and the JSON; the
+    proof covers runs of five tiles (each Q slot's third use)."""
+    spec = "tests/specs/sm90/fa3_q_ring.fa"
+    data = json.loads(run(capsys, monkeypatch, "explain", spec, "--json"))
+    assert data["warp_specialisation"]["q_slots"] == 2
+    q = next(t for t in data["tma_tiles"] if t["buffer"] == "Q")
+    assert q["ring"] is False and q["slots"] == 2 and q["slot_bytes"] == 192 * 64 * 2
+    assert all(b["per_slot"] for b in q["mbarriers"])
+    assert data["mbarrier_array"]["count"] == 2 * 2 + 4 * 2
+    assert data["verified"]["tiles"] == [1, 5]
+    text = run(capsys, monkeypatch, "explain", spec)
+    assert "  Q  ring of 2 tiles x 24576 bytes at offset 0; CTA tile t in slot t % 2" in text
+    assert "  q_slots    2: Q in a ring of 2 tiles" in text
+    assert "bar=q_full[t%2] parity=tile" in text
+    check = run(capsys, monkeypatch, "check", spec)
+    assert "  q_slots   2 (Q in a ring of 2 tiles)" in check.splitlines()

@@ -203,3 +203,28 @@ def test_rescale_knob_reaches_the_kernel_config():
         assert f"rescale {'every' if name == 'every' else 'lazy'}" in cuda
     assert configs["example"] == configs["silent"]
     assert configs["example"].endswith(", true") and configs["every"].endswith(", false")
+
+
+def test_q_slots_render_a_ring_of_tiles():
+    """q_slots 2: two Q slots and two barrier pairs, indexed by the CTA's tile count, in the
+    producer's load and the consumers' wgmma descriptors; q_slots 1 renders none of it."""
+    compiled = compile_file("tests/specs/sm90/fa3_q_ring.fa")
+    text = render(compiled.kernel, compiled.target, compiled.file)[0].text
+    assert "static constexpr int kNumBars = 12;" in text
+    assert "for (int s = 0; s < 2; ++s) mbar_init(bar_q_full(s), 1);" in text
+    assert "for (int s = 0; s < 2; ++s) mbar_init(bar_q_empty(s), 12);" in text
+    assert (
+        "load_q<Cfg>(P, smem_q + (tile_count % 2) * Cfg::kQBytes, bar_q_full(tile_count % 2), w);"
+        in text
+    )
+    assert "mbar_wait_parity(bar_q_empty(tile_count % 2), tile_phase(tile_count / 2) ^ 1u);" in text
+    assert "mbar_wait_parity(bar_q_full(tile_count % 2), tile_phase(tile_count / 2));" in text
+    assert "if (lane == 0) mbar_arrive(bar_q_empty(tile_count % 2));" in text
+    slot = "smem_q + (tile_count % 2) * Cfg::kQBytes + wg * 64 * Cfg::kRowBytes;"
+    # the consumers' slot of Q is this tile's: computed inside the tile loop
+    assert text.index("for (int step = 0, tile;", text.index("consumer warpgroups")) < text.index(
+        slot
+    )
+    plain = compile_file("examples/fa3_hdim64.fa")
+    single = render(plain.kernel, plain.target, plain.file)[0].text
+    assert "tile_count %" not in single and "kQBytes" not in single

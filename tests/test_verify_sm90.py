@@ -35,6 +35,10 @@ SINGLE_TILE = read_kernel((ROOT / "tests/fixtures/fa3_hopper.single_tile_plan.ir
 # bytes); the example itself (128 x 176, O over the V ring) is among the specs above.
 HOPPER = (ROOT / "bench" / "specs" / "fa3_hopper_bc128.fa").read_text()
 HOPPER_176 = (ROOT / "examples" / "fa3_hopper.fa").read_text()
+# Q in a ring of two tiles (q_slots 2): head_dim 64, three consumer warpgroups; and 128 x 128
+# causal (two consumer warpgroups, empty tiles).
+Q_RING = (ROOT / "tests" / "specs" / "sm90" / "fa3_q_ring.fa").read_text()
+Q_RING_CAUSAL = (ROOT / "bench" / "specs" / "fa3_causal_q2.fa").read_text()
 
 
 def _variant(text: str = HOPPER, **settings: str) -> str:
@@ -54,6 +58,16 @@ VARIANTS = {
     # O over the V ring (no room for its own bytes at 128 x 176)
     "o_over_v_both_off": _variant(HOPPER_176, pingpong="off", overlap="off"),
     "o_over_v_stages_1": _variant(HOPPER_176, stages="1"),
+    "q_ring_both_off": _variant(Q_RING, pingpong="off", overlap="off"),
+    "q_ring_stages_1": _variant(Q_RING, stages="1"),
+    "q_ring_causal": Q_RING_CAUSAL,
+    # one consumer warpgroup (small enough for the brute-force checker)
+    "q_ring_one_wg": re.sub(
+        r"^  stages     3$",
+        "  stages     2\n  q_slots    2",
+        (ROOT / "tests" / "specs" / "sm90" / "fa3_one_wg.fa").read_text(),
+        flags=re.M,
+    ),
 }
 
 
@@ -279,3 +293,79 @@ def test_the_tile_sequences_cover_the_loop(stages):
     assert any(len(s) == 3 and s[1] < max(stages, 2) for s in sequences)
     assert sequences == tuple(sorted(sequences, key=lambda s: (len(s), sum(s), s)))
     assert all(n > 0 for s in sequences for n in s)
+
+
+# --- Q in a ring of tiles (q_slots 2) -----------------------------------------------------
+
+
+def _q_syncs(kernel: Kernel, **changes) -> Kernel:
+    """``kernel`` with ``changes`` made to every sync on Q's barriers (inits included)."""
+
+    def change(items):
+        return tuple(
+            replace(i, **changes) if isinstance(i, Sync) and i.barrier.startswith("q_") else i
+            for i in items
+        )
+
+    phases = ("setup", "prologue", "mainloop", "epilogue", "teardown")
+    return replace(kernel, **{p: change(getattr(kernel, p)) for p in phases})
+
+
+def test_the_q_ring_is_planned_as_a_ring_of_tiles():
+    kernel = KERNELS["fa3_q_ring"]
+    assert kernel.buffer("Q").slots == 2
+    q_syncs = [s for s in kernel.syncs() if s.barrier in ("q_full", "q_empty")]
+    # two inits, the producer's empty wait and expect_tx, the consumers' full wait and release
+    assert len(q_syncs) == 6 and {s.slots for s in q_syncs} == {2}
+    assert "bar=q_full[t%2]" in next(s.text() for s in q_syncs if s.parity is Parity.TILE)
+
+
+def test_shrinking_the_q_ring_fails():
+    """Q in one slot under the two-slot plan: the producer loads tile t + 1's Q over the Q
+    that tile t's consumers still read."""
+    kernel = KERNELS["fa3_q_ring"]
+    buffers = tuple(replace(b, slots=1) if b.name == "Q" else b for b in kernel.buffers)
+    with pytest.raises(AsyncVerifyError) as err:
+        verify(replace(kernel, buffers=buffers))
+    failures = err.value.failures
+    assert all(f.startswith("with tiles of 1, 1 K/V blocks: ") for f in failures)
+    assert any(re.search(r"on Q: producer #\d+ \(q_g2s \(tile 1.*qk \(tile 0", f) for f in failures)
+
+
+def test_one_barrier_pair_over_two_q_slots_is_proven():
+    """Q's barriers planned one per tile over Q's two slots: each Q load then waits for the
+    previous tile's release (slower, and correct); the proof does not lean on the counts
+    being equal."""
+    kernel = _q_syncs(KERNELS["fa3_q_ring"], slots=1)
+    assert kernel.buffer("Q").slots == 2
+    assert verify(kernel) is kernel
+
+
+def test_a_q_ring_of_three_barriers_is_refused():
+    """Barriers of three slots over Q's two: tile 2 loads into slot 0 while tile 0's
+    consumers may still read it (q_empty[2] is fresh)."""
+    with pytest.raises(AsyncVerifyError) as err:
+        verify(_q_syncs(KERNELS["fa3_q_ring"], slots=3))
+    assert any(
+        re.search(r"on Q\[slot 0\]: producer #\d+ \(q_g2s \(tile 2.*qk \(tile 0", f)
+        for f in err.value.failures
+    )
+
+
+@pytest.mark.parametrize("tiles", [(1, 1, 1), (2, 1, 1), (1, 1, 1, 1, 1)])
+def test_bruteforce_agrees_on_the_q_ring(tiles):
+    kernel = KERNELS["q_ring_one_wg"]
+    assert kernel.buffer("Q").slots == 2 and kernel.config.hopper.stages == 2
+    assert explore(build_program(kernel, tiles), all_kinds=True) == set()
+    shrunk = tuple(replace(b, slots=1) if b.name == "Q" else b for b in kernel.buffers)
+    assert "race" in explore(build_program(replace(kernel, buffers=shrunk), tiles))
+
+
+def test_the_tile_sequences_cover_the_q_ring():
+    """Runs of 2q + 1 tiles: each Q slot used three times (fresh, then each phase no longer
+    fresh), with every ring offset of the K/V blocks."""
+    kernel = KERNELS["fa3_q_ring"]
+    stages = kernel.config.hopper.stages
+    runs = [s for s in tile_sequences(kernel) if len(s) == 5]
+    assert len(runs) == stages**5 and (1, 1, 1, 1, 1) in runs
+    assert all(len(s) <= 3 for s in tile_sequences(KERNELS["fa3_hdim64"]))

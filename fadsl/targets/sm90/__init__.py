@@ -44,6 +44,7 @@ TARGET = Target(
         "mask",
         "swizzle",
         "stages",
+        "q_slots",
         "registers",
         "pingpong",
         "overlap",

@@ -78,9 +78,19 @@ _PARITY = {
     Parity.ZERO: "0",
     Parity.PHASE: "ring_phase({ring})",
     Parity.PHASE_FLIP: "ring_phase({ring}) ^ 1u",
-    Parity.TILE: "tile_phase(tile_count)",
-    Parity.TILE_FLIP: "tile_phase(tile_count) ^ 1u",
+    Parity.TILE: "tile_phase({tile})",
+    Parity.TILE_FLIP: "tile_phase({tile}) ^ 1u",
 }
+
+
+def tile_slot_expr(slots: int) -> str:
+    """A ring of tiles' slot for this tile (tile_count: the CTA's non-empty tiles so far)."""
+    return f"tile_count % {slots}"
+
+
+def tile_round_expr(slots: int) -> str:
+    """A ring of tiles' round for this tile, whose parity its barriers' waits pass on."""
+    return "tile_count" if slots == 1 else f"tile_count / {slots}"
 
 
 def _comment(sync: Sync) -> list[str]:
@@ -96,32 +106,42 @@ class _Render:
         self.rings = ring_buffers(kernel)
         self.in_flight: list[Step] = []
         inits = [s for s in kernel.syncs() if s.kind == MBAR_INIT]
-        single = [s.barrier for s in inits if not self._ring(s.barrier)]
+        # name -> (first index, K/V ring, slots of a ring of tiles): the per-tile barriers
+        # (a ring of tiles takes consecutive indices), then the K/V ring ones interleaved
+        self.barriers: dict[str, tuple[int, bool, int]] = {}
+        index = 0
+        for init in inits:
+            if not self._ring(init.barrier):
+                self.barriers[init.barrier] = (index, False, init.slots)
+                index += init.slots
+        self.per_tile_barriers = index
         ring = [s.barrier for s in inits if self._ring(s.barrier)]
-        self.barriers = {name: (i, False) for i, name in enumerate(single)}
         for j, name in enumerate(ring):
-            self.barriers[name] = (len(single) + j, True)
+            self.barriers[name] = (index + j, True, 1)
         self.ring_barriers = len(ring)
 
     def _ring(self, barrier: str) -> bool:
         return barrier.split("_")[0].upper() in self.rings
 
     def bar(self, name: str, lag: int | None) -> str:
-        index, ring = self.barriers[name]
-        if not ring:
-            return f"bar_{name}"
-        return f"bar_{name}(ring_slot({ring_expr(lag)}))"
+        index, ring, slots = self.barriers[name]
+        if ring:
+            return f"bar_{name}(ring_slot({ring_expr(lag)}))"
+        return f"bar_{name}" if slots == 1 else f"bar_{name}({tile_slot_expr(slots)})"
 
     def sync(self, sync: Sync) -> dict[str, Any]:
         args: dict[str, Any] = {}
         if sync.barrier and sync.barrier in self.barriers:
-            index, ring = self.barriers[sync.barrier]
+            index, ring, slots = self.barriers[sync.barrier]
             args["ring"] = ring
+            args["tile_slots"] = slots
             args["name"] = sync.barrier
             if sync.kind != MBAR_INIT:
                 args["bar"] = self.bar(sync.barrier, sync.lag)
         if sync.parity is not None:
-            args["parity"] = _PARITY[sync.parity].format(ring=ring_expr(sync.lag or 0))
+            args["parity"] = _PARITY[sync.parity].format(
+                ring=ring_expr(sync.lag or 0), tile=tile_round_expr(sync.slots)
+            )
         if sync.bar_id >= 0:
             if sync.peer is None:
                 args["id"] = str(sync.bar_id)
@@ -152,6 +172,7 @@ class _Render:
     def step(self, step: Step, phase: Phase) -> dict[str, Any]:
         if step.op is Op.QK or step.op is Op.PV:
             self.in_flight.append(step)
+        q_slots = self.kernel.buffer("Q").slots
         return {
             "kind": "step",
             "macro": step.op.spelling,
@@ -161,6 +182,9 @@ class _Render:
                 "phase": phase.value,
                 "role": role_of(step.who),
                 "tensor": "" if step.op.tensor is None else step.op.tensor.value.lower(),
+                # Q's slot (a ring of tiles) and its full barrier, for Q's load
+                "q_slot": "" if q_slots == 1 else tile_slot_expr(q_slots),
+                "q_full": self.bar("q_full", None),
             },
             "guard": _GUARDS.get(step.who, ""),
             "elected": step.who is Threads.CONSUMER_ELECTED,
@@ -208,11 +232,14 @@ def context(kernel: Kernel, dtype: Dtype) -> dict[str, Any]:
         "offsets": {name: b.offset for name, b in bufs.items()},
         "o_aliased": o_over_rings(kernel),
         "off_bar": mbarrier_offset(kernel),
-        "barriers": {name: index for name, (index, _) in render.barriers.items()},
+        "barriers": {
+            name: {"index": index, "ring": ring, "slots": slots}
+            for name, (index, ring, slots) in render.barriers.items()
+        },
         "ring_barriers": render.ring_barriers,
-        "num_barriers": len(render.barriers)
-        - render.ring_barriers
-        + render.ring_barriers * hw.stages,
+        "num_barriers": render.per_tile_barriers + render.ring_barriers * hw.stages,
+        "q_slots": hw.q_slots,
+        "q_slot": tile_slot_expr(hw.q_slots),
         "setup": roles["setup"]["setup"],
         "producer": roles["producer"],
         "consumer_head": roles["consumers"]["setup"],

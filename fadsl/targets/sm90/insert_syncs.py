@@ -15,10 +15,11 @@ consumer ops' register uses (schedule.REGISTERS); each sync records the hazards 
   the reading group, lane 0 of each consumer warp arrives on the slot's empty barrier
   (count = consumer warps); the producer waits on it with the flipped parity before
   every load, the first tile's included (the ring goes on from the previous tile);
-- Q, read by every S = Q K^T of a tile and reloaded for the next tile (WAR across roles
+- Q, read by every S = Q K^T of a tile and reloaded for a later tile (WAR across roles
   and tiles): when the consumers enter the epilogue (no S in flight), lane 0 of each
-  warp arrives on Q's empty barrier; the producer waits on it with the previous tile's
-  parity before loading the next Q;
+  warp arrives on Q's empty barrier; the producer waits on it with the flipped parity
+  before loading the next Q into that slot. Q is a ring of ``q_slots`` tiles (its
+  barriers too, ``Sync.slots``): with 2 the next tile's Q loads while this one runs;
 - wgmma results and operands in registers (RAW/WAR within a warpgroup): each wgmma is
   preceded by wgmma.fence and followed by its own commit group; before a step that
   touches registers an in-flight group writes (or reads), wgmma.wait_group N keeps the
@@ -203,6 +204,7 @@ class _Consumers:
                 barrier=f"{buf.name.lower()}_full",
                 lag=step.lag if ring else None,
                 parity=Parity.PHASE if ring else Parity.TILE,
+                slots=1 if ring else buf.slots,
             )
 
     def wait_groups(self, step: Step | None, phase: Phase, force: bool = False) -> None:
@@ -280,6 +282,7 @@ class _Consumers:
                 ],
                 who=Threads.CONSUMER_WARP_LANE0,
                 barrier=f"{name.lower()}_empty",
+                slots=self.kernel.buffer(name).slots,
             )
 
 
@@ -313,6 +316,7 @@ def insert_syncs(kernel: Kernel, target: targets.Target) -> Kernel:
         if not any(_writes(s, buf.name, TMA_LOAD) for s in steps):
             continue
         ring = buf.name in rings
+        tile_slots = 1 if ring else buf.slots  # Q: a ring of tiles
         setup.append(
             Sync(
                 MBAR_INIT,
@@ -322,6 +326,7 @@ def insert_syncs(kernel: Kernel, target: targets.Target) -> Kernel:
                 who=Threads.THREAD0,
                 barrier=f"{buf.name.lower()}_full",
                 count=1,
+                slots=tile_slots,
                 note=init_note + " (one arrival: the producer's arrive.expect_tx)",
             )
         )
@@ -334,6 +339,7 @@ def insert_syncs(kernel: Kernel, target: targets.Target) -> Kernel:
                 who=Threads.THREAD0,
                 barrier=f"{buf.name.lower()}_empty",
                 count=4 * hw.consumers,
+                slots=tile_slots,
                 note=init_note
                 + (" (one arrival per consumer warp" + ("" if ring else ", once per tile") + ")"),
             )
@@ -428,6 +434,7 @@ def insert_syncs(kernel: Kernel, target: targets.Target) -> Kernel:
                         barrier=f"{name}_empty",
                         lag=lag,
                         parity=Parity.PHASE_FLIP if ring else Parity.TILE_FLIP,
+                        slots=1 if ring else buf.slots,
                     )
                 )
                 for out_name, under in freed.items():
@@ -464,6 +471,7 @@ def insert_syncs(kernel: Kernel, target: targets.Target) -> Kernel:
                         barrier=f"{name}_full",
                         lag=lag,
                         tx=buf.tile_bytes,
+                        slots=1 if ring else buf.slots,
                     )
                 )
             out.append(step)

@@ -79,6 +79,8 @@ def check_lines(kernel: Kernel, lines: list[tuple[str, str]]) -> list[tuple[str,
             )
             out.append(("consumers", consumers))
     out.append(("stages", f"{hw.stages} (K and V rings of {hw.stages} slots, mbarrier pipeline)"))
+    if hw.q_slots > 1:
+        out.append(("q_slots", f"{hw.q_slots} (Q in a ring of {hw.q_slots} tiles)"))
     out.append(
         (
             "schedule",
@@ -139,7 +141,7 @@ def _mbarriers(kernel: Kernel) -> list[dict[str, Any]]:
         tile["mbarriers"].append(
             {
                 "mbarrier": init.barrier,
-                "per_slot": ring,
+                "per_slot": ring or init.slots > 1,
                 "arrivals": init.count,
                 "arrive": sorted({f"{s.kind.name} by {s.who.value}" for s in arrivals}),
                 "tx_bytes": max((s.tx for s in arrivals), default=0),
@@ -224,6 +226,7 @@ def explain_data(kernel: Kernel) -> dict[str, Any]:
                 "available": REGISTERS_PER_SM,
             },
             "stages": hw.stages,
+            "q_slots": hw.q_slots,
             "pingpong": hw.pingpong,
             "overlap": hw.overlap,
             "scheduler": hw.scheduler,
@@ -265,6 +268,14 @@ def explain_sections(data: Mapping[str, Any]) -> list[str]:
         f"{consumers['threads']} x {consumers['setmaxnreg']} = {regs['used']} of the SM's "
         f"{regs['available']}",
         f"  stages     {ws['stages']}: K and V each in a ring of {ws['stages']} slots",
+        "  q_slots    "
+        + (
+            f"{ws['q_slots']}: Q in a ring of {ws['q_slots']} tiles; the producer loads the next "
+            "tile's Q while this one runs"
+            if ws["q_slots"] > 1
+            else "1: one Q tile; the producer loads the next tile's Q once every consumer warp "
+            "is done with this one's"
+        ),
         "  pingpong   "
         + (
             "on: the consumer warpgroups take turns issuing wgmma (named barrier 'turn')"
@@ -281,7 +292,12 @@ def explain_sections(data: Mapping[str, Any]) -> list[str]:
         + (
             "persistent: one CTA per SM (at most one per tile), each running tiles in turn "
             "(causal: a long and a short query block in pairs); the producer loads the next "
-            "tile's Q and K during this one's epilogue"
+            "tile's Q and K "
+            + (
+                "during this one's last blocks"
+                if ws["q_slots"] > 1
+                else "during this one's epilogue"
+            )
             if ws["scheduler"] == "persistent"
             else "grid: one CTA per tile"
         ),
@@ -306,6 +322,12 @@ def explain_sections(data: Mapping[str, Any]) -> list[str]:
                 f"  {name}  ring of {slots} slot{'s' if slots > 1 else ''} x {tile['slot_bytes']} "
                 f"bytes at offset {tile['offset']}; block i in slot i % {slots}, "
                 f"phase (i / {slots}) & 1; per slot:"
+            )
+        elif slots > 1:
+            out.append(
+                f"  {name}  ring of {slots} tiles x {tile['slot_bytes']} bytes at offset "
+                f"{tile['offset']}; CTA tile t in slot t % {slots}, phase (t / {slots}) & 1; "
+                "per slot:"
             )
         else:
             out.append(

@@ -5,7 +5,8 @@ issues every TMA load; the consumer warpgroups (setmaxnreg.inc), each running ev
 consumer step on its own 64 query rows (``Partition.SLICE`` of a warpgroup-scoped
 tile) or the whole of a CTA-scoped K/V slot (``Partition.WHOLE``).
 
-The K/V blocks are items of two rings (``Buffer.slots`` = stages). Both roles run the
+The K/V blocks are items of two rings (``Buffer.slots`` = stages); Q, loaded once per
+tile, is a ring of ``q_slots`` tiles (tile t in slot t % q_slots). Both roles run the
 same iteration space, once per tile of the CTA's tile loop: the prologue at it = 0, the
 mainloop at it = 1 .. n_blocks - 1, the epilogue at it = n_blocks (setmaxnreg runs once,
 in the setup); a ring step works on item it + lag (``Step.lag``):
@@ -70,7 +71,7 @@ def build_schedule(lowered: Lowered) -> Kernel:
             scope=tensors[role].smem_scope,
             swizzle=None,
             loc=tensors[role].loc,
-            slots=hw.stages if role in (Role.K, Role.V) else 1,
+            slots={Role.K: hw.stages, Role.V: hw.stages, Role.Q: hw.q_slots}.get(role, 1),
         )
         for role in Role
     )

@@ -34,10 +34,11 @@ SCOPES = {Role.Q: Scope.WARPGROUP, Role.K: Scope.CTA, Role.V: Scope.CTA, Role.O:
 OVERHEAD_REGS = 24  # softmax state, addresses, loop counters: an estimate
 
 
-def smem_bytes(block_r: int, block_c: int, head_dim: int, stages: int) -> int:
-    """The plan's size: Q, the K and V rings, 3 + 4 x stages mbarriers, 1024 bytes of
-    alignment slack (the least it can be: O over the dead V ring)."""
-    return (block_r + 2 * stages * block_c) * head_dim * 2 + 8 * (3 + 4 * stages) + 1024
+def smem_bytes(block_r: int, block_c: int, head_dim: int, stages: int, q_slots: int = 1) -> int:
+    """The plan's size: Q's slots, the K and V rings, 1 + 2 x q_slots + 4 x stages
+    mbarriers, 1024 bytes of alignment slack (the least it can be: O over the dead V ring)."""
+    tiles = (q_slots * block_r + 2 * stages * block_c) * head_dim * 2
+    return tiles + 8 * (1 + 2 * q_slots + 4 * stages) + 1024
 
 
 def consumer_registers(head_dim: int, block_c: int, overlap: bool) -> list[tuple[str, int]]:
@@ -88,14 +89,25 @@ def validate(c: Checks, tensors: dict[Role, Tensor]) -> bool:
         c.error(c.key_locs["B_c"], f"B_c = {block_c} is over 256 (wgmma's N and TMA's box)")
         ok = False
     stages = v.get("stages", 2)
-    need = smem_bytes(block_r, block_c, head_dim, stages)
+    q_slots = v.get("q_slots", 1)
+    need = smem_bytes(block_r, block_c, head_dim, stages, q_slots)
     if ok and need > CAPABILITIES.smem_per_cta:
-        where = c.key_locs.get("stages_value", c.key_locs["B_c"])
+        q_text = (
+            f"Q {block_r}x{head_dim}" if q_slots == 1 else f"Q {q_slots} x {block_r}x{head_dim}"
+        )
+        if (
+            q_slots > 1
+            and smem_bytes(block_r, block_c, head_dim, stages) <= CAPABILITIES.smem_per_cta
+        ):
+            where, advice = c.key_locs["q_slots_value"], "use q_slots 1"
+        else:
+            where = c.key_locs.get("stages_value", c.key_locs["B_c"])
+            advice = "use fewer stages or a smaller B_c"
         c.error(
             where,
-            f"the SMEM plan needs {need} bytes (Q {block_r}x{head_dim}, K and V rings of "
+            f"the SMEM plan needs {need} bytes ({q_text}, K and V rings of "
             f"{stages} x {block_c}x{head_dim}, bf16/fp16, mbarriers, alignment), over "
-            f"sm_90a's {CAPABILITIES.smem_per_cta}; use fewer stages or a smaller B_c",
+            f"sm_90a's {CAPABILITIES.smem_per_cta}; {advice}",
         )
         ok = False
     ok = _registers(c, consumers, head_dim, block_c) and ok
@@ -206,6 +218,7 @@ def configure(c: Checks) -> Config:
             overlap=v.get("overlap", True),
             persistent=v.get("scheduler", True),
             lazy_rescale=v.get("rescale", True),
+            q_slots=v.get("q_slots", 1),
         ),
     )
 

@@ -23,8 +23,10 @@ What the generated code does, as this module reads it:
 - the ring items go on across tiles: a ring item or sync at iteration it of tile t works on
   item base_t + it + lag, base_t being the K/V blocks of the earlier tiles; item i sits in
   slot i % stages and ``ir.Parity`` reads PHASE as (i // stages) & 1, PHASE_FLIP as its
-  complement; a barrier of no ring is a ring of one slot whose items are the tiles: TILE is
-  t & 1, TILE_FLIP its complement, and ZERO is 0 in every tile;
+  complement; a barrier of no ring is a ring of ``Sync.slots`` slots (most of one) whose
+  items are the tiles: tile t uses slot t % slots, TILE is (t // slots) & 1, TILE_FLIP its
+  complement, and ZERO is 0 in every tile; a tile-loaded buffer of several slots (Q's) is
+  read and written in slot t % slots;
 - a TMA load of tensor X completes on the mbarrier ``x_full`` of its ring item;
 - per-warpgroup named barriers have id ``bar_id + (wg + peer) % W``;
 - ``consumer_warp_lane0`` arrivals are one per consumer warp (4 per warpgroup),
@@ -45,15 +47,19 @@ and on the tiles before it that its roles can still overlap with:
   a ring slot of the third tile last held a block of the first (the ring reaches across
   two boundaries), the producer two tiles ahead of a consumer if any barrier lets it be, and
   the per-tile barriers' third phase (t = 2, the same parity as t = 0 but no longer fresh).
+- with Q in a ring of q > 1 tiles (``q_slots``): every run of 2q + 1 tiles of 1 .. S blocks:
+  each Q slot in both phases and no longer fresh (tile 2q is slot 0's third use), the
+  producer up to q tiles ahead of the consumers.
 A longer tile, or a later one, repeats one of these states: a ring item's barrier state
 depends only on its slot and phase, every wgmma and bulk group is retired and every named
 barrier generation completed by the end of each tile, and the per-tile barriers cycle with
-period 2.
+period 2 (2q for Q's ring of tiles).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from itertools import product
 
 from ...ir import Buffer, Kernel, Mask, Mode, Partition, Phase, Parity, Step, Sync, Threads
 from ...ops import Op
@@ -125,7 +131,14 @@ def tile_sequences(kernel: Kernel) -> tuple[tuple[int, ...], ...]:
         for b in range(1, max(1, stages - 1) + 1)
         for c in range(1, stages + 1)
     ]
-    return tuple(sorted(singles + pairs + triples, key=lambda seq: (len(seq), sum(seq), seq)))
+    # Q in a ring of q_slots > 1 tiles: its barriers cycle with period 2 x q_slots, and the
+    # producer may run up to q_slots tiles ahead; runs of 2 x q_slots + 1 short tiles reach
+    # every slot in both phases, no longer fresh, the ring of K/V at every offset.
+    q_slots = kernel.config.hopper.q_slots
+    runs = [] if q_slots == 1 else list(product(range(1, stages + 1), repeat=2 * q_slots + 1))
+    return tuple(
+        sorted(singles + pairs + triples + runs, key=lambda seq: (len(seq), sum(seq), seq))
+    )
 
 
 def max_tiles(kernel: Kernel) -> int:
@@ -193,9 +206,10 @@ def build_program(kernel: Kernel, tiles: int | tuple[int, ...], fences: bool = F
     counts: list[tuple[str, int]] = []
     for sync in kernel.setup:
         if isinstance(sync, Sync) and sync.kind is caps.MBAR_INIT:
+            slots = hopper.stages if sync.barrier in rings else sync.slots
             names = (
-                [f"{sync.barrier}[{slot}]" for slot in range(hopper.stages)]
-                if sync.barrier in rings
+                [f"{sync.barrier}[{slot}]" for slot in range(slots)]
+                if sync.barrier in rings or slots > 1
                 else [sync.barrier]
             )
             counts += [(name, sync.count) for name in names]
@@ -228,6 +242,17 @@ class _Agent:
         self.name = name
         self.wg = wg
         self.rings = {s.barrier for s in kernel.syncs() if s.lag is not None}
+        # buffers loaded once per tile (no ring item): a ring of tiles when of several slots
+        self.per_tile = {
+            a.buffer
+            for s in kernel.steps()
+            if s.async_kind == caps.TMA_LOAD and s.lag is None
+            for a in s.accesses
+        }
+        # the barriers of a ring of tiles (Q's when q_slots > 1): their slots, as initialised
+        self.tile_slots = {
+            s.barrier: s.slots for s in kernel.setup if isinstance(s, Sync) and s.slots > 1
+        }
         self.tile = 0  # t: the non-empty tiles run so far
         self.base = 0  # base_t: the K/V blocks of the earlier tiles
         # the items this role runs in each tile, and why each sync is there (for messages)
@@ -292,11 +317,13 @@ class _Agent:
 
     def barrier(self, sync: Sync, it: int) -> str:
         if sync.lag is None:
-            return sync.barrier
+            return sync.barrier if sync.slots == 1 else f"{sync.barrier}[{self.tile % sync.slots}]"
         return f"{sync.barrier}[{self.slot(sync.lag, it)}]"
 
     def span(self, buf: Buffer, partition: Partition, slot: int) -> Span:
         assert buf.offset is not None
+        if buf.name in self.per_tile:
+            slot = self.tile % buf.slots  # a ring of tiles (Q): tile t in slot t % slots
         slot = slot if buf.slots > 1 else 0  # a step's ring item names the slot of its ring
         base = buf.offset + slot * buf.tile_bytes
         label = buf.name if buf.slots == 1 else f"{buf.name}[slot {slot}]"
@@ -324,7 +351,13 @@ class _Agent:
                 ((span, mode),) = smem
                 assert mode is Mode.WRITE and step.op.tensor is not None
                 full = f"{step.op.tensor.value.lower()}_full"
-                barrier = f"{full}[{slot}]" if full in self.rings else full
+                tile_slots = self.tile_slots.get(full, 1)
+                if full in self.rings:
+                    barrier = f"{full}[{slot}]"
+                elif tile_slots > 1:  # a ring of tiles: the tile's barrier
+                    barrier = f"{full}[{self.tile % tile_slots}]"
+                else:
+                    barrier = full
                 return [TmaLoad(span, barrier, span.hi - span.lo, what)]
             case caps.TMA_STORE:
                 return [TmaStore(span, what) for span, _ in smem]
@@ -374,13 +407,14 @@ class _Agent:
 
     def parity(self, sync: Sync, it: int) -> int:
         if sync.lag is None:
+            tile_phase = (self.tile // sync.slots) & 1  # tile t: slot t % slots
             match sync.parity:
                 case Parity.ZERO:
                     return 0
                 case Parity.TILE:
-                    return self.tile & 1
+                    return tile_phase
                 case Parity.TILE_FLIP:
-                    return (self.tile & 1) ^ 1
+                    return tile_phase ^ 1
                 case _:
                     raise AssertionError(
                         f"a per-tile barrier's wait needs a tile parity: {sync.parity}"
