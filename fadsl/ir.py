@@ -217,6 +217,10 @@ class Hopper:
     # Q slots: tile t's Q in slot t % q_slots; with 2 the producer loads the next tile's Q
     # while this tile's runs (its barriers a ring of tiles, Parity.TILE).
     q_slots: int = 1
+    # `tail split_kv`: the launch's last, part-full round of tiles is split over the K/V
+    # blocks into pieces for the idle CTAs; each piece's warpgroup writes its partial O, m
+    # and l to a workspace, and the last to finish a tile combines them and stores it.
+    split_kv: bool = False
 
     @property
     def scheduler(self) -> str:
@@ -236,6 +240,7 @@ class Hopper:
             f"pingpong={on[self.pingpong]} overlap={on[self.overlap]} "
             f"scheduler={self.scheduler} rescale={self.rescale}"
             + (f" q_slots={self.q_slots}" if self.q_slots > 1 else "")
+            + (" tail=split_kv" if self.split_kv else "")
         )
 
 

@@ -46,6 +46,7 @@ def read_settings(c: Checks) -> None:
         "overlap": on_off,
         "scheduler": scheduler,
         "rescale": rescale,
+        "tail": tail,
     }
     for setting in c.decl.settings:
         key = setting.key.text
@@ -292,3 +293,12 @@ def rescale(c: Checks, setting: Setting) -> bool | None:
     """`rescale every` (O and l rescaled after each block, as FlashAttention-2/3) or `lazy`
     (only when a row's max grows past 2^8 of the max it keeps): True when lazy."""
     return _word_choice(c, setting, {"lazy": True, "every": False})
+
+
+def tail(c: Checks, setting: Setting) -> bool | None:
+    """`tail whole` (every tile runs all its K/V blocks) or `split_kv` (the launch's last,
+    part-full round of tiles split over their K/V blocks across the idle CTAs, the last
+    piece to finish combining them): True when split."""
+    if setting.values:
+        c.key_locs["tail_value"] = setting.values[0].loc  # the target's checks point at it
+    return _word_choice(c, setting, {"whole": False, "split_kv": True})

@@ -116,9 +116,41 @@ def tile_grid(kernel: Kernel, a: Args) -> tuple[int, int, int]:
             f"{TILE_LIMIT - 1}; split the batch"
         )
     hopper = kernel.config.hopper
+    if hopper is not None and hopper.split_kv:
+        start, splits = split_plan(tiles, sm_count(a.q.device.index), kv_blocks(kernel, a))
+        tiles = start + (tiles - start) * splits  # work items: whole tiles, then pieces
     if hopper is not None and hopper.persistent:
         tiles = min(tiles, sm_count(a.q.device.index))
     return (tiles, 1, 1)
+
+
+# tail split_kv: a piece's cost beyond its K/V blocks (its prologue, epilogue and hand-over),
+# in blocks' time: an estimate, which only weighs more pieces against fewer.
+SPLIT_FIXED_BLOCKS = 2
+MAX_SPLITS = 8
+
+
+def kv_blocks(kernel: Kernel, a: Args) -> int:
+    """The K/V blocks of a (non-causal) tile."""
+    return -(-a.k.shape[1] // kernel.config.block_c)
+
+
+def split_plan(tiles: int, ctas: int, blocks: int) -> tuple[int, int]:
+    """(split_start, splits) for ``tail split_kv``: the whole rounds of tiles stay whole;
+    the last, part-full round's tiles are split into the number of pieces of their
+    ``blocks`` K/V blocks that finishes that round soonest (pieces dealt out over the
+    ``ctas`` as the kernel's scheduler does, each costing its blocks plus
+    SPLIT_FIXED_BLOCKS); (tiles, 1) when nothing is gained."""
+    full = tiles // ctas * ctas
+    rest = tiles - full
+    best_cost, best = 1.0, 1  # the last round's time, in whole tiles' time
+    if rest and blocks >= 2:
+        for splits in range(2, min(MAX_SPLITS, blocks) + 1):
+            rounds = -(-rest * splits // ctas)
+            cost = rounds * (blocks / splits + SPLIT_FIXED_BLOCKS) / (blocks + SPLIT_FIXED_BLOCKS)
+            if cost < best_cost - 1e-9:
+                best_cost, best = cost, splits
+    return (full, best) if best > 1 else (tiles, 1)
 
 
 # FwdParamsSm90 (emit/sm90/include/fadsl/sm90.cuh): the Q, K, V and O tensor maps (128
@@ -128,6 +160,11 @@ TENSOR_MAP_BYTES = 128
 SM90_BASE_OFFSET = 4 * TENSOR_MAP_BYTES
 SM90_PARAMS_BYTES = 768
 _SM90_PAD = bytes(SM90_PARAMS_BYTES - SM90_BASE_OFFSET - FWD_PARAMS.size)
+# FwdParamsSm90's tail after FwdParams (tail split_kv): split_partials, split_counts,
+# split_start, splits; zeros for every other kernel.
+SPLIT_TAIL = struct.Struct("<QQii")
+SPLIT_TAIL_FIELDS = ("split_partials", "split_counts", "split_start", "splits")
+_SPLIT_PAD = bytes(len(_SM90_PAD) - SPLIT_TAIL.size)
 # The kernels move tiles as 64-column panels (128-byte rows, the 128-byte swizzle's span),
 # and each consumer warpgroup stores its own 64 rows of O.
 PANEL_COLS = 64
@@ -186,7 +223,25 @@ def pack_fwd_params_sm90(kernel: Kernel, a: Args) -> bytes:
         if len(_SM90_PACKED) >= _SM90_PACKED_LIMIT:
             _SM90_PACKED.clear()
         _SM90_PACKED[key] = found
+    if cfg.hopper is not None and cfg.hopper.split_kv:
+        return found[: len(found) - len(_SM90_PAD)] + split_tail(kernel, a)
     return found
+
+
+def split_tail(kernel: Kernel, a: Args) -> bytes:
+    """FwdParamsSm90's tail for ``tail split_kv``: this launch's split plan and the workspace
+    of q's device and current stream (fadsl.workspace)."""
+    from .workspace import split_workspace
+
+    cfg = kernel.config
+    tiles = -(-a.q.shape[1] // cfg.block_r) * a.q.shape[2] * a.q.shape[0]
+    start, splits = split_plan(tiles, sm_count(a.q.device.index), kv_blocks(kernel, a))
+    if splits == 1:
+        return SPLIT_TAIL.pack(0, 0, start, 1) + _SPLIT_PAD
+    consumers = cfg.hopper.consumers
+    floats = (tiles - start) * splits * consumers * 128 * (cfg.head_dim // 2 + 4)
+    partials, counts = split_workspace(a.q.device, floats, (tiles - start) * consumers)
+    return SPLIT_TAIL.pack(partials, counts, start, splits) + _SPLIT_PAD
 
 
 # target (as a spec spells it) -> its launch

@@ -21,6 +21,8 @@ from fadsl.params import (
     FWD_PARAMS_FIELDS,
     SM90_BASE_OFFSET,
     SM90_PARAMS_BYTES,
+    SPLIT_TAIL,
+    SPLIT_TAIL_FIELDS,
     TENSOR_MAP_BYTES,
     Args,
     launch_for,
@@ -109,9 +111,23 @@ def test_sm90_layout_matches_the_cuda_struct(tmp_path):
             f"__builtin_offsetof(fadsl::FwdParams, {name}) == {SM90_BASE_OFFSET + offset}, "
             f'"{name}");'
         )
+    tail = SM90_BASE_OFFSET + FWD_PARAMS.size  # tail split_kv's fields after FwdParams
+    for name, (offset, _) in zip(SPLIT_TAIL_FIELDS, _struct_offsets(SPLIT_TAIL)):
+        checks.append(
+            f'static_assert(__builtin_offsetof({struct_name}, {name}) == {tail + offset}, "{name}");'
+        )
     source = '#include "fadsl/sm90.cuh"\n' + "\n".join(checks) + "\n"
     source += f'extern "C" __global__ void probe(const __grid_constant__ {struct_name} p) {{}}\n'
     compile_cubin(source, "layout90.cu", "probe", "sm_90a", tmp_path)  # raises on a mismatch
+
+
+def _struct_offsets(layout: struct.Struct) -> list[tuple[int, str]]:
+    """(offset, format) of each field of a little-endian, unpadded struct format."""
+    out, offset = [], 0
+    for code in layout.format.lstrip("<"):
+        out.append((offset, code))
+        offset += struct.calcsize("<" + code)
+    return out
 
 
 def test_sm90_pack_places_the_maps_and_params(monkeypatch):

@@ -53,6 +53,12 @@ struct FwdParamsSm90 {
   CUtensorMap tma_v;
   CUtensorMap tma_o;
   FwdParams base;  // pointers, strides, sizes, softmax_scale, LSE (see sm80_ptx.cuh)
+  // `tail split_kv` (zeros otherwise): tiles split_start .. tiles - 1 run as `splits` pieces
+  // each (split_tile_index); the pieces hand their partial results over in global memory.
+  float* split_partials;   // per piece, warpgroup and thread: O's registers, m[2], l[2]
+  uint32_t* split_counts;  // per split tile and warpgroup: its pieces done so far (wraps to 0)
+  int split_start;
+  int splits;
 };
 
 // ---------------------------------------------------------------------------
@@ -122,6 +128,7 @@ struct FwdConfig {
   static constexpr int kBarOStore = 2;    // + wg: one warpgroup's O rows are in SMEM
   static constexpr int kBarSched = 5;     // + wg: this warpgroup's turn to issue wgmma
   static constexpr int kSchedThreads = 256;  // the waiting warpgroup + the one handing over
+  static constexpr int kBarSplit = 8;        // + wg: a split piece's hand-over (global memory)
 };
 
 // Position in a ring of kStages slots: the slot, and the phase parity of its barriers in
@@ -199,6 +206,10 @@ struct TileWork {
   int m0;         // first query row of the tile
   int n_blocks;   // K/V blocks visited (0: the tile's rows see no key; store_empty_tile)
   int n_masked;   // leading iterations that need masking
+  // tail split_kv: a piece visits blocks block_end - 1 down to block_end - n_blocks
+  int block_end;   // n_blocks for a whole tile
+  int split;       // the piece's index among its tile's, -1 for a whole tile
+  int split_tile;  // the tile's index among the launch's split tiles
 };
 
 template <class Cfg>
@@ -219,6 +230,41 @@ __device__ __forceinline__ TileWork tile_work(const FwdParams& p, const TileCoor
   }
   w.n_blocks = (kv_end + Cfg::kBlockN - 1) / Cfg::kBlockN;
   w.n_masked = w.n_blocks - imin(w.n_blocks, kv_full_end / Cfg::kBlockN);
+  w.block_end = w.n_blocks;
+  w.split = -1;
+  w.split_tile = 0;
+  return w;
+}
+
+// tail split_kv (persistent, no mask): the host's split plan (fadsl/params.py, split_plan)
+// leaves tiles 0 .. split_start - 1 whole, a multiple of the grid (whole rounds), and
+// splits each of the others, the launch's last, part-full round, into `splits` pieces of
+// the K/V blocks, so that the CTAs idle in that round share it.  Work item i < split_start
+// is tile i; then piece p = i - split_start is piece p % splits of tile split_start +
+// p / splits.  Each CTA runs items c, c + gridDim.x, ... as the plain scheduler does.
+template <class Cfg>
+__device__ __forceinline__ int split_tile_index(const FwdParamsSm90& P, int step) {
+  const int tiles = num_m_blocks<Cfg>(P.base) * P.base.heads_q * P.base.batch;
+  const int items = P.split_start + (tiles - P.split_start) * P.splits;
+  const int i = blockIdx.x + step * gridDim.x;
+  return i < items ? i : -1;
+}
+
+// The work of item i: a whole tile, or the piece's blocks [lo, hi) of its tile's n
+// (balanced: lo = split * n / splits), visited from hi - 1 down; only the piece holding
+// the tile's last blocks has masked iterations.
+template <class Cfg>
+__device__ __forceinline__ TileWork split_tile_work(const FwdParamsSm90& P, int i) {
+  if (i < P.split_start) return tile_work<Cfg>(P.base, tile_coords<Cfg>(P.base, i));
+  const int piece = i - P.split_start;
+  TileWork w = tile_work<Cfg>(P.base, tile_coords<Cfg>(P.base, P.split_start + piece / P.splits));
+  const int n = w.n_blocks, masked_from = w.n_blocks - w.n_masked;
+  w.split = piece % P.splits;
+  w.split_tile = piece / P.splits;
+  const int lo = w.split * n / P.splits;
+  w.block_end = (w.split + 1) * n / P.splits;
+  w.n_blocks = w.block_end - lo;
+  w.n_masked = imax(0, w.block_end - imax(lo, masked_from));
   return w;
 }
 
@@ -455,6 +501,74 @@ __device__ __forceinline__ void store_o_tma(const FwdParamsSm90& P, uint32_t sme
     tma_store_4d(&P.tma_o, smem_o_wg + panel * Cfg::kBlockM * Cfg::kRowBytes, 64 * panel, w.m0 + 64 * wg, w.head,
                  w.batch);
   }
+}
+
+// tail split_kv, after a piece's last P V: its warpgroup writes O's registers, m and the
+// per-thread l to its place in the workspace (16-byte stores, each thread its own), then
+// counts itself done on the tile's counter.  The piece that completes the count reads the
+// others' partials and combines them all in piece order (the same bits whichever piece
+// comes last): m = max_i m_i, l = sum_i l_i 2^((m_i - m) c), O likewise; it returns true,
+// and its warpgroup goes on to normalise and store the tile as a whole one would.  The
+// others return false and skip the tile's tail.  The hand-over is global memory only:
+// writes, __threadfence, the warpgroup's named barrier kBarSplit + wg, one thread's
+// atomicInc (wrapping to 0, so that the counter is ready for the next launch), a barrier
+// reduction telling every thread the count, __threadfence before the reads; no SMEM, no
+// mbarrier and no barrier of the sync plan.
+template <class Cfg>
+__device__ __forceinline__ bool combine_split(const FwdParamsSm90& P, const TileWork& w, int wg,
+                                              float (&o)[Cfg::kORegs], float (&m)[2], float (&l)[2],
+                                              float scale_log2, int thread) {
+  constexpr int kVecs = Cfg::kORegs / 4 + 1;  // float4s per thread: O's registers, then m, l
+  static_assert(Cfg::kORegs % 4 == 0, "O's registers in whole float4s");
+  auto partial = [&](int split) {
+    const size_t piece = static_cast<size_t>(w.split_tile) * P.splits + split;
+    return reinterpret_cast<float4*>(P.split_partials) + ((piece * Cfg::kConsumerWGs + wg) * 128 + thread) * kVecs;
+  };
+  float4* mine = partial(w.split);
+#pragma unroll
+  for (int k = 0; k < Cfg::kORegs / 4; ++k) mine[k] = make_float4(o[4 * k], o[4 * k + 1], o[4 * k + 2], o[4 * k + 3]);
+  mine[Cfg::kORegs / 4] = make_float4(m[0], m[1], l[0], l[1]);
+  __threadfence();  // release: this thread's partial before the count
+  named_bar_sync(Cfg::kBarSplit + wg, 128);
+  bool last = false;
+  if (thread == 0) {
+    last = atomicInc(P.split_counts + w.split_tile * Cfg::kConsumerWGs + wg, P.splits - 1) == P.splits - 1;
+  }
+  if (!named_bar_red_or(Cfg::kBarSplit + wg, 128, last)) return false;
+  __threadfence();  // acquire: the other pieces' partials after their count
+  // Combine in piece order from piece 0, every piece read back (this one's too), so that
+  // the result has the same bits whichever piece comes last.
+  for (int split = 0; split < P.splits; ++split) {
+    const float4* part = partial(split);
+    const float4 ml = __ldcg(part + Cfg::kORegs / 4);  // L2: written by another SM
+    const float part_m[2] = {ml.x, ml.y}, part_l[2] = {ml.z, ml.w};
+    float keep[2] = {1.f, 1.f}, add[2] = {1.f, 1.f};
+    if (split > 0) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const float mx = fmaxf(m[r], part_m[r]);
+        const float ref = scaled_max(mx, scale_log2);  // -inf maxima give factors of 0
+        keep[r] = fast_exp2(m[r] * scale_log2 - ref);
+        add[r] = fast_exp2(part_m[r] * scale_log2 - ref);
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      l[r] = split > 0 ? l[r] * keep[r] + part_l[r] * add[r] : part_l[r];
+      m[r] = split > 0 ? fmaxf(m[r], part_m[r]) : part_m[r];
+    }
+#pragma unroll
+    for (int k = 0; k < Cfg::kORegs / 4; ++k) {
+      const float4 v = __ldcg(part + k);
+      const float x[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = (e / 2) % 2;  // register 4j + 2r + e' holds row r
+        o[4 * k + e] = split > 0 ? o[4 * k + e] * keep[r] + x[e] * add[r] : x[e];
+      }
+    }
+  }
+  return true;
 }
 
 // A tile whose rows see no key (causal with seqlen_q > seqlen_k): O = 0 and LSE = -inf,

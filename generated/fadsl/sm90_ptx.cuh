@@ -264,6 +264,23 @@ __device__ __forceinline__ void named_bar_arrive(uint32_t id, uint32_t count) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
 }
 
+// bar.red.or over named barrier `id`: waits like bar.sync, and returns whether any of the
+// `count` threads passed true.
+__device__ __forceinline__ bool named_bar_red_or(uint32_t id, uint32_t count, bool value) {
+  uint32_t any;
+  asm volatile(
+      "{\n"
+      "  .reg .pred p, q;\n"
+      "  setp.ne.u32 q, %1, 0;\n"
+      "  bar.red.or.pred p, %2, %3, q;\n"
+      "  selp.u32 %0, 1, 0, p;\n"
+      "}\n"
+      : "=r"(any)
+      : "r"(static_cast<uint32_t>(value)), "r"(id), "r"(count)
+      : "memory");
+  return any != 0;
+}
+
 // True in exactly one lane of the (converged, full) warp.
 __device__ __forceinline__ bool elect_one() {
   uint32_t elected;

@@ -50,6 +50,7 @@ TARGET = Target(
         "overlap",
         "scheduler",
         "rescale",
+        "tail",
         "spills",
     ),
     key_hints={"warps": "use 'warpgroups producer = 1, consumers = N'"},

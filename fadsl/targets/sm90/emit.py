@@ -239,6 +239,18 @@ def context(kernel: Kernel, dtype: Dtype) -> dict[str, Any]:
         "ring_barriers": render.ring_barriers,
         "num_barriers": render.per_tile_barriers + render.ring_barriers * hw.stages,
         "q_slots": hw.q_slots,
+        # tail split_kv: the scheduler of work items (whole tiles, then pieces of the last
+        # round's), and the end of a piece's K/V blocks
+        "split_kv": hw.split_kv,
+        "tile_index": (
+            "split_tile_index<Cfg>(P, step)" if hw.split_kv else "tile_index<Cfg>(P.base, step)"
+        ),
+        "tile_work": (
+            "split_tile_work<Cfg>(P, tile)"
+            if hw.split_kv
+            else "tile_work<Cfg>(P.base, tile_coords<Cfg>(P.base, tile))"
+        ),
+        "kv_end": "w.block_end" if hw.split_kv else "w.n_blocks",
         "q_slot": tile_slot_expr(hw.q_slots),
         "setup": roles["setup"]["setup"],
         "producer": roles["producer"],

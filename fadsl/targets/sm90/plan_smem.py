@@ -77,6 +77,19 @@ def plan_smem(kernel: Kernel, target: targets.Target) -> Kernel:
             )
         regions[2] = replace(regions[2], members=("V", "O"), reasons=tuple(why))
         bars = mbarrier_count(kernel, o_aliased=True)
+        if kernel.config.hopper.split_kv:
+            # A piece that is not its tile's last skips the tail, so the tail may hold no
+            # barrier of every consumer warpgroup (O over the rings needs two).
+            raise SpecError(
+                [
+                    Diagnostic(
+                        kernel.config.loc_of("tail_value"),
+                        "tail split_kv needs O in its own SMEM bytes (a piece may skip the "
+                        "tile's store); here O lies over the dead V ring: use a smaller B_c "
+                        "or fewer stages",
+                    )
+                ]
+            )
     total = offset + 8 * bars + BASE_SLACK
     if total > limit:
         raise SpecError(

@@ -85,7 +85,8 @@ def check_lines(kernel: Kernel, lines: list[tuple[str, str]]) -> list[tuple[str,
         (
             "schedule",
             f"pingpong {_on(hw.pingpong)}, overlap {_on(hw.overlap)}, "
-            f"scheduler {hw.scheduler}, rescale {hw.rescale}",
+            f"scheduler {hw.scheduler}, rescale {hw.rescale}"
+            + (", tail split_kv" if hw.split_kv else ""),
         )
     )
     return out
@@ -227,6 +228,7 @@ def explain_data(kernel: Kernel) -> dict[str, Any]:
             },
             "stages": hw.stages,
             "q_slots": hw.q_slots,
+            "tail": "split_kv" if hw.split_kv else "whole",
             "pingpong": hw.pingpong,
             "overlap": hw.overlap,
             "scheduler": hw.scheduler,
@@ -301,6 +303,15 @@ def explain_sections(data: Mapping[str, Any]) -> list[str]:
             if ws["scheduler"] == "persistent"
             else "grid: one CTA per tile"
         ),
+        "  tail       "
+        + (
+            "split_kv: the launch's last, part-full round of tiles runs as pieces of their K/V "
+            "blocks on the CTAs that would idle; each piece's warpgroup hands its partial O, m "
+            "and l over in global memory (named barrier 8+wg, outside the SMEM plan), and the "
+            "last to finish a tile combines them and stores it (the others skip the tail)"
+            if ws["tail"] == "split_kv"
+            else "whole: each tile runs all its K/V blocks in one CTA"
+        ),
         "  rescale    "
         + (
             "lazy: a row keeps the max its P and O refer to until the max grows past 2^8 of "
@@ -355,7 +366,12 @@ def explain_sections(data: Mapping[str, Any]) -> list[str]:
         f"Verified: {data['verified']['by']} proves this plan (every hazard ordered, no wait "
         f"left hanging) over the async model for a CTA running {tiles[0]}-{tiles[1]} tiles in "
         f"turn, each of {counts[0]}..{counts[1]} K/V blocks (up to stages + 2; empty tiles "
-        "touch no SMEM)",
+        "touch no SMEM)"
+        + (
+            "; and with any one warpgroup, or all, skipping a tile's tail (a split piece)"
+            if data["warp_specialisation"]["tail"] == "split_kv"
+            else ""
+        ),
         "",
     ]
     return out

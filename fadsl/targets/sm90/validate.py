@@ -187,6 +187,22 @@ def _knobs(c: Checks, consumers: int) -> bool:
             "consumers >= 2 (or 'pingpong off')",
         )
         return False
+    if c.values.get("tail", False):
+        where = c.key_locs["tail_value"]
+        if not c.values.get("scheduler", True):
+            c.error(
+                where,
+                "tail split_kv splits the persistent launch's last round of tiles over the "
+                "idle CTAs: it needs 'scheduler persistent'",
+            )
+            return False
+        if c.values.get("mask", Mask.NONE) is not Mask.NONE:
+            c.error(
+                where,
+                "tail split_kv is for tiles of equal length ('mask none'); causal tiles are "
+                "already dealt out in pairs of equal work",
+            )
+            return False
     return True
 
 
@@ -219,6 +235,7 @@ def configure(c: Checks) -> Config:
             persistent=v.get("scheduler", True),
             lazy_rescale=v.get("rescale", True),
             q_slots=v.get("q_slots", 1),
+            split_kv=v.get("tail", False),
         ),
     )
 

@@ -50,6 +50,10 @@ and on the tiles before it that its roles can still overlap with:
 - with Q in a ring of q > 1 tiles (``q_slots``): every run of 2q + 1 tiles of 1 .. S blocks:
   each Q slot in both phases and no longer fresh (tile 2q is slot 0's third use), the
   producer up to q tiles ahead of the consumers.
+- with ``tail split_kv``: the pairs and triples again, each tile in turn with its tail (from
+  normalise on) skipped by one warpgroup or by all (``skip_patterns``), as a split piece
+  that is not its tile's last does; the pieces' hand-over is global memory and a named
+  barrier of their own (the header's combine_split), outside this SMEM plan.
 A longer tile, or a later one, repeats one of these states: a ring item's barrier state
 depends only on its slot and phase, every wgmma and bulk group is retired and every named
 barrier generation completed by the end of each tile, and the per-tile barriers cycle with
@@ -86,6 +90,8 @@ from ...passes.verify_async import AsyncVerifyError, check
 from . import caps
 
 WARPS_PER_WARPGROUP = 4
+# per tile of a sequence: the consumer warpgroups that skip its tail (tail split_kv)
+Skips = tuple[frozenset[int], ...]
 ROWS_PER_WARPGROUP = 64
 
 # The registers each op reads and writes (S: scores, P: 16-bit probabilities, O: output).
@@ -154,6 +160,29 @@ def describe_tiles(tiles: tuple[int, ...]) -> str:
     return f"tiles of {', '.join(map(str, shown))} K/V blocks"
 
 
+def skip_patterns(kernel: Kernel) -> tuple[tuple[tuple[int, ...], Skips], ...]:
+    """``tail split_kv``: a piece that is not its tile's last skips the tile's tail (from
+    normalise on) in its warpgroup, each warpgroup on its own count. The sequences of two
+    and three tiles, each tile in turn with its tail skipped by each warpgroup alone and by
+    all of them (the others run it): every boundary meets a skipped tail before and after
+    it. Empty without split_kv."""
+    hopper = kernel.config.hopper
+    if not hopper.split_kv:
+        return ()
+    groups = [frozenset({wg}) for wg in range(hopper.consumers)]
+    groups += [frozenset(range(hopper.consumers))] if hopper.consumers > 1 else []
+    patterns = []
+    for tiles in tile_sequences(kernel):
+        if len(tiles) == 1 or len(tiles) > 3:
+            continue
+        for at in range(len(tiles)):
+            for group in groups:
+                patterns.append(
+                    (tiles, tuple(group if t == at else frozenset() for t in range(len(tiles))))
+                )
+    return tuple(patterns)
+
+
 def verify(kernel: Kernel, target=None) -> Kernel:
     """Return ``kernel`` if its sync plan is proven for every tile sequence, else raise."""
     hopper = kernel.config.hopper
@@ -165,12 +194,29 @@ def verify(kernel: Kernel, target=None) -> Kernel:
         found = problems_of(kernel, tiles)
         if found:  # the smallest failing sequence says enough
             raise AsyncVerifyError(tuple(f"with {describe_tiles(tiles)}: {p}" for p in found))
+    for tiles, skips in skip_patterns(kernel):
+        found = problems_of(kernel, tiles, skips)
+        if found:
+            where = describe_skips(skips)
+            raise AsyncVerifyError(
+                tuple(f"with {describe_tiles(tiles)}, {where}: {p}" for p in found)
+            )
     return kernel
 
 
-def problems_of(kernel: Kernel, tiles: tuple[int, ...]) -> list[str]:
-    """Every problem of the plan for one sequence of tiles (empty when it is proven)."""
-    marked = build_program(kernel, tiles, fences=True)
+def describe_skips(skips: Skips) -> str:
+    """'tile 1's tail skipped by wg0, wg2' for messages."""
+    return "; ".join(
+        f"tile {t}'s tail skipped by {', '.join(f'wg{wg}' for wg in sorted(group))}"
+        for t, group in enumerate(skips)
+        if group
+    )
+
+
+def problems_of(kernel: Kernel, tiles: tuple[int, ...], skips: Skips = ()) -> list[str]:
+    """Every problem of the plan for one sequence of tiles (empty when it is proven); with
+    ``skips``, the warpgroups of each tile that skip its tail (tail split_kv)."""
+    marked = build_program(kernel, tiles, fences=True, skips=skips)
     return list(check(_without_fences(marked))) + _wgmma_fence_problems(marked)
 
 
@@ -193,7 +239,9 @@ def _setup_problems(kernel: Kernel) -> list[str]:
 _MBARRIER_USES = (caps.MBAR_WAIT, caps.MBAR_ARRIVE, caps.MBAR_EXPECT_TX)
 
 
-def build_program(kernel: Kernel, tiles: int | tuple[int, ...], fences: bool = False) -> Program:
+def build_program(
+    kernel: Kernel, tiles: int | tuple[int, ...], fences: bool = False, skips: Skips = ()
+) -> Program:
     """The kernel's roles as agents, for a CTA running tiles of ``tiles`` K/V blocks in turn
     (an int: one tile); with ``fences``, also the wgmma.fence markers, which are not
     async_model events."""
@@ -215,7 +263,7 @@ def build_program(kernel: Kernel, tiles: int | tuple[int, ...], fences: bool = F
             counts += [(name, sync.count) for name in names]
     roles = [("producer", None, 1)] + [(f"wg{wg}", wg, 128) for wg in range(consumers)]
     agents = tuple(
-        Agent(name, threads, tuple(_Agent(kernel, name, wg).events(tiles)))
+        Agent(name, threads, tuple(_Agent(kernel, name, wg).events(tiles, skips)))
         for name, wg, threads in roles
     )
     program = Program(agents, tuple(counts))
@@ -259,6 +307,12 @@ class _Agent:
         self.plan = {
             phase: [i for i in items if self.runs(i.who)] for phase, items in kernel.phases()
         }
+        # where a consumer's tail starts in its epilogue: its normalise step
+        epilogue = self.plan.get(Phase.EPILOGUE, [])
+        self.tail_start = next(
+            (i for i, x in enumerate(epilogue) if isinstance(x, Step) and x.op is Op.NORMALIZE),
+            len(epilogue),
+        )
         self.why = {
             id(i): "; ".join(h.describe() for h in i.serves) or i.note
             for items in self.plan.values()
@@ -282,18 +336,22 @@ class _Agent:
             case _:
                 raise AssertionError(f"unknown threads {who}")
 
-    def events(self, tiles: tuple[int, ...]) -> list[Event]:
+    def events(self, tiles: tuple[int, ...], skips: Skips = ()) -> list[Event]:
         out: list[Event] = []
         for item in self.plan.get(Phase.SETUP, []):  # once, before the first tile
             out += self.item(item, 0)
-        for blocks in tiles:
+        for index, blocks in enumerate(tiles):
             if blocks == 0:
                 continue  # an empty tile: no SMEM, no barrier, not counted
             trace = [(Phase.PROLOGUE, 0)]
             trace += [(Phase.MAINLOOP, it) for it in range(1, blocks)]
             trace += [(Phase.EPILOGUE, blocks)]
+            skipped = index < len(skips) and self.wg in skips[index]
             for phase, it in trace:
-                for item in self.plan[phase]:
+                items = self.plan[phase]
+                if skipped and phase is Phase.EPILOGUE:
+                    items = items[: self.tail_start]  # the tail, from normalise on, skipped
+                for item in items:
                     out += self.item(item, it)
             self.tile += 1
             self.base += blocks
