@@ -29,7 +29,12 @@ def split_workspace(device: Any, floats: int, counters: int) -> tuple[int, int]:
     from .runtime import _current_stream
 
     index = device.index
-    if torch.cuda.is_current_stream_capturing():
+    if index == torch.cuda.current_device():
+        capturing = torch.cuda.is_current_stream_capturing()
+    else:  # the launch's stream is q's device's
+        with torch.cuda.device(index):
+            capturing = torch.cuda.is_current_stream_capturing()
+    if capturing:
         buffers = _allocate(device, floats, counters)
         _CAPTURED.append(buffers)
     else:

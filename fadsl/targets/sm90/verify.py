@@ -50,9 +50,9 @@ and on the tiles before it that its roles can still overlap with:
 - with Q in a ring of q > 1 tiles (``q_slots``): every run of 2q + 1 tiles of 1 .. S blocks:
   each Q slot in both phases and no longer fresh (tile 2q is slot 0's third use), the
   producer up to q tiles ahead of the consumers.
-- with ``tail split_kv``: the pairs and triples again, each tile in turn with its tail (from
-  normalise on) skipped by one warpgroup or by all (``skip_patterns``), as a split piece
-  that is not its tile's last does; the pieces' hand-over is global memory and a named
+- with ``tail split_kv``: pairs of tiles with every set of warpgroups skipping each tile's
+  tail (from normalise on), and triples with every set skipping the middle one's
+  (``skip_patterns``), as a split piece that is not its tile's last does; the pieces' hand-over is global memory and a named
   barrier of their own (the header's combine_split), outside this SMEM plan.
 A longer tile, or a later one, repeats one of these states: a ring item's barrier state
 depends only on its slot and phase, every wgmma and bulk group is retired and every named
@@ -162,24 +162,25 @@ def describe_tiles(tiles: tuple[int, ...]) -> str:
 
 def skip_patterns(kernel: Kernel) -> tuple[tuple[tuple[int, ...], Skips], ...]:
     """``tail split_kv``: a piece that is not its tile's last skips the tile's tail (from
-    normalise on) in its warpgroup, each warpgroup on its own count. The sequences of two
-    and three tiles, each tile in turn with its tail skipped by each warpgroup alone and by
-    all of them (the others run it): every boundary meets a skipped tail before and after
-    it. Empty without split_kv."""
+    normalise on) in its warpgroup, each warpgroup on its own count, and a CTA may run two
+    pieces in a row. The tail holds no ring item and no ring barrier, so the K/V ring's
+    offset does not change what a skipped tail meets; tiles of 1 and 2 blocks (without and
+    with a mainloop) make the shapes: every pair with every set of warpgroups skipping each
+    tile's tail, and every triple with every set skipping the middle one's (a skipped tail
+    between two that run). Empty without split_kv."""
     hopper = kernel.config.hopper
     if not hopper.split_kv:
         return ()
-    groups = [frozenset({wg}) for wg in range(hopper.consumers)]
-    groups += [frozenset(range(hopper.consumers))] if hopper.consumers > 1 else []
+    groups = [
+        frozenset(wg for wg in range(hopper.consumers) if mask >> wg & 1)
+        for mask in range(1 << hopper.consumers)
+    ]
+    none = frozenset()
     patterns = []
-    for tiles in tile_sequences(kernel):
-        if len(tiles) == 1 or len(tiles) > 3:
-            continue
-        for at in range(len(tiles)):
-            for group in groups:
-                patterns.append(
-                    (tiles, tuple(group if t == at else frozenset() for t in range(len(tiles))))
-                )
+    for tiles in product((1, 2), repeat=2):
+        patterns += [(tiles, (a, b)) for a in groups for b in groups if a or b]
+    for tiles in product((1, 2), repeat=3):
+        patterns += [(tiles, (none, g, none)) for g in groups if g]
     return tuple(patterns)
 
 

@@ -510,10 +510,10 @@ __device__ __forceinline__ void store_o_tma(const FwdParamsSm90& P, uint32_t sme
 // comes last): m = max_i m_i, l = sum_i l_i 2^((m_i - m) c), O likewise; it returns true,
 // and its warpgroup goes on to normalise and store the tile as a whole one would.  The
 // others return false and skip the tile's tail.  The hand-over is global memory only:
-// writes, __threadfence, the warpgroup's named barrier kBarSplit + wg, one thread's
-// atomicInc (wrapping to 0, so that the counter is ready for the next launch), a barrier
-// reduction telling every thread the count, __threadfence before the reads; no SMEM, no
-// mbarrier and no barrier of the sync plan.
+// writes, the warpgroup's named barrier kBarSplit + wg, thread 0's fence, atomicInc
+// (wrapping to 0, so that the counter is ready for the next launch) and fence, a barrier
+// reduction telling every thread the count, then L2 reads; no SMEM, no mbarrier and no
+// barrier of the sync plan.
 template <class Cfg>
 __device__ __forceinline__ bool combine_split(const FwdParamsSm90& P, const TileWork& w, int wg,
                                               float (&o)[Cfg::kORegs], float (&m)[2], float (&l)[2],
@@ -528,14 +528,17 @@ __device__ __forceinline__ bool combine_split(const FwdParamsSm90& P, const Tile
 #pragma unroll
   for (int k = 0; k < Cfg::kORegs / 4; ++k) mine[k] = make_float4(o[4 * k], o[4 * k + 1], o[4 * k + 2], o[4 * k + 3]);
   mine[Cfg::kORegs / 4] = make_float4(m[0], m[1], l[0], l[1]);
-  __threadfence();  // release: this thread's partial before the count
+  // Every thread's partial before thread 0's count (the barrier at CTA scope, then thread
+  // 0's fence, cumulative, releases them all at GPU scope); its second fence acquires the
+  // other pieces' partials, and the barrier reduction passes that on to every thread.
   named_bar_sync(Cfg::kBarSplit + wg, 128);
   bool last = false;
   if (thread == 0) {
+    __threadfence();
     last = atomicInc(P.split_counts + w.split_tile * Cfg::kConsumerWGs + wg, P.splits - 1) == P.splits - 1;
+    __threadfence();
   }
   if (!named_bar_red_or(Cfg::kBarSplit + wg, 128, last)) return false;
-  __threadfence();  // acquire: the other pieces' partials after their count
   // Combine in piece order from piece 0, every piece read back (this one's too), so that
   // the result has the same bits whichever piece comes last.
   for (int split = 0; split < P.splits; ++split) {
