@@ -228,3 +228,30 @@ def test_q_slots_render_a_ring_of_tiles():
     plain = compile_file("examples/fa3_hdim64.fa")
     single = render(plain.kernel, plain.target, plain.file)[0].text
     assert "tile_count %" not in single and "kQBytes" not in single
+
+
+Q_RING_SPECS = sorted((ROOT / "bench" / "specs").glob("*_q2*.fa"))
+
+
+@pytest.mark.parametrize("spec", SPECS + Q_RING_SPECS, ids=[p.stem for p in SPECS + Q_RING_SPECS])
+def test_every_mbarrier_has_bytes_of_its_own(spec):
+    """Every bar_* the kernel defines, at every slot it is used with (a K/V ring's stages,
+    a ring of tiles' slots), is a distinct 8-byte mbarrier inside [0, kNumBars)."""
+    compiled = compile_file(spec.relative_to(ROOT))
+    text = render(compiled.kernel, compiled.target, compiled.file)[0].text
+    stages = int(re.search(r"FwdConfig<[^,]+, \d+, \d+, \d+, (\d+),", text).group(1))
+    count = int(re.search(r"static constexpr int kNumBars = (\d+);", text).group(1))
+    indices = []
+    for name, expr, tiles in re.findall(
+        r"bar_(\w+) = (?:\[&\]\(int s\) \{ return )?smem \+ Cfg::kOffBar \+ 8 \* (.+?);"
+        r"(?: \};)?(?:  // a ring of (\d+) tiles)?\n",
+        text,
+    ):
+        ring = "s" in expr
+        slots = int(tiles) if tiles else stages if ring else 1
+        for s in range(slots):
+            indices.append((eval(expr, {"s": s}), f"{name}[{s}]"))  # noqa: S307 (our own text)
+    inits = len(re.findall(r"mbar_init\(", text))
+    assert inits and len(indices) >= inits
+    values = sorted(i for i, _ in indices)
+    assert values == list(range(count)), indices

@@ -15,6 +15,7 @@ import pytest
 
 from bruteforce_async import explore
 from fadsl.ir import Kernel, Parity, Sync
+from fadsl.ops import Op
 from fadsl.irread import read_kernel
 from fadsl.passes.verify_async import AsyncVerifyError, check
 from fadsl.pipeline import compile_file, compile_source
@@ -363,9 +364,29 @@ def test_bruteforce_agrees_on_the_q_ring(tiles):
 
 def test_the_tile_sequences_cover_the_q_ring():
     """Runs of 2q + 1 tiles: each Q slot used three times (fresh, then each phase no longer
-    fresh), with every ring offset of the K/V blocks."""
-    kernel = KERNELS["fa3_q_ring"]
-    stages = kernel.config.hopper.stages
-    runs = [s for s in tile_sequences(kernel) if len(s) == 5]
-    assert len(runs) == stages**5 and (1, 1, 1, 1, 1) in runs
+    fresh), after a first tile that sets every offset of the K/V ring (stages 1 too)."""
+    for name in ("fa3_q_ring", "q_ring_stages_1"):
+        kernel = KERNELS[name]
+        stages = kernel.config.hopper.stages
+        runs = [s for s in tile_sequences(kernel) if len(s) == 5]
+        assert {s[0] for s in runs} == set(range(1, 2 * stages + 1))  # every ring offset
+        assert (
+            len(runs) == 2 * stages * 2**4 and (1, 1, 1, 1, 1) in runs and (2, 2, 1, 2, 1) in runs
+        )
     assert all(len(s) <= 3 for s in tile_sequences(KERNELS["fa3_hdim64"]))
+
+
+def test_the_tail_sees_the_next_tile_count():
+    """The generated code counts a tile done before the consumers' tail (normalise on): Q's
+    release moved into the tail would arrive on the next tile's slot, and verify, which
+    counts the tile where the code does, refuses it."""
+    kernel = KERNELS["fa3_q_ring"]
+    epilogue = list(kernel.epilogue)
+    release = next(
+        i for i, x in enumerate(epilogue) if isinstance(x, Sync) and x.barrier == "q_empty"
+    )
+    item = epilogue.pop(release)
+    cut = next(i for i, x in enumerate(epilogue) if getattr(x, "op", None) is Op.NORMALIZE)
+    epilogue.insert(cut + 1, item)
+    with pytest.raises(AsyncVerifyError, match="q_empty"):
+        verify(replace(kernel, epilogue=tuple(epilogue)))

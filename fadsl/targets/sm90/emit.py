@@ -238,7 +238,8 @@ def context(kernel: Kernel, dtype: Dtype) -> dict[str, Any]:
         },
         "ring_barriers": render.ring_barriers,
         "num_barriers": render.per_tile_barriers + render.ring_barriers * hw.stages,
-        "q_slots": hw.q_slots,
+        "q_slots": bufs["Q"].slots,
+        "q_slot": tile_slot_expr(bufs["Q"].slots),
         # tail split_kv: the scheduler of work items (whole tiles, then pieces of the last
         # round's), and the end of a piece's K/V blocks
         "split_kv": hw.split_kv,
@@ -251,7 +252,6 @@ def context(kernel: Kernel, dtype: Dtype) -> dict[str, Any]:
             else "tile_work<Cfg>(P.base, tile_coords<Cfg>(P.base, tile))"
         ),
         "kv_end": "w.block_end" if hw.split_kv else "w.n_blocks",
-        "q_slot": tile_slot_expr(hw.q_slots),
         "setup": roles["setup"]["setup"],
         "producer": roles["producer"],
         "consumer_head": roles["consumers"]["setup"],

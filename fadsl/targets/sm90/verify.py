@@ -20,6 +20,8 @@ What the generated code does, as this module reads it:
   tail included);
 - a tile of no K/V block touches no SMEM and no barrier in any role, so the non-empty tiles
   alone make the program; they are numbered t = 0, 1, ... in the order the CTA runs them;
+- each role counts a tile done after its epilogue, the consumers before their tail (from
+  normalise on): an item of the tail sees the next tile's count;
 - the ring items go on across tiles: a ring item or sync at iteration it of tile t works on
   item base_t + it + lag, base_t being the K/V blocks of the earlier tiles; item i sits in
   slot i % stages and ``ir.Parity`` reads PHASE as (i // stages) & 1, PHASE_FLIP as its
@@ -47,13 +49,15 @@ and on the tiles before it that its roles can still overlap with:
   a ring slot of the third tile last held a block of the first (the ring reaches across
   two boundaries), the producer two tiles ahead of a consumer if any barrier lets it be, and
   the per-tile barriers' third phase (t = 2, the same parity as t = 0 but no longer fresh).
-- with Q in a ring of q > 1 tiles (``q_slots``): every run of 2q + 1 tiles of 1 .. S blocks:
-  each Q slot in both phases and no longer fresh (tile 2q is slot 0's third use), the
-  producer up to q tiles ahead of the consumers.
+- with Q in a ring of q > 1 tiles (``q_slots``): a first tile of 1 .. 2S blocks, then every
+  run of 2q tiles of 1 or 2 blocks: each Q slot in both phases and no longer fresh (tile
+  2q is slot 0's third use) at every offset of the K/V ring, the producer up to q tiles
+  ahead of the consumers.
 - with ``tail split_kv``: pairs of tiles with every set of warpgroups skipping each tile's
   tail (from normalise on), and triples with every set skipping the middle one's
-  (``skip_patterns``), as a split piece that is not its tile's last does; the pieces' hand-over is global memory and a named
-  barrier of their own (the header's combine_split), outside this SMEM plan.
+  (``skip_patterns``), as a split piece that is not its tile's last does; the pieces'
+  hand-over is global memory and a named barrier of their own (the header's
+  combine_split), outside this SMEM plan.
 A longer tile, or a later one, repeats one of these states: a ring item's barrier state
 depends only on its slot and phase, every wgmma and bulk group is retired and every named
 barrier generation completed by the end of each tile, and the per-tile barriers cycle with
@@ -138,10 +142,16 @@ def tile_sequences(kernel: Kernel) -> tuple[tuple[int, ...], ...]:
         for c in range(1, stages + 1)
     ]
     # Q in a ring of q_slots > 1 tiles: its barriers cycle with period 2 x q_slots, and the
-    # producer may run up to q_slots tiles ahead; runs of 2 x q_slots + 1 short tiles reach
-    # every slot in both phases, no longer fresh, the ring of K/V at every offset.
+    # producer may run up to q_slots tiles ahead. A first tile of 1 .. 2S blocks starts the
+    # rest at every offset of the K/V ring; 2 x q_slots tiles of 1 or 2 blocks (without and
+    # with a mainloop) after it reach every Q slot in both phases, no longer fresh.
     q_slots = kernel.config.hopper.q_slots
-    runs = [] if q_slots == 1 else list(product(range(1, stages + 1), repeat=2 * q_slots + 1))
+    runs = [
+        (first, *rest)
+        for first in range(1, 2 * stages + 1)
+        for rest in product((1, 2), repeat=2 * q_slots)
+        if q_slots > 1
+    ]
     return tuple(
         sorted(singles + pairs + triples + runs, key=lambda seq: (len(seq), sum(seq), seq))
     )
@@ -303,12 +313,14 @@ class _Agent:
             s.barrier: s.slots for s in kernel.setup if isinstance(s, Sync) and s.slots > 1
         }
         self.tile = 0  # t: the non-empty tiles run so far
+        self.running = 0  # the tile being run, for messages
         self.base = 0  # base_t: the K/V blocks of the earlier tiles
         # the items this role runs in each tile, and why each sync is there (for messages)
         self.plan = {
             phase: [i for i in items if self.runs(i.who)] for phase, items in kernel.phases()
         }
-        # where a consumer's tail starts in its epilogue: its normalise step
+        # The generated code counts a tile done (tile_count, ring_base) where the consumers'
+        # tail starts, at their normalise step; the items after it see the next tile's count.
         epilogue = self.plan.get(Phase.EPILOGUE, [])
         self.tail_start = next(
             (i for i, x in enumerate(epilogue) if isinstance(x, Step) and x.op is Op.NORMALIZE),
@@ -348,14 +360,18 @@ class _Agent:
             trace += [(Phase.MAINLOOP, it) for it in range(1, blocks)]
             trace += [(Phase.EPILOGUE, blocks)]
             skipped = index < len(skips) and self.wg in skips[index]
+            self.running = self.tile  # the tile being run (its tail sees the next count)
+            counted = False
             for phase, it in trace:
                 items = self.plan[phase]
                 if skipped and phase is Phase.EPILOGUE:
                     items = items[: self.tail_start]  # the tail, from normalise on, skipped
-                for item in items:
+                for position, item in enumerate(items):
+                    if phase is Phase.EPILOGUE and position == self.tail_start:
+                        self.tile, self.base, counted = self.tile + 1, self.base + blocks, True
                     out += self.item(item, it)
-            self.tile += 1
-            self.base += blocks
+            if not counted:  # no tail (the producer), or the tail skipped
+                self.tile, self.base = self.tile + 1, self.base + blocks
         for item in self.plan.get(Phase.TEARDOWN, []):  # once, after the last tile
             out += self.item(item, 0)
         return out
@@ -402,7 +418,7 @@ class _Agent:
             (self.span(self.kernel.buffer(a.buffer), a.partition, slot), a.mode)
             for a in step.accesses
         ]
-        what = f"{step.op.spelling} (tile {self.tile}, it={it})"
+        what = f"{step.op.spelling} (tile {self.running}, it={it})"
         reads = self.regs(_REG_READS.get(step.op, ()))
         writes = self.regs(_REG_WRITES.get(step.op, ()))
         match step.async_kind:
