@@ -104,12 +104,17 @@ def sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+def tile_count(kernel: Kernel, a: Args) -> int:
+    """sm_90a's tiles: (q block of B_r rows, head, batch)."""
+    batch, seqlen_q, heads_q = a.q.shape[0], a.q.shape[1], a.q.shape[2]
+    return -(-seqlen_q // kernel.config.block_r) * heads_q * batch
+
+
 def tile_grid(kernel: Kernel, a: Args) -> tuple[int, int, int]:
     """sm_90a: a 1-D grid over the tiles (q block, head, batch), which the kernel's
     TileScheduler deals out: one CTA per SM at most (``scheduler persistent``, one CTA
     fits an SM), or one CTA per tile (``scheduler grid``)."""
-    batch, seqlen_q, heads_q = a.q.shape[0], a.q.shape[1], a.q.shape[2]
-    tiles = -(-seqlen_q // kernel.config.block_r) * heads_q * batch
+    tiles = tile_count(kernel, a)
     if tiles >= TILE_LIMIT:
         raise ValueError(
             f"q has {tiles} tiles of {kernel.config.block_r} rows x heads x batch, over "
@@ -234,7 +239,7 @@ def split_tail(kernel: Kernel, a: Args) -> bytes:
     from .workspace import split_workspace
 
     cfg = kernel.config
-    tiles = -(-a.q.shape[1] // cfg.block_r) * a.q.shape[2] * a.q.shape[0]
+    tiles = tile_count(kernel, a)
     start, splits = split_plan(tiles, sm_count(a.q.device.index), kv_blocks(kernel, a))
     if splits == 1:
         return SPLIT_TAIL.pack(0, 0, start, 1) + _SPLIT_PAD
