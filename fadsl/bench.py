@@ -6,6 +6,11 @@ call's operands, a correctness check against a float32 reference before any
 timing (a wrong kernel is never timed), then warm-up runs and timed runs with
 CUDA events; the median is reported. All contenders run on the same tensors in
 the same process. FLOPs = 4 * B * H * Sq * Sk * D (half that when causal).
+
+Variants of a kernel (``against``: other specs of the same head_dim and mask) are timed as
+more contenders on the same tensors, named ``fadsl:<kernel>``; with ``rounds`` > 1 every
+contender is timed that many times, in turn, and the median of its medians reported, so
+that a slow drift of the GPU's clock (power, heat) reaches them all alike.
 """
 
 from __future__ import annotations
@@ -95,6 +100,8 @@ def run(
     warmup: int = 32,
     runs: int = 128,
     log: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True),
+    against: tuple[FlashAttention, ...] = (),
+    rounds: int = 1,
 ) -> dict:
     import torch
     import torch.nn.functional as F
@@ -112,6 +119,7 @@ def run(
         raise ValueError(
             f"--dtype {dtype_name}: the spec compiles {', '.join(d.value for d in cfg.dtypes)}"
         )
+    kernels = variants(kern, against, dtype_name)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]
     d = cfg.head_dim
     scale = 1.0 / math.sqrt(d)
@@ -133,20 +141,23 @@ def run(
         row = Row(seqlen, batch, heads, d)
         # Correctness first: 128 query rows of batch 0, every head, against float32.
         q, k, v = qkv[0]
-        out = kern(q, k, v, scale, out=outs[0].fill_(float("nan")))
         check = min(128, seqlen)
         ref = _reference_rows(q, k, v, scale, check, torch.float32, causal)
         low = _reference_rows(q, k, v, scale, check, dtype, causal).float()
-        row.max_error = (out[0, :check].float() - ref).abs().max().item()
         row.error_bound = 2 * (low - ref).abs().max().item() + 1e-3
-        if not row.max_error <= row.error_bound:
-            raise RuntimeError(
-                f"seqlen {seqlen}: fadsl's max error {row.max_error:.3e} exceeds "
-                f"{row.error_bound:.3e}; not timing a wrong kernel"
+        contenders: dict[str, Callable[[int], object]] = {}
+        for name, each in kernels.items():
+            out = each(q, k, v, scale, out=outs[0].fill_(float("nan")))
+            error = (out[0, :check].float() - ref).abs().max().item()
+            if not error <= row.error_bound:
+                raise RuntimeError(
+                    f"seqlen {seqlen}: {name}'s max error {error:.3e} exceeds "
+                    f"{row.error_bound:.3e}; not timing a wrong kernel"
+                )
+            row.max_error = max(row.max_error, error)
+            contenders[name] = lambda i, qkv=qkv, outs=outs, each=each: each(
+                *qkv[i], scale, out=outs[i]
             )
-        contenders: dict[str, Callable[[int], object]] = {
-            "fadsl": lambda i, qkv=qkv, outs=outs: kern(*qkv[i], scale, out=outs[i])
-        }
         for name, backend in backends.items():
             views = [[t.transpose(1, 2) for t in s] for s in qkv]
 
@@ -161,10 +172,13 @@ def run(
                 continue
             contenders[name] = call
         total = flops(batch, heads, seqlen, seqlen, d, causal)
-        for name, fn in contenders.items():
-            ms = _time(fn, sets, warmup, runs)
-            row.ms[name] = ms
-            row.tflops[name] = total / (ms * 1e-3) / 1e12
+        medians: dict[str, list[float]] = {name: [] for name in contenders}
+        for _ in range(rounds):  # the contenders in turn, each round
+            for name, fn in contenders.items():
+                medians[name].append(_time(fn, sets, warmup, runs))
+        for name, times in medians.items():
+            row.ms[name] = statistics.median(times)
+            row.tflops[name] = total / (row.ms[name] * 1e-3) / 1e12
         rows.append(row)
         del qkv, outs
         torch.cuda.empty_cache()
@@ -179,30 +193,61 @@ def run(
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "against": [
+            {"spec": k.compiled.file, "spec_hash": spec_hash(k.compiled.kernel), "kernel": name}
+            for name, k in kernels.items()
+            if k is not kern
+        ],
         "method": {
             "tokens": tokens,
             "heads": heads,
             "warmup": warmup,
             "runs": runs,
-            "statistic": "median",
+            "rounds": rounds,
+            "statistic": "median" if rounds == 1 else "median of the rounds' medians",
         },
         "resources": kern.resources(dtype_name),
         "rows": [asdict(r) for r in rows],
     }
 
 
+def variants(
+    kern: FlashAttention, against: tuple[FlashAttention, ...], dtype_name: str
+) -> dict[str, FlashAttention]:
+    """The fadsl contenders by name: the kernel ("fadsl"), then each of ``against``
+    ("fadsl:<kernel>"), which must have its head_dim and mask and compile ``dtype_name``."""
+    cfg = kern.config
+    out = {"fadsl": kern}
+    for other in against:
+        oc = other.config
+        if (oc.head_dim, oc.mask) != (cfg.head_dim, cfg.mask):
+            raise ValueError(
+                f"--against {other.compiled.file}: head_dim {oc.head_dim}, mask "
+                f"{oc.mask.value}; the spec's are head_dim {cfg.head_dim}, mask {cfg.mask.value}"
+            )
+        if dtype_name not in [d.value for d in oc.dtypes]:
+            raise ValueError(f"--against {other.compiled.file}: does not compile {dtype_name}")
+        name = f"fadsl:{oc.name}"
+        while name in out:
+            name += "'"
+        out[name] = other
+    return out
+
+
 def table(result: dict) -> str:
     names = list(result["rows"][0]["tflops"]) if result["rows"] else ["fadsl"]
-    refs = [n for n in names if n != "fadsl"]
+    ours = [n for n in names if n.split(":")[0] == "fadsl"]
+    refs = [n for n in names if n not in ours]
+    ratios = [(a, r) for a in ours for r in refs] + [(a, "fadsl") for a in ours[1:]]
     head = f"{'seqlen':>7} {'batch':>5} " + " ".join(f"{n + ' TF/s':>12}" for n in names)
-    head += "".join(f" {'fadsl/' + r:>12}" for r in refs)
+    head += "".join(f" {a + '/' + r:>12}" for a, r in ratios)
     lines = [head]
     for row in result["rows"]:
         tf = row["tflops"]
         line = f"{row['seqlen']:>7} {row['batch']:>5} " + " ".join(
             f"{tf.get(n, float('nan')):>12.1f}" for n in names
         )
-        line += "".join(f" {tf['fadsl'] / tf[r]:>12.2f}" for r in refs if r in tf)
+        line += "".join(f" {tf[a] / tf[r]:>12.2f}" for a, r in ratios if a in tf and r in tf)
         lines.append(line)
     res = result.get("resources") or {}
     if res:

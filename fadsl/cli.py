@@ -122,6 +122,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
             return EXIT_FAILURE
 
     compiled = _compile(args.spec)  # a bad spec is reported (exit 2) before the GPU check
+    kern = FlashAttention(compiled)
+    others = tuple(FlashAttention(_compile(spec)) for spec in args.against or ())
+    dtype_name = args.dtype or compiled.kernel.config.dtypes[0].value
+    try:
+        bench.variants(kern, others, dtype_name)  # they time the same problem
+    except ValueError as err:
+        print(f"fadsl bench: {err}", file=sys.stderr)
+        return EXIT_FAILURE
     heads = bench.DEFAULT_HEADS if args.heads is None else args.heads
     if args.hidden is not None:
         head_dim = compiled.kernel.config.head_dim
@@ -141,17 +149,18 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if not torch.cuda.is_available():
         print("fadsl bench: needs a CUDA GPU, and none is visible", file=sys.stderr)
         return EXIT_FAILURE
-    kern = FlashAttention(compiled)
     try:
         result = bench.run(
             kern,
             seqlens=tuple(args.seqlens),
-            dtype_name=args.dtype,
+            dtype_name=dtype_name,
             causal=args.causal,
             tokens=args.tokens,
             heads=heads,
             warmup=args.warmup,
             runs=args.runs,
+            against=others,
+            rounds=args.rounds,
         )
     except (ValueError, RuntimeError) as err:
         print(f"fadsl bench: {err}", file=sys.stderr)
@@ -272,6 +281,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench_cmd.add_argument("--warmup", type=int, default=32, help="warm-up runs (default 32)")
     bench_cmd.add_argument("--runs", type=_positive, default=128, help="timed runs (default 128)")
+    bench_cmd.add_argument(
+        "--against",
+        metavar="SPEC",
+        action="append",
+        help="also time this spec's kernel (same head_dim and mask) on the same tensors, as "
+        "fadsl:<kernel>; repeatable",
+    )
+    bench_cmd.add_argument(
+        "--rounds",
+        type=_positive,
+        default=1,
+        help="time every contender this many times, in turn, and report the median of its "
+        "medians (default 1)",
+    )
     bench_cmd.add_argument("--json", metavar="PATH", help="write the numbers as JSON")
     bench_cmd.add_argument("--plot", metavar="PATH", help="write a PNG plot (needs matplotlib)")
     bench_cmd.set_defaults(run=cmd_bench)

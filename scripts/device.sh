@@ -9,7 +9,9 @@
 #   SANITIZE_ONLY: a regex of the kernel names scripts/sanitize.py runs (default: all)
 #   BENCH_DTYPE (bf16/fp16; default the spec's first), BENCH_SEQLENS ("2048,4096"),
 #   BENCH_HIDDEN (heads = hidden / head_dim, the FA papers' 2048; default 16 heads), BENCH_TAG
-#   (a suffix for the result files, e.g. "_run2" when a spec is timed more than once)
+#   (a suffix for the result files, e.g. "_run2" when a spec is timed more than once),
+#   BENCH_AGAINST ("a.fa b.fa": variants timed with each spec on the same tensors, as
+#   fadsl:<kernel>), BENCH_ROUNDS (every contender timed that many times in turn; default 1)
 set -uo pipefail
 export PYTHONUNBUFFERED=1 FADSL_CACHE_DIR=$PWD/build/fadsl-cache  # build/ survives between calls on a warm machine
 OUT=${OUT:-/tmp/out}
@@ -71,13 +73,15 @@ def build(s):
     return s
 with ProcessPoolExecutor(16) as pool:
     list(pool.map(build, sys.argv[1:]))
-" "$@" 2>&1 | tail -3
+" "$@" ${BENCH_AGAINST:-} 2>&1 | tail -3
+  against=""
+  for variant in ${BENCH_AGAINST:-}; do against="$against --against $variant"; done
   mkdir -p "$OUT/bench"
   for spec in "$@"; do
     causal=$(grep -qE '^\s*mask\s+causal' "$spec" && echo --causal)
     name=$(basename "$spec" .fa)${BENCH_DTYPE:+_$BENCH_DTYPE}${BENCH_TAG:-}
     python3 -P -m fadsl.cli bench "$spec" $causal ${BENCH_DTYPE:+--dtype $BENCH_DTYPE} ${BENCH_SEQLENS:+--seqlens "$BENCH_SEQLENS"} ${BENCH_HIDDEN:+--hidden $BENCH_HIDDEN} \
-      --json "$OUT/bench/$name.json" --plot "$OUT/bench/$name.png" 2>&1 | tee -a "$OUT/bench/bench.log" | tail -9
+      $against ${BENCH_ROUNDS:+--rounds $BENCH_ROUNDS} --json "$OUT/bench/$name.json" --plot "$OUT/bench/$name.png" 2>&1 | tee -a "$OUT/bench/bench.log" | tail -9
   done
   # At most 8 files come back from the device: one archive of the results.
   tar -C "$OUT" -cf "$OUT/bench${BENCH_DTYPE:+_$BENCH_DTYPE}${BENCH_TAG:-}.tar" bench && rm -r "$OUT/bench"

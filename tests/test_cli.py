@@ -158,7 +158,46 @@ def test_bench_hidden_and_heads_exclude_each_other():
     assert proc.returncode == 2 and "not allowed with argument" in proc.stderr
 
 
-@pytest.mark.parametrize("option", ["--heads", "--hidden", "--tokens", "--runs"])
+@pytest.mark.parametrize("option", ["--heads", "--hidden", "--tokens", "--runs", "--rounds"])
 def test_bench_counts_must_be_positive(option):
     proc = run("bench", SPEC, option, "0")
     assert proc.returncode == 2 and f"argument {option}: must be positive, got 0" in proc.stderr
+
+
+def test_bench_against_a_bad_spec_is_reported_before_looking_for_a_gpu(tmp_path):
+    spec = tmp_path / "bad.fa"
+    spec.write_text((ROOT / SPEC).read_text().replace("warps    4", "warps    3"))
+    proc = run("bench", SPEC, "--against", str(spec))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert f"{spec}:7:12: warps = 3 is not a power of two" in proc.stderr
+    assert "GPU" not in proc.stderr
+
+
+def test_bench_against_must_time_the_same_problem():
+    proc = run("bench", "examples/fa3_hdim64.fa", "--against", "examples/fa3_hopper.fa")
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert (
+        "--against examples/fa3_hopper.fa: head_dim 128, mask none; the spec's are head_dim 64"
+        in proc.stderr
+    )
+    assert "GPU" not in proc.stderr
+    proc = run("bench", "examples/fa3_hdim64.fa", "--against", "examples/fa2_hdim64.fa")
+    assert proc.returncode == 0 or "GPU" in proc.stderr  # same head_dim and mask: accepted
+
+
+def test_bench_table_compares_each_variant_with_each_backend_and_the_kernel():
+    from fadsl import bench
+
+    result = {
+        "rows": [
+            {
+                "seqlen": 2048,
+                "batch": 8,
+                "tflops": {"fadsl": 500.0, "fadsl:q2": 520.0, "cudnn": 400.0},
+            }
+        ],
+        "resources": {},
+    }
+    head, line = bench.table(result).splitlines()
+    assert head.split()[-3:] == ["fadsl/cudnn", "fadsl:q2/cudnn", "fadsl:q2/fadsl"]
+    assert line.split()[-3:] == ["1.25", "1.30", "1.04"]

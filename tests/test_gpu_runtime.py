@@ -159,3 +159,28 @@ def test_cold_and_warm_start(tmp_path):
         f"import fadsl: {cold_import:.3f} s, {warm_import:.3f} s"
     )
     assert cold <= 5.0 and warm <= 0.3, times
+
+
+def test_bench_times_variants_side_by_side_in_rounds(monkeypatch):
+    """`fadsl bench --against --rounds`: the variant checked and timed on the same tensors,
+    named after its kernel, each contender timed once per round; the table compares each
+    fadsl contender with each backend and the variant with the kernel."""
+    from fadsl import bench
+
+    text = (ROOT / "examples" / "fa2_hdim64.fa").read_text()
+    kern = fadsl.load(text, verbose=False)
+    variant = fadsl.load(text.replace("kernel fa2_hdim64", "kernel fa2_hdim64_twin"), verbose=False)
+    timed = []
+    real_time = bench._time
+    monkeypatch.setattr(bench, "_time", lambda fn, *a: timed.append(fn) or real_time(fn, *a))
+    result = bench.run(
+        kern, seqlens=(256,), tokens=512, heads=2, warmup=1, runs=3,
+        against=(variant,), rounds=2, log=lambda s: None,
+    )  # fmt: skip
+    row = result["rows"][0]
+    names = [n for n in row["tflops"] if n.startswith("fadsl")]
+    assert names == ["fadsl", f"fadsl:{variant.config.name}"]
+    assert all(row["tflops"][n] > 0 for n in names)
+    assert len(timed) == 2 * len(row["tflops"])  # every contender, once per round
+    assert result["method"]["rounds"] == 2 and result["against"][0]["kernel"] == names[1]
+    assert f"{names[1]}/fadsl" in bench.table(result).splitlines()[0]
