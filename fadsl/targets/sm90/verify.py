@@ -175,9 +175,9 @@ def skip_patterns(kernel: Kernel) -> tuple[tuple[tuple[int, ...], Skips], ...]:
     normalise on) in its warpgroup, each warpgroup on its own count, and a CTA may run two
     pieces in a row. The tail holds no ring item and no ring barrier, so the K/V ring's
     offset does not change what a skipped tail meets; tiles of 1 and 2 blocks (without and
-    with a mainloop) make the shapes: every pair with every set of warpgroups skipping each
-    tile's tail, and every triple with every set skipping the middle one's (a skipped tail
-    between two that run). Empty without split_kv."""
+    with a mainloop) make the shapes: a pair of each order with every set of warpgroups
+    skipping each tile's tail, and a triple of each with every set skipping the middle
+    one's (a skipped tail between two that run). Empty without split_kv."""
     hopper = kernel.config.hopper
     if not hopper.split_kv:
         return ()
@@ -187,9 +187,9 @@ def skip_patterns(kernel: Kernel) -> tuple[tuple[tuple[int, ...], Skips], ...]:
     ]
     none = frozenset()
     patterns = []
-    for tiles in product((1, 2), repeat=2):
+    for tiles in ((1, 2), (2, 1)):
         patterns += [(tiles, (a, b)) for a in groups for b in groups if a or b]
-    for tiles in product((1, 2), repeat=3):
+    for tiles in ((1, 1, 1), (2, 2, 2)):
         patterns += [(tiles, (none, g, none)) for g in groups if g]
     return tuple(patterns)
 
