@@ -49,15 +49,15 @@ and on the tiles before it that its roles can still overlap with:
   a ring slot of the third tile last held a block of the first (the ring reaches across
   two boundaries), the producer two tiles ahead of a consumer if any barrier lets it be, and
   the per-tile barriers' third phase (t = 2, the same parity as t = 0 but no longer fresh).
-- with Q in a ring of q > 1 tiles (``q_slots``): a first tile of 1 .. 2S blocks, then every
-  run of 2q tiles of 1 or 2 blocks: each Q slot in both phases and no longer fresh (tile
-  2q is slot 0's third use) at every offset of the K/V ring, the producer up to q tiles
-  ahead of the consumers.
-- with ``tail split_kv``: pairs of tiles with every set of warpgroups skipping each tile's
-  tail (from normalise on), and triples with every set skipping the middle one's
-  (``skip_patterns``), as a split piece that is not its tile's last does; the pieces'
-  hand-over is global memory and a named barrier of their own (the header's
-  combine_split), outside this SMEM plan.
+- with Q in a ring of q > 1 tiles (``q_slots``): runs of 2q + 1 tiles, a first of 1 .. 2S
+  blocks then tiles of one block, and a first of one block then every mix of 1 and 2: each
+  Q slot in both phases and no longer fresh (tile 2q is slot 0's third use), at every offset
+  of the K/V ring, the producer up to q tiles ahead of the consumers.
+- with ``tail split_kv``: a pair of tiles of each order (1 and 2 blocks) with every set of
+  warpgroups skipping each tile's tail (from normalise on), and a triple of each length
+  with every set skipping the middle one's (``skip_patterns``), as a split piece that is
+  not its tile's last does; the pieces' hand-over is global memory and a named barrier of
+  their own (the header's combine_split), outside this SMEM plan.
 A longer tile, or a later one, repeats one of these states: a ring item's barrier state
 depends only on its slot and phase, every wgmma and bulk group is retired and every named
 barrier generation completed by the end of each tile, and the per-tile barriers cycle with
@@ -142,16 +142,17 @@ def tile_sequences(kernel: Kernel) -> tuple[tuple[int, ...], ...]:
         for c in range(1, stages + 1)
     ]
     # Q in a ring of q_slots > 1 tiles: its barriers cycle with period 2 x q_slots, and the
-    # producer may run up to q_slots tiles ahead. A first tile of 1 .. 2S blocks starts the
-    # rest at every offset of the K/V ring; 2 x q_slots tiles of 1 or 2 blocks (without and
-    # with a mainloop) after it reach every Q slot in both phases, no longer fresh.
+    # producer may run up to q_slots tiles ahead. Runs of 2 x q_slots + 1 tiles reach every
+    # Q slot in both phases, no longer fresh: after a first tile of 1 .. 2S blocks (every
+    # offset of the K/V ring) tiles of one block; after one of one block, every mix of
+    # tiles of 1 and 2 blocks (without and with a mainloop).
     q_slots = kernel.config.hopper.q_slots
-    runs = [
-        (first, *rest)
-        for first in range(1, 2 * stages + 1)
-        for rest in product((1, 2), repeat=2 * q_slots)
-        if q_slots > 1
-    ]
+    runs = []
+    if q_slots > 1:
+        runs = [(first,) + (1,) * (2 * q_slots) for first in range(1, 2 * stages + 1)]
+        runs += [
+            (1, *rest) for rest in product((1, 2), repeat=2 * q_slots) if any(n > 1 for n in rest)
+        ]
     return tuple(
         sorted(singles + pairs + triples + runs, key=lambda seq: (len(seq), sum(seq), seq))
     )
