@@ -25,7 +25,7 @@ What the generated code does, as this module reads it:
 - the ring items go on across tiles: a ring item or sync at iteration it of tile t works on
   item base_t + it + lag, base_t being the K/V blocks of the earlier tiles; item i sits in
   slot i % stages and ``ir.Parity`` reads PHASE as (i // stages) & 1, PHASE_FLIP as its
-  complement; a barrier of no ring is a ring of ``Sync.slots`` slots (most of one) whose
+  complement; a barrier of no ring is a ring of ``Sync.slots`` slots (usually one) whose
   items are the tiles: tile t uses slot t % slots, TILE is (t // slots) & 1, TILE_FLIP its
   complement, and ZERO is 0 in every tile; a tile-loaded buffer of several slots (Q's) is
   read and written in slot t % slots;
