@@ -223,21 +223,24 @@ def smem_alias(c: Checks, setting: Setting) -> AliasPolicy | None:
 
 
 def stages(c: Checks, setting: Setting) -> int | None:
-    value = _single(c, setting)
-    if value is None:
-        return None
-    c.key_locs["stages_value"] = value.loc  # the target's checks point at the number
-    return _number(c, value, "stages", 1, 8)
+    return _count(c, setting, 1, 8)
 
 
 def q_slots(c: Checks, setting: Setting) -> int | None:
     """`q_slots N` (sm_90a): Q in a ring of N tiles; with 2 the producer loads the next
     tile's Q while this tile's runs."""
+    return _count(c, setting, 1, 2)
+
+
+def _count(c: Checks, setting: Setting, lo: int, hi: int) -> int | None:
+    """`key N`: one number in [lo, hi]; its place kept as `key_value` (the target's checks
+    point at the number)."""
     value = _single(c, setting)
     if value is None:
         return None
-    c.key_locs["q_slots_value"] = value.loc
-    return _number(c, value, "q_slots", 1, 2)
+    key = setting.key.text
+    c.key_locs[f"{key}_value"] = value.loc
+    return _number(c, value, key, lo, hi)
 
 
 def _assigns(c: Checks, setting: Setting, names: tuple[str, ...], lo: int, hi: int) -> dict:

@@ -172,7 +172,6 @@ class _Render:
     def step(self, step: Step, phase: Phase) -> dict[str, Any]:
         if step.op is Op.QK or step.op is Op.PV:
             self.in_flight.append(step)
-        q_slots = self.kernel.buffer("Q").slots
         return {
             "kind": "step",
             "macro": step.op.spelling,
@@ -182,9 +181,6 @@ class _Render:
                 "phase": phase.value,
                 "role": role_of(step.who),
                 "tensor": "" if step.op.tensor is None else step.op.tensor.value.lower(),
-                # Q's slot (a ring of tiles) and its full barrier, for Q's load
-                "q_slot": "" if q_slots == 1 else tile_slot_expr(q_slots),
-                "q_full": self.bar("q_full", None),
             },
             "guard": _GUARDS.get(step.who, ""),
             "elected": step.who is Threads.CONSUMER_ELECTED,
@@ -238,8 +234,10 @@ def context(kernel: Kernel, dtype: Dtype) -> dict[str, Any]:
         },
         "ring_barriers": render.ring_barriers,
         "num_barriers": render.per_tile_barriers + render.ring_barriers * hw.stages,
+        # Q's ring of tiles: this tile's slot and full barrier (Q's load, the consumers' Q)
         "q_slots": bufs["Q"].slots,
         "q_slot": tile_slot_expr(bufs["Q"].slots),
+        "q_full": render.bar("q_full", None),
         # tail split_kv: the scheduler of work items (whole tiles, then pieces of the last
         # round's), and the end of a piece's K/V blocks
         "split_kv": hw.split_kv,

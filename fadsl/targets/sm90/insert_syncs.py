@@ -46,7 +46,20 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from ... import targets
-from ...ir import Hazard, HazardKind, Item, Kernel, Mode, Parity, Phase, Scope, Step, Sync, Threads
+from ...ir import (
+    Buffer,
+    Hazard,
+    HazardKind,
+    Item,
+    Kernel,
+    Mode,
+    Parity,
+    Phase,
+    Scope,
+    Step,
+    Sync,
+    Threads,
+)
 from ...ops import Op
 from .caps import (
     BAR_ARRIVE,
@@ -204,7 +217,7 @@ class _Consumers:
                 barrier=f"{buf.name.lower()}_full",
                 lag=step.lag if ring else None,
                 parity=Parity.PHASE if ring else Parity.TILE,
-                slots=1 if ring else buf.slots,
+                slots=_tile_slots(buf, self.rings),
             )
 
     def wait_groups(self, step: Step | None, phase: Phase, force: bool = False) -> None:
@@ -282,7 +295,7 @@ class _Consumers:
                 ],
                 who=Threads.CONSUMER_WARP_LANE0,
                 barrier=f"{name.lower()}_empty",
-                slots=self.kernel.buffer(name).slots,
+                slots=_tile_slots(self.kernel.buffer(name), self.rings),
             )
 
 
@@ -316,7 +329,7 @@ def insert_syncs(kernel: Kernel, target: targets.Target) -> Kernel:
         if not any(_writes(s, buf.name, TMA_LOAD) for s in steps):
             continue
         ring = buf.name in rings
-        tile_slots = 1 if ring else buf.slots  # Q: a ring of tiles
+        tile_slots = _tile_slots(buf, rings)
         setup.append(
             Sync(
                 MBAR_INIT,
@@ -434,7 +447,7 @@ def insert_syncs(kernel: Kernel, target: targets.Target) -> Kernel:
                         barrier=f"{name}_empty",
                         lag=lag,
                         parity=Parity.PHASE_FLIP if ring else Parity.TILE_FLIP,
-                        slots=1 if ring else buf.slots,
+                        slots=_tile_slots(buf, rings),
                     )
                 )
                 for out_name, under in freed.items():
@@ -471,7 +484,7 @@ def insert_syncs(kernel: Kernel, target: targets.Target) -> Kernel:
                         barrier=f"{name}_full",
                         lag=lag,
                         tx=buf.tile_bytes,
-                        slots=1 if ring else buf.slots,
+                        slots=_tile_slots(buf, rings),
                     )
                 )
             out.append(step)
@@ -579,6 +592,12 @@ def insert_syncs(kernel: Kernel, target: targets.Target) -> Kernel:
         epilogue=new[Phase.EPILOGUE],
         teardown=new[Phase.TEARDOWN],
     )
+
+
+def _tile_slots(buf: Buffer, rings: frozenset[str]) -> int:
+    """The slots of the ring of tiles a buffer's per-tile barriers make (Q's: q_slots);
+    1 for a K/V ring's buffer, whose barriers are indexed by block item instead."""
+    return 1 if buf.name in rings else buf.slots
 
 
 def _first_load(kernel: Kernel, buffer: str) -> Step:
