@@ -102,7 +102,8 @@ MANY_TILES = [(1000, 333), (777, 1024), (2048, 130)]
 
 def with_setting(text: str, key: str, old: str, new: str) -> str:
     """The spec with `key old` set to `key new`, its kernel named after the new value."""
-    text = re.sub(rf"^(\s*{key}\s+){old}\b", rf"\g<1>{new}", text, count=1, flags=re.M)
+    text, found = re.subn(rf"^(\s*{key}\s+){old}\b", rf"\g<1>{new}", text, count=1, flags=re.M)
+    assert found, f"the spec has no `{key} {old}` line to change"
     return re.sub(r"\bkernel\s+(\w+)", rf"kernel \1_{new}", text, count=1)
 
 
