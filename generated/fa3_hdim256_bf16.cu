@@ -157,7 +157,8 @@ extern "C" __global__ void __launch_bounds__(Cfg::kThreads, 1) fa3_hdim256_bf16(
     if (wg == Cfg::kConsumerWGs - 1) named_bar_arrive(5, 256);
     int tile_count = 0;  // as the producer's
     int ring_base = 0;
-    for (int step = 0, tile; (tile = tile_index<Cfg>(P.base, step)) >= 0; ++step) {
+    // warp_uniform: the tile's values in uniform registers (fadsl/sm90_ptx.cuh says why)
+    for (int step = 0, tile; (tile = warp_uniform(tile_index<Cfg>(P.base, step))) >= 0; ++step) {
       const TileWork w = tile_work<Cfg>(P.base, tile_coords<Cfg>(P.base, tile));
       if (w.n_blocks == 0) {
         store_empty_tile<Cfg>(P.base, w, wg, threadIdx.x % 128);

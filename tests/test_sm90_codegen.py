@@ -188,6 +188,21 @@ def test_sm90a_kernels_compile_without_spills_to_hopper_ptx(spec):
                 assert instr in ptx, (cu.name, instr)
 
 
+@pytest.mark.parametrize("spec", SPECS, ids=IDS)
+def test_only_the_consumers_take_the_tile_index_through_a_warp_shuffle(spec):
+    """The consumers' tile loop reads the tile index through warp_uniform (a full-warp
+    shuffle, so that ptxas keeps the tile's values in uniform registers); the producer's loop
+    runs in one elected lane, where a full-warp shuffle would never complete."""
+    compiled = compile_file(spec.relative_to(ROOT))
+    text = render(compiled.kernel, compiled.target, compiled.file)[0].text
+    producer = text[text.index("producer warpgroup") : text.index("consumer warpgroups")]
+    consumers = text[text.index("consumer warpgroups") :]
+    assert "if (warp == 0 && elect_one()) {" in producer
+    assert "warp_uniform(" not in producer
+    loops = re.findall(r"for \(int step = 0, tile; \(tile = (.*)\) >= 0; \+\+step\)", consumers)
+    assert loops == ["warp_uniform(tile_index<Cfg>(P.base, step))"]
+
+
 def test_rescale_knob_reaches_the_kernel_config():
     """`rescale lazy` is the default; `every` is FlashAttention-3's per-block rescale. The
     choice is the Cfg's last template argument (the header's online_softmax reads it)."""
