@@ -137,6 +137,7 @@ extern "C" __global__ void __launch_bounds__(Cfg::kThreads, 1) fa3_hdim64_bf16(c
   } else {
     // ===================== consumer warpgroups =====================
     const int wg = warpgroup - 1;
+    const uint32_t smem_q_wg = smem_q + wg * 64 * Cfg::kRowBytes;
     const uint32_t smem_o_wg = smem + Cfg::kOffO + wg * 64 * Cfg::kRowBytes;
     const float scale_log2 = P.base.softmax_scale * 1.4426950408889634f;
     float o[Cfg::kORegs];
@@ -157,9 +158,6 @@ extern "C" __global__ void __launch_bounds__(Cfg::kThreads, 1) fa3_hdim64_bf16(c
         continue;
       }
       const RowLimits rows = row_limits<Cfg>(w, wg, warp, lane);
-      // the warpgroup's 64 rows of Q; warp_uniform (in the loop, where ptxas sees it): its
-      // wgmma descriptors in uniform registers
-      const uint32_t smem_q_wg = warp_uniform(smem_q + wg * 64 * Cfg::kRowBytes);
       // O = 0, m = -inf, l = 0
       #pragma unroll
       for (int i = 0; i < Cfg::kORegs; ++i) o[i] = 0.f;

@@ -287,10 +287,7 @@ __device__ __forceinline__ bool named_bar_red_or(uint32_t id, uint32_t count, bo
 // consumers' tile index this way, ptxas keeps the tile's K/V range and the ring counters
 // that follow from it in uniform registers, so the wgmma descriptors and mbarrier addresses
 // need no R2UR moves before each wgmma (the causal kernels' SASS: 158 R2UR -> 70).
-template <class T>
-__device__ __forceinline__ T warp_uniform(T x) {
-  return __shfl_sync(0xffffffffu, x, 0);
-}
+__device__ __forceinline__ int warp_uniform(int x) { return __shfl_sync(0xffffffffu, x, 0); }
 
 // True in exactly one lane of the (converged, full) warp.
 __device__ __forceinline__ bool elect_one() {

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...ir import Dtype, Kernel, Mask, Parity, Phase, Step, Sync, Threads
+from ...ir import Dtype, Kernel, Parity, Phase, Step, Sync, Threads
 from ...ops import Op
 from .caps import (
     BAR_ARRIVE,
@@ -223,12 +223,6 @@ def context(kernel: Kernel, dtype: Dtype) -> dict[str, Any]:
         "scheduler": hw.scheduler,
         "rescale": hw.rescale,
         "mask": cfg.mask.value,
-        # Q's rows through warp_uniform, so that ptxas builds its wgmma descriptors in uniform
-        # registers (SASS: 66 -> 22 R2UR at 128 x 176). Not with a causal mask or split
-        # pieces: there the tile's extra uniform values (its masked or split range) would
-        # then push the ring counters out of uniform registers (causal 70 -> 112 R2UR,
-        # split 59 -> 100, every wgmma waiting on moves).
-        "uniform_q_rows": cfg.mask is Mask.NONE and not hw.split_kv,
         "cuda_type": dtype.cuda_type,
         "smem_bytes": kernel.smem_bytes,
         "offsets": {name: b.offset for name, b in bufs.items()},
