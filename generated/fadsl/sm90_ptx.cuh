@@ -284,9 +284,10 @@ __device__ __forceinline__ bool named_bar_red_or(uint32_t id, uint32_t count, bo
 // x, which every lane of the (converged, full) warp holds, read back through lane 0. The
 // value is unchanged; what changes is what ptxas knows: a shuffle's result from a fixed lane
 // is warp-uniform, while a value derived from %ctaid is not treated as such. Given the
-// consumers' tile index this way, ptxas keeps the tile's K/V range and the ring counters
-// that follow from it in uniform registers, so the wgmma descriptors and mbarrier addresses
-// need no R2UR moves before each wgmma (the causal kernels' SASS: 158 R2UR -> 70).
+// consumers' tile index this way, in the tile loop (a shuffle hoisted out of the loop does
+// not help), ptxas keeps the tile's K/V range and the ring counters that follow from it in
+// uniform registers, so the wgmma descriptors and mbarrier addresses need no R2UR moves
+// before each wgmma (SASS: causal kernels 158 R2UR -> 70, tail split_kv 123 -> 59).
 __device__ __forceinline__ int warp_uniform(int x) { return __shfl_sync(0xffffffffu, x, 0); }
 
 // True in exactly one lane of the (converged, full) warp.
