@@ -68,7 +68,8 @@ _HOPPER = re.compile(
     r"sm90 consumers=(?P<consumers>\d+) stages=(?P<stages>\d+) "
     r"regs=(?P<preg>\d+)/(?P<creg>\d+) swizzle=(?P<swizzle>\d+)B "
     r"pingpong=(?P<pingpong>on|off) overlap=(?P<overlap>on|off) "
-    r"scheduler=(?P<scheduler>persistent|grid) rescale=(?P<rescale>every|lazy)$"
+    r"scheduler=(?P<scheduler>persistent|grid) rescale=(?P<rescale>every|lazy)"
+    r"(?: q_slots=(?P<q_slots>\d+))?(?P<split_kv> tail=split_kv)?$"
 )
 _REGION = re.compile(r"region (\d+) offset=(\d+) bytes=(\d+) members=(\S*)$")
 _STEP = re.compile(r"  step (?P<op>\S+)(?P<flags>(?: [^\[\s]\S*)*)(?: \[(?P<acc>.*)\])?$")
@@ -219,6 +220,8 @@ class _Reader:
             overlap=m["overlap"] == "on",
             persistent=m["scheduler"] == "persistent",
             lazy_rescale=m["rescale"] == "lazy",
+            q_slots=int(m["q_slots"] or 1),
+            split_kv=m["split_kv"] is not None,
         )
 
     def tensor(self, line: str) -> Tensor:
@@ -330,9 +333,14 @@ class _Reader:
             key, _, value = word.partition("=")
             match key:
                 case "bar":
-                    m = re.fullmatch(r"(\w+)(?:\[it([+-]\d+)?\])?", value)
+                    m = re.fullmatch(r"(\w+)(?:\[it([+-]\d+)?\]|\[t%(\d+)\])?", value)
                     if m is None:
-                        raise self.fail(word, "expected bar=NAME or bar=NAME[it+N]")
+                        raise self.fail(
+                            word, "expected bar=NAME, bar=NAME[it+N] or bar=NAME[t%SLOTS]"
+                        )
+                    if m[3] is not None:  # a per-tile barrier in a ring of tiles
+                        sync = replace(sync, barrier=m[1], slots=self.number(m[3]))
+                        continue
                     lag = None if "[" not in value else self.lag(m[2] or "")
                     sync = replace(sync, barrier=m[1], lag=lag)
                 case "id":

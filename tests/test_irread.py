@@ -30,6 +30,20 @@ def test_passes_from_the_read_schedule_give_the_pipelines_result(example):
     assert final.loop_may_be_empty == compiled.kernel.loop_may_be_empty
 
 
+@pytest.mark.parametrize(
+    "spec", ["tests/specs/sm90/fa3_q_ring.fa", "bench/specs/fa3_hdim64_q2_split.fa"]
+)
+def test_the_q_ring_and_the_split_tail_read_back(spec):
+    """The sm90 knobs no example turns on (q_slots 2 with its ring-of-tiles barriers, both
+    with `tail split_kv`) print and read back after every pass."""
+    for stage, kernel in compile_file(spec).stages:
+        text = format_kernel(kernel)
+        read = read_kernel(text)
+        assert format_kernel(read) == text, stage
+        assert read.config.hopper.q_slots == 2
+        assert read.config.hopper.split_kv is ("split" in spec)
+
+
 HEAD = (
     "kernel tiny target=sm_80 dtypes=bf16 head_dim=64 B_r=32 B_c=32 warps={warps} mask=none "
     "swizzle=none smem_alias={alias}\n"
