@@ -26,13 +26,13 @@ SHAPES = [(128, 128), (113, 203), (200, 100), (1, 65)]
 MANY_TILES = (2, 600, 333, 70, 7)  # batch, seqlen_q, seqlen_k, heads_q, heads_kv
 
 # The examples, and causal versions of those that load fragment-wise and one block ahead.
-SPECS = {p.name: str(p.relative_to(ROOT)) for p in sorted((ROOT / "examples").glob("*.fa"))}
+# Named as their kernels are (SANITIZE_ONLY matches these names). fa3_hdim64 splits its tail
+# (`tail split_kv`): MANY_TILES' last round and the (113, 203) shape's two tiles run as pieces.
+SPECS = {p.stem: str(p.relative_to(ROOT)) for p in sorted((ROOT / "examples").glob("*.fa"))}
 SPECS.update(
     {n: t for n, t in general_specs().items() if n.endswith(("d256_causal", "pipelined_causal"))}
 )
-SPECS.update({n: t for n, t in sm90_specs().items() if f"{n}.fa" not in SPECS})  # flipped masks
-# tail split_kv: MANY_TILES' last round and the (113, 203) shape's two tiles run as pieces
-SPECS["fa3_hdim64_split"] = "bench/specs/fa3_hdim64_split.fa"
+SPECS.update({n: t for n, t in sm90_specs().items() if n not in SPECS})  # flipped masks
 ONLY = re.compile(sys.argv[1] if len(sys.argv) > 1 else "")
 
 for name, spec in SPECS.items():
