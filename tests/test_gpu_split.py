@@ -1,4 +1,4 @@
-"""GPU tests of `tail split_kv` (bench/specs/fa3_hdim64_split.fa) on a Hopper GPU: shapes whose
+"""GPU tests of `tail split_kv` (examples/fa3_hdim64.fa) on a Hopper GPU: shapes whose
 last round of tiles the host splits into pieces (one or two per CTA, a masked last K/V block,
 GQA, a launch of fewer tiles than SMs), against the float32 reference with outputs and LSE
 poisoned first; the same bits on every run whichever piece of a tile finishes last, and
@@ -20,7 +20,7 @@ pytestmark = [
     pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (compute capability 9.0)"),
 ]
 
-SPEC = Path(__file__).resolve().parents[1] / "bench" / "specs" / "fa3_hdim64_split.fa"
+SPEC = Path(__file__).resolve().parents[1] / "examples" / "fa3_hdim64.fa"
 # (batch, seqlen_q, seqlen_k, heads_q, heads_kv): on 132 SMs, 176 tiles (44 split, one piece
 # per CTA); 220 tiles (88 split, two pieces per CTA, the last K/V block masked, GQA); 560
 # tiles of 3 blocks; 6 tiles of 32 blocks (fewer tiles than SMs, 8 pieces each).

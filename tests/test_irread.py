@@ -34,8 +34,8 @@ def test_passes_from_the_read_schedule_give_the_pipelines_result(example):
     "spec", ["tests/specs/sm90/fa3_q_ring.fa", "bench/specs/fa3_hdim64_q2_split.fa"]
 )
 def test_the_q_ring_and_the_split_tail_read_back(spec):
-    """The sm90 knobs no example turns on (q_slots 2 with its ring-of-tiles barriers, both
-    with `tail split_kv`) print and read back after every pass."""
+    """q_slots 2 (its ring-of-tiles barriers), alone and with `tail split_kv`, prints and
+    reads back after every pass."""
     for stage, kernel in compile_file(spec).stages:
         text = format_kernel(kernel)
         read = read_kernel(text)

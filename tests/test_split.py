@@ -26,17 +26,12 @@ from fadsl.params import (
     split_plan,
 )
 from fadsl.passes.verify_async import AsyncVerifyError
-from fadsl.pipeline import compile_file, compile_source
+from fadsl.pipeline import compile_file
 from fadsl.targets.sm90.verify import problems_of, skip_patterns, verify
 
 ROOT = Path(__file__).resolve().parents[1]
-SPLIT = compile_file(ROOT / "bench" / "specs" / "fa3_hdim64_split.fa").kernel
-# the example without `tail split_kv`
-WHOLE = compile_source(
-    (ROOT / "examples" / "fa3_hdim64.fa")
-    .read_text()
-    .replace("tail       split_kv", "tail       whole")
-).kernel
+SPLIT = compile_file(ROOT / "examples" / "fa3_hdim64.fa").kernel  # `tail split_kv`
+WHOLE = compile_file(ROOT / "bench" / "specs" / "fa3_hdim64_whole.fa").kernel  # `tail whole`
 
 
 def _last_round(tiles: int, ctas: int, blocks: int, splits: int) -> float:
@@ -153,7 +148,7 @@ def test_a_skipped_tail_with_a_barrier_of_every_warpgroup_hangs():
 def test_the_tail_of_a_piece_is_rendered(tmp_path):
     from fadsl.codegen import render
 
-    compiled = compile_file(ROOT / "bench" / "specs" / "fa3_hdim64_split.fa")
+    compiled = compile_file(ROOT / "examples" / "fa3_hdim64.fa")
     text = render(compiled.kernel, compiled.target, compiled.file)[0].text
     assert text.count("split_tile_index<Cfg>(P, step)") == 2  # producer and consumers
     assert "w.block_end - 1 - (it)" in text and "w.n_blocks - 1 - (" not in text
