@@ -307,11 +307,12 @@ __device__ __forceinline__ void load_kv(const CUtensorMap* tmap, uint32_t smem_s
 // K-major in SMEM.  smem_q_wg: the warpgroup's first Q row in panel 0.
 template <class Cfg>
 __device__ __forceinline__ void issue_qk(float (&s)[Cfg::kSRegs], uint32_t smem_q_wg, uint32_t smem_k_slot) {
+  const uint64_t k0 = make_desc_kmajor_sw128(smem_k_slot);
 #pragma unroll
   for (int kk = 0; kk < Cfg::kHeadDim / 16; ++kk) {
     const uint32_t panel = kk / 4, k_bytes = (kk % 4) * 32;
     const uint64_t desc_q = make_desc_kmajor_sw128(smem_q_wg + panel * Cfg::kBlockM * Cfg::kRowBytes + k_bytes);
-    const uint64_t desc_k = make_desc_kmajor_sw128(smem_k_slot + panel * Cfg::kBlockN * Cfg::kRowBytes + k_bytes);
+    const uint64_t desc_k = desc_advance(k0, panel * Cfg::kBlockN * Cfg::kRowBytes + k_bytes);
     Wgmma<Cfg::kBlockN>::template ss<typename Cfg::T, 0, 0>(s, desc_q, desc_k, kk > 0 ? 1u : 0u);
   }
 }
@@ -322,10 +323,11 @@ template <class Cfg>
 __device__ __forceinline__ void issue_pv(float (&o)[Cfg::kORegs], const uint32_t (&p)[Cfg::kPRegs],
                                          uint32_t smem_v_slot) {
   constexpr uint32_t kPanelBytes = Cfg::kBlockN * Cfg::kRowBytes;
+  const uint64_t v0 = make_desc_mnmajor_sw128(smem_v_slot, kPanelBytes);
 #pragma unroll
   for (int kk = 0; kk < Cfg::kBlockN / 16; ++kk) {
     const uint32_t a[4] = {p[4 * kk], p[4 * kk + 1], p[4 * kk + 2], p[4 * kk + 3]};
-    const uint64_t desc_v = make_desc_mnmajor_sw128(smem_v_slot + kk * 16 * Cfg::kRowBytes, kPanelBytes);
+    const uint64_t desc_v = desc_advance(v0, kk * 16 * Cfg::kRowBytes);
     Wgmma<Cfg::kHeadDim>::template rs<typename Cfg::T, 1>(o, a, desc_v, 1u);
   }
 }

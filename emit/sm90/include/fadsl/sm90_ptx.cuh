@@ -240,6 +240,16 @@ __device__ __forceinline__ uint64_t make_desc_mnmajor_sw128(uint32_t smem_addr, 
   return make_smem_desc(smem_addr, panel_bytes, 1024);
 }
 
+// The descriptor of the tile `byte_offset` bytes (a multiple of 16) past desc's start: the
+// start-address field holds the address >> 4 in bits 0-13, and every shared-memory address
+// (under 228 KB) >> 4 fits there, so a 32-bit add to the low word never carries out of the
+// field.  One integer add per wgmma, where building each descriptor from its address again
+// masks and shifts it (and ptxas does that inside the ping-pong turn).
+__device__ __forceinline__ uint64_t desc_advance(uint64_t desc, uint32_t byte_offset) {
+  const uint32_t lo = static_cast<uint32_t>(desc) + (byte_offset >> 4);
+  return (desc & 0xFFFFFFFF00000000ull) | lo;
+}
+
 // ---------------------------------------------------------------------------
 // 5. Warp specialisation
 // ---------------------------------------------------------------------------
