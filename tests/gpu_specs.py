@@ -3,7 +3,7 @@
 Head dims 64, 96 and 128 vary the swizzled example (whole tiles in registers); 256 is the
 head_dim 256 example (fragment-wise loads, loads ahead), and `pipelined` the head_dim 128
 kernel with FA2's schedule, so that tails and causal masks run through every kind of load.
-``sm90_specs()``: the sm_90a examples (and ``Q_RING``) with and without the causal mask.
+``sm90_specs()``: the sm_90a examples (and ``EXTRA_SM90``) with and without the causal mask.
 """
 
 from __future__ import annotations
@@ -18,6 +18,9 @@ SWIZZLE = {64: "xor(3, 3, 3)", 96: "xor(2, 3, 3)", 128: "xor(3, 3, 4)"}
 OTHERS = {"d256": "fa2_hdim256", "pipelined": "fa2_pipelined"}
 # Not an example (yet): Q in a ring of two tiles (q_slots 2), run by the sm_90a GPU tests too.
 Q_RING = "tests/specs/sm90/fa3_q_ring.fa"
+# Not examples either, run like them: Q's ring, and FlashAttention-3's 128 x 176 tile at
+# head_dim 128 (B_c not a multiple of 64, O over the dead V ring).
+EXTRA_SM90 = (Q_RING, "bench/specs/fa3_hopper_bc176.fa")
 
 
 def _masked(name: str, text: str, kernel: str, mask: str) -> str:
@@ -45,13 +48,24 @@ def sm90_specs() -> dict[str, str]:
     ``<example>_full``), so that every head dim runs with and without the causal mask; a
     flipped spec that another example already is (fa3_causal is fa3_hopper, causal) is
     left out."""
+    return _sm90_specs_and_flips()[0]
+
+
+def mask_flipped(stem: str) -> str:
+    """The name in ``sm90_specs()`` of example ``stem`` with its mask flipped: another
+    example where that is the same kernel (fa3_causal without its mask is fa3_hopper)."""
+    return _sm90_specs_and_flips()[1][stem]
+
+
+def _sm90_specs_and_flips() -> tuple[dict[str, str], dict[str, str]]:
     examples = {}
-    for path in sorted((ROOT / "examples").glob("*.fa")) + [ROOT / Q_RING]:
+    for path in sorted((ROOT / "examples").glob("*.fa")) + [ROOT / p for p in EXTRA_SM90]:
         text = path.read_text()
         if re.search(r"^\s*target\s+sm_90a\b", text, re.MULTILINE):
             examples[path.stem] = text
     specs = dict(examples)
-    seen = {_body(text) for text in examples.values()}
+    seen = {_body(text): stem for stem, text in examples.items()}
+    flips = {}
     for stem, text in examples.items():
         causal = re.search(r"^\s*mask\s+causal\b", text, re.MULTILINE) is not None
         name = f"{stem}_{'full' if causal else 'causal'}"
@@ -66,9 +80,10 @@ def sm90_specs() -> dict[str, str]:
         # split pieces run without a mask only
         flipped = re.sub(r"^(\s*tail\s+)split_kv\b", r"\g<1>whole", flipped, flags=re.MULTILINE)
         if _body(flipped) not in seen:
-            seen.add(_body(flipped))
+            seen[_body(flipped)] = name
             specs[name] = flipped
-    return specs
+        flips[stem] = seen[_body(flipped)]
+    return specs, flips
 
 
 def _body(text: str) -> str:

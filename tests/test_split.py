@@ -132,7 +132,7 @@ def test_a_skipped_tail_with_a_barrier_of_every_warpgroup_hangs():
     """O over the dead V ring: the tail holds the all-consumer barrier before stmatrix and
     O's free barrier; a warpgroup that skips it leaves the others waiting (plan_smem
     refuses the spec; forced here, verify refuses the plan)."""
-    hopper = compile_file(ROOT / "examples" / "fa3_hopper.fa").kernel
+    hopper = compile_file(ROOT / "bench" / "specs" / "fa3_hopper_bc176.fa").kernel
     forced = replace(
         hopper,
         config=replace(hopper.config, hopper=replace(hopper.config.hopper, split_kv=True)),
