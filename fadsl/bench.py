@@ -5,7 +5,9 @@ random inputs rotated among enough buffer sets that L2 never holds the next
 call's operands, a correctness check against a float32 reference before any
 timing (a wrong kernel is never timed), then warm-up runs and timed runs with
 CUDA events; the median is reported. All contenders run on the same tensors in
-the same process. FLOPs = 4 * B * H * Sq * Sk * D (half that when causal).
+the same process. FLOPs = 4 * B * H * Sq * Sk * D (half that when causal). Where NVML is
+there, the SM clock, power draw and power-cap share are sampled while each contender is timed
+(fadsl/gpuclocks.py): a power-bound kernel runs at a lower clock.
 
 Variants of a kernel (``against``: other specs of the same head_dim and mask) are timed as
 more contenders on the same tensors, named ``fadsl:<kernel>``; with ``rounds`` > 1 every
@@ -24,6 +26,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from . import gpuclocks
 from .codegen import spec_hash
 from .ir import Mask
 from .runtime import FlashAttention
@@ -42,6 +45,8 @@ class Row:
     tflops: dict[str, float] = field(default_factory=dict)
     max_error: float = 0.0
     error_bound: float = 0.0
+    # contender -> gpuclocks.ClockSummary fields, over all its timed runs (NVML only)
+    clocks: dict[str, dict] = field(default_factory=dict)
 
 
 def flops(batch: int, heads: int, sq: int, sk: int, d: int, causal: bool) -> float:
@@ -49,20 +54,42 @@ def flops(batch: int, heads: int, sq: int, sk: int, d: int, causal: bool) -> flo
     return total / 2 if causal else total
 
 
-def _time(fn: Callable[[int], object], sets: int, warmup: int, runs: int) -> float:
-    """Median milliseconds of ``fn(i)`` over ``runs`` calls, after ``warmup``."""
+def _time(
+    fn: Callable[[int], object],
+    sets: int,
+    warmup: int,
+    runs: int,
+    sampler: gpuclocks.Sampler | None = None,
+) -> tuple[float, list[gpuclocks.Reading]]:
+    """Median milliseconds of ``fn(i)`` over ``runs`` calls, after ``warmup``, and the
+    sampler's readings taken while the timed calls ran."""
     import torch
 
     for i in range(warmup):
         fn(i % sets)
+    torch.cuda.synchronize()
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(runs)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(runs)]
+    if sampler:
+        sampler.start()
     for i in range(runs):
         starts[i].record()
         fn(i % sets)
         ends[i].record()
     torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
+    readings = sampler.stop() if sampler else []
+    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends)), readings
+
+
+def _pci_bus_id() -> str | None:
+    """CUDA device 0's PCI address as NVML spells it (CUDA and NVML may number GPUs apart)."""
+    import torch
+
+    props = torch.cuda.get_device_properties(0)
+    try:
+        return f"{props.pci_domain_id:08x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
+    except AttributeError:
+        return None
 
 
 def _reference_rows(q, k, v, scale: float, rows: int, dtype, causal: bool = False):
@@ -125,6 +152,8 @@ def run(
     scale = 1.0 / math.sqrt(d)
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     backends = _backends()
+    read = gpuclocks.nvml_reader(_pci_bus_id())
+    sampler = gpuclocks.Sampler(read) if read else None
     rows = []
     for seqlen in seqlens:
         batch = max(1, tokens // seqlen)
@@ -173,12 +202,18 @@ def run(
             contenders[name] = call
         total = flops(batch, heads, seqlen, seqlen, d, causal)
         medians: dict[str, list[float]] = {name: [] for name in contenders}
+        readings: dict[str, list[gpuclocks.Reading]] = {name: [] for name in contenders}
         for _ in range(rounds):  # the contenders in turn, each round
             for name, fn in contenders.items():
-                medians[name].append(_time(fn, sets, warmup, runs))
+                ms, sampled = _time(fn, sets, warmup, runs, sampler)
+                medians[name].append(ms)
+                readings[name] += sampled
         for name, times in medians.items():
             row.ms[name] = statistics.median(times)
             row.tflops[name] = total / (row.ms[name] * 1e-3) / 1e12
+            summary = gpuclocks.summarize(readings[name])
+            if summary:
+                row.clocks[name] = asdict(summary)
         rows.append(row)
         del qkv, outs
         torch.cuda.empty_cache()
@@ -207,6 +242,7 @@ def run(
             "statistic": "median" if rounds == 1 else "median of the rounds' medians",
         },
         "resources": kern.resources(dtype_name),
+        "clocks": "nvml" if sampler else "unavailable",
         "rows": [asdict(r) for r in rows],
     }
 
@@ -234,6 +270,21 @@ def variants(
     return out
 
 
+def clock_lines(result: dict) -> list[str]:
+    """Per row, each contender's median SM clock, mean power and share of samples at the
+    power cap while it was timed (rows without clocks: nothing)."""
+    lines = []
+    for row in result["rows"]:
+        clocks = row.get("clocks") or {}
+        if clocks:
+            parts = [
+                f"{name} {gpuclocks.ClockSummary(**summary).text()}"
+                for name, summary in clocks.items()
+            ]
+            lines.append(f"{row['seqlen']:>7} clocks: " + ", ".join(parts))
+    return lines
+
+
 def table(result: dict) -> str:
     names = list(result["rows"][0]["tflops"]) if result["rows"] else ["fadsl"]
     ours = [n for n in names if n.split(":")[0] == "fadsl"]
@@ -249,6 +300,7 @@ def table(result: dict) -> str:
         )
         line += "".join(f" {tf[a] / tf[r]:>12.2f}" for a, r in ratios if a in tf and r in tf)
         lines.append(line)
+    lines += clock_lines(result)
     res = result.get("resources") or {}
     if res:
         lines.append(
