@@ -62,12 +62,12 @@ def _time(
     sampler: gpuclocks.Sampler | None = None,
 ) -> tuple[float, list[gpuclocks.Reading]]:
     """Median milliseconds of ``fn(i)`` over ``runs`` calls, after ``warmup``, and the
-    sampler's readings taken while the timed calls ran."""
+    sampler's readings while they were queued and ran (the last warm-up calls may still be
+    running when it starts: the same kernel)."""
     import torch
 
     for i in range(warmup):
         fn(i % sets)
-    torch.cuda.synchronize()
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(runs)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(runs)]
     if sampler:
