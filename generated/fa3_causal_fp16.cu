@@ -158,6 +158,7 @@ extern "C" __global__ void __launch_bounds__(Cfg::kThreads, 1) fa3_causal_fp16(c
         continue;
       }
       const RowLimits rows = row_limits<Cfg>(w, wg, warp, lane);
+      FADSL_TILE_MARK(step, 0);  // tile timeline (FADSL_TILE_TRACE builds only): the tile starts
       // O = 0, m = -inf, l = 0
       #pragma unroll
       for (int i = 0; i < Cfg::kORegs; ++i) o[i] = 0.f;
@@ -191,6 +192,7 @@ extern "C" __global__ void __launch_bounds__(Cfg::kThreads, 1) fa3_causal_fp16(c
         // P to 16-bit pairs (the A operand of P V)
         convert_p<Cfg>(s, p);
       }
+      FADSL_TILE_MARK(step, 1);  // the first block's softmax is done
       // Blocks it = 1 .. n_blocks - 1; the first n_masked iterations mask their scores.
       auto iteration = [&](const int it, auto mask_tag) {
         constexpr bool kMask = decltype(mask_tag)::value;
@@ -236,6 +238,7 @@ extern "C" __global__ void __launch_bounds__(Cfg::kThreads, 1) fa3_causal_fp16(c
       int it = 1;
       for (; it < w.n_masked; ++it) iteration(it, fadsl::sm90::true_type{});
       for (; it < w.n_blocks; ++it) iteration(it, fadsl::sm90::false_type{});
+      FADSL_TILE_MARK(step, 2);  // the mainloop is done
       {
         const int it = w.n_blocks;
         // hazard WAR on Q: qk -> q_g2s (consumers -> producer, next tile)
@@ -261,6 +264,7 @@ extern "C" __global__ void __launch_bounds__(Cfg::kThreads, 1) fa3_causal_fp16(c
         // hazard WAR on V: pv -> v_g2s across the loop back edge (consumers -> producer)
         if (lane == 0) mbar_arrive(bar_v_empty(ring_slot(ring_base + it - 1)));
       }
+      FADSL_TILE_MARK(step, 3);  // the last P V is in
       ring_base += w.n_blocks;
       ++tile_count;
       {
@@ -286,6 +290,7 @@ extern "C" __global__ void __launch_bounds__(Cfg::kThreads, 1) fa3_causal_fp16(c
           // the TMA store has read O's SMEM: its bytes may be written again (the next tile) or released (CTA exit)
           tma_store_wait_read<0>();
         }
+        FADSL_TILE_MARK(step, 4);  // O's store is issued
       }
     }
     // ping-pong: warpgroup 0 takes the last warpgroup's final hand-over, so every bar.arrive is matched

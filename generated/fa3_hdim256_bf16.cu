@@ -165,6 +165,7 @@ extern "C" __global__ void __launch_bounds__(Cfg::kThreads, 1) fa3_hdim256_bf16(
         continue;
       }
       const RowLimits rows = row_limits<Cfg>(w, wg, warp, lane);
+      FADSL_TILE_MARK(step, 0);  // tile timeline (FADSL_TILE_TRACE builds only): the tile starts
       // O = 0, m = -inf, l = 0
       #pragma unroll
       for (int i = 0; i < Cfg::kORegs; ++i) o[i] = 0.f;
@@ -197,6 +198,7 @@ extern "C" __global__ void __launch_bounds__(Cfg::kThreads, 1) fa3_hdim256_bf16(
         // P to 16-bit pairs (the A operand of P V)
         convert_p<Cfg>(s, p);
       }
+      FADSL_TILE_MARK(step, 1);  // the first block's softmax is done
       // Blocks it = 1 .. n_blocks - 1; the first n_masked iterations mask their scores.
       auto iteration = [&](const int it, auto mask_tag) {
         constexpr bool kMask = decltype(mask_tag)::value;
@@ -242,6 +244,7 @@ extern "C" __global__ void __launch_bounds__(Cfg::kThreads, 1) fa3_hdim256_bf16(
       int it = 1;
       for (; it < w.n_masked; ++it) iteration(it, fadsl::sm90::true_type{});
       for (; it < w.n_blocks; ++it) iteration(it, fadsl::sm90::false_type{});
+      FADSL_TILE_MARK(step, 2);  // the mainloop is done
       {
         const int it = w.n_blocks;
         // hazard WAR on Q: qk -> q_g2s (consumers -> producer, next tile)
@@ -267,6 +270,7 @@ extern "C" __global__ void __launch_bounds__(Cfg::kThreads, 1) fa3_hdim256_bf16(
         // hazard WAR on V: pv -> v_g2s across the loop back edge (consumers -> producer)
         if (lane == 0) mbar_arrive(bar_v_empty(ring_slot(ring_base + it - 1)));
       }
+      FADSL_TILE_MARK(step, 3);  // the last P V is in
       ring_base += w.n_blocks;
       ++tile_count;
       {
@@ -297,6 +301,7 @@ extern "C" __global__ void __launch_bounds__(Cfg::kThreads, 1) fa3_hdim256_bf16(
           // hazard WAR on O/V (aliased): o_s2g -> v_g2s (consumers -> producer, next tile)
           mbar_arrive(bar_o_free);
         }
+        FADSL_TILE_MARK(step, 4);  // O's store is issued
       }
     }
     // ping-pong: warpgroup 0 takes the last warpgroup's final hand-over, so every bar.arrive is matched

@@ -24,6 +24,7 @@
 
 #include "params.cuh"  // FwdParams (every target's; next to this file)
 #include "sm90_ptx.cuh"  // (next to this file)
+#include "sm90_trace.cuh"  // FADSL_TILE_MARK: empty unless FADSL_TILE_TRACE (development builds)
 
 namespace fadsl::sm90 {
 

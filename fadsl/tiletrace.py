@@ -1,0 +1,82 @@
+"""Where an sm_90a kernel's time goes tile by tile: the marks of fadsl/sm90_trace.cuh, summed up.
+
+A development build (``FADSL_TILE_TRACE``, scripts/tile_trace.py) stamps %globaltimer at five
+marks of each tile each consumer warpgroup runs: 0 the tile starts, 1 its first block's
+softmax is done, 2 its mainloop is done, 3 its last P V is in, 4 its O store is issued.
+``phases`` turns them into the medians of each phase over every warpgroup's tiles, with the
+gap from one tile's store to the next tile's start, and ``per_block`` into the mainloop's
+time per K/V block, the unit in which a tile boundary's cost is easiest to read.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+
+MARKS = 5
+PHASES = (
+    ("prologue", 0, 1),  # Q and the first K in, the first QK, the first softmax
+    ("mainloop", 1, 2),  # blocks 1 .. n-1
+    ("last P V", 2, 3),  # the epilogue's GEMM, waited for
+    ("store", 3, 4),  # normalise, LSE, O to SMEM, the TMA store issued
+)
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """The medians, in ns, over every consumer warpgroup's stamped tiles."""
+
+    tiles: int  # tiles with every mark stamped
+    phases: dict[str, float]
+    gap: float  # mark 4 of a tile to mark 0 of the warpgroup's next tile
+    tile: float  # mark 0 to mark 4
+
+    def per_block(self, blocks: int) -> float:
+        """The mainloop's ns per K/V block, for tiles of ``blocks`` blocks."""
+        return self.phases["mainloop"] / max(1, blocks - 1)
+
+
+def phases(trace: list[int], ctas: int, warpgroups: int, steps: int) -> Timeline | None:
+    """``trace``: the flat array [cta][warpgroup][step][mark] (0: not stamped). None if no
+    tile has every mark."""
+    durations: dict[str, list[int]] = {name: [] for name, _, _ in PHASES}
+    gaps: list[int] = []
+    tiles: list[int] = []
+    for cta in range(ctas):
+        for wg in range(warpgroups):
+            base = (cta * warpgroups + wg) * steps
+            marks = [trace[(base + s) * MARKS : (base + s + 1) * MARKS] for s in range(steps)]
+            for step, stamp in enumerate(marks):
+                if not all(stamp):
+                    continue
+                for name, a, b in PHASES:
+                    durations[name].append(stamp[b] - stamp[a])
+                tiles.append(stamp[4] - stamp[0])
+                after = marks[step + 1] if step + 1 < steps else None
+                if after and after[0]:
+                    gaps.append(after[0] - stamp[4])
+    if not tiles:
+        return None
+    return Timeline(
+        tiles=len(tiles),
+        phases={name: statistics.median(values) for name, values in durations.items()},
+        gap=statistics.median(gaps) if gaps else 0.0,
+        tile=statistics.median(tiles),
+    )
+
+
+def report(timeline: Timeline, blocks: int) -> str:
+    """The medians in microseconds and in mainloop blocks."""
+    block = timeline.per_block(blocks)
+    rows = [*timeline.phases.items(), ("gap to the next tile", timeline.gap)]
+    lines = [
+        f"{timeline.tiles} tiles of {blocks} K/V blocks; a mainloop block takes {block / 1e3:.2f} us",
+        f"{'phase':<22} {'us':>8} {'blocks':>7}",
+    ]
+    lines += [f"{name:<22} {ns / 1e3:>8.2f} {ns / block:>7.2f}" for name, ns in rows]
+    overhead = timeline.tile + timeline.gap - blocks * block
+    lines.append(
+        f"{'tile + gap - blocks':<22} {overhead / 1e3:>8.2f} {overhead / block:>7.2f}"
+        "   (what a tile costs beyond its blocks at the mainloop's rate)"
+    )
+    return "\n".join(lines)

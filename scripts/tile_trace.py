@@ -1,0 +1,98 @@
+"""Where an sm_90a kernel's time goes tile by tile, on the GPU (fadsl/sm90_trace.cuh).
+
+Usage (a Hopper GPU): python scripts/tile_trace.py SPEC [--seqlen 2048] [--hidden 2048]
+    [--tokens 16384] [--dtype bf16]
+Builds the spec's kernel with FADSL_TILE_TRACE (its own cubin; the cache's is untouched),
+runs it three times, then once with the timeline zeroed, and prints the medians over every
+consumer warpgroup's tiles (fadsl/tiletrace.py): prologue, mainloop, last P V, store, and
+the gap to the next tile, in us and in mainloop blocks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import math
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+import fadsl
+from fadsl import cache, tiletrace
+from fadsl.compiler import compile_cubin
+from fadsl.ir import Dtype
+from fadsl.runtime import arch_of
+
+CTAS, WGS, STEPS = 160, 3, 128  # fadsl/sm90_trace.cuh's kTraceCtas, kTraceWgs, kTraceSteps
+
+
+def _driver():
+    from cuda.bindings import driver
+
+    return driver
+
+
+def _check(result):
+    err, *rest = result if isinstance(result, tuple) else (result,)
+    if int(err) != 0:
+        raise RuntimeError(f"CUDA driver error {err}")
+    return rest[0] if len(rest) == 1 else rest
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("spec")
+    parser.add_argument("--seqlen", type=int, default=2048)
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--tokens", type=int, default=16384)
+    parser.add_argument("--dtype", default=None)
+    args = parser.parse_args()
+    kern = fadsl.load(args.spec, verbose=False)
+    cfg = kern.config
+    dtype = Dtype(args.dtype) if args.dtype else cfg.dtypes[0]
+    arch = arch_of(0)
+    request = kern.request(dtype, arch)
+    with tempfile.TemporaryDirectory() as where:
+        built = compile_cubin(
+            "#define FADSL_TILE_TRACE 1\n" + request.text,
+            request.filename,
+            request.kernel,
+            arch,
+            Path(where),
+        )
+        # the traced cubin stands in for the cached one in this process only
+        kern._entries[dtype, arch] = cache.Entry(built.cubin, built.log, {}, Path(where) / "traced")
+        module = kern.module(dtype, 0)
+    heads = args.hidden // cfg.head_dim
+    batch = max(1, args.tokens // args.seqlen)
+    torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype.value]
+    q, k, v = (
+        torch.randn(batch, args.seqlen, heads, cfg.head_dim, device="cuda", dtype=torch_dtype)
+        for _ in range(3)
+    )
+    for _ in range(3):
+        kern(q, k, v)
+    driver = _driver()
+    ptr, size = _check(driver.cuLibraryGetGlobal(module._library, b"fadsl_tile_trace"))
+    _check(driver.cuMemsetD8(ptr, 0, size))
+    kern(q, k, v)
+    torch.cuda.synchronize()
+    host = (ctypes.c_ulonglong * (size // 8))()
+    _check(driver.cuMemcpyDtoH(ctypes.addressof(host), ptr, size))
+    timeline = tiletrace.phases(list(host), CTAS, WGS, STEPS)
+    if timeline is None:
+        print("no tile has every mark: is this an sm_90a spec?")
+        return 1
+    blocks = math.ceil(args.seqlen / cfg.block_c)
+    print(
+        f"{cfg.name} {dtype.value}: seqlen {args.seqlen}, batch {batch}, heads {heads}, "
+        f"tiles of {cfg.block_r} x {cfg.block_c}"
+    )
+    print(tiletrace.report(timeline, blocks))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,75 @@
+"""The tile timeline (fadsl/sm90_trace.cuh, fadsl/tiletrace.py, scripts/tile_trace.py): its
+summary from hand-made stamps, and a traced build that compiles and stamps %globaltimer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from fadsl import tiletrace
+from fadsl.compiler import compile_cubin, nvrtc_available
+
+ROOT = Path(__file__).resolve().parents[1]
+CTAS, WGS, STEPS = 2, 3, 4
+
+
+def _trace(stamps: dict[tuple[int, int, int], list[int]]) -> list[int]:
+    flat = [0] * (CTAS * WGS * STEPS * tiletrace.MARKS)
+    for (cta, wg, step), marks in stamps.items():
+        at = ((cta * WGS + wg) * STEPS + step) * tiletrace.MARKS
+        flat[at : at + tiletrace.MARKS] = marks
+    return flat
+
+
+def test_phases_are_medians_over_stamped_tiles_and_gaps_between_a_warpgroups_tiles():
+    trace = _trace(
+        {
+            # cta 0, wg 0: two tiles back to back, 100 ns apart
+            (0, 0, 0): [1000, 1300, 4300, 4500, 4900],
+            (0, 0, 1): [5000, 5200, 8200, 8500, 8800],
+            # cta 1, wg 2: one tile, then one missing its store mark (not counted as a tile;
+            # its start still ends the first one's gap)
+            (1, 2, 0): [2000, 2400, 5400, 5600, 6100],
+            (1, 2, 1): [6500, 6700, 9000, 9100, 0],
+        }
+    )
+    timeline = tiletrace.phases(trace, CTAS, WGS, STEPS)
+    assert timeline.tiles == 3
+    assert timeline.phases == {"prologue": 300, "mainloop": 3000, "last P V": 200, "store": 400}
+    assert timeline.gap == 250  # the median of 100 (cta 0) and 400 (cta 1)
+    assert timeline.tile == 3900
+    assert timeline.per_block(11) == 300  # 3000 ns over blocks 1 .. 10
+    lines = tiletrace.report(timeline, 11).splitlines()
+    assert lines[0] == "3 tiles of 11 K/V blocks; a mainloop block takes 0.30 us"
+    assert lines[2].split() == ["prologue", "0.30", "1.00"]
+    assert lines[-2].split()[-2:] == ["0.25", "0.83"]  # the gap
+    # beyond its 11 blocks a tile costs 3900 + 250 - 11 * 300 = 850 ns, 2.83 blocks
+    assert lines[-1].split()[5:7] == ["0.85", "2.83"]
+
+
+def test_no_complete_tile_gives_none():
+    assert tiletrace.phases(_trace({(0, 1, 0): [1, 2, 3, 0, 0]}), CTAS, WGS, STEPS) is None
+
+
+@pytest.mark.skipif(not nvrtc_available(), reason="needs NVRTC (cuda-bindings)")
+def test_a_traced_build_stamps_the_globaltimer_and_a_plain_one_does_not(tmp_path):
+    import fadsl
+    from fadsl import sass
+    from fadsl.ir import Dtype
+
+    kern = fadsl.load(str(ROOT / "examples" / "fa3_hdim64.fa"), verbose=False)
+    request = kern.request(Dtype.BF16, "sm_90a")
+    assert request.text.count("FADSL_TILE_MARK(step, ") == 5
+    traced = compile_cubin(
+        "#define FADSL_TILE_TRACE 1\n" + request.text,
+        request.filename,
+        request.kernel,
+        "sm_90a",
+        tmp_path,
+    )
+    assert b"fadsl_tile_trace" in traced.cubin
+    assert b"fadsl_tile_trace" not in kern.cubin(Dtype.BF16, "sm_90a").cubin
+    tool = sass.nvdisasm()
+    if tool:
+        assert sass.disassemble(traced.cubin, tool).count("SR_GLOBALTIMER") >= 5
