@@ -305,7 +305,8 @@ __device__ __forceinline__ void load_kv(const CUtensorMap* tmap, uint32_t smem_s
 // owns two rows (r = 0, 1); a row's values are spread over the 4 threads of a quad.
 
 // Issue S = Q K^T (64 x kBlockN) over one K slot: head_dim / 16 wgmma, both operands
-// K-major in SMEM.  smem_q_wg: the warpgroup's first Q row in panel 0.
+// K-major in SMEM.  smem_q_wg: the warpgroup's first Q row in panel 0.  K's descriptors
+// move from the slot's (desc_advance); Q's, the same every block, ptxas keeps out of the loop.
 template <class Cfg>
 __device__ __forceinline__ void issue_qk(float (&s)[Cfg::kSRegs], uint32_t smem_q_wg, uint32_t smem_k_slot) {
   const uint64_t k0 = make_desc_kmajor_sw128(smem_k_slot);
