@@ -4,7 +4,9 @@
 #   included: torch.compile, CUDA graphs, streams, cold/warm start), the host-overhead
 #   comparison with SDPA FLASH, compute-sanitizer (racecheck, synccheck, memcheck) at a small
 #   shape, then the benchmarks if asked.
-# Usage (repo root, on the device): bash scripts/device.sh [tests] [sanitize] [bench ARGS...]
+# Usage (repo root, on the device): bash scripts/device.sh [tests] [sanitize] [trace] [bench ARGS...]
+#   trace: scripts/tile_trace.py (where a tile's time goes) on TRACE_SPECS (default the head_dim
+#   64 and 128 examples) at TRACE_SEQLENS (default "2048 8192"), hidden 2048
 #   GPU_TESTS: the pytest arguments instead of every GPU test file (e.g. "tests/test_gpu_sm90.py")
 #   SANITIZE_ONLY: a regex of the kernel names scripts/sanitize.py runs (default: all)
 #   BENCH_DTYPE (bf16/fp16; default the spec's first), BENCH_SEQLENS ("2048,4096"),
@@ -54,6 +56,14 @@ if [[ $steps == *" sanitize "* || $# -eq 0 ]]; then
     compute-sanitizer --tool $tool --report-api-errors no --error-exitcode 9 python3 scripts/sanitize.py "${SANITIZE_ONLY:-}" 2>&1 \
       | tee "$OUT/sanitize_$tool.log" | grep -E "ERROR SUMMARY|RACECHECK SUMMARY|Error|error" | tail -5
     status=$((status | ${PIPESTATUS[0]}))
+  done
+fi
+if [[ $steps == *" trace "* ]]; then
+  for spec in ${TRACE_SPECS:-examples/fa3_hdim64.fa examples/fa3_hopper.fa}; do
+    for seqlen in ${TRACE_SEQLENS:-2048 8192}; do
+      python3 -P scripts/tile_trace.py "$spec" --seqlen "$seqlen" --hidden 2048 2>&1 | tee -a "$OUT/tile_trace.log" | tail -9
+      status=$((status | ${PIPESTATUS[0]}))
+    done
   done
 fi
 if [[ $steps == *" bench "* ]]; then
