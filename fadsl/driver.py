@@ -74,6 +74,30 @@ class Module:
                 )
             self._ready.add(device_index)
 
+    def _global(self, name: str) -> tuple[object, int]:
+        driver = self._driver
+        ptr, size = _check(
+            driver, driver.cuLibraryGetGlobal(self._library, name.encode()), f"global {name}"
+        )
+        return ptr, int(size)
+
+    def zero_global(self, name: str) -> None:
+        """Zero the module's ``__device__`` variable ``name`` in the current context."""
+        ptr, size = self._global(name)
+        _check(self._driver, self._driver.cuMemsetD8(ptr, 0, size), f"zeroing {name}")
+
+    def read_global(self, name: str) -> bytes:
+        """The bytes of the module's ``__device__`` variable ``name`` in the current context
+        (after the work queued before has finished)."""
+        ptr, size = self._global(name)
+        host = ctypes.create_string_buffer(size)
+        _check(
+            self._driver,
+            self._driver.cuMemcpyDtoH(ctypes.addressof(host), ptr, size),
+            f"reading {name}",
+        )
+        return host.raw
+
     def launch(
         self,
         grid: tuple[int, int, int],

@@ -119,10 +119,9 @@ def nvdisasm() -> str | None:
     if found:
         return found
     spec = importlib.util.find_spec("nvidia")
-    for root in spec.submodule_search_locations if spec else ():
-        for candidate in sorted(Path(root).glob("cu*/bin/nvdisasm")):
-            return str(candidate)
-    return None
+    roots = spec.submodule_search_locations if spec else ()
+    found = [path for root in roots for path in sorted(Path(root).glob("cu*/bin/nvdisasm"))]
+    return str(found[0]) if found else None
 
 
 def disassemble(cubin: bytes, tool: str) -> str:

@@ -10,16 +10,45 @@ time per K/V block, the unit in which a tile boundary's cost is easiest to read.
 
 from __future__ import annotations
 
+import re
 import statistics
+import struct
 from dataclasses import dataclass
 
-MARKS = 5
+from .codegen import read_header
+
+TRACE_HEADER = "fadsl/sm90_trace.cuh"
 PHASES = (
     ("prologue", 0, 1),  # Q and the first K in, the first QK, the first softmax
     ("mainloop", 1, 2),  # blocks 1 .. n-1
     ("last P V", 2, 3),  # the epilogue's GEMM, waited for
     ("store", 3, 4),  # normalise, LSE, O to SMEM, the TMA store issued
 )
+
+
+@dataclass(frozen=True)
+class Layout:
+    """fadsl_tile_trace's shape, [ctas][warpgroups][steps][marks], as the header declares it."""
+
+    ctas: int
+    warpgroups: int
+    steps: int
+    marks: int
+
+    @classmethod
+    def of_header(cls) -> "Layout":
+        text = read_header(TRACE_HEADER)
+        sizes = [
+            int(re.search(rf"constexpr int {name} = (\d+);", text)[1])
+            for name in ("kTraceCtas", "kTraceWgs", "kTraceSteps", "kTraceMarks")
+        ]
+        return cls(*sizes)
+
+    def unpack(self, raw: bytes) -> list[int]:
+        """The stamps from the array's bytes (unsigned 64-bit, little-endian)."""
+        return list(
+            struct.unpack(f"<{self.ctas * self.warpgroups * self.steps * self.marks}Q", raw)
+        )
 
 
 @dataclass(frozen=True)
@@ -36,23 +65,24 @@ class Timeline:
         return self.phases["mainloop"] / max(1, blocks - 1)
 
 
-def phases(trace: list[int], ctas: int, warpgroups: int, steps: int) -> Timeline | None:
+def phases(trace: list[int], layout: Layout) -> Timeline | None:
     """``trace``: the flat array [cta][warpgroup][step][mark] (0: not stamped). None if no
     tile has every mark."""
+    ctas, warpgroups, steps, marks = layout.ctas, layout.warpgroups, layout.steps, layout.marks
     durations: dict[str, list[int]] = {name: [] for name, _, _ in PHASES}
     gaps: list[int] = []
     tiles: list[int] = []
     for cta in range(ctas):
         for wg in range(warpgroups):
             base = (cta * warpgroups + wg) * steps
-            marks = [trace[(base + s) * MARKS : (base + s + 1) * MARKS] for s in range(steps)]
-            for step, stamp in enumerate(marks):
+            stamps = [trace[(base + s) * marks : (base + s + 1) * marks] for s in range(steps)]
+            for step, stamp in enumerate(stamps):
                 if not all(stamp):
                     continue
                 for name, a, b in PHASES:
                     durations[name].append(stamp[b] - stamp[a])
                 tiles.append(stamp[4] - stamp[0])
-                after = marks[step + 1] if step + 1 < steps else None
+                after = stamps[step + 1] if step + 1 < steps else None
                 if after and after[0]:
                     gaps.append(after[0] - stamp[4])
     if not tiles:

@@ -11,7 +11,6 @@ the gap to the next tile, in us and in mainloop blocks.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import math
 import sys
 import tempfile
@@ -24,21 +23,6 @@ from fadsl import cache, tiletrace
 from fadsl.compiler import compile_cubin
 from fadsl.ir import Dtype
 from fadsl.runtime import arch_of
-
-CTAS, WGS, STEPS = 160, 3, 128  # fadsl/sm90_trace.cuh's kTraceCtas, kTraceWgs, kTraceSteps
-
-
-def _driver():
-    from cuda.bindings import driver
-
-    return driver
-
-
-def _check(result):
-    err, *rest = result if isinstance(result, tuple) else (result,)
-    if int(err) != 0:
-        raise RuntimeError(f"CUDA driver error {err}")
-    return rest[0] if len(rest) == 1 else rest
 
 
 def main() -> int:
@@ -74,14 +58,12 @@ def main() -> int:
     )
     for _ in range(3):
         kern(q, k, v)
-    driver = _driver()
-    ptr, size = _check(driver.cuLibraryGetGlobal(module._library, b"fadsl_tile_trace"))
-    _check(driver.cuMemsetD8(ptr, 0, size))
+    torch.cuda.synchronize()
+    module.zero_global("fadsl_tile_trace")
     kern(q, k, v)
     torch.cuda.synchronize()
-    host = (ctypes.c_ulonglong * (size // 8))()
-    _check(driver.cuMemcpyDtoH(ctypes.addressof(host), ptr, size))
-    timeline = tiletrace.phases(list(host), CTAS, WGS, STEPS)
+    layout = tiletrace.Layout.of_header()
+    timeline = tiletrace.phases(layout.unpack(module.read_global("fadsl_tile_trace")), layout)
     if timeline is None:
         print("no tile has every mark: is this an sm_90a spec?")
         return 1

@@ -23,6 +23,12 @@ Q_RING = "tests/specs/sm90/fa3_q_ring.fa"
 EXTRA_SM90 = (Q_RING, "bench/specs/fa3_hopper_bc176.fa")
 
 
+def whole_tail(text: str) -> str:
+    """The spec with `tail whole` where it has `tail split_kv` (split pieces run without a
+    mask only, and combine their partial results in another order than one CTA does)."""
+    return re.sub(r"^(\s*tail\s+)split_kv\b", r"\g<1>whole", text, flags=re.MULTILINE)
+
+
 def _masked(name: str, text: str, kernel: str, mask: str) -> str:
     text = text.replace(f"kernel {kernel}", f"kernel {name}")
     return text.replace("mask     none", f"mask     {mask}")
@@ -76,9 +82,7 @@ def _sm90_specs_and_flips() -> tuple[dict[str, str], dict[str, str]]:
             count=1,
             flags=re.MULTILINE,
         )
-        flipped = re.sub(r"\bkernel\s+\w+", f"kernel {name}", flipped, count=1)
-        # split pieces run without a mask only
-        flipped = re.sub(r"^(\s*tail\s+)split_kv\b", r"\g<1>whole", flipped, flags=re.MULTILINE)
+        flipped = whole_tail(re.sub(r"\bkernel\s+\w+", f"kernel {name}", flipped, count=1))
         if _body(flipped) not in seen:
             seen[_body(flipped)] = name
             specs[name] = flipped

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import fadsl
-from gpu_specs import mask_flipped, sm90_specs
+from gpu_specs import mask_flipped, sm90_specs, whole_tail
 from test_gpu_general import reference
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability(0) == (9, 0)
@@ -109,10 +109,11 @@ def with_setting(text: str, key: str, old: str, new: str) -> str:
 
 def as_whole_tiles(text: str) -> str:
     """The spec with `tail whole` where it splits its last round (the pieces' partial results
-    combine in another order than one CTA's blocks do: other bits)."""
-    if re.search(r"^\s*tail\s+split_kv\b", text, flags=re.M) is None:
-        return text
-    return with_setting(text, "tail", "split_kv", "whole")
+    combine in another order than one CTA's blocks do: other bits), named apart."""
+    whole = whole_tail(text)
+    return (
+        text if whole == text else re.sub(r"\bkernel\s+(\w+)", r"kernel \1_whole", whole, count=1)
+    )
 
 
 def as_grid_scheduler(text: str) -> str:
@@ -281,6 +282,23 @@ def test_resources_and_launch_info(kernels):
     assert found["threads"] == 384 and found["ctas_per_sm"] == 1
     assert found["smem_bytes"] == kern.compiled.kernel.smem_bytes > 48 * 1024
     assert found["local_bytes"] == found["spill_store_bytes"] == found["stack_bytes"] == 0
+
+
+def test_a_modules_global_reads_back_as_the_cubin_holds_it(kernels):
+    """driver.Module.read_global (the tile timeline's reader) on the launch info every kernel
+    exports: the same four ints as the cubin's ELF."""
+    from fadsl.elf import read_ints
+    from fadsl.ir import Dtype
+
+    kern = kernels["fa3_hopper"]
+    kern(*random_qkv(1, 128, 128, 2, 2, 128, torch.bfloat16, 3))  # loads the module
+    module = kern.module(Dtype.BF16, 0)
+    name = f"{module.name}_launch_info"
+    raw = module.read_global(name)
+    cubin = kern.cubin(Dtype.BF16, "sm_90a").cubin
+    assert [int.from_bytes(raw[i : i + 4], "little") for i in range(0, 16, 4)] == list(
+        read_ints(cubin, name, 4)
+    )
 
 
 def test_causal_skips_blocks_above_the_diagonal(kernels):

@@ -11,15 +11,23 @@ from fadsl import tiletrace
 from fadsl.compiler import compile_cubin, nvrtc_available
 
 ROOT = Path(__file__).resolve().parents[1]
-CTAS, WGS, STEPS = 2, 3, 4
+SMALL = tiletrace.Layout(ctas=2, warpgroups=3, steps=4, marks=5)
 
 
 def _trace(stamps: dict[tuple[int, int, int], list[int]]) -> list[int]:
-    flat = [0] * (CTAS * WGS * STEPS * tiletrace.MARKS)
+    flat = [0] * (SMALL.ctas * SMALL.warpgroups * SMALL.steps * SMALL.marks)
     for (cta, wg, step), marks in stamps.items():
-        at = ((cta * WGS + wg) * STEPS + step) * tiletrace.MARKS
-        flat[at : at + tiletrace.MARKS] = marks
+        at = ((cta * SMALL.warpgroups + wg) * SMALL.steps + step) * SMALL.marks
+        flat[at : at + SMALL.marks] = marks
     return flat
+
+
+def test_the_layout_is_the_headers_and_unpacks_its_bytes():
+    layout = tiletrace.Layout.of_header()
+    assert layout == tiletrace.Layout(ctas=160, warpgroups=3, steps=128, marks=5)
+    raw = bytes(8 * layout.ctas * layout.warpgroups * layout.steps * layout.marks)
+    stamps = layout.unpack(raw[:8] + (7).to_bytes(8, "little") + raw[16:])
+    assert stamps[:3] == [0, 7, 0] and len(stamps) == len(raw) // 8
 
 
 def test_phases_are_medians_over_stamped_tiles_and_gaps_between_a_warpgroups_tiles():
@@ -34,7 +42,7 @@ def test_phases_are_medians_over_stamped_tiles_and_gaps_between_a_warpgroups_til
             (1, 2, 1): [6500, 6700, 9000, 9100, 0],
         }
     )
-    timeline = tiletrace.phases(trace, CTAS, WGS, STEPS)
+    timeline = tiletrace.phases(trace, SMALL)
     assert timeline.tiles == 3
     assert timeline.phases == {"prologue": 300, "mainloop": 3000, "last P V": 200, "store": 400}
     assert timeline.gap == 250  # the median of 100 (cta 0) and 400 (cta 1)
@@ -49,7 +57,7 @@ def test_phases_are_medians_over_stamped_tiles_and_gaps_between_a_warpgroups_til
 
 
 def test_no_complete_tile_gives_none():
-    assert tiletrace.phases(_trace({(0, 1, 0): [1, 2, 3, 0, 0]}), CTAS, WGS, STEPS) is None
+    assert tiletrace.phases(_trace({(0, 1, 0): [1, 2, 3, 0, 0]}), SMALL) is None
 
 
 @pytest.mark.skipif(not nvrtc_available(), reason="needs NVRTC (cuda-bindings)")
