@@ -10,9 +10,12 @@ there, the SM clock, power draw and power-cap share are sampled while each conte
 (fadsl/gpuclocks.py): a power-bound kernel runs at a lower clock.
 
 Variants of a kernel (``against``: other specs of the same head_dim and mask) are timed as
-more contenders on the same tensors, named ``fadsl:<kernel>``; with ``rounds`` > 1 every
-contender is timed that many times, in turn, and the median of its medians reported, so
-that a slow drift of the GPU's clock (power, heat) reaches them all alike.
+more contenders on the same tensors, named ``fadsl:<kernel>``. Every contender is timed
+``rounds`` times (default 3), in turn, the order rotated by one each round, and the median
+of its medians reported. An H100 under load sits at its power cap, and the cap acts on a
+running average: the contender timed first after an idle gap runs at a higher clock than
+the ones after it (measured at seqlen 2048: 1980 MHz for the first, 1845-1890 for the
+third), so a fixed order favours whoever goes first.
 """
 
 from __future__ import annotations
@@ -128,7 +131,7 @@ def run(
     runs: int = 128,
     log: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True),
     against: tuple[FlashAttention, ...] = (),
-    rounds: int = 1,
+    rounds: int = 3,
 ) -> dict:
     import torch
     import torch.nn.functional as F
@@ -203,9 +206,10 @@ def run(
         total = flops(batch, heads, seqlen, seqlen, d, causal)
         medians: dict[str, list[float]] = {name: [] for name in contenders}
         readings: dict[str, list[gpuclocks.Reading]] = {name: [] for name in contenders}
-        for _ in range(rounds):  # the contenders in turn, each round
-            for name, fn in contenders.items():
-                ms, sampled = _time(fn, sets, warmup, runs, sampler)
+        names = list(contenders)
+        for r in range(rounds):  # the contenders in turn, each round starting one later
+            for name in names[r % len(names) :] + names[: r % len(names)]:
+                ms, sampled = _time(contenders[name], sets, warmup, runs, sampler)
                 medians[name].append(ms)
                 readings[name] += sampled
         for name, times in medians.items():

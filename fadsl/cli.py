@@ -291,9 +291,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench_cmd.add_argument(
         "--rounds",
         type=_positive,
-        default=1,
-        help="time every contender this many times, in turn, and report the median of its "
-        "medians (default 1)",
+        default=3,
+        help="time every contender this many times, in turn, the order rotated each round "
+        "(the first after a pause runs at a higher clock), and report the median of its "
+        "medians (default 3)",
     )
     bench_cmd.add_argument("--json", metavar="PATH", help="write the numbers as JSON")
     bench_cmd.add_argument("--plot", metavar="PATH", help="write a PNG plot (needs matplotlib)")

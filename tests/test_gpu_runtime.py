@@ -181,6 +181,8 @@ def test_bench_times_variants_side_by_side_in_rounds(monkeypatch):
     names = [n for n in row["tflops"] if n.startswith("fadsl")]
     assert names == ["fadsl", f"fadsl:{variant.config.name}"]
     assert all(row["tflops"][n] > 0 for n in names)
-    assert len(timed) == 2 * len(row["tflops"])  # every contender, once per round
+    n = len(row["tflops"])
+    assert len(timed) == 2 * n  # every contender, once per round
+    assert timed[n] is timed[1] and set(timed[:n]) == set(timed[n:])  # the order rotates
     assert result["method"]["rounds"] == 2 and result["against"][0]["kernel"] == names[1]
     assert f"{names[1]}/fadsl" in bench.table(result).splitlines()[0]
