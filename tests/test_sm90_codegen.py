@@ -12,6 +12,7 @@ import pytest
 from conftest import ROOT
 from fadsl.codegen import render, write
 from fadsl.ir import Parity, Sync, Threads
+from fadsl.ops import Op
 from fadsl.pipeline import compile_file, compile_source
 from fadsl.resources import nvcc
 from fadsl.targets.sm90 import caps
@@ -99,9 +100,22 @@ def test_ring_barriers_count_consumer_warps_and_o_has_its_own_bytes():
     assert o.offset >= v.offset + v.nbytes  # O's own bytes: they fit
     assert kernel.buffer("K").slots == v.slots == 2
     assert not [s for s in kernel.syncs() if s.barrier in ("ring_dead", "o_free")]
-    # the previous tile's O store before this tile's stmatrix: the tile's first turn
-    first_turn = next(s for s in kernel.prologue if isinstance(s, Sync) and s.kind is caps.BAR_SYNC)
-    assert first_turn.barrier == "turn" and "o_s2g -> o_r2s" in first_turn.serves[0].describe()
+    # the previous tile's O store before this tile's stmatrix: waited for a tile late, by the
+    # thread that issued it, just before the tile's last turn (a bar.sync of the warpgroup)
+    epilogue = list(kernel.epilogue)
+    last_turn = next(s for s in epilogue if isinstance(s, Sync) and s.kind is caps.BAR_SYNC)
+    wait = epilogue[epilogue.index(last_turn) - 1]
+    assert last_turn.barrier == "turn" and "o_s2g -> o_r2s" in last_turn.serves[0].describe()
+    assert wait.kind is caps.BULK_WAIT and wait.who is Threads.CONSUMER_ELECTED
+    assert wait.groups == 0 and wait.serves == last_turn.serves
+    # not right after the store (it would hold the warpgroup's next turn), once more at exit
+    store = next(i for i, s in enumerate(epilogue) if getattr(s, "op", None) is Op.O_S2G)
+    assert [s.kind for s in epilogue[store + 1 :]] == [caps.BULK_COMMIT]
+    assert [(s.kind, s.who) for s in kernel.teardown if s.kind is caps.BULK_WAIT] == [
+        (caps.BULK_WAIT, Threads.CONSUMER_ELECTED)
+    ]
+    turns = [s for s in kernel.prologue if isinstance(s, Sync) and s.kind is caps.BAR_SYNC]
+    assert turns and not any(s.serves for s in turns)  # the first turn orders nothing now
 
 
 def test_o_over_the_v_ring_when_its_own_bytes_do_not_fit():

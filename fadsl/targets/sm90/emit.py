@@ -60,6 +60,8 @@ _GUARDS = {
     Threads.CONSUMER_FIRST: "wg == 0",
     Threads.CONSUMER_LAST: "wg == Cfg::kConsumerWGs - 1",
     Threads.CONSUMER_WARP_LANE0: "lane == 0",
+    # the thread that issues the warpgroup's TMA store (bulk groups are per thread)
+    Threads.CONSUMER_ELECTED: "warp == 0 && elect_one()",
 }
 _REG_ARRAYS = {"S": "s", "P": "p", "O": "o"}
 
@@ -259,5 +261,6 @@ def context(kernel: Kernel, dtype: Dtype) -> dict[str, Any]:
         "consumer_loop": roles["consumers"]["mainloop"],
         "consumer_epilogue": epi[:cut],
         "consumer_tail": [x for x in epi[cut:] if not x["elected"]],
-        "consumer_store": [x for x in epi[cut:] if x["elected"]],
+        # in the template's block of the elected thread: unguarded there
+        "consumer_store": [{**x, "guard": ""} for x in epi[cut:] if x["elected"]],
     }

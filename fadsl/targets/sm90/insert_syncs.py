@@ -30,14 +30,16 @@ consumer ops' register uses (schedule.REGISTERS); each sync records the hazards 
   opens warpgroup 0's first turn, in the teardown warpgroup 0 takes the last hand-over,
   so every arrive is matched;
 - O over the dead rings (WAR across consumer warpgroups): a named barrier of every
-  consumer thread before stmatrix; in O's own bytes (WAR across tiles within a
-  warpgroup: the previous tile's store, which one elected thread waited for, read them),
-  the tile's first ping-pong turn, a bar.sync of the whole warpgroup, or without
-  ping-pong the warpgroup's named barrier before stmatrix; stmatrix (generic proxy) before the TMA store (async
-  proxy): fence.proxy.async, then the warpgroup's named barrier (the elected thread
-  stores rows the others wrote); the store's SMEM reads complete (bulk commit and
-  wait_group.read 0) before the elected thread arrives on O's free barrier, on which the
-  producer waits with the previous tile's parity before every load into O's bytes;
+  consumer thread before stmatrix; the store's SMEM reads complete (bulk commit and
+  wait_group.read 0, at once) before the elected thread arrives on O's free barrier, on
+  which the producer waits with the previous tile's parity before every load into O's
+  bytes. In O's own bytes (WAR across tiles within a warpgroup: the previous tile's store
+  read them), the elected thread waits for that store a tile late (wait_group.read 0
+  before the tile's last ping-pong turn, a bar.sync of the whole warpgroup, or without
+  ping-pong before the warpgroup's named barrier ahead of stmatrix), so the wait, long
+  done by then, keeps no warp of the tile boundary waiting; once more before the CTA
+  exits. stmatrix (generic proxy) before the TMA store (async proxy): fence.proxy.async,
+  then the warpgroup's named barrier (the elected thread stores rows the others wrote);
 - mbarrier init by thread 0, fence.mbarrier_init, __syncthreads before any use (setup).
 """
 
@@ -164,6 +166,8 @@ class _Consumers:
 
     def take_turn(self, phase: Phase) -> None:
         if self.hw.pingpong and not self.in_turn:
+            if self.carried:
+                self.wait_store(phase)
             self.sync(
                 BAR_SYNC,
                 phase,
@@ -176,6 +180,20 @@ class _Consumers:
             )
             self.in_turn = True
             self.carried = []
+
+    def wait_store(self, phase: Phase) -> None:
+        """The elected thread waits for the previous tile's TMA store to have read O's SMEM,
+        a tile after issuing it (long done by then): every thread of the warpgroup passes a
+        bar.sync of it (a turn, or the O store barrier) before writing O again."""
+        self.sync(
+            BULK_WAIT,
+            phase,
+            self.reused,
+            who=Threads.CONSUMER_ELECTED,
+            groups=0,
+            note="the previous tile's TMA store has read O's SMEM (waited a tile late: "
+            "long done by now)",
+        )
 
     def hand_over(self, phase: Phase) -> None:
         if self.in_turn:
@@ -514,9 +532,18 @@ def insert_syncs(kernel: Kernel, target: targets.Target) -> Kernel:
         c.registers_written = True
         if phase is Phase.EPILOGUE:
             c.release_tile(phase, [b.name for b in loaded if b.name not in rings])
-        if phase is Phase.PROLOGUE and hw.pingpong:
-            # O in its own bytes (over the rings, the all-consumer barrier orders it)
+        if phase is Phase.EPILOGUE and hw.pingpong:
+            # O in its own bytes (over the rings, the all-consumer barrier orders it): the
+            # previous tile's store, waited for before the tile's last turn
             c.carried = [h for h in c.reused if h.later_buffer not in freed]
+        if phase is Phase.TEARDOWN and any(h.later_buffer not in freed for h in c.reused):
+            c.sync(
+                BULK_WAIT,
+                phase,
+                who=Threads.CONSUMER_ELECTED,
+                groups=0,
+                note="the last tile's TMA store has read O's SMEM before the CTA exits",
+            )
         for step in items:
             if not isinstance(step, Step) or role_of(step.who) != "consumers":
                 continue
@@ -550,15 +577,16 @@ def insert_syncs(kernel: Kernel, target: targets.Target) -> Kernel:
                         note="closes the TMA store's bulk group",
                     )
                     (access,) = step.accesses
-                    c.sync(
-                        BULK_WAIT,
-                        phase,
-                        who=Threads.CONSUMER_ELECTED,
-                        groups=0,
-                        note="the TMA store has read O's SMEM: its bytes may be written again "
-                        "(the next tile) or released (CTA exit)",
-                    )
                     if access.buffer in freed:
+                        # O over loaded bytes: the producer waits for them, so at once
+                        c.sync(
+                            BULK_WAIT,
+                            phase,
+                            who=Threads.CONSUMER_ELECTED,
+                            groups=0,
+                            note="the TMA store has read O's SMEM: the bytes under it may be "
+                            "loaded again",
+                        )
                         c.sync(
                             MBAR_ARRIVE,
                             phase,
@@ -657,8 +685,9 @@ def _before_smem(c: _Consumers, step: Step, phase: Phase) -> None:
                         )
                     )
             # WAR against the previous tile's TMA store of these bytes, whose SMEM reads
-            # the elected thread waited for: every thread of its warpgroup after it (in
-            # O's own bytes with ping-pong, the tile's first turn, a bar.sync of the
+            # the elected thread waits for (right after the store when O lies over loaded
+            # bytes, else a tile later): every thread of its warpgroup after it (in O's
+            # own bytes with ping-pong, the tile's last turn, a bar.sync of the
             # warpgroup, orders it)
             previous = c.reused if served or not c.hw.pingpong else []
             if served:
@@ -671,6 +700,7 @@ def _before_smem(c: _Consumers, step: Step, phase: Phase) -> None:
                     count=128 * c.hw.consumers,
                 )
             elif previous:
+                c.wait_store(phase)
                 c.sync(
                     BAR_SYNC,
                     phase,

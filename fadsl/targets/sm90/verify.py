@@ -59,9 +59,10 @@ and on the tiles before it that its roles can still overlap with:
   not its tile's last does; the pieces' hand-over is global memory and a named barrier of
   their own (the header's combine_split), outside this SMEM plan.
 A longer tile, or a later one, repeats one of these states: a ring item's barrier state
-depends only on its slot and phase, every wgmma and bulk group is retired and every named
-barrier generation completed by the end of each tile, and the per-tile barriers cycle with
-period 2 (2q for Q's ring of tiles).
+depends only on its slot and phase, every wgmma group is retired and every named barrier
+generation completed by the end of each tile, at most one bulk group per warpgroup (the
+tile's O store, waited for in the next tile or at exit) carries over a boundary, which the
+pairs cover, and the per-tile barriers cycle with period 2 (2q for Q's ring of tiles).
 """
 
 from __future__ import annotations
