@@ -164,16 +164,44 @@ def split_plan(tiles: int, ctas: int, blocks: int) -> tuple[int, int]:
 TENSOR_MAP_BYTES = 128
 SM90_BASE_OFFSET = 4 * TENSOR_MAP_BYTES
 SM90_PARAMS_BYTES = 768
-_SM90_PAD = bytes(SM90_PARAMS_BYTES - SM90_BASE_OFFSET - FWD_PARAMS.size)
 # FwdParamsSm90's tail after FwdParams (tail split_kv): split_partials, split_counts,
 # split_start, splits; zeros for every other kernel.
 SPLIT_TAIL = struct.Struct("<QQii")
 SPLIT_TAIL_FIELDS = ("split_partials", "split_counts", "split_start", "splits")
-_SPLIT_PAD = bytes(len(_SM90_PAD) - SPLIT_TAIL.size)
+_NO_SPLIT = SPLIT_TAIL.pack(0, 0, 0, 0)
+# Then the scheduler's divisors as FastDiv (mul, shift) pairs: fast_div.
+DIVISORS = struct.Struct("<8I")
+DIVISOR_FIELDS = ("div_m_blocks", "div_heads", "div_group", "div_splits")
+_SPLITS_DIVISOR = struct.Struct("<2I")  # the last pair, div_splits
+_SM90_TAIL = SM90_BASE_OFFSET + FWD_PARAMS.size  # where the split fields start
+_SM90_PAD = bytes(SM90_PARAMS_BYTES - _SM90_TAIL - SPLIT_TAIL.size - DIVISORS.size)
 # The kernels move tiles as 64-column panels (128-byte rows, the 128-byte swizzle's span),
 # and each consumer warpgroup stores its own 64 rows of O.
 PANEL_COLS = 64
 O_BOX_ROWS = 64
+
+
+@functools.cache
+def fast_div(d: int) -> tuple[int, int]:
+    """(mul, shift) with n // d == (n * mul) >> shift for every 0 <= n < 2**31 (d >= 1), the
+    kernel's FastDiv: shift = 31 + ceil(log2 d), mul = ceil(2**shift / d) < 2**32
+    (Granlund and Montgomery's multiplier for 31-bit dividends)."""
+    if not 1 <= d < 2**31:
+        raise ValueError(f"divisor {d} out of range")
+    shift = 31 + (d - 1).bit_length()
+    return -(-(1 << shift) // d), shift
+
+
+def _divisors(kernel: Kernel, a: Args, splits: int = 1) -> bytes:
+    """FwdParamsSm90's FastDiv fields for this launch's shapes."""
+    seqlen_q, heads_q, heads_kv = a.q.shape[1], a.q.shape[2], a.k.shape[2]
+    m_blocks = -(-seqlen_q // kernel.config.block_r)
+    return DIVISORS.pack(
+        *fast_div(max(m_blocks, 1)),
+        *fast_div(heads_q),
+        *fast_div(heads_q // heads_kv),
+        *fast_div(splits),
+    )
 
 
 # Packed FwdParamsSm90 by everything they are made of: a call on tensors seen before (the
@@ -222,6 +250,8 @@ def pack_fwd_params_sm90(kernel: Kernel, a: Args) -> bytes:
                 tensor_map(v, PANEL_COLS, cfg.block_c),
                 tensor_map(o, PANEL_COLS, O_BOX_ROWS),
                 pack_fwd_params(kernel, a),
+                _NO_SPLIT,
+                _divisors(kernel, a),
                 _SM90_PAD,
             )
         )
@@ -229,24 +259,35 @@ def pack_fwd_params_sm90(kernel: Kernel, a: Args) -> bytes:
             _SM90_PACKED.clear()
         _SM90_PACKED[key] = found
     if cfg.hopper is not None and cfg.hopper.split_kv:
-        return found[: len(found) - len(_SM90_PAD)] + split_tail(kernel, a)
+        # the split fields, and the split count's divisor, are this call's (split_tail)
+        split, splits = split_tail(kernel, a)
+        divisors = _SM90_TAIL + SPLIT_TAIL.size
+        return b"".join(
+            (
+                found[:_SM90_TAIL],
+                split,
+                found[divisors : divisors + DIVISORS.size - _SPLITS_DIVISOR.size],
+                _SPLITS_DIVISOR.pack(*fast_div(splits)),
+                _SM90_PAD,
+            )
+        )
     return found
 
 
-def split_tail(kernel: Kernel, a: Args) -> bytes:
-    """FwdParamsSm90's tail for ``tail split_kv``: this launch's split plan and the workspace
-    of q's device and current stream (fadsl.workspace)."""
+def split_tail(kernel: Kernel, a: Args) -> tuple[bytes, int]:
+    """FwdParamsSm90's split fields for ``tail split_kv``: this launch's split plan and the
+    workspace of q's device and current stream (fadsl.workspace); and the split count."""
     from .workspace import split_workspace
 
     cfg = kernel.config
     tiles = tile_count(kernel, a)
     start, splits = split_plan(tiles, sm_count(a.q.device.index), kv_blocks(kernel, a))
     if splits == 1:
-        return SPLIT_TAIL.pack(0, 0, start, 1) + _SPLIT_PAD
+        return SPLIT_TAIL.pack(0, 0, start, 1), 1
     consumers = cfg.hopper.consumers
     floats = (tiles - start) * splits * consumers * 128 * (cfg.head_dim // 2 + 4)
     partials, counts = split_workspace(a.q.device, floats, (tiles - start) * consumers)
-    return SPLIT_TAIL.pack(partials, counts, start, splits) + _SPLIT_PAD
+    return SPLIT_TAIL.pack(partials, counts, start, splits), splits
 
 
 # target (as a spec spells it) -> its launch

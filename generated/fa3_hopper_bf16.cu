@@ -90,7 +90,7 @@ extern "C" __global__ void __launch_bounds__(Cfg::kThreads, 1) fa3_hopper_bf16(c
       int tile_count = 0;  // tiles with K/V blocks so far: the per-tile barriers' phase
       int ring_base = 0;   // K/V ring items of those tiles
       for (int step = 0, tile; (tile = tile_index<Cfg>(P.base, step)) >= 0; ++step) {
-        const TileWork w = tile_work<Cfg>(P.base, tile_coords<Cfg>(P.base, tile));
+        const TileWork w = tile_work<Cfg>(P, tile_coords<Cfg>(P, tile));
         if (w.n_blocks == 0) continue;  // no key: the consumers store it alone
         {
           const int it = 0;
@@ -152,7 +152,7 @@ extern "C" __global__ void __launch_bounds__(Cfg::kThreads, 1) fa3_hopper_bf16(c
     int ring_base = 0;
     // warp_uniform: the tile's values in uniform registers (fadsl/sm90_ptx.cuh says why)
     for (int step = 0, tile; (tile = warp_uniform(tile_index<Cfg>(P.base, step))) >= 0; ++step) {
-      const TileWork w = tile_work<Cfg>(P.base, tile_coords<Cfg>(P.base, tile));
+      const TileWork w = tile_work<Cfg>(P, tile_coords<Cfg>(P, tile));
       if (w.n_blocks == 0) {
         store_empty_tile<Cfg>(P.base, w, wg, threadIdx.x % 128);
         continue;
@@ -273,7 +273,7 @@ extern "C" __global__ void __launch_bounds__(Cfg::kThreads, 1) fa3_hopper_bf16(c
       {
         // The tile's coordinates again (from the constant bank), rather than held in
         // registers through the mainloop.
-        const TileWork w = tile_work<Cfg>(P.base, tile_coords<Cfg>(P.base, tile));
+        const TileWork w = tile_work<Cfg>(P, tile_coords<Cfg>(P, tile));
         const RowLimits rows = row_limits<Cfg>(w, wg, warp, lane);
         // row sums, LSE, O /= l
         row_sum_quad(l);

@@ -29,6 +29,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from fadsl.params import fast_div  # noqa: E402  (FwdParamsSm90's FastDiv fields)
+
 SOURCE = ROOT / "emit" / "sm90" / "prototype" / "fa3_fwd.cu"
 # The sm90 headers include params.cuh as a neighbour (as `fadsl compile` writes them).
 INCLUDES = [
@@ -244,7 +247,9 @@ class Kernel:
             sk,
             softmax_scale,
         )
-        raw = maps + fields
+        raw = maps + fields + bytes(24)  # no split_kv fields
+        # the one FastDiv the prototype reads (its tile is the grid's), heads_q / heads_kv
+        raw += struct.pack("<6I", 0, 0, 0, 0, *fast_div(hq // hkv))
         raw += bytes(768 - len(raw))  # sizeof(FwdParamsSm90), asserted in fa3_fwd.cu
         buf = ctypes.create_string_buffer(raw, 768)
         args = (ctypes.c_void_p * 1)(ctypes.addressof(buf))

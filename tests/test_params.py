@@ -16,7 +16,12 @@ from conftest import ROOT
 from fadsl.compiler import compile_cubin, nvrtc_available
 from fadsl.codegen import HEADERS
 from fadsl.ir import Hopper
+from hypothesis import example, given
+from hypothesis import strategies as st
+
 from fadsl.params import (
+    DIVISOR_FIELDS,
+    DIVISORS,
     FWD_PARAMS,
     FWD_PARAMS_FIELDS,
     SM90_BASE_OFFSET,
@@ -25,6 +30,7 @@ from fadsl.params import (
     SPLIT_TAIL_FIELDS,
     TENSOR_MAP_BYTES,
     Args,
+    fast_div,
     launch_for,
     pack_fwd_params,
     pack_fwd_params_sm90,
@@ -116,6 +122,14 @@ def test_sm90_layout_matches_the_cuda_struct(tmp_path):
         checks.append(
             f'static_assert(__builtin_offsetof({struct_name}, {name}) == {tail + offset}, "{name}");'
         )
+    divisors = tail + SPLIT_TAIL.size  # the scheduler's FastDiv pairs (mul, shift) after them
+    for i, name in enumerate(DIVISOR_FIELDS):
+        checks.append(
+            f"static_assert(__builtin_offsetof({struct_name}, {name}) == {divisors + 8 * i} && "
+            f"__builtin_offsetof({struct_name}, {name}.shift) == {divisors + 8 * i + 4}, "
+            f'"{name}");'
+        )
+    assert len(DIVISOR_FIELDS) * 8 == DIVISORS.size
     source = '#include "fadsl/sm90.cuh"\n' + "\n".join(checks) + "\n"
     source += f'extern "C" __global__ void probe(const __grid_constant__ {struct_name} p) {{}}\n'
     compile_cubin(source, "layout90.cu", "probe", "sm_90a", tmp_path)  # raises on a mismatch
@@ -159,7 +173,12 @@ def test_sm90_pack_places_the_maps_and_params(monkeypatch):
     assert [raw[i * TENSOR_MAP_BYTES] for i in range(4)] == [1, 2, 3, 4]
     base = raw[SM90_BASE_OFFSET : SM90_BASE_OFFSET + FWD_PARAMS.size]
     assert base == pack_fwd_params(kernel, args)
-    assert raw[SM90_BASE_OFFSET + FWD_PARAMS.size :] == bytes(len(raw) - 688)
+    tail = SM90_BASE_OFFSET + FWD_PARAMS.size
+    assert raw[tail : tail + SPLIT_TAIL.size] == bytes(SPLIT_TAIL.size)  # no split
+    # ceil(130 / 128) = 2 query blocks, 5 heads, 5 / 5 = 1 query head per K/V head, 1 piece
+    divisors = DIVISORS.unpack_from(raw, tail + SPLIT_TAIL.size)
+    assert divisors == (*fast_div(2), *fast_div(5), *fast_div(1), *fast_div(1))
+    assert raw[tail + SPLIT_TAIL.size + DIVISORS.size :] == bytes(len(raw) - 744)
     packed_row = 3 * 5 * 128 * 2  # bytes from one token to the next in qkv
     q_call, k_call, v_call, o_call = calls
     assert q_call == (q1.data_ptr(), (1, 130, 5, 128), (packed_row, 256, 256), 64, 128)
@@ -170,7 +189,7 @@ def test_sm90_pack_places_the_maps_and_params(monkeypatch):
     assert len(calls) == 4, "the same tensors must reuse their descriptors"
 
     def base_and_pad(a):  # FwdParamsSm90 past its four tensor maps
-        return pack_fwd_params(kernel, a) + bytes(len(raw) - SM90_BASE_OFFSET - FWD_PARAMS.size)
+        return pack_fwd_params(kernel, a) + raw[tail:]
 
     # A call on tensors seen before is one lookup of the whole struct: no descriptor lookups.
     looked_up = []
@@ -217,3 +236,24 @@ def _sm90_kernel(block_r: int, block_c: int):
     kern = fadsl.load(SPEC, verbose=False).compiled.kernel
     config = replace(kern.config, block_r=block_r, block_c=block_c)
     return replace(kern, config=config)
+
+
+@given(st.integers(1, 2**31 - 1), st.integers(0, 2**31 - 1))
+@example(1, 2**31 - 1)
+@example(3, 2**31 - 1)
+@example(2**30 + 1, 2**31 - 1)
+@example(2**31 - 1, 2**31 - 2)
+@example(7, 6)
+def test_fast_div_divides_every_31_bit_dividend(d, n):
+    """The kernel's FastDiv: n / d as (n * mul) >> shift, mul a 32-bit number."""
+    mul, shift = fast_div(d)
+    assert 0 < mul < 2**32 and 31 <= shift <= 62
+    for m in (n, n - n % d, n - n % d - 1, d - 1, d, 2 * d - 1):  # around multiples of d
+        if 0 <= m < 2**31:
+            assert (m * mul) >> shift == m // d, (d, m)
+
+
+def test_fast_div_refuses_what_it_cannot_divide():
+    for d in (0, -3, 2**31):
+        with pytest.raises(ValueError, match="divisor"):
+            fast_div(d)

@@ -106,14 +106,22 @@ def test_the_params_tail_holds_the_plan_and_the_workspace(monkeypatch):
     assert len(raw) == SM90_PARAMS_BYTES
     tail = SM90_BASE_OFFSET + FWD_PARAMS.size
     assert SPLIT_TAIL.unpack_from(raw, tail) == (0x1000, 0x2000, 1320, 3)
+    # the scheduler's divisors: 11 query blocks of 192 rows, 16 heads, 1 per K/V head, 3 pieces
+    divisors = params.DIVISORS.unpack_from(raw, tail + SPLIT_TAIL.size)
+    fast_div = params.fast_div
+    assert divisors == (*fast_div(11), *fast_div(16), *fast_div(1), *fast_div(3))
     # 88 split tiles x 3 pieces x 3 warpgroups x 128 threads x (32 O registers + m, l)
     assert asked == [(88 * 3 * 3 * 128 * (32 + 4), 88 * 3)]
     # whole rounds only: splits 1, no workspace; a kernel without the knob: zeros
     whole_rounds = params.pack_fwd_params_sm90(SPLIT, _args(8, 1920, 2048, 33))
     assert SPLIT_TAIL.unpack_from(whole_rounds, tail) == (0, 0, 10 * 33 * 8, 1)
+    after = tail + SPLIT_TAIL.size
+    assert params.DIVISORS.unpack_from(whole_rounds, after)[6:] == fast_div(1)
     assert len(asked) == 1
     plain = params.pack_fwd_params_sm90(WHOLE, _args(8, 2048, 2048, 16))
-    assert plain[tail:] == bytes(SM90_PARAMS_BYTES - tail)
+    assert plain[tail:after] == bytes(SPLIT_TAIL.size)  # no split fields: zeros
+    assert params.DIVISORS.unpack_from(plain, after) == (*divisors[:6], *fast_div(1))
+    assert len(plain) == SM90_PARAMS_BYTES
 
 
 def test_the_split_kernel_is_proven_with_skipped_tails():

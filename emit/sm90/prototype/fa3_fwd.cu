@@ -72,7 +72,7 @@ extern "C" __global__ void __launch_bounds__(Cfg::kThreads, 1) fa3_fwd(const __g
   const int lane = threadIdx.x % 32;
   const TileCoord tile = {Cfg::kCausal ? static_cast<int>(gridDim.x - 1 - blockIdx.x) : static_cast<int>(blockIdx.x),
                           static_cast<int>(blockIdx.y), static_cast<int>(blockIdx.z)};  // one CTA per tile
-  const TileWork w = tile_work<Cfg>(P.base, tile);
+  const TileWork w = tile_work<Cfg>(P, tile);
 
   if (threadIdx.x == 0) {
     tma_prefetch_desc(&P.tma_q);

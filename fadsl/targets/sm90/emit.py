@@ -249,7 +249,7 @@ def context(kernel: Kernel, dtype: Dtype) -> dict[str, Any]:
         "tile_work": (
             "split_tile_work<Cfg>(P, tile)"
             if hw.split_kv
-            else "tile_work<Cfg>(P.base, tile_coords<Cfg>(P.base, tile))"
+            else "tile_work<Cfg>(P, tile_coords<Cfg>(P, tile))"
         ),
         "kv_end": "w.block_end" if hw.split_kv else "w.n_blocks",
         "setup": roles["setup"]["setup"],

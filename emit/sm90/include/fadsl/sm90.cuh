@@ -48,6 +48,19 @@ __host__ __device__ __forceinline__ constexpr int imax(int a, int b) { return a 
 // with the tensor's strides; boxes are 64 head_dim elements (128 bytes, the 128-byte
 // swizzle's width) by a tile's rows, one head, one batch:
 //   q: box rows = kBlockM    k, v: box rows = kBlockN    o: box rows = 64 (one warpgroup)
+// n / d for the scheduler's runtime divisors (query blocks per head, heads, the GQA group,
+// the split count), by a multiply and a shift that the host computed (fadsl/params.py,
+// fast_div): exact for 0 <= n < 2^31, and a few instructions where a division is a long
+// dependent chain (the tile boundary computes a tile's coordinates twice per warpgroup).
+struct FastDiv {
+  uint32_t mul;    // ceil(2^shift / d)
+  uint32_t shift;  // 31 + ceil(log2 d)
+};
+
+__device__ __forceinline__ int fast_div(int n, FastDiv d) {
+  return static_cast<int>((static_cast<uint64_t>(static_cast<uint32_t>(n)) * d.mul) >> d.shift);
+}
+
 struct FwdParamsSm90 {
   CUtensorMap tma_q;
   CUtensorMap tma_k;
@@ -60,6 +73,10 @@ struct FwdParamsSm90 {
   uint32_t* split_counts;  // per split tile and warpgroup: its pieces done so far (wraps to 0)
   int split_start;
   int splits;
+  FastDiv div_m_blocks;  // num_m_blocks
+  FastDiv div_heads;     // heads_q
+  FastDiv div_group;     // heads_q / heads_kv (query heads per K/V head)
+  FastDiv div_splits;    // splits
 };
 
 // ---------------------------------------------------------------------------
@@ -185,17 +202,17 @@ __device__ __forceinline__ int tile_index(const FwdParams& p, int step) {
 }
 
 template <class Cfg>
-__device__ __forceinline__ TileCoord tile_coords(const FwdParams& p, int t) {
-  const int m = num_m_blocks<Cfg>(p);
-  const int j = t % m, bh = t / m;
+__device__ __forceinline__ TileCoord tile_coords(const FwdParamsSm90& P, int t) {
+  const int m = num_m_blocks<Cfg>(P.base);
+  const int bh = fast_div(t, P.div_m_blocks), j = t - bh * m;
   TileCoord c;
   if constexpr (Cfg::kCausal && Cfg::kPersistent) {
     c.m_block = (j & 1) ? j / 2 : m - 1 - j / 2;  // num_m - 1, 0, num_m - 2, 1, ...
   } else {
     c.m_block = Cfg::kCausal ? m - 1 - j : j;  // causal: long rows first
   }
-  c.head = bh % p.heads_q;
-  c.batch = bh / p.heads_q;
+  c.batch = fast_div(bh, P.div_heads);
+  c.head = bh - c.batch * P.base.heads_q;
   return c;
 }
 
@@ -214,12 +231,13 @@ struct TileWork {
 };
 
 template <class Cfg>
-__device__ __forceinline__ TileWork tile_work(const FwdParams& p, const TileCoord& c) {
+__device__ __forceinline__ TileWork tile_work(const FwdParamsSm90& P, const TileCoord& c) {
+  const FwdParams& p = P.base;
   TileWork w;
   w.m_block = c.m_block;
   w.head = c.head;
   w.batch = c.batch;
-  w.head_kv = w.head / (p.heads_q / p.heads_kv);
+  w.head_kv = fast_div(w.head, P.div_group);
   w.m0 = w.m_block * Cfg::kBlockM;
   // Causal, aligned bottom-right: query i sees key j iff j <= i + seqlen_k - seqlen_q.
   const int diag = p.seqlen_k - p.seqlen_q;
@@ -256,14 +274,15 @@ __device__ __forceinline__ int split_tile_index(const FwdParamsSm90& P, int step
 // the tile's last blocks has masked iterations.
 template <class Cfg>
 __device__ __forceinline__ TileWork split_tile_work(const FwdParamsSm90& P, int i) {
-  if (i < P.split_start) return tile_work<Cfg>(P.base, tile_coords<Cfg>(P.base, i));
+  if (i < P.split_start) return tile_work<Cfg>(P, tile_coords<Cfg>(P, i));
   const int piece = i - P.split_start;
-  TileWork w = tile_work<Cfg>(P.base, tile_coords<Cfg>(P.base, P.split_start + piece / P.splits));
+  const int split_tile = fast_div(piece, P.div_splits);
+  TileWork w = tile_work<Cfg>(P, tile_coords<Cfg>(P, P.split_start + split_tile));
   const int n = w.n_blocks, masked_from = w.n_blocks - w.n_masked;
-  w.split = piece % P.splits;
-  w.split_tile = piece / P.splits;
-  const int lo = w.split * n / P.splits;
-  w.block_end = (w.split + 1) * n / P.splits;
+  w.split = piece - split_tile * P.splits;
+  w.split_tile = split_tile;
+  const int lo = fast_div(w.split * n, P.div_splits);
+  w.block_end = fast_div((w.split + 1) * n, P.div_splits);
   w.n_blocks = w.block_end - lo;
   w.n_masked = imax(0, w.block_end - imax(lo, masked_from));
   return w;
