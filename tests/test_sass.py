@@ -85,3 +85,27 @@ def test_the_softmax_overlaps_the_warpgroups_own_p_v(built, spec):
     fa3_hopper lose 3-5 %."""
     (_, _, _), (label, overlap, size) = built[spec]
     assert overlap is not None and overlap >= 32, f"{spec} {label} ({size} instructions)"
+
+
+def test_the_energy_probe_issues_every_tma_load_twice_and_the_kernel_once(built, tmp_path):
+    """FADSL_TMA_LOADS (scripts/energy_probe.py) doubles the TMA loads, and only a build
+    that defines it: the example's SASS has one UTMALDG per load."""
+    import fadsl
+    from fadsl.compiler import compile_cubin
+
+    kern = fadsl.load(str(ROOT / "examples" / "fa3_hdim64.fa"), verbose=False)
+    dtype = kern.config.dtypes[0]
+    request = kern.request(dtype, "sm_90a")
+    probe = compile_cubin(
+        "#define FADSL_TMA_LOADS 2\n" + request.text,
+        request.filename,
+        request.kernel,
+        "sm_90a",
+        tmp_path,
+    )
+
+    def loads(cubin: bytes) -> int:
+        return sass.disassemble(cubin, sass.nvdisasm()).count("UTMALDG")
+
+    plain = loads(kern.cubin(dtype, "sm_90a").cubin)
+    assert plain > 0 and loads(probe.cubin) == 2 * plain
