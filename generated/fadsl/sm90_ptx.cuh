@@ -67,8 +67,16 @@ __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
 
 // One arrival that also announces `tx_bytes` bytes the copy engine will deliver to this
 // phase (complete_tx); the phase cannot complete before they have landed.
+// FADSL_TMA_LOADS (development builds only, scripts/energy_probe.py; 1 otherwise): every
+// TMA load is issued that many times into the same bytes and every expect_tx scaled alike,
+// so that the L2 -> SMEM traffic, and nothing else, grows by that factor.
+#ifndef FADSL_TMA_LOADS
+#define FADSL_TMA_LOADS 1
+#endif
+
 __device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t tx_bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.release.cta.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(tx_bytes)
+  asm volatile("mbarrier.arrive.expect_tx.release.cta.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar),
+               "r"(tx_bytes * FADSL_TMA_LOADS)
                : "memory");
 }
 
@@ -145,11 +153,14 @@ __device__ __forceinline__ void tma_load_3d(uint32_t smem_dst, const CUtensorMap
 
 __device__ __forceinline__ void tma_load_4d(uint32_t smem_dst, const CUtensorMap* tmap, uint32_t bar, int c0, int c1,
                                             int c2, int c3) {
-  asm volatile(
-      "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
-      " [%0], [%1, {%3, %4, %5, %6}], [%2];\n" ::"r"(smem_dst),
-      "l"(reinterpret_cast<uint64_t>(tmap)), "r"(bar), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
-      : "memory");
+#pragma unroll
+  for (int copy = 0; copy < FADSL_TMA_LOADS; ++copy) {
+    asm volatile(
+        "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+        " [%0], [%1, {%3, %4, %5, %6}], [%2];\n" ::"r"(smem_dst),
+        "l"(reinterpret_cast<uint64_t>(tmap)), "r"(bar), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+        : "memory");
+  }
 }
 
 // SMEM -> GMEM, one box; elements outside the tensor are not written.  Completion is
