@@ -155,6 +155,21 @@ class FlashAttention:
         self._entries[dtype, arch] = entry
         return entry
 
+    def use_development_build(self, dtype: Dtype, arch: str, defines: dict[str, int]) -> None:
+        """Build ``dtype``'s kernel for ``arch`` with ``defines`` (#define NAME VALUE before
+        the source: FADSL_TILE_TRACE, FADSL_TMA_LOADS) and run that cubin in this process
+        instead of the cached one, which stays untouched (scripts/tile_trace.py,
+        scripts/energy_probe.py). Before the kernel's first call on a device."""
+        import tempfile
+
+        request = self.request(dtype, arch)
+        head = "".join(f"#define {name} {value}\n" for name, value in defines.items())
+        with tempfile.TemporaryDirectory() as where:
+            built = compile_cubin(
+                head + request.text, request.filename, request.kernel, arch, Path(where)
+            )
+        self._entries[dtype, arch] = cache.Entry(built.cubin, built.log, {}, Path(where) / "dev")
+
     def module(self, dtype: Dtype, device):
         """The loaded kernel for ``dtype`` on ``device`` (a torch.device or index)."""
         import torch

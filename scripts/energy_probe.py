@@ -14,12 +14,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
 from pathlib import Path
 
 import fadsl
-from fadsl import bench, cache
-from fadsl.compiler import compile_cubin
+from fadsl import bench
 from fadsl.ir import Dtype
 from fadsl.runtime import arch_of
 
@@ -40,19 +38,7 @@ def main() -> int:
         text.replace(f"kernel {cfg.name}", f"kernel {cfg.name}_tma_x{args.loads}", 1),
         verbose=False,
     )
-    arch = arch_of(0)
-    request = copy.request(dtype, arch)
-    with tempfile.TemporaryDirectory() as where:
-        built = compile_cubin(
-            f"#define FADSL_TMA_LOADS {args.loads}\n" + request.text,
-            request.filename,
-            request.kernel,
-            arch,
-            Path(where),
-        )
-        # the probe's cubin stands in for the copy's cached one in this process only
-        copy._entries[dtype, arch] = cache.Entry(built.cubin, built.log, {}, Path(where) / "probe")
-        copy.module(dtype, 0)
+    copy.use_development_build(dtype, arch_of(0), {"FADSL_TMA_LOADS": args.loads})
     result = bench.run(
         kern,
         seqlens=tuple(int(s) for s in args.seqlens.split(",")),

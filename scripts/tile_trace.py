@@ -13,14 +13,11 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-import tempfile
-from pathlib import Path
 
 import torch
 
 import fadsl
-from fadsl import cache, tiletrace
-from fadsl.compiler import compile_cubin
+from fadsl import tiletrace
 from fadsl.ir import Dtype
 from fadsl.runtime import arch_of
 
@@ -36,19 +33,8 @@ def main() -> int:
     kern = fadsl.load(args.spec, verbose=False)
     cfg = kern.config
     dtype = Dtype(args.dtype) if args.dtype else cfg.dtypes[0]
-    arch = arch_of(0)
-    request = kern.request(dtype, arch)
-    with tempfile.TemporaryDirectory() as where:
-        built = compile_cubin(
-            "#define FADSL_TILE_TRACE 1\n" + request.text,
-            request.filename,
-            request.kernel,
-            arch,
-            Path(where),
-        )
-        # the traced cubin stands in for the cached one in this process only
-        kern._entries[dtype, arch] = cache.Entry(built.cubin, built.log, {}, Path(where) / "traced")
-        module = kern.module(dtype, 0)
+    kern.use_development_build(dtype, arch_of(0), {"FADSL_TILE_TRACE": 1})
+    module = kern.module(dtype, 0)
     heads = args.hidden // cfg.head_dim
     batch = max(1, args.tokens // args.seqlen)
     torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype.value]

@@ -87,25 +87,20 @@ def test_the_softmax_overlaps_the_warpgroups_own_p_v(built, spec):
     assert overlap is not None and overlap >= 32, f"{spec} {label} ({size} instructions)"
 
 
-def test_the_energy_probe_issues_every_tma_load_twice_and_the_kernel_once(built, tmp_path):
-    """FADSL_TMA_LOADS (scripts/energy_probe.py) doubles the TMA loads, and only a build
-    that defines it: the example's SASS has one UTMALDG per load."""
+def test_the_energy_probe_issues_every_tma_load_twice_and_the_kernel_once(built):
+    """FADSL_TMA_LOADS (scripts/energy_probe.py, through use_development_build) doubles the
+    TMA loads, and only in that build: the example's SASS has one UTMALDG per load, and its
+    cached cubin stays as it was."""
     import fadsl
-    from fadsl.compiler import compile_cubin
 
-    kern = fadsl.load(str(ROOT / "examples" / "fa3_hdim64.fa"), verbose=False)
+    spec = str(ROOT / "examples" / "fa3_hdim64.fa")
+    kern, probe = fadsl.load(spec, verbose=False), fadsl.load(spec, verbose=False)
     dtype = kern.config.dtypes[0]
-    request = kern.request(dtype, "sm_90a")
-    probe = compile_cubin(
-        "#define FADSL_TMA_LOADS 2\n" + request.text,
-        request.filename,
-        request.kernel,
-        "sm_90a",
-        tmp_path,
-    )
+    probe.use_development_build(dtype, "sm_90a", {"FADSL_TMA_LOADS": 2})
 
-    def loads(cubin: bytes) -> int:
-        return sass.disassemble(cubin, sass.nvdisasm()).count("UTMALDG")
+    def loads(k) -> int:
+        return sass.disassemble(k.cubin(dtype, "sm_90a").cubin, sass.nvdisasm()).count("UTMALDG")
 
-    plain = loads(kern.cubin(dtype, "sm_90a").cubin)
-    assert plain > 0 and loads(probe.cubin) == 2 * plain
+    plain = loads(kern)
+    assert plain > 0 and loads(probe) == 2 * plain
+    assert loads(fadsl.load(spec, verbose=False)) == plain  # the cache holds the plain one
