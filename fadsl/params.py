@@ -192,15 +192,16 @@ def fast_div(d: int) -> tuple[int, int]:
     return -(-(1 << shift) // d), shift
 
 
-def _divisors(kernel: Kernel, a: Args, splits: int = 1) -> bytes:
-    """FwdParamsSm90's FastDiv fields for this launch's shapes."""
+def _divisors(kernel: Kernel, a: Args) -> bytes:
+    """FwdParamsSm90's FastDiv fields for this launch's shapes (one piece per tile: a split
+    launch puts its own split count's, pack_fwd_params_sm90)."""
     seqlen_q, heads_q, heads_kv = a.q.shape[1], a.q.shape[2], a.k.shape[2]
     m_blocks = -(-seqlen_q // kernel.config.block_r)
     return DIVISORS.pack(
         *fast_div(max(m_blocks, 1)),
         *fast_div(heads_q),
         *fast_div(heads_q // heads_kv),
-        *fast_div(splits),
+        *fast_div(1),
     )
 
 
