@@ -70,7 +70,7 @@ def _sm90_specs_and_flips() -> tuple[dict[str, str], dict[str, str]]:
         if re.search(r"^\s*target\s+sm_90a\b", text, re.MULTILINE):
             examples[path.stem] = text
     specs = dict(examples)
-    seen = {_body(text): stem for stem, text in examples.items()}
+    seen = {spec_body(text): stem for stem, text in examples.items()}
     flips = {}
     for stem, text in examples.items():
         causal = re.search(r"^\s*mask\s+causal\b", text, re.MULTILINE) is not None
@@ -83,14 +83,14 @@ def _sm90_specs_and_flips() -> tuple[dict[str, str], dict[str, str]]:
             flags=re.MULTILINE,
         )
         flipped = whole_tail(re.sub(r"\bkernel\s+\w+", f"kernel {name}", flipped, count=1))
-        if _body(flipped) not in seen:
-            seen[_body(flipped)] = name
+        if spec_body(flipped) not in seen:
+            seen[spec_body(flipped)] = name
             specs[name] = flipped
-        flips[stem] = seen[_body(flipped)]
+        flips[stem] = seen[spec_body(flipped)]
     return specs, flips
 
 
-def _body(text: str) -> str:
+def spec_body(text: str) -> str:
     """A spec without its comments, name and blank space (to find duplicates)."""
     text = re.sub(r"#[^\n]*", "", text)
     text = re.sub(r"\bkernel\s+\w+", "kernel _", text, count=1)
