@@ -4,9 +4,11 @@
 #   included: torch.compile, CUDA graphs, streams, cold/warm start), the host-overhead
 #   comparison with SDPA FLASH, compute-sanitizer (racecheck, synccheck, memcheck) at a small
 #   shape, then the benchmarks if asked.
-# Usage (repo root, on the device): bash scripts/device.sh [tests] [sanitize] [trace] [bench ARGS...]
+# Usage (repo root, on the device): bash scripts/device.sh [tests] [sanitize] [trace] [probe] [bench ARGS...]
 #   trace: scripts/tile_trace.py (where a tile's time goes) on TRACE_SPECS (default the head_dim
 #   64 and 128 examples) at TRACE_SEQLENS (default "2048 8192"), hidden 2048
+#   probe: scripts/energy_probe.py (what L2 -> SMEM traffic costs at the power cap) on
+#   PROBE_SPECS (default fa3_hopper) at PROBE_SEQLENS (default "4096,16384")
 #   GPU_TESTS: the pytest arguments instead of every GPU test file (e.g. "tests/test_gpu_sm90.py")
 #   SANITIZE_ONLY: a regex of the kernel names scripts/sanitize.py runs (default: all)
 #   BENCH_DTYPE (bf16/fp16; default the spec's first), BENCH_SEQLENS ("2048,4096"),
@@ -66,6 +68,13 @@ if [[ $steps == *" trace "* ]]; then
     done
   done
 fi
+if [[ $steps == *" probe "* ]]; then
+  for spec in ${PROBE_SPECS:-examples/fa3_hopper.fa}; do
+    python3 -P scripts/energy_probe.py "$spec" --seqlens "${PROBE_SEQLENS:-4096,16384}" 2>&1 \
+      | grep -v "^fadsl bench" | tee -a "$OUT/energy_probe.log" | tail -8
+    status=$((status | ${PIPESTATUS[0]}))
+  done
+fi
 if [[ $steps == *" bench "* ]]; then
   shift $(( $(printf '%s\n' "$@" | grep -n '^bench$' | cut -d: -f1) ))
   # Build the cubins bench will time (its dtype) in parallel first (bench builds one at a time).
@@ -93,8 +102,12 @@ with ProcessPoolExecutor(16) as pool:
     python3 -P -m fadsl.cli bench "$spec" $causal ${BENCH_DTYPE:+--dtype $BENCH_DTYPE} ${BENCH_SEQLENS:+--seqlens "$BENCH_SEQLENS"} ${BENCH_HIDDEN:+--hidden $BENCH_HIDDEN} \
       $against ${BENCH_ROUNDS:+--rounds $BENCH_ROUNDS} --json "$OUT/bench/$name.json" --plot "$OUT/bench/$name.png" 2>&1 | tee -a "$OUT/bench/bench.log" | tail -9
   done
-  # At most 8 files come back from the device: one archive of the results.
-  tar -C "$OUT" -cf "$OUT/bench${BENCH_DTYPE:+_$BENCH_DTYPE}${BENCH_TAG:-}.tar" bench && rm -r "$OUT/bench"
+  # At most 8 files come back from the device: one archive of the results (a second call
+  # in one device run gets its own, not the first one's name).
+  archive="$OUT/bench${BENCH_DTYPE:+_$BENCH_DTYPE}${BENCH_TAG:-}"
+  n=2; base=$archive
+  while [[ -e "$archive.tar" ]]; do archive="${base}_$n"; n=$((n + 1)); done
+  tar -C "$OUT" -cf "$archive.tar" bench && rm -r "$OUT/bench"
 fi
 echo "device.sh status $status"
 exit $status
