@@ -430,7 +430,7 @@ class FlashAttention:
                     f"{name}'s sequence length {n} must be below 2^30 (the kernel's int32 "
                     "index arithmetic)"
                 )
-        if batch > GRID_YZ_LIMIT or heads_q > GRID_YZ_LIMIT or batch == 0:
+        if not (1 <= batch <= GRID_YZ_LIMIT and 1 <= heads_q <= GRID_YZ_LIMIT):
             raise ValueError(
                 f"batch ({batch}) and heads ({heads_q}) must be between 1 and {GRID_YZ_LIMIT}"
             )

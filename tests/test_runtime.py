@@ -91,6 +91,11 @@ def test_load_missing_file_names_it():
             ValueError,
             r"k's sequence length must be at least 1, got 0",
         ),
+        (
+            lambda q, k, v: (q[:, :, :0], k[:, :, :1], v[:, :, :1]),
+            ValueError,
+            r"batch \(2\) and heads \(0\) must be between 1 and",
+        ),
         (lambda q, k, v: (q, k, v), ValueError, r"q must be on a CUDA device, got cpu"),
     ],
 )
