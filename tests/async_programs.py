@@ -21,8 +21,10 @@ from fadsl.passes.async_model import (
     BulkWait,
     FenceProxyAsync,
     Program,
+    RemoteArrive,
     Span,
     TmaLoad,
+    TmaMulticast,
     TmaStore,
     Wait,
     Wgmma,
@@ -290,3 +292,75 @@ def fa3_overlap(stages: int = 2, blocks: int = 3, consumers: int = 2, mutate=Non
         for kind in ("full", "empty")
     ]
     return Program(tuple(agents), tuple(barriers))
+
+
+def multicast_ring(
+    stages: int = 2, blocks: int = 3, consumers: int = 1, mutate: dict | None = None
+) -> Program:
+    """A K ring shared by a cluster of two CTAs (docs/clusters.md): in each CTA c a producer
+    thread multicasts half c of every slot into both CTAs (mask 0b11), so each CTA's full
+    barrier expects the whole slot; each consumer warpgroup reads the slot with wgmma and
+    releases it with one local and one remote arrive, so each empty barrier counts both CTAs'
+    consumers; after its last load the producer drains the ring (waits for the last release of
+    every slot), so that no peer arrives on a CTA that has exited. ``mutate`` as in ``fa3``,
+    with a label (``CLUSTER_LABELS``) or ``"empty count"`` (a function of the correct count)."""
+    mutate = mutate or {}
+    half = TILE // 2
+
+    def emit(events: list, label: str, event) -> None:
+        if label in mutate:
+            if mutate[label] is None:
+                return
+            event = mutate[label](event)
+        events.append(event)
+
+    k = [Span("smem", s * TILE, (s + 1) * TILE, f"K[slot {s}]") for s in range(stages)]
+    agents = []
+    for cta in range(2):
+        peer = 1 - cta
+        producer: list = []
+        for j in range(blocks):
+            s, r = j % stages, j // stages
+            mine = Span("smem", k[s].lo + cta * half, k[s].lo + (cta + 1) * half, "")
+            mine = replace(mine, name=f"K[slot {s}] half {cta}")
+            emit(producer, "wait empty", Wait(f"empty{s}", (r + 1) % 2))
+            emit(producer, "arrive full", Arrive(f"full{s}", tx=TILE))
+            load = TmaMulticast(mine, f"full{s}", half, 0b11, f"load K block {j} half {cta}")
+            emit(producer, "multicast", load)
+        for j in range(max(blocks - stages, 0), blocks):  # the last fill of each slot
+            s, r = j % stages, j // stages
+            emit(producer, "drain", Wait(f"empty{s}", r % 2, "both CTAs are done with the slot"))
+        agents.append(Agent(f"cta{cta}.producer", 1, tuple(producer), cta))
+        for w in range(consumers):
+            s_acc = Span(f"rf:cta{cta}.wg{w}", 0, 64, "S")
+            events: list = []
+            for j in range(blocks):
+                s, r = j % stages, j // stages
+                for label, event in (
+                    ("wait full", Wait(f"full{s}", r % 2)),
+                    ("qk", Wgmma((k[s],), (s_acc,), f"S = Q K^T, block {j}")),
+                    ("commit qk", WgmmaCommit()),
+                    ("wgmma wait qk", WgmmaWait(0)),
+                    ("arrive empty", Arrive(f"empty{s}")),
+                    ("remote arrive empty", RemoteArrive(f"empty{s}", peer)),
+                    ("read S", Access(s_acc, False, f"softmax {j}: read S")),
+                ):
+                    emit(events, label, event)
+            agents.append(Agent(f"cta{cta}.wg{w}", 128, tuple(events), cta))
+    empty_count = 2 * consumers
+    if "empty count" in mutate:
+        empty_count = mutate["empty count"](empty_count)
+    barriers = [(f"full{s}", 1) for s in range(stages)]
+    barriers += [(f"empty{s}", empty_count) for s in range(stages)]
+    return Program(tuple(agents), tuple(barriers), ctas=2)
+
+
+CLUSTER_SYNCS = (
+    "wait empty",
+    "arrive full",
+    "drain",
+    "wait full",
+    "wgmma wait qk",
+    "arrive empty",
+    "remote arrive empty",
+)

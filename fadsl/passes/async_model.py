@@ -18,6 +18,12 @@ wgmma and softmax. They share SMEM and synchronise only through what the hardwar
   through the generic proxy; a generic write becomes visible to the async proxy only through
   a ``fence.proxy.async`` executed by the writer after it.
 
+- **clusters** (sm_90a): the agents may belong to several CTAs of a cluster. SMEM spans,
+  mbarriers and named barriers are per CTA: the same offsets or name in two CTAs are two
+  objects. A thread waits only on its own CTA's mbarriers, but it may arrive on a peer's
+  (``RemoteArrive``), and a multicast TMA load (``TmaMulticast``) writes the same offsets in
+  every CTA of its mask and completes its bytes on the same-named mbarrier of each.
+
 These are shared data types: the sync pass that builds the plan and verify that checks it
 both speak them, but they share no decisions.
 """
@@ -60,6 +66,22 @@ class TmaLoad:
     barrier: str
     nbytes: int
     what: str
+
+
+@dataclass(frozen=True)
+class TmaMulticast:
+    """cp.async.bulk.tensor ... .multicast::cluster: writes ``span`` (the same CTA-relative
+    offsets) in every CTA whose bit is set in ``mask``, and completes ``nbytes`` (each CTA's
+    share: the span's size) on the mbarrier named ``barrier`` of each of those CTAs."""
+
+    span: Span
+    barrier: str
+    nbytes: int
+    mask: int
+    what: str
+
+    def ctas(self) -> tuple[int, ...]:
+        return tuple(c for c in range(self.mask.bit_length()) if self.mask >> c & 1)
 
 
 @dataclass(frozen=True)
@@ -115,6 +137,18 @@ class Arrive:
 
 
 @dataclass(frozen=True)
+class RemoteArrive:
+    """mapa + mbarrier.arrive.release.cluster.shared::cluster: ``count`` arrivals on the
+    mbarrier named ``barrier`` of CTA ``cta`` (release at cluster scope, so the arriving
+    agent's earlier accesses happen before whatever waits on that phase)."""
+
+    barrier: str
+    cta: int
+    count: int = 1
+    why: str = ""
+
+
+@dataclass(frozen=True)
 class ExpectTx:
     """mbarrier.expect_tx without an arrival: raises the current phase's transaction count."""
 
@@ -158,6 +192,7 @@ class FenceProxyAsync:
 Event = (
     Access
     | TmaLoad
+    | TmaMulticast
     | TmaStore
     | BulkCommit
     | BulkWait
@@ -165,6 +200,7 @@ Event = (
     | WgmmaCommit
     | WgmmaWait
     | Arrive
+    | RemoteArrive
     | ExpectTx
     | Wait
     | BarSync
@@ -175,19 +211,24 @@ Event = (
 
 @dataclass(frozen=True)
 class Agent:
-    """A sequential program run by ``threads`` threads in step (1 for an elected thread)."""
+    """A sequential program run by ``threads`` threads in step (1 for an elected thread) of
+    CTA ``cta`` of the cluster."""
 
     name: str
     threads: int
     events: tuple[Event, ...]
+    cta: int = 0
 
 
 @dataclass(frozen=True)
 class Program:
-    """Agents sharing SMEM; ``mbarriers`` maps each mbarrier to the arrival count of its init."""
+    """Agents sharing SMEM; ``mbarriers`` maps each mbarrier to the arrival count of its init.
+    With ``ctas`` > 1 the agents are spread over a cluster of that many CTAs, and every CTA
+    initialises each of ``mbarriers`` in its own SMEM."""
 
     agents: tuple[Agent, ...]
     mbarriers: tuple[tuple[str, int], ...]
+    ctas: int = 1
 
     def arrivals(self, barrier: str) -> int:
         return dict(self.mbarriers)[barrier]
@@ -205,6 +246,8 @@ def describe(event: Event) -> str:
             return f"{what}: {'write' if write else 'read'} {span.name}"
         case TmaLoad(span=span, barrier=bar, nbytes=n, what=what):
             return f"{what}: TMA load into {span.name}, {n} bytes on {bar}"
+        case TmaMulticast(span=span, barrier=bar, nbytes=n, mask=mask, what=what):
+            return f"{what}: TMA multicast into {span.name}, mask {mask:#b}, {n} bytes on {bar}"
         case TmaStore(span=span, what=what):
             return f"{what}: TMA store from {span.name}"
         case BulkCommit():
@@ -223,6 +266,8 @@ def describe(event: Event) -> str:
                 + (f" x{c}" if c != 1 else "")
                 + (f", expect {tx} B" if tx else "")
             )
+        case RemoteArrive(barrier=bar, cta=cta, count=c):
+            return f"remote arrive on {bar} of cta{cta}" + (f" x{c}" if c != 1 else "")
         case ExpectTx(barrier=bar, nbytes=n):
             return f"expect_tx {n} B on {bar}"
         case Wait(barrier=bar, parity=p):

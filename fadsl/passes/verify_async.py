@@ -27,6 +27,14 @@ It shares no logic with the pass that places the syncs. Three parts:
    agent's bulk / wgmma wait_group that retires their group. Any two accesses to overlapping
    bytes, one a write, must be ordered end -> start; a generic-proxy write followed by an
    async-proxy access also needs a fence.proxy.async by the writer between the two.
+
+Clusters: SMEM, mbarriers and named barriers are per CTA, so each is keyed by its CTA
+(``name@ctaN``; a one-CTA program keeps the bare names). A multicast TMA load is one issue with
+a landing in each CTA of its mask: each landing joins that CTA's barrier phase and ends its
+write there. A remote arrive is an arrival on the peer's barrier, with release at cluster
+scope. One more condition: no CTA exits while a peer can still reach it, so every remote
+arrival on CTA d and every multicast landing in d from another CTA must happen before the
+last event of some agent of d.
 """
 
 from __future__ import annotations
@@ -45,8 +53,10 @@ from .async_model import (
     ExpectTx,
     FenceProxyAsync,
     Program,
+    RemoteArrive,
     Span,
     TmaLoad,
+    TmaMulticast,
     TmaStore,
     Wait,
     Wgmma,
@@ -57,6 +67,7 @@ from .async_model import (
 
 Point = tuple[int, int]  # (agent index, event index)
 Completion = tuple[str, object, int]  # ("mbar", name, phase) or ("bar", id, generation)
+Landing = tuple[Point, int]  # a multicast TMA load and one CTA of its mask
 
 
 class AsyncVerifyError(Exception):
@@ -93,6 +104,7 @@ class _Run:
 
     clock: dict[object, int] = field(default_factory=dict)  # node -> time it happened
     joined: dict[Point, Completion] = field(default_factory=dict)  # contribution -> its phase
+    landed: dict[Landing, Completion] = field(default_factory=dict)  # multicast -> phase, per CTA
     saw: dict[Point, Completion | None] = field(default_factory=dict)  # wait -> phase it saw
     # an arrival that completed its phase (the phase flips within that atomic arrive)
     completed_by: dict[Point, Completion] = field(default_factory=dict)
@@ -100,10 +112,27 @@ class _Run:
     problems: list[str] = field(default_factory=list)
 
 
+def _qualify(program: Program, cta: int, name: object) -> object:
+    """The key of a per-CTA object (an mbarrier name, a named barrier id): the name itself in a
+    one-CTA program, so that its messages read as they always did; 'name@ctaN' in a cluster."""
+    return name if program.ctas == 1 else f"{name}@cta{cta}"
+
+
+def _located(program: Program, cta: int, span: Span) -> Span:
+    """``span`` in CTA ``cta``: the same offsets of two CTAs' SMEM are different bytes."""
+    if program.ctas == 1:
+        return span
+    return Span(f"{span.space}@cta{cta}", span.lo, span.hi, f"{span.name} of cta{cta}")
+
+
 def _execute(program: Program, patient: bool = False) -> _Run:
     agents = program.agents
-    mbars = {name: _MBarrier(count) for name, count in program.mbarriers}
-    named: dict[int, _Named] = {}
+    mbars = {
+        _qualify(program, cta, name): _MBarrier(count)
+        for cta in range(program.ctas)
+        for name, count in program.mbarriers
+    }
+    named: dict[object, _Named] = {}
     pcs = [0] * len(agents)
     arrived_gen: dict[int, int] = {}  # agent -> generation it arrived at in a pending bar.sync
     run = _Run()
@@ -123,42 +152,62 @@ def _execute(program: Program, patient: bool = False) -> _Run:
             bar.phase += 1
             bar.pending = bar.arrivals
 
+    def arrive(here: Point, name: str, count: int, tx: int) -> None:
+        bar = mbars[name]
+        if count > bar.pending:
+            run.problems.append(
+                f"{where(agents[here[0]], here[1])}: {count} arrival(s) where phase "
+                f"{bar.phase} of {name} expects {bar.pending} more"
+            )
+            count = bar.pending
+        tick(here)
+        run.joined[here] = ("mbar", name, bar.phase)
+        bar.tx += tx
+        bar.pending -= count
+        complete_if_done(name)
+        if mbars[name].phase > run.joined[here][2]:
+            run.completed_by[here] = run.joined[here]
+
     def step(a: int) -> bool:
         """Run agent a's next event if it can; False if it is blocked."""
         event = agents[a].events[pcs[a]]
         here = (a, pcs[a])
+
+        def local(name: object) -> object:
+            return _qualify(program, agents[a].cta, name)
+
         match event:
             case Wait(barrier=name, parity=parity):
+                name = local(name)  # a thread waits on its own CTA's mbarriers only
                 bar = mbars[name]
                 if bar.phase % 2 == parity:
                     return False
                 tick(here)
                 run.saw[here] = ("mbar", name, bar.phase - 1) if bar.phase else None
             case Arrive(barrier=name, count=count, tx=tx):
-                bar = mbars[name]
-                if count > bar.pending:
-                    run.problems.append(
-                        f"{where(agents[a], pcs[a])}: {count} arrival(s) where phase "
-                        f"{bar.phase} of {name} expects {bar.pending} more"
-                    )
-                    count = bar.pending
-                tick(here)
-                run.joined[here] = ("mbar", name, bar.phase)
-                bar.tx += tx
-                bar.pending -= count
-                complete_if_done(name)
-                if mbars[name].phase > run.joined[here][2]:
-                    run.completed_by[here] = run.joined[here]
+                arrive(here, local(name), count, tx)
+            case RemoteArrive(barrier=name, cta=cta, count=count):
+                arrive(here, _qualify(program, cta, name), count, 0)
             case ExpectTx(barrier=name, nbytes=nbytes):
+                name = local(name)
                 tick(here)
                 run.joined[here] = ("mbar", name, mbars[name].phase)
                 mbars[name].tx += nbytes
             case TmaLoad(barrier=name, nbytes=nbytes):
+                name = local(name)
                 tick(here)
                 run.joined[here] = ("mbar", name, mbars[name].phase)  # lands at once
                 mbars[name].tx -= nbytes
                 complete_if_done(name)
+            case TmaMulticast(barrier=name, nbytes=nbytes):
+                tick(here)
+                for cta in event.ctas():  # lands at once in every CTA of the mask
+                    name_there = _qualify(program, cta, name)
+                    run.landed[(here, cta)] = ("mbar", name_there, mbars[name_there].phase)
+                    mbars[name_there].tx -= nbytes
+                    complete_if_done(name_there)
             case BarSync(barrier=bid, threads=threads) | BarArrive(barrier=bid, threads=threads):
+                bid = local(bid)  # bar.sync ids are CTA-local
                 bar = named.setdefault(bid, _Named())
                 if a not in arrived_gen:
                     if bar.threads is not None and bar.threads != threads:
@@ -208,7 +257,7 @@ def _execute(program: Program, patient: bool = False) -> _Run:
             break
     for a, agent in enumerate(agents):
         if pcs[a] < len(agent.events):
-            why = _why_blocked(agent.events[pcs[a]], mbars, named)
+            why = _why_blocked(program, agent, agent.events[pcs[a]], mbars, named)
             run.problems.append(f"hang: {where(agent, pcs[a])} never returns ({why})")
     for bid, bar in sorted(named.items()):
         if bar.arrived and not run.problems:
@@ -219,15 +268,23 @@ def _execute(program: Program, patient: bool = False) -> _Run:
     return run
 
 
-def _why_blocked(event: Event, mbars: dict[str, _MBarrier], named: dict[int, _Named]) -> str:
+def _why_blocked(
+    program: Program,
+    agent: Agent,
+    event: Event,
+    mbars: dict[object, _MBarrier],
+    named: dict[object, _Named],
+) -> str:
     match event:
         case Wait(barrier=name):
+            name = _qualify(program, agent.cta, name)
             bar = mbars[name]
             return (
                 f"{name} stays in phase {bar.phase} with {bar.pending} arrival(s) and "
                 f"{bar.tx} transaction byte(s) outstanding"
             )
         case BarSync(barrier=bid, threads=threads):
+            bid = _qualify(program, agent.cta, bid)
             return f"named barrier {bid} gets {named[bid].arrived} of {threads} threads"
         case _:
             raise AssertionError(f"{event!r} cannot block")
@@ -242,6 +299,9 @@ class _Order:
             for i in range(1, len(agent.events)):
                 if (a, i) in preds and (a, i - 1) in preds:
                     preds[(a, i)].append((a, i - 1))
+        for (point, _), node in run.landed.items():
+            if node in preds:
+                preds[node].append(point)
         for point, node in run.joined.items():
             if node in preds:
                 preds[node].append(point)
@@ -311,28 +371,36 @@ def _ops(program: Program, run: _Run) -> tuple[list[_Op], list[str]]:
     for a, agent in enumerate(program.agents):
         wgmma_done = _retirements(agent, a, WgmmaCommit, WgmmaWait)
         store_done = _retirements(agent, a, BulkCommit, BulkWait)
+        mine = lambda span: _located(program, agent.cta, span)  # noqa: E731
         for i, event in enumerate(agent.events):
             here = (a, i)
             if here not in run.clock:
                 continue  # after a hang: already reported
+            new: list[_Op] = []
             match event:
                 case Access(span=span, write=write):
-                    ops.append(_Op(a, i, span, write, True, here, here))
+                    new.append(_Op(a, i, mine(span), write, True, here, here))
                 case TmaLoad(span=span):
                     phase = run.joined[here]
                     end = phase if phase in run.completed else None
-                    ops.append(_Op(a, i, span, True, False, here, end))
+                    new.append(_Op(a, i, mine(span), True, False, here, end))
+                case TmaMulticast(span=span):
+                    for cta in event.ctas():  # a write in each CTA, done when its phase is
+                        phase = run.landed[(here, cta)]
+                        end = phase if phase in run.completed else None
+                        new.append(_Op(a, i, _located(program, cta, span), True, False, here, end))
                 case TmaStore(span=span):
-                    ops.append(_Op(a, i, span, False, False, here, store_done.get(i)))
+                    new.append(_Op(a, i, mine(span), False, False, here, store_done.get(i)))
                 case Wgmma(reads=reads, writes=writes):
                     end = wgmma_done.get(i)
                     for span in reads:
-                        ops.append(_Op(a, i, span, False, False, here, end, True))
+                        new.append(_Op(a, i, mine(span), False, False, here, end, True))
                     for span in writes:
-                        ops.append(_Op(a, i, span, True, False, here, end, True))
+                        new.append(_Op(a, i, mine(span), True, False, here, end, True))
                 case _:
                     continue
-            if ops[-1].end is None:
+            ops += new
+            if any(op.end is None for op in new):
                 problems.append(f"{where(agent, i)} is still in flight when {agent.name} ends")
     return ops, problems
 
@@ -345,7 +413,10 @@ def _robustness(program: Program, run: _Run, order: _Order) -> list[str]:
         other = (node[0], node[1], k)
         return other if other in run.completed else None
 
-    for (a, i), node in run.joined.items():
+    contributions = list(run.joined.items()) + [
+        (point, node) for (point, _), node in run.landed.items()
+    ]
+    for (a, i), node in contributions:
         prev = completion(node, node[2] - 1)
         if node[2] > 0 and prev is not None and not order.before(prev, (a, i)):
             if _after_own_completion(program, run, (a, i), prev):
@@ -356,27 +427,28 @@ def _robustness(program: Program, run: _Run, order: _Order) -> list[str]:
                 "completes"
             )
         event = agents[a].events[i]
-        if isinstance(event, TmaLoad) and (
+        if isinstance(event, TmaLoad | TmaMulticast) and (
             node not in run.completed or not any(s == node for s in run.saw.values())
         ):
-            problems.append(f"{where(agents[a], i)}: no wait sees its phase complete")
+            problems.append(f"{where(agents[a], i)}: no wait sees its phase of {node[1]} complete")
     problems += _transactions(program, run)
     for (a, i), seen in run.saw.items():
         event = agents[a].events[i]
         assert isinstance(event, Wait)
         k = -1 if seen is None else seen[2]
-        before = completion(("mbar", event.barrier, 0), k - 1) if k >= 1 else None
+        name = _qualify(program, agents[a].cta, event.barrier)
+        before = completion(("mbar", name, 0), k - 1) if k >= 1 else None
         if before is not None and not order.before_start(before, (a, i), seen):
             problems.append(
-                f"{where(agents[a], i)} may return at once: phase {k - 1} of {event.barrier} "
+                f"{where(agents[a], i)} may return at once: phase {k - 1} of {name} "
                 f"need not have completed when it starts, and its parity {event.parity} "
                 f"already holds then (wrong parity or a missing wait before it)"
             )
-        after = completion(("mbar", event.barrier, 0), k + 1)
+        after = completion(("mbar", name, 0), k + 1)
         if after is not None and not order.before((a, i), after):
             problems.append(
                 f"{where(agents[a], i)} may wait for the wrong phase: phase {k + 1} of "
-                f"{event.barrier} can complete before it starts, and then parity "
+                f"{name} can complete before it starts, and then parity "
                 f"{event.parity} means phase {k + 2}"
             )
     return problems
@@ -387,7 +459,7 @@ def _after_own_completion(program: Program, run: _Run, point: Point, prev: Compl
     the same barrier, with the same count (the same threads), that completed phase ``prev``."""
     a, i = point
     event = program.agents[a].events[i]
-    return isinstance(event, Arrive) and any(
+    return isinstance(event, Arrive | RemoteArrive) and any(
         (a, j) in run.completed_by
         and run.completed_by[(a, j)] == prev
         and program.agents[a].events[j].count == event.count
@@ -406,6 +478,8 @@ def _transactions(program: Program, run: _Run) -> list[str]:
                 expected[node] = expected.get(node, 0) + tx
             case TmaLoad(nbytes=nbytes):
                 landed[node] = landed.get(node, 0) + nbytes
+    for ((a, i), _), node in run.landed.items():
+        landed[node] = landed.get(node, 0) + program.agents[a].events[i].nbytes
     return [
         f"phase {node[2]} of {node[1]} expects {expected.get(node, 0)} transaction bytes but "
         f"its TMA copies land {landed.get(node, 0)}"
@@ -441,15 +515,19 @@ def _hazards(program: Program, ops: list[_Op], order: _Order, clock: dict) -> li
                     ],
                 )
             )
-        elif same and agents[x.agent].threads > 1 and x.span.space == "smem":
+        elif same and agents[x.agent].threads > 1 and _in_smem(x.span):
             found.append((n, m, _across_threads(program, first, second, fences, barriers)))
-        elif first.generic and first.write and not second.generic and second.span.space == "smem":
+        elif first.generic and first.write and not second.generic and _in_smem(second.span):
             if not any(
                 f > first.index and order.before((first.agent, f), second.start)
                 for f in fences[first.agent]
             ):
                 found.append((n, m, [_unfenced(program, first, second)]))
     return [problem for _, _, some in sorted(found, key=lambda f: f[:2]) for problem in some]
+
+
+def _in_smem(span: Span) -> bool:
+    return span.space.split("@")[0] == "smem"
 
 
 def _overlapping_pairs(ops: list[_Op]) -> list[tuple[int, int]]:
@@ -493,7 +571,7 @@ def _across_threads(
     are seen by every thread (all of them wait), so those need nothing more."""
     if isinstance(first.start, tuple) and not first.generic:
         event = program.agents[first.agent].events[first.index]
-        if isinstance(event, TmaLoad) or first.is_wgmma:
+        if isinstance(event, TmaLoad | TmaMulticast) or first.is_wgmma:
             return []
     agent = program.agents[first.agent]
     done = first.index if first.generic else first.end[1]
@@ -528,17 +606,65 @@ def _ordered(x: _Op, y: _Op, order: _Order) -> tuple[_Op | None, _Op | None]:
     return None, None
 
 
+def _exits(program: Program, run: _Run, order: _Order) -> list[str]:
+    """No CTA may exit while a peer can still write its SMEM or arrive on its mbarriers (the
+    'cluster target block not present' fault): each remote arrival on CTA d, and each multicast
+    landing in d issued from another CTA, must happen before the last event of some agent of d,
+    which then cannot have finished."""
+    if program.ctas == 1:
+        return []
+    agents = program.agents
+    lasts: dict[int, list[Point]] = {}
+    for a, agent in enumerate(agents):
+        if agent.events:
+            lasts.setdefault(agent.cta, []).append((a, len(agent.events) - 1))
+    reaching: list[tuple[Point, object, int]] = []  # (event, when it reaches d, d)
+    for (a, i), node in run.joined.items():
+        event = agents[a].events[i]
+        if isinstance(event, RemoteArrive) and event.cta != agents[a].cta:
+            reaching.append(((a, i), (a, i), event.cta))
+    for ((a, i), cta), node in run.landed.items():
+        if cta != agents[a].cta and node in run.clock:  # the data is there by its completion
+            reaching.append(((a, i), node, cta))
+    return [
+        f"{where(agents[a], i)} may reach cta{cta} after every agent of cta{cta} has finished "
+        f"(a CTA must not exit while a peer can still write its SMEM or arrive on its "
+        f"mbarriers: drain the ring or meet at a cluster barrier before exit)"
+        for (a, i), reach, cta in reaching
+        if not any(last in run.clock and order.before(reach, last) for last in lasts.get(cta, []))
+    ]
+
+
+def _malformed(program: Program) -> list[str]:
+    """Names and CTA indices that refer to nothing: checked before anything runs."""
+    known = {name for name, _ in program.mbarriers}
+    problems = []
+    for agent in program.agents:
+        if not 0 <= agent.cta < program.ctas:
+            problems.append(f"{agent.name} is in cta{agent.cta} of a {program.ctas}-CTA cluster")
+        for i, event in enumerate(agent.events):
+            match event:
+                case Arrive() | ExpectTx() | Wait() | TmaLoad() | TmaMulticast() | RemoteArrive():
+                    if event.barrier not in known:
+                        problems.append(
+                            f"{where(agent, i)}: mbarrier {event.barrier} is never initialised"
+                        )
+            match event:
+                case RemoteArrive(cta=cta) if not 0 <= cta < program.ctas:
+                    problems.append(f"{where(agent, i)}: there is no cta{cta} in the cluster")
+                case TmaMulticast(mask=mask) if mask <= 0 or mask >> program.ctas:
+                    problems.append(
+                        f"{where(agent, i)}: mask {mask:#b} names no CTA or one outside the "
+                        f"{program.ctas}-CTA cluster"
+                    )
+    return problems
+
+
 def check(program: Program) -> tuple[str, ...]:
     """Every problem with the program's sync plan; empty when it is proven."""
-    known = {name for name, _ in program.mbarriers}
-    unknown = [
-        f"{where(agent, i)}: mbarrier {event.barrier} is never initialised"
-        for agent in program.agents
-        for i, event in enumerate(agent.events)
-        if isinstance(event, (Arrive, ExpectTx, Wait, TmaLoad)) and event.barrier not in known
-    ]
-    if unknown:
-        return tuple(unknown)
+    malformed = _malformed(program)
+    if malformed:
+        return tuple(malformed)
     run = _execute(program)
     if not run.problems:
         return _proof_problems(program, run)
@@ -558,6 +684,7 @@ def _proof_problems(program: Program, run: _Run) -> tuple[str, ...]:
     order = _Order(program, run)
     ops, problems = _ops(program, run)
     problems += _robustness(program, run, order)
+    problems += _exits(program, run, order)
     problems += _hazards(program, ops, order, run.clock)
     return tuple(dict.fromkeys(problems))
 
