@@ -18,6 +18,11 @@ at any time after the copy is issued. It reports
   between.
 Two wgmma of one agent never race (the tensor core runs them in order), nor do the accesses of
 one event or two synchronous accesses of one agent.
+
+Clusters: SMEM and mbarriers are per CTA (a span's space and a barrier's slot carry the CTA).
+A multicast TMA load is in flight once per CTA of its mask, and each of those lands on its own.
+A remote arrive, or a multicast landing, in a CTA whose agents have all finished is an 'exit
+race' (the CTA may have exited).
 """
 
 from __future__ import annotations
@@ -34,8 +39,10 @@ from fadsl.passes.async_model import (
     ExpectTx,
     FenceProxyAsync,
     Program,
+    RemoteArrive,
     Span,
     TmaLoad,
+    TmaMulticast,
     TmaStore,
     Wait,
     Wgmma,
@@ -44,25 +51,51 @@ from fadsl.passes.async_model import (
 )
 
 
-def _touches(event) -> tuple[tuple[Span, bool, bool], ...]:
-    """(span, write, async proxy) for each access an event makes when it runs or is issued."""
+def _at(span: Span, cta: int) -> Span:
+    return Span(f"{span.space}@cta{cta}", span.lo, span.hi, span.name)
+
+
+def _touches(
+    program: Program, a: int, event, dest: int = -1
+) -> tuple[tuple[Span, bool, bool], ...]:
+    """(span in its CTA, write, async proxy) for each access an event of agent a makes when it
+    runs or is issued; for a multicast, in CTA ``dest`` only, or in all of its mask."""
+    cta = program.agents[a].cta
     match event:
         case Access(span=span, write=write):
-            return ((span, write, False),)
+            return ((_at(span, cta), write, False),)
         case TmaLoad(span=span):
-            return ((span, True, True),)
+            return ((_at(span, cta), True, True),)
+        case TmaMulticast(span=span):
+            return tuple((_at(span, c), True, True) for c in event.ctas() if dest in (-1, c))
         case TmaStore(span=span):
-            return ((span, False, True),)
+            return ((_at(span, cta), False, True),)
         case Wgmma(reads=reads, writes=writes):
-            return tuple((s, False, True) for s in reads) + tuple((s, True, True) for s in writes)
+            return tuple((_at(s, cta), False, True) for s in reads) + tuple(
+                (_at(s, cta), True, True) for s in writes
+            )
         case _:
             return ()
 
 
-def _conflict(a, b) -> bool:
+def _conflict(program: Program, a: int, x, b: int, y, dest: int = -1) -> bool:
+    """Event x of agent a and event y of agent b (in CTA ``dest`` only, for a multicast y)."""
     return any(
-        (wa or wb) and sa.overlaps(sb) for sa, wa, _ in _touches(a) for sb, wb, _ in _touches(b)
+        (wa or wb) and sa.overlaps(sb)
+        for sa, wa, _ in _touches(program, a, x)
+        for sb, wb, _ in _touches(program, b, y, dest)
     )
+
+
+def _slot(program: Program, cta: int, name: str) -> int:
+    """The index of CTA ``cta``'s mbarrier ``name`` in a state's tuple of mbarriers."""
+    names = [n for n, _ in program.mbarriers]
+    return cta * len(names) + names.index(name)
+
+
+def _finished(program: Program, pcs: tuple[int, ...], cta: int) -> bool:
+    ours = [a for a, agent in enumerate(program.agents) if agent.cta == cta]
+    return bool(ours) and all(pcs[a] == len(program.agents[a].events) for a in ours)
 
 
 def explore(program: Program, limit: int = 400_000, all_kinds: bool = False) -> set[str]:
@@ -76,7 +109,7 @@ def explore(program: Program, limit: int = 400_000, all_kinds: bool = False) -> 
     # open group numbers per agent, unfenced generic writes (agent, index)
     start = (
         (0,) * len(agents),
-        tuple((0, counts[n], 0) for n in names),
+        tuple((0, counts[n], 0) for _ in range(program.ctas) for n in names),
         (),
         (),
         frozenset(),
@@ -101,18 +134,22 @@ def explore(program: Program, limit: int = 400_000, all_kinds: bool = False) -> 
         # races between the next events of two agents
         for a in range(len(agents)):
             for b in range(a + 1, len(agents)):
-                if nxt[a] is not None and nxt[b] is not None and _conflict(nxt[a], nxt[b]):
+                if (
+                    nxt[a] is not None
+                    and nxt[b] is not None
+                    and _conflict(program, a, nxt[a], b, nxt[b])
+                ):
                     if a not in dict(blocked) and b not in dict(blocked):
                         found.add("race")
         # an event against the operations in flight
         for a in range(len(agents)):
             if nxt[a] is None or a in dict(blocked):
                 continue
-            for fa, fi, _ in flight:
+            for fa, fi, g in flight:
                 other = agents[fa].events[fi]
                 if fa == a and isinstance(other, Wgmma) and isinstance(nxt[a], Wgmma):
                     continue
-                if _conflict(nxt[a], other):
+                if _conflict(program, a, nxt[a], fa, other, _dest(g)):
                     found.add("race")
         moves = []
         for a in range(len(agents)):
@@ -122,8 +159,8 @@ def explore(program: Program, limit: int = 400_000, all_kinds: bool = False) -> 
                     moves.append(moved)
         for fa, fi, g in flight:
             event = agents[fa].events[fi]
-            if isinstance(event, TmaLoad):
-                moves.append(_land(program, state, (fa, fi, g), event))
+            if isinstance(event, TmaLoad | TmaMulticast):
+                moves.append(_land(program, state, (fa, fi, g), event, found))
         if not moves:
             if any(p < len(agents[a].events) for a, p in enumerate(pcs)):
                 found.add("hang")
@@ -139,6 +176,11 @@ def explore(program: Program, limit: int = 400_000, all_kinds: bool = False) -> 
     return found
 
 
+def _dest(group: int) -> int:
+    """The CTA of an in-flight multicast landing (its group is -2 - cta), or -1."""
+    return -2 - group if group <= -2 else -1
+
+
 def _complete(mbar: tuple[int, int, int], count: int) -> tuple[int, int, int]:
     phase, pending, tx = mbar
     if pending == 0 and tx == 0:
@@ -148,16 +190,17 @@ def _complete(mbar: tuple[int, int, int], count: int) -> tuple[int, int, int]:
 
 def _check_own(program: Program, a: int, index: int, event, own: frozenset, found: set[str]):
     """Check ``event`` against the earlier accesses of its own many-threaded agent; record it."""
+    touched = _touches(program, a, event)
     if (
-        not _touches(event)
-        or isinstance(event, Wgmma | TmaLoad)
-        and not any(s.space == "smem" for s, _, _ in _touches(event))
+        not touched
+        or isinstance(event, Wgmma | TmaLoad | TmaMulticast)
+        and not any(s.space.startswith("smem@") for s, _, _ in touched)
     ):
         return own
-    is_async = isinstance(event, TmaLoad | TmaStore | Wgmma)
+    is_async = isinstance(event, TmaLoad | TmaMulticast | TmaStore | Wgmma)
     for oa, oi, synced, _, clean in own:
         earlier = program.agents[oa].events[oi]
-        if oa != a or oi == index or not _conflict(earlier, event):
+        if oa != a or oi == index or not _conflict(program, oa, earlier, a, event):
             continue
         if not synced:
             found.add("race")
@@ -168,10 +211,12 @@ def _check_own(program: Program, a: int, index: int, event, own: frozenset, foun
     return own
 
 
-def _land(program: Program, state, op, event: TmaLoad):
+def _land(program: Program, state, op, event: TmaLoad | TmaMulticast, found: set[str]):
     pcs, mbars, named, blocked, flight, groups, unfenced, own = state
-    names = [name for name, _ in program.mbarriers]
-    i = names.index(event.barrier)
+    cta = _dest(op[2]) if isinstance(event, TmaMulticast) else program.agents[op[0]].cta
+    if _finished(program, pcs, cta):
+        found.add("exit race")  # the copy lands in a CTA that may have exited
+    i = _slot(program, cta, event.barrier)
     phase, pending, tx = mbars[i]
     mbar = _complete((phase, pending, tx - event.nbytes), program.arrivals(event.barrier))
     mbars = mbars[:i] + (mbar,) + mbars[i + 1 :]
@@ -181,7 +226,6 @@ def _land(program: Program, state, op, event: TmaLoad):
 def _move(program: Program, state, a: int, event, found: set[str]):
     """The state after agent a runs ``event``, or None if it cannot run now."""
     pcs, mbars, named, blocked, flight, groups, unfenced, own = state
-    names = [name for name, _ in program.mbarriers]
     agent = program.agents[a]
     wg, bulk = groups[a]
     advance = True
@@ -189,10 +233,14 @@ def _move(program: Program, state, a: int, event, found: set[str]):
         own = _check_own(program, a, pcs[a], event, own, found)
     match event:
         case Wait(barrier=name, parity=parity):
-            if mbars[names.index(name)][0] % 2 == parity:
+            if mbars[_slot(program, agent.cta, name)][0] % 2 == parity:
                 return None
-        case Arrive(barrier=name, count=count, tx=tx):
-            i = names.index(name)
+        case Arrive(barrier=name, count=count) | RemoteArrive(barrier=name, count=count):
+            tx = event.tx if isinstance(event, Arrive) else 0
+            cta = event.cta if isinstance(event, RemoteArrive) else agent.cta
+            if _finished(program, pcs, cta):
+                found.add("exit race")  # an arrive on a CTA that may have exited
+            i = _slot(program, cta, name)
             phase, pending, cur = mbars[i]
             if count > pending:
                 found.add("over-arrival")
@@ -200,7 +248,7 @@ def _move(program: Program, state, a: int, event, found: set[str]):
             mbar = _complete((phase, pending - count, cur + tx), program.arrivals(name))
             mbars = mbars[:i] + (mbar,) + mbars[i + 1 :]
         case ExpectTx(barrier=name, nbytes=nbytes):
-            i = names.index(name)
+            i = _slot(program, agent.cta, name)
             phase, pending, cur = mbars[i]
             mbars = mbars[:i] + ((phase, pending, cur + nbytes),) + mbars[i + 1 :]
         case BarSync(barrier=bid, threads=threads) | BarArrive(barrier=bid, threads=threads):
@@ -234,14 +282,19 @@ def _move(program: Program, state, a: int, event, found: set[str]):
                     (oa, oi, True, f, c or f) if oa == a else (oa, oi, s, f, c)
                     for oa, oi, s, f, c in own
                 )
-        case TmaLoad() | TmaStore() | Wgmma():
-            for span, _, _ in _touches(event):
+        case TmaLoad() | TmaMulticast() | TmaStore() | Wgmma():
+            for span, _, _ in _touches(program, a, event):
                 for wa, wi in unfenced:
-                    written = program.agents[wa].events[wi].span
-                    if span.space == "smem" and written.overlaps(span):
+                    written = _at(program.agents[wa].events[wi].span, program.agents[wa].cta)
+                    if span.space.startswith("smem@") and written.overlaps(span):
                         found.add("proxy race")
-            group = wg if isinstance(event, Wgmma) else bulk if isinstance(event, TmaStore) else -1
-            flight = flight | {(a, pcs[a], group)}
+            if isinstance(event, TmaMulticast):  # in flight once per CTA, each lands alone
+                flight = flight | {(a, pcs[a], -2 - c) for c in event.ctas()}
+            else:
+                group = (
+                    wg if isinstance(event, Wgmma) else bulk if isinstance(event, TmaStore) else -1
+                )
+                flight = flight | {(a, pcs[a], group)}
         case WgmmaCommit():
             wg += 1
         case BulkCommit():
@@ -269,7 +322,7 @@ def _move(program: Program, state, a: int, event, found: set[str]):
     if advance:
         pcs = pcs[:a] + (pcs[a] + 1,) + pcs[a + 1 :]
         if pcs[a] == len(agent.events) and any(
-            fa == a and not isinstance(program.agents[fa].events[fi], TmaLoad)
+            fa == a and not isinstance(program.agents[fa].events[fi], TmaLoad | TmaMulticast)
             for fa, fi, _ in flight
         ):
             found.add("in flight at exit")

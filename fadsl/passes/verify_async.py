@@ -279,9 +279,11 @@ def _why_blocked(
         case Wait(barrier=name):
             name = _qualify(program, agent.cta, name)
             bar = mbars[name]
+            # tx-count may dip below zero while an expect_tx is still to come, but not for good
+            overshoot = ", more bytes landed than expected: an expect_tx too small" * (bar.tx < 0)
             return (
                 f"{name} stays in phase {bar.phase} with {bar.pending} arrival(s) and "
-                f"{bar.tx} transaction byte(s) outstanding"
+                f"{bar.tx} transaction byte(s) outstanding{overshoot}"
             )
         case BarSync(barrier=bid, threads=threads):
             bid = _qualify(program, agent.cta, bid)
