@@ -252,6 +252,7 @@ def _move(program: Program, state, a: int, event, found: set[str]):
             phase, pending, cur = mbars[i]
             mbars = mbars[:i] + ((phase, pending, cur + nbytes),) + mbars[i + 1 :]
         case BarSync(barrier=bid, threads=threads) | BarArrive(barrier=bid, threads=threads):
+            bid = (agent.cta, bid)  # bar.sync ids are CTA-local
             table = dict(named)
             waiting = dict(blocked)
             if a in waiting:  # arrived earlier: go on once the generation has completed

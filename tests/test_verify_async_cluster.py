@@ -10,7 +10,7 @@ import pytest
 
 from async_programs import CLUSTER_SYNCS, TILE, multicast_ring
 from bruteforce_async import explore
-from fadsl.passes.async_model import Agent, Program, RemoteArrive, Span, TmaMulticast, Wait
+from fadsl.passes.async_model import Agent, BarSync, Program, RemoteArrive, Span, TmaMulticast, Wait
 from fadsl.passes.verify_async import check
 
 
@@ -122,3 +122,15 @@ def test_references_outside_the_cluster_are_refused():
         "q #1 (x: TMA multicast into T, mask 0b100, 64 bytes on bar): mask 0b100 names no CTA "
         "or one outside the 2-CTA cluster",
     )
+
+
+def test_named_barriers_are_per_cta():
+    """bar.sync ids are CTA-local: two warpgroups of different CTAs never meet at barrier 1."""
+    wgs = tuple(Agent(f"cta{c}.wg", 128, (BarSync(1, 256),), c) for c in range(2))
+    problems = check(Program(wgs, (), ctas=2))
+    assert problems == tuple(
+        f"hang: cta{c}.wg #0 (bar.sync 1, 256) never returns (named barrier 1@cta{c} gets 128 "
+        "of 256 threads)"
+        for c in range(2)
+    )
+    assert explore(Program(wgs, (), ctas=2)) == {"hang"}
