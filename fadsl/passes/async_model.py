@@ -184,6 +184,26 @@ class BarArrive:
 
 
 @dataclass(frozen=True)
+class ClusterArrive:
+    """barrier.cluster.arrive (.release by default, or ``relaxed``): the agent's threads arrive at
+    the cluster-wide barrier, whose generation completes once every agent of every CTA has
+    arrived. A release arrive orders the agent's earlier accesses (remote arrives and SMEM writes
+    into peers included) before the waits that see that generation; a relaxed one orders
+    nothing (the start-up form, where fence.mbarrier_init orders the inits)."""
+
+    relaxed: bool = False
+    why: str = ""
+
+
+@dataclass(frozen=True)
+class ClusterWait:
+    """barrier.cluster.wait (acquire): returns once the generation the agent's last
+    barrier.cluster.arrive joined has completed."""
+
+    why: str = ""
+
+
+@dataclass(frozen=True)
 class FenceProxyAsync:
     """fence.proxy.async.shared::cta: the agent's earlier generic SMEM writes become visible to
     async-proxy operations that are ordered after the fence."""
@@ -205,6 +225,8 @@ Event = (
     | Wait
     | BarSync
     | BarArrive
+    | ClusterArrive
+    | ClusterWait
     | FenceProxyAsync
 )
 
@@ -276,6 +298,10 @@ def describe(event: Event) -> str:
             return f"bar.sync {b}, {t}"
         case BarArrive(barrier=b, threads=t):
             return f"bar.arrive {b}, {t}"
+        case ClusterArrive(relaxed=relaxed):
+            return "barrier.cluster.arrive" + (".relaxed" if relaxed else "")
+        case ClusterWait():
+            return "barrier.cluster.wait"
         case FenceProxyAsync():
             return "fence.proxy.async"
         case _:

@@ -34,7 +34,8 @@ a landing in each CTA of its mask: each landing joins that CTA's barrier phase a
 write there. A remote arrive is an arrival on the peer's barrier, with release at cluster
 scope. One more condition: no CTA exits while a peer can still reach it, so every remote
 arrival on CTA d and every multicast landing in d from another CTA must happen before the
-last event of some agent of d.
+last event of some agent of d. The cluster barrier (``barrier.cluster``) and that exit check
+live in verify_cluster.
 """
 
 from __future__ import annotations
@@ -49,6 +50,8 @@ from .async_model import (
     BarSync,
     BulkCommit,
     BulkWait,
+    ClusterArrive,
+    ClusterWait,
     Event,
     ExpectTx,
     FenceProxyAsync,
@@ -64,9 +67,12 @@ from .async_model import (
     WgmmaWait,
     where,
 )
+from .verify_cluster import ClusterBarrier, completion, exit_problems
+from .verify_cluster import malformed as cluster_malformed
 
 Point = tuple[int, int]  # (agent index, event index)
-Completion = tuple[str, object, int]  # ("mbar", name, phase) or ("bar", id, generation)
+# ("mbar", name, phase), ("bar", id, generation) or ("cluster", "barrier.cluster", generation)
+Completion = tuple[str, object, int]
 Landing = tuple[Point, int]  # a multicast TMA load and one CTA of its mask
 
 
@@ -109,6 +115,9 @@ class _Run:
     # an arrival that completed its phase (the phase flips within that atomic arrive)
     completed_by: dict[Point, Completion] = field(default_factory=dict)
     completed: set[Completion] = field(default_factory=set)
+    # cluster barrier: a release arrive -> the generation it joined; a wait -> the one it saw
+    released: dict[Point, Completion] = field(default_factory=dict)
+    met: dict[Point, Completion] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
 
 
@@ -135,6 +144,7 @@ def _execute(program: Program, patient: bool = False) -> _Run:
     named: dict[object, _Named] = {}
     pcs = [0] * len(agents)
     arrived_gen: dict[int, int] = {}  # agent -> generation it arrived at in a pending bar.sync
+    cluster = ClusterBarrier()
     run = _Run()
     time = 0
 
@@ -240,6 +250,19 @@ def _execute(program: Program, patient: bool = False) -> _Run:
                 if isinstance(event, BarSync) and named[bid].generation <= arrived_gen[a]:
                     return False
                 del arrived_gen[a]
+            case ClusterArrive(relaxed=relaxed):
+                tick(here)
+                if not relaxed:  # a relaxed arrive orders nothing before the completion
+                    run.released[here] = completion(cluster.generation)
+                if cluster.arrive(a, len(agents)):
+                    node = completion(cluster.generation - 1)
+                    tick(node)
+                    run.completed.add(node)
+            case ClusterWait():
+                if not cluster.open(a):
+                    return False
+                tick(here)
+                run.met[here] = completion(cluster.joined.pop(a))
             case _:
                 tick(here)
         pcs[a] += 1
@@ -257,7 +280,12 @@ def _execute(program: Program, patient: bool = False) -> _Run:
             break
     for a, agent in enumerate(agents):
         if pcs[a] < len(agent.events):
-            why = _why_blocked(program, agent, agent.events[pcs[a]], mbars, named)
+            event = agent.events[pcs[a]]
+            why = (
+                cluster.why_blocked(program)
+                if isinstance(event, ClusterWait)
+                else _why_blocked(program, agent, event, mbars, named)
+            )
             run.problems.append(f"hang: {where(agent, pcs[a])} never returns ({why})")
     for bid, bar in sorted(named.items()):
         if bar.arrived and not run.problems:
@@ -265,6 +293,8 @@ def _execute(program: Program, patient: bool = False) -> _Run:
                 f"named barrier {bid}: {bar.arrived} thread(s) arrive in generation "
                 f"{bar.generation}, which never completes (an unmatched bar.arrive)"
             )
+    if cluster.arrived and not run.problems:
+        run.problems.append(cluster.why_blocked(program) + ", and nobody waits for it")
     return run
 
 
@@ -314,6 +344,10 @@ class _Order:
         for point, node in run.saw.items():
             if node is not None:
                 preds[point].append(node)
+        for point, node in run.released.items():
+            preds[node].append(point)
+        for point, node in run.met.items():
+            preds[point].append(node)
         self.preds = preds
         self.ancestors: dict[object, int] = {}
         self.bit = {node: 1 << n for n, node in enumerate(sorted(run.clock, key=run.clock.get))}
@@ -608,58 +642,18 @@ def _ordered(x: _Op, y: _Op, order: _Order) -> tuple[_Op | None, _Op | None]:
     return None, None
 
 
-def _exits(program: Program, run: _Run, order: _Order) -> list[str]:
-    """No CTA may exit while a peer can still write its SMEM or arrive on its mbarriers (the
-    'cluster target block not present' fault): each remote arrival on CTA d, and each multicast
-    landing in d issued from another CTA, must happen before the last event of some agent of d,
-    which then cannot have finished."""
-    if program.ctas == 1:
-        return []
-    agents = program.agents
-    lasts: dict[int, list[Point]] = {}
-    for a, agent in enumerate(agents):
-        if agent.events:
-            lasts.setdefault(agent.cta, []).append((a, len(agent.events) - 1))
-    reaching: list[tuple[Point, object, int]] = []  # (event, when it reaches d, d)
-    for (a, i), node in run.joined.items():
-        event = agents[a].events[i]
-        if isinstance(event, RemoteArrive) and event.cta != agents[a].cta:
-            reaching.append(((a, i), (a, i), event.cta))
-    for ((a, i), cta), node in run.landed.items():
-        if cta != agents[a].cta and node in run.clock:  # the data is there by its completion
-            reaching.append(((a, i), node, cta))
-    return [
-        f"{where(agents[a], i)} may reach cta{cta} after every agent of cta{cta} has finished "
-        f"(a CTA must not exit while a peer can still write its SMEM or arrive on its "
-        f"mbarriers: drain the ring or meet at a cluster barrier before exit)"
-        for (a, i), reach, cta in reaching
-        if not any(last in run.clock and order.before(reach, last) for last in lasts.get(cta, []))
-    ]
-
-
 def _malformed(program: Program) -> list[str]:
-    """Names and CTA indices that refer to nothing: checked before anything runs."""
+    """Names and CTA indices that refer to nothing, and cluster barriers out of order: checked
+    before anything runs."""
     known = {name for name, _ in program.mbarriers}
-    problems = []
-    for agent in program.agents:
-        if not 0 <= agent.cta < program.ctas:
-            problems.append(f"{agent.name} is in cta{agent.cta} of a {program.ctas}-CTA cluster")
-        for i, event in enumerate(agent.events):
-            match event:
-                case Arrive() | ExpectTx() | Wait() | TmaLoad() | TmaMulticast() | RemoteArrive():
-                    if event.barrier not in known:
-                        problems.append(
-                            f"{where(agent, i)}: mbarrier {event.barrier} is never initialised"
-                        )
-            match event:
-                case RemoteArrive(cta=cta) if not 0 <= cta < program.ctas:
-                    problems.append(f"{where(agent, i)}: there is no cta{cta} in the cluster")
-                case TmaMulticast(mask=mask) if mask <= 0 or mask >> program.ctas:
-                    problems.append(
-                        f"{where(agent, i)}: mask {mask:#b} names no CTA or one outside the "
-                        f"{program.ctas}-CTA cluster"
-                    )
-    return problems
+    problems = [
+        f"{where(agent, i)}: mbarrier {event.barrier} is never initialised"
+        for agent in program.agents
+        for i, event in enumerate(agent.events)
+        if isinstance(event, Arrive | ExpectTx | Wait | TmaLoad | TmaMulticast | RemoteArrive)
+        and event.barrier not in known
+    ]
+    return problems + cluster_malformed(program)
 
 
 def check(program: Program) -> tuple[str, ...]:
@@ -686,7 +680,7 @@ def _proof_problems(program: Program, run: _Run) -> tuple[str, ...]:
     order = _Order(program, run)
     ops, problems = _ops(program, run)
     problems += _robustness(program, run, order)
-    problems += _exits(program, run, order)
+    problems += exit_problems(program, run, order)
     problems += _hazards(program, ops, order, run.clock)
     return tuple(dict.fromkeys(problems))
 
