@@ -19,6 +19,8 @@ from fadsl.passes.async_model import (
     BarSync,
     BulkCommit,
     BulkWait,
+    ClusterArrive,
+    ClusterWait,
     FenceProxyAsync,
     Program,
     RemoteArrive,
@@ -295,15 +297,21 @@ def fa3_overlap(stages: int = 2, blocks: int = 3, consumers: int = 2, mutate=Non
 
 
 def multicast_ring(
-    stages: int = 2, blocks: int = 3, consumers: int = 1, mutate: dict | None = None
+    stages: int = 2,
+    blocks: int = 3,
+    consumers: int = 1,
+    mutate: dict | None = None,
+    meet: bool = False,
 ) -> Program:
     """A K ring shared by a cluster of two CTAs (docs/clusters.md): in each CTA c a producer
     thread multicasts half c of every slot into both CTAs (mask 0b11), so each CTA's full
     barrier expects the whole slot; each consumer warpgroup reads the slot with wgmma and
     releases it with one local and one remote arrive, so each empty barrier counts both CTAs'
     consumers; after its last load the producer drains the ring (waits for the last release of
-    every slot), so that no peer arrives on a CTA that has exited. ``mutate`` as in ``fa3``,
-    with a label (``CLUSTER_LABELS``) or ``"empty count"`` (a function of the correct count)."""
+    every slot), so that no peer arrives on a CTA that has exited; with ``meet`` every agent
+    meets at a cluster barrier at exit instead (labels "exit arrive", "exit wait"). ``mutate``
+    as in ``fa3``, with a label (``CLUSTER_LABELS``) or ``"empty count"`` (a function of the
+    correct count)."""
     mutate = mutate or {}
     half = TILE // 2
 
@@ -313,6 +321,12 @@ def multicast_ring(
                 return
             event = mutate[label](event)
         events.append(event)
+
+    def leave(events: list) -> tuple:
+        if meet:  # no CTA exits before every agent of the cluster has arrived
+            emit(events, "exit arrive", ClusterArrive(why="meet before exit"))
+            emit(events, "exit wait", ClusterWait())
+        return tuple(events)
 
     k = [Span("smem", s * TILE, (s + 1) * TILE, f"K[slot {s}]") for s in range(stages)]
     agents = []
@@ -327,10 +341,10 @@ def multicast_ring(
             emit(producer, "arrive full", Arrive(f"full{s}", tx=TILE))
             load = TmaMulticast(mine, f"full{s}", half, 0b11, f"load K block {j} half {cta}")
             emit(producer, "multicast", load)
-        for j in range(max(blocks - stages, 0), blocks):  # the last fill of each slot
+        for j in range(max(blocks - stages, 0), blocks) if not meet else ():  # last fills
             s, r = j % stages, j // stages
             emit(producer, "drain", Wait(f"empty{s}", r % 2, "both CTAs are done with the slot"))
-        agents.append(Agent(f"cta{cta}.producer", 1, tuple(producer), cta))
+        agents.append(Agent(f"cta{cta}.producer", 1, leave(producer), cta))
         for w in range(consumers):
             s_acc = Span(f"rf:cta{cta}.wg{w}", 0, 64, "S")
             events: list = []
@@ -346,7 +360,7 @@ def multicast_ring(
                     ("read S", Access(s_acc, False, f"softmax {j}: read S")),
                 ):
                     emit(events, label, event)
-            agents.append(Agent(f"cta{cta}.wg{w}", 128, tuple(events), cta))
+            agents.append(Agent(f"cta{cta}.wg{w}", 128, leave(events), cta))
     empty_count = 2 * consumers
     if "empty count" in mutate:
         empty_count = mutate["empty count"](empty_count)

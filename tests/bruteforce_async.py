@@ -23,6 +23,12 @@ Clusters: SMEM and mbarriers are per CTA (a span's space and a barrier's slot ca
 A multicast TMA load is in flight once per CTA of its mask, and each of those lands on its own.
 A remote arrive, or a multicast landing, in a CTA whose agents have all finished is an 'exit
 race' (the CTA may have exited).
+
+The cluster barrier: a generation completes once every agent has arrived; a wait returns once
+the generation its agent arrived at has completed (a wait with no arrive before it is a 'cluster
+wait without arrive'). A relaxed arrive orders nothing before it, so it may take effect early:
+at any moment after the agent's previous cluster barrier event, ahead of the events between
+(its remote arrives may then reach a peer after the barrier).
 """
 
 from __future__ import annotations
@@ -36,6 +42,8 @@ from fadsl.passes.async_model import (
     BarSync,
     BulkCommit,
     BulkWait,
+    ClusterArrive,
+    ClusterWait,
     ExpectTx,
     FenceProxyAsync,
     Program,
@@ -157,6 +165,9 @@ def explore(program: Program, limit: int = 400_000, all_kinds: bool = False) -> 
                 moved = _move(program, state, a, nxt[a], found)
                 if moved is not None:
                     moves.append(moved)
+                floated = _floated(program, state, a)
+                if floated is not None:
+                    moves.append(floated)
         for fa, fi, g in flight:
             event = agents[fa].events[fi]
             if isinstance(event, TmaLoad | TmaMulticast):
@@ -174,6 +185,41 @@ def explore(program: Program, limit: int = 400_000, all_kinds: bool = False) -> 
                 seen.add(moved)
                 stack.append(moved)
     return found
+
+
+CLUSTER = (-1, "cluster")  # the cluster barrier's key among the named barriers
+
+
+def _pending(a: int) -> int:
+    """Agent a's key among the waiting agents once it has arrived at the cluster barrier."""
+    return -1 - a
+
+
+def _cluster_arrive(program: Program, named: tuple, blocked: tuple, a: int) -> tuple:
+    """(named, blocked) after agent a arrives at the cluster barrier."""
+    table, waiting = dict(named), dict(blocked)
+    gen, arrived, who = table.get(CLUSTER, (0, 0, ()))
+    who = tuple(sorted(who + (a,)))
+    if len(who) == len(program.agents):
+        table[CLUSTER] = (gen + 1, 0, ())
+    else:
+        table[CLUSTER] = (gen, arrived + program.agents[a].threads, who)
+    waiting[_pending(a)] = gen
+    return tuple(sorted(table.items())), tuple(sorted(waiting.items()))
+
+
+def _floated(program: Program, state, a: int):
+    """The state after agent a's next relaxed cluster arrive takes effect early, or None."""
+    pcs, mbars, named, blocked, flight, groups, unfenced, own = state
+    if _pending(a) in dict(blocked):
+        return None
+    for event in program.agents[a].events[pcs[a] + 1 :]:
+        if isinstance(event, ClusterWait) or isinstance(event, ClusterArrive) and not event.relaxed:
+            return None
+        if isinstance(event, ClusterArrive):
+            named, blocked = _cluster_arrive(program, named, blocked, a)
+            return (pcs, mbars, named, blocked, flight, groups, unfenced, own)
+    return None
 
 
 def _dest(group: int) -> int:
@@ -283,6 +329,20 @@ def _move(program: Program, state, a: int, event, found: set[str]):
                     (oa, oi, True, f, c or f) if oa == a else (oa, oi, s, f, c)
                     for oa, oi, s, f, c in own
                 )
+        case ClusterArrive(relaxed=relaxed):
+            if _pending(a) in dict(blocked) and not relaxed:
+                found.add("double arrive")
+            elif _pending(a) not in dict(blocked):  # else it has taken effect early
+                named, blocked = _cluster_arrive(program, named, blocked, a)
+        case ClusterWait():
+            waiting = dict(blocked)
+            if _pending(a) not in waiting:
+                found.add("cluster wait without arrive")
+                return None
+            if dict(named)[CLUSTER][0] <= waiting[_pending(a)]:
+                return None
+            del waiting[_pending(a)]
+            blocked = tuple(sorted(waiting.items()))
         case TmaLoad() | TmaMulticast() | TmaStore() | Wgmma():
             for span, _, _ in _touches(program, a, event):
                 for wa, wi in unfenced:

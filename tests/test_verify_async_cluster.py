@@ -10,7 +10,18 @@ import pytest
 
 from async_programs import CLUSTER_SYNCS, TILE, multicast_ring
 from bruteforce_async import explore
-from fadsl.passes.async_model import Agent, BarSync, Program, RemoteArrive, Span, TmaMulticast, Wait
+from fadsl.passes.async_model import (
+    Access,
+    Agent,
+    BarSync,
+    ClusterArrive,
+    ClusterWait,
+    Program,
+    RemoteArrive,
+    Span,
+    TmaMulticast,
+    Wait,
+)
 from fadsl.passes.verify_async import check
 
 
@@ -134,3 +145,98 @@ def test_named_barriers_are_per_cta():
         for c in range(2)
     )
     assert explore(Program(wgs, (), ctas=2)) == {"hang"}
+
+
+# --- barrier.cluster: meeting at a cluster barrier before exit instead of draining the ring ---
+
+
+def _skipping_exit_barrier(program: Program, name: str) -> Program:
+    """``program`` with agent ``name``'s final arrive + wait left out."""
+    agents = tuple(
+        replace(a, events=a.events[:-2]) if a.name == name else a for a in program.agents
+    )
+    return replace(program, agents=agents)
+
+
+@pytest.mark.parametrize("stages", [1, 2])
+@pytest.mark.parametrize("blocks", [1, 2, 3, 5])
+@pytest.mark.parametrize("consumers", [1, 2])
+def test_meeting_at_a_cluster_barrier_before_exit_is_proven(stages, blocks, consumers):
+    assert check(multicast_ring(stages, blocks, consumers, meet=True)) == ()
+
+
+@pytest.mark.parametrize("stages,blocks", [(1, 1), (1, 3), (2, 3)])
+def test_bruteforce_agrees_on_meeting_at_a_cluster_barrier(stages, blocks):
+    assert explore(multicast_ring(stages, blocks, meet=True), all_kinds=True) == set()
+
+
+def test_a_consumer_skipping_the_exit_barrier_hangs_the_others():
+    program = _skipping_exit_barrier(multicast_ring(2, 3, meet=True), "cta1.wg0")
+    problems = check(program)
+    assert problems == tuple(
+        f"hang: {agent} (barrier.cluster.wait) never returns (generation 0 of the cluster "
+        "barrier waits for cta1.wg0 to arrive)"
+        for agent in ("cta0.producer #10", "cta0.wg0 #22", "cta1.producer #10")
+    )
+    small = _skipping_exit_barrier(multicast_ring(1, 2, meet=True), "cta1.wg0")
+    assert check(small) and explore(small, all_kinds=True) == {"hang"}
+
+
+def test_a_relaxed_arrive_does_not_protect_the_exit():
+    """barrier.cluster.arrive.relaxed orders nothing: a consumer's last remote arrive may reach
+    the peer after the peer's agents have met and exited."""
+    relaxed = {"exit arrive": lambda e: replace(e, relaxed=True)}
+    problems = check(multicast_ring(2, 3, mutate=relaxed, meet=True))
+    assert problems and all("may reach cta" in p for p in problems), problems
+    assert any(
+        p.startswith(
+            "cta1.wg0 #19 (remote arrive on empty0 of cta0) may reach cta0 after every "
+            "agent of cta0 has finished"
+        )
+        for p in problems
+    )
+    small = multicast_ring(1, 2, mutate=relaxed, meet=True)
+    assert check(small) and explore(small, all_kinds=True) == {"exit race"}
+
+
+def test_a_cluster_wait_without_an_arrive_is_refused():
+    problems = check(multicast_ring(2, 3, mutate={"exit arrive": None}, meet=True))
+    assert problems[0] == (
+        "cta0.producer #9 (barrier.cluster.wait): cta0.producer waits at the cluster barrier "
+        "without a barrier.cluster.arrive before it (it would wait for a generation it never "
+        "joined)"
+    )
+    assert len(problems) == 4  # every agent
+    small = multicast_ring(1, 2, mutate={"exit arrive": None}, meet=True)
+    assert "cluster wait without arrive" in explore(small, all_kinds=True)
+
+
+def test_a_second_arrive_before_the_wait_is_refused():
+    agents = tuple(
+        Agent(f"cta{c}.a", 1, (ClusterArrive(), ClusterArrive(), ClusterWait()), c)
+        for c in range(2)
+    )
+    assert check(Program(agents, (), ctas=2)) == tuple(
+        f"cta{c}.a #1 (barrier.cluster.arrive): cta{c}.a arrives at the cluster barrier again "
+        "before its barrier.cluster.wait"
+        for c in range(2)
+    )
+
+
+def test_a_cluster_barrier_is_reusable():
+    """Two generations: a write before the first barrier and a read after the second in
+    another CTA's agent are ordered; relaxed arrives leave them unordered."""
+    span = Span("smem", 0, 64, "T")
+    meet = (ClusterArrive(), ClusterWait())
+    writer = Agent("cta0.w", 1, (*meet, Access(span, True, "write"), *meet), 0)
+    reader = Agent("cta0.r", 1, (*meet, *meet, Access(span, False, "read")), 0)
+    peer = Agent("cta1.p", 1, (*meet, *meet), 1)
+    assert check(Program((writer, reader, peer), (), ctas=2)) == ()
+    assert explore(Program((writer, reader, peer), (), ctas=2), all_kinds=True) == set()
+    loose = (ClusterArrive(relaxed=True), ClusterWait())
+    writer = replace(writer, events=(*meet, Access(span, True, "write"), *loose))
+    assert check(Program((writer, reader, peer), (), ctas=2)) == (
+        "RAW on T of cta0: cta0.w #2 (write: write T) and cta0.r #4 (read: read T) are not "
+        "ordered",
+    )
+    assert explore(Program((writer, reader, peer), (), ctas=2), all_kinds=True) == {"race"}
