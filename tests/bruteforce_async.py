@@ -34,6 +34,7 @@ at any moment after the agent's previous cluster barrier event, ahead of the eve
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 
 from fadsl.passes.async_model import (
     Access,
@@ -60,7 +61,7 @@ from fadsl.passes.async_model import (
 
 
 def _at(span: Span, cta: int) -> Span:
-    return Span(f"{span.space}@cta{cta}", span.lo, span.hi, span.name)
+    return replace(span, cta=cta)
 
 
 def _touches(
@@ -240,7 +241,7 @@ def _check_own(program: Program, a: int, index: int, event, own: frozenset, foun
     if (
         not touched
         or isinstance(event, Wgmma | TmaLoad | TmaMulticast)
-        and not any(s.space.startswith("smem@") for s, _, _ in touched)
+        and not any(s.space == "smem" for s, _, _ in touched)
     ):
         return own
     is_async = isinstance(event, TmaLoad | TmaMulticast | TmaStore | Wgmma)
@@ -347,7 +348,7 @@ def _move(program: Program, state, a: int, event, found: set[str]):
             for span, _, _ in _touches(program, a, event):
                 for wa, wi in unfenced:
                     written = _at(program.agents[wa].events[wi].span, program.agents[wa].cta)
-                    if span.space.startswith("smem@") and written.overlaps(span):
+                    if span.space == "smem" and written.overlaps(span):
                         found.add("proxy race")
             if isinstance(event, TmaMulticast):  # in flight once per CTA, each lands alone
                 flight = flight | {(a, pcs[a], -2 - c) for c in event.ctas()}

@@ -35,15 +35,21 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Span:
-    """Bytes [lo, hi) of a memory ``space``: "smem", or an agent's registers ("rf:<agent>")."""
+    """Bytes [lo, hi) of a memory ``space``: "smem", or an agent's registers ("rf:<agent>"),
+    of CTA ``cta`` of the cluster (two CTAs' SMEM at the same offsets are different bytes)."""
 
     space: str
     lo: int
     hi: int
     name: str  # the tile (for messages): "K[slot 1]", "S accumulators"
+    cta: int = 0
 
     def overlaps(self, other: Span) -> bool:
-        return self.space == other.space and self.lo < other.hi and other.lo < self.hi
+        return (
+            (self.space, self.cta) == (other.space, other.cta)
+            and self.lo < other.hi
+            and other.lo < self.hi
+        )
 
 
 # --- events -----------------------------------------------------------------------------

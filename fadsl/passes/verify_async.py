@@ -28,8 +28,9 @@ It shares no logic with the pass that places the syncs. Three parts:
    bytes, one a write, must be ordered end -> start; a generic-proxy write followed by an
    async-proxy access also needs a fence.proxy.async by the writer between the two.
 
-Clusters: SMEM, mbarriers and named barriers are per CTA, so each is keyed by its CTA
-(``name@ctaN``; a one-CTA program keeps the bare names). A multicast TMA load is one issue with
+Clusters: SMEM, mbarriers and named barriers are per CTA: a span carries its CTA
+(``Span.cta``), and a barrier is keyed ``name@ctaN`` (a one-CTA program keeps the bare names,
+which its messages print). A multicast TMA load is one issue with
 a landing in each CTA of its mask: each landing joins that CTA's barrier phase and ends its
 write there. A remote arrive is an arrival on the peer's barrier, with release at cluster
 scope. One more condition: no CTA exits while a peer can still reach it, so every remote
@@ -40,7 +41,7 @@ live in verify_cluster.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from .async_model import (
     Access,
@@ -131,7 +132,7 @@ def _located(program: Program, cta: int, span: Span) -> Span:
     """``span`` in CTA ``cta``: the same offsets of two CTAs' SMEM are different bytes."""
     if program.ctas == 1:
         return span
-    return Span(f"{span.space}@cta{cta}", span.lo, span.hi, f"{span.name} of cta{cta}")
+    return replace(span, cta=cta, name=f"{span.name} of cta{cta}")
 
 
 def _execute(program: Program, patient: bool = False) -> _Run:
@@ -551,9 +552,9 @@ def _hazards(program: Program, ops: list[_Op], order: _Order, clock: dict) -> li
                     ],
                 )
             )
-        elif same and agents[x.agent].threads > 1 and _in_smem(x.span):
+        elif same and agents[x.agent].threads > 1 and x.span.space == "smem":
             found.append((n, m, _across_threads(program, first, second, fences, barriers)))
-        elif first.generic and first.write and not second.generic and _in_smem(second.span):
+        elif first.generic and first.write and not second.generic and second.span.space == "smem":
             if not any(
                 f > first.index and order.before((first.agent, f), second.start)
                 for f in fences[first.agent]
@@ -562,16 +563,12 @@ def _hazards(program: Program, ops: list[_Op], order: _Order, clock: dict) -> li
     return [problem for _, _, some in sorted(found, key=lambda f: f[:2]) for problem in some]
 
 
-def _in_smem(span: Span) -> bool:
-    return span.space.split("@")[0] == "smem"
-
-
 def _overlapping_pairs(ops: list[_Op]) -> list[tuple[int, int]]:
     """(n, m), n < m, for every two ops on overlapping bytes, at least one a write: ops are
     grouped by span, so only groups that overlap are compared."""
-    groups: dict[tuple[str, int, int], list[int]] = {}
+    groups: dict[tuple[tuple[str, int], int, int], list[int]] = {}
     for n, op in enumerate(ops):
-        groups.setdefault((op.span.space, op.span.lo, op.span.hi), []).append(n)
+        groups.setdefault(((op.span.space, op.span.cta), op.span.lo, op.span.hi), []).append(n)
     keys = list(groups)
     pairs = []
     for i, (space, lo, hi) in enumerate(keys):
