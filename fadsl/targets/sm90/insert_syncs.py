@@ -167,7 +167,7 @@ class _Consumers:
     def take_turn(self, phase: Phase) -> None:
         if self.hw.pingpong and not self.in_turn:
             if self.carried:
-                self.wait_store(phase)
+                self.wait_store(phase, self.carried)
             self.sync(
                 BAR_SYNC,
                 phase,
@@ -181,14 +181,14 @@ class _Consumers:
             self.in_turn = True
             self.carried = []
 
-    def wait_store(self, phase: Phase) -> None:
+    def wait_store(self, phase: Phase, serves: list[Hazard]) -> None:
         """The elected thread waits for the previous tile's TMA store to have read O's SMEM,
         a tile after issuing it (long done by then): every thread of the warpgroup passes a
         bar.sync of it (a turn, or the O store barrier) before writing O again."""
         self.sync(
             BULK_WAIT,
             phase,
-            self.reused,
+            serves,
             who=Threads.CONSUMER_ELECTED,
             groups=0,
             note="the previous tile's TMA store has read O's SMEM (waited a tile late: "
@@ -700,7 +700,7 @@ def _before_smem(c: _Consumers, step: Step, phase: Phase) -> None:
                     count=128 * c.hw.consumers,
                 )
             elif previous:
-                c.wait_store(phase)
+                c.wait_store(phase, previous)
                 c.sync(
                     BAR_SYNC,
                     phase,
