@@ -104,11 +104,23 @@ class Module:
         block: tuple[int, int, int],
         params: bytes,
         stream: int,
+        cluster: int = 1,
     ) -> None:
-        """Launch with one by-value argument, the params struct ``params``, on ``stream``."""
+        """Launch with one by-value argument, the params struct ``params``, on ``stream``;
+        with ``cluster`` > 1, in clusters of that many CTAs along x (cuLaunchKernelEx)."""
         driver = self._driver
         buffer = ctypes.create_string_buffer(params, len(params))
         pointers = (ctypes.c_void_p * 1)(ctypes.addressof(buffer))
+        if cluster > 1:
+            config = self._cluster_config(grid, block, cluster, stream)
+            err = driver.cuLaunchKernelEx(config, self._function, ctypes.addressof(pointers), 0)[0]
+            if err != driver.CUresult.CUDA_SUCCESS:
+                _check(
+                    driver,
+                    (err,),
+                    f"launching {self.name} (grid {grid}, block {block}, clusters of {cluster})",
+                )
+            return
         err = driver.cuLaunchKernel(
             self._function,
             grid[0],
@@ -124,6 +136,35 @@ class Module:
         )[0]
         if err != driver.CUresult.CUDA_SUCCESS:
             _check(driver, (err,), f"launching {self.name} (grid {grid}, block {block})")
+
+    def _cluster_config(self, grid, block, cluster: int, stream: int = 0):
+        """A CUlaunchConfig with the cluster dimension (cluster, 1, 1)."""
+        driver = self._driver
+        attribute = driver.CUlaunchAttribute()
+        attribute.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+        attribute.value.clusterDim.x = cluster
+        attribute.value.clusterDim.y = 1
+        attribute.value.clusterDim.z = 1
+        config = driver.CUlaunchConfig()
+        config.gridDimX, config.gridDimY, config.gridDimZ = grid
+        config.blockDimX, config.blockDimY, config.blockDimZ = block
+        config.sharedMemBytes = self.smem_bytes
+        config.hStream = driver.CUstream(stream)
+        config.attrs = [attribute]
+        config.numAttrs = 1
+        return config
+
+    def max_active_clusters(self, device_index: int, cluster: int) -> int:
+        """How many clusters of ``cluster`` CTAs of this kernel can run at once on the device
+        (cuOccupancyMaxActiveClusters; the device's context must be current)."""
+        self.prepare(device_index)
+        config = self._cluster_config((cluster, 1, 1), (self.threads, 1, 1), cluster)
+        found = _check(
+            self._driver,
+            self._driver.cuOccupancyMaxActiveClusters(self._function, config),
+            f"cuOccupancyMaxActiveClusters for {self.name}",
+        )
+        return int(found)
 
     def attributes(self, device_index: int) -> dict[str, int]:
         """Registers, local memory, SMEM and CTAs per SM of the kernel on this device (whose

@@ -70,6 +70,9 @@ class Scope(Enum):
     WARP = "warp"
     WARPGROUP = "warpgroup"  # sm_90a: the 4 warps of one warpgroup (its 64 rows)
     CTA = "cta"
+    # sm_90a, `cluster 2`: both CTAs of a cluster hold the tile at the same offset; each
+    # loads a share of it and multicasts the share into both (K and V)
+    CLUSTER = "cluster"
 
 
 class RegLoad(Enum):
@@ -221,6 +224,9 @@ class Hopper:
     # blocks into pieces for the idle CTAs; each piece's warpgroup writes its partial O, m
     # and l to a workspace, and the last to finish a tile combines them and stores it.
     split_kv: bool = False
+    # `cluster 2`: pairs of CTAs on q-tiles of one (batch, head), each loading half of
+    # every K/V block and multicasting it into both (TMA .multicast::cluster)
+    cluster: int = 1
 
     @property
     def scheduler(self) -> str:
@@ -241,6 +247,7 @@ class Hopper:
             f"scheduler={self.scheduler} rescale={self.rescale}"
             + (f" q_slots={self.q_slots}" if self.q_slots > 1 else "")
             + (" tail=split_kv" if self.split_kv else "")
+            + (f" cluster={self.cluster}" if self.cluster > 1 else "")
         )
 
 

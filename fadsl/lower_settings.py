@@ -47,6 +47,7 @@ def read_settings(c: Checks) -> None:
         "scheduler": scheduler,
         "rescale": rescale,
         "tail": tail,
+        "cluster": cluster,
     }
     for setting in c.decl.settings:
         key = setting.key.text
@@ -229,6 +230,20 @@ def stages(c: Checks, setting: Setting) -> int | None:
 def q_slots(c: Checks, setting: Setting) -> int | None:
     """`q_slots N` (sm_90a): Q in a ring of N tiles; with 2 the producer loads the next
     tile's Q while this tile's runs."""
+    return _count(c, setting, 1, 2)
+
+
+def cluster(c: Checks, setting: Setting) -> int | None:
+    """`cluster N` (sm_90a): CTAs per cluster, which share the tiles in smem[cluster]
+    (1: none; 2: each CTA loads half of every K/V block and multicasts it into both)."""
+    value = _single(c, setting)
+    if isinstance(value, Number) and value.value > 2:
+        c.error(
+            value.loc,
+            f"cluster {clip(value.text)}: only pairs of CTAs are supported (an H100 runs 66 "
+            "clusters of 2 CTAs on all its 132 SMs, but only 30 of 4)",
+        )
+        return None
     return _count(c, setting, 1, 2)
 
 

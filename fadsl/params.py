@@ -35,9 +35,9 @@ class Launch:
     """A target's launch: ``pack`` returns the params struct's bytes, ``grid`` the grid.
 
     The kernel of a rendered source ``NAME`` is the symbol ``NAME + kernel_suffix``; with
-    ``launch_info``, the cubin also exports ``int <symbol>_launch_info[4]`` (threads,
-    dynamic SMEM bytes, B_r, B_c), which the driver reads instead of trusting the host's
-    copy of the plan.
+    ``launch_info``, the cubin also exports ``int <symbol>_launch_info[5]`` (threads,
+    dynamic SMEM bytes, B_r, B_c, CTAs per cluster), which the runtime checks against the
+    host's copy of the plan.
     """
 
     pack: Callable[[Kernel, Args], bytes]
@@ -50,6 +50,15 @@ class Launch:
 
     def block(self, kernel: Kernel) -> tuple[int, int, int]:
         return (kernel.config.threads, 1, 1)
+
+    def cluster(self, kernel: Kernel) -> int:
+        """CTAs per cluster (sm_90a's `cluster 2`; 1: launched without clusters)."""
+        return cluster_size(kernel)
+
+
+def cluster_size(kernel: Kernel) -> int:
+    hopper = kernel.config.hopper
+    return 1 if hopper is None else hopper.cluster
 
 
 # fadsl::FwdParams: 5 pointers, 14 int64 strides, 5 int sizes, the float scale; 176 bytes
@@ -104,10 +113,27 @@ def sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+def m_blocks(kernel: Kernel, seqlen_q: int) -> int:
+    """sm_90a's query blocks per (batch, head), rounded up to a multiple of the cluster size
+    as the kernel's num_m_blocks does (the CTAs of a cluster run consecutive tiles, which
+    must be of one head; a block past seqlen_q runs and stores nothing)."""
+    cluster = cluster_size(kernel)
+    blocks = -(-seqlen_q // kernel.config.block_r)
+    return -(-blocks // cluster) * cluster
+
+
 def tile_count(kernel: Kernel, a: Args) -> int:
     """sm_90a's tiles: (q block of B_r rows, head, batch)."""
     batch, seqlen_q, heads_q = a.q.shape[0], a.q.shape[1], a.q.shape[2]
-    return -(-seqlen_q // kernel.config.block_r) * heads_q * batch
+    return m_blocks(kernel, seqlen_q) * heads_q * batch
+
+
+def resident_ctas(kernel: Kernel, device_index: int) -> int:
+    """A persistent grid's CTAs: one per SM, whole clusters only. (An H100 or H200 runs 66
+    clusters of 2 at once, every SM: tests/test_gpu_sm90.py checks it with
+    cuOccupancyMaxActiveClusters.)"""
+    cluster = cluster_size(kernel)
+    return sm_count(device_index) // cluster * cluster
 
 
 def tile_grid(kernel: Kernel, a: Args) -> tuple[int, int, int]:
@@ -125,7 +151,7 @@ def tile_grid(kernel: Kernel, a: Args) -> tuple[int, int, int]:
         start, splits = split_plan(tiles, sm_count(a.q.device.index), kv_blocks(kernel, a))
         tiles = start + (tiles - start) * splits  # work items: whole tiles, then pieces
     if hopper is not None and hopper.persistent:
-        tiles = min(tiles, sm_count(a.q.device.index))
+        tiles = min(tiles, resident_ctas(kernel, a.q.device.index))
     return (tiles, 1, 1)
 
 
@@ -196,9 +222,8 @@ def _divisors(kernel: Kernel, a: Args) -> bytes:
     """FwdParamsSm90's FastDiv fields for this launch's shapes (one piece per tile: a split
     launch puts its own split count's, pack_fwd_params_sm90)."""
     seqlen_q, heads_q, heads_kv = a.q.shape[1], a.q.shape[2], a.k.shape[2]
-    m_blocks = -(-seqlen_q // kernel.config.block_r)
     return DIVISORS.pack(
-        *fast_div(max(m_blocks, 1)),
+        *fast_div(max(m_blocks(kernel, seqlen_q), 1)),
         *fast_div(heads_q),
         *fast_div(heads_q // heads_kv),
         *fast_div(1),

@@ -105,6 +105,7 @@ class FlashAttention:
         self._sources = {s.dtype: s for s in sources}
         self._launch = launch_for(self.config.target)
         self._block = self._launch.block(compiled.kernel)
+        self._cluster = self._launch.cluster(compiled.kernel)
         self._modules: dict[tuple[Dtype, int], object] = {}
         self._entries: dict[tuple[Dtype, str], cache.Entry] = {}
         self.op_name = f"{self.config.name}_{spec_hash(compiled.kernel)[:12]}"
@@ -199,17 +200,17 @@ class FlashAttention:
 
     def _smem_bytes(self, cubin: bytes, name: str) -> int:
         """The dynamic SMEM to launch with: the plan's, checked against the launch info the
-        cubin exports (threads, SMEM, B_r, B_c) where the target has one."""
+        cubin exports (threads, SMEM, B_r, B_c, CTAs per cluster) where the target has one."""
         smem = self.compiled.kernel.smem_bytes
         if not self._launch.launch_info:
             return smem
         from .elf import read_ints
 
-        built = read_ints(cubin, f"{name}_launch_info", 4)
-        expected = (self._block[0], smem, self.config.block_r, self.config.block_c)
+        built = read_ints(cubin, f"{name}_launch_info", 5)
+        expected = (self._block[0], smem, self.config.block_r, self.config.block_c, self._cluster)
         if built != expected:
             raise RuntimeError(
-                f"{name}'s cubin says (threads, SMEM bytes, B_r, B_c) = {built} but the spec "
+                f"{name}'s cubin says (threads, SMEM bytes, B_r, B_c, cluster) = {built} but the spec "
                 f"compiled to {expected}; the generator and the header disagree"
             )
         return smem
@@ -318,10 +319,10 @@ class FlashAttention:
         grid = self._launch.grid(kernel, args)
         module = self._modules.get((dtype, index)) or self.module(dtype, index)
         if index == torch.cuda.current_device():
-            module.launch(grid, self._block, params, _current_stream(index))
+            module.launch(grid, self._block, params, _current_stream(index), self._cluster)
         else:
             with torch.cuda.device(index):
-                module.launch(grid, self._block, params, _current_stream(index))
+                module.launch(grid, self._block, params, _current_stream(index), self._cluster)
 
     # ------------------------------------------------------------------ checks
     def _scale(self, softmax_scale) -> float:

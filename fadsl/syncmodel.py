@@ -22,7 +22,7 @@ from .ir import Scope
 
 # Scopes from narrowest to widest: a barrier of a scope orders the threads of any
 # narrower one too.
-_WIDTH = {Scope.WARP: 0, Scope.WARPGROUP: 1, Scope.CTA: 2}
+_WIDTH = {Scope.WARP: 0, Scope.WARPGROUP: 1, Scope.CTA: 2, Scope.CLUSTER: 3}
 WARPS_PER_WARPGROUP = 4
 
 
@@ -38,7 +38,7 @@ def same_group(scope: Scope, warp_a: int, warp_b: int) -> bool:
             return warp_a == warp_b
         case Scope.WARPGROUP:
             return warp_a // WARPS_PER_WARPGROUP == warp_b // WARPS_PER_WARPGROUP
-        case Scope.CTA:
+        case Scope.CTA | Scope.CLUSTER:  # warps of one CTA: the cluster holds them all
             return True
         case _:
             raise AssertionError(f"unknown scope {scope}")

@@ -10,7 +10,7 @@
 //                      tile's Q and K while the consumers finish this one
 //   epilogue           O -> 16 bits -> SMEM (O's own bytes) (stmatrix) -> TMA store; LSE from registers
 // Launch: grid (min(tiles, SMs), 1, 1), tiles = cdiv(seqlen_q, 128) x heads_q x batch,
-// fa3_causal_fp16_launch_info[0] threads, [1] bytes of dynamic SMEM; one FwdParamsSm90 (4 TMA maps + FwdParams).
+// fa3_causal_fp16_launch_info[0] threads, [1] bytes of dynamic SMEM, [4] CTAs per cluster; one FwdParamsSm90 (4 TMA maps + FwdParams).
 #include "fadsl/sm90.cuh"
 
 using namespace fadsl::sm90;
@@ -39,8 +39,8 @@ __device__ __forceinline__ uint32_t ring_phase(int item) { return static_cast<ui
 }  // namespace
 
 // Read by the host (cuModuleGetGlobal) so that host and device agree on the launch:
-// threads, dynamic SMEM bytes, B_r, B_c.
-extern "C" __device__ const int fa3_causal_fp16_launch_info[4] = {Cfg::kThreads, Cfg::kSmemBytes, Cfg::kBlockM, Cfg::kBlockN};
+// threads, dynamic SMEM bytes, B_r, B_c, CTAs per cluster.
+extern "C" __device__ const int fa3_causal_fp16_launch_info[5] = {Cfg::kThreads, Cfg::kSmemBytes, Cfg::kBlockM, Cfg::kBlockN, Cfg::kClusterSize};
 
 extern "C" __global__ void __launch_bounds__(Cfg::kThreads, 1) fa3_causal_fp16(const __grid_constant__ FwdParamsSm90 P) {
   extern __shared__ __align__(1024) uint8_t smem_raw[];

@@ -286,7 +286,7 @@ def test_resources_and_launch_info(kernels):
 
 def test_a_modules_global_reads_back_as_the_cubin_holds_it(kernels):
     """driver.Module.read_global (the tile timeline's reader) on the launch info every kernel
-    exports: the same four ints as the cubin's ELF."""
+    exports: the same five ints as the cubin's ELF."""
     from fadsl.elf import read_ints
     from fadsl.ir import Dtype
 
@@ -296,8 +296,8 @@ def test_a_modules_global_reads_back_as_the_cubin_holds_it(kernels):
     name = f"{module.name}_launch_info"
     raw = module.read_global(name)
     cubin = kern.cubin(Dtype.BF16, "sm_90a").cubin
-    assert [int.from_bytes(raw[i : i + 4], "little") for i in range(0, 16, 4)] == list(
-        read_ints(cubin, name, 4)
+    assert [int.from_bytes(raw[i : i + 4], "little") for i in range(0, 20, 4)] == list(
+        read_ints(cubin, name, 5)
     )
 
 

@@ -137,7 +137,7 @@ def test_every_sync_is_rendered_with_its_hazards(spec):
         r"\w+\(const __grid_constant__ FwdParamsSm90 P\)",
         text,
     )
-    assert re.search(r'extern "C" __device__ const int \w+_launch_info\[4\]', text)
+    assert re.search(r'extern "C" __device__ const int \w+_launch_info\[5\]', text)
     for sync in compiled.kernel.syncs():
         for hazard in sync.serves:
             assert f"// hazard {hazard.describe()}" in text

@@ -103,6 +103,47 @@ __device__ __forceinline__ void mbar_wait_parity(uint32_t bar, uint32_t parity) 
 }
 
 // ---------------------------------------------------------------------------
+// 1b. Clusters (`cluster 2`)
+// ---------------------------------------------------------------------------
+
+// This CTA's rank in its cluster.
+__device__ __forceinline__ uint32_t cluster_ctarank() {
+  uint32_t rank;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(rank));
+  return rank;
+}
+
+// One arrival on the mbarrier at `bar`'s offset in the SMEM of the cluster's CTA `rank`
+// (mapa: this CTA's address -> the same offset there).  A thread may arrive on a peer's
+// mbarrier, never wait on one.  Release at CTA scope, as CUTLASS's ClusterBarrier::arrive:
+// what it orders before the arrival is the warpgroup's wgmma reads of the slot, complete
+// by wgmma.wait_group already.  (Release at cluster scope puts a MEMBAR.ALL.GPU before
+// every arrival: a mainloop block took 2.59 us instead of 1.41, docs/performance.md.)
+__device__ __forceinline__ void mbar_arrive_cluster(uint32_t bar, uint32_t rank) {
+#ifdef FADSL_CLUSTER_LOCAL_ARRIVES  // development builds only: the pair decoupled (with local loads)
+  mbar_arrive(bar);
+  return;
+#endif
+  asm volatile(
+      "{\n"
+      ".reg .b32 remote;\n"
+      "mapa.shared::cluster.u32 remote, %0, %1;\n"
+      "mbarrier.arrive.release.cta.shared::cluster.b64 _, [remote];\n"
+      "}\n" ::"r"(bar),
+      "r"(rank)
+      : "memory");
+}
+
+// The cluster barrier: every thread of every CTA of the cluster arrives, then waits for the
+// others.  arrive (release) orders the thread's memory accesses before the others' wait
+// (acquire); arrive.relaxed orders none.
+__device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive;\n" ::: "memory"); }
+__device__ __forceinline__ void cluster_arrive_relaxed() {
+  asm volatile("barrier.cluster.arrive.relaxed;\n" ::: "memory");
+}
+__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait;\n" ::: "memory"); }
+
+// ---------------------------------------------------------------------------
 // 2. Fences
 // ---------------------------------------------------------------------------
 
@@ -114,8 +155,8 @@ __device__ __forceinline__ void fence_proxy_async_smem() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 
-// Makes mbarrier.init visible to the async proxy (TMA complete_tx) and, with the CTA
-// barrier that follows, to the other threads.
+// Makes mbarrier.init visible to the async proxy (TMA complete_tx) and, with the CTA (or
+// cluster) barrier that follows, to the other threads (and the peer CTA's).
 __device__ __forceinline__ void fence_mbarrier_init() {
   asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
 }
@@ -159,6 +200,21 @@ __device__ __forceinline__ void tma_load_4d(uint32_t smem_dst, const CUtensorMap
         "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
         " [%0], [%1, {%3, %4, %5, %6}], [%2];\n" ::"r"(smem_dst),
         "l"(reinterpret_cast<uint64_t>(tmap)), "r"(bar), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+        : "memory");
+  }
+}
+
+// The same load into the SMEM of every CTA of the cluster whose bit is set in `mask` (bit i:
+// %cluster_ctarank i): the box lands at `smem_dst`'s offset and its bytes complete on the
+// mbarrier at `bar`'s offset, in each of those CTAs (`cluster 2`).
+__device__ __forceinline__ void tma_load_4d_multicast(uint32_t smem_dst, const CUtensorMap* tmap, uint32_t bar,
+                                                      uint16_t mask, int c0, int c1, int c2, int c3) {
+#pragma unroll
+  for (int copy = 0; copy < FADSL_TMA_LOADS; ++copy) {
+    asm volatile(
+        "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.multicast::cluster"
+        " [%0], [%1, {%4, %5, %6, %7}], [%2], %3;\n" ::"r"(smem_dst),
+        "l"(reinterpret_cast<uint64_t>(tmap)), "r"(bar), "h"(mask), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
         : "memory");
   }
 }

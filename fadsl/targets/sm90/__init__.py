@@ -17,6 +17,7 @@ from __future__ import annotations
 from .. import Target
 from .caps import CAPABILITIES, SYNC_MODEL
 from .emit import TEMPLATE, context
+from .cluster_syncs import cluster_syncs
 from .insert_syncs import insert_syncs
 from .plan_smem import plan_smem
 from .report import REPORT
@@ -35,6 +36,9 @@ TARGET = Target(
     passes=(
         ("plan_smem", plan_smem),  # Q | K ring | V ring | O (or over the dead V ring) | mbarriers
         ("insert_syncs", insert_syncs),  # mbarriers with parity, wgmma waits, named barriers
+        # after insert_syncs (it extends that plan to the cluster): peer arrivals on the K/V
+        # empty barriers, cluster barriers after init and at exit; `cluster 1`: unchanged
+        ("cluster_syncs", cluster_syncs),
         ("verify", verify),  # independent proof: every hazard ordered, no wait can hang
     ),
     template=TEMPLATE,
@@ -51,6 +55,7 @@ TARGET = Target(
         "scheduler",
         "rescale",
         "tail",
+        "cluster",
         "spills",
     ),
     key_hints={"warps": "use 'warpgroups producer = 1, consumers = N'"},

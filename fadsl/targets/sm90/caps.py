@@ -25,7 +25,7 @@ CAPABILITIES = Capabilities(
         (Level.SMEM, Level.GMEM): (Instr.TMA,),
     },
     archs=(("sm_90a", "H100/H200"),),
-    scopes=(Scope.WARPGROUP, Scope.CTA),
+    scopes=(Scope.WARPGROUP, Scope.CTA, Scope.CLUSTER),
 )
 
 REGISTERS_PER_SM = 65536
@@ -53,6 +53,22 @@ MBAR_WAIT = SyncKind(
     completes=TMA_LOAD,
     rule=WaitRule.PHASE_PARITY,
     cost=2,
+)
+# `cluster 2`: a consumer's arrival on the peer CTA's empty barrier (mapa, then
+# mbarrier.arrive.release.cluster), and the cluster barrier (every thread of both CTAs).
+MBAR_ARRIVE_PEER = SyncKind(
+    "mbarrier.arrive.release.cluster", "an arrival on the peer CTA's mbarrier", signal=Signal.ARRIVE
+)
+CLUSTER_ARRIVE = SyncKind(
+    "barrier.cluster.arrive", "a cluster barrier arrival (release)", signal=Signal.TURN_ARRIVE
+)
+CLUSTER_ARRIVE_RELAXED = SyncKind(
+    "barrier.cluster.arrive.relaxed",
+    "a cluster barrier arrival (relaxed: orders no memory)",
+    signal=Signal.TURN_ARRIVE,
+)
+CLUSTER_WAIT = SyncKind(
+    "barrier.cluster.wait", "a cluster barrier wait", cost=10, signal=Signal.TURN_SYNC
 )
 WGMMA_FENCE = SyncKind("wgmma.fence", "a wgmma register fence", signal=Signal.FENCE)
 WGMMA_COMMIT = SyncKind("wgmma.commit_group", "a wgmma commit", signal=Signal.COMMIT)
@@ -82,6 +98,10 @@ SYNC_MODEL = SyncModel(
         FENCE_MBAR_INIT,
         MBAR_EXPECT_TX,
         MBAR_ARRIVE,
+        MBAR_ARRIVE_PEER,
+        CLUSTER_ARRIVE,
+        CLUSTER_ARRIVE_RELAXED,
+        CLUSTER_WAIT,
         WGMMA_FENCE,
         WGMMA_COMMIT,
         BAR_ARRIVE,

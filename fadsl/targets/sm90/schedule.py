@@ -187,7 +187,9 @@ def build_schedule(lowered: Lowered) -> Kernel:
             Threads.CONSUMER_ELECTED,
         ),
     ]
-    assert all(t.smem_scope in (Scope.WARPGROUP, Scope.CTA) for t in tensors.values())
+    assert all(
+        t.smem_scope in (Scope.WARPGROUP, Scope.CTA, Scope.CLUSTER) for t in tensors.values()
+    )
     return Kernel(
         config=cfg,
         tensors=lowered.tensors,

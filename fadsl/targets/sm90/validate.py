@@ -31,6 +31,7 @@ from .caps import (
 )
 
 SCOPES = {Role.Q: Scope.WARPGROUP, Role.K: Scope.CTA, Role.V: Scope.CTA, Role.O: Scope.WARPGROUP}
+PANEL_COLUMNS = 64  # a TMA box's columns: 128 bytes, the swizzle's span
 OVERHEAD_REGS = 24  # softmax state, addresses, loop counters: an estimate
 
 
@@ -127,17 +128,67 @@ def validate(c: Checks, tensors: dict[Role, Tensor]) -> bool:
             "'overlap on|off'), not by a mainloop block",
         )
         ok = False
+    ok = _scopes(c, tensors) and ok
+    return ok
+
+
+def _scopes(c: Checks, tensors: dict[Role, Tensor]) -> bool:
+    """Q and O per warpgroup; K and V per CTA, or per cluster with `cluster 2`."""
+    ok = True
+    cluster = c.values.get("cluster", 1)
     for role, scope in SCOPES.items():
         tensor = tensors.get(role)
-        if tensor is not None and tensor.smem_scope is not scope:
-            why = (
-                "each consumer warpgroup owns its 64 rows"
-                if scope is Scope.WARPGROUP
-                else "every consumer warpgroup reads the whole tile"
+        if tensor is None or tensor.smem_scope is scope:
+            continue
+        if scope is Scope.CTA and tensor.smem_scope is Scope.CLUSTER:
+            if cluster == 1 and "cluster" not in c.key_locs:  # (a bad `cluster N` said enough)
+                c.error(
+                    c.scope_loc(role),
+                    f"{role.value} in smem[cluster] needs 'cluster 2': the cluster's CTAs "
+                    "share the tile, each loading half of it into both",
+                )
+                ok = False
+            continue
+        if scope is Scope.WARPGROUP:
+            why = "each consumer warpgroup owns its 64 rows"
+        else:
+            why = "every consumer warpgroup reads the whole tile"
+        c.error(c.scope_loc(role), f"{role.value} lives in smem[{scope.value}]: {why}")
+        ok = False
+    if not ok or cluster == 1:
+        return ok
+    where = c.key_locs["cluster_value"]
+    for role in (Role.K, Role.V):
+        tensor = tensors.get(role)
+        if tensor is not None and tensor.smem_scope is not Scope.CLUSTER:
+            c.error(
+                c.scope_loc(role),
+                f"with 'cluster {cluster}', {role.value} lives in smem[cluster]: the CTAs of a "
+                "cluster share every K and V block, each loading half of it into both",
             )
-            c.error(c.scope_loc(role), f"{role.value} lives in smem[{scope.value}]: {why}")
-            ok = False
-    return ok
+            return False
+    if c.values.get("mask", Mask.NONE) is not Mask.NONE:
+        c.error(
+            where,
+            "cluster 2 pairs CTAs that read the same K/V blocks; causal tiles of one head "
+            "read different numbers of blocks: use 'cluster 1' with 'mask causal'",
+        )
+        return False
+    if c.values.get("tail", False):
+        c.error(
+            where,
+            "cluster 2 and tail split_kv do not combine: the pieces of a split tile read "
+            "different K/V blocks from their cluster peer's",
+        )
+        return False
+    if c.values["head_dim"] < 2 * PANEL_COLUMNS:
+        c.error(
+            where,
+            f"cluster 2 splits each K/V block into its 64-column panels, half for each CTA: "
+            f"head_dim {c.values['head_dim']} has one panel; use head_dim 128 or 256",
+        )
+        return False
+    return True
 
 
 def _registers(c: Checks, consumers: int, head_dim: int, block_c: int) -> bool:
@@ -236,6 +287,7 @@ def configure(c: Checks) -> Config:
             lazy_rescale=v.get("rescale", True),
             q_slots=v.get("q_slots", 1),
             split_kv=v.get("tail", False),
+            cluster=v.get("cluster", 1),
         ),
     )
 

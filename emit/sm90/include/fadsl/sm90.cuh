@@ -100,6 +100,9 @@ struct FwdConfig {
   // hand-written prototype (prototype/fa3_fwd.cu) FlashAttention-3's rescale after every block.
   static constexpr bool kLazyRescale = kLazyRescale_;
   static constexpr float kRescaleSlack = 8.f;
+  // CTAs per cluster (`cluster 2`: a generated Cfg sets 2). The cluster's CTAs run q-tiles of
+  // one (batch, head) and share every K/V block: load_kv_multicast.
+  static constexpr int kClusterSize = 1;
 
   static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "head_dim 64, 128 or 256");
   static_assert(kConsumerWGs >= 1 && kConsumerWGs <= 3, "1 to 3 consumer warpgroups");
@@ -180,9 +183,14 @@ struct TileCoord {
 //     free up; causal puts the longest query blocks first.
 // (Functions of the launch's parameters, read from the constant bank at each call:
 // nothing of the scheduler stays in registers across a tile but the step.)
+// Query blocks per (batch, head): rounded up to a multiple of the cluster size, so that the
+// CTAs of a cluster, which run consecutive tiles, stay on one head.  A block past seqlen_q
+// (a phantom tile) runs its K/V loop on zero-filled Q rows and stores nothing: TMA clips
+// its O rows and store_lse skips them.
 template <class Cfg>
 __device__ __forceinline__ int num_m_blocks(const FwdParams& p) {
-  return (p.seqlen_q + Cfg::kBlockM - 1) / Cfg::kBlockM;
+  const int blocks = (p.seqlen_q + Cfg::kBlockM - 1) / Cfg::kBlockM;
+  return (blocks + Cfg::kClusterSize - 1) / Cfg::kClusterSize * Cfg::kClusterSize;
 }
 
 // The index of the CTA's tile at step `step`, or -1 when it has no more tiles (the host
@@ -313,6 +321,28 @@ __device__ __forceinline__ void load_kv(const CUtensorMap* tmap, uint32_t smem_s
   for (int panel = 0; panel < Cfg::kPanels; ++panel) {
     tma_load_4d(smem_slot + panel * Cfg::kBlockN * Cfg::kRowBytes, tmap, bar, 64 * panel, n_block * Cfg::kBlockN,
                 w.head_kv, w.batch);
+  }
+}
+
+// `cluster 2`: this CTA's share of K or V block n, the panels p with p % kClusterSize ==
+// rank, multicast into the same slot of every CTA of the cluster; each CTA's `bar` receives
+// all kKVBytes, its own panels' and its peers'.
+// FADSL_CLUSTER_LOCAL_LOADS (development builds only, diagnosing `cluster 2`): each CTA loads
+// every panel into its own SMEM alone, the pair still coupled through the empty barriers.
+template <class Cfg>
+__device__ __forceinline__ void load_kv_multicast(const CUtensorMap* tmap, uint32_t smem_slot, uint32_t bar,
+                                                  int n_block, const TileWork& w, uint32_t rank) {
+  static_assert(Cfg::kPanels % Cfg::kClusterSize == 0, "the panels split evenly over the cluster");
+  constexpr uint16_t kAllCtas = (1u << Cfg::kClusterSize) - 1u;
+#ifdef FADSL_CLUSTER_LOCAL_LOADS
+  load_kv<Cfg>(tmap, smem_slot, bar, n_block, w);
+  return;
+#endif
+#pragma unroll
+  for (int i = 0; i < Cfg::kPanels / Cfg::kClusterSize; ++i) {
+    const int panel = i * Cfg::kClusterSize + static_cast<int>(rank);
+    tma_load_4d_multicast(smem_slot + panel * Cfg::kBlockN * Cfg::kRowBytes, tmap, bar, kAllCtas, 64 * panel,
+                          n_block * Cfg::kBlockN, w.head_kv, w.batch);
   }
 }
 

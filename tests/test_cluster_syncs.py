@@ -1,0 +1,141 @@
+"""cluster_syncs (sm_90a, `cluster 2`): the syncs it adds to insert_syncs' plan, before and
+after, and the host's cluster launch arithmetic."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from conftest import ROOT
+from fadsl import targets
+from fadsl.ir import Phase, Scope, Sync, Threads
+from fadsl.params import Args, m_blocks, resident_ctas, tile_count, tile_grid
+from fadsl.pipeline import front_end
+from fadsl.targets.sm90 import caps, cluster_syncs
+
+HOPPER = (ROOT / "examples" / "fa3_hopper.fa").read_text()
+
+
+def cluster_source(cluster: int = 2) -> str:
+    """examples/fa3_hopper.fa with `cluster N` and K and V in smem[cluster]."""
+    text = HOPPER.replace("  stages     2 ", f"  cluster    {cluster}\n  stages     2 ", 1)
+    for tensor in "KV":
+        text = text.replace(
+            f"{tensor}: gmem -tma-> smem[cta]    ", f"{tensor}: gmem -tma-> smem[cluster]", 1
+        )
+    return text
+
+
+def through(source: str, last: str):
+    """The kernel after pass ``last`` (and the one before it)."""
+    kernel = front_end(source, "cluster.fa")
+    target = targets.target_of(kernel)
+    before = kernel
+    for name, run in target.passes:
+        before, kernel = kernel, run(kernel, target)
+        if name == last:
+            return before, kernel
+    raise AssertionError(last)
+
+
+def syncs(kernel, kind) -> list[Sync]:
+    return [s for s in kernel.syncs() if s.kind is kind]
+
+
+def test_cluster_one_is_left_alone():
+    before, after = through(HOPPER, "cluster_syncs")
+    assert after is before
+
+
+def test_the_spec_reaches_the_ir():
+    _, kernel = through(cluster_source(), "insert_syncs")
+    assert kernel.config.hopper.cluster == 2
+    scopes = {b.name: b.scope for b in kernel.buffers}
+    assert scopes == {
+        "Q": Scope.WARPGROUP,
+        "K": Scope.CLUSTER,
+        "V": Scope.CLUSTER,
+        "O": Scope.WARPGROUP,
+    }
+
+
+def test_empty_barriers_count_both_ctas_and_hear_from_the_peer():
+    before, after = through(cluster_source(), "cluster_syncs")
+    counts = {s.barrier: s.count for s in syncs(before, caps.MBAR_INIT)}
+    new_counts = {s.barrier: s.count for s in syncs(after, caps.MBAR_INIT)}
+    assert new_counts == {
+        **counts,
+        "k_empty": 2 * counts["k_empty"],
+        "v_empty": 2 * counts["v_empty"],
+    }
+    # every local arrival on a K/V empty barrier is followed, at once, by the same warp's
+    # arrival on the peer's barrier of the same slot; Q's empty barrier stays local
+    for phase, items in after.phases():
+        for i, item in enumerate(items):
+            if isinstance(item, Sync) and item.kind is caps.MBAR_ARRIVE_PEER:
+                local = items[i - 1]
+                assert local.kind is caps.MBAR_ARRIVE
+                assert (local.barrier, local.lag, local.who) == (item.barrier, item.lag, item.who)
+                assert item.barrier in ("k_empty", "v_empty")
+                assert all("peer CTA" in h.describe() for h in item.serves)
+    local = [s for s in syncs(after, caps.MBAR_ARRIVE) if s.barrier in ("k_empty", "v_empty")]
+    assert len(syncs(after, caps.MBAR_ARRIVE_PEER)) == len(local) > 0
+    assert not [s for s in syncs(after, caps.MBAR_ARRIVE_PEER) if s.barrier == "q_empty"]
+    # the full barriers still expect the whole tile: half from each CTA's multicast
+    assert [s.tx for s in syncs(after, caps.MBAR_EXPECT_TX)] == [
+        s.tx for s in syncs(before, caps.MBAR_EXPECT_TX)
+    ]
+
+
+def test_cluster_barriers_after_init_and_at_exit():
+    before, after = through(cluster_source(), "cluster_syncs")
+    kinds = [s.kind for s in after.setup if isinstance(s, Sync) and s.who is Threads.ALL_WARPS]
+    assert kinds == [caps.CLUSTER_ARRIVE_RELAXED, caps.CLUSTER_WAIT]
+    assert caps.SYNCTHREADS in [s.kind for s in before.setup if isinstance(s, Sync)]
+    assert not syncs(after, caps.SYNCTHREADS)
+    order = [s.kind for s in after.setup if isinstance(s, Sync)]
+    assert order.index(caps.FENCE_MBAR_INIT) < order.index(caps.CLUSTER_ARRIVE_RELAXED)
+    *rest, arrive, wait = after.teardown
+    assert (arrive.kind, wait.kind) == (caps.CLUSTER_ARRIVE, caps.CLUSTER_WAIT)
+    assert arrive.who is wait.who is Threads.ALL_WARPS and arrive.phase is Phase.TEARDOWN
+    assert tuple(rest) == before.teardown
+
+
+def test_the_emitted_code_multicasts_and_arrives_on_the_peer():
+    _, kernel = through(cluster_source(), "cluster_syncs")
+    from fadsl.codegen import render
+
+    source, *_ = render(kernel, targets.target_of(kernel), "cluster.fa")
+    text = source.text
+    assert "static constexpr int kClusterSize = 2;" in text
+    assert text.count("load_kv_multicast<Cfg>(") == 4 and "load_kv<Cfg>(" not in text
+    assert "mbar_arrive_cluster(bar_k_empty(" in text and "mbar_arrive_cluster(bar_v_empty(" in text
+    assert "__syncthreads();" not in text
+    # the exit barrier comes after both roles' branches, for every thread
+    assert text.rstrip().endswith(
+        "cluster_arrive();\n  // until every thread of the cluster has arrived\n  cluster_wait();\n}"
+    )
+
+
+def args(batch, seqlen_q, heads, seqlen_k=256):
+    q = torch.zeros(batch, seqlen_q, heads, 128, dtype=torch.bfloat16)
+    k = torch.zeros(batch, seqlen_k, heads, 128, dtype=torch.bfloat16)
+    return Args(q, k, k, torch.empty_like(q), None, 1.0)
+
+
+def test_query_blocks_round_up_to_whole_clusters(monkeypatch):
+    _, kernel = through(cluster_source(), "cluster_syncs")
+    _, single = through(HOPPER, "cluster_syncs")
+    assert [m_blocks(kernel, s) for s in (1, 128, 129, 256, 257, 2112)] == [2, 2, 2, 2, 4, 18]
+    assert [m_blocks(single, s) for s in (1, 128, 129, 256, 257, 2112)] == [1, 1, 2, 2, 3, 17]
+    assert tile_count(kernel, args(3, 2112, 5)) == 18 * 5 * 3
+    monkeypatch.setattr("fadsl.params.sm_count", lambda index: 133)  # an odd SM count
+    assert resident_ctas(kernel, 0) == 132 and resident_ctas(single, 0) == 133
+    assert tile_grid(kernel, args(3, 2112, 5)) == (132, 1, 1)  # persistent: whole clusters
+    assert tile_grid(kernel, args(1, 300, 1)) == (4, 1, 1)  # 3 blocks -> 4: an even grid
+    grid_sched = replace(
+        kernel,
+        config=replace(kernel.config, hopper=replace(kernel.config.hopper, persistent=False)),
+    )
+    assert tile_grid(grid_sched, args(1, 300, 3)) == (12, 1, 1)
