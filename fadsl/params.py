@@ -51,14 +51,24 @@ class Launch:
     def block(self, kernel: Kernel) -> tuple[int, int, int]:
         return (kernel.config.threads, 1, 1)
 
-    def cluster(self, kernel: Kernel) -> int:
-        """CTAs per cluster (sm_90a's `cluster 2`; 1: launched without clusters)."""
-        return cluster_size(kernel)
+    def cluster(self, kernel: Kernel, a: Args) -> int:
+        """CTAs per cluster of this launch (1: launched without clusters)."""
+        return launch_cluster(kernel, a.q.shape[1])
 
 
 def cluster_size(kernel: Kernel) -> int:
+    """The spec's CTAs per cluster (sm_90a's `cluster N`; 1 without)."""
     hopper = kernel.config.hopper
     return 1 if hopper is None else hopper.cluster
+
+
+def launch_cluster(kernel: Kernel, seqlen_q: int) -> int:
+    """The CTAs per cluster a launch uses: the spec's when a head's query blocks pair up (an
+    even count, FlashAttention-3's rule), else 1: the kernel then loads whole tiles alone
+    rather than run a block past seqlen_q for nothing."""
+    cluster = cluster_size(kernel)
+    blocks = -(-seqlen_q // kernel.config.block_r)
+    return cluster if blocks % cluster == 0 else 1
 
 
 # fadsl::FwdParams: 5 pointers, 14 int64 strides, 5 int sizes, the float scale; 176 bytes
@@ -113,11 +123,11 @@ def sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def m_blocks(kernel: Kernel, seqlen_q: int) -> int:
-    """sm_90a's query blocks per (batch, head), rounded up to a multiple of the cluster size
-    as the kernel's num_m_blocks does (the CTAs of a cluster run consecutive tiles, which
-    must be of one head; a block past seqlen_q runs and stores nothing)."""
-    cluster = cluster_size(kernel)
+def m_blocks(kernel: Kernel, seqlen_q: int, cluster: int = 1) -> int:
+    """sm_90a's query blocks per (batch, head), rounded up to a multiple of the launch's CTAs
+    per cluster as the kernel's num_m_blocks does (the CTAs of a cluster run consecutive
+    tiles, which must be of one head). launch_cluster pairs only an even count, so the
+    rounding never adds a block there."""
     blocks = -(-seqlen_q // kernel.config.block_r)
     return -(-blocks // cluster) * cluster
 
@@ -125,14 +135,13 @@ def m_blocks(kernel: Kernel, seqlen_q: int) -> int:
 def tile_count(kernel: Kernel, a: Args) -> int:
     """sm_90a's tiles: (q block of B_r rows, head, batch)."""
     batch, seqlen_q, heads_q = a.q.shape[0], a.q.shape[1], a.q.shape[2]
-    return m_blocks(kernel, seqlen_q) * heads_q * batch
+    return m_blocks(kernel, seqlen_q, launch_cluster(kernel, seqlen_q)) * heads_q * batch
 
 
-def resident_ctas(kernel: Kernel, device_index: int) -> int:
+def resident_ctas(device_index: int, cluster: int) -> int:
     """A persistent grid's CTAs: one per SM, whole clusters only. (An H100 or H200 runs 66
     clusters of 2 at once, every SM: tests/test_gpu_sm90.py checks it with
     cuOccupancyMaxActiveClusters.)"""
-    cluster = cluster_size(kernel)
     return sm_count(device_index) // cluster * cluster
 
 
@@ -151,7 +160,8 @@ def tile_grid(kernel: Kernel, a: Args) -> tuple[int, int, int]:
         start, splits = split_plan(tiles, sm_count(a.q.device.index), kv_blocks(kernel, a))
         tiles = start + (tiles - start) * splits  # work items: whole tiles, then pieces
     if hopper is not None and hopper.persistent:
-        tiles = min(tiles, resident_ctas(kernel, a.q.device.index))
+        cluster = launch_cluster(kernel, a.q.shape[1])
+        tiles = min(tiles, resident_ctas(a.q.device.index, cluster))
     return (tiles, 1, 1)
 
 
@@ -223,7 +233,7 @@ def _divisors(kernel: Kernel, a: Args) -> bytes:
     launch puts its own split count's, pack_fwd_params_sm90)."""
     seqlen_q, heads_q, heads_kv = a.q.shape[1], a.q.shape[2], a.k.shape[2]
     return DIVISORS.pack(
-        *fast_div(max(m_blocks(kernel, seqlen_q), 1)),
+        *fast_div(max(m_blocks(kernel, seqlen_q, launch_cluster(kernel, seqlen_q)), 1)),
         *fast_div(heads_q),
         *fast_div(heads_q // heads_kv),
         *fast_div(1),

@@ -28,7 +28,7 @@ from . import cache
 from .codegen import Source, header_text, render, spec_hash
 from .compiler import compile_cubin
 from .ir import Dtype
-from .params import Args, launch_for
+from .params import Args, cluster_size, launch_for
 from .pipeline import Compiled, compile_file, compile_source
 
 GRID_YZ_LIMIT = 65535
@@ -105,7 +105,7 @@ class FlashAttention:
         self._sources = {s.dtype: s for s in sources}
         self._launch = launch_for(self.config.target)
         self._block = self._launch.block(compiled.kernel)
-        self._cluster = self._launch.cluster(compiled.kernel)
+        self._cluster = cluster_size(compiled.kernel)  # the spec's; a launch may use fewer
         self._modules: dict[tuple[Dtype, int], object] = {}
         self._entries: dict[tuple[Dtype, str], cache.Entry] = {}
         self.op_name = f"{self.config.name}_{spec_hash(compiled.kernel)[:12]}"
@@ -318,11 +318,12 @@ class FlashAttention:
         params = self._launch.pack(kernel, args)
         grid = self._launch.grid(kernel, args)
         module = self._modules.get((dtype, index)) or self.module(dtype, index)
+        cluster = self._launch.cluster(kernel, args)
         if index == torch.cuda.current_device():
-            module.launch(grid, self._block, params, _current_stream(index), self._cluster)
+            module.launch(grid, self._block, params, _current_stream(index), cluster)
         else:
             with torch.cuda.device(index):
-                module.launch(grid, self._block, params, _current_stream(index), self._cluster)
+                module.launch(grid, self._block, params, _current_stream(index), cluster)
 
     # ------------------------------------------------------------------ checks
     def _scale(self, softmax_scale) -> float:

@@ -10,7 +10,15 @@ import torch
 from conftest import ROOT
 from fadsl import targets
 from fadsl.ir import Phase, Scope, Sync, Threads
-from fadsl.params import Args, m_blocks, resident_ctas, tile_count, tile_grid
+from fadsl.params import (
+    Args,
+    launch_cluster,
+    launch_for,
+    m_blocks,
+    resident_ctas,
+    tile_count,
+    tile_grid,
+)
 from fadsl.pipeline import front_end
 from fadsl.targets.sm90 import caps, cluster_syncs
 
@@ -62,13 +70,11 @@ def test_the_spec_reaches_the_ir():
 
 def test_empty_barriers_count_both_ctas_and_hear_from_the_peer():
     before, after = through(cluster_source(), "cluster_syncs")
-    counts = {s.barrier: s.count for s in syncs(before, caps.MBAR_INIT)}
-    new_counts = {s.barrier: s.count for s in syncs(after, caps.MBAR_INIT)}
-    assert new_counts == {
-        **counts,
-        "k_empty": 2 * counts["k_empty"],
-        "v_empty": 2 * counts["v_empty"],
-    }
+    inits = {s.barrier: s for s in syncs(before, caps.MBAR_INIT)}
+    new_inits = {s.barrier: s for s in syncs(after, caps.MBAR_INIT)}
+    assert {b: s.count for b, s in new_inits.items()} == {b: s.count for b, s in inits.items()}
+    per_cta = {b for b, s in new_inits.items() if s.per_cta}
+    assert per_cta == {"k_empty", "v_empty"} and not any(s.per_cta for s in inits.values())
     # every local arrival on a K/V empty barrier is followed, at once, by the same warp's
     # arrival on the peer's barrier of the same slot; Q's empty barrier stays local
     for phase, items in after.phases():
@@ -110,7 +116,10 @@ def test_the_emitted_code_multicasts_and_arrives_on_the_peer():
     text = source.text
     assert "static constexpr int kClusterSize = 2;" in text
     assert text.count("load_kv_multicast<Cfg>(") == 4 and "load_kv<Cfg>(" not in text
-    assert "mbar_arrive_cluster(bar_k_empty(" in text and "mbar_arrive_cluster(bar_v_empty(" in text
+    assert text.count("cluster_rank, cluster_ctas);") == 4 + 4  # the loads, the peer arrivals
+    assert "mbar_arrive_peer(bar_k_empty(" in text and "mbar_arrive_peer(bar_v_empty(" in text
+    assert "mbar_init(bar_k_empty(s), 8 * cluster_ctas);" in text  # x the launch's CTAs
+    assert "mbar_init(bar_q_empty, 8);" in text
     assert "__syncthreads();" not in text
     # the exit barrier comes after both roles' branches, for every thread
     assert text.rstrip().endswith(
@@ -124,18 +133,24 @@ def args(batch, seqlen_q, heads, seqlen_k=256):
     return Args(q, k, k, torch.empty_like(q), None, 1.0)
 
 
-def test_query_blocks_round_up_to_whole_clusters(monkeypatch):
+def test_pairs_only_when_the_query_blocks_pair_up(monkeypatch):
     _, kernel = through(cluster_source(), "cluster_syncs")
     _, single = through(HOPPER, "cluster_syncs")
-    assert [m_blocks(kernel, s) for s in (1, 128, 129, 256, 257, 2112)] == [2, 2, 2, 2, 4, 18]
-    assert [m_blocks(single, s) for s in (1, 128, 129, 256, 257, 2112)] == [1, 1, 2, 2, 3, 17]
-    assert tile_count(kernel, args(3, 2112, 5)) == 18 * 5 * 3
+    seqlens = (1, 128, 129, 256, 257, 2048, 2112)
+    assert [launch_cluster(kernel, s) for s in seqlens] == [1, 1, 2, 2, 1, 2, 1]
+    assert [launch_cluster(single, s) for s in seqlens] == [1] * len(seqlens)
+    assert [m_blocks(kernel, s, 2) for s in (1, 129, 257)] == [2, 2, 4]  # as num_m_blocks
+    assert tile_count(kernel, args(3, 2112, 5)) == 17 * 5 * 3  # 17 blocks: no pairs
     monkeypatch.setattr("fadsl.params.sm_count", lambda index: 133)  # an odd SM count
-    assert resident_ctas(kernel, 0) == 132 and resident_ctas(single, 0) == 133
-    assert tile_grid(kernel, args(3, 2112, 5)) == (132, 1, 1)  # persistent: whole clusters
-    assert tile_grid(kernel, args(1, 300, 1)) == (4, 1, 1)  # 3 blocks -> 4: an even grid
+    assert resident_ctas(0, 2) == 132 and resident_ctas(0, 1) == 133
+    assert tile_grid(kernel, args(3, 2048, 5)) == (132, 1, 1)  # persistent, in pairs
+    assert tile_grid(kernel, args(3, 2112, 5)) == (133, 1, 1)  # alone
+    assert tile_grid(kernel, args(1, 256, 1)) == (2, 1, 1)
+    launch = launch_for("sm_90a")
+    assert launch.cluster(kernel, args(1, 256, 1)) == 2
+    assert launch.cluster(kernel, args(1, 300, 1)) == 1
     grid_sched = replace(
         kernel,
         config=replace(kernel.config, hopper=replace(kernel.config.hopper, persistent=False)),
     )
-    assert tile_grid(grid_sched, args(1, 300, 3)) == (12, 1, 1)
+    assert tile_grid(grid_sched, args(1, 512, 3)) == (12, 1, 1)

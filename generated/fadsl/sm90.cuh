@@ -183,14 +183,19 @@ struct TileCoord {
 //     free up; causal puts the longest query blocks first.
 // (Functions of the launch's parameters, read from the constant bank at each call:
 // nothing of the scheduler stays in registers across a tile but the step.)
-// Query blocks per (batch, head): rounded up to a multiple of the cluster size, so that the
-// CTAs of a cluster, which run consecutive tiles, stay on one head.  A block past seqlen_q
-// (a phantom tile) runs its K/V loop on zero-filled Q rows and stores nothing: TMA clips
-// its O rows and store_lse skips them.
+// Query blocks per (batch, head), rounded up to a multiple of the launch's CTAs per cluster,
+// so that the CTAs of a cluster, which run consecutive tiles, stay on one head.  (The host
+// launches pairs only for an even count; were it odd, the block past seqlen_q would run its
+// K/V loop on zero-filled Q rows and store nothing: TMA clips its O rows, store_lse skips
+// them.)  fadsl/params.py's m_blocks is the host's copy.
 template <class Cfg>
 __device__ __forceinline__ int num_m_blocks(const FwdParams& p) {
   const int blocks = (p.seqlen_q + Cfg::kBlockM - 1) / Cfg::kBlockM;
-  return (blocks + Cfg::kClusterSize - 1) / Cfg::kClusterSize * Cfg::kClusterSize;
+  if constexpr (Cfg::kClusterSize > 1) {
+    const int ctas = static_cast<int>(cluster_nctarank());
+    return (blocks + ctas - 1) / ctas * ctas;
+  }
+  return blocks;
 }
 
 // The index of the CTA's tile at step `step`, or -1 when it has no more tiles (the host
@@ -324,20 +329,24 @@ __device__ __forceinline__ void load_kv(const CUtensorMap* tmap, uint32_t smem_s
   }
 }
 
-// `cluster 2`: this CTA's share of K or V block n, the panels p with p % kClusterSize ==
-// rank, multicast into the same slot of every CTA of the cluster; each CTA's `bar` receives
-// all kKVBytes, its own panels' and its peers'.
+// `cluster 2`: this CTA's share of K or V block n, the panels p with p % ctas == rank,
+// multicast into the same slot of every CTA of the cluster; each CTA's `bar` receives all
+// kKVBytes, its own panels' and its peers'.  A CTA launched alone (`ctas` 1) loads them all.
 // FADSL_CLUSTER_LOCAL_LOADS (development builds only, diagnosing `cluster 2`): each CTA loads
 // every panel into its own SMEM alone, the pair still coupled through the empty barriers.
 template <class Cfg>
 __device__ __forceinline__ void load_kv_multicast(const CUtensorMap* tmap, uint32_t smem_slot, uint32_t bar,
-                                                  int n_block, const TileWork& w, uint32_t rank) {
-  static_assert(Cfg::kPanels % Cfg::kClusterSize == 0, "the panels split evenly over the cluster");
+                                                  int n_block, const TileWork& w, uint32_t rank,
+                                                  uint32_t ctas) {
+  static_assert(Cfg::kClusterSize == 2 && Cfg::kPanels % 2 == 0, "pairs, each loading half the panels");
   constexpr uint16_t kAllCtas = (1u << Cfg::kClusterSize) - 1u;
-#ifdef FADSL_CLUSTER_LOCAL_LOADS
-  load_kv<Cfg>(tmap, smem_slot, bar, n_block, w);
-  return;
+#ifndef FADSL_CLUSTER_LOCAL_LOADS
+  if (ctas == 1u)
 #endif
+  {
+    load_kv<Cfg>(tmap, smem_slot, bar, n_block, w);
+    return;
+  }
 #pragma unroll
   for (int i = 0; i < Cfg::kPanels / Cfg::kClusterSize; ++i) {
     const int panel = i * Cfg::kClusterSize + static_cast<int>(rank);

@@ -106,11 +106,16 @@ __device__ __forceinline__ void mbar_wait_parity(uint32_t bar, uint32_t parity) 
 // 1b. Clusters (`cluster 2`)
 // ---------------------------------------------------------------------------
 
-// This CTA's rank in its cluster.
+// This CTA's rank in its cluster, and the cluster's CTAs (1 for a launch without clusters).
 __device__ __forceinline__ uint32_t cluster_ctarank() {
   uint32_t rank;
   asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(rank));
   return rank;
+}
+__device__ __forceinline__ uint32_t cluster_nctarank() {
+  uint32_t ctas;
+  asm volatile("mov.u32 %0, %%cluster_nctarank;\n" : "=r"(ctas));
+  return ctas;
 }
 
 // One arrival on the mbarrier at `bar`'s offset in the SMEM of the cluster's CTA `rank`
@@ -132,6 +137,12 @@ __device__ __forceinline__ void mbar_arrive_cluster(uint32_t bar, uint32_t rank)
       "}\n" ::"r"(bar),
       "r"(rank)
       : "memory");
+}
+
+// A pair's arrival on the peer CTA's (rank ^ 1) mbarrier of `bar`'s offset; a CTA launched
+// alone (`ctas` 1) has no peer, and its barriers count its own arrivals only.
+__device__ __forceinline__ void mbar_arrive_peer(uint32_t bar, uint32_t rank, uint32_t ctas) {
+  if (ctas > 1u) mbar_arrive_cluster(bar, rank ^ 1u);
 }
 
 // The cluster barrier: every thread of every CTA of the cluster arrives, then waits for the

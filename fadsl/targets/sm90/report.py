@@ -16,6 +16,7 @@ from ...ir import Kernel, Phase, Step, Sync
 from .. import Capabilities, Report
 from .caps import (
     MBAR_ARRIVE,
+    MBAR_ARRIVE_PEER,
     MBAR_EXPECT_TX,
     MBAR_INIT,
     MBAR_WAIT,
@@ -123,7 +124,7 @@ def _mbarriers(kernel: Kernel) -> list[dict[str, Any]]:
     tiles: dict[str, dict[str, Any]] = {}
     for init in (s for s in kernel.syncs() if s.kind is MBAR_INIT):
         uses = _syncs_on(kernel, init.barrier)
-        arrivals = [s for s in uses if s.kind in (MBAR_ARRIVE, MBAR_EXPECT_TX)]
+        arrivals = [s for s in uses if s.kind in (MBAR_ARRIVE, MBAR_ARRIVE_PEER, MBAR_EXPECT_TX)]
         waits = [s for s in uses if s.kind is MBAR_WAIT]
         buffer = next(h.earlier_buffer for s in uses for h in s.serves)
         buf = kernel.buffer(buffer)
@@ -144,6 +145,7 @@ def _mbarriers(kernel: Kernel) -> list[dict[str, Any]]:
                 "mbarrier": init.barrier,
                 "per_slot": ring or init.slots > 1,
                 "arrivals": init.count,
+                "per_cta": init.per_cta,
                 "arrive": sorted({f"{s.kind.name} by {s.who.value}" for s in arrivals}),
                 "tx_bytes": max((s.tx for s in arrivals), default=0),
                 "waited_by": _who(waits),
@@ -349,7 +351,9 @@ def explain_sections(data: Mapping[str, Any]) -> list[str]:
             tx = f" + {bar['tx_bytes']} transaction bytes" if bar["tx_bytes"] else ""
             out.append(
                 f"       {bar['mbarrier']:<8} {bar['arrivals']} arrival"
-                f"{'s' if bar['arrivals'] > 1 else ''}{tx} ({', '.join(bar['arrive'])}); "
+                f"{'s' if bar['arrivals'] > 1 else ''}"
+                f"{' per CTA of the cluster' if bar['per_cta'] else ''}{tx} "
+                f"({', '.join(bar['arrive'])}); "
                 f"waited by {', '.join(bar['waited_by'])} at parity {', '.join(bar['parity'])}"
             )
     out.append("")
