@@ -24,6 +24,9 @@ SHAPES = [(128, 128), (113, 203), (200, 100), (1, 65)]
 # sm_90a's tile loop: more tiles than SMs (each CTA runs 3 or more, rings, Q and O barriers
 # going on across tiles; 3 K/V blocks, odd against 2 stages; causal tiles with no key).
 MANY_TILES = (2, 600, 333, 70, 7)  # batch, seqlen_q, seqlen_k, heads_q, heads_kv
+# `cluster 2` kernels run in pairs only when a head's query blocks pair up: 6 blocks of 128
+# rows (MANY_TILES' 600 rows make 5, which run alone).
+MANY_TILES_PAIRED = (2, 768, 333, 70, 7)
 
 # The examples, and causal versions of those that load fragment-wise and one block ahead.
 # Named as their kernels are (SANITIZE_ONLY matches these names). fa3_hdim64 splits its tail
@@ -53,10 +56,13 @@ for name, spec in SPECS.items():
             torch.cuda.synchronize()
             print(f"{name} {dtype.value} {sq}x{sk}: ran, finite={bool(out.isfinite().all())}")
         if kern.config.target == "sm_90a" and dtype is kern.config.dtypes[0]:
-            batch, sq, sk, hq, hkv = MANY_TILES
-            q = torch.randn(batch, sq, hq, d, device="cuda", dtype=torch_dtype)
-            k = torch.randn(batch, sk, hkv, d, device="cuda", dtype=torch_dtype)
-            v = torch.randn(batch, sk, hkv, d, device="cuda", dtype=torch_dtype)
-            out, lse = kern(q, k, v, return_lse=True)
-            torch.cuda.synchronize()
-            print(f"{name} {dtype.value} {MANY_TILES}: ran, finite={bool(out.isfinite().all())}")
+            paired = kern.config.hopper.cluster > 1
+            for shape in (MANY_TILES, MANY_TILES_PAIRED) if paired else (MANY_TILES,):
+                batch, sq, sk, hq, hkv = shape
+                q = torch.randn(batch, sq, hq, d, device="cuda", dtype=torch_dtype)
+                k = torch.randn(batch, sk, hkv, d, device="cuda", dtype=torch_dtype)
+                v = torch.randn(batch, sk, hkv, d, device="cuda", dtype=torch_dtype)
+                out, lse = kern(q, k, v, return_lse=True)
+                torch.cuda.synchronize()
+                finite = bool(out.isfinite().all())
+                print(f"{name} {dtype.value} {shape}: ran, finite={finite}")

@@ -83,11 +83,19 @@ def _sm90_specs_and_flips() -> tuple[dict[str, str], dict[str, str]]:
             flags=re.MULTILINE,
         )
         flipped = whole_tail(re.sub(r"\bkernel\s+\w+", f"kernel {name}", flipped, count=1))
+        if not causal:
+            flipped = single_ctas(flipped)  # clusters pair tiles of equal length only
         if spec_body(flipped) not in seen:
             seen[spec_body(flipped)] = name
             specs[name] = flipped
         flips[stem] = seen[spec_body(flipped)]
     return specs, flips
+
+
+def single_ctas(text: str) -> str:
+    """The spec without `cluster N`: K and V in smem[cta]."""
+    text = re.sub(r"^\s*cluster\s+\d+[^\n]*\n", "", text, flags=re.MULTILINE)
+    return text.replace("smem[cluster]", "smem[cta]")
 
 
 def spec_body(text: str) -> str:

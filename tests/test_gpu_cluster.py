@@ -1,0 +1,73 @@
+"""GPU tests of `cluster 2` (sm_90a: pairs of CTAs sharing every K/V block by TMA multicast).
+
+The same kernel runs in pairs when a head's query blocks pair up and alone otherwise
+(fadsl.params.launch_cluster); both modes against the float32 reference (outputs and LSE
+poisoned first), GQA and MQA, many tiles per CTA; pairs forced onto odd block counts (a
+phantom tile past seqlen_q must store nothing); and the persistent grid fitting the GPU's
+co-resident clusters.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import fadsl
+import fadsl.params as params
+from fadsl.ir import Dtype
+from test_cluster_syncs import cluster_source
+from test_gpu_sm90 import HOPPER, assert_matches, random_qkv
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (compute capability 9.0)"),
+]
+
+# (batch, seqlen_q, seqlen_k, heads_q, heads_kv): query blocks of 128 rows, even (pairs) or
+# odd (alone); K/V tails; GQA 4 and MQA; more tiles than SMs.
+PAIRED = [(1, 256, 128, 2, 2), (2, 200, 517, 8, 2), (1, 4096, 4096, 16, 16), (3, 1000, 3000, 6, 1),
+          (2, 768, 333, 70, 7)]  # fmt: skip
+ALONE = [(1, 1, 65, 2, 2), (1, 128, 128, 2, 2), (2, 300, 517, 8, 2), (1, 2112, 2048, 16, 16),
+         (7, 640, 640, 9, 3)]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def kern():
+    return fadsl.load(cluster_source(), verbose=False)
+
+
+def run_case(kern, shape, dtype, seed):
+    batch, sq, sk, hq, hkv = shape
+    q, k, v = random_qkv(batch, sq, sk, hq, hkv, 128, dtype, seed)
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((batch, hq, sq), float("nan"), device="cuda")
+    scale = 1 / math.sqrt(128)
+    kern.forward_into(q, k, v, out, lse, scale)
+    torch.cuda.synchronize()
+    assert_matches(kern, q, k, v, scale, out, lse)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", PAIRED + ALONE)
+def test_both_modes_match_the_reference(kern, shape, dtype):
+    pairs = params.launch_cluster(kern.compiled.kernel, shape[1]) == 2
+    assert pairs == (shape in PAIRED)
+    run_case(kern, shape, dtype, seed=sum(shape))
+
+
+@pytest.mark.parametrize("shape", ALONE[:4])
+def test_pairs_forced_onto_odd_block_counts_store_nothing_past_seqlen_q(kern, shape, monkeypatch):
+    """A pair over an odd count runs a phantom tile past seqlen_q (the kernel's num_m_blocks
+    rounds up): its rows are zero-filled on load, clipped on store, and skipped for the LSE."""
+    monkeypatch.setattr(params, "launch_cluster", lambda kernel, seqlen_q: 2)
+    run_case(kern, shape, torch.bfloat16, seed=7 + sum(shape))
+
+
+def test_the_persistent_grid_fits_the_co_resident_clusters(kern):
+    kern(*random_qkv(1, 256, 128, 2, 2, 128, torch.bfloat16, 3))  # loads the module
+    module = kern.module(Dtype.BF16, 0)
+    clusters = module.max_active_clusters(0, 2)
+    assert 2 * clusters >= params.resident_ctas(0, 2) > 0
+    assert params.resident_ctas(0, 2) == params.sm_count(0) // 2 * 2
