@@ -11,7 +11,8 @@ generated code runs them (emit/sm90/kernel.cu.j2, ops.cu.j2, include/fadsl/sm90.
   slot of every CTA, completing its bytes on the load's mbarrier of each: every CTA's full
   barrier receives the whole tile, its own panels' and its peers';
 - ``MBAR_ARRIVE_PEER`` is ``MBAR_ARRIVE``'s arrival (same threads, barrier, slot) on the
-  peer CTA's (rank ^ 1) mbarrier: mapa + ``mbarrier.arrive``;
+  peer CTA's (rank ^ 1) mbarrier: mapa + ``mbarrier.arrive.release.cta.shared::cluster``
+  (see the scope note below);
 - ``CLUSTER_ARRIVE`` / ``CLUSTER_ARRIVE_RELAXED`` / ``CLUSTER_WAIT`` of ``Threads.ALL_WARPS``
   are run by every thread of every CTA, outside the roles: those of the setup phase before
   any role's code, those of the teardown phase after it (the template's ``setup`` and
@@ -33,6 +34,19 @@ still a function of the ring item's slot and phase (the same item in both CTAs),
 through the cluster barriers before the first tile and after the last. Neither CTA runs a
 ring ahead of the other: a slot is refilled once both CTAs' consumers have released it,
 and a consumer's full barrier needs both CTAs' shares.
+
+Scope: async_model's ``RemoteArrive`` is a release at cluster scope, while the generated
+peer arrival releases at CTA scope (as CUTLASS's ClusterBarrier::arrive; a cluster-scope
+release costs a MEMBAR per arrival). The proof orders three things through that edge, and
+none needs the arriving thread's writes to be visible to the peer: the peer's wgmma reads
+of a K/V slot (retired by wgmma.wait_group before the arrival) before the refill's
+multicast overwrites it (a WAR on completed reads), the slot's previous multicast landing
+(complete, observed through the full barrier, before the arrival) before the next one (a
+WAW), and the refill's landing on the full barrier's next phase (causality of the mbarrier
+operations). No RAW crosses the CTAs through it: the data reaches the peer by the multicast's
+own complete_tx. So CTA scope is taken as enough, as in CUTLASS, although the PTX memory
+model promises release/acquire ordering only where the release's scope holds the waiting
+thread (here: the cluster).
 """
 
 from __future__ import annotations
