@@ -247,6 +247,8 @@ def explain_data(kernel: Kernel) -> dict[str, Any]:
             "by": VERIFIER,
             "block_counts": [counts.start, counts.stop - 1],
             "tiles": [1, max_tiles(kernel)],
+            # `cluster 2`: the proof runs both CTAs of a cluster (verify_clusters)
+            **({"ctas": hw.cluster} if hw.cluster > 1 else {}),
         },
         "programs": _programs(kernel),
     }
@@ -368,9 +370,9 @@ def explain_sections(data: Mapping[str, Any]) -> list[str]:
     out += [
         "",
         f"Verified: {data['verified']['by']} proves this plan (every hazard ordered, no wait "
-        f"left hanging) over the async model for a CTA running {tiles[0]}-{tiles[1]} tiles in "
-        f"turn, each of {counts[0]}..{counts[1]} K/V blocks (up to stages + 2; empty tiles "
-        "touch no SMEM)"
+        f"left hanging) over the async model for {_proven_for(data['verified'])} "
+        f"{tiles[0]}-{tiles[1]} tiles in turn, each of {counts[0]}..{counts[1]} K/V blocks (up "
+        "to stages + 2; empty tiles touch no SMEM)"
         + (
             "; and with any one warpgroup, or all, skipping a tile's tail (a split piece)"
             if data["warp_specialisation"]["tail"] == "split_kv"
@@ -379,6 +381,17 @@ def explain_sections(data: Mapping[str, Any]) -> list[str]:
         "",
     ]
     return out
+
+
+def _proven_for(verified: Mapping[str, Any]) -> str:
+    """Whose programs the proof runs: one CTA's, or every CTA's of a cluster."""
+    ctas = verified.get("ctas", 1)
+    if ctas == 1:
+        return "a CTA running"
+    return (
+        f"{'both' if ctas == 2 else f'all {ctas}'} CTAs of a cluster (K/V multicast in shares, arrivals on the peer's "
+        "empty barriers, the cluster barrier after init and at exit), running the same"
+    )
 
 
 def explain_schedule(data: Mapping[str, Any]) -> list[str]:

@@ -9,9 +9,10 @@ agents of ``fadsl.passes.async_model``: the producer's elected thread, and one a
 consumer warpgroup. ``verify_async`` then proves the plan for that program (mbarrier phases
 and parities, transaction bytes, named-barrier generations, wgmma and bulk groups, proxy
 fences). Two rules live here because they concern instructions the program model leaves
-out: every mbarrier is initialised (then ``fence.mbarrier_init`` and a CTA barrier)
-before use, and a wgmma reads no register that ordinary code wrote since the warpgroup's
-last ``wgmma.fence``.
+out: every mbarrier is initialised (then ``fence.mbarrier_init`` and a CTA barrier, or a
+cluster barrier with ``cluster 2``) before use, and a wgmma reads no register that ordinary
+code wrote since the warpgroup's last ``wgmma.fence``. With ``cluster 2`` the program holds
+the agents of both CTAs of a cluster (verify_clusters).
 
 What the generated code does, as this module reads it:
 - the setup phase (mbarrier inits, their fence, ``__syncthreads``, setmaxnreg, the first
@@ -32,7 +33,14 @@ What the generated code does, as this module reads it:
 - a TMA load of tensor X completes on the mbarrier ``x_full`` of its ring item;
 - per-warpgroup named barriers have id ``bar_id + (wg + peer) % W``;
 - ``consumer_warp_lane0`` arrivals are one per consumer warp (4 per warpgroup),
-  ``consumer_elected`` and ``producer_thread`` ones a single arrival.
+  ``consumer_elected`` and ``producer_thread`` ones a single arrival;
+- ``cluster 2`` (verify_clusters reads it): both CTAs of a cluster run the same tile
+  sequence, each with its own mbarriers (the inits' counts are per CTA); a TMA load of a
+  ``smem[cluster]`` buffer (K, V) issues CTA r's 64-column panels p (p % 2 == r), each a
+  multicast into the same slot of both CTAs completing on both CTAs' ``x_full``; an
+  ``MBAR_ARRIVE_PEER`` is its ``MBAR_ARRIVE`` on the peer's (rank ^ 1) barrier; the cluster
+  barrier syncs (every thread) open each role's program in the setup, after the inits'
+  fence (in place of ``__syncthreads``), and close it in the teardown.
 
 The tile sequences (``tile_sequences``; S = stages), and why they cover a CTA's tile loop.
 What the plan does at tile t depends on the tile's shape (no mainloop, one iteration, more;
@@ -92,7 +100,7 @@ from ...passes.async_model import (
     WgmmaWait,
 )
 from ...passes.verify_async import AsyncVerifyError, check
-from . import caps
+from . import caps, verify_clusters
 
 WARPS_PER_WARPGROUP = 4
 # per tile of a sequence: the consumer warpgroups that skip its tail (tail split_kv)
@@ -239,25 +247,28 @@ def _setup_problems(kernel: Kernel) -> list[str]:
     inits = {s.barrier for s in kernel.setup if isinstance(s, Sync) and s.kind is caps.MBAR_INIT}
     used = {s.barrier for s in kernel.syncs() if s.kind in _MBARRIER_USES}
     problems = [f"mbarrier {name} is used but never initialised" for name in sorted(used - inits)]
-    order = [s.kind for s in kernel.setup if isinstance(s, Sync)]
+    syncs = [s for s in kernel.setup if isinstance(s, Sync)]
+    order = [s.kind for s in syncs]
     last_init = max((i for i, k in enumerate(order) if k is caps.MBAR_INIT), default=-1)
     fences = [i for i, k in enumerate(order) if k is caps.FENCE_MBAR_INIT and i > last_init]
     if inits and not fences:
         problems.append("no fence.mbarrier_init after the mbarrier inits (TMA's complete_tx)")
+    elif inits and verify_clusters.ctas(kernel) > 1:  # the peer uses them too
+        problems += verify_clusters.setup_problems(kernel, syncs[fences[0] :])
     elif inits and not any(k is caps.SYNCTHREADS for k in order[fences[0] :]):
         problems.append("no CTA barrier between the mbarrier inits and their first use")
     return problems
 
 
-_MBARRIER_USES = (caps.MBAR_WAIT, caps.MBAR_ARRIVE, caps.MBAR_EXPECT_TX)
+_MBARRIER_USES = (caps.MBAR_WAIT, caps.MBAR_ARRIVE, caps.MBAR_ARRIVE_PEER, caps.MBAR_EXPECT_TX)
 
 
 def build_program(
     kernel: Kernel, tiles: int | tuple[int, ...], fences: bool = False, skips: Skips = ()
 ) -> Program:
     """The kernel's roles as agents, for a CTA running tiles of ``tiles`` K/V blocks in turn
-    (an int: one tile); with ``fences``, also the wgmma.fence markers, which are not
-    async_model events."""
+    (an int: one tile), or each CTA of a cluster running them (verify_clusters); with
+    ``fences``, also the wgmma.fence markers, which are not async_model events."""
     hopper = kernel.config.hopper
     assert hopper is not None
     tiles = (tiles,) if isinstance(tiles, int) else tuple(tiles)
@@ -275,11 +286,17 @@ def build_program(
             )
             counts += [(name, sync.count) for name in names]
     roles = [("producer", None, 1)] + [(f"wg{wg}", wg, 128) for wg in range(consumers)]
+    ctas = verify_clusters.ctas(kernel)
+    named = [
+        (verify_clusters.agent_name(role, cta, ctas > 1), wg, threads, cta)
+        for cta in range(ctas)
+        for role, wg, threads in roles
+    ]
     agents = tuple(
-        Agent(name, threads, tuple(_Agent(kernel, name, wg).events(tiles, skips)))
-        for name, wg, threads in roles
+        Agent(name, threads, tuple(_Agent(kernel, name, wg, cta).events(tiles, skips)), cta)
+        for name, wg, threads, cta in named
     )
-    program = Program(agents, tuple(counts))
+    program = Program(agents, tuple(counts), ctas)
     return program if fences else _without_fences(program)
 
 
@@ -295,13 +312,15 @@ def _without_fences(program: Program) -> Program:
 
 
 class _Agent:
-    """One role's unrolled program: the producer thread (wg None) or consumer warpgroup wg."""
+    """One role's unrolled program: the producer thread (wg None) or consumer warpgroup wg,
+    of CTA ``cta`` of the cluster."""
 
-    def __init__(self, kernel: Kernel, name: str, wg: int | None) -> None:
+    def __init__(self, kernel: Kernel, name: str, wg: int | None, cta: int = 0) -> None:
         self.kernel = kernel
         self.hopper = kernel.config.hopper
         self.name = name
         self.wg = wg
+        self.cta = cta
         self.rings = {s.barrier for s in kernel.syncs() if s.lag is not None}
         # buffers loaded once per tile (no ring item): a ring of tiles when of several slots
         self.per_tile = {
@@ -321,6 +340,12 @@ class _Agent:
         self.plan = {
             phase: [i for i in items if self.runs(i.who)] for phase, items in kernel.phases()
         }
+        # the cluster barrier: every thread, before the roles split and after they end
+        for phase, items in kernel.phases():
+            if phase is Phase.SETUP:
+                self.plan[phase] = verify_clusters.everyone(items) + self.plan[phase]
+            elif phase is Phase.TEARDOWN:
+                self.plan[phase] = self.plan[phase] + verify_clusters.everyone(items)
         # The generated code counts a tile done (tile_count, ring_base) where the consumers'
         # tail starts, at their normalise step; the items after it see the next tile's count.
         epilogue = self.plan.get(Phase.EPILOGUE, [])
@@ -405,14 +430,14 @@ class _Agent:
         base = buf.offset + slot * buf.tile_bytes
         label = buf.name if buf.slots == 1 else f"{buf.name}[slot {slot}]"
         if partition is Partition.WHOLE or self.wg is None:
-            return Span("smem", base, base + buf.tile_bytes, label)
+            return Span("smem", base, base + buf.tile_bytes, label, self.cta)
         rows = buf.tile_bytes // buf.rows * ROWS_PER_WARPGROUP
         lo = base + self.wg * rows
-        return Span("smem", lo, lo + rows, f"{label} rows of wg{self.wg}")
+        return Span("smem", lo, lo + rows, f"{label} rows of wg{self.wg}", self.cta)
 
     def regs(self, names: tuple[str, ...]) -> tuple[Span, ...]:
         space = f"rf:{self.name}"
-        return tuple(Span(space, _REG_INDEX[n], _REG_INDEX[n] + 1, n) for n in names)
+        return tuple(Span(space, _REG_INDEX[n], _REG_INDEX[n] + 1, n, self.cta) for n in names)
 
     def step(self, step: Step, it: int) -> list[Event]:
         slot = self.slot(step.lag, it)
@@ -435,6 +460,11 @@ class _Agent:
                     barrier = f"{full}[{self.tile % tile_slots}]"
                 else:
                     barrier = full
+                (access,) = step.accesses
+                buf = self.kernel.buffer(access.buffer)
+                if verify_clusters.is_cluster_load(self.kernel, buf):  # this CTA's panels
+                    n = verify_clusters.ctas(self.kernel)
+                    return verify_clusters.multicast(buf, span, barrier, self.cta, n, what)
                 return [TmaLoad(span, barrier, span.hi - span.lo, what)]
             case caps.TMA_STORE:
                 return [TmaStore(span, what) for span, _ in smem]
@@ -454,8 +484,10 @@ class _Agent:
             case caps.MBAR_EXPECT_TX:
                 return [Arrive(self.barrier(sync, it), 1, sync.tx, why)]
             case caps.MBAR_ARRIVE:
-                count = WARPS_PER_WARPGROUP if sync.who is Threads.CONSUMER_WARP_LANE0 else 1
-                return [Arrive(self.barrier(sync, it), count, 0, why)]
+                return [Arrive(self.barrier(sync, it), self.arrivals(sync), 0, why)]
+            case caps.MBAR_ARRIVE_PEER:  # the same arrival on the peer CTA's barrier
+                bar, count = self.barrier(sync, it), self.arrivals(sync)
+                return [verify_clusters.peer_arrive(bar, self.cta, count, why)]
             case caps.MBAR_WAIT:
                 return [Wait(self.barrier(sync, it), self.parity(sync, it), why)]
             case caps.BAR_SYNC | caps.BAR_ARRIVE:
@@ -477,10 +509,16 @@ class _Agent:
                 return [BulkCommit()]
             case caps.BULK_WAIT:
                 return [BulkWait(sync.groups)]
+            case caps.CLUSTER_ARRIVE | caps.CLUSTER_ARRIVE_RELAXED | caps.CLUSTER_WAIT:
+                return [verify_clusters.barrier_event(sync, why)]
             case caps.MBAR_INIT | caps.FENCE_MBAR_INIT | caps.SYNCTHREADS:
                 raise AssertionError("setup syncs run before the roles split")
             case _:
                 raise AssertionError(f"unknown sync kind {sync.kind.name}")
+
+    def arrivals(self, sync: Sync) -> int:
+        """An arrive's count: one per consumer warp (lane 0 of each), else one thread's."""
+        return WARPS_PER_WARPGROUP if sync.who is Threads.CONSUMER_WARP_LANE0 else 1
 
     def parity(self, sync: Sync, it: int) -> int:
         if sync.lag is None:
