@@ -8,6 +8,7 @@ from dataclasses import replace
 import torch
 
 from conftest import ROOT
+from gpu_specs import single_ctas
 from fadsl import targets
 from fadsl.ir import Phase, Scope, Sync, Threads
 from fadsl.params import (
@@ -22,17 +23,14 @@ from fadsl.params import (
 from fadsl.pipeline import front_end
 from fadsl.targets.sm90 import caps, cluster_syncs
 
-HOPPER = (ROOT / "examples" / "fa3_hopper.fa").read_text()
+CLUSTER = (ROOT / "examples" / "fa3_hopper.fa").read_text()
+HOPPER = single_ctas(CLUSTER)  # the same kernel without `cluster 2`
 
 
-def cluster_source(cluster: int = 2) -> str:
-    """examples/fa3_hopper.fa with `cluster N` and K and V in smem[cluster]."""
-    text = HOPPER.replace("  stages     2 ", f"  cluster    {cluster}\n  stages     2 ", 1)
-    for tensor in "KV":
-        text = text.replace(
-            f"{tensor}: gmem -tma-> smem[cta]    ", f"{tensor}: gmem -tma-> smem[cluster]", 1
-        )
-    return text
+def cluster_source() -> str:
+    """examples/fa3_hopper.fa: `cluster 2`, K and V in smem[cluster]."""
+    assert "cluster    2" in CLUSTER and "smem[cluster]" in CLUSTER
+    return CLUSTER
 
 
 def through(source: str, last: str):

@@ -21,14 +21,14 @@ from fadsl.passes.async_model import (
     TmaLoad,
     TmaMulticast,
 )
-from fadsl.passes.verify_async import AsyncVerifyError
+from fadsl.passes.verify_async import AsyncVerifyError, check
 from fadsl.pipeline import compile_file, compile_source
 from fadsl.targets.sm90 import caps
-from fadsl.targets.sm90.verify import build_program, problems_of, verify
+from fadsl.targets.sm90.verify import build_program, problems_of, tile_sequences, verify
 from unverified import unverified
 
 ROOT = Path(__file__).resolve().parents[1]
-CLUSTER = ROOT / "tests" / "specs" / "sm90" / "fa3_cluster.fa"
+CLUSTER = ROOT / "examples" / "fa3_hopper.fa"  # `cluster 2`
 KERNEL = unverified(CLUSTER.read_text(), str(CLUSTER))
 CLUSTER_BARRIER = (caps.CLUSTER_ARRIVE, caps.CLUSTER_ARRIVE_RELAXED, caps.CLUSTER_WAIT)
 
@@ -69,14 +69,27 @@ def _refused(kernel: Kernel) -> tuple[str, ...]:
     return refused.value.failures
 
 
+def _in_pairs(kernel: Kernel) -> list[str]:
+    """The problems of the launch in pairs, over verify's tile sequences (verify reports the
+    first failing launch, which may be the one alone)."""
+    return [f for tiles in tile_sequences(kernel) for f in problems_of(kernel, tiles, ctas=2)]
+
+
 def _no_peer_arrivals(sync: Sync) -> Sync | None:
     return None if sync.kind is caps.MBAR_ARRIVE_PEER else sync
 
 
 def _local_empty_counts(sync: Sync) -> Sync:
-    """The K/V empty barriers' init counting one CTA's consumer warps."""
+    """The K/V empty barriers' init counting one CTA's consumer warps, in pairs too."""
     if sync.kind is caps.MBAR_INIT and sync.barrier in ("k_empty", "v_empty"):
-        return replace(sync, count=sync.count // 2)
+        return replace(sync, per_cta=False)
+    return sync
+
+
+def _paired_empty_counts(sync: Sync) -> Sync:
+    """The K/V empty barriers' init counting both CTAs' consumer warps, alone too."""
+    if sync.kind is caps.MBAR_INIT and sync.barrier in ("k_empty", "v_empty"):
+        return replace(sync, count=2 * sync.count, per_cta=False)
     return sync
 
 
@@ -110,9 +123,11 @@ def test_the_cluster_plan_has_what_the_proof_relies_on():
     tests below would prove nothing)."""
     kinds = [s.kind for s in KERNEL.syncs()]
     assert caps.MBAR_ARRIVE_PEER in kinds
-    inits = {s.barrier: s.count for s in KERNEL.setup if isinstance(s, Sync)}
+    inits = {s.barrier: s for s in KERNEL.setup if isinstance(s, Sync)}
     warps = 4 * KERNEL.config.hopper.consumers
-    assert inits["k_empty"] == inits["v_empty"] == 2 * warps
+    assert inits["k_empty"].count == inits["v_empty"].count == warps  # x the launch's CTAs
+    assert inits["k_empty"].per_cta and inits["v_empty"].per_cta
+    assert not inits["q_empty"].per_cta
     setup = [s.kind for s in KERNEL.setup if isinstance(s, Sync) and s.kind in CLUSTER_BARRIER]
     teardown = [s.kind for s in KERNEL.teardown if isinstance(s, Sync)]
     assert setup == [caps.CLUSTER_ARRIVE_RELAXED, caps.CLUSTER_WAIT]
@@ -174,7 +189,9 @@ def test_dropping_the_peer_arrivals_hangs_the_producer():
     """Each empty barrier counts both CTAs' consumer warps: without the peer's arrivals the
     producer waits forever before its first refill of a slot (stages + 1 blocks)."""
     failures = _refused(_edit(KERNEL, _no_peer_arrivals))
-    assert failures[0].startswith("with one tile of 3 K/V blocks: hang: cta0.producer")
+    assert failures[0].startswith(
+        "with CTAs in pairs, one tile of 3 K/V blocks: hang: cta0.producer"
+    )
     assert any(
         "never returns (k_empty[0]@cta0 stays in phase 0 with 8 arrival(s)" in f for f in failures
     )
@@ -207,7 +224,9 @@ def test_empty_barriers_of_local_consumers_only_let_the_peer_overwrite_a_slot_in
 def test_expect_tx_of_one_ctas_share_is_refused():
     """Each CTA's full barrier receives both shares: expecting one completes the phase before
     the peer's panel has landed, and the consumers read it too early."""
-    failures = _refused(_edit(KERNEL, _half_expect_tx))
+    mutant = _edit(KERNEL, _half_expect_tx)
+    assert _refused(mutant)
+    failures = _in_pairs(mutant)
     assert any(
         "RAW on K[slot 0] panel 1 of cta0: cta1.producer #7 (k_g2s (tile 0, it=0), panel 1: "
         "TMA multicast" in f
@@ -225,7 +244,7 @@ def test_the_exit_cluster_barrier_is_needed(change):
     cluster barrier at exit (or with a relaxed arrive, which orders nothing before it) the CTA
     may have exited when they reach it."""
     failures = _refused(_edit(KERNEL, change, (Phase.TEARDOWN,)))
-    assert failures[0].startswith("with one tile of 1 K/V block: ")
+    assert failures[0].startswith("with CTAs in pairs, one tile of 1 K/V block: ")
     assert any(
         "cta1.wg0 #11 (remote arrive on k_empty[0] of cta0 x4) may reach cta0 after every "
         "agent of cta0 has finished" in f
@@ -275,15 +294,46 @@ def test_a_peer_arrival_made_local_is_refused():
         KERNEL,
         lambda s: replace(s, kind=caps.MBAR_ARRIVE) if s.kind is caps.MBAR_ARRIVE_PEER else s,
     )
-    assert any("WAR on K[slot 0] of cta1: cta1.wg0" in f for f in _refused(local))
+    assert _refused(local)
+    assert any("WAR on K[slot 0] of cta1: cta1.wg0" in f for f in _in_pairs(local))
 
 
 def test_peer_arrivals_without_a_cluster_are_refused():
-    """An MBAR_ARRIVE_PEER in a one-CTA kernel arrives on a CTA that is not there."""
+    """An MBAR_ARRIVE_PEER in a kernel without `cluster`: there is no peer to arrive on
+    (and the generated code has no cluster_ctas to test)."""
     hopper = replace(KERNEL.config.hopper, cluster=1)
     alone = replace(KERNEL, config=replace(KERNEL.config, hopper=hopper))
-    failures = problems_of(alone, (1,))
-    assert any("there is no cta1 in the cluster" in f for f in failures)
+    failures = _refused(alone)
+    assert (
+        "arrivals on a peer CTA's mbarriers (k_empty, v_empty) in a kernel without 'cluster'"
+        in failures
+    )
+    two_ctas = build_program(KERNEL, (1,), ctas=2)  # in the model: a CTA that is not there
+    one_cta = replace(two_ctas, agents=two_ctas.agents[: len(two_ctas.agents) // 2], ctas=1)
+    assert any("there is no cta1 in the cluster" in f for f in check(one_cta))
+
+
+def test_launched_alone_the_kernel_is_one_cta_loading_whole_tiles():
+    """launch_cluster runs a `cluster 2` kernel alone when a head's query blocks are odd:
+    %cluster_nctarank is 1, so whole tiles are loaded locally, the peer arrivals go nowhere
+    and the empty barriers count one CTA's warps; verify proves that launch too."""
+    program = build_program(KERNEL, (3,), ctas=1)
+    assert program.ctas == 1 and {a.cta for a in program.agents} == {0}
+    events = [e for a in program.agents for e in a.events]
+    assert not [e for e in events if isinstance(e, (TmaMulticast, RemoteArrive))]
+    loads = [e for e in events if isinstance(e, TmaLoad) and e.barrier.startswith("k_full")]
+    assert loads and all(e.nbytes == KERNEL.buffer("K").tile_bytes for e in loads)
+    assert dict(program.mbarriers)["k_empty[0]"] == 4 * KERNEL.config.hopper.consumers
+    assert dict(build_program(KERNEL, (3,)).mbarriers)["k_empty[0]"] == 8 * 2
+    assert problems_of(KERNEL, (3,), ctas=1) == []
+
+
+def test_empty_counts_fixed_for_pairs_hang_a_cta_launched_alone():
+    """Counts of both CTAs' warps whatever the launch: proven in pairs, but a CTA launched
+    alone waits for arrivals that never come."""
+    failures = _refused(_edit(KERNEL, _paired_empty_counts))
+    assert failures[0].startswith("with CTAs launched alone, one tile of 3 K/V blocks: hang:")
+    assert problems_of(_edit(KERNEL, _paired_empty_counts), (3,), ctas=2) == []
 
 
 SMALL = unverified(_one_wg_cluster(), "one_wg_cluster")

@@ -57,7 +57,7 @@ MBAR_WAIT = SyncKind(
 # `cluster 2`: a consumer's arrival on the peer CTA's empty barrier (mapa, then
 # mbarrier.arrive.release.cluster), and the cluster barrier (every thread of both CTAs).
 MBAR_ARRIVE_PEER = SyncKind(
-    "mbarrier.arrive.release.cluster", "an arrival on the peer CTA's mbarrier", signal=Signal.ARRIVE
+    "mbarrier.arrive.shared::cluster", "an arrival on the peer CTA's mbarrier", signal=Signal.ARRIVE
 )
 CLUSTER_ARRIVE = SyncKind(
     "barrier.cluster.arrive", "a cluster barrier arrival (release)", signal=Signal.TURN_ARRIVE

@@ -209,20 +209,41 @@ def verify(kernel: Kernel, target=None) -> Kernel:
     hopper = kernel.config.hopper
     assert hopper is not None, "the sm_90a verify needs an sm_90a kernel"
     problems = list(_setup_problems(kernel))
+    peer = sorted({s.barrier for s in kernel.syncs() if s.kind is caps.MBAR_ARRIVE_PEER})
+    if peer and hopper.cluster == 1:
+        problems.append(
+            f"arrivals on a peer CTA's mbarriers ({', '.join(peer)}) in a kernel without "
+            "'cluster'"
+        )
     if problems:
         raise AsyncVerifyError(tuple(problems))
-    for tiles in tile_sequences(kernel):
-        found = problems_of(kernel, tiles)
-        if found:  # the smallest failing sequence says enough
-            raise AsyncVerifyError(tuple(f"with {describe_tiles(tiles)}: {p}" for p in found))
-    for tiles, skips in skip_patterns(kernel):
-        found = problems_of(kernel, tiles, skips)
-        if found:
-            where = describe_skips(skips)
-            raise AsyncVerifyError(
-                tuple(f"with {describe_tiles(tiles)}, {where}: {p}" for p in found)
-            )
+    for ctas in launch_modes(kernel):
+        mode = describe_mode(kernel, ctas)
+        for tiles in tile_sequences(kernel):
+            found = problems_of(kernel, tiles, ctas=ctas)
+            if found:  # the smallest failing sequence says enough
+                where = mode + describe_tiles(tiles)
+                raise AsyncVerifyError(tuple(f"with {where}: {p}" for p in found))
+        for tiles, skips in skip_patterns(kernel):
+            found = problems_of(kernel, tiles, skips, ctas)
+            if found:
+                where = f"{mode}{describe_tiles(tiles)}, {describe_skips(skips)}"
+                raise AsyncVerifyError(tuple(f"with {where}: {p}" for p in found))
     return kernel
+
+
+def launch_modes(kernel: Kernel) -> tuple[int, ...]:
+    """The CTAs per cluster the kernel may be launched with: `cluster 2` kernels run in
+    pairs when a head's query blocks pair up and alone otherwise (fadsl/params.py's
+    launch_cluster; the generated code reads %cluster_nctarank), so both are proven."""
+    return tuple(sorted({1, kernel.config.hopper.cluster}))
+
+
+def describe_mode(kernel: Kernel, ctas: int) -> str:
+    """'' without `cluster`; else which launch a problem is in, for messages."""
+    if kernel.config.hopper.cluster == 1:
+        return ""
+    return "CTAs in pairs, " if ctas > 1 else "CTAs launched alone, "
 
 
 def describe_skips(skips: Skips) -> str:
@@ -234,10 +255,13 @@ def describe_skips(skips: Skips) -> str:
     )
 
 
-def problems_of(kernel: Kernel, tiles: tuple[int, ...], skips: Skips = ()) -> list[str]:
+def problems_of(
+    kernel: Kernel, tiles: tuple[int, ...], skips: Skips = (), ctas: int | None = None
+) -> list[str]:
     """Every problem of the plan for one sequence of tiles (empty when it is proven); with
-    ``skips``, the warpgroups of each tile that skip its tail (tail split_kv)."""
-    marked = build_program(kernel, tiles, fences=True, skips=skips)
+    ``skips``, the warpgroups of each tile that skip its tail (tail split_kv); ``ctas``: the
+    launch's CTAs per cluster (default the spec's)."""
+    marked = build_program(kernel, tiles, fences=True, skips=skips, ctas=ctas)
     return list(check(_without_fences(marked))) + _wgmma_fence_problems(marked)
 
 
@@ -264,11 +288,17 @@ _MBARRIER_USES = (caps.MBAR_WAIT, caps.MBAR_ARRIVE, caps.MBAR_ARRIVE_PEER, caps.
 
 
 def build_program(
-    kernel: Kernel, tiles: int | tuple[int, ...], fences: bool = False, skips: Skips = ()
+    kernel: Kernel,
+    tiles: int | tuple[int, ...],
+    fences: bool = False,
+    skips: Skips = (),
+    ctas: int | None = None,
 ) -> Program:
     """The kernel's roles as agents, for a CTA running tiles of ``tiles`` K/V blocks in turn
-    (an int: one tile), or each CTA of a cluster running them (verify_clusters); with
-    ``fences``, also the wgmma.fence markers, which are not async_model events."""
+    (an int: one tile), or each CTA of a cluster running them (verify_clusters); ``ctas``:
+    the launch's CTAs per cluster (default the spec's `cluster`; 1 runs a cluster kernel
+    alone); with ``fences``, also the wgmma.fence markers, which are not async_model
+    events."""
     hopper = kernel.config.hopper
     assert hopper is not None
     tiles = (tiles,) if isinstance(tiles, int) else tuple(tiles)
@@ -284,16 +314,18 @@ def build_program(
                 if sync.barrier in rings or slots > 1
                 else [sync.barrier]
             )
-            counts += [(name, sync.count) for name in names]
+            # per_cta: the generated init is count x the launch's CTAs per cluster
+            count = sync.count * (ctas or hopper.cluster) if sync.per_cta else sync.count
+            counts += [(name, count) for name in names]
     roles = [("producer", None, 1)] + [(f"wg{wg}", wg, 128) for wg in range(consumers)]
-    ctas = verify_clusters.ctas(kernel)
+    ctas = ctas or hopper.cluster
     named = [
         (verify_clusters.agent_name(role, cta, ctas > 1), wg, threads, cta)
         for cta in range(ctas)
         for role, wg, threads in roles
     ]
     agents = tuple(
-        Agent(name, threads, tuple(_Agent(kernel, name, wg, cta).events(tiles, skips)), cta)
+        Agent(name, threads, tuple(_Agent(kernel, name, wg, cta, ctas).events(tiles, skips)), cta)
         for name, wg, threads, cta in named
     )
     program = Program(agents, tuple(counts), ctas)
@@ -315,12 +347,15 @@ class _Agent:
     """One role's unrolled program: the producer thread (wg None) or consumer warpgroup wg,
     of CTA ``cta`` of the cluster."""
 
-    def __init__(self, kernel: Kernel, name: str, wg: int | None, cta: int = 0) -> None:
+    def __init__(
+        self, kernel: Kernel, name: str, wg: int | None, cta: int = 0, ctas: int = 1
+    ) -> None:
         self.kernel = kernel
         self.hopper = kernel.config.hopper
         self.name = name
         self.wg = wg
         self.cta = cta
+        self.ctas = ctas  # the launch's CTAs per cluster
         self.rings = {s.barrier for s in kernel.syncs() if s.lag is not None}
         # buffers loaded once per tile (no ring item): a ring of tiles when of several slots
         self.per_tile = {
@@ -462,9 +497,8 @@ class _Agent:
                     barrier = full
                 (access,) = step.accesses
                 buf = self.kernel.buffer(access.buffer)
-                if verify_clusters.is_cluster_load(self.kernel, buf):  # this CTA's panels
-                    n = verify_clusters.ctas(self.kernel)
-                    return verify_clusters.multicast(buf, span, barrier, self.cta, n, what)
+                if verify_clusters.is_cluster_load(buf, self.ctas):  # this CTA's panels
+                    return verify_clusters.multicast(buf, span, barrier, self.cta, self.ctas, what)
                 return [TmaLoad(span, barrier, span.hi - span.lo, what)]
             case caps.TMA_STORE:
                 return [TmaStore(span, what) for span, _ in smem]
@@ -486,6 +520,8 @@ class _Agent:
             case caps.MBAR_ARRIVE:
                 return [Arrive(self.barrier(sync, it), self.arrivals(sync), 0, why)]
             case caps.MBAR_ARRIVE_PEER:  # the same arrival on the peer CTA's barrier
+                if self.ctas == 1:  # launched alone: mbar_arrive_peer arrives nowhere
+                    return []
                 bar, count = self.barrier(sync, it), self.arrivals(sync)
                 return [verify_clusters.peer_arrive(bar, self.cta, count, why)]
             case caps.MBAR_WAIT:

@@ -18,13 +18,23 @@ generated code runs them (emit/sm90/kernel.cu.j2, ops.cu.j2, include/fadsl/sm90.
   any role's code, those of the teardown phase after it (the template's ``setup`` and
   ``exit`` items); so every agent begins with the setup ones and ends with the teardown
   ones;
-- the mbarrier inits are per CTA (each CTA's thread 0 initialises its own), and the inits'
+- the mbarrier inits are per CTA (each CTA's thread 0 initialises its own; a ``per_cta``
+  init counts ``count`` x the launch's CTAs per cluster), and the inits'
   ``fence.mbarrier_init`` (release at cluster scope) then a cluster barrier (a relaxed
   arrive is enough after that fence) order them before any peer's multicast or arrival.
 
+Launches: the runtime runs a `cluster 2` kernel in pairs when a head's query blocks pair
+up and alone otherwise (fadsl/params.py's launch_cluster); the code reads the launch's
+CTAs per cluster (%cluster_nctarank). Alone, a K/V load is the whole tile into the CTA's
+own SMEM (load_kv_multicast falls back to load_kv), a peer arrival arrives nowhere, the
+``per_cta`` inits count one CTA's arrivals, and the cluster barriers meet the CTA's own
+threads. verify proves both launches (``launch_modes``): ``build_program(..., ctas=1)`` is
+that single CTA.
+
 Both CTAs of a cluster run the same tile sequence: the scheduler hands CTA c tile
 c + step x gridDim.x (or tile c alone), gridDim.x is a multiple of the cluster size and so
-is every head's count of query blocks (num_m_blocks rounds it up), so the two CTAs of a
+is every head's count of query blocks (num_m_blocks rounds it up to the launch's CTAs per
+cluster; launch_cluster pairs only even counts), so the two CTAs of a
 cluster take consecutive tiles of one (batch, head) at every step and run out of tiles at
 the same step; without a mask and without split_kv (validate refuses both with a cluster)
 every tile of a head visits the same K/V blocks. So the proof runs both CTAs over each of
@@ -93,8 +103,10 @@ def multicast(buf: Buffer, span: Span, barrier: str, cta: int, n: int, what: str
     return events
 
 
-def is_cluster_load(kernel: Kernel, buf: Buffer) -> bool:
-    return buf.scope is Scope.CLUSTER and ctas(kernel) > 1
+def is_cluster_load(buf: Buffer, ctas: int) -> bool:
+    """Whether a load of ``buf`` is multicast in a launch of ``ctas`` CTAs per cluster (a
+    cluster kernel launched alone loads whole tiles: load_kv_multicast's ``ctas == 1``)."""
+    return buf.scope is Scope.CLUSTER and ctas > 1
 
 
 def peer_arrive(barrier: str, cta: int, count: int, why: str) -> RemoteArrive:
