@@ -274,6 +274,7 @@ def pack_fwd_params_sm90(kernel: Kernel, a: Args) -> bytes:
         v.stride(),
         o.stride(),
         a.softmax_scale,
+        launch_cluster(kernel, q.shape[1]),  # the divisors' block count is rounded to it
     )
     found = _SM90_PACKED.get(key)
     if found is None:
