@@ -375,9 +375,6 @@ class Sync:
     slots: int = 1  # a per-tile barrier: its ring of tiles (Parity.TILE); init: how many
     parity: Parity | None = None  # an mbarrier wait
     count: int = 0  # init: arrivals per phase; named barrier: threads
-    # init, `cluster 2`: `count` arrivals per CTA of the launch's cluster (a launch in pairs
-    # inits count x 2: both CTAs' consumers release a slot that both CTAs' loads refill)
-    per_cta: bool = False
     tx: int = 0  # arrive.expect_tx: transaction bytes
     bar_id: int = -1  # a named barrier's id (its first id when per warpgroup)
     peer: int | None = None  # per warpgroup: id = bar_id + (wg + peer) % W; None: bar_id
@@ -395,7 +392,7 @@ class Sync:
         if self.parity is not None:
             args.append(f"parity={self.parity.value}")
         if self.count:
-            args.append(f"count={self.count}" + ("xCTAs" if self.per_cta else ""))
+            args.append(f"count={self.count}")
         if self.tx:
             args.append(f"tx={self.tx}")
         if self.who is not Threads.ALL_WARPS:

@@ -68,11 +68,10 @@ def test_the_spec_reaches_the_ir():
 
 def test_empty_barriers_count_both_ctas_and_hear_from_the_peer():
     before, after = through(cluster_source(), "cluster_syncs")
-    inits = {s.barrier: s for s in syncs(before, caps.MBAR_INIT)}
-    new_inits = {s.barrier: s for s in syncs(after, caps.MBAR_INIT)}
-    assert {b: s.count for b, s in new_inits.items()} == {b: s.count for b, s in inits.items()}
-    per_cta = {b for b, s in new_inits.items() if s.per_cta}
-    assert per_cta == {"k_empty", "v_empty"} and not any(s.per_cta for s in inits.values())
+    counts = {s.barrier: s.count for s in syncs(before, caps.MBAR_INIT)}
+    new_counts = {s.barrier: s.count for s in syncs(after, caps.MBAR_INIT)}
+    doubled = {"k_empty": 2 * counts["k_empty"], "v_empty": 2 * counts["v_empty"]}
+    assert new_counts == {**counts, **doubled}
     # every local arrival on a K/V empty barrier is followed, at once, by the same warp's
     # arrival on the peer's barrier of the same slot; Q's empty barrier stays local
     for phase, items in after.phases():
@@ -114,10 +113,12 @@ def test_the_emitted_code_multicasts_and_arrives_on_the_peer():
     text = source.text
     assert "static constexpr int kClusterSize = 2;" in text
     assert text.count("load_kv_multicast<Cfg>(") == 4 and "load_kv<Cfg>(" not in text
-    assert text.count("cluster_rank, cluster_ctas);") == 4 + 4  # the loads, the peer arrivals
-    assert "mbar_arrive_peer(bar_k_empty(" in text and "mbar_arrive_peer(bar_v_empty(" in text
-    assert "mbar_init(bar_k_empty(s), 8 * cluster_ctas);" in text  # x the launch's CTAs
-    assert "mbar_init(bar_q_empty, 8);" in text
+    assert text.count("cluster_rank, cluster_ctas);") == 4  # the loads: alone, whole tiles
+    # the peer arrivals: no branch; a CTA launched alone is its own peer
+    assert "cluster_peer = cluster_rank ^ (cluster_ctas - 1u);" in text
+    assert text.count("mbar_arrive_cluster(bar_k_empty(") == 2
+    assert text.count("mbar_arrive_cluster(bar_v_empty(") == 2
+    assert "mbar_init(bar_k_empty(s), 16);" in text and "mbar_init(bar_q_empty, 8);" in text
     assert "__syncthreads();" not in text
     # the exit barrier comes after both roles' branches, for every thread
     assert text.rstrip().endswith(

@@ -15,6 +15,7 @@ import pytest
 from bruteforce_async import explore
 from fadsl.ir import Kernel, Phase, Sync
 from fadsl.passes.async_model import (
+    Arrive,
     ClusterArrive,
     ClusterWait,
     RemoteArrive,
@@ -82,14 +83,7 @@ def _no_peer_arrivals(sync: Sync) -> Sync | None:
 def _local_empty_counts(sync: Sync) -> Sync:
     """The K/V empty barriers' init counting one CTA's consumer warps, in pairs too."""
     if sync.kind is caps.MBAR_INIT and sync.barrier in ("k_empty", "v_empty"):
-        return replace(sync, per_cta=False)
-    return sync
-
-
-def _paired_empty_counts(sync: Sync) -> Sync:
-    """The K/V empty barriers' init counting both CTAs' consumer warps, alone too."""
-    if sync.kind is caps.MBAR_INIT and sync.barrier in ("k_empty", "v_empty"):
-        return replace(sync, count=2 * sync.count, per_cta=False)
+        return replace(sync, count=sync.count // 2)
     return sync
 
 
@@ -123,11 +117,9 @@ def test_the_cluster_plan_has_what_the_proof_relies_on():
     tests below would prove nothing)."""
     kinds = [s.kind for s in KERNEL.syncs()]
     assert caps.MBAR_ARRIVE_PEER in kinds
-    inits = {s.barrier: s for s in KERNEL.setup if isinstance(s, Sync)}
+    inits = {s.barrier: s.count for s in KERNEL.setup if isinstance(s, Sync)}
     warps = 4 * KERNEL.config.hopper.consumers
-    assert inits["k_empty"].count == inits["v_empty"].count == warps  # x the launch's CTAs
-    assert inits["k_empty"].per_cta and inits["v_empty"].per_cta
-    assert not inits["q_empty"].per_cta
+    assert inits["k_empty"] == inits["v_empty"] == 2 * warps and inits["q_empty"] == warps
     setup = [s.kind for s in KERNEL.setup if isinstance(s, Sync) and s.kind in CLUSTER_BARRIER]
     teardown = [s.kind for s in KERNEL.teardown if isinstance(s, Sync)]
     assert setup == [caps.CLUSTER_ARRIVE_RELAXED, caps.CLUSTER_WAIT]
@@ -187,20 +179,25 @@ def test_the_two_ctas_load_complementary_halves():
 
 def test_dropping_the_peer_arrivals_hangs_the_producer():
     """Each empty barrier counts both CTAs' consumer warps: without the peer's arrivals the
-    producer waits forever before its first refill of a slot (stages + 1 blocks)."""
-    failures = _refused(_edit(KERNEL, _no_peer_arrivals))
+    producer waits forever before its first refill of a slot (stages + 1 blocks), alone
+    (where the CTA is its own peer) and in pairs."""
+    mutant = _edit(KERNEL, _no_peer_arrivals)
+    failures = _refused(mutant)
     assert failures[0].startswith(
-        "with CTAs in pairs, one tile of 3 K/V blocks: hang: cta0.producer"
+        "with CTAs launched alone, one tile of 3 K/V blocks: hang: producer"
     )
     assert any(
-        "never returns (k_empty[0]@cta0 stays in phase 0 with 8 arrival(s)" in f for f in failures
+        "hang: cta0.producer" in f and "(k_empty[0]@cta0 stays in phase 0 with 8 arrival(s)" in f
+        for f in _in_pairs(mutant)
     )
 
 
 def test_empty_barriers_counting_one_ctas_consumers_are_refused():
     """With both CTAs' arrivals on an init count of one CTA's warps, the peer's arrivals of one
     release may complete a phase meant for the next: a refill need not wait for the readers."""
-    failures = _refused(_edit(KERNEL, _local_empty_counts))
+    mutant = _edit(KERNEL, _local_empty_counts)
+    assert _refused(mutant)
+    failures = _in_pairs(mutant)
     assert any(
         "remote arrive on k_empty[0] of cta1 x4) may count towards phase 0 of k_empty[0]@cta1 "
         "instead of phase 1" in f
@@ -315,25 +312,27 @@ def test_peer_arrivals_without_a_cluster_are_refused():
 
 def test_launched_alone_the_kernel_is_one_cta_loading_whole_tiles():
     """launch_cluster runs a `cluster 2` kernel alone when a head's query blocks are odd:
-    %cluster_nctarank is 1, so whole tiles are loaded locally, the peer arrivals go nowhere
-    and the empty barriers count one CTA's warps; verify proves that launch too."""
+    %cluster_nctarank is 1, so whole tiles are loaded locally and the CTA is its own peer
+    (its consumers arrive twice on its own empty barriers); verify proves that launch too."""
     program = build_program(KERNEL, (3,), ctas=1)
     assert program.ctas == 1 and {a.cta for a in program.agents} == {0}
     events = [e for a in program.agents for e in a.events]
     assert not [e for e in events if isinstance(e, (TmaMulticast, RemoteArrive))]
     loads = [e for e in events if isinstance(e, TmaLoad) and e.barrier.startswith("k_full")]
     assert loads and all(e.nbytes == KERNEL.buffer("K").tile_bytes for e in loads)
-    assert dict(program.mbarriers)["k_empty[0]"] == 4 * KERNEL.config.hopper.consumers
-    assert dict(build_program(KERNEL, (3,)).mbarriers)["k_empty[0]"] == 8 * 2
+    empties = [e for e in events if isinstance(e, Arrive) and e.barrier == "k_empty[0]"]
+    # blocks 0 and 2 of the tile use slot 0: each consumer warpgroup arrives twice for each
+    assert len(empties) == 2 * 2 * KERNEL.config.hopper.consumers
+    assert dict(program.mbarriers)["k_empty[0]"] == 2 * 4 * KERNEL.config.hopper.consumers
     assert problems_of(KERNEL, (3,), ctas=1) == []
 
 
-def test_empty_counts_fixed_for_pairs_hang_a_cta_launched_alone():
-    """Counts of both CTAs' warps whatever the launch: proven in pairs, but a CTA launched
-    alone waits for arrivals that never come."""
-    failures = _refused(_edit(KERNEL, _paired_empty_counts))
-    assert failures[0].startswith("with CTAs launched alone, one tile of 3 K/V blocks: hang:")
-    assert problems_of(_edit(KERNEL, _paired_empty_counts), (3,), ctas=2) == []
+def test_a_cta_launched_alone_must_arrive_for_its_peer():
+    """The empty barriers count both CTAs' warps in either launch: a CTA alone that skipped
+    its peer arrivals (a branch on the launch) would wait for arrivals that never come."""
+    skipped = _edit(KERNEL, _no_peer_arrivals)
+    failures = problems_of(skipped, (3,), ctas=1)
+    assert any("hang: producer" in f and "k_empty[0]" in f for f in failures)
 
 
 SMALL = unverified(_one_wg_cluster(), "one_wg_cluster")

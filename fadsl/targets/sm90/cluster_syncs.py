@@ -7,10 +7,9 @@ its bytes on both CTAs' full barriers. So a slot is free again only when the con
 both CTAs have read it, and the CTAs must be alive whenever the other one reaches into them.
 This pass adds what that takes, and nothing else (one pass per mechanism):
 
-- each K/V ring's empty barrier counts the consumer warps of every CTA of the cluster (its
-  init ``per_cta``: count x the launch's CTAs per cluster); after each consumer arrival on
-  it, the same warp arrives on the peer CTA's barrier of the same slot
-  (``MBAR_ARRIVE_PEER``): the peer's producer multicasts into this CTA's slot;
+- each K/V ring's empty barrier counts the consumer warps of both CTAs (init count x 2);
+  after each consumer arrival on it, the same warp arrives on the peer CTA's barrier of the
+  same slot (``MBAR_ARRIVE_PEER``): the peer's producer multicasts into this CTA's slot;
 - the full barriers stay as they are: each still expects the whole tile's bytes, half from
   this CTA's multicast and half from the peer's;
 - the CTA barrier after mbarrier.init becomes a cluster barrier (arrive.relaxed, wait): the
@@ -22,8 +21,9 @@ This pass adds what that takes, and nothing else (one pass per mechanism):
 Which loads are multicast is the buffers' scope (Scope.CLUSTER); the emitter reads it too.
 The runtime launches pairs only when a head's query blocks pair up (an even count, as
 FlashAttention-3); otherwise the same kernel runs as clusters of one CTA, where the code
-loads whole tiles locally, skips the peer arrivals and inits the empty barriers for one CTA
-(count x 1), and the cluster barriers meet the CTA's own threads.
+loads whole tiles locally, a CTA is its own peer (its consumers arrive twice on its own
+empty barriers, which the doubled count expects: no branch in the consumers' code), and the
+cluster barriers meet the CTA's own threads.
 verify (fadsl/targets/sm90/verify.py) proves the result over both CTAs of the cluster.
 """
 
@@ -64,10 +64,11 @@ def cluster_syncs(kernel: Kernel, target: targets.Target) -> Kernel:
                 out.append(
                     replace(
                         item,
-                        per_cta=True,
+                        count=hw.cluster * item.count,
                         note=item.note.removesuffix(")")
-                        + " of each CTA of the launch's cluster: both read the slot that "
-                        "either CTA's multicast refills)",
+                        + f", of each of the {hw.cluster} CTAs of a cluster: both read the slot "
+                        "that either CTA's multicast refills; a CTA launched alone arrives "
+                        "for its peer too)",
                     )
                 )
             elif item.kind == SYNCTHREADS and item.phase is Phase.SETUP:

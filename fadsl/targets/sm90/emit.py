@@ -159,8 +159,7 @@ class _Render:
                 args["id"] = f"{sync.bar_id} + wg"
             else:
                 args["id"] = f"{sync.bar_id} + (wg + {sync.peer}) % Cfg::kConsumerWGs"
-        # an init per CTA of the launch's cluster: x the CTAs it was launched with
-        args["count"] = f"{sync.count} * cluster_ctas" if sync.per_cta else sync.count
+        args["count"] = sync.count
         args["tx"] = sync.tx
         args["groups"] = sync.groups
         fences = []

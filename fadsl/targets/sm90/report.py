@@ -145,7 +145,6 @@ def _mbarriers(kernel: Kernel) -> list[dict[str, Any]]:
                 "mbarrier": init.barrier,
                 "per_slot": ring or init.slots > 1,
                 "arrivals": init.count,
-                "per_cta": init.per_cta,
                 "arrive": sorted({f"{s.kind.name} by {s.who.value}" for s in arrivals}),
                 "tx_bytes": max((s.tx for s in arrivals), default=0),
                 "waited_by": _who(waits),
@@ -353,9 +352,7 @@ def explain_sections(data: Mapping[str, Any]) -> list[str]:
             tx = f" + {bar['tx_bytes']} transaction bytes" if bar["tx_bytes"] else ""
             out.append(
                 f"       {bar['mbarrier']:<8} {bar['arrivals']} arrival"
-                f"{'s' if bar['arrivals'] > 1 else ''}"
-                f"{' per CTA of the cluster' if bar['per_cta'] else ''}{tx} "
-                f"({', '.join(bar['arrive'])}); "
+                f"{'s' if bar['arrivals'] > 1 else ''}{tx} ({', '.join(bar['arrive'])}); "
                 f"waited by {', '.join(bar['waited_by'])} at parity {', '.join(bar['parity'])}"
             )
     out.append("")

@@ -314,9 +314,7 @@ def build_program(
                 if sync.barrier in rings or slots > 1
                 else [sync.barrier]
             )
-            # per_cta: the generated init is count x the launch's CTAs per cluster
-            count = sync.count * (ctas or hopper.cluster) if sync.per_cta else sync.count
-            counts += [(name, count) for name in names]
+            counts += [(name, sync.count) for name in names]
     roles = [("producer", None, 1)] + [(f"wg{wg}", wg, 128) for wg in range(consumers)]
     ctas = ctas or hopper.cluster
     named = [
@@ -520,9 +518,9 @@ class _Agent:
             case caps.MBAR_ARRIVE:
                 return [Arrive(self.barrier(sync, it), self.arrivals(sync), 0, why)]
             case caps.MBAR_ARRIVE_PEER:  # the same arrival on the peer CTA's barrier
-                if self.ctas == 1:  # launched alone: mbar_arrive_peer arrives nowhere
-                    return []
                 bar, count = self.barrier(sync, it), self.arrivals(sync)
+                if self.ctas == 1:  # launched alone, the CTA is its own peer
+                    return [Arrive(bar, count, 0, why)]
                 return [verify_clusters.peer_arrive(bar, self.cta, count, why)]
             case caps.MBAR_WAIT:
                 return [Wait(self.barrier(sync, it), self.parity(sync, it), why)]

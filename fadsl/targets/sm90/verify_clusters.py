@@ -18,17 +18,16 @@ generated code runs them (emit/sm90/kernel.cu.j2, ops.cu.j2, include/fadsl/sm90.
   any role's code, those of the teardown phase after it (the template's ``setup`` and
   ``exit`` items); so every agent begins with the setup ones and ends with the teardown
   ones;
-- the mbarrier inits are per CTA (each CTA's thread 0 initialises its own; a ``per_cta``
-  init counts ``count`` x the launch's CTAs per cluster), and the inits'
+- the mbarrier inits are per CTA (each CTA's thread 0 initialises its own), and the inits'
   ``fence.mbarrier_init`` (release at cluster scope) then a cluster barrier (a relaxed
   arrive is enough after that fence) order them before any peer's multicast or arrival.
 
 Launches: the runtime runs a `cluster 2` kernel in pairs when a head's query blocks pair
 up and alone otherwise (fadsl/params.py's launch_cluster); the code reads the launch's
 CTAs per cluster (%cluster_nctarank). Alone, a K/V load is the whole tile into the CTA's
-own SMEM (load_kv_multicast falls back to load_kv), a peer arrival arrives nowhere, the
-``per_cta`` inits count one CTA's arrivals, and the cluster barriers meet the CTA's own
-threads. verify proves both launches (``launch_modes``): ``build_program(..., ctas=1)`` is
+own SMEM (load_kv_multicast falls back to load_kv), a CTA is its own peer (its peer
+arrivals land on its own barriers: rank ^ (CTAs - 1)), and the cluster barriers meet the
+CTA's own threads. verify proves both launches (``launch_modes``): ``build_program(..., ctas=1)`` is
 that single CTA.
 
 Both CTAs of a cluster run the same tile sequence: the scheduler hands CTA c tile

@@ -192,8 +192,8 @@ template <class Cfg>
 __device__ __forceinline__ int num_m_blocks(const FwdParams& p) {
   const int blocks = (p.seqlen_q + Cfg::kBlockM - 1) / Cfg::kBlockM;
   if constexpr (Cfg::kClusterSize > 1) {
-    const int ctas = static_cast<int>(cluster_nctarank());
-    return (blocks + ctas - 1) / ctas * ctas;
+    const int round = static_cast<int>(cluster_nctarank()) - 1;  // 0 or 1: no division
+    return (blocks + round) & ~round;
   }
   return blocks;
 }
@@ -332,18 +332,13 @@ __device__ __forceinline__ void load_kv(const CUtensorMap* tmap, uint32_t smem_s
 // `cluster 2`: this CTA's share of K or V block n, the panels p with p % ctas == rank,
 // multicast into the same slot of every CTA of the cluster; each CTA's `bar` receives all
 // kKVBytes, its own panels' and its peers'.  A CTA launched alone (`ctas` 1) loads them all.
-// FADSL_CLUSTER_LOCAL_LOADS (development builds only, diagnosing `cluster 2`): each CTA loads
-// every panel into its own SMEM alone, the pair still coupled through the empty barriers.
 template <class Cfg>
 __device__ __forceinline__ void load_kv_multicast(const CUtensorMap* tmap, uint32_t smem_slot, uint32_t bar,
                                                   int n_block, const TileWork& w, uint32_t rank,
                                                   uint32_t ctas) {
   static_assert(Cfg::kClusterSize == 2 && Cfg::kPanels % 2 == 0, "pairs, each loading half the panels");
   constexpr uint16_t kAllCtas = (1u << Cfg::kClusterSize) - 1u;
-#ifndef FADSL_CLUSTER_LOCAL_LOADS
-  if (ctas == 1u)
-#endif
-  {
+  if (ctas == 1u) {  // launched alone (the producer's one thread: a uniform branch)
     load_kv<Cfg>(tmap, smem_slot, bar, n_block, w);
     return;
   }

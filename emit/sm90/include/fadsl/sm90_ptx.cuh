@@ -113,6 +113,9 @@ __device__ __forceinline__ uint32_t cluster_ctarank() {
   return rank;
 }
 __device__ __forceinline__ uint32_t cluster_nctarank() {
+#ifdef FADSL_CLUSTER_CTAS  // development builds only: the launch's CTAs per cluster, fixed
+  return FADSL_CLUSTER_CTAS;
+#endif
   uint32_t ctas;
   asm volatile("mov.u32 %0, %%cluster_nctarank;\n" : "=r"(ctas));
   return ctas;
@@ -125,10 +128,6 @@ __device__ __forceinline__ uint32_t cluster_nctarank() {
 // by wgmma.wait_group already.  (Release at cluster scope puts a MEMBAR.ALL.GPU before
 // every arrival: a mainloop block took 2.59 us instead of 1.41, docs/performance.md.)
 __device__ __forceinline__ void mbar_arrive_cluster(uint32_t bar, uint32_t rank) {
-#ifdef FADSL_CLUSTER_LOCAL_ARRIVES  // development builds only: the pair decoupled (with local loads)
-  mbar_arrive(bar);
-  return;
-#endif
   asm volatile(
       "{\n"
       ".reg .b32 remote;\n"
@@ -137,12 +136,6 @@ __device__ __forceinline__ void mbar_arrive_cluster(uint32_t bar, uint32_t rank)
       "}\n" ::"r"(bar),
       "r"(rank)
       : "memory");
-}
-
-// A pair's arrival on the peer CTA's (rank ^ 1) mbarrier of `bar`'s offset; a CTA launched
-// alone (`ctas` 1) has no peer, and its barriers count its own arrivals only.
-__device__ __forceinline__ void mbar_arrive_peer(uint32_t bar, uint32_t rank, uint32_t ctas) {
-  if (ctas > 1u) mbar_arrive_cluster(bar, rank ^ 1u);
 }
 
 // The cluster barrier: every thread of every CTA of the cluster arrives, then waits for the
