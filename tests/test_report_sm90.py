@@ -140,7 +140,7 @@ def _keyed(items: list[dict]) -> list[str]:
 
 @pytest.mark.parametrize("stages", [1, 3])
 def test_rings_and_verified_counts_follow_stages(stages):
-    source = (ROOT / "examples/fa3_hopper.fa").read_text()
+    source = (ROOT / "bench/specs/fa3_hopper_cluster_off.fa").read_text()  # O may alias
     source = source.replace("stages     2", f"stages     {stages}")
     compiled = compile_source(source, f"fa3_s{stages}.fa")
     data = explain_data(compiled)
