@@ -43,7 +43,7 @@ from .caps import (
     SYNCTHREADS,
 )
 
-TO_PEER = "consumers -> the peer CTA's producer (multicast)"
+TO_PEER = "consumers -> the peer CTA's producer"
 
 
 def cluster_syncs(kernel: Kernel, target: targets.Target) -> Kernel:
