@@ -113,7 +113,7 @@ __device__ __forceinline__ uint32_t cluster_ctarank() {
   return rank;
 }
 __device__ __forceinline__ uint32_t cluster_nctarank() {
-#ifdef FADSL_CLUSTER_CTAS  // development builds only: the launch's CTAs per cluster, fixed
+#ifdef FADSL_CLUSTER_CTAS  // development builds only (scripts/cluster_ab.py, launches in pairs): fixed
   return FADSL_CLUSTER_CTAS;
 #endif
   uint32_t ctas;
