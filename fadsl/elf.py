@@ -1,9 +1,9 @@
 """Read an initialised global out of a cubin (an ELF64 file) without a GPU.
 
 The sm_90a kernels export ``int <kernel>_launch_info[5]`` (threads, dynamic SMEM bytes,
-B_r, B_c, CTAs per cluster). Reading it from the cubin's bytes needs no context and no device copy, so it is
-safe inside a CUDA graph capture, and the host can check its plan against what the
-compiler built before the first launch.
+B_r, B_c, CTAs per cluster). Reading it from the cubin's bytes needs no context and no
+device copy, so it is safe inside a CUDA graph capture, and the host can check its plan
+against what the compiler built before the first launch.
 """
 
 from __future__ import annotations

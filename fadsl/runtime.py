@@ -210,8 +210,8 @@ class FlashAttention:
         expected = (self._block[0], smem, self.config.block_r, self.config.block_c, self._cluster)
         if built != expected:
             raise RuntimeError(
-                f"{name}'s cubin says (threads, SMEM bytes, B_r, B_c, cluster) = {built} but the spec "
-                f"compiled to {expected}; the generator and the header disagree"
+                f"{name}'s cubin says (threads, SMEM bytes, B_r, B_c, cluster) = {built} but "
+                f"the spec compiled to {expected}; the generator and the header disagree"
             )
         return smem
 

@@ -217,8 +217,8 @@ def verify(kernel: Kernel, target=None) -> Kernel:
         )
     if problems:
         raise AsyncVerifyError(tuple(problems))
-    for ctas in launch_modes(kernel):
-        mode = describe_mode(kernel, ctas)
+    for ctas in verify_clusters.launch_modes(kernel):
+        mode = verify_clusters.describe_mode(kernel, ctas)
         for tiles in tile_sequences(kernel):
             found = problems_of(kernel, tiles, ctas=ctas)
             if found:  # the smallest failing sequence says enough
@@ -230,20 +230,6 @@ def verify(kernel: Kernel, target=None) -> Kernel:
                 where = f"{mode}{describe_tiles(tiles)}, {describe_skips(skips)}"
                 raise AsyncVerifyError(tuple(f"with {where}: {p}" for p in found))
     return kernel
-
-
-def launch_modes(kernel: Kernel) -> tuple[int, ...]:
-    """The CTAs per cluster the kernel may be launched with: `cluster 2` kernels run in
-    pairs when a head's query blocks pair up and alone otherwise (fadsl/params.py's
-    launch_cluster; the generated code reads %cluster_nctarank), so both are proven."""
-    return tuple(sorted({1, kernel.config.hopper.cluster}))
-
-
-def describe_mode(kernel: Kernel, ctas: int) -> str:
-    """'' without `cluster`; else which launch a problem is in, for messages."""
-    if kernel.config.hopper.cluster == 1:
-        return ""
-    return "CTAs in pairs, " if ctas > 1 else "CTAs launched alone, "
 
 
 def describe_skips(skips: Skips) -> str:

@@ -27,8 +27,8 @@ up and alone otherwise (fadsl/params.py's launch_cluster); the code reads the la
 CTAs per cluster (%cluster_nctarank). Alone, a K/V load is the whole tile into the CTA's
 own SMEM (load_kv_multicast falls back to load_kv), a CTA is its own peer (its peer
 arrivals land on its own barriers: rank ^ (CTAs - 1)), and the cluster barriers meet the
-CTA's own threads. verify proves both launches (``launch_modes``): ``build_program(..., ctas=1)`` is
-that single CTA.
+CTA's own threads. verify proves both launches (``launch_modes``);
+``build_program(..., ctas=1)`` is that single CTA.
 
 Both CTAs of a cluster run the same tile sequence: the scheduler hands CTA c tile
 c + step x gridDim.x (or tile c alone), gridDim.x is a multiple of the cluster size and so
@@ -78,6 +78,20 @@ CLUSTER_BARRIER = (caps.CLUSTER_ARRIVE, caps.CLUSTER_ARRIVE_RELAXED, caps.CLUSTE
 def ctas(kernel: Kernel) -> int:
     """The CTAs of a cluster (1 without `cluster`)."""
     return kernel.config.hopper.cluster
+
+
+def launch_modes(kernel: Kernel) -> tuple[int, ...]:
+    """The CTAs per cluster the kernel may be launched with: `cluster 2` kernels run in
+    pairs when a head's query blocks pair up and alone otherwise (fadsl/params.py's
+    launch_cluster; the generated code reads %cluster_nctarank), so both are proven."""
+    return tuple(sorted({1, kernel.config.hopper.cluster}))
+
+
+def describe_mode(kernel: Kernel, ctas: int) -> str:
+    """'' without `cluster`; else which launch a problem is in, for messages."""
+    if kernel.config.hopper.cluster == 1:
+        return ""
+    return "CTAs in pairs, " if ctas > 1 else "CTAs launched alone, "
 
 
 def agent_name(role: str, cta: int, clustered: bool) -> str:
