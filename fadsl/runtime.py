@@ -106,6 +106,7 @@ class FlashAttention:
         self._launch = launch_for(self.config.target)
         self._block = self._launch.block(compiled.kernel)
         self._cluster = cluster_size(compiled.kernel)  # the spec's; a launch may use fewer
+        self._co_resident: dict[tuple[Dtype, int], int] = {}  # CTAs in co-resident clusters
         self._modules: dict[tuple[Dtype, int], object] = {}
         self._entries: dict[tuple[Dtype, str], cache.Entry] = {}
         self.op_name = f"{self.config.name}_{spec_hash(compiled.kernel)[:12]}"
@@ -195,6 +196,12 @@ class FlashAttention:
                 entry = self.cubin(dtype, arch, rebuild=True)
                 module = Module(entry.cubin, name, smem, self._block[0])
             module.prepare(index)
+            if self._cluster > 1:
+                # the pairs that run at once (cuOccupancyMaxActiveClusters): a persistent
+                # grid of more CTAs would run its last ones in a second wave
+                self._co_resident[dtype, index] = self._cluster * module.max_active_clusters(
+                    index, self._cluster
+                )
         self._modules[dtype, index] = module
         return module
 
@@ -319,6 +326,8 @@ class FlashAttention:
         grid = self._launch.grid(kernel, args)
         module = self._modules.get((dtype, index)) or self.module(dtype, index)
         cluster = self._launch.cluster(kernel, args)
+        if cluster > 1 and kernel.config.hopper.persistent:
+            grid = (min(grid[0], self._co_resident[dtype, index]), 1, 1)
         if index == torch.cuda.current_device():
             module.launch(grid, self._block, params, _current_stream(index), cluster)
         else:

@@ -153,3 +153,22 @@ def test_pairs_only_when_the_query_blocks_pair_up(monkeypatch):
         config=replace(kernel.config, hopper=replace(kernel.config.hopper, persistent=False)),
     )
     assert tile_grid(grid_sched, args(1, 512, 3)) == (12, 1, 1)
+
+
+def test_the_emitter_multicasts_by_the_buffers_scope():
+    """Which loads are multicast is the buffers' scope, for the emitter as for the sync pass
+    and verify: a V left in smem[cta] (as no spec can say today) is loaded whole, locally."""
+    from fadsl.codegen import render
+
+    kernel = front_end(cluster_source(), "cluster.fa")
+    kernel = replace(
+        kernel,
+        buffers=tuple(replace(b, scope=Scope.CTA) if b.name == "V" else b for b in kernel.buffers),
+    )
+    target = targets.target_of(kernel)
+    for name, run in target.passes:
+        kernel = run(kernel, target)
+    source, *_ = render(kernel, target, "cluster.fa")
+    assert source.text.count("load_kv_multicast<Cfg>(&P.tma_k,") == 2
+    assert source.text.count("load_kv<Cfg>(&P.tma_v,") == 2
+    assert "mbar_arrive_cluster(bar_v_empty(" not in source.text

@@ -70,5 +70,23 @@ def test_the_persistent_grid_fits_the_co_resident_clusters(kern):
     kern(*random_qkv(1, 256, 128, 2, 2, 128, torch.bfloat16, 3))  # loads the module
     module = kern.module(Dtype.BF16, 0)
     clusters = module.max_active_clusters(0, 2)
-    assert 2 * clusters >= params.resident_ctas(0, 2) > 0
-    assert params.resident_ctas(0, 2) == params.sm_count(0) // 2 * 2
+    assert clusters > 0 and kern._co_resident[Dtype.BF16, 0] == 2 * clusters
+    assert 2 * clusters <= params.sm_count(0)
+
+
+def test_a_paired_launch_asks_for_clusters(kern):
+    """The driver refuses an odd grid in clusters of two (CUDA_ERROR_INVALID_CLUSTER_SIZE):
+    the pairs launch really carries the cluster dimension (and alone, the same grid runs)."""
+    from fadsl.driver import DriverError
+
+    q, k, v = random_qkv(1, 256, 128, 2, 2, 128, torch.bfloat16, 5)
+    out = torch.empty_like(q)
+    kern(q, k, v)  # loads the module
+    module = kern.module(Dtype.BF16, 0)
+    launch = params.launch_for("sm_90a")
+    packed = launch.pack(kern.compiled.kernel, params.Args(q, k, v, out, None, 0.125))
+    stream = torch.cuda.current_stream().cuda_stream
+    with pytest.raises(DriverError, match="clusters of 2"):
+        module.launch((3, 1, 1), launch.block(kern.compiled.kernel), packed, stream, 2)
+    module.launch((3, 1, 1), launch.block(kern.compiled.kernel), packed, stream, 1)
+    torch.cuda.synchronize()

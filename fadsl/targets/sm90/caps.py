@@ -55,7 +55,8 @@ MBAR_WAIT = SyncKind(
     cost=2,
 )
 # `cluster 2`: a consumer's arrival on the peer CTA's empty barrier (mapa, then
-# mbarrier.arrive.release.cluster), and the cluster barrier (every thread of both CTAs).
+# mbarrier.arrive.release.cta.shared::cluster), and the cluster barrier (every thread of both
+# CTAs).
 MBAR_ARRIVE_PEER = SyncKind(
     "mbarrier.arrive.shared::cluster", "an arrival on the peer CTA's mbarrier", signal=Signal.ARRIVE
 )

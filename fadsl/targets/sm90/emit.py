@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...ir import Dtype, Kernel, Parity, Phase, Step, Sync, Threads
+from ...ir import Dtype, Kernel, Parity, Phase, Scope, Step, Sync, Threads
 from ...ops import Op
 from .caps import (
     BAR_ARRIVE,
@@ -32,6 +32,7 @@ from .caps import (
     MBAR_INIT,
     MBAR_WAIT,
     SYNCTHREADS,
+    TMA_LOAD,
     WGMMA_COMMIT,
     WGMMA_FENCE,
     WGMMA_WAIT,
@@ -191,6 +192,12 @@ class _Render:
                 "phase": phase.value,
                 "role": role_of(step.who),
                 "tensor": "" if step.op.tensor is None else step.op.tensor.value.lower(),
+                # a load into smem[cluster] (`cluster 2`): this CTA's panels, multicast into
+                # both CTAs (the buffers' scope decides, as for the sync pass and verify)
+                "multicast": any(
+                    self.kernel.buffer(a.buffer).scope is Scope.CLUSTER for a in step.accesses
+                )
+                and step.async_kind == TMA_LOAD,
             },
             "guard": _GUARDS.get(step.who, ""),
             "elected": step.who is Threads.CONSUMER_ELECTED,

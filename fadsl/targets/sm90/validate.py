@@ -141,7 +141,8 @@ def _scopes(c: Checks, tensors: dict[Role, Tensor]) -> bool:
         if tensor is None or tensor.smem_scope is scope:
             continue
         if scope is Scope.CTA and tensor.smem_scope is Scope.CLUSTER:
-            if cluster == 1 and "cluster" not in c.key_locs:  # (a bad `cluster N` said enough)
+            bad_value = "cluster" in c.key_locs and "cluster" not in c.values  # said already
+            if cluster == 1 and not bad_value:
                 c.error(
                     c.scope_loc(role),
                     f"{role.value} in smem[cluster] needs 'cluster 2': the cluster's CTAs "
