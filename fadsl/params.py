@@ -53,7 +53,7 @@ class Launch:
 
     def cluster(self, kernel: Kernel, a: Args) -> int:
         """CTAs per cluster of this launch (1: launched without clusters)."""
-        return launch_cluster(kernel, a.q.shape[1])
+        return launch_cluster(kernel, a.q.shape[1], a.k.shape[1])
 
 
 def cluster_size(kernel: Kernel) -> int:
@@ -62,13 +62,22 @@ def cluster_size(kernel: Kernel) -> int:
     return 1 if hopper is None else hopper.cluster
 
 
-def launch_cluster(kernel: Kernel, seqlen_q: int) -> int:
+# Pairs share K/V traffic, which pays at the power cap over long K/V loops; their fixed
+# costs (the cluster barriers, the pair in lockstep) do not shrink with the loop. Measured
+# on an H100 (docs/performance.md, session 11): +1 to +3 % from 32 K/V blocks of 128 keys
+# on, level to -2 % at 16, -1 % at 8 and -5 to -10 % on one or two blocks.
+PAIR_MIN_KV_BLOCKS = 32
+
+
+def launch_cluster(kernel: Kernel, seqlen_q: int, seqlen_k: int) -> int:
     """The CTAs per cluster a launch uses: the spec's when a head's query blocks pair up (an
-    even count, FlashAttention-3's rule), else 1: the kernel then loads whole tiles alone
-    rather than run a block past seqlen_q for nothing."""
+    even count, FlashAttention-3's rule; else a block past seqlen_q would run for nothing)
+    and each tile has PAIR_MIN_KV_BLOCKS K/V blocks or more; else 1: the same kernel runs
+    alone, loading whole tiles."""
     cluster = cluster_size(kernel)
     blocks = -(-seqlen_q // kernel.config.block_r)
-    return cluster if blocks % cluster == 0 else 1
+    kv_blocks = -(-seqlen_k // kernel.config.block_c)
+    return cluster if blocks % cluster == 0 and kv_blocks >= PAIR_MIN_KV_BLOCKS else 1
 
 
 # fadsl::FwdParams: 5 pointers, 14 int64 strides, 5 int sizes, the float scale; 176 bytes
@@ -135,7 +144,8 @@ def m_blocks(kernel: Kernel, seqlen_q: int, cluster: int = 1) -> int:
 def tile_count(kernel: Kernel, a: Args) -> int:
     """sm_90a's tiles: (q block of B_r rows, head, batch)."""
     batch, seqlen_q, heads_q = a.q.shape[0], a.q.shape[1], a.q.shape[2]
-    return m_blocks(kernel, seqlen_q, launch_cluster(kernel, seqlen_q)) * heads_q * batch
+    cluster = launch_cluster(kernel, seqlen_q, a.k.shape[1])
+    return m_blocks(kernel, seqlen_q, cluster) * heads_q * batch
 
 
 def resident_ctas(device_index: int, cluster: int) -> int:
@@ -160,7 +170,7 @@ def tile_grid(kernel: Kernel, a: Args) -> tuple[int, int, int]:
         start, splits = split_plan(tiles, sm_count(a.q.device.index), kv_blocks(kernel, a))
         tiles = start + (tiles - start) * splits  # work items: whole tiles, then pieces
     if hopper is not None and hopper.persistent:
-        cluster = launch_cluster(kernel, a.q.shape[1])
+        cluster = launch_cluster(kernel, a.q.shape[1], a.k.shape[1])
         tiles = min(tiles, resident_ctas(a.q.device.index, cluster))
     return (tiles, 1, 1)
 
@@ -232,8 +242,9 @@ def _divisors(kernel: Kernel, a: Args) -> bytes:
     """FwdParamsSm90's FastDiv fields for this launch's shapes (one piece per tile: a split
     launch puts its own split count's, pack_fwd_params_sm90)."""
     seqlen_q, heads_q, heads_kv = a.q.shape[1], a.q.shape[2], a.k.shape[2]
+    cluster = launch_cluster(kernel, seqlen_q, a.k.shape[1])
     return DIVISORS.pack(
-        *fast_div(max(m_blocks(kernel, seqlen_q, launch_cluster(kernel, seqlen_q)), 1)),
+        *fast_div(max(m_blocks(kernel, seqlen_q, cluster), 1)),
         *fast_div(heads_q),
         *fast_div(heads_q // heads_kv),
         *fast_div(1),
@@ -274,7 +285,7 @@ def pack_fwd_params_sm90(kernel: Kernel, a: Args) -> bytes:
         v.stride(),
         o.stride(),
         a.softmax_scale,
-        launch_cluster(kernel, q.shape[1]),  # the divisors' block count is rounded to it
+        launch_cluster(kernel, q.shape[1], k.shape[1]),  # the divisors' count is rounded to it
     )
     found = _SM90_PACKED.get(key)
     if found is None:

@@ -14,6 +14,7 @@ from fadsl.ir import Phase, Scope, Sync, Threads
 from fadsl.params import (
     Args,
     launch_cluster,
+    PAIR_MIN_KV_BLOCKS,
     launch_for,
     m_blocks,
     resident_ctas,
@@ -126,24 +127,32 @@ def test_the_emitted_code_multicasts_and_arrives_on_the_peer():
     )
 
 
-def args(batch, seqlen_q, heads, seqlen_k=256):
+def args(batch, seqlen_q, heads, seqlen_k=4096):
     q = torch.zeros(batch, seqlen_q, heads, 128, dtype=torch.bfloat16)
     k = torch.zeros(batch, seqlen_k, heads, 128, dtype=torch.bfloat16)
     return Args(q, k, k, torch.empty_like(q), None, 1.0)
 
 
-def test_pairs_only_when_the_query_blocks_pair_up(monkeypatch):
+def test_pairs_only_when_the_query_blocks_pair_up_over_long_kv_loops(monkeypatch):
     _, kernel = through(cluster_source(), "cluster_syncs")
     _, single = through(HOPPER, "cluster_syncs")
     seqlens = (1, 128, 129, 256, 257, 2048, 2112)
-    assert [launch_cluster(kernel, s) for s in seqlens] == [1, 1, 2, 2, 1, 2, 1]
-    assert [launch_cluster(single, s) for s in seqlens] == [1] * len(seqlens)
+    assert [launch_cluster(kernel, s, 4096) for s in seqlens] == [1, 1, 2, 2, 1, 2, 1]
+    assert [launch_cluster(single, s, 4096) for s in seqlens] == [1] * len(seqlens)
+    # K/V loops of PAIR_MIN_KV_BLOCKS blocks or more only
+    min_keys = PAIR_MIN_KV_BLOCKS * 128
+    assert [launch_cluster(kernel, 256, n) for n in (1, min_keys - 128, min_keys - 127)] == [
+        1,
+        1,
+        2,
+    ]
     assert [m_blocks(kernel, s, 2) for s in (1, 129, 257)] == [2, 2, 4]  # as num_m_blocks
     assert tile_count(kernel, args(3, 2112, 5)) == 17 * 5 * 3  # 17 blocks: no pairs
     monkeypatch.setattr("fadsl.params.sm_count", lambda index: 133)  # an odd SM count
     assert resident_ctas(0, 2) == 132 and resident_ctas(0, 1) == 133
     assert tile_grid(kernel, args(3, 2048, 5)) == (132, 1, 1)  # persistent, in pairs
     assert tile_grid(kernel, args(3, 2112, 5)) == (133, 1, 1)  # alone
+    assert tile_grid(kernel, args(3, 2048, 5, seqlen_k=2048)) == (133, 1, 1)  # alone
     assert tile_grid(kernel, args(1, 256, 1)) == (2, 1, 1)
     launch = launch_for("sm_90a")
     assert launch.cluster(kernel, args(1, 256, 1)) == 2

@@ -27,10 +27,16 @@ pytestmark = [
 
 # (batch, seqlen_q, seqlen_k, heads_q, heads_kv): query blocks of 128 rows, even (pairs) or
 # odd (alone); K/V tails; GQA 4 and MQA; more tiles than SMs.
-PAIRED = [(1, 256, 128, 2, 2), (2, 200, 517, 8, 2), (1, 4096, 4096, 16, 16), (3, 1000, 3000, 6, 1),
-          (2, 768, 333, 70, 7)]  # fmt: skip
-ALONE = [(1, 1, 65, 2, 2), (1, 128, 128, 2, 2), (2, 300, 517, 8, 2), (1, 2112, 2048, 16, 16),
-         (7, 640, 640, 9, 3)]  # fmt: skip
+PAIRED = [(1, 256, 4096, 2, 2), (2, 200, 4117, 8, 2), (1, 4096, 4096, 16, 16), (3, 1000, 5000, 6, 1),
+          (2, 768, 4096, 70, 7)]  # fmt: skip
+ALONE = [
+    (1, 1, 65, 2, 2),
+    (1, 128, 128, 2, 2),
+    (2, 300, 517, 8, 2),
+    (1, 2112, 2048, 16, 16),
+    (7, 640, 640, 9, 3),
+    (1, 256, 128, 2, 2),
+]  # fmt: skip (the last: a short K/V loop)
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +58,7 @@ def run_case(kern, shape, dtype, seed):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("shape", PAIRED + ALONE)
 def test_both_modes_match_the_reference(kern, shape, dtype):
-    pairs = params.launch_cluster(kern.compiled.kernel, shape[1]) == 2
+    pairs = params.launch_cluster(kern.compiled.kernel, shape[1], shape[2]) == 2
     assert pairs == (shape in PAIRED)
     run_case(kern, shape, dtype, seed=sum(shape))
 
@@ -61,7 +67,7 @@ def test_both_modes_match_the_reference(kern, shape, dtype):
 def test_pairs_forced_onto_odd_block_counts_store_nothing_past_seqlen_q(kern, shape, monkeypatch):
     """A pair over an odd count runs a phantom tile past seqlen_q (the kernel's num_m_blocks
     rounds up): its rows are zero-filled on load, clipped on store, and skipped for the LSE."""
-    monkeypatch.setattr(params, "launch_cluster", lambda kernel, seqlen_q: 2)
+    monkeypatch.setattr(params, "launch_cluster", lambda kernel, seqlen_q, seqlen_k: 2)
     # (these shapes ran alone before: the packed params' cache keys on the launch's cluster)
     run_case(kern, shape, torch.bfloat16, seed=7 + sum(shape))
 
@@ -79,7 +85,7 @@ def test_a_paired_launch_asks_for_clusters(kern):
     the pairs launch really carries the cluster dimension (and alone, the same grid runs)."""
     from fadsl.driver import DriverError
 
-    q, k, v = random_qkv(1, 256, 128, 2, 2, 128, torch.bfloat16, 5)
+    q, k, v = random_qkv(1, 256, 4096, 2, 2, 128, torch.bfloat16, 5)
     out = torch.empty_like(q)
     kern(q, k, v)  # loads the module
     module = kern.module(Dtype.BF16, 0)
