@@ -23,6 +23,7 @@ from .caps import (
     REGISTERS_PER_SM,
     ROWS_PER_CONSUMER,
 )
+from ...params import PAIR_MIN_KV_BLOCKS
 from .insert_syncs import role_of
 from .plan_smem import mbarrier_count, mbarrier_offset, o_over_rings
 from .verify import block_counts, max_tiles
@@ -230,6 +231,7 @@ def explain_data(kernel: Kernel) -> dict[str, Any]:
             "stages": hw.stages,
             "q_slots": hw.q_slots,
             "tail": "split_kv" if hw.split_kv else "whole",
+            **({"cluster": hw.cluster} if hw.cluster > 1 else {}),
             "pingpong": hw.pingpong,
             "overlap": hw.overlap,
             "scheduler": hw.scheduler,
@@ -315,6 +317,17 @@ def explain_sections(data: Mapping[str, Any]) -> list[str]:
             if ws["tail"] == "split_kv"
             else "whole: each tile runs all its K/V blocks in one CTA"
         ),
+        *(
+            [
+                f"  cluster    {ws['cluster']}: pairs of CTAs on neighbouring query blocks of one "
+                "head share each K/V block, each loading half its panels by TMA multicast into "
+                "both; launched in pairs when a head's query blocks pair up and the K/V loop "
+                f"has {PAIR_MIN_KV_BLOCKS} blocks or more (fadsl.params.launch_cluster), else "
+                "each CTA alone"
+            ]
+            if "cluster" in ws
+            else []
+        ),
         "  rescale    "
         + (
             "lazy: a row keeps the max its P and O refer to until the max grows past 2^8 of "
@@ -386,8 +399,9 @@ def _proven_for(verified: Mapping[str, Any]) -> str:
     if ctas == 1:
         return "a CTA running"
     return (
-        f"{'both' if ctas == 2 else f'all {ctas}'} CTAs of a cluster (K/V multicast in shares, arrivals on the peer's "
-        "empty barriers, the cluster barrier after init and at exit), running the same"
+        f"a CTA launched alone and for {'both' if ctas == 2 else f'all {ctas}'} CTAs of a "
+        "cluster (K/V multicast in shares, arrivals on the peer's empty barriers, the cluster "
+        "barrier after init and at exit), each running the same"
     )
 
 
