@@ -33,6 +33,7 @@ SETMAXNREG_RANGE = (24, 256)  # multiples of 8
 HEAD_DIMS = (64, 128, 256)
 MAX_CONSUMERS = 3
 ROWS_PER_CONSUMER = 64  # wgmma's M
+PANEL_COLUMNS = 64  # a TMA box's columns: 128 bytes of 16-bit elements, the swizzle's span
 NAMED_BARRIERS = 16  # ids 0..15; 0 is __syncthreads
 
 # Asynchronous operations: what they access after the issuing instruction returns.

@@ -32,7 +32,9 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ... import targets
+from ...errors import Loc
 from ...ir import Item, Kernel, Phase, Scope, Sync, Threads
+from ...syncmodel import SyncKind
 from .caps import (
     CLUSTER_ARRIVE,
     CLUSTER_ARRIVE_RELAXED,
@@ -73,7 +75,8 @@ def cluster_syncs(kernel: Kernel, target: targets.Target) -> Kernel:
                 )
             elif item.kind == SYNCTHREADS and item.phase is Phase.SETUP:
                 out += _cluster_barrier(
-                    item,
+                    item.phase,
+                    item.loc,
                     CLUSTER_ARRIVE_RELAXED,
                     "every CTA of the cluster has initialised its mbarriers (thread 0, "
                     "fence.mbarrier_init.release.cluster) before any thread uses them or the "
@@ -92,10 +95,10 @@ def cluster_syncs(kernel: Kernel, target: targets.Target) -> Kernel:
                 out.append(item)
         return tuple(out)
 
-    exit_barrier = Sync(SYNCTHREADS, Phase.TEARDOWN, (), kernel.config.loc)
     teardown = rewrite(kernel.teardown) + tuple(
         _cluster_barrier(
-            exit_barrier,
+            Phase.TEARDOWN,
+            kernel.config.loc,
             CLUSTER_ARRIVE,
             "no CTA of the cluster exits while the other can still arrive on its empty "
             "barriers (every thread of both CTAs; the release orders each thread's last "
@@ -112,9 +115,9 @@ def cluster_syncs(kernel: Kernel, target: targets.Target) -> Kernel:
     )
 
 
-def _cluster_barrier(at: Sync, arrive, note: str) -> list[Sync]:
-    """Every thread of the cluster arrives, then waits for the others, at ``at``'s place."""
-    common = dict(phase=at.phase, serves=(), loc=at.loc, who=Threads.ALL_WARPS)
+def _cluster_barrier(phase: Phase, loc: Loc, arrive: SyncKind, note: str) -> list[Sync]:
+    """Every thread of the cluster arrives, then waits for the others."""
+    common = dict(phase=phase, serves=(), loc=loc, who=Threads.ALL_WARPS)
     return [
         Sync(arrive, **common, note=note),
         Sync(CLUSTER_WAIT, **common, note="until every thread of the cluster has arrived"),

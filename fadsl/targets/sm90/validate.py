@@ -24,6 +24,7 @@ from .caps import (
     CAPABILITIES,
     HEAD_DIMS,
     MAX_CONSUMERS,
+    PANEL_COLUMNS,
     REGISTERS_PER_SM,
     ROWS_PER_CONSUMER,
     SETMAXNREG_RANGE,
@@ -31,7 +32,6 @@ from .caps import (
 )
 
 SCOPES = {Role.Q: Scope.WARPGROUP, Role.K: Scope.CTA, Role.V: Scope.CTA, Role.O: Scope.WARPGROUP}
-PANEL_COLUMNS = 64  # a TMA box's columns: 128 bytes, the swizzle's span
 OVERHEAD_REGS = 24  # softmax state, addresses, loop counters: an estimate
 
 

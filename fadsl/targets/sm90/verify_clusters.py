@@ -70,8 +70,8 @@ from ...passes.async_model import (
     TmaMulticast,
 )
 from . import caps
+from .caps import PANEL_COLUMNS  # a TMA box: 64 columns of 16 bits
 
-PANEL_COLUMNS = 64  # a TMA box: 64 columns of 16 bits, the 128-byte swizzle's span
 CLUSTER_BARRIER = (caps.CLUSTER_ARRIVE, caps.CLUSTER_ARRIVE_RELAXED, caps.CLUSTER_WAIT)
 
 
