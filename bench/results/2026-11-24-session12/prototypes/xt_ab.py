@@ -1,4 +1,5 @@
 """Prototype A/B: the next tile's first S issued in the last turn (hand-edited v14) vs q_slots 2 vs example."""
+
 import math, sys, tempfile
 from pathlib import Path
 import torch
@@ -20,12 +21,22 @@ where = Path(tempfile.mkdtemp())
 built = compile_cubin(src, req.filename, req.kernel, arch, where)
 proto._entries[dt, arch] = cache.Entry(built.cubin, built.log, {}, where / "dev")
 
+
 def ref(q, k, v):
     s = torch.einsum("bqhd,bkhd->bhqk", q.float(), k.float()) / math.sqrt(q.shape[-1])
     return torch.einsum("bhqk,bkhd->bqhd", s.softmax(-1), v.float())
 
+
 bad = 0
-for (b, sq, sk, h) in [(1, 128, 128, 1), (2, 1000, 777, 3), (8, 2048, 2048, 16), (1, 4096, 4096, 16), (3, 384, 4500, 5), (1, 33000, 300, 2), (4, 8192, 8192, 4)]:
+for b, sq, sk, h in [
+    (1, 128, 128, 1),
+    (2, 1000, 777, 3),
+    (8, 2048, 2048, 16),
+    (1, 4096, 4096, 16),
+    (3, 384, 4500, 5),
+    (1, 33000, 300, 2),
+    (4, 8192, 8192, 4),
+]:
     torch.manual_seed(sq + sk)
     q = torch.randn(b, sq, h, 128, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(b, sk, h, 128, device="cuda", dtype=torch.bfloat16)
@@ -36,7 +47,10 @@ for (b, sq, sk, h) in [(1, 128, 128, 1), (2, 1000, 777, 3), (8, 2048, 2048, 16),
         err = (out.float() - r).abs().max().item()
         ok = err < 2e-2 and torch.isfinite(out).all().item()
         bad += not ok
-        print(f"check {kern.config.name} {(b, sq, sk, h)}: max err {err:.2e} {'ok' if ok else 'FAIL'}", flush=True)
+        print(
+            f"check {kern.config.name} {(b, sq, sk, h)}: max err {err:.2e} {'ok' if ok else 'FAIL'}",
+            flush=True,
+        )
 if bad:
     sys.exit(1)
 seqlens = tuple(int(x) for x in (sys.argv[1] if len(sys.argv) > 1 else "2048,4096,8192").split(","))
