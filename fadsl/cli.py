@@ -67,8 +67,10 @@ def cmd_compile(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return EXIT_FAILURE
-    for path in write(compiled.kernel, compiled.target, compiled.file, out_dir):
-        print(f"wrote {path}")
+    for variant in (compiled, compiled.alone):  # alone: the launches that do not pair
+        if variant is not None:
+            for path in write(variant.kernel, variant.target, variant.file, out_dir):
+                print(f"wrote {path}")
     return EXIT_OK
 
 

@@ -227,6 +227,9 @@ class Hopper:
     # `cluster 2`: pairs of CTAs on q-tiles of one (batch, head), each loading half of
     # every K/V block and multicasting it into both (TMA .multicast::cluster)
     cluster: int = 1
+    # The `cluster N` kernel this cluster-free variant runs for where a launch does not use
+    # its clusters (fadsl/targets/sm90/alone.py); None for a spec's own kernel.
+    alone_of: str | None = None
 
     @property
     def scheduler(self) -> str:
@@ -248,6 +251,7 @@ class Hopper:
             + (f" q_slots={self.q_slots}" if self.q_slots > 1 else "")
             + (" tail=split_kv" if self.split_kv else "")
             + (f" cluster={self.cluster}" if self.cluster > 1 else "")
+            + (f" alone_of={self.alone_of}" if self.alone_of else "")
         )
 
 

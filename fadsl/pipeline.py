@@ -15,7 +15,7 @@ is a pure function (Kernel, Target) -> Kernel. Ordering rules on sm_80:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from . import targets
@@ -33,6 +33,9 @@ class Compiled:
     source: str
     file: str
     stages: tuple[tuple[str, Kernel], ...]  # the IR after each pass, for golden tests and explain
+    # The target's variant for the launches that do not use the kernel's clusters (sm_90a:
+    # `cluster 2` run alone), through the same passes; the runtime launches it in their place.
+    alone: Compiled | None = None
 
     @property
     def target(self) -> targets.Target:
@@ -52,8 +55,14 @@ def front_end(source: str, file: str = "<spec>") -> Kernel:
 
 def compile_source(source: str, file: str = "<spec>") -> Compiled:
     source = spec_text(source)
-    kernel = front_end(source, file)
-    target = targets.target_of(kernel)
+    schedule = front_end(source, file)
+    target = targets.target_of(schedule)
+    variant = target.alone(schedule) if target.alone else None
+    alone = None if variant is None else _passes(variant, target, source, file)
+    return replace(_passes(schedule, target, source, file), alone=alone)
+
+
+def _passes(kernel: Kernel, target: targets.Target, source: str, file: str) -> Compiled:
     stages = [("schedule", kernel)]
     try:
         for name, run in target.passes:

@@ -106,6 +106,10 @@ class FlashAttention:
         self._launch = launch_for(self.config.target)
         self._block = self._launch.block(compiled.kernel)
         self._cluster = cluster_size(compiled.kernel)  # the spec's; a launch may use fewer
+        # The launches that do not pair run this cluster-free variant (fadsl.targets.sm90.alone).
+        self.alone: FlashAttention | None = (
+            FlashAttention(compiled.alone, verbose, cubin_dirs) if compiled.alone else None
+        )
         self._co_resident: dict[tuple[Dtype, int], int] = {}  # CTAs in co-resident clusters
         self._modules: dict[tuple[Dtype, int], object] = {}
         self._entries: dict[tuple[Dtype, str], cache.Entry] = {}
@@ -161,8 +165,12 @@ class FlashAttention:
         """Build ``dtype``'s kernel for ``arch`` with ``defines`` (#define NAME VALUE before
         the source: FADSL_TILE_TRACE, FADSL_TMA_LOADS) and run that cubin in this process
         instead of the cached one, which stays untouched (scripts/tile_trace.py,
-        scripts/energy_probe.py). Before the kernel's first call on a device."""
+        scripts/energy_probe.py), the cluster-free variant's too. Before the kernel's first
+        call on a device."""
         import tempfile
+
+        if self.alone is not None:
+            self.alone.use_development_build(dtype, arch, defines)
 
         request = self.request(dtype, arch)
         head = "".join(f"#define {name} {value}\n" for name, value in defines.items())
@@ -322,10 +330,13 @@ class FlashAttention:
         index = q.device.index
         args = Args(q, k, v, out, lse, scale)
         kernel = self.compiled.kernel
+        cluster = self._launch.cluster(kernel, args)
+        if cluster == 1 and self.alone is not None:
+            self.alone.launch(dtype, q, k, v, out, lse, scale)
+            return
         params = self._launch.pack(kernel, args)
         grid = self._launch.grid(kernel, args)
         module = self._modules.get((dtype, index)) or self.module(dtype, index)
-        cluster = self._launch.cluster(kernel, args)
         if cluster > 1 and kernel.config.hopper.persistent:
             grid = (min(grid[0], self._co_resident[dtype, index]), 1, 1)
         if index == torch.cuda.current_device():
@@ -594,6 +605,8 @@ def build_ahead(compiled: Compiled, archs: Iterable[str], out_dir: Path) -> list
     for arch in archs:
         check_arch(kern.config.target, arch)
     written = []
+    if kern.alone is not None:  # the variant the launches that do not pair run
+        written += build_ahead(compiled.alone, archs, out_dir)
     for dtype in kern.config.dtypes:
         for arch in archs:
             request = kern.request(dtype, arch)

@@ -11,7 +11,8 @@
 //   epilogue           O -> 16 bits -> SMEM (O's own bytes) (stmatrix) -> TMA store; LSE from registers
 //   cluster            2 CTAs on q-tiles of one (batch, head): each loads half of every K/V block's panels and multicasts
 //                      them into both; a slot is refilled once both CTAs' consumers have read it.  Launched in pairs when a head's
-//                      query blocks pair up, else as clusters of one CTA (whole tiles loaded locally, the CTA its own peer)
+//                      query blocks pair up and the K/V loop is long; other launches run fa3_hopper_alone_bf16, the cluster-free variant
+//                      (this kernel also runs alone, as clusters of one CTA: whole tiles loaded locally, the CTA its own peer)
 // Launch: grid (min(tiles, SMs), 1, 1), tiles = cdiv(seqlen_q, 128) x heads_q x batch, in clusters of 2 CTAs when cdiv(seqlen_q, 128) is even (cuLaunchKernelEx),
 // fa3_hopper_bf16_launch_info[0] threads, [1] bytes of dynamic SMEM, [4] CTAs per cluster; one FwdParamsSm90 (4 TMA maps + FwdParams).
 #include "fadsl/sm90.cuh"

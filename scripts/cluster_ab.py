@@ -1,6 +1,7 @@
-"""A/B of a `cluster 2` kernel in one run: as built (the launch mode read at run time), the
-same kernel with the mode fixed at compile time (FADSL_CLUSTER_CTAS=2, a development build)
-and its cluster-free twin (docs/performance.md, session 11, runs 7-8).
+"""A/B of a `cluster 2` spec in one run: the launch as shipped (pairs where
+fadsl.params.launch_cluster pairs, else the cluster-free variant `<name>_alone`), the pair
+kernel itself where the shipped launch runs the variant (`FlashAttention.alone = None`), and
+the hand-written cluster-free twin (docs/performance.md, sessions 11-12).
 
 Usage (a Hopper GPU): python scripts/cluster_ab.py [bf16|fp16] [SPEC] [CLUSTER_OFF_SPEC]
 """
@@ -9,21 +10,19 @@ import sys
 
 import fadsl
 from fadsl import bench
-from fadsl.ir import Dtype
-from fadsl.runtime import arch_of
 
 dtype = sys.argv[1] if len(sys.argv) > 1 else "bf16"
 spec = sys.argv[2] if len(sys.argv) > 2 else "examples/fa3_hopper.fa"
 off = sys.argv[3] if len(sys.argv) > 3 else "bench/specs/fa3_hopper_cluster_off.fa"
-built = fadsl.load(spec)
-fixed = fadsl.load(spec)
-fixed.use_development_build(Dtype(dtype), arch_of(0), {"FADSL_CLUSTER_CTAS": 2})
-print("fadsl: the launch mode read at run time; the first variant: fixed at 2; then off")
+shipped = fadsl.load(spec)
+pair_kernel = fadsl.load(spec)
+pair_kernel.alone = None
+print("fadsl: as shipped; the first variant: the pair kernel alone where not paired; then off")
 result = bench.run(
-    built,
+    shipped,
     seqlens=(2048, 4096, 8192, 16384),
     dtype_name=dtype,
-    against=(fixed, fadsl.load(off)),
+    against=(pair_kernel, fadsl.load(off)),
     rounds=5,
 )
 print(bench.table(result), flush=True)

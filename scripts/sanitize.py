@@ -60,15 +60,21 @@ for name, spec in SPECS.items():
             torch.cuda.synchronize()
             print(f"{name} {dtype.value} {sq}x{sk}: ran, finite={bool(out.isfinite().all())}")
         if kern.config.target == "sm_90a" and dtype is kern.config.dtypes[0]:
-            paired = kern.config.hopper.cluster > 1
-            for shape in (MANY_TILES, MANY_TILES_PAIRED) if paired else (MANY_TILES,):
+            # `cluster 2`: alone (the cluster-free variant), in pairs, and the pair kernel
+            # itself alone (launched directly, without its variant)
+            variant = kern.alone
+            runs = [(MANY_TILES, variant, "")]
+            if variant is not None:
+                runs += [(MANY_TILES_PAIRED, variant, " pairs"), (MANY_TILES, None, " pair kernel")]
+            for shape, alone, what in runs:
                 batch, sq, sk, hq, hkv = shape
                 q = torch.randn(batch, sq, hq, d, device="cuda", dtype=torch_dtype)
                 k = torch.randn(batch, sk, hkv, d, device="cuda", dtype=torch_dtype)
                 v = torch.randn(batch, sk, hkv, d, device="cuda", dtype=torch_dtype)
                 fadsl.params.PAIR_MIN_KV_BLOCKS = 1 if shape is MANY_TILES_PAIRED else default
+                kern.alone = alone
                 out, lse = kern(q, k, v, return_lse=True)
                 torch.cuda.synchronize()
-                fadsl.params.PAIR_MIN_KV_BLOCKS = default
+                fadsl.params.PAIR_MIN_KV_BLOCKS, kern.alone = default, variant
                 finite = bool(out.isfinite().all())
-                print(f"{name} {dtype.value} {shape}: ran, finite={finite}")
+                print(f"{name} {dtype.value} {shape}{what}: ran, finite={finite}")

@@ -19,6 +19,7 @@ import torch
 import fadsl
 from fadsl import tiletrace
 from fadsl.ir import Dtype
+from fadsl.params import launch_cluster
 from fadsl.runtime import arch_of
 
 
@@ -33,10 +34,13 @@ def main() -> int:
     kern = fadsl.load(args.spec, verbose=False)
     cfg = kern.config
     dtype = Dtype(args.dtype) if args.dtype else cfg.dtypes[0]
-    kern.use_development_build(dtype, arch_of(0), {"FADSL_TILE_TRACE": 1})
-    module = kern.module(dtype, 0)
     heads = args.hidden // cfg.head_dim
     batch = max(1, args.tokens // args.seqlen)
+    # `cluster 2`: the kernel this shape launches (the pair kernel, or its variant alone)
+    alone = kern.alone and launch_cluster(kern.compiled.kernel, args.seqlen, args.seqlen) == 1
+    kern.use_development_build(dtype, arch_of(0), {"FADSL_TILE_TRACE": 1})
+    traced = kern.alone if alone else kern
+    module = traced.module(dtype, 0)
     torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype.value]
     q, k, v = (
         torch.randn(batch, args.seqlen, heads, cfg.head_dim, device="cuda", dtype=torch_dtype)

@@ -1,10 +1,11 @@
 """GPU tests of `cluster 2` (sm_90a: pairs of CTAs sharing every K/V block by TMA multicast).
 
-The same kernel runs in pairs when a head's query blocks pair up and alone otherwise
-(fadsl.params.launch_cluster); both modes against the float32 reference (outputs and LSE
-poisoned first), GQA and MQA, many tiles per CTA; pairs forced onto odd block counts (a
-phantom tile past seqlen_q must store nothing); and the persistent grid fitting the GPU's
-co-resident clusters.
+The kernel runs in pairs when a head's query blocks pair up and the K/V loop is long
+(fadsl.params.launch_cluster); other launches run the spec's cluster-free variant
+(``FlashAttention.alone``), and the pair kernel itself can run alone too. All three against
+the float32 reference (outputs and LSE poisoned first), GQA and MQA, many tiles per CTA;
+pairs forced onto odd block counts (a phantom tile past seqlen_q must store nothing); and
+the persistent grid fitting the GPU's co-resident clusters.
 """
 
 from __future__ import annotations
@@ -57,10 +58,24 @@ def run_case(kern, shape, dtype, seed):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("shape", PAIRED + ALONE)
-def test_both_modes_match_the_reference(kern, shape, dtype):
+def test_pairs_and_the_variant_alone_match_the_reference(kern, shape, dtype, monkeypatch):
     pairs = params.launch_cluster(kern.compiled.kernel, shape[1], shape[2]) == 2
     assert pairs == (shape in PAIRED)
+    variant = kern.alone
+    launched = []
+    monkeypatch.setattr(
+        variant, "launch", lambda *args, run=variant.launch: launched.append(run(*args))
+    )
     run_case(kern, shape, dtype, seed=sum(shape))
+    assert len(launched) == (0 if pairs else 1)  # alone: the cluster-free variant ran
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", ALONE)
+def test_the_pair_kernel_alone_matches_the_reference(kern, shape, dtype, monkeypatch):
+    """Launched without its variant, the pair kernel runs as clusters of one CTA."""
+    monkeypatch.setattr(kern, "alone", None)
+    run_case(kern, shape, dtype, seed=3 + sum(shape))
 
 
 @pytest.mark.parametrize("shape", ALONE[:4])

@@ -97,6 +97,9 @@ class Target:
     configure: Callable[[Checks], Config] | None = None
     # How check and explain describe its kernels; None: the common report (fadsl.report).
     report: Report | None = None
+    # A schedule's variant for the launches that do not use its clusters (sm_90a: `cluster 2`
+    # run alone), compiled beside it and launched in its place; None: no such variant.
+    alone: Callable[[Kernel], Kernel | None] | None = None
 
 
 def names() -> tuple[str, ...]:

@@ -15,6 +15,7 @@ over the async model (fadsl/passes/async_model.py) for a CTA's tile loop (tile s
 from __future__ import annotations
 
 from .. import Target
+from .alone import alone
 from .caps import CAPABILITIES, SYNC_MODEL
 from .emit import TEMPLATE, context
 from .cluster_syncs import cluster_syncs
@@ -61,4 +62,5 @@ TARGET = Target(
     key_hints={"warps": "use 'warpgroups producer = 1, consumers = N'"},
     configure=configure,
     report=REPORT,  # roles, rings, named barriers, one program per role
+    alone=alone,  # `cluster 2`: the cluster-free kernel for launches that do not pair
 )

@@ -20,8 +20,9 @@ This pass adds what that takes, and nothing else (one pass per mechanism):
 
 Which loads are multicast is the buffers' scope (Scope.CLUSTER); the emitter reads it too.
 The runtime launches pairs only when a head's query blocks pair up (an even count, as
-FlashAttention-3); otherwise the same kernel runs as clusters of one CTA, where the code
-loads whole tiles locally, a CTA is its own peer (its consumers arrive twice on its own
+FlashAttention-3) and the K/V loop is long; other launches run the spec's cluster-free
+variant (sm90/alone.py). The kernel also runs correctly as clusters of one CTA, where the
+code loads whole tiles locally, a CTA is its own peer (its consumers arrive twice on its own
 empty barriers, which the doubled count expects: no branch in the consumers' code), and the
 cluster barriers meet the CTA's own threads.
 verify (fadsl/targets/sm90/verify.py) proves the result over both CTAs of the cluster.

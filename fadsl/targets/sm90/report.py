@@ -322,8 +322,9 @@ def explain_sections(data: Mapping[str, Any]) -> list[str]:
                 f"  cluster    {ws['cluster']}: pairs of CTAs on neighbouring query blocks of one "
                 "head share each K/V block, each loading half its panels by TMA multicast into "
                 "both; launched in pairs when a head's query blocks pair up and the K/V loop "
-                f"has {PAIR_MIN_KV_BLOCKS} blocks or more (fadsl.params.launch_cluster), else "
-                "each CTA alone"
+                f"has {PAIR_MIN_KV_BLOCKS} blocks or more (fadsl.params.launch_cluster); other "
+                "launches run the spec's cluster-free variant (<name>_alone, compiled and "
+                "verified beside it: no cluster barrier)"
             ]
             if "cluster" in ws
             else []

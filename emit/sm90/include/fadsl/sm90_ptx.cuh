@@ -113,9 +113,6 @@ __device__ __forceinline__ uint32_t cluster_ctarank() {
   return rank;
 }
 __device__ __forceinline__ uint32_t cluster_nctarank() {
-#ifdef FADSL_CLUSTER_CTAS  // development builds only (scripts/cluster_ab.py, launches in pairs): fixed
-  return FADSL_CLUSTER_CTAS;
-#endif
   uint32_t ctas;
   asm volatile("mov.u32 %0, %%cluster_nctarank;\n" : "=r"(ctas));
   return ctas;

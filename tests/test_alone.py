@@ -1,0 +1,117 @@
+"""`cluster 2`'s cluster-free variant (fadsl/targets/sm90/alone.py): the kernel the runtime
+launches where a launch does not pair CTAs, compiled beside the pair kernel."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import fadsl
+from conftest import ROOT
+from fadsl.cli import main
+from fadsl.codegen import render
+from fadsl.ir import Dtype, Scope
+from fadsl.pipeline import compile_file
+from fadsl.targets.sm90.caps import CLUSTER_ARRIVE, CLUSTER_WAIT, MBAR_ARRIVE_PEER
+from test_cache import needs_nvrtc
+
+HOPPER = "examples/fa3_hopper.fa"
+TWIN = "bench/specs/fa3_hopper_cluster_off.fa"  # fa3_hopper without `cluster 2`, by hand
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    return compile_file(HOPPER)
+
+
+def sync_kinds(kernel) -> set:
+    return {sync.kind for sync in kernel.syncs()}
+
+
+def test_a_cluster_spec_compiles_a_cluster_free_variant(compiled):
+    alone = compiled.alone
+    assert alone is not None and alone.alone is None
+    cfg = alone.kernel.config
+    assert cfg.name == "fa3_hopper_alone" and cfg.hopper.alone_of == "fa3_hopper"
+    assert cfg.hopper.cluster == 1 and compiled.kernel.config.hopper.cluster == 2
+    assert all(b.scope is not Scope.CLUSTER for b in alone.kernel.buffers)
+    assert all(t.smem_scope is not Scope.CLUSTER for t in alone.kernel.tensors)
+    # through every pass, the proof included, from the same schedule
+    assert [name for name, _ in alone.stages] == [name for name, _ in compiled.stages]
+    assert {MBAR_ARRIVE_PEER, CLUSTER_ARRIVE, CLUSTER_WAIT} <= sync_kinds(compiled.kernel)
+    assert not {MBAR_ARRIVE_PEER, CLUSTER_ARRIVE, CLUSTER_WAIT} & sync_kinds(alone.kernel)
+
+
+def test_the_variant_is_the_kernel_of_the_spec_written_without_cluster(compiled):
+    """The variant's CUDA is the hand-written cluster-free twin's, but for names and header."""
+    twin = compile_file(TWIN)
+    for ours, theirs in zip(
+        render(compiled.alone.kernel, compiled.alone.target, compiled.file),
+        render(twin.kernel, twin.target, twin.file),
+        strict=True,
+    ):
+        body = [
+            line
+            for line in ours.text.replace("fa3_hopper_alone", "fa3_hopper_cluster_off").splitlines()
+            if not line.startswith("//")
+        ]
+        assert body == [line for line in theirs.text.splitlines() if not line.startswith("//")]
+        assert "the cluster-free variant of fa3_hopper_" in ours.text
+
+
+def test_specs_without_a_cluster_have_no_variant():
+    assert compile_file("examples/fa3_hdim64.fa").alone is None
+    assert compile_file("examples/fa2_pipelined.fa").alone is None
+    assert fadsl.load(TWIN, verbose=False).alone is None
+
+
+def test_the_runtime_holds_the_variant(compiled):
+    kern = fadsl.load(HOPPER, verbose=False)
+    assert kern.alone is not None and kern.alone.config.name == "fa3_hopper_alone"
+    assert kern.alone.alone is None
+    source = kern.alone.source("bf16")
+    assert "void __launch_bounds__(Cfg::kThreads, 1) fa3_hopper_alone_bf16(" in source
+    assert "cluster_arrive" not in source and "mbar_arrive_cluster" not in source
+
+
+def test_compile_writes_both_kernels(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    assert main(["compile", HOPPER, "-o", str(tmp_path)]) == 0
+    names = sorted(p.name for p in tmp_path.glob("*.cu"))
+    assert names == [
+        "fa3_hopper_alone_bf16.cu",
+        "fa3_hopper_alone_fp16.cu",
+        "fa3_hopper_bf16.cu",
+        "fa3_hopper_fp16.cu",
+    ]
+
+
+@needs_nvrtc
+def test_aot_build_writes_the_variant_too(tmp_path, monkeypatch):
+    out = tmp_path / "cubins"
+    fadsl_cli = str(Path(sys.executable).parent / "fadsl")
+    proc = subprocess.run(
+        [fadsl_cli, "build", HOPPER, "--arch", "sm_90a", "-o", str(out)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr
+    stems = sorted(c.name.split(".")[0] for c in out.glob("*.cubin"))
+    assert stems == [
+        "fa3_hopper_alone_bf16",
+        "fa3_hopper_alone_fp16",
+        "fa3_hopper_bf16",
+        "fa3_hopper_fp16",
+    ]
+    monkeypatch.setenv("FADSL_CACHE_DIR", str(tmp_path / "cache"))
+
+    def no_build(*args, **kwargs):
+        raise AssertionError("built although an ahead-of-time cubin was there")
+
+    monkeypatch.setattr(fadsl.runtime, "compile_cubin", no_build)
+    kern = fadsl.load(ROOT / HOPPER, cubin_dirs=[out])
+    assert kern.alone.cubin(Dtype.BF16, "sm_90a").path.parent == out
