@@ -45,7 +45,7 @@ consumer ops' register uses (schedule.REGISTERS); each sync records the hazards 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 from ... import targets
 from ...ir import (
@@ -57,12 +57,10 @@ from ...ir import (
     Mode,
     Parity,
     Phase,
-    Scope,
     Step,
     Sync,
     Threads,
 )
-from ...ops import Op
 from .caps import (
     BAR_ARRIVE,
     BAR_SYNC,
@@ -83,75 +81,29 @@ from .caps import (
     WGMMA_WAIT,
 )
 from .schedule import REGISTERS, ring_buffers
+from .sync_state import (
+    O_STORE_ID,
+    RING_DEAD_ID,
+    TO_CONSUMERS,
+    TO_NEXT_TILE,
+    TO_PRODUCER,
+    TURN_ID,
+    Consumers,
+    Group,
+    first_load,
+    hazard,
+    overlaps,
+    role_of,
+    unique_ops,
+    writes_to,
+)
 
-# Named barrier ids (0 is __syncthreads); per-warpgroup ones take consumers ids from the base.
-RING_DEAD_ID = 1
-O_STORE_ID = 2  # + wg (up to 3 consumer warpgroups: 2..4)
-TURN_ID = 5  # + wg
 TURN_THREADS = 256  # the warpgroup waiting for its turn + the one handing over
 
-PRODUCER_ROLES = (Threads.PRODUCER, Threads.PRODUCER_THREAD)
-TO_CONSUMERS = "producer -> consumers"
-TO_PRODUCER = "consumers -> producer"
-TO_NEXT_TILE = "consumers -> producer, next tile"
 
-
-def role_of(who: Threads) -> str:
-    """'setup', 'producer' or 'consumers': the program a step or sync belongs to."""
-    if who in (Threads.ALL_WARPS, Threads.THREAD0):
-        return "setup"
-    return "producer" if who in PRODUCER_ROLES else "consumers"
-
-
-def _hazard(kind, earlier, later, buf, later_buf=None, back=False, async_write=False, across=""):
-    return Hazard(
-        kind=kind,
-        earlier=earlier,
-        later=later,
-        earlier_buffer=buf,
-        later_buffer=later_buf or buf,
-        scope=Scope.CTA if across else Scope.WARPGROUP,
-        back_edge=back,
-        async_write=async_write,
-        across=across,
-    )
-
-
-@dataclass
-class _Group:
-    """A committed wgmma group in flight in each consumer warpgroup."""
-
-    step: Step
-    reads: frozenset[str]
-    writes: frozenset[str]
-
-
-@dataclass
-class _Consumers:
-    """The consumer program being built, with what is in flight."""
-
-    kernel: Kernel
-    readers: dict[str, list[Step]]  # buffer -> the consumer steps that read it
-    rings: frozenset[str]  # the tiles loaded per K/V block (schedule.ring_buffers)
-    in_flight: list[_Group] = field(default_factory=list)
-    in_turn: bool = False
-    # ordinary code wrote registers since the last wgmma.fence (PTX: a wgmma after such
-    # writes, and the first wgmma, need a wgmma.fence before them)
-    registers_written: bool = True
-    q_waited: set[str] = field(default_factory=set)
-    # WAR of the previous tile's TMA store against this tile's writes of the same bytes
-    # (_reused_by_next_tile), and those of them the tile's first turn (a bar.sync of every
-    # thread of the warpgroup) orders on its way
-    reused: list[Hazard] = field(default_factory=list)
-    carried: list[Hazard] = field(default_factory=list)
-    out: list[Item] = field(default_factory=list)
-
-    @property
-    def hw(self):
-        return self.kernel.config.hopper
-
-    def sync(self, kind, phase, serves=(), who=Threads.CONSUMERS, **args) -> None:
-        self.out.append(Sync(kind, phase, tuple(serves), self.kernel.config.loc, who=who, **args))
+class _Consumers(Consumers):
+    """The consumer program being built: its syncs (moving, one mechanism at a time, to a
+    module of their own)."""
 
     def open_turn(self, phase: Phase) -> None:
         self.sync(
@@ -223,9 +175,9 @@ class _Consumers:
                 MBAR_WAIT,
                 phase,
                 [
-                    _hazard(
+                    hazard(
                         HazardKind.RAW,
-                        _first_load(self.kernel, buf.name).op,
+                        first_load(self.kernel, buf.name).op,
                         step.op,
                         buf.name,
                         async_write=True,
@@ -248,10 +200,10 @@ class _Consumers:
             war = group.reads & set(writes)
             for reg in sorted(raw):
                 served.append(
-                    _hazard(HazardKind.RAW, group.step.op, step.op, f"{reg} (rf)", async_write=True)
+                    hazard(HazardKind.RAW, group.step.op, step.op, f"{reg} (rf)", async_write=True)
                 )
             for reg in sorted(war - raw):
-                served.append(_hazard(HazardKind.WAR, group.step.op, step.op, f"{reg} (rf)"))
+                served.append(hazard(HazardKind.WAR, group.step.op, step.op, f"{reg} (rf)"))
             if raw or war or force:
                 newest = index
         if newest < 0:
@@ -283,10 +235,10 @@ class _Consumers:
                 MBAR_ARRIVE,
                 phase,
                 [
-                    _hazard(
+                    hazard(
                         HazardKind.WAR,
                         step.op,
-                        _first_load(self.kernel, buf.name).op,
+                        first_load(self.kernel, buf.name).op,
                         buf.name,
                         back=True,
                         across=TO_PRODUCER,
@@ -303,28 +255,18 @@ class _Consumers:
         for name in once:
             in_flight = [a.buffer for g in self.in_flight for a in g.step.accesses]
             assert name not in in_flight, f"{name} still read by a wgmma in flight"
-            load = _first_load(self.kernel, name)
+            load = first_load(self.kernel, name)
             self.sync(
                 MBAR_ARRIVE,
                 phase,
                 [
-                    _hazard(HazardKind.WAR, r.op, load.op, name, across=TO_NEXT_TILE)
-                    for r in _unique_ops(self.readers.get(name, []))
+                    hazard(HazardKind.WAR, r.op, load.op, name, across=TO_NEXT_TILE)
+                    for r in unique_ops(self.readers.get(name, []))
                 ],
                 who=Threads.CONSUMER_WARP_LANE0,
                 barrier=f"{name.lower()}_empty",
                 slots=_tile_slots(self.kernel.buffer(name), self.rings),
             )
-
-
-def _writes(step: Step, buffer: str, kind=None) -> bool:
-    return any(a.buffer == buffer and a.mode is Mode.WRITE for a in step.accesses) and (
-        kind is None or step.async_kind == kind
-    )
-
-
-def _overlaps(a, b) -> bool:
-    return a.offset < b.offset + b.nbytes and b.offset < a.offset + a.nbytes
 
 
 def insert_syncs(kernel: Kernel, target: targets.Target) -> Kernel:
@@ -344,7 +286,7 @@ def insert_syncs(kernel: Kernel, target: targets.Target) -> Kernel:
     setup: list[Item] = []
     init_note = "mbarrier.init before any arrive, wait or complete_tx"
     for buf in kernel.buffers:
-        if not any(_writes(s, buf.name, TMA_LOAD) for s in steps):
+        if not any(writes_to(s, buf.name, TMA_LOAD) for s in steps):
             continue
         ring = buf.name in rings
         tile_slots = _tile_slots(buf, rings)
@@ -376,13 +318,13 @@ def insert_syncs(kernel: Kernel, target: targets.Target) -> Kernel:
             )
         )
     # A TMA-stored tile over loaded bytes (O over the dead V ring): its store frees them.
-    loaded = [b for b in kernel.buffers if any(_writes(s, b.name, TMA_LOAD) for s in steps)]
+    loaded = [b for b in kernel.buffers if any(writes_to(s, b.name, TMA_LOAD) for s in steps)]
     stores = [s for s in steps if s.async_kind == TMA_STORE]
     stored = [kernel.buffer(a.buffer) for s in stores for a in s.accesses]
     freed = {
-        out.name: [b.name for b in loaded if _overlaps(out, b)]
+        out.name: [b.name for b in loaded if overlaps(out, b)]
         for out in stored
-        if any(_overlaps(out, b) for b in loaded)
+        if any(overlaps(out, b) for b in loaded)
     }
     for name in freed:
         setup.append(
@@ -431,7 +373,7 @@ def insert_syncs(kernel: Kernel, target: targets.Target) -> Kernel:
                 name = buf.name.lower()
                 lag = step.lag if buf.name in rings else None
                 raws = [
-                    _hazard(
+                    hazard(
                         HazardKind.RAW,
                         step.op,
                         r.op,
@@ -439,13 +381,13 @@ def insert_syncs(kernel: Kernel, target: targets.Target) -> Kernel:
                         async_write=True,
                         across=TO_CONSUMERS,
                     )
-                    for r in _unique_ops(readers.get(buf.name, []))
+                    for r in unique_ops(readers.get(buf.name, []))
                 ]
                 # The slot's (or, for Q, the tile's) previous use: always waited for, as
                 # the ring goes on from the previous tile (a fresh barrier passes at once).
                 ring = buf.name in rings
                 wars = [
-                    _hazard(
+                    hazard(
                         HazardKind.WAR,
                         r.op,
                         step.op,
@@ -453,7 +395,7 @@ def insert_syncs(kernel: Kernel, target: targets.Target) -> Kernel:
                         back=ring,
                         across=TO_PRODUCER if ring else TO_NEXT_TILE,
                     )
-                    for r in _unique_ops(readers.get(buf.name, []))
+                    for r in unique_ops(readers.get(buf.name, []))
                 ]
                 out.append(
                     Sync(
@@ -477,7 +419,7 @@ def insert_syncs(kernel: Kernel, target: targets.Target) -> Kernel:
                             MBAR_WAIT,
                             phase,
                             (
-                                _hazard(
+                                hazard(
                                     HazardKind.WAR,
                                     store.op,
                                     step.op,
@@ -561,7 +503,7 @@ def insert_syncs(kernel: Kernel, target: targets.Target) -> Kernel:
                 c.out.append(step)
                 c.sync(WGMMA_COMMIT, phase, note=f"closes {step.op.spelling}'s wgmma group")
                 reads, writes = REGISTERS[step.op]
-                c.in_flight.append(_Group(step, reads, writes))
+                c.in_flight.append(Group(step, reads, writes))
                 if not hw.overlap:
                     c.wait_groups(None, phase, force=True)
             else:
@@ -591,10 +533,10 @@ def insert_syncs(kernel: Kernel, target: targets.Target) -> Kernel:
                             MBAR_ARRIVE,
                             phase,
                             [
-                                _hazard(
+                                hazard(
                                     HazardKind.WAR,
                                     step.op,
-                                    _first_load(kernel, under).op,
+                                    first_load(kernel, under).op,
                                     access.buffer,
                                     under,
                                     across=TO_NEXT_TILE,
@@ -628,11 +570,6 @@ def _tile_slots(buf: Buffer, rings: frozenset[str]) -> int:
     return 1 if buf.name in rings else buf.slots
 
 
-def _first_load(kernel: Kernel, buffer: str) -> Step:
-    """The TMA load that fills ``buffer`` (the step the hazards of its barriers name)."""
-    return next(s for s in kernel.steps() if _writes(s, buffer, TMA_LOAD))
-
-
 def _reused_by_next_tile(kernel: Kernel) -> list[Hazard]:
     """A TMA-stored tile written again by the next tile's consumers: the previous tile's
     store (waited for by one elected thread) before every thread's write."""
@@ -642,9 +579,9 @@ def _reused_by_next_tile(kernel: Kernel) -> list[Hazard]:
             continue
         for access in store.accesses:
             for writer in kernel.steps():
-                if _writes(writer, access.buffer) and writer.async_kind is None:
+                if writes_to(writer, access.buffer) and writer.async_kind is None:
                     hazards.append(
-                        _hazard(
+                        hazard(
                             HazardKind.WAR,
                             store.op,
                             writer.op,
@@ -653,13 +590,6 @@ def _reused_by_next_tile(kernel: Kernel) -> list[Hazard]:
                         )
                     )
     return hazards
-
-
-def _unique_ops(steps: list[Step]) -> list[Step]:
-    seen: dict[Op, Step] = {}
-    for s in steps:
-        seen.setdefault(s.op, s)
-    return list(seen.values())
 
 
 def _before_smem(c: _Consumers, step: Step, phase: Phase) -> None:
@@ -671,11 +601,11 @@ def _before_smem(c: _Consumers, step: Step, phase: Phase) -> None:
             # WAR against every consumer warpgroup's wgmma reads of the bytes it overwrites
             served = []
             for other in kernel.buffers:
-                if other.name == buf.name or not _overlaps(other, buf):
+                if other.name == buf.name or not overlaps(other, buf):
                     continue
-                for reader in _unique_ops(c.readers.get(other.name, [])):
+                for reader in unique_ops(c.readers.get(other.name, [])):
                     served.append(
-                        _hazard(
+                        hazard(
                             HazardKind.WAR,
                             reader.op,
                             step.op,
@@ -711,13 +641,13 @@ def _before_smem(c: _Consumers, step: Step, phase: Phase) -> None:
                     count=128,
                 )
         if access.mode is Mode.READ and step.async_kind == TMA_STORE:
-            writers = [s for s in kernel.steps() if _writes(s, buf.name) and s.async_kind is None]
+            writers = [s for s in kernel.steps() if writes_to(s, buf.name) and s.async_kind is None]
             for w in writers:
                 c.sync(
                     FENCE_PROXY_ASYNC,
                     phase,
                     [
-                        _hazard(
+                        hazard(
                             HazardKind.RAW,
                             w.op,
                             step.op,
@@ -729,7 +659,7 @@ def _before_smem(c: _Consumers, step: Step, phase: Phase) -> None:
             c.sync(
                 BAR_SYNC,
                 phase,
-                [_hazard(HazardKind.RAW, w.op, step.op, buf.name) for w in writers],
+                [hazard(HazardKind.RAW, w.op, step.op, buf.name) for w in writers],
                 barrier="o_store",
                 bar_id=O_STORE_ID,
                 peer=0,
