@@ -29,18 +29,10 @@ consumer ops' register uses (schedule.REGISTERS); each sync records the hazards 
   warpgroup's after; the turns go on from tile to tile: in the setup the last warpgroup
   opens warpgroup 0's first turn, in the teardown warpgroup 0 takes the last hand-over,
   so every arrive is matched;
-- O over the dead rings (WAR across consumer warpgroups): a named barrier of every
-  consumer thread before stmatrix; the store's SMEM reads complete (bulk commit and
-  wait_group.read 0, at once) before the elected thread arrives on O's free barrier, on
-  which the producer waits with the previous tile's parity before every load into O's
-  bytes. In O's own bytes (WAR across tiles within a warpgroup: the previous tile's store
-  read them), the elected thread waits for that store a tile late (wait_group.read 0
-  before the tile's last ping-pong turn, a bar.sync of the whole warpgroup, or without
-  ping-pong before the warpgroup's named barrier ahead of stmatrix), so the wait, long
-  done by then, keeps no warp of the tile boundary waiting; once more before the CTA
-  exits. stmatrix (generic proxy) before the TMA store (async proxy): fence.proxy.async,
-  then the warpgroup's named barrier (the elected thread stores rows the others wrote);
 - mbarrier init by thread 0, fence.mbarrier_init, __syncthreads before any use (setup).
+
+The O store's syncs (named barriers, the proxy fence, bulk waits, the free barrier of O
+over the dead rings) are store_syncs'.
 """
 
 from __future__ import annotations
@@ -50,7 +42,6 @@ from dataclasses import replace
 from ... import targets
 from ...ir import (
     Buffer,
-    Hazard,
     HazardKind,
     Item,
     Kernel,
@@ -64,10 +55,7 @@ from ...ir import (
 from .caps import (
     BAR_ARRIVE,
     BAR_SYNC,
-    BULK_COMMIT,
-    BULK_WAIT,
     FENCE_MBAR_INIT,
-    FENCE_PROXY_ASYNC,
     MBAR_ARRIVE,
     MBAR_EXPECT_TX,
     MBAR_INIT,
@@ -81,9 +69,18 @@ from .caps import (
     WGMMA_WAIT,
 )
 from .schedule import REGISTERS, ring_buffers
+from .store_syncs import (
+    after_store,
+    before_smem,
+    freed_by_stores,
+    in_own_bytes,
+    init_free_barriers,
+    reused_by_next_tile,
+    wait_free,
+    wait_last_store,
+    wait_store,
+)
 from .sync_state import (
-    O_STORE_ID,
-    RING_DEAD_ID,
     TO_CONSUMERS,
     TO_NEXT_TILE,
     TO_PRODUCER,
@@ -92,8 +89,8 @@ from .sync_state import (
     Group,
     first_load,
     hazard,
-    overlaps,
     role_of,
+    tma_loaded,
     unique_ops,
     writes_to,
 )
@@ -119,7 +116,7 @@ class _Consumers(Consumers):
     def take_turn(self, phase: Phase) -> None:
         if self.hw.pingpong and not self.in_turn:
             if self.carried:
-                self.wait_store(phase, self.carried)
+                wait_store(self, phase, self.carried)
             self.sync(
                 BAR_SYNC,
                 phase,
@@ -132,20 +129,6 @@ class _Consumers(Consumers):
             )
             self.in_turn = True
             self.carried = []
-
-    def wait_store(self, phase: Phase, serves: list[Hazard]) -> None:
-        """The elected thread waits for the previous tile's TMA store to have read O's SMEM,
-        a tile after issuing it (long done by then): every thread of the warpgroup passes a
-        bar.sync of it (a turn, or the O store barrier) before writing O again."""
-        self.sync(
-            BULK_WAIT,
-            phase,
-            serves,
-            who=Threads.CONSUMER_ELECTED,
-            groups=0,
-            note="the previous tile's TMA store has read O's SMEM (waited a tile late: "
-            "long done by now)",
-        )
 
     def hand_over(self, phase: Phase) -> None:
         if self.in_turn:
@@ -317,29 +300,9 @@ def insert_syncs(kernel: Kernel, target: targets.Target) -> Kernel:
                 + (" (one arrival per consumer warp" + ("" if ring else ", once per tile") + ")"),
             )
         )
-    # A TMA-stored tile over loaded bytes (O over the dead V ring): its store frees them.
-    loaded = [b for b in kernel.buffers if any(writes_to(s, b.name, TMA_LOAD) for s in steps)]
-    stores = [s for s in steps if s.async_kind == TMA_STORE]
-    stored = [kernel.buffer(a.buffer) for s in stores for a in s.accesses]
-    freed = {
-        out.name: [b.name for b in loaded if overlaps(out, b)]
-        for out in stored
-        if any(overlaps(out, b) for b in loaded)
-    }
-    for name in freed:
-        setup.append(
-            Sync(
-                MBAR_INIT,
-                Phase.SETUP,
-                (),
-                loc,
-                who=Threads.THREAD0,
-                barrier=f"{name.lower()}_free",
-                count=hw.consumers,
-                note=init_note
-                + " (one arrival per consumer warpgroup: its TMA store has read the bytes)",
-            )
-        )
+    loaded = tma_loaded(kernel)
+    freed = freed_by_stores(kernel)
+    setup += init_free_barriers(kernel, freed)
     if setup:
         setup.append(
             Sync(
@@ -410,30 +373,7 @@ def insert_syncs(kernel: Kernel, target: targets.Target) -> Kernel:
                         slots=_tile_slots(buf, rings),
                     )
                 )
-                for out_name, under in freed.items():
-                    if buf.name not in under:
-                        continue
-                    store = next(s for s in stores if s.accesses[0].buffer == out_name)
-                    out.append(
-                        Sync(
-                            MBAR_WAIT,
-                            phase,
-                            (
-                                hazard(
-                                    HazardKind.WAR,
-                                    store.op,
-                                    step.op,
-                                    out_name,
-                                    buf.name,
-                                    across=TO_NEXT_TILE,
-                                ),
-                            ),
-                            loc,
-                            who=Threads.PRODUCER_THREAD,
-                            barrier=f"{out_name.lower()}_free",
-                            parity=Parity.TILE_FLIP,
-                        )
-                    )
+                out.extend(wait_free(kernel, step, phase, buf.name, freed))
                 out.append(
                     Sync(
                         MBAR_EXPECT_TX,
@@ -451,7 +391,7 @@ def insert_syncs(kernel: Kernel, target: targets.Target) -> Kernel:
         return out
 
     # --- consumers -----------------------------------------------------------------
-    c = _Consumers(kernel, readers, rings, reused=_reused_by_next_tile(kernel))
+    c = _Consumers(kernel, readers, rings, freed, reused=reused_by_next_tile(kernel))
     consumer_items: dict[Phase, list[Item]] = {}
     for phase, items in (*kernel.phases(), (Phase.TEARDOWN, ())):
         if phase is Phase.TEARDOWN and hw.pingpong:
@@ -475,17 +415,11 @@ def insert_syncs(kernel: Kernel, target: targets.Target) -> Kernel:
         if phase is Phase.EPILOGUE:
             c.release_tile(phase, [b.name for b in loaded if b.name not in rings])
         if phase is Phase.EPILOGUE and hw.pingpong:
-            # O in its own bytes (over the rings, the all-consumer barrier orders it): the
-            # previous tile's store, waited for before the tile's last turn
-            c.carried = [h for h in c.reused if h.later_buffer not in freed]
-        if phase is Phase.TEARDOWN and any(h.later_buffer not in freed for h in c.reused):
-            c.sync(
-                BULK_WAIT,
-                phase,
-                who=Threads.CONSUMER_ELECTED,
-                groups=0,
-                note="the last tile's TMA store has read O's SMEM before the CTA exits",
-            )
+            # O in its own bytes: the previous tile's store, waited for before the tile's
+            # last turn
+            c.carried = in_own_bytes(c)
+        if phase is Phase.TEARDOWN:
+            wait_last_store(c, phase)
         for step in items:
             if not isinstance(step, Step) or role_of(step.who) != "consumers":
                 continue
@@ -508,44 +442,11 @@ def insert_syncs(kernel: Kernel, target: targets.Target) -> Kernel:
                     c.wait_groups(None, phase, force=True)
             else:
                 c.wait_groups(step, phase)
-                _before_smem(c, step, phase)
+                before_smem(c, step, phase)
                 c.out.append(step)
                 c.registers_written |= bool(REGISTERS.get(step.op, ((), ()))[1])
                 if step.async_kind == TMA_STORE:
-                    c.sync(
-                        BULK_COMMIT,
-                        phase,
-                        who=Threads.CONSUMER_ELECTED,
-                        note="closes the TMA store's bulk group",
-                    )
-                    (access,) = step.accesses
-                    if access.buffer in freed:
-                        # O over loaded bytes: the producer waits for them, so at once
-                        c.sync(
-                            BULK_WAIT,
-                            phase,
-                            who=Threads.CONSUMER_ELECTED,
-                            groups=0,
-                            note="the TMA store has read O's SMEM: the bytes under it may be "
-                            "loaded again",
-                        )
-                        c.sync(
-                            MBAR_ARRIVE,
-                            phase,
-                            [
-                                hazard(
-                                    HazardKind.WAR,
-                                    step.op,
-                                    first_load(kernel, under).op,
-                                    access.buffer,
-                                    under,
-                                    across=TO_NEXT_TILE,
-                                )
-                                for under in freed[access.buffer]
-                            ],
-                            who=Threads.CONSUMER_ELECTED,
-                            barrier=f"{access.buffer.lower()}_free",
-                        )
+                    after_store(c, step, phase)
         if phase is Phase.SETUP and hw.pingpong:
             c.open_turn(phase)
         consumer_items[phase], c.out = c.out, []
@@ -568,100 +469,3 @@ def _tile_slots(buf: Buffer, rings: frozenset[str]) -> int:
     """The slots of the ring of tiles a buffer's per-tile barriers make (Q's: q_slots);
     1 for a K/V ring's buffer, whose barriers are indexed by block item instead."""
     return 1 if buf.name in rings else buf.slots
-
-
-def _reused_by_next_tile(kernel: Kernel) -> list[Hazard]:
-    """A TMA-stored tile written again by the next tile's consumers: the previous tile's
-    store (waited for by one elected thread) before every thread's write."""
-    hazards = []
-    for store in kernel.steps():
-        if store.async_kind != TMA_STORE:
-            continue
-        for access in store.accesses:
-            for writer in kernel.steps():
-                if writes_to(writer, access.buffer) and writer.async_kind is None:
-                    hazards.append(
-                        hazard(
-                            HazardKind.WAR,
-                            store.op,
-                            writer.op,
-                            access.buffer,
-                            across="within each warpgroup, previous tile",
-                        )
-                    )
-    return hazards
-
-
-def _before_smem(c: _Consumers, step: Step, phase: Phase) -> None:
-    """Named barriers and the proxy fence before a consumer's generic SMEM write or TMA store."""
-    kernel = c.kernel
-    for access in step.accesses:
-        buf = kernel.buffer(access.buffer)
-        if access.mode is Mode.WRITE and step.async_kind is None:
-            # WAR against every consumer warpgroup's wgmma reads of the bytes it overwrites
-            served = []
-            for other in kernel.buffers:
-                if other.name == buf.name or not overlaps(other, buf):
-                    continue
-                for reader in unique_ops(c.readers.get(other.name, [])):
-                    served.append(
-                        hazard(
-                            HazardKind.WAR,
-                            reader.op,
-                            step.op,
-                            other.name,
-                            buf.name,
-                            across="consumer warpgroups cross",
-                        )
-                    )
-            # WAR against the previous tile's TMA store of these bytes, whose SMEM reads
-            # the elected thread waits for (right after the store when O lies over loaded
-            # bytes, else a tile later): every thread of its warpgroup after it (in O's
-            # own bytes with ping-pong, the tile's last turn, a bar.sync of the
-            # warpgroup, orders it)
-            previous = c.reused if served or not c.hw.pingpong else []
-            if served:
-                c.sync(
-                    BAR_SYNC,
-                    phase,
-                    served + previous,
-                    barrier="ring_dead",
-                    bar_id=RING_DEAD_ID,
-                    count=128 * c.hw.consumers,
-                )
-            elif previous:
-                c.wait_store(phase, previous)
-                c.sync(
-                    BAR_SYNC,
-                    phase,
-                    previous,
-                    barrier="o_store",
-                    bar_id=O_STORE_ID,
-                    peer=0,
-                    count=128,
-                )
-        if access.mode is Mode.READ and step.async_kind == TMA_STORE:
-            writers = [s for s in kernel.steps() if writes_to(s, buf.name) and s.async_kind is None]
-            for w in writers:
-                c.sync(
-                    FENCE_PROXY_ASYNC,
-                    phase,
-                    [
-                        hazard(
-                            HazardKind.RAW,
-                            w.op,
-                            step.op,
-                            buf.name,
-                            across="generic proxy -> async proxy",
-                        )
-                    ],
-                )
-            c.sync(
-                BAR_SYNC,
-                phase,
-                [hazard(HazardKind.RAW, w.op, step.op, buf.name) for w in writers],
-                barrier="o_store",
-                bar_id=O_STORE_ID,
-                peer=0,
-                count=128,
-            )

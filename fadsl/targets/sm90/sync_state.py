@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ...ir import Hazard, Item, Kernel, Mode, Scope, Step, Sync, Threads
+from ...ir import Buffer, Hazard, HazardKind, Item, Kernel, Mode, Phase, Scope, Step, Sync, Threads
 from ...ops import Op
-from .caps import TMA_LOAD
+from .caps import MBAR_INIT, TMA_LOAD
 
 # Named barrier ids (0 is __syncthreads); per-warpgroup ones take consumers ids from the base.
 RING_DEAD_ID = 1
@@ -58,6 +58,9 @@ class Consumers:
     kernel: Kernel
     readers: dict[str, list[Step]]  # buffer -> the consumer steps that read it
     rings: frozenset[str]  # the tiles loaded per K/V block (schedule.ring_buffers)
+    # a TMA-stored tile over loaded bytes (O over the dead V ring) -> the buffers under it
+    # (store_syncs.freed_by_stores)
+    freed: dict[str, list[str]]
     in_flight: list[Group] = field(default_factory=list)
     in_turn: bool = False
     # ordinary code wrote registers since the last wgmma.fence (PTX: a wgmma after such
@@ -65,7 +68,7 @@ class Consumers:
     registers_written: bool = True
     q_waited: set[str] = field(default_factory=set)
     # WAR of the previous tile's TMA store against this tile's writes of the same bytes
-    # (_reused_by_next_tile), and those of them the tile's first turn (a bar.sync
+    # (store_syncs.reused_by_next_tile), and those of them the tile's first turn (a bar.sync
     # of every thread of the warpgroup) orders on its way
     reused: list[Hazard] = field(default_factory=list)
     carried: list[Hazard] = field(default_factory=list)
@@ -94,8 +97,36 @@ def first_load(kernel: Kernel, buffer: str) -> Step:
     return next(s for s in kernel.steps() if writes_to(s, buffer, TMA_LOAD))
 
 
+def before_refill(kernel: Kernel, reader: Step, loaded: str, buf: str = "", **args) -> Hazard:
+    """WAR: ``reader``'s use of ``buf`` (by default ``loaded`` itself) before the next TMA
+    load into ``loaded``'s bytes."""
+    later = first_load(kernel, loaded).op
+    return hazard(HazardKind.WAR, reader.op, later, buf or loaded, loaded, **args)
+
+
 def unique_ops(steps: list[Step]) -> list[Step]:
     seen: dict[Op, Step] = {}
     for s in steps:
         seen.setdefault(s.op, s)
     return list(seen.values())
+
+
+def tma_loaded(kernel: Kernel) -> list[Buffer]:
+    """The buffers a TMA load fills (each has a full and an empty mbarrier)."""
+    steps = kernel.steps()
+    return [b for b in kernel.buffers if any(writes_to(s, b.name, TMA_LOAD) for s in steps)]
+
+
+def init_barrier(kernel: Kernel, barrier: str, count: int, why: str, slots: int = 1) -> Sync:
+    """Thread 0's mbarrier.init in the setup; ``why``: who arrives on it, and how often."""
+    return Sync(
+        MBAR_INIT,
+        Phase.SETUP,
+        (),
+        kernel.config.loc,
+        who=Threads.THREAD0,
+        barrier=barrier,
+        count=count,
+        slots=slots,
+        note=f"mbarrier.init before any arrive, wait or complete_tx ({why})",
+    )
