@@ -24,15 +24,10 @@ consumer ops' register uses (schedule.REGISTERS); each sync records the hazards 
   preceded by wgmma.fence and followed by its own commit group; before a step that
   touches registers an in-flight group writes (or reads), wgmma.wait_group N keeps the
   N newer groups in flight. With ``overlap off`` every GEMM is waited for at once;
-- ping-pong (``pingpong on``, performance, no hazard): each warpgroup's run of wgmma
-  issues is a turn: bar.sync on its own named barrier before, bar.arrive on the next
-  warpgroup's after; the turns go on from tile to tile: in the setup the last warpgroup
-  opens warpgroup 0's first turn, in the teardown warpgroup 0 takes the last hand-over,
-  so every arrive is matched;
 - mbarrier init by thread 0, fence.mbarrier_init, __syncthreads before any use (setup).
 
-The O store's syncs (named barriers, the proxy fence, bulk waits, the free barrier of O
-over the dead rings) are store_syncs'.
+The ping-pong turns are pingpong_syncs'; the O store's syncs (named barriers, the proxy
+fence, bulk waits, the free barrier of O over the dead rings) are store_syncs'.
 """
 
 from __future__ import annotations
@@ -53,8 +48,6 @@ from ...ir import (
     Threads,
 )
 from .caps import (
-    BAR_ARRIVE,
-    BAR_SYNC,
     FENCE_MBAR_INIT,
     MBAR_ARRIVE,
     MBAR_EXPECT_TX,
@@ -68,6 +61,7 @@ from .caps import (
     WGMMA_FENCE,
     WGMMA_WAIT,
 )
+from .pingpong_syncs import close_turns, hand_over, open_turn, take_turn
 from .schedule import REGISTERS, ring_buffers
 from .store_syncs import (
     after_store,
@@ -78,13 +72,11 @@ from .store_syncs import (
     reused_by_next_tile,
     wait_free,
     wait_last_store,
-    wait_store,
 )
 from .sync_state import (
     TO_CONSUMERS,
     TO_NEXT_TILE,
     TO_PRODUCER,
-    TURN_ID,
     Consumers,
     Group,
     first_load,
@@ -95,53 +87,10 @@ from .sync_state import (
     writes_to,
 )
 
-TURN_THREADS = 256  # the warpgroup waiting for its turn + the one handing over
-
 
 class _Consumers(Consumers):
     """The consumer program being built: its syncs (moving, one mechanism at a time, to a
     module of their own)."""
-
-    def open_turn(self, phase: Phase) -> None:
-        self.sync(
-            BAR_ARRIVE,
-            phase,
-            who=Threads.CONSUMER_LAST,
-            barrier="turn",
-            bar_id=TURN_ID,
-            count=TURN_THREADS,
-            note="ping-pong: the last warpgroup opens warpgroup 0's first turn",
-        )
-
-    def take_turn(self, phase: Phase) -> None:
-        if self.hw.pingpong and not self.in_turn:
-            if self.carried:
-                wait_store(self, phase, self.carried)
-            self.sync(
-                BAR_SYNC,
-                phase,
-                self.carried,
-                barrier="turn",
-                bar_id=TURN_ID,
-                peer=0,
-                count=TURN_THREADS,
-                note="ping-pong: wait for this warpgroup's turn on the tensor cores",
-            )
-            self.in_turn = True
-            self.carried = []
-
-    def hand_over(self, phase: Phase) -> None:
-        if self.in_turn:
-            self.sync(
-                BAR_ARRIVE,
-                phase,
-                barrier="turn",
-                bar_id=TURN_ID,
-                peer=1,
-                count=TURN_THREADS,
-                note="ping-pong: hand the tensor cores to the next warpgroup",
-            )
-            self.in_turn = False
 
     def wait_full(self, step: Step, phase: Phase, waited: set) -> None:
         """The consumers' mbarrier wait before the first read of a TMA-loaded item."""
@@ -191,7 +140,7 @@ class _Consumers(Consumers):
                 newest = index
         if newest < 0:
             return
-        self.hand_over(phase)
+        hand_over(self, phase)
         retired, self.in_flight = self.in_flight[: newest + 1], self.in_flight[newest + 1 :]
         note = "" if served else "overlap off: one GEMM in flight at a time"
         self.out.append(
@@ -395,19 +344,7 @@ def insert_syncs(kernel: Kernel, target: targets.Target) -> Kernel:
     consumer_items: dict[Phase, list[Item]] = {}
     for phase, items in (*kernel.phases(), (Phase.TEARDOWN, ())):
         if phase is Phase.TEARDOWN and hw.pingpong:
-            # The turns go on from tile to tile (the last warpgroup's final hand-over of
-            # a tile opens warpgroup 0's first turn of the next): opened once before the
-            # first tile, closed once after the last.
-            c.sync(
-                BAR_SYNC,
-                phase,
-                who=Threads.CONSUMER_FIRST,
-                barrier="turn",
-                bar_id=TURN_ID,
-                count=TURN_THREADS,
-                note="ping-pong: warpgroup 0 takes the last warpgroup's final hand-over, so "
-                "every bar.arrive is matched",
-            )
+            close_turns(c, phase)
         waited: set = set()
         # A phase is entered from more than one place (the loop from the prologue and from
         # its own end): assume registers were written before it.
@@ -426,7 +363,7 @@ def insert_syncs(kernel: Kernel, target: targets.Target) -> Kernel:
             if step.async_kind == WGMMA:
                 c.wait_groups(step, phase)
                 c.wait_full(step, phase, waited)
-                c.take_turn(phase)
+                take_turn(c, phase)
                 if c.registers_written:
                     c.sync(
                         WGMMA_FENCE,
@@ -448,7 +385,7 @@ def insert_syncs(kernel: Kernel, target: targets.Target) -> Kernel:
                 if step.async_kind == TMA_STORE:
                     after_store(c, step, phase)
         if phase is Phase.SETUP and hw.pingpong:
-            c.open_turn(phase)
+            open_turn(c, phase)
         consumer_items[phase], c.out = c.out, []
 
     new = {Phase.TEARDOWN: tuple(consumer_items[Phase.TEARDOWN])}
