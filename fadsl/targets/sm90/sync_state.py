@@ -1,5 +1,8 @@
 """What insert_syncs' mechanisms share: the consumer program being built, and the helpers
 that name roles, hazards and the steps a barrier's hazards point at.
+
+Each mechanism (mbarrier_syncs, wgmma_syncs, pingpong_syncs, store_syncs) is a set of plain
+functions over ``Consumers``; none of them imports insert_syncs, which calls them in order.
 """
 
 from __future__ import annotations
