@@ -1,617 +1,111 @@
 """insert_syncs (sm_90a): the mbarrier pipeline, wgmma groups, named barriers and fences.
 
 Derived from the schedule's steps (role, ring item, SMEM accesses, async kind) and the
-consumer ops' register uses (schedule.REGISTERS); each sync records the hazards it orders:
+consumer ops' register uses (schedule.REGISTERS); each sync records the hazards it orders.
+The kernel is a loop over tiles (q block, head, batch); each role runs the IR's prologue,
+mainloop and epilogue once per non-empty tile, ring items counting on across tiles (a tile
+with no K/V block touches no SMEM and no barrier).
 
-- the kernel is a loop over tiles (q block, head, batch); each role runs the IR's
-  prologue, mainloop and epilogue once per non-empty tile, ring items counting on across
-  tiles (a tile with no K/V block touches no SMEM and no barrier);
-- a TMA load by the producer, read by the consumers (RAW across roles): the producer
-  arms the buffer's full mbarrier (arrive.expect_tx with the tile's bytes) before the
-  load; the consumers wait on it with the parity of the item's round (K/V) or of the
-  tile (Q) before the first step that reads the item;
-- a ring slot read by a consumer wgmma and refilled by the producer a round later (WAR
-  across roles, across the back edge and across tiles): once a wgmma wait has retired
-  the reading group, lane 0 of each consumer warp arrives on the slot's empty barrier
-  (count = consumer warps); the producer waits on it with the flipped parity before
-  every load, the first tile's included (the ring goes on from the previous tile);
-- Q, read by every S = Q K^T of a tile and reloaded for a later tile (WAR across roles
-  and tiles): when the consumers enter the epilogue (no S in flight), lane 0 of each
-  warp arrives on Q's empty barrier; the producer waits on it with the flipped parity
-  before loading the next Q into that slot. Q is a ring of ``q_slots`` tiles (its
-  barriers too, ``Sync.slots``): with 2 the next tile's Q loads while this one runs;
-- wgmma results and operands in registers (RAW/WAR within a warpgroup): each wgmma is
-  preceded by wgmma.fence and followed by its own commit group; before a step that
-  touches registers an in-flight group writes (or reads), wgmma.wait_group N keeps the
-  N newer groups in flight. With ``overlap off`` every GEMM is waited for at once;
-- ping-pong (``pingpong on``, performance, no hazard): each warpgroup's run of wgmma
-  issues is a turn: bar.sync on its own named barrier before, bar.arrive on the next
-  warpgroup's after; the turns go on from tile to tile: in the setup the last warpgroup
-  opens warpgroup 0's first turn, in the teardown warpgroup 0 takes the last hand-over,
-  so every arrive is matched;
-- O over the dead rings (WAR across consumer warpgroups): a named barrier of every
-  consumer thread before stmatrix; the store's SMEM reads complete (bulk commit and
-  wait_group.read 0, at once) before the elected thread arrives on O's free barrier, on
-  which the producer waits with the previous tile's parity before every load into O's
-  bytes. In O's own bytes (WAR across tiles within a warpgroup: the previous tile's store
-  read them), the elected thread waits for that store a tile late (wait_group.read 0
-  before the tile's last ping-pong turn, a bar.sync of the whole warpgroup, or without
-  ping-pong before the warpgroup's named barrier ahead of stmatrix), so the wait, long
-  done by then, keeps no warp of the tile boundary waiting; once more before the CTA
-  exits. stmatrix (generic proxy) before the TMA store (async proxy): fence.proxy.async,
-  then the warpgroup's named barrier (the elected thread stores rows the others wrote);
-- mbarrier init by thread 0, fence.mbarrier_init, __syncthreads before any use (setup).
+One module per mechanism, each with the hazards it orders in its docstring:
+
+- mbarrier_syncs: the TMA loads' full and empty mbarriers (their inits in the setup, the
+  producer's waits and arrive.expect_tx, the consumers' waits and arrivals), K/V's per
+  ring slot and Q's per tile;
+- wgmma_syncs: wgmma.fence, a commit group per wgmma, wgmma.wait_group before the
+  registers an in-flight group uses;
+- pingpong_syncs: the consumer warpgroups' turns on the tensor cores (named barriers);
+- store_syncs: O's stmatrix and TMA store (named barriers, the proxy fence, bulk waits
+  and, where O lies over the dead rings, its free barrier);
+- sync_state: the consumer program being built, which they share.
+
+This pass walks the phases and calls them in order; ``role_of`` (sync_state) names the
+program a step or sync belongs to, for emit and the report.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 from ... import targets
-from ...ir import (
-    Buffer,
-    Hazard,
-    HazardKind,
-    Item,
-    Kernel,
-    Mode,
-    Parity,
-    Phase,
-    Scope,
-    Step,
-    Sync,
-    Threads,
+from ...ir import Item, Kernel, Mode, Phase, Step
+from .caps import TMA_STORE, WGMMA
+from .mbarrier_syncs import init_barriers, init_fences, producer, release_tile, wait_full
+from .pingpong_syncs import close_turns, open_turn, take_turn
+from .schedule import ring_buffers
+from .store_syncs import (
+    after_store,
+    before_smem,
+    freed_by_stores,
+    in_own_bytes,
+    init_free_barriers,
+    reused_by_next_tile,
+    wait_last_store,
 )
-from ...ops import Op
-from .caps import (
-    BAR_ARRIVE,
-    BAR_SYNC,
-    BULK_COMMIT,
-    BULK_WAIT,
-    FENCE_MBAR_INIT,
-    FENCE_PROXY_ASYNC,
-    MBAR_ARRIVE,
-    MBAR_EXPECT_TX,
-    MBAR_INIT,
-    MBAR_WAIT,
-    SYNCTHREADS,
-    TMA_LOAD,
-    TMA_STORE,
-    WGMMA,
-    WGMMA_COMMIT,
-    WGMMA_FENCE,
-    WGMMA_WAIT,
-)
-from .schedule import REGISTERS, ring_buffers
+from .sync_state import Consumers, role_of
+from .wgmma_syncs import issue_wgmma, track_register_writes, wait_groups
 
-# Named barrier ids (0 is __syncthreads); per-warpgroup ones take consumers ids from the base.
-RING_DEAD_ID = 1
-O_STORE_ID = 2  # + wg (up to 3 consumer warpgroups: 2..4)
-TURN_ID = 5  # + wg
-TURN_THREADS = 256  # the warpgroup waiting for its turn + the one handing over
-
-PRODUCER_ROLES = (Threads.PRODUCER, Threads.PRODUCER_THREAD)
-TO_CONSUMERS = "producer -> consumers"
-TO_PRODUCER = "consumers -> producer"
-TO_NEXT_TILE = "consumers -> producer, next tile"
-
-
-def role_of(who: Threads) -> str:
-    """'setup', 'producer' or 'consumers': the program a step or sync belongs to."""
-    if who in (Threads.ALL_WARPS, Threads.THREAD0):
-        return "setup"
-    return "producer" if who in PRODUCER_ROLES else "consumers"
-
-
-def _hazard(kind, earlier, later, buf, later_buf=None, back=False, async_write=False, across=""):
-    return Hazard(
-        kind=kind,
-        earlier=earlier,
-        later=later,
-        earlier_buffer=buf,
-        later_buffer=later_buf or buf,
-        scope=Scope.CTA if across else Scope.WARPGROUP,
-        back_edge=back,
-        async_write=async_write,
-        across=across,
-    )
-
-
-@dataclass
-class _Group:
-    """A committed wgmma group in flight in each consumer warpgroup."""
-
-    step: Step
-    reads: frozenset[str]
-    writes: frozenset[str]
-
-
-@dataclass
-class _Consumers:
-    """The consumer program being built, with what is in flight."""
-
-    kernel: Kernel
-    readers: dict[str, list[Step]]  # buffer -> the consumer steps that read it
-    rings: frozenset[str]  # the tiles loaded per K/V block (schedule.ring_buffers)
-    in_flight: list[_Group] = field(default_factory=list)
-    in_turn: bool = False
-    # ordinary code wrote registers since the last wgmma.fence (PTX: a wgmma after such
-    # writes, and the first wgmma, need a wgmma.fence before them)
-    registers_written: bool = True
-    q_waited: set[str] = field(default_factory=set)
-    # WAR of the previous tile's TMA store against this tile's writes of the same bytes
-    # (_reused_by_next_tile), and those of them the tile's first turn (a bar.sync of every
-    # thread of the warpgroup) orders on its way
-    reused: list[Hazard] = field(default_factory=list)
-    carried: list[Hazard] = field(default_factory=list)
-    out: list[Item] = field(default_factory=list)
-
-    @property
-    def hw(self):
-        return self.kernel.config.hopper
-
-    def sync(self, kind, phase, serves=(), who=Threads.CONSUMERS, **args) -> None:
-        self.out.append(Sync(kind, phase, tuple(serves), self.kernel.config.loc, who=who, **args))
-
-    def open_turn(self, phase: Phase) -> None:
-        self.sync(
-            BAR_ARRIVE,
-            phase,
-            who=Threads.CONSUMER_LAST,
-            barrier="turn",
-            bar_id=TURN_ID,
-            count=TURN_THREADS,
-            note="ping-pong: the last warpgroup opens warpgroup 0's first turn",
-        )
-
-    def take_turn(self, phase: Phase) -> None:
-        if self.hw.pingpong and not self.in_turn:
-            if self.carried:
-                self.wait_store(phase, self.carried)
-            self.sync(
-                BAR_SYNC,
-                phase,
-                self.carried,
-                barrier="turn",
-                bar_id=TURN_ID,
-                peer=0,
-                count=TURN_THREADS,
-                note="ping-pong: wait for this warpgroup's turn on the tensor cores",
-            )
-            self.in_turn = True
-            self.carried = []
-
-    def wait_store(self, phase: Phase, serves: list[Hazard]) -> None:
-        """The elected thread waits for the previous tile's TMA store to have read O's SMEM,
-        a tile after issuing it (long done by then): every thread of the warpgroup passes a
-        bar.sync of it (a turn, or the O store barrier) before writing O again."""
-        self.sync(
-            BULK_WAIT,
-            phase,
-            serves,
-            who=Threads.CONSUMER_ELECTED,
-            groups=0,
-            note="the previous tile's TMA store has read O's SMEM (waited a tile late: "
-            "long done by now)",
-        )
-
-    def hand_over(self, phase: Phase) -> None:
-        if self.in_turn:
-            self.sync(
-                BAR_ARRIVE,
-                phase,
-                barrier="turn",
-                bar_id=TURN_ID,
-                peer=1,
-                count=TURN_THREADS,
-                note="ping-pong: hand the tensor cores to the next warpgroup",
-            )
-            self.in_turn = False
-
-    def wait_full(self, step: Step, phase: Phase, waited: set) -> None:
-        """The consumers' mbarrier wait before the first read of a TMA-loaded item."""
-        for access in step.accesses:
-            buf = self.kernel.buffer(access.buffer)
-            ring = buf.name in self.rings
-            key = (buf.name, step.lag if ring else None)
-            if access.mode is not Mode.READ or key in waited or buf.name in self.q_waited:
-                continue
-            waited.add(key)
-            if not ring:
-                self.q_waited.add(buf.name)
-            self.sync(
-                MBAR_WAIT,
-                phase,
-                [
-                    _hazard(
-                        HazardKind.RAW,
-                        _first_load(self.kernel, buf.name).op,
-                        step.op,
-                        buf.name,
-                        async_write=True,
-                        across=TO_CONSUMERS,
-                    )
-                ],
-                barrier=f"{buf.name.lower()}_full",
-                lag=step.lag if ring else None,
-                parity=Parity.PHASE if ring else Parity.TILE,
-                slots=_tile_slots(buf, self.rings),
-            )
-
-    def wait_groups(self, step: Step | None, phase: Phase, force: bool = False) -> None:
-        """wgmma.wait_group N before ``step`` if it touches registers an in-flight group uses."""
-        reads, writes = REGISTERS.get(step.op, (frozenset(), frozenset())) if step else ((), ())
-        newest = -1
-        served = []
-        for index, group in enumerate(self.in_flight):
-            raw = group.writes & (set(reads) | set(writes))
-            war = group.reads & set(writes)
-            for reg in sorted(raw):
-                served.append(
-                    _hazard(HazardKind.RAW, group.step.op, step.op, f"{reg} (rf)", async_write=True)
-                )
-            for reg in sorted(war - raw):
-                served.append(_hazard(HazardKind.WAR, group.step.op, step.op, f"{reg} (rf)"))
-            if raw or war or force:
-                newest = index
-        if newest < 0:
-            return
-        self.hand_over(phase)
-        retired, self.in_flight = self.in_flight[: newest + 1], self.in_flight[newest + 1 :]
-        note = "" if served else "overlap off: one GEMM in flight at a time"
-        self.out.append(
-            Sync(
-                WGMMA_WAIT,
-                phase,
-                tuple(served),
-                self.kernel.config.loc,
-                groups=len(self.in_flight),
-                who=Threads.CONSUMERS,
-                note=note,
-            )
-        )
-        for group in retired:
-            self.release(group.step, phase)
-
-    def release(self, step: Step, phase: Phase) -> None:
-        """Empty-barrier arrivals for the ring slots a retired wgmma group has read."""
-        for access in step.accesses:
-            buf = self.kernel.buffer(access.buffer)
-            if buf.name not in self.rings:
-                continue  # Q is released once per tile (release_tile), O by its store
-            self.sync(
-                MBAR_ARRIVE,
-                phase,
-                [
-                    _hazard(
-                        HazardKind.WAR,
-                        step.op,
-                        _first_load(self.kernel, buf.name).op,
-                        buf.name,
-                        back=True,
-                        across=TO_PRODUCER,
-                    )
-                ],
-                who=Threads.CONSUMER_WARP_LANE0,
-                barrier=f"{buf.name.lower()}_empty",
-                lag=step.lag,
-            )
-
-    def release_tile(self, phase: Phase, once: list[str]) -> None:
-        """Entering the epilogue, no S = Q K^T is in flight: the tile's Q is dead, and
-        lane 0 of each consumer warp arrives on its empty barrier for the next tile's load."""
-        for name in once:
-            in_flight = [a.buffer for g in self.in_flight for a in g.step.accesses]
-            assert name not in in_flight, f"{name} still read by a wgmma in flight"
-            load = _first_load(self.kernel, name)
-            self.sync(
-                MBAR_ARRIVE,
-                phase,
-                [
-                    _hazard(HazardKind.WAR, r.op, load.op, name, across=TO_NEXT_TILE)
-                    for r in _unique_ops(self.readers.get(name, []))
-                ],
-                who=Threads.CONSUMER_WARP_LANE0,
-                barrier=f"{name.lower()}_empty",
-                slots=_tile_slots(self.kernel.buffer(name), self.rings),
-            )
-
-
-def _writes(step: Step, buffer: str, kind=None) -> bool:
-    return any(a.buffer == buffer and a.mode is Mode.WRITE for a in step.accesses) and (
-        kind is None or step.async_kind == kind
-    )
-
-
-def _overlaps(a, b) -> bool:
-    return a.offset < b.offset + b.nbytes and b.offset < a.offset + a.nbytes
+__all__ = ["insert_syncs", "role_of"]  # role_of (sync_state): emit and report ask here
 
 
 def insert_syncs(kernel: Kernel, target: targets.Target) -> Kernel:
     hw = kernel.config.hopper
     assert hw is not None and kernel.smem_bytes is not None, "run plan_smem first"
-    steps = kernel.steps()
-    consumer_steps = [s for s in steps if role_of(s.who) == "consumers"]
     readers: dict[str, list[Step]] = {}
-    for s in consumer_steps:
+    for s in kernel.steps():
+        if role_of(s.who) != "consumers":
+            continue
         for a in s.accesses:
             if a.mode is Mode.READ:
                 readers.setdefault(a.buffer, []).append(s)
-    loc = kernel.config.loc
     rings = ring_buffers(kernel)
+    freed = freed_by_stores(kernel)
 
-    # --- setup: a full and an empty mbarrier per TMA-loaded tile or ring slot ----------
-    setup: list[Item] = []
-    init_note = "mbarrier.init before any arrive, wait or complete_tx"
-    for buf in kernel.buffers:
-        if not any(_writes(s, buf.name, TMA_LOAD) for s in steps):
-            continue
-        ring = buf.name in rings
-        tile_slots = _tile_slots(buf, rings)
-        setup.append(
-            Sync(
-                MBAR_INIT,
-                Phase.SETUP,
-                (),
-                loc,
-                who=Threads.THREAD0,
-                barrier=f"{buf.name.lower()}_full",
-                count=1,
-                slots=tile_slots,
-                note=init_note + " (one arrival: the producer's arrive.expect_tx)",
-            )
-        )
-        setup.append(
-            Sync(
-                MBAR_INIT,
-                Phase.SETUP,
-                (),
-                loc,
-                who=Threads.THREAD0,
-                barrier=f"{buf.name.lower()}_empty",
-                count=4 * hw.consumers,
-                slots=tile_slots,
-                note=init_note
-                + (" (one arrival per consumer warp" + ("" if ring else ", once per tile") + ")"),
-            )
-        )
-    # A TMA-stored tile over loaded bytes (O over the dead V ring): its store frees them.
-    loaded = [b for b in kernel.buffers if any(_writes(s, b.name, TMA_LOAD) for s in steps)]
-    stores = [s for s in steps if s.async_kind == TMA_STORE]
-    stored = [kernel.buffer(a.buffer) for s in stores for a in s.accesses]
-    freed = {
-        out.name: [b.name for b in loaded if _overlaps(out, b)]
-        for out in stored
-        if any(_overlaps(out, b) for b in loaded)
-    }
-    for name in freed:
-        setup.append(
-            Sync(
-                MBAR_INIT,
-                Phase.SETUP,
-                (),
-                loc,
-                who=Threads.THREAD0,
-                barrier=f"{name.lower()}_free",
-                count=hw.consumers,
-                note=init_note
-                + " (one arrival per consumer warpgroup: its TMA store has read the bytes)",
-            )
-        )
+    setup: list[Item] = [*init_barriers(kernel, rings), *init_free_barriers(kernel, freed)]
     if setup:
-        setup.append(
-            Sync(
-                FENCE_MBAR_INIT,
-                Phase.SETUP,
-                (),
-                loc,
-                who=Threads.THREAD0,
-                note="mbarrier.init visible to the async proxy (TMA complete_tx)",
-            )
-        )
-        setup.append(
-            Sync(
-                SYNCTHREADS,
-                Phase.SETUP,
-                (),
-                loc,
-                note="mbarrier.init (thread 0) before every other thread's arrive or wait",
-            )
-        )
+        setup += init_fences(kernel)
 
-    # --- producer: arm the full barrier; wait for the slot's previous round to be read ---
-    def producer(items: tuple[Item, ...], phase: Phase) -> list[Item]:
-        out: list[Item] = []
-        for step in items:
-            if not isinstance(step, Step) or role_of(step.who) != "producer":
-                continue
-            if step.async_kind == TMA_LOAD:
-                (access,) = step.accesses
-                buf = kernel.buffer(access.buffer)
-                name = buf.name.lower()
-                lag = step.lag if buf.name in rings else None
-                raws = [
-                    _hazard(
-                        HazardKind.RAW,
-                        step.op,
-                        r.op,
-                        buf.name,
-                        async_write=True,
-                        across=TO_CONSUMERS,
-                    )
-                    for r in _unique_ops(readers.get(buf.name, []))
-                ]
-                # The slot's (or, for Q, the tile's) previous use: always waited for, as
-                # the ring goes on from the previous tile (a fresh barrier passes at once).
-                ring = buf.name in rings
-                wars = [
-                    _hazard(
-                        HazardKind.WAR,
-                        r.op,
-                        step.op,
-                        buf.name,
-                        back=ring,
-                        across=TO_PRODUCER if ring else TO_NEXT_TILE,
-                    )
-                    for r in _unique_ops(readers.get(buf.name, []))
-                ]
-                out.append(
-                    Sync(
-                        MBAR_WAIT,
-                        phase,
-                        tuple(wars),
-                        loc,
-                        who=Threads.PRODUCER_THREAD,
-                        barrier=f"{name}_empty",
-                        lag=lag,
-                        parity=Parity.PHASE_FLIP if ring else Parity.TILE_FLIP,
-                        slots=_tile_slots(buf, rings),
-                    )
-                )
-                for out_name, under in freed.items():
-                    if buf.name not in under:
-                        continue
-                    store = next(s for s in stores if s.accesses[0].buffer == out_name)
-                    out.append(
-                        Sync(
-                            MBAR_WAIT,
-                            phase,
-                            (
-                                _hazard(
-                                    HazardKind.WAR,
-                                    store.op,
-                                    step.op,
-                                    out_name,
-                                    buf.name,
-                                    across=TO_NEXT_TILE,
-                                ),
-                            ),
-                            loc,
-                            who=Threads.PRODUCER_THREAD,
-                            barrier=f"{out_name.lower()}_free",
-                            parity=Parity.TILE_FLIP,
-                        )
-                    )
-                out.append(
-                    Sync(
-                        MBAR_EXPECT_TX,
-                        phase,
-                        tuple(raws),
-                        loc,
-                        who=Threads.PRODUCER_THREAD,
-                        barrier=f"{name}_full",
-                        lag=lag,
-                        tx=buf.tile_bytes,
-                        slots=_tile_slots(buf, rings),
-                    )
-                )
-            out.append(step)
-        return out
-
-    # --- consumers -----------------------------------------------------------------
-    c = _Consumers(kernel, readers, rings, reused=_reused_by_next_tile(kernel))
+    c = Consumers(kernel, readers, rings, freed, reused=reused_by_next_tile(kernel))
     consumer_items: dict[Phase, list[Item]] = {}
     for phase, items in (*kernel.phases(), (Phase.TEARDOWN, ())):
         if phase is Phase.TEARDOWN and hw.pingpong:
-            # The turns go on from tile to tile (the last warpgroup's final hand-over of
-            # a tile opens warpgroup 0's first turn of the next): opened once before the
-            # first tile, closed once after the last.
-            c.sync(
-                BAR_SYNC,
-                phase,
-                who=Threads.CONSUMER_FIRST,
-                barrier="turn",
-                bar_id=TURN_ID,
-                count=TURN_THREADS,
-                note="ping-pong: warpgroup 0 takes the last warpgroup's final hand-over, so "
-                "every bar.arrive is matched",
-            )
+            close_turns(c, phase)
         waited: set = set()
         # A phase is entered from more than one place (the loop from the prologue and from
         # its own end): assume registers were written before it.
         c.registers_written = True
         if phase is Phase.EPILOGUE:
-            c.release_tile(phase, [b.name for b in loaded if b.name not in rings])
+            release_tile(c, phase)
         if phase is Phase.EPILOGUE and hw.pingpong:
-            # O in its own bytes (over the rings, the all-consumer barrier orders it): the
-            # previous tile's store, waited for before the tile's last turn
-            c.carried = [h for h in c.reused if h.later_buffer not in freed]
-        if phase is Phase.TEARDOWN and any(h.later_buffer not in freed for h in c.reused):
-            c.sync(
-                BULK_WAIT,
-                phase,
-                who=Threads.CONSUMER_ELECTED,
-                groups=0,
-                note="the last tile's TMA store has read O's SMEM before the CTA exits",
-            )
+            # O in its own bytes: the previous tile's store, waited for before the tile's
+            # last turn
+            c.carried = in_own_bytes(c)
+        if phase is Phase.TEARDOWN:
+            wait_last_store(c, phase)
         for step in items:
             if not isinstance(step, Step) or role_of(step.who) != "consumers":
                 continue
+            # First the registers (a wait ends the turn and frees the ring slots its
+            # groups read); a wgmma then waits for its operands' load, then its turn.
+            wait_groups(c, step, phase)
             if step.async_kind == WGMMA:
-                c.wait_groups(step, phase)
-                c.wait_full(step, phase, waited)
-                c.take_turn(phase)
-                if c.registers_written:
-                    c.sync(
-                        WGMMA_FENCE,
-                        phase,
-                        note="registers written by ordinary code (O rescaled, P converted) before wgmma reads them",
-                    )
-                    c.registers_written = False
-                c.out.append(step)
-                c.sync(WGMMA_COMMIT, phase, note=f"closes {step.op.spelling}'s wgmma group")
-                reads, writes = REGISTERS[step.op]
-                c.in_flight.append(_Group(step, reads, writes))
-                if not hw.overlap:
-                    c.wait_groups(None, phase, force=True)
-            else:
-                c.wait_groups(step, phase)
-                _before_smem(c, step, phase)
-                c.out.append(step)
-                c.registers_written |= bool(REGISTERS.get(step.op, ((), ()))[1])
-                if step.async_kind == TMA_STORE:
-                    c.sync(
-                        BULK_COMMIT,
-                        phase,
-                        who=Threads.CONSUMER_ELECTED,
-                        note="closes the TMA store's bulk group",
-                    )
-                    (access,) = step.accesses
-                    if access.buffer in freed:
-                        # O over loaded bytes: the producer waits for them, so at once
-                        c.sync(
-                            BULK_WAIT,
-                            phase,
-                            who=Threads.CONSUMER_ELECTED,
-                            groups=0,
-                            note="the TMA store has read O's SMEM: the bytes under it may be "
-                            "loaded again",
-                        )
-                        c.sync(
-                            MBAR_ARRIVE,
-                            phase,
-                            [
-                                _hazard(
-                                    HazardKind.WAR,
-                                    step.op,
-                                    _first_load(kernel, under).op,
-                                    access.buffer,
-                                    under,
-                                    across=TO_NEXT_TILE,
-                                )
-                                for under in freed[access.buffer]
-                            ],
-                            who=Threads.CONSUMER_ELECTED,
-                            barrier=f"{access.buffer.lower()}_free",
-                        )
+                wait_full(c, step, phase, waited)
+                take_turn(c, phase)
+                issue_wgmma(c, step, phase)
+                continue
+            before_smem(c, step, phase)
+            c.out.append(step)
+            track_register_writes(c, step)
+            if step.async_kind == TMA_STORE:
+                after_store(c, step, phase)
         if phase is Phase.SETUP and hw.pingpong:
-            c.open_turn(phase)
+            open_turn(c, phase)
         consumer_items[phase], c.out = c.out, []
 
     new = {Phase.TEARDOWN: tuple(consumer_items[Phase.TEARDOWN])}
     for phase, items in kernel.phases():
         head = setup if phase is Phase.SETUP else []
-        new[phase] = tuple(head + producer(items, phase) + consumer_items[phase])
+        programs = producer(kernel, items, phase, readers, rings, freed) + consumer_items[phase]
+        new[phase] = tuple(head + programs)
     return replace(
         kernel,
         setup=new[Phase.SETUP],
@@ -620,118 +114,3 @@ def insert_syncs(kernel: Kernel, target: targets.Target) -> Kernel:
         epilogue=new[Phase.EPILOGUE],
         teardown=new[Phase.TEARDOWN],
     )
-
-
-def _tile_slots(buf: Buffer, rings: frozenset[str]) -> int:
-    """The slots of the ring of tiles a buffer's per-tile barriers make (Q's: q_slots);
-    1 for a K/V ring's buffer, whose barriers are indexed by block item instead."""
-    return 1 if buf.name in rings else buf.slots
-
-
-def _first_load(kernel: Kernel, buffer: str) -> Step:
-    """The TMA load that fills ``buffer`` (the step the hazards of its barriers name)."""
-    return next(s for s in kernel.steps() if _writes(s, buffer, TMA_LOAD))
-
-
-def _reused_by_next_tile(kernel: Kernel) -> list[Hazard]:
-    """A TMA-stored tile written again by the next tile's consumers: the previous tile's
-    store (waited for by one elected thread) before every thread's write."""
-    hazards = []
-    for store in kernel.steps():
-        if store.async_kind != TMA_STORE:
-            continue
-        for access in store.accesses:
-            for writer in kernel.steps():
-                if _writes(writer, access.buffer) and writer.async_kind is None:
-                    hazards.append(
-                        _hazard(
-                            HazardKind.WAR,
-                            store.op,
-                            writer.op,
-                            access.buffer,
-                            across="within each warpgroup, previous tile",
-                        )
-                    )
-    return hazards
-
-
-def _unique_ops(steps: list[Step]) -> list[Step]:
-    seen: dict[Op, Step] = {}
-    for s in steps:
-        seen.setdefault(s.op, s)
-    return list(seen.values())
-
-
-def _before_smem(c: _Consumers, step: Step, phase: Phase) -> None:
-    """Named barriers and the proxy fence before a consumer's generic SMEM write or TMA store."""
-    kernel = c.kernel
-    for access in step.accesses:
-        buf = kernel.buffer(access.buffer)
-        if access.mode is Mode.WRITE and step.async_kind is None:
-            # WAR against every consumer warpgroup's wgmma reads of the bytes it overwrites
-            served = []
-            for other in kernel.buffers:
-                if other.name == buf.name or not _overlaps(other, buf):
-                    continue
-                for reader in _unique_ops(c.readers.get(other.name, [])):
-                    served.append(
-                        _hazard(
-                            HazardKind.WAR,
-                            reader.op,
-                            step.op,
-                            other.name,
-                            buf.name,
-                            across="consumer warpgroups cross",
-                        )
-                    )
-            # WAR against the previous tile's TMA store of these bytes, whose SMEM reads
-            # the elected thread waits for (right after the store when O lies over loaded
-            # bytes, else a tile later): every thread of its warpgroup after it (in O's
-            # own bytes with ping-pong, the tile's last turn, a bar.sync of the
-            # warpgroup, orders it)
-            previous = c.reused if served or not c.hw.pingpong else []
-            if served:
-                c.sync(
-                    BAR_SYNC,
-                    phase,
-                    served + previous,
-                    barrier="ring_dead",
-                    bar_id=RING_DEAD_ID,
-                    count=128 * c.hw.consumers,
-                )
-            elif previous:
-                c.wait_store(phase, previous)
-                c.sync(
-                    BAR_SYNC,
-                    phase,
-                    previous,
-                    barrier="o_store",
-                    bar_id=O_STORE_ID,
-                    peer=0,
-                    count=128,
-                )
-        if access.mode is Mode.READ and step.async_kind == TMA_STORE:
-            writers = [s for s in kernel.steps() if _writes(s, buf.name) and s.async_kind is None]
-            for w in writers:
-                c.sync(
-                    FENCE_PROXY_ASYNC,
-                    phase,
-                    [
-                        _hazard(
-                            HazardKind.RAW,
-                            w.op,
-                            step.op,
-                            buf.name,
-                            across="generic proxy -> async proxy",
-                        )
-                    ],
-                )
-            c.sync(
-                BAR_SYNC,
-                phase,
-                [_hazard(HazardKind.RAW, w.op, step.op, buf.name) for w in writers],
-                barrier="o_store",
-                bar_id=O_STORE_ID,
-                peer=0,
-                count=128,
-            )
