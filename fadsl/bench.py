@@ -10,12 +10,16 @@ there, the SM clock, power draw and power-cap share are sampled while each conte
 (fadsl/gpuclocks.py): a power-bound kernel runs at a lower clock.
 
 Variants of a kernel (``against``: other specs of the same head_dim and mask) are timed as
-more contenders on the same tensors, named ``fadsl:<kernel>``. Every contender is timed
-``rounds`` times (default 3), in turn, the order rotated by one each round, and the median
-of its medians reported. An H100 under load sits at its power cap, and the cap acts on a
-running average: the contender timed first after an idle gap runs at a higher clock than
-the ones after it (measured at seqlen 2048: 1980 MHz for the first, 1845-1890 for the
-third), so a fixed order favours whoever goes first.
+more contenders on the same tensors, named ``fadsl:<kernel>``. Every contender is timed once
+per round, and the median of its medians reported. An H100 under load sits at its power cap,
+and the cap acts on a running average, so a contender's clock depends on what ran just before
+it: the first after an idle gap runs fastest (seqlen 2048: 1980 MHz for the first, 1845-1890
+for the third), and so does the one after a contender that draws little power. A rotated
+order (sessions 10-11) still had every contender follow the same one in every round (cuDNN
+always followed PyTorch's FlashAttention-2 and ran at the highest clock at seqlen 2048,
+session 12). So the rounds follow a Williams design (``balanced_orders``): over its rounds
+every contender comes first once and follows each other contender equally often; by
+default as many rounds as one full design takes (the contenders' count, twice that when odd).
 """
 
 from __future__ import annotations
@@ -55,6 +59,17 @@ class Row:
 def flops(batch: int, heads: int, sq: int, sk: int, d: int, causal: bool) -> float:
     total = 4.0 * batch * heads * sq * sk * d
     return total / 2 if causal else total
+
+
+def balanced_orders(n: int) -> list[list[int]]:
+    """A Williams design for ``n`` contenders: n orders (2n when n is odd) of 0 .. n-1 in
+    which each comes first equally often and each ordered pair (a, b) of distinct contenders
+    is adjacent, a just before b, equally often (once; twice when n is odd)."""
+    first = [0]
+    for i in range(1, n):  # 0, 1, n-1, 2, n-2, ...
+        first.append((i + 1) // 2 if i % 2 else n - i // 2)
+    orders = [[(x + r) % n for x in first] for r in range(n)]
+    return orders + [order[::-1] for order in orders] if n % 2 else orders
 
 
 def _time(
@@ -131,7 +146,7 @@ def run(
     runs: int = 128,
     log: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True),
     against: tuple[FlashAttention, ...] = (),
-    rounds: int = 3,
+    rounds: int | None = None,
 ) -> dict:
     import torch
     import torch.nn.functional as F
@@ -207,8 +222,9 @@ def run(
         medians: dict[str, list[float]] = {name: [] for name in contenders}
         readings: dict[str, list[gpuclocks.Reading]] = {name: [] for name in contenders}
         names = list(contenders)
-        for r in range(rounds):  # the contenders in turn, each round starting one later
-            for name in names[r % len(names) :] + names[: r % len(names)]:
+        orders = balanced_orders(len(names))
+        for r in range(rounds or len(orders)):  # the design's rows in turn, cycling
+            for name in (names[i] for i in orders[r % len(orders)]):
                 ms, sampled = _time(contenders[name], sets, warmup, runs, sampler)
                 medians[name].append(ms)
                 readings[name] += sampled
@@ -242,7 +258,8 @@ def run(
             "heads": heads,
             "warmup": warmup,
             "runs": runs,
-            "rounds": rounds,
+            "rounds": rounds or "one balanced design",
+            "order": "balanced (Williams design)",
             "statistic": "median" if rounds == 1 else "median of the rounds' medians",
         },
         "resources": kern.resources(dtype_name),

@@ -293,10 +293,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench_cmd.add_argument(
         "--rounds",
         type=_positive,
-        default=3,
-        help="time every contender this many times, in turn, the order rotated each round "
-        "(the first after a pause runs at a higher clock), and report the median of its "
-        "medians (default 3)",
+        default=None,
+        help="time every contender this many times, in balanced orders (each first equally "
+        "often, each after each other equally often: a contender's clock depends on what ran "
+        "before it), and report the median of its medians (default: one full design, as many "
+        "rounds as contenders, twice that when odd)",
     )
     bench_cmd.add_argument("--json", metavar="PATH", help="write the numbers as JSON")
     bench_cmd.add_argument("--plot", metavar="PATH", help="write a PNG plot (needs matplotlib)")

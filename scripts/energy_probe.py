@@ -4,8 +4,8 @@ Usage (a Hopper GPU): python scripts/energy_probe.py SPEC [--loads 2] [--seqlens
     [--hidden 2048] [--dtype bf16]
 Builds a copy of the spec's kernel with FADSL_TMA_LOADS (fadsl/sm90_ptx.cuh): every TMA load
 issued --loads times into the same bytes, so the L2 -> SMEM traffic grows by that factor and
-nothing else does. `fadsl bench` then times the kernel and the copy on the same tensors (three
-rounds, the order rotated), with each one's clock and power. Where the GPU sits at its power
+nothing else does. `fadsl bench` then times the kernel and the copy on the same tensors (rounds in
+balanced orders), with each one's clock and power. Where the GPU sits at its power
 cap, the copy's loss says what that traffic costs in energy, and so what halving it (TMA
 multicast over a cluster of two CTAs) could win.
 """
