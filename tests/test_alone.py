@@ -115,3 +115,14 @@ def test_aot_build_writes_the_variant_too(tmp_path, monkeypatch):
     monkeypatch.setattr(fadsl.runtime, "compile_cubin", no_build)
     kern = fadsl.load(ROOT / HOPPER, cubin_dirs=[out])
     assert kern.alone.cubin(Dtype.BF16, "sm_90a").path.parent == out
+
+
+def test_explain_names_the_variant_and_the_variant_says_what_it_is(compiled):
+    from fadsl.compile_check import RegisterCheck
+    from fadsl.report import explain_text
+
+    unchecked = RegisterCheck((), "--no-compile")
+    assert "cluster-free variant, fa3_hopper_alone" in explain_text(compiled, unchecked)
+    text = explain_text(compiled.alone, unchecked)
+    assert "alone      the cluster-free variant of fa3_hopper:" in text
+    assert "cluster    2" not in text

@@ -14,6 +14,7 @@ from typing import Any, Mapping
 from ...compile_check import register_cap as launch_register_cap
 from ...ir import Kernel, Phase, Step, Sync
 from .. import Capabilities, Report
+from .alone import ALONE_SUFFIX
 from .caps import (
     MBAR_ARRIVE,
     MBAR_ARRIVE_PEER,
@@ -232,6 +233,9 @@ def explain_data(kernel: Kernel) -> dict[str, Any]:
             "q_slots": hw.q_slots,
             "tail": "split_kv" if hw.split_kv else "whole",
             **({"cluster": hw.cluster} if hw.cluster > 1 else {}),
+            # the kernel the launches that do not pair run (sm90/alone.py)
+            **({"alone": kernel.config.name + ALONE_SUFFIX} if hw.cluster > 1 else {}),
+            **({"alone_of": hw.alone_of} if hw.alone_of else {}),
             "pingpong": hw.pingpong,
             "overlap": hw.overlap,
             "scheduler": hw.scheduler,
@@ -323,10 +327,18 @@ def explain_sections(data: Mapping[str, Any]) -> list[str]:
                 "head share each K/V block, each loading half its panels by TMA multicast into "
                 "both; launched in pairs when a head's query blocks pair up and the K/V loop "
                 f"has {PAIR_MIN_KV_BLOCKS} blocks or more (fadsl.params.launch_cluster); other "
-                "launches run the spec's cluster-free variant (<name>_alone, compiled and "
+                f"launches run the spec's cluster-free variant, {ws['alone']} (compiled and "
                 "verified beside it: no cluster barrier)"
             ]
             if "cluster" in ws
+            else []
+        ),
+        *(
+            [
+                f"  alone      the cluster-free variant of {ws['alone_of']}: the runtime launches "
+                "it where a launch does not pair CTAs"
+            ]
+            if "alone_of" in ws
             else []
         ),
         "  rescale    "
