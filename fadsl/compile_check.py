@@ -90,14 +90,16 @@ def register_cap(caps: Capabilities, threads: int) -> int:
 def check_registers(
     compiled: Compiled, compiler: Compiler | None = None, name: str = "a CUDA compiler"
 ) -> RegisterCheck:
-    """Compile every dtype of ``compiled`` for every architecture its target runs on (in
-    parallel) and refuse, by SpecError, a kernel that spills or uses a stack frame,
-    unless the spec allows spills. With no compiler given, ``find_compiler`` picks one;
+    """Compile every dtype of ``compiled`` (and of its cluster-free variant) for every
+    architecture its target runs on (in parallel) and refuse, by SpecError, a kernel that
+    spills or uses a stack frame, unless the spec allows spills. With no compiler given, ``find_compiler`` picks one;
     with none found, nothing is compiled and the result says why."""
     if compiler is None:
         compiler, name = find_compiler()
         if compiler is None:
             return RegisterCheck((), name)
+    if compiled.alone is not None:  # the variant the launches that do not pair run, too
+        check_registers(compiled.alone, compiler, name)
     cfg = compiled.kernel.config
     target = compiled.target
     # Rendered under the kernel's name, not the spec's path, so that one kernel is compiled

@@ -126,3 +126,21 @@ def test_explain_names_the_variant_and_the_variant_says_what_it_is(compiled):
     text = explain_text(compiled.alone, unchecked)
     assert "alone      the cluster-free variant of fa3_hopper:" in text
     assert "cluster    2" not in text
+
+
+def test_the_register_check_compiles_the_variant_too(compiled):
+    from fadsl.compile_check import Usage, check_registers
+
+    seen = []
+
+    def compiler(source, arch):
+        seen.append(source.kernel_name)
+        return Usage(registers=128)
+
+    check_registers(compiled, compiler, "fake")
+    assert sorted(set(seen)) == [
+        "fa3_hopper_alone_bf16",
+        "fa3_hopper_alone_fp16",
+        "fa3_hopper_bf16",
+        "fa3_hopper_fp16",
+    ]
