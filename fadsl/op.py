@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Optional
 import torch
 from torch.library import custom_op
 
-from .runtime import check_lse, lse_shape
+from .tensor_checks import check_lse, lse_shape
 
 if TYPE_CHECKING:
     from .runtime import FlashAttention

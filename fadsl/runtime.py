@@ -7,16 +7,15 @@ ahead-of-time folder (``fadsl build``), else in the cache under ``$FADSL_CACHE_D
 fadsl/cache.py. Each kernel is also a ``torch.library.custom_op`` (fadsl/op.py), so
 ``torch.compile(fullgraph=True)`` traces through it, and its backward says it is forward-only.
 
-Eager calls that need no autograd launch directly, without the dispatcher: the checks, the
-params struct (fadsl/params.py) and one ``cuLaunchKernel`` on the current stream.
+Eager calls that need no autograd launch directly, without the dispatcher: the checks
+(fadsl/tensor_checks.py), the params struct (fadsl/params.py) and one ``cuLaunchKernel`` on
+the current stream.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-import math
-import numbers
 import os
 import re
 import sys
@@ -24,16 +23,25 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Iterable
 
-from . import cache
+from . import cache, tensor_checks
 from .codegen import Source, header_text, render, spec_hash
 from .compiler import compile_cubin
 from .ir import Dtype
 from .params import Args, cluster_size, launch_for
 from .pipeline import Compiled, compile_file, compile_source
+from .tensor_checks import (
+    accepts,
+    check_bases,
+    check_lse,
+    check_scale,
+    compiled_dtypes,
+    explain_inputs,
+    lse_shape,
+)
 
-GRID_YZ_LIMIT = 65535
-# The kernels index rows with 32-bit ints and add two sequence lengths: both stay below 2^30.
-SEQLEN_LIMIT = 2**30
+# Names this module had before the checks moved to fadsl/tensor_checks.py, for their users.
+from .tensor_checks import check_base as _check_base  # noqa: F401
+from .tensor_checks import overlaps_itself as _overlaps_itself  # noqa: F401
 
 log = logging.getLogger("fadsl")
 
@@ -264,7 +272,7 @@ class FlashAttention:
         """
         import torch
 
-        scale = self._scale(softmax_scale)
+        scale = check_scale(softmax_scale, self.config.head_dim)
         if not isinstance(return_lse, bool):
             raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
         if torch.compiler.is_compiling():
@@ -300,8 +308,7 @@ class FlashAttention:
 
         dtype = self.check_inputs(q, k, v)
         if (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16:
-            for name, t in (("q", q), ("k", k), ("v", v)):
-                _check_base(name, t, self.config.target)
+            check_bases(q, k, v, self.config.target)
         if out is None:
             out = torch.empty_like(q)
         else:
@@ -314,10 +321,9 @@ class FlashAttention:
 
     def forward_into(self, q, k, v, out, lse, scale: float) -> None:
         """Check the arguments and launch, writing ``out`` and ``lse`` (if not None)."""
-        scale = self._scale(scale)
+        scale = check_scale(scale, self.config.head_dim)
         dtype = self.check_inputs(q, k, v)
-        for name, t in (("q", q), ("k", k), ("v", v)):
-            _check_base(name, t, self.config.target)
+        check_bases(q, k, v, self.config.target)
         self._check_out(out, q, k, v)
         if lse is not None:
             check_lse(lse, q)
@@ -346,152 +352,26 @@ class FlashAttention:
                 module.launch(grid, self._block, params, _current_stream(index), cluster)
 
     # ------------------------------------------------------------------ checks
-    def _scale(self, softmax_scale) -> float:
-        if softmax_scale is None:
-            return 1.0 / math.sqrt(self.config.head_dim)
-        if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
-            raise TypeError(
-                f"softmax_scale must be a real number, got {type(softmax_scale).__name__}"
-            )
-        if not math.isfinite(softmax_scale) or softmax_scale <= 0:
-            raise ValueError(f"softmax_scale must be finite and positive, got {softmax_scale}")
-        return float(softmax_scale)
-
+    # The checks themselves are in fadsl/tensor_checks.py; these pass them the spec's config.
     def check_inputs(self, q, k, v) -> Dtype:
         """Types, dtypes, shapes, strides and devices of q, k, v (no memory access: fake
         tensors pass). One cheap test first; the checks that name what is wrong run only when
         it fails (a call's host time is a few microseconds)."""
         try:
-            dtype = self._accepts(q, k, v)
+            dtype = accepts(q, k, v, self._dtypes, self.config.head_dim)
         except Exception:  # anything unexpected (not tensors, symbolic sizes): the full checks
             dtype = None
-        return dtype if dtype is not None else self._explain_inputs(q, k, v)
-
-    def _accepts(self, q, k, v) -> Dtype | None:
-        dtype = self._dtypes.get(q.dtype)
-        qs, ks, qst, kst, vst = q.shape, k.shape, q.stride(), k.stride(), v.stride()
-        d = self.config.head_dim
-        device = q.get_device()
-        ok = (
-            dtype is not None
-            and k.dtype == q.dtype
-            and v.dtype == q.dtype
-            and len(qs) == 4
-            and ks == v.shape
-            and len(ks) == 4
-            and qs[3] == d
-            and ks[3] == d
-            and ks[0] == qs[0]
-            and 0 < ks[2] <= qs[2] <= GRID_YZ_LIMIT
-            and qs[2] % ks[2] == 0
-            and 0 < qs[0] <= GRID_YZ_LIMIT
-            and 0 < qs[1] < SEQLEN_LIMIT
-            and 0 < ks[1] < SEQLEN_LIMIT
-            and qst[3] == kst[3] == vst[3] == 1
-            and not any(st % 8 for st in (*qst[:3], *kst[:3], *vst[:3]))
-            and device >= 0
-            and k.get_device() == device
-            and v.get_device() == device
-            and q.device.type == "cuda"
-        )
-        return dtype if ok else None
+        return dtype if dtype is not None else explain_inputs(q, k, v, self.config)
 
     @functools.cached_property
     def _dtypes(self) -> dict:
-        import torch
-
-        torch_dtypes = {torch.bfloat16: Dtype.BF16, torch.float16: Dtype.FP16}
-        return {t: d for t, d in torch_dtypes.items() if d in self.config.dtypes}
-
-    def _explain_inputs(self, q, k, v) -> Dtype:
-        import torch
-
-        cfg = self.config
-        names = ("q", "k", "v")
-        for name, t in zip(names, (q, k, v)):
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        torch_dtypes = {torch.bfloat16: Dtype.BF16, torch.float16: Dtype.FP16}
-        allowed = ", ".join(
-            f"torch.{'bfloat16' if d is Dtype.BF16 else 'float16'}" for d in cfg.dtypes
-        )
-        for name, t in zip(names, (q, k, v)):
-            if torch_dtypes.get(t.dtype) not in cfg.dtypes:
-                raise TypeError(
-                    f"{name} has dtype {t.dtype}; kernel '{cfg.name}' was compiled for {allowed}"
-                )
-            if t.dtype != q.dtype:
-                raise TypeError(f"{name} has dtype {t.dtype} but q has {q.dtype}; they must match")
-            if t.dim() != 4:
-                raise ValueError(
-                    f"{name} must be 4-D (batch, seqlen, heads, head_dim), got shape {tuple(t.shape)}"
-                )
-            if t.shape[3] != cfg.head_dim:
-                raise ValueError(
-                    f"{name}.shape[3] is the head_dim, which the spec fixes at {cfg.head_dim}, "
-                    f"got {t.shape[3]}"
-                )
-            _check_strides(name, t, cfg.target)
-        batch, seqlen_q, heads_q, _ = q.shape
-        if k.shape != v.shape:
-            raise ValueError(
-                f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}"
-            )
-        if k.shape[0] != batch:
-            raise ValueError(f"k has batch {k.shape[0]} but q has batch {batch}")
-        heads_kv, seqlen_k = k.shape[2], k.shape[1]
-        if heads_kv == 0 or heads_q % heads_kv:
-            raise ValueError(
-                f"q's heads ({heads_q}) must be a multiple of k's and v's heads ({heads_kv})"
-            )
-        for name, n in (("q", seqlen_q), ("k", seqlen_k)):
-            if n == 0:
-                raise ValueError(f"{name}'s sequence length must be at least 1, got 0")
-            if n >= SEQLEN_LIMIT:
-                raise ValueError(
-                    f"{name}'s sequence length {n} must be below 2^30 (the kernel's int32 "
-                    "index arithmetic)"
-                )
-        if not (1 <= batch <= GRID_YZ_LIMIT and 1 <= heads_q <= GRID_YZ_LIMIT):
-            raise ValueError(
-                f"batch ({batch}) and heads ({heads_q}) must be between 1 and {GRID_YZ_LIMIT}"
-            )
-        for name, t in zip(names, (q, k, v)):
-            if t.device.type != "cuda":
-                raise ValueError(f"{name} must be on a CUDA device, got {t.device}")
-            if t.device != q.device:
-                raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
-        return torch_dtypes[q.dtype]
+        return compiled_dtypes(self.config.dtypes)
 
     def check_out_meta(self, out, q) -> None:
-        import torch
-
-        if not isinstance(out, torch.Tensor):
-            raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
-        if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
-            raise ValueError(
-                f"out must match q: shape {tuple(q.shape)}, {q.dtype}, {q.device}; got shape "
-                f"{tuple(out.shape)}, {out.dtype}, {out.device}"
-            )
-        _check_strides("out", out, self.config.target)
+        tensor_checks.check_out_meta(out, q, self.config.target)
 
     def _check_out(self, out, q, k, v) -> None:
-        self.check_out_meta(out, q)
-        _check_base("out", out, self.config.target)
-        # A contiguous out (the usual case) has no overlapping elements: skip the walk.
-        if not out.is_contiguous() and _overlaps_itself(out):
-            raise ValueError(
-                f"out's elements must not overlap (got strides {out.stride()} for shape "
-                f"{tuple(out.shape)}); pass a tensor such as torch.empty_like(q)"
-            )
-        out_first, out_end = _span(out)
-        for name, t in (("q", q), ("k", k), ("v", v)):
-            first, end = _span(t)
-            if first < out_end and out_first < end:
-                raise ValueError(
-                    f"out shares memory with {name}; the kernel reads {name} while it writes "
-                    "out, so out must have memory of its own"
-                )
+        tensor_checks.check_out(out, q, k, v, self.config.target)
 
 
 def _current_stream(index: int) -> int:
@@ -501,82 +381,6 @@ def _current_stream(index: int) -> int:
 
     raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # no Stream object: faster
     return raw(index) if raw is not None else torch.cuda.current_stream(index).cuda_stream
-
-
-# Why the strides and the base must be 16-byte aligned, per target (the rule is the same).
-ALIGNMENT_REASON = {
-    "sm_80": "16-byte vector loads",
-    "sm_90a": "TMA descriptors need every stride but the last a multiple of 16 bytes and a "
-    "16-byte aligned base",
-}
-
-
-def _check_strides(name: str, t, target: str = "sm_80") -> None:
-    """The kernel moves 16-byte vectors (sm_80) or TMA boxes (sm_90a): last dimension
-    contiguous, the others' strides multiples of 16 bytes (a size-1 dimension's is free)."""
-    if t.stride(3) != 1:
-        raise ValueError(
-            f"{name} must be contiguous in its last dimension (stride 1), got strides "
-            f"{t.stride()}; pass {name}.contiguous()"
-        )
-    if any(st % 8 for st, n in zip(t.stride()[:3], t.shape[:3]) if n > 1):
-        in_bytes = tuple(st * t.element_size() for st in t.stride())
-        raise ValueError(
-            f"{name} must be 16-byte aligned with strides that are multiples of 8 "
-            f"elements ({ALIGNMENT_REASON[target]}), got strides {t.stride()} "
-            f"({in_bytes} bytes) for shape {tuple(t.shape)}; pass {name}.contiguous()"
-        )
-
-
-def _check_base(name: str, t, target: str = "sm_80") -> None:
-    if t.data_ptr() % 16:
-        raise ValueError(
-            f"{name} must be 16-byte aligned with strides that are multiples of 8 "
-            f"elements ({ALIGNMENT_REASON[target]}), got an address {t.data_ptr() % 16} bytes "
-            "past a 16-byte boundary"
-        )
-
-
-def lse_shape(q) -> tuple[int, int, int]:
-    batch, seqlen_q, heads_q, _ = q.shape
-    return (batch, heads_q, seqlen_q)
-
-
-def check_lse(lse, q) -> None:
-    import torch
-
-    expected = lse_shape(q)
-    if not isinstance(lse, torch.Tensor):
-        raise TypeError(f"lse must be a torch.Tensor, got {type(lse).__name__}")
-    if (
-        tuple(lse.shape) != expected
-        or lse.dtype != torch.float32
-        or lse.device != q.device
-        or (expected[2] > 1 and lse.stride(2) != 1)
-    ):
-        raise ValueError(
-            f"lse must be float32 of shape {expected} on {q.device} with its last dimension "
-            f"contiguous; got {tuple(lse.shape)}, {lse.dtype}, {lse.device}"
-        )
-
-
-def _span(t) -> tuple[int, int]:
-    """The byte range [first, last + 1) that a tensor's elements lie in."""
-    last = sum((n - 1) * st for n, st in zip(t.shape, t.stride()) if n > 0)
-    return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
-
-
-def _overlaps_itself(t) -> bool:
-    """Whether two elements of ``t`` may share memory: the dims sorted by stride must each
-    step past everything the smaller ones span (sufficient for no overlap)."""
-    reach = 1  # elements spanned by the dims seen so far, plus one
-    for stride, n in sorted(
-        (st, n) for st, n in zip(t.stride(), t.shape) if n > 1
-    ):  # (a stride 0 fails at once)
-        if stride < reach:
-            return True
-        reach += (n - 1) * stride
-    return False
 
 
 ARCH_PATTERN = re.compile(r"sm_(\d+)(\d)([af]?)")  # sm_90a: (9, 0); sm_100: (10, 0)

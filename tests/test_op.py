@@ -50,7 +50,7 @@ def kern(monkeypatch):
 
     monkeypatch.setattr(FlashAttention, "check_inputs", check_inputs)
     monkeypatch.setattr(FlashAttention, "launch", launch)
-    monkeypatch.setattr(fadsl.runtime, "_check_base", lambda name, t, target="sm_80": None)
+    monkeypatch.setattr(fadsl.tensor_checks, "check_base", lambda name, t, target="sm_80": None)
     kern = fadsl.load(SPEC, verbose=False)
     kern.calls = calls
     return kern
