@@ -41,19 +41,15 @@ live in verify_cluster.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 from .async_model import (
     Access,
     Agent,
     Arrive,
-    BarArrive,
     BarSync,
     BulkCommit,
     BulkWait,
-    ClusterArrive,
-    ClusterWait,
-    Event,
     ExpectTx,
     FenceProxyAsync,
     Program,
@@ -68,13 +64,9 @@ from .async_model import (
     WgmmaWait,
     where,
 )
-from .verify_cluster import ClusterBarrier, completion, exit_problems
+from .verify_async_run import Completion, Point, Run, execute, qualify
+from .verify_cluster import exit_problems
 from .verify_cluster import malformed as cluster_malformed
-
-Point = tuple[int, int]  # (agent index, event index)
-# ("mbar", name, phase), ("bar", id, generation) or ("cluster", "barrier.cluster", generation)
-Completion = tuple[str, object, int]
-Landing = tuple[Point, int]  # a multicast TMA load and one CTA of its mask
 
 
 class AsyncVerifyError(Exception):
@@ -86,48 +78,6 @@ class AsyncVerifyError(Exception):
         super().__init__(f"{len(self.failures)} problem(s) in the sync plan:\n{lines}")
 
 
-@dataclass
-class _MBarrier:
-    arrivals: int  # the init count
-    phase: int = 0
-    pending: int = 0
-    tx: int = 0
-
-    def __post_init__(self) -> None:
-        self.pending = self.arrivals
-
-
-@dataclass
-class _Named:
-    generation: int = 0
-    arrived: int = 0
-    threads: int | None = None
-    agents: set[int] = field(default_factory=set)
-
-
-@dataclass
-class _Run:
-    """What the one execution of step 1 found."""
-
-    clock: dict[object, int] = field(default_factory=dict)  # node -> time it happened
-    joined: dict[Point, Completion] = field(default_factory=dict)  # contribution -> its phase
-    landed: dict[Landing, Completion] = field(default_factory=dict)  # multicast -> phase, per CTA
-    saw: dict[Point, Completion | None] = field(default_factory=dict)  # wait -> phase it saw
-    # an arrival that completed its phase (the phase flips within that atomic arrive)
-    completed_by: dict[Point, Completion] = field(default_factory=dict)
-    completed: set[Completion] = field(default_factory=set)
-    # cluster barrier: a release arrive -> the generation it joined; a wait -> the one it saw
-    released: dict[Point, Completion] = field(default_factory=dict)
-    met: dict[Point, Completion] = field(default_factory=dict)
-    problems: list[str] = field(default_factory=list)
-
-
-def _qualify(program: Program, cta: int, name: object) -> object:
-    """The key of a per-CTA object (an mbarrier name, a named barrier id): the name itself in a
-    one-CTA program, so that its messages read as they always did; 'name@ctaN' in a cluster."""
-    return name if program.ctas == 1 else f"{name}@cta{cta}"
-
-
 def _located(program: Program, cta: int, span: Span) -> Span:
     """``span`` in CTA ``cta``: the same offsets of two CTAs' SMEM are different bytes."""
     if program.ctas == 1:
@@ -135,198 +85,10 @@ def _located(program: Program, cta: int, span: Span) -> Span:
     return replace(span, cta=cta, name=f"{span.name} of cta{cta}")
 
 
-def _execute(program: Program, patient: bool = False) -> _Run:
-    agents = program.agents
-    mbars = {
-        _qualify(program, cta, name): _MBarrier(count)
-        for cta in range(program.ctas)
-        for name, count in program.mbarriers
-    }
-    named: dict[object, _Named] = {}
-    pcs = [0] * len(agents)
-    arrived_gen: dict[int, int] = {}  # agent -> generation it arrived at in a pending bar.sync
-    cluster = ClusterBarrier()
-    run = _Run()
-    time = 0
-
-    def tick(node: object) -> None:
-        nonlocal time
-        run.clock[node] = time
-        time += 1
-
-    def complete_if_done(name: str) -> None:
-        bar = mbars[name]
-        if bar.pending == 0 and bar.tx == 0:
-            node = ("mbar", name, bar.phase)
-            tick(node)
-            run.completed.add(node)
-            bar.phase += 1
-            bar.pending = bar.arrivals
-
-    def arrive(here: Point, name: str, count: int, tx: int) -> None:
-        bar = mbars[name]
-        if count > bar.pending:
-            run.problems.append(
-                f"{where(agents[here[0]], here[1])}: {count} arrival(s) where phase "
-                f"{bar.phase} of {name} expects {bar.pending} more"
-            )
-            count = bar.pending
-        tick(here)
-        run.joined[here] = ("mbar", name, bar.phase)
-        bar.tx += tx
-        bar.pending -= count
-        complete_if_done(name)
-        if mbars[name].phase > run.joined[here][2]:
-            run.completed_by[here] = run.joined[here]
-
-    def step(a: int) -> bool:
-        """Run agent a's next event if it can; False if it is blocked."""
-        event = agents[a].events[pcs[a]]
-        here = (a, pcs[a])
-
-        def local(name: object) -> object:
-            return _qualify(program, agents[a].cta, name)
-
-        match event:
-            case Wait(barrier=name, parity=parity):
-                name = local(name)  # a thread waits on its own CTA's mbarriers only
-                bar = mbars[name]
-                if bar.phase % 2 == parity:
-                    return False
-                tick(here)
-                run.saw[here] = ("mbar", name, bar.phase - 1) if bar.phase else None
-            case Arrive(barrier=name, count=count, tx=tx):
-                arrive(here, local(name), count, tx)
-            case RemoteArrive(barrier=name, cta=cta, count=count):
-                arrive(here, _qualify(program, cta, name), count, 0)
-            case ExpectTx(barrier=name, nbytes=nbytes):
-                name = local(name)
-                tick(here)
-                run.joined[here] = ("mbar", name, mbars[name].phase)
-                mbars[name].tx += nbytes
-            case TmaLoad(barrier=name, nbytes=nbytes):
-                name = local(name)
-                tick(here)
-                run.joined[here] = ("mbar", name, mbars[name].phase)  # lands at once
-                mbars[name].tx -= nbytes
-                complete_if_done(name)
-            case TmaMulticast(barrier=name, nbytes=nbytes):
-                tick(here)
-                for cta in event.ctas():  # lands at once in every CTA of the mask
-                    name_there = _qualify(program, cta, name)
-                    run.landed[(here, cta)] = ("mbar", name_there, mbars[name_there].phase)
-                    mbars[name_there].tx -= nbytes
-                    complete_if_done(name_there)
-            case BarSync(barrier=bid, threads=threads) | BarArrive(barrier=bid, threads=threads):
-                bid = local(bid)  # bar.sync ids are CTA-local
-                bar = named.setdefault(bid, _Named())
-                if a not in arrived_gen:
-                    if bar.threads is not None and bar.threads != threads:
-                        run.problems.append(
-                            f"{where(agents[a], pcs[a])}: named barrier {bid} counts {threads} "
-                            f"threads here but {bar.threads} in the same generation elsewhere"
-                        )
-                    bar.threads = threads
-                    if a in bar.agents:
-                        run.problems.append(
-                            f"{where(agents[a], pcs[a])}: {agents[a].name} arrives twice in "
-                            f"generation {bar.generation} of named barrier {bid}"
-                        )
-                    bar.agents.add(a)
-                    tick(here)
-                    run.joined[here] = ("bar", bid, bar.generation)
-                    arrived_gen[a] = bar.generation
-                    bar.arrived += agents[a].threads
-                    if bar.arrived >= threads:
-                        if bar.arrived > threads:
-                            run.problems.append(
-                                f"named barrier {bid}: {bar.arrived} threads arrive in "
-                                f"generation {bar.generation}, which counts {threads}"
-                            )
-                        node = ("bar", bid, bar.generation)
-                        tick(node)
-                        run.completed.add(node)
-                        bar.generation += 1
-                        bar.arrived, bar.threads, bar.agents = 0, None, set()
-                if isinstance(event, BarSync) and named[bid].generation <= arrived_gen[a]:
-                    return False
-                del arrived_gen[a]
-            case ClusterArrive(relaxed=relaxed):
-                tick(here)
-                if not relaxed:  # a relaxed arrive orders nothing before the completion
-                    run.released[here] = completion(cluster.generation)
-                if cluster.arrive(a, len(agents)):
-                    node = completion(cluster.generation - 1)
-                    tick(node)
-                    run.completed.add(node)
-            case ClusterWait():
-                if not cluster.open(a):
-                    return False
-                tick(here)
-                run.met[here] = completion(cluster.joined.pop(a))
-            case _:
-                tick(here)
-        pcs[a] += 1
-        return True
-
-    if patient:  # one event at a time, the last agent that can move first
-        while any(pcs[a] < len(agents[a].events) and step(a) for a in reversed(range(len(agents)))):
-            pass
-    while True:
-        moved = False
-        for a, agent in enumerate(agents):
-            while pcs[a] < len(agent.events) and step(a):
-                moved = True
-        if not moved:
-            break
-    for a, agent in enumerate(agents):
-        if pcs[a] < len(agent.events):
-            event = agent.events[pcs[a]]
-            why = (
-                cluster.why_blocked(program)
-                if isinstance(event, ClusterWait)
-                else _why_blocked(program, agent, event, mbars, named)
-            )
-            run.problems.append(f"hang: {where(agent, pcs[a])} never returns ({why})")
-    for bid, bar in sorted(named.items()):
-        if bar.arrived and not run.problems:
-            run.problems.append(
-                f"named barrier {bid}: {bar.arrived} thread(s) arrive in generation "
-                f"{bar.generation}, which never completes (an unmatched bar.arrive)"
-            )
-    if cluster.arrived and not run.problems:
-        run.problems.append(cluster.why_blocked(program) + ", and nobody waits for it")
-    return run
-
-
-def _why_blocked(
-    program: Program,
-    agent: Agent,
-    event: Event,
-    mbars: dict[object, _MBarrier],
-    named: dict[object, _Named],
-) -> str:
-    match event:
-        case Wait(barrier=name):
-            name = _qualify(program, agent.cta, name)
-            bar = mbars[name]
-            # tx-count may dip below zero while an expect_tx is still to come, but not for good
-            overshoot = ", more bytes landed than expected: an expect_tx too small" * (bar.tx < 0)
-            return (
-                f"{name} stays in phase {bar.phase} with {bar.pending} arrival(s) and "
-                f"{bar.tx} transaction byte(s) outstanding{overshoot}"
-            )
-        case BarSync(barrier=bid, threads=threads):
-            bid = _qualify(program, agent.cta, bid)
-            return f"named barrier {bid} gets {named[bid].arrived} of {threads} threads"
-        case _:
-            raise AssertionError(f"{event!r} cannot block")
-
-
 class _Order:
     """Happens-before over the points and completions of the one execution."""
 
-    def __init__(self, program: Program, run: _Run) -> None:
+    def __init__(self, program: Program, run: Run) -> None:
         preds: dict[object, list[object]] = {node: [] for node in run.clock}
         for a, agent in enumerate(program.agents):
             for i in range(1, len(agent.events)):
@@ -403,7 +165,7 @@ def _retirements(agent: Agent, a: int, commit: type, wait: type) -> dict[int, Po
     return done
 
 
-def _ops(program: Program, run: _Run) -> tuple[list[_Op], list[str]]:
+def _ops(program: Program, run: Run) -> tuple[list[_Op], list[str]]:
     ops, problems = [], []
     for a, agent in enumerate(program.agents):
         wgmma_done = _retirements(agent, a, WgmmaCommit, WgmmaWait)
@@ -442,7 +204,7 @@ def _ops(program: Program, run: _Run) -> tuple[list[_Op], list[str]]:
     return ops, problems
 
 
-def _robustness(program: Program, run: _Run, order: _Order) -> list[str]:
+def _robustness(program: Program, run: Run, order: _Order) -> list[str]:
     problems = []
     agents = program.agents
 
@@ -473,7 +235,7 @@ def _robustness(program: Program, run: _Run, order: _Order) -> list[str]:
         event = agents[a].events[i]
         assert isinstance(event, Wait)
         k = -1 if seen is None else seen[2]
-        name = _qualify(program, agents[a].cta, event.barrier)
+        name = qualify(program, agents[a].cta, event.barrier)
         before = completion(("mbar", name, 0), k - 1) if k >= 1 else None
         if before is not None and not order.before_start(before, (a, i), seen):
             problems.append(
@@ -491,7 +253,7 @@ def _robustness(program: Program, run: _Run, order: _Order) -> list[str]:
     return problems
 
 
-def _after_own_completion(program: Program, run: _Run, point: Point, prev: Completion) -> bool:
+def _after_own_completion(program: Program, run: Run, point: Point, prev: Completion) -> bool:
     """``point`` is an arrival made after (in program order) an arrival of the same agent on
     the same barrier, with the same count (the same threads), that completed phase ``prev``."""
     a, i = point
@@ -504,7 +266,7 @@ def _after_own_completion(program: Program, run: _Run, point: Point, prev: Compl
     )
 
 
-def _transactions(program: Program, run: _Run) -> list[str]:
+def _transactions(program: Program, run: Run) -> list[str]:
     """Each phase must expect exactly the bytes its TMA copies land: fewer lets it complete
     before the data is there, more makes it hang."""
     expected: dict[Completion, int] = {}
@@ -658,7 +420,7 @@ def check(program: Program) -> tuple[str, ...]:
     malformed = _malformed(program)
     if malformed:
         return tuple(malformed)
-    run = _execute(program)
+    run = execute(program)
     if not run.problems:
         return _proof_problems(program, run)
     # A hang in the eager run (the first agent runs as far as it can): a producer that ran
@@ -666,13 +428,13 @@ def check(program: Program) -> tuple[str, ...]:
     # returns early. A patient run (the consumers, listed last, first) may finish; then its
     # problems name the cause, and some there must be, since that run would otherwise prove
     # the plan, hangs included.
-    patient = _execute(program, patient=True)
+    patient = execute(program, patient=True)
     if patient.problems:
         return tuple(run.problems)
     return tuple(dict.fromkeys(list(_proof_problems(program, patient)) + run.problems))
 
 
-def _proof_problems(program: Program, run: _Run) -> tuple[str, ...]:
+def _proof_problems(program: Program, run: Run) -> tuple[str, ...]:
     """Steps 2 and 3 over a run that finished."""
     order = _Order(program, run)
     ops, problems = _ops(program, run)
