@@ -64,6 +64,7 @@ from .async_model import (
     WgmmaWait,
     where,
 )
+from .verify_async_order import Order
 from .verify_async_run import Completion, Point, Run, execute, qualify
 from .verify_cluster import exit_problems
 from .verify_cluster import malformed as cluster_malformed
@@ -83,51 +84,6 @@ def _located(program: Program, cta: int, span: Span) -> Span:
     if program.ctas == 1:
         return span
     return replace(span, cta=cta, name=f"{span.name} of cta{cta}")
-
-
-class _Order:
-    """Happens-before over the points and completions of the one execution."""
-
-    def __init__(self, program: Program, run: Run) -> None:
-        preds: dict[object, list[object]] = {node: [] for node in run.clock}
-        for a, agent in enumerate(program.agents):
-            for i in range(1, len(agent.events)):
-                if (a, i) in preds and (a, i - 1) in preds:
-                    preds[(a, i)].append((a, i - 1))
-        for (point, _), node in run.landed.items():
-            if node in preds:
-                preds[node].append(point)
-        for point, node in run.joined.items():
-            if node in preds:
-                preds[node].append(point)
-                after = (point[0], point[1] + 1)
-                event = program.agents[point[0]].events[point[1]]
-                if isinstance(event, BarSync) and after in preds:
-                    preds[after].append(node)  # bar.sync returns once its generation completes
-        for point, node in run.saw.items():
-            if node is not None:
-                preds[point].append(node)
-        for point, node in run.released.items():
-            preds[node].append(point)
-        for point, node in run.met.items():
-            preds[point].append(node)
-        self.preds = preds
-        self.ancestors: dict[object, int] = {}
-        self.bit = {node: 1 << n for n, node in enumerate(sorted(run.clock, key=run.clock.get))}
-        for node in sorted(run.clock, key=run.clock.get):
-            mask = 0
-            for p in preds[node]:
-                mask |= self.ancestors[p] | self.bit[p]
-            self.ancestors[node] = mask
-
-    def before(self, x: object, y: object) -> bool:
-        """x happens before y (or is y)."""
-        return x == y or bool(self.ancestors[y] & self.bit[x])
-
-    def before_start(self, x: object, wait: Point, seen: object) -> bool:
-        """x happens before ``wait`` starts: before one of its predecessors other than the
-        completion it waits for (a wait's node is the moment it returns)."""
-        return any(self.before(x, p) for p in self.preds[wait] if p != seen)
 
 
 @dataclass(frozen=True)
@@ -204,7 +160,7 @@ def _ops(program: Program, run: Run) -> tuple[list[_Op], list[str]]:
     return ops, problems
 
 
-def _robustness(program: Program, run: Run, order: _Order) -> list[str]:
+def _robustness(program: Program, run: Run, order: Order) -> list[str]:
     problems = []
     agents = program.agents
 
@@ -287,7 +243,7 @@ def _transactions(program: Program, run: Run) -> list[str]:
     ]
 
 
-def _hazards(program: Program, ops: list[_Op], order: _Order, clock: dict) -> list[str]:
+def _hazards(program: Program, ops: list[_Op], order: Order, clock: dict) -> list[str]:
     agents = program.agents
     found: list[tuple[int, int, list[str]]] = []
     fences = _indices(program, FenceProxyAsync)
@@ -393,7 +349,7 @@ def _unfenced(program: Program, first: _Op, second: _Op) -> str:
     )
 
 
-def _ordered(x: _Op, y: _Op, order: _Order) -> tuple[_Op | None, _Op | None]:
+def _ordered(x: _Op, y: _Op, order: Order) -> tuple[_Op | None, _Op | None]:
     if x.end is not None and order.before(x.end, y.start):
         return x, y
     if y.end is not None and order.before(y.end, x.start):
@@ -436,7 +392,7 @@ def check(program: Program) -> tuple[str, ...]:
 
 def _proof_problems(program: Program, run: Run) -> tuple[str, ...]:
     """Steps 2 and 3 over a run that finished."""
-    order = _Order(program, run)
+    order = Order(program, run)
     ops, problems = _ops(program, run)
     problems += _robustness(program, run, order)
     problems += exit_problems(program, run, order)
