@@ -65,7 +65,8 @@ from .async_model import (
     where,
 )
 from .verify_async_order import Order
-from .verify_async_run import Completion, Point, Run, execute, qualify
+from .verify_async_phases import phase_problems
+from .verify_async_run import Point, Run, execute
 from .verify_cluster import exit_problems
 from .verify_cluster import malformed as cluster_malformed
 
@@ -158,89 +159,6 @@ def _ops(program: Program, run: Run) -> tuple[list[_Op], list[str]]:
             if any(op.end is None for op in new):
                 problems.append(f"{where(agent, i)} is still in flight when {agent.name} ends")
     return ops, problems
-
-
-def _robustness(program: Program, run: Run, order: Order) -> list[str]:
-    problems = []
-    agents = program.agents
-
-    def completion(node: Completion, k: int) -> Completion | None:
-        other = (node[0], node[1], k)
-        return other if other in run.completed else None
-
-    contributions = list(run.joined.items()) + [
-        (point, node) for (point, _), node in run.landed.items()
-    ]
-    for (a, i), node in contributions:
-        prev = completion(node, node[2] - 1)
-        if node[2] > 0 and prev is not None and not order.before(prev, (a, i)):
-            if _after_own_completion(program, run, (a, i), prev):
-                continue
-            problems.append(
-                f"{where(agents[a], i)} may count towards phase {node[2] - 1} of "
-                f"{node[1]} instead of phase {node[2]}: nothing orders it after that phase "
-                "completes"
-            )
-        event = agents[a].events[i]
-        if isinstance(event, TmaLoad | TmaMulticast) and (
-            node not in run.completed or not any(s == node for s in run.saw.values())
-        ):
-            problems.append(f"{where(agents[a], i)}: no wait sees its phase of {node[1]} complete")
-    problems += _transactions(program, run)
-    for (a, i), seen in run.saw.items():
-        event = agents[a].events[i]
-        assert isinstance(event, Wait)
-        k = -1 if seen is None else seen[2]
-        name = qualify(program, agents[a].cta, event.barrier)
-        before = completion(("mbar", name, 0), k - 1) if k >= 1 else None
-        if before is not None and not order.before_start(before, (a, i), seen):
-            problems.append(
-                f"{where(agents[a], i)} may return at once: phase {k - 1} of {name} "
-                f"need not have completed when it starts, and its parity {event.parity} "
-                f"already holds then (wrong parity or a missing wait before it)"
-            )
-        after = completion(("mbar", name, 0), k + 1)
-        if after is not None and not order.before((a, i), after):
-            problems.append(
-                f"{where(agents[a], i)} may wait for the wrong phase: phase {k + 1} of "
-                f"{name} can complete before it starts, and then parity "
-                f"{event.parity} means phase {k + 2}"
-            )
-    return problems
-
-
-def _after_own_completion(program: Program, run: Run, point: Point, prev: Completion) -> bool:
-    """``point`` is an arrival made after (in program order) an arrival of the same agent on
-    the same barrier, with the same count (the same threads), that completed phase ``prev``."""
-    a, i = point
-    event = program.agents[a].events[i]
-    return isinstance(event, Arrive | RemoteArrive) and any(
-        (a, j) in run.completed_by
-        and run.completed_by[(a, j)] == prev
-        and program.agents[a].events[j].count == event.count
-        for j in range(i)
-    )
-
-
-def _transactions(program: Program, run: Run) -> list[str]:
-    """Each phase must expect exactly the bytes its TMA copies land: fewer lets it complete
-    before the data is there, more makes it hang."""
-    expected: dict[Completion, int] = {}
-    landed: dict[Completion, int] = {}
-    for (a, i), node in run.joined.items():
-        match program.agents[a].events[i]:
-            case Arrive(tx=tx) | ExpectTx(nbytes=tx):
-                expected[node] = expected.get(node, 0) + tx
-            case TmaLoad(nbytes=nbytes):
-                landed[node] = landed.get(node, 0) + nbytes
-    for ((a, i), _), node in run.landed.items():
-        landed[node] = landed.get(node, 0) + program.agents[a].events[i].nbytes
-    return [
-        f"phase {node[2]} of {node[1]} expects {expected.get(node, 0)} transaction bytes but "
-        f"its TMA copies land {landed.get(node, 0)}"
-        for node in sorted(set(expected) | set(landed), key=str)
-        if expected.get(node, 0) != landed.get(node, 0)
-    ]
 
 
 def _hazards(program: Program, ops: list[_Op], order: Order, clock: dict) -> list[str]:
@@ -394,7 +312,7 @@ def _proof_problems(program: Program, run: Run) -> tuple[str, ...]:
     """Steps 2 and 3 over a run that finished."""
     order = Order(program, run)
     ops, problems = _ops(program, run)
-    problems += _robustness(program, run, order)
+    problems += phase_problems(program, run, order)
     problems += exit_problems(program, run, order)
     problems += _hazards(program, ops, order, run.clock)
     return tuple(dict.fromkeys(problems))
