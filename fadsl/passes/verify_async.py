@@ -25,16 +25,7 @@ live in verify_cluster.
 
 from __future__ import annotations
 
-from .async_model import (
-    Arrive,
-    ExpectTx,
-    Program,
-    RemoteArrive,
-    TmaLoad,
-    TmaMulticast,
-    Wait,
-    where,
-)
+from .async_model import Arrive, ExpectTx, Program, RemoteArrive, TmaLoad, TmaMulticast, Wait, where
 from .verify_async_hazards import accesses, hazard_problems
 from .verify_async_order import Order
 from .verify_async_phases import phase_problems
