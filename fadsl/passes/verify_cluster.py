@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING
 from .async_model import ClusterArrive, ClusterWait, Program, RemoteArrive, TmaMulticast, where
 
 if TYPE_CHECKING:
-    from .verify_async import _Order, _Run
+    from .verify_async_order import Order
+    from .verify_async_run import Run
 
 Point = tuple[int, int]  # (agent index, event index)
 BARRIER = "barrier.cluster"  # the name of its completions: ("cluster", BARRIER, generation)
@@ -90,7 +91,7 @@ def malformed(program: Program) -> list[str]:
     return problems
 
 
-def exit_problems(program: Program, run: _Run, order: _Order) -> list[str]:
+def exit_problems(program: Program, run: Run, order: Order) -> list[str]:
     """No CTA may exit while a peer can still write its SMEM or arrive on its mbarriers (the
     'cluster target block not present' fault): each remote arrival on CTA d, and each multicast
     landing in d issued from another CTA, must happen before the last event of some agent of d,
