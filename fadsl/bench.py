@@ -18,7 +18,7 @@ for the third), and so does the one after a contender that draws little power. A
 order (sessions 10-11) still had every contender follow the same one in every round (cuDNN
 always followed PyTorch's FlashAttention-2 and ran at the highest clock at seqlen 2048,
 session 12). So the rounds follow a Williams design (``balanced_orders``): over its rounds
-every contender comes first once and follows each other contender equally often; by
+every contender comes first, and follows each other contender, equally often; by
 default as many rounds as one full design takes (the contenders' count, twice that when odd).
 """
 
@@ -54,6 +54,8 @@ class Row:
     error_bound: float = 0.0
     # contender -> gpuclocks.ClockSummary fields, over all its timed runs (NVML only)
     clocks: dict[str, dict] = field(default_factory=dict)
+    rounds: int = 0  # every contender timed this many times
+    balanced: bool = True  # the rounds were whole balanced designs (balanced_orders)
 
 
 def flops(batch: int, heads: int, sq: int, sk: int, d: int, causal: bool) -> float:
@@ -223,7 +225,14 @@ def run(
         readings: dict[str, list[gpuclocks.Reading]] = {name: [] for name in contenders}
         names = list(contenders)
         orders = balanced_orders(len(names))
-        for r in range(rounds or len(orders)):  # the design's rows in turn, cycling
+        row.rounds = rounds or len(orders)
+        row.balanced = row.rounds % len(orders) == 0
+        if not row.balanced:
+            log(
+                f"fadsl bench: {row.rounds} rounds are not whole designs of {len(orders)} for "
+                f"{len(names)} contenders: some come first, or after another, more often"
+            )
+        for r in range(row.rounds):  # the design's rows in turn, cycling
             for name in (names[i] for i in orders[r % len(orders)]):
                 ms, sampled = _time(contenders[name], sets, warmup, runs, sampler)
                 medians[name].append(ms)
@@ -258,8 +267,8 @@ def run(
             "heads": heads,
             "warmup": warmup,
             "runs": runs,
-            "rounds": rounds or "one balanced design",
-            "order": "balanced (Williams design)",
+            "rounds": rounds,  # None: one whole design per row (each row says how many)
+            "order": "the rows of a balanced (Williams) design, cycling",
             "statistic": "median" if rounds == 1 else "median of the rounds' medians",
         },
         "resources": kern.resources(dtype_name),

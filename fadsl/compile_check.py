@@ -92,29 +92,36 @@ def check_registers(
 ) -> RegisterCheck:
     """Compile every dtype of ``compiled`` (and of its cluster-free variant) for every
     architecture its target runs on (in parallel) and refuse, by SpecError, a kernel that
-    spills or uses a stack frame, unless the spec allows spills. With no compiler given, ``find_compiler`` picks one;
-    with none found, nothing is compiled and the result says why."""
+    spills or uses a stack frame, unless the spec allows spills. The result holds the spec's
+    own kernel's rows. With no compiler given, ``find_compiler`` picks one; with none found,
+    nothing is compiled and the result says why."""
     if compiler is None:
         compiler, name = find_compiler()
         if compiler is None:
             return RegisterCheck((), name)
-    if compiled.alone is not None:  # the variant the launches that do not pair run, too
-        check_registers(compiled.alone, compiler, name)
-    cfg = compiled.kernel.config
     target = compiled.target
-    # Rendered under the kernel's name, not the spec's path, so that one kernel is compiled
-    # once whatever file it is checked from (results are cached).
-    sources = render(compiled.kernel, target, f"{cfg.name}.fa")
     archs = [arch for arch, _family in target.capabilities.archs]
-    jobs = [(source, arch) for source in sources for arch in archs]
+    # A `cluster 2` spec's cluster-free variant (the launches that do not pair run it) too,
+    # in the same pool. Rendered under each kernel's name, not the spec's path, so that one
+    # kernel is compiled once whatever file it is checked from (results are cached).
+    kernels = [c for c in (compiled, compiled.alone) if c is not None]
+    jobs = [
+        (c, source, arch)
+        for c in kernels
+        for source in render(c.kernel, target, f"{c.kernel.config.name}.fa")
+        for arch in archs
+    ]
     with ThreadPoolExecutor(max_workers=min(len(jobs), os.cpu_count() or 1)) as pool:
-        usages = list(pool.map(lambda job: compiler(*job), jobs))
-    rows = tuple(KernelUsage(src.dtype, arch, u) for (src, arch), u in zip(jobs, usages))
-    result = RegisterCheck(rows, name, cfg.allow_spills)
-    spilling = [row for row in rows if row.usage.spills]
-    if spilling and not cfg.allow_spills:
-        raise SpecError([_spill_diagnostic(compiled, spilling)], compiled.source)
-    return result
+        usages = list(pool.map(lambda job: compiler(*job[1:]), jobs))
+    rows: dict[int, list[KernelUsage]] = {id(c): [] for c in kernels}
+    for (c, source, arch), usage in zip(jobs, usages):
+        rows[id(c)].append(KernelUsage(source.dtype, arch, usage))
+    allow = compiled.kernel.config.allow_spills
+    for c in kernels:
+        spilling = [row for row in rows[id(c)] if row.usage.spills]
+        if spilling and not allow:
+            raise SpecError([_spill_diagnostic(c, spilling)], compiled.source)
+    return RegisterCheck(tuple(rows[id(compiled)]), name, allow)
 
 
 def _spill_diagnostic(compiled: Compiled, spilling: list[KernelUsage]) -> Diagnostic:
@@ -140,9 +147,12 @@ def _spill_diagnostic(compiled: Compiled, spilling: list[KernelUsage]) -> Diagno
         hint = "use a smaller B_c or more warps"
         if set(tiles) - {"O"}:
             hint = "load fragment-wise (rf[frag]), " + hint
+    # the variant the launches that do not pair run (sm90/alone.py): say it is that one
+    variant = cfg.hopper is not None and cfg.hopper.alone_of
+    which = f"its cluster-free variant {cfg.name}" if variant else "the kernel"
     return Diagnostic(
         loc,
-        f"the kernel does not fit {limit}: it uses {u.registers} registers and spills "
+        f"{which} does not fit {limit}: it uses {u.registers} registers and spills "
         f"({u.spill_store_bytes} bytes of spill stores, {u.spill_load_bytes} of loads, a "
         f"{u.stack_bytes}-byte stack frame; {where}); {hint}, or add 'spills allow' to "
         "accept it for an experiment",

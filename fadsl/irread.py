@@ -69,7 +69,8 @@ _HOPPER = re.compile(
     r"regs=(?P<preg>\d+)/(?P<creg>\d+) swizzle=(?P<swizzle>\d+)B "
     r"pingpong=(?P<pingpong>on|off) overlap=(?P<overlap>on|off) "
     r"scheduler=(?P<scheduler>persistent|grid) rescale=(?P<rescale>every|lazy)"
-    r"(?: q_slots=(?P<q_slots>\d+))?(?P<split_kv> tail=split_kv)?(?: cluster=(?P<cluster>\d+))?$"
+    r"(?: q_slots=(?P<q_slots>\d+))?(?P<split_kv> tail=split_kv)?(?: cluster=(?P<cluster>\d+))?"
+    r"(?: alone_of=(?P<alone_of>\S+))?$"
 )
 _REGION = re.compile(r"region (\d+) offset=(\d+) bytes=(\d+) members=(\S*)$")
 _STEP = re.compile(r"  step (?P<op>\S+)(?P<flags>(?: [^\[\s]\S*)*)(?: \[(?P<acc>.*)\])?$")
@@ -223,6 +224,7 @@ class _Reader:
             q_slots=int(m["q_slots"] or 1),
             split_kv=m["split_kv"] is not None,
             cluster=int(m["cluster"] or 1),
+            alone_of=m["alone_of"],
         )
 
     def tensor(self, line: str) -> Tensor:

@@ -72,8 +72,8 @@ PAIR_MIN_KV_BLOCKS = 32
 def launch_cluster(kernel: Kernel, seqlen_q: int, seqlen_k: int) -> int:
     """The CTAs per cluster a launch uses: the spec's when a head's query blocks pair up (an
     even count, FlashAttention-3's rule; else a block past seqlen_q would run for nothing)
-    and each tile has PAIR_MIN_KV_BLOCKS K/V blocks or more; else 1: the same kernel runs
-    alone, loading whole tiles."""
+    and each tile has PAIR_MIN_KV_BLOCKS K/V blocks or more; else 1: the runtime launches the
+    spec's cluster-free variant, `<name>_alone` (fadsl/targets/sm90/alone.py)."""
     cluster = cluster_size(kernel)
     blocks = -(-seqlen_q // kernel.config.block_r)
     kv_blocks = -(-seqlen_k // kernel.config.block_c)

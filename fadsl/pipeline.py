@@ -57,9 +57,21 @@ def compile_source(source: str, file: str = "<spec>") -> Compiled:
     source = spec_text(source)
     schedule = front_end(source, file)
     target = targets.target_of(schedule)
+    compiled = _passes(schedule, target, source, file)
     variant = target.alone(schedule) if target.alone else None
-    alone = None if variant is None else _passes(variant, target, source, file)
-    return replace(_passes(schedule, target, source, file), alone=alone)
+    if variant is None:
+        return compiled
+    try:
+        return replace(compiled, alone=_passes(variant, target, source, file))
+    except SpecError as err:  # say which kernel: the spec's own passed
+        prefix = f"in its cluster-free variant {variant.config.name}: "
+        raise SpecError(
+            [replace(d, message=prefix + d.message) for d in err.diagnostics], source
+        ) from None
+    except Exception as err:  # a pass's own failure (verify's): name the kernel too
+        if hasattr(err, "add_note"):  # Python 3.11+
+            err.add_note(f"(in the cluster-free variant {variant.config.name})")
+        raise
 
 
 def _passes(kernel: Kernel, target: targets.Target, source: str, file: str) -> Compiled:

@@ -39,10 +39,6 @@ from .tensor_checks import (
     lse_shape,
 )
 
-# Names this module had before the checks moved to fadsl/tensor_checks.py, for their users.
-from .tensor_checks import check_base as _check_base  # noqa: F401
-from .tensor_checks import overlaps_itself as _overlaps_itself  # noqa: F401
-
 log = logging.getLogger("fadsl")
 
 

@@ -13,7 +13,7 @@
 //                      them into both; a slot is refilled once both CTAs' consumers have read it.  Launched in pairs when a head's
 //                      query blocks pair up and the K/V loop is long; other launches run fa3_hopper_alone_bf16, the cluster-free variant
 //                      (this kernel also runs alone, as clusters of one CTA: whole tiles loaded locally, the CTA its own peer)
-// Launch: grid (min(tiles, SMs), 1, 1), tiles = cdiv(seqlen_q, 128) x heads_q x batch, in clusters of 2 CTAs when cdiv(seqlen_q, 128) is even (cuLaunchKernelEx),
+// Launch: grid (min(tiles, SMs), 1, 1), tiles = cdiv(seqlen_q, 128) x heads_q x batch, in clusters of 2 CTAs where paired (cuLaunchKernelEx; see above),
 // fa3_hopper_bf16_launch_info[0] threads, [1] bytes of dynamic SMEM, [4] CTAs per cluster; one FwdParamsSm90 (4 TMA maps + FwdParams).
 #include "fadsl/sm90.cuh"
 
@@ -63,7 +63,7 @@ extern "C" __global__ void __launch_bounds__(Cfg::kThreads, 1) fa3_hopper_bf16(c
   const int warpgroup = threadIdx.x / 128;
   const int warp = (threadIdx.x / 32) % 4;  // within the warpgroup
   const int lane = threadIdx.x % 32;
-  // The launch's CTAs per cluster: 2 when a head's query blocks pair up, else 1 (fadsl/params.py)
+  // The launch's CTAs per cluster: 2 where paired (fadsl/params.py), else 1 (a direct launch alone)
   const uint32_t cluster_ctas = cluster_nctarank();
   const uint32_t cluster_rank = cluster_ctarank();  // in a pair: this CTA's half of each K/V block
   const uint32_t cluster_peer = cluster_rank ^ (cluster_ctas - 1u);  // the other CTA of a pair; alone, itself

@@ -23,6 +23,5 @@ result = bench.run(
     seqlens=(2048, 4096, 8192, 16384),
     dtype_name=dtype,
     against=(pair_kernel, fadsl.load(off)),
-    rounds=5,
 )
 print(bench.table(result), flush=True)

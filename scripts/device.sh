@@ -15,7 +15,7 @@
 #   BENCH_HIDDEN (heads = hidden / head_dim, the FA papers' 2048; default 16 heads), BENCH_TAG
 #   (a suffix for the result files, e.g. "_run2" when a spec is timed more than once),
 #   BENCH_AGAINST ("a.fa b.fa": variants timed with each spec on the same tensors, as
-#   fadsl:<kernel>), BENCH_ROUNDS (every contender timed that many times in turn, the order rotated; default 3)
+#   fadsl:<kernel>), BENCH_ROUNDS (every contender timed that many times, in balanced orders; default one whole design)
 set -uo pipefail
 export PYTHONUNBUFFERED=1 FADSL_CACHE_DIR=$PWD/build/fadsl-cache  # build/ survives between calls on a warm machine
 OUT=${OUT:-/tmp/out}

@@ -144,3 +144,76 @@ def test_the_register_check_compiles_the_variant_too(compiled):
         "fa3_hopper_bf16",
         "fa3_hopper_fp16",
     ]
+
+
+def test_a_spilling_variant_is_refused_by_its_name(compiled):
+    from fadsl.compile_check import Usage, check_registers
+    from fadsl.errors import SpecError
+
+    def compiler(source, arch):  # only the variant spills
+        spills = source.kernel_name.startswith("fa3_hopper_alone")
+        return Usage(240, 64 if spills else 0, 64 if spills else 0, 0)
+
+    with pytest.raises(SpecError, match="its cluster-free variant fa3_hopper_alone does not fit"):
+        check_registers(compiled, compiler, "fake")
+
+
+def test_a_failing_variant_is_named(monkeypatch):
+    """The spec's own kernel passes first; a problem only the variant has says it is the
+    variant's (a located SpecError, or a pass's own error with a note)."""
+    from dataclasses import replace
+
+    import fadsl.targets.sm90 as sm90
+    from fadsl.errors import Diagnostic, SpecError
+
+    def refuse_the_variant(kernel, target):
+        if kernel.config.hopper.alone_of:
+            raise SpecError([Diagnostic(kernel.config.loc, "no room")])
+        return kernel
+
+    passes = (*sm90.TARGET.passes, ("refuse", refuse_the_variant))
+    monkeypatch.setattr(sm90, "TARGET", replace(sm90.TARGET, passes=passes))
+    with pytest.raises(SpecError, match="in its cluster-free variant fa3_hopper_alone: no room"):
+        compile_file(HOPPER)
+
+
+@pytest.mark.parametrize(
+    "seqlen_q, seqlen_k, pairs",
+    [
+        (4096, 4096, True),
+        (256, 4096, True),
+        (384, 4096, False),
+        (4096, 2048, False),
+        (1, 65, False),
+    ],
+)
+def test_launches_that_do_not_pair_run_the_variant(seqlen_q, seqlen_k, pairs, monkeypatch):
+    """(No GPU: the pair kernel's launch path is cut at its first step.) Pairs need an even
+    count of query blocks and 32 K/V blocks or more (fadsl.params.launch_cluster)."""
+    import torch
+
+    from fadsl import params
+
+    kern = fadsl.load(HOPPER, verbose=False)
+    ran = []
+
+    class PairPath(Exception):
+        pass
+
+    class Launch:  # the target's launch, cut after the cluster decision
+        cluster = staticmethod(params.launch_for("sm_90a").cluster)
+
+        def pack(self, kernel, args):
+            raise PairPath
+
+    monkeypatch.setattr(kern, "_launch", Launch())
+    monkeypatch.setattr(kern.alone, "launch", lambda *args: ran.append(args))
+    q = torch.zeros(1, seqlen_q, 2, 128, dtype=torch.bfloat16)
+    k = v = torch.zeros(1, seqlen_k, 2, 128, dtype=torch.bfloat16)
+    if pairs:
+        with pytest.raises(PairPath):
+            kern.launch(Dtype.BF16, q, k, v, torch.empty_like(q), None, 0.1)
+        assert not ran
+    else:
+        kern.launch(Dtype.BF16, q, k, v, torch.empty_like(q), None, 0.1)
+        assert len(ran) == 1 and ran[0][1] is q

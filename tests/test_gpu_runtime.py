@@ -186,4 +186,5 @@ def test_bench_times_variants_side_by_side_in_rounds(monkeypatch):
     contender = dict(zip(bench.balanced_orders(n)[0], timed[:n]))  # the design's rows
     assert timed[n:] == [contender[i] for i in bench.balanced_orders(n)[1]]
     assert result["method"]["rounds"] == 2 and result["against"][0]["kernel"] == names[1]
+    assert row["rounds"] == 2 and row["balanced"] is False  # 2 rows of a 4- or 6-row design
     assert f"{names[1]}/fadsl" in bench.table(result).splitlines()[0]

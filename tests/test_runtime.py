@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import fadsl
+import fadsl.tensor_checks
 from fadsl.codegen import spec_hash
 from conftest import ROOT
 
@@ -144,7 +145,7 @@ def test_out_with_overlapping_elements_or_shared_memory_is_refused(kern):
         kern._check_out(q[:, :, :].view_as(q), q, k, v)
     kern._check_out(torch.empty_like(q), q, k, v)  # memory of its own
     a, b = packed.unbind(2)  # two tensors interleaved in one buffer: neither overlaps itself
-    assert not fadsl.runtime._overlaps_itself(a)
+    assert not fadsl.tensor_checks.overlaps_itself(a)
 
 
 def test_out_must_match_q(kern):
