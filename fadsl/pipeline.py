@@ -11,6 +11,10 @@ is a pure function (Kernel, Target) -> Kernel. Ordering rules on sm_80:
   byte offsets to know which warps' accesses overlap.
 - verify runs last and shares no code with insert_barriers: it re-derives every
   hazard from the final schedule and proves the placed syncs order each one.
+
+A target may also derive a variant of the schedule (``Target.alone``: sm_90a's `cluster 2`
+without its cluster, for the launches that do not pair CTAs). The variant runs through the
+same passes, its own proof included, after the spec's kernel, and is ``Compiled.alone``.
 """
 
 from __future__ import annotations
