@@ -327,15 +327,19 @@ class FlashAttention:
 
     def launch(self, dtype: Dtype, q, k, v, out, lse, scale: float) -> None:
         """Launch on q's device and that device's current stream (arguments checked)."""
+        args = Args(q, k, v, out, lse, scale)
+        cluster = self._launch.cluster(self.compiled.kernel, args)
+        if cluster == 1 and self.alone is not None:
+            self.alone.launch_args(dtype, args, 1)  # the cluster-free variant
+        else:
+            self.launch_args(dtype, args, cluster)
+
+    def launch_args(self, dtype: Dtype, args: Args, cluster: int) -> None:
+        """Launch with ``args`` in clusters of ``cluster`` CTAs (1: without clusters)."""
         import torch
 
-        index = q.device.index
-        args = Args(q, k, v, out, lse, scale)
+        index = args.q.device.index
         kernel = self.compiled.kernel
-        cluster = self._launch.cluster(kernel, args)
-        if cluster == 1 and self.alone is not None:
-            self.alone.launch(dtype, q, k, v, out, lse, scale)
-            return
         params = self._launch.pack(kernel, args)
         grid = self._launch.grid(kernel, args)
         module = self._modules.get((dtype, index)) or self.module(dtype, index)

@@ -207,7 +207,7 @@ def test_launches_that_do_not_pair_run_the_variant(seqlen_q, seqlen_k, pairs, mo
             raise PairPath
 
     monkeypatch.setattr(kern, "_launch", Launch())
-    monkeypatch.setattr(kern.alone, "launch", lambda *args: ran.append(args))
+    monkeypatch.setattr(kern.alone, "launch_args", lambda *args: ran.append(args))
     q = torch.zeros(1, seqlen_q, 2, 128, dtype=torch.bfloat16)
     k = v = torch.zeros(1, seqlen_k, 2, 128, dtype=torch.bfloat16)
     if pairs:
@@ -216,4 +216,4 @@ def test_launches_that_do_not_pair_run_the_variant(seqlen_q, seqlen_k, pairs, mo
         assert not ran
     else:
         kern.launch(Dtype.BF16, q, k, v, torch.empty_like(q), None, 0.1)
-        assert len(ran) == 1 and ran[0][1] is q
+        assert len(ran) == 1 and ran[0][1].q is q and ran[0][2] == 1

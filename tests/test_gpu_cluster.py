@@ -64,7 +64,7 @@ def test_pairs_and_the_variant_alone_match_the_reference(kern, shape, dtype, mon
     variant = kern.alone
     launched = []
     monkeypatch.setattr(
-        variant, "launch", lambda *args, run=variant.launch: launched.append(run(*args))
+        variant, "launch_args", lambda *args, run=variant.launch_args: launched.append(run(*args))
     )
     run_case(kern, shape, dtype, seed=sum(shape))
     assert len(launched) == (0 if pairs else 1)  # alone: the cluster-free variant ran
