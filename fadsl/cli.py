@@ -67,10 +67,9 @@ def cmd_compile(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return EXIT_FAILURE
-    for variant in (compiled, compiled.alone):  # alone: the launches that do not pair
-        if variant is not None:
-            for path in write(variant.kernel, variant.target, variant.file, out_dir):
-                print(f"wrote {path}")
+    for variant in compiled.variants:  # `cluster 2`: the variant unpaired launches run too
+        for path in write(variant.kernel, variant.target, variant.file, out_dir):
+            print(f"wrote {path}")
     return EXIT_OK
 
 

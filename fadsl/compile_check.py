@@ -104,7 +104,7 @@ def check_registers(
     # A `cluster 2` spec's cluster-free variant (the launches that do not pair run it) too,
     # in the same pool. Rendered under each kernel's name, not the spec's path, so that one
     # kernel is compiled once whatever file it is checked from (results are cached).
-    kernels = [c for c in (compiled, compiled.alone) if c is not None]
+    kernels = compiled.variants
     jobs = [
         (c, source, arch)
         for c in kernels

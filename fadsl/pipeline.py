@@ -42,6 +42,11 @@ class Compiled:
     alone: Compiled | None = None
 
     @property
+    def variants(self) -> tuple[Compiled, ...]:
+        """The spec's kernels: its own, then its cluster-free variant where it has one."""
+        return (self,) if self.alone is None else (self, self.alone)
+
+    @property
     def target(self) -> targets.Target:
         return targets.target_of(self.kernel)
 

@@ -123,6 +123,11 @@ class FlashAttention:
         # Registered now, not on first use: torch.compile cannot trace a registration.
         self._ops = ops_for(self)
 
+    @property
+    def variants(self) -> tuple[FlashAttention, ...]:
+        """This kernel, then the cluster-free variant its unpaired launches run (if any)."""
+        return (self,) if self.alone is None else (self, self.alone)
+
     def __repr__(self) -> str:
         cfg = self.config
         return (
@@ -409,11 +414,10 @@ def build_ahead(compiled: Compiled, archs: Iterable[str], out_dir: Path) -> list
     for arch in archs:
         check_arch(kern.config.target, arch)
     written = []
-    if kern.alone is not None:  # the variant the launches that do not pair run
-        written += build_ahead(compiled.alone, archs, out_dir)
-    for dtype in kern.config.dtypes:
+    # `cluster 2`: the cluster-free variant its unpaired launches run, too
+    for variant, dtype in ((v, d) for v in kern.variants for d in v.config.dtypes):
         for arch in archs:
-            request = kern.request(dtype, arch)
+            request = variant.request(dtype, arch)
             start = time.monotonic()
             built = compile_cubin(request.text, request.filename, request.kernel, arch, out_dir)
             seconds = time.monotonic() - start

@@ -88,9 +88,8 @@ def build(s):
     kern = fadsl.load(s, verbose=False)
     dtypes = kern.config.dtypes
     for dtype in [d for d in dtypes if d.value == WANTED] if WANTED else dtypes[:1]:
-        for built in (kern, kern.alone):
-            if built is not None:
-                built.cubin(dtype, ARCH)
+        for built in kern.variants:
+            built.cubin(dtype, ARCH)
     return s
 with ProcessPoolExecutor(16) as pool:
     list(pool.map(build, sys.argv[1:]))

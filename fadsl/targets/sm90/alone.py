@@ -19,6 +19,11 @@ from ...ir import Kernel, Scope
 ALONE_SUFFIX = "_alone"
 
 
+def alone_name(name: str) -> str:
+    """The variant's kernel name for the spec's kernel ``name``."""
+    return name + ALONE_SUFFIX
+
+
 def alone(kernel: Kernel) -> Kernel | None:
     """``kernel``'s schedule (before any pass) without its cluster, named <name>_alone;
     None for a kernel without one."""
@@ -31,7 +36,7 @@ def alone(kernel: Kernel) -> Kernel | None:
 
     config = replace(
         kernel.config,
-        name=kernel.config.name + ALONE_SUFFIX,
+        name=alone_name(kernel.config.name),
         hopper=replace(hw, cluster=1, alone_of=kernel.config.name),
     )
     return replace(

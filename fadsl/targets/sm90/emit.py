@@ -16,7 +16,7 @@ from typing import Any
 
 from ...ir import Dtype, Kernel, Parity, Phase, Scope, Step, Sync, Threads
 from ...ops import Op
-from .alone import ALONE_SUFFIX
+from .alone import alone_name
 from .caps import (
     BAR_ARRIVE,
     BAR_SYNC,
@@ -271,7 +271,7 @@ def context(kernel: Kernel, dtype: Dtype) -> dict[str, Any]:
         # `cluster 2`: K/V loads multicast into both CTAs, arrivals on the peer's barriers
         "cluster": hw.cluster,
         # the cluster-free variant that the launches which do not pair run (sm90/alone.py)
-        "alone_kernel": f"{kernel.config.name}{ALONE_SUFFIX}_{dtype.value}",
+        "alone_kernel": f"{alone_name(kernel.config.name)}_{dtype.value}",
         "alone_of": hw.alone_of and f"{hw.alone_of}_{dtype.value}",
         "setup": roles["setup"]["setup"],
         # every thread, after both roles (the cluster barrier at exit)

@@ -14,7 +14,7 @@ from typing import Any, Mapping
 from ...compile_check import register_cap as launch_register_cap
 from ...ir import Kernel, Phase, Step, Sync
 from .. import Capabilities, Report
-from .alone import ALONE_SUFFIX
+from .alone import alone_name
 from .caps import (
     MBAR_ARRIVE,
     MBAR_ARRIVE_PEER,
@@ -234,7 +234,7 @@ def explain_data(kernel: Kernel) -> dict[str, Any]:
             "tail": "split_kv" if hw.split_kv else "whole",
             **({"cluster": hw.cluster} if hw.cluster > 1 else {}),
             # the kernel the launches that do not pair run (sm90/alone.py)
-            **({"alone": kernel.config.name + ALONE_SUFFIX} if hw.cluster > 1 else {}),
+            **({"alone": alone_name(kernel.config.name)} if hw.cluster > 1 else {}),
             **({"alone_of": hw.alone_of} if hw.alone_of else {}),
             "pingpong": hw.pingpong,
             "overlap": hw.overlap,
