@@ -3,7 +3,7 @@
 A split tile's pieces hand their partial O, m and l over through ``partials`` (fp32; no
 initial value needed: each piece writes its own before any piece reads it) and count
 themselves done on ``counts`` (uint32, one per split tile and consumer warpgroup), which
-the kernel's atomicInc wraps back to 0 at each tile's last piece: a launch that completes
+the kernel's atom.inc wraps back to 0 at each tile's last piece: a launch that completes
 leaves every counter at 0, ready for the next one.
 
 One workspace per device and stream, grown as needed: launches on one stream run in turn,

@@ -561,46 +561,45 @@ __device__ __forceinline__ void store_o_tma(const FwdParamsSm90& P, uint32_t sme
 }
 
 // tail split_kv, after a piece's last P V: its warpgroup writes O's registers, m and the
-// per-thread l to its place in the workspace (16-byte stores, each thread its own), then
-// counts itself done on the tile's counter.  The piece that completes the count reads the
-// others' partials and combines them all in piece order (the same bits whichever piece
-// comes last): m = max_i m_i, l = sum_i l_i 2^((m_i - m) c), O likewise; it returns true,
-// and its warpgroup goes on to normalise and store the tile as a whole one would.  The
-// others return false and skip the tile's tail.  The hand-over is global memory only:
-// writes, the warpgroup's named barrier kBarSplit + wg, thread 0's fence, atomicInc
-// (wrapping to 0, so that the counter is ready for the next launch) and fence, a barrier
-// reduction telling every thread the count, then L2 reads; no SMEM, no mbarrier and no
-// barrier of the sync plan.
+// per-thread l to its place in the workspace, then counts itself done on the tile's counter.
+// The piece that completes the count reads every piece's partial back (its own too) and
+// combines them in piece order (the same bits whichever piece comes last): m = max_i m_i,
+// l = sum_i l_i 2^((m_i - m) c), O likewise; it returns true, and its warpgroup goes on to
+// normalise and store the tile as a whole one would.  The others return false and skip the
+// tile's tail.  The hand-over is global memory only: the writes, the warpgroup's named
+// barrier kBarSplit + wg, thread 0's atom.inc with release and acquire semantics at GPU scope
+// (wrapping to 0, so that the counter is ready for the next launch), a barrier reduction
+// telling every thread the count, then L2 reads; no SMEM, no mbarrier and no barrier of the
+// sync plan.  This hand-over is the launch's last step on most SMs, so it is kept short:
+// the workspace is laid out [piece][warpgroup][vector][thread] (a warp's 16-byte accesses
+// are 512 contiguous bytes) and one acq_rel atomic stands for fence, atomic, fence.
 template <class Cfg>
 __device__ __forceinline__ bool combine_split(const FwdParamsSm90& P, const TileWork& w, int wg,
                                               float (&o)[Cfg::kORegs], float (&m)[2], float (&l)[2],
                                               float scale_log2, int thread) {
-  constexpr int kVecs = Cfg::kORegs / 4 + 1;  // float4s per thread: O's registers, then m, l
+  constexpr int kOVecs = Cfg::kORegs / 4;  // float4s of O per thread, then one of m and l
+  constexpr int kVecs = kOVecs + 1;
   static_assert(Cfg::kORegs % 4 == 0, "O's registers in whole float4s");
   auto partial = [&](int split) {
     const size_t piece = static_cast<size_t>(w.split_tile) * P.splits + split;
-    return reinterpret_cast<float4*>(P.split_partials) + ((piece * Cfg::kConsumerWGs + wg) * 128 + thread) * kVecs;
+    return reinterpret_cast<float4*>(P.split_partials) + (piece * Cfg::kConsumerWGs + wg) * 128 * kVecs + thread;
   };
   float4* mine = partial(w.split);
 #pragma unroll
-  for (int k = 0; k < Cfg::kORegs / 4; ++k) mine[k] = make_float4(o[4 * k], o[4 * k + 1], o[4 * k + 2], o[4 * k + 3]);
-  mine[Cfg::kORegs / 4] = make_float4(m[0], m[1], l[0], l[1]);
-  // Every thread's partial before thread 0's count (the barrier at CTA scope, then thread
-  // 0's fence, cumulative, releases them all at GPU scope); its second fence acquires the
-  // other pieces' partials, and the barrier reduction passes that on to every thread.
+  for (int k = 0; k < kOVecs; ++k) mine[128 * k] = make_float4(o[4 * k], o[4 * k + 1], o[4 * k + 2], o[4 * k + 3]);
+  mine[128 * kOVecs] = make_float4(m[0], m[1], l[0], l[1]);
+  // Every thread's partial before thread 0's count (the barrier at CTA scope, then the
+  // atomic's release at GPU scope, cumulative); the atomic's acquire takes in the other
+  // pieces' partials, and the barrier reduction passes that on to every thread.
   named_bar_sync(Cfg::kBarSplit + wg, 128);
   bool last = false;
-  if (thread == 0) {
-    __threadfence();
-    last = atomicInc(P.split_counts + w.split_tile * Cfg::kConsumerWGs + wg, P.splits - 1) == P.splits - 1;
-    __threadfence();
-  }
+  if (thread == 0) last = atomic_inc_acq_rel_gpu(P.split_counts + w.split_tile * Cfg::kConsumerWGs + wg, P.splits - 1) == P.splits - 1;
   if (!named_bar_red_or(Cfg::kBarSplit + wg, 128, last)) return false;
   // Combine in piece order from piece 0, every piece read back (this one's too), so that
   // the result has the same bits whichever piece comes last.
   for (int split = 0; split < P.splits; ++split) {
     const float4* part = partial(split);
-    const float4 ml = __ldcg(part + Cfg::kORegs / 4);  // L2: written by another SM
+    const float4 ml = __ldcg(part + 128 * kOVecs);  // L2: written by another SM
     const float part_m[2] = {ml.x, ml.y}, part_l[2] = {ml.z, ml.w};
     float keep[2] = {1.f, 1.f}, add[2] = {1.f, 1.f};
     if (split > 0) {
@@ -618,8 +617,8 @@ __device__ __forceinline__ bool combine_split(const FwdParamsSm90& P, const Tile
       m[r] = split > 0 ? fmaxf(m[r], part_m[r]) : part_m[r];
     }
 #pragma unroll
-    for (int k = 0; k < Cfg::kORegs / 4; ++k) {
-      const float4 v = __ldcg(part + k);
+    for (int k = 0; k < kOVecs; ++k) {
+      const float4 v = __ldcg(part + 128 * k);
       const float x[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
       for (int e = 0; e < 4; ++e) {

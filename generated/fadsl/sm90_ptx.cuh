@@ -12,7 +12,7 @@
 //   4. wgmma: fence / commit_group / wait_group<N>, shared-memory matrix descriptors for
 //      the 128-byte swizzle (K-major and MN-major), operand fences; the mma_async
 //      instructions themselves are in sm90_wgmma.cuh (generated)
-//   5. warp specialisation: setmaxnreg inc/dec, named barriers, elect.sync
+//   5. warp specialisation: setmaxnreg inc/dec, named barriers, elect.sync; atom.inc acq_rel
 //   6. stmatrix, 16-bit packing, ex2
 //
 // Needs sm_90a (wgmma, setmaxnreg): nvcc -gencode=arch=compute_90a,code=sm_90a.
@@ -340,6 +340,16 @@ __device__ __forceinline__ void named_bar_sync(uint32_t id, uint32_t count) {
 }
 __device__ __forceinline__ void named_bar_arrive(uint32_t id, uint32_t count) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+
+// atomicInc at GPU scope with release and acquire semantics: *counter becomes
+// (old >= limit ? 0 : old + 1); returns old.  The release orders this thread's earlier
+// writes, and those it has synchronised with (a barrier before it), before the count; the
+// acquire orders the writes behind the counts it reads before this thread's later reads.
+__device__ __forceinline__ uint32_t atomic_inc_acq_rel_gpu(uint32_t* counter, uint32_t limit) {
+  uint32_t old;
+  asm volatile("atom.acq_rel.gpu.global.inc.u32 %0, [%1], %2;\n" : "=r"(old) : "l"(counter), "r"(limit) : "memory");
+  return old;
 }
 
 // bar.red.or over named barrier `id`: waits like bar.sync, and returns whether any of the
