@@ -5,7 +5,11 @@ softmax). Kernel symbol: KERNEL_NAME."""
 
 from pathlib import Path
 
-src = Path("/tmp/q2s/fa3_hdim64_q2_split_bf16.cu").read_text().replace("fa3_hdim64_q2_split_bf16", "KERNEL_NAME")
+src = (
+    Path("/tmp/q2s/fa3_hdim64_q2_split_bf16.cu")
+    .read_text()
+    .replace("fa3_hdim64_q2_split_bf16", "KERNEL_NAME")
+)
 Path(".carry/h64q.cu").write_text(src)
 start = src.index("    int tile_count = 0;  // as the producer's")
 end = src.index("    // ping-pong: warpgroup 0 takes the last warpgroup's final hand-over")
