@@ -1,11 +1,12 @@
 """Where an sm_90a kernel's time goes tile by tile: the marks of fadsl/sm90_trace.cuh, summed up.
 
-A development build (``FADSL_TILE_TRACE``, scripts/tile_trace.py) stamps %globaltimer at five
-marks of each tile each consumer warpgroup runs: 0 the tile starts, 1 its first block's
-softmax is done, 2 its mainloop is done, 3 its last P V is in, 4 its O store is issued.
-``phases`` turns them into the medians of each phase over every warpgroup's tiles, with the
-gap from one tile's store to the next tile's start, and ``per_block`` into the mainloop's
-time per K/V block, the unit in which a tile boundary's cost is easiest to read.
+A development build (``FADSL_TILE_TRACE``, scripts/tile_trace.py) stamps %globaltimer at eight
+marks of each tile each consumer warpgroup runs: 0 the tile starts, 1 its first S is issued,
+2 its first block's softmax is done, 3 its mainloop is done, 4 the last P V's turn is taken,
+5 the last P V is in, 6 O is in SMEM, 7 its O store is issued. ``phases`` turns them into
+the medians of each phase over every warpgroup's tiles, with the gap from one tile's store
+to the next tile's start, and ``per_block`` into the mainloop's time per K/V block, the unit
+in which a tile boundary's cost is easiest to read.
 """
 
 from __future__ import annotations
@@ -19,11 +20,16 @@ from .codegen import read_header
 
 TRACE_HEADER = "fadsl/sm90_trace.cuh"
 PHASES = (
-    ("prologue", 0, 1),  # Q and the first K in, the first QK, the first softmax
-    ("mainloop", 1, 2),  # blocks 1 .. n-1
-    ("last P V", 2, 3),  # the epilogue's GEMM, waited for
-    ("store", 3, 4),  # normalise, LSE, O to SMEM, the TMA store issued
+    ("Q, K, turn", 0, 1),  # the waits before the first S = Q K^T, and its issue
+    ("first softmax", 1, 2),  # the first S waited for, its softmax
+    ("mainloop", 2, 3),  # blocks 1 .. n-1
+    ("last turn", 3, 4),  # the last V, the previous store's read, the turn
+    ("last P V", 4, 5),  # the epilogue's GEMM, waited for
+    ("O to SMEM", 5, 6),  # the tile's coordinates, (split) the hand-over, LSE, normalise, stmatrix
+    ("store issue", 6, 7),  # fence, the warpgroup's barrier, the TMA store
 )
+# the mark that ends a tile (its O store issued), from which the gap to the next tile runs
+LAST_MARK = PHASES[-1][2]
 
 
 @dataclass(frozen=True)
@@ -57,8 +63,8 @@ class Timeline:
 
     tiles: int  # tiles with every mark stamped
     phases: dict[str, float]
-    gap: float  # mark 4 of a tile to mark 0 of the warpgroup's next tile
-    tile: float  # mark 0 to mark 4
+    gap: float  # a tile's last mark to mark 0 of the warpgroup's next tile
+    tile: float  # mark 0 to the last mark
 
     def per_block(self, blocks: int) -> float:
         """The mainloop's ns per K/V block, for tiles of ``blocks`` blocks."""
@@ -81,10 +87,10 @@ def phases(trace: list[int], layout: Layout) -> Timeline | None:
                     continue
                 for name, a, b in PHASES:
                     durations[name].append(stamp[b] - stamp[a])
-                tiles.append(stamp[4] - stamp[0])
+                tiles.append(stamp[LAST_MARK] - stamp[0])
                 after = stamps[step + 1] if step + 1 < steps else None
                 if after and after[0]:
-                    gaps.append(after[0] - stamp[4])
+                    gaps.append(after[0] - stamp[LAST_MARK])
     if not tiles:
         return None
     return Timeline(

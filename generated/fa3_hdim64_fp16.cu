@@ -182,6 +182,7 @@ extern "C" __global__ void __launch_bounds__(Cfg::kThreads, 1) fa3_hdim64_fp16(c
         wgmma_commit();
         // ping-pong: hand the tensor cores to the next warpgroup
         named_bar_arrive(5 + (wg + 1) % Cfg::kConsumerWGs, 256);
+        FADSL_TILE_MARK(step, 1);  // the first S is issued
         // hazard RAW on S (rf): qk -> softmax (within each warpgroup)
         wgmma_wait<0>();
         fence_regs(s);
@@ -193,7 +194,7 @@ extern "C" __global__ void __launch_bounds__(Cfg::kThreads, 1) fa3_hdim64_fp16(c
         // P to 16-bit pairs (the A operand of P V)
         convert_p<Cfg>(s, p);
       }
-      FADSL_TILE_MARK(step, 1);  // the first block's softmax is done
+      FADSL_TILE_MARK(step, 2);  // the first block's softmax is done
       // Blocks it = 1 .. n_blocks - 1; the first n_masked iterations mask their scores.
       auto iteration = [&](const int it, auto mask_tag) {
         constexpr bool kMask = decltype(mask_tag)::value;
@@ -239,7 +240,7 @@ extern "C" __global__ void __launch_bounds__(Cfg::kThreads, 1) fa3_hdim64_fp16(c
       int it = 1;
       for (; it < w.n_masked; ++it) iteration(it, fadsl::sm90::true_type{});
       for (; it < w.n_blocks; ++it) iteration(it, fadsl::sm90::false_type{});
-      FADSL_TILE_MARK(step, 2);  // the mainloop is done
+      FADSL_TILE_MARK(step, 3);  // the mainloop is done
       {
         const int it = w.n_blocks;
         // hazard WAR on Q: qk -> q_g2s (consumers -> producer, next tile)
@@ -254,6 +255,7 @@ extern "C" __global__ void __launch_bounds__(Cfg::kThreads, 1) fa3_hdim64_fp16(c
         // hazard WAR on O: o_s2g -> o_r2s (within each warpgroup, previous tile)
         // ping-pong: wait for this warpgroup's turn on the tensor cores
         named_bar_sync(5 + wg, 256);
+        FADSL_TILE_MARK(step, 4);  // the last P V's turn is taken
         // registers written by ordinary code (O rescaled, P converted) before wgmma reads them
         wgmma_fence();
         // O += P V(it-1) (wgmma, P from registers, V from SMEM), one commit group
@@ -269,7 +271,7 @@ extern "C" __global__ void __launch_bounds__(Cfg::kThreads, 1) fa3_hdim64_fp16(c
         // hazard WAR on V: pv -> v_g2s across the loop back edge (consumers -> producer)
         if (lane == 0) mbar_arrive(bar_v_empty(ring_slot(ring_base + it - 1)));
       }
-      FADSL_TILE_MARK(step, 3);  // the last P V is in
+      FADSL_TILE_MARK(step, 5);  // the last P V is in
       ring_base += w.n_blocks;
       ++tile_count;
       {
@@ -287,6 +289,7 @@ extern "C" __global__ void __launch_bounds__(Cfg::kThreads, 1) fa3_hdim64_fp16(c
         normalize_o<Cfg>(o, l);
         // O -> 16 bits -> the warpgroup's rows of the O tile in SMEM (stmatrix)
         store_o_smem<Cfg>(o, smem_o_wg, warp, lane);
+        FADSL_TILE_MARK(step, 6);  // O is in SMEM
         // hazard RAW on O: o_r2s -> o_s2g (generic proxy -> async proxy)
         fence_proxy_async_smem();
         // hazard RAW on O: o_r2s -> o_s2g (within each warpgroup)
@@ -297,7 +300,7 @@ extern "C" __global__ void __launch_bounds__(Cfg::kThreads, 1) fa3_hdim64_fp16(c
           // closes the TMA store's bulk group
           tma_store_commit();
         }
-        FADSL_TILE_MARK(step, 4);  // O's store is issued
+        FADSL_TILE_MARK(step, 7);  // O's store is issued
       }
     }
     // ping-pong: warpgroup 0 takes the last warpgroup's final hand-over, so every bar.arrive is matched

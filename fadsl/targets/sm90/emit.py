@@ -226,6 +226,14 @@ def context(kernel: Kernel, dtype: Dtype) -> dict[str, Any]:
     pro = roles["consumers"]["prologue"]
     init = [x for x in pro if x["macro"] == Op.INIT.spelling]
     bufs = {b.name: b for b in kernel.buffers}
+    # the tile timeline's marks inside the rendered steps (fadsl/sm90_trace.cuh)
+    prologue = _mark_before(
+        [x for x in pro if x not in init], "sync_wgmma_wait", 1, "the first S is issued"
+    )
+    epilogue = _mark_before(epi[:cut], "sync_wgmma_fence", 4, "the last P V's turn is taken")
+    tail = _mark_after(
+        [x for x in epi[cut:] if not x["elected"]], Op.O_R2S.spelling, 6, "O is in SMEM"
+    )
     return {
         "head_dim": cfg.head_dim,
         "block_r": cfg.block_r,
@@ -279,11 +287,35 @@ def context(kernel: Kernel, dtype: Dtype) -> dict[str, Any]:
         "producer": roles["producer"],
         "consumer_head": roles["consumers"]["setup"],
         "consumer_init": init,
-        "consumer_prologue": [x for x in pro if x not in init],
+        "consumer_prologue": prologue,
         "consumer_teardown": roles["consumers"]["teardown"],
         "consumer_loop": roles["consumers"]["mainloop"],
-        "consumer_epilogue": epi[:cut],
-        "consumer_tail": [x for x in epi[cut:] if not x["elected"]],
+        "consumer_epilogue": epilogue,
+        "consumer_tail": tail,
         # in the template's block of the elected thread: unguarded there
         "consumer_store": [{**x, "guard": ""} for x in epi[cut:] if x["elected"]],
     }
+
+
+def _mark(mark: int, what: str) -> dict[str, Any]:
+    """An item that stamps the tile timeline (FADSL_TILE_TRACE builds only)."""
+    return {
+        "kind": "mark",
+        "macro": "tile_mark",
+        "args": {"mark": mark, "what": what},
+        "guard": "",
+        "elected": False,
+        "comment": [],
+    }
+
+
+def _mark_before(items: list[dict], macro: str, mark: int, what: str) -> list[dict]:
+    """``items`` with the mark before the first item rendered by ``macro``."""
+    at = next(i for i, x in enumerate(items) if x["macro"] == macro)
+    return [*items[:at], _mark(mark, what), *items[at:]]
+
+
+def _mark_after(items: list[dict], macro: str, mark: int, what: str) -> list[dict]:
+    """``items`` with the mark after the first item rendered by ``macro``."""
+    at = next(i for i, x in enumerate(items) if x["macro"] == macro) + 1
+    return [*items[:at], _mark(mark, what), *items[at:]]
