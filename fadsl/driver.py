@@ -25,6 +25,24 @@ def _driver():
     return driver
 
 
+_CONTEXTS: dict[int, object] = {}  # device index -> its primary context, retained
+
+
+def _context_current(driver, device_index: int) -> None:
+    """Make a context current on this thread if none is: the device's primary context, the
+    one PyTorch uses (retained once, for the process). The occupancy and attribute queries
+    need one, and the first of them may come before PyTorch has touched the device."""
+    if int(_check(driver, driver.cuCtxGetCurrent(), "cuCtxGetCurrent")) != 0:
+        return
+    context = _CONTEXTS.get(device_index)
+    if context is None:
+        device = _check(driver, driver.cuDeviceGet(device_index), "cuDeviceGet")
+        context = _CONTEXTS[device_index] = _check(
+            driver, driver.cuDevicePrimaryCtxRetain(device), "cuDevicePrimaryCtxRetain"
+        )
+    _check(driver, driver.cuCtxSetCurrent(context), "cuCtxSetCurrent")
+
+
 def _check(driver, result, what: str):
     err = result[0]
     if err != driver.CUresult.CUDA_SUCCESS:
@@ -163,8 +181,9 @@ class Module:
 
     def max_active_clusters(self, device_index: int, cluster: int) -> int:
         """How many clusters of ``cluster`` CTAs of this kernel can run at once on the device
-        (cuOccupancyMaxActiveClusters; the device's context must be current)."""
+        (cuOccupancyMaxActiveClusters; in the current context, else the device's primary one)."""
         self.prepare(device_index)
+        _context_current(self._driver, device_index)
         config = self._cluster_config((cluster, 1, 1), (self.threads, 1, 1), cluster)
         found = _check(
             self._driver,
@@ -174,10 +193,11 @@ class Module:
         return int(found)
 
     def attributes(self, device_index: int) -> dict[str, int]:
-        """Registers, local memory, SMEM and CTAs per SM of the kernel on this device (whose
-        context must be current)."""
+        """Registers, local memory, SMEM and CTAs per SM of the kernel on this device (in the
+        current context, else the device's primary one)."""
         driver = self._driver
         self.prepare(device_index)
+        _context_current(driver, device_index)
         device = _check(driver, driver.cuDeviceGet(device_index), "cuDeviceGet")
         attr = driver.CUfunction_attribute
 

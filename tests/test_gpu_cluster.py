@@ -11,6 +11,9 @@ the persistent grid fitting the GPU's co-resident clusters.
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,6 +23,8 @@ import fadsl.params as params
 from fadsl.ir import Dtype
 from test_cluster_syncs import cluster_source
 from test_gpu_sm90 import HOPPER, assert_matches, random_qkv
+
+ROOT = Path(__file__).resolve().parents[1]
 
 pytestmark = [
     pytest.mark.gpu,
@@ -93,6 +98,23 @@ def test_the_persistent_grid_fits_the_co_resident_clusters(kern):
     clusters = module.max_active_clusters(0, 2)
     assert clusters > 0 and kern._co_resident[Dtype.BF16, 0] == 2 * clusters
     assert 2 * clusters <= params.sm_count(0)
+
+
+def test_a_cluster_kernel_loads_before_pytorch_touches_the_gpu():
+    """module() asks the driver for co-resident clusters, which needs a current context: in
+    a fresh process that has not used CUDA through PyTorch yet there is none until fadsl
+    makes the primary context current (scripts/tile_trace.py loads the module first)."""
+    code = (
+        "import fadsl\n"
+        "from fadsl.ir import Dtype\n"
+        f"kern = fadsl.load({str(ROOT / 'examples' / 'fa3_hopper.fa')!r}, verbose=False)\n"
+        "module = kern.module(Dtype.BF16, 0)\n"
+        "print(kern._co_resident[Dtype.BF16, 0])\n"
+    )
+    # -P: the fadsl this test imports (installed), not the source folder the cwd may be
+    done = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert int(done.stdout.split()[-1]) > 0
 
 
 def test_a_paired_launch_asks_for_clusters(kern):
