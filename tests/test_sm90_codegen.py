@@ -255,11 +255,15 @@ def test_q_slots_render_a_ring_of_tiles():
     assert "mbar_wait_parity(bar_q_empty(tile_count % 2), tile_phase(tile_count / 2) ^ 1u);" in text
     assert "mbar_wait_parity(bar_q_full(tile_count % 2), tile_phase(tile_count / 2));" in text
     assert "if (lane == 0) mbar_arrive(bar_q_empty(tile_count % 2));" in text
-    slot = "smem_q + (tile_count % 2) * Cfg::kQBytes + wg * 64 * Cfg::kRowBytes;"
-    # the consumers' slot of Q is this tile's: computed inside the tile loop
-    assert text.index("for (int step = 0, tile;", text.index("consumer warpgroups")) < text.index(
-        slot
-    )
+    # the consumers' slots of Q: each slot's address before the tile loop, the tile's slot
+    # selected inside it (a select, not a multiply: ptxas then keeps the mainloop's schedule)
+    loop = text.index("for (int step = 0, tile;", text.index("consumer warpgroups"))
+    for s in (0, 1):
+        base = f"smem_q_wg_slot{s} = smem_q + {s} * Cfg::kQBytes + wg * 64 * Cfg::kRowBytes;"
+        assert text.index(base) < loop
+    select = "smem_q_wg = (tile_count & 1) ? smem_q_wg_slot1 : smem_q_wg_slot0;"
+    assert loop < text.index(select)
+    assert "(tile_count % 2) * Cfg::kQBytes + wg" not in text
     plain = compile_file("examples/fa3_hdim64.fa")
     single = render(plain.kernel, plain.target, plain.file)[0].text
     assert "tile_count %" not in single and "kQBytes" not in single

@@ -100,6 +100,15 @@ def tile_slot_expr(slots: int) -> str:
     return f"tile_count % {slots}"
 
 
+def q_slot_select(slots: int) -> str:
+    """This tile's slot of Q's ring among the warpgroup's per-slot addresses (q_slots 2):
+    selected by the tile count's parity rather than computed from the slot number."""
+    if slots == 1:
+        return "smem_q_wg"
+    assert slots == 2, "q_slots is 1 or 2 (validate)"
+    return "(tile_count & 1) ? smem_q_wg_slot1 : smem_q_wg_slot0"
+
+
 def tile_round_expr(slots: int) -> str:
     """A ring of tiles' round for this tile, whose parity its barriers' waits pass on."""
     return "tile_count" if slots == 1 else f"tile_count / {slots}"
@@ -263,6 +272,8 @@ def context(kernel: Kernel, dtype: Dtype) -> dict[str, Any]:
         # Q's ring of tiles: this tile's slot and full barrier (Q's load, the consumers' Q)
         "q_slots": bufs["Q"].slots,
         "q_slot": tile_slot_expr(bufs["Q"].slots),
+        "q_slot_bases": [f"smem_q_wg_slot{i}" for i in range(bufs["Q"].slots)],
+        "q_slot_select": q_slot_select(bufs["Q"].slots),
         "q_full": render.bar("q_full", None),
         # tail split_kv: the scheduler of work items (whole tiles, then pieces of the last
         # round's), and the end of a piece's K/V blocks
