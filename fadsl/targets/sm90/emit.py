@@ -100,13 +100,20 @@ def tile_slot_expr(slots: int) -> str:
     return f"tile_count % {slots}"
 
 
+def q_slot_bases(slots: int) -> list[str]:
+    """The warpgroup's address of its rows in each slot of Q's ring (q_slots 2)."""
+    return [f"smem_q_wg_slot{i}" for i in range(slots)] if slots > 1 else []
+
+
 def q_slot_select(slots: int) -> str:
-    """This tile's slot of Q's ring among the warpgroup's per-slot addresses (q_slots 2):
-    selected by the tile count's parity rather than computed from the slot number."""
+    """This tile's slot of Q's ring among ``q_slot_bases``: selected by the tile count's
+    parity rather than computed from the slot number (ptxas then schedules the mainloop as
+    with one slot)."""
     if slots == 1:
         return "smem_q_wg"
     assert slots == 2, "q_slots is 1 or 2 (validate)"
-    return "(tile_count & 1) ? smem_q_wg_slot1 : smem_q_wg_slot0"
+    first, second = q_slot_bases(slots)
+    return f"(tile_count & 1) ? {second} : {first}"
 
 
 def tile_round_expr(slots: int) -> str:
@@ -272,7 +279,7 @@ def context(kernel: Kernel, dtype: Dtype) -> dict[str, Any]:
         # Q's ring of tiles: this tile's slot and full barrier (Q's load, the consumers' Q)
         "q_slots": bufs["Q"].slots,
         "q_slot": tile_slot_expr(bufs["Q"].slots),
-        "q_slot_bases": [f"smem_q_wg_slot{i}" for i in range(bufs["Q"].slots)],
+        "q_slot_bases": q_slot_bases(bufs["Q"].slots),
         "q_slot_select": q_slot_select(bufs["Q"].slots),
         "q_full": render.bar("q_full", None),
         # tail split_kv: the scheduler of work items (whole tiles, then pieces of the last
