@@ -8,6 +8,7 @@ device's primary context, which PyTorch makes current.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import threading
@@ -28,19 +29,28 @@ def _driver():
 _CONTEXTS: dict[int, object] = {}  # device index -> its primary context, retained
 
 
-def _context_current(driver, device_index: int) -> None:
-    """Make a context current on this thread if none is: the device's primary context, the
-    one PyTorch uses (retained once, for the process). The occupancy and attribute queries
-    need one, and the first of them may come before PyTorch has touched the device."""
-    if int(_check(driver, driver.cuCtxGetCurrent(), "cuCtxGetCurrent")) != 0:
-        return
+@contextlib.contextmanager
+def _device_context(driver, device_index: int):
+    """A context of the device current on this thread for the block: the current one if it
+    is the device's, else the device's primary context (the one PyTorch uses; retained once,
+    for the process), pushed for the block and popped after it. The occupancy and attribute
+    queries need one, and the first of them may come before PyTorch has touched the device."""
+    current = _check(driver, driver.cuCtxGetCurrent(), "cuCtxGetCurrent")
+    if int(current) != 0:
+        if int(_check(driver, driver.cuCtxGetDevice(), "cuCtxGetDevice")) == device_index:
+            yield
+            return
     context = _CONTEXTS.get(device_index)
     if context is None:
         device = _check(driver, driver.cuDeviceGet(device_index), "cuDeviceGet")
         context = _CONTEXTS[device_index] = _check(
             driver, driver.cuDevicePrimaryCtxRetain(device), "cuDevicePrimaryCtxRetain"
         )
-    _check(driver, driver.cuCtxSetCurrent(context), "cuCtxSetCurrent")
+    _check(driver, driver.cuCtxPushCurrent(context), "cuCtxPushCurrent")
+    try:
+        yield
+    finally:
+        _check(driver, driver.cuCtxPopCurrent(), "cuCtxPopCurrent")
 
 
 def _check(driver, result, what: str):
@@ -183,13 +193,13 @@ class Module:
         """How many clusters of ``cluster`` CTAs of this kernel can run at once on the device
         (cuOccupancyMaxActiveClusters; in the current context, else the device's primary one)."""
         self.prepare(device_index)
-        _context_current(self._driver, device_index)
         config = self._cluster_config((cluster, 1, 1), (self.threads, 1, 1), cluster)
-        found = _check(
-            self._driver,
-            self._driver.cuOccupancyMaxActiveClusters(self._function, config),
-            f"cuOccupancyMaxActiveClusters for {self.name}",
-        )
+        with _device_context(self._driver, device_index):
+            found = _check(
+                self._driver,
+                self._driver.cuOccupancyMaxActiveClusters(self._function, config),
+                f"cuOccupancyMaxActiveClusters for {self.name}",
+            )
         return int(found)
 
     def attributes(self, device_index: int) -> dict[str, int]:
@@ -197,7 +207,6 @@ class Module:
         current context, else the device's primary one)."""
         driver = self._driver
         self.prepare(device_index)
-        _context_current(driver, device_index)
         device = _check(driver, driver.cuDeviceGet(device_index), "cuDeviceGet")
         attr = driver.CUfunction_attribute
 
@@ -210,14 +219,17 @@ class Module:
                 )
             )
 
-        function = _check(driver, driver.cuKernelGetFunction(self._kernel), "cuKernelGetFunction")
-        ctas = _check(
-            driver,
-            driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(
-                function, self.threads, self.smem_bytes
-            ),
-            "cuOccupancyMaxActiveBlocksPerMultiprocessor",
-        )
+        with _device_context(driver, device_index):
+            function = _check(
+                driver, driver.cuKernelGetFunction(self._kernel), "cuKernelGetFunction"
+            )
+            ctas = _check(
+                driver,
+                driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(
+                    function, self.threads, self.smem_bytes
+                ),
+                "cuOccupancyMaxActiveBlocksPerMultiprocessor",
+            )
         return {
             "registers": get(attr.CU_FUNC_ATTRIBUTE_NUM_REGS),
             "local_bytes": get(attr.CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES),

@@ -109,12 +109,13 @@ def test_a_cluster_kernel_loads_before_pytorch_touches_the_gpu():
         "from fadsl.ir import Dtype\n"
         f"kern = fadsl.load({str(ROOT / 'examples' / 'fa3_hopper.fa')!r}, verbose=False)\n"
         "module = kern.module(Dtype.BF16, 0)\n"
-        "print(kern._co_resident[Dtype.BF16, 0])\n"
+        "print(kern._co_resident[Dtype.BF16, 0], module.attributes(0)['ctas_per_sm'])\n"
     )
     # -P: the fadsl this test imports (installed), not the source folder the cwd may be
     done = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert int(done.stdout.split()[-1]) > 0
+    co_resident, ctas_per_sm = map(int, done.stdout.split()[-2:])
+    assert co_resident > 0 and ctas_per_sm == 1
 
 
 def test_a_paired_launch_asks_for_clusters(kern):
