@@ -243,12 +243,12 @@ def context(kernel: Kernel, dtype: Dtype) -> dict[str, Any]:
     init = [x for x in pro if x["macro"] == Op.INIT.spelling]
     bufs = {b.name: b for b in kernel.buffers}
     # the tile timeline's marks inside the rendered steps (fadsl/sm90_trace.cuh)
-    prologue = _mark_before(
-        [x for x in pro if x not in init], "sync_wgmma_wait", 1, "the first S is issued"
+    prologue = _with_mark(
+        [x for x in pro if x not in init], ("sync_wgmma_wait", 0), 1, "the first S is issued"
     )
-    epilogue = _mark_before(epi[:cut], "sync_wgmma_fence", 4, "the last P V's turn is taken")
-    tail = _mark_after(
-        [x for x in epi[cut:] if not x["elected"]], Op.O_R2S.spelling, 6, "O is in SMEM"
+    epilogue = _with_mark(epi[:cut], ("sync_wgmma_fence", 0), 4, "the last P V's turn is taken")
+    tail = _with_mark(
+        [x for x in epi[cut:] if not x["elected"]], (Op.O_R2S.spelling, 1), 6, "O is in SMEM"
     )
     return {
         "head_dim": cfg.head_dim,
@@ -315,9 +315,13 @@ def context(kernel: Kernel, dtype: Dtype) -> dict[str, Any]:
     }
 
 
-def _mark(mark: int, what: str) -> dict[str, Any]:
-    """An item that stamps the tile timeline (FADSL_TILE_TRACE builds only)."""
-    return {
+def _with_mark(items: list[dict], at: tuple[str, int], mark: int, what: str) -> list[dict]:
+    """``items`` with an item that stamps the tile timeline (FADSL_TILE_TRACE builds only),
+    placed by ``at`` = (macro, offset): before (0) or after (1) the first item that macro
+    renders."""
+    macro, offset = at
+    i = next(i for i, x in enumerate(items) if x["macro"] == macro) + offset
+    stamp = {
         "kind": "mark",
         "macro": "tile_mark",
         "args": {"mark": mark, "what": what},
@@ -325,15 +329,4 @@ def _mark(mark: int, what: str) -> dict[str, Any]:
         "elected": False,
         "comment": [],
     }
-
-
-def _mark_before(items: list[dict], macro: str, mark: int, what: str) -> list[dict]:
-    """``items`` with the mark before the first item rendered by ``macro``."""
-    at = next(i for i, x in enumerate(items) if x["macro"] == macro)
-    return [*items[:at], _mark(mark, what), *items[at:]]
-
-
-def _mark_after(items: list[dict], macro: str, mark: int, what: str) -> list[dict]:
-    """``items`` with the mark after the first item rendered by ``macro``."""
-    at = next(i for i, x in enumerate(items) if x["macro"] == macro) + 1
-    return [*items[:at], _mark(mark, what), *items[at:]]
+    return [*items[:i], stamp, *items[i:]]
