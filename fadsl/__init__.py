@@ -15,7 +15,8 @@ if (
 ):
     __path__.append(str(_root))  # type: ignore[name-defined]  # noqa: F821
 
+from .compiler import BuildError  # noqa: E402
 from .errors import Loc, SpecError  # noqa: E402
 from .runtime import FlashAttention, build_ahead, load  # noqa: E402
 
-__all__ = ["__version__", "FlashAttention", "Loc", "SpecError", "build_ahead", "load"]
+__all__ = ["__version__", "BuildError", "FlashAttention", "Loc", "SpecError", "build_ahead", "load"]

@@ -103,6 +103,14 @@ class Module:
                 )
             self._ready.add(device_index)
 
+    def registers(self, device_index: int) -> int:
+        """Registers a thread of the kernel launches with (the cubin's count)."""
+        driver = self._driver
+        device = _check(driver, driver.cuDeviceGet(device_index), "cuDeviceGet")
+        attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_NUM_REGS
+        found = driver.cuKernelGetAttribute(attr, self._kernel, device)
+        return int(_check(driver, found, "cuKernelGetAttribute"))
+
     def _global(self, name: str) -> tuple[object, int]:
         driver = self._driver
         ptr, size = _check(

@@ -25,7 +25,7 @@ from typing import Iterable
 
 from . import cache, tensor_checks
 from .codegen import Source, header_text, render, spec_hash
-from .compiler import compile_cubin
+from .compiler import BuildError, compile_cubin
 from .ir import Dtype
 from .params import Args, cluster_size, launch_for
 from .pipeline import Compiled, compile_file, compile_source
@@ -213,6 +213,7 @@ class FlashAttention:
                 entry = self.cubin(dtype, arch, rebuild=True)
                 module = Module(entry.cubin, name, smem, self._block[0])
             module.prepare(index)
+            self._check_register_pool(module, index)
             if self._cluster > 1:
                 # the pairs that run at once (cuOccupancyMaxActiveClusters): a persistent
                 # grid of more CTAs would run its last ones in a second wave
@@ -221,6 +222,23 @@ class FlashAttention:
                 )
         self._modules[dtype, index] = module
         return module
+
+    def _check_register_pool(self, module, index: int) -> None:
+        """sm_90a: refuse a cubin whose launch allocation cannot hold the setmaxnreg split
+        (setmaxnreg.inc would wait forever); the spec check assumes ptxas's usual count."""
+        hw = self.config.hopper
+        if hw is None:
+            return
+        threads = self._block[0]
+        wanted = 128 * hw.producer_regs + (threads - 128) * hw.consumer_regs
+        launched = module.registers(index)
+        if launched * threads < wanted:
+            raise BuildError(
+                f"{module.name}: the cubin launches {threads} threads with {launched} registers "
+                f"each ({launched * threads} in all), fewer than its setmaxnreg split needs "
+                f"(128 x {hw.producer_regs} + {threads - 128} x {hw.consumer_regs} = {wanted}); "
+                "the consumers' setmaxnreg.inc would never return"
+            )
 
     def _smem_bytes(self, cubin: bytes, name: str) -> int:
         """The dynamic SMEM to launch with: the plan's, checked against the launch info the

@@ -49,7 +49,7 @@ def test_register_cap_is_the_consumers_setmaxnreg():
     )
     line = next(x for x in summary(compiled, check).splitlines() if "registers" in x)
     assert line.startswith("  registers bf16: 168 sm_90a (cap 240, the consumers' setmaxnreg")
-    assert "launch allocation before setmaxnreg, at most 65536 / 384 = 170" in line
+    assert "launch allocation before setmaxnreg: 384 threads x 168, the CTA's pool" in line
     data = explain_data(compiled, check)
     assert data["register_cap"] == 240
     assert "at most 240 registers per thread, the consumers' setmaxnreg" in explain_text(
@@ -81,7 +81,7 @@ def test_explain_shows_roles_rings_and_barriers(capsys, monkeypatch):
         "Warp specialisation (12 warps = 3 warpgroups of 128 threads)",
         "  consumers  warpgroups 1..2, setmaxnreg.inc to 240 registers: 64 query rows each "
         "(B_r = 128)",
-        "  registers  128 x 24 + 256 x 240 = 64512 of the SM's 65536",
+        "  registers  128 x 24 + 256 x 240 = 64512 of the CTA's launch allocation, 64512",
         "  pingpong   on: the consumer warpgroups take turns issuing wgmma (named barrier 'turn')",
         "  overlap    on: S(j+1) = Q K^T is in flight during softmax(j)",
         "TMA tiles and their mbarriers (11 mbarriers, 88 bytes at offset 212992, after the rings)",

@@ -184,3 +184,24 @@ def test_sm90_names_tmas_stride_rule(name, make):
     assert message.startswith(f"{name} must be 16-byte aligned with strides that are multiples")
     assert "TMA descriptors need every stride but the last a multiple of 16 bytes" in message
     assert "bytes) for shape (2, 128, 4, 128)" in message
+
+
+class _ModuleLaunching:
+    """Stands in for a loaded module: what the cubin says each thread launches with."""
+
+    def __init__(self, registers: int) -> None:
+        self.name = "fa3_hopper_bf16"
+        self._registers = registers
+
+    def registers(self, device_index: int) -> int:
+        return self._registers
+
+
+def test_a_cubin_too_small_for_its_setmaxnreg_split_is_refused_before_it_hangs():
+    hopper = fadsl.load(ROOT / "examples" / "fa3_hopper.fa", verbose=False)
+    # 384 threads x 168 = 128 x 24 + 256 x 240 exactly: the example's split fits.
+    hopper._check_register_pool(_ModuleLaunching(168), 0)
+    with pytest.raises(fadsl.BuildError, match=r"384 threads with 160 registers.*never return"):
+        hopper._check_register_pool(_ModuleLaunching(160), 0)
+    # sm_80 kernels have no setmaxnreg: nothing to check
+    fadsl.load(SPEC, verbose=False)._check_register_pool(_ModuleLaunching(1), 0)

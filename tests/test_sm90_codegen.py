@@ -294,3 +294,15 @@ def test_every_mbarrier_has_bytes_of_its_own(spec):
     assert inits and len(indices) >= inits
     values = sorted(i for i, _ in indices)
     assert values == list(range(count)), indices
+
+
+def test_the_register_pool_is_the_launch_allocation_in_whole_units():
+    """setmaxnreg moves registers within the CTA's launch allocation: threads x the most
+    registers a thread can have, in units of 8 (ptxas: 168 at 384 threads, not 170)."""
+    from fadsl.targets.sm90.caps import default_registers, launch_registers, register_pool
+
+    assert [launch_registers(t) for t in (256, 384, 512, 640)] == [256, 168, 128, 96]
+    assert [register_pool(t) for t in (384, 512, 640)] == [64512, 65536, 61440]
+    for consumers in (1, 2, 3):  # FlashAttention-3's splits fit their pools
+        producer, consumer = default_registers(consumers)
+        assert 128 * producer + 128 * consumers * consumer <= register_pool(128 * (1 + consumers))

@@ -30,6 +30,7 @@ CAPABILITIES = Capabilities(
 
 REGISTERS_PER_SM = 65536
 SETMAXNREG_RANGE = (24, 256)  # multiples of 8
+REGISTER_UNIT = 8  # a warp's registers are allocated 256 at a time: 8 a thread
 HEAD_DIMS = (64, 128, 256)
 MAX_CONSUMERS = 3
 ROWS_PER_CONSUMER = 64  # wgmma's M
@@ -111,6 +112,20 @@ SYNC_MODEL = SyncModel(
         BULK_COMMIT,
     ),
 )
+
+
+def launch_registers(threads: int) -> int:
+    """Registers each thread of a CTA of ``threads`` holds at launch under
+    ``__launch_bounds__(threads, 1)``: the most that fit the SM, in whole allocation units
+    (ptxas's count for a kernel with setmaxnreg; 384 threads: 168, not 170)."""
+    fit = min(SETMAXNREG_RANGE[1], REGISTERS_PER_SM // threads)
+    return fit - fit % REGISTER_UNIT
+
+
+def register_pool(threads: int) -> int:
+    """The CTA's register pool: setmaxnreg.dec returns registers to it and setmaxnreg.inc
+    waits until it holds what it asks for, so the roles' counts must fit it, not the SM."""
+    return threads * launch_registers(threads)
 
 
 def default_registers(consumers: int) -> tuple[int, int]:

@@ -37,6 +37,7 @@ from .caps import (
     WGMMA_COMMIT,
     WGMMA_FENCE,
     WGMMA_WAIT,
+    launch_registers,
 )
 from .insert_syncs import role_of
 from .plan_smem import mbarrier_offset, o_over_rings
@@ -258,6 +259,7 @@ def context(kernel: Kernel, dtype: Dtype) -> dict[str, Any]:
         "stages": hw.stages,
         "producer_regs": hw.producer_regs,
         "consumer_regs": hw.consumer_regs,
+        "launch_regs": launch_registers(cfg.threads),
         "pingpong": hw.pingpong,
         "persistent": hw.persistent,
         "overlap": hw.overlap,

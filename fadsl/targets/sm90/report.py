@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from ...compile_check import register_cap as launch_register_cap
 from ...ir import Kernel, Phase, Step, Sync
 from .. import Capabilities, Report
 from .alone import alone_name
@@ -21,8 +20,9 @@ from .caps import (
     MBAR_EXPECT_TX,
     MBAR_INIT,
     MBAR_WAIT,
-    REGISTERS_PER_SM,
     ROWS_PER_CONSUMER,
+    launch_registers,
+    register_pool,
 )
 from ...params import PAIR_MIN_KV_BLOCKS
 from .insert_syncs import role_of
@@ -102,10 +102,9 @@ def register_cap(kernel: Kernel, caps: Capabilities) -> tuple[int, str]:
     hw = kernel.config.hopper
     assert hw is not None
     threads = kernel.config.threads
-    launch = launch_register_cap(caps, threads)
     return hw.consumer_regs, (
         "the consumers' setmaxnreg.inc; the compiler's count is the launch allocation "
-        f"before setmaxnreg, at most {caps.registers_per_sm} / {threads} = {launch}"
+        f"before setmaxnreg: {threads} threads x {launch_registers(threads)}, the CTA's pool"
     )
 
 
@@ -227,7 +226,7 @@ def explain_data(kernel: Kernel) -> dict[str, Any]:
             ],
             "registers_per_sm": {
                 "used": WARPGROUP_THREADS * hw.producer_regs + consumer_threads * hw.consumer_regs,
-                "available": REGISTERS_PER_SM,
+                "available": register_pool(WARPGROUP_THREADS * (1 + hw.consumers)),
             },
             "stages": hw.stages,
             "q_slots": hw.q_slots,
@@ -276,8 +275,8 @@ def explain_sections(data: Mapping[str, Any]) -> list[str]:
         f"{consumers['setmaxnreg']} registers: {consumers['rows_per_warpgroup']} query rows "
         f"each (B_r = {data['block_r']})",
         f"  registers  {producer['threads']} x {producer['setmaxnreg']} + "
-        f"{consumers['threads']} x {consumers['setmaxnreg']} = {regs['used']} of the SM's "
-        f"{regs['available']}",
+        f"{consumers['threads']} x {consumers['setmaxnreg']} = {regs['used']} of the CTA's "
+        f"launch allocation, {regs['available']}",
         f"  stages     {ws['stages']}: K and V each in a ring of {ws['stages']} slots",
         "  q_slots    "
         + (

@@ -25,10 +25,12 @@ from .caps import (
     HEAD_DIMS,
     MAX_CONSUMERS,
     PANEL_COLUMNS,
-    REGISTERS_PER_SM,
+    REGISTER_UNIT,
     ROWS_PER_CONSUMER,
     SETMAXNREG_RANGE,
     default_registers,
+    launch_registers,
+    register_pool,
 )
 
 SCOPES = {Role.Q: Scope.WARPGROUP, Role.K: Scope.CTA, Role.V: Scope.CTA, Role.O: Scope.WARPGROUP}
@@ -209,11 +211,22 @@ def _registers(c: Checks, consumers: int, head_dim: int, block_c: int) -> bool:
     if not ok:
         return False
     total = 128 * regs["producer"] + 128 * consumers * regs["consumers"]
-    if total > REGISTERS_PER_SM:
+    threads = 128 * (1 + consumers)
+    pool = register_pool(threads)
+    if total > pool:
+        room = (pool - 128 * regs["producer"]) // (128 * consumers)
+        room -= room % REGISTER_UNIT
+        fits = (
+            f"with producer = {regs['producer']}, consumers = {room} fits"
+            if room >= lo
+            else "lower the producer's count"
+        )
         c.error(
             c.key_locs.get("registers.consumers", c.decl.loc),
             f"128 x {regs['producer']} + 128 x {consumers} x {regs['consumers']} = {total} "
-            f"registers, over the SM's {REGISTERS_PER_SM}",
+            f"registers, over the CTA's pool of {pool} ({threads} threads launch with "
+            f"{launch_registers(threads)} each; setmaxnreg only moves registers within it, "
+            f"and setmaxnreg.inc would wait forever); {fits}",
         )
         return False
     overlap = c.values.get("overlap", True)
