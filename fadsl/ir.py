@@ -95,6 +95,16 @@ class AliasPolicy(Enum):
     OFF = "off"  # every buffer gets its own region
 
 
+class Rescale(Enum):
+    """How a consumer keeps O, l and P referred to a row's max (sm_90a, `rescale`)."""
+
+    EVERY = "every"  # rescaled to the new row max after each block (FlashAttention-2/3)
+    LAZY = "lazy"  # the reference moves only when the max grows past 2^8 of it
+    # LAZY without the row max after a tile's first block: P against the kept reference,
+    # checked by the partial row sums (fadsl/sm90_guard.cuh)
+    GUARDED = "guarded"
+
+
 class Phase(Enum):
     # sm_90a runs prologue, mainloop and epilogue once per tile of a CTA's tile loop, its
     # setup once before the first tile and its teardown once after the last (sm_80 has a
@@ -215,8 +225,9 @@ class Hopper:
     persistent: bool = True
     # Lazy ("rescale lazy"): a row keeps the max its P is scaled by until the max grows past
     # 2^8 of it, so O's rescale (a multiply per O register) is skipped in most blocks;
-    # every ("rescale every"): rescaled after each block, as FlashAttention-2/3.
-    lazy_rescale: bool = True
+    # every ("rescale every"): rescaled after each block, as FlashAttention-2/3; guarded:
+    # lazy, and no row max after the first block while the row sums show none is needed.
+    rescale_mode: Rescale = Rescale.LAZY
     # Q slots: tile t's Q in slot t % q_slots; with 2 the producer loads the next tile's Q
     # while this tile's runs (its barriers a ring of tiles, Parity.TILE).
     q_slots: int = 1
@@ -239,7 +250,17 @@ class Hopper:
     @property
     def rescale(self) -> str:
         """The `rescale` setting as a spec spells it."""
-        return "lazy" if self.lazy_rescale else "every"
+        return self.rescale_mode.value
+
+    @property
+    def lazy_rescale(self) -> bool:
+        """O is multiplied only in blocks where some row's reference moved."""
+        return self.rescale_mode is not Rescale.EVERY
+
+    @property
+    def guarded(self) -> bool:
+        """Blocks after a tile's first skip the row max (`rescale guarded`)."""
+        return self.rescale_mode is Rescale.GUARDED
 
     def text(self) -> str:
         on = {True: "on", False: "off"}

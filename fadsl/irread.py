@@ -37,6 +37,7 @@ from .ir import (
     Phase,
     RegLoad,
     Region,
+    Rescale,
     Role,
     Scope,
     Step,
@@ -68,7 +69,7 @@ _HOPPER = re.compile(
     r"sm90 consumers=(?P<consumers>\d+) stages=(?P<stages>\d+) "
     r"regs=(?P<preg>\d+)/(?P<creg>\d+) swizzle=(?P<swizzle>\d+)B "
     r"pingpong=(?P<pingpong>on|off) overlap=(?P<overlap>on|off) "
-    r"scheduler=(?P<scheduler>persistent|grid) rescale=(?P<rescale>every|lazy)"
+    r"scheduler=(?P<scheduler>persistent|grid) rescale=(?P<rescale>every|lazy|guarded)"
     r"(?: q_slots=(?P<q_slots>\d+))?(?P<split_kv> tail=split_kv)?(?: cluster=(?P<cluster>\d+))?"
     r"(?: alone_of=(?P<alone_of>\S+))?$"
 )
@@ -220,7 +221,7 @@ class _Reader:
             pingpong=m["pingpong"] == "on",
             overlap=m["overlap"] == "on",
             persistent=m["scheduler"] == "persistent",
-            lazy_rescale=m["rescale"] == "lazy",
+            rescale_mode=Rescale(m["rescale"]),
             q_slots=int(m["q_slots"] or 1),
             split_kv=m["split_kv"] is not None,
             cluster=int(m["cluster"] or 1),

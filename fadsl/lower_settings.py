@@ -13,7 +13,7 @@ from typing import Callable
 from . import targets
 from .checks import Checks, clip, show
 from .errors import closest, one_of, quoted, suggest
-from .ir import AliasPolicy, Dtype, Mask, Swizzle
+from .ir import AliasPolicy, Dtype, Mask, Rescale, Swizzle
 from .syntax import Assign, Call, Number, Setting, Word
 
 HEAD_DIMS = (64, 96, 128, 256)
@@ -307,10 +307,11 @@ def scheduler(c: Checks, setting: Setting) -> bool | None:
     return _word_choice(c, setting, {"persistent": True, "grid": False})
 
 
-def rescale(c: Checks, setting: Setting) -> bool | None:
-    """`rescale every` (O and l rescaled after each block, as FlashAttention-2/3) or `lazy`
-    (only when a row's max grows past 2^8 of the max it keeps): True when lazy."""
-    return _word_choice(c, setting, {"lazy": True, "every": False})
+def rescale(c: Checks, setting: Setting) -> Rescale | None:
+    """`rescale every` (O and l rescaled after each block, as FlashAttention-2/3), `lazy`
+    (only when a row's max grows past 2^8 of the max it keeps) or `guarded` (lazy, and no
+    row max after a tile's first block while the row sums show none is needed)."""
+    return _word_choice(c, setting, {mode.value: mode for mode in Rescale})
 
 
 def tail(c: Checks, setting: Setting) -> bool | None:

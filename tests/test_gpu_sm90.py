@@ -154,7 +154,7 @@ def test_persistent_ctas_run_many_tiles(kernels, name, sq, sk):
 
 def as_rescale_every(text: str) -> str:
     """The spec with `rescale every` (FlashAttention-3's per-block rescale)."""
-    return with_setting(text, "rescale", "lazy", "every")
+    return with_setting(text, "rescale", "(?:lazy|guarded)", "every")
 
 
 @pytest.mark.parametrize("growth", [2.5, 0.7])
@@ -199,6 +199,34 @@ def test_lazy_rescale_follows_a_growing_row_max(kernels, name, growth):
         err_lazy = (outs["lazy"] - ref.float()).abs().max().item()
         err_every = (outs["every"] - ref.float()).abs().max().item()
         assert err_lazy <= 2 * err_every + 1e-3, (dtype, err_lazy, err_every)
+
+
+@pytest.mark.parametrize("jump", [150.0, 3000.0])
+@pytest.mark.parametrize("name", list(SPECS))
+def test_guarded_softmax_survives_a_jump_in_the_scores(kernels, name, jump):
+    """`rescale guarded` skips the row max after a tile's first block. Keys whose scores
+    jump by `jump` (unscaled) above the rest, in blocks the kernel visits late (it visits
+    the last one first) and in the middle: 150 passes the guard's row-sum bound (the rare
+    path moves the reference), 3000 overflows P past 2^128 (the rarest path recomputes S
+    from SMEM). Both dtypes, outputs and LSE poisoned, against the float32 reference."""
+    kern = kernels[name]
+    if not kern.config.hopper.guarded:
+        pytest.skip("the example computes the row max in every block")
+    d = kern.config.head_dim
+    sq, sk, heads = 300, 1500, 2
+    gen = torch.Generator(device="cuda").manual_seed(int(jump) + d)
+    direction = torch.nn.functional.normalize(torch.randn(d, device="cuda", generator=gen), dim=0)
+    for dtype in (torch.bfloat16, torch.float16):
+        q = torch.randn(1, sq, heads, d, device="cuda", generator=gen) + 3 * direction
+        k = torch.randn(1, sk, heads, d, device="cuda", generator=gen)
+        k[:, [0, 1, 700, sk - 1]] += jump / 3 * direction  # q . k rises by about `jump`
+        v = torch.randn(1, sk, heads, d, device="cuda", generator=gen)
+        q, k, v = (t.to(dtype) for t in (q, k, v))
+        out = torch.full_like(q, float("nan"))
+        lse = torch.full((1, heads, sq), float("nan"), device="cuda", dtype=torch.float32)
+        kern.forward_into(q, k, v, out, lse, d**-0.5)
+        torch.cuda.synchronize()
+        assert_matches(kern, q, k, v, d**-0.5, out, lse)
 
 
 @pytest.mark.parametrize("name", list(SPECS))

@@ -240,6 +240,29 @@ def test_rescale_knob_reaches_the_kernel_config():
     assert configs["example"].endswith(", true") and configs["every"].endswith(", false")
 
 
+def test_rescale_guarded_renders_the_guarded_softmax_in_the_mainloop_only():
+    """`rescale guarded`: the tile's first block and the masked blocks take the row max
+    (online_softmax), the mainloop's others the guarded softmax, whose rare recompute of S
+    runs before P is converted and before the K slot's empty arrival."""
+    guarded = HOPPER.replace("rescale    lazy", "rescale    guarded")
+    assert guarded != HOPPER
+    compiled = compile_source(guarded)
+    hw = compiled.kernel.config.hopper
+    assert hw.guarded and hw.lazy_rescale and hw.rescale == "guarded"
+    cuda = render(compiled.kernel, compiled.target, compiled.file)[0].text
+    assert "rescale guarded" in cuda
+    assert cuda.count("online_softmax_guarded<Cfg>") == 1
+    assert cuda.count("softmax_redo<Cfg>") == 1
+    start = cuda.index("auto iteration = [&]")
+    loop = cuda[start : cuda.index("int it = 1;", start)]
+    assert "online_softmax_guarded" in loop and "online_softmax<Cfg>" in loop  # masked blocks
+    redo, convert = loop.index("softmax_redo<Cfg>"), loop.index("convert_p<Cfg>(s, p)")
+    release = loop.index("mbar_arrive(bar_k_empty")
+    assert loop.index("online_softmax_guarded") < redo < convert < release
+    lazy = render(compile_source(HOPPER).kernel, compiled.target, compiled.file)[0].text
+    assert "online_softmax_guarded" not in lazy and "softmax_redo" not in lazy
+
+
 def test_q_slots_render_a_ring_of_tiles():
     """q_slots 2: two Q slots and two barrier pairs, indexed by the CTA's tile count, in the
     producer's load and the consumers' wgmma descriptors; q_slots 1 renders none of it."""

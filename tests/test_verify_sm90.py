@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from bruteforce_async import explore
-from fadsl.ir import Kernel, Parity, Sync
+from fadsl.ir import Kernel, Parity, Step, Sync, Threads
 from fadsl.ops import Op
 from fadsl.irread import read_kernel
 from fadsl.passes.verify_async import AsyncVerifyError, check
@@ -399,3 +399,34 @@ def test_the_tail_sees_the_next_tile_count():
     epilogue.insert(cut + 1, item)
     with pytest.raises(AsyncVerifyError, match="q_empty"):
         verify(replace(kernel, epilogue=tuple(epilogue)))
+
+
+def test_a_guarded_softmax_holds_its_k_slot_until_p_is_converted():
+    """`rescale guarded` reads K again (its rare recompute of S) in the step that converts P,
+    so the slot's empty arrival follows that step; where `rescale lazy` puts it, right after
+    S's wgmma wait, verify finds the refill racing the recompute."""
+    kernel = KERNELS["fa3_hdim64"]
+    assert kernel.config.hopper.guarded
+    loop = list(kernel.mainloop)
+    arrival = next(
+        i
+        for i, x in enumerate(loop)
+        if isinstance(x, Sync) and x.barrier == "k_empty" and x.who is not Threads.PRODUCER_THREAD
+    )
+    convert = next(i for i, x in enumerate(loop) if isinstance(x, Step) and x.op is Op.CONVERT_P)
+    softmax = next(i for i, x in enumerate(loop) if isinstance(x, Step) and x.op is Op.SOFTMAX)
+    assert softmax < convert < arrival
+    early = loop[:softmax] + [loop[arrival]] + loop[softmax:arrival] + loop[arrival + 1 :]
+    with pytest.raises(AsyncVerifyError, match=r"WAR on K\[slot \d\]: .*convert_p"):
+        verify(replace(kernel, mainloop=tuple(early)))
+    lazy = compile_source(
+        _variant((ROOT / "examples" / "fa3_hdim64.fa").read_text(), rescale="lazy")
+    ).kernel
+    loop = list(lazy.mainloop)
+    arrival = next(
+        i
+        for i, x in enumerate(loop)
+        if isinstance(x, Sync) and x.barrier == "k_empty" and x.who is not Threads.PRODUCER_THREAD
+    )
+    softmax = next(i for i, x in enumerate(loop) if isinstance(x, Step) and x.op is Op.SOFTMAX)
+    assert arrival < softmax

@@ -650,3 +650,4 @@ __device__ __forceinline__ void store_empty_tile(const FwdParams& p, const TileW
 }
 
 }  // namespace fadsl::sm90
+#include "sm90_guard.cuh"  // rescale guarded: the softmax without its row max (next to this file)

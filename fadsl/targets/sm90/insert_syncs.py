@@ -29,7 +29,15 @@ from dataclasses import replace
 from ... import targets
 from ...ir import Item, Kernel, Mode, Phase, Step
 from .caps import TMA_STORE, WGMMA
-from .mbarrier_syncs import init_barriers, init_fences, producer, release_tile, wait_full
+from .mbarrier_syncs import (
+    init_barriers,
+    init_fences,
+    producer,
+    release,
+    release_tile,
+    ring_reads,
+    wait_full,
+)
 from .pingpong_syncs import close_turns, open_turn, take_turn
 from .schedule import ring_buffers
 from .store_syncs import (
@@ -70,6 +78,7 @@ def insert_syncs(kernel: Kernel, target: targets.Target) -> Kernel:
         if phase is Phase.TEARDOWN and hw.pingpong:
             close_turns(c, phase)
         waited: set = set()
+        c.ring_reads, c.released = ring_reads(c, items), {}
         # A phase is entered from more than one place (the loop from the prologue and from
         # its own end): assume registers were written before it.
         c.registers_written = True
@@ -94,6 +103,7 @@ def insert_syncs(kernel: Kernel, target: targets.Target) -> Kernel:
                 continue
             before_smem(c, step, phase)
             c.out.append(step)
+            release(c, step, phase)
             track_register_writes(c, step)
             if step.async_kind == TMA_STORE:
                 after_store(c, step, phase)

@@ -169,16 +169,38 @@ def wait_full(c: Consumers, step: Step, phase: Phase, waited: set) -> None:
         )
 
 
+def ring_reads(c: Consumers, items) -> dict[tuple[str, int], list[Step]]:
+    """A phase's consumer reads of each ring item (buffer, lag): its wgmma groups and any
+    ordinary step (`rescale guarded` reads K again when it recomputes S)."""
+    reads: dict[tuple[str, int], list[Step]] = {}
+    for step in items:
+        if not isinstance(step, Step) or role_of(step.who) != "consumers":
+            continue
+        for access in step.accesses:
+            if access.mode is Mode.READ and access.buffer in c.rings:
+                reads.setdefault((access.buffer, step.lag), []).append(step)
+    return reads
+
+
 def release(c: Consumers, step: Step, phase: Phase) -> None:
-    """Empty-barrier arrivals for the ring slots a retired wgmma group has read."""
+    """After a retired wgmma group or an ordinary step: the empty-barrier arrival for each
+    ring slot it read, once the phase's last read of that item is done."""
     for access in step.accesses:
         buf = c.kernel.buffer(access.buffer)
-        if buf.name not in c.rings:
+        if buf.name not in c.rings or access.mode is not Mode.READ:
             continue  # Q is released once per tile (release_tile), O by its store
+        key = (buf.name, step.lag)
+        readers = c.ring_reads.get(key, [step])
+        c.released.setdefault(key, []).append(step)
+        if len(c.released[key]) < len(readers):
+            continue
         c.sync(
             MBAR_ARRIVE,
             phase,
-            [before_refill(c.kernel, step, buf.name, back=True, across=TO_PRODUCER)],
+            [
+                before_refill(c.kernel, r, buf.name, back=True, across=TO_PRODUCER)
+                for r in unique_ops(readers)
+            ],
             who=Threads.CONSUMER_WARP_LANE0,
             barrier=f"{buf.name.lower()}_empty",
             lag=step.lag,

@@ -342,10 +342,14 @@ def explain_sections(data: Mapping[str, Any]) -> list[str]:
         ),
         "  rescale    "
         + (
-            "lazy: a row keeps the max its P and O refer to until the max grows past 2^8 of "
-            "it; O is multiplied only in the blocks where some row of the warp moved"
-            if ws["rescale"] == "lazy"
-            else "every: O and l are rescaled to the new row max after each block"
+            {
+                "lazy": "lazy: a row keeps the max its P and O refer to until the max grows past "
+                "2^8 of it; O is multiplied only in the blocks where some row of the warp moved",
+                "guarded": "guarded: lazy, and a tile's blocks after its first skip the row max: "
+                "P against the kept max, checked by the partial row sums (a sum past "
+                "(B_c / 4) 2^8 moves the max; one past 2^128 recomputes S from SMEM)",
+                "every": "every: O and l are rescaled to the new row max after each block",
+            }[ws["rescale"]]
         ),
         "",
     ]

@@ -120,14 +120,29 @@ def build_schedule(lowered: Lowered) -> Kernel:
         )
 
     def softmax(phase: Phase) -> list[Step]:
+        convert = consumer(Op.CONVERT_P, phase, "P to 16-bit pairs (the A operand of P V)", cfg.loc)
+        if hw.guarded and phase is Phase.MAINLOOP:
+            # `rescale guarded`: a block whose row sums show a P past 2^128 gets S again from
+            # the Q and K tiles, once the P V in flight has read P (fadsl/sm90_guard.cuh), so
+            # K's slot is read until P is converted.
+            convert = consumer(
+                Op.CONVERT_P,
+                phase,
+                "(S again from Q and K if the guarded softmax lost P) P to 16-bit pairs "
+                "(the A operand of P V)",
+                cfg.loc_of("rescale"),
+                (Access("Q", Mode.READ, Partition.SLICE), Access("K", Mode.READ, Partition.WHOLE)),
+                lag=0,
+            )
         return [
             consumer(
                 Op.SOFTMAX,
                 phase,
-                "mask (leading iterations only) and online softmax of S in place",
+                "mask (leading iterations only) and online softmax of S in place"
+                + (" (guarded: no row max)" if hw.guarded and phase is Phase.MAINLOOP else ""),
                 cfg.loc,
             ),
-            consumer(Op.CONVERT_P, phase, "P to 16-bit pairs (the A operand of P V)", cfg.loc),
+            convert,
         ]
 
     def rescale(phase: Phase) -> Step:

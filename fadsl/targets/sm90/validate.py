@@ -18,7 +18,7 @@ TMA's 16-byte stride and alignment rules concern the tensors: the runtime checks
 from __future__ import annotations
 
 from ...checks import Checks, and_list
-from ...ir import AliasPolicy, Config, Hopper, Instr, Level, Mask, Role, Scope, Tensor
+from ...ir import AliasPolicy, Config, Hopper, Instr, Level, Mask, Rescale, Role, Scope, Tensor
 from ...syntax import PathDecl
 from .caps import (
     CAPABILITIES,
@@ -298,7 +298,7 @@ def configure(c: Checks) -> Config:
             pingpong=v.get("pingpong", consumers > 1),
             overlap=v.get("overlap", True),
             persistent=v.get("scheduler", True),
-            lazy_rescale=v.get("rescale", True),
+            rescale_mode=v.get("rescale", Rescale.LAZY),
             q_slots=v.get("q_slots", 1),
             split_kv=v.get("tail", False),
             cluster=v.get("cluster", 1),
