@@ -33,9 +33,13 @@ def _kinds(kernel, who=None):
 
 
 def test_the_plan_is_the_prototypes():
-    """fa3_hopper's consumer mainloop, without `cluster 2`, is the prototype's (NOTES.md,
-    sync-plan table); tests/test_cluster_syncs.py has what the cluster adds."""
-    kernel = compile_file("bench/specs/fa3_hopper_cluster_off.fa").kernel
+    """fa3_hopper's consumer mainloop, without `cluster 2` and with `rescale lazy`, is the
+    prototype's (NOTES.md, sync-plan table); tests/test_cluster_syncs.py has what the
+    cluster adds, test_rescale_guarded_... what `rescale guarded` moves (K's release)."""
+    text = Path("bench/specs/fa3_hopper_cluster_off.fa").read_text()
+    kernel = compile_source(
+        re.sub(r"^  rescale +\w+", "  rescale    lazy", text, flags=re.M)
+    ).kernel
     loop = [
         (i.kind.name, i.barrier, i.groups) if isinstance(i, Sync) else i.op.spelling
         for i in kernel.mainloop
@@ -223,30 +227,39 @@ def test_only_the_consumers_take_the_tile_index_through_a_warp_shuffle(spec):
     assert loops == [f"warp_uniform({index})"]
 
 
+def _with_rescale(mode: str) -> str:
+    text, n = re.subn(r"^  rescale +\w+", f"  rescale    {mode}", HOPPER, flags=re.M)
+    assert n == 1
+    return text
+
+
 def test_rescale_knob_reaches_the_kernel_config():
-    """`rescale lazy` is the default; `every` is FlashAttention-3's per-block rescale. The
-    choice is the Cfg's last template argument (the header's online_softmax reads it)."""
+    """`rescale lazy` is the default; `every` is FlashAttention-3's per-block rescale;
+    `guarded` is lazy for the header's rescale_o. The Cfg's last template argument says
+    whether O's multiply may be skipped."""
     silent = re.sub(r"^  rescale .*\n", "", HOPPER, flags=re.M)
-    every = HOPPER.replace("rescale    lazy", "rescale    every")
-    assert silent != HOPPER and every != HOPPER
+    assert silent != HOPPER
     configs = {}
-    for name, text in {"example": HOPPER, "silent": silent, "every": every}.items():
+    texts = {
+        "silent": silent,
+        **{mode: _with_rescale(mode) for mode in ("lazy", "every", "guarded")},
+    }
+    for name, text in texts.items():
         compiled = compile_source(text)
-        assert compiled.kernel.config.hopper.lazy_rescale is (name != "every")
+        hw = compiled.kernel.config.hopper
+        assert hw.lazy_rescale is (name != "every") and hw.guarded is (name == "guarded")
         cuda = render(compiled.kernel, compiled.target, compiled.file)[0].text
         configs[name] = re.search(r"struct Cfg : FwdConfig<([^>]*)>", cuda).group(1)
-        assert f"rescale {'every' if name == 'every' else 'lazy'}" in cuda
-    assert configs["example"] == configs["silent"]
-    assert configs["example"].endswith(", true") and configs["every"].endswith(", false")
+        assert f"rescale {'lazy' if name == 'silent' else name}" in cuda
+    assert configs["lazy"] == configs["silent"] == configs["guarded"]
+    assert configs["lazy"].endswith(", true") and configs["every"].endswith(", false")
 
 
 def test_rescale_guarded_renders_the_guarded_softmax_in_the_mainloop_only():
     """`rescale guarded`: the tile's first block and the masked blocks take the row max
     (online_softmax), the mainloop's others the guarded softmax, whose rare recompute of S
     runs before P is converted and before the K slot's empty arrival."""
-    guarded = HOPPER.replace("rescale    lazy", "rescale    guarded")
-    assert guarded != HOPPER
-    compiled = compile_source(guarded)
+    compiled = compile_source(_with_rescale("guarded"))
     hw = compiled.kernel.config.hopper
     assert hw.guarded and hw.lazy_rescale and hw.rescale == "guarded"
     cuda = render(compiled.kernel, compiled.target, compiled.file)[0].text
@@ -259,8 +272,9 @@ def test_rescale_guarded_renders_the_guarded_softmax_in_the_mainloop_only():
     redo, convert = loop.index("softmax_redo<Cfg>"), loop.index("convert_p<Cfg>(s, p)")
     release = loop.index("mbar_arrive(bar_k_empty")
     assert loop.index("online_softmax_guarded") < redo < convert < release
-    lazy = render(compile_source(HOPPER).kernel, compiled.target, compiled.file)[0].text
-    assert "online_softmax_guarded" not in lazy and "softmax_redo" not in lazy
+    lazy = compile_source(_with_rescale("lazy"))
+    cuda = render(lazy.kernel, lazy.target, lazy.file)[0].text
+    assert "online_softmax_guarded" not in cuda and "softmax_redo" not in cuda
 
 
 def test_q_slots_render_a_ring_of_tiles():
