@@ -434,6 +434,22 @@ __device__ __forceinline__ float scaled_max(float row_max, float scale_log2) {
 // when no wgmma is using it.  kLazyRescale: m_new stays m (scale = 1) unless the row's max
 // grew past 2^kRescaleSlack of it; the result is the same (P, l and O all refer to m), only
 // the reference moves less often (FlashAttention-4's conditional rescale).
+// Row r of this thread's S (in place): P = 2^(S c - ref); returns their sum.
+template <class Cfg>
+__device__ __forceinline__ float exp2_row(float (&s)[Cfg::kSRegs], int r, float ref, float scale_log2) {
+  float sum = 0.f;
+#pragma unroll
+  for (int j = 0; j < Cfg::kBlockN / 8; ++j) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      float& x = s[4 * j + 2 * r + e];
+      x = fast_exp2(fmaf(x, scale_log2, -ref));
+      sum += x;
+    }
+  }
+  return sum;
+}
+
 template <class Cfg>
 __device__ __forceinline__ void online_softmax(float (&s)[Cfg::kSRegs], float (&m)[2], float (&l)[2],
                                                float (&scale)[2], float scale_log2) {
@@ -453,16 +469,7 @@ __device__ __forceinline__ void online_softmax(float (&s)[Cfg::kSRegs], float (&
     const float ref = scaled_max(mx, scale_log2);
     // 1 exactly when m is kept (rescale_o tests for it); m = -inf (nothing seen yet): 0
     scale[r] = keep ? 1.f : fast_exp2(m[r] * scale_log2 - ref);
-    float sum = 0.f;
-#pragma unroll
-    for (int j = 0; j < Cfg::kBlockN / 8; ++j) {
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        float& x = s[4 * j + 2 * r + e];
-        x = fast_exp2(fmaf(x, scale_log2, -ref));
-        sum += x;
-      }
-    }
+    const float sum = exp2_row<Cfg>(s, r, ref, scale_log2);
     l[r] = l[r] * scale[r] + sum;
     m[r] = mx;
   }

@@ -103,17 +103,8 @@ __device__ __forceinline__ bool online_softmax_guarded(float (&s)[Cfg::kSRegs], 
   float sum[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    const float ref = m[r] * scale_log2;  // m = -inf: every P is inf or NaN, the rare path
-    sum[r] = 0.f;
-#pragma unroll
-    for (int j = 0; j < Cfg::kBlockN / 8; ++j) {
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        float& x = s[4 * j + 2 * r + e];
-        x = fast_exp2(fmaf(x, scale_log2, -ref));
-        sum[r] += x;
-      }
-    }
+    // m = -inf: every P is inf or NaN, the rarest path
+    sum[r] = exp2_row<Cfg>(s, r, m[r] * scale_log2, scale_log2);
   }
   scale[0] = scale[1] = 1.f;
   // Warp-uniform branches: no lane diverges around the P V wgmma still in flight.
