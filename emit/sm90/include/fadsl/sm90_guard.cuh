@@ -8,10 +8,13 @@
 // bounds the block's scores, so guarded blocks skip the max: P = 2^(S c - m c) against the
 // kept reference, and a thread checks the partial row sums it adds up anyway. A sum within
 // (B_c / 4) 2^8 bounds every P of it by that (16-bit and fp32 safe, as the lazy slack's 2^8
-// is). A sum past it, or not finite (a reference still -inf, a jump past 2^128), is the
-// rare case: the warp recomputes its 16 rows of S from the Q and K tiles in SMEM (mma.sync;
-// the exponentials overwrote S) and runs the full online_softmax on them. The K slot must
-// still hold the block then, so the sync plan releases it after the softmax, not after S.
+// is). Past it, the rare paths:
+//   - the sums finite: a row whose largest P passed 2^8 moves its reference up to that P (P,
+//     its sum and O's scale divided by it), in the warp, as online_softmax would have;
+//   - a sum not finite (a jump past 2^128, a reference still -inf): P is lost, and once the
+//     P V in flight has read P (its registers free then), the warp recomputes its S from
+//     the Q and K tiles in SMEM and runs the full online_softmax (softmax_redo). The K slot
+//     must still hold the block then: the sync plan releases it after P is converted.
 #pragma once
 
 namespace fadsl::sm90 {
