@@ -103,13 +103,18 @@ class Module:
                 )
             self._ready.add(device_index)
 
-    def registers(self, device_index: int) -> int:
-        """Registers a thread of the kernel launches with (the cubin's count)."""
+    def _attribute(self, which, device_index: int) -> int:
+        """One CU_FUNC_ATTRIBUTE of the kernel on the device (no context needed)."""
         driver = self._driver
         device = _check(driver, driver.cuDeviceGet(device_index), "cuDeviceGet")
-        attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_NUM_REGS
-        found = driver.cuKernelGetAttribute(attr, self._kernel, device)
+        found = driver.cuKernelGetAttribute(which, self._kernel, device)
         return int(_check(driver, found, "cuKernelGetAttribute"))
+
+    def registers(self, device_index: int) -> int:
+        """Registers a thread of the kernel launches with (the cubin's count)."""
+        return self._attribute(
+            self._driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_NUM_REGS, device_index
+        )
 
     def _global(self, name: str) -> tuple[object, int]:
         driver = self._driver
@@ -215,17 +220,10 @@ class Module:
         current context, else the device's primary one)."""
         driver = self._driver
         self.prepare(device_index)
-        device = _check(driver, driver.cuDeviceGet(device_index), "cuDeviceGet")
         attr = driver.CUfunction_attribute
 
         def get(which) -> int:
-            return int(
-                _check(
-                    driver,
-                    driver.cuKernelGetAttribute(which, self._kernel, device),
-                    "cuKernelGetAttribute",
-                )
-            )
+            return self._attribute(which, device_index)
 
         with _device_context(driver, device_index):
             function = _check(
@@ -239,7 +237,7 @@ class Module:
                 "cuOccupancyMaxActiveBlocksPerMultiprocessor",
             )
         return {
-            "registers": get(attr.CU_FUNC_ATTRIBUTE_NUM_REGS),
+            "registers": self.registers(device_index),
             "local_bytes": get(attr.CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES),
             "smem_bytes": self.smem_bytes + get(attr.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES),
             "threads": self.threads,

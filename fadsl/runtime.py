@@ -229,8 +229,10 @@ class FlashAttention:
         hw = self.config.hopper
         if hw is None:
             return
+        from .targets.sm90.caps import registers_asked
+
         threads = self._block[0]
-        wanted = 128 * hw.producer_regs + (threads - 128) * hw.consumer_regs
+        wanted = registers_asked(hw.producer_regs, hw.consumers, hw.consumer_regs)
         launched = module.registers(index)
         if launched * threads < wanted:
             raise BuildError(

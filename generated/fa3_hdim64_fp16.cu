@@ -231,14 +231,11 @@ extern "C" __global__ void __launch_bounds__(Cfg::kThreads, 1) fa3_hdim64_fp16(c
         wgmma_wait<1>();
         fence_regs(s);
         // mask (leading iterations only) and online softmax of S in place (guarded: no row max)
+        if constexpr (kMask) mask_scores<Cfg>(s, P.base, rows, w.block_end - 1 - (it), lane);
         // redo: the row sums show a P lost (past 2^128): S again once P V has read P (below)
         bool redo = false;
-        if constexpr (kMask) {
-          mask_scores<Cfg>(s, P.base, rows, w.block_end - 1 - (it), lane);
-          online_softmax<Cfg>(s, m, l, scale, scale_log2);
-        } else {
-          redo = online_softmax_guarded<Cfg>(s, m, l, scale, scale_log2);
-        }
+        if constexpr (kMask) online_softmax<Cfg>(s, m, l, scale, scale_log2);
+        else redo = online_softmax_guarded<Cfg>(s, m, l, scale, scale_log2);
         // hazard WAR on P (rf): pv -> convert_p (within each warpgroup)
         wgmma_wait<0>();
         fence_regs(o);

@@ -24,17 +24,6 @@ namespace fadsl::sm90 {
 // tiles start 1024-byte aligned, so the absolute SMEM address gives the row.
 __device__ __forceinline__ uint32_t swizzle_128b(uint32_t addr) { return addr ^ (((addr >> 7) & 7u) << 4); }
 
-__device__ __forceinline__ float fast_rcp(float x) {
-  float y;
-  asm("rcp.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
-__device__ __forceinline__ float fast_log2(float x) {
-  float y;
-  asm("lg2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
-
 // q . k over head_dim from two 128-byte-swizzled rows (16 bytes at a time), fp32 sums.
 template <class Cfg>
 __device__ __forceinline__ float dot_rows(uint32_t q_row, uint32_t k_row) {

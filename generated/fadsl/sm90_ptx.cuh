@@ -425,4 +425,16 @@ __device__ __forceinline__ float fast_exp2(float x) {
   return y;
 }
 
+// 1/x and log2(x) with one MUFU each (approximate; subnormals flushed).
+__device__ __forceinline__ float fast_rcp(float x) {
+  float y;
+  asm("rcp.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+__device__ __forceinline__ float fast_log2(float x) {
+  float y;
+  asm("lg2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
 }  // namespace fadsl::sm90

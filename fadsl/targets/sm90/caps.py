@@ -31,6 +31,7 @@ CAPABILITIES = Capabilities(
 REGISTERS_PER_SM = 65536
 SETMAXNREG_RANGE = (24, 256)  # multiples of 8
 REGISTER_UNIT = 8  # a warp's registers are allocated 256 at a time: 8 a thread
+WARPGROUP_THREADS = 128
 HEAD_DIMS = (64, 128, 256)
 MAX_CONSUMERS = 3
 ROWS_PER_CONSUMER = 64  # wgmma's M
@@ -120,6 +121,12 @@ def launch_registers(threads: int) -> int:
     (ptxas's count for a kernel with setmaxnreg; 384 threads: 168, not 170)."""
     fit = min(SETMAXNREG_RANGE[1], REGISTERS_PER_SM // threads)
     return fit - fit % REGISTER_UNIT
+
+
+def registers_asked(producer_regs: int, consumers: int, consumer_regs: int) -> int:
+    """The registers a setmaxnreg split holds once every warpgroup has run its setmaxnreg:
+    one producer warpgroup and ``consumers`` consumer warpgroups."""
+    return WARPGROUP_THREADS * (producer_regs + consumers * consumer_regs)
 
 
 def register_pool(threads: int) -> int:

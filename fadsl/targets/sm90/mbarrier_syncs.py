@@ -191,8 +191,8 @@ def release(c: Consumers, step: Step, phase: Phase) -> None:
             continue  # Q is released once per tile (release_tile), O by its store
         key = (buf.name, step.lag)
         readers = c.ring_reads.get(key, [step])
-        c.released.setdefault(key, []).append(step)
-        if len(c.released[key]) < len(readers):
+        c.released[key] = c.released.get(key, 0) + 1
+        if c.released[key] < len(readers):
             continue
         c.sync(
             MBAR_ARRIVE,

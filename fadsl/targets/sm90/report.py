@@ -21,15 +21,16 @@ from .caps import (
     MBAR_INIT,
     MBAR_WAIT,
     ROWS_PER_CONSUMER,
+    WARPGROUP_THREADS,
     launch_registers,
     register_pool,
+    registers_asked,
 )
 from ...params import PAIR_MIN_KV_BLOCKS
 from .insert_syncs import role_of
 from .plan_smem import mbarrier_count, mbarrier_offset, o_over_rings
 from .verify import block_counts, max_tiles
 
-WARPGROUP_THREADS = 128
 VERIFIER = "fadsl/targets/sm90/verify.py"
 ROLE_TITLES = {
     "setup": "setup (thread 0 initialises the mbarriers, then a CTA barrier)",
@@ -225,7 +226,7 @@ def explain_data(kernel: Kernel) -> dict[str, Any]:
                 },
             ],
             "registers_per_sm": {
-                "used": WARPGROUP_THREADS * hw.producer_regs + consumer_threads * hw.consumer_regs,
+                "used": registers_asked(hw.producer_regs, hw.consumers, hw.consumer_regs),
                 "available": register_pool(WARPGROUP_THREADS * (1 + hw.consumers)),
             },
             "stages": hw.stages,

@@ -75,10 +75,10 @@ class Consumers:
     # of every thread of the warpgroup) orders on its way
     reused: list[Hazard] = field(default_factory=list)
     carried: list[Hazard] = field(default_factory=list)
-    # the phase's reads of each ring item (mbarrier_syncs.ring_reads) and those done: the
-    # slot's empty arrival follows the last
+    # the phase's reads of each ring item (mbarrier_syncs.ring_reads) and how many are done:
+    # the slot's empty arrival follows the last
     ring_reads: dict[tuple[str, int], list[Step]] = field(default_factory=dict)
-    released: dict[tuple[str, int], list[Step]] = field(default_factory=dict)
+    released: dict[tuple[str, int], int] = field(default_factory=dict)
     out: list[Item] = field(default_factory=list)
 
     @property

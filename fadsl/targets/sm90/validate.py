@@ -28,9 +28,11 @@ from .caps import (
     REGISTER_UNIT,
     ROWS_PER_CONSUMER,
     SETMAXNREG_RANGE,
+    WARPGROUP_THREADS,
     default_registers,
     launch_registers,
     register_pool,
+    registers_asked,
 )
 
 SCOPES = {Role.Q: Scope.WARPGROUP, Role.K: Scope.CTA, Role.V: Scope.CTA, Role.O: Scope.WARPGROUP}
@@ -210,11 +212,11 @@ def _registers(c: Checks, consumers: int, head_dim: int, block_c: int) -> bool:
             ok = False
     if not ok:
         return False
-    total = 128 * regs["producer"] + 128 * consumers * regs["consumers"]
-    threads = 128 * (1 + consumers)
+    total = registers_asked(regs["producer"], consumers, regs["consumers"])
+    threads = WARPGROUP_THREADS * (1 + consumers)
     pool = register_pool(threads)
     if total > pool:
-        room = (pool - 128 * regs["producer"]) // (128 * consumers)
+        room = (pool - registers_asked(regs["producer"], 0, 0)) // (WARPGROUP_THREADS * consumers)
         room -= room % REGISTER_UNIT
         fits = (
             f"with producer = {regs['producer']}, consumers = {room} fits"
