@@ -345,13 +345,19 @@ def explain_sections(data: Mapping[str, Any]) -> list[str]:
         + (
             {
                 "lazy": "lazy: a row keeps the max its P and O refer to until the max grows past "
-                "2^8 of it; O is multiplied only in the blocks where some row of the warp moved",
+                "2^8 of it (every P <= 2^8); O is multiplied only in the blocks where some row "
+                "of the warp moved",
                 "guarded": "guarded: lazy, and a tile's blocks after its first skip the row max: "
-                "P against the kept max, checked by the partial row sums (a sum past "
-                "(B_c / 4) 2^8 moves the max; one past 2^128 recomputes S from SMEM)",
-                "every": "every: O and l are rescaled to the new row max after each block",
+                "P against the kept max, checked by the partial row sums (each P <= "
+                "(B_c / 4) 2^8; a sum past it moves the max by a factor >= 2^-120; one past "
+                "2^120, inf or NaN recomputes S from SMEM)",
+                "every": "every: O and l are rescaled to the new row max after each block "
+                "(every P <= 1)",
             }[ws["rescale"]]
         ),
+        "             exact up to the 16-bit rounding of P for finite scores s with "
+        "|s softmax_scale log2(e)| < 2^16: every factor applied is a normal fp32 number, or "
+        "a true value below 2^-126 of the row's total flushed to 0 (docs/numerics.md)",
         "",
     ]
     array = data["mbarrier_array"]

@@ -122,7 +122,7 @@ def build_schedule(lowered: Lowered) -> Kernel:
     def softmax(phase: Phase) -> list[Step]:
         convert = consumer(Op.CONVERT_P, phase, "P to 16-bit pairs (the A operand of P V)", cfg.loc)
         if hw.guarded and phase is Phase.MAINLOOP:
-            # `rescale guarded`: a block whose row sums show a P past 2^128 gets S again from
+            # `rescale guarded`: a block whose row sums pass 2^120 (or inf) gets S again from
             # the Q and K tiles, once the P V in flight has read P (fadsl/sm90_guard.cuh), so
             # K's slot is read until P is converted.
             convert = consumer(
