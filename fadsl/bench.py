@@ -1,4 +1,5 @@
-"""`fadsl bench`: time a spec's kernel against PyTorch's FlashAttention and cuDNN backends.
+"""`fadsl bench`: time a spec's kernel against PyTorch's FlashAttention and cuDNN backends, and
+FlashAttention-4 (flash_attn.cute) where it is installed.
 
 Method (the seeds' appendix): for each sequence length, batch = tokens / seqlen,
 random inputs rotated among enough buffer sets that L2 never holds the next
@@ -137,6 +138,15 @@ def _backends() -> dict[str, object]:
     }
 
 
+def _flash_attention_4() -> Callable | None:
+    """FlashAttention-4's forward (flash_attn.cute, CuTe DSL) where it is installed."""
+    try:
+        from flash_attn.cute import flash_attn_func
+    except Exception:  # not installed, or its compiler library missing: not timed
+        return None
+    return flash_attn_func
+
+
 def run(
     kern: FlashAttention,
     seqlens: tuple[int, ...] = DEFAULT_SEQLENS,
@@ -220,6 +230,22 @@ def run(
                 log(f"fadsl bench: {name} backend unavailable here: {str(err).splitlines()[0]}")
                 continue
             contenders[name] = call
+        fa4 = _flash_attention_4()
+        if fa4 is not None:
+
+            def call_fa4(i, fa4=fa4):
+                result = fa4(*qkv[i], softmax_scale=scale, causal=causal)
+                return result[0] if isinstance(result, tuple) else result
+
+            try:
+                error = (call_fa4(0)[0, :check].float() - ref).abs().max().item()
+            except Exception as err:  # its JIT or its checks: report, time the rest
+                log(f"fadsl bench: FlashAttention-4 failed here: {str(err).splitlines()[0]}")
+            else:
+                if error <= row.error_bound:
+                    contenders["fa4"] = call_fa4
+                else:
+                    log(f"fadsl bench: FlashAttention-4's max error {error:.3e}: not timed")
         total = flops(batch, heads, seqlen, seqlen, d, causal)
         medians: dict[str, list[float]] = {name: [] for name in contenders}
         readings: dict[str, list[gpuclocks.Reading]] = {name: [] for name in contenders}

@@ -4,7 +4,13 @@
 #   included: torch.compile, CUDA graphs, streams, cold/warm start), the host-overhead
 #   comparison with SDPA FLASH, compute-sanitizer (racecheck, synccheck, memcheck) at a small
 #   shape, then the benchmarks if asked.
-# Usage (repo root, on the device): bash scripts/device.sh [tests] [sanitize] [trace] [probe] [bench ARGS...]
+# Usage (repo root, on the device):
+#   bash scripts/device.sh [fa4stage] [numerics] [tests] [sanitize] [trace] [probe] [bench ARGS...]
+#   fa4stage: copy the carried .fa4a (FlashAttention-4's first half) to /tmp/fa4; a later call
+#   on the same warm machine that carries .fa4b installs it (bench times it then)
+#   numerics: the numerics suite (tests/test_gpu_numerics.py: every kernel, every rescale mode,
+#   adversarial scores against the float32 model and float64), before every change to
+#   generated code
 #   trace: scripts/tile_trace.py (where a tile's time goes) on TRACE_SPECS (default the head_dim
 #   64 and 128 examples) at TRACE_SEQLENS (default "2048 8192"), hidden 2048
 #   probe: scripts/energy_probe.py (what L2 -> SMEM traffic costs at the power cap) on
@@ -36,6 +42,16 @@ echo "prebuild: $((SECONDS - start)) s"
 
 steps=" $* "
 status=0
+if [[ $steps == *" fa4stage "* ]]; then
+  mkdir -p /tmp/fa4 && cp .fa4a/* /tmp/fa4/ && echo "fa4: first half staged in /tmp/fa4"
+fi
+if [[ -d .fa4b && -f /tmp/fa4/lib.part00 ]]; then
+  source .fa4b/install.sh || status=1
+fi
+if [[ $steps == *" numerics "* ]]; then
+  python3 -P -m pytest -q -m gpu tests/test_gpu_numerics.py -p no:cacheprovider --durations=5 --timeout=300 -rs 2>&1 | tee "$OUT/pytest_numerics.log" | tail -25
+  status=$((status | ${PIPESTATUS[0]}))
+fi
 if [[ $steps == *" tests "* || $# -eq 0 ]]; then
   # -P: import the installed fadsl (the one pip built), not the source folder
   python3 -P -m pytest -q -m gpu ${GPU_TESTS:-tests/test_gpu_runtime.py tests/test_gpu.py tests/test_gpu_general.py tests/test_gpu_sm90.py tests/test_gpu_split.py tests/test_gpu_cluster.py} -p no:cacheprovider --durations=8 --timeout=120 -rs 2>&1 | tee "$OUT/pytest_gpu.log" | tail -25

@@ -1,5 +1,6 @@
 """Build every cubin the GPU tests need, in parallel (one process each; NVRTC needs no GPU):
-the examples and the general-attention matrix of tests/gpu_specs.py, for the local GPU's
+the examples, the general-attention matrix and the numerics suite's kernels of
+tests/gpu_specs.py, for the local GPU's
 architecture (or the one given: python3 scripts/prebuild.py sm_90a)."""
 
 import sys
@@ -34,7 +35,7 @@ if __name__ == "__main__":
         from fadsl.runtime import arch_of
 
         arch = arch_of(torch.cuda.current_device())
-    from gpu_specs import general_specs, sm90_specs
+    from gpu_specs import general_specs, numerics_specs, sm90_specs
 
     from fadsl.runtime import check_arch
 
@@ -43,6 +44,8 @@ if __name__ == "__main__":
     specs = [str(s.relative_to(ROOT)) for s in sorted((ROOT / "examples").glob("*.fa"))]
     specs += list(general_specs().values())
     specs += [t for n, t in sm90_specs().items() if not (ROOT / "examples" / f"{n}.fa").exists()]
+    known = {fadsl.load(s, verbose=False).config.name for s in specs}
+    specs += [t for n, t in numerics_specs().items() if n not in known]
     jobs = []
     for spec in specs:
         config = fadsl.load(spec, verbose=False).config

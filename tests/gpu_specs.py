@@ -103,3 +103,55 @@ def spec_body(text: str) -> str:
     text = re.sub(r"#[^\n]*", "", text)
     text = re.sub(r"\bkernel\s+\w+", "kernel _", text, count=1)
     return " ".join(text.split())
+
+
+RESCALE_MODES = ("every", "lazy", "guarded")
+# Not examples: the shape issue 28 saw lose rows (causal head_dim 128, Q ring, B_c = 96).
+EXTRA_NUMERICS = ("tests/specs/sm90/fa3_causal_q_ring_bc96.fa",)
+
+
+def with_rescale(text: str, mode: str) -> str:
+    """The spec with `rescale mode` (set, or added before its closing brace)."""
+    if re.search(r"^\s*rescale\s+\w+", text, re.MULTILINE):
+        return re.sub(r"^(\s*rescale\s+)\w+", rf"\g<1>{mode}", text, count=1, flags=re.MULTILINE)
+    return re.sub(r"\}\s*$", f"  rescale    {mode}\n}}\n", text)
+
+
+def rescale_of(text: str) -> str:
+    found = re.search(r"^\s*rescale\s+(\w+)", text, re.MULTILINE)
+    return found.group(1) if found else "lazy"
+
+
+def numerics_specs() -> dict[str, str]:
+    """The numerics suite's kernels: every sm_90a spec of ``sm90_specs()`` (the examples,
+    each with its mask flipped, the extra specs) and ``EXTRA_NUMERICS``, each in every
+    rescale mode (named ``<spec>_<mode>`` where the mode is not its own); every sm_80
+    example with its mask flipped too (sm_80 rescales every block)."""
+    specs = {}
+    sm90 = dict(sm90_specs())
+    for path in EXTRA_NUMERICS:
+        sm90[Path(path).stem] = (ROOT / path).read_text()
+    for stem, text in sm90.items():
+        for mode in RESCALE_MODES:
+            if mode == rescale_of(text):
+                specs[stem] = text
+            else:
+                name = f"{stem}_{mode}"
+                renamed = re.sub(r"\bkernel\s+\w+", f"kernel {name}", text, count=1)
+                specs[name] = with_rescale(renamed, mode)
+    for path in sorted((ROOT / "examples").glob("fa2_*.fa")):
+        text = path.read_text()
+        specs[path.stem] = text
+        causal = re.search(r"^\s*mask\s+causal\b", text, re.MULTILINE) is not None
+        name = f"{path.stem}_{'full' if causal else 'causal'}"
+        flipped = re.sub(
+            r"^(\s*mask\s+)(none|causal)\b",
+            lambda m: m.group(1) + ("none" if causal else "causal"),
+            text,
+            count=1,
+            flags=re.MULTILINE,
+        )
+        flipped = re.sub(r"\bkernel\s+\w+", f"kernel {name}", flipped, count=1)
+        if spec_body(flipped) not in {spec_body(t) for t in specs.values()}:
+            specs[name] = flipped
+    return specs

@@ -92,19 +92,19 @@ class WarpState:
     w: torch.Tensor
 
     @staticmethod
-    def initial(warps: int, keys: int) -> "WarpState":
+    def initial(warps: int, keys: int, device=None) -> "WarpState":
         return WarpState(
-            torch.full((warps, 16), -math.inf, dtype=F32),
-            torch.zeros((warps, 16, 4), dtype=F32),
-            torch.zeros((warps, 16, keys), dtype=F32),
+            torch.full((warps, 16), -math.inf, dtype=F32, device=device),
+            torch.zeros((warps, 16, 4), dtype=F32, device=device),
+            torch.zeros((warps, 16, keys), dtype=F32, device=device),
         )
 
 
-def thread_layout(block_n: int) -> torch.Tensor:
+def thread_layout(block_n: int, device=None) -> torch.Tensor:
     """keys[t, i]: the key (within the block) of thread t's i-th value, in the order the
     thread adds them up (j major, then e)."""
-    j = torch.arange(block_n // 8)[:, None]
-    e = torch.arange(2)[None, :]
+    j = torch.arange(block_n // 8, device=device)[:, None]
+    e = torch.arange(2, device=device)[None, :]
     return torch.stack([(8 * j + 2 * t + e).reshape(-1) for t in range(4)])
 
 
@@ -112,7 +112,7 @@ def exp2_row(s: torch.Tensor, ref: torch.Tensor, c: float) -> tuple[torch.Tensor
     """exp2_row: P = ex2(fma(s, c, -ref)) for s (warps, 16, 4, B_c / 4) and ref (warps, 16),
     and each thread's sum, added up in its order."""
     p = ex2(fma(s, c, -ref[:, :, None, None]))
-    total = torch.zeros(p.shape[:3], dtype=F32)
+    total = torch.zeros(p.shape[:3], dtype=F32, device=p.device)
     for i in range(p.shape[3]):
         total = total + p[..., i]  # fp32 adds, in the thread's order
     return p, total
@@ -166,7 +166,7 @@ def softmax_block(state, scores, keys, c, mode, guarded, dtype, stats=None) -> W
     (warps,): the warps that take the guarded softmax (the others the full one). stats (a
     Counter) counts the warps by the path they took."""
     block_n = scores.shape[2]
-    layout = thread_layout(block_n)
+    layout = thread_layout(block_n, scores.device)
     s = scores[:, :, layout]  # (warps, 16, 4, B_c / 4)
     m, l = state.m, state.l
     # The full online softmax: every mode's first and masked blocks, guarded's redo.
@@ -198,9 +198,9 @@ def run_blocks(scores, block_n, c, mode, masked, dtype, blocks, stats=None) -> W
     """The tile loop over the key blocks ``blocks``, in visit order. masked (warps,
     n_blocks): the warps whose block b takes the full online softmax (a mask)."""
     warps, _, keys = scores.shape
-    state = WarpState.initial(warps, keys)
+    state = WarpState.initial(warps, keys, scores.device)
     for i, b in enumerate(blocks):
-        cols = torch.arange(b * block_n, (b + 1) * block_n)
+        cols = torch.arange(b * block_n, (b + 1) * block_n, device=scores.device)
         guarded = ~masked[:, b] & (mode is Mode.GUARDED and i > 0)
         state = softmax_block(state, scores[:, :, cols], cols, c, mode, guarded, dtype, stats)
     return state
