@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import math
 import random
+import re
 
 import pytest
 import torch
 
 import fadsl
+from fadsl.params import PAIR_MIN_KV_BLOCKS, launch_cluster, sm_count, split_plan
 from gpu_specs import numerics_specs
 from softmax_cases import random_case
 from softmax_model import Mode, attend, problems, scale_log2
@@ -108,16 +110,16 @@ def assert_fa_rule(out, lse, q, k, v, scale, causal, model_out=None, model_lse=N
         assert_lse(lse, model_lse, "the model")
 
 
-def exact_scores(kern, dtype, seed):
+def exact_scores(kern, dtype, seed, n_blocks=None, sq=None, heads=(2, 4, 2)):
     """q, k, v whose scores are adversarial sequences, exactly; the scores (batch, heads_q,
     seqlen_q, keys padded to whole blocks) with the causal mask's -inf."""
     d, block_n, block_m = kern.config.head_dim, kern.config.block_c, kern.config.block_r
     rng = random.Random(seed)
-    batch, hq, hkv = 2, 4, 2
-    n_blocks = rng.randint(2, 5)
+    batch, hq, hkv = heads
+    n_blocks = n_blocks or rng.randint(2, 5)
     sk = n_blocks * block_n - (7 if seed % 2 else 0)  # a tail: the first block visited masked
-    sq = 2 * block_m + 17 if seed % 3 else d  # cluster pairs and a tail tile, or one tile
-    sq = max(sq, d)
+    if sq is None:  # two tiles and a tail tile, or one
+        sq = max(2 * block_m + 17 if seed % 3 else d, d)
     k = torch.zeros(batch, sk, hkv, d)
     for b in range(batch):
         for h in range(hkv):
@@ -140,24 +142,59 @@ def exact_scores(kern, dtype, seed):
     return q, k, v, padded
 
 
+def check_against_the_model(kern, dtype, q, k, v, scores, scale):
+    """Run the kernel on exact scores; its output against float64 and the model's."""
+    out, lse = run(kern, q, k, v, scale)
+    batch, hq, sq, keys = scores.shape
+    pad = -sq % 16
+    warps = torch.cat([scores, scores[:, :, :pad]], dim=2).reshape(-1, 16, keys)
+    result = attend(warps, kern.config.block_c, scale_log2(scale), mode_of(kern), dtype)
+    assert problems(result, warps, scale, dtype) == []
+    weights = result.weights.reshape(batch, hq, sq + pad, keys)[:, :, :sq, : k.shape[1]]
+    vh = v.double().repeat_interleave(hq // k.shape[2], dim=2).transpose(1, 2)
+    model_out = (weights.double() @ vh).transpose(1, 2)
+    model_lse = result.lse.reshape(batch, hq, sq + pad)[:, :, :sq].double()
+    causal = kern.config.mask.value == "causal"
+    assert_fa_rule(out, lse, q, k, v, scale, causal, model_out, model_lse)
+
+
+def splits_of(kern, q, k) -> int:
+    """The pieces the launch splits its last round's tiles into (1: whole tiles)."""
+    hw = kern.config.hopper
+    if hw is None or not hw.split_kv:
+        return 1
+    tiles = q.shape[0] * q.shape[2] * -(-q.shape[1] // kern.config.block_r)
+    blocks = -(-k.shape[1] // kern.config.block_c)
+    return split_plan(tiles, sm_count(q.device.index), blocks)[1]
+
+
 @pytest.mark.parametrize("name, dtype", CASES, ids=IDS)
 def test_adversarial_scores_match_float64_and_the_model(name, dtype):
+    """The split_kv specs split these launches' tiles (asserted): pieces start guarded
+    tiles of their own and combine."""
     kern = kernel(name)
-    causal = kern.config.mask.value == "causal"
     scale = math.log(2)  # the kernel's c is 1: scores in log2 units
     for seed in (1, 2):
         q, k, v, scores = exact_scores(kern, DTYPES[dtype], seed + 17 * len(name))
-        out, lse = run(kern, q, k, v, scale)
-        batch, hq, sq, keys = scores.shape
-        pad = -sq % 16
-        warps = torch.cat([scores, scores[:, :, :pad]], dim=2).reshape(-1, 16, keys)
-        result = attend(warps, kern.config.block_c, scale_log2(scale), mode_of(kern), DTYPES[dtype])
-        assert problems(result, warps, scale, DTYPES[dtype]) == []
-        weights = result.weights.reshape(batch, hq, sq + pad, keys)[:, :, :sq, : k.shape[1]]
-        vh = v.double().repeat_interleave(hq // k.shape[2], dim=2).transpose(1, 2)
-        model_out = (weights.double() @ vh).transpose(1, 2)
-        model_lse = result.lse.reshape(batch, hq, sq + pad)[:, :, :sq].double()
-        assert_fa_rule(out, lse, q, k, v, scale, causal, model_out, model_lse)
+        if kern.config.hopper is not None and kern.config.hopper.split_kv:
+            assert splits_of(kern, q, k) > 1, "meant to split the tiles"
+        check_against_the_model(kern, DTYPES[dtype], q, k, v, scores, scale)
+
+
+CLUSTERED = [(n, d) for n, d in CASES if re.search(r"^\s*cluster\s+2", SPECS[n], re.MULTILINE)]
+
+
+@pytest.mark.parametrize("name, dtype", CLUSTERED, ids=[f"{n}-{d}" for n, d in CLUSTERED])
+def test_cluster_pairs_on_adversarial_scores(name, dtype):
+    """Long enough rows (PAIR_MIN_KV_BLOCKS blocks) and an even count of query blocks that
+    the launch pairs its CTAs (asserted), each loading half of every K/V block."""
+    kern = kernel(name)
+    sq = 2 * kern.config.block_r
+    q, k, v, scores = exact_scores(
+        kern, DTYPES[dtype], 5, n_blocks=PAIR_MIN_KV_BLOCKS, sq=sq, heads=(1, 2, 1)
+    )
+    assert launch_cluster(kern.compiled.kernel, sq, k.shape[1]) == 2, "meant to pair CTAs"
+    check_against_the_model(kern, DTYPES[dtype], q, k, v, scores, math.log(2))
 
 
 @pytest.mark.parametrize("name, dtype", CASES, ids=IDS)
