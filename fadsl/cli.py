@@ -8,8 +8,9 @@ import sys
 from pathlib import Path
 from typing import Callable, Sequence
 
-from . import __version__, bench
-from .compile_check import RegisterCheck, check_registers
+from ._version import __version__
+from .tools import bench
+from .build.spill_check import RegisterCheck, check_registers
 from .errors import SpecError
 from .passes.verify import VerifyError
 from .pipeline import Compiled, compile_source, read_spec
@@ -37,7 +38,7 @@ def _register_check(compiled: Compiled, args: argparse.Namespace) -> RegisterChe
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    from .report import summary
+    from .tools.report import summary
 
     compiled = _compile(args.spec)
     print(summary(compiled, _register_check(compiled, args)), end="")
@@ -45,7 +46,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
-    from .report import explain_data, explain_text
+    from .tools.report import explain_data, explain_text
 
     compiled = _compile(args.spec)
     registers = _register_check(compiled, args)
@@ -57,7 +58,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
 
 
 def cmd_compile(args: argparse.Namespace) -> int:
-    from .codegen import write
+    from .codegen.render import write
 
     compiled = _compile(args.spec)
     out_dir = Path(args.output)
@@ -74,7 +75,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
 
 
 def cmd_build(args: argparse.Namespace) -> int:
-    from .runtime import build_ahead
+    from .runtime.attention import build_ahead
 
     compiled = _compile(args.spec)
     if args.arch is None:
@@ -92,7 +93,7 @@ def cmd_build(args: argparse.Namespace) -> int:
 
 
 def cmd_cache(args: argparse.Namespace) -> int:
-    from . import cache
+    from .build import cache
 
     folder = cache.cache_dir()
     if args.action == "clear":
@@ -110,7 +111,7 @@ def cmd_cache(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from .runtime import FlashAttention
+    from .runtime.attention import FlashAttention
 
     if args.plot:
         try:

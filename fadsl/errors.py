@@ -134,3 +134,8 @@ def one_of(choices: Iterable[str]) -> str:
     if len(quoted) <= 2:
         return " or ".join(quoted)
     return ", ".join(quoted[:-1]) + " or " + quoted[-1]
+
+
+class BuildError(RuntimeError):
+    """The compiler rejected a generated kernel (its message and the source's path), or a
+    built kernel cannot run as planned."""

@@ -25,8 +25,8 @@ from pathlib import Path
 from . import targets
 from .errors import DiagnosticSink, SpecError
 from .ir import Kernel
-from .lower import lower
-from .syntax import MAX_CHARS, parse_recovering, spec_text
+from .frontend.lower import lower
+from .frontend.syntax import MAX_CHARS, parse_recovering, spec_text
 
 
 @dataclass(frozen=True)

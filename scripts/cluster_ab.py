@@ -1,5 +1,5 @@
 """A/B of a `cluster 2` spec in one run: the launch as shipped (pairs where
-fadsl.params.launch_cluster pairs, else the cluster-free variant `<name>_alone`), the pair
+fadsl.targets.sm90.host.launch.launch_cluster pairs, else the cluster-free variant `<name>_alone`), the pair
 kernel itself where the shipped launch runs the variant (`FlashAttention.alone = None`), and
 the hand-written cluster-free twin (docs/performance.md, sessions 11-12).
 
@@ -9,7 +9,7 @@ Usage (a Hopper GPU): python scripts/cluster_ab.py [bf16|fp16] [SPEC] [CLUSTER_O
 import sys
 
 import fadsl
-from fadsl import bench
+from fadsl.tools import bench
 
 dtype = sys.argv[1] if len(sys.argv) > 1 else "bf16"
 spec = sys.argv[2] if len(sys.argv) > 2 else "examples/fa3_hopper.fa"

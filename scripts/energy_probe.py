@@ -17,9 +17,9 @@ import sys
 from pathlib import Path
 
 import fadsl
-from fadsl import bench
+from fadsl.tools import bench
 from fadsl.ir import Dtype
-from fadsl.runtime import arch_of
+from fadsl.runtime.attention import arch_of
 
 
 def main() -> int:

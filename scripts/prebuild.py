@@ -32,12 +32,12 @@ if __name__ == "__main__":
     else:
         import torch
 
-        from fadsl.runtime import arch_of
+        from fadsl.runtime.attention import arch_of
 
         arch = arch_of(torch.cuda.current_device())
     from gpu_specs import general_specs, numerics_specs, sm90_specs
 
-    from fadsl.runtime import check_arch
+    from fadsl.runtime.attention import check_arch
 
     # Relative paths, as the tests load them (the runtime renders every spec under its
     # kernel's name, so the path does not change the cache key).

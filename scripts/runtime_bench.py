@@ -66,7 +66,7 @@ def main(spec: str) -> None:
           f"fadsl - FLASH = {fadsl_us - flash:+.1f} us; back-to-back per call (GPU-bound if "
           f"above the host time): FLASH {flash_gpu:.1f}, fadsl {fadsl_gpu:.1f} us")  # fmt: skip
     if kern.config.target == "sm_90a":
-        from fadsl import tma
+        from fadsl.targets.sm90.host import tma
 
         def encode():
             tma._encoded.clear()

@@ -12,13 +12,13 @@ from pathlib import Path
 import torch
 
 import fadsl
-import fadsl.params
+import fadsl.targets.sm90.host.launch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 from gpu_specs import general_specs, sm90_specs  # noqa: E402
 
-from fadsl.runtime import runs_on  # noqa: E402
+from fadsl.runtime.attention import runs_on  # noqa: E402
 
 # (seqlen_q, seqlen_k): whole tiles, ragged tails, and causal rows that see no key.
 SHAPES = [(128, 128), (113, 203), (200, 100), (1, 65)]
@@ -27,7 +27,7 @@ SHAPES = [(128, 128), (113, 203), (200, 100), (1, 65)]
 MANY_TILES = (2, 600, 333, 70, 7)  # batch, seqlen_q, seqlen_k, heads_q, heads_kv
 # `cluster 2` kernels run in pairs only when a head's query blocks pair up: 6 blocks of 128
 # rows (MANY_TILES' 600 rows make 5, which run alone). The runtime pairs long K/V loops only
-# (fadsl.params.PAIR_MIN_KV_BLOCKS); this shape is paired whatever its length, so that
+# (fadsl.targets.sm90.host.launch.PAIR_MIN_KV_BLOCKS); this shape is paired whatever its length, so that
 # racecheck stays quick.
 MANY_TILES_PAIRED = (2, 768, 333, 70, 7)
 
@@ -40,7 +40,7 @@ SPECS.update(
 )
 SPECS.update({n: t for n, t in sm90_specs().items() if n not in SPECS})  # flipped masks
 ONLY = re.compile(sys.argv[1] if len(sys.argv) > 1 else "")
-default = fadsl.params.PAIR_MIN_KV_BLOCKS
+default = fadsl.targets.sm90.host.launch.PAIR_MIN_KV_BLOCKS
 
 for name, spec in SPECS.items():
     if not ONLY.search(name):
@@ -71,10 +71,12 @@ for name, spec in SPECS.items():
                 q = torch.randn(batch, sq, hq, d, device="cuda", dtype=torch_dtype)
                 k = torch.randn(batch, sk, hkv, d, device="cuda", dtype=torch_dtype)
                 v = torch.randn(batch, sk, hkv, d, device="cuda", dtype=torch_dtype)
-                fadsl.params.PAIR_MIN_KV_BLOCKS = 1 if shape is MANY_TILES_PAIRED else default
+                fadsl.targets.sm90.host.launch.PAIR_MIN_KV_BLOCKS = (
+                    1 if shape is MANY_TILES_PAIRED else default
+                )
                 kern.alone = alone
                 out, lse = kern(q, k, v, return_lse=True)
                 torch.cuda.synchronize()
-                fadsl.params.PAIR_MIN_KV_BLOCKS, kern.alone = default, variant
+                fadsl.targets.sm90.host.launch.PAIR_MIN_KV_BLOCKS, kern.alone = default, variant
                 finite = bool(out.isfinite().all())
                 print(f"{name} {dtype.value} {shape}{what}: ran, finite={finite}")

@@ -13,7 +13,7 @@ import argparse
 import sys
 
 import fadsl
-from fadsl import sass
+from fadsl.tools import sass
 
 
 def main() -> int:

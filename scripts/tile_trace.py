@@ -18,10 +18,10 @@ import sys
 import torch
 
 import fadsl
-from fadsl import tiletrace
+from fadsl.tools import tiletrace
 from fadsl.ir import Dtype
-from fadsl.params import launch_cluster
-from fadsl.runtime import arch_of
+from fadsl.targets.sm90.host.launch import launch_cluster
+from fadsl.runtime.attention import arch_of
 
 
 def main() -> int:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from fadsl.passes.async_model import (
+from fadsl.passes.asyncmodel.model import (
     Access,
     Agent,
     Arrive,

@@ -36,7 +36,7 @@ from __future__ import annotations
 import sys
 from dataclasses import replace
 
-from fadsl.passes.async_model import (
+from fadsl.passes.asyncmodel.model import (
     Access,
     Arrive,
     BarArrive,

@@ -12,7 +12,7 @@ import pytest
 import fadsl
 from conftest import ROOT
 from fadsl.cli import main
-from fadsl.codegen import render
+from fadsl.codegen.render import render
 from fadsl.ir import Dtype, Scope
 from fadsl.pipeline import compile_file
 from fadsl.targets.sm90.caps import CLUSTER_ARRIVE, CLUSTER_WAIT, MBAR_ARRIVE_PEER
@@ -35,8 +35,8 @@ def test_a_cluster_spec_compiles_a_cluster_free_variant(compiled):
     alone = compiled.alone
     assert alone is not None and alone.alone is None
     cfg = alone.kernel.config
-    assert cfg.name == "fa3_hopper_alone" and cfg.hopper.alone_of == "fa3_hopper"
-    assert cfg.hopper.cluster == 1 and compiled.kernel.config.hopper.cluster == 2
+    assert cfg.name == "fa3_hopper_alone" and cfg.ext.alone_of == "fa3_hopper"
+    assert cfg.ext.cluster == 1 and compiled.kernel.config.ext.cluster == 2
     assert all(b.scope is not Scope.CLUSTER for b in alone.kernel.buffers)
     assert all(t.smem_scope is not Scope.CLUSTER for t in alone.kernel.tensors)
     # through every pass, the proof included, from the same schedule
@@ -112,14 +112,14 @@ def test_aot_build_writes_the_variant_too(tmp_path, monkeypatch):
     def no_build(*args, **kwargs):
         raise AssertionError("built although an ahead-of-time cubin was there")
 
-    monkeypatch.setattr(fadsl.runtime, "compile_cubin", no_build)
+    monkeypatch.setattr(fadsl.runtime.attention, "compile_cubin", no_build)
     kern = fadsl.load(ROOT / HOPPER, cubin_dirs=[out])
     assert kern.alone.cubin(Dtype.BF16, "sm_90a").path.parent == out
 
 
 def test_explain_names_the_variant_and_the_variant_says_what_it_is(compiled):
-    from fadsl.compile_check import RegisterCheck
-    from fadsl.report import explain_text
+    from fadsl.build.spill_check import RegisterCheck
+    from fadsl.tools.report import explain_text
 
     unchecked = RegisterCheck((), "--no-compile")
     assert "cluster-free variant, fa3_hopper_alone" in explain_text(compiled, unchecked)
@@ -129,7 +129,7 @@ def test_explain_names_the_variant_and_the_variant_says_what_it_is(compiled):
 
 
 def test_the_register_check_compiles_the_variant_too(compiled):
-    from fadsl.compile_check import Usage, check_registers
+    from fadsl.build.spill_check import Usage, check_registers
 
     seen = []
 
@@ -147,7 +147,7 @@ def test_the_register_check_compiles_the_variant_too(compiled):
 
 
 def test_a_spilling_variant_is_refused_by_its_name(compiled):
-    from fadsl.compile_check import Usage, check_registers
+    from fadsl.build.spill_check import Usage, check_registers
     from fadsl.errors import SpecError
 
     def compiler(source, arch):  # only the variant spills
@@ -167,7 +167,7 @@ def test_a_failing_variant_is_named(monkeypatch):
     from fadsl.errors import Diagnostic, SpecError
 
     def refuse_the_variant(kernel, target):
-        if kernel.config.hopper.alone_of:
+        if kernel.config.ext.alone_of:
             raise SpecError([Diagnostic(kernel.config.loc, "no room")])
         return kernel
 
@@ -189,10 +189,11 @@ def test_a_failing_variant_is_named(monkeypatch):
 )
 def test_launches_that_do_not_pair_run_the_variant(seqlen_q, seqlen_k, pairs, monkeypatch):
     """(No GPU: the pair kernel's launch path is cut at its first step.) Pairs need an even
-    count of query blocks and 32 K/V blocks or more (fadsl.params.launch_cluster)."""
+    count of query blocks and 32 K/V blocks or more (fadsl.targets.sm90.host.launch.launch_cluster).
+    """
     import torch
 
-    from fadsl import params
+    from fadsl import targets
 
     kern = fadsl.load(HOPPER, verbose=False)
     ran = []
@@ -201,7 +202,7 @@ def test_launches_that_do_not_pair_run_the_variant(seqlen_q, seqlen_k, pairs, mo
         pass
 
     class Launch:  # the target's launch, cut after the cluster decision
-        cluster = staticmethod(params.launch_for("sm_90a").cluster)
+        cluster = staticmethod(targets.launch_for("sm_90a").cluster)
 
         def pack(self, kernel, args):
             raise PairPath

@@ -7,7 +7,7 @@ from collections import Counter
 
 import pytest
 
-from fadsl.bench import balanced_orders
+from fadsl.tools.bench import balanced_orders
 
 
 @pytest.mark.parametrize("n", range(1, 9))

@@ -15,9 +15,9 @@ import pytest
 
 import fadsl
 from conftest import ROOT
-from fadsl import cache
+from fadsl.build import cache
 from fadsl.atomic import write_atomic
-from fadsl.compiler import Compiled, nvrtc_available
+from fadsl.build.nvrtc import Cubin, nvrtc_available
 from fadsl.ir import Dtype
 
 SPEC = ROOT / "examples" / "fa2_kernel1.fa"
@@ -30,7 +30,7 @@ def request(arch: str = "sm_90a", text: str = "// kernel\n") -> cache.Request:
 
 
 def fake_build(tag: bytes = b"cubin"):
-    return lambda: Compiled(b"\x7fELF " + tag, "ptxas info    : Used 96 registers", "fake 1.0")
+    return lambda: Cubin(b"\x7fELF " + tag, "ptxas info    : Used 96 registers", "fake 1.0")
 
 
 def test_write_atomic_replaces_whole_files_and_leaves_no_temporary(tmp_path):
@@ -179,7 +179,7 @@ def test_aot_build_without_a_gpu_is_found_first(tmp_path, monkeypatch):
     def no_build(*args, **kwargs):
         raise AssertionError("built although an ahead-of-time cubin was there")
 
-    monkeypatch.setattr(fadsl.runtime, "compile_cubin", no_build)
+    monkeypatch.setattr(fadsl.runtime.attention, "compile_cubin", no_build)
     kern = fadsl.load(ROOT / "examples" / "fa2_pipelined.fa", cubin_dirs=[out])
     assert kern.cubin(Dtype.BF16, "sm_90a").path == cubins[0]
     monkeypatch.setenv("FADSL_CUBIN_PATH", str(out))
@@ -204,7 +204,7 @@ def test_aot_build_refuses_a_bad_architecture(tmp_path):
 
 
 def test_architecture_names_with_three_digits():
-    from fadsl.runtime import check_arch
+    from fadsl.runtime.attention import check_arch
 
     check_arch("sm_80", "sm_100")  # Blackwell runs sm_80 code: capability (10, 0), not (1, 0)
     with pytest.raises(ValueError, match="runs only on sm_90a, not sm_100a"):
@@ -225,7 +225,8 @@ def test_aot_build_defaults_to_the_architectures_of_the_spec_target(tmp_path):
 
 @needs_nvrtc
 def test_build_error_shows_the_compiler_message_and_the_source_path(tmp_path, monkeypatch):
-    from fadsl.compiler import BuildError, compile_cubin
+    from fadsl.build.nvrtc import compile_cubin
+    from fadsl.errors import BuildError
 
     monkeypatch.setenv("FADSL_CACHE_DIR", str(tmp_path))
     bad = 'extern "C" __global__ void k() { undeclared_thing(); }\n'

@@ -186,7 +186,7 @@ def test_bench_against_must_time_the_same_problem():
 
 
 def test_bench_table_compares_each_variant_with_each_backend_and_the_kernel():
-    from fadsl import bench
+    from fadsl.tools import bench
 
     result = {
         "rows": [

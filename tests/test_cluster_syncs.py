@@ -11,18 +11,19 @@ from conftest import ROOT
 from gpu_specs import single_ctas
 from fadsl import targets
 from fadsl.ir import Phase, Scope, Sync, Threads
-from fadsl.params import (
-    Args,
+from fadsl.targets.launch import Args
+from fadsl.targets.sm90.host.launch import (
     launch_cluster,
     PAIR_MIN_KV_BLOCKS,
-    launch_for,
     m_blocks,
     resident_ctas,
     tile_count,
     tile_grid,
 )
+from fadsl.targets import launch_for
 from fadsl.pipeline import front_end
-from fadsl.targets.sm90 import caps, cluster_syncs
+from fadsl.targets.sm90 import caps
+from fadsl.targets.sm90.syncs import cluster as cluster_syncs
 
 CLUSTER = (ROOT / "examples" / "fa3_hopper.fa").read_text()
 HOPPER = single_ctas(CLUSTER)  # the same kernel without `cluster 2`
@@ -57,7 +58,7 @@ def test_cluster_one_is_left_alone():
 
 def test_the_spec_reaches_the_ir():
     _, kernel = through(cluster_source(), "insert_syncs")
-    assert kernel.config.hopper.cluster == 2
+    assert kernel.config.ext.cluster == 2
     scopes = {b.name: b.scope for b in kernel.buffers}
     assert scopes == {
         "Q": Scope.WARPGROUP,
@@ -108,7 +109,7 @@ def test_cluster_barriers_after_init_and_at_exit():
 
 def test_the_emitted_code_multicasts_and_arrives_on_the_peer():
     _, kernel = through(cluster_source(), "cluster_syncs")
-    from fadsl.codegen import render
+    from fadsl.codegen.render import render
 
     source, *_ = render(kernel, targets.target_of(kernel), "cluster.fa")
     text = source.text
@@ -148,7 +149,9 @@ def test_pairs_only_when_the_query_blocks_pair_up_over_long_kv_loops(monkeypatch
     ]
     assert [m_blocks(kernel, s, 2) for s in (1, 129, 257)] == [2, 2, 4]  # as num_m_blocks
     assert tile_count(kernel, args(3, 2112, 5)) == 17 * 5 * 3  # 17 blocks: no pairs
-    monkeypatch.setattr("fadsl.params.sm_count", lambda index: 133)  # an odd SM count
+    monkeypatch.setattr(
+        "fadsl.targets.sm90.host.launch.sm_count", lambda index: 133
+    )  # an odd SM count
     assert resident_ctas(0, 2) == 132 and resident_ctas(0, 1) == 133
     assert tile_grid(kernel, args(3, 2048, 5)) == (132, 1, 1)  # persistent, in pairs
     assert tile_grid(kernel, args(3, 2112, 5)) == (133, 1, 1)  # alone
@@ -159,7 +162,7 @@ def test_pairs_only_when_the_query_blocks_pair_up_over_long_kv_loops(monkeypatch
     assert launch.cluster(kernel, args(1, 300, 1)) == 1
     grid_sched = replace(
         kernel,
-        config=replace(kernel.config, hopper=replace(kernel.config.hopper, persistent=False)),
+        config=replace(kernel.config, ext=replace(kernel.config.ext, persistent=False)),
     )
     assert tile_grid(grid_sched, args(1, 512, 3)) == (12, 1, 1)
 
@@ -167,7 +170,7 @@ def test_pairs_only_when_the_query_blocks_pair_up_over_long_kv_loops(monkeypatch
 def test_the_emitter_multicasts_by_the_buffers_scope():
     """Which loads are multicast is the buffers' scope, for the emitter as for the sync pass
     and verify: a V left in smem[cta] (as no spec can say today) is loaded whole, locally."""
-    from fadsl.codegen import render
+    from fadsl.codegen.render import render
 
     kernel = front_end(cluster_source(), "cluster.fa")
     kernel = replace(

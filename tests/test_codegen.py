@@ -8,11 +8,11 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from conftest import EXAMPLES, ROOT
-from fadsl.codegen import HEADERS, context, read_header, render
+from fadsl.codegen.render import HEADERS, context, read_header, render
 from fadsl.ir import Sync
 from fadsl.targets.sm80 import caps as sm80
 from fadsl.pipeline import compile_file
-from fadsl.resources import ARCH_FLAGS, can_compile, ptxas_usage
+from fadsl.build.resources import ARCH_FLAGS, can_compile, ptxas_usage
 
 GENERATED = ROOT / "generated"
 

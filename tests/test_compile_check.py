@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 
-import fadsl.compile_check as compile_check
+import fadsl.build.spill_check as compile_check
 from conftest import ROOT
 from fadsl.cli import main
-from fadsl.compile_check import Usage, check_registers, parse_resource_usage, register_cap
+from fadsl.build.nvrtc import Usage, nvcc, parse_resource_usage
+from fadsl.build.spill_check import check_registers, register_cap
 from fadsl.errors import SpecError
 from fadsl.pipeline import compile_source
-from fadsl.resources import nvcc
 from fadsl.targets.sm80.caps import CAPABILITIES
 
 PIPELINED = (ROOT / "examples" / "fa2_pipelined.fa").read_text()

@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 
 from fadsl.errors import MAX_SHOWN, SpecError
 from fadsl.pipeline import compile_source
-from fadsl.report import summary
+from fadsl.tools.report import summary
 from mutate import SEEDS, mutants
 
 FILE = "fuzz/spec.fa"

@@ -3,7 +3,7 @@
 from conftest import ROOT
 
 from fadsl.pipeline import compile_file
-from fadsl.printer import format_kernel
+from fadsl.ir.printer import format_kernel
 
 
 def test_ir_after_each_pass(example, golden):

@@ -17,7 +17,7 @@ import torch
 
 import fadsl
 from conftest import EXAMPLES, ROOT
-from fadsl.runtime import runs_on
+from fadsl.runtime.attention import runs_on
 from test_gpu_general import reference as general_reference
 
 pytestmark = [

@@ -1,7 +1,7 @@
 """GPU tests of `cluster 2` (sm_90a: pairs of CTAs sharing every K/V block by TMA multicast).
 
 The kernel runs in pairs when a head's query blocks pair up and the K/V loop is long
-(fadsl.params.launch_cluster); other launches run the spec's cluster-free variant
+(fadsl.targets.sm90.host.launch.launch_cluster); other launches run the spec's cluster-free variant
 (``FlashAttention.alone``), and the pair kernel itself can run alone too. All three against
 the float32 reference (outputs and LSE poisoned first), GQA and MQA, many tiles per CTA;
 pairs forced onto odd block counts (a phantom tile past seqlen_q must store nothing); and
@@ -19,7 +19,8 @@ import pytest
 import torch
 
 import fadsl
-import fadsl.params as params
+import fadsl.targets.sm90.host.launch as params
+from fadsl import targets
 from fadsl.ir import Dtype
 from test_cluster_syncs import cluster_source
 from test_gpu_sm90 import HOPPER, assert_matches, random_qkv
@@ -121,13 +122,13 @@ def test_a_cluster_kernel_loads_before_pytorch_touches_the_gpu():
 def test_a_paired_launch_asks_for_clusters(kern):
     """The driver refuses an odd grid in clusters of two (CUDA_ERROR_INVALID_CLUSTER_SIZE):
     the pairs launch really carries the cluster dimension (and alone, the same grid runs)."""
-    from fadsl.driver import DriverError
+    from fadsl.runtime.driver import DriverError
 
     q, k, v = random_qkv(1, 256, 4096, 2, 2, 128, torch.bfloat16, 5)
     out = torch.empty_like(q)
     kern(q, k, v)  # loads the module
     module = kern.module(Dtype.BF16, 0)
-    launch = params.launch_for("sm_90a")
+    launch = targets.launch_for("sm_90a")
     packed = launch.pack(kern.compiled.kernel, params.Args(q, k, v, out, None, 0.125))
     stream = torch.cuda.current_stream().cuda_stream
     with pytest.raises(DriverError, match="clusters of 2"):

@@ -26,7 +26,8 @@ import pytest
 import torch
 
 import fadsl
-from fadsl.params import PAIR_MIN_KV_BLOCKS, launch_cluster, sm_count, split_plan
+from fadsl.targets.sm90.host.launch import PAIR_MIN_KV_BLOCKS, launch_cluster, split_plan
+from fadsl.targets.launch import sm_count
 from gpu_specs import numerics_specs
 from softmax_cases import random_case
 from softmax_model import Mode, attend, problems, scale_log2
@@ -48,7 +49,7 @@ def kernel(name: str):
     guarded at head_dim 256: it must be right too), or a skip for sm_90a off Hopper."""
     if name not in _loaded:
         kern = fadsl.load(SPECS[name], verbose=False)
-        if kern.config.hopper is not None and not HOPPER:
+        if kern.config.ext is not None and not HOPPER:
             pytest.skip("an sm_90a kernel needs a Hopper GPU")
         _loaded[name] = kern
     return _loaded[name]
@@ -65,7 +66,7 @@ def run(kern, q, k, v, scale):
 
 
 def mode_of(kern) -> Mode:
-    return Mode.EVERY if kern.config.hopper is None else Mode(kern.config.hopper.rescale)
+    return Mode.EVERY if kern.config.ext is None else Mode(kern.config.ext.rescale)
 
 
 def reference64(q, k, v, scale, causal):
@@ -160,7 +161,7 @@ def check_against_the_model(kern, dtype, q, k, v, scores, scale):
 
 def splits_of(kern, q, k) -> int:
     """The pieces the launch splits its last round's tiles into (1: whole tiles)."""
-    hw = kern.config.hopper
+    hw = kern.config.ext
     if hw is None or not hw.split_kv:
         return 1
     tiles = q.shape[0] * q.shape[2] * -(-q.shape[1] // kern.config.block_r)
@@ -176,7 +177,7 @@ def test_adversarial_scores_match_float64_and_the_model(name, dtype):
     scale = math.log(2)  # the kernel's c is 1: scores in log2 units
     for seed in (1, 2):
         q, k, v, scores = exact_scores(kern, DTYPES[dtype], seed + 17 * len(name))
-        if kern.config.hopper is not None and kern.config.hopper.split_kv:
+        if kern.config.ext is not None and kern.config.ext.split_kv:
             assert splits_of(kern, q, k) > 1, "meant to split the tiles"
         check_against_the_model(kern, DTYPES[dtype], q, k, v, scores, scale)
 

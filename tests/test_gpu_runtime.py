@@ -165,7 +165,7 @@ def test_bench_times_variants_side_by_side_in_rounds(monkeypatch):
     """`fadsl bench --against --rounds`: the variant checked and timed on the same tensors,
     named after its kernel, each contender timed once per round; the table compares each
     fadsl contender with each backend and the variant with the kernel."""
-    from fadsl import bench
+    from fadsl.tools import bench
 
     text = (ROOT / "examples" / "fa2_hdim64.fa").read_text()
     kern = fadsl.load(text, verbose=False)

@@ -125,7 +125,7 @@ def as_grid_scheduler(text: str) -> str:
 @pytest.mark.parametrize("name", list(SPECS))
 def test_persistent_ctas_run_many_tiles(kernels, name, sq, sk):
     kern = kernels[name]
-    assert kern.config.hopper.persistent
+    assert kern.config.ext.persistent
     d = kern.config.head_dim
     batch, hq, hkv = 3, 24, 8
     tiles = -(-sq // kern.config.block_r) * hq * batch
@@ -136,15 +136,15 @@ def test_persistent_ctas_run_many_tiles(kernels, name, sq, sk):
     kern.forward_into(q, k, v, out, lse, d**-0.5)
     torch.cuda.synchronize()
     assert_matches(kern, q, k, v, d**-0.5, out, lse)
-    if kern.config.hopper.split_kv:
+    if kern.config.ext.split_kv:
         # Split pieces combine in another order (checked against the reference above); the
         # scheduler's bits are compared on whole tiles.
         kern = fadsl.load(as_whole_tiles(SPECS[name]), verbose=False)
-        assert not kern.config.hopper.split_kv
+        assert not kern.config.ext.split_kv
         kern.forward_into(q, k, v, out, lse, d**-0.5)
     # One CTA per tile computes each tile the same way: the same bits.
     grid = fadsl.load(as_grid_scheduler(SPECS[name]), verbose=False)
-    assert not grid.config.hopper.persistent
+    assert not grid.config.ext.persistent
     out_grid = torch.full_like(q, float("nan"))
     lse_grid = torch.full_like(lse, float("nan"))
     grid.forward_into(q, k, v, out_grid, lse_grid, d**-0.5)
@@ -167,10 +167,10 @@ def test_lazy_rescale_follows_a_growing_row_max(kernels, name, growth):
     lags the true one by up to 2^8 (P up to 256 in 16 bits). Both dtypes, against the
     float64 reference and, more tightly, against the same spec with `rescale every`."""
     kern = kernels[name]
-    if not kern.config.hopper.lazy_rescale:
+    if not kern.config.ext.lazy_rescale:
         pytest.skip("the example rescales every block")
     every = fadsl.load(as_rescale_every(SPECS[name]), verbose=False)
-    assert not every.config.hopper.lazy_rescale
+    assert not every.config.ext.lazy_rescale
     d, block_c = kern.config.head_dim, kern.config.block_c
     sq, sk, heads = 300, 1500, 2
     gen = torch.Generator(device="cuda").manual_seed(int(10 * growth) + d)
@@ -210,7 +210,7 @@ def test_guarded_softmax_survives_a_jump_in_the_scores(kernels, name, jump):
     path moves the reference), 3000 overflows P past 2^128 (the rarest path recomputes S
     from SMEM). Both dtypes, outputs and LSE poisoned, against the float32 reference."""
     kern = kernels[name]
-    if not kern.config.hopper.guarded:
+    if not kern.config.ext.guarded:
         pytest.skip("the example computes the row max in every block")
     d = kern.config.head_dim
     sq, sk, heads = 300, 1500, 2
@@ -315,7 +315,7 @@ def test_resources_and_launch_info(kernels):
 def test_a_modules_global_reads_back_as_the_cubin_holds_it(kernels):
     """driver.Module.read_global (the tile timeline's reader) on the launch info every kernel
     exports: the same five ints as the cubin's ELF."""
-    from fadsl.elf import read_ints
+    from fadsl.build.elf import read_ints
     from fadsl.ir import Dtype
 
     kern = kernels["fa3_hopper"]

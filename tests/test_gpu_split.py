@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import fadsl
-import fadsl.params as params
+import fadsl.targets.sm90.host.launch as params
 from test_gpu_sm90 import HOPPER, assert_matches, random_qkv
 
 pytestmark = [

@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from fadsl import bench, gpuclocks
-from fadsl.gpuclocks import POWER_CAP, SW_THERMAL, Sampler, summarize
+from fadsl.tools import bench, clocks as gpuclocks
+from fadsl.tools.clocks import POWER_CAP, SW_THERMAL, Sampler, summarize
 
 
 def test_summary_takes_the_median_clock_mean_power_and_limit_shares():

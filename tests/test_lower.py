@@ -4,7 +4,7 @@ import pytest
 
 from fadsl.errors import SpecError
 from fadsl.ir import AliasPolicy, Dtype, Instr, Level, Mask, Role, Scope
-from fadsl.ops import Op
+from fadsl.ir.ops import Op
 from fadsl.pipeline import front_end, read_spec
 from variants import EAGER_ORDER, KERNEL1, variant
 

@@ -10,7 +10,7 @@ import torch
 import fadsl
 from conftest import ROOT
 from fadsl.ir import Dtype
-from fadsl.runtime import FlashAttention
+from fadsl.runtime.attention import FlashAttention
 
 SPEC = ROOT / "examples" / "fa2_causal.fa"
 
@@ -50,7 +50,7 @@ def kern(monkeypatch):
 
     monkeypatch.setattr(FlashAttention, "check_inputs", check_inputs)
     monkeypatch.setattr(FlashAttention, "launch", launch)
-    monkeypatch.setattr(fadsl.tensor_checks, "check_base", lambda name, t, target="sm_80": None)
+    monkeypatch.setattr(fadsl.runtime.arguments, "check_base", lambda name, t, target="sm_80": None)
     kern = fadsl.load(SPEC, verbose=False)
     kern.calls = calls
     return kern

@@ -11,30 +11,27 @@ import pytest
 import torch
 
 import fadsl
-import fadsl.params as params
+import fadsl.targets.sm90.host.launch as params
 from conftest import ROOT
-from fadsl.compiler import compile_cubin, nvrtc_available
-from fadsl.codegen import HEADERS
-from fadsl.ir import Hopper
+from fadsl.build.nvrtc import compile_cubin, nvrtc_available
+from fadsl.codegen.render import HEADERS
+from fadsl.targets.sm90.config import Sm90Config
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from fadsl.params import (
+from fadsl.targets.sm90.host.launch import (
     DIVISOR_FIELDS,
     DIVISORS,
-    FWD_PARAMS,
-    FWD_PARAMS_FIELDS,
     SM90_BASE_OFFSET,
     SM90_PARAMS_BYTES,
     SPLIT_TAIL,
     SPLIT_TAIL_FIELDS,
     TENSOR_MAP_BYTES,
-    Args,
     fast_div,
-    launch_for,
-    pack_fwd_params,
     pack_fwd_params_sm90,
 )
+from fadsl.targets.launch import FWD_PARAMS, FWD_PARAMS_FIELDS, Args, pack_fwd_params
+from fadsl.targets import launch_for
 
 SPEC = ROOT / "examples" / "fa2_kernel1.fa"
 
@@ -150,7 +147,7 @@ def test_sm90_pack_places_the_maps_and_params(monkeypatch):
     bytes in TMA's order (seqlen, heads, batch), a size-1 dimension's made the row's bytes;
     FwdParams at byte 512; 768 bytes in all; a second call with the same tensors encodes
     nothing."""
-    import fadsl.tma as tma
+    import fadsl.targets.sm90.host.tma as tma
 
     calls = []
 
@@ -218,8 +215,8 @@ def test_sm90_pack_places_the_maps_and_params(monkeypatch):
     launch = launch_for("sm_90a")
     # one CTA per tile: ceil(130 / 128) q blocks x 5 heads x batch 1
     assert launch.grid(kernel, args) == (10, 1, 1)
-    hopper = Hopper(2, 2, 24, 240, 128, pingpong=True, overlap=True, persistent=True)
-    persistent = replace(kernel, config=replace(kernel.config, hopper=hopper))
+    hopper = Sm90Config(2, 2, 24, 240, 128, pingpong=True, overlap=True, persistent=True)
+    persistent = replace(kernel, config=replace(kernel.config, ext=hopper))
     monkeypatch.setattr(params, "sm_count", lambda index: 4)
     assert launch.grid(persistent, args) == (4, 1, 1)  # one CTA per SM
     monkeypatch.setattr(params, "sm_count", lambda index: 132)

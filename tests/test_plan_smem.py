@@ -5,7 +5,7 @@ from dataclasses import replace
 import pytest
 
 from fadsl.errors import SpecError
-from fadsl.irread import read_kernel
+from fadsl.ir.reader import read_kernel
 from fadsl.passes.plan_smem import occupancy, plan_smem
 from fadsl.pipeline import compile_source, front_end
 from variants import EAGER_ORDER, KERNEL1, variant

@@ -8,9 +8,9 @@ import json
 
 from conftest import ROOT
 
-from fadsl.compile_check import KernelUsage, RegisterCheck, Usage
+from fadsl.build.spill_check import KernelUsage, RegisterCheck, Usage
 from fadsl.pipeline import compile_file
-from fadsl.report import explain_data, explain_text, summary
+from fadsl.tools.report import explain_data, explain_text, summary
 
 USAGE = Usage(registers=128)
 

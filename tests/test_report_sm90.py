@@ -7,10 +7,10 @@ import pytest
 
 from conftest import ROOT
 from fadsl.cli import main
-from fadsl.compile_check import KernelUsage, RegisterCheck, Usage
+from fadsl.build.spill_check import KernelUsage, RegisterCheck, Usage
 from fadsl.ir import Dtype
 from fadsl.pipeline import compile_file, compile_source
-from fadsl.report import explain_data, explain_text, summary
+from fadsl.tools.report import explain_data, explain_text, summary
 from fadsl.targets.sm90.plan_smem import o_over_rings
 from fadsl.targets.sm90.verify import block_counts
 

@@ -4,8 +4,9 @@ import pytest
 import torch
 
 import fadsl
-import fadsl.tensor_checks
-from fadsl.codegen import spec_hash
+import fadsl.runtime.arguments
+from fadsl import targets
+from fadsl.codegen.render import spec_hash
 from conftest import ROOT
 
 SPEC = ROOT / "examples" / "fa2_kernel1.fa"
@@ -145,7 +146,7 @@ def test_out_with_overlapping_elements_or_shared_memory_is_refused(kern):
         kern._check_out(q[:, :, :].view_as(q), q, k, v)
     kern._check_out(torch.empty_like(q), q, k, v)  # memory of its own
     a, b = packed.unbind(2)  # two tensors interleaved in one buffer: neither overlaps itself
-    assert not fadsl.tensor_checks.overlaps_itself(a)
+    assert not fadsl.runtime.arguments.overlaps_itself(a)
 
 
 def test_out_must_match_q(kern):
@@ -186,22 +187,13 @@ def test_sm90_names_tmas_stride_rule(name, make):
     assert "bytes) for shape (2, 128, 4, 128)" in message
 
 
-class _ModuleLaunching:
-    """Stands in for a loaded module: what the cubin says each thread launches with."""
-
-    def __init__(self, registers: int) -> None:
-        self.name = "fa3_hopper_bf16"
-        self._registers = registers
-
-    def registers(self, device_index: int) -> int:
-        return self._registers
-
-
 def test_a_cubin_too_small_for_its_setmaxnreg_split_is_refused_before_it_hangs():
+    """The runtime hands the loaded cubin's registers per thread to the target's check."""
     hopper = fadsl.load(ROOT / "examples" / "fa3_hopper.fa", verbose=False)
+    check = targets.launch_for("sm_90a").check_loaded
     # 384 threads x 168 = 128 x 24 + 256 x 240 exactly: the example's split fits.
-    hopper._check_register_pool(_ModuleLaunching(168), 0)
+    check(hopper.compiled.kernel, 168, 384)
     with pytest.raises(fadsl.BuildError, match=r"384 threads with 160 registers.*never return"):
-        hopper._check_register_pool(_ModuleLaunching(160), 0)
+        check(hopper.compiled.kernel, 160, 384)
     # sm_80 kernels have no setmaxnreg: nothing to check
-    fadsl.load(SPEC, verbose=False)._check_register_pool(_ModuleLaunching(1), 0)
+    assert targets.launch_for("sm_80").check_loaded is None

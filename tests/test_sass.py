@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from fadsl import sass
-from fadsl.compiler import nvrtc_available
+from fadsl.tools import sass
+from fadsl.build.nvrtc import nvrtc_available
 
 ROOT = Path(__file__).resolve().parents[1]
 

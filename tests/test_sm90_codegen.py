@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT
-from fadsl.codegen import render, write
+from fadsl.codegen.render import render, write
 from fadsl.ir import Parity, Sync, Threads
-from fadsl.ops import Op
+from fadsl.ir.ops import Op
 from fadsl.pipeline import compile_file, compile_source
-from fadsl.resources import nvcc
+from fadsl.build.nvrtc import nvcc
 from fadsl.targets.sm90 import caps
 
 SPECS = sorted((ROOT / "examples").glob("fa3_*.fa")) + sorted(
@@ -221,7 +221,7 @@ def test_only_the_consumers_take_the_tile_index_through_a_warp_shuffle(spec):
     loops = re.findall(r"for \(int step = 0, tile; \(tile = (.*)\) >= 0; \+\+step\)", consumers)
     index = (
         "split_tile_index<Cfg>(P, step)"
-        if compiled.kernel.config.hopper.split_kv
+        if compiled.kernel.config.ext.split_kv
         else "tile_index<Cfg>(P.base, step)"
     )
     assert loops == [f"warp_uniform({index})"]
@@ -246,7 +246,7 @@ def test_rescale_knob_reaches_the_kernel_config():
     }
     for name, text in texts.items():
         compiled = compile_source(text)
-        hw = compiled.kernel.config.hopper
+        hw = compiled.kernel.config.ext
         assert hw.lazy_rescale is (name != "every") and hw.guarded is (name == "guarded")
         cuda = render(compiled.kernel, compiled.target, compiled.file)[0].text
         configs[name] = re.search(r"struct Cfg : FwdConfig<([^>]*)>", cuda).group(1)
@@ -260,7 +260,7 @@ def test_rescale_guarded_renders_the_guarded_softmax_in_the_mainloop_only():
     (online_softmax), the mainloop's others the guarded softmax, whose rare recompute of S
     runs before P is converted and before the K slot's empty arrival."""
     compiled = compile_source(_with_rescale("guarded"))
-    hw = compiled.kernel.config.hopper
+    hw = compiled.kernel.config.ext
     assert hw.guarded and hw.lazy_rescale and hw.rescale == "guarded"
     cuda = render(compiled.kernel, compiled.target, compiled.file)[0].text
     assert "rescale guarded" in cuda

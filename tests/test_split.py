@@ -14,18 +14,17 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import fadsl.params as params
-from fadsl.params import (
+import fadsl.targets.sm90.host.launch as params
+from fadsl.targets.sm90.host.launch import (
     SM90_BASE_OFFSET,
     SM90_PARAMS_BYTES,
     SPLIT_FIXED_BLOCKS,
     SPLIT_TAIL,
-    FWD_PARAMS,
-    Args,
-    launch_for,
     split_plan,
 )
-from fadsl.passes.verify_async import AsyncVerifyError
+from fadsl.targets.launch import FWD_PARAMS, Args
+from fadsl.targets import launch_for
+from fadsl.passes.asyncmodel.prove import AsyncVerifyError
 from fadsl.pipeline import compile_file
 from fadsl.targets.sm90.verify import problems_of, skip_patterns, verify
 
@@ -94,14 +93,14 @@ def test_the_grid_counts_pieces_and_stays_one_cta_per_sm(monkeypatch):
 def test_the_params_tail_holds_the_plan_and_the_workspace(monkeypatch):
     monkeypatch.setattr(params, "sm_count", lambda index: 132)
     monkeypatch.setattr(params, "_SM90_PACKED", {})
-    monkeypatch.setattr("fadsl.tma.tensor_map", lambda t, cols, rows: bytes(128))
+    monkeypatch.setattr("fadsl.targets.sm90.host.tma.tensor_map", lambda t, cols, rows: bytes(128))
     asked = []
 
     def workspace(device, floats, counters):
         asked.append((floats, counters))
         return 0x1000, 0x2000
 
-    monkeypatch.setattr("fadsl.workspace.split_workspace", workspace)
+    monkeypatch.setattr("fadsl.targets.sm90.host.workspace.split_workspace", workspace)
     raw = params.pack_fwd_params_sm90(SPLIT, _args(8, 2048, 2048, 16))
     assert len(raw) == SM90_PARAMS_BYTES
     tail = SM90_BASE_OFFSET + FWD_PARAMS.size
@@ -143,7 +142,7 @@ def test_a_skipped_tail_with_a_barrier_of_every_warpgroup_hangs():
     hopper = compile_file(ROOT / "bench" / "specs" / "fa3_hopper_bc176.fa").kernel
     forced = replace(
         hopper,
-        config=replace(hopper.config, hopper=replace(hopper.config.hopper, split_kv=True)),
+        config=replace(hopper.config, ext=replace(hopper.config.ext, split_kv=True)),
     )
     skips = (frozenset({0}), frozenset())
     assert problems_of(hopper, (1, 1)) == []
@@ -154,7 +153,7 @@ def test_a_skipped_tail_with_a_barrier_of_every_warpgroup_hangs():
 
 
 def test_the_tail_of_a_piece_is_rendered(tmp_path):
-    from fadsl.codegen import render
+    from fadsl.codegen.render import render
 
     compiled = compile_file(ROOT / "examples" / "fa3_hdim64.fa")
     text = render(compiled.kernel, compiled.target, compiled.file)[0].text

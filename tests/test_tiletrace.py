@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from fadsl import tiletrace
-from fadsl.compiler import compile_cubin, nvrtc_available
+from fadsl.tools import tiletrace
+from fadsl.build.nvrtc import compile_cubin, nvrtc_available
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = tiletrace.Layout(ctas=2, warpgroups=3, steps=4, marks=8)
@@ -73,7 +73,7 @@ def test_no_complete_tile_gives_none():
 @pytest.mark.skipif(not nvrtc_available(), reason="needs NVRTC (cuda-bindings)")
 def test_a_traced_build_stamps_the_globaltimer_and_a_plain_one_does_not(tmp_path):
     import fadsl
-    from fadsl import sass
+    from fadsl.tools import sass
     from fadsl.ir import Dtype
 
     kern = fadsl.load(str(ROOT / "examples" / "fa3_hdim64.fa"), verbose=False)

@@ -27,10 +27,11 @@ from fadsl.ir import (
     Step,
     Sync,
 )
-from fadsl.ops import Op
-from fadsl.syncmodel import SyncKind
+from fadsl.ir.ops import Op
+from fadsl.ir.syncmodel import SyncKind
 from fadsl.targets.sm80 import caps as sm80
-from fadsl.passes import insert_barriers, plan_smem
+from fadsl.passes.insert_barriers import insert_barriers
+from fadsl.passes.plan_smem import plan_smem
 from fadsl.passes.verify import VerifyError, verify
 from fadsl.pipeline import compile_file, compile_source, front_end
 from variants import EAGER_ORDER

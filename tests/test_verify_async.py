@@ -15,7 +15,7 @@ import pytest
 
 from async_programs import ARRIVES, OTHER_SYNCS, WAITS, drop, fa3, fa3_overlap, swap
 from bruteforce_async import explore
-from fadsl.passes.async_model import (
+from fadsl.passes.asyncmodel.model import (
     Access,
     Agent,
     Arrive,
@@ -26,7 +26,7 @@ from fadsl.passes.async_model import (
     TmaLoad,
     Wait,
 )
-from fadsl.passes.verify_async import AsyncVerifyError, check, verify_program
+from fadsl.passes.asyncmodel.prove import AsyncVerifyError, check, verify_program
 
 
 @pytest.mark.parametrize("stages", [1, 2, 3])

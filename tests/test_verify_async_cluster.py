@@ -10,7 +10,7 @@ import pytest
 
 from async_programs import CLUSTER_SYNCS, TILE, multicast_ring
 from bruteforce_async import explore
-from fadsl.passes.async_model import (
+from fadsl.passes.asyncmodel.model import (
     Access,
     Agent,
     BarSync,
@@ -22,7 +22,7 @@ from fadsl.passes.async_model import (
     TmaMulticast,
     Wait,
 )
-from fadsl.passes.verify_async import check
+from fadsl.passes.asyncmodel.prove import check
 
 
 @pytest.mark.parametrize("stages", [1, 2])

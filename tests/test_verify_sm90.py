@@ -15,9 +15,9 @@ import pytest
 
 from bruteforce_async import explore
 from fadsl.ir import Kernel, Parity, Step, Sync, Threads
-from fadsl.ops import Op
-from fadsl.irread import read_kernel
-from fadsl.passes.verify_async import AsyncVerifyError, check
+from fadsl.ir.ops import Op
+from fadsl.ir.reader import read_kernel
+from fadsl.passes.asyncmodel.prove import AsyncVerifyError, check
 from fadsl.pipeline import compile_file, compile_source
 from fadsl.targets.sm90.verify import (
     block_counts,
@@ -290,7 +290,7 @@ def test_the_tile_sequences_cover_the_loop(stages):
         KERNELS["fa3_hopper"],
         config=replace(
             KERNELS["fa3_hopper"].config,
-            hopper=replace(KERNELS["fa3_hopper"].config.hopper, stages=stages),
+            ext=replace(KERNELS["fa3_hopper"].config.ext, stages=stages),
         ),
     )
     sequences = tile_sequences(kernel)
@@ -366,7 +366,7 @@ def test_a_q_ring_of_three_barriers_is_refused():
 @pytest.mark.parametrize("tiles", [(1, 1, 1), (2, 1, 1), (1, 1, 1, 1, 1)])
 def test_bruteforce_agrees_on_the_q_ring(tiles):
     kernel = KERNELS["q_ring_one_wg"]
-    assert kernel.buffer("Q").slots == 2 and kernel.config.hopper.stages == 2
+    assert kernel.buffer("Q").slots == 2 and kernel.config.ext.stages == 2
     assert explore(build_program(kernel, tiles), all_kinds=True) == set()
     shrunk = tuple(replace(b, slots=1) if b.name == "Q" else b for b in kernel.buffers)
     assert "race" in explore(build_program(replace(kernel, buffers=shrunk), tiles))
@@ -377,7 +377,7 @@ def test_the_tile_sequences_cover_the_q_ring():
     fresh), after a first tile that sets every offset of the K/V ring (stages 1 too)."""
     for name in ("fa3_q_ring", "q_ring_stages_1"):
         kernel = KERNELS[name]
-        stages = kernel.config.hopper.stages
+        stages = kernel.config.ext.stages
         runs = [s for s in tile_sequences(kernel) if len(s) == 5]
         assert {s[0] for s in runs} == set(range(1, 2 * stages + 1))  # every ring offset
         assert len(runs) == 2 * stages + 2**4 - 1
@@ -406,7 +406,7 @@ def test_a_guarded_softmax_holds_its_k_slot_until_p_is_converted():
     so the slot's empty arrival follows that step; where `rescale lazy` puts it, right after
     S's wgmma wait, verify finds the refill racing the recompute."""
     kernel = KERNELS["fa3_hdim64"]
-    assert kernel.config.hopper.guarded
+    assert kernel.config.ext.guarded
     loop = list(kernel.mainloop)
     arrival = next(
         i

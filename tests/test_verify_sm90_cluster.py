@@ -14,7 +14,7 @@ import pytest
 
 from bruteforce_async import explore
 from fadsl.ir import Kernel, Phase, Sync
-from fadsl.passes.async_model import (
+from fadsl.passes.asyncmodel.model import (
     Arrive,
     ClusterArrive,
     ClusterWait,
@@ -22,7 +22,7 @@ from fadsl.passes.async_model import (
     TmaLoad,
     TmaMulticast,
 )
-from fadsl.passes.verify_async import AsyncVerifyError, check
+from fadsl.passes.asyncmodel.prove import AsyncVerifyError, check
 from fadsl.pipeline import compile_file, compile_source
 from fadsl.targets.sm90 import caps
 from fadsl.targets.sm90.verify import build_program, problems_of, tile_sequences, verify
@@ -107,7 +107,7 @@ def _relaxed(sync: Sync) -> Sync:
 
 def test_the_cluster_spec_compiles_and_verifies():
     compiled = compile_file(CLUSTER)
-    assert compiled.kernel.config.hopper.cluster == 2
+    assert compiled.kernel.config.ext.cluster == 2
     assert verify(KERNEL) is KERNEL
 
 
@@ -118,7 +118,7 @@ def test_the_cluster_plan_has_what_the_proof_relies_on():
     kinds = [s.kind for s in KERNEL.syncs()]
     assert caps.MBAR_ARRIVE_PEER in kinds
     inits = {s.barrier: s.count for s in KERNEL.setup if isinstance(s, Sync)}
-    warps = 4 * KERNEL.config.hopper.consumers
+    warps = 4 * KERNEL.config.ext.consumers
     assert inits["k_empty"] == inits["v_empty"] == 2 * warps and inits["q_empty"] == warps
     setup = [s.kind for s in KERNEL.setup if isinstance(s, Sync) and s.kind in CLUSTER_BARRIER]
     teardown = [s.kind for s in KERNEL.teardown if isinstance(s, Sync)]
@@ -128,7 +128,7 @@ def test_the_cluster_plan_has_what_the_proof_relies_on():
 
 def test_build_program_runs_both_ctas_and_multicasts_half_of_each_kv_tile():
     program = build_program(KERNEL, (3,))
-    consumers = KERNEL.config.hopper.consumers
+    consumers = KERNEL.config.ext.consumers
     assert program.ctas == 2
     assert [(a.name, a.cta) for a in program.agents] == [
         (f"cta{cta}.{role}", cta)
@@ -298,8 +298,8 @@ def test_a_peer_arrival_made_local_is_refused():
 def test_peer_arrivals_without_a_cluster_are_refused():
     """An MBAR_ARRIVE_PEER in a kernel without `cluster`: there is no peer to arrive on
     (and the generated code has no cluster_ctas to test)."""
-    hopper = replace(KERNEL.config.hopper, cluster=1)
-    alone = replace(KERNEL, config=replace(KERNEL.config, hopper=hopper))
+    hopper = replace(KERNEL.config.ext, cluster=1)
+    alone = replace(KERNEL, config=replace(KERNEL.config, ext=hopper))
     failures = _refused(alone)
     assert (
         "arrivals on a peer CTA's mbarriers (k_empty, v_empty) in a kernel without 'cluster'"
@@ -322,8 +322,8 @@ def test_launched_alone_the_kernel_is_one_cta_loading_whole_tiles():
     assert loads and all(e.nbytes == KERNEL.buffer("K").tile_bytes for e in loads)
     empties = [e for e in events if isinstance(e, Arrive) and e.barrier == "k_empty[0]"]
     # blocks 0 and 2 of the tile use slot 0: each consumer warpgroup arrives twice for each
-    assert len(empties) == 2 * 2 * KERNEL.config.hopper.consumers
-    assert dict(program.mbarriers)["k_empty[0]"] == 2 * 4 * KERNEL.config.hopper.consumers
+    assert len(empties) == 2 * 2 * KERNEL.config.ext.consumers
+    assert dict(program.mbarriers)["k_empty[0]"] == 2 * 4 * KERNEL.config.ext.consumers
     assert problems_of(KERNEL, (3,), ctas=1) == []
 
 
@@ -342,7 +342,7 @@ def test_bruteforce_agrees_on_a_small_cluster_kernel():
     """Two CTAs of one producer and one consumer warpgroup, one stage, a tile of two blocks
     (the slot refilled once): every interleaving is free of hangs, races and exit races."""
     assert verify(SMALL) is SMALL
-    assert compile_source(_one_wg_cluster(), "one_wg_cluster").kernel.config.hopper.cluster == 2
+    assert compile_source(_one_wg_cluster(), "one_wg_cluster").kernel.config.ext.cluster == 2
     assert explore(build_program(SMALL, (2,)), all_kinds=True) == set()
 
 

@@ -1,7 +1,3 @@
-"""The compiler's passes; each is a pure function Kernel -> Kernel."""
-
-from .insert_barriers import insert_barriers
-from .plan_smem import plan_smem
-from .verify import verify
-
-__all__ = ["plan_smem", "insert_barriers", "verify"]
+"""The generic passes, each a pure function Kernel -> Kernel over a target's sync model:
+plan_smem, insert_barriers, verify; and the async model (asyncmodel/) that sm_90a's verify
+proves its plans in."""

@@ -45,7 +45,7 @@ from ..ir import (
     Step,
     Sync,
 )
-from ..syncmodel import AsyncKind, SyncModel, WaitRule, covers
+from ..ir.syncmodel import AsyncKind, SyncModel, WaitRule, covers
 
 # A static position: (phase, index of the item in that phase's tuple).
 Pos = tuple[Phase, int]

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from .. import targets
 from ..ir import Access, Buffer, HazardKind, Item, Kernel, Mode, Partition, Step, Sync
-from ..syncmodel import SyncModel, WaitRule, narrowest, same_group
+from ..ir.syncmodel import SyncModel, WaitRule, narrowest, same_group
 
 
 @dataclass(frozen=True)

@@ -19,13 +19,12 @@ import importlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
-from ..ir import Config, Dtype, Instr, Kernel, Level, Scope
+from ..ir import Config, Dtype, Instr, Kernel, Level, Lowered, Role, Scope, TargetConfig, Tensor
+from ..ir.syncmodel import SyncModel
+from .launch import Launch
 
 if TYPE_CHECKING:
-    from ..lower import Lowered
-    from ..checks import Checks
-    from ..ir import Tensor, Role
-    from ..syncmodel import SyncModel
+    from ..frontend.checks import Checks
 
 # spec spelling -> package under fadsl/targets (and emit/)
 _PACKAGES: dict[str, str] = {"sm_80": "sm80", "sm_90a": "sm90"}
@@ -49,6 +48,10 @@ class Capabilities:
     hop_instrs: Mapping[tuple[Level, Level], tuple[Instr, ...]]
     # the nvcc architectures the kernel is built and reported for, with their GPUs
     archs: tuple[tuple[str, str], ...]
+    # the GPUs its instructions run on: the lowest compute capability, and whether only that
+    devices: tuple[tuple[int, int], bool]
+    # why a tensor's strides and base must be 16-byte aligned (in the argument errors)
+    alignment: str
     # the SMEM sharing scopes a path may name
     scopes: tuple[Scope, ...] = (Scope.WARP, Scope.CTA)
 
@@ -100,6 +103,10 @@ class Target:
     # A schedule's variant for the launches that do not use its clusters (sm_90a: `cluster 2`
     # run alone), compiled beside it and launched in its place; None: no such variant.
     alone: Callable[[Kernel], Kernel | None] | None = None
+    # The host side: params, grid, clusters (fadsl/targets/<package>/host).
+    launch: Launch | None = None
+    # Reads the line its ``Config.ext`` prints in the IR's text form; None: no such line.
+    read_config: Callable[[str], TargetConfig] | None = None
 
 
 def names() -> tuple[str, ...]:
@@ -121,3 +128,11 @@ def get(name: str) -> Target:
 
 def target_of(kernel: Kernel) -> Target:
     return get(kernel.config.target)
+
+
+def launch_for(name: str) -> Launch:
+    """The host side of target ``name``'s kernels."""
+    launch = get(name).launch
+    if launch is None:
+        raise NotImplementedError(f"fadsl has no launcher for target {name} yet")
+    return launch

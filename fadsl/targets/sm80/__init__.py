@@ -7,10 +7,13 @@ commit groups by cp.async.wait_group.
 
 from __future__ import annotations
 
-from ...passes import insert_barriers, plan_smem, verify
+from ...passes.insert_barriers import insert_barriers
+from ...passes.plan_smem import plan_smem
+from ...passes.verify import verify
 from .. import Target
 from .caps import CAPABILITIES, SYNC_MODEL
 from .emit import TEMPLATE, context
+from .host import LAUNCH
 from .schedule import build_schedule
 from .validate import validate, validate_path
 
@@ -29,4 +32,5 @@ TARGET = Target(
     ),
     template=TEMPLATE,
     context=context,
+    launch=LAUNCH,
 )

@@ -7,7 +7,7 @@ groups and cp.async.wait_group), ldmatrix; runs on sm_80 to sm_90.
 from __future__ import annotations
 
 from ...ir import Instr, Level, Scope
-from ...syncmodel import AsyncKind, SyncKind, SyncModel, WaitRule
+from ...ir.syncmodel import AsyncKind, SyncKind, SyncModel, WaitRule
 from .. import Capabilities
 
 CAPABILITIES = Capabilities(
@@ -23,6 +23,8 @@ CAPABILITIES = Capabilities(
         (Level.SMEM, Level.GMEM): (Instr.ST_GLOBAL,),
     },
     archs=(("sm_80", "A100"), ("sm_90a", "H100/H200")),
+    devices=((8, 0), False),  # sm_80 and newer
+    alignment="16-byte vector loads",
 )
 
 # A cp.async copy lands in SMEM some time after it is issued; each step that issues

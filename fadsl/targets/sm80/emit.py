@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from ...ir import Dtype, Kernel, Phase, Step, Sync
-from ...ops import Op
+from ...ir.ops import Op
 from .caps import CP_ASYNC_WAIT, SYNCTHREADS, SYNCWARP
 
 TEMPLATE = "sm80/kernel.cu.j2"

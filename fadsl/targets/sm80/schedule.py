@@ -15,21 +15,9 @@ normalise, O rf -> smem -> gmem. No syncs yet: insert_barriers adds them.
 from __future__ import annotations
 
 from ...errors import Loc
-from ...ir import (
-    Access,
-    Buffer,
-    Kernel,
-    Mask,
-    Mode,
-    Partition,
-    Phase,
-    RegLoad,
-    Role,
-    Scope,
-    Step,
-)
-from ...lower import Lowered
-from ...ops import Move, Op
+from ...ir import Access, Buffer, Kernel, Mask, Mode, Partition, Phase, RegLoad, Role, Scope, Step
+from ...ir.lowered import Lowered
+from ...ir.ops import Move, Op
 from .caps import CAPABILITIES, CP_ASYNC
 
 

@@ -12,9 +12,9 @@
 
 from __future__ import annotations
 
-from ...checks import Checks, and_list
+from ...frontend.checks import Checks, and_list
 from ...ir import Instr, Level, RegLoad, Role, Scope, Swizzle, Tensor
-from ...syntax import PathDecl
+from ...frontend.syntax import PathDecl
 from .caps import CAPABILITIES
 
 # A conflict-free swizzle for each head_dim's rows: the 8 rows one ldmatrix reads land on

@@ -17,9 +17,11 @@ from __future__ import annotations
 from .. import Target
 from .alone import alone
 from .caps import CAPABILITIES, SYNC_MODEL
+from .config import read_config
 from .emit import TEMPLATE, context
-from .cluster_syncs import cluster_syncs
-from .insert_syncs import insert_syncs
+from .host.launch import LAUNCH
+from .syncs.cluster import cluster_syncs
+from .syncs.insert import insert_syncs
 from .plan_smem import plan_smem
 from .report import REPORT
 from .schedule import build_schedule
@@ -63,4 +65,6 @@ TARGET = Target(
     configure=configure,
     report=REPORT,  # roles, rings, named barriers, one program per role
     alone=alone,  # `cluster 2`: the cluster-free kernel for launches that do not pair
+    launch=LAUNCH,  # FwdParamsSm90, the persistent tile grid, the split tail, clusters
+    read_config=read_config,
 )

@@ -27,7 +27,7 @@ def alone_name(name: str) -> str:
 def alone(kernel: Kernel) -> Kernel | None:
     """``kernel``'s schedule (before any pass) without its cluster, named <name>_alone;
     None for a kernel without one."""
-    hw = kernel.config.hopper
+    hw = kernel.config.ext
     if hw is None or hw.cluster == 1:
         return None
 
@@ -37,7 +37,7 @@ def alone(kernel: Kernel) -> Kernel | None:
     config = replace(
         kernel.config,
         name=alone_name(kernel.config.name),
-        hopper=replace(hw, cluster=1, alone_of=kernel.config.name),
+        ext=replace(hw, cluster=1, alone_of=kernel.config.name),
     )
     return replace(
         kernel,

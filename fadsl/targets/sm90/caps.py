@@ -9,7 +9,7 @@ SMEM write reaches the async proxy (TMA store) only after fence.proxy.async.
 from __future__ import annotations
 
 from ...ir import Instr, Level, Scope
-from ...syncmodel import AsyncKind, Signal, SyncKind, SyncModel, WaitRule
+from ...ir.syncmodel import AsyncKind, Signal, SyncKind, SyncModel, WaitRule
 from .. import Capabilities
 
 CAPABILITIES = Capabilities(
@@ -25,6 +25,9 @@ CAPABILITIES = Capabilities(
         (Level.SMEM, Level.GMEM): (Instr.TMA,),
     },
     archs=(("sm_90a", "H100/H200"),),
+    devices=((9, 0), True),  # the "a" instructions: sm_90 only
+    alignment="TMA descriptors need every stride but the last a multiple of 16 bytes and a "
+    "16-byte aligned base",
     scopes=(Scope.WARPGROUP, Scope.CTA, Scope.CLUSTER),
 )
 

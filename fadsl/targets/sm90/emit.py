@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from ...ir import Dtype, Kernel, Parity, Phase, Scope, Step, Sync, Threads
-from ...ops import Op
+from ...ir.ops import Op
 from .alone import alone_name
 from .caps import (
     BAR_ARRIVE,
@@ -39,7 +39,7 @@ from .caps import (
     WGMMA_WAIT,
     launch_registers,
 )
-from .insert_syncs import role_of
+from .syncs.insert import role_of
 from .plan_smem import mbarrier_offset, o_over_rings
 from .schedule import REGISTERS, ring_buffers
 
@@ -225,7 +225,7 @@ class _Render:
 
 def context(kernel: Kernel, dtype: Dtype) -> dict[str, Any]:
     cfg = kernel.config
-    hw = cfg.hopper
+    hw = cfg.ext
     assert hw is not None and kernel.smem_bytes is not None
     render = _Render(kernel)
     roles: dict[str, dict[str, list]] = {

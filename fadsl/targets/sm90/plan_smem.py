@@ -77,20 +77,20 @@ def plan_smem(kernel: Kernel, target: targets.Target) -> Kernel:
             )
         regions[2] = replace(regions[2], members=("V", "O"), reasons=tuple(why))
         bars = mbarrier_count(kernel, o_aliased=True)
-        if kernel.config.hopper.cluster > 1:
+        if kernel.config.ext.cluster > 1:
             # The peer's multicast into the V ring would need a cluster-wide "O stored"
             # barrier before every next tile's first V load: not built.
             raise SpecError(
                 [
                     Diagnostic(
                         kernel.config.loc_of("cluster_value"),
-                        f"cluster {kernel.config.hopper.cluster} needs O in its own SMEM "
+                        f"cluster {kernel.config.ext.cluster} needs O in its own SMEM "
                         "bytes (the peer CTA multicasts into the K/V rings); here O lies "
                         "over the dead V ring: use a smaller B_c or fewer stages",
                     )
                 ]
             )
-        if kernel.config.hopper.split_kv:
+        if kernel.config.ext.split_kv:
             # A piece that is not its tile's last skips the tail, so the tail may hold no
             # barrier of every consumer warpgroup (O over the rings needs two).
             raise SpecError(

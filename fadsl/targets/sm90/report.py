@@ -26,8 +26,8 @@ from .caps import (
     register_pool,
     registers_asked,
 )
-from ...params import PAIR_MIN_KV_BLOCKS
-from .insert_syncs import role_of
+from .host.launch import PAIR_MIN_KV_BLOCKS
+from .syncs.insert import role_of
 from .plan_smem import mbarrier_count, mbarrier_offset, o_over_rings
 from .verify import block_counts, max_tiles
 
@@ -56,7 +56,7 @@ def _on(flag: bool) -> str:
 
 def check_lines(kernel: Kernel, lines: list[tuple[str, str]]) -> list[tuple[str, str]]:
     cfg = kernel.config
-    hw = cfg.hopper
+    hw = cfg.ext
     assert hw is not None
     consumers = (
         f"{_warpgroups(1, hw.consumers)}, setmaxnreg.inc {hw.consumer_regs}; "
@@ -100,7 +100,7 @@ def register_cap(kernel: Kernel, caps: Capabilities) -> tuple[int, str]:
     """The consumers' setmaxnreg: what their code may use. The compiler reports one count
     per kernel, the allocation every thread launches with (bounded by the launch bounds)
     before setmaxnreg moves registers from the producer to the consumers."""
-    hw = kernel.config.hopper
+    hw = kernel.config.ext
     assert hw is not None
     threads = kernel.config.threads
     return hw.consumer_regs, (
@@ -157,7 +157,7 @@ def _mbarriers(kernel: Kernel) -> list[dict[str, Any]]:
 
 
 def _named_barriers(kernel: Kernel) -> list[dict[str, Any]]:
-    hw = kernel.config.hopper
+    hw = kernel.config.ext
     assert hw is not None
     found: dict[str, dict[str, Any]] = {}
     for s in kernel.syncs():
@@ -202,7 +202,7 @@ def _programs(kernel: Kernel) -> list[dict[str, Any]]:
 
 def explain_data(kernel: Kernel) -> dict[str, Any]:
     cfg = kernel.config
-    hw = cfg.hopper
+    hw = cfg.ext
     assert hw is not None
     counts = block_counts(kernel)
     consumer_threads = WARPGROUP_THREADS * hw.consumers
@@ -455,7 +455,7 @@ def explain_schedule(data: Mapping[str, Any]) -> list[str]:
 
 
 def threads_text(kernel: Kernel) -> str:
-    hopper = kernel.config.hopper
+    hopper = kernel.config.ext
     assert hopper is not None
     return f"{1 + hopper.consumers} warpgroups (1 producer, {hopper.consumers} consumer)"
 

@@ -25,8 +25,8 @@ store a TMA store (``TMA_STORE``). Register tiles are not SMEM buffers: their us
 from __future__ import annotations
 
 from ...ir import Access, Buffer, Kernel, Mode, Partition, Phase, Role, Scope, Step, Threads
-from ...lower import Lowered
-from ...ops import Move, Op
+from ...ir.lowered import Lowered
+from ...ir.ops import Move, Op
 from .caps import TMA_LOAD, TMA_STORE, WGMMA
 
 # Register tiles each consumer op reads and writes (per thread, in the warpgroup's rows).
@@ -57,7 +57,7 @@ def ring_buffers(kernel: Kernel) -> frozenset[str]:
 
 def build_schedule(lowered: Lowered) -> Kernel:
     cfg = lowered.config
-    hw = cfg.hopper
+    hw = cfg.ext
     assert hw is not None
     tensors = {t.role: t for t in lowered.tensors}
     elem = cfg.dtypes[0].nbytes

@@ -17,9 +17,10 @@ TMA's 16-byte stride and alignment rules concern the tensors: the runtime checks
 
 from __future__ import annotations
 
-from ...checks import Checks, and_list
-from ...ir import AliasPolicy, Config, Hopper, Instr, Level, Mask, Rescale, Role, Scope, Tensor
-from ...syntax import PathDecl
+from ...frontend.checks import Checks, and_list
+from ...ir import AliasPolicy, Config, Instr, Level, Mask, Rescale, Role, Scope, Tensor
+from .config import Sm90Config
+from ...frontend.syntax import PathDecl
 from .caps import (
     CAPABILITIES,
     HEAD_DIMS,
@@ -291,7 +292,7 @@ def configure(c: Checks) -> Config:
         loc=c.decl.loc,
         key_locs=tuple(sorted(c.key_locs.items())),
         allow_spills=v.get("spills", False),
-        hopper=Hopper(
+        ext=Sm90Config(
             consumers=consumers,
             stages=v.get("stages", 2),
             producer_regs=regs["producer"],

@@ -78,9 +78,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from itertools import product
 
-from ...ir import Buffer, Kernel, Mask, Mode, Partition, Phase, Parity, Step, Sync, Threads
-from ...ops import Op
-from ...passes.async_model import (
+from ...ir import Buffer, Kernel, Mode, Partition, Phase, Parity, Step, Sync, Threads
+from ...ir.ops import Op
+from ...passes.asyncmodel.model import (
     Access,
     Agent,
     Arrive,
@@ -99,8 +99,8 @@ from ...passes.async_model import (
     WgmmaCommit,
     WgmmaWait,
 )
-from ...passes.verify_async import AsyncVerifyError, check
-from . import caps, verify_clusters
+from ...passes.asyncmodel.prove import AsyncVerifyError, check
+from . import caps, cluster_agents
 
 WARPS_PER_WARPGROUP = 4
 # per tile of a sequence: the consumer warpgroups that skip its tail (tail split_kv)
@@ -131,7 +131,7 @@ _REG_INDEX = {"S": 0, "P": 1, "O": 2}
 def block_counts(kernel: Kernel) -> range:
     """The K/V block counts of each tile the plan is proven for: 1 .. stages + 2 (an empty
     tile runs nothing the proof could see)."""
-    hopper = kernel.config.hopper
+    hopper = kernel.config.ext
     assert hopper is not None, "the sm_90a verify needs an sm_90a kernel"
     return range(1, hopper.stages + 3)
 
@@ -140,7 +140,7 @@ def tile_sequences(kernel: Kernel) -> tuple[tuple[int, ...], ...]:
     """The sequences of non-empty tiles (K/V blocks of each) the plan is proven for, shortest
     and smallest first, so that the first failure is the smallest; see the module docstring
     for why these cover the tile loop."""
-    stages = kernel.config.hopper.stages
+    stages = kernel.config.ext.stages
     shapes = block_counts(kernel)  # 1 .. S + 2
     singles = [(n,) for n in shapes]
     pairs = [(a, b) for a in range(1, max(stages + 2, 2 * stages) + 1) for b in shapes]
@@ -155,7 +155,7 @@ def tile_sequences(kernel: Kernel) -> tuple[tuple[int, ...], ...]:
     # Q slot in both phases, no longer fresh: after a first tile of 1 .. 2S blocks (every
     # offset of the K/V ring) tiles of one block; after one of one block, every mix of
     # tiles of 1 and 2 blocks (without and with a mainloop).
-    q_slots = kernel.config.hopper.q_slots
+    q_slots = kernel.config.ext.q_slots
     runs = []
     if q_slots > 1:
         runs = [(first,) + (1,) * (2 * q_slots) for first in range(1, 2 * stages + 1)]
@@ -188,7 +188,7 @@ def skip_patterns(kernel: Kernel) -> tuple[tuple[tuple[int, ...], Skips], ...]:
     with a mainloop) make the shapes: a pair of each order with every set of warpgroups
     skipping each tile's tail, and a triple of each with every set skipping the middle
     one's (a skipped tail between two that run). Empty without split_kv."""
-    hopper = kernel.config.hopper
+    hopper = kernel.config.ext
     if not hopper.split_kv:
         return ()
     groups = [
@@ -206,7 +206,7 @@ def skip_patterns(kernel: Kernel) -> tuple[tuple[tuple[int, ...], Skips], ...]:
 
 def verify(kernel: Kernel, target=None) -> Kernel:
     """Return ``kernel`` if its sync plan is proven for every tile sequence, else raise."""
-    hopper = kernel.config.hopper
+    hopper = kernel.config.ext
     assert hopper is not None, "the sm_90a verify needs an sm_90a kernel"
     problems = list(_setup_problems(kernel))
     peer = sorted({s.barrier for s in kernel.syncs() if s.kind is caps.MBAR_ARRIVE_PEER})
@@ -217,8 +217,8 @@ def verify(kernel: Kernel, target=None) -> Kernel:
         )
     if problems:
         raise AsyncVerifyError(tuple(problems))
-    for ctas in verify_clusters.launch_modes(kernel):
-        mode = verify_clusters.describe_mode(kernel, ctas)
+    for ctas in cluster_agents.launch_modes(kernel):
+        mode = cluster_agents.describe_mode(kernel, ctas)
         for tiles in tile_sequences(kernel):
             found = problems_of(kernel, tiles, ctas=ctas)
             if found:  # the smallest failing sequence says enough
@@ -263,8 +263,8 @@ def _setup_problems(kernel: Kernel) -> list[str]:
     fences = [i for i, k in enumerate(order) if k is caps.FENCE_MBAR_INIT and i > last_init]
     if inits and not fences:
         problems.append("no fence.mbarrier_init after the mbarrier inits (TMA's complete_tx)")
-    elif inits and verify_clusters.ctas(kernel) > 1:  # the peer uses them too
-        problems += verify_clusters.setup_problems(kernel, syncs[fences[0] :])
+    elif inits and cluster_agents.ctas(kernel) > 1:  # the peer uses them too
+        problems += cluster_agents.setup_problems(kernel, syncs[fences[0] :])
     elif inits and not any(k is caps.SYNCTHREADS for k in order[fences[0] :]):
         problems.append("no CTA barrier between the mbarrier inits and their first use")
     return problems
@@ -285,7 +285,7 @@ def build_program(
     the launch's CTAs per cluster (default the spec's `cluster`; 1 runs a cluster kernel
     alone); with ``fences``, also the wgmma.fence markers, which are not async_model
     events."""
-    hopper = kernel.config.hopper
+    hopper = kernel.config.ext
     assert hopper is not None
     tiles = (tiles,) if isinstance(tiles, int) else tuple(tiles)
     assert all(n >= 0 for n in tiles), tiles
@@ -304,7 +304,7 @@ def build_program(
     roles = [("producer", None, 1)] + [(f"wg{wg}", wg, 128) for wg in range(consumers)]
     ctas = ctas or hopper.cluster
     named = [
-        (verify_clusters.agent_name(role, cta, ctas > 1), wg, threads, cta)
+        (cluster_agents.agent_name(role, cta, ctas > 1), wg, threads, cta)
         for cta in range(ctas)
         for role, wg, threads in roles
     ]
@@ -335,7 +335,7 @@ class _Agent:
         self, kernel: Kernel, name: str, wg: int | None, cta: int = 0, ctas: int = 1
     ) -> None:
         self.kernel = kernel
-        self.hopper = kernel.config.hopper
+        self.ext = kernel.config.ext
         self.name = name
         self.wg = wg
         self.cta = cta
@@ -362,9 +362,9 @@ class _Agent:
         # the cluster barrier: every thread, before the roles split and after they end
         for phase, items in kernel.phases():
             if phase is Phase.SETUP:
-                self.plan[phase] = verify_clusters.everyone(items) + self.plan[phase]
+                self.plan[phase] = cluster_agents.everyone(items) + self.plan[phase]
             elif phase is Phase.TEARDOWN:
-                self.plan[phase] = self.plan[phase] + verify_clusters.everyone(items)
+                self.plan[phase] = self.plan[phase] + cluster_agents.everyone(items)
         # The generated code counts a tile done (tile_count, ring_base) where the consumers'
         # tail starts, at their normalise step; the items after it see the next tile's count.
         epilogue = self.plan.get(Phase.EPILOGUE, [])
@@ -380,7 +380,7 @@ class _Agent:
         }
 
     def runs(self, who: Threads) -> bool:
-        last = self.hopper.consumers - 1
+        last = self.ext.consumers - 1
         match who:
             case Threads.PRODUCER_THREAD:
                 return self.wg is None
@@ -434,7 +434,7 @@ class _Agent:
                 raise AssertionError(f"not an item: {item!r}")
 
     def slot(self, lag: int | None, it: int) -> int:
-        return 0 if lag is None else (self.base + it + lag) % self.hopper.stages
+        return 0 if lag is None else (self.base + it + lag) % self.ext.stages
 
     def barrier(self, sync: Sync, it: int) -> str:
         if sync.lag is None:
@@ -481,8 +481,8 @@ class _Agent:
                     barrier = full
                 (access,) = step.accesses
                 buf = self.kernel.buffer(access.buffer)
-                if verify_clusters.is_cluster_load(buf, self.ctas):  # this CTA's panels
-                    return verify_clusters.multicast(buf, span, barrier, self.cta, self.ctas, what)
+                if cluster_agents.is_cluster_load(buf, self.ctas):  # this CTA's panels
+                    return cluster_agents.multicast(buf, span, barrier, self.cta, self.ctas, what)
                 return [TmaLoad(span, barrier, span.hi - span.lo, what)]
             case caps.TMA_STORE:
                 return [TmaStore(span, what) for span, _ in smem]
@@ -507,14 +507,14 @@ class _Agent:
                 bar, count = self.barrier(sync, it), self.arrivals(sync)
                 if self.ctas == 1:  # launched alone, the CTA is its own peer
                     return [Arrive(bar, count, 0, why)]
-                return [verify_clusters.peer_arrive(bar, self.cta, count, why)]
+                return [cluster_agents.peer_arrive(bar, self.cta, count, why)]
             case caps.MBAR_WAIT:
                 return [Wait(self.barrier(sync, it), self.parity(sync, it), why)]
             case caps.BAR_SYNC | caps.BAR_ARRIVE:
                 bar_id = sync.bar_id
                 if sync.peer is not None:
                     assert self.wg is not None
-                    bar_id += (self.wg + sync.peer) % self.hopper.consumers
+                    bar_id += (self.wg + sync.peer) % self.ext.consumers
                 kind = BarSync if sync.kind is caps.BAR_SYNC else BarArrive
                 return [kind(bar_id, sync.count, why)]
             case caps.WGMMA_COMMIT:
@@ -530,7 +530,7 @@ class _Agent:
             case caps.BULK_WAIT:
                 return [BulkWait(sync.groups)]
             case caps.CLUSTER_ARRIVE | caps.CLUSTER_ARRIVE_RELAXED | caps.CLUSTER_WAIT:
-                return [verify_clusters.barrier_event(sync, why)]
+                return [cluster_agents.barrier_event(sync, why)]
             case caps.MBAR_INIT | caps.FENCE_MBAR_INIT | caps.SYNCTHREADS:
                 raise AssertionError("setup syncs run before the roles split")
             case _:
@@ -554,7 +554,7 @@ class _Agent:
                     raise AssertionError(
                         f"a per-tile barrier's wait needs a tile parity: {sync.parity}"
                     )
-        phase = ((self.base + it + sync.lag) // self.hopper.stages) & 1
+        phase = ((self.base + it + sync.lag) // self.ext.stages) & 1
         match sync.parity:
             case Parity.ZERO:
                 return 0

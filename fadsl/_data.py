@@ -1,0 +1,20 @@
+"""Where the grammar (grammar/) and the templates and headers (emit/) are.
+
+An installed fadsl carries them as the subpackages ``fadsl.grammar`` and ``fadsl.emit``
+(pyproject.toml maps the folders there); a source checkout imported as it is (the
+repository root on sys.path) has them beside the package.
+"""
+
+from __future__ import annotations
+
+from importlib import resources
+from importlib.abc import Traversable
+from pathlib import Path
+
+
+def data_dir(name: str) -> Traversable:
+    """``grammar`` or ``emit``: the installed subpackage, else the checkout's folder."""
+    try:
+        return resources.files(f"fadsl.{name}")
+    except ModuleNotFoundError:
+        return Path(__file__).resolve().parent.parent / name

@@ -1,0 +1,159 @@
+"""Compile the rendered kernel and refuse a spec whose kernel spills: the register truth
+behind `fadsl check` and `fadsl explain`.
+
+lower's register estimate counts the fragments a kernel must hold and refuses what
+surely cannot fit; only the compiler knows what else it keeps live (addresses, loop
+state, values it hoists), so where a CUDA compiler is available the kernel is compiled
+for every architecture its target runs on, and a kernel that spills registers or uses
+a stack frame is refused with a message on the spec's `tile` (or `warps`) line, unless
+the spec says `spills allow` (for experiments).
+
+The compiler is a plain function ``(source, arch) -> Usage``; ``find_compiler`` picks the
+runtime's (NVRTC, else nvcc), or says why there is none.
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Callable
+
+from ..codegen.render import Source, render
+from .nvrtc import Usage
+from ..errors import Diagnostic, SpecError
+from ..ir import Dtype, RegLoad
+from ..pipeline import Compiled
+from ..targets import Capabilities
+
+
+@dataclass(frozen=True)
+class KernelUsage:
+    dtype: Dtype
+    arch: str
+    usage: Usage
+
+
+Compiler = Callable[[Source, str], Usage]
+
+
+@dataclass(frozen=True)
+class RegisterCheck:
+    """The outcome: one row per dtype and architecture, or why nothing was compiled."""
+
+    rows: tuple[KernelUsage, ...]
+    compiler: str  # e.g. "nvcc 13.0", or why there is none: "no CUDA compiler (...)"
+    allowed_spills: bool = False
+
+    @property
+    def ran(self) -> bool:
+        return bool(self.rows)
+
+
+def nvcc_compiler() -> Compiler | None:
+    """The runtime's compiler (NVRTC from the pip wheels, else nvcc on the PATH or in
+    /usr/local/cuda), through fadsl.resources, or None."""
+    from . import resources
+
+    if not resources.can_compile():
+        return None
+
+    def compile_with_nvcc(source: Source, arch: str) -> Usage:
+        usage = resources.ptxas_usage(source, arch, resources.usage_cache())
+        return Usage(
+            registers=usage["registers"],
+            spill_store_bytes=usage["spill_store_bytes"],
+            spill_load_bytes=usage["spill_load_bytes"],
+            stack_bytes=usage["stack_bytes"],
+            static_smem_bytes=usage["static_smem_bytes"],
+        )
+
+    return compile_with_nvcc
+
+
+def find_compiler() -> tuple[Compiler | None, str]:
+    """The compiler to check with and its name, or None and why there is none."""
+    from .nvrtc import compiler_id
+
+    compiler = nvcc_compiler()
+    if compiler is None:
+        return None, "no CUDA compiler: neither NVRTC (cuda-bindings) nor nvcc"
+    return compiler, compiler_id()
+
+
+def register_cap(caps: Capabilities, threads: int) -> int:
+    """Registers per thread that one CTA of ``threads`` threads can have (ptxas's bound
+    under __launch_bounds__)."""
+    return min(caps.registers_per_thread, caps.registers_per_sm // threads)
+
+
+def check_registers(
+    compiled: Compiled, compiler: Compiler | None = None, name: str = "a CUDA compiler"
+) -> RegisterCheck:
+    """Compile every dtype of ``compiled`` (and of its cluster-free variant) for every
+    architecture its target runs on (in parallel) and refuse, by SpecError, a kernel that
+    spills or uses a stack frame, unless the spec allows spills. The result holds the spec's
+    own kernel's rows. With no compiler given, ``find_compiler`` picks one; with none found,
+    nothing is compiled and the result says why."""
+    if compiler is None:
+        compiler, name = find_compiler()
+        if compiler is None:
+            return RegisterCheck((), name)
+    target = compiled.target
+    archs = [arch for arch, _family in target.capabilities.archs]
+    # A `cluster 2` spec's cluster-free variant (the launches that do not pair run it) too,
+    # in the same pool. Rendered under each kernel's name, not the spec's path, so that one
+    # kernel is compiled once whatever file it is checked from (results are cached).
+    kernels = compiled.variants
+    jobs = [
+        (c, source, arch)
+        for c in kernels
+        for source in render(c.kernel, target, f"{c.kernel.config.name}.fa")
+        for arch in archs
+    ]
+    with ThreadPoolExecutor(max_workers=min(len(jobs), os.cpu_count() or 1)) as pool:
+        usages = list(pool.map(lambda job: compiler(*job[1:]), jobs))
+    rows: dict[int, list[KernelUsage]] = {id(c): [] for c in kernels}
+    for (c, source, arch), usage in zip(jobs, usages):
+        rows[id(c)].append(KernelUsage(source.dtype, arch, usage))
+    allow = compiled.kernel.config.allow_spills
+    for c in kernels:
+        spilling = [row for row in rows[id(c)] if row.usage.spills]
+        if spilling and not allow:
+            raise SpecError([_spill_diagnostic(c, spilling)], compiled.source)
+    return RegisterCheck(tuple(rows[id(compiled)]), name, allow)
+
+
+def _spill_diagnostic(compiled: Compiled, spilling: list[KernelUsage]) -> Diagnostic:
+    cfg = compiled.kernel.config
+    caps = compiled.target.capabilities
+    cap = register_cap(caps, cfg.threads)
+    worst = max(spilling, key=lambda r: (r.usage.spill_store_bytes, r.usage.stack_bytes))
+    u = worst.usage
+    where = ", ".join(sorted({f"{r.dtype.value} on {r.arch}" for r in spilling}))
+    if cfg.ext is not None:  # sm_90a: setmaxnreg, not the launch, bounds the consumers
+        loc = cfg.loc_of("registers") if "registers" in dict(cfg.key_locs) else cfg.loc_of("tile")
+        limit = f"the {cfg.ext.consumer_regs} registers per consumer thread (setmaxnreg)"
+        hint = "use a smaller B_c, give the consumers more registers, or turn overlap off"
+    elif cap < caps.registers_per_thread:
+        loc = cfg.loc_of("warps")
+        limit = f"the {cap} registers per thread that {cfg.threads} threads allow"
+        full = caps.registers_per_sm // (32 * caps.registers_per_thread)
+        hint = f"use at most {full} warps (then each thread may have {caps.registers_per_thread})"
+    else:
+        loc = cfg.loc_of("tile")
+        limit = f"the {cap}-register limit per thread"
+        tiles = [t.role.value for t in compiled.kernel.tensors if t.reg_load is RegLoad.TILE]
+        hint = "use a smaller B_c or more warps"
+        if set(tiles) - {"O"}:
+            hint = "load fragment-wise (rf[frag]), " + hint
+    # the variant the launches that do not pair run (sm90/alone.py): say it is that one
+    variant = cfg.ext is not None and cfg.ext.alone_of
+    which = f"its cluster-free variant {cfg.name}" if variant else "the kernel"
+    return Diagnostic(
+        loc,
+        f"{which} does not fit {limit}: it uses {u.registers} registers and spills "
+        f"({u.spill_store_bytes} bytes of spill stores, {u.spill_load_bytes} of loads, a "
+        f"{u.stack_bytes}-byte stack frame; {where}); {hint}, or add 'spills allow' to "
+        "accept it for an experiment",
+    )

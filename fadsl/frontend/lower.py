@@ -1,0 +1,134 @@
+"""Lower the AST to a validated configuration, the tensors' paths and the mainloop order.
+
+Every problem becomes a located diagnostic; independent problems are collected
+and reported together. The work is split by what it checks: the settings
+(lower_settings), the paths (lower_paths), the mainloop order (lower_order) and,
+once all are known, the target's own checks (``Target.validate``). The target's
+schedule builder turns the result into the IR.
+"""
+
+from __future__ import annotations
+
+from .. import targets
+from .checks import Checks, and_list
+from ..errors import DiagnosticSink, quoted
+from ..ir import AliasPolicy, Config, Lowered, Mask, Role, Swizzle, Tensor
+from .order import read_order
+from .paths import read_paths
+from .settings import REQUIRED_KEYS, read_settings
+from .syntax import KernelDecl
+
+# The name prefixes every CUDA symbol and file the kernel becomes ("NAME_bf16_kernel",
+# "NAME_bf16.cu", cache entries that add a hash): it must stay a short C++ identifier.
+MAX_NAME = 64
+
+
+def lower(decl: KernelDecl, sink: DiagnosticSink, partial: bool = False) -> Lowered | None:
+    """Validate a parsed spec; on success return its config, tensors and mainloop order."""
+    c = Checks(decl, sink, partial)
+    _kernel_name(c)
+    read_settings(c)
+    # A missing or wrong target line is reported already; its paths are still checked, by
+    # the rules of the target the spec's other keys point to, so that their mistakes are
+    # reported too, and no key is asked for on a guess.
+    known = "target" in c.values
+    target = targets.get(c.values["target"]) if known else _likely_target(c)
+    tensors = read_paths(c, target)
+    required = (*REQUIRED_KEYS, *(target.required_keys if known else ()))
+    _report_foreign_keys(c, target)
+    _report_missing(c, [k for k in required if k not in c.key_locs], c.missing_tensors)
+    order = read_order(c, tensors)
+    config = _config(c, target, tensors, required)
+    if sink.diagnostics or config is None or len(tensors) != len(Role):
+        return None
+    return Lowered(config, tuple(tensors[r] for r in Role), order)
+
+
+def _likely_target(c: Checks) -> targets.Target:
+    """With no valid target line: the target whose own required keys the spec sets
+    ('warpgroups': sm_90a), else the fallback."""
+    for name in targets.names():
+        target = targets.get(name)
+        if target.required_keys and all(k in c.key_locs for k in target.required_keys):
+            return target
+    return targets.get(targets.FALLBACK)
+
+
+def _kernel_name(c: Checks) -> None:
+    name = c.decl.name
+    if len(name.text) > MAX_NAME:
+        c.error(
+            name.loc,
+            f"the kernel name is {len(name.text)} characters long; at most {MAX_NAME} "
+            "(it names the CUDA symbols and the files the kernel compiles to)",
+        )
+    elif name.text.startswith("__") or (name.text[:1] == "_" and name.text[1:2].isupper()):
+        c.error(
+            name.loc,
+            f"kernel name '{name.text}' is reserved in C++ (names that begin with '__' or "
+            "'_' and a capital letter); it prefixes the kernel's CUDA symbols",
+        )
+
+
+def _report_missing(c: Checks, keys: list[str], tensors: list[str]) -> None:
+    """One message for everything the kernel lacks (a misspelling aside)."""
+    keys = [k for k in keys if k not in c.suggested]
+    tensors = [t for t in tensors if t not in c.suggested]
+    parts = []
+    if keys:
+        parts.append(("key " if len(keys) == 1 else "keys ") + and_list(f"'{k}'" for k in keys))
+    if tensors:
+        parts.append(("the path of " if len(tensors) == 1 else "the paths of ") + and_list(tensors))
+    if parts:
+        name = quoted(c.decl.name.text)
+        c.missing(c.decl.loc, f"kernel '{name}' is missing {' and '.join(parts)}")
+
+
+def _report_foreign_keys(c: Checks, target: targets.Target) -> None:
+    """A key that another target takes (sm_80's 'warps' in an sm_90a spec) is refused."""
+    if "target" not in c.values:
+        return  # the target line is wrong or missing, and reported: no second guess
+    own = {*REQUIRED_KEYS, *target.required_keys, *target.keys}
+    for setting in c.decl.settings:
+        key = setting.key.text
+        if key in c.key_locs and key not in own and c.key_locs[key] == setting.key.loc:
+            others = [t for t in targets.names() if key in _keys_of(targets.get(t))]
+            c.error(
+                setting.key.loc,
+                f"'{key}' is not a setting of target {target.name}"
+                + (f" (it is {and_list(others)}'s)" if others else "")
+                + (f"; {target.key_hints[key]}" if key in target.key_hints else ""),
+            )
+            c.values.pop(key, None)
+
+
+def _keys_of(target: targets.Target) -> set[str]:
+    return {*target.required_keys, *target.keys}
+
+
+def _config(
+    c: Checks, target: targets.Target, tensors: dict[Role, Tensor], required: tuple[str, ...]
+) -> Config | None:
+    v = c.values
+    if any(key not in v for key in required):
+        return None
+    if not target.validate(c, tensors):
+        return None
+    if target.configure is not None:
+        return target.configure(c)
+    swizzle = v.get("swizzle")
+    return Config(
+        name=c.decl.name.text,
+        target=v["target"],
+        dtypes=v["dtype"],
+        head_dim=v["head_dim"],
+        block_r=v["tile"]["B_r"],
+        block_c=v["tile"]["B_c"],
+        warps=v["warps"],
+        mask=v.get("mask", Mask.NONE),
+        swizzle=swizzle if isinstance(swizzle, Swizzle) else None,
+        smem_alias=v.get("smem_alias", AliasPolicy.SCOPED),
+        allow_spills=v.get("spills", False),
+        loc=c.decl.loc,
+        key_locs=tuple(sorted(c.key_locs.items())),
+    )

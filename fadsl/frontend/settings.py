@@ -1,0 +1,323 @@
+"""Lowering, part one: the settings (``key value`` lines), each checked on its own.
+
+What a setting means in combination with the others and with the target (tile
+shapes the MMA allows, register and SMEM budgets) is checked later, by the target
+(fadsl/targets/<t>/validate.py). A knob the grammar accepts but the compiler
+cannot yet honour is refused here ("not supported yet"), never silently ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from .. import targets
+from .checks import Checks, clip, show
+from ..errors import closest, one_of, quoted, suggest
+from ..ir import AliasPolicy, Dtype, Mask, Rescale, Swizzle
+from .syntax import Assign, Call, Number, Setting, Word
+
+HEAD_DIMS = (64, 96, 128, 256)
+MAX_TILE = 256
+MAX_WARPS = 16
+
+# Every target needs these; a target adds its own (Target.required_keys: sm_80 'warps',
+# sm_90a 'warpgroups') and says which optional ones it takes (Target.keys).
+REQUIRED_KEYS = ("target", "dtype", "head_dim", "tile")
+TMA_SWIZZLE = "128B"  # `swizzle 128B`: the swizzle TMA writes and wgmma reads
+SPILLS = {"refuse": False, "allow": True}  # `spills allow`: compile a kernel that spills
+
+
+def read_settings(c: Checks) -> None:
+    handlers: dict[str, Callable[[Checks, Setting], object]] = {
+        "target": target,
+        "dtype": dtype,
+        "head_dim": head_dim,
+        "tile": tile,
+        "warps": warps,
+        "mask": mask,
+        "swizzle": swizzle,
+        "smem_alias": smem_alias,
+        "stages": stages,
+        "q_slots": q_slots,
+        "spills": spills,
+        "warpgroups": warpgroups,
+        "registers": registers,
+        "pingpong": on_off,
+        "overlap": on_off,
+        "scheduler": scheduler,
+        "rescale": rescale,
+        "tail": tail,
+        "cluster": cluster,
+    }
+    for setting in c.decl.settings:
+        key = setting.key.text
+        if key not in handlers:
+            hint = suggest(key, handlers)
+            c.suggested.add(closest(key, handlers) or "")
+            if key in ("Q", "K", "V", "O"):
+                hint = f" (a path needs a colon: '{key}: gmem -cp.async-> ...')"
+            c.error(setting.key.loc, f"unknown key '{quoted(key)}'{hint}")
+            continue
+        if key in c.key_locs:
+            first = c.key_locs[key]
+            c.error(setting.key.loc, f"duplicate key '{key}' (first set at line {first.line})")
+            continue
+        c.key_locs[key] = setting.key.loc
+        value = handlers[key](c, setting)
+        if value is not None:
+            c.values[key] = value
+
+
+def _single(c: Checks, setting: Setting) -> Word | Number | Call | Assign | None:
+    if len(setting.values) != 1:
+        extra = setting.values[1]
+        c.error(extra.loc, f"'{setting.key.text}' takes one value")
+        return None
+    return setting.values[0]
+
+
+def _word_choice(c: Checks, setting: Setting, choices: dict[str, object]) -> object | None:
+    value = _single(c, setting)
+    if value is None:
+        return None
+    if not isinstance(value, Word):
+        c.error(value.loc, f"'{setting.key.text}' expects {one_of(choices)}, not {show(value)}")
+        return None
+    if value.text not in choices:
+        c.error(
+            value.loc,
+            f"unknown {setting.key.text} '{quoted(value.text)}'; expected {one_of(choices)}"
+            + suggest(value.text, choices),
+        )
+        return None
+    return choices[value.text]
+
+
+def _number(c: Checks, value: object, what: str, lo: int, hi: int) -> int | None:
+    if not isinstance(value, Number):
+        c.error(value.loc, f"{what} must be a number, not {show(value)}")
+        return None
+    if not lo <= value.value <= hi:
+        c.error(value.loc, f"{what} = {clip(value.text)} is out of range ({lo} to {hi})")
+        return None
+    return value.value
+
+
+def target(c: Checks, setting: Setting) -> str | None:
+    spellings = (*targets.names(), *targets.RESERVED)
+    name = _word_choice(c, setting, {spelling: spelling for spelling in spellings})
+    if name in targets.RESERVED:
+        c.error(setting.values[0].loc, targets.RESERVED[name])
+        return None
+    return name
+
+
+def dtype(c: Checks, setting: Setting) -> tuple[Dtype, ...] | None:
+    dtypes: list[Dtype] = []
+    names = {d.value: d for d in Dtype}
+    for value in setting.values:
+        if not isinstance(value, Word):
+            c.error(value.loc, f"dtype expects {one_of(names)}, not {show(value)}")
+            continue
+        if value.text not in names:
+            hint = suggest(value.text, names)
+            c.error(
+                value.loc, f"unknown dtype '{quoted(value.text)}'; expected {one_of(names)}{hint}"
+            )
+            continue
+        if names[value.text] in dtypes:
+            c.error(value.loc, f"dtype '{value.text}' is listed twice")
+            continue
+        dtypes.append(names[value.text])
+    return tuple(dtypes) if dtypes and len(dtypes) == len(setting.values) else None
+
+
+def head_dim(c: Checks, setting: Setting) -> int | None:
+    value = _single(c, setting)
+    if value is None:
+        return None
+    supported = "64, 96, 128 or 256"
+    if not isinstance(value, Number):
+        c.error(value.loc, f"head_dim must be a number, not {show(value)}")
+        return None
+    if value.value not in HEAD_DIMS:
+        c.error(value.loc, f"head_dim {clip(value.text)} is not supported; expected {supported}")
+        return None
+    c.key_locs["head_dim"] = value.loc  # budget errors point at the number
+    return value.value
+
+
+def tile(c: Checks, setting: Setting) -> dict[str, int] | None:
+    sizes: dict[str, int] = {}
+    for value in setting.values:
+        if not isinstance(value, Assign):
+            c.error(value.loc, f"'tile' expects 'B_r = N, B_c = N', not {show(value)}")
+            continue
+        name = value.name.text
+        if name not in ("B_r", "B_c"):
+            hint = suggest(name, ("B_r", "B_c"))
+            c.error(
+                value.name.loc,
+                f"unknown tile size '{quoted(name)}'; expected 'B_r' or 'B_c'{hint}",
+            )
+            continue
+        if name in sizes:
+            c.error(value.name.loc, f"tile size '{name}' is given twice")
+            continue
+        size = _number(c, value.value, name, 16, MAX_TILE)
+        if size is not None and size % 16:
+            c.error(value.value.loc, f"{name} = {size} is not a multiple of 16 (the mma tile)")
+            size = None
+        if size is not None:
+            sizes[name] = size
+            c.key_locs[name] = value.value.loc
+    if all(isinstance(v, Assign) for v in setting.values):
+        for name in ("B_r", "B_c"):
+            if not any(v.name.text == name for v in setting.values):
+                c.error(setting.key.loc, f"'tile' is missing '{name} = N'")
+    return sizes if len(sizes) == 2 else None
+
+
+def warps(c: Checks, setting: Setting) -> int | None:
+    value = _single(c, setting)
+    if value is None:
+        return None
+    warps = _number(c, value, "warps", 1, MAX_WARPS)
+    if warps is not None and warps & (warps - 1):
+        c.error(value.loc, f"warps = {warps} is not a power of two; use 1, 2, 4, 8 or 16")
+        return None
+    return warps
+
+
+def mask(c: Checks, setting: Setting) -> Mask | None:
+    return _word_choice(c, setting, {m.value: m for m in Mask})
+
+
+def swizzle(c: Checks, setting: Setting) -> Swizzle | None | str:
+    value = _single(c, setting)
+    if value is None:
+        return None
+    if isinstance(value, Word) and value.text in ("none", TMA_SWIZZLE):
+        c.key_locs["swizzle_value"] = value.loc
+        return value.text
+    if not isinstance(value, Call) or value.name.text != "xor":
+        c.error(
+            value.loc,
+            f"swizzle expects 'none', 'xor(B, M, S)' or '{TMA_SWIZZLE}', not {show(value)}",
+        )
+        return None
+    if len(value.args) != 3:
+        c.error(value.loc, f"xor(B, M, S) takes 3 numbers, got {len(value.args)}")
+        return None
+    nums = [_number(c, arg, f"xor(B, M, S): {name}", 0, 16) for arg, name in zip(value.args, "BMS")]
+    if None in nums:
+        return None
+    return Swizzle(nums[0], nums[1], nums[2], value.loc)
+
+
+def spills(c: Checks, setting: Setting) -> bool | None:
+    return _word_choice(c, setting, SPILLS)
+
+
+def smem_alias(c: Checks, setting: Setting) -> AliasPolicy | None:
+    return _word_choice(c, setting, {p.value: p for p in AliasPolicy})
+
+
+def stages(c: Checks, setting: Setting) -> int | None:
+    return _count(c, setting, 1, 8)
+
+
+def q_slots(c: Checks, setting: Setting) -> int | None:
+    """`q_slots N` (sm_90a): Q in a ring of N tiles; with 2 the producer loads the next
+    tile's Q while this tile's runs."""
+    return _count(c, setting, 1, 2)
+
+
+def cluster(c: Checks, setting: Setting) -> int | None:
+    """`cluster N` (sm_90a): CTAs per cluster, which share the tiles in smem[cluster]
+    (1: none; 2: each CTA loads half of every K/V block and multicasts it into both)."""
+    value = _single(c, setting)
+    if isinstance(value, Number) and value.value > 2:
+        c.error(
+            value.loc,
+            f"cluster {clip(value.text)}: only pairs of CTAs are supported (an H100 runs 66 "
+            "clusters of 2 CTAs on all its 132 SMs, but only 30 of 4)",
+        )
+        return None
+    return _count(c, setting, 1, 2)
+
+
+def _count(c: Checks, setting: Setting, lo: int, hi: int) -> int | None:
+    """`key N`: one number in [lo, hi]; its place kept as `key_value` (the target's checks
+    point at the number)."""
+    value = _single(c, setting)
+    if value is None:
+        return None
+    key = setting.key.text
+    c.key_locs[f"{key}_value"] = value.loc
+    return _number(c, value, key, lo, hi)
+
+
+def _assigns(c: Checks, setting: Setting, names: tuple[str, ...], lo: int, hi: int) -> dict:
+    """`key a = N, b = N`: each name once, each a number in [lo, hi]; all or nothing."""
+    key = setting.key.text
+    form = ", ".join(f"{n} = N" for n in names)
+    found: dict[str, int] = {}
+    for value in setting.values:
+        if not isinstance(value, Assign):
+            c.error(value.loc, f"'{key}' expects '{form}', not {show(value)}")
+            continue
+        name = value.name.text
+        if name not in names:
+            c.error(
+                value.name.loc,
+                f"unknown {key} '{name}'; expected {one_of(names)}" + suggest(name, names),
+            )
+            continue
+        if name in found:
+            c.error(value.name.loc, f"'{name}' is given twice")
+            continue
+        number = _number(c, value.value, f"{key} {name}", lo, hi)
+        if number is not None:
+            found[name] = number
+            c.key_locs[f"{key}.{name}"] = value.value.loc
+    missing = [n for n in names if n not in found]
+    if missing and all(isinstance(v, Assign) and v.name.text in names for v in setting.values):
+        c.error(setting.key.loc, f"'{key}' is missing '{missing[0]} = N'")
+    return found if not missing else None
+
+
+def warpgroups(c: Checks, setting: Setting) -> dict[str, int] | None:
+    """`warpgroups producer = 1, consumers = N` (sm_90a's warp specialisation)."""
+    return _assigns(c, setting, ("producer", "consumers"), 1, 4)
+
+
+def registers(c: Checks, setting: Setting) -> dict[str, int] | None:
+    """`registers producer = N, consumers = N`: setmaxnreg per thread of each role."""
+    return _assigns(c, setting, ("producer", "consumers"), 1, 1024)
+
+
+def on_off(c: Checks, setting: Setting) -> bool | None:
+    return _word_choice(c, setting, {"on": True, "off": False})
+
+
+def scheduler(c: Checks, setting: Setting) -> bool | None:
+    """`scheduler persistent` (about one CTA per SM, looping over tiles) or `grid` (one CTA
+    per tile): True when persistent."""
+    return _word_choice(c, setting, {"persistent": True, "grid": False})
+
+
+def rescale(c: Checks, setting: Setting) -> Rescale | None:
+    """`rescale every` (O and l rescaled after each block, as FlashAttention-2/3), `lazy`
+    (only when a row's max grows past 2^8 of the max it keeps) or `guarded` (lazy, and no
+    row max after a tile's first block while the row sums show none is needed)."""
+    return _word_choice(c, setting, {mode.value: mode for mode in Rescale})
+
+
+def tail(c: Checks, setting: Setting) -> bool | None:
+    """`tail whole` (every tile runs all its K/V blocks) or `split_kv` (the launch's last,
+    part-full round of tiles split over their K/V blocks across the idle CTAs, the last
+    piece to finish combining them): True when split."""
+    if setting.values:
+        c.key_locs["tail_value"] = setting.values[0].loc  # the target's checks point at it
+    return _word_choice(c, setting, {"whole": False, "split_kv": True})

@@ -1,0 +1,72 @@
+"""The IR: the vocabulary (types), the nodes (kernel), the ops and sync kinds, the front
+end's output (lowered), and the text form (printer, reader).
+
+``from fadsl.ir import Config`` reaches the nodes and the vocabulary; the modules of this
+package import each other directly, never this one.
+"""
+
+from .kernel import (
+    Item,
+    Swizzle,
+    Hop,
+    Tensor,
+    TargetConfig,
+    Config,
+    Buffer,
+    Access,
+    Step,
+    Hazard,
+    Sync,
+    Region,
+    Kernel,
+)
+from .lowered import Lowered
+from .types import (
+    Dtype,
+    Mask,
+    Level,
+    Instr,
+    Scope,
+    RegLoad,
+    Role,
+    AliasPolicy,
+    Rescale,
+    Phase,
+    Partition,
+    Mode,
+    HazardKind,
+    Threads,
+    Parity,
+)
+
+__all__ = [
+    "Item",
+    "Access",
+    "AliasPolicy",
+    "Buffer",
+    "Config",
+    "Dtype",
+    "Hazard",
+    "HazardKind",
+    "Hop",
+    "Instr",
+    "Kernel",
+    "Level",
+    "Lowered",
+    "Mask",
+    "Mode",
+    "Parity",
+    "Partition",
+    "Phase",
+    "RegLoad",
+    "Region",
+    "Rescale",
+    "Role",
+    "Scope",
+    "Step",
+    "Swizzle",
+    "Sync",
+    "TargetConfig",
+    "Tensor",
+    "Threads",
+]

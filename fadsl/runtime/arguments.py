@@ -1,0 +1,250 @@
+"""The checks of a call's arguments (q, k, v, out, lse, softmax_scale) and the messages that
+name what is wrong; fadsl/runtime.py runs them before every launch.
+
+``accepts`` is the one cheap test a call's q, k and v pass; ``explain_inputs`` runs only when
+it fails and says why. None reads tensor memory: ``check_base``, ``check_bases`` and
+``check_out`` read addresses (real tensors only), the others shapes, strides and dtypes (fake
+tensors pass them).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+from .. import targets
+from ..ir import Config, Dtype
+
+GRID_YZ_LIMIT = 65535
+# The kernels index rows with 32-bit ints and add two sequence lengths: both stay below 2^30.
+SEQLEN_LIMIT = 2**30
+
+
+def check_scale(softmax_scale, head_dim: int) -> float:
+    """The scale to launch with: 1 / sqrt(head_dim) for None, else a finite positive real."""
+    if softmax_scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
+        raise TypeError(f"softmax_scale must be a real number, got {type(softmax_scale).__name__}")
+    if not math.isfinite(softmax_scale) or softmax_scale <= 0:
+        raise ValueError(f"softmax_scale must be finite and positive, got {softmax_scale}")
+    return float(softmax_scale)
+
+
+def torch_dtypes() -> dict:
+    """The torch dtypes a spec may compile for, with their ``Dtype``."""
+    import torch
+
+    return {torch.bfloat16: Dtype.BF16, torch.float16: Dtype.FP16}
+
+
+def compiled_dtypes(dtypes: tuple[Dtype, ...]) -> dict:
+    """The torch dtypes of ``dtypes`` (a spec's), with their ``Dtype``: ``accepts``'s table."""
+    return {t: d for t, d in torch_dtypes().items() if d in dtypes}
+
+
+def accepts(q, k, v, dtypes: dict, head_dim: int) -> Dtype | None:
+    """q's ``Dtype`` if q, k and v pass every check, else None (one expression, no messages;
+    ``dtypes`` is ``compiled_dtypes``'s table). May raise on what is not a tensor."""
+    dtype = dtypes.get(q.dtype)
+    qs, ks, qst, kst, vst = q.shape, k.shape, q.stride(), k.stride(), v.stride()
+    device = q.get_device()
+    ok = (
+        dtype is not None
+        and k.dtype == q.dtype
+        and v.dtype == q.dtype
+        and len(qs) == 4
+        and ks == v.shape
+        and len(ks) == 4
+        and qs[3] == head_dim
+        and ks[3] == head_dim
+        and ks[0] == qs[0]
+        and 0 < ks[2] <= qs[2] <= GRID_YZ_LIMIT
+        and qs[2] % ks[2] == 0
+        and 0 < qs[0] <= GRID_YZ_LIMIT
+        and 0 < qs[1] < SEQLEN_LIMIT
+        and 0 < ks[1] < SEQLEN_LIMIT
+        and qst[3] == kst[3] == vst[3] == 1
+        and not any(st % 8 for st in (*qst[:3], *kst[:3], *vst[:3]))
+        and device >= 0
+        and k.get_device() == device
+        and v.get_device() == device
+        and q.device.type == "cuda"
+    )
+    return dtype if ok else None
+
+
+def explain_inputs(q, k, v, cfg: Config) -> Dtype:
+    """The checks of ``accepts`` one at a time, raising on the first that fails with a message
+    that names the tensor and what is wrong; q's ``Dtype`` if all pass."""
+    import torch
+
+    names = ("q", "k", "v")
+    for name, t in zip(names, (q, k, v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    by_torch = torch_dtypes()
+    allowed = ", ".join(f"torch.{'bfloat16' if d is Dtype.BF16 else 'float16'}" for d in cfg.dtypes)
+    for name, t in zip(names, (q, k, v)):
+        if by_torch.get(t.dtype) not in cfg.dtypes:
+            raise TypeError(
+                f"{name} has dtype {t.dtype}; kernel '{cfg.name}' was compiled for {allowed}"
+            )
+        if t.dtype != q.dtype:
+            raise TypeError(f"{name} has dtype {t.dtype} but q has {q.dtype}; they must match")
+        if t.dim() != 4:
+            raise ValueError(
+                f"{name} must be 4-D (batch, seqlen, heads, head_dim), got shape {tuple(t.shape)}"
+            )
+        if t.shape[3] != cfg.head_dim:
+            raise ValueError(
+                f"{name}.shape[3] is the head_dim, which the spec fixes at {cfg.head_dim}, "
+                f"got {t.shape[3]}"
+            )
+        check_strides(name, t, cfg.target)
+    batch, seqlen_q, heads_q, _ = q.shape
+    if k.shape != v.shape:
+        raise ValueError(
+            f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}"
+        )
+    if k.shape[0] != batch:
+        raise ValueError(f"k has batch {k.shape[0]} but q has batch {batch}")
+    heads_kv, seqlen_k = k.shape[2], k.shape[1]
+    if heads_kv == 0 or heads_q % heads_kv:
+        raise ValueError(
+            f"q's heads ({heads_q}) must be a multiple of k's and v's heads ({heads_kv})"
+        )
+    for name, n in (("q", seqlen_q), ("k", seqlen_k)):
+        if n == 0:
+            raise ValueError(f"{name}'s sequence length must be at least 1, got 0")
+        if n >= SEQLEN_LIMIT:
+            raise ValueError(
+                f"{name}'s sequence length {n} must be below 2^30 (the kernel's int32 "
+                "index arithmetic)"
+            )
+    if not (1 <= batch <= GRID_YZ_LIMIT and 1 <= heads_q <= GRID_YZ_LIMIT):
+        raise ValueError(
+            f"batch ({batch}) and heads ({heads_q}) must be between 1 and {GRID_YZ_LIMIT}"
+        )
+    for name, t in zip(names, (q, k, v)):
+        if t.device.type != "cuda":
+            raise ValueError(f"{name} must be on a CUDA device, got {t.device}")
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
+    return by_torch[q.dtype]
+
+
+def check_strides(name: str, t, target: str = "sm_80") -> None:
+    """The kernel moves 16-byte vectors (sm_80) or TMA boxes (sm_90a): last dimension
+    contiguous, the others' strides multiples of 16 bytes (a size-1 dimension's is free)."""
+    if t.stride(3) != 1:
+        raise ValueError(
+            f"{name} must be contiguous in its last dimension (stride 1), got strides "
+            f"{t.stride()}; pass {name}.contiguous()"
+        )
+    if any(st % 8 for st, n in zip(t.stride()[:3], t.shape[:3]) if n > 1):
+        in_bytes = tuple(st * t.element_size() for st in t.stride())
+        raise ValueError(
+            f"{name} must be 16-byte aligned with strides that are multiples of 8 "
+            f"elements ({_alignment(target)}), got strides {t.stride()} "
+            f"({in_bytes} bytes) for shape {tuple(t.shape)}; pass {name}.contiguous()"
+        )
+
+
+def check_base(name: str, t, target: str = "sm_80") -> None:
+    """The tensor's address must be 16-byte aligned, as its strides are."""
+    if t.data_ptr() % 16:
+        raise ValueError(
+            f"{name} must be 16-byte aligned with strides that are multiples of 8 "
+            f"elements ({_alignment(target)}), got an address {t.data_ptr() % 16} bytes "
+            "past a 16-byte boundary"
+        )
+
+
+def check_bases(q, k, v, target: str) -> None:
+    """``check_base`` of q, k and v, in that order."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_base(name, t, target)
+
+
+def check_out_meta(out, q, target: str) -> None:
+    """``out`` must be a tensor of q's shape, dtype and device with strides the kernel takes
+    (no memory access: fake tensors pass)."""
+    import torch
+
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
+    if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
+        raise ValueError(
+            f"out must match q: shape {tuple(q.shape)}, {q.dtype}, {q.device}; got shape "
+            f"{tuple(out.shape)}, {out.dtype}, {out.device}"
+        )
+    check_strides("out", out, target)
+
+
+def check_out(out, q, k, v, target: str) -> None:
+    """``check_out_meta``, then out's address: aligned, no two elements in one place, and no
+    byte shared with q, k or v (which the kernel reads while it writes out)."""
+    check_out_meta(out, q, target)
+    check_base("out", out, target)
+    # A contiguous out (the usual case) has no overlapping elements: skip the walk.
+    if not out.is_contiguous() and overlaps_itself(out):
+        raise ValueError(
+            f"out's elements must not overlap (got strides {out.stride()} for shape "
+            f"{tuple(out.shape)}); pass a tensor such as torch.empty_like(q)"
+        )
+    out_first, out_end = span(out)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        first, end = span(t)
+        if first < out_end and out_first < end:
+            raise ValueError(
+                f"out shares memory with {name}; the kernel reads {name} while it writes "
+                "out, so out must have memory of its own"
+            )
+
+
+def lse_shape(q) -> tuple[int, int, int]:
+    batch, seqlen_q, heads_q, _ = q.shape
+    return (batch, heads_q, seqlen_q)
+
+
+def check_lse(lse, q) -> None:
+    import torch
+
+    expected = lse_shape(q)
+    if not isinstance(lse, torch.Tensor):
+        raise TypeError(f"lse must be a torch.Tensor, got {type(lse).__name__}")
+    if (
+        tuple(lse.shape) != expected
+        or lse.dtype != torch.float32
+        or lse.device != q.device
+        or (expected[2] > 1 and lse.stride(2) != 1)
+    ):
+        raise ValueError(
+            f"lse must be float32 of shape {expected} on {q.device} with its last dimension "
+            f"contiguous; got {tuple(lse.shape)}, {lse.dtype}, {lse.device}"
+        )
+
+
+def span(t) -> tuple[int, int]:
+    """The byte range [first, last + 1) that a tensor's elements lie in."""
+    last = sum((n - 1) * st for n, st in zip(t.shape, t.stride()) if n > 0)
+    return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+
+
+def overlaps_itself(t) -> bool:
+    """Whether two elements of ``t`` may share memory: the dims sorted by stride must each
+    step past everything the smaller ones span (sufficient for no overlap)."""
+    reach = 1  # elements spanned by the dims seen so far, plus one
+    for stride, n in sorted(
+        (st, n) for st, n in zip(t.stride(), t.shape) if n > 1
+    ):  # (a stride 0 fails at once)
+        if stride < reach:
+            return True
+        reach += (n - 1) * stride
+    return False
+
+
+def _alignment(target: str) -> str:
+    """Why the target's kernels need 16-byte aligned strides and bases."""
+    return targets.get(target).capabilities.alignment

@@ -1,0 +1,435 @@
+"""A compiled spec as a PyTorch operator: NVRTC builds the kernel, the driver API launches it.
+
+``fadsl.load(spec)`` renders the kernel's CUDA (device code only) and returns a
+``FlashAttention``. Its first call for a dtype on a device finds the cubin in an
+ahead-of-time folder (``fadsl build``), else in the cache under ``$FADSL_CACHE_DIR``
+(default ``~/.cache/fadsl``), else builds it with NVRTC (about a second) and caches it; see
+fadsl/cache.py. Each kernel is also a ``torch.library.custom_op`` (fadsl/op.py), so
+``torch.compile(fullgraph=True)`` traces through it, and its backward says it is forward-only.
+
+Eager calls that need no autograd launch directly, without the dispatcher: the checks
+(fadsl/arguments.py), the params struct (fadsl/params.py) and one ``cuLaunchKernel`` on
+the current stream.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import re
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import Iterable
+
+from .. import targets
+from ..build import cache
+from ..build.nvrtc import compile_cubin
+from ..codegen.render import Source, header_text, render, spec_hash
+from ..ir import Dtype
+from ..pipeline import Compiled, compile_file, compile_source
+from ..targets.launch import Args, current_stream
+from . import arguments
+from .arguments import (
+    accepts,
+    check_bases,
+    check_lse,
+    check_scale,
+    compiled_dtypes,
+    explain_inputs,
+    lse_shape,
+)
+
+log = logging.getLogger("fadsl")
+
+
+def cache_dir() -> Path:
+    return cache.cache_dir()
+
+
+def arch_of(device) -> str:
+    """The architecture to build for: sm_90a on Hopper (wgmma, setmaxnreg), else sm_XY."""
+    import torch
+
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"sm_{major}{minor}" + ("a" if (major, minor) == (9, 0) else "")
+
+
+def runs_on(target: str, device) -> bool:
+    """Whether the target's instructions run on ``device``'s GPU."""
+    import torch
+
+    capability = torch.cuda.get_device_capability(device)
+    lowest, only = targets.get(target).capabilities.devices
+    return capability == lowest if only else capability >= lowest
+
+
+def check_device(target: str, kernel_name: str, device) -> None:
+    """Refuse a GPU the spec's target cannot run on, before building anything."""
+    import torch
+
+    if not runs_on(target, device):
+        capability = torch.cuda.get_device_capability(device)
+        lowest, only = targets.get(target).capabilities.devices
+        needs = f"compute capability {lowest[0]}.{lowest[1]}" + ("" if only else " or newer")
+        name = torch.cuda.get_device_name(device)
+        raise RuntimeError(
+            f"kernel '{kernel_name}' targets {target}, which needs {needs}; "
+            f"{device} is {name} (compute capability {capability[0]}.{capability[1]})"
+        )
+
+
+def _ensure_log_handler() -> None:
+    """Show the one-line build messages by default, unless the program set up logging."""
+    if not log.handlers and not logging.getLogger().handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        log.addHandler(handler)
+        if log.level == logging.NOTSET:
+            log.setLevel(logging.INFO)
+
+
+class FlashAttention:
+    """A compiled spec; call it on CUDA tensors shaped (batch, seqlen, heads, head_dim)."""
+
+    def __init__(
+        self, compiled: Compiled, verbose: bool = True, cubin_dirs: Iterable[os.PathLike] = ()
+    ) -> None:
+        self.compiled = compiled
+        self.config = compiled.kernel.config
+        self.verbose = verbose
+        self.cubin_dirs = [Path(d) for d in cubin_dirs]
+        # Rendered under the kernel's name rather than the path it was loaded by, so that the
+        # cache key (which hashes the source) does not depend on how the spec was reached.
+        canonical = replace(compiled, file=f"{self.config.name}.fa")
+        sources = render(canonical.kernel, canonical.target, canonical.file)
+        self._sources = {s.dtype: s for s in sources}
+        self._launch = targets.launch_for(self.config.target)
+        self._block = self._launch.block(compiled.kernel)
+        self._cluster = self._launch.spec_cluster(compiled.kernel)  # a launch may use fewer
+        # The launches that do not pair run this cluster-free variant (fadsl.targets.sm90.alone).
+        self.alone: FlashAttention | None = (
+            FlashAttention(compiled.alone, verbose, cubin_dirs) if compiled.alone else None
+        )
+        self._co_resident: dict[tuple[Dtype, int], int] = {}  # CTAs in co-resident clusters
+        self._modules: dict[tuple[Dtype, int], object] = {}
+        self._entries: dict[tuple[Dtype, str], cache.Entry] = {}
+        self.op_name = f"{self.config.name}_{spec_hash(compiled.kernel)[:12]}"
+        from .custom_op import ops_for
+
+        # Registered now, not on first use: torch.compile cannot trace a registration.
+        self._ops = ops_for(self)
+
+    @property
+    def variants(self) -> tuple[FlashAttention, ...]:
+        """This kernel, then the cluster-free variant its unpaired launches run (if any)."""
+        return (self,) if self.alone is None else (self, self.alone)
+
+    def __repr__(self) -> str:
+        cfg = self.config
+        return (
+            f"<fadsl kernel {cfg.name}: {'/'.join(d.value for d in cfg.dtypes)}, "
+            f"head_dim {cfg.head_dim}, B_r {cfg.block_r}, B_c {cfg.block_c}, {cfg.warps} warps>"
+        )
+
+    def source(self, dtype: str) -> str:
+        return self._sources[Dtype(dtype)].text
+
+    # ------------------------------------------------------------------ building
+    def request(self, dtype: Dtype, arch: str) -> cache.Request:
+        source: Source = self._sources[dtype]
+        return cache.Request(
+            kernel=self._launch.symbol(source.kernel_name),
+            filename=source.filename,
+            text=source.text,
+            headers=header_text(),
+            normalised=spec_hash(self.compiled.kernel),
+            arch=arch,
+        )
+
+    def cubin(self, dtype: Dtype, arch: str, rebuild: bool = False) -> cache.Entry:
+        """The cubin for ``dtype`` on ``arch``: ahead-of-time folders first, then the cache
+        (built there if missing). Needs no GPU."""
+        if not rebuild and (dtype, arch) in self._entries:
+            return self._entries[dtype, arch]
+        request = self.request(dtype, arch)
+        entry = None if rebuild else cache.find_aot(request, self.cubin_dirs + cache.cubin_path())
+        if entry is None:
+            if self.verbose:
+                _ensure_log_handler()
+
+            def build():
+                return compile_cubin(
+                    request.text, request.filename, request.kernel, arch, cache.cache_dir()
+                )
+
+            entry = cache.get_or_build(request, build, announce=self.verbose, rebuild=rebuild)
+        self._entries[dtype, arch] = entry
+        return entry
+
+    def use_development_build(self, dtype: Dtype, arch: str, defines: dict[str, int]) -> None:
+        """Build ``dtype``'s kernel for ``arch`` with ``defines`` (#define NAME VALUE before
+        the source: FADSL_TILE_TRACE, FADSL_TMA_LOADS) and run that cubin in this process
+        instead of the cached one, which stays untouched (scripts/tile_trace.py,
+        scripts/energy_probe.py), the cluster-free variant's too. Before the kernel's first
+        call on a device."""
+        import tempfile
+
+        if self.alone is not None:
+            self.alone.use_development_build(dtype, arch, defines)
+
+        request = self.request(dtype, arch)
+        head = "".join(f"#define {name} {value}\n" for name, value in defines.items())
+        with tempfile.TemporaryDirectory() as where:
+            built = compile_cubin(
+                head + request.text, request.filename, request.kernel, arch, Path(where)
+            )
+        self._entries[dtype, arch] = cache.Entry(built.cubin, built.log, {}, Path(where) / "dev")
+
+    def module(self, dtype: Dtype, device):
+        """The loaded kernel for ``dtype`` on ``device`` (a torch.device or index)."""
+        import torch
+
+        from .driver import DriverError, Module
+
+        device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        found = self._modules.get((dtype, index))
+        if found is not None:
+            return found
+        check_device(self.config.target, self.config.name, torch.device("cuda", index))
+        arch = arch_of(index)
+        name = self.request(dtype, arch).kernel
+        entry = self.cubin(dtype, arch)
+        smem = self._smem_bytes(entry.cubin, name)
+        with torch.cuda.device(index):
+            try:
+                module = Module(entry.cubin, name, smem, self._block[0])
+            except DriverError as err:
+                log.warning("fadsl: %s does not load (%s); building it again", entry.path, err)
+                entry = self.cubin(dtype, arch, rebuild=True)
+                module = Module(entry.cubin, name, smem, self._block[0])
+            module.prepare(index)
+            if self._launch.check_loaded is not None:
+                self._launch.check_loaded(
+                    self.compiled.kernel, module.registers(index), self._block[0]
+                )
+            if self._cluster > 1:
+                # the pairs that run at once (cuOccupancyMaxActiveClusters): a persistent
+                # grid of more CTAs would run its last ones in a second wave
+                self._co_resident[dtype, index] = self._cluster * module.max_active_clusters(
+                    index, self._cluster
+                )
+        self._modules[dtype, index] = module
+        return module
+
+    def _smem_bytes(self, cubin: bytes, name: str) -> int:
+        """The dynamic SMEM to launch with: the plan's, checked against the launch info the
+        cubin exports (threads, SMEM, B_r, B_c, CTAs per cluster) where the target has one."""
+        smem = self.compiled.kernel.smem_bytes
+        if not self._launch.launch_info:
+            return smem
+        from ..build.elf import read_ints
+
+        built = read_ints(cubin, f"{name}_launch_info", 5)
+        expected = (self._block[0], smem, self.config.block_r, self.config.block_c, self._cluster)
+        if built != expected:
+            raise RuntimeError(
+                f"{name}'s cubin says (threads, SMEM bytes, B_r, B_c, cluster) = {built} but "
+                f"the spec compiled to {expected}; the generator and the header disagree"
+            )
+        return smem
+
+    def resources(self, dtype: str, device=None) -> dict:
+        """What the kernel uses on ``device`` (default: the current one): registers per
+        thread, local (spill) bytes, SMEM per CTA and CTAs per SM from the driver, and
+        ptxas's report (spill stores/loads, stack) from the build log."""
+        import torch
+
+        device = torch.device(device if device is not None else "cuda")
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        module = self.module(Dtype(dtype), index)
+        with torch.cuda.device(index):
+            found = module.attributes(index)
+        ptxas = self.cubin(Dtype(dtype), arch_of(index)).meta.get("ptxas", {})
+        for key in ("spill_store_bytes", "spill_load_bytes", "stack_bytes"):
+            found[key] = int(ptxas.get(key, 0))
+        return found
+
+    # ------------------------------------------------------------------ calling
+    def __call__(
+        self, q, k, v, softmax_scale: float | None = None, *, out=None, return_lse: bool = False
+    ):
+        """Attention of q over (k, v): softmax(q k^T * softmax_scale [+ mask]) v.
+
+        q: (batch, seqlen_q, heads_q, head_dim); k, v: (batch, seqlen_k, heads_kv, head_dim)
+        with heads_q a multiple of heads_kv (GQA/MQA): query head h reads KV head
+        h // (heads_q // heads_kv). A causal spec aligns the diagonal to the bottom right
+        (query i sees key j when j <= i + seqlen_k - seqlen_q), as FlashAttention does.
+        ``out``, if given, receives the result (q's shape, dtype and device; memory of its
+        own). Returns the output, or ``(output, lse)`` with ``return_lse=True``: the
+        natural-log log-sum-exp of each row's scaled scores, shape (batch, heads_q,
+        seqlen_q), float32, -inf for a row that sees no key. Forward only: a backward
+        through it raises.
+        """
+        import torch
+
+        scale = check_scale(softmax_scale, self.config.head_dim)
+        if not isinstance(return_lse, bool):
+            raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+        if torch.compiler.is_compiling():
+            return self._call_op(q, k, v, scale, out, return_lse)
+        if torch.is_grad_enabled() and any(
+            isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v)
+        ):
+            if out is not None:
+                raise RuntimeError(
+                    f"fadsl kernel '{self.config.name}' is forward-only and out= does not "
+                    "support automatic differentiation; call it under torch.no_grad() or "
+                    "pass q, k and v detached"
+                )
+            return self._call_op(q, k, v, scale, None, return_lse)
+        return self.forward(q, k, v, scale, out, return_lse)
+
+    def _call_op(self, q, k, v, scale: float, out, return_lse: bool):
+        import torch
+
+        functional, with_out = self._ops
+        if out is None:
+            o, lse = functional(q, k, v, scale, return_lse)
+            return (o, lse) if return_lse else o
+        lse = None
+        if return_lse:
+            lse = torch.empty(lse_shape(q), device=q.device, dtype=torch.float32)
+        with_out(q, k, v, out, lse, scale)
+        return (out, lse) if return_lse else out
+
+    def forward(self, q, k, v, scale: float, out=None, return_lse: bool = False):
+        """Check the arguments, allocate what is missing and launch (no dispatcher)."""
+        import torch
+
+        dtype = self.check_inputs(q, k, v)
+        if (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16:
+            check_bases(q, k, v, self.config.target)
+        if out is None:
+            out = torch.empty_like(q)
+        else:
+            self._check_out(out, q, k, v)
+        lse = None
+        if return_lse:
+            lse = torch.empty(lse_shape(q), device=q.device, dtype=torch.float32)
+        self.launch(dtype, q, k, v, out, lse, scale)
+        return (out, lse) if return_lse else out
+
+    def forward_into(self, q, k, v, out, lse, scale: float) -> None:
+        """Check the arguments and launch, writing ``out`` and ``lse`` (if not None)."""
+        scale = check_scale(scale, self.config.head_dim)
+        dtype = self.check_inputs(q, k, v)
+        check_bases(q, k, v, self.config.target)
+        self._check_out(out, q, k, v)
+        if lse is not None:
+            check_lse(lse, q)
+        self.launch(dtype, q, k, v, out, lse, scale)
+
+    def launch(self, dtype: Dtype, q, k, v, out, lse, scale: float) -> None:
+        """Launch on q's device and that device's current stream (arguments checked)."""
+        args = Args(q, k, v, out, lse, scale)
+        cluster = self._launch.cluster(self.compiled.kernel, args)
+        if cluster == 1 and self.alone is not None:
+            self.alone.launch_args(dtype, args, 1)  # the cluster-free variant
+        else:
+            self.launch_args(dtype, args, cluster)
+
+    def launch_args(self, dtype: Dtype, args: Args, cluster: int) -> None:
+        """Launch with ``args`` in clusters of ``cluster`` CTAs (1: without clusters)."""
+        import torch
+
+        index = args.q.device.index
+        kernel = self.compiled.kernel
+        params = self._launch.pack(kernel, args)
+        grid = self._launch.grid(kernel, args)
+        module = self._modules.get((dtype, index)) or self.module(dtype, index)
+        if cluster > 1 and self._launch.fit_grid is not None:
+            grid = self._launch.fit_grid(kernel, grid, self._co_resident[dtype, index])
+        if index == torch.cuda.current_device():
+            module.launch(grid, self._block, params, current_stream(index), cluster)
+        else:
+            with torch.cuda.device(index):
+                module.launch(grid, self._block, params, current_stream(index), cluster)
+
+    # ------------------------------------------------------------------ checks
+    # The checks themselves are in fadsl/arguments.py; these pass them the spec's config.
+    def check_inputs(self, q, k, v) -> Dtype:
+        """Types, dtypes, shapes, strides and devices of q, k, v (no memory access: fake
+        tensors pass). One cheap test first; the checks that name what is wrong run only when
+        it fails (a call's host time is a few microseconds)."""
+        try:
+            dtype = accepts(q, k, v, self._dtypes, self.config.head_dim)
+        except Exception:  # anything unexpected (not tensors, symbolic sizes): the full checks
+            dtype = None
+        return dtype if dtype is not None else explain_inputs(q, k, v, self.config)
+
+    @functools.cached_property
+    def _dtypes(self) -> dict:
+        return compiled_dtypes(self.config.dtypes)
+
+    def check_out_meta(self, out, q) -> None:
+        arguments.check_out_meta(out, q, self.config.target)
+
+    def _check_out(self, out, q, k, v) -> None:
+        arguments.check_out(out, q, k, v, self.config.target)
+
+
+ARCH_PATTERN = re.compile(r"sm_(\d+)(\d)([af]?)")  # sm_90a: (9, 0); sm_100: (10, 0)
+
+
+def check_arch(target: str, arch: str) -> None:
+    """Refuse an architecture name that is malformed or that the target cannot run on."""
+    match = ARCH_PATTERN.fullmatch(arch)
+    if match is None:
+        raise ValueError(f"bad architecture '{arch}': expected a name such as sm_80 or sm_90a")
+    capability = (int(match.group(1)), int(match.group(2)))
+    lowest, only = targets.get(target).capabilities.devices
+    if only and arch != target:
+        raise ValueError(f"target {target} runs only on {target}, not {arch}")
+    if capability < lowest:
+        raise ValueError(f"target {target} needs {target} or newer, not {arch}")
+
+
+def build_ahead(compiled: Compiled, archs: Iterable[str], out_dir: Path) -> list[Path]:
+    """Compile every dtype of a spec for each architecture into ``out_dir`` (no GPU needed);
+    ``fadsl.load(..., cubin_dirs=[out_dir])`` or ``$FADSL_CUBIN_PATH`` finds them."""
+    import time
+
+    kern = FlashAttention(compiled, verbose=False)
+    archs = list(archs)
+    for arch in archs:
+        check_arch(kern.config.target, arch)
+    written = []
+    # `cluster 2`: the cluster-free variant its unpaired launches run, too
+    for variant, dtype in ((v, d) for v in kern.variants for d in v.config.dtypes):
+        for arch in archs:
+            request = variant.request(dtype, arch)
+            start = time.monotonic()
+            built = compile_cubin(request.text, request.filename, request.kernel, arch, out_dir)
+            seconds = time.monotonic() - start
+            entry = cache.write(out_dir, request.stem(with_compiler=False), request, built, seconds)
+            log.info("fadsl: built %s for %s in %.1f s", request.kernel, arch, seconds)
+            written.append(entry.path)
+    return written
+
+
+def load(
+    spec: str | os.PathLike, verbose: bool = True, cubin_dirs: Iterable[os.PathLike] = ()
+) -> FlashAttention:
+    """Compile a spec (a path to a .fa file, or the spec text itself) into a callable kernel.
+
+    ``cubin_dirs``: folders of ahead-of-time cubins (``fadsl build``), searched before
+    ``$FADSL_CUBIN_PATH`` and the cache. ``verbose=False`` keeps builds quiet.
+    """
+    if isinstance(spec, os.PathLike) or ("\n" not in spec and "{" not in spec):
+        compiled = compile_file(Path(spec))
+    else:
+        compiled = compile_source(spec, "<spec>")
+    return FlashAttention(compiled, verbose, cubin_dirs)

@@ -1,0 +1,115 @@
+"""The host side of a launch, common to every target: the call's arguments, a target's
+``Launch`` (its params struct, grid and hooks), the ``fadsl::FwdParams`` every kernel takes
+(emit/common/include/fadsl/params.cuh), the device's SM count and the current stream.
+
+Each target's package has its own launch (targets/sm80/host.py, targets/sm90/host/) and its
+``Target.launch`` names it.
+"""
+
+from __future__ import annotations
+
+import functools
+import struct
+from dataclasses import dataclass
+from typing import Any, Callable, NamedTuple
+
+from ..ir import Kernel
+
+
+class Args(NamedTuple):
+    """The tensors and scalars of one call, checked by the runtime (a NamedTuple: built on
+    every call, and cheaper than a frozen dataclass)."""
+
+    q: Any
+    k: Any
+    v: Any
+    out: Any
+    lse: Any  # a float32 tensor (batch, heads_q, seqlen_q), or None
+    softmax_scale: float
+
+
+@dataclass(frozen=True)
+class Launch:
+    """A target's launch: ``pack`` returns the params struct's bytes, ``grid`` the grid.
+
+    The kernel of a rendered source ``NAME`` is the symbol ``NAME + kernel_suffix``; with
+    ``launch_info``, the cubin also exports ``int <symbol>_launch_info[5]`` (threads,
+    dynamic SMEM bytes, B_r, B_c, CTAs per cluster), which the runtime checks against the
+    host's copy of the plan.
+    """
+
+    pack: Callable[[Kernel, Args], bytes]
+    grid: Callable[[Kernel, Args], tuple[int, int, int]]
+    kernel_suffix: str = "_kernel"
+    launch_info: bool = False
+    # clusters: the spec's CTAs per cluster, and this launch's (None: no clusters)
+    cluster_size: Callable[[Kernel], int] | None = None
+    launch_cluster: Callable[[Kernel, Args], int] | None = None
+    # after loading: refuse a module that cannot run (kernel, registers per thread, threads)
+    check_loaded: Callable[[Kernel, int, int], None] | None = None
+    # a clustered launch's grid given the clusters that fit at once (CTAs)
+    fit_grid: Callable[[Kernel, tuple[int, int, int], int], tuple[int, int, int]] | None = None
+
+    def symbol(self, source_name: str) -> str:
+        return source_name + self.kernel_suffix
+
+    def block(self, kernel: Kernel) -> tuple[int, int, int]:
+        return (kernel.config.threads, 1, 1)
+
+    def cluster(self, kernel: Kernel, a: Args) -> int:
+        """CTAs per cluster of this launch (1: launched without clusters)."""
+        return 1 if self.launch_cluster is None else self.launch_cluster(kernel, a)
+
+    def spec_cluster(self, kernel: Kernel) -> int:
+        """The spec's CTAs per cluster (a launch may use fewer)."""
+        return 1 if self.cluster_size is None else self.cluster_size(kernel)
+
+
+FWD_PARAMS = struct.Struct("<5Q14q5if")
+FWD_PARAMS_FIELDS = (
+    *("q", "k", "v", "o", "lse"),
+    *(f"{t}_{d}_stride" for t in "qkvo" for d in ("batch", "seq", "head")),
+    *("lse_batch_stride", "lse_head_stride"),
+    *("batch", "heads_q", "heads_kv", "seqlen_q", "seqlen_k", "softmax_scale"),
+)
+
+
+def pack_fwd_params(kernel: Kernel, a: Args) -> bytes:
+    q, k, v, o, lse = a.q, a.k, a.v, a.out, a.lse
+    qs, ks, vs, os_ = q.stride(), k.stride(), v.stride(), o.stride()
+    return FWD_PARAMS.pack(
+        q.data_ptr(),
+        k.data_ptr(),
+        v.data_ptr(),
+        o.data_ptr(),
+        0 if lse is None else lse.data_ptr(),
+        *qs[:3],
+        *ks[:3],
+        *vs[:3],
+        *os_[:3],
+        0 if lse is None else lse.stride(0),
+        0 if lse is None else lse.stride(1),
+        q.shape[0],
+        q.shape[2],
+        k.shape[2],
+        q.shape[1],
+        k.shape[1],
+        a.softmax_scale,
+    )
+
+
+@functools.cache
+def sm_count(device_index: int) -> int:
+    """The device's streaming multiprocessors (torch caches the properties)."""
+    import torch
+
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def current_stream(index: int) -> int:
+    """The handle of PyTorch's current stream on device ``index`` (a CUDA graph capture's
+    stream while capturing)."""
+    import torch
+
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # no Stream object: faster
+    return raw(index) if raw is not None else torch.cuda.current_stream(index).cuda_stream

@@ -1,0 +1,284 @@
+"""sm_90a's launch: the persistent tile grid, the split tail's plan, clusters, and
+``FwdParamsSm90`` (four TMA descriptors, fadsl/targets/sm90/host/tma.py, then FwdParams and
+the scheduler's divisors)."""
+
+from __future__ import annotations
+
+import functools
+import struct
+
+from ....ir import Kernel
+from ...launch import FWD_PARAMS, Args, Launch, pack_fwd_params, sm_count
+
+
+def cluster_size(kernel: Kernel) -> int:
+    """The spec's CTAs per cluster (sm_90a's `cluster N`; 1 without)."""
+    hopper = kernel.config.ext
+    return 1 if hopper is None else hopper.cluster
+
+
+# Pairs share K/V traffic, which pays at the power cap over long K/V loops; their fixed
+# costs (the cluster barriers, the pair in lockstep) do not shrink with the loop. Measured
+# on an H100 (docs/performance.md, session 11): +1 to +3 % from 32 K/V blocks of 128 keys
+# on, level to -2 % at 16, -1 % at 8 and -5 to -10 % on one or two blocks.
+PAIR_MIN_KV_BLOCKS = 32
+
+
+def launch_cluster(kernel: Kernel, seqlen_q: int, seqlen_k: int) -> int:
+    """The CTAs per cluster a launch uses: the spec's when a head's query blocks pair up (an
+    even count, FlashAttention-3's rule; else a block past seqlen_q would run for nothing)
+    and each tile has PAIR_MIN_KV_BLOCKS K/V blocks or more; else 1: the runtime launches the
+    spec's cluster-free variant, `<name>_alone` (fadsl/targets/sm90/alone.py)."""
+    cluster = cluster_size(kernel)
+    blocks = -(-seqlen_q // kernel.config.block_r)
+    kv_blocks = -(-seqlen_k // kernel.config.block_c)
+    return cluster if blocks % cluster == 0 and kv_blocks >= PAIR_MIN_KV_BLOCKS else 1
+
+
+# fadsl::FwdParams: 5 pointers, 14 int64 strides, 5 int sizes, the float scale; 176 bytes
+# with no padding (tests/test_params.py checks every offset against the C++ struct).
+TILE_LIMIT = 2**30  # the kernel's int tile indices (steps past the last tile stay below 2^31)
+
+
+def m_blocks(kernel: Kernel, seqlen_q: int, cluster: int = 1) -> int:
+    """sm_90a's query blocks per (batch, head), rounded up to a multiple of the launch's CTAs
+    per cluster as the kernel's num_m_blocks does (the CTAs of a cluster run consecutive
+    tiles, which must be of one head). launch_cluster pairs only an even count, so the
+    rounding never adds a block there."""
+    blocks = -(-seqlen_q // kernel.config.block_r)
+    return -(-blocks // cluster) * cluster
+
+
+def tile_count(kernel: Kernel, a: Args) -> int:
+    """sm_90a's tiles: (q block of B_r rows, head, batch)."""
+    batch, seqlen_q, heads_q = a.q.shape[0], a.q.shape[1], a.q.shape[2]
+    cluster = launch_cluster(kernel, seqlen_q, a.k.shape[1])
+    return m_blocks(kernel, seqlen_q, cluster) * heads_q * batch
+
+
+def resident_ctas(device_index: int, cluster: int) -> int:
+    """A persistent grid's CTAs: one per SM, whole clusters only. (An H100 or H200 runs 66
+    clusters of 2 at once, every SM: tests/test_gpu_sm90.py checks it with
+    cuOccupancyMaxActiveClusters.)"""
+    return sm_count(device_index) // cluster * cluster
+
+
+def tile_grid(kernel: Kernel, a: Args) -> tuple[int, int, int]:
+    """sm_90a: a 1-D grid over the tiles (q block, head, batch), which the kernel's
+    TileScheduler deals out: one CTA per SM at most (``scheduler persistent``, one CTA
+    fits an SM), or one CTA per tile (``scheduler grid``)."""
+    tiles = tile_count(kernel, a)
+    if tiles >= TILE_LIMIT:
+        raise ValueError(
+            f"q has {tiles} tiles of {kernel.config.block_r} rows x heads x batch, over "
+            f"{TILE_LIMIT - 1}; split the batch"
+        )
+    hopper = kernel.config.ext
+    if hopper is not None and hopper.split_kv:
+        start, splits = split_plan(tiles, sm_count(a.q.device.index), kv_blocks(kernel, a))
+        tiles = start + (tiles - start) * splits  # work items: whole tiles, then pieces
+    if hopper is not None and hopper.persistent:
+        cluster = launch_cluster(kernel, a.q.shape[1], a.k.shape[1])
+        tiles = min(tiles, resident_ctas(a.q.device.index, cluster))
+    return (tiles, 1, 1)
+
+
+# tail split_kv: a piece's cost beyond its K/V blocks (its prologue, epilogue and hand-over),
+# in blocks' time: an estimate, which only weighs more pieces against fewer.
+SPLIT_FIXED_BLOCKS = 2
+MAX_SPLITS = 8
+
+
+def kv_blocks(kernel: Kernel, a: Args) -> int:
+    """The K/V blocks of a (non-causal) tile."""
+    return -(-a.k.shape[1] // kernel.config.block_c)
+
+
+def split_plan(tiles: int, ctas: int, blocks: int) -> tuple[int, int]:
+    """(split_start, splits) for ``tail split_kv``: the whole rounds of tiles stay whole;
+    the last, part-full round's tiles are split into the number of pieces of their
+    ``blocks`` K/V blocks that finishes that round soonest (pieces dealt out over the
+    ``ctas`` as the kernel's scheduler does, each costing its blocks plus
+    SPLIT_FIXED_BLOCKS); (tiles, 1) when nothing is gained."""
+    full = tiles // ctas * ctas
+    rest = tiles - full
+    best_cost, best = 1.0, 1  # the last round's time, in whole tiles' time
+    if rest and blocks >= 2:
+        for splits in range(2, min(MAX_SPLITS, blocks) + 1):
+            rounds = -(-rest * splits // ctas)
+            cost = rounds * (blocks / splits + SPLIT_FIXED_BLOCKS) / (blocks + SPLIT_FIXED_BLOCKS)
+            if cost < best_cost - 1e-9:
+                best_cost, best = cost, splits
+    return (full, best) if best > 1 else (tiles, 1)
+
+
+# FwdParamsSm90 (emit/sm90/include/fadsl/sm90.cuh): the Q, K, V and O tensor maps (128
+# bytes each, 128-byte aligned), then FwdParams at 512; 768 bytes in all (the struct's
+# alignment rounds 688 up). tests/test_params.py checks these against the C++ struct.
+TENSOR_MAP_BYTES = 128
+SM90_BASE_OFFSET = 4 * TENSOR_MAP_BYTES
+SM90_PARAMS_BYTES = 768
+# FwdParamsSm90's tail after FwdParams (tail split_kv): split_partials, split_counts,
+# split_start, splits; zeros for every other kernel.
+SPLIT_TAIL = struct.Struct("<QQii")
+SPLIT_TAIL_FIELDS = ("split_partials", "split_counts", "split_start", "splits")
+_NO_SPLIT = SPLIT_TAIL.pack(0, 0, 0, 0)
+# Then the scheduler's divisors as FastDiv (mul, shift) pairs: fast_div.
+DIVISORS = struct.Struct("<8I")
+DIVISOR_FIELDS = ("div_m_blocks", "div_heads", "div_group", "div_splits")
+_SPLITS_DIVISOR = struct.Struct("<2I")  # the last pair, div_splits
+_SM90_TAIL = SM90_BASE_OFFSET + FWD_PARAMS.size  # where the split fields start
+_SM90_PAD = bytes(SM90_PARAMS_BYTES - _SM90_TAIL - SPLIT_TAIL.size - DIVISORS.size)
+# The kernels move tiles as 64-column panels (128-byte rows, the 128-byte swizzle's span),
+# and each consumer warpgroup stores its own 64 rows of O.
+PANEL_COLS = 64
+O_BOX_ROWS = 64
+
+
+@functools.cache
+def fast_div(d: int) -> tuple[int, int]:
+    """(mul, shift) with n // d == (n * mul) >> shift for every 0 <= n < 2**31 (d >= 1), the
+    kernel's FastDiv: shift = 31 + ceil(log2 d), mul = ceil(2**shift / d) < 2**32
+    (Granlund and Montgomery's multiplier for 31-bit dividends)."""
+    if not 1 <= d < 2**31:
+        raise ValueError(f"divisor {d} out of range")
+    shift = 31 + (d - 1).bit_length()
+    return -(-(1 << shift) // d), shift
+
+
+def _divisors(kernel: Kernel, a: Args) -> bytes:
+    """FwdParamsSm90's FastDiv fields for this launch's shapes (one piece per tile: a split
+    launch puts its own split count's, pack_fwd_params_sm90)."""
+    seqlen_q, heads_q, heads_kv = a.q.shape[1], a.q.shape[2], a.k.shape[2]
+    cluster = launch_cluster(kernel, seqlen_q, a.k.shape[1])
+    return DIVISORS.pack(
+        *fast_div(max(m_blocks(kernel, seqlen_q, cluster), 1)),
+        *fast_div(heads_q),
+        *fast_div(heads_q // heads_kv),
+        *fast_div(1),
+    )
+
+
+# Packed FwdParamsSm90 by everything they are made of: a call on tensors seen before (the
+# usual case: the caching allocator hands the same blocks back) costs one key and one lookup
+# instead of four descriptor lookups and a struct pack (about 3 us less per call). The
+# runtime's checks make part of the key redundant (out's shape, k's, v's and out's dtypes);
+# it stays, so that no caller can be handed a stale struct.
+_SM90_PACKED: dict[tuple, bytes] = {}
+_SM90_PACKED_LIMIT = 4096
+
+
+def pack_fwd_params_sm90(kernel: Kernel, a: Args) -> bytes:
+    """FwdParamsSm90: Q's map with B_r-row boxes, K's and V's with B_c-row boxes, O's with
+    64-row boxes (one consumer warpgroup's rows), then FwdParams."""
+    q, k, v, o, lse = a.q, a.k, a.v, a.out, a.lse
+    cfg = kernel.config
+    key = (
+        cfg.block_r,
+        cfg.block_c,
+        q.dtype,
+        k.dtype,
+        v.dtype,
+        o.dtype,
+        q.data_ptr(),
+        k.data_ptr(),
+        v.data_ptr(),
+        o.data_ptr(),
+        None if lse is None else (lse.data_ptr(), lse.stride()),
+        q.shape,
+        k.shape,
+        o.shape,
+        q.stride(),
+        k.stride(),
+        v.stride(),
+        o.stride(),
+        a.softmax_scale,
+        launch_cluster(kernel, q.shape[1], k.shape[1]),  # the divisors' count is rounded to it
+    )
+    found = _SM90_PACKED.get(key)
+    if found is None:
+        from .tma import tensor_map
+
+        found = b"".join(
+            (
+                tensor_map(q, PANEL_COLS, cfg.block_r),
+                tensor_map(k, PANEL_COLS, cfg.block_c),
+                tensor_map(v, PANEL_COLS, cfg.block_c),
+                tensor_map(o, PANEL_COLS, O_BOX_ROWS),
+                pack_fwd_params(kernel, a),
+                _NO_SPLIT,
+                _divisors(kernel, a),
+                _SM90_PAD,
+            )
+        )
+        if len(_SM90_PACKED) >= _SM90_PACKED_LIMIT:
+            _SM90_PACKED.clear()
+        _SM90_PACKED[key] = found
+    if cfg.ext is not None and cfg.ext.split_kv:
+        # the split fields, and the split count's divisor, are this call's (split_tail)
+        split, splits = split_tail(kernel, a)
+        divisors = _SM90_TAIL + SPLIT_TAIL.size
+        return b"".join(
+            (
+                found[:_SM90_TAIL],
+                split,
+                found[divisors : divisors + DIVISORS.size - _SPLITS_DIVISOR.size],
+                _SPLITS_DIVISOR.pack(*fast_div(splits)),
+                _SM90_PAD,
+            )
+        )
+    return found
+
+
+def split_tail(kernel: Kernel, a: Args) -> tuple[bytes, int]:
+    """FwdParamsSm90's split fields for ``tail split_kv``: this launch's split plan and the
+    workspace of q's device and current stream (host/workspace.py); and the split count."""
+    from .workspace import split_workspace
+
+    cfg = kernel.config
+    tiles = tile_count(kernel, a)
+    start, splits = split_plan(tiles, sm_count(a.q.device.index), kv_blocks(kernel, a))
+    if splits == 1:
+        return SPLIT_TAIL.pack(0, 0, start, 1), 1
+    consumers = cfg.ext.consumers
+    floats = (tiles - start) * splits * consumers * 128 * (cfg.head_dim // 2 + 4)
+    partials, counts = split_workspace(a.q.device, floats, (tiles - start) * consumers)
+    return SPLIT_TAIL.pack(partials, counts, start, splits), splits
+
+
+# target (as a spec spells it) -> its launch
+
+
+def check_loaded(kernel: Kernel, registers: int, threads: int) -> None:
+    """Refuse a cubin whose launch allocation cannot hold the setmaxnreg split
+    (setmaxnreg.inc would wait forever); the spec check assumes ptxas's usual count."""
+    from ....errors import BuildError
+    from ..caps import registers_asked
+
+    hw = kernel.config.ext
+    wanted = registers_asked(hw.producer_regs, hw.consumers, hw.consumer_regs)
+    if registers * threads < wanted:
+        raise BuildError(
+            f"{kernel.config.name}: the cubin launches {threads} threads with {registers} "
+            f"registers each ({registers * threads} in all), fewer than its setmaxnreg split "
+            f"needs (128 x {hw.producer_regs} + {threads - 128} x {hw.consumer_regs} = {wanted}); "
+            "the consumers' setmaxnreg.inc would never return"
+        )
+
+
+def fit_grid(kernel: Kernel, grid: tuple[int, int, int], co_resident: int) -> tuple[int, int, int]:
+    """A persistent grid of pairs: no more CTAs than the pairs that run at once (a larger
+    grid would run its last CTAs in a second wave)."""
+    return (min(grid[0], co_resident), 1, 1) if kernel.config.ext.persistent else grid
+
+
+LAUNCH = Launch(
+    pack=pack_fwd_params_sm90,
+    grid=tile_grid,
+    kernel_suffix="",
+    launch_info=True,
+    cluster_size=cluster_size,
+    launch_cluster=lambda kernel, a: launch_cluster(kernel, a.q.shape[1], a.k.shape[1]),
+    check_loaded=check_loaded,
+    fit_grid=fit_grid,
+)

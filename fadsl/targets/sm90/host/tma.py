@@ -1,0 +1,104 @@
+"""TMA descriptors (``CUtensorMap``) for the sm_90a kernels, encoded from torch tensors.
+
+Each (batch, seqlen, heads, head_dim) tensor becomes a 4-D tiled map over (head_dim,
+seqlen, heads, batch) with the tensor's own strides, so strided views (a packed qkv) need
+no copy. A box is ``box_cols`` columns (one 64-element panel: 128-byte rows, the 128-byte
+swizzle's span) by ``box_rows`` rows of one (head, batch); boxes that reach past seqlen are
+zero-filled on load and clipped on store, which is what the kernels' tails rely on.
+
+TMA's rules (cuTensorMapEncodeTiled): the base address 16-byte aligned, every stride but the
+innermost a multiple of 16 bytes (below 2^40), the innermost dimension contiguous. The
+runtime refuses tensors that break them before anything is encoded (fadsl/tensor_checks.py).
+
+A descriptor depends only on the tensor's address, dtype, shape and strides and the box, so
+encoded descriptors are kept in a small dict: a call on the same tensors (a training step's
+buffers, a benchmark's) costs a dict lookup per tensor instead of a driver call.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+from ....runtime.driver import _check, _driver
+
+MAP_BYTES = 128
+# Entries kept before the dict is emptied (each is a 128-byte descriptor and its key).
+CACHE_LIMIT = 4096
+_encoded: dict[tuple, bytes] = {}
+
+
+@functools.cache
+def _constants() -> tuple:
+    import torch
+
+    driver = _driver()
+    types = {
+        torch.bfloat16: driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+        torch.float16: driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+    }
+    modes = (
+        driver.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
+        driver.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
+        driver.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+        # NONE fills out-of-bounds elements with zeros (NAN_REQUEST_ZERO_FMA would give NaN)
+        driver.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+    )
+    return driver, types, modes, [driver.cuuint32_t(1)] * 4
+
+
+@functools.cache
+def _box(cols: int, rows: int) -> list:
+    u32 = _driver().cuuint32_t
+    return [u32(cols), u32(rows), u32(1), u32(1)]
+
+
+def tma_strides(shape, strides, element_size: int) -> tuple[int, int, int]:
+    """The byte strides of (seqlen, heads, batch), TMA's dimensions 1..3. A dimension of size
+    1 is never stepped along, so its stride is free: it becomes the row's bytes (a multiple
+    of 16) rather than whatever the view carries (a size-1 dimension's stride may be
+    anything in PyTorch)."""
+    row = shape[3] * element_size
+    found = []
+    for dim in (1, 2, 0):
+        found.append(strides[dim] * element_size if shape[dim] > 1 else row)
+    return found[0], found[1], found[2]
+
+
+def tensor_map(t, box_cols: int, box_rows: int) -> bytes:
+    """The 128 bytes of a CUtensorMap over ``t`` (batch, seqlen, heads, head_dim), boxes of
+    ``box_cols`` x ``box_rows``; the tensor was checked by the runtime."""
+    shape, strides, ptr = t.shape, t.stride(), t.data_ptr()
+    key = (ptr, t.dtype, shape, strides, box_cols, box_rows)
+    found = _encoded.get(key)
+    if found is None:
+        found = _encode(ptr, t.dtype, shape, strides, t.element_size(), box_cols, box_rows)
+        if len(_encoded) >= CACHE_LIMIT:
+            _encoded.clear()
+        _encoded[key] = found
+    return found
+
+
+def _encode(ptr, dtype, shape, strides, element_size, box_cols, box_rows) -> bytes:
+    driver, types, (interleave, swizzle, l2, oob), element_strides = _constants()
+    u64 = driver.cuuint64_t
+    batch, seqlen, heads, head_dim = shape
+    tmap = _check(
+        driver,
+        driver.cuTensorMapEncodeTiled(
+            types[dtype],
+            4,
+            ptr,
+            [u64(head_dim), u64(seqlen), u64(heads), u64(batch)],
+            [u64(s) for s in tma_strides(shape, strides, element_size)],
+            _box(box_cols, box_rows),
+            element_strides,
+            interleave,
+            swizzle,
+            l2,
+            oob,
+        ),
+        f"encoding a TMA descriptor (cuTensorMapEncodeTiled) for shape {tuple(shape)}, "
+        f"strides {tuple(strides)}, {dtype}",
+    )
+    return ctypes.string_at(tmap.getPtr(), MAP_BYTES)
