@@ -37,7 +37,7 @@ if __name__ == "__main__":
         arch = arch_of(torch.cuda.current_device())
     from gpu_specs import general_specs, numerics_specs, sm90_specs
 
-    from fadsl.runtime.attention import check_arch
+    from fadsl.targets import check_arch
 
     # Relative paths, as the tests load them (the runtime renders every spec under its
     # kernel's name, so the path does not change the cache key).

@@ -204,7 +204,7 @@ def test_aot_build_refuses_a_bad_architecture(tmp_path):
 
 
 def test_architecture_names_with_three_digits():
-    from fadsl.runtime.attention import check_arch
+    from fadsl.targets import check_arch
 
     check_arch("sm_80", "sm_100")  # Blackwell runs sm_80 code: capability (10, 0), not (1, 0)
     with pytest.raises(ValueError, match="runs only on sm_90a, not sm_100a"):

@@ -131,10 +131,10 @@ def _spill_diagnostic(compiled: Compiled, spilling: list[KernelUsage]) -> Diagno
     worst = max(spilling, key=lambda r: (r.usage.spill_store_bytes, r.usage.stack_bytes))
     u = worst.usage
     where = ", ".join(sorted({f"{r.dtype.value} on {r.arch}" for r in spilling}))
-    if cfg.ext is not None:  # sm_90a: setmaxnreg, not the launch, bounds the consumers
-        loc = cfg.loc_of("registers") if "registers" in dict(cfg.key_locs) else cfg.loc_of("tile")
-        limit = f"the {cfg.ext.consumer_regs} registers per consumer thread (setmaxnreg)"
-        hint = "use a smaller B_c, give the consumers more registers, or turn overlap off"
+    report = compiled.target.report
+    which = "the kernel"
+    if report is not None and report.spill_advice is not None:  # sm_90a: setmaxnreg's cap
+        loc, which, limit, hint = report.spill_advice(compiled.kernel)
     elif cap < caps.registers_per_thread:
         loc = cfg.loc_of("warps")
         limit = f"the {cap} registers per thread that {cfg.threads} threads allow"
@@ -147,9 +147,6 @@ def _spill_diagnostic(compiled: Compiled, spilling: list[KernelUsage]) -> Diagno
         hint = "use a smaller B_c or more warps"
         if set(tiles) - {"O"}:
             hint = "load fragment-wise (rf[frag]), " + hint
-    # the variant the launches that do not pair run (sm90/alone.py): say it is that one
-    variant = cfg.ext is not None and cfg.ext.alone_of
-    which = f"its cluster-free variant {cfg.name}" if variant else "the kernel"
     return Diagnostic(
         loc,
         f"{which} does not fit {limit}: it uses {u.registers} registers and spills "

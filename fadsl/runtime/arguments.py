@@ -134,7 +134,7 @@ def explain_inputs(q, k, v, cfg: Config) -> Dtype:
     return by_torch[q.dtype]
 
 
-def check_strides(name: str, t, target: str = "sm_80") -> None:
+def check_strides(name: str, t, target: str) -> None:
     """The kernel moves 16-byte vectors (sm_80) or TMA boxes (sm_90a): last dimension
     contiguous, the others' strides multiples of 16 bytes (a size-1 dimension's is free)."""
     if t.stride(3) != 1:
@@ -151,7 +151,7 @@ def check_strides(name: str, t, target: str = "sm_80") -> None:
         )
 
 
-def check_base(name: str, t, target: str = "sm_80") -> None:
+def check_base(name: str, t, target: str) -> None:
     """The tensor's address must be 16-byte aligned, as its strides are."""
     if t.data_ptr() % 16:
         raise ValueError(

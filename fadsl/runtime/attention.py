@@ -17,7 +17,6 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import re
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -29,6 +28,8 @@ from ..build.nvrtc import compile_cubin
 from ..codegen.render import Source, header_text, render, spec_hash
 from ..ir import Dtype
 from ..pipeline import Compiled, compile_file, compile_source
+from ..targets import check_arch
+from ..targets.archs import arch_for
 from ..targets.launch import Args, current_stream
 from . import arguments
 from .arguments import (
@@ -49,11 +50,10 @@ def cache_dir() -> Path:
 
 
 def arch_of(device) -> str:
-    """The architecture to build for: sm_90a on Hopper (wgmma, setmaxnreg), else sm_XY."""
+    """The architecture to build for on ``device`` (fadsl.targets.archs.arch_for)."""
     import torch
 
-    major, minor = torch.cuda.get_device_capability(device)
-    return f"sm_{major}{minor}" + ("a" if (major, minor) == (9, 0) else "")
+    return arch_for(torch.cuda.get_device_capability(device))
 
 
 def runs_on(target: str, device) -> bool:
@@ -379,22 +379,6 @@ class FlashAttention:
 
     def _check_out(self, out, q, k, v) -> None:
         arguments.check_out(out, q, k, v, self.config.target)
-
-
-ARCH_PATTERN = re.compile(r"sm_(\d+)(\d)([af]?)")  # sm_90a: (9, 0); sm_100: (10, 0)
-
-
-def check_arch(target: str, arch: str) -> None:
-    """Refuse an architecture name that is malformed or that the target cannot run on."""
-    match = ARCH_PATTERN.fullmatch(arch)
-    if match is None:
-        raise ValueError(f"bad architecture '{arch}': expected a name such as sm_80 or sm_90a")
-    capability = (int(match.group(1)), int(match.group(2)))
-    lowest, only = targets.get(target).capabilities.devices
-    if only and arch != target:
-        raise ValueError(f"target {target} runs only on {target}, not {arch}")
-    if capability < lowest:
-        raise ValueError(f"target {target} needs {target} or newer, not {arch}")
 
 
 def build_ahead(compiled: Compiled, archs: Iterable[str], out_dir: Path) -> list[Path]:

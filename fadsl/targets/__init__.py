@@ -19,8 +19,10 @@ import importlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
+from ..errors import Loc
 from ..ir import Config, Dtype, Instr, Kernel, Level, Lowered, Role, Scope, TargetConfig, Tensor
 from ..ir.syncmodel import SyncModel
+from .archs import capability_of
 from .launch import Launch
 
 if TYPE_CHECKING:
@@ -75,6 +77,9 @@ class Report:
     explain_sections: Callable[[Mapping[str, Any]], list[str]]
     # ... and the schedule's text, in place of the common one
     explain_schedule: Callable[[Mapping[str, Any]], list[str]]
+    # A spilling kernel's error: (where, which kernel, the limit it passed, what to do);
+    # None: the common advice (the registers the launch allows per thread).
+    spill_advice: Callable[[Kernel], tuple[Loc, str, str, str]] | None = None
 
 
 @dataclass(frozen=True)
@@ -128,6 +133,16 @@ def get(name: str) -> Target:
 
 def target_of(kernel: Kernel) -> Target:
     return get(kernel.config.target)
+
+
+def check_arch(name: str, arch: str) -> None:
+    """Refuse an architecture name that is malformed or that target ``name`` cannot run on."""
+    capability = capability_of(arch)
+    lowest, only = get(name).capabilities.devices
+    if only and arch != name:
+        raise ValueError(f"target {name} runs only on {name}, not {arch}")
+    if capability < lowest:
+        raise ValueError(f"target {name} needs {name} or newer, not {arch}")
 
 
 def launch_for(name: str) -> Launch:

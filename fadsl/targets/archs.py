@@ -4,6 +4,10 @@ A target runs on one or more of them (``Capabilities.archs``): sm_80's kernels o
 and sm_90a, sm_90a's on sm_90a only.
 """
 
+from __future__ import annotations
+
+import re
+
 # nvcc flags per architecture; wgmma-era Hopper needs the arch-specific "a" target.
 ARCH_FLAGS = {
     "sm_80": ["-arch=sm_80"],
@@ -29,3 +33,22 @@ SM_LIMITS = {
         "reserved": 1024,
     },
 }
+
+
+# sm_90a: (9, 0); sm_100: (10, 0); the "a" and "f" suffixes name arch-specific instructions
+ARCH_PATTERN = re.compile(r"sm_(\d+)(\d)([af]?)")
+
+
+def arch_for(capability: tuple[int, int]) -> str:
+    """The architecture to build for on a GPU of ``capability``: sm_90a on Hopper (wgmma,
+    setmaxnreg need the arch-specific target), else sm_XY."""
+    major, minor = capability
+    return f"sm_{major}{minor}" + ("a" if (major, minor) == (9, 0) else "")
+
+
+def capability_of(arch: str) -> tuple[int, int]:
+    """The compute capability an architecture name stands for (ValueError if malformed)."""
+    match = ARCH_PATTERN.fullmatch(arch)
+    if match is None:
+        raise ValueError(f"bad architecture '{arch}': expected a name such as sm_80 or sm_90a")
+    return int(match.group(1)), int(match.group(2))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+from ...errors import Loc
 from ...ir import Kernel, Phase, Step, Sync
 from .. import Capabilities, Report
 from .alone import alone_name
@@ -94,6 +95,21 @@ def check_lines(kernel: Kernel, lines: list[tuple[str, str]]) -> list[tuple[str,
         )
     )
     return out
+
+
+def spill_advice(kernel: Kernel) -> tuple[Loc, str, str, str]:
+    """setmaxnreg, not the launch, bounds the consumers' registers; the variant that the
+    launches which do not pair run (alone.py) is named as that."""
+    cfg, hw = kernel.config, kernel.config.ext
+    loc = cfg.loc_of("registers") if "registers" in dict(cfg.key_locs) else cfg.loc_of("tile")
+    which = f"its cluster-free variant {cfg.name}" if hw.alone_of else "the kernel"
+    limit = f"the {hw.consumer_regs} registers per consumer thread (setmaxnreg)"
+    return (
+        loc,
+        which,
+        limit,
+        "use a smaller B_c, give the consumers more registers, or turn overlap off",
+    )
 
 
 def register_cap(kernel: Kernel, caps: Capabilities) -> tuple[int, str]:
@@ -464,6 +480,7 @@ REPORT = Report(
     check_lines=check_lines,
     threads_text=threads_text,
     register_cap=register_cap,
+    spill_advice=spill_advice,
     explain_data=explain_data,
     explain_sections=explain_sections,
     explain_schedule=explain_schedule,

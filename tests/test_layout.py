@@ -1,0 +1,122 @@
+"""The package's shape: no import cycles (every import counts: module level, inside functions
+and under TYPE_CHECKING), and target knowledge only in fadsl/targets (no string outside it
+names a target or an architecture in code)."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "fadsl"
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def imports_of(name: str) -> set[str]:
+    """The fadsl modules that module ``name`` imports (a package's ``from . import x`` counts
+    as importing x when x is a module)."""
+    path = MODULES[name]
+    base = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                parts = base[: len(base) - (node.level - 1)] if node.level > 1 else base
+                target = ".".join(parts + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            for alias in node.names:
+                sub = f"{target}.{alias.name}"
+                found.add(sub if sub in MODULES else target)
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+    return {m for m in found if m in MODULES and m != name}
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_cycles():
+    graph = {name: imports_of(name) for name in MODULES}
+    assert cycles(graph) == []
+
+
+def test_the_cycle_check_finds_a_cycle():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert cycles(graph) == [["a", "b", "c"]]
+
+
+def test_the_import_reader_sees_imports_inside_functions_and_type_checking():
+    assert "fadsl.runtime.custom_op" in imports_of("fadsl.runtime.attention")  # in a method
+    assert "fadsl.frontend.checks" in imports_of("fadsl.targets")  # under TYPE_CHECKING
+
+
+TARGET_WORDS = re.compile(r"\bsm_?\d+a?\b|\bhopper\b|\bampere\b", re.IGNORECASE)
+
+
+def strings_in_code(path: Path):
+    """(line, text) of each string constant that is not a docstring."""
+    tree = ast.parse(path.read_text())
+    docstrings = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            body = node.body
+            if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+                docstrings.add(id(body[0].value))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            if id(node) not in docstrings:
+                yield node.lineno, node.value
+
+
+def test_target_knowledge_lives_in_the_targets_package():
+    """No string outside fadsl/targets names a target or an architecture: what differs between
+    instruction sets is asked of the target (its capabilities, launch, report)."""
+    found = []
+    for name, path in MODULES.items():
+        if name.startswith("fadsl.targets"):
+            continue
+        for line, text in strings_in_code(path):
+            if TARGET_WORDS.search(text):
+                found.append(f"{path.relative_to(ROOT)}:{line}: {text!r}")
+    assert found == []
