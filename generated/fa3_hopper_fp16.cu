@@ -64,7 +64,7 @@ extern "C" __global__ void __launch_bounds__(Cfg::kThreads, 1) fa3_hopper_fp16(c
   const int warpgroup = threadIdx.x / 128;
   const int warp = (threadIdx.x / 32) % 4;  // within the warpgroup
   const int lane = threadIdx.x % 32;
-  // The launch's CTAs per cluster: 2 where paired (fadsl/params.py), else 1 (a direct launch alone)
+  // The launch's CTAs per cluster: 2 where paired (fadsl/targets/sm90/host/launch.py), else 1 (a direct launch alone)
   const uint32_t cluster_ctas = cluster_nctarank();
   const uint32_t cluster_rank = cluster_ctarank();  // in a pair: this CTA's half of each K/V block
   const uint32_t cluster_peer = cluster_rank ^ (cluster_ctas - 1u);  // the other CTA of a pair; alone, itself

@@ -33,7 +33,7 @@ export PYTHONPATH=/tmp/site
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
 python3 -c "
-from fadsl.compiler import compiler_id, cuda_include_dirs
+from fadsl.build.nvrtc import compiler_id, cuda_include_dirs
 import cuda.bindings; print('cuda-bindings', cuda.bindings.__version__, '|', compiler_id(), '| headers', cuda_include_dirs())"
 
 start=$SECONDS

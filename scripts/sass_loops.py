@@ -1,4 +1,4 @@
-"""Print the consumers' mainloops of sm_90a specs as ptxas built them (fadsl/sass.py).
+"""Print the consumers' mainloops of sm_90a specs as ptxas built them (fadsl/tools/sass.py).
 
 Usage: python scripts/sass_loops.py SPEC... [--dtype bf16|fp16]
 For each spec: its cubin for sm_90a (NVRTC, through the cache), disassembled with nvdisasm;

@@ -4,7 +4,7 @@ Usage (a Hopper GPU): python scripts/tile_trace.py SPEC [--seqlen 2048] [--hidde
     [--tokens 16384] [--dtype bf16]
 Builds the spec's kernel with FADSL_TILE_TRACE (its own cubin; the cache's is untouched),
 runs it three times, then once with the timeline zeroed, and prints the medians over every
-consumer warpgroup's tiles (fadsl/tiletrace.py): the waits before the first S, the first
+consumer warpgroup's tiles (fadsl/tools/tiletrace.py): the waits before the first S, the first
 softmax, the mainloop, the last turn and P V, O to SMEM, the store's issue, and the gap to
 the next tile, in us and in mainloop blocks.
 """

@@ -1,4 +1,4 @@
-"""A brute-force checker for warp-specialised pipelines, independent of verify_async.
+"""A brute-force checker for warp-specialised pipelines, independent of the async model's proof (fadsl/passes/asyncmodel).
 
 It explores every interleaving of the agents (depth-first over states, each state visited once)
 under the hardware's rules, with the landing of each TMA load a move of its own that may come

@@ -1,4 +1,4 @@
-"""fadsl/sass.py: loops read from nvdisasm's text, and the softmax/P V overlap that ptxas keeps
+"""fadsl/tools/sass.py: loops read from nvdisasm's text, and the softmax/P V overlap that ptxas keeps
 in the consumers' mainloop of every sm_90a example (a speed property no other test sees)."""
 
 from __future__ import annotations

@@ -34,7 +34,8 @@ def _kinds(kernel, who=None):
 
 def test_the_plan_is_the_prototypes():
     """fa3_hopper's consumer mainloop, without `cluster 2` and with `rescale lazy`, is the
-    prototype's (NOTES.md, sync-plan table); tests/test_cluster_syncs.py has what the
+    hand-written prototype's (its NOTES.md's sync-plan table, archived with it: git tag
+    archive/bench-history-and-prototypes); tests/test_cluster_syncs.py has what the
     cluster adds, test_rescale_guarded_... what `rescale guarded` moves (K's release)."""
     text = Path("bench/specs/fa3_hopper_cluster_off.fa").read_text()
     kernel = compile_source(

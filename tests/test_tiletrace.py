@@ -1,4 +1,4 @@
-"""The tile timeline (fadsl/sm90_trace.cuh, fadsl/tiletrace.py, scripts/tile_trace.py): its
+"""The tile timeline (fadsl/sm90_trace.cuh, fadsl/tools/tiletrace.py, scripts/tile_trace.py): its
 summary from hand-made stamps, and a traced build that compiles and stamps %globaltimer."""
 
 from __future__ import annotations

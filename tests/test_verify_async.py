@@ -1,4 +1,4 @@
-"""verify_async proves FlashAttention-3's sync plan and refuses every broken variant of it.
+"""The async model's proof (fadsl/passes/asyncmodel) proves FlashAttention-3's sync plan and refuses every broken variant of it.
 
 Each mutation below is one of the bugs TileLang users met on Hopper: a missing arrive or
 wait, a missing expect_tx, a flipped mbarrier parity, a missing wgmma wait or proxy fence, a

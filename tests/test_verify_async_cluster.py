@@ -1,4 +1,4 @@
-"""verify_async on clusters of two CTAs: the K ring multicast of docs/clusters.md is proven, and
+"""The async model's proof on clusters of two CTAs: the K ring multicast of docs/clusters.md is proven, and
 each realistic mistake in its syncs is refused with a message that names it. The brute-force
 interleaving checker (tests/bruteforce_async.py) must agree on every case."""
 

@@ -1,4 +1,4 @@
-"""The sm_90a verify pass on `cluster 2` (fadsl/targets/sm90/verify_clusters.py): the cluster
+"""The sm_90a verify pass on `cluster 2` (fadsl/targets/sm90/cluster_agents.py): the cluster
 spec's plan is proven for both CTAs of a cluster, and each realistic mistake in its cluster
 syncs is refused with a message that names it: the peer arrivals dropped, the empty
 barriers counting one CTA's consumers, the expect_tx of one CTA's share, the cluster

@@ -32,8 +32,8 @@ def can_compile() -> bool:
 
 def ptxas_usage(source: Source, arch: str, cache: Path | None = None) -> dict[str, int]:
     """Compile ``source`` to a cubin for ``arch`` as the runtime does (NVRTC, else nvcc; see
-    fadsl/compiler.py) and return what ptxas reports, and the count of warnings. ``cache``: a
-    cubin cache folder (fadsl/cache.py: entries written whole, built once across processes)."""
+    fadsl/build/nvrtc.py) and return what ptxas reports, and the count of warnings. ``cache``: a
+    cubin cache folder (fadsl/build/cache.py: entries written whole, built once across processes)."""
     from . import cache as cubin_cache
     from .nvrtc import compile_cubin
 

@@ -1,5 +1,5 @@
 """The checks of a call's arguments (q, k, v, out, lse, softmax_scale) and the messages that
-name what is wrong; fadsl/runtime.py runs them before every launch.
+name what is wrong; fadsl/runtime/attention.py runs them before every launch.
 
 ``accepts`` is the one cheap test a call's q, k and v pass; ``explain_inputs`` runs only when
 it fails and says why. None reads tensor memory: ``check_base``, ``check_bases`` and

@@ -4,11 +4,11 @@
 ``FlashAttention``. Its first call for a dtype on a device finds the cubin in an
 ahead-of-time folder (``fadsl build``), else in the cache under ``$FADSL_CACHE_DIR``
 (default ``~/.cache/fadsl``), else builds it with NVRTC (about a second) and caches it; see
-fadsl/cache.py. Each kernel is also a ``torch.library.custom_op`` (fadsl/op.py), so
+fadsl/build/cache.py. Each kernel is also a ``torch.library.custom_op`` (fadsl/runtime/custom_op.py), so
 ``torch.compile(fullgraph=True)`` traces through it, and its backward says it is forward-only.
 
 Eager calls that need no autograd launch directly, without the dispatcher: the checks
-(fadsl/arguments.py), the params struct (fadsl/params.py) and one ``cuLaunchKernel`` on
+(fadsl/runtime/arguments.py), the params struct (the target's launch, fadsl/targets) and one ``cuLaunchKernel`` on
 the current stream.
 """
 

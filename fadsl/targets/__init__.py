@@ -60,7 +60,7 @@ class Capabilities:
 
 @dataclass(frozen=True)
 class Report:
-    """What `fadsl check` and `fadsl explain` (fadsl.report) say about a target's kernels
+    """What `fadsl check` and `fadsl explain` (fadsl.tools.report) say about a target's kernels
     beyond the common report, which is sm_80's: every warp runs every step of one
     mainloop under a register cap of registers_per_sm / threads."""
 
@@ -97,13 +97,13 @@ class Target:
     passes: tuple[tuple[str, Callable[[Kernel, "Target"], Kernel]], ...]
     template: str  # under emit/
     context: Callable[[Kernel, Dtype], dict[str, Any]]  # the template's target-specific slots
-    # Settings beyond fadsl.lower_settings.REQUIRED_KEYS that this target needs / takes.
+    # Settings beyond fadsl.frontend.settings.REQUIRED_KEYS that this target needs / takes.
     required_keys: tuple[str, ...] = ("warps",)
     keys: tuple[str, ...] = ("mask", "swizzle", "smem_alias", "stages", "spills")
     key_hints: Mapping[str, str] = dataclasses.field(default_factory=dict)  # for foreign keys
     # Builds the Config itself (sm_90a: warp specialisation); None: the common fields only.
     configure: Callable[[Checks], Config] | None = None
-    # How check and explain describe its kernels; None: the common report (fadsl.report).
+    # How check and explain describe its kernels; None: the common report (fadsl.tools.report).
     report: Report | None = None
     # A schedule's variant for the launches that do not use its clusters (sm_90a: `cluster 2`
     # run alone), compiled beside it and launched in its place; None: no such variant.

@@ -92,7 +92,7 @@ def _resources(compiled: Compiled, check: RegisterCheck) -> list[dict[str, Any]]
 
 def explain_data(compiled: Compiled, registers: RegisterCheck | None = None) -> dict[str, Any]:
     """Everything `fadsl explain` prints, as plain data (the --json form). ``registers``:
-    the compile-based register check, if it ran (fadsl.compile_check)."""
+    the compile-based register check, if it ran (fadsl.build.spill_check)."""
     registers = registers or RegisterCheck((), "not compiled")
     k = compiled.kernel
     cfg = k.config

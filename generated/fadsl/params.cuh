@@ -1,5 +1,5 @@
 // fadsl/params.cuh -- what every target's kernel takes at run time: FwdParams.
-// Target-neutral: no PTX, no target header; the host side (fadsl/params.py) packs the same bytes.
+// Target-neutral: no PTX, no target header; the host side (fadsl/targets/launch.py) packs the same bytes.
 #pragma once
 
 #include <cuda/std/cstdint>  // (device code only: NVRTC needs no host headers)

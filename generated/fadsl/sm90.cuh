@@ -49,7 +49,7 @@ __host__ __device__ __forceinline__ constexpr int imax(int a, int b) { return a 
 // swizzle's width) by a tile's rows, one head, one batch:
 //   q: box rows = kBlockM    k, v: box rows = kBlockN    o: box rows = 64 (one warpgroup)
 // n / d for the scheduler's runtime divisors (query blocks per head, heads, the GQA group,
-// the split count), by a multiply and a shift that the host computed (fadsl/params.py,
+// the split count), by a multiply and a shift that the host computed (fadsl/targets/sm90/host/launch.py,
 // fast_div): exact for 0 <= n < 2^31, and a few instructions where a division is a long
 // dependent chain (the tile boundary computes a tile's coordinates twice per warpgroup).
 struct FastDiv {
@@ -96,8 +96,8 @@ struct FwdConfig {
   static constexpr bool kPersistent = kPersistent_;  // grid = min(tiles, SMs), or one CTA per tile
   // A row's reference max moves only when the max grows past 2^kRescaleSlack of it (P <= 2^8
   // then: far inside 16-bit and fp32 range), so most blocks skip O's rescale (online_softmax).
-  // Generated kernels pass the spec's `rescale` (lazy by default); the default here keeps the
-  // hand-written prototype (prototype/fa3_fwd.cu) FlashAttention-3's rescale after every block.
+  // Generated kernels pass the spec's `rescale` (lazy by default); the default here is
+  // FlashAttention-3's rescale after every block.
   static constexpr bool kLazyRescale = kLazyRescale_;
   static constexpr float kRescaleSlack = 8.f;
   // CTAs per cluster (`cluster 2`: a generated Cfg sets 2). The cluster's CTAs run q-tiles of
@@ -187,7 +187,7 @@ struct TileCoord {
 // so that the CTAs of a cluster, which run consecutive tiles, stay on one head.  (The host
 // launches pairs only for an even count; were it odd, the block past seqlen_q would run its
 // K/V loop on zero-filled Q rows and store nothing: TMA clips its O rows, store_lse skips
-// them.)  fadsl/params.py's m_blocks is the host's copy.
+// them.)  fadsl/targets/sm90/host/launch.py's m_blocks is the host's copy.
 template <class Cfg>
 __device__ __forceinline__ int num_m_blocks(const FwdParams& p) {
   const int blocks = (p.seqlen_q + Cfg::kBlockM - 1) / Cfg::kBlockM;
@@ -268,7 +268,7 @@ __device__ __forceinline__ TileWork tile_work(const FwdParamsSm90& P, const Tile
   return w;
 }
 
-// tail split_kv (persistent, no mask): the host's split plan (fadsl/params.py, split_plan)
+// tail split_kv (persistent, no mask): the host's split plan (fadsl/targets/sm90/host/launch.py, split_plan)
 // leaves tiles 0 .. split_start - 1 whole, a multiple of the grid (whole rounds), and
 // splits each of the others, the launch's last, part-full round, into `splits` pieces of
 // the K/V blocks, so that the CTAs idle in that round share it.  Work item i < split_start

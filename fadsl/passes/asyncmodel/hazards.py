@@ -1,11 +1,11 @@
-"""verify_async, step 3: every hazard is ordered.
+"""The proof, step 3: every hazard is ordered.
 
 Each access has a start and an end: a synchronous access is one point; a TMA load ends when
 its phase completes (a multicast load is a write in each CTA of its mask, each ending with
 its own CTA's phase); a TMA store and a wgmma end at the agent's bulk / wgmma wait_group that
 retires their group. An access that never ends is still in flight when its agent exits. Any
 two accesses to overlapping bytes, one a write, must be ordered end -> start in
-happens-before (verify_async_order); a generic-proxy write followed by an async-proxy access
+happens-before (order.py); a generic-proxy write followed by an async-proxy access
 also needs a fence.proxy.async by the writer between the two.
 
 Two accesses of one many-threaded agent are made by different threads, so program order is

@@ -1,4 +1,4 @@
-"""verify_async: happens-before over the one execution of step 1 (verify_async_run).
+"""The proof's happens-before over the one execution of step 1 (run.py).
 
 The nodes are the run's points (an agent's event) and completions (an mbarrier phase, a named
 barrier generation, a cluster barrier generation); the edges:

@@ -1,6 +1,6 @@
-"""verify_async, step 2: the one execution of step 1 stands for all of them.
+"""The proof, step 2: the one execution of step 1 stands for all of them.
 
-Happens-before (verify_async_order) is program order plus contribution -> phase completion ->
+Happens-before (order.py) is program order plus contribution -> phase completion ->
 the waits that saw it. The matching of step 1 (which phase each contribution joined, which
 phase each wait saw) is the same in every execution, and no execution hangs, when
 

@@ -3,13 +3,13 @@
 It shares no logic with the pass that places the syncs (nor imports it). Three steps, one
 module each; this module checks the names first, runs them in order and gathers the problems:
 
-1. **One execution** (verify_async_run). Run the agents with a fixed scheduler under the
+1. **One execution** (run.py). Run the agents with a fixed scheduler under the
    hardware's rules for mbarriers and named barriers: a hang there is reported; otherwise the
    run tells which phase each arrival, transaction and TMA copy joined and each wait saw.
-2. **That execution stands for all of them** (verify_async_phases). Over happens-before
-   (verify_async_order), every contribution joins its phase and every wait sees its phase in
+2. **That execution stands for all of them** (phases.py). Over happens-before
+   (order.py), every contribution joins its phase and every wait sees its phase in
    every execution, parities included, and each phase expects exactly the bytes it lands.
-3. **Every hazard is ordered** (verify_async_hazards). Any two accesses to overlapping bytes,
+3. **Every hazard is ordered** (hazards.py). Any two accesses to overlapping bytes,
    one a write, are ordered end -> start, and fenced where the proxy changes.
 
 Clusters: SMEM, mbarriers and named barriers are per CTA: a span carries its CTA

@@ -1,4 +1,4 @@
-"""verify_async, step 1: one execution of the program, and the hangs it finds.
+"""The proof, step 1: one execution of the program, and the hangs it finds.
 
 Run the agents with a fixed scheduler (the first agent that can move moves; a TMA copy lands
 as soon as it is issued) under the hardware's rules for mbarriers and named barriers. If every
@@ -6,7 +6,7 @@ agent cannot finish, the plan hangs in this execution, and the blocked waits are
 (and, once every agent has finished, a named barrier or the cluster barrier left with arrivals
 that nobody completes). Otherwise the run tells which phase of which barrier each arrival,
 transaction and TMA copy joined, and which phase each wait saw complete: steps 2 and 3
-(verify_async_phases, verify_async_hazards) prove that this matching, and the order it gives,
+(phases.py, hazards.py) prove that this matching, and the order it gives,
 hold in every execution.
 
 Per-CTA state is keyed by ``qualify``: a barrier is ``name@ctaN`` in a cluster, and its bare

@@ -3,7 +3,7 @@
 - each warp owns whole 16-row mma tiles; each warp's share of a K/V tile is a whole
   number of 512-byte warp-wide cp.async rounds;
 - the registers live at the peak of each mma fit the per-thread cap
-  (``register_budget_fits``: a lower bound; fadsl.compile_check compiles and is the guard);
+  (``register_budget_fits``: a lower bound; fadsl.build.spill_check compiles and is the guard);
 - a swizzle keeps the 16-byte chunks that cp.async and ldmatrix move whole and permutes
   spans that divide a row;
 - paths: inputs gmem -cp.async-> smem -ldmatrix-> rf (V transposed), the output
@@ -98,7 +98,7 @@ def register_budget_fits(
     slice of each other operand: ptxas issues a tile's ldmatrix just before the mma that
     reads it, so a tile loaded whole costs no more at the peak (measured: whole K and V
     tiles of B_c = 128 compile to 255 registers without spills). What else the compiler
-    keeps live only it knows: fadsl.compile_check compiles the kernel and is the guard.
+    keeps live only it knows: fadsl.build.spill_check compiles the kernel and is the guard.
     """
     caps = CAPABILITIES
     threads = 32 * warps

@@ -8,7 +8,7 @@ own bytes where they fit, else over the dead V ring) to a TMA store. Each CTA lo
 (q block, head, batch) tiles (``scheduler persistent``: about one CTA per SM; ``grid``:
 one per tile). The sync pass (insert_syncs) places every mbarrier,
 wgmma wait, named barrier and fence; verify, written apart from it, proves the plan
-over the async model (fadsl/passes/async_model.py) for a CTA's tile loop (tile sequences of
+over the async model (fadsl/passes/asyncmodel/model.py) for a CTA's tile loop (tile sequences of
 1-3 tiles, 1 .. stages + 2 blocks each).
 """
 

@@ -1,6 +1,6 @@
 """verify for sm_90a, `cluster 2`: how the two CTAs of a cluster read from the kernel IR.
 
-verify.py unrolls each role of one CTA into async_model agents; with ``hopper.cluster`` > 1
+verify.py unrolls each role of one CTA into agents of the async model (fadsl/passes/asyncmodel); with ``ext.cluster`` > 1
 it builds them once per CTA of the cluster (``Agent.cta``, spans of ``Span.cta``, every
 mbarrier of the plan in each CTA's SMEM) and reads the cluster's instructions here, as the
 generated code runs them (emit/sm90/kernel.cu.j2, ops.cu.j2, include/fadsl/sm90.cuh's
@@ -23,7 +23,7 @@ generated code runs them (emit/sm90/kernel.cu.j2, ops.cu.j2, include/fadsl/sm90.
   arrive is enough after that fence) order them before any peer's multicast or arrival.
 
 Launches: the runtime runs a `cluster 2` kernel in pairs when a head's query blocks pair
-up and alone otherwise (fadsl/params.py's launch_cluster); the code reads the launch's
+up and alone otherwise (fadsl/targets/sm90/host/launch.py's launch_cluster); the code reads the launch's
 CTAs per cluster (%cluster_nctarank). Alone, a K/V load is the whole tile into the CTA's
 own SMEM (load_kv_multicast falls back to load_kv), a CTA is its own peer (its peer
 arrivals land on its own barriers: rank ^ (CTAs - 1)), and the cluster barriers meet the
@@ -44,7 +44,7 @@ through the cluster barriers before the first tile and after the last. Neither C
 ring ahead of the other: a slot is refilled once both CTAs' consumers have released it,
 and a consumer's full barrier needs both CTAs' shares.
 
-Scope: async_model's ``RemoteArrive`` is a release at cluster scope, while the generated
+Scope: the async model's ``RemoteArrive`` is a release at cluster scope, while the generated
 peer arrival releases at CTA scope (as CUTLASS's ClusterBarrier::arrive; a cluster-scope
 release costs a MEMBAR per arrival). The proof orders three things through that edge, and
 none needs the arriving thread's writes to be visible to the peer: the peer's wgmma reads
@@ -82,7 +82,7 @@ def ctas(kernel: Kernel) -> int:
 
 def launch_modes(kernel: Kernel) -> tuple[int, ...]:
     """The CTAs per cluster the kernel may be launched with: `cluster 2` kernels run in
-    pairs when a head's query blocks pair up and alone otherwise (fadsl/params.py's
+    pairs when a head's query blocks pair up and alone otherwise (fadsl/targets/sm90/host/launch.py's
     launch_cluster; the generated code reads %cluster_nctarank), so both are proven."""
     return tuple(sorted({1, kernel.config.ext.cluster}))
 

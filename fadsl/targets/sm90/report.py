@@ -268,7 +268,7 @@ def explain_data(kernel: Kernel) -> dict[str, Any]:
             "by": VERIFIER,
             "block_counts": [counts.start, counts.stop - 1],
             "tiles": [1, max_tiles(kernel)],
-            # `cluster 2`: the proof runs both CTAs of a cluster (verify_clusters)
+            # `cluster 2`: the proof runs both CTAs of a cluster (cluster_agents)
             **({"ctas": hw.cluster} if hw.cluster > 1 else {}),
         },
         "programs": _programs(kernel),
@@ -342,7 +342,7 @@ def explain_sections(data: Mapping[str, Any]) -> list[str]:
                 f"  cluster    {ws['cluster']}: pairs of CTAs on neighbouring query blocks of one "
                 "head share each K/V block, each loading half its panels by TMA multicast into "
                 "both; launched in pairs when a head's query blocks pair up and the K/V loop "
-                f"has {PAIR_MIN_KV_BLOCKS} blocks or more (fadsl.params.launch_cluster); other "
+                f"has {PAIR_MIN_KV_BLOCKS} blocks or more (fadsl.targets.sm90.host.launch.launch_cluster); other "
                 f"launches run the spec's cluster-free variant, {ws['alone']} (compiled and "
                 "verified beside it: no cluster barrier)"
             ]

@@ -5,14 +5,14 @@ It reads the kernel as the generated code runs it, and shares no decision with
 insert_syncs. A CTA runs a sequence of tiles (persistent: many per CTA; grid: one, the same
 loop). For each tile sequence of ``tile_sequences`` each role's items are unrolled, tile after
 tile (prologue at it = 0, the mainloop at it = 1 .. n - 1, the epilogue at it = n), into the
-agents of ``fadsl.passes.async_model``: the producer's elected thread, and one agent per
-consumer warpgroup. ``verify_async`` then proves the plan for that program (mbarrier phases
+agents of ``fadsl.passes.asyncmodel.model``: the producer's elected thread, and one agent per
+consumer warpgroup. ``fadsl.passes.asyncmodel.prove`` then proves the plan for that program (mbarrier phases
 and parities, transaction bytes, named-barrier generations, wgmma and bulk groups, proxy
 fences). Two rules live here because they concern instructions the program model leaves
 out: every mbarrier is initialised (then ``fence.mbarrier_init`` and a CTA barrier, or a
 cluster barrier with ``cluster 2``) before use, and a wgmma reads no register that ordinary
 code wrote since the warpgroup's last ``wgmma.fence``. With ``cluster 2`` the program holds
-the agents of both CTAs of a cluster (verify_clusters).
+the agents of both CTAs of a cluster (cluster_agents).
 
 What the generated code does, as this module reads it:
 - the setup phase (mbarrier inits, their fence, ``__syncthreads``, setmaxnreg, the first
@@ -34,7 +34,7 @@ What the generated code does, as this module reads it:
 - per-warpgroup named barriers have id ``bar_id + (wg + peer) % W``;
 - ``consumer_warp_lane0`` arrivals are one per consumer warp (4 per warpgroup),
   ``consumer_elected`` and ``producer_thread`` ones a single arrival;
-- ``cluster 2`` (verify_clusters reads it): both CTAs of a cluster run the same tile
+- ``cluster 2`` (cluster_agents reads it): both CTAs of a cluster run the same tile
   sequence, each with its own mbarriers (the inits' counts are per CTA); a TMA load of a
   ``smem[cluster]`` buffer (K, V) issues CTA r's 64-column panels p (p % 2 == r), each a
   multicast into the same slot of both CTAs completing on both CTAs' ``x_full``; an
@@ -281,9 +281,9 @@ def build_program(
     ctas: int | None = None,
 ) -> Program:
     """The kernel's roles as agents, for a CTA running tiles of ``tiles`` K/V blocks in turn
-    (an int: one tile), or each CTA of a cluster running them (verify_clusters); ``ctas``:
+    (an int: one tile), or each CTA of a cluster running them (cluster_agents); ``ctas``:
     the launch's CTAs per cluster (default the spec's `cluster`; 1 runs a cluster kernel
-    alone); with ``fences``, also the wgmma.fence markers, which are not async_model
+    alone); with ``fences``, also the wgmma.fence markers, which are not async model
     events."""
     hopper = kernel.config.ext
     assert hopper is not None
@@ -317,7 +317,7 @@ def build_program(
 
 
 def _without_fences(program: Program) -> Program:
-    """The program without the wgmma.fence markers (not async_model events)."""
+    """The program without the wgmma.fence markers (not async model events)."""
     return replace(
         program,
         agents=tuple(
@@ -568,7 +568,7 @@ class _Agent:
 
 @dataclass(frozen=True)
 class _WgmmaFence:
-    """wgmma.fence: no effect on SMEM, so it is not an async_model event; the register rule
+    """wgmma.fence: no effect on SMEM, so it is not an async model event; the register rule
     below reads it from the unfiltered events."""
 
 

@@ -8,7 +8,7 @@ zero-filled on load and clipped on store, which is what the kernels' tails rely 
 
 TMA's rules (cuTensorMapEncodeTiled): the base address 16-byte aligned, every stride but the
 innermost a multiple of 16 bytes (below 2^40), the innermost dimension contiguous. The
-runtime refuses tensors that break them before anything is encoded (fadsl/tensor_checks.py).
+runtime refuses tensors that break them before anything is encoded (fadsl/runtime/arguments.py).
 
 A descriptor depends only on the tensor's address, dtype, shape and strides and the box, so
 encoded descriptors are kept in a small dict: a call on the same tensors (a training step's

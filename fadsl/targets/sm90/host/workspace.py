@@ -1,4 +1,4 @@
-"""The global-memory workspace of ``tail split_kv`` launches (fadsl/params.py, split_tail).
+"""The global-memory workspace of ``tail split_kv`` launches (fadsl/targets/sm90/host/launch.py, split_tail).
 
 A split tile's pieces hand their partial O, m and l over through ``partials`` (fp32; no
 initial value needed: each piece writes its own before any piece reads it) and count

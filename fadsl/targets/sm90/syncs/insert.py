@@ -8,17 +8,17 @@ with no K/V block touches no SMEM and no barrier).
 
 One module per mechanism, each with the hazards it orders in its docstring:
 
-- mbarrier_syncs: the TMA loads' full and empty mbarriers (their inits in the setup, the
+- mbarrier: the TMA loads' full and empty mbarriers (their inits in the setup, the
   producer's waits and arrive.expect_tx, the consumers' waits and arrivals), K/V's per
   ring slot and Q's per tile;
-- wgmma_syncs: wgmma.fence, a commit group per wgmma, wgmma.wait_group before the
+- wgmma: wgmma.fence, a commit group per wgmma, wgmma.wait_group before the
   registers an in-flight group uses;
-- pingpong_syncs: the consumer warpgroups' turns on the tensor cores (named barriers);
-- store_syncs: O's stmatrix and TMA store (named barriers, the proxy fence, bulk waits
+- pingpong: the consumer warpgroups' turns on the tensor cores (named barriers);
+- store: O's stmatrix and TMA store (named barriers, the proxy fence, bulk waits
   and, where O lies over the dead rings, its free barrier);
-- sync_state: the consumer program being built, which they share.
+- state: the consumer program being built, which they share.
 
-This pass walks the phases and calls them in order; ``role_of`` (sync_state) names the
+This pass walks the phases and calls them in order; ``role_of`` (state) names the
 program a step or sync belongs to, for emit and the report.
 """
 
@@ -52,7 +52,7 @@ from .store import (
 from .state import Consumers, role_of
 from .wgmma import issue_wgmma, track_register_writes, wait_groups
 
-__all__ = ["insert_syncs", "role_of"]  # role_of (sync_state): emit and report ask here
+__all__ = ["insert_syncs", "role_of"]  # role_of (state): emit and report ask here
 
 
 def insert_syncs(kernel: Kernel, target: targets.Target) -> Kernel:

@@ -5,7 +5,7 @@ named barrier before, bar.arrive on the next warpgroup's after; the turns go on 
 to tile: in the setup the last warpgroup opens warpgroup 0's first turn, in the teardown
 warpgroup 0 takes the last hand-over, so every arrive is matched. A tile's last turn also
 carries the elected thread's wait for the previous tile's TMA store of O in its own bytes
-(store_syncs): the turn's bar.sync of the whole warpgroup orders it before every write.
+(store.py): the turn's bar.sync of the whole warpgroup orders it before every write.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """What insert_syncs' mechanisms share: the consumer program being built, and the helpers
 that name roles, hazards and the steps a barrier's hazards point at.
 
-Each mechanism (mbarrier_syncs, wgmma_syncs, pingpong_syncs, store_syncs) is a set of plain
+Each mechanism (mbarrier, wgmma, pingpong, store) is a set of plain
 functions over ``Consumers``; none of them imports insert_syncs, which calls them in order.
 """
 
@@ -62,7 +62,7 @@ class Consumers:
     readers: dict[str, list[Step]]  # buffer -> the consumer steps that read it
     rings: frozenset[str]  # the tiles loaded per K/V block (schedule.ring_buffers)
     # a TMA-stored tile over loaded bytes (O over the dead V ring) -> the buffers under it
-    # (store_syncs.freed_by_stores)
+    # (store.freed_by_stores)
     freed: dict[str, list[str]]
     in_flight: list[Group] = field(default_factory=list)
     in_turn: bool = False
@@ -71,11 +71,11 @@ class Consumers:
     registers_written: bool = True
     q_waited: set[str] = field(default_factory=set)
     # WAR of the previous tile's TMA store against this tile's writes of the same bytes
-    # (store_syncs.reused_by_next_tile), and those of them the tile's first turn (a bar.sync
+    # (store.reused_by_next_tile), and those of them the tile's first turn (a bar.sync
     # of every thread of the warpgroup) orders on its way
     reused: list[Hazard] = field(default_factory=list)
     carried: list[Hazard] = field(default_factory=list)
-    # the phase's reads of each ring item (mbarrier_syncs.ring_reads) and how many are done:
+    # the phase's reads of each ring item (mbarrier.ring_reads) and how many are done:
     # the slot's empty arrival follows the last
     ring_reads: dict[tuple[str, int], list[Step]] = field(default_factory=dict)
     released: dict[tuple[str, int], int] = field(default_factory=dict)

@@ -4,8 +4,8 @@ wgmma results and operands in registers (RAW/WAR within a warpgroup): each wgmma
 preceded by wgmma.fence and followed by its own commit group; before a step that
 touches registers an in-flight group writes (or reads), wgmma.wait_group N keeps the
 N newer groups in flight. With ``overlap off`` every GEMM is waited for at once. A wait
-ends the warpgroup's ping-pong turn (pingpong_syncs.hand_over) and, for each group it
-retires, frees the ring slots the group read (mbarrier_syncs.release).
+ends the warpgroup's ping-pong turn (pingpong.hand_over) and, for each group it
+retires, frees the ring slots the group read (mbarrier.release).
 """
 
 from __future__ import annotations

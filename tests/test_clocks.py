@@ -1,4 +1,4 @@
-"""The bench's clock and power sampling (fadsl/gpuclocks.py), against a stand-in for NVML."""
+"""The bench's clock and power sampling (fadsl/tools/clocks.py), against a stand-in for NVML."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from fadsl.tools import bench, clocks as gpuclocks
+from fadsl.tools import bench, clocks as clocks
 from fadsl.tools.clocks import POWER_CAP, SW_THERMAL, Sampler, summarize
 
 
@@ -88,12 +88,12 @@ class _FakeNvml:
 def test_nvml_reader_reads_clock_power_and_reasons_of_the_device_by_pci_bus_id(monkeypatch):
     fake = _FakeNvml()
     monkeypatch.setattr(ctypes, "CDLL", lambda name: fake)
-    read = gpuclocks.nvml_reader("00000000:1b:00.0")
+    read = clocks.nvml_reader("00000000:1b:00.0")
     assert read is not None and fake.asked == ["00000000:1b:00.0"]
     assert read() == (1755.0, 687.5, POWER_CAP)
     # an older driver: only the ThrottleReasons spelling
     monkeypatch.setattr(ctypes, "CDLL", lambda name: _FakeNvml(newer_reasons=False))
-    assert gpuclocks.nvml_reader("00000000:1b:00.0")() == (1755.0, 687.5, POWER_CAP)
+    assert clocks.nvml_reader("00000000:1b:00.0")() == (1755.0, 687.5, POWER_CAP)
 
 
 def test_nvml_reader_is_none_without_the_library_or_the_device(monkeypatch):
@@ -101,11 +101,11 @@ def test_nvml_reader_is_none_without_the_library_or_the_device(monkeypatch):
         raise OSError(f"{name}: cannot open shared object file")
 
     monkeypatch.setattr(ctypes, "CDLL", missing)
-    assert gpuclocks.nvml_reader() is None
+    assert clocks.nvml_reader() is None
     monkeypatch.setattr(ctypes, "CDLL", lambda name: _FakeNvml(init=9))  # nvmlInit fails
-    assert gpuclocks.nvml_reader() is None
+    assert clocks.nvml_reader() is None
     monkeypatch.setattr(ctypes, "CDLL", lambda name: _FakeNvml())
-    assert gpuclocks.nvml_reader("00000000:99:00.0") is None  # not this machine's GPU
+    assert clocks.nvml_reader("00000000:99:00.0") is None  # not this machine's GPU
 
 
 def test_bench_table_lists_each_contenders_clocks_under_the_ratios():

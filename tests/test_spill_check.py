@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-import fadsl.build.spill_check as compile_check
+import fadsl.build.spill_check as spill_check
 from conftest import ROOT
 from fadsl.cli import main
 from fadsl.build.nvrtc import Usage, nvcc, parse_resource_usage
@@ -130,7 +130,7 @@ def test_spills_takes_allow_or_refuse():
 
 
 def test_without_a_compiler_check_and_explain_say_so(monkeypatch, capsys):
-    monkeypatch.setattr(compile_check, "nvcc_compiler", lambda: None)
+    monkeypatch.setattr(spill_check, "nvcc_compiler", lambda: None)
     monkeypatch.chdir(ROOT)
     assert main(["check", "examples/fa2_pipelined.fa"]) == 0
     assert "registers not checked (no CUDA compiler: neither NVRTC (cuda-bindings) nor nvcc)" in (
@@ -147,7 +147,7 @@ def test_without_a_compiler_check_and_explain_say_so(monkeypatch, capsys):
 
 def test_check_with_a_fake_compiler_prints_the_registers(monkeypatch, capsys):
     compiler, _ = _fake(Usage(247))
-    monkeypatch.setattr(compile_check, "find_compiler", lambda: (compiler, "fake 1.0"))
+    monkeypatch.setattr(spill_check, "find_compiler", lambda: (compiler, "fake 1.0"))
     monkeypatch.chdir(ROOT)
     assert main(["check", "examples/fa2_pipelined.fa"]) == 0
     out = capsys.readouterr().out
@@ -157,7 +157,7 @@ def test_check_with_a_fake_compiler_prints_the_registers(monkeypatch, capsys):
 
 def test_check_refuses_a_spilling_kernel_with_exit_2(monkeypatch, capsys, tmp_path):
     compiler, _ = _fake(Usage(255, 8, 8, 0))
-    monkeypatch.setattr(compile_check, "find_compiler", lambda: (compiler, "fake 1.0"))
+    monkeypatch.setattr(spill_check, "find_compiler", lambda: (compiler, "fake 1.0"))
     spec = tmp_path / "p.fa"
     spec.write_text(PIPELINED)
     assert main(["check", str(spec)]) == 2
