@@ -1,4 +1,4 @@
-"""The driver: spec text -> the target's schedule -> the target's passes, in order.
+"""The pipeline: spec text -> the target's schedule -> the target's passes, in order.
 
     parse (syntax) -> lower (settings, paths, mainloop order; target.validate)
     -> target.build_schedule -> target.passes (sm_80: plan_smem, insert_barriers,

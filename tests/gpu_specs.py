@@ -73,16 +73,9 @@ def _sm90_specs_and_flips() -> tuple[dict[str, str], dict[str, str]]:
     seen = {spec_body(text): stem for stem, text in examples.items()}
     flips = {}
     for stem, text in examples.items():
-        causal = re.search(r"^\s*mask\s+causal\b", text, re.MULTILINE) is not None
+        causal = is_causal(text)
         name = f"{stem}_{'full' if causal else 'causal'}"
-        flipped = re.sub(
-            r"^(\s*mask\s+)(none|causal)\b",
-            lambda m: m.group(1) + ("none" if causal else "causal"),
-            text,
-            count=1,
-            flags=re.MULTILINE,
-        )
-        flipped = whole_tail(re.sub(r"\bkernel\s+\w+", f"kernel {name}", flipped, count=1))
+        flipped = whole_tail(mask_flipped_spec(text, name))
         if not causal:
             flipped = single_ctas(flipped)  # clusters pair tiles of equal length only
         if spec_body(flipped) not in seen:
@@ -90,6 +83,23 @@ def _sm90_specs_and_flips() -> tuple[dict[str, str], dict[str, str]]:
             specs[name] = flipped
         flips[stem] = seen[spec_body(flipped)]
     return specs, flips
+
+
+def is_causal(text: str) -> bool:
+    return re.search(r"^\s*mask\s+causal\b", text, re.MULTILINE) is not None
+
+
+def mask_flipped_spec(text: str, name: str) -> str:
+    """The spec with its mask flipped (none <-> causal), its kernel called ``name``."""
+    causal = is_causal(text)
+    flipped = re.sub(
+        r"^(\s*mask\s+)(none|causal)\b",
+        lambda m: m.group(1) + ("none" if causal else "causal"),
+        text,
+        count=1,
+        flags=re.MULTILINE,
+    )
+    return re.sub(r"\bkernel\s+\w+", f"kernel {name}", flipped, count=1)
 
 
 def single_ctas(text: str) -> str:
@@ -142,16 +152,8 @@ def numerics_specs() -> dict[str, str]:
     for path in sorted((ROOT / "examples").glob("fa2_*.fa")):
         text = path.read_text()
         specs[path.stem] = text
-        causal = re.search(r"^\s*mask\s+causal\b", text, re.MULTILINE) is not None
-        name = f"{path.stem}_{'full' if causal else 'causal'}"
-        flipped = re.sub(
-            r"^(\s*mask\s+)(none|causal)\b",
-            lambda m: m.group(1) + ("none" if causal else "causal"),
-            text,
-            count=1,
-            flags=re.MULTILINE,
-        )
-        flipped = re.sub(r"\bkernel\s+\w+", f"kernel {name}", flipped, count=1)
+        name = f"{path.stem}_{'full' if is_causal(text) else 'causal'}"
+        flipped = mask_flipped_spec(text, name)
         if spec_body(flipped) not in {spec_body(t) for t in specs.values()}:
             specs[name] = flipped
     return specs

@@ -3,13 +3,12 @@
 Everything that differs between instruction sets lives in a target: its
 capabilities (data), the checks a spec must pass for it (located errors), the
 schedule builder (which ops, run by which threads, with which async writes), the
-sync model, the pass list and the emitter (a template under ``emit/<package>/``
-and the context it needs). The front end, the generic passes and the driver ask
-the registry below for the target a spec's ``target`` line names.
+sync model, the pass list, the emitter (a template under ``emit/<package>/``
+and the context it needs) and the host side of a launch (``Target.launch``). The front
+end, the generic passes, the pipeline and the runtime ask the registry below for the
+target a spec's ``target`` line names.
 
-Adding an instruction set: a package ``fadsl/targets/<package>/`` whose
-``__init__`` defines ``TARGET``, its templates and headers under ``emit/<package>/``,
-and one line in ``_PACKAGES``.
+Adding an instruction set: README.md's "Adding a target".
 """
 
 from __future__ import annotations
