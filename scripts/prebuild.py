@@ -35,7 +35,7 @@ if __name__ == "__main__":
         from fadsl.runtime.attention import arch_of
 
         arch = arch_of(torch.cuda.current_device())
-    from gpu_specs import general_specs, numerics_specs, sm90_specs
+    from gpu_specs import general_specs, numerics_specs, sm90_specs, softcap_specs
 
     from fadsl.targets import check_arch
 
@@ -46,6 +46,7 @@ if __name__ == "__main__":
     specs += [t for n, t in sm90_specs().items() if not (ROOT / "examples" / f"{n}.fa").exists()]
     known = {fadsl.load(s, verbose=False).config.name for s in specs}
     specs += [t for n, t in numerics_specs().items() if n not in known]
+    specs += list(softcap_specs().values())
     jobs = []
     for spec in specs:
         config = fadsl.load(spec, verbose=False).config

@@ -157,3 +157,15 @@ def numerics_specs() -> dict[str, str]:
         if spec_body(flipped) not in {spec_body(t) for t in specs.values()}:
             specs[name] = flipped
     return specs
+
+
+def softcap_specs() -> dict[str, str]:
+    """The capped specs (tests/specs/sm90/fa3_softcap*.fa), each in every rescale mode, named
+    ``<spec>_<mode>``."""
+    specs = {}
+    for path in sorted((ROOT / "tests" / "specs" / "sm90").glob("fa3_softcap*.fa")):
+        for mode in RESCALE_MODES:
+            name = f"{path.stem}_{mode}"
+            text = re.sub(r"\bkernel\s+\w+", f"kernel {name}", path.read_text(), count=1)
+            specs[name] = with_rescale(text, mode)
+    return specs

@@ -48,6 +48,7 @@ def read_settings(c: Checks) -> None:
         "rescale": rescale,
         "tail": tail,
         "cluster": cluster,
+        "softcap": softcap,
     }
     for setting in c.decl.settings:
         key = setting.key.text
@@ -245,6 +246,12 @@ def cluster(c: Checks, setting: Setting) -> int | None:
         )
         return None
     return _count(c, setting, 1, 2)
+
+
+def softcap(c: Checks, setting: Setting) -> int | None:
+    """`softcap N` (sm_90a): scores capped by N tanh(s softmax_scale / N) before the softmax
+    (Gemma 2, Grok: 30 or 50); off without the line."""
+    return _count(c, setting, 1, 1000)
 
 
 def _count(c: Checks, setting: Setting, lo: int, hi: int) -> int | None:

@@ -100,6 +100,8 @@ struct FwdConfig {
   // FlashAttention-3's rescale after every block.
   static constexpr bool kLazyRescale = kLazyRescale_;
   static constexpr float kRescaleSlack = 8.f;
+  // `softcap N`: the scores capped by N tanh(s softmax_scale / N) before the softmax (0: off)
+  static constexpr float kSoftcap = 0.f;
   // CTAs per cluster (`cluster 2`: a generated Cfg sets 2). The cluster's CTAs run q-tiles of
   // one (batch, head) and share every K/V block: load_kv_multicast.
   static constexpr int kClusterSize = 1;
@@ -417,6 +419,25 @@ __device__ __forceinline__ void mask_scores(float (&s)[Cfg::kSRegs], const FwdPa
       for (int e = 0; e < 2; ++e) {
         if (8 * j + e >= end) s[4 * j + 2 * r + e] = -INFINITY;
       }
+    }
+  }
+}
+
+// `softcap N`: S <- (N log2 e / c) tanh(S c / (N log2 e)), so that S c, the score in log2
+// units the softmax takes, is N log2(e) tanh(s softmax_scale / N): capped at N log2 e, and
+// every later factor bounded with it. Before the mask (a masked -inf stays -inf). tanh(x) =
+// 1 - 2 / (2^(2x log2 e) + 1) with one ex2 and one rcp: an absolute error of about 2^-21
+// (tanh.approx.f32's 2^-11 relative would move a score capped at 30 by 0.015); 2^(..) = inf
+// gives 1, 0 gives -1.
+template <class Cfg>
+__device__ __forceinline__ void apply_softcap(float (&s)[Cfg::kSRegs], float scale_log2) {
+  if constexpr (Cfg::kSoftcap > 0.f) {
+    constexpr float kCapLog2 = Cfg::kSoftcap * 1.4426950408889634f;
+    const float into = scale_log2 * (2.f / Cfg::kSoftcap), out = kCapLog2 * fast_rcp(scale_log2);
+#pragma unroll
+    for (int i = 0; i < Cfg::kSRegs; ++i) {
+      const float e = fast_exp2(s[i] * into);
+      s[i] = out * (1.f - 2.f * fast_rcp(e + 1.f));
     }
   }
 }

@@ -180,6 +180,7 @@ template <class Cfg>
 __device__ __forceinline__ void softmax_redo(float (&s)[Cfg::kSRegs], float (&m)[2], float (&l)[2], float (&scale)[2],
                                              float scale_log2, uint32_t smem_q_wg, uint32_t smem_k, int warp, int lane) {
   recompute_s_warp<Cfg>(s, smem_q_wg, smem_k, warp, lane);
+  apply_softcap<Cfg>(s, scale_log2);  // a guarded block is unmasked: nothing else to redo
   online_softmax<Cfg>(s, m, l, scale, scale_log2);
 }
 

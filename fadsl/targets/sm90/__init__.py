@@ -59,6 +59,7 @@ TARGET = Target(
         "rescale",
         "tail",
         "cluster",
+        "softcap",
         "spills",
     ),
     key_hints={"warps": "use 'warpgroups producer = 1, consumers = N'"},

@@ -41,6 +41,8 @@ class Sm90Config(TargetConfig):
     # The `cluster N` kernel this cluster-free variant runs for where a launch does not use
     # its clusters (fadsl/targets/sm90/alone.py); None for a spec's own kernel.
     alone_of: str | None = None
+    # `softcap N`: the scores capped by N tanh(s softmax_scale / N) before the softmax; 0: off
+    softcap: int = 0
 
     @property
     def scheduler(self) -> str:
@@ -72,6 +74,7 @@ class Sm90Config(TargetConfig):
             + (f" q_slots={self.q_slots}" if self.q_slots > 1 else "")
             + (" tail=split_kv" if self.split_kv else "")
             + (f" cluster={self.cluster}" if self.cluster > 1 else "")
+            + (f" softcap={self.softcap}" if self.softcap else "")
             + (f" alone_of={self.alone_of}" if self.alone_of else "")
         )
 
@@ -82,7 +85,7 @@ _TEXT = re.compile(
     r"pingpong=(?P<pingpong>on|off) overlap=(?P<overlap>on|off) "
     r"scheduler=(?P<scheduler>persistent|grid) rescale=(?P<rescale>every|lazy|guarded)"
     r"(?: q_slots=(?P<q_slots>\d+))?(?P<split_kv> tail=split_kv)?(?: cluster=(?P<cluster>\d+))?"
-    r"(?: alone_of=(?P<alone_of>\S+))?$"
+    r"(?: softcap=(?P<softcap>\d+))?(?: alone_of=(?P<alone_of>\S+))?$"
 )
 
 
@@ -105,4 +108,5 @@ def read_config(line: str) -> Sm90Config:
         split_kv=m["split_kv"] is not None,
         cluster=int(m["cluster"] or 1),
         alone_of=m["alone_of"],
+        softcap=int(m["softcap"] or 0),
     )

@@ -264,6 +264,7 @@ def context(kernel: Kernel, dtype: Dtype) -> dict[str, Any]:
         "persistent": hw.persistent,
         "overlap": hw.overlap,
         "lazy_rescale": hw.lazy_rescale,
+        "softcap": hw.softcap,
         "guarded": hw.guarded,
         "scheduler": hw.scheduler,
         "rescale": hw.rescale,

@@ -256,6 +256,7 @@ def explain_data(kernel: Kernel) -> dict[str, Any]:
             "overlap": hw.overlap,
             "scheduler": hw.scheduler,
             "rescale": hw.rescale,
+            **({"softcap": hw.softcap} if hw.softcap else {}),
         },
         "tma_tiles": _mbarriers(kernel),
         "mbarrier_array": {
@@ -374,6 +375,15 @@ def explain_sections(data: Mapping[str, Any]) -> list[str]:
         "             exact up to the 16-bit rounding of P for finite scores s with "
         "|s softmax_scale log2(e)| < 2^16: every factor applied is a normal fp32 number, or "
         "a true value below 2^-126 of the row's total flushed to 0 (docs/numerics.md)",
+        *(
+            [
+                f"  softcap    {ws['softcap']}: scores capped by {ws['softcap']} tanh(s "
+                f"softmax_scale / {ws['softcap']}) before the mask and the softmax (tanh from "
+                "ex2 and rcp: absolute error about 2^-21 of the cap)"
+            ]
+            if "softcap" in ws
+            else []
+        ),
         "",
     ]
     array = data["mbarrier_array"]

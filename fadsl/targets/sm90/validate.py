@@ -305,6 +305,7 @@ def configure(c: Checks) -> Config:
             q_slots=v.get("q_slots", 1),
             split_kv=v.get("tail", False),
             cluster=v.get("cluster", 1),
+            softcap=v.get("softcap", 0),
         ),
     )
 
