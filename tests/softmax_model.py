@@ -76,6 +76,13 @@ def fma(a, b, c) -> torch.Tensor:
     return (a.to(F64) * b.to(F64) + c.to(F64)).to(F32)
 
 
+def move_factor(m, c: float, ref: torch.Tensor) -> torch.Tensor:
+    """2^(m c - ref), a reference's move, as the kernels take it: from the rounded m c that
+    the P were taken against (``__fmul_rn``), minus the new reference, in fp32."""
+    mc = torch.as_tensor(m, dtype=F32) * torch.tensor(c, dtype=F32)  # -inf stays -inf
+    return ex2(mc - ref)
+
+
 def round16(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """cvt.rn.{bf16,f16}x2.f32: P as the P V wgmma reads it."""
     return x.to(dtype).to(F32)
@@ -127,7 +134,7 @@ def online_softmax(s, m, l, c: float, lazy: bool):
     else:
         keep = torch.zeros_like(m, dtype=torch.bool)
     ref = torch.where(mx == -math.inf, torch.zeros_like(mx), mx * torch.tensor(c, dtype=F32))
-    scale = torch.where(keep, torch.ones_like(m), ex2(fma(m, c, -ref)))
+    scale = torch.where(keep, torch.ones_like(m), move_factor(m, c, ref))
     p, total = exp2_row(s, ref, c)
     l = fma(l, scale[:, :, None], total)
     return p, mx, l, scale
@@ -146,7 +153,7 @@ def online_softmax_guarded(s, m, l, c: float, block_n: int):
     moves = trips[:, None] & ~redo[:, None] & (top > 2.0**RESCALE_SLACK)
     m_new = torch.where(moves, fma(lg2(top), rcp(torch.tensor(c, dtype=F32)), m), m)
     cm_new = m_new * torch.tensor(c, dtype=F32)
-    inv = torch.where(moves, ex2(fma(m, c, -cm_new)), torch.ones_like(m))
+    inv = torch.where(moves, move_factor(m, c, cm_new), torch.ones_like(m))
     p = p * inv[:, :, None, None]
     total = total * inv[:, :, None]
     l_new = fma(l, inv[:, :, None], total)
@@ -211,7 +218,7 @@ def combine(pieces: list[WarpState], c: float) -> WarpState:
     for part in pieces[1:]:
         mx = torch.maximum(m, part.m)
         ref = torch.where(mx == -math.inf, torch.zeros_like(mx), mx * torch.tensor(c, dtype=F32))
-        keep, add = ex2(fma(m, c, -ref)), ex2(fma(part.m, c, -ref))
+        keep, add = move_factor(m, c, ref), move_factor(part.m, c, ref)
         l = fma(l, keep[:, :, None], part.l * add[:, :, None])
         w = fma(w, keep[:, :, None], part.w * add[:, :, None])
         m = mx

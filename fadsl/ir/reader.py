@@ -98,10 +98,12 @@ class _Reader:
         if target.read_config is not None and len(lines) > 1:  # the target's settings line
             self.line = 2
             try:
-                config = replace(config, ext=target.read_config(lines[1]))
+                ext = target.read_config(lines[1])
             except ValueError as err:
                 raise self.fail(lines[1], str(err)) from None
-            lines = [lines[0], *lines[2:]]
+            if ext is not None:
+                config = replace(config, ext=ext)
+                lines = [lines[0], *lines[2:]]
         model = target.sync_model
         tensors: list[Tensor] = []
         buffers: list[Buffer] = []

@@ -359,7 +359,7 @@ class FlashAttention:
                 module.launch(grid, self._block, params, current_stream(index), cluster)
 
     # ------------------------------------------------------------------ checks
-    # The checks themselves are in fadsl/arguments.py; these pass them the spec's config.
+    # The checks themselves are in fadsl/runtime/arguments.py; these pass them the spec's config.
     def check_inputs(self, q, k, v) -> Dtype:
         """Types, dtypes, shapes, strides and devices of q, k, v (no memory access: fake
         tensors pass). One cheap test first; the checks that name what is wrong run only when

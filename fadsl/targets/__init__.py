@@ -109,8 +109,9 @@ class Target:
     alone: Callable[[Kernel], Kernel | None] | None = None
     # The host side: params, grid, clusters (fadsl/targets/<package>/host).
     launch: Launch | None = None
-    # Reads the line its ``Config.ext`` prints in the IR's text form; None: no such line.
-    read_config: Callable[[str], TargetConfig] | None = None
+    # Reads the line its ``Config.ext`` prints in the IR's text form (None for another line);
+    # None: the target has no such line.
+    read_config: Callable[[str], TargetConfig | None] | None = None
 
 
 def names() -> tuple[str, ...]:

@@ -65,6 +65,8 @@ class Launch:
         return 1 if self.cluster_size is None else self.cluster_size(kernel)
 
 
+# fadsl::FwdParams: 5 pointers, 14 int64 strides, 5 int sizes, the float scale; 176 bytes
+# with no padding (tests/test_params.py checks every offset against the C++ struct).
 FWD_PARAMS = struct.Struct("<5Q14q5if")
 FWD_PARAMS_FIELDS = (
     *("q", "k", "v", "o", "lse"),

@@ -17,8 +17,8 @@ import struct
 from dataclasses import dataclass
 
 from ..codegen.render import read_header
+from ..targets.sm90.caps import TRACE_HEADER
 
-TRACE_HEADER = "fadsl/sm90_trace.cuh"
 PHASES = (
     ("Q, K, turn", 0, 1),  # the waits before the first S = Q K^T, and its issue
     ("first softmax", 1, 2),  # the first S waited for, its softmax

@@ -410,7 +410,9 @@ __device__ __forceinline__ void rescale_running_stats(float (&m_run)[R8], const 
                                                       float scale_log2) {
 #pragma unroll
   for (int i = 0; i < R8; ++i) {
-    const float factor = fast_exp2(m_run[i] * scale_log2 - scaled_max(m_new[i], scale_log2));
+    // the rounded references the P were taken against (an fma with the exact m c would
+    // leave half an ulp of |m c| per move, adding up over the moves)
+    const float factor = fast_exp2(__fmul_rn(m_run[i], scale_log2) - scaled_max(m_new[i], scale_log2));
     l_part[i] *= factor;
 #pragma unroll
     for (int j = 0; j < D8; ++j) {

@@ -31,6 +31,10 @@
 //        (guarded: each P is at most its thread's sum, B_c <= 256);
 //   (I3) the row's total L = sum of its 4 threads' l is at least 1: the P of the score that
 //        set R was 1, and each later move adds the new max's P = 1 after scaling the rest.
+// Every move's factor is 2^(R - R') from the rounded references themselves (R as exp2_row
+// used it, __fmul_rn(m, c); never an fma with the exact m c), so the factors of successive
+// moves compose to 2^(R_first - R_last), one rounding each, instead of leaving half an ulp of
+// |R| per move to add up (tests/test_softmax_model.py: 0.6 % after 1024 moves at 2^15).
 // The factors, each normal or a flush whose true value is below 2^-126:
 //   P (every mode, every path that keeps it): in [0, 2^14] by I2, so it fits fp16 (65504) and
 //       bf16; a P below 2^-126 flushes to 0, at most n 2^-126 of mass against L >= 1.
@@ -158,8 +162,9 @@ __device__ __forceinline__ bool online_softmax_guarded(float (&s)[Cfg::kSRegs], 
       top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, 2));
       const bool moves = top > exp2f(Cfg::kRescaleSlack);  // no branch: rows differ by quad
       const float m_new = moves ? m[r] + fast_log2(top) * fast_rcp(scale_log2) : m[r];
-      // From the references the next blocks use (m' c), not from 1 / top: the same factor.
-      const float inv = moves ? fast_exp2(m[r] * scale_log2 - m_new * scale_log2) : 1.f;
+      // From the rounded references, this block's (m c) and the next blocks' (m' c), not
+      // from 1 / top: P, l and O then refer to m' c exactly as the next blocks' P do.
+      const float inv = moves ? fast_exp2(__fmul_rn(m[r], scale_log2) - __fmul_rn(m_new, scale_log2)) : 1.f;
 #pragma unroll
       for (int j = 0; j < Cfg::kBlockN / 8; ++j) {
         s[4 * j + 2 * r] *= inv;

@@ -141,3 +141,8 @@ def register_pool(threads: int) -> int:
 def default_registers(consumers: int) -> tuple[int, int]:
     """FlashAttention-3's setmaxnreg split (producer, consumer) for 1..3 consumer warpgroups."""
     return {1: (56, 256), 2: (24, 240), 3: (32, 160)}[consumers]
+
+
+# The header of the tile timeline's marks (a FADSL_TILE_TRACE build; fadsl/tools/tiletrace.py
+# reads the layout it declares).
+TRACE_HEADER = "fadsl/sm90_trace.cuh"

@@ -89,8 +89,11 @@ _TEXT = re.compile(
 )
 
 
-def read_config(line: str) -> Sm90Config:
-    """The Sm90Config that ``Sm90Config.text`` printed (ValueError if it is not one)."""
+def read_config(line: str) -> Sm90Config | None:
+    """The Sm90Config that ``Sm90Config.text`` printed; None for a line that is not an
+    sm90 line, ValueError for a malformed one."""
+    if not line.startswith("sm90 "):
+        return None
     m = _TEXT.match(line)
     if m is None:
         raise ValueError("expected 'sm90 consumers=N stages=N regs=P/C ...'")

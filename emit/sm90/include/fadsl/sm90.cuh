@@ -488,8 +488,11 @@ __device__ __forceinline__ void online_softmax(float (&s)[Cfg::kSRegs], float (&
     const bool keep = Cfg::kLazyRescale && !((mx - m[r]) * scale_log2 > Cfg::kRescaleSlack);
     if (keep) mx = m[r];
     const float ref = scaled_max(mx, scale_log2);
-    // 1 exactly when m is kept (rescale_o tests for it); m = -inf (nothing seen yet): 0
-    scale[r] = keep ? 1.f : fast_exp2(m[r] * scale_log2 - ref);
+    // 1 exactly when m is kept (rescale_o tests for it); m = -inf (nothing seen yet): 0.
+    // From the rounded references the P were taken against, m c as exp2_row rounded it and
+    // ref (an fma with the exact m c would leave half an ulp of |m c| per move, and the
+    // moves' errors would add up: 3.5 % over 256 moves at |S c| = 2^12)
+    scale[r] = keep ? 1.f : fast_exp2(__fmul_rn(m[r], scale_log2) - ref);
     const float sum = exp2_row<Cfg>(s, r, ref, scale_log2);
     l[r] = l[r] * scale[r] + sum;
     m[r] = mx;
@@ -635,8 +638,8 @@ __device__ __forceinline__ bool combine_split(const FwdParamsSm90& P, const Tile
       for (int r = 0; r < 2; ++r) {
         const float mx = fmaxf(m[r], part_m[r]);
         const float ref = scaled_max(mx, scale_log2);  // -inf maxima give factors of 0
-        keep[r] = fast_exp2(m[r] * scale_log2 - ref);
-        add[r] = fast_exp2(part_m[r] * scale_log2 - ref);
+        keep[r] = fast_exp2(__fmul_rn(m[r], scale_log2) - ref);  // the rounded references
+        add[r] = fast_exp2(__fmul_rn(part_m[r], scale_log2) - ref);
       }
     }
 #pragma unroll

@@ -35,8 +35,6 @@ def launch_cluster(kernel: Kernel, seqlen_q: int, seqlen_k: int) -> int:
     return cluster if blocks % cluster == 0 and kv_blocks >= PAIR_MIN_KV_BLOCKS else 1
 
 
-# fadsl::FwdParams: 5 pointers, 14 int64 strides, 5 int sizes, the float scale; 176 bytes
-# with no padding (tests/test_params.py checks every offset against the C++ struct).
 TILE_LIMIT = 2**30  # the kernel's int tile indices (steps past the last tile stay below 2^31)
 
 
@@ -244,9 +242,6 @@ def split_tail(kernel: Kernel, a: Args) -> tuple[bytes, int]:
     floats = (tiles - start) * splits * consumers * 128 * (cfg.head_dim // 2 + 4)
     partials, counts = split_workspace(a.q.device, floats, (tiles - start) * consumers)
     return SPLIT_TAIL.pack(partials, counts, start, splits), splits
-
-
-# target (as a spec spells it) -> its launch
 
 
 def check_loaded(kernel: Kernel, registers: int, threads: int) -> None:
