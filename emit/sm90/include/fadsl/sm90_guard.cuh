@@ -138,11 +138,11 @@ constexpr float kGuardedMoveSum = 0x1p120f;
 template <class Cfg>
 __device__ __forceinline__ bool online_softmax_guarded(float (&s)[Cfg::kSRegs], float (&m)[2], float (&l)[2],
                                                        float (&scale)[2], float scale_log2) {
-  float sum[2];
+  float sum[2], ref[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    // m = -inf: every P is inf or NaN, the rarest path
-    sum[r] = exp2_row<Cfg>(s, r, m[r] * scale_log2, scale_log2);
+    ref[r] = __fmul_rn(m[r], scale_log2);  // m = -inf: every P is inf or NaN, the rarest path
+    sum[r] = exp2_row<Cfg>(s, r, ref[r], scale_log2);
   }
   scale[0] = scale[1] = 1.f;
   // Warp-uniform branches: no lane diverges around the P V wgmma still in flight.
@@ -164,7 +164,7 @@ __device__ __forceinline__ bool online_softmax_guarded(float (&s)[Cfg::kSRegs], 
       const float m_new = moves ? m[r] + fast_log2(top) * fast_rcp(scale_log2) : m[r];
       // From the rounded references, this block's (m c) and the next blocks' (m' c), not
       // from 1 / top: P, l and O then refer to m' c exactly as the next blocks' P do.
-      const float inv = moves ? fast_exp2(__fmul_rn(m[r], scale_log2) - __fmul_rn(m_new, scale_log2)) : 1.f;
+      const float inv = moves ? fast_exp2(ref[r] - __fmul_rn(m_new, scale_log2)) : 1.f;
 #pragma unroll
       for (int j = 0; j < Cfg::kBlockN / 8; ++j) {
         s[4 * j + 2 * r] *= inv;
