@@ -1,12 +1,23 @@
 """fadsl: a compiler from a short declarative spec to FlashAttention kernels in CUDA.
 
-The public API: ``load`` (a spec's file or text -> a ``FlashAttention``, a torch operator),
-``build_ahead``, the errors a spec or a build can raise, and the version.
+The public API: ``attention`` (attention through a shipped spec for the GPU), ``load`` (a
+spec's file or text -> a ``FlashAttention``, a torch operator), ``build_ahead``, the errors a
+spec or a build can raise, and the version.
 """
 
 from ._version import __version__
 
 from .errors import BuildError, Loc, SpecError
 from .runtime.attention import FlashAttention, build_ahead, load
+from .runtime.dispatch import attention
 
-__all__ = ["__version__", "BuildError", "FlashAttention", "Loc", "SpecError", "build_ahead", "load"]
+__all__ = [
+    "__version__",
+    "BuildError",
+    "FlashAttention",
+    "Loc",
+    "SpecError",
+    "attention",
+    "build_ahead",
+    "load",
+]

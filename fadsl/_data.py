@@ -1,6 +1,8 @@
-"""Where the grammar (grammar/) and the templates and headers (emit/) are.
+"""Where the grammar (grammar/), the templates and headers (emit/) and the example specs
+(examples/, the specs fadsl.attention ships) are.
 
-An installed fadsl carries them as the subpackages ``fadsl.grammar`` and ``fadsl.emit``
+An installed fadsl carries them as the subpackages ``fadsl.grammar``, ``fadsl.emit`` and
+``fadsl.examples``
 (pyproject.toml maps the folders there); a source checkout imported as it is (the
 repository root on sys.path) has them beside the package.
 """
@@ -13,7 +15,8 @@ from pathlib import Path
 
 
 def data_dir(name: str) -> Traversable:
-    """``grammar`` or ``emit``: the installed subpackage, else the checkout's folder."""
+    """``grammar``, ``emit`` or ``examples``: the installed subpackage, else the checkout's
+    folder."""
     try:
         return resources.files(f"fadsl.{name}")
     except ModuleNotFoundError:

@@ -75,6 +75,8 @@ def _sm90_specs_and_flips() -> tuple[dict[str, str], dict[str, str]]:
     for stem, text in examples.items():
         causal = is_causal(text)
         name = f"{stem}_{'full' if causal else 'causal'}"
+        if name in examples:  # an example already goes by that name (fa3_hdim64_causal)
+            name += "_flipped"
         flipped = whole_tail(mask_flipped_spec(text, name))
         if not causal:
             flipped = single_ctas(flipped)  # clusters pair tiles of equal length only

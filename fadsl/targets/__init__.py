@@ -109,6 +109,8 @@ class Target:
     alone: Callable[[Kernel], Kernel | None] | None = None
     # The host side: params, grid, clusters (fadsl/targets/<package>/host).
     launch: Launch | None = None
+    # fadsl.attention's specs: (head_dim, causal) -> an example's name (examples/NAME.fa)
+    shipped: Mapping[tuple[int, bool], str] = dataclasses.field(default_factory=dict)
     # Reads the line its ``Config.ext`` prints in the IR's text form (None for another line);
     # None: the target has no such line.
     read_config: Callable[[str], TargetConfig | None] | None = None

@@ -33,4 +33,11 @@ TARGET = Target(
     template=TEMPLATE,
     context=context,
     launch=LAUNCH,
+    # fadsl.attention elsewhere (sm_80 and newer): the fastest sm_80 examples
+    shipped={
+        (64, False): "fa2_hdim64",
+        (128, False): "fa2_pipelined",
+        (128, True): "fa2_causal",
+        (256, False): "fa2_hdim256",
+    },
 )

@@ -68,4 +68,13 @@ TARGET = Target(
     alone=alone,  # `cluster 2`: the cluster-free kernel for launches that do not pair
     launch=LAUNCH,  # FwdParamsSm90, the persistent tile grid, the split tail, clusters
     read_config=read_config,
+    # fadsl.attention on Hopper: the tuned examples (docs/performance.md)
+    shipped={
+        (64, False): "fa3_hdim64",
+        (64, True): "fa3_hdim64_causal",
+        (128, False): "fa3_hopper",
+        (128, True): "fa3_causal",
+        (256, False): "fa3_hdim256",
+        (256, True): "fa3_hdim256_causal",
+    },
 )

@@ -1,0 +1,2 @@
+"""The example specs; installed as fadsl.examples, where fadsl.attention finds the ones each
+target ships (Target.shipped)."""
