@@ -42,9 +42,10 @@ class Launch:
     grid: Callable[[Kernel, Args], tuple[int, int, int]]
     kernel_suffix: str = "_kernel"
     launch_info: bool = False
-    # clusters: the spec's CTAs per cluster, and this launch's (None: no clusters)
-    cluster_size: Callable[[Kernel], int] | None = None
-    launch_cluster: Callable[[Kernel, Args], int] | None = None
+    # clusters (None: none): the spec's CTAs per cluster (spec_cluster), and a launch's,
+    # which may be fewer (cluster)
+    spec_cluster_of: Callable[[Kernel], int] | None = None
+    cluster_of: Callable[[Kernel, Args], int] | None = None
     # after loading: refuse a module that cannot run (kernel, registers per thread, threads)
     check_loaded: Callable[[Kernel, int, int], None] | None = None
     # a clustered launch's grid given the clusters that fit at once (CTAs)
@@ -58,11 +59,11 @@ class Launch:
 
     def cluster(self, kernel: Kernel, a: Args) -> int:
         """CTAs per cluster of this launch (1: launched without clusters)."""
-        return 1 if self.launch_cluster is None else self.launch_cluster(kernel, a)
+        return 1 if self.cluster_of is None else self.cluster_of(kernel, a)
 
     def spec_cluster(self, kernel: Kernel) -> int:
         """The spec's CTAs per cluster (a launch may use fewer)."""
-        return 1 if self.cluster_size is None else self.cluster_size(kernel)
+        return 1 if self.spec_cluster_of is None else self.spec_cluster_of(kernel)
 
 
 # fadsl::FwdParams: 5 pointers, 14 int64 strides, 5 int sizes, the float scale; 176 bytes

@@ -272,8 +272,8 @@ LAUNCH = Launch(
     grid=tile_grid,
     kernel_suffix="",
     launch_info=True,
-    cluster_size=cluster_size,
-    launch_cluster=lambda kernel, a: launch_cluster(kernel, a.q.shape[1], a.k.shape[1]),
+    spec_cluster_of=cluster_size,
+    cluster_of=lambda kernel, a: launch_cluster(kernel, a.q.shape[1], a.k.shape[1]),
     check_loaded=check_loaded,
     fit_grid=fit_grid,
 )
