@@ -60,9 +60,7 @@ def runs_on(target: str, device) -> bool:
     """Whether the target's instructions run on ``device``'s GPU."""
     import torch
 
-    capability = torch.cuda.get_device_capability(device)
-    lowest, only = targets.get(target).capabilities.devices
-    return capability == lowest if only else capability >= lowest
+    return targets.get(target).capabilities.runs_on(torch.cuda.get_device_capability(device))
 
 
 def check_device(target: str, kernel_name: str, device) -> None:

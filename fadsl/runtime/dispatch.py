@@ -11,16 +11,11 @@ from .attention import FlashAttention, load
 _LOADED: dict[str, FlashAttention] = {}
 
 
-def _runs_on(target: targets.Target, capability: tuple[int, int]) -> bool:
-    lowest, only = target.capabilities.devices
-    return capability == lowest if only else capability >= lowest
-
-
 def _candidates(capability: tuple[int, int]) -> list[targets.Target]:
     """The targets that run on a GPU of ``capability``, the most specific first (a target
     of one architecture before one that runs on every newer GPU)."""
     found = [targets.get(name) for name in targets.names()]
-    found = [t for t in found if _runs_on(t, capability)]
+    found = [t for t in found if t.capabilities.runs_on(capability)]
     return sorted(found, key=lambda t: (not t.capabilities.devices[1], t.capabilities.devices[0]))
 
 

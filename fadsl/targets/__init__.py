@@ -56,6 +56,11 @@ class Capabilities:
     # the SMEM sharing scopes a path may name
     scopes: tuple[Scope, ...] = (Scope.WARP, Scope.CTA)
 
+    def runs_on(self, capability: tuple[int, int]) -> bool:
+        """Whether the instructions run on a GPU of ``capability`` (``devices``)."""
+        lowest, only = self.devices
+        return capability == lowest if only else capability >= lowest
+
 
 @dataclass(frozen=True)
 class Report:
@@ -139,11 +144,11 @@ def target_of(kernel: Kernel) -> Target:
 
 def check_arch(name: str, arch: str) -> None:
     """Refuse an architecture name that is malformed or that target ``name`` cannot run on."""
-    capability = capability_of(arch)
-    lowest, only = get(name).capabilities.devices
-    if only and arch != name:
+    capability = capability_of(arch)  # a malformed name first
+    caps = get(name).capabilities
+    if caps.devices[1] and arch != name:
         raise ValueError(f"target {name} runs only on {name}, not {arch}")
-    if capability < lowest:
+    if not caps.runs_on(capability):
         raise ValueError(f"target {name} needs {name} or newer, not {arch}")
 
 
