@@ -37,22 +37,26 @@ def kernels():
     return {name: fadsl.load(text, verbose=False) for name, text in SPECS.items()}
 
 
-def reference(q, k, v, scale, causal, dtype):
-    """Attention and LSE with GQA and a bottom-right causal mask, in ``dtype`` (softmax in fp32).
-    Rows that see no key give 0 and LSE -inf."""
+def reference(q, k, v, scale, causal, dtype, softcap=None):
+    """Attention and LSE with GQA and a bottom-right causal mask, in ``dtype`` (softmax in fp32;
+    all of it in float64 for float64). Rows that see no key give 0 and LSE -inf. ``softcap``:
+    the scores capped, softcap tanh(s scale / softcap), before the mask."""
     sq, sk = q.shape[1], k.shape[1]
     groups = q.shape[2] // k.shape[2]
     q, k, v = (t.to(dtype).transpose(1, 2) for t in (q, k, v))
     k = k.repeat_interleave(groups, dim=1)
     v = v.repeat_interleave(groups, dim=1)
-    scores = torch.matmul(q, k.transpose(2, 3)).float() * scale
+    work = torch.float64 if dtype == torch.float64 else torch.float32
+    scores = torch.matmul(q, k.transpose(2, 3)).to(work) * scale
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
     if causal:
         i = torch.arange(sq, device=q.device)[:, None]
         j = torch.arange(sk, device=q.device)[None, :]
         scores = scores.masked_fill(j > i + sk - sq, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
-    out = torch.matmul(probs.to(dtype), v).float()
+    out = torch.matmul(probs.to(dtype), v).to(work)
     return out.transpose(1, 2), lse
 
 

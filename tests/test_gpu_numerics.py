@@ -73,22 +73,6 @@ def mode_of(kern) -> Mode:
     return Mode.EVERY if kern.config.ext is None else Mode(kern.config.ext.rescale)
 
 
-def reference64(q, k, v, scale, causal):
-    """Attention and LSE in float64 from the 16-bit inputs (GQA, bottom-right causal mask;
-    a row with no key: 0 and -inf)."""
-    sq, sk, groups = q.shape[1], k.shape[1], q.shape[2] // k.shape[2]
-    q, k, v = (t.double().transpose(1, 2) for t in (q, k, v))
-    k, v = (t.repeat_interleave(groups, dim=1) for t in (k, v))
-    scores = (q @ k.transpose(2, 3)) * scale
-    if causal:
-        i = torch.arange(sq, device=q.device)[:, None]
-        j = torch.arange(sk, device=q.device)[None, :]
-        scores = scores.masked_fill(j > i + sk - sq, -math.inf)
-    lse = torch.logsumexp(scores, dim=-1)
-    out = torch.softmax(scores, dim=-1).nan_to_num(0.0) @ v
-    return out.transpose(1, 2), lse
-
-
 def assert_lse(lse, expected, what: str):
     """Within 1e-3 of max(1, |expected|); -inf exactly where expected."""
     empty = expected == -math.inf
@@ -102,7 +86,7 @@ def assert_lse(lse, expected, what: str):
 
 def assert_fa_rule(out, lse, q, k, v, scale, causal, model_out=None, model_lse=None):
     """FlashAttention's rule against float64 (and against the model where given)."""
-    ref, ref_lse = reference64(q, k, v, scale, causal)
+    ref, ref_lse = reference(q, k, v, scale, causal, torch.float64)
     low, _ = reference(q, k, v, scale, causal, q.dtype)
     assert not out.isnan().any(), "outputs never written (or NaN)"
     bound = 2 * (low.double() - ref).abs().max().item() + 1e-3
