@@ -182,6 +182,7 @@ def run(
     scale = 1.0 / math.sqrt(d)
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     backends = _backends()
+    fa4 = _flash_attention_4()  # None where it is not installed
     read = clocks.nvml_reader(_pci_bus_id())
     sampler = clocks.Sampler(read) if read else None
     rows = []
@@ -230,7 +231,6 @@ def run(
                 log(f"fadsl bench: {name} backend unavailable here: {str(err).splitlines()[0]}")
                 continue
             contenders[name] = call
-        fa4 = _flash_attention_4()
         if fa4 is not None:
 
             def call_fa4(i, fa4=fa4, qkv=qkv):
