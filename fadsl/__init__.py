@@ -1,8 +1,9 @@
 """fadsl: a compiler from a short declarative spec to FlashAttention kernels in CUDA.
 
 The public API: ``attention`` (attention through a shipped spec for the GPU), ``load`` (a
-spec's file or text -> a ``FlashAttention``, a torch operator), ``build_ahead``, the errors a
-spec or a build can raise, and the version.
+spec's file or text -> a ``FlashAttention``, a torch operator), ``build_ahead``, ``tune`` (a
+spec's knobs searched on this GPU -> a ``TuneResult``), the errors a spec or a build can raise,
+and the version.
 """
 
 from ._version import __version__
@@ -10,14 +11,18 @@ from ._version import __version__
 from .errors import BuildError, Loc, SpecError
 from .runtime.attention import FlashAttention, build_ahead, load
 from .runtime.dispatch import attention
+from .tools.tune import NoGPUError, TuneResult, tune
 
 __all__ = [
     "__version__",
     "BuildError",
     "FlashAttention",
     "Loc",
+    "NoGPUError",
     "SpecError",
+    "TuneResult",
     "attention",
     "build_ahead",
     "load",
+    "tune",
 ]

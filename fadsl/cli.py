@@ -1,4 +1,4 @@
-"""The `fadsl` command line: check, explain, compile, build and bench a spec; the cache."""
+"""The `fadsl` command line: check, explain, compile, build, bench and tune a spec; the cache."""
 
 from __future__ import annotations
 
@@ -124,6 +124,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
             return EXIT_FAILURE
 
     compiled = _compile(args.spec)  # a bad spec is reported (exit 2) before the GPU check
+    if args.backward and compiled.kernel.backward is None:
+        print(
+            f"fadsl bench: --backward: {args.spec} has no backward block (add `backward {{}}`)",
+            file=sys.stderr,
+        )
+        return EXIT_FAILURE
+    if args.backward and args.against:
+        print("fadsl bench: --backward times one spec; leave out --against", file=sys.stderr)
+        return EXIT_FAILURE
     kern = FlashAttention(compiled)
     others = tuple(FlashAttention(_compile(spec)) for spec in args.against or ())
     dtype_name = args.dtype or compiled.kernel.config.dtypes[0].value
@@ -151,6 +160,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if not torch.cuda.is_available():
         print("fadsl bench: needs a CUDA GPU, and none is visible", file=sys.stderr)
         return EXIT_FAILURE
+    if args.backward:
+        return _bench_backward(args, kern, heads)
     try:
         result = bench.run(
             kern,
@@ -175,6 +186,71 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _bench_backward(args: argparse.Namespace, kern, heads: int) -> int:
+    """`fadsl bench --backward`: the backward pass (fadsl/tools/bench_backward.py)."""
+    import json
+
+    from .tools import bench_backward
+
+    try:
+        result = bench_backward.run(
+            kern,
+            seqlens=tuple(args.seqlens),
+            causal=args.causal,
+            tokens=args.tokens,
+            heads=heads,
+            dtype_name=args.dtype,
+        )
+    except (ValueError, RuntimeError) as err:
+        print(f"fadsl bench: {err}", file=sys.stderr)
+        return EXIT_FAILURE
+    print(bench_backward.table(result))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    return EXIT_OK
+
+
+def cmd_tune(args: argparse.Namespace) -> int:
+    from .tools import tune as tuning
+
+    try:
+        source = read_spec(Path(args.spec))
+    except OSError as err:
+        raise UnreadableSpec(f"fadsl: error: cannot read '{args.spec}': {err.strerror or err}")
+    knobs = [k.strip() for k in args.knobs.split(",") if k.strip()] if args.knobs else None
+    try:
+        if args.list:
+            print(tuning.list_variants(source, args.spec, knobs))
+            return EXIT_OK
+        if args.output is not None and Path(args.output).is_dir():
+            raise ValueError(f"-o {args.output} is a folder; -o names the spec file to write")
+        result = tuning.tune(
+            source,
+            file=args.spec,
+            seqlens=tuple(args.seqlens),
+            dtype=args.dtype,
+            causal=args.causal,
+            heads=args.heads,
+            hidden=args.hidden,
+            tokens=args.tokens,
+            batch=args.batch,
+            budget=args.budget,
+            jobs=args.jobs,
+            output=args.output,
+            knobs=knobs,
+            fresh=args.fresh,
+            max_rounds=args.max_rounds,
+        )
+    except tuning.NoGPUError as err:
+        print(f"fadsl tune: {err}", file=sys.stderr)
+        return EXIT_FAILURE
+    except (ValueError, RuntimeError) as err:  # an argument that does not fit; the timing
+        print(f"fadsl tune: {err}", file=sys.stderr)
+        return EXIT_FAILURE
+    print(result.table())
+    return EXIT_OK
+
+
 def _seqlens(text: str) -> list[int]:
     try:
         values = [int(x) for x in text.split(",")]
@@ -183,6 +259,16 @@ def _seqlens(text: str) -> list[int]:
     if any(v <= 0 for v in values):
         raise argparse.ArgumentTypeError("sequence lengths must be positive")
     return values
+
+
+def _minutes(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of minutes, got '{text}'")
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of minutes, got {text}")
+    return value
 
 
 def _positive(text: str) -> int:
@@ -299,10 +385,89 @@ def build_parser() -> argparse.ArgumentParser:
         "before it), and report the median of its medians (default: one full design, as many "
         "rounds as contenders, twice that when odd)",
     )
+    bench_cmd.add_argument(
+        "--backward",
+        action="store_true",
+        help="time the backward pass instead (a spec with a backward block): TF/s = 2.5 x the "
+        "forward's FLOPs / time, against the SDPA backends' and FlashAttention-4's backward",
+    )
     bench_cmd.add_argument("--json", metavar="PATH", help="write the numbers as JSON")
     bench_cmd.add_argument("--plot", metavar="PATH", help="write a PNG plot (needs matplotlib)")
     bench_cmd.set_defaults(run=cmd_bench)
+    _add_tune(sub)
     return parser
+
+
+def _add_tune(sub) -> None:
+    from .tools.tune import DEFAULT_SEQLENS
+
+    tune = sub.add_parser(
+        "tune",
+        help="search the spec's knobs (tile, stages, warpgroups, schedule) for the fastest "
+        "variant on this GPU; compile in parallel, time against the spec, SDPA and FA4",
+        description="Search the spec's knobs for the fastest variant on GPU 0: each round "
+        "compiles the best variant's neighbours (the checks, the register model and ptxas "
+        "prune what cannot work) and times them against the spec as `fadsl bench` does; the "
+        "best are timed again beside PyTorch's FLASH_ATTENTION and CUDNN_ATTENTION backends "
+        "and FlashAttention-4. Measurements are cached: a second run answers at once. "
+        "Without a GPU the first round is still compiled (into the cubin cache), then it "
+        "stops with exit status 1.",
+    )
+    tune.add_argument("spec", metavar="SPEC", help="path to a .fa spec")
+    tune.add_argument(
+        "--seqlens",
+        type=_seqlens,
+        default=list(DEFAULT_SEQLENS),
+        metavar="N,N,...",
+        help="sequence lengths the score averages over (default: "
+        f"{','.join(map(str, DEFAULT_SEQLENS))})",
+    )
+    tune.add_argument("--dtype", choices=["bf16", "fp16"], help="default: the spec's first")
+    tune.add_argument(
+        "--causal",
+        action="store_true",
+        default=None,
+        help="causal masking (the spec's mask decides; this only confirms it)",
+    )
+    shape = tune.add_mutually_exclusive_group()
+    shape.add_argument(
+        "--tokens", type=_positive, default=16384, help="batch x seqlen (default 16384)"
+    )
+    shape.add_argument("--batch", type=_positive, help="a fixed batch at every seqlen")
+    width = tune.add_mutually_exclusive_group()
+    width.add_argument("--heads", type=_positive, help=f"heads (default {bench.DEFAULT_HEADS})")
+    width.add_argument(
+        "--hidden", type=_positive, metavar="H", help="heads = H / head_dim (e.g. 2048)"
+    )
+    tune.add_argument(
+        "--budget",
+        type=_minutes,
+        metavar="MINUTES",
+        help="stop compiling and timing new variants after MINUTES (a fifth of it, at most "
+        "90 s, is kept for the final round); default: until the search ends",
+    )
+    tune.add_argument(
+        "-o", "--output", metavar="OUT.fa", help="write the winner's spec (with a header)"
+    )
+    tune.add_argument(
+        "--jobs", type=_positive, help="compile processes (default: the machine's CPUs)"
+    )
+    tune.add_argument(
+        "--knobs", metavar="K,K,...", help="only these knobs (default: all of the target's)"
+    )
+    tune.add_argument(
+        "--max-rounds", type=_positive, metavar="N", help="at most N rounds of neighbours"
+    )
+    tune.add_argument(
+        "--fresh", action="store_true", help="measure again instead of using cached figures"
+    )
+    tune.add_argument(
+        "--list",
+        action="store_true",
+        help="list the first round's variants and what the checks pruned; compile and time "
+        "nothing (no GPU needed)",
+    )
+    tune.set_defaults(run=cmd_tune)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

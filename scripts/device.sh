@@ -5,7 +5,10 @@
 #   comparison with SDPA FLASH, compute-sanitizer (racecheck, synccheck, memcheck) at a small
 #   shape, then the benchmarks if asked.
 # Usage (repo root, on the device):
-#   bash scripts/device.sh [fa4stage] [numerics] [tests] [sanitize] [trace] [probe] [bench ARGS...]
+#   bash scripts/device.sh [fa4stage] [numerics] [backward] [tests] [sanitize] [trace] [probe] [bench ARGS...]
+#   backward: tests/test_gpu_backward.py, then the backward timed (scripts/bench_backward.py)
+#   for each example named in BWD_SPECS (NAME: with `backward {}` added; NAME+KEY...: those keys
+#   on, e.g. fa3_causal+overlap; see tests/test_gpu_backward.py training_spec) at BWD_SEQLENS
 #   fa4stage: copy the carried .fa4a (FlashAttention-4's first half) to /tmp/fa4; a later call
 #   on the same warm machine that carries .fa4b installs it (bench times it then)
 #   numerics: the numerics suite (tests/test_gpu_numerics.py: every kernel, every rescale mode,
@@ -37,8 +40,10 @@ from fadsl.build.nvrtc import compiler_id, cuda_include_dirs
 import cuda.bindings; print('cuda-bindings', cuda.bindings.__version__, '|', compiler_id(), '| headers', cuda_include_dirs())"
 
 start=$SECONDS
-python3 scripts/prebuild.py 2>&1 | tee "$OUT/prebuild.log" | tail -20
-echo "prebuild: $((SECONDS - start)) s"
+if [[ ${PREBUILD:-1} == 1 ]]; then  # PREBUILD=0: build on first use instead
+  python3 scripts/prebuild.py 2>&1 | tee "$OUT/prebuild.log" | tail -20
+  echo "prebuild: $((SECONDS - start)) s"
+fi
 
 steps=" $* "
 status=0
@@ -51,6 +56,26 @@ fi
 if [[ $steps == *" numerics "* ]]; then
   python3 -P -m pytest -q -m gpu tests/test_gpu_numerics.py -p no:cacheprovider --durations=5 --timeout=300 -rs 2>&1 | tee "$OUT/pytest_numerics.log" | tail -25
   status=$((status | ${PIPESTATUS[0]}))
+fi
+if [[ $steps == *" backward "* ]]; then
+  # the backward's GPU tests, then its timing (BWD_SPECS: specs with a backward block,
+  # written by the tests' training_spec into /tmp; BWD_SEQLENS)
+  if [[ ${BWD_TESTS:-1} == 1 ]]; then  # BWD_TESTS=0: timing only
+  python3 -P -m pytest -q -m gpu tests/test_gpu_backward.py -p no:cacheprovider --durations=5 --timeout=300 -rs -x 2>&1 | tee "$OUT/pytest_backward.log" | tail -25
+  status=$((status | ${PIPESTATUS[0]}))
+  for tool in racecheck synccheck memcheck; do
+    echo "== compute-sanitizer --tool $tool (backward)"
+    compute-sanitizer --tool $tool --report-api-errors no --error-exitcode 9 python3 -P scripts/sanitize_backward.py 2>&1 \
+      | tee "$OUT/sanitize_backward_$tool.log" | grep -E "ERROR SUMMARY|RACECHECK SUMMARY|Error|error" | tail -5
+    status=$((status | ${PIPESTATUS[0]}))
+  done
+  fi
+  for name in ${BWD_SPECS:-}; do
+    python3 -P -c "import sys; sys.path.insert(0, 'tests'); from test_gpu_backward import training_spec; open('/tmp/$name.fa', 'w').write(training_spec('$name'))"
+    causal=$(grep -qE '^\s*mask\s+causal' /tmp/$name.fa && echo --causal)
+    python3 -P scripts/bench_backward.py /tmp/$name.fa $causal --seqlens ${BWD_SEQLENS:-1024,4096,16384} --json "$OUT/bwd_$name.json" 2>&1 | tee -a "$OUT/bench_backward.log" | tail -6
+    status=$((status | ${PIPESTATUS[0]}))
+  done
 fi
 if [[ $steps == *" tests "* || $# -eq 0 ]]; then
   # -P: import the installed fadsl (the one pip built), not the source folder

@@ -81,10 +81,12 @@ def test_compile_writes_both_kernels(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(ROOT)
     assert main(["compile", HOPPER, "-o", str(tmp_path)]) == 0
     names = sorted(p.name for p in tmp_path.glob("*.cu"))
-    assert names == [
+    assert names == [  # and the spec's backward, once (the variant has none)
         "fa3_hopper_alone_bf16.cu",
         "fa3_hopper_alone_fp16.cu",
         "fa3_hopper_bf16.cu",
+        "fa3_hopper_bwd_bf16.cu",
+        "fa3_hopper_bwd_fp16.cu",
         "fa3_hopper_fp16.cu",
     ]
 
@@ -138,10 +140,12 @@ def test_the_register_check_compiles_the_variant_too(compiled):
         return Usage(registers=128)
 
     check_registers(compiled, compiler, "fake")
-    assert sorted(set(seen)) == [
+    assert sorted(set(seen)) == [  # and the spec's backward kernels
         "fa3_hopper_alone_bf16",
         "fa3_hopper_alone_fp16",
         "fa3_hopper_bf16",
+        "fa3_hopper_bwd_bf16",
+        "fa3_hopper_bwd_fp16",
         "fa3_hopper_fp16",
     ]
 

@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from conftest import EXAMPLES, ROOT
-from fadsl.codegen.render import HEADERS, context, read_header, render
+from fadsl.codegen.render import HEADERS, context, read_header, render, render_backward
 from fadsl.ir import Sync
 from fadsl.targets.sm80 import caps as sm80
 from fadsl.pipeline import compile_file
@@ -21,18 +21,29 @@ def sources(compiled):
     return render(compiled.kernel, compiled.target, compiled.file)
 
 
+def backward_sources(compiled):
+    """The backward's sources of a spec with a backward block (else none)."""
+    if compiled.kernel.backward is None:
+        return ()
+    return render_backward(compiled.kernel, compiled.target, compiled.file)
+
+
 def test_generated_cuda_is_current(example, golden):
     compiled = compile_file(example.relative_to(ROOT))
     for variant in compiled.variants:  # `cluster 2`: its cluster-free variant too
         for source in render(variant.kernel, variant.target, variant.file):
             golden.check(GENERATED / source.filename, source.text)
+    for source in backward_sources(compiled):
+        golden.check(GENERATED / source.filename, source.text)
     for name in HEADERS:
         golden.check(GENERATED / name, read_header(name))
 
 
 def test_rendering_is_deterministic(example):
     compiled = compile_file(example.relative_to(ROOT))
-    assert sources(compiled) == sources(compile_file(example.relative_to(ROOT)))
+    again = compile_file(example.relative_to(ROOT))
+    assert sources(compiled) == sources(again)
+    assert backward_sources(compiled) == backward_sources(again)
 
 
 def test_every_sync_is_rendered_with_its_hazards(example):
@@ -77,12 +88,15 @@ def test_context_offsets_match_the_plan(example):
 @pytest.mark.skipif(not can_compile(), reason="needs NVRTC (cuda-bindings) or nvcc")
 @pytest.mark.parametrize("spec", EXAMPLES, ids=[p.stem for p in EXAMPLES])
 def test_kernels_compile_without_spills(spec):
-    """Every dtype for sm_80 and sm_90a: no warnings, spills or stack; all SMEM dynamic, as planned."""
+    """Every dtype for sm_80 and sm_90a, the backward's kernels too: no warnings, spills or
+    stack; all SMEM dynamic, as planned."""
     compiled = compile_file(spec.relative_to(ROOT))
     jobs = []
+    archs = [arch for arch, _ in compiled.target.capabilities.archs]
     for source in sources(compiled):
         assert f"constexpr int kSmemBytes = {compiled.kernel.smem_bytes};" in source.text
-        archs = [arch for arch, _ in compiled.target.capabilities.archs]
+        jobs += [(source, arch) for arch in ARCH_FLAGS if arch in archs]
+    for source in backward_sources(compiled):  # the backward's three kernels
         jobs += [(source, arch) for arch in ARCH_FLAGS if arch in archs]
     with ThreadPoolExecutor(max_workers=4) as pool:
         reports = list(pool.map(lambda job: (job, ptxas_usage(*job)), jobs))

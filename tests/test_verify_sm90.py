@@ -46,7 +46,8 @@ Q_RING_CAUSAL = (ROOT / "bench" / "specs" / "fa3_causal_q2.fa").read_text()
 
 def _variant(text: str = HOPPER, **settings: str) -> str:
     for key, value in settings.items():
-        text, n = re.subn(rf"^(\s*){key}\s+\S+", rf"\g<1>{key} {value}", text, flags=re.M)
+        # the kernel's own lines (two spaces in), not its backward block's
+        text, n = re.subn(rf"^(  ){key}\s+\S+", rf"\g<1>{key} {value}", text, flags=re.M)
         assert n == 1, key
     return text
 

@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
 
-from ..codegen.render import Source, render
+from ..codegen.render import Source, render, render_backward
 from .nvrtc import Usage
 from ..errors import Diagnostic, SpecError
 from ..ir import Dtype, RegLoad
@@ -111,8 +111,20 @@ def check_registers(
         for source in render(c.kernel, target, f"{c.kernel.config.name}.fa")
         for arch in archs
     ]
-    with ThreadPoolExecutor(max_workers=min(len(jobs), os.cpu_count() or 1)) as pool:
-        usages = list(pool.map(lambda job: compiler(*job[1:]), jobs))
+    # the backward's kernels (a spec with a backward block), checked alike
+    backward_jobs = [
+        (compiled, source, arch)
+        for source in (
+            render_backward(compiled.kernel, target, f"{compiled.kernel.config.name}.fa")
+            if compiled.kernel.backward is not None
+            else ()
+        )
+        for arch in archs
+    ]
+    everything = jobs + backward_jobs
+    with ThreadPoolExecutor(max_workers=min(len(everything), os.cpu_count() or 1)) as pool:
+        found = list(pool.map(lambda job: compiler(*job[1:]), everything))
+    usages, backward_usages = found[: len(jobs)], found[len(jobs) :]
     rows: dict[int, list[KernelUsage]] = {id(c): [] for c in kernels}
     for (c, source, arch), usage in zip(jobs, usages):
         rows[id(c)].append(KernelUsage(source.dtype, arch, usage))
@@ -121,7 +133,26 @@ def check_registers(
         spilling = [row for row in rows[id(c)] if row.usage.spills]
         if spilling and not allow:
             raise SpecError([_spill_diagnostic(c, spilling)], compiled.source)
+    backward_spills = [
+        KernelUsage(source.dtype, arch, usage)
+        for (_, source, arch), usage in zip(backward_jobs, backward_usages)
+        if usage.spills
+    ]
+    if backward_spills and not allow:
+        raise SpecError([_backward_spill_diagnostic(compiled, backward_spills)], compiled.source)
     return RegisterCheck(tuple(rows[id(compiled)]), name, allow)
+
+
+def _backward_spill_diagnostic(compiled: Compiled, spilling: list[KernelUsage]) -> Diagnostic:
+    u = max(spilling, key=lambda r: (r.usage.spill_store_bytes, r.usage.stack_bytes)).usage
+    where = ", ".join(sorted({f"{r.dtype.value} on {r.arch}" for r in spilling}))
+    return Diagnostic(
+        compiled.kernel.backward.loc,
+        f"the backward's kernels spill ({u.spill_store_bytes} bytes of spill stores, "
+        f"{u.spill_load_bytes} of loads, a {u.stack_bytes}-byte stack frame; {where}); raise "
+        "the consumers' registers, turn overlap off, or add 'spills allow' to accept it for "
+        "an experiment",
+    )
 
 
 def _spill_diagnostic(compiled: Compiled, spilling: list[KernelUsage]) -> Diagnostic:

@@ -130,11 +130,32 @@ def render(kernel: Kernel, target: targets.Target, spec_name: str) -> tuple[Sour
     return tuple(sources)
 
 
+def render_backward(kernel: Kernel, target: targets.Target, spec_name: str) -> tuple[Source, ...]:
+    """The backward's translation units (one per dtype; the target's backward template),
+    for a kernel with a backward block."""
+    launcher = target.backward_launch
+    template = environment().get_template(launcher.template)
+    sources = []
+    for dtype in kernel.config.dtypes:
+        name = f"{kernel.config.name}_bwd_{dtype.value}"
+        ctx = {
+            **context(kernel, target, spec_name, dtype),
+            "kernel_name": name,
+            **launcher.context(kernel, dtype),
+        }
+        sources.append(Source(name, dtype, f"{name}.cu", template.render(**ctx)))
+    return tuple(sources)
+
+
 def write(kernel: Kernel, target: targets.Target, spec_name: str, out_dir: Path) -> list[Path]:
-    """Write the .cu files and the helper headers they include into ``out_dir`` (each file
-    whole or not at all: a reader never sees a torn file)."""
+    """Write the .cu files (the backward's too, for a spec with a backward block) and the
+    helper headers they include into ``out_dir`` (each file whole or not at all: a reader
+    never sees a torn file)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = write_headers(out_dir, target.package)
-    for source in render(kernel, target, spec_name):
+    sources = render(kernel, target, spec_name)
+    if kernel.backward is not None:  # the backward's kernels, one more source per dtype
+        sources += render_backward(kernel, target, spec_name)
+    for source in sources:
         paths.append(write_atomic(out_dir / source.filename, source.text))
     return paths

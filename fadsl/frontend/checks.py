@@ -3,7 +3,8 @@
 The settings (lower_settings), the paths (lower_paths), the mainloop order
 (lower_order) and a target's own checks (fadsl/targets/<t>/validate) are plain
 functions over one ``Checks``; each reports through it, so that independent
-problems are all reported at once.
+problems are all reported at once. The backward block has a ``Checks`` of its own for its
+settings (they reuse the kernel's keys: tile, stages ...), reporting to the same sink.
 """
 
 from __future__ import annotations
@@ -11,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..errors import DiagnosticSink, Loc, quoted
-from ..ir import Role
-from .syntax import Assign, Call, KernelDecl, Number, Word
+from ..ir import BackwardTensor, GradRole, Role
+from .syntax import Assign, BackwardDecl, Call, KernelDecl, Number, PathDecl, Word
 
 
 @dataclass
@@ -42,6 +43,31 @@ class Checks:
                         return level.scope.loc
                 return path.loc
         return self.decl.loc
+
+
+@dataclass
+class BackwardBlock:
+    """A spec's backward block as the front end read it, for the target to check and to
+    complete with its defaults (``Target.validate_backward``): the settings that passed their
+    own checks (``checks.values``, located in ``checks.key_locs``, apart from the kernel's)
+    and the paths whose levels and instructions exist, each with its declaration."""
+
+    decl: BackwardDecl
+    checks: Checks  # the block's settings; reports to the kernel's sink
+    paths: dict[Role | GradRole, tuple[BackwardTensor, PathDecl]]
+
+    @property
+    def loc(self) -> Loc:
+        """The block's `backward` keyword."""
+        return self.decl.loc
+
+    @property
+    def values(self) -> dict[str, object]:
+        return self.checks.values
+
+    @property
+    def key_locs(self) -> dict[str, Loc]:
+        return self.checks.key_locs
 
 
 def show(value: object) -> str:

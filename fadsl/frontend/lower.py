@@ -2,14 +2,16 @@
 
 Every problem becomes a located diagnostic; independent problems are collected
 and reported together. The work is split by what it checks: the settings
-(lower_settings), the paths (lower_paths), the mainloop order (lower_order) and,
-once all are known, the target's own checks (``Target.validate``). The target's
+(lower_settings), the paths (lower_paths), the mainloop order (lower_order), the
+backward block (frontend/backward.py, then ``Target.validate_backward``) and, once all
+are known, the target's own checks (``Target.validate``). The target's
 schedule builder turns the result into the IR.
 """
 
 from __future__ import annotations
 
 from .. import targets
+from .backward import read_backward
 from .checks import Checks, and_list
 from ..errors import DiagnosticSink, quoted
 from ..ir import AliasPolicy, Config, Lowered, Mask, Role, Swizzle, Tensor
@@ -39,9 +41,13 @@ def lower(decl: KernelDecl, sink: DiagnosticSink, partial: bool = False) -> Lowe
     _report_missing(c, [k for k in required if k not in c.key_locs], c.missing_tensors)
     order = read_order(c, tensors)
     config = _config(c, target, tensors, required)
+    # The block is checked whatever the kernel's own lines say, so that its mistakes are
+    # reported with theirs; the target's checks of it need a valid target line.
+    backward = read_backward(c, target if known else None)
     if sink.diagnostics or config is None or len(tensors) != len(Role):
         return None
-    return Lowered(config, tuple(tensors[r] for r in Role), order)
+    assert backward is not None or not decl.backwards, "a refused block reports why"
+    return Lowered(config, tuple(tensors[r] for r in Role), order, backward)
 
 
 def _likely_target(c: Checks) -> targets.Target:

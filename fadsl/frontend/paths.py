@@ -10,7 +10,7 @@ from __future__ import annotations
 from .. import targets
 from .checks import Checks, and_list
 from ..errors import Loc, closest, one_of, quoted, suggest
-from ..ir import Hop, Instr, Level, RegLoad, Role, Scope, Tensor
+from ..ir import GradRole, Hop, Instr, Level, RegLoad, Role, Scope, Tensor
 from .syntax import PathDecl, Word
 from ..targets import Target
 
@@ -25,10 +25,12 @@ def read_paths(c: Checks, target: Target) -> dict[Role, Tensor]:
         name = path.tensor.text
         if name not in Role.__members__:
             c.suggested.add(closest(name, Role.__members__) or "")
+            hint = suggest(name, Role.__members__)
+            if name in {g.value for g in GradRole}:
+                hint = f" ({name}'s path goes inside the 'backward {{ ... }}' block)"
             c.error(
                 path.tensor.loc,
-                f"unknown tensor '{quoted(name)}'; a kernel moves Q, K, V and O"
-                + suggest(name, Role.__members__),
+                f"unknown tensor '{quoted(name)}'; a kernel moves Q, K, V and O{hint}",
             )
             continue
         if name in seen:

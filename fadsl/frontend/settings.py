@@ -25,10 +25,35 @@ MAX_WARPS = 16
 REQUIRED_KEYS = ("target", "dtype", "head_dim", "tile")
 TMA_SWIZZLE = "128B"  # `swizzle 128B`: the swizzle TMA writes and wgmma reads
 SPILLS = {"refuse": False, "allow": True}  # `spills allow`: compile a kernel that spills
+BACKWARD_ONLY_KEYS = ("deterministic",)  # set in the backward block, hinted at the top level
 
 
 def read_settings(c: Checks) -> None:
-    handlers: dict[str, Callable[[Checks, Setting], object]] = {
+    handlers = kernel_settings()
+    for setting in c.decl.settings:
+        key = setting.key.text
+        if key not in handlers:
+            hint = suggest(key, handlers)
+            c.suggested.add(closest(key, handlers) or "")
+            if key in ("Q", "K", "V", "O"):
+                hint = f" (a path needs a colon: '{key}: gmem -cp.async-> ...')"
+            if key in BACKWARD_ONLY_KEYS:
+                hint = " (a setting of the backward block: put it inside 'backward { ... }')"
+            c.error(setting.key.loc, f"unknown key '{quoted(key)}'{hint}")
+            continue
+        if key in c.key_locs:
+            first = c.key_locs[key]
+            c.error(setting.key.loc, f"duplicate key '{key}' (first set at line {first.line})")
+            continue
+        c.key_locs[key] = setting.key.loc
+        value = handlers[key](c, setting)
+        if value is not None:
+            c.values[key] = value
+
+
+def kernel_settings() -> dict[str, Callable[[Checks, Setting], object]]:
+    """Each key a kernel's top level may set, with the function that reads its value."""
+    return {
         "target": target,
         "dtype": dtype,
         "head_dim": head_dim,
@@ -50,23 +75,6 @@ def read_settings(c: Checks) -> None:
         "cluster": cluster,
         "softcap": softcap,
     }
-    for setting in c.decl.settings:
-        key = setting.key.text
-        if key not in handlers:
-            hint = suggest(key, handlers)
-            c.suggested.add(closest(key, handlers) or "")
-            if key in ("Q", "K", "V", "O"):
-                hint = f" (a path needs a colon: '{key}: gmem -cp.async-> ...')"
-            c.error(setting.key.loc, f"unknown key '{quoted(key)}'{hint}")
-            continue
-        if key in c.key_locs:
-            first = c.key_locs[key]
-            c.error(setting.key.loc, f"duplicate key '{key}' (first set at line {first.line})")
-            continue
-        c.key_locs[key] = setting.key.loc
-        value = handlers[key](c, setting)
-        if value is not None:
-            c.values[key] = value
 
 
 def _single(c: Checks, setting: Setting) -> Word | Number | Call | Assign | None:

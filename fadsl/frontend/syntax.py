@@ -18,6 +18,7 @@ import lark
 from lark import Lark, Token, Transformer, v_args
 
 from ..errors import DiagnosticSink, Loc, quoted
+from ..ir import GradRole, Role
 
 # --- AST ---------------------------------------------------------------------
 
@@ -115,12 +116,22 @@ class MainloopDecl:
 
 
 @dataclass(frozen=True)
+class BackwardDecl:
+    """A `backward { ... }` block: its settings and paths, with the kernel's line syntax."""
+
+    settings: tuple[Setting, ...]
+    paths: tuple[PathDecl, ...]
+    loc: Loc  # the `backward` keyword
+
+
+@dataclass(frozen=True)
 class KernelDecl:
     name: Word
     settings: tuple[Setting, ...]
     paths: tuple[PathDecl, ...]
     mainloops: tuple[MainloopDecl, ...]
     loc: Loc
+    backwards: tuple[BackwardDecl, ...] = ()  # a kernel takes one; more are reported
 
 
 # --- Parsing -----------------------------------------------------------------
@@ -136,6 +147,7 @@ _TOKEN_NAMES = {
     "$END": "end of file",
     "KERNEL": "'kernel'",
     "MAINLOOP": "'mainloop'",
+    "BACKWARD": "'backward'",
 }
 
 
@@ -188,6 +200,13 @@ def _end_of(text: str) -> tuple[int, int]:
     return line, len(lines[line - 1].rstrip("\r")) + 1
 
 
+# A path line without its colon: the forward's tensors and the backward block's.
+_FORWARD_TENSORS = tuple(r.value for r in Role)
+_PATH_WITHOUT_COLON = re.compile(
+    rf"(\s*)({'|'.join((*_FORWARD_TENSORS, *(g.value for g in GradRole)))})\s+(gmem|smem|rf)\b"
+)
+
+
 def _syntax_message(err: lark.exceptions.UnexpectedInput, text: str) -> tuple[int, int, str]:
     lines = _lines(text)
     match err:
@@ -203,13 +222,16 @@ def _syntax_message(err: lark.exceptions.UnexpectedInput, text: str) -> tuple[in
             source_line = lines[line - 1]
             if token.type == "KERNEL":
                 return line, col, "only one kernel per file"
-            path = re.match(r"(\s*)([QKVO])\s+(gmem|smem|rf)\b", source_line)
+            path = _PATH_WITHOUT_COLON.match(source_line)
             if path and token.type != "_NL":
                 t = path.group(2)
+                example = (
+                    "gmem -cp.async->" if t in _FORWARD_TENSORS else f"{path.group(3)} -INSTR->"
+                )
                 return (
                     line,
-                    len(path.group(1)) + 2,
-                    f"missing ':' after '{t}': a path is written '{t}: gmem -cp.async-> ...'",
+                    len(path.group(1)) + len(t) + 1,
+                    f"missing ':' after '{t}': a path is written '{t}: {example} ...'",
                 )
             expected = _expected(set(err.accepts or err.expected))
             if token.type == "_NL":
@@ -249,6 +271,7 @@ class _ToAst(Transformer):
             tuple(i for i in items if isinstance(i, PathDecl)),
             tuple(i for i in items if isinstance(i, MainloopDecl)),
             self._loc(meta),
+            tuple(i for i in items if isinstance(i, BackwardDecl)),
         )
 
     @v_args(meta=True)
@@ -295,6 +318,14 @@ class _ToAst(Transformer):
     def mainloop(self, meta, children):
         _keyword, *steps = children
         return MainloopDecl(tuple(steps), self._loc(meta))
+
+    def backward(self, children):
+        keyword, *items = children
+        return BackwardDecl(
+            tuple(i for i in items if isinstance(i, Setting)),
+            tuple(i for i in items if isinstance(i, PathDecl)),
+            self._loc(keyword),
+        )
 
     def _step(form):  # noqa: N805 - a small factory of methods
         @v_args(meta=True)

@@ -5,6 +5,7 @@ end's output (lowered), and the text form (printer, reader).
 package import each other directly, never this one.
 """
 
+from .backward import Backward, BackwardTensor
 from .kernel import (
     Item,
     Swizzle,
@@ -29,6 +30,7 @@ from .types import (
     Scope,
     RegLoad,
     Role,
+    GradRole,
     AliasPolicy,
     Rescale,
     Phase,
@@ -43,9 +45,12 @@ __all__ = [
     "Item",
     "Access",
     "AliasPolicy",
+    "Backward",
+    "BackwardTensor",
     "Buffer",
     "Config",
     "Dtype",
+    "GradRole",
     "Hazard",
     "HazardKind",
     "Hop",

@@ -21,6 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import Loc
+from .backward import Backward
+from .hop import Hop
 from .ops import Op
 from .syncmodel import AsyncKind, SyncKind
 from .types import (
@@ -52,14 +54,6 @@ class Swizzle:
 
     def __str__(self) -> str:
         return f"xor({self.bits}, {self.base}, {self.shift})"
-
-
-@dataclass(frozen=True)
-class Hop:
-    src: Level
-    dst: Level
-    instr: Instr
-    loc: Loc
 
 
 @dataclass(frozen=True)
@@ -274,6 +268,8 @@ class Kernel:
     loop_may_be_empty: bool = False
     setup: tuple[Item, ...] = ()  # sm_90a: once per CTA, before its first tile
     teardown: tuple[Item, ...] = ()  # sm_90a: once per CTA, after its last tile
+    # The spec's `backward { ... }` block, validated by the target; None: forward-only.
+    backward: Backward | None = None
 
     def buffer(self, name: str) -> Buffer:
         for buf in self.buffers:

@@ -21,6 +21,8 @@ def format_kernel(kernel: Kernel) -> str:
     ]
     if cfg.ext is not None:
         out.append(cfg.ext.text())
+    if kernel.backward is not None:  # forward-only kernels print as they always have
+        out.append(kernel.backward.text())
     for t in kernel.tensors:
         out.append(f"tensor {t.role.value}: {t.path_text()}")
     for b in kernel.buffers:

@@ -5,7 +5,8 @@ What the printer leaves out comes back as a default: source locations become the
 line of the IR text, step titles are empty, a buffer's swizzle is the kernel's,
 a hazard's ``async_write`` is whether its earlier op is an async step, and the
 mainloop may be empty when the mask is causal (as the schedule builders set it)
-unless the text ends with a ``loop_may_be_empty`` line saying otherwise.
+unless the text ends with a ``loop_may_be_empty`` line saying otherwise, and a backward
+block comes back without its paths (``fadsl.ir.backward.read_backward``).
 Sync kinds and async flags are read through the sync model of the kernel's target.
 """
 
@@ -16,6 +17,7 @@ from dataclasses import replace
 
 from .. import targets
 from ..errors import Loc
+from .backward import Backward, read_backward
 from .kernel import (
     Access,
     Buffer,
@@ -110,12 +112,18 @@ class _Reader:
         regions: list[Region] = []
         smem_bytes: int | None = None
         loop_may_be_empty = config.mask is Mask.CAUSAL
+        backward: Backward | None = None
         phases: dict[Phase, list[Item]] = {p: [] for p in Phase}
         phase: Phase | None = None
         pending: list[tuple[int, str]] = []  # hazard lines, read once every step is known
         for self.line, line in enumerate(lines[1:], start=2):
             if line.startswith("tensor "):
                 tensors.append(self.tensor(line))
+            elif line.startswith("backward ") and backward is None and phase is None:
+                try:
+                    backward = read_backward(line, self.loc())
+                except ValueError as err:
+                    raise self.fail(line, str(err)) from None
             elif line.startswith("buffer "):
                 buffers.append(self.buffer(line, config.swizzle))
             elif line.startswith("region "):
@@ -168,6 +176,7 @@ class _Reader:
             regions=tuple(regions),
             smem_bytes=smem_bytes,
             loop_may_be_empty=loop_may_be_empty,
+            backward=backward,
         )
 
     def number(self, text: str) -> int:

@@ -39,6 +39,11 @@ class Instr(Enum):
     TMA = "tma"  # sm_90a: cp.async.bulk.tensor (gmem <-> smem)
     WGMMA = "wgmma"  # sm_90a: wgmma.mma_async reads its SMEM operand through a descriptor
     STMATRIX = "stmatrix"  # sm_90a: rf -> smem, 8x8 16-bit matrices
+    # The backward block's (no forward target offers them as a hop, so a forward path that
+    # names one is refused with the instruction its target uses instead):
+    BULK = "bulk"  # cp.async.bulk gmem -> smem: a plain span, no tensor map (LSE, D rows)
+    LD_SHARED = "ld.shared"  # smem -> rf, a thread's own values (LSE, D of its rows)
+    REDUCE_ADD = "reduce.add"  # cp.reduce.async.bulk .add.f32 smem -> gmem (dQ's accumulator)
 
 
 class Scope(Enum):
@@ -64,6 +69,19 @@ class Role(Enum):
     K = "K"
     V = "V"
     O = "O"
+
+
+class GradRole(Enum):
+    """The backward block's tensors beyond Q, K and V (which keep their ``Role``): kept
+    apart from ``Role`` because the forward's code iterates over Role as its four tensors."""
+
+    DO = "dO"  # the output's gradient, the backward's input
+    LSE = "LSE"  # the forward's log-sum-exp per query row (fp32)
+    D = "D"  # rowsum(dO * O) per query row (fp32; FlashAttention's dPsum), by the preprocess
+    DS = "dS"  # P (dP - D): dK's and dQ's operand, 16-bit through SMEM
+    DQ = "dQ"  # Q's gradient, reduce-added into an fp32 accumulator over the n-blocks
+    DK = "dK"  # K's gradient, accumulated in registers over the m-blocks
+    DV = "dV"  # V's gradient, likewise
 
 
 class AliasPolicy(Enum):

@@ -5,7 +5,8 @@
 ahead-of-time folder (``fadsl build``), else in the cache under ``$FADSL_CACHE_DIR``
 (default ``~/.cache/fadsl``), else builds it with NVRTC (about a second) and caches it; see
 fadsl/build/cache.py. Each kernel is also a ``torch.library.custom_op`` (fadsl/runtime/custom_op.py), so
-``torch.compile(fullgraph=True)`` traces through it, and its backward says it is forward-only.
+``torch.compile(fullgraph=True)`` traces through it; its backward runs the spec's backward
+kernels (fadsl/runtime/backward.py), or says the spec is forward-only.
 
 Eager calls that need no autograd launch directly, without the dispatcher: the checks
 (fadsl/runtime/arguments.py), the params struct (the target's launch, fadsl/targets) and one ``cuLaunchKernel`` on
@@ -113,6 +114,7 @@ class FlashAttention:
         self._co_resident: dict[tuple[Dtype, int], int] = {}  # CTAs in co-resident clusters
         self._modules: dict[tuple[Dtype, int], object] = {}
         self._entries: dict[tuple[Dtype, str], cache.Entry] = {}
+        self._backward = None  # built on the first backward call (fadsl/runtime/backward.py)
         self.op_name = f"{self.config.name}_{spec_hash(compiled.kernel)[:12]}"
         from .custom_op import ops_for
 
@@ -255,6 +257,42 @@ class FlashAttention:
             found[key] = int(ptxas.get(key, 0))
         return found
 
+    # ------------------------------------------------------------------ backward
+    @property
+    def has_backward(self) -> bool:
+        """Whether the spec has a ``backward { ... }`` block (gradients flow through it)."""
+        return self.compiled.kernel.backward is not None
+
+    def backward_source(self, dtype: str) -> str:
+        return self._backward_kernels().source(Dtype(dtype))
+
+    def _backward_kernels(self):
+        if self._backward is None:
+            from .backward import BackwardKernels
+
+            self._backward = BackwardKernels(self.compiled, self.verbose, self.cubin_dirs)
+        return self._backward
+
+    def backward(self, q, k, v, out, lse, dout, dlse, scale: float):
+        """(dq, dk, dv) of the loss whose gradient on the output is ``dout`` (and on the
+        LSE ``dlse``, or None), from the forward's q, k, v, out and lse."""
+        import torch
+
+        dtype = self.check_inputs(q, k, v)
+        if dout.shape != out.shape or dout.dtype != out.dtype or dout.device != out.device:
+            raise ValueError(
+                f"the output's gradient has shape {tuple(dout.shape)}, {dout.dtype} on "
+                f"{dout.device}; expected the output's {tuple(out.shape)}, {out.dtype} on {out.device}"
+            )
+        # TMA reads dO: a broadcast or oddly strided gradient (d(out.sum())) is copied first
+        if not dout.is_contiguous():
+            dout = dout.contiguous()
+        lse = lse.contiguous()
+        if dlse is not None:
+            dlse = dlse.to(torch.float32).contiguous()
+        arch = arch_of(q.device.index)
+        return self._backward_kernels()(dtype, arch, q, k, v, out, lse, dout, dlse, scale)
+
     # ------------------------------------------------------------------ calling
     def __call__(
         self, q, k, v, softmax_scale: float | None = None, *, out=None, return_lse: bool = False
@@ -268,8 +306,9 @@ class FlashAttention:
         ``out``, if given, receives the result (q's shape, dtype and device; memory of its
         own). Returns the output, or ``(output, lse)`` with ``return_lse=True``: the
         natural-log log-sum-exp of each row's scaled scores, shape (batch, heads_q,
-        seqlen_q), float32, -inf for a row that sees no key. Forward only: a backward
-        through it raises.
+        seqlen_q), float32, -inf for a row that sees no key. Gradients flow through
+        q, k and v (and the LSE) when the spec has a ``backward`` block; without one, a
+        backward through the call raises.
         """
         import torch
 
@@ -283,9 +322,9 @@ class FlashAttention:
         ):
             if out is not None:
                 raise RuntimeError(
-                    f"fadsl kernel '{self.config.name}' is forward-only and out= does not "
-                    "support automatic differentiation; call it under torch.no_grad() or "
-                    "pass q, k and v detached"
+                    f"fadsl kernel '{self.config.name}': out= does not support automatic "
+                    "differentiation; call it without out=, under torch.no_grad(), or "
+                    "with q, k and v detached"
                 )
             return self._call_op(q, k, v, scale, None, return_lse)
         return self.forward(q, k, v, scale, out, return_lse)
@@ -295,7 +334,8 @@ class FlashAttention:
 
         functional, with_out = self._ops
         if out is None:
-            o, lse = functional(q, k, v, scale, return_lse)
+            # with a backward, the LSE is saved for it whether or not the caller asked
+            o, lse = functional(q, k, v, scale, return_lse or self.has_backward)
             return (o, lse) if return_lse else o
         lse = None
         if return_lse:

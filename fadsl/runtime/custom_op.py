@@ -4,8 +4,10 @@
 Two ops per spec (named after the kernel and the spec's hash):
 
 - ``fadsl::<kernel>_<hash>(q, k, v, softmax_scale, return_lse) -> (out, lse)``, functional,
-  with a backward that raises: the kernels are forward-only, and gradients must never be
-  dropped silently (``lse`` is an empty tensor unless asked for);
+  with an autograd formula: ``fadsl::<kernel>_<hash>_backward`` (the spec's backward
+  kernels) when the spec has a backward block, else one that raises, so that gradients are
+  never dropped silently (``lse`` is an empty tensor unless asked for; with a backward the
+  runtime always asks, and saves it);
 - ``fadsl::<kernel>_<hash>_out(q, k, v, out, lse, softmax_scale) -> ()``, writing ``out``
   (and ``lse`` if given): ``mutates_args`` names them, as torch.compile requires.
 
@@ -33,6 +35,10 @@ class Attention(Protocol):
     def check_inputs(self, q, k, v): ...
 
     def check_out_meta(self, out, q) -> None: ...
+
+    has_backward: bool
+
+    def backward(self, q, k, v, out, lse, dout, dlse, scale): ...
 
 
 # op name -> (functional op, out op); and the kernel object each name calls now. Two loads of
@@ -66,14 +72,41 @@ def _define(name: str) -> tuple:
         shape = lse_shape(q) if return_lse else (0,)
         return torch.empty_like(q), q.new_empty(shape, dtype=torch.float32)
 
+    @custom_op(f"fadsl::{name}_backward", mutates_args=())
+    def backward_op(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        dout: torch.Tensor,
+        dlse: Optional[torch.Tensor],
+        softmax_scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return _KERNELS[name].backward(q, k, v, out, lse, dout, dlse, softmax_scale)
+
+    @backward_op.register_fake
+    def _(q, k, v, out, lse, dout, dlse, softmax_scale):
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
     def setup_context(ctx, inputs, output) -> None:
-        pass
+        q, k, v, softmax_scale, _ = inputs
+        out, lse = output
+        ctx.softmax_scale = softmax_scale
+        if _KERNELS[name].has_backward:
+            ctx.save_for_backward(q, k, v, out, lse)
 
     def backward(ctx, grad_out, grad_lse):
-        raise RuntimeError(
-            f"fadsl kernel '{name}' is forward-only: it has no backward pass, so gradients "
-            "cannot flow through it. Call it under torch.no_grad(), or on detached q, k and v."
-        )
+        if not _KERNELS[name].has_backward:
+            raise RuntimeError(
+                f"fadsl kernel '{name}' is forward-only: its spec has no backward block, so "
+                "gradients cannot flow through it. Add a `backward {}` block to the spec (where "
+                "its target has a backward pass), or call it under torch.no_grad() or on "
+                "detached q, k and v."
+            )
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = backward_op(q, k, v, out, lse, grad_out, grad_lse, ctx.softmax_scale)
+        return dq, dk, dv, None, None
 
     forward.register_autograd(backward, setup_context=setup_context)
 

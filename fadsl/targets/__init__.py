@@ -19,13 +19,26 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from ..errors import Loc
-from ..ir import Config, Dtype, Instr, Kernel, Level, Lowered, Role, Scope, TargetConfig, Tensor
+from ..ir import (
+    Backward,
+    Config,
+    Dtype,
+    Instr,
+    Kernel,
+    Level,
+    Lowered,
+    Role,
+    Scope,
+    TargetConfig,
+    Tensor,
+)
 from ..ir.syncmodel import SyncModel
 from .archs import capability_of
-from .launch import Launch
+from .launch import BackwardLaunch, Launch
+from .tuning import TuneSpace
 
 if TYPE_CHECKING:
-    from ..frontend.checks import Checks
+    from ..frontend.checks import BackwardBlock, Checks
 
 # spec spelling -> package under fadsl/targets (and emit/)
 _PACKAGES: dict[str, str] = {"sm_80": "sm80", "sm_90a": "sm90"}
@@ -84,6 +97,10 @@ class Report:
     # A spilling kernel's error: (where, which kernel, the limit it passed, what to do);
     # None: the common advice (the registers the launch allows per thread).
     spill_advice: Callable[[Kernel], tuple[Loc, str, str, str]] | None = None
+    # explain: a kernel's backward block (Kernel.backward) as plain data, and as text after
+    # the schedule; None: the target has no backward pass.
+    backward_data: Callable[[Kernel], dict[str, Any]] | None = None
+    backward_sections: Callable[[Mapping[str, Any]], list[str]] | None = None
 
 
 @dataclass(frozen=True)
@@ -119,6 +136,16 @@ class Target:
     # Reads the line its ``Config.ext`` prints in the IR's text form (None for another line);
     # None: the target has no such line.
     read_config: Callable[[str], TargetConfig | None] | None = None
+    # What `fadsl tune` may change in its specs (fadsl.targets.tuning); None: not tunable.
+    tune_space: TuneSpace | None = None
+    # Checks a spec's `backward { ... }` block (its settings and paths as the front end read
+    # them, and the kernel's settings it depends on: head_dim, dtypes, mask), reports through
+    # ``checks`` and returns the block with every default filled in, or None when it reported
+    # errors. None: the target has no backward pass, and a block is refused at its keyword.
+    validate_backward: Callable[[Checks, BackwardBlock], Backward | None] | None = None
+    # The backward's kernels: template, slots and host side (fadsl.targets.launch's
+    # BackwardLaunch); None: no backward pass.
+    backward_launch: BackwardLaunch | None = None
 
 
 def names() -> tuple[str, ...]:

@@ -68,6 +68,25 @@ class Launch:
 
 # fadsl::FwdParams: 5 pointers, 14 int64 strides, 5 int sizes, the float scale; 176 bytes
 # with no padding (tests/test_params.py checks every offset against the C++ struct).
+@dataclass(frozen=True)
+class BackwardLaunch:
+    """A target's backward pass: its template (under emit/) and slots, and the host side.
+
+    A rendered source ``NAME`` holds the kernels ``NAME + suffix`` for each of ``suffixes``,
+    launched in that order by ``run(kernel, launch, q, k, v, out, lse, dout, scale)``,
+    which returns (dq, dk, dv) and calls ``launch(KernelLaunch)`` for each kernel (the
+    runtime loads it and launches it on the current stream); ``smem(kernel, suffix)`` is a
+    kernel's dynamic SMEM bytes. The main kernel (suffix "") exports ``NAME_launch_info``.
+    """
+
+    template: str
+    context: Callable[[Kernel, Any], dict[str, Any]]
+    suffixes: tuple[str, ...]
+    smem: Callable[[Kernel, str], int]
+    threads: Callable[[Kernel], int]
+    run: Callable[..., tuple[Any, Any, Any]]
+
+
 FWD_PARAMS = struct.Struct("<5Q14q5if")
 FWD_PARAMS_FIELDS = (
     *("q", "k", "v", "o", "lse"),

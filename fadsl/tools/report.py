@@ -31,10 +31,22 @@ def summary(compiled: Compiled, registers: RegisterCheck | None = None) -> str:
     report = compiled.target.report
     if report is not None:
         lines = report.check_lines(k, lines)
+    if k.backward is not None:
+        lines.append(("backward", _backward_line(k)))
     if registers is not None:
         cap, why = _register_cap(compiled)
         lines.append(("registers", _registers_line(registers, cap, why)))
     return f"{compiled.file}: ok\n" + "".join(f"  {key:<10}{value}\n" for key, value in lines)
+
+
+def _backward_line(kernel: Kernel) -> str:
+    b = kernel.backward
+    return (
+        f"B_r = {b.block_m}, B_c = {b.block_n}, {b.consumers} consumer warpgroups, setmaxnreg "
+        f"{b.producer_regs}/{b.consumer_regs}, stages {b.stages}, deterministic "
+        f"{'on' if b.deterministic else 'off'}, overlap {'on' if b.overlap else 'off'} "
+        "(the spec's backward block; explain shows its plan)"
+    )
 
 
 def _register_cap(compiled: Compiled) -> tuple[int, str]:
@@ -164,6 +176,8 @@ def explain_data(compiled: Compiled, registers: RegisterCheck | None = None) -> 
     report = compiled.target.report
     if report is not None:
         data.update(report.explain_data(k))
+    if k.backward is not None and report is not None and report.backward_data is not None:
+        data["backward"] = report.backward_data(k)
     return data
 
 
@@ -215,8 +229,15 @@ def explain_text(compiled: Compiled, registers: RegisterCheck | None = None) -> 
     out.append("")
     if report is not None:
         out += report.explain_schedule(data)
-        return "\n".join(out) + "\n"
-    out.append("Schedule (each sync with the hazards it orders)")
+    else:
+        out += _schedule_text(data)
+    if "backward" in data:  # the forward's report stays as it was; the backward follows it
+        out += ["", *report.backward_sections(data["backward"])]
+    return "\n".join(out) + "\n"
+
+
+def _schedule_text(data: dict[str, Any]) -> list[str]:
+    out = ["Schedule (each sync with the hazards it orders)"]
     for phase in data["schedule"]:
         title = phase["phase"] + (
             " (once per KV block)" if phase["phase"] == Phase.MAINLOOP.value else ""
@@ -228,7 +249,7 @@ def explain_text(compiled: Compiled, registers: RegisterCheck | None = None) -> 
             else:
                 out.append(f"    >> {item['sync']}")
                 out.extend(f"         {h}" for h in item["serves"])
-    return "\n".join(out) + "\n"
+    return out
 
 
 def _because(data: dict[str, Any]) -> str:

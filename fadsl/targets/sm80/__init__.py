@@ -15,6 +15,7 @@ from .caps import CAPABILITIES, SYNC_MODEL
 from .emit import TEMPLATE, context
 from .host import LAUNCH
 from .schedule import build_schedule
+from .tune_space import TUNE_SPACE
 from .validate import validate, validate_path
 
 TARGET = Target(
@@ -33,6 +34,7 @@ TARGET = Target(
     template=TEMPLATE,
     context=context,
     launch=LAUNCH,
+    tune_space=TUNE_SPACE,  # fadsl tune: the tile and the warps
     # fadsl.attention elsewhere (sm_80 and newer): the fastest sm_80 examples
     shipped={
         (64, False): "fa2_hdim64",

@@ -167,4 +167,5 @@ def build_schedule(lowered: Lowered) -> Kernel:
         mainloop=tuple(loop_steps),
         epilogue=epilogue,
         loop_may_be_empty=cfg.mask is Mask.CAUSAL,
+        backward=lowered.backward,
     )

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from .. import Target
 from .alone import alone
+from .backward.validate import validate_backward
+from .backward import BACKWARD_LAUNCH
 from .caps import CAPABILITIES, SYNC_MODEL
 from .config import read_config
 from .emit import TEMPLATE, context
@@ -25,6 +27,7 @@ from .syncs.insert import insert_syncs
 from .plan_smem import plan_smem
 from .report import REPORT
 from .schedule import build_schedule
+from .tune_space import TUNE_SPACE
 from .validate import configure, validate, validate_path
 from .verify import verify
 
@@ -68,6 +71,9 @@ TARGET = Target(
     alone=alone,  # `cluster 2`: the cluster-free kernel for launches that do not pair
     launch=LAUNCH,  # FwdParamsSm90, the persistent tile grid, the split tail, clusters
     read_config=read_config,
+    validate_backward=validate_backward,  # the backward block: what its first kernel supports
+    tune_space=TUNE_SPACE,  # fadsl tune: the tile, pipeline and schedule knobs
+    backward_launch=BACKWARD_LAUNCH,  # preprocess, main and convert_dq (docs/backward.md)
     # fadsl.attention on Hopper: the tuned examples (docs/performance.md)
     shipped={
         (64, False): "fa3_hdim64",

@@ -44,4 +44,5 @@ def alone(kernel: Kernel) -> Kernel | None:
         config=config,
         tensors=tuple(replace(t, smem_scope=scope(t.smem_scope)) for t in kernel.tensors),
         buffers=tuple(replace(b, scope=scope(b.scope)) for b in kernel.buffers),
+        backward=None,  # the spec's backward is the spec kernel's: built and run once
     )

@@ -15,6 +15,7 @@ from ...errors import Loc
 from ...ir import Kernel, Phase, Step, Sync
 from .. import Capabilities, Report
 from .alone import alone_name
+from .backward.explain import backward_data, backward_sections
 from .caps import (
     MBAR_ARRIVE,
     MBAR_ARRIVE_PEER,
@@ -494,4 +495,6 @@ REPORT = Report(
     explain_data=explain_data,
     explain_sections=explain_sections,
     explain_schedule=explain_schedule,
+    backward_data=backward_data,  # the backward block: settings, roles, registers, SMEM map
+    backward_sections=backward_sections,
 )

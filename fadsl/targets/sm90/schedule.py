@@ -214,4 +214,5 @@ def build_schedule(lowered: Lowered) -> Kernel:
         epilogue=tuple(epilogue),
         loop_may_be_empty=True,  # n_blocks = 1 runs no mainloop iteration
         setup=tuple(setup),  # once per CTA, before its first tile
+        backward=lowered.backward,  # the spec's backward block (docs/backward.md), or None
     )

@@ -1,0 +1,114 @@
+"""The backward pass's settings: a spec's ``backward { ... }`` block, validated.
+
+A kernel without the block is forward-only (``Kernel.backward`` is None). The backward's
+kernels (preprocess, main, postprocess) are the target's: sm_90a's are under
+fadsl/targets/sm90/backward/ and docs/backward.md describes them. The front end reads the
+block (fadsl/frontend/backward.py) and the target checks it and fills in its defaults
+(``Target.validate_backward``).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from ..errors import Loc
+from .hop import Hop
+from .types import GradRole, Level, Role, Scope
+
+WARPGROUP_THREADS = 128
+
+
+@dataclass(frozen=True)
+class BackwardTensor:
+    """One tensor's path in the backward block: Q, K and V (``Role``) or a gradient or a
+    row statistic (``GradRole``). Unlike the forward's ``Tensor``, a path may skip SMEM
+    (dK, dV: rf -st.global-> gmem) or leave registers and come back (dS: rf -> smem -> rf)."""
+
+    role: Role | GradRole
+    hops: tuple[Hop, ...]
+    smem_scope: Scope | None  # None: the path has no smem level
+    loc: Loc
+
+    def path_text(self) -> str:
+        parts = [self.hops[0].src.value]
+        for hop in self.hops:
+            level = hop.dst.value
+            if hop.dst is Level.SMEM and self.smem_scope is not None:
+                level += f"[{self.smem_scope.value}]"
+            parts.append(f"-{hop.instr.value}-> {level}")
+        return " ".join(parts)
+
+
+@dataclass(frozen=True)
+class Backward:
+    block_m: int  # B_r: queries per m-block (the inner loop's step)
+    block_n: int  # B_c: keys per CTA (the n-block each CTA owns)
+    consumers: int  # MMA warpgroups; each owns block_n / consumers keys of dK and dV
+    producer_regs: int  # setmaxnreg.dec of the producer warpgroup
+    consumer_regs: int  # setmaxnreg.inc of each consumer warpgroup
+    stages: int  # Q / dO ring slots
+    deterministic: bool  # dQ's accumulation ordered by n-block: bitwise-stable gradients
+    loc: Loc  # the block's `backward` keyword
+    # dQ issued before dV and dK and staged while they run (sm90_bwd_overlap.cuh)
+    overlap: bool = False
+    # Every tensor's path, the defaults included, in the target's order. The IR's text form
+    # leaves them out (the target admits one path per tensor): a kernel read back has none.
+    tensors: tuple[BackwardTensor, ...] = ()
+    key_locs: tuple[tuple[str, Loc], ...] = ()  # where the block set each key
+
+    @property
+    def threads(self) -> int:
+        """The main kernel's threads: one producer warpgroup and the consumers."""
+        return WARPGROUP_THREADS * (1 + self.consumers)
+
+    @property
+    def keys_per_consumer(self) -> int:
+        """The keys of the n-block whose dK and dV rows each consumer warpgroup owns."""
+        return self.block_n // self.consumers
+
+    def loc_of(self, key: str) -> Loc:
+        return dict(self.key_locs).get(key, self.loc)
+
+    def tensor(self, role: Role | GradRole) -> BackwardTensor:
+        for tensor in self.tensors:
+            if tensor.role is role:
+                return tensor
+        raise KeyError(role)
+
+    def text(self) -> str:
+        """One line of the IR's text form."""
+        return (
+            f"backward B_r={self.block_m} B_c={self.block_n} consumers={self.consumers} "
+            f"regs={self.producer_regs}/{self.consumer_regs} stages={self.stages} "
+            f"deterministic={'on' if self.deterministic else 'off'}"
+            + (" overlap=on" if self.overlap else "")
+        )
+
+
+_TEXT = re.compile(
+    r"backward B_r=(?P<m>\d+) B_c=(?P<n>\d+) consumers=(?P<consumers>\d+) "
+    r"regs=(?P<preg>\d+)/(?P<creg>\d+) stages=(?P<stages>\d+) "
+    r"deterministic=(?P<deterministic>on|off)(?P<overlap> overlap=on)?$"
+)
+
+
+def read_backward(line: str, loc: Loc) -> Backward:
+    """The Backward that ``Backward.text`` printed as ``line`` (ValueError if it is not one);
+    its paths and key locations are not in the text, so it has none."""
+    m = _TEXT.match(line)
+    if m is None:
+        raise ValueError(
+            "expected 'backward B_r=N B_c=N consumers=N regs=P/C stages=N deterministic=on|off'"
+        )
+    return Backward(
+        block_m=int(m["m"]),
+        block_n=int(m["n"]),
+        consumers=int(m["consumers"]),
+        producer_regs=int(m["preg"]),
+        consumer_regs=int(m["creg"]),
+        stages=int(m["stages"]),
+        deterministic=m["deterministic"] == "on",
+        overlap=m["overlap"] is not None,
+        loc=loc,
+    )

@@ -1,0 +1,117 @@
+"""The backward pass of a compiled spec: its kernels built, loaded and launched.
+
+A spec's ``backward { ... }`` block gives the target's backward kernels (sm_90a's:
+preprocess, main, convert_dq; docs/backward.md). They are rendered from the target's
+backward template, built by NVRTC into one cubin per dtype and cached like the forward's,
+and launched on the current stream by the target's host code (``BackwardLaunch.run``).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+from pathlib import Path
+
+from .. import targets
+from ..build import cache
+from ..build.nvrtc import compile_cubin
+from ..codegen.render import Source, header_text, render_backward, spec_hash
+from ..ir import Dtype
+from ..targets.launch import current_stream
+
+log = logging.getLogger("fadsl")
+
+
+class BackwardKernels:
+    """The backward kernels of one compiled spec (``FlashAttention.backward`` calls them)."""
+
+    def __init__(self, compiled, verbose: bool, cubin_dirs: list[Path]) -> None:
+        self.kernel = compiled.kernel
+        self.verbose = verbose
+        self.cubin_dirs = cubin_dirs
+        target = targets.get(self.kernel.config.target)
+        self.launcher = target.backward_launch
+        canonical = replace(compiled, file=f"{self.kernel.config.name}.fa")
+        sources = render_backward(canonical.kernel, target, canonical.file)
+        self._sources: dict[Dtype, Source] = {s.dtype: s for s in sources}
+        self._modules: dict[tuple[Dtype, int], dict[str, object]] = {}
+
+    def source(self, dtype: Dtype) -> str:
+        return self._sources[dtype].text
+
+    def request(self, dtype: Dtype, arch: str) -> cache.Request:
+        source = self._sources[dtype]
+        return cache.Request(
+            kernel=source.kernel_name,
+            filename=source.filename,
+            text=source.text,
+            headers=header_text(),
+            normalised=spec_hash(self.kernel) + ":backward",
+            arch=arch,
+        )
+
+    def cubin(self, dtype: Dtype, arch: str) -> cache.Entry:
+        request = self.request(dtype, arch)
+        entry = cache.find_aot(request, self.cubin_dirs + cache.cubin_path())
+        if entry is None:
+
+            def build():
+                return compile_cubin(
+                    request.text, request.filename, request.kernel, arch, cache.cache_dir()
+                )
+
+            entry = cache.get_or_build(request, build, announce=self.verbose)
+        return entry
+
+    def modules(self, dtype: Dtype, index: int, arch: str) -> dict[str, object]:
+        """The loaded kernels for ``dtype`` on device ``index`` (architecture ``arch``), by
+        suffix."""
+        found = self._modules.get((dtype, index))
+        if found is not None:
+            return found
+        import torch
+
+        from ..build.elf import read_ints
+        from .driver import Module
+
+        entry = self.cubin(dtype, arch)
+        name = self._sources[dtype].kernel_name
+        launcher = self.launcher
+        threads = launcher.threads(self.kernel)
+        smem = launcher.smem(self.kernel, "")
+        built = read_ints(entry.cubin, f"{name}_launch_info", 5)
+        bwd = self.kernel.backward
+        expected = (threads, smem, bwd.block_m, bwd.block_n, 1)
+        if built != expected:
+            raise RuntimeError(
+                f"{name}'s cubin says (threads, SMEM bytes, B_r, B_c, cluster) = {built} but "
+                f"the spec's backward compiled to {expected}; the generator and the header "
+                "disagree"
+            )
+        found = {}
+        with torch.cuda.device(index):
+            for suffix in launcher.suffixes:
+                module = Module(entry.cubin, name + suffix, launcher.smem(self.kernel, suffix), 0)
+                module.prepare(index)
+                found[suffix] = module
+        self._modules[dtype, index] = found
+        return found
+
+    def __call__(
+        self, dtype: Dtype, arch: str, q, k, v, out, lse, dout, dlse, softmax_scale: float
+    ):
+        """(dq, dk, dv), launched on q's device (architecture ``arch``) and its current
+        stream."""
+        import torch
+
+        index = q.device.index
+        modules = self.modules(dtype, index, arch)
+        stream = current_stream(index)
+
+        def launch(kl) -> None:
+            modules[kl.suffix].launch(kl.grid, kl.block, kl.params, stream)
+
+        with torch.cuda.device(index):
+            return self.launcher.run(
+                self.kernel, launch, q, k, v, out, lse, dout, dlse, softmax_scale
+            )

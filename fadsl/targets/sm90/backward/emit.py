@@ -1,0 +1,62 @@
+"""The backward template's slots (emit/sm90/backward.cu.j2), from the kernel's backward block
+and its SMEM plan."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ....ir import Dtype, Kernel, Mask
+from ....ir.backward import Backward
+from .plan import dq_by_keys, smem_plan
+
+TEMPLATE = "sm90/backward.cu.j2"
+# A plan buffer -> the header's offset constant (BwdConfig)
+_OFFSETS = {
+    "K": "kOffK",
+    "V": "kOffV",
+    "Q": "kOffQ",
+    "dO": "kOffDO",
+    "dS": "kOffDS",
+    "dQ": "kOffDQ",
+    "LSE": "kOffLSE",
+    "D": "kOffD",
+    "mbarriers": "kOffBar",
+}
+# launch slack: the kernel aligns its SMEM base up to 1024 bytes
+BASE_ALIGN_SLACK = 1024
+
+
+def dq_split(bwd: Backward, head_dim: int) -> str:
+    """How the consumer warpgroups share dQ = dS K (sm90_bwd.cuh's kDqByKeys)."""
+    if dq_by_keys(bwd, head_dim):
+        return "by keys (all head_dim columns over each warpgroup's own 64 keys)"
+    share = head_dim // bwd.consumers
+    return f"by head_dim panels ({share} columns each, over all {bwd.block_n} keys)"
+
+
+def smem_bytes(bwd: Backward, head_dim: int) -> int:
+    return smem_plan(bwd, head_dim).total + BASE_ALIGN_SLACK
+
+
+def context(kernel: Kernel, dtype: Dtype) -> dict[str, Any]:
+    bwd = kernel.backward
+    cfg = kernel.config
+    plan = smem_plan(bwd, cfg.head_dim)
+    return {
+        "cuda_type": dtype.cuda_type,
+        "head_dim": cfg.head_dim,
+        "block_m": bwd.block_m,
+        "block_n": bwd.block_n,
+        "consumers": bwd.consumers,
+        "stages": bwd.stages,
+        "deterministic": bwd.deterministic,
+        "overlap": bwd.overlap,
+        "causal": cfg.mask is Mask.CAUSAL,
+        "mask": cfg.mask.value,
+        "threads": 128 * (1 + bwd.consumers),
+        "producer_regs": bwd.producer_regs,
+        "consumer_regs": bwd.consumer_regs,
+        "dq_split": dq_split(bwd, cfg.head_dim),
+        "offsets": [(_OFFSETS[b.name], b.offset) for b in plan.buffers],
+        "smem_bytes": smem_bytes(bwd, cfg.head_dim),
+    }

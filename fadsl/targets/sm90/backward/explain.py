@@ -1,0 +1,228 @@
+"""What `fadsl explain` says about a kernel's backward block on sm_90a: its settings and
+paths, the roles of the main kernel's warpgroups, the setmaxnreg split and the SMEM map of
+``plan.smem_plan`` (docs/backward.md). The syncs section is left for the backward's sync
+pass (``backward_syncs``)."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from ....ir import Kernel
+from ..caps import (
+    CAPABILITIES,
+    REGISTERS_PER_SM,
+    WARPGROUP_THREADS,
+    launch_registers,
+    register_pool,
+    registers_asked,
+)
+from .plan import dq_by_keys, smem_plan
+from .protocol import Guard, Index, Item, Kind, Params
+from .protocol import Role as ProtocolRole
+from .protocol import protocol
+
+
+def _on(flag: bool) -> str:
+    return "on" if flag else "off"
+
+
+def _warpgroups(first: int, count: int) -> str:
+    return f"warpgroup {first}" if count == 1 else f"warpgroups {first}..{first + count - 1}"
+
+
+# --- the syncs: a place for the backward's sync pass ---------------------------------
+
+
+def backward_syncs(kernel: Kernel) -> list[dict[str, Any]]:
+    """The main kernel's syncs, role by role in program order, from its protocol
+    (protocol.py: the plan the header follows, proved by prove.py): one entry each,
+    ``{"sync": ..., "note": why}``."""
+    bwd = kernel.backward
+    plan = protocol(
+        Params(
+            consumers=bwd.consumers,
+            stages=bwd.stages,
+            head_dim=kernel.config.head_dim,
+            deterministic=bwd.deterministic,
+            overlap=bwd.overlap,
+        )
+    )
+    found = []
+    for role in ProtocolRole:
+        for item in plan.role(role):
+            if item.is_sync:
+                entry = {"sync": _sync_text(role, item)}
+                if item.why or item.kind is Kind.WGMMA_COMMIT:
+                    entry["note"] = item.why or _COMMIT_NOTE
+                found.append(entry)
+    return found
+
+
+_COMMIT_NOTE = "closes a group of the wgmmas before it: the waits count groups"
+
+
+def _sync_text(role: ProtocolRole, item: Item) -> str:
+    parts = [item.kind.value]
+    if item.mbar is not None:
+        slot = "" if item.slot is Index.NONE else f"[{item.slot.value}]"
+        parts.append(f"{item.mbar.value}{slot}")
+    if item.parity is not None:
+        parts.append(f"parity {item.parity.value}")
+    if item.count:
+        parts.append(f"count {item.count}")
+    if item.tx:
+        parts.append(f"tx {item.tx}")
+    if item.kind in (Kind.WGMMA_WAIT, Kind.BULK_WAIT_READ, Kind.BULK_WAIT):
+        parts.append(str(item.pending))
+    if item.named is not None:
+        parts.append(f"{item.named.value} ({item.threads} threads)")
+    guard = "" if item.guard is Guard.ALWAYS else f", {item.guard.value}"
+    return f"{' '.join(parts)}  [{role.value}: {item.who.value}; {item.phase.value}{guard}]"
+
+
+# --- data --------------------------------------------------------------------------
+
+
+def _dq_split(kernel: Kernel) -> str:
+    bwd, head_dim = kernel.backward, kernel.config.head_dim
+    if dq_by_keys(bwd, head_dim):
+        return (
+            f"by keys (each consumer all {head_dim} columns over its own "
+            f"{bwd.keys_per_consumer} keys)"
+        )
+    share = head_dim // bwd.consumers
+    halves = "halves" if bwd.consumers == 2 else "parts"
+    return f"by {halves} of head_dim ({share} columns each, over all {bwd.block_n} keys)"
+
+
+def backward_data(kernel: Kernel) -> dict[str, Any]:
+    """The backward section of `fadsl explain --json`."""
+    bwd = kernel.backward
+    assert bwd is not None
+    head_dim = kernel.config.head_dim
+    plan = smem_plan(bwd, head_dim)
+    threads = bwd.threads
+    return {
+        "settings": {
+            "block_m": bwd.block_m,
+            "block_n": bwd.block_n,
+            "producer_warpgroups": 1,
+            "consumers": bwd.consumers,
+            "producer_regs": bwd.producer_regs,
+            "consumer_regs": bwd.consumer_regs,
+            "stages": bwd.stages,
+            "deterministic": bwd.deterministic,
+            "overlap": bwd.overlap,
+        },
+        "paths": [{"tensor": t.role.value, "path": t.path_text()} for t in bwd.tensors],
+        "roles": [
+            {
+                "role": "producer",
+                "warpgroups": [0],
+                "threads": WARPGROUP_THREADS,
+                "setmaxnreg": bwd.producer_regs,
+                "loads": {
+                    "once per n-block": ["K (TMA)", "V (TMA)"],
+                    f"per m-block, through a ring of {bwd.stages} slots": [
+                        "Q (TMA)",
+                        "dO (TMA)",
+                        "LSE (bulk copy)",
+                        "D (bulk copy)",
+                    ],
+                },
+            },
+            {
+                "role": "consumers",
+                "warpgroups": list(range(1, 1 + bwd.consumers)),
+                "threads": WARPGROUP_THREADS * bwd.consumers,
+                "setmaxnreg": bwd.consumer_regs,
+                "keys_each": bwd.keys_per_consumer,
+                "per_m_block": [
+                    "S^T = K Q^T",
+                    "dP^T = V dO^T",
+                    "P^T = exp2(S^T c log2(e) - LSE log2(e))  (c: softmax_scale)",
+                    "dS^T = P^T (dP^T - D)",
+                    "dV += P^T dO",
+                    "dK += dS^T Q",
+                    f"dQ = dS K {_dq_split(kernel)}, reduce-added to the fp32 accumulator",
+                ],
+            },
+        ],
+        "registers": {
+            "producer": [WARPGROUP_THREADS, bwd.producer_regs],
+            "consumers": [bwd.consumers, WARPGROUP_THREADS, bwd.consumer_regs],
+            "used": registers_asked(bwd.producer_regs, bwd.consumers, bwd.consumer_regs),
+            "pool": register_pool(threads),
+            "threads": threads,
+            "launch_per_thread": launch_registers(threads),
+            "per_sm": REGISTERS_PER_SM,
+        },
+        "smem": [
+            {"buffer": b.name, "offset": b.offset, "bytes": b.nbytes, "lifetime": b.lifetime}
+            for b in plan.buffers
+        ],
+        "smem_total": plan.total,
+        "smem_limit": CAPABILITIES.smem_per_cta,
+        "syncs": backward_syncs(kernel),
+    }
+
+
+# --- text --------------------------------------------------------------------------
+
+
+def backward_sections(data: Mapping[str, Any]) -> list[str]:
+    """The backward section of `fadsl explain`, from ``backward_data``."""
+    s = data["settings"]
+    producer, consumers = data["roles"]
+    regs = data["registers"]
+    wgs = consumers["warpgroups"]
+    once, streamed = producer["loads"].items()
+    out = [
+        "Backward (the spec's backward block; docs/backward.md)",
+        f"  settings   B_r = {s['block_m']} queries per m-block, B_c = {s['block_n']} keys per "
+        f"CTA (its n-block); {s['producer_warpgroups']} producer and {s['consumers']} consumer "
+        f"warpgroups; stages {s['stages']}; deterministic {_on(s['deterministic'])}; "
+        f"overlap {_on(s['overlap'])}",
+        "  paths",
+        *(f"    {p['tensor']:<4} {p['path']}" for p in data["paths"]),
+        f"  producer   warpgroup 0, setmaxnreg.dec to {producer['setmaxnreg']}: warp 0 loads "
+        f"{' and '.join(once[1])} {once[0]}; {', '.join(streamed[1])} {streamed[0]}",
+        f"  consumers  {_warpgroups(wgs[0], len(wgs))}, setmaxnreg.inc to "
+        f"{consumers['setmaxnreg']}: each owns {consumers['keys_each']} of the n-block's "
+        f"{s['block_n']} keys and, per m-block:",
+        *(f"               {step}" for step in consumers["per_m_block"]),
+        "             dK and dV accumulate in registers over the m-blocks and are stored after "
+        "the last",
+        f"  registers  {regs['producer'][0]} x {regs['producer'][1]} + {regs['consumers'][0]} x "
+        f"{regs['consumers'][1]} x {regs['consumers'][2]} = {regs['used']} of the CTA's pool "
+        f"of {regs['pool']} ({regs['threads']} threads launch with "
+        f"{regs['launch_per_thread']} each; the SM has {regs['per_sm']})",
+        "",
+        "Backward SMEM map (fadsl/targets/sm90/backward/plan.py)",
+        f"  {'buffer':<10}{'offset':>7}{'bytes':>7}  lifetime",
+        *(
+            f"  {b['buffer']:<10}{b['offset']:>7}{b['bytes']:>7}  {b['lifetime']}"
+            for b in data["smem"]
+        ),
+        f"backward smem total: {data['smem_total']} bytes of sm_90a's {data['smem_limit']}",
+        "",
+        *_syncs_text(data["syncs"]),
+    ]
+    return out
+
+
+def _syncs_text(syncs: list[Mapping[str, Any]]) -> list[str]:
+    if not syncs:
+        return [
+            "Backward syncs: not placed yet (the backward's sync pass: docs/backward.md, step 3)"
+        ]
+    out = [
+        "Backward syncs (the main kernel's, in program order per role; the plan is",
+        "fadsl/targets/sm90/backward/protocol.py, proved by prove.py in the async model)",
+    ]
+    for sync in syncs:
+        out.append(f"  >> {sync['sync']}")
+        out.extend(f"       {h}" for h in sync.get("serves", ()))
+        if "note" in sync:
+            out.append(f"       why: {sync['note']}")
+    return out

@@ -1,0 +1,88 @@
+"""The backward main kernel's shared memory: each buffer's offset, size and lifetime.
+
+The layout is fixed by the kernel's structure (emit/sm90/include/fadsl/sm90_bwd.cuh reads
+the same offsets from its template slots): K and V for the CTA's n-block, the Q and dO rings
+with their LSE and D rows, dS^T double-buffered (the dQ GEMM of one m-block reads it while
+the next m-block's is written), dQ's fp32 staging for the bulk reduce-add, and the
+mbarriers. Tiles are 1024-byte aligned (the 128-byte swizzle's atom).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ....ir.backward import Backward
+
+ALIGN = 1024
+SMEM_LIMIT = 227 * 1024  # sm_90a's dynamic SMEM per CTA
+ELEM = 2  # bf16 / fp16
+# An element is 16 bits; the fp32 LSE/D rows and dQ staging are 4 bytes.
+F32 = 4
+
+
+@dataclass(frozen=True)
+class SmemBuffer:
+    name: str
+    offset: int
+    nbytes: int
+    lifetime: str  # in explain's SMEM map
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.nbytes
+
+
+@dataclass(frozen=True)
+class BackwardSmem:
+    buffers: tuple[SmemBuffer, ...]
+
+    @property
+    def total(self) -> int:
+        return max(b.end for b in self.buffers)
+
+    def __getitem__(self, name: str) -> SmemBuffer:
+        for buf in self.buffers:
+            if buf.name == name:
+                return buf
+        raise KeyError(name)
+
+
+def _round(n: int, align: int = ALIGN) -> int:
+    return -(-n // align) * align
+
+
+def dq_by_keys(bwd: Backward, head_dim: int) -> bool:
+    """Whether the consumers split dQ = dS K by keys (each all of head_dim over its own 64
+    keys) rather than by whole 64-column panels of head_dim (sm90_bwd.cuh's kDqByKeys)."""
+    return (head_dim // bwd.consumers) % 64 != 0
+
+
+def dq_staging_bytes(bwd: Backward, head_dim: int) -> int:
+    """Each consumer warpgroup stages its 64-row share of dQ in fp32."""
+    cols = head_dim if dq_by_keys(bwd, head_dim) else head_dim // bwd.consumers
+    return bwd.consumers * 64 * cols * F32
+
+
+def smem_plan(bwd: Backward, head_dim: int) -> BackwardSmem:
+    """Offsets of the main kernel's buffers for ``bwd``'s tiles at ``head_dim``."""
+    m, n, s = bwd.block_m, bwd.block_n, bwd.stages
+    sizes = (
+        ("K", n * head_dim * ELEM, "the CTA's n-block (one TMA load)"),
+        ("V", n * head_dim * ELEM, "the CTA's n-block (one TMA load)"),
+        ("Q", s * m * head_dim * ELEM, f"a ring of {s} m-blocks"),
+        ("dO", s * m * head_dim * ELEM, f"a ring of {s} m-blocks, with Q's slot"),
+        ("dS", 2 * n * m * ELEM, "two m-blocks: the dQ GEMM reads one while the next is written"),
+        (
+            "dQ",
+            dq_staging_bytes(bwd, head_dim),
+            "one m-block, until its bulk reduce-add has read it",
+        ),
+        ("LSE", s * m * F32, "with Q's slot"),
+        ("D", s * m * F32, "with dO's slot"),
+        ("mbarriers", (1 + 2 * s) * 8, "K/V full; Q/dO full and empty per slot"),
+    )
+    buffers, offset = [], 0
+    for name, nbytes, lifetime in sizes:
+        buffers.append(SmemBuffer(name, offset, nbytes, lifetime))
+        offset = _round(offset + nbytes, ALIGN if nbytes >= ALIGN else 16)
+    return BackwardSmem(tuple(buffers))

@@ -1,0 +1,509 @@
+"""The proof of the backward main kernel's sync plan (protocol.py), in the async model of
+fadsl/passes/asyncmodel.
+
+For each m-block count m of ``m_counts`` the protocol is unrolled into the model's agents
+(the producer's elected thread, one agent per consumer warpgroup) and
+``asyncmodel.prove.check`` proves, over every execution: each RAW, WAR and WAW on SMEM
+(TMA and bulk loads, wgmma operands, st.shared / ld.shared, the bulk reduce-add's read)
+and on a warpgroup's registers (wgmma accumulators and A operands against ordinary code)
+is ordered end -> start, with a fence.proxy.async between a generic write and an
+async-proxy access, and a bar.sync of the warpgroup between accesses of two of its threads;
+every wait returns (no hang: counts and expected bytes match what arrives) and sees the
+phase it means (parities); no bulk group still reads SMEM when its warpgroup ends. Three
+rules outside the model's events are checked here: the setup (each mbarrier initialised,
+fence.mbarrier_init, __syncthreads, before the roles split), PTX's wgmma.fence rule for
+registers, and the deterministic semaphore's order within the CTA (below).
+
+How the header's calls become model events (a faithful lowering, nothing added):
+- ``bulk_load`` (LSE, D: cp.async.bulk global -> shared) is a TMA load: an async-proxy
+  write whose bytes complete on the mbarrier;
+- ``cp.reduce.async.bulk .add.f32`` is, for the CTA's SMEM, what a TMA store is: an
+  async-proxy read of the staging until the issuing thread's
+  ``cp.async.bulk.wait_group{.read}`` retires its bulk group (``wait_group 0`` without
+  ``.read`` retires it too). Its write is to global memory: per-element atomic adds in the
+  L2 that no agent of the CTA reads (the convert kernel reads the accumulator after the
+  kernel boundary), so it is no SMEM event;
+- an item of the warpgroup's thread 0 alone (``if (tid == 0)``) is an event of the
+  warpgroup's agent, which the model reads as the act of some of its threads: its bulk
+  wait orders nothing for the other threads until a bar.sync of the warpgroup follows
+  (hazards._across_threads), an arrive by it counts one arrival, and a proxy fence by it
+  alone is dropped (it would order only its own writes, and the warpgroup's 128 threads
+  write the staging); an mbarrier wait or a named barrier by it alone is refused (the
+  model would let the other threads pass it too). Its semaphore spin blocks the whole
+  agent: the other threads of its warp wait where the `if (tid == 0)` block reconverges,
+  and the other warps reach at most the next wgmma, which starts only with every warp of
+  the warpgroup, or a barrier that counts the leader; no SMEM access lies in between (in
+  the overlapped consumer they pass wait_group 0, their q_empty arrivals, which cannot
+  complete the phase without the leader's, and the next q_full wait, which cannot see a
+  later phase of the slot before that one completes);
+- ``fence.proxy.async.global`` and the semaphore's global accesses are not SMEM events.
+
+Why m = 0 .. 2 stages + 2 covers every m-block count: after each m-block every wgmma group
+of a warpgroup is retired (wait_group 0, the last wgmma wait of either consumer's m-block), every named barrier generation is complete, at
+most one bulk group per warpgroup (its last reduce-add) is in flight, and the next m-block
+depends on the past only through the ring slot's barrier phase (i / stages, a parity, of
+slot i % stages), dS^T's buffer (i % 2) and that bulk group. m = 2 stages + 2 uses every
+slot with both parities, slots 0 and 1 a third time (a parity-1 wait of the producer on an
+empty barrier that is no longer fresh) and both dS^T buffers in every such state; a hazard
+spans at most stages m-blocks (a slot reused) or 2 (a dS^T buffer); m = 0 is the CTA that
+visits no m-block (no load and no wait: dK = dV = 0).
+
+The deterministic semaphore (``deterministic on``), and why only its order within the CTA
+is checked here. The reduce-adds into m-block m's accumulator are ordered by ticket
+t = n_block * consumers + wg through a counter per (batch, head, m-block), zeroed by the
+preprocess kernel: the leader of ticket t spins (ld.acquire.gpu) until the counter reads t,
+adds, and stores t + 1 (st.release.gpu). (1) No wait forever: every n-block below n visits
+m too (m_begin is non-decreasing in n; without a mask every n-block visits every m-block),
+so tickets 0 .. t - 1 all come; a CTA's tickets rise with m, so no CTA waits on one that
+waits on it; a lower n-block is a lower blockIdx, dispatched first, so the CTA waited for
+is resident or done (the launch-order assumption FlashAttention-3 makes too). Within the
+CTA, ticket n C + w waits for warpgroup w - 1's release of the same m-block: modelled here
+as an mbarrier (one per m-block and warpgroup boundary) so that the model proves it cannot
+deadlock with the named barriers; warpgroup 0's wait, on the CTA below, is left out (it
+returns, by the argument above). (2) Order of the adds: ticket t's release follows its
+bulk group's ``wait_group 0`` (the adds performed, not only the SMEM read) and a
+``fence.proxy.async.global`` (the async proxy's writes ordered before the generic
+release), by the thread that issued the adds; ticket t + 1's acquire is followed by a
+``fence.proxy.async.global`` before its adds. Release -> acquire at GPU scope then orders
+ticket t's adds before ticket t + 1's, so the sum is formed in the same order in every
+run. ``semaphore_problems`` checks (2)'s shape.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ....passes.asyncmodel.model import (
+    Access,
+    Agent,
+    Arrive,
+    BarSync,
+    BulkCommit,
+    BulkWait,
+    Event,
+    FenceProxyAsync,
+    Program,
+    Span,
+    TmaLoad,
+    TmaStore,
+    Wait,
+    Wgmma,
+    WgmmaCommit,
+    WgmmaWait,
+)
+from ....passes.asyncmodel.prove import AsyncVerifyError, check
+from .protocol import (
+    BLOCK_M,
+    KEYS_PER_WARPGROUP,
+    ROW_BYTES,
+    WARPGROUP_THREADS,
+    Buffer,
+    Guard,
+    Index,
+    Item,
+    Kind,
+    Mbar,
+    Operand,
+    Params,
+    Parity,
+    Part,
+    Phase,
+    Protocol,
+    Reg,
+    Role,
+    Who,
+    bar_id,
+    protocol,
+)
+
+_INIT_KINDS = (Kind.MBAR_INIT, Kind.FENCE_MBAR_INIT, Kind.SYNCTHREADS)
+_WARPGROUP_WIDE = (
+    Kind.WGMMA,
+    Kind.WGMMA_FENCE,
+    Kind.WGMMA_COMMIT,
+    Kind.WGMMA_WAIT,
+    Kind.NAMED_BAR_SYNC,
+)
+
+
+def m_counts(p: Params) -> range:
+    """The m-block counts the plan is proven for (module docstring: why they suffice)."""
+    return range(0, 2 * p.stages + 3)
+
+
+def parameter_space() -> tuple[Params, ...]:
+    """Every configuration the header admits: 1-3 consumer warpgroups, head_dim 64 or 128
+    (dQ split by keys or by panels), 1-3 stages, deterministic or not, each with either
+    consumer (bwd_consumer, or bwd_consumer_overlapped with `overlap on`)."""
+    return tuple(
+        Params(consumers, stages, head_dim, deterministic, overlap)
+        for overlap in (False, True)
+        for consumers in (1, 2, 3)
+        for head_dim in (64, 128)
+        for stages in (1, 2, 3)
+        for deterministic in (False, True)
+    )
+
+
+# --- the unrolled program -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _At:
+    """Where an item runs: m-block i (None before or after the loop) of warpgroup wg (None:
+    the producer)."""
+
+    i: int | None
+    wg: int | None
+
+    def index(self, index: Index, stages: int) -> int:
+        if index is Index.NONE:
+            return 0
+        assert self.i is not None, f"{index} outside the m-block loop"
+        return self.i % stages if index is Index.RING else self.i % 2
+
+    def parity(self, parity: Parity, stages: int) -> int:
+        if parity in (Parity.ZERO, Parity.ONE):
+            return int(parity is Parity.ONE)
+        assert self.i is not None, f"{parity} outside the m-block loop"
+        ring = (self.i // stages) & 1
+        return ring if parity is Parity.RING else ring ^ 1
+
+    def when(self) -> str:
+        return f"m-block {self.i}" if self.i is not None else "outside the loop"
+
+
+def mbar_name(mbar: Mbar, slot: int | None) -> str:
+    return mbar.value if slot is None else f"{mbar.value}[{slot}]"
+
+
+def ticket_name(wg: int, i: int) -> str:
+    """The intra-CTA part of the deterministic semaphore: warpgroup wg's turn at m-block i."""
+    return f"ticket of wg{wg}, m-block {i}"
+
+
+def spans(proto: Protocol, operand: Operand, at: _At) -> tuple[Span, ...]:
+    """The SMEM bytes an operand names for the warpgroup and m-block of ``at``."""
+    p = proto.params
+    offset, size = proto.buffers().base(operand.buffer)
+    copy = at.index(operand.index, p.stages)
+    if operand.buffer is Buffer.DQ_STAGE:  # one staging buffer per warpgroup
+        assert operand.part is Part.ROWS_OF_WG and at.wg is not None
+        copy = at.wg
+    base = offset + copy * size
+    label = operand.buffer.value
+    if operand.index is Index.RING:
+        label += f"[slot {copy}]"
+    elif operand.index is Index.ALTERNATE:
+        label += f"[buffer {copy}]"
+    # K and V hold B_c rows per 64-column panel, Q and dO B_r rows
+    panel_rows = p.block_n if operand.buffer in (Buffer.K, Buffer.V) else BLOCK_M
+    panel_bytes = panel_rows * ROW_BYTES
+    rows = KEYS_PER_WARPGROUP * ROW_BYTES  # a warpgroup's 64 rows of one panel
+    match operand.part:
+        case Part.WHOLE:
+            return (Span("smem", base, base + size, label),)
+        case Part.PANEL:
+            lo = base + operand.panel * panel_bytes
+            return (Span("smem", lo, lo + panel_bytes, f"{label} panel {operand.panel}"),)
+        case Part.PANEL_OF_WG:
+            lo = base + at.wg * panel_bytes
+            return (Span("smem", lo, lo + panel_bytes, f"{label} panel {at.wg}"),)
+        case Part.ROWS_OF_WG if operand.buffer is Buffer.DQ_STAGE:
+            return (Span("smem", base, base + size, f"{label} of wg{at.wg}"),)
+        case Part.ROWS_OF_WG if operand.buffer is Buffer.DS:  # B_c rows, one span
+            lo = base + at.wg * rows
+            return (Span("smem", lo, lo + rows, f"{label} rows of wg{at.wg}"),)
+        case Part.ROWS_OF_WG:  # K, V: the warpgroup's rows of each panel
+            return tuple(
+                Span(
+                    "smem",
+                    base + panel * panel_bytes + at.wg * rows,
+                    base + panel * panel_bytes + (at.wg + 1) * rows,
+                    f"{label} panel {panel} rows of wg{at.wg}",
+                )
+                for panel in range(size // panel_bytes)
+            )
+    raise AssertionError(operand)
+
+
+def _regs(regs: tuple[Reg, ...], wg: int | None) -> tuple[Span, ...]:
+    order = list(Reg)
+    return tuple(Span(f"rf:wg{wg}", order.index(r), order.index(r) + 1, r.value) for r in regs)
+
+
+def _lower(proto: Protocol, item: Item, at: _At) -> list[Event]:
+    """The model events of one item at one m-block of one role."""
+    p = proto.params
+    what = f"{item.name or item.kind.value} ({at.when()})"
+    why = f"{item.why} ({at.when()})" if item.why else at.when()
+    barrier = None
+    if item.mbar is not None:
+        slot = at.index(item.slot, p.stages) if item.slot is not Index.NONE else None
+        barrier = mbar_name(item.mbar, slot)
+    leader = item.who is Who.LEADER
+    match item.kind:
+        case Kind.MBAR_WAIT:
+            return [Wait(barrier, at.parity(item.parity, p.stages), why)]
+        case Kind.MBAR_ARRIVE:
+            count = WARPGROUP_THREADS if item.who is Who.WARPGROUP else 1
+            return [Arrive(barrier, count, 0, why)]
+        case Kind.MBAR_ARRIVE_EXPECT_TX:
+            return [Arrive(barrier, 1, item.tx, why)]
+        case Kind.WGMMA_COMMIT:
+            return [WgmmaCommit()]
+        case Kind.WGMMA_WAIT:
+            return [WgmmaWait(item.pending)]
+        case Kind.FENCE_PROXY_ASYNC_SMEM:
+            return [] if leader else [FenceProxyAsync()]
+        case Kind.NAMED_BAR_SYNC:
+            return [BarSync(bar_id(item.named, at.wg), item.threads, why)]
+        case Kind.BULK_COMMIT:
+            return [BulkCommit()]
+        case Kind.BULK_WAIT_READ | Kind.BULK_WAIT:
+            return [BulkWait(item.pending)]
+        case Kind.SEM_ACQUIRE if at.wg > 0:  # the previous warpgroup of this CTA
+            return [Wait(ticket_name(at.wg, at.i), 0, why)]
+        case Kind.SEM_RELEASE if at.wg < p.consumers - 1:
+            return [Arrive(ticket_name(at.wg + 1, at.i), 1, 0, why)]
+        case Kind.SEM_ACQUIRE | Kind.SEM_RELEASE | Kind.WGMMA_FENCE:
+            return []  # the CTA below or above; wgmma.fence: register_problems
+        case Kind.FENCE_PROXY_ASYNC_GLOBAL:
+            return []  # global memory: semaphore_problems
+        case Kind.TMA_LOAD | Kind.BULK_LOAD:
+            (operand,) = item.writes
+            return [
+                TmaLoad(span, barrier, span.hi - span.lo, what)
+                for span in spans(proto, operand, at)
+            ]
+        case Kind.BULK_REDUCE_ADD:
+            return [TmaStore(span, what) for op in item.reads for span in spans(proto, op, at)]
+        case Kind.WGMMA:
+            reads = tuple(s for op in item.reads for s in spans(proto, op, at))
+            reads += _regs(item.reg_reads, at.wg)
+            return [Wgmma(reads, _regs(item.reg_writes, at.wg), what)]
+        case (
+            Kind.PROBS
+            | Kind.GRAD_SCORES
+            | Kind.PACK
+            | Kind.ZERO
+            | Kind.ST_SHARED
+            | Kind.STORE_GLOBAL
+        ):
+            events: list[Event] = []
+            events += [Access(s, False, what) for op in item.reads for s in spans(proto, op, at)]
+            events += [Access(s, True, what) for op in item.writes for s in spans(proto, op, at)]
+            events += [Access(r, False, what) for r in _regs(item.reg_reads, at.wg)]
+            events += [Access(r, True, what) for r in _regs(item.reg_writes, at.wg)]
+            return events
+    raise AssertionError(f"{item.kind} has no model event in {item.source.value}")
+
+
+def unrolled(items: tuple[Item, ...], m_count: int) -> list[tuple[Item, int | None]]:
+    """(item, m-block) in the order one thread runs them: the items before the loop, the
+    loop's m_count times, those after; HAS_WORK items only when m_count > 0."""
+    out = []
+    live = [x for x in items if x.guard is Guard.ALWAYS or m_count > 0]
+    out += [(x, None) for x in live if x.phase is Phase.BEFORE]
+    out += [(x, i) for i in range(m_count) for x in live if x.phase is Phase.LOOP]
+    out += [(x, None) for x in live if x.phase is Phase.AFTER]
+    return out
+
+
+def build_program(proto: Protocol, m_count: int) -> Program:
+    """The producer and the consumer warpgroups of one CTA that visits m_count m-blocks."""
+    p = proto.params
+    roles = [("producer", Role.PRODUCER, None, 1)]
+    roles += [(f"wg{wg}", Role.CONSUMER, wg, WARPGROUP_THREADS) for wg in range(p.consumers)]
+    agents = []
+    for name, role, wg, threads in roles:
+        events = []
+        for item, i in unrolled(proto.role(role), m_count):
+            events += _lower(proto, item, _At(i, wg))
+        agents.append(Agent(name, threads, tuple(events)))
+    counts: list[tuple[str, int]] = []
+    for item in proto.setup:
+        if item.kind is Kind.MBAR_INIT:
+            slots = range(p.stages) if item.slot is Index.RING else [None]
+            counts += [(mbar_name(item.mbar, slot), item.count) for slot in slots]
+    if p.deterministic:
+        counts += [(ticket_name(wg, i), 1) for wg in range(1, p.consumers) for i in range(m_count)]
+    return Program(tuple(agents), tuple(counts))
+
+
+# --- the rules outside the model's events -------------------------------------------------
+
+
+def structural_problems(proto: Protocol) -> list[str]:
+    """The setup, the phases' order, who runs what, and the semaphore's shape: problems that
+    do not depend on the m-block count."""
+    problems = _setup_problems(proto)
+    for role in (Role.PRODUCER, Role.CONSUMER):
+        phases = [list(Phase).index(x.phase) for x in proto.role(role)]
+        if phases != sorted(phases):
+            problems.append(f"the {role.value}'s items are not in loop order")
+        for n, x in enumerate(proto.role(role)):
+            if x.kind in _INIT_KINDS:
+                problems.append(f"{role.value} item {n}: {x.kind.value} after the roles split")
+            if x.kind is Kind.MBAR_WAIT and x.who is Who.LEADER:
+                problems.append(
+                    f"{role.value} item {n}: an mbarrier wait by {x.who.value} alone orders "
+                    "nothing for the warpgroup's other threads"
+                )
+            if x.kind in _WARPGROUP_WIDE and x.who is not Who.WARPGROUP:
+                problems.append(
+                    f"{role.value} item {n}: {x.kind.value} by {x.who.value}: it is executed "
+                    "by the whole warpgroup (.sync.aligned, or a named barrier counting it)"
+                )
+    return problems + semaphore_problems(proto)
+
+
+def _setup_problems(proto: Protocol) -> list[str]:
+    """Every mbarrier the roles use is initialised (a ring's per slot) by thread 0, then
+    fence.mbarrier_init, then __syncthreads, all before the roles split."""
+    setup = proto.setup
+    inits = {(x.mbar, x.slot) for x in setup if x.kind is Kind.MBAR_INIT}
+    used = {
+        (x.mbar, x.slot)
+        for role in (Role.PRODUCER, Role.CONSUMER)
+        for x in proto.role(role)
+        if x.mbar is not None
+    }
+    problems = [
+        f"mbarrier {mbar.value} ({slot.value}) is used but never initialised"
+        for mbar, slot in sorted(used - inits, key=str)
+    ]
+    kinds = [x.kind for x in setup]
+    last_init = max((n for n, k in enumerate(kinds) if k is Kind.MBAR_INIT), default=-1)
+    fence = next((n for n, k in enumerate(kinds) if k is Kind.FENCE_MBAR_INIT), None)
+    if inits and (fence is None or fence < last_init):
+        problems.append("no fence.mbarrier_init after the mbarrier inits (TMA's complete_tx)")
+    elif inits and not any(
+        x.kind is Kind.SYNCTHREADS and x.who is Who.CTA for x in setup[fence + 1 :]
+    ):
+        problems.append("no __syncthreads between the mbarrier inits and their first use")
+    problems += [
+        f"setup item {n}: {x.kind.value} by {x.who.value}, not thread 0"
+        for n, x in enumerate(setup)
+        if x.kind in (Kind.MBAR_INIT, Kind.FENCE_MBAR_INIT) and x.who is not Who.THREAD0
+    ]
+    return problems
+
+
+def semaphore_problems(proto: Protocol) -> list[str]:
+    """``deterministic on``: in each m-block the leader, which issues the reduce-add, (a)
+    acquires its ticket and fences the async proxy before the add, (b) waits for the add's
+    bulk group to complete (wait_group 0, not only .read), fences the async proxy again and
+    then releases the next ticket. Without it: no semaphore at all."""
+    loop = [x for x in proto.consumer if x.phase is Phase.LOOP]
+    ops = [x for x in loop if x.kind in (Kind.SEM_ACQUIRE, Kind.SEM_RELEASE)]
+    if not proto.params.deterministic:
+        return ["a dQ semaphore without deterministic mode"] if ops else []
+    reduces = [n for n, x in enumerate(loop) if x.kind is Kind.BULK_REDUCE_ADD]
+    if len(reduces) != 1:
+        return [f"{len(reduces)} dQ reduce-adds per m-block, expected 1"]
+    (add,) = reduces
+    if any(x.who is not Who.LEADER for x in ops) or loop[add].who is not Who.LEADER:
+        return ["the ticket's acquire, the reduce-add and the release are not one thread's"]
+    mine = [(n, x) for n, x in enumerate(loop) if x.who is Who.LEADER]
+    before = [x.kind for n, x in mine if n < add]
+    after = [(x.kind, x.pending) for n, x in mine if n > add]
+    problems = []
+    acquire = _last(before, Kind.SEM_ACQUIRE)
+    if acquire is None:
+        problems.append("deterministic: the reduce-add does not follow the ticket's acquire")
+    elif Kind.FENCE_PROXY_ASYNC_GLOBAL not in before[acquire:]:
+        problems.append(
+            "deterministic: no fence.proxy.async.global between the ticket's acquire and the "
+            "reduce-add (the async proxy's adds could pass the previous ticket's)"
+        )
+    kinds = [k for k, _ in after]
+    release = kinds.index(Kind.SEM_RELEASE) if Kind.SEM_RELEASE in kinds else None
+    if release is None:
+        problems.append("deterministic: no release of the next ticket after the reduce-add")
+        return problems
+    commit = kinds.index(Kind.BULK_COMMIT) if Kind.BULK_COMMIT in kinds[:release] else None
+    done = [
+        n
+        for n, (k, pending) in enumerate(after[:release])
+        if k is Kind.BULK_WAIT and pending == 0 and commit is not None and n > commit
+    ]
+    if not done:
+        problems.append(
+            "deterministic: the ticket's release does not follow a committed "
+            "cp.async.bulk.wait_group 0 of the reduce-add (its adds may not be performed)"
+        )
+    elif Kind.FENCE_PROXY_ASYNC_GLOBAL not in kinds[done[0] : release]:
+        problems.append(
+            "deterministic: no fence.proxy.async.global between the reduce-add's "
+            "wait_group 0 and the ticket's release"
+        )
+    return problems
+
+
+def _last(kinds: list[Kind], kind: Kind) -> int | None:
+    found = [n for n, k in enumerate(kinds) if k is kind]
+    return found[-1] if found else None
+
+
+def register_problems(proto: Protocol, m_count: int) -> list[str]:
+    """PTX's rule for wgmma's registers: a wgmma.fence before the warpgroup's first wgmma,
+    and between an ordinary access (read or write) of a register and a wgmma that reads or
+    accumulates into it."""
+    problems = []
+    fenced = False
+    touched: set[Reg] = set()
+    for item, i in unrolled(proto.consumer, m_count):
+        where = f"{item.name or item.kind.value} ({_At(i, 0).when()})"
+        if item.kind is Kind.WGMMA_FENCE:
+            touched.clear()
+            fenced = True
+        elif item.kind is Kind.WGMMA:
+            regs = set(item.reg_reads) | set(item.reg_writes)
+            if not fenced:
+                problems.append(f"{where}: the warpgroup's first wgmma, with no wgmma.fence")
+                fenced = True
+            stale = sorted(r.value for r in regs & touched)
+            if stale:
+                problems.append(
+                    f"{where} uses register(s) {', '.join(stale)} accessed by ordinary code "
+                    "since the warpgroup's last wgmma.fence"
+                )
+        else:
+            touched |= set(item.reg_reads) | set(item.reg_writes)
+    return problems
+
+
+# --- the proof ----------------------------------------------------------------------------
+
+
+def problems_of(proto: Protocol, m_count: int) -> list[str]:
+    """Every problem of the plan for a CTA visiting m_count m-blocks (empty: proven)."""
+    found = structural_problems(proto)
+    if found:
+        return found
+    program = build_program(proto, m_count)
+    return list(check(program)) + register_problems(proto, m_count)
+
+
+def check_protocol(proto: Protocol) -> tuple[str, ...]:
+    """The problems of the smallest failing m-block count, each prefixed with the case;
+    empty when the plan is proven for every count of ``m_counts``."""
+    where = proto.params.describe()
+    found = structural_problems(proto)
+    if found:
+        return tuple(f"{where}: {problem}" for problem in found)
+    for m_count in m_counts(proto.params):
+        found = problems_of(proto, m_count)
+        if found:
+            return tuple(f"{where}, m_count {m_count}: {problem}" for problem in found)
+    return ()
+
+
+def prove(params: Params | Protocol) -> Protocol:
+    """The protocol of ``params`` (or the given one) if it is proven, else AsyncVerifyError."""
+    proto = params if isinstance(params, Protocol) else protocol(params)
+    problems = check_protocol(proto)
+    if problems:
+        raise AsyncVerifyError(problems)
+    return proto

@@ -1,0 +1,148 @@
+"""The backward main kernel's sync pass: every mbarrier, named barrier, fence, wgmma group and
+bulk group of the plan, placed from the hazards of its schedule.
+
+The schedule is the plan's steps with no sync (``schedule``): per role, in program order
+and tagged with their phase (before the m-block loop, each m-block, after it), the TMA and
+bulk loads, wgmmas, st.shared, ld.shared-based compute, the bulk reduce-add and the
+st.global of dK and dV, with the SMEM operands (buffer, ring slot or dS^T buffer, part)
+and registers each reads and writes, which threads run it and which proxy (its kind).
+``place_syncs`` derives the syncs from them, one module per mechanism, each with the
+hazards it orders in its docstring:
+
+- mbarrier: the setup, the loads' full barriers (expect_tx with their bytes) and the ring's
+  empty barriers (ring parity, the producer's flipped);
+- wgmma: wgmma.fence, commit groups, wgmma.wait_group from the commit order;
+- named: the proxy fence and the barrier between st.shared and an async-proxy reader (the
+  dS^T meeting, the staging before the reduce-add);
+- bulk: the reduce-add's bulk groups (the staging's WAR, the exit) and the deterministic
+  ordered add;
+- state: the consumer program being built, which they share.
+
+Every consumer warpgroup runs the same program; the pass builds it once, for warpgroup wg,
+and walks the loop until the state at its head is the same from before the loop and from
+the end of an m-block (the registers ordinary code touched, the bulk group in flight), so
+that hazards across the back edge (a register of the previous m-block, a staging an m-block
+ago) are placed as in m-block 1. Before each step the mechanisms place their syncs in this
+order: the wgmma commit and wait and the slot's release they allow (registers first, so the
+slot goes back to the producer as early as it can), the full barrier's wait, the staging's
+WAR, the proxy fence (the writers', before the barrier that hands the bytes over), the
+wgmma.fence (the warpgroup's own, issued before it blocks at a meeting), the meeting
+barrier, the ordered add's acquire: the header's order.
+
+prove.py proves the result; tests/test_backward_syncs.py checks that it equals the hand
+plan of protocol.py in every configuration, every field but ``why``. ``schedule`` reads
+the steps off that hand plan; were protocol() to return the placed plan, the hand plan
+and ``schedule`` would move beside each other, out of this package's imports (a cycle).
+"""
+
+from __future__ import annotations
+
+from ..protocol import Item, Kind, Params, Phase, Protocol, Role, protocol
+from . import bulk, mbarrier, named, wgmma
+from .state import Consumer, join, loop_entry_equal
+
+__all__ = ["place_syncs", "schedule", "without_syncs"]
+
+
+def without_syncs(plan: Protocol) -> Protocol:
+    """The plan's schedule: its steps with their operands, every sync removed."""
+    roles = {role: tuple(x for x in plan.role(role) if not x.is_sync) for role in Role}
+    return Protocol(
+        plan.params, roles[Role.SETUP], roles[Role.PRODUCER], roles[Role.CONSUMER], plan.layout
+    )
+
+
+def place_syncs(schedule: Protocol, *, economical: bool = False) -> Protocol:
+    """The plan with every sync placed. ``economical``: leave out the syncs whose hazard
+    another mechanism's sync already orders, which the header keeps (a wgmma group ended
+    at every sync, the staging's wait_group.read in deterministic mode)."""
+    assert not any(x.is_sync for role in Role for x in schedule.role(role)), "syncs given"
+    assert not schedule.setup, "the setup holds syncs only"
+    return Protocol(
+        schedule.params,
+        mbarrier.setup(schedule),
+        mbarrier.producer(schedule),
+        _consumer(schedule, economical),
+        schedule.layout,
+    )
+
+
+def _consumer(schedule: Protocol, economical: bool) -> tuple[Item, ...]:
+    steps = {phase: [x for x in schedule.consumer if x.phase is phase] for phase in Phase}
+    assert steps[Phase.BEFORE], "the consumer's prologue names its function"
+    c = Consumer(schedule.params, steps[Phase.BEFORE][0].source, economical)
+    for k in range(len(steps[Phase.BEFORE])):
+        _place_step(c, schedule, steps[Phase.BEFORE], k, Phase.BEFORE)
+    wgmma.commit(c, Phase.BEFORE, "the prologue's end")
+    mbarrier.wait_loaded_before_loop(c, schedule)
+
+    before_loop = entry = c.snapshot()
+    for _ in range(4):  # the state at the loop's head: a join of two entries, at a fixpoint
+        body = _m_block(entry, schedule, steps[Phase.LOOP])
+        joined = join(before_loop, body)
+        if loop_entry_equal(joined, entry):
+            break
+        entry = joined
+    else:
+        raise AssertionError("the loop's entry state does not settle")
+
+    c = body
+    bulk.wait_at_exit(c)
+    for k in range(len(steps[Phase.AFTER])):
+        _place_step(c, schedule, steps[Phase.AFTER], k, Phase.AFTER)
+    wgmma.commit(c, Phase.AFTER, "the program's end")
+    wgmma.drain(c, Phase.AFTER)
+    return tuple(c.out)
+
+
+def _m_block(entry: Consumer, schedule: Protocol, steps: list[Item]) -> Consumer:
+    c = entry.snapshot()
+    mbarrier.start_m_block(c, schedule, steps)
+    for k in range(len(steps)):
+        _place_step(c, schedule, steps, k, Phase.LOOP)
+    wgmma.commit(c, Phase.LOOP, "the m-block's end")
+    mbarrier.release_at_end(c, schedule, steps, Phase.LOOP)
+    wgmma.drain(c, Phase.LOOP)
+    return c
+
+
+def _place_step(c: Consumer, schedule: Protocol, steps: list[Item], k: int, phase: Phase):
+    step = steps[k]
+    if step.kind is Kind.WGMMA:
+        # whether the open group ends here depends on the syncs the wgmma needs first; the
+        # commit then goes ahead of them (no mechanism before a wgmma counts groups)
+        mark = len(c.out)
+        _syncs_before(c, schedule, steps, k, phase)
+        reason = wgmma.must_close(c, steps, k, synced_before=len(c.out) > mark)
+        if reason:
+            wgmma.commit(c, phase, reason, at=mark)
+        wgmma.issue(c, k, step)
+        return
+    wgmma.commit(c, phase, f"the warpgroup turns to {step.name}")
+    wgmma.wait_before(c, step, phase)
+    mbarrier.release_if_done(c, schedule, steps, phase)
+    _syncs_before(c, schedule, steps, k, phase)
+    c.place(step)
+    wgmma.track(c, step)
+    named.record_writes(c, step)
+    bulk.after_add(c, step, phase)
+    if phase is Phase.LOOP:
+        mbarrier.read_done(c, k)
+        mbarrier.release_if_done(c, schedule, steps, phase)
+
+
+def _syncs_before(c: Consumer, schedule: Protocol, steps: list[Item], k: int, phase: Phase):
+    step = steps[k]
+    if phase is Phase.LOOP:
+        mbarrier.wait_full(c, schedule, step, phase)
+    bulk.before_write(c, step, phase)
+    fenced = named.fence_writes(c, step, phase)
+    if step.kind is Kind.WGMMA:
+        wgmma.fence(c, steps, k, phase)
+    named.meet(c, step, phase, fenced)
+    bulk.before_add(c, step, phase)
+
+
+def schedule(params: Params) -> Protocol:
+    """The hand-written plan's schedule (protocol.py): the input of ``place_syncs``."""
+    return without_syncs(protocol(params))

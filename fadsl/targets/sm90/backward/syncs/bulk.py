@@ -1,0 +1,103 @@
+"""The backward's bulk async groups: the reduce-add of dQ's staging into global memory, and
+the deterministic mode's ordered add.
+
+- the reduce-add reads the staging through the async proxy until its issuer (the
+  warpgroup's leader) retires its bulk group: cp.async.bulk.commit_group after it, so that
+  a wait can name it; before the staging is written again (the next m-block's st.shared,
+  WAR), the leader's cp.async.bulk.wait_group.read N (N: groups committed after the newest
+  that reads those bytes), then a bar.sync of the warpgroup, as the writers are its other
+  threads too;
+- before the CTA exits, cp.async.bulk.wait_group 0: the last reduce-add's read done before
+  the CTA's SMEM goes away;
+- ``deterministic on``: the reduce-adds into one m-block's accumulator (WAW in global
+  memory, across warpgroups and CTAs) go in ticket order: the leader acquires its ticket
+  (ld.acquire.gpu spin) and fences the async proxy before the add; after it, commits, waits
+  for the adds to be performed (wait_group 0, not only .read), fences the async proxy
+  again and releases the next ticket (st.release.gpu). prove.py's docstring has the
+  argument across CTAs.
+
+The ordered add's wait_group 0 retires the staging's read too, and the next m-block's dS^T
+meeting (a barrier of the whole warpgroup) orders it before the staging writes: the
+staging's own wait_group.read, the barrier after it and the exit's wait_group 0 are then
+redundant (tests/test_verify_backward.py UNNEEDED). The header keeps one staging path for
+both modes, and so does this pass unless ``economical``, which counts the ordered add's
+wait as retiring the read.
+"""
+
+from __future__ import annotations
+
+from ..protocol import WARPGROUP_THREADS, Item, Kind, Named, Phase, Who
+from .state import Consumer, names, same_bytes, sync
+
+BULK_READS = frozenset({Kind.BULK_REDUCE_ADD})  # bulk async copies out of SMEM
+
+
+def before_write(c: Consumer, step: Item, phase: Phase) -> None:
+    """Before a generic write of bytes an in-flight bulk group reads: the issuer's
+    wait_group.read, then the warpgroup's barrier."""
+    if step.kind in BULK_READS or not step.writes:
+        return
+    hit = [
+        n
+        for n, group in enumerate(c.bulk_in_flight)
+        if any(same_bytes(w, r) for w in step.writes for x in group for r in x.reads)
+    ]
+    if hit:
+        newest = hit[-1]
+        retired = c.bulk_in_flight[: newest + 1]
+        c.bulk_in_flight = c.bulk_in_flight[newest + 1 :]
+        readers = [x for group in retired for x in group]
+        why = f"WAR: {names(readers)} (an m-block ago) read the bytes {step.name} writes"
+        pending = len(c.bulk_in_flight)
+        c.place(
+            sync(Kind.BULK_WAIT_READ, readers[-1].who, step.source, phase, why, pending=pending)
+        )
+        c.bulk_retired_unmet += readers
+    waited = [
+        x
+        for x in c.bulk_retired_unmet
+        if any(same_bytes(w, r) for w in step.writes for r in x.reads)
+    ]
+    if waited and any(x.who is not step.who for x in waited):
+        why = f"WAR: the leader's wait for {names(waited)} before every thread's {step.name}"
+        own = dict(named=Named.DQ, threads=WARPGROUP_THREADS)
+        c.place(sync(Kind.NAMED_BAR_SYNC, Who.WARPGROUP, step.source, phase, why, **own))
+
+
+def before_add(c: Consumer, step: Item, phase: Phase) -> None:
+    """The ordered add's acquire of its ticket, fenced before the async proxy's adds."""
+    if step.kind not in BULK_READS or not c.params.deterministic:
+        return
+    why = "WAW on dQ's accumulator: the lower tickets' reduce-adds before this one"
+    c.place(sync(Kind.SEM_ACQUIRE, step.who, step.source, phase, why))
+    why = "the acquire (generic) before the adds (async proxy)"
+    c.place(sync(Kind.FENCE_PROXY_ASYNC_GLOBAL, step.who, step.source, phase, why))
+
+
+def after_add(c: Consumer, step: Item, phase: Phase) -> None:
+    """The reduce-add's commit; with deterministic on, the ordered add's release."""
+    if step.kind not in BULK_READS:
+        return
+    why = f"closes {step.name}'s bulk group: the staging's later wait names it"
+    c.place(sync(Kind.BULK_COMMIT, step.who, step.source, phase, why))
+    c.bulk_in_flight.append((step,))
+    if not c.params.deterministic:
+        return
+    why = "the adds performed (not only their SMEM read) before the next ticket's release"
+    c.place(sync(Kind.BULK_WAIT, step.who, step.source, phase, why, pending=0))
+    if c.economical:  # the wait retires the staging's read too (module docstring)
+        c.bulk_retired_unmet += [x for group in c.bulk_in_flight for x in group]
+        c.bulk_in_flight = []
+    why = "the adds (async proxy) before the release (generic)"
+    c.place(sync(Kind.FENCE_PROXY_ASYNC_GLOBAL, step.who, step.source, phase, why))
+    why = "WAW on dQ's accumulator: the next ticket may add"
+    c.place(sync(Kind.SEM_RELEASE, step.who, step.source, phase, why))
+
+
+def wait_at_exit(c: Consumer) -> None:
+    """After the loop: no bulk group still reads SMEM when the CTA exits."""
+    if c.bulk_in_flight:
+        readers = [x for group in c.bulk_in_flight for x in group]
+        why = f"the last {names(readers)} read the staging before the CTA exits"
+        c.place(sync(Kind.BULK_WAIT, readers[-1].who, c.home, Phase.AFTER, why, pending=0))
+        c.bulk_in_flight = []

@@ -1,0 +1,198 @@
+"""The backward's mbarriers: the producer's loads, their full barriers and the ring's empty
+ones.
+
+- a load by the producer read by the consumers (RAW across roles): the loads that name one
+  barrier complete on it, so the producer arms it once (arrive.expect_tx with the bytes of
+  all of them) before the first; the consumers wait on it before their first read of any
+  of them. K and V, loaded once before the loop, are waited for once before the loop with
+  parity 0 and the loads' guard (a CTA with no m-block loads nothing: an unguarded wait
+  would hang); a ring slot's (Q, dO, LSE, D) each m-block, parity (i / stages) & 1;
+- a ring slot refilled a round later (WAR across roles and the back edge): once the
+  m-block's last read of the slot is done (an ordinary read once issued, a wgmma's once a
+  wait retired its group; at the latest at the m-block's end, where the consumers wait for
+  those groups), every consumer thread arrives on the slot's empty barrier: the slot is
+  also read by ordinary code of every thread (LSE, D), each of which orders its own reads
+  before its own arrival. The producer waits on it with the flipped parity before arming
+  the slot, which a fresh barrier passes in the first round;
+- the setup: thread 0 initialises each barrier (a ring's per slot: full with one arrival,
+  the producer's expect_tx; empty with one per consumer thread), then fence.mbarrier_init
+  (the inits visible to the async proxy's complete_tx), then __syncthreads before any use.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..protocol import (
+    WARPGROUP_THREADS,
+    Index,
+    Item,
+    Kind,
+    Mbar,
+    Operand,
+    Parity,
+    Part,
+    Phase,
+    Protocol,
+    Source,
+    Who,
+)
+from . import wgmma
+from .state import LOADS, Consumer, names, sync, words
+
+# a ring's full barrier -> its empty barrier (the consumers' release of the slot)
+EMPTY_OF = {Mbar.Q_FULL: Mbar.Q_EMPTY}
+
+
+@dataclass(frozen=True)
+class Transaction:
+    """The loads that complete on one full barrier, in one phase of the producer."""
+
+    full: Mbar
+    slot: Index  # Index.RING: a barrier per ring slot, refilled each m-block
+    phase: Phase
+    loads: tuple[Item, ...]
+
+    @property
+    def ring(self) -> bool:
+        return self.slot is Index.RING
+
+    def buffers(self) -> str:
+        return words(op.buffer.value for x in self.loads for op in x.writes)
+
+    def loaded(self, read: Operand) -> bool:
+        return any(op.buffer is read.buffer for x in self.loads for op in x.writes)
+
+
+def transactions(schedule: Protocol) -> list[Transaction]:
+    """The producer's transactions in program order."""
+    found: dict[Mbar, Transaction] = {}
+    for x in schedule.producer:
+        if x.kind in LOADS:
+            assert x.mbar is not None, f"{x.name}: a load completes on an mbarrier"
+            old = found.get(x.mbar)
+            loads = (old.loads if old else ()) + (x,)
+            found[x.mbar] = Transaction(x.mbar, x.slot, x.phase, loads)
+    return list(found.values())
+
+
+def load_bytes(schedule: Protocol, operand: Operand) -> int:
+    """The bytes one load writes: a slot of the buffer, or one of its 64-column panels."""
+    _, slot_bytes = schedule.buffers().base(operand.buffer)
+    if operand.part is Part.PANEL:
+        return slot_bytes // schedule.params.panels
+    assert operand.part is Part.WHOLE, operand
+    return slot_bytes
+
+
+def setup(schedule: Protocol) -> tuple[Item, ...]:
+    init = dict(who=Who.THREAD0, source=Source.KERNEL, phase=Phase.BEFORE)
+    out = []
+    for t in transactions(schedule):
+        why = f"one arrival: the producer's arrive.expect_tx for {t.buffers()}"
+        out.append(Item(Kind.MBAR_INIT, mbar=t.full, slot=t.slot, count=1, why=why, **init))
+        if t.ring:
+            count = WARPGROUP_THREADS * schedule.params.consumers
+            why = f"every consumer thread releases the slot's {t.buffers()} once per m-block"
+            empty = EMPTY_OF[t.full]
+            out.append(Item(Kind.MBAR_INIT, mbar=empty, slot=t.slot, count=count, why=why, **init))
+    if out:
+        why = "the inits visible to the async proxy (TMA's complete_tx)"
+        out.append(Item(Kind.FENCE_MBAR_INIT, why=why, **init))
+        why = "thread 0's inits before any other thread's arrive or wait"
+        out.append(sync(Kind.SYNCTHREADS, Who.CTA, Source.KERNEL, Phase.BEFORE, why))
+    return tuple(out)
+
+
+def producer(schedule: Protocol) -> tuple[Item, ...]:
+    """The producer's program: before a transaction's first load, wait for the slot's
+    previous round to be read (a ring), then arm the full barrier with all its bytes."""
+    out = []
+    armed = set()
+    by_barrier = {t.full: t for t in transactions(schedule)}
+    for x in schedule.producer:
+        t = by_barrier.get(x.mbar) if x.kind in LOADS else None
+        if t is not None and t.full not in armed:
+            armed.add(t.full)
+            arm = dict(who=x.who, source=x.source, phase=x.phase, guard=x.guard, slot=t.slot)
+            if t.ring:
+                why = (
+                    f"WAR: every consumer's reads of the slot's {t.buffers()} (a round "
+                    "ago) done before they are reloaded"
+                )
+                empty, flip = EMPTY_OF[t.full], Parity.RING_FLIP
+                out.append(Item(Kind.MBAR_WAIT, mbar=empty, parity=flip, why=why, **arm))
+            tx = sum(load_bytes(schedule, op) for load in t.loads for op in load.writes)
+            why = f"{t.buffers()}'s bytes complete {t.full.value}"
+            out.append(Item(Kind.MBAR_ARRIVE_EXPECT_TX, mbar=t.full, tx=tx, why=why, **arm))
+        out.append(x)
+    return tuple(out)
+
+
+def wait_loaded_before_loop(c: Consumer, schedule: Protocol) -> None:
+    """At the end of the consumers' prologue: wait once for what was loaded once."""
+    for t in transactions(schedule):
+        read = any(
+            t.loaded(op) for x in schedule.consumer if x.phase is Phase.LOOP for op in x.reads
+        )
+        if t.phase is Phase.BEFORE and read:
+            (guard,) = {x.guard for x in t.loads}
+            why = f"RAW: {t.buffers()} landed (loaded once: phase 0)"
+            once = dict(guard=guard, mbar=t.full, parity=Parity.ZERO)
+            c.place(sync(Kind.MBAR_WAIT, Who.WARPGROUP, c.home, Phase.BEFORE, why, **once))
+
+
+def _slot_readers(schedule: Protocol, steps: list[Item]) -> dict[Mbar, tuple[str, set[int]]]:
+    """Per ring's empty barrier: its slot's buffers and the m-block's steps that read them."""
+    found = {}
+    for t in transactions(schedule):
+        if t.ring:
+            readers = {k for k, x in enumerate(steps) if any(map(t.loaded, x.reads))}
+            found[EMPTY_OF[t.full]] = (t.buffers(), readers)
+    return found
+
+
+def start_m_block(c: Consumer, schedule: Protocol, steps: list[Item]) -> None:
+    """The m-block's readers of each ring slot, none released nor waited for yet."""
+    c.waited, c.released = set(), set()
+    c.ring_readers = {e: set(r) for e, (_, r) in _slot_readers(schedule, steps).items()}
+
+
+def wait_full(c: Consumer, schedule: Protocol, step: Item, phase: Phase) -> None:
+    """Before the m-block's first read of a slot's loads: wait for them to land."""
+    for t in transactions(schedule):
+        if not t.ring or t.full in c.waited or not any(map(t.loaded, step.reads)):
+            continue
+        c.waited.add(t.full)
+        why = f"RAW: the slot's {t.buffers()} landed before {step.name} reads them"
+        ring = dict(mbar=t.full, slot=Index.RING, parity=Parity.RING)
+        c.place(sync(Kind.MBAR_WAIT, Who.WARPGROUP, c.home, phase, why, **ring))
+
+
+def read_done(c: Consumer, k: int) -> None:
+    """Ordinary step k's reads are done once it is placed."""
+    for readers in c.ring_readers.values():
+        readers.discard(k)
+
+
+def release_if_done(c: Consumer, schedule: Protocol, steps: list[Item], phase: Phase) -> None:
+    """Arrive on a slot's empty barrier as soon as the m-block's reads of it are done."""
+    for empty, (buffers, readers) in _slot_readers(schedule, steps).items():
+        if c.ring_readers.get(empty) or empty in c.released or phase is not Phase.LOOP:
+            continue
+        c.released.add(empty)
+        retired = names(steps[k] for k in sorted(readers) if steps[k].kind is Kind.WGMMA)
+        why = f"WAR: the slot's {buffers} are free (read; {retired or 'no wgmma'} retired)"
+        ring = dict(mbar=empty, slot=Index.RING)
+        c.place(sync(Kind.MBAR_ARRIVE, Who.WARPGROUP, c.home, phase, why, **ring))
+
+
+def release_at_end(c: Consumer, schedule: Protocol, steps: list[Item], phase: Phase) -> None:
+    """At the m-block's end: retire the groups that still read a slot, then release it (an
+    arrival per thread and m-block: it cannot wait for the next m-block)."""
+    for empty, readers in c.ring_readers.items():
+        if readers and empty not in c.released:
+            slot_reads = names(steps[k] for k in sorted(readers))
+            why = f"WAR: {slot_reads} retired before the m-block releases the slot they read"
+            wgmma.wait_for(c, set(readers), phase, why)
+    release_if_done(c, schedule, steps, phase)

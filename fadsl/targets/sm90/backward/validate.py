@@ -1,0 +1,322 @@
+"""sm_90a's checks of a spec's backward block (``Target.validate_backward``), with located
+errors that say what is allowed, and the block's defaults.
+
+What the first backward kernel supports (docs/backward.md, FlashAttention-3's backward):
+- the kernel's head_dim 64 or 128, dtypes bf16/fp16, mask none or causal, no softcap;
+- B_r = 64 (queries per m-block), B_c = 64 x consumers (keys per CTA: each consumer
+  warpgroup owns 64 of them, wgmma's M for S^T and dP^T), one producer and 2 consumer
+  warpgroups, Q and dO rings of 2 or 3 stages;
+- setmaxnreg: the producer 24 to 56, the consumers at most 240, multiples of 8, their total
+  within the CTA's launch allocation (as the forward's: setmaxnreg only moves registers
+  within it);
+- each tensor's one path (``PATHS``): which hops, instructions and sharing scope;
+- the SMEM plan (``plan.smem_plan``) within sm_90a's 227 KB per CTA.
+Every key has a default, so `backward {}` alone is a valid block.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ....frontend.checks import BackwardBlock, Checks, and_list
+from ....ir import (
+    Backward,
+    BackwardTensor,
+    Dtype,
+    GradRole,
+    Hop,
+    Instr,
+    Level,
+    Mask,
+    Role,
+    Scope,
+)
+from ....frontend.syntax import PathDecl
+from ..caps import (
+    CAPABILITIES,
+    REGISTER_UNIT,
+    ROWS_PER_CONSUMER,
+    WARPGROUP_THREADS,
+    launch_registers,
+    register_pool,
+    registers_asked,
+)
+from .plan import smem_plan
+
+HEAD_DIMS = (64, 128)
+DTYPES = (Dtype.BF16, Dtype.FP16)  # every dtype today; a new one needs its backward first
+MASKS = (Mask.NONE, Mask.CAUSAL)
+BLOCK_M = 64  # queries per m-block: wgmma's M of the dQ GEMM
+CONSUMERS = 2
+STAGES = (2, 3)
+PRODUCER_REGS = (24, 56)  # the producer only issues loads
+CONSUMER_REGS = (24, 240)
+SMEM_LIMIT = CAPABILITIES.smem_per_cta
+
+# The block's defaults: FlashAttention-3's backward at head_dim 128.
+DEFAULT_TILE = {"B_r": BLOCK_M, "B_c": ROWS_PER_CONSUMER * CONSUMERS}
+DEFAULT_WARPGROUPS = {"producer": 1, "consumers": CONSUMERS}
+DEFAULT_REGISTERS = {"producer": 24, "consumers": 240}
+DEFAULT_STAGES = 2
+
+GMEM, SMEM, RF = Level.GMEM, Level.SMEM, Level.RF
+
+
+@dataclass(frozen=True)
+class Route:
+    """The one path the backward kernel gives a tensor, and why (for the messages)."""
+
+    levels: tuple[Level, ...]
+    instrs: tuple[Instr, ...]
+    scope: Scope | None  # the smem level's; None: the path skips SMEM
+    why: str
+
+    def text(self) -> str:
+        parts = [self.levels[0].value]
+        for instr, level in zip(self.instrs, self.levels[1:]):
+            shown = f"smem[{self.scope.value}]" if level is SMEM and self.scope else level.value
+            parts.append(f"-{instr.value}-> {shown}")
+        return " ".join(parts)
+
+
+_WGMMA_INPUT = (GMEM, SMEM, RF), (Instr.TMA, Instr.WGMMA), Scope.CTA
+_ROW_STATISTIC = (GMEM, SMEM, RF), (Instr.BULK, Instr.LD_SHARED), Scope.CTA
+_WRITTEN_ONCE = (RF, GMEM), (Instr.ST_GLOBAL,), None
+PATHS: dict[Role | GradRole, Route] = {
+    Role.Q: Route(*_WGMMA_INPUT, "every consumer warpgroup reads each m-block's Q whole"),
+    Role.K: Route(*_WGMMA_INPUT, "loaded once per n-block; dQ = dS K reads all of it"),
+    Role.V: Route(*_WGMMA_INPUT, "loaded once per n-block, read by dP^T = V dO^T"),
+    GradRole.DO: Route(*_WGMMA_INPUT, "streamed per m-block with Q; read whole by each consumer"),
+    GradRole.LSE: Route(
+        *_ROW_STATISTIC, "an m-block's 64 fp32 values: a plain bulk copy, no tensor map"
+    ),
+    GradRole.D: Route(
+        *_ROW_STATISTIC, "an m-block's 64 fp32 values: a plain bulk copy, no tensor map"
+    ),
+    GradRole.DS: Route(
+        (RF, SMEM, RF),
+        (Instr.ST_SHARED, Instr.WGMMA),
+        Scope.CTA,
+        "dK += dS^T Q and dQ = dS K read every consumer's part of it from SMEM",
+    ),
+    GradRole.DQ: Route(
+        (RF, SMEM, GMEM),
+        (Instr.ST_SHARED, Instr.REDUCE_ADD),
+        Scope.WARPGROUP,
+        "each consumer warpgroup stages its share in fp32 for a bulk reduce-add into the "
+        "fp32 accumulator",
+    ),
+    GradRole.DK: Route(
+        *_WRITTEN_ONCE, "each consumer warpgroup stores its rows once, after the last m-block"
+    ),
+    GradRole.DV: Route(
+        *_WRITTEN_ONCE, "each consumer warpgroup stores its rows once, after the last m-block"
+    ),
+}
+
+
+def validate_backward(c: Checks, block: BackwardBlock) -> Backward | None:
+    """The block checked against the kernel it belongs to, every default filled in; None
+    when something was reported."""
+    ok = _kernel_settings(c)
+    ok = _shape(block) and ok
+    regs_ok = _registers(block)
+    ok = regs_ok and ok
+    for role, (tensor, decl) in block.paths.items():
+        ok = _path(block.checks, role, tensor, decl) and ok
+    tile = block.values.get("tile", DEFAULT_TILE)
+    groups = block.values.get("warpgroups", DEFAULT_WARPGROUPS)
+    regs = block.values.get("registers", DEFAULT_REGISTERS)
+    backward = Backward(
+        block_m=tile["B_r"],
+        block_n=tile["B_c"],
+        consumers=groups["consumers"],
+        producer_regs=regs["producer"],
+        consumer_regs=regs["consumers"],
+        stages=block.values.get("stages", DEFAULT_STAGES),
+        deterministic=block.values.get("deterministic", False),
+        overlap=block.values.get("overlap", False),
+        loc=block.loc,
+        tensors=tuple(_tensor(block, role) for role in PATHS),
+        key_locs=tuple(sorted(block.key_locs.items())),
+    )
+    head_dim = c.values.get("head_dim")
+    if ok and head_dim in HEAD_DIMS:
+        ok = _smem(block, backward, head_dim)
+    return backward if ok else None
+
+
+def _kernel_settings(c: Checks) -> bool:
+    """The kernel's own settings that its backward depends on."""
+    ok = True
+    head_dim = c.values.get("head_dim")
+    if head_dim is not None and head_dim not in HEAD_DIMS:
+        c.error(
+            c.key_locs["head_dim"],
+            f"the backward block needs head_dim 64 or 128 (what its kernel is built for), "
+            f"not {head_dim}; without the block the kernel is forward-only",
+        )
+        ok = False
+    for dtype in c.values.get("dtype", ()):
+        if dtype not in DTYPES:
+            c.error(
+                c.key_locs["dtype"],
+                f"the backward block needs dtypes {and_list([d.value for d in DTYPES])}, "
+                f"not {dtype.value}",
+            )
+            ok = False
+    mask = c.values.get("mask", Mask.NONE)
+    if mask not in MASKS:
+        c.error(
+            c.key_locs["mask"],
+            f"the backward block needs mask {' or '.join(m.value for m in MASKS)}, "
+            f"not {mask.value}",
+        )
+        ok = False
+    if c.values.get("softcap"):
+        c.error(
+            c.key_locs["softcap"],
+            "softcap's backward is not built yet: a kernel with a backward block takes no "
+            "'softcap' line",
+        )
+        ok = False
+    return ok
+
+
+def _shape(block: BackwardBlock) -> bool:
+    """Tiles, warpgroups and stages as the first backward kernel has them."""
+    c, v, where = block.checks, block.values, block.key_locs
+    ok = True
+    groups = v.get("warpgroups", DEFAULT_WARPGROUPS)
+    if groups["producer"] != 1:
+        c.error(
+            where["warpgroups.producer"],
+            f"producer = {groups['producer']}: one producer warpgroup issues every load of "
+            "the backward (producer = 1)",
+        )
+        ok = False
+    consumers = groups["consumers"]
+    if consumers != CONSUMERS:
+        c.error(
+            where["warpgroups.consumers"],
+            f"consumers = {consumers}: the backward kernel has {CONSUMERS} consumer "
+            f"warpgroups (consumers = {CONSUMERS})",
+        )
+        ok = False
+    tile = v.get("tile", DEFAULT_TILE)
+    if tile["B_r"] != BLOCK_M:
+        c.error(
+            where["B_r"],
+            f"B_r = {tile['B_r']}: the backward steps through the queries {BLOCK_M} at a time, "
+            f"one wgmma M (B_r = {BLOCK_M})",
+        )
+        ok = False
+    keys = ROWS_PER_CONSUMER * consumers
+    if consumers == CONSUMERS and tile["B_c"] != keys:
+        c.error(
+            where["B_c"],
+            f"B_c = {tile['B_c']}: the backward's B_c is 64 x consumers = {keys}, each "
+            "consumer warpgroup owning 64 keys (wgmma's M for S^T and dP^T)",
+        )
+        ok = False
+    stages = v.get("stages", DEFAULT_STAGES)
+    if stages not in STAGES:
+        c.error(
+            where["stages_value"],
+            f"stages {stages}: the backward's Q and dO rings take "
+            f"{' or '.join(map(str, STAGES))} slots",
+        )
+        ok = False
+    return ok
+
+
+def _registers(block: BackwardBlock) -> bool:
+    c, where = block.checks, block.key_locs
+    regs = block.values.get("registers", DEFAULT_REGISTERS)
+    ok = True
+    for role, who, (lo, hi) in (
+        ("producer", "producer takes", PRODUCER_REGS),
+        ("consumers", "consumers take", CONSUMER_REGS),
+    ):
+        n = regs[role]
+        if n % REGISTER_UNIT or not lo <= n <= hi:
+            c.error(
+                where[f"registers.{role}"],
+                f"the backward's {who} setmaxnreg {lo} to {hi}, a multiple of "
+                f"{REGISTER_UNIT}, not {n}",
+            )
+            ok = False
+    consumers = block.values.get("warpgroups", DEFAULT_WARPGROUPS)["consumers"]
+    if not ok or consumers != CONSUMERS:
+        return ok
+    total = registers_asked(regs["producer"], consumers, regs["consumers"])
+    threads = WARPGROUP_THREADS * (1 + consumers)
+    pool = register_pool(threads)
+    if total <= pool:
+        return True
+    room = (pool - registers_asked(regs["producer"], 0, 0)) // (WARPGROUP_THREADS * consumers)
+    room = min(room - room % REGISTER_UNIT, CONSUMER_REGS[1])
+    c.error(
+        where.get("registers.consumers", block.loc),
+        f"128 x {regs['producer']} + 128 x {consumers} x {regs['consumers']} = {total} "
+        f"registers, over the CTA's pool of {pool} ({threads} threads launch with "
+        f"{launch_registers(threads)} each; setmaxnreg only moves registers within it, and "
+        f"setmaxnreg.inc would wait forever); with producer = {regs['producer']}, "
+        f"consumers = {room} fits",
+    )
+    return False
+
+
+def _path(c: Checks, role: Role | GradRole, tensor: BackwardTensor, decl: PathDecl) -> bool:
+    route = PATHS[role]
+    levels = (tensor.hops[0].src, *(hop.dst for hop in tensor.hops))
+    if levels != route.levels:
+        c.error(
+            decl.tensor.loc,
+            f"{role.value} must go {route.text()} in the backward ({route.why})",
+        )
+        return False
+    ok = True
+    if tensor.smem_scope is not route.scope:
+        scope = next(ref.scope for ref in decl.levels if ref.scope is not None)
+        c.error(
+            scope.loc,
+            f"{role.value} lives in smem[{route.scope.value}] in the backward: {route.why}",
+        )
+        ok = False
+    for hop, instr in zip(tensor.hops, route.instrs):
+        if hop.instr is not instr:
+            c.error(
+                hop.loc,
+                f"'{hop.instr.value}' does not move {role.value} {hop.src.value} -> "
+                f"{hop.dst.value} in the backward; '{instr.value}' does "
+                f"({role.value}: {route.text()})",
+            )
+            ok = False
+    return ok
+
+
+def _tensor(block: BackwardBlock, role: Role | GradRole) -> BackwardTensor:
+    """The path the spec wrote for ``role``, else its default, located at the block."""
+    if role in block.paths:
+        return block.paths[role][0]
+    route = PATHS[role]
+    hops = tuple(
+        Hop(src, dst, instr, block.loc)
+        for (src, dst), instr in zip(zip(route.levels, route.levels[1:]), route.instrs)
+    )
+    return BackwardTensor(role, hops, route.scope, block.loc)
+
+
+def _smem(block: BackwardBlock, backward: Backward, head_dim: int) -> bool:
+    plan = smem_plan(backward, head_dim)
+    if plan.total <= SMEM_LIMIT:
+        return True
+    where = block.key_locs
+    listed = ", ".join(f"{b.name} {b.nbytes}" for b in plan.buffers)
+    block.checks.error(
+        where.get("stages_value", where.get("B_c", block.loc)),
+        f"the backward's SMEM plan needs {plan.total} bytes at head_dim {head_dim} ({listed}), "
+        f"over sm_90a's {SMEM_LIMIT}; use fewer stages",
+    )
+    return False

@@ -1,0 +1,153 @@
+"""`fadsl bench --backward`: the backward pass timed against PyTorch's FlashAttention and cuDNN
+backends and FlashAttention-4's backward, where installed.
+
+Each contender's backward alone is timed: its forward runs once on the same q, k, v (and
+keeps its graph), then ``torch.autograd.grad`` of the output with the same dO is timed,
+warm-up first, median over the runs, the contenders in balanced orders (bench.py's Williams
+design, for the power cap's sake). fadsl's is timed the same way, through autograd. TF/s
+follows FlashAttention's convention: 2.5 x the forward's FLOPs / backward time. Before
+any timing, fadsl's dQ, dK and dV are checked against the cuDNN (else FLASH) backend's on
+the same inputs: a wrong kernel is never timed.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+from typing import Callable
+
+from ..runtime.attention import FlashAttention
+from .bench import DEFAULT_SEQLENS, DEFAULT_HEADS, _backends, _time, balanced_orders, flops
+
+BACKWARD_FLOPS = 2.5  # times the forward's (FlashAttention's convention)
+# fadsl's gradients against a backend's, as a share of the largest gradient entry: bf16's
+# 8 bits of mantissa leave about 2^-8 between two correct backwards
+AGREEMENT = 0.03
+
+
+def _fa4_backward() -> Callable | None:
+    try:
+        from flash_attn.cute import flash_attn_func
+    except Exception:
+        return None
+    return flash_attn_func
+
+
+def run(
+    kern: FlashAttention,
+    seqlens: tuple[int, ...] = DEFAULT_SEQLENS,
+    causal: bool = False,
+    tokens: int = 16384,
+    heads: int = DEFAULT_HEADS,
+    warmup: int = 8,
+    runs: int = 32,
+    log: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True),
+    dtype_name: str | None = None,
+) -> dict:
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import sdpa_kernel
+
+    if not kern.has_backward:
+        raise ValueError(f"{kern.config.name} has no backward block: nothing to time")
+    name = dtype_name or kern.config.dtypes[0].value
+    if name not in {d.value for d in kern.config.dtypes}:
+        raise ValueError(f"{kern.config.name} is not built for {name}")
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[name]
+    d = kern.config.head_dim
+    backends = _backends()
+    fa4 = _fa4_backward()
+    rows = []
+    for seqlen in seqlens:
+        batch = max(1, tokens // seqlen)
+        shape = (batch, seqlen, heads, d)
+        q, k, v, dout = (torch.randn(shape, device="cuda", dtype=dtype) for _ in range(4))
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        contenders: dict[str, Callable[[int], object]] = {}
+
+        out = kern(*leaves)
+        contenders["fadsl"] = _grad_of(out, leaves, dout)
+        ours = torch.autograd.grad(out, leaves, dout, retain_graph=True)
+        checked = False
+        for name, backend in backends.items():
+            qt, kt, vt = (t.detach().transpose(1, 2).requires_grad_() for t in leaves)
+            try:
+                with sdpa_kernel([backend]):
+                    o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+                theirs = torch.autograd.grad(
+                    o, (qt, kt, vt), dout.transpose(1, 2), retain_graph=True
+                )
+            except RuntimeError as err:
+                log(f"  {name}: not timed ({str(err).splitlines()[0][:80]})")
+                continue
+            if not checked:
+                _check(ours, [t.transpose(1, 2) for t in theirs], name, seqlen)
+                checked = True
+            contenders[name] = _grad_of(o, (qt, kt, vt), dout.transpose(1, 2))
+        if fa4 is not None:
+            q4, k4, v4 = (t.detach().requires_grad_() for t in leaves)
+            try:
+                o4 = fa4(q4, k4, v4, causal=causal)
+                o4 = o4[0] if isinstance(o4, tuple) else o4
+                contenders["fa4"] = _grad_of(o4, (q4, k4, v4), dout)
+            except Exception as err:  # FA4 not built for this shape: not timed
+                log(f"  fa4: not timed ({str(err).splitlines()[0][:80]})")
+        names = list(contenders)
+        times: dict[str, list[float]] = {n: [] for n in names}
+        for order in balanced_orders(len(names)):
+            for i in order:
+                ms, _ = _time(contenders[names[i]], 1, warmup, runs)
+                times[names[i]].append(ms)
+        work = BACKWARD_FLOPS * flops(batch, heads, seqlen, seqlen, d, causal)
+        row = {
+            "seqlen": seqlen,
+            "batch": batch,
+            "heads": heads,
+            "head_dim": d,
+            "ms": {n: statistics.median(t) for n, t in times.items()},
+        }
+        row["tflops"] = {n: work / (ms * 1e-3) / 1e12 for n, ms in row["ms"].items()}
+        rows.append(row)
+        log(
+            f"seqlen {seqlen:6d} batch {batch:3d}: "
+            + "  ".join(f"{n} {row['tflops'][n]:6.1f}" for n in names)
+            + " TF/s (backward)"
+        )
+    return {"kernel": kern.config.name, "causal": causal, "dtype": str(dtype), "rows": rows}
+
+
+def _grad_of(out, inputs, dout) -> Callable[[int], object]:
+    import torch
+
+    def backward(_: int):
+        return torch.autograd.grad(out, inputs, dout, retain_graph=True)
+
+    return backward
+
+
+def _check(ours, theirs, name: str, seqlen: int) -> None:
+    for what, a, b in zip(("dq", "dk", "dv"), ours, theirs):
+        scale = b.float().abs().max().item()
+        err = (a.float() - b.float()).abs().max().item()
+        if not err <= AGREEMENT * scale:
+            raise RuntimeError(
+                f"fadsl's {what} at seqlen {seqlen} differs from {name}'s by {err:.3g} "
+                f"(largest entry {scale:.3g}); not timed"
+            )
+
+
+def table(result: dict) -> str:
+    rows = result["rows"]
+    names = list(rows[0]["tflops"]) if rows else []
+    lines = [
+        f"{result['kernel']} backward ({'causal' if result['causal'] else 'no mask'}), TF/s = 2.5 x forward FLOPs / time",
+        "seqlen  " + "  ".join(f"{n:>8}" for n in names) + "".join(f"  x{n:>7}" for n in names[1:]),
+    ]
+    for row in rows:
+        t = row["tflops"]
+        lines.append(
+            f"{row['seqlen']:6d}  "
+            + "  ".join(f"{t[n]:8.1f}" for n in names)
+            + "".join(f"  {t['fadsl'] / t[n]:8.2f}" for n in names[1:])
+        )
+    return "\n".join(lines)

@@ -1,0 +1,643 @@
+// fadsl/sm90_bwd.cuh -- the sm_90a backward pass (docs/backward.md): three kernels per spec.
+//
+//   preprocess   one warp per query row: D = rowsum(dO * O) (FlashAttention's dPsum), the
+//                forward's LSE in log2 units (+inf for a row that saw no key, so that its
+//                P is exp2(-inf) = 0, not NaN), and the row's share of dQ's fp32
+//                accumulator zeroed.  Rows up to seqlen_q rounded to B_r get D = 0, LSE +inf.
+//   main         one CTA per (n-block of B_c keys, query head, batch): a producer warp
+//                loads K and V once and streams Q, dO, LSE and D through a ring of m-blocks
+//                (B_r queries); each consumer warpgroup owns 64 keys of the n-block and, per
+//                m-block, computes (keys on wgmma's M, so that P^T and dS^T come out in the
+//                layout of the next GEMMs' A operand, registers):
+//                  S^T = K Q^T,  dP^T = V dO^T                      (SS wgmma)
+//                  P^T = exp2(S^T c log2e - LSE log2e),  dS^T = P^T (dP^T - D)
+//                  dV += P^T dO,  dK += dS^T Q                      (RS wgmma)
+//                  dQ = dS K  (dS^T through SMEM; SS wgmma)          -> reduce-added in fp32
+//                dK (times softmax_scale) and dV are stored at the end from registers.
+//   convert_dq   dQ's accumulator (fp32, the consumers' fragment order) times softmax_scale
+//                -> dQ in the input dtype.
+//
+// dQ's split between the consumer warpgroups: by head_dim panels where each warpgroup's
+// share is whole 64-column panels (head_dim 128: warpgroup w computes columns 64w..64w+63
+// over all B_c keys, after a barrier of both warpgroups on dS^T); else by keys (head_dim
+// 64: each warpgroup computes all columns over its own 64 keys, and both reduce-add into
+// the same accumulator; no cross-warpgroup barrier).  The reduce-add is one bulk
+// cp.reduce.async.bulk .add.f32 per warpgroup and m-block, issued by the warpgroup's first
+// thread from a staging buffer (SMEM -> global, atomic per element, in the L2).
+//
+// Numerics: LSE >= every score of its row (it is their log-sum-exp), so S c - LSE <= 0
+// up to rounding and P = 2^(S c log2e - LSE log2e) lies in [0, 1 + a few ulp]: no rescale,
+// no factor that can leave fp32's normal range; 2^x of x below -126 is flushed to 0 (a true
+// value under 2^-126 of a probability).  Keys past seqlen_k read zero rows of K and V but
+// are masked anyway: their P = 2^(-LSE log2e) could be inf for a row of very negative
+// scores.  Queries past seqlen_q have LSE = +inf (P = 0) and D = 0.
+//
+// Every wait, arrive, barrier and fence below says what it orders.
+#pragma once
+
+#include "sm90.cuh"  // FastDiv, the PTX wrappers, wgmma (next to this file)
+
+namespace fadsl::sm90 {
+
+// ---------------------------------------------------------------------------
+// 1. Parameters
+// ---------------------------------------------------------------------------
+
+struct BwdParamsSm90 {
+  CUtensorMap tma_q;   // box 64 x B_r
+  CUtensorMap tma_k;   // box 64 x B_c
+  CUtensorMap tma_v;   // box 64 x B_c
+  CUtensorMap tma_do;  // box 64 x B_r
+  const float* lse_log2;  // (batch, heads_q, seqlen_q_rounded): LSE log2 e, +inf for no key
+  const float* dpsum;     // (batch, heads_q, seqlen_q_rounded): D = rowsum(dO * O)
+  float* dq_accum;        // (batch, heads_q, m_blocks, B_r x head_dim), fragment order
+  void* dk;               // (batch, seqlen_k, heads, head_dim): T, or fp32 (dkv_fp32)
+  void* dv;
+  int* dq_semaphore;  // `deterministic on`: per (batch, head, m-block), the reduce-adds done
+  int64_t dk_batch_stride, dk_row_stride, dk_head_stride;  // elements
+  int64_t dv_batch_stride, dv_row_stride, dv_head_stride;
+  int seqlen_q, seqlen_k, seqlen_q_rounded, m_blocks;
+  int heads_q, group;  // query heads, query heads per K/V head
+  int dkv_fp32;        // GQA: each query head's dK, dV in fp32, summed over the group after
+  float scale_log2;    // softmax_scale log2 e
+  float softmax_scale;
+};
+
+struct BwdPrepParams {
+  const void* o;
+  const void* dout;
+  const float* lse;   // the forward's, natural log
+  const float* dlse;  // the LSE's own gradient (same strides as lse), or null
+  float* lse_log2;
+  float* dpsum;
+  float* dq_accum;
+  int* dq_semaphore;  // zeroed here (null unless `deterministic on`)
+  int64_t o_batch_stride, o_row_stride, o_head_stride;  // elements
+  int64_t do_batch_stride, do_row_stride, do_head_stride;
+  int64_t lse_batch_stride, lse_head_stride;
+  int seqlen_q, seqlen_q_rounded, heads_q;
+};
+
+static_assert(sizeof(BwdParamsSm90) == 768, "BwdParamsSm90's layout is fadsl/targets/sm90/backward/host.py's");
+
+struct BwdConvertParams {
+  const float* dq_accum;
+  void* dq;
+  int64_t dq_batch_stride, dq_row_stride, dq_head_stride;  // elements
+  int seqlen_q, m_blocks, heads_q;
+  float softmax_scale;
+};
+static_assert(sizeof(BwdPrepParams) == 144 && sizeof(BwdConvertParams) == 56,
+              "the host's layouts (fadsl/targets/sm90/backward/host.py)");
+
+// ---------------------------------------------------------------------------
+// 2. Configuration
+// ---------------------------------------------------------------------------
+
+template <class T_, int kHeadDim_, int kBlockM_, int kBlockN_, int kConsumerWGs_, int kStages_, bool kCausal_,
+          bool kDeterministic_ = false, bool kOverlap_ = false>
+struct BwdConfig {
+  using T = T_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = kBlockM_;  // queries per m-block
+  static constexpr int kBlockN = kBlockN_;  // keys per CTA
+  static constexpr int kConsumerWGs = kConsumerWGs_;
+  static constexpr int kStages = kStages_;
+  static constexpr bool kCausal = kCausal_;
+  // dQ's reduce-adds of an m-block in a fixed order (n-block, then warpgroup): bitwise-
+  // identical gradients from run to run (ordered_reduce_add)
+  static constexpr bool kDeterministic = kDeterministic_;
+  // dQ issued before dV and dK and staged while they run (bwd_consumer_overlapped,
+  // sm90_bwd_overlap.cuh)
+  static constexpr bool kOverlap = kOverlap_;
+  static_assert(kHeadDim == 64 || kHeadDim == 128, "head_dim 64 or 128");
+  static_assert(kBlockM == 64, "B_r 64: dS^T's rows are one 128-byte swizzle span");
+  static_assert(kBlockN == 64 * kConsumerWGs, "each consumer warpgroup owns 64 keys");
+  static_assert(kStages >= 1, "at least one ring slot");
+
+  static constexpr int kThreads = 128 * (1 + kConsumerWGs);
+  static constexpr int kConsumerThreads = 128 * kConsumerWGs;
+  static constexpr int kProducerRegs = 24;
+  static constexpr int kConsumerRegs = 240;
+
+  // dQ = dS K by whole head_dim panels per warpgroup, else by keys (see the header).
+  static constexpr bool kDqByKeys = (kHeadDim / kConsumerWGs) % 64 != 0;
+  static constexpr int kDqCols = kDqByKeys ? kHeadDim : kHeadDim / kConsumerWGs;  // wgmma N
+  static constexpr int kDqKeys = kDqByKeys ? 64 : kBlockN;                        // wgmma K
+  static constexpr int kDqFloats = 64 * kDqCols;  // one warpgroup's staged share of an m-block
+
+  static constexpr int kSRegs = kBlockM / 2;     // S^T, dP^T: 64 keys x B_r, fp32
+  static constexpr int kPRegs = kBlockM / 4;     // P^T, dS^T: 16-bit pairs
+  static constexpr int kAccRegs = kHeadDim / 2;  // dK, dV: 64 keys x head_dim, fp32
+  static constexpr int kDqRegs = kDqCols / 2;
+
+  static constexpr int kPanels = kHeadDim / 64;
+  static constexpr int kRowBytes = 128;
+  static constexpr int kQBytes = kBlockM * kHeadDim * 2;  // one ring slot of Q or of dO
+  static constexpr int kKVBytes = kBlockN * kHeadDim * 2;
+  static constexpr int kDSBytes = kBlockN * kBlockM * 2;  // rows = keys, B_r queries each
+  static constexpr int kRowFloatsBytes = kBlockM * 4;     // one slot of LSE or of D
+
+  // SMEM plan (a generated Cfg sets these from fadsl/targets/sm90/backward/plan.py)
+  static constexpr int kOffK = 0;
+  static constexpr int kOffV = kOffK + kKVBytes;
+  static constexpr int kOffQ = kOffV + kKVBytes;
+  static constexpr int kOffDO = kOffQ + kStages * kQBytes;
+  static constexpr int kOffDS = kOffDO + kStages * kQBytes;
+  static constexpr int kOffDQ = kOffDS + 2 * kDSBytes;
+  static constexpr int kOffLSE = kOffDQ + kConsumerWGs * kDqFloats * 4;
+  static constexpr int kOffD = kOffLSE + kStages * kRowFloatsBytes;
+  static constexpr int kOffBar = kOffD + kStages * kRowFloatsBytes;
+  // mbarriers: kv_full, then q_full and q_empty per slot
+  static constexpr int kNumBars = 1 + 2 * kStages;
+  static constexpr int kSmemBytes = kOffBar + 8 * kNumBars + 1024;
+
+  // Named barrier ids (0 is __syncthreads)
+  static constexpr int kBarDS = 1;  // all consumer threads: both halves of dS^T in SMEM
+  static constexpr int kBarDQ = 2;  // + wg: the warpgroup's dQ staging (128 threads)
+};
+
+// ---------------------------------------------------------------------------
+// 3. PTX of the backward beyond sm90_ptx.cuh
+// ---------------------------------------------------------------------------
+
+// `bytes` (a multiple of 16, both addresses 16-byte aligned) global -> SMEM; they land as
+// complete_tx on `bar`.
+__device__ __forceinline__ void bulk_load(uint32_t smem_dst, const void* src, uint32_t bytes, uint32_t bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
+                   smem_dst),
+               "l"(reinterpret_cast<uint64_t>(src)), "r"(bytes), "r"(bar)
+               : "memory");
+}
+
+// global[i] += smem[i] for `bytes` / 4 floats (each add atomic, performed in the L2); read
+// through the async proxy, tracked by this thread's bulk groups (tma_store_commit, then
+// tma_store_wait_read before the SMEM is written again).
+__device__ __forceinline__ void bulk_reduce_add_f32(float* dst, uint32_t smem_src, uint32_t bytes) {
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(
+                   reinterpret_cast<uint64_t>(dst)),
+               "r"(smem_src), "r"(bytes)
+               : "memory");
+}
+
+// Wait until this thread's bulk groups have completed (their global writes performed).
+__device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
+
+// Acquire / release of a semaphore in global memory at GPU scope (deterministic mode).
+__device__ __forceinline__ int ld_acquire_gpu(const int* p) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void st_release_gpu(int* p, int v) {
+  asm volatile("st.release.gpu.global.b32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
+}
+// Orders this thread's generic-proxy and async-proxy accesses to global memory.
+__device__ __forceinline__ void fence_proxy_async_global() {
+  asm volatile("fence.proxy.async.global;\n" ::: "memory");
+}
+
+__device__ __forceinline__ void st_shared_b32(uint32_t addr, uint32_t v) {
+  asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
+}
+
+__device__ __forceinline__ void st_shared_v4(uint32_t addr, float a, float b, float c, float d) {
+  asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "f"(a), "f"(b), "f"(c), "f"(d) : "memory");
+}
+
+__device__ __forceinline__ float ld_shared_f32(uint32_t addr) {
+  float v;
+  asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(v) : "r"(addr) : "memory");
+  return v;
+}
+
+// ---------------------------------------------------------------------------
+// 4. The CTA's work: an n-block of keys and the m-blocks that see it
+// ---------------------------------------------------------------------------
+
+struct BwdBlock {
+  int n_block, head, head_kv, batch;
+  int n0;       // first key
+  int m_begin;  // first m-block that sees a key of the n-block (causal: the diagonal's)
+  int m_count;  // m-blocks to visit (0: dK = dV = 0)
+};
+
+template <class Cfg>
+__device__ __forceinline__ BwdBlock bwd_block(const BwdParamsSm90& P) {
+  BwdBlock b;
+  b.n_block = blockIdx.x;
+  b.head = blockIdx.y;
+  b.batch = blockIdx.z;
+  b.head_kv = b.head / P.group;
+  b.n0 = b.n_block * Cfg::kBlockN;
+  b.m_begin = 0;
+  if constexpr (Cfg::kCausal) {
+    // query q sees key k iff k <= q + seqlen_k - seqlen_q (bottom-right aligned)
+    const int first_q = b.n0 - (P.seqlen_k - P.seqlen_q);
+    b.m_begin = first_q > 0 ? first_q / Cfg::kBlockM : 0;
+  }
+  b.m_count = imax(P.m_blocks - b.m_begin, 0);
+  return b;
+}
+
+// Whether m-block m needs the mask: keys past seqlen_k in the n-block, or (causal) a key
+// past some query's diagonal.
+template <class Cfg>
+__device__ __forceinline__ bool bwd_needs_mask(const BwdParamsSm90& P, const BwdBlock& b, int m) {
+  bool mask = b.n0 + Cfg::kBlockN > P.seqlen_k;
+  if constexpr (Cfg::kCausal) {
+    mask = mask || b.n0 + Cfg::kBlockN - 1 > m * Cfg::kBlockM + P.seqlen_k - P.seqlen_q;
+  }
+  return mask;
+}
+
+// ---------------------------------------------------------------------------
+// 5. Producer (one elected thread of warp 0)
+// ---------------------------------------------------------------------------
+
+template <class Cfg>
+__device__ __forceinline__ uint32_t bwd_bar_kv(uint32_t smem) {
+  return smem + Cfg::kOffBar;
+}
+template <class Cfg>
+__device__ __forceinline__ uint32_t bwd_bar_q_full(uint32_t smem, int slot) {
+  return smem + Cfg::kOffBar + 8 * (1 + slot);
+}
+template <class Cfg>
+__device__ __forceinline__ uint32_t bwd_bar_q_empty(uint32_t smem, int slot) {
+  return smem + Cfg::kOffBar + 8 * (1 + Cfg::kStages + slot);
+}
+
+template <class Cfg>
+__device__ __forceinline__ void bwd_producer(const BwdParamsSm90& P, uint32_t smem, const BwdBlock& b) {
+  if (b.m_count == 0) return;  // the consumers store zeros without waiting
+  const uint32_t bar_kv = bwd_bar_kv<Cfg>(smem);
+  // K and V of the n-block, once: 2 kKVBytes complete on kv_full (phase 0)
+  mbar_arrive_expect_tx(bar_kv, 2 * Cfg::kKVBytes);
+#pragma unroll
+  for (int panel = 0; panel < Cfg::kPanels; ++panel) {
+    const uint32_t at = panel * Cfg::kBlockN * Cfg::kRowBytes;
+    tma_load_4d(smem + Cfg::kOffK + at, &P.tma_k, bar_kv, 64 * panel, b.n0, b.head_kv, b.batch);
+    tma_load_4d(smem + Cfg::kOffV + at, &P.tma_v, bar_kv, 64 * panel, b.n0, b.head_kv, b.batch);
+  }
+  const int64_t rows = (static_cast<int64_t>(b.batch) * P.heads_q + b.head) * P.seqlen_q_rounded;
+  for (int i = 0; i < b.m_count; ++i) {
+    const int slot = i % Cfg::kStages;
+    const uint32_t phase = static_cast<uint32_t>(i / Cfg::kStages) & 1u;
+    const int m = b.m_begin + i;
+    // WAR: every consumer thread has retired its wgmma reading the slot's Q and dO (and read
+    // its LSE and D) for m-block i - kStages; a fresh barrier passes parity 1 at once.
+    mbar_wait_parity(bwd_bar_q_empty<Cfg>(smem, slot), phase ^ 1u);
+    const uint32_t full = bwd_bar_q_full<Cfg>(smem, slot);
+    mbar_arrive_expect_tx(full, 2 * Cfg::kQBytes + 2 * Cfg::kRowFloatsBytes);
+#pragma unroll
+    for (int panel = 0; panel < Cfg::kPanels; ++panel) {
+      const uint32_t at = slot * Cfg::kQBytes + panel * Cfg::kBlockM * Cfg::kRowBytes;
+      tma_load_4d(smem + Cfg::kOffQ + at, &P.tma_q, full, 64 * panel, m * Cfg::kBlockM, b.head, b.batch);
+      tma_load_4d(smem + Cfg::kOffDO + at, &P.tma_do, full, 64 * panel, m * Cfg::kBlockM, b.head, b.batch);
+    }
+    const int64_t row0 = rows + static_cast<int64_t>(m) * Cfg::kBlockM;
+    bulk_load(smem + Cfg::kOffLSE + slot * Cfg::kRowFloatsBytes, P.lse_log2 + row0, Cfg::kRowFloatsBytes, full);
+    bulk_load(smem + Cfg::kOffD + slot * Cfg::kRowFloatsBytes, P.dpsum + row0, Cfg::kRowFloatsBytes, full);
+  }
+}
+
+// ---------------------------------------------------------------------------
+// 6. Consumer steps (one warpgroup, 64 keys)
+// ---------------------------------------------------------------------------
+
+// X^T = rows x_wg (64 keys, K-major, one panel per 64 head_dim columns, B_c-row panels) times
+// tile^T (B_r rows, K-major, B_r-row panels): S^T = K Q^T or dP^T = V dO^T.
+template <class Cfg>
+__device__ __forceinline__ void issue_keys_by_rows(float (&acc)[Cfg::kSRegs], uint32_t keys_wg, uint32_t rows_slot) {
+#pragma unroll
+  for (int kk = 0; kk < Cfg::kHeadDim / 16; ++kk) {
+    const uint32_t panel = kk / 4, k_bytes = (kk % 4) * 32;
+    const uint64_t desc_a = make_desc_kmajor_sw128(keys_wg + panel * Cfg::kBlockN * Cfg::kRowBytes + k_bytes);
+    const uint64_t desc_b = make_desc_kmajor_sw128(rows_slot + panel * Cfg::kBlockM * Cfg::kRowBytes + k_bytes);
+    Wgmma<Cfg::kBlockM>::template ss<typename Cfg::T, 0, 0>(acc, desc_a, desc_b, kk > 0 ? 1u : 0u);
+  }
+}
+
+// acc += X^T Y: X^T (64 keys x B_r, 16-bit pairs from registers), Y a slot of Q or dO
+// (B_r rows, head_dim contiguous: MN-major B).
+template <class Cfg>
+__device__ __forceinline__ void issue_grad_kv(float (&acc)[Cfg::kAccRegs], const uint32_t (&x)[Cfg::kPRegs],
+                                              uint32_t rows_slot) {
+  const uint64_t y0 = make_desc_mnmajor_sw128(rows_slot, Cfg::kBlockM * Cfg::kRowBytes);
+#pragma unroll
+  for (int kk = 0; kk < Cfg::kBlockM / 16; ++kk) {
+    const uint32_t a[4] = {x[4 * kk], x[4 * kk + 1], x[4 * kk + 2], x[4 * kk + 3]};
+    Wgmma<Cfg::kHeadDim>::template rs<typename Cfg::T, 1>(acc, a, desc_advance(y0, kk * 16 * Cfg::kRowBytes), 1u);
+  }
+}
+
+// dQ (B_r x kDqCols) = dS K over kDqKeys keys: A = dS^T in SMEM (rows = keys, the B_r
+// queries contiguous: MN-major A), B = K (rows = keys, head_dim contiguous: MN-major B).
+template <class Cfg>
+__device__ __forceinline__ void issue_dq(float (&dq)[Cfg::kDqRegs], uint32_t ds_keys, uint32_t k_keys) {
+#pragma unroll
+  for (int kk = 0; kk < Cfg::kDqKeys / 16; ++kk) {
+    const uint32_t step = kk * 16 * Cfg::kRowBytes;
+    const uint64_t desc_a = make_desc_mnmajor_sw128(ds_keys + step, Cfg::kBlockN * Cfg::kRowBytes);
+    const uint64_t desc_b = make_desc_mnmajor_sw128(k_keys + step, Cfg::kBlockN * Cfg::kRowBytes);
+    Wgmma<Cfg::kDqCols>::template ss<typename Cfg::T, 1, 1>(dq, desc_a, desc_b, kk > 0 ? 1u : 0u);
+  }
+}
+
+// P^T in place of S^T: element (key row 16 warp + g + 8r of the warpgroup, query column
+// 8j + 2t + e of the m-block) is 2^(S c log2e - LSE log2e), 0 where masked.
+template <class Cfg, bool kMask>
+__device__ __forceinline__ void bwd_probs(float (&s)[Cfg::kSRegs], const BwdParamsSm90& P, uint32_t lse_slot,
+                                          int key0, int q0, int lane) {
+  const int t = lane % 4;
+#pragma unroll
+  for (int j = 0; j < Cfg::kBlockM / 8; ++j) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int col = 8 * j + 2 * t + e;
+      const float lse = ld_shared_f32(lse_slot + 4 * col);
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        float& x = s[4 * j + 2 * r + e];
+        float p = fast_exp2(fmaf(x, P.scale_log2, -lse));
+        if constexpr (kMask) {
+          const int key = key0 + 8 * r;
+          bool masked = key >= P.seqlen_k;
+          if constexpr (Cfg::kCausal) masked = masked || key > q0 + col + P.seqlen_k - P.seqlen_q;
+          if (masked) p = 0.f;
+        }
+        x = p;
+      }
+    }
+  }
+}
+
+// dS^T = P^T (dP^T - D) in place of dP^T (D of the element's query column).
+template <class Cfg>
+__device__ __forceinline__ void bwd_grad_scores(const float (&p)[Cfg::kSRegs], float (&dp)[Cfg::kSRegs],
+                                                uint32_t d_slot, int lane) {
+  const int t = lane % 4;
+#pragma unroll
+  for (int j = 0; j < Cfg::kBlockM / 8; ++j) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const float d = ld_shared_f32(d_slot + 4 * (8 * j + 2 * t + e));
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int i = 4 * j + 2 * r + e;
+        dp[i] = p[i] * (dp[i] - d);
+      }
+    }
+  }
+}
+
+// 16-bit pairs in the RS A-operand layout: x[i] = (f[2i], f[2i + 1]).
+template <class Cfg>
+__device__ __forceinline__ void pack_pairs(const float (&f)[Cfg::kSRegs], uint32_t (&x)[Cfg::kPRegs]) {
+#pragma unroll
+  for (int i = 0; i < Cfg::kPRegs; ++i) x[i] = pack_f32x2<typename Cfg::T>(f[2 * i], f[2 * i + 1]);
+}
+
+// dS^T (this warpgroup's 64 key rows) into an SMEM buffer of B_c rows x B_r queries
+// (one 128-byte swizzled row per key).
+template <class Cfg>
+__device__ __forceinline__ void store_ds(uint32_t ds_buf, const uint32_t (&x)[Cfg::kPRegs], int wg, int warp, int lane) {
+  const int row = 64 * wg + 16 * warp + lane / 4;
+#pragma unroll
+  for (int j = 0; j < Cfg::kBlockM / 8; ++j) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const uint32_t byte = (row + 8 * r) * Cfg::kRowBytes + (8 * j + 2 * (lane % 4)) * 2;
+      st_shared_b32(ds_buf + swizzle128(byte), x[2 * j + r]);
+    }
+  }
+}
+
+// The warpgroup's dQ registers into its staging buffer: float4 q of thread `tid` at
+// (q * 128 + tid) * 4 floats (convert_dq reads the same order back).
+template <class Cfg>
+__device__ __forceinline__ void stage_dq(uint32_t stage, const float (&dq)[Cfg::kDqRegs], int tid) {
+#pragma unroll
+  for (int q = 0; q < Cfg::kDqRegs / 4; ++q) {
+    st_shared_v4(stage + 16 * (q * 128 + tid), dq[4 * q], dq[4 * q + 1], dq[4 * q + 2], dq[4 * q + 3]);
+  }
+}
+
+// dK or dV rows of this warpgroup (times `scale`) to global memory: 16-bit pairs, or fp32
+// pairs for a GQA group's per-head partials.
+template <class Cfg>
+__device__ __forceinline__ void store_grad_kv(const float (&acc)[Cfg::kAccRegs], void* base, int64_t batch_stride,
+                                              int64_t row_stride, int64_t head_stride, const BwdParamsSm90& P,
+                                              const BwdBlock& b, int key0, float scale) {
+  const int t = threadIdx.x % 4;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int key = key0 + 8 * r;
+    if (key >= P.seqlen_k) continue;
+    const int64_t row = b.batch * batch_stride + key * row_stride + b.head * head_stride;
+#pragma unroll
+    for (int j = 0; j < Cfg::kHeadDim / 8; ++j) {
+      const int col = 8 * j + 2 * t;
+      const float lo = acc[4 * j + 2 * r] * scale, hi = acc[4 * j + 2 * r + 1] * scale;
+      if (P.dkv_fp32) {
+        *reinterpret_cast<float2*>(static_cast<float*>(base) + row + col) = make_float2(lo, hi);
+      } else {
+        *reinterpret_cast<uint32_t*>(static_cast<typename Cfg::T*>(base) + row + col) =
+            pack_f32x2<typename Cfg::T>(lo, hi);
+      }
+    }
+  }
+}
+
+// `deterministic on`: the m-block's reduce-adds in ticket order n_block * consumers + wg.
+// Every n-block below this one visits the m-block too (all of them without a mask; causal,
+// a smaller n-block's keys are seen by at least the same queries), so tickets 0 .. ticket - 1
+// all come, and each CTA's tickets rise with m: no CTA waits on one that waits on it.
+// (CTAs start in blockIdx order, n fastest, so a waited-for CTA has started.)  Each add
+// completes (wait_group 0: its writes performed) before the next ticket is released.
+template <class Cfg>
+__device__ __forceinline__ void ordered_reduce_add(float* dst, uint32_t stage, int* semaphore, int ticket) {
+  while (ld_acquire_gpu(semaphore) != ticket) __nanosleep(32);
+  fence_proxy_async_global();  // the acquire before the async proxy's adds
+  bulk_reduce_add_f32(dst, stage, Cfg::kDqFloats * 4);
+  tma_store_commit();
+  bulk_wait_all();             // the adds performed in global memory
+  fence_proxy_async_global();  // the async proxy's adds before the release
+  st_release_gpu(semaphore, ticket + 1);
+}
+
+// ---------------------------------------------------------------------------
+// 7. The main kernel's bodies
+// ---------------------------------------------------------------------------
+
+template <class Cfg>
+__device__ __forceinline__ void bwd_consumer(const BwdParamsSm90& P, uint32_t smem, const BwdBlock& b, int wg) {
+  const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
+  const int key0 = b.n0 + 64 * wg + 16 * warp + lane / 4;  // this thread's key row r = 0
+  float dk[Cfg::kAccRegs], dv[Cfg::kAccRegs];
+#pragma unroll
+  for (int i = 0; i < Cfg::kAccRegs; ++i) dk[i] = dv[i] = 0.f;
+
+  const uint32_t k_wg = smem + Cfg::kOffK + 64 * wg * Cfg::kRowBytes;  // the warpgroup's 64 key rows
+  const uint32_t v_wg = smem + Cfg::kOffV + 64 * wg * Cfg::kRowBytes;
+  const uint32_t stage = smem + Cfg::kOffDQ + wg * Cfg::kDqFloats * 4;
+  const int64_t accum_head = (static_cast<int64_t>(b.batch) * P.heads_q + b.head) * P.m_blocks;
+  // RAW: K and V landed (TMA complete_tx on kv_full, phase 0)
+  if (b.m_count > 0) mbar_wait_parity(bwd_bar_kv<Cfg>(smem), 0u);
+
+  for (int i = 0; i < b.m_count; ++i) {
+    const int slot = i % Cfg::kStages;
+    const int m = b.m_begin + i;
+    const uint32_t q_slot = smem + Cfg::kOffQ + slot * Cfg::kQBytes;
+    const uint32_t do_slot = smem + Cfg::kOffDO + slot * Cfg::kQBytes;
+    // RAW: the slot's Q, dO, LSE and D landed (TMA and bulk complete_tx on q_full)
+    mbar_wait_parity(bwd_bar_q_full<Cfg>(smem, slot), static_cast<uint32_t>(i / Cfg::kStages) & 1u);
+
+    float s[Cfg::kSRegs], dp[Cfg::kSRegs];
+    wgmma_fence();  // s and dp were read by ordinary instructions in the previous m-block
+    issue_keys_by_rows<Cfg>(s, k_wg, q_slot);
+    wgmma_commit();
+    issue_keys_by_rows<Cfg>(dp, v_wg, do_slot);
+    wgmma_commit();
+    wgmma_wait<1>();  // S^T in registers (dP^T's group may still run)
+    fence_regs(s);
+
+    const uint32_t lse_slot = smem + Cfg::kOffLSE + slot * Cfg::kRowFloatsBytes;
+    const uint32_t d_slot = smem + Cfg::kOffD + slot * Cfg::kRowFloatsBytes;
+    const bool mask = bwd_needs_mask<Cfg>(P, b, m);
+    if (mask) {
+      bwd_probs<Cfg, true>(s, P, lse_slot, key0, m * Cfg::kBlockM, lane);
+    } else {
+      bwd_probs<Cfg, false>(s, P, lse_slot, key0, m * Cfg::kBlockM, lane);
+    }
+    wgmma_wait<0>();  // dP^T in registers
+    fence_regs(dp);
+    bwd_grad_scores<Cfg>(s, dp, d_slot, lane);
+    uint32_t p16[Cfg::kPRegs], ds16[Cfg::kPRegs];
+    pack_pairs<Cfg>(s, p16);
+    pack_pairs<Cfg>(dp, ds16);
+
+    // dS^T to SMEM for dQ; buffer i % 2: the other warpgroup's dQ of m-block i - 1 may still
+    // read the other buffer (its reads of this one retired before it met kBarDS at i - 1)
+    const uint32_t ds_buf = smem + Cfg::kOffDS + (i % 2) * Cfg::kDSBytes;
+    store_ds<Cfg>(ds_buf, ds16, wg, warp, lane);
+
+    wgmma_fence();  // dk, dv and the A registers p16, ds16 were written by ordinary instructions
+    issue_grad_kv<Cfg>(dv, p16, do_slot);
+    issue_grad_kv<Cfg>(dk, ds16, q_slot);
+    wgmma_commit();
+
+    // RAW: dS^T's st.shared (generic proxy) before the dQ wgmma reads it (async proxy)
+    fence_proxy_async_smem();
+    float dq[Cfg::kDqRegs];
+    if constexpr (Cfg::kDqByKeys) {
+      named_bar_sync(Cfg::kBarDQ + wg, 128);  // RAW: the warpgroup's 64 rows of dS^T written
+      issue_dq<Cfg>(dq, ds_buf + 64 * wg * Cfg::kRowBytes, smem + Cfg::kOffK + 64 * wg * Cfg::kRowBytes);
+    } else {
+      named_bar_sync(Cfg::kBarDS, Cfg::kConsumerThreads);  // RAW: all B_c rows of dS^T written
+      issue_dq<Cfg>(dq, ds_buf, smem + Cfg::kOffK + wg * Cfg::kBlockN * Cfg::kRowBytes);
+    }
+    wgmma_commit();
+    wgmma_wait<0>();  // dV, dK and dQ retired: Q, dO and dS^T read, dq in registers
+    fence_regs(dq);
+    // WAR: the slot's Q, dO (wgmma, retired above), LSE and D (read above) are free
+    mbar_arrive(bwd_bar_q_empty<Cfg>(smem, slot));
+
+    // WAR: the previous m-block's reduce-add has read the staging buffer (its issuing thread
+    // waits, then the warpgroup meets)
+    if (tid == 0) tma_store_wait_read<0>();
+    named_bar_sync(Cfg::kBarDQ + wg, 128);
+    stage_dq<Cfg>(stage, dq, tid);
+    // RAW: the staging's st.shared (generic proxy) before the bulk reduce reads it (async proxy)
+    fence_proxy_async_smem();
+    named_bar_sync(Cfg::kBarDQ + wg, 128);
+    if (tid == 0) {
+      float* dst = P.dq_accum + (accum_head + m) * (Cfg::kBlockM * Cfg::kHeadDim) +
+                   (Cfg::kDqByKeys ? 0 : wg * Cfg::kDqFloats);
+      if constexpr (Cfg::kDeterministic) {
+        ordered_reduce_add<Cfg>(dst, stage, P.dq_semaphore + accum_head + m, b.n_block * Cfg::kConsumerWGs + wg);
+      } else {
+        bulk_reduce_add_f32(dst, stage, Cfg::kDqFloats * 4);
+        tma_store_commit();
+      }
+    }
+  }
+  // The last reduce-add has read the staging buffer before the CTA's SMEM goes away
+  if (tid == 0) bulk_wait_all();
+
+  BwdBlock out = b;  // dK, dV per K/V head; GQA's per query head (summed over the group after)
+  out.head = P.dkv_fp32 ? b.head : b.head_kv;
+  store_grad_kv<Cfg>(dk, P.dk, P.dk_batch_stride, P.dk_row_stride, P.dk_head_stride, P, out, key0, P.softmax_scale);
+  store_grad_kv<Cfg>(dv, P.dv, P.dv_batch_stride, P.dv_row_stride, P.dv_head_stride, P, out, key0, 1.f);
+}
+
+// ---------------------------------------------------------------------------
+// 8. Preprocess and dQ's conversion (one warp per query row, 8 rows per CTA)
+// ---------------------------------------------------------------------------
+
+template <class Cfg>
+__device__ __forceinline__ void bwd_preprocess_row(const BwdPrepParams& P) {
+  using T = typename Cfg::T;
+  constexpr int kHeadDim = Cfg::kHeadDim;
+  constexpr int kPerLane = kHeadDim / 32;  // 2 or 4 elements
+  const int lane = threadIdx.x % 32;
+  const int row = blockIdx.x * 8 + threadIdx.x / 32, head = blockIdx.y, batch = blockIdx.z;
+  if (row >= P.seqlen_q_rounded) return;
+  float d = 0.f, lse = -INFINITY;
+  if (row < P.seqlen_q) {
+    const T* o = static_cast<const T*>(P.o) + batch * P.o_batch_stride + row * P.o_row_stride + head * P.o_head_stride;
+    const T* g = static_cast<const T*>(P.dout) + batch * P.do_batch_stride + row * P.do_row_stride +
+                 head * P.do_head_stride;
+#pragma unroll
+    for (int e = 0; e < kPerLane; ++e) {
+      d += static_cast<float>(o[lane * kPerLane + e]) * static_cast<float>(g[lane * kPerLane + e]);
+    }
+#pragma unroll
+    for (int width = 16; width > 0; width /= 2) d += __shfl_xor_sync(0xffffffffu, d, width);
+    const int64_t at_lse = batch * P.lse_batch_stride + head * P.lse_head_stride + row;
+    lse = P.lse[at_lse];
+    // dLSE_i / dS_ij = P_ij, so a gradient on the LSE adds P dLSE to dS = P (dP - D):
+    // the same as D - dLSE in place of D
+    if (P.dlse != nullptr) d -= P.dlse[at_lse];
+  }
+  const int64_t at = (static_cast<int64_t>(batch) * P.heads_q + head) * P.seqlen_q_rounded + row;
+  if (lane == 0) {
+    P.dpsum[at] = d;
+    // a row that saw no key (LSE -inf), or a padding row: P = 2^(S c - inf) = 0
+    P.lse_log2[at] = lse == -INFINITY ? INFINITY : lse * 1.4426950408889634f;
+  }
+  float4* zero = reinterpret_cast<float4*>(P.dq_accum + at * kHeadDim);
+  for (int i = lane; i < kHeadDim / 4; i += 32) zero[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+  // the m-block's semaphore (rows are m-blocks of B_r: seqlen_q_rounded / B_r per head)
+  if (P.dq_semaphore != nullptr && lane == 0 && row % Cfg::kBlockM == 0) P.dq_semaphore[at / Cfg::kBlockM] = 0;
+}
+
+// dQ[row, col] from the accumulator: column col of warpgroup share cg = col / kDqCols
+// (all in share 0 when split by keys), thread tid = 32 (q / 16) + 4 (q % 8) + (c % 8) / 2 of
+// that share's wgmma (q = row % B_r, c = col % kDqCols), register 4 (c / 8) + 2 ((q % 16) / 8)
+// + c % 2, staged at float (reg / 4 * 128 + tid) * 4 + reg % 4 (stage_dq).
+template <class Cfg>
+__device__ __forceinline__ void bwd_convert_dq_row(const BwdConvertParams& P) {
+  const int lane = threadIdx.x % 32;
+  const int row = blockIdx.x * 8 + threadIdx.x / 32, head = blockIdx.y, batch = blockIdx.z;
+  if (row >= P.seqlen_q) return;
+  const int q = row % Cfg::kBlockM;
+  const float* chunk = P.dq_accum + ((static_cast<int64_t>(batch) * P.heads_q + head) * P.m_blocks + row / Cfg::kBlockM) *
+                                        (Cfg::kBlockM * Cfg::kHeadDim);
+  typename Cfg::T* dq =
+      static_cast<typename Cfg::T*>(P.dq) + batch * P.dq_batch_stride + row * P.dq_row_stride + head * P.dq_head_stride;
+  for (int col = 2 * lane; col < Cfg::kHeadDim; col += 64) {
+    const int share = col / Cfg::kDqCols, c = col % Cfg::kDqCols;
+    const int tid = 32 * (q / 16) + 4 * (q % 8) + (c % 8) / 2;
+    const int reg = 4 * (c / 8) + 2 * ((q % 16) / 8);
+    const float2 v =
+        *reinterpret_cast<const float2*>(chunk + share * Cfg::kDqFloats + (reg / 4 * 128 + tid) * 4 + reg % 4);
+    *reinterpret_cast<uint32_t*>(dq + col) =
+        pack_f32x2<typename Cfg::T>(v.x * P.softmax_scale, v.y * P.softmax_scale);
+  }
+}
+
+}  // namespace fadsl::sm90
+
+#include "sm90_bwd_overlap.cuh"  // `overlap on`: dQ staged under dV and dK (next to this file)

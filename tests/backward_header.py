@@ -1,0 +1,532 @@
+"""What the backward header does, call by call, as the protocol's items would say it: the
+reader behind tests/test_verify_backward.py's check that emit/sm90/include/fadsl/sm90_bwd.cuh
+(bwd_producer, bwd_consumer, ordered_reduce_add), emit/sm90/include/fadsl/sm90_bwd_overlap.cuh
+(bwd_consumer_overlapped, reduce_dq, meet_and_issue_dq) and the kernel body of
+emit/sm90/backward.cu.j2 make exactly the calls of fadsl/targets/sm90/backward/protocol.py.
+
+A small reader of the header's C++: statements, blocks, if / if constexpr / for / while.
+It walks a function for one configuration (if constexpr on kDqByKeys and kDeterministic
+decided; the panel loop unrolled; the m-block loop marks its items LOOP and those after
+it AFTER; `if (tid == 0)` makes the leader the executor; `if (b.m_count > 0)` and an early
+`return` when m_count == 0 guard the items; ordered_reduce_add, reduce_dq and
+meet_and_issue_dq inlined with their parameters bound), and turns each traced call into a
+Call, resolving the operands' local variables down to the SMEM offsets (kOff*) and the ring
+index and parity expressions. Any other condition must have the same calls on both sides.
+The consumer's function is the one the template's kernel body calls, with its
+`{% if overlap %}` decided (``kernel_template``).
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from fadsl.targets.sm90.backward.protocol import (
+    Buffer,
+    Guard,
+    Index,
+    Kind,
+    Mbar,
+    Params,
+    Parity,
+    Part,
+    Phase,
+    Protocol,
+    Reg,
+    Role,
+    Source,
+    Who,
+    bar_id,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+HEADER = (ROOT / "emit/sm90/include/fadsl/sm90_bwd.cuh").read_text()
+OVERLAP_HEADER = (ROOT / "emit/sm90/include/fadsl/sm90_bwd_overlap.cuh").read_text()
+TEMPLATE = (ROOT / "emit/sm90/backward.cu.j2").read_text()
+# the functions a role's walk inlines, with the source their calls are tagged with
+INLINED = {
+    "ordered_reduce_add": Source.ORDERED_REDUCE_ADD,
+    "reduce_dq": Source.REDUCE_DQ,
+    "meet_and_issue_dq": Source.MEET_AND_ISSUE_DQ,
+}
+
+
+@dataclass(frozen=True)
+class Call:
+    kind: Kind
+    who: Who
+    phase: Phase
+    guard: Guard
+    source: Source
+    detail: tuple
+
+
+TRACED = {
+    "mbar_init": Kind.MBAR_INIT,
+    "fence_mbarrier_init": Kind.FENCE_MBAR_INIT,
+    "__syncthreads": Kind.SYNCTHREADS,
+    "mbar_wait_parity": Kind.MBAR_WAIT,
+    "mbar_arrive": Kind.MBAR_ARRIVE,
+    "mbar_arrive_expect_tx": Kind.MBAR_ARRIVE_EXPECT_TX,
+    "wgmma_fence": Kind.WGMMA_FENCE,
+    "wgmma_commit": Kind.WGMMA_COMMIT,
+    "wgmma_wait": Kind.WGMMA_WAIT,
+    "fence_proxy_async_smem": Kind.FENCE_PROXY_ASYNC_SMEM,
+    "fence_proxy_async_global": Kind.FENCE_PROXY_ASYNC_GLOBAL,
+    "named_bar_sync": Kind.NAMED_BAR_SYNC,
+    "tma_store_commit": Kind.BULK_COMMIT,
+    "tma_store_wait_read": Kind.BULK_WAIT_READ,
+    "bulk_wait_all": Kind.BULK_WAIT,
+    "ld_acquire_gpu": Kind.SEM_ACQUIRE,
+    "st_release_gpu": Kind.SEM_RELEASE,
+    "tma_load_4d": Kind.TMA_LOAD,
+    "bulk_load": Kind.BULK_LOAD,
+    "issue_keys_by_rows": Kind.WGMMA,
+    "issue_grad_kv": Kind.WGMMA,
+    "issue_dq": Kind.WGMMA,
+    "bwd_probs": Kind.PROBS,
+    "bwd_grad_scores": Kind.GRAD_SCORES,
+    "pack_pairs": Kind.PACK,
+    "store_ds": Kind.ST_SHARED,
+    "stage_dq": Kind.ST_SHARED,
+    "bulk_reduce_add_f32": Kind.BULK_REDUCE_ADD,
+    "store_grad_kv": Kind.STORE_GLOBAL,
+}
+# the callees whose operands name SMEM, by argument position
+SMEM_ARGS = {"issue_keys_by_rows": (1, 2), "issue_grad_kv": (2,), "issue_dq": (1, 2)}
+SMEM_ARGS |= {"bwd_probs": (2,), "bwd_grad_scores": (2,), "store_ds": (0,), "stage_dq": (0,)}
+SMEM_ARGS |= {"bulk_reduce_add_f32": (1,), "tma_load_4d": (0,), "bulk_load": (0,)}
+REGISTERS = {"s": Reg.S, "dp": Reg.DP, "p16": Reg.P16, "ds16": Reg.DS16}
+REGISTERS |= {"dk": Reg.DK, "dv": Reg.DV, "dq": Reg.DQ}
+OFFSETS = {"kOffK": Buffer.K, "kOffV": Buffer.V, "kOffQ": Buffer.Q, "kOffDO": Buffer.DO}
+OFFSETS |= {"kOffDS": Buffer.DS, "kOffDQ": Buffer.DQ_STAGE, "kOffLSE": Buffer.LSE}
+OFFSETS |= {"kOffD": Buffer.D}
+MBARS = {"bwd_bar_kv": Mbar.KV_FULL, "bwd_bar_q_full": Mbar.Q_FULL}
+MBARS |= {"bwd_bar_q_empty": Mbar.Q_EMPTY}
+
+
+def squash(text: str) -> str:
+    return re.sub(r"\s+", "", text)
+
+
+def _strip(text: str) -> str:
+    text = re.sub(r"\{([%#]).*?\1\}", "", text, flags=re.S)  # the template's jinja tags
+    text = re.sub(r"/\*.*?\*/", "", text, flags=re.S)
+    text = re.sub(r"//[^\n]*", "", text)
+    return "\n".join(line for line in text.split("\n") if not line.strip().startswith("#"))
+
+
+def kernel_template(overlap: bool, template: str = TEMPLATE) -> str:
+    """The template with each `{% if overlap %} A {% else %} B {% endif %}` decided (no other
+    `{% if %}` may decide which calls the kernel makes)."""
+    tag = lambda body: rf"\{{%-?\s*{body}\s*-?%\}}"  # noqa: E731
+    branch = re.compile(
+        tag("if overlap") + r"(.*?)(?:" + tag("else") + r"(.*?))?" + tag("endif"), re.S
+    )
+    decided = branch.sub(lambda b: (b[1] if overlap else b[2]) or "", template)
+    assert not re.search(tag(r"(if|elif|else|endif)\b.*?"), decided), "another {% if %}"
+    return decided
+
+
+def param_name(param: str) -> str:
+    """The name a C++ parameter declares: `const float (&dq)[N]` -> dq, `int* p` -> p."""
+    return re.findall(r"\w+", re.sub(r"\[[^\]]*\]", "", param))[-1]
+
+
+def function(text: str, pattern: str) -> tuple[str, str]:
+    """(parameters, body) of the first function whose head matches ``pattern``."""
+    text = _strip(text)
+    head = re.search(pattern, text)
+    assert head, pattern
+    params_at = text.index("(", head.end() - 1)
+    params = _group(text, params_at)
+    at = text.index("{", params_at + len(params) + 2)
+    return params, _group(text, at, "{", "}")
+
+
+def _group(text: str, at: int, open_: str = "(", close: str = ")") -> str:
+    """The text inside the balanced delimiters that open at ``at``."""
+    assert text[at] == open_, text[at : at + 40]
+    depth = 0
+    for n in range(at, len(text)):
+        depth += {open_: 1, close: -1}.get(text[n], 0)
+        if depth == 0:
+            return text[at + 1 : n]
+    raise AssertionError("unbalanced")
+
+
+def statements(text: str) -> list:
+    """The statements of a block: ('block', [...]), ('if', cond, constexpr, then, other),
+    ('for', head, body), ('while', cond, body) or ('simple', text)."""
+    out, at = [], 0
+    while True:
+        while at < len(text) and text[at].isspace():
+            at += 1
+        if at >= len(text):
+            return out
+        node, at = _statement(text, at)
+        out.append(node)
+
+
+def _statement(text: str, at: int):
+    while text[at].isspace():
+        at += 1
+    rest = text[at:]
+    if rest.startswith("{"):
+        inner = _group(text, at, "{", "}")
+        return ("block", statements(inner)), at + len(inner) + 2
+    word = re.match(r"(if|for|while)\b\s*(constexpr\b)?\s*", rest)
+    if word:
+        at += word.end()
+        cond = _group(text, at)
+        body, at = _statement(text, at + len(cond) + 2)
+        if word[1] != "if":
+            return (word[1], squash(cond), body), at
+        other = re.match(r"\s*else\b", text[at:])
+        if not other:
+            return ("if", squash(cond), bool(word[2]), body, None), at
+        other_body, end = _statement(text, at + other.end())
+        return ("if", squash(cond), bool(word[2]), body, other_body), end
+    depth, n = 0, at
+    while not (text[n] == ";" and depth == 0):
+        depth += {"(": 1, "[": 1, "{": 1, ")": -1, "]": -1, "}": -1}.get(text[n], 0)
+        n += 1
+    return ("simple", text[at:n]), n + 1
+
+
+def split_args(text: str) -> list[str]:
+    args, depth, current = [], 0, ""
+    for ch in text:
+        depth += {"(": 1, "[": 1, ")": -1, "]": -1}.get(ch, 0)
+        if ch == "," and depth == 0:
+            args.append(current.strip())
+            current = ""
+        else:
+            current += ch
+    return args + ([current.strip()] if current.strip() else [])
+
+
+def config_constants(params: Params) -> dict[str, object]:
+    """BwdConfig's static constexpr values for ``params``, evaluated from the header."""
+    text = _strip(HEADER)
+    at = text.index("struct BwdConfig")
+    body = _group(text, text.index("{", at), "{", "}")
+    # template parameters the protocol does not know take their defaults
+    head = text[text.rindex("template", 0, at) : at]
+    env: dict[str, object] = {
+        name: evaluate(value, {}) for name, value in re.findall(r"(\w+_)\s*=\s*(\w+)", head)
+    }
+    env |= {"kHeadDim_": params.head_dim, "kBlockM_": 64}
+    env |= {"kBlockN_": 64 * params.consumers, "kConsumerWGs_": params.consumers}
+    env |= {"kStages_": params.stages, "kCausal_": False, "kDeterministic_": params.deterministic}
+    env |= {"kOverlap_": params.overlap}
+    for name, expr in re.findall(r"static constexpr (?:int|bool) (\w+) = ([^;]+);", body):
+        env[name] = evaluate(expr, env)
+    return env
+
+
+def evaluate(expr: str, env: dict, **names) -> int:
+    expr = re.sub(r"\bCfg::", "", expr).replace("/", "//")
+    expr = re.sub(r"\b(\d+)u\b", r"\1", expr)
+    expr = re.sub(r"^(.*?)\?(.*?):(.*)$", r"((\2) if (\1) else (\3))", expr)
+    expr = expr.replace("true", "True").replace("false", "False")
+    return eval(expr, {"__builtins__": {}}, {**env, **names})  # noqa: S307 (the header's)
+
+
+@dataclass
+class Walk:
+    """The state of the walk through one function for one configuration."""
+
+    params: Params
+    env: dict
+    source: Source
+    who: Who
+    variables: dict
+    calls: list
+    header: str = HEADER  # the text the inlined functions are read from
+    phase: Phase = Phase.BEFORE
+    guard: Guard = Guard.ALWAYS
+
+    def fork(self, **changes) -> Walk:
+        return replace(self, variables=dict(self.variables), calls=[], **changes)
+
+
+def expand(expr: str, variables: dict) -> str:
+    for _ in range(10):
+        new = re.sub(
+            r"\b\w+\b", lambda w: f"({variables[w[0]]})" if w[0] in variables else w[0], expr
+        )
+        if new == expr:
+            return squash(expr)
+        expr = new
+    raise AssertionError(f"variables do not resolve: {expr}")
+
+
+def index_of(flat: str) -> Index:
+    if "i%Cfg::kStages" in flat:
+        return Index.RING
+    return Index.ALTERNATE if "i%2" in flat else Index.NONE
+
+
+def operand(expr: str, walk: Walk) -> tuple:
+    flat = expand(expr, walk.variables)
+    (offset,) = {OFFSETS[name] for name in re.findall(r"Cfg::(kOff\w+)", flat)}
+    if re.search(r"\bwg\b", flat):
+        part = Part.PANEL_OF_WG if "kBlockN" in flat else Part.ROWS_OF_WG
+    else:
+        part = Part.PANEL if re.search(r"\bpanel\b", flat) else Part.WHOLE
+    return offset, index_of(flat), part
+
+
+def mbar_of(expr: str, walk: Walk) -> tuple:
+    flat = expand(expr, walk.variables)
+    (mbar,) = {MBARS[name] for name in re.findall(r"(bwd_bar_\w+)<", flat)}
+    return mbar, index_of(flat)
+
+
+def parity_of(expr: str, walk: Walk) -> Parity:
+    flat = expand(expr, walk.variables)
+    if flat in ("0u", "0", "1u", "1"):
+        return Parity.ZERO if flat.startswith("0") else Parity.ONE
+    assert "i/Cfg::kStages" in flat and "&1" in flat, flat
+    return Parity.RING_FLIP if "^1" in flat else Parity.RING
+
+
+def detail_of(name: str, args: list[str], template: str, walk: Walk) -> tuple:
+    kind = TRACED[name]
+    smem = [operand(args[n], walk) for n in SMEM_ARGS.get(name, ())]
+    number = lambda expr, **k: evaluate(expr, walk.env, **k)  # noqa: E731
+    match kind:
+        case Kind.MBAR_INIT:
+            return mbar_of(args[0], walk) + (number(args[1]),)
+        case Kind.MBAR_WAIT:
+            return mbar_of(args[0], walk) + (parity_of(args[1], walk),)
+        case Kind.MBAR_ARRIVE:
+            return mbar_of(args[0], walk)
+        case Kind.MBAR_ARRIVE_EXPECT_TX:
+            return mbar_of(args[0], walk) + (number(args[1]),)
+        case Kind.WGMMA_WAIT | Kind.BULK_WAIT_READ:
+            return (number(template),)
+        case Kind.BULK_WAIT:
+            return (0,)
+        case Kind.NAMED_BAR_SYNC:
+            ids = tuple(number(args[0], wg=wg) for wg in range(walk.params.consumers))
+            return ids, number(args[1])
+        case Kind.TMA_LOAD | Kind.BULK_LOAD:
+            barrier = args[2] if kind is Kind.TMA_LOAD else args[3]
+            return mbar_of(barrier, walk) + smem[0][:2]
+        case Kind.WGMMA:
+            return REGISTERS[args[0]], frozenset(smem)
+        case Kind.PROBS | Kind.GRAD_SCORES:
+            regs = tuple(REGISTERS[a] for a in args if a in REGISTERS)
+            return frozenset(op[:2] for op in smem), regs
+        case Kind.PACK:
+            return (REGISTERS[args[0]],), (REGISTERS[args[1]],)
+        case Kind.ST_SHARED:
+            return smem[0][:2], REGISTERS[args[1]]
+        case Kind.BULK_REDUCE_ADD:
+            return (smem[0][0],)
+        case Kind.STORE_GLOBAL:
+            return (REGISTERS[args[0]],)
+    return ()
+
+
+CALL = re.compile(r"\b(\w+)\s*(?:<([^<>()]*)>)?\s*\(")
+DECLARATION = re.compile(
+    r"^(?:const\s+)?(?:uint32_t|int|int64_t|float\*)\s+(\w+)\s*=\s*(.+)$", re.S
+)
+
+
+def walk_block(nodes: list, walk: Walk) -> None:
+    for node in nodes:
+        if node[0] == "if" and node[1] == "b.m_count==0" and node[3] == ("simple", "return"):
+            walk.guard = Guard.HAS_WORK  # the rest runs only for a CTA with work
+            continue
+        walk_node(node, walk)
+
+
+def walk_node(node, walk: Walk) -> None:
+    match node:
+        case ("block", nodes):
+            inner = walk.fork()
+            walk_block(nodes, inner)
+            walk.calls += inner.calls
+        case ("simple", text):
+            walk_simple(text, walk)
+        case ("if", cond, constexpr, then, other):
+            walk_if(cond, constexpr, then, other, walk)
+        case ("while", cond, body):
+            walk_simple(cond, walk)
+            walk_node(body, walk)
+        case ("for", "inti=0;i<b.m_count;++i", body):
+            inner = walk.fork(phase=Phase.LOOP)
+            walk_node(body, inner)
+            walk.calls += inner.calls
+            walk.phase = Phase.AFTER
+        case ("for", head, body) if "panel<Cfg::kPanels" in head:
+            for _ in range(walk.env["kPanels"]):
+                walk_node(body, walk)
+        case ("for", head, body) if "slot<Cfg::kStages" in head:
+            inner = walk.fork()
+            inner.variables["slot"] = "i%Cfg::kStages"  # each slot: the ring's barriers
+            walk_node(body, inner)
+            walk.calls += inner.calls
+        case ("for", head, body):
+            inner = walk.fork()
+            walk_node(body, inner)
+            assert not inner.calls, f"a loop the check does not know: for ({head})"
+
+
+def walk_if(cond: str, constexpr: bool, then, other, walk: Walk) -> None:
+    flags = {"Cfg::kDqByKeys": walk.params.dq_by_keys}
+    flags["Cfg::kDeterministic"] = walk.params.deterministic
+    flags["Cfg::kOverlap"] = walk.params.overlap
+    if constexpr:
+        chosen = then if flags[cond] else other
+        if chosen is not None:
+            walk_node(chosen, walk)
+        return
+    changes = {
+        "tid==0": dict(who=Who.LEADER),
+        "threadIdx.x==0": dict(who=Who.THREAD0),
+        "b.m_count>0": dict(guard=Guard.HAS_WORK),
+    }
+    if cond in changes:
+        assert other is None, cond
+        inner = walk.fork(**changes[cond])
+        walk_node(then, inner)
+        walk.calls += inner.calls
+        return
+    sides = []
+    for side in (then, other):
+        inner = walk.fork()
+        if side is not None:
+            walk_node(side, inner)
+        sides.append(inner.calls)
+    assert sides[0] == sides[1], f"calls that depend on a condition the check does not know: {cond}"
+    walk.calls += sides[0]
+
+
+def walk_simple(text: str, walk: Walk) -> None:
+    declared = DECLARATION.match(text.strip())
+    for found in CALL.finditer(text):
+        name, template = found[1], found[2] or ""
+        args = split_args(_group(text, found.end() - 1))
+        if name in INLINED:
+            params, body = function(walk.header, rf"void {name}\(")
+            inner = walk.fork(source=INLINED[name])
+            params = split_args(params)
+            assert len(params) == len(args), name
+            for param, arg in zip(params, args):
+                value = expand(arg, walk.variables)
+                if value != param_name(param):  # the same name: nothing to resolve
+                    inner.variables[param_name(param)] = value
+            walk_block(statements(body), inner)
+            walk.calls += inner.calls
+        elif name in TRACED:
+            detail = detail_of(name, args, template, walk)
+            call = Call(TRACED[name], walk.who, walk.phase, walk.guard, walk.source, detail)
+            walk.calls.append(call)
+    if declared:
+        walk.variables[declared[1]] = split_args(declared[2])[0]
+
+
+KERNEL = r"__global__ void __launch_bounds__\(Cfg::kThreads"
+SOURCES = {"bwd_consumer": Source.CONSUMER, "bwd_consumer_overlapped": Source.OVERLAPPED}
+ROLES = {
+    Role.PRODUCER: (r"void bwd_producer\(", Source.PRODUCER, Who.ELECTED),
+    Role.SETUP: (KERNEL, Source.KERNEL, Who.CTA),
+}
+
+
+def kernel_body(overlap: bool, template: str = TEMPLATE) -> str:
+    """The main kernel's body in the template, `{% if overlap %}` decided."""
+    return function(kernel_template(overlap, template), KERNEL)[1]
+
+
+def consumer_function(overlap: bool, template: str = TEMPLATE) -> str:
+    """The consumer body the kernel calls: `else { ...; NAME<Cfg>(P, smem, block,
+    warpgroup - 1); }` after the producer's branch."""
+    body = squash(kernel_body(overlap, template))
+    (name,) = re.findall(r"(\w+)<Cfg>\(P,smem,block,warpgroup-1\);", body)
+    return name
+
+
+def header_calls(
+    role: Role,
+    params: Params,
+    header: str = HEADER,
+    overlap_header: str = OVERLAP_HEADER,
+    template: str = TEMPLATE,
+) -> list[Call]:
+    """The calls of ``role``'s function for ``params``: the producer's and the consumer's
+    in the headers (the consumer the one the template's kernel calls), the setup's in the
+    template's kernel body."""
+    headers = header + "\n" + overlap_header
+    if role is Role.SETUP:
+        text = kernel_template(params.overlap, template)
+        pattern, source, who = ROLES[role]
+    elif role is Role.CONSUMER:
+        text, name = headers, consumer_function(params.overlap, template)
+        pattern, source, who = rf"void {name}\(", SOURCES[name], Who.WARPGROUP
+    else:
+        text = headers
+        pattern, source, who = ROLES[role]
+    _, body = function(text, pattern)
+    walk = Walk(params, config_constants(params), source, who, {}, [], headers)
+    walk_block(statements(body), walk)
+    return walk.calls
+
+
+def expected_calls(proto: Protocol, role: Role) -> list[Call]:
+    """The protocol's items as the header's calls (the register-only zeroing has none)."""
+    p = proto.params
+    out = []
+    for x in proto.role(role):
+        smem = lambda ops: tuple((op.buffer, op.index) for op in ops)  # noqa: E731
+        match x.kind:
+            case Kind.ZERO:
+                continue
+            case Kind.MBAR_INIT:
+                detail = (x.mbar, x.slot, x.count)
+            case Kind.MBAR_WAIT:
+                detail = (x.mbar, x.slot, x.parity)
+            case Kind.MBAR_ARRIVE:
+                detail = (x.mbar, x.slot)
+            case Kind.MBAR_ARRIVE_EXPECT_TX:
+                detail = (x.mbar, x.slot, x.tx)
+            case Kind.WGMMA_WAIT | Kind.BULK_WAIT_READ | Kind.BULK_WAIT:
+                detail = (x.pending,)
+            case Kind.NAMED_BAR_SYNC:
+                detail = (tuple(bar_id(x.named, wg) for wg in range(p.consumers)), x.threads)
+            case Kind.TMA_LOAD | Kind.BULK_LOAD:
+                detail = (x.mbar, x.slot) + smem(x.writes)[0]
+            case Kind.WGMMA:
+                ops = frozenset((op.buffer, op.index, op.part) for op in x.reads)
+                detail = (x.reg_writes[0], ops)
+            case Kind.PROBS | Kind.GRAD_SCORES:
+                regs = tuple(dict.fromkeys(x.reg_reads + x.reg_writes))
+                detail = (frozenset(smem(x.reads)), regs)
+            case Kind.PACK:
+                detail = (x.reg_reads, x.reg_writes)
+            case Kind.ST_SHARED:
+                detail = (smem(x.writes)[0], x.reg_reads[0])
+            case Kind.BULK_REDUCE_ADD:
+                detail = (x.reads[0].buffer,)
+            case Kind.STORE_GLOBAL:
+                detail = x.reg_reads
+            case _:
+                detail = ()
+        out.append(Call(x.kind, x.who, x.phase, x.guard, x.source, detail))
+    return out
+
+
+def differences(expected: list[Call], found: list[Call]) -> str:
+    show = lambda calls: [
+        f"{c.phase.name} {c.who.name} {c.kind.value} {c.detail}" for c in calls
+    ]  # noqa
+    return "\n".join(
+        difflib.unified_diff(show(expected), show(found), "protocol", "header", lineterm="")
+    )

@@ -1,0 +1,399 @@
+"""The `backward { ... }` block (docs/backward.md, step 1): grammar, lowering to
+``fadsl.ir.Backward``, its defaults, its line in the IR's text form, sm_90a's checks with
+located errors, the refusals (sm_80, softcap), and what check and explain say about it.
+
+Error locations are found in the spec text itself (``where``): each test names the token the
+caret must sit under, so that a message at the wrong token fails."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+
+import pytest
+
+from conftest import EXAMPLES, ROOT
+from fadsl.cli import main
+from fadsl.errors import Loc, SpecError
+from fadsl.ir import Backward, GradRole, Instr, Level, Role, Scope
+from fadsl.ir.printer import format_kernel
+from fadsl.ir.reader import IRSyntaxError, read_kernel
+from fadsl.pipeline import compile_file, compile_source
+from fadsl.targets.sm90.backward import validate as sm90_backward
+from fadsl.targets.sm90.backward.plan import smem_plan
+from fadsl.targets.sm90.caps import register_pool, registers_asked
+from fadsl.tools.report import explain_data, explain_text, summary
+
+SPECS = ROOT / "tests" / "specs" / "sm90" / "backward"
+FULL = SPECS / "fa3_backward.fa"  # every key of the block written out
+DEFAULTS = SPECS / "fa3_backward_defaults.fa"  # `backward {}`
+SM80 = SPECS / "fa2_backward.fa"
+SOFTCAP = SPECS / "fa3_backward_softcap.fa"
+FILE = "t.fa"
+
+
+def full_text() -> str:
+    return FULL.read_text()
+
+
+def where(text: str, line_part: str, token: str | None = None) -> tuple[int, int]:
+    """(line, column) of ``token`` (default: the line part itself) on the only line of
+    ``text`` that contains ``line_part``."""
+    found = [(i, line) for i, line in enumerate(text.split("\n"), 1) if line_part in line]
+    assert len(found) == 1, f"{line_part!r} is on {len(found)} lines"
+    line_no, line = found[0]
+    start = line.index(line_part)
+    return line_no, line.index(token or line_part, start) + 1
+
+
+def errors(text: str) -> list[tuple[int, int, str]]:
+    with pytest.raises(SpecError) as info:
+        compile_source(text, FILE)
+    return [(d.loc.line, d.loc.col, d.message) for d in info.value.diagnostics]
+
+
+def assert_error(text: str, line_part: str, token: str, message: str) -> None:
+    """``text`` is refused with a diagnostic at ``token`` that contains ``message``."""
+    line, col = where(text, line_part, token)
+    found = errors(text)
+    assert any(
+        (l, c) == (line, col) and message in m for l, c, m in found
+    ), f"no '{message}' at {line}:{col} in {found}"
+
+
+def variant(old: str, new: str, text: str | None = None) -> str:
+    text = full_text() if text is None else text
+    assert text.count(old) == 1, old
+    return text.replace(old, new)
+
+
+def block_lines(path) -> dict[str, str]:
+    """The paths the spec writes in its backward block, as text (whitespace collapsed)."""
+    block = path.read_text().split("  backward {", 1)[1]
+    paths = {}
+    for line in block.split("\n"):
+        m = re.match(r"\s*(\w+):\s+(.*?)\s*$", line.split("#")[0])
+        if m:
+            paths[m[1]] = " ".join(m[2].split())
+    return paths
+
+
+def settings_of(bwd: Backward) -> dict[str, object]:
+    """The block's settings, without where they came from."""
+    fields = dataclasses.asdict(bwd)
+    return {k: v for k, v in fields.items() if k not in ("loc", "tensors", "key_locs")}
+
+
+# --- parsing and lowering -------------------------------------------------------------
+
+
+def test_the_full_block_lowers_to_the_ir():
+    text = variant("stages     2                        #", "stages     3  #")
+    text = variant("deterministic off", "deterministic on", text)
+    text = variant("overlap    off ", "overlap    on ", text)
+    text = variant(
+        "producer = 24, consumers = 240\n    stages",
+        "producer = 24, consumers = 232\n    stages",
+        text,
+    )
+    bwd = compile_source(text, FILE).kernel.backward
+    assert settings_of(bwd) == {
+        "block_m": 64,
+        "block_n": 128,
+        "consumers": 2,
+        "producer_regs": 24,
+        "consumer_regs": 232,
+        "stages": 3,
+        "deterministic": True,
+        "overlap": True,
+    }
+    assert bwd.loc == Loc(FILE, *where(text, "  backward {", "backward"))
+    assert bwd.loc_of("stages") == Loc(FILE, *where(text, "stages     3"))
+    assert bwd.threads == 384 and bwd.keys_per_consumer == 64
+
+
+def test_every_path_is_lowered_as_written():
+    bwd = compile_file(FULL.relative_to(ROOT)).kernel.backward
+    written = block_lines(FULL)
+    assert {t.role.value: t.path_text() for t in bwd.tensors} == written
+    text = full_text()
+    for tensor in bwd.tensors:
+        written = f"    {tensor.role.value}:"  # the block's lines are indented by 4
+        assert tensor.loc == Loc(
+            str(FULL.relative_to(ROOT)), *where(text, written, tensor.role.value)
+        )
+    dq = bwd.tensor(GradRole.DQ)
+    assert [h.instr for h in dq.hops] == [Instr.ST_SHARED, Instr.REDUCE_ADD]
+    assert dq.smem_scope is Scope.WARPGROUP
+    dk = bwd.tensor(GradRole.DK)
+    assert dk.smem_scope is None and [(h.src, h.dst) for h in dk.hops] == [(Level.RF, Level.GMEM)]
+    assert bwd.tensor(Role.Q).smem_scope is Scope.CTA
+
+
+def test_an_empty_block_takes_every_default():
+    """`backward {}` is the full block, whose every key is written at its default."""
+    full = compile_file(FULL.relative_to(ROOT)).kernel.backward
+    empty = compile_source(variant(full_text().split("  backward {")[1], "}\n}\n"), FILE)
+    defaults = empty.kernel.backward
+    assert settings_of(defaults) == settings_of(full)
+    assert [t.path_text() for t in defaults.tensors] == [t.path_text() for t in full.tensors]
+    assert all(t.loc == defaults.loc for t in defaults.tensors)  # defaults: at the block
+    assert defaults.key_locs == ()
+
+
+def test_the_defaults_spec_at_head_dim_64_causal():
+    compiled = compile_file(DEFAULTS.relative_to(ROOT))
+    assert compiled.kernel.config.head_dim == 64
+    assert compiled.kernel.backward is not None
+    assert [t.role for t in compiled.kernel.backward.tensors] == list(sm90_backward.PATHS)
+
+
+def test_the_keyword_stands_alone():
+    """`backwards` and `backward_x` are names (unknown keys), not the keyword; the block
+    may span lines or be written `backward {}`."""
+    text = variant("  backward {", "  backwards 2\n  backward_x on\n  backward {")
+    found = errors(text)
+    assert (*where(text, "backwards 2", "backwards"), "unknown key 'backwards'") in found
+    assert (*where(text, "backward_x on", "backward_x"), "unknown key 'backward_x'") in found
+    inline = compile_source(variant("  backward {}", "  backward {  }", DEFAULTS.read_text()), FILE)
+    assert inline.kernel.backward is not None
+
+
+def test_the_block_is_carried_through_every_pass():
+    compiled = compile_file(FULL.relative_to(ROOT))
+    first = compiled.stages[0][1].backward
+    assert first is not None
+    assert all(kernel.backward == first for _, kernel in compiled.stages)
+
+
+def test_forward_only_specs_have_no_backward(example):
+    if "backward {" in example.read_text():
+        pytest.skip("a training example (its block: test_training_examples_carry_their_block)")
+    compiled = compile_file(example.relative_to(ROOT))
+    for variant_ in compiled.variants:
+        for _, kernel in variant_.stages:
+            assert kernel.backward is None
+            assert not any(
+                line.startswith("backward") for line in format_kernel(kernel).split("\n")
+            )
+
+
+# --- the IR's text form ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("spec", [FULL, DEFAULTS], ids=lambda p: p.stem)
+def test_print_read_print_keeps_the_backward_line(spec):
+    compiled = compile_file(spec.relative_to(ROOT))
+    for stage, kernel in compiled.stages:
+        text = format_kernel(kernel)
+        assert text.split("\n").count(kernel.backward.text()) == 1, stage
+        read = read_kernel(text)
+        assert format_kernel(read) == text, stage
+        assert settings_of(read.backward) == settings_of(kernel.backward)
+
+
+def test_a_malformed_backward_line_is_refused():
+    text = format_kernel(compile_file(FULL.relative_to(ROOT)).kernel)
+    with pytest.raises(IRSyntaxError, match="backward B_r=N"):
+        read_kernel(text.replace("deterministic=off", "deterministic=maybe"))
+
+
+# --- sm_90a's checks, each located -----------------------------------------------------
+
+# (old line part, new line part, the line part and token the error sits at, message)
+LOCATED = [
+    ("B_r = 64, B_c = 128 ", "B_r = 128, B_c = 128 ", "    tile       B_r = 128", "128", "B_r = 128: the backward steps through the queries 64 at a time"),
+    ("B_r = 64, B_c = 128 ", "B_r = 64, B_c = 64 ", "B_c = 64 ", "64", "B_c = 64: the backward's B_c is 64 x consumers = 128"),
+    ("producer = 1, consumers = 2\n    registers", "producer = 1, consumers = 3\n    registers", "consumers = 3", "3", "consumers = 3: the backward kernel has 2 consumer warpgroups"),
+    ("producer = 1, consumers = 2\n    registers", "producer = 2, consumers = 2\n    registers", "warpgroups producer = 2", "2", "producer = 2: one producer warpgroup issues every load"),
+    ("stages     2                        #", "stages     4 #", "stages     4", "4", "stages 4: the backward's Q and dO rings take 2 or 3 slots"),
+    ("producer = 24, consumers = 240\n    stages", "producer = 64, consumers = 240\n    stages", "producer = 64", "64", "the backward's producer takes setmaxnreg 24 to 56, a multiple of 8, not 64"),
+    ("producer = 24, consumers = 240\n    stages", "producer = 24, consumers = 244\n    stages", "consumers = 244", "244", "the backward's consumers take setmaxnreg 24 to 240, a multiple of 8, not 244"),
+    ("producer = 24, consumers = 240\n    stages", "producer = 24, consumers = 248\n    stages", "consumers = 248", "248", "not 248"),
+    ("deterministic off", "deterministic maybe", "deterministic maybe", "maybe", "unknown deterministic 'maybe'; expected 'on' or 'off'"),
+    ("deterministic off", "stage 3", "stage 3", "stage", "unknown key 'stage' in the backward block; it takes 'tile', 'warpgroups', 'registers', 'stages', 'deterministic' and 'overlap' (did you mean 'stages'?)"),
+    ("deterministic off", "mask causal", "mask causal", "mask", "'mask' is a setting of the kernel, not of its backward block"),
+    ("deterministic off", "stages 3", "stages 3", "stages", "duplicate key 'stages' in the backward block (first set at line"),
+    ("dV:  rf -st.global-> gmem", "dW:  rf -st.global-> gmem", "dW:", "dW", "unknown tensor 'dW' in the backward block; it moves Q, K, V, dO, LSE, D, dS, dQ, dK and dV"),
+    ("LSE: gmem -bulk->", "LSE: gmem -tma->", "LSE: gmem -tma->", "tma", "'tma' does not move LSE gmem -> smem in the backward; 'bulk' does (LSE: gmem -bulk-> smem[cta] -ld.shared-> rf)"),
+    ("D:   gmem -bulk-> smem[cta] -ld.shared->", "D:   gmem -bulk-> smem[cta] -wgmma->", "D:   gmem", "wgmma", "'wgmma' does not move D smem -> rf in the backward; 'ld.shared' does"),
+    ("dQ:  rf -st.shared-> smem[warpgroup]", "dQ:  rf -st.shared-> smem[cta]", "dQ:  rf", "cta", "dQ lives in smem[warpgroup] in the backward: each consumer warpgroup stages its share in fp32"),
+    ("dS:  rf -st.shared-> smem[cta]", "dS:  rf -st.shared-> smem[warpgroup]", "dS:  rf", "warpgroup", "dS lives in smem[cta] in the backward"),
+    ("dK:  rf -st.global-> gmem", "dK:  rf -st.shared-> smem[cta] -tma-> gmem", "dK:  rf -st.shared", "dK", "dK must go rf -st.global-> gmem in the backward"),
+    ("dO:  gmem -tma-> smem[cta] -wgmma-> rf", "dO:  gmem -tma-> smem[cta]", "dO:  gmem", "dO", "dO must go gmem -tma-> smem[cta] -wgmma-> rf in the backward"),
+    ("smem[warpgroup] -reduce.add->", "smem[warpgroup] -reduce->", "-reduce->", "reduce", "unknown instruction 'reduce' (did you mean 'reduce.add'?)"),
+    ("dV:  rf -st.global-> gmem", "dV:  rf[tile] -st.global-> gmem", "dV:  rf[tile]", "tile", "only smem takes a bracket (its sharing scope), not rf"),
+    ("dS:  rf -st.shared-> smem[cta]", "dS:  rf -st.shared-> smem", "dS:  rf", "smem", "smem needs a sharing scope: smem[warpgroup] or smem[cta] or smem[cluster]"),
+    ("dV:  rf -st.global-> gmem", "dV   rf -st.global-> gmem", "dV   rf", " ", "missing ':' after 'dV': a path is written 'dV: rf -INSTR-> ...'"),
+    ("  }\n}", "  }\n  backward {}\n}", "  backward {}", "backward", "a kernel has one backward block (the first is at line"),
+    ("head_dim   128", "head_dim   256", "head_dim   256", "256", "the backward block needs head_dim 64 or 128"),
+    ("  rescale    lazy", "  rescale    lazy\n  deterministic on", "deterministic on", "deterministic", "unknown key 'deterministic' (a setting of the backward block: put it inside 'backward { ... }')"),
+    ("  rescale    lazy", "  rescale    lazy\n  dQ: rf -st.shared-> smem[warpgroup] -tma-> gmem", "  dQ: rf -st.shared-> smem[warpgroup] -tma-> gmem", "dQ", "unknown tensor 'dQ'; a kernel moves Q, K, V and O (dQ's path goes inside the 'backward { ... }' block)"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "old, new, line_part, token, message", LOCATED, ids=[case[4][:40] for case in LOCATED]
+)
+def test_each_mistake_is_located(old, new, line_part, token, message):
+    assert_error(variant(old, new), line_part, token, message)
+
+
+def test_a_second_path_is_located():
+    text = variant("dV:  rf -st.global-> gmem", "dK:  rf -st.global-> gmem")
+    lines = text.split("\n")
+    first = lines.index("    dK:  rf -st.global-> gmem") + 1
+    second = lines.index("    dK:  rf -st.global-> gmem", first) + 1
+    assert errors(text) == [
+        (second, 5, f"tensor 'dK' has two paths in the backward block (first at line {first})")
+    ]
+
+
+def test_the_register_pool_is_the_launch_allocation():
+    """128 x 32 + 2 x 128 x 240 is 65536, the SM's registers, but over the 384 x 168 the
+    CTA launches with: setmaxnreg.inc would wait forever."""
+    text = variant(
+        "producer = 24, consumers = 240\n    stages", "producer = 32, consumers = 240\n    stages"
+    )
+    asked, pool = registers_asked(32, 2, 240), register_pool(384)
+    assert asked > pool
+    assert_error(
+        text,
+        "producer = 32, consumers = 240",
+        "240",
+        f"128 x 32 + 128 x 2 x 240 = {asked} registers, over the CTA's pool of {pool}",
+    )
+
+
+def test_the_smem_plan_must_fit(monkeypatch):
+    """No setting the block allows overflows 227 KB today; with a smaller limit the plan's
+    total is refused at the stages line."""
+    text = variant("stages     2                        #", "stages     3  #")
+    total = smem_plan(compile_source(text, FILE).kernel.backward, 128).total
+    monkeypatch.setattr(sm90_backward, "SMEM_LIMIT", total - 1)
+    assert_error(
+        text, "stages     3", "3", f"the backward's SMEM plan needs {total} bytes at head_dim 128"
+    )
+
+
+def test_every_mistake_is_reported_at_once():
+    text = variant("B_r = 64, B_c = 128 ", "B_r = 32, B_c = 128 ")
+    text = variant("stages     2                        #", "stages     5 #", text)
+    text = variant("LSE: gmem -bulk->", "LSE: gmem -tma->", text)
+    text = variant("  mask       none", "  mask       casual", text)  # the kernel's own line
+    found = errors(text)
+    assert len(found) == 4, found
+    lines = {line for line, _, _ in found}
+    assert lines == {
+        where(text, "B_r = 32")[0],
+        where(text, "stages     5")[0],
+        where(text, "LSE: gmem")[0],
+        where(text, "mask       casual")[0],
+    }
+
+
+# --- refusals --------------------------------------------------------------------------
+
+
+def test_sm80_refuses_the_block_at_its_keyword():
+    text = SM80.read_text()
+    assert errors(text) == [
+        (
+            *where(text, "  backward {", "backward"),
+            "sm_80 has no backward pass yet; the backward block needs target sm_90a",
+        )
+    ]
+
+
+def test_softcap_refuses_the_block_at_its_line():
+    text = SOFTCAP.read_text()
+    assert errors(text) == [
+        (
+            *where(text, "softcap    50", "softcap"),
+            "softcap's backward is not built yet: a kernel with a backward block takes no "
+            "'softcap' line",
+        )
+    ]
+    compile_source(text.replace("  backward {}\n", ""), FILE)  # the forward alone is fine
+
+
+def test_a_bad_target_line_still_reports_the_blocks_own_mistakes():
+    text = variant("target     sm_90a", "target     sm_91")
+    text = variant("deterministic off", "stage 2", text)
+    messages = [m for _, _, m in errors(text)]
+    assert any(m.startswith("unknown target 'sm_91'") for m in messages)
+    assert any(m.startswith("unknown key 'stage' in the backward block") for m in messages)
+
+
+# --- check and explain -----------------------------------------------------------------
+
+
+def test_training_examples_carry_their_block():
+    """The head_dim 64 and 128 sm_90a examples train (fadsl.attention's specs there)."""
+    for name in ("fa3_hopper", "fa3_causal", "fa3_hdim64", "fa3_hdim64_causal"):
+        compiled = compile_file(f"examples/{name}.fa")
+        bwd = compiled.kernel.backward
+        assert bwd is not None and bwd.overlap and not bwd.deterministic
+        assert all(kernel.backward == bwd for _, kernel in compiled.stages)
+        assert any(
+            line.startswith("backward") for line in format_kernel(compiled.kernel).split("\n")
+        )
+
+
+def test_check_mentions_the_backward():
+    compiled = compile_file(FULL.relative_to(ROOT))
+    lines = summary(compiled).splitlines()
+    bwd = compiled.kernel.backward
+    line = next(x for x in lines if x.startswith("  backward"))
+    assert f"B_r = {bwd.block_m}, B_c = {bwd.block_n}" in line
+    assert f"stages {bwd.stages}" in line
+    forward = compile_file("examples/fa3_hdim256.fa")
+    assert not any(x.startswith("  backward") for x in summary(forward).splitlines())
+
+
+def test_explain_json_has_the_backward_section(capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    assert main(["explain", str(FULL.relative_to(ROOT)), "--json", "--no-compile"]) == 0
+    data = json.loads(capsys.readouterr().out)["backward"]
+    bwd = compile_file(FULL.relative_to(ROOT)).kernel.backward
+    plan = smem_plan(bwd, 128)
+    assert data["settings"]["stages"] == bwd.stages
+    assert data["settings"]["block_n"] == bwd.block_n
+    assert [p["tensor"] for p in data["paths"]] == [t.role.value for t in bwd.tensors]
+    assert [(b["buffer"], b["offset"], b["bytes"]) for b in data["smem"]] == [
+        (b.name, b.offset, b.nbytes) for b in plan.buffers
+    ]
+    assert data["smem_total"] == plan.total
+    used = registers_asked(bwd.producer_regs, bwd.consumers, bwd.consumer_regs)
+    assert data["registers"]["used"] == used
+    assert data["registers"]["pool"] == register_pool(bwd.threads)
+    producer, consumers = data["roles"]
+    assert producer["setmaxnreg"] == bwd.producer_regs
+    assert consumers["keys_each"] == bwd.block_n // bwd.consumers
+    assert any(step.startswith("dQ = dS K") for step in consumers["per_m_block"])
+    # the main kernel's syncs, from its plan (fadsl/targets/sm90/backward/protocol.py)
+    assert len(data["syncs"]) > 20
+    assert all(sync["sync"] for sync in data["syncs"])
+    assert sum(1 for sync in data["syncs"] if sync.get("note")) >= 0.8 * len(data["syncs"])
+
+
+def test_explain_text_has_the_backward_sections():
+    compiled = compile_file(FULL.relative_to(ROOT))
+    text = explain_text(compiled)
+    bwd = compiled.kernel.backward
+    for title in ("Backward (", "  settings", "  paths", "  producer", "  consumers"):
+        assert title in text
+    assert "Backward SMEM map" in text and "Backward syncs (the main kernel's" in text
+    for buf in smem_plan(bwd, 128).buffers:
+        assert re.search(rf"^  {re.escape(buf.name)} +{buf.offset} +{buf.nbytes}  ", text, re.M)
+    used = registers_asked(bwd.producer_regs, bwd.consumers, bwd.consumer_regs)
+    assert f"= {used} of the CTA's pool of {register_pool(bwd.threads)}" in text
+    for tensor in bwd.tensors:
+        assert f"    {tensor.role.value:<4} {tensor.path_text()}" in text
+
+
+def test_a_forward_only_explain_is_unchanged():
+    compiled = compile_file("examples/fa3_hdim256.fa")
+    assert "backward" not in explain_data(compiled)
+    assert "Backward" not in explain_text(compiled)

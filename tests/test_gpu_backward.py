@@ -1,0 +1,231 @@
+"""The sm_90a backward on the GPU: dQ, dK, dV (and a gradient through the LSE) against float32
+autograd of the reference, with FlashAttention's rule: the error at most twice PyTorch's own
+in the input dtype, plus a small epsilon. Odd shapes, seqlen_q != seqlen_k with the causal
+mask (rows that see no key), GQA 8:1 and MQA, both dtypes, head_dim 64 and 128; outputs
+poisoned first; torch.compile(fullgraph=True) and a CUDA graph over forward and backward."""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+import fadsl
+from test_gpu_general import reference
+
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability(0) == (9, 0)
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (compute capability 9.0)"),
+]
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+# The training examples (each with its backward block: B_r 64, B_c 128, 2 consumers, overlap on)
+FORWARDS = ("fa3_hopper", "fa3_causal", "fa3_hdim64", "fa3_hdim64_causal")
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+# (batch, seqlen_q, seqlen_k, heads_q, heads_kv)
+SHAPES = [
+    (1, 1, 1, 1, 1),
+    (2, 128, 128, 2, 2),
+    (1, 300, 1100, 4, 1),
+    (1, 1000, 333, 8, 1),
+    (2, 257, 700, 8, 8),
+    (1, 64, 1000, 16, 2),
+]
+# The examples ship `overlap on` (dQ staged under dV and dK); the plain consumer too
+PLAIN = ("fa3_causal-overlap", "fa3_hdim64-overlap")
+CASES = [(n, d, s) for n in FORWARDS + PLAIN for d in DTYPES for s in SHAPES]
+_loaded: dict[str, object] = {}
+
+
+def training_spec(name: str) -> str:
+    """An example's spec text for training: ``NAME`` is the example with its own backward block
+    (or ``backward {}`` added where it has none); ``NAME+KEY`` / ``NAME-KEY`` (repeatable)
+    turns an on/off key of the block on / off (``fa3_causal-overlap+deterministic``)."""
+    example, *switches = re.split(r"(?=[+-])", name)
+    text = (EXAMPLES / f"{example}.fa").read_text()
+    if "backward {" not in text:
+        body, close = text.rstrip().rsplit("}", 1)
+        text = f"{body}  backward {{\n  }}\n}}{close}\n"
+    head, block = text.split("backward {", 1)
+    for switch in switches:
+        key, value = switch[1:], "on" if switch[0] == "+" else "off"
+        line = re.compile(rf"^(\s*){key}\s+(on|off)\b.*$", re.M)
+        if line.search(block):
+            block = line.sub(rf"\g<1>{key} {value}", block, count=1)
+        else:
+            block = f"\n    {key} {value}" + block
+    return head + "backward {" + block
+
+
+def kernel(name):
+    if name not in _loaded:
+        _loaded[name] = fadsl.load(training_spec(name), verbose=False)
+    return _loaded[name]
+
+
+def poison_allocator(nbytes: int) -> None:
+    """Fill the caching allocator's free blocks with NaN, so that a gradient the kernels do
+    not write shows up."""
+    junk = torch.full((nbytes // 4 + 1024,), float("nan"), device="cuda")
+    del junk
+
+
+def inputs(shape, dtype, head_dim, seed):
+    b, sq, sk, hq, hkv = shape
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(b, sq, hq, head_dim, device="cuda", dtype=dtype, generator=g)
+    k = torch.randn(b, sk, hkv, head_dim, device="cuda", dtype=dtype, generator=g)
+    v = torch.randn(b, sk, hkv, head_dim, device="cuda", dtype=dtype, generator=g)
+    dout = torch.randn(b, sq, hq, head_dim, device="cuda", dtype=dtype, generator=g)
+    return q, k, v, dout
+
+
+def reference_grads(q, k, v, dout, scale, causal, dtype, dlse=None):
+    """Gradients of reference attention computed in ``dtype`` (float32: the truth)."""
+    leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
+    out, lse = reference(*leaves, scale, causal, dtype)
+    loss = (out.to(torch.float32) * dout.to(torch.float32)).sum()
+    if dlse is not None:
+        loss = loss + (torch.where(lse.isinf(), 0.0, lse) * dlse).sum()
+    loss.backward()
+    return [t.grad.to(torch.float32) for t in leaves]
+
+
+def check_rule(ours, truth, torch_own, what):
+    err = (ours.float() - truth).abs().max().item()
+    own = (torch_own - truth).abs().max().item()
+    assert math.isfinite(err), f"{what}: non-finite gradient"
+    assert err <= 2 * own + 1e-4, f"{what}: error {err:.3g} > 2 x PyTorch's {own:.3g} + 1e-4"
+
+
+@pytest.mark.parametrize(
+    "name, dtype, shape", CASES, ids=[f"{c[0]}-{c[1]}-{'x'.join(map(str, c[2]))}" for c in CASES]
+)
+def test_gradients_match_float32_autograd(name, dtype, shape):
+    kern = kernel(name)
+    d = kern.config.head_dim
+    causal = kern.config.mask.value == "causal"
+    torch_dtype = DTYPES[dtype]
+    q, k, v, dout = inputs(shape, torch_dtype, d, seed=sum(shape) * 31 + d)
+    scale = 1.0 / math.sqrt(d)
+    poison_allocator(4 * q.numel() * 8)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = kern(*leaves)
+    out.backward(dout)
+    truth = reference_grads(q, k, v, dout, scale, causal, torch.float32)
+    own = reference_grads(q, k, v, dout, scale, causal, torch_dtype)
+    for ours, t, o, what in zip((l.grad for l in leaves), truth, own, ("dq", "dk", "dv")):
+        assert ours.dtype == torch_dtype and ours.shape == t.shape
+        check_rule(ours, t, o, what)
+
+
+@pytest.mark.parametrize("name", ["fa3_hopper", "fa3_causal"])
+def test_gradient_through_the_lse(name):
+    """A loss on the LSE too: dS gains P dLSE (the preprocess folds it into D)."""
+    kern = kernel(name)
+    causal = kern.config.mask.value == "causal"
+    q, k, v, dout = inputs((1, 200, 300, 4, 2), torch.bfloat16, 128, seed=7)
+    dlse = torch.randn(1, 4, 200, device="cuda")
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out, lse = kern(*leaves, return_lse=True)
+    loss = (out.float() * dout.float()).sum() + (torch.where(lse.isinf(), 0.0, lse) * dlse).sum()
+    loss.backward()
+    scale = 1.0 / math.sqrt(128)
+    truth = reference_grads(q, k, v, dout, scale, causal, torch.float32, dlse)
+    own = reference_grads(q, k, v, dout, scale, causal, torch.bfloat16, dlse)
+    for ours, t, o, what in zip((l.grad for l in leaves), truth, own, ("dq", "dk", "dv")):
+        check_rule(ours, t, o, what)
+
+
+def test_large_logits_stay_finite():
+    """Scores of a few hundred: P = exp2(S c - LSE) stays in [0, 1]."""
+    kern = kernel("fa3_hopper")
+    q, k, v, dout = inputs((1, 129, 257, 2, 2), torch.bfloat16, 128, seed=3)
+    q = q * 8
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    kern(*leaves).backward(dout)
+    truth = reference_grads(q, k, v, dout, 1 / math.sqrt(128), False, torch.float32)
+    own = reference_grads(q, k, v, dout, 1 / math.sqrt(128), False, torch.bfloat16)
+    for ours, t, o, what in zip((l.grad for l in leaves), truth, own, ("dq", "dk", "dv")):
+        check_rule(ours, t, o, what)
+
+
+def test_forward_only_spec_still_refuses_gradients():
+    plain = fadsl.load(EXAMPLES / "fa3_hopper.fa", verbose=False)
+    q, k, v, dout = inputs((1, 64, 64, 2, 2), torch.bfloat16, 128, seed=1)
+    out = plain(q.requires_grad_(), k, v)
+    with pytest.raises(RuntimeError, match="no backward block"):
+        out.backward(dout)
+
+
+def test_compile_fullgraph_forward_and_backward():
+    kern = kernel("fa3_causal")
+    q, k, v, dout = inputs((2, 300, 300, 4, 4), torch.bfloat16, 128, seed=11)
+
+    def step(q, k, v):
+        return (kern(q, k, v).float() * dout.float()).sum()
+
+    compiled = torch.compile(step, fullgraph=True)
+    eager = [t.clone().requires_grad_() for t in (q, k, v)]
+    step(*eager).backward()
+    traced = [t.clone().requires_grad_() for t in (q, k, v)]
+    compiled(*traced).backward()
+    for a, b in zip(eager, traced):
+        assert torch.equal(a.grad, b.grad)
+
+
+def test_cuda_graph_captures_forward_and_backward():
+    kern = kernel("fa3_hopper")
+    q, k, v, dout = inputs((1, 512, 512, 4, 4), torch.bfloat16, 128, seed=5)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up: build, load, allocate outside the capture
+        kern(*leaves).backward(dout)
+    torch.cuda.current_stream().wait_stream(stream)
+    for t in leaves:
+        t.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        kern(*leaves).backward(dout)
+    graphed = [t.grad for t in leaves]
+    for t in leaves:
+        t.grad = None
+    with torch.no_grad():
+        for t, scale in zip(leaves, (0.5, 2.0, 1.5)):
+            t.mul_(scale)
+    graph.replay()
+    fresh = [t.detach().clone().requires_grad_() for t in leaves]
+    kern(*fresh).backward(dout)
+    for a, b in zip(graphed, fresh):
+        assert torch.allclose(a.float(), b.grad.float(), atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["fa3_hopper+deterministic", "fa3_causal+deterministic+overlap", "fa3_hdim64+deterministic"],
+)
+def test_deterministic_gradients_are_bitwise_stable(name):
+    """`deterministic on`: 10 runs give bitwise-identical dQ, dK, dV (GQA 4:1, several
+    n-blocks per m-block, so that dQ's reduce-adds race), and they are right."""
+    kern = kernel(name)
+    d = kern.config.head_dim
+    causal = kern.config.mask.value == "causal"
+    q, k, v, dout = inputs((2, 700, 900, 8, 2), torch.bfloat16, d, seed=13)
+    runs = []
+    for _ in range(10):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        kern(*leaves).backward(dout)
+        runs.append([t.grad for t in leaves])
+    for later in runs[1:]:
+        for a, b in zip(runs[0], later):
+            assert torch.equal(a, b)
+    scale = 1.0 / math.sqrt(d)
+    truth = reference_grads(q, k, v, dout, scale, causal, torch.float32)
+    own = reference_grads(q, k, v, dout, scale, causal, torch.bfloat16)
+    for ours, t, o, what in zip(runs[0], truth, own, ("dq", "dk", "dv")):
+        check_rule(ours, t, o, what)

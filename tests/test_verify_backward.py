@@ -1,0 +1,540 @@
+"""The backward main kernel's sync plan (fadsl/targets/sm90/backward/protocol.py) is proven
+in the async model for every configuration the header admits, with either consumer
+(bwd_consumer, or bwd_consumer_overlapped of `overlap on`), every broken variant of it is
+refused with the hazard named, the brute-force interleaving checker agrees on the smallest
+cases, and the headers (emit/sm90/include/fadsl/sm90_bwd.cuh, sm90_bwd_overlap.cuh) and
+the template (emit/sm90/backward.cu.j2) make exactly the protocol's calls in the protocol's
+order."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import replace
+
+import pytest
+
+from backward_header import (
+    HEADER,
+    MBARS,
+    OFFSETS,
+    OVERLAP_HEADER,
+    TEMPLATE,
+    config_constants,
+    consumer_function,
+    differences,
+    evaluate,
+    expected_calls,
+    function,
+    header_calls,
+    kernel_body,
+    squash,
+)
+from bruteforce_async import explore
+from fadsl.passes.asyncmodel.prove import check
+from fadsl.targets.sm90.backward.protocol import (
+    BAR_DQ,
+    BAR_DS,
+    Buffer,
+    Guard,
+    Index,
+    Item,
+    Kind,
+    Mbar,
+    Params,
+    Parity,
+    Phase,
+    Protocol,
+    Role,
+    Source,
+    Who,
+    default_layout,
+    protocol,
+)
+from fadsl.targets.sm90.backward.prove import (
+    build_program,
+    check_protocol,
+    m_counts,
+    parameter_space,
+    prove,
+)
+
+PARAMS = parameter_space()
+
+
+@pytest.mark.parametrize("params", PARAMS, ids=lambda p: p.describe())
+def test_the_plan_is_proven(params):
+    assert check_protocol(protocol(params)) == ()
+    assert prove(params).params == params
+
+
+def test_the_cases_wrap_every_ring_slot_twice():
+    for params in PARAMS:
+        assert list(m_counts(params)) == list(range(0, 2 * params.stages + 3))
+    assert {p.dq_by_keys for p in PARAMS} == {False, True}
+    assert {p.stages for p in PARAMS} == {1, 2, 3}
+    assert len(PARAMS) == 72 and sum(p.overlap for p in PARAMS) == 36
+
+
+# --- mutations ----------------------------------------------------------------------------
+
+PANELS = Params(2, 2, 128)  # dQ by head_dim panels: both warpgroups read all of dS^T
+BY_KEYS = Params(2, 2, 64)  # dQ by keys: each warpgroup reads its own rows
+PLAIN = (
+    PANELS,
+    BY_KEYS,
+    Params(1, 1, 64),
+    Params(3, 3, 128),
+    replace(PANELS, deterministic=True),
+)
+MUTATED = PLAIN + tuple(replace(p, overlap=True) for p in PLAIN)
+OVERLAPPED = tuple(p for p in MUTATED if p.overlap)
+
+
+def label(items: tuple[Item, ...], n: int) -> str:
+    """'kind (phase) after <the last named step before it>': the same for every config."""
+    previous = next((x.name for x in reversed(items[:n]) if x.name), "the start")
+    return f"{items[n].kind.value} ({items[n].phase.value}) after {previous}"
+
+
+def mutants(proto: Protocol, change):
+    """(label, mutant) for each item of each role that ``change`` maps to new items."""
+    for role in (Role.SETUP, Role.PRODUCER, Role.CONSUMER):
+        items = proto.role(role)
+        for n, item in enumerate(items):
+            new = change(item)
+            if new is not None:
+                yield f"{role.value}: {label(items, n)}", proto.with_role(
+                    role, items[:n] + new + items[n + 1 :]
+                )
+
+
+def survivors(proto: Protocol, change) -> list[str]:
+    return [what for what, mutant in mutants(proto, change) if not check_protocol(mutant)]
+
+
+def _redundant_staging_syncs(last_wgmma: str) -> set[str]:
+    """ordered_reduce_add's wait_group 0 retires the reduce-add's SMEM read at once, and the
+    dS^T meeting barrier of the next m-block orders it before the other threads' staging
+    writes: the leader's wait_group.read, the barrier after it and the exit's wait_group 0
+    are redundant in deterministic mode."""
+    return {
+        f"consumer: cp.async.bulk.wait_group.read (each m-block) after {last_wgmma}",
+        f"consumer: bar.sync (each m-block) after {last_wgmma}",
+        "consumer: cp.async.bulk.wait_group (after the m-block loop) after dQ reduce-add",
+    }
+
+
+# Syncs the proof finds unneeded, by (deterministic, overlap) (each a finding for the header;
+# the test fails if the set changes either way). bwd_consumer: the commit after dV and dK
+# only splits a group that the wait_group 0 after dQ's commit retires anyway (free). The
+# overlapped consumer needs every sync: both commits (wait_group 1 means dQ's group), both
+# waits (dQ's before the staging, dV's and dK's before the slot's release).
+UNNEEDED = {
+    (False, False): {"consumer: wgmma.commit_group (each m-block) after dK += dS^T Q"},
+    (False, True): set(),
+}
+UNNEEDED[True, False] = UNNEEDED[False, False] | _redundant_staging_syncs("dQ = dS K")
+UNNEEDED[True, True] = _redundant_staging_syncs("dK += dS^T Q")
+
+
+def unneeded(params: Params) -> set[str]:
+    return UNNEEDED[params.deterministic, params.overlap]
+
+
+@pytest.mark.parametrize("params", MUTATED, ids=lambda p: p.describe())
+def test_dropping_each_sync(params):
+    proto = protocol(params)
+    drops = list(mutants(proto, lambda x: () if x.is_sync else None))
+    assert len(drops) == sum(x.is_sync for r in Role for x in proto.role(r))
+    assert set(survivors(proto, lambda x: () if x.is_sync else None)) == unneeded(params)
+
+
+def _refusals(proto: Protocol, change) -> dict[str, tuple[str, ...]]:
+    found = {what: check_protocol(mutant) for what, mutant in mutants(proto, change)}
+    assert found, "no item was mutated"
+    return found
+
+
+@pytest.mark.parametrize("params", MUTATED, ids=lambda p: p.describe())
+def test_flipping_each_parity(params):
+    flips = {
+        Parity.ZERO: Parity.ONE,  # kv_full, used once: parity 1 passes the fresh barrier
+        Parity.RING: Parity.RING_FLIP,
+        Parity.RING_FLIP: Parity.RING,
+    }
+
+    def flip(x: Item):
+        return None if x.parity is None else (replace(x, parity=flips[x.parity]),)
+
+    found = _refusals(protocol(params), flip)
+    assert len(found) == 3  # kv_full, q_full, q_empty
+    assert all(found.values()), [w for w, p in found.items() if not p]
+
+
+@pytest.mark.parametrize("params", MUTATED, ids=lambda p: p.describe())
+def test_shrinking_each_count(params):
+    def shrink(x: Item):
+        if x.kind is Kind.MBAR_INIT and x.count > 1:
+            return (replace(x, count=x.count - 1),)
+        if x.kind is Kind.NAMED_BAR_SYNC:
+            return (replace(x, threads=x.threads - 32),)  # a warp fewer
+        if x.tx:
+            return (replace(x, tx=x.tx - 16),)
+        return None
+
+    found = _refusals(protocol(params), shrink)
+    assert all(found.values()), [w for w, p in found.items() if not p]
+    q_empty = next(p for w, p in found.items() if w.startswith("setup: mbarrier.init"))
+    assert any("arrival(s) where phase" in p and "q_empty" in p for p in q_empty), q_empty
+
+
+@pytest.mark.parametrize("params", MUTATED, ids=lambda p: p.describe())
+def test_waiting_for_one_group_fewer(params):
+    waits = (Kind.WGMMA_WAIT, Kind.BULK_WAIT_READ, Kind.BULK_WAIT)
+    found = _refusals(
+        protocol(params),
+        lambda x: (replace(x, pending=x.pending + 1),) if x.kind in waits else None,
+    )
+    refused = {w for w, p in found.items() if p}
+    if params.deterministic:  # the redundant waits stay redundant
+        assert set(found) - refused == {w for w in unneeded(params) if "wait_group" in w}
+        ordered = found["consumer: cp.async.bulk.wait_group (each m-block) after dQ reduce-add"]
+        assert any("wait_group 0 of the reduce-add" in p for p in ordered)
+    else:
+        assert refused == set(found)
+    wgmma = [p for w, ps in found.items() if "wgmma" in w for p in ps]
+    assert any(re.search(r"RAW on (dP\^T|dQ acc)", p) for p in wgmma), wgmma
+
+
+def single_ds_buffer(proto: Protocol) -> Protocol:
+    """dS^T always in buffer 0 (no i % 2)."""
+    fix = lambda op: replace(op, index=Index.NONE) if op.buffer is Buffer.DS else op  # noqa
+    items = tuple(
+        replace(x, reads=tuple(map(fix, x.reads)), writes=tuple(map(fix, x.writes)))
+        for x in proto.consumer
+    )
+    assert items != proto.consumer
+    return proto.with_role(Role.CONSUMER, items)
+
+
+ONE_BUFFER_CASES = [PANELS, Params(3, 3, 64), Params(3, 2, 128), Params(1, 2, 128)]
+ONE_BUFFER_CASES += [Params(2, 1, 128), replace(PANELS, deterministic=True)]
+ONE_BUFFER_CASES += [replace(p, overlap=True) for p in ONE_BUFFER_CASES]
+
+
+@pytest.mark.parametrize("params", ONE_BUFFER_CASES, ids=lambda p: p.describe())
+def test_one_ds_buffer(params):
+    """dS^T in one buffer: with dQ split by panels, warpgroup w's next dS^T rows overwrite
+    bytes another warpgroup's dQ wgmma may still read. It is enough (a finding: kDSBytes of
+    SMEM to save) where each warpgroup reads only its own rows after its own wait (dQ split
+    by keys, or one consumer), and with one stage, where m-block i + 1's Q waits for every
+    consumer thread's release of m-block i, after its dQ wgmma retired. The same holds for
+    the overlapped consumer: its dQ retires at its wait_group 1, but another warpgroup may
+    write its next rows of dS^T before that."""
+    problems = check_protocol(single_ds_buffer(protocol(params)))
+    needs_two = not params.dq_by_keys and params.consumers > 1 and params.stages > 1
+    if needs_two:
+        assert any(re.search(r"(WAR|RAW) on dS\^T.*dQ = dS K", p) for p in problems), problems
+    else:
+        assert problems == ()
+
+
+def _without(proto: Protocol, role: Role, kind: Kind, phase: Phase = Phase.LOOP) -> Protocol:
+    items = proto.role(role)
+    n = next(n for n, x in enumerate(items) if x.kind is kind and x.phase is phase)
+    return proto.with_role(role, items[:n] + items[n + 1 :])
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_the_staging_needs_the_wait_for_the_previous_read(overlap):
+    proto = protocol(replace(PANELS, overlap=overlap))
+    problems = check_protocol(_without(proto, Role.CONSUMER, Kind.BULK_WAIT_READ))
+    assert any(
+        re.search(r"WAR on dQ staging of wg0: .*dQ reduce-add \(m-block 0\).*m-block 1", p)
+        for p in problems
+    ), problems
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_the_exit_needs_the_last_wait(overlap):
+    proto = protocol(replace(BY_KEYS, overlap=overlap))
+    problems = check_protocol(_without(proto, Role.CONSUMER, Kind.BULK_WAIT, Phase.AFTER))
+    assert any("dQ reduce-add" in p and "still in flight when wg0 ends" in p for p in problems)
+
+
+@pytest.mark.parametrize("params", OVERLAPPED, ids=lambda p: p.describe())
+def test_the_overlapped_staging_needs_dq_retired(params):
+    """bwd_consumer_overlapped's wait_group 1 after dV's and dK's commit weakened to 2: dQ's
+    group may still run when the warpgroup stages its registers."""
+    items = protocol(params).consumer
+    n = max(n for n, x in enumerate(items) if x.kind is Kind.WGMMA_WAIT and x.pending == 1)
+    assert items[n - 1].kind is Kind.WGMMA_COMMIT and items[n - 2].name == "dK += dS^T Q"
+    weak = items[:n] + (replace(items[n], pending=2),) + items[n + 1 :]
+    problems = check_protocol(protocol(params).with_role(Role.CONSUMER, weak))
+    assert any(
+        re.search(r"RAW on dQ acc: .*dQ = dS K \(m-block 0\).*dQ -> staging \(m-block 0\)", p)
+        for p in problems
+    ), problems
+
+
+@pytest.mark.parametrize("params", OVERLAPPED, ids=lambda p: p.describe())
+def test_the_overlapped_release_needs_dv_and_dk_retired(params):
+    """bwd_consumer_overlapped's q_empty arrive moved before its wait_group 0: the producer
+    may reload the slot's Q or dO while dV's or dK's wgmma still reads it."""
+    items = list(protocol(params).consumer)
+    n = next(n for n, x in enumerate(items) if x.kind is Kind.MBAR_ARRIVE)
+    assert items[n - 1].kind is Kind.WGMMA_WAIT and items[n - 1].pending == 0
+    items[n - 1], items[n] = items[n], items[n - 1]
+    problems = check_protocol(protocol(params).with_role(Role.CONSUMER, tuple(items)))
+    assert any(
+        re.search(r"WAR on (Q|dO)\[slot 0\]: .*(dK \+= dS\^T Q|dV \+= P\^T dO).*producer", p)
+        for p in problems
+    ), problems
+
+
+def test_the_wait_read_can_move_before_the_ds_barrier():
+    """A finding: the leader's wait_group.read placed before the dS^T barrier is ordered
+    before the other threads' staging writes by that barrier, so the first staging barrier
+    goes (one bar.sync less per m-block). The same in the overlapped consumer, where the
+    wait moves before meet_and_issue_dq's barrier (right after dS^T's proxy fence)."""
+    for params in (p for p in MUTATED if not p.deterministic):
+        items = list(protocol(params).consumer)
+        n = next(n for n, x in enumerate(items) if x.kind is Kind.BULK_WAIT_READ)
+        wait, barrier = items.pop(n), items.pop(n)
+        assert barrier.kind is Kind.NAMED_BAR_SYNC
+        fence = next(n for n, x in enumerate(items) if x.kind is Kind.FENCE_PROXY_ASYNC_SMEM)
+        items.insert(fence, wait)
+        assert check_protocol(protocol(params).with_role(Role.CONSUMER, tuple(items))) == ()
+        # without moving the wait, the barrier is needed
+        moved = protocol(params).with_role(Role.CONSUMER, tuple(items))
+        assert check_protocol(_without(moved, Role.CONSUMER, Kind.BULK_WAIT_READ))
+
+
+def test_the_kv_wait_needs_its_guard():
+    """The producer loads nothing for a CTA that visits no m-block: an unguarded K/V wait
+    hangs there."""
+    items = tuple(
+        replace(x, guard=Guard.ALWAYS) if x.mbar is Mbar.KV_FULL else x
+        for x in protocol(PANELS).consumer
+    )
+    problems = check_protocol(protocol(PANELS).with_role(Role.CONSUMER, items))
+    assert problems and "m_count 0: hang: wg0" in problems[0] and "kv_full" in problems[0]
+
+
+def test_a_fence_by_the_leader_alone_is_refused():
+    items = tuple(
+        replace(x, who=Who.LEADER) if x.kind is Kind.FENCE_PROXY_ASYNC_SMEM else x
+        for x in protocol(BY_KEYS).consumer
+    )
+    problems = check_protocol(protocol(BY_KEYS).with_role(Role.CONSUMER, items))
+    assert any("no fence.proxy.async by wg0" in p for p in problems), problems
+
+
+def test_a_wait_or_barrier_by_the_leader_alone_is_refused():
+    for kind in (Kind.MBAR_WAIT, Kind.NAMED_BAR_SYNC):
+        items = tuple(
+            replace(x, who=Who.LEADER) if x.kind is kind else x for x in protocol(PANELS).consumer
+        )
+        problems = check_protocol(protocol(PANELS).with_role(Role.CONSUMER, items))
+        assert any("thread 0 of the consumer warpgroup" in p for p in problems), problems
+
+
+@pytest.mark.parametrize(
+    "kind,message",
+    [
+        (Kind.SEM_ACQUIRE, "does not follow the ticket's acquire"),
+        (Kind.FENCE_PROXY_ASYNC_GLOBAL, "between the ticket's acquire and the reduce-add"),
+        (Kind.SEM_RELEASE, "no release of the next ticket"),
+    ],
+)
+def test_the_semaphore_order_is_checked(kind, message):
+    problems = check_protocol(_without(protocol(Params(2, 2, 64, True)), Role.CONSUMER, kind))
+    assert any(message in p for p in problems), problems
+
+
+def test_the_release_needs_the_adds_performed_and_fenced():
+    proto = protocol(Params(3, 1, 128, True))
+    items = proto.consumer
+    ordered = [n for n, x in enumerate(items) if x.source is Source.ORDERED_REDUCE_ADD]
+    wait = next(n for n in ordered if items[n].kind is Kind.BULK_WAIT)
+    read_only = replace(items[wait], kind=Kind.BULK_WAIT_READ)
+    problems = check_protocol(
+        proto.with_role(Role.CONSUMER, items[:wait] + (read_only,) + items[wait + 1 :])
+    )
+    assert any("wait_group 0 of the reduce-add" in p for p in problems), problems
+    last_fence = max(n for n in ordered if items[n].kind is Kind.FENCE_PROXY_ASYNC_GLOBAL)
+    problems = check_protocol(
+        proto.with_role(Role.CONSUMER, items[:last_fence] + items[last_fence + 1 :])
+    )
+    assert any("between the reduce-add's wait_group 0 and" in p for p in problems), problems
+
+
+def test_a_semaphore_without_deterministic_mode_is_refused():
+    det = protocol(Params(2, 2, 64, True))
+    assert check_protocol(replace(det, params=Params(2, 2, 64, False)))
+
+
+def test_the_setup_is_checked():
+    proto = protocol(PANELS)
+    for kind, message in (
+        (Kind.FENCE_MBAR_INIT, "no fence.mbarrier_init"),
+        (Kind.SYNCTHREADS, "no __syncthreads"),
+    ):
+        problems = check_protocol(_without(proto, Role.SETUP, kind, Phase.BEFORE))
+        assert any(message in p for p in problems), problems
+    problems = check_protocol(_without(proto, Role.SETUP, Kind.MBAR_INIT, Phase.BEFORE))
+    assert any("mbarrier kv_full (one copy) is used but never initialised" in p for p in problems)
+
+
+# --- the brute-force interleaving checker -------------------------------------------------
+
+SMALL = [(Params(1, 1, 64), 1), (Params(1, 1, 64), 3), (Params(1, 2, 64), 2)]
+SMALL += [(Params(2, 1, 64), 1), (Params(1, 1, 128, True), 2), (Params(2, 1, 128), 2)]
+SMALL += [(Params(1, 1, 64, overlap=True), 2), (Params(1, 2, 64, overlap=True), 2)]
+SMALL += [(Params(2, 1, 64, overlap=True), 1), (Params(1, 1, 128, True, True), 2)]
+
+
+@pytest.mark.parametrize("params,m_count", SMALL, ids=str)
+def test_bruteforce_agrees_on_the_plan(params, m_count):
+    assert explore(build_program(protocol(params), m_count), all_kinds=True) == set()
+
+
+MODEL_KINDS = frozenset(Kind) - {Kind.MBAR_INIT, Kind.FENCE_MBAR_INIT, Kind.SYNCTHREADS}
+MODEL_KINDS -= {Kind.WGMMA_FENCE, Kind.FENCE_PROXY_ASYNC_GLOBAL, Kind.SEM_ACQUIRE}
+
+
+@pytest.mark.parametrize(
+    "params,m_count",
+    [(Params(1, 1, 64), 2), (Params(2, 1, 64), 2), (Params(1, 1, 64, overlap=True), 2)],
+)
+def test_bruteforce_agrees_on_every_dropped_sync(params, m_count):
+    refused = 0
+    for what, mutant in mutants(
+        protocol(params), lambda x: () if x.is_sync and x.kind in MODEL_KINDS else None
+    ):
+        program = build_program(mutant, m_count)
+        found = explore(program)
+        assert bool(check(program)) == bool(found), (what, found, check(program))
+        refused += bool(found)
+    assert refused > 5
+
+
+def test_bruteforce_finds_the_single_ds_buffer_race():
+    """Two stages: the correct plan has too many states for the brute force, the race not."""
+    assert explore(build_program(single_ds_buffer(protocol(PANELS)), 2)) == {"race"}
+    assert explore(build_program(single_ds_buffer(protocol(Params(2, 1, 128))), 2)) == set()
+
+
+# --- the header makes the protocol's calls (backward_header.py reads it) ------------------
+
+
+@pytest.mark.parametrize("params", PARAMS, ids=lambda p: p.describe())
+@pytest.mark.parametrize("role", list(Role), ids=lambda r: r.value)
+def test_the_header_makes_the_protocols_calls(role, params):
+    expected, found = expected_calls(protocol(params), role), header_calls(role, params)
+    assert found == expected, differences(expected, found)
+
+
+@pytest.mark.parametrize(
+    "what,old,new",
+    [
+        ("a dropped wait_read", "if (tid == 0) tma_store_wait_read<0>();", ""),
+        ("a flipped parity", "phase ^ 1u);", "phase);"),
+        ("one dS^T buffer", "(i % 2) * Cfg::kDSBytes", "0 * Cfg::kDSBytes"),
+        ("wait<2>", "wgmma_wait<1>();", "wgmma_wait<2>();"),
+        ("a fence moved", "fence_proxy_async_smem();\n    float dq", "float dq"),
+        ("expect_tx", "2 * Cfg::kQBytes + 2 * Cfg::kRowFloatsBytes", "2 * Cfg::kQBytes"),
+        (
+            "the leader's barrier",
+            "named_bar_sync(Cfg::kBarDQ + wg, 128);\n    stage_dq",
+            "stage_dq",
+        ),
+        ("no acquire fence", "fence_proxy_async_global();  // the acquire", ""),
+    ],
+)
+def test_an_edited_header_is_caught(what, old, new):
+    assert HEADER.count(old) == 1, what
+    edited = HEADER.replace(old, new)
+    for params in (PANELS, BY_KEYS, Params(2, 2, 64, True)):
+        for role in (Role.PRODUCER, Role.CONSUMER):
+            if header_calls(role, params, edited) != expected_calls(protocol(params), role):
+                return
+    raise AssertionError(f"{what}: the edited header still matches the protocol")
+
+
+ARRIVE = "    mbar_arrive(bwd_bar_q_empty<Cfg>(smem, slot));\n"
+REDUCE = "    reduce_dq<Cfg>(P, b, stage, dq, accum_head, m, wg, tid);\n"
+ISSUE = "    meet_and_issue_dq<Cfg>(dq, smem, ds_buf, wg);\n"
+GRADS = "    issue_grad_kv<Cfg>(dk, ds16, q_slot);\n"
+
+
+@pytest.mark.parametrize(
+    "what,edits",
+    [
+        ("a dropped wait_read", [("if (tid == 0) tma_store_wait_read<0>();", "")]),
+        ("wait<2> before the staging", [("wgmma_wait<1>();  // dQ", "wgmma_wait<2>();  // dQ")]),
+        ("the arrive before wait<0>", [(ARRIVE, ""), (REDUCE, REDUCE + ARRIVE)]),
+        ("dQ issued after dV and dK", [(ISSUE, ""), (GRADS, GRADS + ISSUE)]),
+        ("one dS^T buffer", [("(i % 2) * Cfg::kDSBytes", "0 * Cfg::kDSBytes")]),
+        ("a flipped parity", [("& 1u);", "& 1u ^ 1u);")]),
+        ("no meeting by keys", [("named_bar_sync(Cfg::kBarDQ + wg, 128);  // RAW", "// ")]),
+        ("a meeting too small", [("kBarDS, Cfg::kConsumerThreads);", "kBarDS, 128);")]),
+        ("no wgmma fence", [("wgmma_fence();\n    float dq", "float dq")]),
+        ("no staging fence", [("fence_proxy_async_smem();\n  named_bar_sync", "named_bar_sync")]),
+    ],
+)
+def test_an_edited_overlap_header_is_caught(what, edits):
+    edited = OVERLAP_HEADER
+    for old, new in edits:
+        assert edited.count(old) == 1, (what, old)
+        edited = edited.replace(old, new)
+    for params in OVERLAPPED:
+        found = header_calls(Role.CONSUMER, params, overlap_header=edited)
+        if found != expected_calls(protocol(params), Role.CONSUMER):
+            return
+    raise AssertionError(f"{what}: the edited header still matches the protocol")
+
+
+def test_an_edited_template_is_caught():
+    """The kernel must call the overlapped consumer exactly under `{% if overlap %}`."""
+    swapped = TEMPLATE.replace("{% if overlap %}", "{% if not_overlap %}")
+    with pytest.raises(AssertionError, match="another"):
+        header_calls(Role.CONSUMER, replace(PANELS, overlap=True), template=swapped)
+    plain = TEMPLATE.replace("bwd_consumer_overlapped<Cfg>", "bwd_consumer<Cfg>")
+    params = replace(PANELS, overlap=True)
+    found = header_calls(Role.CONSUMER, params, template=plain)
+    assert found != expected_calls(protocol(params), Role.CONSUMER)
+
+
+def test_the_header_agrees_on_layout_barriers_and_roles():
+    for params in PARAMS:
+        env = config_constants(params)
+        assert (env["kBarDS"], env["kBarDQ"]) == (BAR_DS, BAR_DQ)
+        assert env["kThreads"] == 128 * (1 + params.consumers)
+        assert env["kDqByKeys"] == params.dq_by_keys and env["kDqFloats"] == params.dq_floats
+        assert env["kOverlap"] == params.overlap
+        for buffer, offset, size in default_layout(params).offsets:
+            name = next(k for k, v in OFFSETS.items() if v is buffer)
+            assert env[name] == offset, (params, buffer)
+        # the mbarriers: distinct 8-byte words inside the kNumBars the plan reserves
+        words = []
+        for name in MBARS:
+            _, body = function(HEADER, rf"uint32_t {name}\(")
+            (expr,) = re.findall(r"return ([^;]+);", body)
+            slots = range(params.stages) if "slot" in expr else [0]
+            words += [evaluate(expr, env, smem=0, slot=s) - env["kOffBar"] for s in slots]
+        assert sorted(words) == [8 * n for n in range(env["kNumBars"])]
+    for overlap in (False, True):
+        split = squash(kernel_body(overlap))
+        assert "if(warpgroup==0){" in split and "threadIdx.x/32==0&&elect_one()" in split
+        assert "bwd_producer<Cfg>(P,smem,block);}else{" in split
+        consumer = "bwd_consumer_overlapped" if overlap else "bwd_consumer"
+        assert consumer_function(overlap) == consumer
+        assert split.count("warpgroup-1);") == 1
+    # the template's Cfg passes `overlap` as BwdConfig's kOverlap_ (its ninth parameter)
+    (cfg,) = re.findall(r"struct Cfg : BwdConfig<(.*?)> \{", TEMPLATE)
+    head = HEADER[: HEADER.index("struct BwdConfig")]
+    names = re.findall(r"(?:class|int|bool) (\w+)", head[head.rindex("template") :])
+    assert names[8] == "kOverlap_" and re.split(r",\s*(?={{)", cfg)[8] == (
+        '{{ "true" if overlap else "false" }}'
+    )
