@@ -6,6 +6,7 @@
 #   shape, then the benchmarks if asked.
 # Usage (repo root, on the device):
 #   bash scripts/device.sh [fa4stage] [numerics] [backward] [tests] [sanitize] [trace] [probe] [bench ARGS...]
+#   tune: fadsl tune on TUNE_SPEC within TUNE_BUDGET minutes, the winner then timed beside TUNE_AGAINST
 #   backward: tests/test_gpu_backward.py, then the backward timed (scripts/bench_backward.py)
 #   for each example named in BWD_SPECS (NAME: with `backward {}` added; NAME+KEY...: those keys
 #   on, e.g. fa3_causal+overlap; see tests/test_gpu_backward.py training_spec) at BWD_SEQLENS
@@ -76,6 +77,20 @@ if [[ $steps == *" backward "* ]]; then
     python3 -P scripts/bench_backward.py /tmp/$name.fa $causal --seqlens ${BWD_SEQLENS:-1024,4096,16384} --json "$OUT/bwd_$name.json" 2>&1 | tee -a "$OUT/bench_backward.log" | tail -6
     status=$((status | ${PIPESTATUS[0]}))
   done
+fi
+if [[ $steps == *" tune "* ]]; then
+  # fadsl tune on TUNE_SPEC (default: issue 32's 2-consumer causal head_dim 64 spec) within
+  # TUNE_BUDGET minutes, then the winner timed beside TUNE_AGAINST (the best hand-written spec)
+  spec=${TUNE_SPEC:-tests/specs/sm90/tune_causal_hdim64.fa}
+  causal=$(grep -qE '^\s*mask\s+causal' "$spec" && echo --causal)
+  start=$SECONDS
+  python3 -P -m fadsl.cli tune "$spec" $causal --hidden 2048 --budget ${TUNE_BUDGET:-5} -o "$OUT/tuned.fa" 2>&1 | tee "$OUT/tune.log" | grep -v "^\[" | tail -25
+  status=$((status | ${PIPESTATUS[0]}))
+  echo "tune: $((SECONDS - start)) s"
+  if [[ -f "$OUT/tuned.fa" && -n "${TUNE_AGAINST:-examples/fa3_hdim64_causal.fa}" ]]; then
+    python3 -P -m fadsl.cli bench "$OUT/tuned.fa" $causal --hidden 2048 --seqlens 2048,4096,8192,16384 --against ${TUNE_AGAINST:-examples/fa3_hdim64_causal.fa} 2>&1 | tee "$OUT/tune_vs_hand.log" | tail -8
+    status=$((status | ${PIPESTATUS[0]}))
+  fi
 fi
 if [[ $steps == *" tests "* || $# -eq 0 ]]; then
   # -P: import the installed fadsl (the one pip built), not the source folder

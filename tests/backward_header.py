@@ -2,7 +2,8 @@
 reader behind tests/test_verify_backward.py's check that emit/sm90/include/fadsl/sm90_bwd.cuh
 (bwd_producer, bwd_consumer, ordered_reduce_add), emit/sm90/include/fadsl/sm90_bwd_overlap.cuh
 (bwd_consumer_overlapped, reduce_dq, meet_and_issue_dq) and the kernel body of
-emit/sm90/backward.cu.j2 make exactly the calls of fadsl/targets/sm90/backward/protocol.py.
+emit/sm90/backward.cu.j2 make exactly the calls of fadsl/targets/sm90/backward/protocol.py (the
+plan the sync pass places).
 
 A small reader of the header's C++: statements, blocks, if / if constexpr / for / while.
 It walks a function for one configuration (if constexpr on kDqByKeys and kDeterministic
@@ -23,7 +24,7 @@ import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from fadsl.targets.sm90.backward.protocol import (
+from fadsl.targets.sm90.backward.program import (
     Buffer,
     Guard,
     Index,

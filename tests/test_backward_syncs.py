@@ -1,9 +1,11 @@
-"""The backward's sync pass (fadsl/targets/sm90/backward/syncs): from the schedule (the hand
-plan of protocol.py with every sync removed) it places a plan that prove.py proves and that
-equals the hand plan, sync for sync and field for field but ``why``, in all 72
-configurations; ``economical`` leaves out exactly the syncs the proof finds redundant
-(tests/test_verify_backward.py UNNEEDED). The pass is a pure function of the schedule, and
-taking an access out of a step moves or removes the syncs that ordered it."""
+"""The backward's sync pass (fadsl/targets/sm90/backward/syncs): from the schedule (steps.py:
+the steps with no sync) it places the kernel's plan (protocol.py: ``protocol``), which
+prove.py proves and which equals the plan written by hand from the header
+(tests/backward_hand_plan.py, an oracle only), sync for sync and field for field but
+``why``, in all 72 configurations; ``economical`` leaves out exactly the syncs the proof
+finds redundant (tests/test_verify_backward.py UNNEEDED). The pass is a pure function of
+the schedule, and taking an access out of a step moves or removes the syncs that ordered
+it."""
 
 from __future__ import annotations
 
@@ -12,7 +14,8 @@ from dataclasses import replace
 
 import pytest
 
-from fadsl.targets.sm90.backward.protocol import (
+from backward_hand_plan import hand_protocol
+from fadsl.targets.sm90.backward.program import (
     Buffer,
     Item,
     Kind,
@@ -22,10 +25,11 @@ from fadsl.targets.sm90.backward.protocol import (
     Phase,
     Protocol,
     Role,
-    protocol,
 )
+from fadsl.targets.sm90.backward.protocol import protocol
 from fadsl.targets.sm90.backward.prove import check_protocol, parameter_space
-from fadsl.targets.sm90.backward.syncs import place_syncs, schedule, without_syncs
+from fadsl.targets.sm90.backward.steps import schedule
+from fadsl.targets.sm90.backward.syncs import place_syncs, without_syncs
 from test_verify_backward import UNNEEDED
 
 PARAMS = parameter_space()
@@ -65,9 +69,29 @@ DIFFERENCES: dict[Params, set[str]] = {}
 @pytest.mark.parametrize("params", PARAMS, ids=lambda p: p.describe())
 def test_the_placed_plan_is_the_hand_plan_and_is_proven(params):
     placed = place_syncs(schedule(params))
+    assert protocol(params) == placed  # the kernel's plan is the placed one
     assert check_protocol(placed) == ()
-    assert left_out(protocol(params), placed) == DIFFERENCES.get(params, set())
+    assert left_out(hand_protocol(params), placed) == DIFFERENCES.get(params, set())
     assert without_syncs(placed) == schedule(params)  # the steps untouched, in order
+    assert without_syncs(hand_protocol(params)) == schedule(params)
+
+
+@pytest.mark.parametrize("params", PARAMS, ids=lambda p: p.describe())
+def test_every_placed_sync_says_what_it_orders(params):
+    """Each placed sync's ``why`` names its hazard (`fadsl explain` prints it)."""
+    for role in Role:
+        for x in protocol(params).role(role):
+            assert not x.is_sync or x.why, (role, x)
+
+
+def test_the_schedule_has_no_sync():
+    for params in PARAMS:
+        steps = schedule(params)
+        assert not steps.setup
+        assert not any(x.is_sync for role in Role for x in steps.role(role))
+        for role in Role:  # a step is known by its name (``edited``)
+            names = [x.name for x in steps.role(role)]
+            assert all(names) and len(set(names)) == len(names), names
 
 
 # economical: a wgmma group open across syncs (bwd_consumer's dK and dQ share one), and the
@@ -92,19 +116,12 @@ def test_the_economical_plan_is_proven_and_cheaper(params):
     placed = place_syncs(schedule(params), economical=True)
     assert check_protocol(placed) == ()
     expected = ECONOMICAL_LEAVES_OUT[params.deterministic, params.overlap]
-    assert left_out(protocol(params), placed) == expected
+    assert left_out(hand_protocol(params), placed) == expected
 
 
 def test_economical_leaves_out_what_the_proof_finds_redundant():
-    """Each sync economical leaves out survives being dropped alone from the hand plan."""
+    """Each sync economical leaves out survives being dropped alone from the plan."""
     assert ECONOMICAL_LEAVES_OUT == UNNEEDED
-
-
-def test_every_placed_sync_says_what_it_orders():
-    for params in (Params(2, 2, 128, True), Params(3, 1, 64, overlap=True)):
-        placed = place_syncs(schedule(params))
-        for role in Role:
-            assert all(x.why for x in placed.role(role) if x.is_sync), role
 
 
 def test_the_pass_is_a_pure_function():
@@ -144,7 +161,7 @@ def test_dq_not_reading_ds_needs_no_meeting(head_dim, overlap):
     reads = tuple(op for op in dq.reads if op.buffer is not Buffer.DS)
     placed = place_syncs(edited(params, Role.CONSUMER, "dQ = dS K", reads=reads))
     assert check_protocol(placed) == ()
-    gone = left_out(protocol(params), placed)
+    gone = left_out(hand_protocol(params), placed)
     expected = ["bar.sync", "fence.proxy.async.shared::cta"]
     expected += [] if overlap else ["wgmma.commit_group"]
     assert kinds(gone) == sorted(expected), gone
@@ -159,7 +176,7 @@ def test_p_without_registers_needs_no_wait_for_s():
     placed = place_syncs(
         edited(params, Role.CONSUMER, "P = exp2(S - LSE)", reg_reads=(), reg_writes=())
     )
-    gone = left_out(protocol(params), placed)
+    gone = left_out(hand_protocol(params), placed)
     assert kinds(gone) == ["wgmma.commit_group", "wgmma.wait_group"], gone
     assert {"consumer: wgmma.wait_group (each m-block) after dP^T = V dO^T"} < gone
 
@@ -184,7 +201,7 @@ def test_dv_dk_not_reading_the_slot_release_it_early():
 def test_a_staging_not_written_needs_no_staging_syncs():
     params = Params(2, 2, 64)
     placed = place_syncs(edited(params, Role.CONSUMER, "dQ -> staging", writes=()))
-    gone = left_out(protocol(params), placed)
+    gone = left_out(hand_protocol(params), placed)
     assert kinds(gone) == sorted(
         ["cp.async.bulk.wait_group.read", "bar.sync", "fence.proxy.async.shared::cta", "bar.sync"]
     ), gone
@@ -194,7 +211,7 @@ def test_the_expected_bytes_are_the_loads():
     """The LSE load writing nothing: q_full expects 256 bytes fewer."""
     params = Params(2, 2, 128)
     placed = place_syncs(edited(params, Role.PRODUCER, "LSE load", writes=()))
-    hand = protocol(params)
+    hand = hand_protocol(params)
 
     def armed(plan: Protocol) -> int:
         (x,) = [

@@ -155,8 +155,8 @@ def test_large_logits_stay_finite():
 
 
 def test_forward_only_spec_still_refuses_gradients():
-    plain = fadsl.load(EXAMPLES / "fa3_hopper.fa", verbose=False)
-    q, k, v, dout = inputs((1, 64, 64, 2, 2), torch.bfloat16, 128, seed=1)
+    plain = fadsl.load(EXAMPLES / "fa3_hdim256.fa", verbose=False)  # no backward block
+    q, k, v, dout = inputs((1, 64, 64, 2, 2), torch.bfloat16, 256, seed=1)
     out = plain(q.requires_grad_(), k, v)
     with pytest.raises(RuntimeError, match="no backward block"):
         out.backward(dout)

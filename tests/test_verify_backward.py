@@ -1,10 +1,10 @@
-"""The backward main kernel's sync plan (fadsl/targets/sm90/backward/protocol.py) is proven
-in the async model for every configuration the header admits, with either consumer
-(bwd_consumer, or bwd_consumer_overlapped of `overlap on`), every broken variant of it is
-refused with the hazard named, the brute-force interleaving checker agrees on the smallest
-cases, and the headers (emit/sm90/include/fadsl/sm90_bwd.cuh, sm90_bwd_overlap.cuh) and
-the template (emit/sm90/backward.cu.j2) make exactly the protocol's calls in the protocol's
-order."""
+"""The backward main kernel's sync plan (fadsl/targets/sm90/backward/protocol.py: the steps
+of steps.py with the syncs the sync pass placed) is proven in the async model for every
+configuration the header admits, with either consumer (bwd_consumer, or
+bwd_consumer_overlapped of `overlap on`), every broken variant of it is refused with the
+hazard named, the brute-force interleaving checker agrees on the smallest cases, and the
+headers (emit/sm90/include/fadsl/sm90_bwd.cuh, sm90_bwd_overlap.cuh) and the template
+(emit/sm90/backward.cu.j2) make exactly the protocol's calls in the protocol's order."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ from backward_header import (
 )
 from bruteforce_async import explore
 from fadsl.passes.asyncmodel.prove import check
-from fadsl.targets.sm90.backward.protocol import (
+from fadsl.targets.sm90.backward.program import (
     BAR_DQ,
     BAR_DS,
     Buffer,
@@ -48,8 +48,8 @@ from fadsl.targets.sm90.backward.protocol import (
     Source,
     Who,
     default_layout,
-    protocol,
 )
+from fadsl.targets.sm90.backward.protocol import protocol
 from fadsl.targets.sm90.backward.prove import (
     build_program,
     check_protocol,

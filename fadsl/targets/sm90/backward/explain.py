@@ -34,7 +34,7 @@ def _warpgroups(first: int, count: int) -> str:
 
 
 def backward_syncs(kernel: Kernel) -> list[dict[str, Any]]:
-    """The main kernel's syncs, role by role in program order, from its protocol
+    """The main kernel's syncs, role by role in program order, as the sync pass placed them
     (protocol.py: the plan the header follows, proved by prove.py): one entry each,
     ``{"sync": ..., "note": why}``."""
     bwd = kernel.backward
@@ -212,13 +212,9 @@ def backward_sections(data: Mapping[str, Any]) -> list[str]:
 
 
 def _syncs_text(syncs: list[Mapping[str, Any]]) -> list[str]:
-    if not syncs:
-        return [
-            "Backward syncs: not placed yet (the backward's sync pass: docs/backward.md, step 3)"
-        ]
     out = [
-        "Backward syncs (the main kernel's, in program order per role; the plan is",
-        "fadsl/targets/sm90/backward/protocol.py, proved by prove.py in the async model)",
+        "Backward syncs (the main kernel's, in program order per role; placed by the sync",
+        "pass fadsl/targets/sm90/backward/syncs/, proved by prove.py in the async model)",
     ]
     for sync in syncs:
         out.append(f"  >> {sync['sync']}")

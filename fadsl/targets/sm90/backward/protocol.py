@@ -1,578 +1,91 @@
-"""The backward main kernel's sync plan as data: what emit/sm90/include/fadsl/sm90_bwd.cuh
-(bwd_producer, bwd_consumer, ordered_reduce_add), emit/sm90/include/fadsl/sm90_bwd_overlap.cuh
-(bwd_consumer_overlapped with reduce_dq and meet_and_issue_dq, the consumer of `overlap on`)
-and the kernel body of emit/sm90/backward.cu.j2 do, call by call, for one CTA (one n-block of
-keys).
+"""The backward main kernel's sync plan: the steps (steps.py: ``schedule``, the work with no
+sync) with every mbarrier, named barrier, fence, wgmma group and bulk group placed by the
+sync pass (syncs/: ``place_syncs``), each sync with a ``why`` naming the hazard it orders.
 
-Roles: the setup thread (thread 0: the mbarrier inits, before the roles split), the
-producer (one elected thread of warp 0: TMA loads of K and V once, then Q, dO, LSE and D
-into a ring of ``stages`` slots per m-block), and ``consumers`` warpgroups of 128 threads
-(wgmma, the softmax gradient, dS^T through SMEM, dQ staged and reduce-added into global
-memory by the warpgroup's thread 0, the "leader").
+``protocol(p)`` is the one plan: the header (emit/sm90/include/fadsl/sm90_bwd.cuh,
+sm90_bwd_overlap.cuh, the kernel body of emit/sm90/backward.cu.j2) makes its calls in its
+order (tests/test_verify_backward.py), prove.py proves it in the async model for every
+m-block count, and `fadsl explain` prints its syncs with their whys. A plan written by hand
+from the header stays beside the tests as an oracle (tests/backward_hand_plan.py):
+tests/test_backward_syncs.py checks that the pass places exactly its syncs in all 72
+configurations.
 
-Each role's program is a tuple of ``Item`` in the header's order, each one call (a sync or
-a step that accesses memory) tagged with the phase it runs in: once before the m-block
-loop, once per m-block (``Phase.LOOP``), or once after it. Loop items name their slot and
-parity symbolically (``Index``, ``Parity``): ring slot i % stages and parity
-(i / stages) & 1, dS^T's buffer i % 2. prove.py unrolls them for a given m-block count and
-proves the result in the async model; tests/test_verify_backward.py checks that the header
-makes the same calls in the same order.
-
-Nothing here is a string that acts: kinds, buffers, barriers and registers are enums;
-``name`` and ``why`` only label messages.
+The vocabulary (roles, kinds, buffers, ``Item``, ``Params``, ``Protocol`` ...) is
+program.py's, re-exported here so that ``from .protocol import Item`` keeps working.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-from enum import Enum
-
-WARPGROUP_THREADS = 128
-KEYS_PER_WARPGROUP = 64  # each consumer warpgroup owns 64 keys of the n-block
-BLOCK_M = 64  # queries per m-block (B_r): dS^T's rows are one 128-byte swizzle span
-ROW_BYTES = 128  # a 64-column panel row of 16-bit elements (the 128-byte swizzle)
-PANEL_COLUMNS = 64
-F32 = 4
-BAR_DS = 1  # named barrier: every consumer thread, both halves of dS^T written (panels)
-BAR_DQ = 2  # named barrier BAR_DQ + wg: one warpgroup (128 threads)
-
-
-class Role(Enum):
-    SETUP = "setup"
-    PRODUCER = "producer"
-    CONSUMER = "consumer"
-
-
-class Who(Enum):
-    """The threads that execute an item."""
-
-    THREAD0 = "thread 0 of the CTA"
-    CTA = "every thread of the CTA"
-    ELECTED = "the producer's elected thread"
-    WARPGROUP = "every thread of the consumer warpgroup"
-    LEADER = "thread 0 of the consumer warpgroup"
-
-
-class Source(Enum):
-    """Where the item's call is: the function of the header, or the kernel's body."""
-
-    KERNEL = "the kernel body"
-    PRODUCER = "bwd_producer"
-    CONSUMER = "bwd_consumer"
-    OVERLAPPED = "bwd_consumer_overlapped"  # `overlap on` (sm90_bwd_overlap.cuh)
-    MEET_AND_ISSUE_DQ = "meet_and_issue_dq"  # the overlapped consumer's helpers
-    REDUCE_DQ = "reduce_dq"
-    ORDERED_REDUCE_ADD = "ordered_reduce_add"
-
-
-class Phase(Enum):
-    BEFORE = "before the m-block loop"
-    LOOP = "each m-block"
-    AFTER = "after the m-block loop"
-
-
-class Guard(Enum):
-    ALWAYS = "always"
-    HAS_WORK = "only when the CTA visits an m-block (m_count > 0)"
-
-
-class Kind(Enum):
-    # syncs
-    MBAR_INIT = "mbarrier.init"
-    FENCE_MBAR_INIT = "fence.mbarrier_init"
-    SYNCTHREADS = "__syncthreads"
-    MBAR_WAIT = "mbarrier.try_wait.parity"
-    MBAR_ARRIVE = "mbarrier.arrive"
-    MBAR_ARRIVE_EXPECT_TX = "mbarrier.arrive.expect_tx"
-    WGMMA_FENCE = "wgmma.fence"
-    WGMMA_COMMIT = "wgmma.commit_group"
-    WGMMA_WAIT = "wgmma.wait_group"
-    FENCE_PROXY_ASYNC_SMEM = "fence.proxy.async.shared::cta"
-    FENCE_PROXY_ASYNC_GLOBAL = "fence.proxy.async.global"
-    NAMED_BAR_SYNC = "bar.sync"
-    BULK_COMMIT = "cp.async.bulk.commit_group"
-    BULK_WAIT_READ = "cp.async.bulk.wait_group.read"
-    BULK_WAIT = "cp.async.bulk.wait_group"
-    SEM_ACQUIRE = "ld.acquire.gpu spin"
-    SEM_RELEASE = "st.release.gpu"
-    # steps: calls that access memory or the registers a wgmma uses
-    TMA_LOAD = "cp.async.bulk.tensor global -> shared"
-    BULK_LOAD = "cp.async.bulk global -> shared"
-    WGMMA = "wgmma.mma_async"
-    PROBS = "P from S and LSE (ld.shared)"
-    GRAD_SCORES = "dS from P, dP and D (ld.shared)"
-    PACK = "16-bit pairs"
-    ZERO = "accumulators zeroed"
-    ST_SHARED = "st.shared"
-    BULK_REDUCE_ADD = "cp.reduce.async.bulk .add.f32 shared -> global"
-    STORE_GLOBAL = "st.global from registers"
-
-
-# the kinds listed before the steps
-SYNC_KINDS = frozenset(list(Kind)[: list(Kind).index(Kind.SEM_RELEASE) + 1])
-
-
-class Mbar(Enum):
-    KV_FULL = "kv_full"
-    Q_FULL = "q_full"
-    Q_EMPTY = "q_empty"
-
-
-class Named(Enum):
-    """The named barriers: dS^T complete (all consumers), a warpgroup's own (dS^T rows by
-    keys, dQ staging)."""
-
-    DS = "kBarDS"
-    DQ = "kBarDQ + wg"
-
-
-class Buffer(Enum):
-    K = "K"
-    V = "V"
-    Q = "Q"
-    DO = "dO"
-    LSE = "LSE"
-    D = "D"
-    DS = "dS^T"
-    DQ_STAGE = "dQ staging"
-
-
-class Part(Enum):
-    WHOLE = "whole"
-    PANEL = "one 64-column panel"  # Operand.panel says which
-    ROWS_OF_WG = "the warpgroup's 64 key rows"  # of K, V, dS^T; the warpgroup's staging
-    PANEL_OF_WG = "panel wg, every key"  # K's B operand of dQ split by head_dim panels
-
-
-class Index(Enum):
-    NONE = "one copy"
-    RING = "ring slot i % stages"
-    ALTERNATE = "buffer i % 2"
-
-
-class Parity(Enum):
-    ZERO = "0"
-    ONE = "1"
-    RING = "(i / stages) & 1"
-    RING_FLIP = "((i / stages) & 1) ^ 1"
-
-
-class Reg(Enum):
-    S = "S^T"  # then P^T in place, fp32
-    DP = "dP^T"  # then dS^T in place, fp32
-    P16 = "P^T (16-bit)"
-    DS16 = "dS^T (16-bit)"
-    DK = "dK acc"
-    DV = "dV acc"
-    DQ = "dQ acc"
-
-
-@dataclass(frozen=True)
-class Operand:
-    buffer: Buffer
-    index: Index = Index.NONE
-    part: Part = Part.WHOLE
-    panel: int = 0  # with Part.PANEL
-
-
-@dataclass(frozen=True)
-class Item:
-    """One call of a role's program. Fields that do not apply to the kind stay empty."""
-
-    kind: Kind
-    who: Who
-    source: Source
-    phase: Phase
-    name: str = ""  # for messages: what the step computes
-    why: str = ""  # for messages: what the sync orders
-    guard: Guard = Guard.ALWAYS
-    mbar: Mbar | None = None
-    slot: Index = Index.NONE  # of the mbarrier (a ring's: one per slot)
-    parity: Parity | None = None
-    count: int = 0  # an init's arrival count
-    tx: int = 0  # arrive.expect_tx's bytes
-    pending: int = 0  # wait_group N
-    named: Named | None = None
-    threads: int = 0  # a named barrier's thread count
-    reads: tuple[Operand, ...] = ()
-    writes: tuple[Operand, ...] = ()
-    reg_reads: tuple[Reg, ...] = ()
-    reg_writes: tuple[Reg, ...] = ()
-
-    @property
-    def is_sync(self) -> bool:
-        return self.kind in SYNC_KINDS
-
-
-@dataclass(frozen=True)
-class Params:
-    consumers: int
-    stages: int
-    head_dim: int
-    deterministic: bool = False
-    overlap: bool = False  # bwd_consumer_overlapped: dQ's group first, staged under dV, dK
-
-    def __post_init__(self) -> None:
-        assert 1 <= self.consumers <= 3, self
-        assert self.stages >= 1, self
-        assert self.head_dim in (64, 128), self  # the header's static_assert
-
-    @property
-    def block_n(self) -> int:
-        return KEYS_PER_WARPGROUP * self.consumers
-
-    @property
-    def panels(self) -> int:
-        return self.head_dim // PANEL_COLUMNS
-
-    @property
-    def dq_by_keys(self) -> bool:
-        """dQ = dS K split by keys (each warpgroup: every column over its own 64 keys) where
-        a warpgroup's share of head_dim is not whole 64-column panels (kDqByKeys)."""
-        return (self.head_dim // self.consumers) % PANEL_COLUMNS != 0
-
-    @property
-    def consumer_threads(self) -> int:
-        return WARPGROUP_THREADS * self.consumers
-
-    @property
-    def q_bytes(self) -> int:  # one ring slot of Q or of dO
-        return BLOCK_M * self.head_dim * 2
-
-    @property
-    def kv_bytes(self) -> int:
-        return self.block_n * self.head_dim * 2
-
-    @property
-    def ds_bytes(self) -> int:  # one dS^T buffer: B_c key rows of B_r queries
-        return self.block_n * BLOCK_M * 2
-
-    @property
-    def row_floats_bytes(self) -> int:  # one slot of LSE or of D
-        return BLOCK_M * F32
-
-    @property
-    def dq_floats(self) -> int:  # one warpgroup's staged share of an m-block
-        cols = self.head_dim if self.dq_by_keys else self.head_dim // self.consumers
-        return KEYS_PER_WARPGROUP * cols
-
-    def describe(self) -> str:
-        split = "dQ by keys" if self.dq_by_keys else "dQ by head_dim panels"
-        det = ", deterministic" if self.deterministic else ""
-        det += ", overlap" if self.overlap else ""
-        return (
-            f"{self.consumers} consumer(s), {self.stages} stage(s), head_dim {self.head_dim} "
-            f"({split}){det}"
-        )
-
-
-def bar_id(named: Named, wg: int) -> int:
-    return BAR_DS if named is Named.DS else BAR_DQ + wg
-
-
-@dataclass(frozen=True)
-class Layout:
-    """Each buffer's first byte and the bytes of one slot: the header's default plan
-    (BwdConfig's kOff*), every buffer in bytes of its own."""
-
-    offsets: tuple[tuple[Buffer, int, int], ...]  # (buffer, offset, bytes of one slot)
-
-    def base(self, buffer: Buffer) -> tuple[int, int]:
-        for name, offset, size in self.offsets:
-            if name is buffer:
-                return offset, size
-        raise KeyError(buffer)
-
-
-def default_layout(p: Params) -> Layout:
-    sizes = (
-        (Buffer.K, p.kv_bytes, 1),
-        (Buffer.V, p.kv_bytes, 1),
-        (Buffer.Q, p.q_bytes, p.stages),
-        (Buffer.DO, p.q_bytes, p.stages),
-        (Buffer.DS, p.ds_bytes, 2),
-        (Buffer.DQ_STAGE, p.dq_floats * F32, p.consumers),
-        (Buffer.LSE, p.row_floats_bytes, p.stages),
-        (Buffer.D, p.row_floats_bytes, p.stages),
-    )
-    offsets, at = [], 0
-    for buffer, size, copies in sizes:
-        offsets.append((buffer, at, size))
-        at += size * copies
-    return Layout(tuple(offsets))
-
-
-@dataclass(frozen=True)
-class Protocol:
-    params: Params
-    setup: tuple[Item, ...]
-    producer: tuple[Item, ...]
-    consumer: tuple[Item, ...]
-    layout: Layout | None = None  # None: the header's default plan (default_layout)
-
-    def buffers(self) -> Layout:
-        return self.layout or default_layout(self.params)
-
-    def role(self, role: Role) -> tuple[Item, ...]:
-        return {Role.SETUP: self.setup, Role.PRODUCER: self.producer}.get(role, self.consumer)
-
-    def with_role(self, role: Role, items: tuple[Item, ...]) -> Protocol:
-        key = {Role.SETUP: "setup", Role.PRODUCER: "producer", Role.CONSUMER: "consumer"}[role]
-        return replace(self, **{key: tuple(items)})
-
-
-# --- the plan ---------------------------------------------------------------------------
+from .program import (
+    BAR_DQ,
+    BAR_DS,
+    BLOCK_M,
+    F32,
+    KEYS_PER_WARPGROUP,
+    PANEL_COLUMNS,
+    ROW_BYTES,
+    SYNC_KINDS,
+    WARPGROUP_THREADS,
+    Buffer,
+    Guard,
+    Index,
+    Item,
+    Kind,
+    Layout,
+    Mbar,
+    Named,
+    Operand,
+    Params,
+    Parity,
+    Part,
+    Phase,
+    Protocol,
+    Reg,
+    Role,
+    Source,
+    Who,
+    bar_id,
+    default_layout,
+)
+from .steps import schedule
+from .syncs import place_syncs
+
+__all__ = [
+    "BAR_DQ",
+    "BAR_DS",
+    "BLOCK_M",
+    "F32",
+    "KEYS_PER_WARPGROUP",
+    "PANEL_COLUMNS",
+    "ROW_BYTES",
+    "SYNC_KINDS",
+    "WARPGROUP_THREADS",
+    "Buffer",
+    "Guard",
+    "Index",
+    "Item",
+    "Kind",
+    "Layout",
+    "Mbar",
+    "Named",
+    "Operand",
+    "Params",
+    "Parity",
+    "Part",
+    "Phase",
+    "Protocol",
+    "Reg",
+    "Role",
+    "Source",
+    "Who",
+    "bar_id",
+    "default_layout",
+    "place_syncs",
+    "protocol",
+    "schedule",
+]
 
 
 def protocol(p: Params) -> Protocol:
-    return Protocol(p, _setup(p), _producer(p), _consumer(p))
-
-
-def _setup(p: Params) -> tuple[Item, ...]:
-    init = dict(who=Who.THREAD0, source=Source.KERNEL, phase=Phase.BEFORE)
-    return (
-        Item(Kind.MBAR_INIT, mbar=Mbar.KV_FULL, count=1, why="the producer's expect_tx", **init),
-        Item(Kind.MBAR_INIT, mbar=Mbar.Q_FULL, slot=Index.RING, count=1, **init),
-        Item(
-            Kind.MBAR_INIT,
-            mbar=Mbar.Q_EMPTY,
-            slot=Index.RING,
-            count=p.consumer_threads,
-            why="every consumer thread, once per m-block",
-            **init,
-        ),
-        Item(Kind.FENCE_MBAR_INIT, why="the inits visible to TMA's complete_tx", **init),
-        Item(
-            Kind.SYNCTHREADS,
-            Who.CTA,
-            Source.KERNEL,
-            Phase.BEFORE,
-            why="the inits before any use",
-        ),
-    )
-
-
-def _producer(p: Params) -> tuple[Item, ...]:
-    def item(kind: Kind, phase: Phase, **fields) -> Item:
-        return Item(kind, Who.ELECTED, Source.PRODUCER, phase, guard=Guard.HAS_WORK, **fields)
-
-    out = [
-        item(
-            Kind.MBAR_ARRIVE_EXPECT_TX,
-            Phase.BEFORE,
-            mbar=Mbar.KV_FULL,
-            tx=2 * p.kv_bytes,
-            why="K's and V's bytes complete kv_full",
-        )
-    ]
-    for panel in range(p.panels):
-        for buffer in (Buffer.K, Buffer.V):
-            out.append(
-                item(
-                    Kind.TMA_LOAD,
-                    Phase.BEFORE,
-                    name=f"{buffer.value} panel {panel} load",
-                    mbar=Mbar.KV_FULL,
-                    writes=(Operand(buffer, part=Part.PANEL, panel=panel),),
-                )
-            )
-    ring = dict(mbar=Mbar.Q_FULL, slot=Index.RING)
-    out += [
-        item(
-            Kind.MBAR_WAIT,
-            Phase.LOOP,
-            mbar=Mbar.Q_EMPTY,
-            slot=Index.RING,
-            parity=Parity.RING_FLIP,
-            why="WAR: every consumer is done with the slot's Q, dO, LSE and D",
-        ),
-        item(
-            Kind.MBAR_ARRIVE_EXPECT_TX,
-            Phase.LOOP,
-            tx=2 * p.q_bytes + 2 * p.row_floats_bytes,
-            why="Q's, dO's, LSE's and D's bytes complete q_full",
-            **ring,
-        ),
-    ]
-    for panel in range(p.panels):
-        for buffer in (Buffer.Q, Buffer.DO):
-            operand = Operand(buffer, Index.RING, Part.PANEL, panel)
-            name = f"{buffer.value} panel {panel} load"
-            out.append(item(Kind.TMA_LOAD, Phase.LOOP, name=name, writes=(operand,), **ring))
-    for buffer in (Buffer.LSE, Buffer.D):
-        operand = Operand(buffer, Index.RING)
-        name = f"{buffer.value} load"
-        out.append(item(Kind.BULK_LOAD, Phase.LOOP, name=name, writes=(operand,), **ring))
-    return tuple(out)
-
-
-def _consumer(p: Params) -> tuple[Item, ...]:
-    """bwd_consumer, or with ``overlap`` bwd_consumer_overlapped (sm90_bwd_overlap.cuh) with
-    its helpers meet_and_issue_dq and reduce_dq inlined. Per m-block the two share the front
-    (S^T, dP^T, P, dS, dS^T to SMEM) and the staging of dQ; they differ in the order of the
-    wgmma groups after it: bwd_consumer commits dV and dK, then dQ, and waits for all three
-    (wait_group 0) before it releases the slot and stages dQ; the overlapped one commits dQ,
-    then dV and dK, waits for dQ alone (wait_group 1), stages and reduce-adds it while dV
-    and dK run, then waits for them (wait_group 0) and releases the slot."""
-    main = Source.OVERLAPPED if p.overlap else Source.CONSUMER
-
-    def item(kind: Kind, phase: Phase = Phase.LOOP, source: Source = main, **fields) -> Item:
-        return Item(kind, Who.WARPGROUP, source, phase, **fields)
-
-    def wgmma(name: str, reads: tuple, regs: tuple, acc: Reg, source: Source = main) -> Item:
-        return item(
-            Kind.WGMMA, source=source, name=name, reads=reads, reg_reads=regs, reg_writes=(acc,)
-        )
-
-    q, do = Operand(Buffer.Q, Index.RING), Operand(Buffer.DO, Index.RING)
-    ds_rows = Operand(Buffer.DS, Index.ALTERNATE, Part.ROWS_OF_WG)
-    k_rows = Operand(Buffer.K, part=Part.ROWS_OF_WG)
-    out = [
-        item(Kind.ZERO, Phase.BEFORE, name="dK, dV = 0", reg_writes=(Reg.DK, Reg.DV)),
-        item(
-            Kind.MBAR_WAIT,
-            Phase.BEFORE,
-            guard=Guard.HAS_WORK,
-            mbar=Mbar.KV_FULL,
-            parity=Parity.ZERO,
-            why="RAW: K and V landed",
-        ),
-        item(
-            Kind.MBAR_WAIT,
-            mbar=Mbar.Q_FULL,
-            slot=Index.RING,
-            parity=Parity.RING,
-            why="RAW: the slot's Q, dO, LSE and D landed",
-        ),
-        item(Kind.WGMMA_FENCE, why="S^T, dP^T were accessed by ordinary code"),
-        wgmma("S^T = K Q^T", (k_rows, q), (), Reg.S),
-        item(Kind.WGMMA_COMMIT),
-        wgmma("dP^T = V dO^T", (Operand(Buffer.V, part=Part.ROWS_OF_WG), do), (), Reg.DP),
-        item(Kind.WGMMA_COMMIT),
-        item(Kind.WGMMA_WAIT, pending=1, why="S^T in registers (dP^T's group may run on)"),
-        item(
-            Kind.PROBS,
-            name="P = exp2(S - LSE)",
-            reads=(Operand(Buffer.LSE, Index.RING),),
-            reg_reads=(Reg.S,),
-            reg_writes=(Reg.S,),
-        ),
-        item(Kind.WGMMA_WAIT, pending=0, why="dP^T in registers"),
-        item(
-            Kind.GRAD_SCORES,
-            name="dS = P (dP - D)",
-            reads=(Operand(Buffer.D, Index.RING),),
-            reg_reads=(Reg.S, Reg.DP),
-            reg_writes=(Reg.DP,),
-        ),
-        item(Kind.PACK, name="P^T to 16 bits", reg_reads=(Reg.S,), reg_writes=(Reg.P16,)),
-        item(Kind.PACK, name="dS^T to 16 bits", reg_reads=(Reg.DP,), reg_writes=(Reg.DS16,)),
-        item(Kind.ST_SHARED, name="dS^T -> smem", writes=(ds_rows,), reg_reads=(Reg.DS16,)),
-    ]
-    regs_fence = item(
-        Kind.WGMMA_FENCE, why="the A registers P^T, dS^T were written by ordinary code"
-    )
-    grads = [
-        wgmma("dV += P^T dO", (do,), (Reg.P16, Reg.DV), Reg.DV),
-        wgmma("dK += dS^T Q", (q,), (Reg.DS16, Reg.DK), Reg.DK),
-        item(Kind.WGMMA_COMMIT),
-    ]
-    ds_fence = item(Kind.FENCE_PROXY_ASYNC_SMEM, why="RAW: dS^T's st.shared before dQ's wgmma")
-    meet = Source.MEET_AND_ISSUE_DQ if p.overlap else main
-    if p.dq_by_keys:
-        ds_ready = item(
-            Kind.NAMED_BAR_SYNC,
-            source=meet,
-            named=Named.DQ,
-            threads=WARPGROUP_THREADS,
-            why="RAW: the warpgroup's rows of dS^T written",
-        )
-        dq = wgmma("dQ = dS K", (ds_rows, k_rows), (), Reg.DQ, meet)
-    else:
-        ds_ready = item(
-            Kind.NAMED_BAR_SYNC,
-            source=meet,
-            named=Named.DS,
-            threads=p.consumer_threads,
-            why="RAW: all B_c rows of dS^T written",
-        )
-        ds_all = Operand(Buffer.DS, Index.ALTERNATE)
-        dq = wgmma(
-            "dQ = dS K", (ds_all, Operand(Buffer.K, part=Part.PANEL_OF_WG)), (), Reg.DQ, meet
-        )
-    release = item(
-        Kind.MBAR_ARRIVE,
-        mbar=Mbar.Q_EMPTY,
-        slot=Index.RING,
-        why="WAR: the slot's Q, dO (wgmma retired), LSE and D (read) are free",
-    )
-    staging = _stage_and_reduce(p, Source.REDUCE_DQ if p.overlap else main)
-    if p.overlap:
-        out += [
-            ds_fence,
-            regs_fence,
-            ds_ready,
-            dq,
-            item(Kind.WGMMA_COMMIT, source=meet),
-            *grads,
-            item(Kind.WGMMA_WAIT, pending=1, why="dQ in registers (dV's and dK's group runs on)"),
-            *staging,
-            item(Kind.WGMMA_WAIT, pending=0, why="dV, dK retired: Q, dO read"),
-            release,
-        ]
-    else:
-        out += [
-            regs_fence,
-            *grads,
-            ds_fence,
-            ds_ready,
-            dq,
-            item(Kind.WGMMA_COMMIT),
-            item(Kind.WGMMA_WAIT, pending=0, why="dV, dK, dQ retired: Q, dO, dS^T read"),
-            release,
-            *staging,
-        ]
-    out += [
-        Item(
-            Kind.BULK_WAIT,
-            Who.LEADER,
-            main,
-            Phase.AFTER,
-            why="the last reduce-add read the staging before the CTA exits",
-        ),
-        item(Kind.STORE_GLOBAL, Phase.AFTER, name="dK -> global", reg_reads=(Reg.DK,)),
-        item(Kind.STORE_GLOBAL, Phase.AFTER, name="dV -> global", reg_reads=(Reg.DV,)),
-    ]
-    return tuple(out)
-
-
-def _stage_and_reduce(p: Params, source: Source) -> list[Item]:
-    """The warpgroup's dQ into its staging buffer, reduce-added by its leader (ordered by
-    the semaphore in deterministic mode)."""
-    stage = Operand(Buffer.DQ_STAGE, part=Part.ROWS_OF_WG)
-    own_bar = dict(named=Named.DQ, threads=WARPGROUP_THREADS)
-
-    def item(kind: Kind, who: Who = Who.WARPGROUP, **fields) -> Item:
-        return Item(kind, who, source, Phase.LOOP, **fields)
-
-    out = [
-        item(Kind.BULK_WAIT_READ, Who.LEADER, why="WAR: the previous reduce-add read the staging"),
-        item(Kind.NAMED_BAR_SYNC, why="WAR: the leader's wait before the staging", **own_bar),
-        item(Kind.ST_SHARED, name="dQ -> staging", writes=(stage,), reg_reads=(Reg.DQ,)),
-        item(Kind.FENCE_PROXY_ASYNC_SMEM, why="RAW: the staging's st.shared before the reduce"),
-        item(Kind.NAMED_BAR_SYNC, why="RAW: all of the staging written", **own_bar),
-    ]
-    reduce = item(Kind.BULK_REDUCE_ADD, Who.LEADER, name="dQ reduce-add", reads=(stage,))
-    commit = item(Kind.BULK_COMMIT, Who.LEADER)
-    if not p.deterministic:
-        return out + [reduce, commit]
-    ordered = dict(who=Who.LEADER, source=Source.ORDERED_REDUCE_ADD, phase=Phase.LOOP)
-    return out + [
-        Item(Kind.SEM_ACQUIRE, why="the reduce-adds before this ticket's done", **ordered),
-        Item(Kind.FENCE_PROXY_ASYNC_GLOBAL, why="the acquire before the adds", **ordered),
-        replace(reduce, source=Source.ORDERED_REDUCE_ADD),
-        replace(commit, source=Source.ORDERED_REDUCE_ADD),
-        Item(Kind.BULK_WAIT, pending=0, why="the adds performed", **ordered),
-        Item(Kind.FENCE_PROXY_ASYNC_GLOBAL, why="the adds before the release", **ordered),
-        Item(Kind.SEM_RELEASE, why="the next ticket may add", **ordered),
-    ]
+    """The plan of ``p``: the sync pass's placement in the schedule's steps."""
+    return place_syncs(schedule(p))

@@ -1,5 +1,5 @@
-"""The proof of the backward main kernel's sync plan (protocol.py), in the async model of
-fadsl/passes/asyncmodel.
+"""The proof of the backward main kernel's sync plan (protocol.py: the steps with the syncs
+the sync pass placed), in the async model of fadsl/passes/asyncmodel.
 
 For each m-block count m of ``m_counts`` the protocol is unrolled into the model's agents
 (the producer's elected thread, one agent per consumer warpgroup) and
@@ -39,11 +39,12 @@ How the header's calls become model events (a faithful lowering, nothing added):
 - ``fence.proxy.async.global`` and the semaphore's global accesses are not SMEM events.
 
 Why m = 0 .. 2 stages + 2 covers every m-block count: after each m-block every wgmma group
-of a warpgroup is retired (wait_group 0, the last wgmma wait of either consumer's m-block), every named barrier generation is complete, at
-most one bulk group per warpgroup (its last reduce-add) is in flight, and the next m-block
-depends on the past only through the ring slot's barrier phase (i / stages, a parity, of
-slot i % stages), dS^T's buffer (i % 2) and that bulk group. m = 2 stages + 2 uses every
-slot with both parities, slots 0 and 1 a third time (a parity-1 wait of the producer on an
+of a warpgroup is retired (wait_group 0, the last wgmma wait of either consumer's
+m-block), every named barrier generation is complete, at most one bulk group per
+warpgroup (its last reduce-add) is in flight, and the next m-block depends on the past
+only through the ring slot's barrier phase (i / stages, a parity, of slot i % stages),
+dS^T's buffer (i % 2) and that bulk group. m = 2 stages + 2 uses every slot with both
+parities, slots 0 and 1 a third time (a parity-1 wait of the producer on an
 empty barrier that is no longer fresh) and both dS^T buffers in every such state; a hazard
 spans at most stages m-blocks (a slot reused) or 2 (a dS^T buffer); m = 0 is the CTA that
 visits no m-block (no load and no wait: dK = dV = 0).
@@ -92,7 +93,7 @@ from ....passes.asyncmodel.model import (
     WgmmaWait,
 )
 from ....passes.asyncmodel.prove import AsyncVerifyError, check
-from .protocol import (
+from .program import (
     BLOCK_M,
     KEYS_PER_WARPGROUP,
     ROW_BYTES,
@@ -113,8 +114,8 @@ from .protocol import (
     Role,
     Who,
     bar_id,
-    protocol,
 )
+from .protocol import protocol
 
 _INIT_KINDS = (Kind.MBAR_INIT, Kind.FENCE_MBAR_INIT, Kind.SYNCTHREADS)
 _WARPGROUP_WIDE = (

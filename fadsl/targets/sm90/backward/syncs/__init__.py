@@ -1,9 +1,9 @@
 """The backward main kernel's sync pass: every mbarrier, named barrier, fence, wgmma group and
 bulk group of the plan, placed from the hazards of its schedule.
 
-The schedule is the plan's steps with no sync (``schedule``): per role, in program order
-and tagged with their phase (before the m-block loop, each m-block, after it), the TMA and
-bulk loads, wgmmas, st.shared, ld.shared-based compute, the bulk reduce-add and the
+The schedule is the plan's steps with no sync (steps.py: ``schedule``): per role, in program
+order and tagged with their phase (before the m-block loop, each m-block, after it), the
+TMA and bulk loads, wgmmas, st.shared, ld.shared-based compute, the bulk reduce-add and the
 st.global of dK and dV, with the SMEM operands (buffer, ring slot or dS^T buffer, part)
 and registers each reads and writes, which threads run it and which proxy (its kind).
 ``place_syncs`` derives the syncs from them, one module per mechanism, each with the
@@ -29,19 +29,19 @@ WAR, the proxy fence (the writers', before the barrier that hands the bytes over
 wgmma.fence (the warpgroup's own, issued before it blocks at a meeting), the meeting
 barrier, the ordered add's acquire: the header's order.
 
-prove.py proves the result; tests/test_backward_syncs.py checks that it equals the hand
-plan of protocol.py in every configuration, every field but ``why``. ``schedule`` reads
-the steps off that hand plan; were protocol() to return the placed plan, the hand plan
-and ``schedule`` would move beside each other, out of this package's imports (a cycle).
+Its result is the plan (protocol.py: ``protocol(p) = place_syncs(schedule(p))``), which
+prove.py proves; tests/test_backward_syncs.py checks that it equals a plan written by hand
+from the header (tests/backward_hand_plan.py) in every configuration, every field but
+``why``. Each placed sync's ``why`` names the hazard it orders (`fadsl explain` prints it).
 """
 
 from __future__ import annotations
 
-from ..protocol import Item, Kind, Params, Phase, Protocol, Role, protocol
+from ..program import Item, Kind, Phase, Protocol, Role
 from . import bulk, mbarrier, named, wgmma
 from .state import Consumer, join, loop_entry_equal
 
-__all__ = ["place_syncs", "schedule", "without_syncs"]
+__all__ = ["place_syncs", "without_syncs"]
 
 
 def without_syncs(plan: Protocol) -> Protocol:
@@ -141,8 +141,3 @@ def _syncs_before(c: Consumer, schedule: Protocol, steps: list[Item], k: int, ph
         wgmma.fence(c, steps, k, phase)
     named.meet(c, step, phase, fenced)
     bulk.before_add(c, step, phase)
-
-
-def schedule(params: Params) -> Protocol:
-    """The hand-written plan's schedule (protocol.py): the input of ``place_syncs``."""
-    return without_syncs(protocol(params))

@@ -26,7 +26,7 @@ wait as retiring the read.
 
 from __future__ import annotations
 
-from ..protocol import WARPGROUP_THREADS, Item, Kind, Named, Phase, Who
+from ..program import WARPGROUP_THREADS, Item, Kind, Named, Phase, Who
 from .state import Consumer, names, same_bytes, sync
 
 BULK_READS = frozenset({Kind.BULK_REDUCE_ADD})  # bulk async copies out of SMEM

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..protocol import (
+from ..program import (
     WARPGROUP_THREADS,
     Index,
     Item,

@@ -21,7 +21,7 @@ test_one_ds_buffer: where one buffer is enough).
 
 from __future__ import annotations
 
-from ..protocol import WARPGROUP_THREADS, Item, Kind, Named, Operand, Phase, Who
+from ..program import WARPGROUP_THREADS, Item, Kind, Named, Operand, Phase, Who
 from .state import ASYNC_PROXY, Consumer, names, reaches_other_warpgroups, same_bytes, sync, words
 
 

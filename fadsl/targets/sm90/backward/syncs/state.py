@@ -17,7 +17,7 @@ from __future__ import annotations
 from copy import deepcopy
 from dataclasses import dataclass, field
 
-from ..protocol import Item, Kind, Mbar, Named, Operand, Params, Part, Phase, Reg, Source, Who
+from ..program import Item, Kind, Mbar, Named, Operand, Params, Part, Phase, Reg, Source, Who
 
 # steps whose SMEM accesses go through the async proxy (the rest are generic st/ld.shared)
 ASYNC_PROXY = frozenset({Kind.TMA_LOAD, Kind.BULK_LOAD, Kind.WGMMA, Kind.BULK_REDUCE_ADD})

@@ -19,7 +19,7 @@
 
 from __future__ import annotations
 
-from ..protocol import Item, Kind, Phase, Reg, Who
+from ..program import Item, Kind, Phase, Reg, Who
 from .state import Consumer, Group, names, registers, same_bytes, sync, words
 
 

@@ -1,0 +1,324 @@
+"""The vocabulary of the backward main kernel's sync plan: what emit/sm90/include/fadsl/sm90_bwd.cuh
+(bwd_producer, bwd_consumer, ordered_reduce_add), emit/sm90/include/fadsl/sm90_bwd_overlap.cuh
+(bwd_consumer_overlapped with reduce_dq and meet_and_issue_dq, the consumer of `overlap on`)
+and the kernel body of emit/sm90/backward.cu.j2 do, call by call, for one CTA (one n-block of
+keys), said as data.
+
+Roles: the setup thread (thread 0: the mbarrier inits, before the roles split), the
+producer (one elected thread of warp 0: TMA loads of K and V once, then Q, dO, LSE and D
+into a ring of ``stages`` slots per m-block), and ``consumers`` warpgroups of 128 threads
+(wgmma, the softmax gradient, dS^T through SMEM, dQ staged and reduce-added into global
+memory by the warpgroup's thread 0, the "leader").
+
+Each role's program is a tuple of ``Item`` in the header's order, each one call (a sync or
+a step that accesses memory) tagged with the phase it runs in: once before the m-block
+loop, once per m-block (``Phase.LOOP``), or once after it. Loop items name their slot and
+parity symbolically (``Index``, ``Parity``): ring slot i % stages and parity
+(i / stages) & 1, dS^T's buffer i % 2.
+
+Who builds what: steps.py the steps (``schedule``: the work, no sync), syncs/ the syncs
+(``place_syncs``), protocol.py the plan (``protocol``: the two together), which prove.py
+unrolls for a given m-block count and proves in the async model, and which
+tests/test_verify_backward.py checks the header against, call for call.
+
+Nothing here is a string that acts: kinds, buffers, barriers and registers are enums;
+``name`` and ``why`` only label messages.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from enum import Enum
+
+WARPGROUP_THREADS = 128
+KEYS_PER_WARPGROUP = 64  # each consumer warpgroup owns 64 keys of the n-block
+BLOCK_M = 64  # queries per m-block (B_r): dS^T's rows are one 128-byte swizzle span
+ROW_BYTES = 128  # a 64-column panel row of 16-bit elements (the 128-byte swizzle)
+PANEL_COLUMNS = 64
+F32 = 4
+BAR_DS = 1  # named barrier: every consumer thread, both halves of dS^T written (panels)
+BAR_DQ = 2  # named barrier BAR_DQ + wg: one warpgroup (128 threads)
+
+
+class Role(Enum):
+    SETUP = "setup"
+    PRODUCER = "producer"
+    CONSUMER = "consumer"
+
+
+class Who(Enum):
+    """The threads that execute an item."""
+
+    THREAD0 = "thread 0 of the CTA"
+    CTA = "every thread of the CTA"
+    ELECTED = "the producer's elected thread"
+    WARPGROUP = "every thread of the consumer warpgroup"
+    LEADER = "thread 0 of the consumer warpgroup"
+
+
+class Source(Enum):
+    """Where the item's call is: the function of the header, or the kernel's body."""
+
+    KERNEL = "the kernel body"
+    PRODUCER = "bwd_producer"
+    CONSUMER = "bwd_consumer"
+    OVERLAPPED = "bwd_consumer_overlapped"  # `overlap on` (sm90_bwd_overlap.cuh)
+    MEET_AND_ISSUE_DQ = "meet_and_issue_dq"  # the overlapped consumer's helpers
+    REDUCE_DQ = "reduce_dq"
+    ORDERED_REDUCE_ADD = "ordered_reduce_add"
+
+
+class Phase(Enum):
+    BEFORE = "before the m-block loop"
+    LOOP = "each m-block"
+    AFTER = "after the m-block loop"
+
+
+class Guard(Enum):
+    ALWAYS = "always"
+    HAS_WORK = "only when the CTA visits an m-block (m_count > 0)"
+
+
+class Kind(Enum):
+    # syncs
+    MBAR_INIT = "mbarrier.init"
+    FENCE_MBAR_INIT = "fence.mbarrier_init"
+    SYNCTHREADS = "__syncthreads"
+    MBAR_WAIT = "mbarrier.try_wait.parity"
+    MBAR_ARRIVE = "mbarrier.arrive"
+    MBAR_ARRIVE_EXPECT_TX = "mbarrier.arrive.expect_tx"
+    WGMMA_FENCE = "wgmma.fence"
+    WGMMA_COMMIT = "wgmma.commit_group"
+    WGMMA_WAIT = "wgmma.wait_group"
+    FENCE_PROXY_ASYNC_SMEM = "fence.proxy.async.shared::cta"
+    FENCE_PROXY_ASYNC_GLOBAL = "fence.proxy.async.global"
+    NAMED_BAR_SYNC = "bar.sync"
+    BULK_COMMIT = "cp.async.bulk.commit_group"
+    BULK_WAIT_READ = "cp.async.bulk.wait_group.read"
+    BULK_WAIT = "cp.async.bulk.wait_group"
+    SEM_ACQUIRE = "ld.acquire.gpu spin"
+    SEM_RELEASE = "st.release.gpu"
+    # steps: calls that access memory or the registers a wgmma uses
+    TMA_LOAD = "cp.async.bulk.tensor global -> shared"
+    BULK_LOAD = "cp.async.bulk global -> shared"
+    WGMMA = "wgmma.mma_async"
+    PROBS = "P from S and LSE (ld.shared)"
+    GRAD_SCORES = "dS from P, dP and D (ld.shared)"
+    PACK = "16-bit pairs"
+    ZERO = "accumulators zeroed"
+    ST_SHARED = "st.shared"
+    BULK_REDUCE_ADD = "cp.reduce.async.bulk .add.f32 shared -> global"
+    STORE_GLOBAL = "st.global from registers"
+
+
+# the kinds listed before the steps
+SYNC_KINDS = frozenset(list(Kind)[: list(Kind).index(Kind.SEM_RELEASE) + 1])
+
+
+class Mbar(Enum):
+    KV_FULL = "kv_full"
+    Q_FULL = "q_full"
+    Q_EMPTY = "q_empty"
+
+
+class Named(Enum):
+    """The named barriers: dS^T complete (all consumers), a warpgroup's own (dS^T rows by
+    keys, dQ staging)."""
+
+    DS = "kBarDS"
+    DQ = "kBarDQ + wg"
+
+
+class Buffer(Enum):
+    K = "K"
+    V = "V"
+    Q = "Q"
+    DO = "dO"
+    LSE = "LSE"
+    D = "D"
+    DS = "dS^T"
+    DQ_STAGE = "dQ staging"
+
+
+class Part(Enum):
+    WHOLE = "whole"
+    PANEL = "one 64-column panel"  # Operand.panel says which
+    ROWS_OF_WG = "the warpgroup's 64 key rows"  # of K, V, dS^T; the warpgroup's staging
+    PANEL_OF_WG = "panel wg, every key"  # K's B operand of dQ split by head_dim panels
+
+
+class Index(Enum):
+    NONE = "one copy"
+    RING = "ring slot i % stages"
+    ALTERNATE = "buffer i % 2"
+
+
+class Parity(Enum):
+    ZERO = "0"
+    ONE = "1"
+    RING = "(i / stages) & 1"
+    RING_FLIP = "((i / stages) & 1) ^ 1"
+
+
+class Reg(Enum):
+    S = "S^T"  # then P^T in place, fp32
+    DP = "dP^T"  # then dS^T in place, fp32
+    P16 = "P^T (16-bit)"
+    DS16 = "dS^T (16-bit)"
+    DK = "dK acc"
+    DV = "dV acc"
+    DQ = "dQ acc"
+
+
+@dataclass(frozen=True)
+class Operand:
+    buffer: Buffer
+    index: Index = Index.NONE
+    part: Part = Part.WHOLE
+    panel: int = 0  # with Part.PANEL
+
+
+@dataclass(frozen=True)
+class Item:
+    """One call of a role's program. Fields that do not apply to the kind stay empty."""
+
+    kind: Kind
+    who: Who
+    source: Source
+    phase: Phase
+    name: str = ""  # for messages: what the step computes
+    why: str = ""  # for messages: what the sync orders
+    guard: Guard = Guard.ALWAYS
+    mbar: Mbar | None = None
+    slot: Index = Index.NONE  # of the mbarrier (a ring's: one per slot)
+    parity: Parity | None = None
+    count: int = 0  # an init's arrival count
+    tx: int = 0  # arrive.expect_tx's bytes
+    pending: int = 0  # wait_group N
+    named: Named | None = None
+    threads: int = 0  # a named barrier's thread count
+    reads: tuple[Operand, ...] = ()
+    writes: tuple[Operand, ...] = ()
+    reg_reads: tuple[Reg, ...] = ()
+    reg_writes: tuple[Reg, ...] = ()
+
+    @property
+    def is_sync(self) -> bool:
+        return self.kind in SYNC_KINDS
+
+
+@dataclass(frozen=True)
+class Params:
+    consumers: int
+    stages: int
+    head_dim: int
+    deterministic: bool = False
+    overlap: bool = False  # bwd_consumer_overlapped: dQ's group first, staged under dV, dK
+
+    def __post_init__(self) -> None:
+        assert 1 <= self.consumers <= 3, self
+        assert self.stages >= 1, self
+        assert self.head_dim in (64, 128), self  # the header's static_assert
+
+    @property
+    def block_n(self) -> int:
+        return KEYS_PER_WARPGROUP * self.consumers
+
+    @property
+    def panels(self) -> int:
+        return self.head_dim // PANEL_COLUMNS
+
+    @property
+    def dq_by_keys(self) -> bool:
+        """dQ = dS K split by keys (each warpgroup: every column over its own 64 keys) where
+        a warpgroup's share of head_dim is not whole 64-column panels (kDqByKeys)."""
+        return (self.head_dim // self.consumers) % PANEL_COLUMNS != 0
+
+    @property
+    def consumer_threads(self) -> int:
+        return WARPGROUP_THREADS * self.consumers
+
+    @property
+    def q_bytes(self) -> int:  # one ring slot of Q or of dO
+        return BLOCK_M * self.head_dim * 2
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.block_n * self.head_dim * 2
+
+    @property
+    def ds_bytes(self) -> int:  # one dS^T buffer: B_c key rows of B_r queries
+        return self.block_n * BLOCK_M * 2
+
+    @property
+    def row_floats_bytes(self) -> int:  # one slot of LSE or of D
+        return BLOCK_M * F32
+
+    @property
+    def dq_floats(self) -> int:  # one warpgroup's staged share of an m-block
+        cols = self.head_dim if self.dq_by_keys else self.head_dim // self.consumers
+        return KEYS_PER_WARPGROUP * cols
+
+    def describe(self) -> str:
+        split = "dQ by keys" if self.dq_by_keys else "dQ by head_dim panels"
+        det = ", deterministic" if self.deterministic else ""
+        det += ", overlap" if self.overlap else ""
+        return (
+            f"{self.consumers} consumer(s), {self.stages} stage(s), head_dim {self.head_dim} "
+            f"({split}){det}"
+        )
+
+
+def bar_id(named: Named, wg: int) -> int:
+    return BAR_DS if named is Named.DS else BAR_DQ + wg
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Each buffer's first byte and the bytes of one slot: the header's default plan
+    (BwdConfig's kOff*), every buffer in bytes of its own."""
+
+    offsets: tuple[tuple[Buffer, int, int], ...]  # (buffer, offset, bytes of one slot)
+
+    def base(self, buffer: Buffer) -> tuple[int, int]:
+        for name, offset, size in self.offsets:
+            if name is buffer:
+                return offset, size
+        raise KeyError(buffer)
+
+
+def default_layout(p: Params) -> Layout:
+    sizes = (
+        (Buffer.K, p.kv_bytes, 1),
+        (Buffer.V, p.kv_bytes, 1),
+        (Buffer.Q, p.q_bytes, p.stages),
+        (Buffer.DO, p.q_bytes, p.stages),
+        (Buffer.DS, p.ds_bytes, 2),
+        (Buffer.DQ_STAGE, p.dq_floats * F32, p.consumers),
+        (Buffer.LSE, p.row_floats_bytes, p.stages),
+        (Buffer.D, p.row_floats_bytes, p.stages),
+    )
+    offsets, at = [], 0
+    for buffer, size, copies in sizes:
+        offsets.append((buffer, at, size))
+        at += size * copies
+    return Layout(tuple(offsets))
+
+
+@dataclass(frozen=True)
+class Protocol:
+    params: Params
+    setup: tuple[Item, ...]
+    producer: tuple[Item, ...]
+    consumer: tuple[Item, ...]
+    layout: Layout | None = None  # None: the header's default plan (default_layout)
+
+    def buffers(self) -> Layout:
+        return self.layout or default_layout(self.params)
+
+    def role(self, role: Role) -> tuple[Item, ...]:
+        return {Role.SETUP: self.setup, Role.PRODUCER: self.producer}.get(role, self.consumer)
+
+    def with_role(self, role: Role, items: tuple[Item, ...]) -> Protocol:
+        key = {Role.SETUP: "setup", Role.PRODUCER: "producer", Role.CONSUMER: "consumer"}[role]
+        return replace(self, **{key: tuple(items)})

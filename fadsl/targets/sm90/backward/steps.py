@@ -1,0 +1,169 @@
+"""The backward main kernel's steps: the work of each role, in the header's order, with no
+sync (``schedule``), the input of the sync pass (syncs/: ``place_syncs``).
+
+A step is a call that accesses memory or the registers a wgmma uses: a TMA or bulk load, a
+wgmma, ordinary compute on registers (with the ld.shared of LSE or D it makes), a
+st.shared, the bulk reduce-add of dQ's staging and the st.global of dK and dV. Each names
+its SMEM operands (buffer, ring slot or dS^T buffer, part), the registers it reads and
+writes, the threads that run it, the function of the header it is in and its phase; a load
+names the full mbarrier its bytes complete on (the transaction it belongs to). Which syncs
+order them is the pass's to find: nothing here says so.
+
+- the setup has no step (thread 0's mbarrier inits are syncs);
+- the producer (bwd_producer, its elected thread, only when the CTA visits an m-block):
+  K and V panel by panel once before the loop, completing on kv_full; per m-block Q and dO
+  panel by panel into the ring slot, then LSE and D (bulk loads), completing on the slot's
+  q_full;
+- the consumer warpgroups (bwd_consumer, or with ``overlap`` bwd_consumer_overlapped with
+  its helpers meet_and_issue_dq and reduce_dq inlined): dK and dV zeroed before the loop;
+  per m-block the front (S^T, dP^T, P, dS, both packed to 16 bits, dS^T to SMEM), then
+  the gradients' wgmmas, then dQ staged and reduce-added by the leader (through
+  ordered_reduce_add with ``deterministic``); dK and dV stored after the loop. The two
+  consumers differ in the order after the front: bwd_consumer issues dV, dK, then dQ and
+  stages dQ last; the overlapped one issues dQ first, then dV and dK, and stages dQ while
+  they run.
+"""
+
+from __future__ import annotations
+
+from .program import (
+    Buffer,
+    Guard,
+    Index,
+    Item,
+    Kind,
+    Mbar,
+    Operand,
+    Params,
+    Part,
+    Phase,
+    Protocol,
+    Reg,
+    Source,
+    Who,
+)
+
+__all__ = ["schedule", "producer_steps", "consumer_steps"]
+
+
+def schedule(p: Params) -> Protocol:
+    """The plan's steps, every role's, with no sync: what ``place_syncs`` places syncs in."""
+    return Protocol(p, (), producer_steps(p), consumer_steps(p))
+
+
+def producer_steps(p: Params) -> tuple[Item, ...]:
+    """bwd_producer's loads: K and V once, then each m-block the ring slot's Q, dO, LSE, D."""
+
+    def load(kind: Kind, phase: Phase, operand: Operand, name: str, **fields) -> Item:
+        return Item(
+            kind,
+            Who.ELECTED,
+            Source.PRODUCER,
+            phase,
+            name=name,
+            guard=Guard.HAS_WORK,
+            writes=(operand,),
+            **fields,
+        )
+
+    out = []
+    for panel in range(p.panels):
+        for buffer in (Buffer.K, Buffer.V):
+            operand = Operand(buffer, part=Part.PANEL, panel=panel)
+            name = f"{buffer.value} panel {panel} load"
+            out.append(load(Kind.TMA_LOAD, Phase.BEFORE, operand, name, mbar=Mbar.KV_FULL))
+    ring = dict(mbar=Mbar.Q_FULL, slot=Index.RING)
+    for panel in range(p.panels):
+        for buffer in (Buffer.Q, Buffer.DO):
+            operand = Operand(buffer, Index.RING, Part.PANEL, panel)
+            name = f"{buffer.value} panel {panel} load"
+            out.append(load(Kind.TMA_LOAD, Phase.LOOP, operand, name, **ring))
+    for buffer in (Buffer.LSE, Buffer.D):
+        operand = Operand(buffer, Index.RING)
+        out.append(load(Kind.BULK_LOAD, Phase.LOOP, operand, f"{buffer.value} load", **ring))
+    return tuple(out)
+
+
+def consumer_steps(p: Params) -> tuple[Item, ...]:
+    """A consumer warpgroup's steps (module docstring: the two consumers' orders)."""
+    main = Source.OVERLAPPED if p.overlap else Source.CONSUMER
+
+    def step(
+        kind: Kind, name: str, phase: Phase = Phase.LOOP, source: Source = main, **fields
+    ) -> Item:
+        return Item(kind, Who.WARPGROUP, source, phase, name=name, **fields)
+
+    def wgmma(name: str, reads: tuple, regs: tuple, acc: Reg, source: Source = main) -> Item:
+        return step(Kind.WGMMA, name, source=source, reads=reads, reg_reads=regs, reg_writes=(acc,))
+
+    q, do = Operand(Buffer.Q, Index.RING), Operand(Buffer.DO, Index.RING)
+    ds_rows = Operand(Buffer.DS, Index.ALTERNATE, Part.ROWS_OF_WG)
+    k_rows = Operand(Buffer.K, part=Part.ROWS_OF_WG)
+    v_rows = Operand(Buffer.V, part=Part.ROWS_OF_WG)
+    front = [
+        wgmma("S^T = K Q^T", (k_rows, q), (), Reg.S),
+        wgmma("dP^T = V dO^T", (v_rows, do), (), Reg.DP),
+        step(
+            Kind.PROBS,
+            "P = exp2(S - LSE)",
+            reads=(Operand(Buffer.LSE, Index.RING),),
+            reg_reads=(Reg.S,),
+            reg_writes=(Reg.S,),
+        ),
+        step(
+            Kind.GRAD_SCORES,
+            "dS = P (dP - D)",
+            reads=(Operand(Buffer.D, Index.RING),),
+            reg_reads=(Reg.S, Reg.DP),
+            reg_writes=(Reg.DP,),
+        ),
+        step(Kind.PACK, "P^T to 16 bits", reg_reads=(Reg.S,), reg_writes=(Reg.P16,)),
+        step(Kind.PACK, "dS^T to 16 bits", reg_reads=(Reg.DP,), reg_writes=(Reg.DS16,)),
+        step(Kind.ST_SHARED, "dS^T -> smem", writes=(ds_rows,), reg_reads=(Reg.DS16,)),
+    ]
+    grads = [
+        wgmma("dV += P^T dO", (do,), (Reg.P16, Reg.DV), Reg.DV),
+        wgmma("dK += dS^T Q", (q,), (Reg.DS16, Reg.DK), Reg.DK),
+    ]
+    # dQ = dS K: by keys, the warpgroup's own rows of dS^T and K; by head_dim panels, all
+    # B_c rows of dS^T and the warpgroup's panel of K
+    if p.dq_by_keys:
+        dq_reads = (ds_rows, k_rows)
+    else:
+        dq_reads = (Operand(Buffer.DS, Index.ALTERNATE), Operand(Buffer.K, part=Part.PANEL_OF_WG))
+    dq_source = Source.MEET_AND_ISSUE_DQ if p.overlap else main
+    dq = wgmma("dQ = dS K", dq_reads, (), Reg.DQ, dq_source)
+    staging = _stage_and_reduce(p, Source.REDUCE_DQ if p.overlap else main)
+    loop = front + ([dq, *grads, *staging] if p.overlap else [*grads, dq, *staging])
+    return (
+        step(Kind.ZERO, "dK, dV = 0", Phase.BEFORE, reg_writes=(Reg.DK, Reg.DV)),
+        *loop,
+        step(Kind.STORE_GLOBAL, "dK -> global", Phase.AFTER, reg_reads=(Reg.DK,)),
+        step(Kind.STORE_GLOBAL, "dV -> global", Phase.AFTER, reg_reads=(Reg.DV,)),
+    )
+
+
+def _stage_and_reduce(p: Params, source: Source) -> list[Item]:
+    """The warpgroup's dQ into its staging buffer, reduce-added into global memory by its
+    leader (in ordered_reduce_add with ``deterministic``)."""
+    stage = Operand(Buffer.DQ_STAGE, part=Part.ROWS_OF_WG)
+    add_source = Source.ORDERED_REDUCE_ADD if p.deterministic else source
+    return [
+        Item(
+            Kind.ST_SHARED,
+            Who.WARPGROUP,
+            source,
+            Phase.LOOP,
+            name="dQ -> staging",
+            writes=(stage,),
+            reg_reads=(Reg.DQ,),
+        ),
+        Item(
+            Kind.BULK_REDUCE_ADD,
+            Who.LEADER,
+            add_source,
+            Phase.LOOP,
+            name="dQ reduce-add",
+            reads=(stage,),
+        ),
+    ]

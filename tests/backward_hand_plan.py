@@ -1,0 +1,251 @@
+"""The backward main kernel's sync plan written by hand: a test oracle only.
+
+The kernel's plan is ``protocol(p)`` (fadsl/targets/sm90/backward/protocol.py): the sync
+pass's placement in the schedule's steps. This is the same plan listed by hand from the
+header, call by call: each role's syncs in order, with the steps of ``schedule(p)`` named
+where they fall between them (a name must be the schedule's next step, and every step is
+named once). tests/test_backward_syncs.py checks that the pass places exactly these syncs,
+field for field but ``why``, in every configuration; nothing in fadsl imports this.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from fadsl.targets.sm90.backward.program import (
+    WARPGROUP_THREADS,
+    Guard,
+    Index,
+    Item,
+    Kind,
+    Mbar,
+    Named,
+    Params,
+    Parity,
+    Phase,
+    Protocol,
+    Source,
+    Who,
+)
+from fadsl.targets.sm90.backward.steps import schedule
+
+
+def hand_protocol(p: Params) -> Protocol:
+    """The schedule's steps interleaved with the hand-listed syncs."""
+    steps = schedule(p)
+    producer = _interleave(steps.producer, _producer(p, steps.producer))
+    consumer = _interleave(steps.consumer, _consumer(p))
+    return Protocol(p, _setup(p), producer, consumer, steps.layout)
+
+
+def _interleave(steps: tuple[Item, ...], listing: list[Item | str]) -> tuple[Item, ...]:
+    """The listing with each step name replaced by the schedule's step of that name."""
+    out, remaining = [], list(steps)
+    for entry in listing:
+        if isinstance(entry, str):
+            assert remaining and remaining[0].name == entry, (entry, remaining[:1])
+            out.append(remaining.pop(0))
+        else:
+            assert entry.is_sync, entry
+            out.append(entry)
+    assert not remaining, f"steps the hand plan does not name: {remaining}"
+    return tuple(out)
+
+
+def _names(steps: tuple[Item, ...], phase: Phase) -> list[str]:
+    return [x.name for x in steps if x.phase is phase]
+
+
+def _setup(p: Params) -> tuple[Item, ...]:
+    init = dict(who=Who.THREAD0, source=Source.KERNEL, phase=Phase.BEFORE)
+    return (
+        Item(Kind.MBAR_INIT, mbar=Mbar.KV_FULL, count=1, why="the producer's expect_tx", **init),
+        Item(Kind.MBAR_INIT, mbar=Mbar.Q_FULL, slot=Index.RING, count=1, **init),
+        Item(
+            Kind.MBAR_INIT,
+            mbar=Mbar.Q_EMPTY,
+            slot=Index.RING,
+            count=p.consumer_threads,
+            why="every consumer thread, once per m-block",
+            **init,
+        ),
+        Item(Kind.FENCE_MBAR_INIT, why="the inits visible to TMA's complete_tx", **init),
+        Item(
+            Kind.SYNCTHREADS,
+            Who.CTA,
+            Source.KERNEL,
+            Phase.BEFORE,
+            why="the inits before any use",
+        ),
+    )
+
+
+def _producer(p: Params, steps: tuple[Item, ...]) -> list[Item | str]:
+    def sync(kind: Kind, phase: Phase, **fields) -> Item:
+        return Item(kind, Who.ELECTED, Source.PRODUCER, phase, guard=Guard.HAS_WORK, **fields)
+
+    return [
+        sync(
+            Kind.MBAR_ARRIVE_EXPECT_TX,
+            Phase.BEFORE,
+            mbar=Mbar.KV_FULL,
+            tx=2 * p.kv_bytes,
+            why="K's and V's bytes complete kv_full",
+        ),
+        *_names(steps, Phase.BEFORE),  # K and V, panel by panel
+        sync(
+            Kind.MBAR_WAIT,
+            Phase.LOOP,
+            mbar=Mbar.Q_EMPTY,
+            slot=Index.RING,
+            parity=Parity.RING_FLIP,
+            why="WAR: every consumer is done with the slot's Q, dO, LSE and D",
+        ),
+        sync(
+            Kind.MBAR_ARRIVE_EXPECT_TX,
+            Phase.LOOP,
+            mbar=Mbar.Q_FULL,
+            slot=Index.RING,
+            tx=2 * p.q_bytes + 2 * p.row_floats_bytes,
+            why="Q's, dO's, LSE's and D's bytes complete q_full",
+        ),
+        *_names(steps, Phase.LOOP),  # Q and dO panel by panel, LSE, D
+    ]
+
+
+def _consumer(p: Params) -> list[Item | str]:
+    """bwd_consumer, or with ``overlap`` bwd_consumer_overlapped with its helpers inlined:
+    bwd_consumer commits dV and dK, then dQ, and waits for all three (wait_group 0) before
+    it releases the slot and stages dQ; the overlapped one commits dQ, then dV and dK, waits
+    for dQ alone (wait_group 1), stages and reduce-adds it while dV and dK run, then waits
+    for them (wait_group 0) and releases the slot."""
+    main = Source.OVERLAPPED if p.overlap else Source.CONSUMER
+    meet = Source.MEET_AND_ISSUE_DQ if p.overlap else main
+
+    def sync(kind: Kind, phase: Phase = Phase.LOOP, source: Source = main, **fields) -> Item:
+        return Item(kind, Who.WARPGROUP, source, phase, **fields)
+
+    listing = [
+        "dK, dV = 0",
+        sync(
+            Kind.MBAR_WAIT,
+            Phase.BEFORE,
+            guard=Guard.HAS_WORK,
+            mbar=Mbar.KV_FULL,
+            parity=Parity.ZERO,
+            why="RAW: K and V landed",
+        ),
+        sync(
+            Kind.MBAR_WAIT,
+            mbar=Mbar.Q_FULL,
+            slot=Index.RING,
+            parity=Parity.RING,
+            why="RAW: the slot's Q, dO, LSE and D landed",
+        ),
+        sync(Kind.WGMMA_FENCE, why="S^T, dP^T were accessed by ordinary code"),
+        "S^T = K Q^T",
+        sync(Kind.WGMMA_COMMIT),
+        "dP^T = V dO^T",
+        sync(Kind.WGMMA_COMMIT),
+        sync(Kind.WGMMA_WAIT, pending=1, why="S^T in registers (dP^T's group may run on)"),
+        "P = exp2(S - LSE)",
+        sync(Kind.WGMMA_WAIT, pending=0, why="dP^T in registers"),
+        "dS = P (dP - D)",
+        "P^T to 16 bits",
+        "dS^T to 16 bits",
+        "dS^T -> smem",
+    ]
+    regs_fence = sync(
+        Kind.WGMMA_FENCE, why="the A registers P^T, dS^T were written by ordinary code"
+    )
+    grads = ["dV += P^T dO", "dK += dS^T Q", sync(Kind.WGMMA_COMMIT)]
+    ds_fence = sync(Kind.FENCE_PROXY_ASYNC_SMEM, why="RAW: dS^T's st.shared before dQ's wgmma")
+    if p.dq_by_keys:
+        ds_ready = sync(
+            Kind.NAMED_BAR_SYNC,
+            source=meet,
+            named=Named.DQ,
+            threads=WARPGROUP_THREADS,
+            why="RAW: the warpgroup's rows of dS^T written",
+        )
+    else:
+        ds_ready = sync(
+            Kind.NAMED_BAR_SYNC,
+            source=meet,
+            named=Named.DS,
+            threads=p.consumer_threads,
+            why="RAW: all B_c rows of dS^T written",
+        )
+    release = sync(
+        Kind.MBAR_ARRIVE,
+        mbar=Mbar.Q_EMPTY,
+        slot=Index.RING,
+        why="WAR: the slot's Q, dO (wgmma retired), LSE and D (read) are free",
+    )
+    staging = _stage_and_reduce(p, Source.REDUCE_DQ if p.overlap else main)
+    if p.overlap:
+        listing += [
+            ds_fence,
+            regs_fence,
+            ds_ready,
+            "dQ = dS K",
+            sync(Kind.WGMMA_COMMIT, source=meet),
+            *grads,
+            sync(Kind.WGMMA_WAIT, pending=1, why="dQ in registers (dV's and dK's group runs on)"),
+            *staging,
+            sync(Kind.WGMMA_WAIT, pending=0, why="dV, dK retired: Q, dO read"),
+            release,
+        ]
+    else:
+        listing += [
+            regs_fence,
+            *grads,
+            ds_fence,
+            ds_ready,
+            "dQ = dS K",
+            sync(Kind.WGMMA_COMMIT),
+            sync(Kind.WGMMA_WAIT, pending=0, why="dV, dK, dQ retired: Q, dO, dS^T read"),
+            release,
+            *staging,
+        ]
+    return listing + [
+        Item(
+            Kind.BULK_WAIT,
+            Who.LEADER,
+            main,
+            Phase.AFTER,
+            why="the last reduce-add read the staging before the CTA exits",
+        ),
+        "dK -> global",
+        "dV -> global",
+    ]
+
+
+def _stage_and_reduce(p: Params, source: Source) -> list[Item | str]:
+    """The staging's syncs around dQ's st.shared and the leader's reduce-add (ordered by the
+    semaphore in deterministic mode)."""
+    own_bar = dict(named=Named.DQ, threads=WARPGROUP_THREADS)
+
+    def sync(kind: Kind, who: Who = Who.WARPGROUP, **fields) -> Item:
+        return Item(kind, who, source, Phase.LOOP, **fields)
+
+    out = [
+        sync(Kind.BULK_WAIT_READ, Who.LEADER, why="WAR: the previous reduce-add read the staging"),
+        sync(Kind.NAMED_BAR_SYNC, why="WAR: the leader's wait before the staging", **own_bar),
+        "dQ -> staging",
+        sync(Kind.FENCE_PROXY_ASYNC_SMEM, why="RAW: the staging's st.shared before the reduce"),
+        sync(Kind.NAMED_BAR_SYNC, why="RAW: all of the staging written", **own_bar),
+    ]
+    commit = sync(Kind.BULK_COMMIT, Who.LEADER)
+    if not p.deterministic:
+        return out + ["dQ reduce-add", commit]
+    ordered = dict(who=Who.LEADER, source=Source.ORDERED_REDUCE_ADD, phase=Phase.LOOP)
+    return out + [
+        Item(Kind.SEM_ACQUIRE, why="the reduce-adds before this ticket's done", **ordered),
+        Item(Kind.FENCE_PROXY_ASYNC_GLOBAL, why="the acquire before the adds", **ordered),
+        "dQ reduce-add",
+        replace(commit, source=Source.ORDERED_REDUCE_ADD),
+        Item(Kind.BULK_WAIT, pending=0, why="the adds performed", **ordered),
+        Item(Kind.FENCE_PROXY_ASYNC_GLOBAL, why="the adds before the release", **ordered),
+        Item(Kind.SEM_RELEASE, why="the next ticket may add", **ordered),
+    ]
