@@ -94,7 +94,7 @@ if [[ $steps == *" tune "* ]]; then
 fi
 if [[ $steps == *" tests "* || $# -eq 0 ]]; then
   # -P: import the installed fadsl (the one pip built), not the source folder
-  python3 -P -m pytest -q -m gpu ${GPU_TESTS:-tests/test_gpu_runtime.py tests/test_gpu.py tests/test_gpu_general.py tests/test_gpu_sm90.py tests/test_gpu_split.py tests/test_gpu_cluster.py tests/test_gpu_softcap.py} -p no:cacheprovider --durations=8 --timeout=120 -rs 2>&1 | tee "$OUT/pytest_gpu.log" | tail -25
+  python3 -P -m pytest -q -m gpu ${GPU_TESTS:-tests/test_gpu_runtime.py tests/test_gpu.py tests/test_gpu_general.py tests/test_gpu_sm90.py tests/test_gpu_split.py tests/test_gpu_cluster.py tests/test_gpu_softcap.py tests/test_gpu_window.py} -p no:cacheprovider --durations=8 --timeout=120 -rs 2>&1 | tee "$OUT/pytest_gpu.log" | tail -25
   status=$((status | ${PIPESTATUS[0]}))
   bench_specs=examples/fa2_pipelined.fa
   if python3 -c "import torch, sys; sys.exit(torch.cuda.get_device_capability() != (9, 0))" && [[ -f examples/fa3_hopper.fa ]]; then

@@ -1,6 +1,6 @@
 """Build every cubin the GPU tests need, in parallel (one process each; NVRTC needs no GPU):
-the examples, the general-attention matrix and the numerics suite's kernels of
-tests/gpu_specs.py, for the local GPU's
+the examples, the general-attention matrix, the numerics suite's kernels and the capped and
+windowed specs of tests/gpu_specs.py, for the local GPU's
 architecture (or the one given: python3 scripts/prebuild.py sm_90a)."""
 
 import sys
@@ -35,7 +35,7 @@ if __name__ == "__main__":
         from fadsl.runtime.attention import arch_of
 
         arch = arch_of(torch.cuda.current_device())
-    from gpu_specs import general_specs, numerics_specs, sm90_specs, softcap_specs
+    from gpu_specs import general_specs, numerics_specs, sm90_specs, softcap_specs, window_specs
 
     from fadsl.targets import check_arch
 
@@ -47,6 +47,7 @@ if __name__ == "__main__":
     known = {fadsl.load(s, verbose=False).config.name for s in specs}
     specs += [t for n, t in numerics_specs().items() if n not in known]
     specs += list(softcap_specs().values())
+    specs += list(window_specs().values())
     jobs = []
     for spec in specs:
         config = fadsl.load(spec, verbose=False).config

@@ -171,3 +171,63 @@ def softcap_specs() -> dict[str, str]:
             text = re.sub(r"\bkernel\s+\w+", f"kernel {name}", path.read_text(), count=1)
             specs[name] = with_rescale(text, mode)
     return specs
+
+
+# Sliding windows beyond the spec files' (each from tests/specs/sm90/fa3_window.fa, or the
+# example named, with its mask line, and more, replaced): name -> (mask, rescale, the lines).
+WINDOW_VARIANTS = {
+    # a window narrower than a block: every iteration masks at both ends at once
+    "fa3_window_small": ("window(3, 5)", "guarded", {}),
+    # left 0 with the causal mask: each query sees its diagonal key alone
+    "fa3_window_left0": ("causal, window(0)", "lazy", {}),
+    # left 0, a right side only
+    "fa3_window_right": ("window(0, 200)", "every", {}),
+    # wider than any sequence tested: the same as no mask
+    "fa3_window_huge": ("window(100000, 100000)", "guarded", {}),
+    # one CTA per tile (the grid's order: plain, as the persistent one's)
+    "fa3_window_grid": ("causal, window(300)", "every", {"scheduler": "grid"}),
+    # 192 query rows a tile over blocks of 128 keys: a tile's first rows see nothing in its
+    # first blocks (examples/fa3_hdim64.fa, its tail whole)
+    "fa3_window_hdim64_br192": ("window(500, 100)", "guarded", {"tail": "whole"}),
+}
+WINDOW_BASES = {"fa3_window_hdim64_br192": "examples/fa3_hdim64.fa"}
+
+
+def window_of(text: str) -> tuple[int, int] | None:
+    """A spec's window as (left, right), right 0 with the causal mask; None without one."""
+    found = re.search(r"^\s*mask\s+([^#\n]*)", text, re.MULTILINE)
+    sizes = re.search(r"window\((\d+)(?:,\s*(\d+))?\)", found.group(1)) if found else None
+    return None if sizes is None else (int(sizes.group(1)), int(sizes.group(2) or 0))
+
+
+def with_setting(text: str, key: str, value: str) -> str:
+    """The spec with ``key value`` (its line replaced, the comment dropped)."""
+    replaced, n = re.subn(
+        rf"^(\s*{key}\s+)[^\n]*", rf"\g<1>{value}", text, count=1, flags=re.MULTILINE
+    )
+    assert n == 1, key
+    return replaced
+
+
+def forward_only(text: str) -> str:
+    """The spec without its backward block (a window's backward is not built)."""
+    return re.sub(r"^[ \t]*backward\s*\{[^}]*\}[^\n]*\n", "", text, flags=re.MULTILINE)
+
+
+def window_specs() -> dict[str, str]:
+    """The windowed specs (tests/specs/sm90/fa3_window*.fa) each in every rescale mode, named
+    ``<spec>_<mode>``, and ``WINDOW_VARIANTS`` in one mode each."""
+    specs = {}
+    for path in sorted((ROOT / "tests" / "specs" / "sm90").glob("fa3_window*.fa")):
+        for mode in RESCALE_MODES:
+            name = f"{path.stem}_{mode}"
+            text = re.sub(r"\bkernel\s+\w+", f"kernel {name}", path.read_text(), count=1)
+            specs[name] = with_rescale(text, mode)
+    for name, (mask, mode, lines) in WINDOW_VARIANTS.items():
+        base = ROOT / WINDOW_BASES.get(name, "tests/specs/sm90/fa3_window.fa")
+        text = re.sub(r"\bkernel\s+\w+", f"kernel {name}", base.read_text(), count=1)
+        text = with_rescale(with_setting(forward_only(text), "mask", mask), mode)
+        for key, value in lines.items():
+            text = with_setting(text, key, value)
+        specs[name] = text
+    return specs

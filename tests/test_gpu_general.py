@@ -37,10 +37,12 @@ def kernels():
     return {name: fadsl.load(text, verbose=False) for name, text in SPECS.items()}
 
 
-def reference(q, k, v, scale, causal, dtype, softcap=None):
+def reference(q, k, v, scale, causal, dtype, softcap=None, window=None):
     """Attention and LSE with GQA and a bottom-right causal mask, in ``dtype`` (softmax in fp32;
     all of it in float64 for float64). Rows that see no key give 0 and LSE -inf. ``softcap``:
-    the scores capped, softcap tanh(s scale / softcap), before the mask."""
+    the scores capped, softcap tanh(s scale / softcap), before the mask. ``window``: (left,
+    right), FlashAttention's window_size: query i sees key j iff i + sk - sq - left <= j <=
+    i + sk - sq + right (with ``causal`` too)."""
     sq, sk = q.shape[1], k.shape[1]
     groups = q.shape[2] // k.shape[2]
     q, k, v = (t.to(dtype).transpose(1, 2) for t in (q, k, v))
@@ -54,6 +56,12 @@ def reference(q, k, v, scale, causal, dtype, softcap=None):
         i = torch.arange(sq, device=q.device)[:, None]
         j = torch.arange(sk, device=q.device)[None, :]
         scores = scores.masked_fill(j > i + sk - sq, float("-inf"))
+    if window is not None:
+        left, right = window
+        i = torch.arange(sq, device=q.device)[:, None]
+        j = torch.arange(sk, device=q.device)[None, :]
+        outside = (j < i + sk - sq - left) | (j > i + sk - sq + right)
+        scores = scores.masked_fill(outside, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
     out = torch.matmul(probs.to(dtype), v).to(work)

@@ -135,6 +135,7 @@ def _config(
         swizzle=swizzle if isinstance(swizzle, Swizzle) else None,
         smem_alias=v.get("smem_alias", AliasPolicy.SCOPED),
         allow_spills=v.get("spills", False),
+        window=v.get("window"),  # a target without windows refuses them in its validate
         loc=c.decl.loc,
         key_locs=tuple(sorted(c.key_locs.items())),
     )

@@ -13,7 +13,7 @@ from typing import Callable
 from .. import targets
 from .checks import Checks, clip, show
 from ..errors import closest, one_of, quoted, suggest
-from ..ir import AliasPolicy, Dtype, Mask, Rescale, Swizzle
+from ..ir import AliasPolicy, Dtype, Mask, Rescale, Swizzle, Window
 from .syntax import Assign, Call, Number, Setting, Word
 
 HEAD_DIMS = (64, 96, 128, 256)
@@ -199,7 +199,86 @@ def warps(c: Checks, setting: Setting) -> int | None:
 
 
 def mask(c: Checks, setting: Setting) -> Mask | None:
-    return _word_choice(c, setting, {m.value: m for m in Mask})
+    """`mask none` or `causal`, or a sliding window (sm_90a): `mask window(LEFT, RIGHT)`, or
+    `mask causal, window(LEFT)` (the causal mask puts the right side at 0). A window goes to
+    c.values['window'] (Window), its call's place to c.key_locs['window']."""
+    masks = {m.value: m for m in Mask}
+    if not any(isinstance(value, Call) for value in setting.values):
+        return _word_choice(c, setting, masks)  # the plain masks' messages, as before windows
+    causal: Word | None = None
+    call: Call | None = None
+    ok = True
+    for value in setting.values:
+        if isinstance(value, Call) and value.name.text == "window" and call is None:
+            call = value
+        elif isinstance(value, Word) and value.text == "causal" and causal is None:
+            causal = value
+        else:
+            c.error(value.loc, _not_a_window_part(value))
+            ok = False
+    if call is None or not ok:
+        return None
+    window = _window(c, call, causal is not None)
+    if window is None:
+        return None
+    c.values["window"] = window
+    c.key_locs["window"] = call.loc
+    return Mask.CAUSAL if causal is not None else Mask.NONE
+
+
+WINDOW_FORMS = "'window(LEFT, RIGHT)' or 'causal, window(LEFT)'"
+WINDOW_SIDES = ("LEFT", "RIGHT")
+MAX_WINDOW = 1 << 24  # keys on a side; a window past every sequence bounds nothing
+
+
+def _not_a_window_part(value: Word | Number | Call | Assign) -> str:
+    """Why a value of a `mask` line that has a window call is not part of the mask."""
+    if isinstance(value, Call) and value.name.text == "window":
+        return "'mask' takes one window"
+    if isinstance(value, Word) and value.text == "causal":
+        return "'causal' is given twice"
+    if isinstance(value, Word) and value.text == "none":
+        return "'none' and a window contradict: a window alone is 'mask window(LEFT, RIGHT)'"
+    if isinstance(value, Call):
+        hint = suggest(value.name.text, ("window",))
+        return f"unknown mask '{quoted(value.name.text)}(...)'; expected {WINDOW_FORMS}{hint}"
+    if isinstance(value, Word):
+        hint = suggest(value.text, ("causal",))
+        return f"unknown mask '{quoted(value.text)}'; expected {WINDOW_FORMS}{hint}"
+    return f"'mask' expects {WINDOW_FORMS}, not {show(value)}"
+
+
+def _window(c: Checks, call: Call, causal: bool) -> Window | None:
+    """The sizes of `window(LEFT, RIGHT)` (without the causal mask) or `window(LEFT)` (with
+    it: right 0), each a number of keys in [0, MAX_WINDOW]."""
+    args = call.args
+    if causal and len(args) != 1:
+        c.error(
+            args[1].loc if len(args) > 1 else call.loc,
+            "with 'causal' the window takes LEFT only, 'window(LEFT)': the causal mask puts "
+            "its right side at 0 (a right side of its own: 'mask window(LEFT, RIGHT)')",
+        )
+        return None
+    if not causal and len(args) == 1:
+        c.error(
+            call.loc,
+            "window(LEFT) bounds the left side only with the causal mask: 'mask causal, "
+            "window(LEFT)'; without it give both sides, 'mask window(LEFT, RIGHT)'",
+        )
+        return None
+    if not causal and len(args) != 2:
+        c.error(
+            call.loc,
+            "window(LEFT, RIGHT) takes 2 numbers (keys left and right of the diagonal), "
+            f"got {len(args)}",
+        )
+        return None
+    sizes = [
+        _number(c, arg, f"window {side}", 0, MAX_WINDOW) for arg, side in zip(args, WINDOW_SIDES)
+    ]
+    if None in sizes:
+        return None
+    return Window(sizes[0], 0 if causal else sizes[1])
 
 
 def swizzle(c: Checks, setting: Setting) -> Swizzle | None | str:

@@ -233,6 +233,8 @@ def _syntax_message(err: lark.exceptions.UnexpectedInput, text: str) -> tuple[in
                     len(path.group(1)) + len(t) + 1,
                     f"missing ':' after '{t}': a path is written '{t}: {example} ...'",
                 )
+            if token.value == "-" and source_line[col : col + 1].isdigit():
+                return line, col, _negative_number_message(source_line)
             expected = _expected(set(err.accepts or err.expected))
             if token.type == "_NL":
                 # The newline token starts right after the line's text.
@@ -249,6 +251,18 @@ def _syntax_message(err: lark.exceptions.UnexpectedInput, text: str) -> tuple[in
             return line, col, "unexpected end of file" + _expected(set(err.expected))
         case _:
             raise AssertionError(f"unexpected parser error {type(err).__name__}")
+
+
+def _negative_number_message(source_line: str) -> str:
+    """A '-' before a number: every number of a spec counts something (FlashAttention's
+    window_size of -1, no bound, has spellings of its own)."""
+    message = "unexpected '-': a spec's numbers are 0 or more"
+    if "window" in source_line:
+        message += (
+            "; a window's LEFT and RIGHT count keys (FlashAttention's -1, no bound: "
+            "'mask causal' for (-1, 0), no window for (-1, -1))"
+        )
+    return message
 
 
 class _ToAst(Transformer):

@@ -20,6 +20,7 @@ from .kernel import (
     Sync,
     Region,
     Kernel,
+    Window,
 )
 from .lowered import Lowered
 from .types import (
@@ -74,4 +75,5 @@ __all__ = [
     "TargetConfig",
     "Tensor",
     "Threads",
+    "Window",
 ]

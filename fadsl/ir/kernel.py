@@ -57,6 +57,22 @@ class Swizzle:
 
 
 @dataclass(frozen=True)
+class Window:
+    """A sliding window (`mask window(LEFT, RIGHT)`, or `mask causal, window(LEFT)` with
+    right 0): query i sees key j iff i + d - left <= j <= i + d + right, d = seqlen_k -
+    seqlen_q (FlashAttention's window_size, the diagonal aligned bottom-right)."""
+
+    left: int
+    right: int
+
+    def spelling(self, mask: Mask) -> str:
+        """The `mask` line's value, as a spec writes it."""
+        if mask is Mask.CAUSAL:
+            return f"causal, window({self.left})"
+        return f"window({self.left}, {self.right})"
+
+
+@dataclass(frozen=True)
 class Tensor:
     role: Role
     hops: tuple[Hop, ...]
@@ -101,10 +117,16 @@ class Config:
     key_locs: tuple[tuple[str, Loc], ...] = ()
     allow_spills: bool = False  # `spills allow`: an experiment that may spill registers
     ext: TargetConfig | None = None  # the target's settings (sm_90a: Sm90Config)
+    window: Window | None = None  # `mask window(...)`: a sliding window beside the mask
 
     @property
     def threads(self) -> int:
         return 32 * self.warps
+
+    @property
+    def mask_text(self) -> str:
+        """The `mask` line's value: 'none', 'causal', 'window(L, R)', 'causal, window(L)'."""
+        return self.mask.value if self.window is None else self.window.spelling(self.mask)
 
     def loc_of(self, key: str) -> Loc:
         return dict(self.key_locs).get(key, self.loc)

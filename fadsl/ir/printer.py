@@ -18,6 +18,7 @@ def format_kernel(kernel: Kernel) -> str:
         f"B_r={cfg.block_r} B_c={cfg.block_c} warps={cfg.warps} mask={cfg.mask.value} "
         f"swizzle={cfg.swizzle or 'none'} smem_alias={cfg.smem_alias.value}"
         + (" spills=allow" if cfg.allow_spills else "")
+        + (f" window={cfg.window.left},{cfg.window.right}" if cfg.window else "")
     ]
     if cfg.ext is not None:
         out.append(cfg.ext.text())

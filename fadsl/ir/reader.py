@@ -31,6 +31,7 @@ from .kernel import (
     Swizzle,
     Sync,
     Tensor,
+    Window,
 )
 from .types import (
     AliasPolicy,
@@ -60,7 +61,8 @@ _HEADER = re.compile(
     r"kernel (?P<name>\S+) target=(?P<target>\S+) dtypes=(?P<dtypes>\S+) "
     r"head_dim=(?P<head_dim>\d+) B_r=(?P<block_r>\d+) B_c=(?P<block_c>\d+) "
     r"warps=(?P<warps>\d+) mask=(?P<mask>\S+) swizzle=(?P<swizzle>none|xor\(\d+, \d+, \d+\)) "
-    r"smem_alias=(?P<alias>\S+)(?P<spills> spills=allow)?$"
+    r"smem_alias=(?P<alias>\S+)(?P<spills> spills=allow)?"
+    r"(?: window=(?P<window_left>\d+),(?P<window_right>\d+))?$"
 )
 _BUFFER = re.compile(
     r"buffer (?P<name>\S+) (?P<rows>\d+)x(?P<cols>\d+)x(?P<elem>\d+)B(?: slots=(?P<slots>\d+))? "
@@ -213,6 +215,11 @@ class _Reader:
             smem_alias=self.enum(AliasPolicy, m["alias"]),
             loc=self.loc(),
             allow_spills=m["spills"] is not None,
+            window=(
+                None
+                if m["window_left"] is None
+                else Window(int(m["window_left"]), int(m["window_right"]))
+            ),
         )
 
     def tensor(self, line: str) -> Tensor:

@@ -302,7 +302,9 @@ class FlashAttention:
         q: (batch, seqlen_q, heads_q, head_dim); k, v: (batch, seqlen_k, heads_kv, head_dim)
         with heads_q a multiple of heads_kv (GQA/MQA): query head h reads KV head
         h // (heads_q // heads_kv). A causal spec aligns the diagonal to the bottom right
-        (query i sees key j when j <= i + seqlen_k - seqlen_q), as FlashAttention does.
+        (query i sees key j when j <= i + seqlen_k - seqlen_q), as FlashAttention does; a
+        sliding window (`mask window(L, R)`) likewise: i + d - L <= j <= i + d + R, d =
+        seqlen_k - seqlen_q.
         ``out``, if given, receives the result (q's shape, dtype and device; memory of its
         own). Returns the output, or ``(output, lse)`` with ``return_lse=True``: the
         natural-log log-sum-exp of each row's scaled scores, shape (batch, heads_q,

@@ -171,6 +171,12 @@ def run(
     from torch.nn.attention import sdpa_kernel
 
     cfg = kern.config
+    if cfg.window is not None:
+        raise ValueError(
+            f"spec '{cfg.name}' has a sliding window (mask {cfg.mask_text}): the timing "
+            "checks and compares it with references that have none (SDPA's backends, "
+            "FlashAttention-4)"
+        )
     if causal != (cfg.mask is Mask.CAUSAL):
         raise ValueError(
             "--causal needs a spec with 'mask causal'"
@@ -322,10 +328,10 @@ def variants(
     out = {"fadsl": kern}
     for other in against:
         oc = other.config
-        if (oc.head_dim, oc.mask) != (cfg.head_dim, cfg.mask):
+        if (oc.head_dim, oc.mask, oc.window) != (cfg.head_dim, cfg.mask, cfg.window):
             raise ValueError(
                 f"--against {other.compiled.file}: head_dim {oc.head_dim}, mask "
-                f"{oc.mask.value}; the spec's are head_dim {cfg.head_dim}, mask {cfg.mask.value}"
+                f"{oc.mask_text}; the spec's are head_dim {cfg.head_dim}, mask {cfg.mask_text}"
             )
         if dtype_name not in [d.value for d in oc.dtypes]:
             raise ValueError(f"--against {other.compiled.file}: does not compile {dtype_name}")

@@ -22,7 +22,7 @@ def summary(compiled: Compiled, registers: RegisterCheck | None = None) -> str:
         ("dtypes", f"{', '.join(d.value for d in cfg.dtypes)} (fp32 softmax and accumulators)"),
         ("tiles", f"B_r = {cfg.block_r}, B_c = {cfg.block_c}, head_dim = {cfg.head_dim}"),
         ("warps", f"{cfg.warps} ({cfg.threads} threads; {rows} query rows per warp)"),
-        ("mask", cfg.mask.value),
+        ("mask", cfg.mask_text),
         ("swizzle", f"{cfg.swizzle or 'none'}"),
         ("smem", f"{k.smem_bytes} bytes ({cfg.smem_alias.value} aliasing)"),
     ]

@@ -64,6 +64,13 @@ def validate(c: Checks, tensors: dict[Role, Tensor]) -> bool:
             f"stages = {stages} is not supported yet (one K/V stage for now)",
         )
         ok = False
+    if "window" in v:
+        c.error(
+            c.key_locs["window"],
+            f"mask {v['window'].spelling(v['mask'])} is not built for sm_80 yet: a sliding "
+            "window needs target sm_90a",
+        )
+        ok = False
     for role in (Role.K, Role.V):
         tensor = tensors.get(role)
         if tensor is not None and tensor.smem_scope is Scope.WARP and warps > 1:

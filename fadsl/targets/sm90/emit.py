@@ -269,6 +269,9 @@ def context(kernel: Kernel, dtype: Dtype) -> dict[str, Any]:
         "scheduler": hw.scheduler,
         "rescale": hw.rescale,
         "mask": cfg.mask.value,
+        "mask_text": cfg.mask_text,  # the mask line's value, window included
+        # `mask window(...)`: its sizes, compile-time constants of the kernel's Cfg
+        "window": cfg.window,
         "cuda_type": dtype.cuda_type,
         "smem_bytes": kernel.smem_bytes,
         "offsets": {name: b.offset for name, b in bufs.items()},
@@ -297,7 +300,8 @@ def context(kernel: Kernel, dtype: Dtype) -> dict[str, Any]:
             if hw.split_kv
             else "tile_work<Cfg>(P, tile_coords<Cfg>(P, tile))"
         ),
-        "kv_end": "w.block_end" if hw.split_kv else "w.n_blocks",
+        # (a window's tile starts at its window's first block, not at block 0)
+        "kv_end": "w.block_end" if hw.split_kv or cfg.window else "w.n_blocks",
         # `cluster 2`: K/V loads multicast into both CTAs, arrivals on the peer's barriers
         "cluster": hw.cluster,
         # the cluster-free variant that the launches which do not pair run (sm90/alone.py)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from ...errors import Loc
-from ...ir import Kernel, Phase, Step, Sync
+from ...ir import Kernel, Mask, Phase, Step, Sync
 from .. import Capabilities, Report
 from .alone import alone_name
 from .backward.explain import backward_data, backward_sections
@@ -258,6 +258,17 @@ def explain_data(kernel: Kernel) -> dict[str, Any]:
             "scheduler": hw.scheduler,
             "rescale": hw.rescale,
             **({"softcap": hw.softcap} if hw.softcap else {}),
+            **(
+                {
+                    "window": {
+                        "left": cfg.window.left,
+                        "right": cfg.window.right,
+                        "causal": cfg.mask is Mask.CAUSAL,
+                    }
+                }
+                if cfg.window
+                else {}
+            ),
         },
         "tma_tiles": _mbarriers(kernel),
         "mbarrier_array": {
@@ -320,8 +331,12 @@ def explain_sections(data: Mapping[str, Any]) -> list[str]:
         "  scheduler  "
         + (
             "persistent: one CTA per SM (at most one per tile), each running tiles in turn "
-            "(causal: a long and a short query block in pairs); the producer loads the next "
-            "tile's Q and K "
+            + (
+                "(a window's in plain order)"
+                if "window" in ws
+                else "(causal: a long and a short query block in pairs)"
+            )
+            + "; the producer loads the next tile's Q and K "
             + (
                 "during this one's last blocks"
                 if ws["q_slots"] > 1
@@ -385,6 +400,7 @@ def explain_sections(data: Mapping[str, Any]) -> list[str]:
             if "softcap" in ws
             else []
         ),
+        *([_window_text(ws["window"])] if "window" in ws else []),
         "",
     ]
     array = data["mbarrier_array"]
@@ -441,6 +457,17 @@ def explain_sections(data: Mapping[str, Any]) -> list[str]:
         "",
     ]
     return out
+
+
+def _window_text(window: Mapping[str, Any]) -> str:
+    left, right = window["left"], window["right"]
+    spelt = f"causal, window({left})" if window["causal"] else f"window({left}, {right})"
+    return (
+        f"  window     {spelt}: query i sees keys i + d - {left} .. i + d + {right} (d = "
+        "seqlen_k - seqlen_q); each tile runs only the K/V blocks its rows' windows reach, "
+        "masking the first and the last, and the tiles go in plain order (about the same "
+        "number of blocks each)"
+    )
 
 
 def _proven_for(verified: Mapping[str, Any]) -> str:

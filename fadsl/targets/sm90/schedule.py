@@ -138,7 +138,12 @@ def build_schedule(lowered: Lowered) -> Kernel:
             consumer(
                 Op.SOFTMAX,
                 phase,
-                "mask (leading iterations only) and online softmax of S in place"
+                (
+                    "mask (leading and trailing iterations only: the window's two edges)"
+                    if cfg.window
+                    else "mask (leading iterations only)"
+                )
+                + " and online softmax of S in place"
                 + (" (guarded: no row max)" if hw.guarded and phase is Phase.MAINLOOP else ""),
                 cfg.loc,
             ),

@@ -11,7 +11,9 @@
   descriptor), O rf -stmatrix-> smem -tma-> gmem; Q and O warpgroup-scoped, K and V
   CTA-scoped; `swizzle 128B` (TMA's and wgmma's layout);
 - ping-pong needs two consumer warpgroups; the schedule is set by `pingpong` and
-  `overlap`, not by a mainloop block.
+  `overlap`, not by a mainloop block;
+- a sliding window (`mask window(...)`) with `cluster 1` and `tail whole` (both pair or
+  split tiles by the K/V blocks they share, which a window's tiles do not).
 TMA's 16-byte stride and alignment rules concern the tensors: the runtime checks them.
 """
 
@@ -173,6 +175,13 @@ def _scopes(c: Checks, tensors: dict[Role, Tensor]) -> bool:
                 "cluster share every K and V block, each loading half of it into both",
             )
             return False
+    if "window" in c.values:
+        c.error(
+            where,
+            "cluster 2 pairs CTAs that read the same K/V blocks; a sliding window's "
+            "neighbouring query blocks read different ones: use 'cluster 1' with a window",
+        )
+        return False
     if c.values.get("mask", Mask.NONE) is not Mask.NONE:
         c.error(
             where,
@@ -264,6 +273,14 @@ def _knobs(c: Checks, consumers: int) -> bool:
                 "idle CTAs: it needs 'scheduler persistent'",
             )
             return False
+        if "window" in c.values:
+            c.error(
+                where,
+                "tail split_kv splits tiles that run the whole K/V sequence ('mask none'); a "
+                "sliding window's tiles run a few blocks each, masked at both ends: use "
+                "'tail whole' with a window",
+            )
+            return False
         if c.values.get("mask", Mask.NONE) is not Mask.NONE:
             c.error(
                 where,
@@ -287,6 +304,7 @@ def configure(c: Checks) -> Config:
         block_c=v["tile"]["B_c"],
         warps=4 * (1 + consumers),
         mask=v.get("mask", Mask.NONE),
+        window=v.get("window"),
         swizzle=None,
         smem_alias=AliasPolicy.SCOPED,
         loc=c.decl.loc,

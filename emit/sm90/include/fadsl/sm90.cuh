@@ -105,6 +105,11 @@ struct FwdConfig {
   // CTAs per cluster (`cluster 2`: a generated Cfg sets 2). The cluster's CTAs run q-tiles of
   // one (batch, head) and share every K/V block: load_kv_multicast.
   static constexpr int kClusterSize = 1;
+  // A sliding window (`mask window(LEFT, RIGHT)`, `mask causal, window(LEFT)`: a generated Cfg
+  // sets both, right 0 with the causal mask): query i sees key j iff i + d - kWindowLeft <= j
+  // <= i + d + kWindowRight, d = seqlen_k - seqlen_q. -1: no window.
+  static constexpr int kWindowLeft = -1;
+  static constexpr int kWindowRight = -1;
 
   static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "head_dim 64, 128 or 256");
   static_assert(kConsumerWGs >= 1 && kConsumerWGs <= 3, "1 to 3 consumer warpgroups");
@@ -154,6 +159,12 @@ struct FwdConfig {
   static constexpr int kBarSplit = 8;        // + wg: a split piece's hand-over (global memory)
 };
 
+// Whether the kernel has a sliding window (its Cfg's, not FwdConfig's default).
+template <class Cfg>
+__host__ __device__ constexpr bool has_window() {
+  return Cfg::kWindowLeft >= 0;
+}
+
 // Position in a ring of kStages slots: the slot, and the phase parity of its barriers in
 // the current round (flips each time the ring wraps).
 template <int kStages>
@@ -183,6 +194,9 @@ struct TileCoord {
 //     that every CTA gets the same work however long each tile is.
 //   grid (`scheduler grid`): one CTA per tile, the hardware handing out tiles as SMs
 //     free up; causal puts the longest query blocks first.
+//   A sliding window (causal or not) takes the plain order either way: its tiles run about
+//     the same number of blocks (a few at the sequence's ends fewer), so pairs would not
+//     balance anything.
 // (Functions of the launch's parameters, read from the constant bank at each call:
 // nothing of the scheduler stays in registers across a tile but the step.)
 // Query blocks per (batch, head), rounded up to a multiple of the launch's CTAs per cluster,
@@ -206,7 +220,7 @@ template <class Cfg>
 __device__ __forceinline__ int tile_index(const FwdParams& p, int step) {
   const int ctas = gridDim.x, cta = blockIdx.x;
   int t = cta;  // one CTA per tile (the grid has exactly one per tile): step 0 only
-  if constexpr (Cfg::kPersistent && Cfg::kCausal) {
+  if constexpr (Cfg::kPersistent && Cfg::kCausal && !has_window<Cfg>()) {
     t = 2 * (cta + (step / 2) * ctas) + (step & 1);
   } else if constexpr (Cfg::kPersistent) {
     t = cta + step * ctas;
@@ -221,10 +235,10 @@ __device__ __forceinline__ TileCoord tile_coords(const FwdParamsSm90& P, int t) 
   const int m = num_m_blocks<Cfg>(P.base);
   const int bh = fast_div(t, P.div_m_blocks), j = t - bh * m;
   TileCoord c;
-  if constexpr (Cfg::kCausal && Cfg::kPersistent) {
+  if constexpr (Cfg::kCausal && Cfg::kPersistent && !has_window<Cfg>()) {
     c.m_block = (j & 1) ? j / 2 : m - 1 - j / 2;  // num_m - 1, 0, num_m - 2, 1, ...
   } else {
-    c.m_block = Cfg::kCausal ? m - 1 - j : j;  // causal: long rows first
+    c.m_block = Cfg::kCausal && !has_window<Cfg>() ? m - 1 - j : j;  // causal: long rows first
   }
   c.batch = fast_div(bh, P.div_heads);
   c.head = bh - c.batch * P.base.heads_q;
@@ -233,17 +247,49 @@ __device__ __forceinline__ TileCoord tile_coords(const FwdParamsSm90& P, int t) 
 
 // A tile and its K/V range.  Blocks are visited from the last (n_blocks - 1) down to 0,
 // so the ones that need masking (the seqlen_k tail, the causal diagonal) come first:
-// iterations it < n_masked mask, the rest do not.
+// iterations it < n_masked mask, the rest do not.  A sliding window's tile visits blocks
+// block_end - 1 down to block_end - n_blocks, and its iterations from masked_from on (the
+// window's left edge) mask too.
 struct TileWork {
   int m_block, head, batch, head_kv;
   int m0;         // first query row of the tile
   int n_blocks;   // K/V blocks visited (0: the tile's rows see no key; store_empty_tile)
   int n_masked;   // leading iterations that need masking
+  int masked_from;  // a window: the trailing iterations that mask start here (else n_blocks)
   // tail split_kv: a piece visits blocks block_end - 1 down to block_end - n_blocks
   int block_end;   // n_blocks for a whole tile
   int split;       // the piece's index among its tile's, -1 for a whole tile
   int split_tile;  // the tile's index among the launch's split tiles
 };
+
+// A sliding window's K/V range (tile_work): row i sees keys [i + d - L, i + d + R] of
+// [0, seqlen_k), d = seqlen_k - seqlen_q.  The tile's rows m0 .. last (its last row below
+// seqlen_q: mask_scores masks the padding rows past it as that row, so that none of them has
+// no key in a block that runs unmasked) see keys kv_begin .. kv_end - 1, the blocks of which
+// the tile visits, from the last; every row sees all of [last + d - L, m0 + d + R].  Leading
+// iterations mask (the right edge) down to the block of key m0 + d + R, row m0's last: so
+// every row has a finite max before the first unmasked block, which `rescale guarded` runs
+// without the row max.  Trailing ones mask from the first block with a key left of
+// last + d - L (the left edge).  No key at all (kv_begin >= kv_end): n_blocks = 0.
+template <class Cfg>
+__device__ __forceinline__ void window_work(TileWork& w, const FwdParams& p) {
+  constexpr int kLeft = Cfg::kWindowLeft, kRight = Cfg::kWindowRight, kN = Cfg::kBlockN;
+  const int diag = p.seqlen_k - p.seqlen_q;
+  const int last = imin(w.m0 + Cfg::kBlockM, p.seqlen_q) - 1;
+  const int kv_begin = imax(0, w.m0 + diag - kLeft);
+  const int kv_end = imin(p.seqlen_k, last + diag + kRight + 1);
+  const int first_block = kv_begin / kN;
+  w.block_end = kv_end > kv_begin ? (kv_end + kN - 1) / kN : first_block;
+  w.n_blocks = w.block_end - first_block;
+  // blocks below this one need no right-edge mask (-1 when row m0 sees no key: all mask)
+  const int right_full = imin(p.seqlen_k, w.m0 + diag + kRight + 1) - 1;
+  const int unmasked_end = right_full < 0 ? first_block : imax(first_block, right_full / kN);
+  w.n_masked = w.block_end - imin(w.block_end, unmasked_end);
+  // blocks below this one need a left-edge mask
+  const int left_full = imax(0, last + diag - kLeft);
+  const int left_masked = imin(w.n_blocks, imax(0, (left_full + kN - 1) / kN - first_block));
+  w.masked_from = imax(w.n_masked, w.n_blocks - left_masked);
+}
 
 template <class Cfg>
 __device__ __forceinline__ TileWork tile_work(const FwdParamsSm90& P, const TileCoord& c) {
@@ -254,6 +300,12 @@ __device__ __forceinline__ TileWork tile_work(const FwdParamsSm90& P, const Tile
   w.batch = c.batch;
   w.head_kv = fast_div(w.head, P.div_group);
   w.m0 = w.m_block * Cfg::kBlockM;
+  w.split = -1;
+  w.split_tile = 0;
+  if constexpr (has_window<Cfg>()) {
+    window_work<Cfg>(w, p);
+    return w;
+  }
   // Causal, aligned bottom-right: query i sees key j iff j <= i + seqlen_k - seqlen_q.
   const int diag = p.seqlen_k - p.seqlen_q;
   int kv_end = p.seqlen_k;
@@ -264,9 +316,8 @@ __device__ __forceinline__ TileWork tile_work(const FwdParamsSm90& P, const Tile
   }
   w.n_blocks = (kv_end + Cfg::kBlockN - 1) / Cfg::kBlockN;
   w.n_masked = w.n_blocks - imin(w.n_blocks, kv_full_end / Cfg::kBlockN);
+  w.masked_from = w.n_blocks;
   w.block_end = w.n_blocks;
-  w.split = -1;
-  w.split_tile = 0;
   return w;
 }
 
@@ -300,6 +351,7 @@ __device__ __forceinline__ TileWork split_tile_work(const FwdParamsSm90& P, int 
   w.block_end = fast_div((w.split + 1) * n, P.div_splits);
   w.n_blocks = w.block_end - lo;
   w.n_masked = imax(0, w.block_end - imax(lo, masked_from));
+  w.masked_from = w.n_blocks;
   return w;
 }
 
@@ -400,8 +452,21 @@ __device__ __forceinline__ RowLimits row_limits(const TileWork& w, int wg, int w
   return RowLimits{w.m0 + 64 * wg + 16 * warp + lane / 4};
 }
 
+// s = -inf in this thread's row r where the key's column in the block (8j + 2t + e) is below
+// `begin`, relative to this thread's first column (a sliding window's left edge).
+template <class Cfg>
+__device__ __forceinline__ void mask_before(float (&s)[Cfg::kSRegs], int r, int begin) {
+#pragma unroll
+  for (int j = 0; j < Cfg::kBlockN / 8; ++j) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      if (8 * j + e < begin) s[4 * j + 2 * r + e] = -INFINITY;
+    }
+  }
+}
+
 // s = -inf where key n_block * kBlockN + col is at or past seqlen_k or (causal) past the
-// row's diagonal.
+// row's diagonal, or outside the row's sliding window.
 template <class Cfg>
 __device__ __forceinline__ void mask_scores(float (&s)[Cfg::kSRegs], const FwdParams& p, const RowLimits& rows,
                                             int n_block, int lane) {
@@ -409,7 +474,12 @@ __device__ __forceinline__ void mask_scores(float (&s)[Cfg::kSRegs], const FwdPa
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     int end = p.seqlen_k;
-    if constexpr (Cfg::kCausal) {
+    if constexpr (has_window<Cfg>()) {
+      // the padding rows past seqlen_q as its last row (window_work counts on it)
+      const int on_diagonal = imin(rows.row0 + 8 * r, p.seqlen_q - 1) + p.seqlen_k - p.seqlen_q;
+      end = imin(end, on_diagonal + Cfg::kWindowRight + 1);
+      mask_before<Cfg>(s, r, on_diagonal - Cfg::kWindowLeft - col0);
+    } else if constexpr (Cfg::kCausal) {
       end = imin(end, rows.row0 + 8 * r + p.seqlen_k - p.seqlen_q + 1);
     }
     end -= col0;
