@@ -229,3 +229,14 @@ def test_deterministic_gradients_are_bitwise_stable(name):
     own = reference_grads(q, k, v, dout, scale, causal, torch.bfloat16)
     for ours, t, o, what in zip(runs[0], truth, own, ("dq", "dk", "dv")):
         check_rule(ours, t, o, what)
+
+
+def test_the_op_called_without_its_lse_refuses_a_backward():
+    """torch.ops.fadsl.<op>(..., return_lse=False) on tensors that require grad saves no LSE:
+    its backward says so rather than reading an empty tensor."""
+    kern = kernel("fa3_hopper")
+    functional, _ = kern._ops
+    q, k, v, dout = inputs((1, 64, 64, 2, 2), torch.bfloat16, 128, seed=2)
+    out, _ = functional(q.requires_grad_(), k, v, 1.0 / math.sqrt(128), False)
+    with pytest.raises(RuntimeError, match="needs the forward's LSE"):
+        out.backward(dout)

@@ -105,6 +105,11 @@ def _define(name: str) -> tuple:
                 "detached q, k and v."
             )
         q, k, v, out, lse = ctx.saved_tensors
+        if lse.numel() == 0:  # the op called directly with return_lse=False: nothing to use
+            raise RuntimeError(
+                f"fadsl kernel '{name}': its backward needs the forward's LSE; call the op "
+                "with return_lse=True (the FlashAttention object always does)"
+            )
         dq, dk, dv = backward_op(q, k, v, out, lse, grad_out, grad_lse, ctx.softmax_scale)
         return dq, dk, dv, None, None
 
