@@ -7,7 +7,7 @@
 # Usage (repo root, on the device):
 #   bash scripts/device.sh [fa4stage] [numerics] [backward] [tests] [sanitize] [trace] [probe] [bench ARGS...]
 #   tune: fadsl tune on TUNE_SPEC within TUNE_BUDGET minutes, the winner then timed beside TUNE_AGAINST
-#   backward: tests/test_gpu_backward.py, then the backward timed (scripts/bench_backward.py)
+#   backward: tests/test_gpu_backward.py, then the backward timed (fadsl bench --backward)
 #   for each example named in BWD_SPECS (NAME: with `backward {}` added; NAME+KEY...: those keys
 #   on, e.g. fa3_causal+overlap; see tests/test_gpu_backward.py training_spec) at BWD_SEQLENS
 #   fa4stage: copy the carried .fa4a (FlashAttention-4's first half) to /tmp/fa4; a later call
@@ -74,7 +74,7 @@ if [[ $steps == *" backward "* ]]; then
   for name in ${BWD_SPECS:-}; do
     python3 -P -c "import sys; sys.path.insert(0, 'tests'); from test_gpu_backward import training_spec; open('/tmp/$name.fa', 'w').write(training_spec('$name'))"
     causal=$(grep -qE '^\s*mask\s+causal' /tmp/$name.fa && echo --causal)
-    python3 -P scripts/bench_backward.py /tmp/$name.fa $causal --seqlens ${BWD_SEQLENS:-1024,4096,16384} --json "$OUT/bwd_$name.json" 2>&1 | tee -a "$OUT/bench_backward.log" | tail -6
+    python3 -P -m fadsl.cli bench --backward /tmp/$name.fa $causal --hidden 2048 --seqlens ${BWD_SEQLENS:-1024,4096,16384} --json "$OUT/bwd_$name.json" 2>&1 | tee -a "$OUT/bench_backward.log" | tail -6
     status=$((status | ${PIPESTATUS[0]}))
   done
 fi

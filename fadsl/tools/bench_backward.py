@@ -17,20 +17,20 @@ import sys
 from typing import Callable
 
 from ..runtime.attention import FlashAttention
-from .bench import DEFAULT_SEQLENS, DEFAULT_HEADS, _backends, _time, balanced_orders, flops
+from .bench import (
+    DEFAULT_HEADS,
+    DEFAULT_SEQLENS,
+    _backends,
+    _flash_attention_4,
+    _time,
+    balanced_orders,
+    flops,
+)
 
 BACKWARD_FLOPS = 2.5  # times the forward's (FlashAttention's convention)
 # fadsl's gradients against a backend's, as a share of the largest gradient entry: bf16's
 # 8 bits of mantissa leave about 2^-8 between two correct backwards
 AGREEMENT = 0.03
-
-
-def _fa4_backward() -> Callable | None:
-    try:
-        from flash_attn.cute import flash_attn_func
-    except Exception:
-        return None
-    return flash_attn_func
 
 
 def run(
@@ -56,7 +56,7 @@ def run(
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[name]
     d = kern.config.head_dim
     backends = _backends()
-    fa4 = _fa4_backward()
+    fa4 = _flash_attention_4()  # its autograd runs FA4's backward
     rows = []
     for seqlen in seqlens:
         batch = max(1, tokens // seqlen)

@@ -53,7 +53,7 @@ def context(kernel: Kernel, dtype: Dtype) -> dict[str, Any]:
         "overlap": bwd.overlap,
         "causal": cfg.mask is Mask.CAUSAL,
         "mask": cfg.mask.value,
-        "threads": 128 * (1 + bwd.consumers),
+        "threads": bwd.threads,
         "producer_regs": bwd.producer_regs,
         "consumer_regs": bwd.consumer_regs,
         "dq_split": dq_split(bwd, cfg.head_dim),

@@ -22,7 +22,6 @@ from typing import Any, Callable
 from ....ir import Kernel
 from ..host.tma import tensor_map
 from .emit import smem_bytes
-from .plan import dq_by_keys
 
 PANEL_COLS = 64
 # BwdParamsSm90: four 128-byte tensor maps, then (sm90_bwd.cuh's order) 6 pointers, 6 int64
@@ -49,7 +48,7 @@ SUFFIXES = ("_preprocess", "", "_convert_dq")
 
 
 def threads(kernel: Kernel) -> int:
-    return 128 * (1 + kernel.backward.consumers)
+    return kernel.backward.threads
 
 
 def dynamic_smem(kernel: Kernel, suffix: str) -> int:
@@ -184,12 +183,3 @@ def run(
         dk = dk.view(shape).sum(dim=3).to(k.dtype)
         dv = dv.view(shape).sum(dim=3).to(v.dtype)
     return dq, dk, dv
-
-
-def describe(kernel: Kernel) -> str:
-    """One line for logs: the backward's tiles and its dQ split."""
-    bwd = kernel.backward
-    split = "keys" if dq_by_keys(bwd, kernel.config.head_dim) else "head_dim panels"
-    return (
-        f"backward B_r {bwd.block_m}, B_c {bwd.block_n}, {bwd.consumers} consumers, dQ by {split}"
-    )

@@ -40,12 +40,6 @@ class BackwardSmem:
     def total(self) -> int:
         return max(b.end for b in self.buffers)
 
-    def __getitem__(self, name: str) -> SmemBuffer:
-        for buf in self.buffers:
-            if buf.name == name:
-                return buf
-        raise KeyError(name)
-
 
 def _round(n: int, align: int = ALIGN) -> int:
     return -(-n // align) * align
