@@ -5,7 +5,8 @@
 #   comparison with SDPA FLASH, compute-sanitizer (racecheck, synccheck, memcheck) at a small
 #   shape, then the benchmarks if asked.
 # Usage (repo root, on the device):
-#   bash scripts/device.sh [fa4stage] [numerics] [backward] [tests] [sanitize] [trace] [probe] [bench ARGS...]
+#   bash scripts/device.sh [fa4stage] [numerics] [backward] [varlen] [tests] [sanitize] [trace] [probe] [bench ARGS...]
+#   varlen: tests/test_gpu_varlen.py, then compute-sanitizer on scripts/sanitize_varlen.py
 #   tune: fadsl tune on TUNE_SPEC within TUNE_BUDGET minutes, the winner then timed beside TUNE_AGAINST
 #   backward: tests/test_gpu_backward.py, then the backward timed (fadsl bench --backward)
 #   for each example named in BWD_SPECS (NAME: with `backward {}` added; NAME+KEY...: those keys
@@ -78,6 +79,17 @@ if [[ $steps == *" backward "* ]]; then
     status=$((status | ${PIPESTATUS[0]}))
   done
 fi
+if [[ $steps == *" varlen "* ]]; then
+  # varlen (issue 31): its GPU tests, then compute-sanitizer on a ragged packed batch
+  python3 -P -m pytest -q -m gpu tests/test_gpu_varlen.py -p no:cacheprovider --durations=5 --timeout=300 -rs 2>&1 | tee "$OUT/pytest_varlen.log" | tail -25
+  status=$((status | ${PIPESTATUS[0]}))
+  for tool in racecheck synccheck memcheck; do
+    echo "== compute-sanitizer --tool $tool (varlen)"
+    compute-sanitizer --tool $tool --report-api-errors no --error-exitcode 9 python3 -P scripts/sanitize_varlen.py 2>&1 \
+      | tee "$OUT/sanitize_varlen_$tool.log" | grep -E "ERROR SUMMARY|RACECHECK SUMMARY|Error|error" | tail -5
+    status=$((status | ${PIPESTATUS[0]}))
+  done
+fi
 if [[ $steps == *" tune "* ]]; then
   # fadsl tune on TUNE_SPEC (default: issue 32's 2-consumer causal head_dim 64 spec) within
   # TUNE_BUDGET minutes, then the winner timed beside TUNE_AGAINST (the best hand-written spec)
@@ -94,7 +106,7 @@ if [[ $steps == *" tune "* ]]; then
 fi
 if [[ $steps == *" tests "* || $# -eq 0 ]]; then
   # -P: import the installed fadsl (the one pip built), not the source folder
-  python3 -P -m pytest -q -m gpu ${GPU_TESTS:-tests/test_gpu_runtime.py tests/test_gpu.py tests/test_gpu_general.py tests/test_gpu_sm90.py tests/test_gpu_split.py tests/test_gpu_cluster.py tests/test_gpu_softcap.py tests/test_gpu_window.py} -p no:cacheprovider --durations=8 --timeout=120 -rs 2>&1 | tee "$OUT/pytest_gpu.log" | tail -25
+  python3 -P -m pytest -q -m gpu ${GPU_TESTS:-tests/test_gpu_runtime.py tests/test_gpu.py tests/test_gpu_general.py tests/test_gpu_sm90.py tests/test_gpu_split.py tests/test_gpu_cluster.py tests/test_gpu_softcap.py tests/test_gpu_window.py tests/test_gpu_varlen.py} -p no:cacheprovider --durations=8 --timeout=120 -rs 2>&1 | tee "$OUT/pytest_gpu.log" | tail -25
   status=$((status | ${PIPESTATUS[0]}))
   bench_specs=examples/fa2_pipelined.fa
   if python3 -c "import torch, sys; sys.exit(torch.cuda.get_device_capability() != (9, 0))" && [[ -f examples/fa3_hopper.fa ]]; then

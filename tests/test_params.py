@@ -26,6 +26,9 @@ from fadsl.targets.sm90.host.launch import (
     SM90_PARAMS_BYTES,
     SPLIT_TAIL,
     SPLIT_TAIL_FIELDS,
+    VARLEN_OFFSET,
+    VARLEN_TAIL,
+    VARLEN_TAIL_FIELDS,
     TENSOR_MAP_BYTES,
     fast_div,
     pack_fwd_params_sm90,
@@ -127,6 +130,12 @@ def test_sm90_layout_matches_the_cuda_struct(tmp_path):
             f'"{name}");'
         )
     assert len(DIVISOR_FIELDS) * 8 == DIVISORS.size
+    varlen = divisors + DIVISORS.size  # `varlen on`'s pointers after the divisors
+    assert varlen == VARLEN_OFFSET
+    for name, (offset, _) in zip(VARLEN_TAIL_FIELDS, _struct_offsets(VARLEN_TAIL)):
+        checks.append(
+            f'static_assert(__builtin_offsetof({struct_name}, {name}) == {varlen + offset}, "{name}");'
+        )
     source = '#include "fadsl/sm90.cuh"\n' + "\n".join(checks) + "\n"
     source += f'extern "C" __global__ void probe(const __grid_constant__ {struct_name} p) {{}}\n'
     compile_cubin(source, "layout90.cu", "probe", "sm_90a", tmp_path)  # raises on a mismatch
@@ -145,7 +154,7 @@ def test_sm90_pack_places_the_maps_and_params(monkeypatch):
     """pack_fwd_params_sm90 with the driver's encoder replaced by one that records its
     arguments: Q's boxes are B_r rows, K's and V's B_c, O's 64; 64-column panels; strides in
     bytes in TMA's order (seqlen, heads, batch), a size-1 dimension's made the row's bytes;
-    FwdParams at byte 512; 768 bytes in all; a second call with the same tensors encodes
+    FwdParams at byte 512; 896 bytes in all; a second call with the same tensors encodes
     nothing."""
     import fadsl.targets.sm90.host.tma as tma
 
@@ -175,7 +184,7 @@ def test_sm90_pack_places_the_maps_and_params(monkeypatch):
     # ceil(130 / 128) = 2 query blocks, 5 heads, 5 / 5 = 1 query head per K/V head, 1 piece
     divisors = DIVISORS.unpack_from(raw, tail + SPLIT_TAIL.size)
     assert divisors == (*fast_div(2), *fast_div(5), *fast_div(1), *fast_div(1))
-    assert raw[tail + SPLIT_TAIL.size + DIVISORS.size :] == bytes(len(raw) - 744)
+    assert raw[tail + SPLIT_TAIL.size + DIVISORS.size :] == bytes(len(raw) - 744)  # no varlen
     packed_row = 3 * 5 * 128 * 2  # bytes from one token to the next in qkv
     q_call, k_call, v_call, o_call = calls
     assert q_call == (q1.data_ptr(), (1, 130, 5, 128), (packed_row, 256, 256), 64, 128)

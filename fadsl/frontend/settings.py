@@ -74,6 +74,7 @@ def kernel_settings() -> dict[str, Callable[[Checks, Setting], object]]:
         "tail": tail,
         "cluster": cluster,
         "softcap": softcap,
+        "varlen": varlen,
     }
 
 
@@ -339,6 +340,14 @@ def softcap(c: Checks, setting: Setting) -> int | None:
     """`softcap N` (sm_90a): scores capped by N tanh(s softmax_scale / N) before the softmax
     (Gemma 2, Grok: 30 or 50); off without the line."""
     return _count(c, setting, 1, 1000)
+
+
+def varlen(c: Checks, setting: Setting) -> bool | None:
+    """`varlen on` (sm_90a): the kernel takes packed batches of sequences of any lengths
+    (cu_seqlens, FlashAttention's varlen convention); off without the line."""
+    if setting.values:
+        c.key_locs["varlen_value"] = setting.values[0].loc  # the target's checks point at it
+    return _word_choice(c, setting, {"on": True, "off": False})
 
 
 def _count(c: Checks, setting: Setting, lo: int, hi: int) -> int | None:

@@ -115,11 +115,19 @@ class FlashAttention:
         self._modules: dict[tuple[Dtype, int], object] = {}
         self._entries: dict[tuple[Dtype, str], cache.Entry] = {}
         self._backward = None  # built on the first backward call (fadsl/runtime/backward.py)
+        self._varlen_tiles: dict[tuple[Dtype, int], object] = {}  # `varlen on`'s list kernel
         self.op_name = f"{self.config.name}_{spec_hash(compiled.kernel)[:12]}"
-        from .custom_op import ops_for
+        from .custom_op import ops_for, varlen_op_for
 
         # Registered now, not on first use: torch.compile cannot trace a registration.
         self._ops = ops_for(self)
+        self._varlen_op = varlen_op_for(self) if self.is_varlen else None
+
+    @property
+    def is_varlen(self) -> bool:
+        """Whether the spec says `varlen on` (packed sequences: ``varlen``)."""
+        hw = self.config.ext
+        return hw is not None and getattr(hw, "varlen", False)
 
     @property
     def variants(self) -> tuple[FlashAttention, ...]:
@@ -374,6 +382,9 @@ class FlashAttention:
 
     def launch(self, dtype: Dtype, q, k, v, out, lse, scale: float) -> None:
         """Launch on q's device and that device's current stream (arguments checked)."""
+        if self.is_varlen:
+            self._launch_padded_as_varlen(dtype, q, k, v, out, lse, scale)
+            return
         args = Args(q, k, v, out, lse, scale)
         cluster = self._launch.cluster(self.compiled.kernel, args)
         if cluster == 1 and self.alone is not None:
@@ -397,6 +408,113 @@ class FlashAttention:
         else:
             with torch.cuda.device(index):
                 module.launch(grid, self._block, params, current_stream(index), cluster)
+
+    # ------------------------------------------------------------------ varlen
+    def varlen(
+        self,
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q: int | None = None,
+        max_seqlen_k: int | None = None,
+        softmax_scale: float | None = None,
+        *,
+        out=None,
+        return_lse: bool = False,
+    ):
+        """Attention over a packed batch of sequences (FlashAttention's varlen convention,
+        fadsl/runtime/varlen.py): q (tokens_q, heads_q, head_dim), k and v (tokens_k,
+        heads_kv, head_dim), sequence b at rows cu_seqlens_q[b] .. cu_seqlens_q[b + 1] - 1
+        of q and likewise of k and v (int32 on q's device). Returns the output (q's shape),
+        or ``(output, lse)`` with the LSE (heads_q, tokens_q), float32. The spec must say
+        `varlen on`; gradients are not built for varlen calls."""
+        import torch
+
+        from .varlen import check_max_seqlen
+
+        if not self.is_varlen:
+            raise RuntimeError(
+                f"kernel '{self.config.name}' takes padded batches; a varlen call needs a spec "
+                "with 'varlen on' (sm_90a)"
+            )
+        check_max_seqlen("max_seqlen_q", max_seqlen_q)
+        check_max_seqlen("max_seqlen_k", max_seqlen_k)
+        scale = check_scale(softmax_scale, self.config.head_dim)
+        if not isinstance(return_lse, bool):
+            raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+        if torch.compiler.is_compiling() or (
+            torch.is_grad_enabled()
+            and any(isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v))
+        ):
+            if out is not None:
+                raise RuntimeError(
+                    f"fadsl kernel '{self.config.name}': out= is for eager calls without "
+                    "gradients; call it without out="
+                )
+            o, lse = self._varlen_op(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, return_lse)
+            return (o, lse) if return_lse else o
+        return self.varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, out, return_lse)
+
+    def varlen_forward(self, q, k, v, cu_seqlens_q, cu_seqlens_k, scale, out, return_lse, lse=None):
+        """Check a varlen call's arguments, allocate what is missing and launch (``lse``: a
+        float32 (heads_q, tokens_q) tensor to write the LSE into, with ``return_lse``)."""
+        import torch
+
+        from .varlen import check_varlen, check_varlen_out, run_varlen, varlen_lse_shape
+
+        dtype = check_varlen(self, q, k, v, cu_seqlens_q, cu_seqlens_k)
+        if out is None:
+            out = torch.empty_like(q)
+        else:
+            check_varlen_out(self, out, q, k, v)
+        if not return_lse:
+            lse = None
+        elif lse is None:
+            lse = torch.empty(varlen_lse_shape(q), device=q.device, dtype=torch.float32)
+        elif (
+            lse.shape != varlen_lse_shape(q)
+            or lse.dtype != torch.float32
+            or not lse.is_contiguous()
+        ):
+            raise ValueError(
+                f"lse must be a contiguous float32 tensor of shape {varlen_lse_shape(q)}, got "
+                f"{lse.dtype} of shape {tuple(lse.shape)}"
+            )
+        run_varlen(self, dtype, q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, scale)
+        return (out, lse) if return_lse else out
+
+    def _launch_padded_as_varlen(self, dtype: Dtype, q, k, v, out, lse, scale: float) -> None:
+        """A padded batch on a `varlen on` kernel: its sequences packed end to end (a view
+        where the strides allow, else a copy), cu_seqlens every seqlen rows."""
+        import torch
+
+        from .varlen import run_varlen
+
+        batch, seqlen_q, heads_q, head_dim = q.shape
+        seqlen_k = k.shape[1]
+
+        def packed(t):
+            return t.reshape(t.shape[0] * t.shape[1], t.shape[2], t.shape[3])
+
+        cu_q = torch.arange(0, (batch + 1) * seqlen_q, seqlen_q, dtype=torch.int32, device=q.device)
+        cu_k = torch.arange(0, (batch + 1) * seqlen_k, seqlen_k, dtype=torch.int32, device=q.device)
+        flat_out = packed(out)
+        into = flat_out if flat_out.data_ptr() == out.data_ptr() and out.is_contiguous() else None
+        result = into if into is not None else torch.empty_like(packed(q))
+        flat_lse = None
+        if lse is not None:
+            flat_lse = torch.empty(
+                (heads_q, batch * seqlen_q), device=q.device, dtype=torch.float32
+            )
+        run_varlen(
+            self, dtype, packed(q), packed(k), packed(v), cu_q, cu_k, result, flat_lse, scale
+        )
+        if into is None:
+            out.copy_(result.view(batch, seqlen_q, heads_q, head_dim))
+        if lse is not None:
+            lse.copy_(flat_lse.view(heads_q, batch, seqlen_q).permute(1, 0, 2))
 
     # ------------------------------------------------------------------ checks
     # The checks themselves are in fadsl/runtime/arguments.py; these pass them the spec's config.

@@ -135,3 +135,55 @@ def _define(name: str) -> tuple:
             check_lse(lse, q)
 
     return forward, forward_out
+
+
+# `varlen on` specs: op name -> the varlen op (fadsl/runtime/varlen.py)
+_VARLEN_OPS: dict[str, object] = {}
+
+
+def varlen_op_for(kern) -> object:
+    """``fadsl::<kernel>_<hash>_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale,
+    return_lse) -> (out, lse)``: a varlen call as a functional op (torch.compile, CUDA
+    graphs); gradients raise, as no varlen backward is built."""
+    name = kern.op_name
+    _KERNELS[name] = kern
+    if name not in _VARLEN_OPS:
+        _VARLEN_OPS[name] = _define_varlen(name)
+    return _VARLEN_OPS[name]
+
+
+def _define_varlen(name: str):
+    from .varlen import check_varlen, varlen_lse_shape
+
+    @custom_op(f"fadsl::{name}_varlen", mutates_args=())
+    def varlen(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cu_seqlens_q: torch.Tensor,
+        cu_seqlens_k: torch.Tensor,
+        softmax_scale: float,
+        return_lse: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        kern = _KERNELS[name]
+        found = kern.varlen_forward(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, None, return_lse
+        )
+        if return_lse:
+            return found
+        return found, q.new_empty((0,), dtype=torch.float32)
+
+    @varlen.register_fake
+    def _(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, return_lse):
+        check_varlen(_KERNELS[name], q, k, v, cu_seqlens_q, cu_seqlens_k)
+        shape = varlen_lse_shape(q) if return_lse else (0,)
+        return torch.empty_like(q), q.new_empty(shape, dtype=torch.float32)
+
+    def backward(ctx, grad_out, grad_lse):
+        raise RuntimeError(
+            f"fadsl kernel '{name}': varlen calls have no backward yet; call it under "
+            "torch.no_grad() or on detached q, k and v"
+        )
+
+    varlen.register_autograd(backward, setup_context=lambda ctx, inputs, output: None)
+    return varlen

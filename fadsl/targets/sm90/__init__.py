@@ -63,6 +63,7 @@ TARGET = Target(
         "tail",
         "cluster",
         "softcap",
+        "varlen",
         "spills",
     ),
     key_hints={"warps": "use 'warpgroups producer = 1, consumers = N'"},

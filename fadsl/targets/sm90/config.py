@@ -43,6 +43,10 @@ class Sm90Config(TargetConfig):
     alone_of: str | None = None
     # `softcap N`: the scores capped by N tanh(s softmax_scale / N) before the softmax; 0: off
     softcap: int = 0
+    # `varlen on`: packed batches of sequences of any lengths (cu_seqlens_q/k); tiles never
+    # straddle two sequences, and a small kernel before the main one lists the (sequence,
+    # q block) tiles longest K/V loop first (emit/sm90/include/fadsl/sm90_varlen.cuh)
+    varlen: bool = False
 
     @property
     def scheduler(self) -> str:
@@ -75,6 +79,7 @@ class Sm90Config(TargetConfig):
             + (" tail=split_kv" if self.split_kv else "")
             + (f" cluster={self.cluster}" if self.cluster > 1 else "")
             + (f" softcap={self.softcap}" if self.softcap else "")
+            + (" varlen=on" if self.varlen else "")
             + (f" alone_of={self.alone_of}" if self.alone_of else "")
         )
 
@@ -85,7 +90,7 @@ _TEXT = re.compile(
     r"pingpong=(?P<pingpong>on|off) overlap=(?P<overlap>on|off) "
     r"scheduler=(?P<scheduler>persistent|grid) rescale=(?P<rescale>every|lazy|guarded)"
     r"(?: q_slots=(?P<q_slots>\d+))?(?P<split_kv> tail=split_kv)?(?: cluster=(?P<cluster>\d+))?"
-    r"(?: softcap=(?P<softcap>\d+))?(?: alone_of=(?P<alone_of>\S+))?$"
+    r"(?: softcap=(?P<softcap>\d+))?(?P<varlen> varlen=on)?(?: alone_of=(?P<alone_of>\S+))?$"
 )
 
 
@@ -112,4 +117,5 @@ def read_config(line: str) -> Sm90Config | None:
         cluster=int(m["cluster"] or 1),
         alone_of=m["alone_of"],
         softcap=int(m["softcap"] or 0),
+        varlen=m["varlen"] is not None,
     )

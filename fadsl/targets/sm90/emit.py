@@ -293,13 +293,21 @@ def context(kernel: Kernel, dtype: Dtype) -> dict[str, Any]:
         # round's), and the end of a piece's K/V blocks
         "split_kv": hw.split_kv,
         "tile_index": (
-            "split_tile_index<Cfg>(P, step)" if hw.split_kv else "tile_index<Cfg>(P.base, step)"
+            "split_tile_index<Cfg>(P, step)"
+            if hw.split_kv
+            else "varlen_tile_index<Cfg>(P, step)" if hw.varlen else "tile_index<Cfg>(P.base, step)"
         ),
         "tile_work": (
             "split_tile_work<Cfg>(P, tile)"
             if hw.split_kv
-            else "tile_work<Cfg>(P, tile_coords<Cfg>(P, tile))"
+            else (
+                "varlen_tile_work<Cfg>(P, tile)"
+                if hw.varlen
+                else "tile_work<Cfg>(P, tile_coords<Cfg>(P, tile))"
+            )
         ),
+        # `varlen on`: packed sequences, a tile list written by <kernel>_varlen_tiles first
+        "varlen": hw.varlen,
         # (a window's tile starts at its window's first block, not at block 0)
         "kv_end": "w.block_end" if hw.split_kv or cfg.window else "w.n_blocks",
         # `cluster 2`: K/V loads multicast into both CTAs, arrivals on the peer's barriers

@@ -258,6 +258,7 @@ def explain_data(kernel: Kernel) -> dict[str, Any]:
             "scheduler": hw.scheduler,
             "rescale": hw.rescale,
             **({"softcap": hw.softcap} if hw.softcap else {}),
+            **({"varlen": True} if hw.varlen else {}),
             **(
                 {
                     "window": {
@@ -332,9 +333,14 @@ def explain_sections(data: Mapping[str, Any]) -> list[str]:
         + (
             "persistent: one CTA per SM (at most one per tile), each running tiles in turn "
             + (
-                "(a window's in plain order)"
-                if "window" in ws
-                else "(causal: a long and a short query block in pairs)"
+                "(varlen's from the tile list, longest first, the CTAs' order reversed every "
+                "other round)"
+                if "varlen" in ws
+                else (
+                    "(a window's in plain order)"
+                    if "window" in ws
+                    else "(causal: a long and a short query block in pairs)"
+                )
             )
             + "; the producer loads the next tile's Q and K "
             + (
@@ -401,6 +407,7 @@ def explain_sections(data: Mapping[str, Any]) -> list[str]:
             else []
         ),
         *([_window_text(ws["window"])] if "window" in ws else []),
+        *([VARLEN_TEXT] if "varlen" in ws else []),
         "",
     ]
     array = data["mbarrier_array"]
@@ -457,6 +464,15 @@ def explain_sections(data: Mapping[str, Any]) -> list[str]:
         "",
     ]
     return out
+
+
+VARLEN_TEXT = (
+    "  varlen     on: q, k, v and o packed as (tokens, heads, head_dim), sequence b at rows "
+    "cu_seqlens[b] .. cu_seqlens[b + 1] - 1 (causal aligned per sequence); a one-CTA kernel "
+    "first lists the (sequence, q block) tiles by their K/V blocks, longest first, so that "
+    "no tile straddles two sequences; O's TMA store stops at its sequence's end (a ragged "
+    "map); the sync plan is the padded kernel's"
+)
 
 
 def _window_text(window: Mapping[str, Any]) -> str:

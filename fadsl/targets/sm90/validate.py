@@ -13,7 +13,8 @@
 - ping-pong needs two consumer warpgroups; the schedule is set by `pingpong` and
   `overlap`, not by a mainloop block;
 - a sliding window (`mask window(...)`) with `cluster 1` and `tail whole` (both pair or
-  split tiles by the K/V blocks they share, which a window's tiles do not).
+  split tiles by the K/V blocks they share, which a window's tiles do not); so does
+  `varlen on`, whose tiles run longest first across the packed sequences.
 TMA's 16-byte stride and alignment rules concern the tensors: the runtime checks them.
 """
 
@@ -189,6 +190,14 @@ def _scopes(c: Checks, tensors: dict[Role, Tensor]) -> bool:
             "read different numbers of blocks: use 'cluster 1' with 'mask causal'",
         )
         return False
+    if c.values.get("varlen"):
+        c.error(
+            where,
+            "cluster 2 pairs CTAs on q blocks of one sequence with the same K/V blocks; "
+            "varlen's tiles are dealt out longest first across sequences: use 'cluster 1' "
+            "with 'varlen on'",
+        )
+        return False
     if c.values.get("tail", False):
         c.error(
             where,
@@ -273,6 +282,14 @@ def _knobs(c: Checks, consumers: int) -> bool:
                 "idle CTAs: it needs 'scheduler persistent'",
             )
             return False
+        if c.values.get("varlen"):
+            c.error(
+                where,
+                "tail split_kv splits the last round of a launch of equal tiles; varlen's "
+                "tiles run longest first, so the last round is already the shortest: use "
+                "'tail whole' with 'varlen on'",
+            )
+            return False
         if "window" in c.values:
             c.error(
                 where,
@@ -324,6 +341,7 @@ def configure(c: Checks) -> Config:
             split_kv=v.get("tail", False),
             cluster=v.get("cluster", 1),
             softcap=v.get("softcap", 0),
+            varlen=v.get("varlen", False),
         ),
     )
 

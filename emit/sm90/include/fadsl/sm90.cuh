@@ -77,6 +77,13 @@ struct FwdParamsSm90 {
   FastDiv div_heads;     // heads_q
   FastDiv div_group;     // heads_q / heads_kv (query heads per K/V head)
   FastDiv div_splits;    // splits
+  // `varlen on` (nullptr otherwise): q, k, v and o packed as (tokens, heads, head_dim), the
+  // batch's sequence b at rows cu_seqlens[b] .. cu_seqlens[b + 1] - 1; varlen_tiles
+  // (sm90_varlen.cuh) lists the launch's (sequence, q block) tiles, longest K/V loop first.
+  const int* cu_seqlens_q;      // batch + 1 prefix sums of the sequences' query rows
+  const int* cu_seqlens_k;      // and of their keys
+  int4* varlen_tiles;           // two int4 per (sequence, q block): VarlenTile
+  int* varlen_tile_count;       // how many varlen_tiles wrote
 };
 
 // ---------------------------------------------------------------------------
@@ -110,6 +117,9 @@ struct FwdConfig {
   // <= i + d + kWindowRight, d = seqlen_k - seqlen_q. -1: no window.
   static constexpr int kWindowLeft = -1;
   static constexpr int kWindowRight = -1;
+  // `varlen on` (a generated Cfg sets it): packed sequences of any lengths (FwdParamsSm90's
+  // cu_seqlens); each tile's rows and keys are its sequence's (TileWork's q_start, seqlen_q, ...).
+  static constexpr bool kVarlen = false;
 
   static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "head_dim 64, 128 or 256");
   static_assert(kConsumerWGs >= 1 && kConsumerWGs <= 3, "1 to 3 consumer warpgroups");
@@ -260,7 +270,37 @@ struct TileWork {
   int block_end;   // n_blocks for a whole tile
   int split;       // the piece's index among its tile's, -1 for a whole tile
   int split_tile;  // the tile's index among the launch's split tiles
+  // varlen: the sequence's first query row and key in the packed tensors, and its lengths
+  // (read through seqlen_q/seqlen_k/q_row/kv_row, which give FwdParams' for padded batches)
+  int q_start, seqlen_q, k_start, seqlen_k;
 };
+
+// The tile's sequence lengths: FwdParams' for a padded batch, its own sequence's with varlen.
+template <class Cfg>
+__device__ __forceinline__ int seqlen_q(const FwdParams& p, const TileWork& w) {
+  if constexpr (Cfg::kVarlen) return w.seqlen_q;
+  return p.seqlen_q;
+}
+
+template <class Cfg>
+__device__ __forceinline__ int seqlen_k(const FwdParams& p, const TileWork& w) {
+  if constexpr (Cfg::kVarlen) return w.seqlen_k;
+  return p.seqlen_k;
+}
+
+// Row `row` of the tile's sequence as a row of the tensor (TMA's row coordinate): packed
+// sequences start at q_start / k_start, a padded batch's at 0 of its own batch index.
+template <class Cfg>
+__device__ __forceinline__ int q_row(const TileWork& w, int row) {
+  if constexpr (Cfg::kVarlen) return w.q_start + row;
+  return row;
+}
+
+template <class Cfg>
+__device__ __forceinline__ int kv_row(const TileWork& w, int row) {
+  if constexpr (Cfg::kVarlen) return w.k_start + row;
+  return row;
+}
 
 // A sliding window's K/V range (tile_work): row i sees keys [i + d - L, i + d + R] of
 // [0, seqlen_k), d = seqlen_k - seqlen_q.  The tile's rows m0 .. last (its last row below
@@ -272,17 +312,17 @@ struct TileWork {
 // without the row max.  Trailing ones mask from the first block with a key left of
 // last + d - L (the left edge).  No key at all (kv_begin >= kv_end): n_blocks = 0.
 template <class Cfg>
-__device__ __forceinline__ void window_work(TileWork& w, const FwdParams& p) {
+__device__ __forceinline__ void window_work(TileWork& w, int seqlen_q, int seqlen_k) {
   constexpr int kLeft = Cfg::kWindowLeft, kRight = Cfg::kWindowRight, kN = Cfg::kBlockN;
-  const int diag = p.seqlen_k - p.seqlen_q;
-  const int last = imin(w.m0 + Cfg::kBlockM, p.seqlen_q) - 1;
+  const int diag = seqlen_k - seqlen_q;
+  const int last = imin(w.m0 + Cfg::kBlockM, seqlen_q) - 1;
   const int kv_begin = imax(0, w.m0 + diag - kLeft);
-  const int kv_end = imin(p.seqlen_k, last + diag + kRight + 1);
+  const int kv_end = imin(seqlen_k, last + diag + kRight + 1);
   const int first_block = kv_begin / kN;
   w.block_end = kv_end > kv_begin ? (kv_end + kN - 1) / kN : first_block;
   w.n_blocks = w.block_end - first_block;
   // blocks below this one need no right-edge mask (-1 when row m0 sees no key: all mask)
-  const int right_full = imin(p.seqlen_k, w.m0 + diag + kRight + 1) - 1;
+  const int right_full = imin(seqlen_k, w.m0 + diag + kRight + 1) - 1;
   const int unmasked_end = right_full < 0 ? first_block : imax(first_block, right_full / kN);
   w.n_masked = w.block_end - imin(w.block_end, unmasked_end);
   // blocks below this one need a left-edge mask
@@ -291,25 +331,19 @@ __device__ __forceinline__ void window_work(TileWork& w, const FwdParams& p) {
   w.masked_from = imax(w.n_masked, w.n_blocks - left_masked);
 }
 
+// The tile's K/V blocks (w.m0 set): how many, which mask, for sequences of these lengths.
 template <class Cfg>
-__device__ __forceinline__ TileWork tile_work(const FwdParamsSm90& P, const TileCoord& c) {
-  const FwdParams& p = P.base;
-  TileWork w;
-  w.m_block = c.m_block;
-  w.head = c.head;
-  w.batch = c.batch;
-  w.head_kv = fast_div(w.head, P.div_group);
-  w.m0 = w.m_block * Cfg::kBlockM;
+__device__ __forceinline__ void kv_work(TileWork& w, int seqlen_q, int seqlen_k) {
   w.split = -1;
   w.split_tile = 0;
   if constexpr (has_window<Cfg>()) {
-    window_work<Cfg>(w, p);
-    return w;
+    window_work<Cfg>(w, seqlen_q, seqlen_k);
+    return;
   }
   // Causal, aligned bottom-right: query i sees key j iff j <= i + seqlen_k - seqlen_q.
-  const int diag = p.seqlen_k - p.seqlen_q;
-  int kv_end = p.seqlen_k;
-  int kv_full_end = p.seqlen_k;  // keys below this need no mask for any row of the tile
+  const int diag = seqlen_k - seqlen_q;
+  int kv_end = seqlen_k;
+  int kv_full_end = seqlen_k;  // keys below this need no mask for any row of the tile
   if constexpr (Cfg::kCausal) {
     kv_end = imin(kv_end, imax(0, w.m0 + Cfg::kBlockM + diag));
     kv_full_end = imin(kv_full_end, imax(0, w.m0 + 1 + diag));
@@ -318,6 +352,20 @@ __device__ __forceinline__ TileWork tile_work(const FwdParamsSm90& P, const Tile
   w.n_masked = w.n_blocks - imin(w.n_blocks, kv_full_end / Cfg::kBlockN);
   w.masked_from = w.n_blocks;
   w.block_end = w.n_blocks;
+}
+
+template <class Cfg>
+__device__ __forceinline__ TileWork tile_work(const FwdParamsSm90& P, const TileCoord& c) {
+  TileWork w;
+  w.m_block = c.m_block;
+  w.head = c.head;
+  w.batch = c.batch;
+  w.head_kv = fast_div(w.head, P.div_group);
+  w.m0 = w.m_block * Cfg::kBlockM;
+  w.q_start = w.k_start = 0;  // (read only with varlen)
+  w.seqlen_q = P.base.seqlen_q;
+  w.seqlen_k = P.base.seqlen_k;
+  kv_work<Cfg>(w, P.base.seqlen_q, P.base.seqlen_k);
   return w;
 }
 
@@ -368,7 +416,8 @@ template <class Cfg>
 __device__ __forceinline__ void load_q(const FwdParamsSm90& P, uint32_t smem_q, uint32_t bar, const TileWork& w) {
 #pragma unroll
   for (int panel = 0; panel < Cfg::kPanels; ++panel) {
-    tma_load_4d(smem_q + panel * Cfg::kBlockM * Cfg::kRowBytes, &P.tma_q, bar, 64 * panel, w.m0, w.head, w.batch);
+    tma_load_4d(smem_q + panel * Cfg::kBlockM * Cfg::kRowBytes, &P.tma_q, bar, 64 * panel, q_row<Cfg>(w, w.m0), w.head,
+                w.batch);
   }
 }
 
@@ -378,8 +427,8 @@ __device__ __forceinline__ void load_kv(const CUtensorMap* tmap, uint32_t smem_s
                                         const TileWork& w) {
 #pragma unroll
   for (int panel = 0; panel < Cfg::kPanels; ++panel) {
-    tma_load_4d(smem_slot + panel * Cfg::kBlockN * Cfg::kRowBytes, tmap, bar, 64 * panel, n_block * Cfg::kBlockN,
-                w.head_kv, w.batch);
+    tma_load_4d(smem_slot + panel * Cfg::kBlockN * Cfg::kRowBytes, tmap, bar, 64 * panel,
+                kv_row<Cfg>(w, n_block * Cfg::kBlockN), w.head_kv, w.batch);
   }
 }
 
@@ -444,12 +493,13 @@ __device__ __forceinline__ void issue_pv(float (&o)[Cfg::kORegs], const uint32_t
 // Per-thread row bounds for masking: key column c (relative to the block) of row r is
 // kept iff c < limit[r] - 2t.  Rows end at seqlen_k and, causal, after their diagonal.
 struct RowLimits {
-  int row0;  // global index of this thread's row r = 0 (row 1 is row0 + 8)
+  int row0;  // index in its sequence of this thread's row r = 0 (row 1 is row0 + 8)
+  int seqlen_q, seqlen_k;  // the sequence's (read with varlen; a padded batch's are FwdParams')
 };
 
 template <class Cfg>
 __device__ __forceinline__ RowLimits row_limits(const TileWork& w, int wg, int warp, int lane) {
-  return RowLimits{w.m0 + 64 * wg + 16 * warp + lane / 4};
+  return RowLimits{w.m0 + 64 * wg + 16 * warp + lane / 4, w.seqlen_q, w.seqlen_k};
 }
 
 // s = -inf in this thread's row r where the key's column in the block (8j + 2t + e) is below
@@ -471,16 +521,18 @@ template <class Cfg>
 __device__ __forceinline__ void mask_scores(float (&s)[Cfg::kSRegs], const FwdParams& p, const RowLimits& rows,
                                             int n_block, int lane) {
   const int col0 = n_block * Cfg::kBlockN + 2 * (lane % 4);
+  const int len_q = Cfg::kVarlen ? rows.seqlen_q : p.seqlen_q;
+  const int len_k = Cfg::kVarlen ? rows.seqlen_k : p.seqlen_k;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    int end = p.seqlen_k;
+    int end = len_k;
     if constexpr (has_window<Cfg>()) {
       // the padding rows past seqlen_q as its last row (window_work counts on it)
-      const int on_diagonal = imin(rows.row0 + 8 * r, p.seqlen_q - 1) + p.seqlen_k - p.seqlen_q;
+      const int on_diagonal = imin(rows.row0 + 8 * r, len_q - 1) + len_k - len_q;
       end = imin(end, on_diagonal + Cfg::kWindowRight + 1);
       mask_before<Cfg>(s, r, on_diagonal - Cfg::kWindowLeft - col0);
     } else if constexpr (Cfg::kCausal) {
-      end = imin(end, rows.row0 + 8 * r + p.seqlen_k - p.seqlen_q + 1);
+      end = imin(end, rows.row0 + 8 * r + len_k - len_q + 1);
     }
     end -= col0;
 #pragma unroll
@@ -622,11 +674,12 @@ template <class Cfg>
 __device__ __forceinline__ void store_lse(const FwdParams& p, const TileWork& w, const RowLimits& rows,
                                           const float (&m)[2], const float (&l)[2], float scale_log2, int lane) {
   if (p.lse == nullptr || lane % 4 != 0) return;
-  float* lse = p.lse + w.batch * p.lse_batch_stride + w.head * p.lse_head_stride;
+  // varlen: (heads, tokens), the sequence's rows from q_start
+  float* lse = p.lse + w.batch * p.lse_batch_stride + w.head * p.lse_head_stride + q_row<Cfg>(w, 0);
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int row = rows.row0 + 8 * r;
-    if (row < p.seqlen_q) {
+    if (row < seqlen_q<Cfg>(p, w)) {
       lse[row] = l[r] == 0.f ? -INFINITY : (m[r] * scale_log2 + log2f(l[r])) * 0.6931471805599453f;
     }
   }
@@ -652,12 +705,27 @@ __device__ __forceinline__ void store_o_smem(const float (&o)[Cfg::kORegs], uint
 }
 
 // The warpgroup's 64 O rows from SMEM to GMEM (rows past seqlen_q are clipped by TMA).
+// varlen: rows past the sequence belong to the next one, so O's map is ragged (fadsl/targets/
+// sm90/host/tma.py, ragged_rows_map): (head_dim, r < 64, heads, anchor) at o + (anchor + r - 64)
+// rows. The box starts at r = 64 - rows (rows: the warpgroup's rows in its sequence, at most
+// 64) and anchor = its first row + rows, so that TMA writes rows 0 .. rows - 1 and clips the
+// rest at r = 64; a warpgroup with no row left stores nothing.
 template <class Cfg>
 __device__ __forceinline__ void store_o_tma(const FwdParamsSm90& P, uint32_t smem_o_wg, const TileWork& w, int wg) {
+  const int first = w.m0 + 64 * wg;
+  if constexpr (Cfg::kVarlen) {
+    const int rows = imin(64, w.seqlen_q - first);
+    if (rows <= 0) return;
+#pragma unroll
+    for (int panel = 0; panel < Cfg::kPanels; ++panel) {
+      tma_store_4d(&P.tma_o, smem_o_wg + panel * Cfg::kBlockM * Cfg::kRowBytes, 64 * panel, 64 - rows, w.head,
+                   q_row<Cfg>(w, first) + rows);
+    }
+    return;
+  }
 #pragma unroll
   for (int panel = 0; panel < Cfg::kPanels; ++panel) {
-    tma_store_4d(&P.tma_o, smem_o_wg + panel * Cfg::kBlockM * Cfg::kRowBytes, 64 * panel, w.m0 + 64 * wg, w.head,
-                 w.batch);
+    tma_store_4d(&P.tma_o, smem_o_wg + panel * Cfg::kBlockM * Cfg::kRowBytes, 64 * panel, first, w.head, w.batch);
   }
 }
 
@@ -738,17 +806,19 @@ template <class Cfg>
 __device__ __forceinline__ void store_empty_tile(const FwdParams& p, const TileWork& w, int wg, int thread) {
   constexpr int kChunks = Cfg::kHeadDim * 2 / 16;  // 16-byte pieces per row
   const int row0 = w.m0 + 64 * wg;
+  const int len_q = seqlen_q<Cfg>(p, w);
   char* o = static_cast<char*>(p.o) + 2 * (w.batch * p.o_batch_stride + w.head * p.o_head_stride);
   for (int i = thread; i < 64 * kChunks; i += 128) {
     const int row = row0 + i / kChunks;
-    if (row < p.seqlen_q) {
-      reinterpret_cast<uint4*>(o + 2 * row * p.o_seq_stride)[i % kChunks] = make_uint4(0u, 0u, 0u, 0u);
+    if (row < len_q) {
+      reinterpret_cast<uint4*>(o + 2 * q_row<Cfg>(w, row) * p.o_seq_stride)[i % kChunks] = make_uint4(0u, 0u, 0u, 0u);
     }
   }
-  if (p.lse != nullptr && thread < 64 && row0 + thread < p.seqlen_q) {
-    p.lse[w.batch * p.lse_batch_stride + w.head * p.lse_head_stride + row0 + thread] = -INFINITY;
+  if (p.lse != nullptr && thread < 64 && row0 + thread < len_q) {
+    p.lse[w.batch * p.lse_batch_stride + w.head * p.lse_head_stride + q_row<Cfg>(w, row0 + thread)] = -INFINITY;
   }
 }
 
 }  // namespace fadsl::sm90
 #include "sm90_guard.cuh"  // rescale guarded: the softmax without its row max (next to this file)
+#include "sm90_varlen.cuh"  // varlen on: the packed sequences' tile list and scheduler (next to this file)

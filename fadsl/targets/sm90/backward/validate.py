@@ -187,6 +187,13 @@ def _kernel_settings(c: Checks) -> bool:
             "'softcap' line",
         )
         ok = False
+    if c.values.get("varlen"):
+        c.error(
+            c.key_locs["varlen_value"],
+            "the varlen backward is not built yet: a kernel with a backward block takes "
+            "padded batches ('varlen off'); serve packed batches from a spec without one",
+        )
+        ok = False
     return ok
 
 

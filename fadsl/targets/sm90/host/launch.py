@@ -111,11 +111,12 @@ def split_plan(tiles: int, ctas: int, blocks: int) -> tuple[int, int]:
 
 
 # FwdParamsSm90 (emit/sm90/include/fadsl/sm90.cuh): the Q, K, V and O tensor maps (128
-# bytes each, 128-byte aligned), then FwdParams at 512; 768 bytes in all (the struct's
-# alignment rounds 688 up). tests/test_params.py checks these against the C++ struct.
+# bytes each, 128-byte aligned), then FwdParams at 512, the split and scheduler fields, the
+# varlen fields; 896 bytes in all (the maps' 128-byte alignment rounds 776 up).
+# tests/test_params.py checks these against the C++ struct.
 TENSOR_MAP_BYTES = 128
 SM90_BASE_OFFSET = 4 * TENSOR_MAP_BYTES
-SM90_PARAMS_BYTES = 768
+SM90_PARAMS_BYTES = 896
 # FwdParamsSm90's tail after FwdParams (tail split_kv): split_partials, split_counts,
 # split_start, splits; zeros for every other kernel.
 SPLIT_TAIL = struct.Struct("<QQii")
@@ -125,8 +126,13 @@ _NO_SPLIT = SPLIT_TAIL.pack(0, 0, 0, 0)
 DIVISORS = struct.Struct("<8I")
 DIVISOR_FIELDS = ("div_m_blocks", "div_heads", "div_group", "div_splits")
 _SPLITS_DIVISOR = struct.Struct("<2I")  # the last pair, div_splits
+# Then `varlen on`'s pointers (fadsl/sm90_varlen.cuh); zeros for a padded batch's kernels.
+VARLEN_TAIL = struct.Struct("<QQQQ")
+VARLEN_TAIL_FIELDS = ("cu_seqlens_q", "cu_seqlens_k", "varlen_tiles", "varlen_tile_count")
+_NO_VARLEN = VARLEN_TAIL.pack(0, 0, 0, 0)
 _SM90_TAIL = SM90_BASE_OFFSET + FWD_PARAMS.size  # where the split fields start
-_SM90_PAD = bytes(SM90_PARAMS_BYTES - _SM90_TAIL - SPLIT_TAIL.size - DIVISORS.size)
+VARLEN_OFFSET = _SM90_TAIL + SPLIT_TAIL.size + DIVISORS.size
+_SM90_PAD = bytes(SM90_PARAMS_BYTES - VARLEN_OFFSET - VARLEN_TAIL.size)
 # The kernels move tiles as 64-column panels (128-byte rows, the 128-byte swizzle's span),
 # and each consumer warpgroup stores its own 64 rows of O.
 PANEL_COLS = 64
@@ -206,6 +212,7 @@ def pack_fwd_params_sm90(kernel: Kernel, a: Args) -> bytes:
                 pack_fwd_params(kernel, a),
                 _NO_SPLIT,
                 _divisors(kernel, a),
+                _NO_VARLEN,
                 _SM90_PAD,
             )
         )
@@ -222,6 +229,7 @@ def pack_fwd_params_sm90(kernel: Kernel, a: Args) -> bytes:
                 split,
                 found[divisors : divisors + DIVISORS.size - _SPLITS_DIVISOR.size],
                 _SPLITS_DIVISOR.pack(*fast_div(splits)),
+                _NO_VARLEN,
                 _SM90_PAD,
             )
         )

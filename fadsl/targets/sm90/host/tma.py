@@ -79,18 +79,49 @@ def tensor_map(t, box_cols: int, box_rows: int) -> bytes:
     return found
 
 
+def ragged_rows_map(t, box_cols: int, box_rows: int) -> bytes:
+    """A map over the rows of ``t`` (tokens, heads, head_dim), packed sequences, on which a
+    TMA store of ``box_rows`` rows ending at a sequence's end writes no row past it: the
+    4-D (head_dim, r < box_rows, heads, anchor) with element (x, r, h, a) at row a + r -
+    box_rows, both row dimensions stepping one row. A store at (x, box_rows - n, h, end)
+    writes rows end - n .. end - 1 and clips the rest at r = box_rows (fadsl/sm90.cuh,
+    store_o_tma). The base lies box_rows rows before the tensor's, where no element is read
+    or written."""
+    tokens, heads, head_dim = t.shape
+    size = t.element_size()
+    row, head = t.stride(0) * size, (t.stride(1) * size if heads > 1 else head_dim * size)
+    key = ("ragged", t.data_ptr(), t.dtype, tuple(t.shape), t.stride(), box_cols, box_rows)
+    found = _encoded.get(key)
+    if found is None:
+        base = t.data_ptr() - box_rows * row
+        dims = (head_dim, box_rows, heads, tokens + 1)
+        found = _encode_dims(base, t.dtype, dims, (row, head, row), box_cols, box_rows)
+        if len(_encoded) >= CACHE_LIMIT:
+            _encoded.clear()
+        _encoded[key] = found
+    return found
+
+
 def _encode(ptr, dtype, shape, strides, element_size, box_cols, box_rows) -> bytes:
+    batch, seqlen, heads, head_dim = shape
+    dims = (head_dim, seqlen, heads, batch)
+    byte_strides = tma_strides(shape, strides, element_size)
+    return _encode_dims(ptr, dtype, dims, byte_strides, box_cols, box_rows)
+
+
+def _encode_dims(ptr, dtype, dims, byte_strides, box_cols, box_rows) -> bytes:
+    """A 4-D tiled map of ``dims`` (innermost first) with dimensions 1..3 ``byte_strides``
+    apart; boxes of ``box_cols`` x ``box_rows`` x 1 x 1."""
     driver, types, (interleave, swizzle, l2, oob), element_strides = _constants()
     u64 = driver.cuuint64_t
-    batch, seqlen, heads, head_dim = shape
     tmap = _check(
         driver,
         driver.cuTensorMapEncodeTiled(
             types[dtype],
             4,
             ptr,
-            [u64(head_dim), u64(seqlen), u64(heads), u64(batch)],
-            [u64(s) for s in tma_strides(shape, strides, element_size)],
+            [u64(d) for d in dims],
+            [u64(s) for s in byte_strides],
             _box(box_cols, box_rows),
             element_strides,
             interleave,
@@ -98,7 +129,7 @@ def _encode(ptr, dtype, shape, strides, element_size, box_cols, box_rows) -> byt
             l2,
             oob,
         ),
-        f"encoding a TMA descriptor (cuTensorMapEncodeTiled) for shape {tuple(shape)}, "
-        f"strides {tuple(strides)}, {dtype}",
+        f"encoding a TMA descriptor (cuTensorMapEncodeTiled) for dimensions {tuple(dims)}, "
+        f"byte strides {tuple(byte_strides)}, {dtype}",
     )
     return ctypes.string_at(tmap.getPtr(), MAP_BYTES)

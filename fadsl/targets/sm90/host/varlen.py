@@ -1,0 +1,134 @@
+"""The host side of a `varlen on` launch (fadsl/sm90_varlen.cuh): FwdParamsSm90 over packed
+tensors and the grid of the attention kernel; the tile-list kernel runs first, one CTA.
+
+The tensors are (tokens, heads, head_dim). Q's, K's and V's maps see them as one batch of
+``tokens`` rows, so that a tile of a sequence loads at its first row; rows past a sequence's
+end are the next sequence's (or TMA's zeros past the tensor), which the mask removes from
+S (keys) or which no one stores (queries). O's map is ragged (tma.ragged_rows_map): a store
+stops at its sequence's end. The LSE is (heads, tokens). FwdParams' batch is the number of
+sequences and its seqlen_q and seqlen_k the tensors' rows, which the tile list checks
+cu_seqlens against.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+from ....ir import Kernel
+from ...launch import FWD_PARAMS, sm_count
+from .launch import (
+    DIVISORS,
+    O_BOX_ROWS,
+    PANEL_COLS,
+    SM90_PARAMS_BYTES,
+    SPLIT_TAIL,
+    TILE_LIMIT,
+    VARLEN_OFFSET,
+    VARLEN_TAIL,
+    fast_div,
+)
+
+TILES_SUFFIX = "_varlen_tiles"  # the tile-list kernel's symbol after the attention kernel's
+TILES_THREADS = 1024  # its one CTA (kVarlenTileThreads)
+MAX_SEQUENCES = 8192  # kVarlenMaxBatch: the sequences of one launch
+TILE_INTS = 8  # two int4 per (sequence, q block)
+COUNT_INTS = 4  # the count, padded to 16 bytes before the list
+
+
+class VarlenArgs(NamedTuple):
+    """One varlen call's tensors, checked by the runtime (fadsl/runtime/varlen.py)."""
+
+    q: Any  # (tokens_q, heads_q, head_dim)
+    k: Any  # (tokens_k, heads_kv, head_dim)
+    v: Any
+    out: Any  # q's shape
+    lse: Any  # float32 (heads_q, tokens_q), or None
+    softmax_scale: float
+    cu_seqlens_q: Any  # int32 (sequences + 1,)
+    cu_seqlens_k: Any
+    workspace: Any  # int32: the count (COUNT_INTS), then the list (workspace_ints)
+
+
+def sequences(a: VarlenArgs) -> int:
+    return a.cu_seqlens_q.shape[0] - 1
+
+
+def max_pairs(kernel: Kernel, tokens_q: int, batch: int) -> int:
+    """At most this many (sequence, q block) pairs: a sequence of n rows has cdiv(n, B_r)
+    blocks, at most n / B_r + 1, and one of 0 rows has none (so never more than rows)."""
+    return min(tokens_q // kernel.config.block_r + batch, tokens_q)
+
+
+def workspace_ints(kernel: Kernel, tokens_q: int, batch: int) -> int:
+    """The int32s of a call's workspace: the count, then the tile list."""
+    return COUNT_INTS + TILE_INTS * max(1, max_pairs(kernel, tokens_q, batch))
+
+
+def tile_bound(kernel: Kernel, a: VarlenArgs) -> int:
+    """At most this many tiles: pairs x heads."""
+    return max_pairs(kernel, a.q.shape[0], sequences(a)) * a.q.shape[1]
+
+
+def varlen_grid(kernel: Kernel, a: VarlenArgs) -> tuple[int, int, int]:
+    """The attention kernel's grid: one CTA per SM at most (persistent), else one per tile
+    the list may hold (those past its count return at once)."""
+    tiles = max(1, tile_bound(kernel, a))
+    if tiles >= TILE_LIMIT:
+        raise ValueError(
+            f"q has up to {tiles} tiles of {kernel.config.block_r} rows x heads, over "
+            f"{TILE_LIMIT - 1}; split the batch"
+        )
+    if kernel.config.ext.persistent:
+        tiles = min(tiles, sm_count(a.q.device.index))
+    return (tiles, 1, 1)
+
+
+def pack_varlen_params(kernel: Kernel, a: VarlenArgs) -> bytes:
+    """FwdParamsSm90 for a varlen launch: the maps, FwdParams over the packed tensors, no
+    split, the divisors (heads and the GQA group), the cu_seqlens and the workspace."""
+    from .tma import ragged_rows_map, tensor_map
+
+    cfg = kernel.config
+    q, k, v, o, lse = a.q, a.k, a.v, a.out, a.lse
+    heads_q, heads_kv = q.shape[1], k.shape[1]
+    params = FWD_PARAMS.pack(
+        q.data_ptr(),
+        k.data_ptr(),
+        v.data_ptr(),
+        o.data_ptr(),
+        0 if lse is None else lse.data_ptr(),
+        *(0, q.stride(0), q.stride(1)),
+        *(0, k.stride(0), k.stride(1)),
+        *(0, v.stride(0), v.stride(1)),
+        *(0, o.stride(0), o.stride(1)),
+        0,
+        0 if lse is None else lse.stride(0),
+        sequences(a),
+        heads_q,
+        heads_kv,
+        q.shape[0],
+        k.shape[0],
+        a.softmax_scale,
+    )
+    base = a.workspace.data_ptr()
+    raw = b"".join(
+        (
+            tensor_map(q.unsqueeze(0), PANEL_COLS, cfg.block_r),
+            tensor_map(k.unsqueeze(0), PANEL_COLS, cfg.block_c),
+            tensor_map(v.unsqueeze(0), PANEL_COLS, cfg.block_c),
+            ragged_rows_map(o, PANEL_COLS, O_BOX_ROWS),
+            params,
+            SPLIT_TAIL.pack(0, 0, 0, 1),
+            DIVISORS.pack(
+                *fast_div(1), *fast_div(heads_q), *fast_div(heads_q // heads_kv), *fast_div(1)
+            ),
+            VARLEN_TAIL.pack(
+                a.cu_seqlens_q.data_ptr(),
+                a.cu_seqlens_k.data_ptr(),
+                base + 4 * COUNT_INTS,  # the list, 16-byte aligned
+                base,  # the count
+            ),
+        )
+    )
+    assert len(raw) == VARLEN_OFFSET + VARLEN_TAIL.size
+    return raw + bytes(SM90_PARAMS_BYTES - len(raw))

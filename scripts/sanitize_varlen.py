@@ -1,0 +1,30 @@
+"""Run the varlen specs (tests/specs/sm90/fa3_varlen*.fa) once per dtype on a ragged packed
+batch with more tiles than SMs (lengths 0, 1, tails, a long one; GQA), for compute-sanitizer.
+
+Usage: compute-sanitizer --tool racecheck python3 -P scripts/sanitize_varlen.py
+"""
+
+from pathlib import Path
+
+import torch
+
+import fadsl
+
+ROOT = Path(__file__).resolve().parent.parent
+LENGTHS_Q = [1, 300, 0, 129, 700, 64, 5, 900] * 3
+LENGTHS_K = [1, 200, 5, 0, 700, 500, 5, 900] * 3
+
+for path in sorted((ROOT / "tests" / "specs" / "sm90").glob("fa3_varlen*.fa")):
+    kern = fadsl.load(str(path), verbose=False)
+    d = kern.config.head_dim
+    for dtype in kern.config.dtypes:
+        torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype.value]
+        q = torch.randn(sum(LENGTHS_Q), 8, d, device="cuda", dtype=torch_dtype)
+        k = torch.randn(sum(LENGTHS_K), 2, d, device="cuda", dtype=torch_dtype)
+        v = torch.randn_like(k)
+        cu_q = torch.tensor([0, *torch.tensor(LENGTHS_Q).cumsum(0).tolist()], dtype=torch.int32)
+        cu_k = torch.tensor([0, *torch.tensor(LENGTHS_K).cumsum(0).tolist()], dtype=torch.int32)
+        out, lse = kern.varlen(q, k, v, cu_q.cuda(), cu_k.cuda(), return_lse=True)
+        torch.cuda.synchronize()
+        assert not out.isnan().any() and not lse.isnan().any(), path.stem
+        print(f"{path.stem} {dtype.value}: ok")
