@@ -162,6 +162,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return EXIT_FAILURE
     if args.backward:
         return _bench_backward(args, kern, heads)
+    if kern.is_varlen:
+        return _bench_varlen(args, kern, heads)
     try:
         result = bench.run(
             kern,
@@ -205,6 +207,35 @@ def _bench_backward(args: argparse.Namespace, kern, heads: int) -> int:
         print(f"fadsl bench: {err}", file=sys.stderr)
         return EXIT_FAILURE
     print(bench_backward.table(result))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    return EXIT_OK
+
+
+def _bench_varlen(args: argparse.Namespace, kern, heads: int) -> int:
+    """`fadsl bench` on a `varlen on` spec: packed batches of mixed lengths, --seqlens the
+    longest (fadsl/tools/bench_varlen.py)."""
+    import json
+
+    from .tools import bench_varlen
+
+    if args.against:
+        print("fadsl bench: a varlen spec is timed alone; leave out --against", file=sys.stderr)
+        return EXIT_FAILURE
+    try:
+        result = bench_varlen.run(
+            kern,
+            max_seqlens=tuple(args.seqlens),
+            causal=args.causal,
+            tokens=args.tokens,
+            heads=heads,
+            rounds=args.rounds,
+            dtype_name=args.dtype,
+        )
+    except (ValueError, RuntimeError) as err:
+        print(f"fadsl bench: {err}", file=sys.stderr)
+        return EXIT_FAILURE
+    print(bench_varlen.table(result))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
     return EXIT_OK

@@ -81,12 +81,22 @@ if [[ $steps == *" backward "* ]]; then
 fi
 if [[ $steps == *" varlen "* ]]; then
   # varlen (issue 31): its GPU tests, then compute-sanitizer on a ragged packed batch
+  # (VARLEN_TESTS=0: neither); then `fadsl bench` on each spec of VARLEN_BENCH (mixed
+  # lengths up to each of VARLEN_SEQLENS, VARLEN_TOKENS tokens, hidden 2048; FA4's varlen too)
+  if [[ ${VARLEN_TESTS:-1} == 1 ]]; then
   python3 -P -m pytest -q -m gpu tests/test_gpu_varlen.py -p no:cacheprovider --durations=5 --timeout=300 -rs 2>&1 | tee "$OUT/pytest_varlen.log" | tail -25
   status=$((status | ${PIPESTATUS[0]}))
   for tool in racecheck synccheck memcheck; do
     echo "== compute-sanitizer --tool $tool (varlen)"
     compute-sanitizer --tool $tool --report-api-errors no --error-exitcode 9 python3 -P scripts/sanitize_varlen.py 2>&1 \
       | tee "$OUT/sanitize_varlen_$tool.log" | grep -E "ERROR SUMMARY|RACECHECK SUMMARY|Error|error" | tail -5
+    status=$((status | ${PIPESTATUS[0]}))
+  done
+  fi
+  for spec in ${VARLEN_BENCH:-}; do
+    causal=$(grep -qE '^\s*mask\s+causal' "$spec" && echo --causal)
+    python3 -P -m fadsl.cli bench "$spec" $causal --hidden 2048 --seqlens ${VARLEN_SEQLENS:-1024,4096,16384} --tokens ${VARLEN_TOKENS:-32768} \
+      --json "$OUT/varlen_$(basename "$spec" .fa).json" 2>&1 | tee -a "$OUT/bench_varlen.log" | tail -6
     status=$((status | ${PIPESTATUS[0]}))
   done
 fi

@@ -232,9 +232,11 @@ def test_varlen_arguments_are_named():
         kern.varlen(q, k, v, cu_q, cu_k).sum().backward()
 
 
-def test_the_tile_list_is_every_pair_longest_first():
-    """The tile-list kernel alone: every (sequence, q block) pair once, with its sequence's
-    rows and keys and its K/V block count, sorted by that count, longest first."""
+def test_the_list_is_every_sequence_longest_first():
+    """The tile-list kernel alone: every sequence with a query row once, with its rows, keys,
+    q blocks and first tile (the tiles of those before it), sorted by its last q block's K/V
+    blocks, longest first; the tile count is every q block of every head."""
+    from fadsl.ir import Dtype
     from fadsl.runtime.attention import arch_of
     from fadsl.runtime.driver import Module
     from fadsl.targets.launch import current_stream
@@ -248,34 +250,38 @@ def test_the_tile_list_is_every_pair_longest_first():
     )
 
     kern = kernel("causal")
+    heads = 4
     lq = [1, 300, 0, 129, 1000, 64, 3000, 5]
     lk = [1, 200, 5, 0, 1000, 700, 3000, 5]
-    q, k, v, cu_q, cu_k = packed(lq, lk, 4, 4, 128, torch.bfloat16, seed=2)
+    q, k, v, cu_q, cu_k = packed(lq, lk, heads, heads, 128, torch.bfloat16, seed=2)
     kernel_ir = kern.compiled.kernel
-    workspace = torch.full(
-        (workspace_ints(kernel_ir, q.shape[0], len(lq)),), -7, dtype=torch.int32, device="cuda"
-    )
-    out = torch.empty_like(q)
-    args = VarlenArgs(q, k, v, out, None, 0.1, cu_q, cu_k, workspace)
-    from fadsl.ir import Dtype
-
+    workspace = torch.full((workspace_ints(len(lq)),), -7, dtype=torch.int32, device="cuda")
+    args = VarlenArgs(q, k, v, torch.empty_like(q), None, 0.1, cu_q, cu_k, workspace)
     name = kern.module(Dtype.BF16, 0).name
     tiles = Module(kern.cubin(Dtype.BF16, arch_of(0)).cubin, name + TILES_SUFFIX, 0, TILES_THREADS)
     tiles.prepare(0)
     tiles.launch((1, 1, 1), (TILES_THREADS, 1, 1), pack_varlen_params(kernel_ir, args),
                  current_stream(0))  # fmt: skip
     torch.cuda.synchronize()
-    count = workspace[0].item()
-    listed = workspace[COUNT_INTS : COUNT_INTS + 8 * count].view(count, 8).tolist()
+    tile_count, listed = workspace[0].item(), workspace[1].item()
+    entries = workspace[COUNT_INTS : COUNT_INTS + 8 * listed].view(listed, 8).tolist()
     block_m, block_n = kern.config.block_r, kern.config.block_c
-    expected = set()
     starts_q, starts_k = cu_q.tolist(), cu_k.tolist()
+    expected = {}
     for b, (rows, keys) in enumerate(zip(lq, lk)):
-        for m in range(-(-rows // block_m)):
-            kv_end = min(keys, max(0, (m + 1) * block_m + keys - rows))  # causal, bottom right
-            blocks = -(-kv_end // block_n)
-            expected.add((b, m, starts_q[b], rows, starts_k[b], keys, blocks, 0))
-    assert count == len(expected)
-    assert set(map(tuple, listed)) == expected
-    keys = [entry[6] for entry in listed]
-    assert keys == sorted(keys, reverse=True), "longest K/V loop first"
+        blocks = -(-rows // block_m)
+        if blocks == 0:
+            continue
+        kv_end = min(keys, max(0, blocks * block_m + keys - rows))  # last block, causal
+        expected[b] = (starts_q[b], rows, starts_k[b], keys, blocks, -(-kv_end // block_n))
+    assert listed == len(expected)
+    assert tile_count == heads * sum(e[4] for e in expected.values())
+    first = 0
+    for entry in entries:
+        q0, rows, k0, keys, first_tile, blocks, b, key = entry
+        assert expected.pop(b) == (q0, rows, k0, keys, blocks, key)
+        assert first_tile == first
+        first += blocks * heads
+    assert not expected
+    sort_keys = [entry[7] for entry in entries]
+    assert sort_keys == sorted(sort_keys, reverse=True), "longest K/V loop first"

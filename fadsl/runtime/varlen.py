@@ -135,9 +135,7 @@ def run_varlen(kern: FlashAttention, dtype: Dtype, q, k, v, cu_q, cu_k, out, lse
     index = q.device.index
     kernel = kern.compiled.kernel
     batch = cu_q.shape[0] - 1
-    workspace = torch.empty(
-        workspace_ints(kernel, q.shape[0], batch), dtype=torch.int32, device=q.device
-    )
+    workspace = torch.empty(workspace_ints(batch), dtype=torch.int32, device=q.device)
     args = VarlenArgs(q, k, v, out, lse, scale, cu_q, cu_k, workspace)
     main = kern.module(dtype, index)
     tiles = kern._varlen_tiles.get((dtype, index))

@@ -333,8 +333,7 @@ def explain_sections(data: Mapping[str, Any]) -> list[str]:
         + (
             "persistent: one CTA per SM (at most one per tile), each running tiles in turn "
             + (
-                "(varlen's from the tile list, longest first, the CTAs' order reversed every "
-                "other round)"
+                "(varlen: the padded order sequence by sequence, the longest K/V loops first)"
                 if "varlen" in ws
                 else (
                     "(a window's in plain order)"
@@ -469,9 +468,9 @@ def explain_sections(data: Mapping[str, Any]) -> list[str]:
 VARLEN_TEXT = (
     "  varlen     on: q, k, v and o packed as (tokens, heads, head_dim), sequence b at rows "
     "cu_seqlens[b] .. cu_seqlens[b + 1] - 1 (causal aligned per sequence); a one-CTA kernel "
-    "first lists the (sequence, q block) tiles by their K/V blocks, longest first, so that "
-    "no tile straddles two sequences; O's TMA store stops at its sequence's end (a ragged "
-    "map); the sync plan is the padded kernel's"
+    "first lists the sequences, longest K/V loop first, and the tiles follow the list, each "
+    "sequence's in the padded order, so that no tile straddles two sequences; O's TMA store "
+    "stops at its sequence's end (a ragged map); the sync plan is the padded kernel's"
 )
 
 

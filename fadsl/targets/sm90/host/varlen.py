@@ -31,8 +31,8 @@ from .launch import (
 TILES_SUFFIX = "_varlen_tiles"  # the tile-list kernel's symbol after the attention kernel's
 TILES_THREADS = 1024  # its one CTA (kVarlenTileThreads)
 MAX_SEQUENCES = 8192  # kVarlenMaxBatch: the sequences of one launch
-TILE_INTS = 8  # two int4 per (sequence, q block)
-COUNT_INTS = 4  # the count, padded to 16 bytes before the list
+SEQUENCE_INTS = 8  # two int4 per listed sequence
+COUNT_INTS = 4  # the tile and sequence counts, padded to 16 bytes before the list
 
 
 class VarlenArgs(NamedTuple):
@@ -46,7 +46,7 @@ class VarlenArgs(NamedTuple):
     softmax_scale: float
     cu_seqlens_q: Any  # int32 (sequences + 1,)
     cu_seqlens_k: Any
-    workspace: Any  # int32: the count (COUNT_INTS), then the list (workspace_ints)
+    workspace: Any  # int32: the counts (COUNT_INTS), then the list (workspace_ints)
 
 
 def sequences(a: VarlenArgs) -> int:
@@ -59,9 +59,9 @@ def max_pairs(kernel: Kernel, tokens_q: int, batch: int) -> int:
     return min(tokens_q // kernel.config.block_r + batch, tokens_q)
 
 
-def workspace_ints(kernel: Kernel, tokens_q: int, batch: int) -> int:
-    """The int32s of a call's workspace: the count, then the tile list."""
-    return COUNT_INTS + TILE_INTS * max(1, max_pairs(kernel, tokens_q, batch))
+def workspace_ints(batch: int) -> int:
+    """The int32s of a call's workspace: the counts, then the list of sequences."""
+    return COUNT_INTS + SEQUENCE_INTS * max(1, batch)
 
 
 def tile_bound(kernel: Kernel, a: VarlenArgs) -> int:
@@ -126,7 +126,7 @@ def pack_varlen_params(kernel: Kernel, a: VarlenArgs) -> bytes:
                 a.cu_seqlens_q.data_ptr(),
                 a.cu_seqlens_k.data_ptr(),
                 base + 4 * COUNT_INTS,  # the list, 16-byte aligned
-                base,  # the count
+                base,  # the counts
             ),
         )
     )

@@ -1,0 +1,166 @@
+"""`fadsl bench` on a `varlen on` spec: packed batches of sequences of mixed lengths, timed
+against FlashAttention-4's varlen forward (``flash_attn.cute.flash_attn_varlen_func``) where
+installed.
+
+A workload for a maximum length L: sequence lengths drawn (seeded, so every contender and
+every run sees the same batch) uniformly from [L / 8, L] until they hold ``tokens`` tokens,
+the last one cut to fit; keys as long as queries (prefill). TF/s counts each sequence's own
+FLOPs (half of them under the causal mask). Before timing, fadsl's output is checked against
+float32 attention on the first and the longest sequence: a wrong kernel is never timed. The
+contenders run in balanced orders (bench.py's Williams design), warm-up first, median of the
+rounds' medians.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import sys
+from typing import Callable
+
+from ..runtime.attention import FlashAttention
+from .bench import DEFAULT_HEADS, _time, balanced_orders
+
+DEFAULT_MAX_SEQLENS = (1024, 4096, 16384)
+# fadsl's output against float32 attention, as a share of the largest output entry
+AGREEMENT = 0.02
+
+
+def lengths_for(max_len: int, tokens: int, seed: int = 0) -> list[int]:
+    """Sequence lengths in [max_len / 8, max_len] adding up to ``tokens``."""
+    rng = random.Random(seed * 1_000_003 + max_len)
+    lengths: list[int] = []
+    while sum(lengths) < tokens:
+        lengths.append(min(rng.randint(max(1, max_len // 8), max_len), tokens - sum(lengths)))
+    return lengths
+
+
+def _fa4_varlen() -> Callable | None:
+    try:
+        from flash_attn.cute import flash_attn_varlen_func
+    except Exception:  # not installed, or its compiler library missing: not timed
+        return None
+    return flash_attn_varlen_func
+
+
+def run(
+    kern: FlashAttention,
+    max_seqlens: tuple[int, ...] = DEFAULT_MAX_SEQLENS,
+    causal: bool = False,
+    tokens: int = 32768,
+    heads: int = DEFAULT_HEADS,
+    warmup: int = 16,
+    runs: int = 64,
+    rounds: int | None = None,
+    dtype_name: str | None = None,
+    log: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True),
+) -> dict:
+    import torch
+
+    name = dtype_name or kern.config.dtypes[0].value
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[name]
+    d = kern.config.head_dim
+    scale = d**-0.5
+    fa4 = _fa4_varlen()
+    rows = []
+    for max_len in max_seqlens:
+        lengths = lengths_for(max_len, tokens)
+        cu = torch.tensor([0, *_prefix(lengths)], dtype=torch.int32, device="cuda")
+        q, k, v = (torch.randn(tokens, heads, d, device="cuda", dtype=dtype) for _ in range(3))
+        out = torch.empty_like(q)
+        longest = max(lengths)
+        contenders: dict[str, Callable[[int], object]] = {
+            "fadsl": lambda _, q=q, k=k, v=v, cu=cu, out=out: kern.varlen(
+                q, k, v, cu, cu, longest, longest, scale, out=out
+            )
+        }
+        contenders["fadsl"](0)
+        _check(out, q, k, v, lengths, scale, causal, max_len)
+        if fa4 is not None:
+
+            def fa4_call(_, q=q, k=k, v=v, cu=cu, longest=longest):
+                return fa4(
+                    q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest,
+                    max_seqlen_k=longest, softmax_scale=scale, causal=causal,
+                )  # fmt: skip
+
+            try:
+                fa4_call(0)
+                contenders["fa4"] = fa4_call
+            except Exception as err:  # FA4 not built for this shape: not timed
+                log(f"  fa4: not timed ({str(err).splitlines()[0][:80]})")
+        names = list(contenders)
+        times: dict[str, list[float]] = {n: [] for n in names}
+        orders = balanced_orders(len(names))
+        for r in range(rounds or len(orders)):
+            for i in orders[r % len(orders)]:
+                ms, _ = _time(contenders[names[i]], 1, warmup, runs)
+                times[names[i]].append(ms)
+        work = sum(4.0 * heads * n * n * d for n in lengths) / (2 if causal else 1)
+        row = {
+            "max_seqlen": max_len,
+            "sequences": len(lengths),
+            "tokens": tokens,
+            "heads": heads,
+            "head_dim": d,
+            "ms": {n: statistics.median(t) for n, t in times.items()},
+        }
+        row["tflops"] = {n: work / (ms * 1e-3) / 1e12 for n, ms in row["ms"].items()}
+        rows.append(row)
+        log(
+            f"max seqlen {max_len:6d} ({len(lengths)} sequences): "
+            + "  ".join(f"{n} {row['tflops'][n]:6.1f}" for n in names)
+            + " TF/s"
+        )
+    return {"kernel": kern.config.name, "causal": causal, "dtype": name, "rows": rows}
+
+
+def _prefix(lengths: list[int]) -> list[int]:
+    total, found = 0, []
+    for n in lengths:
+        total += n
+        found.append(total)
+    return found
+
+
+def _check(out, q, k, v, lengths, scale, causal, max_len) -> None:
+    """fadsl's output on the first and the longest sequence against float32 attention."""
+    import torch
+
+    starts = [0, *_prefix(lengths)]
+    for b in {0, max(range(len(lengths)), key=lengths.__getitem__)}:
+        rows = slice(starts[b], starts[b + 1])
+        qs, ks, vs = (t[rows].transpose(0, 1).float() for t in (q, k, v))
+        scores = torch.matmul(qs, ks.transpose(1, 2)) * scale
+        if causal:
+            n = qs.shape[1]
+            above = torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1)
+            scores = scores.masked_fill(above, float("-inf"))
+        ref = torch.matmul(torch.softmax(scores, dim=-1), vs).transpose(0, 1)
+        err = (out[rows].float() - ref).abs().max().item()
+        if not err <= AGREEMENT * ref.abs().max().item():
+            raise RuntimeError(
+                f"fadsl's output on sequence {b} (max seqlen {max_len}) differs from float32 "
+                f"attention by {err:.3g}; not timed"
+            )
+
+
+def table(result: dict) -> str:
+    rows = result["rows"]
+    names = list(rows[0]["tflops"]) if rows else []
+    lines = [
+        f"{result['kernel']} varlen ({'causal' if result['causal'] else 'no mask'}, "
+        f"{result['dtype']}), lengths uniform in [L/8, L], {rows[0]['tokens'] if rows else 0} "
+        "tokens",
+        "max L  seqs  "
+        + "  ".join(f"{n:>8}" for n in names)
+        + "".join(f"  x{n:>7}" for n in names[1:]),
+    ]
+    for row in rows:
+        t = row["tflops"]
+        lines.append(
+            f"{row['max_seqlen']:5d}  {row['sequences']:4d}  "
+            + "  ".join(f"{t[n]:8.1f}" for n in names)
+            + "".join(f"  {t['fadsl'] / t[n]:8.2f}" for n in names[1:])
+        )
+    return "\n".join(lines)
