@@ -1,6 +1,7 @@
 """fadsl: a compiler from a short declarative spec to FlashAttention kernels in CUDA.
 
-The public API: ``attention`` (attention through a shipped spec for the GPU), ``load`` (a
+The public API: ``attention`` (attention through a shipped spec for the GPU), ``append_kv``
+(new tokens' keys and values into a KV cache, before a `kv_cache` kernel's call), ``load`` (a
 spec's file or text -> a ``FlashAttention``, a torch operator), ``build_ahead``, ``tune`` (a
 spec's knobs searched on this GPU -> a ``TuneResult``), the errors a spec or a build can raise,
 and the version.
@@ -11,6 +12,7 @@ from ._version import __version__
 from .errors import BuildError, Loc, SpecError
 from .runtime.attention import FlashAttention, build_ahead, load
 from .runtime.dispatch import attention
+from .runtime.kvcache import append_kv
 from .tools.tune import NoGPUError, TuneResult, tune
 
 __all__ = [
@@ -21,6 +23,7 @@ __all__ = [
     "NoGPUError",
     "SpecError",
     "TuneResult",
+    "append_kv",
     "attention",
     "build_ahead",
     "load",

@@ -5,8 +5,9 @@
 #   comparison with SDPA FLASH, compute-sanitizer (racecheck, synccheck, memcheck) at a small
 #   shape, then the benchmarks if asked.
 # Usage (repo root, on the device):
-#   bash scripts/device.sh [fa4stage] [numerics] [backward] [varlen] [tests] [sanitize] [trace] [probe] [bench ARGS...]
+#   bash scripts/device.sh [fa4stage] [numerics] [backward] [varlen] [kvcache] [tests] [sanitize] [trace] [probe] [bench ARGS...]
 #   varlen: tests/test_gpu_varlen.py, then compute-sanitizer on scripts/sanitize_varlen.py
+#   kvcache: tests/test_gpu_kvcache.py, compute-sanitizer on scripts/sanitize_kvcache.py, KV_BENCH
 #   tune: fadsl tune on TUNE_SPEC within TUNE_BUDGET minutes, the winner then timed beside TUNE_AGAINST
 #   backward: tests/test_gpu_backward.py, then the backward timed (fadsl bench --backward)
 #   for each example named in BWD_SPECS (NAME: with `backward {}` added; NAME+KEY...: those keys
@@ -100,6 +101,25 @@ if [[ $steps == *" varlen "* ]]; then
     status=$((status | ${PIPESTATUS[0]}))
   done
 fi
+if [[ $steps == *" kvcache "* ]]; then
+  # kv-cache calls (issue 31): the GPU tests, compute-sanitizer on ragged caches with split
+  # pieces (KV_TESTS=0: neither), then `fadsl bench` on each spec of KV_BENCH (decode's bytes
+  # of K and V a second against cuDNN and FA4)
+  if [[ ${KV_TESTS:-1} == 1 ]]; then
+  python3 -P -m pytest -q -m gpu tests/test_gpu_kvcache.py -p no:cacheprovider --durations=5 --timeout=300 -rs 2>&1 | tee "$OUT/pytest_kvcache.log" | tail -25
+  status=$((status | ${PIPESTATUS[0]}))
+  for tool in racecheck synccheck memcheck; do
+    echo "== compute-sanitizer --tool $tool (kvcache)"
+    compute-sanitizer --tool $tool --report-api-errors no --error-exitcode 9 python3 -P scripts/sanitize_kvcache.py 2>&1 \
+      | tee "$OUT/sanitize_kvcache_$tool.log" | grep -E "ERROR SUMMARY|RACECHECK SUMMARY|Error|error" | tail -5
+    status=$((status | ${PIPESTATUS[0]}))
+  done
+  fi
+  for spec in ${KV_BENCH:-}; do
+    python3 -P -m fadsl.cli bench "$spec" --json "$OUT/kvcache_$(basename "$spec" .fa).json" 2>&1 | grep -v "^\[" | tee -a "$OUT/bench_kvcache.log" | tail -30
+    status=$((status | ${PIPESTATUS[0]}))
+  done
+fi
 if [[ $steps == *" tune "* ]]; then
   # fadsl tune on TUNE_SPEC (default: issue 32's 2-consumer causal head_dim 64 spec) within
   # TUNE_BUDGET minutes, then the winner timed beside TUNE_AGAINST (the best hand-written spec)
@@ -116,7 +136,7 @@ if [[ $steps == *" tune "* ]]; then
 fi
 if [[ $steps == *" tests "* || $# -eq 0 ]]; then
   # -P: import the installed fadsl (the one pip built), not the source folder
-  python3 -P -m pytest -q -m gpu ${GPU_TESTS:-tests/test_gpu_runtime.py tests/test_gpu.py tests/test_gpu_general.py tests/test_gpu_sm90.py tests/test_gpu_split.py tests/test_gpu_cluster.py tests/test_gpu_softcap.py tests/test_gpu_window.py tests/test_gpu_varlen.py} -p no:cacheprovider --durations=8 --timeout=120 -rs 2>&1 | tee "$OUT/pytest_gpu.log" | tail -25
+  python3 -P -m pytest -q -m gpu ${GPU_TESTS:-tests/test_gpu_runtime.py tests/test_gpu.py tests/test_gpu_general.py tests/test_gpu_sm90.py tests/test_gpu_split.py tests/test_gpu_cluster.py tests/test_gpu_softcap.py tests/test_gpu_window.py tests/test_gpu_varlen.py tests/test_gpu_kvcache.py} -p no:cacheprovider --durations=8 --timeout=120 -rs 2>&1 | tee "$OUT/pytest_gpu.log" | tail -25
   status=$((status | ${PIPESTATUS[0]}))
   bench_specs=examples/fa2_pipelined.fa
   if python3 -c "import torch, sys; sys.exit(torch.cuda.get_device_capability() != (9, 0))" && [[ -f examples/fa3_hopper.fa ]]; then

@@ -136,6 +136,13 @@ def test_sm90_layout_matches_the_cuda_struct(tmp_path):
         checks.append(
             f'static_assert(__builtin_offsetof({struct_name}, {name}) == {varlen + offset}, "{name}");'
         )
+    from fadsl.targets.sm90.host.kvcache import KVCACHE_OFFSET, KVCACHE_TAIL, KVCACHE_TAIL_FIELDS
+
+    for name, (offset, _) in zip(KVCACHE_TAIL_FIELDS, _struct_offsets(KVCACHE_TAIL)):
+        checks.append(
+            f"static_assert(__builtin_offsetof({struct_name}, {name}) == "
+            f'{KVCACHE_OFFSET + offset}, "{name}");'
+        )
     source = '#include "fadsl/sm90.cuh"\n' + "\n".join(checks) + "\n"
     source += f'extern "C" __global__ void probe(const __grid_constant__ {struct_name} p) {{}}\n'
     compile_cubin(source, "layout90.cu", "probe", "sm_90a", tmp_path)  # raises on a mismatch

@@ -75,6 +75,9 @@ def kernel_settings() -> dict[str, Callable[[Checks, Setting], object]]:
         "cluster": cluster,
         "softcap": softcap,
         "varlen": varlen,
+        "kv_cache": kv_cache,
+        "pack_gqa": pack_gqa,
+        "splits": splits,
     }
 
 
@@ -348,6 +351,53 @@ def varlen(c: Checks, setting: Setting) -> bool | None:
     if setting.values:
         c.key_locs["varlen_value"] = setting.values[0].loc  # the target's checks point at it
     return _word_choice(c, setting, {"on": True, "off": False})
+
+
+PAGE_SIZES = (16, 32, 64, 128, 256)
+
+
+def kv_cache(c: Checks, setting: Setting) -> int | None:
+    """`kv_cache contiguous` (0: a (batch, capacity, heads, head_dim) cache per call) or
+    `kv_cache paged(N)` (N rows a page, 16 to 256, a power of two: a page table per batch),
+    sm_90a: K and V read from a cache with per-batch lengths (cache_seqlens)."""
+    value = _single(c, setting)
+    if value is None:
+        return None
+    c.key_locs["kv_cache_value"] = value.loc
+    if isinstance(value, Word) and value.text == "contiguous":
+        return 0
+    if isinstance(value, Call) and value.name.text == "paged":
+        if len(value.args) != 1 or not isinstance(value.args[0], Number):
+            c.error(value.loc, "'paged' takes one number: the rows of a page, 'paged(64)'")
+            return None
+        size = value.args[0]
+        if size.value not in PAGE_SIZES:
+            c.error(
+                size.loc,
+                f"page size {clip(size.text)}: expected {one_of([str(n) for n in PAGE_SIZES])} "
+                "(whole 8-row swizzle periods, TMA boxes of at most 256 rows)",
+            )
+            return None
+        return size.value
+    c.error(value.loc, f"'kv_cache' expects 'contiguous' or 'paged(N)', not {show(value)}")
+    return None
+
+
+def pack_gqa(c: Checks, setting: Setting) -> bool | None:
+    """`pack_gqa on` (sm_90a, with kv_cache): the query heads of a K/V head share its tiles'
+    rows, so that a decode step's few query rows fill a tile."""
+    if setting.values:
+        c.key_locs["pack_gqa_value"] = setting.values[0].loc
+    return _word_choice(c, setting, {"on": True, "off": False})
+
+
+def splits(c: Checks, setting: Setting) -> bool | None:
+    """`splits auto` (sm_90a, with kv_cache): every tile's K/V blocks split into pieces over
+    the SMs (the count from the launch's shape, or the call's num_splits), their partials
+    added up by a combine kernel; `splits off`: whole tiles."""
+    if setting.values:
+        c.key_locs["splits_value"] = setting.values[0].loc
+    return _word_choice(c, setting, {"auto": True, "off": False})
 
 
 def _count(c: Checks, setting: Setting, lo: int, hi: int) -> int | None:

@@ -116,18 +116,26 @@ class FlashAttention:
         self._entries: dict[tuple[Dtype, str], cache.Entry] = {}
         self._backward = None  # built on the first backward call (fadsl/runtime/backward.py)
         self._varlen_tiles: dict[tuple[Dtype, int], object] = {}  # `varlen on`'s list kernel
+        self._combine: dict[tuple[Dtype, int], object] = {}  # `splits auto`'s combine kernel
         self.op_name = f"{self.config.name}_{spec_hash(compiled.kernel)[:12]}"
-        from .custom_op import ops_for, varlen_op_for
+        from .custom_op import kvcache_op_for, ops_for, varlen_op_for
 
         # Registered now, not on first use: torch.compile cannot trace a registration.
         self._ops = ops_for(self)
         self._varlen_op = varlen_op_for(self) if self.is_varlen else None
+        self._kvcache_op = kvcache_op_for(self) if self.is_kvcache else None
 
     @property
     def is_varlen(self) -> bool:
         """Whether the spec says `varlen on` (packed sequences: ``varlen``)."""
         hw = self.config.ext
         return hw is not None and getattr(hw, "varlen", False)
+
+    @property
+    def is_kvcache(self) -> bool:
+        """Whether the spec reads K/V from a cache (`kv_cache`: ``kvcache``)."""
+        hw = self.config.ext
+        return hw is not None and getattr(hw, "kv_cache", -1) >= 0
 
     @property
     def variants(self) -> tuple[FlashAttention, ...]:
@@ -385,6 +393,11 @@ class FlashAttention:
         if self.is_varlen:
             self._launch_padded_as_varlen(dtype, q, k, v, out, lse, scale)
             return
+        if self.is_kvcache:
+            raise RuntimeError(
+                f"kernel '{self.config.name}' reads K/V from a cache ('kv_cache'): call "
+                "kvcache(q, k_cache, v_cache, cache_seqlens, ...)"
+            )
         args = Args(q, k, v, out, lse, scale)
         cluster = self._launch.cluster(self.compiled.kernel, args)
         if cluster == 1 and self.alone is not None:
@@ -515,6 +528,82 @@ class FlashAttention:
             out.copy_(result.view(batch, seqlen_q, heads_q, head_dim))
         if lse is not None:
             lse.copy_(flat_lse.view(heads_q, batch, seqlen_q).permute(1, 0, 2))
+
+    # ------------------------------------------------------------------ kv cache
+    def kvcache(
+        self,
+        q,
+        k_cache,
+        v_cache,
+        cache_seqlens,
+        page_table=None,
+        softmax_scale: float | None = None,
+        *,
+        num_splits: int | None = None,
+        out=None,
+        return_lse: bool = False,
+    ):
+        """Attention of q over each batch's first cache_seqlens[b] keys of a cache
+        (FlashAttention's flash_attn_with_kvcache convention; fadsl/runtime/kvcache.py): q
+        (batch, seqlen_q, heads_q, head_dim); a contiguous cache (batch, capacity, heads_kv,
+        head_dim) or a paged one (pages, page_size, heads_kv, head_dim) with page_table
+        (batch, max_pages) int32. Returns the output (q's shape), or ``(output, lse)`` with
+        the LSE (batch, heads_q, seqlen_q). ``fadsl.append_kv`` writes new tokens first."""
+        import torch
+
+        if not self.is_kvcache:
+            raise RuntimeError(
+                f"kernel '{self.config.name}' has no KV cache; a kvcache call needs a spec with "
+                "'kv_cache contiguous' or 'kv_cache paged(N)' (sm_90a)"
+            )
+        scale = check_scale(softmax_scale, self.config.head_dim)
+        if num_splits is not None and (
+            isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0
+        ):
+            raise TypeError(f"num_splits must be a non-negative int or None, got {num_splits!r}")
+        if not isinstance(return_lse, bool):
+            raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+        if torch.compiler.is_compiling() or (
+            torch.is_grad_enabled()
+            and any(isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k_cache, v_cache))
+        ):
+            if out is not None:
+                raise RuntimeError(
+                    "out= is for eager calls without gradients; call it without out="
+                )
+            o, lse = self._kvcache_op(
+                q, k_cache, v_cache, cache_seqlens, page_table, scale, num_splits or 0, return_lse
+            )
+            return (o, lse) if return_lse else o
+        return self.kvcache_forward(
+            q, k_cache, v_cache, cache_seqlens, page_table, scale, num_splits, out, return_lse
+        )
+
+    def kvcache_forward(
+        self, q, k_cache, v_cache, cache_seqlens, page_table, scale, num_splits, out, return_lse,
+        lse=None,
+    ):  # fmt: skip
+        """Check a kv-cache call's arguments, allocate what is missing and launch."""
+        import torch
+
+        from .kvcache import check_kvcache, run_kvcache
+
+        dtype = check_kvcache(self, q, k_cache, v_cache, cache_seqlens, page_table)
+        if out is None:
+            out = torch.empty_like(q)
+        else:
+            self._check_out(out, q, q, q)
+        if not return_lse:
+            lse = None
+        elif lse is None:
+            lse = torch.empty(lse_shape(q), device=q.device, dtype=torch.float32)
+        else:
+            check_lse(lse, q)
+        run_kvcache(
+            self, dtype, q, k_cache, v_cache, cache_seqlens, page_table, out, lse, scale,
+            num_splits or None,
+        )  # fmt: skip
+        return (out, lse) if return_lse else out
 
     # ------------------------------------------------------------------ checks
     # The checks themselves are in fadsl/runtime/arguments.py; these pass them the spec's config.

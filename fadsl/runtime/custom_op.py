@@ -187,3 +187,57 @@ def _define_varlen(name: str):
 
     varlen.register_autograd(backward, setup_context=lambda ctx, inputs, output: None)
     return varlen
+
+
+# `kv_cache` specs: op name -> the kv-cache op (fadsl/runtime/kvcache.py)
+_KVCACHE_OPS: dict[str, object] = {}
+
+
+def kvcache_op_for(kern) -> object:
+    """``fadsl::<kernel>_<hash>_kvcache(q, k_cache, v_cache, cache_seqlens, page_table,
+    softmax_scale, num_splits, return_lse) -> (out, lse)``: a kv-cache call as a functional op
+    (torch.compile; a CUDA graph captures a decode step); gradients raise."""
+    name = kern.op_name
+    _KERNELS[name] = kern
+    if name not in _KVCACHE_OPS:
+        _KVCACHE_OPS[name] = _define_kvcache(name)
+    return _KVCACHE_OPS[name]
+
+
+def _define_kvcache(name: str):
+    from .kvcache import check_kvcache
+
+    @custom_op(f"fadsl::{name}_kvcache", mutates_args=())
+    def kvcache(
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        cache_seqlens: torch.Tensor,
+        page_table: Optional[torch.Tensor],
+        softmax_scale: float,
+        num_splits: int,
+        return_lse: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        kern = _KERNELS[name]
+        found = kern.kvcache_forward(
+            q, k_cache, v_cache, cache_seqlens, page_table, softmax_scale, num_splits, None,
+            return_lse,
+        )  # fmt: skip
+        if return_lse:
+            return found
+        return found, q.new_empty((0,), dtype=torch.float32)
+
+    @kvcache.register_fake
+    def _(q, k_cache, v_cache, cache_seqlens, page_table, softmax_scale, num_splits, return_lse):
+        check_kvcache(_KERNELS[name], q, k_cache, v_cache, cache_seqlens, page_table)
+        shape = lse_shape(q) if return_lse else (0,)
+        return torch.empty_like(q), q.new_empty(shape, dtype=torch.float32)
+
+    def backward(ctx, grad_out, grad_lse):
+        raise RuntimeError(
+            f"fadsl kernel '{name}': kv-cache calls have no backward; call it under "
+            "torch.no_grad() or on detached tensors"
+        )
+
+    kvcache.register_autograd(backward, setup_context=lambda ctx, inputs, output: None)
+    return kvcache

@@ -47,6 +47,14 @@ class Sm90Config(TargetConfig):
     # straddle two sequences, and a small kernel before the main one lists the (sequence,
     # q block) tiles longest K/V loop first (emit/sm90/include/fadsl/sm90_varlen.cuh)
     varlen: bool = False
+    # `kv_cache contiguous|paged(N)`: K/V from a cache with per-batch lengths; -1: no cache,
+    # 0: contiguous, N: pages of N rows (fadsl/sm90_kvcache.cuh)
+    kv_cache: int = -1
+    # `pack_gqa on`: a K/V head's query heads share its tiles' rows
+    pack_gqa: bool = False
+    # `splits auto`: every tile split over its K/V blocks, a combine kernel after (split_kv
+    # is set too: the pieces' schedule and proof are the split tail's)
+    split_all: bool = False
 
     @property
     def scheduler(self) -> str:
@@ -80,6 +88,9 @@ class Sm90Config(TargetConfig):
             + (f" cluster={self.cluster}" if self.cluster > 1 else "")
             + (f" softcap={self.softcap}" if self.softcap else "")
             + (" varlen=on" if self.varlen else "")
+            + (f" kv_cache={self.kv_cache}" if self.kv_cache >= 0 else "")
+            + (" pack_gqa=on" if self.pack_gqa else "")
+            + (" splits=auto" if self.split_all else "")
             + (f" alone_of={self.alone_of}" if self.alone_of else "")
         )
 
@@ -90,7 +101,9 @@ _TEXT = re.compile(
     r"pingpong=(?P<pingpong>on|off) overlap=(?P<overlap>on|off) "
     r"scheduler=(?P<scheduler>persistent|grid) rescale=(?P<rescale>every|lazy|guarded)"
     r"(?: q_slots=(?P<q_slots>\d+))?(?P<split_kv> tail=split_kv)?(?: cluster=(?P<cluster>\d+))?"
-    r"(?: softcap=(?P<softcap>\d+))?(?P<varlen> varlen=on)?(?: alone_of=(?P<alone_of>\S+))?$"
+    r"(?: softcap=(?P<softcap>\d+))?(?P<varlen> varlen=on)?"
+    r"(?: kv_cache=(?P<kv_cache>\d+))?(?P<pack_gqa> pack_gqa=on)?(?P<split_all> splits=auto)?"
+    r"(?: alone_of=(?P<alone_of>\S+))?$"
 )
 
 
@@ -118,4 +131,7 @@ def read_config(line: str) -> Sm90Config | None:
         alone_of=m["alone_of"],
         softcap=int(m["softcap"] or 0),
         varlen=m["varlen"] is not None,
+        kv_cache=int(m["kv_cache"]) if m["kv_cache"] is not None else -1,
+        pack_gqa=m["pack_gqa"] is not None,
+        split_all=m["split_all"] is not None,
     )

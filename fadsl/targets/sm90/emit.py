@@ -308,6 +308,11 @@ def context(kernel: Kernel, dtype: Dtype) -> dict[str, Any]:
         ),
         # `varlen on`: packed sequences, a tile list written by <kernel>_varlen_tiles first
         "varlen": hw.varlen,
+        # `kv_cache`: -1 none, 0 contiguous, N rows a page; `pack_gqa on`; `splits auto`
+        # (every tile split, <kernel>_combine after)
+        "kv_cache": hw.kv_cache,
+        "pack_gqa": hw.pack_gqa,
+        "split_all": hw.split_all,
         # (a window's tile starts at its window's first block, not at block 0)
         "kv_end": "w.block_end" if hw.split_kv or cfg.window else "w.n_blocks",
         # `cluster 2`: K/V loads multicast into both CTAs, arrivals on the peer's barriers

@@ -137,6 +137,40 @@ def validate(c: Checks, tensors: dict[Role, Tensor]) -> bool:
         )
         ok = False
     ok = _scopes(c, tensors) and ok
+    ok = _serving(c, block_c) and ok
+    return ok
+
+
+def _serving(c: Checks, block_c: int) -> bool:
+    """kv_cache, pack_gqa and splits: what each needs of the others (fadsl/sm90_kvcache.cuh)."""
+    v, ok = c.values, True
+    cache = v.get("kv_cache")
+    if cache is not None:
+        where = c.key_locs["kv_cache_value"]
+        if v.get("varlen"):
+            c.error(where, "kv_cache and varlen on do not combine yet: a cache has per-batch "
+                    "lengths (cache_seqlens) of its own")  # fmt: skip
+            ok = False
+        if v.get("tail", False):
+            c.error(c.key_locs["tail_value"], "with kv_cache, split the K/V blocks with "
+                    "'splits auto' rather than 'tail split_kv'")  # fmt: skip
+            ok = False
+        if cache and cache % block_c and block_c % cache:
+            c.error(where, f"paged({cache}) with B_c = {block_c}: a block must be whole pages "
+                    "or a page whole blocks (one TMA box each)")  # fmt: skip
+            ok = False
+    for key, what in (("pack_gqa", "pack_gqa on"), ("splits", "splits auto")):
+        if v.get(key) and cache is None:
+            c.error(c.key_locs[f"{key}_value"], f"'{what}' is for kv_cache kernels: add "
+                    "'kv_cache contiguous' or 'kv_cache paged(N)'")  # fmt: skip
+            ok = False
+    if v.get("pack_gqa") and "window" in v:
+        c.error(c.key_locs["pack_gqa_value"], "pack_gqa on with a sliding window is not built yet")
+        ok = False
+    if v.get("splits") and not v.get("scheduler", True):
+        c.error(c.key_locs["splits_value"], "splits auto deals pieces out to persistent CTAs: "
+                "it needs 'scheduler persistent'")  # fmt: skip
+        ok = False
     return ok
 
 
@@ -188,6 +222,13 @@ def _scopes(c: Checks, tensors: dict[Role, Tensor]) -> bool:
             where,
             "cluster 2 pairs CTAs that read the same K/V blocks; causal tiles of one head "
             "read different numbers of blocks: use 'cluster 1' with 'mask causal'",
+        )
+        return False
+    if c.values.get("kv_cache") is not None:
+        c.error(
+            where,
+            "cluster 2 pairs CTAs that read the same K/V blocks; a cache's sequences have "
+            "lengths of their own: use 'cluster 1' with kv_cache",
         )
         return False
     if c.values.get("varlen"):
@@ -338,10 +379,13 @@ def configure(c: Checks) -> Config:
             persistent=v.get("scheduler", True),
             rescale_mode=v.get("rescale", Rescale.LAZY),
             q_slots=v.get("q_slots", 1),
-            split_kv=v.get("tail", False),
+            split_kv=v.get("tail", False) or v.get("splits", False),
             cluster=v.get("cluster", 1),
             softcap=v.get("softcap", 0),
             varlen=v.get("varlen", False),
+            kv_cache=v.get("kv_cache", -1),
+            pack_gqa=v.get("pack_gqa", False),
+            split_all=v.get("splits", False),
         ),
     )
 

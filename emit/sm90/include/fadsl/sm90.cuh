@@ -84,6 +84,12 @@ struct FwdParamsSm90 {
   const int* cu_seqlens_k;      // and of their keys
   int4* varlen_tiles;           // two int4 per (sequence, q block): VarlenTile
   int* varlen_tile_count;       // how many varlen_tiles wrote
+  // `kv_cache` (nullptr otherwise): K and V from a cache, batch b's first cache_seqlens[b]
+  // keys; paged: key j of batch b in page page_table[b * page_table_stride + j / kPageSize]
+  // of the (pages, kPageSize, heads_kv, head_dim) cache (fadsl/sm90_kvcache.cuh)
+  const int* cache_seqlens;
+  const int* page_table;
+  int page_table_stride;
 };
 
 // ---------------------------------------------------------------------------
@@ -120,6 +126,14 @@ struct FwdConfig {
   // `varlen on` (a generated Cfg sets it): packed sequences of any lengths (FwdParamsSm90's
   // cu_seqlens); each tile's rows and keys are its sequence's (TileWork's q_start, seqlen_q, ...).
   static constexpr bool kVarlen = false;
+  // `kv_cache` (a generated Cfg sets these): K/V from a cache of per-batch lengths, in pages
+  // of kPageSize rows (0: one contiguous cache per batch); `pack_gqa on`: a tile's rows are
+  // (query row, query head of its K/V head) pairs; `splits auto`: every tile's K/V blocks
+  // split into pieces whose partials <kernel>_combine adds up (fadsl/sm90_kvcache.cuh).
+  static constexpr bool kKvCache = false;
+  static constexpr int kPageSize = 0;
+  static constexpr bool kPackGQA = false;
+  static constexpr bool kSplitAll = false;
 
   static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "head_dim 64, 128 or 256");
   static_assert(kConsumerWGs >= 1 && kConsumerWGs <= 3, "1 to 3 consumer warpgroups");
@@ -214,9 +228,23 @@ struct TileCoord {
 // launches pairs only for an even count; were it odd, the block past seqlen_q would run its
 // K/V loop on zero-filled Q rows and store nothing: TMA clips its O rows, store_lse skips
 // them.)  fadsl/targets/sm90/host/launch.py's m_blocks is the host's copy.
+// `pack_gqa on`: the query heads of a K/V head share its tiles' rows (row r: query row r / G
+// of query head r % G, G = heads_q / heads_kv), so a head's tiles cover seqlen_q x G rows.
+template <class Cfg>
+__device__ __forceinline__ int tile_rows(const FwdParams& p) {
+  if constexpr (Cfg::kPackGQA) return p.seqlen_q * (p.heads_q / p.heads_kv);
+  return p.seqlen_q;
+}
+
+template <class Cfg>
+__device__ __forceinline__ int tile_heads(const FwdParams& p) {
+  if constexpr (Cfg::kPackGQA) return p.heads_kv;
+  return p.heads_q;
+}
+
 template <class Cfg>
 __device__ __forceinline__ int num_m_blocks(const FwdParams& p) {
-  const int blocks = (p.seqlen_q + Cfg::kBlockM - 1) / Cfg::kBlockM;
+  const int blocks = (tile_rows<Cfg>(p) + Cfg::kBlockM - 1) / Cfg::kBlockM;
   if constexpr (Cfg::kClusterSize > 1) {
     const int round = static_cast<int>(cluster_nctarank()) - 1;  // 0 or 1: no division
     return (blocks + round) & ~round;
@@ -237,7 +265,7 @@ __device__ __forceinline__ int tile_index(const FwdParams& p, int step) {
   } else if (step > 0) {
     return -1;
   }
-  return t < num_m_blocks<Cfg>(p) * p.heads_q * p.batch ? t : -1;
+  return t < num_m_blocks<Cfg>(p) * tile_heads<Cfg>(p) * p.batch ? t : -1;
 }
 
 template <class Cfg>
@@ -251,7 +279,7 @@ __device__ __forceinline__ TileCoord tile_coords(const FwdParamsSm90& P, int t) 
     c.m_block = Cfg::kCausal && !has_window<Cfg>() ? m - 1 - j : j;  // causal: long rows first
   }
   c.batch = fast_div(bh, P.div_heads);
-  c.head = bh - c.batch * P.base.heads_q;
+  c.head = bh - c.batch * tile_heads<Cfg>(P.base);
   return c;
 }
 
@@ -273,6 +301,7 @@ struct TileWork {
   // varlen: the sequence's first query row and key in the packed tensors, and its lengths
   // (read through seqlen_q/seqlen_k/q_row/kv_row, which give FwdParams' for padded batches)
   int q_start, seqlen_q, k_start, seqlen_k;
+  const int* pages;  // a paged kv_cache: the batch's row of the page table
 };
 
 // The tile's sequence lengths: FwdParams' for a padded batch, its own sequence's with varlen.
@@ -284,7 +313,7 @@ __device__ __forceinline__ int seqlen_q(const FwdParams& p, const TileWork& w) {
 
 template <class Cfg>
 __device__ __forceinline__ int seqlen_k(const FwdParams& p, const TileWork& w) {
-  if constexpr (Cfg::kVarlen) return w.seqlen_k;
+  if constexpr (Cfg::kVarlen || Cfg::kKvCache) return w.seqlen_k;
   return p.seqlen_k;
 }
 
@@ -333,7 +362,7 @@ __device__ __forceinline__ void window_work(TileWork& w, int seqlen_q, int seqle
 
 // The tile's K/V blocks (w.m0 set): how many, which mask, for sequences of these lengths.
 template <class Cfg>
-__device__ __forceinline__ void kv_work(TileWork& w, int seqlen_q, int seqlen_k) {
+__device__ __forceinline__ void kv_work(TileWork& w, int seqlen_q, int seqlen_k, int group = 1) {
   w.split = -1;
   w.split_tile = 0;
   if constexpr (has_window<Cfg>()) {
@@ -345,8 +374,11 @@ __device__ __forceinline__ void kv_work(TileWork& w, int seqlen_q, int seqlen_k)
   int kv_end = seqlen_k;
   int kv_full_end = seqlen_k;  // keys below this need no mask for any row of the tile
   if constexpr (Cfg::kCausal) {
-    kv_end = imin(kv_end, imax(0, w.m0 + Cfg::kBlockM + diag));
-    kv_full_end = imin(kv_full_end, imax(0, w.m0 + 1 + diag));
+    // the tile's query rows: m0 .. m0 + kBlockM - 1, or with pack_gqa those rows / group
+    const int first = Cfg::kPackGQA ? w.m0 / group : w.m0;
+    const int end = Cfg::kPackGQA ? (w.m0 + Cfg::kBlockM - 1) / group + 1 : w.m0 + Cfg::kBlockM;
+    kv_end = imin(kv_end, imax(0, end + diag));
+    kv_full_end = imin(kv_full_end, imax(0, first + 1 + diag));
   }
   w.n_blocks = (kv_end + Cfg::kBlockN - 1) / Cfg::kBlockN;
   w.n_masked = w.n_blocks - imin(w.n_blocks, kv_full_end / Cfg::kBlockN);
@@ -360,12 +392,14 @@ __device__ __forceinline__ TileWork tile_work(const FwdParamsSm90& P, const Tile
   w.m_block = c.m_block;
   w.head = c.head;
   w.batch = c.batch;
-  w.head_kv = fast_div(w.head, P.div_group);
+  w.head_kv = Cfg::kPackGQA ? w.head : fast_div(w.head, P.div_group);
   w.m0 = w.m_block * Cfg::kBlockM;
   w.q_start = w.k_start = 0;  // (read only with varlen)
   w.seqlen_q = P.base.seqlen_q;
-  w.seqlen_k = P.base.seqlen_k;
-  kv_work<Cfg>(w, P.base.seqlen_q, P.base.seqlen_k);
+  // a cache's length, clamped to its capacity (FwdParams' seqlen_k): no read past the cache
+  w.seqlen_k = Cfg::kKvCache ? imin(imax(P.cache_seqlens[w.batch], 0), P.base.seqlen_k) : P.base.seqlen_k;
+  if constexpr (Cfg::kPageSize > 0) w.pages = P.page_table + static_cast<int64_t>(w.batch) * P.page_table_stride;
+  kv_work<Cfg>(w, P.base.seqlen_q, w.seqlen_k, Cfg::kPackGQA ? P.base.heads_q / P.base.heads_kv : 1);
   return w;
 }
 
@@ -377,7 +411,7 @@ __device__ __forceinline__ TileWork tile_work(const FwdParamsSm90& P, const Tile
 // p / splits.  Each CTA runs items c, c + gridDim.x, ... as the plain scheduler does.
 template <class Cfg>
 __device__ __forceinline__ int split_tile_index(const FwdParamsSm90& P, int step) {
-  const int tiles = num_m_blocks<Cfg>(P.base) * P.base.heads_q * P.base.batch;
+  const int tiles = num_m_blocks<Cfg>(P.base) * tile_heads<Cfg>(P.base) * P.base.batch;
   const int items = P.split_start + (tiles - P.split_start) * P.splits;
   const int i = blockIdx.x + step * gridDim.x;
   return i < items ? i : -1;
@@ -416,8 +450,36 @@ template <class Cfg>
 __device__ __forceinline__ void load_q(const FwdParamsSm90& P, uint32_t smem_q, uint32_t bar, const TileWork& w) {
 #pragma unroll
   for (int panel = 0; panel < Cfg::kPanels; ++panel) {
-    tma_load_4d(smem_q + panel * Cfg::kBlockM * Cfg::kRowBytes, &P.tma_q, bar, 64 * panel, q_row<Cfg>(w, w.m0), w.head,
-                w.batch);
+    if constexpr (Cfg::kPackGQA) {  // rows (query row, query head): a (head_dim, G, rows, ...) box
+      tma_load_5d(smem_q + panel * Cfg::kBlockM * Cfg::kRowBytes, &P.tma_q, bar, 64 * panel, 0,
+                  fast_div(w.m0, P.div_group), w.head, w.batch);
+    } else {
+      tma_load_4d(smem_q + panel * Cfg::kBlockM * Cfg::kRowBytes, &P.tma_q, bar, 64 * panel, q_row<Cfg>(w, w.m0),
+                  w.head, w.batch);
+    }
+  }
+}
+
+// A paged kv_cache's block n: its keys' pages, one TMA box of min(kBlockN, kPageSize) rows
+// each (the cache's map: (head_dim, kPageSize, heads_kv, pages)), at their rows of the slot;
+// 8-row multiples keep the 128-byte swizzle's 1024-byte pattern. Keys past the sequence's
+// last page read that page again (masked, and no page-table entry past the sequence's is
+// read); kKVBytes land on `bar` as for a contiguous block.
+template <class Cfg>
+__device__ __forceinline__ void load_kv_paged(const CUtensorMap* tmap, uint32_t smem_slot, uint32_t bar, int n_block,
+                                              const TileWork& w) {
+  constexpr int kRows = imin(Cfg::kBlockN, Cfg::kPageSize);
+  static_assert(Cfg::kBlockN % kRows == 0 && kRows % 8 == 0, "pages of whole blocks or blocks of whole pages");
+  const int last_page = (w.seqlen_k - 1) / Cfg::kPageSize;
+#pragma unroll
+  for (int part = 0; part < Cfg::kBlockN / kRows; ++part) {
+    const int key = n_block * Cfg::kBlockN + part * kRows;
+    const int page = w.pages[imin(key / Cfg::kPageSize, last_page)];
+#pragma unroll
+    for (int panel = 0; panel < Cfg::kPanels; ++panel) {
+      tma_load_4d(smem_slot + (panel * Cfg::kBlockN + part * kRows) * Cfg::kRowBytes, tmap, bar, 64 * panel,
+                  key % Cfg::kPageSize, w.head_kv, page);
+    }
   }
 }
 
@@ -425,6 +487,10 @@ __device__ __forceinline__ void load_q(const FwdParamsSm90& P, uint32_t smem_q, 
 template <class Cfg>
 __device__ __forceinline__ void load_kv(const CUtensorMap* tmap, uint32_t smem_slot, uint32_t bar, int n_block,
                                         const TileWork& w) {
+  if constexpr (Cfg::kPageSize > 0) {
+    load_kv_paged<Cfg>(tmap, smem_slot, bar, n_block, w);
+    return;
+  }
 #pragma unroll
   for (int panel = 0; panel < Cfg::kPanels; ++panel) {
     tma_load_4d(smem_slot + panel * Cfg::kBlockN * Cfg::kRowBytes, tmap, bar, 64 * panel,
@@ -522,7 +588,8 @@ __device__ __forceinline__ void mask_scores(float (&s)[Cfg::kSRegs], const FwdPa
                                             int n_block, int lane) {
   const int col0 = n_block * Cfg::kBlockN + 2 * (lane % 4);
   const int len_q = Cfg::kVarlen ? rows.seqlen_q : p.seqlen_q;
-  const int len_k = Cfg::kVarlen ? rows.seqlen_k : p.seqlen_k;
+  const int len_k = Cfg::kVarlen || Cfg::kKvCache ? rows.seqlen_k : p.seqlen_k;
+  const int group = Cfg::kPackGQA ? p.heads_q / p.heads_kv : 1;  // packed rows per query row
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     int end = len_k;
@@ -532,7 +599,8 @@ __device__ __forceinline__ void mask_scores(float (&s)[Cfg::kSRegs], const FwdPa
       end = imin(end, on_diagonal + Cfg::kWindowRight + 1);
       mask_before<Cfg>(s, r, on_diagonal - Cfg::kWindowLeft - col0);
     } else if constexpr (Cfg::kCausal) {
-      end = imin(end, rows.row0 + 8 * r + len_k - len_q + 1);
+      const int query = Cfg::kPackGQA ? (rows.row0 + 8 * r) / group : rows.row0 + 8 * r;
+      end = imin(end, query + len_k - len_q + 1);
     }
     end -= col0;
 #pragma unroll
@@ -668,12 +736,31 @@ __device__ __forceinline__ void normalize_o(float (&o)[Cfg::kORegs], const float
   rescale_o<Cfg>(o, inv);
 }
 
+// `pack_gqa on`: row r of the tile is query row r / G of query head head * G + r % G.
+template <class Cfg>
+__device__ __forceinline__ void store_lse_packed(const FwdParams& p, const TileWork& w, const RowLimits& rows,
+                                                 const float (&m)[2], const float (&l)[2], float scale_log2) {
+  const int group = p.heads_q / p.heads_kv;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = rows.row0 + 8 * r, query = row / group, head = w.head * group + row % group;
+    if (query < p.seqlen_q) {
+      p.lse[w.batch * p.lse_batch_stride + head * p.lse_head_stride + query] =
+          l[r] == 0.f ? -INFINITY : (m[r] * scale_log2 + log2f(l[r])) * 0.6931471805599453f;
+    }
+  }
+}
+
 // LSE (natural log) of this thread's two rows: (m * c + log2 l) * ln 2, -inf when l == 0;
 // written by lane t == 0 of each quad, for rows < seqlen_q, if p.lse is set.
 template <class Cfg>
 __device__ __forceinline__ void store_lse(const FwdParams& p, const TileWork& w, const RowLimits& rows,
                                           const float (&m)[2], const float (&l)[2], float scale_log2, int lane) {
   if (p.lse == nullptr || lane % 4 != 0) return;
+  if constexpr (Cfg::kPackGQA) {
+    store_lse_packed<Cfg>(p, w, rows, m, l, scale_log2);
+    return;
+  }
   // varlen: (heads, tokens), the sequence's rows from q_start
   float* lse = p.lse + w.batch * p.lse_batch_stride + w.head * p.lse_head_stride + q_row<Cfg>(w, 0);
 #pragma unroll
@@ -713,6 +800,14 @@ __device__ __forceinline__ void store_o_smem(const float (&o)[Cfg::kORegs], uint
 template <class Cfg>
 __device__ __forceinline__ void store_o_tma(const FwdParamsSm90& P, uint32_t smem_o_wg, const TileWork& w, int wg) {
   const int first = w.m0 + 64 * wg;
+  if constexpr (Cfg::kPackGQA) {  // (head_dim, G, rows, heads_kv, batch): rows past seqlen_q clipped
+#pragma unroll
+    for (int panel = 0; panel < Cfg::kPanels; ++panel) {
+      tma_store_5d(&P.tma_o, smem_o_wg + panel * Cfg::kBlockM * Cfg::kRowBytes, 64 * panel, 0,
+                   fast_div(first, P.div_group), w.head, w.batch);
+    }
+    return;
+  }
   if constexpr (Cfg::kVarlen) {
     const int rows = imin(64, w.seqlen_q - first);
     if (rows <= 0) return;
@@ -729,45 +824,35 @@ __device__ __forceinline__ void store_o_tma(const FwdParamsSm90& P, uint32_t sme
   }
 }
 
-// tail split_kv, after a piece's last P V: its warpgroup writes O's registers, m and the
-// per-thread l to its place in the workspace, then counts itself done on the tile's counter.
-// The piece that completes the count reads every piece's partial back (its own too) and
-// combines them in piece order (the same bits whichever piece comes last): m = max_i m_i,
-// l = sum_i l_i 2^((m_i - m) c), O likewise; it returns true, and its warpgroup goes on to
-// normalise and store the tile as a whole one would.  The others return false and skip the
-// tile's tail.  The hand-over is global memory only: the writes, the warpgroup's named
-// barrier kBarSplit + wg, thread 0's atom.inc with release and acquire semantics at GPU scope
-// (wrapping to 0, so that the counter is ready for the next launch), a barrier reduction
-// telling every thread the count, then L2 reads; no SMEM, no mbarrier and no barrier of the
-// sync plan.  This hand-over is the launch's last step on most SMs, so it is kept short:
-// the workspace is laid out [piece][warpgroup][vector][thread] (a warp's 16-byte accesses
-// are 512 contiguous bytes) and one acq_rel atomic stands for fence, atomic, fence.
+// Piece `split` of split tile `split_tile`: its warpgroup's partial in the workspace.
 template <class Cfg>
-__device__ __forceinline__ bool combine_split(const FwdParamsSm90& P, const TileWork& w, int wg,
-                                              float (&o)[Cfg::kORegs], float (&m)[2], float (&l)[2],
-                                              float scale_log2, int thread) {
-  constexpr int kOVecs = Cfg::kORegs / 4;  // float4s of O per thread, then one of m and l
-  constexpr int kVecs = kOVecs + 1;
+__device__ __forceinline__ float4* split_partial(const FwdParamsSm90& P, int split_tile, int split, int wg, int thread) {
+  constexpr int kVecs = Cfg::kORegs / 4 + 1;  // float4s of O per thread, then one of m and l
+  const size_t piece = static_cast<size_t>(split_tile) * P.splits + split;
+  return reinterpret_cast<float4*>(P.split_partials) + (piece * Cfg::kConsumerWGs + wg) * 128 * kVecs + thread;
+}
+
+// This thread's O registers, m and l into its place of a piece's partial.
+template <class Cfg>
+__device__ __forceinline__ void write_split_partial(float4* mine, const float (&o)[Cfg::kORegs], const float (&m)[2],
+                                                    const float (&l)[2]) {
+  constexpr int kOVecs = Cfg::kORegs / 4;
   static_assert(Cfg::kORegs % 4 == 0, "O's registers in whole float4s");
-  auto partial = [&](int split) {
-    const size_t piece = static_cast<size_t>(w.split_tile) * P.splits + split;
-    return reinterpret_cast<float4*>(P.split_partials) + (piece * Cfg::kConsumerWGs + wg) * 128 * kVecs + thread;
-  };
-  float4* mine = partial(w.split);
 #pragma unroll
   for (int k = 0; k < kOVecs; ++k) mine[128 * k] = make_float4(o[4 * k], o[4 * k + 1], o[4 * k + 2], o[4 * k + 3]);
   mine[128 * kOVecs] = make_float4(m[0], m[1], l[0], l[1]);
-  // Every thread's partial before thread 0's count (the barrier at CTA scope, then the
-  // atomic's release at GPU scope, cumulative); the atomic's acquire takes in the other
-  // pieces' partials, and the barrier reduction passes that on to every thread.
-  named_bar_sync(Cfg::kBarSplit + wg, 128);
-  bool last = false;
-  if (thread == 0) last = atomic_inc_acq_rel_gpu(P.split_counts + w.split_tile * Cfg::kConsumerWGs + wg, P.splits - 1) == P.splits - 1;
-  if (!named_bar_red_or(Cfg::kBarSplit + wg, 128, last)) return false;
-  // Combine in piece order from piece 0, every piece read back (this one's too), so that
-  // the result has the same bits whichever piece comes last.
+}
+
+// Every piece's partial of a split tile (this thread's place in each), combined in piece
+// order from piece 0, so that the result has the same bits whichever piece wrote last:
+// m = max_i m_i, l = sum_i l_i 2^((m_i - m) c), O likewise (-inf maxima give factors of 0).
+template <class Cfg>
+__device__ __forceinline__ void merge_split_partials(const FwdParamsSm90& P, int split_tile, int wg, int thread,
+                                                     float (&o)[Cfg::kORegs], float (&m)[2], float (&l)[2],
+                                                     float scale_log2) {
+  constexpr int kOVecs = Cfg::kORegs / 4;
   for (int split = 0; split < P.splits; ++split) {
-    const float4* part = partial(split);
+    const float4* part = split_partial<Cfg>(P, split_tile, split, wg, thread);
     const float4 ml = __ldcg(part + 128 * kOVecs);  // L2: written by another SM
     const float part_m[2] = {ml.x, ml.y}, part_l[2] = {ml.z, ml.w};
     float keep[2] = {1.f, 1.f}, add[2] = {1.f, 1.f};
@@ -796,6 +881,34 @@ __device__ __forceinline__ bool combine_split(const FwdParamsSm90& P, const Tile
       }
     }
   }
+}
+
+// tail split_kv, after a piece's last P V: its warpgroup writes O's registers, m and the
+// per-thread l to its place in the workspace, then counts itself done on the tile's counter.
+// The piece that completes the count reads every piece's partial back (its own too) and
+// combines them in piece order (the same bits whichever piece comes last): m = max_i m_i,
+// l = sum_i l_i 2^((m_i - m) c), O likewise; it returns true, and its warpgroup goes on to
+// normalise and store the tile as a whole one would.  The others return false and skip the
+// tile's tail.  The hand-over is global memory only: the writes, the warpgroup's named
+// barrier kBarSplit + wg, thread 0's atom.inc with release and acquire semantics at GPU scope
+// (wrapping to 0, so that the counter is ready for the next launch), a barrier reduction
+// telling every thread the count, then L2 reads; no SMEM, no mbarrier and no barrier of the
+// sync plan.  This hand-over is the launch's last step on most SMs, so it is kept short:
+// the workspace is laid out [piece][warpgroup][vector][thread] (a warp's 16-byte accesses
+// are 512 contiguous bytes) and one acq_rel atomic stands for fence, atomic, fence.
+template <class Cfg>
+__device__ __forceinline__ bool combine_split(const FwdParamsSm90& P, const TileWork& w, int wg,
+                                              float (&o)[Cfg::kORegs], float (&m)[2], float (&l)[2],
+                                              float scale_log2, int thread) {
+  write_split_partial<Cfg>(split_partial<Cfg>(P, w.split_tile, w.split, wg, thread), o, m, l);
+  // Every thread's partial before thread 0's count (the barrier at CTA scope, then the
+  // atomic's release at GPU scope, cumulative); the atomic's acquire takes in the other
+  // pieces' partials, and the barrier reduction passes that on to every thread.
+  named_bar_sync(Cfg::kBarSplit + wg, 128);
+  bool last = false;
+  if (thread == 0) last = atomic_inc_acq_rel_gpu(P.split_counts + w.split_tile * Cfg::kConsumerWGs + wg, P.splits - 1) == P.splits - 1;
+  if (!named_bar_red_or(Cfg::kBarSplit + wg, 128, last)) return false;
+  merge_split_partials<Cfg>(P, w.split_tile, wg, thread, o, m, l, scale_log2);
   return true;
 }
 
@@ -807,6 +920,21 @@ __device__ __forceinline__ void store_empty_tile(const FwdParams& p, const TileW
   constexpr int kChunks = Cfg::kHeadDim * 2 / 16;  // 16-byte pieces per row
   const int row0 = w.m0 + 64 * wg;
   const int len_q = seqlen_q<Cfg>(p, w);
+  if constexpr (Cfg::kPackGQA) {  // row r: query row r / G of query head head * G + r % G
+    const int group = p.heads_q / p.heads_kv;
+    for (int i = thread; i < 64 * kChunks; i += 128) {
+      const int row = row0 + i / kChunks, query = row / group, head = w.head * group + row % group;
+      if (query < len_q) {
+        char* o = static_cast<char*>(p.o) + 2 * (w.batch * p.o_batch_stride + head * p.o_head_stride + query * p.o_seq_stride);
+        reinterpret_cast<uint4*>(o)[i % kChunks] = make_uint4(0u, 0u, 0u, 0u);
+      }
+    }
+    const int row = row0 + thread;
+    if (p.lse != nullptr && thread < 64 && row / group < len_q) {
+      p.lse[w.batch * p.lse_batch_stride + (w.head * group + row % group) * p.lse_head_stride + row / group] = -INFINITY;
+    }
+    return;
+  }
   char* o = static_cast<char*>(p.o) + 2 * (w.batch * p.o_batch_stride + w.head * p.o_head_stride);
   for (int i = thread; i < 64 * kChunks; i += 128) {
     const int row = row0 + i / kChunks;
@@ -821,4 +949,5 @@ __device__ __forceinline__ void store_empty_tile(const FwdParams& p, const TileW
 
 }  // namespace fadsl::sm90
 #include "sm90_guard.cuh"  // rescale guarded: the softmax without its row max (next to this file)
-#include "sm90_varlen.cuh"  // varlen on: the packed sequences' tile list and scheduler (next to this file)
+#include "sm90_varlen.cuh"
+#include "sm90_kvcache.cuh"  // kv_cache, pack_gqa, splits auto: the combine kernel (next to this file)  // varlen on: the packed sequences' tile list and scheduler (next to this file)

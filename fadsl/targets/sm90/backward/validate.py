@@ -187,6 +187,14 @@ def _kernel_settings(c: Checks) -> bool:
             "'softcap' line",
         )
         ok = False
+    for key in ("kv_cache", "pack_gqa", "splits"):
+        value = c.values.get(key)
+        if value is not None and value is not False:  # (kv_cache contiguous is 0)
+            c.error(
+                c.key_locs[f"{key}_value"],
+                f"'{key}' is for serving; a kernel with a backward block trains: leave one out",
+            )
+            ok = False
     if c.values.get("varlen"):
         c.error(
             c.key_locs["varlen_value"],

@@ -109,21 +109,45 @@ def _encode(ptr, dtype, shape, strides, element_size, box_cols, box_rows) -> byt
     return _encode_dims(ptr, dtype, dims, byte_strides, box_cols, box_rows)
 
 
-def _encode_dims(ptr, dtype, dims, byte_strides, box_cols, box_rows) -> bytes:
-    """A 4-D tiled map of ``dims`` (innermost first) with dimensions 1..3 ``byte_strides``
-    apart; boxes of ``box_cols`` x ``box_rows`` x 1 x 1."""
+def packed_heads_map(t, group: int, box_cols: int, box_rows: int) -> bytes:
+    """`pack_gqa on`: a 5-D map over ``t`` (batch, seqlen, heads, head_dim) as (head_dim,
+    group, seqlen, heads / group, batch), so that a box of ``box_rows`` rows is box_rows /
+    group query rows of the group's query heads, laid out row by row: tile row r is query
+    row r / group of query head r % group (fadsl/sm90_kvcache.cuh). Rows past seqlen are
+    zero-filled on load and clipped on store."""
+    batch, seqlen, heads, head_dim = t.shape
+    size = t.element_size()
+    key = ("packed", t.data_ptr(), t.dtype, tuple(t.shape), t.stride(), group, box_cols, box_rows)
+    found = _encoded.get(key)
+    if found is None:
+        head = t.stride(2) * size
+        seq = t.stride(1) * size if seqlen > 1 else heads * head
+        strides = (head, seq, group * head, t.stride(0) * size if batch > 1 else seqlen * seq)
+        dims = (head_dim, group, seqlen, heads // group, batch)
+        box = (box_cols, group, box_rows // group, 1, 1)
+        found = _encode_dims(t.data_ptr(), t.dtype, dims, strides, box_cols, box_rows, box)
+        if len(_encoded) >= CACHE_LIMIT:
+            _encoded.clear()
+        _encoded[key] = found
+    return found
+
+
+def _encode_dims(ptr, dtype, dims, byte_strides, box_cols, box_rows, box=None) -> bytes:
+    """A tiled map of ``dims`` (innermost first) with dimensions 1.. ``byte_strides`` apart;
+    boxes of ``box_cols`` x ``box_rows`` x 1 x 1 (or ``box``)."""
     driver, types, (interleave, swizzle, l2, oob), element_strides = _constants()
-    u64 = driver.cuuint64_t
+    u64, u32 = driver.cuuint64_t, driver.cuuint32_t
+    rank = len(dims)
     tmap = _check(
         driver,
         driver.cuTensorMapEncodeTiled(
             types[dtype],
-            4,
+            rank,
             ptr,
             [u64(d) for d in dims],
             [u64(s) for s in byte_strides],
-            _box(box_cols, box_rows),
-            element_strides,
+            _box(box_cols, box_rows) if box is None else [u32(b) for b in box],
+            [u32(1)] * rank,
             interleave,
             swizzle,
             l2,

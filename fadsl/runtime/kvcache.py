@@ -1,0 +1,198 @@
+"""KV-cache calls of a `kv_cache` spec (FlashAttention's ``flash_attn_with_kvcache``
+convention), and ``append_kv``, which writes new tokens' keys and values into a cache.
+
+q is (batch, seqlen_q, heads_q, head_dim). A contiguous cache (`kv_cache contiguous`) is
+(batch, capacity, heads_kv, head_dim); a paged one (`kv_cache paged(N)`) is (pages, N,
+heads_kv, head_dim) with ``page_table`` (batch, max_pages) int32: key j of batch b is row
+j % N of page page_table[b, j // N]. ``cache_seqlens`` (batch,) int32 counts each batch's
+keys; the kernel clamps it to [0, capacity] (capacity: the cache's rows, or max_pages x N),
+so that no length reads past the cache (the host never reads it: that would wait for the
+GPU). A causal spec aligns the diagonal to the bottom right (the new queries are the last
+ones). ``num_splits``: pieces per tile with `splits auto` (None: from the shape).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ..ir import Dtype
+from ..targets.launch import current_stream
+from .arguments import check_base, check_strides, torch_dtypes
+
+if TYPE_CHECKING:
+    from .attention import FlashAttention
+
+
+def _int32_vector(name: str, t, device, length: int | None = None, dims: int = 1) -> None:
+    import torch
+
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != torch.int32 or t.dim() != dims:
+        raise ValueError(
+            f"{name} must be a {dims}-D int32 tensor, got {t.dtype} of shape {tuple(t.shape)}"
+        )
+    if t.device != device:
+        raise ValueError(f"{name} must be on q's device {device}, got {t.device}")
+    if length is not None and t.shape[0] != length:
+        raise ValueError(f"{name} has {t.shape[0]} rows; q's batch is {length}")
+    if t.stride(-1) != 1:
+        raise ValueError(
+            f"{name} must be contiguous in its last dimension; pass {name}.contiguous()"
+        )
+
+
+def check_kvcache(kern: FlashAttention, q, k_cache, v_cache, cache_seqlens, page_table) -> Dtype:
+    """Shapes, dtypes, strides and devices of a kv-cache call, each error naming the argument
+    (no memory access: fake tensors pass)."""
+    import torch
+
+    cfg = kern.config
+    hw = cfg.ext
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be 4-D, got shape {tuple(t.shape)}")
+        if torch_dtypes().get(t.dtype) not in cfg.dtypes or t.dtype != q.dtype:
+            allowed = ", ".join(d.value for d in cfg.dtypes)
+            raise TypeError(
+                f"{name} has dtype {t.dtype}; kernel '{cfg.name}' takes {allowed}, all alike"
+            )
+        if t.shape[3] != cfg.head_dim:
+            raise ValueError(
+                f"{name}.shape[3] is the head_dim, which the spec fixes at {cfg.head_dim}, got {t.shape[3]}"
+            )
+        if t.device.type != "cuda" or t.device != q.device:
+            raise ValueError(f"{name} must be on q's CUDA device, got {t.device}")
+        check_strides(name, t, cfg.target)
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(
+            f"k_cache and v_cache must have the same shape, got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
+        )
+    batch, seqlen_q, heads_q, _ = q.shape
+    heads_kv = k_cache.shape[2]
+    if seqlen_q == 0 or batch == 0:
+        raise ValueError(f"q must have at least one row and one batch, got shape {tuple(q.shape)}")
+    if heads_kv == 0 or heads_q % heads_kv:
+        raise ValueError(
+            f"q's heads ({heads_q}) must be a multiple of the cache's heads ({heads_kv})"
+        )
+    group = heads_q // heads_kv
+    if hw.pack_gqa and (64 % group or group > 64):
+        raise ValueError(
+            f"pack_gqa packs a K/V head's {group} query heads into 64-row tiles: q's heads / the "
+            "cache's heads must divide 64"
+        )
+    _int32_vector("cache_seqlens", cache_seqlens, q.device, batch)
+    if hw.kv_cache == 0:
+        if page_table is not None:
+            raise ValueError(
+                f"kernel '{cfg.name}' reads a contiguous cache ('kv_cache contiguous'): page_table must be None"
+            )
+        if k_cache.shape[0] != batch:
+            raise ValueError(f"k_cache has batch {k_cache.shape[0]} but q has {batch}")
+    else:
+        if page_table is None:
+            raise ValueError(
+                f"kernel '{cfg.name}' reads a paged cache ('kv_cache paged({hw.kv_cache})'): pass page_table"
+            )
+        if k_cache.shape[1] != hw.kv_cache:
+            raise ValueError(
+                f"k_cache must be (pages, {hw.kv_cache}, heads_kv, head_dim) for pages of {hw.kv_cache} "
+                f"rows, got shape {tuple(k_cache.shape)}"
+            )
+        _int32_vector("page_table", page_table, q.device, batch, dims=2)
+    return torch_dtypes()[q.dtype]
+
+
+def run_kvcache(
+    kern: FlashAttention,
+    dtype: Dtype,
+    q,
+    k_cache,
+    v_cache,
+    cache_seqlens,
+    page_table,
+    out,
+    lse,
+    scale: float,
+    num_splits: int | None,
+) -> None:
+    """Launch the attention kernel, then (split launches) the combine kernel, on q's device's
+    current stream."""
+    import torch
+
+    from ..targets.sm90.host.kvcache import (
+        COMBINE_SUFFIX,
+        COMBINE_THREADS,
+        KvCacheArgs,
+        choose_splits,
+        combine_grid,
+        kvcache_grid,
+        pack_kvcache_params,
+        partial_floats,
+    )
+    from .driver import Module
+
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("out", out)):
+        check_base(name, t, kern.config.target)
+    index = q.device.index
+    kernel = kern.compiled.kernel
+    probe = KvCacheArgs(q, k_cache, v_cache, out, lse, scale, cache_seqlens, page_table, 1, None)
+    splits = choose_splits(kernel, probe, index, num_splits)
+    partials = None
+    if splits > 1:
+        partials = torch.empty(
+            partial_floats(kernel, probe, splits), dtype=torch.float32, device=q.device
+        )
+    args = probe._replace(splits=splits, partials=partials)
+    main = kern.module(dtype, index)
+    params = pack_kvcache_params(kernel, args)
+    stream = current_stream(index)
+    with torch.cuda.device(index):
+        main.launch(kvcache_grid(kernel, args), kern._block, params, stream)
+        if splits > 1:
+            combine = kern._combine.get((dtype, index))
+            if combine is None:
+                from .attention import arch_of
+
+                entry = kern.cubin(dtype, arch_of(index))
+                combine = Module(entry.cubin, main.name + COMBINE_SUFFIX, 0, COMBINE_THREADS)
+                combine.prepare(index)
+                kern._combine[dtype, index] = combine
+            combine.launch(combine_grid(kernel, args), (COMBINE_THREADS, 1, 1), params, stream)
+
+
+def append_kv(k_cache, v_cache, k_new, v_new, cache_seqlens, page_table=None) -> None:
+    """Write k_new and v_new (batch, seqlen_new, heads_kv, head_dim) into the caches after
+    each batch's cache_seqlens[b] keys (FlashAttention-3's AppendKV, as an op beside the
+    attention call): contiguous caches (batch, capacity, heads_kv, head_dim), or paged ones
+    (pages, page_size, heads_kv, head_dim) through page_table (batch, max_pages). Torch ops
+    on the device, so a CUDA graph captures it with the decode step; the caller advances
+    cache_seqlens. Positions past a batch's capacity raise (an index error from torch)."""
+    import torch
+
+    for name, t in (("k_new", k_new), ("v_new", v_new)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise ValueError(f"{name} must be a 4-D tensor (batch, seqlen_new, heads_kv, head_dim)")
+        if t.shape[2:] != k_cache.shape[2:] or t.dtype != k_cache.dtype:
+            raise ValueError(
+                f"{name} {tuple(t.shape)} {t.dtype} does not match the cache's heads, head_dim and "
+                f"dtype {tuple(k_cache.shape[2:])} {k_cache.dtype}"
+            )
+    if k_new.shape != v_new.shape or k_cache.shape != v_cache.shape:
+        raise ValueError("k_new and v_new, and k_cache and v_cache, must have the same shapes")
+    batch, new = k_new.shape[0], k_new.shape[1]
+    _int32_vector("cache_seqlens", cache_seqlens, k_cache.device, batch)
+    positions = cache_seqlens.long()[:, None] + torch.arange(new, device=k_cache.device)[None, :]
+    if page_table is None:
+        rows = torch.arange(batch, device=k_cache.device)[:, None].expand(batch, new)
+        k_cache[rows, positions] = k_new
+        v_cache[rows, positions] = v_new
+        return
+    _int32_vector("page_table", page_table, k_cache.device, batch, dims=2)
+    size = k_cache.shape[1]
+    pages = torch.gather(page_table.long(), 1, positions // size)
+    k_cache[pages, positions % size] = k_new
+    v_cache[pages, positions % size] = v_new

@@ -1,0 +1,161 @@
+"""The host side of a `kv_cache` launch (fadsl/sm90_kvcache.cuh): FwdParamsSm90 over q, the
+cache and its lengths (and page table), the split count, the grid; and the combine kernel's
+grid after a split launch.
+
+q is (batch, seqlen_q, heads_q, head_dim). A contiguous cache is (batch, capacity, heads_kv,
+head_dim), a paged one (pages, page_size, heads_kv, head_dim) with page_table (batch,
+max_pages) int32; cache_seqlens (batch,) int32 says how many keys of each batch's cache
+count. With `pack_gqa on`, Q's and O's maps are 5-D (tma.packed_heads_map) and the tiles run
+over K/V heads.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Any, NamedTuple
+
+from ....ir import Kernel
+from ...launch import Args, pack_fwd_params, sm_count
+from .launch import (
+    DIVISORS,
+    O_BOX_ROWS,
+    PANEL_COLS,
+    SM90_PARAMS_BYTES,
+    SPLIT_TAIL,
+    TILE_LIMIT,
+    VARLEN_OFFSET,
+    VARLEN_TAIL,
+    fast_div,
+)
+
+COMBINE_SUFFIX = "_combine"  # the combine kernel's symbol after the attention kernel's
+COMBINE_THREADS = 128
+# FwdParamsSm90's kv_cache fields after the varlen ones: cache_seqlens, page_table,
+# page_table_stride (tests/test_params.py checks them against the C++ struct)
+KVCACHE_TAIL = struct.Struct("<QQi")  # (no padding: the struct pads its tail)
+KVCACHE_TAIL_FIELDS = ("cache_seqlens", "page_table", "page_table_stride")
+KVCACHE_OFFSET = VARLEN_OFFSET + VARLEN_TAIL.size
+MAX_SPLITS = 128
+MIN_BLOCKS_PER_SPLIT = 4  # a piece's prologue and partial cost about a block or two
+
+
+class KvCacheArgs(NamedTuple):
+    """One kv-cache call's tensors, checked by the runtime (fadsl/runtime/kvcache.py)."""
+
+    q: Any
+    k_cache: Any
+    v_cache: Any
+    out: Any
+    lse: Any  # float32 (batch, heads_q, seqlen_q), or None
+    softmax_scale: float
+    cache_seqlens: Any  # int32 (batch,)
+    page_table: Any  # int32 (batch, max_pages), or None (contiguous)
+    splits: int  # pieces per tile (1: whole tiles)
+    partials: Any  # fp32 workspace of the pieces (None with one piece)
+
+
+def group(a) -> int:
+    return a.q.shape[2] // a.k_cache.shape[2]
+
+
+def capacity(kernel: Kernel, a) -> int:
+    """Keys a batch's cache holds: its rows, or its pages' rows."""
+    if a.page_table is None:
+        return a.k_cache.shape[1]
+    return a.page_table.shape[1] * kernel.config.ext.kv_cache
+
+
+def tiles(kernel: Kernel, a) -> int:
+    """(q block, head, batch) tiles; with pack_gqa the rows are seqlen_q x G per K/V head."""
+    hw = kernel.config.ext
+    batch, seqlen_q, heads_q = a.q.shape[0], a.q.shape[1], a.q.shape[2]
+    rows = seqlen_q * group(a) if hw.pack_gqa else seqlen_q
+    heads = a.k_cache.shape[2] if hw.pack_gqa else heads_q
+    return -(-rows // kernel.config.block_r) * heads * batch
+
+
+def choose_splits(kernel: Kernel, a, device_index: int, asked: int | None) -> int:
+    """Pieces per tile: the call's num_splits, or enough for about one piece per SM where the
+    tiles are fewer than the SMs, each of MIN_BLOCKS_PER_SPLIT K/V blocks or more (over the
+    cache's capacity: the lengths stay on the device). 1 without `splits auto`."""
+    if not kernel.config.ext.split_all:
+        return 1
+    blocks = -(-capacity(kernel, a) // kernel.config.block_c)
+    if asked:
+        return max(1, min(asked, MAX_SPLITS, blocks))
+    count = tiles(kernel, a)
+    sms = sm_count(device_index)
+    if count >= sms:
+        return 1
+    return max(1, min(-(-sms // count), blocks // MIN_BLOCKS_PER_SPLIT, MAX_SPLITS))
+
+
+def partial_floats(kernel: Kernel, a, splits: int) -> int:
+    """The fp32 workspace of a split launch: per piece, warpgroup and thread, O's registers
+    and one float4 of m and l."""
+    cfg = kernel.config
+    return tiles(kernel, a) * splits * cfg.ext.consumers * 128 * (cfg.head_dim // 2 + 4)
+
+
+def kvcache_grid(kernel: Kernel, a) -> tuple[int, int, int]:
+    count = tiles(kernel, a) * a.splits
+    if count >= TILE_LIMIT:
+        raise ValueError(
+            f"q has {count} tiles (and pieces), over {TILE_LIMIT - 1}; split the batch"
+        )
+    if kernel.config.ext.persistent:
+        count = min(count, sm_count(a.q.device.index))
+    return (max(count, 1), 1, 1)
+
+
+def combine_grid(kernel: Kernel, a) -> tuple[int, int, int]:
+    return (tiles(kernel, a) * kernel.config.ext.consumers, 1, 1)
+
+
+def pack_kvcache_params(kernel: Kernel, a: KvCacheArgs) -> bytes:
+    from .tma import packed_heads_map, tensor_map
+
+    cfg = kernel.config
+    hw = cfg.ext
+    q, k, v, o = a.q, a.k_cache, a.v_cache, a.out
+    g = group(a)
+    kv_rows = cfg.block_c if a.page_table is None else min(cfg.block_c, hw.kv_cache)
+    if hw.pack_gqa:
+        q_map = packed_heads_map(q, g, PANEL_COLS, cfg.block_r)
+        o_map = packed_heads_map(o, g, PANEL_COLS, O_BOX_ROWS)
+    else:
+        q_map = tensor_map(q, PANEL_COLS, cfg.block_r)
+        o_map = tensor_map(o, PANEL_COLS, O_BOX_ROWS)
+    base = pack_fwd_params(kernel, Args(q, k, v, o, a.lse, a.softmax_scale))
+    # FwdParams' seqlen_k: the capacity, which the kernel clamps cache_seqlens to
+    base = base[:-8] + struct.pack("<if", capacity(kernel, a), a.softmax_scale)
+    count = tiles(kernel, a)
+    rows = q.shape[1] * g if hw.pack_gqa else q.shape[1]
+    heads = k.shape[2] if hw.pack_gqa else q.shape[2]
+    split = a.splits > 1
+    raw = b"".join(
+        (
+            q_map,
+            tensor_map(k, PANEL_COLS, kv_rows),
+            tensor_map(v, PANEL_COLS, kv_rows),
+            o_map,
+            base,
+            SPLIT_TAIL.pack(
+                a.partials.data_ptr() if split else 0, 0, 0 if split else count, a.splits
+            ),
+            DIVISORS.pack(
+                *fast_div(max(1, -(-rows // cfg.block_r))),
+                *fast_div(heads),
+                *fast_div(g),
+                *fast_div(a.splits),
+            ),
+            VARLEN_TAIL.pack(0, 0, 0, 0),
+            KVCACHE_TAIL.pack(
+                a.cache_seqlens.data_ptr(),
+                0 if a.page_table is None else a.page_table.data_ptr(),
+                0 if a.page_table is None else a.page_table.stride(0),
+            ),
+        )
+    )
+    assert len(raw) == KVCACHE_OFFSET + KVCACHE_TAIL.size
+    return raw + bytes(SM90_PARAMS_BYTES - len(raw))

@@ -1,0 +1,203 @@
+"""KV-cache calls on the GPU (issue 31): `kv_cache` specs (tests/specs/sm90/fa3_decode*.fa and
+variants: pages of 16, 64 and 256 rows, contiguous, pack_gqa on and off, splits auto and
+off, causal and not), seqlen_q 1 to 16, GQA 4 and 8, MHA; ragged cache lengths (0, 1, page
+and block edges, long ones), forced split counts; each batch against float64 on its first
+cache_seqlens[b] keys with FlashAttention's rule, outputs poisoned with NaN first. Also
+append_kv (contiguous and paged) and a decode step (append, then attend) under torch.compile
+and in a CUDA graph. `GPU_TESTS=tests/test_gpu_kvcache.py bash scripts/device.sh tests`."""
+
+from __future__ import annotations
+
+import math
+import re
+
+import pytest
+import torch
+
+import fadsl
+from conftest import ROOT
+from gpu_specs import with_setting
+from test_gpu_general import reference
+
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability(0) == (9, 0)
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (compute capability 9.0)"),
+]
+
+SPEC_DIR = ROOT / "tests" / "specs" / "sm90"
+
+
+def _variant(base: str, name: str, **settings: str) -> str:
+    text = re.sub(r"\bkernel\s+\w+", f"kernel {name}", (SPEC_DIR / base).read_text(), count=1)
+    for key, value in settings.items():
+        text = with_setting(text, key, value)
+    return text
+
+
+SPECS = {
+    "paged64": (SPEC_DIR / "fa3_decode_paged.fa").read_text(),
+    "contiguous": (SPEC_DIR / "fa3_decode.fa").read_text(),
+    "paged16_nomask": _variant("fa3_decode_paged.fa", "kv_p16", kv_cache="paged(16)", mask="none"),
+    "paged256_nopack": _variant(
+        "fa3_decode_paged.fa", "kv_p256", kv_cache="paged(256)", pack_gqa="off", splits="off"
+    ),
+    "contiguous_nosplit": _variant("fa3_decode.fa", "kv_whole", splits="off"),
+}
+LENGTHS = [0, 1, 63, 64, 65, 1000, 3000]
+HEADS = [(32, 8), (8, 8), (8, 1)]
+CASES = [
+    (spec, sq, hq, hkv, splits)
+    for spec in SPECS
+    for sq in (1, 4, 16)
+    for (hq, hkv) in HEADS
+    for splits in ((None, 3) if "nosplit" not in spec and "nopack" not in spec else (None,))
+]
+_loaded: dict[str, object] = {}
+
+
+def kernel(name: str):
+    if name not in _loaded:
+        _loaded[name] = fadsl.load(SPECS[name], verbose=False)
+    return _loaded[name]
+
+
+def make_cache(kern, lengths, hkv, d, dtype, capacity, seed):
+    """The caches, their lengths and (paged) a shuffled page table; and each batch's keys and
+    values as a contiguous tensor (the reference's)."""
+    torch.manual_seed(seed)
+    batch = len(lengths)
+    page = kern.config.ext.kv_cache
+    seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    if page == 0:
+        k = torch.randn(batch, capacity, hkv, d, device="cuda", dtype=dtype)
+        v = torch.randn_like(k)
+        return k, v, seqlens, None, [(k[b, :n], v[b, :n]) for b, n in enumerate(lengths)]
+    per_batch = -(-capacity // page)
+    pages = batch * per_batch + 3  # a few never used
+    k = torch.randn(pages, page, hkv, d, device="cuda", dtype=dtype)
+    v = torch.randn_like(k)
+    table = torch.randperm(pages, device="cuda")[: batch * per_batch].view(batch, per_batch)
+    table = table.to(torch.int32).contiguous()
+    keys = []
+    for b, n in enumerate(lengths):
+        rows = table[b].long()
+        kb = k[rows].reshape(-1, hkv, d)[:n]
+        vb = v[rows].reshape(-1, hkv, d)[:n]
+        keys.append((kb, vb))
+    return k, v, seqlens, table, keys
+
+
+def check(kern, q, keys, scale, out, lse):
+    causal = kern.config.mask.value == "causal"
+    assert not out.isnan().any() and not lse.isnan().any(), "outputs never written (or NaN)"
+    for b, (kb, vb) in enumerate(keys):
+        qb = q[b : b + 1]
+        ref, ref_lse = reference(qb, kb[None], vb[None], scale, causal, torch.float64)
+        low, _ = reference(qb, kb[None], vb[None], scale, causal, q.dtype)
+        bound = 2 * (low.double() - ref).abs().max().item() + 1e-3
+        err = (out[b : b + 1].double() - ref).abs().max().item()
+        assert err <= bound, f"batch {b} (length {kb.shape[0]}): max error {err:.3e} > {bound:.3e}"
+        empty = ref_lse[0] == -math.inf
+        got = lse[b].double()
+        assert torch.equal(got == -math.inf, empty), f"batch {b}: LSE -inf rows"
+        if (~empty).any():
+            rel = (got - ref_lse[0]).abs() / ref_lse[0].abs().clamp_min(1.0)
+            assert rel[~empty].max().item() <= 1e-3, f"batch {b}: LSE"
+        if empty.any():
+            assert (
+                out[b].double().transpose(0, 1)[empty] == 0
+            ).all(), "a row with no key outputs 0"
+
+
+@pytest.mark.parametrize(
+    "spec, sq, hq, hkv, splits", CASES, ids=["-".join(map(str, c)) for c in CASES]
+)
+def test_kvcache_matches_each_batch(spec, sq, hq, hkv, splits):
+    kern = kernel(spec)
+    d = kern.config.head_dim
+    dtype = torch.float16 if hq == 8 and hkv == 1 else torch.bfloat16
+    k, v, seqlens, table, keys = make_cache(kern, LENGTHS, hkv, d, dtype, 3200, seed=sq * 13 + hq)
+    q = torch.randn(len(LENGTHS), sq, hq, d, device="cuda", dtype=dtype)
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((len(LENGTHS), hq, sq), float("nan"), device="cuda")
+    scale = d**-0.5
+    kern.kvcache_forward(q, k, v, seqlens, table, scale, splits, out, True, lse)
+    torch.cuda.synchronize()
+    check(kern, q, keys, scale, out, lse)
+
+
+def test_long_cache_batch_one_splits_over_the_sms():
+    """Batch 1 x 32k keys (the case split-KV is for): auto splits, against float64."""
+    kern = kernel("paged64")
+    k, v, seqlens, table, keys = make_cache(kern, [32768 - 5], 8, 128, torch.bfloat16, 32768, 1)
+    q = torch.randn(1, 1, 32, 128, device="cuda", dtype=torch.bfloat16)
+    out, lse = kern.kvcache(q, k, v, seqlens, table, return_lse=True)
+    torch.cuda.synchronize()
+    check(kern, q, keys, 128**-0.5, out, lse)
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_append_kv_writes_after_each_length(paged):
+    kern = kernel("paged64" if paged else "contiguous")
+    k, v, seqlens, table, _ = make_cache(kern, [5, 0, 130], 2, 128, torch.bfloat16, 256, 4)
+    k0, v0 = k.clone(), v.clone()
+    k_new = torch.randn(3, 7, 2, 128, device="cuda", dtype=torch.bfloat16)
+    v_new = torch.randn_like(k_new)
+    fadsl.append_kv(k, v, k_new, v_new, seqlens, table)
+    for b, n in enumerate(seqlens.tolist()):
+        for i in range(7):
+            pos = n + i
+            if table is None:
+                at_k, at_v = k[b, pos], v[b, pos]
+            else:
+                page = table[b, pos // 64].item()
+                at_k, at_v = k[page, pos % 64], v[page, pos % 64]
+            assert torch.equal(at_k, k_new[b, i]) and torch.equal(at_v, v_new[b, i])
+    changed = (k != k0).any(dim=(-1, -2)).sum().item()
+    assert changed == 3 * 7, "only the new rows change"
+
+
+def test_decode_step_in_a_cuda_graph_and_compiled():
+    """append_kv then the kv-cache call, captured in a CUDA graph and replayed; and the call
+    through torch.compile(fullgraph=True): both equal to eager."""
+    kern = kernel("paged64")
+    k, v, seqlens, table, _ = make_cache(kern, [100, 2000, 7], 8, 128, torch.bfloat16, 4096, 9)
+    q = torch.randn(3, 1, 32, 128, device="cuda", dtype=torch.bfloat16)
+    k_new = torch.randn(3, 1, 8, 128, device="cuda", dtype=torch.bfloat16)
+    v_new = torch.randn_like(k_new)
+    longer = seqlens + 1
+    fadsl.append_kv(k, v, k_new, v_new, seqlens, table)
+    eager = kern.kvcache(q, k, v, longer, table)
+    compiled = torch.compile(lambda q, k, v, s, t: kern.kvcache(q, k, v, s, t), fullgraph=True)
+    assert torch.equal(compiled(q, k, v, longer, table), eager)
+    out = torch.empty_like(q)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        kern.kvcache(q, k, v, longer, table, out=out)  # built and loaded before capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fadsl.append_kv(k, v, k_new, v_new, seqlens, table)
+        kern.kvcache(q, k, v, longer, table, out=out)
+    out.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
+
+
+def test_kvcache_arguments_are_named():
+    kern = kernel("paged64")
+    k, v, seqlens, table, _ = make_cache(kern, [10, 20], 8, 128, torch.bfloat16, 256, 2)
+    q = torch.randn(2, 1, 32, 128, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="pass page_table"):
+        kern.kvcache(q, k, v, seqlens)
+    with pytest.raises(ValueError, match="cache_seqlens must be a 1-D int32"):
+        kern.kvcache(q, k, v, seqlens.long(), table)
+    with pytest.raises(ValueError, match="page_table has 1 rows"):
+        kern.kvcache(q, k, v, seqlens, table[:1])
+    with pytest.raises(ValueError, match="must divide 64"):
+        kern.kvcache(q[:, :, :24], k[:, :, :8], v[:, :, :8], seqlens, table)
+    with pytest.raises(RuntimeError, match="reads K/V from a cache"):
+        kern(q, q, q)
