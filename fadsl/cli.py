@@ -164,6 +164,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return _bench_backward(args, kern, heads)
     if kern.is_varlen:
         return _bench_varlen(args, kern, heads)
+    if kern.is_kvcache:
+        return _bench_kvcache(args, kern)
     try:
         result = bench.run(
             kern,
@@ -236,6 +238,27 @@ def _bench_varlen(args: argparse.Namespace, kern, heads: int) -> int:
         print(f"fadsl bench: {err}", file=sys.stderr)
         return EXIT_FAILURE
     print(bench_varlen.table(result))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    return EXIT_OK
+
+
+def _bench_kvcache(args: argparse.Namespace, kern) -> int:
+    """`fadsl bench` on a `kv_cache` spec: decode steps, TB/s of K and V read, against cuDNN,
+    FLASH and FA4 (fadsl/tools/bench_kvcache.py)."""
+    import json
+
+    from .tools import bench_kvcache
+
+    if args.against:
+        print("fadsl bench: a kv_cache spec is timed alone; leave out --against", file=sys.stderr)
+        return EXIT_FAILURE
+    try:
+        result = bench_kvcache.run(kern, rounds=args.rounds, dtype_name=args.dtype)
+    except (ValueError, RuntimeError) as err:
+        print(f"fadsl bench: {err}", file=sys.stderr)
+        return EXIT_FAILURE
+    print(bench_kvcache.table(result))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
     return EXIT_OK

@@ -75,9 +75,9 @@ def tiles(kernel: Kernel, a) -> int:
 
 
 def choose_splits(kernel: Kernel, a, device_index: int, asked: int | None) -> int:
-    """Pieces per tile: the call's num_splits, or enough for about one piece per SM where the
-    tiles are fewer than the SMs, each of MIN_BLOCKS_PER_SPLIT K/V blocks or more (over the
-    cache's capacity: the lengths stay on the device). 1 without `splits auto`."""
+    """Pieces per tile: the call's num_splits, or as many as fill the SMs in one wave where
+    the tiles are fewer than the SMs, each of MIN_BLOCKS_PER_SPLIT K/V blocks or more (over
+    the cache's capacity: the lengths stay on the device). 1 without `splits auto`."""
     if not kernel.config.ext.split_all:
         return 1
     blocks = -(-capacity(kernel, a) // kernel.config.block_c)
@@ -87,7 +87,9 @@ def choose_splits(kernel: Kernel, a, device_index: int, asked: int | None) -> in
     sms = sm_count(device_index)
     if count >= sms:
         return 1
-    return max(1, min(-(-sms // count), blocks // MIN_BLOCKS_PER_SPLIT, MAX_SPLITS))
+    # as many pieces as fit on the SMs in one wave (one more would run a second wave on a
+    # few SMs: 17 x 8 tiles on 132 SMs took twice 16 x 8's time, H200 session 17)
+    return max(1, min(sms // count, blocks // MIN_BLOCKS_PER_SPLIT, MAX_SPLITS))
 
 
 def partial_floats(kernel: Kernel, a, splits: int) -> int:
