@@ -12,11 +12,12 @@
 //   1. runtime parameters (FwdParamsSm90: 4 tensor maps + the sm80 path's FwdParams)
 //   2. the configuration: tile shape, warpgroups, registers, SMEM plan
 //   2b. the tile scheduler: which (q block, head, batch) tiles a CTA runs, in which order
+//       (fadsl/sm90_tiles.cuh)
 //   3. producer steps: TMA loads of the Q tile and of one K or V tile into a ring slot
 //   4. consumer steps: S = Q K^T, masking, online softmax, P to 16 bits, O += P V,
 //      rescale
 //   5. epilogue steps: row sums, normalise, LSE, O into SMEM (stmatrix), TMA store; a tile
-//      with no key
+//      with no key (fadsl/sm90_epilogue.cuh)
 #pragma once
 
 #include <cuda/std/cmath>
@@ -84,6 +85,12 @@ struct FwdParamsSm90 {
   const int* cu_seqlens_k;      // and of their keys
   int4* varlen_tiles;           // two int4 per (sequence, q block): VarlenTile
   int* varlen_tile_count;       // how many varlen_tiles wrote
+  // `kv_cache` (nullptr otherwise): K and V from a cache, batch b's first cache_seqlens[b]
+  // keys; paged: key j of batch b in page page_table[b * page_table_stride + j / kPageSize]
+  // of the (pages, kPageSize, heads_kv, head_dim) cache (fadsl/sm90_kvcache.cuh)
+  const int* cache_seqlens;
+  const int* page_table;
+  int page_table_stride;
 };
 
 // ---------------------------------------------------------------------------
@@ -120,6 +127,14 @@ struct FwdConfig {
   // `varlen on` (a generated Cfg sets it): packed sequences of any lengths (FwdParamsSm90's
   // cu_seqlens); each tile's rows and keys are its sequence's (TileWork's q_start, seqlen_q, ...).
   static constexpr bool kVarlen = false;
+  // `kv_cache` (a generated Cfg sets these): K/V from a cache of per-batch lengths, in pages
+  // of kPageSize rows (0: one contiguous cache per batch); `pack_gqa on`: a tile's rows are
+  // (query row, query head of its K/V head) pairs; `splits auto`: every tile's K/V blocks
+  // split into pieces whose partials <kernel>_combine adds up (fadsl/sm90_kvcache.cuh).
+  static constexpr bool kKvCache = false;
+  static constexpr int kPageSize = 0;
+  static constexpr bool kPackGQA = false;
+  static constexpr bool kSplitAll = false;
 
   static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "head_dim 64, 128 or 256");
   static_assert(kConsumerWGs >= 1 && kConsumerWGs <= 3, "1 to 3 consumer warpgroups");
@@ -189,222 +204,11 @@ struct RingPos {
   }
 };
 
-// One tile of the launch: 128 (kBlockM) query rows of one (batch, head).
-struct TileCoord {
-  int m_block, head, batch;
-};
+}  // namespace fadsl::sm90
 
-// Which tiles this CTA runs, and in which order.  Tiles are numbered query block
-// fastest, then head, then batch, so that the CTAs running at once work on few heads and
-// share their K and V through L2.
-//   kPersistent (`scheduler persistent`): grid = min(tiles, SMs); CTA c runs steps
-//     s = 0, 1, ...  Without a mask, step s is tile c + s * gridDim.x.  Causal: tiles go
-//     in pairs of a head's long and short query block (m = num_m - 1 - i, then i: the
-//     pair's blocks add up to num_m + 1), the CTA running pairs c, c + gridDim.x, ..., so
-//     that every CTA gets the same work however long each tile is.
-//   grid (`scheduler grid`): one CTA per tile, the hardware handing out tiles as SMs
-//     free up; causal puts the longest query blocks first.
-//   A sliding window (causal or not) takes the plain order either way: its tiles run about
-//     the same number of blocks (a few at the sequence's ends fewer), so pairs would not
-//     balance anything.
-// (Functions of the launch's parameters, read from the constant bank at each call:
-// nothing of the scheduler stays in registers across a tile but the step.)
-// Query blocks per (batch, head), rounded up to a multiple of the launch's CTAs per cluster,
-// so that the CTAs of a cluster, which run consecutive tiles, stay on one head.  (The host
-// launches pairs only for an even count; were it odd, the block past seqlen_q would run its
-// K/V loop on zero-filled Q rows and store nothing: TMA clips its O rows, store_lse skips
-// them.)  fadsl/targets/sm90/host/launch.py's m_blocks is the host's copy.
-template <class Cfg>
-__device__ __forceinline__ int num_m_blocks(const FwdParams& p) {
-  const int blocks = (p.seqlen_q + Cfg::kBlockM - 1) / Cfg::kBlockM;
-  if constexpr (Cfg::kClusterSize > 1) {
-    const int round = static_cast<int>(cluster_nctarank()) - 1;  // 0 or 1: no division
-    return (blocks + round) & ~round;
-  }
-  return blocks;
-}
+#include "sm90_tiles.cuh"  // 2b. the tile scheduler (next to this file)
 
-// The index of the CTA's tile at step `step`, or -1 when it has no more tiles (the host
-// keeps the tile count under 2^30, so no index here overflows).
-template <class Cfg>
-__device__ __forceinline__ int tile_index(const FwdParams& p, int step) {
-  const int ctas = gridDim.x, cta = blockIdx.x;
-  int t = cta;  // one CTA per tile (the grid has exactly one per tile): step 0 only
-  if constexpr (Cfg::kPersistent && Cfg::kCausal && !has_window<Cfg>()) {
-    t = 2 * (cta + (step / 2) * ctas) + (step & 1);
-  } else if constexpr (Cfg::kPersistent) {
-    t = cta + step * ctas;
-  } else if (step > 0) {
-    return -1;
-  }
-  return t < num_m_blocks<Cfg>(p) * p.heads_q * p.batch ? t : -1;
-}
-
-template <class Cfg>
-__device__ __forceinline__ TileCoord tile_coords(const FwdParamsSm90& P, int t) {
-  const int m = num_m_blocks<Cfg>(P.base);
-  const int bh = fast_div(t, P.div_m_blocks), j = t - bh * m;
-  TileCoord c;
-  if constexpr (Cfg::kCausal && Cfg::kPersistent && !has_window<Cfg>()) {
-    c.m_block = (j & 1) ? j / 2 : m - 1 - j / 2;  // num_m - 1, 0, num_m - 2, 1, ...
-  } else {
-    c.m_block = Cfg::kCausal && !has_window<Cfg>() ? m - 1 - j : j;  // causal: long rows first
-  }
-  c.batch = fast_div(bh, P.div_heads);
-  c.head = bh - c.batch * P.base.heads_q;
-  return c;
-}
-
-// A tile and its K/V range.  Blocks are visited from the last (n_blocks - 1) down to 0,
-// so the ones that need masking (the seqlen_k tail, the causal diagonal) come first:
-// iterations it < n_masked mask, the rest do not.  A sliding window's tile visits blocks
-// block_end - 1 down to block_end - n_blocks, and its iterations from masked_from on (the
-// window's left edge) mask too.
-struct TileWork {
-  int m_block, head, batch, head_kv;
-  int m0;         // first query row of the tile
-  int n_blocks;   // K/V blocks visited (0: the tile's rows see no key; store_empty_tile)
-  int n_masked;   // leading iterations that need masking
-  int masked_from;  // a window: the trailing iterations that mask start here (else n_blocks)
-  // tail split_kv: a piece visits blocks block_end - 1 down to block_end - n_blocks
-  int block_end;   // n_blocks for a whole tile
-  int split;       // the piece's index among its tile's, -1 for a whole tile
-  int split_tile;  // the tile's index among the launch's split tiles
-  // varlen: the sequence's first query row and key in the packed tensors, and its lengths
-  // (read through seqlen_q/seqlen_k/q_row/kv_row, which give FwdParams' for padded batches)
-  int q_start, seqlen_q, k_start, seqlen_k;
-};
-
-// The tile's sequence lengths: FwdParams' for a padded batch, its own sequence's with varlen.
-template <class Cfg>
-__device__ __forceinline__ int seqlen_q(const FwdParams& p, const TileWork& w) {
-  if constexpr (Cfg::kVarlen) return w.seqlen_q;
-  return p.seqlen_q;
-}
-
-template <class Cfg>
-__device__ __forceinline__ int seqlen_k(const FwdParams& p, const TileWork& w) {
-  if constexpr (Cfg::kVarlen) return w.seqlen_k;
-  return p.seqlen_k;
-}
-
-// Row `row` of the tile's sequence as a row of the tensor (TMA's row coordinate): packed
-// sequences start at q_start / k_start, a padded batch's at 0 of its own batch index.
-template <class Cfg>
-__device__ __forceinline__ int q_row(const TileWork& w, int row) {
-  if constexpr (Cfg::kVarlen) return w.q_start + row;
-  return row;
-}
-
-template <class Cfg>
-__device__ __forceinline__ int kv_row(const TileWork& w, int row) {
-  if constexpr (Cfg::kVarlen) return w.k_start + row;
-  return row;
-}
-
-// A sliding window's K/V range (tile_work): row i sees keys [i + d - L, i + d + R] of
-// [0, seqlen_k), d = seqlen_k - seqlen_q.  The tile's rows m0 .. last (its last row below
-// seqlen_q: mask_scores masks the padding rows past it as that row, so that none of them has
-// no key in a block that runs unmasked) see keys kv_begin .. kv_end - 1, the blocks of which
-// the tile visits, from the last; every row sees all of [last + d - L, m0 + d + R].  Leading
-// iterations mask (the right edge) down to the block of key m0 + d + R, row m0's last: so
-// every row has a finite max before the first unmasked block, which `rescale guarded` runs
-// without the row max.  Trailing ones mask from the first block with a key left of
-// last + d - L (the left edge).  No key at all (kv_begin >= kv_end): n_blocks = 0.
-template <class Cfg>
-__device__ __forceinline__ void window_work(TileWork& w, int seqlen_q, int seqlen_k) {
-  constexpr int kLeft = Cfg::kWindowLeft, kRight = Cfg::kWindowRight, kN = Cfg::kBlockN;
-  const int diag = seqlen_k - seqlen_q;
-  const int last = imin(w.m0 + Cfg::kBlockM, seqlen_q) - 1;
-  const int kv_begin = imax(0, w.m0 + diag - kLeft);
-  const int kv_end = imin(seqlen_k, last + diag + kRight + 1);
-  const int first_block = kv_begin / kN;
-  w.block_end = kv_end > kv_begin ? (kv_end + kN - 1) / kN : first_block;
-  w.n_blocks = w.block_end - first_block;
-  // blocks below this one need no right-edge mask (-1 when row m0 sees no key: all mask)
-  const int right_full = imin(seqlen_k, w.m0 + diag + kRight + 1) - 1;
-  const int unmasked_end = right_full < 0 ? first_block : imax(first_block, right_full / kN);
-  w.n_masked = w.block_end - imin(w.block_end, unmasked_end);
-  // blocks below this one need a left-edge mask
-  const int left_full = imax(0, last + diag - kLeft);
-  const int left_masked = imin(w.n_blocks, imax(0, (left_full + kN - 1) / kN - first_block));
-  w.masked_from = imax(w.n_masked, w.n_blocks - left_masked);
-}
-
-// The tile's K/V blocks (w.m0 set): how many, which mask, for sequences of these lengths.
-template <class Cfg>
-__device__ __forceinline__ void kv_work(TileWork& w, int seqlen_q, int seqlen_k) {
-  w.split = -1;
-  w.split_tile = 0;
-  if constexpr (has_window<Cfg>()) {
-    window_work<Cfg>(w, seqlen_q, seqlen_k);
-    return;
-  }
-  // Causal, aligned bottom-right: query i sees key j iff j <= i + seqlen_k - seqlen_q.
-  const int diag = seqlen_k - seqlen_q;
-  int kv_end = seqlen_k;
-  int kv_full_end = seqlen_k;  // keys below this need no mask for any row of the tile
-  if constexpr (Cfg::kCausal) {
-    kv_end = imin(kv_end, imax(0, w.m0 + Cfg::kBlockM + diag));
-    kv_full_end = imin(kv_full_end, imax(0, w.m0 + 1 + diag));
-  }
-  w.n_blocks = (kv_end + Cfg::kBlockN - 1) / Cfg::kBlockN;
-  w.n_masked = w.n_blocks - imin(w.n_blocks, kv_full_end / Cfg::kBlockN);
-  w.masked_from = w.n_blocks;
-  w.block_end = w.n_blocks;
-}
-
-template <class Cfg>
-__device__ __forceinline__ TileWork tile_work(const FwdParamsSm90& P, const TileCoord& c) {
-  TileWork w;
-  w.m_block = c.m_block;
-  w.head = c.head;
-  w.batch = c.batch;
-  w.head_kv = fast_div(w.head, P.div_group);
-  w.m0 = w.m_block * Cfg::kBlockM;
-  w.q_start = w.k_start = 0;  // (read only with varlen)
-  w.seqlen_q = P.base.seqlen_q;
-  w.seqlen_k = P.base.seqlen_k;
-  kv_work<Cfg>(w, P.base.seqlen_q, P.base.seqlen_k);
-  return w;
-}
-
-// tail split_kv (persistent, no mask): the host's split plan (fadsl/targets/sm90/host/launch.py, split_plan)
-// leaves tiles 0 .. split_start - 1 whole, a multiple of the grid (whole rounds), and
-// splits each of the others, the launch's last, part-full round, into `splits` pieces of
-// the K/V blocks, so that the CTAs idle in that round share it.  Work item i < split_start
-// is tile i; then piece p = i - split_start is piece p % splits of tile split_start +
-// p / splits.  Each CTA runs items c, c + gridDim.x, ... as the plain scheduler does.
-template <class Cfg>
-__device__ __forceinline__ int split_tile_index(const FwdParamsSm90& P, int step) {
-  const int tiles = num_m_blocks<Cfg>(P.base) * P.base.heads_q * P.base.batch;
-  const int items = P.split_start + (tiles - P.split_start) * P.splits;
-  const int i = blockIdx.x + step * gridDim.x;
-  return i < items ? i : -1;
-}
-
-// The work of item i: a whole tile, or the piece's blocks [lo, hi) of its tile's n
-// (balanced: lo = split * n / splits), visited from hi - 1 down; only the piece holding
-// the tile's last blocks has masked iterations.
-template <class Cfg>
-__device__ __forceinline__ TileWork split_tile_work(const FwdParamsSm90& P, int i) {
-  if (i < P.split_start) return tile_work<Cfg>(P, tile_coords<Cfg>(P, i));
-  const int piece = i - P.split_start;
-  const int split_tile = fast_div(piece, P.div_splits);
-  TileWork w = tile_work<Cfg>(P, tile_coords<Cfg>(P, P.split_start + split_tile));
-  const int n = w.n_blocks, masked_from = w.n_blocks - w.n_masked;
-  w.split = piece - split_tile * P.splits;
-  w.split_tile = split_tile;
-  const int lo = fast_div(w.split * n, P.div_splits);
-  w.block_end = fast_div((w.split + 1) * n, P.div_splits);
-  w.n_blocks = w.block_end - lo;
-  w.n_masked = imax(0, w.block_end - imax(lo, masked_from));
-  w.masked_from = w.n_blocks;
-  return w;
-}
-
-// Phase parity of the per-tile barriers (Q's, O's) in the CTA's tile number t.
-__device__ __forceinline__ uint32_t tile_phase(int t) { return static_cast<uint32_t>(t) & 1u; }
+namespace fadsl::sm90 {
 
 // ---------------------------------------------------------------------------
 // 3. Producer steps (one elected thread of the producer warpgroup)
@@ -416,8 +220,36 @@ template <class Cfg>
 __device__ __forceinline__ void load_q(const FwdParamsSm90& P, uint32_t smem_q, uint32_t bar, const TileWork& w) {
 #pragma unroll
   for (int panel = 0; panel < Cfg::kPanels; ++panel) {
-    tma_load_4d(smem_q + panel * Cfg::kBlockM * Cfg::kRowBytes, &P.tma_q, bar, 64 * panel, q_row<Cfg>(w, w.m0), w.head,
-                w.batch);
+    if constexpr (Cfg::kPackGQA) {  // rows (query row, query head): a (head_dim, G, rows, ...) box
+      tma_load_5d(smem_q + panel * Cfg::kBlockM * Cfg::kRowBytes, &P.tma_q, bar, 64 * panel, 0,
+                  fast_div(w.m0, P.div_group), w.head, w.batch);
+    } else {
+      tma_load_4d(smem_q + panel * Cfg::kBlockM * Cfg::kRowBytes, &P.tma_q, bar, 64 * panel, q_row<Cfg>(w, w.m0),
+                  w.head, w.batch);
+    }
+  }
+}
+
+// A paged kv_cache's block n: its keys' pages, one TMA box of min(kBlockN, kPageSize) rows
+// each (the cache's map: (head_dim, kPageSize, heads_kv, pages)), at their rows of the slot;
+// 8-row multiples keep the 128-byte swizzle's 1024-byte pattern. Keys past the sequence's
+// last page read that page again (masked, and no page-table entry past the sequence's is
+// read); kKVBytes land on `bar` as for a contiguous block.
+template <class Cfg>
+__device__ __forceinline__ void load_kv_paged(const CUtensorMap* tmap, uint32_t smem_slot, uint32_t bar, int n_block,
+                                              const TileWork& w) {
+  constexpr int kRows = imin(Cfg::kBlockN, Cfg::kPageSize);
+  static_assert(Cfg::kBlockN % kRows == 0 && kRows % 8 == 0, "pages of whole blocks or blocks of whole pages");
+  const int last_page = (w.seqlen_k - 1) / Cfg::kPageSize;
+#pragma unroll
+  for (int part = 0; part < Cfg::kBlockN / kRows; ++part) {
+    const int key = n_block * Cfg::kBlockN + part * kRows;
+    const int page = w.pages[imin(key / Cfg::kPageSize, last_page)];
+#pragma unroll
+    for (int panel = 0; panel < Cfg::kPanels; ++panel) {
+      tma_load_4d(smem_slot + (panel * Cfg::kBlockN + part * kRows) * Cfg::kRowBytes, tmap, bar, 64 * panel,
+                  key % Cfg::kPageSize, w.head_kv, page);
+    }
   }
 }
 
@@ -425,6 +257,10 @@ __device__ __forceinline__ void load_q(const FwdParamsSm90& P, uint32_t smem_q, 
 template <class Cfg>
 __device__ __forceinline__ void load_kv(const CUtensorMap* tmap, uint32_t smem_slot, uint32_t bar, int n_block,
                                         const TileWork& w) {
+  if constexpr (Cfg::kPageSize > 0) {
+    load_kv_paged<Cfg>(tmap, smem_slot, bar, n_block, w);
+    return;
+  }
 #pragma unroll
   for (int panel = 0; panel < Cfg::kPanels; ++panel) {
     tma_load_4d(smem_slot + panel * Cfg::kBlockN * Cfg::kRowBytes, tmap, bar, 64 * panel,
@@ -522,7 +358,8 @@ __device__ __forceinline__ void mask_scores(float (&s)[Cfg::kSRegs], const FwdPa
                                             int n_block, int lane) {
   const int col0 = n_block * Cfg::kBlockN + 2 * (lane % 4);
   const int len_q = Cfg::kVarlen ? rows.seqlen_q : p.seqlen_q;
-  const int len_k = Cfg::kVarlen ? rows.seqlen_k : p.seqlen_k;
+  const int len_k = Cfg::kVarlen || Cfg::kKvCache ? rows.seqlen_k : p.seqlen_k;
+  const int group = Cfg::kPackGQA ? p.heads_q / p.heads_kv : 1;  // packed rows per query row
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     int end = len_k;
@@ -532,7 +369,8 @@ __device__ __forceinline__ void mask_scores(float (&s)[Cfg::kSRegs], const FwdPa
       end = imin(end, on_diagonal + Cfg::kWindowRight + 1);
       mask_before<Cfg>(s, r, on_diagonal - Cfg::kWindowLeft - col0);
     } else if constexpr (Cfg::kCausal) {
-      end = imin(end, rows.row0 + 8 * r + len_k - len_q + 1);
+      const int query = Cfg::kPackGQA ? (rows.row0 + 8 * r) / group : rows.row0 + 8 * r;
+      end = imin(end, query + len_k - len_q + 1);
     }
     end -= col0;
 #pragma unroll
@@ -646,179 +484,9 @@ __device__ __forceinline__ void rescale_o(float (&o)[Cfg::kORegs], const float (
   }
 }
 
-// ---------------------------------------------------------------------------
-// 5. Epilogue steps
-// ---------------------------------------------------------------------------
-
-// Add up the 4 partial row sums of each quad.
-__device__ __forceinline__ void row_sum_quad(float (&l)[2]) {
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
-    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
-  }
-}
-
-// O /= l; a row with l == 0 (it saw no key) becomes 0.
-template <class Cfg>
-__device__ __forceinline__ void normalize_o(float (&o)[Cfg::kORegs], const float (&l)[2]) {
-  float inv[2];
-#pragma unroll
-  for (int r = 0; r < 2; ++r) inv[r] = l[r] == 0.f ? 0.f : 1.f / l[r];
-  rescale_o<Cfg>(o, inv);
-}
-
-// LSE (natural log) of this thread's two rows: (m * c + log2 l) * ln 2, -inf when l == 0;
-// written by lane t == 0 of each quad, for rows < seqlen_q, if p.lse is set.
-template <class Cfg>
-__device__ __forceinline__ void store_lse(const FwdParams& p, const TileWork& w, const RowLimits& rows,
-                                          const float (&m)[2], const float (&l)[2], float scale_log2, int lane) {
-  if (p.lse == nullptr || lane % 4 != 0) return;
-  // varlen: (heads, tokens), the sequence's rows from q_start
-  float* lse = p.lse + w.batch * p.lse_batch_stride + w.head * p.lse_head_stride + q_row<Cfg>(w, 0);
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int row = rows.row0 + 8 * r;
-    if (row < seqlen_q<Cfg>(p, w)) {
-      lse[row] = l[r] == 0.f ? -INFINITY : (m[r] * scale_log2 + log2f(l[r])) * 0.6931471805599453f;
-    }
-  }
-}
-
-// O (fp32 registers) -> 16 bits -> the warpgroup's 64 rows of the O tile in SMEM, in the
-// TMA store's 128-byte-swizzled panel layout, one stmatrix.x4 per 16 x 16 piece.
-// smem_o_wg: the warpgroup's first row in panel 0 (panels are kBlockM rows apart).
-template <class Cfg>
-__device__ __forceinline__ void store_o_smem(const float (&o)[Cfg::kORegs], uint32_t smem_o_wg, int warp, int lane) {
-  using T = typename Cfg::T;
-  const int mat = lane / 8;                                  // which of the 4 matrices this lane addresses
-  const int row = 16 * warp + (lane % 8) + 8 * (mat & 1);    // row within the warpgroup's 64
-  const int col_in16 = 8 * (mat >> 1);
-#pragma unroll
-  for (int kk = 0; kk < Cfg::kHeadDim / 16; ++kk) {
-    const int col = 16 * kk + col_in16;
-    const uint32_t addr = smem_o_wg + (col / 64) * Cfg::kBlockM * Cfg::kRowBytes +
-                          swizzle128(row * Cfg::kRowBytes + (col % 64) * 2);
-    stmatrix_x4(addr, pack_f32x2<T>(o[8 * kk], o[8 * kk + 1]), pack_f32x2<T>(o[8 * kk + 2], o[8 * kk + 3]),
-                pack_f32x2<T>(o[8 * kk + 4], o[8 * kk + 5]), pack_f32x2<T>(o[8 * kk + 6], o[8 * kk + 7]));
-  }
-}
-
-// The warpgroup's 64 O rows from SMEM to GMEM (rows past seqlen_q are clipped by TMA).
-// varlen: rows past the sequence belong to the next one, so O's map is ragged (fadsl/targets/
-// sm90/host/tma.py, ragged_rows_map): (head_dim, r < 64, heads, anchor) at o + (anchor + r - 64)
-// rows. The box starts at r = 64 - rows (rows: the warpgroup's rows in its sequence, at most
-// 64) and anchor = its first row + rows, so that TMA writes rows 0 .. rows - 1 and clips the
-// rest at r = 64; a warpgroup with no row left stores nothing.
-template <class Cfg>
-__device__ __forceinline__ void store_o_tma(const FwdParamsSm90& P, uint32_t smem_o_wg, const TileWork& w, int wg) {
-  const int first = w.m0 + 64 * wg;
-  if constexpr (Cfg::kVarlen) {
-    const int rows = imin(64, w.seqlen_q - first);
-    if (rows <= 0) return;
-#pragma unroll
-    for (int panel = 0; panel < Cfg::kPanels; ++panel) {
-      tma_store_4d(&P.tma_o, smem_o_wg + panel * Cfg::kBlockM * Cfg::kRowBytes, 64 * panel, 64 - rows, w.head,
-                   q_row<Cfg>(w, first) + rows);
-    }
-    return;
-  }
-#pragma unroll
-  for (int panel = 0; panel < Cfg::kPanels; ++panel) {
-    tma_store_4d(&P.tma_o, smem_o_wg + panel * Cfg::kBlockM * Cfg::kRowBytes, 64 * panel, first, w.head, w.batch);
-  }
-}
-
-// tail split_kv, after a piece's last P V: its warpgroup writes O's registers, m and the
-// per-thread l to its place in the workspace, then counts itself done on the tile's counter.
-// The piece that completes the count reads every piece's partial back (its own too) and
-// combines them in piece order (the same bits whichever piece comes last): m = max_i m_i,
-// l = sum_i l_i 2^((m_i - m) c), O likewise; it returns true, and its warpgroup goes on to
-// normalise and store the tile as a whole one would.  The others return false and skip the
-// tile's tail.  The hand-over is global memory only: the writes, the warpgroup's named
-// barrier kBarSplit + wg, thread 0's atom.inc with release and acquire semantics at GPU scope
-// (wrapping to 0, so that the counter is ready for the next launch), a barrier reduction
-// telling every thread the count, then L2 reads; no SMEM, no mbarrier and no barrier of the
-// sync plan.  This hand-over is the launch's last step on most SMs, so it is kept short:
-// the workspace is laid out [piece][warpgroup][vector][thread] (a warp's 16-byte accesses
-// are 512 contiguous bytes) and one acq_rel atomic stands for fence, atomic, fence.
-template <class Cfg>
-__device__ __forceinline__ bool combine_split(const FwdParamsSm90& P, const TileWork& w, int wg,
-                                              float (&o)[Cfg::kORegs], float (&m)[2], float (&l)[2],
-                                              float scale_log2, int thread) {
-  constexpr int kOVecs = Cfg::kORegs / 4;  // float4s of O per thread, then one of m and l
-  constexpr int kVecs = kOVecs + 1;
-  static_assert(Cfg::kORegs % 4 == 0, "O's registers in whole float4s");
-  auto partial = [&](int split) {
-    const size_t piece = static_cast<size_t>(w.split_tile) * P.splits + split;
-    return reinterpret_cast<float4*>(P.split_partials) + (piece * Cfg::kConsumerWGs + wg) * 128 * kVecs + thread;
-  };
-  float4* mine = partial(w.split);
-#pragma unroll
-  for (int k = 0; k < kOVecs; ++k) mine[128 * k] = make_float4(o[4 * k], o[4 * k + 1], o[4 * k + 2], o[4 * k + 3]);
-  mine[128 * kOVecs] = make_float4(m[0], m[1], l[0], l[1]);
-  // Every thread's partial before thread 0's count (the barrier at CTA scope, then the
-  // atomic's release at GPU scope, cumulative); the atomic's acquire takes in the other
-  // pieces' partials, and the barrier reduction passes that on to every thread.
-  named_bar_sync(Cfg::kBarSplit + wg, 128);
-  bool last = false;
-  if (thread == 0) last = atomic_inc_acq_rel_gpu(P.split_counts + w.split_tile * Cfg::kConsumerWGs + wg, P.splits - 1) == P.splits - 1;
-  if (!named_bar_red_or(Cfg::kBarSplit + wg, 128, last)) return false;
-  // Combine in piece order from piece 0, every piece read back (this one's too), so that
-  // the result has the same bits whichever piece comes last.
-  for (int split = 0; split < P.splits; ++split) {
-    const float4* part = partial(split);
-    const float4 ml = __ldcg(part + 128 * kOVecs);  // L2: written by another SM
-    const float part_m[2] = {ml.x, ml.y}, part_l[2] = {ml.z, ml.w};
-    float keep[2] = {1.f, 1.f}, add[2] = {1.f, 1.f};
-    if (split > 0) {
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const float mx = fmaxf(m[r], part_m[r]);
-        const float ref = scaled_max(mx, scale_log2);  // -inf maxima give factors of 0
-        keep[r] = fast_exp2(__fmul_rn(m[r], scale_log2) - ref);  // the rounded references
-        add[r] = fast_exp2(__fmul_rn(part_m[r], scale_log2) - ref);
-      }
-    }
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      l[r] = split > 0 ? l[r] * keep[r] + part_l[r] * add[r] : part_l[r];
-      m[r] = split > 0 ? fmaxf(m[r], part_m[r]) : part_m[r];
-    }
-#pragma unroll
-    for (int k = 0; k < kOVecs; ++k) {
-      const float4 v = __ldcg(part + 128 * k);
-      const float x[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int r = (e / 2) % 2;  // register 4j + 2r + e' holds row r
-        o[4 * k + e] = split > 0 ? o[4 * k + e] * keep[r] + x[e] * add[r] : x[e];
-      }
-    }
-  }
-  return true;
-}
-
-// A tile whose rows see no key (causal with seqlen_q > seqlen_k): O = 0 and LSE = -inf,
-// written straight to global memory by the warpgroup's 128 threads (16 bytes a store),
-// with no SMEM and no barrier, so that the tile takes no part in the pipeline.
-template <class Cfg>
-__device__ __forceinline__ void store_empty_tile(const FwdParams& p, const TileWork& w, int wg, int thread) {
-  constexpr int kChunks = Cfg::kHeadDim * 2 / 16;  // 16-byte pieces per row
-  const int row0 = w.m0 + 64 * wg;
-  const int len_q = seqlen_q<Cfg>(p, w);
-  char* o = static_cast<char*>(p.o) + 2 * (w.batch * p.o_batch_stride + w.head * p.o_head_stride);
-  for (int i = thread; i < 64 * kChunks; i += 128) {
-    const int row = row0 + i / kChunks;
-    if (row < len_q) {
-      reinterpret_cast<uint4*>(o + 2 * q_row<Cfg>(w, row) * p.o_seq_stride)[i % kChunks] = make_uint4(0u, 0u, 0u, 0u);
-    }
-  }
-  if (p.lse != nullptr && thread < 64 && row0 + thread < len_q) {
-    p.lse[w.batch * p.lse_batch_stride + w.head * p.lse_head_stride + q_row<Cfg>(w, row0 + thread)] = -INFINITY;
-  }
-}
-
 }  // namespace fadsl::sm90
+
+#include "sm90_epilogue.cuh"  // 5. the epilogue steps (next to this file)
 #include "sm90_guard.cuh"  // rescale guarded: the softmax without its row max (next to this file)
 #include "sm90_varlen.cuh"  // varlen on: the packed sequences' tile list and scheduler (next to this file)
+#include "sm90_kvcache.cuh"  // kv_cache, pack_gqa, splits auto: the combine kernel (next to this file)
