@@ -27,7 +27,8 @@ AGREEMENT = 0.02
 
 
 def lengths_for(max_len: int, tokens: int, seed: int = 0) -> list[int]:
-    """Sequence lengths in [max_len / 8, max_len] adding up to ``tokens``."""
+    """Sequence lengths in [max_len / 8, max_len] adding up to ``tokens`` (the last one cut
+    to fit, so it may be shorter)."""
     rng = random.Random(seed * 1_000_003 + max_len)
     lengths: list[int] = []
     while sum(lengths) < tokens:

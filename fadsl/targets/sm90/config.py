@@ -126,7 +126,7 @@ def read_config(line: str) -> Sm90Config | None:
         persistent=m["scheduler"] == "persistent",
         rescale_mode=Rescale(m["rescale"]),
         q_slots=int(m["q_slots"] or 1),
-        split_kv=m["split_kv"] is not None,
+        split_kv=m["split_kv"] is not None or m["split_all"] is not None,
         cluster=int(m["cluster"] or 1),
         alone_of=m["alone_of"],
         softcap=int(m["softcap"] or 0),

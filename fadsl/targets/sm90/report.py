@@ -92,9 +92,20 @@ def check_lines(kernel: Kernel, lines: list[tuple[str, str]]) -> list[tuple[str,
             "schedule",
             f"pingpong {_on(hw.pingpong)}, overlap {_on(hw.overlap)}, "
             f"scheduler {hw.scheduler}, rescale {hw.rescale}"
-            + (", tail split_kv" if hw.split_kv else ""),
+            + (", splits auto" if hw.split_all else ", tail split_kv" if hw.split_kv else ""),
         )
     )
+    serving = [
+        *(["varlen on"] if hw.varlen else []),
+        *(
+            [f"kv_cache {'contiguous' if hw.kv_cache == 0 else f'paged({hw.kv_cache})'}"]
+            if hw.kv_cache >= 0
+            else []
+        ),
+        *(["pack_gqa on"] if hw.pack_gqa else []),
+    ]
+    if serving:
+        out.append(("serving", ", ".join(serving)))
     return out
 
 
@@ -259,6 +270,9 @@ def explain_data(kernel: Kernel) -> dict[str, Any]:
             "rescale": hw.rescale,
             **({"softcap": hw.softcap} if hw.softcap else {}),
             **({"varlen": True} if hw.varlen else {}),
+            **({"kv_cache": hw.kv_cache} if hw.kv_cache >= 0 else {}),
+            **({"pack_gqa": True} if hw.pack_gqa else {}),
+            **({"splits": "auto"} if hw.split_all else {}),
             **(
                 {
                     "window": {
@@ -336,9 +350,13 @@ def explain_sections(data: Mapping[str, Any]) -> list[str]:
                 "(varlen: the padded order sequence by sequence, the longest K/V loops first)"
                 if "varlen" in ws
                 else (
-                    "(a window's in plain order)"
-                    if "window" in ws
-                    else "(causal: a long and a short query block in pairs)"
+                    "(splits auto: every tile's pieces in turn)"
+                    if "splits" in ws
+                    else (
+                        "(a window's in plain order)"
+                        if "window" in ws
+                        else "(causal: a long and a short query block in pairs)"
+                    )
                 )
             )
             + "; the producer loads the next tile's Q and K "
@@ -352,12 +370,19 @@ def explain_sections(data: Mapping[str, Any]) -> list[str]:
         ),
         "  tail       "
         + (
-            "split_kv: the launch's last, part-full round of tiles runs as pieces of their K/V "
-            "blocks on the CTAs that would idle; each piece's warpgroup hands its partial O, m "
-            "and l over in global memory (named barrier 8+wg, outside the SMEM plan), and the "
-            "last to finish a tile combines them and stores it (the others skip the tail)"
-            if ws["tail"] == "split_kv"
-            else "whole: each tile runs all its K/V blocks in one CTA"
+            "split into pieces (splits auto): every tile's K/V blocks, as many pieces as fill "
+            "the SMs in one wave; each piece's warpgroups write their partial O, m and l to a "
+            "workspace and skip the tile's tail, and <kernel>_combine adds them up after the "
+            "launch"
+            if "splits" in ws
+            else (
+                "split_kv: the launch's last, part-full round of tiles runs as pieces of their K/V "
+                "blocks on the CTAs that would idle; each piece's warpgroup hands its partial O, m "
+                "and l over in global memory (named barrier 8+wg, outside the SMEM plan), and the "
+                "last to finish a tile combines them and stores it (the others skip the tail)"
+                if ws["tail"] == "split_kv"
+                else "whole: each tile runs all its K/V blocks in one CTA"
+            )
         ),
         *(
             [
@@ -407,6 +432,8 @@ def explain_sections(data: Mapping[str, Any]) -> list[str]:
         ),
         *([_window_text(ws["window"])] if "window" in ws else []),
         *([VARLEN_TEXT] if "varlen" in ws else []),
+        *([_kv_cache_text(ws["kv_cache"])] if "kv_cache" in ws else []),
+        *([PACK_GQA_TEXT] if "pack_gqa" in ws else []),
         "",
     ]
     array = data["mbarrier_array"]
@@ -472,6 +499,27 @@ VARLEN_TEXT = (
     "sequence's in the padded order, so that no tile straddles two sequences; O's TMA store "
     "stops at its sequence's end (a ragged map); the sync plan is the padded kernel's"
 )
+
+
+PACK_GQA_TEXT = (
+    "  pack_gqa   on: a tile's rows are (query row, query head) pairs of one K/V head (row r: "
+    "query row r / G of query head head x G + r % G, G = heads_q / heads_kv dividing 64); Q "
+    "and O move as 5-D TMA boxes and the tiles run over K/V heads"
+)
+
+
+def _kv_cache_text(page: int) -> str:
+    where = (
+        "a contiguous (batch, capacity, heads_kv, head_dim) cache"
+        if page == 0
+        else f"a paged (pages, {page}, heads_kv, head_dim) cache through a page table, "
+        "one TMA box per page or per block, whichever is smaller"
+    )
+    return (
+        f"  kv_cache   {'contiguous' if page == 0 else f'paged({page})'}: K and V from {where}; "
+        "batch b's keys are its first cache_seqlens[b] rows (clamped to the capacity); "
+        "kern.kvcache(...), fadsl.append_kv(...)"
+    )
 
 
 def _window_text(window: Mapping[str, Any]) -> str:

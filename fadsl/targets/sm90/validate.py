@@ -160,7 +160,8 @@ def _serving(c: Checks, block_c: int) -> bool:
                     "or a page whole blocks (one TMA box each)")  # fmt: skip
             ok = False
     for key, what in (("pack_gqa", "pack_gqa on"), ("splits", "splits auto")):
-        if v.get(key) and cache is None:
+        # (a kv_cache line whose value was refused has said so already)
+        if v.get(key) and cache is None and "kv_cache" not in c.key_locs:
             c.error(c.key_locs[f"{key}_value"], f"'{what}' is for kv_cache kernels: add "
                     "'kv_cache contiguous' or 'kv_cache paged(N)'")  # fmt: skip
             ok = False
