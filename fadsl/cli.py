@@ -224,6 +224,14 @@ def _bench_varlen(args: argparse.Namespace, kern, heads: int) -> int:
     if args.against:
         print("fadsl bench: a varlen spec is timed alone; leave out --against", file=sys.stderr)
         return EXIT_FAILURE
+    cfg = kern.config
+    if cfg.window or cfg.ext.softcap or args.causal != (cfg.mask.value == "causal"):
+        print(
+            "fadsl bench: a varlen spec is timed with its own mask, causal or none (pass "
+            "--causal exactly for a causal spec); windows and softcap are not benched",
+            file=sys.stderr,
+        )
+        return EXIT_FAILURE
     try:
         result = bench_varlen.run(
             kern,

@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import fadsl
 import fadsl.targets.sm90.host.kvcache as kvcache
 import fadsl.targets.sm90.host.tma as tma
 import fadsl.targets.sm90.host.varlen as varlen
@@ -154,6 +155,12 @@ REFUSALS = {
     "splits-alone": (_add(PLAIN, "  splits     auto"), "splits", 14, "'splits auto' is for kv_"),
     "pack-window": (_mask(DEC, "window(100, 30)"), "pack_gqa", 14, "with a sliding window is not"),
     "splits-grid": (_swap(DEC, "persistent", "grid"), "splits", 14, "needs 'scheduler persistent'"),
+    "splits-window": (
+        _mask(_swap(DEC, "pack_gqa   on", "pack_gqa   off"), "window(100, 30)"),
+        "splits",
+        14,
+        "use 'splits off' with a window",
+    ),
     "kv-backward": (_add(CAUSAL, KV), "kv_cache", 14, "is for serving; a kernel with a backward"),
     "kv-cluster": (_add(HOPPER, KV), "cluster", 14, "use 'cluster 1' with kv_cache"),
     "varlen-maybe": (_add(PLAIN, "  varlen     maybe"), "varlen", 14, "unknown varlen 'maybe'"),
@@ -483,3 +490,13 @@ def test_append_kv_refuses_mismatched_new_rows():
     with pytest.raises(ValueError, match="cache_seqlens"):
         append_kv(k_cache, v_cache, new, new, seqlens.long())
     assert not k_cache.any() and not v_cache.any()
+
+
+def test_num_splits_needs_splits_auto():
+    """A kv-cache call asking for pieces from a spec that runs whole tiles is refused by name
+    (before any tensor is looked at: no GPU needed)."""
+    text = (SPECS / "fa3_decode.fa").read_text().replace("splits     auto", "splits     off")
+    kern = fadsl.load(text.replace("kernel fa3_decode", "kernel whole_tiles"), verbose=False)
+    q = torch.zeros(1, 1, 8, 128, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="num_splits=3: kernel 'whole_tiles' runs whole tiles"):
+        kern.kvcache(q, q, q, torch.zeros(1, dtype=torch.int32), num_splits=3)

@@ -222,10 +222,11 @@ def test_only_the_consumers_take_the_tile_index_through_a_warp_shuffle(spec):
     assert "if (warp == 0 && elect_one()) {" in producer
     assert "warp_uniform(" not in producer
     loops = re.findall(r"for \(int step = 0, tile; \(tile = (.*)\) >= 0; \+\+step\)", consumers)
+    hw = compiled.kernel.config.ext
     index = (
         "split_tile_index<Cfg>(P, step)"
-        if compiled.kernel.config.ext.split_kv
-        else "tile_index<Cfg>(P.base, step)"
+        if hw.split_kv
+        else "varlen_tile_index<Cfg>(P, step)" if hw.varlen else "tile_index<Cfg>(P.base, step)"
     )
     assert loops == [f"warp_uniform({index})"]
 

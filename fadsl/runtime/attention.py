@@ -115,8 +115,8 @@ class FlashAttention:
         self._modules: dict[tuple[Dtype, int], object] = {}
         self._entries: dict[tuple[Dtype, str], cache.Entry] = {}
         self._backward = None  # built on the first backward call (fadsl/runtime/backward.py)
-        self._varlen_tiles: dict[tuple[Dtype, int], object] = {}  # `varlen on`'s list kernel
-        self._combine: dict[tuple[Dtype, int], object] = {}  # `splits auto`'s combine kernel
+        # a call's other kernels (varlen's tile list, splits' combine), by (dtype, device, suffix)
+        self._more_modules: dict[tuple[Dtype, int, str], object] = {}
         self.op_name = f"{self.config.name}_{spec_hash(compiled.kernel)[:12]}"
         from .custom_op import kvcache_op_for, ops_for, varlen_op_for
 
@@ -422,7 +422,40 @@ class FlashAttention:
             with torch.cuda.device(index):
                 module.launch(grid, self._block, params, current_stream(index), cluster)
 
-    # ------------------------------------------------------------------ varlen
+    # ------------------------------------------------------------------ serving
+    @property
+    def serving(self):
+        """The target's varlen and kv-cache launches (``targets.launch.ServingLaunch``)."""
+        if self._launch.serving is None:
+            raise RuntimeError(f"target {self.config.target} has no varlen or kv-cache calls")
+        return self._launch.serving
+
+    def launcher(self, dtype: Dtype, index: int):
+        """``launch(KernelLaunch)`` for the serving calls: the source's kernel + suffix, loaded
+        once per device, launched on the device's current stream."""
+        import torch
+
+        from .driver import Module
+
+        main = self.module(dtype, index)
+        stream = current_stream(index)
+
+        def launch(kl) -> None:
+            module = main
+            if kl.suffix:
+                key = (dtype, index, kl.suffix)
+                module = self._more_modules.get(key)
+                if module is None:
+                    entry = self.cubin(dtype, arch_of(index))
+                    with torch.cuda.device(index):
+                        module = Module(entry.cubin, main.name + kl.suffix, 0, kl.block[0])
+                        module.prepare(index)
+                    self._more_modules[key] = module
+            with torch.cuda.device(index):
+                module.launch(kl.grid, kl.block, kl.params, stream)
+
+        return launch
+
     def varlen(
         self,
         q,
@@ -450,7 +483,7 @@ class FlashAttention:
         if not self.is_varlen:
             raise RuntimeError(
                 f"kernel '{self.config.name}' takes padded batches; a varlen call needs a spec "
-                "with 'varlen on' (sm_90a)"
+                "with 'varlen on'"
             )
         check_max_seqlen("max_seqlen_q", max_seqlen_q)
         check_max_seqlen("max_seqlen_k", max_seqlen_k)
@@ -507,6 +540,12 @@ class FlashAttention:
 
         batch, seqlen_q, heads_q, head_dim = q.shape
         seqlen_k = k.shape[1]
+        limit = self.serving.max_sequences
+        if batch > limit:
+            raise ValueError(
+                f"q has batch {batch}; a `varlen on` kernel takes at most {limit} sequences a "
+                "call: split the batch"
+            )
 
         def packed(t):
             return t.reshape(t.shape[0] * t.shape[1], t.shape[2], t.shape[3])
@@ -554,13 +593,18 @@ class FlashAttention:
         if not self.is_kvcache:
             raise RuntimeError(
                 f"kernel '{self.config.name}' has no KV cache; a kvcache call needs a spec with "
-                "'kv_cache contiguous' or 'kv_cache paged(N)' (sm_90a)"
+                "'kv_cache contiguous' or 'kv_cache paged(N)'"
             )
         scale = check_scale(softmax_scale, self.config.head_dim)
         if num_splits is not None and (
             isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0
         ):
             raise TypeError(f"num_splits must be a non-negative int or None, got {num_splits!r}")
+        if num_splits and not self.config.ext.split_all:
+            raise ValueError(
+                f"num_splits={num_splits}: kernel '{self.config.name}' runs whole tiles; split "
+                "pieces need a spec with 'splits auto'"
+            )
         if not isinstance(return_lse, bool):
             raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
         if torch.compiler.is_compiling() or (
@@ -592,7 +636,7 @@ class FlashAttention:
         if out is None:
             out = torch.empty_like(q)
         else:
-            self._check_out(out, q, q, q)
+            self._check_out(out, q, k_cache, v_cache)
         if not return_lse:
             lse = None
         elif lse is None:

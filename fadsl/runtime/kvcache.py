@@ -7,20 +7,18 @@ heads_kv, head_dim) with ``page_table`` (batch, max_pages) int32: key j of batch
 j % N of page page_table[b, j // N]. ``cache_seqlens`` (batch,) int32 counts each batch's
 keys; the kernel clamps it to [0, capacity] (capacity: the cache's rows, or max_pages x N),
 so that no length reads past the cache (the host never reads it: that would wait for the
-GPU). A causal spec aligns the diagonal to the bottom right (the new queries are the last
-ones). ``num_splits``: pieces per tile with `splits auto` (None: from the shape).
+GPU). Page-table entries must name pages of the cache: an entry outside it reads zeros
+(TMA's out-of-bounds fill), not an error. cache_seqlens and page_table must not change
+while a call runs (another stream writing them could leave the kernel's roles disagreeing).
+A causal spec aligns the diagonal to the bottom right (the new queries are the last ones).
+``num_splits``: pieces per tile with `splits auto` (None: from the shape; a spec without
+`splits auto` refuses it).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from ..ir import Dtype
-from ..targets.launch import current_stream
 from .arguments import check_base, check_strides, torch_dtypes
-
-if TYPE_CHECKING:
-    from .attention import FlashAttention
 
 
 def _int32_vector(name: str, t, device, length: int | None = None, dims: int = 1) -> None:
@@ -42,7 +40,7 @@ def _int32_vector(name: str, t, device, length: int | None = None, dims: int = 1
         )
 
 
-def check_kvcache(kern: FlashAttention, q, k_cache, v_cache, cache_seqlens, page_table) -> Dtype:
+def check_kvcache(kern, q, k_cache, v_cache, cache_seqlens, page_table) -> Dtype:
     """Shapes, dtypes, strides and devices of a kv-cache call, each error naming the argument
     (no memory access: fake tensors pass)."""
     import torch
@@ -74,7 +72,7 @@ def check_kvcache(kern: FlashAttention, q, k_cache, v_cache, cache_seqlens, page
     heads_kv = k_cache.shape[2]
     if seqlen_q == 0 or batch == 0:
         raise ValueError(f"q must have at least one row and one batch, got shape {tuple(q.shape)}")
-    if heads_kv == 0 or heads_q % heads_kv:
+    if heads_q == 0 or heads_kv == 0 or heads_q % heads_kv:
         raise ValueError(
             f"q's heads ({heads_q}) must be a multiple of the cache's heads ({heads_kv})"
         )
@@ -85,6 +83,8 @@ def check_kvcache(kern: FlashAttention, q, k_cache, v_cache, cache_seqlens, page
             "cache's heads must divide 64"
         )
     _int32_vector("cache_seqlens", cache_seqlens, q.device, batch)
+    if k_cache.shape[0] == 0 or k_cache.shape[1] == 0:
+        raise ValueError(f"k_cache holds no key (shape {tuple(k_cache.shape)})")
     if hw.kv_cache == 0:
         if page_table is not None:
             raise ValueError(
@@ -103,65 +103,21 @@ def check_kvcache(kern: FlashAttention, q, k_cache, v_cache, cache_seqlens, page
                 f"rows, got shape {tuple(k_cache.shape)}"
             )
         _int32_vector("page_table", page_table, q.device, batch, dims=2)
+        if page_table.shape[1] == 0 or page_table.shape[1] * hw.kv_cache >= 2**31:
+            raise ValueError(
+                f"page_table has {page_table.shape[1]} pages a sequence; a sequence's pages x "
+                f"{hw.kv_cache} rows must be between 1 and 2^31 - 1"
+            )
     return torch_dtypes()[q.dtype]
 
 
-def run_kvcache(
-    kern: FlashAttention,
-    dtype: Dtype,
-    q,
-    k_cache,
-    v_cache,
-    cache_seqlens,
-    page_table,
-    out,
-    lse,
-    scale: float,
-    num_splits: int | None,
-) -> None:
-    """Launch the attention kernel, then (split launches) the combine kernel, on q's device's
-    current stream."""
-    import torch
-
-    from ..targets.sm90.host.kvcache import (
-        COMBINE_SUFFIX,
-        COMBINE_THREADS,
-        KvCacheArgs,
-        choose_splits,
-        combine_grid,
-        kvcache_grid,
-        pack_kvcache_params,
-        partial_floats,
-    )
-    from .driver import Module
-
+def run_kvcache(kern, dtype: Dtype, q, k_cache, v_cache, cache_seqlens, page_table, out, lse,
+                scale: float, num_splits: int | None) -> None:  # fmt: skip
+    """Launch the target's kv-cache kernels on q's device's current stream."""
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("out", out)):
         check_base(name, t, kern.config.target)
-    index = q.device.index
-    kernel = kern.compiled.kernel
-    probe = KvCacheArgs(q, k_cache, v_cache, out, lse, scale, cache_seqlens, page_table, 1, None)
-    splits = choose_splits(kernel, probe, index, num_splits)
-    partials = None
-    if splits > 1:
-        partials = torch.empty(
-            partial_floats(kernel, probe, splits), dtype=torch.float32, device=q.device
-        )
-    args = probe._replace(splits=splits, partials=partials)
-    main = kern.module(dtype, index)
-    params = pack_kvcache_params(kernel, args)
-    stream = current_stream(index)
-    with torch.cuda.device(index):
-        main.launch(kvcache_grid(kernel, args), kern._block, params, stream)
-        if splits > 1:
-            combine = kern._combine.get((dtype, index))
-            if combine is None:
-                from .attention import arch_of
-
-                entry = kern.cubin(dtype, arch_of(index))
-                combine = Module(entry.cubin, main.name + COMBINE_SUFFIX, 0, COMBINE_THREADS)
-                combine.prepare(index)
-                kern._combine[dtype, index] = combine
-            combine.launch(combine_grid(kernel, args), (COMBINE_THREADS, 1, 1), params, stream)
+    kern.serving.kvcache(kern.compiled.kernel, kern.launcher(dtype, q.device.index), q, k_cache,
+                         v_cache, cache_seqlens, page_table, out, lse, scale, num_splits)  # fmt: skip
 
 
 def append_kv(k_cache, v_cache, k_new, v_new, cache_seqlens, page_table=None) -> None:
@@ -170,9 +126,15 @@ def append_kv(k_cache, v_cache, k_new, v_new, cache_seqlens, page_table=None) ->
     attention call): contiguous caches (batch, capacity, heads_kv, head_dim), or paged ones
     (pages, page_size, heads_kv, head_dim) through page_table (batch, max_pages). Torch ops
     on the device, so a CUDA graph captures it with the decode step; the caller advances
-    cache_seqlens. Positions past a batch's capacity raise (an index error from torch)."""
+    cache_seqlens. The lengths stay on the device, so positions past a batch's capacity (or
+    page-table entries outside the cache) are torch's index errors, on CUDA a device-side
+    assert that ends the process's CUDA context: keep cache_seqlens + seqlen_new within
+    the capacity."""
     import torch
 
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise ValueError(f"{name} must be a 4-D tensor")
     for name, t in (("k_new", k_new), ("v_new", v_new)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             raise ValueError(f"{name} must be a 4-D tensor (batch, seqlen_new, heads_kv, head_dim)")
@@ -185,6 +147,8 @@ def append_kv(k_cache, v_cache, k_new, v_new, cache_seqlens, page_table=None) ->
         raise ValueError("k_new and v_new, and k_cache and v_cache, must have the same shapes")
     batch, new = k_new.shape[0], k_new.shape[1]
     _int32_vector("cache_seqlens", cache_seqlens, k_cache.device, batch)
+    if page_table is None and k_cache.shape[0] != batch:
+        raise ValueError(f"k_new has batch {batch} but k_cache has {k_cache.shape[0]}")
     positions = cache_seqlens.long()[:, None] + torch.arange(new, device=k_cache.device)[None, :]
     if page_table is None:
         rows = torch.arange(batch, device=k_cache.device)[:, None].expand(batch, new)

@@ -16,22 +16,14 @@ checked for type only: the kernels derive everything from cu_seqlens.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from ..ir import Dtype
-from ..targets.launch import current_stream
 from .arguments import check_base, check_strides, torch_dtypes
 
-if TYPE_CHECKING:
-    from .attention import FlashAttention
 
-
-def check_varlen(kern: FlashAttention, q, k, v, cu_seqlens_q, cu_seqlens_k) -> Dtype:
+def check_varlen(kern, q, k, v, cu_seqlens_q, cu_seqlens_k) -> Dtype:
     """Shapes, dtypes, strides and devices of a varlen call's tensors, each error naming
     the argument (no memory access: fake tensors pass)."""
     import torch
-
-    from ..targets.sm90.host.varlen import MAX_SEQUENCES
 
     cfg = kern.config
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -63,7 +55,7 @@ def check_varlen(kern: FlashAttention, q, k, v, cu_seqlens_q, cu_seqlens_k) -> D
             f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}"
         )
     heads_q, heads_kv = q.shape[1], k.shape[1]
-    if heads_kv == 0 or heads_q % heads_kv:
+    if heads_q == 0 or heads_kv == 0 or heads_q % heads_kv:
         raise ValueError(
             f"q's heads ({heads_q}) must be a multiple of k's and v's heads ({heads_kv})"
         )
@@ -84,10 +76,11 @@ def check_varlen(kern: FlashAttention, q, k, v, cu_seqlens_q, cu_seqlens_k) -> D
             f"cu_seqlens_k has {cu_seqlens_k.shape[0]} entries but cu_seqlens_q has "
             f"{cu_seqlens_q.shape[0]}: one prefix sum per sequence, plus one, in each"
         )
-    if cu_seqlens_q.shape[0] - 1 > MAX_SEQUENCES:
+    limit = kern.serving.max_sequences
+    if cu_seqlens_q.shape[0] - 1 > limit:
         raise ValueError(
             f"cu_seqlens_q holds {cu_seqlens_q.shape[0] - 1} sequences; a varlen call takes at "
-            f"most {MAX_SEQUENCES}: split the batch"
+            f"most {limit}: split the batch"
         )
     for name, t in (("q", q), ("k", k)):
         if t.shape[0] >= 2**30:
@@ -104,7 +97,7 @@ def varlen_lse_shape(q) -> tuple[int, int]:
     return (q.shape[1], q.shape[0])
 
 
-def check_varlen_out(kern: FlashAttention, out, q, k, v) -> None:
+def check_varlen_out(kern, out, q, k, v) -> None:
     """out: q's shape, dtype and device, TMA's strides, memory of its own."""
     from .arguments import check_out
 
@@ -116,39 +109,10 @@ def check_varlen_out(kern: FlashAttention, out, q, k, v) -> None:
     check_out(out.unsqueeze(0), q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), kern.config.target)
 
 
-def run_varlen(kern: FlashAttention, dtype: Dtype, q, k, v, cu_q, cu_k, out, lse, scale: float):
-    """Launch the tile list, then the attention kernel, on q's device's current stream."""
-    import torch
-
-    from ..targets.sm90.host.varlen import (
-        TILES_SUFFIX,
-        TILES_THREADS,
-        VarlenArgs,
-        pack_varlen_params,
-        varlen_grid,
-        workspace_ints,
-    )
-    from .driver import Module
-
+def run_varlen(kern, dtype: Dtype, q, k, v, cu_q, cu_k, out, lse, scale: float) -> None:
+    """Launch the target's varlen kernels on q's device's current stream."""
     for name, t in (("q", q), ("k", k), ("v", v), ("out", out)):
         check_base(name, t, kern.config.target)
-    index = q.device.index
-    kernel = kern.compiled.kernel
-    batch = cu_q.shape[0] - 1
-    workspace = torch.empty(workspace_ints(batch), dtype=torch.int32, device=q.device)
-    args = VarlenArgs(q, k, v, out, lse, scale, cu_q, cu_k, workspace)
-    main = kern.module(dtype, index)
-    tiles = kern._varlen_tiles.get((dtype, index))
-    if tiles is None:
-        from .attention import arch_of
-
-        entry = kern.cubin(dtype, arch_of(index))
-        with torch.cuda.device(index):
-            tiles = Module(entry.cubin, main.name + TILES_SUFFIX, 0, TILES_THREADS)
-            tiles.prepare(index)
-        kern._varlen_tiles[dtype, index] = tiles
-    params = pack_varlen_params(kernel, args)
-    stream = current_stream(index)
-    with torch.cuda.device(index):
-        tiles.launch((1, 1, 1), (TILES_THREADS, 1, 1), params, stream)
-        main.launch(varlen_grid(kernel, args), kern._block, params, stream)
+    serving = kern.serving
+    serving.varlen(kern.compiled.kernel, kern.launcher(dtype, q.device.index), q, k, v, cu_q,
+                   cu_k, out, lse, scale)  # fmt: skip

@@ -28,6 +28,30 @@ class Args(NamedTuple):
     softmax_scale: float
 
 
+class KernelLaunch(NamedTuple):
+    """One kernel of a call: the rendered source's kernel + ``suffix``, its grid, block and
+    params struct."""
+
+    suffix: str
+    grid: tuple[int, int, int]
+    block: tuple[int, int, int]
+    params: bytes
+
+
+@dataclass(frozen=True)
+class ServingLaunch:
+    """A target's serving calls (sm_90a: targets/sm90/host/varlen.py and kvcache.py). Each
+    plans a call's kernels and hands them in order to ``launch(KernelLaunch)``, which the
+    runtime loads and launches on the current stream:
+    ``varlen(kernel, launch, q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, scale)``,
+    ``kvcache(kernel, launch, q, k_cache, v_cache, cache_seqlens, page_table, out, lse,
+    scale, num_splits)``; ``max_sequences``: a varlen call's limit."""
+
+    max_sequences: int
+    varlen: Callable[..., None]
+    kvcache: Callable[..., None]
+
+
 @dataclass(frozen=True)
 class Launch:
     """A target's launch: ``pack`` returns the params struct's bytes, ``grid`` the grid.
@@ -50,6 +74,8 @@ class Launch:
     check_loaded: Callable[[Kernel, int, int], None] | None = None
     # a clustered launch's grid given the clusters that fit at once (CTAs)
     fit_grid: Callable[[Kernel, tuple[int, int, int], int], tuple[int, int, int]] | None = None
+    # `varlen on` and `kv_cache` calls (None: the target has neither)
+    serving: ServingLaunch | None = None
 
     def symbol(self, source_name: str) -> str:
         return source_name + self.kernel_suffix

@@ -150,7 +150,7 @@ __device__ __forceinline__ void varlen_tiles(const FwdParamsSm90& P) {
   __shared__ int warp_sums[32];
   __shared__ int total;
   const int batch = P.base.batch;
-  if (__syncthreads_or(!valid_sequences(P))) {
+  if (__syncthreads_or(batch > kVarlenMaxBatch || !valid_sequences(P))) {  // (the host refuses more)
     poison_output<Cfg>(P);
     if (threadIdx.x == 0) P.varlen_tile_count[0] = P.varlen_tile_count[1] = 0;
     return;

@@ -14,6 +14,8 @@ over the async model (fadsl/passes/asyncmodel/model.py) for a CTA's tile loop (t
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from .. import Target
 from .alone import alone
 from .backward.validate import validate_backward
@@ -21,7 +23,9 @@ from .backward import BACKWARD_LAUNCH
 from .caps import CAPABILITIES, SYNC_MODEL
 from .config import read_config
 from .emit import TEMPLATE, context
+from .host.kvcache import run_kvcache
 from .host.launch import LAUNCH
+from .host.varlen import MAX_SEQUENCES, run_varlen
 from .syncs.cluster import cluster_syncs
 from .syncs.insert import insert_syncs
 from .plan_smem import plan_smem
@@ -30,6 +34,9 @@ from .schedule import build_schedule
 from .tune_space import TUNE_SPACE
 from .validate import configure, validate, validate_path
 from .verify import verify
+from ..launch import ServingLaunch
+
+SERVING = ServingLaunch(max_sequences=MAX_SEQUENCES, varlen=run_varlen, kvcache=run_kvcache)
 
 TARGET = Target(
     name="sm_90a",
@@ -73,7 +80,8 @@ TARGET = Target(
     configure=configure,
     report=REPORT,  # roles, rings, named barriers, one program per role
     alone=alone,  # `cluster 2`: the cluster-free kernel for launches that do not pair
-    launch=LAUNCH,  # FwdParamsSm90, the persistent tile grid, the split tail, clusters
+    # FwdParamsSm90, the persistent tile grid, the split tail, clusters; varlen and kv-cache calls
+    launch=replace(LAUNCH, serving=SERVING),
     read_config=read_config,
     validate_backward=validate_backward,  # the backward block: what its first kernel supports
     tune_space=TUNE_SPACE,  # fadsl tune: the tile, pipeline and schedule knobs

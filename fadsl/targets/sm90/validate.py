@@ -168,6 +168,10 @@ def _serving(c: Checks, block_c: int) -> bool:
     if v.get("pack_gqa") and "window" in v:
         c.error(c.key_locs["pack_gqa_value"], "pack_gqa on with a sliding window is not built yet")
         ok = False
+    if v.get("splits") and "window" in v:
+        c.error(c.key_locs["splits_value"], "splits auto splits a tile's blocks from block 0; a "
+                "sliding window's start further on: use 'splits off' with a window")  # fmt: skip
+        ok = False
     if v.get("splits") and not v.get("scheduler", True):
         c.error(c.key_locs["splits_value"], "splits auto deals pieces out to persistent CTAs: "
                 "it needs 'scheduler persistent'")  # fmt: skip

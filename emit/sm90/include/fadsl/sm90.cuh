@@ -129,12 +129,10 @@ struct FwdConfig {
   static constexpr bool kVarlen = false;
   // `kv_cache` (a generated Cfg sets these): K/V from a cache of per-batch lengths, in pages
   // of kPageSize rows (0: one contiguous cache per batch); `pack_gqa on`: a tile's rows are
-  // (query row, query head of its K/V head) pairs; `splits auto`: every tile's K/V blocks
-  // split into pieces whose partials <kernel>_combine adds up (fadsl/sm90_kvcache.cuh).
+  // (query row, query head of its K/V head) pairs (fadsl/sm90_kvcache.cuh).
   static constexpr bool kKvCache = false;
   static constexpr int kPageSize = 0;
   static constexpr bool kPackGQA = false;
-  static constexpr bool kSplitAll = false;
 
   static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "head_dim 64, 128 or 256");
   static_assert(kConsumerWGs >= 1 && kConsumerWGs <= 3, "1 to 3 consumer warpgroups");
@@ -259,12 +257,12 @@ __device__ __forceinline__ void load_kv(const CUtensorMap* tmap, uint32_t smem_s
                                         const TileWork& w) {
   if constexpr (Cfg::kPageSize > 0) {
     load_kv_paged<Cfg>(tmap, smem_slot, bar, n_block, w);
-    return;
-  }
+  } else {
 #pragma unroll
-  for (int panel = 0; panel < Cfg::kPanels; ++panel) {
-    tma_load_4d(smem_slot + panel * Cfg::kBlockN * Cfg::kRowBytes, tmap, bar, 64 * panel,
-                kv_row<Cfg>(w, n_block * Cfg::kBlockN), w.head_kv, w.batch);
+    for (int panel = 0; panel < Cfg::kPanels; ++panel) {
+      tma_load_4d(smem_slot + panel * Cfg::kBlockN * Cfg::kRowBytes, tmap, bar, 64 * panel,
+                  kv_row<Cfg>(w, n_block * Cfg::kBlockN), w.head_kv, w.batch);
+    }
   }
 }
 

@@ -50,15 +50,15 @@ __device__ __forceinline__ void store_lse(const FwdParams& p, const TileWork& w,
   if (p.lse == nullptr || lane % 4 != 0) return;
   if constexpr (Cfg::kPackGQA) {
     store_lse_packed<Cfg>(p, w, rows, m, l, scale_log2);
-    return;
-  }
-  // varlen: (heads, tokens), the sequence's rows from q_start
-  float* lse = p.lse + w.batch * p.lse_batch_stride + w.head * p.lse_head_stride + q_row<Cfg>(w, 0);
+  } else {
+    // varlen: (heads, tokens), the sequence's rows from q_start
+    float* lse = p.lse + w.batch * p.lse_batch_stride + w.head * p.lse_head_stride + q_row<Cfg>(w, 0);
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int row = rows.row0 + 8 * r;
-    if (row < seqlen_q<Cfg>(p, w)) {
-      lse[row] = l[r] == 0.f ? -INFINITY : (m[r] * scale_log2 + log2f(l[r])) * 0.6931471805599453f;
+    for (int r = 0; r < 2; ++r) {
+      const int row = rows.row0 + 8 * r;
+      if (row < seqlen_q<Cfg>(p, w)) {
+        lse[row] = l[r] == 0.f ? -INFINITY : (m[r] * scale_log2 + log2f(l[r])) * 0.6931471805599453f;
+      }
     }
   }
 }
@@ -97,21 +97,20 @@ __device__ __forceinline__ void store_o_tma(const FwdParamsSm90& P, uint32_t sme
       tma_store_5d(&P.tma_o, smem_o_wg + panel * Cfg::kBlockM * Cfg::kRowBytes, 64 * panel, 0,
                    fast_div(first, P.div_group), w.head, w.batch);
     }
-    return;
-  }
-  if constexpr (Cfg::kVarlen) {
+  } else if constexpr (Cfg::kVarlen) {
     const int rows = imin(64, w.seqlen_q - first);
-    if (rows <= 0) return;
+    if (rows > 0) {
+#pragma unroll
+      for (int panel = 0; panel < Cfg::kPanels; ++panel) {
+        tma_store_4d(&P.tma_o, smem_o_wg + panel * Cfg::kBlockM * Cfg::kRowBytes, 64 * panel, 64 - rows, w.head,
+                     q_row<Cfg>(w, first) + rows);
+      }
+    }
+  } else {
 #pragma unroll
     for (int panel = 0; panel < Cfg::kPanels; ++panel) {
-      tma_store_4d(&P.tma_o, smem_o_wg + panel * Cfg::kBlockM * Cfg::kRowBytes, 64 * panel, 64 - rows, w.head,
-                   q_row<Cfg>(w, first) + rows);
+      tma_store_4d(&P.tma_o, smem_o_wg + panel * Cfg::kBlockM * Cfg::kRowBytes, 64 * panel, first, w.head, w.batch);
     }
-    return;
-  }
-#pragma unroll
-  for (int panel = 0; panel < Cfg::kPanels; ++panel) {
-    tma_store_4d(&P.tma_o, smem_o_wg + panel * Cfg::kBlockM * Cfg::kRowBytes, 64 * panel, first, w.head, w.batch);
   }
 }
 
@@ -224,17 +223,17 @@ __device__ __forceinline__ void store_empty_tile(const FwdParams& p, const TileW
     if (p.lse != nullptr && thread < 64 && row / group < len_q) {
       p.lse[w.batch * p.lse_batch_stride + (w.head * group + row % group) * p.lse_head_stride + row / group] = -INFINITY;
     }
-    return;
-  }
-  char* o = static_cast<char*>(p.o) + 2 * (w.batch * p.o_batch_stride + w.head * p.o_head_stride);
-  for (int i = thread; i < 64 * kChunks; i += 128) {
-    const int row = row0 + i / kChunks;
-    if (row < len_q) {
-      reinterpret_cast<uint4*>(o + 2 * q_row<Cfg>(w, row) * p.o_seq_stride)[i % kChunks] = make_uint4(0u, 0u, 0u, 0u);
+  } else {
+    char* o = static_cast<char*>(p.o) + 2 * (w.batch * p.o_batch_stride + w.head * p.o_head_stride);
+    for (int i = thread; i < 64 * kChunks; i += 128) {
+      const int row = row0 + i / kChunks;
+      if (row < len_q) {
+        reinterpret_cast<uint4*>(o + 2 * q_row<Cfg>(w, row) * p.o_seq_stride)[i % kChunks] = make_uint4(0u, 0u, 0u, 0u);
+      }
     }
-  }
-  if (p.lse != nullptr && thread < 64 && row0 + thread < len_q) {
-    p.lse[w.batch * p.lse_batch_stride + w.head * p.lse_head_stride + q_row<Cfg>(w, row0 + thread)] = -INFINITY;
+    if (p.lse != nullptr && thread < 64 && row0 + thread < len_q) {
+      p.lse[w.batch * p.lse_batch_stride + w.head * p.lse_head_stride + q_row<Cfg>(w, row0 + thread)] = -INFINITY;
+    }
   }
 }
 

@@ -15,7 +15,7 @@ import struct
 from typing import Any, NamedTuple
 
 from ....ir import Kernel
-from ...launch import Args, pack_fwd_params, sm_count
+from ...launch import Args, KernelLaunch, pack_fwd_params, sm_count
 from .launch import (
     DIVISORS,
     O_BOX_ROWS,
@@ -161,3 +161,24 @@ def pack_kvcache_params(kernel: Kernel, a: KvCacheArgs) -> bytes:
     )
     assert len(raw) == KVCACHE_OFFSET + KVCACHE_TAIL.size
     return raw + bytes(SM90_PARAMS_BYTES - len(raw))
+
+
+def run_kvcache(
+    kernel: Kernel, launch, q, k_cache, v_cache, seqlens, page_table, out, lse, scale, num_splits
+) -> None:
+    """A kv-cache call's kernels (ServingLaunch.kvcache): attention, then the combine kernel
+    when the tiles are split (the pieces' workspace allocated on q's device)."""
+    import torch
+
+    probe = KvCacheArgs(q, k_cache, v_cache, out, lse, scale, seqlens, page_table, 1, None)
+    splits = choose_splits(kernel, probe, q.device.index, num_splits)
+    partials = None
+    if splits > 1:
+        floats = partial_floats(kernel, probe, splits)
+        partials = torch.empty(floats, dtype=torch.float32, device=q.device)
+    args = probe._replace(splits=splits, partials=partials)
+    params = pack_kvcache_params(kernel, args)
+    launch(KernelLaunch("", kvcache_grid(kernel, args), (kernel.config.threads, 1, 1), params))
+    if splits > 1:
+        block = (COMBINE_THREADS, 1, 1)
+        launch(KernelLaunch(COMBINE_SUFFIX, combine_grid(kernel, args), block, params))

@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 from ....ir import Kernel
-from ...launch import FWD_PARAMS, sm_count
+from ...launch import FWD_PARAMS, KernelLaunch, sm_count
 from .launch import (
     DIVISORS,
     O_BOX_ROWS,
@@ -132,3 +132,20 @@ def pack_varlen_params(kernel: Kernel, a: VarlenArgs) -> bytes:
     )
     assert len(raw) == VARLEN_OFFSET + VARLEN_TAIL.size
     return raw + bytes(SM90_PARAMS_BYTES - len(raw))
+
+
+def run_varlen(kernel: Kernel, launch, q, k, v, cu_q, cu_k, out, lse, scale: float) -> None:
+    """A varlen call's kernels (ServingLaunch.varlen): the tile list, then attention; the
+    workspace allocated on q's device (stream-ordered, so a CUDA graph captures it)."""
+    import torch
+
+    if q.shape[0] == 0:
+        return  # no query row: nothing to write
+    if k.shape[0] == 0:  # TMA maps need a row: one of zeros, which cu_seqlens_k (all 0) never reach
+        k = v = k.new_zeros((1, *k.shape[1:]))
+    batch = cu_q.shape[0] - 1
+    workspace = torch.empty(workspace_ints(batch), dtype=torch.int32, device=q.device)
+    args = VarlenArgs(q, k, v, out, lse, scale, cu_q, cu_k, workspace)
+    params = pack_varlen_params(kernel, args)
+    launch(KernelLaunch(TILES_SUFFIX, (1, 1, 1), (TILES_THREADS, 1, 1), params))
+    launch(KernelLaunch("", varlen_grid(kernel, args), (kernel.config.threads, 1, 1), params))
