@@ -138,7 +138,6 @@ def run(
             + "  ".join(f"{n} {row['tb_per_s'][n]:5.2f}" for n in names)
             + " TB/s of K and V"
         )
-        del k, v, k_cache, v_cache
     return {
         "kernel": kern.config.name,
         "graphs": graphs,

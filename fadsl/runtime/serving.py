@@ -1,0 +1,245 @@
+"""The serving calls of a compiled spec (a mixin of ``FlashAttention``): ``varlen`` for a
+`varlen on` spec (fadsl/runtime/varlen.py), ``kvcache`` for a `kv_cache` spec
+(fadsl/runtime/kvcache.py), a padded call on a varlen spec, and the launcher that loads and
+launches a call's kernels as the target's ``ServingLaunch`` plans them.
+"""
+
+from __future__ import annotations
+
+from ..ir import Dtype
+from ..targets.archs import arch_for
+from ..targets.launch import current_stream
+from .arguments import check_lse, check_scale, lse_shape
+
+
+class ServingCalls:
+    """Needs of its host class: ``config``, ``compiled``, ``_launch``, ``_block``,
+    ``_more_modules``, ``_varlen_op``, ``_kvcache_op``, ``module``, ``cubin``,
+    ``_check_out``."""
+
+    # ------------------------------------------------------------------ serving
+    @property
+    def serving(self):
+        """The target's varlen and kv-cache launches (``targets.launch.ServingLaunch``)."""
+        if self._launch.serving is None:
+            raise RuntimeError(f"target {self.config.target} has no varlen or kv-cache calls")
+        return self._launch.serving
+
+    def launcher(self, dtype: Dtype, index: int):
+        """``launch(KernelLaunch)`` for the serving calls: the source's kernel + suffix, loaded
+        once per device, launched on the device's current stream."""
+        import torch
+
+        from .driver import Module
+
+        main = self.module(dtype, index)
+        stream = current_stream(index)
+
+        def launch(kl) -> None:
+            module = main
+            if kl.suffix:
+                key = (dtype, index, kl.suffix)
+                module = self._more_modules.get(key)
+                if module is None:
+                    entry = self.cubin(dtype, arch_for(torch.cuda.get_device_capability(index)))
+                    with torch.cuda.device(index):
+                        module = Module(entry.cubin, main.name + kl.suffix, 0, kl.block[0])
+                        module.prepare(index)
+                    self._more_modules[key] = module
+            with torch.cuda.device(index):
+                module.launch(kl.grid, kl.block, kl.params, stream)
+
+        return launch
+
+    def varlen(
+        self,
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q: int | None = None,
+        max_seqlen_k: int | None = None,
+        softmax_scale: float | None = None,
+        *,
+        out=None,
+        return_lse: bool = False,
+    ):
+        """Attention over a packed batch of sequences (FlashAttention's varlen convention,
+        fadsl/runtime/varlen.py): q (tokens_q, heads_q, head_dim), k and v (tokens_k,
+        heads_kv, head_dim), sequence b at rows cu_seqlens_q[b] .. cu_seqlens_q[b + 1] - 1
+        of q and likewise of k and v (int32 on q's device). Returns the output (q's shape),
+        or ``(output, lse)`` with the LSE (heads_q, tokens_q), float32. The spec must say
+        `varlen on`; gradients are not built for varlen calls."""
+        import torch
+
+        from .varlen import check_max_seqlen
+
+        if not self.is_varlen:
+            raise RuntimeError(
+                f"kernel '{self.config.name}' takes padded batches; a varlen call needs a spec "
+                "with 'varlen on'"
+            )
+        check_max_seqlen("max_seqlen_q", max_seqlen_q)
+        check_max_seqlen("max_seqlen_k", max_seqlen_k)
+        scale = check_scale(softmax_scale, self.config.head_dim)
+        if not isinstance(return_lse, bool):
+            raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+        if torch.compiler.is_compiling() or (
+            torch.is_grad_enabled()
+            and any(isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v))
+        ):
+            if out is not None:
+                raise RuntimeError(
+                    f"fadsl kernel '{self.config.name}': out= is for eager calls without "
+                    "gradients; call it without out="
+                )
+            o, lse = self._varlen_op(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, return_lse)
+            return (o, lse) if return_lse else o
+        return self.varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, out, return_lse)
+
+    def varlen_forward(self, q, k, v, cu_seqlens_q, cu_seqlens_k, scale, out, return_lse, lse=None):
+        """Check a varlen call's arguments, allocate what is missing and launch (``lse``: a
+        float32 (heads_q, tokens_q) tensor to write the LSE into, with ``return_lse``)."""
+        import torch
+
+        from .varlen import check_varlen, check_varlen_out, run_varlen, varlen_lse_shape
+
+        dtype = check_varlen(self, q, k, v, cu_seqlens_q, cu_seqlens_k)
+        if out is None:
+            out = torch.empty_like(q)
+        else:
+            check_varlen_out(self, out, q, k, v)
+        if not return_lse:
+            lse = None
+        elif lse is None:
+            lse = torch.empty(varlen_lse_shape(q), device=q.device, dtype=torch.float32)
+        elif (
+            lse.shape != varlen_lse_shape(q)
+            or lse.dtype != torch.float32
+            or not lse.is_contiguous()
+        ):
+            raise ValueError(
+                f"lse must be a contiguous float32 tensor of shape {varlen_lse_shape(q)}, got "
+                f"{lse.dtype} of shape {tuple(lse.shape)}"
+            )
+        run_varlen(self, dtype, q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, scale)
+        return (out, lse) if return_lse else out
+
+    def _launch_padded_as_varlen(self, dtype: Dtype, q, k, v, out, lse, scale: float) -> None:
+        """A padded batch on a `varlen on` kernel: its sequences packed end to end (a view
+        where the strides allow, else a copy), cu_seqlens every seqlen rows."""
+        import torch
+
+        from .varlen import run_varlen
+
+        batch, seqlen_q, heads_q, head_dim = q.shape
+        seqlen_k = k.shape[1]
+        limit = self.serving.max_sequences
+        if batch > limit:
+            raise ValueError(
+                f"q has batch {batch}; a `varlen on` kernel takes at most {limit} sequences a "
+                "call: split the batch"
+            )
+
+        def packed(t):
+            return t.reshape(t.shape[0] * t.shape[1], t.shape[2], t.shape[3])
+
+        cu_q = torch.arange(0, (batch + 1) * seqlen_q, seqlen_q, dtype=torch.int32, device=q.device)
+        cu_k = torch.arange(0, (batch + 1) * seqlen_k, seqlen_k, dtype=torch.int32, device=q.device)
+        flat_out = packed(out)
+        into = flat_out if flat_out.data_ptr() == out.data_ptr() and out.is_contiguous() else None
+        result = into if into is not None else torch.empty_like(packed(q))
+        flat_lse = None
+        if lse is not None:
+            flat_lse = torch.empty(
+                (heads_q, batch * seqlen_q), device=q.device, dtype=torch.float32
+            )
+        run_varlen(
+            self, dtype, packed(q), packed(k), packed(v), cu_q, cu_k, result, flat_lse, scale
+        )
+        if into is None:
+            out.copy_(result.view(batch, seqlen_q, heads_q, head_dim))
+        if lse is not None:
+            lse.copy_(flat_lse.view(heads_q, batch, seqlen_q).permute(1, 0, 2))
+
+    # ------------------------------------------------------------------ kv cache
+    def kvcache(
+        self,
+        q,
+        k_cache,
+        v_cache,
+        cache_seqlens,
+        page_table=None,
+        softmax_scale: float | None = None,
+        *,
+        num_splits: int | None = None,
+        out=None,
+        return_lse: bool = False,
+    ):
+        """Attention of q over each batch's first cache_seqlens[b] keys of a cache
+        (FlashAttention's flash_attn_with_kvcache convention; fadsl/runtime/kvcache.py): q
+        (batch, seqlen_q, heads_q, head_dim); a contiguous cache (batch, capacity, heads_kv,
+        head_dim) or a paged one (pages, page_size, heads_kv, head_dim) with page_table
+        (batch, max_pages) int32. Returns the output (q's shape), or ``(output, lse)`` with
+        the LSE (batch, heads_q, seqlen_q). ``fadsl.append_kv`` writes new tokens first."""
+        import torch
+
+        if not self.is_kvcache:
+            raise RuntimeError(
+                f"kernel '{self.config.name}' has no KV cache; a kvcache call needs a spec with "
+                "'kv_cache contiguous' or 'kv_cache paged(N)'"
+            )
+        scale = check_scale(softmax_scale, self.config.head_dim)
+        if num_splits is not None and (
+            isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0
+        ):
+            raise TypeError(f"num_splits must be a non-negative int or None, got {num_splits!r}")
+        if num_splits and not self.config.ext.split_all:
+            raise ValueError(
+                f"num_splits={num_splits}: kernel '{self.config.name}' runs whole tiles; split "
+                "pieces need a spec with 'splits auto'"
+            )
+        if not isinstance(return_lse, bool):
+            raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+        if torch.compiler.is_compiling() or (
+            torch.is_grad_enabled()
+            and any(isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k_cache, v_cache))
+        ):
+            if out is not None:
+                raise RuntimeError(
+                    "out= is for eager calls without gradients; call it without out="
+                )
+            o, lse = self._kvcache_op(
+                q, k_cache, v_cache, cache_seqlens, page_table, scale, num_splits or 0, return_lse
+            )
+            return (o, lse) if return_lse else o
+        return self.kvcache_forward(
+            q, k_cache, v_cache, cache_seqlens, page_table, scale, num_splits, out, return_lse
+        )
+
+    def kvcache_forward(
+        self, q, k_cache, v_cache, cache_seqlens, page_table, scale, num_splits, out, return_lse,
+        lse=None,
+    ):  # fmt: skip
+        """Check a kv-cache call's arguments, allocate what is missing and launch."""
+        import torch
+
+        from .kvcache import check_kvcache, run_kvcache
+
+        dtype = check_kvcache(self, q, k_cache, v_cache, cache_seqlens, page_table)
+        if out is None:
+            out = torch.empty_like(q)
+        else:
+            self._check_out(out, q, k_cache, v_cache)
+        if not return_lse:
+            lse = None
+        elif lse is None:
+            lse = torch.empty(lse_shape(q), device=q.device, dtype=torch.float32)
+        else:
+            check_lse(lse, q)
+        run_kvcache(
+            self, dtype, q, k_cache, v_cache, cache_seqlens, page_table, out, lse, scale,
+            num_splits or None,
+        )  # fmt: skip
+        return (out, lse) if return_lse else out
