@@ -107,6 +107,38 @@ def test_random_adversarial_sequences(rng, block_n, n_blocks, mode, dtype, piece
     assert found == [], (found, labels)
 
 
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    rng=st.randoms(use_true_random=False),
+    block_n=st.sampled_from(BLOCKS),
+    n_blocks=st.integers(1, 5),
+    mode=st.sampled_from(list(Mode)),
+    empty_at=st.lists(st.integers(0, 4), min_size=1, max_size=3),
+)
+def test_empty_pieces_leave_the_combine_bit_identical(rng, block_n, n_blocks, mode, empty_at):
+    """`splits auto` (fadsl/sm90_kvcache.cuh): a piece with no K/V block writes the empty
+    partial (m = -inf, l = 0, O = 0), and combine_pieces merges it like any other. Wherever
+    such pieces stand in the order (first, between, last, several), the combined weights and
+    LSE are the same bits as without them: their factor is exactly 0 (2^-inf), the others'
+    exactly 1 (the same rounded reference); a row with only empty pieces gives 0 and -inf."""
+    scores, labels = random_case(rng, block_n, n_blocks, warps=2)
+    c = scale_log2(SCALE)
+    blocks = scores.unflatten(2, (n_blocks, block_n))
+    masked = (blocks == -math.inf).any(dim=3).any(dim=1)
+    order = list(range(n_blocks - 1, -1, -1))
+    state = softmax_model.run_blocks(scores, block_n, c, mode, masked, torch.bfloat16, order)
+    empty = softmax_model.WarpState.initial(2, scores.shape[2])
+    pieces = [state]
+    for at in empty_at:
+        pieces.insert(min(at, len(pieces)), empty)
+    alone = softmax_model.finish(state, c)
+    merged = softmax_model.finish(softmax_model.combine(pieces, c), c)
+    assert torch.equal(merged.weights, alone.weights), labels
+    assert torch.equal(merged.lse, alone.lse), labels
+    nothing = softmax_model.finish(softmax_model.combine([empty, empty], c), c)
+    assert (nothing.weights == 0).all() and (nothing.lse == -math.inf).all()
+
+
 def test_random_sequences_reach_every_path():
     """The generator's sequences reach each path of each mode (or the random test above
     would test less than it says)."""
