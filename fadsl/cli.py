@@ -190,35 +190,35 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _bench_backward(args: argparse.Namespace, kern, heads: int) -> int:
-    """`fadsl bench --backward`: the backward pass (fadsl/tools/bench_backward.py)."""
+def _bench_tool(args: argparse.Namespace, tool, **options) -> int:
+    """Run one of fadsl/tools' bench_* modules (``tool.run(kern, **options)``), print its
+    table and write its JSON where asked; its ValueError or RuntimeError is the message."""
     import json
 
-    from .tools import bench_backward
-
     try:
-        result = bench_backward.run(
-            kern,
-            seqlens=tuple(args.seqlens),
-            causal=args.causal,
-            tokens=args.tokens,
-            heads=heads,
-            dtype_name=args.dtype,
-        )
+        result = tool.run(**options)
     except (ValueError, RuntimeError) as err:
         print(f"fadsl bench: {err}", file=sys.stderr)
         return EXIT_FAILURE
-    print(bench_backward.table(result))
+    print(tool.table(result))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
     return EXIT_OK
 
 
+def _bench_backward(args: argparse.Namespace, kern, heads: int) -> int:
+    """`fadsl bench --backward`: the backward pass (fadsl/tools/bench_backward.py)."""
+    from .tools import bench_backward
+
+    return _bench_tool(
+        args, bench_backward, kern=kern, seqlens=tuple(args.seqlens), causal=args.causal,
+        tokens=args.tokens, heads=heads, dtype_name=args.dtype,
+    )  # fmt: skip
+
+
 def _bench_varlen(args: argparse.Namespace, kern, heads: int) -> int:
     """`fadsl bench` on a `varlen on` spec: packed batches of mixed lengths, --seqlens the
     longest (fadsl/tools/bench_varlen.py)."""
-    import json
-
     from .tools import bench_varlen
 
     if args.against:
@@ -232,44 +232,21 @@ def _bench_varlen(args: argparse.Namespace, kern, heads: int) -> int:
             file=sys.stderr,
         )
         return EXIT_FAILURE
-    try:
-        result = bench_varlen.run(
-            kern,
-            max_seqlens=tuple(args.seqlens),
-            causal=args.causal,
-            tokens=args.tokens,
-            heads=heads,
-            rounds=args.rounds,
-            dtype_name=args.dtype,
-        )
-    except (ValueError, RuntimeError) as err:
-        print(f"fadsl bench: {err}", file=sys.stderr)
-        return EXIT_FAILURE
-    print(bench_varlen.table(result))
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1))
-    return EXIT_OK
+    return _bench_tool(
+        args, bench_varlen, kern=kern, max_seqlens=tuple(args.seqlens), causal=args.causal,
+        tokens=args.tokens, heads=heads, rounds=args.rounds, dtype_name=args.dtype,
+    )  # fmt: skip
 
 
 def _bench_kvcache(args: argparse.Namespace, kern) -> int:
     """`fadsl bench` on a `kv_cache` spec: decode steps, TB/s of K and V read, against cuDNN,
     FLASH and FA4 (fadsl/tools/bench_kvcache.py)."""
-    import json
-
     from .tools import bench_kvcache
 
     if args.against:
         print("fadsl bench: a kv_cache spec is timed alone; leave out --against", file=sys.stderr)
         return EXIT_FAILURE
-    try:
-        result = bench_kvcache.run(kern, rounds=args.rounds, dtype_name=args.dtype)
-    except (ValueError, RuntimeError) as err:
-        print(f"fadsl bench: {err}", file=sys.stderr)
-        return EXIT_FAILURE
-    print(bench_kvcache.table(result))
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1))
-    return EXIT_OK
+    return _bench_tool(args, bench_kvcache, kern=kern, rounds=args.rounds, dtype_name=args.dtype)
 
 
 def cmd_tune(args: argparse.Namespace) -> int:

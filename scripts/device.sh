@@ -50,6 +50,20 @@ fi
 
 steps=" $* "
 status=0
+# checked NAME TEST_FILE SANITIZE_SCRIPT [PYTEST_ARGS...]: a GPU test file, then compute-
+# sanitizer's racecheck, synccheck and memcheck on a script that runs the kernels once
+checked() {
+  local name=$1 tests=$2 script=$3
+  shift 3
+  python3 -P -m pytest -q -m gpu "$tests" -p no:cacheprovider --durations=5 --timeout=300 -rs "$@" 2>&1 | tee "$OUT/pytest_$name.log" | tail -25
+  status=$((status | ${PIPESTATUS[0]}))
+  for tool in racecheck synccheck memcheck; do
+    echo "== compute-sanitizer --tool $tool ($name)"
+    compute-sanitizer --tool $tool --report-api-errors no --error-exitcode 9 python3 -P "$script" 2>&1 \
+      | tee "$OUT/sanitize_${name}_$tool.log" | grep -E "ERROR SUMMARY|RACECHECK SUMMARY|Error|error" | tail -5
+    status=$((status | ${PIPESTATUS[0]}))
+  done
+}
 if [[ $steps == *" fa4stage "* ]]; then
   mkdir -p /tmp/fa4 && cp .fa4a/* /tmp/fa4/ && echo "fa4: first half staged in /tmp/fa4"
 fi
@@ -63,16 +77,8 @@ fi
 if [[ $steps == *" backward "* ]]; then
   # the backward's GPU tests, then its timing (BWD_SPECS: specs with a backward block,
   # written by the tests' training_spec into /tmp; BWD_SEQLENS)
-  if [[ ${BWD_TESTS:-1} == 1 ]]; then  # BWD_TESTS=0: timing only
-  python3 -P -m pytest -q -m gpu tests/test_gpu_backward.py -p no:cacheprovider --durations=5 --timeout=300 -rs -x 2>&1 | tee "$OUT/pytest_backward.log" | tail -25
-  status=$((status | ${PIPESTATUS[0]}))
-  for tool in racecheck synccheck memcheck; do
-    echo "== compute-sanitizer --tool $tool (backward)"
-    compute-sanitizer --tool $tool --report-api-errors no --error-exitcode 9 python3 -P scripts/sanitize_backward.py 2>&1 \
-      | tee "$OUT/sanitize_backward_$tool.log" | grep -E "ERROR SUMMARY|RACECHECK SUMMARY|Error|error" | tail -5
-    status=$((status | ${PIPESTATUS[0]}))
-  done
-  fi
+  # BWD_TESTS=0: timing only
+  [[ ${BWD_TESTS:-1} == 1 ]] && checked backward tests/test_gpu_backward.py scripts/sanitize_backward.py -x
   for name in ${BWD_SPECS:-}; do
     python3 -P -c "import sys; sys.path.insert(0, 'tests'); from test_gpu_backward import training_spec; open('/tmp/$name.fa', 'w').write(training_spec('$name'))"
     causal=$(grep -qE '^\s*mask\s+causal' /tmp/$name.fa && echo --causal)
@@ -84,16 +90,7 @@ if [[ $steps == *" varlen "* ]]; then
   # varlen (issue 31): its GPU tests, then compute-sanitizer on a ragged packed batch
   # (VARLEN_TESTS=0: neither); then `fadsl bench` on each spec of VARLEN_BENCH (mixed
   # lengths up to each of VARLEN_SEQLENS, VARLEN_TOKENS tokens, hidden 2048; FA4's varlen too)
-  if [[ ${VARLEN_TESTS:-1} == 1 ]]; then
-  python3 -P -m pytest -q -m gpu tests/test_gpu_varlen.py -p no:cacheprovider --durations=5 --timeout=300 -rs 2>&1 | tee "$OUT/pytest_varlen.log" | tail -25
-  status=$((status | ${PIPESTATUS[0]}))
-  for tool in racecheck synccheck memcheck; do
-    echo "== compute-sanitizer --tool $tool (varlen)"
-    compute-sanitizer --tool $tool --report-api-errors no --error-exitcode 9 python3 -P scripts/sanitize_varlen.py 2>&1 \
-      | tee "$OUT/sanitize_varlen_$tool.log" | grep -E "ERROR SUMMARY|RACECHECK SUMMARY|Error|error" | tail -5
-    status=$((status | ${PIPESTATUS[0]}))
-  done
-  fi
+  [[ ${VARLEN_TESTS:-1} == 1 ]] && checked varlen tests/test_gpu_varlen.py scripts/sanitize_varlen.py
   for spec in ${VARLEN_BENCH:-}; do
     causal=$(grep -qE '^\s*mask\s+causal' "$spec" && echo --causal)
     python3 -P -m fadsl.cli bench "$spec" $causal --hidden 2048 --seqlens ${VARLEN_SEQLENS:-1024,4096,16384} --tokens ${VARLEN_TOKENS:-32768} \
@@ -105,16 +102,7 @@ if [[ $steps == *" kvcache "* ]]; then
   # kv-cache calls (issue 31): the GPU tests, compute-sanitizer on ragged caches with split
   # pieces (KV_TESTS=0: neither), then `fadsl bench` on each spec of KV_BENCH (decode's bytes
   # of K and V a second against cuDNN and FA4)
-  if [[ ${KV_TESTS:-1} == 1 ]]; then
-  python3 -P -m pytest -q -m gpu tests/test_gpu_kvcache.py -p no:cacheprovider --durations=5 --timeout=300 -rs 2>&1 | tee "$OUT/pytest_kvcache.log" | tail -25
-  status=$((status | ${PIPESTATUS[0]}))
-  for tool in racecheck synccheck memcheck; do
-    echo "== compute-sanitizer --tool $tool (kvcache)"
-    compute-sanitizer --tool $tool --report-api-errors no --error-exitcode 9 python3 -P scripts/sanitize_kvcache.py 2>&1 \
-      | tee "$OUT/sanitize_kvcache_$tool.log" | grep -E "ERROR SUMMARY|RACECHECK SUMMARY|Error|error" | tail -5
-    status=$((status | ${PIPESTATUS[0]}))
-  done
-  fi
+  [[ ${KV_TESTS:-1} == 1 ]] && checked kvcache tests/test_gpu_kvcache.py scripts/sanitize_kvcache.py
   for spec in ${KV_BENCH:-}; do
     python3 -P -m fadsl.cli bench "$spec" --json "$OUT/kvcache_$(basename "$spec" .fa).json" 2>&1 | grep -v "^\[" | tee -a "$OUT/bench_kvcache.log" | tail -30
     status=$((status | ${PIPESTATUS[0]}))

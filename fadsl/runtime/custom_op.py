@@ -179,13 +179,7 @@ def _define_varlen(name: str):
         shape = varlen_lse_shape(q) if return_lse else (0,)
         return torch.empty_like(q), q.new_empty(shape, dtype=torch.float32)
 
-    def backward(ctx, grad_out, grad_lse):
-        raise RuntimeError(
-            f"fadsl kernel '{name}': varlen calls have no backward yet; call it under "
-            "torch.no_grad() or on detached q, k and v"
-        )
-
-    varlen.register_autograd(backward, setup_context=lambda ctx, inputs, output: None)
+    _without_backward(varlen, f"fadsl kernel '{name}': varlen calls have no backward yet")
     return varlen
 
 
@@ -233,11 +227,14 @@ def _define_kvcache(name: str):
         shape = lse_shape(q) if return_lse else (0,)
         return torch.empty_like(q), q.new_empty(shape, dtype=torch.float32)
 
-    def backward(ctx, grad_out, grad_lse):
-        raise RuntimeError(
-            f"fadsl kernel '{name}': kv-cache calls have no backward; call it under "
-            "torch.no_grad() or on detached tensors"
-        )
-
-    kvcache.register_autograd(backward, setup_context=lambda ctx, inputs, output: None)
+    _without_backward(kvcache, f"fadsl kernel '{name}': kv-cache calls have no backward")
     return kvcache
+
+
+def _without_backward(op, why: str) -> None:
+    """An autograd formula for ``op`` that raises ``why``: gradients are never dropped."""
+
+    def backward(ctx, grad_out, grad_lse):
+        raise RuntimeError(f"{why}; call it under torch.no_grad() or on detached inputs")
+
+    op.register_autograd(backward, setup_context=lambda ctx, inputs, output: None)

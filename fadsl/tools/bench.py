@@ -102,6 +102,46 @@ def _time(
     return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends)), readings
 
 
+def median_times(
+    contenders: dict[str, Callable[[int], object]],
+    warmup: int,
+    runs: int,
+    rounds: int | None = None,
+) -> dict[str, float]:
+    """Each contender timed ``rounds`` times (default: one whole design) in balanced orders,
+    the median of its medians in milliseconds (``_time`` with one input set)."""
+    names = list(contenders)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    orders = balanced_orders(len(names))
+    for r in range(rounds or len(orders)):
+        for i in orders[r % len(orders)]:
+            ms, _ = _time(contenders[names[i]], 1, warmup, runs)
+            times[names[i]].append(ms)
+    return {n: statistics.median(t) for n, t in times.items()}
+
+
+def ratio_table(
+    title: str, key_header: str, rows: list[dict], key_cells, metric: str, digits: int = 1
+) -> str:
+    """``title``, then a line per row: its key cells, each contender's ``metric`` (fadsl
+    first, the others in the order first seen), and fadsl's ratio to each other contender
+    ('-' where one was not timed)."""
+    seen = list(dict.fromkeys(n for row in rows for n in row[metric]))
+    names = sorted(seen, key=lambda n: n != "fadsl")  # (stable: fadsl first)
+    lines = [
+        title,
+        key_header + "  ".join(f"{n:>8}" for n in names) + "".join(f"  x{n:>7}" for n in names[1:]),
+    ]
+    for row in rows:
+        t = row[metric]
+        lines.append(
+            key_cells(row)
+            + "  ".join(f"{t[n]:8.{digits}f}" if n in t else f"{'-':>8}" for n in names)
+            + "".join(f"  {t['fadsl'] / t[n]:8.2f}" if n in t else f"  {'-':>8}" for n in names[1:])
+        )
+    return "\n".join(lines)
+
+
 def _pci_bus_id() -> str | None:
     """CUDA device 0's PCI address as NVML spells it (CUDA and NVML may number GPUs apart)."""
     import torch

@@ -12,7 +12,6 @@ the same inputs: a wrong kernel is never timed.
 
 from __future__ import annotations
 
-import statistics
 import sys
 from typing import Callable
 
@@ -22,8 +21,8 @@ from .bench import (
     DEFAULT_SEQLENS,
     _backends,
     _flash_attention_4,
-    _time,
-    balanced_orders,
+    median_times,
+    ratio_table,
     flops,
 )
 
@@ -93,18 +92,14 @@ def run(
             except Exception as err:  # FA4 not built for this shape: not timed
                 log(f"  fa4: not timed ({str(err).splitlines()[0][:80]})")
         names = list(contenders)
-        times: dict[str, list[float]] = {n: [] for n in names}
-        for order in balanced_orders(len(names)):
-            for i in order:
-                ms, _ = _time(contenders[names[i]], 1, warmup, runs)
-                times[names[i]].append(ms)
+        ms = median_times(contenders, warmup, runs, None)
         work = BACKWARD_FLOPS * flops(batch, heads, seqlen, seqlen, d, causal)
         row = {
             "seqlen": seqlen,
             "batch": batch,
             "heads": heads,
             "head_dim": d,
-            "ms": {n: statistics.median(t) for n, t in times.items()},
+            "ms": ms,
         }
         row["tflops"] = {n: work / (ms * 1e-3) / 1e12 for n, ms in row["ms"].items()}
         rows.append(row)
@@ -137,17 +132,11 @@ def _check(ours, theirs, name: str, seqlen: int) -> None:
 
 
 def table(result: dict) -> str:
-    rows = result["rows"]
-    names = list(rows[0]["tflops"]) if rows else []
-    lines = [
-        f"{result['kernel']} backward ({'causal' if result['causal'] else 'no mask'}), TF/s = 2.5 x forward FLOPs / time",
-        "seqlen  " + "  ".join(f"{n:>8}" for n in names) + "".join(f"  x{n:>7}" for n in names[1:]),
-    ]
-    for row in rows:
-        t = row["tflops"]
-        lines.append(
-            f"{row['seqlen']:6d}  "
-            + "  ".join(f"{t[n]:8.1f}" for n in names)
-            + "".join(f"  {t['fadsl'] / t[n]:8.2f}" for n in names[1:])
-        )
-    return "\n".join(lines)
+    mask = "causal" if result["causal"] else "no mask"
+    return ratio_table(
+        f"{result['kernel']} backward ({mask}), TF/s = 2.5 x forward FLOPs / time",
+        "seqlen  ",
+        result["rows"],
+        lambda row: f"{row['seqlen']:6d}  ",
+        "tflops",
+    )

@@ -13,12 +13,11 @@ in balanced orders (bench.py's Williams design), warm-up first, median of the ro
 
 from __future__ import annotations
 
-import statistics
 import sys
 from typing import Callable
 
 from ..runtime.attention import FlashAttention
-from .bench import _backends, _time, balanced_orders
+from .bench import _backends, median_times, ratio_table
 
 # (batch, keys per sequence): batch 1 to 128, 4k to 128k keys, at most 1M keys in all
 DEFAULT_SHAPES = (
@@ -119,17 +118,12 @@ def run(
         if graphs:
             contenders = {n: _graphed(fn) for n, fn in contenders.items()}
         names = list(contenders)
-        times: dict[str, list[float]] = {n: [] for n in names}
-        orders = balanced_orders(len(names))
-        for r in range(rounds or len(orders)):
-            for i in orders[r % len(orders)]:
-                ms, _ = _time(contenders[names[i]], 1, warmup, runs)
-                times[names[i]].append(ms)
+        ms = median_times(contenders, warmup, runs, rounds)
         kv_bytes = 2 * batch * length * heads_kv * d * k.element_size()
         row = {
             "batch": batch,
             "length": length,
-            "ms": {n: statistics.median(t) for n, t in times.items()},
+            "ms": ms,
         }
         row["tb_per_s"] = {n: kv_bytes / (ms * 1e-3) / 1e12 for n, ms in row["ms"].items()}
         rows.append(row)
@@ -165,21 +159,13 @@ def _graphed(fn: Callable[[int], object]) -> Callable[[int], object]:
 
 
 def table(result: dict) -> str:
-    rows = result["rows"]
-    names = sorted({n for row in rows for n in row["tb_per_s"]}, key=lambda n: n != "fadsl")
-    lines = [
+    return ratio_table(
         f"{result['kernel']} decode (page {result['page_size'] or 'contiguous'}, heads "
         f"{result['heads'][0]}/{result['heads'][1]}, {result['dtype']}): TB/s of K and V read"
         + (", each call a CUDA graph replay" if result["graphs"] else ""),
-        "batch  keys    "
-        + "  ".join(f"{n:>7}" for n in names)
-        + "".join(f"  x{n:>6}" for n in names[1:]),
-    ]
-    for row in rows:
-        t = row["tb_per_s"]
-        lines.append(
-            f"{row['batch']:5d}  {row['length']:6d}  "
-            + "  ".join(f"{t[n]:7.2f}" if n in t else f"{'-':>7}" for n in names)
-            + "".join(f"  {t['fadsl'] / t[n]:7.2f}" if n in t else f"  {'-':>7}" for n in names[1:])
-        )
-    return "\n".join(lines)
+        "batch  keys    ",
+        result["rows"],
+        lambda row: f"{row['batch']:5d}  {row['length']:6d}  ",
+        "tb_per_s",
+        digits=2,
+    )

@@ -14,12 +14,11 @@ rounds' medians.
 from __future__ import annotations
 
 import random
-import statistics
 import sys
 from typing import Callable
 
 from ..runtime.attention import FlashAttention
-from .bench import DEFAULT_HEADS, _time, balanced_orders
+from .bench import DEFAULT_HEADS, median_times, ratio_table
 
 DEFAULT_MAX_SEQLENS = (1024, 4096, 16384)
 # fadsl's output against float32 attention, as a share of the largest output entry
@@ -91,12 +90,7 @@ def run(
             except Exception as err:  # FA4 not built for this shape: not timed
                 log(f"  fa4: not timed ({str(err).splitlines()[0][:80]})")
         names = list(contenders)
-        times: dict[str, list[float]] = {n: [] for n in names}
-        orders = balanced_orders(len(names))
-        for r in range(rounds or len(orders)):
-            for i in orders[r % len(orders)]:
-                ms, _ = _time(contenders[names[i]], 1, warmup, runs)
-                times[names[i]].append(ms)
+        ms = median_times(contenders, warmup, runs, rounds)
         work = sum(4.0 * heads * n * n * d for n in lengths) / (2 if causal else 1)
         row = {
             "max_seqlen": max_len,
@@ -104,7 +98,7 @@ def run(
             "tokens": tokens,
             "heads": heads,
             "head_dim": d,
-            "ms": {n: statistics.median(t) for n, t in times.items()},
+            "ms": ms,
         }
         row["tflops"] = {n: work / (ms * 1e-3) / 1e12 for n, ms in row["ms"].items()}
         rows.append(row)
@@ -148,20 +142,12 @@ def _check(out, q, k, v, lengths, scale, causal, max_len) -> None:
 
 def table(result: dict) -> str:
     rows = result["rows"]
-    names = list(rows[0]["tflops"]) if rows else []
-    lines = [
+    return ratio_table(
         f"{result['kernel']} varlen ({'causal' if result['causal'] else 'no mask'}, "
         f"{result['dtype']}), lengths uniform in [L/8, L], {rows[0]['tokens'] if rows else 0} "
         "tokens",
-        "max L  seqs  "
-        + "  ".join(f"{n:>8}" for n in names)
-        + "".join(f"  x{n:>7}" for n in names[1:]),
-    ]
-    for row in rows:
-        t = row["tflops"]
-        lines.append(
-            f"{row['max_seqlen']:5d}  {row['sequences']:4d}  "
-            + "  ".join(f"{t[n]:8.1f}" for n in names)
-            + "".join(f"  {t['fadsl'] / t[n]:8.2f}" for n in names[1:])
-        )
-    return "\n".join(lines)
+        "max L  seqs  ",
+        rows,
+        lambda row: f"{row['max_seqlen']:5d}  {row['sequences']:4d}  ",
+        "tflops",
+    )
