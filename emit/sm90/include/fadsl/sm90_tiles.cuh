@@ -107,17 +107,12 @@ struct TileWork {
   const int* pages;  // a paged kv_cache: the batch's row of the page table
 };
 
-// The tile's sequence lengths: FwdParams' for a padded batch, its own sequence's with varlen.
+// The tile's query rows: FwdParams' for a padded batch, its own sequence's with varlen (its
+// keys, w.seqlen_k, are set for every tile).
 template <class Cfg>
 __device__ __forceinline__ int seqlen_q(const FwdParams& p, const TileWork& w) {
   if constexpr (Cfg::kVarlen) return w.seqlen_q;
   return p.seqlen_q;
-}
-
-template <class Cfg>
-__device__ __forceinline__ int seqlen_k(const FwdParams& p, const TileWork& w) {
-  if constexpr (Cfg::kVarlen || Cfg::kKvCache) return w.seqlen_k;
-  return p.seqlen_k;
 }
 
 // Row `row` of the tile's sequence as a row of the tensor (TMA's row coordinate): packed
