@@ -404,7 +404,8 @@ def test_kvcache_grids_and_partials(monkeypatch):
     assert kvcache.tiles(kernel, a) == 16
     assert kvcache.kvcache_grid(kernel, _shape(2, 4096, splits=4)) == (64, 1, 1)
     assert kvcache.kvcache_grid(kernel, _shape(2, 4096, splits=20)) == (132, 1, 1)  # one per SM
-    assert kvcache.combine_grid(kernel, a) == (16, 1, 1)  # one consumer warpgroup a tile
+    # one consumer warpgroup a tile; head_dim 128 in slices of 16 columns
+    assert kvcache.combine_grid(kernel, a) == (16, 8, 1)
     assert kvcache.partial_floats(kernel, a, 4) == 16 * 4 * 128 * (64 + 4)
     unpacked = _with(kernel, pack_gqa=False)
     assert kvcache.tiles(unpacked, a) == 2 * 32  # a tile per query head
@@ -500,3 +501,14 @@ def test_num_splits_needs_splits_auto():
     q = torch.zeros(1, 1, 8, 128, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="num_splits=3: kernel 'whole_tiles' runs whole tiles"):
         kern.kvcache(q, q, q, torch.zeros(1, dtype=torch.int32), num_splits=3)
+
+
+def test_combine_slices_match_the_device_header():
+    """The host's slice width is the header's kCombineVecs float4s of 8 columns each."""
+    import re
+
+    from fadsl.codegen.render import read_header
+
+    text = read_header("fadsl/sm90_kvcache.cuh")
+    vecs = int(re.search(r"kCombineVecs = (\d+)", text).group(1))
+    assert kvcache.COMBINE_SLICE_COLUMNS == 8 * vecs

@@ -133,9 +133,39 @@ __device__ __forceinline__ void write_split_partial(float4* mine, const float (&
   mine[128 * kOVecs] = make_float4(m[0], m[1], l[0], l[1]);
 }
 
-// Every piece's partial of a split tile (this thread's place in each), combined in piece
-// order from piece 0, so that the result has the same bits whichever piece wrote last:
-// m = max_i m_i, l = sum_i l_i 2^((m_i - m) c), O likewise (-inf maxima give factors of 0).
+// One piece's partial (m and l in `ml`, N of this thread's O registers in `x`: whole float4s,
+// element 4k + e of row (e / 2) % 2) merged into the running (o, m, l); the first piece is
+// taken as it is. m = max(m, m_i), l = l 2^((m - m') c) + l_i 2^((m_i - m') c) with the
+// rounded references, O likewise (-inf maxima give factors of 0). The split tail's combine
+// and <kernel>_combine both merge through this, in piece order from piece 0.
+template <int N>
+__device__ __forceinline__ void merge_piece(float (&o)[N], const float (&x)[N], float (&m)[2], float (&l)[2], float4 ml,
+                                            bool first, float scale_log2) {
+  const float part_m[2] = {ml.x, ml.y}, part_l[2] = {ml.z, ml.w};
+  float keep[2] = {1.f, 1.f}, add[2] = {1.f, 1.f};
+  if (!first) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const float mx = fmaxf(m[r], part_m[r]);
+      const float ref = scaled_max(mx, scale_log2);  // -inf maxima give factors of 0
+      keep[r] = fast_exp2(__fmul_rn(m[r], scale_log2) - ref);  // the rounded references
+      add[r] = fast_exp2(__fmul_rn(part_m[r], scale_log2) - ref);
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    l[r] = first ? part_l[r] : l[r] * keep[r] + part_l[r] * add[r];
+    m[r] = first ? part_m[r] : fmaxf(m[r], part_m[r]);
+  }
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    const int r = (i / 2) % 2;
+    o[i] = first ? x[i] : o[i] * keep[r] + x[i] * add[r];
+  }
+}
+
+// Every piece's partial of a split tile (this thread's place in each), merged in piece order
+// from piece 0, so that the result has the same bits whichever piece wrote last.
 template <class Cfg>
 __device__ __forceinline__ void merge_split_partials(const FwdParamsSm90& P, int split_tile, int wg, int thread,
                                                      float (&o)[Cfg::kORegs], float (&m)[2], float (&l)[2],
@@ -144,32 +174,13 @@ __device__ __forceinline__ void merge_split_partials(const FwdParamsSm90& P, int
   for (int split = 0; split < P.splits; ++split) {
     const float4* part = split_partial<Cfg>(P, split_tile, split, wg, thread);
     const float4 ml = __ldcg(part + 128 * kOVecs);  // L2: written by another SM
-    const float part_m[2] = {ml.x, ml.y}, part_l[2] = {ml.z, ml.w};
-    float keep[2] = {1.f, 1.f}, add[2] = {1.f, 1.f};
-    if (split > 0) {
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const float mx = fmaxf(m[r], part_m[r]);
-        const float ref = scaled_max(mx, scale_log2);  // -inf maxima give factors of 0
-        keep[r] = fast_exp2(__fmul_rn(m[r], scale_log2) - ref);  // the rounded references
-        add[r] = fast_exp2(__fmul_rn(part_m[r], scale_log2) - ref);
-      }
-    }
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      l[r] = split > 0 ? l[r] * keep[r] + part_l[r] * add[r] : part_l[r];
-      m[r] = split > 0 ? fmaxf(m[r], part_m[r]) : part_m[r];
-    }
+    float x[Cfg::kORegs];
 #pragma unroll
     for (int k = 0; k < kOVecs; ++k) {
       const float4 v = __ldcg(part + 128 * k);
-      const float x[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int r = (e / 2) % 2;  // register 4j + 2r + e' holds row r
-        o[4 * k + e] = split > 0 ? o[4 * k + e] * keep[r] + x[e] * add[r] : x[e];
-      }
+      x[4 * k] = v.x, x[4 * k + 1] = v.y, x[4 * k + 2] = v.z, x[4 * k + 3] = v.w;
     }
+    merge_piece(o, x, m, l, ml, split == 0, scale_log2);
   }
 }
 

@@ -26,11 +26,12 @@ __device__ __forceinline__ void write_empty_partial(const FwdParamsSm90& P, cons
   write_split_partial<Cfg>(split_partial<Cfg>(P, w.split_tile, w.split, wg, thread), o, m, l);
 }
 
-// This thread's O registers (normalised) straight to global memory: register 4j + 2r + e is
-// row 16 warp + lane / 4 + 8r, column 8j + 2 (lane % 4) + e of the warpgroup's 64 rows.
-template <class Cfg>
+// This thread's O registers (normalised) straight to global memory: o[4j' + 2r + e], j' < N / 4,
+// is row 16 warp + lane / 4 + 8r, column 8 (first_j + j') + 2 (lane % 4) + e of the
+// warpgroup's 64 rows (its wgmma register 4 (first_j + j') + 2r + e).
+template <class Cfg, int N>
 __device__ __forceinline__ void store_o_registers(const FwdParams& p, const TileWork& w, const RowLimits& rows,
-                                                  const float (&o)[Cfg::kORegs], int lane) {
+                                                  const float (&o)[N], int first_j, int lane) {
   using T = typename Cfg::T;
   const int group = Cfg::kPackGQA ? p.heads_q / p.heads_kv : 1;
 #pragma unroll
@@ -41,29 +42,67 @@ __device__ __forceinline__ void store_o_registers(const FwdParams& p, const Tile
     if (query >= p.seqlen_q) continue;
     T* out = static_cast<T*>(p.o) + w.batch * p.o_batch_stride + head * p.o_head_stride + query * p.o_seq_stride;
 #pragma unroll
-    for (int j = 0; j < Cfg::kHeadDim / 8; ++j) {
+    for (int j = 0; j < N / 4; ++j) {
       const uint32_t pair = pack_f32x2<T>(o[4 * j + 2 * r], o[4 * j + 2 * r + 1]);
-      *reinterpret_cast<uint32_t*>(out + 8 * j + 2 * (lane % 4)) = pair;
+      *reinterpret_cast<uint32_t*>(out + 8 * (first_j + j) + 2 * (lane % 4)) = pair;
     }
   }
 }
 
-// <kernel>_combine: one CTA of 128 threads per (split tile, consumer warpgroup), each thread
-// the warpgroup thread whose registers it combines: every piece's partial, then the row sums,
-// O / l, the LSE and O's rows (the tile's rows past seqlen_q are not written).
+// <kernel>_combine's work split: each thread combines kCombineVecs float4s of its warpgroup
+// thread's O registers (a slice of its columns; blockIdx.y picks the slice), the pieces read
+// kCombineBatch at a time (their loads in flight together: one piece after another waited a
+// memory latency each, 14 us of a 153 us decode step at 16 pieces, H200 session 18).
+constexpr int kCombineVecs = 2, kCombineBatch = 8;
+
+template <class Cfg>
+constexpr int combine_slices() {
+  static_assert(Cfg::kORegs % (4 * kCombineVecs) == 0, "O's registers in whole slices");
+  return Cfg::kORegs / (4 * kCombineVecs);
+}
+
+// <kernel>_combine: CTAs (split tile x consumer warpgroup, slice of O's columns) of 128
+// threads, each the warpgroup thread whose registers it combines: every piece's partial in
+// piece order (merge_piece, as the split tail merges), then the row sums, O / l, the LSE
+// (slice 0) and O's rows. A warp whose 16 rows all lie past the tile's rows (decode's packed
+// tiles hold G x seqlen_q of 64) stops at once: nothing of it is stored.
 template <class Cfg>
 __device__ __forceinline__ void combine_pieces(const FwdParamsSm90& P) {
+  constexpr int kOVecs = Cfg::kORegs / 4, kN = 4 * kCombineVecs;
   const int split_tile = blockIdx.x / Cfg::kConsumerWGs, wg = blockIdx.x % Cfg::kConsumerWGs;
+  const int first_vec = blockIdx.y * kCombineVecs;
   const int thread = threadIdx.x, warp = thread / 32, lane = thread % 32;
-  const float scale_log2 = P.base.softmax_scale * 1.4426950408889634f;
-  float o[Cfg::kORegs], m[2], l[2];
-  merge_split_partials<Cfg>(P, split_tile, wg, thread, o, m, l, scale_log2);
-  row_sum_quad(l);
-  normalize_o<Cfg>(o, l);
   const TileWork w = tile_work<Cfg>(P, tile_coords<Cfg>(P, P.split_start + split_tile));
   const RowLimits rows = row_limits<Cfg>(w, wg, warp, lane);
-  store_lse<Cfg>(P.base, w, rows, m, l, scale_log2, lane);
-  store_o_registers<Cfg>(P.base, w, rows, o, lane);
+  if (rows.row0 - lane / 4 >= tile_rows<Cfg>(P.base)) return;  // the warp's first row: warp-uniform
+  const float scale_log2 = P.base.softmax_scale * 1.4426950408889634f;
+  float o[kN] = {}, m[2] = {}, l[2] = {};
+  for (int base = 0; base < P.splits; base += kCombineBatch) {
+    float4 ml[kCombineBatch];
+    float x[kCombineBatch][kN];
+#pragma unroll
+    for (int i = 0; i < kCombineBatch; ++i) {
+      if (base + i >= P.splits) break;
+      const float4* part = split_partial<Cfg>(P, split_tile, base + i, wg, thread);
+      ml[i] = __ldcg(part + 128 * kOVecs);  // L2: written by other SMs
+#pragma unroll
+      for (int v = 0; v < kCombineVecs; ++v) {
+        const float4 t = __ldcg(part + 128 * (first_vec + v));
+        x[i][4 * v] = t.x, x[i][4 * v + 1] = t.y, x[i][4 * v + 2] = t.z, x[i][4 * v + 3] = t.w;
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < kCombineBatch; ++i) {
+      if (base + i >= P.splits) break;
+      merge_piece(o, x[i], m, l, ml[i], base + i == 0, scale_log2);
+    }
+  }
+  row_sum_quad(l);
+  const float inv[2] = {l[0] == 0.f ? 0.f : 1.f / l[0], l[1] == 0.f ? 0.f : 1.f / l[1]};  // as normalize_o
+#pragma unroll
+  for (int i = 0; i < kN; ++i) o[i] *= inv[(i / 2) % 2];
+  if (blockIdx.y == 0) store_lse<Cfg>(P.base, w, rows, m, l, scale_log2, lane);
+  store_o_registers<Cfg>(P.base, w, rows, o, first_vec, lane);
 }
 
 }  // namespace fadsl::sm90

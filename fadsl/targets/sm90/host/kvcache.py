@@ -30,6 +30,9 @@ from .launch import (
 
 COMBINE_SUFFIX = "_combine"  # the combine kernel's symbol after the attention kernel's
 COMBINE_THREADS = 128
+# head_dim columns a combine CTA handles: 8 per float4 of a thread's O registers, times
+# fadsl/sm90_kvcache.cuh's kCombineVecs (2)
+COMBINE_SLICE_COLUMNS = 16
 # FwdParamsSm90's kv_cache fields after the varlen ones: cache_seqlens, page_table,
 # page_table_stride (tests/test_params.py checks them against the C++ struct)
 KVCACHE_TAIL = struct.Struct("<QQi")  # (no padding: the struct pads its tail)
@@ -111,7 +114,9 @@ def kvcache_grid(kernel: Kernel, a) -> tuple[int, int, int]:
 
 
 def combine_grid(kernel: Kernel, a) -> tuple[int, int, int]:
-    return (tiles(kernel, a) * kernel.config.ext.consumers, 1, 1)
+    """(split tile x consumer warpgroup, slice of head_dim's columns): combine_pieces."""
+    slices = kernel.config.head_dim // COMBINE_SLICE_COLUMNS
+    return (tiles(kernel, a) * kernel.config.ext.consumers, slices, 1)
 
 
 def pack_kvcache_params(kernel: Kernel, a: KvCacheArgs) -> bytes:

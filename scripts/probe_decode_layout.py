@@ -1,0 +1,138 @@
+"""Where decode's bandwidth goes (issue 31): the same bytes of K and V read in four layouts.
+
+For each (batch, keys) shape, every contender reads the same number of K/V bytes (GQA 32/8,
+head_dim 128, bf16, one query row), each as a CUDA-graph replay in balanced orders:
+  fadsl:hkv8       the decode spec on a (pages, page, 8, 128) cache: each token's K/V heads
+                   interleaved, so a CTA reads 256 of every 2048 bytes
+  fadsl:hkv1       the same bytes as 8x the batch with one K/V head (4 query heads): a CTA
+                   reads whole 256-byte token rows, pages contiguous
+  cudnn:bhsd       SDPA's cuDNN backend on contiguous (batch, heads, keys, head_dim)
+  cudnn:bshd       cuDNN on the interleaved (batch, keys, heads, head_dim) layout (a view)
+  copy             torch's device-to-device copy of the same K and V bytes (each byte read
+                   once and written once; shown as those bytes a second)
+  fadsl:hkv8:sN    with PROBE_SPLITS="N ...": num_splits=N given (N pieces a tile)
+  dev:hkv8         with PROBE_DEFINES="NAME=VALUE ...": a development build of the spec with
+                   those #defines (FlashAttention.use_development_build); PROBE_DEV_ONLY=1
+                   runs it in place of the shipped build (checked against float32 likewise)
+PROBE_SHAPES ("1x131072 128x8192"), PROBE_LABELS ("hkv8"), PROBE_BASELINES=0 (no cuDNN, copy).
+Session 18's findings (H200) are in docs/performance.md (decode).
+
+Usage: python3 -P scripts/probe_decode_layout.py [SPEC ...]
+"""
+
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import fadsl
+from fadsl.tools.bench import median_times
+from fadsl.tools.bench_kvcache import _graphed
+
+SHAPES = [(1, 131072), (8, 16384), (32, 4096), (128, 8192)]
+if os.environ.get("PROBE_SHAPES"):  # "1x131072 128x8192"
+    SHAPES = [tuple(map(int, s.split("x"))) for s in os.environ["PROBE_SHAPES"].split()]
+LABELS = os.environ.get("PROBE_LABELS", "hkv8 hkv1").split()
+BASELINES = os.environ.get("PROBE_BASELINES", "1") == "1"
+specs = sys.argv[1:] or ["tests/specs/sm90/fa3_decode_paged.fa"]
+dtype = torch.bfloat16
+d = 128
+
+
+def paged_cache(k_bhsd, page, table=None):
+    """(pages, page, heads, d) holding k_bhsd's keys under ``table`` (default: a random one)."""
+    batch, heads, length, _ = k_bhsd.shape
+    per = -(-length // page)
+    if table is None:
+        order = torch.randperm(batch * per, device="cuda")
+        table = order.view(batch, per).to(torch.int32).contiguous()
+    order = table.view(-1).long()
+    cache = torch.empty(batch * per, page, heads, d, device="cuda", dtype=dtype)
+    flat = F.pad(k_bhsd.transpose(1, 2), (0, 0, 0, 0, 0, per * page - length))
+    cache[order] = flat.reshape(batch * per, page, heads, d)
+    return cache, table
+
+
+for spec in specs:
+    kern = fadsl.load(spec, verbose=False)
+    dev = None
+    if os.environ.get("PROBE_DEFINES"):  # "NAME=VALUE ...": a development build beside it
+        text = open(spec).read().replace(f"kernel {kern.config.name}", "kernel probe_dev", 1)
+        dev = fadsl.load(text, verbose=False)
+        defines = dict(d.split("=") for d in os.environ["PROBE_DEFINES"].split())
+        from fadsl.runtime.attention import arch_of
+
+        dev.use_development_build(kern.config.dtypes[0], arch_of(0), defines)
+    page = kern.config.ext.kv_cache
+    print(f"== {kern.config.name} (page {page or 'contiguous'})", flush=True)
+    for batch, length in SHAPES:
+        contenders = {}
+        for label, b, hq, hkv in (("hkv8", batch, 32, 8), ("hkv1", batch * 8, 4, 1)):
+            if label not in LABELS:
+                continue
+            q = torch.randn(b, 1, hq, d, device="cuda", dtype=dtype)
+            k = torch.randn(b, hkv, length, d, device="cuda", dtype=dtype)
+            v = torch.randn_like(k)
+            seqlens = torch.full((b,), length, dtype=torch.int32, device="cuda")
+            if page:
+                kc, table = paged_cache(k, page)
+                vc, _ = paged_cache(v, page, table)
+            else:
+                table = None
+                kc = k.transpose(1, 2).contiguous()
+                vc = v.transpose(1, 2).contiguous()
+            out = torch.empty_like(q)
+            main = dev if os.environ.get("PROBE_DEV_ONLY") else kern
+            call = lambda _, q=q, kc=kc, vc=vc, s=seqlens, t=table, o=out, main=main: main.kvcache(
+                q, kc, vc, s, t, out=o
+            )
+            call(0)
+            ref = F.scaled_dot_product_attention(
+                q.transpose(1, 2).float(), k.float(), v.float(), enable_gqa=True
+            ).transpose(1, 2)
+            err = (out.float() - ref).abs().max().item()
+            assert err < 0.02, (label, err)
+            contenders[f"fadsl:{label}"] = call
+            if dev is not None and main is kern:
+                contenders[f"dev:{label}"] = (
+                    lambda _, q=q, kc=kc, vc=vc, s=seqlens, t=table, o=out: dev.kvcache(
+                        q, kc, vc, s, t, out=o
+                    )
+                )
+            for n in os.environ.get("PROBE_SPLITS", "").split():  # pieces per tile, given
+                contenders[f"fadsl:{label}:s{n}"] = (
+                    lambda _, q=q, kc=kc, vc=vc, s=seqlens, t=table, o=out, n=int(n): kern.kvcache(
+                        q, kc, vc, s, t, num_splits=n, out=o
+                    )
+                )
+            if label == "hkv8" and BASELINES:
+                qt = q.transpose(1, 2)
+                k_bshd = k.transpose(1, 2).contiguous()
+                v_bshd = v.transpose(1, 2).contiguous()
+
+                def cudnn_bhsd(_, qt=qt, k=k, v=v):
+                    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+                        return F.scaled_dot_product_attention(qt, k, v, enable_gqa=True)
+
+                def cudnn_bshd(_, qt=qt, k=k_bshd, v=v_bshd):
+                    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+                        return F.scaled_dot_product_attention(
+                            qt, k.transpose(1, 2), v.transpose(1, 2), enable_gqa=True
+                        )
+
+                contenders["cudnn:bhsd"] = cudnn_bhsd
+                try:
+                    cudnn_bshd(0)
+                    contenders["cudnn:bshd"] = cudnn_bshd
+                except RuntimeError as err:
+                    print(f"  cudnn:bshd not timed: {str(err)[:80]}")
+                src = torch.cat([k.flatten(), v.flatten()])
+                dst = torch.empty_like(src)
+                contenders["copy"] = lambda _, s=src, o=dst: o.copy_(s)
+        contenders = {n: _graphed(fn) for n, fn in contenders.items()}
+        ms = median_times(contenders, 8, 32)
+        kv_bytes = 2 * batch * length * 8 * d * 2
+        cells = "  ".join(f"{n} {kv_bytes / (t * 1e-3) / 1e12:5.2f}" for n, t in ms.items())
+        print(f"  {batch:3d} x {length:6d}: {cells} TB/s", flush=True)
