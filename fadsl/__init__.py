@@ -1,6 +1,8 @@
 """fadsl: a compiler from a short declarative spec to FlashAttention kernels in CUDA.
 
-The public API: ``attention`` (attention through a shipped spec for the GPU), ``append_kv``
+The public API: ``attention`` (attention through a shipped spec for the GPU),
+``attention_varlen`` and ``attention_with_kvcache`` (packed batches and KV caches through the
+shipped serving specs, FlashAttention's conventions), ``append_kv``
 (new tokens' keys and values into a KV cache, before a `kv_cache` kernel's call), ``load`` (a
 spec's file or text -> a ``FlashAttention``, a torch operator), ``build_ahead``, ``tune`` (a
 spec's knobs searched on this GPU -> a ``TuneResult``), the errors a spec or a build can raise,
@@ -11,7 +13,7 @@ from ._version import __version__
 
 from .errors import BuildError, Loc, SpecError
 from .runtime.attention import FlashAttention, build_ahead, load
-from .runtime.dispatch import attention
+from .runtime.dispatch import attention, attention_varlen, attention_with_kvcache
 from .runtime.kvcache import append_kv
 from .tools.tune import NoGPUError, TuneResult, tune
 
@@ -25,6 +27,8 @@ __all__ = [
     "TuneResult",
     "append_kv",
     "attention",
+    "attention_varlen",
+    "attention_with_kvcache",
     "build_ahead",
     "load",
     "tune",

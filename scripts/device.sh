@@ -7,7 +7,8 @@
 # Usage (repo root, on the device):
 #   bash scripts/device.sh [fa4stage] [numerics] [backward] [varlen] [kvcache] [tests] [sanitize] [trace] [probe] [bench ARGS...]
 #   varlen: tests/test_gpu_varlen.py, then compute-sanitizer on scripts/sanitize_varlen.py
-#   kvcache: tests/test_gpu_kvcache.py, compute-sanitizer on scripts/sanitize_kvcache.py, KV_BENCH
+#   kvcache: tests/test_gpu_kvcache.py and test_gpu_serving_api.py (fadsl.attention_varlen and
+#   attention_with_kvcache), compute-sanitizer on scripts/sanitize_kvcache.py, KV_BENCH
 #   tune: fadsl tune on TUNE_SPEC within TUNE_BUDGET minutes, the winner then timed beside TUNE_AGAINST
 #   backward: tests/test_gpu_backward.py, then the backward timed (fadsl bench --backward)
 #   for each example named in BWD_SPECS (NAME: with `backward {}` added; NAME+KEY...: those keys
@@ -102,7 +103,7 @@ if [[ $steps == *" kvcache "* ]]; then
   # kv-cache calls (issue 31): the GPU tests, compute-sanitizer on ragged caches with split
   # pieces (KV_TESTS=0: neither), then `fadsl bench` on each spec of KV_BENCH (decode's bytes
   # of K and V a second against cuDNN and FA4)
-  [[ ${KV_TESTS:-1} == 1 ]] && checked kvcache tests/test_gpu_kvcache.py scripts/sanitize_kvcache.py
+  [[ ${KV_TESTS:-1} == 1 ]] && checked kvcache tests/test_gpu_kvcache.py scripts/sanitize_kvcache.py tests/test_gpu_serving_api.py
   for spec in ${KV_BENCH:-}; do
     python3 -P -m fadsl.cli bench "$spec" --json "$OUT/kvcache_$(basename "$spec" .fa).json" 2>&1 | grep -v "^\[" | tee -a "$OUT/bench_kvcache.log" | tail -30
     status=$((status | ${PIPESTATUS[0]}))

@@ -36,7 +36,7 @@ if os.environ.get("PROBE_SHAPES"):  # "1x131072 128x8192"
     SHAPES = [tuple(map(int, s.split("x"))) for s in os.environ["PROBE_SHAPES"].split()]
 LABELS = os.environ.get("PROBE_LABELS", "hkv8 hkv1").split()
 BASELINES = os.environ.get("PROBE_BASELINES", "1") == "1"
-specs = sys.argv[1:] or ["tests/specs/sm90/fa3_decode_paged.fa"]
+specs = sys.argv[1:] or ["examples/serving/fa3_decode_paged.fa"]
 dtype = torch.bfloat16
 d = 128
 

@@ -1,4 +1,4 @@
-"""Run the kv-cache specs (tests/specs/sm90/fa3_decode*.fa) once per dtype on ragged cache
+"""Run the kv-cache specs (examples/serving/fa3_decode*.fa, tests/specs/sm90/fa3_decode*.fa) once per dtype on ragged cache
 lengths (0, 1, page edges, a long one) with split pieces, for compute-sanitizer.
 
 Usage: compute-sanitizer --tool racecheck python3 -P scripts/sanitize_kvcache.py
@@ -13,7 +13,9 @@ import fadsl
 ROOT = Path(__file__).resolve().parent.parent
 LENGTHS = [0, 1, 63, 64, 65, 700, 2000]
 
-for path in sorted((ROOT / "tests" / "specs" / "sm90").glob("fa3_decode*.fa")):
+for path in sorted((ROOT / "examples" / "serving").glob("fa3_decode*.fa")) + sorted(
+    (ROOT / "tests" / "specs" / "sm90").glob("fa3_decode*.fa")
+):
     kern = fadsl.load(str(path), verbose=False)
     page = kern.config.ext.kv_cache
     for dtype in kern.config.dtypes:

@@ -1,4 +1,4 @@
-"""Run the varlen specs (tests/specs/sm90/fa3_varlen*.fa) once per dtype on a ragged packed
+"""Run the varlen specs (examples/serving/fa3_varlen*.fa) once per dtype on a ragged packed
 batch with more tiles than SMs (lengths 0, 1, tails, a long one; GQA), for compute-sanitizer.
 
 Usage: compute-sanitizer --tool racecheck python3 -P scripts/sanitize_varlen.py
@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parent.parent
 LENGTHS_Q = [1, 300, 0, 129, 700, 64, 5, 900] * 3
 LENGTHS_K = [1, 200, 5, 0, 700, 500, 5, 900] * 3
 
-for path in sorted((ROOT / "tests" / "specs" / "sm90").glob("fa3_varlen*.fa")):
+for path in sorted((ROOT / "examples" / "serving").glob("fa3_varlen*.fa")):
     kern = fadsl.load(str(path), verbose=False)
     d = kern.config.head_dim
     for dtype in kern.config.dtypes:

@@ -39,6 +39,17 @@ def test_generated_cuda_is_current(example, golden):
         golden.check(GENERATED / name, read_header(name))
 
 
+SERVING = sorted((ROOT / "examples" / "serving").glob("*.fa"))
+
+
+@pytest.mark.parametrize("spec", SERVING, ids=[p.stem for p in SERVING])
+def test_generated_serving_cuda_is_current(spec, golden):
+    """The serving specs fadsl.attention_varlen / attention_with_kvcache rewrite, as shipped."""
+    compiled = compile_file(spec.relative_to(ROOT))
+    for source in sources(compiled):
+        golden.check(GENERATED / source.filename, source.text)
+
+
 def test_rendering_is_deterministic(example):
     compiled = compile_file(example.relative_to(ROOT))
     again = compile_file(example.relative_to(ROOT))

@@ -1,4 +1,4 @@
-"""KV-cache calls on the GPU (issue 31): `kv_cache` specs (tests/specs/sm90/fa3_decode*.fa and
+"""KV-cache calls on the GPU (issue 31): `kv_cache` specs (examples/serving/fa3_decode_paged.fa, tests/specs/sm90/fa3_decode*.fa and
 variants: pages of 16, 64 and 256 rows, contiguous, pack_gqa on and off, splits auto and
 off, causal and not), seqlen_q 1 to 16, GQA 4 and 8, MHA; ragged cache lengths (0, 1, page
 and block edges, long ones), forced split counts; each batch against float64 on its first
@@ -26,17 +26,23 @@ pytestmark = [
 ]
 
 SPEC_DIR = ROOT / "tests" / "specs" / "sm90"
+SERVING = ROOT / "examples" / "serving"  # the specs fadsl.attention_with_kvcache ships
 
 
 def _variant(base: str, name: str, **settings: str) -> str:
-    text = re.sub(r"\bkernel\s+\w+", f"kernel {name}", (SPEC_DIR / base).read_text(), count=1)
+    text = re.sub(
+        r"\bkernel\s+\w+",
+        f"kernel {name}",
+        (SERVING / base if (SERVING / base).exists() else SPEC_DIR / base).read_text(),
+        count=1,
+    )
     for key, value in settings.items():
         text = with_setting(text, key, value)
     return text
 
 
 SPECS = {
-    "paged64": (SPEC_DIR / "fa3_decode_paged.fa").read_text(),
+    "paged64": (SERVING / "fa3_decode_paged.fa").read_text(),
     "contiguous": (SPEC_DIR / "fa3_decode.fa").read_text(),
     "paged16_nomask": _variant("fa3_decode_paged.fa", "kv_p16", kv_cache="paged(16)", mask="none"),
     "paged256_nopack": _variant(

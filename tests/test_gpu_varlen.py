@@ -1,5 +1,5 @@
 """Varlen on the GPU (issue 31): packed batches of sequences of any lengths through `varlen on`
-specs (tests/specs/sm90/fa3_varlen*.fa, and variants: a window with softcap, the grid
+specs (examples/serving/fa3_varlen*.fa, and variants: a window with softcap, the grid
 scheduler, every rescale mode), both dtypes, GQA and MQA, against float64 per sequence with
 FlashAttention's rule. Lengths include 1, 0 (no query row, or no key: O = 0, LSE -inf), tiles
 cut short by their sequence's end (a warpgroup with no row left), seqlen_q != seqlen_k per
@@ -28,7 +28,7 @@ pytestmark = [
     pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (compute capability 9.0)"),
 ]
 
-SPEC_DIR = ROOT / "tests" / "specs" / "sm90"
+SPEC_DIR = ROOT / "examples" / "serving"  # the specs fadsl.attention_varlen ships
 
 
 def _variant(base: str, name: str, **settings: str) -> str:

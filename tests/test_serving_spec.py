@@ -33,10 +33,11 @@ from fadsl.targets.sm90.host.launch import SPLIT_TAIL, VARLEN_OFFSET, VARLEN_TAI
 from fadsl.tools.bench_varlen import lengths_for
 
 SPECS = ROOT / "tests" / "specs" / "sm90"
-VARLEN = SPECS / "fa3_varlen_causal.fa"
-VARLEN64 = SPECS / "fa3_varlen_hdim64.fa"
+SERVING = ROOT / "examples" / "serving"
+VARLEN = SERVING / "fa3_varlen_causal.fa"
+VARLEN64 = SERVING / "fa3_varlen_hdim64.fa"
 DECODE = SPECS / "fa3_decode.fa"  # kv_cache contiguous, pack_gqa on, splits auto
-PAGED = SPECS / "fa3_decode_paged.fa"  # kv_cache paged(64), pack_gqa on, splits auto
+PAGED = SERVING / "fa3_decode_paged.fa"  # kv_cache paged(64), pack_gqa on, splits auto
 DEC, PAGE = DECODE.read_text(), PAGED.read_text()
 
 
@@ -217,7 +218,7 @@ def test_explain_shows_the_varlen_line_only_for_varlen(capsys):
 
 
 def test_explain_and_check_show_the_kv_cache_knobs(capsys):
-    paged = SPECS / "fa3_decode_paged.fa"
+    paged = SERVING / "fa3_decode_paged.fa"
     text = _explain(capsys, paged)
     assert "\n  kv_cache   paged(64): K and V from a paged (pages, 64, heads_kv, head_dim)" in text
     assert "\n  pack_gqa   on: a tile's rows are (query row, query head) pairs" in text

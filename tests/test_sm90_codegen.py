@@ -17,8 +17,10 @@ from fadsl.pipeline import compile_file, compile_source
 from fadsl.build.nvrtc import nvcc
 from fadsl.targets.sm90 import caps
 
-SPECS = sorted((ROOT / "examples").glob("fa3_*.fa")) + sorted(
-    (ROOT / "tests" / "specs" / "sm90").glob("*.fa")
+SPECS = (
+    sorted((ROOT / "examples").glob("fa3_*.fa"))
+    + sorted((ROOT / "examples" / "serving").glob("*.fa"))
+    + sorted((ROOT / "tests" / "specs" / "sm90").glob("*.fa"))
 )
 IDS = [p.stem for p in SPECS]
 HOPPER = (ROOT / "examples" / "fa3_hopper.fa").read_text()

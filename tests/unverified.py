@@ -9,9 +9,11 @@ from fadsl.ir import Kernel
 from fadsl.pipeline import front_end
 
 ROOT = Path(__file__).resolve().parents[1]
-# The sm_90a examples, the test specs, and FlashAttention-3's 128 x 176 (O over the dead V ring)
+# The sm_90a examples (serving's too), the test specs, and FlashAttention-3's 128 x 176 (O over
+# the dead V ring)
 SM90_SPECS = (
     sorted(ROOT.glob("examples/fa3_*.fa"))
+    + sorted(ROOT.glob("examples/serving/*.fa"))
     + sorted(ROOT.glob("tests/specs/sm90/*.fa"))
     + [ROOT / "bench/specs/fa3_hopper_bc176.fa"]
 )

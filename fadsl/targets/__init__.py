@@ -133,6 +133,9 @@ class Target:
     launch: Launch | None = None
     # fadsl.attention's specs: (head_dim, causal) -> an example's name (examples/NAME.fa)
     shipped: Mapping[tuple[int, bool], str] = dataclasses.field(default_factory=dict)
+    # fadsl.attention_varlen / attention_with_kvcache: ("varlen" or "kvcache", head_dim) -> a
+    # serving spec (examples/serving/NAME.fa) whose mask, softcap and cache lines a call sets
+    shipped_serving: Mapping[tuple[str, int], str] = dataclasses.field(default_factory=dict)
     # Reads the line its ``Config.ext`` prints in the IR's text form (None for another line);
     # None: the target has no such line.
     read_config: Callable[[str], TargetConfig | None] | None = None

@@ -95,4 +95,10 @@ TARGET = Target(
         (256, False): "fa3_hdim256",
         (256, True): "fa3_hdim256_causal",
     },
+    # fadsl.attention_varlen and attention_with_kvcache (docs/serving.md)
+    shipped_serving={
+        ("varlen", 64): "fa3_varlen_hdim64",
+        ("varlen", 128): "fa3_varlen_causal",
+        ("kvcache", 128): "fa3_decode_paged",
+    },
 )

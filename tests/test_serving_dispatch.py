@@ -1,0 +1,209 @@
+"""fadsl.attention_varlen and fadsl.attention_with_kvcache without a GPU (issue 31): which shipped
+serving spec a call gets (Target.shipped_serving), the lines a call rewrites on it (mask,
+window, softcap, the cache's layout, PackGQA, splits), that every such variant passes the
+front end and the proof (and nvcc, without spills, for the ones not GPU-tested as written),
+and the errors that name the argument."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+import fadsl
+from fadsl import targets
+from fadsl.build.nvrtc import nvcc
+from fadsl.codegen.render import write
+from fadsl.frontend.rewrite import rewrite
+from fadsl.pipeline import compile_source
+from fadsl.runtime.dispatch import (
+    kvcache_settings,
+    serving_settings,
+    shipped_serving_spec,
+    variant_name,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+SERVING = ROOT / "examples" / "serving"
+SHIPPED = [
+    (name, key, spec)
+    for name in targets.names()
+    for key, spec in targets.get(name).shipped_serving.items()
+]
+
+
+def _variant(kind: str, head_dim: int, settings: dict[str, str]):
+    name = shipped_serving_spec(kind, (9, 0), head_dim)
+    text = rewrite((SERVING / f"{name}.fa").read_text(), settings, {}, variant_name(name, settings))
+    return compile_source(text, f"{variant_name(name, settings)}.fa")
+
+
+@pytest.mark.parametrize("target, key, spec", SHIPPED, ids=[s for _, _, s in SHIPPED])
+def test_each_shipped_serving_spec_serves_its_call_and_head_dim(target, key, spec):
+    config = compile_source((SERVING / f"{spec}.fa").read_text(), f"{spec}.fa").kernel.config
+    kind, head_dim = key
+    assert (config.target, config.head_dim) == (target, head_dim)
+    if kind == "varlen":
+        assert config.ext.varlen
+    else:
+        assert config.ext.kv_cache is not None and config.ext.kv_cache >= 0
+
+
+def test_the_head_dim_picks_the_serving_spec_and_what_none_covers_is_named():
+    assert shipped_serving_spec("varlen", (9, 0), 64) == "fa3_varlen_hdim64"
+    assert shipped_serving_spec("varlen", (9, 0), 128) == "fa3_varlen_causal"
+    assert shipped_serving_spec("kvcache", (9, 0), 128) == "fa3_decode_paged"
+    with pytest.raises(ValueError, match=r"head_dim\) = 64: fadsl.attention_with_kvcache .*128"):
+        shipped_serving_spec("kvcache", (9, 0), 64)
+    with pytest.raises(
+        ValueError, match=r"attention_varlen ships no spec .* 8.0 \(head_dim none\)"
+    ):
+        shipped_serving_spec("varlen", (8, 0), 128)  # sm_80 has no varlen kernel
+
+
+@pytest.mark.parametrize(
+    "causal, window, softcap, expected",
+    [
+        (False, (-1, -1), 0, {"mask": "none"}),
+        (True, (-1, -1), 0, {"mask": "causal"}),
+        (True, (256, 0), 0, {"mask": "causal, window(256)"}),
+        (True, (256, -1), 0, {"mask": "causal, window(256)"}),
+        (False, (100, 30), 0, {"mask": "window(100, 30)"}),
+        (False, (0, 0), 0, {"mask": "window(0, 0)"}),
+        (True, (-1, -1), 30, {"mask": "causal", "softcap": "30"}),
+        (False, (-1, -1), 50.0, {"mask": "none", "softcap": "50"}),
+    ],
+)
+def test_mask_window_and_softcap_become_spec_lines(causal, window, softcap, expected):
+    assert serving_settings(causal, window, softcap) == expected
+
+
+@pytest.mark.parametrize(
+    "causal, window, softcap, error, message",
+    [
+        (1, (-1, -1), 0, TypeError, r"causal must be True or False, got 1"),
+        (False, (5,), 0, TypeError, r"window_size must be a pair of ints"),
+        (False, (5.0, 1), 0, TypeError, r"window_size must be a pair of ints"),
+        (False, (-2, 0), 0, ValueError, r"window_size must hold -1 .* got \(-2, 0\)"),
+        (True, (10, 5), 0, ValueError, r"with causal=True: right must be 0 or -1"),
+        (False, (10, -1), 0, ValueError, r"give both sides of a window without causal"),
+        (False, (-1, -1), 2.5, ValueError, r"softcap must be 0 or a whole number .* got 2.5"),
+        (False, (-1, -1), 5000, ValueError, r"softcap must be 0 or a whole number"),
+        (False, (-1, -1), True, TypeError, r"softcap must be a number, got bool"),
+    ],
+)
+def test_bad_mask_arguments_are_named(causal, window, softcap, error, message):
+    with pytest.raises(error, match=message):
+        serving_settings(causal, window, softcap)
+
+
+def test_the_cache_and_heads_pick_layout_packing_and_splits():
+    contiguous = torch.zeros(2, 1024, 8, 128)
+    paged = torch.zeros(40, 16, 8, 128)
+    table = torch.zeros(2, 20, dtype=torch.int32)
+    assert kvcache_settings(contiguous, None, 32, False) == {
+        "kv_cache": "contiguous",
+        "pack_gqa": "on",
+        "splits": "auto",
+    }
+    assert kvcache_settings(paged, table, 32, False)["kv_cache"] == "paged(16)"
+    assert kvcache_settings(paged, table, 24, False)["pack_gqa"] == "off"  # 3 does not divide 64
+    assert kvcache_settings(paged, table, 7, False)["pack_gqa"] == "off"  # not a multiple
+    assert kvcache_settings(paged, table, 32, True) == {
+        "kv_cache": "paged(16)",
+        "pack_gqa": "off",
+        "splits": "off",
+    }
+    with pytest.raises(ValueError, match=r"k_cache.shape\[1\] \(the page size\) = 48"):
+        kvcache_settings(torch.zeros(4, 48, 8, 128), table, 32, False)
+    with pytest.raises(ValueError, match=r"k_cache must be a 4-D tensor"):
+        kvcache_settings(torch.zeros(4, 48, 128), table, 32, False)
+
+
+# Every line a call may set, on each serving spec: each variant passes the checks and the proof
+VARIANTS = [
+    ("varlen", 128, {"mask": "none"}),
+    ("varlen", 128, {"mask": "causal, window(256)", "softcap": "30"}),
+    ("varlen", 64, {"mask": "causal"}),
+    ("varlen", 64, {"mask": "window(100, 30)"}),
+    ("kvcache", 128, {"mask": "none", "kv_cache": "paged(16)", "pack_gqa": "on", "splits": "auto"}),
+    ("kvcache", 128, {"mask": "causal", "kv_cache": "paged(32)", "pack_gqa": "on", "splits": "auto"}),
+    ("kvcache", 128, {"mask": "causal", "kv_cache": "paged(128)", "pack_gqa": "off", "splits": "auto"}),
+    ("kvcache", 128, {"mask": "causal", "kv_cache": "paged(256)", "pack_gqa": "on", "splits": "auto"}),
+    ("kvcache", 128, {"mask": "causal", "kv_cache": "contiguous", "pack_gqa": "on", "splits": "auto", "softcap": "30"}),
+    ("kvcache", 128, {"mask": "causal, window(512)", "kv_cache": "paged(64)", "pack_gqa": "off", "splits": "off"}),
+]  # fmt: skip
+VARIANT_IDS = [variant_name(f"{kind}{d}", s) for kind, d, s in VARIANTS]
+
+
+@pytest.mark.parametrize("kind, head_dim, settings", VARIANTS, ids=VARIANT_IDS)
+def test_every_line_a_call_sets_gives_a_proven_kernel(kind, head_dim, settings):
+    config = _variant(kind, head_dim, settings).kernel.config
+    assert config.mask_text == settings["mask"]
+    assert config.ext.softcap == int(settings.get("softcap", 0))
+    if kind == "kvcache":
+        page = re.match(r"paged\((\d+)\)", settings["kv_cache"])
+        assert config.ext.kv_cache == (int(page[1]) if page else 0)
+        assert config.ext.pack_gqa == (settings["pack_gqa"] == "on")
+        assert config.ext.split_all == (settings["splits"] == "auto")
+
+
+def test_variant_names_spell_their_settings():
+    settings = {"mask": "causal, window(512)", "kv_cache": "paged(16)", "pack_gqa": "off"}
+    assert (
+        variant_name("fa3_decode_paged", settings) == "fa3_decode_paged_causal_window_512_paged_16"
+    )
+    settings = {"mask": "none", "kv_cache": "contiguous", "pack_gqa": "on", "splits": "auto"}
+    assert variant_name("fa3_decode_paged", settings) == (
+        "fa3_decode_paged_nomask_contiguous_pack_splits"
+    )
+    settings = {"mask": "window(100000, 100000)", "softcap": "1000", "kv_cache": "contiguous"}
+    settings.update(pack_gqa="on", splits="auto")
+    long = variant_name("fa3_decode_paged", settings)
+    assert len(long) == 64 and re.fullmatch(r"[A-Za-z_]\w*", long)
+    assert long != variant_name("fa3_decode_paged", {**settings, "softcap": "999"})
+
+
+@pytest.mark.nvcc
+@pytest.mark.skipif(nvcc() is None, reason="needs nvcc")
+@pytest.mark.parametrize(
+    "kind, head_dim, settings",
+    [VARIANTS[i] for i in (1, 2, 4, 7, 9)],
+    ids=[VARIANT_IDS[i] for i in (1, 2, 4, 7, 9)],
+)
+def test_call_variants_compile_without_spills(kind, head_dim, settings):
+    """The variants the GPU tests do not run as written: nvcc builds them without a spill."""
+    compiled = _variant(kind, head_dim, settings)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp)
+        for cu in [p for p in write(compiled.kernel, compiled.target, compiled.file, out)]:
+            if cu.suffix != ".cu" or "fp16" in cu.name:
+                continue
+            flags = ["-std=c++17", "-O3", "-gencode=arch=compute_90a,code=sm_90a", f"-I{out}"]
+            res = subprocess.run(
+                [nvcc(), *flags, "-cubin", "--resource-usage", "-o", str(out / "k.cubin"), str(cu)],
+                capture_output=True,
+                text=True,
+            )
+            assert res.returncode == 0, res.stderr
+            log = res.stdout + res.stderr
+            assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in log, log
+            assert "warning" not in log.lower(), log
+
+
+def test_serving_calls_check_q_by_name_before_any_gpu_is_asked():
+    q = torch.zeros(8, 2, 64)
+    with pytest.raises(TypeError, match=r"q must be a torch.Tensor, got list"):
+        fadsl.attention_varlen([1], q, q, q, q)
+    with pytest.raises(ValueError, match=r"q must be 3-d \(tokens, heads, head_dim\)"):
+        fadsl.attention_varlen(q[None], q, q, q, q)
+    with pytest.raises(ValueError, match=r"q must be on a CUDA device, got cpu"):
+        fadsl.attention_varlen(q, q, q, q, q)
+    with pytest.raises(ValueError, match=r"q must be 4-d \(batch, seqlen, heads, head_dim\)"):
+        fadsl.attention_with_kvcache(q, q, q, q)
+    with pytest.raises(ValueError, match=r"q must be on a CUDA device, got cpu"):
+        fadsl.attention_with_kvcache(q[None], q, q, q)
