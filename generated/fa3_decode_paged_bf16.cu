@@ -162,13 +162,15 @@ extern "C" __global__ void __launch_bounds__(Cfg::kThreads, 1) fa3_decode_paged_
     // warp_uniform: the tile's values in uniform registers (fadsl/sm90_ptx.cuh says why)
     for (int step = 0, tile; (tile = warp_uniform(split_tile_index<Cfg>(P, step))) >= 0; ++step) {
       const TileWork w = split_tile_work<Cfg>(P, tile);
+      // bad input (a cache length outside the cache, a page outside it): NaN rows
+      const bool kv_bad = kv_input_bad<Cfg>(P, w, lane);
       if (w.n_blocks == 0) {
         // a piece with no block: the empty partial (no SMEM, no barrier)
         if (w.split >= 0) {
-          write_empty_partial<Cfg>(P, w, wg, threadIdx.x % 128);
+          write_empty_partial<Cfg>(P, w, wg, threadIdx.x % 128, kv_bad);
           continue;
         }
-        store_empty_tile<Cfg>(P.base, w, wg, threadIdx.x % 128);
+        store_empty_tile<Cfg>(P.base, w, wg, threadIdx.x % 128, kv_bad);
         continue;
       }
       const RowLimits rows = row_limits<Cfg>(w, wg, warp, lane);
@@ -275,6 +277,7 @@ extern "C" __global__ void __launch_bounds__(Cfg::kThreads, 1) fa3_decode_paged_
         // registers through the mainloop.
         const TileWork w = split_tile_work<Cfg>(P, tile);
         const RowLimits rows = row_limits<Cfg>(w, wg, warp, lane);
+        if (kv_bad) poison_rows<Cfg>(o, l);  // bad input (kv_input_bad)
         // a piece: its partial O, m and l to the workspace, and the tile's tail skipped
         // (<kernel>_combine adds the pieces up after the launch)
         if (w.split >= 0) {

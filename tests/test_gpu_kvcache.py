@@ -207,3 +207,37 @@ def test_kvcache_arguments_are_named():
         kern.kvcache(q[:, :, :24], k[:, :, :8], v[:, :, :8], seqlens, table)
     with pytest.raises(RuntimeError, match="reads K/V from a cache"):
         kern(q, q, q)
+
+
+@pytest.mark.parametrize("spec, splits", [("paged64", None), ("paged64", 3), ("contiguous", 2)])
+def test_bad_lengths_and_pages_give_nan_rows(spec, splits):
+    """A cache length outside 0 .. capacity, or a page-table entry outside the cache among a
+    batch's pages, makes that batch's rows NaN; the other batches (one with a bad entry past
+    its pages, never read) are right."""
+    kern = kernel(spec)
+    lengths = [300, 3000, 5, 200, 100]
+    k, v, seqlens, table, keys = make_cache(kern, lengths, 8, 128, torch.bfloat16, 3200, seed=7)
+    capacity = 3200 if table is None else table.shape[1] * kern.config.ext.kv_cache
+    bad = torch.tensor([300, capacity + 1, -3, 200, 100], dtype=torch.int32, device="cuda")
+    poisoned = {1, 2}
+    if table is not None:
+        table[3, 1] = k.shape[0]  # a page past the cache, among batch 3's
+        table[4, 10] = -1  # past batch 4's two pages: never read
+        poisoned.add(3)
+    q = torch.randn(len(lengths), 1, 32, 128, device="cuda", dtype=torch.bfloat16)
+    out, lse = kern.kvcache(q, k, v, bad, table, num_splits=splits, return_lse=True)
+    torch.cuda.synchronize()
+    for b in range(len(lengths)):
+        if b in poisoned:
+            assert out[b].isnan().all() and lse[b].isnan().all(), f"batch {b} not poisoned"
+        else:
+            assert not out[b].isnan().any() and not lse[b].isnan().any(), f"batch {b}"
+    good = [b for b in range(len(lengths)) if b not in poisoned]
+    check(
+        kern,
+        q[good],
+        [keys[b] for b in good],
+        128**-0.5,
+        out[good],
+        lse[good],
+    )

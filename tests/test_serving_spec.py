@@ -341,7 +341,8 @@ def test_kvcache_params_pack_gqa_maps_and_the_page_table(encoded):
     assert divisors == (*fast_div(1), *fast_div(8), *fast_div(4), *fast_div(3))
     assert VARLEN_TAIL.unpack_from(raw, VARLEN_OFFSET) == (0, 0, 0, 0)
     found = kvcache.KVCACHE_TAIL.unpack_from(raw, kvcache.KVCACHE_OFFSET)
-    assert found == (a.cache_seqlens.data_ptr(), a.page_table.data_ptr(), 16)
+    # the table's row stride, then the cache's pages (kv_input_bad's bound)
+    assert found == (a.cache_seqlens.data_ptr(), a.page_table.data_ptr(), 16, 10)
     end = kvcache.KVCACHE_OFFSET + kvcache.KVCACHE_TAIL.size
     assert raw[end:] == bytes(SM90_PARAMS_BYTES - end)
 
@@ -355,7 +356,7 @@ def test_kvcache_params_of_a_contiguous_cache(encoded):
     tail = SM90_BASE_OFFSET + FWD_PARAMS.size
     assert SPLIT_TAIL.unpack_from(raw, tail) == (0, 0, 8 * 3, 1)  # one piece: the tile count
     found = kvcache.KVCACHE_TAIL.unpack_from(raw, kvcache.KVCACHE_OFFSET)
-    assert found == (a.cache_seqlens.data_ptr(), 0, 0)
+    assert found == (a.cache_seqlens.data_ptr(), 0, 0, 0)
 
 
 # --- the split count and the grids -------------------------------------------------------

@@ -5,10 +5,11 @@ q is (batch, seqlen_q, heads_q, head_dim). A contiguous cache (`kv_cache contigu
 (batch, capacity, heads_kv, head_dim); a paged one (`kv_cache paged(N)`) is (pages, N,
 heads_kv, head_dim) with ``page_table`` (batch, max_pages) int32: key j of batch b is row
 j % N of page page_table[b, j // N]. ``cache_seqlens`` (batch,) int32 counts each batch's
-keys; the kernel clamps it to [0, capacity] (capacity: the cache's rows, or max_pages x N),
-so that no length reads past the cache (the host never reads it: that would wait for the
-GPU). Page-table entries must name pages of the cache: an entry outside it reads zeros
-(TMA's out-of-bounds fill), not an error. cache_seqlens and page_table must not change
+keys, 0 to the capacity (the cache's rows, or max_pages x N). The host never reads the
+lengths or the page table (that would wait for the GPU), so the kernel checks them: a length
+outside 0 .. capacity, or a page-table entry outside the cache among those a tile reads,
+makes that batch's rows of O and the LSE NaN (the kernel reads only the clamped length's
+keys, and TMA's zeros for a page outside the cache). cache_seqlens and page_table must not change
 while a call runs (another stream writing them could leave the kernel's roles disagreeing).
 A causal spec aligns the diagonal to the bottom right (the new queries are the last ones).
 ``num_splits``: pieces per tile with `splits auto` (None: from the shape; a spec without

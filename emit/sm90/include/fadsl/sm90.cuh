@@ -91,6 +91,7 @@ struct FwdParamsSm90 {
   const int* cache_seqlens;
   const int* page_table;
   int page_table_stride;
+  int num_pages;  // pages in the cache (paged; kv_input_bad flags an entry outside them)
 };
 
 // ---------------------------------------------------------------------------

@@ -215,35 +215,40 @@ __device__ __forceinline__ bool combine_split(const FwdParamsSm90& P, const Tile
 
 // A tile whose rows see no key (causal with seqlen_q > seqlen_k): O = 0 and LSE = -inf,
 // written straight to global memory by the warpgroup's 128 threads (16 bytes a store),
-// with no SMEM and no barrier, so that the tile takes no part in the pipeline.
+// with no SMEM and no barrier, so that the tile takes no part in the pipeline. `poison`
+// (a kv-cache call's bad input, kv_input_bad): O and the LSE NaN instead.
 template <class Cfg>
-__device__ __forceinline__ void store_empty_tile(const FwdParams& p, const TileWork& w, int wg, int thread) {
+__device__ __forceinline__ void store_empty_tile(const FwdParams& p, const TileWork& w, int wg, int thread,
+                                                 bool poison = false) {
   constexpr int kChunks = Cfg::kHeadDim * 2 / 16;  // 16-byte pieces per row
   const int row0 = w.m0 + 64 * wg;
   const int len_q = seqlen_q<Cfg>(p, w);
+  const uint32_t word = poison ? pack_f32x2<typename Cfg::T>(__int_as_float(0x7fc00000), __int_as_float(0x7fc00000)) : 0u;
+  const uint4 fill = make_uint4(word, word, word, word);
+  const float lse_fill = poison ? __int_as_float(0x7fc00000) : -INFINITY;
   if constexpr (Cfg::kPackGQA) {  // row r: query row r / G of query head head * G + r % G
     const int group = p.heads_q / p.heads_kv;
     for (int i = thread; i < 64 * kChunks; i += 128) {
       const int row = row0 + i / kChunks, query = row / group, head = w.head * group + row % group;
       if (query < len_q) {
         char* o = static_cast<char*>(p.o) + 2 * (w.batch * p.o_batch_stride + head * p.o_head_stride + query * p.o_seq_stride);
-        reinterpret_cast<uint4*>(o)[i % kChunks] = make_uint4(0u, 0u, 0u, 0u);
+        reinterpret_cast<uint4*>(o)[i % kChunks] = fill;
       }
     }
     const int row = row0 + thread;
     if (p.lse != nullptr && thread < 64 && row / group < len_q) {
-      p.lse[w.batch * p.lse_batch_stride + (w.head * group + row % group) * p.lse_head_stride + row / group] = -INFINITY;
+      p.lse[w.batch * p.lse_batch_stride + (w.head * group + row % group) * p.lse_head_stride + row / group] = lse_fill;
     }
   } else {
     char* o = static_cast<char*>(p.o) + 2 * (w.batch * p.o_batch_stride + w.head * p.o_head_stride);
     for (int i = thread; i < 64 * kChunks; i += 128) {
       const int row = row0 + i / kChunks;
       if (row < len_q) {
-        reinterpret_cast<uint4*>(o + 2 * q_row<Cfg>(w, row) * p.o_seq_stride)[i % kChunks] = make_uint4(0u, 0u, 0u, 0u);
+        reinterpret_cast<uint4*>(o + 2 * q_row<Cfg>(w, row) * p.o_seq_stride)[i % kChunks] = fill;
       }
     }
     if (p.lse != nullptr && thread < 64 && row0 + thread < len_q) {
-      p.lse[w.batch * p.lse_batch_stride + w.head * p.lse_head_stride + q_row<Cfg>(w, row0 + thread)] = -INFINITY;
+      p.lse[w.batch * p.lse_batch_stride + w.head * p.lse_head_stride + q_row<Cfg>(w, row0 + thread)] = lse_fill;
     }
   }
 }

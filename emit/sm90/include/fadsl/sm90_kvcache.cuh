@@ -15,14 +15,48 @@
 
 namespace fadsl::sm90 {
 
-// A piece with no K/V block (its tile's sequence is shorter than the split): its partial is
-// the empty one (m = -inf, l = 0, O = 0), written without the pipeline.
+// Bad input, never a silent wrong row: batch b's cache length outside 0 .. capacity, or (paged)
+// a page-table entry outside the cache among those the tile's (or piece's) blocks read. The
+// kernel reads the clamped length's keys, and TMA fills a page outside the cache with zeros,
+// so nothing is read outside the cache; the rows of such a tile become NaN (poison_rows,
+// store_empty_tile, write_empty_partial). Each warp checks the entries itself, its lanes
+// striding, then votes (no barrier, no SMEM): a tile's first lines, before its first wait.
 template <class Cfg>
-__device__ __forceinline__ void write_empty_partial(const FwdParamsSm90& P, const TileWork& w, int wg, int thread) {
+__device__ __forceinline__ bool kv_input_bad(const FwdParamsSm90& P, const TileWork& w, int lane) {
+  const int length = P.cache_seqlens[w.batch];
+  bool bad = length < 0 || length > P.base.seqlen_k;
+  if constexpr (Cfg::kPageSize > 0) {
+    if (w.n_blocks > 0) {  // (then w.seqlen_k > 0) the pages of keys first_key .. w.seqlen_k - 1 at most
+      const int first = (w.block_end - w.n_blocks) * Cfg::kBlockN / Cfg::kPageSize;
+      const int last = (imin(w.block_end * Cfg::kBlockN, w.seqlen_k) - 1) / Cfg::kPageSize;
+      for (int i = first + lane; i <= last; i += 32) {
+        const int page = w.pages[i];
+        bad |= page < 0 || page >= P.num_pages;
+      }
+    }
+  }
+  return __any_sync(0xffffffffu, bad);
+}
+
+// A tile's rows NaN (kv_input_bad): O and the row sums l, so that O / l, the LSE and, for a
+// split piece, the combined tile are NaN too.
+template <class Cfg>
+__device__ __forceinline__ void poison_rows(float (&o)[Cfg::kORegs], float (&l)[2]) {
+#pragma unroll
+  for (int i = 0; i < Cfg::kORegs; ++i) o[i] = __int_as_float(0x7fc00000);  // a quiet NaN
+  l[0] = l[1] = __int_as_float(0x7fc00000);
+}
+
+// A piece with no K/V block (its tile's sequence is shorter than the split): its partial is
+// the empty one (m = -inf, l = 0, O = 0), written without the pipeline; `poison` (bad
+// input): O and l NaN.
+template <class Cfg>
+__device__ __forceinline__ void write_empty_partial(const FwdParamsSm90& P, const TileWork& w, int wg, int thread,
+                                                    bool poison) {
   float o[Cfg::kORegs];
 #pragma unroll
-  for (int i = 0; i < Cfg::kORegs; ++i) o[i] = 0.f;
-  const float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+  for (int i = 0; i < Cfg::kORegs; ++i) o[i] = poison ? __int_as_float(0x7fc00000) : 0.f;
+  const float m[2] = {-INFINITY, -INFINITY}, l[2] = {poison ? __int_as_float(0x7fc00000) : 0.f, poison ? __int_as_float(0x7fc00000) : 0.f};
   write_split_partial<Cfg>(split_partial<Cfg>(P, w.split_tile, w.split, wg, thread), o, m, l);
 }
 

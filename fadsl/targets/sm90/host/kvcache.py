@@ -34,9 +34,9 @@ COMBINE_THREADS = 128
 # fadsl/sm90_kvcache.cuh's kCombineVecs (2)
 COMBINE_SLICE_COLUMNS = 16
 # FwdParamsSm90's kv_cache fields after the varlen ones: cache_seqlens, page_table,
-# page_table_stride (tests/test_params.py checks them against the C++ struct)
-KVCACHE_TAIL = struct.Struct("<QQi")  # (no padding: the struct pads its tail)
-KVCACHE_TAIL_FIELDS = ("cache_seqlens", "page_table", "page_table_stride")
+# page_table_stride, num_pages (tests/test_params.py checks them against the C++ struct)
+KVCACHE_TAIL = struct.Struct("<QQii")  # (no padding: the struct pads its tail)
+KVCACHE_TAIL_FIELDS = ("cache_seqlens", "page_table", "page_table_stride", "num_pages")
 KVCACHE_OFFSET = VARLEN_OFFSET + VARLEN_TAIL.size
 MAX_SPLITS = 128
 MIN_BLOCKS_PER_SPLIT = 4  # a piece's prologue and partial cost about a block or two
@@ -161,6 +161,7 @@ def pack_kvcache_params(kernel: Kernel, a: KvCacheArgs) -> bytes:
                 a.cache_seqlens.data_ptr(),
                 0 if a.page_table is None else a.page_table.data_ptr(),
                 0 if a.page_table is None else a.page_table.stride(0),
+                0 if a.page_table is None else k.shape[0],
             ),
         )
     )
