@@ -174,6 +174,22 @@ def test_every_sync_is_rendered_with_its_hazards(spec):
     assert calls == len(planned)
 
 
+def builds_without_spills(cu: Path, out: Path) -> list[str]:
+    """nvcc builds ``cu`` (its headers in ``out``) for sm_90a with no spill and no warning;
+    the flags it used."""
+    flags = ["-std=c++17", "-O3", "-gencode=arch=compute_90a,code=sm_90a", f"-I{out}"]
+    res = subprocess.run(
+        [nvcc(), *flags, "-cubin", "--resource-usage", "-o", str(out / "k.cubin"), str(cu)],
+        capture_output=True,
+        text=True,
+    )
+    assert res.returncode == 0, res.stderr
+    log = res.stdout + res.stderr
+    assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in log, log
+    assert "warning" not in log.lower(), log
+    return flags
+
+
 @pytest.mark.nvcc
 @pytest.mark.skipif(nvcc() is None, reason="needs nvcc")
 @pytest.mark.parametrize("spec", SPECS, ids=IDS)
@@ -187,16 +203,7 @@ def test_sm90a_kernels_compile_without_spills_to_hopper_ptx(spec):
             if p.suffix == ".cu"
         ]
         for cu in paths:
-            flags = ["-std=c++17", "-O3", "-gencode=arch=compute_90a,code=sm_90a", f"-I{out}"]
-            res = subprocess.run(
-                [nvcc(), *flags, "-cubin", "--resource-usage", "-o", str(out / "k.cubin"), str(cu)],
-                capture_output=True,
-                text=True,
-            )
-            assert res.returncode == 0, res.stderr
-            log = res.stdout + res.stderr
-            assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in log, log
-            assert "warning" not in log.lower(), log
+            flags = builds_without_spills(cu, out)
             ptx = subprocess.run(
                 [nvcc(), *flags, "-ptx", "-o", "-", str(cu)], capture_output=True, text=True
             ).stdout

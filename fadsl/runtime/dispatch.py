@@ -128,7 +128,7 @@ def serving_settings(causal: bool, window_size, softcap) -> dict[str, str]:
     if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
         raise TypeError(f"softcap must be a number, got {type(softcap).__name__}")
     if softcap:
-        if softcap != int(softcap) or not 1 <= softcap <= 1000:
+        if not 1 <= softcap <= 1000 or softcap != int(softcap):  # (inf and NaN fail the range)
             raise ValueError(f"softcap must be 0 or a whole number from 1 to 1000, got {softcap}")
         settings["softcap"] = str(int(softcap))
     return settings

@@ -1,0 +1,240 @@
+"""How fast can an SM stream a paged KV cache, by load mechanism (issue 31, decode bandwidth)?
+
+Decode reads K and V once; fadsl's decode kernel reaches 88-92 % of cuDNN's bandwidth (H200,
+session 18), with DRAM less busy than cuDNN keeps it. This probe streams the same paged cache
+(pages of 64 rows, (pages, 64, heads_kv, 128) bf16, a shuffled page table, the decode
+kernel's (sequence, head, piece) work split) into SMEM rings with no arithmetic, so that only
+the load path differs:
+
+  tma_B_S     one elected producer thread issues TMA boxes of 64 columns x 64 rows per page
+              (fadsl's load_kv_paged), a ring of S slots of B keys for K and for V; a
+              consumer warpgroup waits for each slot and frees it (mbarriers, as the kernel)
+  cpasync_B_S the producer warpgroup's 128 threads issue cp.async 16-byte copies (a warp
+              covers two whole 256-byte token rows at a time) into the same 128-byte-swizzled
+              layout, completing on the slot's mbarrier (cp.async.mbarrier.arrive.noinc)
+  ldg         256 threads a CTA load the same bytes into registers (ld.global.nc, 16 bytes)
+              and fold them into a checksum: no SMEM, as many CTAs as fit
+
+B = 64 rings fit twice on an SM (two CTAs), B = 128 once. Printed: TB/s of K and V per
+variant and shape, each the median of 10 timed launches after 3 warm-ups (CUDA events).
+Usage (on the GPU machine, fadsl installed): python3 -P scripts/stream_probe.py
+"""
+
+from __future__ import annotations
+
+import statistics
+import struct
+import tempfile
+from pathlib import Path
+
+import torch
+
+from fadsl.build.nvrtc import compile_cubin
+from fadsl.runtime.driver import Module
+from fadsl.targets.sm90.host.tma import MAP_BYTES, tensor_map
+
+HEAD_DIM, PAGE, HEADS_KV = 128, 64, 8
+SHAPES = [(1, 131072), (8, 16384), (128, 8192)]  # (sequences, keys each)
+VARIANTS = [("tma", 128, 3), ("tma", 64, 3), ("cpasync", 128, 3), ("cpasync", 64, 3), ("ldg", 0, 0)]
+
+SOURCE = r"""
+#include "fadsl/sm90_ptx.cuh"
+using namespace fadsl::sm90;
+
+struct ProbeParams {
+  CUtensorMap k_map, v_map;  // (head_dim, page rows, heads, pages), boxes of 64 x 64
+  const char* k;
+  const char* v;
+  const int* table;          // (sequences, per) page table
+  unsigned long long* sink;  // ldg's checksum
+  int per, heads, splits, blocks;  // pages a sequence; heads_kv; pieces a (sequence, head); blocks a piece
+};
+
+constexpr int kRowBytes = 256, kPage = 64;
+
+__device__ __forceinline__ void work_of(const ProbeParams& P, int item, int& seq, int& head, int& split) {
+  split = item % P.splits;
+  head = (item / P.splits) % P.heads;
+  seq = item / (P.splits * P.heads);
+}
+
+__device__ __forceinline__ void cp_async_16(uint32_t smem, const void* gmem) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem), "l"(gmem) : "memory");
+}
+
+__device__ __forceinline__ void cp_async_arrive(uint32_t bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+
+// K and V rings: slot s of K at s * kSlot, of V after them; full and empty mbarriers per slot
+template <int kBlockN, int kStages, bool kCpAsync>
+__device__ __forceinline__ void stream(const ProbeParams& P) {
+  constexpr uint32_t kSlot = kBlockN * kRowBytes;
+  extern __shared__ __align__(1024) unsigned char smem_raw[];  // the rings, then the mbarriers
+  const uint32_t smem = smem_u32(smem_raw), bar0 = smem + 2 * kStages * kSlot;  // full K, V, empty K, V
+  auto full = [&](int kv, int s) { return bar0 + 8u * (kv * kStages + s); };
+  auto empty = [&](int kv, int s) { return bar0 + 8u * ((2 + kv) * kStages + s); };
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(full(0, s), kCpAsync ? 128 : 1);
+      mbar_init(full(1, s), kCpAsync ? 128 : 1);
+      mbar_init(empty(0, s), 4);
+      mbar_init(empty(1, s), 4);
+    }
+    fence_mbarrier_init();
+  }
+  __syncthreads();
+  int seq, head, split;
+  work_of(P, blockIdx.x, seq, head, split);
+  const int first = split * P.blocks;
+  const int* pages = P.table + seq * P.per;
+  if (threadIdx.x < 128) {  // producer warpgroup
+    if (!kCpAsync && threadIdx.x != 0) return;
+    for (int j = 0; j < P.blocks; ++j) {
+      const int s = j % kStages;
+      const uint32_t parity = ((j / kStages) & 1) ^ 1;
+      for (int kv = 0; kv < 2; ++kv) {
+        mbar_wait_parity(empty(kv, s), parity);
+        const uint32_t slot = smem + (kv * kStages + s) * kSlot;
+        const int key0 = (first + j) * kBlockN;
+        if constexpr (!kCpAsync) {
+          mbar_arrive_expect_tx(full(kv, s), kSlot);
+          const CUtensorMap* map = kv ? &P.v_map : &P.k_map;
+          for (int part = 0; part < kBlockN / kPage; ++part) {
+            const int page = pages[(key0 + part * kPage) / kPage];
+            for (int panel = 0; panel < 2; ++panel) {
+              tma_load_4d(slot + (panel * kBlockN + part * kPage) * 128, map, full(kv, s), 64 * panel, 0, head, page);
+            }
+          }
+        } else {
+          const char* base = kv ? P.v : P.k;
+          // chunk i: row i / 16 of the block, 16-byte column c = i % 16 (panel c / 8)
+          for (int i = threadIdx.x; i < kBlockN * 16; i += 128) {
+            const int row = i / 16, c = i % 16, key = key0 + row;
+            const int page = pages[key / kPage];
+            const char* src = base + ((static_cast<size_t>(page) * kPage + key % kPage) * P.heads + head) * kRowBytes + c * 16;
+            const uint32_t dst = slot + (c / 8) * kBlockN * 128 + row * 128 + (((c % 8) ^ (row % 8)) * 16);
+            cp_async_16(dst, src);
+          }
+          cp_async_arrive(full(kv, s));
+        }
+      }
+    }
+  } else {  // consumer warpgroup: waits for each slot, frees it
+    const int lane = threadIdx.x % 32;
+    for (int j = 0; j < P.blocks; ++j) {
+      const int s = j % kStages;
+      const uint32_t parity = (j / kStages) & 1;
+      for (int kv = 0; kv < 2; ++kv) {
+        mbar_wait_parity(full(kv, s), parity);
+        if (lane == 0) mbar_arrive(empty(kv, s));
+      }
+    }
+  }
+}
+
+// The same bytes into registers: each thread 16-byte loads of its chunks, kUnroll blocks at a time
+__device__ __forceinline__ void load_sum(const ProbeParams& P) {
+  int seq, head, split;
+  work_of(P, blockIdx.x, seq, head, split);
+  const int* pages = P.table + seq * P.per;
+  constexpr int kBlockN = 64;
+  unsigned long long acc = 0;
+  for (int j = 0; j < P.blocks; ++j) {
+    const int key0 = (split * P.blocks + j) * kBlockN;
+    uint4 got[8];
+#pragma unroll
+    for (int n = 0; n < 8; ++n) {  // 64 rows x 16 chunks x (K, V) = 2048 chunks, 8 a thread
+      const int i = threadIdx.x + 256 * n, kv = i / 1024, row = (i % 1024) / 16, c = i % 16;
+      const int key = key0 + row;
+      const char* src = (kv ? P.v : P.k) + ((static_cast<size_t>(pages[key / kPage]) * kPage + key % kPage) * P.heads + head) * kRowBytes + c * 16;
+      asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                   : "=r"(got[n].x), "=r"(got[n].y), "=r"(got[n].z), "=r"(got[n].w) : "l"(src));
+    }
+#pragma unroll
+    for (int n = 0; n < 8; ++n) acc ^= got[n].x ^ got[n].y ^ got[n].z ^ got[n].w;
+  }
+  if (acc == 0x1234567ull) *P.sink = acc;  // (never: keeps the loads)
+}
+
+extern "C" __global__ void __launch_bounds__(256, 1) tma_128_3(const __grid_constant__ ProbeParams P) { stream<128, 3, false>(P); }
+extern "C" __global__ void __launch_bounds__(256, 2) tma_64_3(const __grid_constant__ ProbeParams P) { stream<64, 3, false>(P); }
+extern "C" __global__ void __launch_bounds__(256, 1) cpasync_128_3(const __grid_constant__ ProbeParams P) { stream<128, 3, true>(P); }
+extern "C" __global__ void __launch_bounds__(256, 2) cpasync_64_3(const __grid_constant__ ProbeParams P) { stream<64, 3, true>(P); }
+extern "C" __global__ void __launch_bounds__(256) ldg(const __grid_constant__ ProbeParams P) { load_sum(P); }
+"""
+
+
+def params(k, v, table, sink, heads, splits, blocks) -> bytes:
+    maps = tensor_map(k, 64, PAGE) + tensor_map(v, 64, PAGE)
+    assert len(maps) == 2 * MAP_BYTES
+    tail = struct.pack(
+        "<QQQQiiii",
+        k.data_ptr(),
+        v.data_ptr(),
+        table.data_ptr(),
+        sink.data_ptr(),
+        table.shape[1],
+        heads,
+        splits,
+        blocks,
+    )
+    raw = maps + tail
+    return raw + bytes(-len(raw) % 128)
+
+
+def main() -> None:
+    with tempfile.TemporaryDirectory() as where:
+        cubin = compile_cubin(SOURCE, "stream_probe.cu", "tma_128_3", "sm_90a", Path(where)).cubin
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    print(torch.cuda.get_device_name(0), f"{sms} SMs", flush=True)
+    stream = torch.cuda.current_stream().cuda_stream
+    for seqs, keys in SHAPES:
+        per = keys // PAGE
+        pages = seqs * per
+        k = torch.randn(pages, PAGE, HEADS_KV, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+        table = torch.randperm(pages, device="cuda").view(seqs, per).to(torch.int32).contiguous()
+        sink = torch.zeros(1, dtype=torch.int64, device="cuda")
+        nbytes = 2 * k.numel() * 2
+        cells = []
+        for kind, block_n, stages in VARIANTS:
+            rows = block_n or 64
+            ctas_per_sm = 2 if block_n == 64 else 1
+            # pieces: fill the SMs once (as splits auto), at least 4 blocks each
+            items = seqs * HEADS_KV
+            splits = (
+                max(1, min((sms * ctas_per_sm) // items, keys // rows // 4)) if kind != "ldg" else 1
+            )
+            if kind == "ldg":
+                splits = max(1, min((sms * 8) // items, keys // rows // 4))
+            blocks = keys // rows // splits
+            name = f"{kind}_{block_n}_{stages}" if kind != "ldg" else "ldg"
+            smem = 2 * stages * block_n * 256 + 32 * stages if kind != "ldg" else 0
+            module = Module(cubin, name, smem, 256)
+            module.prepare(0)
+            raw = params(k, v, table, sink, HEADS_KV, splits, blocks)
+            grid = (items * splits, 1, 1)
+
+            def launch():
+                module.launch(grid, (256, 1, 1), raw, stream)
+
+            for _ in range(3):
+                launch()
+            times = []
+            for _ in range(10):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(
+                    enable_timing=True
+                )
+                start.record()
+                launch()
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end))
+            read = nbytes * (blocks * splits * rows) / keys  # (keys past the pieces' blocks: none)
+            cells.append(f"{name} {read / (statistics.median(times) * 1e-3) / 1e12:5.2f}")
+        print(f"  {seqs:3d} x {keys:6d}: " + "  ".join(cells) + " TB/s", flush=True)
+
+
+if __name__ == "__main__":
+    main()
