@@ -48,6 +48,7 @@ SPECS = {
     "paged256_nopack": _variant(
         "fa3_decode_paged.fa", "kv_p256", kv_cache="paged(256)", pack_gqa="off", splits="off"
     ),
+    "paged64_nopack": _variant("fa3_decode_paged.fa", "kv_p64_nopack", pack_gqa="off"),
     "contiguous_nosplit": _variant("fa3_decode.fa", "kv_whole", splits="off"),
 }
 LENGTHS = [0, 1, 63, 64, 65, 1000, 3000]
@@ -209,7 +210,10 @@ def test_kvcache_arguments_are_named():
         kern(q, q, q)
 
 
-@pytest.mark.parametrize("spec, splits", [("paged64", None), ("paged64", 3), ("contiguous", 2)])
+@pytest.mark.parametrize(
+    "spec, splits",
+    [("paged64", None), ("paged64", 3), ("paged64", 1), ("contiguous", 2), ("contiguous", 1)],
+)
 def test_bad_lengths_and_pages_give_nan_rows(spec, splits):
     """A cache length outside 0 .. capacity, or a page-table entry outside the cache among a
     batch's pages, makes that batch's rows NaN; the other batches (one with a bad entry past
@@ -241,3 +245,24 @@ def test_bad_lengths_and_pages_give_nan_rows(spec, splits):
         out[good],
         lse[good],
     )
+
+
+def test_a_bad_page_makes_nan_exactly_the_tiles_that_read_it():
+    """Whole tiles without PackGQA (64 query rows each, causal, 256 rows over 1100 keys in
+    pages of 64, blocks of 128): a bad entry for the last page (keys 1088-1099, in block 8)
+    poisons the q blocks whose keys reach block 8 (rows 128-255: row 180 on sees key 1024),
+    and leaves q blocks 0 and 1 (keys up to 907 and 971: blocks 0-7) right."""
+    kern = kernel("paged64_nopack")
+    sq, hq, hkv, d = 256, 8, 2, 128
+    k, v, seqlens, table, keys = make_cache(kern, [1100], hkv, d, torch.bfloat16, 1152, seed=3)
+    table[0, 17] = k.shape[0] + 5
+    q = torch.randn(1, sq, hq, d, device="cuda", dtype=torch.bfloat16)
+    out, lse = kern.kvcache(q, k, v, seqlens, table, num_splits=1, return_lse=True)
+    torch.cuda.synchronize()
+    assert out[0, 128:].isnan().all() and lse[0, :, 128:].isnan().all(), "rows 128-255"
+    assert not out[0, :128].isnan().any() and not lse[0, :, :128].isnan().any(), "rows 0-127"
+    kb, vb = keys[0]
+    full, _ = reference(q, kb[None], vb[None], d**-0.5, True, torch.float64)
+    low, _ = reference(q, kb[None], vb[None], d**-0.5, True, q.dtype)
+    bound = 2 * (low[:, :128].double() - full[:, :128]).abs().max().item() + 1e-3
+    assert (out[:, :128].double() - full[:, :128]).abs().max().item() <= bound

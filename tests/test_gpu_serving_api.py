@@ -104,21 +104,24 @@ def test_attention_varlen_matches_each_sequence(head_dim, causal, window_size, s
             )
 
 
-KV_CASES = [  # page (0: contiguous), causal, window_size, new tokens, heads_q, heads_kv
-    (64, True, (-1, -1), 0, 32, 8),
-    (16, False, (-1, -1), 3, 32, 8),
-    (0, True, (-1, -1), 1, 32, 8),
-    (64, True, (100, 0), 0, 32, 8),  # a window: no PackGQA, no splits
-    (32, True, (-1, -1), 2, 24, 8),  # a group of 3: no PackGQA
+KV_CASES = [  # page (0: contiguous), causal, window_size, new tokens, heads_q, heads_kv, softcap
+    (64, True, (-1, -1), 0, 32, 8, 0),
+    (16, False, (-1, -1), 3, 32, 8, 0),
+    (0, True, (-1, -1), 1, 32, 8, 30),
+    (64, True, (100, 0), 0, 32, 8, 0),  # a window: no PackGQA, no splits
+    (64, False, (40, 2), 3, 32, 8, 0),  # a window on both sides
+    (32, True, (-1, -1), 2, 24, 8, 0),  # a group of 3: no PackGQA
 ]
 
 
 @pytest.mark.parametrize(
-    "page, causal, window_size, new, hq, hkv",
+    "page, causal, window_size, new, hq, hkv, softcap",
     KV_CASES,
-    ids=[f"p{c[0]}-{'causal' if c[1] else 'none'}-w{c[2][0]}-new{c[3]}-{c[4]}_{c[5]}" for c in KV_CASES],
+    ids=[f"p{c[0]}-{'causal' if c[1] else 'none'}-w{c[2][0]}-new{c[3]}-{c[4]}_{c[5]}-cap{c[6]}" for c in KV_CASES],
 )  # fmt: skip
-def test_attention_with_kvcache_matches_each_batch(page, causal, window_size, new, hq, hkv):
+def test_attention_with_kvcache_matches_each_batch(
+    page, causal, window_size, new, hq, hkv, softcap
+):
     lengths, d, capacity, dtype = [0, 1, 63, 64, 65, 1000], 128, 1088, torch.bfloat16
     batch = len(lengths)
     torch.manual_seed(page + new + hq)
@@ -146,6 +149,7 @@ def test_attention_with_kvcache_matches_each_batch(page, causal, window_size, ne
         page_table=table,
         causal=causal,
         window_size=window_size,
+        softcap=softcap,
         return_lse=True,
     )
     torch.cuda.synchronize()
@@ -171,5 +175,5 @@ def test_attention_with_kvcache_matches_each_batch(page, causal, window_size, ne
             scale,
             causal,
             window,
-            0,
+            softcap,
         )

@@ -77,6 +77,11 @@ def test_the_head_dim_picks_the_serving_spec_and_what_none_covers_is_named():
         (False, (0, 0), 0, {"mask": "window(0, 0)"}),
         (True, (-1, -1), 30, {"mask": "causal", "softcap": "30"}),
         (False, (-1, -1), 50.0, {"mask": "none", "softcap": "50"}),
+        # as FlashAttention: causal puts the right side at 0; -1 leaves a side open
+        (True, (10, 5), 0, {"mask": "causal, window(10)"}),
+        (True, (-1, 5), 0, {"mask": "causal"}),
+        (False, (10, -1), 0, {"mask": "window(10, 16777216)"}),
+        (False, (-1, 3), 0, {"mask": "window(16777216, 3)"}),
     ],
 )
 def test_mask_window_and_softcap_become_spec_lines(causal, window, softcap, expected):
@@ -90,8 +95,7 @@ def test_mask_window_and_softcap_become_spec_lines(causal, window, softcap, expe
         (False, (5,), 0, TypeError, r"window_size must be a pair of ints"),
         (False, (5.0, 1), 0, TypeError, r"window_size must be a pair of ints"),
         (False, (-2, 0), 0, ValueError, r"window_size must hold -1 .* got \(-2, 0\)"),
-        (True, (10, 5), 0, ValueError, r"with causal=True: right must be 0 or -1"),
-        (False, (10, -1), 0, ValueError, r"give both sides of a window without causal"),
+        (True, ((1 << 24) + 1, 0), 0, ValueError, r"sizes 0 to 16777216, got \(16777217, 0\)"),
         (False, (-1, -1), 2.5, ValueError, r"softcap must be 0 or a whole number .* got 2.5"),
         (False, (-1, -1), 5000, ValueError, r"softcap must be 0 or a whole number"),
         (False, (-1, -1), float("inf"), ValueError, r"softcap must be 0 or a whole number"),
@@ -140,6 +144,8 @@ VARIANTS = [
     ("kvcache", 128, {"mask": "causal", "kv_cache": "paged(256)", "pack_gqa": "on", "splits": "auto"}),
     ("kvcache", 128, {"mask": "causal", "kv_cache": "contiguous", "pack_gqa": "on", "splits": "auto", "softcap": "30"}),
     ("kvcache", 128, {"mask": "causal, window(512)", "kv_cache": "paged(64)", "pack_gqa": "off", "splits": "off"}),
+    ("kvcache", 128, {"mask": "window(40, 2)", "kv_cache": "paged(64)", "pack_gqa": "off", "splits": "off"}),
+    ("kvcache", 128, {"mask": "causal", "kv_cache": "paged(64)", "pack_gqa": "off", "splits": "auto"}),
 ]  # fmt: skip
 VARIANT_IDS = [variant_name(f"{kind}{d}", s) for kind, d, s in VARIANTS]
 
@@ -176,8 +182,8 @@ def test_variant_names_spell_their_settings():
 @pytest.mark.skipif(nvcc() is None, reason="needs nvcc")
 @pytest.mark.parametrize(
     "kind, head_dim, settings",
-    [VARIANTS[i] for i in (1, 2, 4, 7, 9)],
-    ids=[VARIANT_IDS[i] for i in (1, 2, 4, 7, 9)],
+    [VARIANTS[i] for i in (1, 2, 4, 7, 9, 10, 11)],
+    ids=[VARIANT_IDS[i] for i in (1, 2, 4, 7, 9, 10, 11)],
 )
 def test_call_variants_compile_without_spills(kind, head_dim, settings):
     """The variants the GPU tests do not run as written: nvcc builds them without a spill."""
@@ -201,3 +207,31 @@ def test_serving_calls_check_q_by_name_before_any_gpu_is_asked():
         fadsl.attention_with_kvcache(q, q, q, q)
     with pytest.raises(ValueError, match=r"q must be on a CUDA device, got cpu"):
         fadsl.attention_with_kvcache(q[None], q, q, q)
+
+
+def test_a_bad_argument_is_named_before_new_tokens_are_written(monkeypatch):
+    """attention_with_kvcache checks every argument (the kernel's own checks) before it
+    appends k and v to the cache: a refused call leaves the cache as it was."""
+    from fadsl.runtime import dispatch
+
+    calls = []
+
+    class Refusing:
+        def check_kvcache_call(self, *args):
+            calls.append("checked")
+            raise ValueError("softmax_scale must be finite and positive, got -1")
+
+    monkeypatch.setattr(dispatch, "_check_q", lambda q, dims, shape: None)
+    monkeypatch.setattr(dispatch, "_serving_kernel", lambda kind, q, settings: Refusing())
+    monkeypatch.setattr(dispatch, "append_kv", lambda *args: calls.append("appended"))
+    cache = torch.zeros(2, 64, 8, 128)
+    new = torch.zeros(2, 1, 8, 128)
+    q = torch.zeros(2, 1, 32, 128)
+    with pytest.raises(ValueError, match="softmax_scale must be finite"):
+        fadsl.attention_with_kvcache(q, cache, cache, None, new, new, softmax_scale=-1)
+    assert calls == ["checked"]
+    with pytest.raises(ValueError, match=r"k and v: give the new tokens' keys and values both"):
+        fadsl.attention_with_kvcache(q, cache, cache, None, new, None)
+    with pytest.raises(ValueError, match=r"num_splits=4 with a sliding window"):
+        fadsl.attention_with_kvcache(q, cache, cache, None, window_size=(64, 0), num_splits=4)
+    assert calls == ["checked"]  # neither reached the kernel's checks nor the append

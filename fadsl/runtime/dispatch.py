@@ -10,7 +10,7 @@ import re
 from .. import targets
 from .._data import data_dir
 from ..frontend.rewrite import rewrite
-from ..frontend.settings import PAGE_SIZES
+from ..frontend.settings import MAX_WINDOW, PAGE_SIZES
 from .attention import FlashAttention, load
 from .kvcache import append_kv
 
@@ -96,7 +96,9 @@ def shipped_serving_spec(kind: str, capability: tuple[int, int], head_dim: int) 
 
 def serving_settings(causal: bool, window_size, softcap) -> dict[str, str]:
     """The setting lines (key -> value) a serving call sets on its shipped spec: the mask
-    (FlashAttention's ``window_size`` (left, right), -1 unbounded) and softcap (0: none)."""
+    and softcap (0: none). ``window_size`` (left, right) as FlashAttention takes it: -1 an
+    unbounded side, the right side 0 with causal (as FlashAttention sets it), a one-sided
+    window the spec's MAX_WINDOW keys on its open side."""
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be True or False, got {causal!r}")
     if (
@@ -106,24 +108,18 @@ def serving_settings(causal: bool, window_size, softcap) -> dict[str, str]:
     ):
         raise TypeError(f"window_size must be a pair of ints (left, right), got {window_size!r}")
     left, right = window_size
-    if left < -1 or right < -1:
-        raise ValueError(f"window_size must hold -1 (unbounded) or sizes >= 0, got {window_size}")
-    window = left >= 0 or (right >= 0 and not causal)
-    if not window:
-        mask = "causal" if causal else "none"
-    elif causal:
-        if right > 0:
-            raise ValueError(
-                f"window_size {tuple(window_size)} with causal=True: right must be 0 or -1"
-            )
-        mask = f"causal, window({left})"
-    elif left < 0 or right < 0:
+    if not all(-1 <= side <= MAX_WINDOW for side in window_size):
         raise ValueError(
-            f"window_size {tuple(window_size)}: give both sides of a window without causal "
-            "(or causal=True with window_size (left, 0))"
+            f"window_size must hold -1 (unbounded) or sizes 0 to {MAX_WINDOW}, got "
+            f"{tuple(window_size)}"
         )
+    if causal:
+        mask = "causal" if left < 0 else f"causal, window({left})"
+    elif left < 0 and right < 0:
+        mask = "none"
     else:
-        mask = f"window({left}, {right})"
+        sides = (MAX_WINDOW if side < 0 else side for side in window_size)
+        mask = "window({}, {})".format(*sides)
     settings = {"mask": mask}
     if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
         raise TypeError(f"softcap must be a number, got {type(softcap).__name__}")
@@ -264,18 +260,29 @@ def attention_with_kvcache(
     contiguous (batch, capacity, heads_kv, head_dim), or paged (pages, page_size, heads_kv,
     head_dim) with page_table (batch, max_pages) int32; cache_seqlens (batch,) int32: the keys
     each batch's cache holds. k and v (batch, seqlen_new, heads_kv, head_dim), if given, are
-    first written into the caches after those keys (fadsl.append_kv) and attended too;
-    cache_seqlens is not advanced (the caller adds seqlen_new, as with FlashAttention).
-    causal: bottom-right aligned. window_size, softcap: as attention_varlen's. num_splits:
-    pieces per tile (None: as many as fill the SMs in one wave). Returns the output, or
-    (output, lse) with the LSE (batch, heads_q, seqlen_q), float32."""
+    written into the caches after those keys (fadsl.append_kv) once every argument has been
+    checked, and attended too; cache_seqlens is not advanced (the caller adds seqlen_new, as
+    with FlashAttention). causal: bottom-right aligned. window_size, softcap: as
+    attention_varlen's. num_splits: pieces per tile (None or 0: as many as fill the SMs in
+    one wave; 1: none; a window runs whole tiles). Returns the output, or (output, lse) with
+    the LSE (batch, heads_q, seqlen_q), float32. Unlike flash_attn_with_kvcache,
+    cache_seqlens comes before k and v: pass what follows them by keyword."""
     _check_q(q, 4, "batch, seqlen, heads, head_dim")
     settings = serving_settings(causal, window_size, softcap)
     windowed = "window" in settings["mask"]
     settings.update(kvcache_settings(k_cache, page_table, q.shape[2], windowed))
-    kern = _serving_kernel("kvcache", q, settings)
     if (k is None) != (v is None):
         raise ValueError("k and v: give the new tokens' keys and values both, or neither")
+    if windowed and isinstance(num_splits, int) and num_splits > 1:
+        raise ValueError(
+            f"num_splits={num_splits} with a sliding window: the windowed kernel runs whole "
+            "tiles (splits are not built with a window); leave num_splits None, 0 or 1"
+        )
+    kern = _serving_kernel("kvcache", q, settings)
+    # every argument checked before the new tokens are written into the cache
+    kern.check_kvcache_call(
+        q, k_cache, v_cache, cache_seqlens, page_table, softmax_scale, num_splits, return_lse
+    )
     seqlens = cache_seqlens
     if k is not None:
         append_kv(k_cache, v_cache, k, v, cache_seqlens, page_table)

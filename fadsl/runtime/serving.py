@@ -185,23 +185,9 @@ class ServingCalls:
         the LSE (batch, heads_q, seqlen_q). ``fadsl.append_kv`` writes new tokens first."""
         import torch
 
-        if not self.is_kvcache:
-            raise RuntimeError(
-                f"kernel '{self.config.name}' has no KV cache; a kvcache call needs a spec with "
-                "'kv_cache contiguous' or 'kv_cache paged(N)'"
-            )
-        scale = check_scale(softmax_scale, self.config.head_dim)
-        if num_splits is not None and (
-            isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0
-        ):
-            raise TypeError(f"num_splits must be a non-negative int or None, got {num_splits!r}")
-        if num_splits and not self.config.ext.split_all:
-            raise ValueError(
-                f"num_splits={num_splits}: kernel '{self.config.name}' runs whole tiles; split "
-                "pieces need a spec with 'splits auto'"
-            )
-        if not isinstance(return_lse, bool):
-            raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+        scale = self.check_kvcache_call(
+            q, k_cache, v_cache, cache_seqlens, page_table, softmax_scale, num_splits, return_lse
+        )
         if torch.compiler.is_compiling() or (
             torch.is_grad_enabled()
             and any(isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k_cache, v_cache))
@@ -217,6 +203,35 @@ class ServingCalls:
         return self.kvcache_forward(
             q, k_cache, v_cache, cache_seqlens, page_table, scale, num_splits, out, return_lse
         )
+
+    def check_kvcache_call(
+        self, q, k_cache, v_cache, cache_seqlens, page_table, softmax_scale, num_splits,
+        return_lse,
+    ) -> float:  # fmt: skip
+        """Every check of a kv-cache call, each error naming the argument, before anything is
+        written or launched (fadsl.attention_with_kvcache runs it before appending); the
+        scale to launch with."""
+        from .kvcache import check_kvcache
+
+        if not self.is_kvcache:
+            raise RuntimeError(
+                f"kernel '{self.config.name}' has no KV cache; a kvcache call needs a spec with "
+                "'kv_cache contiguous' or 'kv_cache paged(N)'"
+            )
+        scale = check_scale(softmax_scale, self.config.head_dim)
+        if num_splits is not None and (
+            isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0
+        ):
+            raise TypeError(f"num_splits must be a non-negative int or None, got {num_splits!r}")
+        if num_splits and num_splits > 1 and not self.config.ext.split_all:
+            raise ValueError(
+                f"num_splits={num_splits}: kernel '{self.config.name}' runs whole tiles; split "
+                "pieces need a spec with 'splits auto'"
+            )
+        if not isinstance(return_lse, bool):
+            raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+        check_kvcache(self, q, k_cache, v_cache, cache_seqlens, page_table)
+        return scale
 
     def kvcache_forward(
         self, q, k_cache, v_cache, cache_seqlens, page_table, scale, num_splits, out, return_lse,

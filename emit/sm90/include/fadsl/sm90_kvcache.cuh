@@ -89,12 +89,6 @@ __device__ __forceinline__ void store_o_registers(const FwdParams& p, const Tile
 // memory latency each, 14 us of a 153 us decode step at 16 pieces, H200 session 18).
 constexpr int kCombineVecs = 2, kCombineBatch = 8;
 
-template <class Cfg>
-constexpr int combine_slices() {
-  static_assert(Cfg::kORegs % (4 * kCombineVecs) == 0, "O's registers in whole slices");
-  return Cfg::kORegs / (4 * kCombineVecs);
-}
-
 // <kernel>_combine: CTAs (split tile x consumer warpgroup, slice of O's columns) of 128
 // threads, each the warpgroup thread whose registers it combines: every piece's partial in
 // piece order (merge_piece, as the split tail merges), then the row sums, O / l, the LSE
@@ -103,6 +97,7 @@ constexpr int combine_slices() {
 template <class Cfg>
 __device__ __forceinline__ void combine_pieces(const FwdParamsSm90& P) {
   constexpr int kOVecs = Cfg::kORegs / 4, kN = 4 * kCombineVecs;
+  static_assert(kOVecs % kCombineVecs == 0, "O's registers in whole slices (host: head_dim / 16 of them)");
   const int split_tile = blockIdx.x / Cfg::kConsumerWGs, wg = blockIdx.x % Cfg::kConsumerWGs;
   const int first_vec = blockIdx.y * kCombineVecs;
   const int thread = threadIdx.x, warp = thread / 32, lane = thread % 32;
