@@ -5,7 +5,7 @@
 #   comparison with SDPA FLASH, compute-sanitizer (racecheck, synccheck, memcheck) at a small
 #   shape, then the benchmarks if asked.
 # Usage (repo root, on the device):
-#   bash scripts/device.sh [fa4stage] [numerics] [backward] [varlen] [kvcache] [tests] [sanitize] [trace] [probe] [bench ARGS...]
+#   bash scripts/device.sh [fa4stage] [numerics] [backward] [varlen] [kvcache] [tests] [sanitize] [trace] [probe] [streamprobe] [bench ARGS...]
 #   varlen: tests/test_gpu_varlen.py, then compute-sanitizer on scripts/sanitize_varlen.py
 #   kvcache: tests/test_gpu_kvcache.py and test_gpu_serving_api.py (fadsl.attention_varlen and
 #   attention_with_kvcache), compute-sanitizer on scripts/sanitize_kvcache.py, KV_BENCH
@@ -20,6 +20,8 @@
 #   generated code
 #   trace: scripts/tile_trace.py (where a tile's time goes) on TRACE_SPECS (default the head_dim
 #   64 and 128 examples) at TRACE_SEQLENS (default "2048 8192"), hidden 2048
+#   streamprobe: scripts/stream_probe.py (decode's load path: TMA, cp.async, plain loads) and
+#   Nsight Compute's L2 requests for each
 #   probe: scripts/energy_probe.py (what L2 -> SMEM traffic costs at the power cap) on
 #   PROBE_SPECS (default fa3_hopper) at PROBE_SEQLENS (default "4096,16384")
 #   GPU_TESTS: the pytest arguments instead of every GPU test file (e.g. "tests/test_gpu_sm90.py")
@@ -160,6 +162,19 @@ if [[ $steps == *" probe "* ]]; then
     python3 -P scripts/energy_probe.py "$spec" --seqlens "${PROBE_SEQLENS:-4096,16384}" 2>&1 \
       | grep -v "^fadsl bench" | tee -a "$OUT/energy_probe.log" | tail -8
     status=$((status | ${PIPESTATUS[0]}))
+  done
+fi
+if [[ $steps == *" streamprobe "* ]]; then
+  # decode's load path (issue 31): the paged cache streamed by TMA boxes, cp.async and plain
+  # loads (scripts/stream_probe.py), then Nsight Compute's L2 read requests and DRAM activity
+  # for one launch of each at 128 x 8192 (the decode kernel asks 1.25x the requests cuDNN does)
+  python3 -P scripts/stream_probe.py 2>&1 | tee "$OUT/stream_probe.log" | tail -8
+  status=$((status | ${PIPESTATUS[0]}))
+  for variant in tma_128_3 cpasync_128_3 ldg; do
+    timeout 120 ncu --clock-control none --kernel-name $variant --launch-skip 5 --launch-count 1 \
+      --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__cycles_active.avg.pct_of_peak_sustained_elapsed,lts__t_requests_srcunit_tex_op_read.sum,lts__t_sectors_srcunit_tex_op_read.sum,lts__t_sectors_lookup_hit.sum \
+      python3 -P scripts/stream_probe.py --shape 128x8192 --variant $variant 2>&1 | grep -v "^==PROF==" \
+      | tee -a "$OUT/stream_probe_ncu.log" | grep -E "^  [a-z]|sum|pct" | tail -8
   done
 fi
 if [[ $steps == *" bench "* ]]; then

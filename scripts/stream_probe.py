@@ -17,7 +17,9 @@ the load path differs:
 
 B = 64 rings fit twice on an SM (two CTAs), B = 128 once. Printed: TB/s of K and V per
 variant and shape, each the median of 10 timed launches after 3 warm-ups (CUDA events).
-Usage (on the GPU machine, fadsl installed): python3 -P scripts/stream_probe.py
+Usage (on the GPU machine, fadsl installed): python3 -P scripts/stream_probe.py [--shape
+128x8192] [--variant tma_128_3]; `bash scripts/device.sh streamprobe` runs it, then Nsight
+Compute on one launch of each 128-key variant and ldg.
 """
 
 from __future__ import annotations
@@ -184,12 +186,28 @@ def params(k, v, table, sink, heads, splits, blocks) -> bytes:
 
 
 def main() -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--shape", help="one shape, SEQUENCESxKEYS (default: 1x131072 8x16384 128x8192)"
+    )
+    parser.add_argument(
+        "--variant", help="one variant (tma_128_3, tma_64_3, cpasync_128_3, cpasync_64_3, ldg)"
+    )
+    args = parser.parse_args()
+    shapes = [tuple(map(int, args.shape.split("x")))] if args.shape else SHAPES
+    variants = [
+        v
+        for v in VARIANTS
+        if args.variant in (None, v[0] if v[0] == "ldg" else "{}_{}_{}".format(*v))
+    ]
     with tempfile.TemporaryDirectory() as where:
         cubin = compile_cubin(SOURCE, "stream_probe.cu", "tma_128_3", "sm_90a", Path(where)).cubin
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     print(torch.cuda.get_device_name(0), f"{sms} SMs", flush=True)
     stream = torch.cuda.current_stream().cuda_stream
-    for seqs, keys in SHAPES:
+    for seqs, keys in shapes:
         per = keys // PAGE
         pages = seqs * per
         k = torch.randn(pages, PAGE, HEADS_KV, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
@@ -198,7 +216,7 @@ def main() -> None:
         sink = torch.zeros(1, dtype=torch.int64, device="cuda")
         nbytes = 2 * k.numel() * 2
         cells = []
-        for kind, block_n, stages in VARIANTS:
+        for kind, block_n, stages in variants:
             rows = block_n or 64
             ctas_per_sm = 2 if block_n == 64 else 1
             # pieces: fill the SMs once (as splits auto), at least 4 blocks each
