@@ -20,7 +20,11 @@ namespace fadsl::sm90 {
 // kernel reads the clamped length's keys, and TMA fills a page outside the cache with zeros,
 // so nothing is read outside the cache; the rows of such a tile become NaN (poison_rows,
 // store_empty_tile, write_empty_partial). Each warp checks the entries itself, its lanes
-// striding, then votes (no barrier, no SMEM): a tile's first lines, before its first wait.
+// striding, kCheckBatch loads a lane in flight at once (one memory latency per 32 x 8
+// entries, not one an entry), then votes (no barrier, no SMEM): a tile's first lines,
+// before its first wait.
+constexpr int kCheckBatch = 8;
+
 template <class Cfg>
 __device__ __forceinline__ bool kv_input_bad(const FwdParamsSm90& P, const TileWork& w, int lane) {
   const int length = P.cache_seqlens[w.batch];
@@ -29,9 +33,12 @@ __device__ __forceinline__ bool kv_input_bad(const FwdParamsSm90& P, const TileW
     if (w.n_blocks > 0) {  // (then w.seqlen_k > 0) the pages of keys first_key .. w.seqlen_k - 1 at most
       const int first = (w.block_end - w.n_blocks) * Cfg::kBlockN / Cfg::kPageSize;
       const int last = (imin(w.block_end * Cfg::kBlockN, w.seqlen_k) - 1) / Cfg::kPageSize;
-      for (int i = first + lane; i <= last; i += 32) {
-        const int page = w.pages[i];
-        bad |= page < 0 || page >= P.num_pages;
+      for (int i0 = first + lane; i0 <= last; i0 += 32 * kCheckBatch) {
+        int page[kCheckBatch];
+#pragma unroll
+        for (int u = 0; u < kCheckBatch; ++u) page[u] = i0 + 32 * u <= last ? w.pages[i0 + 32 * u] : 0;
+#pragma unroll
+        for (int u = 0; u < kCheckBatch; ++u) bad |= page[u] < 0 || page[u] >= P.num_pages;
       }
     }
   }
