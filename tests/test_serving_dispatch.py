@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, note, settings
+from hypothesis import strategies as st
 
 import fadsl
 from fadsl import targets
@@ -235,3 +237,30 @@ def test_a_bad_argument_is_named_before_new_tokens_are_written(monkeypatch):
     with pytest.raises(ValueError, match=r"num_splits=4 with a sliding window"):
         fadsl.attention_with_kvcache(q, cache, cache, None, window_size=(64, 0), num_splits=4)
     assert calls == ["checked"]  # neither reached the kernel's checks nor the append
+
+
+_ANY = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-3, 1 << 26),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=3),
+    st.tuples(st.integers(-3, 1 << 25), st.integers(-3, 1 << 25)),
+    st.lists(st.integers(-2, 300), max_size=3),
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(causal=_ANY, window=_ANY, softcap=_ANY)
+def test_any_mask_arguments_give_lines_or_a_named_error(causal, window, softcap):
+    """Whatever a caller passes for causal, window_size and softcap: spec lines the front end
+    reads back, or a TypeError / ValueError naming the argument; never another exception."""
+    try:
+        lines = serving_settings(causal, window, softcap)
+    except (TypeError, ValueError) as err:
+        assert re.match(r"(causal|window_size|softcap) ", str(err)), err
+        return
+    assert set(lines) <= {"mask", "softcap"}
+    note(repr(lines))
+    config = _variant("varlen", 128, lines).kernel.config
+    assert config.mask_text == lines["mask"]
