@@ -15,7 +15,9 @@ from typing import Callable, Iterator
 ROOT = Path(__file__).resolve().parent.parent
 SEEDS = tuple(
     p.read_text(encoding="utf-8")
-    for p in sorted((ROOT / "examples").glob("*.fa")) + sorted((ROOT / "bench/specs").glob("*.fa"))
+    for p in sorted((ROOT / "examples").glob("*.fa"))
+    + sorted((ROOT / "examples" / "serving").glob("*.fa"))
+    + sorted((ROOT / "bench/specs").glob("*.fa"))
 )
 
 # Names (with dots, as instructions have), numbers, the two-character operators,
