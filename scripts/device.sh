@@ -168,7 +168,7 @@ if [[ $steps == *" streamprobe "* ]]; then
   # decode's load path (issue 31): the paged cache streamed by TMA boxes, cp.async and plain
   # loads (scripts/stream_probe.py), then Nsight Compute's L2 read requests and DRAM activity
   # for one launch of each at 128 x 8192 (the decode kernel asks 1.25x the requests cuDNN does)
-  python3 -P scripts/stream_probe.py 2>&1 | tee "$OUT/stream_probe.log" | tail -8
+  timeout 240 python3 -P scripts/stream_probe.py 2>&1 | tee "$OUT/stream_probe.log" | tail -8  # (never run yet: bounded)
   status=$((status | ${PIPESTATUS[0]}))
   for variant in tma_128_3 cpasync_128_3 ldg; do
     timeout 120 ncu --clock-control none --kernel-name $variant --launch-skip 5 --launch-count 1 \
