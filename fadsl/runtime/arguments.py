@@ -83,25 +83,12 @@ def explain_inputs(q, k, v, cfg: Config) -> Dtype:
     for name, t in zip(names, (q, k, v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    by_torch = torch_dtypes()
-    allowed = ", ".join(f"torch.{'bfloat16' if d is Dtype.BF16 else 'float16'}" for d in cfg.dtypes)
     for name, t in zip(names, (q, k, v)):
-        if by_torch.get(t.dtype) not in cfg.dtypes:
-            raise TypeError(
-                f"{name} has dtype {t.dtype}; kernel '{cfg.name}' was compiled for {allowed}"
-            )
-        if t.dtype != q.dtype:
-            raise TypeError(f"{name} has dtype {t.dtype} but q has {q.dtype}; they must match")
         if t.dim() != 4:
             raise ValueError(
                 f"{name} must be 4-D (batch, seqlen, heads, head_dim), got shape {tuple(t.shape)}"
             )
-        if t.shape[3] != cfg.head_dim:
-            raise ValueError(
-                f"{name}.shape[3] is the head_dim, which the spec fixes at {cfg.head_dim}, "
-                f"got {t.shape[3]}"
-            )
-        check_strides(name, t, cfg.target)
+        check_operand(name, t, q, cfg)
     batch, seqlen_q, heads_q, _ = q.shape
     if k.shape != v.shape:
         raise ValueError(
@@ -131,7 +118,29 @@ def explain_inputs(q, k, v, cfg: Config) -> Dtype:
             raise ValueError(f"{name} must be on a CUDA device, got {t.device}")
         if t.device != q.device:
             raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
-    return by_torch[q.dtype]
+    return torch_dtypes()[q.dtype]
+
+
+def check_operand(name: str, t, q, cfg: Config, head_axis: int = 3) -> None:
+    """One 4-D operand of a call (a padded (batch, rows, heads, head_dim) tensor or a cache;
+    a packed one viewed with a batch of 1, its head_dim at ``head_axis`` as the caller sees
+    it): a dtype the spec compiles, q's dtype, the spec's head_dim last, and strides the
+    target's loads take; each error names ``name``."""
+    if torch_dtypes().get(t.dtype) not in cfg.dtypes:
+        allowed = ", ".join(
+            f"torch.{'bfloat16' if d is Dtype.BF16 else 'float16'}" for d in cfg.dtypes
+        )
+        raise TypeError(
+            f"{name} has dtype {t.dtype}; kernel '{cfg.name}' was compiled for {allowed}"
+        )
+    if t.dtype != q.dtype:
+        raise TypeError(f"{name} has dtype {t.dtype} but q has {q.dtype}; they must match")
+    if t.shape[3] != cfg.head_dim:
+        raise ValueError(
+            f"{name}.shape[{head_axis}] is the head_dim, which the spec fixes at {cfg.head_dim}, "
+            f"got {t.shape[3]}"
+        )
+    check_strides(name, t, cfg.target)
 
 
 def check_strides(name: str, t, target: str) -> None:

@@ -19,7 +19,7 @@ A causal spec aligns the diagonal to the bottom right (the new queries are the l
 from __future__ import annotations
 
 from ..ir import Dtype
-from .arguments import check_base, check_strides, torch_dtypes
+from .arguments import check_base, check_operand, torch_dtypes
 
 
 def _int32_vector(name: str, t, device, length: int | None = None, dims: int = 1) -> None:
@@ -53,18 +53,9 @@ def check_kvcache(kern, q, k_cache, v_cache, cache_seqlens, page_table) -> Dtype
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != 4:
             raise ValueError(f"{name} must be 4-D, got shape {tuple(t.shape)}")
-        if torch_dtypes().get(t.dtype) not in cfg.dtypes or t.dtype != q.dtype:
-            allowed = ", ".join(d.value for d in cfg.dtypes)
-            raise TypeError(
-                f"{name} has dtype {t.dtype}; kernel '{cfg.name}' takes {allowed}, all alike"
-            )
-        if t.shape[3] != cfg.head_dim:
-            raise ValueError(
-                f"{name}.shape[3] is the head_dim, which the spec fixes at {cfg.head_dim}, got {t.shape[3]}"
-            )
+        check_operand(name, t, q, cfg)
         if t.device.type != "cuda" or t.device != q.device:
             raise ValueError(f"{name} must be on q's CUDA device, got {t.device}")
-        check_strides(name, t, cfg.target)
     if k_cache.shape != v_cache.shape:
         raise ValueError(
             f"k_cache and v_cache must have the same shape, got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"

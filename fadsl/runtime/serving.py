@@ -51,6 +51,22 @@ class ServingCalls:
 
         return launch
 
+    def _through_op(self, tensors, out) -> bool:
+        """Whether a serving call goes through its functional op (torch.compile tracing, or
+        inputs that require grad, whose autograd raises): then out= is refused."""
+        import torch
+
+        through = torch.compiler.is_compiling() or (
+            torch.is_grad_enabled()
+            and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
+        )
+        if through and out is not None:
+            raise RuntimeError(
+                f"fadsl kernel '{self.config.name}': out= is for eager calls without "
+                "gradients; call it without out="
+            )
+        return through
+
     def varlen(
         self,
         q,
@@ -71,8 +87,6 @@ class ServingCalls:
         of q and likewise of k and v (int32 on q's device). Returns the output (q's shape),
         or ``(output, lse)`` with the LSE (heads_q, tokens_q), float32. The spec must say
         `varlen on`; gradients are not built for varlen calls."""
-        import torch
-
         from .varlen import check_max_seqlen
 
         if not self.is_varlen:
@@ -85,15 +99,7 @@ class ServingCalls:
         scale = check_scale(softmax_scale, self.config.head_dim)
         if not isinstance(return_lse, bool):
             raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
-        if torch.compiler.is_compiling() or (
-            torch.is_grad_enabled()
-            and any(isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v))
-        ):
-            if out is not None:
-                raise RuntimeError(
-                    f"fadsl kernel '{self.config.name}': out= is for eager calls without "
-                    "gradients; call it without out="
-                )
+        if self._through_op((q, k, v), out):
             o, lse = self._varlen_op(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, return_lse)
             return (o, lse) if return_lse else o
         return self.varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, out, return_lse)
@@ -183,19 +189,10 @@ class ServingCalls:
         head_dim) or a paged one (pages, page_size, heads_kv, head_dim) with page_table
         (batch, max_pages) int32. Returns the output (q's shape), or ``(output, lse)`` with
         the LSE (batch, heads_q, seqlen_q). ``fadsl.append_kv`` writes new tokens first."""
-        import torch
-
         scale = self.check_kvcache_call(
             q, k_cache, v_cache, cache_seqlens, page_table, softmax_scale, num_splits, return_lse
         )
-        if torch.compiler.is_compiling() or (
-            torch.is_grad_enabled()
-            and any(isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k_cache, v_cache))
-        ):
-            if out is not None:
-                raise RuntimeError(
-                    "out= is for eager calls without gradients; call it without out="
-                )
+        if self._through_op((q, k_cache, v_cache), out):
             o, lse = self._kvcache_op(
                 q, k_cache, v_cache, cache_seqlens, page_table, scale, num_splits or 0, return_lse
             )

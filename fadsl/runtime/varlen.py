@@ -17,7 +17,7 @@ checked for type only: the kernels derive everything from cu_seqlens.
 from __future__ import annotations
 
 from ..ir import Dtype
-from .arguments import check_base, check_strides, torch_dtypes
+from .arguments import check_base, check_operand, torch_dtypes
 
 
 def check_varlen(kern, q, k, v, cu_seqlens_q, cu_seqlens_k) -> Dtype:
@@ -34,20 +34,8 @@ def check_varlen(kern, q, k, v, cu_seqlens_q, cu_seqlens_k) -> Dtype:
                 f"{name} must be 3-D (tokens, heads, head_dim) for a varlen call, got shape "
                 f"{tuple(t.shape)}"
             )
-    as_batch = (q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0))
-    by_torch = torch_dtypes()
-    for name, t in zip("qkv", as_batch):
-        if by_torch.get(t.dtype) not in cfg.dtypes:
-            allowed = ", ".join(d.value for d in cfg.dtypes)
-            raise TypeError(f"{name} has dtype {t.dtype}; kernel '{cfg.name}' takes {allowed}")
-        if t.dtype != q.dtype:
-            raise TypeError(f"{name} has dtype {t.dtype} but q has {q.dtype}; they must match")
-        if t.shape[3] != cfg.head_dim:
-            raise ValueError(
-                f"{name}.shape[2] is the head_dim, which the spec fixes at {cfg.head_dim}, "
-                f"got {t.shape[3]}"
-            )
-        check_strides(name, t, cfg.target)
+    for name, t in zip("qkv", (q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0))):
+        check_operand(name, t, q, cfg, head_axis=2)
         if t.device.type != "cuda" or t.device != q.device:
             raise ValueError(f"{name} must be on q's CUDA device, got {t.device}")
     if k.shape != v.shape:
@@ -85,7 +73,7 @@ def check_varlen(kern, q, k, v, cu_seqlens_q, cu_seqlens_k) -> Dtype:
     for name, t in (("q", q), ("k", k)):
         if t.shape[0] >= 2**30:
             raise ValueError(f"{name} has {t.shape[0]} tokens; at most 2^30 - 1")
-    return by_torch[q.dtype]
+    return torch_dtypes()[q.dtype]
 
 
 def check_max_seqlen(name: str, value) -> None:

@@ -22,9 +22,9 @@ from .launch import (
     PANEL_COLS,
     SM90_PARAMS_BYTES,
     SPLIT_TAIL,
-    TILE_LIMIT,
     VARLEN_OFFSET,
     VARLEN_TAIL,
+    check_tile_count,
     fast_div,
 )
 
@@ -104,10 +104,7 @@ def partial_floats(kernel: Kernel, a, splits: int) -> int:
 
 def kvcache_grid(kernel: Kernel, a) -> tuple[int, int, int]:
     count = tiles(kernel, a) * a.splits
-    if count >= TILE_LIMIT:
-        raise ValueError(
-            f"q has {count} tiles (and pieces), over {TILE_LIMIT - 1}; split the batch"
-        )
+    check_tile_count(count, "tiles (and pieces)")
     if kernel.config.ext.persistent:
         count = min(count, sm_count(a.q.device.index))
     return (max(count, 1), 1, 1)

@@ -38,6 +38,12 @@ def launch_cluster(kernel: Kernel, seqlen_q: int, seqlen_k: int) -> int:
 TILE_LIMIT = 2**30  # the kernel's int tile indices (steps past the last tile stay below 2^31)
 
 
+def check_tile_count(tiles: int, what: str) -> None:
+    """A launch's tiles (``what`` says which) within the kernel's int indices."""
+    if tiles >= TILE_LIMIT:
+        raise ValueError(f"q has {tiles} {what}, over {TILE_LIMIT - 1}; split the batch")
+
+
 def m_blocks(kernel: Kernel, seqlen_q: int, cluster: int = 1) -> int:
     """sm_90a's query blocks per (batch, head), rounded up to a multiple of the launch's CTAs
     per cluster as the kernel's num_m_blocks does (the CTAs of a cluster run consecutive
@@ -66,11 +72,7 @@ def tile_grid(kernel: Kernel, a: Args) -> tuple[int, int, int]:
     TileScheduler deals out: one CTA per SM at most (``scheduler persistent``, one CTA
     fits an SM), or one CTA per tile (``scheduler grid``)."""
     tiles = tile_count(kernel, a)
-    if tiles >= TILE_LIMIT:
-        raise ValueError(
-            f"q has {tiles} tiles of {kernel.config.block_r} rows x heads x batch, over "
-            f"{TILE_LIMIT - 1}; split the batch"
-        )
+    check_tile_count(tiles, f"tiles of {kernel.config.block_r} rows x heads x batch")
     hopper = kernel.config.ext
     if hopper is not None and hopper.split_kv:
         start, splits = split_plan(tiles, sm_count(a.q.device.index), kv_blocks(kernel, a))

@@ -22,9 +22,9 @@ from .launch import (
     PANEL_COLS,
     SM90_PARAMS_BYTES,
     SPLIT_TAIL,
-    TILE_LIMIT,
     VARLEN_OFFSET,
     VARLEN_TAIL,
+    check_tile_count,
     fast_div,
 )
 
@@ -73,11 +73,7 @@ def varlen_grid(kernel: Kernel, a: VarlenArgs) -> tuple[int, int, int]:
     """The attention kernel's grid: one CTA per SM at most (persistent), else one per tile
     the list may hold (those past its count return at once)."""
     tiles = max(1, tile_bound(kernel, a))
-    if tiles >= TILE_LIMIT:
-        raise ValueError(
-            f"q has up to {tiles} tiles of {kernel.config.block_r} rows x heads, over "
-            f"{TILE_LIMIT - 1}; split the batch"
-        )
+    check_tile_count(tiles, f"tiles at most of {kernel.config.block_r} rows x heads")
     if kernel.config.ext.persistent:
         tiles = min(tiles, sm_count(a.q.device.index))
     return (tiles, 1, 1)
