@@ -76,6 +76,9 @@ extern "C" __global__ void __launch_bounds__(Cfg::kThreads, 1) fa3_decode_paged_
     tma_prefetch_desc(&P.tma_v);
     tma_prefetch_desc(&P.tma_o);
   }
+  // <kernel>_combine, launched as this kernel's programmatic dependent, may be placed from now
+  // on: it waits (griddepcontrol.wait) for this grid to finish before it reads the partials
+  grid_launch_dependents();
   // mbarrier.init before any arrive, wait or complete_tx (one arrival: the producer's arrive.expect_tx)
   if (threadIdx.x == 0) mbar_init(bar_q_full, 1);
   // mbarrier.init before any arrive, wait or complete_tx (one arrival per consumer warp, once per tile)

@@ -21,7 +21,7 @@
 #   trace: scripts/tile_trace.py (where a tile's time goes) on TRACE_SPECS (default the head_dim
 #   64 and 128 examples) at TRACE_SEQLENS (default "2048 8192"), hidden 2048
 #   streamprobe: scripts/stream_probe.py (decode's load path: TMA, cp.async, plain loads) and
-#   Nsight Compute's L2 requests for each
+#   Nsight Compute's L2 requests for each of STREAM_NCU (default "tma_128_3 cpasync_128_3 ldg")
 #   probe: scripts/energy_probe.py (what L2 -> SMEM traffic costs at the power cap) on
 #   PROBE_SPECS (default fa3_hopper) at PROBE_SEQLENS (default "4096,16384")
 #   GPU_TESTS: the pytest arguments instead of every GPU test file (e.g. "tests/test_gpu_sm90.py")
@@ -168,9 +168,9 @@ if [[ $steps == *" streamprobe "* ]]; then
   # decode's load path (issue 31): the paged cache streamed by TMA boxes, cp.async and plain
   # loads (scripts/stream_probe.py), then Nsight Compute's L2 read requests and DRAM activity
   # for one launch of each at 128 x 8192 (the decode kernel asks 1.25x the requests cuDNN does)
-  timeout 240 python3 -P scripts/stream_probe.py 2>&1 | tee "$OUT/stream_probe.log" | tail -8  # (never run yet: bounded)
+  timeout 300 python3 -P scripts/stream_probe.py 2>&1 | tee "$OUT/stream_probe.log" | tail -16
   status=$((status | ${PIPESTATUS[0]}))
-  for variant in tma_128_3 cpasync_128_3 ldg; do
+  for variant in ${STREAM_NCU-tma_128_3 cpasync_128_3 ldg}; do  # STREAM_NCU="": no Nsight
     timeout 120 ncu --clock-control none --kernel-name $variant --launch-skip 5 --launch-count 1 \
       --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__cycles_active.avg.pct_of_peak_sustained_elapsed,lts__t_requests_srcunit_tex_op_read.sum,lts__t_sectors_srcunit_tex_op_read.sum,lts__t_sectors_lookup_hit.sum \
       python3 -P scripts/stream_probe.py --shape 128x8192 --variant $variant 2>&1 | grep -v "^==PROF==" \

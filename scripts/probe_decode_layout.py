@@ -14,7 +14,9 @@ head_dim 128, bf16, one query row), each as a CUDA-graph replay in balanced orde
   dev:hkv8         with PROBE_DEFINES="NAME=VALUE ...": a development build of the spec with
                    those #defines (FlashAttention.use_development_build); PROBE_DEV_ONLY=1
                    runs it in place of the shipped build (checked against float32 likewise)
-PROBE_SHAPES ("1x131072 128x8192"), PROBE_LABELS ("hkv8"), PROBE_BASELINES=0 (no cuDNN, copy).
+PROBE_SHAPES ("1x131072 128x8192"), PROBE_LABELS ("hkv8"), PROBE_BASELINES=0 (no cuDNN, copy),
+PROBE_TIMELINE=1: each contender's kernels in one replay (torch.profiler): their times and the
+gaps between them, averaged over 20 replays.
 Session 18's findings (H200) are in docs/performance.md (decode).
 
 Usage: python3 -P scripts/probe_decode_layout.py [SPEC ...]
@@ -53,6 +55,34 @@ def paged_cache(k_bhsd, page, table=None):
     flat = F.pad(k_bhsd.transpose(1, 2), (0, 0, 0, 0, 0, per * page - length))
     cache[order] = flat.reshape(batch * per, page, heads, d)
     return cache, table
+
+
+def timeline(replay, replays: int = 20) -> str:
+    """The kernels of one replay, each 'name mean_us', and the gaps between them (+us)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            replay(0)
+            torch.cuda.synchronize()
+    events = sorted(
+        (e for e in prof.events() if e.device_type.name == "CUDA" and "emcpy" not in e.name),
+        key=lambda e: e.time_range.start,
+    )
+    per = len(events) // replays
+    if per == 0 or len(events) % replays:
+        return f"({len(events)} kernel events in {replays} replays: not split evenly)"
+    cells = []
+    for i in range(per):
+        mine = events[i::per]
+        dur = sum(e.time_range.elapsed_us() for e in mine) / replays
+        cells.append(f"{mine[0].name[:28]} {dur:.1f}")
+        if i + 1 < per:
+            after = events[i + 1 :: per]
+            gap = sum(b.time_range.start - a.time_range.end for a, b in zip(mine, after)) / replays
+            cells.append(f"+{gap:.1f}")
+    return " | ".join(cells) + " us"
 
 
 for spec in specs:
@@ -136,3 +166,6 @@ for spec in specs:
         kv_bytes = 2 * batch * length * 8 * d * 2
         cells = "  ".join(f"{n} {kv_bytes / (t * 1e-3) / 1e12:5.2f}" for n, t in ms.items())
         print(f"  {batch:3d} x {length:6d}: {cells} TB/s", flush=True)
+        if os.environ.get("PROBE_TIMELINE") == "1":
+            for name, fn in contenders.items():
+                print(f"    {name:12s} {timeline(fn)}", flush=True)

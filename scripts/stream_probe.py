@@ -37,7 +37,10 @@ from fadsl.targets.sm90.host.tma import MAP_BYTES, tensor_map
 
 HEAD_DIM, PAGE, HEADS_KV = 128, 64, 8
 SHAPES = [(1, 131072), (8, 16384), (128, 8192)]  # (sequences, keys each)
-VARIANTS = [("tma", 128, 3), ("tma", 64, 3), ("cpasync", 128, 3), ("cpasync", 64, 3), ("ldg", 0, 0)]
+VARIANTS = [
+    ("tma", 128, 3), ("tma", 64, 3), ("tma", 64, 6), ("cpasync", 128, 3), ("cpasync", 64, 3),
+    ("cpasync", 64, 6), ("ldg", 0, 0),
+]  # fmt: skip
 
 SOURCE = r"""
 #include "fadsl/sm90_ptx.cuh"
@@ -163,6 +166,8 @@ extern "C" __global__ void __launch_bounds__(256, 1) tma_128_3(const __grid_cons
 extern "C" __global__ void __launch_bounds__(256, 2) tma_64_3(const __grid_constant__ ProbeParams P) { stream<64, 3, false>(P); }
 extern "C" __global__ void __launch_bounds__(256, 1) cpasync_128_3(const __grid_constant__ ProbeParams P) { stream<128, 3, true>(P); }
 extern "C" __global__ void __launch_bounds__(256, 2) cpasync_64_3(const __grid_constant__ ProbeParams P) { stream<64, 3, true>(P); }
+extern "C" __global__ void __launch_bounds__(256, 1) tma_64_6(const __grid_constant__ ProbeParams P) { stream<64, 6, false>(P); }
+extern "C" __global__ void __launch_bounds__(256, 1) cpasync_64_6(const __grid_constant__ ProbeParams P) { stream<64, 6, true>(P); }
 extern "C" __global__ void __launch_bounds__(256) ldg(const __grid_constant__ ProbeParams P) { load_sum(P); }
 """
 
@@ -192,9 +197,7 @@ def main() -> None:
     parser.add_argument(
         "--shape", help="one shape, SEQUENCESxKEYS (default: 1x131072 8x16384 128x8192)"
     )
-    parser.add_argument(
-        "--variant", help="one variant (tma_128_3, tma_64_3, cpasync_128_3, cpasync_64_3, ldg)"
-    )
+    parser.add_argument("--variant", help="one variant (e.g. tma_128_3, cpasync_64_3, ldg)")
     args = parser.parse_args()
     shapes = [tuple(map(int, args.shape.split("x")))] if args.shape else SHAPES
     variants = [
@@ -212,46 +215,77 @@ def main() -> None:
         pages = seqs * per
         k = torch.randn(pages, PAGE, HEADS_KV, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
         v = torch.randn_like(k)
-        table = torch.randperm(pages, device="cuda").view(seqs, per).to(torch.int32).contiguous()
         sink = torch.zeros(1, dtype=torch.int64, device="cuda")
         nbytes = 2 * k.numel() * 2
-        cells = []
-        for kind, block_n, stages in variants:
-            rows = block_n or 64
-            ctas_per_sm = 2 if block_n == 64 else 1
-            # pieces: fill the SMs once (as splits auto), at least 4 blocks each
-            items = seqs * HEADS_KV
-            splits = (
-                max(1, min((sms * ctas_per_sm) // items, keys // rows // 4)) if kind != "ldg" else 1
+        for order in ("shuffled", "linear"):  # linear: the paged cache is the contiguous one
+            pick = torch.randperm(pages, device="cuda") if order == "shuffled" else None
+            table = pick if pick is not None else torch.arange(pages, device="cuda")
+            table = table.view(seqs, per).to(torch.int32).contiguous()
+            cells = []
+            for kind, block_n, stages in variants:
+                rows = block_n or 64
+                ctas_per_sm = 2 if (block_n, stages) == (64, 3) else 1
+                # pieces: fill the SMs once (as splits auto), at least 4 blocks each
+                items = seqs * HEADS_KV
+                per_sm = 8 if kind == "ldg" else ctas_per_sm
+                splits = max(1, min((sms * per_sm) // items, keys // rows // 4))
+                blocks = keys // rows // splits
+                name = f"{kind}_{block_n}_{stages}" if kind != "ldg" else "ldg"
+                smem = 2 * stages * block_n * 256 + 32 * stages if kind != "ldg" else 0
+                module = Module(cubin, name, smem, 256)
+                module.prepare(0)
+                raw = params(k, v, table, sink, HEADS_KV, splits, blocks)
+                grid = (items * splits, 1, 1)
+                ms = median_ms(lambda: module.launch(grid, (256, 1, 1), raw, stream))
+                read = (
+                    nbytes * (blocks * splits * rows) / keys
+                )  # (keys past the pieces' blocks: none)
+                cells.append(f"{name} {read / (ms * 1e-3) / 1e12:5.2f}")
+            print(f"  {seqs:3d} x {keys:6d} {order:8s}: " + "  ".join(cells) + " TB/s", flush=True)
+        if args.variant is None:
+            print(
+                f"  {seqs:3d} x {keys:6d} cuDNN decode (contiguous): {cudnn_tbs(k, seqs):5.2f} TB/s"
             )
-            if kind == "ldg":
-                splits = max(1, min((sms * 8) // items, keys // rows // 4))
-            blocks = keys // rows // splits
-            name = f"{kind}_{block_n}_{stages}" if kind != "ldg" else "ldg"
-            smem = 2 * stages * block_n * 256 + 32 * stages if kind != "ldg" else 0
-            module = Module(cubin, name, smem, 256)
-            module.prepare(0)
-            raw = params(k, v, table, sink, HEADS_KV, splits, blocks)
-            grid = (items * splits, 1, 1)
 
-            def launch():
-                module.launch(grid, (256, 1, 1), raw, stream)
 
-            for _ in range(3):
-                launch()
-            times = []
-            for _ in range(10):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(
-                    enable_timing=True
-                )
-                start.record()
-                launch()
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end))
-            read = nbytes * (blocks * splits * rows) / keys  # (keys past the pieces' blocks: none)
-            cells.append(f"{name} {read / (statistics.median(times) * 1e-3) / 1e12:5.2f}")
-        print(f"  {seqs:3d} x {keys:6d}: " + "  ".join(cells) + " TB/s", flush=True)
+def median_ms(launch) -> float:
+    for _ in range(3):
+        launch()
+    times = []
+    for _ in range(10):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        launch()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def cudnn_tbs(k: torch.Tensor, seqs: int) -> float:
+    """SDPA's cuDNN backend on the same bytes as contiguous (seqs, heads_kv, keys, head_dim)
+    K and V, one query row of 32 heads, replayed from a CUDA graph (as bench times it)."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    keys = k.numel() // (seqs * HEADS_KV * HEAD_DIM)
+    kc = k.view(seqs, keys, HEADS_KV, HEAD_DIM).transpose(1, 2).contiguous()
+    vc = torch.randn_like(kc)
+    q = torch.randn(seqs, 32, 1, HEAD_DIM, device="cuda", dtype=k.dtype)
+
+    def call():
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+            return F.scaled_dot_product_attention(q, kc, vc, enable_gqa=True)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        call()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    return 2 * kc.numel() * 2 / (median_ms(graph.replay) * 1e-3) / 1e12
 
 
 if __name__ == "__main__":

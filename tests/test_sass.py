@@ -119,3 +119,29 @@ def test_the_energy_probe_issues_every_tma_load_twice_and_the_kernel_once(built)
     plain = loads(kern)
     assert plain > 0 and loads(probe) == 2 * plain
     assert loads(fadsl.load(spec, verbose=False)) == plain  # the cache holds the plain one
+
+
+def test_the_split_decode_combine_reads_nothing_before_its_grid_wait():
+    """PDL: the combine kernel may start while the attention kernel's pieces run, so its
+    first global access must follow griddepcontrol.wait (SASS ACQBULK); the attention kernel
+    lets it be placed (launch_dependents: PREEXIT). A kernel without `splits auto` has
+    neither."""
+    import re
+
+    import fadsl
+
+    if sass.nvdisasm() is None or not nvrtc_available():
+        pytest.skip("needs nvdisasm (CUDA toolkit or nvidia-cuda-nvdisasm) and NVRTC")
+    kern = fadsl.load(str(ROOT / "examples" / "serving" / "fa3_decode_paged.fa"), verbose=False)
+    text = sass.disassemble(kern.cubin(kern.config.dtypes[0], "sm_90a").cubin, sass.nvdisasm())
+    sections = dict(re.findall(r"\.text\.(\w+):\n(.*?)(?=\n\s*\.section|\Z)", text, re.S))
+    name = kern.config.name + "_" + kern.config.dtypes[0].value
+    combine, attention = sections[name + "_combine"], sections[name]
+    first_wait = combine.index("ACQBULK")
+    for access in ("LDG", "LD.", "STG", "ST.", "ATOM", "RED"):
+        found = combine.find(access)
+        assert found == -1 or found > first_wait, f"{access} before the grid wait"
+    assert "PREEXIT" in attention and "ACQBULK" not in attention
+    whole = fadsl.load(str(ROOT / "examples" / "fa3_hopper.fa"), verbose=False)
+    plain = sass.disassemble(whole.cubin(whole.config.dtypes[0], "sm_90a").cubin, sass.nvdisasm())
+    assert "PREEXIT" not in plain and "ACQBULK" not in plain

@@ -413,6 +413,30 @@ def test_kvcache_grids_and_partials(monkeypatch):
     assert kvcache.tiles(unpacked, a) == 2 * 32  # a tile per query head
 
 
+@pytest.mark.parametrize("num_splits", [None, 1])
+def test_a_split_call_launches_its_combine_as_a_programmatic_dependent(
+    encoded, monkeypatch, num_splits
+):
+    """A split call: the attention kernel launched plainly, then the combine kernel as its
+    programmatic dependent (PDL: the combine waits for the pieces on the device); a call of
+    one piece launches the attention kernel alone."""
+    monkeypatch.setattr(kvcache, "sm_count", lambda index: 132)
+    kernel = _kernel(PAGE)
+    a = _decode_args(kernel, batch=1, pages=64, max_pages=64)
+    launched = []
+    kvcache.run_kvcache(
+        kernel, launched.append, a.q, a.k_cache, a.v_cache, a.cache_seqlens, a.page_table,
+        a.out, None, 0.5, num_splits,
+    )  # fmt: skip
+    suffixes = [(kl.suffix, kl.dependent) for kl in launched]
+    if num_splits == 1:
+        assert suffixes == [("", False)]
+    else:
+        assert suffixes == [("", False), (kvcache.COMBINE_SUFFIX, True)]
+        assert launched[1].grid == kvcache.combine_grid(kernel, a)
+        assert launched[0].params == launched[1].params
+
+
 # --- the varlen workspace and bench_varlen's lengths -------------------------------------
 
 

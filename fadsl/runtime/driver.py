@@ -147,27 +147,30 @@ class Module:
         params: bytes,
         stream: int,
         cluster: int = 1,
+        dependent: bool = False,
     ) -> None:
         """Launch with one by-value argument, the params struct ``params``, on ``stream``;
-        with ``cluster`` > 1, in clusters of that many CTAs along x (cuLaunchKernelEx)."""
+        with ``cluster`` > 1, in clusters of that many CTAs along x; ``dependent``: as a
+        programmatic dependent of the stream's previous kernel (the kernel must execute
+        griddepcontrol.wait before it reads that kernel's results). Either uses
+        cuLaunchKernelEx."""
         driver = self._driver
         buffer = ctypes.create_string_buffer(params, len(params))
         pointers = (ctypes.c_void_p * 1)(ctypes.addressof(buffer))
-        if cluster > 1:
+        if cluster > 1 or dependent:
             # building a CUlaunchConfig costs about 4 us of Python: one per launch shape
-            key = (grid, block, cluster, stream)
+            key = (grid, block, cluster, dependent, stream)
             config = self._configs.get(key)
             if config is None:
                 if len(self._configs) >= 64:
                     self._configs.clear()
-                config = self._configs[key] = self._cluster_config(grid, block, cluster, stream)
+                config = self._configs[key] = self._launch_config(
+                    grid, block, cluster, stream, dependent
+                )
             err = driver.cuLaunchKernelEx(config, self._function, ctypes.addressof(pointers), 0)[0]
             if err != driver.CUresult.CUDA_SUCCESS:
-                _check(
-                    driver,
-                    (err,),
-                    f"launching {self.name} (grid {grid}, block {block}, clusters of {cluster})",
-                )
+                how = f"clusters of {cluster}" if cluster > 1 else "a programmatic dependent"
+                _check(driver, (err,), f"launching {self.name} (grid {grid}, block {block}, {how})")
             return
         err = driver.cuLaunchKernel(
             self._function,
@@ -185,28 +188,39 @@ class Module:
         if err != driver.CUresult.CUDA_SUCCESS:
             _check(driver, (err,), f"launching {self.name} (grid {grid}, block {block})")
 
-    def _cluster_config(self, grid, block, cluster: int, stream: int = 0):
-        """A CUlaunchConfig with the cluster dimension (cluster, 1, 1)."""
+    def _launch_config(self, grid, block, cluster: int, stream: int = 0, dependent: bool = False):
+        """A CUlaunchConfig: the cluster dimension (cluster, 1, 1) where cluster > 1, and
+        programmatic stream serialization where ``dependent``."""
         driver = self._driver
-        attribute = driver.CUlaunchAttribute()
-        attribute.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
-        attribute.value.clusterDim.x = cluster
-        attribute.value.clusterDim.y = 1
-        attribute.value.clusterDim.z = 1
+        attributes = []
+        if cluster > 1:
+            attribute = driver.CUlaunchAttribute()
+            attribute.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+            attribute.value.clusterDim.x = cluster
+            attribute.value.clusterDim.y = 1
+            attribute.value.clusterDim.z = 1
+            attributes.append(attribute)
+        if dependent:
+            attribute = driver.CUlaunchAttribute()
+            attribute.id = (
+                driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+            )
+            attribute.value.programmaticStreamSerializationAllowed = 1
+            attributes.append(attribute)
         config = driver.CUlaunchConfig()
         config.gridDimX, config.gridDimY, config.gridDimZ = grid
         config.blockDimX, config.blockDimY, config.blockDimZ = block
         config.sharedMemBytes = self.smem_bytes
         config.hStream = driver.CUstream(stream)
-        config.attrs = [attribute]
-        config.numAttrs = 1
+        config.attrs = attributes
+        config.numAttrs = len(attributes)
         return config
 
     def max_active_clusters(self, device_index: int, cluster: int) -> int:
         """How many clusters of ``cluster`` CTAs of this kernel can run at once on the device
         (cuOccupancyMaxActiveClusters; in the current context, else the device's primary one)."""
         self.prepare(device_index)
-        config = self._cluster_config((cluster, 1, 1), (self.threads, 1, 1), cluster)
+        config = self._launch_config((cluster, 1, 1), (self.threads, 1, 1), cluster)
         with _device_context(self._driver, device_index):
             found = _check(
                 self._driver,

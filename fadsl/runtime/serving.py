@@ -47,7 +47,7 @@ class ServingCalls:
                         module.prepare(index)
                     self._more_modules[key] = module
             with torch.cuda.device(index):
-                module.launch(kl.grid, kl.block, kl.params, stream)
+                module.launch(kl.grid, kl.block, kl.params, stream, dependent=kl.dependent)
 
         return launch
 

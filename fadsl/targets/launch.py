@@ -30,12 +30,16 @@ class Args(NamedTuple):
 
 class KernelLaunch(NamedTuple):
     """One kernel of a call: the rendered source's kernel + ``suffix``, its grid, block and
-    params struct."""
+    params struct. ``dependent``: launched as a programmatic dependent of the kernel before it
+    on the stream (PDL): its CTAs may be placed while that kernel still runs, and the kernel
+    itself waits (``griddepcontrol.wait``) before it reads anything, so that only the launch
+    latency is hidden, never an ordering lost."""
 
     suffix: str
     grid: tuple[int, int, int]
     block: tuple[int, int, int]
     params: bytes
+    dependent: bool = False
 
 
 @dataclass(frozen=True)

@@ -97,12 +97,16 @@ __device__ __forceinline__ void store_o_registers(const FwdParams& p, const Tile
 constexpr int kCombineVecs = 2, kCombineBatch = 8;
 
 // <kernel>_combine: CTAs (split tile x consumer warpgroup, slice of O's columns) of 128
-// threads, each the warpgroup thread whose registers it combines: every piece's partial in
-// piece order (merge_piece, as the split tail merges), then the row sums, O / l, the LSE
-// (slice 0) and O's rows. A warp whose 16 rows all lie past the tile's rows (decode's packed
+// threads, each the warpgroup thread whose registers it combines, placed while the attention
+// kernel still runs (PDL) and waiting for it first: every piece's partial in piece order
+// (merge_piece, as the split tail merges), then the row sums, O / l, the LSE (slice 0) and
+// O's rows. A warp whose 16 rows all lie past the tile's rows (decode's packed
 // tiles hold G x seqlen_q of 64) stops at once: nothing of it is stored.
 template <class Cfg>
 __device__ __forceinline__ void combine_pieces(const FwdParamsSm90& P) {
+  // launched as the attention kernel's programmatic dependent: nothing is read before its
+  // pieces have finished and their partials are visible (the host: run_kvcache)
+  grid_dependency_wait();
   constexpr int kOVecs = Cfg::kORegs / 4, kN = 4 * kCombineVecs;
   static_assert(kOVecs % kCombineVecs == 0, "O's registers in whole slices (host: head_dim / 16 of them)");
   const int split_tile = blockIdx.x / Cfg::kConsumerWGs, wg = blockIdx.x % Cfg::kConsumerWGs;

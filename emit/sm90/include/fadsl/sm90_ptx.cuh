@@ -163,6 +163,19 @@ __device__ __forceinline__ void fence_mbarrier_init() {
 }
 
 // ---------------------------------------------------------------------------
+// 2b. Programmatic dependent launch (a split launch's combine kernel)
+// ---------------------------------------------------------------------------
+
+// This CTA lets the grid's programmatic dependents be placed (once every CTA has said so or
+// exited); they may run beside it, so they must wait (below) before reading its results.
+// A no-op where nothing was launched as a dependent.
+__device__ __forceinline__ void grid_launch_dependents() { asm volatile("griddepcontrol.launch_dependents;\n" :::); }
+
+// Waits until the grids this one depends on have completed and their memory operations are
+// performed and visible to it; a no-op in a kernel not launched as a dependent.
+__device__ __forceinline__ void grid_dependency_wait() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
+
+// ---------------------------------------------------------------------------
 // 3. TMA: cp.async.bulk.tensor (tiled mode)
 // ---------------------------------------------------------------------------
 // Coordinates are element indices in the tensor map's dimension order (innermost first);

@@ -184,4 +184,7 @@ def run_kvcache(
     launch(KernelLaunch("", kvcache_grid(kernel, args), (kernel.config.threads, 1, 1), params))
     if splits > 1:
         block = (COMBINE_THREADS, 1, 1)
-        launch(KernelLaunch(COMBINE_SUFFIX, combine_grid(kernel, args), block, params))
+        # a programmatic dependent: placed while the pieces run, it waits for them to finish
+        # (griddepcontrol.wait in combine_pieces) and so starts without a launch's gap
+        combine = KernelLaunch(COMBINE_SUFFIX, combine_grid(kernel, args), block, params, True)
+        launch(combine)
