@@ -467,6 +467,35 @@ def test_lengths_for_adds_up_and_stays_in_range(max_len, tokens):
         assert lengths_for(max_len, tokens, seed=1) != lengths
 
 
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("heads_kv", [4, 2])
+def test_bench_varlen_check_chunks_heads_and_still_catches_a_wrong_row(
+    monkeypatch, causal, heads_kv
+):
+    """bench_varlen's float32 check, a head at a time (its scores bounded), passes the right
+    output of packed sequences (GQA included) and refuses one wrong value in one head."""
+    import fadsl.tools.bench_varlen as bench_varlen
+    import torch.nn.functional as F
+
+    monkeypatch.setattr(bench_varlen, "REFERENCE_SCORES", 40 * 40)  # one head a chunk
+    lengths, heads_q, d = [7, 40, 3], 4, 16
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(sum(lengths), heads_q, d, generator=gen)
+    k, v = (torch.randn(sum(lengths), heads_kv, d, generator=gen) for _ in range(2))
+    out, start = torch.empty_like(q), 0
+    for n in lengths:
+        rows = slice(start, start + n)
+        ref = F.scaled_dot_product_attention(
+            *(t[rows].transpose(0, 1) for t in (q, k, v)), is_causal=causal, enable_gqa=True
+        )
+        out[rows] = ref.transpose(0, 1)
+        start += n
+    bench_varlen._check(out, q, k, v, lengths, d**-0.5, causal, 40)
+    out[7 + 39, 3, 5] += 1.0  # the longest sequence's last row, the last head
+    with pytest.raises(RuntimeError, match="sequence 1 .* differs from float32"):
+        bench_varlen._check(out, q, k, v, lengths, d**-0.5, causal, 40)
+
+
 # --- append_kv ---------------------------------------------------------------------------
 
 
