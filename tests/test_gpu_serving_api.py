@@ -104,6 +104,47 @@ def test_attention_varlen_matches_each_sequence(head_dim, causal, window_size, s
             )
 
 
+@pytest.mark.parametrize("head_dim", [128, 64])
+def test_a_long_causal_batch_runs_a_cta_per_tile_and_matches(monkeypatch, head_dim):
+    """max_seqlen_q >= LONG_CAUSAL_ROWS: the call runs its spec with `scheduler grid`; each
+    sequence (a long one among short and empty ones) against float64."""
+    from fadsl.runtime import dispatch
+
+    lengths = [9000, 1, 2500, 0, 129]
+    hq, hkv, dtype = 8, 2, torch.bfloat16
+    torch.manual_seed(head_dim)
+    q = torch.randn(sum(lengths), hq, head_dim, device="cuda", dtype=dtype)
+    k = torch.randn(sum(lengths), hkv, head_dim, device="cuda", dtype=dtype)
+    v = torch.randn_like(k)
+    starts = [0, *torch.tensor(lengths).cumsum(0).tolist()]
+    cu = torch.tensor(starts, dtype=torch.int32, device="cuda")
+    ran = []
+    serving_kernel = dispatch._serving_kernel
+    monkeypatch.setattr(
+        dispatch, "_serving_kernel", lambda *a: ran.append(serving_kernel(*a)) or ran[-1]
+    )
+    out, lse = fadsl.attention_varlen(
+        q, k, v, cu, cu, max(lengths), max(lengths), causal=True, return_lse=True
+    )
+    torch.cuda.synchronize()
+    assert len(ran) == 1 and not ran[0].config.ext.persistent
+    for b in range(len(lengths)):
+        q0, q1 = starts[b], starts[b + 1]
+        if q1 > q0:
+            compare(
+                f"sequence {b}",
+                q[None, q0:q1],
+                k[None, q0:q1],
+                v[None, q0:q1],
+                out[None, q0:q1],
+                lse[:, q0:q1],
+                head_dim**-0.5,
+                True,
+                None,
+                0,
+            )
+
+
 KV_CASES = [  # page (0: contiguous), causal, window_size, new tokens, heads_q, heads_kv, softcap
     (64, True, (-1, -1), 0, 32, 8, 0),
     (16, False, (-1, -1), 3, 32, 8, 0),

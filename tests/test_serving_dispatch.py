@@ -22,10 +22,12 @@ from fadsl.codegen.render import write
 from fadsl.frontend.rewrite import rewrite
 from fadsl.pipeline import compile_source
 from fadsl.runtime.dispatch import (
+    LONG_CAUSAL_ROWS,
     kvcache_settings,
     serving_settings,
     shipped_serving_spec,
     variant_name,
+    varlen_schedule,
 )
 
 from test_sm90_codegen import builds_without_spills
@@ -140,6 +142,8 @@ VARIANTS = [
     ("varlen", 128, {"mask": "causal, window(256)", "softcap": "30"}),
     ("varlen", 64, {"mask": "causal"}),
     ("varlen", 64, {"mask": "window(100, 30)"}),
+    ("varlen", 128, {"mask": "causal", "scheduler": "grid"}),
+    ("varlen", 64, {"mask": "causal", "scheduler": "grid"}),
     ("kvcache", 128, {"mask": "none", "kv_cache": "paged(16)", "pack_gqa": "on", "splits": "auto"}),
     ("kvcache", 128, {"mask": "causal", "kv_cache": "paged(32)", "pack_gqa": "on", "splits": "auto"}),
     ("kvcache", 128, {"mask": "causal", "kv_cache": "paged(128)", "pack_gqa": "off", "splits": "auto"}),
@@ -156,12 +160,31 @@ VARIANT_IDS = [variant_name(f"{kind}{d}", s) for kind, d, s in VARIANTS]
 def test_every_line_a_call_sets_gives_a_proven_kernel(kind, head_dim, settings):
     config = _variant(kind, head_dim, settings).kernel.config
     assert config.mask_text == settings["mask"]
+    assert config.ext.persistent == (settings.get("scheduler", "persistent") == "persistent")
     assert config.ext.softcap == int(settings.get("softcap", 0))
     if kind == "kvcache":
         page = re.match(r"paged\((\d+)\)", settings["kv_cache"])
         assert config.ext.kv_cache == (int(page[1]) if page else 0)
         assert config.ext.pack_gqa == (settings["pack_gqa"] == "on")
         assert config.ext.split_all == (settings["splits"] == "auto")
+
+
+@pytest.mark.parametrize(
+    "mask, max_seqlen_q, expected",
+    [
+        ("causal", 8192, {"scheduler": "grid"}),
+        ("causal", 100000, {"scheduler": "grid"}),
+        ("causal", 8191, {}),  # the threshold's other side
+        ("causal", None, {}),  # not given: the spec's own
+        ("causal", 8192.0, {}),  # not an int (checked by name later)
+        ("none", 16384, {}),
+        ("causal, window(256)", 16384, {}),
+        ("window(100, 30)", 16384, {}),
+    ],
+)
+def test_a_long_causal_varlen_batch_runs_a_cta_per_tile(mask, max_seqlen_q, expected):
+    assert varlen_schedule(mask, max_seqlen_q) == expected
+    assert LONG_CAUSAL_ROWS == 8192
 
 
 def test_variant_names_spell_their_settings():
@@ -184,8 +207,8 @@ def test_variant_names_spell_their_settings():
 @pytest.mark.skipif(nvcc() is None, reason="needs nvcc")
 @pytest.mark.parametrize(
     "kind, head_dim, settings",
-    [VARIANTS[i] for i in (1, 2, 4, 7, 9, 10, 11)],
-    ids=[VARIANT_IDS[i] for i in (1, 2, 4, 7, 9, 10, 11)],
+    [VARIANTS[i] for i in (1, 2, 5, 6, 9, 11, 12, 13)],
+    ids=[VARIANT_IDS[i] for i in (1, 2, 5, 6, 9, 11, 12, 13)],
 )
 def test_call_variants_compile_without_spills(kind, head_dim, settings):
     """The variants the GPU tests do not run as written: nvcc builds them without a spill."""

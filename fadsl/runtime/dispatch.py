@@ -158,6 +158,22 @@ def kvcache_settings(k_cache, page_table, heads_q: int, windowed: bool) -> dict[
     }
 
 
+# A causal varlen batch with a sequence this long runs a CTA per tile (`scheduler grid`):
+# the persistent CTAs' static pairs of q blocks balance one sequence's tiles but not tiles of
+# sequences of different lengths, which the hardware's dynamic hand-out does. H100, session 19,
+# 32768-token mixes, lengths uniform in [L/8, L] (docs/performance.md): L = 16384 grid 648 /
+# persistent 622 TF/s (FA4 616-633), L = 4096 576 / 578-599, L = 1024 313 / 368.
+LONG_CAUSAL_ROWS = 8192
+
+
+def varlen_schedule(mask: str, max_seqlen_q) -> dict[str, str]:
+    """The scheduler line a varlen call sets: grid for a causal mask (no window) when the
+    longest sequence has LONG_CAUSAL_ROWS query rows or more; else the spec's own (none set,
+    also when max_seqlen_q is not given: finding it would wait for the device)."""
+    long = isinstance(max_seqlen_q, int) and max_seqlen_q >= LONG_CAUSAL_ROWS
+    return {"scheduler": "grid"} if mask == "causal" and long else {}
+
+
 def _serving_kernel(kind: str, q, settings: dict[str, str]) -> FlashAttention:
     import torch
 
@@ -223,9 +239,13 @@ def attention_varlen(
     causal: bottom-right aligned per sequence. window_size (left, right): a sliding window,
     -1 unbounded. softcap: scores capped by softcap tanh(s / softcap), 0 none (a whole
     number). Returns the output, or (output, lse) with the LSE (heads_q, tokens_q), float32.
-    Each mask / softcap combination is its own kernel, built on its first call."""
+    Each mask / softcap combination is its own kernel, built on its first call; a causal call
+    whose max_seqlen_q is LONG_CAUSAL_ROWS or more runs the spec with `scheduler grid` (a
+    wrong max_seqlen_q costs speed only: both schedules are exact for any lengths)."""
     _check_q(q, 3, "tokens, heads, head_dim")
-    kern = _serving_kernel("varlen", q, serving_settings(causal, window_size, softcap))
+    settings = serving_settings(causal, window_size, softcap)
+    settings.update(varlen_schedule(settings["mask"], max_seqlen_q))
+    kern = _serving_kernel("varlen", q, settings)
     return kern.varlen(
         q,
         k,
