@@ -134,6 +134,10 @@ struct FwdConfig {
   static constexpr bool kKvCache = false;
   static constexpr int kPageSize = 0;
   static constexpr bool kPackGQA = false;
+  // Q's wgmma descriptors built again each block (issue_qk) instead of kept in registers
+  // across the mainloop: a few integer instructions a block for 8 registers (a generated Cfg
+  // sets it where ptxas would otherwise spill them: varlen at head_dim 64, rescale guarded).
+  static constexpr bool kQDescPerBlock = false;
 
   static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "head_dim 64, 128 or 256");
   static_assert(kConsumerWGs >= 1 && kConsumerWGs <= 3, "1 to 3 consumer warpgroups");
@@ -300,6 +304,8 @@ __device__ __forceinline__ void load_kv_multicast(const CUtensorMap* tmap, uint3
 // move from the slot's (desc_advance); Q's, the same every block, ptxas keeps out of the loop.
 template <class Cfg>
 __device__ __forceinline__ void issue_qk(float (&s)[Cfg::kSRegs], uint32_t smem_q_wg, uint32_t smem_k_slot) {
+  // the address hidden from ptxas, so that it cannot hoist Q's descriptors out of the loop
+  if constexpr (Cfg::kQDescPerBlock) asm volatile("" : "+r"(smem_q_wg));
   const uint64_t k0 = make_desc_kmajor_sw128(smem_k_slot);
 #pragma unroll
   for (int kk = 0; kk < Cfg::kHeadDim / 16; ++kk) {
