@@ -130,7 +130,7 @@ def _check(out, q, k, v, lengths, scale, causal, max_len) -> None:
     for b in {0, max(range(len(lengths)), key=lengths.__getitem__)}:
         rows = slice(starts[b], starts[b + 1])
         n = rows.stop - rows.start
-        per_chunk = max(1, REFERENCE_SCORES // (n * n))  # heads a chunk
+        per_chunk = max(1, REFERENCE_SCORES // max(1, n * n))  # heads a chunk
         for h0 in range(0, q.shape[1], per_chunk):
             heads = slice(h0, h0 + per_chunk)
             group = q.shape[1] // k.shape[1]  # GQA: query heads per K/V head
