@@ -373,7 +373,7 @@ def explain_sections(data: Mapping[str, Any]) -> list[str]:
             "split into pieces (splits auto): every tile's K/V blocks, as many pieces as fill "
             "the SMs in one wave; each piece's warpgroups write their partial O, m and l to a "
             "workspace and skip the tile's tail, and <kernel>_combine adds them up after the "
-            "launch"
+            "launch (a programmatic dependent: placed while the pieces run, it waits for them)"
             if "splits" in ws
             else (
                 "split_kv: the launch's last, part-full round of tiles runs as pieces of their K/V "
