@@ -10,7 +10,8 @@ head_dim 128, bf16, one query row), each as a CUDA-graph replay in balanced orde
   cudnn:bshd       cuDNN on the interleaved (batch, keys, heads, head_dim) layout (a view)
   copy             torch's device-to-device copy of the same K and V bytes (each byte read
                    once and written once; shown as those bytes a second)
-  fadsl:hkv8:sN    with PROBE_SPLITS="N ...": num_splits=N given (N pieces a tile)
+  fadsl:hkv8:sN    with PROBE_SPLITS="N ...": num_splits=N given (N pieces a tile; the
+                   development build's with PROBE_DEV_ONLY=1)
   dev:hkv8         with PROBE_DEFINES="NAME=VALUE ...": a development build of the spec with
                    those #defines (FlashAttention.use_development_build); PROBE_DEV_ONLY=1
                    runs it in place of the shipped build (checked against float32 likewise)
@@ -133,8 +134,8 @@ for spec in specs:
                 )
             for n in os.environ.get("PROBE_SPLITS", "").split():  # pieces per tile, given
                 contenders[f"fadsl:{label}:s{n}"] = (
-                    lambda _, q=q, kc=kc, vc=vc, s=seqlens, t=table, o=out, n=int(n): kern.kvcache(
-                        q, kc, vc, s, t, num_splits=n, out=o
+                    lambda _, q=q, kc=kc, vc=vc, s=seqlens, t=table, o=out, n=int(n), main=main: (
+                        main.kvcache(q, kc, vc, s, t, num_splits=n, out=o)
                     )
                 )
             if label == "hkv8" and BASELINES:

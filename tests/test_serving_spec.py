@@ -145,7 +145,7 @@ REFUSALS = {
     "paged-48": (_paged("paged(48)"), "kv_cache", 20, "page size 48: expected '16', '32', '64'"),
     "paged-4096": (_paged("paged(4096)"), "kv_cache", 20, "page size 4096: expected"),
     "paged-Bc-96": (
-        _swap(PAGE, "B_c = 128", "B_c = 96"),
+        _swap(PAGE, "B_c = 64", "B_c = 96"),
         "kv_cache",
         14,
         "paged(64) with B_c = 96",
@@ -192,7 +192,7 @@ def test_the_off_spellings_pass_a_backward_block(line):
 
 def test_paged_page_sizes_that_tile_b_c_either_way_are_accepted():
     for size, b_c in ((16, 128), (128, 128), (256, 128), (64, 64)):
-        text = _swap(_paged(f"paged({size})"), "B_c = 128", f"B_c = {b_c}")
+        text = _swap(_paged(f"paged({size})"), "B_c = 64", f"B_c = {b_c}")
         hw = _kernel(text).config.ext
         assert hw.kv_cache == size and _kernel(text).config.block_c == b_c
 
@@ -383,11 +383,12 @@ def test_choose_splits_fills_one_wave_of_sms(monkeypatch, paged):
     assert kvcache.choose_splits(kernel, one, 0, 3) == 3
     assert kvcache.choose_splits(kernel, one, 0, 1000) == kvcache.MAX_SPLITS
     # a short cache: at least MIN_BLOCKS_PER_SPLIT blocks a piece, and never under 1
-    assert kvcache.choose_splits(kernel, _shape(1, 1024, paged), 0, None) == 1024 // 128 // 4
-    assert kvcache.choose_splits(kernel, _shape(1, 256, paged), 0, None) == 1
-    assert kvcache.choose_splits(kernel, _shape(1, 256, paged), 0, 3) == 2  # 2 blocks
+    b_c = kernel.config.block_c
+    assert kvcache.choose_splits(kernel, _shape(1, 1024, paged), 0, None) == 1024 // b_c // 4
+    assert kvcache.choose_splits(kernel, _shape(1, 2 * b_c, paged), 0, None) == 1
+    assert kvcache.choose_splits(kernel, _shape(1, 2 * b_c, paged), 0, 3) == 2  # 2 blocks
     for capacity in (64, 640, 4096, 50000, 131072):
-        blocks = -(-capacity // 128)
+        blocks = -(-capacity // b_c)
         assert kvcache.choose_splits(kernel, _shape(1, capacity), 0, None) <= max(1, blocks // 4)
 
 

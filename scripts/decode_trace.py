@@ -1,0 +1,92 @@
+"""Where a split decode call's time goes inside its attention kernel (issue 31, batch 1).
+
+Builds the kv-cache spec with FADSL_TILE_TRACE (fadsl/sm90_trace.cuh: lane 0 of each consumer
+warpgroup stamps %globaltimer at its tile's marks), runs one decode call on a paged cache of
+each shape, and prints, over the CTAs' first pieces, the times of the marks from the earliest
+CTA's mark 0 (its tile known: cache_seqlens read, kv_input_bad done): 1 the first S issued (Q
+and the first K block in), 2 the first softmax done, 3 the mainloop done, 5 the last P V in;
+each as min / median / max over the CTAs, with the mainloop's time per K/V block; and the
+call's time by CUDA events (attention and combine kernels), for what lies outside the marks.
+
+Usage (a Hopper GPU, fadsl installed): python3 -P scripts/decode_trace.py [SPEC]
+[--shapes 1x4096,1x32768,1x131072] [--grid]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+
+import fadsl
+from fadsl.runtime.attention import arch_of
+from fadsl.tools import tiletrace
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("spec", nargs="?", default="examples/serving/fa3_decode_paged.fa")
+    parser.add_argument("--shapes", default="1x4096,1x32768,1x131072")
+    parser.add_argument("--grid", action="store_true", help="each CTA's end, tile by piece")
+    args = parser.parse_args()
+    kern = fadsl.load(args.spec, verbose=False)
+    dtype = kern.config.dtypes[0]
+    page = kern.config.ext.kv_cache
+    kern.use_development_build(dtype, arch_of(0), {"FADSL_TILE_TRACE": 1})
+    module = kern.module(dtype, 0)
+    layout = tiletrace.Layout.of_header()
+    for shape in args.shapes.split(","):
+        batch, length = map(int, shape.split("x"))
+        per = length // page
+        q = torch.randn(batch, 1, 32, 128, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(batch * per, page, 8, 128, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+        table = torch.randperm(batch * per, device="cuda").view(batch, per).to(torch.int32)
+        seqlens = torch.full((batch,), length, dtype=torch.int32, device="cuda")
+        out = torch.empty_like(q)
+        call = lambda: kern.kvcache(q, k, v, seqlens, table, out=out)  # noqa: E731
+        for _ in range(3):
+            call()
+        times = []
+        for _ in range(10):
+            start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+            start.record()
+            call()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1e3)
+        module.zero_global("fadsl_tile_trace")
+        call()
+        torch.cuda.synchronize()
+        trace = layout.unpack(module.read_global("fadsl_tile_trace"))
+        rows = []  # per CTA, step 0, warpgroup 0: its marks
+        for cta in range(layout.ctas):
+            base = (cta * layout.warpgroups) * layout.steps * layout.marks
+            marks = trace[base : base + layout.marks]
+            if marks[0]:
+                rows.append(marks)
+        t0 = min(r[0] for r in rows)
+        cells = []
+        for mark in (0, 1, 2, 3, 5):
+            got = [(r[mark] - t0) / 1e3 for r in rows if r[mark]]
+            if got:
+                cells.append(
+                    f"m{mark} {min(got):6.2f} / {statistics.median(got):6.2f} / {max(got):6.2f}"
+                )
+        loop = [(r[3] - r[2]) / 1e3 for r in rows if r[3] and r[2]]
+        print(
+            f"{shape}: {len(rows)} CTAs, call {statistics.median(times):.1f} us (events, host "
+            f"launch included); marks us from the first CTA's m0, min / median / max:"
+        )
+        print("   " + "  |  ".join(cells))
+        print(f"   mainloop (m2 -> m3) median {statistics.median(loop):.2f} us", flush=True)
+        if args.grid:  # each CTA's m5 (us), a row a tile (its pieces in order)
+            splits = len(rows) // (batch * 8)
+            for t in range(len(rows) // max(1, splits)):
+                ends = [(r[5] - t0) / 1e3 for r in rows[t * splits : (t + 1) * splits]]
+                print("   tile %d: " % t + " ".join(f"{e:5.1f}" for e in ends))
+
+
+if __name__ == "__main__":
+    main()
