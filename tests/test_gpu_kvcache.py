@@ -249,9 +249,9 @@ def test_bad_lengths_and_pages_give_nan_rows(spec, splits):
 
 def test_a_bad_page_makes_nan_exactly_the_tiles_that_read_it():
     """Whole tiles without PackGQA (64 query rows each, causal, 256 rows over 1100 keys in
-    pages of 64, blocks of 128): a bad entry for the last page (keys 1088-1099, in block 8)
-    poisons the q blocks whose keys reach block 8 (rows 128-255: row 180 on sees key 1024),
-    and leaves q blocks 0 and 1 (keys up to 907 and 971: blocks 0-7) right."""
+    pages of 64): a bad entry for the last page (keys 1088-1099) poisons the q blocks whose
+    K/V blocks reach the one holding it (row r sees keys up to r + 844: with blocks of 64,
+    q block 3; of 128, q blocks 2 and 3), and leaves the others right."""
     kern = kernel("paged64_nopack")
     sq, hq, hkv, d = 256, 8, 2, 128
     k, v, seqlens, table, keys = make_cache(kern, [1100], hkv, d, torch.bfloat16, 1152, seed=3)
@@ -259,10 +259,15 @@ def test_a_bad_page_makes_nan_exactly_the_tiles_that_read_it():
     q = torch.randn(1, sq, hq, d, device="cuda", dtype=torch.bfloat16)
     out, lse = kern.kvcache(q, k, v, seqlens, table, num_splits=1, return_lse=True)
     torch.cuda.synchronize()
-    assert out[0, 128:].isnan().all() and lse[0, :, 128:].isnan().all(), "rows 128-255"
-    assert not out[0, :128].isnan().any() and not lse[0, :, :128].isnan().any(), "rows 0-127"
+    b_c, bad_block = kern.config.block_c, 1088 // kern.config.block_c
+    # the first q block whose last row's last key lies in the bad page's block
+    first = next(m for m in range(4) if min(64 * m + 63 + 1100 - sq, 1099) // b_c >= bad_block)
+    assert first == {64: 3, 128: 2}[b_c]
+    cut = 64 * first
+    assert out[0, cut:].isnan().all() and lse[0, :, cut:].isnan().all(), f"rows {cut}-255"
+    assert not out[0, :cut].isnan().any() and not lse[0, :, :cut].isnan().any(), f"rows 0-{cut - 1}"
     kb, vb = keys[0]
     full, _ = reference(q, kb[None], vb[None], d**-0.5, True, torch.float64)
     low, _ = reference(q, kb[None], vb[None], d**-0.5, True, q.dtype)
-    bound = 2 * (low[:, :128].double() - full[:, :128]).abs().max().item() + 1e-3
-    assert (out[:, :128].double() - full[:, :128]).abs().max().item() <= bound
+    bound = 2 * (low[:, :cut].double() - full[:, :cut]).abs().max().item() + 1e-3
+    assert (out[:, :cut].double() - full[:, :cut]).abs().max().item() <= bound
