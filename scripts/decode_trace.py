@@ -23,6 +23,8 @@ import fadsl
 from fadsl.runtime.attention import arch_of
 from fadsl.tools import tiletrace
 
+HEADS_Q, HEADS_KV = 32, 8  # GQA 32/8, as bench_kvcache
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -33,14 +35,16 @@ def main() -> None:
     kern = fadsl.load(args.spec, verbose=False)
     dtype = kern.config.dtypes[0]
     page = kern.config.ext.kv_cache
+    if page <= 0:
+        raise SystemExit(f"{args.spec}: a paged kv_cache spec is needed (kv_cache paged(N))")
     kern.use_development_build(dtype, arch_of(0), {"FADSL_TILE_TRACE": 1})
     module = kern.module(dtype, 0)
     layout = tiletrace.Layout.of_header()
     for shape in args.shapes.split(","):
         batch, length = map(int, shape.split("x"))
         per = length // page
-        q = torch.randn(batch, 1, 32, 128, device="cuda", dtype=torch.bfloat16)
-        k = torch.randn(batch * per, page, 8, 128, device="cuda", dtype=torch.bfloat16)
+        q = torch.randn(batch, 1, HEADS_Q, 128, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(batch * per, page, HEADS_KV, 128, device="cuda", dtype=torch.bfloat16)
         v = torch.randn_like(k)
         table = torch.randperm(batch * per, device="cuda").view(batch, per).to(torch.int32)
         seqlens = torch.full((batch,), length, dtype=torch.int32, device="cuda")
@@ -82,7 +86,7 @@ def main() -> None:
         print("   " + "  |  ".join(cells))
         print(f"   mainloop (m2 -> m3) median {statistics.median(loop):.2f} us", flush=True)
         if args.grid:  # each CTA's m5 (us), a row a tile (its pieces in order)
-            splits = len(rows) // (batch * 8)
+            splits = len(rows) // (batch * HEADS_KV)  # PackGQA: a tile a (batch, K/V head)
             for t in range(len(rows) // max(1, splits)):
                 ends = [(r[5] - t0) / 1e3 for r in rows[t * splits : (t + 1) * splits]]
                 print("   tile %d: " % t + " ".join(f"{e:5.1f}" for e in ends))

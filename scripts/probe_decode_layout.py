@@ -68,6 +68,7 @@ def timeline(replay, replays: int = 20) -> str:
             replay(0)
             torch.cuda.synchronize()
     events = sorted(
+        # kernels only: a graph replay may also record Memcpy / Memset events
         (e for e in prof.events() if e.device_type.name == "CUDA" and "emcpy" not in e.name),
         key=lambda e: e.time_range.start,
     )

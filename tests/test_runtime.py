@@ -197,3 +197,32 @@ def test_a_cubin_too_small_for_its_setmaxnreg_split_is_refused_before_it_hangs()
         check(hopper.compiled.kernel, 160, 384)
     # sm_80 kernels have no setmaxnreg: nothing to check
     assert targets.launch_for("sm_80").check_loaded is None
+
+
+@pytest.mark.parametrize("cluster, dependent", [(2, False), (1, True), (2, True)])
+def test_launch_configs_carry_the_cluster_and_the_programmatic_dependency(cluster, dependent):
+    """Module._launch_config (no GPU: the driver's structs only): a cluster launch carries its
+    dimension, a programmatic dependent (the split decode's combine) the stream
+    serialization attribute, and both together carry both."""
+    from cuda.bindings import driver  # (its structs need no libcuda)
+
+    from fadsl.runtime.driver import Module
+
+    module = Module.__new__(Module)  # (no cubin loaded: only the config is built)
+    module._driver, module.smem_bytes = driver, 4096
+    config = module._launch_config((8, 4, 1), (128, 1, 1), cluster, 0, dependent)
+    ids = driver.CUlaunchAttributeID
+    found = {int(a.id): a for a in config.attrs}
+    assert config.numAttrs == len(found) == (cluster > 1) + dependent
+    assert (config.gridDimX, config.gridDimY, config.blockDimX, config.sharedMemBytes) == (
+        8,
+        4,
+        128,
+        4096,
+    )
+    if cluster > 1:
+        dims = found[int(ids.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION)].value.clusterDim
+        assert (dims.x, dims.y, dims.z) == (cluster, 1, 1)
+    if dependent:
+        serialization = found[int(ids.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION)]
+        assert serialization.value.programmaticStreamSerializationAllowed == 1

@@ -137,6 +137,7 @@ def test_the_split_decode_combine_reads_nothing_before_its_grid_wait():
     sections = dict(re.findall(r"\.text\.(\w+):\n(.*?)(?=\n\s*\.section|\Z)", text, re.S))
     name = kern.config.name + "_" + kern.config.dtypes[0].value
     combine, attention = sections[name + "_combine"], sections[name]
+    assert "ACQBULK" in combine, "the combine kernel has no griddepcontrol.wait"
     first_wait = combine.index("ACQBULK")
     for access in ("LDG", "LD.", "STG", "ST.", "ATOM", "RED"):
         found = combine.find(access)

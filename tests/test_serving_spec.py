@@ -479,12 +479,12 @@ def test_bench_varlen_check_chunks_heads_and_still_catches_a_wrong_row(
     import torch.nn.functional as F
 
     monkeypatch.setattr(bench_varlen, "REFERENCE_SCORES", 40 * 40)  # one head a chunk
-    lengths, heads_q, d = [7, 40, 3], 4, 16
+    lengths, heads_q, d = [0, 7, 40, 3], 4, 16  # (the first, checked, is empty)
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(sum(lengths), heads_q, d, generator=gen)
     k, v = (torch.randn(sum(lengths), heads_kv, d, generator=gen) for _ in range(2))
     out, start = torch.empty_like(q), 0
-    for n in lengths:
+    for n in filter(None, lengths):
         rows = slice(start, start + n)
         ref = F.scaled_dot_product_attention(
             *(t[rows].transpose(0, 1) for t in (q, k, v)), is_causal=causal, enable_gqa=True
@@ -493,7 +493,7 @@ def test_bench_varlen_check_chunks_heads_and_still_catches_a_wrong_row(
         start += n
     bench_varlen._check(out, q, k, v, lengths, d**-0.5, causal, 40)
     out[7 + 39, 3, 5] += 1.0  # the longest sequence's last row, the last head
-    with pytest.raises(RuntimeError, match="sequence 1 .* differs from float32"):
+    with pytest.raises(RuntimeError, match="sequence 2 .* differs from float32"):
         bench_varlen._check(out, q, k, v, lengths, d**-0.5, causal, 40)
 
 

@@ -169,8 +169,10 @@ class Module:
                 )
             err = driver.cuLaunchKernelEx(config, self._function, ctypes.addressof(pointers), 0)[0]
             if err != driver.CUresult.CUDA_SUCCESS:
-                how = f"clusters of {cluster}" if cluster > 1 else "a programmatic dependent"
-                _check(driver, (err,), f"launching {self.name} (grid {grid}, block {block}, {how})")
+                how = [f"clusters of {cluster}"] if cluster > 1 else []
+                how += ["a programmatic dependent"] if dependent else []
+                where = f"grid {grid}, block {block}, {', '.join(how)}"
+                _check(driver, (err,), f"launching {self.name} ({where})")
             return
         err = driver.cuLaunchKernel(
             self._function,

@@ -118,7 +118,9 @@ def _prefix(lengths: list[int]) -> list[int]:
     return found
 
 
-REFERENCE_SCORES = 1 << 28  # float32 scores the check holds at once (1 GiB)
+# float32 scores of one chunk of heads (1 GiB); the check holds about twice that at once (the
+# scores, masked in place, and their softmax)
+REFERENCE_SCORES = 1 << 28
 
 
 def _check(out, q, k, v, lengths, scale, causal, max_len) -> None:
@@ -127,20 +129,22 @@ def _check(out, q, k, v, lengths, scale, causal, max_len) -> None:
     import torch
 
     starts = [0, *_prefix(lengths)]
+    group = q.shape[1] // k.shape[1]  # GQA: query heads per K/V head
     for b in {0, max(range(len(lengths)), key=lengths.__getitem__)}:
         rows = slice(starts[b], starts[b + 1])
         n = rows.stop - rows.start
-        per_chunk = max(1, REFERENCE_SCORES // max(1, n * n))  # heads a chunk
+        if n == 0:
+            continue  # no row to check
+        above = torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1) if causal else None
+        per_chunk = max(1, REFERENCE_SCORES // (n * n))  # heads a chunk
         for h0 in range(0, q.shape[1], per_chunk):
             heads = slice(h0, h0 + per_chunk)
-            group = q.shape[1] // k.shape[1]  # GQA: query heads per K/V head
             kv_heads = torch.arange(q.shape[1], device=q.device)[heads] // group
             qs = q[rows, heads].transpose(0, 1).float()
             ks, vs = (t[rows][:, kv_heads].transpose(0, 1).float() for t in (k, v))
-            scores = torch.matmul(qs, ks.transpose(1, 2)) * scale
-            if causal:
-                above = torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1)
-                scores = scores.masked_fill(above, float("-inf"))
+            scores = torch.matmul(qs, ks.transpose(1, 2)).mul_(scale)
+            if above is not None:
+                scores.masked_fill_(above, float("-inf"))
             ref = torch.matmul(torch.softmax(scores, dim=-1), vs).transpose(0, 1)
             err = (out[rows, heads].float() - ref).abs().max().item()
             if not err <= AGREEMENT * ref.abs().max().item():

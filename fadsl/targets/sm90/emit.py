@@ -310,7 +310,9 @@ def context(kernel: Kernel, dtype: Dtype) -> dict[str, Any]:
         "varlen": hw.varlen,
         # Q's wgmma descriptors rebuilt each block (issue_qk): varlen at head_dim 64 with
         # rescale guarded spills them otherwise (48 bytes, session 18); other kernels keep
-        # them in registers, their SASS unchanged
+        # them in registers, their SASS unchanged. Keyed on the shape the spill was seen in,
+        # not on register pressure: such a spec that would not spill pays a few integer
+        # instructions a block too.
         "q_desc_per_block": hw.varlen and cfg.head_dim == 64 and hw.guarded,
         # `kv_cache`: -1 none, 0 contiguous, N rows a page; `pack_gqa on`; `splits auto`
         # (every tile split, <kernel>_combine after)

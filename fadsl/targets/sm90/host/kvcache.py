@@ -186,5 +186,5 @@ def run_kvcache(
         block = (COMBINE_THREADS, 1, 1)
         # a programmatic dependent: placed while the pieces run, it waits for them to finish
         # (griddepcontrol.wait in combine_pieces) and so starts without a launch's gap
-        combine = KernelLaunch(COMBINE_SUFFIX, combine_grid(kernel, args), block, params, True)
-        launch(combine)
+        grid = combine_grid(kernel, args)
+        launch(KernelLaunch(COMBINE_SUFFIX, grid, block, params, dependent=True))
