@@ -9,8 +9,8 @@ keys, 0 to the capacity (the cache's rows, or max_pages x N). The host never rea
 lengths or the page table (that would wait for the GPU), so the kernel checks them: a length
 outside 0 .. capacity makes that batch's rows of O and the LSE NaN, and a page-table entry
 outside the cache the rows of every tile that reads that page (the kernel reads only the
-clamped length's keys, and TMA's zeros for a page outside the cache). cache_seqlens and page_table must not change
-while a call runs (another stream writing them could leave the kernel's roles disagreeing).
+clamped length's keys, and TMA's zeros for a page outside the cache). cache_seqlens and
+page_table must not change while a call runs (another stream writing them could leave the kernel's roles disagreeing).
 A causal spec aligns the diagonal to the bottom right (the new queries are the last ones).
 ``num_splits``: pieces per tile with `splits auto` (None: from the shape; a spec without
 `splits auto` refuses it).

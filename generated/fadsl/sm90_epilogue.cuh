@@ -18,12 +18,17 @@ __device__ __forceinline__ void row_sum_quad(float (&l)[2]) {
   }
 }
 
+// 1 / l per row, 0 for a row with l == 0 (it saw no key): O's normalisation.
+__device__ __forceinline__ void inverse_row_sums(const float (&l)[2], float (&inv)[2]) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) inv[r] = l[r] == 0.f ? 0.f : 1.f / l[r];
+}
+
 // O /= l; a row with l == 0 (it saw no key) becomes 0.
 template <class Cfg>
 __device__ __forceinline__ void normalize_o(float (&o)[Cfg::kORegs], const float (&l)[2]) {
   float inv[2];
-#pragma unroll
-  for (int r = 0; r < 2; ++r) inv[r] = l[r] == 0.f ? 0.f : 1.f / l[r];
+  inverse_row_sums(l, inv);
   rescale_o<Cfg>(o, inv);
 }
 
@@ -133,6 +138,18 @@ __device__ __forceinline__ void write_split_partial(float4* mine, const float (&
   mine[128 * kOVecs] = make_float4(m[0], m[1], l[0], l[1]);
 }
 
+// N of this thread's O registers from a piece's partial (its place `part`), from float4
+// `first_vec` on: O register 4 (first_vec + k) + e is x[4k + e]. L2 loads: another SM wrote it.
+template <int N>
+__device__ __forceinline__ void read_partial_o(const float4* part, int first_vec, float (&x)[N]) {
+  static_assert(N % 4 == 0, "whole float4s");
+#pragma unroll
+  for (int k = 0; k < N / 4; ++k) {
+    const float4 v = __ldcg(part + 128 * (first_vec + k));
+    x[4 * k] = v.x, x[4 * k + 1] = v.y, x[4 * k + 2] = v.z, x[4 * k + 3] = v.w;
+  }
+}
+
 // One piece's partial (m and l in `ml`, N of this thread's O registers in `x`: whole float4s,
 // element 4k + e of row (e / 2) % 2) merged into the running (o, m, l); the first piece is
 // taken as it is. m = max(m, m_i), l = l 2^((m - m') c) + l_i 2^((m_i - m') c) with the
@@ -175,11 +192,7 @@ __device__ __forceinline__ void merge_split_partials(const FwdParamsSm90& P, int
     const float4* part = split_partial<Cfg>(P, split_tile, split, wg, thread);
     const float4 ml = __ldcg(part + 128 * kOVecs);  // L2: written by another SM
     float x[Cfg::kORegs];
-#pragma unroll
-    for (int k = 0; k < kOVecs; ++k) {
-      const float4 v = __ldcg(part + 128 * k);
-      x[4 * k] = v.x, x[4 * k + 1] = v.y, x[4 * k + 2] = v.z, x[4 * k + 3] = v.w;
-    }
+    read_partial_o(part, 0, x);
     merge_piece(o, x, m, l, ml, split == 0, scale_log2);
   }
 }
@@ -223,9 +236,9 @@ __device__ __forceinline__ void store_empty_tile(const FwdParams& p, const TileW
   constexpr int kChunks = Cfg::kHeadDim * 2 / 16;  // 16-byte pieces per row
   const int row0 = w.m0 + 64 * wg;
   const int len_q = seqlen_q<Cfg>(p, w);
-  const uint32_t word = poison ? pack_f32x2<typename Cfg::T>(__int_as_float(0x7fc00000), __int_as_float(0x7fc00000)) : 0u;
+  const uint32_t word = poison ? pack_f32x2<typename Cfg::T>(quiet_nan(), quiet_nan()) : 0u;
   const uint4 fill = make_uint4(word, word, word, word);
-  const float lse_fill = poison ? __int_as_float(0x7fc00000) : -INFINITY;
+  const float lse_fill = poison ? quiet_nan() : -INFINITY;
   if constexpr (Cfg::kPackGQA) {  // row r: query row r / G of query head head * G + r % G
     const int group = p.heads_q / p.heads_kv;
     for (int i = thread; i < 64 * kChunks; i += 128) {

@@ -50,8 +50,8 @@ __device__ __forceinline__ bool kv_input_bad(const FwdParamsSm90& P, const TileW
 template <class Cfg>
 __device__ __forceinline__ void poison_rows(float (&o)[Cfg::kORegs], float (&l)[2]) {
 #pragma unroll
-  for (int i = 0; i < Cfg::kORegs; ++i) o[i] = __int_as_float(0x7fc00000);  // a quiet NaN
-  l[0] = l[1] = __int_as_float(0x7fc00000);
+  for (int i = 0; i < Cfg::kORegs; ++i) o[i] = quiet_nan();
+  l[0] = l[1] = quiet_nan();
 }
 
 // A piece with no K/V block (its tile's sequence is shorter than the split): its partial is
@@ -60,10 +60,11 @@ __device__ __forceinline__ void poison_rows(float (&o)[Cfg::kORegs], float (&l)[
 template <class Cfg>
 __device__ __forceinline__ void write_empty_partial(const FwdParamsSm90& P, const TileWork& w, int wg, int thread,
                                                     bool poison) {
+  const float fill = poison ? quiet_nan() : 0.f;
   float o[Cfg::kORegs];
 #pragma unroll
-  for (int i = 0; i < Cfg::kORegs; ++i) o[i] = poison ? __int_as_float(0x7fc00000) : 0.f;
-  const float m[2] = {-INFINITY, -INFINITY}, l[2] = {poison ? __int_as_float(0x7fc00000) : 0.f, poison ? __int_as_float(0x7fc00000) : 0.f};
+  for (int i = 0; i < Cfg::kORegs; ++i) o[i] = fill;
+  const float m[2] = {-INFINITY, -INFINITY}, l[2] = {fill, fill};
   write_split_partial<Cfg>(split_partial<Cfg>(P, w.split_tile, w.split, wg, thread), o, m, l);
 }
 
@@ -125,11 +126,7 @@ __device__ __forceinline__ void combine_pieces(const FwdParamsSm90& P) {
       if (base + i >= P.splits) break;
       const float4* part = split_partial<Cfg>(P, split_tile, base + i, wg, thread);
       ml[i] = __ldcg(part + 128 * kOVecs);  // L2: written by other SMs
-#pragma unroll
-      for (int v = 0; v < kCombineVecs; ++v) {
-        const float4 t = __ldcg(part + 128 * (first_vec + v));
-        x[i][4 * v] = t.x, x[i][4 * v + 1] = t.y, x[i][4 * v + 2] = t.z, x[i][4 * v + 3] = t.w;
-      }
+      read_partial_o(part, first_vec, x[i]);
     }
 #pragma unroll
     for (int i = 0; i < kCombineBatch; ++i) {
@@ -138,7 +135,8 @@ __device__ __forceinline__ void combine_pieces(const FwdParamsSm90& P) {
     }
   }
   row_sum_quad(l);
-  const float inv[2] = {l[0] == 0.f ? 0.f : 1.f / l[0], l[1] == 0.f ? 0.f : 1.f / l[1]};  // as normalize_o
+  float inv[2];
+  inverse_row_sums(l, inv);
 #pragma unroll
   for (int i = 0; i < kN; ++i) o[i] *= inv[(i / 2) % 2];
   if (blockIdx.y == 0) store_lse<Cfg>(P.base, w, rows, m, l, scale_log2, lane);

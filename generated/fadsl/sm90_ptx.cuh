@@ -450,6 +450,9 @@ __device__ __forceinline__ uint32_t pack_f32x2(float lo, float hi) {
   return packed;
 }
 
+// The quiet NaN that bad input's rows are filled with (kv_input_bad, malformed cu_seqlens).
+__device__ __forceinline__ float quiet_nan() { return __int_as_float(0x7fc00000); }
+
 // 2^x with one MUFU.EX2 (flushes subnormal results to 0; 2^-inf = 0).
 __device__ __forceinline__ float fast_exp2(float x) {
   float y;

@@ -138,7 +138,7 @@ __device__ __forceinline__ void poison_output(const FwdParamsSm90& P) {
   }
   if (p.lse == nullptr) return;
   for (int64_t i = threadIdx.x; i < static_cast<int64_t>(p.seqlen_q) * p.heads_q; i += kVarlenTileThreads) {
-    p.lse[(i / p.seqlen_q) * p.lse_head_stride + i % p.seqlen_q] = __int_as_float(0x7fc00000);
+    p.lse[(i / p.seqlen_q) * p.lse_head_stride + i % p.seqlen_q] = quiet_nan();
   }
 }
 
