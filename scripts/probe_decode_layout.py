@@ -139,6 +139,16 @@ for spec in specs:
                         main.kvcache(q, kc, vc, s, t, num_splits=n, out=o)
                     )
                 )
+                if dev is not None and main is kern:
+                    contenders[f"dev:{label}:s{n}"] = (
+                        lambda _, q=q, kc=kc, vc=vc, s=seqlens, t=table, o=out, n=int(n): (
+                            dev.kvcache(q, kc, vc, s, t, num_splits=n, out=o)
+                        )
+                    )
+                    out.fill_(float("nan"))
+                    contenders[f"dev:{label}:s{n}"](0)
+                    err = (out.float() - ref).abs().max().item()
+                    assert err < 0.02, (label, n, err)
             if label == "hkv8" and BASELINES:
                 qt = q.transpose(1, 2)
                 k_bshd = k.transpose(1, 2).contiguous()

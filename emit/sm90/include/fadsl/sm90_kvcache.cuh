@@ -57,9 +57,20 @@ __device__ __forceinline__ void poison_rows(float (&o)[Cfg::kORegs], float (&l)[
 // A piece with no K/V block (its tile's sequence is shorter than the split): its partial is
 // the empty one (m = -inf, l = 0, O = 0), written without the pipeline; `poison` (bad
 // input): O and l NaN.
+// Whether warp `warp` of warpgroup `wg` holds any of the tile's rows (warp-uniform): its 16
+// rows start at m0 + 64 wg + 16 warp. A piece's partial is written, and read by
+// <kernel>_combine, only by warps that do: decode's packed tile holds G x seqlen_q of its 64
+// rows (4 at GQA 32/8), so the other warps' bytes (three quarters of every piece's) would be
+// written and never read.
+template <class Cfg>
+__device__ __forceinline__ bool warp_holds_rows(const FwdParams& p, const TileWork& w, int wg, int warp) {
+  return w.m0 + 64 * wg + 16 * warp < tile_rows<Cfg>(p);
+}
+
 template <class Cfg>
 __device__ __forceinline__ void write_empty_partial(const FwdParamsSm90& P, const TileWork& w, int wg, int thread,
                                                     bool poison) {
+  if (!warp_holds_rows<Cfg>(P.base, w, wg, thread / 32)) return;
   const float fill = poison ? quiet_nan() : 0.f;
   float o[Cfg::kORegs];
 #pragma unroll
@@ -101,8 +112,8 @@ constexpr int kCombineVecs = 2, kCombineBatch = 8;
 // threads, each the warpgroup thread whose registers it combines, placed while the attention
 // kernel still runs (PDL) and waiting for it first: every piece's partial in piece order
 // (merge_piece, as the split tail merges), then the row sums, O / l, the LSE (slice 0) and
-// O's rows. A warp whose 16 rows all lie past the tile's rows (decode's packed
-// tiles hold G x seqlen_q of 64) stops at once: nothing of it is stored.
+// O's rows. A warp whose 16 rows all lie past the tile's rows (warp_holds_rows) stops at once:
+// the pieces wrote nothing for it, and nothing of it is stored.
 template <class Cfg>
 __device__ __forceinline__ void combine_pieces(const FwdParamsSm90& P) {
   // launched as the attention kernel's programmatic dependent: nothing is read before its
@@ -114,8 +125,8 @@ __device__ __forceinline__ void combine_pieces(const FwdParamsSm90& P) {
   const int first_vec = blockIdx.y * kCombineVecs;
   const int thread = threadIdx.x, warp = thread / 32, lane = thread % 32;
   const TileWork w = tile_work<Cfg>(P, tile_coords<Cfg>(P, P.split_start + split_tile));
+  if (!warp_holds_rows<Cfg>(P.base, w, wg, warp)) return;  // no partial was written for it
   const RowLimits rows = row_limits<Cfg>(w, wg, warp, lane);
-  if (rows.row0 - lane / 4 >= tile_rows<Cfg>(P.base)) return;  // the warp's first row: warp-uniform
   const float scale_log2 = P.base.softmax_scale * 1.4426950408889634f;
   float o[kN] = {}, m[2] = {}, l[2] = {};
   for (int base = 0; base < P.splits; base += kCombineBatch) {
