@@ -281,11 +281,11 @@ extern "C" __global__ void __launch_bounds__(Cfg::kThreads, 1) fa3_decode_paged_
         const TileWork w = split_tile_work<Cfg>(P, tile);
         const RowLimits rows = row_limits<Cfg>(w, wg, warp, lane);
         if (kv_bad) poison_rows<Cfg>(o, l);  // bad input (kv_input_bad)
-        // a piece: its partial O, m and l to the workspace (the warps holding the tile's rows:
-        // warp_holds_rows), and the tile's tail skipped (<kernel>_combine adds the pieces up
+        // a piece: its partial O, m and l to the workspace (the threads holding the tile's
+        // rows: holds_rows), and the tile's tail skipped (<kernel>_combine adds the pieces up
         // after the launch)
         if (w.split >= 0) {
-          if (warp_holds_rows<Cfg>(P.base, w, wg, warp))
+          if (holds_rows<Cfg>(P.base, rows.row0))
             write_split_partial<Cfg>(split_partial<Cfg>(P, w.split_tile, w.split, wg, threadIdx.x % 128), o, m, l);
           continue;
         }

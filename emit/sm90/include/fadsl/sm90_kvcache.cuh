@@ -57,20 +57,20 @@ __device__ __forceinline__ void poison_rows(float (&o)[Cfg::kORegs], float (&l)[
 // A piece with no K/V block (its tile's sequence is shorter than the split): its partial is
 // the empty one (m = -inf, l = 0, O = 0), written without the pipeline; `poison` (bad
 // input): O and l NaN.
-// Whether warp `warp` of warpgroup `wg` holds any of the tile's rows (warp-uniform): its 16
-// rows start at m0 + 64 wg + 16 warp. A piece's partial is written, and read by
-// <kernel>_combine, only by warps that do: decode's packed tile holds G x seqlen_q of its 64
-// rows (4 at GQA 32/8), so the other warps' bytes (three quarters of every piece's) would be
-// written and never read.
+// Whether a thread whose first row (RowLimits::row0; row0 + 8 is its other) is `row0` holds
+// any of the tile's rows. A piece's partial is written, and read by <kernel>_combine, only
+// for threads that do: decode's packed tile holds G x seqlen_q of its 64 rows (4 at GQA
+// 32/8: 16 of a warpgroup's 128 threads), so the other threads' bytes would be written and
+// never read. Padding rows come last, so a thread's second row is padding if its first is.
 template <class Cfg>
-__device__ __forceinline__ bool warp_holds_rows(const FwdParams& p, const TileWork& w, int wg, int warp) {
-  return w.m0 + 64 * wg + 16 * warp < tile_rows<Cfg>(p);
+__device__ __forceinline__ bool holds_rows(const FwdParams& p, int row0) {
+  return row0 < tile_rows<Cfg>(p);
 }
 
 template <class Cfg>
 __device__ __forceinline__ void write_empty_partial(const FwdParamsSm90& P, const TileWork& w, int wg, int thread,
                                                     bool poison) {
-  if (!warp_holds_rows<Cfg>(P.base, w, wg, thread / 32)) return;
+  if (!holds_rows<Cfg>(P.base, row_limits<Cfg>(w, wg, thread / 32, thread % 32).row0)) return;
   const float fill = poison ? quiet_nan() : 0.f;
   float o[Cfg::kORegs];
 #pragma unroll
@@ -112,8 +112,9 @@ constexpr int kCombineVecs = 2, kCombineBatch = 8;
 // threads, each the warpgroup thread whose registers it combines, placed while the attention
 // kernel still runs (PDL) and waiting for it first: every piece's partial in piece order
 // (merge_piece, as the split tail merges), then the row sums, O / l, the LSE (slice 0) and
-// O's rows. A warp whose 16 rows all lie past the tile's rows (warp_holds_rows) stops at once:
-// the pieces wrote nothing for it, and nothing of it is stored.
+// O's rows. A warp whose 16 rows all lie past the tile's rows stops at once, and a thread
+// whose rows do reads no partial (holds_rows: the pieces wrote none for it); nothing of
+// those rows is stored.
 template <class Cfg>
 __device__ __forceinline__ void combine_pieces(const FwdParamsSm90& P) {
   // launched as the attention kernel's programmatic dependent: nothing is read before its
@@ -125,11 +126,12 @@ __device__ __forceinline__ void combine_pieces(const FwdParamsSm90& P) {
   const int first_vec = blockIdx.y * kCombineVecs;
   const int thread = threadIdx.x, warp = thread / 32, lane = thread % 32;
   const TileWork w = tile_work<Cfg>(P, tile_coords<Cfg>(P, P.split_start + split_tile));
-  if (!warp_holds_rows<Cfg>(P.base, w, wg, warp)) return;  // no partial was written for it
   const RowLimits rows = row_limits<Cfg>(w, wg, warp, lane);
+  if (!holds_rows<Cfg>(P.base, rows.row0 - lane / 4)) return;  // the warp's first row: warp-uniform
+  const bool mine = holds_rows<Cfg>(P.base, rows.row0);  // else no partial was written for it
   const float scale_log2 = P.base.softmax_scale * 1.4426950408889634f;
   float o[kN] = {}, m[2] = {}, l[2] = {};
-  for (int base = 0; base < P.splits; base += kCombineBatch) {
+  for (int base = 0; mine && base < P.splits; base += kCombineBatch) {
     float4 ml[kCombineBatch];
     float x[kCombineBatch][kN];
 #pragma unroll
