@@ -7,9 +7,11 @@ CTA's mark 0 (its tile known: cache_seqlens read, kv_input_bad done): 1 the firs
 and the first K block in), 2 the first softmax done, 3 the mainloop done, 5 the last P V in;
 each as min / median / max over the CTAs, with the mainloop's time per K/V block; and the
 call's time by CUDA events (attention and combine kernels), for what lies outside the marks.
+--grid: each CTA's end, tile by piece; --boundaries: for CTAs that run several whole tiles
+(larger batches), the medians of the stretches between consecutive tiles.
 
 Usage (a Hopper GPU, fadsl installed): python3 -P scripts/decode_trace.py [SPEC]
-[--shapes 1x4096,1x32768,1x131072] [--grid]
+[--shapes 1x4096,1x32768,1x131072] [--grid] [--boundaries]
 """
 
 from __future__ import annotations
@@ -31,6 +33,9 @@ def main() -> None:
     parser.add_argument("spec", nargs="?", default="examples/serving/fa3_decode_paged.fa")
     parser.add_argument("--shapes", default="1x4096,1x32768,1x131072")
     parser.add_argument("--grid", action="store_true", help="each CTA's end, tile by piece")
+    parser.add_argument(
+        "--boundaries", action="store_true", help="the gaps between a CTA's consecutive tiles"
+    )
     args = parser.parse_args()
     kern = fadsl.load(args.spec, verbose=False)
     dtype = kern.config.dtypes[0]
@@ -85,11 +90,39 @@ def main() -> None:
         )
         print("   " + "  |  ".join(cells))
         print(f"   mainloop (m2 -> m3) median {statistics.median(loop):.2f} us", flush=True)
+        if args.boundaries:
+            print("   " + boundaries(trace, layout, length // kern.config.block_c))
         if args.grid:  # each CTA's m5 (us), a row a tile (its pieces in order)
             splits = len(rows) // (batch * HEADS_KV)  # PackGQA: a tile a (batch, K/V head)
             for t in range(len(rows) // max(1, splits)):
                 ends = [(r[5] - t0) / 1e3 for r in rows[t * splits : (t + 1) * splits]]
                 print("   tile %d: " % t + " ".join(f"{e:5.1f}" for e in ends))
+
+
+def boundaries(trace: list[int], layout, blocks: int) -> str:
+    """Medians over the CTAs' consecutive tiles (warpgroup 0; whole tiles of ``blocks``
+    blocks, no split) of each stretch between a tile's last P V (m5) and the next tile's
+    first S (m1), beside a mainloop block's time: a stream without bubbles spends about a
+    block there."""
+    spans: dict[str, list[float]] = {"m5->m7": [], "m7->m0'": [], "m0'->m1'": [], "block": []}
+    for cta in range(layout.ctas):
+        base = cta * layout.warpgroups * layout.steps * layout.marks
+        tiles = [
+            trace[base + s * layout.marks : base + (s + 1) * layout.marks]
+            for s in range(layout.steps)
+        ]
+        for prev, cur in zip(tiles, tiles[1:]):
+            if not (prev[5] and prev[7] and cur[0] and cur[1]):
+                break
+            spans["m5->m7"].append((prev[7] - prev[5]) / 1e3)
+            spans["m7->m0'"].append((cur[0] - prev[7]) / 1e3)
+            spans["m0'->m1'"].append((cur[1] - cur[0]) / 1e3)
+            if cur[3] and cur[2] and blocks > 1:
+                spans["block"].append((cur[3] - cur[2]) / 1e3 / (blocks - 1))
+    if not spans["block"]:
+        return "(no CTA ran two tiles)"
+    cells = [f"{name} {statistics.median(v):.2f}" for name, v in spans.items() if v]
+    return f"boundaries ({len(spans['block'])} tile pairs), median us: " + "  ".join(cells)
 
 
 if __name__ == "__main__":
