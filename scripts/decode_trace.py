@@ -91,7 +91,7 @@ def main() -> None:
         print("   " + "  |  ".join(cells))
         print(f"   mainloop (m2 -> m3) median {statistics.median(loop):.2f} us", flush=True)
         if args.boundaries:
-            print("   " + boundaries(trace, layout, length // kern.config.block_c))
+            print("   " + boundaries(trace, layout, -(-length // kern.config.block_c)))
         if args.grid:  # each CTA's m5 (us), a row a tile (its pieces in order)
             splits = len(rows) // (batch * HEADS_KV)  # PackGQA: a tile a (batch, K/V head)
             for t in range(len(rows) // max(1, splits)):
@@ -120,7 +120,7 @@ def boundaries(trace: list[int], layout, blocks: int) -> str:
             if cur[3] and cur[2] and blocks > 1:
                 spans["block"].append((cur[3] - cur[2]) / 1e3 / (blocks - 1))
     if not spans["block"]:
-        return "(no CTA ran two tiles)"
+        return "(no CTA ran two whole tiles: a split call runs one piece a CTA)"
     cells = [f"{name} {statistics.median(v):.2f}" for name, v in spans.items() if v]
     return f"boundaries ({len(spans['block'])} tile pairs), median us: " + "  ".join(cells)
 

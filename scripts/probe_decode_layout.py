@@ -11,7 +11,8 @@ head_dim 128, bf16, one query row), each as a CUDA-graph replay in balanced orde
   copy             torch's device-to-device copy of the same K and V bytes (each byte read
                    once and written once; shown as those bytes a second)
   fadsl:hkv8:sN    with PROBE_SPLITS="N ...": num_splits=N given (N pieces a tile; the
-                   development build's with PROBE_DEV_ONLY=1)
+                   development build's with PROBE_DEV_ONLY=1); dev:hkv8:sN the development
+                   build's beside it, when PROBE_DEFINES is set
   dev:hkv8         with PROBE_DEFINES="NAME=VALUE ...": a development build of the spec with
                    those #defines (FlashAttention.use_development_build); PROBE_DEV_ONLY=1
                    runs it in place of the shipped build (checked against float32 likewise)

@@ -54,9 +54,6 @@ __device__ __forceinline__ void poison_rows(float (&o)[Cfg::kORegs], float (&l)[
   l[0] = l[1] = quiet_nan();
 }
 
-// A piece with no K/V block (its tile's sequence is shorter than the split): its partial is
-// the empty one (m = -inf, l = 0, O = 0), written without the pipeline; `poison` (bad
-// input): O and l NaN.
 // Whether a thread whose first row (RowLimits::row0; row0 + 8 is its other) is `row0` holds
 // any of the tile's rows. A piece's partial is written, and read by <kernel>_combine, only
 // for threads that do: decode's packed tile holds G x seqlen_q of its 64 rows (4 at GQA
@@ -67,6 +64,9 @@ __device__ __forceinline__ bool holds_rows(const FwdParams& p, int row0) {
   return row0 < tile_rows<Cfg>(p);
 }
 
+// A piece with no K/V block (its tile's sequence is shorter than the split): its partial is
+// the empty one (m = -inf, l = 0, O = 0), written without the pipeline; `poison` (bad
+// input): O and l NaN.
 template <class Cfg>
 __device__ __forceinline__ void write_empty_partial(const FwdParamsSm90& P, const TileWork& w, int wg, int thread,
                                                     bool poison) {
