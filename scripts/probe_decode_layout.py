@@ -24,6 +24,7 @@ Session 18's findings (H200) are in docs/performance.md (decode).
 Usage: python3 -P scripts/probe_decode_layout.py [SPEC ...]
 """
 
+import gc
 import os
 import sys
 
@@ -182,3 +183,10 @@ for spec in specs:
         if os.environ.get("PROBE_TIMELINE") == "1":
             for name, fn in contenders.items():
                 print(f"    {name:12s} {timeline(fn)}", flush=True)
+        # the shape's graphs, tensors and float32 reference freed before the next one
+        for name in ("contenders", "call", "ref", "q", "k", "v", "kc", "vc", "out", "qt"):
+            globals().pop(name, None)
+        for name in ("k_bshd", "v_bshd", "src", "dst"):
+            globals().pop(name, None)
+        gc.collect()
+        torch.cuda.empty_cache()
