@@ -138,6 +138,13 @@ __device__ __forceinline__ void write_split_partial(float4* mine, const float (&
   mine[128 * kOVecs] = make_float4(m[0], m[1], l[0], l[1]);
 }
 
+// A piece's m[2] and l[2] for this thread (its place `part`: the float4 after O's
+// registers). An L2 load: another SM wrote it.
+template <class Cfg>
+__device__ __forceinline__ float4 read_partial_ml(const float4* part) {
+  return __ldcg(part + 128 * (Cfg::kORegs / 4));
+}
+
 // N of this thread's O registers from a piece's partial (its place `part`), from float4
 // `first_vec` on: O register 4 (first_vec + k) + e is x[4k + e]. L2 loads: another SM wrote it.
 template <int N>
@@ -187,10 +194,9 @@ template <class Cfg>
 __device__ __forceinline__ void merge_split_partials(const FwdParamsSm90& P, int split_tile, int wg, int thread,
                                                      float (&o)[Cfg::kORegs], float (&m)[2], float (&l)[2],
                                                      float scale_log2) {
-  constexpr int kOVecs = Cfg::kORegs / 4;
   for (int split = 0; split < P.splits; ++split) {
     const float4* part = split_partial<Cfg>(P, split_tile, split, wg, thread);
-    const float4 ml = __ldcg(part + 128 * kOVecs);  // L2: written by another SM
+    const float4 ml = read_partial_ml<Cfg>(part);
     float x[Cfg::kORegs];
     read_partial_o(part, 0, x);
     merge_piece(o, x, m, l, ml, split == 0, scale_log2);

@@ -138,7 +138,7 @@ __device__ __forceinline__ void combine_pieces(const FwdParamsSm90& P) {
     for (int i = 0; i < kCombineBatch; ++i) {
       if (base + i >= P.splits) break;
       const float4* part = split_partial<Cfg>(P, split_tile, base + i, wg, thread);
-      ml[i] = __ldcg(part + 128 * kOVecs);  // L2: written by other SMs
+      ml[i] = read_partial_ml<Cfg>(part);
       read_partial_o(part, first_vec, x[i]);
     }
 #pragma unroll
