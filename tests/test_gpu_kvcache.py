@@ -134,6 +134,28 @@ def test_kvcache_matches_each_batch(spec, sq, hq, hkv, splits):
     check(kern, q, keys, scale, out, lse)
 
 
+@pytest.mark.parametrize("spec", ["paged64", "paged64_nopack", "contiguous"])
+@pytest.mark.parametrize("sq", [1, 3, 16])
+def test_the_combine_reads_only_partials_the_pieces_wrote(monkeypatch, spec, sq):
+    """Only the threads holding a tile's rows write a piece's partial (holds_rows), and
+    the combine reads only theirs: with the workspace NaN before each call, every row still
+    matches (3 pieces and the automatic count; packed tiles of 4, 12 and 64 rows of 64,
+    unpacked of 1, 3 and 16)."""
+    from fadsl.targets.sm90.host import kvcache as host
+
+    monkeypatch.setattr(host, "POISON_PARTIALS", True)
+    kern = kernel(spec)
+    k, v, seqlens, table, keys = make_cache(kern, LENGTHS, 8, 128, torch.bfloat16, 3200, sq)
+    scale = 128**-0.5
+    for splits in (3, None):
+        q = torch.randn(len(LENGTHS), sq, 32, 128, device="cuda", dtype=torch.bfloat16)
+        out = torch.full_like(q, float("nan"))
+        lse = torch.full((len(LENGTHS), 32, sq), float("nan"), device="cuda")
+        kern.kvcache_forward(q, k, v, seqlens, table, scale, splits, out, True, lse)
+        torch.cuda.synchronize()
+        check(kern, q, keys, scale, out, lse)
+
+
 def test_long_cache_batch_one_splits_over_the_sms():
     """Batch 1 x 32k keys (the case split-KV is for): auto splits, against float64."""
     kern = kernel("paged64")

@@ -40,6 +40,10 @@ KVCACHE_TAIL_FIELDS = ("cache_seqlens", "page_table", "page_table_stride", "num_
 KVCACHE_OFFSET = VARLEN_OFFSET + VARLEN_TAIL.size
 MAX_SPLITS = 128
 MIN_BLOCKS_PER_SPLIT = 4  # a piece's prologue and partial cost about a block or two
+# Tests only: the pieces' workspace filled with NaN before each split call, so that a
+# combine reading a partial no piece wrote (a row outside the threads that write,
+# sm90_kvcache.cuh's holds_rows) shows in the output rather than reusing stale bytes.
+POISON_PARTIALS = False
 
 
 class KvCacheArgs(NamedTuple):
@@ -179,6 +183,8 @@ def run_kvcache(
     if splits > 1:
         floats = partial_floats(kernel, probe, splits)
         partials = torch.empty(floats, dtype=torch.float32, device=q.device)
+        if POISON_PARTIALS:
+            partials.fill_(float("nan"))
     args = probe._replace(splits=splits, partials=partials)
     params = pack_kvcache_params(kernel, args)
     launch(KernelLaunch("", kvcache_grid(kernel, args), (kernel.config.threads, 1, 1), params))
