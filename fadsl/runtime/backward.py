@@ -35,6 +35,21 @@ class BackwardKernels:
         sources = render_backward(canonical.kernel, target, canonical.file)
         self._sources: dict[Dtype, Source] = {s.dtype: s for s in sources}
         self._modules: dict[tuple[Dtype, int], dict[str, object]] = {}
+        self._development: dict[tuple[Dtype, str], cache.Entry] = {}
+
+    def use_development_build(self, dtype: Dtype, arch: str, defines: dict[str, int]) -> None:
+        """Build ``dtype``'s backward kernels for ``arch`` with ``defines`` (#define NAME VALUE
+        before the source) and run them in this process instead of the cached cubin, which
+        stays untouched (scripts/probe_backward.py). Before the kernels' first call."""
+        import tempfile
+
+        request = self.request(dtype, arch)
+        head = "".join(f"#define {name} {value}\n" for name, value in defines.items())
+        with tempfile.TemporaryDirectory() as where:
+            built = compile_cubin(
+                head + request.text, request.filename, request.kernel, arch, Path(where)
+            )
+        self._development[dtype, arch] = cache.Entry(built.cubin, built.log, {}, Path(where))
 
     def source(self, dtype: Dtype) -> str:
         return self._sources[dtype].text
@@ -51,6 +66,8 @@ class BackwardKernels:
         )
 
     def cubin(self, dtype: Dtype, arch: str) -> cache.Entry:
+        if (dtype, arch) in self._development:
+            return self._development[dtype, arch]
         request = self.request(dtype, arch)
         entry = cache.find_aot(request, self.cubin_dirs + cache.cubin_path())
         if entry is None:

@@ -1,0 +1,67 @@
+"""The backward beside a development build of itself, on the same tensors, in one run.
+
+For a spec with a backward block, times the backward alone (autograd of an output whose
+forward ran once, as `fadsl bench --backward`) of the shipped build and of a development
+build with PROBE_DEFINES ("NAME=VALUE ...", #defines before the source), balanced orders,
+median; prints TF/s (2.5 x the forward's FLOPs) and the development build's ratio. The
+development build's gradients are not checked: a define may make them wrong on purpose
+(an experiment that leaves work out to time it). Hidden 2048 (heads = 2048 / head_dim).
+
+Usage (a Hopper GPU): PROBE_DEFINES="FADSL_BWD_SKIP_DQ_WG1=1" python3 -P
+scripts/probe_backward.py [SPEC] [--seqlens 2048,16384]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+
+import fadsl
+from fadsl.runtime.attention import arch_of
+from fadsl.tools.bench import median_times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("spec", nargs="?", default="examples/fa3_hdim64.fa")
+    parser.add_argument("--seqlens", default="2048,16384")
+    args = parser.parse_args()
+    text = open(args.spec).read()
+    kern = fadsl.load(text, verbose=False)
+    name = kern.config.name
+    dev = fadsl.load(text.replace(f"kernel {name}", "kernel probe_dev", 1), verbose=False)
+    dtype = kern.config.dtypes[0]
+    defines = dict(d.split("=") for d in os.environ.get("PROBE_DEFINES", "").split())
+    dev._backward_kernels().use_development_build(dtype, arch_of(0), defines)
+    d = kern.config.head_dim
+    causal = kern.config.mask.value == "causal"
+    heads = 2048 // d
+    torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype.value]
+    print(f"== {name} backward, {defines or 'no defines'}", flush=True)
+    for seqlen in map(int, args.seqlens.split(",")):
+        batch = max(1, 16384 // seqlen)
+        shape = (batch, seqlen, heads, d)
+        q, k, v = (
+            torch.randn(shape, device="cuda", dtype=torch_dtype, requires_grad=True)
+            for _ in range(3)
+        )
+        dout = torch.randn(shape, device="cuda", dtype=torch_dtype)
+        outs = {
+            "fadsl": kern(q, k, v),
+            "dev": dev(q, k, v),
+        }
+        contenders = {
+            n: (lambda _, o=o: torch.autograd.grad(o, (q, k, v), dout, retain_graph=True))
+            for n, o in outs.items()
+        }
+        ms = median_times(contenders, 4, 16)
+        fwd = 4 * batch * heads * seqlen * seqlen * d * (0.5 if causal else 1.0)
+        tfs = {n: 2.5 * fwd / (t * 1e-3) / 1e12 for n, t in ms.items()}
+        cells = "  ".join(f"{n} {t:6.1f}" for n, t in tfs.items())
+        print(f"  {batch} x {seqlen}: {cells} TF/s  dev/fadsl {tfs['dev'] / tfs['fadsl']:.3f}")
+
+
+if __name__ == "__main__":
+    main()
