@@ -6,6 +6,9 @@ build with PROBE_DEFINES ("NAME=VALUE ...", #defines before the source), balance
 median; prints TF/s (2.5 x the forward's FLOPs) and the development build's ratio. The
 development build's gradients are not checked: a define may make them wrong on purpose
 (an experiment that leaves work out to time it). Hidden 2048 (heads = 2048 / head_dim).
+PROBE_DEV_FIRST=1: the development build's forward runs (and its module loads) first. Run a
+control (a define nothing reads, e.g. FADSL_NOTHING=1) beside any experiment: at 1 x 16384
+the same code built twice ranged 0.93-1.01 over processes (docs/performance.md).
 
 Usage (a Hopper GPU): PROBE_DEFINES="FADSL_BWD_SKIP_DQ_WG1=1" python3 -P
 scripts/probe_backward.py [SPEC] [--seqlens 2048,16384]
@@ -48,10 +51,10 @@ def main() -> None:
             for _ in range(3)
         )
         dout = torch.randn(shape, device="cuda", dtype=torch_dtype)
-        outs = {
-            "fadsl": kern(q, k, v),
-            "dev": dev(q, k, v),
-        }
+        order = [("fadsl", kern), ("dev", dev)]
+        if os.environ.get("PROBE_DEV_FIRST") == "1":  # the development build's forward first
+            order.reverse()
+        outs = dict(sorted({n: f(q, k, v) for n, f in order}.items()))
         contenders = {
             n: (lambda _, o=o: torch.autograd.grad(o, (q, k, v), dout, retain_graph=True))
             for n, o in outs.items()
