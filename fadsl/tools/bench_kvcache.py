@@ -118,8 +118,6 @@ def run(
         if graphs:
             contenders = {n: _graphed(fn) for n, fn in contenders.items()}
         names = list(contenders)
-        if not rows:
-            _spin_up(contenders)
         ms = median_times(contenders, warmup, runs, rounds)
         kv_bytes = 2 * batch * length * heads_kv * d * k.element_size()
         row = {
@@ -142,26 +140,6 @@ def run(
         "dtype": name,
         "rows": rows,
     }
-
-
-SPIN_UP_SECONDS = 0.3
-
-
-def _spin_up(contenders: dict[str, Callable[[int], object]]) -> None:
-    """Before the first shape: the contenders run in turn for SPIN_UP_SECONDS, so that the
-    GPU's clocks have left idle before anything is timed. A short shape's warm-up (16 calls
-    of 15 us) is over before they rise: the first shape of a run read 0.95 TB/s for fadsl and
-    cuDNN alike where later runs read 1.22 (H100, session 20)."""
-    import time
-
-    import torch
-
-    end = time.perf_counter() + SPIN_UP_SECONDS
-    while time.perf_counter() < end:
-        for fn in contenders.values():
-            for _ in range(8):
-                fn(0)
-        torch.cuda.synchronize()
 
 
 def _graphed(fn: Callable[[int], object]) -> Callable[[int], object]:
