@@ -6,7 +6,8 @@ build with PROBE_DEFINES ("NAME=VALUE ...", #defines before the source), balance
 median; prints TF/s (2.5 x the forward's FLOPs) and the development build's ratio. The
 development build's gradients are not checked: a define may make them wrong on purpose
 (an experiment that leaves work out to time it). Hidden 2048 (heads = 2048 / head_dim).
-PROBE_DEV_FIRST=1: the development build's forward runs (and its module loads) first. Run a
+PROBE_DEV_FIRST=1: the development build's forward runs (and its module loads) first;
+PROBE_CHECK=1: its gradients compared with the shipped build's first. Run a
 control (a define nothing reads, e.g. FADSL_NOTHING=1) beside any experiment: at 1 x 16384
 the same code built twice ranged 0.93-1.01 over processes (docs/performance.md).
 
@@ -55,6 +56,14 @@ def main() -> None:
         if os.environ.get("PROBE_DEV_FIRST") == "1":  # the development build's forward first
             order.reverse()
         outs = dict(sorted({n: f(q, k, v) for n, f in order}.items()))
+        if os.environ.get("PROBE_CHECK") == "1":  # the development build's gradients too
+            ours, theirs = (
+                torch.autograd.grad(outs[n], (q, k, v), dout, retain_graph=True)
+                for n in ("fadsl", "dev")
+            )
+            for g, a, b in zip("qkv", ours, theirs):
+                err = (a.float() - b.float()).abs().max().item() / a.float().abs().max().item()
+                print(f"  d{g}: development build against shipped, max error {err:.2e} of max")
         contenders = {
             n: (lambda _, o=o: torch.autograd.grad(o, (q, k, v), dout, retain_graph=True))
             for n, o in outs.items()
