@@ -11,7 +11,12 @@ PROBE_CHECK=1: its gradients compared with the shipped build's first. Run a
 control (a define nothing reads, e.g. FADSL_NOTHING=1) beside any experiment: at 1 x 16384
 the same code built twice ranged 0.93-1.01 over processes (docs/performance.md).
 
-Usage (a Hopper GPU): PROBE_DEFINES="FADSL_BWD_SKIP_DQ_WG1=1" python3 -P
+The headers keep no experiment's switch (tests/test_verify_backward.py checks that the
+header makes exactly the proven plan's calls, under conditions it knows): an experiment is a
+local edit guarded by its define, kept out of the commit (docs/performance-history.md,
+session 20, items 13 and 15, say what each changed).
+
+Usage (a Hopper GPU): PROBE_DEFINES="FADSL_MY_EXPERIMENT=1" python3 -P
 scripts/probe_backward.py [SPEC] [--seqlens 2048,16384]
 """
 

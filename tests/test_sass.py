@@ -123,15 +123,15 @@ def test_the_energy_probe_issues_every_tma_load_twice_and_the_kernel_once(built)
 
 def test_a_backward_development_build_runs_in_place_of_the_cached_one(built):
     """scripts/probe_backward.py's hook: the backward kernels built with a define
-    (FADSL_BWD_SKIP_DQ_WG1) are what this process runs, a different cubin from the plain
-    build's, and a fresh load still gets the plain one."""
+    (FADSL_TMA_LOADS, which the backward's loads read too) are what this process runs, a
+    different cubin from the plain build's, and a fresh load still gets the plain one."""
     import fadsl
 
     spec = str(ROOT / "examples" / "fa3_hdim64.fa")
     kern, probe = fadsl.load(spec, verbose=False), fadsl.load(spec, verbose=False)
     dtype = kern.config.dtypes[0]
     plain = kern._backward_kernels().cubin(dtype, "sm_90a").cubin
-    probe._backward_kernels().use_development_build(dtype, "sm_90a", {"FADSL_BWD_SKIP_DQ_WG1": 1})
+    probe._backward_kernels().use_development_build(dtype, "sm_90a", {"FADSL_TMA_LOADS": 2})
     assert probe._backward_kernels().cubin(dtype, "sm_90a").cubin != plain
     assert fadsl.load(spec, verbose=False)._backward_kernels().cubin(dtype, "sm_90a").cubin == plain
 

@@ -37,12 +37,6 @@
 
 #include "sm90.cuh"  // FastDiv, the PTX wrappers, wgmma (next to this file)
 
-// FADSL_BWD_SKIP_DQ_WG1 (development builds only, scripts/probe_backward.py; 0 otherwise):
-// with dQ split by keys (head_dim 64), consumer warpgroup 1 skips its dQ reduce-add, which
-// makes dQ wrong on purpose, to time what the doubled reduce traffic costs.
-#ifndef FADSL_BWD_SKIP_DQ_WG1
-#define FADSL_BWD_SKIP_DQ_WG1 0
-#endif
 namespace fadsl::sm90 {
 
 // ---------------------------------------------------------------------------
@@ -563,7 +557,7 @@ __device__ __forceinline__ void bwd_consumer(const BwdParamsSm90& P, uint32_t sm
                    (Cfg::kDqByKeys ? 0 : wg * Cfg::kDqFloats);
       if constexpr (Cfg::kDeterministic) {
         ordered_reduce_add<Cfg>(dst, stage, P.dq_semaphore + accum_head + m, b.n_block * Cfg::kConsumerWGs + wg);
-      } else if (!(FADSL_BWD_SKIP_DQ_WG1 && Cfg::kDqByKeys && wg == 1)) {
+      } else {
         bulk_reduce_add_f32(dst, stage, Cfg::kDqFloats * 4);
         tma_store_commit();
       }

@@ -33,7 +33,7 @@ __device__ __forceinline__ void reduce_dq(const BwdParamsSm90& P, const BwdBlock
         P.dq_accum + (accum_head + m) * (Cfg::kBlockM * Cfg::kHeadDim) + (Cfg::kDqByKeys ? 0 : wg * Cfg::kDqFloats);
     if constexpr (Cfg::kDeterministic) {
       ordered_reduce_add<Cfg>(dst, stage, P.dq_semaphore + accum_head + m, b.n_block * Cfg::kConsumerWGs + wg);
-    } else if (!(FADSL_BWD_SKIP_DQ_WG1 && Cfg::kDqByKeys && wg == 1)) {
+    } else {
       bulk_reduce_add_f32(dst, stage, Cfg::kDqFloats * 4);
       tma_store_commit();
     }
