@@ -9,7 +9,7 @@ development build's gradients are not checked: a define may make them wrong on p
 PROBE_DEV_FIRST=1: the development build's forward runs (and its module loads) first;
 PROBE_CHECK=1: its gradients compared with the shipped build's first. Run a
 control (a define nothing reads, e.g. FADSL_NOTHING=1) beside any experiment: at 1 x 16384
-the same code built twice ranged 0.93-1.01 over processes (docs/performance.md).
+the same code built twice ranged 0.93-1.09 over processes (docs/performance.md).
 
 The headers keep no experiment's switch (tests/test_verify_backward.py checks that the
 header makes exactly the proven plan's calls, under conditions it knows): an experiment is a
