@@ -7,7 +7,9 @@ median; prints TF/s (2.5 x the forward's FLOPs) and the development build's rati
 development build's gradients are not checked: a define may make them wrong on purpose
 (an experiment that leaves work out to time it). Hidden 2048 (heads = 2048 / head_dim).
 PROBE_DEV_FIRST=1: the development build's forward runs (and its module loads) first;
-PROBE_CHECK=1: its gradients compared with the shipped build's first. Run a
+PROBE_CHECK=1: its gradients compared with the shipped build's first; PROBE_REALLOC=N: the
+shipped build alone N times first, its workspaces allocated afresh (empty_cache, then a pad
+of 3 MB more each time) before each. Run a
 control (a define nothing reads, e.g. FADSL_NOTHING=1) beside any experiment: at 1 x 16384
 the same code built twice ranged 0.93-1.09 over processes (docs/performance.md).
 
@@ -61,6 +63,8 @@ def main() -> None:
         if os.environ.get("PROBE_DEV_FIRST") == "1":  # the development build's forward first
             order.reverse()
         outs = dict(sorted({n: f(q, k, v) for n, f in order}.items()))
+        fwd = 4 * batch * heads * seqlen * seqlen * d * (0.5 if causal else 1.0)
+        pad = None
         if os.environ.get("PROBE_CHECK") == "1":  # the development build's gradients too
             ours, theirs = (
                 torch.autograd.grad(outs[n], (q, k, v), dout, retain_graph=True)
@@ -73,8 +77,16 @@ def main() -> None:
             n: (lambda _, o=o: torch.autograd.grad(o, (q, k, v), dout, retain_graph=True))
             for n, o in outs.items()
         }
+        for trial in range(int(os.environ.get("PROBE_REALLOC", "0"))):
+            # the shipped build alone, its workspaces allocated afresh behind a pad each time
+            del pad  # the previous trial's (None at first)
+            torch.cuda.empty_cache()
+            pad = torch.empty(trial * 3 << 20, dtype=torch.uint8, device="cuda")
+            alone = median_times({"fadsl": contenders["fadsl"]}, 4, 16)["fadsl"]
+            print(
+                f"    fresh workspaces {trial} (pad {trial * 3} MB): {2.5 * fwd / (alone * 1e-3) / 1e12:6.1f} TF/s"
+            )
         ms = median_times(contenders, 4, 16)
-        fwd = 4 * batch * heads * seqlen * seqlen * d * (0.5 if causal else 1.0)
         tfs = {n: 2.5 * fwd / (t * 1e-3) / 1e12 for n, t in ms.items()}
         cells = "  ".join(f"{n} {t:6.1f}" for n, t in tfs.items())
         print(f"  {batch} x {seqlen}: {cells} TF/s  dev/fadsl {tfs['dev'] / tfs['fadsl']:.3f}")
