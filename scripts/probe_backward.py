@@ -3,20 +3,21 @@
 For a spec with a backward block, times the backward alone (autograd of an output whose
 forward ran once, as `fadsl bench --backward`) of the shipped build and of a development
 build with PROBE_DEFINES ("NAME=VALUE ...", #defines before the source), balanced orders,
-median; prints TF/s (2.5 x the forward's FLOPs) and the development build's ratio. The
-development build's gradients are not checked: a define may make them wrong on purpose
-(an experiment that leaves work out to time it). Hidden 2048 (heads = 2048 / head_dim).
-PROBE_DEV_FIRST=1: the development build's forward runs (and its module loads) first;
-PROBE_CHECK=1: its gradients compared with the shipped build's first; PROBE_REALLOC=N: the
-shipped build alone N times first, its workspaces allocated afresh (empty_cache, then a pad
-of 3 MB more each time) before each. Run a
-control (a define nothing reads, e.g. FADSL_NOTHING=1) beside any experiment: at 1 x 16384
-the same code built twice ranged 0.93-1.09 over processes (docs/performance.md).
+median; prints TF/s (2.5 x the forward's FLOPs) and the development build's ratio. Hidden
+2048 (heads = 2048 / head_dim). Options (environment):
+  PROBE_CHECK=1      the development build's gradients against the shipped build's first
+                     (unchecked otherwise: an experiment may leave work out on purpose)
+  PROBE_DEV_FIRST=1  the development build's forward runs (and its module loads) first
+  PROBE_REALLOC=N    the shipped build alone N times first, its workspaces allocated afresh
+                     before each (empty_cache, then a pad of 3 MB more each time)
+Run a control (a define nothing reads, e.g. FADSL_NOTHING=1) beside any experiment: at
+head_dim 64, 1 x 16384 the same code ranged 0.93-1.09 over processes, and one build 376-403
+TF/s over allocations (docs/performance.md).
 
 The headers keep no experiment's switch (tests/test_verify_backward.py checks that the
-header makes exactly the proven plan's calls, under conditions it knows): an experiment is a
-local edit guarded by its define, kept out of the commit (docs/performance-history.md,
-session 20, items 13 and 15, say what each changed).
+header makes exactly the proven plan's calls, under conditions it knows): an experiment is
+a local edit guarded by its define, kept out of the commit (docs/performance-history.md,
+session 20, items 13, 15 and 17, say what each changed).
 
 Usage (a Hopper GPU): PROBE_DEFINES="FADSL_MY_EXPERIMENT=1" python3 -P
 scripts/probe_backward.py [SPEC] [--seqlens 2048,16384]
