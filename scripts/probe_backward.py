@@ -10,6 +10,7 @@ median; prints TF/s (2.5 x the forward's FLOPs) and the development build's rati
   PROBE_DEV_FIRST=1  the development build's forward runs (and its module loads) first
   PROBE_REALLOC=N    the shipped build alone N times first, its workspaces allocated afresh
                      before each (empty_cache, then a pad of 3 MB more each time)
+  PROBE_PIN_DQ_ACCUM=1  every call reuses one fp32 dQ accumulator (the others still move)
 Run a control (a define nothing reads, e.g. FADSL_NOTHING=1) beside any experiment: at
 head_dim 64, 1 x 16384 the same code ranged 0.93-1.09 over processes, and one build 376-403
 TF/s over allocations (docs/performance.md).
@@ -78,6 +79,8 @@ def main() -> None:
             n: (lambda _, o=o: torch.autograd.grad(o, (q, k, v), dout, retain_graph=True))
             for n, o in outs.items()
         }
+        if os.environ.get("PROBE_PIN_DQ_ACCUM") == "1":
+            _pin_dq_accum(batch, heads, -(-seqlen // 64) * 64 * d)  # B_r 64
         for trial in range(int(os.environ.get("PROBE_REALLOC", "0"))):
             # the shipped build alone, its workspaces allocated afresh behind a pad each time
             del pad  # the previous trial's (None at first)
@@ -91,6 +94,23 @@ def main() -> None:
         tfs = {n: 2.5 * fwd / (t * 1e-3) / 1e12 for n, t in ms.items()}
         cells = "  ".join(f"{n} {t:6.1f}" for n, t in tfs.items())
         print(f"  {batch} x {seqlen}: {cells} TF/s  dev/fadsl {tfs['dev'] / tfs['fadsl']:.3f}")
+
+
+def _pin_dq_accum(batch: int, heads: int, floats: int) -> None:
+    """PROBE_PIN_DQ_ACCUM=1: every backward call gets the same fp32 dQ accumulator (its
+    preprocess zeroes it), so that PROBE_REALLOC moves every workspace but that one."""
+    real_empty = torch.empty
+    pinned = {}
+
+    def empty(*shape, **kw):
+        dims = shape[0] if len(shape) == 1 and isinstance(shape[0], tuple) else shape
+        if kw.get("dtype") is torch.float32 and tuple(dims) == (batch, heads, floats):
+            if "t" not in pinned:
+                pinned["t"] = real_empty(*shape, **kw)
+            return pinned["t"]
+        return real_empty(*shape, **kw)
+
+    torch.empty = empty
 
 
 if __name__ == "__main__":
