@@ -11,6 +11,7 @@ median; prints TF/s (2.5 x the forward's FLOPs) and the development build's rati
   PROBE_REALLOC=N    the shipped build alone N times first, its workspaces allocated afresh
                      before each (empty_cache, then a pad of 3 MB more each time)
   PROBE_PIN_DQ_ACCUM=1  every call reuses one fp32 dQ accumulator (the others still move)
+  PROBE_PIN="I ..."  every call reuses its I-th allocation (_pin_allocations says which)
 Run a control (a define nothing reads, e.g. FADSL_NOTHING=1) beside any experiment: at
 head_dim 64, 1 x 16384 the same code ranged 0.93-1.09 over processes, and one build 376-403
 TF/s over allocations (docs/performance.md).
@@ -34,6 +35,8 @@ import torch
 import fadsl
 from fadsl.runtime.attention import arch_of
 from fadsl.tools.bench import median_times
+
+REAL_EMPTY = torch.empty  # the probe's own allocations bypass PROBE_PIN's counting
 
 
 def main() -> None:
@@ -81,11 +84,13 @@ def main() -> None:
         }
         if os.environ.get("PROBE_PIN_DQ_ACCUM") == "1":
             _pin_dq_accum(batch, heads, -(-seqlen // 64) * 64 * d)  # B_r 64
+        if os.environ.get("PROBE_PIN"):
+            _pin_allocations(contenders["fadsl"], set(map(int, os.environ["PROBE_PIN"].split())))
         for trial in range(int(os.environ.get("PROBE_REALLOC", "0"))):
             # the shipped build alone, its workspaces allocated afresh behind a pad each time
             del pad  # the previous trial's (None at first)
             torch.cuda.empty_cache()
-            pad = torch.empty(trial * 3 << 20, dtype=torch.uint8, device="cuda")
+            pad = REAL_EMPTY(trial * 3 << 20, dtype=torch.uint8, device="cuda")  # unpinned
             alone = median_times({"fadsl": contenders["fadsl"]}, 4, 16)["fadsl"]
             print(
                 f"    fresh workspaces {trial} (pad {trial * 3} MB): {2.5 * fwd / (alone * 1e-3) / 1e12:6.1f} TF/s"
@@ -111,6 +116,33 @@ def _pin_dq_accum(batch: int, heads: int, floats: int) -> None:
         return real_empty(*shape, **kw)
 
     torch.empty = empty
+
+
+def _pin_allocations(call, which: set[int]) -> None:
+    """PROBE_PIN="I ...": the I-th torch.empty / torch.empty_like call of each backward call
+    (in the order of fadsl/targets/sm90/backward/host.py's run: 0 LSE, 1 D, 2 the dQ
+    accumulator, 3 dq, 4 dk, 5 dv with MHA) returns the same tensor every call, so that
+    PROBE_REALLOC moves the others only. The calls per backward are counted on a first call."""
+    real = {"empty": torch.empty, "empty_like": torch.empty_like}
+    count, pinned, per_call = [0], {}, [0]
+
+    def wrapped(name):
+        def alloc(*args, **kwargs):
+            i = count[0] % per_call[0] if per_call[0] else count[0]
+            count[0] += 1
+            if per_call[0] and i in which:
+                if i not in pinned:
+                    pinned[i] = real[name](*args, **kwargs)
+                return pinned[i]
+            return real[name](*args, **kwargs)
+
+        return alloc
+
+    torch.empty, torch.empty_like = wrapped("empty"), wrapped("empty_like")
+    call(0)
+    torch.cuda.synchronize()
+    per_call[0], count[0] = count[0], 0
+    print(f"    {per_call[0]} allocations a backward call; pinned: {sorted(which)}")
 
 
 if __name__ == "__main__":
