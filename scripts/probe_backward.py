@@ -9,7 +9,8 @@ median; prints TF/s (2.5 x the forward's FLOPs) and the development build's rati
                      (unchecked otherwise: an experiment may leave work out on purpose)
   PROBE_DEV_FIRST=1  the development build's forward runs (and its module loads) first
   PROBE_REALLOC=N    the shipped build alone N times first, its workspaces allocated afresh
-                     before each (empty_cache, then a pad of 3 MB more each time)
+                     before each (empty_cache, then a pad of PROBE_PAD_MB, default 3, more
+                     each time)
   PROBE_PIN_DQ_ACCUM=1  every call reuses one fp32 dQ accumulator (the others still move)
   PROBE_PIN="I ..."  every call reuses its I-th allocation (_pin_allocations says which)
 Run a control (a define nothing reads, e.g. FADSL_NOTHING=1) beside any experiment: at
@@ -90,10 +91,11 @@ def main() -> None:
             # the shipped build alone, its workspaces allocated afresh behind a pad each time
             del pad  # the previous trial's (None at first)
             torch.cuda.empty_cache()
-            pad = REAL_EMPTY(trial * 3 << 20, dtype=torch.uint8, device="cuda")  # unpinned
+            step = int(os.environ.get("PROBE_PAD_MB", "3"))
+            pad = REAL_EMPTY(trial * step << 20, dtype=torch.uint8, device="cuda")  # unpinned
             alone = median_times({"fadsl": contenders["fadsl"]}, 4, 16)["fadsl"]
             print(
-                f"    fresh workspaces {trial} (pad {trial * 3} MB): {2.5 * fwd / (alone * 1e-3) / 1e12:6.1f} TF/s"
+                f"    fresh workspaces {trial} (pad {trial * step} MB): {2.5 * fwd / (alone * 1e-3) / 1e12:6.1f} TF/s"
             )
         ms = median_times(contenders, 4, 16)
         tfs = {n: 2.5 * fwd / (t * 1e-3) / 1e12 for n, t in ms.items()}
