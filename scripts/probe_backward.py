@@ -14,8 +14,9 @@ median; prints TF/s (2.5 x the forward's FLOPs) and the development build's rati
   PROBE_PIN_DQ_ACCUM=1  every call reuses one fp32 dQ accumulator (the others still move)
   PROBE_PIN="I ..."  every call reuses its I-th allocation (_pin_allocations says which)
 Run a control (a define nothing reads, e.g. FADSL_NOTHING=1) beside any experiment: at
-head_dim 64, 1 x 16384 the same code ranged 0.93-1.09 over processes, and one build 376-403
-TF/s over allocations (docs/performance.md).
+head_dim 64, 1 x 16384 the same code ranged 0.93-1.09 over processes, and one build 372-403
+TF/s from one 20-call window to the next, in the same sequence whatever was allocated where
+(time, not placement: docs/performance-history.md, session 20, item 20).
 
 The headers keep no experiment's switch (tests/test_verify_backward.py checks that the
 header makes exactly the proven plan's calls, under conditions it knows): an experiment is
