@@ -27,7 +27,7 @@ from filelock import FileLock
 
 from .._version import __version__
 from ..atomic import write_atomic
-from .nvrtc import OPTIONS, Cubin, compiler_id
+from .nvrtc import OPTIONS, Cubin, compile_cubin, compiler_id
 
 log = logging.getLogger("fadsl")
 
@@ -186,3 +186,17 @@ def clear(folder: Path | None = None) -> int:
             path.unlink(missing_ok=True)
             removed += 1
     return removed
+
+
+def development_build(request: Request, defines: dict[str, int]) -> Entry:
+    """``request``'s source built with ``defines`` (#define NAME VALUE before it), outside the
+    cache, which stays untouched: what a kernel's ``use_development_build`` runs in its place
+    (scripts/tile_trace.py, energy_probe.py, probe_decode_layout.py, probe_backward.py)."""
+    import tempfile
+
+    head = "".join(f"#define {name} {value}\n" for name, value in defines.items())
+    with tempfile.TemporaryDirectory() as where:
+        built = compile_cubin(
+            head + request.text, request.filename, request.kernel, request.arch, Path(where)
+        )
+    return Entry(built.cubin, built.log, {}, Path(where) / "dev")

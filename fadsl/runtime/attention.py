@@ -192,18 +192,9 @@ class FlashAttention(ServingCalls):
         instead of the cached one, which stays untouched (scripts/tile_trace.py,
         scripts/energy_probe.py), the cluster-free variant's too. Before the kernel's first
         call on a device."""
-        import tempfile
-
         if self.alone is not None:
             self.alone.use_development_build(dtype, arch, defines)
-
-        request = self.request(dtype, arch)
-        head = "".join(f"#define {name} {value}\n" for name, value in defines.items())
-        with tempfile.TemporaryDirectory() as where:
-            built = compile_cubin(
-                head + request.text, request.filename, request.kernel, arch, Path(where)
-            )
-        self._entries[dtype, arch] = cache.Entry(built.cubin, built.log, {}, Path(where) / "dev")
+        self._entries[dtype, arch] = cache.development_build(self.request(dtype, arch), defines)
 
     def module(self, dtype: Dtype, device):
         """The loaded kernel for ``dtype`` on ``device`` (a torch.device or index)."""

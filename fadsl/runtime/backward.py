@@ -41,15 +41,7 @@ class BackwardKernels:
         """Build ``dtype``'s backward kernels for ``arch`` with ``defines`` (#define NAME VALUE
         before the source) and run them in this process instead of the cached cubin, which
         stays untouched (scripts/probe_backward.py). Before the kernels' first call."""
-        import tempfile
-
-        request = self.request(dtype, arch)
-        head = "".join(f"#define {name} {value}\n" for name, value in defines.items())
-        with tempfile.TemporaryDirectory() as where:
-            built = compile_cubin(
-                head + request.text, request.filename, request.kernel, arch, Path(where)
-            )
-        self._development[dtype, arch] = cache.Entry(built.cubin, built.log, {}, Path(where))
+        self._development[dtype, arch] = cache.development_build(self.request(dtype, arch), defines)
 
     def source(self, dtype: Dtype) -> str:
         return self._sources[dtype].text
