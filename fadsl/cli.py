@@ -130,11 +130,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return EXIT_FAILURE
-    if args.backward and args.against:
-        print("fadsl bench: --backward times one spec; leave out --against", file=sys.stderr)
-        return EXIT_FAILURE
     kern = FlashAttention(compiled)
     others = tuple(FlashAttention(_compile(spec)) for spec in args.against or ())
+    if args.backward:
+        for other, spec in zip(others, args.against or ()):
+            if other.compiled.kernel.backward is None:
+                print(f"fadsl bench: --backward: {spec} has no backward block", file=sys.stderr)
+                return EXIT_FAILURE
     dtype_name = args.dtype or compiled.kernel.config.dtypes[0].value
     try:
         bench.variants(kern, others, dtype_name)  # they time the same problem
@@ -161,7 +163,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print("fadsl bench: needs a CUDA GPU, and none is visible", file=sys.stderr)
         return EXIT_FAILURE
     if args.backward:
-        return _bench_backward(args, kern, heads)
+        return _bench_backward(args, kern, heads, others)
     if kern.is_varlen:
         return _bench_varlen(args, kern, heads)
     if kern.is_kvcache:
@@ -206,13 +208,14 @@ def _bench_tool(args: argparse.Namespace, tool, **options) -> int:
     return EXIT_OK
 
 
-def _bench_backward(args: argparse.Namespace, kern, heads: int) -> int:
-    """`fadsl bench --backward`: the backward pass (fadsl/tools/bench_backward.py)."""
+def _bench_backward(args: argparse.Namespace, kern, heads: int, others: tuple) -> int:
+    """`fadsl bench --backward`: the backward pass (fadsl/tools/bench_backward.py), with the
+    --against variants timed on the same tensors."""
     from .tools import bench_backward
 
     return _bench_tool(
         args, bench_backward, kern=kern, seqlens=tuple(args.seqlens), causal=args.causal,
-        tokens=args.tokens, heads=heads, dtype_name=args.dtype,
+        tokens=args.tokens, heads=heads, dtype_name=args.dtype, against=others,
     )  # fmt: skip
 
 

@@ -12,7 +12,16 @@
 #   tune: fadsl tune on TUNE_SPEC within TUNE_BUDGET minutes, the winner then timed beside TUNE_AGAINST
 #   backward: tests/test_gpu_backward.py, then the backward timed (fadsl bench --backward)
 #   for each example named in BWD_SPECS (NAME: with `backward {}` added; NAME+KEY...: those keys
-#   on, e.g. fa3_causal+overlap; see tests/test_gpu_backward.py training_spec) at BWD_SEQLENS
+#   on, e.g. fa3_causal+overlap; see tests/test_gpu_backward.py training_spec) at BWD_SEQLENS;
+#   NAME=VAR1,VAR2 times the variants VAR1, VAR2 on the same tensors (--against); every spec
+#   is built first, in parallel (scripts/prebuild.py --backward)
+#   bwdprobe: the backward's budget and experiments: scripts/probe_backward.py on each spec
+#   of BWD_PROBE_SPECS (default the four training examples) with each define set of
+#   BWD_PROBE_DEFINES (";"-separated, e.g. "FADSL_X=1;FADSL_Y=1 FADSL_Z=2"; none: skipped)
+#   at BWD_PROBE_SEQLENS (default 1024,4096,16384), then scripts/backward_budget.py (each
+#   kernel's share of a backward call) and Nsight Compute's SpeedOfLight, compute, warp-state
+#   and memory sections for the main kernel of each of BWD_NCU_SPECS (default fa3_hopper and
+#   fa3_hdim64; "": none) at 1 x 16384
 #   fa4stage: copy the carried .fa4a (FlashAttention-4's first half) to /tmp/fa4; a later call
 #   on the same warm machine that carries .fa4b installs it (bench times it then)
 #   numerics: the numerics suite (tests/test_gpu_numerics.py: every kernel, every rescale mode,
@@ -81,12 +90,39 @@ if [[ $steps == *" backward "* ]]; then
   # the backward's GPU tests, then its timing (BWD_SPECS: specs with a backward block,
   # written by the tests' training_spec into /tmp; BWD_SEQLENS)
   # BWD_TESTS=0: timing only
+  names=$(echo ${BWD_SPECS:-} | tr ' =,' '\n\n\n')
+  python3 -P scripts/prebuild.py --backward $names 2>&1 | tee "$OUT/prebuild_backward.log" | tail -3
+  echo "prebuild (backward): $((SECONDS - start)) s"
   [[ ${BWD_TESTS:-1} == 1 ]] && checked backward tests/test_gpu_backward.py scripts/sanitize_backward.py -x
-  for name in ${BWD_SPECS:-}; do
+  for name in $names; do
     python3 -P -c "import sys; sys.path.insert(0, 'tests'); from test_gpu_backward import training_spec; open('/tmp/$name.fa', 'w').write(training_spec('$name'))"
+  done
+  for group in ${BWD_SPECS:-}; do
+    name=${group%%=*}
+    against=""
+    [[ $group == *=* ]] && for variant in $(echo ${group#*=} | tr ',' ' '); do against="$against --against /tmp/$variant.fa"; done
     causal=$(grep -qE '^\s*mask\s+causal' /tmp/$name.fa && echo --causal)
-    python3 -P -m fadsl.cli bench --backward /tmp/$name.fa $causal --hidden 2048 --seqlens ${BWD_SEQLENS:-1024,4096,16384} --json "$OUT/bwd_$name.json" 2>&1 | tee -a "$OUT/bench_backward.log" | tail -6
+    python3 -P -m fadsl.cli bench --backward /tmp/$name.fa $causal $against --hidden 2048 --seqlens ${BWD_SEQLENS:-1024,4096,16384} --json "$OUT/bwd_$name.json" 2>&1 | tee -a "$OUT/bench_backward.log" | tail -8
     status=$((status | ${PIPESTATUS[0]}))
+  done
+fi
+if [[ $steps == *" bwdprobe "* ]]; then
+  bwd_examples="examples/fa3_hopper.fa examples/fa3_causal.fa examples/fa3_hdim64.fa examples/fa3_hdim64_causal.fa"
+  IFS=';' read -ra define_sets <<< "${BWD_PROBE_DEFINES:-}"
+  for defines in "${define_sets[@]}"; do
+    for spec in ${BWD_PROBE_SPECS:-$bwd_examples}; do
+      PROBE_CHECK=1 PROBE_DEFINES="$defines" python3 -P scripts/probe_backward.py "$spec" --seqlens ${BWD_PROBE_SEQLENS:-1024,4096,16384} 2>&1 \
+        | grep -v "^\[" | tee -a "$OUT/probe_backward.log" | tail -5
+      status=$((status | ${PIPESTATUS[0]}))
+    done
+  done
+  python3 -P scripts/backward_budget.py $bwd_examples 2>&1 | tee "$OUT/backward_budget.log" | tail -8
+  status=$((status | ${PIPESTATUS[0]}))
+  for spec in ${BWD_NCU_SPECS-examples/fa3_hopper.fa examples/fa3_hdim64.fa}; do
+    timeout 240 ncu --clock-control none -k regex:'_bwd_bf16$' --launch-skip 1 --launch-count 1 \
+      --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats --section MemoryWorkloadAnalysis \
+      python3 -P scripts/ncu_one.py --backward "$spec" > "$OUT/ncu_$(basename "$spec" .fa).txt" 2>&1
+    grep -E "Duration|SM Frequency|Compute \(SM\) Throughput|Memory Throughput|Issue Slots Busy|Executed Ipc Active|Warp Cycles Per Issued|Shared Memory|L1/TEX Hit|Max Bandwidth" "$OUT/ncu_$(basename "$spec" .fa).txt" | head -20
   done
 fi
 if [[ $steps == *" varlen "* ]]; then

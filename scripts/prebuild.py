@@ -1,7 +1,12 @@
 """Build every cubin the GPU tests need, in parallel (one process each; NVRTC needs no GPU):
 the examples, the general-attention matrix, the numerics suite's kernels and the capped and
 windowed specs of tests/gpu_specs.py, for the local GPU's
-architecture (or the one given: python3 scripts/prebuild.py sm_90a)."""
+architecture (or the one given: python3 scripts/prebuild.py sm_90a).
+
+``python3 scripts/prebuild.py --backward [NAME ...]`` builds instead the forward and backward
+cubins of tests/test_gpu_backward.py's training specs (its training_spec names: every one
+the tests and scripts/sanitize_backward.py load, and the NAMEs given, e.g. the variants a
+backward bench times)."""
 
 import sys
 import time
@@ -24,9 +29,40 @@ def build(job: tuple[str, str, str]) -> str:
     return f"{kern.config.name} {dtype} {arch}: {time.monotonic() - start:.1f} s"
 
 
+def build_training(job: tuple[str, str, str]) -> str:
+    from test_gpu_backward import training_spec
+
+    import fadsl
+    from fadsl.ir import Dtype
+
+    name, dtype, arch = job
+    kern = fadsl.load(training_spec(name), verbose=False)
+    start = time.monotonic()
+    kern.variants[0].cubin(Dtype(dtype), arch)
+    kern._backward_kernels().cubin(Dtype(dtype), arch)
+    return f"{name} {dtype} {arch} (forward and backward): {time.monotonic() - start:.1f} s"
+
+
+def prebuild_backward(names: list[str]) -> None:
+    import torch
+    from test_gpu_backward import DETERMINISTIC, FORWARDS, PLAIN, VARIANTS
+
+    from fadsl.runtime.attention import arch_of
+
+    arch = arch_of(torch.cuda.current_device())
+    wanted = dict.fromkeys(FORWARDS + PLAIN + VARIANTS + DETERMINISTIC + tuple(names))
+    jobs = [(n, d, arch) for n in wanted for d in ("bf16", "fp16")]
+    with ProcessPoolExecutor(max_workers=min(len(jobs), 16)) as pool:
+        for line in pool.map(build_training, jobs):
+            print(line, flush=True)
+
+
 if __name__ == "__main__":
     import fadsl
 
+    if sys.argv[1:2] == ["--backward"]:
+        prebuild_backward(sys.argv[2:])
+        sys.exit(0)
     if len(sys.argv) > 1:
         arch = sys.argv[1]
     else:

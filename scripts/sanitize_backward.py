@@ -6,9 +6,9 @@ import sys
 import torch
 
 sys.path.insert(0, "tests")
-from test_gpu_backward import FORWARDS, PLAIN, kernel  # noqa: E402
+from test_gpu_backward import FORWARDS, PLAIN, VARIANTS, kernel  # noqa: E402
 
-for name in FORWARDS + PLAIN + ("fa3_hopper+deterministic",):
+for name in FORWARDS + PLAIN + VARIANTS + ("fa3_hopper+deterministic",):
     kern = kernel(name)
     d = kern.config.head_dim
     q, k, v, dout = (

@@ -118,7 +118,9 @@ def _consumer(p: Params) -> list[Item | str]:
     bwd_consumer commits dV and dK, then dQ, and waits for all three (wait_group 0) before
     it releases the slot and stages dQ; the overlapped one commits dQ, then dV and dK, waits
     for dQ alone (wait_group 1), stages and reduce-adds it while dV and dK run, then waits
-    for them (wait_group 0) and releases the slot."""
+    for them (wait_group 0) and releases the slot. With ``early_dv`` it commits dV alone
+    right after P^T is packed, waits for dP^T with dV's group still running (wait_group 1),
+    and after the meeting commits dQ, then dK."""
     main = Source.OVERLAPPED if p.overlap else Source.CONSUMER
     meet = Source.MEET_AND_ISSUE_DQ if p.overlap else main
 
@@ -149,16 +151,28 @@ def _consumer(p: Params) -> list[Item | str]:
         sync(Kind.WGMMA_COMMIT),
         sync(Kind.WGMMA_WAIT, pending=1, why="S^T in registers (dP^T's group may run on)"),
         "P = exp2(S - LSE)",
-        sync(Kind.WGMMA_WAIT, pending=0, why="dP^T in registers"),
-        "dS = P (dP - D)",
-        "P^T to 16 bits",
-        "dS^T to 16 bits",
-        "dS^T -> smem",
     ]
+    if p.early_dv:
+        listing += [
+            "P^T to 16 bits",
+            sync(Kind.WGMMA_FENCE, why="the A registers P^T were written by ordinary code"),
+            "dV += P^T dO",
+            sync(Kind.WGMMA_COMMIT),
+            sync(Kind.WGMMA_WAIT, pending=1, why="dP^T in registers (dV's group may run on)"),
+            "dS = P (dP - D)",
+        ]
+    else:
+        listing += [
+            sync(Kind.WGMMA_WAIT, pending=0, why="dP^T in registers"),
+            "dS = P (dP - D)",
+            "P^T to 16 bits",
+        ]
+    listing += ["dS^T to 16 bits", "dS^T -> smem"]
     regs_fence = sync(
         Kind.WGMMA_FENCE, why="the A registers P^T, dS^T were written by ordinary code"
     )
-    grads = ["dV += P^T dO", "dK += dS^T Q", sync(Kind.WGMMA_COMMIT)]
+    grads = ["dK += dS^T Q"] if p.early_dv else ["dV += P^T dO", "dK += dS^T Q"]
+    grads.append(sync(Kind.WGMMA_COMMIT))
     ds_fence = sync(Kind.FENCE_PROXY_ASYNC_SMEM, why="RAW: dS^T's st.shared before dQ's wgmma")
     if p.dq_by_keys:
         ds_ready = sync(

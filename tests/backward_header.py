@@ -219,10 +219,10 @@ def config_constants(params: Params) -> dict[str, object]:
     env: dict[str, object] = {
         name: evaluate(value, {}) for name, value in re.findall(r"(\w+_)\s*=\s*(\w+)", head)
     }
-    env |= {"kHeadDim_": params.head_dim, "kBlockM_": 64}
+    env |= {"kHeadDim_": params.head_dim, "kBlockM_": params.block_m}
     env |= {"kBlockN_": 64 * params.consumers, "kConsumerWGs_": params.consumers}
     env |= {"kStages_": params.stages, "kCausal_": False, "kDeterministic_": params.deterministic}
-    env |= {"kOverlap_": params.overlap}
+    env |= {"kOverlap_": params.overlap, "kEarlyDv_": params.early_dv}
     for name, expr in re.findall(r"static constexpr (?:int|bool) (\w+) = ([^;]+);", body):
         env[name] = evaluate(expr, env)
     return env
@@ -233,6 +233,8 @@ def evaluate(expr: str, env: dict, **names) -> int:
     expr = re.sub(r"\b(\d+)u\b", r"\1", expr)
     expr = re.sub(r"^(.*?)\?(.*?):(.*)$", r"((\2) if (\1) else (\3))", expr)
     expr = expr.replace("true", "True").replace("false", "False")
+    expr = expr.replace("&&", " and ").replace("||", " or ")
+    expr = re.sub(r"!(?!=)", " not ", expr)
     return eval(expr, {"__builtins__": {}}, {**env, **names})  # noqa: S307 (the header's)
 
 
@@ -274,8 +276,9 @@ def index_of(flat: str) -> Index:
 def operand(expr: str, walk: Walk) -> tuple:
     flat = expand(expr, walk.variables)
     (offset,) = {OFFSETS[name] for name in re.findall(r"Cfg::(kOff\w+)", flat)}
-    if re.search(r"\bwg\b", flat):
-        part = Part.PANEL_OF_WG if "kBlockN" in flat else Part.ROWS_OF_WG
+    if re.search(r"\bwg\b", flat):  # wg panel strides (B_c rows each), or wg's 64 rows
+        panel = re.search(r"kBlockN|kDSPanelBytes", flat)
+        part = Part.PANEL_OF_WG if panel else Part.ROWS_OF_WG
     else:
         part = Part.PANEL if re.search(r"\bpanel\b", flat) else Part.WHOLE
     return offset, index_of(flat), part
@@ -382,8 +385,11 @@ def walk_node(node, walk: Walk) -> None:
 
 def walk_if(cond: str, constexpr: bool, then, other, walk: Walk) -> None:
     flags = {"Cfg::kDqByKeys": walk.params.dq_by_keys}
+    flags["Cfg::kDqByQueries"] = walk.params.dq_by_queries
     flags["Cfg::kDeterministic"] = walk.params.deterministic
     flags["Cfg::kOverlap"] = walk.params.overlap
+    flags["Cfg::kEarlyDv"] = walk.params.early_dv
+    flags |= {f"!{name}": not value for name, value in flags.items()}
     if constexpr:
         chosen = then if flags[cond] else other
         if chosen is not None:

@@ -91,7 +91,7 @@ def settings_of(bwd: Backward) -> dict[str, object]:
 def test_the_full_block_lowers_to_the_ir():
     text = variant("stages     2                        #", "stages     3  #")
     text = variant("deterministic off", "deterministic on", text)
-    text = variant("overlap    off ", "overlap    on ", text)
+    text = variant("overlap    off ", "overlap    on \n    early_dv   on ", text)
     text = variant(
         "producer = 24, consumers = 240\n    stages",
         "producer = 24, consumers = 232\n    stages",
@@ -107,6 +107,7 @@ def test_the_full_block_lowers_to_the_ir():
         "stages": 3,
         "deterministic": True,
         "overlap": True,
+        "early_dv": True,
     }
     assert bwd.loc == Loc(FILE, *where(text, "  backward {", "backward"))
     assert bwd.loc_of("stages") == Loc(FILE, *where(text, "stages     3"))
@@ -203,7 +204,9 @@ def test_a_malformed_backward_line_is_refused():
 
 # (old line part, new line part, the line part and token the error sits at, message)
 LOCATED = [
-    ("B_r = 64, B_c = 128 ", "B_r = 128, B_c = 128 ", "    tile       B_r = 128", "128", "B_r = 128: the backward steps through the queries 64 at a time"),
+    ("B_r = 64, B_c = 128 ", "B_r = 128, B_c = 128 ", "    tile       B_r = 128", "128", "B_r = 128 needs head_dim 64: S^T and dP^T of 128 queries beside dK and dV of head_dim 128"),
+    ("B_r = 64, B_c = 128 ", "B_r = 96, B_c = 128 ", "    tile       B_r = 96", "96", "B_r = 96: the backward steps through the queries 64 at a time (one wgmma M), or at head_dim 64 128 at a time"),
+    ("deterministic off", "early_dv on", "early_dv on", "early_dv", "early_dv on reorders the overlapped consumer: it needs 'overlap on' in the backward block"),
     ("B_r = 64, B_c = 128 ", "B_r = 64, B_c = 64 ", "B_c = 64 ", "64", "B_c = 64: the backward's B_c is 64 x consumers = 128"),
     ("producer = 1, consumers = 2\n    registers", "producer = 1, consumers = 3\n    registers", "consumers = 3", "3", "consumers = 3: the backward kernel has 2 consumer warpgroups"),
     ("producer = 1, consumers = 2\n    registers", "producer = 2, consumers = 2\n    registers", "warpgroups producer = 2", "2", "producer = 2: one producer warpgroup issues every load"),
@@ -212,7 +215,7 @@ LOCATED = [
     ("producer = 24, consumers = 240\n    stages", "producer = 24, consumers = 244\n    stages", "consumers = 244", "244", "the backward's consumers take setmaxnreg 24 to 240, a multiple of 8, not 244"),
     ("producer = 24, consumers = 240\n    stages", "producer = 24, consumers = 248\n    stages", "consumers = 248", "248", "not 248"),
     ("deterministic off", "deterministic maybe", "deterministic maybe", "maybe", "unknown deterministic 'maybe'; expected 'on' or 'off'"),
-    ("deterministic off", "stage 3", "stage 3", "stage", "unknown key 'stage' in the backward block; it takes 'tile', 'warpgroups', 'registers', 'stages', 'deterministic' and 'overlap' (did you mean 'stages'?)"),
+    ("deterministic off", "stage 3", "stage 3", "stage", "unknown key 'stage' in the backward block; it takes 'tile', 'warpgroups', 'registers', 'stages', 'deterministic', 'overlap' and 'early_dv' (did you mean 'stages'?)"),
     ("deterministic off", "mask causal", "mask causal", "mask", "'mask' is a setting of the kernel, not of its backward block"),
     ("deterministic off", "stages 3", "stages 3", "stages", "duplicate key 'stages' in the backward block (first set at line"),
     ("dV:  rf -st.global-> gmem", "dW:  rf -st.global-> gmem", "dW:", "dW", "unknown tensor 'dW' in the backward block; it moves Q, K, V, dO, LSE, D, dS, dQ, dK and dV"),
@@ -274,6 +277,28 @@ def test_the_smem_plan_must_fit(monkeypatch):
     monkeypatch.setattr(sm90_backward, "SMEM_LIMIT", total - 1)
     assert_error(
         text, "stages     3", "3", f"the backward's SMEM plan needs {total} bytes at head_dim 128"
+    )
+
+
+def test_head_dim_64_takes_b_r_128_split_by_queries():
+    """B_r = 128 at head_dim 64: each consumer computes dQ for its own 64 queries; dS^T is
+    two 64-query panels; a third stage no longer fits 227 KB."""
+    text = variant("head_dim   128", "head_dim   64")
+    text = variant("B_r = 64, B_c = 128 ", "B_r = 128, B_c = 128 ", text)
+    kernel = compile_source(text, FILE).kernel
+    assert kernel.backward.block_m == 128
+    data = explain_data(compile_source(text, FILE))["backward"]
+    assert any(
+        "by queries (each consumer its own 64 of the 128" in s
+        for s in data["roles"][1]["per_m_block"]
+    )
+    sizes = {b["buffer"]: b["bytes"] for b in data["smem"]}
+    assert sizes["dS"] == 2 * 128 * 128 * 2 and sizes["dQ"] == 2 * 64 * 64 * 4
+    three = variant("stages     2                        #", "stages     3  #", text)
+    total = smem_plan(dataclasses.replace(kernel.backward, stages=3), 64).total
+    assert total > sm90_backward.SMEM_LIMIT
+    assert_error(
+        three, "stages     3", "3", f"the backward's SMEM plan needs {total} bytes at head_dim 64"
     )
 
 

@@ -2,7 +2,7 @@
 the steps with no sync) it places the kernel's plan (protocol.py: ``protocol``), which
 prove.py proves and which equals the plan written by hand from the header
 (tests/backward_hand_plan.py, an oracle only), sync for sync and field for field but
-``why``, in all 72 configurations; ``economical`` leaves out exactly the syncs the proof
+``why``, in all 126 configurations; ``economical`` leaves out exactly the syncs the proof
 finds redundant (tests/test_verify_backward.py UNNEEDED). The pass is a pure function of
 the schedule, and taking an access out of a step moves or removes the syncs that ordered
 it."""

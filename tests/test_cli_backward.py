@@ -54,7 +54,8 @@ def test_explain_lists_the_protocols_syncs(capsys, monkeypatch):
     out = capsys.readouterr().out
     section = out.split("Backward syncs", 1)[1]
     bwd = compile_file(ROOT / TRAINING).kernel.backward
-    plan = protocol(Params(bwd.consumers, bwd.stages, 128, bwd.deterministic, bwd.overlap))
+    plan = protocol(Params.of(bwd, 128))
+    assert plan.params.early_dv and plan.params.overlap  # the example's block
     syncs = sum(1 for role in Role for item in plan.role(role) if item.is_sync)
     assert section.count("  >> ") == syncs > 20
     assert "bar.sync kBarDS (256 threads)" in section
@@ -70,10 +71,14 @@ def test_bench_backward_refuses_a_forward_only_spec(capsys, monkeypatch):
     assert "has no backward block" in capsys.readouterr().err
 
 
-def test_bench_backward_times_one_spec(capsys, monkeypatch):
+def test_bench_backward_refuses_a_forward_only_variant(capsys, monkeypatch, tmp_path):
     monkeypatch.chdir(ROOT)
-    assert main(["bench", "--backward", TRAINING, "--against", TRAINING]) == 1
-    assert "leave out --against" in capsys.readouterr().err
+    text = (ROOT / TRAINING).read_text()
+    head, _ = text.split("backward {", 1)
+    plain = tmp_path / "plain.fa"
+    plain.write_text(head.rstrip() + "\n}\n")
+    assert main(["bench", "--backward", TRAINING, "--against", str(plain)]) == 1
+    assert f"{plain} has no backward block" in capsys.readouterr().err
 
 
 def test_the_backward_table_reads_its_rows():

@@ -23,7 +23,8 @@ pytestmark = [
 ]
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
-# The training examples (each with its backward block: B_r 64, B_c 128, 2 consumers, overlap on)
+# The training examples (each with its backward block: B_c 128, 2 consumers, overlap on; head_dim
+# 128 with B_r 64 and early_dv on, head_dim 64 with B_r 128)
 FORWARDS = ("fa3_hopper", "fa3_causal", "fa3_hdim64", "fa3_hdim64_causal")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 # (batch, seqlen_q, seqlen_k, heads_q, heads_kv)
@@ -36,15 +37,21 @@ SHAPES = [
     (1, 64, 1000, 16, 2),
 ]
 # The examples ship `overlap on` (dQ staged under dV and dK); the plain consumer too
-PLAIN = ("fa3_causal-overlap", "fa3_hdim64-overlap")
-CASES = [(n, d, s) for n in FORWARDS + PLAIN for d in DTYPES for s in SHAPES]
+PLAIN = ("fa3_causal-overlap-early_dv", "fa3_hdim64-overlap")
+# The orders and tiles the examples do not ship: dV issued with dK (head_dim 128), dV issued
+# early (head_dim 64) and head_dim 64's B_r 64 (dQ split by keys)
+VARIANTS = ("fa3_hopper-early_dv", "fa3_causal-early_dv", "fa3_hdim64+br64+early_dv")
+VARIANTS += ("fa3_hdim64_causal+br64+early_dv", "fa3_hdim64+br64", "fa3_hdim64_causal+br64")
+VARIANTS += ("fa3_hdim64+br64-overlap",)
+CASES = [(n, d, s) for n in FORWARDS + PLAIN + VARIANTS for d in DTYPES for s in SHAPES]
 _loaded: dict[str, object] = {}
 
 
 def training_spec(name: str) -> str:
     """An example's spec text for training: ``NAME`` is the example with its own backward block
     (or ``backward {}`` added where it has none); ``NAME+KEY`` / ``NAME-KEY`` (repeatable)
-    turns an on/off key of the block on / off (``fa3_causal-overlap+deterministic``)."""
+    turns an on/off key of the block on / off (``fa3_causal-overlap+deterministic``);
+    ``+br128`` / ``+br64`` sets the block's tile to B_r = 128 / 64 (B_c 128)."""
     example, *switches = re.split(r"(?=[+-])", name)
     text = (EXAMPLES / f"{example}.fa").read_text()
     if "backward {" not in text:
@@ -52,6 +59,15 @@ def training_spec(name: str) -> str:
         text = f"{body}  backward {{\n  }}\n}}{close}\n"
     head, block = text.split("backward {", 1)
     for switch in switches:
+        if switch[1:] in ("br64", "br128"):
+            tile = f"tile B_r = {switch[3:]}, B_c = 128"
+            line = re.compile(r"^(\s*)tile\s.*$", re.M)
+            block = (
+                line.sub(rf"\g<1>{tile}", block, count=1)
+                if line.search(block)
+                else (f"\n    {tile}" + block)
+            )
+            continue
         key, value = switch[1:], "on" if switch[0] == "+" else "off"
         line = re.compile(rf"^(\s*){key}\s+(on|off)\b.*$", re.M)
         if line.search(block):
@@ -205,10 +221,16 @@ def test_cuda_graph_captures_forward_and_backward():
         assert torch.allclose(a.float(), b.grad.float(), atol=1e-2, rtol=1e-2)
 
 
-@pytest.mark.parametrize(
-    "name",
-    ["fa3_hopper+deterministic", "fa3_causal+deterministic+overlap", "fa3_hdim64+deterministic"],
+DETERMINISTIC = (
+    "fa3_hopper+deterministic",
+    "fa3_causal+deterministic",
+    "fa3_hdim64+deterministic",
+    "fa3_hdim64+br64+deterministic",
+    "fa3_causal+deterministic-early_dv",
 )
+
+
+@pytest.mark.parametrize("name", DETERMINISTIC)
 def test_deterministic_gradients_are_bitwise_stable(name):
     """`deterministic on`: 10 runs give bitwise-identical dQ, dK, dV (GQA 4:1, several
     n-blocks per m-block, so that dQ's reduce-adds race), and they are right."""

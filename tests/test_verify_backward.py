@@ -71,22 +71,29 @@ def test_the_cases_wrap_every_ring_slot_twice():
     for params in PARAMS:
         assert list(m_counts(params)) == list(range(0, 2 * params.stages + 3))
     assert {p.dq_by_keys for p in PARAMS} == {False, True}
+    assert {p.dq_by_queries for p in PARAMS} == {False, True}
     assert {p.stages for p in PARAMS} == {1, 2, 3}
-    assert len(PARAMS) == 72 and sum(p.overlap for p in PARAMS) == 36
+    # 12 shapes with B_r 64 and one with B_r 128, 6 (stages, deterministic), 3 orders
+    assert len(PARAMS) == 126 and sum(p.overlap for p in PARAMS) == 84
+    assert sum(p.early_dv for p in PARAMS) == 42 and sum(p.block_m == 128 for p in PARAMS) == 18
 
 
 # --- mutations ----------------------------------------------------------------------------
 
 PANELS = Params(2, 2, 128)  # dQ by head_dim panels: both warpgroups read all of dS^T
 BY_KEYS = Params(2, 2, 64)  # dQ by keys: each warpgroup reads its own rows
+# dQ by queries: each warpgroup reads its panel of dS^T, every warpgroup's rows of it
+BY_QUERIES = Params(2, 2, 64, block_m=128)
 PLAIN = (
     PANELS,
     BY_KEYS,
+    BY_QUERIES,
     Params(1, 1, 64),
     Params(3, 3, 128),
     replace(PANELS, deterministic=True),
 )
 MUTATED = PLAIN + tuple(replace(p, overlap=True) for p in PLAIN)
+MUTATED += tuple(replace(p, overlap=True, early_dv=True) for p in PLAIN)
 OVERLAPPED = tuple(p for p in MUTATED if p.overlap)
 
 
@@ -218,8 +225,11 @@ def single_ds_buffer(proto: Protocol) -> Protocol:
 
 
 ONE_BUFFER_CASES = [PANELS, Params(3, 3, 64), Params(3, 2, 128), Params(1, 2, 128)]
-ONE_BUFFER_CASES += [Params(2, 1, 128), replace(PANELS, deterministic=True)]
-ONE_BUFFER_CASES += [replace(p, overlap=True) for p in ONE_BUFFER_CASES]
+ONE_BUFFER_CASES += [Params(2, 1, 128), replace(PANELS, deterministic=True), BY_QUERIES]
+ONE_BUFFER_CASES += [replace(BY_QUERIES, stages=1)]
+ONE_BUFFER_CASES += [replace(p, overlap=True) for p in ONE_BUFFER_CASES] + [
+    replace(p, overlap=True, early_dv=True) for p in ONE_BUFFER_CASES
+]
 
 
 @pytest.mark.parametrize("params", ONE_BUFFER_CASES, ids=lambda p: p.describe())
@@ -481,6 +491,16 @@ GRADS = "    issue_grad_kv<Cfg>(dk, ds16, q_slot);\n"
         ("a meeting too small", [("kBarDS, Cfg::kConsumerThreads);", "kBarDS, 128);")]),
         ("no wgmma fence", [("wgmma_fence();\n    float dq", "float dq")]),
         ("no staging fence", [("fence_proxy_async_smem();\n  named_bar_sync", "named_bar_sync")]),
+        (
+            "early dV: wait<2> for dP^T",
+            [("wgmma_wait<1>();  // dP^T", "wgmma_wait<2>();  // dP^T")],
+        ),
+        ("early dV: no fence for P^T", [("wgmma_fence();  // the A registers p16", "")]),
+        (
+            "early dV: dV in dK's group",
+            [("issue_grad_kv<Cfg>(dv, p16, do_slot);\n      wgmma_commit();", "")],
+        ),
+        ("by queries: dS^T panel 0", [("ds_buf + wg * Cfg::kDSPanelBytes", "ds_buf")]),
     ],
 )
 def test_an_edited_overlap_header_is_caught(what, edits):
@@ -512,7 +532,8 @@ def test_the_header_agrees_on_layout_barriers_and_roles():
         assert (env["kBarDS"], env["kBarDQ"]) == (BAR_DS, BAR_DQ)
         assert env["kThreads"] == 128 * (1 + params.consumers)
         assert env["kDqByKeys"] == params.dq_by_keys and env["kDqFloats"] == params.dq_floats
-        assert env["kOverlap"] == params.overlap
+        assert env["kOverlap"] == params.overlap and env["kEarlyDv"] == params.early_dv
+        assert env["kDqByQueries"] == params.dq_by_queries
         for buffer, offset, size in default_layout(params).offsets:
             name = next(k for k, v in OFFSETS.items() if v is buffer)
             assert env[name] == offset, (params, buffer)
@@ -537,4 +558,7 @@ def test_the_header_agrees_on_layout_barriers_and_roles():
     names = re.findall(r"(?:class|int|bool) (\w+)", head[head.rindex("template") :])
     assert names[8] == "kOverlap_" and re.split(r",\s*(?={{)", cfg)[8] == (
         '{{ "true" if overlap else "false" }}'
+    )
+    assert names[9] == "kEarlyDv_" and re.split(r",\s*(?={{)", cfg)[9] == (
+        '{{ "true" if early_dv else "false" }}'
     )

@@ -32,7 +32,7 @@ from .syntax import BackwardDecl, PathDecl, Setting, Word
 
 # The block's keys, each read as the kernel's key of that name is; `deterministic on|off`
 # orders dQ's accumulation by n-block (bitwise-stable gradients); `overlap on|off` stages dQ
-# while dV and dK run.
+# while dV and dK run; `early_dv on|off` issues dV as soon as P is packed, before dS.
 BACKWARD_SETTINGS: dict[str, Callable[[Checks, Setting], object]] = {
     "tile": tile,
     "warpgroups": warpgroups,
@@ -40,6 +40,7 @@ BACKWARD_SETTINGS: dict[str, Callable[[Checks, Setting], object]] = {
     "stages": stages,
     "deterministic": on_off,
     "overlap": on_off,
+    "early_dv": on_off,
 }
 # The tensors the block may give a path: the forward's inputs and the backward's own.
 BACKWARD_TENSORS: dict[str, Role | GradRole] = {

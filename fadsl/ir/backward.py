@@ -52,6 +52,8 @@ class Backward:
     loc: Loc  # the block's `backward` keyword
     # dQ issued before dV and dK and staged while they run (sm90_bwd_overlap.cuh)
     overlap: bool = False
+    # with overlap: dV issued as soon as P^T is packed, before dS (sm90_bwd_overlap.cuh)
+    early_dv: bool = False
     # Every tensor's path, the defaults included, in the target's order. The IR's text form
     # leaves them out (the target admits one path per tensor): a kernel read back has none.
     tensors: tuple[BackwardTensor, ...] = ()
@@ -83,13 +85,14 @@ class Backward:
             f"regs={self.producer_regs}/{self.consumer_regs} stages={self.stages} "
             f"deterministic={'on' if self.deterministic else 'off'}"
             + (" overlap=on" if self.overlap else "")
+            + (" early_dv=on" if self.early_dv else "")
         )
 
 
 _TEXT = re.compile(
     r"backward B_r=(?P<m>\d+) B_c=(?P<n>\d+) consumers=(?P<consumers>\d+) "
     r"regs=(?P<preg>\d+)/(?P<creg>\d+) stages=(?P<stages>\d+) "
-    r"deterministic=(?P<deterministic>on|off)(?P<overlap> overlap=on)?$"
+    r"deterministic=(?P<deterministic>on|off)(?P<overlap> overlap=on)?(?P<early_dv> early_dv=on)?$"
 )
 
 
@@ -110,5 +113,6 @@ def read_backward(line: str, loc: Loc) -> Backward:
         stages=int(m["stages"]),
         deterministic=m["deterministic"] == "on",
         overlap=m["overlap"] is not None,
+        early_dv=m["early_dv"] is not None,
         loc=loc,
     )

@@ -4,10 +4,11 @@ backends and FlashAttention-4's backward, where installed.
 Each contender's backward alone is timed: its forward runs once on the same q, k, v (and
 keeps its graph), then ``torch.autograd.grad`` of the output with the same dO is timed,
 warm-up first, median over the runs, the contenders in balanced orders (bench.py's Williams
-design, for the power cap's sake). fadsl's is timed the same way, through autograd. TF/s
-follows FlashAttention's convention: 2.5 x the forward's FLOPs / backward time. Before
-any timing, fadsl's dQ, dK and dV are checked against the cuDNN (else FLASH) backend's on
-the same inputs: a wrong kernel is never timed.
+design, for the power cap's sake). fadsl's is timed the same way, through autograd, and so
+is each variant of ``against`` (other specs with a backward block, the same head_dim and
+mask: ``fadsl:<kernel>``). TF/s follows FlashAttention's convention: 2.5 x the forward's
+FLOPs / backward time. Before any timing, every fadsl contender's dQ, dK and dV are checked
+against the cuDNN (else FLASH) backend's on the same inputs: a wrong kernel is never timed.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from .bench import (
     median_times,
     ratio_table,
     flops,
+    variants,
 )
 
 BACKWARD_FLOPS = 2.5  # times the forward's (FlashAttention's convention)
@@ -42,14 +44,17 @@ def run(
     runs: int = 32,
     log: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True),
     dtype_name: str | None = None,
+    against: tuple[FlashAttention, ...] = (),
 ) -> dict:
     import torch
     import torch.nn.functional as F
     from torch.nn.attention import sdpa_kernel
 
-    if not kern.has_backward:
-        raise ValueError(f"{kern.config.name} has no backward block: nothing to time")
     name = dtype_name or kern.config.dtypes[0].value
+    ours_by_name = variants(kern, against, name)  # "fadsl", then "fadsl:<kernel>" each
+    for label, each in ours_by_name.items():
+        if not each.has_backward:
+            raise ValueError(f"{each.config.name} has no backward block: nothing to time")
     if name not in {d.value for d in kern.config.dtypes}:
         raise ValueError(f"{kern.config.name} is not built for {name}")
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[name]
@@ -61,15 +66,16 @@ def run(
         batch = max(1, tokens // seqlen)
         shape = (batch, seqlen, heads, d)
         q, k, v, dout = (torch.randn(shape, device="cuda", dtype=dtype) for _ in range(4))
-        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
         contenders: dict[str, Callable[[int], object]] = {}
-
-        out = kern(*leaves)
-        contenders["fadsl"] = _grad_of(out, leaves, dout)
-        ours = torch.autograd.grad(out, leaves, dout, retain_graph=True)
+        ours = {}  # each fadsl contender's gradients, checked before any timing
+        for label, each in ours_by_name.items():
+            leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+            out = each(*leaves)
+            contenders[label] = _grad_of(out, leaves, dout)
+            ours[label] = torch.autograd.grad(out, leaves, dout, retain_graph=True)
         checked = False
         for name, backend in backends.items():
-            qt, kt, vt = (t.detach().transpose(1, 2).requires_grad_() for t in leaves)
+            qt, kt, vt = (t.transpose(1, 2).requires_grad_() for t in (q, k, v))
             try:
                 with sdpa_kernel([backend]):
                     o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
@@ -80,11 +86,12 @@ def run(
                 log(f"  {name}: not timed ({str(err).splitlines()[0][:80]})")
                 continue
             if not checked:
-                _check(ours, [t.transpose(1, 2) for t in theirs], name, seqlen)
+                for label, grads in ours.items():
+                    _check(grads, [t.transpose(1, 2) for t in theirs], name, seqlen, label)
                 checked = True
             contenders[name] = _grad_of(o, (qt, kt, vt), dout.transpose(1, 2))
         if fa4 is not None:
-            q4, k4, v4 = (t.detach().requires_grad_() for t in leaves)
+            q4, k4, v4 = (t.clone().requires_grad_() for t in (q, k, v))
             try:
                 o4 = fa4(q4, k4, v4, causal=causal)
                 o4 = o4[0] if isinstance(o4, tuple) else o4
@@ -120,13 +127,13 @@ def _grad_of(out, inputs, dout) -> Callable[[int], object]:
     return backward
 
 
-def _check(ours, theirs, name: str, seqlen: int) -> None:
+def _check(ours, theirs, name: str, seqlen: int, label: str = "fadsl") -> None:
     for what, a, b in zip(("dq", "dk", "dv"), ours, theirs):
         scale = b.float().abs().max().item()
         err = (a.float() - b.float()).abs().max().item()
         if not err <= AGREEMENT * scale:
             raise RuntimeError(
-                f"fadsl's {what} at seqlen {seqlen} differs from {name}'s by {err:.3g} "
+                f"{label}'s {what} at seqlen {seqlen} differs from {name}'s by {err:.3g} "
                 f"(largest entry {scale:.3g}); not timed"
             )
 

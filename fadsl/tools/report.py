@@ -44,8 +44,9 @@ def _backward_line(kernel: Kernel) -> str:
     return (
         f"B_r = {b.block_m}, B_c = {b.block_n}, {b.consumers} consumer warpgroups, setmaxnreg "
         f"{b.producer_regs}/{b.consumer_regs}, stages {b.stages}, deterministic "
-        f"{'on' if b.deterministic else 'off'}, overlap {'on' if b.overlap else 'off'} "
-        "(the spec's backward block; explain shows its plan)"
+        f"{'on' if b.deterministic else 'off'}, overlap {'on' if b.overlap else 'off'}"
+        + (", early_dv on" if b.early_dv else "")
+        + " (the spec's backward block; explain shows its plan)"
     )
 
 

@@ -17,13 +17,20 @@
 //   convert_dq   dQ's accumulator (fp32, the consumers' fragment order) times softmax_scale
 //                -> dQ in the input dtype.
 //
-// dQ's split between the consumer warpgroups: by head_dim panels where each warpgroup's
-// share is whole 64-column panels (head_dim 128: warpgroup w computes columns 64w..64w+63
-// over all B_c keys, after a barrier of both warpgroups on dS^T); else by keys (head_dim
-// 64: each warpgroup computes all columns over its own 64 keys, and both reduce-add into
-// the same accumulator; no cross-warpgroup barrier).  The reduce-add is one bulk
+// dQ's split between the consumer warpgroups, each computing 64 queries (wgmma's M): by
+// queries where B_r is 64 per warpgroup (head_dim 64, B_r 128: warpgroup w computes queries
+// 64w..64w+63, every column, over all B_c keys); else by head_dim panels where each
+// warpgroup's share is whole 64-column panels (head_dim 128, B_r 64: warpgroup w computes
+// columns 64w..64w+63 over all B_c keys); else by keys (head_dim 64, B_r 64: each warpgroup
+// computes all columns over its own 64 keys, and both reduce-add into the same
+// accumulator; no cross-warpgroup barrier).  Split by queries or panels, both warpgroups
+// meet on dS^T first, and each warpgroup's reduce-add covers its own part of the m-block:
+// half the bytes of the split by keys.  The reduce-add is one bulk
 // cp.reduce.async.bulk .add.f32 per warpgroup and m-block, issued by the warpgroup's first
 // thread from a staging buffer (SMEM -> global, atomic per element, in the L2).
+//
+// dS^T in SMEM: rows = the n-block's B_c keys, the B_r queries in 64-query panels of one
+// 128-byte swizzled row each (panel p of kDSPanelBytes holds queries 64p..64p+63).
 //
 // Numerics: LSE >= every score of its row (it is their log-sum-exp), so S c - LSE <= 0
 // up to rounding and P = 2^(S c log2e - LSE log2e) lies in [0, 1 + a few ulp]: no rescale,
@@ -95,7 +102,7 @@ static_assert(sizeof(BwdPrepParams) == 144 && sizeof(BwdConvertParams) == 56,
 // ---------------------------------------------------------------------------
 
 template <class T_, int kHeadDim_, int kBlockM_, int kBlockN_, int kConsumerWGs_, int kStages_, bool kCausal_,
-          bool kDeterministic_ = false, bool kOverlap_ = false>
+          bool kDeterministic_ = false, bool kOverlap_ = false, bool kEarlyDv_ = false>
 struct BwdConfig {
   using T = T_;
   static constexpr int kHeadDim = kHeadDim_;
@@ -110,20 +117,30 @@ struct BwdConfig {
   // dQ issued before dV and dK and staged while they run (bwd_consumer_overlapped,
   // sm90_bwd_overlap.cuh)
   static constexpr bool kOverlap = kOverlap_;
+  // dV += P^T dO issued as soon as P^T is packed, before dP^T is waited for (the overlapped
+  // consumer): its wgmma runs under the softmax gradient, the dS^T stores and the meeting
+  static constexpr bool kEarlyDv = kEarlyDv_;
   static_assert(kHeadDim == 64 || kHeadDim == 128, "head_dim 64 or 128");
-  static_assert(kBlockM == 64, "B_r 64: dS^T's rows are one 128-byte swizzle span");
+  // B_r 128: 64 queries of dQ per consumer warpgroup; S^T and dP^T of 128 queries (64 + 64
+  // fp32 registers) fit beside dK and dV at head_dim 64 only
+  static_assert(kBlockM == 64 || (kBlockM == 128 && kConsumerWGs == 2 && kHeadDim == 64),
+                "B_r 64, or 128 with 2 consumer warpgroups at head_dim 64");
   static_assert(kBlockN == 64 * kConsumerWGs, "each consumer warpgroup owns 64 keys");
   static_assert(kStages >= 1, "at least one ring slot");
+  static_assert(!kEarlyDv || kOverlap, "the early dV is the overlapped consumer's");
 
   static constexpr int kThreads = 128 * (1 + kConsumerWGs);
   static constexpr int kConsumerThreads = 128 * kConsumerWGs;
   static constexpr int kProducerRegs = 24;
   static constexpr int kConsumerRegs = 240;
 
-  // dQ = dS K by whole head_dim panels per warpgroup, else by keys (see the header).
-  static constexpr bool kDqByKeys = (kHeadDim / kConsumerWGs) % 64 != 0;
-  static constexpr int kDqCols = kDqByKeys ? kHeadDim : kHeadDim / kConsumerWGs;  // wgmma N
-  static constexpr int kDqKeys = kDqByKeys ? 64 : kBlockN;                        // wgmma K
+  // dQ = dS K by queries where B_r has 64 per warpgroup, else by whole head_dim panels per
+  // warpgroup, else by keys (see the header).  A warpgroup's dQ is 64 queries (wgmma's M).
+  static constexpr bool kDqByQueries = kBlockM > 64;
+  static constexpr bool kDqByKeys = !kDqByQueries && (kHeadDim / kConsumerWGs) % 64 != 0;
+  static constexpr bool kDqAllCols = kDqByKeys || kDqByQueries;
+  static constexpr int kDqCols = kDqAllCols ? kHeadDim : kHeadDim / kConsumerWGs;  // wgmma N
+  static constexpr int kDqKeys = kDqByKeys ? 64 : kBlockN;                         // wgmma K
   static constexpr int kDqFloats = 64 * kDqCols;  // one warpgroup's staged share of an m-block
 
   static constexpr int kSRegs = kBlockM / 2;     // S^T, dP^T: 64 keys x B_r, fp32
@@ -136,6 +153,7 @@ struct BwdConfig {
   static constexpr int kQBytes = kBlockM * kHeadDim * 2;  // one ring slot of Q or of dO
   static constexpr int kKVBytes = kBlockN * kHeadDim * 2;
   static constexpr int kDSBytes = kBlockN * kBlockM * 2;  // rows = keys, B_r queries each
+  static constexpr int kDSPanelBytes = kBlockN * kRowBytes;  // 64 queries of every key row
   static constexpr int kRowFloatsBytes = kBlockM * 4;     // one slot of LSE or of D
 
   // SMEM plan (a generated Cfg sets these from fadsl/targets/sm90/backward/plan.py)
@@ -205,9 +223,9 @@ __device__ __forceinline__ void st_shared_v4(uint32_t addr, float a, float b, fl
   asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "f"(a), "f"(b), "f"(c), "f"(d) : "memory");
 }
 
-__device__ __forceinline__ float ld_shared_f32(uint32_t addr) {
-  float v;
-  asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(v) : "r"(addr) : "memory");
+__device__ __forceinline__ float2 ld_shared_v2_f32(uint32_t addr) {
+  float2 v;
+  asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n" : "=f"(v.x), "=f"(v.y) : "r"(addr) : "memory");
   return v;
 }
 
@@ -353,10 +371,11 @@ __device__ __forceinline__ void bwd_probs(float (&s)[Cfg::kSRegs], const BwdPara
   const int t = lane % 4;
 #pragma unroll
   for (int j = 0; j < Cfg::kBlockM / 8; ++j) {
+    const float2 lse_pair = ld_shared_v2_f32(lse_slot + 4 * (8 * j + 2 * t));  // columns 8j + 2t + e
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
       const int col = 8 * j + 2 * t + e;
-      const float lse = ld_shared_f32(lse_slot + 4 * col);
+      const float lse = e == 0 ? lse_pair.x : lse_pair.y;
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         float& x = s[4 * j + 2 * r + e];
@@ -380,9 +399,10 @@ __device__ __forceinline__ void bwd_grad_scores(const float (&p)[Cfg::kSRegs], f
   const int t = lane % 4;
 #pragma unroll
   for (int j = 0; j < Cfg::kBlockM / 8; ++j) {
+    const float2 d_pair = ld_shared_v2_f32(d_slot + 4 * (8 * j + 2 * t));  // columns 8j + 2t + e
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
-      const float d = ld_shared_f32(d_slot + 4 * (8 * j + 2 * t + e));
+      const float d = e == 0 ? d_pair.x : d_pair.y;
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         const int i = 4 * j + 2 * r + e;
@@ -400,7 +420,7 @@ __device__ __forceinline__ void pack_pairs(const float (&f)[Cfg::kSRegs], uint32
 }
 
 // dS^T (this warpgroup's 64 key rows) into an SMEM buffer of B_c rows x B_r queries
-// (one 128-byte swizzled row per key).
+// (per 64-query panel, one 128-byte swizzled row per key).
 template <class Cfg>
 __device__ __forceinline__ void store_ds(uint32_t ds_buf, const uint32_t (&x)[Cfg::kPRegs], int wg, int warp, int lane) {
   const int row = 64 * wg + 16 * warp + lane / 4;
@@ -408,7 +428,8 @@ __device__ __forceinline__ void store_ds(uint32_t ds_buf, const uint32_t (&x)[Cf
   for (int j = 0; j < Cfg::kBlockM / 8; ++j) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      const uint32_t byte = (row + 8 * r) * Cfg::kRowBytes + (8 * j + 2 * (lane % 4)) * 2;
+      const uint32_t byte =
+          (j / 8) * Cfg::kDSPanelBytes + (row + 8 * r) * Cfg::kRowBytes + (8 * (j % 8) + 2 * (lane % 4)) * 2;
       st_shared_b32(ds_buf + swizzle128(byte), x[2 * j + r]);
     }
   }
@@ -536,7 +557,11 @@ __device__ __forceinline__ void bwd_consumer(const BwdParamsSm90& P, uint32_t sm
       issue_dq<Cfg>(dq, ds_buf + 64 * wg * Cfg::kRowBytes, smem + Cfg::kOffK + 64 * wg * Cfg::kRowBytes);
     } else {
       named_bar_sync(Cfg::kBarDS, Cfg::kConsumerThreads);  // RAW: all B_c rows of dS^T written
-      issue_dq<Cfg>(dq, ds_buf, smem + Cfg::kOffK + wg * Cfg::kBlockN * Cfg::kRowBytes);
+      if constexpr (Cfg::kDqByQueries) {  // the warpgroup's 64 queries (dS^T panel wg), all of K
+        issue_dq<Cfg>(dq, ds_buf + wg * Cfg::kDSPanelBytes, smem + Cfg::kOffK);
+      } else {  // every query, the warpgroup's panel of K
+        issue_dq<Cfg>(dq, ds_buf, smem + Cfg::kOffK + wg * Cfg::kBlockN * Cfg::kRowBytes);
+      }
     }
     wgmma_commit();
     wgmma_wait<0>();  // dV, dK and dQ retired: Q, dO and dS^T read, dq in registers
@@ -613,10 +638,11 @@ __device__ __forceinline__ void bwd_preprocess_row(const BwdPrepParams& P) {
   if (P.dq_semaphore != nullptr && lane == 0 && row % Cfg::kBlockM == 0) P.dq_semaphore[at / Cfg::kBlockM] = 0;
 }
 
-// dQ[row, col] from the accumulator: column col of warpgroup share cg = col / kDqCols
-// (all in share 0 when split by keys), thread tid = 32 (q / 16) + 4 (q % 8) + (c % 8) / 2 of
-// that share's wgmma (q = row % B_r, c = col % kDqCols), register 4 (c / 8) + 2 ((q % 16) / 8)
-// + c % 2, staged at float (reg / 4 * 128 + tid) * 4 + reg % 4 (stage_dq).
+// dQ[row, col] from the accumulator: in warpgroup share q / 64 split by queries, col /
+// kDqCols split by panels, 0 split by keys (q = row % B_r), thread tid = 32 (u / 16) +
+// 4 (u % 8) + (c % 8) / 2 of that share's wgmma (u = q % 64, c = col % kDqCols), register
+// 4 (c / 8) + 2 ((u % 16) / 8) + c % 2, staged at float (reg / 4 * 128 + tid) * 4 + reg % 4
+// (stage_dq).
 template <class Cfg>
 __device__ __forceinline__ void bwd_convert_dq_row(const BwdConvertParams& P) {
   const int lane = threadIdx.x % 32;
@@ -627,10 +653,11 @@ __device__ __forceinline__ void bwd_convert_dq_row(const BwdConvertParams& P) {
                                         (Cfg::kBlockM * Cfg::kHeadDim);
   typename Cfg::T* dq =
       static_cast<typename Cfg::T*>(P.dq) + batch * P.dq_batch_stride + row * P.dq_row_stride + head * P.dq_head_stride;
+  const int u = q % 64;
   for (int col = 2 * lane; col < Cfg::kHeadDim; col += 64) {
-    const int share = col / Cfg::kDqCols, c = col % Cfg::kDqCols;
-    const int tid = 32 * (q / 16) + 4 * (q % 8) + (c % 8) / 2;
-    const int reg = 4 * (c / 8) + 2 * ((q % 16) / 8);
+    const int share = Cfg::kDqByQueries ? q / 64 : col / Cfg::kDqCols, c = col % Cfg::kDqCols;
+    const int tid = 32 * (u / 16) + 4 * (u % 8) + (c % 8) / 2;
+    const int reg = 4 * (c / 8) + 2 * ((u % 16) / 8);
     const float2 v =
         *reinterpret_cast<const float2*>(chunk + share * Cfg::kDqFloats + (reg / 4 * 128 + tid) * 4 + reg % 4);
     *reinterpret_cast<uint32_t*>(dq + col) =

@@ -5,7 +5,10 @@
 // the reduce-add: the tensor cores idle while the warpgroup stages (two barriers, the
 // stores, the bulk copy's issue).  Here dQ is issued first and waited for alone
 // (wgmma_wait<1>): its staging and reduce-add run while dV and dK do.  Per m-block, in
-// wgmma commit order: S^T, dP^T, dQ, then dV and dK.
+// wgmma commit order: S^T, dP^T, dQ, then dV and dK.  With `early_dv on` (kEarlyDv), dV is
+// issued as soon as P^T is packed, before dP^T is waited for, so that the tensor cores have
+// it while the warpgroup computes dS^T, stores it and meets the others: S^T, dP^T, dV, dQ,
+// then dK.
 //
 // (Issuing m-block i's dQ in m-block i + 1, after its S^T and dP^T, would take the
 // warpgroups' meeting off the critical path too, but keeps dQ's registers live over S^T and
@@ -41,8 +44,8 @@ __device__ __forceinline__ void reduce_dq(const BwdParamsSm90& P, const BwdBlock
 }
 
 // Issue dQ = dS K of the m-block whose dS^T is in `ds_buf`, after the warpgroups that wrote
-// it meet (all consumers when dQ is split by head_dim panels; this one's 128 threads when
-// split by keys).
+// it meet (all consumers when dQ is split by queries or head_dim panels; this one's 128
+// threads when split by keys).
 template <class Cfg>
 __device__ __forceinline__ void meet_and_issue_dq(float (&dq)[Cfg::kDqRegs], uint32_t smem, uint32_t ds_buf, int wg) {
   if constexpr (Cfg::kDqByKeys) {
@@ -50,7 +53,11 @@ __device__ __forceinline__ void meet_and_issue_dq(float (&dq)[Cfg::kDqRegs], uin
     issue_dq<Cfg>(dq, ds_buf + 64 * wg * Cfg::kRowBytes, smem + Cfg::kOffK + 64 * wg * Cfg::kRowBytes);
   } else {
     named_bar_sync(Cfg::kBarDS, Cfg::kConsumerThreads);  // RAW: all B_c rows of dS^T written and fenced
-    issue_dq<Cfg>(dq, ds_buf, smem + Cfg::kOffK + wg * Cfg::kBlockN * Cfg::kRowBytes);
+    if constexpr (Cfg::kDqByQueries) {  // the warpgroup's 64 queries (dS^T panel wg), all of K
+      issue_dq<Cfg>(dq, ds_buf + wg * Cfg::kDSPanelBytes, smem + Cfg::kOffK);
+    } else {  // every query, the warpgroup's panel of K
+      issue_dq<Cfg>(dq, ds_buf, smem + Cfg::kOffK + wg * Cfg::kBlockN * Cfg::kRowBytes);
+    }
   }
   wgmma_commit();
 }
@@ -95,11 +102,21 @@ __device__ __forceinline__ void bwd_consumer_overlapped(const BwdParamsSm90& P, 
     } else {
       bwd_probs<Cfg, false>(s, P, lse_slot, key0, m * Cfg::kBlockM, lane);
     }
-    wgmma_wait<0>();  // dP^T in registers
-    fence_regs(dp);
-    bwd_grad_scores<Cfg>(s, dp, d_slot, lane);
     uint32_t p16[Cfg::kPRegs], ds16[Cfg::kPRegs];
-    pack_pairs<Cfg>(s, p16);
+    if constexpr (Cfg::kEarlyDv) {
+      pack_pairs<Cfg>(s, p16);
+      wgmma_fence();  // the A registers p16 were written by ordinary instructions
+      issue_grad_kv<Cfg>(dv, p16, do_slot);
+      wgmma_commit();
+      wgmma_wait<1>();  // dP^T in registers (dV's group may still run)
+      fence_regs(dp);
+      bwd_grad_scores<Cfg>(s, dp, d_slot, lane);
+    } else {
+      wgmma_wait<0>();  // dP^T in registers
+      fence_regs(dp);
+      bwd_grad_scores<Cfg>(s, dp, d_slot, lane);
+      pack_pairs<Cfg>(s, p16);
+    }
     pack_pairs<Cfg>(dp, ds16);
 
     // dS^T into buffer i % 2: the other warpgroup's dQ of m-block i - 1 may still read the
@@ -109,15 +126,15 @@ __device__ __forceinline__ void bwd_consumer_overlapped(const BwdParamsSm90& P, 
     // RAW: dS^T's st.shared (generic proxy) before the dQ wgmma reads it (async proxy)
     fence_proxy_async_smem();
 
-    // dq was read by ordinary instructions (the previous staging); dk, dv and the A
-    // registers p16, ds16 written
+    // dq was read by ordinary instructions (the previous staging); dk (and dv, p16 unless
+    // dV is issued already) and the A registers ds16 written
     wgmma_fence();
     float dq[Cfg::kDqRegs];
     meet_and_issue_dq<Cfg>(dq, smem, ds_buf, wg);
-    issue_grad_kv<Cfg>(dv, p16, do_slot);
+    if constexpr (!Cfg::kEarlyDv) issue_grad_kv<Cfg>(dv, p16, do_slot);
     issue_grad_kv<Cfg>(dk, ds16, q_slot);
     wgmma_commit();
-    wgmma_wait<1>();  // dQ in registers (dV and dK still run)
+    wgmma_wait<1>();  // dQ in registers (dK, and dV unless issued early, still run)
     fence_regs(dq);
     reduce_dq<Cfg>(P, b, stage, dq, accum_head, m, wg, tid);
     wgmma_wait<0>();  // dV and dK retired: Q, dO read; p16 and ds16 free

@@ -7,7 +7,7 @@ from typing import Any
 
 from ....ir import Dtype, Kernel, Mask
 from ....ir.backward import Backward
-from .plan import dq_by_keys, smem_plan
+from .plan import dq_by_keys, dq_by_queries, smem_plan
 
 TEMPLATE = "sm90/backward.cu.j2"
 # A plan buffer -> the header's offset constant (BwdConfig)
@@ -28,6 +28,8 @@ BASE_ALIGN_SLACK = 1024
 
 def dq_split(bwd: Backward, head_dim: int) -> str:
     """How the consumer warpgroups share dQ = dS K (sm90_bwd.cuh's kDqByKeys)."""
+    if dq_by_queries(bwd):
+        return f"by queries (64 each, all head_dim columns, over all {bwd.block_n} keys)"
     if dq_by_keys(bwd, head_dim):
         return "by keys (all head_dim columns over each warpgroup's own 64 keys)"
     share = head_dim // bwd.consumers
@@ -51,6 +53,7 @@ def context(kernel: Kernel, dtype: Dtype) -> dict[str, Any]:
         "stages": bwd.stages,
         "deterministic": bwd.deterministic,
         "overlap": bwd.overlap,
+        "early_dv": bwd.early_dv,
         "causal": cfg.mask is Mask.CAUSAL,
         "mask": cfg.mask.value,
         "threads": bwd.threads,

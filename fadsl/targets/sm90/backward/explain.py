@@ -16,7 +16,7 @@ from ..caps import (
     register_pool,
     registers_asked,
 )
-from .plan import dq_by_keys, smem_plan
+from .plan import dq_by_keys, dq_by_queries, smem_plan
 from .protocol import Guard, Index, Item, Kind, Params
 from .protocol import Role as ProtocolRole
 from .protocol import protocol
@@ -38,15 +38,7 @@ def backward_syncs(kernel: Kernel) -> list[dict[str, Any]]:
     (protocol.py: the plan the header follows, proved by prove.py): one entry each,
     ``{"sync": ..., "note": why}``."""
     bwd = kernel.backward
-    plan = protocol(
-        Params(
-            consumers=bwd.consumers,
-            stages=bwd.stages,
-            head_dim=kernel.config.head_dim,
-            deterministic=bwd.deterministic,
-            overlap=bwd.overlap,
-        )
-    )
+    plan = protocol(Params.of(bwd, kernel.config.head_dim))
     found = []
     for role in ProtocolRole:
         for item in plan.role(role):
@@ -85,6 +77,11 @@ def _sync_text(role: ProtocolRole, item: Item) -> str:
 
 def _dq_split(kernel: Kernel) -> str:
     bwd, head_dim = kernel.backward, kernel.config.head_dim
+    if dq_by_queries(bwd):
+        return (
+            f"by queries (each consumer its own 64 of the {bwd.block_m}, all {head_dim} "
+            f"columns, over all {bwd.block_n} keys)"
+        )
     if dq_by_keys(bwd, head_dim):
         return (
             f"by keys (each consumer all {head_dim} columns over its own "
@@ -113,6 +110,7 @@ def backward_data(kernel: Kernel) -> dict[str, Any]:
             "stages": bwd.stages,
             "deterministic": bwd.deterministic,
             "overlap": bwd.overlap,
+            "early_dv": bwd.early_dv,
         },
         "paths": [{"tensor": t.role.value, "path": t.path_text()} for t in bwd.tensors],
         "roles": [
@@ -141,8 +139,9 @@ def backward_data(kernel: Kernel) -> dict[str, Any]:
                     "S^T = K Q^T",
                     "dP^T = V dO^T",
                     "P^T = exp2(S^T c log2(e) - LSE log2(e))  (c: softmax_scale)",
+                    *(["dV += P^T dO  (issued before dS^T)"] if bwd.early_dv else []),
                     "dS^T = P^T (dP^T - D)",
-                    "dV += P^T dO",
+                    *([] if bwd.early_dv else ["dV += P^T dO"]),
                     "dK += dS^T Q",
                     f"dQ = dS K {_dq_split(kernel)}, reduce-added to the fp32 accumulator",
                 ],
@@ -182,7 +181,7 @@ def backward_sections(data: Mapping[str, Any]) -> list[str]:
         f"  settings   B_r = {s['block_m']} queries per m-block, B_c = {s['block_n']} keys per "
         f"CTA (its n-block); {s['producer_warpgroups']} producer and {s['consumers']} consumer "
         f"warpgroups; stages {s['stages']}; deterministic {_on(s['deterministic'])}; "
-        f"overlap {_on(s['overlap'])}",
+        f"overlap {_on(s['overlap'])}; early_dv {_on(s['early_dv'])}",
         "  paths",
         *(f"    {p['tensor']:<4} {p['path']}" for p in data["paths"]),
         f"  producer   warpgroup 0, setmaxnreg.dec to {producer['setmaxnreg']}: warp 0 loads "

@@ -45,15 +45,23 @@ def _round(n: int, align: int = ALIGN) -> int:
     return -(-n // align) * align
 
 
+def dq_by_queries(bwd: Backward) -> bool:
+    """Whether the consumers split dQ = dS K by queries (each its own 64 of B_r, every
+    column, over all B_c keys): B_r is 64 per consumer (sm90_bwd.cuh's kDqByQueries)."""
+    return bwd.block_m > 64
+
+
 def dq_by_keys(bwd: Backward, head_dim: int) -> bool:
     """Whether the consumers split dQ = dS K by keys (each all of head_dim over its own 64
-    keys) rather than by whole 64-column panels of head_dim (sm90_bwd.cuh's kDqByKeys)."""
-    return (head_dim // bwd.consumers) % 64 != 0
+    keys) rather than by queries or by whole 64-column panels of head_dim (sm90_bwd.cuh's
+    kDqByKeys)."""
+    return not dq_by_queries(bwd) and (head_dim // bwd.consumers) % 64 != 0
 
 
 def dq_staging_bytes(bwd: Backward, head_dim: int) -> int:
-    """Each consumer warpgroup stages its 64-row share of dQ in fp32."""
-    cols = head_dim if dq_by_keys(bwd, head_dim) else head_dim // bwd.consumers
+    """Each consumer warpgroup stages its share of dQ, 64 queries, in fp32."""
+    all_cols = dq_by_keys(bwd, head_dim) or dq_by_queries(bwd)
+    cols = head_dim if all_cols else head_dim // bwd.consumers
     return bwd.consumers * 64 * cols * F32
 
 

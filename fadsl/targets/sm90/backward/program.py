@@ -30,9 +30,11 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from enum import Enum
 
+from ....ir.backward import Backward
+
 WARPGROUP_THREADS = 128
 KEYS_PER_WARPGROUP = 64  # each consumer warpgroup owns 64 keys of the n-block
-BLOCK_M = 64  # queries per m-block (B_r): dS^T's rows are one 128-byte swizzle span
+BLOCK_M = 64  # queries per m-block (B_r) by default; dS^T's rows hold 64-query panels
 ROW_BYTES = 128  # a 64-column panel row of 16-bit elements (the 128-byte swizzle)
 PANEL_COLUMNS = 64
 F32 = 4
@@ -144,7 +146,8 @@ class Part(Enum):
     WHOLE = "whole"
     PANEL = "one 64-column panel"  # Operand.panel says which
     ROWS_OF_WG = "the warpgroup's 64 key rows"  # of K, V, dS^T; the warpgroup's staging
-    PANEL_OF_WG = "panel wg, every key"  # K's B operand of dQ split by head_dim panels
+    # K's B operand of dQ split by head_dim panels; dS^T's A operand of dQ split by queries
+    PANEL_OF_WG = "panel wg, every key"
 
 
 class Index(Enum):
@@ -214,11 +217,29 @@ class Params:
     head_dim: int
     deterministic: bool = False
     overlap: bool = False  # bwd_consumer_overlapped: dQ's group first, staged under dV, dK
+    block_m: int = BLOCK_M  # B_r: 64, or 64 per consumer (dQ split by queries)
+    early_dv: bool = False  # with overlap: dV issued once P^T is packed, before dS
+
+    @classmethod
+    def of(cls, bwd: Backward, head_dim: int) -> Params:
+        """The plan's parameters of a spec's backward block at the kernel's head_dim."""
+        return cls(
+            consumers=bwd.consumers,
+            stages=bwd.stages,
+            head_dim=head_dim,
+            deterministic=bwd.deterministic,
+            overlap=bwd.overlap,
+            block_m=bwd.block_m,
+            early_dv=bwd.early_dv,
+        )
 
     def __post_init__(self) -> None:
         assert 1 <= self.consumers <= 3, self
         assert self.stages >= 1, self
-        assert self.head_dim in (64, 128), self  # the header's static_assert
+        assert self.head_dim in (64, 128), self  # the header's static_asserts
+        wide = self.block_m == 2 * BLOCK_M and self.consumers == 2 and self.head_dim == 64
+        assert self.block_m == BLOCK_M or wide, self
+        assert not self.early_dv or self.overlap, self
 
     @property
     def block_n(self) -> int:
@@ -229,10 +250,18 @@ class Params:
         return self.head_dim // PANEL_COLUMNS
 
     @property
+    def dq_by_queries(self) -> bool:
+        """dQ = dS K split by queries (each warpgroup: its 64 queries, every column, over
+        all B_c keys) where B_r has 64 per warpgroup (kDqByQueries)."""
+        return self.block_m > BLOCK_M
+
+    @property
     def dq_by_keys(self) -> bool:
         """dQ = dS K split by keys (each warpgroup: every column over its own 64 keys) where
-        a warpgroup's share of head_dim is not whole 64-column panels (kDqByKeys)."""
-        return (self.head_dim // self.consumers) % PANEL_COLUMNS != 0
+        it is not split by queries and a warpgroup's share of head_dim is not whole
+        64-column panels (kDqByKeys)."""
+        by_panels = (self.head_dim // self.consumers) % PANEL_COLUMNS == 0
+        return not self.dq_by_queries and not by_panels
 
     @property
     def consumer_threads(self) -> int:
@@ -240,7 +269,7 @@ class Params:
 
     @property
     def q_bytes(self) -> int:  # one ring slot of Q or of dO
-        return BLOCK_M * self.head_dim * 2
+        return self.block_m * self.head_dim * 2
 
     @property
     def kv_bytes(self) -> int:
@@ -248,24 +277,29 @@ class Params:
 
     @property
     def ds_bytes(self) -> int:  # one dS^T buffer: B_c key rows of B_r queries
-        return self.block_n * BLOCK_M * 2
+        return self.block_n * self.block_m * 2
 
     @property
     def row_floats_bytes(self) -> int:  # one slot of LSE or of D
-        return BLOCK_M * F32
+        return self.block_m * F32
 
     @property
-    def dq_floats(self) -> int:  # one warpgroup's staged share of an m-block
-        cols = self.head_dim if self.dq_by_keys else self.head_dim // self.consumers
-        return KEYS_PER_WARPGROUP * cols
+    def dq_floats(self) -> int:  # one warpgroup's staged share of an m-block: 64 queries
+        all_cols = self.dq_by_keys or self.dq_by_queries
+        cols = self.head_dim if all_cols else self.head_dim // self.consumers
+        return BLOCK_M * cols
 
     def describe(self) -> str:
-        split = "dQ by keys" if self.dq_by_keys else "dQ by head_dim panels"
+        if self.dq_by_queries:
+            split = "dQ by queries"
+        else:
+            split = "dQ by keys" if self.dq_by_keys else "dQ by head_dim panels"
         det = ", deterministic" if self.deterministic else ""
         det += ", overlap" if self.overlap else ""
+        det += ", early dV" if self.early_dv else ""
         return (
-            f"{self.consumers} consumer(s), {self.stages} stage(s), head_dim {self.head_dim} "
-            f"({split}){det}"
+            f"{self.consumers} consumer(s), {self.stages} stage(s), head_dim {self.head_dim}, "
+            f"B_r {self.block_m} ({split}){det}"
         )
 
 

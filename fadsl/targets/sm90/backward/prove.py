@@ -134,13 +134,15 @@ def m_counts(p: Params) -> range:
 
 def parameter_space() -> tuple[Params, ...]:
     """Every configuration the header admits: 1-3 consumer warpgroups, head_dim 64 or 128
-    (dQ split by keys or by panels), 1-3 stages, deterministic or not, each with either
-    consumer (bwd_consumer, or bwd_consumer_overlapped with `overlap on`)."""
+    with B_r 64 (dQ split by keys or by panels), and 2 consumers at head_dim 64 with B_r 128
+    (dQ split by queries), 1-3 stages, deterministic or not, each with either consumer
+    (bwd_consumer, or bwd_consumer_overlapped with `overlap on`, dV early or not)."""
+    orders = ((False, False), (True, False), (True, True))  # (overlap, early_dv)
+    shapes = [(c, d, BLOCK_M) for c in (1, 2, 3) for d in (64, 128)] + [(2, 64, 2 * BLOCK_M)]
     return tuple(
-        Params(consumers, stages, head_dim, deterministic, overlap)
-        for overlap in (False, True)
-        for consumers in (1, 2, 3)
-        for head_dim in (64, 128)
+        Params(consumers, stages, head_dim, deterministic, overlap, block_m, early_dv)
+        for overlap, early_dv in orders
+        for consumers, head_dim, block_m in shapes
         for stages in (1, 2, 3)
         for deterministic in (False, True)
     )
@@ -197,8 +199,10 @@ def spans(proto: Protocol, operand: Operand, at: _At) -> tuple[Span, ...]:
         label += f"[slot {copy}]"
     elif operand.index is Index.ALTERNATE:
         label += f"[buffer {copy}]"
-    # K and V hold B_c rows per 64-column panel, Q and dO B_r rows
-    panel_rows = p.block_n if operand.buffer in (Buffer.K, Buffer.V) else BLOCK_M
+    # K and V hold B_c rows per 64-column panel, dS^T B_c rows per 64-query panel, Q and dO
+    # B_r rows per 64-column panel
+    by_keys = (Buffer.K, Buffer.V, Buffer.DS)
+    panel_rows = p.block_n if operand.buffer in by_keys else p.block_m
     panel_bytes = panel_rows * ROW_BYTES
     rows = KEYS_PER_WARPGROUP * ROW_BYTES  # a warpgroup's 64 rows of one panel
     match operand.part:
@@ -212,10 +216,7 @@ def spans(proto: Protocol, operand: Operand, at: _At) -> tuple[Span, ...]:
             return (Span("smem", lo, lo + panel_bytes, f"{label} panel {at.wg}"),)
         case Part.ROWS_OF_WG if operand.buffer is Buffer.DQ_STAGE:
             return (Span("smem", base, base + size, f"{label} of wg{at.wg}"),)
-        case Part.ROWS_OF_WG if operand.buffer is Buffer.DS:  # B_c rows, one span
-            lo = base + at.wg * rows
-            return (Span("smem", lo, lo + rows, f"{label} rows of wg{at.wg}"),)
-        case Part.ROWS_OF_WG:  # K, V: the warpgroup's rows of each panel
+        case Part.ROWS_OF_WG:  # K, V, dS^T: the warpgroup's rows of each panel
             return tuple(
                 Span(
                     "smem",

@@ -21,7 +21,8 @@ order them is the pass's to find: nothing here says so.
   ordered_reduce_add with ``deterministic``); dK and dV stored after the loop. The two
   consumers differ in the order after the front: bwd_consumer issues dV, dK, then dQ and
   stages dQ last; the overlapped one issues dQ first, then dV and dK, and stages dQ while
-  they run.
+  they run. With ``early_dv`` the overlapped one issues dV inside the front instead, as
+  soon as P^T is packed (before dS), so that it runs under the softmax gradient.
 """
 
 from __future__ import annotations
@@ -100,35 +101,41 @@ def consumer_steps(p: Params) -> tuple[Item, ...]:
     ds_rows = Operand(Buffer.DS, Index.ALTERNATE, Part.ROWS_OF_WG)
     k_rows = Operand(Buffer.K, part=Part.ROWS_OF_WG)
     v_rows = Operand(Buffer.V, part=Part.ROWS_OF_WG)
-    front = [
+    probs = step(
+        Kind.PROBS,
+        "P = exp2(S - LSE)",
+        reads=(Operand(Buffer.LSE, Index.RING),),
+        reg_reads=(Reg.S,),
+        reg_writes=(Reg.S,),
+    )
+    grad_scores = step(
+        Kind.GRAD_SCORES,
+        "dS = P (dP - D)",
+        reads=(Operand(Buffer.D, Index.RING),),
+        reg_reads=(Reg.S, Reg.DP),
+        reg_writes=(Reg.DP,),
+    )
+    pack_p = step(Kind.PACK, "P^T to 16 bits", reg_reads=(Reg.S,), reg_writes=(Reg.P16,))
+    dv = wgmma("dV += P^T dO", (do,), (Reg.P16, Reg.DV), Reg.DV)
+    dk = wgmma("dK += dS^T Q", (q,), (Reg.DS16, Reg.DK), Reg.DK)
+    scores = [
         wgmma("S^T = K Q^T", (k_rows, q), (), Reg.S),
         wgmma("dP^T = V dO^T", (v_rows, do), (), Reg.DP),
-        step(
-            Kind.PROBS,
-            "P = exp2(S - LSE)",
-            reads=(Operand(Buffer.LSE, Index.RING),),
-            reg_reads=(Reg.S,),
-            reg_writes=(Reg.S,),
-        ),
-        step(
-            Kind.GRAD_SCORES,
-            "dS = P (dP - D)",
-            reads=(Operand(Buffer.D, Index.RING),),
-            reg_reads=(Reg.S, Reg.DP),
-            reg_writes=(Reg.DP,),
-        ),
-        step(Kind.PACK, "P^T to 16 bits", reg_reads=(Reg.S,), reg_writes=(Reg.P16,)),
+        probs,
+        *([pack_p, dv, grad_scores] if p.early_dv else [grad_scores, pack_p]),
+    ]
+    front = scores + [
         step(Kind.PACK, "dS^T to 16 bits", reg_reads=(Reg.DP,), reg_writes=(Reg.DS16,)),
         step(Kind.ST_SHARED, "dS^T -> smem", writes=(ds_rows,), reg_reads=(Reg.DS16,)),
     ]
-    grads = [
-        wgmma("dV += P^T dO", (do,), (Reg.P16, Reg.DV), Reg.DV),
-        wgmma("dK += dS^T Q", (q,), (Reg.DS16, Reg.DK), Reg.DK),
-    ]
+    grads = [dk] if p.early_dv else [dv, dk]
     # dQ = dS K: by keys, the warpgroup's own rows of dS^T and K; by head_dim panels, all
-    # B_c rows of dS^T and the warpgroup's panel of K
+    # B_c rows of dS^T and the warpgroup's panel of K; by queries, the warpgroup's panel of
+    # dS^T (its 64 queries of every key row) and all of K
     if p.dq_by_keys:
         dq_reads = (ds_rows, k_rows)
+    elif p.dq_by_queries:
+        dq_reads = (Operand(Buffer.DS, Index.ALTERNATE, Part.PANEL_OF_WG), Operand(Buffer.K))
     else:
         dq_reads = (Operand(Buffer.DS, Index.ALTERNATE), Operand(Buffer.K, part=Part.PANEL_OF_WG))
     dq_source = Source.MEET_AND_ISSUE_DQ if p.overlap else main

@@ -3,9 +3,11 @@ errors that say what is allowed, and the block's defaults.
 
 What the first backward kernel supports (docs/backward.md, FlashAttention-3's backward):
 - the kernel's head_dim 64 or 128, dtypes bf16/fp16, mask none or causal, no softcap;
-- B_r = 64 (queries per m-block), B_c = 64 x consumers (keys per CTA: each consumer
-  warpgroup owns 64 of them, wgmma's M for S^T and dP^T), one producer and 2 consumer
-  warpgroups, Q and dO rings of 2 or 3 stages;
+- B_r = 64 (queries per m-block), or at head_dim 64 B_r = 128 (dQ split by queries, 64 per
+  consumer warpgroup: FlashAttention-3's 128 x 128 tile), B_c = 64 x consumers (keys per
+  CTA: each consumer warpgroup owns 64 of them, wgmma's M for S^T and dP^T), one producer
+  and 2 consumer warpgroups, Q and dO rings of 2 or 3 stages;
+- `early_dv on` with `overlap on` only (it reorders the overlapped consumer);
 - setmaxnreg: the producer 24 to 56, the consumers at most 240, multiples of 8, their total
   within the CTA's launch allocation (as the forward's: setmaxnreg only moves registers
   within it);
@@ -47,6 +49,10 @@ HEAD_DIMS = (64, 128)
 DTYPES = (Dtype.BF16, Dtype.FP16)  # every dtype today; a new one needs its backward first
 MASKS = (Mask.NONE, Mask.CAUSAL)
 BLOCK_M = 64  # queries per m-block: wgmma's M of the dQ GEMM
+# B_r = 64 per consumer warpgroup: each computes dQ for its 64 queries; S^T and dP^T of 64
+# keys x 128 queries take 64 + 64 fp32 registers, so only beside head_dim 64's dK and dV
+WIDE_BLOCK_M = 128
+WIDE_HEAD_DIMS = (64,)
 CONSUMERS = 2
 STAGES = (2, 3)
 PRODUCER_REGS = (24, 56)  # the producer only issues loads
@@ -119,7 +125,7 @@ def validate_backward(c: Checks, block: BackwardBlock) -> Backward | None:
     """The block checked against the kernel it belongs to, every default filled in; None
     when something was reported."""
     ok = _kernel_settings(c)
-    ok = _shape(block) and ok
+    ok = _shape(block, c.values.get("head_dim")) and ok
     regs_ok = _registers(block)
     ok = regs_ok and ok
     for role, (tensor, decl) in block.paths.items():
@@ -136,6 +142,7 @@ def validate_backward(c: Checks, block: BackwardBlock) -> Backward | None:
         stages=block.values.get("stages", DEFAULT_STAGES),
         deterministic=block.values.get("deterministic", False),
         overlap=block.values.get("overlap", False),
+        early_dv=block.values.get("early_dv", False),
         loc=block.loc,
         tensors=tuple(_tensor(block, role) for role in PATHS),
         key_locs=tuple(sorted(block.key_locs.items())),
@@ -205,8 +212,8 @@ def _kernel_settings(c: Checks) -> bool:
     return ok
 
 
-def _shape(block: BackwardBlock) -> bool:
-    """Tiles, warpgroups and stages as the first backward kernel has them."""
+def _shape(block: BackwardBlock, head_dim: int | None) -> bool:
+    """Tiles, warpgroups, stages and the consumer's order as the backward kernel has them."""
     c, v, where = block.checks, block.values, block.key_locs
     ok = True
     groups = v.get("warpgroups", DEFAULT_WARPGROUPS)
@@ -226,11 +233,27 @@ def _shape(block: BackwardBlock) -> bool:
         )
         ok = False
     tile = v.get("tile", DEFAULT_TILE)
-    if tile["B_r"] != BLOCK_M:
+    if tile["B_r"] == WIDE_BLOCK_M and head_dim is not None and head_dim not in WIDE_HEAD_DIMS:
         c.error(
             where["B_r"],
-            f"B_r = {tile['B_r']}: the backward steps through the queries {BLOCK_M} at a time, "
-            f"one wgmma M (B_r = {BLOCK_M})",
+            f"B_r = {WIDE_BLOCK_M} needs head_dim 64: S^T and dP^T of {WIDE_BLOCK_M} queries "
+            f"beside dK and dV of head_dim {head_dim} take more than a consumer's 240 "
+            f"registers (B_r = {BLOCK_M})",
+        )
+        ok = False
+    elif tile["B_r"] not in (BLOCK_M, WIDE_BLOCK_M):
+        c.error(
+            where["B_r"],
+            f"B_r = {tile['B_r']}: the backward steps through the queries {BLOCK_M} at a time "
+            f"(one wgmma M), or at head_dim 64 {WIDE_BLOCK_M} at a time, {BLOCK_M} per "
+            f"consumer warpgroup (B_r = {BLOCK_M} or {WIDE_BLOCK_M})",
+        )
+        ok = False
+    if v.get("early_dv") and not v.get("overlap"):
+        c.error(
+            where["early_dv"],
+            "early_dv on reorders the overlapped consumer: it needs 'overlap on' in the "
+            "backward block",
         )
         ok = False
     keys = ROWS_PER_CONSUMER * consumers
