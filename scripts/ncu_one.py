@@ -20,8 +20,7 @@ kern = fadsl.load(sys.argv[-1], verbose=False)
 d = kern.config.head_dim if backward else 128
 shape = (1, 16384, 2048 // d if backward else 16, d)
 q, k, v = (
-    torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=backward)
-    for _ in "qkv"
+    torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=backward) for _ in "qkv"
 )
 if backward:
     out = kern(q, k, v)
