@@ -2,13 +2,13 @@
 // Do not edit: change the spec and regenerate.
 //
 // FlashAttention-3's backward for sm_90a, fp16, head_dim 64, B_r = 128 queries per m-block, B_c = 128 keys per CTA, mask causal:
-//   fa3_hdim64_causal_bwd_fp16_preprocess   D = rowsum(dO O), LSE in log2 units, dQ's accumulator zeroed; grid (cdiv(seqlen_q_rounded, 8), heads_q, batch) x 256
+//   fa3_hdim64_causal_bwd_fp16_preprocess   D = rowsum(dO O), LSE in log2 units, dQ's accumulator zeroed; grid (cdiv(seqlen_q_rounded, 32), heads_q, batch) x 256 (32 rows per CTA, 8 elements per thread)
 //   fa3_hdim64_causal_bwd_fp16              grid (cdiv(seqlen_k, 128), heads_q, batch) x 384 threads:
 //     warpgroup 0        producer: setmaxnreg.dec 24; one elected thread loads K, V once and Q, dO, LSE, D per m-block
 //     warpgroups 1..2    consumers: setmaxnreg.inc 240; 64 keys each: S^T, dP^T, dV, dK by wgmma; dQ by queries (64 each, all head_dim columns, over all 128 keys)
 //     Q/dO ring          2 slots, a full and an empty mbarrier per slot (LSE and D land with Q and dO)
 //     dQ                 fp32, one bulk reduce-add (cp.reduce.async.bulk) per consumer warpgroup and m-block
-//   fa3_hdim64_causal_bwd_fp16_convert_dq   dQ = accumulator x softmax_scale in fp16; grid (cdiv(seqlen_q, 8), heads_q, batch) x 256
+//   fa3_hdim64_causal_bwd_fp16_convert_dq   dQ = accumulator x softmax_scale in fp16; grid (m_blocks 8, heads_q, batch) x 256 (16 rows per CTA, a warp per pair of rows 8 apart)
 // fa3_hdim64_causal_bwd_fp16_launch_info: [0] threads, [1] bytes of dynamic SMEM, [2] B_r, [3] B_c, [4] CTAs per cluster.
 #include "fadsl/sm90_bwd.cuh"
 

@@ -1,6 +1,6 @@
 // fadsl/sm90_bwd.cuh -- the sm_90a backward pass (docs/backward.md): three kernels per spec.
 //
-//   preprocess   one warp per query row: D = rowsum(dO * O) (FlashAttention's dPsum), the
+//   preprocess   head_dim / 8 threads per query row: D = rowsum(dO * O) (FlashAttention's dPsum), the
 //                forward's LSE in log2 units (+inf for a row that saw no key, so that its
 //                P is exp2(-inf) = 0, not NaN), and the row's share of dQ's fp32
 //                accumulator zeroed.  Rows up to seqlen_q rounded to B_r get D = 0, LSE +inf.
@@ -15,7 +15,7 @@
 //                  dQ = dS K  (dS^T through SMEM; SS wgmma)          -> reduce-added in fp32
 //                dK (times softmax_scale) and dV are stored at the end from registers.
 //   convert_dq   dQ's accumulator (fp32, the consumers' fragment order) times softmax_scale
-//                -> dQ in the input dtype.
+//                -> dQ in the input dtype, a warp per pair of rows 8 apart.
 //
 // dQ's split between the consumer warpgroups, each computing 64 queries (wgmma's M): by
 // queries where B_r is 64 per warpgroup (head_dim 64, B_r 128: warpgroup w computes queries
@@ -598,70 +598,102 @@ __device__ __forceinline__ void bwd_consumer(const BwdParamsSm90& P, uint32_t sm
 }
 
 // ---------------------------------------------------------------------------
-// 8. Preprocess and dQ's conversion (one warp per query row, 8 rows per CTA)
+// 8. Preprocess and dQ's conversion (256 threads per CTA, 16-byte accesses)
 // ---------------------------------------------------------------------------
 
+// The two 16-bit values of a packed pair as fp32 (exact): (low half, high half).
+template <typename T>
+__device__ __forceinline__ float2 unpack_f32x2(uint32_t packed) {
+  if constexpr (cuda::std::is_same_v<T, __nv_bfloat16>) {
+    return make_float2(__uint_as_float(packed << 16), __uint_as_float(packed & 0xffff0000u));
+  } else {
+    return __half22float2(*reinterpret_cast<const __half2*>(&packed));
+  }
+}
+
+// The preprocess: 8 elements of a row per thread (one 16-byte load of O and one of dO), so
+// head_dim / 8 threads per row and 256 * 8 / head_dim rows per CTA (the host's grid:
+// fadsl/targets/sm90/backward/host.py prep_rows_per_cta); the row's threads are adjacent
+// lanes of one warp and sum their parts of D by shuffles.
 template <class Cfg>
 __device__ __forceinline__ void bwd_preprocess_row(const BwdPrepParams& P) {
   using T = typename Cfg::T;
-  constexpr int kHeadDim = Cfg::kHeadDim;
-  constexpr int kPerLane = kHeadDim / 32;  // 2 or 4 elements
-  const int lane = threadIdx.x % 32;
-  const int row = blockIdx.x * 8 + threadIdx.x / 32, head = blockIdx.y, batch = blockIdx.z;
-  if (row >= P.seqlen_q_rounded) return;
-  float d = 0.f, lse = -INFINITY;
-  if (row < P.seqlen_q) {
+  constexpr int kThreadsPerRow = Cfg::kHeadDim / 8;  // 8 or 16: within a warp
+  constexpr int kRowsPerCta = 256 / kThreadsPerRow;
+  const int part = threadIdx.x % kThreadsPerRow;
+  const int row = blockIdx.x * kRowsPerCta + threadIdx.x / kThreadsPerRow, head = blockIdx.y, batch = blockIdx.z;
+  const bool real = row < P.seqlen_q;
+  float d = 0.f;
+  if (real) {
     const T* o = static_cast<const T*>(P.o) + batch * P.o_batch_stride + row * P.o_row_stride + head * P.o_head_stride;
     const T* g = static_cast<const T*>(P.dout) + batch * P.do_batch_stride + row * P.do_row_stride +
                  head * P.do_head_stride;
+    // 16-byte aligned: O and dO are rows of head_dim 16-bit elements that TMA reads too
+    const uint4 o8 = *reinterpret_cast<const uint4*>(o + 8 * part);
+    const uint4 g8 = *reinterpret_cast<const uint4*>(g + 8 * part);
+    const uint32_t os[4] = {o8.x, o8.y, o8.z, o8.w}, gs[4] = {g8.x, g8.y, g8.z, g8.w};
 #pragma unroll
-    for (int e = 0; e < kPerLane; ++e) {
-      d += static_cast<float>(o[lane * kPerLane + e]) * static_cast<float>(g[lane * kPerLane + e]);
+    for (int e = 0; e < 4; ++e) {
+      const float2 a = unpack_f32x2<T>(os[e]), b = unpack_f32x2<T>(gs[e]);
+      d = fmaf(a.x, b.x, fmaf(a.y, b.y, d));
     }
-#pragma unroll
-    for (int width = 16; width > 0; width /= 2) d += __shfl_xor_sync(0xffffffffu, d, width);
-    const int64_t at_lse = batch * P.lse_batch_stride + head * P.lse_head_stride + row;
-    lse = P.lse[at_lse];
-    // dLSE_i / dS_ij = P_ij, so a gradient on the LSE adds P dLSE to dS = P (dP - D):
-    // the same as D - dLSE in place of D
-    if (P.dlse != nullptr) d -= P.dlse[at_lse];
   }
+  // every lane of the warp takes part (rows past the end add zeros)
+#pragma unroll
+  for (int width = kThreadsPerRow / 2; width > 0; width /= 2) d += __shfl_xor_sync(0xffffffffu, d, width);
+  if (row >= P.seqlen_q_rounded) return;
   const int64_t at = (static_cast<int64_t>(batch) * P.heads_q + head) * P.seqlen_q_rounded + row;
-  if (lane == 0) {
+  if (part == 0) {
+    float lse = -INFINITY;
+    if (real) {
+      const int64_t at_lse = batch * P.lse_batch_stride + head * P.lse_head_stride + row;
+      lse = P.lse[at_lse];
+      // dLSE_i / dS_ij = P_ij, so a gradient on the LSE adds P dLSE to dS = P (dP - D):
+      // the same as D - dLSE in place of D
+      if (P.dlse != nullptr) d -= P.dlse[at_lse];
+    }
     P.dpsum[at] = d;
     // a row that saw no key (LSE -inf), or a padding row: P = 2^(S c - inf) = 0
     P.lse_log2[at] = lse == -INFINITY ? INFINITY : lse * 1.4426950408889634f;
+    // the m-block's semaphore (rows are m-blocks of B_r: seqlen_q_rounded / B_r per head)
+    if (P.dq_semaphore != nullptr && row % Cfg::kBlockM == 0) P.dq_semaphore[at / Cfg::kBlockM] = 0;
   }
-  float4* zero = reinterpret_cast<float4*>(P.dq_accum + at * kHeadDim);
-  for (int i = lane; i < kHeadDim / 4; i += 32) zero[i] = make_float4(0.f, 0.f, 0.f, 0.f);
-  // the m-block's semaphore (rows are m-blocks of B_r: seqlen_q_rounded / B_r per head)
-  if (P.dq_semaphore != nullptr && lane == 0 && row % Cfg::kBlockM == 0) P.dq_semaphore[at / Cfg::kBlockM] = 0;
+  // the row's head_dim floats of dQ's accumulator zeroed: 2 float4 per thread
+  float4* zero = reinterpret_cast<float4*>(P.dq_accum + at * Cfg::kHeadDim) + 2 * part;
+  zero[0] = zero[1] = make_float4(0.f, 0.f, 0.f, 0.f);
 }
 
-// dQ[row, col] from the accumulator: in warpgroup share q / 64 split by queries, col /
-// kDqCols split by panels, 0 split by keys (q = row % B_r), thread tid = 32 (u / 16) +
-// 4 (u % 8) + (c % 8) / 2 of that share's wgmma (u = q % 64, c = col % kDqCols), register
-// 4 (c / 8) + 2 ((u % 16) / 8) + c % 2, staged at float (reg / 4 * 128 + tid) * 4 + reg % 4
-// (stage_dq).
+// dQ from the accumulator, one warp per pair of rows (u, u + 8) of a 16-row group, 8 warps
+// per CTA (the host's grid: m_blocks B_r / 16 CTAs per (head, batch)): lane L converts
+// columns c = 2L (+ 64 j) of both rows. In a warpgroup share's staging order (stage_dq),
+// float4 q of thread tid holds, of the share's 64 queries and kDqCols columns, row
+// u' = 16 (tid / 32) + (tid % 32) / 4 and u' + 8, columns 8q + 2 (tid % 4) + {0, 1}
+// (registers 4q + 2r + e: row u' + 8r, column + e). So the lane reads one whole float4
+// (both rows) and the warp's reads are runs of 64 bytes, its writes whole rows. Share s
+// covers queries 64s.. (split by queries), columns s kDqCols.. (by panels), or all of
+// the m-block (by keys: one share).
 template <class Cfg>
 __device__ __forceinline__ void bwd_convert_dq_row(const BwdConvertParams& P) {
-  const int lane = threadIdx.x % 32;
-  const int row = blockIdx.x * 8 + threadIdx.x / 32, head = blockIdx.y, batch = blockIdx.z;
-  if (row >= P.seqlen_q) return;
-  const int q = row % Cfg::kBlockM;
-  const float* chunk = P.dq_accum + ((static_cast<int64_t>(batch) * P.heads_q + head) * P.m_blocks + row / Cfg::kBlockM) *
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int row = blockIdx.x * 16 + warp, head = blockIdx.y, batch = blockIdx.z;  // and row + 8
+  const int m_block = row / Cfg::kBlockM, q = row % Cfg::kBlockM, u = q % 64;
+  if (m_block >= P.m_blocks) return;
+  const float* chunk = P.dq_accum + ((static_cast<int64_t>(batch) * P.heads_q + head) * P.m_blocks + m_block) *
                                         (Cfg::kBlockM * Cfg::kHeadDim);
-  typename Cfg::T* dq =
-      static_cast<typename Cfg::T*>(P.dq) + batch * P.dq_batch_stride + row * P.dq_row_stride + head * P.dq_head_stride;
-  const int u = q % 64;
+  typename Cfg::T* dq = static_cast<typename Cfg::T*>(P.dq) + batch * P.dq_batch_stride + head * P.dq_head_stride;
+#pragma unroll
   for (int col = 2 * lane; col < Cfg::kHeadDim; col += 64) {
     const int share = Cfg::kDqByQueries ? q / 64 : col / Cfg::kDqCols, c = col % Cfg::kDqCols;
     const int tid = 32 * (u / 16) + 4 * (u % 8) + (c % 8) / 2;
-    const int reg = 4 * (c / 8) + 2 * ((u % 16) / 8);
-    const float2 v =
-        *reinterpret_cast<const float2*>(chunk + share * Cfg::kDqFloats + (reg / 4 * 128 + tid) * 4 + reg % 4);
-    *reinterpret_cast<uint32_t*>(dq + col) =
-        pack_f32x2<typename Cfg::T>(v.x * P.softmax_scale, v.y * P.softmax_scale);
+    const float4 v = *reinterpret_cast<const float4*>(chunk + share * Cfg::kDqFloats + ((c / 8) * 128 + tid) * 4);
+    if (row < P.seqlen_q) {
+      *reinterpret_cast<uint32_t*>(dq + row * P.dq_row_stride + col) =
+          pack_f32x2<typename Cfg::T>(v.x * P.softmax_scale, v.y * P.softmax_scale);
+    }
+    if (row + 8 < P.seqlen_q) {
+      *reinterpret_cast<uint32_t*>(dq + (row + 8) * P.dq_row_stride + col) =
+          pack_f32x2<typename Cfg::T>(v.z * P.softmax_scale, v.w * P.softmax_scale);
+    }
   }
 }
 

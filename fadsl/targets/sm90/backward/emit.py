@@ -25,6 +25,20 @@ _OFFSETS = {
 # launch slack: the kernel aligns its SMEM base up to 1024 bytes
 BASE_ALIGN_SLACK = 1024
 
+AUX_THREADS = 256  # the preprocess's and convert_dq's threads per CTA
+
+
+def prep_rows_per_cta(head_dim: int) -> int:
+    """The preprocess's query rows per CTA: 8 elements of a row per thread
+    (sm90_bwd.cuh's bwd_preprocess_row)."""
+    return AUX_THREADS * 8 // head_dim
+
+
+def convert_ctas(m_blocks: int, block_m: int) -> int:
+    """convert_dq's CTAs per (head, batch): 16 query rows each, a warp per pair of rows 8
+    apart (sm90_bwd.cuh's bwd_convert_dq_row)."""
+    return m_blocks * block_m // 16
+
 
 def dq_split(bwd: Backward, head_dim: int) -> str:
     """How the consumer warpgroups share dQ = dS K (sm90_bwd.cuh's kDqByKeys)."""
@@ -60,6 +74,7 @@ def context(kernel: Kernel, dtype: Dtype) -> dict[str, Any]:
         "producer_regs": bwd.producer_regs,
         "consumer_regs": bwd.consumer_regs,
         "dq_split": dq_split(bwd, cfg.head_dim),
+        "prep_rows": prep_rows_per_cta(cfg.head_dim),
         "offsets": [(_OFFSETS[b.name], b.offset) for b in plan.buffers],
         "smem_bytes": smem_bytes(bwd, cfg.head_dim),
     }

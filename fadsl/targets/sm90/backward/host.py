@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 from ....ir import Kernel
 from ..host.tma import tensor_map
-from .emit import smem_bytes
+from .emit import AUX_THREADS, convert_ctas, prep_rows_per_cta, smem_bytes
 
 PANEL_COLS = 64
 # BwdParamsSm90: four 128-byte tensor maps, then (sm90_bwd.cuh's order) 6 pointers, 6 int64
@@ -32,7 +32,6 @@ MAIN_BYTES = 768
 PREP = struct.Struct("<8Q8q3i4x")
 # BwdConvertParams: 2 pointers, 3 int64 strides, 3 ints, a float.
 CONVERT = struct.Struct("<2Q3q3if")
-ROWS_PER_CTA = 8  # preprocess and convert_dq: one warp per query row, 8 warps per CTA
 LOG2E = 1.4426950408889634
 
 
@@ -107,8 +106,8 @@ def run(
     launch(
         KernelLaunch(
             "_preprocess",
-            (-(-rounded // ROWS_PER_CTA), heads_q, batch),
-            (32 * ROWS_PER_CTA, 1, 1),
+            (-(-rounded // prep_rows_per_cta(head_dim)), heads_q, batch),
+            (AUX_THREADS, 1, 1),
             PREP.pack(
                 out.data_ptr(),
                 dout.data_ptr(),
@@ -165,8 +164,8 @@ def run(
     launch(
         KernelLaunch(
             "_convert_dq",
-            (-(-seqlen_q // ROWS_PER_CTA), heads_q, batch),
-            (32 * ROWS_PER_CTA, 1, 1),
+            (convert_ctas(m_blocks, bwd.block_m), heads_q, batch),
+            (AUX_THREADS, 1, 1),
             CONVERT.pack(
                 dq_accum.data_ptr(),
                 dq.data_ptr(),
