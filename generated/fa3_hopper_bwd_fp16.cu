@@ -19,7 +19,7 @@ namespace {
 // The spec's backward block over the header's defaults: setmaxnreg split and SMEM plan
 // (offsets from fadsl/targets/sm90/backward/plan.py; tiles 1024-byte aligned from a
 // 1024-aligned base).
-struct Cfg : BwdConfig<half, 128, 64, 128, 2, 2, false, false, true, true> {
+struct Cfg : BwdConfig<half, 128, 64, 128, 2, 2, false, false, true, true, false> {
   static constexpr int kProducerRegs = 24;
   static constexpr int kConsumerRegs = 240;
   static constexpr int kOffK = 0;
@@ -35,7 +35,7 @@ struct Cfg : BwdConfig<half, 128, 64, 128, 2, 2, false, false, true, true> {
 };
 static_assert(128 * Cfg::kProducerRegs + Cfg::kConsumerThreads * Cfg::kConsumerRegs <= 65536, "register pool");
 static_assert(Cfg::kOffBar + 8 * Cfg::kNumBars + 1024 <= Cfg::kSmemBytes, "SMEM plan");
-static_assert(Cfg::kOffDQ + Cfg::kConsumerWGs * Cfg::kDqFloats * 4 <= Cfg::kOffLSE, "dQ staging fits its buffer");
+static_assert(Cfg::kDqRed || Cfg::kOffDQ + Cfg::kConsumerWGs * Cfg::kDqFloats * 4 <= Cfg::kOffLSE, "dQ staging fits its buffer");
 
 }  // namespace
 

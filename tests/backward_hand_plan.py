@@ -222,22 +222,21 @@ def _consumer(p: Params) -> list[Item | str]:
             release,
             *staging,
         ]
-    return listing + [
-        Item(
-            Kind.BULK_WAIT,
-            Who.LEADER,
-            main,
-            Phase.AFTER,
-            why="the last reduce-add read the staging before the CTA exits",
-        ),
-        "dK -> global",
-        "dV -> global",
-    ]
+    exit_wait = Item(
+        Kind.BULK_WAIT,
+        Who.LEADER,
+        main,
+        Phase.AFTER,
+        why="the last reduce-add read the staging before the CTA exits",
+    )
+    return listing + ([] if p.dq_red else [exit_wait]) + ["dK -> global", "dV -> global"]
 
 
 def _stage_and_reduce(p: Params, source: Source) -> list[Item | str]:
     """The staging's syncs around dQ's st.shared and the leader's reduce-add (ordered by the
-    semaphore in deterministic mode)."""
+    semaphore in deterministic mode); with ``dq_red`` the registers' adds alone, no sync."""
+    if p.dq_red:
+        return ["dQ red.add"]
     own_bar = dict(named=Named.DQ, threads=WARPGROUP_THREADS)
 
     def sync(kind: Kind, who: Who = Who.WARPGROUP, **fields) -> Item:

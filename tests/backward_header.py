@@ -93,6 +93,7 @@ TRACED = {
     "store_ds": Kind.ST_SHARED,
     "stage_dq": Kind.ST_SHARED,
     "bulk_reduce_add_f32": Kind.BULK_REDUCE_ADD,
+    "red_add_dq": Kind.RED_GLOBAL,
     "store_grad_kv": Kind.STORE_GLOBAL,
 }
 # the callees whose operands name SMEM, by argument position
@@ -222,7 +223,7 @@ def config_constants(params: Params) -> dict[str, object]:
     env |= {"kHeadDim_": params.head_dim, "kBlockM_": params.block_m}
     env |= {"kBlockN_": 64 * params.consumers, "kConsumerWGs_": params.consumers}
     env |= {"kStages_": params.stages, "kCausal_": False, "kDeterministic_": params.deterministic}
-    env |= {"kOverlap_": params.overlap, "kEarlyDv_": params.early_dv}
+    env |= {"kOverlap_": params.overlap, "kEarlyDv_": params.early_dv, "kDqRed_": params.dq_red}
     for name, expr in re.findall(r"static constexpr (?:int|bool) (\w+) = ([^;]+);", body):
         env[name] = evaluate(expr, env)
     return env
@@ -334,6 +335,8 @@ def detail_of(name: str, args: list[str], template: str, walk: Walk) -> tuple:
             return (smem[0][0],)
         case Kind.STORE_GLOBAL:
             return (REGISTERS[args[0]],)
+        case Kind.RED_GLOBAL:
+            return (REGISTERS[args[1]],)
     return ()
 
 
@@ -389,6 +392,7 @@ def walk_if(cond: str, constexpr: bool, then, other, walk: Walk) -> None:
     flags["Cfg::kDeterministic"] = walk.params.deterministic
     flags["Cfg::kOverlap"] = walk.params.overlap
     flags["Cfg::kEarlyDv"] = walk.params.early_dv
+    flags["Cfg::kDqRed"] = walk.params.dq_red
     flags |= {f"!{name}": not value for name, value in flags.items()}
     if constexpr:
         chosen = then if flags[cond] else other
@@ -522,7 +526,7 @@ def expected_calls(proto: Protocol, role: Role) -> list[Call]:
                 detail = (smem(x.writes)[0], x.reg_reads[0])
             case Kind.BULK_REDUCE_ADD:
                 detail = (x.reads[0].buffer,)
-            case Kind.STORE_GLOBAL:
+            case Kind.STORE_GLOBAL | Kind.RED_GLOBAL:
                 detail = x.reg_reads
             case _:
                 detail = ()

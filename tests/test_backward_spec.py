@@ -108,6 +108,7 @@ def test_the_full_block_lowers_to_the_ir():
         "deterministic": True,
         "overlap": True,
         "early_dv": True,
+        "dq_red": False,
     }
     assert bwd.loc == Loc(FILE, *where(text, "  backward {", "backward"))
     assert bwd.loc_of("stages") == Loc(FILE, *where(text, "stages     3"))
@@ -207,6 +208,8 @@ LOCATED = [
     ("B_r = 64, B_c = 128 ", "B_r = 128, B_c = 128 ", "    tile       B_r = 128", "128", "B_r = 128 needs head_dim 64: S^T and dP^T of 128 queries beside dK and dV of head_dim 128"),
     ("B_r = 64, B_c = 128 ", "B_r = 96, B_c = 128 ", "    tile       B_r = 96", "96", "B_r = 96: the backward steps through the queries 64 at a time (one wgmma M), or at head_dim 64 128 at a time"),
     ("deterministic off", "early_dv on", "early_dv on", "early_dv", "early_dv on reorders the overlapped consumer: it needs 'overlap on' in the backward block"),
+    ("dQ:  rf -st.shared-> smem[warpgroup] -reduce.add-> gmem", "dQ:  rf -red.add-> smem[warpgroup]", "dQ:  rf -red.add", "dQ", "dQ must go rf -st.shared-> smem[warpgroup] -reduce.add-> gmem in the backward (each consumer warpgroup stages its share in fp32 for a bulk reduce-add into the fp32 accumulator), or rf -red.add-> gmem"),
+    ("dQ:  rf -st.shared-> smem[warpgroup] -reduce.add-> gmem", "dQ:  rf -st.global-> gmem", "dQ:  rf -st.global", "st.global", "'st.global' does not move dQ rf -> gmem in the backward; 'red.add' does"),
     ("B_r = 64, B_c = 128 ", "B_r = 64, B_c = 64 ", "B_c = 64 ", "64", "B_c = 64: the backward's B_c is 64 x consumers = 128"),
     ("producer = 1, consumers = 2\n    registers", "producer = 1, consumers = 3\n    registers", "consumers = 3", "3", "consumers = 3: the backward kernel has 2 consumer warpgroups"),
     ("producer = 1, consumers = 2\n    registers", "producer = 2, consumers = 2\n    registers", "warpgroups producer = 2", "2", "producer = 2: one producer warpgroup issues every load"),
@@ -278,6 +281,21 @@ def test_the_smem_plan_must_fit(monkeypatch):
     assert_error(
         text, "stages     3", "3", f"the backward's SMEM plan needs {total} bytes at head_dim 128"
     )
+
+
+def test_dq_added_from_registers():
+    """`dQ: rf -red.add-> gmem`: no staging in SMEM (the plan's dQ buffer is empty), and the
+    deterministic order, which needs the staging, refuses it at the path."""
+    text = variant(
+        "dQ:  rf -st.shared-> smem[warpgroup] -reduce.add-> gmem", "dQ:  rf -red.add-> gmem"
+    )
+    bwd = compile_source(text, FILE).kernel.backward
+    assert bwd.dq_red and "dq=red.add" in bwd.text()
+    assert {b.name: b.nbytes for b in smem_plan(bwd, 128).buffers}["dQ"] == 0
+    staged = compile_source(full_text(), FILE).kernel.backward
+    assert not staged.dq_red and {b.name: b.nbytes for b in smem_plan(staged, 128).buffers}["dQ"]
+    det = variant("deterministic off", "deterministic on", text)
+    assert_error(det, "dQ:  rf -red.add", "dQ", "deterministic on needs dQ staged")
 
 
 def test_head_dim_64_takes_b_r_128_split_by_queries():

@@ -24,7 +24,7 @@ pytestmark = [
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 # The training examples (each with its backward block: B_c 128, 2 consumers, overlap on; head_dim
-# 128 with B_r 64 and early_dv on, head_dim 64 with B_r 128)
+# 128 with B_r 64 and early_dv on, head_dim 64 with B_r 128 and dQ by red.add)
 FORWARDS = ("fa3_hopper", "fa3_causal", "fa3_hdim64", "fa3_hdim64_causal")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 # (batch, seqlen_q, seqlen_k, heads_q, heads_kv)
@@ -36,13 +36,16 @@ SHAPES = [
     (2, 257, 700, 8, 8),
     (1, 64, 1000, 16, 2),
 ]
+STAGED_DQ = "dQ: rf -st.shared-> smem[warpgroup] -reduce.add-> gmem"
 # The examples ship `overlap on` (dQ staged under dV and dK); the plain consumer too
 PLAIN = ("fa3_causal-overlap-early_dv", "fa3_hdim64-overlap")
-# The orders and tiles the examples do not ship: dV issued with dK (head_dim 128), dV issued
-# early (head_dim 64) and head_dim 64's B_r 64 (dQ split by keys)
-VARIANTS = ("fa3_hopper-early_dv", "fa3_causal-early_dv", "fa3_hdim64+br64+early_dv")
-VARIANTS += ("fa3_hdim64_causal+br64+early_dv", "fa3_hdim64+br64", "fa3_hdim64_causal+br64")
-VARIANTS += ("fa3_hdim64+br64-overlap",)
+# The orders, tiles and dQ paths the examples do not ship: dV issued with dK (head_dim 128),
+# dV issued early (head_dim 64), head_dim 64's B_r 64 (dQ split by keys), dQ staged (head_dim
+# 64) or added from registers (head_dim 128)
+VARIANTS = ("fa3_hopper-early_dv", "fa3_causal-early_dv", "fa3_hdim64+br64+early_dv-dqred")
+VARIANTS += ("fa3_hdim64_causal+br64+early_dv", "fa3_hdim64+br64-dqred", "fa3_hdim64_causal+br64")
+VARIANTS += ("fa3_hdim64+br64-overlap", "fa3_hdim64-dqred", "fa3_hdim64_causal-dqred")
+VARIANTS += ("fa3_hopper+dqred", "fa3_causal+dqred-early_dv")
 CASES = [(n, d, s) for n in FORWARDS + PLAIN + VARIANTS for d in DTYPES for s in SHAPES]
 _loaded: dict[str, object] = {}
 
@@ -51,7 +54,8 @@ def training_spec(name: str) -> str:
     """An example's spec text for training: ``NAME`` is the example with its own backward block
     (or ``backward {}`` added where it has none); ``NAME+KEY`` / ``NAME-KEY`` (repeatable)
     turns an on/off key of the block on / off (``fa3_causal-overlap+deterministic``);
-    ``+br128`` / ``+br64`` sets the block's tile to B_r = 128 / 64 (B_c 128)."""
+    ``+br128`` / ``+br64`` sets the block's tile to B_r = 128 / 64 (B_c 128); ``+dqred`` /
+    ``-dqred`` gives dQ the path ``rf -red.add-> gmem`` / the staged one."""
     example, *switches = re.split(r"(?=[+-])", name)
     text = (EXAMPLES / f"{example}.fa").read_text()
     if "backward {" not in text:
@@ -66,6 +70,15 @@ def training_spec(name: str) -> str:
                 line.sub(rf"\g<1>{tile}", block, count=1)
                 if line.search(block)
                 else (f"\n    {tile}" + block)
+            )
+            continue
+        if switch[1:] == "dqred":
+            path = "dQ: rf -red.add-> gmem" if switch[0] == "+" else STAGED_DQ
+            line = re.compile(r"^(\s*)dQ:.*$", re.M)
+            block = (
+                line.sub(rf"\g<1>{path}", block, count=1)
+                if line.search(block)
+                else (f"\n    {path}" + block)
             )
             continue
         key, value = switch[1:], "on" if switch[0] == "+" else "off"
@@ -224,8 +237,8 @@ def test_cuda_graph_captures_forward_and_backward():
 DETERMINISTIC = (
     "fa3_hopper+deterministic",
     "fa3_causal+deterministic",
-    "fa3_hdim64+deterministic",
-    "fa3_hdim64+br64+deterministic",
+    "fa3_hdim64+deterministic-dqred",
+    "fa3_hdim64+br64+deterministic-dqred",
     "fa3_causal+deterministic-early_dv",
 )
 

@@ -207,8 +207,12 @@ def test_sm90a_kernels_compile_without_spills_to_hopper_ptx(spec):
             ptx = subprocess.run(
                 [nvcc(), *flags, "-ptx", "-o", "-", str(cu)], capture_output=True, text=True
             ).stdout
-            # the forward stores O by stmatrix; the backward reduce-adds dQ in bulk
-            last = "cp.reduce.async.bulk" if "_bwd_" in cu.name else "stmatrix"
+            # the forward stores O by stmatrix; the backward reduce-adds dQ in bulk, or from
+            # registers where its spec's dQ path is `rf -red.add-> gmem`
+            last = "stmatrix"
+            if "_bwd_" in cu.name:
+                dq_red = compiled.kernel.backward.dq_red
+                last = "red.global.add.v4.f32" if dq_red else "cp.reduce.async.bulk"
             for instr in (
                 "wgmma.mma_async",
                 "cp.async.bulk.tensor",

@@ -73,9 +73,11 @@ def test_the_cases_wrap_every_ring_slot_twice():
     assert {p.dq_by_keys for p in PARAMS} == {False, True}
     assert {p.dq_by_queries for p in PARAMS} == {False, True}
     assert {p.stages for p in PARAMS} == {1, 2, 3}
-    # 12 shapes with B_r 64 and one with B_r 128, 6 (stages, deterministic), 3 orders
-    assert len(PARAMS) == 126 and sum(p.overlap for p in PARAMS) == 84
-    assert sum(p.early_dv for p in PARAMS) == 42 and sum(p.block_m == 128 for p in PARAMS) == 18
+    # 12 shapes with B_r 64 and one with B_r 128, 3 stages, 3 (deterministic, dQ's adds), 3
+    # orders
+    assert len(PARAMS) == 189 and sum(p.overlap for p in PARAMS) == 126
+    assert sum(p.early_dv for p in PARAMS) == 63 and sum(p.block_m == 128 for p in PARAMS) == 27
+    assert sum(p.dq_red for p in PARAMS) == 63
 
 
 # --- mutations ----------------------------------------------------------------------------
@@ -92,8 +94,13 @@ PLAIN = (
     Params(3, 3, 128),
     replace(PANELS, deterministic=True),
 )
-MUTATED = PLAIN + tuple(replace(p, overlap=True) for p in PLAIN)
-MUTATED += tuple(replace(p, overlap=True, early_dv=True) for p in PLAIN)
+RED = (
+    replace(BY_QUERIES, dq_red=True),
+    replace(PANELS, dq_red=True),
+    Params(1, 1, 64, dq_red=True),
+)
+MUTATED = PLAIN + RED + tuple(replace(p, overlap=True) for p in PLAIN + RED)
+MUTATED += tuple(replace(p, overlap=True, early_dv=True) for p in PLAIN + RED)
 OVERLAPPED = tuple(p for p in MUTATED if p.overlap)
 
 
@@ -282,7 +289,7 @@ def test_the_overlapped_staging_needs_dq_retired(params):
     weak = items[:n] + (replace(items[n], pending=2),) + items[n + 1 :]
     problems = check_protocol(protocol(params).with_role(Role.CONSUMER, weak))
     assert any(
-        re.search(r"RAW on dQ acc: .*dQ = dS K \(m-block 0\).*dQ -> staging \(m-block 0\)", p)
+        re.search(r"RAW on dQ acc: .*dQ = dS K \(m-block 0\).*dQ (-> staging|red.add) \(m-block", p)
         for p in problems
     ), problems
 
@@ -307,7 +314,7 @@ def test_the_wait_read_can_move_before_the_ds_barrier():
     before the other threads' staging writes by that barrier, so the first staging barrier
     goes (one bar.sync less per m-block). The same in the overlapped consumer, where the
     wait moves before meet_and_issue_dq's barrier (right after dS^T's proxy fence)."""
-    for params in (p for p in MUTATED if not p.deterministic):
+    for params in (p for p in MUTATED if not p.deterministic and not p.dq_red):
         items = list(protocol(params).consumer)
         n = next(n for n, x in enumerate(items) if x.kind is Kind.BULK_WAIT_READ)
         wait, barrier = items.pop(n), items.pop(n)
@@ -456,7 +463,7 @@ def test_the_header_makes_the_protocols_calls(role, params):
         ("expect_tx", "2 * Cfg::kQBytes + 2 * Cfg::kRowFloatsBytes", "2 * Cfg::kQBytes"),
         (
             "the leader's barrier",
-            "named_bar_sync(Cfg::kBarDQ + wg, 128);\n    stage_dq",
+            "named_bar_sync(Cfg::kBarDQ + wg, 128);\n      stage_dq",
             "stage_dq",
         ),
         ("no acquire fence", "fence_proxy_async_global();  // the acquire", ""),
@@ -490,7 +497,7 @@ GRADS = "    issue_grad_kv<Cfg>(dk, ds16, q_slot);\n"
         ("no meeting by keys", [("named_bar_sync(Cfg::kBarDQ + wg, 128);  // RAW", "// ")]),
         ("a meeting too small", [("kBarDS, Cfg::kConsumerThreads);", "kBarDS, 128);")]),
         ("no wgmma fence", [("wgmma_fence();\n    float dq", "float dq")]),
-        ("no staging fence", [("fence_proxy_async_smem();\n  named_bar_sync", "named_bar_sync")]),
+        ("no staging fence", [("fence_proxy_async_smem();\n    named_bar_sync", "named_bar_sync")]),
         (
             "early dV: wait<2> for dP^T",
             [("wgmma_wait<1>();  // dP^T", "wgmma_wait<2>();  // dP^T")],
@@ -501,6 +508,10 @@ GRADS = "    issue_grad_kv<Cfg>(dk, ds16, q_slot);\n"
             [("issue_grad_kv<Cfg>(dv, p16, do_slot);\n      wgmma_commit();", "")],
         ),
         ("by queries: dS^T panel 0", [("ds_buf + wg * Cfg::kDSPanelBytes", "ds_buf")]),
+        (
+            "red.add: dQ not added",
+            [("    red_add_dq<Cfg>(dst, dq, tid);\n  } else {", "  } else {")],
+        ),
     ],
 )
 def test_an_edited_overlap_header_is_caught(what, edits):
@@ -533,7 +544,7 @@ def test_the_header_agrees_on_layout_barriers_and_roles():
         assert env["kThreads"] == 128 * (1 + params.consumers)
         assert env["kDqByKeys"] == params.dq_by_keys and env["kDqFloats"] == params.dq_floats
         assert env["kOverlap"] == params.overlap and env["kEarlyDv"] == params.early_dv
-        assert env["kDqByQueries"] == params.dq_by_queries
+        assert env["kDqByQueries"] == params.dq_by_queries and env["kDqRed"] == params.dq_red
         for buffer, offset, size in default_layout(params).offsets:
             name = next(k for k, v in OFFSETS.items() if v is buffer)
             assert env[name] == offset, (params, buffer)
@@ -561,4 +572,7 @@ def test_the_header_agrees_on_layout_barriers_and_roles():
     )
     assert names[9] == "kEarlyDv_" and re.split(r",\s*(?={{)", cfg)[9] == (
         '{{ "true" if early_dv else "false" }}'
+    )
+    assert names[10] == "kDqRed_" and re.split(r",\s*(?={{)", cfg)[10] == (
+        '{{ "true" if dq_red else "false" }}'
     )

@@ -54,6 +54,8 @@ class Backward:
     overlap: bool = False
     # with overlap: dV issued as soon as P^T is packed, before dS (sm90_bwd_overlap.cuh)
     early_dv: bool = False
+    # dQ's path is `rf -red.add-> gmem`: added into the accumulator from registers, no staging
+    dq_red: bool = False
     # Every tensor's path, the defaults included, in the target's order. The IR's text form
     # leaves them out (the target admits one path per tensor): a kernel read back has none.
     tensors: tuple[BackwardTensor, ...] = ()
@@ -86,13 +88,14 @@ class Backward:
             f"deterministic={'on' if self.deterministic else 'off'}"
             + (" overlap=on" if self.overlap else "")
             + (" early_dv=on" if self.early_dv else "")
+            + (" dq=red.add" if self.dq_red else "")
         )
 
 
 _TEXT = re.compile(
     r"backward B_r=(?P<m>\d+) B_c=(?P<n>\d+) consumers=(?P<consumers>\d+) "
     r"regs=(?P<preg>\d+)/(?P<creg>\d+) stages=(?P<stages>\d+) "
-    r"deterministic=(?P<deterministic>on|off)(?P<overlap> overlap=on)?(?P<early_dv> early_dv=on)?$"
+    r"deterministic=(?P<deterministic>on|off)(?P<overlap> overlap=on)?(?P<early_dv> early_dv=on)?(?P<dq_red> dq=red.add)?$"
 )
 
 
@@ -114,5 +117,6 @@ def read_backward(line: str, loc: Loc) -> Backward:
         deterministic=m["deterministic"] == "on",
         overlap=m["overlap"] is not None,
         early_dv=m["early_dv"] is not None,
+        dq_red=m["dq_red"] is not None,
         loc=loc,
     )

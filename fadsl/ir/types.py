@@ -44,6 +44,7 @@ class Instr(Enum):
     BULK = "bulk"  # cp.async.bulk gmem -> smem: a plain span, no tensor map (LSE, D rows)
     LD_SHARED = "ld.shared"  # smem -> rf, a thread's own values (LSE, D of its rows)
     REDUCE_ADD = "reduce.add"  # cp.reduce.async.bulk .add.f32 smem -> gmem (dQ's accumulator)
+    RED_ADD = "red.add"  # red.global.add.v4.f32 rf -> gmem: each thread's fp32 values, no staging
 
 
 class Scope(Enum):

@@ -102,7 +102,7 @@ static_assert(sizeof(BwdPrepParams) == 144 && sizeof(BwdConvertParams) == 56,
 // ---------------------------------------------------------------------------
 
 template <class T_, int kHeadDim_, int kBlockM_, int kBlockN_, int kConsumerWGs_, int kStages_, bool kCausal_,
-          bool kDeterministic_ = false, bool kOverlap_ = false, bool kEarlyDv_ = false>
+          bool kDeterministic_ = false, bool kOverlap_ = false, bool kEarlyDv_ = false, bool kDqRed_ = false>
 struct BwdConfig {
   using T = T_;
   static constexpr int kHeadDim = kHeadDim_;
@@ -120,6 +120,9 @@ struct BwdConfig {
   // dV += P^T dO issued as soon as P^T is packed, before dP^T is waited for (the overlapped
   // consumer): its wgmma runs under the softmax gradient, the dS^T stores and the meeting
   static constexpr bool kEarlyDv = kEarlyDv_;
+  // `dQ: rf -red.add-> gmem`: each thread adds its dQ share into the accumulator from its
+  // registers (red_add_dq), no staging; else staged in SMEM for one bulk reduce-add
+  static constexpr bool kDqRed = kDqRed_;
   static_assert(kHeadDim == 64 || kHeadDim == 128, "head_dim 64 or 128");
   // B_r 128: 64 queries of dQ per consumer warpgroup; S^T and dP^T of 128 queries (64 + 64
   // fp32 registers) fit beside dK and dV at head_dim 64 only
@@ -128,6 +131,7 @@ struct BwdConfig {
   static_assert(kBlockN == 64 * kConsumerWGs, "each consumer warpgroup owns 64 keys");
   static_assert(kStages >= 1, "at least one ring slot");
   static_assert(!kEarlyDv || kOverlap, "the early dV is the overlapped consumer's");
+  static_assert(!kDqRed || !kDeterministic, "the ordered adds go through the staging");
 
   static constexpr int kThreads = 128 * (1 + kConsumerWGs);
   static constexpr int kConsumerThreads = 128 * kConsumerWGs;
@@ -163,7 +167,8 @@ struct BwdConfig {
   static constexpr int kOffDO = kOffQ + kStages * kQBytes;
   static constexpr int kOffDS = kOffDO + kStages * kQBytes;
   static constexpr int kOffDQ = kOffDS + 2 * kDSBytes;
-  static constexpr int kOffLSE = kOffDQ + kConsumerWGs * kDqFloats * 4;
+  static constexpr int kDqStageBytes = kDqRed ? 0 : kConsumerWGs * kDqFloats * 4;  // none with red.add
+  static constexpr int kOffLSE = kOffDQ + kDqStageBytes;
   static constexpr int kOffD = kOffLSE + kStages * kRowFloatsBytes;
   static constexpr int kOffBar = kOffD + kStages * kRowFloatsBytes;
   // mbarriers: kv_full, then q_full and q_empty per slot
@@ -471,6 +476,26 @@ __device__ __forceinline__ void store_grad_kv(const float (&acc)[Cfg::kAccRegs],
   }
 }
 
+// This warpgroup's share of m-block m in dQ's fp32 accumulator (the consumers' fragment
+// order: bwd_convert_dq_row reads it back).
+template <class Cfg>
+__device__ __forceinline__ float* dq_accum_share(const BwdParamsSm90& P, int64_t accum_head, int m, int wg) {
+  return P.dq_accum + (accum_head + m) * (Cfg::kBlockM * Cfg::kHeadDim) + (Cfg::kDqByKeys ? 0 : wg * Cfg::kDqFloats);
+}
+
+// `dQ: rf -red.add-> gmem`: the thread's dQ registers added into the accumulator, float4 q
+// at (q * 128 + tid) * 4 floats as stage_dq would have staged it (each add atomic, in the L2;
+// red.global.add rounds to nearest and flushes fp32 subnormals, as the bulk reduce-add).
+template <class Cfg>
+__device__ __forceinline__ void red_add_dq(float* dst, const float (&dq)[Cfg::kDqRegs], int tid) {
+#pragma unroll
+  for (int q = 0; q < Cfg::kDqRegs / 4; ++q) {
+    asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(dst + 4 * (q * 128 + tid)), "f"(dq[4 * q]),
+                 "f"(dq[4 * q + 1]), "f"(dq[4 * q + 2]), "f"(dq[4 * q + 3])
+                 : "memory");
+  }
+}
+
 // `deterministic on`: the m-block's reduce-adds in ticket order n_block * consumers + wg.
 // Every n-block below this one visits the m-block too (all of them without a mask; causal,
 // a smaller n-block's keys are seen by at least the same queries), so tickets 0 .. ticket - 1
@@ -569,27 +594,32 @@ __device__ __forceinline__ void bwd_consumer(const BwdParamsSm90& P, uint32_t sm
     // WAR: the slot's Q, dO (wgmma, retired above), LSE and D (read above) are free
     mbar_arrive(bwd_bar_q_empty<Cfg>(smem, slot));
 
-    // WAR: the previous m-block's reduce-add has read the staging buffer (its issuing thread
-    // waits, then the warpgroup meets)
-    if (tid == 0) tma_store_wait_read<0>();
-    named_bar_sync(Cfg::kBarDQ + wg, 128);
-    stage_dq<Cfg>(stage, dq, tid);
-    // RAW: the staging's st.shared (generic proxy) before the bulk reduce reads it (async proxy)
-    fence_proxy_async_smem();
-    named_bar_sync(Cfg::kBarDQ + wg, 128);
-    if (tid == 0) {
-      float* dst = P.dq_accum + (accum_head + m) * (Cfg::kBlockM * Cfg::kHeadDim) +
-                   (Cfg::kDqByKeys ? 0 : wg * Cfg::kDqFloats);
-      if constexpr (Cfg::kDeterministic) {
-        ordered_reduce_add<Cfg>(dst, stage, P.dq_semaphore + accum_head + m, b.n_block * Cfg::kConsumerWGs + wg);
-      } else {
-        bulk_reduce_add_f32(dst, stage, Cfg::kDqFloats * 4);
-        tma_store_commit();
+    float* dst = dq_accum_share<Cfg>(P, accum_head, m, wg);
+    if constexpr (Cfg::kDqRed) {
+      red_add_dq<Cfg>(dst, dq, tid);
+    } else {
+      // WAR: the previous m-block's reduce-add has read the staging buffer (its issuing
+      // thread waits, then the warpgroup meets)
+      if (tid == 0) tma_store_wait_read<0>();
+      named_bar_sync(Cfg::kBarDQ + wg, 128);
+      stage_dq<Cfg>(stage, dq, tid);
+      // RAW: the staging's st.shared (generic proxy) before the bulk reduce reads it (async proxy)
+      fence_proxy_async_smem();
+      named_bar_sync(Cfg::kBarDQ + wg, 128);
+      if (tid == 0) {
+        if constexpr (Cfg::kDeterministic) {
+          ordered_reduce_add<Cfg>(dst, stage, P.dq_semaphore + accum_head + m, b.n_block * Cfg::kConsumerWGs + wg);
+        } else {
+          bulk_reduce_add_f32(dst, stage, Cfg::kDqFloats * 4);
+          tma_store_commit();
+        }
       }
     }
   }
   // The last reduce-add has read the staging buffer before the CTA's SMEM goes away
-  if (tid == 0) bulk_wait_all();
+  if constexpr (!Cfg::kDqRed) {
+    if (tid == 0) bulk_wait_all();
+  }
 
   BwdBlock out = b;  // dK, dV per K/V head; GQA's per query head (summed over the group after)
   out.head = P.dkv_fp32 ? b.head : b.head_kv;

@@ -68,6 +68,7 @@ def context(kernel: Kernel, dtype: Dtype) -> dict[str, Any]:
         "deterministic": bwd.deterministic,
         "overlap": bwd.overlap,
         "early_dv": bwd.early_dv,
+        "dq_red": bwd.dq_red,
         "causal": cfg.mask is Mask.CAUSAL,
         "mask": cfg.mask.value,
         "threads": bwd.threads,

@@ -143,7 +143,12 @@ def backward_data(kernel: Kernel) -> dict[str, Any]:
                     "dS^T = P^T (dP^T - D)",
                     *([] if bwd.early_dv else ["dV += P^T dO"]),
                     "dK += dS^T Q",
-                    f"dQ = dS K {_dq_split(kernel)}, reduce-added to the fp32 accumulator",
+                    f"dQ = dS K {_dq_split(kernel)}, "
+                    + (
+                        "added into the fp32 accumulator from registers (red.global.add)"
+                        if bwd.dq_red
+                        else "reduce-added into the fp32 accumulator from a staging buffer"
+                    ),
                 ],
             },
         ],

@@ -59,7 +59,10 @@ def dq_by_keys(bwd: Backward, head_dim: int) -> bool:
 
 
 def dq_staging_bytes(bwd: Backward, head_dim: int) -> int:
-    """Each consumer warpgroup stages its share of dQ, 64 queries, in fp32."""
+    """Each consumer warpgroup stages its share of dQ, 64 queries, in fp32 (none where dQ
+    is added from registers: `dQ: rf -red.add-> gmem`)."""
+    if bwd.dq_red:
+        return 0
     all_cols = dq_by_keys(bwd, head_dim) or dq_by_queries(bwd)
     cols = head_dim if all_cols else head_dim // bwd.consumers
     return bwd.consumers * 64 * cols * F32

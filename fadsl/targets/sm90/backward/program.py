@@ -110,6 +110,7 @@ class Kind(Enum):
     ZERO = "accumulators zeroed"
     ST_SHARED = "st.shared"
     BULK_REDUCE_ADD = "cp.reduce.async.bulk .add.f32 shared -> global"
+    RED_GLOBAL = "red.global.add.v4.f32 from registers"
     STORE_GLOBAL = "st.global from registers"
 
 
@@ -219,6 +220,7 @@ class Params:
     overlap: bool = False  # bwd_consumer_overlapped: dQ's group first, staged under dV, dK
     block_m: int = BLOCK_M  # B_r: 64, or 64 per consumer (dQ split by queries)
     early_dv: bool = False  # with overlap: dV issued once P^T is packed, before dS
+    dq_red: bool = False  # dQ added from registers (red_add_dq), no staging
 
     @classmethod
     def of(cls, bwd: Backward, head_dim: int) -> Params:
@@ -231,6 +233,7 @@ class Params:
             overlap=bwd.overlap,
             block_m=bwd.block_m,
             early_dv=bwd.early_dv,
+            dq_red=bwd.dq_red,
         )
 
     def __post_init__(self) -> None:
@@ -240,6 +243,7 @@ class Params:
         wide = self.block_m == 2 * BLOCK_M and self.consumers == 2 and self.head_dim == 64
         assert self.block_m == BLOCK_M or wide, self
         assert not self.early_dv or self.overlap, self
+        assert not self.dq_red or not self.deterministic, self  # the ordered adds are staged
 
     @property
     def block_n(self) -> int:
@@ -297,6 +301,7 @@ class Params:
         det = ", deterministic" if self.deterministic else ""
         det += ", overlap" if self.overlap else ""
         det += ", early dV" if self.early_dv else ""
+        det += ", dQ by red.add" if self.dq_red else ""
         return (
             f"{self.consumers} consumer(s), {self.stages} stage(s), head_dim {self.head_dim}, "
             f"B_r {self.block_m} ({split}){det}"
@@ -328,7 +333,7 @@ def default_layout(p: Params) -> Layout:
         (Buffer.Q, p.q_bytes, p.stages),
         (Buffer.DO, p.q_bytes, p.stages),
         (Buffer.DS, p.ds_bytes, 2),
-        (Buffer.DQ_STAGE, p.dq_floats * F32, p.consumers),
+        (Buffer.DQ_STAGE, 0 if p.dq_red else p.dq_floats * F32, p.consumers),
         (Buffer.LSE, p.row_floats_bytes, p.stages),
         (Buffer.D, p.row_floats_bytes, p.stages),
     )

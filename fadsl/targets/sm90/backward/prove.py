@@ -135,16 +135,20 @@ def m_counts(p: Params) -> range:
 def parameter_space() -> tuple[Params, ...]:
     """Every configuration the header admits: 1-3 consumer warpgroups, head_dim 64 or 128
     with B_r 64 (dQ split by keys or by panels), and 2 consumers at head_dim 64 with B_r 128
-    (dQ split by queries), 1-3 stages, deterministic or not, each with either consumer
-    (bwd_consumer, or bwd_consumer_overlapped with `overlap on`, dV early or not)."""
+    (dQ split by queries), 1-3 stages, deterministic or not, dQ staged or added from
+    registers, each with either consumer (bwd_consumer, or bwd_consumer_overlapped with
+    `overlap on`, dV early or not)."""
     orders = ((False, False), (True, False), (True, True))  # (overlap, early_dv)
     shapes = [(c, d, BLOCK_M) for c in (1, 2, 3) for d in (64, 128)] + [(2, 64, 2 * BLOCK_M)]
+    # (deterministic, dq_red): dQ staged in either mode, or added from registers (not in
+    # deterministic mode, whose ordered adds go through the staging)
+    adds = ((False, False), (True, False), (False, True))
     return tuple(
-        Params(consumers, stages, head_dim, deterministic, overlap, block_m, early_dv)
+        Params(consumers, stages, head_dim, deterministic, overlap, block_m, early_dv, dq_red)
         for overlap, early_dv in orders
         for consumers, head_dim, block_m in shapes
         for stages in (1, 2, 3)
-        for deterministic in (False, True)
+        for deterministic, dq_red in adds
     )
 
 
@@ -291,6 +295,7 @@ def _lower(proto: Protocol, item: Item, at: _At) -> list[Event]:
             | Kind.ZERO
             | Kind.ST_SHARED
             | Kind.STORE_GLOBAL
+            | Kind.RED_GLOBAL
         ):
             events: list[Event] = []
             events += [Access(s, False, what) for op in item.reads for s in spans(proto, op, at)]

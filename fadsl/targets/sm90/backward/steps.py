@@ -152,7 +152,15 @@ def consumer_steps(p: Params) -> tuple[Item, ...]:
 
 def _stage_and_reduce(p: Params, source: Source) -> list[Item]:
     """The warpgroup's dQ into its staging buffer, reduce-added into global memory by its
-    leader (in ordered_reduce_add with ``deterministic``)."""
+    leader (in ordered_reduce_add with ``deterministic``); with ``dq_red``, added into
+    global memory from every thread's registers instead (red_add_dq), no SMEM."""
+    if p.dq_red:
+        return [
+            Item(
+                Kind.RED_GLOBAL, Who.WARPGROUP, source, Phase.LOOP, name="dQ red.add",
+                reg_reads=(Reg.DQ,),
+            )  # fmt: skip
+        ]
     stage = Operand(Buffer.DQ_STAGE, part=Part.ROWS_OF_WG)
     add_source = Source.ORDERED_REDUCE_ADD if p.deterministic else source
     return [

@@ -121,6 +121,17 @@ PATHS: dict[Role | GradRole, Route] = {
 }
 
 
+# The other path a tensor may take (``Backward`` records which one the spec wrote).
+DQ_RED = Route(
+    (RF, GMEM),
+    (Instr.RED_ADD,),
+    None,
+    "each consumer thread adds its fp32 share into the accumulator (red.global.add.v4.f32), "
+    "no staging in SMEM",
+)
+OTHER_PATHS: dict[Role | GradRole, Route] = {GradRole.DQ: DQ_RED}
+
+
 def validate_backward(c: Checks, block: BackwardBlock) -> Backward | None:
     """The block checked against the kernel it belongs to, every default filled in; None
     when something was reported."""
@@ -143,10 +154,19 @@ def validate_backward(c: Checks, block: BackwardBlock) -> Backward | None:
         deterministic=block.values.get("deterministic", False),
         overlap=block.values.get("overlap", False),
         early_dv=block.values.get("early_dv", False),
+        dq_red=_takes(block, GradRole.DQ, DQ_RED),
         loc=block.loc,
         tensors=tuple(_tensor(block, role) for role in PATHS),
         key_locs=tuple(sorted(block.key_locs.items())),
     )
+    if backward.dq_red and backward.deterministic:
+        _, decl = block.paths[GradRole.DQ]
+        block.checks.error(
+            decl.tensor.loc,
+            f"dQ's red.add adds in whatever order the threads get there: deterministic on "
+            f"needs dQ staged for its ordered reduce-add ({PATHS[GradRole.DQ].text()})",
+        )
+        ok = False
     head_dim = c.values.get("head_dim")
     if ok and head_dim in HEAD_DIMS:
         ok = _smem(block, backward, head_dim)
@@ -312,13 +332,28 @@ def _registers(block: BackwardBlock) -> bool:
     return False
 
 
+def _takes(block: BackwardBlock, role: Role | GradRole, route: Route) -> bool:
+    """Whether the spec wrote ``route`` as ``role``'s path."""
+    if role not in block.paths:
+        return False
+    tensor, _ = block.paths[role]
+    return (
+        tuple(hop.instr for hop in tensor.hops) == route.instrs
+        and (tensor.hops[0].src, *(hop.dst for hop in tensor.hops)) == route.levels
+    )
+
+
 def _path(c: Checks, role: Role | GradRole, tensor: BackwardTensor, decl: PathDecl) -> bool:
     route = PATHS[role]
     levels = (tensor.hops[0].src, *(hop.dst for hop in tensor.hops))
+    other = OTHER_PATHS.get(role)
+    if other is not None and levels == other.levels:
+        route = other
     if levels != route.levels:
+        also = f", or {other.text()} ({other.why})" if other is not None else ""
         c.error(
             decl.tensor.loc,
-            f"{role.value} must go {route.text()} in the backward ({route.why})",
+            f"{role.value} must go {route.text()} in the backward ({route.why}){also}",
         )
         return False
     ok = True
