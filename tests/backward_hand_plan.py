@@ -196,7 +196,7 @@ def _consumer(p: Params) -> list[Item | str]:
         slot=Index.RING,
         why="WAR: the slot's Q, dO (wgmma retired), LSE and D (read) are free",
     )
-    staging = _stage_and_reduce(p, Source.REDUCE_DQ if p.overlap else main)
+    staging = _stage_and_reduce(p, Source.REDUCE_DQ)
     if p.overlap:
         listing += [
             ds_fence,

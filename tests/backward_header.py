@@ -1,7 +1,7 @@
 """What the backward header does, call by call, as the protocol's items would say it: the
 reader behind tests/test_verify_backward.py's check that emit/sm90/include/fadsl/sm90_bwd.cuh
-(bwd_producer, bwd_consumer, ordered_reduce_add), emit/sm90/include/fadsl/sm90_bwd_overlap.cuh
-(bwd_consumer_overlapped, reduce_dq, meet_and_issue_dq) and the kernel body of
+(bwd_producer, bwd_consumer, reduce_dq, ordered_reduce_add),
+emit/sm90/include/fadsl/sm90_bwd_overlap.cuh (bwd_consumer_overlapped, meet_and_issue_dq) and the kernel body of
 emit/sm90/backward.cu.j2 make exactly the calls of fadsl/targets/sm90/backward/protocol.py (the
 plan the sync pass places).
 

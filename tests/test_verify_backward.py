@@ -463,16 +463,18 @@ def test_the_header_makes_the_protocols_calls(role, params):
         ("expect_tx", "2 * Cfg::kQBytes + 2 * Cfg::kRowFloatsBytes", "2 * Cfg::kQBytes"),
         (
             "the leader's barrier",
-            "named_bar_sync(Cfg::kBarDQ + wg, 128);\n      stage_dq",
+            "named_bar_sync(Cfg::kBarDQ + wg, 128);\n    stage_dq",
             "stage_dq",
         ),
         ("no acquire fence", "fence_proxy_async_global();  // the acquire", ""),
+        ("no staging fence", "fence_proxy_async_smem();\n    named_bar_sync", "named_bar_sync"),
+        ("red.add: dQ not added", "    red_add_dq<Cfg>(dst, dq, tid);\n  } else {", "  } else {"),
     ],
 )
 def test_an_edited_header_is_caught(what, old, new):
     assert HEADER.count(old) == 1, what
     edited = HEADER.replace(old, new)
-    for params in (PANELS, BY_KEYS, Params(2, 2, 64, True)):
+    for params in (PANELS, BY_KEYS, Params(2, 2, 64, True), replace(BY_QUERIES, dq_red=True)):
         for role in (Role.PRODUCER, Role.CONSUMER):
             if header_calls(role, params, edited) != expected_calls(protocol(params), role):
                 return
@@ -488,7 +490,6 @@ GRADS = "    issue_grad_kv<Cfg>(dk, ds16, q_slot);\n"
 @pytest.mark.parametrize(
     "what,edits",
     [
-        ("a dropped wait_read", [("if (tid == 0) tma_store_wait_read<0>();", "")]),
         ("wait<2> before the staging", [("wgmma_wait<1>();  // dQ", "wgmma_wait<2>();  // dQ")]),
         ("the arrive before wait<0>", [(ARRIVE, ""), (REDUCE, REDUCE + ARRIVE)]),
         ("dQ issued after dV and dK", [(ISSUE, ""), (GRADS, GRADS + ISSUE)]),
@@ -497,7 +498,6 @@ GRADS = "    issue_grad_kv<Cfg>(dk, ds16, q_slot);\n"
         ("no meeting by keys", [("named_bar_sync(Cfg::kBarDQ + wg, 128);  // RAW", "// ")]),
         ("a meeting too small", [("kBarDS, Cfg::kConsumerThreads);", "kBarDS, 128);")]),
         ("no wgmma fence", [("wgmma_fence();\n    float dq", "float dq")]),
-        ("no staging fence", [("fence_proxy_async_smem();\n    named_bar_sync", "named_bar_sync")]),
         (
             "early dV: wait<2> for dP^T",
             [("wgmma_wait<1>();  // dP^T", "wgmma_wait<2>();  // dP^T")],
@@ -508,10 +508,6 @@ GRADS = "    issue_grad_kv<Cfg>(dk, ds16, q_slot);\n"
             [("issue_grad_kv<Cfg>(dv, p16, do_slot);\n      wgmma_commit();", "")],
         ),
         ("by queries: dS^T panel 0", [("ds_buf + wg * Cfg::kDSPanelBytes", "ds_buf")]),
-        (
-            "red.add: dQ not added",
-            [("    red_add_dq<Cfg>(dst, dq, tid);\n  } else {", "  } else {")],
-        ),
     ],
 )
 def test_an_edited_overlap_header_is_caught(what, edits):

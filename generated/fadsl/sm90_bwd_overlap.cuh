@@ -17,36 +17,6 @@
 
 namespace fadsl::sm90 {
 
-// The warpgroup's dQ of m-block m into its staging buffer and reduce-added to the
-// accumulator (see bwd_consumer: the same two barriers and the ordered mode), or added
-// from registers (`dQ: rf -red.add-> gmem`).
-template <class Cfg>
-__device__ __forceinline__ void reduce_dq(const BwdParamsSm90& P, const BwdBlock& b, uint32_t stage,
-                                          const float (&dq)[Cfg::kDqRegs], int64_t accum_head, int m, int wg,
-                                          int tid) {
-  float* dst = dq_accum_share<Cfg>(P, accum_head, m, wg);
-  if constexpr (Cfg::kDqRed) {
-    red_add_dq<Cfg>(dst, dq, tid);
-  } else {
-    // WAR: the previous reduce-add has read the staging buffer (its issuing thread waits,
-    // then the warpgroup meets)
-    if (tid == 0) tma_store_wait_read<0>();
-    named_bar_sync(Cfg::kBarDQ + wg, 128);
-    stage_dq<Cfg>(stage, dq, tid);
-    // RAW: the staging's st.shared (generic proxy) before the bulk reduce reads it (async proxy)
-    fence_proxy_async_smem();
-    named_bar_sync(Cfg::kBarDQ + wg, 128);
-    if (tid == 0) {
-      if constexpr (Cfg::kDeterministic) {
-        ordered_reduce_add<Cfg>(dst, stage, P.dq_semaphore + accum_head + m, b.n_block * Cfg::kConsumerWGs + wg);
-      } else {
-        bulk_reduce_add_f32(dst, stage, Cfg::kDqFloats * 4);
-        tma_store_commit();
-      }
-    }
-  }
-}
-
 // Issue dQ = dS K of the m-block whose dS^T is in `ds_buf`, after the warpgroups that wrote
 // it meet (all consumers when dQ is split by queries or head_dim panels; this one's 128
 // threads when split by keys).

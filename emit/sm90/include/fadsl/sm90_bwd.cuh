@@ -513,6 +513,36 @@ __device__ __forceinline__ void ordered_reduce_add(float* dst, uint32_t stage, i
   st_release_gpu(semaphore, ticket + 1);
 }
 
+// The warpgroup's dQ of m-block m added into the accumulator: from registers (`dQ: rf
+// -red.add-> gmem`), or stored into its staging buffer and reduce-added in bulk by the
+// warpgroup's first thread (ordered by ticket with `deterministic on`).  Both consumers'.
+template <class Cfg>
+__device__ __forceinline__ void reduce_dq(const BwdParamsSm90& P, const BwdBlock& b, uint32_t stage,
+                                          const float (&dq)[Cfg::kDqRegs], int64_t accum_head, int m, int wg,
+                                          int tid) {
+  float* dst = dq_accum_share<Cfg>(P, accum_head, m, wg);
+  if constexpr (Cfg::kDqRed) {
+    red_add_dq<Cfg>(dst, dq, tid);
+  } else {
+    // WAR: the previous reduce-add has read the staging buffer (its issuing thread waits,
+    // then the warpgroup meets)
+    if (tid == 0) tma_store_wait_read<0>();
+    named_bar_sync(Cfg::kBarDQ + wg, 128);
+    stage_dq<Cfg>(stage, dq, tid);
+    // RAW: the staging's st.shared (generic proxy) before the bulk reduce reads it (async proxy)
+    fence_proxy_async_smem();
+    named_bar_sync(Cfg::kBarDQ + wg, 128);
+    if (tid == 0) {
+      if constexpr (Cfg::kDeterministic) {
+        ordered_reduce_add<Cfg>(dst, stage, P.dq_semaphore + accum_head + m, b.n_block * Cfg::kConsumerWGs + wg);
+      } else {
+        bulk_reduce_add_f32(dst, stage, Cfg::kDqFloats * 4);
+        tma_store_commit();
+      }
+    }
+  }
+}
+
 // ---------------------------------------------------------------------------
 // 7. The main kernel's bodies
 // ---------------------------------------------------------------------------
@@ -594,27 +624,7 @@ __device__ __forceinline__ void bwd_consumer(const BwdParamsSm90& P, uint32_t sm
     // WAR: the slot's Q, dO (wgmma, retired above), LSE and D (read above) are free
     mbar_arrive(bwd_bar_q_empty<Cfg>(smem, slot));
 
-    float* dst = dq_accum_share<Cfg>(P, accum_head, m, wg);
-    if constexpr (Cfg::kDqRed) {
-      red_add_dq<Cfg>(dst, dq, tid);
-    } else {
-      // WAR: the previous m-block's reduce-add has read the staging buffer (its issuing
-      // thread waits, then the warpgroup meets)
-      if (tid == 0) tma_store_wait_read<0>();
-      named_bar_sync(Cfg::kBarDQ + wg, 128);
-      stage_dq<Cfg>(stage, dq, tid);
-      // RAW: the staging's st.shared (generic proxy) before the bulk reduce reads it (async proxy)
-      fence_proxy_async_smem();
-      named_bar_sync(Cfg::kBarDQ + wg, 128);
-      if (tid == 0) {
-        if constexpr (Cfg::kDeterministic) {
-          ordered_reduce_add<Cfg>(dst, stage, P.dq_semaphore + accum_head + m, b.n_block * Cfg::kConsumerWGs + wg);
-        } else {
-          bulk_reduce_add_f32(dst, stage, Cfg::kDqFloats * 4);
-          tma_store_commit();
-        }
-      }
-    }
+    reduce_dq<Cfg>(P, b, stage, dq, accum_head, m, wg, tid);
   }
   // The last reduce-add has read the staging buffer before the CTA's SMEM goes away
   if constexpr (!Cfg::kDqRed) {

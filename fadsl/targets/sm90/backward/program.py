@@ -1,6 +1,7 @@
 """The vocabulary of the backward main kernel's sync plan: what emit/sm90/include/fadsl/sm90_bwd.cuh
-(bwd_producer, bwd_consumer, ordered_reduce_add), emit/sm90/include/fadsl/sm90_bwd_overlap.cuh
-(bwd_consumer_overlapped with reduce_dq and meet_and_issue_dq, the consumer of `overlap on`)
+(bwd_producer, bwd_consumer, reduce_dq, ordered_reduce_add),
+emit/sm90/include/fadsl/sm90_bwd_overlap.cuh (bwd_consumer_overlapped with meet_and_issue_dq,
+the consumer of `overlap on`)
 and the kernel body of emit/sm90/backward.cu.j2 do, call by call, for one CTA (one n-block of
 keys), said as data.
 
@@ -65,8 +66,8 @@ class Source(Enum):
     PRODUCER = "bwd_producer"
     CONSUMER = "bwd_consumer"
     OVERLAPPED = "bwd_consumer_overlapped"  # `overlap on` (sm90_bwd_overlap.cuh)
-    MEET_AND_ISSUE_DQ = "meet_and_issue_dq"  # the overlapped consumer's helpers
-    REDUCE_DQ = "reduce_dq"
+    MEET_AND_ISSUE_DQ = "meet_and_issue_dq"  # the overlapped consumer's helper
+    REDUCE_DQ = "reduce_dq"  # both consumers': dQ added into the accumulator
     ORDERED_REDUCE_ADD = "ordered_reduce_add"
 
 

@@ -15,7 +15,7 @@ order them is the pass's to find: nothing here says so.
   panel by panel into the ring slot, then LSE and D (bulk loads), completing on the slot's
   q_full;
 - the consumer warpgroups (bwd_consumer, or with ``overlap`` bwd_consumer_overlapped with
-  its helpers meet_and_issue_dq and reduce_dq inlined): dK and dV zeroed before the loop;
+  its helper meet_and_issue_dq inlined; both with reduce_dq inlined): dK and dV zeroed before the loop;
   per m-block the front (S^T, dP^T, P, dS, both packed to 16 bits, dS^T to SMEM), then
   the gradients' wgmmas, then dQ staged and reduce-added by the leader (through
   ordered_reduce_add with ``deterministic``); dK and dV stored after the loop. The two
@@ -140,7 +140,7 @@ def consumer_steps(p: Params) -> tuple[Item, ...]:
         dq_reads = (Operand(Buffer.DS, Index.ALTERNATE), Operand(Buffer.K, part=Part.PANEL_OF_WG))
     dq_source = Source.MEET_AND_ISSUE_DQ if p.overlap else main
     dq = wgmma("dQ = dS K", dq_reads, (), Reg.DQ, dq_source)
-    staging = _stage_and_reduce(p, Source.REDUCE_DQ if p.overlap else main)
+    staging = _stage_and_reduce(p, Source.REDUCE_DQ)  # both consumers call reduce_dq
     loop = front + ([dq, *grads, *staging] if p.overlap else [*grads, dq, *staging])
     return (
         step(Kind.ZERO, "dK, dV = 0", Phase.BEFORE, reg_writes=(Reg.DK, Reg.DV)),
