@@ -64,30 +64,24 @@ def training_spec(name: str) -> str:
     head, block = text.split("backward {", 1)
     for switch in switches:
         if switch[1:] in ("br64", "br128"):
-            tile = f"tile B_r = {switch[3:]}, B_c = 128"
-            line = re.compile(r"^(\s*)tile\s.*$", re.M)
-            block = (
-                line.sub(rf"\g<1>{tile}", block, count=1)
-                if line.search(block)
-                else (f"\n    {tile}" + block)
+            block = _set_line(block, "tile", f"tile B_r = {switch[3:]}, B_c = 128")
+        elif switch[1:] == "dqred":
+            block = _set_line(
+                block, "dQ:", "dQ: rf -red.add-> gmem" if switch[0] == "+" else STAGED_DQ
             )
-            continue
-        if switch[1:] == "dqred":
-            path = "dQ: rf -red.add-> gmem" if switch[0] == "+" else STAGED_DQ
-            line = re.compile(r"^(\s*)dQ:.*$", re.M)
-            block = (
-                line.sub(rf"\g<1>{path}", block, count=1)
-                if line.search(block)
-                else (f"\n    {path}" + block)
-            )
-            continue
-        key, value = switch[1:], "on" if switch[0] == "+" else "off"
-        line = re.compile(rf"^(\s*){key}\s+(on|off)\b.*$", re.M)
-        if line.search(block):
-            block = line.sub(rf"\g<1>{key} {value}", block, count=1)
         else:
-            block = f"\n    {key} {value}" + block
+            key, value = switch[1:], "on" if switch[0] == "+" else "off"
+            block = _set_line(block, key, f"{key} {value}")
     return head + "backward {" + block
+
+
+def _set_line(block: str, first_word: str, line: str) -> str:
+    """The block with its first line that starts with ``first_word`` replaced by ``line``, or
+    ``line`` added at its top."""
+    found = re.compile(rf"^(\s*){re.escape(first_word)}(\s|$).*$", re.M)
+    if found.search(block):
+        return found.sub(lambda m: m[1] + line, block, count=1)
+    return f"\n    {line}" + block
 
 
 def kernel(name):
