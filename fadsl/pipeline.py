@@ -26,7 +26,7 @@ from . import targets
 from .errors import DiagnosticSink, SpecError
 from .ir import Kernel
 from .frontend.lower import lower
-from .frontend.syntax import MAX_CHARS, parse_recovering, spec_text
+from .spec.syntax import MAX_CHARS, parse_recovering, spec_text
 
 
 @dataclass(frozen=True)

@@ -85,7 +85,8 @@ def main() -> None:
             for n, o in outs.items()
         }
         if os.environ.get("PROBE_PIN_DQ_ACCUM") == "1":
-            _pin_dq_accum(batch, heads, -(-seqlen // 64) * 64 * d)  # B_r 64
+            block_m = kern.compiled.kernel.backward.block_m
+            _pin_dq_accum(batch, heads, -(-seqlen // block_m) * block_m * d)
         if os.environ.get("PROBE_PIN"):
             _pin_allocations(contenders["fadsl"], set(map(int, os.environ["PROBE_PIN"].split())))
         for trial in range(int(os.environ.get("PROBE_REALLOC", "0"))):

@@ -18,7 +18,7 @@ from fadsl.cli import main
 from fadsl.errors import Loc, SpecError
 from fadsl.ir import Backward, GradRole, Instr, Level, Role, Scope
 from fadsl.ir.printer import format_kernel
-from fadsl.ir.reader import IRSyntaxError, read_kernel
+from ir_reader import IRSyntaxError, read_kernel
 from fadsl.pipeline import compile_file, compile_source
 from fadsl.targets.sm90.backward import validate as sm90_backward
 from fadsl.targets.sm90.backward.plan import smem_plan

@@ -7,8 +7,8 @@ from conftest import ROOT
 from fadsl.ir import Step, Sync
 from fadsl.ir.ops import Op
 from fadsl.targets.sm80 import caps as sm80
-from fadsl.passes.insert_barriers import insert_barriers
-from fadsl.passes.plan_smem import plan_smem
+from passes_support import insert_barriers
+from passes_support import plan_smem
 from fadsl.pipeline import compile_source, front_end
 from variants import EAGER_ORDER, KERNEL1, variant
 

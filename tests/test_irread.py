@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 from conftest import ROOT
-from fadsl.ir.reader import IRSyntaxError, read_kernel
-from fadsl.passes.insert_barriers import insert_barriers
-from fadsl.passes.plan_smem import plan_smem
-from fadsl.passes.verify import VerifyError, verify
+from ir_reader import IRSyntaxError, read_kernel
+from passes_support import insert_barriers
+from passes_support import plan_smem
+from passes_support import VerifyError, verify
 from fadsl.pipeline import compile_file
 from fadsl.ir.printer import format_kernel
 from fadsl.targets.sm80 import caps as sm80

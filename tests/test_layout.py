@@ -1,5 +1,9 @@
-"""The package's shape: no import cycles (every import counts: module level, inside functions
-and under TYPE_CHECKING), and target knowledge only in fadsl/targets (no string outside it
+"""The package's shape: every import points down the package order (the README's "Layout":
+the errors and data at the bottom, then the driver calls, the IR, the spec's syntax and
+checks, the passes, the targets, the front end, the pipeline, codegen, build, the runtime,
+the tools, the CLI), no import cycles (every import counts: module level, inside functions
+and under TYPE_CHECKING; the targets' packages, which fadsl.targets loads through importlib,
+are read like any module), and target knowledge only in fadsl/targets (no string outside it
 names a target or an architecture in code)."""
 
 from __future__ import annotations
@@ -76,6 +80,69 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
+# The package order, bottom first: a module may import its own layer and those before it.
+# (fadsl/__init__.py, the public API, is the top and imports anything.)
+LAYERS = (
+    ("fadsl.errors", "fadsl._data", "fadsl._version", "fadsl.atomic"),
+    ("fadsl.cudadriver",),  # the driver API: TMA descriptors (targets) and launches (runtime)
+    ("fadsl.ir",),
+    ("fadsl.spec",),  # the spec's syntax nodes and the checks the targets' validation shares
+    ("fadsl.passes",),  # generic over a target's sync model, handed to them by the pipeline
+    ("fadsl.targets",),
+    ("fadsl.frontend",),
+    ("fadsl.pipeline",),
+    ("fadsl.codegen",),
+    ("fadsl.build",),
+    ("fadsl.runtime",),
+    ("fadsl.tools",),
+    ("fadsl.cli",),
+    ("fadsl",),
+)
+
+
+def layer_of(module: str) -> int:
+    """The layer of ``module``: the one of its longest listed package prefix."""
+    found = [
+        (len(prefix), n)
+        for n, prefixes in enumerate(LAYERS)
+        for prefix in prefixes
+        if module == prefix or module.startswith(prefix + ".")
+    ]
+    assert found, f"{module} is in no layer: add it to LAYERS"
+    return max(found)[1]
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    """'a -> b' for each import of a module from a higher layer."""
+    return [
+        f"{module} -> {imported}"
+        for module in sorted(graph)
+        for imported in sorted(graph[module])
+        if layer_of(imported) > layer_of(module)
+    ]
+
+
+def test_imports_point_down_the_package_order():
+    graph = {name: imports_of(name) for name in MODULES}
+    assert upward_imports(graph) == []
+
+
+def test_the_order_check_finds_an_upward_import():
+    """An injected import of the runtime by a target, and of the front end by the IR."""
+    graph = {name: set(imports_of(name)) for name in MODULES}
+    graph["fadsl.targets.sm90.host.tma"].add("fadsl.runtime.driver")
+    graph["fadsl.ir.kernel"].add("fadsl.frontend.lower")
+    assert upward_imports(graph) == [
+        "fadsl.ir.kernel -> fadsl.frontend.lower",
+        "fadsl.targets.sm90.host.tma -> fadsl.runtime.driver",
+    ]
+
+
+def test_every_module_has_a_layer():
+    for name in MODULES:
+        layer_of(name)
+
+
 def test_no_import_cycles():
     graph = {name: imports_of(name) for name in MODULES}
     assert cycles(graph) == []
@@ -88,7 +155,7 @@ def test_the_cycle_check_finds_a_cycle():
 
 def test_the_import_reader_sees_imports_inside_functions_and_type_checking():
     assert "fadsl.runtime.custom_op" in imports_of("fadsl.runtime.attention")  # in a method
-    assert "fadsl.frontend.checks" in imports_of("fadsl.targets")  # under TYPE_CHECKING
+    assert "fadsl.spec.checks" in imports_of("fadsl.targets")  # under TYPE_CHECKING
 
 
 TARGET_WORDS = re.compile(r"\bsm_?\d+a?(?!\d)|\bhopper\b|\bampere\b", re.IGNORECASE)

@@ -5,8 +5,8 @@ from dataclasses import replace
 import pytest
 
 from fadsl.errors import SpecError
-from fadsl.ir.reader import read_kernel
-from fadsl.passes.plan_smem import occupancy, plan_smem
+from ir_reader import read_kernel
+from passes_support import occupancy, plan_smem
 from fadsl.pipeline import compile_source, front_end
 from variants import EAGER_ORDER, KERNEL1, variant
 

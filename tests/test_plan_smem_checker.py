@@ -12,7 +12,7 @@ from checkers import check_smem_plan, live_ranges, smem_plan_problems
 from fadsl.errors import Loc
 from fadsl.ir import Access, AliasPolicy, Buffer, Kernel, Mode, Phase, Partition, Scope, Step
 from fadsl.ir.ops import Op
-from fadsl.passes.plan_smem import plan_smem
+from passes_support import plan_smem
 from fadsl.targets.sm80 import caps as sm80
 from test_verify import SPEC_BASE as BASE
 from test_verify import VARIANTS, compiled

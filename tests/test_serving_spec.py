@@ -23,7 +23,7 @@ from conftest import ROOT
 from fadsl.cli import main
 from fadsl.errors import SpecError
 from fadsl.ir.printer import format_kernel
-from fadsl.ir.reader import read_kernel
+from ir_reader import read_kernel
 from fadsl.pipeline import compile_source
 from fadsl.runtime.kvcache import append_kv
 from fadsl.targets.launch import FWD_PARAMS, FWD_PARAMS_FIELDS

@@ -13,7 +13,7 @@ import torch
 from fadsl.codegen.render import render
 from fadsl.errors import SpecError
 from fadsl.ir.printer import format_kernel
-from fadsl.ir.reader import read_kernel
+from ir_reader import read_kernel
 from fadsl.pipeline import compile_file, compile_source
 
 ROOT = Path(__file__).resolve().parent.parent

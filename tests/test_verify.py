@@ -30,9 +30,9 @@ from fadsl.ir import (
 from fadsl.ir.ops import Op
 from fadsl.ir.syncmodel import SyncKind
 from fadsl.targets.sm80 import caps as sm80
-from fadsl.passes.insert_barriers import insert_barriers
-from fadsl.passes.plan_smem import plan_smem
-from fadsl.passes.verify import VerifyError, verify
+from passes_support import insert_barriers
+from passes_support import plan_smem
+from passes_support import VerifyError, verify
 from fadsl.pipeline import compile_file, compile_source, front_end
 from variants import EAGER_ORDER
 

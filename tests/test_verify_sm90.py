@@ -16,7 +16,7 @@ import pytest
 from bruteforce_async import explore
 from fadsl.ir import Kernel, Parity, Step, Sync, Threads
 from fadsl.ir.ops import Op
-from fadsl.ir.reader import read_kernel
+from ir_reader import read_kernel
 from fadsl.passes.asyncmodel.prove import AsyncVerifyError, check
 from fadsl.pipeline import compile_file, compile_source
 from fadsl.targets.sm90.verify import (

@@ -22,7 +22,7 @@ from fadsl.codegen.render import render
 from fadsl.errors import SpecError
 from fadsl.ir import Mask, Window
 from fadsl.ir.printer import format_kernel
-from fadsl.ir.reader import read_kernel
+from ir_reader import read_kernel
 from fadsl.pipeline import compile_file, compile_source, front_end
 from fadsl.tools.report import explain_data, explain_text, summary
 from softmax_cases import random_case

@@ -26,9 +26,9 @@ from ..ir import (
     Role,
     Scope,
 )
-from .checks import BackwardBlock, Checks, and_list
+from ..spec.checks import BackwardBlock, Checks, and_list
 from .settings import kernel_settings, on_off, registers, stages, tile, warpgroups
-from .syntax import BackwardDecl, PathDecl, Setting, Word
+from ..spec.syntax import BackwardDecl, PathDecl, Setting, Word
 
 # The block's keys, each read as the kernel's key of that name is; `deterministic on|off`
 # orders dQ's accumulation by n-block (bitwise-stable gradients); `overlap on|off` stages dQ

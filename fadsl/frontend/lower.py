@@ -12,13 +12,13 @@ from __future__ import annotations
 
 from .. import targets
 from .backward import read_backward
-from .checks import Checks, and_list
+from ..spec.checks import Checks, and_list
 from ..errors import DiagnosticSink, quoted
 from ..ir import AliasPolicy, Config, Lowered, Mask, Role, Swizzle, Tensor
 from .order import read_order
 from .paths import read_paths
 from .settings import REQUIRED_KEYS, read_settings
-from .syntax import KernelDecl
+from ..spec.syntax import KernelDecl
 
 # The name prefixes every CUDA symbol and file the kernel becomes ("NAME_bf16_kernel",
 # "NAME_bf16.cu", cache entries that add a hash): it must stay a short C++ identifier.

@@ -8,11 +8,11 @@ overwritten before this iteration's reader is done with it.
 
 from __future__ import annotations
 
-from .checks import Checks, and_list
+from ..spec.checks import Checks, and_list
 from ..errors import Loc, closest, quoted, suggest
 from ..ir import RegLoad, Role, Tensor
 from ..ir.ops import DEFAULT_ORDER, LOOP_STEPS, Move, Op, fused_reader
-from .syntax import LoopStep
+from ..spec.syntax import LoopStep
 
 
 def read_order(c: Checks, tensors: dict[Role, Tensor]) -> tuple[tuple[Op, Loc], ...]:

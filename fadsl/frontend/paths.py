@@ -8,10 +8,10 @@ have from the target's ``validate_path``.
 from __future__ import annotations
 
 from .. import targets
-from .checks import Checks, and_list
+from ..spec.checks import Checks, and_list
 from ..errors import Loc, closest, one_of, quoted, suggest
 from ..ir import GradRole, Hop, Instr, Level, RegLoad, Role, Scope, Tensor
-from .syntax import PathDecl, Word
+from ..spec.syntax import PathDecl, Word
 from ..targets import Target
 
 # Every path has two hops; a longer one is refused as a whole, not hop by hop.

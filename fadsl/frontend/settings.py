@@ -11,10 +11,10 @@ from __future__ import annotations
 from typing import Callable
 
 from .. import targets
-from .checks import Checks, clip, show
+from ..spec.checks import Checks, clip, show
 from ..errors import closest, one_of, quoted, suggest
 from ..ir import AliasPolicy, Dtype, Mask, Rescale, Swizzle, Window
-from .syntax import Assign, Call, Number, Setting, Word
+from ..spec.syntax import Assign, Call, Number, Setting, Word
 
 HEAD_DIMS = (64, 96, 128, 256)
 MAX_TILE = 256

@@ -1,5 +1,5 @@
 """The IR: the vocabulary (types), the nodes (kernel), the ops and sync kinds, the front
-end's output (lowered), and the text form (printer, reader).
+end's output (lowered), and the text form (printer; tests/ir_reader.py reads it back).
 
 ``from fadsl.ir import Config`` reaches the nodes and the vocabulary; the modules of this
 package import each other directly, never this one.

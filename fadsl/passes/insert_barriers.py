@@ -30,7 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Iterator
 
-from .. import targets
+from .target import PassTarget
 from ..ir import (
     Access,
     Buffer,
@@ -322,9 +322,9 @@ def _without(kernel: Kernel, phase: Phase, index: int) -> Kernel:
     return _with_items(kernel, phase, items)
 
 
-def insert_barriers(kernel: Kernel, target: targets.Target | None = None) -> Kernel:
-    """Place the syncs the target's sync model offers (by default the kernel's target)."""
-    model = (target or targets.target_of(kernel)).sync_model
+def insert_barriers(kernel: Kernel, target: PassTarget) -> Kernel:
+    """Place the syncs the kernel's target's sync model offers."""
+    model = target.sync_model
     # Start from a schedule without syncs: the pass owns them.
     for phase, _ in kernel.phases():
         kernel = _with_items(

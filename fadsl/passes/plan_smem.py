@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from .. import targets
+from .target import PassTarget
 from ..errors import Diagnostic, SpecError
 from ..ir import AliasPolicy, Buffer, Kernel, Mode, Region, Step
 
@@ -71,9 +71,8 @@ def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-def plan_smem(kernel: Kernel, target: targets.Target | None = None) -> Kernel:
-    """Place every buffer; the SMEM limit is the target's (by default the kernel's own)."""
-    target = target or targets.target_of(kernel)
+def plan_smem(kernel: Kernel, target: PassTarget) -> Kernel:
+    """Place every buffer; the SMEM limit is the kernel's target's."""
     limit = target.capabilities.smem_per_cta
     cfg = kernel.config
     steps, _ = flow(kernel)

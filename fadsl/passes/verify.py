@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .. import targets
+from .target import PassTarget
 from ..ir import Access, Buffer, HazardKind, Item, Kernel, Mode, Partition, Step, Sync
 from ..ir.syncmodel import SyncModel, WaitRule, narrowest, same_group
 
@@ -200,9 +200,10 @@ def _check(kernel: Kernel, model: SyncModel, n: int) -> list[tuple[tuple, Failur
     return found
 
 
-def verify(kernel: Kernel, target: targets.Target | None = None) -> Kernel:
-    """Return ``kernel`` if its syncs order every SMEM hazard, else raise VerifyError."""
-    model = (target or targets.target_of(kernel)).sync_model
+def verify(kernel: Kernel, target: PassTarget) -> Kernel:
+    """Return ``kernel`` if its syncs order every SMEM hazard of the kernel's target's sync
+    model, else raise VerifyError."""
+    model = target.sync_model
     for buf in kernel.buffers:
         if buf.offset is None:
             raise ValueError(f"buffer {buf.name} has no offset: run plan_smem before verify")

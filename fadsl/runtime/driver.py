@@ -10,21 +10,10 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import functools
 import threading
 
 
-class DriverError(RuntimeError):
-    """A CUDA driver call failed."""
-
-
-@functools.cache
-def _driver():
-    from cuda.bindings import driver
-
-    _check(driver, driver.cuInit(0), "cuInit")
-    return driver
-
+from ..cudadriver import DriverError, check as _check, driver as _driver
 
 _CONTEXTS: dict[int, object] = {}  # device index -> its primary context, retained
 
@@ -51,17 +40,6 @@ def _device_context(driver, device_index: int):
         yield
     finally:
         _check(driver, driver.cuCtxPopCurrent(), "cuCtxPopCurrent")
-
-
-def _check(driver, result, what: str):
-    err = result[0]
-    if err != driver.CUresult.CUDA_SUCCESS:
-        _, name = driver.cuGetErrorName(err)
-        _, text = driver.cuGetErrorString(err)
-        name = name.decode() if isinstance(name, bytes) else name
-        text = text.decode() if isinstance(text, bytes) else text
-        raise DriverError(f"{what} failed: {name}: {text}")
-    return result[1] if len(result) == 2 else result[1:]
 
 
 class Module:

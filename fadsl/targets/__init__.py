@@ -38,7 +38,7 @@ from .launch import BackwardLaunch, Launch
 from .tuning import TuneSpace
 
 if TYPE_CHECKING:
-    from ..frontend.checks import BackwardBlock, Checks
+    from ..spec.checks import BackwardBlock, Checks
 
 # spec spelling -> package under fadsl/targets (and emit/)
 _PACKAGES: dict[str, str] = {"sm_80": "sm80", "sm_90a": "sm90"}

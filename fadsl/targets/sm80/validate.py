@@ -12,9 +12,9 @@
 
 from __future__ import annotations
 
-from ...frontend.checks import Checks, and_list
+from ...spec.checks import Checks, and_list
 from ...ir import Instr, Level, RegLoad, Role, Scope, Swizzle, Tensor
-from ...frontend.syntax import PathDecl
+from ...spec.syntax import PathDecl
 from .caps import CAPABILITIES
 
 # A conflict-free swizzle for each head_dim's rows: the 8 rows one ldmatrix reads land on

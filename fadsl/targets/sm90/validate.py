@@ -20,10 +20,10 @@ TMA's 16-byte stride and alignment rules concern the tensors: the runtime checks
 
 from __future__ import annotations
 
-from ...frontend.checks import Checks, and_list
+from ...spec.checks import Checks, and_list
 from ...ir import AliasPolicy, Config, Instr, Level, Mask, Rescale, Role, Scope, Tensor
 from .config import Sm90Config
-from ...frontend.syntax import PathDecl
+from ...spec.syntax import PathDecl
 from .caps import (
     CAPABILITIES,
     HEAD_DIMS,

@@ -100,8 +100,8 @@ __device__ __forceinline__ void bwd_consumer_overlapped(const BwdParamsSm90& P, 
     // RAW: dS^T's st.shared (generic proxy) before the dQ wgmma reads it (async proxy)
     fence_proxy_async_smem();
 
-    // dq was read by ordinary instructions (the previous staging); dk (and dv, p16 unless
-    // dV is issued already) and the A registers ds16 written
+    // dq was read by ordinary instructions (the previous m-block's adds); dk (and dv, p16
+    // unless dV is issued already) and the A registers ds16 written
     wgmma_fence();
     float dq[Cfg::kDqRegs];
     meet_and_issue_dq<Cfg>(dq, smem, ds_buf, wg);

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ....frontend.checks import BackwardBlock, Checks, and_list
+from ....spec.checks import BackwardBlock, Checks, and_list
 from ....ir import (
     Backward,
     BackwardTensor,
@@ -33,7 +33,7 @@ from ....ir import (
     Role,
     Scope,
 )
-from ....frontend.syntax import PathDecl
+from ....spec.syntax import PathDecl
 from ..caps import (
     CAPABILITIES,
     REGISTER_UNIT,

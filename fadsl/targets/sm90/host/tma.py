@@ -20,7 +20,7 @@ from __future__ import annotations
 import ctypes
 import functools
 
-from ....runtime.driver import _check, _driver
+from ....cudadriver import check as _check, driver as _driver
 
 MAP_BYTES = 128
 # Entries kept before the dict is emptied (each is a 128-byte descriptor and its key).

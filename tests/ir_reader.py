@@ -15,10 +15,10 @@ from __future__ import annotations
 import re
 from dataclasses import replace
 
-from .. import targets
-from ..errors import Loc
-from .backward import Backward, read_backward
-from .kernel import (
+from fadsl import targets
+from fadsl.errors import Loc
+from fadsl.ir.backward import Backward, read_backward
+from fadsl.ir.kernel import (
     Access,
     Buffer,
     Config,
@@ -33,7 +33,7 @@ from .kernel import (
     Tensor,
     Window,
 )
-from .types import (
+from fadsl.ir.types import (
     AliasPolicy,
     Dtype,
     HazardKind,
@@ -49,8 +49,8 @@ from .types import (
     Scope,
     Threads,
 )
-from .ops import Op
-from .syncmodel import SyncModel
+from fadsl.ir.ops import Op
+from fadsl.ir.syncmodel import SyncModel
 
 
 class IRSyntaxError(ValueError):
