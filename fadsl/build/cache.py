@@ -25,6 +25,7 @@ from typing import Callable, Iterable
 
 from filelock import FileLock
 
+from .. import _data
 from .._version import __version__
 from ..atomic import write_atomic
 from .nvrtc import OPTIONS, Cubin, compile_cubin, compiler_id
@@ -33,7 +34,7 @@ log = logging.getLogger("fadsl")
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("FADSL_CACHE_DIR", Path.home() / ".cache" / "fadsl"))
+    return _data.cache_dir()
 
 
 def cubin_path() -> list[Path]:

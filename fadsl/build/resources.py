@@ -9,18 +9,17 @@ and its log are kept in a cubin cache, since ptxas takes a while.
 from __future__ import annotations
 
 import dataclasses
-import os
 import tempfile
 from pathlib import Path
 
+from .._data import cache_dir
 from ..codegen.render import Source, header_text
 from ..targets.archs import ARCH_FLAGS, SM_LIMITS
 from .nvrtc import nvcc, parse_resource_usage
 
 def usage_cache() -> Path:
     """Where ptxas reports are cached: under $FADSL_CACHE_DIR (default ~/.cache/fadsl)."""
-    root = os.environ.get("FADSL_CACHE_DIR") or Path.home() / ".cache" / "fadsl"
-    return Path(root) / "ptxas"
+    return cache_dir() / "ptxas"
 
 
 def can_compile() -> bool:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import os
 from dataclasses import dataclass
 
 from importlib.abc import Traversable
@@ -22,7 +21,7 @@ import jinja2
 
 from .._version import __version__
 from .. import targets
-from .._data import data_dir
+from .._data import cache_dir, data_dir
 from ..atomic import write_atomic
 from ..ir import Dtype, Kernel
 from ..ir.printer import format_kernel
@@ -67,7 +66,7 @@ def environment() -> jinja2.Environment:
     root = data_dir("emit")
     # Compiled templates are kept next to the cubins (compiling the template takes longer
     # than rendering it; a warm start pays neither).
-    bytecode = Path(os.environ.get("FADSL_CACHE_DIR", Path.home() / ".cache" / "fadsl")) / "jinja"
+    bytecode = cache_dir() / "jinja"
     try:
         bytecode.mkdir(parents=True, exist_ok=True)
         bytecode_cache = jinja2.FileSystemBytecodeCache(str(bytecode))

@@ -13,7 +13,9 @@ import ctypes
 import threading
 
 
-from ..cudadriver import DriverError, check as _check, driver as _driver
+from ..cudadriver import DriverError  # noqa: F401 (the runtime catches it from here)
+from ..cudadriver import check as _check
+from ..cudadriver import driver as _driver
 
 _CONTEXTS: dict[int, object] = {}  # device index -> its primary context, retained
 

@@ -472,4 +472,76 @@ __device__ __forceinline__ float fast_log2(float x) {
   return y;
 }
 
+// ---------------------------------------------------------------------------
+// 7. The backward's: bulk copies and reduce-adds, reductions from registers, global
+//    semaphores, plain shared-memory accesses, 16-bit pairs unpacked
+// ---------------------------------------------------------------------------
+
+
+// `bytes` (a multiple of 16, both addresses 16-byte aligned) global -> SMEM; they land as
+// complete_tx on `bar`.
+__device__ __forceinline__ void bulk_load(uint32_t smem_dst, const void* src, uint32_t bytes, uint32_t bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
+                   smem_dst),
+               "l"(reinterpret_cast<uint64_t>(src)), "r"(bytes), "r"(bar)
+               : "memory");
+}
+
+// global[i] += smem[i] for `bytes` / 4 floats (each add atomic, performed in the L2); read
+// through the async proxy, tracked by this thread's bulk groups (tma_store_commit, then
+// tma_store_wait_read before the SMEM is written again).
+__device__ __forceinline__ void bulk_reduce_add_f32(float* dst, uint32_t smem_src, uint32_t bytes) {
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(
+                   reinterpret_cast<uint64_t>(dst)),
+               "r"(smem_src), "r"(bytes)
+               : "memory");
+}
+
+// Wait until this thread's bulk groups have completed (their global writes performed).
+__device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
+
+// Acquire / release of a semaphore in global memory at GPU scope (deterministic mode).
+__device__ __forceinline__ int ld_acquire_gpu(const int* p) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void st_release_gpu(int* p, int v) {
+  asm volatile("st.release.gpu.global.b32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
+}
+// Orders this thread's generic-proxy and async-proxy accesses to global memory.
+__device__ __forceinline__ void fence_proxy_async_global() {
+  asm volatile("fence.proxy.async.global;\n" ::: "memory");
+}
+
+__device__ __forceinline__ void st_shared_b32(uint32_t addr, uint32_t v) {
+  asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
+}
+
+__device__ __forceinline__ void st_shared_v4(uint32_t addr, float a, float b, float c, float d) {
+  asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "f"(a), "f"(b), "f"(c), "f"(d) : "memory");
+}
+
+__device__ __forceinline__ float2 ld_shared_v2_f32(uint32_t addr) {
+  float2 v;
+  asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n" : "=f"(v.x), "=f"(v.y) : "r"(addr) : "memory");
+  return v;
+}
+
+// dst[0..3] += (a, b, c, d) in global memory, each add atomic, performed in the L2 (rounds to
+// nearest, flushes fp32 subnormals); dst 16-byte aligned.
+__device__ __forceinline__ void red_add_v4_f32(float* dst, float a, float b, float c, float d) {
+  asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(dst), "f"(a), "f"(b), "f"(c), "f"(d) : "memory");
+}
+
+// The two 16-bit values of a packed pair as fp32 (exact): (low half, high half).
+template <typename T>
+__device__ __forceinline__ float2 unpack_f32x2(uint32_t packed) {
+  if constexpr (cuda::std::is_same_v<T, __nv_bfloat16>) {
+    return make_float2(__uint_as_float(packed << 16), __uint_as_float(packed & 0xffff0000u));
+  } else {
+    return __half22float2(*reinterpret_cast<const __half2*>(&packed));
+  }
+}
+
 }  // namespace fadsl::sm90

@@ -181,61 +181,7 @@ struct BwdConfig {
 };
 
 // ---------------------------------------------------------------------------
-// 3. PTX of the backward beyond sm90_ptx.cuh
-// ---------------------------------------------------------------------------
-
-// `bytes` (a multiple of 16, both addresses 16-byte aligned) global -> SMEM; they land as
-// complete_tx on `bar`.
-__device__ __forceinline__ void bulk_load(uint32_t smem_dst, const void* src, uint32_t bytes, uint32_t bar) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
-                   smem_dst),
-               "l"(reinterpret_cast<uint64_t>(src)), "r"(bytes), "r"(bar)
-               : "memory");
-}
-
-// global[i] += smem[i] for `bytes` / 4 floats (each add atomic, performed in the L2); read
-// through the async proxy, tracked by this thread's bulk groups (tma_store_commit, then
-// tma_store_wait_read before the SMEM is written again).
-__device__ __forceinline__ void bulk_reduce_add_f32(float* dst, uint32_t smem_src, uint32_t bytes) {
-  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(
-                   reinterpret_cast<uint64_t>(dst)),
-               "r"(smem_src), "r"(bytes)
-               : "memory");
-}
-
-// Wait until this thread's bulk groups have completed (their global writes performed).
-__device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
-
-// Acquire / release of a semaphore in global memory at GPU scope (deterministic mode).
-__device__ __forceinline__ int ld_acquire_gpu(const int* p) {
-  int v;
-  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-__device__ __forceinline__ void st_release_gpu(int* p, int v) {
-  asm volatile("st.release.gpu.global.b32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
-}
-// Orders this thread's generic-proxy and async-proxy accesses to global memory.
-__device__ __forceinline__ void fence_proxy_async_global() {
-  asm volatile("fence.proxy.async.global;\n" ::: "memory");
-}
-
-__device__ __forceinline__ void st_shared_b32(uint32_t addr, uint32_t v) {
-  asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
-}
-
-__device__ __forceinline__ void st_shared_v4(uint32_t addr, float a, float b, float c, float d) {
-  asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "f"(a), "f"(b), "f"(c), "f"(d) : "memory");
-}
-
-__device__ __forceinline__ float2 ld_shared_v2_f32(uint32_t addr) {
-  float2 v;
-  asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n" : "=f"(v.x), "=f"(v.y) : "r"(addr) : "memory");
-  return v;
-}
-
-// ---------------------------------------------------------------------------
-// 4. The CTA's work: an n-block of keys and the m-blocks that see it
+// 3. The CTA's work: an n-block of keys and the m-blocks that see it
 // ---------------------------------------------------------------------------
 
 struct BwdBlock {
@@ -275,7 +221,7 @@ __device__ __forceinline__ bool bwd_needs_mask(const BwdParamsSm90& P, const Bwd
 }
 
 // ---------------------------------------------------------------------------
-// 5. Producer (one elected thread of warp 0)
+// 4. Producer (one elected thread of warp 0)
 // ---------------------------------------------------------------------------
 
 template <class Cfg>
@@ -326,7 +272,7 @@ __device__ __forceinline__ void bwd_producer(const BwdParamsSm90& P, uint32_t sm
 }
 
 // ---------------------------------------------------------------------------
-// 6. Consumer steps (one warpgroup, 64 keys)
+// 5. Consumer steps (one warpgroup, 64 keys)
 // ---------------------------------------------------------------------------
 
 // X^T = rows x_wg (64 keys, K-major, one panel per 64 head_dim columns, B_c-row panels) times
@@ -490,9 +436,7 @@ template <class Cfg>
 __device__ __forceinline__ void red_add_dq(float* dst, const float (&dq)[Cfg::kDqRegs], int tid) {
 #pragma unroll
   for (int q = 0; q < Cfg::kDqRegs / 4; ++q) {
-    asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(dst + 4 * (q * 128 + tid)), "f"(dq[4 * q]),
-                 "f"(dq[4 * q + 1]), "f"(dq[4 * q + 2]), "f"(dq[4 * q + 3])
-                 : "memory");
+    red_add_v4_f32(dst + 4 * (q * 128 + tid), dq[4 * q], dq[4 * q + 1], dq[4 * q + 2], dq[4 * q + 3]);
   }
 }
 
@@ -544,7 +488,7 @@ __device__ __forceinline__ void reduce_dq(const BwdParamsSm90& P, const BwdBlock
 }
 
 // ---------------------------------------------------------------------------
-// 7. The main kernel's bodies
+// 6. The main kernel's bodies
 // ---------------------------------------------------------------------------
 
 template <class Cfg>
@@ -638,18 +582,8 @@ __device__ __forceinline__ void bwd_consumer(const BwdParamsSm90& P, uint32_t sm
 }
 
 // ---------------------------------------------------------------------------
-// 8. Preprocess and dQ's conversion (256 threads per CTA, 16-byte accesses)
+// 7. Preprocess and dQ's conversion (256 threads per CTA, 16-byte accesses)
 // ---------------------------------------------------------------------------
-
-// The two 16-bit values of a packed pair as fp32 (exact): (low half, high half).
-template <typename T>
-__device__ __forceinline__ float2 unpack_f32x2(uint32_t packed) {
-  if constexpr (cuda::std::is_same_v<T, __nv_bfloat16>) {
-    return make_float2(__uint_as_float(packed << 16), __uint_as_float(packed & 0xffff0000u));
-  } else {
-    return __half22float2(*reinterpret_cast<const __half2*>(&packed));
-  }
-}
 
 // The preprocess: 8 elements of a row per thread (one 16-byte load of O and one of dO), so
 // head_dim / 8 threads per row and 256 * 8 / head_dim rows per CTA (the host's grid:

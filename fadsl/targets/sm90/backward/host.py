@@ -16,10 +16,10 @@ the graph).
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
 from typing import Any, Callable
 
 from ....ir import Kernel
+from ...launch import KernelLaunch
 from ..host.tma import tensor_map
 from .emit import AUX_THREADS, convert_ctas, prep_rows_per_cta, smem_bytes
 
@@ -33,14 +33,6 @@ PREP = struct.Struct("<8Q8q3i4x")
 # BwdConvertParams: 2 pointers, 3 int64 strides, 3 ints, a float.
 CONVERT = struct.Struct("<2Q3q3if")
 LOG2E = 1.4426950408889634
-
-
-@dataclass(frozen=True)
-class KernelLaunch:
-    suffix: str  # the kernel's name after the source's ("", "_preprocess", "_convert_dq")
-    grid: tuple[int, int, int]
-    block: tuple[int, int, int]
-    params: bytes
 
 
 SUFFIXES = ("_preprocess", "", "_convert_dq")
