@@ -254,3 +254,21 @@ def test_a_real_build_logs_one_line(tmp_path, monkeypatch, caplog):
     with caplog.at_level(logging.INFO, logger="fadsl"):
         quiet.cubin(Dtype.FP16, "sm_80")
     assert not caplog.records
+
+
+@pytest.mark.parametrize("value", [None, ""])
+def test_every_cache_lives_under_one_folder(monkeypatch, tmp_path, value):
+    """The cubins, ptxas's reports and the compiled templates share _data.cache_dir():
+    $FADSL_CACHE_DIR, or ~/.cache/fadsl where it is unset or empty."""
+    from fadsl.build.resources import usage_cache
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    if value is None:
+        monkeypatch.delenv("FADSL_CACHE_DIR", raising=False)
+    else:
+        monkeypatch.setenv("FADSL_CACHE_DIR", value)
+    default = tmp_path / ".cache" / "fadsl"
+    assert cache.cache_dir() == default and usage_cache() == default / "ptxas"
+    monkeypatch.setenv("FADSL_CACHE_DIR", str(tmp_path / "elsewhere"))
+    assert cache.cache_dir() == tmp_path / "elsewhere"
+    assert usage_cache() == tmp_path / "elsewhere" / "ptxas"
