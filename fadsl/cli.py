@@ -260,6 +260,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
     except OSError as err:
         raise UnreadableSpec(f"fadsl: error: cannot read '{args.spec}': {err.strerror or err}")
     knobs = [k.strip() for k in args.knobs.split(",") if k.strip()] if args.knobs else None
+    if args.backward:
+        return _tune_backward(args, source)
     try:
         if args.list:
             print(tuning.list_variants(source, args.spec, knobs))
@@ -287,6 +289,56 @@ def cmd_tune(args: argparse.Namespace) -> int:
         print(f"fadsl tune: {err}", file=sys.stderr)
         return EXIT_FAILURE
     except (ValueError, RuntimeError) as err:  # an argument that does not fit; the timing
+        print(f"fadsl tune: {err}", file=sys.stderr)
+        return EXIT_FAILURE
+    print(result.table())
+    return EXIT_OK
+
+
+def _tune_backward(args: argparse.Namespace, source: str) -> int:
+    """`fadsl tune --backward`: every admissible variant of the spec's backward block
+    compiled and timed (fadsl/tools/tune_backward.py)."""
+    from .tools import tune_backward as tuning
+
+    given = [
+        f"--{name.replace('_', '-')}"
+        for name in ("knobs", "max_rounds", "budget", "batch")
+        if getattr(args, name) is not None
+    ] + (["--fresh"] if args.fresh else [])
+    if given:
+        print(
+            f"fadsl tune: --backward tries every variant of the backward block and times them "
+            f"in one run: leave out {', '.join(given)}",
+            file=sys.stderr,
+        )
+        return EXIT_FAILURE
+    try:
+        if args.list:
+            _, variants = tuning.backward_variants(source, args.spec)
+            for n, v in enumerate(variants):
+                said = "  (the input)" if n == 0 else ""
+                said += f"  [refused: {v.reason}]" if v.backward is None else ""
+                print(v.label + said)
+            return EXIT_OK
+        if args.output is not None and Path(args.output).is_dir():
+            raise ValueError(f"-o {args.output} is a folder; -o names the spec file to write")
+        result = tuning.tune_backward(
+            source,
+            args.spec,
+            seqlens=tuple(args.seqlens),
+            dtype=args.dtype,
+            causal=args.causal,
+            heads=args.heads,
+            hidden=args.hidden,
+            tokens=args.tokens,
+            jobs=args.jobs,
+            output=args.output,
+            log=lambda s: print(s, file=sys.stderr, flush=True),
+        )
+    except tuning.NoGPUError as err:
+        print(f"fadsl tune: {err}", file=sys.stderr)
+        return EXIT_FAILURE
+    except (ValueError, RuntimeError) as err:
         print(f"fadsl tune: {err}", file=sys.stderr)
         return EXIT_FAILURE
     print(result.table())
@@ -502,6 +554,13 @@ def _add_tune(sub) -> None:
     )
     tune.add_argument(
         "--fresh", action="store_true", help="measure again instead of using cached figures"
+    )
+    tune.add_argument(
+        "--backward",
+        action="store_true",
+        help="tune the spec's backward block instead: every variant of its tile, consumer "
+        "order, dQ path and stages that builds without spills, timed on the same tensors "
+        "(the backward alone, as `fadsl bench --backward`); the best by geometric mean",
     )
     tune.add_argument(
         "--list",

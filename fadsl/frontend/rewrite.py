@@ -89,3 +89,52 @@ def _new_line(key: str, value: str, indent: str, value_column: int | None) -> st
     head = indent + key
     width = (value_column or len(head) + 1) - len(head)
     return head + " " * max(1, width) + value + "\n"
+
+
+_BACKWARD_OPEN = re.compile(r"^[ \t]*backward[ \t]*\{")
+
+
+def rewrite_backward(
+    source: str, settings: Mapping[str, str], paths: Mapping[str, str | None], name: str
+) -> str:
+    """``source`` with the backward block's setting lines ``settings`` (key -> value text)
+    replaced or added at the block's top, its path lines ``paths`` (tensor -> the path's
+    text after the colon, or None: the line taken out, the tensor back to its default)
+    replaced, added or removed, and the kernel renamed. `fadsl tune --backward` writes its
+    variants with it. A spec without a backward block is refused (ValueError)."""
+    lines = rewrite(source, {}, {}, name).splitlines(keepends=True)
+    opened = next((i for i, line in enumerate(lines) if _BACKWARD_OPEN.match(line)), None)
+    if opened is None:
+        raise ValueError("the spec has no backward block: nothing of the backward to vary")
+    pending, pending_paths = dict(settings), dict(paths)
+    depth, indent, value_column, i = 0, None, None, opened
+    while i < len(lines):
+        line = lines[i]
+        code = line.split("#", 1)[0]
+        if i > opened and depth == 1:
+            path = _PATH_LINE.match(line)
+            setting = _SETTING_LINE.match(line) if path is None else None
+            if path is not None and path["tensor"] in pending_paths:
+                text = pending_paths.pop(path["tensor"])
+                if text is None:
+                    del lines[i]
+                    continue
+                gap = line[path.end() :][
+                    : len(line[path.end() :]) - len(line[path.end() :].lstrip())
+                ]
+                lines[i] = line[: path.end()] + (gap.strip("\r\n") or " ") + text + "\n"
+            elif setting is not None and setting["key"] in pending:
+                lines[i] = _replaced(setting, pending.pop(setting["key"]))
+            if (path or setting) and indent is None:
+                indent = (path or setting)[0][: len(line) - len(line.lstrip())]
+                if setting is not None:
+                    value_column = len(setting["indent"] + setting["key"] + setting["gap"])
+        depth += code.count("{") - code.count("}")
+        if i > opened and depth == 0:  # the block's closing brace
+            break
+        i += 1
+    indent = indent or "    "
+    added = [_new_line(k, v, indent, value_column) for k, v in pending.items()]
+    added += [f"{indent}{t}: {text}\n" for t, text in pending_paths.items() if text is not None]
+    lines[opened + 1 : opened + 1] = added
+    return "".join(lines)

@@ -45,13 +45,15 @@ def run(
     log: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True),
     dtype_name: str | None = None,
     against: tuple[FlashAttention, ...] = (),
+    named: dict[str, FlashAttention] | None = None,
 ) -> dict:
     import torch
     import torch.nn.functional as F
     from torch.nn.attention import sdpa_kernel
 
     name = dtype_name or kern.config.dtypes[0].value
-    ours_by_name = variants(kern, against, name)  # "fadsl", then "fadsl:<kernel>" each
+    # "fadsl", then "fadsl:<kernel>" each; or the caller's names (fadsl tune --backward)
+    ours_by_name = named if named is not None else variants(kern, against, name)
     for label, each in ours_by_name.items():
         if not each.has_backward:
             raise ValueError(f"{each.config.name} has no backward block: nothing to time")

@@ -42,6 +42,7 @@ class BuildJob:
     text: str  # its spec
     dtypes: tuple[str, ...]
     archs: tuple[str, ...]
+    backward: bool = False  # the backward's kernels built (and checked for spills) too
 
 
 @dataclass(frozen=True)
@@ -85,6 +86,18 @@ def build_variant(job: BuildJob) -> Built:
                     if usage.spills:
                         spilling.append(
                             f"{each.config.name} {dtype} on {arch}: {usage.registers} registers, "
+                            f"{usage.spill_store_bytes} bytes of spill stores, "
+                            f"{usage.stack_bytes}-byte stack"
+                        )
+        if job.backward:  # `fadsl tune --backward`: its kernels, refused alike if they spill
+            for dtype in job.dtypes:
+                for arch in job.archs:
+                    entry = kern._backward_kernels().cubin(Dtype(dtype), arch)
+                    ptxas = entry.meta.get("ptxas")
+                    usage = Usage(**ptxas) if ptxas else parse_resource_usage(entry.log)
+                    if usage.spills:
+                        spilling.append(
+                            f"the backward {dtype} on {arch}: {usage.registers} registers, "
                             f"{usage.spill_store_bytes} bytes of spill stores, "
                             f"{usage.stack_bytes}-byte stack"
                         )

@@ -1,0 +1,116 @@
+"""`fadsl tune --backward` on the CPU: the backward block's variants written into the spec
+(fadsl/frontend/rewrite.py's rewrite_backward), each checked by the front end and the
+target, the input first and no block twice; the compile step and the no-GPU stop; the CLI's
+--list and its refusals. The timing is bench_backward's (GPU)."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+from conftest import ROOT
+from fadsl.cli import main
+from fadsl.frontend.rewrite import rewrite_backward
+from fadsl.pipeline import compile_source
+from fadsl.tools import tune_backward
+from fadsl.tools.tune_build import OK, Built
+
+HDIM64 = (ROOT / "examples" / "fa3_hdim64.fa").read_text()
+HOPPER = (ROOT / "examples" / "fa3_hopper.fa").read_text()
+
+
+@functools.cache
+def variants_of(text: str):
+    """backward_variants, once per spec (each variant goes through every pass)."""
+    return tune_backward.backward_variants(text, "h.fa")
+
+
+def test_rewrite_backward_sets_adds_and_removes_lines_of_the_block_only():
+    text = rewrite_backward(
+        HOPPER, {"stages": "3", "early_dv": "off", "deterministic": "on"}, {"dQ": None}, "t"
+    )
+    bwd = compile_source(text, "t.fa").kernel.backward
+    assert (bwd.stages, bwd.early_dv, bwd.deterministic, bwd.dq_red) == (3, False, True, False)
+    assert "kernel t {" in text and "dQ:" not in text.split("backward {")[1]
+    assert "# was 2" in text  # the replaced line's comment says what it was
+    # the forward's own `stages` and `overlap` lines are untouched
+    head_before, head_after = HOPPER.split("backward {")[0], text.split("backward {")[0]
+    assert head_after == head_before.replace("kernel fa3_hopper", "kernel t")
+    red = rewrite_backward(HDIM64, {}, {"dQ": "rf -red.add-> gmem"}, "u")
+    assert compile_source(red, "u.fa").kernel.backward.dq_red
+
+
+def test_rewrite_backward_needs_a_block():
+    plain = (ROOT / "examples" / "fa3_hdim256.fa").read_text()
+    with pytest.raises(ValueError, match="no backward block"):
+        rewrite_backward(plain, {"stages": "3"}, {}, "x")
+
+
+def test_the_variants_of_head_dim_64():
+    compiled, variants = variants_of(HDIM64)
+    base = compiled.kernel.backward
+    assert variants[0].backward == base and variants[0].text == HDIM64
+    admitted = [v for v in variants if v.backward is not None]
+    knobs = [tune_backward._knobs(v.backward) for v in admitted]
+    assert len(knobs) == len(set(knobs))  # no block twice, the input's not again
+    assert {v.backward.block_m for v in admitted} == {64, 128}
+    assert {v.backward.dq_red for v in admitted} == {False, True}
+    for v in admitted:  # each label says its block, and its text compiles to it
+        assert v.label == tune_backward.label_of(v.backward)
+        assert compile_source(v.text, "v.fa").kernel.backward.text() == v.backward.text()
+    refused = [v for v in variants if v.backward is None]
+    assert refused and all("SMEM plan needs" in v.reason for v in refused)
+    # a third stage fits B_r 128 only without dQ's staging buffer
+    assert any(v.backward.block_m == 128 and v.backward.stages == 3 for v in admitted)
+    assert all(
+        v.backward.dq_red for v in admitted if v.backward.block_m == 128 and v.backward.stages == 3
+    )
+
+
+def test_head_dim_128_refuses_b_r_128():
+    _, variants = variants_of(HOPPER)
+    wide = [v for v in variants if v.label.startswith("B_r 128")]
+    assert wide and all(v.backward is None and "needs head_dim 64" in v.reason for v in wide)
+    assert all(v.backward.block_m == 64 for v in variants if v.backward is not None)
+
+
+def test_without_a_gpu_the_variants_compile_then_it_stops(monkeypatch):
+    asked = []
+
+    def fake_build_all(jobs, workers):
+        for job in jobs:
+            asked.append(job)
+            yield Built(job.name, OK, compiled=compile_source(job.text, f"{job.name}.fa"))
+
+    monkeypatch.setattr(tune_backward, "build_all", fake_build_all)
+    monkeypatch.setattr(tune_backward, "_gpu", lambda: False)
+    with pytest.raises(tune_backward.NoGPUError, match="compiled into the cubin cache"):
+        tune_backward.tune_backward(HDIM64, "h.fa", seqlens=(1024,), hidden=2048, log=lambda s: 0)
+    assert asked and all(job.backward and job.dtypes == ("bf16",) for job in asked)
+    _, variants = variants_of(HDIM64)
+    assert len(asked) == sum(v.backward is not None for v in variants)
+
+
+def test_the_cli_lists_the_variants(capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    assert main(["tune", "--backward", "--list", "examples/fa3_hdim64.fa"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].endswith("(the input)") and out[0].startswith("B_r 128, overlap, dQ red.add")
+    assert any("[refused: the backward's SMEM plan needs" in line for line in out)
+
+
+@pytest.mark.parametrize(
+    "extra, word",
+    [(["--budget", "2"], "--budget"), (["--knobs", "stages"], "--knobs"), (["--fresh"], "--fresh")],
+)
+def test_the_cli_refuses_the_forward_search_options(capsys, monkeypatch, extra, word):
+    monkeypatch.chdir(ROOT)
+    assert main(["tune", "--backward", "examples/fa3_hdim64.fa", *extra]) == 1
+    assert f"leave out {word}" in capsys.readouterr().err
+
+
+def test_the_cli_refuses_a_forward_only_spec(capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    assert main(["tune", "--backward", "--list", "examples/fa3_hdim256.fa"]) == 1
+    assert "has no backward block" in capsys.readouterr().err
