@@ -10,6 +10,7 @@
 #   kvcache: tests/test_gpu_kvcache.py and test_gpu_serving_api.py (fadsl.attention_varlen and
 #   attention_with_kvcache), compute-sanitizer on scripts/sanitize_kvcache.py, KV_BENCH
 #   tune: fadsl tune on TUNE_SPEC within TUNE_BUDGET minutes, the winner then timed beside TUNE_AGAINST
+#   tunebackward: fadsl tune --backward on each of TUNE_BWD_SPECS (the training examples)
 #   backward: tests/test_gpu_backward.py, then the backward timed (fadsl bench --backward)
 #   for each example named in BWD_SPECS (NAME: with `backward {}` added; NAME+KEY...: those keys
 #   on, e.g. fa3_causal+overlap; see tests/test_gpu_backward.py training_spec) at BWD_SEQLENS;
@@ -144,6 +145,15 @@ if [[ $steps == *" kvcache "* ]]; then
   [[ ${KV_TESTS:-1} == 1 ]] && checked kvcache tests/test_gpu_kvcache.py scripts/sanitize_kvcache.py tests/test_gpu_serving_api.py
   for spec in ${KV_BENCH:-}; do
     python3 -P -m fadsl.cli bench "$spec" --json "$OUT/kvcache_$(basename "$spec" .fa).json" 2>&1 | grep -v "^\[" | tee -a "$OUT/bench_kvcache.log" | tail -30
+    status=$((status | ${PIPESTATUS[0]}))
+  done
+fi
+if [[ $steps == *" tunebackward "* ]]; then
+  # fadsl tune --backward on each of TUNE_BWD_SPECS (default the four training examples) at
+  # TUNE_BWD_SEQLENS, hidden 2048; each winner written to $OUT/tuned_bwd_NAME.fa
+  for spec in ${TUNE_BWD_SPECS:-examples/fa3_hopper.fa examples/fa3_causal.fa examples/fa3_hdim64.fa examples/fa3_hdim64_causal.fa}; do
+    python3 -P -m fadsl.cli tune --backward "$spec" --hidden 2048 --seqlens ${TUNE_BWD_SEQLENS:-1024,4096,16384} \
+      -o "$OUT/tuned_bwd_$(basename "$spec" .fa).fa" 2>&1 | grep -v "^\[" | tee -a "$OUT/tune_backward.log" | tail -30
     status=$((status | ${PIPESTATUS[0]}))
   done
 fi
