@@ -1,7 +1,7 @@
 """How fast can an SM stream a paged KV cache, by load mechanism (issue 31, decode bandwidth)?
 
 Decode reads K and V once; fadsl's decode kernel reaches 88-92 % of cuDNN's bandwidth (H200,
-session 18), with DRAM less busy than cuDNN keeps it. This probe streams the same paged cache
+2026-11-27), with DRAM less busy than cuDNN keeps it. This probe streams the same paged cache
 (pages of 64 rows, (pages, 64, heads_kv, 128) bf16, a shuffled page table, the decode
 kernel's (sequence, head, piece) work split) into SMEM rings with no arithmetic, so that only
 the load path differs:

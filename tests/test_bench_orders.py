@@ -25,7 +25,7 @@ def test_each_contender_first_and_after_each_other_equally_often(n):
 
 def test_the_rotation_it_replaces_was_not_balanced():
     """Rotating [0, 1, 2, 3] by one each round keeps 3 right before 0, 0 before 1 ...: the
-    contender timed after FlashAttention-2 was always cuDNN (session 12)."""
+    contender timed after FlashAttention-2 was always cuDNN (until 2026-11-24)."""
     rotated = [[(i + r) % 4 for i in range(4)] for r in range(4)]
     pairs = Counter((a, b) for order in rotated for a, b in zip(order, order[1:]))
     assert pairs[(2, 3)] == 3 and pairs[(3, 2)] == 0

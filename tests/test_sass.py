@@ -80,10 +80,10 @@ def built(tmp_path_factory):
 # Examples timed without the overlap and kept for what they measured (the spec -> why).
 NO_OVERLAP = {
     "examples/fa3_hdim256_causal.fa": "ptxas issues 2 softmax instructions before the P V "
-    "wait at B_c 64; measured 1.15x / 1.05x cuDNN at 2048 / 8192 (H200, session 15); B_c 48 "
+    "wait at B_c 64; measured 1.15x / 1.05x cuDNN at 2048 / 8192 (H200, 2026-11-27); B_c 48 "
     "keeps 73, untimed; B_c 80 spills with the mask",
     "examples/fa3_hdim64_causal.fa": "24 at 3 consumers with rescale lazy (guarded spills "
-    "there); measured 0.83x / 1.11x cuDNN at 2048 / 8192 (H200, session 15); 2 consumers on "
+    "there); measured 0.83x / 1.11x cuDNN at 2048 / 8192 (H200, 2026-11-27); 2 consumers on "
     "128 x 128, guarded, keep 268, not run on a GPU yet",
 }
 
@@ -91,8 +91,8 @@ NO_OVERLAP = {
 @pytest.mark.parametrize("spec", SPECS)
 def test_the_softmax_overlaps_the_warpgroups_own_p_v(built, spec):
     """Two mainloops (masked iterations, then the rest); in the second, ptxas issues at least
-    32 of the softmax's instructions after S is in and before it waits for P V. Session 9
-    saw it issue none (the wait hoisted above the softmax, to free P's registers), and
+    32 of the softmax's instructions after S is in and before it waits for P V. On 2026-11-23
+    ptxas was seen to issue none (the wait hoisted above the softmax, to free P's registers), and
     fa3_hopper lose 3-5 %. The examples of NO_OVERLAP must still lack it (else they leave
     the list)."""
     (_, _, _), (label, overlap, size) = built[spec]

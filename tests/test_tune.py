@@ -163,7 +163,7 @@ def test_sm90_known_spill_rule():
     config = front_end(persistent_hdim64_causal()).config
     assert config.mask is Mask.CAUSAL and rule(config) is None  # lazy: fine
     guarded = replace(config, ext=replace(config.ext, rescale_mode=Rescale.GUARDED))
-    assert rule(guarded) is None  # no longer spills (session 17's header)
+    assert rule(guarded) is None  # no longer spills (the header since 2026-11-27)
     hd256 = front_end((ROOT / "examples" / "fa3_hdim256.fa").read_text()).config
     assert "spills" in rule(replace(hd256, ext=replace(hd256.ext, rescale_mode=Rescale.GUARDED)))
 

@@ -160,7 +160,7 @@ def kvcache_settings(k_cache, page_table, heads_q: int, windowed: bool) -> dict[
 
 # A causal varlen batch with a sequence this long runs a CTA per tile (`scheduler grid`):
 # the persistent CTAs' static pairs of q blocks balance one sequence's tiles but not tiles of
-# sequences of different lengths, which the hardware's dynamic hand-out does. H100, session 19,
+# sequences of different lengths, which the hardware's dynamic hand-out does. H100, 2026-11-27,
 # 32768-token mixes, lengths uniform in [L/8, L] (docs/performance.md): L = 16384 grid 648-654 /
 # persistent 617-622 TF/s (FA4 616-640), L = 4096 576 / 554-599, L = 1024 313 / 363-368.
 # Measured on an H100 only, and keyed on the longest sequence alone: one long sequence among

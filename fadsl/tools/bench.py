@@ -16,9 +16,9 @@ per round, and the median of its medians reported. An H100 under load sits at it
 and the cap acts on a running average, so a contender's clock depends on what ran just before
 it: the first after an idle gap runs fastest (seqlen 2048: 1980 MHz for the first, 1845-1890
 for the third), and so does the one after a contender that draws little power. A rotated
-order (sessions 10-11) still had every contender follow the same one in every round (cuDNN
+order (until 2026-11-23) still had every contender follow the same one in every round (cuDNN
 always followed PyTorch's FlashAttention-2 and ran at the highest clock at seqlen 2048,
-session 12). So the rounds follow a Williams design (``balanced_orders``): over its rounds
+2026-11-24). So the rounds follow a Williams design (``balanced_orders``): over its rounds
 every contender comes first, and follows each other contender, equally often; by
 default as many rounds as one full design takes (the contenders' count, twice that when odd).
 """

@@ -1,7 +1,7 @@
 """A cubin's SASS, read for the structure of its loops (nvdisasm's text; a development aid).
 
 What ptxas makes of the consumers' mainloop decides a good part of an sm_90a kernel's
-speed, and small source changes move it. In session 9 an unsigned ring index made ptxas
+speed, and small source changes move it. On 2026-11-23 an unsigned ring index made ptxas
 hoist the P V wait (``WARPGROUP.DEPBAR.LE gsb0, 0x0``) above the whole softmax in
 fa3_hopper, so the softmax no longer overlapped the warpgroup's own P V: -3 to -5 %.
 ``softmax_overlap`` counts that overlap; ``scripts/sass_loops.py`` prints it with each

@@ -309,7 +309,7 @@ def context(kernel: Kernel, dtype: Dtype) -> dict[str, Any]:
         # `varlen on`: packed sequences, a tile list written by <kernel>_varlen_tiles first
         "varlen": hw.varlen,
         # Q's wgmma descriptors rebuilt each block (issue_qk): varlen at head_dim 64 with
-        # rescale guarded spills them otherwise (48 bytes, session 18); other kernels keep
+        # rescale guarded spills them otherwise (48 bytes, 2026-11-27); other kernels keep
         # them in registers, their SASS unchanged. Keyed on the shape the spill was seen in,
         # not on register pressure: such a spec that would not spill pays a few integer
         # instructions a block too.

@@ -89,7 +89,7 @@ def likely_spills(config: Config) -> str | None:
     assert hw is not None
     if hw.rescale_mode is not Rescale.GUARDED:
         return None
-    # (Guarded with the causal mask at 160 registers spilled until session 17; since the
+    # (Guarded with the causal mask at 160 registers spilled until 2026-11-27; since the
     # varlen change to fadsl/sm90.cuh ptxas keeps it in registers: no longer pruned here.)
     if config.head_dim == 256:
         # docs/performance-history.md, run 11: fa3_hdim256 guarded spills at 240 registers

@@ -105,7 +105,7 @@ __device__ __forceinline__ void store_o_registers(const FwdParams& p, const Tile
 // <kernel>_combine's work split: each thread combines kCombineVecs float4s of its warpgroup
 // thread's O registers (a slice of its columns; blockIdx.y picks the slice), the pieces read
 // kCombineBatch at a time (their loads in flight together: one piece after another waited a
-// memory latency each, 14 us of a 153 us decode step at 16 pieces, H200 session 18).
+// memory latency each, 14 us of a 153 us decode step at 16 pieces, H200, 2026-11-27).
 constexpr int kCombineVecs = 2, kCombineBatch = 8;
 
 // <kernel>_combine: CTAs (split tile x consumer warpgroup, slice of O's columns) of 128

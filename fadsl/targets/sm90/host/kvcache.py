@@ -95,7 +95,7 @@ def choose_splits(kernel: Kernel, a, device_index: int, asked: int | None) -> in
     if count >= sms:
         return 1
     # as many pieces as fit on the SMs in one wave (one more would run a second wave on a
-    # few SMs: 17 x 8 tiles on 132 SMs took twice 16 x 8's time, H200 session 17)
+    # few SMs: 17 x 8 tiles on 132 SMs took twice 16 x 8's time, H200, 2026-11-27)
     return max(1, min(sms // count, blocks // MIN_BLOCKS_PER_SPLIT, MAX_SPLITS))
 
 
