@@ -15,10 +15,11 @@ order them is the pass's to find: nothing here says so.
   panel by panel into the ring slot, then LSE and D (bulk loads), completing on the slot's
   q_full;
 - the consumer warpgroups (bwd_consumer, or with ``overlap`` bwd_consumer_overlapped with
-  its helper meet_and_issue_dq inlined; both with reduce_dq inlined): dK and dV zeroed before the loop;
-  per m-block the front (S^T, dP^T, P, dS, both packed to 16 bits, dS^T to SMEM), then
-  the gradients' wgmmas, then dQ staged and reduce-added by the leader (through
-  ordered_reduce_add with ``deterministic``); dK and dV stored after the loop. The two
+  its helper meet_and_issue_dq inlined; both with reduce_dq inlined): dK and dV zeroed
+  before the loop; per m-block the front (S^T, dP^T, P, dS, both packed to 16 bits, dS^T
+  to SMEM), then the gradients' wgmmas, then dQ staged and reduce-added by the leader
+  (through ordered_reduce_add with ``deterministic``), or with ``dq_red`` added from every
+  thread's registers; dK and dV stored after the loop. The two
   consumers differ in the order after the front: bwd_consumer issues dV, dK, then dQ and
   stages dQ last; the overlapped one issues dQ first, then dV and dK, and stages dQ while
   they run. With ``early_dv`` the overlapped one issues dV inside the front instead, as

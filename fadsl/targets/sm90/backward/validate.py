@@ -8,6 +8,7 @@ What the first backward kernel supports (docs/backward.md, FlashAttention-3's ba
   CTA: each consumer warpgroup owns 64 of them, wgmma's M for S^T and dP^T), one producer
   and 2 consumer warpgroups, Q and dO rings of 2 or 3 stages;
 - `early_dv on` with `overlap on` only (it reorders the overlapped consumer);
+- dQ staged (its default path) or `rf -red.add-> gmem`, not with `deterministic on`;
 - setmaxnreg: the producer 24 to 56, the consumers at most 240, multiples of 8, their total
   within the CTA's launch allocation (as the forward's: setmaxnreg only moves registers
   within it);
