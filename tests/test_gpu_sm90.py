@@ -125,7 +125,8 @@ def as_grid_scheduler(text: str) -> str:
 @pytest.mark.parametrize("name", list(SPECS))
 def test_persistent_ctas_run_many_tiles(kernels, name, sq, sk):
     kern = kernels[name]
-    assert kern.config.ext.persistent
+    if not kern.config.ext.persistent:
+        pytest.skip("a CTA per tile (scheduler grid): test_matches_float32_reference covers it")
     d = kern.config.head_dim
     batch, hq, hkv = 3, 24, 8
     tiles = -(-sq // kern.config.block_r) * hq * batch
