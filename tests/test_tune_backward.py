@@ -114,3 +114,22 @@ def test_the_cli_refuses_a_forward_only_spec(capsys, monkeypatch):
     monkeypatch.chdir(ROOT)
     assert main(["tune", "--backward", "--list", "examples/fa3_hdim256.fa"]) == 1
     assert "has no backward block" in capsys.readouterr().err
+
+
+def test_the_result_table_names_the_variants_not_fadsl():
+    """The timing's contenders are the variants' labels (and SDPA's backends): the table puts
+    the winner first and its ratio to each, with no contender called "fadsl"."""
+    _, variants = variants_of(HOPPER)
+    first, second = [v.label for v in variants if v.backward is not None][:2]
+    timing = {
+        "kernel": "fa3_hopper",
+        "causal": False,
+        "rows": [{"seqlen": 1024, "tflops": {first: 400.0, second: 440.0, "cudnn": 400.0}}],
+    }
+    result = tune_backward.BackwardTuneResult(first, variants, timing=timing, winner=second)
+    result.scores = {first: 400.0, second: 440.0}
+    lines = result.table().splitlines()
+    assert any(second in line and "<- best" in line for line in lines)
+    header = next(line for line in lines if line.startswith("seqlen"))
+    assert header.index(second) < header.index(first) < header.index("cudnn")  # winner first
+    assert lines[-1].split()[-2:] == ["1.10", "1.10"]  # 440 / 400 against each

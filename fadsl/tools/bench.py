@@ -121,13 +121,19 @@ def median_times(
 
 
 def ratio_table(
-    title: str, key_header: str, rows: list[dict], key_cells, metric: str, digits: int = 1
+    title: str,
+    key_header: str,
+    rows: list[dict],
+    key_cells,
+    metric: str,
+    digits: int = 1,
+    first: str = "fadsl",
 ) -> str:
-    """``title``, then a line per row: its key cells, each contender's ``metric`` (fadsl
-    first, the others in the order first seen), and fadsl's ratio to each other contender
-    ('-' where one was not timed)."""
+    """``title``, then a line per row: its key cells, each contender's ``metric`` (``first``
+    first, the others in the order first seen), and ``first``'s ratio to each other
+    contender ('-' where one was not timed)."""
     seen = list(dict.fromkeys(n for row in rows for n in row[metric]))
-    names = sorted(seen, key=lambda n: n != "fadsl")  # (stable: fadsl first)
+    names = sorted(seen, key=lambda n: n != first)  # (stable: first first)
     lines = [
         title,
         key_header + "  ".join(f"{n:>8}" for n in names) + "".join(f"  x{n:>7}" for n in names[1:]),
@@ -137,7 +143,7 @@ def ratio_table(
         lines.append(
             key_cells(row)
             + "  ".join(f"{t[n]:8.{digits}f}" if n in t else f"{'-':>8}" for n in names)
-            + "".join(f"  {t['fadsl'] / t[n]:8.2f}" if n in t else f"  {'-':>8}" for n in names[1:])
+            + "".join(f"  {t[first] / t[n]:8.2f}" if n in t else f"  {'-':>8}" for n in names[1:])
         )
     return "\n".join(lines)
 

@@ -140,7 +140,8 @@ def _check(ours, theirs, name: str, seqlen: int, label: str = "fadsl") -> None:
             )
 
 
-def table(result: dict) -> str:
+def table(result: dict, first: str = "fadsl") -> str:
+    """The timing as a table, ``first`` (a contender's name) first with its ratio to each."""
     mask = "causal" if result["causal"] else "no mask"
     return ratio_table(
         f"{result['kernel']} backward ({mask}), TF/s = 2.5 x forward FLOPs / time",
@@ -148,4 +149,5 @@ def table(result: dict) -> str:
         result["rows"],
         lambda row: f"{row['seqlen']:6d}  ",
         "tflops",
+        first=first,
     )

@@ -76,7 +76,7 @@ class BackwardTuneResult:
         if self.timing is not None:
             from .bench_backward import table
 
-            lines += ["", table(self.timing)]
+            lines += ["", table(self.timing, first=self.winner)]
         return "\n".join(lines)
 
 
