@@ -13,9 +13,20 @@ from ._version import __version__
 
 from .errors import BuildError, Loc, SpecError
 from .runtime.attention import FlashAttention, build_ahead, load
-from .runtime.dispatch import attention, attention_varlen, attention_with_kvcache
-from .runtime.kvcache import append_kv
 from .tools.tune import NoGPUError, TuneResult, tune
+
+# The public calls import torch (fadsl/runtime/public.py): loaded on first use, so that
+# `import fadsl` (and the CLI) stays quick.
+_PUBLIC_CALLS = ("append_kv", "attention", "attention_varlen", "attention_with_kvcache")
+
+
+def __getattr__(name: str):
+    if name in _PUBLIC_CALLS:
+        from .runtime import public
+
+        return getattr(public, name)
+    raise AttributeError(f"module 'fadsl' has no attribute {name!r}")
+
 
 __all__ = [
     "__version__",

@@ -119,6 +119,7 @@ def test_a_long_causal_batch_runs_a_cta_per_tile_and_matches(monkeypatch, head_d
     starts = [0, *torch.tensor(lengths).cumsum(0).tolist()]
     cu = torch.tensor(starts, dtype=torch.int32, device="cuda")
     ran = []
+    monkeypatch.setattr(dispatch, "_CHOSEN", {})
     serving_kernel = dispatch._serving_kernel
     monkeypatch.setattr(
         dispatch, "_serving_kernel", lambda *a: ran.append(serving_kernel(*a)) or ran[-1]

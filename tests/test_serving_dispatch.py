@@ -241,18 +241,26 @@ def test_serving_calls_check_q_by_name_before_any_gpu_is_asked():
 def test_a_bad_argument_is_named_before_new_tokens_are_written(monkeypatch):
     """attention_with_kvcache checks every argument (the kernel's own checks) before it
     appends k and v to the cache: a refused call leaves the cache as it was."""
-    from fadsl.runtime import dispatch
+    from types import SimpleNamespace
+
+    from fadsl.runtime import append, dispatch, public
 
     calls = []
 
     class Refusing:
+        def __init__(self, windowed: bool) -> None:
+            self.config = SimpleNamespace(window=object() if windowed else None)
+
         def check_kvcache_call(self, *args):
             calls.append("checked")
             raise ValueError("softmax_scale must be finite and positive, got -1")
 
-    monkeypatch.setattr(dispatch, "_check_q", lambda q, dims, shape: None)
-    monkeypatch.setattr(dispatch, "_serving_kernel", lambda kind, q, settings: Refusing())
-    monkeypatch.setattr(dispatch, "append_kv", lambda *args: calls.append("appended"))
+    monkeypatch.setattr(public, "check_q", lambda q, dims, shape: None)
+    monkeypatch.setattr(dispatch, "_CHOSEN", {})
+    monkeypatch.setattr(
+        dispatch, "_serving_kernel", lambda kind, q, s: Refusing("window" in s["mask"])
+    )
+    monkeypatch.setattr(append, "launch_append", lambda *args: calls.append("appended"))
     cache = torch.zeros(2, 64, 8, 128)
     new = torch.zeros(2, 1, 8, 128)
     q = torch.zeros(2, 1, 32, 128)
@@ -264,6 +272,37 @@ def test_a_bad_argument_is_named_before_new_tokens_are_written(monkeypatch):
     with pytest.raises(ValueError, match=r"num_splits=4 with a sliding window"):
         fadsl.attention_with_kvcache(q, cache, cache, None, window_size=(64, 0), num_splits=4)
     assert calls == ["checked"]  # neither reached the kernel's checks nor the append
+
+
+def test_a_call_after_the_first_finds_its_kernel_with_one_lookup(monkeypatch):
+    """The serving calls remember the kernel a call's arguments chose: the second call with
+    the same arguments loads nothing; a bool never passes for the int it equals."""
+    from fadsl.runtime import dispatch
+
+    chosen = []
+    monkeypatch.setattr(dispatch, "_CHOSEN", {})
+    monkeypatch.setattr(
+        dispatch, "_serving_kernel", lambda kind, q, s: chosen.append(s) or object()
+    )
+    q = torch.zeros(2, 1, 32, 128)
+    cache = torch.zeros(4, 64, 8, 128)
+    table = torch.zeros(2, 2, dtype=torch.int32)
+    first = dispatch.kvcache_kernel(q, cache, table, True, (-1, -1), 0)
+    assert dispatch.kvcache_kernel(q, cache, table, True, [-1, -1], 0) is first
+    assert len(chosen) == 1 and chosen[0]["kv_cache"] == "paged(64)"
+    assert dispatch.kvcache_kernel(q, cache, None, True, (-1, -1), 0) is not first
+    assert chosen[-1]["kv_cache"] == "contiguous"
+    with pytest.raises(TypeError, match="softcap must be a number"):
+        dispatch.kvcache_kernel(q, cache, table, True, (-1, -1), False)
+    with pytest.raises(TypeError, match="window_size must be a pair of ints"):
+        dispatch.kvcache_kernel(q, cache, table, True, (True, -1), 0)
+    with pytest.raises(TypeError, match="window_size must be a pair of ints"):
+        dispatch.kvcache_kernel(q, cache, table, True, ([1], -1), 0)
+    packed = torch.zeros(8, 32, 128)
+    long = dispatch.varlen_kernel(packed, True, (-1, -1), 0, 1 << 20)
+    assert chosen[-1].get("scheduler") == "grid"
+    assert dispatch.varlen_kernel(packed, True, (-1, -1), 0, None) is not long
+    assert dispatch.varlen_kernel(packed, True, (-1, -1), 0, 1 << 21) is long
 
 
 _ANY = st.one_of(

@@ -1,8 +1,9 @@
 """Serving knobs on sm_90a without a GPU: `varlen on`, `kv_cache contiguous|paged(N)`,
 `pack_gqa on` and `splits auto` in a spec (the config, its IR line, the located refusals,
 explain), the host's params structs over CPU tensors (the TMA encoder replaced by a
-recorder), the split count, the varlen workspace bounds, bench_varlen's lengths and
-append_kv. The GPU runs the kernels: tests/test_gpu_varlen.py, tests/test_gpu_kvcache.py."""
+recorder), the split count, the varlen workspace bounds, bench_varlen's lengths
+(append_kv: tests/test_append_kv.py). The GPU runs the kernels: tests/test_gpu_varlen.py,
+tests/test_gpu_kvcache.py."""
 
 from __future__ import annotations
 
@@ -25,7 +26,6 @@ from fadsl.errors import SpecError
 from fadsl.ir.printer import format_kernel
 from ir_reader import read_kernel
 from fadsl.pipeline import compile_source
-from fadsl.runtime.kvcache import append_kv
 from fadsl.targets.launch import FWD_PARAMS, FWD_PARAMS_FIELDS
 from fadsl.targets.sm90.config import Sm90Config, read_config
 from fadsl.targets.sm90.host.launch import DIVISORS, SM90_BASE_OFFSET, SM90_PARAMS_BYTES
@@ -495,58 +495,6 @@ def test_bench_varlen_check_chunks_heads_and_still_catches_a_wrong_row(
     out[7 + 39, 3, 5] += 1.0  # the longest sequence's last row, the last head
     with pytest.raises(RuntimeError, match="sequence 2 .* differs from float32"):
         bench_varlen._check(out, q, k, v, lengths, d**-0.5, causal, 40)
-
-
-# --- append_kv ---------------------------------------------------------------------------
-
-
-def test_append_kv_writes_after_each_contiguous_batchs_keys():
-    gen = torch.Generator().manual_seed(0)
-    k_cache, v_cache = torch.zeros(2, 8, 2, 4), torch.zeros(2, 8, 2, 4)
-    k_new, v_new = torch.randn(2, 3, 2, 4, generator=gen), torch.randn(2, 3, 2, 4, generator=gen)
-    append_kv(k_cache, v_cache, k_new, v_new, torch.tensor([5, 0], dtype=torch.int32))
-    want_k, want_v = torch.zeros(2, 8, 2, 4), torch.zeros(2, 8, 2, 4)
-    want_k[0, 5:8], want_k[1, 0:3] = k_new[0], k_new[1]
-    want_v[0, 5:8], want_v[1, 0:3] = v_new[0], v_new[1]
-    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
-    with pytest.raises((IndexError, RuntimeError)):  # past the capacity
-        append_kv(k_cache, v_cache, k_new, v_new, torch.tensor([6, 0], dtype=torch.int32))
-
-
-def test_append_kv_writes_through_the_page_table():
-    gen = torch.Generator().manual_seed(1)
-    size = 4
-    k_cache, v_cache = torch.zeros(6, size, 2, 8), torch.zeros(6, size, 2, 8)
-    table = torch.tensor([[5, 1, 3], [0, 2, 4]], dtype=torch.int32)
-    seqlens = torch.tensor([3, 6], dtype=torch.int32)
-    k_new, v_new = torch.randn(2, 3, 2, 8, generator=gen), torch.randn(2, 3, 2, 8, generator=gen)
-    append_kv(k_cache, v_cache, k_new, v_new, seqlens, table)
-    want_k, want_v = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
-    for b in range(2):
-        for i in range(3):
-            pos = int(seqlens[b]) + i
-            page = int(table[b, pos // size])
-            want_k[page, pos % size] = k_new[b, i]
-            want_v[page, pos % size] = v_new[b, i]
-    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
-    assert torch.equal(k_cache[5, 3], k_new[0, 0]) and torch.equal(k_cache[4, 0], k_new[1, 2])
-    assert not k_cache[5, :3].any() and not k_cache[2, :2].any()  # the older keys untouched
-
-
-def test_append_kv_refuses_mismatched_new_rows():
-    k_cache, v_cache = torch.zeros(2, 8, 2, 4), torch.zeros(2, 8, 2, 4)
-    seqlens, new, three = (
-        torch.zeros(2, dtype=torch.int32),
-        torch.ones(2, 1, 2, 4),
-        torch.ones(2, 1, 3, 4),
-    )
-    with pytest.raises(ValueError, match=r"^k_new \(2, 1, 3, 4\)"):
-        append_kv(k_cache, v_cache, three, new, seqlens)
-    with pytest.raises(ValueError, match=r"^v_new .* dtype"):
-        append_kv(k_cache, v_cache, new, new.half(), seqlens)
-    with pytest.raises(ValueError, match="cache_seqlens"):
-        append_kv(k_cache, v_cache, new, new, seqlens.long())
-    assert not k_cache.any() and not v_cache.any()
 
 
 def test_num_splits_needs_splits_auto():

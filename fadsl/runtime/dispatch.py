@@ -1,6 +1,8 @@
-"""``fadsl.attention``: attention without writing a spec. It picks the spec a target ships
-for the GPU, the head dimension and the mask (``Target.shipped``: the tuned examples), loads
-it on first use (built once, then cached like any spec) and calls it."""
+"""Which kernel a public call runs (fadsl/runtime/public.py): the spec a target ships for the
+GPU, the head dimension and the mask (``Target.shipped``: the tuned examples), and for the
+serving calls the variant of the target's serving spec that the call's mask, softcap and
+cache select; each loaded on first use (built once, then cached like any spec), and each
+choice remembered, so that a call after the first finds its kernel with one lookup."""
 
 from __future__ import annotations
 
@@ -12,7 +14,6 @@ from .._data import data_dir
 from ..frontend.rewrite import rewrite
 from ..frontend.settings import MAX_WINDOW, PAGE_SIZES
 from .attention import FlashAttention, load
-from .kvcache import append_kv
 
 _LOADED: dict[str, FlashAttention] = {}
 
@@ -45,28 +46,29 @@ def shipped_spec(capability: tuple[int, int], head_dim: int, causal: bool) -> st
     )
 
 
-def attention(
-    q, k, v, causal: bool = False, softmax_scale: float | None = None, *, return_lse=False
-):
-    """softmax(q k^T * softmax_scale [+ causal mask]) v through a shipped spec for q's GPU.
-
-    q (batch, seqlen_q, heads_q, head_dim), k and v (batch, seqlen_k, heads_kv, head_dim) in
-    bf16 or fp16 on one CUDA device; heads_q a multiple of heads_kv (GQA, MQA). causal:
-    FlashAttention's bottom-right aligned mask. softmax_scale: 1 / sqrt(head_dim) if None.
-    Returns out, or (out, lse) with ``return_lse`` (lse: float32, natural log, shape
-    (batch, heads_q, seqlen_q)). The same checks and messages as a loaded spec's call.
-    """
-    import torch
-
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be True or False, got {causal!r}")
-    _check_q(q, 4, "batch, seqlen, heads, head_dim")
-    name = shipped_spec(torch.cuda.get_device_capability(q.device), q.shape[-1], causal)
+def attention_kernel(q, causal: bool) -> FlashAttention:
+    """The shipped spec's kernel for q's GPU, head dimension and the mask, loaded once (then
+    built once and cached like any spec)."""
+    name = shipped_spec(device_capability(q.device), q.shape[-1], causal)
     kern = _LOADED.get(name)
     if kern is None:
         text = data_dir("examples").joinpath(f"{name}.fa").read_text()
         kern = _LOADED[name] = load(text, verbose=False)
-    return kern(q, k, v, softmax_scale, return_lse=return_lse)
+    return kern
+
+
+_CAPABILITY: dict[int, tuple[int, int]] = {}
+
+
+def device_capability(device) -> tuple[int, int]:
+    """The compute capability of a CUDA device (asked once per device)."""
+    import torch
+
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    found = _CAPABILITY.get(index)
+    if found is None:
+        found = _CAPABILITY[index] = torch.cuda.get_device_capability(index)
+    return found
 
 
 # Serving calls (issue 31): the target's serving spec for the head dimension, with the lines a
@@ -177,9 +179,7 @@ def varlen_schedule(mask: str, max_seqlen_q) -> dict[str, str]:
 
 
 def _serving_kernel(kind: str, q, settings: dict[str, str]) -> FlashAttention:
-    import torch
-
-    name = shipped_serving_spec(kind, torch.cuda.get_device_capability(q.device), q.shape[-1])
+    name = shipped_serving_spec(kind, device_capability(q.device), q.shape[-1])
     key = (name, tuple(sorted(settings.items())))
     kern = _SERVING_LOADED.get(key)
     if kern is None:
@@ -187,6 +187,61 @@ def _serving_kernel(kind: str, q, settings: dict[str, str]) -> FlashAttention:
         text = rewrite(base, settings, {}, variant_name(name, settings))
         kern = _SERVING_LOADED[key] = load(text, verbose=False)
     return kern
+
+
+# A serving call's kernel by what chooses it (the call's Python arguments and q's and the
+# cache's static shape): one dict lookup a call once the first call with them has picked it.
+# Each value is keyed with its type, so that True never passes for 1 (the slow path refuses it).
+_CHOSEN: dict[tuple, FlashAttention] = {}
+
+
+def _typed(*values) -> tuple:
+    return tuple((type(x), _typed(*x) if type(x) is tuple else x) for x in values)
+
+
+def _chosen(key, choose) -> FlashAttention:
+    try:
+        kern = _CHOSEN.get(key)
+    except TypeError:  # an unhashable argument: the slow path names it
+        return choose()
+    if kern is None:
+        kern = _CHOSEN[key] = choose()
+    return kern
+
+
+def varlen_kernel(q, causal: bool, window_size, softcap, max_seqlen_q) -> FlashAttention:
+    """The shipped varlen spec's variant for the mask, softcap and schedule of a call."""
+    window = tuple(window_size) if isinstance(window_size, (tuple, list)) else window_size
+    key = ("varlen", q.device, q.shape[-1], *_typed(causal, window, softcap))
+    key += (isinstance(max_seqlen_q, int) and max_seqlen_q >= LONG_CAUSAL_ROWS,)
+
+    def choose() -> FlashAttention:
+        settings = serving_settings(causal, window_size, softcap)
+        settings.update(varlen_schedule(settings["mask"], max_seqlen_q))
+        return _serving_kernel("varlen", q, settings)
+
+    return _chosen(key, choose)
+
+
+def kvcache_kernel(q, k_cache, page_table, causal: bool, window_size, softcap) -> FlashAttention:
+    """The shipped kv-cache spec's variant for the mask, softcap, cache layout and query-head
+    packing of a call."""
+    import torch
+
+    window = tuple(window_size) if isinstance(window_size, (tuple, list)) else window_size
+    layout = None
+    if isinstance(k_cache, torch.Tensor) and k_cache.dim() == 4:
+        layout = (k_cache.shape[1] if page_table is not None else None, k_cache.shape[2])
+    key = ("kvcache", q.device, q.shape[-1], q.shape[2], layout)
+    key += _typed(causal, window, softcap)
+
+    def choose() -> FlashAttention:
+        settings = serving_settings(causal, window_size, softcap)
+        windowed = "window" in settings["mask"]
+        settings.update(kvcache_settings(k_cache, page_table, q.shape[2], windowed))
+        return _serving_kernel("kvcache", q, settings)
+
+    return _chosen(key, choose)
 
 
 def variant_name(base: str, settings: dict[str, str]) -> str:
@@ -206,116 +261,3 @@ def variant_name(base: str, settings: dict[str, str]) -> str:
         digest = hashlib.sha256(repr(sorted(settings.items())).encode()).hexdigest()[:8]
         name = f"{name[: MAX_NAME - 9]}_{digest}"
     return name
-
-
-def _check_q(q, dims: int, shape: str) -> None:
-    import torch
-
-    if not isinstance(q, torch.Tensor):
-        raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}")
-    if q.dim() != dims:
-        raise ValueError(f"q must be {dims}-d ({shape}), got shape {tuple(q.shape)}")
-    if q.device.type != "cuda":
-        raise ValueError(f"q must be on a CUDA device, got {q.device}")
-
-
-def attention_varlen(
-    q,
-    k,
-    v,
-    cu_seqlens_q,
-    cu_seqlens_k,
-    max_seqlen_q: int | None = None,
-    max_seqlen_k: int | None = None,
-    causal: bool = False,
-    softmax_scale: float | None = None,
-    *,
-    window_size=(-1, -1),
-    softcap: float = 0,
-    return_lse: bool = False,
-):
-    """Attention over a packed batch of sequences through a shipped spec (FlashAttention's
-    ``flash_attn_varlen_func``): q (tokens_q, heads_q, head_dim), k and v (tokens_k, heads_kv,
-    head_dim), bf16 or fp16 on one CUDA device; sequence b at rows cu_seqlens_q[b] ..
-    cu_seqlens_q[b + 1] - 1 of q and likewise of k and v (int32 prefix sums on q's device).
-    causal: bottom-right aligned per sequence. window_size (left, right): a sliding window,
-    -1 unbounded. softcap: scores capped by softcap tanh(s / softcap), 0 none (a whole
-    number). Returns the output, or (output, lse) with the LSE (heads_q, tokens_q), float32.
-    Each mask / softcap combination is its own kernel, built on its first call; a causal call
-    whose max_seqlen_q is LONG_CAUSAL_ROWS or more runs the spec with `scheduler grid` (a
-    wrong max_seqlen_q costs speed only: both schedules are exact for any lengths)."""
-    _check_q(q, 3, "tokens, heads, head_dim")
-    settings = serving_settings(causal, window_size, softcap)
-    settings.update(varlen_schedule(settings["mask"], max_seqlen_q))
-    kern = _serving_kernel("varlen", q, settings)
-    return kern.varlen(
-        q,
-        k,
-        v,
-        cu_seqlens_q,
-        cu_seqlens_k,
-        max_seqlen_q,
-        max_seqlen_k,
-        softmax_scale,
-        return_lse=return_lse,
-    )
-
-
-def attention_with_kvcache(
-    q,
-    k_cache,
-    v_cache,
-    cache_seqlens,
-    k=None,
-    v=None,
-    *,
-    page_table=None,
-    causal: bool = False,
-    softmax_scale: float | None = None,
-    window_size=(-1, -1),
-    softcap: float = 0,
-    num_splits: int | None = None,
-    return_lse: bool = False,
-):
-    """Attention of q against a KV cache through a shipped spec (FlashAttention's
-    ``flash_attn_with_kvcache``): q (batch, seqlen_q, heads_q, head_dim); k_cache and v_cache
-    contiguous (batch, capacity, heads_kv, head_dim), or paged (pages, page_size, heads_kv,
-    head_dim) with page_table (batch, max_pages) int32; cache_seqlens (batch,) int32: the keys
-    each batch's cache holds. k and v (batch, seqlen_new, heads_kv, head_dim), if given, are
-    written into the caches after those keys (fadsl.append_kv) once every argument has been
-    checked, and attended too; cache_seqlens is not advanced (the caller adds seqlen_new, as
-    with FlashAttention). causal: bottom-right aligned. window_size, softcap: as
-    attention_varlen's. num_splits: pieces per tile (None or 0: as many as fill the SMs in
-    one wave; 1: none; a window runs whole tiles). Returns the output, or (output, lse) with
-    the LSE (batch, heads_q, seqlen_q), float32. Unlike flash_attn_with_kvcache,
-    cache_seqlens comes before k and v: pass what follows them by keyword."""
-    _check_q(q, 4, "batch, seqlen, heads, head_dim")
-    settings = serving_settings(causal, window_size, softcap)
-    windowed = "window" in settings["mask"]
-    settings.update(kvcache_settings(k_cache, page_table, q.shape[2], windowed))
-    if (k is None) != (v is None):
-        raise ValueError("k and v: give the new tokens' keys and values both, or neither")
-    if windowed and isinstance(num_splits, int) and num_splits > 1:
-        raise ValueError(
-            f"num_splits={num_splits} with a sliding window: the windowed kernel runs whole "
-            "tiles (splits are not built with a window); leave num_splits None, 0 or 1"
-        )
-    kern = _serving_kernel("kvcache", q, settings)
-    # every argument checked before the new tokens are written into the cache
-    kern.check_kvcache_call(
-        q, k_cache, v_cache, cache_seqlens, page_table, softmax_scale, num_splits, return_lse
-    )
-    seqlens = cache_seqlens
-    if k is not None:
-        append_kv(k_cache, v_cache, k, v, cache_seqlens, page_table)
-        seqlens = cache_seqlens + k.shape[1]  # (int32 stays int32)
-    return kern.kvcache(
-        q,
-        k_cache,
-        v_cache,
-        seqlens,
-        page_table,
-        softmax_scale,
-        num_splits=num_splits,
-        return_lse=return_lse,
-    )

@@ -1,5 +1,5 @@
 """KV-cache calls of a `kv_cache` spec (FlashAttention's ``flash_attn_with_kvcache``
-convention), and ``append_kv``, which writes new tokens' keys and values into a cache.
+convention); fadsl/runtime/append.py writes new tokens' keys and values into a cache.
 
 q is (batch, seqlen_q, heads_q, head_dim). A contiguous cache (`kv_cache contiguous`) is
 (batch, capacity, heads_kv, head_dim); a paged one (`kv_cache paged(N)`) is (pages, N,
@@ -110,45 +110,3 @@ def run_kvcache(kern, dtype: Dtype, q, k_cache, v_cache, cache_seqlens, page_tab
         check_base(name, t, kern.config.target)
     kern.serving.kvcache(kern.compiled.kernel, kern.launcher(dtype, q.device.index), q, k_cache,
                          v_cache, cache_seqlens, page_table, out, lse, scale, num_splits)  # fmt: skip
-
-
-def append_kv(k_cache, v_cache, k_new, v_new, cache_seqlens, page_table=None) -> None:
-    """Write k_new and v_new (batch, seqlen_new, heads_kv, head_dim) into the caches after
-    each batch's cache_seqlens[b] keys (FlashAttention-3's AppendKV, as an op beside the
-    attention call): contiguous caches (batch, capacity, heads_kv, head_dim), or paged ones
-    (pages, page_size, heads_kv, head_dim) through page_table (batch, max_pages). Torch ops
-    on the device, so a CUDA graph captures it with the decode step; the caller advances
-    cache_seqlens. The lengths stay on the device, so positions past a batch's capacity (or
-    page-table entries outside the cache) are torch's index errors, on CUDA a device-side
-    assert that ends the process's CUDA context: keep cache_seqlens + seqlen_new within
-    the capacity."""
-    import torch
-
-    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 4:
-            raise ValueError(f"{name} must be a 4-D tensor")
-    for name, t in (("k_new", k_new), ("v_new", v_new)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 4:
-            raise ValueError(f"{name} must be a 4-D tensor (batch, seqlen_new, heads_kv, head_dim)")
-        if t.shape[2:] != k_cache.shape[2:] or t.dtype != k_cache.dtype:
-            raise ValueError(
-                f"{name} {tuple(t.shape)} {t.dtype} does not match the cache's heads, head_dim and "
-                f"dtype {tuple(k_cache.shape[2:])} {k_cache.dtype}"
-            )
-    if k_new.shape != v_new.shape or k_cache.shape != v_cache.shape:
-        raise ValueError("k_new and v_new, and k_cache and v_cache, must have the same shapes")
-    batch, new = k_new.shape[0], k_new.shape[1]
-    _int32_vector("cache_seqlens", cache_seqlens, k_cache.device, batch)
-    if page_table is None and k_cache.shape[0] != batch:
-        raise ValueError(f"k_new has batch {batch} but k_cache has {k_cache.shape[0]}")
-    positions = cache_seqlens.long()[:, None] + torch.arange(new, device=k_cache.device)[None, :]
-    if page_table is None:
-        rows = torch.arange(batch, device=k_cache.device)[:, None].expand(batch, new)
-        k_cache[rows, positions] = k_new
-        v_cache[rows, positions] = v_new
-        return
-    _int32_vector("page_table", page_table, k_cache.device, batch, dims=2)
-    size = k_cache.shape[1]
-    pages = torch.gather(page_table.long(), 1, positions // size)
-    k_cache[pages, positions % size] = k_new
-    v_cache[pages, positions % size] = v_new

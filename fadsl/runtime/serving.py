@@ -14,7 +14,7 @@ from .arguments import check_lse, check_scale, lse_shape
 
 class ServingCalls:
     """Needs of its host class: ``config``, ``compiled``, ``_launch``, ``_block``,
-    ``_more_modules``, ``_varlen_op``, ``_kvcache_op``, ``module``, ``cubin``,
+    ``_modules``, ``_more_modules``, ``_varlen_op``, ``_kvcache_op``, ``module``, ``cubin``,
     ``_check_out``."""
 
     # ------------------------------------------------------------------ serving
@@ -32,8 +32,9 @@ class ServingCalls:
 
         from .driver import Module
 
-        main = self.module(dtype, index)
+        main = self._modules.get((dtype, index)) or self.module(dtype, index)
         stream = current_stream(index)
+        elsewhere = index != torch.cuda.current_device()  # (a context switch costs host time)
 
         def launch(kl) -> None:
             module = main
@@ -46,7 +47,10 @@ class ServingCalls:
                         module = Module(entry.cubin, main.name + kl.suffix, 0, kl.block[0])
                         module.prepare(index)
                     self._more_modules[key] = module
-            with torch.cuda.device(index):
+            if elsewhere:
+                with torch.cuda.device(index):
+                    module.launch(kl.grid, kl.block, kl.params, stream, dependent=kl.dependent)
+            else:
                 module.launch(kl.grid, kl.block, kl.params, stream, dependent=kl.dependent)
 
         return launch
@@ -189,7 +193,7 @@ class ServingCalls:
         head_dim) or a paged one (pages, page_size, heads_kv, head_dim) with page_table
         (batch, max_pages) int32. Returns the output (q's shape), or ``(output, lse)`` with
         the LSE (batch, heads_q, seqlen_q). ``fadsl.append_kv`` writes new tokens first."""
-        scale = self.check_kvcache_call(
+        scale, dtype = self.check_kvcache_call(
             q, k_cache, v_cache, cache_seqlens, page_table, softmax_scale, num_splits, return_lse
         )
         if self._through_op((q, k_cache, v_cache), out):
@@ -198,16 +202,17 @@ class ServingCalls:
             )
             return (o, lse) if return_lse else o
         return self.kvcache_forward(
-            q, k_cache, v_cache, cache_seqlens, page_table, scale, num_splits, out, return_lse
-        )
+            q, k_cache, v_cache, cache_seqlens, page_table, scale, num_splits, out, return_lse,
+            dtype=dtype,
+        )  # fmt: skip
 
     def check_kvcache_call(
         self, q, k_cache, v_cache, cache_seqlens, page_table, softmax_scale, num_splits,
         return_lse,
-    ) -> float:  # fmt: skip
+    ) -> tuple[float, Dtype]:  # fmt: skip
         """Every check of a kv-cache call, each error naming the argument, before anything is
         written or launched (fadsl.attention_with_kvcache runs it before appending); the
-        scale to launch with."""
+        scale to launch with and the dtype."""
         from .kvcache import check_kvcache
 
         if not self.is_kvcache:
@@ -227,19 +232,20 @@ class ServingCalls:
             )
         if not isinstance(return_lse, bool):
             raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
-        check_kvcache(self, q, k_cache, v_cache, cache_seqlens, page_table)
-        return scale
+        return scale, check_kvcache(self, q, k_cache, v_cache, cache_seqlens, page_table)
 
     def kvcache_forward(
         self, q, k_cache, v_cache, cache_seqlens, page_table, scale, num_splits, out, return_lse,
-        lse=None,
+        lse=None, dtype=None,
     ):  # fmt: skip
-        """Check a kv-cache call's arguments, allocate what is missing and launch."""
+        """Check a kv-cache call's arguments (unless ``dtype`` says check_kvcache_call has),
+        allocate what is missing and launch."""
         import torch
 
         from .kvcache import check_kvcache, run_kvcache
 
-        dtype = check_kvcache(self, q, k_cache, v_cache, cache_seqlens, page_table)
+        if dtype is None:
+            dtype = check_kvcache(self, q, k_cache, v_cache, cache_seqlens, page_table)
         if out is None:
             out = torch.empty_like(q)
         else:

@@ -1,0 +1,183 @@
+"""fadsl's public calls: ``attention``, ``attention_varlen``, ``attention_with_kvcache`` and
+``append_kv``, each through a kernel a target ships (fadsl/runtime/dispatch.py chooses it).
+
+Each call is written for torch.compile as much as for eager use: under tracing, or when an
+input requires grad, it calls its custom op (fadsl/runtime/public_ops.py: fullgraph, dynamic
+shapes, autograd); an eager call without gradients calls the kernel directly, since the
+dispatcher costs host time. What dynamo traces here is argument checks and the op: no
+import statement, no file read, no kernel choice (the op makes it when it runs). torch is
+imported at the top, so ``fadsl`` loads this module on first use of one of its names
+(fadsl/__init__.py), and ``import fadsl`` alone stays quick.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import append, public_ops
+from .public_ops import attention_call, kvcache_call, varlen_call
+
+
+def check_q(q, dims: int, shape: str) -> None:
+    if not isinstance(q, torch.Tensor):
+        raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}")
+    if q.dim() != dims:
+        raise ValueError(f"q must be {dims}-d ({shape}), got shape {tuple(q.shape)}")
+    if q.device.type != "cuda":
+        raise ValueError(f"q must be on a CUDA device, got {q.device}")
+
+
+def _check_flag(name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r}")
+
+
+def _window(window_size) -> tuple[int, int]:
+    """(left, right) as ints (their ranges are the op's to check)."""
+    if (
+        not isinstance(window_size, (tuple, list))
+        or len(window_size) != 2
+        or not all(isinstance(w, int) and not isinstance(w, bool) for w in window_size)
+    ):
+        raise TypeError(f"window_size must be a pair of ints (left, right), got {window_size!r}")
+    return window_size[0], window_size[1]
+
+
+def _check_softcap(softcap) -> None:
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+        raise TypeError(f"softcap must be a number, got {type(softcap).__name__}")
+
+
+def _needs_grad(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(
+        isinstance(t, torch.Tensor) and t.requires_grad for t in tensors
+    )
+
+
+def attention(
+    q, k, v, causal: bool = False, softmax_scale: float | None = None, *, return_lse=False
+):
+    """softmax(q k^T * softmax_scale [+ causal mask]) v through a shipped spec for q's GPU.
+
+    q (batch, seqlen_q, heads_q, head_dim), k and v (batch, seqlen_k, heads_kv, head_dim) in
+    bf16 or fp16 on one CUDA device; heads_q a multiple of heads_kv (GQA, MQA). causal:
+    FlashAttention's bottom-right aligned mask. softmax_scale: 1 / sqrt(head_dim) if None.
+    Returns out, or (out, lse) with ``return_lse`` (lse: float32, natural log, shape
+    (batch, heads_q, seqlen_q)). Gradients flow through q, k and v (and the LSE) where the
+    shipped spec has a backward. torch.compile(fullgraph=True) traces it. The same checks and
+    messages as a loaded spec's call.
+    """
+    _check_flag("causal", causal)
+    _check_flag("return_lse", return_lse)
+    check_q(q, 4, "batch, seqlen, heads, head_dim")
+    grad = _needs_grad(q, k, v)
+    if grad or torch.compiler.is_compiling():
+        # with gradients the LSE is saved for the backward whether or not the caller asked
+        out, lse = public_ops.attention(q, k, v, causal, softmax_scale, return_lse or grad)
+        return (out, lse) if return_lse else out
+    return attention_call(q, k, v, causal, softmax_scale, return_lse)
+
+
+def attention_varlen(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    *,
+    window_size=(-1, -1),
+    softcap: float = 0,
+    return_lse: bool = False,
+):
+    """Attention over a packed batch of sequences through a shipped spec (FlashAttention's
+    ``flash_attn_varlen_func``): q (tokens_q, heads_q, head_dim), k and v (tokens_k, heads_kv,
+    head_dim), bf16 or fp16 on one CUDA device; sequence b at rows cu_seqlens_q[b] ..
+    cu_seqlens_q[b + 1] - 1 of q and likewise of k and v (int32 prefix sums on q's device).
+    causal: bottom-right aligned per sequence. window_size (left, right): a sliding window,
+    -1 unbounded. softcap: scores capped by softcap tanh(s / softcap), 0 none (a whole
+    number). Returns the output, or (output, lse) with the LSE (heads_q, tokens_q), float32.
+    Each mask / softcap combination is its own kernel, built on its first call; a causal call
+    whose max_seqlen_q is LONG_CAUSAL_ROWS or more runs the spec with `scheduler grid` (a
+    wrong max_seqlen_q costs speed only: both schedules are exact for any lengths).
+    torch.compile(fullgraph=True) traces it; gradients raise (no varlen backward yet)."""
+    _check_flag("causal", causal)
+    _check_flag("return_lse", return_lse)
+    check_q(q, 3, "tokens, heads, head_dim")
+    left, right = _window(window_size)
+    _check_softcap(softcap)
+    args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal)
+    if torch.compiler.is_compiling() or _needs_grad(q, k, v):
+        out, lse = public_ops.attention_varlen(
+            *args, softmax_scale, left, right, float(softcap), return_lse
+        )
+        return (out, lse) if return_lse else out
+    return varlen_call(*args, softmax_scale, window_size, softcap, return_lse)
+
+
+def attention_with_kvcache(
+    q,
+    k_cache,
+    v_cache,
+    cache_seqlens,
+    k=None,
+    v=None,
+    *,
+    page_table=None,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    window_size=(-1, -1),
+    softcap: float = 0,
+    num_splits: int | None = None,
+    return_lse: bool = False,
+):
+    """Attention of q against a KV cache through a shipped spec (FlashAttention's
+    ``flash_attn_with_kvcache``): q (batch, seqlen_q, heads_q, head_dim); k_cache and v_cache
+    contiguous (batch, capacity, heads_kv, head_dim), or paged (pages, page_size, heads_kv,
+    head_dim) with page_table (batch, max_pages) int32; cache_seqlens (batch,) int32: the keys
+    each batch's cache holds. k and v (batch, seqlen_new, heads_kv, head_dim), if given, are
+    written into the caches after those keys (fadsl.append_kv) once every argument has been
+    checked, and attended too; cache_seqlens is not advanced (the caller adds seqlen_new, as
+    with FlashAttention). A batch whose keys would not fit (cache_seqlens + seqlen_new past
+    its capacity, a negative length, a page-table entry outside the cache) has nothing
+    written out of bounds and its rows of the output NaN; the CUDA context lives on.
+    causal: bottom-right aligned. window_size, softcap: as attention_varlen's. num_splits:
+    pieces per tile (None or 0: as many as fill the SMs in one wave; 1: none; a window runs
+    whole tiles). Returns the output, or (output, lse) with the LSE (batch, heads_q,
+    seqlen_q), float32. Unlike flash_attn_with_kvcache, cache_seqlens comes before k and v:
+    pass what follows them by keyword. torch.compile(fullgraph=True) traces it."""
+    _check_flag("causal", causal)
+    _check_flag("return_lse", return_lse)
+    check_q(q, 4, "batch, seqlen, heads, head_dim")
+    left, right = _window(window_size)
+    _check_softcap(softcap)
+    if _needs_grad(q, k_cache, v_cache, k, v):
+        raise RuntimeError(
+            "fadsl.attention_with_kvcache has no backward; call it under torch.no_grad() or "
+            "on detached inputs"
+        )
+    args = (q, k_cache, v_cache, cache_seqlens, k, v, page_table, causal, softmax_scale)
+    if torch.compiler.is_compiling():
+        out, lse = public_ops.attention_with_kvcache(
+            *args, left, right, float(softcap), num_splits, return_lse
+        )
+        return (out, lse) if return_lse else out
+    return kvcache_call(*args, window_size, softcap, num_splits, return_lse)
+
+
+def append_kv(k_cache, v_cache, k_new, v_new, cache_seqlens, page_table=None) -> None:
+    """Write k_new and v_new (batch, seqlen_new, heads_kv, head_dim) into the caches after
+    each batch's cache_seqlens[b] keys (FlashAttention-3's AppendKV, as an op beside the
+    attention call): contiguous caches (batch, capacity, heads_kv, head_dim), or paged ones
+    (pages, page_size, heads_kv, head_dim) through page_table (batch, max_pages). One kernel
+    on the device (a CUDA graph captures it with the decode step; torch.compile traces it);
+    the caller advances cache_seqlens. The lengths stay on the device, so the kernel guards
+    the writes: a token whose position falls past its batch's capacity, after a negative
+    length, or on a page-table entry outside the cache is not written (fadsl/runtime/append.py)."""
+    if torch.compiler.is_compiling():
+        public_ops.append_kv(k_cache, v_cache, k_new, v_new, cache_seqlens, page_table)
+    else:
+        append.append_kv(k_cache, v_cache, k_new, v_new, cache_seqlens, page_table)
