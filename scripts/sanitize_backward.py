@@ -8,7 +8,7 @@ import torch
 sys.path.insert(0, "tests")
 from test_gpu_backward import FORWARDS, PLAIN, VARIANTS, kernel  # noqa: E402
 
-for name in FORWARDS + PLAIN + VARIANTS + ("fa3_hopper+deterministic",):
+for name in FORWARDS + PLAIN + VARIANTS + ("fa3_hopper+deterministic-dqred",):
     kern = kernel(name)
     d = kern.config.head_dim
     q, k, v, dout = (

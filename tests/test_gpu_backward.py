@@ -229,11 +229,11 @@ def test_cuda_graph_captures_forward_and_backward():
 
 
 DETERMINISTIC = (
-    "fa3_hopper+deterministic",
-    "fa3_causal+deterministic",
+    "fa3_hopper+deterministic-dqred",
+    "fa3_causal+deterministic-dqred",
     "fa3_hdim64+deterministic-dqred",
     "fa3_hdim64+br64+deterministic-dqred",
-    "fa3_causal+deterministic-early_dv",
+    "fa3_causal+deterministic+early_dv-dqred",
 )
 
 

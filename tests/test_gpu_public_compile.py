@@ -47,7 +47,8 @@ def test_attention_forward_and_backward_compile(head_dim, causal):
     traced = [t.clone().requires_grad_() for t in (q, k, v)]
     loss_c, out_c = fullgraph(step)(*traced)
     loss_c.backward()
-    assert torch.equal(out_c, out) and torch.equal(loss_c, loss)
+    assert torch.equal(out_c, out)  # (the loss's sums may add in another order)
+    torch.testing.assert_close(loss_c, loss, rtol=1e-5, atol=0)
     # dK and dV are each CTA's own; dQ is added up across CTAs in whatever order they finish
     torch.testing.assert_close(traced[0].grad, eager[0].grad, atol=2e-3, rtol=1e-2)
     assert torch.equal(traced[1].grad, eager[1].grad) and torch.equal(traced[2].grad, eager[2].grad)

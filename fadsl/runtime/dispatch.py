@@ -49,7 +49,9 @@ def shipped_spec(capability: tuple[int, int], head_dim: int, causal: bool) -> st
 def attention_kernel(q, causal: bool) -> FlashAttention:
     """The shipped spec's kernel for q's GPU, head dimension and the mask, loaded once (then
     built once and cached like any spec)."""
-    name = shipped_spec(device_capability(q.device), q.shape[-1], causal)
+    # int(): under torch.compile(dynamic=True) a size is a SymInt; the kernel is chosen by
+    # its value (a guard), as a spec's own head_dim is fixed
+    name = shipped_spec(device_capability(q.device), int(q.shape[-1]), causal)
     kern = _LOADED.get(name)
     if kern is None:
         text = data_dir("examples").joinpath(f"{name}.fa").read_text()
@@ -143,14 +145,14 @@ def kvcache_settings(k_cache, page_table, heads_q: int, windowed: bool) -> dict[
     if page_table is None:
         layout = "contiguous"
     else:
-        page = k_cache.shape[1]
+        page = int(k_cache.shape[1])  # (a SymInt under dynamic shapes: its value)
         if page not in PAGE_SIZES:
             raise ValueError(
                 f"k_cache.shape[1] (the page size) = {page}: the shipped kv-cache spec takes "
                 f"pages of {', '.join(map(str, PAGE_SIZES))} keys"
             )
         layout = f"paged({page})"
-    heads_kv = k_cache.shape[2]
+    heads_kv = int(k_cache.shape[2])
     group = heads_q // heads_kv if heads_kv and heads_q % heads_kv == 0 else 0
     pack = group > 0 and 64 % group == 0 and not windowed
     return {
@@ -179,7 +181,7 @@ def varlen_schedule(mask: str, max_seqlen_q) -> dict[str, str]:
 
 
 def _serving_kernel(kind: str, q, settings: dict[str, str]) -> FlashAttention:
-    name = shipped_serving_spec(kind, device_capability(q.device), q.shape[-1])
+    name = shipped_serving_spec(kind, device_capability(q.device), int(q.shape[-1]))
     key = (name, tuple(sorted(settings.items())))
     kern = _SERVING_LOADED.get(key)
     if kern is None:
@@ -212,7 +214,7 @@ def _chosen(key, choose) -> FlashAttention:
 def varlen_kernel(q, causal: bool, window_size, softcap, max_seqlen_q) -> FlashAttention:
     """The shipped varlen spec's variant for the mask, softcap and schedule of a call."""
     window = tuple(window_size) if isinstance(window_size, (tuple, list)) else window_size
-    key = ("varlen", q.device, q.shape[-1], *_typed(causal, window, softcap))
+    key = ("varlen", q.device, int(q.shape[-1]), *_typed(causal, window, softcap))
     key += (isinstance(max_seqlen_q, int) and max_seqlen_q >= LONG_CAUSAL_ROWS,)
 
     def choose() -> FlashAttention:
@@ -231,14 +233,14 @@ def kvcache_kernel(q, k_cache, page_table, causal: bool, window_size, softcap) -
     window = tuple(window_size) if isinstance(window_size, (tuple, list)) else window_size
     layout = None
     if isinstance(k_cache, torch.Tensor) and k_cache.dim() == 4:
-        layout = (k_cache.shape[1] if page_table is not None else None, k_cache.shape[2])
-    key = ("kvcache", q.device, q.shape[-1], q.shape[2], layout)
+        layout = (int(k_cache.shape[1]) if page_table is not None else None, int(k_cache.shape[2]))
+    key = ("kvcache", q.device, int(q.shape[-1]), int(q.shape[2]), layout)
     key += _typed(causal, window, softcap)
 
     def choose() -> FlashAttention:
         settings = serving_settings(causal, window_size, softcap)
         windowed = "window" in settings["mask"]
-        settings.update(kvcache_settings(k_cache, page_table, q.shape[2], windowed))
+        settings.update(kvcache_settings(k_cache, page_table, int(q.shape[2]), windowed))
         return _serving_kernel("kvcache", q, settings)
 
     return _chosen(key, choose)
