@@ -187,3 +187,30 @@ def test_target_knowledge_lives_in_the_targets_package():
             if TARGET_WORDS.search(text):
                 found.append(f"{path.relative_to(ROOT)}:{line}: {text!r}")
     assert found == []
+
+
+TARGET_PACKAGE = re.compile(r"^fadsl\.targets\.sm\d")
+
+
+def target_package_imports(graph: dict[str, set[str]]) -> list[str]:
+    """'a -> b' for each import of a target's own package (fadsl.targets.sm*) by a module
+    outside fadsl.targets: the rest of fadsl asks the Target (fadsl.targets.get) instead."""
+    return [
+        f"{module} -> {imported}"
+        for module in sorted(graph)
+        if not module.startswith("fadsl.targets")
+        for imported in sorted(graph[module])
+        if TARGET_PACKAGE.match(imported)
+    ]
+
+
+def test_only_the_targets_import_a_targets_package():
+    graph = {name: imports_of(name) for name in MODULES}
+    assert target_package_imports(graph) == []
+
+
+def test_the_target_package_check_finds_an_import():
+    graph = {name: set(imports_of(name)) for name in MODULES}
+    graph["fadsl.tools.tiletrace"].add("fadsl.targets.sm90.caps")
+    graph["fadsl.targets.launch"].add("fadsl.targets.sm90.caps")  # (inside: allowed)
+    assert target_package_imports(graph) == ["fadsl.tools.tiletrace -> fadsl.targets.sm90.caps"]

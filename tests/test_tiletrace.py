@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from fadsl import targets
 from fadsl.tools import tiletrace
 from fadsl.build.nvrtc import compile_cubin, nvrtc_available
 
@@ -24,7 +25,7 @@ def _trace(stamps: dict[tuple[int, int, int], list[int]]) -> list[int]:
 
 
 def test_the_layout_is_the_headers_and_unpacks_its_bytes():
-    layout = tiletrace.Layout.of_header()
+    layout = tiletrace.Layout.of_target(targets.get("sm_90a"))
     assert layout == tiletrace.Layout(ctas=160, warpgroups=3, steps=128, marks=8)
     raw = bytes(8 * layout.ctas * layout.warpgroups * layout.steps * layout.marks)
     stamps = layout.unpack(raw[:8] + (7).to_bytes(8, "little") + raw[16:])
@@ -79,7 +80,9 @@ def test_a_traced_build_stamps_the_globaltimer_and_a_plain_one_does_not(tmp_path
     kern = fadsl.load(str(ROOT / "examples" / "fa3_hdim64.fa"), verbose=False)
     request = kern.request(Dtype.BF16, "sm_90a")
     marks = [int(m) for m in re.findall(r"FADSL_TILE_MARK\(step, (\d+)\)", request.text)]
-    assert marks == list(range(tiletrace.Layout.of_header().marks))  # each once, in order
+    assert marks == list(
+        range(tiletrace.Layout.of_target(targets.get("sm_90a")).marks)
+    )  # each once, in order
     traced = compile_cubin(
         "#define FADSL_TILE_TRACE 1\n" + request.text,
         request.filename,

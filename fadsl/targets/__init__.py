@@ -131,6 +131,9 @@ class Target:
     alone: Callable[[Kernel], Kernel | None] | None = None
     # The host side: params, grid, clusters (fadsl/targets/<package>/host).
     launch: Launch | None = None
+    # The header that declares the tile timeline's layout (a FADSL_TILE_TRACE build,
+    # fadsl/tools/tiletrace.py); None: the target's kernels record no timeline.
+    trace_header: str | None = None
     # fadsl.attention's specs: (head_dim, causal) -> an example's name (examples/NAME.fa)
     shipped: Mapping[tuple[int, bool], str] = dataclasses.field(default_factory=dict)
     # fadsl.attention_varlen / attention_with_kvcache: ("varlen" or "kvcache", head_dim) -> a

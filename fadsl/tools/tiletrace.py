@@ -17,7 +17,6 @@ import struct
 from dataclasses import dataclass
 
 from ..codegen.render import read_header
-from ..targets.sm90.caps import TRACE_HEADER
 
 PHASES = (
     ("Q, K, turn", 0, 1),  # the waits before the first S = Q K^T, and its issue
@@ -42,8 +41,11 @@ class Layout:
     marks: int
 
     @classmethod
-    def of_header(cls) -> "Layout":
-        text = read_header(TRACE_HEADER)
+    def of_target(cls, target) -> "Layout":
+        """The layout ``target``'s trace header declares (a ``fadsl.targets.Target``)."""
+        if target.trace_header is None:
+            raise ValueError(f"target {target.name} records no tile timeline")
+        text = read_header(target.trace_header)
         sizes = [
             int(re.search(rf"constexpr int {name} = (\d+);", text)[1])
             for name in ("kTraceCtas", "kTraceWgs", "kTraceSteps", "kTraceMarks")

@@ -20,7 +20,7 @@ from .. import Target
 from .alone import alone
 from .backward.validate import validate_backward
 from .backward import BACKWARD_LAUNCH
-from .caps import CAPABILITIES, SYNC_MODEL
+from .caps import CAPABILITIES, SYNC_MODEL, TRACE_HEADER
 from .config import read_config
 from .emit import TEMPLATE, context
 from .host.kvcache import run_kvcache
@@ -82,6 +82,7 @@ TARGET = Target(
     alone=alone,  # `cluster 2`: the cluster-free kernel for launches that do not pair
     # FwdParamsSm90, the persistent tile grid, the split tail, clusters; varlen and kv-cache calls
     launch=replace(LAUNCH, serving=SERVING),
+    trace_header=TRACE_HEADER,
     read_config=read_config,
     validate_backward=validate_backward,  # the backward block: what its first kernel supports
     tune_space=TUNE_SPACE,  # fadsl tune: the tile, pipeline and schedule knobs
