@@ -228,7 +228,7 @@ def _bench_varlen(args: argparse.Namespace, kern, heads: int) -> int:
         print("fadsl bench: a varlen spec is timed alone; leave out --against", file=sys.stderr)
         return EXIT_FAILURE
     cfg = kern.config
-    if cfg.window or cfg.ext.softcap or args.causal != (cfg.mask.value == "causal"):
+    if cfg.window or cfg.features.softcap or args.causal != (cfg.mask.value == "causal"):
         print(
             "fadsl bench: a varlen spec is timed with its own mask, causal or none (pass "
             "--causal exactly for a causal spec); windows and softcap are not benched",

@@ -214,3 +214,32 @@ def test_the_target_package_check_finds_an_import():
     graph["fadsl.tools.tiletrace"].add("fadsl.targets.sm90.caps")
     graph["fadsl.targets.launch"].add("fadsl.targets.sm90.caps")  # (inside: allowed)
     assert target_package_imports(graph) == ["fadsl.tools.tiletrace -> fadsl.targets.sm90.caps"]
+
+
+def test_what_the_runtime_asks_of_a_targets_settings_is_typed():
+    """Config.features: the runtime's questions (fadsl.ir.TargetConfig's attributes) are
+    fields of each target's settings class with the same types, and a target without
+    settings answers as a plain forward kernel; no module outside fadsl/targets reads
+    ``Config.ext`` (it asks ``Config.features``)."""
+    import dataclasses
+    import typing
+
+    from fadsl.ir import TargetConfig
+    from fadsl.pipeline import compile_source
+    from fadsl.targets.sm90.config import Sm90Config
+
+    asked = typing.get_type_hints(TargetConfig)
+    fields = {f.name: f for f in dataclasses.fields(Sm90Config)}
+    hints = typing.get_type_hints(Sm90Config)
+    assert asked and all(name in fields and hints[name] == asked[name] for name in asked)
+    plain = compile_source((ROOT / "examples" / "fa2_kernel1.fa").read_text(), "k.fa")
+    cfg = plain.kernel.config
+    assert cfg.ext is None and not cfg.features.varlen and cfg.features.kv_cache == -1
+    readers = [
+        f"{path.relative_to(ROOT)}:{node.lineno}"
+        for name, path in MODULES.items()
+        if not name.startswith(("fadsl.targets", "fadsl.ir"))
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Attribute) and node.attr == "ext"
+    ]
+    assert readers == []

@@ -94,11 +94,25 @@ class Tensor:
 
 class TargetConfig:
     """A target's settings beyond the common ones (``Config.ext``), as the target defines
-    them (sm_90a: fadsl.targets.sm90.config.Sm90Config); the IR only prints them."""
+    them (sm_90a: fadsl.targets.sm90.config.Sm90Config); the IR only prints them.
+
+    The attributes below are what the runtime, the CLI and the tools ask of any target's
+    settings, typed, with the values of a plain forward kernel; a target whose kernels do
+    more sets them (as its own fields). ``Config.features`` gives them for any Config, a
+    target without settings of its own included."""
+
+    varlen: bool = False  # packed batches of sequences (a call takes cu_seqlens)
+    kv_cache: int = -1  # K/V from a cache: -1 none, 0 contiguous, N pages of N rows
+    pack_gqa: bool = False  # a K/V head's query heads share a tile's rows
+    split_all: bool = False  # a kv-cache call may split each tile over its K/V blocks
+    softcap: int = 0  # scores capped by N tanh(s / N); 0 none
 
     def text(self) -> str:
         """One line of the IR's text form (fadsl.ir.printer; the target reads it back)."""
         raise NotImplementedError
+
+
+PLAIN_FORWARD = TargetConfig()  # the features of a target without settings of its own
 
 
 @dataclass(frozen=True)
@@ -122,6 +136,12 @@ class Config:
     @property
     def threads(self) -> int:
         return 32 * self.warps
+
+    @property
+    def features(self) -> TargetConfig:
+        """What the runtime asks of the target's settings (varlen, the KV cache, splits,
+        softcap), typed: ``ext``, or a plain forward kernel's where the target has none."""
+        return self.ext if self.ext is not None else PLAIN_FORWARD
 
     @property
     def mask_text(self) -> str:

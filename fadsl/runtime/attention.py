@@ -130,14 +130,12 @@ class FlashAttention(ServingCalls):
     @property
     def is_varlen(self) -> bool:
         """Whether the spec says `varlen on` (packed sequences: ``varlen``)."""
-        hw = self.config.ext
-        return hw is not None and getattr(hw, "varlen", False)
+        return self.config.features.varlen
 
     @property
     def is_kvcache(self) -> bool:
         """Whether the spec reads K/V from a cache (`kv_cache`: ``kvcache``)."""
-        hw = self.config.ext
-        return hw is not None and getattr(hw, "kv_cache", -1) >= 0
+        return self.config.features.kv_cache >= 0
 
     @property
     def variants(self) -> tuple[FlashAttention, ...]:

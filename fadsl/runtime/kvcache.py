@@ -47,7 +47,7 @@ def check_kvcache(kern, q, k_cache, v_cache, cache_seqlens, page_table) -> Dtype
     import torch
 
     cfg = kern.config
-    hw = cfg.ext
+    hw = cfg.features
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")

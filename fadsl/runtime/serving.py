@@ -225,7 +225,7 @@ class ServingCalls:
             isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0
         ):
             raise TypeError(f"num_splits must be a non-negative int or None, got {num_splits!r}")
-        if (num_splits or 0) > 1 and not self.config.ext.split_all:
+        if (num_splits or 0) > 1 and not self.config.features.split_all:
             raise ValueError(
                 f"num_splits={num_splits}: kernel '{self.config.name}' runs whole tiles; split "
                 "pieces need a spec with 'splits auto'"

@@ -54,7 +54,7 @@ def run(
     name = dtype_name or kern.config.dtypes[0].value
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[name]
     d = kern.config.head_dim
-    page = kern.config.ext.kv_cache
+    page = kern.config.features.kv_cache
     scale = d**-0.5
     fa4 = _fa4_varlen()
     rows = []
