@@ -34,6 +34,7 @@ from test_sm90_codegen import builds_without_spills
 
 ROOT = Path(__file__).resolve().parent.parent
 SERVING = ROOT / "examples" / "serving"
+PAGES = targets.get("sm_90a").page_sizes  # the page sizes the serving spec takes
 SHIPPED = [
     (name, key, spec)
     for name in targets.names()
@@ -117,23 +118,25 @@ def test_the_cache_and_heads_pick_layout_packing_and_splits():
     contiguous = torch.zeros(2, 1024, 8, 128)
     paged = torch.zeros(40, 16, 8, 128)
     table = torch.zeros(2, 20, dtype=torch.int32)
-    assert kvcache_settings(contiguous, None, 32, False) == {
+    assert kvcache_settings(contiguous, None, 32, False, PAGES) == {
         "kv_cache": "contiguous",
         "pack_gqa": "on",
         "splits": "auto",
     }
-    assert kvcache_settings(paged, table, 32, False)["kv_cache"] == "paged(16)"
-    assert kvcache_settings(paged, table, 24, False)["pack_gqa"] == "off"  # 3 does not divide 64
-    assert kvcache_settings(paged, table, 7, False)["pack_gqa"] == "off"  # not a multiple
-    assert kvcache_settings(paged, table, 32, True) == {
+    assert kvcache_settings(paged, table, 32, False, PAGES)["kv_cache"] == "paged(16)"
+    assert (
+        kvcache_settings(paged, table, 24, False, PAGES)["pack_gqa"] == "off"
+    )  # 3 does not divide 64
+    assert kvcache_settings(paged, table, 7, False, PAGES)["pack_gqa"] == "off"  # not a multiple
+    assert kvcache_settings(paged, table, 32, True, PAGES) == {
         "kv_cache": "paged(16)",
         "pack_gqa": "off",
         "splits": "off",
     }
     with pytest.raises(ValueError, match=r"k_cache.shape\[1\] \(the page size\) = 48"):
-        kvcache_settings(torch.zeros(4, 48, 8, 128), table, 32, False)
+        kvcache_settings(torch.zeros(4, 48, 8, 128), table, 32, False, PAGES)
     with pytest.raises(ValueError, match=r"k_cache must be a 4-D tensor"):
-        kvcache_settings(torch.zeros(4, 48, 128), table, 32, False)
+        kvcache_settings(torch.zeros(4, 48, 128), table, 32, False, PAGES)
 
 
 # Every line a call may set, on each serving spec: each variant passes the checks and the proof
@@ -257,6 +260,7 @@ def test_a_bad_argument_is_named_before_new_tokens_are_written(monkeypatch):
 
     monkeypatch.setattr(public, "check_q", lambda q, dims, shape: None)
     monkeypatch.setattr(dispatch, "_CHOSEN", {})
+    monkeypatch.setattr(dispatch, "device_capability", lambda device: (9, 0))
     monkeypatch.setattr(
         dispatch, "_serving_kernel", lambda kind, q, s: Refusing("window" in s["mask"])
     )
@@ -281,6 +285,7 @@ def test_a_call_after_the_first_finds_its_kernel_with_one_lookup(monkeypatch):
 
     chosen = []
     monkeypatch.setattr(dispatch, "_CHOSEN", {})
+    monkeypatch.setattr(dispatch, "device_capability", lambda device: (9, 0))
     monkeypatch.setattr(
         dispatch, "_serving_kernel", lambda kind, q, s: chosen.append(s) or object()
     )

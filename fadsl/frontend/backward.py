@@ -27,21 +27,24 @@ from ..ir import (
     Scope,
 )
 from ..spec.checks import BackwardBlock, Checks, and_list
-from .settings import kernel_settings, on_off, registers, stages, tile, warpgroups
+from ..spec.readers import on_off
+from .settings import kernel_settings
 from ..spec.syntax import BackwardDecl, PathDecl, Setting, Word
 
 # The block's keys, each read as the kernel's key of that name is; `deterministic on|off`
 # orders dQ's accumulation by n-block (bitwise-stable gradients); `overlap on|off` stages dQ
 # while dV and dK run; `early_dv on|off` issues dV as soon as P is packed, before dS.
-BACKWARD_SETTINGS: dict[str, Callable[[Checks, Setting], object]] = {
-    "tile": tile,
-    "warpgroups": warpgroups,
-    "registers": registers,
-    "stages": stages,
-    "deterministic": on_off,
-    "overlap": on_off,
-    "early_dv": on_off,
-}
+KERNEL_KEYS = ("tile", "warpgroups", "registers", "stages")
+ON_OFF_KEYS = ("deterministic", "overlap", "early_dv")
+
+
+def backward_settings() -> dict[str, Callable[[Checks, Setting], object]]:
+    """Each key the block may set, with its reader (the kernel's, a target's for the warp
+    specialisation's keys)."""
+    kernel = kernel_settings()
+    return {**{key: kernel[key] for key in KERNEL_KEYS}, **{key: on_off for key in ON_OFF_KEYS}}
+
+
 # The tensors the block may give a path: the forward's inputs and the backward's own.
 BACKWARD_TENSORS: dict[str, Role | GradRole] = {
     **{role.value: role for role in (Role.Q, Role.K, Role.V)},
@@ -85,9 +88,10 @@ def _read_block(c: Checks, decl: BackwardDecl, target: targets.Target | None) ->
 
 def _read_settings(c: Checks, decl: BackwardDecl) -> None:
     kernel_keys = kernel_settings()
+    readers = backward_settings()
     for setting in decl.settings:
         key = setting.key.text
-        if key not in BACKWARD_SETTINGS:
+        if key not in readers:
             _unknown_key(c, setting, kernel_keys)
             continue
         if key in c.key_locs:
@@ -98,7 +102,7 @@ def _read_settings(c: Checks, decl: BackwardDecl) -> None:
             )
             continue
         c.key_locs[key] = setting.key.loc
-        value = BACKWARD_SETTINGS[key](c, setting)
+        value = readers[key](c, setting)
         if value is not None:
             c.values[key] = value
 
@@ -115,8 +119,8 @@ def _unknown_key(c: Checks, setting: Setting, kernel_keys: dict[str, object]) ->
     if key in BACKWARD_TENSORS:
         hint = f" (a path needs a colon: '{key}: {'rf' if key.startswith('d') else 'gmem'} -...')"
     else:
-        hint = suggest(key, BACKWARD_SETTINGS)
-    keys = and_list([f"'{k}'" for k in BACKWARD_SETTINGS])
+        hint = suggest(key, backward_settings())
+    keys = and_list([f"'{k}'" for k in backward_settings()])
     c.error(
         setting.key.loc, f"unknown key '{quoted(key)}' in the backward block; it takes {keys}{hint}"
     )

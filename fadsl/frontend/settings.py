@@ -11,9 +11,10 @@ from __future__ import annotations
 from typing import Callable
 
 from .. import targets
-from ..spec.checks import Checks, clip, show
 from ..errors import closest, one_of, quoted, suggest
-from ..ir import AliasPolicy, Dtype, Mask, Rescale, Swizzle, Window
+from ..ir import AliasPolicy, Dtype, Mask, Swizzle, Window
+from ..spec.checks import Checks, clip, show
+from ..spec.readers import count, number, single, word_choice
 from ..spec.syntax import Assign, Call, Number, Setting, Word
 
 HEAD_DIMS = (64, 96, 128, 256)
@@ -23,7 +24,6 @@ MAX_WARPS = 16
 # Every target needs these; a target adds its own (Target.required_keys: sm_80 'warps',
 # sm_90a 'warpgroups') and says which optional ones it takes (Target.keys).
 REQUIRED_KEYS = ("target", "dtype", "head_dim", "tile")
-TMA_SWIZZLE = "128B"  # `swizzle 128B`: the swizzle TMA writes and wgmma reads
 SPILLS = {"refuse": False, "allow": True}  # `spills allow`: compile a kernel that spills
 BACKWARD_ONLY_KEYS = ("deterministic",)  # set in the backward block, hinted at the top level
 
@@ -52,7 +52,9 @@ def read_settings(c: Checks) -> None:
 
 
 def kernel_settings() -> dict[str, Callable[[Checks, Setting], object]]:
-    """Each key a kernel's top level may set, with the function that reads its value."""
+    """Each key a kernel's top level may set, with the function that reads its value: the
+    keys every target shares, then each target's own (``Target.settings``; which of them a
+    spec's target takes is the lowering's to check, ``Target.keys``)."""
     return {
         "target": target,
         "dtype": dtype,
@@ -63,62 +65,14 @@ def kernel_settings() -> dict[str, Callable[[Checks, Setting], object]]:
         "swizzle": swizzle,
         "smem_alias": smem_alias,
         "stages": stages,
-        "q_slots": q_slots,
         "spills": spills,
-        "warpgroups": warpgroups,
-        "registers": registers,
-        "pingpong": on_off,
-        "overlap": on_off,
-        "scheduler": scheduler,
-        "rescale": rescale,
-        "tail": tail,
-        "cluster": cluster,
-        "softcap": softcap,
-        "varlen": varlen,
-        "kv_cache": kv_cache,
-        "pack_gqa": pack_gqa,
-        "splits": splits,
+        **targets.settings_readers(),
     }
-
-
-def _single(c: Checks, setting: Setting) -> Word | Number | Call | Assign | None:
-    if len(setting.values) != 1:
-        extra = setting.values[1]
-        c.error(extra.loc, f"'{setting.key.text}' takes one value")
-        return None
-    return setting.values[0]
-
-
-def _word_choice(c: Checks, setting: Setting, choices: dict[str, object]) -> object | None:
-    value = _single(c, setting)
-    if value is None:
-        return None
-    if not isinstance(value, Word):
-        c.error(value.loc, f"'{setting.key.text}' expects {one_of(choices)}, not {show(value)}")
-        return None
-    if value.text not in choices:
-        c.error(
-            value.loc,
-            f"unknown {setting.key.text} '{quoted(value.text)}'; expected {one_of(choices)}"
-            + suggest(value.text, choices),
-        )
-        return None
-    return choices[value.text]
-
-
-def _number(c: Checks, value: object, what: str, lo: int, hi: int) -> int | None:
-    if not isinstance(value, Number):
-        c.error(value.loc, f"{what} must be a number, not {show(value)}")
-        return None
-    if not lo <= value.value <= hi:
-        c.error(value.loc, f"{what} = {clip(value.text)} is out of range ({lo} to {hi})")
-        return None
-    return value.value
 
 
 def target(c: Checks, setting: Setting) -> str | None:
     spellings = (*targets.names(), *targets.RESERVED)
-    name = _word_choice(c, setting, {spelling: spelling for spelling in spellings})
+    name = word_choice(c, setting, {spelling: spelling for spelling in spellings})
     if name in targets.RESERVED:
         c.error(setting.values[0].loc, targets.RESERVED[name])
         return None
@@ -146,7 +100,7 @@ def dtype(c: Checks, setting: Setting) -> tuple[Dtype, ...] | None:
 
 
 def head_dim(c: Checks, setting: Setting) -> int | None:
-    value = _single(c, setting)
+    value = single(c, setting)
     if value is None:
         return None
     supported = "64, 96, 128 or 256"
@@ -177,7 +131,7 @@ def tile(c: Checks, setting: Setting) -> dict[str, int] | None:
         if name in sizes:
             c.error(value.name.loc, f"tile size '{name}' is given twice")
             continue
-        size = _number(c, value.value, name, 16, MAX_TILE)
+        size = number(c, value.value, name, 16, MAX_TILE)
         if size is not None and size % 16:
             c.error(value.value.loc, f"{name} = {size} is not a multiple of 16 (the mma tile)")
             size = None
@@ -192,10 +146,10 @@ def tile(c: Checks, setting: Setting) -> dict[str, int] | None:
 
 
 def warps(c: Checks, setting: Setting) -> int | None:
-    value = _single(c, setting)
+    value = single(c, setting)
     if value is None:
         return None
-    warps = _number(c, value, "warps", 1, MAX_WARPS)
+    warps = number(c, value, "warps", 1, MAX_WARPS)
     if warps is not None and warps & (warps - 1):
         c.error(value.loc, f"warps = {warps} is not a power of two; use 1, 2, 4, 8 or 16")
         return None
@@ -208,7 +162,7 @@ def mask(c: Checks, setting: Setting) -> Mask | None:
     c.values['window'] (Window), its call's place to c.key_locs['window']."""
     masks = {m.value: m for m in Mask}
     if not any(isinstance(value, Call) for value in setting.values):
-        return _word_choice(c, setting, masks)  # the plain masks' messages, as before windows
+        return word_choice(c, setting, masks)  # the plain masks' messages, as before windows
     causal: Word | None = None
     call: Call | None = None
     ok = True
@@ -278,7 +232,7 @@ def _window(c: Checks, call: Call, causal: bool) -> Window | None:
         )
         return None
     sizes = [
-        _number(c, arg, f"window {side}", 0, MAX_WINDOW) for arg, side in zip(args, WINDOW_SIDES)
+        number(c, arg, f"window {side}", 0, MAX_WINDOW) for arg, side in zip(args, WINDOW_SIDES)
     ]
     if None in sizes:
         return None
@@ -286,191 +240,35 @@ def _window(c: Checks, call: Call, causal: bool) -> Window | None:
 
 
 def swizzle(c: Checks, setting: Setting) -> Swizzle | None | str:
-    value = _single(c, setting)
+    """`swizzle none`, `xor(B, M, S)`, or a word a target names (``Target.swizzle_words``:
+    sm_90a's `128B`, the swizzle TMA writes and wgmma reads)."""
+    value = single(c, setting)
     if value is None:
         return None
-    if isinstance(value, Word) and value.text in ("none", TMA_SWIZZLE):
+    words = targets.swizzle_words()
+    if isinstance(value, Word) and value.text in ("none", *words):
         c.key_locs["swizzle_value"] = value.loc
         return value.text
     if not isinstance(value, Call) or value.name.text != "xor":
-        c.error(
-            value.loc,
-            f"swizzle expects 'none', 'xor(B, M, S)' or '{TMA_SWIZZLE}', not {show(value)}",
-        )
+        spelled = "".join(f" or '{w}'" for w in words)
+        c.error(value.loc, f"swizzle expects 'none', 'xor(B, M, S)'{spelled}, not {show(value)}")
         return None
     if len(value.args) != 3:
         c.error(value.loc, f"xor(B, M, S) takes 3 numbers, got {len(value.args)}")
         return None
-    nums = [_number(c, arg, f"xor(B, M, S): {name}", 0, 16) for arg, name in zip(value.args, "BMS")]
+    nums = [number(c, arg, f"xor(B, M, S): {name}", 0, 16) for arg, name in zip(value.args, "BMS")]
     if None in nums:
         return None
     return Swizzle(nums[0], nums[1], nums[2], value.loc)
 
 
 def spills(c: Checks, setting: Setting) -> bool | None:
-    return _word_choice(c, setting, SPILLS)
+    return word_choice(c, setting, SPILLS)
 
 
 def smem_alias(c: Checks, setting: Setting) -> AliasPolicy | None:
-    return _word_choice(c, setting, {p.value: p for p in AliasPolicy})
+    return word_choice(c, setting, {p.value: p for p in AliasPolicy})
 
 
 def stages(c: Checks, setting: Setting) -> int | None:
-    return _count(c, setting, 1, 8)
-
-
-def q_slots(c: Checks, setting: Setting) -> int | None:
-    """`q_slots N` (sm_90a): Q in a ring of N tiles; with 2 the producer loads the next
-    tile's Q while this tile's runs."""
-    return _count(c, setting, 1, 2)
-
-
-def cluster(c: Checks, setting: Setting) -> int | None:
-    """`cluster N` (sm_90a): CTAs per cluster, which share the tiles in smem[cluster]
-    (1: none; 2: each CTA loads half of every K/V block and multicasts it into both)."""
-    value = _single(c, setting)
-    if isinstance(value, Number) and value.value > 2:
-        c.error(
-            value.loc,
-            f"cluster {clip(value.text)}: only pairs of CTAs are supported (an H100 runs 66 "
-            "clusters of 2 CTAs on all its 132 SMs, but only 30 of 4)",
-        )
-        return None
-    return _count(c, setting, 1, 2)
-
-
-def softcap(c: Checks, setting: Setting) -> int | None:
-    """`softcap N` (sm_90a): scores capped by N tanh(s softmax_scale / N) before the softmax
-    (Gemma 2, Grok: 30 or 50); off without the line."""
-    return _count(c, setting, 1, 1000)
-
-
-def varlen(c: Checks, setting: Setting) -> bool | None:
-    """`varlen on` (sm_90a): the kernel takes packed batches of sequences of any lengths
-    (cu_seqlens, FlashAttention's varlen convention); off without the line."""
-    if setting.values:
-        c.key_locs["varlen_value"] = setting.values[0].loc  # the target's checks point at it
-    return _word_choice(c, setting, {"on": True, "off": False})
-
-
-PAGE_SIZES = (16, 32, 64, 128, 256)
-
-
-def kv_cache(c: Checks, setting: Setting) -> int | None:
-    """`kv_cache contiguous` (0: a (batch, capacity, heads, head_dim) cache per call) or
-    `kv_cache paged(N)` (N rows a page, 16 to 256, a power of two: a page table per batch),
-    sm_90a: K and V read from a cache with per-batch lengths (cache_seqlens)."""
-    value = _single(c, setting)
-    if value is None:
-        return None
-    c.key_locs["kv_cache_value"] = value.loc
-    if isinstance(value, Word) and value.text == "contiguous":
-        return 0
-    if isinstance(value, Call) and value.name.text == "paged":
-        if len(value.args) != 1 or not isinstance(value.args[0], Number):
-            c.error(value.loc, "'paged' takes one number: the rows of a page, 'paged(64)'")
-            return None
-        size = value.args[0]
-        if size.value not in PAGE_SIZES:
-            c.error(
-                size.loc,
-                f"page size {clip(size.text)}: expected {one_of([str(n) for n in PAGE_SIZES])} "
-                "(whole 8-row swizzle periods, TMA boxes of at most 256 rows)",
-            )
-            return None
-        return size.value
-    c.error(value.loc, f"'kv_cache' expects 'contiguous' or 'paged(N)', not {show(value)}")
-    return None
-
-
-def pack_gqa(c: Checks, setting: Setting) -> bool | None:
-    """`pack_gqa on` (sm_90a, with kv_cache): the query heads of a K/V head share its tiles'
-    rows, so that a decode step's few query rows fill a tile."""
-    if setting.values:
-        c.key_locs["pack_gqa_value"] = setting.values[0].loc
-    return _word_choice(c, setting, {"on": True, "off": False})
-
-
-def splits(c: Checks, setting: Setting) -> bool | None:
-    """`splits auto` (sm_90a, with kv_cache): every tile's K/V blocks split into pieces over
-    the SMs (the count from the launch's shape, or the call's num_splits), their partials
-    added up by a combine kernel; `splits off`: whole tiles."""
-    if setting.values:
-        c.key_locs["splits_value"] = setting.values[0].loc
-    return _word_choice(c, setting, {"auto": True, "off": False})
-
-
-def _count(c: Checks, setting: Setting, lo: int, hi: int) -> int | None:
-    """`key N`: one number in [lo, hi]; its place kept as `key_value` (the target's checks
-    point at the number)."""
-    value = _single(c, setting)
-    if value is None:
-        return None
-    key = setting.key.text
-    c.key_locs[f"{key}_value"] = value.loc
-    return _number(c, value, key, lo, hi)
-
-
-def _assigns(c: Checks, setting: Setting, names: tuple[str, ...], lo: int, hi: int) -> dict:
-    """`key a = N, b = N`: each name once, each a number in [lo, hi]; all or nothing."""
-    key = setting.key.text
-    form = ", ".join(f"{n} = N" for n in names)
-    found: dict[str, int] = {}
-    for value in setting.values:
-        if not isinstance(value, Assign):
-            c.error(value.loc, f"'{key}' expects '{form}', not {show(value)}")
-            continue
-        name = value.name.text
-        if name not in names:
-            c.error(
-                value.name.loc,
-                f"unknown {key} '{name}'; expected {one_of(names)}" + suggest(name, names),
-            )
-            continue
-        if name in found:
-            c.error(value.name.loc, f"'{name}' is given twice")
-            continue
-        number = _number(c, value.value, f"{key} {name}", lo, hi)
-        if number is not None:
-            found[name] = number
-            c.key_locs[f"{key}.{name}"] = value.value.loc
-    missing = [n for n in names if n not in found]
-    if missing and all(isinstance(v, Assign) and v.name.text in names for v in setting.values):
-        c.error(setting.key.loc, f"'{key}' is missing '{missing[0]} = N'")
-    return found if not missing else None
-
-
-def warpgroups(c: Checks, setting: Setting) -> dict[str, int] | None:
-    """`warpgroups producer = 1, consumers = N` (sm_90a's warp specialisation)."""
-    return _assigns(c, setting, ("producer", "consumers"), 1, 4)
-
-
-def registers(c: Checks, setting: Setting) -> dict[str, int] | None:
-    """`registers producer = N, consumers = N`: setmaxnreg per thread of each role."""
-    return _assigns(c, setting, ("producer", "consumers"), 1, 1024)
-
-
-def on_off(c: Checks, setting: Setting) -> bool | None:
-    return _word_choice(c, setting, {"on": True, "off": False})
-
-
-def scheduler(c: Checks, setting: Setting) -> bool | None:
-    """`scheduler persistent` (about one CTA per SM, looping over tiles) or `grid` (one CTA
-    per tile): True when persistent."""
-    return _word_choice(c, setting, {"persistent": True, "grid": False})
-
-
-def rescale(c: Checks, setting: Setting) -> Rescale | None:
-    """`rescale every` (O and l rescaled after each block, as FlashAttention-2/3), `lazy`
-    (only when a row's max grows past 2^8 of the max it keeps) or `guarded` (lazy, and no
-    row max after a tile's first block while the row sums show none is needed)."""
-    return _word_choice(c, setting, {mode.value: mode for mode in Rescale})
-
-
-def tail(c: Checks, setting: Setting) -> bool | None:
-    """`tail whole` (every tile runs all its K/V blocks) or `split_kv` (the launch's last,
-    part-full round of tiles split over their K/V blocks across the idle CTAs, the last
-    piece to finish combining them): True when split."""
-    if setting.values:
-        c.key_locs["tail_value"] = setting.values[0].loc  # the target's checks point at it
-    return _word_choice(c, setting, {"whole": False, "split_kv": True})
+    return count(c, setting, 1, 8)

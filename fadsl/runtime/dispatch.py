@@ -12,7 +12,7 @@ import re
 from .. import targets
 from .._data import data_dir
 from ..frontend.rewrite import rewrite
-from ..frontend.settings import MAX_WINDOW, PAGE_SIZES
+from ..frontend.settings import MAX_WINDOW
 from .attention import FlashAttention, load
 
 _LOADED: dict[str, FlashAttention] = {}
@@ -83,11 +83,19 @@ _SERVING_LOADED: dict[tuple[str, tuple[tuple[str, str], ...]], FlashAttention] =
 def shipped_serving_spec(kind: str, capability: tuple[int, int], head_dim: int) -> str:
     """The serving spec (its name under examples/serving/) for ``kind`` ("varlen" or
     "kvcache") on a GPU of ``capability``; ValueError naming what the shipped ones cover."""
+    return serving_target(kind, capability, head_dim)[1]
+
+
+def serving_target(
+    kind: str, capability: tuple[int, int], head_dim: int
+) -> tuple[targets.Target, str]:
+    """The target that ships the serving spec for ``kind`` and ``head_dim`` on a GPU of
+    ``capability``, and the spec's name; ValueError naming what the shipped ones cover."""
     candidates = _candidates(capability)
     for target in candidates:
         name = target.shipped_serving.get((kind, head_dim))
         if name is not None:
-            return name
+            return target, name
     covered = sorted({d for t in candidates for k, d in t.shipped_serving if k == kind})
     gpu = f"compute capability {capability[0]}.{capability[1]}"
     call = "attention_varlen" if kind == "varlen" else "attention_with_kvcache"
@@ -134,10 +142,13 @@ def serving_settings(causal: bool, window_size, softcap) -> dict[str, str]:
     return settings
 
 
-def kvcache_settings(k_cache, page_table, heads_q: int, windowed: bool) -> dict[str, str]:
-    """A kv-cache call's cache lines: `kv_cache paged(N)` with N = k_cache.shape[1] when a
-    page table comes (else contiguous); PackGQA where the group of query heads divides a
-    64-row tile; splits; neither with a sliding window (not built with one)."""
+def kvcache_settings(
+    k_cache, page_table, heads_q: int, windowed: bool, page_sizes: tuple[int, ...]
+) -> dict[str, str]:
+    """A kv-cache call's cache lines: `kv_cache paged(N)` with N = k_cache.shape[1] (one of
+    the serving target's ``page_sizes``) when a page table comes (else contiguous); PackGQA
+    where the group of query heads divides a 64-row tile; splits; neither with a sliding
+    window (not built with one)."""
     import torch
 
     if not isinstance(k_cache, torch.Tensor) or k_cache.dim() != 4:
@@ -146,10 +157,10 @@ def kvcache_settings(k_cache, page_table, heads_q: int, windowed: bool) -> dict[
         layout = "contiguous"
     else:
         page = int(k_cache.shape[1])  # (a SymInt under dynamic shapes: its value)
-        if page not in PAGE_SIZES:
+        if page not in page_sizes:
             raise ValueError(
                 f"k_cache.shape[1] (the page size) = {page}: the shipped kv-cache spec takes "
-                f"pages of {', '.join(map(str, PAGE_SIZES))} keys"
+                f"pages of {', '.join(map(str, page_sizes))} keys"
             )
         layout = f"paged({page})"
     heads_kv = int(k_cache.shape[2])
@@ -240,8 +251,9 @@ def kvcache_kernel(q, k_cache, page_table, causal: bool, window_size, softcap) -
     def choose() -> FlashAttention:
         settings = serving_settings(causal, window_size, softcap)
         windowed = "window" in settings["mask"]
-        settings.update(kvcache_settings(k_cache, page_table, int(q.shape[2]), windowed))
-        return _serving_kernel("kvcache", q, settings)
+        target, _ = serving_target("kvcache", device_capability(q.device), int(q.shape[-1]))
+        cache = kvcache_settings(k_cache, page_table, int(q.shape[2]), windowed, target.page_sizes)
+        return _serving_kernel("kvcache", q, settings | cache)
 
     return _chosen(key, choose)
 

@@ -118,6 +118,16 @@ class Target:
     passes: tuple[tuple[str, Callable[[Kernel, "Target"], Kernel]], ...]
     template: str  # under emit/
     context: Callable[[Kernel, Dtype], dict[str, Any]]  # the template's target-specific slots
+    # The settings keys of its own (beyond those every target shares,
+    # fadsl.frontend.settings), each with the function that reads its value
+    # (fadsl/spec/readers.py's helpers): the front end reads a spec's lines with them.
+    settings: Mapping[str, Callable[[Checks, Any], object]] = dataclasses.field(
+        default_factory=dict
+    )
+    # Words `swizzle` may take beyond 'none' and 'xor(B, M, S)' (sm_90a: '128B').
+    swizzle_words: tuple[str, ...] = ()
+    # The page sizes a `kv_cache paged(N)` spec takes (the serving calls check a cache's).
+    page_sizes: tuple[int, ...] = ()
     # Settings beyond fadsl.frontend.settings.REQUIRED_KEYS that this target needs / takes.
     required_keys: tuple[str, ...] = ("warps",)
     keys: tuple[str, ...] = ("mask", "swizzle", "smem_alias", "stages", "spills")
@@ -169,6 +179,21 @@ def get(name: str) -> Target:
     target = module.TARGET
     assert isinstance(target, Target) and target.name == name
     return target
+
+
+def settings_readers() -> dict[str, Callable[[Checks, Any], object]]:
+    """Every target's own settings keys with their readers (a key two targets share must be
+    read alike)."""
+    found: dict[str, Callable[[Checks, Any], object]] = {}
+    for name in names():
+        for key, reader in get(name).settings.items():
+            assert found.setdefault(key, reader) is reader, f"{key} read two ways"
+    return found
+
+
+def swizzle_words() -> tuple[str, ...]:
+    """The words `swizzle` takes beyond 'none' and 'xor(B, M, S)', over every target."""
+    return tuple(dict.fromkeys(w for name in names() for w in get(name).swizzle_words))
 
 
 def target_of(kernel: Kernel) -> Target:

@@ -22,6 +22,7 @@ from .backward.validate import validate_backward
 from .backward import BACKWARD_LAUNCH
 from .caps import CAPABILITIES, SYNC_MODEL, TRACE_HEADER
 from .config import read_config
+from .settings import PAGE_SIZES, SETTINGS, TMA_SWIZZLE
 from .emit import TEMPLATE, context
 from .host.kvcache import run_kvcache
 from .host.launch import LAUNCH
@@ -83,6 +84,9 @@ TARGET = Target(
     # FwdParamsSm90, the persistent tile grid, the split tail, clusters; varlen and kv-cache calls
     launch=replace(LAUNCH, serving=SERVING),
     trace_header=TRACE_HEADER,
+    settings=SETTINGS,
+    swizzle_words=(TMA_SWIZZLE,),
+    page_sizes=PAGE_SIZES,
     read_config=read_config,
     validate_backward=validate_backward,  # the backward block: what its first kernel supports
     tune_space=TUNE_SPACE,  # fadsl tune: the tile, pipeline and schedule knobs
