@@ -40,9 +40,11 @@ from .types import (
     HazardKind,
     Threads,
     Parity,
+    WARPGROUP_THREADS,
 )
 
 __all__ = [
+    "WARPGROUP_THREADS",
     "Item",
     "Access",
     "AliasPolicy",

@@ -14,9 +14,7 @@ from dataclasses import dataclass
 
 from ..errors import Loc
 from .hop import Hop
-from .types import GradRole, Level, Role, Scope
-
-WARPGROUP_THREADS = 128
+from .types import WARPGROUP_THREADS, GradRole, Level, Role, Scope
 
 
 @dataclass(frozen=True)

@@ -47,6 +47,10 @@ class Instr(Enum):
     RED_ADD = "red.add"  # red.global.add.v4.f32 rf -> gmem: each thread's fp32 values, no staging
 
 
+# The threads of a warpgroup (4 warps; `smem[warpgroup]`, the warp specialisation's roles)
+WARPGROUP_THREADS = 128
+
+
 class Scope(Enum):
     """Who shares an SMEM tile, and which barrier orders accesses to it."""
 

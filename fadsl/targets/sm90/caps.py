@@ -8,7 +8,7 @@ SMEM write reaches the async proxy (TMA store) only after fence.proxy.async.
 
 from __future__ import annotations
 
-from ...ir import Instr, Level, Scope
+from ...ir import WARPGROUP_THREADS, Instr, Level, Scope
 from ...ir.syncmodel import AsyncKind, Signal, SyncKind, SyncModel, WaitRule
 from .. import Capabilities
 
@@ -34,7 +34,6 @@ CAPABILITIES = Capabilities(
 REGISTERS_PER_SM = 65536
 SETMAXNREG_RANGE = (24, 256)  # multiples of 8
 REGISTER_UNIT = 8  # a warp's registers are allocated 256 at a time: 8 a thread
-WARPGROUP_THREADS = 128
 HEAD_DIMS = (64, 128, 256)
 MAX_CONSUMERS = 3
 ROWS_PER_CONSUMER = 64  # wgmma's M

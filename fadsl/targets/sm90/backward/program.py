@@ -31,9 +31,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from enum import Enum
 
+from ....ir import WARPGROUP_THREADS
 from ....ir.backward import Backward
 
-WARPGROUP_THREADS = 128
 KEYS_PER_WARPGROUP = 64  # each consumer warpgroup owns 64 keys of the n-block
 BLOCK_M = 64  # queries per m-block (B_r) by default; dS^T's rows hold 64-query panels
 ROW_BYTES = 128  # a 64-column panel row of 16-bit elements (the 128-byte swizzle)
