@@ -17,7 +17,7 @@ using namespace fadsl::sm90;
 namespace {
 
 // The spec's backward block over the header's defaults: setmaxnreg split and SMEM plan
-// (offsets from fadsl/targets/sm90/backward/plan.py; tiles 1024-byte aligned from a
+// (offsets from fadsl/targets/sm90/backward/plan_smem.py; tiles 1024-byte aligned from a
 // 1024-aligned base).
 struct Cfg : BwdConfig<__nv_bfloat16, 128, 64, 128, 2, 3, false, false, true, true, true> {
   static constexpr int kProducerRegs = 24;

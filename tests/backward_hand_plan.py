@@ -27,7 +27,7 @@ from fadsl.targets.sm90.backward.program import (
     Source,
     Who,
 )
-from fadsl.targets.sm90.backward.steps import schedule
+from fadsl.targets.sm90.backward.schedule import schedule
 
 
 def hand_protocol(p: Params) -> Protocol:

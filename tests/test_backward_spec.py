@@ -21,7 +21,7 @@ from fadsl.ir.printer import format_kernel
 from ir_reader import IRSyntaxError, read_kernel
 from fadsl.pipeline import compile_file, compile_source
 from fadsl.targets.sm90.backward import validate as sm90_backward
-from fadsl.targets.sm90.backward.plan import smem_plan
+from fadsl.targets.sm90.backward.plan_smem import smem_plan
 from fadsl.targets.sm90.caps import register_pool, registers_asked
 from fadsl.tools.report import explain_data, explain_text, summary
 

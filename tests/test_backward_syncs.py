@@ -1,6 +1,6 @@
-"""The backward's sync pass (fadsl/targets/sm90/backward/syncs): from the schedule (steps.py:
+"""The backward's sync pass (fadsl/targets/sm90/backward/syncs): from the schedule (schedule.py:
 the steps with no sync) it places the kernel's plan (protocol.py: ``protocol``), which
-prove.py proves and which equals the plan written by hand from the header
+verify.py proves and which equals the plan written by hand from the header
 (tests/backward_hand_plan.py, an oracle only), sync for sync and field for field but
 ``why``, in all 126 configurations; ``economical`` leaves out exactly the syncs the proof
 finds redundant (tests/test_verify_backward.py UNNEEDED). The pass is a pure function of
@@ -27,9 +27,9 @@ from fadsl.targets.sm90.backward.program import (
     Role,
 )
 from fadsl.targets.sm90.backward.protocol import protocol
-from fadsl.targets.sm90.backward.prove import check_protocol, parameter_space
-from fadsl.targets.sm90.backward.steps import schedule
-from fadsl.targets.sm90.backward.syncs import place_syncs, without_syncs
+from fadsl.targets.sm90.backward.verify import check_protocol, parameter_space
+from fadsl.targets.sm90.backward.schedule import schedule
+from fadsl.targets.sm90.backward.syncs import insert_syncs, without_syncs
 from test_verify_backward import UNNEEDED
 
 PARAMS = parameter_space()
@@ -68,7 +68,7 @@ DIFFERENCES: dict[Params, set[str]] = {}
 
 @pytest.mark.parametrize("params", PARAMS, ids=lambda p: p.describe())
 def test_the_placed_plan_is_the_hand_plan_and_is_proven(params):
-    placed = place_syncs(schedule(params))
+    placed = insert_syncs(schedule(params))
     assert protocol(params) == placed  # the kernel's plan is the placed one
     assert check_protocol(placed) == ()
     assert left_out(hand_protocol(params), placed) == DIFFERENCES.get(params, set())
@@ -113,7 +113,7 @@ ECONOMICAL_LEAVES_OUT[True, True] = {s.format(last="dK += dS^T Q") for s in STAG
 
 @pytest.mark.parametrize("params", PARAMS, ids=lambda p: p.describe())
 def test_the_economical_plan_is_proven_and_cheaper(params):
-    placed = place_syncs(schedule(params), economical=True)
+    placed = insert_syncs(schedule(params), economical=True)
     assert check_protocol(placed) == ()
     expected = ECONOMICAL_LEAVES_OUT[params.deterministic, params.overlap]
     assert left_out(hand_protocol(params), placed) == expected
@@ -126,14 +126,14 @@ def test_economical_leaves_out_what_the_proof_finds_redundant():
 
 def test_the_pass_is_a_pure_function():
     one, two = Params(2, 2, 128), Params(3, 3, 64, True, True)
-    first = place_syncs(schedule(one))
-    place_syncs(schedule(two))
-    assert place_syncs(schedule(one)) == first  # the whys too
-    assert place_syncs(schedule(one), economical=True) == place_syncs(
+    first = insert_syncs(schedule(one))
+    insert_syncs(schedule(two))
+    assert insert_syncs(schedule(one)) == first  # the whys too
+    assert insert_syncs(schedule(one), economical=True) == insert_syncs(
         schedule(one), economical=True
     )
     with pytest.raises(AssertionError, match="syncs given"):
-        place_syncs(first)
+        insert_syncs(first)
 
 
 # --- an access taken out: the syncs that ordered it go or move ---------------------------
@@ -159,7 +159,7 @@ def test_dq_not_reading_ds_needs_no_meeting(head_dim, overlap):
     params = Params(2, 2, head_dim, overlap=overlap)
     dq = next(x for x in schedule(params).consumer if x.name == "dQ = dS K")
     reads = tuple(op for op in dq.reads if op.buffer is not Buffer.DS)
-    placed = place_syncs(edited(params, Role.CONSUMER, "dQ = dS K", reads=reads))
+    placed = insert_syncs(edited(params, Role.CONSUMER, "dQ = dS K", reads=reads))
     assert check_protocol(placed) == ()
     gone = left_out(hand_protocol(params), placed)
     expected = ["bar.sync", "fence.proxy.async.shared::cta"]
@@ -173,7 +173,7 @@ def test_p_without_registers_needs_no_wait_for_s():
     """P without its accesses of S^T: S^T's result is first needed with dP^T's, so the two
     share a group and the wait_group 1 between them goes."""
     params = Params(2, 2, 128)
-    placed = place_syncs(
+    placed = insert_syncs(
         edited(params, Role.CONSUMER, "P = exp2(S - LSE)", reg_reads=(), reg_writes=())
     )
     gone = left_out(hand_protocol(params), placed)
@@ -191,7 +191,7 @@ def test_dv_dk_not_reading_the_slot_release_it_early():
     sched = sched.with_role(
         Role.CONSUMER, items[:n] + (replace(items[n], reads=()),) + items[n + 1 :]
     )
-    consumer = place_syncs(sched).consumer
+    consumer = insert_syncs(sched).consumer
     arrive = next(n for n, x in enumerate(consumer) if x.kind is Kind.MBAR_ARRIVE)
     assert consumer[arrive - 1].name == "dS = P (dP - D)"
     last_wait = [x for x in consumer if x.kind is Kind.WGMMA_WAIT][-1]
@@ -200,7 +200,7 @@ def test_dv_dk_not_reading_the_slot_release_it_early():
 
 def test_a_staging_not_written_needs_no_staging_syncs():
     params = Params(2, 2, 64)
-    placed = place_syncs(edited(params, Role.CONSUMER, "dQ -> staging", writes=()))
+    placed = insert_syncs(edited(params, Role.CONSUMER, "dQ -> staging", writes=()))
     gone = left_out(hand_protocol(params), placed)
     assert kinds(gone) == sorted(
         ["cp.async.bulk.wait_group.read", "bar.sync", "fence.proxy.async.shared::cta", "bar.sync"]
@@ -210,7 +210,7 @@ def test_a_staging_not_written_needs_no_staging_syncs():
 def test_the_expected_bytes_are_the_loads():
     """The LSE load writing nothing: q_full expects 256 bytes fewer."""
     params = Params(2, 2, 128)
-    placed = place_syncs(edited(params, Role.PRODUCER, "LSE load", writes=()))
+    placed = insert_syncs(edited(params, Role.PRODUCER, "LSE load", writes=()))
     hand = hand_protocol(params)
 
     def armed(plan: Protocol) -> int:

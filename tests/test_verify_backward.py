@@ -1,5 +1,5 @@
 """The backward main kernel's sync plan (fadsl/targets/sm90/backward/protocol.py: the steps
-of steps.py with the syncs the sync pass placed) is proven in the async model for every
+of schedule.py with the syncs the sync pass placed) is proven in the async model for every
 configuration the header admits, with either consumer (bwd_consumer, or
 bwd_consumer_overlapped of `overlap on`), every broken variant of it is refused with the
 hazard named, the brute-force interleaving checker agrees on the smallest cases, and the
@@ -50,7 +50,7 @@ from fadsl.targets.sm90.backward.program import (
     default_layout,
 )
 from fadsl.targets.sm90.backward.protocol import protocol
-from fadsl.targets.sm90.backward.prove import (
+from fadsl.targets.sm90.backward.verify import (
     build_program,
     check_protocol,
     m_counts,

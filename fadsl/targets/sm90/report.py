@@ -15,7 +15,7 @@ from ...errors import Loc
 from ...ir import Kernel, Mask, Phase, Step, Sync
 from .. import Capabilities, Report
 from .alone import alone_name
-from .backward.explain import backward_data, backward_sections
+from .backward.report import backward_data, backward_sections
 from .caps import (
     MBAR_ARRIVE,
     MBAR_ARRIVE_PEER,

@@ -160,7 +160,7 @@ struct BwdConfig {
   static constexpr int kDSPanelBytes = kBlockN * kRowBytes;  // 64 queries of every key row
   static constexpr int kRowFloatsBytes = kBlockM * 4;     // one slot of LSE or of D
 
-  // SMEM plan (a generated Cfg sets these from fadsl/targets/sm90/backward/plan.py)
+  // SMEM plan (a generated Cfg sets these from fadsl/targets/sm90/backward/plan_smem.py)
   static constexpr int kOffK = 0;
   static constexpr int kOffV = kOffK + kKVBytes;
   static constexpr int kOffQ = kOffV + kKVBytes;

@@ -7,7 +7,7 @@ from typing import Any
 
 from ....ir import Dtype, Kernel, Mask
 from ....ir.backward import Backward
-from .plan import dq_by_keys, dq_by_queries, smem_plan
+from .plan_smem import dq_by_keys, dq_by_queries, smem_plan
 
 TEMPLATE = "sm90/backward.cu.j2"
 # A plan buffer -> the header's offset constant (BwdConfig)

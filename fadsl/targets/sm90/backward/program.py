@@ -17,8 +17,8 @@ loop, once per m-block (``Phase.LOOP``), or once after it. Loop items name their
 parity symbolically (``Index``, ``Parity``): ring slot i % stages and parity
 (i / stages) & 1, dS^T's buffer i % 2.
 
-Who builds what: steps.py the steps (``schedule``: the work, no sync), syncs/ the syncs
-(``place_syncs``), protocol.py the plan (``protocol``: the two together), which prove.py
+Who builds what: schedule.py the steps (``schedule``: the work, no sync), syncs/ the syncs
+(``insert_syncs``), protocol.py the plan (``protocol``: the two together), which verify.py
 unrolls for a given m-block count and proves in the async model, and which
 tests/test_verify_backward.py checks the header against, call for call.
 

@@ -1,10 +1,10 @@
-"""The backward main kernel's sync plan: the steps (steps.py: ``schedule``, the work with no
+"""The backward main kernel's sync plan: the steps (schedule.py: ``schedule``, the work with no
 sync) with every mbarrier, named barrier, fence, wgmma group and bulk group placed by the
-sync pass (syncs/: ``place_syncs``), each sync with a ``why`` naming the hazard it orders.
+sync pass (syncs/: ``insert_syncs``), each sync with a ``why`` naming the hazard it orders.
 
 ``protocol(p)`` is the one plan: the header (emit/sm90/include/fadsl/sm90_bwd.cuh,
 sm90_bwd_overlap.cuh, the kernel body of emit/sm90/backward.cu.j2) makes its calls in its
-order (tests/test_verify_backward.py), prove.py proves it in the async model for every
+order (tests/test_verify_backward.py), verify.py proves it in the async model for every
 m-block count, and `fadsl explain` prints its syncs with their whys. A plan written by hand
 from the header stays beside the tests as an oracle (tests/backward_hand_plan.py):
 tests/test_backward_syncs.py checks that the pass places exactly its syncs in all 126
@@ -47,8 +47,8 @@ from .program import (
     bar_id,
     default_layout,
 )
-from .steps import schedule
-from .syncs import place_syncs
+from .schedule import schedule
+from .syncs import insert_syncs
 
 __all__ = [
     "BAR_DQ",
@@ -80,7 +80,7 @@ __all__ = [
     "Who",
     "bar_id",
     "default_layout",
-    "place_syncs",
+    "insert_syncs",
     "protocol",
     "schedule",
 ]
@@ -88,4 +88,4 @@ __all__ = [
 
 def protocol(p: Params) -> Protocol:
     """The plan of ``p``: the sync pass's placement in the schedule's steps."""
-    return place_syncs(schedule(p))
+    return insert_syncs(schedule(p))

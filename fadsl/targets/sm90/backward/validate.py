@@ -44,7 +44,7 @@ from ..caps import (
     register_pool,
     registers_asked,
 )
-from .plan import smem_plan
+from .plan_smem import smem_plan
 
 HEAD_DIMS = (64, 128)
 DTYPES = (Dtype.BF16, Dtype.FP16)  # every dtype today; a new one needs its backward first

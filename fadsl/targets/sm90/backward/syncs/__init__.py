@@ -1,12 +1,12 @@
 """The backward main kernel's sync pass: every mbarrier, named barrier, fence, wgmma group and
 bulk group of the plan, placed from the hazards of its schedule.
 
-The schedule is the plan's steps with no sync (steps.py: ``schedule``): per role, in program
+The schedule is the plan's steps with no sync (schedule.py: ``schedule``): per role, in program
 order and tagged with their phase (before the m-block loop, each m-block, after it), the
 TMA and bulk loads, wgmmas, st.shared, ld.shared-based compute, the bulk reduce-add and the
 st.global of dK and dV, with the SMEM operands (buffer, ring slot or dS^T buffer, part)
 and registers each reads and writes, which threads run it and which proxy (its kind).
-``place_syncs`` derives the syncs from them, one module per mechanism, each with the
+``insert_syncs`` derives the syncs from them, one module per mechanism, each with the
 hazards it orders in its docstring:
 
 - mbarrier: the setup, the loads' full barriers (expect_tx with their bytes) and the ring's
@@ -29,8 +29,8 @@ WAR, the proxy fence (the writers', before the barrier that hands the bytes over
 wgmma.fence (the warpgroup's own, issued before it blocks at a meeting), the meeting
 barrier, the ordered add's acquire: the header's order.
 
-Its result is the plan (protocol.py: ``protocol(p) = place_syncs(schedule(p))``), which
-prove.py proves; tests/test_backward_syncs.py checks that it equals a plan written by hand
+Its result is the plan (protocol.py: ``protocol(p) = insert_syncs(schedule(p))``), which
+verify.py proves; tests/test_backward_syncs.py checks that it equals a plan written by hand
 from the header (tests/backward_hand_plan.py) in every configuration, every field but
 ``why``. Each placed sync's ``why`` names the hazard it orders (`fadsl explain` prints it).
 """
@@ -41,7 +41,7 @@ from ..program import Item, Kind, Phase, Protocol, Role
 from . import bulk, mbarrier, named, wgmma
 from .state import Consumer, join, loop_entry_equal
 
-__all__ = ["place_syncs", "without_syncs"]
+__all__ = ["insert_syncs", "without_syncs"]
 
 
 def without_syncs(plan: Protocol) -> Protocol:
@@ -52,7 +52,7 @@ def without_syncs(plan: Protocol) -> Protocol:
     )
 
 
-def place_syncs(schedule: Protocol, *, economical: bool = False) -> Protocol:
+def insert_syncs(schedule: Protocol, *, economical: bool = False) -> Protocol:
     """The plan with every sync placed. ``economical``: leave out the syncs whose hazard
     another mechanism's sync already orders, which the header keeps (a wgmma group ended
     at every sync, the staging's wait_group.read in deterministic mode)."""

@@ -13,7 +13,7 @@ the deterministic mode's ordered add.
   memory, across warpgroups and CTAs) go in ticket order: the leader acquires its ticket
   (ld.acquire.gpu spin) and fences the async proxy before the add; after it, commits, waits
   for the adds to be performed (wait_group 0, not only .read), fences the async proxy
-  again and releases the next ticket (st.release.gpu). prove.py's docstring has the
+  again and releases the next ticket (st.release.gpu). verify.py's docstring has the
   argument across CTAs.
 
 The ordered add's wait_group 0 retires the staging's read too, and the next m-block's dS^T

@@ -1,5 +1,5 @@
 """The backward main kernel's steps: the work of each role, in the header's order, with no
-sync (``schedule``), the input of the sync pass (syncs/: ``place_syncs``).
+sync (``schedule``), the input of the sync pass (syncs/: ``insert_syncs``).
 
 A step is a call that accesses memory or the registers a wgmma uses: a TMA or bulk load, a
 wgmma, ordinary compute on registers (with the ld.shared of LSE or D it makes), a
@@ -49,7 +49,7 @@ __all__ = ["schedule", "producer_steps", "consumer_steps"]
 
 
 def schedule(p: Params) -> Protocol:
-    """The plan's steps, every role's, with no sync: what ``place_syncs`` places syncs in."""
+    """The plan's steps, every role's, with no sync: what ``insert_syncs`` places syncs in."""
     return Protocol(p, (), producer_steps(p), consumer_steps(p))
 
 

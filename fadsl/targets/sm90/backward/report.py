@@ -16,7 +16,7 @@ from ..caps import (
     register_pool,
     registers_asked,
 )
-from .plan import dq_by_keys, dq_by_queries, smem_plan
+from .plan_smem import dq_by_keys, dq_by_queries, smem_plan
 from .protocol import Guard, Index, Item, Kind, Params
 from .protocol import Role as ProtocolRole
 from .protocol import protocol
@@ -35,7 +35,7 @@ def _warpgroups(first: int, count: int) -> str:
 
 def backward_syncs(kernel: Kernel) -> list[dict[str, Any]]:
     """The main kernel's syncs, role by role in program order, as the sync pass placed them
-    (protocol.py: the plan the header follows, proved by prove.py): one entry each,
+    (protocol.py: the plan the header follows, proved by verify.py): one entry each,
     ``{"sync": ..., "note": why}``."""
     bwd = kernel.backward
     plan = protocol(Params.of(bwd, kernel.config.head_dim))
@@ -202,7 +202,7 @@ def backward_sections(data: Mapping[str, Any]) -> list[str]:
         f"of {regs['pool']} ({regs['threads']} threads launch with "
         f"{regs['launch_per_thread']} each; the SM has {regs['per_sm']})",
         "",
-        "Backward SMEM map (fadsl/targets/sm90/backward/plan.py)",
+        "Backward SMEM map (fadsl/targets/sm90/backward/plan_smem.py)",
         f"  {'buffer':<10}{'offset':>7}{'bytes':>7}  lifetime",
         *(
             f"  {b['buffer']:<10}{b['offset']:>7}{b['bytes']:>7}  {b['lifetime']}"
@@ -218,7 +218,7 @@ def backward_sections(data: Mapping[str, Any]) -> list[str]:
 def _syncs_text(syncs: list[Mapping[str, Any]]) -> list[str]:
     out = [
         "Backward syncs (the main kernel's, in program order per role; placed by the sync",
-        "pass fadsl/targets/sm90/backward/syncs/, proved by prove.py in the async model)",
+        "pass fadsl/targets/sm90/backward/syncs/, proved by verify.py in the async model)",
     ]
     for sync in syncs:
         out.append(f"  >> {sync['sync']}")
