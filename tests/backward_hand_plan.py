@@ -21,10 +21,10 @@ from fadsl.targets.sm90.backward.program import (
     Mbar,
     Named,
     Params,
-    Parity,
-    Phase,
+    WaitParity,
+    LoopPhase,
     Protocol,
-    Source,
+    CodeSite,
     Who,
 )
 from fadsl.targets.sm90.backward.schedule import schedule
@@ -52,12 +52,12 @@ def _interleave(steps: tuple[Item, ...], listing: list[Item | str]) -> tuple[Ite
     return tuple(out)
 
 
-def _names(steps: tuple[Item, ...], phase: Phase) -> list[str]:
+def _names(steps: tuple[Item, ...], phase: LoopPhase) -> list[str]:
     return [x.name for x in steps if x.phase is phase]
 
 
 def _setup(p: Params) -> tuple[Item, ...]:
-    init = dict(who=Who.THREAD0, source=Source.KERNEL, phase=Phase.BEFORE)
+    init = dict(who=Who.THREAD0, source=CodeSite.KERNEL, phase=LoopPhase.BEFORE)
     return (
         Item(Kind.MBAR_INIT, mbar=Mbar.KV_FULL, count=1, why="the producer's expect_tx", **init),
         Item(Kind.MBAR_INIT, mbar=Mbar.Q_FULL, slot=Index.RING, count=1, **init),
@@ -73,43 +73,43 @@ def _setup(p: Params) -> tuple[Item, ...]:
         Item(
             Kind.SYNCTHREADS,
             Who.CTA,
-            Source.KERNEL,
-            Phase.BEFORE,
+            CodeSite.KERNEL,
+            LoopPhase.BEFORE,
             why="the inits before any use",
         ),
     )
 
 
 def _producer(p: Params, steps: tuple[Item, ...]) -> list[Item | str]:
-    def sync(kind: Kind, phase: Phase, **fields) -> Item:
-        return Item(kind, Who.ELECTED, Source.PRODUCER, phase, guard=Guard.HAS_WORK, **fields)
+    def sync(kind: Kind, phase: LoopPhase, **fields) -> Item:
+        return Item(kind, Who.ELECTED, CodeSite.PRODUCER, phase, guard=Guard.HAS_WORK, **fields)
 
     return [
         sync(
             Kind.MBAR_ARRIVE_EXPECT_TX,
-            Phase.BEFORE,
+            LoopPhase.BEFORE,
             mbar=Mbar.KV_FULL,
             tx=2 * p.kv_bytes,
             why="K's and V's bytes complete kv_full",
         ),
-        *_names(steps, Phase.BEFORE),  # K and V, panel by panel
+        *_names(steps, LoopPhase.BEFORE),  # K and V, panel by panel
         sync(
             Kind.MBAR_WAIT,
-            Phase.LOOP,
+            LoopPhase.LOOP,
             mbar=Mbar.Q_EMPTY,
             slot=Index.RING,
-            parity=Parity.RING_FLIP,
+            parity=WaitParity.RING_FLIP,
             why="WAR: every consumer is done with the slot's Q, dO, LSE and D",
         ),
         sync(
             Kind.MBAR_ARRIVE_EXPECT_TX,
-            Phase.LOOP,
+            LoopPhase.LOOP,
             mbar=Mbar.Q_FULL,
             slot=Index.RING,
             tx=2 * p.q_bytes + 2 * p.row_floats_bytes,
             why="Q's, dO's, LSE's and D's bytes complete q_full",
         ),
-        *_names(steps, Phase.LOOP),  # Q and dO panel by panel, LSE, D
+        *_names(steps, LoopPhase.LOOP),  # Q and dO panel by panel, LSE, D
     ]
 
 
@@ -121,27 +121,29 @@ def _consumer(p: Params) -> list[Item | str]:
     for them (wait_group 0) and releases the slot. With ``early_dv`` it commits dV alone
     right after P^T is packed, waits for dP^T with dV's group still running (wait_group 1),
     and after the meeting commits dQ, then dK."""
-    main = Source.OVERLAPPED if p.overlap else Source.CONSUMER
-    meet = Source.MEET_AND_ISSUE_DQ if p.overlap else main
+    main = CodeSite.OVERLAPPED if p.overlap else CodeSite.CONSUMER
+    meet = CodeSite.MEET_AND_ISSUE_DQ if p.overlap else main
 
-    def sync(kind: Kind, phase: Phase = Phase.LOOP, source: Source = main, **fields) -> Item:
+    def sync(
+        kind: Kind, phase: LoopPhase = LoopPhase.LOOP, source: CodeSite = main, **fields
+    ) -> Item:
         return Item(kind, Who.WARPGROUP, source, phase, **fields)
 
     listing = [
         "dK, dV = 0",
         sync(
             Kind.MBAR_WAIT,
-            Phase.BEFORE,
+            LoopPhase.BEFORE,
             guard=Guard.HAS_WORK,
             mbar=Mbar.KV_FULL,
-            parity=Parity.ZERO,
+            parity=WaitParity.ZERO,
             why="RAW: K and V landed",
         ),
         sync(
             Kind.MBAR_WAIT,
             mbar=Mbar.Q_FULL,
             slot=Index.RING,
-            parity=Parity.RING,
+            parity=WaitParity.RING,
             why="RAW: the slot's Q, dO, LSE and D landed",
         ),
         sync(Kind.WGMMA_FENCE, why="S^T, dP^T were accessed by ordinary code"),
@@ -196,7 +198,7 @@ def _consumer(p: Params) -> list[Item | str]:
         slot=Index.RING,
         why="WAR: the slot's Q, dO (wgmma retired), LSE and D (read) are free",
     )
-    staging = _stage_and_reduce(p, Source.REDUCE_DQ)
+    staging = _stage_and_reduce(p, CodeSite.REDUCE_DQ)
     if p.overlap:
         listing += [
             ds_fence,
@@ -226,13 +228,13 @@ def _consumer(p: Params) -> list[Item | str]:
         Kind.BULK_WAIT,
         Who.LEADER,
         main,
-        Phase.AFTER,
+        LoopPhase.AFTER,
         why="the last reduce-add read the staging before the CTA exits",
     )
     return listing + ([] if p.dq_red else [exit_wait]) + ["dK -> global", "dV -> global"]
 
 
-def _stage_and_reduce(p: Params, source: Source) -> list[Item | str]:
+def _stage_and_reduce(p: Params, source: CodeSite) -> list[Item | str]:
     """The staging's syncs around dQ's st.shared and the leader's reduce-add (ordered by the
     semaphore in deterministic mode); with ``dq_red`` the registers' adds alone, no sync."""
     if p.dq_red:
@@ -240,7 +242,7 @@ def _stage_and_reduce(p: Params, source: Source) -> list[Item | str]:
     own_bar = dict(named=Named.DQ, threads=WARPGROUP_THREADS)
 
     def sync(kind: Kind, who: Who = Who.WARPGROUP, **fields) -> Item:
-        return Item(kind, who, source, Phase.LOOP, **fields)
+        return Item(kind, who, source, LoopPhase.LOOP, **fields)
 
     out = [
         sync(Kind.BULK_WAIT_READ, Who.LEADER, why="WAR: the previous reduce-add read the staging"),
@@ -252,12 +254,12 @@ def _stage_and_reduce(p: Params, source: Source) -> list[Item | str]:
     commit = sync(Kind.BULK_COMMIT, Who.LEADER)
     if not p.deterministic:
         return out + ["dQ reduce-add", commit]
-    ordered = dict(who=Who.LEADER, source=Source.ORDERED_REDUCE_ADD, phase=Phase.LOOP)
+    ordered = dict(who=Who.LEADER, source=CodeSite.ORDERED_REDUCE_ADD, phase=LoopPhase.LOOP)
     return out + [
         Item(Kind.SEM_ACQUIRE, why="the reduce-adds before this ticket's done", **ordered),
         Item(Kind.FENCE_PROXY_ASYNC_GLOBAL, why="the acquire before the adds", **ordered),
         "dQ reduce-add",
-        replace(commit, source=Source.ORDERED_REDUCE_ADD),
+        replace(commit, source=CodeSite.ORDERED_REDUCE_ADD),
         Item(Kind.BULK_WAIT, pending=0, why="the adds performed", **ordered),
         Item(Kind.FENCE_PROXY_ASYNC_GLOBAL, why="the adds before the release", **ordered),
         Item(Kind.SEM_RELEASE, why="the next ticket may add", **ordered),

@@ -25,19 +25,19 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from fadsl.targets.sm90.backward.program import (
-    Buffer,
+    StagedTile,
     Guard,
     Index,
     Kind,
     Mbar,
     Params,
-    Parity,
+    WaitParity,
     Part,
-    Phase,
+    LoopPhase,
     Protocol,
     Reg,
-    Role,
-    Source,
+    WarpRole,
+    CodeSite,
     Who,
     bar_id,
 )
@@ -48,9 +48,9 @@ OVERLAP_HEADER = (ROOT / "emit/sm90/include/fadsl/sm90_bwd_overlap.cuh").read_te
 TEMPLATE = (ROOT / "emit/sm90/backward.cu.j2").read_text()
 # the functions a role's walk inlines, with the source their calls are tagged with
 INLINED = {
-    "ordered_reduce_add": Source.ORDERED_REDUCE_ADD,
-    "reduce_dq": Source.REDUCE_DQ,
-    "meet_and_issue_dq": Source.MEET_AND_ISSUE_DQ,
+    "ordered_reduce_add": CodeSite.ORDERED_REDUCE_ADD,
+    "reduce_dq": CodeSite.REDUCE_DQ,
+    "meet_and_issue_dq": CodeSite.MEET_AND_ISSUE_DQ,
 }
 
 
@@ -58,9 +58,9 @@ INLINED = {
 class Call:
     kind: Kind
     who: Who
-    phase: Phase
+    phase: LoopPhase
     guard: Guard
-    source: Source
+    source: CodeSite
     detail: tuple
 
 
@@ -102,9 +102,14 @@ SMEM_ARGS |= {"bwd_probs": (2,), "bwd_grad_scores": (2,), "store_ds": (0,), "sta
 SMEM_ARGS |= {"bulk_reduce_add_f32": (1,), "tma_load_4d": (0,), "bulk_load": (0,)}
 REGISTERS = {"s": Reg.S, "dp": Reg.DP, "p16": Reg.P16, "ds16": Reg.DS16}
 REGISTERS |= {"dk": Reg.DK, "dv": Reg.DV, "dq": Reg.DQ}
-OFFSETS = {"kOffK": Buffer.K, "kOffV": Buffer.V, "kOffQ": Buffer.Q, "kOffDO": Buffer.DO}
-OFFSETS |= {"kOffDS": Buffer.DS, "kOffDQ": Buffer.DQ_STAGE, "kOffLSE": Buffer.LSE}
-OFFSETS |= {"kOffD": Buffer.D}
+OFFSETS = {
+    "kOffK": StagedTile.K,
+    "kOffV": StagedTile.V,
+    "kOffQ": StagedTile.Q,
+    "kOffDO": StagedTile.DO,
+}
+OFFSETS |= {"kOffDS": StagedTile.DS, "kOffDQ": StagedTile.DQ_STAGE, "kOffLSE": StagedTile.LSE}
+OFFSETS |= {"kOffD": StagedTile.D}
 MBARS = {"bwd_bar_kv": Mbar.KV_FULL, "bwd_bar_q_full": Mbar.Q_FULL}
 MBARS |= {"bwd_bar_q_empty": Mbar.Q_EMPTY}
 
@@ -245,12 +250,12 @@ class Walk:
 
     params: Params
     env: dict
-    source: Source
+    source: CodeSite
     who: Who
     variables: dict
     calls: list
     header: str = HEADER  # the text the inlined functions are read from
-    phase: Phase = Phase.BEFORE
+    phase: LoopPhase = LoopPhase.BEFORE
     guard: Guard = Guard.ALWAYS
 
     def fork(self, **changes) -> Walk:
@@ -291,12 +296,12 @@ def mbar_of(expr: str, walk: Walk) -> tuple:
     return mbar, index_of(flat)
 
 
-def parity_of(expr: str, walk: Walk) -> Parity:
+def parity_of(expr: str, walk: Walk) -> WaitParity:
     flat = expand(expr, walk.variables)
     if flat in ("0u", "0", "1u", "1"):
-        return Parity.ZERO if flat.startswith("0") else Parity.ONE
+        return WaitParity.ZERO if flat.startswith("0") else WaitParity.ONE
     assert "i/Cfg::kStages" in flat and "&1" in flat, flat
-    return Parity.RING_FLIP if "^1" in flat else Parity.RING
+    return WaitParity.RING_FLIP if "^1" in flat else WaitParity.RING
 
 
 def detail_of(name: str, args: list[str], template: str, walk: Walk) -> tuple:
@@ -368,10 +373,10 @@ def walk_node(node, walk: Walk) -> None:
             walk_simple(cond, walk)
             walk_node(body, walk)
         case ("for", "inti=0;i<b.m_count;++i", body):
-            inner = walk.fork(phase=Phase.LOOP)
+            inner = walk.fork(phase=LoopPhase.LOOP)
             walk_node(body, inner)
             walk.calls += inner.calls
-            walk.phase = Phase.AFTER
+            walk.phase = LoopPhase.AFTER
         case ("for", head, body) if "panel<Cfg::kPanels" in head:
             for _ in range(walk.env["kPanels"]):
                 walk_node(body, walk)
@@ -445,10 +450,10 @@ def walk_simple(text: str, walk: Walk) -> None:
 
 
 KERNEL = r"__global__ void __launch_bounds__\(Cfg::kThreads"
-SOURCES = {"bwd_consumer": Source.CONSUMER, "bwd_consumer_overlapped": Source.OVERLAPPED}
+SOURCES = {"bwd_consumer": CodeSite.CONSUMER, "bwd_consumer_overlapped": CodeSite.OVERLAPPED}
 ROLES = {
-    Role.PRODUCER: (r"void bwd_producer\(", Source.PRODUCER, Who.ELECTED),
-    Role.SETUP: (KERNEL, Source.KERNEL, Who.CTA),
+    WarpRole.PRODUCER: (r"void bwd_producer\(", CodeSite.PRODUCER, Who.ELECTED),
+    WarpRole.SETUP: (KERNEL, CodeSite.KERNEL, Who.CTA),
 }
 
 
@@ -466,7 +471,7 @@ def consumer_function(overlap: bool, template: str = TEMPLATE) -> str:
 
 
 def header_calls(
-    role: Role,
+    role: WarpRole,
     params: Params,
     header: str = HEADER,
     overlap_header: str = OVERLAP_HEADER,
@@ -476,10 +481,10 @@ def header_calls(
     in the headers (the consumer the one the template's kernel calls), the setup's in the
     template's kernel body."""
     headers = header + "\n" + overlap_header
-    if role is Role.SETUP:
+    if role is WarpRole.SETUP:
         text = kernel_template(params.overlap, template)
         pattern, source, who = ROLES[role]
-    elif role is Role.CONSUMER:
+    elif role is WarpRole.CONSUMER:
         text, name = headers, consumer_function(params.overlap, template)
         pattern, source, who = rf"void {name}\(", SOURCES[name], Who.WARPGROUP
     else:
@@ -491,7 +496,7 @@ def header_calls(
     return walk.calls
 
 
-def expected_calls(proto: Protocol, role: Role) -> list[Call]:
+def expected_calls(proto: Protocol, role: WarpRole) -> list[Call]:
     """The protocol's items as the header's calls (the register-only zeroing has none)."""
     p = proto.params
     out = []

@@ -16,15 +16,15 @@ import pytest
 
 from backward_hand_plan import hand_protocol
 from fadsl.targets.sm90.backward.program import (
-    Buffer,
+    StagedTile,
     Item,
     Kind,
     Mbar,
     Named,
     Params,
-    Phase,
+    LoopPhase,
     Protocol,
-    Role,
+    WarpRole,
 )
 from fadsl.targets.sm90.backward.protocol import protocol
 from fadsl.targets.sm90.backward.verify import check_protocol, parameter_space
@@ -50,7 +50,7 @@ def left_out(hand: Protocol, placed: Protocol) -> set[str]:
     """The hand plan's syncs the placed plan leaves out, labelled; asserts that it adds,
     changes or moves none."""
     found = set()
-    for role in Role:
+    for role in WarpRole:
         ours = [compared(x) for x in placed.role(role)]
         theirs = [compared(x) for x in hand.role(role)]
         matcher = difflib.SequenceMatcher(a=theirs, b=ours, autojunk=False)
@@ -79,7 +79,7 @@ def test_the_placed_plan_is_the_hand_plan_and_is_proven(params):
 @pytest.mark.parametrize("params", PARAMS, ids=lambda p: p.describe())
 def test_every_placed_sync_says_what_it_orders(params):
     """Each placed sync's ``why`` names its hazard (`fadsl explain` prints it)."""
-    for role in Role:
+    for role in WarpRole:
         for x in protocol(params).role(role):
             assert not x.is_sync or x.why, (role, x)
 
@@ -88,8 +88,8 @@ def test_the_schedule_has_no_sync():
     for params in PARAMS:
         steps = schedule(params)
         assert not steps.setup
-        assert not any(x.is_sync for role in Role for x in steps.role(role))
-        for role in Role:  # a step is known by its name (``edited``)
+        assert not any(x.is_sync for role in WarpRole for x in steps.role(role))
+        for role in WarpRole:  # a step is known by its name (``edited``)
             names = [x.name for x in steps.role(role)]
             assert all(names) and len(set(names)) == len(names), names
 
@@ -139,7 +139,7 @@ def test_the_pass_is_a_pure_function():
 # --- an access taken out: the syncs that ordered it go or move ---------------------------
 
 
-def edited(params: Params, role: Role, name: str, **fields) -> Protocol:
+def edited(params: Params, role: WarpRole, name: str, **fields) -> Protocol:
     """The schedule with step ``name`` of ``role`` changed."""
     sched = schedule(params)
     items = sched.role(role)
@@ -158,8 +158,8 @@ def test_dq_not_reading_ds_needs_no_meeting(head_dim, overlap):
     bwd_consumer dK's group, no longer ended by a sync, goes on into dQ's)."""
     params = Params(2, 2, head_dim, overlap=overlap)
     dq = next(x for x in schedule(params).consumer if x.name == "dQ = dS K")
-    reads = tuple(op for op in dq.reads if op.buffer is not Buffer.DS)
-    placed = insert_syncs(edited(params, Role.CONSUMER, "dQ = dS K", reads=reads))
+    reads = tuple(op for op in dq.reads if op.buffer is not StagedTile.DS)
+    placed = insert_syncs(edited(params, WarpRole.CONSUMER, "dQ = dS K", reads=reads))
     assert check_protocol(placed) == ()
     gone = left_out(hand_protocol(params), placed)
     expected = ["bar.sync", "fence.proxy.async.shared::cta"]
@@ -174,7 +174,7 @@ def test_p_without_registers_needs_no_wait_for_s():
     share a group and the wait_group 1 between them goes."""
     params = Params(2, 2, 128)
     placed = insert_syncs(
-        edited(params, Role.CONSUMER, "P = exp2(S - LSE)", reg_reads=(), reg_writes=())
+        edited(params, WarpRole.CONSUMER, "P = exp2(S - LSE)", reg_reads=(), reg_writes=())
     )
     gone = left_out(hand_protocol(params), placed)
     assert kinds(gone) == ["wgmma.commit_group", "wgmma.wait_group"], gone
@@ -185,11 +185,11 @@ def test_dv_dk_not_reading_the_slot_release_it_early():
     """dV and dK without their reads of Q and dO (overlap): the slot is free once dS has
     read D, and the release moves there from after the m-block's last wait."""
     params = Params(2, 2, 128, overlap=True)
-    sched = edited(params, Role.CONSUMER, "dV += P^T dO", reads=())
+    sched = edited(params, WarpRole.CONSUMER, "dV += P^T dO", reads=())
     items = sched.consumer
     (n,) = [n for n, x in enumerate(items) if x.name == "dK += dS^T Q"]
     sched = sched.with_role(
-        Role.CONSUMER, items[:n] + (replace(items[n], reads=()),) + items[n + 1 :]
+        WarpRole.CONSUMER, items[:n] + (replace(items[n], reads=()),) + items[n + 1 :]
     )
     consumer = insert_syncs(sched).consumer
     arrive = next(n for n, x in enumerate(consumer) if x.kind is Kind.MBAR_ARRIVE)
@@ -200,7 +200,7 @@ def test_dv_dk_not_reading_the_slot_release_it_early():
 
 def test_a_staging_not_written_needs_no_staging_syncs():
     params = Params(2, 2, 64)
-    placed = insert_syncs(edited(params, Role.CONSUMER, "dQ -> staging", writes=()))
+    placed = insert_syncs(edited(params, WarpRole.CONSUMER, "dQ -> staging", writes=()))
     gone = left_out(hand_protocol(params), placed)
     assert kinds(gone) == sorted(
         ["cp.async.bulk.wait_group.read", "bar.sync", "fence.proxy.async.shared::cta", "bar.sync"]
@@ -210,7 +210,7 @@ def test_a_staging_not_written_needs_no_staging_syncs():
 def test_the_expected_bytes_are_the_loads():
     """The LSE load writing nothing: q_full expects 256 bytes fewer."""
     params = Params(2, 2, 128)
-    placed = insert_syncs(edited(params, Role.PRODUCER, "LSE load", writes=()))
+    placed = insert_syncs(edited(params, WarpRole.PRODUCER, "LSE load", writes=()))
     hand = hand_protocol(params)
 
     def armed(plan: Protocol) -> int:
@@ -222,4 +222,4 @@ def test_the_expected_bytes_are_the_loads():
         return x.tx
 
     assert armed(hand) - armed(placed) == 64 * 4
-    assert [x.phase for x in placed.producer if x.is_sync][:1] == [Phase.BEFORE]
+    assert [x.phase for x in placed.producer if x.is_sync][:1] == [LoopPhase.BEFORE]

@@ -243,3 +243,20 @@ def test_what_the_runtime_asks_of_a_targets_settings_is_typed():
         if isinstance(node, ast.Attribute) and node.attr == "ext"
     ]
     assert readers == []
+
+
+def test_no_type_name_is_defined_both_in_the_ir_and_in_a_target():
+    """A target's types have names of their own (the sm90 backward's warp roles, loop phases,
+    wait parities and staged tiles are not the IR's Role, Phase, Parity and Buffer)."""
+
+    def classes(prefix: str) -> dict[str, str]:
+        return {
+            node.name: name
+            for name, path in MODULES.items()
+            if name.startswith(prefix)
+            for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.ClassDef)
+        }
+
+    ir, target = classes("fadsl.ir"), classes("fadsl.targets")
+    assert {n: (ir[n], target[n]) for n in ir.keys() & target.keys()} == {}

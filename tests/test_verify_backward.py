@@ -34,18 +34,18 @@ from fadsl.passes.asyncmodel.prove import check
 from fadsl.targets.sm90.backward.program import (
     BAR_DQ,
     BAR_DS,
-    Buffer,
+    StagedTile,
     Guard,
     Index,
     Item,
     Kind,
     Mbar,
     Params,
-    Parity,
-    Phase,
+    WaitParity,
+    LoopPhase,
     Protocol,
-    Role,
-    Source,
+    WarpRole,
+    CodeSite,
     Who,
     default_layout,
 )
@@ -112,7 +112,7 @@ def label(items: tuple[Item, ...], n: int) -> str:
 
 def mutants(proto: Protocol, change):
     """(label, mutant) for each item of each role that ``change`` maps to new items."""
-    for role in (Role.SETUP, Role.PRODUCER, Role.CONSUMER):
+    for role in (WarpRole.SETUP, WarpRole.PRODUCER, WarpRole.CONSUMER):
         items = proto.role(role)
         for n, item in enumerate(items):
             new = change(item)
@@ -159,7 +159,7 @@ def unneeded(params: Params) -> set[str]:
 def test_dropping_each_sync(params):
     proto = protocol(params)
     drops = list(mutants(proto, lambda x: () if x.is_sync else None))
-    assert len(drops) == sum(x.is_sync for r in Role for x in proto.role(r))
+    assert len(drops) == sum(x.is_sync for r in WarpRole for x in proto.role(r))
     assert set(survivors(proto, lambda x: () if x.is_sync else None)) == unneeded(params)
 
 
@@ -172,9 +172,9 @@ def _refusals(proto: Protocol, change) -> dict[str, tuple[str, ...]]:
 @pytest.mark.parametrize("params", MUTATED, ids=lambda p: p.describe())
 def test_flipping_each_parity(params):
     flips = {
-        Parity.ZERO: Parity.ONE,  # kv_full, used once: parity 1 passes the fresh barrier
-        Parity.RING: Parity.RING_FLIP,
-        Parity.RING_FLIP: Parity.RING,
+        WaitParity.ZERO: WaitParity.ONE,  # kv_full, used once: parity 1 passes the fresh barrier
+        WaitParity.RING: WaitParity.RING_FLIP,
+        WaitParity.RING_FLIP: WaitParity.RING,
     }
 
     def flip(x: Item):
@@ -222,13 +222,13 @@ def test_waiting_for_one_group_fewer(params):
 
 def single_ds_buffer(proto: Protocol) -> Protocol:
     """dS^T always in buffer 0 (no i % 2)."""
-    fix = lambda op: replace(op, index=Index.NONE) if op.buffer is Buffer.DS else op  # noqa
+    fix = lambda op: replace(op, index=Index.NONE) if op.buffer is StagedTile.DS else op  # noqa
     items = tuple(
         replace(x, reads=tuple(map(fix, x.reads)), writes=tuple(map(fix, x.writes)))
         for x in proto.consumer
     )
     assert items != proto.consumer
-    return proto.with_role(Role.CONSUMER, items)
+    return proto.with_role(WarpRole.CONSUMER, items)
 
 
 ONE_BUFFER_CASES = [PANELS, Params(3, 3, 64), Params(3, 2, 128), Params(1, 2, 128)]
@@ -256,7 +256,9 @@ def test_one_ds_buffer(params):
         assert problems == ()
 
 
-def _without(proto: Protocol, role: Role, kind: Kind, phase: Phase = Phase.LOOP) -> Protocol:
+def _without(
+    proto: Protocol, role: WarpRole, kind: Kind, phase: LoopPhase = LoopPhase.LOOP
+) -> Protocol:
     items = proto.role(role)
     n = next(n for n, x in enumerate(items) if x.kind is kind and x.phase is phase)
     return proto.with_role(role, items[:n] + items[n + 1 :])
@@ -265,7 +267,7 @@ def _without(proto: Protocol, role: Role, kind: Kind, phase: Phase = Phase.LOOP)
 @pytest.mark.parametrize("overlap", [False, True])
 def test_the_staging_needs_the_wait_for_the_previous_read(overlap):
     proto = protocol(replace(PANELS, overlap=overlap))
-    problems = check_protocol(_without(proto, Role.CONSUMER, Kind.BULK_WAIT_READ))
+    problems = check_protocol(_without(proto, WarpRole.CONSUMER, Kind.BULK_WAIT_READ))
     assert any(
         re.search(r"WAR on dQ staging of wg0: .*dQ reduce-add \(m-block 0\).*m-block 1", p)
         for p in problems
@@ -275,7 +277,7 @@ def test_the_staging_needs_the_wait_for_the_previous_read(overlap):
 @pytest.mark.parametrize("overlap", [False, True])
 def test_the_exit_needs_the_last_wait(overlap):
     proto = protocol(replace(BY_KEYS, overlap=overlap))
-    problems = check_protocol(_without(proto, Role.CONSUMER, Kind.BULK_WAIT, Phase.AFTER))
+    problems = check_protocol(_without(proto, WarpRole.CONSUMER, Kind.BULK_WAIT, LoopPhase.AFTER))
     assert any("dQ reduce-add" in p and "still in flight when wg0 ends" in p for p in problems)
 
 
@@ -287,7 +289,7 @@ def test_the_overlapped_staging_needs_dq_retired(params):
     n = max(n for n, x in enumerate(items) if x.kind is Kind.WGMMA_WAIT and x.pending == 1)
     assert items[n - 1].kind is Kind.WGMMA_COMMIT and items[n - 2].name == "dK += dS^T Q"
     weak = items[:n] + (replace(items[n], pending=2),) + items[n + 1 :]
-    problems = check_protocol(protocol(params).with_role(Role.CONSUMER, weak))
+    problems = check_protocol(protocol(params).with_role(WarpRole.CONSUMER, weak))
     assert any(
         re.search(r"RAW on dQ acc: .*dQ = dS K \(m-block 0\).*dQ (-> staging|red.add) \(m-block", p)
         for p in problems
@@ -302,7 +304,7 @@ def test_the_overlapped_release_needs_dv_and_dk_retired(params):
     n = next(n for n, x in enumerate(items) if x.kind is Kind.MBAR_ARRIVE)
     assert items[n - 1].kind is Kind.WGMMA_WAIT and items[n - 1].pending == 0
     items[n - 1], items[n] = items[n], items[n - 1]
-    problems = check_protocol(protocol(params).with_role(Role.CONSUMER, tuple(items)))
+    problems = check_protocol(protocol(params).with_role(WarpRole.CONSUMER, tuple(items)))
     assert any(
         re.search(r"WAR on (Q|dO)\[slot 0\]: .*(dK \+= dS\^T Q|dV \+= P\^T dO).*producer", p)
         for p in problems
@@ -321,10 +323,10 @@ def test_the_wait_read_can_move_before_the_ds_barrier():
         assert barrier.kind is Kind.NAMED_BAR_SYNC
         fence = next(n for n, x in enumerate(items) if x.kind is Kind.FENCE_PROXY_ASYNC_SMEM)
         items.insert(fence, wait)
-        assert check_protocol(protocol(params).with_role(Role.CONSUMER, tuple(items))) == ()
+        assert check_protocol(protocol(params).with_role(WarpRole.CONSUMER, tuple(items))) == ()
         # without moving the wait, the barrier is needed
-        moved = protocol(params).with_role(Role.CONSUMER, tuple(items))
-        assert check_protocol(_without(moved, Role.CONSUMER, Kind.BULK_WAIT_READ))
+        moved = protocol(params).with_role(WarpRole.CONSUMER, tuple(items))
+        assert check_protocol(_without(moved, WarpRole.CONSUMER, Kind.BULK_WAIT_READ))
 
 
 def test_the_kv_wait_needs_its_guard():
@@ -334,7 +336,7 @@ def test_the_kv_wait_needs_its_guard():
         replace(x, guard=Guard.ALWAYS) if x.mbar is Mbar.KV_FULL else x
         for x in protocol(PANELS).consumer
     )
-    problems = check_protocol(protocol(PANELS).with_role(Role.CONSUMER, items))
+    problems = check_protocol(protocol(PANELS).with_role(WarpRole.CONSUMER, items))
     assert problems and "m_count 0: hang: wg0" in problems[0] and "kv_full" in problems[0]
 
 
@@ -343,7 +345,7 @@ def test_a_fence_by_the_leader_alone_is_refused():
         replace(x, who=Who.LEADER) if x.kind is Kind.FENCE_PROXY_ASYNC_SMEM else x
         for x in protocol(BY_KEYS).consumer
     )
-    problems = check_protocol(protocol(BY_KEYS).with_role(Role.CONSUMER, items))
+    problems = check_protocol(protocol(BY_KEYS).with_role(WarpRole.CONSUMER, items))
     assert any("no fence.proxy.async by wg0" in p for p in problems), problems
 
 
@@ -352,7 +354,7 @@ def test_a_wait_or_barrier_by_the_leader_alone_is_refused():
         items = tuple(
             replace(x, who=Who.LEADER) if x.kind is kind else x for x in protocol(PANELS).consumer
         )
-        problems = check_protocol(protocol(PANELS).with_role(Role.CONSUMER, items))
+        problems = check_protocol(protocol(PANELS).with_role(WarpRole.CONSUMER, items))
         assert any("thread 0 of the consumer warpgroup" in p for p in problems), problems
 
 
@@ -365,23 +367,23 @@ def test_a_wait_or_barrier_by_the_leader_alone_is_refused():
     ],
 )
 def test_the_semaphore_order_is_checked(kind, message):
-    problems = check_protocol(_without(protocol(Params(2, 2, 64, True)), Role.CONSUMER, kind))
+    problems = check_protocol(_without(protocol(Params(2, 2, 64, True)), WarpRole.CONSUMER, kind))
     assert any(message in p for p in problems), problems
 
 
 def test_the_release_needs_the_adds_performed_and_fenced():
     proto = protocol(Params(3, 1, 128, True))
     items = proto.consumer
-    ordered = [n for n, x in enumerate(items) if x.source is Source.ORDERED_REDUCE_ADD]
+    ordered = [n for n, x in enumerate(items) if x.source is CodeSite.ORDERED_REDUCE_ADD]
     wait = next(n for n in ordered if items[n].kind is Kind.BULK_WAIT)
     read_only = replace(items[wait], kind=Kind.BULK_WAIT_READ)
     problems = check_protocol(
-        proto.with_role(Role.CONSUMER, items[:wait] + (read_only,) + items[wait + 1 :])
+        proto.with_role(WarpRole.CONSUMER, items[:wait] + (read_only,) + items[wait + 1 :])
     )
     assert any("wait_group 0 of the reduce-add" in p for p in problems), problems
     last_fence = max(n for n in ordered if items[n].kind is Kind.FENCE_PROXY_ASYNC_GLOBAL)
     problems = check_protocol(
-        proto.with_role(Role.CONSUMER, items[:last_fence] + items[last_fence + 1 :])
+        proto.with_role(WarpRole.CONSUMER, items[:last_fence] + items[last_fence + 1 :])
     )
     assert any("between the reduce-add's wait_group 0 and" in p for p in problems), problems
 
@@ -397,9 +399,9 @@ def test_the_setup_is_checked():
         (Kind.FENCE_MBAR_INIT, "no fence.mbarrier_init"),
         (Kind.SYNCTHREADS, "no __syncthreads"),
     ):
-        problems = check_protocol(_without(proto, Role.SETUP, kind, Phase.BEFORE))
+        problems = check_protocol(_without(proto, WarpRole.SETUP, kind, LoopPhase.BEFORE))
         assert any(message in p for p in problems), problems
-    problems = check_protocol(_without(proto, Role.SETUP, Kind.MBAR_INIT, Phase.BEFORE))
+    problems = check_protocol(_without(proto, WarpRole.SETUP, Kind.MBAR_INIT, LoopPhase.BEFORE))
     assert any("mbarrier kv_full (one copy) is used but never initialised" in p for p in problems)
 
 
@@ -446,7 +448,7 @@ def test_bruteforce_finds_the_single_ds_buffer_race():
 
 
 @pytest.mark.parametrize("params", PARAMS, ids=lambda p: p.describe())
-@pytest.mark.parametrize("role", list(Role), ids=lambda r: r.value)
+@pytest.mark.parametrize("role", list(WarpRole), ids=lambda r: r.value)
 def test_the_header_makes_the_protocols_calls(role, params):
     expected, found = expected_calls(protocol(params), role), header_calls(role, params)
     assert found == expected, differences(expected, found)
@@ -475,7 +477,7 @@ def test_an_edited_header_is_caught(what, old, new):
     assert HEADER.count(old) == 1, what
     edited = HEADER.replace(old, new)
     for params in (PANELS, BY_KEYS, Params(2, 2, 64, True), replace(BY_QUERIES, dq_red=True)):
-        for role in (Role.PRODUCER, Role.CONSUMER):
+        for role in (WarpRole.PRODUCER, WarpRole.CONSUMER):
             if header_calls(role, params, edited) != expected_calls(protocol(params), role):
                 return
     raise AssertionError(f"{what}: the edited header still matches the protocol")
@@ -516,8 +518,8 @@ def test_an_edited_overlap_header_is_caught(what, edits):
         assert edited.count(old) == 1, (what, old)
         edited = edited.replace(old, new)
     for params in OVERLAPPED:
-        found = header_calls(Role.CONSUMER, params, overlap_header=edited)
-        if found != expected_calls(protocol(params), Role.CONSUMER):
+        found = header_calls(WarpRole.CONSUMER, params, overlap_header=edited)
+        if found != expected_calls(protocol(params), WarpRole.CONSUMER):
             return
     raise AssertionError(f"{what}: the edited header still matches the protocol")
 
@@ -526,11 +528,11 @@ def test_an_edited_template_is_caught():
     """The kernel must call the overlapped consumer exactly under `{% if overlap %}`."""
     swapped = TEMPLATE.replace("{% if overlap %}", "{% if not_overlap %}")
     with pytest.raises(AssertionError, match="another"):
-        header_calls(Role.CONSUMER, replace(PANELS, overlap=True), template=swapped)
+        header_calls(WarpRole.CONSUMER, replace(PANELS, overlap=True), template=swapped)
     plain = TEMPLATE.replace("bwd_consumer_overlapped<Cfg>", "bwd_consumer<Cfg>")
     params = replace(PANELS, overlap=True)
-    found = header_calls(Role.CONSUMER, params, template=plain)
-    assert found != expected_calls(protocol(params), Role.CONSUMER)
+    found = header_calls(WarpRole.CONSUMER, params, template=plain)
+    assert found != expected_calls(protocol(params), WarpRole.CONSUMER)
 
 
 def test_the_header_agrees_on_layout_barriers_and_roles():

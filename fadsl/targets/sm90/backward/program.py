@@ -13,8 +13,8 @@ memory by the warpgroup's thread 0, the "leader").
 
 Each role's program is a tuple of ``Item`` in the header's order, each one call (a sync or
 a step that accesses memory) tagged with the phase it runs in: once before the m-block
-loop, once per m-block (``Phase.LOOP``), or once after it. Loop items name their slot and
-parity symbolically (``Index``, ``Parity``): ring slot i % stages and parity
+loop, once per m-block (``LoopPhase.LOOP``), or once after it. Loop items name their slot and
+parity symbolically (``Index``, ``WaitParity``): ring slot i % stages and parity
 (i / stages) & 1, dS^T's buffer i % 2.
 
 Who builds what: schedule.py the steps (``schedule``: the work, no sync), syncs/ the syncs
@@ -43,7 +43,7 @@ BAR_DS = 1  # named barrier: every consumer thread, both halves of dS^T written 
 BAR_DQ = 2  # named barrier BAR_DQ + wg: one warpgroup (128 threads)
 
 
-class Role(Enum):
+class WarpRole(Enum):
     SETUP = "setup"
     PRODUCER = "producer"
     CONSUMER = "consumer"
@@ -59,7 +59,7 @@ class Who(Enum):
     LEADER = "thread 0 of the consumer warpgroup"
 
 
-class Source(Enum):
+class CodeSite(Enum):
     """Where the item's call is: the function of the header, or the kernel's body."""
 
     KERNEL = "the kernel body"
@@ -71,7 +71,7 @@ class Source(Enum):
     ORDERED_REDUCE_ADD = "ordered_reduce_add"
 
 
-class Phase(Enum):
+class LoopPhase(Enum):
     BEFORE = "before the m-block loop"
     LOOP = "each m-block"
     AFTER = "after the m-block loop"
@@ -133,7 +133,9 @@ class Named(Enum):
     DQ = "kBarDQ + wg"
 
 
-class Buffer(Enum):
+class StagedTile(Enum):
+    """The SMEM tiles the main kernel's steps read and write (their bytes: plan_smem.py)."""
+
     K = "K"
     V = "V"
     Q = "Q"
@@ -158,7 +160,7 @@ class Index(Enum):
     ALTERNATE = "buffer i % 2"
 
 
-class Parity(Enum):
+class WaitParity(Enum):
     ZERO = "0"
     ONE = "1"
     RING = "(i / stages) & 1"
@@ -177,7 +179,7 @@ class Reg(Enum):
 
 @dataclass(frozen=True)
 class Operand:
-    buffer: Buffer
+    buffer: StagedTile
     index: Index = Index.NONE
     part: Part = Part.WHOLE
     panel: int = 0  # with Part.PANEL
@@ -189,14 +191,14 @@ class Item:
 
     kind: Kind
     who: Who
-    source: Source
-    phase: Phase
+    source: CodeSite
+    phase: LoopPhase
     name: str = ""  # for messages: what the step computes
     why: str = ""  # for messages: what the sync orders
     guard: Guard = Guard.ALWAYS
     mbar: Mbar | None = None
     slot: Index = Index.NONE  # of the mbarrier (a ring's: one per slot)
-    parity: Parity | None = None
+    parity: WaitParity | None = None
     count: int = 0  # an init's arrival count
     tx: int = 0  # arrive.expect_tx's bytes
     pending: int = 0  # wait_group N
@@ -318,9 +320,9 @@ class Layout:
     """Each buffer's first byte and the bytes of one slot: the header's default plan
     (BwdConfig's kOff*), every buffer in bytes of its own."""
 
-    offsets: tuple[tuple[Buffer, int, int], ...]  # (buffer, offset, bytes of one slot)
+    offsets: tuple[tuple[StagedTile, int, int], ...]  # (buffer, offset, bytes of one slot)
 
-    def base(self, buffer: Buffer) -> tuple[int, int]:
+    def base(self, buffer: StagedTile) -> tuple[int, int]:
         for name, offset, size in self.offsets:
             if name is buffer:
                 return offset, size
@@ -329,14 +331,14 @@ class Layout:
 
 def default_layout(p: Params) -> Layout:
     sizes = (
-        (Buffer.K, p.kv_bytes, 1),
-        (Buffer.V, p.kv_bytes, 1),
-        (Buffer.Q, p.q_bytes, p.stages),
-        (Buffer.DO, p.q_bytes, p.stages),
-        (Buffer.DS, p.ds_bytes, 2),
-        (Buffer.DQ_STAGE, 0 if p.dq_red else p.dq_floats * F32, p.consumers),
-        (Buffer.LSE, p.row_floats_bytes, p.stages),
-        (Buffer.D, p.row_floats_bytes, p.stages),
+        (StagedTile.K, p.kv_bytes, 1),
+        (StagedTile.V, p.kv_bytes, 1),
+        (StagedTile.Q, p.q_bytes, p.stages),
+        (StagedTile.DO, p.q_bytes, p.stages),
+        (StagedTile.DS, p.ds_bytes, 2),
+        (StagedTile.DQ_STAGE, 0 if p.dq_red else p.dq_floats * F32, p.consumers),
+        (StagedTile.LSE, p.row_floats_bytes, p.stages),
+        (StagedTile.D, p.row_floats_bytes, p.stages),
     )
     offsets, at = [], 0
     for buffer, size, copies in sizes:
@@ -356,9 +358,15 @@ class Protocol:
     def buffers(self) -> Layout:
         return self.layout or default_layout(self.params)
 
-    def role(self, role: Role) -> tuple[Item, ...]:
-        return {Role.SETUP: self.setup, Role.PRODUCER: self.producer}.get(role, self.consumer)
+    def role(self, role: WarpRole) -> tuple[Item, ...]:
+        return {WarpRole.SETUP: self.setup, WarpRole.PRODUCER: self.producer}.get(
+            role, self.consumer
+        )
 
-    def with_role(self, role: Role, items: tuple[Item, ...]) -> Protocol:
-        key = {Role.SETUP: "setup", Role.PRODUCER: "producer", Role.CONSUMER: "consumer"}[role]
+    def with_role(self, role: WarpRole, items: tuple[Item, ...]) -> Protocol:
+        key = {
+            WarpRole.SETUP: "setup",
+            WarpRole.PRODUCER: "producer",
+            WarpRole.CONSUMER: "consumer",
+        }[role]
         return replace(self, **{key: tuple(items)})

@@ -18,7 +18,7 @@ from ..caps import (
 )
 from .plan_smem import dq_by_keys, dq_by_queries, smem_plan
 from .protocol import Guard, Index, Item, Kind, Params
-from .protocol import Role as ProtocolRole
+from .protocol import WarpRole
 from .protocol import protocol
 
 
@@ -40,7 +40,7 @@ def backward_syncs(kernel: Kernel) -> list[dict[str, Any]]:
     bwd = kernel.backward
     plan = protocol(Params.of(bwd, kernel.config.head_dim))
     found = []
-    for role in ProtocolRole:
+    for role in WarpRole:
         for item in plan.role(role):
             if item.is_sync:
                 entry = {"sync": _sync_text(role, item)}
@@ -53,7 +53,7 @@ def backward_syncs(kernel: Kernel) -> list[dict[str, Any]]:
 _COMMIT_NOTE = "closes a group of the wgmmas before it: the waits count groups"
 
 
-def _sync_text(role: ProtocolRole, item: Item) -> str:
+def _sync_text(role: WarpRole, item: Item) -> str:
     parts = [item.kind.value]
     if item.mbar is not None:
         slot = "" if item.slot is Index.NONE else f"[{item.slot.value}]"

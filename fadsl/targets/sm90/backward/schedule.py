@@ -29,7 +29,7 @@ order them is the pass's to find: nothing here says so.
 from __future__ import annotations
 
 from .program import (
-    Buffer,
+    StagedTile,
     Guard,
     Index,
     Item,
@@ -38,10 +38,10 @@ from .program import (
     Operand,
     Params,
     Part,
-    Phase,
+    LoopPhase,
     Protocol,
     Reg,
-    Source,
+    CodeSite,
     Who,
 )
 
@@ -56,11 +56,11 @@ def schedule(p: Params) -> Protocol:
 def producer_steps(p: Params) -> tuple[Item, ...]:
     """bwd_producer's loads: K and V once, then each m-block the ring slot's Q, dO, LSE, D."""
 
-    def load(kind: Kind, phase: Phase, operand: Operand, name: str, **fields) -> Item:
+    def load(kind: Kind, phase: LoopPhase, operand: Operand, name: str, **fields) -> Item:
         return Item(
             kind,
             Who.ELECTED,
-            Source.PRODUCER,
+            CodeSite.PRODUCER,
             phase,
             name=name,
             guard=Guard.HAS_WORK,
@@ -70,49 +70,49 @@ def producer_steps(p: Params) -> tuple[Item, ...]:
 
     out = []
     for panel in range(p.panels):
-        for buffer in (Buffer.K, Buffer.V):
+        for buffer in (StagedTile.K, StagedTile.V):
             operand = Operand(buffer, part=Part.PANEL, panel=panel)
             name = f"{buffer.value} panel {panel} load"
-            out.append(load(Kind.TMA_LOAD, Phase.BEFORE, operand, name, mbar=Mbar.KV_FULL))
+            out.append(load(Kind.TMA_LOAD, LoopPhase.BEFORE, operand, name, mbar=Mbar.KV_FULL))
     ring = dict(mbar=Mbar.Q_FULL, slot=Index.RING)
     for panel in range(p.panels):
-        for buffer in (Buffer.Q, Buffer.DO):
+        for buffer in (StagedTile.Q, StagedTile.DO):
             operand = Operand(buffer, Index.RING, Part.PANEL, panel)
             name = f"{buffer.value} panel {panel} load"
-            out.append(load(Kind.TMA_LOAD, Phase.LOOP, operand, name, **ring))
-    for buffer in (Buffer.LSE, Buffer.D):
+            out.append(load(Kind.TMA_LOAD, LoopPhase.LOOP, operand, name, **ring))
+    for buffer in (StagedTile.LSE, StagedTile.D):
         operand = Operand(buffer, Index.RING)
-        out.append(load(Kind.BULK_LOAD, Phase.LOOP, operand, f"{buffer.value} load", **ring))
+        out.append(load(Kind.BULK_LOAD, LoopPhase.LOOP, operand, f"{buffer.value} load", **ring))
     return tuple(out)
 
 
 def consumer_steps(p: Params) -> tuple[Item, ...]:
     """A consumer warpgroup's steps (module docstring: the two consumers' orders)."""
-    main = Source.OVERLAPPED if p.overlap else Source.CONSUMER
+    main = CodeSite.OVERLAPPED if p.overlap else CodeSite.CONSUMER
 
     def step(
-        kind: Kind, name: str, phase: Phase = Phase.LOOP, source: Source = main, **fields
+        kind: Kind, name: str, phase: LoopPhase = LoopPhase.LOOP, source: CodeSite = main, **fields
     ) -> Item:
         return Item(kind, Who.WARPGROUP, source, phase, name=name, **fields)
 
-    def wgmma(name: str, reads: tuple, regs: tuple, acc: Reg, source: Source = main) -> Item:
+    def wgmma(name: str, reads: tuple, regs: tuple, acc: Reg, source: CodeSite = main) -> Item:
         return step(Kind.WGMMA, name, source=source, reads=reads, reg_reads=regs, reg_writes=(acc,))
 
-    q, do = Operand(Buffer.Q, Index.RING), Operand(Buffer.DO, Index.RING)
-    ds_rows = Operand(Buffer.DS, Index.ALTERNATE, Part.ROWS_OF_WG)
-    k_rows = Operand(Buffer.K, part=Part.ROWS_OF_WG)
-    v_rows = Operand(Buffer.V, part=Part.ROWS_OF_WG)
+    q, do = Operand(StagedTile.Q, Index.RING), Operand(StagedTile.DO, Index.RING)
+    ds_rows = Operand(StagedTile.DS, Index.ALTERNATE, Part.ROWS_OF_WG)
+    k_rows = Operand(StagedTile.K, part=Part.ROWS_OF_WG)
+    v_rows = Operand(StagedTile.V, part=Part.ROWS_OF_WG)
     probs = step(
         Kind.PROBS,
         "P = exp2(S - LSE)",
-        reads=(Operand(Buffer.LSE, Index.RING),),
+        reads=(Operand(StagedTile.LSE, Index.RING),),
         reg_reads=(Reg.S,),
         reg_writes=(Reg.S,),
     )
     grad_scores = step(
         Kind.GRAD_SCORES,
         "dS = P (dP - D)",
-        reads=(Operand(Buffer.D, Index.RING),),
+        reads=(Operand(StagedTile.D, Index.RING),),
         reg_reads=(Reg.S, Reg.DP),
         reg_writes=(Reg.DP,),
     )
@@ -136,40 +136,46 @@ def consumer_steps(p: Params) -> tuple[Item, ...]:
     if p.dq_by_keys:
         dq_reads = (ds_rows, k_rows)
     elif p.dq_by_queries:
-        dq_reads = (Operand(Buffer.DS, Index.ALTERNATE, Part.PANEL_OF_WG), Operand(Buffer.K))
+        dq_reads = (
+            Operand(StagedTile.DS, Index.ALTERNATE, Part.PANEL_OF_WG),
+            Operand(StagedTile.K),
+        )
     else:
-        dq_reads = (Operand(Buffer.DS, Index.ALTERNATE), Operand(Buffer.K, part=Part.PANEL_OF_WG))
-    dq_source = Source.MEET_AND_ISSUE_DQ if p.overlap else main
+        dq_reads = (
+            Operand(StagedTile.DS, Index.ALTERNATE),
+            Operand(StagedTile.K, part=Part.PANEL_OF_WG),
+        )
+    dq_source = CodeSite.MEET_AND_ISSUE_DQ if p.overlap else main
     dq = wgmma("dQ = dS K", dq_reads, (), Reg.DQ, dq_source)
-    staging = _stage_and_reduce(p, Source.REDUCE_DQ)  # both consumers call reduce_dq
+    staging = _stage_and_reduce(p, CodeSite.REDUCE_DQ)  # both consumers call reduce_dq
     loop = front + ([dq, *grads, *staging] if p.overlap else [*grads, dq, *staging])
     return (
-        step(Kind.ZERO, "dK, dV = 0", Phase.BEFORE, reg_writes=(Reg.DK, Reg.DV)),
+        step(Kind.ZERO, "dK, dV = 0", LoopPhase.BEFORE, reg_writes=(Reg.DK, Reg.DV)),
         *loop,
-        step(Kind.STORE_GLOBAL, "dK -> global", Phase.AFTER, reg_reads=(Reg.DK,)),
-        step(Kind.STORE_GLOBAL, "dV -> global", Phase.AFTER, reg_reads=(Reg.DV,)),
+        step(Kind.STORE_GLOBAL, "dK -> global", LoopPhase.AFTER, reg_reads=(Reg.DK,)),
+        step(Kind.STORE_GLOBAL, "dV -> global", LoopPhase.AFTER, reg_reads=(Reg.DV,)),
     )
 
 
-def _stage_and_reduce(p: Params, source: Source) -> list[Item]:
+def _stage_and_reduce(p: Params, source: CodeSite) -> list[Item]:
     """The warpgroup's dQ into its staging buffer, reduce-added into global memory by its
     leader (in ordered_reduce_add with ``deterministic``); with ``dq_red``, added into
     global memory from every thread's registers instead (red_add_dq), no SMEM."""
     if p.dq_red:
         return [
             Item(
-                Kind.RED_GLOBAL, Who.WARPGROUP, source, Phase.LOOP, name="dQ red.add",
+                Kind.RED_GLOBAL, Who.WARPGROUP, source, LoopPhase.LOOP, name="dQ red.add",
                 reg_reads=(Reg.DQ,),
             )  # fmt: skip
         ]
-    stage = Operand(Buffer.DQ_STAGE, part=Part.ROWS_OF_WG)
-    add_source = Source.ORDERED_REDUCE_ADD if p.deterministic else source
+    stage = Operand(StagedTile.DQ_STAGE, part=Part.ROWS_OF_WG)
+    add_source = CodeSite.ORDERED_REDUCE_ADD if p.deterministic else source
     return [
         Item(
             Kind.ST_SHARED,
             Who.WARPGROUP,
             source,
-            Phase.LOOP,
+            LoopPhase.LOOP,
             name="dQ -> staging",
             writes=(stage,),
             reg_reads=(Reg.DQ,),
@@ -178,7 +184,7 @@ def _stage_and_reduce(p: Params, source: Source) -> list[Item]:
             Kind.BULK_REDUCE_ADD,
             Who.LEADER,
             add_source,
-            Phase.LOOP,
+            LoopPhase.LOOP,
             name="dQ reduce-add",
             reads=(stage,),
         ),

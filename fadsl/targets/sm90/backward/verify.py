@@ -98,7 +98,7 @@ from .program import (
     KEYS_PER_WARPGROUP,
     ROW_BYTES,
     WARPGROUP_THREADS,
-    Buffer,
+    StagedTile,
     Guard,
     Index,
     Item,
@@ -106,12 +106,12 @@ from .program import (
     Mbar,
     Operand,
     Params,
-    Parity,
+    WaitParity,
     Part,
-    Phase,
+    LoopPhase,
     Protocol,
     Reg,
-    Role,
+    WarpRole,
     Who,
     bar_id,
 )
@@ -169,12 +169,12 @@ class _At:
         assert self.i is not None, f"{index} outside the m-block loop"
         return self.i % stages if index is Index.RING else self.i % 2
 
-    def parity(self, parity: Parity, stages: int) -> int:
-        if parity in (Parity.ZERO, Parity.ONE):
-            return int(parity is Parity.ONE)
+    def parity(self, parity: WaitParity, stages: int) -> int:
+        if parity in (WaitParity.ZERO, WaitParity.ONE):
+            return int(parity is WaitParity.ONE)
         assert self.i is not None, f"{parity} outside the m-block loop"
         ring = (self.i // stages) & 1
-        return ring if parity is Parity.RING else ring ^ 1
+        return ring if parity is WaitParity.RING else ring ^ 1
 
     def when(self) -> str:
         return f"m-block {self.i}" if self.i is not None else "outside the loop"
@@ -194,7 +194,7 @@ def spans(proto: Protocol, operand: Operand, at: _At) -> tuple[Span, ...]:
     p = proto.params
     offset, size = proto.buffers().base(operand.buffer)
     copy = at.index(operand.index, p.stages)
-    if operand.buffer is Buffer.DQ_STAGE:  # one staging buffer per warpgroup
+    if operand.buffer is StagedTile.DQ_STAGE:  # one staging buffer per warpgroup
         assert operand.part is Part.ROWS_OF_WG and at.wg is not None
         copy = at.wg
     base = offset + copy * size
@@ -205,7 +205,7 @@ def spans(proto: Protocol, operand: Operand, at: _At) -> tuple[Span, ...]:
         label += f"[buffer {copy}]"
     # K and V hold B_c rows per 64-column panel, dS^T B_c rows per 64-query panel, Q and dO
     # B_r rows per 64-column panel
-    by_keys = (Buffer.K, Buffer.V, Buffer.DS)
+    by_keys = (StagedTile.K, StagedTile.V, StagedTile.DS)
     panel_rows = p.block_n if operand.buffer in by_keys else p.block_m
     panel_bytes = panel_rows * ROW_BYTES
     rows = KEYS_PER_WARPGROUP * ROW_BYTES  # a warpgroup's 64 rows of one panel
@@ -218,7 +218,7 @@ def spans(proto: Protocol, operand: Operand, at: _At) -> tuple[Span, ...]:
         case Part.PANEL_OF_WG:
             lo = base + at.wg * panel_bytes
             return (Span("smem", lo, lo + panel_bytes, f"{label} panel {at.wg}"),)
-        case Part.ROWS_OF_WG if operand.buffer is Buffer.DQ_STAGE:
+        case Part.ROWS_OF_WG if operand.buffer is StagedTile.DQ_STAGE:
             return (Span("smem", base, base + size, f"{label} of wg{at.wg}"),)
         case Part.ROWS_OF_WG:  # K, V, dS^T: the warpgroup's rows of each panel
             return tuple(
@@ -311,17 +311,17 @@ def unrolled(items: tuple[Item, ...], m_count: int) -> list[tuple[Item, int | No
     loop's m_count times, those after; HAS_WORK items only when m_count > 0."""
     out = []
     live = [x for x in items if x.guard is Guard.ALWAYS or m_count > 0]
-    out += [(x, None) for x in live if x.phase is Phase.BEFORE]
-    out += [(x, i) for i in range(m_count) for x in live if x.phase is Phase.LOOP]
-    out += [(x, None) for x in live if x.phase is Phase.AFTER]
+    out += [(x, None) for x in live if x.phase is LoopPhase.BEFORE]
+    out += [(x, i) for i in range(m_count) for x in live if x.phase is LoopPhase.LOOP]
+    out += [(x, None) for x in live if x.phase is LoopPhase.AFTER]
     return out
 
 
 def build_program(proto: Protocol, m_count: int) -> Program:
     """The producer and the consumer warpgroups of one CTA that visits m_count m-blocks."""
     p = proto.params
-    roles = [("producer", Role.PRODUCER, None, 1)]
-    roles += [(f"wg{wg}", Role.CONSUMER, wg, WARPGROUP_THREADS) for wg in range(p.consumers)]
+    roles = [("producer", WarpRole.PRODUCER, None, 1)]
+    roles += [(f"wg{wg}", WarpRole.CONSUMER, wg, WARPGROUP_THREADS) for wg in range(p.consumers)]
     agents = []
     for name, role, wg, threads in roles:
         events = []
@@ -345,8 +345,8 @@ def structural_problems(proto: Protocol) -> list[str]:
     """The setup, the phases' order, who runs what, and the semaphore's shape: problems that
     do not depend on the m-block count."""
     problems = _setup_problems(proto)
-    for role in (Role.PRODUCER, Role.CONSUMER):
-        phases = [list(Phase).index(x.phase) for x in proto.role(role)]
+    for role in (WarpRole.PRODUCER, WarpRole.CONSUMER):
+        phases = [list(LoopPhase).index(x.phase) for x in proto.role(role)]
         if phases != sorted(phases):
             problems.append(f"the {role.value}'s items are not in loop order")
         for n, x in enumerate(proto.role(role)):
@@ -372,7 +372,7 @@ def _setup_problems(proto: Protocol) -> list[str]:
     inits = {(x.mbar, x.slot) for x in setup if x.kind is Kind.MBAR_INIT}
     used = {
         (x.mbar, x.slot)
-        for role in (Role.PRODUCER, Role.CONSUMER)
+        for role in (WarpRole.PRODUCER, WarpRole.CONSUMER)
         for x in proto.role(role)
         if x.mbar is not None
     }
@@ -402,7 +402,7 @@ def semaphore_problems(proto: Protocol) -> list[str]:
     acquires its ticket and fences the async proxy before the add, (b) waits for the add's
     bulk group to complete (wait_group 0, not only .read), fences the async proxy again and
     then releases the next ticket. Without it: no semaphore at all."""
-    loop = [x for x in proto.consumer if x.phase is Phase.LOOP]
+    loop = [x for x in proto.consumer if x.phase is LoopPhase.LOOP]
     ops = [x for x in loop if x.kind in (Kind.SEM_ACQUIRE, Kind.SEM_RELEASE)]
     if not proto.params.deterministic:
         return ["a dQ semaphore without deterministic mode"] if ops else []

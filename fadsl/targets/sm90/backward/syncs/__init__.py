@@ -37,7 +37,7 @@ from the header (tests/backward_hand_plan.py) in every configuration, every fiel
 
 from __future__ import annotations
 
-from ..program import Item, Kind, Phase, Protocol, Role
+from ..program import Item, Kind, LoopPhase, Protocol, WarpRole
 from . import bulk, mbarrier, named, wgmma
 from .state import Consumer, join, loop_entry_equal
 
@@ -46,9 +46,13 @@ __all__ = ["insert_syncs", "without_syncs"]
 
 def without_syncs(plan: Protocol) -> Protocol:
     """The plan's schedule: its steps with their operands, every sync removed."""
-    roles = {role: tuple(x for x in plan.role(role) if not x.is_sync) for role in Role}
+    roles = {role: tuple(x for x in plan.role(role) if not x.is_sync) for role in WarpRole}
     return Protocol(
-        plan.params, roles[Role.SETUP], roles[Role.PRODUCER], roles[Role.CONSUMER], plan.layout
+        plan.params,
+        roles[WarpRole.SETUP],
+        roles[WarpRole.PRODUCER],
+        roles[WarpRole.CONSUMER],
+        plan.layout,
     )
 
 
@@ -56,7 +60,7 @@ def insert_syncs(schedule: Protocol, *, economical: bool = False) -> Protocol:
     """The plan with every sync placed. ``economical``: leave out the syncs whose hazard
     another mechanism's sync already orders, which the header keeps (a wgmma group ended
     at every sync, the staging's wait_group.read in deterministic mode)."""
-    assert not any(x.is_sync for role in Role for x in schedule.role(role)), "syncs given"
+    assert not any(x.is_sync for role in WarpRole for x in schedule.role(role)), "syncs given"
     assert not schedule.setup, "the setup holds syncs only"
     return Protocol(
         schedule.params,
@@ -68,17 +72,17 @@ def insert_syncs(schedule: Protocol, *, economical: bool = False) -> Protocol:
 
 
 def _consumer(schedule: Protocol, economical: bool) -> tuple[Item, ...]:
-    steps = {phase: [x for x in schedule.consumer if x.phase is phase] for phase in Phase}
-    assert steps[Phase.BEFORE], "the consumer's prologue names its function"
-    c = Consumer(schedule.params, steps[Phase.BEFORE][0].source, economical)
-    for k in range(len(steps[Phase.BEFORE])):
-        _place_step(c, schedule, steps[Phase.BEFORE], k, Phase.BEFORE)
-    wgmma.commit(c, Phase.BEFORE, "the prologue's end")
+    steps = {phase: [x for x in schedule.consumer if x.phase is phase] for phase in LoopPhase}
+    assert steps[LoopPhase.BEFORE], "the consumer's prologue names its function"
+    c = Consumer(schedule.params, steps[LoopPhase.BEFORE][0].source, economical)
+    for k in range(len(steps[LoopPhase.BEFORE])):
+        _place_step(c, schedule, steps[LoopPhase.BEFORE], k, LoopPhase.BEFORE)
+    wgmma.commit(c, LoopPhase.BEFORE, "the prologue's end")
     mbarrier.wait_loaded_before_loop(c, schedule)
 
     before_loop = entry = c.snapshot()
     for _ in range(4):  # the state at the loop's head: a join of two entries, at a fixpoint
-        body = _m_block(entry, schedule, steps[Phase.LOOP])
+        body = _m_block(entry, schedule, steps[LoopPhase.LOOP])
         joined = join(before_loop, body)
         if loop_entry_equal(joined, entry):
             break
@@ -88,10 +92,10 @@ def _consumer(schedule: Protocol, economical: bool) -> tuple[Item, ...]:
 
     c = body
     bulk.wait_at_exit(c)
-    for k in range(len(steps[Phase.AFTER])):
-        _place_step(c, schedule, steps[Phase.AFTER], k, Phase.AFTER)
-    wgmma.commit(c, Phase.AFTER, "the program's end")
-    wgmma.drain(c, Phase.AFTER)
+    for k in range(len(steps[LoopPhase.AFTER])):
+        _place_step(c, schedule, steps[LoopPhase.AFTER], k, LoopPhase.AFTER)
+    wgmma.commit(c, LoopPhase.AFTER, "the program's end")
+    wgmma.drain(c, LoopPhase.AFTER)
     return tuple(c.out)
 
 
@@ -99,14 +103,14 @@ def _m_block(entry: Consumer, schedule: Protocol, steps: list[Item]) -> Consumer
     c = entry.snapshot()
     mbarrier.start_m_block(c, schedule, steps)
     for k in range(len(steps)):
-        _place_step(c, schedule, steps, k, Phase.LOOP)
-    wgmma.commit(c, Phase.LOOP, "the m-block's end")
-    mbarrier.release_at_end(c, schedule, steps, Phase.LOOP)
-    wgmma.drain(c, Phase.LOOP)
+        _place_step(c, schedule, steps, k, LoopPhase.LOOP)
+    wgmma.commit(c, LoopPhase.LOOP, "the m-block's end")
+    mbarrier.release_at_end(c, schedule, steps, LoopPhase.LOOP)
+    wgmma.drain(c, LoopPhase.LOOP)
     return c
 
 
-def _place_step(c: Consumer, schedule: Protocol, steps: list[Item], k: int, phase: Phase):
+def _place_step(c: Consumer, schedule: Protocol, steps: list[Item], k: int, phase: LoopPhase):
     step = steps[k]
     if step.kind is Kind.WGMMA:
         # whether the open group ends here depends on the syncs the wgmma needs first; the
@@ -126,14 +130,14 @@ def _place_step(c: Consumer, schedule: Protocol, steps: list[Item], k: int, phas
     wgmma.track(c, step)
     named.record_writes(c, step)
     bulk.after_add(c, step, phase)
-    if phase is Phase.LOOP:
+    if phase is LoopPhase.LOOP:
         mbarrier.read_done(c, k)
         mbarrier.release_if_done(c, schedule, steps, phase)
 
 
-def _syncs_before(c: Consumer, schedule: Protocol, steps: list[Item], k: int, phase: Phase):
+def _syncs_before(c: Consumer, schedule: Protocol, steps: list[Item], k: int, phase: LoopPhase):
     step = steps[k]
-    if phase is Phase.LOOP:
+    if phase is LoopPhase.LOOP:
         mbarrier.wait_full(c, schedule, step, phase)
     bulk.before_write(c, step, phase)
     fenced = named.fence_writes(c, step, phase)

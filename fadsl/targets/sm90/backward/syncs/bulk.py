@@ -26,13 +26,13 @@ wait as retiring the read.
 
 from __future__ import annotations
 
-from ..program import WARPGROUP_THREADS, Item, Kind, Named, Phase, Who
+from ..program import WARPGROUP_THREADS, Item, Kind, Named, LoopPhase, Who
 from .state import Consumer, names, same_bytes, sync
 
 BULK_READS = frozenset({Kind.BULK_REDUCE_ADD})  # bulk async copies out of SMEM
 
 
-def before_write(c: Consumer, step: Item, phase: Phase) -> None:
+def before_write(c: Consumer, step: Item, phase: LoopPhase) -> None:
     """Before a generic write of bytes an in-flight bulk group reads: the issuer's
     wait_group.read, then the warpgroup's barrier."""
     if step.kind in BULK_READS or not step.writes:
@@ -64,7 +64,7 @@ def before_write(c: Consumer, step: Item, phase: Phase) -> None:
         c.place(sync(Kind.NAMED_BAR_SYNC, Who.WARPGROUP, step.source, phase, why, **own))
 
 
-def before_add(c: Consumer, step: Item, phase: Phase) -> None:
+def before_add(c: Consumer, step: Item, phase: LoopPhase) -> None:
     """The ordered add's acquire of its ticket, fenced before the async proxy's adds."""
     if step.kind not in BULK_READS or not c.params.deterministic:
         return
@@ -74,7 +74,7 @@ def before_add(c: Consumer, step: Item, phase: Phase) -> None:
     c.place(sync(Kind.FENCE_PROXY_ASYNC_GLOBAL, step.who, step.source, phase, why))
 
 
-def after_add(c: Consumer, step: Item, phase: Phase) -> None:
+def after_add(c: Consumer, step: Item, phase: LoopPhase) -> None:
     """The reduce-add's commit; with deterministic on, the ordered add's release."""
     if step.kind not in BULK_READS:
         return
@@ -99,5 +99,5 @@ def wait_at_exit(c: Consumer) -> None:
     if c.bulk_in_flight:
         readers = [x for group in c.bulk_in_flight for x in group]
         why = f"the last {names(readers)} read the staging before the CTA exits"
-        c.place(sync(Kind.BULK_WAIT, readers[-1].who, c.home, Phase.AFTER, why, pending=0))
+        c.place(sync(Kind.BULK_WAIT, readers[-1].who, c.home, LoopPhase.AFTER, why, pending=0))
         c.bulk_in_flight = []

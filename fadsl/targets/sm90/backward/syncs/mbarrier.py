@@ -30,11 +30,11 @@ from ..program import (
     Kind,
     Mbar,
     Operand,
-    Parity,
+    WaitParity,
     Part,
-    Phase,
+    LoopPhase,
     Protocol,
-    Source,
+    CodeSite,
     Who,
 )
 from . import wgmma
@@ -50,7 +50,7 @@ class Transaction:
 
     full: Mbar
     slot: Index  # Index.RING: a barrier per ring slot, refilled each m-block
-    phase: Phase
+    phase: LoopPhase
     loads: tuple[Item, ...]
 
     @property
@@ -86,7 +86,7 @@ def load_bytes(schedule: Protocol, operand: Operand) -> int:
 
 
 def setup(schedule: Protocol) -> tuple[Item, ...]:
-    init = dict(who=Who.THREAD0, source=Source.KERNEL, phase=Phase.BEFORE)
+    init = dict(who=Who.THREAD0, source=CodeSite.KERNEL, phase=LoopPhase.BEFORE)
     out = []
     for t in transactions(schedule):
         why = f"one arrival: the producer's arrive.expect_tx for {t.buffers()}"
@@ -100,7 +100,7 @@ def setup(schedule: Protocol) -> tuple[Item, ...]:
         why = "the inits visible to the async proxy (TMA's complete_tx)"
         out.append(Item(Kind.FENCE_MBAR_INIT, why=why, **init))
         why = "thread 0's inits before any other thread's arrive or wait"
-        out.append(sync(Kind.SYNCTHREADS, Who.CTA, Source.KERNEL, Phase.BEFORE, why))
+        out.append(sync(Kind.SYNCTHREADS, Who.CTA, CodeSite.KERNEL, LoopPhase.BEFORE, why))
     return tuple(out)
 
 
@@ -120,7 +120,7 @@ def producer(schedule: Protocol) -> tuple[Item, ...]:
                     f"WAR: every consumer's reads of the slot's {t.buffers()} (a round "
                     "ago) done before they are reloaded"
                 )
-                empty, flip = EMPTY_OF[t.full], Parity.RING_FLIP
+                empty, flip = EMPTY_OF[t.full], WaitParity.RING_FLIP
                 out.append(Item(Kind.MBAR_WAIT, mbar=empty, parity=flip, why=why, **arm))
             tx = sum(load_bytes(schedule, op) for load in t.loads for op in load.writes)
             why = f"{t.buffers()}'s bytes complete {t.full.value}"
@@ -133,13 +133,13 @@ def wait_loaded_before_loop(c: Consumer, schedule: Protocol) -> None:
     """At the end of the consumers' prologue: wait once for what was loaded once."""
     for t in transactions(schedule):
         read = any(
-            t.loaded(op) for x in schedule.consumer if x.phase is Phase.LOOP for op in x.reads
+            t.loaded(op) for x in schedule.consumer if x.phase is LoopPhase.LOOP for op in x.reads
         )
-        if t.phase is Phase.BEFORE and read:
+        if t.phase is LoopPhase.BEFORE and read:
             (guard,) = {x.guard for x in t.loads}
             why = f"RAW: {t.buffers()} landed (loaded once: phase 0)"
-            once = dict(guard=guard, mbar=t.full, parity=Parity.ZERO)
-            c.place(sync(Kind.MBAR_WAIT, Who.WARPGROUP, c.home, Phase.BEFORE, why, **once))
+            once = dict(guard=guard, mbar=t.full, parity=WaitParity.ZERO)
+            c.place(sync(Kind.MBAR_WAIT, Who.WARPGROUP, c.home, LoopPhase.BEFORE, why, **once))
 
 
 def _slot_readers(schedule: Protocol, steps: list[Item]) -> dict[Mbar, tuple[str, set[int]]]:
@@ -158,14 +158,14 @@ def start_m_block(c: Consumer, schedule: Protocol, steps: list[Item]) -> None:
     c.ring_readers = {e: set(r) for e, (_, r) in _slot_readers(schedule, steps).items()}
 
 
-def wait_full(c: Consumer, schedule: Protocol, step: Item, phase: Phase) -> None:
+def wait_full(c: Consumer, schedule: Protocol, step: Item, phase: LoopPhase) -> None:
     """Before the m-block's first read of a slot's loads: wait for them to land."""
     for t in transactions(schedule):
         if not t.ring or t.full in c.waited or not any(map(t.loaded, step.reads)):
             continue
         c.waited.add(t.full)
         why = f"RAW: the slot's {t.buffers()} landed before {step.name} reads them"
-        ring = dict(mbar=t.full, slot=Index.RING, parity=Parity.RING)
+        ring = dict(mbar=t.full, slot=Index.RING, parity=WaitParity.RING)
         c.place(sync(Kind.MBAR_WAIT, Who.WARPGROUP, c.home, phase, why, **ring))
 
 
@@ -175,10 +175,10 @@ def read_done(c: Consumer, k: int) -> None:
         readers.discard(k)
 
 
-def release_if_done(c: Consumer, schedule: Protocol, steps: list[Item], phase: Phase) -> None:
+def release_if_done(c: Consumer, schedule: Protocol, steps: list[Item], phase: LoopPhase) -> None:
     """Arrive on a slot's empty barrier as soon as the m-block's reads of it are done."""
     for empty, (buffers, readers) in _slot_readers(schedule, steps).items():
-        if c.ring_readers.get(empty) or empty in c.released or phase is not Phase.LOOP:
+        if c.ring_readers.get(empty) or empty in c.released or phase is not LoopPhase.LOOP:
             continue
         c.released.add(empty)
         retired = names(steps[k] for k in sorted(readers) if steps[k].kind is Kind.WGMMA)
@@ -187,7 +187,7 @@ def release_if_done(c: Consumer, schedule: Protocol, steps: list[Item], phase: P
         c.place(sync(Kind.MBAR_ARRIVE, Who.WARPGROUP, c.home, phase, why, **ring))
 
 
-def release_at_end(c: Consumer, schedule: Protocol, steps: list[Item], phase: Phase) -> None:
+def release_at_end(c: Consumer, schedule: Protocol, steps: list[Item], phase: LoopPhase) -> None:
     """At the m-block's end: retire the groups that still read a slot, then release it (an
     arrival per thread and m-block: it cannot wait for the next m-block)."""
     for empty, readers in c.ring_readers.items():

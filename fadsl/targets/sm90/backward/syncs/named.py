@@ -21,7 +21,7 @@ test_one_ds_buffer: where one buffer is enough).
 
 from __future__ import annotations
 
-from ..program import WARPGROUP_THREADS, Item, Kind, Named, Operand, Phase, Who
+from ..program import WARPGROUP_THREADS, Item, Kind, Named, Operand, LoopPhase, Who
 from .state import ASYNC_PROXY, Consumer, names, reaches_other_warpgroups, same_bytes, sync, words
 
 
@@ -46,7 +46,7 @@ def _reaches_others(step: Item, written: list[tuple[Item, Operand]]) -> bool:
     )
 
 
-def fence_writes(c: Consumer, step: Item, phase: Phase) -> list[tuple[Item, Operand]]:
+def fence_writes(c: Consumer, step: Item, phase: LoopPhase) -> list[tuple[Item, Operand]]:
     """fence.proxy.async before async-proxy ``step`` reads bytes written with st.shared since
     the last fence; returns the writes fenced (their barrier must follow the fence)."""
     written = _read_by(step, c.unfenced)
@@ -63,7 +63,7 @@ def fence_writes(c: Consumer, step: Item, phase: Phase) -> list[tuple[Item, Oper
     return written
 
 
-def meet(c: Consumer, step: Item, phase: Phase, fenced: list[tuple[Item, Operand]]) -> None:
+def meet(c: Consumer, step: Item, phase: LoopPhase, fenced: list[tuple[Item, Operand]]) -> None:
     """bar.sync of the writers and ``step``'s threads before it reads what they wrote."""
     others = _reaches_others(step, _read_by(step, c.unmet_in_consumers) + fenced)
     unmet = c.unmet_in_consumers if others else c.unmet_in_warpgroup

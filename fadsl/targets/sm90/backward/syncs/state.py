@@ -17,14 +17,14 @@ from __future__ import annotations
 from copy import deepcopy
 from dataclasses import dataclass, field
 
-from ..program import Item, Kind, Mbar, Named, Operand, Params, Part, Phase, Reg, Source, Who
+from ..program import Item, Kind, Mbar, Named, Operand, Params, Part, LoopPhase, Reg, CodeSite, Who
 
 # steps whose SMEM accesses go through the async proxy (the rest are generic st/ld.shared)
 ASYNC_PROXY = frozenset({Kind.TMA_LOAD, Kind.BULK_LOAD, Kind.WGMMA, Kind.BULK_REDUCE_ADD})
 LOADS = frozenset({Kind.TMA_LOAD, Kind.BULK_LOAD})
 
 
-def sync(kind: Kind, who: Who, source: Source, phase: Phase, why: str, **fields) -> Item:
+def sync(kind: Kind, who: Who, source: CodeSite, phase: LoopPhase, why: str, **fields) -> Item:
     """A sync item: ``why`` names the hazard it orders."""
     return Item(kind, who, source, phase, why=why, **fields)
 
@@ -83,7 +83,7 @@ class Consumer:
     """One consumer warpgroup's program being built, and what is in flight in it."""
 
     params: Params
-    home: Source  # the function that runs the m-block loop (helpers are called from it)
+    home: CodeSite  # the function that runs the m-block loop (helpers are called from it)
     economical: bool  # leave out what another mechanism's sync already orders
     out: list[Item] = field(default_factory=list)
     # wgmma: the open (uncommitted) group, the committed groups in flight (oldest first),

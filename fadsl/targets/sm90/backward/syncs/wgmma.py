@@ -19,7 +19,7 @@
 
 from __future__ import annotations
 
-from ..program import Item, Kind, Phase, Reg, Who
+from ..program import Item, Kind, LoopPhase, Reg, Who
 from .state import Consumer, Group, names, registers, same_bytes, sync, words
 
 
@@ -63,7 +63,7 @@ def must_close(c: Consumer, steps: list[Item], k: int, synced_before: bool) -> s
     return ""
 
 
-def commit(c: Consumer, phase: Phase, reason: str, at: int | None = None) -> None:
+def commit(c: Consumer, phase: LoopPhase, reason: str, at: int | None = None) -> None:
     """wgmma.commit_group closing the open group (inserted at ``at``, before syncs placed
     ahead of the next wgmma)."""
     if not c.open_group.wgmmas:
@@ -76,7 +76,7 @@ def commit(c: Consumer, phase: Phase, reason: str, at: int | None = None) -> Non
     c.in_flight.append(group)
 
 
-def fence(c: Consumer, steps: list[Item], k: int, phase: Phase) -> None:
+def fence(c: Consumer, steps: list[Item], k: int, phase: LoopPhase) -> None:
     """wgmma.fence before the run of wgmmas starting at steps[k], where it needs one."""
     if k > 0 and steps[k - 1].kind is Kind.WGMMA:
         return  # inside a run: its first wgmma decided
@@ -111,7 +111,7 @@ def track(c: Consumer, step: Item) -> None:
         c.touched[reg] = tuple(dict.fromkeys(c.touched.get(reg, ()) + (step.name,)))
 
 
-def wait_before(c: Consumer, step: Item, phase: Phase) -> None:
+def wait_before(c: Consumer, step: Item, phase: LoopPhase) -> None:
     """wgmma.wait_group before ordinary ``step`` where an in-flight group has a hazard on it."""
     found = [(n, _group_hazards(g, step)) for n, g in enumerate(c.in_flight)]
     found = [(n, h) for n, h in found if h]
@@ -124,20 +124,20 @@ def wait_before(c: Consumer, step: Item, phase: Phase) -> None:
     _wait(c, newest, phase, served)
 
 
-def wait_for(c: Consumer, positions: set[int], phase: Phase, why: str) -> None:
+def wait_for(c: Consumer, positions: set[int], phase: LoopPhase, why: str) -> None:
     """wgmma.wait_group retiring the groups of the wgmmas at ``positions``."""
     hit = [n for n, g in enumerate(c.in_flight) if positions & {k for k, _ in g.wgmmas}]
     if hit:
         _wait(c, hit[-1], phase, why)
 
 
-def drain(c: Consumer, phase: Phase) -> None:
+def drain(c: Consumer, phase: LoopPhase) -> None:
     """At the end of an m-block: no group crosses the back edge."""
     if c.in_flight:
         _wait(c, len(c.in_flight) - 1, phase, "no wgmma group crosses into the next m-block")
 
 
-def _wait(c: Consumer, newest: int, phase: Phase, why: str) -> None:
+def _wait(c: Consumer, newest: int, phase: LoopPhase, why: str) -> None:
     pending = len(c.in_flight) - newest - 1
     retired, c.in_flight = c.in_flight[: newest + 1], c.in_flight[newest + 1 :]
     if pending:
