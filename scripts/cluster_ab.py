@@ -13,7 +13,7 @@ from fadsl.tools import bench
 
 dtype = sys.argv[1] if len(sys.argv) > 1 else "bf16"
 spec = sys.argv[2] if len(sys.argv) > 2 else "examples/fa3_hopper.fa"
-off = sys.argv[3] if len(sys.argv) > 3 else "bench/specs/fa3_hopper_cluster_off.fa"
+off = sys.argv[3] if len(sys.argv) > 3 else "tests/specs/bench/fa3_hopper_cluster_off.fa"
 shipped = fadsl.load(spec)
 pair_kernel = fadsl.load(spec)
 pair_kernel.alone = None

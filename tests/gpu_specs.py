@@ -20,7 +20,7 @@ OTHERS = {"d256": "fa2_hdim256", "pipelined": "fa2_pipelined"}
 Q_RING = "tests/specs/sm90/fa3_q_ring.fa"
 # Not examples either, run like them: Q's ring, and FlashAttention-3's 128 x 176 tile at
 # head_dim 128 (B_c not a multiple of 64, O over the dead V ring).
-EXTRA_SM90 = (Q_RING, "bench/specs/fa3_hopper_bc176.fa")
+EXTRA_SM90 = (Q_RING, "tests/specs/bench/fa3_hopper_bc176.fa")
 
 
 def whole_tail(text: str) -> str:

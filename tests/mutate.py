@@ -17,7 +17,7 @@ SEEDS = tuple(
     p.read_text(encoding="utf-8")
     for p in sorted((ROOT / "examples").glob("*.fa"))
     + sorted((ROOT / "examples" / "serving").glob("*.fa"))
-    + sorted((ROOT / "bench/specs").glob("*.fa"))
+    + sorted((ROOT / "tests/specs/bench").glob("*.fa"))
 )
 
 # Names (with dots, as instructions have), numbers, the two-character operators,

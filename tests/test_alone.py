@@ -19,7 +19,7 @@ from fadsl.targets.sm90.caps import CLUSTER_ARRIVE, CLUSTER_WAIT, MBAR_ARRIVE_PE
 from test_cache import needs_nvrtc
 
 HOPPER = "examples/fa3_hopper.fa"
-TWIN = "bench/specs/fa3_hopper_cluster_off.fa"  # fa3_hopper without `cluster 2`, by hand
+TWIN = "tests/specs/bench/fa3_hopper_cluster_off.fa"  # fa3_hopper without `cluster 2`, by hand
 
 
 @pytest.fixture(scope="module")

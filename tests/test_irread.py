@@ -34,7 +34,7 @@ def test_passes_from_the_read_schedule_give_the_pipelines_result(example):
 
 
 @pytest.mark.parametrize(
-    "spec", ["tests/specs/sm90/fa3_q_ring.fa", "bench/specs/fa3_hdim64_q2_split.fa"]
+    "spec", ["tests/specs/sm90/fa3_q_ring.fa", "tests/specs/bench/fa3_hdim64_q2_split.fa"]
 )
 def test_the_q_ring_and_the_split_tail_read_back(spec):
     """q_slots 2 (its ring-of-tiles barriers), alone and with `tail split_kv`, prints and

@@ -15,7 +15,7 @@ from fadsl.targets.sm90.plan_smem import o_over_rings
 from fadsl.targets.sm90.verify import block_counts
 
 # FlashAttention-3's 128 x 176 (O over the dead V ring): the reports' richest sm_90a case
-HOPPER = "bench/specs/fa3_hopper_bc176.fa"
+HOPPER = "tests/specs/bench/fa3_hopper_bc176.fa"
 ONE_WG = "tests/specs/sm90/fa3_one_wg.fa"
 
 
@@ -140,7 +140,7 @@ def _keyed(items: list[dict]) -> list[str]:
 
 @pytest.mark.parametrize("stages", [1, 3])
 def test_rings_and_verified_counts_follow_stages(stages):
-    source = (ROOT / "bench/specs/fa3_hopper_cluster_off.fa").read_text()  # O may alias
+    source = (ROOT / "tests/specs/bench/fa3_hopper_cluster_off.fa").read_text()  # O may alias
     source = source.replace("stages     2", f"stages     {stages}")
     compiled = compile_source(source, f"fa3_s{stages}.fa")
     data = explain_data(compiled)

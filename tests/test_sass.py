@@ -65,7 +65,7 @@ def _mainloops(spec: str) -> list[tuple[str, int | None, int]]:
 
 
 SPECS = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "examples").glob("fa3_*.fa"))
-SPECS.append("bench/specs/fa3_hopper_bc176.fa")
+SPECS.append("tests/specs/bench/fa3_hopper_bc176.fa")
 
 
 @pytest.fixture(scope="module")

@@ -39,7 +39,7 @@ def test_the_plan_is_the_prototypes():
     hand-written prototype's (its NOTES.md's sync-plan table, archived with it: git tag
     archive/bench-history-and-prototypes); tests/test_cluster_syncs.py has what the
     cluster adds, test_rescale_guarded_... what `rescale guarded` moves (K's release)."""
-    text = Path("bench/specs/fa3_hopper_cluster_off.fa").read_text()
+    text = Path("tests/specs/bench/fa3_hopper_cluster_off.fa").read_text()
     kernel = compile_source(
         re.sub(r"^  rescale +\w+", "  rescale    lazy", text, flags=re.M)
     ).kernel

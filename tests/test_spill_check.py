@@ -197,7 +197,7 @@ def test_specs_that_spill_are_refused(name, tmp_path, capsys):
 @pytest.mark.skipif(nvcc() is None, reason="needs nvcc")
 def test_the_bench_spec_that_spills_opts_in(capsys, monkeypatch):
     monkeypatch.chdir(ROOT)
-    assert main(["check", "bench/specs/fa2_pipelined_r128_w4.fa"]) == 0
+    assert main(["check", "tests/specs/bench/fa2_pipelined_r128_w4.fa"]) == 0
     out = capsys.readouterr().out
     assert "spills allowed: bf16 sm_80 216 B" in out
 

@@ -15,7 +15,7 @@ SM90_SPECS = (
     sorted(ROOT.glob("examples/fa3_*.fa"))
     + sorted(ROOT.glob("examples/serving/*.fa"))
     + sorted(ROOT.glob("tests/specs/sm90/*.fa"))
-    + [ROOT / "bench/specs/fa3_hopper_bc176.fa"]
+    + [ROOT / "tests/specs/bench/fa3_hopper_bc176.fa"]
 )
 
 
