@@ -16,7 +16,7 @@
 #   on, e.g. fa3_causal+overlap; see tests/test_gpu_backward.py training_spec) at BWD_SEQLENS;
 #   NAME=VAR1,VAR2 times the variants VAR1, VAR2 on the same tensors (--against); every spec
 #   is built first, in parallel (scripts/prebuild.py --backward)
-#   bwdprobe: the backward's budget and experiments: scripts/probe_backward.py on each spec
+#   bwdprobe: the backward's budget and experiments: research/probes/probe_backward.py on each spec
 #   of BWD_PROBE_SPECS (default the four training examples) with each define set of
 #   BWD_PROBE_DEFINES (";"-separated, e.g. "FADSL_X=1;FADSL_Y=1 FADSL_Z=2"; none: skipped)
 #   at BWD_PROBE_SEQLENS (default 1024,4096,16384), then scripts/backward_budget.py (each
@@ -30,9 +30,9 @@
 #   generated code
 #   trace: scripts/tile_trace.py (where a tile's time goes) on TRACE_SPECS (default the head_dim
 #   64 and 128 examples) at TRACE_SEQLENS (default "2048 8192"), hidden 2048
-#   streamprobe: scripts/stream_probe.py (decode's load path: TMA, cp.async, plain loads) and
+#   streamprobe: research/probes/stream_probe.py (decode's load path: TMA, cp.async, plain loads) and
 #   Nsight Compute's L2 requests for each of STREAM_NCU (default "tma_128_3 cpasync_128_3 ldg")
-#   probe: scripts/energy_probe.py (what L2 -> SMEM traffic costs at the power cap) on
+#   probe: research/probes/energy_probe.py (what L2 -> SMEM traffic costs at the power cap) on
 #   PROBE_SPECS (default fa3_hopper) at PROBE_SEQLENS (default "4096,16384")
 #   GPU_TESTS: the pytest arguments instead of every GPU test file (e.g. "tests/test_gpu_sm90.py")
 #   SANITIZE_ONLY: a regex of the kernel names scripts/sanitize.py runs (default: all)
@@ -112,7 +112,7 @@ if [[ $steps == *" bwdprobe "* ]]; then
   IFS=';' read -ra define_sets <<< "${BWD_PROBE_DEFINES:-}"
   for defines in "${define_sets[@]}"; do
     for spec in ${BWD_PROBE_SPECS:-$bwd_examples}; do
-      PROBE_CHECK=1 PROBE_DEFINES="$defines" python3 -P scripts/probe_backward.py "$spec" --seqlens ${BWD_PROBE_SEQLENS:-1024,4096,16384} 2>&1 \
+      PROBE_CHECK=1 PROBE_DEFINES="$defines" python3 -P research/probes/probe_backward.py "$spec" --seqlens ${BWD_PROBE_SEQLENS:-1024,4096,16384} 2>&1 \
         | grep -v "^\[" | tee -a "$OUT/probe_backward.log" | tail -5
       status=$((status | ${PIPESTATUS[0]}))
     done
@@ -205,21 +205,21 @@ if [[ $steps == *" trace "* ]]; then
 fi
 if [[ $steps == *" probe "* ]]; then
   for spec in ${PROBE_SPECS:-examples/fa3_hopper.fa}; do
-    python3 -P scripts/energy_probe.py "$spec" --seqlens "${PROBE_SEQLENS:-4096,16384}" 2>&1 \
+    python3 -P research/probes/energy_probe.py "$spec" --seqlens "${PROBE_SEQLENS:-4096,16384}" 2>&1 \
       | grep -v "^fadsl bench" | tee -a "$OUT/energy_probe.log" | tail -8
     status=$((status | ${PIPESTATUS[0]}))
   done
 fi
 if [[ $steps == *" streamprobe "* ]]; then
   # decode's load path (issue 31): the paged cache streamed by TMA boxes, cp.async and plain
-  # loads (scripts/stream_probe.py), then Nsight Compute's L2 read requests and DRAM activity
+  # loads (research/probes/stream_probe.py), then Nsight Compute's L2 read requests and DRAM activity
   # for one launch of each at 128 x 8192 (the decode kernel asks 1.25x the requests cuDNN does)
-  timeout 300 python3 -P scripts/stream_probe.py 2>&1 | tee "$OUT/stream_probe.log" | tail -16
+  timeout 300 python3 -P research/probes/stream_probe.py 2>&1 | tee "$OUT/stream_probe.log" | tail -16
   status=$((status | ${PIPESTATUS[0]}))
   for variant in ${STREAM_NCU-tma_128_3 cpasync_128_3 ldg}; do  # STREAM_NCU="": no Nsight
     timeout 120 ncu --clock-control none --kernel-name $variant --launch-skip 5 --launch-count 1 \
       --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__cycles_active.avg.pct_of_peak_sustained_elapsed,lts__t_requests_srcunit_tex_op_read.sum,lts__t_sectors_srcunit_tex_op_read.sum,lts__t_sectors_lookup_hit.sum \
-      python3 -P scripts/stream_probe.py --shape 128x8192 --variant $variant 2>&1 | grep -v "^==PROF==" \
+      python3 -P research/probes/stream_probe.py --shape 128x8192 --variant $variant 2>&1 | grep -v "^==PROF==" \
       | tee -a "$OUT/stream_probe_ncu.log" | grep -E "^  [a-z]|sum|pct" | tail -8
   done
 fi

@@ -103,7 +103,7 @@ def test_the_softmax_overlaps_the_warpgroups_own_p_v(built, spec):
 
 
 def test_the_energy_probe_issues_every_tma_load_twice_and_the_kernel_once(built):
-    """FADSL_TMA_LOADS (scripts/energy_probe.py, through use_development_build) doubles the
+    """FADSL_TMA_LOADS (research/probes/energy_probe.py, through use_development_build) doubles the
     TMA loads, and only in that build: the example's SASS has one UTMALDG per load, and its
     cached cubin stays as it was."""
     import fadsl
@@ -122,7 +122,7 @@ def test_the_energy_probe_issues_every_tma_load_twice_and_the_kernel_once(built)
 
 
 def test_a_backward_development_build_runs_in_place_of_the_cached_one(built):
-    """scripts/probe_backward.py's hook: the backward kernels built with a define
+    """research/probes/probe_backward.py's hook: the backward kernels built with a define
     (FADSL_TMA_LOADS, which the backward's loads read too) are what this process runs, a
     different cubin from the plain build's, and a fresh load still gets the plain one."""
     import fadsl

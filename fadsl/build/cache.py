@@ -192,7 +192,7 @@ def clear(folder: Path | None = None) -> int:
 def development_build(request: Request, defines: dict[str, int]) -> Entry:
     """``request``'s source built with ``defines`` (#define NAME VALUE before it), outside the
     cache, which stays untouched: what a kernel's ``use_development_build`` runs in its place
-    (scripts/tile_trace.py, energy_probe.py, probe_decode_layout.py, probe_backward.py)."""
+    (scripts/tile_trace.py; research/probes/: energy_probe.py, probe_decode_layout.py, probe_backward.py)."""
     import tempfile
 
     head = "".join(f"#define {name} {value}\n" for name, value in defines.items())

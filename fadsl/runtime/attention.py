@@ -188,7 +188,7 @@ class FlashAttention(ServingCalls):
         """Build ``dtype``'s kernel for ``arch`` with ``defines`` (#define NAME VALUE before
         the source: FADSL_TILE_TRACE, FADSL_TMA_LOADS) and run that cubin in this process
         instead of the cached one, which stays untouched (scripts/tile_trace.py,
-        scripts/energy_probe.py), the cluster-free variant's too. Before the kernel's first
+        research/probes/energy_probe.py), the cluster-free variant's too. Before the kernel's first
         call on a device."""
         if self.alone is not None:
             self.alone.use_development_build(dtype, arch, defines)

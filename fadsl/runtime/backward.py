@@ -40,7 +40,7 @@ class BackwardKernels:
     def use_development_build(self, dtype: Dtype, arch: str, defines: dict[str, int]) -> None:
         """Build ``dtype``'s backward kernels for ``arch`` with ``defines`` (#define NAME VALUE
         before the source) and run them in this process instead of the cached cubin, which
-        stays untouched (scripts/probe_backward.py). Before the kernels' first call."""
+        stays untouched (research/probes/probe_backward.py). Before the kernels' first call."""
         self._development[dtype, arch] = cache.development_build(self.request(dtype, arch), defines)
 
     def source(self, dtype: Dtype) -> str:

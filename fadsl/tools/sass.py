@@ -4,7 +4,7 @@ What ptxas makes of the consumers' mainloop decides a good part of an sm_90a ker
 speed, and small source changes move it. On 2026-11-23 an unsigned ring index made ptxas
 hoist the P V wait (``WARPGROUP.DEPBAR.LE gsb0, 0x0``) above the whole softmax in
 fa3_hopper, so the softmax no longer overlapped the warpgroup's own P V: -3 to -5 %.
-``softmax_overlap`` counts that overlap; ``scripts/sass_loops.py`` prints it with each
+``softmax_overlap`` counts that overlap; ``research/probes/sass_loops.py`` prints it with each
 loop's size, and tests/test_sass.py keeps it in every sm_90a example.
 
 nvdisasm comes with the CUDA toolkit, or as NVIDIA's ``nvidia-cuda-nvdisasm`` wheel.

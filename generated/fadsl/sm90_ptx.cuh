@@ -67,7 +67,7 @@ __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
 
 // One arrival that also announces `tx_bytes` bytes the copy engine will deliver to this
 // phase (complete_tx); the phase cannot complete before they have landed.
-// FADSL_TMA_LOADS (development builds only, scripts/energy_probe.py; 1 otherwise): every
+// FADSL_TMA_LOADS (development builds only, research/probes/energy_probe.py; 1 otherwise): every
 // TMA load is issued that many times into the same bytes and every expect_tx scaled alike,
 // so that the L2 -> SMEM traffic, and nothing else, grows by that factor.
 #ifndef FADSL_TMA_LOADS

@@ -4,7 +4,7 @@ The runtime launches a `cluster 2` kernel in pairs only where a head's query blo
 up and the K/V loop is long enough (fadsl.targets.sm90.host.launch.launch_cluster). The pair kernel can run
 alone too, but pays for the cluster there: its barriers at setup and exit, a second arrival
 on every empty barrier, and the producer's choice of load path (2-3 % at seqlen 2048,
-docs/performance-history.md, 2026-11-24). So the spec compiles a second kernel, `<name>_alone`:
+research/performance-history.md, 2026-11-24). So the spec compiles a second kernel, `<name>_alone`:
 the same schedule with one CTA per cluster and every cluster-scoped tile CTA-scoped. The
 passes plan, sync and verify it as any `cluster 1` kernel; the runtime launches it where
 pairs are not used.

@@ -19,7 +19,7 @@ def cluster_size(kernel: Kernel) -> int:
 
 # Pairs share K/V traffic, which pays at the power cap over long K/V loops; their fixed
 # costs (the cluster barriers, the pair in lockstep) do not shrink with the loop. Measured
-# on an H100 (docs/performance-history.md, 2026-11-23, `cluster 2`): +1 to +3 % from 32 K/V blocks of 128 keys
+# on an H100 (research/performance-history.md, 2026-11-23, `cluster 2`): +1 to +3 % from 32 K/V blocks of 128 keys
 # on, level to -2 % at 16, -1 % at 8 and -5 to -10 % on one or two blocks.
 PAIR_MIN_KV_BLOCKS = 32
 

@@ -1,6 +1,6 @@
 """One decode step of a kv-cache spec and of SDPA's cuDNN backend, for Nsight Compute (issue 31).
 
-Usage: ncu --nvtx --nvtx-include "profiled/" ... python3 -P scripts/profile_decode.py SPEC BATCH KEYS
+Usage: ncu --nvtx --nvtx-include "profiled/" ... python3 -P research/probes/profile_decode.py SPEC BATCH KEYS
 (GQA 32/8, head_dim 128, bf16; two warm calls each, then one inside the NVTX range "profiled")
 """
 

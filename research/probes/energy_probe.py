@@ -1,6 +1,6 @@
 """What moving K, V and Q from L2 into SMEM costs under the power cap, on the GPU.
 
-Usage (a Hopper GPU): python scripts/energy_probe.py SPEC [--loads 2] [--seqlens 4096,16384]
+Usage (a Hopper GPU): python research/probes/energy_probe.py SPEC [--loads 2] [--seqlens 4096,16384]
     [--hidden 2048] [--dtype bf16]
 Builds a copy of the spec's kernel with FADSL_TMA_LOADS (fadsl/sm90_ptx.cuh): every TMA load
 issued --loads times into the same bytes, so the L2 -> SMEM traffic grows by that factor and

@@ -1,6 +1,6 @@
 """Print the consumers' mainloops of sm_90a specs as ptxas built them (fadsl/tools/sass.py).
 
-Usage: python scripts/sass_loops.py SPEC... [--dtype bf16|fp16]
+Usage: python research/probes/sass_loops.py SPEC... [--dtype bf16|fp16]
 For each spec: its cubin for sm_90a (NVRTC, through the cache), disassembled with nvdisasm;
 then per mainloop (masked iterations first) its instructions, uniform-datapath ones, wgmma,
 2^x, and the softmax instructions issued before the P V wait (the softmax/P V overlap).

@@ -16,15 +16,15 @@ median; prints TF/s (2.5 x the forward's FLOPs) and the development build's rati
 Run a control (a define nothing reads, e.g. FADSL_NOTHING=1) beside any experiment: at
 head_dim 64, 1 x 16384 the same code ranged 0.93-1.09 over processes, and one build 372-403
 TF/s from one 20-call window to the next, in the same sequence whatever was allocated where
-(time, not placement: docs/performance-history.md, 2026-11-27, decode's last per cent, item 20).
+(time, not placement: research/performance-history.md, 2026-11-27, decode's last per cent, item 20).
 
 The headers keep no experiment's switch (tests/test_verify_backward.py checks that the
 header makes exactly the proven plan's calls, under conditions it knows): an experiment is
-a local edit guarded by its define, kept out of the commit (docs/performance-history.md,
+a local edit guarded by its define, kept out of the commit (research/performance-history.md,
 2026-11-27, decode's last per cent, items 13, 15 and 17, say what each changed).
 
 Usage (a Hopper GPU): PROBE_DEFINES="FADSL_MY_EXPERIMENT=1" python3 -P
-scripts/probe_backward.py [SPEC] [--seqlens 2048,16384]
+research/probes/probe_backward.py [SPEC] [--seqlens 2048,16384]
 """
 
 from __future__ import annotations

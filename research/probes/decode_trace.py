@@ -10,7 +10,7 @@ call's time by CUDA events (attention and combine kernels), for what lies outsid
 --grid: each CTA's end, tile by piece; --boundaries: for CTAs that run several whole tiles
 (larger batches), the medians of the stretches between consecutive tiles.
 
-Usage (a Hopper GPU, fadsl installed): python3 -P scripts/decode_trace.py [SPEC]
+Usage (a Hopper GPU, fadsl installed): python3 -P research/probes/decode_trace.py [SPEC]
 [--shapes 1x4096,1x32768,1x131072] [--grid] [--boundaries]
 """
 

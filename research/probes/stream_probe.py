@@ -17,7 +17,7 @@ the load path differs:
 
 B = 64 rings fit twice on an SM (two CTAs), B = 128 once. Printed: TB/s of K and V per
 variant and shape, each the median of 10 timed launches after 3 warm-ups (CUDA events).
-Usage (on the GPU machine, fadsl installed): python3 -P scripts/stream_probe.py [--shape
+Usage (on the GPU machine, fadsl installed): python3 -P research/probes/stream_probe.py [--shape
 128x8192] [--variant tma_128_3]; `bash scripts/device.sh streamprobe` runs it, then Nsight
 Compute on one launch of each 128-key variant and ldg.
 """

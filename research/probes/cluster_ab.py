@@ -1,9 +1,9 @@
 """A/B of a `cluster 2` spec in one run: the launch as shipped (pairs where
 fadsl.targets.sm90.host.launch.launch_cluster pairs, else the cluster-free variant `<name>_alone`), the pair
 kernel itself where the shipped launch runs the variant (`FlashAttention.alone = None`), and
-the hand-written cluster-free twin (docs/performance-history.md, 2026-11-23 and 2026-11-24).
+the hand-written cluster-free twin (research/performance-history.md, 2026-11-23 and 2026-11-24).
 
-Usage (a Hopper GPU): python scripts/cluster_ab.py [bf16|fp16] [SPEC] [CLUSTER_OFF_SPEC]
+Usage (a Hopper GPU): python research/probes/cluster_ab.py [bf16|fp16] [SPEC] [CLUSTER_OFF_SPEC]
 """
 
 import sys

@@ -21,7 +21,7 @@ PROBE_TIMELINE=1: each contender's kernels in one replay (torch.profiler): their
 gaps between them, averaged over 20 replays.
 The findings of 2026-11-27 (H200) are in docs/performance.md (decode).
 
-Usage: python3 -P scripts/probe_decode_layout.py [SPEC ...]
+Usage: python3 -P research/probes/probe_decode_layout.py [SPEC ...]
 """
 
 import gc
