@@ -123,6 +123,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
             )
             return EXIT_FAILURE
 
+    if args.calls or args.spec is None:
+        return _bench_calls(args)
     compiled = _compile(args.spec)  # a bad spec is reported (exit 2) before the GPU check
     if args.backward and compiled.kernel.backward is None:
         print(
@@ -206,6 +208,30 @@ def _bench_tool(args: argparse.Namespace, tool, **options) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
     return EXIT_OK
+
+
+def _bench_calls(args: argparse.Namespace) -> int:
+    """`fadsl bench --calls`: the public calls' host time and decode, eager and graphed
+    (fadsl/tools/bench_calls.py)."""
+    if not args.calls:
+        print("fadsl bench: give a SPEC, or --calls to time the public calls", file=sys.stderr)
+        return EXIT_FAILURE
+    if args.spec is not None:
+        print("fadsl bench: --calls times the shipped specs: give no SPEC", file=sys.stderr)
+        return EXIT_FAILURE
+    if args.backward or args.against or args.plot:
+        print("fadsl bench: --calls takes none of --backward, --against, --plot", file=sys.stderr)
+        return EXIT_FAILURE
+    try:
+        import torch
+    except ImportError:  # (a dependency, but the message should not be a traceback)
+        torch = None
+    if torch is None or not torch.cuda.is_available():
+        print("fadsl bench: --calls needs a CUDA GPU", file=sys.stderr)
+        return EXIT_FAILURE
+    from .tools import bench_calls
+
+    return _bench_tool(args, bench_calls, rounds=args.rounds)
 
 
 def _bench_backward(args: argparse.Namespace, kern, heads: int, others: tuple) -> int:
@@ -440,7 +466,16 @@ def build_parser() -> argparse.ArgumentParser:
         "bench",
         help="time the kernel against PyTorch's FLASH_ATTENTION and CUDNN_ATTENTION backends",
     )
-    bench_cmd.add_argument("spec", metavar="SPEC", help="path to a .fa spec")
+    bench_cmd.add_argument(
+        "spec", metavar="SPEC", nargs="?", help="path to a .fa spec (none with --calls)"
+    )
+    bench_cmd.add_argument(
+        "--calls",
+        action="store_true",
+        help="time the public calls instead (no SPEC): host microseconds per call of "
+        "fadsl.attention, attention_varlen, attention_with_kvcache and append_kv beside SDPA "
+        "and FlashAttention-4, and paged decode eager and from a CUDA graph beside cuDNN and FA4",
+    )
     bench_cmd.add_argument(
         "--seqlens",
         type=_seqlens,

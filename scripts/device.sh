@@ -11,6 +11,9 @@
 #   attention_with_kvcache), compute-sanitizer on scripts/sanitize_kvcache.py, KV_BENCH
 #   tune: fadsl tune on TUNE_SPEC within TUNE_BUDGET minutes, the winner then timed beside TUNE_AGAINST
 #   tunebackward: fadsl tune --backward on each of TUNE_BWD_SPECS (the training examples)
+#   calls: fadsl bench --calls (the public calls' host time per call beside SDPA and FA4, and
+#   paged decode eager and from a CUDA graph beside cuDNN and FA4; FA4 when a call with
+#   fa4stage came first and this one carries .fa4b)
 #   backward: tests/test_gpu_backward.py, then the backward timed (fadsl bench --backward)
 #   for each example named in BWD_SPECS (NAME: with `backward {}` added; NAME+KEY...: those keys
 #   on, e.g. fa3_causal+overlap; see tests/test_gpu_backward.py training_spec) at BWD_SEQLENS;
@@ -156,6 +159,10 @@ if [[ $steps == *" tunebackward "* ]]; then
       -o "$OUT/tuned_bwd_$(basename "$spec" .fa).fa" 2>&1 | grep -v "^\[" | tee -a "$OUT/tune_backward.log" | tail -30
     status=$((status | ${PIPESTATUS[0]}))
   done
+fi
+if [[ $steps == *" calls "* ]]; then
+  python3 -P -m fadsl.cli bench --calls --json "$OUT/bench_calls.json" 2>&1 | tee "$OUT/bench_calls.log" | tail -25
+  status=$((status | ${PIPESTATUS[0]}))
 fi
 if [[ $steps == *" tune "* ]]; then
   # fadsl tune on TUNE_SPEC (default: issue 32's 2-consumer causal head_dim 64 spec) within
