@@ -13,7 +13,7 @@ from fadsl.build.resources import can_compile
 from fadsl.cli import main
 from fadsl.codegen.render import render_backward
 from fadsl.pipeline import compile_file
-from fadsl.targets.sm90.backward.protocol import Params, Role, protocol
+from fadsl.targets.sm90.backward.protocol import Params, WarpRole, protocol
 from fadsl.tools import bench_backward
 
 TRAINING = "examples/fa3_hopper.fa"
@@ -56,7 +56,7 @@ def test_explain_lists_the_protocols_syncs(capsys, monkeypatch):
     bwd = compile_file(ROOT / TRAINING).kernel.backward
     plan = protocol(Params.of(bwd, 128))
     assert plan.params.early_dv and plan.params.overlap  # the example's block
-    syncs = sum(1 for role in Role for item in plan.role(role) if item.is_sync)
+    syncs = sum(1 for role in WarpRole for item in plan.role(role) if item.is_sync)
     assert section.count("  >> ") == syncs > 20
     assert "bar.sync kBarDS (256 threads)" in section
     assert (

@@ -323,7 +323,7 @@ def test_q_slots_render_a_ring_of_tiles():
     assert "tile_count %" not in single and "kQBytes" not in single
 
 
-Q_RING_SPECS = sorted((ROOT / "bench" / "specs").glob("*_q2*.fa"))
+Q_RING_SPECS = sorted((ROOT / "tests" / "specs" / "bench").glob("*_q2*.fa"))
 
 
 @pytest.mark.parametrize("spec", SPECS + Q_RING_SPECS, ids=[p.stem for p in SPECS + Q_RING_SPECS])

@@ -30,7 +30,9 @@ from fadsl.targets.sm90.verify import problems_of, skip_patterns, verify
 
 ROOT = Path(__file__).resolve().parents[1]
 SPLIT = compile_file(ROOT / "examples" / "fa3_hdim64.fa").kernel  # `tail split_kv`
-WHOLE = compile_file(ROOT / "bench" / "specs" / "fa3_hdim64_whole.fa").kernel  # `tail whole`
+WHOLE = compile_file(
+    ROOT / "tests" / "specs" / "bench" / "fa3_hdim64_whole.fa"
+).kernel  # `tail whole`
 
 
 def _last_round(tiles: int, ctas: int, blocks: int, splits: int) -> float:
@@ -139,7 +141,7 @@ def test_a_skipped_tail_with_a_barrier_of_every_warpgroup_hangs():
     """O over the dead V ring: the tail holds the all-consumer barrier before stmatrix and
     O's free barrier; a warpgroup that skips it leaves the others waiting (plan_smem
     refuses the spec; forced here, verify refuses the plan)."""
-    hopper = compile_file(ROOT / "bench" / "specs" / "fa3_hopper_bc176.fa").kernel
+    hopper = compile_file(ROOT / "tests" / "specs" / "bench" / "fa3_hopper_bc176.fa").kernel
     forced = replace(
         hopper,
         config=replace(hopper.config, ext=replace(hopper.config.ext, split_kv=True)),

@@ -37,11 +37,11 @@ SINGLE_TILE = read_kernel((ROOT / "tests/fixtures/fa3_hopper.single_tile_plan.ir
 # The variants' base: the fa3_hopper example, 128 x 128 (room for 3 stages, and for O's own
 # bytes); FA3's 128 x 176 (O over the V ring) as tests/specs/bench/fa3_hopper_bc176.fa.
 HOPPER = (ROOT / "examples" / "fa3_hopper.fa").read_text()
-HOPPER_176 = (ROOT / "bench" / "specs" / "fa3_hopper_bc176.fa").read_text()
+HOPPER_176 = (ROOT / "tests" / "specs" / "bench" / "fa3_hopper_bc176.fa").read_text()
 # Q in a ring of two tiles (q_slots 2): head_dim 64, three consumer warpgroups; and 128 x 128
 # causal (two consumer warpgroups, empty tiles).
 Q_RING = (ROOT / "tests" / "specs" / "sm90" / "fa3_q_ring.fa").read_text()
-Q_RING_CAUSAL = (ROOT / "bench" / "specs" / "fa3_causal_q2.fa").read_text()
+Q_RING_CAUSAL = (ROOT / "tests" / "specs" / "bench" / "fa3_causal_q2.fa").read_text()
 
 
 def _variant(text: str = HOPPER, **settings: str) -> str:
