@@ -60,7 +60,7 @@ extern "C" __global__ void __launch_bounds__(Cfg::kThreads, 1) fa3_hdim64_bwd_fp
     if (threadIdx.x / 32 == 0 && elect_one()) bwd_producer<Cfg>(P, smem, block);
   } else {
     setmaxnreg_inc<Cfg::kConsumerRegs>();
-    bwd_consumer_overlapped<Cfg>(P, smem, block, warpgroup - 1);  // dQ staged under dV and dK
+    bwd_consumer<Cfg>(P, smem, block, warpgroup - 1);
   }
 }
 

@@ -114,15 +114,15 @@ def _producer(p: Params, steps: tuple[Item, ...]) -> list[Item | str]:
 
 
 def _consumer(p: Params) -> list[Item | str]:
-    """bwd_consumer, or with ``overlap`` bwd_consumer_overlapped with its helpers inlined:
-    bwd_consumer commits dV and dK, then dQ, and waits for all three (wait_group 0) before
-    it releases the slot and stages dQ; the overlapped one commits dQ, then dV and dK, waits
+    """bwd_consumer with its helpers inlined: by default it commits dV and dK, then dQ
+    (meet_and_issue_dq), and waits for all three (wait_group 0) before it releases the slot
+    and stages dQ; with ``overlap`` it commits dQ, then dV and dK, waits
     for dQ alone (wait_group 1), stages and reduce-adds it while dV and dK run, then waits
     for them (wait_group 0) and releases the slot. With ``early_dv`` it commits dV alone
     right after P^T is packed, waits for dP^T with dV's group still running (wait_group 1),
     and after the meeting commits dQ, then dK."""
-    main = CodeSite.OVERLAPPED if p.overlap else CodeSite.CONSUMER
-    meet = CodeSite.MEET_AND_ISSUE_DQ if p.overlap else main
+    main = CodeSite.CONSUMER
+    meet = CodeSite.MEET_AND_ISSUE_DQ
 
     def sync(
         kind: Kind, phase: LoopPhase = LoopPhase.LOOP, source: CodeSite = main, **fields
@@ -219,7 +219,7 @@ def _consumer(p: Params) -> list[Item | str]:
             ds_fence,
             ds_ready,
             "dQ = dS K",
-            sync(Kind.WGMMA_COMMIT),
+            sync(Kind.WGMMA_COMMIT, source=meet),
             sync(Kind.WGMMA_WAIT, pending=0, why="dV, dK, dQ retired: Q, dO, dS^T read"),
             release,
             *staging,

@@ -1,7 +1,7 @@
 """What the backward header does, call by call, as the protocol's items would say it: the
 reader behind tests/test_verify_backward.py's check that emit/sm90/include/fadsl/sm90_bwd.cuh
 (bwd_producer, bwd_consumer, reduce_dq, ordered_reduce_add),
-emit/sm90/include/fadsl/sm90_bwd_overlap.cuh (bwd_consumer_overlapped, meet_and_issue_dq) and the kernel body of
+emit/sm90/include/fadsl/sm90_bwd.cuh (bwd_consumer, meet_and_issue_dq) and the kernel body of
 emit/sm90/backward.cu.j2 make exactly the calls of fadsl/targets/sm90/backward/protocol.py (the
 plan the sync pass places).
 
@@ -44,7 +44,6 @@ from fadsl.targets.sm90.backward.program import (
 
 ROOT = Path(__file__).resolve().parents[1]
 HEADER = (ROOT / "emit/sm90/include/fadsl/sm90_bwd.cuh").read_text()
-OVERLAP_HEADER = (ROOT / "emit/sm90/include/fadsl/sm90_bwd_overlap.cuh").read_text()
 TEMPLATE = (ROOT / "emit/sm90/backward.cu.j2").read_text()
 # the functions a role's walk inlines, with the source their calls are tagged with
 INLINED = {
@@ -450,7 +449,7 @@ def walk_simple(text: str, walk: Walk) -> None:
 
 
 KERNEL = r"__global__ void __launch_bounds__\(Cfg::kThreads"
-SOURCES = {"bwd_consumer": CodeSite.CONSUMER, "bwd_consumer_overlapped": CodeSite.OVERLAPPED}
+SOURCES = {"bwd_consumer": CodeSite.CONSUMER}
 ROLES = {
     WarpRole.PRODUCER: (r"void bwd_producer\(", CodeSite.PRODUCER, Who.ELECTED),
     WarpRole.SETUP: (KERNEL, CodeSite.KERNEL, Who.CTA),
@@ -471,16 +470,12 @@ def consumer_function(overlap: bool, template: str = TEMPLATE) -> str:
 
 
 def header_calls(
-    role: WarpRole,
-    params: Params,
-    header: str = HEADER,
-    overlap_header: str = OVERLAP_HEADER,
-    template: str = TEMPLATE,
+    role: WarpRole, params: Params, header: str = HEADER, template: str = TEMPLATE
 ) -> list[Call]:
     """The calls of ``role``'s function for ``params``: the producer's and the consumer's
-    in the headers (the consumer the one the template's kernel calls), the setup's in the
+    in the header (the consumer the one the template's kernel calls), the setup's in the
     template's kernel body."""
-    headers = header + "\n" + overlap_header
+    headers = header
     if role is WarpRole.SETUP:
         text = kernel_template(params.overlap, template)
         pattern, source, who = ROLES[role]

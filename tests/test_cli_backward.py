@@ -28,7 +28,6 @@ def test_compile_writes_the_backward_sources(tmp_path, monkeypatch):
             assert "void __launch_bounds__" in text
             assert re.search(rf"fa3_hopper_bwd_{dtype}{kernel}\(const __grid_constant__", text)
     assert (tmp_path / "fadsl" / "sm90_bwd.cuh").exists()
-    assert (tmp_path / "fadsl" / "sm90_bwd_overlap.cuh").exists()
 
 
 def test_a_forward_only_spec_writes_no_backward(tmp_path, monkeypatch):
@@ -44,7 +43,10 @@ def test_backward_sources_follow_the_block():
     assert f"BwdConfig<__nv_bfloat16, 128, {bwd.block_m}, {bwd.block_n}, {bwd.consumers}" in (
         source.text
     )
-    assert ("bwd_consumer_overlapped<Cfg>" in source.text) == bwd.overlap
+    (cfg,) = re.findall(r"struct Cfg : BwdConfig<(.*?)> \{", source.text)
+    flags = [x.strip() for x in cfg.split(",")][7:]  # deterministic, overlap, early_dv, dq_red
+    on = {True: "true", False: "false"}
+    assert flags == [on[bwd.deterministic], on[bwd.overlap], on[bwd.early_dv], on[bwd.dq_red]]
     assert f"static constexpr int kConsumerRegs = {bwd.consumer_regs};" in source.text
 
 

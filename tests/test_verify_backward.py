@@ -1,9 +1,9 @@
 """The backward main kernel's sync plan (fadsl/targets/sm90/backward/protocol.py: the steps
 of schedule.py with the syncs the sync pass placed) is proven in the async model for every
 configuration the header admits, with either consumer (bwd_consumer, or
-bwd_consumer_overlapped of `overlap on`), every broken variant of it is refused with the
+bwd_consumer with `overlap on`), every broken variant of it is refused with the
 hazard named, the brute-force interleaving checker agrees on the smallest cases, and the
-headers (emit/sm90/include/fadsl/sm90_bwd.cuh, sm90_bwd_overlap.cuh) and the template
+header (emit/sm90/include/fadsl/sm90_bwd.cuh) and the template
 (emit/sm90/backward.cu.j2) make exactly the protocol's calls in the protocol's order."""
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from backward_header import (
     HEADER,
     MBARS,
     OFFSETS,
-    OVERLAP_HEADER,
     TEMPLATE,
     config_constants,
     consumer_function,
@@ -283,7 +282,7 @@ def test_the_exit_needs_the_last_wait(overlap):
 
 @pytest.mark.parametrize("params", OVERLAPPED, ids=lambda p: p.describe())
 def test_the_overlapped_staging_needs_dq_retired(params):
-    """bwd_consumer_overlapped's wait_group 1 after dV's and dK's commit weakened to 2: dQ's
+    """The overlapped order's wait_group 1 after dV's and dK's commit weakened to 2: dQ's
     group may still run when the warpgroup stages its registers."""
     items = protocol(params).consumer
     n = max(n for n, x in enumerate(items) if x.kind is Kind.WGMMA_WAIT and x.pending == 1)
@@ -298,7 +297,7 @@ def test_the_overlapped_staging_needs_dq_retired(params):
 
 @pytest.mark.parametrize("params", OVERLAPPED, ids=lambda p: p.describe())
 def test_the_overlapped_release_needs_dv_and_dk_retired(params):
-    """bwd_consumer_overlapped's q_empty arrive moved before its wait_group 0: the producer
+    """The overlapped order's q_empty arrive moved before its wait_group 0: the producer
     may reload the slot's Q or dO while dV's or dK's wgmma still reads it."""
     items = list(protocol(params).consumer)
     n = next(n for n, x in enumerate(items) if x.kind is Kind.MBAR_ARRIVE)
@@ -460,8 +459,12 @@ def test_the_header_makes_the_protocols_calls(role, params):
         ("a dropped wait_read", "if (tid == 0) tma_store_wait_read<0>();", ""),
         ("a flipped parity", "phase ^ 1u);", "phase);"),
         ("one dS^T buffer", "(i % 2) * Cfg::kDSBytes", "0 * Cfg::kDSBytes"),
-        ("wait<2>", "wgmma_wait<1>();", "wgmma_wait<2>();"),
-        ("a fence moved", "fence_proxy_async_smem();\n    float dq", "float dq"),
+        ("wait<2>", "wgmma_wait<1>();  // S^T", "wgmma_wait<2>();  // S^T"),
+        (
+            "a fence moved",
+            "fence_proxy_async_smem();\n      meet_and_issue_dq",
+            "meet_and_issue_dq",
+        ),
         ("expect_tx", "2 * Cfg::kQBytes + 2 * Cfg::kRowFloatsBytes", "2 * Cfg::kQBytes"),
         (
             "the leader's barrier",
@@ -483,23 +486,46 @@ def test_an_edited_header_is_caught(what, old, new):
     raise AssertionError(f"{what}: the edited header still matches the protocol")
 
 
-ARRIVE = "    mbar_arrive(bwd_bar_q_empty<Cfg>(smem, slot));\n"
-REDUCE = "    reduce_dq<Cfg>(P, b, stage, dq, accum_head, m, wg, tid);\n"
-ISSUE = "    meet_and_issue_dq<Cfg>(dq, smem, ds_buf, wg);\n"
-GRADS = "    issue_grad_kv<Cfg>(dk, ds16, q_slot);\n"
+# the overlapped order's lines, each with a neighbour that makes it the only such text
+ARRIVE = "      mbar_arrive(bwd_bar_q_empty<Cfg>(smem, slot));\n    } else {"
+REDUCE = "      reduce_dq<Cfg>(P, b, stage, dq, accum_head, m, wg, tid);\n      wgmma_wait<0>();"
+ISSUE = "      meet_and_issue_dq<Cfg>(dq, smem, ds_buf, wg);\n      if constexpr (!Cfg::kEarlyDv)"
+GRADS = "      issue_grad_kv<Cfg>(dk, ds16, q_slot);\n      wgmma_commit();\n      wgmma_wait<1>();"
 
 
 @pytest.mark.parametrize(
     "what,edits",
     [
         ("wait<2> before the staging", [("wgmma_wait<1>();  // dQ", "wgmma_wait<2>();  // dQ")]),
-        ("the arrive before wait<0>", [(ARRIVE, ""), (REDUCE, REDUCE + ARRIVE)]),
-        ("dQ issued after dV and dK", [(ISSUE, ""), (GRADS, GRADS + ISSUE)]),
+        (
+            "the arrive before wait<0>",
+            [
+                (ARRIVE, "    } else {"),
+                (
+                    REDUCE,
+                    REDUCE.replace(
+                        "\n", "\n      mbar_arrive(bwd_bar_q_empty<Cfg>(smem, slot));\n"
+                    ),
+                ),
+            ],
+        ),
+        (
+            "dQ issued after dV and dK",
+            [
+                (ISSUE, "      if constexpr (!Cfg::kEarlyDv)"),
+                (
+                    GRADS,
+                    GRADS.replace(
+                        "\n", "\n      meet_and_issue_dq<Cfg>(dq, smem, ds_buf, wg);\n", 1
+                    ),
+                ),
+            ],
+        ),
         ("one dS^T buffer", [("(i % 2) * Cfg::kDSBytes", "0 * Cfg::kDSBytes")]),
         ("a flipped parity", [("& 1u);", "& 1u ^ 1u);")]),
         ("no meeting by keys", [("named_bar_sync(Cfg::kBarDQ + wg, 128);  // RAW", "// ")]),
         ("a meeting too small", [("kBarDS, Cfg::kConsumerThreads);", "kBarDS, 128);")]),
-        ("no wgmma fence", [("wgmma_fence();\n    float dq", "float dq")]),
+        ("no wgmma fence", [("wgmma_fence();\n      meet_and_issue_dq", "meet_and_issue_dq")]),
         (
             "early dV: wait<2> for dP^T",
             [("wgmma_wait<1>();  // dP^T", "wgmma_wait<2>();  // dP^T")],
@@ -513,26 +539,32 @@ GRADS = "    issue_grad_kv<Cfg>(dk, ds16, q_slot);\n"
     ],
 )
 def test_an_edited_overlap_header_is_caught(what, edits):
-    edited = OVERLAP_HEADER
+    edited = HEADER
     for old, new in edits:
         assert edited.count(old) == 1, (what, old)
         edited = edited.replace(old, new)
     for params in OVERLAPPED:
-        found = header_calls(WarpRole.CONSUMER, params, overlap_header=edited)
+        found = header_calls(WarpRole.CONSUMER, params, header=edited)
         if found != expected_calls(protocol(params), WarpRole.CONSUMER):
             return
     raise AssertionError(f"{what}: the edited header still matches the protocol")
 
 
+def _cfg_argument(template: str, index: int) -> str:
+    """The template's ``index``-th argument of ``struct Cfg : BwdConfig<...>``."""
+    (cfg,) = re.findall(r"struct Cfg : BwdConfig<(.*?)> \{", template)
+    return re.split(r",\s*(?={{)", cfg)[index]
+
+
 def test_an_edited_template_is_caught():
-    """The kernel must call the overlapped consumer exactly under `{% if overlap %}`."""
-    swapped = TEMPLATE.replace("{% if overlap %}", "{% if not_overlap %}")
-    with pytest.raises(AssertionError, match="another"):
-        header_calls(WarpRole.CONSUMER, replace(PANELS, overlap=True), template=swapped)
-    plain = TEMPLATE.replace("bwd_consumer_overlapped<Cfg>", "bwd_consumer<Cfg>")
-    params = replace(PANELS, overlap=True)
-    found = header_calls(WarpRole.CONSUMER, params, template=plain)
-    assert found != expected_calls(protocol(params), WarpRole.CONSUMER)
+    """The kernel's Cfg must pass the block's `overlap` on (BwdConfig's kOverlap_, which
+    picks bwd_consumer's order), and call bwd_consumer once, after the producer's branch."""
+    overlap = '{{ "true" if overlap else "false" }}'
+    assert _cfg_argument(TEMPLATE, 8) == overlap
+    assert _cfg_argument(TEMPLATE.replace(overlap, '"false"'), 8) != overlap
+    call = "bwd_consumer<Cfg>(P, smem, block, warpgroup - 1);"
+    with pytest.raises(ValueError):
+        consumer_function(False, TEMPLATE.replace(call, call + call))
 
 
 def test_the_header_agrees_on_layout_barriers_and_roles():
@@ -558,8 +590,7 @@ def test_the_header_agrees_on_layout_barriers_and_roles():
         split = squash(kernel_body(overlap))
         assert "if(warpgroup==0){" in split and "threadIdx.x/32==0&&elect_one()" in split
         assert "bwd_producer<Cfg>(P,smem,block);}else{" in split
-        consumer = "bwd_consumer_overlapped" if overlap else "bwd_consumer"
-        assert consumer_function(overlap) == consumer
+        assert consumer_function(overlap) == "bwd_consumer"
         assert split.count("warpgroup-1);") == 1
     # the template's Cfg passes `overlap` as BwdConfig's kOverlap_ (its ninth parameter)
     (cfg,) = re.findall(r"struct Cfg : BwdConfig<(.*?)> \{", TEMPLATE)

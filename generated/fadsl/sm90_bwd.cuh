@@ -114,11 +114,10 @@ struct BwdConfig {
   // dQ's reduce-adds of an m-block in a fixed order (n-block, then warpgroup): bitwise-
   // identical gradients from run to run (ordered_reduce_add)
   static constexpr bool kDeterministic = kDeterministic_;
-  // dQ issued before dV and dK and staged while they run (bwd_consumer_overlapped,
-  // sm90_bwd_overlap.cuh)
+  // dQ issued before dV and dK and staged while they run (bwd_consumer's overlapped order)
   static constexpr bool kOverlap = kOverlap_;
   // dV += P^T dO issued as soon as P^T is packed, before dP^T is waited for (the overlapped
-  // consumer): its wgmma runs under the softmax gradient, the dS^T stores and the meeting
+  // order): its wgmma runs under the softmax gradient, the dS^T stores and the meeting
   static constexpr bool kEarlyDv = kEarlyDv_;
   // `dQ: rf -red.add-> gmem`: each thread adds its dQ share into the accumulator from its
   // registers (red_add_dq), no staging; else staged in SMEM for one bulk reduce-add
@@ -491,6 +490,38 @@ __device__ __forceinline__ void reduce_dq(const BwdParamsSm90& P, const BwdBlock
 // 6. The main kernel's bodies
 // ---------------------------------------------------------------------------
 
+// Issue dQ = dS K of the m-block whose dS^T is in `ds_buf`, after the warpgroups that wrote
+// it meet (all consumers when dQ is split by queries or head_dim panels; this one's 128
+// threads when split by keys).
+template <class Cfg>
+__device__ __forceinline__ void meet_and_issue_dq(float (&dq)[Cfg::kDqRegs], uint32_t smem, uint32_t ds_buf, int wg) {
+  if constexpr (Cfg::kDqByKeys) {
+    named_bar_sync(Cfg::kBarDQ + wg, 128);  // RAW: the warpgroup's 64 rows of dS^T written and fenced
+    issue_dq<Cfg>(dq, ds_buf + 64 * wg * Cfg::kRowBytes, smem + Cfg::kOffK + 64 * wg * Cfg::kRowBytes);
+  } else {
+    named_bar_sync(Cfg::kBarDS, Cfg::kConsumerThreads);  // RAW: all B_c rows of dS^T written and fenced
+    if constexpr (Cfg::kDqByQueries) {  // the warpgroup's 64 queries (dS^T panel wg), all of K
+      issue_dq<Cfg>(dq, ds_buf + wg * Cfg::kDSPanelBytes, smem + Cfg::kOffK);
+    } else {  // every query, the warpgroup's panel of K
+      issue_dq<Cfg>(dq, ds_buf, smem + Cfg::kOffK + wg * Cfg::kBlockN * Cfg::kRowBytes);
+    }
+  }
+  wgmma_commit();
+}
+
+// A consumer warpgroup: per m-block S^T and dP^T, P and dS, then dV, dK and dQ.
+//
+// In wgmma commit order, per m-block: S^T, dP^T, then
+// - by default: dV and dK, then dQ, all three waited for before dQ is staged for the
+//   reduce-add (the tensor cores idle while the warpgroup stages);
+// - with `overlap on` (Cfg::kOverlap): dQ first, waited for alone (wgmma_wait<1>), so that
+//   its staging and reduce-add run while dV and dK do; with `early_dv on` (Cfg::kEarlyDv)
+//   dV is issued as soon as P^T is packed, before dP^T is waited for, so that the tensor
+//   cores have it while the warpgroup computes dS^T, stores it and meets the others: S^T,
+//   dP^T, dV, dQ, then dK.
+// (Issuing m-block i's dQ in m-block i + 1, after its S^T and dP^T, would take the
+// warpgroups' meeting off the critical path too, but keeps dQ's registers live over S^T and
+// dP^T: at head_dim 128 that spills about 400 bytes at 240 registers.)
 template <class Cfg>
 __device__ __forceinline__ void bwd_consumer(const BwdParamsSm90& P, uint32_t smem, const BwdBlock& b, int wg) {
   const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
@@ -525,50 +556,63 @@ __device__ __forceinline__ void bwd_consumer(const BwdParamsSm90& P, uint32_t sm
 
     const uint32_t lse_slot = smem + Cfg::kOffLSE + slot * Cfg::kRowFloatsBytes;
     const uint32_t d_slot = smem + Cfg::kOffD + slot * Cfg::kRowFloatsBytes;
-    const bool mask = bwd_needs_mask<Cfg>(P, b, m);
-    if (mask) {
+    if (bwd_needs_mask<Cfg>(P, b, m)) {
       bwd_probs<Cfg, true>(s, P, lse_slot, key0, m * Cfg::kBlockM, lane);
     } else {
       bwd_probs<Cfg, false>(s, P, lse_slot, key0, m * Cfg::kBlockM, lane);
     }
-    wgmma_wait<0>();  // dP^T in registers
-    fence_regs(dp);
-    bwd_grad_scores<Cfg>(s, dp, d_slot, lane);
     uint32_t p16[Cfg::kPRegs], ds16[Cfg::kPRegs];
-    pack_pairs<Cfg>(s, p16);
+    if constexpr (Cfg::kEarlyDv) {  // (only with kOverlap: the static_assert in BwdConfig)
+      pack_pairs<Cfg>(s, p16);
+      wgmma_fence();  // the A registers p16 were written by ordinary instructions
+      issue_grad_kv<Cfg>(dv, p16, do_slot);
+      wgmma_commit();
+      wgmma_wait<1>();  // dP^T in registers (dV's group may still run)
+      fence_regs(dp);
+      bwd_grad_scores<Cfg>(s, dp, d_slot, lane);
+    } else {
+      wgmma_wait<0>();  // dP^T in registers
+      fence_regs(dp);
+      bwd_grad_scores<Cfg>(s, dp, d_slot, lane);
+      pack_pairs<Cfg>(s, p16);
+    }
     pack_pairs<Cfg>(dp, ds16);
 
-    // dS^T to SMEM for dQ; buffer i % 2: the other warpgroup's dQ of m-block i - 1 may still
-    // read the other buffer (its reads of this one retired before it met kBarDS at i - 1)
+    // dS^T into buffer i % 2: the other warpgroup's dQ of m-block i - 1 may still read the
+    // other buffer (its reads of this one retired before it met at dS^T(i - 1))
     const uint32_t ds_buf = smem + Cfg::kOffDS + (i % 2) * Cfg::kDSBytes;
     store_ds<Cfg>(ds_buf, ds16, wg, warp, lane);
-
-    wgmma_fence();  // dk, dv and the A registers p16, ds16 were written by ordinary instructions
-    issue_grad_kv<Cfg>(dv, p16, do_slot);
-    issue_grad_kv<Cfg>(dk, ds16, q_slot);
-    wgmma_commit();
-
-    // RAW: dS^T's st.shared (generic proxy) before the dQ wgmma reads it (async proxy)
-    fence_proxy_async_smem();
     float dq[Cfg::kDqRegs];
-    if constexpr (Cfg::kDqByKeys) {
-      named_bar_sync(Cfg::kBarDQ + wg, 128);  // RAW: the warpgroup's 64 rows of dS^T written
-      issue_dq<Cfg>(dq, ds_buf + 64 * wg * Cfg::kRowBytes, smem + Cfg::kOffK + 64 * wg * Cfg::kRowBytes);
+    if constexpr (Cfg::kOverlap) {
+      // RAW: dS^T's st.shared (generic proxy) before the dQ wgmma reads it (async proxy)
+      fence_proxy_async_smem();
+      // dq was read by ordinary instructions (the previous m-block's adds); dk (and dv, p16
+      // unless dV is issued already) and the A registers ds16 written
+      wgmma_fence();
+      meet_and_issue_dq<Cfg>(dq, smem, ds_buf, wg);
+      if constexpr (!Cfg::kEarlyDv) issue_grad_kv<Cfg>(dv, p16, do_slot);
+      issue_grad_kv<Cfg>(dk, ds16, q_slot);
+      wgmma_commit();
+      wgmma_wait<1>();  // dQ in registers (dK, and dV unless issued early, still run)
+      fence_regs(dq);
+      reduce_dq<Cfg>(P, b, stage, dq, accum_head, m, wg, tid);
+      wgmma_wait<0>();  // dV and dK retired: Q, dO read; p16 and ds16 free
+      // WAR: the slot's Q, dO (wgmma, retired above), LSE and D (read above) are free
+      mbar_arrive(bwd_bar_q_empty<Cfg>(smem, slot));
     } else {
-      named_bar_sync(Cfg::kBarDS, Cfg::kConsumerThreads);  // RAW: all B_c rows of dS^T written
-      if constexpr (Cfg::kDqByQueries) {  // the warpgroup's 64 queries (dS^T panel wg), all of K
-        issue_dq<Cfg>(dq, ds_buf + wg * Cfg::kDSPanelBytes, smem + Cfg::kOffK);
-      } else {  // every query, the warpgroup's panel of K
-        issue_dq<Cfg>(dq, ds_buf, smem + Cfg::kOffK + wg * Cfg::kBlockN * Cfg::kRowBytes);
-      }
+      wgmma_fence();  // dk, dv and the A registers p16, ds16 were written by ordinary instructions
+      issue_grad_kv<Cfg>(dv, p16, do_slot);
+      issue_grad_kv<Cfg>(dk, ds16, q_slot);
+      wgmma_commit();
+      // RAW: dS^T's st.shared (generic proxy) before the dQ wgmma reads it (async proxy)
+      fence_proxy_async_smem();
+      meet_and_issue_dq<Cfg>(dq, smem, ds_buf, wg);
+      wgmma_wait<0>();  // dV, dK and dQ retired: Q, dO and dS^T read, dq in registers
+      fence_regs(dq);
+      // WAR: the slot's Q, dO (wgmma, retired above), LSE and D (read above) are free
+      mbar_arrive(bwd_bar_q_empty<Cfg>(smem, slot));
+      reduce_dq<Cfg>(P, b, stage, dq, accum_head, m, wg, tid);
     }
-    wgmma_commit();
-    wgmma_wait<0>();  // dV, dK and dQ retired: Q, dO and dS^T read, dq in registers
-    fence_regs(dq);
-    // WAR: the slot's Q, dO (wgmma, retired above), LSE and D (read above) are free
-    mbar_arrive(bwd_bar_q_empty<Cfg>(smem, slot));
-
-    reduce_dq<Cfg>(P, b, stage, dq, accum_head, m, wg, tid);
   }
   // The last reduce-add has read the staging buffer before the CTA's SMEM goes away
   if constexpr (!Cfg::kDqRed) {
@@ -672,5 +716,3 @@ __device__ __forceinline__ void bwd_convert_dq_row(const BwdConvertParams& P) {
 }
 
 }  // namespace fadsl::sm90
-
-#include "sm90_bwd_overlap.cuh"  // `overlap on`: dQ staged under dV and dK (next to this file)

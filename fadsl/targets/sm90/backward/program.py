@@ -1,8 +1,6 @@
 """The vocabulary of the backward main kernel's sync plan: what emit/sm90/include/fadsl/sm90_bwd.cuh
-(bwd_producer, bwd_consumer, reduce_dq, ordered_reduce_add),
-emit/sm90/include/fadsl/sm90_bwd_overlap.cuh (bwd_consumer_overlapped with meet_and_issue_dq,
-the consumer of `overlap on`)
-and the kernel body of emit/sm90/backward.cu.j2 do, call by call, for one CTA (one n-block of
+(bwd_producer; bwd_consumer, in its default order or the overlapped one of `overlap on`;
+meet_and_issue_dq, reduce_dq, ordered_reduce_add) and the kernel body of emit/sm90/backward.cu.j2 do, call by call, for one CTA (one n-block of
 keys), said as data.
 
 Roles: the setup thread (thread 0: the mbarrier inits, before the roles split), the
@@ -65,7 +63,6 @@ class CodeSite(Enum):
     KERNEL = "the kernel body"
     PRODUCER = "bwd_producer"
     CONSUMER = "bwd_consumer"
-    OVERLAPPED = "bwd_consumer_overlapped"  # `overlap on` (sm90_bwd_overlap.cuh)
     MEET_AND_ISSUE_DQ = "meet_and_issue_dq"  # the overlapped consumer's helper
     REDUCE_DQ = "reduce_dq"  # both consumers': dQ added into the accumulator
     ORDERED_REDUCE_ADD = "ordered_reduce_add"
@@ -220,7 +217,7 @@ class Params:
     stages: int
     head_dim: int
     deterministic: bool = False
-    overlap: bool = False  # bwd_consumer_overlapped: dQ's group first, staged under dV, dK
+    overlap: bool = False  # bwd_consumer's overlapped order: dQ's group first, staged under dV, dK
     block_m: int = BLOCK_M  # B_r: 64, or 64 per consumer (dQ split by queries)
     early_dv: bool = False  # with overlap: dV issued once P^T is packed, before dS
     dq_red: bool = False  # dQ added from registers (red_add_dq), no staging

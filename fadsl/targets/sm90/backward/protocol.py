@@ -2,8 +2,8 @@
 sync) with every mbarrier, named barrier, fence, wgmma group and bulk group placed by the
 sync pass (syncs/: ``insert_syncs``), each sync with a ``why`` naming the hazard it orders.
 
-``protocol(p)`` is the one plan: the header (emit/sm90/include/fadsl/sm90_bwd.cuh,
-sm90_bwd_overlap.cuh, the kernel body of emit/sm90/backward.cu.j2) makes its calls in its
+``protocol(p)`` is the one plan: the header (emit/sm90/include/fadsl/sm90_bwd.cuh and the
+kernel body of emit/sm90/backward.cu.j2) makes its calls in its
 order (tests/test_verify_backward.py), verify.py proves it in the async model for every
 m-block count, and `fadsl explain` prints its syncs with their whys. A plan written by hand
 from the header stays beside the tests as an oracle (tests/backward_hand_plan.py):

@@ -14,8 +14,8 @@ order them is the pass's to find: nothing here says so.
   K and V panel by panel once before the loop, completing on kv_full; per m-block Q and dO
   panel by panel into the ring slot, then LSE and D (bulk loads), completing on the slot's
   q_full;
-- the consumer warpgroups (bwd_consumer, or with ``overlap`` bwd_consumer_overlapped with
-  its helper meet_and_issue_dq inlined; both with reduce_dq inlined): dK and dV zeroed
+- the consumer warpgroups (bwd_consumer, in its default order or with ``overlap`` the
+  overlapped one, its helpers meet_and_issue_dq and reduce_dq inlined): dK and dV zeroed
   before the loop; per m-block the front (S^T, dP^T, P, dS, both packed to 16 bits, dS^T
   to SMEM), then the gradients' wgmmas, then dQ staged and reduce-added by the leader
   (through ordered_reduce_add with ``deterministic``), or with ``dq_red`` added from every
@@ -88,7 +88,7 @@ def producer_steps(p: Params) -> tuple[Item, ...]:
 
 def consumer_steps(p: Params) -> tuple[Item, ...]:
     """A consumer warpgroup's steps (module docstring: the two consumers' orders)."""
-    main = CodeSite.OVERLAPPED if p.overlap else CodeSite.CONSUMER
+    main = CodeSite.CONSUMER
 
     def step(
         kind: Kind, name: str, phase: LoopPhase = LoopPhase.LOOP, source: CodeSite = main, **fields
@@ -145,8 +145,7 @@ def consumer_steps(p: Params) -> tuple[Item, ...]:
             Operand(StagedTile.DS, Index.ALTERNATE),
             Operand(StagedTile.K, part=Part.PANEL_OF_WG),
         )
-    dq_source = CodeSite.MEET_AND_ISSUE_DQ if p.overlap else main
-    dq = wgmma("dQ = dS K", dq_reads, (), Reg.DQ, dq_source)
+    dq = wgmma("dQ = dS K", dq_reads, (), Reg.DQ, CodeSite.MEET_AND_ISSUE_DQ)
     staging = _stage_and_reduce(p, CodeSite.REDUCE_DQ)  # both consumers call reduce_dq
     loop = front + ([dq, *grads, *staging] if p.overlap else [*grads, dq, *staging])
     return (

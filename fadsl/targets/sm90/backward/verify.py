@@ -136,8 +136,8 @@ def parameter_space() -> tuple[Params, ...]:
     """Every configuration the header admits: 1-3 consumer warpgroups, head_dim 64 or 128
     with B_r 64 (dQ split by keys or by panels), and 2 consumers at head_dim 64 with B_r 128
     (dQ split by queries), 1-3 stages, deterministic or not, dQ staged or added from
-    registers, each with either consumer (bwd_consumer, or bwd_consumer_overlapped with
-    `overlap on`, dV early or not)."""
+    registers, each with either of bwd_consumer's orders (the default, or the overlapped
+    one of `overlap on`, dV early or not)."""
     orders = ((False, False), (True, False), (True, True))  # (overlap, early_dv)
     shapes = [(c, d, BLOCK_M) for c in (1, 2, 3) for d in (64, 128)] + [(2, 64, 2 * BLOCK_M)]
     # (deterministic, dq_red): dQ staged in either mode, or added from registers (not in
