@@ -22,6 +22,7 @@ import time
 from typing import Callable
 
 from .bench import balanced_orders, median_times, ratio_table
+from .bench_kvcache import graphed
 
 # (batch, keys per sequence): the decode shapes, batch 1 x 8k to 128 x 8k and 1 x 128k
 DECODE_SHAPES = ((1, 8192), (8, 8192), (32, 8192), (128, 8192), (1, 131072))
@@ -185,20 +186,6 @@ def decode_cache(batch: int, length: int, device: str = "cuda"):
     return q, k, v, caches, table, seqlens
 
 
-def _graphed(fn: Callable[[int], object]) -> Callable[[int], object]:
-    import torch
-
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn(0)  # built, loaded, allocated outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn(0)
-    return lambda _: graph.replay()
-
-
 def run_decode(
     shapes: tuple[tuple[int, int], ...] = DECODE_SHAPES,
     warmup: int = 16,
@@ -247,7 +234,7 @@ def run_decode(
             except Exception as err:
                 log(f"  fa4: not timed ({str(err).splitlines()[0][:80]})")
         contenders = dict(eager)
-        contenders |= {f"{n} graph": _graphed(fn) for n, fn in eager.items()}
+        contenders |= {f"{n} graph": graphed(fn) for n, fn in eager.items()}
         ms = median_times(contenders, warmup, runs, rounds)
         kv_bytes = 2 * batch * length * HEADS_KV * HEAD_DIM * k.element_size()
         row = {"batch": batch, "length": length, "ms": ms}

@@ -116,7 +116,7 @@ def run(
             except Exception as err:
                 log(f"  fa4: not timed ({str(err).splitlines()[0][:80]})")
         if graphs:
-            contenders = {n: _graphed(fn) for n, fn in contenders.items()}
+            contenders = {n: graphed(fn) for n, fn in contenders.items()}
         names = list(contenders)
         ms = median_times(contenders, warmup, runs, rounds)
         kv_bytes = 2 * batch * length * heads_kv * d * k.element_size()
@@ -142,7 +142,7 @@ def run(
     }
 
 
-def _graphed(fn: Callable[[int], object]) -> Callable[[int], object]:
+def graphed(fn: Callable[[int], object]) -> Callable[[int], object]:
     """``fn`` captured in a CUDA graph (as a server runs its decode steps): a call replays it,
     so that the host's time per call is not what is timed."""
     import torch
