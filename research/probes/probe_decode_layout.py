@@ -34,7 +34,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import fadsl
 from fadsl.tools.bench import median_times
-from fadsl.tools.bench_kvcache import _graphed
+from fadsl.tools.bench_kvcache import graphed
 
 SHAPES = [(1, 131072), (8, 16384), (32, 4096), (128, 8192)]
 if os.environ.get("PROBE_SHAPES"):  # "1x131072 128x8192"
@@ -175,7 +175,7 @@ for spec in specs:
                 src = torch.cat([k.flatten(), v.flatten()])
                 dst = torch.empty_like(src)
                 contenders["copy"] = lambda _, s=src, o=dst: o.copy_(s)
-        contenders = {n: _graphed(fn) for n, fn in contenders.items()}
+        contenders = {n: graphed(fn) for n, fn in contenders.items()}
         ms = median_times(contenders, 8, 32)
         kv_bytes = 2 * batch * length * 8 * d * 2
         cells = "  ".join(f"{n} {kv_bytes / (t * 1e-3) / 1e12:5.2f}" for n, t in ms.items())
