@@ -114,6 +114,33 @@ def test_kvcache_with_new_tokens_compiles(paged):
     )
 
 
+def test_serving_calls_compile_with_a_window_softcap_and_splits_as_arguments():
+    """window_size, softcap and num_splits passed as arguments (dynamo makes them SymInts
+    with dynamic=True, and on a second value without it): one kernel per value, as eager."""
+    lengths = [100, 37]
+    cu = torch.tensor([0, 100, 137], device="cuda", dtype=torch.int32)
+    q, k, v = (randn(137, 8, 128, seed=50 + i) for i in range(3))
+
+    def varlen(q, k, v, cu, left, cap):
+        return fadsl.attention_varlen(
+            q, k, v, cu, cu, 100, 100, causal=True, window_size=(left, 0), softcap=cap
+        )
+
+    compiled = fullgraph(varlen, dynamic=True)
+    for left, cap in ((32, 30), (64, 50)):
+        assert torch.equal(compiled(q, k, v, cu, left, cap), varlen(q, k, v, cu, left, cap))
+    cache = randn(2, 256, 8, 128, seed=60)
+    seqlens = torch.tensor([200, 7], device="cuda", dtype=torch.int32)
+    q1 = randn(2, 1, 32, 128, seed=61)
+
+    def decode(q, cache, seqlens, splits):
+        return fadsl.attention_with_kvcache(q, cache, cache, seqlens, num_splits=splits)
+
+    compiled = fullgraph(decode, dynamic=True)
+    for splits in (1, 2):
+        assert torch.equal(compiled(q1, cache, seqlens, splits), decode(q1, cache, seqlens, splits))
+
+
 def test_append_kv_compiles():
     k_cache, v_cache = randn(2, 64, 4, 128, seed=30), randn(2, 64, 4, 128, seed=31)
     k_new, v_new = randn(2, 3, 4, 128, seed=32), randn(2, 3, 4, 128, seed=33)

@@ -335,3 +335,17 @@ def test_any_mask_arguments_give_lines_or_a_named_error(causal, window, softcap)
     note(repr(lines))
     config = _variant("varlen", 128, lines).kernel.config
     assert config.mask_text == lines["mask"]
+
+
+def test_the_numbers_that_choose_a_kernel_are_read_by_value():
+    """Under torch.compile a window's sides, the softcap and num_splits may reach the ops'
+    fakes as SymInt or SymFloat: they are specialised to their values (a bool stays a bool,
+    so that the checks still refuse it)."""
+    from fadsl.runtime.public_ops import _concrete
+
+    class Symbolic:  # a SymInt's stand-in: int() gives its value
+        def __int__(self) -> int:
+            return 64
+
+    assert _concrete(Symbolic(), 0, None, 30.0, True) == (64, 0, None, 30.0, True)
+    assert type(_concrete(Symbolic())[0]) is int

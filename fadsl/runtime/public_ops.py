@@ -24,7 +24,7 @@ import torch
 from torch.library import custom_op
 
 from . import append, dispatch
-from .arguments import check_scale, lse_shape
+from .arguments import check_base, check_scale, lse_shape
 from .varlen import check_max_seqlen, check_varlen, varlen_lse_shape
 
 _NO_LSE = (0,)
@@ -32,6 +32,20 @@ _NO_LSE = (0,)
 
 def _empty_lse(q) -> torch.Tensor:
     return q.new_empty(_NO_LSE, dtype=torch.float32)
+
+
+def _concrete(*values):
+    """The values of a call's Python numbers that choose its kernel (a window's sides, the
+    softcap, num_splits): under torch.compile they may arrive as SymInt or SymFloat, and
+    the kernel is chosen by value (int() and float() specialise them: a guard)."""
+    return tuple(
+        (
+            v
+            if v is None or type(v) in (bool, int, float)
+            else (float(v) if isinstance(v, torch.SymFloat) else int(v))
+        )
+        for v in values
+    )
 
 
 # ---------------------------------------------------------------- the calls' bodies
@@ -80,6 +94,10 @@ def kvcache_call(q, k_cache, v_cache, cache_seqlens, k, v, page_table, causal, s
         q, k_cache, v_cache, cache_seqlens, k, v, page_table, causal, softmax_scale,
         window_size, softcap, num_splits, return_lse,
     )  # fmt: skip
+    # the addresses checked too before the new tokens are written (run_kvcache checks them
+    # again, with out's, before the launch)
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        check_base(name, t, kern.config.target)
     seqlens = cache_seqlens
     if k is not None and k.shape[0] and k.shape[1]:
         # the lengths after the new tokens (cache_seqlens + seqlen_new), written by the append
@@ -197,6 +215,7 @@ def attention_varlen(
 @attention_varlen.register_fake
 def _(q, k, v, cu_q, cu_k, max_q, max_k, causal, softmax_scale, left, right, softcap, lse):
     # max_seqlen_q picks the schedule only (both exact): the fake need not read a SymInt
+    left, right, softcap = _concrete(left, right, softcap)
     kern = dispatch.varlen_kernel(q, causal, (left, right), softcap, None)
     check_scale(softmax_scale, kern.config.head_dim)
     check_varlen(kern, q, k, v, cu_q, cu_k)
@@ -229,6 +248,7 @@ def attention_with_kvcache(
 
 @attention_with_kvcache.register_fake
 def _(q, k_cache, v_cache, seqlens, k, v, table, causal, scale, left, right, cap, splits, lse):
+    left, right, cap, splits = _concrete(left, right, cap, splits)
     check_kvcache_call(q, k_cache, v_cache, seqlens, k, v, table, causal, scale, (left, right),
                        cap, splits, lse)  # fmt: skip
     return torch.empty_like(q), q.new_empty(lse_shape(q) if lse else _NO_LSE, dtype=torch.float32)
