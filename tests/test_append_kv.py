@@ -351,3 +351,14 @@ def test_non_contiguous_new_rows_are_accepted():
     k_new = torch.zeros(2, 3, 4, 2, dtype=bf16).transpose(2, 3)
     with pytest.raises(ValueError, match=r"^k_cache must be on a CUDA device"):
         append.append_kv(**with_(k_new=k_new, v_new=k_new))
+
+
+def test_the_errors_use_the_callers_names():
+    """attention_with_kvcache calls the new tokens k and v: its errors say so."""
+    cache = torch.zeros(2, 8, 2, 4, dtype=torch.bfloat16)
+    new = torch.zeros(3, 1, 2, 4, dtype=torch.bfloat16)
+    seqlens = torch.zeros(3, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"^k has batch 3 but k_cache has 2"):
+        append.check_append(cache, cache, new, new, seqlens, None, None, names=("k", "v"))
+    with pytest.raises(ValueError, match=r"^cache_seqlens has 2 rows; k's batch is 3"):
+        append.check_append(cache, cache, new, new, seqlens[:2], None, None, names=("k", "v"))

@@ -112,7 +112,7 @@ def _rows_contiguous(t) -> bool:
     return (dim == 1 or t.stride(3) == 1) and (heads == 1 or t.stride(2) == dim)
 
 
-def _int32(name: str, t, length: int, dims: int = 1) -> None:
+def _int32(name: str, t, length: int, batch_of: str, dims: int = 1) -> None:
     """An int32 tensor of ``dims`` dimensions, ``length`` rows, contiguous last dimension
     (the device is checked with the others')."""
     import torch
@@ -124,16 +124,20 @@ def _int32(name: str, t, length: int, dims: int = 1) -> None:
             f"{name} must be a {dims}-D int32 tensor, got {t.dtype} of shape {tuple(t.shape)}"
         )
     if t.shape[0] != length:
-        raise ValueError(f"{name} has {t.shape[0]} rows; k_new's batch is {length}")
+        raise ValueError(f"{name} has {t.shape[0]} rows; {batch_of}'s batch is {length}")
     if t.stride(-1) != 1 and t.shape[-1] > 1:
         raise ValueError(
             f"{name} must be contiguous in its last dimension; pass {name}.contiguous()"
         )
 
 
-def check_append(k_cache, v_cache, k_new, v_new, cache_seqlens, page_table, seqlens_out):
+def check_append(
+    k_cache, v_cache, k_new, v_new, cache_seqlens, page_table, seqlens_out, names=("k_new", "v_new")
+):
     """Every check of an append, each error naming the argument (no memory access: fake
-    tensors pass); returns k_new and v_new with contiguous rows (copies where needed)."""
+    tensors pass; ``names``: what the caller calls k_new and v_new, attention_with_kvcache
+    k and v); returns k_new and v_new with contiguous rows (copies where needed)."""
+    kn, vn = names
     import torch
 
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
@@ -156,7 +160,7 @@ def check_append(k_cache, v_cache, k_new, v_new, cache_seqlens, page_table, seql
                 f"{name} is written in place, so each (heads_kv, head_dim) row must be "
                 f"contiguous (strides (..., head_dim, 1)), got strides {t.stride()}"
             )
-    for name, t in (("k_new", k_new), ("v_new", v_new)):
+    for name, t in ((kn, k_new), (vn, v_new)):
         _tensor(name, t, "(batch, seqlen_new, heads_kv, head_dim)")
         if t.shape[2:] != k_cache.shape[2:] or t.dtype != k_cache.dtype:
             raise ValueError(
@@ -165,28 +169,28 @@ def check_append(k_cache, v_cache, k_new, v_new, cache_seqlens, page_table, seql
             )
     if k_new.shape != v_new.shape:
         raise ValueError(
-            f"k_new and v_new must have the same shape, got {tuple(k_new.shape)} and "
+            f"{kn} and {vn} must have the same shape, got {tuple(k_new.shape)} and "
             f"{tuple(v_new.shape)}"
         )
     batch, new = k_new.shape[0], k_new.shape[1]
     if new >= 2**31:
-        raise ValueError(f"k_new has {new} new tokens; at most 2^31 - 1 a call")
-    _int32("cache_seqlens", cache_seqlens, batch)
+        raise ValueError(f"{kn} has {new} new tokens; at most 2^31 - 1 a call")
+    _int32("cache_seqlens", cache_seqlens, batch, kn)
     if page_table is None:
         if k_cache.shape[0] != batch:
-            raise ValueError(f"k_new has batch {batch} but k_cache has {k_cache.shape[0]}")
+            raise ValueError(f"{kn} has batch {batch} but k_cache has {k_cache.shape[0]}")
     else:
-        _int32("page_table", page_table, batch, dims=2)
+        _int32("page_table", page_table, batch, kn, dims=2)
         if k_cache.shape[1] == 0:
             raise ValueError(f"k_cache has pages of no row (shape {tuple(k_cache.shape)})")
     if seqlens_out is not None:
-        _int32("seqlens_out", seqlens_out, batch)
+        _int32("seqlens_out", seqlens_out, batch, kn)
     # devices last (so that the checks above can be tested on any device)
     device = k_cache.device
     named = (
         ("v_cache", v_cache),
-        ("k_new", k_new),
-        ("v_new", v_new),
+        (kn, k_new),
+        (vn, v_new),
         ("cache_seqlens", cache_seqlens),
         ("page_table", page_table),
         ("seqlens_out", seqlens_out),

@@ -81,7 +81,9 @@ def check_kvcache_call(q, k_cache, v_cache, cache_seqlens, k, v, page_table, cau
         q, k_cache, v_cache, cache_seqlens, page_table, softmax_scale, num_splits, return_lse
     )
     if k is not None:  # (rows made contiguous where they were not)
-        k, v = append.check_append(k_cache, v_cache, k, v, cache_seqlens, page_table, None)
+        k, v = append.check_append(
+            k_cache, v_cache, k, v, cache_seqlens, page_table, None, names=("k", "v")
+        )
     return kern, scale, dtype, k, v
 
 
