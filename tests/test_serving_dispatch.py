@@ -349,3 +349,19 @@ def test_the_numbers_that_choose_a_kernel_are_read_by_value():
 
     assert _concrete(Symbolic(), 0, None, 30.0, True) == (64, 0, None, 30.0, True)
     assert type(_concrete(Symbolic())[0]) is int
+
+
+def test_the_op_paths_name_a_bad_number_before_the_ops_schema(monkeypatch):
+    """With inputs that require grad (or under torch.compile) a call goes through its op:
+    softmax_scale, max_seqlen and a huge softcap are still refused by name, as in eager."""
+    from fadsl.runtime import public
+
+    monkeypatch.setattr(public, "check_q", lambda q, dims, shape: None)
+    q = torch.zeros(1, 8, 1, 64, requires_grad=True)
+    with pytest.raises(TypeError, match="softmax_scale must be a real number"):
+        fadsl.attention(q, q, q, softmax_scale="x")
+    packed = torch.zeros(8, 1, 64, requires_grad=True)
+    with pytest.raises(TypeError, match="max_seqlen_q must be a non-negative int"):
+        fadsl.attention_varlen(packed, packed, packed, None, None, max_seqlen_q=8.0)
+    with pytest.raises(ValueError, match="softcap must be 0 or a whole number"):
+        fadsl.attention_varlen(packed, packed, packed, None, None, softcap=10**400)

@@ -15,7 +15,9 @@ from __future__ import annotations
 import torch
 
 from . import append, public_ops
+from .arguments import check_scale
 from .public_ops import attention_call, kvcache_call, varlen_call
+from .varlen import check_max_seqlen
 
 
 def check_q(q, dims: int, shape: str) -> None:
@@ -46,6 +48,8 @@ def _window(window_size) -> tuple[int, int]:
 def _check_softcap(softcap) -> None:
     if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
         raise TypeError(f"softcap must be a number, got {type(softcap).__name__}")
+    if isinstance(softcap, int) and not -(2**53) <= softcap <= 2**53:  # (float() would overflow)
+        raise ValueError(f"softcap must be 0 or a whole number from 1 to 1000, got {softcap}")
 
 
 def _needs_grad(*tensors) -> bool:
@@ -72,6 +76,7 @@ def attention(
     check_q(q, 4, "batch, seqlen, heads, head_dim")
     grad = _needs_grad(q, k, v)
     if grad or torch.compiler.is_compiling():
+        check_scale(softmax_scale, 1)  # (named here, not by the op's schema)
         # with gradients the LSE is saved for the backward whether or not the caller asked
         out, lse = public_ops.attention(q, k, v, causal, softmax_scale, return_lse or grad)
         return (out, lse) if return_lse else out
@@ -111,6 +116,9 @@ def attention_varlen(
     _check_softcap(softcap)
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal)
     if torch.compiler.is_compiling() or _needs_grad(q, k, v):
+        check_scale(softmax_scale, 1)  # (named here, not by the op's schema)
+        check_max_seqlen("max_seqlen_q", max_seqlen_q)
+        check_max_seqlen("max_seqlen_k", max_seqlen_k)
         out, lse = public_ops.attention_varlen(
             *args, softmax_scale, left, right, float(softcap), return_lse
         )
@@ -161,6 +169,7 @@ def attention_with_kvcache(
         )
     args = (q, k_cache, v_cache, cache_seqlens, k, v, page_table, causal, softmax_scale)
     if torch.compiler.is_compiling():
+        check_scale(softmax_scale, 1)  # (named here, not by the op's schema)
         out, lse = public_ops.attention_with_kvcache(
             *args, left, right, float(softcap), num_splits, return_lse
         )
