@@ -20,7 +20,7 @@ from conftest import ROOT
 from fadsl.build.nvrtc import compile_cubin, nvrtc_available
 from fadsl.errors import BuildError
 from fadsl.runtime import append
-from fadsl.runtime.append import PARAMS, PARAMS_FIELDS, check_append, pack
+from fadsl.runtime.append import PARAMS, PARAMS_FIELDS, pack
 
 needs_nvrtc = pytest.mark.skipif(not nvrtc_available(), reason="needs NVRTC (cuda-bindings)")
 SOURCE = ROOT / "emit" / "common" / "append_kv.cu"

@@ -1,5 +1,6 @@
 """`fadsl bench --calls` without a GPU: the CLI's refusals, the paged cache the decode part
-builds (every key where the page table says), and the table of a result."""
+builds (bench_kvcache.decode_tensors) (every key where the page table says), and the table of a result.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import pytest
 import torch
 
 from fadsl.cli import main
-from fadsl.tools import bench_calls
+from fadsl.tools import bench_calls, bench_kvcache
 
 
 @pytest.mark.parametrize(
@@ -33,7 +34,10 @@ def test_without_a_gpu_calls_says_so(capsys, monkeypatch):
 @pytest.mark.parametrize("batch, length", [(1, 64), (3, 130), (2, 1)])
 def test_the_paged_decode_cache_holds_each_key_where_the_table_says(batch, length):
     torch.manual_seed(batch * length)
-    q, k, v, (k_cache, v_cache), table, seqlens = bench_calls.decode_cache(batch, length, "cpu")
+    q, k, v, (k_cache, v_cache), table, seqlens = bench_kvcache.decode_tensors(
+        batch, length, bench_calls.HEADS_Q, bench_calls.HEADS_KV, bench_calls.HEAD_DIM,
+        bench_calls.PAGE, torch.bfloat16, "cpu",
+    )  # fmt: skip
     page = bench_calls.PAGE
     assert q.shape == (batch, 1, bench_calls.HEADS_Q, bench_calls.HEAD_DIM)
     assert table.shape == (batch, -(-length // page)) and seqlens.tolist() == [length] * batch

@@ -341,14 +341,18 @@ def test_the_numbers_that_choose_a_kernel_are_read_by_value():
     """Under torch.compile a window's sides, the softcap and num_splits may reach the ops'
     fakes as SymInt or SymFloat: they are specialised to their values (a bool stays a bool,
     so that the checks still refuse it)."""
+    from torch._dynamo.source import ConstantSource
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
     from fadsl.runtime.public_ops import _concrete
 
-    class Symbolic:  # a SymInt's stand-in: int() gives its value
-        def __int__(self) -> int:
-            return 64
-
-    assert _concrete(Symbolic(), 0, None, 30.0, True) == (64, 0, None, 30.0, True)
-    assert type(_concrete(Symbolic())[0]) is int
+    env = ShapeEnv()
+    left = env.create_symintnode(env.create_symbol(64, ConstantSource("left")), hint=64)
+    cap = env.create_symfloatnode(
+        env.create_unspecified_symbol(30.0, ConstantSource("cap")), hint=30.0
+    )
+    assert _concrete(left, 0, None, cap, True) == (64, 0, None, 30.0, True)
+    assert type(_concrete(left)[0]) is int and type(_concrete(cap)[0]) is float
 
 
 def test_the_op_paths_name_a_bad_number_before_the_ops_schema(monkeypatch):

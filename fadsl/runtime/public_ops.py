@@ -39,11 +39,7 @@ def _concrete(*values):
     softcap, num_splits): under torch.compile they may arrive as SymInt or SymFloat, and
     the kernel is chosen by value (int() and float() specialise them: a guard)."""
     return tuple(
-        (
-            v
-            if v is None or type(v) in (bool, int, float)
-            else (float(v) if isinstance(v, torch.SymFloat) else int(v))
-        )
+        float(v) if isinstance(v, torch.SymFloat) else int(v) if isinstance(v, torch.SymInt) else v
         for v in values
     )
 
@@ -96,12 +92,12 @@ def kvcache_call(q, k_cache, v_cache, cache_seqlens, k, v, page_table, causal, s
         q, k_cache, v_cache, cache_seqlens, k, v, page_table, causal, softmax_scale,
         window_size, softcap, num_splits, return_lse,
     )  # fmt: skip
-    # the addresses checked too before the new tokens are written (run_kvcache checks them
-    # again, with out's, before the launch)
-    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-        check_base(name, t, kern.config.target)
     seqlens = cache_seqlens
     if k is not None and k.shape[0] and k.shape[1]:
+        # the addresses too before the new tokens are written (run_kvcache checks them, with
+        # out's, before the attention's launch)
+        for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+            check_base(name, t, kern.config.target)
         # the lengths after the new tokens (cache_seqlens + seqlen_new), written by the append
         seqlens = torch.empty_like(cache_seqlens)
         append.launch_append(k_cache, v_cache, k, v, cache_seqlens, page_table, seqlens)

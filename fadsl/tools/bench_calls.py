@@ -21,8 +21,8 @@ import sys
 import time
 from typing import Callable
 
-from .bench import balanced_orders, median_times, ratio_table
-from .bench_kvcache import graphed
+from .bench import _flash_attention_4, balanced_orders, median_times, ratio_table
+from .bench_kvcache import _fa4_varlen, add_fa4, decode_tensors, graphed
 
 # (batch, keys per sequence): the issue's decode shapes, batch 1 x 8k to 128 x 8k and 1 x 128k
 DECODE_SHAPES = ((1, 8192), (8, 8192), (32, 8192), (128, 8192), (1, 131072))
@@ -61,14 +61,6 @@ def host_times(
         for i in orders[r % len(orders)]:
             samples[names[i]].append(per_call_us(contenders[names[i]], calls))
     return {n: statistics.median(s) for n, s in samples.items()}
-
-
-def _fa4():
-    try:
-        from flash_attn.cute import flash_attn_func, flash_attn_varlen_func
-    except Exception:
-        return None, None
-    return flash_attn_func, flash_attn_varlen_func
 
 
 def host_contenders() -> dict[str, dict[str, Callable[[], object]]]:
@@ -129,7 +121,7 @@ def host_contenders() -> dict[str, dict[str, Callable[[], object]]]:
             "fadsl": lambda: fadsl.append_kv(*paged, *new, seqlens, table),
         },
     }
-    dense, varlen = _fa4()
+    dense, varlen = _flash_attention_4(), _fa4_varlen()
     if dense is not None:
         found["attention"]["fa4"] = lambda: dense(q, k, v)
     if varlen is not None:
@@ -163,29 +155,6 @@ def run_host(
     return {"kind": "host", "rows": rows}
 
 
-def decode_cache(batch: int, length: int, device: str = "cuda"):
-    """A paged cache holding ``length`` keys per sequence (pages in a random order), the same
-    keys contiguous for SDPA, q of one row, and the lengths."""
-    import torch
-
-    dtype = torch.bfloat16
-    per = -(-length // PAGE)
-    q = torch.randn(batch, 1, HEADS_Q, HEAD_DIM, device=device, dtype=dtype)
-    k = torch.randn(batch, HEADS_KV, length, HEAD_DIM, device=device, dtype=dtype)
-    v = torch.randn_like(k)
-    order = torch.randperm(batch * per, device=device)
-    table = order.view(batch, per).to(torch.int32).contiguous()
-    caches = []
-    for src in (k, v):
-        dst = torch.zeros(batch * per, PAGE, HEADS_KV, HEAD_DIM, device=device, dtype=dtype)
-        flat = torch.zeros(batch, per * PAGE, HEADS_KV, HEAD_DIM, device=device, dtype=dtype)
-        flat[:, :length] = src.transpose(1, 2)
-        dst[order] = flat.reshape(batch * per, PAGE, HEADS_KV, HEAD_DIM)
-        caches.append(dst)
-    seqlens = torch.full((batch,), length, dtype=torch.int32, device=device)
-    return q, k, v, caches, table, seqlens
-
-
 def run_decode(
     shapes: tuple[tuple[int, int], ...] = DECODE_SHAPES,
     warmup: int = 16,
@@ -195,15 +164,18 @@ def run_decode(
 ) -> dict:
     """Paged decode through the public call, eager and from a CUDA graph, beside cuDNN
     (contiguous) and FA4 (paged), each eager and graphed: TB/s of K and V read."""
+    import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from ..runtime import public as fadsl  # the public calls (fadsl.attention, ...)
 
-    _, fa4 = _fa4()
+    fa4 = _fa4_varlen()
     rows = []
     for batch, length in shapes:
-        q, k, v, (k_cache, v_cache), table, seqlens = decode_cache(batch, length)
+        q, k, v, (k_cache, v_cache), table, seqlens = decode_tensors(
+            batch, length, HEADS_Q, HEADS_KV, HEAD_DIM, PAGE, torch.bfloat16
+        )
         qt = q.transpose(1, 2)
         scale = HEAD_DIM**-0.5
 
@@ -221,18 +193,8 @@ def run_decode(
         if not err <= AGREEMENT * theirs.float().abs().max().item():
             raise RuntimeError(f"fadsl's decode differs from cuDNN's by {err:.3g}; not timed")
         eager = {"fadsl": ours, "cudnn": cudnn}
-        if fa4 is not None:  # (as fadsl/tools/bench_kvcache.py calls it)
-
-            def fa4_call(_):
-                return fa4(
-                    q, k_cache, v_cache, page_table=table, seqused_k=seqlens, softmax_scale=scale
-                )
-
-            try:
-                fa4_call(0)
-                eager["fa4"] = fa4_call
-            except Exception as err:
-                log(f"  fa4: not timed ({str(err).splitlines()[0][:80]})")
+        if fa4 is not None:
+            add_fa4(eager, fa4, q, k_cache, v_cache, table, seqlens, scale, log)
         contenders = dict(eager)
         contenders |= {f"{n} graph": graphed(fn) for n, fn in eager.items()}
         ms = median_times(contenders, warmup, runs, rounds)

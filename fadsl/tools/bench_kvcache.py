@@ -35,6 +35,47 @@ def _fa4_varlen() -> Callable | None:
     return flash_attn_varlen_func
 
 
+def decode_tensors(batch, length, heads_q, heads_kv, head_dim, page, dtype, device="cuda"):
+    """One decode step's tensors: q (batch, 1, heads_q, head_dim); the keys and values as
+    SDPA reads them, (batch, heads_kv, length, head_dim); the same keys in the spec's cache,
+    paged through a random permutation of the pages (page > 0; rows past a sequence's end
+    zero) or contiguous (page 0, table None); and the lengths. Returns (q, k, v, (k_cache,
+    v_cache), table, seqlens)."""
+    import torch
+    import torch.nn.functional as F
+
+    q = torch.randn(batch, 1, heads_q, head_dim, device=device, dtype=dtype)
+    k = torch.randn(batch, heads_kv, length, head_dim, device=device, dtype=dtype)
+    v = torch.randn_like(k)
+    seqlens = torch.full((batch,), length, dtype=torch.int32, device=device)
+    if not page:
+        return q, k, v, tuple(t.transpose(1, 2).contiguous() for t in (k, v)), None, seqlens
+    per = -(-length // page)
+    order = torch.randperm(batch * per, device=device)
+    table = order.view(batch, per).to(torch.int32).contiguous()
+    caches = []
+    for src in (k, v):
+        dst = torch.empty(batch * per, page, heads_kv, head_dim, device=device, dtype=dtype)
+        flat = F.pad(src.transpose(1, 2), (0, 0, 0, 0, 0, per * page - length))
+        dst[order] = flat.reshape(batch * per, page, heads_kv, head_dim)
+        caches.append(dst)
+    return q, k, v, tuple(caches), table, seqlens
+
+
+def add_fa4(contenders: dict, fa4, q, k_cache, v_cache, table, seqlens, scale, log) -> None:
+    """FA4's paged decode (``fa4``: flash_attn_varlen_func) added to ``contenders`` as "fa4"
+    where it takes the shape (else logged, not timed)."""
+
+    def fa4_call(_):
+        return fa4(q, k_cache, v_cache, page_table=table, seqused_k=seqlens, softmax_scale=scale)
+
+    try:
+        fa4_call(0)
+        contenders["fa4"] = fa4_call
+    except Exception as err:
+        log(f"  fa4: not timed ({str(err).splitlines()[0][:80]})")
+
+
 def run(
     kern: FlashAttention,
     shapes: tuple[tuple[int, int], ...] = DEFAULT_SHAPES,
@@ -59,24 +100,9 @@ def run(
     fa4 = _fa4_varlen()
     rows = []
     for batch, length in shapes:
-        q = torch.randn(batch, 1, heads_q, d, device="cuda", dtype=dtype)
-        k = torch.randn(batch, heads_kv, length, d, device="cuda", dtype=dtype)
-        v = torch.randn_like(k)
-        seqlens = torch.full((batch,), length, dtype=torch.int32, device="cuda")
-        if page:
-            per = -(-length // page)
-            order = torch.randperm(batch * per, device="cuda")
-            table = order.view(batch, per).to(torch.int32).contiguous()
-            k_cache = torch.empty(batch * per, page, heads_kv, d, device="cuda", dtype=dtype)
-            v_cache = torch.empty_like(k_cache)
-            padded = per * page - length
-            for src, dst in ((k, k_cache), (v, v_cache)):
-                flat = F.pad(src.transpose(1, 2), (0, 0, 0, 0, 0, padded))  # (b, per*page, h, d)
-                dst[order] = flat.reshape(batch * per, page, heads_kv, d)
-        else:
-            table = None
-            k_cache = k.transpose(1, 2).contiguous()
-            v_cache = v.transpose(1, 2).contiguous()
+        q, k, v, (k_cache, v_cache), table, seqlens = decode_tensors(
+            batch, length, heads_q, heads_kv, d, page, dtype
+        )
         out = torch.empty_like(q)
         contenders: dict[str, Callable[[int], object]] = {
             "fadsl": lambda _: kern.kvcache(q, k_cache, v_cache, seqlens, table, out=out)
@@ -104,17 +130,7 @@ def run(
                 checked = True
             contenders[backend_name] = sdpa
         if fa4 is not None and page:
-
-            def fa4_call(_):
-                return fa4(
-                    q, k_cache, v_cache, page_table=table, seqused_k=seqlens, softmax_scale=scale
-                )
-
-            try:
-                fa4_call(0)
-                contenders["fa4"] = fa4_call
-            except Exception as err:
-                log(f"  fa4: not timed ({str(err).splitlines()[0][:80]})")
+            add_fa4(contenders, fa4, q, k_cache, v_cache, table, seqlens, scale, log)
         if graphs:
             contenders = {n: graphed(fn) for n, fn in contenders.items()}
         names = list(contenders)

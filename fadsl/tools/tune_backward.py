@@ -33,6 +33,7 @@ from ..frontend.rewrite import rewrite_backward
 from ..ir import GradRole
 from ..ir.backward import Backward
 from ..pipeline import Compiled, compile_source
+from .tune import NoGPUError  # (raised after the variants compiled)
 from .tune_build import OK, BuildJob, build_all
 
 # The knobs and the values each may take (the target's checks refuse what does not fit).
@@ -41,10 +42,6 @@ ORDERS = (("off", "off"), ("on", "off"), ("on", "on"))  # (overlap, early_dv)
 STAGED, RED = "staged", "red.add"
 DQ_PATHS = {STAGED: None, RED: "rf -red.add-> gmem"}  # None: the default (staged) path
 STAGES = (2, 3)
-
-
-class NoGPUError(RuntimeError):
-    """Timing needs a CUDA GPU and none is visible (raised after the variants compiled)."""
 
 
 @dataclass(frozen=True)

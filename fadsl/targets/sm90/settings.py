@@ -11,7 +11,7 @@ from typing import Callable
 from ...errors import one_of
 from ...ir import Rescale
 from ...spec.checks import Checks, clip, show
-from ...spec.readers import assigns, count, number, on_off, single, word_choice
+from ...spec.readers import assigns, count, on_off, single, word_choice
 from ...spec.syntax import Call, Number, Setting, Word
 
 TMA_SWIZZLE = "128B"  # `swizzle 128B`: the swizzle TMA writes and wgmma reads
