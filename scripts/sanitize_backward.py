@@ -1,6 +1,8 @@
 """One small backward call per training example (tests/test_gpu_backward.py's specs), for
-compute-sanitizer: python3 scripts/sanitize_backward.py (from scripts/device.sh backward)."""
+compute-sanitizer: python3 scripts/sanitize_backward.py [REGEX] (from scripts/device.sh backward;
+REGEX: only the specs whose names it matches)."""
 
+import re
 import sys
 
 import torch
@@ -8,7 +10,10 @@ import torch
 sys.path.insert(0, "tests")
 from test_gpu_backward import FORWARDS, PLAIN, VARIANTS, kernel  # noqa: E402
 
-for name in FORWARDS + PLAIN + VARIANTS + ("fa3_hopper+deterministic-dqred",):
+ONLY = re.compile(sys.argv[1] if len(sys.argv) > 1 else "")
+for name in FORWARDS + PLAIN + VARIANTS + ("fa3_hopper+deterministic-dqred+s2",):
+    if not ONLY.search(name):
+        continue
     kern = kernel(name)
     d = kern.config.head_dim
     q, k, v, dout = (

@@ -86,10 +86,12 @@ TRACED = {
     "issue_keys_by_rows": Kind.WGMMA,
     "issue_grad_kv": Kind.WGMMA,
     "issue_dq": Kind.WGMMA,
+    "issue_dq_t": Kind.WGMMA,
     "bwd_probs": Kind.PROBS,
     "bwd_grad_scores": Kind.GRAD_SCORES,
     "pack_pairs": Kind.PACK,
     "store_ds": Kind.ST_SHARED,
+    "store_ds_t": Kind.ST_SHARED,
     "stage_dq": Kind.ST_SHARED,
     "bulk_reduce_add_f32": Kind.BULK_REDUCE_ADD,
     "red_add_dq": Kind.RED_GLOBAL,
@@ -97,6 +99,7 @@ TRACED = {
 }
 # the callees whose operands name SMEM, by argument position
 SMEM_ARGS = {"issue_keys_by_rows": (1, 2), "issue_grad_kv": (2,), "issue_dq": (1, 2)}
+SMEM_ARGS |= {"issue_dq_t": (1, 2), "store_ds_t": (0,)}
 SMEM_ARGS |= {"bwd_probs": (2,), "bwd_grad_scores": (2,), "store_ds": (0,), "stage_dq": (0,)}
 SMEM_ARGS |= {"bulk_reduce_add_f32": (1,), "tma_load_4d": (0,), "bulk_load": (0,)}
 REGISTERS = {"s": Reg.S, "dp": Reg.DP, "p16": Reg.P16, "ds16": Reg.DS16}
@@ -393,6 +396,7 @@ def walk_node(node, walk: Walk) -> None:
 def walk_if(cond: str, constexpr: bool, then, other, walk: Walk) -> None:
     flags = {"Cfg::kDqByKeys": walk.params.dq_by_keys}
     flags["Cfg::kDqByQueries"] = walk.params.dq_by_queries
+    flags["Cfg::kDqTransposed"] = walk.params.dq_transposed
     flags["Cfg::kDeterministic"] = walk.params.deterministic
     flags["Cfg::kOverlap"] = walk.params.overlap
     flags["Cfg::kEarlyDv"] = walk.params.early_dv

@@ -206,7 +206,8 @@ def test_a_malformed_backward_line_is_refused():
 # (old line part, new line part, the line part and token the error sits at, message)
 LOCATED = [
     ("B_r = 64, B_c = 128 ", "B_r = 128, B_c = 128 ", "    tile       B_r = 128", "128", "B_r = 128 needs head_dim 64: S^T and dP^T of 128 queries beside dK and dV of head_dim 128"),
-    ("B_r = 64, B_c = 128 ", "B_r = 96, B_c = 128 ", "    tile       B_r = 96", "96", "B_r = 96: the backward steps through the queries 64 at a time (one wgmma M), or at head_dim 64 128 at a time"),
+    ("B_r = 64, B_c = 128 ", "B_r = 96, B_c = 128 ", "    tile       B_r = 96", "96", "B_r = 96: the backward steps through the queries 64 at a time (one wgmma M), at head_dim 64 128 at a time (64 per consumer warpgroup), or at head_dim 128 80 at a time (dQ transposed)"),
+    ("B_r = 64, B_c = 128 ", "B_r = 80, B_c = 128 ", "dS:  rf -st.shared", "st.shared", "'st.shared' does not move dS rf -> smem in the backward; 'stmatrix' does (dS: rf -stmatrix-> smem[cta] -wgmma-> rf)"),
     ("deterministic off", "early_dv on", "early_dv on", "early_dv", "early_dv on reorders the overlapped consumer: it needs 'overlap on' in the backward block"),
     ("dQ:  rf -st.shared-> smem[warpgroup] -reduce.add-> gmem", "dQ:  rf -red.add-> smem[warpgroup]", "dQ:  rf -red.add", "dQ", "dQ must go rf -st.shared-> smem[warpgroup] -reduce.add-> gmem in the backward (each consumer warpgroup stages its share in fp32 for a bulk reduce-add into the fp32 accumulator), or rf -red.add-> gmem"),
     ("dQ:  rf -st.shared-> smem[warpgroup] -reduce.add-> gmem", "dQ:  rf -st.global-> gmem", "dQ:  rf -st.global", "st.global", "'st.global' does not move dQ rf -> gmem in the backward; 'red.add' does"),
@@ -318,6 +319,31 @@ def test_head_dim_64_takes_b_r_128_split_by_queries():
     assert_error(
         three, "stages     3", "3", f"the backward's SMEM plan needs {total} bytes at head_dim 64"
     )
+
+
+def test_head_dim_128_takes_b_r_80_with_dq_transposed():
+    """B_r = 80 at head_dim 128 (FlashAttention-3's non-causal tile): dQ^T = K^T dS^T, each
+    consumer one 64-column panel of head_dim; dS goes rf -stmatrix-> smem (queries as rows);
+    3 stages fit only without dQ's staging; head_dim 64 refuses it."""
+    text = variant("B_r = 64, B_c = 128 ", "B_r = 80, B_c = 128 ")
+    text = variant("dS:  rf -st.shared->", "dS:  rf -stmatrix->", text)
+    kernel = compile_source(text, FILE).kernel
+    assert kernel.backward.block_m == 80
+    data = explain_data(compile_source(text, FILE))["backward"]
+    assert any("transposed: dQ^T = K^T dS^T" in s for s in data["roles"][1]["per_m_block"])
+    sizes = {b["buffer"]: b["bytes"] for b in data["smem"]}
+    assert sizes["dS"] == 2 * 128 * 80 * 2 and sizes["dQ"] == 2 * 64 * 80 * 4
+    assert sizes["Q"] == 2 * 80 * 128 * 2 and sizes["LSE"] == 2 * 80 * 4
+    three = variant("stages     2                        #", "stages     3  #", text)
+    total = smem_plan(dataclasses.replace(kernel.backward, stages=3), 128).total
+    assert total > sm90_backward.SMEM_LIMIT
+    assert_error(three, "stages     3", "3", "the backward's SMEM plan needs")
+    red = variant(
+        "dQ:  rf -st.shared-> smem[warpgroup] -reduce.add-> gmem", "dQ:  rf -red.add-> gmem", three
+    )
+    assert compile_source(red, FILE).kernel.backward.stages == 3
+    hdim64 = variant("head_dim   128", "head_dim   64", text)
+    assert_error(hdim64, "    tile       B_r = 80", "80", "B_r = 80 needs head_dim 128")
 
 
 def test_every_mistake_is_reported_at_once():

@@ -57,7 +57,7 @@ def test_explain_lists_the_protocols_syncs(capsys, monkeypatch):
     section = out.split("Backward syncs", 1)[1]
     bwd = compile_file(ROOT / TRAINING).kernel.backward
     plan = protocol(Params.of(bwd, 128))
-    assert plan.params.early_dv and plan.params.overlap  # the example's block
+    assert plan.params.overlap and plan.params.dq_transposed  # the example's block
     syncs = sum(1 for role in WarpRole for item in plan.role(role) if item.is_sync)
     assert section.count("  >> ") == syncs > 20
     assert "bar.sync kBarDS (256 threads)" in section

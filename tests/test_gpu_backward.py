@@ -23,8 +23,8 @@ pytestmark = [
 ]
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
-# The training examples (each with its backward block: B_c 128, 2 consumers, overlap on; head_dim
-# 128 with B_r 64 and early_dv on, head_dim 64 with B_r 128 and dQ by red.add)
+# The training examples (each with its backward block: B_c 128, 2 consumers, overlap on, dQ by
+# red.add; head_dim 128 with B_r 80 (dQ transposed), head_dim 64 with B_r 128)
 FORWARDS = ("fa3_hopper", "fa3_causal", "fa3_hdim64", "fa3_hdim64_causal")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 # (batch, seqlen_q, seqlen_k, heads_q, heads_kv)
@@ -38,14 +38,17 @@ SHAPES = [
 ]
 STAGED_DQ = "dQ: rf -st.shared-> smem[warpgroup] -reduce.add-> gmem"
 # The examples ship `overlap on` (dQ staged under dV and dK); the plain consumer too
-PLAIN = ("fa3_causal-overlap-early_dv", "fa3_hdim64-overlap")
-# The orders, tiles and dQ paths the examples do not ship: dV issued with dK (head_dim 128),
-# dV issued early (head_dim 64), head_dim 64's B_r 64 (dQ split by keys), dQ staged (head_dim
-# 64) or added from registers (head_dim 128)
-VARIANTS = ("fa3_hopper-early_dv", "fa3_causal-early_dv", "fa3_hdim64+br64+early_dv-dqred")
+PLAIN = ("fa3_causal-overlap", "fa3_hopper-overlap", "fa3_hdim64-overlap")
+# The orders, tiles and dQ paths the examples do not ship: head_dim 128's B_r 64 (dQ by head_dim
+# panels) with dV issued early or with dK, dQ staged or added; B_r 80 with dQ staged (2 stages:
+# 3 do not fit beside the staging); dV issued early (head_dim 64), head_dim 64's B_r 64 (dQ
+# split by keys), dQ staged (head_dim 64)
+VARIANTS = ("fa3_hopper+br64+early_dv", "fa3_causal+br64", "fa3_hopper+br64-dqred")
+VARIANTS += ("fa3_causal+br64+early_dv-dqred", "fa3_causal+br64-overlap")
+VARIANTS += ("fa3_hopper-dqred+s2", "fa3_causal-dqred")
+VARIANTS += ("fa3_hdim64+br64+early_dv-dqred",)
 VARIANTS += ("fa3_hdim64_causal+br64+early_dv", "fa3_hdim64+br64-dqred", "fa3_hdim64_causal+br64")
 VARIANTS += ("fa3_hdim64+br64-overlap", "fa3_hdim64-dqred", "fa3_hdim64_causal-dqred")
-VARIANTS += ("fa3_hopper+dqred", "fa3_causal+dqred-early_dv")
 CASES = [(n, d, s) for n in FORWARDS + PLAIN + VARIANTS for d in DTYPES for s in SHAPES]
 _loaded: dict[str, object] = {}
 
@@ -54,7 +57,8 @@ def training_spec(name: str) -> str:
     """An example's spec text for training: ``NAME`` is the example with its own backward block
     (or ``backward {}`` added where it has none); ``NAME+KEY`` / ``NAME-KEY`` (repeatable)
     turns an on/off key of the block on / off (``fa3_causal-overlap+deterministic``);
-    ``+br128`` / ``+br64`` sets the block's tile to B_r = 128 / 64 (B_c 128); ``+dqred`` /
+    ``+br128`` / ``+br64`` / ``+br80`` sets the block's tile to B_r = 128 / 64 / 80 (B_c 128;
+    at 80 dS goes ``rf -stmatrix-> smem``); ``+s2`` / ``+s3`` sets the stages; ``+dqred`` /
     ``-dqred`` gives dQ the path ``rf -red.add-> gmem`` / the staged one."""
     example, *switches = re.split(r"(?=[+-])", name)
     text = (EXAMPLES / f"{example}.fa").read_text()
@@ -63,8 +67,12 @@ def training_spec(name: str) -> str:
         text = f"{body}  backward {{\n  }}\n}}{close}\n"
     head, block = text.split("backward {", 1)
     for switch in switches:
-        if switch[1:] in ("br64", "br128"):
+        if switch[1:] in ("br64", "br128", "br80"):
             block = _set_line(block, "tile", f"tile B_r = {switch[3:]}, B_c = 128")
+            ds_store = "stmatrix" if switch[1:] == "br80" else "st.shared"
+            block = _set_line(block, "dS:", f"dS: rf -{ds_store}-> smem[cta] -wgmma-> rf")
+        elif switch[1:] in ("s2", "s3"):
+            block = _set_line(block, "stages", f"stages {switch[2:]}")
         elif switch[1:] == "dqred":
             block = _set_line(
                 block, "dQ:", "dQ: rf -red.add-> gmem" if switch[0] == "+" else STAGED_DQ
@@ -229,11 +237,12 @@ def test_cuda_graph_captures_forward_and_backward():
 
 
 DETERMINISTIC = (
-    "fa3_hopper+deterministic-dqred",
+    "fa3_hopper+deterministic-dqred+s2",
     "fa3_causal+deterministic-dqred",
+    "fa3_hopper+br64+deterministic-dqred",
     "fa3_hdim64+deterministic-dqred",
     "fa3_hdim64+br64+deterministic-dqred",
-    "fa3_causal+deterministic+early_dv-dqred",
+    "fa3_causal+br64+deterministic+early_dv-dqred",
 )
 
 

@@ -61,7 +61,11 @@ def test_the_variants_of_head_dim_64():
         assert v.label == tune_backward.label_of(v.backward)
         assert compile_source(v.text, "v.fa").kernel.backward.text() == v.backward.text()
     refused = [v for v in variants if v.backward is None]
-    assert refused and all("SMEM plan needs" in v.reason for v in refused)
+    assert refused and all(
+        "SMEM plan needs" in v.reason or v.reason.startswith("B_r = 80 needs head_dim 128")
+        for v in refused
+    )
+    assert any(v.label.startswith("B_r 80") for v in refused)
     # a third stage fits B_r 128 only without dQ's staging buffer
     assert any(v.backward.block_m == 128 and v.backward.stages == 3 for v in admitted)
     assert all(
@@ -69,11 +73,19 @@ def test_the_variants_of_head_dim_64():
     )
 
 
-def test_head_dim_128_refuses_b_r_128():
+def test_head_dim_128_refuses_b_r_128_and_takes_80():
     _, variants = variants_of(HOPPER)
     wide = [v for v in variants if v.label.startswith("B_r 128")]
     assert wide and all(v.backward is None and "needs head_dim 64" in v.reason for v in wide)
-    assert all(v.backward.block_m == 64 for v in variants if v.backward is not None)
+    admitted = [v for v in variants if v.backward is not None]
+    assert {v.backward.block_m for v in admitted} == {64, 80}
+    for v in admitted:  # dS's path follows the tile: stored transposed at B_r 80
+        stmatrix = "dS: rf -stmatrix-> smem[cta]" in " ".join(v.text.split())
+        assert stmatrix == (v.backward.block_m == 80), v.label
+    # a third stage fits B_r 80 only without dQ's staging buffer
+    eighty = [v.backward for v in admitted if v.backward.block_m == 80]
+    assert {b.stages for b in eighty} == {2, 3}
+    assert all(b.dq_red for b in eighty if b.stages == 3)
 
 
 def test_without_a_gpu_the_variants_compile_then_it_stops(monkeypatch):

@@ -71,12 +71,13 @@ def test_the_cases_wrap_every_ring_slot_twice():
         assert list(m_counts(params)) == list(range(0, 2 * params.stages + 3))
     assert {p.dq_by_keys for p in PARAMS} == {False, True}
     assert {p.dq_by_queries for p in PARAMS} == {False, True}
+    assert {p.dq_transposed for p in PARAMS} == {False, True}
     assert {p.stages for p in PARAMS} == {1, 2, 3}
-    # 12 shapes with B_r 64 and one with B_r 128, 3 stages, 3 (deterministic, dQ's adds), 3
-    # orders
-    assert len(PARAMS) == 189 and sum(p.overlap for p in PARAMS) == 126
-    assert sum(p.early_dv for p in PARAMS) == 63 and sum(p.block_m == 128 for p in PARAMS) == 27
-    assert sum(p.dq_red for p in PARAMS) == 63
+    # 12 shapes with B_r 64, one with B_r 128 and one with B_r 80, 3 stages, 3
+    # (deterministic, dQ's adds), 3 orders
+    assert len(PARAMS) == 216 and sum(p.overlap for p in PARAMS) == 144
+    assert sum(p.early_dv for p in PARAMS) == 72 and sum(p.block_m == 128 for p in PARAMS) == 27
+    assert sum(p.block_m == 80 for p in PARAMS) == 27 and sum(p.dq_red for p in PARAMS) == 72
 
 
 # --- mutations ----------------------------------------------------------------------------
@@ -85,16 +86,20 @@ PANELS = Params(2, 2, 128)  # dQ by head_dim panels: both warpgroups read all of
 BY_KEYS = Params(2, 2, 64)  # dQ by keys: each warpgroup reads its own rows
 # dQ by queries: each warpgroup reads its panel of dS^T, every warpgroup's rows of it
 BY_QUERIES = Params(2, 2, 64, block_m=128)
+# dQ transposed: each warpgroup writes its key panel of dS (queries as rows), reads all of it
+TRANSPOSED = Params(2, 2, 128, block_m=80)
 PLAIN = (
     PANELS,
     BY_KEYS,
     BY_QUERIES,
+    TRANSPOSED,
     Params(1, 1, 64),
     Params(3, 3, 128),
     replace(PANELS, deterministic=True),
 )
 RED = (
     replace(BY_QUERIES, dq_red=True),
+    replace(TRANSPOSED, dq_red=True),
     replace(PANELS, dq_red=True),
     Params(1, 1, 64, dq_red=True),
 )

@@ -1,7 +1,8 @@
 """`fadsl tune --backward`: the backward block's knobs searched for the fastest backward on
 this GPU and workload.
 
-The block's space is small: the tile's B_r (64, or 128 where the target admits it), the
+The block's space is small: the tile's B_r (64, or 128 or 80 where the target admits it; at
+80 dS's path becomes `rf -stmatrix-> smem`), the
 consumer's order (`overlap`, `early_dv`), dQ's path (staged, or `rf -red.add-> gmem`) and
 the Q / dO ring's `stages`; `deterministic` stays as the spec has it (it is a promise, not a
 speed). So every combination is tried: each written into the spec's backward block
@@ -37,7 +38,10 @@ from .tune import NoGPUError  # (raised after the variants compiled)
 from .tune_build import OK, BuildJob, build_all
 
 # The knobs and the values each may take (the target's checks refuse what does not fit).
-BLOCK_MS = (64, 128)
+BLOCK_MS = (64, 128, 80)
+# dS's path at each B_r (80: dQ^T reads dS with the queries as rows, stored transposed)
+DS_PATHS = {80: "rf -stmatrix-> smem[cta] -wgmma-> rf"}
+DS_STORED = "rf -st.shared-> smem[cta] -wgmma-> rf"
 ORDERS = (("off", "off"), ("on", "off"), ("on", "on"))  # (overlap, early_dv)
 STAGED, RED = "staged", "red.add"
 DQ_PATHS = {STAGED: None, RED: "rf -red.add-> gmem"}  # None: the default (staged) path
@@ -108,7 +112,10 @@ def backward_variants(source: str, file: str = "<spec>") -> tuple[Compiled, list
             "early_dv": early_dv,
             "stages": str(stages),
         }
-        text = rewrite_backward(source, settings, {GradRole.DQ.value: DQ_PATHS[dq]}, name)
+        paths = {GradRole.DQ.value: DQ_PATHS[dq]}
+        if block_m in DS_PATHS or base.block_m in DS_PATHS:  # dS's path follows the tile
+            paths[GradRole.DS.value] = DS_PATHS.get(block_m, DS_STORED)
+        text = rewrite_backward(source, settings, paths, name)
         label = _label(block_m, overlap == "on", early_dv == "on", dq, stages)
         try:
             bwd = compile_source(text, file).kernel.backward

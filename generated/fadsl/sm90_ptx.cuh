@@ -437,6 +437,16 @@ __device__ __forceinline__ void stmatrix_x4(uint32_t smem_dst, uint32_t r0, uint
                : "memory");
 }
 
+// The same four matrices stored transposed: register rI's element (row lane / 4, col
+// 2 * (lane % 4) + e) lands in row 2 * (lane % 4) + e, col lane / 4 of matrix I, whose
+// rows lane L (L / 8 == I) addresses as above.
+__device__ __forceinline__ void stmatrix_x4_trans(uint32_t smem_dst, uint32_t r0, uint32_t r1, uint32_t r2,
+                                                  uint32_t r3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(smem_dst), "r"(r0),
+               "r"(r1), "r"(r2), "r"(r3)
+               : "memory");
+}
+
 // Round two fp32 values to 16 bits (RNE); `lo` lands in the low half (the lower column).
 template <typename T>
 __device__ __forceinline__ uint32_t pack_f32x2(float lo, float hi) {

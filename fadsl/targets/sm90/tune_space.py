@@ -92,7 +92,7 @@ def likely_spills(config: Config) -> str | None:
     # (Guarded with the causal mask at 160 registers spilled until 2026-11-27; since the
     # varlen change to fadsl/sm90.cuh ptxas keeps it in registers: no longer pruned here.)
     if config.head_dim == 256:
-        # research/performance-history.md, run 11: fa3_hdim256 guarded spills at 240 registers
+        # fadsl tune, 2026-11-27 (tune_build.py): fa3_hdim256 guarded spills at 240 registers
         return "rescale guarded at head_dim 256 spills (O alone takes 128 registers)"
     return None
 

@@ -124,9 +124,11 @@ struct BwdConfig {
   static constexpr bool kDqRed = kDqRed_;
   static_assert(kHeadDim == 64 || kHeadDim == 128, "head_dim 64 or 128");
   // B_r 128: 64 queries of dQ per consumer warpgroup; S^T and dP^T of 128 queries (64 + 64
-  // fp32 registers) fit beside dK and dV at head_dim 64 only
-  static_assert(kBlockM == 64 || (kBlockM == 128 && kConsumerWGs == 2 && kHeadDim == 64),
-                "B_r 64, or 128 with 2 consumer warpgroups at head_dim 64");
+  // fp32 registers) fit beside dK and dV at head_dim 64 only.  B_r 80: dQ computed
+  // transposed (kDqTransposed), one 64-column panel of head_dim per consumer warpgroup.
+  static_assert(kBlockM == 64 || (kBlockM == 128 && kConsumerWGs == 2 && kHeadDim == 64) ||
+                    (kBlockM == 80 && kConsumerWGs == 2 && kHeadDim == 128),
+                "B_r 64, 128 with 2 consumer warpgroups at head_dim 64, or 80 with 2 at head_dim 128");
   static_assert(kBlockN == 64 * kConsumerWGs, "each consumer warpgroup owns 64 keys");
   static_assert(kStages >= 1, "at least one ring slot");
   static_assert(!kEarlyDv || kOverlap, "the early dV is the overlapped consumer's");
@@ -139,24 +141,32 @@ struct BwdConfig {
 
   // dQ = dS K by queries where B_r has 64 per warpgroup, else by whole head_dim panels per
   // warpgroup, else by keys (see the header).  A warpgroup's dQ is 64 queries (wgmma's M).
-  static constexpr bool kDqByQueries = kBlockM > 64;
-  static constexpr bool kDqByKeys = !kDqByQueries && (kHeadDim / kConsumerWGs) % 64 != 0;
+  // Where B_r is not a multiple of 64 (wgmma's M), dQ^T = K^T dS^T instead: head_dim panel
+  // wg on M, the B_r queries on N, over all B_c keys; dS then lies with the queries as rows
+  // (keys contiguous, one 64-key panel per warpgroup), stored transposed by stmatrix.
+  static constexpr bool kDqTransposed = kBlockM % 64 != 0;
+  static constexpr bool kDqByQueries = kBlockM == 128;
+  static constexpr bool kDqByKeys = !kDqByQueries && !kDqTransposed && (kHeadDim / kConsumerWGs) % 64 != 0;
   static constexpr bool kDqAllCols = kDqByKeys || kDqByQueries;
-  static constexpr int kDqCols = kDqAllCols ? kHeadDim : kHeadDim / kConsumerWGs;  // wgmma N
+  static constexpr int kDqCols = kDqAllCols ? kHeadDim : kHeadDim / kConsumerWGs;  // wgmma N (transposed: M)
   static constexpr int kDqKeys = kDqByKeys ? 64 : kBlockN;                         // wgmma K
-  static constexpr int kDqFloats = 64 * kDqCols;  // one warpgroup's staged share of an m-block
+  // one warpgroup's share of an m-block (staged or added): 64 queries x kDqCols, or
+  // (transposed) 64 head_dim columns x B_r queries
+  static constexpr int kDqFloats = kDqTransposed ? 64 * kBlockM : 64 * kDqCols;
+  static_assert(!kDqTransposed || kHeadDim == 64 * kConsumerWGs, "a 64-column panel of dQ^T per warpgroup");
 
   static constexpr int kSRegs = kBlockM / 2;     // S^T, dP^T: 64 keys x B_r, fp32
   static constexpr int kPRegs = kBlockM / 4;     // P^T, dS^T: 16-bit pairs
   static constexpr int kAccRegs = kHeadDim / 2;  // dK, dV: 64 keys x head_dim, fp32
-  static constexpr int kDqRegs = kDqCols / 2;
+  static constexpr int kDqRegs = kDqFloats / 128;
 
   static constexpr int kPanels = kHeadDim / 64;
   static constexpr int kRowBytes = 128;
   static constexpr int kQBytes = kBlockM * kHeadDim * 2;  // one ring slot of Q or of dO
   static constexpr int kKVBytes = kBlockN * kHeadDim * 2;
   static constexpr int kDSBytes = kBlockN * kBlockM * 2;  // rows = keys, B_r queries each
-  static constexpr int kDSPanelBytes = kBlockN * kRowBytes;  // 64 queries of every key row
+  // a panel: 64 queries of every key row (transposed: 64 keys of every query row)
+  static constexpr int kDSPanelBytes = kDqTransposed ? kBlockM * kRowBytes : kBlockN * kRowBytes;
   static constexpr int kRowFloatsBytes = kBlockM * 4;     // one slot of LSE or of D
 
   // SMEM plan (a generated Cfg sets these from fadsl/targets/sm90/backward/plan_smem.py)
@@ -313,6 +323,19 @@ __device__ __forceinline__ void issue_dq(float (&dq)[Cfg::kDqRegs], uint32_t ds_
   }
 }
 
+// dQ^T (this warpgroup's 64 head_dim columns x B_r queries) = K^T dS^T over all B_c keys:
+// A = K^T (K's panel wg: rows = keys, the 64 columns contiguous: MN-major A), B = dS (the
+// B_r query rows of each 64-key panel, keys contiguous: K-major B).
+template <class Cfg>
+__device__ __forceinline__ void issue_dq_t(float (&dq)[Cfg::kDqRegs], uint32_t ds_buf, uint32_t k_panel) {
+#pragma unroll
+  for (int kk = 0; kk < Cfg::kBlockN / 16; ++kk) {
+    const uint64_t desc_a = make_desc_mnmajor_sw128(k_panel + kk * 16 * Cfg::kRowBytes, Cfg::kBlockN * Cfg::kRowBytes);
+    const uint64_t desc_b = make_desc_kmajor_sw128(ds_buf + (kk / 4) * Cfg::kDSPanelBytes + (kk % 4) * 32);
+    Wgmma<Cfg::kBlockM>::template ss<typename Cfg::T, 1, 0>(dq, desc_a, desc_b, kk > 0 ? 1u : 0u);
+  }
+}
+
 // P^T in place of S^T: element (key row 16 warp + g + 8r of the warpgroup, query column
 // 8j + 2t + e of the m-block) is 2^(S c log2e - LSE log2e), 0 where masked.
 template <class Cfg, bool kMask>
@@ -382,6 +405,24 @@ __device__ __forceinline__ void store_ds(uint32_t ds_buf, const uint32_t (&x)[Cf
           (j / 8) * Cfg::kDSPanelBytes + (row + 8 * r) * Cfg::kRowBytes + (8 * (j % 8) + 2 * (lane % 4)) * 2;
       st_shared_b32(ds_buf + swizzle128(byte), x[2 * j + r]);
     }
+  }
+}
+
+// dS^T (this warpgroup's 64 keys) into key panel wg of a buffer with the B_r queries as
+// rows (128-byte swizzled rows of 64 keys): each 8 x 8 block of the registers stored
+// transposed by stmatrix .trans.  x[2j + r] holds keys 16 warp + lane / 4 + 8r, queries
+// 8j + 2 (lane % 4) + {0, 1}; an x4 stores blocks (j, r) = (2n + I / 2, I % 2), I < 4,
+// whose query row lane % 8 lane L / 8 addresses.
+template <class Cfg>
+__device__ __forceinline__ void store_ds_t(uint32_t ds_buf, const uint32_t (&x)[Cfg::kPRegs], int wg, int warp,
+                                           int lane) {
+  const int block = lane / 8;
+  const uint32_t key_bytes = (16 * warp + 8 * (block % 2)) * 2;
+#pragma unroll
+  for (int n = 0; n < Cfg::kBlockM / 16; ++n) {
+    const int query = 8 * (2 * n + block / 2) + lane % 8;
+    const uint32_t byte = wg * Cfg::kDSPanelBytes + query * Cfg::kRowBytes + key_bytes;
+    stmatrix_x4_trans(ds_buf + swizzle128(byte), x[4 * n], x[4 * n + 1], x[4 * n + 2], x[4 * n + 3]);
   }
 }
 
@@ -500,7 +541,9 @@ __device__ __forceinline__ void meet_and_issue_dq(float (&dq)[Cfg::kDqRegs], uin
     issue_dq<Cfg>(dq, ds_buf + 64 * wg * Cfg::kRowBytes, smem + Cfg::kOffK + 64 * wg * Cfg::kRowBytes);
   } else {
     named_bar_sync(Cfg::kBarDS, Cfg::kConsumerThreads);  // RAW: all B_c rows of dS^T written and fenced
-    if constexpr (Cfg::kDqByQueries) {  // the warpgroup's 64 queries (dS^T panel wg), all of K
+    if constexpr (Cfg::kDqTransposed) {  // dQ^T: K's panel wg (as M), every query, all of dS
+      issue_dq_t<Cfg>(dq, ds_buf, smem + Cfg::kOffK + wg * Cfg::kBlockN * Cfg::kRowBytes);
+    } else if constexpr (Cfg::kDqByQueries) {  // the warpgroup's 64 queries (dS^T panel wg), all of K
       issue_dq<Cfg>(dq, ds_buf + wg * Cfg::kDSPanelBytes, smem + Cfg::kOffK);
     } else {  // every query, the warpgroup's panel of K
       issue_dq<Cfg>(dq, ds_buf, smem + Cfg::kOffK + wg * Cfg::kBlockN * Cfg::kRowBytes);
@@ -581,7 +624,11 @@ __device__ __forceinline__ void bwd_consumer(const BwdParamsSm90& P, uint32_t sm
     // dS^T into buffer i % 2: the other warpgroup's dQ of m-block i - 1 may still read the
     // other buffer (its reads of this one retired before it met at dS^T(i - 1))
     const uint32_t ds_buf = smem + Cfg::kOffDS + (i % 2) * Cfg::kDSBytes;
-    store_ds<Cfg>(ds_buf, ds16, wg, warp, lane);
+    if constexpr (Cfg::kDqTransposed) {
+      store_ds_t<Cfg>(ds_buf, ds16, wg, warp, lane);
+    } else {
+      store_ds<Cfg>(ds_buf, ds16, wg, warp, lane);
+    }
     float dq[Cfg::kDqRegs];
     if constexpr (Cfg::kOverlap) {
       // RAW: dS^T's st.shared (generic proxy) before the dQ wgmma reads it (async proxy)
@@ -690,8 +737,49 @@ __device__ __forceinline__ void bwd_preprocess_row(const BwdPrepParams& P) {
 // (both rows) and the warp's reads are runs of 64 bytes, its writes whole rows. Share s
 // covers queries 64s.. (split by queries), columns s kDqCols.. (by panels), or all of
 // the m-block (by keys: one share).
+//
+// Transposed (kDqTransposed: B_r 80, share s = head_dim panel s): float4 q of thread tid
+// holds columns d = 64 s + 16 (tid / 32) + (tid % 32) / 4 and d + 8 of queries
+// u = 8q + 2 (tid % 4) and u + 1 (registers 4q + 2r + e: column d + 8r, query u + e).  A
+// CTA takes 16 queries (q-groups 2c and 2c + 1 of its m-block); thread (share, tid) reads
+// one float4 of each and swaps two values with its partner lane (tid ^ 4: column d ^ 1) so
+// that each holds two adjacent columns of one query.
+template <class Cfg>
+__device__ __forceinline__ void bwd_convert_dq_t(const BwdConvertParams& P) {
+  const int row0 = blockIdx.x * 16, head = blockIdx.y, batch = blockIdx.z;
+  const int m_block = row0 / Cfg::kBlockM;
+  if (m_block >= P.m_blocks) return;
+  const int share = threadIdx.x / 128, tid = threadIdx.x % 128, lane = tid % 32;
+  const bool odd = (lane / 4) % 2 == 1;  // column d odd: takes query u + 1
+  const int col = 64 * share + 16 * (tid / 32) + (lane / 4) - (odd ? 1 : 0);  // the pair's first column
+  const float* chunk = P.dq_accum + ((static_cast<int64_t>(batch) * P.heads_q + head) * P.m_blocks + m_block) *
+                                        (Cfg::kBlockM * Cfg::kHeadDim) + share * Cfg::kDqFloats;
+  typename Cfg::T* dq = static_cast<typename Cfg::T*>(P.dq) + batch * P.dq_batch_stride + head * P.dq_head_stride;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int q = (row0 % Cfg::kBlockM) / 8 + half;
+    const float4 v = *reinterpret_cast<const float4*>(chunk + (q * 128 + tid) * 4);
+    // even d sends its query u + 1 values (v.y, v.w), odd d its query u values (v.x, v.z)
+    const float got0 = __shfl_xor_sync(0xffffffffu, odd ? v.x : v.y, 4);
+    const float got1 = __shfl_xor_sync(0xffffffffu, odd ? v.z : v.w, 4);
+    const float2 lo = odd ? make_float2(got0, v.y) : make_float2(v.x, got0);  // columns col, col + 1
+    const float2 hi = odd ? make_float2(got1, v.w) : make_float2(v.z, got1);  // columns col + 8, col + 9
+    const int row = m_block * Cfg::kBlockM + 8 * q + 2 * (lane % 4) + (odd ? 1 : 0);
+    if (row < P.seqlen_q) {
+      typename Cfg::T* out = dq + row * P.dq_row_stride + col;
+      *reinterpret_cast<uint32_t*>(out) = pack_f32x2<typename Cfg::T>(lo.x * P.softmax_scale, lo.y * P.softmax_scale);
+      *reinterpret_cast<uint32_t*>(out + 8) =
+          pack_f32x2<typename Cfg::T>(hi.x * P.softmax_scale, hi.y * P.softmax_scale);
+    }
+  }
+}
+
 template <class Cfg>
 __device__ __forceinline__ void bwd_convert_dq_row(const BwdConvertParams& P) {
+  if constexpr (Cfg::kDqTransposed) {
+    bwd_convert_dq_t<Cfg>(P);
+    return;
+  }
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int row = blockIdx.x * 16 + warp, head = blockIdx.y, batch = blockIdx.z;  // and row + 8
   const int m_block = row / Cfg::kBlockM, q = row % Cfg::kBlockM, u = q % 64;

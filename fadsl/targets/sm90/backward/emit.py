@@ -7,7 +7,7 @@ from typing import Any
 
 from ....ir import Dtype, Kernel, Mask
 from ....ir.backward import Backward
-from .plan_smem import dq_by_keys, dq_by_queries, smem_plan
+from .plan_smem import dq_by_keys, dq_by_queries, dq_transposed, smem_plan
 
 TEMPLATE = "sm90/backward.cu.j2"
 # A plan buffer -> the header's offset constant (BwdConfig)
@@ -44,6 +44,8 @@ def dq_split(bwd: Backward, head_dim: int) -> str:
     """How the consumer warpgroups share dQ = dS K (sm90_bwd.cuh's kDqByKeys)."""
     if dq_by_queries(bwd):
         return f"by queries (64 each, all head_dim columns, over all {bwd.block_n} keys)"
+    if dq_transposed(bwd):
+        return f"transposed (dQ^T by head_dim panels, 64 each, all {bwd.block_m} queries, over all {bwd.block_n} keys)"
     if dq_by_keys(bwd, head_dim):
         return "by keys (all head_dim columns over each warpgroup's own 64 keys)"
     share = head_dim // bwd.consumers
@@ -75,6 +77,12 @@ def context(kernel: Kernel, dtype: Dtype) -> dict[str, Any]:
         "producer_regs": bwd.producer_regs,
         "consumer_regs": bwd.consumer_regs,
         "dq_split": dq_split(bwd, cfg.head_dim),
+        # sm90_bwd.cuh's bwd_convert_dq_t (transposed) or bwd_convert_dq_row
+        "convert_layout": (
+            "a thread per float4 of each head_dim panel, pairs of columns by shuffle"
+            if dq_transposed(bwd)
+            else "a warp per pair of rows 8 apart"
+        ),
         "prep_rows": prep_rows_per_cta(cfg.head_dim),
         "offsets": [(_OFFSETS[b.name], b.offset) for b in plan.buffers],
         "smem_bytes": smem_bytes(bwd, cfg.head_dim),

@@ -48,21 +48,32 @@ def _round(n: int, align: int = ALIGN) -> int:
 def dq_by_queries(bwd: Backward) -> bool:
     """Whether the consumers split dQ = dS K by queries (each its own 64 of B_r, every
     column, over all B_c keys): B_r is 64 per consumer (sm90_bwd.cuh's kDqByQueries)."""
-    return bwd.block_m > 64
+    return bwd.block_m == 128
+
+
+def dq_transposed(bwd: Backward) -> bool:
+    """Whether the consumers compute dQ^T = K^T dS^T (each one 64-column panel of head_dim
+    for all B_r queries, over all B_c keys): B_r is not a multiple of wgmma's M of 64
+    (sm90_bwd.cuh's kDqTransposed)."""
+    return bwd.block_m % 64 != 0
 
 
 def dq_by_keys(bwd: Backward, head_dim: int) -> bool:
     """Whether the consumers split dQ = dS K by keys (each all of head_dim over its own 64
     keys) rather than by queries or by whole 64-column panels of head_dim (sm90_bwd.cuh's
     kDqByKeys)."""
-    return not dq_by_queries(bwd) and (head_dim // bwd.consumers) % 64 != 0
+    whole_panels = (head_dim // bwd.consumers) % 64 == 0
+    return not dq_by_queries(bwd) and not dq_transposed(bwd) and not whole_panels
 
 
 def dq_staging_bytes(bwd: Backward, head_dim: int) -> int:
-    """Each consumer warpgroup stages its share of dQ, 64 queries, in fp32 (none where dQ
-    is added from registers: `dQ: rf -red.add-> gmem`)."""
+    """Each consumer warpgroup stages its share of dQ in fp32, 64 queries (transposed: 64
+    columns of every query) (none where dQ is added from registers: `dQ: rf -red.add->
+    gmem`)."""
     if bwd.dq_red:
         return 0
+    if dq_transposed(bwd):
+        return bwd.consumers * 64 * bwd.block_m * F32
     all_cols = dq_by_keys(bwd, head_dim) or dq_by_queries(bwd)
     cols = head_dim if all_cols else head_dim // bwd.consumers
     return bwd.consumers * 64 * cols * F32

@@ -34,6 +34,7 @@ from ....ir.backward import Backward
 
 KEYS_PER_WARPGROUP = 64  # each consumer warpgroup owns 64 keys of the n-block
 BLOCK_M = 64  # queries per m-block (B_r) by default; dS^T's rows hold 64-query panels
+TRANSPOSED_BLOCK_M = 80  # B_r at head_dim 128 with dQ^T: dS's rows are queries (64-key panels)
 ROW_BYTES = 128  # a 64-column panel row of 16-bit elements (the 128-byte swizzle)
 PANEL_COLUMNS = 64
 F32 = 4
@@ -218,7 +219,7 @@ class Params:
     head_dim: int
     deterministic: bool = False
     overlap: bool = False  # bwd_consumer's overlapped order: dQ's group first, staged under dV, dK
-    block_m: int = BLOCK_M  # B_r: 64, or 64 per consumer (dQ split by queries)
+    block_m: int = BLOCK_M  # B_r: 64, 64 per consumer (dQ split by queries), or 80 (dQ^T)
     early_dv: bool = False  # with overlap: dV issued once P^T is packed, before dS
     dq_red: bool = False  # dQ added from registers (red_add_dq), no staging
 
@@ -241,7 +242,11 @@ class Params:
         assert self.stages >= 1, self
         assert self.head_dim in (64, 128), self  # the header's static_asserts
         wide = self.block_m == 2 * BLOCK_M and self.consumers == 2 and self.head_dim == 64
-        assert self.block_m == BLOCK_M or wide, self
+        transposed = self.block_m == TRANSPOSED_BLOCK_M and (self.consumers, self.head_dim) == (
+            2,
+            128,
+        )
+        assert self.block_m == BLOCK_M or wide or transposed, self
         assert not self.early_dv or self.overlap, self
         assert not self.dq_red or not self.deterministic, self  # the ordered adds are staged
 
@@ -257,7 +262,14 @@ class Params:
     def dq_by_queries(self) -> bool:
         """dQ = dS K split by queries (each warpgroup: its 64 queries, every column, over
         all B_c keys) where B_r has 64 per warpgroup (kDqByQueries)."""
-        return self.block_m > BLOCK_M
+        return self.block_m == 2 * BLOCK_M
+
+    @property
+    def dq_transposed(self) -> bool:
+        """dQ^T = K^T dS^T (each warpgroup: its 64-column panel of head_dim for every query,
+        over all B_c keys) where B_r is not a multiple of wgmma's M (kDqTransposed); dS then
+        lies with the queries as rows, one 64-key panel per warpgroup."""
+        return self.block_m % BLOCK_M != 0
 
     @property
     def dq_by_keys(self) -> bool:
@@ -265,7 +277,7 @@ class Params:
         it is not split by queries and a warpgroup's share of head_dim is not whole
         64-column panels (kDqByKeys)."""
         by_panels = (self.head_dim // self.consumers) % PANEL_COLUMNS == 0
-        return not self.dq_by_queries and not by_panels
+        return not self.dq_by_queries and not self.dq_transposed and not by_panels
 
     @property
     def consumer_threads(self) -> int:
@@ -289,6 +301,8 @@ class Params:
 
     @property
     def dq_floats(self) -> int:  # one warpgroup's staged share of an m-block: 64 queries
+        if self.dq_transposed:  # 64 columns of every query
+            return PANEL_COLUMNS * self.block_m
         all_cols = self.dq_by_keys or self.dq_by_queries
         cols = self.head_dim if all_cols else self.head_dim // self.consumers
         return BLOCK_M * cols
@@ -296,6 +310,8 @@ class Params:
     def describe(self) -> str:
         if self.dq_by_queries:
             split = "dQ by queries"
+        elif self.dq_transposed:
+            split = "dQ transposed"
         else:
             split = "dQ by keys" if self.dq_by_keys else "dQ by head_dim panels"
         det = ", deterministic" if self.deterministic else ""

@@ -16,7 +16,7 @@ from ..caps import (
     register_pool,
     registers_asked,
 )
-from .plan_smem import dq_by_keys, dq_by_queries, smem_plan
+from .plan_smem import dq_by_keys, dq_by_queries, dq_transposed, smem_plan
 from .protocol import Guard, Index, Item, Kind, Params
 from .protocol import WarpRole
 from .protocol import protocol
@@ -81,6 +81,12 @@ def _dq_split(kernel: Kernel) -> str:
         return (
             f"by queries (each consumer its own 64 of the {bwd.block_m}, all {head_dim} "
             f"columns, over all {bwd.block_n} keys)"
+        )
+    if dq_transposed(bwd):
+        return (
+            f"transposed: dQ^T = K^T dS^T, each consumer one 64-column panel of head_dim for "
+            f"all {bwd.block_m} queries, over all {bwd.block_n} keys (dS stored with the "
+            "queries as rows by stmatrix .trans)"
         )
     if dq_by_keys(bwd, head_dim):
         return (

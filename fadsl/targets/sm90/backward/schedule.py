@@ -100,6 +100,10 @@ def consumer_steps(p: Params) -> tuple[Item, ...]:
 
     q, do = Operand(StagedTile.Q, Index.RING), Operand(StagedTile.DO, Index.RING)
     ds_rows = Operand(StagedTile.DS, Index.ALTERNATE, Part.ROWS_OF_WG)
+    # the warpgroup's 64 keys of dS: its key rows of every query panel, or (dQ transposed,
+    # queries as rows) its key panel
+    ds_part = Part.PANEL_OF_WG if p.dq_transposed else Part.ROWS_OF_WG
+    ds_store = Operand(StagedTile.DS, Index.ALTERNATE, ds_part)
     k_rows = Operand(StagedTile.K, part=Part.ROWS_OF_WG)
     v_rows = Operand(StagedTile.V, part=Part.ROWS_OF_WG)
     probs = step(
@@ -127,7 +131,7 @@ def consumer_steps(p: Params) -> tuple[Item, ...]:
     ]
     front = scores + [
         step(Kind.PACK, "dS^T to 16 bits", reg_reads=(Reg.DP,), reg_writes=(Reg.DS16,)),
-        step(Kind.ST_SHARED, "dS^T -> smem", writes=(ds_rows,), reg_reads=(Reg.DS16,)),
+        step(Kind.ST_SHARED, "dS^T -> smem", writes=(ds_store,), reg_reads=(Reg.DS16,)),
     ]
     grads = [dk] if p.early_dv else [dv, dk]
     # dQ = dS K: by keys, the warpgroup's own rows of dS^T and K; by head_dim panels, all
@@ -135,7 +139,7 @@ def consumer_steps(p: Params) -> tuple[Item, ...]:
     # dS^T (its 64 queries of every key row) and all of K
     if p.dq_by_keys:
         dq_reads = (ds_rows, k_rows)
-    elif p.dq_by_queries:
+    elif p.dq_by_queries:  # (not transposed: that reads as by head_dim panels)
         dq_reads = (
             Operand(StagedTile.DS, Index.ALTERNATE, Part.PANEL_OF_WG),
             Operand(StagedTile.K),

@@ -54,6 +54,10 @@ BLOCK_M = 64  # queries per m-block: wgmma's M of the dQ GEMM
 # keys x 128 queries take 64 + 64 fp32 registers, so only beside head_dim 64's dK and dV
 WIDE_BLOCK_M = 128
 WIDE_HEAD_DIMS = (64,)
+# B_r = 80 at head_dim 128 (FlashAttention-3's non-causal tile): not a multiple of wgmma's M,
+# so dQ is computed transposed (dQ^T = K^T dS^T, a 64-column panel of head_dim per consumer)
+TRANSPOSED_BLOCK_M = 80
+TRANSPOSED_HEAD_DIMS = (128,)
 CONSUMERS = 2
 STAGES = (2, 3)
 PRODUCER_REGS = (24, 56)  # the producer only issues loads
@@ -131,6 +135,21 @@ DQ_RED = Route(
     "no staging in SMEM",
 )
 OTHER_PATHS: dict[Role | GradRole, Route] = {GradRole.DQ: DQ_RED}
+# dS's path where dQ is computed transposed (B_r = 80): the queries as rows
+DS_TRANSPOSED = Route(
+    (RF, SMEM, RF),
+    (Instr.STMATRIX, Instr.WGMMA),
+    Scope.CTA,
+    f"at B_r = {TRANSPOSED_BLOCK_M} dQ^T = K^T dS^T reads dS with the queries as rows, so "
+    "stmatrix .trans stores each 8 x 8 block of dS^T transposed",
+)
+
+
+def _paths(block: BackwardBlock) -> dict[Role | GradRole, Route]:
+    """The paths of the block's tile: PATHS, dS's transposed where B_r is 80."""
+    if block.values.get("tile", DEFAULT_TILE)["B_r"] != TRANSPOSED_BLOCK_M:
+        return PATHS
+    return PATHS | {GradRole.DS: DS_TRANSPOSED}
 
 
 def validate_backward(c: Checks, block: BackwardBlock) -> Backward | None:
@@ -140,8 +159,9 @@ def validate_backward(c: Checks, block: BackwardBlock) -> Backward | None:
     ok = _shape(block, c.values.get("head_dim")) and ok
     regs_ok = _registers(block)
     ok = regs_ok and ok
+    paths = _paths(block)
     for role, (tensor, decl) in block.paths.items():
-        ok = _path(block.checks, role, tensor, decl) and ok
+        ok = _path(block.checks, paths[role], OTHER_PATHS.get(role), tensor, decl) and ok
     tile = block.values.get("tile", DEFAULT_TILE)
     groups = block.values.get("warpgroups", DEFAULT_WARPGROUPS)
     regs = block.values.get("registers", DEFAULT_REGISTERS)
@@ -157,7 +177,7 @@ def validate_backward(c: Checks, block: BackwardBlock) -> Backward | None:
         early_dv=block.values.get("early_dv", False),
         dq_red=_takes(block, GradRole.DQ, DQ_RED),
         loc=block.loc,
-        tensors=tuple(_tensor(block, role) for role in PATHS),
+        tensors=tuple(_tensor(block, role, route) for role, route in paths.items()),
         key_locs=tuple(sorted(block.key_locs.items())),
     )
     if backward.dq_red and backward.deterministic:
@@ -262,12 +282,24 @@ def _shape(block: BackwardBlock, head_dim: int | None) -> bool:
             f"registers (B_r = {BLOCK_M})",
         )
         ok = False
-    elif tile["B_r"] not in (BLOCK_M, WIDE_BLOCK_M):
+    elif (
+        tile["B_r"] == TRANSPOSED_BLOCK_M
+        and head_dim is not None
+        and head_dim not in TRANSPOSED_HEAD_DIMS
+    ):
+        c.error(
+            where["B_r"],
+            f"B_r = {TRANSPOSED_BLOCK_M} needs head_dim 128: its dQ^T = K^T dS^T gives each "
+            f"of the 2 consumer warpgroups one 64-column panel of head_dim (B_r = {BLOCK_M})",
+        )
+        ok = False
+    elif tile["B_r"] not in (BLOCK_M, WIDE_BLOCK_M, TRANSPOSED_BLOCK_M):
         c.error(
             where["B_r"],
             f"B_r = {tile['B_r']}: the backward steps through the queries {BLOCK_M} at a time "
-            f"(one wgmma M), or at head_dim 64 {WIDE_BLOCK_M} at a time, {BLOCK_M} per "
-            f"consumer warpgroup (B_r = {BLOCK_M} or {WIDE_BLOCK_M})",
+            f"(one wgmma M), at head_dim 64 {WIDE_BLOCK_M} at a time ({BLOCK_M} per "
+            f"consumer warpgroup), or at head_dim 128 {TRANSPOSED_BLOCK_M} at a time (dQ "
+            f"transposed) (B_r = {BLOCK_M}, {WIDE_BLOCK_M} or {TRANSPOSED_BLOCK_M})",
         )
         ok = False
     if v.get("early_dv") and not v.get("overlap"):
@@ -344,10 +376,11 @@ def _takes(block: BackwardBlock, role: Role | GradRole, route: Route) -> bool:
     )
 
 
-def _path(c: Checks, role: Role | GradRole, tensor: BackwardTensor, decl: PathDecl) -> bool:
-    route = PATHS[role]
+def _path(
+    c: Checks, route: Route, other: Route | None, tensor: BackwardTensor, decl: PathDecl
+) -> bool:
+    role = tensor.role
     levels = (tensor.hops[0].src, *(hop.dst for hop in tensor.hops))
-    other = OTHER_PATHS.get(role)
     if other is not None and levels == other.levels:
         route = other
     if levels != route.levels:
@@ -377,11 +410,11 @@ def _path(c: Checks, role: Role | GradRole, tensor: BackwardTensor, decl: PathDe
     return ok
 
 
-def _tensor(block: BackwardBlock, role: Role | GradRole) -> BackwardTensor:
-    """The path the spec wrote for ``role``, else its default, located at the block."""
+def _tensor(block: BackwardBlock, role: Role | GradRole, route: Route) -> BackwardTensor:
+    """The path the spec wrote for ``role``, else its default ``route``, located at the
+    block."""
     if role in block.paths:
         return block.paths[role][0]
-    route = PATHS[role]
     hops = tuple(
         Hop(src, dst, instr, block.loc)
         for (src, dst), instr in zip(zip(route.levels, route.levels[1:]), route.instrs)

@@ -95,6 +95,7 @@ from ....passes.asyncmodel.model import (
 from ....passes.asyncmodel.prove import AsyncVerifyError, check
 from .program import (
     BLOCK_M,
+    TRANSPOSED_BLOCK_M,
     KEYS_PER_WARPGROUP,
     ROW_BYTES,
     WARPGROUP_THREADS,
@@ -135,11 +136,12 @@ def m_counts(p: Params) -> range:
 def parameter_space() -> tuple[Params, ...]:
     """Every configuration the header admits: 1-3 consumer warpgroups, head_dim 64 or 128
     with B_r 64 (dQ split by keys or by panels), and 2 consumers at head_dim 64 with B_r 128
-    (dQ split by queries), 1-3 stages, deterministic or not, dQ staged or added from
+    (dQ split by queries) or at head_dim 128 with B_r 80 (dQ transposed), 1-3 stages, deterministic or not, dQ staged or added from
     registers, each with either of bwd_consumer's orders (the default, or the overlapped
     one of `overlap on`, dV early or not)."""
     orders = ((False, False), (True, False), (True, True))  # (overlap, early_dv)
-    shapes = [(c, d, BLOCK_M) for c in (1, 2, 3) for d in (64, 128)] + [(2, 64, 2 * BLOCK_M)]
+    shapes = [(c, d, BLOCK_M) for c in (1, 2, 3) for d in (64, 128)]
+    shapes += [(2, 64, 2 * BLOCK_M), (2, 128, TRANSPOSED_BLOCK_M)]
     # (deterministic, dq_red): dQ staged in either mode, or added from registers (not in
     # deterministic mode, whose ordered adds go through the staging)
     adds = ((False, False), (True, False), (False, True))
@@ -203,9 +205,9 @@ def spans(proto: Protocol, operand: Operand, at: _At) -> tuple[Span, ...]:
         label += f"[slot {copy}]"
     elif operand.index is Index.ALTERNATE:
         label += f"[buffer {copy}]"
-    # K and V hold B_c rows per 64-column panel, dS^T B_c rows per 64-query panel, Q and dO
-    # B_r rows per 64-column panel
-    by_keys = (StagedTile.K, StagedTile.V, StagedTile.DS)
+    # K and V hold B_c rows per 64-column panel, dS^T B_c rows per 64-query panel (dQ
+    # transposed: B_r query rows per 64-key panel), Q and dO B_r rows per 64-column panel
+    by_keys = (StagedTile.K, StagedTile.V) + (() if p.dq_transposed else (StagedTile.DS,))
     panel_rows = p.block_n if operand.buffer in by_keys else p.block_m
     panel_bytes = panel_rows * ROW_BYTES
     rows = KEYS_PER_WARPGROUP * ROW_BYTES  # a warpgroup's 64 rows of one panel
