@@ -100,7 +100,7 @@ TRACED = {
 # the callees whose operands name SMEM, by argument position
 SMEM_ARGS = {"issue_keys_by_rows": (1, 2), "issue_grad_kv": (2,), "issue_dq": (1, 2)}
 SMEM_ARGS |= {"issue_dq_t": (1, 2), "store_ds_t": (0,)}
-SMEM_ARGS |= {"bwd_probs": (2,), "bwd_grad_scores": (2,), "store_ds": (0,), "stage_dq": (0,)}
+SMEM_ARGS |= {"bwd_probs": (3,), "bwd_grad_scores": (3,), "store_ds": (0,), "stage_dq": (0,)}
 SMEM_ARGS |= {"bulk_reduce_add_f32": (1,), "tma_load_4d": (0,), "bulk_load": (0,)}
 REGISTERS = {"s": Reg.S, "dp": Reg.DP, "p16": Reg.P16, "ds16": Reg.DS16}
 REGISTERS |= {"dk": Reg.DK, "dv": Reg.DV, "dq": Reg.DQ}
@@ -128,13 +128,19 @@ def _strip(text: str) -> str:
 
 
 def kernel_template(overlap: bool, template: str = TEMPLATE) -> str:
-    """The template with each `{% if overlap %} A {% else %} B {% endif %}` decided (no other
-    `{% if %}` may decide which calls the kernel makes)."""
+    """The template with each `{% if overlap %} A {% else %} B {% endif %}` decided and the
+    Cfg's window and softcap constants left out (no other `{% if %}` may decide which calls
+    the kernel makes)."""
     tag = lambda body: rf"\{{%-?\s*{body}\s*-?%\}}"  # noqa: E731
     branch = re.compile(
         tag("if overlap") + r"(.*?)(?:" + tag("else") + r"(.*?))?" + tag("endif"), re.S
     )
     decided = branch.sub(lambda b: (b[1] if overlap else b[2]) or "", template)
+    # the Cfg's constants of a window or a softcap: declarations, never calls
+    constants = re.compile(tag("if (window|softcap)") + r"(.*?)" + tag("endif"), re.S)
+    for block in constants.finditer(decided):
+        assert "(" not in re.sub(r"//[^\n]*", "", block[2]), f"a call under {{% if {block[1]} %}}"
+    decided = constants.sub("", decided)
     assert not re.search(tag(r"(if|elif|else|endif)\b.*?"), decided), "another {% if %}"
     return decided
 

@@ -14,7 +14,9 @@ import re
 import pytest
 
 from conftest import EXAMPLES, ROOT
+from fadsl.build.spill_check import check_registers, find_compiler
 from fadsl.cli import main
+from fadsl.codegen.render import render_backward
 from fadsl.errors import Loc, SpecError
 from fadsl.ir import Backward, GradRole, Instr, Level, Role, Scope
 from fadsl.ir.printer import format_kernel
@@ -375,16 +377,39 @@ def test_sm80_refuses_the_block_at_its_keyword():
     ]
 
 
-def test_softcap_refuses_the_block_at_its_line():
-    text = SOFTCAP.read_text()
-    assert errors(text) == [
-        (
-            *where(text, "softcap    50", "softcap"),
-            "softcap's backward is not built yet: a kernel with a backward block takes no "
-            "'softcap' line",
-        )
-    ]
-    compile_source(text.replace("  backward {}\n", ""), FILE)  # the forward alone is fine
+def test_softcap_and_windows_reach_the_backwards_config():
+    """The forward's softcap and sliding window are compile-time constants of the backward's
+    Cfg too (P recomputed from the capped scores, the window's m-blocks and masks); at B_r
+    80 the softcap's 1 - tanh^2 registers spill, and the spill check says so at the block."""
+    compiled = compile_source(SOFTCAP.read_text(), FILE)
+    source, *_ = render_backward(compiled.kernel, compiled.target, FILE)
+    assert "static constexpr float kSoftcap = 50.f;" in source.text
+    assert "kWindowLeft" not in source.text.split("struct Cfg", 1)[1]
+    window = variant("  mask       none", "  mask       causal, window(256)", SOFTCAP.read_text())
+    compiled = compile_source(window.replace("  softcap    50\n", ""), FILE)
+    source, *_ = render_backward(compiled.kernel, compiled.target, FILE)
+    cfg = source.text.split("struct Cfg", 1)[1]
+    assert "kWindowLeft = 256;" in cfg and "kWindowRight = 0;" in cfg and "kSoftcap" not in cfg
+    assert "mask causal, window(256)" in source.text
+    two_sided = variant("  mask       none", "  mask       window(100, 30)", SOFTCAP.read_text())
+    compiled = compile_source(two_sided, FILE)
+    source, *_ = render_backward(compiled.kernel, compiled.target, FILE)
+    cfg = source.text.split("struct Cfg", 1)[1]
+    assert "kWindowLeft = 100;" in cfg and "kWindowRight = 30;" in cfg and "kSoftcap = 50.f" in cfg
+
+
+def test_softcap_at_b_r_80_is_refused_for_its_spills():
+    compiler, name = find_compiler()
+    if compiler is None:
+        pytest.skip(name)
+    block = (
+        "  backward {\n    tile B_r = 80, B_c = 128\n    overlap on\n"
+        "    dS: rf -stmatrix-> smem[cta] -wgmma-> rf\n    dQ: rf -red.add-> gmem\n  }\n"
+    )
+    text = SOFTCAP.read_text().replace("  backward {}\n", block)
+    with pytest.raises(SpecError) as err:
+        check_registers(compile_source(text, FILE), compiler, name)
+    assert "the backward's kernels spill" in str(err.value)
 
 
 def test_a_bad_target_line_still_reports_the_blocks_own_mistakes():

@@ -103,3 +103,65 @@ def test_the_kernels_tanh_is_the_cap_to_about_2_to_the_minus_20(cap):
     assert (got - want).abs().max().item() <= cap * 1.4426950408889634 * 2.0**-20
     ends = kernel_softcap(torch.tensor([math.inf, -math.inf]), scale, cap)
     assert ends.tolist() == pytest.approx([cap / scale, -cap / scale], rel=1e-6)
+
+
+def _ftz(x: torch.Tensor) -> torch.Tensor:
+    """A MUFU result in fp32, subnormals flushed to zero (ex2.approx.ftz, rcp.approx.ftz)."""
+    x = _f32(x)
+    return torch.where(x.abs() < 2.0**-126, torch.zeros_like(x), x)
+
+
+def kernel_cap_derivative(s: torch.Tensor, softmax_scale: float, cap: float, naive=False):
+    """The backward's bwd_softcap in float32: e = 2^(S 2c / cap), r = 1 / (e + 1), and
+    1 - tanh^2 as 4 r (1 - r) where e >= 1, else 4 e r^2 (``naive``: 1 - (1 - 2r)^2)."""
+    c = _f32(torch.tensor(softmax_scale) * _f32(torch.tensor(1.4426950408889634)))
+    into = _f32(c * _f32(torch.tensor(2.0 / cap)))
+    e = _ftz(torch.exp2(_f32(s * into).double()))
+    r = _ftz(1.0 / _f32(e + 1.0).double())
+    if naive:
+        t = _f32(1.0 - _f32(2.0 * r))
+        return _f32(1.0 - _f32(t * t))
+    wide = _f32(_f32(4.0 * r) * _f32(1.0 - r))
+    narrow = _f32(_f32(_f32(4.0 * e) * r) * r)
+    return torch.where(e >= 1.0, wide, narrow)
+
+
+def _true_derivative(s: torch.Tensor, softmax_scale: float, cap: float) -> torch.Tensor:
+    """1 - tanh^2 in float64 at the kernel's own float32 argument (so that only the formula's
+    error is measured): 4 e / (e + 1)^2, e = 2^arg."""
+    c = _f32(torch.tensor(softmax_scale) * _f32(torch.tensor(1.4426950408889634)))
+    into = _f32(c * _f32(torch.tensor(2.0 / cap)))
+    arg = _f32(s * into).double()
+    return 4.0 / (torch.exp2(arg) + 2.0 + torch.exp2(-arg))
+
+
+@pytest.mark.parametrize("cap", [1, 30, 50, 1000])
+def test_the_backwards_cap_derivative_is_a_normal_number_or_zero_and_accurate(cap):
+    """dS's factor 1 - tanh^2 (sm90_bwd.cuh, bwd_softcap) over scores from far below to far
+    past the cap, both sides of the branch at e = 1 (s = 0) and densely around it, where e
+    overflows to inf (the argument 128 and up) and where it underflows (-126 and below):
+    always 0 or a normal fp32 up to 1 + 2^-21 (rounding near s = 0), within 2^-19 relative of 4e / (e + 1)^2 wherever
+    that is a normal number, and never NaN. The naive 1 - (1 - 2r)^2 loses every digit near
+    saturation (the reason for the two forms)."""
+    scale = 128**-0.5
+    into = scale * 1.4426950408889634 * 2.0 / cap
+    edges = torch.tensor([-200.0, -150.0, -126.0, -125.0, -1.0, 1.0, 125.0, 127.0, 128.0, 200.0])
+    s = torch.cat(
+        [
+            torch.linspace(-60 * cap / scale, 60 * cap / scale, 40001),
+            torch.linspace(-1e-3, 1e-3, 2001) / into,  # e on both sides of 1
+            edges / into,  # around ex2's overflow and underflow
+            torch.tensor([0.0, math.inf, -math.inf]),
+        ]
+    ).float()
+    got = kernel_cap_derivative(s, scale, cap).double()
+    assert not got.isnan().any()
+    assert ((got == 0) | ((got >= 2.0**-126) & (got <= 1 + 2.0**-21))).all()
+    want = _true_derivative(s, scale, cap)
+    normal = want >= 2.0**-120
+    rel = ((got - want).abs() / want)[normal]
+    assert rel.max().item() <= 2.0**-19, rel.max().item()
+    assert (got[~normal] <= 2.0**-118).all()  # where the truth is tiny, so is the factor
+    assert got[s == math.inf].item() == 0 and got[s == -math.inf].item() == 0
+    naive = kernel_cap_derivative(s, scale, cap, naive=True).double()
+    assert (((naive - want).abs() / want)[normal]).max().item() > 2.0**-4

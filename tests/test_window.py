@@ -18,7 +18,7 @@ import torch
 
 from fadsl.build import resources
 from fadsl.build.spill_check import check_registers
-from fadsl.codegen.render import render
+from fadsl.codegen.render import render, render_backward
 from fadsl.errors import SpecError
 from fadsl.ir import Mask, Window
 from fadsl.ir.printer import format_kernel
@@ -126,9 +126,15 @@ def test_clusters_and_split_tails_take_no_window(example, message):
     assert re.search(rf"^e\.fa:{line}:14: {message}", found, re.M), found
 
 
-def test_the_backward_block_takes_no_window():
+def test_the_backward_block_takes_the_window():
+    """The window compiles into the backward's Cfg beside the forward's (its m-block range
+    and masks: tests/test_gpu_backward_variants.py runs them)."""
     text = _with_mask("causal, window(256)", (ROOT / "examples" / "fa3_causal.fa").read_text())
-    assert "c.fa:10:22: a sliding window's backward is not built yet" in _error(text, "c.fa")
+    compiled = compile_source(text, "c.fa")
+    assert compiled.kernel.config.window == Window(256, 0)
+    source, *_ = render_backward(compiled.kernel, compiled.target, "c.fa")
+    cfg = source.text.split("struct Cfg", 1)[1].split("};", 1)[0]
+    assert "kWindowLeft = 256;" in cfg and "kWindowRight = 0;" in cfg
 
 
 # --- the IR, check and explain ----------------------------------------------------------

@@ -133,6 +133,14 @@ struct BwdConfig {
   static_assert(kStages >= 1, "at least one ring slot");
   static_assert(!kEarlyDv || kOverlap, "the early dV is the overlapped consumer's");
   static_assert(!kDqRed || !kDeterministic, "the ordered adds go through the staging");
+  // A sliding window (a generated Cfg sets both; right 0 with the causal mask): query i sees
+  // key j iff i + d - kWindowLeft <= j <= i + d + kWindowRight, d = seqlen_k - seqlen_q. -1:
+  // no window.  `softcap N` (a generated Cfg sets it): the forward's scores were capped by
+  // N tanh(s softmax_scale / N), so P is recomputed from the capped scores and dS carries
+  // the cap's derivative 1 - tanh^2.  0: off.
+  static constexpr int kWindowLeft = -1;
+  static constexpr int kWindowRight = -1;
+  static constexpr float kSoftcap = 0.f;
 
   static constexpr int kThreads = 128 * (1 + kConsumerWGs);
   static constexpr int kConsumerThreads = 128 * kConsumerWGs;
@@ -200,6 +208,12 @@ struct BwdBlock {
   int m_count;  // m-blocks to visit (0: dK = dV = 0)
 };
 
+// Whether the kernel has a sliding window (its Cfg's, not BwdConfig's default).
+template <class Cfg>
+__host__ __device__ constexpr bool bwd_has_window() {
+  return Cfg::kWindowLeft >= 0;
+}
+
 template <class Cfg>
 __device__ __forceinline__ BwdBlock bwd_block(const BwdParamsSm90& P) {
   BwdBlock b;
@@ -209,13 +223,33 @@ __device__ __forceinline__ BwdBlock bwd_block(const BwdParamsSm90& P) {
   b.head_kv = b.head / P.group;
   b.n0 = b.n_block * Cfg::kBlockN;
   b.m_begin = 0;
-  if constexpr (Cfg::kCausal) {
-    // query q sees key k iff k <= q + seqlen_k - seqlen_q (bottom-right aligned)
-    const int first_q = b.n0 - (P.seqlen_k - P.seqlen_q);
+  const int d = P.seqlen_k - P.seqlen_q;  // query q's diagonal key is q + d (bottom-right aligned)
+  int m_end = P.m_blocks;
+  if constexpr (Cfg::kCausal || bwd_has_window<Cfg>()) {
+    // the first query that sees the n-block's first key: its right edge q + d + right
+    const int right = Cfg::kCausal ? 0 : Cfg::kWindowRight;
+    const int first_q = b.n0 - d - right;
     b.m_begin = first_q > 0 ? first_q / Cfg::kBlockM : 0;
   }
-  b.m_count = imax(P.m_blocks - b.m_begin, 0);
+  if constexpr (bwd_has_window<Cfg>()) {
+    // the last query that sees the n-block's last key: its left edge q + d - left
+    const int last_q = b.n0 + Cfg::kBlockN - 1 - d + Cfg::kWindowLeft;
+    m_end = last_q < 0 ? 0 : imin(m_end, last_q / Cfg::kBlockM + 1);
+  }
+  b.m_count = imax(m_end - b.m_begin, 0);
   return b;
+}
+
+// The first n-block whose keys m-block m sees (0 without a window): with `deterministic on`
+// the m-block's tickets start there.  Every n-block from it to the last that m sees visits
+// m-block m (bwd_block's range is the same condition), so the tickets come without a gap.
+template <class Cfg>
+__device__ __forceinline__ int bwd_first_n_block(const BwdParamsSm90& P, int m) {
+  if constexpr (bwd_has_window<Cfg>()) {
+    const int first_key = m * Cfg::kBlockM + (P.seqlen_k - P.seqlen_q) - Cfg::kWindowLeft;
+    return first_key > 0 ? first_key / Cfg::kBlockN : 0;
+  }
+  return 0;
 }
 
 // Whether m-block m needs the mask: keys past seqlen_k in the n-block, or (causal) a key
@@ -223,8 +257,13 @@ __device__ __forceinline__ BwdBlock bwd_block(const BwdParamsSm90& P) {
 template <class Cfg>
 __device__ __forceinline__ bool bwd_needs_mask(const BwdParamsSm90& P, const BwdBlock& b, int m) {
   bool mask = b.n0 + Cfg::kBlockN > P.seqlen_k;
-  if constexpr (Cfg::kCausal) {
-    mask = mask || b.n0 + Cfg::kBlockN - 1 > m * Cfg::kBlockM + P.seqlen_k - P.seqlen_q;
+  const int d = P.seqlen_k - P.seqlen_q;
+  if constexpr (Cfg::kCausal || bwd_has_window<Cfg>()) {  // a key past the first row's right edge
+    const int right = Cfg::kCausal ? 0 : Cfg::kWindowRight;
+    mask = mask || b.n0 + Cfg::kBlockN - 1 > m * Cfg::kBlockM + d + right;
+  }
+  if constexpr (bwd_has_window<Cfg>()) {  // a key before the last row's left edge
+    mask = mask || b.n0 < (m + 1) * Cfg::kBlockM - 1 + d - Cfg::kWindowLeft;
   }
   return mask;
 }
@@ -336,12 +375,36 @@ __device__ __forceinline__ void issue_dq_t(float (&dq)[Cfg::kDqRegs], uint32_t d
   }
 }
 
+// `softcap N`: S <- (N log2 e / c) tanh(S c / (N log2 e)) as the forward's apply_softcap
+// computes it (the same formula, so that P matches the forward's LSE), and the cap's
+// derivative 1 - tanh^2 into `dtanh`.  With r = 1 / (2^(2x log2 e) + 1), tanh = 1 - 2r and
+// 1 - tanh^2 = 4 r (1 - r) = 4 e r^2 (e = 2^(..)): the first where e >= 1 (r <= 1/2: 1 - r
+// without cancellation; e = inf gives r = 0, so 0), the second where e < 1 (e r^2 without
+// cancellation; e = 0 gives 0).  Either is exactly 0 or a normal fp32 up to 1 + 2^-21 (its
+// rounding near s = 0): docs/numerics.md, tests/test_softcap.py.
+template <class Cfg>
+__device__ __forceinline__ void bwd_softcap(float (&s)[Cfg::kSRegs], float (&dtanh)[Cfg::kSRegs], float scale_log2) {
+  if constexpr (Cfg::kSoftcap > 0.f) {
+    constexpr float kCapLog2 = Cfg::kSoftcap * 1.4426950408889634f;
+    const float into = scale_log2 * (2.f / Cfg::kSoftcap), out = kCapLog2 * fast_rcp(scale_log2);
+#pragma unroll
+    for (int i = 0; i < Cfg::kSRegs; ++i) {
+      const float e = fast_exp2(s[i] * into);
+      const float r = fast_rcp(e + 1.f);
+      s[i] = out * (1.f - 2.f * r);
+      dtanh[i] = e >= 1.f ? 4.f * r * (1.f - r) : 4.f * e * r * r;
+    }
+  }
+}
+
 // P^T in place of S^T: element (key row 16 warp + g + 8r of the warpgroup, query column
 // 8j + 2t + e of the m-block) is 2^(S c log2e - LSE log2e), 0 where masked.
 template <class Cfg, bool kMask>
-__device__ __forceinline__ void bwd_probs(float (&s)[Cfg::kSRegs], const BwdParamsSm90& P, uint32_t lse_slot,
-                                          int key0, int q0, int lane) {
+__device__ __forceinline__ void bwd_probs(float (&s)[Cfg::kSRegs], float (&dtanh)[Cfg::kSRegs],
+                                          const BwdParamsSm90& P, uint32_t lse_slot, int key0, int q0, int lane) {
+  bwd_softcap<Cfg>(s, dtanh, P.scale_log2);
   const int t = lane % 4;
+  const int d = P.seqlen_k - P.seqlen_q;
 #pragma unroll
   for (int j = 0; j < Cfg::kBlockM / 8; ++j) {
     const float2 lse_pair = ld_shared_v2_f32(lse_slot + 4 * (8 * j + 2 * t));  // columns 8j + 2t + e
@@ -356,7 +419,10 @@ __device__ __forceinline__ void bwd_probs(float (&s)[Cfg::kSRegs], const BwdPara
         if constexpr (kMask) {
           const int key = key0 + 8 * r;
           bool masked = key >= P.seqlen_k;
-          if constexpr (Cfg::kCausal) masked = masked || key > q0 + col + P.seqlen_k - P.seqlen_q;
+          if constexpr (Cfg::kCausal) masked = masked || key > q0 + col + d;
+          if constexpr (bwd_has_window<Cfg>()) {
+            masked = masked || key > q0 + col + d + Cfg::kWindowRight || key < q0 + col + d - Cfg::kWindowLeft;
+          }
           if (masked) p = 0.f;
         }
         x = p;
@@ -365,10 +431,11 @@ __device__ __forceinline__ void bwd_probs(float (&s)[Cfg::kSRegs], const BwdPara
   }
 }
 
-// dS^T = P^T (dP^T - D) in place of dP^T (D of the element's query column).
+// dS^T = P^T (dP^T - D) in place of dP^T (D of the element's query column), times the
+// cap's derivative with `softcap N`.
 template <class Cfg>
 __device__ __forceinline__ void bwd_grad_scores(const float (&p)[Cfg::kSRegs], float (&dp)[Cfg::kSRegs],
-                                                uint32_t d_slot, int lane) {
+                                                const float (&dtanh)[Cfg::kSRegs], uint32_t d_slot, int lane) {
   const int t = lane % 4;
 #pragma unroll
   for (int j = 0; j < Cfg::kBlockM / 8; ++j) {
@@ -380,6 +447,7 @@ __device__ __forceinline__ void bwd_grad_scores(const float (&p)[Cfg::kSRegs], f
       for (int r = 0; r < 2; ++r) {
         const int i = 4 * j + 2 * r + e;
         dp[i] = p[i] * (dp[i] - d);
+        if constexpr (Cfg::kSoftcap > 0.f) dp[i] *= dtanh[i];
       }
     }
   }
@@ -480,10 +548,12 @@ __device__ __forceinline__ void red_add_dq(float* dst, const float (&dq)[Cfg::kD
   }
 }
 
-// `deterministic on`: the m-block's reduce-adds in ticket order n_block * consumers + wg.
-// Every n-block below this one visits the m-block too (all of them without a mask; causal,
-// a smaller n-block's keys are seen by at least the same queries), so tickets 0 .. ticket - 1
-// all come, and each CTA's tickets rise with m: no CTA waits on one that waits on it.
+// `deterministic on`: the m-block's reduce-adds in ticket order (n_block - first) * consumers
+// + wg, first the m-block's first n-block (bwd_first_n_block: 0 without a window).  Every
+// n-block from first to this one visits the m-block too (all of them without a mask; causal,
+// a smaller n-block's keys are seen by at least the same queries; with a window, those
+// between the m-block's first seen key and this n-block's), so tickets 0 .. ticket - 1 all
+// come, and each CTA's tickets rise with m: no CTA waits on one that waits on it.
 // (CTAs start in blockIdx order, n fastest, so a waited-for CTA has started.)  Each add
 // completes (wait_group 0: its writes performed) before the next ticket is released.
 template <class Cfg>
@@ -518,7 +588,8 @@ __device__ __forceinline__ void reduce_dq(const BwdParamsSm90& P, const BwdBlock
     named_bar_sync(Cfg::kBarDQ + wg, 128);
     if (tid == 0) {
       if constexpr (Cfg::kDeterministic) {
-        ordered_reduce_add<Cfg>(dst, stage, P.dq_semaphore + accum_head + m, b.n_block * Cfg::kConsumerWGs + wg);
+        ordered_reduce_add<Cfg>(dst, stage, P.dq_semaphore + accum_head + m,
+                                  (b.n_block - bwd_first_n_block<Cfg>(P, m)) * Cfg::kConsumerWGs + wg);
       } else {
         bulk_reduce_add_f32(dst, stage, Cfg::kDqFloats * 4);
         tma_store_commit();
@@ -597,12 +668,13 @@ __device__ __forceinline__ void bwd_consumer(const BwdParamsSm90& P, uint32_t sm
     wgmma_wait<1>();  // S^T in registers (dP^T's group may still run)
     fence_regs(s);
 
+    float dtanh[Cfg::kSRegs];  // softcap's 1 - tanh^2 (unused without it)
     const uint32_t lse_slot = smem + Cfg::kOffLSE + slot * Cfg::kRowFloatsBytes;
     const uint32_t d_slot = smem + Cfg::kOffD + slot * Cfg::kRowFloatsBytes;
     if (bwd_needs_mask<Cfg>(P, b, m)) {
-      bwd_probs<Cfg, true>(s, P, lse_slot, key0, m * Cfg::kBlockM, lane);
+      bwd_probs<Cfg, true>(s, dtanh, P, lse_slot, key0, m * Cfg::kBlockM, lane);
     } else {
-      bwd_probs<Cfg, false>(s, P, lse_slot, key0, m * Cfg::kBlockM, lane);
+      bwd_probs<Cfg, false>(s, dtanh, P, lse_slot, key0, m * Cfg::kBlockM, lane);
     }
     uint32_t p16[Cfg::kPRegs], ds16[Cfg::kPRegs];
     if constexpr (Cfg::kEarlyDv) {  // (only with kOverlap: the static_assert in BwdConfig)
@@ -612,11 +684,11 @@ __device__ __forceinline__ void bwd_consumer(const BwdParamsSm90& P, uint32_t sm
       wgmma_commit();
       wgmma_wait<1>();  // dP^T in registers (dV's group may still run)
       fence_regs(dp);
-      bwd_grad_scores<Cfg>(s, dp, d_slot, lane);
+      bwd_grad_scores<Cfg>(s, dp, dtanh, d_slot, lane);
     } else {
       wgmma_wait<0>();  // dP^T in registers
       fence_regs(dp);
-      bwd_grad_scores<Cfg>(s, dp, d_slot, lane);
+      bwd_grad_scores<Cfg>(s, dp, dtanh, d_slot, lane);
       pack_pairs<Cfg>(s, p16);
     }
     pack_pairs<Cfg>(dp, ds16);

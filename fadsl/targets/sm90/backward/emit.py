@@ -72,7 +72,10 @@ def context(kernel: Kernel, dtype: Dtype) -> dict[str, Any]:
         "early_dv": bwd.early_dv,
         "dq_red": bwd.dq_red,
         "causal": cfg.mask is Mask.CAUSAL,
-        "mask": cfg.mask.value,
+        "mask": cfg.mask_text,  # the mask line's value, window included
+        # the forward's sliding window and softcap: compile-time constants of the Cfg
+        "window": cfg.window,
+        "softcap": cfg.features.softcap,
         "threads": bwd.threads,
         "producer_regs": bwd.producer_regs,
         "consumer_regs": bwd.consumer_regs,

@@ -221,20 +221,6 @@ def _kernel_settings(c: Checks) -> bool:
             f"not {mask.value}",
         )
         ok = False
-    if "window" in c.values:
-        c.error(
-            c.key_locs["window"],
-            "a sliding window's backward is not built yet: a kernel with a backward block "
-            "takes mask none or causal, without a window",
-        )
-        ok = False
-    if c.values.get("softcap"):
-        c.error(
-            c.key_locs["softcap"],
-            "softcap's backward is not built yet: a kernel with a backward block takes no "
-            "'softcap' line",
-        )
-        ok = False
     for key in ("kv_cache", "pack_gqa", "splits"):
         value = c.values.get(key)
         if value is not None and value is not False:  # (kv_cache contiguous is 0)
