@@ -12,7 +12,6 @@ from __future__ import annotations
 from dataclasses import replace
 
 from fadsl.passes.asyncmodel.model import (
-    Access,
     Agent,
     Arrive,
     BarArrive,
@@ -22,6 +21,7 @@ from fadsl.passes.asyncmodel.model import (
     ClusterArrive,
     ClusterWait,
     FenceProxyAsync,
+    GenericAccess,
     Program,
     RemoteArrive,
     Span,
@@ -93,7 +93,7 @@ def fa3(
         )
         events: list = []
         emit(events, "wait q_full", Wait("q_full", 0))
-        emit(events, "zero O", Access(o_acc, True, "zero O"))
+        emit(events, "zero O", GenericAccess(o_acc, True, "zero O"))
         for j in range(blocks):
             s, r = j % stages, j // stages
             qk = Wgmma((q[w], k[j % slots]), (s_acc,), f"S = Q K^T, block {j}")
@@ -104,9 +104,9 @@ def fa3(
                 ("commit qk", WgmmaCommit()),
                 ("wgmma wait qk", WgmmaWait(0)),
                 ("arrive k_empty", Arrive(f"k_empty{s}")),
-                ("read S", Access(s_acc, False, f"softmax {j}: read S")),
-                ("write P", Access(p_regs, True, f"softmax {j}: write P")),
-                ("rescale O", Access(o_acc, True, f"softmax {j}: rescale O")),
+                ("read S", GenericAccess(s_acc, False, f"softmax {j}: read S")),
+                ("write P", GenericAccess(p_regs, True, f"softmax {j}: write P")),
+                ("rescale O", GenericAccess(o_acc, True, f"softmax {j}: rescale O")),
                 ("wait v_full", Wait(f"v_full{s}", r % 2)),
                 ("pv", pv),
                 ("commit pv", WgmmaCommit()),
@@ -117,9 +117,9 @@ def fa3(
         threads = 128 * consumers
         why_1 = "every warpgroup's last P V is done before O overwrites V"
         for label, event in (
-            ("normalize O", Access(o_acc, True, "normalize O")),
+            ("normalize O", GenericAccess(o_acc, True, "normalize O")),
             ("bar.sync 1", BarSync(1, threads, why_1)),
-            ("O -> smem", Access(o[w], True, "O -> smem")),
+            ("O -> smem", GenericAccess(o[w], True, "O -> smem")),
             ("fence", FenceProxyAsync()),
             ("bar.sync 2", BarSync(2, threads, "all of O is in smem before the TMA store")),
         ):
@@ -224,7 +224,7 @@ def fa3_overlap(stages: int = 2, blocks: int = 3, consumers: int = 2, mutate=Non
         mine, nxt = sched + w, sched + (w + 1) % consumers
         ev: list = []
         put = lambda label, event: emit(ev, label, event)  # noqa: E731
-        put("zero O", Access(o_acc, True, "zero O"))
+        put("zero O", GenericAccess(o_acc, True, "zero O"))
         if pingpong and w == consumers - 1:
             put("open turn", BarArrive(sched, turn, "the last warpgroup opens warpgroup 0's turn"))
         put("wait q_full", Wait("q_full", 0))
@@ -239,7 +239,7 @@ def fa3_overlap(stages: int = 2, blocks: int = 3, consumers: int = 2, mutate=Non
 
         def issue_pv(j: int) -> None:
             s, r = j % stages, j // stages
-            put("rescale O", Access(o_acc, True, f"rescale O before P V {j}"))
+            put("rescale O", GenericAccess(o_acc, True, f"rescale O before P V {j}"))
             put("wait v_full", Wait(f"v_full{s}", r % 2))
             put("pv", Wgmma((p_regs, v[s]), (o_acc,), f"O += P V, block {j}"))
             put("commit pv", WgmmaCommit())
@@ -252,8 +252,8 @@ def fa3_overlap(stages: int = 2, blocks: int = 3, consumers: int = 2, mutate=Non
             put("hand over", BarArrive(nxt, turn))
         put("wgmma wait qk", WgmmaWait(0))
         release("k", 0)
-        put("softmax", Access(s_acc, True, "softmax 0"))
-        put("convert P", Access(p_regs, True, "convert P 0"))
+        put("softmax", GenericAccess(s_acc, True, "softmax 0"))
+        put("convert P", GenericAccess(p_regs, True, "convert P 0"))
         for j in range(1, blocks):
             issue_qk(j)
             issue_pv(j - 1)
@@ -261,11 +261,11 @@ def fa3_overlap(stages: int = 2, blocks: int = 3, consumers: int = 2, mutate=Non
                 put("hand over", BarArrive(nxt, turn))
             put("wgmma wait qk", WgmmaWait(1))
             release("k", j)
-            put("softmax", Access(s_acc, True, f"softmax {j}"))
+            put("softmax", GenericAccess(s_acc, True, f"softmax {j}"))
             put("wgmma wait pv", WgmmaWait(0))
             release("v", j - 1)
-            put("convert P", Access(p_regs, True, f"convert P {j}"))
-        put("rescale O", Access(o_acc, True, "rescale O before the last P V"))
+            put("convert P", GenericAccess(p_regs, True, f"convert P {j}"))
+        put("rescale O", GenericAccess(o_acc, True, "rescale O before the last P V"))
         s, r = (blocks - 1) % stages, (blocks - 1) // stages
         put("wait v_full", Wait(f"v_full{s}", r % 2))
         if pingpong:
@@ -278,9 +278,9 @@ def fa3_overlap(stages: int = 2, blocks: int = 3, consumers: int = 2, mutate=Non
         release("v", blocks - 1)
         if pingpong and w == 0:
             put("close turn", BarSync(sched, turn, "take the last hand-over"))
-        put("normalize O", Access(o_acc, True, "normalize O"))
+        put("normalize O", GenericAccess(o_acc, True, "normalize O"))
         put("bar.sync 1", BarSync(ring_dead, 128 * consumers, "the rings are dead"))
-        put("O -> smem", Access(o[w], True, "O -> smem"))
+        put("O -> smem", GenericAccess(o[w], True, "O -> smem"))
         put("fence", FenceProxyAsync())
         put("bar.sync 2", BarSync(o_store + w, 128, "O rows in smem before the TMA store"))
         put("store O", TmaStore(o[w], f"store O rows of wg{w}"))
@@ -357,7 +357,7 @@ def multicast_ring(
                     ("wgmma wait qk", WgmmaWait(0)),
                     ("arrive empty", Arrive(f"empty{s}")),
                     ("remote arrive empty", RemoteArrive(f"empty{s}", peer)),
-                    ("read S", Access(s_acc, False, f"softmax {j}: read S")),
+                    ("read S", GenericAccess(s_acc, False, f"softmax {j}: read S")),
                 ):
                     emit(events, label, event)
             agents.append(Agent(f"cta{cta}.wg{w}", 128, leave(events), cta))

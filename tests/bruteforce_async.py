@@ -37,7 +37,6 @@ import sys
 from dataclasses import replace
 
 from fadsl.passes.asyncmodel.model import (
-    Access,
     Arrive,
     BarArrive,
     BarSync,
@@ -47,6 +46,7 @@ from fadsl.passes.asyncmodel.model import (
     ClusterWait,
     ExpectTx,
     FenceProxyAsync,
+    GenericAccess,
     Program,
     RemoteArrive,
     Span,
@@ -71,7 +71,7 @@ def _touches(
     runs or is issued; for a multicast, in CTA ``dest`` only, or in all of its mask."""
     cta = program.agents[a].cta
     match event:
-        case Access(span=span, write=write):
+        case GenericAccess(span=span, write=write):
             return ((_at(span, cta), write, False),)
         case TmaLoad(span=span):
             return ((_at(span, cta), True, True),)
@@ -251,9 +251,9 @@ def _check_own(program: Program, a: int, index: int, event, own: frozenset, foun
             continue
         if not synced:
             found.add("race")
-        elif is_async and isinstance(earlier, Access) and earlier.write and not clean:
+        elif is_async and isinstance(earlier, GenericAccess) and earlier.write and not clean:
             found.add("proxy race")
-    if isinstance(event, Access) and event.span.space == "smem":
+    if isinstance(event, GenericAccess) and event.span.space == "smem":
         own = own | {(a, index, False, False, False)}
     return own
 
@@ -372,12 +372,12 @@ def _move(program: Program, state, a: int, event, found: set[str]):
             flight = flight - retired
             if kind is TmaStore and agent.threads > 1:  # only the issuing thread waited
                 own = own | {(fa, fi, False, False, False) for fa, fi, _ in retired}
-        case Access(write=True, span=span) if span.space == "smem":
+        case GenericAccess(write=True, span=span) if span.space == "smem":
             unfenced = unfenced | {(a, pcs[a])}
         case FenceProxyAsync():
             unfenced = frozenset((wa, wi) for wa, wi in unfenced if wa != a)
             own = frozenset((oa, oi, s, f or oa == a, c) for oa, oi, s, f, c in own)
-        case Access():
+        case GenericAccess():
             pass
         case _:
             raise AssertionError(f"unknown event {event!r}")

@@ -245,18 +245,43 @@ def test_what_the_runtime_asks_of_a_targets_settings_is_typed():
     assert readers == []
 
 
-def test_no_type_name_is_defined_both_in_the_ir_and_in_a_target():
-    """A target's types have names of their own (the sm90 backward's warp roles, loop phases,
-    wait parities and staged tiles are not the IR's Role, Phase, Parity and Buffer)."""
+# The packages whose types must have names of their own (a name means one concept).
+NAMED_ONCE = ("fadsl.ir", "fadsl.passes", "fadsl.targets")
 
-    def classes(prefix: str) -> dict[str, str]:
-        return {
-            node.name: name
-            for name, path in MODULES.items()
-            if name.startswith(prefix)
-            for node in ast.walk(ast.parse(path.read_text()))
-            if isinstance(node, ast.ClassDef)
-        }
 
-    ir, target = classes("fadsl.ir"), classes("fadsl.targets")
-    assert {n: (ir[n], target[n]) for n in ir.keys() & target.keys()} == {}
+def class_definitions(sources: dict[str, str]) -> dict[str, list[str]]:
+    """Each class name -> the modules (of ``sources``: module -> text) that define it."""
+    found: dict[str, list[str]] = {}
+    for module, text in sorted(sources.items()):
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ClassDef):
+                found.setdefault(node.name, []).append(module)
+    return found
+
+
+def names_defined_twice(sources: dict[str, str]) -> dict[str, list[str]]:
+    return {name: found for name, found in class_definitions(sources).items() if len(found) > 1}
+
+
+def test_no_type_name_is_defined_twice_in_the_ir_the_passes_and_the_targets():
+    """A type of the IR, the passes or a target has a name of its own: the sm90 backward's
+    warp roles, loop phases, wait parities and staged tiles are not the IR's Role, Phase,
+    Parity and Buffer; the async model's GenericAccess and AccessInterval are not the IR's
+    Access and Op; the forward's CommittedWgmma is not the backward's WgmmaGroup."""
+    sources = {
+        name: path.read_text() for name, path in MODULES.items() if name.startswith(NAMED_ONCE)
+    }
+    assert {p for p in NAMED_ONCE if any(m.startswith(p) for m in sources)} == set(NAMED_ONCE)
+    assert names_defined_twice(sources) == {}
+
+
+def test_the_name_check_finds_a_type_defined_twice():
+    sources = {
+        "fadsl.ir.kernel": "class Access:\n    pass\n",
+        "fadsl.passes.asyncmodel.model": "class Access:\n    pass\nclass Span: ...\n",
+        "fadsl.targets.sm90.caps": "def f():\n    class Span: ...\n",
+    }
+    assert names_defined_twice(sources) == {
+        "Access": ["fadsl.ir.kernel", "fadsl.passes.asyncmodel.model"],
+        "Span": ["fadsl.passes.asyncmodel.model", "fadsl.targets.sm90.caps"],
+    }

@@ -16,11 +16,11 @@ import pytest
 from async_programs import ARRIVES, OTHER_SYNCS, WAITS, drop, fa3, fa3_overlap, swap
 from bruteforce_async import explore
 from fadsl.passes.asyncmodel.model import (
-    Access,
     Agent,
     Arrive,
     BarSync,
     ExpectTx,
+    GenericAccess,
     Program,
     Span,
     TmaLoad,
@@ -115,7 +115,7 @@ def test_transaction_bytes_must_match():
     span = Span("smem", 0, 64, "T")
     for expected, message in ((32, "-32 transaction byte(s)"), (96, "never returns")):
         producer = Agent("p", 1, (Arrive("full", tx=expected), TmaLoad(span, "full", 64, "load")))
-        consumer = Agent("c", 1, (Wait("full", 0), Access(span, False, "read")))
+        consumer = Agent("c", 1, (Wait("full", 0), GenericAccess(span, False, "read")))
         program = Program((producer, consumer), (("full", 1),))
         problems = check(program)
         assert any(message in p for p in problems), problems
@@ -141,7 +141,7 @@ def test_bare_expect_tx_counts_in_its_phase():
     producer = Agent(
         "p", 1, (ExpectTx("full", 64), TmaLoad(span, "full", 64, "load"), Arrive("full"))
     )
-    consumer = Agent("c", 1, (Wait("full", 0), Access(span, False, "read")))
+    consumer = Agent("c", 1, (Wait("full", 0), GenericAccess(span, False, "read")))
     program = Program((producer, consumer), (("full", 1),))
     assert check(program) == ()
     assert explore(program) == set()

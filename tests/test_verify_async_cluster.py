@@ -11,11 +11,11 @@ import pytest
 from async_programs import CLUSTER_SYNCS, TILE, multicast_ring
 from bruteforce_async import explore
 from fadsl.passes.asyncmodel.model import (
-    Access,
     Agent,
     BarSync,
     ClusterArrive,
     ClusterWait,
+    GenericAccess,
     Program,
     RemoteArrive,
     Span,
@@ -228,13 +228,13 @@ def test_a_cluster_barrier_is_reusable():
     another CTA's agent are ordered; relaxed arrives leave them unordered."""
     span = Span("smem", 0, 64, "T")
     meet = (ClusterArrive(), ClusterWait())
-    writer = Agent("cta0.w", 1, (*meet, Access(span, True, "write"), *meet), 0)
-    reader = Agent("cta0.r", 1, (*meet, *meet, Access(span, False, "read")), 0)
+    writer = Agent("cta0.w", 1, (*meet, GenericAccess(span, True, "write"), *meet), 0)
+    reader = Agent("cta0.r", 1, (*meet, *meet, GenericAccess(span, False, "read")), 0)
     peer = Agent("cta1.p", 1, (*meet, *meet), 1)
     assert check(Program((writer, reader, peer), (), ctas=2)) == ()
     assert explore(Program((writer, reader, peer), (), ctas=2), all_kinds=True) == set()
     loose = (ClusterArrive(relaxed=True), ClusterWait())
-    writer = replace(writer, events=(*meet, Access(span, True, "write"), *loose))
+    writer = replace(writer, events=(*meet, GenericAccess(span, True, "write"), *loose))
     assert check(Program((writer, reader, peer), (), ctas=2)) == (
         "RAW on T of cta0: cta0.w #2 (write: write T) and cta0.r #4 (read: read T) are not "
         "ordered",

@@ -10,11 +10,13 @@ from typing import Protocol
 from ..ir.syncmodel import SyncModel
 
 
-class Capabilities(Protocol):
+class PassCapabilities(Protocol):
+    """The part of a target's ``Capabilities`` (fadsl/targets) the passes read."""
+
     smem_per_cta: int
 
 
 class PassTarget(Protocol):
     name: str
-    capabilities: Capabilities
+    capabilities: PassCapabilities
     sync_model: SyncModel

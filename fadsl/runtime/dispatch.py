@@ -176,8 +176,9 @@ def kvcache_settings(
 # A causal varlen batch with a sequence this long runs a CTA per tile (`scheduler grid`):
 # the persistent CTAs' static pairs of q blocks balance one sequence's tiles but not tiles of
 # sequences of different lengths, which the hardware's dynamic hand-out does. H100, 2026-11-27,
-# 32768-token mixes, lengths uniform in [L/8, L] (docs/performance.md): L = 16384 grid 648-654 /
-# persistent 617-622 TF/s (FA4 616-640), L = 4096 576 / 554-599, L = 1024 313 / 363-368.
+# 32768-token mixes, lengths uniform in [L/8, L] (research/performance-history.md, "Moved from
+# docs/performance.md (2026-11-29)"): L = 16384 grid 648-654 / persistent 617-622 TF/s (FA4
+# 616-640), L = 4096 576 / 554-599, L = 1024 313 / 363-368.
 # Measured on an H100 only, and keyed on the longest sequence alone: one long sequence among
 # many short ones (where grid lost at L = 1024) switches it too, unmeasured.
 LONG_CAUSAL_ROWS = 8192

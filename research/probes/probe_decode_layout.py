@@ -19,7 +19,8 @@ head_dim 128, bf16, one query row), each as a CUDA-graph replay in balanced orde
 PROBE_SHAPES ("1x131072 128x8192"), PROBE_LABELS ("hkv8"), PROBE_BASELINES=0 (no cuDNN, copy),
 PROBE_TIMELINE=1: each contender's kernels in one replay (torch.profiler): their times and the
 gaps between them, averaged over 20 replays.
-The findings of 2026-11-27 (H200) are in docs/performance.md (decode).
+The findings of 2026-11-27 (H200) are in research/performance-history.md ("Moved from
+docs/performance.md (2026-11-29)"); the latest H200 table is docs/performance.md's (decode).
 
 Usage: python3 -P research/probes/probe_decode_layout.py [SPEC ...]
 """

@@ -17,12 +17,12 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from .model import (
-    Access,
     Agent,
     BarSync,
     BulkCommit,
     BulkWait,
     FenceProxyAsync,
+    GenericAccess,
     Program,
     Span,
     TmaLoad,
@@ -45,7 +45,7 @@ def _located(program: Program, cta: int, span: Span) -> Span:
 
 
 @dataclass(frozen=True)
-class Op:
+class AccessInterval:
     """One access to a span: issued at ``start``, done by ``end`` (None: never done)."""
 
     agent: int
@@ -79,7 +79,7 @@ def _retirements(agent: Agent, a: int, commit: type, wait: type) -> dict[int, Po
     return done
 
 
-def accesses(program: Program, run: Run) -> tuple[list[Op], list[str]]:
+def accesses(program: Program, run: Run) -> tuple[list[AccessInterval], list[str]]:
     """Every access the run made (to SMEM or registers) with its start and end, and a problem
     for each event whose access never ends."""
     ops, problems = [], []
@@ -91,27 +91,33 @@ def accesses(program: Program, run: Run) -> tuple[list[Op], list[str]]:
             here = (a, i)
             if here not in run.clock:
                 continue  # after a hang: already reported
-            new: list[Op] = []
+            new: list[AccessInterval] = []
             match event:
-                case Access(span=span, write=write):
-                    new.append(Op(a, i, mine(span), write, True, here, here))
+                case GenericAccess(span=span, write=write):
+                    new.append(AccessInterval(a, i, mine(span), write, True, here, here))
                 case TmaLoad(span=span):
                     phase = run.joined[here]
                     end = phase if phase in run.completed else None
-                    new.append(Op(a, i, mine(span), True, False, here, end))
+                    new.append(AccessInterval(a, i, mine(span), True, False, here, end))
                 case TmaMulticast(span=span):
                     for cta in event.ctas():  # a write in each CTA, done when its phase is
                         phase = run.landed[(here, cta)]
                         end = phase if phase in run.completed else None
-                        new.append(Op(a, i, _located(program, cta, span), True, False, here, end))
+                        new.append(
+                            AccessInterval(
+                                a, i, _located(program, cta, span), True, False, here, end
+                            )
+                        )
                 case TmaStore(span=span):
-                    new.append(Op(a, i, mine(span), False, False, here, store_done.get(i)))
+                    new.append(
+                        AccessInterval(a, i, mine(span), False, False, here, store_done.get(i))
+                    )
                 case Wgmma(reads=reads, writes=writes):
                     end = wgmma_done.get(i)
                     for span in reads:
-                        new.append(Op(a, i, mine(span), False, False, here, end, True))
+                        new.append(AccessInterval(a, i, mine(span), False, False, here, end, True))
                     for span in writes:
-                        new.append(Op(a, i, mine(span), True, False, here, end, True))
+                        new.append(AccessInterval(a, i, mine(span), True, False, here, end, True))
                 case _:
                     continue
             ops += new
@@ -120,7 +126,9 @@ def accesses(program: Program, run: Run) -> tuple[list[Op], list[str]]:
     return ops, problems
 
 
-def hazard_problems(program: Program, ops: list[Op], order: Order, clock: dict) -> list[str]:
+def hazard_problems(
+    program: Program, ops: list[AccessInterval], order: Order, clock: dict
+) -> list[str]:
     """One problem for each pair of overlapping accesses, one a write, that is not ordered (or
     not fenced); ``clock`` names them in the order they ran."""
     agents = program.agents
@@ -160,7 +168,7 @@ def hazard_problems(program: Program, ops: list[Op], order: Order, clock: dict) 
     return [problem for _, _, some in sorted(found, key=lambda f: f[:2]) for problem in some]
 
 
-def _overlapping_pairs(ops: list[Op]) -> list[tuple[int, int]]:
+def _overlapping_pairs(ops: list[AccessInterval]) -> list[tuple[int, int]]:
     """(n, m), n < m, for every two ops on overlapping bytes, at least one a write: ops are
     grouped by span, so only groups that overlap are compared."""
     groups: dict[tuple[tuple[str, int], int, int], list[int]] = {}
@@ -189,8 +197,8 @@ def _indices(program: Program, kind: type) -> dict[int, list[int]]:
 
 def _across_threads(
     program: Program,
-    first: Op,
-    second: Op,
+    first: AccessInterval,
+    second: AccessInterval,
     fences: dict[int, list[int]],
     barriers: dict[int, list[int]],
 ) -> list[str]:
@@ -218,7 +226,7 @@ def _across_threads(
     return []
 
 
-def _unfenced(program: Program, first: Op, second: Op) -> str:
+def _unfenced(program: Program, first: AccessInterval, second: AccessInterval) -> str:
     agents = program.agents
     return (
         f"{where(agents[first.agent], first.index)} writes {first.span.name} through the "
@@ -228,7 +236,9 @@ def _unfenced(program: Program, first: Op, second: Op) -> str:
     )
 
 
-def _ordered(x: Op, y: Op, order: Order) -> tuple[Op | None, Op | None]:
+def _ordered(
+    x: AccessInterval, y: AccessInterval, order: Order
+) -> tuple[AccessInterval | None, AccessInterval | None]:
     if x.end is not None and order.before(x.end, y.start):
         return x, y
     if y.end is not None and order.before(y.end, x.start):

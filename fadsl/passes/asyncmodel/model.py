@@ -56,7 +56,7 @@ class Span:
 
 
 @dataclass(frozen=True)
-class Access:
+class GenericAccess:
     """A synchronous access through the generic proxy (ld/st.shared, ldmatrix, stmatrix, math)."""
 
     span: Span
@@ -216,7 +216,7 @@ class FenceProxyAsync:
 
 
 Event = (
-    Access
+    GenericAccess
     | TmaLoad
     | TmaMulticast
     | TmaStore
@@ -270,7 +270,7 @@ def where(agent: Agent, index: int) -> str:
 
 def describe(event: Event) -> str:
     match event:
-        case Access(span=span, write=write, what=what):
+        case GenericAccess(span=span, write=write, what=what):
             return f"{what}: {'write' if write else 'read'} {span.name}"
         case TmaLoad(span=span, barrier=bar, nbytes=n, what=what):
             return f"{what}: TMA load into {span.name}, {n} bytes on {bar}"

@@ -9,6 +9,7 @@ from __future__ import annotations
 from ...ir import Instr, Level, Scope
 from ...ir.syncmodel import AsyncKind, SyncKind, SyncModel, WaitRule
 from .. import Capabilities
+from ..common_syncs import SYNCTHREADS
 
 CAPABILITIES = Capabilities(
     mma="mma.sync m16n8k16",
@@ -32,7 +33,6 @@ CAPABILITIES = Capabilities(
 CP_ASYNC = AsyncKind(name="cp.async", flag="async")
 
 SYNCWARP = SyncKind("__syncwarp()", "a warp barrier", scope=Scope.WARP, cost=1)
-SYNCTHREADS = SyncKind("__syncthreads()", "a CTA barrier", scope=Scope.CTA, cost=10)
 # cp.async.wait_group N: all but this thread's N most recent groups have landed. It
 # orders nothing across threads: a barrier must follow for other threads to see the data.
 CP_ASYNC_WAIT = SyncKind(

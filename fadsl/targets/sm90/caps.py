@@ -11,6 +11,7 @@ from __future__ import annotations
 from ...ir import WARPGROUP_THREADS, Instr, Level, Scope
 from ...ir.syncmodel import AsyncKind, Signal, SyncKind, SyncModel, WaitRule
 from .. import Capabilities
+from ..common_syncs import SYNCTHREADS
 
 CAPABILITIES = Capabilities(
     mma="wgmma.mma_async m64nNk16",
@@ -45,7 +46,6 @@ TMA_LOAD = AsyncKind(name="TMA load (complete_tx on an mbarrier)", flag="tma")
 WGMMA = AsyncKind(name="wgmma.mma_async (commit groups)", flag="wgmma")
 TMA_STORE = AsyncKind(name="TMA store (bulk groups)", flag="tma_store")
 
-SYNCTHREADS = SyncKind("__syncthreads()", "a CTA barrier", scope=Scope.CTA, cost=10)
 MBAR_INIT = SyncKind("mbarrier.init", "an mbarrier init", signal=Signal.INIT)
 FENCE_MBAR_INIT = SyncKind("fence.mbarrier_init", "an init fence", signal=Signal.FENCE)
 MBAR_EXPECT_TX = SyncKind(

@@ -81,7 +81,6 @@ from itertools import product
 from ...ir import Buffer, Kernel, Mode, Partition, Phase, Parity, Step, Sync, Threads
 from ...ir.ops import Op
 from ...passes.asyncmodel.model import (
-    Access,
     Agent,
     Arrive,
     BarArrive,
@@ -90,6 +89,7 @@ from ...passes.asyncmodel.model import (
     BulkWait,
     Event,
     FenceProxyAsync,
+    GenericAccess,
     Program,
     Span,
     TmaLoad,
@@ -489,9 +489,9 @@ class _Agent:
             case caps.WGMMA:
                 return [Wgmma(tuple(s for s, _ in smem) + reads, writes, what)]
             case None:
-                events: list[Event] = [Access(s, m is Mode.WRITE, what) for s, m in smem]
-                events += [Access(r, False, what) for r in reads if r not in writes]
-                events += [Access(w, True, what) for w in writes]
+                events: list[Event] = [GenericAccess(s, m is Mode.WRITE, what) for s, m in smem]
+                events += [GenericAccess(r, False, what) for r in reads if r not in writes]
+                events += [GenericAccess(w, True, what) for w in writes]
                 return events
             case _:
                 raise AssertionError(f"unknown async kind {step.async_kind}")
@@ -585,7 +585,7 @@ def _wgmma_fence_problems(program: Program) -> list[str]:
         fenced = False  # the first wgmma of a warpgroup needs a wgmma.fence before it
         for index, event in enumerate(agent.events):
             match event:
-                case Access(span=span, write=True) if span.space.startswith("rf:"):
+                case GenericAccess(span=span, write=True) if span.space.startswith("rf:"):
                     dirty.add(span)
                 case _WgmmaFence():
                     dirty.clear()

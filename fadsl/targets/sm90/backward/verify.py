@@ -75,7 +75,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ....passes.asyncmodel.model import (
-    Access,
     Agent,
     Arrive,
     BarSync,
@@ -83,6 +82,7 @@ from ....passes.asyncmodel.model import (
     BulkWait,
     Event,
     FenceProxyAsync,
+    GenericAccess,
     Program,
     Span,
     TmaLoad,
@@ -300,10 +300,14 @@ def _lower(proto: Protocol, item: Item, at: _At) -> list[Event]:
             | Kind.RED_GLOBAL
         ):
             events: list[Event] = []
-            events += [Access(s, False, what) for op in item.reads for s in spans(proto, op, at)]
-            events += [Access(s, True, what) for op in item.writes for s in spans(proto, op, at)]
-            events += [Access(r, False, what) for r in _regs(item.reg_reads, at.wg)]
-            events += [Access(r, True, what) for r in _regs(item.reg_writes, at.wg)]
+            events += [
+                GenericAccess(s, False, what) for op in item.reads for s in spans(proto, op, at)
+            ]
+            events += [
+                GenericAccess(s, True, what) for op in item.writes for s in spans(proto, op, at)
+            ]
+            events += [GenericAccess(r, False, what) for r in _regs(item.reg_reads, at.wg)]
+            events += [GenericAccess(r, True, what) for r in _regs(item.reg_writes, at.wg)]
             return events
     raise AssertionError(f"{item.kind} has no model event in {item.source.value}")
 

@@ -46,8 +46,9 @@ def hazard(kind, earlier, later, buf, later_buf=None, back=False, async_write=Fa
 
 
 @dataclass
-class Group:
-    """A committed wgmma group in flight in each consumer warpgroup."""
+class CommittedWgmma:
+    """A wgmma step in its own commit group (issue_wgmma commits each alone), in flight in
+    each consumer warpgroup; the backward's groups close several (its WgmmaGroup)."""
 
     step: Step
     reads: frozenset[str]
@@ -64,7 +65,7 @@ class Consumers:
     # a TMA-stored tile over loaded bytes (O over the dead V ring) -> the buffers under it
     # (store.freed_by_stores)
     freed: dict[str, list[str]]
-    in_flight: list[Group] = field(default_factory=list)
+    in_flight: list[CommittedWgmma] = field(default_factory=list)
     in_turn: bool = False
     # ordinary code wrote registers since the last wgmma.fence (PTX: a wgmma after such
     # writes, and the first wgmma, need a wgmma.fence before them)

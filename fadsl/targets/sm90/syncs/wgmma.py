@@ -15,7 +15,7 @@ from ..caps import WGMMA_COMMIT, WGMMA_FENCE, WGMMA_WAIT
 from .mbarrier import release
 from .pingpong import hand_over
 from ..schedule import REGISTERS
-from .state import Consumers, Group, hazard
+from .state import Consumers, CommittedWgmma, hazard
 
 
 def issue_wgmma(c: Consumers, step: Step, phase: Phase) -> None:
@@ -32,7 +32,7 @@ def issue_wgmma(c: Consumers, step: Step, phase: Phase) -> None:
     c.out.append(step)
     c.sync(WGMMA_COMMIT, phase, note=f"closes {step.op.spelling}'s wgmma group")
     reads, writes = REGISTERS[step.op]
-    c.in_flight.append(Group(step, reads, writes))
+    c.in_flight.append(CommittedWgmma(step, reads, writes))
     if not c.hw.overlap:
         wait_groups(c, None, phase, force=True)
 

@@ -60,7 +60,7 @@ def registers(step: Item) -> frozenset[Reg]:
 
 
 @dataclass
-class Group:
+class WgmmaGroup:
     """wgmmas that one wgmma.commit_group closes, with their positions in the phase."""
 
     wgmmas: list[tuple[int, Item]] = field(default_factory=list)
@@ -88,8 +88,8 @@ class Consumer:
     out: list[Item] = field(default_factory=list)
     # wgmma: the open (uncommitted) group, the committed groups in flight (oldest first),
     # the registers ordinary code accessed since the last wgmma.fence (-> by which steps)
-    open_group: Group = field(default_factory=Group)
-    in_flight: list[Group] = field(default_factory=list)
+    open_group: WgmmaGroup = field(default_factory=WgmmaGroup)
+    in_flight: list[WgmmaGroup] = field(default_factory=list)
     touched: dict[Reg, tuple[str, ...]] = field(default_factory=dict)
     fenced: bool = False
     # per ring's empty barrier: the m-block's readers of its slot (positions) not yet done

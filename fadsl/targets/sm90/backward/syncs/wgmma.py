@@ -20,7 +20,7 @@
 from __future__ import annotations
 
 from ..program import Item, Kind, LoopPhase, Reg, Who
-from .state import Consumer, Group, names, registers, same_bytes, sync, words
+from .state import Consumer, WgmmaGroup, names, registers, same_bytes, sync, words
 
 
 def hazards(reads, writes, smem_reads, step: Item) -> list[str]:
@@ -36,7 +36,7 @@ def hazards(reads, writes, smem_reads, step: Item) -> list[str]:
     return found
 
 
-def _group_hazards(group: Group, step: Item) -> list[str]:
+def _group_hazards(group: WgmmaGroup, step: Item) -> list[str]:
     return hazards(group.reads(), group.writes(), group.smem_reads(), step)
 
 
@@ -68,7 +68,7 @@ def commit(c: Consumer, phase: LoopPhase, reason: str, at: int | None = None) ->
     ahead of the next wgmma)."""
     if not c.open_group.wgmmas:
         return
-    group, c.open_group = c.open_group, Group()
+    group, c.open_group = c.open_group, WgmmaGroup()
     last = group.wgmmas[-1][1]
     why = f"closes the group of {names(group.steps())}: {reason}"
     item = sync(Kind.WGMMA_COMMIT, Who.WARPGROUP, last.source, phase, why)
