@@ -53,7 +53,7 @@ def main() -> int:
     module.zero_global("fadsl_tile_trace")
     kern(q, k, v)
     torch.cuda.synchronize()
-    layout = tiletrace.Layout.of_target(kern.compiled.target)
+    layout = tiletrace.TraceLayout.of_target(kern.compiled.target)
     timeline = tiletrace.phases(layout.unpack(module.read_global("fadsl_tile_trace")), layout)
     if timeline is None:
         print("no tile has every mark: is this an sm_90a spec?")

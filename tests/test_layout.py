@@ -245,8 +245,8 @@ def test_what_the_runtime_asks_of_a_targets_settings_is_typed():
     assert readers == []
 
 
-# The packages whose types must have names of their own (a name means one concept).
-NAMED_ONCE = ("fadsl.ir", "fadsl.passes", "fadsl.targets")
+# The packages whose types must have names of their own (a name means one concept): all.
+NAMED_ONCE = tuple(sorted({".".join(name.split(".")[:2]) for name in MODULES if "." in name}))
 
 
 def class_definitions(sources: dict[str, str]) -> dict[str, list[str]]:
@@ -263,11 +263,12 @@ def names_defined_twice(sources: dict[str, str]) -> dict[str, list[str]]:
     return {name: found for name, found in class_definitions(sources).items() if len(found) > 1}
 
 
-def test_no_type_name_is_defined_twice_in_the_ir_the_passes_and_the_targets():
-    """A type of the IR, the passes or a target has a name of its own: the sm90 backward's
+def test_no_type_name_is_defined_twice_in_the_package():
+    """A type of the IR, the passes, a target or any other package has a name of its own: the sm90 backward's
     warp roles, loop phases, wait parities and staged tiles are not the IR's Role, Phase,
     Parity and Buffer; the async model's GenericAccess and AccessInterval are not the IR's
-    Access and Op; the forward's CommittedWgmma is not the backward's WgmmaGroup."""
+    Access and Op; the forward's CommittedWgmma is not the backward's WgmmaGroup; the tile
+    trace's TraceLayout is not the backward plan's Layout."""
     sources = {
         name: path.read_text() for name, path in MODULES.items() if name.startswith(NAMED_ONCE)
     }

@@ -13,7 +13,7 @@ from fadsl.tools import tiletrace
 from fadsl.build.nvrtc import compile_cubin, nvrtc_available
 
 ROOT = Path(__file__).resolve().parents[1]
-SMALL = tiletrace.Layout(ctas=2, warpgroups=3, steps=4, marks=8)
+SMALL = tiletrace.TraceLayout(ctas=2, warpgroups=3, steps=4, marks=8)
 
 
 def _trace(stamps: dict[tuple[int, int, int], list[int]]) -> list[int]:
@@ -25,8 +25,8 @@ def _trace(stamps: dict[tuple[int, int, int], list[int]]) -> list[int]:
 
 
 def test_the_layout_is_the_headers_and_unpacks_its_bytes():
-    layout = tiletrace.Layout.of_target(targets.get("sm_90a"))
-    assert layout == tiletrace.Layout(ctas=160, warpgroups=3, steps=128, marks=8)
+    layout = tiletrace.TraceLayout.of_target(targets.get("sm_90a"))
+    assert layout == tiletrace.TraceLayout(ctas=160, warpgroups=3, steps=128, marks=8)
     raw = bytes(8 * layout.ctas * layout.warpgroups * layout.steps * layout.marks)
     stamps = layout.unpack(raw[:8] + (7).to_bytes(8, "little") + raw[16:])
     assert stamps[:3] == [0, 7, 0] and len(stamps) == len(raw) // 8
@@ -81,7 +81,7 @@ def test_a_traced_build_stamps_the_globaltimer_and_a_plain_one_does_not(tmp_path
     request = kern.request(Dtype.BF16, "sm_90a")
     marks = [int(m) for m in re.findall(r"FADSL_TILE_MARK\(step, (\d+)\)", request.text)]
     assert marks == list(
-        range(tiletrace.Layout.of_target(targets.get("sm_90a")).marks)
+        range(tiletrace.TraceLayout.of_target(targets.get("sm_90a")).marks)
     )  # each once, in order
     traced = compile_cubin(
         "#define FADSL_TILE_TRACE 1\n" + request.text,

@@ -32,7 +32,7 @@ LAST_MARK = PHASES[-1][2]
 
 
 @dataclass(frozen=True)
-class Layout:
+class TraceLayout:
     """fadsl_tile_trace's shape, [ctas][warpgroups][steps][marks], as the header declares it."""
 
     ctas: int
@@ -41,7 +41,7 @@ class Layout:
     marks: int
 
     @classmethod
-    def of_target(cls, target) -> "Layout":
+    def of_target(cls, target) -> "TraceLayout":
         """The layout ``target``'s trace header declares (a ``fadsl.targets.Target``)."""
         if target.trace_header is None:
             raise ValueError(f"target {target.name} records no tile timeline")
@@ -73,7 +73,7 @@ class Timeline:
         return self.phases["mainloop"] / max(1, blocks - 1)
 
 
-def phases(trace: list[int], layout: Layout) -> Timeline | None:
+def phases(trace: list[int], layout: TraceLayout) -> Timeline | None:
     """``trace``: the flat array [cta][warpgroup][step][mark] (0: not stamped). None if no
     tile has every mark."""
     ctas, warpgroups, steps, marks = layout.ctas, layout.warpgroups, layout.steps, layout.marks

@@ -44,7 +44,7 @@ def main() -> None:
         raise SystemExit(f"{args.spec}: a paged kv_cache spec is needed (kv_cache paged(N))")
     kern.use_development_build(dtype, arch_of(0), {"FADSL_TILE_TRACE": 1})
     module = kern.module(dtype, 0)
-    layout = tiletrace.Layout.of_target(kern.compiled.target)
+    layout = tiletrace.TraceLayout.of_target(kern.compiled.target)
     for shape in args.shapes.split(","):
         batch, length = map(int, shape.split("x"))
         per = length // page
