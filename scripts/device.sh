@@ -14,7 +14,7 @@
 #   calls: fadsl bench --calls (the public calls' host time per call beside SDPA and FA4, and
 #   paged decode eager and from a CUDA graph beside cuDNN and FA4; FA4 when a call with
 #   fa4stage came first and this one carries .fa4b)
-#   backward: tests/test_gpu_backward.py, then the backward timed (fadsl bench --backward)
+#   backward: tests/test_gpu_backward.py and test_gpu_backward_variants.py (windows, softcap), then the backward timed (fadsl bench --backward)
 #   for each example named in BWD_SPECS (NAME: with `backward {}` added; NAME+KEY...: those keys
 #   on, e.g. fa3_causal+overlap; see tests/test_gpu_backward.py training_spec) at BWD_SEQLENS;
 #   NAME=VAR1,VAR2 times the variants VAR1, VAR2 on the same tensors (--against); every spec
@@ -97,7 +97,7 @@ if [[ $steps == *" backward "* ]]; then
   names=$(echo ${BWD_SPECS:-} | tr ' =,' '\n\n\n')
   python3 -P scripts/prebuild.py --backward $names 2>&1 | tee "$OUT/prebuild_backward.log" | tail -3
   echo "prebuild (backward): $((SECONDS - start)) s"
-  [[ ${BWD_TESTS:-1} == 1 ]] && checked backward tests/test_gpu_backward.py scripts/sanitize_backward.py -x
+  [[ ${BWD_TESTS:-1} == 1 ]] && checked backward tests/test_gpu_backward.py scripts/sanitize_backward.py -x tests/test_gpu_backward_variants.py
   for name in $names; do
     python3 -P -c "import sys; sys.path.insert(0, 'tests'); from test_gpu_backward import training_spec; open('/tmp/$name.fa', 'w').write(training_spec('$name'))"
   done
@@ -180,7 +180,7 @@ if [[ $steps == *" tune "* ]]; then
 fi
 if [[ $steps == *" tests "* || $# -eq 0 ]]; then
   # -P: import the installed fadsl (the one pip built), not the source folder
-  python3 -P -m pytest -q -m gpu ${GPU_TESTS:-tests/test_gpu_runtime.py tests/test_gpu.py tests/test_gpu_general.py tests/test_gpu_sm90.py tests/test_gpu_split.py tests/test_gpu_cluster.py tests/test_gpu_softcap.py tests/test_gpu_window.py tests/test_gpu_varlen.py tests/test_gpu_kvcache.py} -p no:cacheprovider --durations=8 --timeout=120 -rs 2>&1 | tee "$OUT/pytest_gpu.log" | tail -25
+  python3 -P -m pytest -q -m gpu ${GPU_TESTS:-tests/test_gpu_runtime.py tests/test_gpu.py tests/test_gpu_general.py tests/test_gpu_sm90.py tests/test_gpu_split.py tests/test_gpu_cluster.py tests/test_gpu_softcap.py tests/test_gpu_window.py tests/test_gpu_varlen.py tests/test_gpu_kvcache.py tests/test_gpu_public_compile.py tests/test_gpu_append_kv.py tests/test_gpu_attention_variants.py} -p no:cacheprovider --durations=8 --timeout=120 -rs 2>&1 | tee "$OUT/pytest_gpu.log" | tail -25
   status=$((status | ${PIPESTATUS[0]}))
   bench_specs=examples/fa2_pipelined.fa
   if python3 -c "import torch, sys; sys.exit(torch.cuda.get_device_capability() != (9, 0))" && [[ -f examples/fa3_hopper.fa ]]; then

@@ -8,13 +8,20 @@ import sys
 import torch
 
 sys.path.insert(0, "tests")
+import test_gpu_backward_variants as windowed  # noqa: E402
 from test_gpu_backward import FORWARDS, PLAIN, VARIANTS, kernel  # noqa: E402
 
 ONLY = re.compile(sys.argv[1] if len(sys.argv) > 1 else "")
-for name in FORWARDS + PLAIN + VARIANTS + ("fa3_hopper+deterministic-dqred+s2",):
+NAMES = FORWARDS + PLAIN + VARIANTS + ("fa3_hopper+deterministic-dqred+s2",)
+NAMES += tuple(windowed.VARIANTS) + tuple(windowed.DETERMINISTIC)  # windows and softcap
+for name in NAMES:
     if not ONLY.search(name):
         continue
-    kern = kernel(name)
+    kern = (
+        windowed.kernel(name)
+        if name in windowed.VARIANTS | windowed.DETERMINISTIC
+        else kernel(name)
+    )
     d = kern.config.head_dim
     q, k, v, dout = (
         torch.randn(1, n, h, d, device="cuda", dtype=torch.bfloat16)

@@ -11,7 +11,8 @@ import re
 
 from .. import targets
 from .._data import data_dir
-from ..frontend.rewrite import rewrite
+from ..errors import SpecError
+from ..frontend.rewrite import rewrite, rewrite_backward
 from ..frontend.settings import MAX_WINDOW
 from .attention import FlashAttention, load
 
@@ -46,17 +47,87 @@ def shipped_spec(capability: tuple[int, int], head_dim: int, causal: bool) -> st
     )
 
 
-def attention_kernel(q, causal: bool) -> FlashAttention:
+def attention_kernel(q, causal: bool, window_size=(-1, -1), softcap=0.0) -> FlashAttention:
     """The shipped spec's kernel for q's GPU, head dimension and the mask, loaded once (then
-    built once and cached like any spec)."""
+    built once and cached like any spec); with a sliding window or a softcap, its variant
+    (attention_variant), chosen once per (device, head_dim, mask, window, softcap)."""
     # int(): under torch.compile(dynamic=True) a size is a SymInt; the kernel is chosen by
     # its value (a guard), as a spec's own head_dim is fixed
-    name = shipped_spec(device_capability(q.device), int(q.shape[-1]), causal)
+    window = tuple(window_size) if isinstance(window_size, (tuple, list)) else window_size
+    if window == (-1, -1) and type(softcap) in (int, float) and softcap == 0:
+        return _shipped(shipped_spec(device_capability(q.device), int(q.shape[-1]), causal))
+    key = ("attention", q.device, int(q.shape[-1]), *_typed(causal, window, softcap))
+
+    def choose() -> FlashAttention:
+        name = shipped_spec(device_capability(q.device), int(q.shape[-1]), causal)
+        base = data_dir("examples").joinpath(f"{name}.fa").read_text()
+        variant, text = attention_variant(name, base, causal, window_size, softcap)
+        try:
+            return load(text, verbose=False)
+        except SpecError as err:  # e.g. a target that has no sliding window or softcap
+            first = err.diagnostics[0].message if err.diagnostics else str(err)
+            raise ValueError(
+                f"window_size={tuple(window_size)}, softcap={softcap}: the shipped spec "
+                f"{name} cannot take them on this GPU ({first})"
+            ) from None
+
+    return _chosen(key, choose)
+
+
+def _shipped(name: str) -> FlashAttention:
     kern = _LOADED.get(name)
     if kern is None:
         text = data_dir("examples").joinpath(f"{name}.fa").read_text()
         kern = _LOADED[name] = load(text, verbose=False)
     return kern
+
+
+# A softcap's backward keeps 1 - tanh^2 per score in registers: B_r 64 fits beside it (B_r 80
+# and 128 spill, as early_dv does), with dS stored as B_r 64 stores it; ptxas (NVRTC 13.5,
+# 2026-11-29, tests/test_attention_variants.py) fits the overlapped order with the causal mask
+# and the plain one without (the overlapped order spills 12 bytes with a two-sided window,
+# the plain one 4 with the causal mask).
+SOFTCAP_BACKWARD = {"tile": "B_r = 64, B_c = {block_n}", "early_dv": "off"}
+SOFTCAP_ORDER = {True: "on", False: "off"}  # causal -> `overlap`
+# The softcap's tanh in the forward does not fit 3 consumers' 160 registers: 2 of 240
+SOFTCAP_FORWARD = {
+    "tile": "B_r = 128, B_c = {block_c}",
+    "warpgroups": "producer = 1, consumers = 2",
+    "registers": "producer = 24, consumers = 240",
+}
+_FORWARD_TILE = re.compile(r"^\s*tile\s+B_r\s*=\s*(\d+)\s*,\s*B_c\s*=\s*(\d+)", re.M)
+_THREE_CONSUMERS = re.compile(r"^\s*warpgroups\s+producer\s*=\s*1\s*,\s*consumers\s*=\s*3", re.M)
+STORED_DS = "rf -st.shared-> smem[cta] -wgmma-> rf"
+_BACKWARD_TILE = re.compile(r"^\s*tile\s+B_r\s*=\s*\d+\s*,\s*B_c\s*=\s*(\d+)", re.M)
+
+
+def attention_variant(name: str, base: str, causal: bool, window_size, softcap) -> tuple[str, str]:
+    """(name, text) of the shipped spec ``base`` with a call's mask and softcap
+    (serving_settings, which checks them): with a window also `cluster 1` (K and V in
+    smem[cta]) and `tail whole` where the spec sets those lines (a window runs neither pairs
+    nor split tiles); with a softcap 2 consumer warpgroups where the spec has 3
+    (SOFTCAP_FORWARD) and its backward block at B_r 64 (SOFTCAP_BACKWARD, SOFTCAP_ORDER)."""
+    settings = serving_settings(causal, window_size, softcap)
+    variant = variant_name(name, settings)
+    scopes = {}
+    if "window" in settings["mask"]:
+        for key, value in (("cluster", "1"), ("tail", "whole")):
+            if re.search(rf"^\s*{key}\s", base, re.M):
+                settings[key] = value
+        if "cluster" in settings:  # the pairs' shared K and V become each CTA's own
+            scopes = {"K": "cta", "V": "cta"}
+    if "softcap" in settings and _THREE_CONSUMERS.search(base):
+        block_c = _FORWARD_TILE.search(base)[2]
+        settings |= {k: v.format(block_c=block_c) for k, v in SOFTCAP_FORWARD.items()}
+    text = rewrite(base, settings, scopes, variant)
+    opened = re.search(r"^\s*backward\s*\{", text, re.M)
+    if "softcap" in settings and opened:
+        tile = _BACKWARD_TILE.search(text, opened.end())
+        block_n = tile[1] if tile else "128"
+        lines = {k: v.format(block_n=block_n) for k, v in SOFTCAP_BACKWARD.items()}
+        lines["overlap"] = SOFTCAP_ORDER[causal]
+        text = rewrite_backward(text, lines, {"dS": STORED_DS}, variant)
+    return variant, text
 
 
 _CAPABILITY: dict[int, tuple[int, int]] = {}

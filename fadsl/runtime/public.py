@@ -59,28 +59,44 @@ def _needs_grad(*tensors) -> bool:
 
 
 def attention(
-    q, k, v, causal: bool = False, softmax_scale: float | None = None, *, return_lse=False
+    q,
+    k,
+    v,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    *,
+    window_size=(-1, -1),
+    softcap=0.0,
+    return_lse=False,
 ):
     """softmax(q k^T * softmax_scale [+ causal mask]) v through a shipped spec for q's GPU.
 
     q (batch, seqlen_q, heads_q, head_dim), k and v (batch, seqlen_k, heads_kv, head_dim) in
     bf16 or fp16 on one CUDA device; heads_q a multiple of heads_kv (GQA, MQA). causal:
     FlashAttention's bottom-right aligned mask. softmax_scale: 1 / sqrt(head_dim) if None.
+    window_size (left, right): FlashAttention's sliding window (-1: unbounded on that side;
+    with causal the right side is 0). softcap: the scores capped, softcap tanh(s
+    softmax_scale / softcap), before the mask (0: none; a whole number 1 to 1000). A window
+    or a softcap runs the shipped spec's variant with them (built on its first call).
     Returns out, or (out, lse) with ``return_lse`` (lse: float32, natural log, shape
     (batch, heads_q, seqlen_q)). Gradients flow through q, k and v (and the LSE) where the
-    shipped spec has a backward. torch.compile(fullgraph=True) traces it. The same checks and
-    messages as a loaded spec's call.
+    shipped spec has a backward, windows and softcap included. torch.compile(fullgraph=True)
+    traces it. The same checks and messages as a loaded spec's call.
     """
     _check_flag("causal", causal)
     _check_flag("return_lse", return_lse)
     check_q(q, 4, "batch, seqlen, heads, head_dim")
+    left, right = _window(window_size)
+    _check_softcap(softcap)
     grad = _needs_grad(q, k, v)
     if grad or torch.compiler.is_compiling():
         check_scale(softmax_scale, 1)  # (named here, not by the op's schema)
         # with gradients the LSE is saved for the backward whether or not the caller asked
-        out, lse = public_ops.attention(q, k, v, causal, softmax_scale, return_lse or grad)
+        out, lse = public_ops.attention(
+            q, k, v, causal, softmax_scale, left, right, float(softcap), return_lse or grad
+        )
         return (out, lse) if return_lse else out
-    return attention_call(q, k, v, causal, softmax_scale, return_lse)
+    return attention_call(q, k, v, causal, softmax_scale, return_lse, window_size, softcap)
 
 
 def attention_varlen(

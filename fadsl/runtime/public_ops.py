@@ -2,8 +2,9 @@
 break and autograd differentiates (no `from __future__ import annotations` here: custom_op
 reads the annotations as types).
 
-- ``fadsl::attention(q, k, v, causal, softmax_scale, with_lse) -> (out, lse)``, with an
-  autograd formula through ``fadsl::attention_backward`` (the shipped spec's backward);
+- ``fadsl::attention(q, k, v, causal, softmax_scale, window_left, window_right, softcap,
+  with_lse) -> (out, lse)``, with an autograd formula through ``fadsl::attention_backward``
+  (the shipped spec's backward, or its variant's for a window or a softcap);
 - ``fadsl::attention_varlen(...) -> (out, lse)``, whose gradient raises rather than
   vanishes, and ``fadsl::attention_with_kvcache(...) -> (out, lse)``, which writes new
   tokens into the caches (``mutates_args`` names them; such an op takes no autograd
@@ -46,8 +47,9 @@ def _concrete(*values):
 
 # ---------------------------------------------------------------- the calls' bodies
 # (fadsl/runtime/public.py calls them directly when no op is needed)
-def attention_call(q, k, v, causal: bool, softmax_scale, return_lse: bool):
-    kern = dispatch.attention_kernel(q, causal)
+def attention_call(q, k, v, causal: bool, softmax_scale, return_lse: bool, window_size=(-1, -1),
+                   softcap=0.0):  # fmt: skip
+    kern = dispatch.attention_kernel(q, causal, window_size, softcap)
     scale = check_scale(softmax_scale, kern.config.head_dim)
     return kern.forward(q, k, v, scale, None, return_lse)
 
@@ -114,16 +116,23 @@ def attention(
     v: torch.Tensor,
     causal: bool,
     softmax_scale: Optional[float],
+    window_left: int,
+    window_right: int,
+    softcap: float,
     with_lse: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    window = _concrete(window_left, window_right)
+    (cap,) = _concrete(softcap)
     if with_lse:
-        return attention_call(q, k, v, causal, softmax_scale, True)
-    return attention_call(q, k, v, causal, softmax_scale, False), _empty_lse(q)
+        return attention_call(q, k, v, causal, softmax_scale, True, window, cap)
+    return attention_call(q, k, v, causal, softmax_scale, False, window, cap), _empty_lse(q)
 
 
 @attention.register_fake
-def _(q, k, v, causal, softmax_scale, with_lse):
-    kern = dispatch.attention_kernel(q, causal)
+def _(q, k, v, causal, softmax_scale, window_left, window_right, softcap, with_lse):
+    kern = dispatch.attention_kernel(
+        q, causal, _concrete(window_left, window_right), *_concrete(softcap)
+    )
     check_scale(softmax_scale, kern.config.head_dim)
     kern.check_inputs(q, k, v)
     return torch.empty_like(q), q.new_empty(
@@ -142,20 +151,24 @@ def attention_backward(
     dlse: Optional[torch.Tensor],
     causal: bool,
     softmax_scale: Optional[float],
+    window_left: int,
+    window_right: int,
+    softcap: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    kern = _with_backward(q, causal)
+    kern = _with_backward(q, causal, window_left, window_right, softcap)
     scale = check_scale(softmax_scale, kern.config.head_dim)
     return kern.backward(q, k, v, out, lse, dout, dlse, scale)
 
 
 @attention_backward.register_fake
-def _(q, k, v, out, lse, dout, dlse, causal, softmax_scale):
-    _with_backward(q, causal)
+def _(q, k, v, out, lse, dout, dlse, causal, softmax_scale, window_left, window_right, softcap):
+    _with_backward(q, causal, window_left, window_right, softcap)
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
-def _with_backward(q, causal: bool):
-    kern = dispatch.attention_kernel(q, causal)
+def _with_backward(q, causal: bool, window_left, window_right, softcap):
+    window = _concrete(window_left, window_right)
+    kern = dispatch.attention_kernel(q, causal, window, *_concrete(softcap))
     if not kern.has_backward:
         raise RuntimeError(
             f"fadsl.attention: the spec it runs here ({kern.config.name}) has no backward "
@@ -166,9 +179,10 @@ def _with_backward(q, causal: bool):
 
 
 def _save(ctx, inputs, output) -> None:
-    q, k, v, causal, softmax_scale, _ = inputs
+    q, k, v, causal, softmax_scale, window_left, window_right, softcap, _ = inputs
     out, lse = output
     ctx.causal, ctx.softmax_scale = causal, softmax_scale
+    ctx.window, ctx.softcap = (window_left, window_right), softcap
     ctx.save_for_backward(q, k, v, out, lse)
 
 
@@ -180,9 +194,10 @@ def _attention_grad(ctx, grad_out, grad_lse):
             "with_lse=True (fadsl.attention does whenever q, k or v requires grad)"
         )
     dq, dk, dv = attention_backward(
-        q, k, v, out, lse, grad_out, grad_lse, ctx.causal, ctx.softmax_scale
-    )
-    return dq, dk, dv, None, None, None
+        q, k, v, out, lse, grad_out, grad_lse, ctx.causal, ctx.softmax_scale, *ctx.window,
+        ctx.softcap,
+    )  # fmt: skip
+    return dq, dk, dv, None, None, None, None, None, None
 
 
 attention.register_autograd(_attention_grad, setup_context=_save)
