@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import fadsl
-from test_gpu_backward import check_rule, inputs
+from test_gpu_backward import assert_compiled_gradients_match_eager, check_rule, inputs
 from test_gpu_general import reference
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability(0) == (9, 0)
@@ -95,10 +95,4 @@ def test_compile_fullgraph_over_a_capped_windowed_step():
         out = fadsl.attention(q, k, v, False, window_size=(100, 20), softcap=30.0)
         return (out.float() * dout.float()).sum()
 
-    compiled = torch.compile(step, fullgraph=True)
-    eager = [t.clone().requires_grad_() for t in (q, k, v)]
-    step(*eager).backward()
-    traced = [t.clone().requires_grad_() for t in (q, k, v)]
-    compiled(*traced).backward()
-    for a, b in zip(eager, traced):
-        assert torch.equal(a.grad, b.grad)
+    assert_compiled_gradients_match_eager(step, q, k, v)

@@ -394,15 +394,29 @@ __device__ __forceinline__ void mask_scores(float (&s)[Cfg::kSRegs], const FwdPa
 // 1 - 2 / (2^(2x log2 e) + 1) with one ex2 and one rcp: an absolute error of about 2^-21
 // (tanh.approx.f32's 2^-11 relative would move a score capped at 30 by 0.015); 2^(..) = inf
 // gives 1, 0 gives -1.
+struct SoftcapMap {
+  float into;  // 2 c / N: a score times it is 2 s softmax_scale log2(e) / N
+  float out;   // N log2(e) / c: tanh times it is the capped score in S's units
+};
+__device__ __forceinline__ SoftcapMap softcap_map(float cap, float scale_log2) {
+  return {scale_log2 * (2.f / cap), cap * 1.4426950408889634f * fast_rcp(scale_log2)};
+}
+// One score capped; e = 2^(S into) and r = 1 / (e + 1) for the backward's derivative
+// (bwd_softcap; unused, and so not kept, in the forward).
+__device__ __forceinline__ float capped_score(float s, SoftcapMap map, float& e, float& r) {
+  e = fast_exp2(s * map.into);
+  r = fast_rcp(e + 1.f);
+  return map.out * (1.f - 2.f * r);
+}
+
 template <class Cfg>
 __device__ __forceinline__ void apply_softcap(float (&s)[Cfg::kSRegs], float scale_log2) {
   if constexpr (Cfg::kSoftcap > 0.f) {
-    constexpr float kCapLog2 = Cfg::kSoftcap * 1.4426950408889634f;
-    const float into = scale_log2 * (2.f / Cfg::kSoftcap), out = kCapLog2 * fast_rcp(scale_log2);
+    const SoftcapMap map = softcap_map(Cfg::kSoftcap, scale_log2);
 #pragma unroll
     for (int i = 0; i < Cfg::kSRegs; ++i) {
-      const float e = fast_exp2(s[i] * into);
-      s[i] = out * (1.f - 2.f * fast_rcp(e + 1.f));
+      float e, r;
+      s[i] = capped_score(s[i], map, e, r);
     }
   }
 }

@@ -376,7 +376,7 @@ __device__ __forceinline__ void issue_dq_t(float (&dq)[Cfg::kDqRegs], uint32_t d
 }
 
 // `softcap N`: S <- (N log2 e / c) tanh(S c / (N log2 e)) as the forward's apply_softcap
-// computes it (the same formula, so that P matches the forward's LSE), and the cap's
+// computes it (capped_score, so that P matches the forward's LSE), and the cap's
 // derivative 1 - tanh^2 into `dtanh`.  With r = 1 / (2^(2x log2 e) + 1), tanh = 1 - 2r and
 // 1 - tanh^2 = 4 r (1 - r) = 4 e r^2 (e = 2^(..)): the first where e >= 1 (r <= 1/2: 1 - r
 // without cancellation; e = inf gives r = 0, so 0), the second where e < 1 (e r^2 without
@@ -385,13 +385,11 @@ __device__ __forceinline__ void issue_dq_t(float (&dq)[Cfg::kDqRegs], uint32_t d
 template <class Cfg>
 __device__ __forceinline__ void bwd_softcap(float (&s)[Cfg::kSRegs], float (&dtanh)[Cfg::kSRegs], float scale_log2) {
   if constexpr (Cfg::kSoftcap > 0.f) {
-    constexpr float kCapLog2 = Cfg::kSoftcap * 1.4426950408889634f;
-    const float into = scale_log2 * (2.f / Cfg::kSoftcap), out = kCapLog2 * fast_rcp(scale_log2);
+    const SoftcapMap map = softcap_map(Cfg::kSoftcap, scale_log2);
 #pragma unroll
     for (int i = 0; i < Cfg::kSRegs; ++i) {
-      const float e = fast_exp2(s[i] * into);
-      const float r = fast_rcp(e + 1.f);
-      s[i] = out * (1.f - 2.f * r);
+      float e, r;
+      s[i] = capped_score(s[i], map, e, r);  // the forward's apply_softcap, score by score
       dtanh[i] = e >= 1.f ? 4.f * r * (1.f - r) : 4.f * e * r * r;
     }
   }
