@@ -19,6 +19,7 @@ from fadsl.cli import main
 from fadsl.codegen.render import render_backward
 from fadsl.errors import Loc, SpecError
 from fadsl.ir import Backward, GradRole, Instr, Level, Role, Scope
+from fadsl.ir.backward import read_backward as read_backward_ir
 from fadsl.ir.printer import format_kernel
 from ir_reader import IRSyntaxError, read_kernel
 from fadsl.pipeline import compile_file, compile_source
@@ -111,6 +112,7 @@ def test_the_full_block_lowers_to_the_ir():
         "overlap": True,
         "early_dv": True,
         "dq_red": False,
+        "longest_first": False,
     }
     assert bwd.loc == Loc(FILE, *where(text, "  backward {", "backward"))
     assert bwd.loc_of("stages") == Loc(FILE, *where(text, "stages     3"))
@@ -221,7 +223,7 @@ LOCATED = [
     ("producer = 24, consumers = 240\n    stages", "producer = 24, consumers = 244\n    stages", "consumers = 244", "244", "the backward's consumers take setmaxnreg 24 to 240, a multiple of 8, not 244"),
     ("producer = 24, consumers = 240\n    stages", "producer = 24, consumers = 248\n    stages", "consumers = 248", "248", "not 248"),
     ("deterministic off", "deterministic maybe", "deterministic maybe", "maybe", "unknown deterministic 'maybe'; expected 'on' or 'off'"),
-    ("deterministic off", "stage 3", "stage 3", "stage", "unknown key 'stage' in the backward block; it takes 'tile', 'warpgroups', 'registers', 'stages', 'deterministic', 'overlap' and 'early_dv' (did you mean 'stages'?)"),
+    ("deterministic off", "stage 3", "stage 3", "stage", "unknown key 'stage' in the backward block; it takes 'tile', 'warpgroups', 'registers', 'stages', 'deterministic', 'overlap', 'early_dv' and 'longest_first' (did you mean 'stages'?)"),
     ("deterministic off", "mask causal", "mask causal", "mask", "'mask' is a setting of the kernel, not of its backward block"),
     ("deterministic off", "stages 3", "stages 3", "stages", "duplicate key 'stages' in the backward block (first set at line"),
     ("dV:  rf -st.global-> gmem", "dW:  rf -st.global-> gmem", "dW:", "dW", "unknown tensor 'dW' in the backward block; it moves Q, K, V, dO, LSE, D, dS, dQ, dK and dV"),
@@ -375,6 +377,24 @@ def test_sm80_refuses_the_block_at_its_keyword():
             "sm_80 has no backward pass yet; the backward block needs target sm_90a",
         )
     ]
+
+
+def test_longest_first_is_for_the_causal_mask_and_reaches_the_config():
+    """`longest_first on` launches every head's n-block 0 first: with the causal mask it is in
+    the IR's text (read back equal) and the Cfg; without it every CTA does the same work, so
+    it is refused at its key."""
+    text = variant("deterministic off", "deterministic off\n    longest_first on")
+    assert_error(
+        text, "longest_first on", "longest_first", "longest_first on orders CTAs by their work"
+    )
+    causal = variant("  mask       none", "  mask       causal", text)
+    compiled = compile_source(causal, FILE)
+    assert compiled.kernel.backward.longest_first
+    line = compiled.kernel.backward.text()
+    assert line.endswith(" longest_first=on")
+    assert read_backward_ir(line, compiled.kernel.backward.loc).longest_first
+    source, *_ = render_backward(compiled.kernel, compiled.target, FILE)
+    assert "static constexpr bool kLongestFirst = true;" in source.text.split("struct Cfg", 1)[1]
 
 
 def test_softcap_and_windows_reach_the_backwards_config():

@@ -33,9 +33,11 @@ from ..spec.syntax import BackwardDecl, PathDecl, Setting, Word
 
 # The block's keys, each read as the kernel's key of that name is; `deterministic on|off`
 # orders dQ's accumulation by n-block (bitwise-stable gradients); `overlap on|off` stages dQ
-# while dV and dK run; `early_dv on|off` issues dV as soon as P is packed, before dS.
+# while dV and dK run; `early_dv on|off` issues dV as soon as P is packed, before dS;
+# `longest_first on|off` launches every head's first n-block (the causal mask's longest)
+# before any head's second.
 KERNEL_KEYS = ("tile", "warpgroups", "registers", "stages")
-ON_OFF_KEYS = ("deterministic", "overlap", "early_dv")
+ON_OFF_KEYS = ("deterministic", "overlap", "early_dv", "longest_first")
 
 
 def backward_settings() -> dict[str, Callable[[Checks, Setting], object]]:

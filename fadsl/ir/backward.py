@@ -54,6 +54,9 @@ class Backward:
     early_dv: bool = False
     # dQ's path is `rf -red.add-> gmem`: added into the accumulator from registers, no staging
     dq_red: bool = False
+    # CTAs launched n-block by n-block across heads and batches (the causal mask's longest
+    # first) rather than head by head (sm90_bwd.cuh, bwd_block)
+    longest_first: bool = False
     # Every tensor's path, the defaults included, in the target's order. The IR's text form
     # leaves them out (the target admits one path per tensor): a kernel read back has none.
     tensors: tuple[BackwardTensor, ...] = ()
@@ -87,13 +90,14 @@ class Backward:
             + (" overlap=on" if self.overlap else "")
             + (" early_dv=on" if self.early_dv else "")
             + (" dq=red.add" if self.dq_red else "")
+            + (" longest_first=on" if self.longest_first else "")
         )
 
 
 _TEXT = re.compile(
     r"backward B_r=(?P<m>\d+) B_c=(?P<n>\d+) consumers=(?P<consumers>\d+) "
     r"regs=(?P<preg>\d+)/(?P<creg>\d+) stages=(?P<stages>\d+) "
-    r"deterministic=(?P<deterministic>on|off)(?P<overlap> overlap=on)?(?P<early_dv> early_dv=on)?(?P<dq_red> dq=red.add)?$"
+    r"deterministic=(?P<deterministic>on|off)(?P<overlap> overlap=on)?(?P<early_dv> early_dv=on)?(?P<dq_red> dq=red.add)?(?P<longest_first> longest_first=on)?$"
 )
 
 
@@ -116,5 +120,6 @@ def read_backward(line: str, loc: Loc) -> Backward:
         overlap=m["overlap"] is not None,
         early_dv=m["early_dv"] is not None,
         dq_red=m["dq_red"] is not None,
+        longest_first=m["longest_first"] is not None,
         loc=loc,
     )

@@ -46,6 +46,7 @@ def _backward_line(kernel: Kernel) -> str:
         f"{b.producer_regs}/{b.consumer_regs}, stages {b.stages}, deterministic "
         f"{'on' if b.deterministic else 'off'}, overlap {'on' if b.overlap else 'off'}"
         + (", early_dv on" if b.early_dv else "")
+        + (", longest_first on" if b.longest_first else "")
         + " (the spec's backward block; explain shows its plan)"
     )
 

@@ -4,7 +4,8 @@ this GPU and workload.
 The block's space is small: the tile's B_r (64, or 128 or 80 where the target admits it; at
 80 dS's path becomes `rf -stmatrix-> smem`), the
 consumer's order (`overlap`, `early_dv`), dQ's path (staged, or `rf -red.add-> gmem`) and
-the Q / dO ring's `stages`; `deterministic` stays as the spec has it (it is a promise, not a
+the Q / dO ring's `stages` (and, under the causal mask, the input's block with
+`longest_first` flipped: the CTA order); `deterministic` stays as the spec has it (it is a promise, not a
 speed). So every combination is tried: each written into the spec's backward block
 (fadsl/frontend/rewrite.py's ``rewrite_backward``), the front end and the target's checks
 refuse what cannot be built, and the rest are compiled in parallel with their backward
@@ -31,7 +32,7 @@ from typing import Callable
 from ..atomic import write_atomic
 from ..errors import SpecError
 from ..frontend.rewrite import rewrite_backward
-from ..ir import GradRole
+from ..ir import GradRole, Mask
 from ..ir.backward import Backward
 from ..pipeline import Compiled, compile_source
 from .tune import NoGPUError  # (raised after the variants compiled)
@@ -81,15 +82,18 @@ class BackwardTuneResult:
         return "\n".join(lines)
 
 
-def _label(block_m: int, overlap: bool, early_dv: bool, dq: str, stages: int) -> str:
+def _label(
+    block_m: int, overlap: bool, early_dv: bool, dq: str, stages: int, longest_first=False
+) -> str:
     order = "early_dv" if early_dv else ("overlap" if overlap else "plain")
-    return f"B_r {block_m}, {order}, dQ {dq}, stages {stages}"
+    first = ", longest first" if longest_first else ""
+    return f"B_r {block_m}, {order}, dQ {dq}, stages {stages}{first}"
 
 
 def label_of(bwd: Backward) -> str:
     """The knobs a backward block sets, as `fadsl tune --backward` names its variants."""
     dq = RED if bwd.dq_red else STAGED
-    return _label(bwd.block_m, bwd.overlap, bwd.early_dv, dq, bwd.stages)
+    return _label(bwd.block_m, bwd.overlap, bwd.early_dv, dq, bwd.stages, bwd.longest_first)
 
 
 def backward_variants(source: str, file: str = "<spec>") -> tuple[Compiled, list[BackwardVariant]]:
@@ -127,11 +131,16 @@ def backward_variants(source: str, file: str = "<spec>") -> tuple[Compiled, list
             continue
         seen.add(_knobs(bwd))
         out.append(BackwardVariant(label_of(bwd), text, bwd))
+    if compiled.kernel.config.mask is Mask.CAUSAL:  # the input's block in the other CTA order
+        flipped = "off" if base.longest_first else "on"
+        text = rewrite_backward(source, {"longest_first": flipped}, {}, name)
+        bwd = compile_source(text, file).kernel.backward
+        out.append(BackwardVariant(label_of(bwd), text, bwd))
     return compiled, out
 
 
 def _knobs(bwd: Backward) -> tuple:
-    return (bwd.block_m, bwd.overlap, bwd.early_dv, bwd.dq_red, bwd.stages)
+    return (bwd.block_m, bwd.overlap, bwd.early_dv, bwd.dq_red, bwd.stages, bwd.longest_first)
 
 
 def tune_backward(

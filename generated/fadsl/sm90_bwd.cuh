@@ -141,6 +141,11 @@ struct BwdConfig {
   static constexpr int kWindowLeft = -1;
   static constexpr int kWindowRight = -1;
   static constexpr float kSoftcap = 0.f;
+  // `longest_first on` (a generated Cfg sets it; the causal mask only): the CTA launched i-th
+  // takes the i-th (n-block, head, batch) with the n-block slowest, so that every head's
+  // n-block 0 (the most m-blocks) starts before any head's n-block 1 and the shortest come
+  // last; off: blockIdx as is (n fastest, head by head: a head's Q and dO stay in the L2).
+  static constexpr bool kLongestFirst = false;
 
   static constexpr int kThreads = 128 * (1 + kConsumerWGs);
   static constexpr int kConsumerThreads = 128 * kConsumerWGs;
@@ -220,6 +225,15 @@ __device__ __forceinline__ BwdBlock bwd_block(const BwdParamsSm90& P) {
   b.n_block = blockIdx.x;
   b.head = blockIdx.y;
   b.batch = blockIdx.z;
+  if constexpr (Cfg::kLongestFirst) {
+    // blocks launch x fastest, then y, then z: launch index -> n-block slowest
+    const int heads_batches = gridDim.y * gridDim.z;
+    const int launched = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+    const int hb = launched % heads_batches;
+    b.n_block = launched / heads_batches;
+    b.head = hb % gridDim.y;
+    b.batch = hb / gridDim.y;
+  }
   b.head_kv = b.head / P.group;
   b.n0 = b.n_block * Cfg::kBlockN;
   b.m_begin = 0;
@@ -552,7 +566,8 @@ __device__ __forceinline__ void red_add_dq(float* dst, const float (&dq)[Cfg::kD
 // a smaller n-block's keys are seen by at least the same queries; with a window, those
 // between the m-block's first seen key and this n-block's), so tickets 0 .. ticket - 1 all
 // come, and each CTA's tickets rise with m: no CTA waits on one that waits on it.
-// (CTAs start in blockIdx order, n fastest, so a waited-for CTA has started.)  Each add
+// (CTAs start in launch order, and a smaller n-block of the same head and batch launches
+// earlier with either order of bwd_block, so a waited-for CTA has started.)  Each add
 // completes (wait_group 0: its writes performed) before the next ticket is released.
 template <class Cfg>
 __device__ __forceinline__ void ordered_reduce_add(float* dst, uint32_t stage, int* semaphore, int ticket) {

@@ -70,6 +70,7 @@ def context(kernel: Kernel, dtype: Dtype) -> dict[str, Any]:
         "deterministic": bwd.deterministic,
         "overlap": bwd.overlap,
         "early_dv": bwd.early_dv,
+        "longest_first": bwd.longest_first,
         "dq_red": bwd.dq_red,
         "causal": cfg.mask is Mask.CAUSAL,
         "mask": cfg.mask_text,  # the mask line's value, window included

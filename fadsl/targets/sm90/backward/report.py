@@ -117,6 +117,7 @@ def backward_data(kernel: Kernel) -> dict[str, Any]:
             "deterministic": bwd.deterministic,
             "overlap": bwd.overlap,
             "early_dv": bwd.early_dv,
+            "longest_first": bwd.longest_first,
         },
         "paths": [{"tensor": t.role.value, "path": t.path_text()} for t in bwd.tensors],
         "roles": [
@@ -192,7 +193,12 @@ def backward_sections(data: Mapping[str, Any]) -> list[str]:
         f"  settings   B_r = {s['block_m']} queries per m-block, B_c = {s['block_n']} keys per "
         f"CTA (its n-block); {s['producer_warpgroups']} producer and {s['consumers']} consumer "
         f"warpgroups; stages {s['stages']}; deterministic {_on(s['deterministic'])}; "
-        f"overlap {_on(s['overlap'])}; early_dv {_on(s['early_dv'])}",
+        f"overlap {_on(s['overlap'])}; early_dv {_on(s['early_dv'])}"
+        + (
+            "; longest_first on (every head's n-block 0 launched first)"
+            if s["longest_first"]
+            else ""
+        ),
         "  paths",
         *(f"    {p['tensor']:<4} {p['path']}" for p in data["paths"]),
         f"  producer   warpgroup 0, setmaxnreg.dec to {producer['setmaxnreg']}: warp 0 loads "

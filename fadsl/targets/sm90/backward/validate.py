@@ -8,6 +8,7 @@ What the first backward kernel supports (docs/backward.md, FlashAttention-3's ba
   CTA: each consumer warpgroup owns 64 of them, wgmma's M for S^T and dP^T), one producer
   and 2 consumer warpgroups, Q and dO rings of 2 or 3 stages;
 - `early_dv on` with `overlap on` only (it reorders the overlapped consumer);
+- `longest_first on` with the causal mask only (without it every CTA does the same work);
 - dQ staged (its default path) or `rf -red.add-> gmem`, not with `deterministic on`;
 - setmaxnreg: the producer 24 to 56, the consumers at most 240, multiples of 8, their total
   within the CTA's launch allocation (as the forward's: setmaxnreg only moves registers
@@ -157,6 +158,14 @@ def validate_backward(c: Checks, block: BackwardBlock) -> Backward | None:
     when something was reported."""
     ok = _kernel_settings(c)
     ok = _shape(block, c.values.get("head_dim")) and ok
+    if block.values.get("longest_first") and c.values.get("mask", Mask.NONE) is not Mask.CAUSAL:
+        block.checks.error(
+            block.key_locs["longest_first"],
+            "longest_first on orders CTAs by their work, which differs only under the causal "
+            "mask (n-block 0 sees every m-block, the last one the fewest); without it every "
+            "CTA does the same: leave it off",
+        )
+        ok = False
     regs_ok = _registers(block)
     ok = regs_ok and ok
     paths = _paths(block)
@@ -175,6 +184,7 @@ def validate_backward(c: Checks, block: BackwardBlock) -> Backward | None:
         deterministic=block.values.get("deterministic", False),
         overlap=block.values.get("overlap", False),
         early_dv=block.values.get("early_dv", False),
+        longest_first=block.values.get("longest_first", False),
         dq_red=_takes(block, GradRole.DQ, DQ_RED),
         loc=block.loc,
         tensors=tuple(_tensor(block, role, route) for role, route in paths.items()),
