@@ -2,7 +2,7 @@
 
 The kernel's plan is ``protocol(p)`` (fadsl/targets/sm90/backward/protocol.py): the sync
 pass's placement in the schedule's steps. This is the same plan listed by hand from the
-header, call by call: each role's syncs in order, with the steps of ``schedule(p)`` named
+header, call by call: each role's syncs in order, with the steps of ``build_schedule(p)`` named
 where they fall between them (a name must be the schedule's next step, and every step is
 named once). tests/test_backward_syncs.py checks that the pass places exactly these syncs,
 field for field but ``why``, in every configuration; nothing in fadsl imports this.
@@ -27,12 +27,12 @@ from fadsl.targets.sm90.backward.program import (
     CodeSite,
     Who,
 )
-from fadsl.targets.sm90.backward.schedule import schedule
+from fadsl.targets.sm90.backward.schedule import build_schedule
 
 
 def hand_protocol(p: Params) -> Protocol:
     """The schedule's steps interleaved with the hand-listed syncs."""
-    steps = schedule(p)
+    steps = build_schedule(p)
     producer = _interleave(steps.producer, _producer(p, steps.producer))
     consumer = _interleave(steps.consumer, _consumer(p))
     return Protocol(p, _setup(p), producer, consumer, steps.layout)

@@ -24,7 +24,7 @@ from fadsl.ir.printer import format_kernel
 from ir_reader import IRSyntaxError, read_kernel
 from fadsl.pipeline import compile_file, compile_source
 from fadsl.targets.sm90.backward import validate as sm90_backward
-from fadsl.targets.sm90.backward.plan_smem import smem_plan
+from fadsl.targets.sm90.backward.plan_smem import plan_smem
 from fadsl.targets.sm90.caps import register_pool, registers_asked
 from fadsl.tools.report import explain_data, explain_text, summary
 
@@ -281,7 +281,7 @@ def test_the_smem_plan_must_fit(monkeypatch):
     """No setting the block allows overflows 227 KB today; with a smaller limit the plan's
     total is refused at the stages line."""
     text = variant("stages     2                        #", "stages     3  #")
-    total = smem_plan(compile_source(text, FILE).kernel.backward, 128).total
+    total = plan_smem(compile_source(text, FILE).kernel.backward, 128).total
     monkeypatch.setattr(sm90_backward, "SMEM_LIMIT", total - 1)
     assert_error(
         text, "stages     3", "3", f"the backward's SMEM plan needs {total} bytes at head_dim 128"
@@ -296,9 +296,9 @@ def test_dq_added_from_registers():
     )
     bwd = compile_source(text, FILE).kernel.backward
     assert bwd.dq_red and "dq=red.add" in bwd.text()
-    assert {b.name: b.nbytes for b in smem_plan(bwd, 128).buffers}["dQ"] == 0
+    assert {b.name: b.nbytes for b in plan_smem(bwd, 128).buffers}["dQ"] == 0
     staged = compile_source(full_text(), FILE).kernel.backward
-    assert not staged.dq_red and {b.name: b.nbytes for b in smem_plan(staged, 128).buffers}["dQ"]
+    assert not staged.dq_red and {b.name: b.nbytes for b in plan_smem(staged, 128).buffers}["dQ"]
     det = variant("deterministic off", "deterministic on", text)
     assert_error(det, "dQ:  rf -red.add", "dQ", "deterministic on needs dQ staged")
 
@@ -318,7 +318,7 @@ def test_head_dim_64_takes_b_r_128_split_by_queries():
     sizes = {b["buffer"]: b["bytes"] for b in data["smem"]}
     assert sizes["dS"] == 2 * 128 * 128 * 2 and sizes["dQ"] == 2 * 64 * 64 * 4
     three = variant("stages     2                        #", "stages     3  #", text)
-    total = smem_plan(dataclasses.replace(kernel.backward, stages=3), 64).total
+    total = plan_smem(dataclasses.replace(kernel.backward, stages=3), 64).total
     assert total > sm90_backward.SMEM_LIMIT
     assert_error(
         three, "stages     3", "3", f"the backward's SMEM plan needs {total} bytes at head_dim 64"
@@ -339,7 +339,7 @@ def test_head_dim_128_takes_b_r_80_with_dq_transposed():
     assert sizes["dS"] == 2 * 128 * 80 * 2 and sizes["dQ"] == 2 * 64 * 80 * 4
     assert sizes["Q"] == 2 * 80 * 128 * 2 and sizes["LSE"] == 2 * 80 * 4
     three = variant("stages     2                        #", "stages     3  #", text)
-    total = smem_plan(dataclasses.replace(kernel.backward, stages=3), 128).total
+    total = plan_smem(dataclasses.replace(kernel.backward, stages=3), 128).total
     assert total > sm90_backward.SMEM_LIMIT
     assert_error(three, "stages     3", "3", "the backward's SMEM plan needs")
     red = variant(
@@ -471,7 +471,7 @@ def test_explain_json_has_the_backward_section(capsys, monkeypatch):
     assert main(["explain", str(FULL.relative_to(ROOT)), "--json", "--no-compile"]) == 0
     data = json.loads(capsys.readouterr().out)["backward"]
     bwd = compile_file(FULL.relative_to(ROOT)).kernel.backward
-    plan = smem_plan(bwd, 128)
+    plan = plan_smem(bwd, 128)
     assert data["settings"]["stages"] == bwd.stages
     assert data["settings"]["block_n"] == bwd.block_n
     assert [p["tensor"] for p in data["paths"]] == [t.role.value for t in bwd.tensors]
@@ -499,7 +499,7 @@ def test_explain_text_has_the_backward_sections():
     for title in ("Backward (", "  settings", "  paths", "  producer", "  consumers"):
         assert title in text
     assert "Backward SMEM map" in text and "Backward syncs (the main kernel's" in text
-    for buf in smem_plan(bwd, 128).buffers:
+    for buf in plan_smem(bwd, 128).buffers:
         assert re.search(rf"^  {re.escape(buf.name)} +{buf.offset} +{buf.nbytes}  ", text, re.M)
     used = registers_asked(bwd.producer_regs, bwd.consumers, bwd.consumer_regs)
     assert f"= {used} of the CTA's pool of {register_pool(bwd.threads)}" in text

@@ -28,7 +28,7 @@ from fadsl.targets.sm90.backward.program import (
 )
 from fadsl.targets.sm90.backward.protocol import protocol
 from fadsl.targets.sm90.backward.verify import check_protocol, parameter_space
-from fadsl.targets.sm90.backward.schedule import schedule
+from fadsl.targets.sm90.backward.schedule import build_schedule
 from fadsl.targets.sm90.backward.syncs import insert_syncs, without_syncs
 from test_verify_backward import UNNEEDED
 
@@ -68,12 +68,12 @@ DIFFERENCES: dict[Params, set[str]] = {}
 
 @pytest.mark.parametrize("params", PARAMS, ids=lambda p: p.describe())
 def test_the_placed_plan_is_the_hand_plan_and_is_proven(params):
-    placed = insert_syncs(schedule(params))
+    placed = insert_syncs(build_schedule(params))
     assert protocol(params) == placed  # the kernel's plan is the placed one
     assert check_protocol(placed) == ()
     assert left_out(hand_protocol(params), placed) == DIFFERENCES.get(params, set())
-    assert without_syncs(placed) == schedule(params)  # the steps untouched, in order
-    assert without_syncs(hand_protocol(params)) == schedule(params)
+    assert without_syncs(placed) == build_schedule(params)  # the steps untouched, in order
+    assert without_syncs(hand_protocol(params)) == build_schedule(params)
 
 
 @pytest.mark.parametrize("params", PARAMS, ids=lambda p: p.describe())
@@ -86,7 +86,7 @@ def test_every_placed_sync_says_what_it_orders(params):
 
 def test_the_schedule_has_no_sync():
     for params in PARAMS:
-        steps = schedule(params)
+        steps = build_schedule(params)
         assert not steps.setup
         assert not any(x.is_sync for role in WarpRole for x in steps.role(role))
         for role in WarpRole:  # a step is known by its name (``edited``)
@@ -113,7 +113,7 @@ ECONOMICAL_LEAVES_OUT[True, True] = {s.format(last="dK += dS^T Q") for s in STAG
 
 @pytest.mark.parametrize("params", PARAMS, ids=lambda p: p.describe())
 def test_the_economical_plan_is_proven_and_cheaper(params):
-    placed = insert_syncs(schedule(params), economical=True)
+    placed = insert_syncs(build_schedule(params), economical=True)
     assert check_protocol(placed) == ()
     expected = ECONOMICAL_LEAVES_OUT[params.deterministic, params.overlap]
     assert left_out(hand_protocol(params), placed) == expected
@@ -126,11 +126,11 @@ def test_economical_leaves_out_what_the_proof_finds_redundant():
 
 def test_the_pass_is_a_pure_function():
     one, two = Params(2, 2, 128), Params(3, 3, 64, True, True)
-    first = insert_syncs(schedule(one))
-    insert_syncs(schedule(two))
-    assert insert_syncs(schedule(one)) == first  # the whys too
-    assert insert_syncs(schedule(one), economical=True) == insert_syncs(
-        schedule(one), economical=True
+    first = insert_syncs(build_schedule(one))
+    insert_syncs(build_schedule(two))
+    assert insert_syncs(build_schedule(one)) == first  # the whys too
+    assert insert_syncs(build_schedule(one), economical=True) == insert_syncs(
+        build_schedule(one), economical=True
     )
     with pytest.raises(AssertionError, match="syncs given"):
         insert_syncs(first)
@@ -141,7 +141,7 @@ def test_the_pass_is_a_pure_function():
 
 def edited(params: Params, role: WarpRole, name: str, **fields) -> Protocol:
     """The schedule with step ``name`` of ``role`` changed."""
-    sched = schedule(params)
+    sched = build_schedule(params)
     items = sched.role(role)
     (n,) = [n for n, x in enumerate(items) if x.name == name]
     return sched.with_role(role, items[:n] + (replace(items[n], **fields),) + items[n + 1 :])
@@ -157,7 +157,7 @@ def test_dq_not_reading_ds_needs_no_meeting(head_dim, overlap):
     """dQ's wgmma without its read of dS^T: no proxy fence and no barrier before it (and in
     bwd_consumer dK's group, no longer ended by a sync, goes on into dQ's)."""
     params = Params(2, 2, head_dim, overlap=overlap)
-    dq = next(x for x in schedule(params).consumer if x.name == "dQ = dS K")
+    dq = next(x for x in build_schedule(params).consumer if x.name == "dQ = dS K")
     reads = tuple(op for op in dq.reads if op.buffer is not StagedTile.DS)
     placed = insert_syncs(edited(params, WarpRole.CONSUMER, "dQ = dS K", reads=reads))
     assert check_protocol(placed) == ()

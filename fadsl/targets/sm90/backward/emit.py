@@ -7,7 +7,7 @@ from typing import Any
 
 from ....ir import Dtype, Kernel, Mask
 from ....ir.backward import Backward
-from .plan_smem import dq_by_keys, dq_by_queries, dq_transposed, smem_plan
+from .plan_smem import dq_by_keys, dq_by_queries, dq_transposed, plan_smem
 
 TEMPLATE = "sm90/backward.cu.j2"
 # A plan buffer -> the header's offset constant (BwdConfig)
@@ -53,13 +53,13 @@ def dq_split(bwd: Backward, head_dim: int) -> str:
 
 
 def smem_bytes(bwd: Backward, head_dim: int) -> int:
-    return smem_plan(bwd, head_dim).total + BASE_ALIGN_SLACK
+    return plan_smem(bwd, head_dim).total + BASE_ALIGN_SLACK
 
 
 def context(kernel: Kernel, dtype: Dtype) -> dict[str, Any]:
     bwd = kernel.backward
     cfg = kernel.config
-    plan = smem_plan(bwd, cfg.head_dim)
+    plan = plan_smem(bwd, cfg.head_dim)
     return {
         "cuda_type": dtype.cuda_type,
         "head_dim": cfg.head_dim,

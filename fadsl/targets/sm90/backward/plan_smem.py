@@ -79,7 +79,7 @@ def dq_staging_bytes(bwd: Backward, head_dim: int) -> int:
     return bwd.consumers * 64 * cols * F32
 
 
-def smem_plan(bwd: Backward, head_dim: int) -> BackwardSmem:
+def plan_smem(bwd: Backward, head_dim: int) -> BackwardSmem:
     """Offsets of the main kernel's buffers for ``bwd``'s tiles at ``head_dim``."""
     m, n, s = bwd.block_m, bwd.block_n, bwd.stages
     sizes = (

@@ -15,7 +15,7 @@ loop, once per m-block (``LoopPhase.LOOP``), or once after it. Loop items name t
 parity symbolically (``Index``, ``WaitParity``): ring slot i % stages and parity
 (i / stages) & 1, dS^T's buffer i % 2.
 
-Who builds what: schedule.py the steps (``schedule``: the work, no sync), syncs/ the syncs
+Who builds what: schedule.py the steps (``build_schedule``: the work, no sync), syncs/ the syncs
 (``insert_syncs``), protocol.py the plan (``protocol``: the two together), which verify.py
 unrolls for a given m-block count and proves in the async model, and which
 tests/test_verify_backward.py checks the header against, call for call.

@@ -47,7 +47,7 @@ from .program import (
     bar_id,
     default_layout,
 )
-from .schedule import schedule
+from .schedule import build_schedule
 from .syncs import insert_syncs
 
 __all__ = [
@@ -88,4 +88,4 @@ __all__ = [
 
 def protocol(p: Params) -> Protocol:
     """The plan of ``p``: the sync pass's placement in the schedule's steps."""
-    return insert_syncs(schedule(p))
+    return insert_syncs(build_schedule(p))

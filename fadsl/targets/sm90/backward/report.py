@@ -1,6 +1,6 @@
 """What `fadsl explain` says about a kernel's backward block on sm_90a: its settings and
 paths, the roles of the main kernel's warpgroups, the setmaxnreg split and the SMEM map of
-``plan.smem_plan`` (docs/backward.md). The syncs section is left for the backward's sync
+``plan_smem.plan_smem`` (docs/backward.md). The syncs section is left for the backward's sync
 pass (``backward_syncs``)."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from ..caps import (
     register_pool,
     registers_asked,
 )
-from .plan_smem import dq_by_keys, dq_by_queries, dq_transposed, smem_plan
+from .plan_smem import dq_by_keys, dq_by_queries, dq_transposed, plan_smem
 from .protocol import Guard, Index, Item, Kind, Params
 from .protocol import WarpRole
 from .protocol import protocol
@@ -103,7 +103,7 @@ def backward_data(kernel: Kernel) -> dict[str, Any]:
     bwd = kernel.backward
     assert bwd is not None
     head_dim = kernel.config.head_dim
-    plan = smem_plan(bwd, head_dim)
+    plan = plan_smem(bwd, head_dim)
     threads = bwd.threads
     return {
         "settings": {

@@ -48,7 +48,7 @@ from .program import (
 __all__ = ["schedule", "producer_steps", "consumer_steps"]
 
 
-def schedule(p: Params) -> Protocol:
+def build_schedule(p: Params) -> Protocol:
     """The plan's steps, every role's, with no sync: what ``insert_syncs`` places syncs in."""
     return Protocol(p, (), producer_steps(p), consumer_steps(p))
 

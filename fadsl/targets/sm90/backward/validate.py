@@ -14,7 +14,7 @@ What the first backward kernel supports (docs/backward.md, FlashAttention-3's ba
   within the CTA's launch allocation (as the forward's: setmaxnreg only moves registers
   within it);
 - each tensor's one path (``PATHS``): which hops, instructions and sharing scope;
-- the SMEM plan (``plan.smem_plan``) within sm_90a's 227 KB per CTA.
+- the SMEM plan (``plan_smem.plan_smem``) within sm_90a's 227 KB per CTA.
 Every key has a default, so `backward {}` alone is a valid block.
 """
 
@@ -45,7 +45,7 @@ from ..caps import (
     register_pool,
     registers_asked,
 )
-from .plan_smem import smem_plan
+from .plan_smem import plan_smem
 
 HEAD_DIMS = (64, 128)
 DTYPES = (Dtype.BF16, Dtype.FP16)  # every dtype today; a new one needs its backward first
@@ -419,7 +419,7 @@ def _tensor(block: BackwardBlock, role: Role | GradRole, route: Route) -> Backwa
 
 
 def _smem(block: BackwardBlock, backward: Backward, head_dim: int) -> bool:
-    plan = smem_plan(backward, head_dim)
+    plan = plan_smem(backward, head_dim)
     if plan.total <= SMEM_LIMIT:
         return True
     where = block.key_locs

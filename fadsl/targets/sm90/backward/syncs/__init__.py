@@ -29,7 +29,7 @@ WAR, the proxy fence (the writers', before the barrier that hands the bytes over
 wgmma.fence (the warpgroup's own, issued before it blocks at a meeting), the meeting
 barrier, the ordered add's acquire: the header's order.
 
-Its result is the plan (protocol.py: ``protocol(p) = insert_syncs(schedule(p))``), which
+Its result is the plan (protocol.py: ``protocol(p) = insert_syncs(build_schedule(p))``), which
 verify.py proves; tests/test_backward_syncs.py checks that it equals a plan written by hand
 from the header (tests/backward_hand_plan.py) in every configuration, every field but
 ``why``. Each placed sync's ``why`` names the hazard it orders (`fadsl explain` prints it).
