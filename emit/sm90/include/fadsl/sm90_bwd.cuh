@@ -213,10 +213,16 @@ struct BwdBlock {
   int m_count;  // m-blocks to visit (0: dK = dV = 0)
 };
 
-// Whether the kernel has a sliding window (its Cfg's, not BwdConfig's default).
+// Whether a query's keys end at a right edge (the causal mask's diagonal, or a window's), and
+// that edge: query q sees no key past q + d + bwd_right_edge (d = seqlen_k - seqlen_q).
+// (has_window: sm90.cuh's, on the Cfg's kWindowLeft.)
 template <class Cfg>
-__host__ __device__ constexpr bool bwd_has_window() {
-  return Cfg::kWindowLeft >= 0;
+__host__ __device__ constexpr bool bwd_has_right_edge() {
+  return Cfg::kCausal || has_window<Cfg>();
+}
+template <class Cfg>
+__host__ __device__ constexpr int bwd_right_edge() {
+  return Cfg::kCausal ? 0 : Cfg::kWindowRight;
 }
 
 template <class Cfg>
@@ -239,13 +245,12 @@ __device__ __forceinline__ BwdBlock bwd_block(const BwdParamsSm90& P) {
   b.m_begin = 0;
   const int d = P.seqlen_k - P.seqlen_q;  // query q's diagonal key is q + d (bottom-right aligned)
   int m_end = P.m_blocks;
-  if constexpr (Cfg::kCausal || bwd_has_window<Cfg>()) {
+  if constexpr (bwd_has_right_edge<Cfg>()) {
     // the first query that sees the n-block's first key: its right edge q + d + right
-    const int right = Cfg::kCausal ? 0 : Cfg::kWindowRight;
-    const int first_q = b.n0 - d - right;
+    const int first_q = b.n0 - d - bwd_right_edge<Cfg>();
     b.m_begin = first_q > 0 ? first_q / Cfg::kBlockM : 0;
   }
-  if constexpr (bwd_has_window<Cfg>()) {
+  if constexpr (has_window<Cfg>()) {
     // the last query that sees the n-block's last key: its left edge q + d - left
     const int last_q = b.n0 + Cfg::kBlockN - 1 - d + Cfg::kWindowLeft;
     m_end = last_q < 0 ? 0 : imin(m_end, last_q / Cfg::kBlockM + 1);
@@ -259,7 +264,7 @@ __device__ __forceinline__ BwdBlock bwd_block(const BwdParamsSm90& P) {
 // m-block m (bwd_block's range is the same condition), so the tickets come without a gap.
 template <class Cfg>
 __device__ __forceinline__ int bwd_first_n_block(const BwdParamsSm90& P, int m) {
-  if constexpr (bwd_has_window<Cfg>()) {
+  if constexpr (has_window<Cfg>()) {
     const int first_key = m * Cfg::kBlockM + (P.seqlen_k - P.seqlen_q) - Cfg::kWindowLeft;
     return first_key > 0 ? first_key / Cfg::kBlockN : 0;
   }
@@ -272,11 +277,10 @@ template <class Cfg>
 __device__ __forceinline__ bool bwd_needs_mask(const BwdParamsSm90& P, const BwdBlock& b, int m) {
   bool mask = b.n0 + Cfg::kBlockN > P.seqlen_k;
   const int d = P.seqlen_k - P.seqlen_q;
-  if constexpr (Cfg::kCausal || bwd_has_window<Cfg>()) {  // a key past the first row's right edge
-    const int right = Cfg::kCausal ? 0 : Cfg::kWindowRight;
-    mask = mask || b.n0 + Cfg::kBlockN - 1 > m * Cfg::kBlockM + d + right;
+  if constexpr (bwd_has_right_edge<Cfg>()) {  // a key past the first row's right edge
+    mask = mask || b.n0 + Cfg::kBlockN - 1 > m * Cfg::kBlockM + d + bwd_right_edge<Cfg>();
   }
-  if constexpr (bwd_has_window<Cfg>()) {  // a key before the last row's left edge
+  if constexpr (has_window<Cfg>()) {  // a key before the last row's left edge
     mask = mask || b.n0 < (m + 1) * Cfg::kBlockM - 1 + d - Cfg::kWindowLeft;
   }
   return mask;
@@ -431,10 +435,8 @@ __device__ __forceinline__ void bwd_probs(float (&s)[Cfg::kSRegs], float (&dtanh
         if constexpr (kMask) {
           const int key = key0 + 8 * r;
           bool masked = key >= P.seqlen_k;
-          if constexpr (Cfg::kCausal) masked = masked || key > q0 + col + d;
-          if constexpr (bwd_has_window<Cfg>()) {
-            masked = masked || key > q0 + col + d + Cfg::kWindowRight || key < q0 + col + d - Cfg::kWindowLeft;
-          }
+          if constexpr (bwd_has_right_edge<Cfg>()) masked = masked || key > q0 + col + d + bwd_right_edge<Cfg>();
+          if constexpr (has_window<Cfg>()) masked = masked || key < q0 + col + d - Cfg::kWindowLeft;
           if (masked) p = 0.f;
         }
         x = p;
