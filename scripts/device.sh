@@ -5,8 +5,10 @@
 #   comparison with SDPA FLASH, compute-sanitizer (racecheck, synccheck, memcheck) at a small
 #   shape, then the benchmarks if asked.
 # Usage (repo root, on the device):
-#   bash scripts/device.sh [fa4stage] [numerics] [backward] [varlen] [kvcache] [tests] [sanitize] [trace] [probe] [streamprobe] [bench ARGS...]
+#   bash scripts/device.sh [fa4stage] [numerics] [backward] [bwdvarlen] [varlen] [kvcache] [tests] [sanitize] [trace] [probe] [streamprobe] [bench ARGS...]
 #   varlen: tests/test_gpu_varlen.py, then compute-sanitizer on scripts/sanitize_varlen.py
+#   bwdvarlen (and backward): tests/test_gpu_backward_varlen.py, then compute-sanitizer on
+#   scripts/sanitize_backward_varlen.py
 #   kvcache: tests/test_gpu_kvcache.py and test_gpu_serving_api.py (fadsl.attention_varlen and
 #   attention_with_kvcache), compute-sanitizer on scripts/sanitize_kvcache.py, KV_BENCH
 #   tune: fadsl tune on TUNE_SPEC within TUNE_BUDGET minutes, the winner then timed beside TUNE_AGAINST
@@ -89,6 +91,11 @@ fi
 if [[ $steps == *" numerics "* ]]; then
   python3 -P -m pytest -q -m gpu tests/test_gpu_numerics.py -p no:cacheprovider --durations=5 --timeout=300 -rs 2>&1 | tee "$OUT/pytest_numerics.log" | tail -25
   status=$((status | ${PIPESTATUS[0]}))
+fi
+if [[ $steps == *" bwdvarlen "* || $steps == *" backward "* && ${BWD_TESTS:-1} == 1 ]]; then
+  # the varlen backward's GPU tests (packed sequences, fadsl.attention_varlen's gradients),
+  # then compute-sanitizer on scripts/sanitize_backward_varlen.py
+  checked backward_varlen tests/test_gpu_backward_varlen.py scripts/sanitize_backward_varlen.py
 fi
 if [[ $steps == *" backward "* ]]; then
   # the backward's GPU tests, then its timing (BWD_SPECS: specs with a backward block,

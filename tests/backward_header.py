@@ -137,7 +137,9 @@ def kernel_template(overlap: bool, template: str = TEMPLATE) -> str:
     )
     decided = branch.sub(lambda b: (b[1] if overlap else b[2]) or "", template)
     # the Cfg's constants of a window or a softcap: declarations, never calls
-    constants = re.compile(tag("if (window|softcap|longest_first)") + r"(.*?)" + tag("endif"), re.S)
+    constants = re.compile(
+        tag("if (window|softcap|longest_first|varlen)") + r"(.*?)" + tag("endif"), re.S
+    )
     for block in constants.finditer(decided):
         assert "(" not in re.sub(r"//[^\n]*", "", block[2]), f"a call under {{% if {block[1]} %}}"
     decided = constants.sub("", decided)

@@ -22,6 +22,7 @@ from fadsl.ir import Backward, GradRole, Instr, Level, Role, Scope
 from fadsl.ir.backward import read_backward as read_backward_ir
 from fadsl.ir.printer import format_kernel
 from ir_reader import IRSyntaxError, read_kernel
+from fadsl.targets.sm90.backward.report import backward_data, backward_sections
 from fadsl.pipeline import compile_file, compile_source
 from fadsl.targets.sm90.backward import validate as sm90_backward
 from fadsl.targets.sm90.backward.plan_smem import plan_smem
@@ -395,6 +396,31 @@ def test_longest_first_is_for_the_causal_mask_and_reaches_the_config():
     assert read_backward_ir(line, compiled.kernel.backward.loc).longest_first
     source, *_ = render_backward(compiled.kernel, compiled.target, FILE)
     assert "static constexpr bool kLongestFirst = true;" in source.text.split("struct Cfg", 1)[1]
+
+
+def test_varlen_trains_without_ordered_adds_or_longest_first():
+    """`varlen on` with a backward block compiles (the Cfg says kVarlen, the main kernel's
+    grid comment the packed slots); `deterministic on` and `longest_first on` are refused
+    at their keys, since packed batches run neither."""
+    text = variant("  mask       none", "  mask       causal\n  varlen     on")
+    compiled = compile_source(text, FILE)
+    source, *_ = render_backward(compiled.kernel, compiled.target, FILE)
+    assert "static constexpr bool kVarlen = true;" in source.text.split("struct Cfg", 1)[1]
+    assert "cdiv(tokens_k, 128) + sequences" in source.text
+    explained = "\n".join(backward_sections(backward_data(compiled.kernel)))
+    assert "  varlen     packed sequences: a CTA per n-block slot" in explained
+    padded = compile_source(variant("  mask       none", "  mask       causal"), FILE)
+    assert "varlen" not in "\n".join(backward_sections(backward_data(padded.kernel)))
+    plain, *_ = render_backward(padded.kernel, padded.target, FILE)
+    assert "kVarlen" not in plain.text.split("struct Cfg", 1)[1]
+    for key, message in (
+        ("deterministic", "deterministic on is for padded batches"),
+        ("longest_first", "longest_first on is for padded batches"),
+    ):
+        switched = (
+            "deterministic on" if key == "deterministic" else f"deterministic off\n    {key} on"
+        )
+        assert_error(variant("deterministic off", switched, text), f"{key} on", key, message)
 
 
 def test_softcap_and_windows_reach_the_backwards_config():

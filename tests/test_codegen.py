@@ -46,7 +46,7 @@ SERVING = sorted((ROOT / "examples" / "serving").glob("*.fa"))
 def test_generated_serving_cuda_is_current(spec, golden):
     """The serving specs fadsl.attention_varlen / attention_with_kvcache rewrite, as shipped."""
     compiled = compile_file(spec.relative_to(ROOT))
-    for source in sources(compiled):
+    for source in sources(compiled) + backward_sources(compiled):
         golden.check(GENERATED / source.filename, source.text)
 
 

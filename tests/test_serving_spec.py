@@ -139,7 +139,6 @@ TAIL = _swap(DEC_NONE, "splits     auto", "tail       split_kv")
 REFUSALS = {
     "varlen-cluster": (_add(HOPPER, V_ON), "cluster", 14, "varlen's tiles are dealt out"),
     "varlen-tail": (_add(HDIM64, V_ON), "tail", 14, "use 'tail whole' with 'varlen on'"),
-    "varlen-backward": (_add(CAUSAL, V_ON), "varlen", 14, "the varlen backward is not built"),
     "kv-varlen": (_add(DEC, V_ON), "kv_cache", 14, "kv_cache and varlen on do not combine"),
     "kv-tail": (TAIL, "tail", 14, "with kv_cache, split the K/V blocks with 'splits auto'"),
     "paged-48": (_paged("paged(48)"), "kv_cache", 20, "page size 48: expected '16', '32', '64'"),

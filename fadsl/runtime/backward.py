@@ -111,6 +111,30 @@ class BackwardKernels:
     ):
         """(dq, dk, dv), launched on q's device (architecture ``arch``) and its current
         stream."""
+        return self._run(
+            self.launcher.run, dtype, arch, q, (k, v, out, lse, dout, dlse), softmax_scale
+        )
+
+    def varlen(
+        self,
+        dtype: Dtype,
+        arch: str,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        dout,
+        dlse,
+        cu_q,
+        cu_k,
+        softmax_scale: float,
+    ):
+        """(dq, dk, dv) of a packed call (``BackwardLaunch.run_varlen``), as ``__call__``."""
+        args = (k, v, out, lse, dout, dlse, cu_q, cu_k)
+        return self._run(self.launcher.run_varlen, dtype, arch, q, args, softmax_scale)
+
+    def _run(self, run, dtype: Dtype, arch: str, q, args, softmax_scale: float):
         import torch
 
         index = q.device.index
@@ -121,6 +145,4 @@ class BackwardKernels:
             modules[kl.suffix].launch(kl.grid, kl.block, kl.params, stream)
 
         with torch.cuda.device(index):
-            return self.launcher.run(
-                self.kernel, launch, q, k, v, out, lse, dout, dlse, softmax_scale
-            )
+            return run(self.kernel, launch, q, *args, softmax_scale)

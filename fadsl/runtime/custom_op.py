@@ -144,7 +144,8 @@ _VARLEN_OPS: dict[str, object] = {}
 def varlen_op_for(kern) -> object:
     """``fadsl::<kernel>_<hash>_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale,
     return_lse) -> (out, lse)``: a varlen call as a functional op (torch.compile, CUDA
-    graphs); gradients raise, as no varlen backward is built."""
+    graphs), with an autograd formula through ``fadsl::<kernel>_<hash>_varlen_backward``
+    when the spec has a backward block (else one that raises)."""
     name = kern.op_name
     _KERNELS[name] = kern
     if name not in _VARLEN_OPS:
@@ -179,7 +180,55 @@ def _define_varlen(name: str):
         shape = varlen_lse_shape(q) if return_lse else (0,)
         return torch.empty_like(q), q.new_empty(shape, dtype=torch.float32)
 
-    _without_backward(varlen, f"fadsl kernel '{name}': varlen calls have no backward yet")
+    @custom_op(f"fadsl::{name}_varlen_backward", mutates_args=())
+    def varlen_backward(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        dout: torch.Tensor,
+        dlse: Optional[torch.Tensor],
+        cu_seqlens_q: torch.Tensor,
+        cu_seqlens_k: torch.Tensor,
+        softmax_scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return _KERNELS[name].varlen_backward(
+            q, k, v, out, lse, dout, dlse, cu_seqlens_q, cu_seqlens_k, softmax_scale
+        )
+
+    @varlen_backward.register_fake
+    def _(q, k, v, out, lse, dout, dlse, cu_seqlens_q, cu_seqlens_k, softmax_scale):
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+    def setup_context(ctx, inputs, output) -> None:
+        q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, _ = inputs
+        out, lse = output
+        ctx.softmax_scale = softmax_scale
+        if _KERNELS[name].has_backward:
+            ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
+
+    def backward(ctx, grad_out, grad_lse):
+        if not _KERNELS[name].has_backward:
+            raise RuntimeError(
+                f"fadsl kernel '{name}' is forward-only: its spec has no backward block, so "
+                "gradients cannot flow through its varlen calls. Add a `backward {}` block to "
+                "the spec, or call it under torch.no_grad() or on detached q, k and v."
+            )
+        q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
+        if lse.numel() == 0 and q.shape[0] > 0:
+            raise RuntimeError(
+                f"fadsl kernel '{name}': its varlen backward needs the forward's LSE; call the "
+                "op with return_lse=True (the FlashAttention object always does)"
+            )
+        if lse.numel() == 0:  # no query rows: an LSE of shape (heads, 0)
+            lse = q.new_empty((q.shape[1], 0), dtype=torch.float32)
+        dq, dk, dv = varlen_backward(
+            q, k, v, out, lse, grad_out, grad_lse, cu_q, cu_k, ctx.softmax_scale
+        )
+        return dq, dk, dv, None, None, None, None
+
+    varlen.register_autograd(backward, setup_context=setup_context)
     return varlen
 
 

@@ -120,14 +120,23 @@ def attention_variant(name: str, base: str, causal: bool, window_size, softcap) 
         block_c = _FORWARD_TILE.search(base)[2]
         settings |= {k: v.format(block_c=block_c) for k, v in SOFTCAP_FORWARD.items()}
     text = rewrite(base, settings, scopes, variant)
-    opened = re.search(r"^\s*backward\s*\{", text, re.M)
-    if "softcap" in settings and opened:
-        tile = _BACKWARD_TILE.search(text, opened.end())
-        block_n = tile[1] if tile else "128"
-        lines = {k: v.format(block_n=block_n) for k, v in SOFTCAP_BACKWARD.items()}
-        lines["overlap"] = SOFTCAP_ORDER[causal]
-        text = rewrite_backward(text, lines, {"dS": STORED_DS}, variant)
+    if "softcap" in settings:
+        text = softcap_backward(text, causal, variant)
     return variant, text
+
+
+def softcap_backward(text: str, causal: bool, variant: str) -> str:
+    """A spec's backward block, if it has one, as a softcap needs it: B_r 64 with dS stored
+    (SOFTCAP_BACKWARD; B_r 80 and early_dv spill with the cap's factor), the consumer's
+    order by the mask (SOFTCAP_ORDER)."""
+    opened = re.search(r"^\s*backward\s*\{", text, re.M)
+    if not opened:
+        return text
+    tile = _BACKWARD_TILE.search(text, opened.end())
+    block_n = tile[1] if tile else "128"
+    lines = {k: v.format(block_n=block_n) for k, v in SOFTCAP_BACKWARD.items()}
+    lines["overlap"] = SOFTCAP_ORDER[causal]
+    return rewrite_backward(text, lines, {"dS": STORED_DS}, variant)
 
 
 _CAPABILITY: dict[int, tuple[int, int]] = {}
@@ -268,10 +277,19 @@ def _serving_kernel(kind: str, q, settings: dict[str, str]) -> FlashAttention:
     key = (name, tuple(sorted(settings.items())))
     kern = _SERVING_LOADED.get(key)
     if kern is None:
-        base = data_dir("examples").joinpath("serving", f"{name}.fa").read_text()
-        text = rewrite(base, settings, {}, variant_name(name, settings))
-        kern = _SERVING_LOADED[key] = load(text, verbose=False)
+        kern = _SERVING_LOADED[key] = load(serving_variant(name, settings), verbose=False)
     return kern
+
+
+def serving_variant(name: str, settings: dict[str, str]) -> str:
+    """The text of the serving spec ``name`` (examples/serving/) with a call's lines; with a
+    softcap its backward block as a softcap needs it (softcap_backward)."""
+    base = data_dir("examples").joinpath("serving", f"{name}.fa").read_text()
+    variant = variant_name(name, settings)
+    text = rewrite(base, settings, {}, variant)
+    if "softcap" in settings:
+        text = softcap_backward(text, settings["mask"].startswith("causal"), variant)
+    return text
 
 
 # A serving call's kernel by what chooses it (the call's Python arguments and q's and the

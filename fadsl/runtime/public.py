@@ -124,19 +124,23 @@ def attention_varlen(
     Each mask / softcap combination is its own kernel, built on its first call; a causal call
     whose max_seqlen_q is LONG_CAUSAL_ROWS or more runs the spec with `scheduler grid` (a
     wrong max_seqlen_q costs speed only: both schedules are exact for any lengths).
-    torch.compile(fullgraph=True) traces it; gradients raise (no varlen backward yet)."""
+    torch.compile(fullgraph=True) traces it. Gradients flow through q, k and v (and the
+    LSE), each sequence's on its own rows; rows outside every sequence get zero gradients
+    and must hold finite values (a NaN there, times P = 0, reaches a neighbour's dK and dV)."""
     _check_flag("causal", causal)
     _check_flag("return_lse", return_lse)
     check_q(q, 3, "tokens, heads, head_dim")
     left, right = _window(window_size)
     _check_softcap(softcap)
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal)
-    if torch.compiler.is_compiling() or _needs_grad(q, k, v):
+    grad = _needs_grad(q, k, v)
+    if grad or torch.compiler.is_compiling():
         check_scale(softmax_scale, 1)  # (named here, not by the op's schema)
         check_max_seqlen("max_seqlen_q", max_seqlen_q)
         check_max_seqlen("max_seqlen_k", max_seqlen_k)
+        # with gradients the LSE is saved for the backward whether or not the caller asked
         out, lse = public_ops.attention_varlen(
-            *args, softmax_scale, left, right, float(softcap), return_lse
+            *args, softmax_scale, left, right, float(softcap), return_lse or grad
         )
         return (out, lse) if return_lse else out
     return varlen_call(*args, softmax_scale, window_size, softcap, return_lse)

@@ -5,8 +5,9 @@ reads the annotations as types).
 - ``fadsl::attention(q, k, v, causal, softmax_scale, window_left, window_right, softcap,
   with_lse) -> (out, lse)``, with an autograd formula through ``fadsl::attention_backward``
   (the shipped spec's backward, or its variant's for a window or a softcap);
-- ``fadsl::attention_varlen(...) -> (out, lse)``, whose gradient raises rather than
-  vanishes, and ``fadsl::attention_with_kvcache(...) -> (out, lse)``, which writes new
+- ``fadsl::attention_varlen(...) -> (out, lse)``, with an autograd formula through
+  ``fadsl::attention_varlen_backward`` (the varlen spec's variant's backward, chosen by the
+  forward's key), and ``fadsl::attention_with_kvcache(...) -> (out, lse)``, which writes new
   tokens into the caches (``mutates_args`` names them; such an op takes no autograd
   formula, so fadsl.attention_with_kvcache refuses inputs that require grad);
 - ``fadsl::append_kv(k_cache, v_cache, k_new, v_new, cache_seqlens, page_table) -> ()``.
@@ -291,7 +292,65 @@ def _no_gradient(why: str):
     return backward
 
 
-attention_varlen.register_autograd(
-    _no_gradient("fadsl.attention_varlen has no backward yet"),
-    setup_context=lambda ctx, inputs, output: None,
-)
+@custom_op("fadsl::attention_varlen_backward", mutates_args=())
+def attention_varlen_backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    dout: torch.Tensor,
+    dlse: Optional[torch.Tensor],
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: Optional[int],
+    causal: bool,
+    softmax_scale: Optional[float],
+    window_left: int,
+    window_right: int,
+    softcap: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    kern = _varlen_with_backward(q, causal, window_left, window_right, softcap, max_seqlen_q)
+    scale = check_scale(softmax_scale, kern.config.head_dim)
+    return kern.varlen_backward(q, k, v, out, lse, dout, dlse, cu_seqlens_q, cu_seqlens_k, scale)
+
+
+@attention_varlen_backward.register_fake
+def _(q, k, v, out, lse, dout, dlse, cu_q, cu_k, max_q, causal, scale, left, right, softcap):
+    _varlen_with_backward(q, causal, left, right, softcap, None)
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _varlen_with_backward(q, causal: bool, window_left, window_right, softcap, max_seqlen_q):
+    window = _concrete(window_left, window_right)
+    kern = dispatch.varlen_kernel(q, causal, window, *_concrete(softcap), max_seqlen_q)
+    if not kern.has_backward:
+        raise RuntimeError(
+            f"fadsl.attention_varlen: the spec it runs here ({kern.config.name}) has no "
+            "backward block, so gradients cannot flow through it; call it under "
+            "torch.no_grad() or on detached q, k and v"
+        )
+    return kern
+
+
+def _save_varlen(ctx, inputs, output) -> None:
+    q, k, v, cu_q, cu_k, max_q, _, causal, scale, left, right, softcap, _ = inputs
+    out, lse = output
+    ctx.args = (max_q, causal, scale, left, right, softcap)
+    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
+
+
+def _attention_varlen_grad(ctx, grad_out, grad_lse):
+    q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
+    if tuple(lse.shape) != varlen_lse_shape(q):  # the op called with return_lse=False
+        raise RuntimeError(
+            "fadsl::attention_varlen: its backward needs the forward's LSE; call the op with "
+            "return_lse=True (fadsl.attention_varlen does whenever q, k or v requires grad)"
+        )
+    dq, dk, dv = attention_varlen_backward(
+        q, k, v, out, lse, grad_out, grad_lse, cu_q, cu_k, *ctx.args
+    )
+    return (dq, dk, dv) + (None,) * 10
+
+
+attention_varlen.register_autograd(_attention_varlen_grad, setup_context=_save_varlen)

@@ -57,7 +57,7 @@ class ServingCalls:
 
     def _through_op(self, tensors, out) -> bool:
         """Whether a serving call goes through its functional op (torch.compile tracing, or
-        inputs that require grad, whose autograd raises): then out= is refused."""
+        inputs that require grad): then out= is refused."""
         import torch
 
         through = torch.compiler.is_compiling() or (
@@ -90,7 +90,8 @@ class ServingCalls:
         heads_kv, head_dim), sequence b at rows cu_seqlens_q[b] .. cu_seqlens_q[b + 1] - 1
         of q and likewise of k and v (int32 on q's device). Returns the output (q's shape),
         or ``(output, lse)`` with the LSE (heads_q, tokens_q), float32. The spec must say
-        `varlen on`; gradients are not built for varlen calls."""
+        `varlen on`. Gradients flow through q, k and v (and the LSE) when the spec has a
+        backward block."""
         from .varlen import check_max_seqlen
 
         if not self.is_varlen:
@@ -104,7 +105,9 @@ class ServingCalls:
         if not isinstance(return_lse, bool):
             raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
         if self._through_op((q, k, v), out):
-            o, lse = self._varlen_op(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, return_lse)
+            # with a backward the op always makes the LSE (its autograd saves it)
+            with_lse = return_lse or self.has_backward
+            o, lse = self._varlen_op(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, with_lse)
             return (o, lse) if return_lse else o
         return self.varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, out, return_lse)
 
@@ -135,6 +138,64 @@ class ServingCalls:
             )
         run_varlen(self, dtype, q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, scale)
         return (out, lse) if return_lse else out
+
+    def varlen_backward(self, q, k, v, out, lse, dout, dlse, cu_seqlens_q, cu_seqlens_k, scale):
+        """(dq, dk, dv) of a varlen call's loss whose gradient on the output is ``dout`` (and
+        on the LSE ``dlse``, or None), from the forward's tensors; rows outside every
+        sequence get zero gradients."""
+        import torch
+
+        from .varlen import check_varlen, varlen_lse_shape
+
+        dtype = check_varlen(self, q, k, v, cu_seqlens_q, cu_seqlens_k)
+        if dout.shape != out.shape or dout.dtype != out.dtype or dout.device != out.device:
+            raise ValueError(
+                f"the output's gradient has shape {tuple(dout.shape)}, {dout.dtype} on "
+                f"{dout.device}; expected the output's {tuple(out.shape)}, {out.dtype} on {out.device}"
+            )
+        for name, t in (("lse", lse), ("dlse", dlse)):
+            if t is None:
+                continue
+            if tuple(t.shape) != varlen_lse_shape(q) or t.device != q.device:
+                raise ValueError(
+                    f"{name} has shape {tuple(t.shape)} on {t.device}; expected the forward's "
+                    f"LSE's {varlen_lse_shape(q)} on {q.device}"
+                )
+        if lse.dtype != torch.float32:
+            raise ValueError(f"lse must be float32 (the forward's), got {lse.dtype}")
+        # TMA reads dO: a broadcast or oddly strided gradient is copied first
+        dout = dout.contiguous()
+        lse = lse.contiguous()
+        if dlse is not None:
+            dlse = dlse.to(torch.float32).contiguous()
+        arch = arch_for(torch.cuda.get_device_capability(q.device.index))
+        return self._backward_kernels().varlen(
+            dtype, arch, q, k, v, out, lse, dout, dlse, cu_seqlens_q, cu_seqlens_k, scale
+        )
+
+    def backward_padded_as_varlen(self, q, k, v, out, lse, dout, dlse, scale):
+        """(dq, dk, dv) of a padded call on a `varlen on` kernel: its sequences packed end to
+        end (as ``_launch_padded_as_varlen``), the LSE (batch, heads, seqlen) as (heads,
+        tokens), the gradients reshaped back."""
+        import torch
+
+        batch, seqlen_q, heads_q, head_dim = q.shape
+        seqlen_k = k.shape[1]
+        device = q.device
+        cu_q = torch.arange(0, (batch + 1) * seqlen_q, seqlen_q, dtype=torch.int32, device=device)
+        cu_k = torch.arange(0, (batch + 1) * seqlen_k, seqlen_k, dtype=torch.int32, device=device)
+
+        def packed(t):
+            return t.reshape(t.shape[0] * t.shape[1], t.shape[2], t.shape[3])
+
+        def heads_first(t):
+            return None if t is None else t.permute(1, 0, 2).reshape(heads_q, batch * seqlen_q)
+
+        dq, dk, dv = self.varlen_backward(
+            packed(q), packed(k), packed(v), packed(out), heads_first(lse), packed(dout),
+            heads_first(dlse), cu_q, cu_k, scale,
+        )  # fmt: skip
+        return dq.view(q.shape), dk.view(k.shape), dv.view(v.shape)
 
     def _launch_padded_as_varlen(self, dtype: Dtype, q, k, v, out, lse, scale: float) -> None:
         """A padded batch on a `varlen on` kernel: its sequences packed end to end (a view

@@ -115,6 +115,9 @@ class BackwardLaunch:
     smem: Callable[[Kernel, str], int]
     threads: Callable[[Kernel], int]
     run: Callable[..., tuple[Any, Any, Any]]
+    # a packed (`varlen on`) call: run_varlen(kernel, launch, q, k, v, out, lse, dout, dlse,
+    # cu_seqlens_q, cu_seqlens_k, scale) -> (dq, dk, dv); None: the target has none
+    run_varlen: Callable[..., tuple[Any, Any, Any]] | None = None
 
 
 FWD_PARAMS = struct.Struct("<5Q14q5if")

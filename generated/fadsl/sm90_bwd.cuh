@@ -68,6 +68,12 @@ struct BwdParamsSm90 {
   int dkv_fp32;        // GQA: each query head's dK, dV in fp32, summed over the group after
   float scale_log2;    // softmax_scale log2 e
   float softmax_scale;
+  // `varlen on` (null otherwise): batch 1 of packed rows; seqlen_q / seqlen_k are the
+  // tokens, and (lse_log2, dpsum, dq_accum, dq_semaphore) hold each sequence's queries from
+  // its own padded row (bwd_first_slot), m_blocks per head counting the padding
+  const int* cu_seqlens_q;
+  const int* cu_seqlens_k;
+  int sequences;
 };
 
 struct BwdPrepParams {
@@ -83,6 +89,8 @@ struct BwdPrepParams {
   int64_t do_batch_stride, do_row_stride, do_head_stride;
   int64_t lse_batch_stride, lse_head_stride;
   int seqlen_q, seqlen_q_rounded, heads_q;
+  const int* cu_seqlens_q;  // `varlen on` (null otherwise): BwdParamsSm90's
+  int sequences;
 };
 
 static_assert(sizeof(BwdParamsSm90) == 768, "BwdParamsSm90's layout is fadsl/targets/sm90/backward/host.py's");
@@ -93,8 +101,10 @@ struct BwdConvertParams {
   int64_t dq_batch_stride, dq_row_stride, dq_head_stride;  // elements
   int seqlen_q, m_blocks, heads_q;
   float softmax_scale;
+  const int* cu_seqlens_q;  // `varlen on` (null otherwise): BwdParamsSm90's
+  int sequences;
 };
-static_assert(sizeof(BwdPrepParams) == 144 && sizeof(BwdConvertParams) == 56,
+static_assert(sizeof(BwdPrepParams) == 160 && sizeof(BwdConvertParams) == 72,
               "the host's layouts (fadsl/targets/sm90/backward/host.py)");
 
 // ---------------------------------------------------------------------------
@@ -141,11 +151,15 @@ struct BwdConfig {
   static constexpr int kWindowLeft = -1;
   static constexpr int kWindowRight = -1;
   static constexpr float kSoftcap = 0.f;
-  // `longest_first on` (a generated Cfg sets it; the causal mask only): the CTA launched i-th
-  // takes the i-th (n-block, head, batch) with the n-block slowest, so that every head's
-  // n-block 0 (the most m-blocks) starts before any head's n-block 1 and the shortest come
-  // last; off: blockIdx as is (n fastest, head by head: a head's Q and dO stay in the L2).
+  // `longest_first on` (a generated Cfg sets it; the causal mask only): CTAs launch by L2
+  // sections (bwd_block): a section's (head, batch) pairs share the L2 for their Q, dO and dQ
+  // accumulator, and inside a section the n-block is slowest, so its n-block 0 (the most
+  // m-blocks) starts first and the shortest come last; off: blockIdx as is (n fastest, head
+  // by head).
   static constexpr bool kLongestFirst = false;
+  // `varlen on` (a generated Cfg sets it): packed sequences, cu_seqlens in the params; a CTA
+  // per (n-block slot, query head) over the packed keys (bwd_block)
+  static constexpr bool kVarlen = false;
 
   static constexpr int kThreads = 128 * (1 + kConsumerWGs);
   static constexpr int kConsumerThreads = 128 * kConsumerWGs;
@@ -211,7 +225,51 @@ struct BwdBlock {
   int n0;       // first key
   int m_begin;  // first m-block that sees a key of the n-block (causal: the diagonal's)
   int m_count;  // m-blocks to visit (0: dK = dV = 0)
+  // the block's sequence: its queries and keys, its first row in the tensors (0 padded) and
+  // its first m-block's index among the (head, batch)'s chunks of dQ's accumulator, of B_r
+  // rows each (the LSE's and D's rows / B_r)
+  int seqlen_q, seqlen_k;
+  int q_row0, k_row0;
+  int64_t chunk0;
 };
+
+// `varlen on`: sequence s's first padded slot is (cu[s] + s block) / block, in units of
+// `block` rows (FlashAttention-3's padding: an extra block per sequence, so that each starts a
+// block of its own).  With cu non-decreasing, sequence s owns the slots from its first to
+// the next sequence's, at least cdiv(its rows, block) of them (research/backward-varlen.md
+// §3).  Returns the last s < sequences whose first slot is at or before `slot`; malformed cu
+// still give some s in range, which the callers check (bwd_sequence_ok).
+__device__ __forceinline__ int bwd_first_slot(const int* cu, int s, int block) {
+  return (cu[s] + s * block) / block;
+}
+__device__ __forceinline__ int bwd_varlen_sequence(const int* cu, int sequences, int block, int slot) {
+  int lo = 0, hi = imin(slot, sequences - 1);  // a sequence's first slot is s or later
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (bwd_first_slot(cu, mid, block) <= slot) lo = mid;
+    else hi = mid - 1;
+  }
+  return lo;
+}
+// Whether rows [r0, r1) lie within a tensor of `rows` rows in order (else the sequence is
+// treated as empty: nothing read or written for it; the forward made O and the LSE NaN).
+__device__ __forceinline__ bool bwd_sequence_ok(int r0, int r1, int rows) {
+  return 0 <= r0 && r0 <= r1 && r1 <= rows;
+}
+
+// The query rows behind padded rows (of the LSE, D and dQ's accumulator) of one chunk:
+// padded row r holds query row r + shift of the tensors if begin <= r < end, else none.
+struct BwdQueryRows {
+  int shift, begin, end;
+};
+template <class Cfg>
+__device__ __forceinline__ BwdQueryRows bwd_query_rows(const int* cu_q, int sequences, int tokens_q, int chunk) {
+  const int s = bwd_varlen_sequence(cu_q, sequences, Cfg::kBlockM, chunk);
+  const int q0 = cu_q[s], q1 = cu_q[s + 1];
+  const int first = bwd_first_slot(cu_q, s, Cfg::kBlockM) * Cfg::kBlockM;
+  if (!bwd_sequence_ok(q0, q1, tokens_q)) return {0, 0, 0};
+  return {q0 - first, first, first + q1 - q0};
+}
 
 // Whether a query's keys end at a right edge (the causal mask's diagonal, or a window's), and
 // that edge: query q sees no key past q + d + bwd_right_edge (d = seqlen_k - seqlen_q).
@@ -225,26 +283,76 @@ __host__ __device__ constexpr int bwd_right_edge() {
   return Cfg::kCausal ? 0 : Cfg::kWindowRight;
 }
 
+// The block's keys and its diagonal offset d = seqlen_k - seqlen_q (query q's diagonal key is
+// q + d): the params' for padded calls (constants the compiler need not keep in registers),
+// the sequence's with `varlen on`.
+template <class Cfg>
+__device__ __forceinline__ int bwd_keys(const BwdParamsSm90& P, const BwdBlock& b) {
+  if constexpr (Cfg::kVarlen) return b.seqlen_k;
+  return P.seqlen_k;
+}
+template <class Cfg>
+__device__ __forceinline__ int bwd_diagonal(const BwdParamsSm90& P, const BwdBlock& b) {
+  if constexpr (Cfg::kVarlen) return b.seqlen_k - b.seqlen_q;
+  return P.seqlen_k - P.seqlen_q;
+}
+
 template <class Cfg>
 __device__ __forceinline__ BwdBlock bwd_block(const BwdParamsSm90& P) {
   BwdBlock b;
   b.n_block = blockIdx.x;
   b.head = blockIdx.y;
   b.batch = blockIdx.z;
-  if constexpr (Cfg::kLongestFirst) {
-    // blocks launch x fastest, then y, then z: launch index -> n-block slowest
-    const int heads_batches = gridDim.y * gridDim.z;
+  b.seqlen_q = P.seqlen_q;
+  b.seqlen_k = P.seqlen_k;
+  b.q_row0 = b.k_row0 = 0;
+  if constexpr (Cfg::kVarlen) {
+    // slot blockIdx.x of the packed keys: its sequence and n-block (a gap slot past the
+    // sequence's keys, or a malformed sequence, has no work and stores nothing)
+    const int s = bwd_varlen_sequence(P.cu_seqlens_k, P.sequences, Cfg::kBlockN, blockIdx.x);
+    const int q0 = P.cu_seqlens_q[s], q1 = P.cu_seqlens_q[s + 1];
+    const int k0 = P.cu_seqlens_k[s], k1 = P.cu_seqlens_k[s + 1];
+    const bool ok = bwd_sequence_ok(q0, q1, P.seqlen_q) && bwd_sequence_ok(k0, k1, P.seqlen_k);
+    b.n_block = blockIdx.x - bwd_first_slot(P.cu_seqlens_k, s, Cfg::kBlockN);
+    b.batch = 0;
+    b.q_row0 = q0;
+    b.k_row0 = k0;
+    b.seqlen_q = q1 - q0;
+    b.seqlen_k = k1 - k0;
+    if (!ok || b.n_block < 0 || b.n_block * Cfg::kBlockN >= b.seqlen_k) {
+      b.n_block = b.seqlen_q = b.seqlen_k = b.q_row0 = b.k_row0 = 0;  // no key stored, no m-block
+    }
+    b.chunk0 = static_cast<int64_t>(b.head) * P.m_blocks + bwd_first_slot(P.cu_seqlens_q, s, Cfg::kBlockM);
+  } else {
+    b.chunk0 = (static_cast<int64_t>(b.batch) * P.heads_q + b.head) * P.m_blocks;
+  }
+  if constexpr (Cfg::kLongestFirst && !Cfg::kVarlen) {
+    // Blocks launch x fastest, then y, then z.  The launch index runs over sections of
+    // `section` (head, batch) pairs, the n-block slowest inside each.  `section` is the power
+    // of 2 of pairs whose Q and dO (2 bytes) and dQ accumulator (4 bytes) fit 40 MB of the
+    // L2 (50 MB on H100 and H200): with the n-block slowest over all pairs at once, every
+    // running CTA reads its own head's Q and dO and the L2 thrashes (measured 2026-11-29,
+    // H200: -27 % at causal 1k, head_dim 128).  The last section holds the remainder.
+    const int pairs = gridDim.y * gridDim.z;
     const int launched = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
-    const int hb = launched % heads_batches;
-    b.n_block = launched / heads_batches;
+    const long long head_bytes = (long long)P.seqlen_q_rounded * Cfg::kHeadDim * (2 * 2 + 4);
+    const long long fit = (40ll << 20) / head_bytes;
+    const int section = fit < 1 ? 1 : 1 << (31 - __clz(fit > (1 << 30) ? 1 << 30 : (int)fit));
+    const int section_ctas = section * gridDim.x;
+    const int first_pair = launched / section_ctas * section;
+    const int in_section = launched % section_ctas;
+    const int pairs_here = imin(section, pairs - first_pair);
+    const int hb = first_pair + in_section % pairs_here;
+    b.n_block = in_section / pairs_here;
     b.head = hb % gridDim.y;
     b.batch = hb / gridDim.y;
+    b.chunk0 = (static_cast<int64_t>(b.batch) * P.heads_q + b.head) * P.m_blocks;
   }
   b.head_kv = b.head / P.group;
   b.n0 = b.n_block * Cfg::kBlockN;
   b.m_begin = 0;
-  const int d = P.seqlen_k - P.seqlen_q;  // query q's diagonal key is q + d (bottom-right aligned)
-  int m_end = P.m_blocks;
+  const int d = b.seqlen_k - b.seqlen_q;  // query q's diagonal key is q + d (bottom-right aligned)
+  int m_end = Cfg::kVarlen ? (b.seqlen_q + Cfg::kBlockM - 1) / Cfg::kBlockM : P.m_blocks;
   if constexpr (bwd_has_right_edge<Cfg>()) {
     // the first query that sees the n-block's first key: its right edge q + d + right
     const int first_q = b.n0 - d - bwd_right_edge<Cfg>();
@@ -263,9 +371,9 @@ __device__ __forceinline__ BwdBlock bwd_block(const BwdParamsSm90& P) {
 // the m-block's tickets start there.  Every n-block from it to the last that m sees visits
 // m-block m (bwd_block's range is the same condition), so the tickets come without a gap.
 template <class Cfg>
-__device__ __forceinline__ int bwd_first_n_block(const BwdParamsSm90& P, int m) {
+__device__ __forceinline__ int bwd_first_n_block(const BwdBlock& b, int m) {
   if constexpr (has_window<Cfg>()) {
-    const int first_key = m * Cfg::kBlockM + (P.seqlen_k - P.seqlen_q) - Cfg::kWindowLeft;
+    const int first_key = m * Cfg::kBlockM + (b.seqlen_k - b.seqlen_q) - Cfg::kWindowLeft;  // (padded only: see validate)
     return first_key > 0 ? first_key / Cfg::kBlockN : 0;
   }
   return 0;
@@ -275,8 +383,8 @@ __device__ __forceinline__ int bwd_first_n_block(const BwdParamsSm90& P, int m) 
 // past some query's diagonal.
 template <class Cfg>
 __device__ __forceinline__ bool bwd_needs_mask(const BwdParamsSm90& P, const BwdBlock& b, int m) {
-  bool mask = b.n0 + Cfg::kBlockN > P.seqlen_k;
-  const int d = P.seqlen_k - P.seqlen_q;
+  bool mask = b.n0 + Cfg::kBlockN > bwd_keys<Cfg>(P, b);
+  const int d = bwd_diagonal<Cfg>(P, b);
   if constexpr (bwd_has_right_edge<Cfg>()) {  // a key past the first row's right edge
     mask = mask || b.n0 + Cfg::kBlockN - 1 > m * Cfg::kBlockM + d + bwd_right_edge<Cfg>();
   }
@@ -312,10 +420,10 @@ __device__ __forceinline__ void bwd_producer(const BwdParamsSm90& P, uint32_t sm
 #pragma unroll
   for (int panel = 0; panel < Cfg::kPanels; ++panel) {
     const uint32_t at = panel * Cfg::kBlockN * Cfg::kRowBytes;
-    tma_load_4d(smem + Cfg::kOffK + at, &P.tma_k, bar_kv, 64 * panel, b.n0, b.head_kv, b.batch);
-    tma_load_4d(smem + Cfg::kOffV + at, &P.tma_v, bar_kv, 64 * panel, b.n0, b.head_kv, b.batch);
+    tma_load_4d(smem + Cfg::kOffK + at, &P.tma_k, bar_kv, 64 * panel, b.k_row0 + b.n0, b.head_kv, b.batch);
+    tma_load_4d(smem + Cfg::kOffV + at, &P.tma_v, bar_kv, 64 * panel, b.k_row0 + b.n0, b.head_kv, b.batch);
   }
-  const int64_t rows = (static_cast<int64_t>(b.batch) * P.heads_q + b.head) * P.seqlen_q_rounded;
+  const int64_t rows = b.chunk0 * Cfg::kBlockM;
   for (int i = 0; i < b.m_count; ++i) {
     const int slot = i % Cfg::kStages;
     const uint32_t phase = static_cast<uint32_t>(i / Cfg::kStages) & 1u;
@@ -328,8 +436,8 @@ __device__ __forceinline__ void bwd_producer(const BwdParamsSm90& P, uint32_t sm
 #pragma unroll
     for (int panel = 0; panel < Cfg::kPanels; ++panel) {
       const uint32_t at = slot * Cfg::kQBytes + panel * Cfg::kBlockM * Cfg::kRowBytes;
-      tma_load_4d(smem + Cfg::kOffQ + at, &P.tma_q, full, 64 * panel, m * Cfg::kBlockM, b.head, b.batch);
-      tma_load_4d(smem + Cfg::kOffDO + at, &P.tma_do, full, 64 * panel, m * Cfg::kBlockM, b.head, b.batch);
+      tma_load_4d(smem + Cfg::kOffQ + at, &P.tma_q, full, 64 * panel, b.q_row0 + m * Cfg::kBlockM, b.head, b.batch);
+      tma_load_4d(smem + Cfg::kOffDO + at, &P.tma_do, full, 64 * panel, b.q_row0 + m * Cfg::kBlockM, b.head, b.batch);
     }
     const int64_t row0 = rows + static_cast<int64_t>(m) * Cfg::kBlockM;
     bulk_load(smem + Cfg::kOffLSE + slot * Cfg::kRowFloatsBytes, P.lse_log2 + row0, Cfg::kRowFloatsBytes, full);
@@ -417,10 +525,11 @@ __device__ __forceinline__ void bwd_softcap(float (&s)[Cfg::kSRegs], float (&dta
 // 8j + 2t + e of the m-block) is 2^(S c log2e - LSE log2e), 0 where masked.
 template <class Cfg, bool kMask>
 __device__ __forceinline__ void bwd_probs(float (&s)[Cfg::kSRegs], float (&dtanh)[Cfg::kSRegs],
-                                          const BwdParamsSm90& P, uint32_t lse_slot, int key0, int q0, int lane) {
+                                          const BwdParamsSm90& P, uint32_t lse_slot, int key0, int q0, int lane,
+                                          const BwdBlock& b) {
   bwd_softcap<Cfg>(s, dtanh, P.scale_log2);
   const int t = lane % 4;
-  const int d = P.seqlen_k - P.seqlen_q;
+  const int d = bwd_diagonal<Cfg>(P, b), seqlen_k = bwd_keys<Cfg>(P, b);
 #pragma unroll
   for (int j = 0; j < Cfg::kBlockM / 8; ++j) {
     const float2 lse_pair = ld_shared_v2_f32(lse_slot + 4 * (8 * j + 2 * t));  // columns 8j + 2t + e
@@ -434,7 +543,7 @@ __device__ __forceinline__ void bwd_probs(float (&s)[Cfg::kSRegs], float (&dtanh
         float p = fast_exp2(fmaf(x, P.scale_log2, -lse));
         if constexpr (kMask) {
           const int key = key0 + 8 * r;
-          bool masked = key >= P.seqlen_k;
+          bool masked = key >= seqlen_k;
           if constexpr (bwd_has_right_edge<Cfg>()) masked = masked || key > q0 + col + d + bwd_right_edge<Cfg>();
           if constexpr (has_window<Cfg>()) masked = masked || key < q0 + col + d - Cfg::kWindowLeft;
           if (masked) p = 0.f;
@@ -528,8 +637,8 @@ __device__ __forceinline__ void store_grad_kv(const float (&acc)[Cfg::kAccRegs],
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int key = key0 + 8 * r;
-    if (key >= P.seqlen_k) continue;
-    const int64_t row = b.batch * batch_stride + key * row_stride + b.head * head_stride;
+    if (key >= bwd_keys<Cfg>(P, b)) continue;
+    const int64_t row = b.batch * batch_stride + (b.k_row0 + key) * row_stride + b.head * head_stride;
 #pragma unroll
     for (int j = 0; j < Cfg::kHeadDim / 8; ++j) {
       const int col = 8 * j + 2 * t;
@@ -604,7 +713,7 @@ __device__ __forceinline__ void reduce_dq(const BwdParamsSm90& P, const BwdBlock
     if (tid == 0) {
       if constexpr (Cfg::kDeterministic) {
         ordered_reduce_add<Cfg>(dst, stage, P.dq_semaphore + accum_head + m,
-                                  (b.n_block - bwd_first_n_block<Cfg>(P, m)) * Cfg::kConsumerWGs + wg);
+                                  (b.n_block - bwd_first_n_block<Cfg>(b, m)) * Cfg::kConsumerWGs + wg);
       } else {
         bulk_reduce_add_f32(dst, stage, Cfg::kDqFloats * 4);
         tma_store_commit();
@@ -662,7 +771,7 @@ __device__ __forceinline__ void bwd_consumer(const BwdParamsSm90& P, uint32_t sm
   const uint32_t k_wg = smem + Cfg::kOffK + 64 * wg * Cfg::kRowBytes;  // the warpgroup's 64 key rows
   const uint32_t v_wg = smem + Cfg::kOffV + 64 * wg * Cfg::kRowBytes;
   const uint32_t stage = smem + Cfg::kOffDQ + wg * Cfg::kDqFloats * 4;
-  const int64_t accum_head = (static_cast<int64_t>(b.batch) * P.heads_q + b.head) * P.m_blocks;
+  const int64_t accum_head = b.chunk0;
   // RAW: K and V landed (TMA complete_tx on kv_full, phase 0)
   if (b.m_count > 0) mbar_wait_parity(bwd_bar_kv<Cfg>(smem), 0u);
 
@@ -687,9 +796,9 @@ __device__ __forceinline__ void bwd_consumer(const BwdParamsSm90& P, uint32_t sm
     const uint32_t lse_slot = smem + Cfg::kOffLSE + slot * Cfg::kRowFloatsBytes;
     const uint32_t d_slot = smem + Cfg::kOffD + slot * Cfg::kRowFloatsBytes;
     if (bwd_needs_mask<Cfg>(P, b, m)) {
-      bwd_probs<Cfg, true>(s, dtanh, P, lse_slot, key0, m * Cfg::kBlockM, lane);
+      bwd_probs<Cfg, true>(s, dtanh, P, lse_slot, key0, m * Cfg::kBlockM, lane, b);
     } else {
-      bwd_probs<Cfg, false>(s, dtanh, P, lse_slot, key0, m * Cfg::kBlockM, lane);
+      bwd_probs<Cfg, false>(s, dtanh, P, lse_slot, key0, m * Cfg::kBlockM, lane, b);
     }
     uint32_t p16[Cfg::kPRegs], ds16[Cfg::kPRegs];
     if constexpr (Cfg::kEarlyDv) {  // (only with kOverlap: the static_assert in BwdConfig)
@@ -774,11 +883,21 @@ __device__ __forceinline__ void bwd_preprocess_row(const BwdPrepParams& P) {
   constexpr int kRowsPerCta = 256 / kThreadsPerRow;
   const int part = threadIdx.x % kThreadsPerRow;
   const int row = blockIdx.x * kRowsPerCta + threadIdx.x / kThreadsPerRow, head = blockIdx.y, batch = blockIdx.z;
-  const bool real = row < P.seqlen_q;
+  // the query row of padded row `row` (varlen: the CTA's rows lie in one chunk, since
+  // kRowsPerCta divides B_r, so in one sequence's padded rows)
+  bool real = row < P.seqlen_q;
+  int query = row;
+  if constexpr (Cfg::kVarlen) {
+    static_assert(Cfg::kBlockM % kRowsPerCta == 0, "a preprocess CTA within one chunk");
+    const BwdQueryRows rows =
+        bwd_query_rows<Cfg>(P.cu_seqlens_q, P.sequences, P.seqlen_q, blockIdx.x * kRowsPerCta / Cfg::kBlockM);
+    real = rows.begin <= row && row < rows.end;
+    query = row + rows.shift;
+  }
   float d = 0.f;
   if (real) {
-    const T* o = static_cast<const T*>(P.o) + batch * P.o_batch_stride + row * P.o_row_stride + head * P.o_head_stride;
-    const T* g = static_cast<const T*>(P.dout) + batch * P.do_batch_stride + row * P.do_row_stride +
+    const T* o = static_cast<const T*>(P.o) + batch * P.o_batch_stride + query * P.o_row_stride + head * P.o_head_stride;
+    const T* g = static_cast<const T*>(P.dout) + batch * P.do_batch_stride + query * P.do_row_stride +
                  head * P.do_head_stride;
     // 16-byte aligned: O and dO are rows of head_dim 16-bit elements that TMA reads too
     const uint4 o8 = *reinterpret_cast<const uint4*>(o + 8 * part);
@@ -798,7 +917,7 @@ __device__ __forceinline__ void bwd_preprocess_row(const BwdPrepParams& P) {
   if (part == 0) {
     float lse = -INFINITY;
     if (real) {
-      const int64_t at_lse = batch * P.lse_batch_stride + head * P.lse_head_stride + row;
+      const int64_t at_lse = batch * P.lse_batch_stride + head * P.lse_head_stride + query;
       lse = P.lse[at_lse];
       // dLSE_i / dS_ij = P_ij, so a gradient on the LSE adds P dLSE to dS = P (dP - D):
       // the same as D - dLSE in place of D
@@ -831,11 +950,20 @@ __device__ __forceinline__ void bwd_preprocess_row(const BwdPrepParams& P) {
 // CTA takes 16 queries (q-groups 2c and 2c + 1 of its m-block); thread (share, tid) reads
 // one float4 of each and swaps two values with its partner lane (tid ^ 4: column d ^ 1) so
 // that each holds two adjacent columns of one query.
+// The query rows of m-block (chunk) m_block's padded rows: [0, seqlen_q) as they are, or
+// (varlen) the chunk's sequence's (16 divides B_r: a CTA's rows lie in one chunk).
+template <class Cfg>
+__device__ __forceinline__ BwdQueryRows bwd_convert_rows(const BwdConvertParams& P, int m_block) {
+  if constexpr (Cfg::kVarlen) return bwd_query_rows<Cfg>(P.cu_seqlens_q, P.sequences, P.seqlen_q, m_block);
+  return {0, 0, P.seqlen_q};
+}
+
 template <class Cfg>
 __device__ __forceinline__ void bwd_convert_dq_t(const BwdConvertParams& P) {
   const int row0 = blockIdx.x * 16, head = blockIdx.y, batch = blockIdx.z;
   const int m_block = row0 / Cfg::kBlockM;
   if (m_block >= P.m_blocks) return;
+  const BwdQueryRows rows = bwd_convert_rows<Cfg>(P, m_block);
   const int share = threadIdx.x / 128, tid = threadIdx.x % 128, lane = tid % 32;
   const bool odd = (lane / 4) % 2 == 1;  // column d odd: takes query u + 1
   const int col = 64 * share + 16 * (tid / 32) + (lane / 4) - (odd ? 1 : 0);  // the pair's first column
@@ -852,8 +980,8 @@ __device__ __forceinline__ void bwd_convert_dq_t(const BwdConvertParams& P) {
     const float2 lo = odd ? make_float2(got0, v.y) : make_float2(v.x, got0);  // columns col, col + 1
     const float2 hi = odd ? make_float2(got1, v.w) : make_float2(v.z, got1);  // columns col + 8, col + 9
     const int row = m_block * Cfg::kBlockM + 8 * q + 2 * (lane % 4) + (odd ? 1 : 0);
-    if (row < P.seqlen_q) {
-      typename Cfg::T* out = dq + row * P.dq_row_stride + col;
+    if (rows.begin <= row && row < rows.end) {
+      typename Cfg::T* out = dq + (row + rows.shift) * P.dq_row_stride + col;
       *reinterpret_cast<uint32_t*>(out) = pack_f32x2<typename Cfg::T>(lo.x * P.softmax_scale, lo.y * P.softmax_scale);
       *reinterpret_cast<uint32_t*>(out + 8) =
           pack_f32x2<typename Cfg::T>(hi.x * P.softmax_scale, hi.y * P.softmax_scale);
@@ -871,6 +999,7 @@ __device__ __forceinline__ void bwd_convert_dq_row(const BwdConvertParams& P) {
   const int row = blockIdx.x * 16 + warp, head = blockIdx.y, batch = blockIdx.z;  // and row + 8
   const int m_block = row / Cfg::kBlockM, q = row % Cfg::kBlockM, u = q % 64;
   if (m_block >= P.m_blocks) return;
+  const BwdQueryRows rows = bwd_convert_rows<Cfg>(P, m_block);
   const float* chunk = P.dq_accum + ((static_cast<int64_t>(batch) * P.heads_q + head) * P.m_blocks + m_block) *
                                         (Cfg::kBlockM * Cfg::kHeadDim);
   typename Cfg::T* dq = static_cast<typename Cfg::T*>(P.dq) + batch * P.dq_batch_stride + head * P.dq_head_stride;
@@ -879,12 +1008,12 @@ __device__ __forceinline__ void bwd_convert_dq_row(const BwdConvertParams& P) {
     const int share = Cfg::kDqByQueries ? q / 64 : col / Cfg::kDqCols, c = col % Cfg::kDqCols;
     const int tid = 32 * (u / 16) + 4 * (u % 8) + (c % 8) / 2;
     const float4 v = *reinterpret_cast<const float4*>(chunk + share * Cfg::kDqFloats + ((c / 8) * 128 + tid) * 4);
-    if (row < P.seqlen_q) {
-      *reinterpret_cast<uint32_t*>(dq + row * P.dq_row_stride + col) =
+    if (rows.begin <= row && row < rows.end) {
+      *reinterpret_cast<uint32_t*>(dq + (row + rows.shift) * P.dq_row_stride + col) =
           pack_f32x2<typename Cfg::T>(v.x * P.softmax_scale, v.y * P.softmax_scale);
     }
-    if (row + 8 < P.seqlen_q) {
-      *reinterpret_cast<uint32_t*>(dq + (row + 8) * P.dq_row_stride + col) =
+    if (rows.begin <= row + 8 && row + 8 < rows.end) {
+      *reinterpret_cast<uint32_t*>(dq + (row + 8 + rows.shift) * P.dq_row_stride + col) =
           pack_f32x2<typename Cfg::T>(v.z * P.softmax_scale, v.w * P.softmax_scale);
     }
   }

@@ -3,7 +3,7 @@ and the host side of their launches."""
 
 from ...launch import BackwardLaunch
 from .emit import TEMPLATE, context
-from .host import SUFFIXES, dynamic_smem, run, threads
+from .host import SUFFIXES, dynamic_smem, run, run_varlen, threads
 
 BACKWARD_LAUNCH = BackwardLaunch(
     template=TEMPLATE,
@@ -12,4 +12,5 @@ BACKWARD_LAUNCH = BackwardLaunch(
     smem=dynamic_smem,
     threads=threads,
     run=run,
+    run_varlen=run_varlen,
 )

@@ -71,6 +71,7 @@ def context(kernel: Kernel, dtype: Dtype) -> dict[str, Any]:
         "overlap": bwd.overlap,
         "early_dv": bwd.early_dv,
         "longest_first": bwd.longest_first,
+        "varlen": cfg.features.varlen,
         "dq_red": bwd.dq_red,
         "causal": cfg.mask is Mask.CAUSAL,
         "mask": cfg.mask_text,  # the mask line's value, window included

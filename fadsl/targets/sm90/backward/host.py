@@ -16,6 +16,7 @@ the graph).
 from __future__ import annotations
 
 import struct
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from ....ir import Kernel
@@ -25,13 +26,14 @@ from .emit import AUX_THREADS, convert_ctas, prep_rows_per_cta, smem_bytes
 
 PANEL_COLS = 64
 # BwdParamsSm90: four 128-byte tensor maps, then (sm90_bwd.cuh's order) 6 pointers, 6 int64
-# strides, 7 ints, 2 floats; 644 bytes, rounded to the struct's 128-byte alignment.
-MAIN_FIELDS = struct.Struct("<6Q6q7i2f")
+# strides, 7 ints, 2 floats, the varlen fields (2 pointers, an int); 668 bytes, rounded to
+# the struct's 128-byte alignment.
+MAIN_FIELDS = struct.Struct("<6Q6q7i2f4x2Qi")
 MAIN_BYTES = 768
-# BwdPrepParams: 8 pointers, 8 int64 strides, 3 ints; 140 bytes, 8-byte aligned.
-PREP = struct.Struct("<8Q8q3i4x")
-# BwdConvertParams: 2 pointers, 3 int64 strides, 3 ints, a float.
-CONVERT = struct.Struct("<2Q3q3if")
+# BwdPrepParams: 8 pointers, 8 int64 strides, 3 ints, the varlen pointer and int; 160 bytes.
+PREP = struct.Struct("<8Q8q3i4xQi4x")
+# BwdConvertParams: 2 pointers, 3 int64 strides, 3 ints, a float, the varlen pointer and int.
+CONVERT = struct.Struct("<2Q3q3ifQi4x")
 LOG2E = 1.4426950408889634
 
 
@@ -52,6 +54,24 @@ def _strides3(t) -> tuple[int, int, int]:
     return s[0], s[1], s[2]
 
 
+@dataclass(frozen=True)
+class _Layout:
+    """A call's shape as the three kernels see it: padded (batch, seqlen, heads, head_dim)
+    tensors, or (varlen) one batch of packed rows whose sequences the kernels find in
+    cu_seqlens (query rows padded per sequence in the LSE, D and dQ's accumulator)."""
+
+    batch: int
+    seqlen_q: int  # rows of q (tokens, varlen)
+    seqlen_k: int
+    rows: int  # padded query rows per (batch, head): the LSE's, D's, the accumulator's
+    key_ctas: int  # the main kernel's grid x
+    lse_batch_stride: int
+    lse_head_stride: int
+    cu_q: int = 0  # device pointers (varlen), else 0
+    cu_k: int = 0
+    sequences: int = 0
+
+
 def run(
     kernel: Kernel,
     launch: Callable[[KernelLaunch], None],
@@ -70,17 +90,108 @@ def run(
     import torch
 
     bwd = kernel.backward
+    batch, seqlen_q = q.shape[0], q.shape[1]
+    rows = -(-seqlen_q // bwd.block_m) * bwd.block_m
+    layout = _Layout(
+        batch=batch,
+        seqlen_q=seqlen_q,
+        seqlen_k=k.shape[1],
+        rows=rows,
+        key_ctas=-(-k.shape[1] // bwd.block_n),
+        lse_batch_stride=lse.stride(0),
+        lse_head_stride=lse.stride(1),
+    )
+    grads = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
+    return _launch_all(
+        kernel, launch, layout, (q, k, v, out, dout), grads, lse, dlse, softmax_scale
+    )
+
+
+def run_varlen(
+    kernel: Kernel,
+    launch: Callable[[KernelLaunch], None],
+    q,
+    k,
+    v,
+    out,
+    lse,
+    dout,
+    dlse,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    softmax_scale: float,
+) -> tuple[Any, Any, Any]:
+    """dq, dk, dv of a packed call: q, out, dout (tokens_q, heads_q, head_dim), k, v
+    (tokens_k, heads_kv, head_dim), lse and dlse (heads_q, tokens_q) float32, cu_seqlens
+    int32 (sequences + 1) on the device, never read here. Rows outside every sequence get
+    zero gradients (FlashAttention-3 leaves them unwritten)."""
+    import torch
+
+    bwd = kernel.backward
+    sequences = cu_seqlens_q.shape[0] - 1
+    tokens_q, tokens_k = q.shape[0], k.shape[0]
+    grads = (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v))
+    if tokens_q == 0 or tokens_k == 0 or sequences == 0:
+        return grads
+    r = bwd.block_m
+    layout = _Layout(
+        batch=1,
+        seqlen_q=tokens_q,
+        seqlen_k=tokens_k,
+        # each sequence starts a chunk of r rows of its own: at most r rows more each
+        rows=-(-(tokens_q + sequences * r) // r) * r,
+        key_ctas=-(-tokens_k // bwd.block_n) + sequences,
+        lse_batch_stride=0,
+        lse_head_stride=lse.stride(0),
+        cu_q=cu_seqlens_q.data_ptr(),
+        cu_k=cu_seqlens_k.data_ptr(),
+        sequences=sequences,
+    )
+    packed = tuple(t.unsqueeze(0) for t in (q, k, v, out, dout))
+    dq, dk, dv = _launch_all(
+        kernel,
+        launch,
+        layout,
+        packed,
+        tuple(g.unsqueeze(0) for g in grads),
+        lse,
+        dlse,
+        softmax_scale,
+        zero_partials=True,
+    )
+    return dq[0], dk[0], dv[0]
+
+
+def _launch_all(
+    kernel: Kernel,
+    launch: Callable[[KernelLaunch], None],
+    layout: _Layout,
+    tensors,
+    grads,
+    lse,
+    dlse,
+    softmax_scale: float,
+    zero_partials: bool = False,
+) -> tuple[Any, Any, Any]:
+    """The three kernels over (batch, seqlen, heads, head_dim) views: ``tensors`` q, k, v,
+    out, dout; ``grads`` dq, dk, dv to write (dk and dv replaced by fp32 partials under GQA,
+    zeroed first where ``zero_partials``)."""
+    import torch
+
+    q, k, v, out, dout = tensors
+    dq, dk, dv = grads
+    bwd = kernel.backward
     head_dim = kernel.config.head_dim
-    batch, seqlen_q, heads_q, _ = q.shape
+    batch, heads_q = layout.batch, q.shape[2]
     seqlen_k, heads_kv = k.shape[1], k.shape[2]
     group = heads_q // heads_kv
-    m_blocks = -(-seqlen_q // bwd.block_m)
-    rounded = m_blocks * bwd.block_m
+    rows = layout.rows
+    m_blocks = rows // bwd.block_m
     device = q.device
     f32 = dict(device=device, dtype=torch.float32)
-    lse_log2 = torch.empty((batch, heads_q, rounded), **f32)
-    dpsum = torch.empty((batch, heads_q, rounded), **f32)
-    dq_accum = torch.empty((batch, heads_q, rounded * head_dim), **f32)
+    lse_log2 = torch.empty((batch, heads_q, rows), **f32)
+    dpsum = torch.empty((batch, heads_q, rows), **f32)
+    dq_accum = torch.empty((batch, heads_q, rows * head_dim), **f32)
     # `deterministic on`: one int per (batch, head, m-block), zeroed by the preprocess
     semaphore = (
         torch.empty((batch, heads_q, m_blocks), device=device, dtype=torch.int32)
@@ -88,17 +199,15 @@ def run(
         else None
     )
     semaphore_ptr = 0 if semaphore is None else semaphore.data_ptr()
-    dq = torch.empty_like(q)
-    if group == 1:
-        dk, dv = torch.empty_like(k), torch.empty_like(v)
-    else:  # per query head, fp32; summed over the group below
-        dk = torch.empty((batch, seqlen_k, heads_q, head_dim), **f32)
-        dv = torch.empty((batch, seqlen_k, heads_q, head_dim), **f32)
+    if group > 1:  # per query head, fp32; summed over the group below
+        partial = torch.zeros if zero_partials else torch.empty
+        dk = partial((batch, seqlen_k, heads_q, head_dim), **f32)
+        dv = partial((batch, seqlen_k, heads_q, head_dim), **f32)
 
     launch(
         KernelLaunch(
             "_preprocess",
-            (-(-rounded // prep_rows_per_cta(head_dim)), heads_q, batch),
+            (-(-rows // prep_rows_per_cta(head_dim)), heads_q, batch),
             (AUX_THREADS, 1, 1),
             PREP.pack(
                 out.data_ptr(),
@@ -111,11 +220,13 @@ def run(
                 semaphore_ptr,
                 *_strides3(out),
                 *_strides3(dout),
-                lse.stride(0),
-                lse.stride(1),
-                seqlen_q,
-                rounded,
+                layout.lse_batch_stride,
+                layout.lse_head_stride,
+                layout.seqlen_q,
+                rows,
                 heads_q,
+                layout.cu_q,
+                layout.sequences,
             ),
         )
     )
@@ -136,23 +247,22 @@ def run(
         semaphore_ptr,
         *_strides3(dk),
         *_strides3(dv),
-        seqlen_q,
-        seqlen_k,
-        rounded,
+        layout.seqlen_q,
+        layout.seqlen_k,
+        rows,
         m_blocks,
         heads_q,
         group,
         int(group > 1),
         softmax_scale * LOG2E,
         softmax_scale,
+        layout.cu_q,
+        layout.cu_k,
+        layout.sequences,
     )
     main = maps + fields
     main += bytes(MAIN_BYTES - len(main))
-    launch(
-        KernelLaunch(
-            "", (-(-seqlen_k // bwd.block_n), heads_q, batch), (threads(kernel), 1, 1), main
-        )
-    )
+    launch(KernelLaunch("", (layout.key_ctas, heads_q, batch), (threads(kernel), 1, 1), main))
     launch(
         KernelLaunch(
             "_convert_dq",
@@ -162,10 +272,12 @@ def run(
                 dq_accum.data_ptr(),
                 dq.data_ptr(),
                 *_strides3(dq),
-                seqlen_q,
+                layout.seqlen_q,
                 m_blocks,
                 heads_q,
                 softmax_scale,
+                layout.cu_q,
+                layout.sequences,
             ),
         )
     )

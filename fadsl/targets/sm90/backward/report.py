@@ -118,6 +118,7 @@ def backward_data(kernel: Kernel) -> dict[str, Any]:
             "overlap": bwd.overlap,
             "early_dv": bwd.early_dv,
             "longest_first": bwd.longest_first,
+            "varlen": kernel.config.features.varlen,
         },
         "paths": [{"tensor": t.role.value, "path": t.path_text()} for t in bwd.tensors],
         "roles": [
@@ -195,9 +196,21 @@ def backward_sections(data: Mapping[str, Any]) -> list[str]:
         f"warpgroups; stages {s['stages']}; deterministic {_on(s['deterministic'])}; "
         f"overlap {_on(s['overlap'])}; early_dv {_on(s['early_dv'])}"
         + (
-            "; longest_first on (every head's n-block 0 launched first)"
+            "; longest_first on (by L2 sections, each section's n-block 0 first)"
             if s["longest_first"]
             else ""
+        ),
+        *(
+            [
+                f"  varlen     packed sequences: a CTA per n-block slot of each sequence over "
+                f"the packed keys (cdiv(tokens_k, {s['block_n']}) + sequences slots, found "
+                f"by binary search over cu_seqlens_k); each sequence's queries start a chunk "
+                f"of {s['block_m']} rows of their own in the LSE, D and dQ's accumulator; rows "
+                "outside every sequence get zero gradients; the sync plan is the padded "
+                "kernel's"
+            ]
+            if s.get("varlen")
+            else []
         ),
         "  paths",
         *(f"    {p['tensor']:<4} {p['path']}" for p in data["paths"]),

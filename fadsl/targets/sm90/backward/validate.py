@@ -9,6 +9,9 @@ What the first backward kernel supports (docs/backward.md, FlashAttention-3's ba
   and 2 consumer warpgroups, Q and dO rings of 2 or 3 stages;
 - `early_dv on` with `overlap on` only (it reorders the overlapped consumer);
 - `longest_first on` with the causal mask only (without it every CTA does the same work);
+- `varlen on` (packed sequences) without `deterministic on` (a malformed cu_seqlens could
+  give two sequences one dQ chunk, whose ordered adds would wait on each other) and without
+  `longest_first on` (the varlen grid is a slot per n-block of the packed keys);
 - dQ staged (its default path) or `rf -red.add-> gmem`, not with `deterministic on`;
 - setmaxnreg: the producer 24 to 56, the consumers at most 240, multiples of 8, their total
   within the CTA's launch allocation (as the forward's: setmaxnreg only moves registers
@@ -166,6 +169,22 @@ def validate_backward(c: Checks, block: BackwardBlock) -> Backward | None:
             "CTA does the same: leave it off",
         )
         ok = False
+    if c.values.get("varlen"):
+        for key, why in (
+            (
+                "deterministic",
+                "its ordered dQ adds need each m-block's chunk to be one sequence's, which a "
+                "malformed cu_seqlens (read on the GPU only) could break, and then a CTA "
+                "would wait forever",
+            ),
+            ("longest_first", "the varlen grid runs a slot per n-block of the packed keys"),
+        ):
+            if block.values.get(key):
+                block.checks.error(
+                    block.key_locs[key],
+                    f"{key} on is for padded batches: with varlen on {why}; leave it off",
+                )
+                ok = False
     regs_ok = _registers(block)
     ok = regs_ok and ok
     paths = _paths(block)
@@ -239,13 +258,6 @@ def _kernel_settings(c: Checks) -> bool:
                 f"'{key}' is for serving; a kernel with a backward block trains: leave one out",
             )
             ok = False
-    if c.values.get("varlen"):
-        c.error(
-            c.key_locs["varlen_value"],
-            "the varlen backward is not built yet: a kernel with a backward block takes "
-            "padded batches ('varlen off'); serve packed batches from a spec without one",
-        )
-        ok = False
     return ok
 
 
