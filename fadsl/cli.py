@@ -164,10 +164,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if not torch.cuda.is_available():
         print("fadsl bench: needs a CUDA GPU, and none is visible", file=sys.stderr)
         return EXIT_FAILURE
-    if args.backward:
-        return _bench_backward(args, kern, heads, others)
     if kern.is_varlen:
         return _bench_varlen(args, kern, heads)
+    if args.backward:
+        return _bench_backward(args, kern, heads, others)
     if kern.is_kvcache:
         return _bench_kvcache(args, kern)
     try:
@@ -247,7 +247,7 @@ def _bench_backward(args: argparse.Namespace, kern, heads: int, others: tuple) -
 
 def _bench_varlen(args: argparse.Namespace, kern, heads: int) -> int:
     """`fadsl bench` on a `varlen on` spec: packed batches of mixed lengths, --seqlens the
-    longest (fadsl/tools/bench_varlen.py)."""
+    longest, the forward or (--backward) the backward (fadsl/tools/bench_varlen.py)."""
     from .tools import bench_varlen
 
     if args.against:
@@ -264,6 +264,7 @@ def _bench_varlen(args: argparse.Namespace, kern, heads: int) -> int:
     return _bench_tool(
         args, bench_varlen, kern=kern, max_seqlens=tuple(args.seqlens), causal=args.causal,
         tokens=args.tokens, heads=heads, rounds=args.rounds, dtype_name=args.dtype,
+        backward=args.backward,
     )  # fmt: skip
 
 

@@ -6,7 +6,8 @@
 #   shape, then the benchmarks if asked.
 # Usage (repo root, on the device):
 #   bash scripts/device.sh [fa4stage] [numerics] [backward] [bwdvarlen] [varlen] [kvcache] [tests] [sanitize] [trace] [probe] [streamprobe] [bench ARGS...]
-#   varlen: tests/test_gpu_varlen.py, then compute-sanitizer on scripts/sanitize_varlen.py
+#   varlen: tests/test_gpu_varlen.py, then compute-sanitizer on scripts/sanitize_varlen.py,
+#   then VARLEN_BENCH's specs timed (VARLEN_BACKWARD=1: their backward, beside FA4's)
 #   bwdvarlen (and backward): tests/test_gpu_backward_varlen.py, then compute-sanitizer on
 #   scripts/sanitize_backward_varlen.py
 #   kvcache: tests/test_gpu_kvcache.py and test_gpu_serving_api.py (fadsl.attention_varlen and
@@ -143,7 +144,7 @@ if [[ $steps == *" varlen "* ]]; then
   [[ ${VARLEN_TESTS:-1} == 1 ]] && checked varlen tests/test_gpu_varlen.py scripts/sanitize_varlen.py
   for spec in ${VARLEN_BENCH:-}; do
     causal=$(grep -qE '^\s*mask\s+causal' "$spec" && echo --causal)
-    python3 -P -m fadsl.cli bench "$spec" $causal --hidden 2048 --seqlens ${VARLEN_SEQLENS:-1024,4096,16384} --tokens ${VARLEN_TOKENS:-32768} \
+    python3 -P -m fadsl.cli bench "$spec" $causal ${VARLEN_BACKWARD:+--backward} --hidden 2048 --seqlens ${VARLEN_SEQLENS:-1024,4096,16384} --tokens ${VARLEN_TOKENS:-32768} \
       --json "$OUT/varlen_$(basename "$spec" .fa).json" 2>&1 | tee -a "$OUT/bench_varlen.log" | tail -6
     status=$((status | ${PIPESTATUS[0]}))
   done

@@ -73,7 +73,7 @@ def run(
         for label, each in ours_by_name.items():
             leaves = [t.clone().requires_grad_() for t in (q, k, v)]
             out = each(*leaves)
-            contenders[label] = _grad_of(out, leaves, dout)
+            contenders[label] = grad_of(out, leaves, dout)
             ours[label] = torch.autograd.grad(out, leaves, dout, retain_graph=True)
         checked = False
         for name, backend in backends.items():
@@ -91,13 +91,13 @@ def run(
                 for label, grads in ours.items():
                     _check(grads, [t.transpose(1, 2) for t in theirs], name, seqlen, label)
                 checked = True
-            contenders[name] = _grad_of(o, (qt, kt, vt), dout.transpose(1, 2))
+            contenders[name] = grad_of(o, (qt, kt, vt), dout.transpose(1, 2))
         if fa4 is not None:
             q4, k4, v4 = (t.clone().requires_grad_() for t in (q, k, v))
             try:
                 o4 = fa4(q4, k4, v4, causal=causal)
                 o4 = o4[0] if isinstance(o4, tuple) else o4
-                contenders["fa4"] = _grad_of(o4, (q4, k4, v4), dout)
+                contenders["fa4"] = grad_of(o4, (q4, k4, v4), dout)
             except Exception as err:  # FA4 not built for this shape: not timed
                 log(f"  fa4: not timed ({str(err).splitlines()[0][:80]})")
         names = list(contenders)
@@ -120,7 +120,7 @@ def run(
     return {"kernel": kern.config.name, "causal": causal, "dtype": str(dtype), "rows": rows}
 
 
-def _grad_of(out, inputs, dout) -> Callable[[int], object]:
+def grad_of(out, inputs, dout) -> Callable[[int], object]:
     import torch
 
     def backward(_: int):

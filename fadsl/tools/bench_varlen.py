@@ -1,6 +1,8 @@
 """`fadsl bench` on a `varlen on` spec: packed batches of sequences of mixed lengths, timed
 against FlashAttention-4's varlen forward (``flash_attn.cute.flash_attn_varlen_func``) where
-installed.
+installed; with ``backward`` the backward (through autograd, after one forward that keeps its
+graph, as bench_backward.py times the padded one), checked first on the first and the
+longest sequence against PyTorch's SDPA on that sequence alone, TF/s = 2.5 x the forward's.
 
 A workload for a maximum length L: sequence lengths drawn (seeded, so every contender and
 every run sees the same batch) uniformly from [L / 8, L] until they hold ``tokens`` tokens,
@@ -19,6 +21,8 @@ from typing import Callable
 
 from ..runtime.attention import FlashAttention
 from .bench import DEFAULT_HEADS, median_times, ratio_table
+from .bench_backward import AGREEMENT as AGREEMENT_GRADS  # two correct backwards' distance
+from .bench_backward import BACKWARD_FLOPS, grad_of
 
 DEFAULT_MAX_SEQLENS = (1024, 4096, 16384)
 # fadsl's output against float32 attention, as a share of the largest output entry
@@ -54,9 +58,12 @@ def run(
     rounds: int | None = None,
     dtype_name: str | None = None,
     log: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True),
+    backward: bool = False,
 ) -> dict:
     import torch
 
+    if backward and not kern.has_backward:
+        raise ValueError(f"{kern.config.name} has no backward block: nothing to time")
     name = dtype_name or kern.config.dtypes[0].value
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[name]
     d = kern.config.head_dim
@@ -69,14 +76,17 @@ def run(
         q, k, v = (torch.randn(tokens, heads, d, device="cuda", dtype=dtype) for _ in range(3))
         out = torch.empty_like(q)
         longest = max(lengths)
-        contenders: dict[str, Callable[[int], object]] = {
-            "fadsl": lambda _, q=q, k=k, v=v, cu=cu, out=out: kern.varlen(
-                q, k, v, cu, cu, longest, longest, scale, out=out
-            )
-        }
-        contenders["fadsl"](0)
-        _check(out, q, k, v, lengths, scale, causal, max_len)
-        if fa4 is not None:
+        if backward:
+            contenders = _backward_contenders(kern, fa4, q, k, v, cu, lengths, scale, causal, log)
+        else:
+            contenders = {
+                "fadsl": lambda _, q=q, k=k, v=v, cu=cu, out=out: kern.varlen(
+                    q, k, v, cu, cu, longest, longest, scale, out=out
+                )
+            }
+            contenders["fadsl"](0)
+            _check(out, q, k, v, lengths, scale, causal, max_len)
+        if fa4 is not None and not backward:
 
             def fa4_call(_, q=q, k=k, v=v, cu=cu, longest=longest):
                 return fa4(
@@ -92,6 +102,7 @@ def run(
         names = list(contenders)
         ms = median_times(contenders, warmup, runs, rounds)
         work = sum(4.0 * heads * n * n * d for n in lengths) / (2 if causal else 1)
+        work *= BACKWARD_FLOPS if backward else 1.0
         row = {
             "max_seqlen": max_len,
             "sequences": len(lengths),
@@ -107,7 +118,67 @@ def run(
             + "  ".join(f"{n} {row['tflops'][n]:6.1f}" for n in names)
             + " TF/s"
         )
-    return {"kernel": kern.config.name, "causal": causal, "dtype": name, "rows": rows}
+    return {
+        "kernel": kern.config.name,
+        "causal": causal,
+        "dtype": name,
+        "backward": backward,
+        "rows": rows,
+    }
+
+
+def _backward_contenders(kern, fa4, q, k, v, cu, lengths, scale, causal, log) -> dict:
+    """fadsl's varlen backward (and FA4's, where it runs) as timed calls, fadsl's gradients
+    checked first."""
+    import torch
+
+    longest = max(lengths)
+    dout = torch.randn_like(q)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = kern.varlen(*leaves, cu, cu, longest, longest, scale)
+    grads = torch.autograd.grad(out, leaves, dout, retain_graph=True)
+    _check_grads(grads, q, k, v, dout, lengths, scale, causal)
+    contenders = {"fadsl": grad_of(out, leaves, dout)}
+    if fa4 is not None:
+        ours = [t.clone().requires_grad_() for t in (q, k, v)]
+        try:
+            o4 = fa4(
+                *ours, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest,
+                max_seqlen_k=longest, softmax_scale=scale, causal=causal,
+            )  # fmt: skip
+            o4 = o4[0] if isinstance(o4, tuple) else o4
+            contenders["fa4"] = grad_of(o4, ours, dout)
+            contenders["fa4"](0)
+        except Exception as err:  # FA4's varlen backward not built here: not timed
+            contenders.pop("fa4", None)
+            log(f"  fa4: not timed ({str(err).splitlines()[0][:80]})")
+    return contenders
+
+
+def _check_grads(grads, q, k, v, dout, lengths, scale, causal) -> None:
+    """fadsl's dq, dk, dv on the first and the longest sequence against PyTorch's SDPA
+    backward on that sequence alone (same dtype: the agreement of two correct backwards)."""
+    import torch
+    import torch.nn.functional as F
+
+    starts = [0, *_prefix(lengths)]
+    group = q.shape[1] // k.shape[1]
+    for b in {0, max(range(len(lengths)), key=lengths.__getitem__)}:
+        rows = slice(starts[b], starts[b + 1])
+        if rows.stop == rows.start:
+            continue
+        mine = [t[rows].detach().transpose(0, 1)[None].requires_grad_() for t in (q, k, v)]
+        keys, values = (t.repeat_interleave(group, dim=1) for t in mine[1:])  # GQA
+        o = F.scaled_dot_product_attention(mine[0], keys, values, is_causal=causal, scale=scale)
+        theirs = torch.autograd.grad(o, mine, dout[rows].transpose(0, 1)[None])
+        for what, ours, ref in zip(("dq", "dk", "dv"), grads, theirs):
+            ref = ref[0].transpose(0, 1).float()
+            err = (ours[rows].float() - ref).abs().max().item()
+            if not err <= AGREEMENT_GRADS * ref.abs().max().item():
+                raise RuntimeError(
+                    f"fadsl's varlen {what} on sequence {b} differs from SDPA's by {err:.3g}; "
+                    "not timed"
+                )
 
 
 def _prefix(lengths: list[int]) -> list[int]:
@@ -157,7 +228,8 @@ def _check(out, q, k, v, lengths, scale, causal, max_len) -> None:
 def table(result: dict) -> str:
     rows = result["rows"]
     return ratio_table(
-        f"{result['kernel']} varlen ({'causal' if result['causal'] else 'no mask'}, "
+        f"{result['kernel']} varlen{' backward' if result.get('backward') else ''} "
+        f"({'causal' if result['causal'] else 'no mask'}, "
         f"{result['dtype']}), lengths uniform in [L/8, L], {rows[0]['tokens'] if rows else 0} "
         "tokens",
         "max L  seqs  ",
