@@ -35,8 +35,8 @@ CALLS = [
 ]
 CASES = [(head_dim, *call) for head_dim in (128, 64) for call in CALLS]
 # The main kernel's spill stores (bytes) at most, where NVRTC 13.5 spills (2026-11-29): a
-# softcap with a mask at head_dim 128 (B_r 64, SOFTCAP_BACKWARD), which the padded backward
-# of the same block spills too (8 bytes causal, tests/test_attention_variants.py).
+# softcap with a mask at head_dim 128 (B_r 64, SOFTCAP_BACKWARD; the padded backward of the
+# same block fits): the sequence's lengths and rows held in registers cost 3-4 of them.
 SPILLS = {(128, True, NONE, 30): 12, (128, False, (64, 16), 30): 16}
 
 

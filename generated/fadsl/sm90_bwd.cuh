@@ -226,11 +226,11 @@ struct BwdBlock {
   int m_begin;  // first m-block that sees a key of the n-block (causal: the diagonal's)
   int m_count;  // m-blocks to visit (0: dK = dV = 0)
   // the block's sequence: its queries and keys, its first row in the tensors (0 padded) and
-  // its first m-block's index among the (head, batch)'s chunks of dQ's accumulator, of B_r
-  // rows each (the LSE's and D's rows / B_r)
+  // (varlen) its first m-block's index among the head's chunks of dQ's accumulator, of B_r
+  // rows each (the LSE's and D's rows / B_r); padded calls compute it from batch and head
   int seqlen_q, seqlen_k;
   int q_row0, k_row0;
-  int64_t chunk0;
+  int chunk0;
 };
 
 // `varlen on`: sequence s's first padded slot is (cu[s] + s block) / block, in units of
@@ -322,9 +322,7 @@ __device__ __forceinline__ BwdBlock bwd_block(const BwdParamsSm90& P) {
     if (!ok || b.n_block < 0 || b.n_block * Cfg::kBlockN >= b.seqlen_k) {
       b.n_block = b.seqlen_q = b.seqlen_k = b.q_row0 = b.k_row0 = 0;  // no key stored, no m-block
     }
-    b.chunk0 = static_cast<int64_t>(b.head) * P.m_blocks + bwd_first_slot(P.cu_seqlens_q, s, Cfg::kBlockM);
-  } else {
-    b.chunk0 = (static_cast<int64_t>(b.batch) * P.heads_q + b.head) * P.m_blocks;
+    b.chunk0 = bwd_first_slot(P.cu_seqlens_q, s, Cfg::kBlockM);
   }
   if constexpr (Cfg::kLongestFirst && !Cfg::kVarlen) {
     // Blocks launch x fastest, then y, then z.  The launch index runs over sections of
@@ -346,7 +344,6 @@ __device__ __forceinline__ BwdBlock bwd_block(const BwdParamsSm90& P) {
     b.n_block = in_section / pairs_here;
     b.head = hb % gridDim.y;
     b.batch = hb / gridDim.y;
-    b.chunk0 = (static_cast<int64_t>(b.batch) * P.heads_q + b.head) * P.m_blocks;
   }
   b.head_kv = b.head / P.group;
   b.n0 = b.n_block * Cfg::kBlockN;
@@ -423,7 +420,8 @@ __device__ __forceinline__ void bwd_producer(const BwdParamsSm90& P, uint32_t sm
     tma_load_4d(smem + Cfg::kOffK + at, &P.tma_k, bar_kv, 64 * panel, b.k_row0 + b.n0, b.head_kv, b.batch);
     tma_load_4d(smem + Cfg::kOffV + at, &P.tma_v, bar_kv, 64 * panel, b.k_row0 + b.n0, b.head_kv, b.batch);
   }
-  const int64_t rows = b.chunk0 * Cfg::kBlockM;
+  const int64_t rows = Cfg::kVarlen ? (static_cast<int64_t>(b.head) * P.m_blocks + b.chunk0) * Cfg::kBlockM
+                                    : (static_cast<int64_t>(b.batch) * P.heads_q + b.head) * P.seqlen_q_rounded;
   for (int i = 0; i < b.m_count; ++i) {
     const int slot = i % Cfg::kStages;
     const uint32_t phase = static_cast<uint32_t>(i / Cfg::kStages) & 1u;
@@ -529,7 +527,7 @@ __device__ __forceinline__ void bwd_probs(float (&s)[Cfg::kSRegs], float (&dtanh
                                           const BwdBlock& b) {
   bwd_softcap<Cfg>(s, dtanh, P.scale_log2);
   const int t = lane % 4;
-  const int d = bwd_diagonal<Cfg>(P, b), seqlen_k = bwd_keys<Cfg>(P, b);
+  const int d = bwd_diagonal<Cfg>(P, b);
 #pragma unroll
   for (int j = 0; j < Cfg::kBlockM / 8; ++j) {
     const float2 lse_pair = ld_shared_v2_f32(lse_slot + 4 * (8 * j + 2 * t));  // columns 8j + 2t + e
@@ -543,7 +541,7 @@ __device__ __forceinline__ void bwd_probs(float (&s)[Cfg::kSRegs], float (&dtanh
         float p = fast_exp2(fmaf(x, P.scale_log2, -lse));
         if constexpr (kMask) {
           const int key = key0 + 8 * r;
-          bool masked = key >= seqlen_k;
+          bool masked = key >= bwd_keys<Cfg>(P, b);
           if constexpr (bwd_has_right_edge<Cfg>()) masked = masked || key > q0 + col + d + bwd_right_edge<Cfg>();
           if constexpr (has_window<Cfg>()) masked = masked || key < q0 + col + d - Cfg::kWindowLeft;
           if (masked) p = 0.f;
@@ -771,7 +769,8 @@ __device__ __forceinline__ void bwd_consumer(const BwdParamsSm90& P, uint32_t sm
   const uint32_t k_wg = smem + Cfg::kOffK + 64 * wg * Cfg::kRowBytes;  // the warpgroup's 64 key rows
   const uint32_t v_wg = smem + Cfg::kOffV + 64 * wg * Cfg::kRowBytes;
   const uint32_t stage = smem + Cfg::kOffDQ + wg * Cfg::kDqFloats * 4;
-  const int64_t accum_head = b.chunk0;
+  const int64_t accum_head = Cfg::kVarlen ? static_cast<int64_t>(b.head) * P.m_blocks + b.chunk0
+                                          : (static_cast<int64_t>(b.batch) * P.heads_q + b.head) * P.m_blocks;
   // RAW: K and V landed (TMA complete_tx on kv_full, phase 0)
   if (b.m_count > 0) mbar_wait_parity(bwd_bar_kv<Cfg>(smem), 0u);
 
@@ -957,6 +956,18 @@ __device__ __forceinline__ BwdQueryRows bwd_convert_rows(const BwdConvertParams&
   if constexpr (Cfg::kVarlen) return bwd_query_rows<Cfg>(P.cu_seqlens_q, P.sequences, P.seqlen_q, m_block);
   return {0, 0, P.seqlen_q};
 }
+// Whether padded row `row` holds a query, and dQ's row of it (padded calls: row < seqlen_q,
+// the row itself, as the compiler best keeps them).
+template <class Cfg>
+__device__ __forceinline__ bool bwd_holds_query(const BwdConvertParams& P, const BwdQueryRows& rows, int row) {
+  if constexpr (Cfg::kVarlen) return rows.begin <= row && row < rows.end;
+  return row < P.seqlen_q;
+}
+template <class Cfg>
+__device__ __forceinline__ int bwd_query_of(const BwdQueryRows& rows, int row) {
+  if constexpr (Cfg::kVarlen) return row + rows.shift;
+  return row;
+}
 
 template <class Cfg>
 __device__ __forceinline__ void bwd_convert_dq_t(const BwdConvertParams& P) {
@@ -980,8 +991,8 @@ __device__ __forceinline__ void bwd_convert_dq_t(const BwdConvertParams& P) {
     const float2 lo = odd ? make_float2(got0, v.y) : make_float2(v.x, got0);  // columns col, col + 1
     const float2 hi = odd ? make_float2(got1, v.w) : make_float2(v.z, got1);  // columns col + 8, col + 9
     const int row = m_block * Cfg::kBlockM + 8 * q + 2 * (lane % 4) + (odd ? 1 : 0);
-    if (rows.begin <= row && row < rows.end) {
-      typename Cfg::T* out = dq + (row + rows.shift) * P.dq_row_stride + col;
+    if (bwd_holds_query<Cfg>(P, rows, row)) {
+      typename Cfg::T* out = dq + bwd_query_of<Cfg>(rows, row) * P.dq_row_stride + col;
       *reinterpret_cast<uint32_t*>(out) = pack_f32x2<typename Cfg::T>(lo.x * P.softmax_scale, lo.y * P.softmax_scale);
       *reinterpret_cast<uint32_t*>(out + 8) =
           pack_f32x2<typename Cfg::T>(hi.x * P.softmax_scale, hi.y * P.softmax_scale);
@@ -1008,12 +1019,12 @@ __device__ __forceinline__ void bwd_convert_dq_row(const BwdConvertParams& P) {
     const int share = Cfg::kDqByQueries ? q / 64 : col / Cfg::kDqCols, c = col % Cfg::kDqCols;
     const int tid = 32 * (u / 16) + 4 * (u % 8) + (c % 8) / 2;
     const float4 v = *reinterpret_cast<const float4*>(chunk + share * Cfg::kDqFloats + ((c / 8) * 128 + tid) * 4);
-    if (rows.begin <= row && row < rows.end) {
-      *reinterpret_cast<uint32_t*>(dq + (row + rows.shift) * P.dq_row_stride + col) =
+    if (bwd_holds_query<Cfg>(P, rows, row)) {
+      *reinterpret_cast<uint32_t*>(dq + bwd_query_of<Cfg>(rows, row) * P.dq_row_stride + col) =
           pack_f32x2<typename Cfg::T>(v.x * P.softmax_scale, v.y * P.softmax_scale);
     }
-    if (rows.begin <= row + 8 && row + 8 < rows.end) {
-      *reinterpret_cast<uint32_t*>(dq + (row + 8 + rows.shift) * P.dq_row_stride + col) =
+    if (bwd_holds_query<Cfg>(P, rows, row + 8)) {
+      *reinterpret_cast<uint32_t*>(dq + bwd_query_of<Cfg>(rows, row + 8) * P.dq_row_stride + col) =
           pack_f32x2<typename Cfg::T>(v.z * P.softmax_scale, v.w * P.softmax_scale);
     }
   }
