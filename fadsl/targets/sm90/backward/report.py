@@ -118,7 +118,8 @@ def backward_data(kernel: Kernel) -> dict[str, Any]:
             "overlap": bwd.overlap,
             "early_dv": bwd.early_dv,
             "longest_first": bwd.longest_first,
-            "varlen": kernel.config.features.varlen,
+            # (only where packed: the forward's sections name varlen the same way)
+            **({"varlen": True} if kernel.config.features.varlen else {}),
         },
         "paths": [{"tensor": t.role.value, "path": t.path_text()} for t in bwd.tensors],
         "roles": [
