@@ -1,7 +1,7 @@
 """The varlen backward on the GPU (research/backward-varlen.md §10): dQ, dK, dV of packed
 sequences through fadsl.attention_varlen and a loaded spec's .varlen, against float64
-autograd of the reference on each sequence's slices, with FlashAttention's rule per sequence
-(the error at most twice PyTorch's own in the input dtype, plus 1e-4). Lengths 1 and 0 (no
+autograd of the reference on each sequence's slices, with FlashAttention's rule over the
+packed tensors (the error at most twice PyTorch's own in the input dtype, plus 1e-4). Lengths 1 and 0 (no
 query, no key), odd lengths about the tiles, a long sequence among short ones, seqlen_q !=
 seqlen_k per sequence both ways, 300 short sequences, calls with no query or no key token;
 no mask, causal, a causal window, a two-sided window, softcap 30; head_dim 64 and 128; GQA
