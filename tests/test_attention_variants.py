@@ -14,7 +14,7 @@ from fadsl import targets
 from fadsl._data import data_dir
 from fadsl.build.spill_check import check_registers, find_compiler
 from fadsl.errors import SpecError
-from fadsl.pipeline import compile_source
+from fadsl.pipeline import compile_source, front_end
 from fadsl.runtime import dispatch
 from fadsl.runtime.dispatch import attention_variant
 
@@ -130,3 +130,31 @@ def test_the_capped_variants_build_without_spills(name, causal, window_size, sof
     variant_name, text = variant(name, causal, window_size, softcap)
     check = check_registers(compile_source(text, f"{variant_name}.fa"), compiler, why)
     assert check.rows and not check.allowed_spills
+
+
+def test_the_target_says_which_lines_a_window_or_a_softcap_needs():
+    """Target.variant_lines (sm_90a's, fadsl/targets/sm90/variants.py) reads the compiled
+    spec: a window takes CTA pairs apart (K and V per CTA) and split tiles off; a softcap
+    takes 3 consumers to 2 and the backward to B_r 64 with dS stored, in the order the mask
+    fits; a plain spec or no window and no cap needs nothing."""
+    lines_of = targets.get("sm_90a").variant_lines
+
+    def kernel(name):
+        return front_end(data_dir("examples").joinpath(f"{name}.fa").read_text(), f"{name}.fa")
+
+    hopper = lines_of(kernel("fa3_hopper"), True, False, False)  # cluster 2 in the example
+    assert hopper.settings == {"cluster": "1"} and hopper.scopes == {"K": "cta", "V": "cta"}
+    assert not hopper.backward
+    hdim64 = lines_of(kernel("fa3_hdim64"), True, True, True)  # tail split_kv, 3 consumers
+    assert hdim64.settings == {
+        "tail": "whole",
+        "tile": "B_r = 128, B_c = 128",
+        "warpgroups": "producer = 1, consumers = 2",
+        "registers": "producer = 24, consumers = 240",
+    }
+    assert hdim64.backward == {"tile": "B_r = 64, B_c = 128", "early_dv": "off", "overlap": "on"}
+    assert hdim64.backward_paths == {"dS": "rf -st.shared-> smem[cta] -wgmma-> rf"}
+    causal = lines_of(kernel("fa3_causal"), False, True, False)  # 2 consumers already
+    assert not causal.settings and causal.backward["overlap"] == "off"
+    plain = lines_of(kernel("fa3_causal"), False, False, True)
+    assert not (plain.settings or plain.scopes or plain.backward or plain.backward_paths)

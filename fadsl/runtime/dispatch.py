@@ -14,6 +14,7 @@ from .._data import data_dir
 from ..errors import SpecError
 from ..frontend.rewrite import rewrite, rewrite_backward
 from ..frontend.settings import MAX_WINDOW
+from ..pipeline import front_end
 from .attention import FlashAttention, load
 
 _LOADED: dict[str, FlashAttention] = {}
@@ -82,61 +83,42 @@ def _shipped(name: str) -> FlashAttention:
     return kern
 
 
-# A softcap's backward keeps 1 - tanh^2 per score in registers: B_r 64 fits beside it (B_r 80
-# and 128 spill, as early_dv does), with dS stored as B_r 64 stores it; ptxas (NVRTC 13.5,
-# 2026-11-29, tests/test_attention_variants.py) fits the overlapped order with the causal mask
-# and the plain one without (the overlapped order spills 12 bytes with a two-sided window,
-# the plain one 4 with the causal mask).
-SOFTCAP_BACKWARD = {"tile": "B_r = 64, B_c = {block_n}", "early_dv": "off"}
-SOFTCAP_ORDER = {True: "on", False: "off"}  # causal -> `overlap`
-# The softcap's tanh in the forward does not fit 3 consumers' 160 registers: 2 of 240
-SOFTCAP_FORWARD = {
-    "tile": "B_r = 128, B_c = {block_c}",
-    "warpgroups": "producer = 1, consumers = 2",
-    "registers": "producer = 24, consumers = 240",
-}
-_FORWARD_TILE = re.compile(r"^\s*tile\s+B_r\s*=\s*(\d+)\s*,\s*B_c\s*=\s*(\d+)", re.M)
-_THREE_CONSUMERS = re.compile(r"^\s*warpgroups\s+producer\s*=\s*1\s*,\s*consumers\s*=\s*3", re.M)
-STORED_DS = "rf -st.shared-> smem[cta] -wgmma-> rf"
-_BACKWARD_TILE = re.compile(r"^\s*tile\s+B_r\s*=\s*\d+\s*,\s*B_c\s*=\s*(\d+)", re.M)
-
-
 def attention_variant(name: str, base: str, causal: bool, window_size, softcap) -> tuple[str, str]:
     """(name, text) of the shipped spec ``base`` with a call's mask and softcap
-    (serving_settings, which checks them): with a window also `cluster 1` (K and V in
-    smem[cta]) and `tail whole` where the spec sets those lines (a window runs neither pairs
-    nor split tiles); with a softcap 2 consumer warpgroups where the spec has 3
-    (SOFTCAP_FORWARD) and its backward block at B_r 64 (SOFTCAP_BACKWARD, SOFTCAP_ORDER)."""
+    (serving_settings, which checks them) and the lines its target needs beside them
+    (``Target.variant_lines``; sm_90a: `cluster 1` with K and V per CTA and `tail whole`
+    for a window, 2 consumer warpgroups and a B_r 64 backward for a softcap)."""
     settings = serving_settings(causal, window_size, softcap)
+    return variant_name(name, settings), _with_lines(name, base, settings, causal, forward=True)
+
+
+def serving_variant(name: str, settings: dict[str, str]) -> str:
+    """The text of the serving spec ``name`` (examples/serving/) with a call's lines; with a
+    softcap its backward block as its target needs it (``Target.variant_lines``)."""
+    base = data_dir("examples").joinpath("serving", f"{name}.fa").read_text()
+    causal = settings["mask"].startswith("causal")
+    return _with_lines(name, base, settings, causal, forward=False)
+
+
+def _with_lines(name: str, base: str, settings: dict[str, str], causal: bool, forward: bool) -> str:
+    """``base`` with the call's ``settings`` and the target's variant lines (the forward's
+    too where ``forward``: the serving specs take the call's lines alone there)."""
     variant = variant_name(name, settings)
-    scopes = {}
-    if "window" in settings["mask"]:
-        for key, value in (("cluster", "1"), ("tail", "whole")):
-            if re.search(rf"^\s*{key}\s", base, re.M):
-                settings[key] = value
-        if "cluster" in settings:  # the pairs' shared K and V become each CTA's own
-            scopes = {"K": "cta", "V": "cta"}
-    if "softcap" in settings and _THREE_CONSUMERS.search(base):
-        block_c = _FORWARD_TILE.search(base)[2]
-        settings |= {k: v.format(block_c=block_c) for k, v in SOFTCAP_FORWARD.items()}
-    text = rewrite(base, settings, scopes, variant)
-    if "softcap" in settings:
-        text = softcap_backward(text, causal, variant)
-    return variant, text
-
-
-def softcap_backward(text: str, causal: bool, variant: str) -> str:
-    """A spec's backward block, if it has one, as a softcap needs it: B_r 64 with dS stored
-    (SOFTCAP_BACKWARD; B_r 80 and early_dv spill with the cap's factor), the consumer's
-    order by the mask (SOFTCAP_ORDER)."""
-    opened = re.search(r"^\s*backward\s*\{", text, re.M)
-    if not opened:
-        return text
-    tile = _BACKWARD_TILE.search(text, opened.end())
-    block_n = tile[1] if tile else "128"
-    lines = {k: v.format(block_n=block_n) for k, v in SOFTCAP_BACKWARD.items()}
-    lines["overlap"] = SOFTCAP_ORDER[causal]
-    return rewrite_backward(text, lines, {"dS": STORED_DS}, variant)
+    kernel = front_end(base, f"{name}.fa")
+    hook = targets.get(kernel.config.target).variant_lines
+    windowed, capped = "window" in settings["mask"], "softcap" in settings
+    if hook is None or not (windowed or capped):
+        return rewrite(base, settings, {}, variant)
+    lines = hook(kernel, windowed, capped, causal)
+    text = rewrite(
+        base,
+        {**settings, **(lines.settings if forward else {})},
+        dict(lines.scopes) if forward else {},
+        variant,
+    )
+    if lines.backward:
+        text = rewrite_backward(text, dict(lines.backward), dict(lines.backward_paths), variant)
+    return text
 
 
 _CAPABILITY: dict[int, tuple[int, int]] = {}
@@ -279,17 +261,6 @@ def _serving_kernel(kind: str, q, settings: dict[str, str]) -> FlashAttention:
     if kern is None:
         kern = _SERVING_LOADED[key] = load(serving_variant(name, settings), verbose=False)
     return kern
-
-
-def serving_variant(name: str, settings: dict[str, str]) -> str:
-    """The text of the serving spec ``name`` (examples/serving/) with a call's lines; with a
-    softcap its backward block as a softcap needs it (softcap_backward)."""
-    base = data_dir("examples").joinpath("serving", f"{name}.fa").read_text()
-    variant = variant_name(name, settings)
-    text = rewrite(base, settings, {}, variant)
-    if "softcap" in settings:
-        text = softcap_backward(text, settings["mask"].startswith("causal"), variant)
-    return text
 
 
 # A serving call's kernel by what chooses it (the call's Python arguments and q's and the

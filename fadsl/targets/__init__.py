@@ -104,6 +104,18 @@ class Report:
 
 
 @dataclass(frozen=True)
+class VariantLines:
+    """The lines a target's spec needs beside a call's window or softcap
+    (``Target.variant_lines``): kernel settings (key -> value) and SMEM scopes (tensor ->
+    scope) for the forward, and the backward block's settings and paths (tensor -> path)."""
+
+    settings: Mapping[str, str]
+    scopes: Mapping[str, str]
+    backward: Mapping[str, str]
+    backward_paths: Mapping[str, str]
+
+
+@dataclass(frozen=True)
 class Target:
     name: str  # as a spec spells it: "sm_80"
     package: str  # fadsl/targets/<package>, emit/<package>
@@ -162,6 +174,10 @@ class Target:
     # The backward's kernels: template, slots and host side (fadsl.targets.launch's
     # BackwardLaunch); None: no backward pass.
     backward_launch: BackwardLaunch | None = None
+    # The lines a compiled spec needs beside a call's sliding window or softcap
+    # (kernel, windowed, capped, causal) -> VariantLines; None: the spec takes the call's mask
+    # and softcap lines alone.
+    variant_lines: Callable[[Kernel, bool, bool, bool], VariantLines] | None = None
 
 
 def names() -> tuple[str, ...]:

@@ -28,6 +28,7 @@ from .host.kvcache import run_kvcache
 from .host.launch import LAUNCH
 from .host.varlen import MAX_SEQUENCES, run_varlen
 from .syncs.cluster import cluster_syncs
+from .variants import variant_lines
 from .syncs.insert import insert_syncs
 from .plan_smem import plan_smem
 from .report import REPORT
@@ -91,6 +92,7 @@ TARGET = Target(
     validate_backward=validate_backward,  # the backward block: what its first kernel supports
     tune_space=TUNE_SPACE,  # fadsl tune: the tile, pipeline and schedule knobs
     backward_launch=BACKWARD_LAUNCH,  # preprocess, main and convert_dq (docs/backward.md)
+    variant_lines=variant_lines,  # a call's window or softcap: cluster, tail, tiles, backward
     # fadsl.attention on Hopper: the tuned examples (docs/performance.md)
     shipped={
         (64, False): "fa3_hdim64",

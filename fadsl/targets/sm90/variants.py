@@ -1,0 +1,52 @@
+"""How an sm_90a spec takes a call's sliding window or softcap (fadsl.attention's variants of
+the shipped examples, and the serving calls' of the serving specs): the lines besides the
+mask and softcap lines themselves that the target's sharing and registers need
+(``Target.variant_lines``; fadsl/runtime/dispatch.py writes them into the spec's text)."""
+
+from __future__ import annotations
+
+from ...ir import GradRole, Kernel
+from .. import VariantLines
+from .backward.validate import PATHS
+
+# A window runs neither CTA pairs (`cluster 2`: their K/V blocks are shared, a window's are
+# each tile's own) nor split tiles (`tail split_kv`)
+WINDOW_CLUSTER, WINDOW_TAIL = "1", "whole"
+# The softcap's tanh in the forward does not fit 3 consumers' 160 registers: 2 of 240
+SOFTCAP_FORWARD = {
+    "tile": "B_r = 128, B_c = {block_c}",
+    "warpgroups": "producer = 1, consumers = 2",
+    "registers": "producer = 24, consumers = 240",
+}
+# A softcap's backward keeps 1 - tanh^2 per score in registers: B_r 64 fits beside it (B_r 80
+# and 128 spill, as early_dv does), with dS stored as B_r 64 stores it; ptxas (NVRTC 13.5,
+# 2026-11-29, tests/test_attention_variants.py) fits the overlapped order with the causal mask
+# and the plain one without (the overlapped order spills 12 bytes with a two-sided window,
+# the plain one 4 with the causal mask).
+SOFTCAP_BACKWARD = {"tile": "B_r = 64, B_c = {block_n}", "early_dv": "off"}
+SOFTCAP_ORDER = {True: "on", False: "off"}  # causal -> `overlap`
+
+
+def variant_lines(kernel: Kernel, windowed: bool, capped: bool, causal: bool) -> VariantLines:
+    """The lines ``kernel`` (a shipped spec, as compiled) needs beside a call's window
+    (``windowed``) or softcap (``capped``), forward and backward."""
+    cfg = kernel.config
+    ext = cfg.ext
+    settings: dict[str, str] = {}
+    scopes: dict[str, str] = {}
+    if windowed and ext is not None:
+        if ext.cluster > 1:  # the pairs' shared K and V become each CTA's own
+            settings["cluster"] = WINDOW_CLUSTER
+            scopes = {"K": "cta", "V": "cta"}
+        if ext.split_kv:
+            settings["tail"] = WINDOW_TAIL
+    if capped and cfg.warps == 4 * (1 + 3):  # a producer and 3 consumer warpgroups
+        settings |= {k: v.format(block_c=cfg.block_c) for k, v in SOFTCAP_FORWARD.items()}
+    backward: dict[str, str] = {}
+    backward_paths: dict[str, str] = {}
+    if capped and kernel.backward is not None:
+        block_n = kernel.backward.block_n
+        backward = {k: v.format(block_n=block_n) for k, v in SOFTCAP_BACKWARD.items()}
+        backward["overlap"] = SOFTCAP_ORDER[causal]
+        backward_paths = {GradRole.DS.value: PATHS[GradRole.DS].text()}
+    return VariantLines(settings, scopes, backward, backward_paths)
