@@ -104,10 +104,12 @@ def _with_lines(name: str, base: str, settings: dict[str, str], causal: bool, fo
     """``base`` with the call's ``settings`` and the target's variant lines (the forward's
     too where ``forward``: the serving specs take the call's lines alone there)."""
     variant = variant_name(name, settings)
+    windowed, capped = "window" in settings["mask"], "softcap" in settings
+    if not (windowed or capped):
+        return rewrite(base, settings, {}, variant)
     kernel = front_end(base, f"{name}.fa")
     hook = targets.get(kernel.config.target).variant_lines
-    windowed, capped = "window" in settings["mask"], "softcap" in settings
-    if hook is None or not (windowed or capped):
+    if hook is None:
         return rewrite(base, settings, {}, variant)
     lines = hook(kernel, windowed, capped, causal)
     text = rewrite(
