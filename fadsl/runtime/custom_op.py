@@ -216,13 +216,11 @@ def _define_varlen(name: str):
                 "the spec, or call it under torch.no_grad() or on detached q, k and v."
             )
         q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
-        if lse.numel() == 0 and q.shape[0] > 0:
+        if tuple(lse.shape) != varlen_lse_shape(q):  # the op called with return_lse=False
             raise RuntimeError(
                 f"fadsl kernel '{name}': its varlen backward needs the forward's LSE; call the "
                 "op with return_lse=True (the FlashAttention object always does)"
             )
-        if lse.numel() == 0:  # no query rows: an LSE of shape (heads, 0)
-            lse = q.new_empty((q.shape[1], 0), dtype=torch.float32)
         dq, dk, dv = varlen_backward(
             q, k, v, out, lse, grad_out, grad_lse, cu_q, cu_k, ctx.softmax_scale
         )

@@ -89,7 +89,7 @@ def run(
                 continue
             if not checked:
                 for label, grads in ours.items():
-                    _check(grads, [t.transpose(1, 2) for t in theirs], name, seqlen, label)
+                    check_grads(grads, [t.transpose(1, 2) for t in theirs], name, seqlen, label)
                 checked = True
             contenders[name] = grad_of(o, (qt, kt, vt), dout.transpose(1, 2))
         if fa4 is not None:
@@ -129,7 +129,9 @@ def grad_of(out, inputs, dout) -> Callable[[int], object]:
     return backward
 
 
-def _check(ours, theirs, name: str, seqlen: int, label: str = "fadsl") -> None:
+def check_grads(ours, theirs, name: str, seqlen: int, label: str = "fadsl") -> None:
+    """fadsl's dq, dk, dv against another backward's (``name``), within AGREEMENT of the
+    largest entry; RuntimeError (not timed) otherwise."""
     for what, a, b in zip(("dq", "dk", "dv"), ours, theirs):
         scale = b.float().abs().max().item()
         err = (a.float() - b.float()).abs().max().item()

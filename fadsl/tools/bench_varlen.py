@@ -21,8 +21,7 @@ from typing import Callable
 
 from ..runtime.attention import FlashAttention
 from .bench import DEFAULT_HEADS, median_times, ratio_table
-from .bench_backward import AGREEMENT as AGREEMENT_GRADS  # two correct backwards' distance
-from .bench_backward import BACKWARD_FLOPS, grad_of
+from .bench_backward import BACKWARD_FLOPS, check_grads, grad_of
 
 DEFAULT_MAX_SEQLENS = (1024, 4096, 16384)
 # fadsl's output against float32 attention, as a share of the largest output entry
@@ -171,14 +170,13 @@ def _check_grads(grads, q, k, v, dout, lengths, scale, causal) -> None:
         keys, values = (t.repeat_interleave(group, dim=1) for t in mine[1:])  # GQA
         o = F.scaled_dot_product_attention(mine[0], keys, values, is_causal=causal, scale=scale)
         theirs = torch.autograd.grad(o, mine, dout[rows].transpose(0, 1)[None])
-        for what, ours, ref in zip(("dq", "dk", "dv"), grads, theirs):
-            ref = ref[0].transpose(0, 1).float()
-            err = (ours[rows].float() - ref).abs().max().item()
-            if not err <= AGREEMENT_GRADS * ref.abs().max().item():
-                raise RuntimeError(
-                    f"fadsl's varlen {what} on sequence {b} differs from SDPA's by {err:.3g}; "
-                    "not timed"
-                )
+        check_grads(
+            [g[rows] for g in grads],
+            [t[0].transpose(0, 1) for t in theirs],
+            "SDPA",
+            lengths[b],
+            f"fadsl (varlen sequence {b})",
+        )
 
 
 def _prefix(lengths: list[int]) -> list[int]:

@@ -262,13 +262,28 @@ __device__ __forceinline__ bool bwd_sequence_ok(int r0, int r1, int rows) {
 struct BwdQueryRows {
   int shift, begin, end;
 };
+// Padded calls: rows [0, seqlen_q) as they are (none read from cu_seqlens).  The
+// preprocess and convert_dq take a CTA's rows from one chunk (their rows per CTA divide B_r).
 template <class Cfg>
 __device__ __forceinline__ BwdQueryRows bwd_query_rows(const int* cu_q, int sequences, int tokens_q, int chunk) {
+  if constexpr (!Cfg::kVarlen) return {0, 0, tokens_q};
   const int s = bwd_varlen_sequence(cu_q, sequences, Cfg::kBlockM, chunk);
   const int q0 = cu_q[s], q1 = cu_q[s + 1];
   const int first = bwd_first_slot(cu_q, s, Cfg::kBlockM) * Cfg::kBlockM;
   if (!bwd_sequence_ok(q0, q1, tokens_q)) return {0, 0, 0};
   return {q0 - first, first, first + q1 - q0};
+}
+// Whether padded row `row` holds a query, and the tensors' row of it (padded calls test the
+// params' seqlen_q where they use it: a copy held in a local moved ptxas's allocation).
+template <class Cfg>
+__device__ __forceinline__ bool bwd_holds_query(const BwdQueryRows& rows, int seqlen_q, int row) {
+  if constexpr (Cfg::kVarlen) return rows.begin <= row && row < rows.end;
+  return row < seqlen_q;
+}
+template <class Cfg>
+__device__ __forceinline__ int bwd_query_of(const BwdQueryRows& rows, int row) {
+  if constexpr (Cfg::kVarlen) return row + rows.shift;
+  return row;
 }
 
 // Whether a query's keys end at a right edge (the causal mask's diagonal, or a window's), and
@@ -884,15 +899,11 @@ __device__ __forceinline__ void bwd_preprocess_row(const BwdPrepParams& P) {
   const int row = blockIdx.x * kRowsPerCta + threadIdx.x / kThreadsPerRow, head = blockIdx.y, batch = blockIdx.z;
   // the query row of padded row `row` (varlen: the CTA's rows lie in one chunk, since
   // kRowsPerCta divides B_r, so in one sequence's padded rows)
-  bool real = row < P.seqlen_q;
-  int query = row;
-  if constexpr (Cfg::kVarlen) {
-    static_assert(Cfg::kBlockM % kRowsPerCta == 0, "a preprocess CTA within one chunk");
-    const BwdQueryRows rows =
-        bwd_query_rows<Cfg>(P.cu_seqlens_q, P.sequences, P.seqlen_q, blockIdx.x * kRowsPerCta / Cfg::kBlockM);
-    real = rows.begin <= row && row < rows.end;
-    query = row + rows.shift;
-  }
+  static_assert(Cfg::kBlockM % kRowsPerCta == 0, "a preprocess CTA within one chunk");
+  const BwdQueryRows rows =
+      bwd_query_rows<Cfg>(P.cu_seqlens_q, P.sequences, P.seqlen_q, blockIdx.x * kRowsPerCta / Cfg::kBlockM);
+  const bool real = bwd_holds_query<Cfg>(rows, P.seqlen_q, row);
+  const int query = bwd_query_of<Cfg>(rows, row);
   float d = 0.f;
   if (real) {
     const T* o = static_cast<const T*>(P.o) + batch * P.o_batch_stride + query * P.o_row_stride + head * P.o_head_stride;
@@ -949,32 +960,12 @@ __device__ __forceinline__ void bwd_preprocess_row(const BwdPrepParams& P) {
 // CTA takes 16 queries (q-groups 2c and 2c + 1 of its m-block); thread (share, tid) reads
 // one float4 of each and swaps two values with its partner lane (tid ^ 4: column d ^ 1) so
 // that each holds two adjacent columns of one query.
-// The query rows of m-block (chunk) m_block's padded rows: [0, seqlen_q) as they are, or
-// (varlen) the chunk's sequence's (16 divides B_r: a CTA's rows lie in one chunk).
-template <class Cfg>
-__device__ __forceinline__ BwdQueryRows bwd_convert_rows(const BwdConvertParams& P, int m_block) {
-  if constexpr (Cfg::kVarlen) return bwd_query_rows<Cfg>(P.cu_seqlens_q, P.sequences, P.seqlen_q, m_block);
-  return {0, 0, P.seqlen_q};
-}
-// Whether padded row `row` holds a query, and dQ's row of it (padded calls: row < seqlen_q,
-// the row itself, as the compiler best keeps them).
-template <class Cfg>
-__device__ __forceinline__ bool bwd_holds_query(const BwdConvertParams& P, const BwdQueryRows& rows, int row) {
-  if constexpr (Cfg::kVarlen) return rows.begin <= row && row < rows.end;
-  return row < P.seqlen_q;
-}
-template <class Cfg>
-__device__ __forceinline__ int bwd_query_of(const BwdQueryRows& rows, int row) {
-  if constexpr (Cfg::kVarlen) return row + rows.shift;
-  return row;
-}
-
 template <class Cfg>
 __device__ __forceinline__ void bwd_convert_dq_t(const BwdConvertParams& P) {
   const int row0 = blockIdx.x * 16, head = blockIdx.y, batch = blockIdx.z;
   const int m_block = row0 / Cfg::kBlockM;
   if (m_block >= P.m_blocks) return;
-  const BwdQueryRows rows = bwd_convert_rows<Cfg>(P, m_block);
+  const BwdQueryRows rows = bwd_query_rows<Cfg>(P.cu_seqlens_q, P.sequences, P.seqlen_q, m_block);
   const int share = threadIdx.x / 128, tid = threadIdx.x % 128, lane = tid % 32;
   const bool odd = (lane / 4) % 2 == 1;  // column d odd: takes query u + 1
   const int col = 64 * share + 16 * (tid / 32) + (lane / 4) - (odd ? 1 : 0);  // the pair's first column
@@ -991,7 +982,7 @@ __device__ __forceinline__ void bwd_convert_dq_t(const BwdConvertParams& P) {
     const float2 lo = odd ? make_float2(got0, v.y) : make_float2(v.x, got0);  // columns col, col + 1
     const float2 hi = odd ? make_float2(got1, v.w) : make_float2(v.z, got1);  // columns col + 8, col + 9
     const int row = m_block * Cfg::kBlockM + 8 * q + 2 * (lane % 4) + (odd ? 1 : 0);
-    if (bwd_holds_query<Cfg>(P, rows, row)) {
+    if (bwd_holds_query<Cfg>(rows, P.seqlen_q, row)) {
       typename Cfg::T* out = dq + bwd_query_of<Cfg>(rows, row) * P.dq_row_stride + col;
       *reinterpret_cast<uint32_t*>(out) = pack_f32x2<typename Cfg::T>(lo.x * P.softmax_scale, lo.y * P.softmax_scale);
       *reinterpret_cast<uint32_t*>(out + 8) =
@@ -1010,7 +1001,7 @@ __device__ __forceinline__ void bwd_convert_dq_row(const BwdConvertParams& P) {
   const int row = blockIdx.x * 16 + warp, head = blockIdx.y, batch = blockIdx.z;  // and row + 8
   const int m_block = row / Cfg::kBlockM, q = row % Cfg::kBlockM, u = q % 64;
   if (m_block >= P.m_blocks) return;
-  const BwdQueryRows rows = bwd_convert_rows<Cfg>(P, m_block);
+  const BwdQueryRows rows = bwd_query_rows<Cfg>(P.cu_seqlens_q, P.sequences, P.seqlen_q, m_block);
   const float* chunk = P.dq_accum + ((static_cast<int64_t>(batch) * P.heads_q + head) * P.m_blocks + m_block) *
                                         (Cfg::kBlockM * Cfg::kHeadDim);
   typename Cfg::T* dq = static_cast<typename Cfg::T*>(P.dq) + batch * P.dq_batch_stride + head * P.dq_head_stride;
@@ -1019,11 +1010,11 @@ __device__ __forceinline__ void bwd_convert_dq_row(const BwdConvertParams& P) {
     const int share = Cfg::kDqByQueries ? q / 64 : col / Cfg::kDqCols, c = col % Cfg::kDqCols;
     const int tid = 32 * (u / 16) + 4 * (u % 8) + (c % 8) / 2;
     const float4 v = *reinterpret_cast<const float4*>(chunk + share * Cfg::kDqFloats + ((c / 8) * 128 + tid) * 4);
-    if (bwd_holds_query<Cfg>(P, rows, row)) {
+    if (bwd_holds_query<Cfg>(rows, P.seqlen_q, row)) {
       *reinterpret_cast<uint32_t*>(dq + bwd_query_of<Cfg>(rows, row) * P.dq_row_stride + col) =
           pack_f32x2<typename Cfg::T>(v.x * P.softmax_scale, v.y * P.softmax_scale);
     }
-    if (bwd_holds_query<Cfg>(P, rows, row + 8)) {
+    if (bwd_holds_query<Cfg>(rows, P.seqlen_q, row + 8)) {
       *reinterpret_cast<uint32_t*>(dq + bwd_query_of<Cfg>(rows, row + 8) * P.dq_row_stride + col) =
           pack_f32x2<typename Cfg::T>(v.z * P.softmax_scale, v.w * P.softmax_scale);
     }
