@@ -640,27 +640,65 @@ __device__ __forceinline__ void stage_dq(uint32_t stage, const float (&dq)[Cfg::
   }
 }
 
-// dK or dV rows of this warpgroup (times `scale`) to global memory: 16-bit pairs, or fp32
-// pairs for a GQA group's per-head partials.
+// The 4 x 4 transpose of 32-bit words across the 4 lanes of a quad: lane t holds w[s] = M[t][s]
+// on entry and M[s][t] on exit.  Two butterfly steps (lane distance 1, then 2), each moving
+// the words whose row and column differ in that bit to the partner lane: 4 shuffles.
+__device__ __forceinline__ void quad_transpose(uint32_t (&w)[4], int t) {
+#pragma unroll
+  for (int bit = 1; bit <= 2; bit *= 2) {
+    const bool high = (t & bit) != 0;
+#pragma unroll
+    for (int s = 0; s < 4; ++s) {
+      if (s & bit) continue;  // the pair (s, s | bit): the lane keeps the word whose bit matches its own
+      const uint32_t got = __shfl_xor_sync(0xffffffffu, high ? w[s] : w[s | bit], bit);
+      if (high) {
+        w[s] = got;
+      } else {
+        w[s | bit] = got;
+      }
+    }
+  }
+}
+
+// dK or dV rows of this warpgroup (times `scale`) to global memory.  16-bit: the accumulator
+// gives lane t of a quad columns 8j + 2t, 8j + 2t + 1 of its two rows; a quad transpose per 4
+// column groups gives lane t all 8 columns of group 4g + t, stored as one 16-byte word, so a
+// warp's store writes 64 contiguous bytes of each of 8 rows (4-byte stores of column pairs
+// cost 4-7 % of a call at 1k: research/performance-history.md, 2026-11-29).  The host
+// allocates dK and dV with rows of head_dim elements, 16-byte aligned.  fp32 (a GQA group's
+// per-head partials): column pairs, 8 bytes a lane, 32 contiguous bytes a quad.
 template <class Cfg>
 __device__ __forceinline__ void store_grad_kv(const float (&acc)[Cfg::kAccRegs], void* base, int64_t batch_stride,
                                               int64_t row_stride, int64_t head_stride, const BwdParamsSm90& P,
                                               const BwdBlock& b, int key0, float scale) {
+  static_assert(Cfg::kHeadDim % 32 == 0, "whole quads of 8-column groups");
   const int t = threadIdx.x % 4;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int key = key0 + 8 * r;
-    if (key >= bwd_keys<Cfg>(P, b)) continue;
+    const bool stored = key < bwd_keys<Cfg>(P, b);  // the quad's row: its 4 lanes agree
     const int64_t row = b.batch * batch_stride + (b.k_row0 + key) * row_stride + b.head * head_stride;
+    if (P.dkv_fp32) {
+      if (!stored) continue;
 #pragma unroll
-    for (int j = 0; j < Cfg::kHeadDim / 8; ++j) {
-      const int col = 8 * j + 2 * t;
-      const float lo = acc[4 * j + 2 * r] * scale, hi = acc[4 * j + 2 * r + 1] * scale;
-      if (P.dkv_fp32) {
-        *reinterpret_cast<float2*>(static_cast<float*>(base) + row + col) = make_float2(lo, hi);
-      } else {
-        *reinterpret_cast<uint32_t*>(static_cast<typename Cfg::T*>(base) + row + col) =
-            pack_f32x2<typename Cfg::T>(lo, hi);
+      for (int j = 0; j < Cfg::kHeadDim / 8; ++j) {
+        *reinterpret_cast<float2*>(static_cast<float*>(base) + row + 8 * j + 2 * t) =
+            make_float2(acc[4 * j + 2 * r] * scale, acc[4 * j + 2 * r + 1] * scale);
+      }
+      continue;
+    }
+#pragma unroll
+    for (int g = 0; g < Cfg::kHeadDim / 32; ++g) {
+      uint32_t w[4];  // column pairs 32g + 8s + 2t of this lane's row, s = 0..3
+#pragma unroll
+      for (int s = 0; s < 4; ++s) {
+        const int j = 4 * g + s;
+        w[s] = pack_f32x2<typename Cfg::T>(acc[4 * j + 2 * r] * scale, acc[4 * j + 2 * r + 1] * scale);
+      }
+      quad_transpose(w, t);  // every lane of the warp, whether its row is stored or not
+      if (stored) {
+        *reinterpret_cast<uint4*>(static_cast<typename Cfg::T*>(base) + row + 32 * g + 8 * t) =
+            make_uint4(w[0], w[1], w[2], w[3]);
       }
     }
   }
