@@ -14,6 +14,7 @@ from fadsl.cli import main
 from fadsl.frontend.rewrite import rewrite_backward
 from fadsl.pipeline import compile_source
 from fadsl.tools import tune_backward
+from fadsl.targets.sm90.backward.tune_space import knobs_of, label_of
 from fadsl.tools.tune_build import OK, Built
 
 HDIM64 = (ROOT / "examples" / "fa3_hdim64.fa").read_text()
@@ -53,12 +54,12 @@ def test_the_variants_of_head_dim_64():
     base = compiled.kernel.backward
     assert variants[0].backward == base and variants[0].text == HDIM64
     admitted = [v for v in variants if v.backward is not None]
-    knobs = [tune_backward._knobs(v.backward) for v in admitted]
+    knobs = [knobs_of(v.backward) for v in admitted]
     assert len(knobs) == len(set(knobs))  # no block twice, the input's not again
     assert {v.backward.block_m for v in admitted} == {64, 128}
     assert {v.backward.dq_red for v in admitted} == {False, True}
     for v in admitted:  # each label says its block, and its text compiles to it
-        assert v.label == tune_backward.label_of(v.backward)
+        assert v.label == label_of(v.backward)
         assert compile_source(v.text, "v.fa").kernel.backward.text() == v.backward.text()
     refused = [v for v in variants if v.backward is None]
     assert refused and all(

@@ -35,7 +35,7 @@ from ..ir import (
 from ..ir.syncmodel import SyncModel
 from .archs import capability_of
 from .launch import BackwardLaunch, Launch
-from .tuning import TuneSpace
+from .tuning import BackwardTuneSpace, TuneSpace
 
 if TYPE_CHECKING:
     from ..spec.checks import BackwardBlock, Checks
@@ -174,6 +174,9 @@ class Target:
     # The backward's kernels: template, slots and host side (fadsl.targets.launch's
     # BackwardLaunch); None: no backward pass.
     backward_launch: BackwardLaunch | None = None
+    # What `fadsl tune --backward` may change in its backward blocks (fadsl.targets.tuning);
+    # None: not tunable.
+    backward_tune_space: BackwardTuneSpace | None = None
     # The lines a compiled spec needs beside a call's sliding window or softcap
     # (kernel, windowed, capped, causal) -> VariantLines; None: the spec takes the call's mask
     # and softcap lines alone.

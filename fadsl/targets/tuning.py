@@ -74,3 +74,30 @@ class TuneSpace:
             likely_spills=self.likely_spills,
             repair=tuple(r for r in self.repair if r in names),
         )
+
+
+@dataclass(frozen=True)
+class BackwardCandidate:
+    """One backward block `fadsl tune --backward` tries: the block's setting lines ({key:
+    value text}) and paths ({tensor: path text, or None for the default path}) written over
+    the input's (fadsl/frontend/rewrite.py's rewrite_backward), and its name in the tuner's
+    table (the name of the block it compiles to replaces it once it compiles)."""
+
+    label: str
+    settings: Mapping[str, str]
+    paths: Mapping[str, str | None]
+
+
+@dataclass(frozen=True)
+class BackwardTuneSpace:
+    """What `fadsl tune --backward` may change in a target's backward blocks
+    (``Target.backward_tune_space``): never the mask, the dtypes or `deterministic` (a
+    promise, not a speed)."""
+
+    # Every block worth trying for the input's compiled block, given whether the spec's mask
+    # is causal; the target's checks refuse what cannot be built.
+    candidates: Callable[[Any, bool], tuple[BackwardCandidate, ...]]
+    # A compiled block's name in the table (a candidate's, once it compiled)
+    label: Callable[[Any], str]
+    # The knobs that tell two compiled blocks apart (the same block is timed once)
+    knobs: Callable[[Any], tuple]

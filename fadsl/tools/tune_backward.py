@@ -1,12 +1,10 @@
 """`fadsl tune --backward`: the backward block's knobs searched for the fastest backward on
 this GPU and workload.
 
-The block's space is small: the tile's B_r (64, or 128 or 80 where the target admits it; at
-80 dS's path becomes `rf -stmatrix-> smem`), the
-consumer's order (`overlap`, `early_dv`), dQ's path (staged, or `rf -red.add-> gmem`) and
-the Q / dO ring's `stages` (and, under the causal mask, the input's block with
-`longest_first` flipped: the CTA order); `deterministic` stays as the spec has it (it is a promise, not a
-speed). So every combination is tried: each written into the spec's backward block
+The blocks tried are the target's (``Target.backward_tune_space``; sm_90a's:
+fadsl/targets/sm90/backward/tune_space.py: the tile's B_r, the consumer's order, dQ's path,
+the Q / dO ring's stages and, under the causal mask, the CTA order); `deterministic` stays as
+the spec has it (it is a promise, not a speed). Each is written into the spec's backward block
 (fadsl/frontend/rewrite.py's ``rewrite_backward``), the front end and the target's checks
 refuse what cannot be built, and the rest are compiled in parallel with their backward
 kernels (fadsl/tools/tune_build.py: a variant whose kernels spill is refused, as `fadsl
@@ -22,7 +20,6 @@ Without a GPU the variants are still enumerated and compiled (into the cubin cac
 
 from __future__ import annotations
 
-import itertools
 import math
 import os
 from dataclasses import dataclass, field
@@ -32,21 +29,13 @@ from typing import Callable
 from ..atomic import write_atomic
 from ..errors import SpecError
 from ..frontend.rewrite import rewrite_backward
-from ..ir import GradRole, Mask
+from .. import targets
+from ..ir import Mask
 from ..ir.backward import Backward
 from ..pipeline import Compiled, compile_source
+from ..targets.tuning import BackwardTuneSpace
 from .tune import NoGPUError  # (raised after the variants compiled)
 from .tune_build import OK, BuildJob, build_all
-
-# The knobs and the values each may take (the target's checks refuse what does not fit).
-BLOCK_MS = (64, 128, 80)
-# dS's path at each B_r (80: dQ^T reads dS with the queries as rows, stored transposed)
-DS_PATHS = {80: "rf -stmatrix-> smem[cta] -wgmma-> rf"}
-DS_STORED = "rf -st.shared-> smem[cta] -wgmma-> rf"
-ORDERS = (("off", "off"), ("on", "off"), ("on", "on"))  # (overlap, early_dv)
-STAGED, RED = "staged", "red.add"
-DQ_PATHS = {STAGED: None, RED: "rf -red.add-> gmem"}  # None: the default (staged) path
-STAGES = (2, 3)
 
 
 @dataclass(frozen=True)
@@ -82,65 +71,40 @@ class BackwardTuneResult:
         return "\n".join(lines)
 
 
-def _label(
-    block_m: int, overlap: bool, early_dv: bool, dq: str, stages: int, longest_first=False
-) -> str:
-    order = "early_dv" if early_dv else ("overlap" if overlap else "plain")
-    first = ", longest first" if longest_first else ""
-    return f"B_r {block_m}, {order}, dQ {dq}, stages {stages}{first}"
-
-
-def label_of(bwd: Backward) -> str:
-    """The knobs a backward block sets, as `fadsl tune --backward` names its variants."""
-    dq = RED if bwd.dq_red else STAGED
-    return _label(bwd.block_m, bwd.overlap, bwd.early_dv, dq, bwd.stages, bwd.longest_first)
+def _space(compiled: Compiled) -> BackwardTuneSpace:
+    space = targets.target_of(compiled.kernel).backward_tune_space
+    if space is None:
+        raise ValueError(f"target {compiled.kernel.config.target} has no backward knobs to tune")
+    return space
 
 
 def backward_variants(source: str, file: str = "<spec>") -> tuple[Compiled, list[BackwardVariant]]:
-    """The spec, compiled, and every combination of the backward block's knobs written into
-    it, each checked by the front end and the target (``backward`` None where refused); the
-    input's own block first. ValueError for a spec without a backward block."""
+    """The spec, compiled, and every backward block its target's tune space proposes
+    (``Target.backward_tune_space``) written into it, each checked by the front end and the
+    target (``backward`` None where refused); the input's own block first, no block twice.
+    ValueError for a spec without a backward block."""
     compiled = compile_source(source, file)
     base = compiled.kernel.backward
     if base is None:
         raise ValueError(f"{file} has no backward block: `fadsl tune --backward` varies it")
+    space = _space(compiled)
     name = compiled.kernel.config.name
-    out = [BackwardVariant(label_of(base), source, base)]
-    seen = {_knobs(base)}
-    for block_m, (overlap, early_dv), dq, stages in itertools.product(
-        BLOCK_MS, ORDERS, DQ_PATHS, STAGES
-    ):
-        settings = {
-            "tile": f"B_r = {block_m}, B_c = {base.block_n}",
-            "overlap": overlap,
-            "early_dv": early_dv,
-            "stages": str(stages),
-        }
-        paths = {GradRole.DQ.value: DQ_PATHS[dq]}
-        if block_m in DS_PATHS or base.block_m in DS_PATHS:  # dS's path follows the tile
-            paths[GradRole.DS.value] = DS_PATHS.get(block_m, DS_STORED)
-        text = rewrite_backward(source, settings, paths, name)
-        label = _label(block_m, overlap == "on", early_dv == "on", dq, stages)
+    out = [BackwardVariant(space.label(base), source, base)]
+    seen = {space.knobs(base)}
+    causal = compiled.kernel.config.mask is Mask.CAUSAL
+    for candidate in space.candidates(base, causal):
+        text = rewrite_backward(source, dict(candidate.settings), dict(candidate.paths), name)
         try:
             bwd = compile_source(text, file).kernel.backward
         except SpecError as err:
             reason = err.diagnostics[0].message if err.diagnostics else str(err)
-            out.append(BackwardVariant(label, text, None, reason.splitlines()[0]))
+            out.append(BackwardVariant(candidate.label, text, None, reason.splitlines()[0]))
             continue
-        if _knobs(bwd) in seen:  # the input's own block, written again
+        if space.knobs(bwd) in seen:  # a block tried already (the input's, written again)
             continue
-        seen.add(_knobs(bwd))
-        out.append(BackwardVariant(label_of(bwd), text, bwd))
-    if compiled.kernel.config.mask is Mask.CAUSAL:  # the input's block in the other CTA order
-        flipped = "off" if base.longest_first else "on"
-        text = rewrite_backward(source, {"longest_first": flipped}, {}, name)
-        bwd = compile_source(text, file).kernel.backward
-        out.append(BackwardVariant(label_of(bwd), text, bwd))
+        seen.add(space.knobs(bwd))
+        out.append(BackwardVariant(space.label(bwd), text, bwd))
     return compiled, out
-
-
-def _knobs(bwd: Backward) -> tuple:
-    return (bwd.block_m, bwd.overlap, bwd.early_dv, bwd.dq_red, bwd.stages, bwd.longest_first)
 
 
 def tune_backward(

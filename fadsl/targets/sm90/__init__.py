@@ -20,6 +20,7 @@ from .. import Target
 from .alone import alone
 from .backward.validate import validate_backward
 from .backward import BACKWARD_LAUNCH
+from .backward.tune_space import BACKWARD_TUNE_SPACE
 from .caps import CAPABILITIES, SYNC_MODEL, TRACE_HEADER
 from .config import read_config
 from .settings import PAGE_SIZES, SETTINGS, TMA_SWIZZLE
@@ -92,6 +93,7 @@ TARGET = Target(
     validate_backward=validate_backward,  # the backward block: what its first kernel supports
     tune_space=TUNE_SPACE,  # fadsl tune: the tile, pipeline and schedule knobs
     backward_launch=BACKWARD_LAUNCH,  # preprocess, main and convert_dq (docs/backward.md)
+    backward_tune_space=BACKWARD_TUNE_SPACE,  # fadsl tune --backward: tile, order, dQ, stages
     variant_lines=variant_lines,  # a call's window or softcap: cluster, tail, tiles, backward
     # fadsl.attention on Hopper: the tuned examples (docs/performance.md)
     shipped={

@@ -1,0 +1,70 @@
+"""sm_90a's backward knobs for `fadsl tune --backward` (``Target.backward_tune_space``).
+
+The tile's B_r (64, or 128 or 80 where validate admits it: 128 at head_dim 64, 80 at 128; at
+80 dS's path becomes `rf -stmatrix-> smem`, since dQ^T reads dS with the queries as rows,
+stored transposed), the consumer's order (`overlap`, `early_dv`), dQ's path (staged, or
+`rf -red.add-> gmem`) and the Q / dO ring's `stages`; under the causal mask, the input's
+block with `longest_first` flipped (the CTA order). Every combination is a candidate;
+validate.py refuses what does not fit (SMEM, registers, the knobs that do not combine) and
+the tuner's build step what spills. `deterministic` stays as the spec has it.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+from ....ir import GradRole
+from ....ir.backward import Backward
+from ...tuning import BackwardCandidate, BackwardTuneSpace
+
+BLOCK_MS = (64, 128, 80)
+# dS's path at each B_r (80: dQ^T reads dS with the queries as rows, stored transposed)
+DS_PATHS = {80: "rf -stmatrix-> smem[cta] -wgmma-> rf"}
+DS_STORED = "rf -st.shared-> smem[cta] -wgmma-> rf"
+ORDERS = (("off", "off"), ("on", "off"), ("on", "on"))  # (overlap, early_dv)
+STAGED, RED = "staged", "red.add"
+DQ_PATHS = {STAGED: None, RED: "rf -red.add-> gmem"}  # None: the default (staged) path
+STAGES = (2, 3)
+
+
+def _label(
+    block_m: int, overlap: bool, early_dv: bool, dq: str, stages: int, longest_first=False
+) -> str:
+    order = "early_dv" if early_dv else ("overlap" if overlap else "plain")
+    first = ", longest first" if longest_first else ""
+    return f"B_r {block_m}, {order}, dQ {dq}, stages {stages}{first}"
+
+
+def label_of(bwd: Backward) -> str:
+    """The knobs a backward block sets, e.g. "B_r 128, overlap, dQ red.add, stages 2"."""
+    dq = RED if bwd.dq_red else STAGED
+    return _label(bwd.block_m, bwd.overlap, bwd.early_dv, dq, bwd.stages, bwd.longest_first)
+
+
+def knobs_of(bwd: Backward) -> tuple:
+    return (bwd.block_m, bwd.overlap, bwd.early_dv, bwd.dq_red, bwd.stages, bwd.longest_first)
+
+
+def candidates(base: Backward, causal: bool) -> tuple[BackwardCandidate, ...]:
+    out = []
+    for block_m, (overlap, early_dv), dq, stages in itertools.product(
+        BLOCK_MS, ORDERS, DQ_PATHS, STAGES
+    ):
+        settings = {
+            "tile": f"B_r = {block_m}, B_c = {base.block_n}",
+            "overlap": overlap,
+            "early_dv": early_dv,
+            "stages": str(stages),
+        }
+        paths = {GradRole.DQ.value: DQ_PATHS[dq]}
+        if block_m in DS_PATHS or base.block_m in DS_PATHS:  # dS's path follows the tile
+            paths[GradRole.DS.value] = DS_PATHS.get(block_m, DS_STORED)
+        label = _label(block_m, overlap == "on", early_dv == "on", dq, stages)
+        out.append(BackwardCandidate(label, settings, paths))
+    if causal:  # the input's block in the other CTA order
+        flipped = "off" if base.longest_first else "on"
+        out.append(BackwardCandidate(label_of(base), {"longest_first": flipped}, {}))
+    return tuple(out)
+
+
+BACKWARD_TUNE_SPACE = BackwardTuneSpace(candidates=candidates, label=label_of, knobs=knobs_of)
