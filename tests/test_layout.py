@@ -94,6 +94,7 @@ LAYERS = (
     ("fadsl.codegen",),
     ("fadsl.build",),
     ("fadsl.runtime",),
+    ("fadsl.distributed",),  # context parallelism over torch.distributed, on the runtime's calls
     ("fadsl.tools",),
     ("fadsl.cli",),
     ("fadsl",),

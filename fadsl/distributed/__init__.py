@@ -1,0 +1,181 @@
+"""Context parallelism: attention over a sequence sharded across the ranks of a
+``torch.distributed`` process group, forward and backward (docs/distributed.md).
+
+    import fadsl.distributed as fcp
+    q, k, v = (fcp.shard_zigzag(t, rank, world) for t in (q, k, v))   # (batch, seqlen, heads, d)
+    out = fcp.ring_attention(q, k, v, causal=True)                      # this rank's rows
+    full = fcp.gather_zigzag(out)
+
+- ``ring_attention``: K and V shards pass around the ring (NCCL send/recv under each step's
+  attention), partial outputs merged by their LSE in fp32; the backward passes dK and dV
+  around the same way. Causal needs the zigzag (balanced) or contiguous layout.
+- ``ulysses_attention``: heads split and sequence gathered by two all-to-alls around one
+  local attention; heads_q and heads_kv divisible by the group's size; contiguous shards.
+
+Each step's attention is an ``AttentionStep`` (fadsl/distributed/steps.py): fadsl.attention's
+shipped kernels by default, ``SpecStep`` for two loaded specs with backward blocks,
+``ReferenceStep`` (fp32 torch) for checks and for CPU process groups (gloo).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from .ring import LAYOUTS, RingAttention
+from .steps import ReferenceStep, ShippedStep, SpecStep, AttentionStep
+from .ulysses import ulysses
+
+__all__ = [
+    "ring_attention",
+    "ulysses_attention",
+    "shard_zigzag",
+    "unshard_zigzag",
+    "gather_zigzag",
+    "ReferenceStep",
+    "ShippedStep",
+    "SpecStep",
+    "AttentionStep",
+]
+
+
+def _world(group) -> tuple[int, int]:
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "fadsl.distributed: torch.distributed is not initialised "
+            "(torch.distributed.init_process_group, or run under torchrun)"
+        )
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def _check_qkv(q, k, v) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise ValueError(f"{name}: expected a 4-D tensor (batch, seqlen, heads, head_dim)")
+    if k.shape != v.shape:
+        raise ValueError(f"v: shape {tuple(v.shape)} differs from k's {tuple(k.shape)}")
+    if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
+        raise ValueError(
+            f"k: batch and head_dim {k.shape[0]}, {k.shape[3]} differ from q's "
+            f"{q.shape[0]}, {q.shape[3]}"
+        )
+    if q.shape[2] % k.shape[2]:
+        raise ValueError(f"k: {k.shape[2]} heads do not divide q's {q.shape[2]} (GQA)")
+    if q.dtype != k.dtype or q.dtype != v.dtype or q.device != k.device or q.device != v.device:
+        raise ValueError("k, v: q, k and v need one dtype and one device")
+
+
+def _scale(softmax_scale, head_dim: int) -> float:
+    if softmax_scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if not isinstance(softmax_scale, (int, float)) or not softmax_scale > 0:
+        raise ValueError(f"softmax_scale: expected a positive number, got {softmax_scale!r}")
+    return float(softmax_scale)
+
+
+def _default_step(q) -> AttentionStep:
+    if q.device.type != "cuda":
+        raise ValueError(
+            f"q: on {q.device}; fadsl's kernels run on CUDA devices (pass step=ReferenceStep() "
+            "to run the fp32 reference instead)"
+        )
+    return ShippedStep()
+
+
+def ring_attention(
+    q,
+    k,
+    v,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    *,
+    group=None,
+    layout: str = "zigzag",
+    step: AttentionStep | None = None,
+    return_lse: bool = False,
+):
+    """Attention of this rank's query shard over every rank's K/V shards in ``group`` (the
+    default group if None). q (batch, seqlen_q, heads_q, head_dim), k and v (batch,
+    seqlen_k, heads_kv, head_dim): this rank's shards, laid out by ``layout`` ("zigzag":
+    shard_zigzag's, "contiguous": rank r holds the r-th of W chunks; without a mask either).
+    causal: the mask over global positions (every rank's shards of equal length, queries
+    and keys of one sequence). Returns this rank's rows of the output (and with
+    ``return_lse`` their LSE, fp32 (batch, heads_q, seqlen_q), natural log). Gradients flow
+    to q, k and v (not through the LSE)."""
+    rank, world = _world(group)
+    _check_qkv(q, k, v)
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout: expected one of {', '.join(LAYOUTS)}, got {layout!r}")
+    if causal:
+        if q.shape[1] != k.shape[1]:
+            raise ValueError(
+                f"k: causal ring attention needs shards of equal length, q {q.shape[1]} "
+                f"and k {k.shape[1]}"
+            )
+        if layout == "zigzag" and q.shape[1] % 2:
+            raise ValueError(f"q: a zigzag shard holds two chunks; its length {q.shape[1]} is odd")
+    scale = _scale(softmax_scale, q.shape[3])
+    out, lse = RingAttention.apply(
+        q, k, v, bool(causal), scale, layout, group, step or _default_step(q)
+    )
+    return (out, lse) if return_lse else out
+
+
+def ulysses_attention(
+    q,
+    k,
+    v,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    *,
+    group=None,
+    attend=None,
+):
+    """Attention over the whole sequence with heads split across ``group``'s ranks: q, k, v
+    are this rank's contiguous sequence shards (rank r holds the r-th of W chunks) of every
+    head; returns this rank's shard of the output. ``attend(q, k, v)``: the local attention
+    (autograd-aware); default fadsl.attention with ``causal`` and ``softmax_scale``."""
+    rank, world = _world(group)
+    _check_qkv(q, k, v)
+    for name, t in (("q", q), ("k", k)):
+        if t.shape[2] % world:
+            raise ValueError(f"{name}: {t.shape[2]} heads do not split over {world} ranks")
+    scale = _scale(softmax_scale, q.shape[3])
+    if attend is None:
+        from ..runtime.public import attention
+
+        def attend(q_, k_, v_):
+            return attention(q_, k_, v_, causal=causal, softmax_scale=scale)
+
+    return ulysses(attend, q, k, v, group)
+
+
+def shard_zigzag(x: torch.Tensor, rank: int, world: int, dim: int = 1) -> torch.Tensor:
+    """Rank ``rank``'s zigzag shard of ``x`` along ``dim``: chunks rank and 2 world - 1 - rank
+    of 2 world, concatenated (every rank then does equal causal work)."""
+    if x.shape[dim] % (2 * world):
+        raise ValueError(
+            f"x: length {x.shape[dim]} along dim {dim} is not a multiple of 2 x {world} ranks"
+        )
+    if not 0 <= rank < world:
+        raise ValueError(f"rank: {rank} is not in 0 .. {world - 1}")
+    chunks = x.chunk(2 * world, dim)
+    return torch.cat((chunks[rank], chunks[2 * world - 1 - rank]), dim)
+
+
+def unshard_zigzag(shards, dim: int = 1) -> torch.Tensor:
+    """The whole tensor from every rank's zigzag shard, in rank order."""
+    world = len(shards)
+    halves = [s.chunk(2, dim) for s in shards]
+    chunks = [halves[r][0] for r in range(world)] + [halves[r][1] for r in reversed(range(world))]
+    return torch.cat(chunks, dim)
+
+
+def gather_zigzag(x: torch.Tensor, group=None, dim: int = 1) -> torch.Tensor:
+    """Every rank's zigzag shard gathered and put in order (all_gather: every rank gets it)."""
+    _, world = _world(group)
+    shards = [torch.empty_like(x) for _ in range(world)]
+    dist.all_gather(shards, x.contiguous(), group=group)
+    return unshard_zigzag(shards, dim)

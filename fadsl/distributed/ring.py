@@ -1,0 +1,166 @@
+"""Ring attention: each rank keeps its query shard, K and V shards pass around the ring.
+
+Step s of W: rank r holds the K/V shard of rank src = (r - s) mod W, attends its queries to
+it (ShippedStep or another ``AttentionStep``) and merges the partial output by its LSE
+(merge.py); meanwhile the shard moves on to rank r + 1 (``torch.distributed``'s batched
+isend/irecv, which NCCL runs on its own stream, under this step's attention). The backward runs the ring
+again with the whole call's output and LSE: dQ stays with its rank; each shard's dK and dV
+accumulate in fp32 buffers that travel with it, one step behind, and after W steps arrive
+back at the shard's owner.
+
+The causal mask needs the queries and keys in global order per shard. ``zigzag`` (rank r
+holds chunks r and 2W - 1 - r of 2W, shard_zigzag) gives every rank equal work at every
+step: step 0 is the local causal block; at a later step, from an earlier rank (src < r) all
+queries see the first chunk of the keys only, from a later rank (src > r) only the second
+chunk of the queries sees keys, all of them; either is half a block without a mask.
+``contiguous`` (rank r holds chunk r) skips the later ranks' shards: simple, unbalanced.
+Without a mask the order does not matter.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .merge import merge_into
+
+LAYOUTS = ("zigzag", "contiguous")
+
+
+class Ring:
+    """The ranks of ``group`` in a ring: send to the next, receive from the previous."""
+
+    def __init__(self, group):
+        group = group if group is not None else dist.group.WORLD
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+        self.next = dist.get_global_rank(group, (self.rank + 1) % self.world)
+        self.prev = dist.get_global_rank(group, (self.rank - 1) % self.world)
+
+    def pass_on(self, tensors):
+        """Send ``tensors`` to the next rank and receive their like from the previous one;
+        returns (received, wait): call wait() before reading the received tensors or
+        writing the sent ones."""
+        received = [torch.empty_like(t) for t in tensors]
+        ops = [dist.P2POp(dist.isend, t.contiguous(), self.next, self.group) for t in tensors]
+        ops += [dist.P2POp(dist.irecv, t, self.prev, self.group) for t in received]
+        requests = dist.batch_isend_irecv(ops)
+
+        def wait():
+            for request in requests:
+                request.wait()
+
+        return received, wait
+
+
+def _plan(causal: bool, layout: str, rank: int, src: int, seqlen_q: int, seqlen_k: int):
+    """What step (rank, src) computes: (query rows, key rows, causal) as slices, or None."""
+    every_q, every_k = slice(0, seqlen_q), slice(0, seqlen_k)
+    if not causal:
+        return every_q, every_k, False
+    if src == rank:
+        return every_q, every_k, True
+    if layout == "contiguous":
+        return (every_q, every_k, False) if src < rank else None
+    if src < rank:  # the earlier rank's first chunk precedes both of ours; its second follows
+        return every_q, slice(0, seqlen_k // 2), False
+    return slice(seqlen_q // 2, seqlen_q), every_k, False  # our second chunk sees all of theirs
+
+
+def _part(x: torch.Tensor, rows: slice) -> torch.Tensor:
+    if rows.start == 0 and rows.stop == x.shape[1]:
+        return x
+    return x[:, rows].contiguous()
+
+
+def ring_forward(ring: Ring, step, q, k, v, causal: bool, scale: float, layout: str):
+    """(out in q's dtype, lse fp32 (batch, heads, seqlen_q)) over every rank's keys."""
+    batch, seqlen_q, heads, _ = q.shape
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    lse = torch.full((batch, heads, seqlen_q), float("-inf"), device=q.device)
+    kv = (k, v)
+    for s in range(ring.world):
+        wait = None
+        if s + 1 < ring.world:
+            upcoming, wait = ring.pass_on(kv)
+        plan = _plan(causal, layout, ring.rank, (ring.rank - s) % ring.world, seqlen_q, k.shape[1])
+        if plan is not None:
+            rows, keys, masked = plan
+            part_out, part_lse = step.forward(
+                _part(q, rows), _part(kv[0], keys), _part(kv[1], keys), masked, scale
+            )
+            merge_into(out[:, rows], lse[:, :, rows], part_out, part_lse)
+        if wait is not None:
+            wait()
+            kv = tuple(upcoming)
+    return out.to(q.dtype), lse
+
+
+def ring_backward(ring: Ring, step, q, k, v, out, lse, dout, causal: bool, scale, layout):
+    """(dq, dk, dv) of this rank's shards."""
+    seqlen_q, seqlen_k = q.shape[1], k.shape[1]
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    # the dK, dV accumulators of the shard this rank holds (its own at step 0); each moves on
+    # with its shard, one step behind it, and waits only where the next step adds to it
+    dkv = [torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (k, v)]
+    arriving = None  # (the accumulators of the shard held next, wait)
+    kv = (k, v)
+    for s in range(ring.world):
+        wait = None
+        if s + 1 < ring.world:
+            upcoming, wait = ring.pass_on(kv)
+        plan = _plan(causal, layout, ring.rank, (ring.rank - s) % ring.world, seqlen_q, seqlen_k)
+        grads = None
+        if plan is not None:
+            rows, keys, masked = plan
+            grads = step.backward(
+                _part(q, rows),
+                _part(kv[0], keys),
+                _part(kv[1], keys),
+                _part(out, rows),
+                lse[:, :, rows].contiguous(),
+                _part(dout, rows),
+                masked,
+                scale,
+            )
+        if arriving is not None:
+            dkv, wait_dkv = arriving
+            wait_dkv()
+        if grads is not None:
+            dq[:, rows] += grads[0].float()
+            dkv[0][:, keys] += grads[1].float()
+            dkv[1][:, keys] += grads[2].float()
+        if ring.world > 1:  # on to the next rank; after the last step, to the shard's owner
+            arriving = ring.pass_on(dkv)
+        if wait is not None:
+            wait()
+            kv = tuple(upcoming)
+    if arriving is not None:
+        dkv, wait_dkv = arriving
+        wait_dkv()
+    return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+
+
+class RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, causal, scale, layout, group, step):
+        ring = Ring(group)
+        out, lse = ring_forward(ring, step, q, k, v, causal, scale, layout)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.args = (ring, step, causal, scale, layout)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        if dlse is not None and torch.any(dlse != 0):
+            raise RuntimeError(
+                "fadsl.distributed.ring_attention: a gradient through the returned LSE is not "
+                "supported; use the output's"
+            )
+        q, k, v, out, lse = ctx.saved_tensors
+        ring, step, causal, scale, layout = ctx.args
+        dq, dk, dv = ring_backward(
+            ring, step, q, k, v, out, lse, dout.contiguous(), causal, scale, layout
+        )
+        return dq, dk, dv, None, None, None, None, None

@@ -1,0 +1,220 @@
+"""fadsl.distributed on CPU process groups (gloo): ring attention (zigzag and contiguous
+layouts, causal and not, GQA) and the all-to-all (Ulysses) against float64 attention of the
+whole sequence, forward and backward, every rank's shard gathered; the LSE merge's edge rows;
+the zigzag helpers; the argument checks. The attention of each step is ReferenceStep (fp32
+torch): the ring's exchanges, plans and merges are what is tested here; fadsl's kernels inside
+it are tests/test_gpu_distributed.py's (2 GPUs)."""
+
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import fadsl.distributed as fcp
+from fadsl.distributed.merge import merge_into
+from fadsl.distributed.steps import ReferenceStep
+
+pytestmark = pytest.mark.skipif(
+    not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed gloo"
+)
+
+
+def full_attention(q, k, v, causal: bool, scale: float):
+    """softmax(q k^T scale [+ bottom-right causal mask]) v in q's dtype (float64 here)."""
+    group = q.shape[2] // k.shape[2]
+    kf, vf = (t.repeat_interleave(group, dim=2) for t in (k, v))
+    s = torch.einsum("bqhd,bkhd->bhqk", q, kf) * scale
+    if causal:
+        i = torch.arange(q.shape[1])[:, None]
+        j = torch.arange(k.shape[1])[None, :]
+        s = s.masked_fill(j > i + k.shape[1] - q.shape[1], float("-inf"))
+    return torch.einsum("bhqk,bkhd->bqhd", torch.softmax(s, dim=-1), vf)
+
+
+def _case_tensors(seed, batch, seqlen_q, seqlen_k, heads, heads_kv, d):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, seqlen_q, heads, d, generator=g, dtype=torch.float64)
+    k = torch.randn(batch, seqlen_k, heads_kv, d, generator=g, dtype=torch.float64)
+    v = torch.randn(batch, seqlen_k, heads_kv, d, generator=g, dtype=torch.float64)
+    dout = torch.randn(batch, seqlen_q, heads, d, generator=g, dtype=torch.float64)
+    return q, k, v, dout
+
+
+def _contiguous(x, rank, world):
+    return x.chunk(world, dim=1)[rank]
+
+
+def _gather(x, world, unshard):
+    parts = [torch.empty_like(x) for _ in range(world)]
+    dist.all_gather(parts, x.contiguous())
+    return unshard(parts)
+
+
+def _close(name, got, want, tol=2e-5):
+    err = (got.double() - want).abs().max().item()
+    scale = want.abs().max().item()
+    assert err <= tol * max(scale, 1.0), f"{name}: max error {err:.3e} of {scale:.3e}"
+
+
+# (name, causal, layout, batch, seqlen_q, seqlen_k (whole), heads, heads_kv, head_dim)
+RING_CASES = [
+    ("plain_contiguous_gqa", False, "contiguous", 2, 6, 5, 4, 2, 16),
+    ("causal_zigzag", True, "zigzag", 1, 4, 4, 2, 2, 8),
+    ("causal_zigzag_gqa", True, "zigzag", 2, 2, 2, 4, 1, 16),
+    ("causal_contiguous", True, "contiguous", 1, 3, 3, 2, 1, 8),
+    ("plain_zigzag", False, "zigzag", 1, 2, 2, 2, 2, 8),
+]
+
+
+def _ring_case(rank, world, case):
+    name, causal, layout, batch, per_q, per_k, heads, heads_kv, d = case
+    chunks = 2 * world if layout == "zigzag" else world
+    q, k, v, dout = _case_tensors(7, batch, per_q * chunks, per_k * chunks, heads, heads_kv, d)
+    scale = 1 / math.sqrt(d) * 1.3
+    if layout == "zigzag":
+        shard, unshard = (lambda t: fcp.shard_zigzag(t, rank, world)), fcp.unshard_zigzag
+    else:
+        shard, unshard = (lambda t: _contiguous(t, rank, world)), (lambda p: torch.cat(p, 1))
+    mine = [shard(t).float().requires_grad_() for t in (q, k, v)]
+    out, lse = fcp.ring_attention(
+        *mine, causal=causal, softmax_scale=scale, layout=layout, step=ReferenceStep(),
+        return_lse=True,
+    )  # fmt: skip
+    out.backward(shard(dout).float())
+    leaves = [t.requires_grad_() for t in (q, k, v)]
+    want = full_attention(*leaves, causal, scale)
+    want.backward(dout)
+    _close(f"{name} out", _gather(out.detach(), world, unshard), want.detach())
+    for label, got, leaf in zip("qkv", mine, leaves):
+        _close(f"{name} d{label}", _gather(got.grad, world, unshard), leaf.grad)
+    # the LSE: logsumexp of this rank's rows of the whole scores
+    s = torch.einsum(
+        "bqhd,bkhd->bhqk", q, k.repeat_interleave(heads // heads_kv, dim=2)
+    ) * scale  # fmt: skip
+    if causal:
+        i, j = torch.arange(q.shape[1])[:, None], torch.arange(k.shape[1])[None, :]
+        s = s.masked_fill(j > i, float("-inf"))
+    whole_lse = torch.logsumexp(s, dim=-1)  # (batch, heads, seqlen)
+    _close(f"{name} lse", lse, shard(whole_lse.transpose(1, 2)).transpose(1, 2))
+
+
+# (name, causal, batch, seqlen (whole, a multiple of world), heads, heads_kv, head_dim)
+ULYSSES_CASES = [("plain_gqa", False, 2, 6, 12, 6, 8), ("causal", True, 1, 12, 6, 6, 16)]
+
+
+def _ulysses_case(rank, world, case):
+    name, causal, batch, seqlen, heads, heads_kv, d = case
+    q, k, v, dout = _case_tensors(11, batch, seqlen, seqlen, heads, heads_kv, d)
+    scale = 0.4
+    mine = [_contiguous(t, rank, world).clone().requires_grad_() for t in (q, k, v)]
+    out = fcp.ulysses_attention(
+        *mine, attend=lambda a, b, c: full_attention(a, b, c, causal, scale)
+    )
+    out.backward(_contiguous(dout, rank, world))
+    leaves = [t.requires_grad_() for t in (q, k, v)]
+    want = full_attention(*leaves, causal, scale)
+    want.backward(dout)
+    cat = lambda parts: torch.cat(parts, 1)  # noqa: E731
+    _close(f"ulysses {name} out", _gather(out.detach(), world, cat), want.detach(), 1e-10)
+    for label, got, leaf in zip("qkv", mine, leaves):
+        _close(f"ulysses {name} d{label}", _gather(got.grad, world, cat), leaf.grad, 1e-10)
+
+
+def _worker(rank, world, init_file, ulysses_too):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        for case in RING_CASES:
+            _ring_case(rank, world, case)
+        if ulysses_too:
+            for case in ULYSSES_CASES:
+                _ulysses_case(rank, world, case)
+        with pytest.raises(RuntimeError, match="gradient through the returned LSE"):
+            q, k, v = (torch.randn(1, 4, 2, 8, requires_grad=True) for _ in range(3))
+            out, lse = fcp.ring_attention(q, k, v, step=ReferenceStep(), return_lse=True)
+            (out.sum() + lse.sum()).backward()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_ring_and_ulysses_match_whole_sequence_attention(world):
+    with tempfile.TemporaryDirectory() as where:
+        mp.spawn(_worker, args=(world, os.path.join(where, "init"), True), nprocs=world)
+
+
+def test_merge_of_rows_that_saw_no_key_and_of_partials_with_nan_rows():
+    out = torch.zeros(1, 3, 1, 2)
+    lse = torch.full((1, 1, 3), float("-inf"))
+    part = torch.tensor([[[[1.0, 2.0]], [[float("nan"), 0.0]], [[3.0, 4.0]]]])
+    part_lse = torch.tensor([[[0.5, float("-inf"), float("-inf")]]])
+    merge_into(out, lse, part, part_lse)
+    # row 0 takes the partial; row 1 saw no key (its NaN output ignored); row 2 neither
+    assert torch.equal(out[0, :, 0], torch.tensor([[1.0, 2.0], [0.0, 0.0], [0.0, 0.0]]))
+    assert lse[0, 0, 0] == 0.5 and torch.isinf(lse[0, 0, 1:]).all()
+    # equal LSEs average; a partial 100 nats below weighs e^-100 (no overflow either way)
+    merge_into(out, lse, torch.tensor([[[[3.0, 0.0]], [[5.0, 5.0]], [[1.0, 1.0]]]]),
+               torch.tensor([[[0.5, 80.0, -1e4]]]))  # fmt: skip
+    assert torch.allclose(out[0, 0, 0], torch.tensor([2.0, 1.0]))
+    assert torch.equal(out[0, 1, 0], torch.tensor([5.0, 5.0])) and lse[0, 0, 1] == 80.0
+    assert torch.equal(out[0, 2, 0], torch.tensor([1.0, 1.0])) and lse[0, 0, 2] == -1e4
+    assert torch.isfinite(out).all()
+
+
+def test_zigzag_shards_round_trip_and_balance_causal_work():
+    x = torch.arange(2 * 3 * 4).view(2, 12, 1, 1)
+    shards = [fcp.shard_zigzag(x, r, 3) for r in range(3)]
+    assert shards[0][0, :, 0, 0].tolist() == [0, 1, 10, 11]
+    assert torch.equal(fcp.unshard_zigzag(shards), x)
+    # the causal pairs (query, key) each rank's queries see: equal over ranks
+    pos = torch.arange(12).view(1, 12, 1, 1)
+    work = [int((fcp.shard_zigzag(pos, r, 3).flatten() + 1).sum()) for r in range(3)]
+    assert len(set(work)) == 1
+    with pytest.raises(ValueError, match="x: length 10 along dim 1 is not a multiple of 2 x 3"):
+        fcp.shard_zigzag(torch.zeros(1, 10, 1, 1), 0, 3)
+    with pytest.raises(ValueError, match="rank: 3 is not in 0 .. 2"):
+        fcp.shard_zigzag(torch.zeros(1, 12, 1, 1), 3, 3)
+
+
+def _checks_worker(rank, world, init_file):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        q = torch.randn(1, 4, 4, 8)
+        step = ReferenceStep()
+        bad = [
+            (dict(q=q[0]), "q: expected a 4-D tensor"),
+            (dict(v=torch.randn(1, 4, 4, 16)), "v: shape"),
+            (dict(k=torch.randn(1, 4, 3, 8), v=torch.randn(1, 4, 3, 8)), "k: 3 heads"),
+            (dict(k=torch.randn(1, 6, 4, 8), v=torch.randn(1, 6, 4, 8), causal=True), "equal length"),
+            (dict(q=torch.randn(1, 3, 4, 8), k=torch.randn(1, 3, 4, 8), v=torch.randn(1, 3, 4, 8),
+                  causal=True), "q: a zigzag shard holds two chunks"),
+            (dict(layout="striped"), "layout: expected one of zigzag, contiguous"),
+            (dict(softmax_scale=-1.0), "softmax_scale: expected a positive number"),
+        ]  # fmt: skip
+        for change, message in bad:
+            args = dict(q=q, k=q.clone(), v=q.clone(), step=step) | change
+            with pytest.raises(ValueError, match=message):
+                fcp.ring_attention(**args)
+        with pytest.raises(ValueError, match="q: on cpu; fadsl's kernels run on CUDA"):
+            fcp.ring_attention(q, q, q)
+        with pytest.raises(ValueError, match="k: 3 heads do not split over 2 ranks"):
+            six = torch.randn(1, 4, 6, 8)
+            fcp.ulysses_attention(six, torch.randn(1, 4, 3, 8), torch.randn(1, 4, 3, 8))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_bad_arguments_are_named():
+    with tempfile.TemporaryDirectory() as where:
+        mp.spawn(_checks_worker, args=(2, os.path.join(where, "init")), nprocs=2)
+
+
+def test_without_a_process_group_the_error_says_how_to_start_one():
+    q = torch.randn(1, 4, 2, 8)
+    with pytest.raises(RuntimeError, match="init_process_group, or run under torchrun"):
+        fcp.ring_attention(q, q, q, step=ReferenceStep())
