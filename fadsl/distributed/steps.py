@@ -16,6 +16,8 @@ from typing import Protocol
 
 import torch
 
+from ..runtime import public_ops  # the fadsl::attention ops, registered on import
+
 
 class AttentionStep(Protocol):
     def forward(self, q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -27,10 +29,10 @@ class AttentionStep(Protocol):
 
 class ShippedStep:
     def forward(self, q, k, v, causal, scale):
-        return torch.ops.fadsl.attention(q, k, v, causal, scale, -1, -1, 0.0, True)
+        return public_ops.attention(q, k, v, causal, scale, -1, -1, 0.0, True)
 
     def backward(self, q, k, v, out, lse, dout, causal, scale):
-        return torch.ops.fadsl.attention_backward(
+        return public_ops.attention_backward(
             q, k, v, out, lse, dout, None, causal, scale, -1, -1, 0.0
         )
 
