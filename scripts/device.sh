@@ -5,13 +5,15 @@
 #   comparison with SDPA FLASH, compute-sanitizer (racecheck, synccheck, memcheck) at a small
 #   shape, then the benchmarks if asked.
 # Usage (repo root, on the device):
-#   bash scripts/device.sh [fa4stage] [numerics] [backward] [bwdvarlen] [varlen] [kvcache] [tests] [sanitize] [trace] [probe] [streamprobe] [bench ARGS...]
+#   bash scripts/device.sh [fa4stage] [numerics] [backward] [bwdvarlen] [varlen] [kvcache] [distributed] [tests] [sanitize] [trace] [probe] [streamprobe] [bench ARGS...]
 #   varlen: tests/test_gpu_varlen.py, then compute-sanitizer on scripts/sanitize_varlen.py,
 #   then VARLEN_BENCH's specs timed (VARLEN_BACKWARD=1: their backward, beside FA4's)
 #   bwdvarlen (and backward): tests/test_gpu_backward_varlen.py, then compute-sanitizer on
 #   scripts/sanitize_backward_varlen.py
 #   kvcache: tests/test_gpu_kvcache.py and test_gpu_serving_api.py (fadsl.attention_varlen and
 #   attention_with_kvcache), compute-sanitizer on scripts/sanitize_kvcache.py, KV_BENCH
+#   distributed (kind nvidia-h200-x2): tests/test_gpu_distributed.py, the context-parallel training
+#   example, scripts/bench_context_parallel.py at CP_SEQLENS beside torch's context_parallel
 #   tune: fadsl tune on TUNE_SPEC within TUNE_BUDGET minutes, the winner then timed beside TUNE_AGAINST
 #   tunebackward: fadsl tune --backward on each of TUNE_BWD_SPECS (the training examples)
 #   calls: fadsl bench --calls (the public calls' host time per call beside SDPA and FA4, and
@@ -170,6 +172,16 @@ if [[ $steps == *" tunebackward "* ]]; then
 fi
 if [[ $steps == *" calls "* ]]; then
   python3 -P -m fadsl.cli bench --calls --json "$OUT/bench_calls.json" 2>&1 | tee "$OUT/bench_calls.log" | tail -25
+  status=$((status | ${PIPESTATUS[0]}))
+fi
+if [[ $steps == *" distributed "* ]]; then
+  # (kind nvidia-h200-x2) tests/test_gpu_distributed.py, the training example checked against
+  # one GPU, then scripts/bench_context_parallel.py at CP_SEQLENS beside torch's context_parallel
+  export NCCL_NVLS_ENABLE=0
+  python3 -P -m pytest -q -m gpu tests/test_gpu_distributed.py -p no:cacheprovider --durations=5 -rs 2>&1 | tee "$OUT/pytest_distributed.log" | tail -8
+  status=$((status | ${PIPESTATUS[0]}))
+  torchrun --nproc-per-node 2 examples/context_parallel_train.py --seqlen 16384 --steps 5 --check 2>&1 | grep -E "^(step|check)|Error" | tee "$OUT/cp_train.log"
+  torchrun --nproc-per-node 2 scripts/bench_context_parallel.py --seqlens ${CP_SEQLENS:-16384,65536,131072} 2>&1 | grep -vE "^W|^\*|Warning" | tee "$OUT/bench_cp.log" | tail -20
   status=$((status | ${PIPESTATUS[0]}))
 fi
 if [[ $steps == *" tune "* ]]; then
