@@ -41,30 +41,21 @@ def heads_to_seq(x: torch.Tensor, group) -> torch.Tensor:
     return got.permute(1, 2, 0, 3, 4).reshape(batch, seqlen // world, world * part_heads, d)
 
 
-class _SeqToHeads(torch.autograd.Function):
+class _AllToAll(torch.autograd.Function):
+    """seq_to_heads (``to_heads``) or heads_to_seq; the gradient of each is the other."""
+
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return seq_to_heads(x, group)
+    def forward(ctx, x, group, to_heads: bool):
+        ctx.group, ctx.to_heads = group, to_heads
+        return (seq_to_heads if to_heads else heads_to_seq)(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return heads_to_seq(grad, ctx.group), None
-
-
-class _HeadsToSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return heads_to_seq(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return seq_to_heads(grad, ctx.group), None
+        return (heads_to_seq if ctx.to_heads else seq_to_heads)(grad, ctx.group), None, None
 
 
 def ulysses(attend, q, k, v, group):
     """``attend(q, k, v)`` (autograd-aware, e.g. fadsl.attention) over the whole sequence
     for this rank's heads; returns this rank's sequence shard of the output, all heads."""
-    q, k, v = (_SeqToHeads.apply(t, group) for t in (q, k, v))
-    return _HeadsToSeq.apply(attend(q, k, v), group)
+    q, k, v = (_AllToAll.apply(t, group, True) for t in (q, k, v))
+    return _AllToAll.apply(attend(q, k, v), group, False)
