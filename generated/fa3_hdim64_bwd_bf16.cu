@@ -53,13 +53,17 @@ extern "C" __global__ void __launch_bounds__(Cfg::kThreads, 1) fa3_hdim64_bwd_bf
     fence_mbarrier_init();  // the inits visible to the async proxy (TMA's complete_tx)
   }
   __syncthreads();  // the inits before any thread waits on or arrives at a barrier
-  const BwdBlock block = bwd_block<Cfg>(P);
+  const BwdBlock shared = bwd_shared_block<Cfg>(P);  // (kBlockPerRole: each role finds its own)
   const int warpgroup = threadIdx.x / 128;
   if (warpgroup == 0) {
     setmaxnreg_dec<Cfg::kProducerRegs>();
-    if (threadIdx.x / 32 == 0 && elect_one()) bwd_producer<Cfg>(P, smem, block);
+    if (threadIdx.x / 32 == 0 && elect_one()) {
+      const BwdBlock block = bwd_role_block<Cfg>(P, shared);
+      bwd_producer<Cfg>(P, smem, block);
+    }
   } else {
     setmaxnreg_inc<Cfg::kConsumerRegs>();
+    const BwdBlock block = bwd_role_block<Cfg>(P, shared);
     bwd_consumer<Cfg>(P, smem, block, warpgroup - 1);
   }
 }

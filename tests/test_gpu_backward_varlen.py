@@ -213,11 +213,18 @@ def test_calls_with_no_query_or_no_key_token(side):
 
 
 @pytest.mark.parametrize(
-    "name", ["fa3_varlen_causal", "fa3_varlen_hdim64", "fa3_varlen_causal+br64+early_dv-dqred"]
+    "name",
+    [
+        "fa3_varlen_causal",
+        "fa3_varlen_hdim64",
+        "fa3_varlen_causal+br64+early_dv-dqred",
+        "fa3_varlen_hdim64+br128",
+    ],
 )
 def test_a_loaded_spec_varlen_call_has_gradients(name):
     """kern.varlen(...) with autograd, the LSE's gradient too: the shipped specs' backward
-    blocks, and head_dim 128's B_r 64 with dV early and dQ staged."""
+    blocks, head_dim 128's B_r 64 with dV early and dQ staged, and head_dim 64's B_r 128 (dQ
+    split by queries; without spills since each role finds its block after its setmaxnreg)."""
     kern = spec(name)
     d, causal = kern.config.head_dim, kern.config.mask.value == "causal"
     q, k, v, dout, cu_q, cu_k = packed(UNEQUAL_Q, UNEQUAL_K, 8, 2, d, torch.float16, seed=5)

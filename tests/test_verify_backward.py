@@ -594,7 +594,7 @@ def test_the_header_agrees_on_layout_barriers_and_roles():
     for overlap in (False, True):
         split = squash(kernel_body(overlap))
         assert "if(warpgroup==0){" in split and "threadIdx.x/32==0&&elect_one()" in split
-        assert "bwd_producer<Cfg>(P,smem,block);}else{" in split
+        assert "bwd_producer<Cfg>(P,smem,block);}}else{" in split  # the elected thread's block
         assert consumer_function(overlap) == "bwd_consumer"
         assert split.count("warpgroup-1);") == 1
     # the template's Cfg passes `overlap` as BwdConfig's kOverlap_ (its ninth parameter)

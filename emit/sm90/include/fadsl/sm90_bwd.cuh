@@ -160,6 +160,9 @@ struct BwdConfig {
   // `varlen on` (a generated Cfg sets it): packed sequences, cu_seqlens in the params; a CTA
   // per (n-block slot, query head) over the packed keys (bwd_block)
   static constexpr bool kVarlen = false;
+  // (varlen) each role finds its block after its setmaxnreg (bwd_role_block), so that the
+  // sequence's bounds are not held across the producer's drop in registers
+  static constexpr bool kBlockPerRole = false;
 
   static constexpr int kThreads = 128 * (1 + kConsumerWGs);
   static constexpr int kConsumerThreads = 128 * kConsumerWGs;
@@ -377,6 +380,21 @@ __device__ __forceinline__ BwdBlock bwd_block(const BwdParamsSm90& P) {
   }
   b.m_count = imax(m_end - b.m_begin, 0);
   return b;
+}
+
+// The block found before the roles split, and the one a role works on: the same, unless
+// Cfg::kBlockPerRole (varlen), where each role finds it again after its setmaxnreg (bwd_block
+// reads only the params and cu_seqlens, which no thread writes) and nothing of it is live
+// across the producer's setmaxnreg.dec.
+template <class Cfg>
+__device__ __forceinline__ BwdBlock bwd_shared_block(const BwdParamsSm90& P) {
+  if constexpr (Cfg::kBlockPerRole) return BwdBlock{};
+  return bwd_block<Cfg>(P);
+}
+template <class Cfg>
+__device__ __forceinline__ BwdBlock bwd_role_block(const BwdParamsSm90& P, const BwdBlock& shared) {
+  if constexpr (Cfg::kBlockPerRole) return bwd_block<Cfg>(P);
+  return shared;
 }
 
 // The first n-block whose keys m-block m sees (0 without a window): with `deterministic on`
