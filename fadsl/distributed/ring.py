@@ -74,11 +74,29 @@ def _part(x: torch.Tensor, rows: slice) -> torch.Tensor:
     return x[:, rows].contiguous()
 
 
+class _Rows:
+    """This rank's own tensors cut to a plan's rows, each cut made once per call (every
+    later step from a later rank takes the same second half of the queries)."""
+
+    def __init__(self, **tensors):
+        self.tensors, self.cuts = tensors, {}
+
+    def __call__(self, name: str, rows: slice) -> torch.Tensor:
+        key = (name, rows.start, rows.stop)
+        if key not in self.cuts:
+            x = self.tensors[name]
+            self.cuts[key] = (
+                x[:, :, rows].contiguous() if name == "lse" else _part(x, rows)
+            )  # the LSE: (batch, heads, seqlen)
+        return self.cuts[key]
+
+
 def ring_forward(ring: Ring, step, q, k, v, causal: bool, scale: float, layout: str):
     """(out in q's dtype, lse fp32 (batch, heads, seqlen_q)) over every rank's keys."""
     batch, seqlen_q, heads, _ = q.shape
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     lse = torch.full((batch, heads, seqlen_q), float("-inf"), device=q.device)
+    mine = _Rows(q=q)
     kv = (k, v)
     for s in range(ring.world):
         wait = None
@@ -88,7 +106,7 @@ def ring_forward(ring: Ring, step, q, k, v, causal: bool, scale: float, layout: 
         if plan is not None:
             rows, keys, masked = plan
             part_out, part_lse = step.forward(
-                _part(q, rows), _part(kv[0], keys), _part(kv[1], keys), masked, scale
+                mine("q", rows), _part(kv[0], keys), _part(kv[1], keys), masked, scale
             )
             merge_into(out[:, rows], lse[:, :, rows], part_out, part_lse)
         if wait is not None:
@@ -105,6 +123,7 @@ def ring_backward(ring: Ring, step, q, k, v, out, lse, dout, causal: bool, scale
     # with its shard, one step behind it, and waits only where the next step adds to it
     dkv = [torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (k, v)]
     arriving = None  # (the accumulators of the shard held next, wait)
+    mine = _Rows(q=q, out=out, lse=lse, dout=dout)
     kv = (k, v)
     for s in range(ring.world):
         wait = None
@@ -115,12 +134,12 @@ def ring_backward(ring: Ring, step, q, k, v, out, lse, dout, causal: bool, scale
         if plan is not None:
             rows, keys, masked = plan
             grads = step.backward(
-                _part(q, rows),
+                mine("q", rows),
                 _part(kv[0], keys),
                 _part(kv[1], keys),
-                _part(out, rows),
-                lse[:, :, rows].contiguous(),
-                _part(dout, rows),
+                mine("out", rows),
+                mine("lse", rows),
+                mine("dout", rows),
                 masked,
                 scale,
             )
