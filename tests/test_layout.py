@@ -1,7 +1,7 @@
 """The package's shape: every import points down the package order (the README's "Layout":
 the errors and data at the bottom, then the driver calls, the IR, the spec's syntax and
 checks, the passes, the targets, the front end, the pipeline, codegen, build, the runtime,
-the tools, the CLI), no import cycles (every import counts: module level, inside functions
+context parallelism, the tools, the CLI), no import cycles (every import counts: module level, inside functions
 and under TYPE_CHECKING; the targets' packages, which fadsl.targets loads through importlib,
 are read like any module), and target knowledge only in fadsl/targets (no string outside it
 names a target or an architecture in code)."""
