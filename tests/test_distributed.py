@@ -200,6 +200,12 @@ def _checks_worker(rank, world, init_file):
             args = dict(q=q, k=q.clone(), v=q.clone(), step=step) | change
             with pytest.raises(ValueError, match=message):
                 fcp.ring_attention(**args)
+        with pytest.raises(TypeError, match="causal: expected True or False, got 1"):
+            fcp.ring_attention(q, q, q, causal=1, step=step)
+        with pytest.raises(TypeError, match="return_lse: expected True or False"):
+            fcp.ring_attention(q, q, q, return_lse="yes", step=step)
+        with pytest.raises(ValueError, match="k, v: q, k and v need one dtype"):
+            fcp.ring_attention(q, q.double(), q.double(), step=step)
         with pytest.raises(ValueError, match="q: on cpu; fadsl's kernels run on CUDA"):
             fcp.ring_attention(q, q, q)
         with pytest.raises(ValueError, match="k: 3 heads do not split over 2 ranks"):

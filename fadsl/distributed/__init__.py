@@ -67,6 +67,11 @@ def _check_qkv(q, k, v) -> None:
         raise ValueError("k, v: q, k and v need one dtype and one device")
 
 
+def _check_flag(name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name}: expected True or False, got {value!r}")
+
+
 def _scale(softmax_scale, head_dim: int) -> float:
     if softmax_scale is None:
         return 1.0 / math.sqrt(head_dim)
@@ -105,6 +110,8 @@ def ring_attention(
     ``return_lse`` their LSE, fp32 (batch, heads_q, seqlen_q), natural log). Gradients flow
     to q, k and v (not through the LSE)."""
     rank, world = _world(group)
+    _check_flag("causal", causal)
+    _check_flag("return_lse", return_lse)
     _check_qkv(q, k, v)
     if layout not in LAYOUTS:
         raise ValueError(f"layout: expected one of {', '.join(LAYOUTS)}, got {layout!r}")
@@ -117,9 +124,7 @@ def ring_attention(
         if layout == "zigzag" and q.shape[1] % 2:
             raise ValueError(f"q: a zigzag shard holds two chunks; its length {q.shape[1]} is odd")
     scale = _scale(softmax_scale, q.shape[3])
-    out, lse = RingAttention.apply(
-        q, k, v, bool(causal), scale, layout, group, step or _default_step(q)
-    )
+    out, lse = RingAttention.apply(q, k, v, causal, scale, layout, group, step or _default_step(q))
     return (out, lse) if return_lse else out
 
 
@@ -138,6 +143,7 @@ def ulysses_attention(
     head; returns this rank's shard of the output. ``attend(q, k, v)``: the local attention
     (autograd-aware); default fadsl.attention with ``causal`` and ``softmax_scale``."""
     rank, world = _world(group)
+    _check_flag("causal", causal)
     _check_qkv(q, k, v)
     for name, t in (("q", q), ("k", k)):
         if t.shape[2] % world:
