@@ -42,14 +42,16 @@ class Ring:
         """Send ``tensors`` to the next rank and receive their like from the previous one;
         returns (received, wait): call wait() before reading the received tensors or
         writing the sent ones."""
-        received = [torch.empty_like(t) for t in tensors]
-        ops = [dist.P2POp(dist.isend, t.contiguous(), self.next, self.group) for t in tensors]
+        sent = [t.contiguous() for t in tensors]
+        received = [torch.empty_like(t) for t in sent]
+        ops = [dist.P2POp(dist.isend, t, self.next, self.group) for t in sent]
         ops += [dist.P2POp(dist.irecv, t, self.prev, self.group) for t in received]
         requests = dist.batch_isend_irecv(ops)
 
         def wait():
             for request in requests:
                 request.wait()
+            sent.clear()  # (held until here: a contiguous copy must outlive its send)
 
         return received, wait
 
