@@ -126,6 +126,42 @@ def _ulysses_case(rank, world, case):
         _close(f"ulysses {name} d{label}", _gather(got.grad, world, cat), leaf.grad, 1e-10)
 
 
+# (name, causal, whole sequence lengths (multiples of 2 x world), heads, heads_kv, head_dim)
+VARLEN_CASES = [("causal_gqa", True, [4, 12, 8], 4, 2, 8), ("plain", False, [8, 4], 2, 2, 16)]
+
+
+def _varlen_case(rank, world, case):
+    name, causal, lengths, heads, heads_kv, d = case
+    lengths = [n * world for n in lengths]  # each a multiple of 2 x world
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(cu[-1], heads, d, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(cu[-1], heads_kv, d, generator=g, dtype=torch.float64) for _ in "kv")
+    dout = torch.randn(cu[-1], heads, d, generator=g, dtype=torch.float64)
+    scale = 0.3
+    shards = [fcp.shard_zigzag_varlen(t, cu, rank, world) for t in (q, k, v, dout)]
+    cu_local = shards[0][1]
+    mine = [t.float().requires_grad_() for t, _ in shards[:3]]
+    out = fcp.ring_attention_varlen(
+        *mine, cu_local, causal=causal, softmax_scale=scale, step=ReferenceStep()
+    )
+    out.backward(shards[3][0].float())
+    leaves = [t.requires_grad_() for t in (q, k, v)]
+    want = torch.cat(
+        [
+            full_attention(*(t[None, a:b] for t in leaves), causal, scale)[0]
+            for a, b in zip(cu, cu[1:])
+        ]
+    )
+    want.backward(dout)
+    unshard = lambda parts: fcp.unshard_zigzag_varlen(parts, cu)  # noqa: E731
+    _close(f"varlen {name} out", _gather(out.detach(), world, unshard), want.detach())
+    for label, got, leaf in zip("qkv", mine, leaves):
+        _close(f"varlen {name} d{label}", _gather(got.grad, world, unshard), leaf.grad)
+
+
 def _worker(rank, world, init_file, ulysses_too):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
@@ -134,6 +170,8 @@ def _worker(rank, world, init_file, ulysses_too):
         if ulysses_too:
             for case in ULYSSES_CASES:
                 _ulysses_case(rank, world, case)
+        for case in VARLEN_CASES:
+            _varlen_case(rank, world, case)
         with pytest.raises(RuntimeError, match="gradient through the returned LSE"):
             q, k, v = (torch.randn(1, 4, 2, 8, requires_grad=True) for _ in range(3))
             out, lse = fcp.ring_attention(q, k, v, step=ReferenceStep(), return_lse=True)
@@ -164,6 +202,19 @@ def test_merge_of_rows_that_saw_no_key_and_of_partials_with_nan_rows():
     assert torch.equal(out[0, 1, 0], torch.tensor([5.0, 5.0])) and lse[0, 0, 1] == 80.0
     assert torch.equal(out[0, 2, 0], torch.tensor([1.0, 1.0])) and lse[0, 0, 2] == -1e4
     assert torch.isfinite(out).all()
+
+
+def test_varlen_zigzag_shards_round_trip():
+    cu = [0, 4, 16, 24]
+    x = torch.arange(24).view(24, 1)
+    shards = [fcp.shard_zigzag_varlen(x, cu, r, 2) for r in range(2)]
+    assert shards[0][1].tolist() == [0, 2, 8, 12]
+    assert shards[0][0].flatten().tolist()[:2] == [0, 3] and shards[1][0].flatten()[
+        :2
+    ].tolist() == [1, 2]
+    assert torch.equal(fcp.unshard_zigzag_varlen([s for s, _ in shards], cu), x)
+    with pytest.raises(ValueError, match="cu_seqlens: every sequence's length must be a multiple"):
+        fcp.shard_zigzag_varlen(x, [0, 6, 24], 0, 2)
 
 
 def test_zigzag_shards_round_trip_and_balance_causal_work():

@@ -27,9 +27,13 @@ import torch.distributed as dist
 from .ring import LAYOUTS, RingAttention
 from .steps import ReferenceStep, ShippedStep, SpecStep, AttentionStep
 from .ulysses import ulysses
+from .varlen import RingAttentionVarlen, shard_zigzag_varlen, unshard_zigzag_varlen
 
 __all__ = [
     "ring_attention",
+    "ring_attention_varlen",
+    "shard_zigzag_varlen",
+    "unshard_zigzag_varlen",
     "ulysses_attention",
     "shard_zigzag",
     "unshard_zigzag",
@@ -125,6 +129,53 @@ def ring_attention(
             raise ValueError(f"q: a zigzag shard holds two chunks; its length {q.shape[1]} is odd")
     scale = _scale(softmax_scale, q.shape[3])
     out, lse = RingAttention.apply(q, k, v, causal, scale, layout, group, step or _default_step(q))
+    return (out, lse) if return_lse else out
+
+
+def ring_attention_varlen(
+    q,
+    k,
+    v,
+    cu_seqlens,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    *,
+    group=None,
+    step: AttentionStep | None = None,
+    return_lse: bool = False,
+):
+    """ring_attention over packed sequences: q (tokens, heads_q, head_dim), k and v (tokens,
+    heads_kv, head_dim), this rank's shard_zigzag_varlen shards, with their ``cu_seqlens``
+    (int32, on q's device: the same on every rank). Returns this rank's rows of the output
+    (and with ``return_lse`` their LSE, fp32 (heads_q, tokens)); gradients flow to q, k and v."""
+    _world(group)
+    _check_flag("causal", causal)
+    _check_flag("return_lse", return_lse)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 3:
+            raise ValueError(f"{name}: expected a 3-D tensor (tokens, heads, head_dim)")
+    _check_qkv(q[None], k[None], v[None])
+    if q.shape[0] != k.shape[0]:
+        raise ValueError(f"k: {k.shape[0]} tokens where q has {q.shape[0]} (one cu_seqlens)")
+    if (
+        not isinstance(cu_seqlens, torch.Tensor)
+        or cu_seqlens.dim() != 1
+        or cu_seqlens.dtype != torch.int32
+        or cu_seqlens.device != q.device
+    ):
+        raise ValueError("cu_seqlens: expected a 1-D int32 tensor on q's device")
+    bounds = cu_seqlens.tolist()
+    if not bounds or bounds[0] != 0 or bounds[-1] != q.shape[0]:
+        raise ValueError(f"cu_seqlens: must run from 0 to the {q.shape[0]} tokens, got {bounds}")
+    if any(b < a or (b - a) % 2 for a, b in zip(bounds, bounds[1:])):
+        raise ValueError(
+            f"cu_seqlens: each sequence's shard holds two equal chunks (even, non-decreasing "
+            f"lengths), got {bounds}"
+        )
+    scale = _scale(softmax_scale, q.shape[2])
+    out, lse = RingAttentionVarlen.apply(
+        q, k, v, cu_seqlens, causal, scale, group, step or _default_step(q)
+    )
     return (out, lse) if return_lse else out
 
 

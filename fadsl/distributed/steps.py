@@ -26,6 +26,12 @@ class AttentionStep(Protocol):
     def backward(self, q, k, v, out, lse, dout, causal: bool, scale: float):
         """(dq, dk, dv) of this step's keys, given the whole call's out and lse."""
 
+    def forward_varlen(self, q, k, v, cu_q, cu_k, max_q, max_k, causal: bool, scale: float):
+        """Packed sequences (tokens, heads, head_dim): (out, lse fp32 (heads_q, tokens_q))."""
+
+    def backward_varlen(self, q, k, v, out, lse, dout, cu_q, cu_k, max_q, causal, scale):
+        """(dq, dk, dv) of packed sequences, given the whole call's out and lse."""
+
 
 class ShippedStep:
     def forward(self, q, k, v, causal, scale):
@@ -34,6 +40,16 @@ class ShippedStep:
     def backward(self, q, k, v, out, lse, dout, causal, scale):
         return public_ops.attention_backward(
             q, k, v, out, lse, dout, None, causal, scale, -1, -1, 0.0
+        )
+
+    def forward_varlen(self, q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
+        return public_ops.attention_varlen(
+            q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, -1, -1, 0.0, True
+        )
+
+    def backward_varlen(self, q, k, v, out, lse, dout, cu_q, cu_k, max_q, causal, scale):
+        return public_ops.attention_varlen_backward(
+            q, k, v, out, lse, dout, None, cu_q, cu_k, max_q, causal, scale, -1, -1, 0.0
         )
 
 
@@ -54,6 +70,14 @@ class SpecStep:
 
     def backward(self, q, k, v, out, lse, dout, causal, scale):
         return self.kernels[causal].backward(q, k, v, out, lse, dout, None, scale)
+
+    def forward_varlen(self, q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
+        kern = self.kernels[causal]
+        return kern.varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale, return_lse=True)
+
+    def backward_varlen(self, q, k, v, out, lse, dout, cu_q, cu_k, max_q, causal, scale):
+        kern = self.kernels[causal]
+        return kern.varlen_backward(q, k, v, out, lse, dout, None, cu_q, cu_k, scale)
 
 
 def _scores(q, k, scale):
@@ -103,3 +127,27 @@ class ReferenceStep:
             return g.view(b, n, h // group, group, d_).sum(3)
 
         return dq.to(q.dtype), per_kv_head(dk).to(k.dtype), per_kv_head(dv).to(v.dtype)
+
+    def forward_varlen(self, q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
+        """Sequence by sequence through ``forward``."""
+        outs, lses = [], []
+        for (a, b), (c, d) in zip(_spans(cu_q), _spans(cu_k)):
+            o, l = self.forward(q[None, a:b], k[None, c:d], v[None, c:d], causal, scale)
+            outs.append(o[0])
+            lses.append(l[0])
+        return torch.cat(outs, 0), torch.cat(lses, 1)
+
+    def backward_varlen(self, q, k, v, out, lse, dout, cu_q, cu_k, max_q, causal, scale):
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        for (a, b), (c, d) in zip(_spans(cu_q), _spans(cu_k)):
+            g = self.backward(
+                q[None, a:b], k[None, c:d], v[None, c:d], out[None, a:b], lse[None, :, a:b],
+                dout[None, a:b], causal, scale,
+            )  # fmt: skip
+            dq[a:b], dk[c:d], dv[c:d] = g[0][0], g[1][0], g[2][0]
+        return dq, dk, dv
+
+
+def _spans(cu) -> list[tuple[int, int]]:
+    cu = cu.tolist()
+    return list(zip(cu, cu[1:]))
