@@ -259,6 +259,19 @@ def _checks_worker(rank, world, init_file):
             fcp.ring_attention(q, q.double(), q.double(), step=step)
         with pytest.raises(ValueError, match="q: on cpu; fadsl's kernels run on CUDA"):
             fcp.ring_attention(q, q, q)
+        packed = torch.randn(8, 4, 8)
+        cu = torch.tensor([0, 4, 8], dtype=torch.int32)
+        bad_varlen = [
+            (dict(q=q), "q: expected a 3-D tensor"),
+            (dict(cu_seqlens=cu.long()), "cu_seqlens: expected a 1-D int32 tensor"),
+            (dict(cu_seqlens=torch.tensor([0, 4], dtype=torch.int32)), "must run from 0 to the 8"),
+            (dict(cu_seqlens=torch.tensor([0, 3, 8], dtype=torch.int32)), "two equal chunks"),
+            (dict(k=packed[:6], v=packed[:6]), "k: 6 tokens where q has 8"),
+        ]
+        for change, message in bad_varlen:
+            args = dict(q=packed, k=packed, v=packed, cu_seqlens=cu, step=step) | change
+            with pytest.raises(ValueError, match=message):
+                fcp.ring_attention_varlen(**args)
         with pytest.raises(ValueError, match="k: 3 heads do not split over 2 ranks"):
             six = torch.randn(1, 4, 6, 8)
             fcp.ulysses_attention(six, torch.randn(1, 4, 3, 8), torch.randn(1, 4, 3, 8))
