@@ -3,10 +3,10 @@
 Step s of W: rank r holds the K/V shard of rank src = (r - s) mod W, attends its queries to
 it (ShippedStep or another ``AttentionStep``) and merges the partial output by its LSE
 (merge.py); meanwhile the shard moves on to rank r + 1 (``torch.distributed``'s batched
-isend/irecv, which NCCL runs on its own stream, under this step's attention). The backward runs the ring
-again with the whole call's output and LSE: dQ stays with its rank; each shard's dK and dV
-accumulate in fp32 buffers that travel with it, one step behind, and after W steps arrive
-back at the shard's owner.
+isend/irecv, which NCCL runs on its own stream, under this step's attention). The backward
+runs the ring again with the whole call's output and LSE: dQ stays with its rank; each
+shard's dK and dV accumulate in fp32 buffers that travel with it, one step behind, and
+after W steps arrive back at the shard's owner.
 
 The causal mask needs the queries and keys in global order per shard. ``zigzag`` (rank r
 holds chunks r and 2W - 1 - r of 2W, shard_zigzag) gives every rank equal work at every

@@ -142,7 +142,8 @@ def ring_backward_varlen(ring: Ring, step, q, k, v, out, lse, dout, cu, causal, 
         if arriving is not None:
             dkv, wait_dkv = arriving
             wait_dkv()
-        for target, g, at in ((dq, grads[0], rows), (dkv[0], grads[1], keys), (dkv[1], grads[2], keys)):  # fmt: skip
+        added = ((dq, grads[0], rows), (dkv[0], grads[1], keys), (dkv[1], grads[2], keys))
+        for target, g, at in added:
             if at is None:
                 target += g.float()
             else:
