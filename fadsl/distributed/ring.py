@@ -56,6 +56,54 @@ class Ring:
         return received, wait
 
 
+def ring_steps(ring: Ring, kv):
+    """Yields (src, the K/V shard of rank src) for each of the W steps, starting to pass
+    each shard on to the next rank before the caller works on it and waiting for the next
+    one only when the caller asks for it."""
+    for s in range(ring.world):
+        wait = None
+        if s + 1 < ring.world:
+            upcoming, wait = ring.pass_on(kv)
+        yield (ring.rank - s) % ring.world, kv
+        if wait is not None:
+            wait()
+            kv = tuple(upcoming)
+
+
+class TravellingGrads:
+    """The fp32 dK and dV accumulators of the shard this rank holds (its own at step 0):
+    each moves on with its shard one step behind it and is waited for only where the next
+    step adds to it; after the last step's hand-on, each shard's arrives at its owner."""
+
+    def __init__(self, ring: Ring, k, v):
+        self.ring = ring
+        self.dkv = [torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (k, v)]
+        self.arriving = None  # (the accumulators of the shard held next, wait)
+
+    def current(self) -> list[torch.Tensor]:
+        if self.arriving is not None:
+            self.dkv, wait = self.arriving
+            self.arriving = None
+            wait()
+        return self.dkv
+
+    def hand_on(self) -> None:
+        if self.ring.world > 1:
+            self.arriving = self.ring.pass_on(self.current())
+
+    def home(self, k, v):
+        dk, dv = self.current()
+        return dk.to(k.dtype), dv.to(v.dtype)
+
+
+def no_lse_gradient(dlse, name: str) -> None:
+    if dlse is not None and torch.any(dlse != 0):
+        raise RuntimeError(
+            f"fadsl.distributed.{name}: a gradient through the returned LSE is not supported; "
+            "use the output's"
+        )
+
+
 def _plan(causal: bool, layout: str, rank: int, src: int, seqlen_q: int, seqlen_k: int):
     """What step (rank, src) computes: (query rows, key rows, causal) as slices, or None."""
     every_q, every_k = slice(0, seqlen_q), slice(0, seqlen_k)
@@ -99,21 +147,14 @@ def ring_forward(ring: Ring, step, q, k, v, causal: bool, scale: float, layout: 
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     lse = torch.full((batch, heads, seqlen_q), float("-inf"), device=q.device)
     mine = _Rows(q=q)
-    kv = (k, v)
-    for s in range(ring.world):
-        wait = None
-        if s + 1 < ring.world:
-            upcoming, wait = ring.pass_on(kv)
-        plan = _plan(causal, layout, ring.rank, (ring.rank - s) % ring.world, seqlen_q, k.shape[1])
+    for src, kv in ring_steps(ring, (k, v)):
+        plan = _plan(causal, layout, ring.rank, src, seqlen_q, k.shape[1])
         if plan is not None:
             rows, keys, masked = plan
             part_out, part_lse = step.forward(
                 mine("q", rows), _part(kv[0], keys), _part(kv[1], keys), masked, scale
             )
             merge_into(out[:, rows], lse[:, :, rows], part_out, part_lse)
-        if wait is not None:
-            wait()
-            kv = tuple(upcoming)
     return out.to(q.dtype), lse
 
 
@@ -121,21 +162,13 @@ def ring_backward(ring: Ring, step, q, k, v, out, lse, dout, causal: bool, scale
     """(dq, dk, dv) of this rank's shards."""
     seqlen_q, seqlen_k = q.shape[1], k.shape[1]
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    # the dK, dV accumulators of the shard this rank holds (its own at step 0); each moves on
-    # with its shard, one step behind it, and waits only where the next step adds to it
-    dkv = [torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (k, v)]
-    arriving = None  # (the accumulators of the shard held next, wait)
+    grads_kv = TravellingGrads(ring, k, v)
     mine = _Rows(q=q, out=out, lse=lse, dout=dout)
-    kv = (k, v)
-    for s in range(ring.world):
-        wait = None
-        if s + 1 < ring.world:
-            upcoming, wait = ring.pass_on(kv)
-        plan = _plan(causal, layout, ring.rank, (ring.rank - s) % ring.world, seqlen_q, seqlen_k)
-        grads = None
+    for src, kv in ring_steps(ring, (k, v)):
+        plan = _plan(causal, layout, ring.rank, src, seqlen_q, seqlen_k)
         if plan is not None:
             rows, keys, masked = plan
-            grads = step.backward(
+            dq_part, dk_part, dv_part = step.backward(
                 mine("q", rows),
                 _part(kv[0], keys),
                 _part(kv[1], keys),
@@ -145,22 +178,12 @@ def ring_backward(ring: Ring, step, q, k, v, out, lse, dout, causal: bool, scale
                 masked,
                 scale,
             )
-        if arriving is not None:
-            dkv, wait_dkv = arriving
-            wait_dkv()
-        if grads is not None:
-            dq[:, rows] += grads[0].float()
-            dkv[0][:, keys] += grads[1].float()
-            dkv[1][:, keys] += grads[2].float()
-        if ring.world > 1:  # on to the next rank; after the last step, to the shard's owner
-            arriving = ring.pass_on(dkv)
-        if wait is not None:
-            wait()
-            kv = tuple(upcoming)
-    if arriving is not None:
-        dkv, wait_dkv = arriving
-        wait_dkv()
-    return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+            dq[:, rows] += dq_part.float()
+            dk, dv = grads_kv.current()
+            dk[:, keys] += dk_part.float()
+            dv[:, keys] += dv_part.float()
+        grads_kv.hand_on()
+    return (dq.to(q.dtype), *grads_kv.home(k, v))
 
 
 class RingAttention(torch.autograd.Function):
@@ -174,11 +197,7 @@ class RingAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        if dlse is not None and torch.any(dlse != 0):
-            raise RuntimeError(
-                "fadsl.distributed.ring_attention: a gradient through the returned LSE is not "
-                "supported; use the output's"
-            )
+        no_lse_gradient(dlse, "ring_attention")
         q, k, v, out, lse = ctx.saved_tensors
         ring, step, causal, scale, layout = ctx.args
         dq, dk, dv = ring_backward(

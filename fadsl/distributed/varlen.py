@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from .merge import merge_into
-from .ring import Ring
+from .ring import Ring, TravellingGrads, no_lse_gradient, ring_steps
 
 
 def _lengths(cu) -> list[int]:
@@ -96,14 +96,8 @@ def ring_forward_varlen(ring: Ring, step, q, k, v, cu, causal, scale):
     halves = _Halves(cu)
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), device=q.device)
-    kv = (k, v)
-    for s in range(ring.world):
-        wait = None
-        if s + 1 < ring.world:
-            upcoming, wait = ring.pass_on(kv)
-        rows, keys, cu_q, cu_k, max_q, max_k, masked = _plan(
-            causal, ring.rank, (ring.rank - s) % ring.world, halves, cu
-        )
+    for src, kv in ring_steps(ring, (k, v)):
+        rows, keys, cu_q, cu_k, max_q, max_k, masked = _plan(causal, ring.rank, src, halves, cu)
         part_out, part_lse = step.forward_varlen(
             _take(q, rows), _take(kv[0], keys), _take(kv[1], keys), cu_q, cu_k, max_q, max_k,
             masked, scale,
@@ -115,48 +109,28 @@ def ring_forward_varlen(ring: Ring, step, q, k, v, cu, causal, scale):
             merge_into(o[None], l[None], part_out[None], part_lse[None])
             out.index_copy_(0, rows, o)
             lse.index_copy_(1, rows, l)
-        if wait is not None:
-            wait()
-            kv = tuple(upcoming)
     return out.to(q.dtype), lse
 
 
 def ring_backward_varlen(ring: Ring, step, q, k, v, out, lse, dout, cu, causal, scale):
     halves = _Halves(cu)
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    dkv = [torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (k, v)]
-    arriving = None
-    kv = (k, v)
-    for s in range(ring.world):
-        wait = None
-        if s + 1 < ring.world:
-            upcoming, wait = ring.pass_on(kv)
-        rows, keys, cu_q, cu_k, max_q, max_k, masked = _plan(
-            causal, ring.rank, (ring.rank - s) % ring.world, halves, cu
-        )
+    grads_kv = TravellingGrads(ring, k, v)
+    for src, kv in ring_steps(ring, (k, v)):
+        rows, keys, cu_q, cu_k, max_q, max_k, masked = _plan(causal, ring.rank, src, halves, cu)
         lse_rows = lse if rows is None else lse.index_select(1, rows)
         grads = step.backward_varlen(
             _take(q, rows), _take(kv[0], keys), _take(kv[1], keys), _take(out, rows),
             lse_rows.contiguous(), _take(dout, rows), cu_q, cu_k, max_q, masked, scale,
         )  # fmt: skip
-        if arriving is not None:
-            dkv, wait_dkv = arriving
-            wait_dkv()
-        added = ((dq, grads[0], rows), (dkv[0], grads[1], keys), (dkv[1], grads[2], keys))
-        for target, g, at in added:
+        dk, dv = grads_kv.current()
+        for target, g, at in ((dq, grads[0], rows), (dk, grads[1], keys), (dv, grads[2], keys)):
             if at is None:
                 target += g.float()
             else:
                 target.index_add_(0, at, g.float())
-        if ring.world > 1:
-            arriving = ring.pass_on(dkv)
-        if wait is not None:
-            wait()
-            kv = tuple(upcoming)
-    if arriving is not None:
-        dkv, wait_dkv = arriving
-        wait_dkv()
-    return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+        grads_kv.hand_on()
+    return (dq.to(q.dtype), *grads_kv.home(k, v))
 
 
 class RingAttentionVarlen(torch.autograd.Function):
@@ -170,11 +144,7 @@ class RingAttentionVarlen(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        if dlse is not None and torch.any(dlse != 0):
-            raise RuntimeError(
-                "fadsl.distributed.ring_attention_varlen: a gradient through the returned LSE "
-                "is not supported; use the output's"
-            )
+        no_lse_gradient(dlse, "ring_attention_varlen")
         q, k, v, out, lse, cu = ctx.saved_tensors
         ring, step, causal, scale = ctx.args
         grads = ring_backward_varlen(
