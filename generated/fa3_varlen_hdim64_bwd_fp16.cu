@@ -33,7 +33,6 @@ struct Cfg : BwdConfig<half, 64, 64, 128, 2, 2, false, false, true, false, true>
   static constexpr int kOffBar = 99328;
   static constexpr int kSmemBytes = 100392;
   static constexpr bool kVarlen = true;  // packed sequences: cu_seqlens in the params (bwd_block, bwd_query_rows)
-  static constexpr bool kBlockPerRole = true;  // bwd_role_block
 };
 static_assert(128 * Cfg::kProducerRegs + Cfg::kConsumerThreads * Cfg::kConsumerRegs <= 65536, "register pool");
 static_assert(Cfg::kOffBar + 8 * Cfg::kNumBars + 1024 <= Cfg::kSmemBytes, "SMEM plan");
@@ -55,7 +54,7 @@ extern "C" __global__ void __launch_bounds__(Cfg::kThreads, 1) fa3_varlen_hdim64
     fence_mbarrier_init();  // the inits visible to the async proxy (TMA's complete_tx)
   }
   __syncthreads();  // the inits before any thread waits on or arrives at a barrier
-  const BwdBlock shared = bwd_shared_block<Cfg>(P);  // (kBlockPerRole: each role finds its own)
+  const BwdBlock shared = bwd_shared_block<Cfg>(P);  // (bwd_block_per_role: each role finds its own)
   const int warpgroup = threadIdx.x / 128;
   if (warpgroup == 0) {
     setmaxnreg_dec<Cfg::kProducerRegs>();

@@ -88,13 +88,14 @@ def _fadsl_contenders(q, k, v, dout, rank, world, causal, step):
         cont = [t.chunk(world, dim=1)[rank].contiguous() for t in (q, k, v, dout)]
         a2a_in = [t.requires_grad_() for t in cont[:3]]
         attend = None
-        if step is not None:  # the reference step's maths, with autograd
-            from fadsl.distributed.steps import ReferenceStep
-
-            reference = ReferenceStep()
+        if step is not None:  # (--cpu) torch's own attention in place of fadsl's kernels
+            import torch.nn.functional as F
 
             def attend(a, b, c):
-                return _reference_autograd(a, b, c, causal, 1.0 / a.shape[-1] ** 0.5, reference)
+                o = F.scaled_dot_product_attention(
+                    *(t.transpose(1, 2) for t in (a, b, c)), is_causal=causal, enable_gqa=True
+                )
+                return o.transpose(1, 2)
 
         def a2a():
             return fcp.ulysses_attention(*a2a_in, causal=causal, attend=attend)
@@ -104,16 +105,6 @@ def _fadsl_contenders(q, k, v, dout, rank, world, causal, step):
 
         calls["fadsl all-to-all"] = (a2a, a2a_step)
     return calls
-
-
-def _reference_autograd(q, k, v, causal, scale, reference):
-    group = q.shape[2] // k.shape[2]
-    kf, vf = (t.repeat_interleave(group, dim=2) for t in (k, v))
-    s = torch.einsum("bqhd,bkhd->bhqk", q, kf) * scale
-    if causal:
-        n = q.shape[1]
-        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
-    return torch.einsum("bhqk,bkhd->bqhd", torch.softmax(s, -1), vf)
 
 
 def _torch_contenders(q, k, v, dout, world, causal, stack):

@@ -149,6 +149,29 @@ def test_out_with_overlapping_elements_or_shared_memory_is_refused(kern):
     assert not fadsl.runtime.arguments.overlaps_itself(a)
 
 
+def test_a_backwards_operands_are_checked_and_made_as_the_kernels_read_them():
+    """backward_operands: dout must be the output's like, lse and dlse the forward LSE's
+    shape on its device, lse float32; dout and the LSEs come back contiguous, dlse float32."""
+    backward_operands = fadsl.runtime.arguments.backward_operands
+    out = torch.zeros(2, 5, 4, 8)
+    lse, shape = torch.zeros(2, 4, 5), (2, 4, 5)
+    dout = torch.ones(1, 1, 1, 1).expand(2, 5, 4, 8)  # d(out.sum()): a broadcast
+    got, got_lse, got_dlse = backward_operands(out, lse, dout, lse.double(), shape, out.device)
+    assert got.is_contiguous() and torch.equal(got, dout) and got_lse.is_contiguous()
+    assert got_dlse.dtype == torch.float32
+    assert backward_operands(out, lse, out, None, shape, out.device)[2] is None
+    bad = [
+        ((out, lse, out[:, :4], None), "the output's gradient has shape \\(2, 4, 4, 8\\)"),
+        ((out, lse, out.double(), None), "the output's gradient has shape .*float64"),
+        ((out, lse[:, :3], out, None), "lse has shape \\(2, 3, 5\\)"),
+        ((out, lse, out, lse[0]), "dlse has shape \\(4, 5\\)"),
+        ((out, lse.double(), out, None), "lse must be float32"),
+    ]
+    for args, message in bad:
+        with pytest.raises(ValueError, match=message):
+            backward_operands(*args, shape, out.device)
+
+
 def test_out_must_match_q(kern):
     q, k, v = qkv()
     with pytest.raises(ValueError, match=r"out must match q: shape \(2, 128, 4, 128\)"):

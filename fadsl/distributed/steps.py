@@ -80,25 +80,22 @@ class SpecStep:
         return kern.varlen_backward(q, k, v, out, lse, dout, None, cu_q, cu_k, scale)
 
 
-def _scores(q, k, scale):
-    """fp32 scores (batch, heads_q, seqlen_q, seqlen_k), K's heads repeated over GQA groups."""
+def _scores(q, k, scale, causal: bool):
+    """fp32 scores (batch, heads_q, seqlen_q, seqlen_k), K's heads repeated over GQA groups,
+    -inf past the causal diagonal (bottom-right aligned, as fadsl's and FlashAttention's)."""
     group = q.shape[2] // k.shape[2]
     kf = k.float().repeat_interleave(group, dim=2)
-    return torch.einsum("bqhd,bkhd->bhqk", q.float(), kf) * scale
-
-
-def _causal_mask(seqlen_q: int, seqlen_k: int, device) -> torch.Tensor:
-    """True where query i sees key j (bottom-right aligned, as fadsl's and FlashAttention's)."""
-    i = torch.arange(seqlen_q, device=device)[:, None]
-    j = torch.arange(seqlen_k, device=device)[None, :]
-    return j <= i + (seqlen_k - seqlen_q)
+    s = torch.einsum("bqhd,bkhd->bhqk", q.float(), kf) * scale
+    if causal:
+        i = torch.arange(q.shape[1], device=q.device)[:, None]
+        j = torch.arange(k.shape[1], device=q.device)[None, :]
+        s = s.masked_fill(j > i + (k.shape[1] - q.shape[1]), float("-inf"))
+    return s
 
 
 class ReferenceStep:
     def forward(self, q, k, v, causal, scale):
-        s = _scores(q, k, scale)
-        if causal:
-            s = s.masked_fill(~_causal_mask(q.shape[1], k.shape[1], q.device), float("-inf"))
+        s = _scores(q, k, scale, causal)
         lse = torch.logsumexp(s, dim=-1)
         p = torch.exp(s - torch.where(lse > float("-inf"), lse, 0.0)[..., None])
         group = q.shape[2] // k.shape[2]
@@ -107,9 +104,7 @@ class ReferenceStep:
         return out.to(q.dtype), lse
 
     def backward(self, q, k, v, out, lse, dout, causal, scale):
-        s = _scores(q, k, scale)
-        if causal:
-            s = s.masked_fill(~_causal_mask(q.shape[1], k.shape[1], q.device), float("-inf"))
+        s = _scores(q, k, scale, causal)
         p = torch.exp(s - torch.where(lse > float("-inf"), lse, math.inf)[..., None])
         group = q.shape[2] // k.shape[2]
         kf = k.float().repeat_interleave(group, dim=2)

@@ -235,6 +235,31 @@ def check_lse(lse, q) -> None:
         )
 
 
+def backward_operands(out, lse, dout, dlse, lse_shape_, device):
+    """A backward's dout, lse and dlse checked against the forward's output and its LSE's
+    shape ``lse_shape_`` on ``device`` (ValueError saying which), made as the kernels read
+    them: dout contiguous (TMA reads it; d(out.sum()) is a broadcast), the LSEs contiguous
+    float32."""
+    import torch
+
+    if dout.shape != out.shape or dout.dtype != out.dtype or dout.device != out.device:
+        raise ValueError(
+            f"the output's gradient has shape {tuple(dout.shape)}, {dout.dtype} on "
+            f"{dout.device}; expected the output's {tuple(out.shape)}, {out.dtype} on {out.device}"
+        )
+    for name, t in (("lse", lse), ("dlse", dlse)):
+        if t is not None and (tuple(t.shape) != lse_shape_ or t.device != device):
+            raise ValueError(
+                f"{name} has shape {tuple(t.shape)} on {t.device}; expected the forward's "
+                f"LSE's {lse_shape_} on {device}"
+            )
+    if lse.dtype != torch.float32:
+        raise ValueError(f"lse must be float32 (the forward's), got {lse.dtype}")
+    if dlse is not None:
+        dlse = dlse.to(torch.float32).contiguous()
+    return dout.contiguous(), lse.contiguous(), dlse
+
+
 def span(t) -> tuple[int, int]:
     """The byte range [first, last + 1) that a tensor's elements lie in."""
     last = sum((n - 1) * st for n, st in zip(t.shape, t.stride()) if n > 0)

@@ -36,6 +36,7 @@ from . import arguments
 from .serving import ServingCalls
 from .arguments import (
     accepts,
+    backward_operands,
     check_bases,
     check_lse,
     check_scale,
@@ -283,30 +284,10 @@ class FlashAttention(ServingCalls):
     def backward(self, q, k, v, out, lse, dout, dlse, scale: float):
         """(dq, dk, dv) of the loss whose gradient on the output is ``dout`` (and on the
         LSE ``dlse``, or None), from the forward's q, k, v, out and lse."""
-        import torch
-
         if self.is_varlen:  # the kernels read cu_seqlens: the batch packed end to end
             return self.backward_padded_as_varlen(q, k, v, out, lse, dout, dlse, scale)
         dtype = self.check_inputs(q, k, v)
-        if dout.shape != out.shape or dout.dtype != out.dtype or dout.device != out.device:
-            raise ValueError(
-                f"the output's gradient has shape {tuple(dout.shape)}, {dout.dtype} on "
-                f"{dout.device}; expected the output's {tuple(out.shape)}, {out.dtype} on {out.device}"
-            )
-        for name, t in (("lse", lse), ("dlse", dlse)):
-            if t is not None and (tuple(t.shape) != lse_shape(q) or t.device != q.device):
-                raise ValueError(
-                    f"{name} has shape {tuple(t.shape)} on {t.device}; expected the forward's "
-                    f"LSE's {lse_shape(q)} on {q.device}"
-                )
-        if lse.dtype != torch.float32:
-            raise ValueError(f"lse must be float32 (the forward's), got {lse.dtype}")
-        # TMA reads dO: a broadcast or oddly strided gradient (d(out.sum())) is copied first
-        if not dout.is_contiguous():
-            dout = dout.contiguous()
-        lse = lse.contiguous()
-        if dlse is not None:
-            dlse = dlse.to(torch.float32).contiguous()
+        dout, lse, dlse = backward_operands(out, lse, dout, dlse, lse_shape(q), q.device)
         arch = arch_of(q.device.index)
         return self._backward_kernels()(dtype, arch, q, k, v, out, lse, dout, dlse, scale)
 

@@ -105,13 +105,13 @@ def _with_lines(name: str, base: str, settings: dict[str, str], causal: bool, fo
     too where ``forward``: the serving specs take the call's lines alone there)."""
     variant = variant_name(name, settings)
     windowed, capped = "window" in settings["mask"], "softcap" in settings
-    if not (windowed or capped):
+    lines = None
+    if windowed or capped:  # (a call without either writes its lines without parsing the spec)
+        kernel = front_end(base, f"{name}.fa")
+        hook = targets.get(kernel.config.target).variant_lines
+        lines = hook(kernel, windowed, capped, causal) if hook is not None else None
+    if lines is None:
         return rewrite(base, settings, {}, variant)
-    kernel = front_end(base, f"{name}.fa")
-    hook = targets.get(kernel.config.target).variant_lines
-    if hook is None:
-        return rewrite(base, settings, {}, variant)
-    lines = hook(kernel, windowed, capped, causal)
     text = rewrite(
         base,
         {**settings, **(lines.settings if forward else {})},

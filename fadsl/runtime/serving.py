@@ -9,7 +9,7 @@ from __future__ import annotations
 from ..ir import Dtype
 from ..targets.archs import arch_for
 from ..targets.launch import current_stream
-from .arguments import check_lse, check_scale, lse_shape
+from .arguments import backward_operands, check_lse, check_scale, lse_shape
 
 
 class ServingCalls:
@@ -148,26 +148,7 @@ class ServingCalls:
         from .varlen import check_varlen, varlen_lse_shape
 
         dtype = check_varlen(self, q, k, v, cu_seqlens_q, cu_seqlens_k)
-        if dout.shape != out.shape or dout.dtype != out.dtype or dout.device != out.device:
-            raise ValueError(
-                f"the output's gradient has shape {tuple(dout.shape)}, {dout.dtype} on "
-                f"{dout.device}; expected the output's {tuple(out.shape)}, {out.dtype} on {out.device}"
-            )
-        for name, t in (("lse", lse), ("dlse", dlse)):
-            if t is None:
-                continue
-            if tuple(t.shape) != varlen_lse_shape(q) or t.device != q.device:
-                raise ValueError(
-                    f"{name} has shape {tuple(t.shape)} on {t.device}; expected the forward's "
-                    f"LSE's {varlen_lse_shape(q)} on {q.device}"
-                )
-        if lse.dtype != torch.float32:
-            raise ValueError(f"lse must be float32 (the forward's), got {lse.dtype}")
-        # TMA reads dO: a broadcast or oddly strided gradient is copied first
-        dout = dout.contiguous()
-        lse = lse.contiguous()
-        if dlse is not None:
-            dlse = dlse.to(torch.float32).contiguous()
+        dout, lse, dlse = backward_operands(out, lse, dout, dlse, varlen_lse_shape(q), q.device)
         arch = arch_for(torch.cuda.get_device_capability(q.device.index))
         return self._backward_kernels().varlen(
             dtype, arch, q, k, v, out, lse, dout, dlse, cu_seqlens_q, cu_seqlens_k, scale

@@ -160,9 +160,6 @@ struct BwdConfig {
   // `varlen on` (a generated Cfg sets it): packed sequences, cu_seqlens in the params; a CTA
   // per (n-block slot, query head) over the packed keys (bwd_block)
   static constexpr bool kVarlen = false;
-  // (varlen) each role finds its block after its setmaxnreg (bwd_role_block), so that the
-  // sequence's bounds are not held across the producer's drop in registers
-  static constexpr bool kBlockPerRole = false;
 
   static constexpr int kThreads = 128 * (1 + kConsumerWGs);
   static constexpr int kConsumerThreads = 128 * kConsumerWGs;
@@ -382,18 +379,25 @@ __device__ __forceinline__ BwdBlock bwd_block(const BwdParamsSm90& P) {
   return b;
 }
 
+// Whether each role finds its block after its setmaxnreg (bwd_block reads only the params and
+// cu_seqlens, which no thread writes) rather than once before the roles split: with `varlen
+// on` the sequence's bounds come from memory, and held across the producer's setmaxnreg.dec
+// they spilled 8 bytes at head_dim 64, B_r 128 (ptxas of NVRTC 13.5, 2026-11-29); with a
+// softcap the block found once spills less (12 bytes against 24 at head_dim 128, causal).
+template <class Cfg>
+__host__ __device__ constexpr bool bwd_block_per_role() {
+  return Cfg::kVarlen && !(Cfg::kSoftcap > 0.f);
+}
 // The block found before the roles split, and the one a role works on: the same, unless
-// Cfg::kBlockPerRole (varlen), where each role finds it again after its setmaxnreg (bwd_block
-// reads only the params and cu_seqlens, which no thread writes) and nothing of it is live
-// across the producer's setmaxnreg.dec.
+// bwd_block_per_role, where nothing of it is live across the producer's setmaxnreg.dec.
 template <class Cfg>
 __device__ __forceinline__ BwdBlock bwd_shared_block(const BwdParamsSm90& P) {
-  if constexpr (Cfg::kBlockPerRole) return BwdBlock{};
+  if constexpr (bwd_block_per_role<Cfg>()) return BwdBlock{};
   return bwd_block<Cfg>(P);
 }
 template <class Cfg>
 __device__ __forceinline__ BwdBlock bwd_role_block(const BwdParamsSm90& P, const BwdBlock& shared) {
-  if constexpr (Cfg::kBlockPerRole) return bwd_block<Cfg>(P);
+  if constexpr (bwd_block_per_role<Cfg>()) return bwd_block<Cfg>(P);
   return shared;
 }
 

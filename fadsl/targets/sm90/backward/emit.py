@@ -72,12 +72,6 @@ def context(kernel: Kernel, dtype: Dtype) -> dict[str, Any]:
         "early_dv": bwd.early_dv,
         "longest_first": bwd.longest_first,
         "varlen": cfg.features.varlen,
-        # varlen: each role finds its block (the sequence's bounds from cu_seqlens) after its
-        # setmaxnreg, so that none is held across the producer's drop in registers. ptxas of
-        # NVRTC 13.5 (2026-11-29): B_r 128 at head_dim 64 then builds without spills (8 bytes
-        # with the block found before), but a softcap at head_dim 128 with a causal mask
-        # spills 24 bytes instead of 12, so a capped backward keeps the block found once.
-        "block_per_role": cfg.features.varlen and not cfg.features.softcap,
         "dq_red": bwd.dq_red,
         "causal": cfg.mask is Mask.CAUSAL,
         "mask": cfg.mask_text,  # the mask line's value, window included

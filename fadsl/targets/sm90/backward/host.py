@@ -56,13 +56,10 @@ def _strides3(t) -> tuple[int, int, int]:
 
 @dataclass(frozen=True)
 class _Layout:
-    """A call's shape as the three kernels see it: padded (batch, seqlen, heads, head_dim)
-    tensors, or (varlen) one batch of packed rows whose sequences the kernels find in
-    cu_seqlens (query rows padded per sequence in the LSE, D and dQ's accumulator)."""
+    """What the three kernels see of a call beyond the (batch, seqlen, heads, head_dim)
+    tensors (varlen: one batch of the packed rows, whose sequences the kernels find in
+    cu_seqlens, query rows padded per sequence in the LSE, D and dQ's accumulator)."""
 
-    batch: int
-    seqlen_q: int  # rows of q (tokens, varlen)
-    seqlen_k: int
     rows: int  # padded query rows per (batch, head): the LSE's, D's, the accumulator's
     key_ctas: int  # the main kernel's grid x
     lse_batch_stride: int
@@ -90,13 +87,8 @@ def run(
     import torch
 
     bwd = kernel.backward
-    batch, seqlen_q = q.shape[0], q.shape[1]
-    rows = -(-seqlen_q // bwd.block_m) * bwd.block_m
     layout = _Layout(
-        batch=batch,
-        seqlen_q=seqlen_q,
-        seqlen_k=k.shape[1],
-        rows=rows,
+        rows=-(-q.shape[1] // bwd.block_m) * bwd.block_m,
         key_ctas=-(-k.shape[1] // bwd.block_n),
         lse_batch_stride=lse.stride(0),
         lse_head_stride=lse.stride(1),
@@ -135,9 +127,6 @@ def run_varlen(
         return grads
     r = bwd.block_m
     layout = _Layout(
-        batch=1,
-        seqlen_q=tokens_q,
-        seqlen_k=tokens_k,
         # each sequence starts a chunk of r rows of its own: at most r rows more each
         rows=-(-(tokens_q + sequences * r) // r) * r,
         key_ctas=-(-tokens_k // bwd.block_n) + sequences,
@@ -182,7 +171,7 @@ def _launch_all(
     dq, dk, dv = grads
     bwd = kernel.backward
     head_dim = kernel.config.head_dim
-    batch, heads_q = layout.batch, q.shape[2]
+    batch, seqlen_q, heads_q = q.shape[0], q.shape[1], q.shape[2]
     seqlen_k, heads_kv = k.shape[1], k.shape[2]
     group = heads_q // heads_kv
     rows = layout.rows
@@ -222,7 +211,7 @@ def _launch_all(
                 *_strides3(dout),
                 layout.lse_batch_stride,
                 layout.lse_head_stride,
-                layout.seqlen_q,
+                seqlen_q,
                 rows,
                 heads_q,
                 layout.cu_q,
@@ -247,8 +236,8 @@ def _launch_all(
         semaphore_ptr,
         *_strides3(dk),
         *_strides3(dv),
-        layout.seqlen_q,
-        layout.seqlen_k,
+        seqlen_q,
+        seqlen_k,
         rows,
         m_blocks,
         heads_q,
@@ -272,7 +261,7 @@ def _launch_all(
                 dq_accum.data_ptr(),
                 dq.data_ptr(),
                 *_strides3(dq),
-                layout.seqlen_q,
+                seqlen_q,
                 m_blocks,
                 heads_q,
                 softmax_scale,
