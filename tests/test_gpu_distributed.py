@@ -101,7 +101,8 @@ def _varlen_worker(rank, world, init_file):
             torch.randn(cu[-1], 2, 128, device="cuda", dtype=torch.bfloat16, generator=g)
             for _ in "kv"
         )
-        dout = torch.randn_like(q)
+        # the same on every rank: the generator's, not each process's default one
+        dout = torch.randn(q.shape, device="cuda", dtype=torch.bfloat16, generator=g)
         scale = 128**-0.5
         shards = [fcp.shard_zigzag_varlen(t, cu, rank, world) for t in (q, k, v, dout)]
         mine = [t.clone().requires_grad_() for t, _ in shards[:3]]
