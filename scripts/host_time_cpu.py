@@ -81,7 +81,10 @@ def pretend_cuda() -> None:
         return real_zeros(*args, **kwargs)
 
     torch.empty, torch.zeros = empty, zeros
-    torch.cuda.current_device = lambda: 0
+    # torch.cuda.current_device itself runs, as it does on the GPU host (its lazy-init test)
+    torch.cuda._initialized = True
+    torch.cuda._is_in_bad_fork = lambda: False
+    torch._C._cuda_getDevice = lambda: 0
     torch.cuda.get_device_capability = lambda device=None: (9, 0)
     torch.cuda.get_device_properties = lambda device=None: SimpleNamespace(
         multi_processor_count=132

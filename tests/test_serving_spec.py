@@ -423,11 +423,11 @@ def test_a_split_call_launches_its_combine_as_a_programmatic_dependent(
     monkeypatch.setattr(kvcache, "sm_count", lambda index: 132)
     kernel = _kernel(PAGE)
     a = _decode_args(kernel, batch=1, pages=64, max_pages=64)
-    launched = []
-    kvcache.run_kvcache(
-        kernel, launched.append, a.q, a.k_cache, a.v_cache, a.cache_seqlens, a.page_table,
-        a.out, None, 0.5, num_splits,
+    plan = kvcache.plan_kvcache(
+        kernel, a.q, a.k_cache, a.v_cache, a.cache_seqlens, a.page_table, a.out, None, 0.5,
+        num_splits,
     )  # fmt: skip
+    launched = plan.launches()
     suffixes = [(kl.suffix, kl.dependent) for kl in launched]
     if num_splits == 1:
         assert suffixes == [("", False)]

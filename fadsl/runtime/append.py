@@ -217,17 +217,7 @@ def check_append(
 def pack(k_cache, v_cache, k_new, v_new, cache_seqlens, page_table, seqlens_out) -> bytes:
     """The AppendKvParams of checked arguments (strides in bytes)."""
     e = k_cache.element_size()
-    ks, vs, kn, vn = k_cache.stride(), v_cache.stride(), k_new.stride(), v_new.stride()
-    strides = (
-        kn[0] * e,
-        kn[1] * e,
-        vn[0] * e,
-        vn[1] * e,
-        ks[0] * e,
-        ks[1] * e,
-        vs[0] * e,
-        vs[1] * e,
-    )
+    strides = byte_strides(k_cache, v_cache, k_new, v_new)
     pointers = (k_new.data_ptr(), v_new.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr())
     row_bytes = k_cache.shape[2] * k_cache.shape[3] * e
     vector16 = all(x % 16 == 0 for x in (*pointers, *strides, row_bytes))
@@ -252,6 +242,44 @@ def pack(k_cache, v_cache, k_new, v_new, cache_seqlens, page_table, seqlens_out)
         k_new.shape[0],
         int(vector16),
     )
+
+
+def byte_strides(k_cache, v_cache, k_new, v_new) -> tuple[int, ...]:
+    """The batch and row strides of k_new, v_new, k_cache and v_cache, in bytes."""
+    e = k_cache.element_size()
+    ks, vs, kn, vn = k_cache.stride(), v_cache.stride(), k_new.stride(), v_new.stride()
+    return (kn[0] * e, kn[1] * e, vn[0] * e, vn[1] * e, ks[0] * e, ks[1] * e, vs[0] * e, vs[1] * e)
+
+
+# A plan of the append (fadsl/runtime/plans.py): the addresses in AppendKvParams, in its
+# order (the first seven fields, 8 bytes each), then the 16-byte flag, which depends on the
+# four tensors' addresses: written as an 8-byte field (the int and the struct's 4 bytes of
+# padding after it, zeros).
+SOURCES = PARAMS_FIELDS[:7] + ("vector16",)
+VECTOR16_OFFSET = struct.calcsize("<7Q11q4i")
+
+
+def grid(k_new) -> tuple[int, int, int]:
+    """A CTA per new token and batch (the kernel loops over the batches past MAX_GRID_Y)."""
+    return (k_new.shape[1], min(k_new.shape[0], MAX_GRID_Y), 1)
+
+
+def plan_append(k_cache, v_cache, k_new, v_new, cache_seqlens, page_table, seqlens_out):
+    """The append's launch as a plan (``targets.launch.CallPlan``) of arguments check_append
+    has passed (its k_new and v_new), with at least one new token and one batch."""
+    from ..targets.launch import AddressSlot, CallPlan, KernelStep
+
+    params = pack(k_cache, v_cache, k_new, v_new, cache_seqlens, page_table, seqlens_out)
+    given = (True,) * 5 + (page_table is not None, seqlens_out is not None)
+    slots = [AddressSlot(8 * i, name) for i, name in enumerate(SOURCES[:7]) if given[i]]
+    slots.append(AddressSlot(VECTOR16_OFFSET, "vector16"))
+    return CallPlan(params, (KernelStep("", grid(k_new), (THREADS, 1, 1)),), tuple(slots))
+
+
+def vector16_by_strides(k_cache, v_cache, k_new, v_new) -> bool:
+    """Whether the strides and the row allow 16-byte vectors (the addresses must too)."""
+    row_bytes = k_cache.shape[2] * k_cache.shape[3] * k_cache.element_size()
+    return all(x % 16 == 0 for x in (*byte_strides(k_cache, v_cache, k_new, v_new), row_bytes))
 
 
 def append_kv(
@@ -285,9 +313,13 @@ def launch_append(k_cache, v_cache, k_new, v_new, cache_seqlens, page_table, seq
     index = k_cache.device.index
     module = _MODULES.get(index) or _module(index)
     params = pack(k_cache, v_cache, k_new, v_new, cache_seqlens, page_table, seqlens_out)
-    grid = (new, min(batch, MAX_GRID_Y), 1)
     if index == torch.cuda.current_device():
-        module.launch(grid, (THREADS, 1, 1), params, current_stream(index))
+        module.launch(grid(k_new), (THREADS, 1, 1), params, current_stream(index))
     else:
         with torch.cuda.device(index):
-            module.launch(grid, (THREADS, 1, 1), params, current_stream(index))
+            module.launch(grid(k_new), (THREADS, 1, 1), params, current_stream(index))
+
+
+def module(index: int):
+    """The kernel loaded and prepared on device ``index``."""
+    return _MODULES.get(index) or _module(index)

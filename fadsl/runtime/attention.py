@@ -31,7 +31,7 @@ from ..ir import Dtype
 from ..pipeline import Compiled, compile_file, compile_source
 from ..targets import check_arch
 from ..targets.archs import arch_for
-from ..targets.launch import Args, current_stream
+from ..targets.launch import Args, CallPlan, KernelStep, current_stream
 from . import arguments
 from .serving import ServingCalls
 from .arguments import (
@@ -46,6 +46,7 @@ from .arguments import (
 )
 
 log = logging.getLogger("fadsl")
+PADDED_SOURCES = ("q", "k", "v", "out", "lse")  # a padded call's addresses, in a plan's order
 
 
 def cache_dir() -> Path:
@@ -386,6 +387,36 @@ class FlashAttention(ServingCalls):
             self.alone.launch_args(dtype, args, 1)  # the cluster-free variant
         else:
             self.launch_args(dtype, args, cluster)
+
+    def prepare(self, dtype: Dtype, q, k, v, out, lse, scale: float, stream: int):
+        """This call's launch kept for the later calls of its signature (``plans.Prepared``,
+        its sources PADDED_SOURCES; not yet launched), or None where the params hold an
+        address a plan cannot rewrite (a split workspace) or the kernel is not a padded
+        one (then ``launch``)."""
+        if self.is_varlen or self.is_kvcache or self._launch.slots is None:
+            return None
+        args = Args(q, k, v, out, lse, scale)
+        cluster = self._launch.cluster(self.compiled.kernel, args)
+        if cluster == 1 and self.alone is not None:
+            return self.alone._prepare_args(dtype, args, 1, stream)  # the cluster-free variant
+        return self._prepare_args(dtype, args, cluster, stream)
+
+    def _prepare_args(self, dtype: Dtype, args: Args, cluster: int, stream: int):
+        kernel = self.compiled.kernel
+        slots = self._launch.slots(kernel, args)
+        if slots is None:
+            return None
+        index = args.q.device.index
+        params = self._launch.pack(kernel, args)
+        grid = self._launch.grid(kernel, args)
+        self._modules.get((dtype, index)) or self.module(dtype, index)  # (its co-residency)
+        if cluster > 1 and self._launch.fit_grid is not None:
+            grid = self._launch.fit_grid(kernel, grid, self._co_resident[dtype, index])
+        plan = CallPlan(params, (KernelStep("", grid, self._block, False, cluster),), slots)
+        q, k, v, out, lse = args.q, args.k, args.v, args.out, args.lse
+        addresses = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr())
+        addresses += (0 if lse is None else lse.data_ptr(),)
+        return self.prepared(dtype, index, stream, plan, PADDED_SOURCES, addresses)
 
     def launch_args(self, dtype: Dtype, args: Args, cluster: int) -> None:
         """Launch with ``args`` in clusters of ``cluster`` CTAs (1: without clusters)."""

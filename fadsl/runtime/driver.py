@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import threading
-
+from typing import Callable
 
 from ..cudadriver import DriverError  # noqa: F401 (the runtime catches it from here)
 from ..cudadriver import check as _check
@@ -134,41 +134,70 @@ class Module:
         programmatic dependent of the stream's previous kernel (the kernel must execute
         griddepcontrol.wait before it reads that kernel's results). Either uses
         cuLaunchKernelEx."""
-        driver = self._driver
         buffer = ctypes.create_string_buffer(params, len(params))
         pointers = (ctypes.c_void_p * 1)(ctypes.addressof(buffer))
+        argument = ctypes.addressof(pointers)
         if cluster > 1 or dependent:
-            # building a CUlaunchConfig costs about 4 us of Python: one per launch shape
-            key = (grid, block, cluster, dependent, stream)
-            config = self._configs.get(key)
-            if config is None:
-                if len(self._configs) >= 64:
-                    self._configs.clear()
-                config = self._configs[key] = self._launch_config(
-                    grid, block, cluster, stream, dependent
-                )
-            err = driver.cuLaunchKernelEx(config, self._function, ctypes.addressof(pointers), 0)[0]
-            if err != driver.CUresult.CUDA_SUCCESS:
+            self._launch_ex(grid, block, stream, cluster, dependent)(argument)
+            return
+        driver = self._driver
+        err = driver.cuLaunchKernel(
+            self._function, *grid, *block, self.smem_bytes, driver.CUstream(stream), argument, 0
+        )[0]
+        if err != driver.CUresult.CUDA_SUCCESS:
+            _check(driver, (err,), f"launching {self.name} (grid {grid}, block {block})")
+
+    def prepared(
+        self,
+        grid: tuple[int, int, int],
+        block: tuple[int, int, int],
+        stream: int,
+        cluster: int = 1,
+        dependent: bool = False,
+    ) -> Callable[[int], None]:
+        """``launch`` with everything but the params decided: a function of the address of
+        the kernel's argument array (``ParamsBuffer.argument``) that launches, with one
+        driver call and nothing built per launch (a launch plan keeps it)."""
+        if cluster > 1 or dependent:
+            return self._launch_ex(grid, block, stream, cluster, dependent)
+        driver = self._driver
+        success = driver.CUresult.CUDA_SUCCESS
+        function = self._function
+        launch_kernel = driver.cuLaunchKernel
+        shape = (*grid, *block, self.smem_bytes, driver.CUstream(stream))
+
+        def launch(argument: int) -> None:
+            err = launch_kernel(function, *shape, argument, 0)[0]
+            if err != success:
+                _check(driver, (err,), f"launching {self.name} (grid {grid}, block {block})")
+
+        return launch
+
+    def _launch_ex(self, grid, block, stream: int, cluster: int, dependent: bool):
+        """A launch through cuLaunchKernelEx (clusters, programmatic dependents) as a
+        function of the argument array's address; its CUlaunchConfig kept per shape
+        (building one costs about 4 us of Python)."""
+        driver = self._driver
+        key = (grid, block, cluster, dependent, stream)
+        config = self._configs.get(key)
+        if config is None:
+            if len(self._configs) >= 64:
+                self._configs.clear()
+            config = self._configs[key] = self._launch_config(
+                grid, block, cluster, stream, dependent
+            )
+        success = driver.CUresult.CUDA_SUCCESS
+        function, launch_ex = self._function, driver.cuLaunchKernelEx
+
+        def launch(argument: int) -> None:
+            err = launch_ex(config, function, argument, 0)[0]
+            if err != success:
                 how = [f"clusters of {cluster}"] if cluster > 1 else []
                 how += ["a programmatic dependent"] if dependent else []
                 where = f"grid {grid}, block {block}, {', '.join(how)}"
                 _check(driver, (err,), f"launching {self.name} ({where})")
-            return
-        err = driver.cuLaunchKernel(
-            self._function,
-            grid[0],
-            grid[1],
-            grid[2],
-            block[0],
-            block[1],
-            block[2],
-            self.smem_bytes,
-            driver.CUstream(stream),
-            ctypes.addressof(pointers),
-            0,
-        )[0]
-        if err != driver.CUresult.CUDA_SUCCESS:
-            _check(driver, (err,), f"launching {self.name} (grid {grid}, block {block})")
+
+        return launch
 
     def _launch_config(self, grid, block, cluster: int, stream: int = 0, dependent: bool = False):
         """A CUlaunchConfig: the cluster dimension (cluster, 1, 1) where cluster > 1, and
@@ -239,3 +268,51 @@ class Module:
             "threads": self.threads,
             "ctas_per_sm": int(ctas),
         }
+
+
+# A CUtensorMap is 64-byte aligned in memory (its C type says so); the params structs start
+# their maps at offset 0 in steps of 128 bytes, so a buffer aligned to 128 bytes holds each
+# map where the driver may rewrite it in place (cuTensorMapReplaceAddress).
+PARAMS_ALIGN = 128
+
+
+class ParamsBuffer:
+    """A params struct's bytes in host memory that stays put between launches: a launch plan
+    writes each call's addresses into it (``view``, for struct.pack_into; ``tensor_map``,
+    for a descriptor's address) and launches with ``argument``, the address of the kernel's
+    argument array. The driver copies a kernel's params when the launch call returns, so
+    the buffer may be rewritten at once (a plan holds a lock from the writes to the launch,
+    so that two threads never interleave)."""
+
+    __slots__ = ("size", "address", "argument", "view", "_storage", "_pointers")
+
+    def __init__(self, raw: bytes) -> None:
+        self.size = len(raw)
+        self._storage = ctypes.create_string_buffer(self.size + PARAMS_ALIGN)
+        start = ctypes.addressof(self._storage)
+        self.address = start + (-start % PARAMS_ALIGN)
+        ctypes.memmove(self.address, raw, self.size)
+        self.view = (ctypes.c_char * self.size).from_address(self.address)
+        self._pointers = (ctypes.c_void_p * 1)(self.address)
+        self.argument = ctypes.addressof(self._pointers)
+
+    def raw(self) -> bytes:
+        """The bytes a launch would pass now."""
+        return ctypes.string_at(self.address, self.size)
+
+    def tensor_map_address(self, offset: int) -> Callable[[int], None]:
+        """A function that points the CUtensorMap at ``offset`` bytes in (a 64-byte multiple)
+        at another global address (cuTensorMapReplaceAddress, in place: the map's dimensions,
+        strides and box stay; the address must be aligned as the encoded one was)."""
+        if offset % 64:
+            raise ValueError(f"a CUtensorMap lies on 64 bytes; offset {offset} does not")
+        driver = _driver()
+        tensor_map = driver.CUtensorMap(_ptr=self.address + offset)
+        replace, success = driver.cuTensorMapReplaceAddress, driver.CUresult.CUDA_SUCCESS
+
+        def point_at(address: int) -> None:
+            err = replace(tensor_map, address)[0]
+            if err != success:
+                _check(driver, (err,), f"pointing a TMA descriptor at {address:#x}")
+
+        return point_at

@@ -104,9 +104,14 @@ def check_kvcache(kern, q, k_cache, v_cache, cache_seqlens, page_table) -> Dtype
 
 
 def run_kvcache(kern, dtype: Dtype, q, k_cache, v_cache, cache_seqlens, page_table, out, lse,
-                scale: float, num_splits: int | None) -> None:  # fmt: skip
-    """Launch the target's kv-cache kernels on q's device's current stream."""
+                scale: float, num_splits: int | None):  # fmt: skip
+    """Launch the target's kv-cache kernels on q's device's current stream; the plan they
+    were launched by (``targets.launch.CallPlan``)."""
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("out", out)):
         check_base(name, t, kern.config.target)
-    kern.serving.kvcache(kern.compiled.kernel, kern.launcher(dtype, q.device.index), q, k_cache,
-                         v_cache, cache_seqlens, page_table, out, lse, scale, num_splits)  # fmt: skip
+    plan = kern.serving.kvcache(kern.compiled.kernel, q, k_cache, v_cache, cache_seqlens,
+                                page_table, out, lse, scale, num_splits)  # fmt: skip
+    launch = kern.launcher(dtype, q.device.index)
+    for kl in plan.launches():
+        launch(kl)
+    return plan

@@ -14,9 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from . import append, public_ops
+from . import planned, public_ops
 from .arguments import check_scale
-from .public_ops import attention_call, kvcache_call, varlen_call
 from .varlen import check_max_seqlen
 
 
@@ -83,6 +82,11 @@ def attention(
     shipped spec has a backward, windows and softcap included. torch.compile(fullgraph=True)
     traces it. The same checks and messages as a loaded spec's call.
     """
+    if not torch.compiler.is_compiling():  # a call of a signature met before: its plan
+        plan = planned.attention_plan(q, k, v, causal, softmax_scale, window_size, softcap,
+                                      return_lse)  # fmt: skip
+        if plan is not None:
+            return plan(q, k, v)
     _check_flag("causal", causal)
     _check_flag("return_lse", return_lse)
     check_q(q, 4, "batch, seqlen, heads, head_dim")
@@ -96,7 +100,7 @@ def attention(
             q, k, v, causal, softmax_scale, left, right, float(softcap), return_lse or grad
         )
         return (out, lse) if return_lse else out
-    return attention_call(q, k, v, causal, softmax_scale, return_lse, window_size, softcap)
+    return planned.attention_call(q, k, v, causal, softmax_scale, return_lse, window_size, softcap)
 
 
 def attention_varlen(
@@ -127,6 +131,12 @@ def attention_varlen(
     torch.compile(fullgraph=True) traces it. Gradients flow through q, k and v (and the
     LSE), each sequence's on its own rows; rows outside every sequence get zero gradients
     and must hold finite values (a NaN there, times P = 0, reaches a neighbour's dK and dV)."""
+    if not torch.compiler.is_compiling():  # a call of a signature met before: its plan
+        plan = planned.varlen_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                   max_seqlen_k, causal, softmax_scale, window_size, softcap,
+                                   return_lse)  # fmt: skip
+        if plan is not None:
+            return plan(q, k, v, cu_seqlens_q, cu_seqlens_k)
     _check_flag("causal", causal)
     _check_flag("return_lse", return_lse)
     check_q(q, 3, "tokens, heads, head_dim")
@@ -143,7 +153,7 @@ def attention_varlen(
             *args, softmax_scale, left, right, float(softcap), return_lse or grad
         )
         return (out, lse) if return_lse else out
-    return varlen_call(*args, softmax_scale, window_size, softcap, return_lse)
+    return planned.varlen_call(*args, softmax_scale, window_size, softcap, return_lse)
 
 
 def attention_with_kvcache(
@@ -177,6 +187,12 @@ def attention_with_kvcache(
     whole tiles). Returns the output, or (output, lse) with the LSE (batch, heads_q,
     seqlen_q), float32. Unlike flash_attn_with_kvcache, cache_seqlens comes before k and v:
     pass what follows them by keyword. torch.compile(fullgraph=True) traces it."""
+    if not torch.compiler.is_compiling():  # a call of a signature met before: its plan
+        plan = planned.kvcache_plan(q, k_cache, v_cache, cache_seqlens, k, v, page_table,
+                                    causal, softmax_scale, window_size, softcap, num_splits,
+                                    return_lse)  # fmt: skip
+        if plan is not None:
+            return plan(q, k_cache, v_cache, cache_seqlens, k, v, page_table)
     _check_flag("causal", causal)
     _check_flag("return_lse", return_lse)
     check_q(q, 4, "batch, seqlen, heads, head_dim")
@@ -194,7 +210,7 @@ def attention_with_kvcache(
             *args, left, right, float(softcap), num_splits, return_lse
         )
         return (out, lse) if return_lse else out
-    return kvcache_call(*args, window_size, softcap, num_splits, return_lse)
+    return planned.kvcache_call(*args, window_size, softcap, num_splits, return_lse)
 
 
 def append_kv(k_cache, v_cache, k_new, v_new, cache_seqlens, page_table=None) -> None:
@@ -208,5 +224,9 @@ def append_kv(k_cache, v_cache, k_new, v_new, cache_seqlens, page_table=None) ->
     length, or on a page-table entry outside the cache is not written (fadsl/runtime/append.py)."""
     if torch.compiler.is_compiling():
         public_ops.append_kv(k_cache, v_cache, k_new, v_new, cache_seqlens, page_table)
+        return
+    plan = planned.append_plan(k_cache, v_cache, k_new, v_new, cache_seqlens, page_table)
+    if plan is not None:  # a call of a signature met before
+        plan(k_cache, v_cache, k_new, v_new, cache_seqlens, page_table, None)
     else:
-        append.append_kv(k_cache, v_cache, k_new, v_new, cache_seqlens, page_table)
+        planned.append_call(k_cache, v_cache, k_new, v_new, cache_seqlens, page_table)

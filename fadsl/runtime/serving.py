@@ -25,28 +25,45 @@ class ServingCalls:
             raise RuntimeError(f"target {self.config.target} has no varlen or kv-cache calls")
         return self._launch.serving
 
-    def launcher(self, dtype: Dtype, index: int):
-        """``launch(KernelLaunch)`` for the serving calls: the source's kernel + suffix, loaded
-        once per device, launched on the device's current stream."""
+    def kernel_module(self, dtype: Dtype, index: int, suffix: str = "", threads: int = 0):
+        """The loaded kernel of the rendered source + ``suffix`` (a call's other kernels:
+        varlen's tile list, splits' combine, of ``threads`` a CTA) on device ``index``,
+        loaded once."""
         import torch
 
         from .driver import Module
 
         main = self._modules.get((dtype, index)) or self.module(dtype, index)
+        if not suffix:
+            return main
+        key = (dtype, index, suffix)
+        module = self._more_modules.get(key)
+        if module is None:
+            entry = self.cubin(dtype, arch_for(torch.cuda.get_device_capability(index)))
+            with torch.cuda.device(index):
+                module = Module(entry.cubin, main.name + suffix, 0, threads)
+                module.prepare(index)
+            self._more_modules[key] = module
+        return module
+
+    def prepared(self, dtype: Dtype, index: int, stream: int, plan, sources, addresses):
+        """A plan of this kernel's launches (``targets.launch.CallPlan``) ready to launch
+        again on ``stream`` (``plans.Prepared``; ``sources`` names the call's ``addresses``)."""
+        from .plans import Prepared
+
+        modules = [self.kernel_module(dtype, index, s.suffix, s.block[0]) for s in plan.kernels]
+        return Prepared(plan, sources, addresses, modules, stream, index)
+
+    def launcher(self, dtype: Dtype, index: int):
+        """``launch(KernelLaunch)`` for the serving calls: the source's kernel + suffix, loaded
+        once per device, launched on the device's current stream."""
+        import torch
+
         stream = current_stream(index)
         elsewhere = index != torch.cuda.current_device()  # (a context switch costs host time)
 
         def launch(kl) -> None:
-            module = main
-            if kl.suffix:
-                key = (dtype, index, kl.suffix)
-                module = self._more_modules.get(key)
-                if module is None:
-                    entry = self.cubin(dtype, arch_for(torch.cuda.get_device_capability(index)))
-                    with torch.cuda.device(index):
-                        module = Module(entry.cubin, main.name + kl.suffix, 0, kl.block[0])
-                        module.prepare(index)
-                    self._more_modules[key] = module
+            module = self.kernel_module(dtype, index, kl.suffix, kl.block[0])
             if elsewhere:
                 with torch.cuda.device(index):
                     module.launch(kl.grid, kl.block, kl.params, stream, dependent=kl.dependent)

@@ -97,10 +97,13 @@ def check_varlen_out(kern, out, q, k, v) -> None:
     check_out(out.unsqueeze(0), q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), kern.config.target)
 
 
-def run_varlen(kern, dtype: Dtype, q, k, v, cu_q, cu_k, out, lse, scale: float) -> None:
-    """Launch the target's varlen kernels on q's device's current stream."""
+def run_varlen(kern, dtype: Dtype, q, k, v, cu_q, cu_k, out, lse, scale: float):
+    """Launch the target's varlen kernels on q's device's current stream; the plan they were
+    launched by (``targets.launch.CallPlan``)."""
     for name, t in (("q", q), ("k", k), ("v", v), ("out", out)):
         check_base(name, t, kern.config.target)
-    serving = kern.serving
-    serving.varlen(kern.compiled.kernel, kern.launcher(dtype, q.device.index), q, k, v, cu_q,
-                   cu_k, out, lse, scale)  # fmt: skip
+    plan = kern.serving.varlen(kern.compiled.kernel, q, k, v, cu_q, cu_k, out, lse, scale)
+    launch = kern.launcher(dtype, q.device.index)
+    for kl in plan.launches():
+        launch(kl)
+    return plan

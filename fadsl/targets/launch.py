@@ -42,18 +42,75 @@ class KernelLaunch(NamedTuple):
     dependent: bool = False
 
 
+class AddressSlot(NamedTuple):
+    """Where a call's address lies in its params struct: ``offset`` bytes in, the address of
+    the call's tensor ``source`` (a name the call kind lists: "q", "out", "cache_seqlens",
+    a workspace's) plus ``delta`` bytes; ``tensor_map``: the offset is a CUtensorMap's and
+    the address its global address, else an 8-byte field."""
+
+    offset: int
+    source: str
+    delta: int = 0
+    tensor_map: bool = False
+
+
+class Workspace(NamedTuple):
+    """Device memory a call's kernels use for that call alone (split pieces' partials, a
+    tile list): ``elements`` of torch's ``dtype`` (its name: "float32", "int32"), named
+    ``source`` in the slots; ``poison``: filled with NaN first (tests only)."""
+
+    source: str
+    elements: int
+    dtype: str
+    poison: bool = False
+
+
+class KernelStep(NamedTuple):
+    """One kernel of a planned call (the rendered source's kernel + ``suffix``), as
+    KernelLaunch without the params; ``cluster``: CTAs per cluster (1: none)."""
+
+    suffix: str
+    grid: tuple[int, int, int]
+    block: tuple[int, int, int]
+    dependent: bool = False
+    cluster: int = 1
+
+
+class CallPlan(NamedTuple):
+    """A call's kernels as a target plans them: ``params``, the struct every kernel of the
+    call takes, packed for the call that was planned; ``kernels`` in launch order;
+    ``slots``, every address in ``params``, so that a call of the same signature (shapes,
+    strides, dtypes, devices, scalars: everything the plan read but the addresses) reuses
+    the plan with its own addresses written in; ``workspaces``, made afresh for each call
+    (``held``: the planned call's, in that order, then anything else the plan made for
+    it, kept until it has launched); ``reusable``: False where the params hold something
+    of the call's own that the slots do not name."""
+
+    params: bytes
+    kernels: tuple[KernelStep, ...]
+    slots: tuple[AddressSlot, ...]
+    workspaces: tuple[Workspace, ...] = ()
+    held: tuple[Any, ...] = ()
+    reusable: bool = True
+
+    def launches(self) -> tuple[KernelLaunch, ...]:
+        return tuple(KernelLaunch(s.suffix, s.grid, s.block, self.params, s.dependent)
+                     for s in self.kernels)  # fmt: skip
+
+
 @dataclass(frozen=True)
 class ServingLaunch:
     """A target's serving calls (sm_90a: targets/sm90/host/varlen.py and kvcache.py). Each
-    plans a call's kernels and hands them in order to ``launch(KernelLaunch)``, which the
-    runtime loads and launches on the current stream:
-    ``varlen(kernel, launch, q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, scale)``,
-    ``kvcache(kernel, launch, q, k_cache, v_cache, cache_seqlens, page_table, out, lse,
-    scale, num_splits)``; ``max_sequences``: a varlen call's limit."""
+    plans a call's kernels (``CallPlan``), allocating the workspaces the planned call needs,
+    and the runtime loads and launches them on the current stream, or keeps the plan for
+    the calls of the same signature:
+    ``varlen(kernel, q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, scale)``,
+    ``kvcache(kernel, q, k_cache, v_cache, cache_seqlens, page_table, out, lse, scale,
+    num_splits)``; ``max_sequences``: a varlen call's limit."""
 
     max_sequences: int
-    varlen: Callable[..., None]
-    kvcache: Callable[..., None]
+    varlen: Callable[..., CallPlan]
+    kvcache: Callable[..., CallPlan]
 
 
 @dataclass(frozen=True)
@@ -80,6 +137,9 @@ class Launch:
     fit_grid: Callable[[Kernel, tuple[int, int, int], int], tuple[int, int, int]] | None = None
     # `varlen on` and `kv_cache` calls (None: the target has neither)
     serving: ServingLaunch | None = None
+    # every address in pack's params (None, or a None answer: the params hold addresses of
+    # their own, which a launch plan cannot rewrite)
+    slots: Callable[[Kernel, Args], tuple[AddressSlot, ...] | None] | None = None
 
     def symbol(self, source_name: str) -> str:
         return source_name + self.kernel_suffix
@@ -127,6 +187,13 @@ FWD_PARAMS_FIELDS = (
     *("lse_batch_stride", "lse_head_stride"),
     *("batch", "heads_q", "heads_kv", "seqlen_q", "seqlen_k", "softmax_scale"),
 )
+
+
+def fwd_pointer_slots(base: int, sources: tuple[str | None, ...]) -> tuple[AddressSlot, ...]:
+    """FwdParams' pointers (q, k, v, o, lse: its first five fields, 8 bytes each) for a
+    struct at ``base`` as the slots of the call's ``sources`` in that order (None: a pointer
+    the call leaves 0)."""
+    return tuple(AddressSlot(base + 8 * i, s) for i, s in enumerate(sources) if s is not None)
 
 
 def pack_fwd_params(kernel: Kernel, a: Args) -> bytes:

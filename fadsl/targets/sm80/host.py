@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ...ir import Kernel
-from ..launch import Args, Launch, pack_fwd_params
+from ..launch import AddressSlot, Args, Launch, fwd_pointer_slots, pack_fwd_params
 
 
 def row_block_grid(kernel: Kernel, a: Args) -> tuple[int, int, int]:
@@ -12,4 +12,9 @@ def row_block_grid(kernel: Kernel, a: Args) -> tuple[int, int, int]:
     return (-(-seqlen_q // kernel.config.block_r), heads_q, batch)
 
 
-LAUNCH = Launch(pack=pack_fwd_params, grid=row_block_grid)
+def address_slots(kernel: Kernel, a: Args) -> tuple[AddressSlot, ...]:
+    """FwdParams' pointers, the struct's only addresses."""
+    return fwd_pointer_slots(0, ("q", "k", "v", "out", None if a.lse is None else "lse"))
+
+
+LAUNCH = Launch(pack=pack_fwd_params, grid=row_block_grid, slots=address_slots)

@@ -25,9 +25,9 @@ from .caps import CAPABILITIES, SYNC_MODEL, TRACE_HEADER
 from .config import read_config
 from .settings import PAGE_SIZES, SETTINGS, TMA_SWIZZLE
 from .emit import TEMPLATE, context
-from .host.kvcache import run_kvcache
+from .host.kvcache import plan_kvcache
 from .host.launch import LAUNCH
-from .host.varlen import MAX_SEQUENCES, run_varlen
+from .host.varlen import MAX_SEQUENCES, plan_varlen
 from .syncs.cluster import cluster_syncs
 from .variants import variant_lines
 from .syncs.insert import insert_syncs
@@ -39,7 +39,7 @@ from .validate import configure, validate, validate_path
 from .verify import verify
 from ..launch import ServingLaunch
 
-SERVING = ServingLaunch(max_sequences=MAX_SEQUENCES, varlen=run_varlen, kvcache=run_kvcache)
+SERVING = ServingLaunch(max_sequences=MAX_SEQUENCES, varlen=plan_varlen, kvcache=plan_kvcache)
 
 TARGET = Target(
     name="sm_90a",

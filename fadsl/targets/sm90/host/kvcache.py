@@ -11,17 +11,30 @@ over K/V heads.
 
 from __future__ import annotations
 
+import functools
 import struct
 from typing import Any, NamedTuple
 
 from ....ir import Kernel
-from ...launch import Args, KernelLaunch, pack_fwd_params, sm_count
+from ...launch import (
+    AddressSlot,
+    Args,
+    CallPlan,
+    KernelStep,
+    Workspace,
+    fwd_pointer_slots,
+    pack_fwd_params,
+    sm_count,
+)
 from .launch import (
     DIVISORS,
     O_BOX_ROWS,
     PANEL_COLS,
+    SM90_BASE_OFFSET,
     SM90_PARAMS_BYTES,
+    SPLIT_OFFSET,
     SPLIT_TAIL,
+    TENSOR_MAP_BYTES,
     VARLEN_OFFSET,
     VARLEN_TAIL,
     check_tile_count,
@@ -170,27 +183,52 @@ def pack_kvcache_params(kernel: Kernel, a: KvCacheArgs) -> bytes:
     return raw + bytes(SM90_PARAMS_BYTES - len(raw))
 
 
-def run_kvcache(
-    kernel: Kernel, launch, q, k_cache, v_cache, seqlens, page_table, out, lse, scale, num_splits
-) -> None:
+def kvcache_slots(a: KvCacheArgs) -> tuple[AddressSlot, ...]:
+    """Every address in pack_kvcache_params' struct: the Q, K, V and O maps' (Q's and O's
+    5-D with pack_gqa: the same base), FwdParams' pointers, the pieces' partials, the
+    lengths and the page table."""
+    return _kvcache_slots(a.lse is not None, a.splits > 1, a.page_table is not None)
+
+
+@functools.cache
+def _kvcache_slots(with_lse: bool, split: bool, paged: bool) -> tuple[AddressSlot, ...]:
+    maps = ("q", "k_cache", "v_cache", "out")
+    return (
+        *(AddressSlot(i * TENSOR_MAP_BYTES, name, 0, True) for i, name in enumerate(maps)),
+        *fwd_pointer_slots(SM90_BASE_OFFSET, (*maps, "lse" if with_lse else None)),
+        *((AddressSlot(SPLIT_OFFSET, "partials"),) if split else ()),
+        AddressSlot(KVCACHE_OFFSET, "cache_seqlens"),
+        *((AddressSlot(KVCACHE_OFFSET + 8, "page_table"),) if paged else ()),
+    )
+
+
+def plan_kvcache(
+    kernel: Kernel, q, k_cache, v_cache, seqlens, page_table, out, lse, scale, num_splits
+) -> CallPlan:
     """A kv-cache call's kernels (ServingLaunch.kvcache): attention, then the combine kernel
     when the tiles are split (the pieces' workspace allocated on q's device)."""
     import torch
 
     probe = KvCacheArgs(q, k_cache, v_cache, out, lse, scale, seqlens, page_table, 1, None)
     splits = choose_splits(kernel, probe, q.device.index, num_splits)
-    partials = None
+    partials, workspaces = None, ()
     if splits > 1:
         floats = partial_floats(kernel, probe, splits)
         partials = torch.empty(floats, dtype=torch.float32, device=q.device)
         if POISON_PARTIALS:
             partials.fill_(float("nan"))
+        workspaces = (Workspace("partials", floats, "float32", POISON_PARTIALS),)
     args = probe._replace(splits=splits, partials=partials)
-    params = pack_kvcache_params(kernel, args)
-    launch(KernelLaunch("", kvcache_grid(kernel, args), (kernel.config.threads, 1, 1), params))
+    steps = [KernelStep("", kvcache_grid(kernel, args), (kernel.config.threads, 1, 1))]
     if splits > 1:
-        block = (COMBINE_THREADS, 1, 1)
         # a programmatic dependent: placed while the pieces run, it waits for them to finish
         # (griddepcontrol.wait in combine_pieces) and so starts without a launch's gap
-        grid = combine_grid(kernel, args)
-        launch(KernelLaunch(COMBINE_SUFFIX, grid, block, params, dependent=True))
+        block = (COMBINE_THREADS, 1, 1)
+        steps.append(KernelStep(COMBINE_SUFFIX, combine_grid(kernel, args), block, True))
+    return CallPlan(
+        pack_kvcache_params(kernel, args),
+        tuple(steps),
+        kvcache_slots(args),
+        workspaces,
+        held=(partials,) if partials is not None else (),
+    )

@@ -8,7 +8,15 @@ import functools
 import struct
 
 from ....ir import Kernel
-from ...launch import FWD_PARAMS, Args, Launch, pack_fwd_params, sm_count
+from ...launch import (
+    FWD_PARAMS,
+    AddressSlot,
+    Args,
+    Launch,
+    fwd_pointer_slots,
+    pack_fwd_params,
+    sm_count,
+)
 
 
 def cluster_size(kernel: Kernel) -> int:
@@ -132,8 +140,8 @@ _SPLITS_DIVISOR = struct.Struct("<2I")  # the last pair, div_splits
 VARLEN_TAIL = struct.Struct("<QQQQ")
 VARLEN_TAIL_FIELDS = ("cu_seqlens_q", "cu_seqlens_k", "varlen_tiles", "varlen_tile_count")
 _NO_VARLEN = VARLEN_TAIL.pack(0, 0, 0, 0)
-_SM90_TAIL = SM90_BASE_OFFSET + FWD_PARAMS.size  # where the split fields start
-VARLEN_OFFSET = _SM90_TAIL + SPLIT_TAIL.size + DIVISORS.size
+SPLIT_OFFSET = SM90_BASE_OFFSET + FWD_PARAMS.size  # where the split fields start
+VARLEN_OFFSET = SPLIT_OFFSET + SPLIT_TAIL.size + DIVISORS.size
 _SM90_PAD = bytes(SM90_PARAMS_BYTES - VARLEN_OFFSET - VARLEN_TAIL.size)
 # The kernels move tiles as 64-column panels (128-byte rows, the 128-byte swizzle's span),
 # and each consumer warpgroup stores its own 64 rows of O.
@@ -224,10 +232,10 @@ def pack_fwd_params_sm90(kernel: Kernel, a: Args) -> bytes:
     if cfg.ext is not None and cfg.ext.split_kv:
         # the split fields, and the split count's divisor, are this call's (split_tail)
         split, splits = split_tail(kernel, a)
-        divisors = _SM90_TAIL + SPLIT_TAIL.size
+        divisors = SPLIT_OFFSET + SPLIT_TAIL.size
         return b"".join(
             (
-                found[:_SM90_TAIL],
+                found[:SPLIT_OFFSET],
                 split,
                 found[divisors : divisors + DIVISORS.size - _SPLITS_DIVISOR.size],
                 _SPLITS_DIVISOR.pack(*fast_div(splits)),
@@ -277,6 +285,27 @@ def fit_grid(kernel: Kernel, grid: tuple[int, int, int], co_resident: int) -> tu
     return (min(grid[0], co_resident), 1, 1) if kernel.config.ext.persistent else grid
 
 
+def address_slots(kernel: Kernel, a: Args) -> tuple[AddressSlot, ...] | None:
+    """The addresses in pack_fwd_params_sm90's struct: the four maps' and FwdParams'
+    pointers; None where the tiles are split (the split workspace is the stream's, and a
+    capture's own: its address is not the call's)."""
+    hopper = kernel.config.ext
+    if hopper is not None and hopper.split_kv:
+        tiles = tile_count(kernel, a)
+        if split_plan(tiles, sm_count(a.q.device.index), kv_blocks(kernel, a))[1] > 1:
+            return None
+    return _address_slots(a.lse is not None)
+
+
+@functools.cache
+def _address_slots(with_lse: bool) -> tuple[AddressSlot, ...]:
+    names = ("q", "k", "v", "out")
+    return (
+        *(AddressSlot(i * TENSOR_MAP_BYTES, name, 0, True) for i, name in enumerate(names)),
+        *fwd_pointer_slots(SM90_BASE_OFFSET, (*names, "lse" if with_lse else None)),
+    )
+
+
 LAUNCH = Launch(
     pack=pack_fwd_params_sm90,
     grid=tile_grid,
@@ -286,4 +315,5 @@ LAUNCH = Launch(
     cluster_of=lambda kernel, a: launch_cluster(kernel, a.q.shape[1], a.k.shape[1]),
     check_loaded=check_loaded,
     fit_grid=fit_grid,
+    slots=address_slots,
 )

@@ -12,15 +12,26 @@ cu_seqlens against.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 from ....ir import Kernel
-from ...launch import FWD_PARAMS, KernelLaunch, sm_count
+from ...launch import (
+    FWD_PARAMS,
+    AddressSlot,
+    CallPlan,
+    KernelStep,
+    Workspace,
+    fwd_pointer_slots,
+    sm_count,
+)
 from .launch import (
     DIVISORS,
     O_BOX_ROWS,
     PANEL_COLS,
+    SM90_BASE_OFFSET,
     SM90_PARAMS_BYTES,
+    TENSOR_MAP_BYTES,
     SPLIT_TAIL,
     VARLEN_OFFSET,
     VARLEN_TAIL,
@@ -130,18 +141,51 @@ def pack_varlen_params(kernel: Kernel, a: VarlenArgs) -> bytes:
     return raw + bytes(SM90_PARAMS_BYTES - len(raw))
 
 
-def run_varlen(kernel: Kernel, launch, q, k, v, cu_q, cu_k, out, lse, scale: float) -> None:
+def varlen_slots(a: VarlenArgs) -> tuple[AddressSlot, ...]:
+    """Every address in pack_varlen_params' struct: the Q, K and V maps', O's ragged map's
+    (based box_rows rows before out), FwdParams' pointers, cu_seqlens and the workspace
+    (its list 16 bytes in, after the counts)."""
+    before_out = -O_BOX_ROWS * a.out.stride(0) * a.out.element_size()
+    return _varlen_slots(a.lse is not None, before_out)
+
+
+@functools.cache
+def _varlen_slots(with_lse: bool, before_out: int) -> tuple[AddressSlot, ...]:
+    return (
+        *(AddressSlot(i * TENSOR_MAP_BYTES, name, 0, True) for i, name in enumerate("qkv")),
+        AddressSlot(3 * TENSOR_MAP_BYTES, "out", before_out, True),
+        *fwd_pointer_slots(SM90_BASE_OFFSET, ("q", "k", "v", "out", "lse" if with_lse else None)),
+        AddressSlot(VARLEN_OFFSET, "cu_seqlens_q"),
+        AddressSlot(VARLEN_OFFSET + 8, "cu_seqlens_k"),
+        AddressSlot(VARLEN_OFFSET + 16, "workspace", 4 * COUNT_INTS),
+        AddressSlot(VARLEN_OFFSET + 24, "workspace"),
+    )
+
+
+def plan_varlen(kernel: Kernel, q, k, v, cu_q, cu_k, out, lse, scale: float) -> CallPlan:
     """A varlen call's kernels (ServingLaunch.varlen): the tile list, then attention; the
     workspace allocated on q's device (stream-ordered, so a CUDA graph captures it)."""
     import torch
 
-    if q.shape[0] == 0:
-        return  # no query row: nothing to write
+    if q.shape[0] == 0:  # no query row: nothing to write
+        return CallPlan(b"", (), ())
+    reusable = True
     if k.shape[0] == 0:  # TMA maps need a row: one of zeros, which cu_seqlens_k (all 0) never reach
         k = v = k.new_zeros((1, *k.shape[1:]))
+        reusable = False  # (the plan would point at this call's row)
     batch = cu_q.shape[0] - 1
-    workspace = torch.empty(workspace_ints(batch), dtype=torch.int32, device=q.device)
+    ints = workspace_ints(batch)
+    workspace = torch.empty(ints, dtype=torch.int32, device=q.device)
     args = VarlenArgs(q, k, v, out, lse, scale, cu_q, cu_k, workspace)
-    params = pack_varlen_params(kernel, args)
-    launch(KernelLaunch(TILES_SUFFIX, (1, 1, 1), (TILES_THREADS, 1, 1), params))
-    launch(KernelLaunch("", varlen_grid(kernel, args), (kernel.config.threads, 1, 1), params))
+    steps = (
+        KernelStep(TILES_SUFFIX, (1, 1, 1), (TILES_THREADS, 1, 1)),
+        KernelStep("", varlen_grid(kernel, args), (kernel.config.threads, 1, 1)),
+    )
+    return CallPlan(
+        pack_varlen_params(kernel, args),
+        steps,
+        varlen_slots(args),
+        (Workspace("workspace", ints, "int32"),),
+        held=(workspace, k),
+        reusable=reusable,
+    )

@@ -1,0 +1,381 @@
+"""The public calls' eager path without gradients through launch plans (fadsl/runtime/
+plans.py): ``*_plan`` finds the plan of a call's signature (None: the call takes its checked
+path), ``*_call`` is that checked path, which keeps a plan for the calls after it.
+
+Each signature lists what the checks and the planning of its call read, the addresses and
+the device's values apart: fadsl/runtime/public.py's own checks (the flags' and the window's
+types, q's dimensions and device), the kernel's choice (fadsl/runtime/dispatch.py), the
+kernel's checks (arguments.py, varlen.py, kvcache.py, append.py), the target's plan, and the
+stream and device the launches are built for. Tensors enter as shape, strides, dtype and
+device; Python values with their type. A plan's call checks what depends on the addresses
+(16-byte alignment, with the same error as the checked path) and nothing else.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import append, dispatch
+from .arguments import check_base, check_bases, check_scale, lse_shape
+from .attention import PADDED_SOURCES
+from .plans import PlanCache, stream_and_device
+from .varlen import check_max_seqlen, check_varlen, run_varlen, varlen_lse_shape
+
+_ATTENTION = PlanCache()
+_VARLEN = PlanCache()
+_KVCACHE = PlanCache()
+_APPEND = PlanCache()
+VARLEN_SOURCES = ("q", "k", "v", "out", "lse", "cu_seqlens_q", "cu_seqlens_k")
+KVCACHE_SOURCES = ("q", "k_cache", "v_cache", "out", "lse", "cache_seqlens", "page_table")
+_FLOAT32 = torch.float32
+
+
+def clear() -> None:
+    """Forget every plan (tests; a plan holds no tensor, so none is needed otherwise)."""
+    for cache in (_ATTENTION, _VARLEN, _KVCACHE, _APPEND):
+        cache.clear()
+
+
+def _misaligned(named, target: str) -> None:
+    """check_base of each (name, tensor), in order: the checked path's error."""
+    for name, t in named:
+        check_base(name, t, target)
+
+
+def _empty_lse(shape, device):
+    return torch.empty(shape, dtype=_FLOAT32, device=device)
+
+
+# ---------------------------------------------------------------- fadsl.attention
+def attention_signature(q, k, v, causal, softmax_scale, window_size, softcap, return_lse):
+    device = q.device
+    window = tuple(window_size)
+    return (
+        *(q.shape, q.stride(), q.dtype, device),
+        *(k.shape, k.stride(), k.dtype, k.device),
+        *(v.shape, v.stride(), v.dtype, v.device),
+        *(type(causal), causal, type(softmax_scale), softmax_scale, type(return_lse), return_lse),
+        *(type(window_size), window, type(window[0]), type(window[1])),
+        *(type(softcap), softcap, *stream_and_device(device.index)),
+    )
+
+
+class AttentionPlan:
+    """A padded call's plan: out (and the LSE) allocated, the addresses checked and
+    written, one launch."""
+
+    def __init__(self, prepared, target: str, return_lse: bool, lse_shape_) -> None:
+        self.launch, self.target = prepared.launch, target
+        self.return_lse, self.lse_shape = return_lse, lse_shape_
+
+    def __call__(self, q, k, v):
+        out = torch.empty_like(q)
+        addresses = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr())
+        if (addresses[0] | addresses[1] | addresses[2]) % 16:
+            check_bases(q, k, v, self.target)
+        if not self.return_lse:
+            self.launch((*addresses, 0))
+            return out
+        lse = _empty_lse(self.lse_shape, q.device)
+        self.launch((*addresses, lse.data_ptr()))
+        return out, lse
+
+
+def attention_plan(q, k, v, causal, softmax_scale, window_size, softcap, return_lse):
+    """The plan of this fadsl.attention call's signature, or None (a first call, gradients,
+    or an argument whose signature cannot be formed: the checked path names it)."""
+    try:
+        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+            return None
+        key = attention_signature(q, k, v, causal, softmax_scale, window_size, softcap,
+                                  return_lse)  # fmt: skip
+        return _ATTENTION.get(key)
+    except Exception:  # (not a tensor, an unhashable or odd value: the checks say what)
+        return None
+
+
+def attention_call(q, k, v, causal, softmax_scale, return_lse, window_size, softcap):
+    """fadsl.attention's checked path (public.py has checked its own arguments): the
+    kernel's checks and launch, the plan kept for the calls of the same signature."""
+    kern = dispatch.attention_kernel(q, causal, window_size, softcap)
+    scale = check_scale(softmax_scale, kern.config.head_dim)
+    dtype = kern.check_inputs(q, k, v)
+    if (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16:
+        check_bases(q, k, v, kern.config.target)
+    out = torch.empty_like(q)
+    lse = _empty_lse(lse_shape(q), q.device) if return_lse else None
+    key = attention_signature(q, k, v, causal, softmax_scale, window_size, softcap, return_lse)
+    stream = key[-2]
+    prepared = kern.prepare(dtype, q, k, v, out, lse, scale, stream)
+    if prepared is None:  # (a split workspace, a varlen kernel's padded call)
+        kern.launch(dtype, q, k, v, out, lse, scale)
+    else:
+        prepared.launch(tuple(0 if t is None else t.data_ptr() for t in (q, k, v, out, lse)))
+        _ATTENTION.put(key, AttentionPlan(prepared, kern.config.target, return_lse, lse_shape(q)))
+    return (out, lse) if return_lse else out
+
+
+assert PADDED_SOURCES == ("q", "k", "v", "out", "lse")  # AttentionPlan's order
+
+
+# ---------------------------------------------------------------- fadsl.attention_varlen
+def _max_seqlen(value):
+    """What the checks and the kernel's choice read of a max_seqlen: its type, its sign and
+    whether it reaches LONG_CAUSAL_ROWS (not the value: it changes from batch to batch)."""
+    return None if value is None else (type(value), value < 0, value >= dispatch.LONG_CAUSAL_ROWS)
+
+
+def varlen_signature(q, k, v, cu_q, cu_k, max_q, max_k, causal, softmax_scale, window_size,
+                     softcap, return_lse):  # fmt: skip
+    device = q.device
+    window = tuple(window_size)
+    return (
+        *(q.shape, q.stride(), q.dtype, device),
+        *(k.shape, k.stride(), k.dtype, k.device),
+        *(v.shape, v.stride(), v.dtype, v.device),
+        *(cu_q.shape, cu_q.stride(), cu_q.dtype, cu_q.device),
+        *(cu_k.shape, cu_k.stride(), cu_k.dtype, cu_k.device),
+        *(_max_seqlen(max_q), _max_seqlen(max_k)),
+        *(type(causal), causal, type(softmax_scale), softmax_scale, type(return_lse), return_lse),
+        *(type(window_size), window, type(window[0]), type(window[1])),
+        *(type(softcap), softcap, *stream_and_device(device.index)),
+    )
+
+
+class VarlenPlan:
+    """A varlen call's plan: out (and the LSE) allocated, the addresses checked and
+    written, the tile list's and the attention's launches."""
+
+    def __init__(self, prepared, target: str, return_lse: bool, lse_shape_) -> None:
+        self.launch, self.target = prepared.launch, target
+        self.return_lse, self.lse_shape = return_lse, lse_shape_
+
+    def __call__(self, q, k, v, cu_q, cu_k):
+        out = torch.empty_like(q)
+        qp, kp, vp, op = q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()
+        if (qp | kp | vp | op) % 16:
+            _misaligned((("q", q), ("k", k), ("v", v), ("out", out)), self.target)
+        lse = _empty_lse(self.lse_shape, q.device) if self.return_lse else None
+        lp = 0 if lse is None else lse.data_ptr()
+        self.launch((qp, kp, vp, op, lp, cu_q.data_ptr(), cu_k.data_ptr()))
+        return (out, lse) if self.return_lse else out
+
+
+def varlen_plan(q, k, v, cu_q, cu_k, max_q, max_k, causal, softmax_scale, window_size,
+                softcap, return_lse):  # fmt: skip
+    """The plan of this fadsl.attention_varlen call's signature, or None."""
+    try:
+        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+            return None
+        key = varlen_signature(q, k, v, cu_q, cu_k, max_q, max_k, causal, softmax_scale,
+                               window_size, softcap, return_lse)  # fmt: skip
+        return _VARLEN.get(key)
+    except Exception:
+        return None
+
+
+def varlen_call(q, k, v, cu_q, cu_k, max_q, max_k, causal, softmax_scale, window_size, softcap,
+                return_lse):  # fmt: skip
+    """fadsl.attention_varlen's checked path: the kernel's checks and launches, the plan
+    kept for the calls of the same signature."""
+    kern = dispatch.varlen_kernel(q, causal, window_size, softcap, max_q)
+    check_max_seqlen("max_seqlen_q", max_q)
+    check_max_seqlen("max_seqlen_k", max_k)
+    scale = check_scale(softmax_scale, kern.config.head_dim)
+    dtype = check_varlen(kern, q, k, v, cu_q, cu_k)
+    out = torch.empty_like(q)
+    lse = _empty_lse(varlen_lse_shape(q), q.device) if return_lse else None
+    plan = run_varlen(kern, dtype, q, k, v, cu_q, cu_k, out, lse, scale)
+    if plan.reusable:
+        key = varlen_signature(q, k, v, cu_q, cu_k, max_q, max_k, causal, softmax_scale,
+                               window_size, softcap, return_lse)  # fmt: skip
+        tensors = (q, k, v, out, lse, cu_q, cu_k)
+        addresses = tuple(0 if t is None else t.data_ptr() for t in tensors)
+        prepared = kern.prepared(dtype, q.device.index, key[-2], plan, VARLEN_SOURCES, addresses)
+        target = kern.config.target
+        _VARLEN.put(key, VarlenPlan(prepared, target, return_lse, varlen_lse_shape(q)))
+    return (out, lse) if return_lse else out
+
+
+# ---------------------------------------------------------------- fadsl.append_kv
+def _tensor_or_none(t):
+    return None if t is None else (t.shape, t.stride(), t.dtype, t.device)
+
+
+def append_signature(k_cache, v_cache, k_new, v_new, cache_seqlens, page_table):
+    device = k_cache.device
+    return (
+        *(k_cache.shape, k_cache.stride(), k_cache.dtype, device),
+        *(v_cache.shape, v_cache.stride(), v_cache.dtype, v_cache.device),
+        *(k_new.shape, k_new.stride(), k_new.dtype, k_new.device),
+        *(v_new.shape, v_new.stride(), v_new.dtype, v_new.device),
+        *(cache_seqlens.shape, cache_seqlens.stride(), cache_seqlens.dtype, cache_seqlens.device),
+        _tensor_or_none(page_table),
+        *stream_and_device(device.index),
+    )
+
+
+class AppendPlan:
+    """An append's plan (arguments of one signature, at least one new token and one batch):
+    k_new and v_new copied where their rows are not contiguous (as check_append does), the
+    16-byte flag from the addresses, one launch."""
+
+    def __init__(self, prepared, copy_k: bool, copy_v: bool, vector16: bool) -> None:
+        self.launch = prepared.launch
+        self.copy_k, self.copy_v, self.vector16 = copy_k, copy_v, vector16
+
+    def __call__(self, k_cache, v_cache, k_new, v_new, cache_seqlens, page_table, seqlens_out):
+        if self.copy_k:
+            k_new = k_new.contiguous()
+        if self.copy_v:
+            v_new = v_new.contiguous()
+        kn, vn, kc, vc = k_new.data_ptr(), v_new.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr()
+        vector16 = int(self.vector16 and not (kn | vn | kc | vc) % 16)
+        table = 0 if page_table is None else page_table.data_ptr()
+        out = 0 if seqlens_out is None else seqlens_out.data_ptr()
+        self.launch((kn, vn, kc, vc, cache_seqlens.data_ptr(), table, out, vector16))
+
+
+def _no_append(*args) -> None:
+    """The plan of an append with no new token or no batch: nothing to launch."""
+
+
+def prepare_append(k_cache, v_cache, k_new, v_new, cache_seqlens, page_table, seqlens_out,
+                   checked, stream: int):  # fmt: skip
+    """The plan of an append whose arguments check_append has passed (``checked``: its k_new
+    and v_new), for its later calls; not launched."""
+    k_rows, v_rows = checked
+    if k_rows.shape[0] == 0 or k_rows.shape[1] == 0:
+        return _no_append
+    plan = append.plan_append(k_cache, v_cache, k_rows, v_rows, cache_seqlens, page_table,
+                              seqlens_out)  # fmt: skip
+    tensors = (k_rows, v_rows, k_cache, v_cache, cache_seqlens, page_table, seqlens_out)
+    addresses = tuple(0 if t is None else t.data_ptr() for t in tensors)
+    by_strides = append.vector16_by_strides(k_cache, v_cache, k_rows, v_rows)
+    addresses += (int(by_strides and not (addresses[0] | addresses[1] | addresses[2]
+                                          | addresses[3]) % 16),)  # fmt: skip
+    index = k_cache.device.index
+    from .plans import Prepared
+
+    prepared = Prepared(plan, append.SOURCES, addresses, (append.module(index),), stream, index)
+    return AppendPlan(prepared, k_rows is not k_new, v_rows is not v_new, by_strides)
+
+
+def append_plan(k_cache, v_cache, k_new, v_new, cache_seqlens, page_table):
+    """The plan of this fadsl.append_kv call's signature, or None."""
+    try:
+        key = append_signature(k_cache, v_cache, k_new, v_new, cache_seqlens, page_table)
+        return _APPEND.get(key)
+    except Exception:
+        return None
+
+
+def append_call(k_cache, v_cache, k_new, v_new, cache_seqlens, page_table) -> None:
+    """fadsl.append_kv's checked path: every check, the plan kept, the launch."""
+    checked = append.check_append(k_cache, v_cache, k_new, v_new, cache_seqlens, page_table, None)
+    key = append_signature(k_cache, v_cache, k_new, v_new, cache_seqlens, page_table)
+    plan = prepare_append(k_cache, v_cache, k_new, v_new, cache_seqlens, page_table, None,
+                          checked, key[-2])  # fmt: skip
+    _APPEND.put(key, plan)
+    plan(k_cache, v_cache, k_new, v_new, cache_seqlens, page_table, None)
+
+
+# ---------------------------------------------------------------- fadsl.attention_with_kvcache
+def kvcache_signature(q, k_cache, v_cache, cache_seqlens, k, v, page_table, causal,
+                      softmax_scale, window_size, softcap, num_splits, return_lse):  # fmt: skip
+    device = q.device
+    window = tuple(window_size)
+    return (
+        *(q.shape, q.stride(), q.dtype, device),
+        *(k_cache.shape, k_cache.stride(), k_cache.dtype, k_cache.device),
+        *(v_cache.shape, v_cache.stride(), v_cache.dtype, v_cache.device),
+        *(cache_seqlens.shape, cache_seqlens.stride(), cache_seqlens.dtype, cache_seqlens.device),
+        *(_tensor_or_none(k), _tensor_or_none(v), _tensor_or_none(page_table)),
+        *(type(causal), causal, type(softmax_scale), softmax_scale, type(return_lse), return_lse),
+        *(type(num_splits), num_splits, type(softcap), softcap),
+        *(type(window_size), window, type(window[0]), type(window[1])),
+        *stream_and_device(device.index),
+    )
+
+
+class KvCachePlan:
+    """A kv-cache call's plan: out (and the LSE) allocated, the addresses checked, the new
+    tokens appended (their lengths after them in a tensor of the call's own), the attention
+    (and the combine after split pieces) launched."""
+
+    def __init__(self, prepared, appending, target: str, return_lse: bool, lse_shape_) -> None:
+        self.launch, self.append, self.target = prepared.launch, appending, target
+        self.return_lse, self.lse_shape = return_lse, lse_shape_
+
+    def __call__(self, q, k_cache, v_cache, cache_seqlens, k, v, page_table):
+        out = torch.empty_like(q)
+        qp, kp, vp, op = q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr()
+        if (qp | kp | vp | op) % 16:
+            named = (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("out", out))
+            _misaligned(named, self.target)
+        seqlens = cache_seqlens
+        if self.append is not None:
+            seqlens = torch.empty_like(cache_seqlens)
+            self.append(k_cache, v_cache, k, v, cache_seqlens, page_table, seqlens)
+        lse = _empty_lse(self.lse_shape, q.device) if self.return_lse else None
+        lp = 0 if lse is None else lse.data_ptr()
+        table = 0 if page_table is None else page_table.data_ptr()
+        self.launch((qp, kp, vp, op, lp, seqlens.data_ptr(), table))
+        return (out, lse) if self.return_lse else out
+
+
+def kvcache_plan(q, k_cache, v_cache, cache_seqlens, k, v, page_table, causal, softmax_scale,
+                 window_size, softcap, num_splits, return_lse):  # fmt: skip
+    """The plan of this fadsl.attention_with_kvcache call's signature, or None (then the
+    checked path, which refuses gradients)."""
+    try:
+        if torch.is_grad_enabled() and (
+            q.requires_grad
+            or k_cache.requires_grad
+            or v_cache.requires_grad
+            or (k is not None and k.requires_grad)
+            or (v is not None and v.requires_grad)
+        ):
+            return None
+        key = kvcache_signature(q, k_cache, v_cache, cache_seqlens, k, v, page_table, causal,
+                                softmax_scale, window_size, softcap, num_splits, return_lse)  # fmt: skip
+        return _KVCACHE.get(key)
+    except Exception:
+        return None
+
+
+def kvcache_call(q, k_cache, v_cache, cache_seqlens, k, v, page_table, causal, softmax_scale,
+                 window_size, softcap, num_splits, return_lse):  # fmt: skip
+    """fadsl.attention_with_kvcache's checked path (public_ops.kvcache_call's, launched
+    through plans): every argument checked, the new tokens appended, the attention; the
+    plan kept for the calls of the same signature."""
+    from .kvcache import run_kvcache
+    from .public_ops import check_kvcache_call
+
+    kern, scale, dtype, k_rows, v_rows = check_kvcache_call(
+        q, k_cache, v_cache, cache_seqlens, k, v, page_table, causal, softmax_scale,
+        window_size, softcap, num_splits, return_lse,
+    )  # fmt: skip
+    key = kvcache_signature(q, k_cache, v_cache, cache_seqlens, k, v, page_table, causal,
+                            softmax_scale, window_size, softcap, num_splits, return_lse)  # fmt: skip
+    stream, target = key[-2], kern.config.target
+    seqlens, appending = cache_seqlens, None
+    if k_rows is not None and k_rows.shape[0] and k_rows.shape[1]:
+        # the addresses too before the new tokens are written (run_kvcache checks them, with
+        # out's, before the attention's launch)
+        _misaligned((("q", q), ("k_cache", k_cache), ("v_cache", v_cache)), target)
+        # the lengths after the new tokens (cache_seqlens + seqlen_new), written by the append
+        seqlens = torch.empty_like(cache_seqlens)
+        appending = prepare_append(k_cache, v_cache, k, v, cache_seqlens, page_table, seqlens,
+                                   (k_rows, v_rows), stream)  # fmt: skip
+        appending(k_cache, v_cache, k, v, cache_seqlens, page_table, seqlens)
+    out = torch.empty_like(q)
+    lse = _empty_lse(lse_shape(q), q.device) if return_lse else None
+    plan = run_kvcache(kern, dtype, q, k_cache, v_cache, seqlens, page_table, out, lse, scale,
+                       num_splits or None)  # fmt: skip
+    if plan.reusable:
+        tensors = (q, k_cache, v_cache, out, lse, seqlens, page_table)
+        addresses = tuple(0 if t is None else t.data_ptr() for t in tensors)
+        prepared = kern.prepared(dtype, q.device.index, stream, plan, KVCACHE_SOURCES, addresses)
+        _KVCACHE.put(key, KvCachePlan(prepared, appending, target, return_lse, lse_shape(q)))
+    return (out, lse) if return_lse else out

@@ -1,0 +1,143 @@
+"""Launch plans (issue 45): a call's checks and its launch planning done once per signature.
+
+A call's *signature* is everything its checks and its planning read except the tensors'
+addresses and what lives on the device (lengths, page tables, cu_seqlens): each tensor's
+type, shape, strides, dtype and device, each Python argument with its type (so that True
+never passes for 1, nor a list of floats for a window), the current stream and device.
+Two calls of one signature pass or fail the same shape, stride and dtype checks, choose
+the same kernel and plan the same launches: the params differ only in the addresses. So
+the first call of a signature runs every check and plans its kernels as before, and keeps
+a ``Prepared`` plan: the params struct in a buffer that stays put, where each address goes
+(``targets.launch.AddressSlot``), the kernels' launches built. A later call of the same
+signature only allocates its outputs and workspaces, checks what depends on the addresses
+(16-byte alignment), writes the addresses that changed since the plan's last call (a field
+by struct.pack_into, a TMA descriptor by cuTensorMapReplaceAddress) and launches. An
+argument outside the signature's checks cannot reach a plan: its signature differs from
+every one that passed (and an argument whose signature cannot be formed, a non-tensor, an
+unhashable value, takes the checked path and its named error).
+
+The plans of each call kind are kept in a bounded dict (``PlanCache``); the public calls
+use them for eager calls without gradients (fadsl/runtime/public.py).
+"""
+
+from __future__ import annotations
+
+import struct
+import threading
+from typing import Any, Callable
+
+from ..targets.launch import CallPlan, current_stream
+
+_ADDRESS = struct.Struct("<Q")
+PLAN_LIMIT = 256  # plans kept per call kind; the oldest goes first
+
+
+class PlanCache:
+    """Plans by signature, at most ``limit``, the oldest dropped first."""
+
+    def __init__(self, limit: int = PLAN_LIMIT) -> None:
+        self.limit = limit
+        self._plans: dict[tuple, Any] = {}
+        self.get = self._plans.get
+
+    def put(self, key: tuple, plan) -> None:
+        plans = self._plans
+        while len(plans) >= self.limit:
+            try:
+                del plans[next(iter(plans))]
+            except (KeyError, RuntimeError, StopIteration):  # (another thread's eviction)
+                break
+        plans[key] = plan
+
+    def clear(self) -> None:
+        self._plans.clear()
+
+    def __len__(self) -> int:
+        return len(self._plans)
+
+
+def stream_and_device(index: int) -> tuple[int, int]:
+    """The current stream of device ``index`` and the current device: a plan's launches are
+    built for one stream, and switch devices where the call's is not the current one."""
+    import torch
+
+    return current_stream(index), torch.cuda.current_device()
+
+
+class Prepared:
+    """A target's ``CallPlan`` ready for repeated launches on one stream: the params in a
+    ``ParamsBuffer``, a writer per address slot, the kernels' launches built (``modules``:
+    each kernel's loaded module, in the plan's order).
+
+    ``sources`` names the call's addresses in the order ``launch`` takes them (the
+    workspaces' come after, made by ``launch``); ``addresses`` are the planned call's."""
+
+    def __init__(self, plan: CallPlan, sources, addresses, modules, stream: int, index: int):
+        import torch
+
+        from .driver import ParamsBuffer
+
+        self.buffer = ParamsBuffer(plan.params)
+        names = (*sources, *(w.source for w in plan.workspaces))
+        writers: list[list[Callable[[int], None]]] = [[] for _ in names]
+        for slot in plan.slots:
+            writers[names.index(slot.source)].append(self._writer(slot))
+        self._writers = writers
+        self._addresses = tuple(addresses) + tuple(
+            held.data_ptr() for held in plan.held[: len(plan.workspaces)]
+        )
+        self._workspaces = tuple(
+            (w.elements, getattr(torch, w.dtype), w.poison) for w in plan.workspaces
+        )
+        self._device = torch.device("cuda", index)
+        self._launches = tuple(
+            module.prepared(step.grid, step.block, stream, step.cluster, step.dependent)
+            for module, step in zip(modules, plan.kernels, strict=True)
+        )
+        self._elsewhere = index != torch.cuda.current_device()
+        self._index = index
+        self._lock = threading.Lock()
+
+    def _writer(self, slot) -> Callable[[int], None]:
+        delta = slot.delta
+        if slot.tensor_map:
+            point_at = self.buffer.tensor_map_address(slot.offset)
+            return lambda address: point_at(address + delta)
+        view, offset, pack_into = self.buffer.view, slot.offset, _ADDRESS.pack_into
+        return lambda address: pack_into(view, offset, address + delta)
+
+    def launch(self, addresses: tuple[int, ...]) -> None:
+        """Launch the planned kernels with the call's ``addresses`` (in ``sources``' order),
+        its workspaces made now."""
+        held = None
+        if self._workspaces:
+            import torch
+
+            held = [
+                torch.empty(n, dtype=dtype, device=self._device) for n, dtype, _ in self._workspaces
+            ]
+            for t, (_, _, poison) in zip(held, self._workspaces):
+                if poison:
+                    t.fill_(float("nan"))
+            addresses += tuple(t.data_ptr() for t in held)
+        with self._lock:
+            if addresses != self._addresses:
+                for writers, new, old in zip(self._writers, addresses, self._addresses):
+                    if new != old:
+                        for write in writers:
+                            write(new)
+                self._addresses = addresses
+            argument = self.buffer.argument
+            if self._elsewhere:
+                import torch
+
+                with torch.cuda.device(self._index):
+                    for launch in self._launches:
+                        launch(argument)
+            else:
+                for launch in self._launches:
+                    launch(argument)
+
+    def params(self) -> bytes:
+        """The params the next launch passes (for tests)."""
+        return self.buffer.raw()
