@@ -229,6 +229,10 @@ class AppendPlan:
             k_new = k_new.contiguous()
         if self.copy_v:
             v_new = v_new.contiguous()
+        self.launch_rows(k_cache, v_cache, k_new, v_new, cache_seqlens, page_table, seqlens_out)
+
+    def launch_rows(self, k_cache, v_cache, k_new, v_new, cache_seqlens, page_table, seqlens_out):
+        """The launch of new tokens whose rows are contiguous (check_append's k_new, v_new)."""
         kn, vn, kc, vc = k_new.data_ptr(), v_new.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr()
         vector16 = int(self.vector16 and not (kn | vn | kc | vc) % 16)
         table = 0 if page_table is None else page_table.data_ptr()
@@ -236,8 +240,13 @@ class AppendPlan:
         self.launch((kn, vn, kc, vc, cache_seqlens.data_ptr(), table, out, vector16))
 
 
-def _no_append(*args) -> None:
+class NoAppend:
     """The plan of an append with no new token or no batch: nothing to launch."""
+
+    def __call__(self, *args) -> None:
+        pass
+
+    launch_rows = __call__
 
 
 def prepare_append(k_cache, v_cache, k_new, v_new, cache_seqlens, page_table, seqlens_out,
@@ -246,7 +255,7 @@ def prepare_append(k_cache, v_cache, k_new, v_new, cache_seqlens, page_table, se
     and v_new), for its later calls; not launched."""
     k_rows, v_rows = checked
     if k_rows.shape[0] == 0 or k_rows.shape[1] == 0:
-        return _no_append
+        return NoAppend()
     plan = append.plan_append(k_cache, v_cache, k_rows, v_rows, cache_seqlens, page_table,
                               seqlens_out)  # fmt: skip
     tensors = (k_rows, v_rows, k_cache, v_cache, cache_seqlens, page_table, seqlens_out)
@@ -277,7 +286,7 @@ def append_call(k_cache, v_cache, k_new, v_new, cache_seqlens, page_table) -> No
     plan = prepare_append(k_cache, v_cache, k_new, v_new, cache_seqlens, page_table, None,
                           checked, key[-2])  # fmt: skip
     _APPEND.put(key, plan)
-    plan(k_cache, v_cache, k_new, v_new, cache_seqlens, page_table, None)
+    plan.launch_rows(k_cache, v_cache, *checked, cache_seqlens, page_table, None)
 
 
 # ---------------------------------------------------------------- fadsl.attention_with_kvcache
@@ -368,7 +377,8 @@ def kvcache_call(q, k_cache, v_cache, cache_seqlens, k, v, page_table, causal, s
         seqlens = torch.empty_like(cache_seqlens)
         appending = prepare_append(k_cache, v_cache, k, v, cache_seqlens, page_table, seqlens,
                                    (k_rows, v_rows), stream)  # fmt: skip
-        appending(k_cache, v_cache, k, v, cache_seqlens, page_table, seqlens)
+        appending.launch_rows(k_cache, v_cache, k_rows, v_rows, cache_seqlens, page_table,
+                              seqlens)  # fmt: skip
     out = torch.empty_like(q)
     lse = _empty_lse(lse_shape(q), q.device) if return_lse else None
     plan = run_kvcache(kern, dtype, q, k_cache, v_cache, seqlens, page_table, out, lse, scale,
