@@ -68,6 +68,10 @@ struct BwdParamsSm90 {
   int dkv_fp32;        // GQA: each query head's dK, dV in fp32, summed over the group after
   float scale_log2;    // softmax_scale log2 e
   float softmax_scale;
+  // `deterministic on`: 1 where the host found every n-block of a (batch, head) able to run
+  // at once (bwd_in_visit_order), so that an m-block's tickets follow the order in which
+  // the n-blocks reach it rather than the n-block order
+  int dq_in_visit_order;
   // `varlen on` (null otherwise): batch 1 of packed rows; seqlen_q / seqlen_k are the
   // tokens, and (lse_log2, dpsum, dq_accum, dq_semaphore) hold each sequence's queries from
   // its own padded row (bwd_first_slot), m_blocks per head counting the padding
@@ -413,6 +417,99 @@ __device__ __forceinline__ int bwd_first_n_block(const BwdBlock& b, int m) {
   return 0;
 }
 
+// `deterministic on` in visit order (P.dq_in_visit_order, set by the host only without a
+// window, packed sequences or longest_first, and with no more n-blocks per (batch, head) than
+// the GPU runs CTAs at once): the n-blocks reach each m-block one after another instead of
+// all at once, so an m-block's ordered adds (ordered_reduce_add) seldom wait.  Without a
+// mask n-block n of N visits all M m-blocks from m-block visit_first = n M / N on,
+// wrapping around, so that at any step the running n-blocks are spread over the m-blocks;
+// with the causal mask it visits them upwards from its diagonal as always, which reaches an
+// m-block from the last n-block that sees it down to n-block 0.
+template <class Cfg>
+__device__ __forceinline__ bool bwd_in_visit_order(const BwdParamsSm90& P) {
+  if constexpr (!Cfg::kDeterministic || Cfg::kVarlen || Cfg::kLongestFirst || has_window<Cfg>()) return false;
+  return P.dq_in_visit_order != 0;
+}
+
+template <class Cfg>
+__device__ __forceinline__ int bwd_n_blocks(const BwdBlock& b) {
+  return (b.seqlen_k + Cfg::kBlockN - 1) / Cfg::kBlockN;
+}
+
+// Without a mask, in visit order, of n_blocks n-blocks over m_count m-blocks (every n-block
+// visits every one): n-block n's first m-block, n m_count / n_blocks, and how many n-blocks
+// start at or before m-block x (n m_count / n_blocks <= x iff n < (x + 1) n_blocks / m_count).
+__host__ __device__ __forceinline__ constexpr int visit_first(int n, int m_count, int n_blocks) {
+  return n * m_count / n_blocks;
+}
+__host__ __device__ __forceinline__ constexpr int visit_starting_by(int x, int m_count, int n_blocks) {
+  return x < 0 ? 0 : imin(n_blocks, ((x + 1) * n_blocks + m_count - 1) / m_count);
+}
+
+// Without a mask, in visit order: n-block n's place at m-block m, the n-blocks that reach m
+// in fewer steps (n' reaches it at step (m - first(n')) mod m_count), then those that reach
+// it at the same step with a smaller index (tests/test_backward_dq_places.py checks it
+// against that definition).
+__host__ __device__ __forceinline__ constexpr int visit_place(int n, int m, int m_count, int n_blocks) {
+  const int first = visit_first(n, m_count, n_blocks);
+  const int step = m >= first ? m - first : m - first + m_count;
+  // fewer steps: first(n') in m - step + 1 .. m (mod m_count), i.e. [lo, m], and [lo + m_count, m_count) where lo < 0
+  const int lo = m - step + 1;
+  const int wrapped = lo < 0 ? visit_starting_by(m_count - 1, m_count, n_blocks) -
+                                   visit_starting_by(m_count + lo - 1, m_count, n_blocks)
+                             : 0;
+  const int fewer = visit_starting_by(m, m_count, n_blocks) - visit_starting_by(imax(lo, 0) - 1, m_count, n_blocks);
+  return fewer + wrapped + n - visit_starting_by(first - 1, m_count, n_blocks);
+}
+
+// Causal, in visit order: n-block n's place at m-block m, last - n, where `last` is the last
+// n-block that sees m (n-block n visits m-blocks from m_begin = (n B_c - d) / B_r on, so it
+// visits m iff n B_c - d < (m + 1) B_r, which holds for every smaller n too); d = seqlen_k -
+// seqlen_q.  Only for an n that visits m.
+__host__ __device__ __forceinline__ constexpr int causal_visit_place(int n, int m, int block_m, int block_n, int d,
+                                                                      int n_blocks) {
+  return imin(((m + 1) * block_m + d - 1) / block_n, n_blocks - 1) - n;
+}
+
+// The i-th m-block n-block b visits (producer and consumers alike).
+template <class Cfg>
+__device__ __forceinline__ int bwd_m_block(const BwdParamsSm90& P, const BwdBlock& b, int i) {
+  if constexpr (!Cfg::kCausal) {
+    if (bwd_in_visit_order<Cfg>(P)) {
+      const int m = visit_first(b.n_block, b.m_count, bwd_n_blocks<Cfg>(b)) + i;  // (m_count > 0 where any i is asked)
+      return m < b.m_count ? m : m - b.m_count;
+    }
+  }
+  return b.m_begin + i;
+}
+
+// `deterministic on`: n-block b's place among the n-blocks that add into m-block m's dQ
+// (ordered_reduce_add's ticket, before the warpgroups).  Each of 0 .. place - 1 belongs to an
+// n-block that visits m too, so every ticket comes, and the places at m are distinct.
+// - n-block order (the default): n_block - bwd_first_n_block.  Every n-block from the
+//   m-block's first to this one visits it too (without a mask all of them; causal, a
+//   smaller n-block's keys are seen by at least the same queries; with a window, those
+//   between the m-block's first seen key and this n-block's).  A CTA waits only on smaller
+//   n-blocks of its (batch, head), which launch before it in either order of bwd_block, so
+//   a waited-for CTA has started: no deadlock whatever runs at once.
+// - visit order (bwd_in_visit_order): causal_visit_place, visit_place without a mask.  Here
+//   a CTA may wait on larger n-blocks, which launch after it: the host
+//   asks for it only where every n-block of a (batch, head) fits on the GPU at once, so that
+//   of the CTAs running only the last (batch, head) launched can be short of a CTA it waits
+//   on, and the others, complete, finish and make room for it.
+template <class Cfg>
+__device__ __forceinline__ int bwd_dq_place(const BwdParamsSm90& P, const BwdBlock& b, int m) {
+  if (bwd_in_visit_order<Cfg>(P)) {
+    if constexpr (Cfg::kCausal) {
+      return causal_visit_place(b.n_block, m, Cfg::kBlockM, Cfg::kBlockN, b.seqlen_k - b.seqlen_q,
+                                bwd_n_blocks<Cfg>(b));
+    } else {
+      return visit_place(b.n_block, m, b.m_count, bwd_n_blocks<Cfg>(b));
+    }
+  }
+  return b.n_block - bwd_first_n_block<Cfg>(b, m);
+}
+
 // Whether m-block m needs the mask: keys past seqlen_k in the n-block, or (causal) a key
 // past some query's diagonal.
 template <class Cfg>
@@ -462,7 +559,7 @@ __device__ __forceinline__ void bwd_producer(const BwdParamsSm90& P, uint32_t sm
   for (int i = 0; i < b.m_count; ++i) {
     const int slot = i % Cfg::kStages;
     const uint32_t phase = static_cast<uint32_t>(i / Cfg::kStages) & 1u;
-    const int m = b.m_begin + i;
+    const int m = bwd_m_block<Cfg>(P, b, i);
     // WAR: every consumer thread has retired its wgmma reading the slot's Q and dO (and read
     // its LSE and D) for m-block i - kStages; a fresh barrier passes parity 1 at once.
     mbar_wait_parity(bwd_bar_q_empty<Cfg>(smem, slot), phase ^ 1u);
@@ -744,15 +841,10 @@ __device__ __forceinline__ void red_add_dq(float* dst, const float (&dq)[Cfg::kD
   }
 }
 
-// `deterministic on`: the m-block's reduce-adds in ticket order (n_block - first) * consumers
-// + wg, first the m-block's first n-block (bwd_first_n_block: 0 without a window).  Every
-// n-block from first to this one visits the m-block too (all of them without a mask; causal,
-// a smaller n-block's keys are seen by at least the same queries; with a window, those
-// between the m-block's first seen key and this n-block's), so tickets 0 .. ticket - 1 all
-// come, and each CTA's tickets rise with m: no CTA waits on one that waits on it.
-// (CTAs start in launch order, and a smaller n-block of the same head and batch launches
-// earlier with either order of bwd_block, so a waited-for CTA has started.)  Each add
-// completes (wait_group 0: its writes performed) before the next ticket is released.
+// `deterministic on`: the m-block's reduce-adds in ticket order place * consumers + wg
+// (bwd_dq_place: the n-block's place among those that add into the m-block, in n-block or in
+// visit order).  Each add completes (wait_group 0: its writes performed) before the next
+// ticket is released.
 template <class Cfg>
 __device__ __forceinline__ void ordered_reduce_add(float* dst, uint32_t stage, int* semaphore, int ticket) {
   while (ld_acquire_gpu(semaphore) != ticket) __nanosleep(32);
@@ -786,7 +878,7 @@ __device__ __forceinline__ void reduce_dq(const BwdParamsSm90& P, const BwdBlock
     if (tid == 0) {
       if constexpr (Cfg::kDeterministic) {
         ordered_reduce_add<Cfg>(dst, stage, P.dq_semaphore + accum_head + m,
-                                  (b.n_block - bwd_first_n_block<Cfg>(b, m)) * Cfg::kConsumerWGs + wg);
+                                  bwd_dq_place<Cfg>(P, b, m) * Cfg::kConsumerWGs + wg);
       } else {
         bulk_reduce_add_f32(dst, stage, Cfg::kDqFloats * 4);
         tma_store_commit();
@@ -851,7 +943,7 @@ __device__ __forceinline__ void bwd_consumer(const BwdParamsSm90& P, uint32_t sm
 
   for (int i = 0; i < b.m_count; ++i) {
     const int slot = i % Cfg::kStages;
-    const int m = b.m_begin + i;
+    const int m = bwd_m_block<Cfg>(P, b, i);
     const uint32_t q_slot = smem + Cfg::kOffQ + slot * Cfg::kQBytes;
     const uint32_t do_slot = smem + Cfg::kOffDO + slot * Cfg::kQBytes;
     // RAW: the slot's Q, dO, LSE and D landed (TMA and bulk complete_tx on q_full)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from ....ir import Kernel
-from ...launch import KernelLaunch
+from ...launch import KernelLaunch, sm_count
 from ..host.tma import tensor_map
 from .emit import AUX_THREADS, convert_ctas, prep_rows_per_cta, smem_bytes
 
@@ -28,7 +28,7 @@ PANEL_COLS = 64
 # BwdParamsSm90: four 128-byte tensor maps, then (sm90_bwd.cuh's order) 6 pointers, 6 int64
 # strides, 7 ints, 2 floats, the varlen fields (2 pointers, an int); 668 bytes, rounded to
 # the struct's 128-byte alignment.
-MAIN_FIELDS = struct.Struct("<6Q6q7i2f4x2Qi")
+MAIN_FIELDS = struct.Struct("<6Q6q7i2fi2Qi")
 MAIN_BYTES = 768
 # BwdPrepParams: 8 pointers, 8 int64 strides, 3 ints, the varlen pointer and int; 160 bytes.
 PREP = struct.Struct("<8Q8q3i4xQi4x")
@@ -151,6 +151,18 @@ def run_varlen(
     return dq[0], dk[0], dv[0]
 
 
+def _in_visit_order(kernel: Kernel, key_ctas: int, device) -> bool:
+    """`deterministic on`: whether an m-block's ordered dQ adds may follow the order in which
+    the n-blocks reach it (sm90_bwd.cuh, bwd_dq_place) rather than the n-block order. There a
+    CTA waits on larger n-blocks, which launch after it, so every n-block of a (batch, head)
+    must fit on the GPU at once (one CTA per SM). Not with packed sequences, a window or
+    longest_first (whose launch order interleaves the pairs)."""
+    cfg, bwd = kernel.config, kernel.backward
+    if not bwd.deterministic or cfg.features.varlen or cfg.window or bwd.longest_first:
+        return False
+    return key_ctas <= sm_count(device.index)
+
+
 def _launch_all(
     kernel: Kernel,
     launch: Callable[[KernelLaunch], None],
@@ -245,6 +257,7 @@ def _launch_all(
         int(group > 1),
         softmax_scale * LOG2E,
         softmax_scale,
+        int(_in_visit_order(kernel, layout.key_ctas, device)),
         layout.cu_q,
         layout.cu_k,
         layout.sequences,
