@@ -153,10 +153,10 @@ def _plans(cache: PlanCache) -> list:
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_a_plan_launches_what_the_checked_path_launches(device, case):
-    """First call (a miss: checked, planned, launched), then a call of the same signature on
-    other tensors (a hit): each launches byte-identical params, grids, blocks, clusters and
-    dependence to the op's body (every check, no plan) on the same tensors; the hit made
-    no plan and ran no check."""
+    """A signature's first call (checked, no plan), its second (checked, planned, launched
+    through the plan), then a call of it on other tensors (a hit): each launches
+    byte-identical params, grids, blocks, clusters and dependence to the op's body (every
+    check, no plan) on the same tensors; the hit made no plan."""
     log, allocator = device
     call, make, options = CASES[case]
     first, second = make(**options), make(**options)
@@ -168,9 +168,10 @@ def test_a_plan_launches_what_the_checked_path_launches(device, case):
         result = call(*inputs, checked=checked)
         return list(log), result
 
-    missed, _ = launches(0, first)
-    assert missed == launches(0, first, checked=True)[0]
-    assert missed, "nothing launched"
+    unplanned, _ = launches(0, first)  # a signature's first call keeps no plan
+    assert unplanned and not _plans(cache)
+    missed, _ = launches(0, first)  # its second does, and launches through it
+    assert missed == unplanned == launches(0, first, checked=True)[0]
     plans = _plans(cache)
     assert len(plans) == 1
     hit, result = launches(1, second)
@@ -203,6 +204,7 @@ def _refused_as_when_unplanned(device, warm, bad) -> None:
     and launches nothing."""
     log, allocator = device
     warm()
+    warm()  # (planned at its second call)
     log.clear()
     with_plans = _error(bad)
     assert not log, "a refused call launched"
@@ -342,7 +344,8 @@ def _misaligned(t):
 def test_a_misaligned_address_is_refused_on_a_plans_call(device):
     log, _ = device
     q, k_cache, v_cache, seqlens, _, _, table = kvcache_inputs()
-    fadsl.attention_with_kvcache(q, k_cache, v_cache, seqlens, page_table=table, causal=True)
+    for _ in range(2):  # planned at the second call
+        fadsl.attention_with_kvcache(q, k_cache, v_cache, seqlens, page_table=table, causal=True)
     log.clear()
     for name, bad in (("q", _misaligned(q)), ("k_cache", _misaligned(k_cache))):
         args = {"q": q, "k_cache": k_cache, **{name: bad}}
@@ -351,11 +354,15 @@ def test_a_misaligned_address_is_refused_on_a_plans_call(device):
                                          page_table=table, causal=True)  # fmt: skip
     assert not log and len(planned._KVCACHE) == 1
     pq, pk, pv, cu_q, cu_k = varlen_inputs()
-    fadsl.attention_varlen(pq, pk, pv, cu_q, cu_k, 156, 156)
+    for _ in range(2):
+        fadsl.attention_varlen(pq, pk, pv, cu_q, cu_k, 156, 156)
+    assert len(planned._VARLEN) == 1
     with pytest.raises(ValueError, match=r"^v must be 16-byte aligned"):
         fadsl.attention_varlen(pq, pk, _misaligned(pv), cu_q, cu_k, 156, 156)
     dq, dk, dv = padded_inputs()
-    fadsl.attention(dq, dk, dv)
+    for _ in range(2):
+        fadsl.attention(dq, dk, dv)
+    assert len(planned._ATTENTION) == 1
     with pytest.raises(ValueError, match=r"^k must be 16-byte aligned"):
         fadsl.attention(dq, _misaligned(dk), dv)
 
@@ -364,7 +371,8 @@ def test_misaligned_new_tokens_are_appended_without_16_byte_vectors(device):
     """The append's 16-byte flag follows each call's addresses on a plan's call too."""
     log, _ = device
     k_cache, v_cache, k, v, seqlens, table = append_inputs()
-    fadsl.append_kv(k_cache, v_cache, k, v, seqlens, table)
+    for _ in range(2):
+        fadsl.append_kv(k_cache, v_cache, k, v, seqlens, table)
     flag = append_module.VECTOR16_OFFSET
     assert log[-1].params[flag] == 1
     fadsl.append_kv(k_cache, v_cache, _misaligned(k), v, seqlens, table)
@@ -381,12 +389,20 @@ def test_the_plans_stay_bounded(device, monkeypatch):
         calls.append(lambda a=(q, k_cache, v_cache, seqlens), t=table: fadsl.attention_with_kvcache(
             *a, page_table=t, causal=True))  # fmt: skip
         calls[-1]()
+        calls[-1]()  # (planned at the second call)
         assert len(planned._KVCACHE) == min(batch, 2)
     kept = _plans(planned._KVCACHE)
     calls[-1]()  # the newest is kept: a hit
     assert _plans(planned._KVCACHE) == kept
     calls[0]()  # the oldest was dropped: planned again, in place of the next oldest
     assert len(planned._KVCACHE) == 2 and _plans(planned._KVCACHE)[0] is kept[1]
+    assert len(planned._KVCACHE._seen) <= 4 * 2
+    before = _plans(planned._KVCACHE)
+    for batch in range(5, 13):  # eight signatures met once: remembered, bounded, not planned
+        q, k_cache, v_cache, seqlens, _, _, table = kvcache_inputs(batch=batch % 4 + 1)
+        fadsl.attention_with_kvcache(q[:, :, :16], k_cache[..., :4, :], v_cache[..., :4, :],
+                                     seqlens, page_table=table, causal=batch < 9)  # fmt: skip
+        assert len(planned._KVCACHE._seen) <= 8 and _plans(planned._KVCACHE) == before
 
 
 def test_a_params_buffer_is_aligned_for_tensor_maps():

@@ -6,6 +6,7 @@ choice remembered, so that a call after the first finds its kernel with one look
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import re
 
@@ -20,12 +21,14 @@ from .attention import FlashAttention, load
 _LOADED: dict[str, FlashAttention] = {}
 
 
-def _candidates(capability: tuple[int, int]) -> list[targets.Target]:
+@functools.cache
+def _candidates(capability: tuple[int, int]) -> tuple[targets.Target, ...]:
     """The targets that run on a GPU of ``capability``, the most specific first (a target
-    of one architecture before one that runs on every newer GPU)."""
+    of one architecture before one that runs on every newer GPU); found once per GPU."""
     found = [targets.get(name) for name in targets.names()]
     found = [t for t in found if t.capabilities.runs_on(capability)]
-    return sorted(found, key=lambda t: (not t.capabilities.devices[1], t.capabilities.devices[0]))
+    key = lambda t: (not t.capabilities.devices[1], t.capabilities.devices[0])  # noqa: E731
+    return tuple(sorted(found, key=key))
 
 
 def shipped_spec(capability: tuple[int, int], head_dim: int, causal: bool) -> str:

@@ -1,6 +1,7 @@
 """The public calls' eager path without gradients through launch plans (fadsl/runtime/
-plans.py): ``*_plan`` finds the plan of a call's signature (None: the call takes its checked
-path), ``*_call`` is that checked path, which keeps a plan for the calls after it.
+plans.py): ``*_lookup`` forms a call's signature and finds its plan (None: the call takes
+its checked path), ``*_call`` is that checked path, which keeps a plan at the signature's
+second call.
 
 Each signature lists what the checks and the planning of its call read, the addresses and
 the device's values apart: fadsl/runtime/public.py's own checks (the flags' and the window's
@@ -18,7 +19,9 @@ import torch
 from . import append, dispatch
 from .arguments import check_base, check_bases, check_scale, lse_shape
 from .attention import PADDED_SOURCES
-from .plans import PlanCache, stream_and_device
+from .kvcache import run_kvcache
+from .plans import PlanCache, Prepared, stream_and_device
+from .public_ops import check_kvcache_call
 from .varlen import check_max_seqlen, check_varlen, run_varlen, varlen_lse_shape
 
 _ATTENTION = PlanCache()
@@ -81,22 +84,22 @@ class AttentionPlan:
         return out, lse
 
 
-def attention_plan(q, k, v, causal, softmax_scale, window_size, softcap, return_lse):
-    """The plan of this fadsl.attention call's signature, or None (a first call, gradients,
-    or an argument whose signature cannot be formed: the checked path names it)."""
+def attention_lookup(q, k, v, causal, softmax_scale, window_size, softcap, return_lse):
+    """(signature, its plan or None) of a fadsl.attention call; (None, None) with gradients
+    or an argument no signature can hold (the checked path names it)."""
     try:
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-            return None
+            return None, None
         key = attention_signature(q, k, v, causal, softmax_scale, window_size, softcap,
                                   return_lse)  # fmt: skip
-        return _ATTENTION.get(key)
+        return key, _ATTENTION.get(key)
     except Exception:  # (not a tensor, an unhashable or odd value: the checks say what)
-        return None
+        return None, None
 
 
-def attention_call(q, k, v, causal, softmax_scale, return_lse, window_size, softcap):
+def attention_call(key, q, k, v, causal, softmax_scale, return_lse, window_size, softcap):
     """fadsl.attention's checked path (public.py has checked its own arguments): the
-    kernel's checks and launch, the plan kept for the calls of the same signature."""
+    kernel's checks and launch; a plan kept at the second call of the signature ``key``."""
     kern = dispatch.attention_kernel(q, causal, window_size, softcap)
     scale = check_scale(softmax_scale, kern.config.head_dim)
     dtype = kern.check_inputs(q, k, v)
@@ -104,10 +107,10 @@ def attention_call(q, k, v, causal, softmax_scale, return_lse, window_size, soft
         check_bases(q, k, v, kern.config.target)
     out = torch.empty_like(q)
     lse = _empty_lse(lse_shape(q), q.device) if return_lse else None
-    key = attention_signature(q, k, v, causal, softmax_scale, window_size, softcap, return_lse)
-    stream = key[-2]
-    prepared = kern.prepare(dtype, q, k, v, out, lse, scale, stream)
-    if prepared is None:  # (a split workspace, a varlen kernel's padded call)
+    prepared = None
+    if _ATTENTION.worth_planning(key):
+        prepared = kern.prepare(dtype, q, k, v, out, lse, scale, key[-2])
+    if prepared is None:  # (a first call; a split workspace, a varlen kernel's padded call)
         kern.launch(dtype, q, k, v, out, lse, scale)
     else:
         prepared.launch(tuple(0 if t is None else t.data_ptr() for t in (q, k, v, out, lse)))
@@ -161,23 +164,23 @@ class VarlenPlan:
         return (out, lse) if self.return_lse else out
 
 
-def varlen_plan(q, k, v, cu_q, cu_k, max_q, max_k, causal, softmax_scale, window_size,
-                softcap, return_lse):  # fmt: skip
-    """The plan of this fadsl.attention_varlen call's signature, or None."""
+def varlen_lookup(q, k, v, cu_q, cu_k, max_q, max_k, causal, softmax_scale, window_size,
+                  softcap, return_lse):  # fmt: skip
+    """(signature, its plan or None) of a fadsl.attention_varlen call (as attention_lookup)."""
     try:
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-            return None
+            return None, None
         key = varlen_signature(q, k, v, cu_q, cu_k, max_q, max_k, causal, softmax_scale,
                                window_size, softcap, return_lse)  # fmt: skip
-        return _VARLEN.get(key)
+        return key, _VARLEN.get(key)
     except Exception:
-        return None
+        return None, None
 
 
-def varlen_call(q, k, v, cu_q, cu_k, max_q, max_k, causal, softmax_scale, window_size, softcap,
-                return_lse):  # fmt: skip
-    """fadsl.attention_varlen's checked path: the kernel's checks and launches, the plan
-    kept for the calls of the same signature."""
+def varlen_call(key, q, k, v, cu_q, cu_k, max_q, max_k, causal, softmax_scale, window_size,
+                softcap, return_lse):  # fmt: skip
+    """fadsl.attention_varlen's checked path: the kernel's checks and launches; a plan kept
+    at the second call of the signature ``key``."""
     kern = dispatch.varlen_kernel(q, causal, window_size, softcap, max_q)
     check_max_seqlen("max_seqlen_q", max_q)
     check_max_seqlen("max_seqlen_k", max_k)
@@ -186,9 +189,7 @@ def varlen_call(q, k, v, cu_q, cu_k, max_q, max_k, causal, softmax_scale, window
     out = torch.empty_like(q)
     lse = _empty_lse(varlen_lse_shape(q), q.device) if return_lse else None
     plan = run_varlen(kern, dtype, q, k, v, cu_q, cu_k, out, lse, scale)
-    if plan.reusable:
-        key = varlen_signature(q, k, v, cu_q, cu_k, max_q, max_k, causal, softmax_scale,
-                               window_size, softcap, return_lse)  # fmt: skip
+    if plan.reusable and _VARLEN.worth_planning(key):
         tensors = (q, k, v, out, lse, cu_q, cu_k)
         addresses = tuple(0 if t is None else t.data_ptr() for t in tensors)
         prepared = kern.prepared(dtype, q.device.index, key[-2], plan, VARLEN_SOURCES, addresses)
@@ -264,25 +265,26 @@ def prepare_append(k_cache, v_cache, k_new, v_new, cache_seqlens, page_table, se
     addresses += (int(by_strides and not (addresses[0] | addresses[1] | addresses[2]
                                           | addresses[3]) % 16),)  # fmt: skip
     index = k_cache.device.index
-    from .plans import Prepared
-
     prepared = Prepared(plan, append.SOURCES, addresses, (append.module(index),), stream, index)
     return AppendPlan(prepared, k_rows is not k_new, v_rows is not v_new, by_strides)
 
 
-def append_plan(k_cache, v_cache, k_new, v_new, cache_seqlens, page_table):
-    """The plan of this fadsl.append_kv call's signature, or None."""
+def append_lookup(k_cache, v_cache, k_new, v_new, cache_seqlens, page_table):
+    """(signature, its plan or None) of a fadsl.append_kv call."""
     try:
         key = append_signature(k_cache, v_cache, k_new, v_new, cache_seqlens, page_table)
-        return _APPEND.get(key)
+        return key, _APPEND.get(key)
     except Exception:
-        return None
+        return None, None
 
 
-def append_call(k_cache, v_cache, k_new, v_new, cache_seqlens, page_table) -> None:
-    """fadsl.append_kv's checked path: every check, the plan kept, the launch."""
+def append_call(key, k_cache, v_cache, k_new, v_new, cache_seqlens, page_table) -> None:
+    """fadsl.append_kv's checked path: every check and the launch; a plan kept at the
+    second call of the signature ``key``."""
     checked = append.check_append(k_cache, v_cache, k_new, v_new, cache_seqlens, page_table, None)
-    key = append_signature(k_cache, v_cache, k_new, v_new, cache_seqlens, page_table)
+    if not _APPEND.worth_planning(key):
+        append.launch_append(k_cache, v_cache, *checked, cache_seqlens, page_table, None)
+        return
     plan = prepare_append(k_cache, v_cache, k_new, v_new, cache_seqlens, page_table, None,
                           checked, key[-2])  # fmt: skip
     _APPEND.put(key, plan)
@@ -299,7 +301,10 @@ def kvcache_signature(q, k_cache, v_cache, cache_seqlens, k, v, page_table, caus
         *(k_cache.shape, k_cache.stride(), k_cache.dtype, k_cache.device),
         *(v_cache.shape, v_cache.stride(), v_cache.dtype, v_cache.device),
         *(cache_seqlens.shape, cache_seqlens.stride(), cache_seqlens.dtype, cache_seqlens.device),
-        *(_tensor_or_none(k), _tensor_or_none(v), _tensor_or_none(page_table)),
+        None if k is None else (k.shape, k.stride(), k.dtype, k.device),
+        None if v is None else (v.shape, v.stride(), v.dtype, v.device),
+        None if page_table is None else (page_table.shape, page_table.stride(), page_table.dtype,
+                                         page_table.device),  # fmt: skip
         *(type(causal), causal, type(softmax_scale), softmax_scale, type(return_lse), return_lse),
         *(type(num_splits), num_splits, type(softcap), softcap),
         *(type(window_size), window, type(window[0]), type(window[1])),
@@ -333,10 +338,10 @@ class KvCachePlan:
         return (out, lse) if self.return_lse else out
 
 
-def kvcache_plan(q, k_cache, v_cache, cache_seqlens, k, v, page_table, causal, softmax_scale,
-                 window_size, softcap, num_splits, return_lse):  # fmt: skip
-    """The plan of this fadsl.attention_with_kvcache call's signature, or None (then the
-    checked path, which refuses gradients)."""
+def kvcache_lookup(q, k_cache, v_cache, cache_seqlens, k, v, page_table, causal,
+                   softmax_scale, window_size, softcap, num_splits, return_lse):  # fmt: skip
+    """(signature, its plan or None) of a fadsl.attention_with_kvcache call; (None, None)
+    with gradients (the checked path refuses them)."""
     try:
         if torch.is_grad_enabled() and (
             q.requires_grad
@@ -345,29 +350,25 @@ def kvcache_plan(q, k_cache, v_cache, cache_seqlens, k, v, page_table, causal, s
             or (k is not None and k.requires_grad)
             or (v is not None and v.requires_grad)
         ):
-            return None
+            return None, None
         key = kvcache_signature(q, k_cache, v_cache, cache_seqlens, k, v, page_table, causal,
                                 softmax_scale, window_size, softcap, num_splits, return_lse)  # fmt: skip
-        return _KVCACHE.get(key)
+        return key, _KVCACHE.get(key)
     except Exception:
-        return None
+        return None, None
 
 
-def kvcache_call(q, k_cache, v_cache, cache_seqlens, k, v, page_table, causal, softmax_scale,
-                 window_size, softcap, num_splits, return_lse):  # fmt: skip
-    """fadsl.attention_with_kvcache's checked path (public_ops.kvcache_call's, launched
-    through plans): every argument checked, the new tokens appended, the attention; the
-    plan kept for the calls of the same signature."""
-    from .kvcache import run_kvcache
-    from .public_ops import check_kvcache_call
-
+def kvcache_call(key, q, k_cache, v_cache, cache_seqlens, k, v, page_table, causal,
+                 softmax_scale, window_size, softcap, num_splits, return_lse):  # fmt: skip
+    """fadsl.attention_with_kvcache's checked path (public_ops.kvcache_call's): every
+    argument checked, the new tokens appended, the attention; a plan kept at the second
+    call of the signature ``key``."""
     kern, scale, dtype, k_rows, v_rows = check_kvcache_call(
         q, k_cache, v_cache, cache_seqlens, k, v, page_table, causal, softmax_scale,
         window_size, softcap, num_splits, return_lse,
     )  # fmt: skip
-    key = kvcache_signature(q, k_cache, v_cache, cache_seqlens, k, v, page_table, causal,
-                            softmax_scale, window_size, softcap, num_splits, return_lse)  # fmt: skip
-    stream, target = key[-2], kern.config.target
+    planning = _KVCACHE.worth_planning(key)
+    target = kern.config.target
     seqlens, appending = cache_seqlens, None
     if k_rows is not None and k_rows.shape[0] and k_rows.shape[1]:
         # the addresses too before the new tokens are written (run_kvcache checks them, with
@@ -375,17 +376,21 @@ def kvcache_call(q, k_cache, v_cache, cache_seqlens, k, v, page_table, causal, s
         _misaligned((("q", q), ("k_cache", k_cache), ("v_cache", v_cache)), target)
         # the lengths after the new tokens (cache_seqlens + seqlen_new), written by the append
         seqlens = torch.empty_like(cache_seqlens)
-        appending = prepare_append(k_cache, v_cache, k, v, cache_seqlens, page_table, seqlens,
-                                   (k_rows, v_rows), stream)  # fmt: skip
-        appending.launch_rows(k_cache, v_cache, k_rows, v_rows, cache_seqlens, page_table,
-                              seqlens)  # fmt: skip
+        if planning:
+            appending = prepare_append(k_cache, v_cache, k, v, cache_seqlens, page_table,
+                                       seqlens, (k_rows, v_rows), key[-2])  # fmt: skip
+            appending.launch_rows(k_cache, v_cache, k_rows, v_rows, cache_seqlens, page_table,
+                                  seqlens)  # fmt: skip
+        else:
+            append.launch_append(k_cache, v_cache, k_rows, v_rows, cache_seqlens, page_table,
+                                 seqlens)  # fmt: skip
     out = torch.empty_like(q)
     lse = _empty_lse(lse_shape(q), q.device) if return_lse else None
     plan = run_kvcache(kern, dtype, q, k_cache, v_cache, seqlens, page_table, out, lse, scale,
                        num_splits or None)  # fmt: skip
-    if plan.reusable:
+    if planning and plan.reusable:
         tensors = (q, k_cache, v_cache, out, lse, seqlens, page_table)
         addresses = tuple(0 if t is None else t.data_ptr() for t in tensors)
-        prepared = kern.prepared(dtype, q.device.index, stream, plan, KVCACHE_SOURCES, addresses)
+        prepared = kern.prepared(dtype, q.device.index, key[-2], plan, KVCACHE_SOURCES, addresses)
         _KVCACHE.put(key, KvCachePlan(prepared, appending, target, return_lse, lse_shape(q)))
     return (out, lse) if return_lse else out

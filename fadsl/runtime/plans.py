@@ -26,42 +26,67 @@ import struct
 import threading
 from typing import Any, Callable
 
+import torch
+
 from ..targets.launch import CallPlan, current_stream
+from .driver import ParamsBuffer
 
 _ADDRESS = struct.Struct("<Q")
 PLAN_LIMIT = 256  # plans kept per call kind; the oldest goes first
 
 
 class PlanCache:
-    """Plans by signature, at most ``limit``, the oldest dropped first."""
+    """Plans by signature, at most ``limit``, the oldest dropped first. A signature gets a
+    plan at its second call (``worth_planning``): making one costs about half a call's
+    checked path, which a signature met once (a varlen batch whose token count does not
+    come again) would pay for nothing; the signatures seen once are kept, 4 x ``limit``
+    at most, the same way."""
 
     def __init__(self, limit: int = PLAN_LIMIT) -> None:
         self.limit = limit
         self._plans: dict[tuple, Any] = {}
+        self._seen: dict[tuple, None] = {}
         self.get = self._plans.get
 
     def put(self, key: tuple, plan) -> None:
-        plans = self._plans
-        while len(plans) >= self.limit:
-            try:
-                del plans[next(iter(plans))]
-            except (KeyError, RuntimeError, StopIteration):  # (another thread's eviction)
-                break
-        plans[key] = plan
+        _bounded_put(self._plans, key, plan, self.limit)
+
+    def worth_planning(self, key: tuple | None) -> bool:
+        """Whether ``key`` (None: a call with no signature) has been called before; its call
+        is remembered."""
+        if key is None:
+            return False
+        if key in self._seen:
+            return True
+        _bounded_put(self._seen, key, None, 4 * self.limit)
+        return False
 
     def clear(self) -> None:
         self._plans.clear()
+        self._seen.clear()
 
     def __len__(self) -> int:
         return len(self._plans)
 
 
+def _bounded_put(table: dict, key, value, limit: int) -> None:
+    while len(table) >= limit:
+        try:
+            del table[next(iter(table))]
+        except (KeyError, RuntimeError, StopIteration):  # (another thread's eviction)
+            break
+    table[key] = value
+
+
 def stream_and_device(index: int) -> tuple[int, int]:
     """The current stream of device ``index`` and the current device: a plan's launches are
-    built for one stream, and switch devices where the call's is not the current one."""
-    import torch
-
-    return current_stream(index), torch.cuda.current_device()
+    built for one stream, and switch devices where the call's is not the current one.
+    (torch._C's queries, as torch.cuda's functions make them after their lazy-init test,
+    which these C functions make themselves; a build without CUDA lacks them.)"""
+    try:
+        return torch._C._cuda_getCurrentRawStream(index), torch._C._cuda_getDevice()
+    except AttributeError:
+        return current_stream(index), torch.cuda.current_device()
 
 
 class Prepared:
@@ -73,28 +98,23 @@ class Prepared:
     workspaces' come after, made by ``launch``); ``addresses`` are the planned call's."""
 
     def __init__(self, plan: CallPlan, sources, addresses, modules, stream: int, index: int):
-        import torch
-
-        from .driver import ParamsBuffer
-
         self.buffer = ParamsBuffer(plan.params)
         names = (*sources, *(w.source for w in plan.workspaces))
         writers: list[list[Callable[[int], None]]] = [[] for _ in names]
         for slot in plan.slots:
             writers[names.index(slot.source)].append(self._writer(slot))
         self._writers = writers
-        self._addresses = tuple(addresses) + tuple(
-            held.data_ptr() for held in plan.held[: len(plan.workspaces)]
-        )
+        made = plan.held[: len(plan.workspaces)]
+        self._addresses = (*addresses, *(t.data_ptr() for t in made))
         self._workspaces = tuple(
             (w.elements, getattr(torch, w.dtype), w.poison) for w in plan.workspaces
         )
-        self._device = torch.device("cuda", index)
+        self._device = made[0].device if made else None
         self._launches = tuple(
             module.prepared(step.grid, step.block, stream, step.cluster, step.dependent)
             for module, step in zip(modules, plan.kernels, strict=True)
         )
-        self._elsewhere = index != torch.cuda.current_device()
+        self._elsewhere = index != stream_and_device(index)[1]
         self._index = index
         self._lock = threading.Lock()
 
@@ -108,18 +128,11 @@ class Prepared:
 
     def launch(self, addresses: tuple[int, ...]) -> None:
         """Launch the planned kernels with the call's ``addresses`` (in ``sources``' order),
-        its workspaces made now."""
-        held = None
+        its workspaces made now (and kept until the launches are queued)."""
+        workspaces = None
         if self._workspaces:
-            import torch
-
-            held = [
-                torch.empty(n, dtype=dtype, device=self._device) for n, dtype, _ in self._workspaces
-            ]
-            for t, (_, _, poison) in zip(held, self._workspaces):
-                if poison:
-                    t.fill_(float("nan"))
-            addresses += tuple(t.data_ptr() for t in held)
+            workspaces = self._make_workspaces()
+            addresses += tuple([t.data_ptr() for t in workspaces])
         with self._lock:
             if addresses != self._addresses:
                 for writers, new, old in zip(self._writers, addresses, self._addresses):
@@ -129,14 +142,20 @@ class Prepared:
                 self._addresses = addresses
             argument = self.buffer.argument
             if self._elsewhere:
-                import torch
-
                 with torch.cuda.device(self._index):
                     for launch in self._launches:
                         launch(argument)
             else:
                 for launch in self._launches:
                     launch(argument)
+
+    def _make_workspaces(self) -> list:
+        device, empty = self._device, torch.empty
+        made = [empty(n, dtype=dtype, device=device) for n, dtype, _ in self._workspaces]
+        for t, (_, _, poison) in zip(made, self._workspaces):
+            if poison:
+                t.fill_(float("nan"))
+        return made
 
     def params(self) -> bytes:
         """The params the next launch passes (for tests)."""

@@ -82,9 +82,10 @@ def attention(
     shipped spec has a backward, windows and softcap included. torch.compile(fullgraph=True)
     traces it. The same checks and messages as a loaded spec's call.
     """
+    key = None
     if not torch.compiler.is_compiling():  # a call of a signature met before: its plan
-        plan = planned.attention_plan(q, k, v, causal, softmax_scale, window_size, softcap,
-                                      return_lse)  # fmt: skip
+        key, plan = planned.attention_lookup(q, k, v, causal, softmax_scale, window_size,
+                                             softcap, return_lse)  # fmt: skip
         if plan is not None:
             return plan(q, k, v)
     _check_flag("causal", causal)
@@ -100,7 +101,8 @@ def attention(
             q, k, v, causal, softmax_scale, left, right, float(softcap), return_lse or grad
         )
         return (out, lse) if return_lse else out
-    return planned.attention_call(q, k, v, causal, softmax_scale, return_lse, window_size, softcap)
+    return planned.attention_call(key, q, k, v, causal, softmax_scale, return_lse, window_size,
+                                  softcap)  # fmt: skip
 
 
 def attention_varlen(
@@ -131,10 +133,11 @@ def attention_varlen(
     torch.compile(fullgraph=True) traces it. Gradients flow through q, k and v (and the
     LSE), each sequence's on its own rows; rows outside every sequence get zero gradients
     and must hold finite values (a NaN there, times P = 0, reaches a neighbour's dK and dV)."""
+    key = None
     if not torch.compiler.is_compiling():  # a call of a signature met before: its plan
-        plan = planned.varlen_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                   max_seqlen_k, causal, softmax_scale, window_size, softcap,
-                                   return_lse)  # fmt: skip
+        key, plan = planned.varlen_lookup(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                          max_seqlen_k, causal, softmax_scale, window_size,
+                                          softcap, return_lse)  # fmt: skip
         if plan is not None:
             return plan(q, k, v, cu_seqlens_q, cu_seqlens_k)
     _check_flag("causal", causal)
@@ -153,7 +156,7 @@ def attention_varlen(
             *args, softmax_scale, left, right, float(softcap), return_lse or grad
         )
         return (out, lse) if return_lse else out
-    return planned.varlen_call(*args, softmax_scale, window_size, softcap, return_lse)
+    return planned.varlen_call(key, *args, softmax_scale, window_size, softcap, return_lse)
 
 
 def attention_with_kvcache(
@@ -187,10 +190,11 @@ def attention_with_kvcache(
     whole tiles). Returns the output, or (output, lse) with the LSE (batch, heads_q,
     seqlen_q), float32. Unlike flash_attn_with_kvcache, cache_seqlens comes before k and v:
     pass what follows them by keyword. torch.compile(fullgraph=True) traces it."""
+    key = None
     if not torch.compiler.is_compiling():  # a call of a signature met before: its plan
-        plan = planned.kvcache_plan(q, k_cache, v_cache, cache_seqlens, k, v, page_table,
-                                    causal, softmax_scale, window_size, softcap, num_splits,
-                                    return_lse)  # fmt: skip
+        key, plan = planned.kvcache_lookup(q, k_cache, v_cache, cache_seqlens, k, v, page_table,
+                                           causal, softmax_scale, window_size, softcap,
+                                           num_splits, return_lse)  # fmt: skip
         if plan is not None:
             return plan(q, k_cache, v_cache, cache_seqlens, k, v, page_table)
     _check_flag("causal", causal)
@@ -210,7 +214,7 @@ def attention_with_kvcache(
             *args, left, right, float(softcap), num_splits, return_lse
         )
         return (out, lse) if return_lse else out
-    return planned.kvcache_call(*args, window_size, softcap, num_splits, return_lse)
+    return planned.kvcache_call(key, *args, window_size, softcap, num_splits, return_lse)
 
 
 def append_kv(k_cache, v_cache, k_new, v_new, cache_seqlens, page_table=None) -> None:
@@ -225,8 +229,8 @@ def append_kv(k_cache, v_cache, k_new, v_new, cache_seqlens, page_table=None) ->
     if torch.compiler.is_compiling():
         public_ops.append_kv(k_cache, v_cache, k_new, v_new, cache_seqlens, page_table)
         return
-    plan = planned.append_plan(k_cache, v_cache, k_new, v_new, cache_seqlens, page_table)
+    key, plan = planned.append_lookup(k_cache, v_cache, k_new, v_new, cache_seqlens, page_table)
     if plan is not None:  # a call of a signature met before
         plan(k_cache, v_cache, k_new, v_new, cache_seqlens, page_table, None)
     else:
-        planned.append_call(k_cache, v_cache, k_new, v_new, cache_seqlens, page_table)
+        planned.append_call(key, k_cache, v_cache, k_new, v_new, cache_seqlens, page_table)

@@ -62,8 +62,10 @@ class ServingCalls:
         stream = current_stream(index)
         elsewhere = index != torch.cuda.current_device()  # (a context switch costs host time)
 
+        main = self._modules.get((dtype, index)) or self.module(dtype, index)
+
         def launch(kl) -> None:
-            module = self.kernel_module(dtype, index, kl.suffix, kl.block[0])
+            module = self.kernel_module(dtype, index, kl.suffix, kl.block[0]) if kl.suffix else main
             if elsewhere:
                 with torch.cuda.device(index):
                     module.launch(kl.grid, kl.block, kl.params, stream, dependent=kl.dependent)
