@@ -67,8 +67,8 @@ class AttentionPlan:
     """A padded call's plan: out (and the LSE) allocated, the addresses checked and
     written, one launch."""
 
-    def __init__(self, prepared, target: str, return_lse: bool, lse_shape_) -> None:
-        self.launch, self.target = prepared.launch, target
+    def __init__(self, prepared, target: str, return_lse: bool, lse_shape_, device) -> None:
+        self.launch, self.target, self.device = prepared.launch, target, device
         self.return_lse, self.lse_shape = return_lse, lse_shape_
 
     def __call__(self, q, k, v):
@@ -79,7 +79,7 @@ class AttentionPlan:
         if not self.return_lse:
             self.launch((*addresses, 0))
             return out
-        lse = _empty_lse(self.lse_shape, q.device)
+        lse = _empty_lse(self.lse_shape, self.device)
         self.launch((*addresses, lse.data_ptr()))
         return out, lse
 
@@ -114,7 +114,8 @@ def attention_call(key, q, k, v, causal, softmax_scale, return_lse, window_size,
         kern.launch(dtype, q, k, v, out, lse, scale)
     else:
         prepared.launch(tuple(0 if t is None else t.data_ptr() for t in (q, k, v, out, lse)))
-        _ATTENTION.put(key, AttentionPlan(prepared, kern.config.target, return_lse, lse_shape(q)))
+        plan = AttentionPlan(prepared, kern.config.target, return_lse, lse_shape(q), q.device)
+        _ATTENTION.put(key, plan)
     return (out, lse) if return_lse else out
 
 
@@ -149,8 +150,8 @@ class VarlenPlan:
     """A varlen call's plan: out (and the LSE) allocated, the addresses checked and
     written, the tile list's and the attention's launches."""
 
-    def __init__(self, prepared, target: str, return_lse: bool, lse_shape_) -> None:
-        self.launch, self.target = prepared.launch, target
+    def __init__(self, prepared, target: str, return_lse: bool, lse_shape_, device) -> None:
+        self.launch, self.target, self.device = prepared.launch, target, device
         self.return_lse, self.lse_shape = return_lse, lse_shape_
 
     def __call__(self, q, k, v, cu_q, cu_k):
@@ -158,7 +159,7 @@ class VarlenPlan:
         qp, kp, vp, op = q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()
         if (qp | kp | vp | op) % 16:
             _misaligned((("q", q), ("k", k), ("v", v), ("out", out)), self.target)
-        lse = _empty_lse(self.lse_shape, q.device) if self.return_lse else None
+        lse = _empty_lse(self.lse_shape, self.device) if self.return_lse else None
         lp = 0 if lse is None else lse.data_ptr()
         self.launch((qp, kp, vp, op, lp, cu_q.data_ptr(), cu_k.data_ptr()))
         return (out, lse) if self.return_lse else out
@@ -194,7 +195,7 @@ def varlen_call(key, q, k, v, cu_q, cu_k, max_q, max_k, causal, softmax_scale, w
         addresses = tuple(0 if t is None else t.data_ptr() for t in tensors)
         prepared = kern.prepared(dtype, q.device.index, key[-2], plan, VARLEN_SOURCES, addresses)
         target = kern.config.target
-        _VARLEN.put(key, VarlenPlan(prepared, target, return_lse, varlen_lse_shape(q)))
+        _VARLEN.put(key, VarlenPlan(prepared, target, return_lse, varlen_lse_shape(q), q.device))
     return (out, lse) if return_lse else out
 
 
@@ -317,9 +318,9 @@ class KvCachePlan:
     tokens appended (their lengths after them in a tensor of the call's own), the attention
     (and the combine after split pieces) launched."""
 
-    def __init__(self, prepared, appending, target: str, return_lse: bool, lse_shape_) -> None:
+    def __init__(self, prepared, appending, target: str, return_lse: bool, lse_shape_, device):
         self.launch, self.append, self.target = prepared.launch, appending, target
-        self.return_lse, self.lse_shape = return_lse, lse_shape_
+        self.return_lse, self.lse_shape, self.device = return_lse, lse_shape_, device
 
     def __call__(self, q, k_cache, v_cache, cache_seqlens, k, v, page_table):
         out = torch.empty_like(q)
@@ -331,7 +332,7 @@ class KvCachePlan:
         if self.append is not None:
             seqlens = torch.empty_like(cache_seqlens)
             self.append(k_cache, v_cache, k, v, cache_seqlens, page_table, seqlens)
-        lse = _empty_lse(self.lse_shape, q.device) if self.return_lse else None
+        lse = _empty_lse(self.lse_shape, self.device) if self.return_lse else None
         lp = 0 if lse is None else lse.data_ptr()
         table = 0 if page_table is None else page_table.data_ptr()
         self.launch((qp, kp, vp, op, lp, seqlens.data_ptr(), table))
@@ -392,5 +393,6 @@ def kvcache_call(key, q, k_cache, v_cache, cache_seqlens, k, v, page_table, caus
         tensors = (q, k_cache, v_cache, out, lse, seqlens, page_table)
         addresses = tuple(0 if t is None else t.data_ptr() for t in tensors)
         prepared = kern.prepared(dtype, q.device.index, key[-2], plan, KVCACHE_SOURCES, addresses)
-        _KVCACHE.put(key, KvCachePlan(prepared, appending, target, return_lse, lse_shape(q)))
+        found = KvCachePlan(prepared, appending, target, return_lse, lse_shape(q), q.device)
+        _KVCACHE.put(key, found)
     return (out, lse) if return_lse else out
