@@ -34,7 +34,8 @@ _FLOAT32 = torch.float32
 
 
 def clear() -> None:
-    """Forget every plan (tests; a plan holds no tensor, so none is needed otherwise)."""
+    """Forget every plan and every signature seen (tests, timings of first calls; a plan
+    holds no tensor, only the modules it launches)."""
     for cache in (_ATTENTION, _VARLEN, _KVCACHE, _APPEND):
         cache.clear()
 

@@ -2,12 +2,12 @@
 
 A call's *signature* is everything its checks and its planning read except the tensors'
 addresses and what lives on the device (lengths, page tables, cu_seqlens): each tensor's
-type, shape, strides, dtype and device, each Python argument with its type (so that True
-never passes for 1, nor a list of floats for a window), the current stream and device.
-Two calls of one signature pass or fail the same shape, stride and dtype checks, choose
-the same kernel and plan the same launches: the params differ only in the addresses. So
-the first call of a signature runs every check and plans its kernels as before, and keeps
-a ``Prepared`` plan: the params struct in a buffer that stays put, where each address goes
+shape, strides, dtype and device, each Python argument with its type (so that True never
+passes for 1, nor a list of floats for a window), the current stream and device. Two
+calls of one signature pass or fail the same shape, stride and dtype checks, choose the
+same kernel and plan the same launches: the params differ only in the addresses. So a
+signature's calls run every check and plan their kernels as before, and the second keeps a
+``Prepared`` plan: the params struct in a buffer that stays put, where each address goes
 (``targets.launch.AddressSlot``), the kernels' launches built. A later call of the same
 signature only allocates its outputs and workspaces, checks what depends on the addresses
 (16-byte alignment), writes the addresses that changed since the plan's last call (a field
@@ -129,16 +129,19 @@ class Prepared:
     def launch(self, addresses: tuple[int, ...]) -> None:
         """Launch the planned kernels with the call's ``addresses`` (in ``sources``' order),
         its workspaces made now (and kept until the launches are queued)."""
-        workspaces = None
         if self._workspaces:
-            workspaces = self._make_workspaces()
+            workspaces = self._make_workspaces()  # (alive until this call returns)
             addresses += tuple([t.data_ptr() for t in workspaces])
         with self._lock:
             if addresses != self._addresses:
-                for writers, new, old in zip(self._writers, addresses, self._addresses):
-                    if new != old:
-                        for write in writers:
-                            write(new)
+                try:
+                    for writers, new, old in zip(self._writers, addresses, self._addresses):
+                        if new != old:
+                            for write in writers:
+                                write(new)
+                except BaseException:  # the buffer half written: every address rewritten next
+                    self._addresses = (None,) * len(self._addresses)
+                    raise
                 self._addresses = addresses
             argument = self.buffer.argument
             if self._elsewhere:
@@ -156,7 +159,3 @@ class Prepared:
             if poison:
                 t.fill_(float("nan"))
         return made
-
-    def params(self) -> bytes:
-        """The params the next launch passes (for tests)."""
-        return self.buffer.raw()
