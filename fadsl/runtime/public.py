@@ -4,8 +4,10 @@
 Each call is written for torch.compile as much as for eager use: under tracing, or when an
 input requires grad, it calls its custom op (fadsl/runtime/public_ops.py: fullgraph, dynamic
 shapes, autograd); an eager call without gradients calls the kernel directly, since the
-dispatcher costs host time. What dynamo traces here is argument checks and the op: no
-import statement, no file read, no kernel choice (the op makes it when it runs). torch is
+dispatcher costs host time, and a call of a signature met before launches through its plan
+without the checks (fadsl/runtime/planned.py; a refused argument changes the signature).
+What dynamo traces here is argument checks and the op: no import statement, no file read,
+no kernel choice (the op makes it when it runs). torch is
 imported at the top, so ``fadsl`` loads this module on first use of one of its names
 (fadsl/__init__.py), and ``import fadsl`` alone stays quick.
 """
