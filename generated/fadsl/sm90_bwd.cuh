@@ -58,14 +58,14 @@ struct BwdParamsSm90 {
   const float* lse_log2;  // (batch, heads_q, seqlen_q_rounded): LSE log2 e, +inf for no key
   const float* dpsum;     // (batch, heads_q, seqlen_q_rounded): D = rowsum(dO * O)
   float* dq_accum;        // (batch, heads_q, m_blocks, B_r x head_dim), fragment order
-  void* dk;               // (batch, seqlen_k, heads, head_dim): T, or fp32 (dkv_fp32)
+  void* dk;               // (batch, seqlen_k, heads, head_dim): T, or fp32 (dkv_store)
   void* dv;
   int* dq_semaphore;  // `deterministic on`: per (batch, head, m-block), the reduce-adds done
   int64_t dk_batch_stride, dk_row_stride, dk_head_stride;  // elements
   int64_t dv_batch_stride, dv_row_stride, dv_head_stride;
   int seqlen_q, seqlen_k, seqlen_q_rounded, m_blocks;
   int heads_q, group;  // query heads, query heads per K/V head
-  int dkv_fp32;        // GQA: each query head's dK, dV in fp32, summed over the group after
+  int dkv_store;       // DkvStore: how dK and dV leave the CTA
   float scale_log2;    // softmax_scale log2 e
   float softmax_scale;
   // `deterministic on`: 1 where the host found every n-block of a (batch, head) able to run
@@ -78,6 +78,16 @@ struct BwdParamsSm90 {
   const int* cu_seqlens_q;
   const int* cu_seqlens_k;
   int sequences;
+};
+
+// BwdParamsSm90::dkv_store.  GQA's query heads of one K/V head each hold part of its dK and
+// dV: added into fp32 accumulators per K/V head (red.add: the order of the group's adds
+// varies), or with `deterministic on` stored in fp32 per query head and summed over the
+// group after the kernel in a fixed order (the host's).
+enum DkvStore : int {
+  kDkvStoreT = 0,        // T per K/V head (no GQA)
+  kDkvStorePartial = 1,  // fp32 per query head
+  kDkvAddFp32 = 2,       // fp32 per K/V head, red.add (zeroed by the host)
 };
 
 struct BwdPrepParams {
@@ -797,12 +807,18 @@ __device__ __forceinline__ void store_grad_kv(const float (&acc)[Cfg::kAccRegs],
     const int key = key0 + 8 * r;
     const bool stored = key < bwd_keys<Cfg>(P, b);  // the quad's row: its 4 lanes agree
     const int64_t row = b.batch * batch_stride + (b.k_row0 + key) * row_stride + b.head * head_stride;
-    if (P.dkv_fp32) {
+    if (P.dkv_store != kDkvStoreT) {  // fp32 column pairs 8j + 2t, stored or added
       if (!stored) continue;
+      const bool add = P.dkv_store == kDkvAddFp32;
 #pragma unroll
       for (int j = 0; j < Cfg::kHeadDim / 8; ++j) {
-        *reinterpret_cast<float2*>(static_cast<float*>(base) + row + 8 * j + 2 * t) =
-            make_float2(acc[4 * j + 2 * r] * scale, acc[4 * j + 2 * r + 1] * scale);
+        float* at = static_cast<float*>(base) + row + 8 * j + 2 * t;
+        const float x = acc[4 * j + 2 * r] * scale, y = acc[4 * j + 2 * r + 1] * scale;
+        if (add) {
+          red_add_v2_f32(at, x, y);
+        } else {
+          *reinterpret_cast<float2*>(at) = make_float2(x, y);
+        }
       }
       continue;
     }
@@ -1028,8 +1044,9 @@ __device__ __forceinline__ void bwd_consumer(const BwdParamsSm90& P, uint32_t sm
     if (tid == 0) bulk_wait_all();
   }
 
-  BwdBlock out = b;  // dK, dV per K/V head; GQA's per query head (summed over the group after)
-  out.head = P.dkv_fp32 ? b.head : b.head_kv;
+  // dK, dV per K/V head, or with deterministic GQA per query head (summed over the group after)
+  BwdBlock out = b;
+  out.head = P.dkv_store == kDkvStorePartial ? b.head : b.head_kv;
   store_grad_kv<Cfg>(dk, P.dk, P.dk_batch_stride, P.dk_row_stride, P.dk_head_stride, P, out, key0, P.softmax_scale);
   store_grad_kv<Cfg>(dv, P.dv, P.dv_batch_stride, P.dv_row_stride, P.dv_head_stride, P, out, key0, 1.f);
 }

@@ -544,6 +544,11 @@ __device__ __forceinline__ void red_add_v4_f32(float* dst, float a, float b, flo
   asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(dst), "f"(a), "f"(b), "f"(c), "f"(d) : "memory");
 }
 
+// dst[0..1] += (a, b), as red_add_v4_f32; dst 8-byte aligned.
+__device__ __forceinline__ void red_add_v2_f32(float* dst, float a, float b) {
+  asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(dst), "f"(a), "f"(b) : "memory");
+}
+
 // The two 16-bit values of a packed pair as fp32 (exact): (low half, high half).
 template <typename T>
 __device__ __forceinline__ float2 unpack_f32x2(uint32_t packed) {

@@ -2,11 +2,12 @@
 
 A backward call runs, on the current stream (emit/sm90/include/fadsl/sm90_bwd.cuh):
   ``<name>_preprocess``  D, LSE in log2 units, dQ's accumulator zeroed;
-  ``<name>``             the main kernel: dK, dV (per query head in fp32 under GQA), dQ's
-                         accumulator by reduce-adds;
+  ``<name>``             the main kernel: dK, dV (under GQA in fp32: added per K/V head, or
+                         with `deterministic on` per query head), dQ's accumulator by
+                         reduce-adds;
   ``<name>_convert_dq``  dQ in the input dtype;
-then, under GQA, dK and dV summed over each K/V head's query heads in a fixed order
-(torch's sum over the group dimension: deterministic) and cast to the input dtype.
+then, under GQA, dK and dV cast to the input dtype (with `deterministic on` first summed over
+each K/V head's query heads in a fixed order: torch's sum over the group dimension).
 
 Every buffer comes from PyTorch's caching allocator on the call's stream, so a CUDA graph
 captures the whole backward (the accumulator is zeroed by the preprocess kernel, inside
@@ -28,6 +29,8 @@ PANEL_COLS = 64
 # BwdParamsSm90: four 128-byte tensor maps, then (sm90_bwd.cuh's order) 6 pointers, 6 int64
 # strides, 7 ints, 2 floats, the varlen fields (2 pointers, an int); 668 bytes, rounded to
 # the struct's 128-byte alignment.
+# BwdParamsSm90::dkv_store (sm90_bwd.cuh's DkvStore)
+DKV_STORE_T, DKV_STORE_PARTIAL, DKV_ADD_FP32 = 0, 1, 2
 MAIN_FIELDS = struct.Struct("<6Q6q7i2fi2Qi")
 MAIN_BYTES = 768
 # BwdPrepParams: 8 pointers, 8 int64 strides, 3 ints, the varlen pointer and int; 160 bytes.
@@ -200,10 +203,18 @@ def _launch_all(
         else None
     )
     semaphore_ptr = 0 if semaphore is None else semaphore.data_ptr()
-    if group > 1:  # per query head, fp32; summed over the group below
+    # GQA (sm90_bwd.cuh's DkvStore): the group's dK and dV added in fp32 per K/V head, or with
+    # `deterministic on` stored per query head and summed over the group below in a fixed order
+    dkv_store = DKV_STORE_T
+    if group > 1 and bwd.deterministic:
+        dkv_store = DKV_STORE_PARTIAL
         partial = torch.zeros if zero_partials else torch.empty
         dk = partial((batch, seqlen_k, heads_q, head_dim), **f32)
         dv = partial((batch, seqlen_k, heads_q, head_dim), **f32)
+    elif group > 1:
+        dkv_store = DKV_ADD_FP32
+        dk = torch.zeros((batch, seqlen_k, heads_kv, head_dim), **f32)
+        dv = torch.zeros((batch, seqlen_k, heads_kv, head_dim), **f32)
 
     launch(
         KernelLaunch(
@@ -254,7 +265,7 @@ def _launch_all(
         m_blocks,
         heads_q,
         group,
-        int(group > 1),
+        dkv_store,
         softmax_scale * LOG2E,
         softmax_scale,
         int(_in_visit_order(kernel, layout.key_ctas, device)),
@@ -283,8 +294,8 @@ def _launch_all(
             ),
         )
     )
-    if group > 1:
+    if dkv_store == DKV_STORE_PARTIAL:
         shape = (batch, seqlen_k, heads_kv, group, head_dim)
-        dk = dk.view(shape).sum(dim=3).to(k.dtype)
-        dv = dv.view(shape).sum(dim=3).to(v.dtype)
-    return dq, dk, dv
+        dk = dk.view(shape).sum(dim=3)
+        dv = dv.view(shape).sum(dim=3)
+    return dq, dk.to(k.dtype), dv.to(v.dtype)
