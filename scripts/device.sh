@@ -5,7 +5,7 @@
 #   comparison with SDPA FLASH, compute-sanitizer (racecheck, synccheck, memcheck) at a small
 #   shape, then the benchmarks if asked.
 # Usage (repo root, on the device):
-#   bash scripts/device.sh [fa4stage] [numerics] [backward] [bwdvarlen] [varlen] [kvcache] [distributed] [tests] [sanitize] [trace] [probe] [streamprobe] [bench ARGS...]
+#   bash scripts/device.sh [fa4stage] [numerics] [backward] [bwdtrace] [bwdvarlen] [varlen] [kvcache] [distributed] [tests] [sanitize] [trace] [probe] [streamprobe] [bench ARGS...]
 #   varlen: tests/test_gpu_varlen.py, then compute-sanitizer on scripts/sanitize_varlen.py,
 #   then VARLEN_BENCH's specs timed (VARLEN_BACKWARD=1: their backward, beside FA4's)
 #   bwdvarlen (and backward): tests/test_gpu_backward_varlen.py, then compute-sanitizer on
@@ -31,6 +31,9 @@
 #   kernel's share of a backward call) and Nsight Compute's SpeedOfLight, compute, warp-state
 #   and memory sections for the main kernel of each of BWD_NCU_SPECS (default fa3_hopper and
 #   fa3_hdim64; "": none) at 1 x 16384
+#   bwdtrace: scripts/backward_trace.py (the backward's m-block timeline) on each of
+#   BWD_TRACE_SPECS (default the four training examples) at each of BWD_TRACE_SEQLENS
+#   (default "1024 16384"), hidden 2048
 #   fa4stage: copy the carried .fa4a (FlashAttention-4's first half) to /tmp/fa4; a later call
 #   on the same warm machine that carries .fa4b installs it (bench times it then)
 #   numerics: the numerics suite (tests/test_gpu_numerics.py: every kernel, every rescale mode,
@@ -137,6 +140,14 @@ if [[ $steps == *" bwdprobe "* ]]; then
       --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats --section MemoryWorkloadAnalysis \
       python3 -P scripts/ncu_one.py --backward "$spec" > "$OUT/ncu_$(basename "$spec" .fa).txt" 2>&1
     grep -E "Duration|SM Frequency|Compute \(SM\) Throughput|Memory Throughput|Issue Slots Busy|Executed Ipc Active|Warp Cycles Per Issued|Shared Memory|L1/TEX Hit|Max Bandwidth" "$OUT/ncu_$(basename "$spec" .fa).txt" | head -20
+  done
+fi
+if [[ $steps == *" bwdtrace "* ]]; then
+  for spec in ${BWD_TRACE_SPECS:-examples/fa3_hopper.fa examples/fa3_causal.fa examples/fa3_hdim64.fa examples/fa3_hdim64_causal.fa}; do
+    for seqlen in ${BWD_TRACE_SEQLENS:-1024 16384}; do
+      python3 -P scripts/backward_trace.py "$spec" --seqlen "$seqlen" --hidden 2048 2>&1 | tee -a "$OUT/backward_trace.log" | tail -18
+      status=$((status | ${PIPESTATUS[0]}))
+    done
   done
 fi
 if [[ $steps == *" varlen "* ]]; then

@@ -43,6 +43,7 @@
 #pragma once
 
 #include "sm90.cuh"  // FastDiv, the PTX wrappers, wgmma (next to this file)
+#include "sm90_bwd_trace.cuh"  // FADSL_BWD_MARK: empty unless FADSL_BWD_TRACE (development builds)
 
 namespace fadsl::sm90 {
 
@@ -570,9 +571,11 @@ __device__ __forceinline__ void bwd_producer(const BwdParamsSm90& P, uint32_t sm
     const int slot = i % Cfg::kStages;
     const uint32_t phase = static_cast<uint32_t>(i / Cfg::kStages) & 1u;
     const int m = bwd_m_block<Cfg>(P, b, i);
+    FADSL_BWD_MARK(Cfg::kConsumerWGs, i, 0);
     // WAR: every consumer thread has retired its wgmma reading the slot's Q and dO (and read
     // its LSE and D) for m-block i - kStages; a fresh barrier passes parity 1 at once.
     mbar_wait_parity(bwd_bar_q_empty<Cfg>(smem, slot), phase ^ 1u);
+    FADSL_BWD_MARK(Cfg::kConsumerWGs, i, 1);
     const uint32_t full = bwd_bar_q_full<Cfg>(smem, slot);
     mbar_arrive_expect_tx(full, 2 * Cfg::kQBytes + 2 * Cfg::kRowFloatsBytes);
 #pragma unroll
@@ -584,6 +587,7 @@ __device__ __forceinline__ void bwd_producer(const BwdParamsSm90& P, uint32_t sm
     const int64_t row0 = rows + static_cast<int64_t>(m) * Cfg::kBlockM;
     bulk_load(smem + Cfg::kOffLSE + slot * Cfg::kRowFloatsBytes, P.lse_log2 + row0, Cfg::kRowFloatsBytes, full);
     bulk_load(smem + Cfg::kOffD + slot * Cfg::kRowFloatsBytes, P.dpsum + row0, Cfg::kRowFloatsBytes, full);
+    FADSL_BWD_MARK(Cfg::kConsumerWGs, i, 2);
   }
 }
 
@@ -956,14 +960,17 @@ __device__ __forceinline__ void bwd_consumer(const BwdParamsSm90& P, uint32_t sm
                                           : (static_cast<int64_t>(b.batch) * P.heads_q + b.head) * P.m_blocks;
   // RAW: K and V landed (TMA complete_tx on kv_full, phase 0)
   if (b.m_count > 0) mbar_wait_parity(bwd_bar_kv<Cfg>(smem), 0u);
+  if (wg == 0 && tid == 0) FADSL_BWD_CTA_MARK(2);
 
   for (int i = 0; i < b.m_count; ++i) {
+    FADSL_BWD_MARK(wg, i, 0);
     const int slot = i % Cfg::kStages;
     const int m = bwd_m_block<Cfg>(P, b, i);
     const uint32_t q_slot = smem + Cfg::kOffQ + slot * Cfg::kQBytes;
     const uint32_t do_slot = smem + Cfg::kOffDO + slot * Cfg::kQBytes;
     // RAW: the slot's Q, dO, LSE and D landed (TMA and bulk complete_tx on q_full)
     mbar_wait_parity(bwd_bar_q_full<Cfg>(smem, slot), static_cast<uint32_t>(i / Cfg::kStages) & 1u);
+    FADSL_BWD_MARK(wg, i, 1);
 
     float s[Cfg::kSRegs], dp[Cfg::kSRegs];
     wgmma_fence();  // s and dp were read by ordinary instructions in the previous m-block
@@ -973,6 +980,7 @@ __device__ __forceinline__ void bwd_consumer(const BwdParamsSm90& P, uint32_t sm
     wgmma_commit();
     wgmma_wait<1>();  // S^T in registers (dP^T's group may still run)
     fence_regs(s);
+    FADSL_BWD_MARK(wg, i, 2);
 
     float dtanh[Cfg::kSRegs];  // softcap's 1 - tanh^2 (unused without it)
     const uint32_t lse_slot = smem + Cfg::kOffLSE + slot * Cfg::kRowFloatsBytes;
@@ -982,6 +990,7 @@ __device__ __forceinline__ void bwd_consumer(const BwdParamsSm90& P, uint32_t sm
     } else {
       bwd_probs<Cfg, false>(s, dtanh, P, lse_slot, key0, m * Cfg::kBlockM, lane, b);
     }
+    FADSL_BWD_MARK(wg, i, 3);
     uint32_t p16[Cfg::kPRegs], ds16[Cfg::kPRegs];
     if constexpr (Cfg::kEarlyDv) {  // (only with kOverlap: the static_assert in BwdConfig)
       pack_pairs<Cfg>(s, p16);
@@ -998,6 +1007,7 @@ __device__ __forceinline__ void bwd_consumer(const BwdParamsSm90& P, uint32_t sm
       pack_pairs<Cfg>(s, p16);
     }
     pack_pairs<Cfg>(dp, ds16);
+    FADSL_BWD_MARK(wg, i, 4);
 
     // dS^T into buffer i % 2: the other warpgroup's dQ of m-block i - 1 may still read the
     // other buffer (its reads of this one retired before it met at dS^T(i - 1))
@@ -1007,6 +1017,7 @@ __device__ __forceinline__ void bwd_consumer(const BwdParamsSm90& P, uint32_t sm
     } else {
       store_ds<Cfg>(ds_buf, ds16, wg, warp, lane);
     }
+    FADSL_BWD_MARK(wg, i, 5);
     float dq[Cfg::kDqRegs];
     if constexpr (Cfg::kOverlap) {
       // RAW: dS^T's st.shared (generic proxy) before the dQ wgmma reads it (async proxy)
@@ -1015,12 +1026,15 @@ __device__ __forceinline__ void bwd_consumer(const BwdParamsSm90& P, uint32_t sm
       // unless dV is issued already) and the A registers ds16 written
       wgmma_fence();
       meet_and_issue_dq<Cfg>(dq, smem, ds_buf, wg);
+      FADSL_BWD_MARK(wg, i, 6);
       if constexpr (!Cfg::kEarlyDv) issue_grad_kv<Cfg>(dv, p16, do_slot);
       issue_grad_kv<Cfg>(dk, ds16, q_slot);
       wgmma_commit();
       wgmma_wait<1>();  // dQ in registers (dK, and dV unless issued early, still run)
       fence_regs(dq);
+      FADSL_BWD_MARK(wg, i, 7);
       reduce_dq<Cfg>(P, b, stage, dq, accum_head, m, wg, tid);
+      FADSL_BWD_MARK(wg, i, 8);
       wgmma_wait<0>();  // dV and dK retired: Q, dO read; p16 and ds16 free
       // WAR: the slot's Q, dO (wgmma, retired above), LSE and D (read above) are free
       mbar_arrive(bwd_bar_q_empty<Cfg>(smem, slot));
@@ -1032,13 +1046,18 @@ __device__ __forceinline__ void bwd_consumer(const BwdParamsSm90& P, uint32_t sm
       // RAW: dS^T's st.shared (generic proxy) before the dQ wgmma reads it (async proxy)
       fence_proxy_async_smem();
       meet_and_issue_dq<Cfg>(dq, smem, ds_buf, wg);
+      FADSL_BWD_MARK(wg, i, 6);
       wgmma_wait<0>();  // dV, dK and dQ retired: Q, dO and dS^T read, dq in registers
       fence_regs(dq);
+      FADSL_BWD_MARK(wg, i, 7);
       // WAR: the slot's Q, dO (wgmma, retired above), LSE and D (read above) are free
       mbar_arrive(bwd_bar_q_empty<Cfg>(smem, slot));
       reduce_dq<Cfg>(P, b, stage, dq, accum_head, m, wg, tid);
+      FADSL_BWD_MARK(wg, i, 8);
     }
+    FADSL_BWD_MARK(wg, i, 9);
   }
+  if (wg == 0 && tid == 0) FADSL_BWD_CTA_MARK(3);
   // The last reduce-add has read the staging buffer before the CTA's SMEM goes away
   if constexpr (!Cfg::kDqRed) {
     if (tid == 0) bulk_wait_all();
@@ -1049,6 +1068,7 @@ __device__ __forceinline__ void bwd_consumer(const BwdParamsSm90& P, uint32_t sm
   out.head = P.dkv_store == kDkvStorePartial ? b.head : b.head_kv;
   store_grad_kv<Cfg>(dk, P.dk, P.dk_batch_stride, P.dk_row_stride, P.dk_head_stride, P, out, key0, P.softmax_scale);
   store_grad_kv<Cfg>(dv, P.dv, P.dv_batch_stride, P.dv_row_stride, P.dv_head_stride, P, out, key0, 1.f);
+  if (wg == 0 && tid == 0) FADSL_BWD_CTA_MARK(4);
 }
 
 // ---------------------------------------------------------------------------
