@@ -50,7 +50,7 @@ def main() -> int:
         main_kernel.zero_global(name)
     torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
     torch.cuda.synchronize()
-    layout = bwdtrace.TraceLayout.from_header()
+    layout = bwdtrace.BackwardTraceLayout.of_target(kern.compiled.target)
     found = bwdtrace.budget(
         layout.unpack_steps(main_kernel.read_global("fadsl_bwd_trace")),
         layout.unpack_ctas(main_kernel.read_global("fadsl_bwd_ctas")),

@@ -7,9 +7,10 @@ from __future__ import annotations
 import pytest
 
 import fadsl
+from fadsl import targets
 from fadsl.tools import bwdtrace
 
-LAYOUT = bwdtrace.TraceLayout(ctas=2, roles=3, steps=4, marks=10, all_ctas=4, cta_marks=5)
+LAYOUT = bwdtrace.BackwardTraceLayout(ctas=2, roles=3, steps=4, marks=10, all_ctas=4, cta_marks=5)
 
 
 def _timeline():
@@ -54,7 +55,7 @@ def test_no_complete_m_block_is_no_budget():
 
 
 def test_the_layout_is_the_headers():
-    layout = bwdtrace.TraceLayout.from_header()
+    layout = bwdtrace.BackwardTraceLayout.of_target(targets.get("sm_90a"))
     assert layout.roles == 3 and layout.marks == 10 and layout.cta_marks == 5
 
 

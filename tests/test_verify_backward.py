@@ -493,8 +493,14 @@ def test_an_edited_header_is_caught(what, old, new):
 
 # the overlapped order's lines, each with a neighbour that makes it the only such text
 ARRIVE = "      mbar_arrive(bwd_bar_q_empty<Cfg>(smem, slot));\n    } else {"
-REDUCE = "      reduce_dq<Cfg>(P, b, stage, dq, accum_head, m, wg, tid);\n      wgmma_wait<0>();"
-ISSUE = "      meet_and_issue_dq<Cfg>(dq, smem, ds_buf, wg);\n      if constexpr (!Cfg::kEarlyDv)"
+REDUCE = (
+    "      reduce_dq<Cfg>(P, b, stage, dq, accum_head, m, wg, tid);\n"
+    "      FADSL_BWD_MARK(wg, i, 8);\n      wgmma_wait<0>();"
+)
+ISSUE = (
+    "      meet_and_issue_dq<Cfg>(dq, smem, ds_buf, wg);\n"
+    "      FADSL_BWD_MARK(wg, i, 6);\n      if constexpr (!Cfg::kEarlyDv)"
+)
 GRADS = "      issue_grad_kv<Cfg>(dk, ds16, q_slot);\n      wgmma_commit();\n      wgmma_wait<1>();"
 
 
@@ -509,7 +515,7 @@ GRADS = "      issue_grad_kv<Cfg>(dk, ds16, q_slot);\n      wgmma_commit();\n   
                 (
                     REDUCE,
                     REDUCE.replace(
-                        "\n", "\n      mbar_arrive(bwd_bar_q_empty<Cfg>(smem, slot));\n"
+                        "\n", "\n      mbar_arrive(bwd_bar_q_empty<Cfg>(smem, slot));\n", 1
                     ),
                 ),
             ],

@@ -156,6 +156,9 @@ class Target:
     # The header that declares the tile timeline's layout (a FADSL_TILE_TRACE build,
     # fadsl/tools/tiletrace.py); None: the target's kernels record no timeline.
     trace_header: str | None = None
+    # The same for the backward's m-block timeline (a FADSL_BWD_TRACE build,
+    # fadsl/tools/bwdtrace.py); None: the target's backward records none.
+    backward_trace_header: str | None = None
     # fadsl.attention's specs: (head_dim, causal) -> an example's name (examples/NAME.fa)
     shipped: Mapping[tuple[int, bool], str] = dataclasses.field(default_factory=dict)
     # fadsl.attention_varlen / attention_with_kvcache: ("varlen" or "kvcache", head_dim) -> a

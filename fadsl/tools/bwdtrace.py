@@ -1,5 +1,5 @@
-"""Where the sm_90a backward's time goes m-block by m-block: the marks of
-fadsl/sm90_bwd_trace.cuh, summed up (scripts/backward_trace.py runs a development build with
+"""Where the sm_90a backward's time goes m-block by m-block: the marks of a
+target's backward trace header (sm_90a: fadsl/sm90_bwd_trace.cuh), summed up (scripts/backward_trace.py runs a development build with
 ``FADSL_BWD_TRACE``).
 
 Each consumer warpgroup stamps %globaltimer at ten marks of each m-block: 0 the m-block
@@ -20,7 +20,6 @@ from dataclasses import dataclass
 
 from ..codegen.render import read_header
 
-HEADER = "fadsl/sm90_bwd_trace.cuh"
 CONSUMER_PHASES = (
     ("wait for Q, dO, LSE, D", 0, 1),
     ("S^T (dP^T issued)", 1, 2),
@@ -37,7 +36,7 @@ CTA_PHASES = (("start to K, V landed", 1, 2), ("m-blocks", 2, 3), ("dK, dV store
 
 
 @dataclass(frozen=True)
-class TraceLayout:
+class BackwardTraceLayout:
     """The arrays' shapes as the header declares them."""
 
     ctas: int
@@ -48,8 +47,11 @@ class TraceLayout:
     cta_marks: int
 
     @classmethod
-    def from_header(cls) -> "TraceLayout":
-        text = read_header(HEADER)
+    def of_target(cls, target) -> "BackwardTraceLayout":
+        """The layout ``target``'s backward trace header declares (a ``fadsl.targets.Target``)."""
+        if target.backward_trace_header is None:
+            raise ValueError(f"target {target.name} records no backward timeline")
+        text = read_header(target.backward_trace_header)
         names = (
             "kBwdTraceCtas",
             "kBwdTraceRoles",
@@ -96,7 +98,9 @@ def _durations(stamps: list[list[int]], phases) -> dict[str, list[int]]:
     return found
 
 
-def budget(steps: list[int], ctas: list[int], layout: TraceLayout, consumers: int) -> Budget | None:
+def budget(
+    steps: list[int], ctas: list[int], layout: BackwardTraceLayout, consumers: int
+) -> Budget | None:
     """``steps``: fadsl_bwd_trace flat [cta][role][step][mark]; ``ctas``: fadsl_bwd_ctas flat
     [cta][mark] (0: not stamped). None if no consumer m-block has every mark."""
     marks = layout.marks

@@ -21,7 +21,7 @@ from .alone import alone
 from .backward.validate import validate_backward
 from .backward import BACKWARD_LAUNCH
 from .backward.tune_space import BACKWARD_TUNE_SPACE
-from .caps import CAPABILITIES, SYNC_MODEL, TRACE_HEADER
+from .caps import BACKWARD_TRACE_HEADER, CAPABILITIES, SYNC_MODEL, TRACE_HEADER
 from .config import read_config
 from .settings import PAGE_SIZES, SETTINGS, TMA_SWIZZLE
 from .emit import TEMPLATE, context
@@ -86,6 +86,7 @@ TARGET = Target(
     # FwdParamsSm90, the persistent tile grid, the split tail, clusters; varlen and kv-cache calls
     launch=replace(LAUNCH, serving=SERVING),
     trace_header=TRACE_HEADER,
+    backward_trace_header=BACKWARD_TRACE_HEADER,
     settings=SETTINGS,
     swizzle_words=(TMA_SWIZZLE,),
     page_sizes=PAGE_SIZES,

@@ -145,3 +145,5 @@ def default_registers(consumers: int) -> tuple[int, int]:
 # The header of the tile timeline's marks (a FADSL_TILE_TRACE build; fadsl/tools/tiletrace.py
 # reads the layout it declares).
 TRACE_HEADER = "fadsl/sm90_trace.cuh"
+# The backward's m-block timeline (a FADSL_BWD_TRACE build; fadsl/tools/bwdtrace.py).
+BACKWARD_TRACE_HEADER = "fadsl/sm90_bwd_trace.cuh"
