@@ -138,7 +138,8 @@ def kernel_template(overlap: bool, template: str = TEMPLATE) -> str:
     decided = branch.sub(lambda b: (b[1] if overlap else b[2]) or "", template)
     # the Cfg's constants of a window or a softcap: declarations, never calls
     constants = re.compile(
-        tag("if (window|softcap|longest_first|varlen)") + r"(.*?)" + tag("endif"), re.S
+        tag("if (window|softcap|longest_first|varlen|dv_before_meeting)") + r"(.*?)" + tag("endif"),
+        re.S,
     )
     for block in constants.finditer(decided):
         assert "(" not in re.sub(r"//[^\n]*", "", block[2]), f"a call under {{% if {block[1]} %}}"
@@ -408,6 +409,7 @@ def walk_if(cond: str, constexpr: bool, then, other, walk: Walk) -> None:
     flags["Cfg::kDeterministic"] = walk.params.deterministic
     flags["Cfg::kOverlap"] = walk.params.overlap
     flags["Cfg::kEarlyDv"] = walk.params.early_dv
+    flags["Cfg::kDvBeforeMeeting"] = walk.params.dv_before_meeting
     flags["Cfg::kDqRed"] = walk.params.dq_red
     flags |= {f"!{name}": not value for name, value in flags.items()}
     if constexpr:

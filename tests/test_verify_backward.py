@@ -73,11 +73,12 @@ def test_the_cases_wrap_every_ring_slot_twice():
     assert {p.dq_by_queries for p in PARAMS} == {False, True}
     assert {p.dq_transposed for p in PARAMS} == {False, True}
     assert {p.stages for p in PARAMS} == {1, 2, 3}
-    # 12 shapes with B_r 64, one with B_r 128 and one with B_r 80, 3 stages, 3
-    # (deterministic, dQ's adds), 3 orders
-    assert len(PARAMS) == 216 and sum(p.overlap for p in PARAMS) == 144
-    assert sum(p.early_dv for p in PARAMS) == 72 and sum(p.block_m == 128 for p in PARAMS) == 27
-    assert sum(p.block_m == 80 for p in PARAMS) == 27 and sum(p.dq_red for p in PARAMS) == 72
+    # 6 shapes with B_r 64, one with B_r 128 and one with B_r 80, 3 stages, 3
+    # (deterministic, dQ's adds), 4 orders
+    assert len(PARAMS) == 288 and sum(p.overlap for p in PARAMS) == 216
+    assert sum(p.early_dv for p in PARAMS) == 72 and sum(p.block_m == 128 for p in PARAMS) == 36
+    assert sum(p.dv_before_meeting for p in PARAMS) == 72
+    assert sum(p.block_m == 80 for p in PARAMS) == 36 and sum(p.dq_red for p in PARAMS) == 96
 
 
 # --- mutations ----------------------------------------------------------------------------
@@ -105,6 +106,7 @@ RED = (
 )
 MUTATED = PLAIN + RED + tuple(replace(p, overlap=True) for p in PLAIN + RED)
 MUTATED += tuple(replace(p, overlap=True, early_dv=True) for p in PLAIN + RED)
+MUTATED += tuple(replace(p, overlap=True, dv_before_meeting=True) for p in PLAIN + RED)
 OVERLAPPED = tuple(p for p in MUTATED if p.overlap)
 
 
@@ -155,8 +157,14 @@ UNNEEDED[True, False] = UNNEEDED[False, False] | _redundant_staging_syncs("dQ = 
 UNNEEDED[True, True] = _redundant_staging_syncs("dK += dS^T Q")
 
 
+# `dv_before_meeting`: dV's own group, closed as the warpgroup turns to ordinary code (the
+# pass's rule, as the header does); dQ's wait would retire it anyway, issued before dQ
+DV_GROUP = "consumer: wgmma.commit_group (each m-block) after dV += P^T dO"
+
+
 def unneeded(params: Params) -> set[str]:
-    return UNNEEDED[params.deterministic, params.overlap]
+    extra = {DV_GROUP} if params.dv_before_meeting else set()
+    return UNNEEDED[params.deterministic, params.overlap] | extra
 
 
 @pytest.mark.parametrize("params", MUTATED, ids=lambda p: p.describe())
@@ -499,7 +507,7 @@ REDUCE = (
 )
 ISSUE = (
     "      meet_and_issue_dq<Cfg>(dq, smem, ds_buf, wg);\n"
-    "      FADSL_BWD_MARK(wg, i, 6);\n      if constexpr (!Cfg::kEarlyDv)"
+    "      FADSL_BWD_MARK(wg, i, 6);\n      if constexpr (!Cfg::kEarlyDv) {"
 )
 GRADS = "      issue_grad_kv<Cfg>(dk, ds16, q_slot);\n      wgmma_commit();\n      wgmma_wait<1>();"
 
@@ -523,7 +531,7 @@ GRADS = "      issue_grad_kv<Cfg>(dk, ds16, q_slot);\n      wgmma_commit();\n   
         (
             "dQ issued after dV and dK",
             [
-                (ISSUE, "      if constexpr (!Cfg::kEarlyDv)"),
+                (ISSUE, "      if constexpr (!Cfg::kEarlyDv) {"),
                 (
                     GRADS,
                     GRADS.replace(
@@ -547,6 +555,19 @@ GRADS = "      issue_grad_kv<Cfg>(dk, ds16, q_slot);\n      wgmma_commit();\n   
             [("issue_grad_kv<Cfg>(dv, p16, do_slot);\n      wgmma_commit();", "")],
         ),
         ("by queries: dS^T panel 0", [("ds_buf + wg * Cfg::kDSPanelBytes", "ds_buf")]),
+        (
+            "dV before the meeting: no fence",
+            [("wgmma_fence();  // p16 (its A operand) and dv written", "// ")],
+        ),
+        (
+            "dV before the meeting: issued after the meeting too",
+            [
+                (
+                    "        if constexpr (!Cfg::kDvBeforeMeeting) issue_grad_kv<Cfg>(dv, p16, do_slot);",
+                    "        issue_grad_kv<Cfg>(dv, p16, do_slot);",
+                )
+            ],
+        ),
     ],
 )
 def test_an_edited_overlap_header_is_caught(what, edits):

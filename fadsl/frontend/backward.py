@@ -34,10 +34,11 @@ from ..spec.syntax import BackwardDecl, PathDecl, Setting, Word
 # The block's keys, each read as the kernel's key of that name is; `deterministic on|off`
 # orders dQ's accumulation by n-block (bitwise-stable gradients); `overlap on|off` stages dQ
 # while dV and dK run; `early_dv on|off` issues dV as soon as P is packed, before dS;
+# `dv_before_meeting on|off` issues it once dS is computed, before the meeting at dS^T;
 # `longest_first on|off` launches every head's first n-block (the causal mask's longest)
 # before any head's second.
 KERNEL_KEYS = ("tile", "warpgroups", "registers", "stages")
-ON_OFF_KEYS = ("deterministic", "overlap", "early_dv", "longest_first")
+ON_OFF_KEYS = ("deterministic", "overlap", "early_dv", "dv_before_meeting", "longest_first")
 
 
 def backward_settings() -> dict[str, Callable[[Checks, Setting], object]]:

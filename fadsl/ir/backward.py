@@ -52,6 +52,9 @@ class Backward:
     overlap: bool = False
     # with overlap: dV issued as soon as P^T is packed, before dS (sm90_bwd.cuh, bwd_consumer)
     early_dv: bool = False
+    # with overlap: dV issued once dS is computed, before the warpgroups meet at dS^T (its
+    # product under the dS^T store and the meeting; sm90_bwd.cuh, bwd_consumer)
+    dv_before_meeting: bool = False
     # dQ's path is `rf -red.add-> gmem`: added into the accumulator from registers, no staging
     dq_red: bool = False
     # CTAs launched n-block by n-block across heads and batches (the causal mask's longest
@@ -89,6 +92,7 @@ class Backward:
             f"deterministic={'on' if self.deterministic else 'off'}"
             + (" overlap=on" if self.overlap else "")
             + (" early_dv=on" if self.early_dv else "")
+            + (" dv_before_meeting=on" if self.dv_before_meeting else "")
             + (" dq=red.add" if self.dq_red else "")
             + (" longest_first=on" if self.longest_first else "")
         )
@@ -97,7 +101,7 @@ class Backward:
 _TEXT = re.compile(
     r"backward B_r=(?P<m>\d+) B_c=(?P<n>\d+) consumers=(?P<consumers>\d+) "
     r"regs=(?P<preg>\d+)/(?P<creg>\d+) stages=(?P<stages>\d+) "
-    r"deterministic=(?P<deterministic>on|off)(?P<overlap> overlap=on)?(?P<early_dv> early_dv=on)?(?P<dq_red> dq=red.add)?(?P<longest_first> longest_first=on)?$"
+    r"deterministic=(?P<deterministic>on|off)(?P<overlap> overlap=on)?(?P<early_dv> early_dv=on)?(?P<dv_before_meeting> dv_before_meeting=on)?(?P<dq_red> dq=red.add)?(?P<longest_first> longest_first=on)?$"
 )
 
 
@@ -119,6 +123,7 @@ def read_backward(line: str, loc: Loc) -> Backward:
         deterministic=m["deterministic"] == "on",
         overlap=m["overlap"] is not None,
         early_dv=m["early_dv"] is not None,
+        dv_before_meeting=m["dv_before_meeting"] is not None,
         dq_red=m["dq_red"] is not None,
         longest_first=m["longest_first"] is not None,
         loc=loc,

@@ -172,6 +172,10 @@ struct BwdConfig {
   // m-blocks) starts first and the shortest come last; off: blockIdx as is (n fastest, head
   // by head).
   static constexpr bool kLongestFirst = false;
+  // `dv_before_meeting on` (a generated Cfg sets it; with kOverlap, not with kEarlyDv): dV
+  // issued once dS is computed and P^T packed, in a wgmma group of its own, so that it runs
+  // under the dS^T store and the warpgroups' meeting, where no product is queued otherwise
+  static constexpr bool kDvBeforeMeeting = false;
   // `varlen on` (a generated Cfg sets it): packed sequences, cu_seqlens in the params; a CTA
   // per (n-block slot, query head) over the packed keys (bwd_block)
   static constexpr bool kVarlen = false;
@@ -1005,6 +1009,11 @@ __device__ __forceinline__ void bwd_consumer(const BwdParamsSm90& P, uint32_t sm
       fence_regs(dp);
       bwd_grad_scores<Cfg>(s, dp, dtanh, d_slot, lane);
       pack_pairs<Cfg>(s, p16);
+      if constexpr (Cfg::kDvBeforeMeeting) {  // (only with kOverlap, without kEarlyDv)
+        wgmma_fence();  // p16 (its A operand) and dv written by ordinary instructions
+        issue_grad_kv<Cfg>(dv, p16, do_slot);
+        wgmma_commit();
+      }
     }
     pack_pairs<Cfg>(dp, ds16);
     FADSL_BWD_MARK(wg, i, 4);
@@ -1027,7 +1036,9 @@ __device__ __forceinline__ void bwd_consumer(const BwdParamsSm90& P, uint32_t sm
       wgmma_fence();
       meet_and_issue_dq<Cfg>(dq, smem, ds_buf, wg);
       FADSL_BWD_MARK(wg, i, 6);
-      if constexpr (!Cfg::kEarlyDv) issue_grad_kv<Cfg>(dv, p16, do_slot);
+      if constexpr (!Cfg::kEarlyDv) {
+        if constexpr (!Cfg::kDvBeforeMeeting) issue_grad_kv<Cfg>(dv, p16, do_slot);
+      }
       issue_grad_kv<Cfg>(dk, ds16, q_slot);
       wgmma_commit();
       wgmma_wait<1>();  // dQ in registers (dK, and dV unless issued early, still run)

@@ -70,6 +70,7 @@ def context(kernel: Kernel, dtype: Dtype) -> dict[str, Any]:
         "deterministic": bwd.deterministic,
         "overlap": bwd.overlap,
         "early_dv": bwd.early_dv,
+        "dv_before_meeting": bwd.dv_before_meeting,
         "longest_first": bwd.longest_first,
         "varlen": cfg.features.varlen,
         "dq_red": bwd.dq_red,

@@ -222,6 +222,8 @@ class Params:
     block_m: int = BLOCK_M  # B_r: 64, 64 per consumer (dQ split by queries), or 80 (dQ^T)
     early_dv: bool = False  # with overlap: dV issued once P^T is packed, before dS
     dq_red: bool = False  # dQ added from registers (red_add_dq), no staging
+    # with overlap: dV issued once dS is computed, before the meeting at dS^T
+    dv_before_meeting: bool = False
 
     @classmethod
     def of(cls, bwd: Backward, head_dim: int) -> Params:
@@ -235,6 +237,7 @@ class Params:
             block_m=bwd.block_m,
             early_dv=bwd.early_dv,
             dq_red=bwd.dq_red,
+            dv_before_meeting=bwd.dv_before_meeting,
         )
 
     def __post_init__(self) -> None:
@@ -248,6 +251,7 @@ class Params:
         )
         assert self.block_m == BLOCK_M or wide or transposed, self
         assert not self.early_dv or self.overlap, self
+        assert not self.dv_before_meeting or (self.overlap and not self.early_dv), self
         assert not self.dq_red or not self.deterministic, self  # the ordered adds are staged
 
     @property
@@ -317,6 +321,7 @@ class Params:
         det = ", deterministic" if self.deterministic else ""
         det += ", overlap" if self.overlap else ""
         det += ", early dV" if self.early_dv else ""
+        det += ", dV before the meeting" if self.dv_before_meeting else ""
         det += ", dQ by red.add" if self.dq_red else ""
         return (
             f"{self.consumers} consumer(s), {self.stages} stage(s), head_dim {self.head_dim}, "

@@ -117,6 +117,7 @@ def backward_data(kernel: Kernel) -> dict[str, Any]:
             "deterministic": bwd.deterministic,
             "overlap": bwd.overlap,
             "early_dv": bwd.early_dv,
+            "dv_before_meeting": bwd.dv_before_meeting,
             "longest_first": bwd.longest_first,
             # (only where packed: the forward's sections name varlen the same way)
             **({"varlen": True} if kernel.config.features.varlen else {}),
@@ -150,7 +151,12 @@ def backward_data(kernel: Kernel) -> dict[str, Any]:
                     "P^T = exp2(S^T c log2(e) - LSE log2(e))  (c: softmax_scale)",
                     *(["dV += P^T dO  (issued before dS^T)"] if bwd.early_dv else []),
                     "dS^T = P^T (dP^T - D)",
-                    *([] if bwd.early_dv else ["dV += P^T dO"]),
+                    *(
+                        ["dV += P^T dO  (issued before the meeting at dS^T)"]
+                        if bwd.dv_before_meeting
+                        else []
+                    ),
+                    *([] if bwd.early_dv or bwd.dv_before_meeting else ["dV += P^T dO"]),
                     "dK += dS^T Q",
                     f"dQ = dS K {_dq_split(kernel)}, "
                     + (
@@ -196,6 +202,7 @@ def backward_sections(data: Mapping[str, Any]) -> list[str]:
         f"CTA (its n-block); {s['producer_warpgroups']} producer and {s['consumers']} consumer "
         f"warpgroups; stages {s['stages']}; deterministic {_on(s['deterministic'])}; "
         f"overlap {_on(s['overlap'])}; early_dv {_on(s['early_dv'])}"
+        + ("; dv_before_meeting on" if s["dv_before_meeting"] else "")
         + (
             "; longest_first on (by L2 sections, each section's n-block 0 first)"
             if s["longest_first"]

@@ -7,7 +7,8 @@ What the first backward kernel supports (docs/backward.md, FlashAttention-3's ba
   consumer warpgroup: FlashAttention-3's 128 x 128 tile), B_c = 64 x consumers (keys per
   CTA: each consumer warpgroup owns 64 of them, wgmma's M for S^T and dP^T), one producer
   and 2 consumer warpgroups, Q and dO rings of 2 or 3 stages;
-- `early_dv on` with `overlap on` only (it reorders the overlapped consumer);
+- `early_dv on` with `overlap on` only (it reorders the overlapped consumer), and
+  `dv_before_meeting on` likewise, not with `early_dv on` (each says where dV is issued);
 - `longest_first on` with the causal mask only (without it every CTA does the same work);
 - `varlen on` (packed sequences) without `deterministic on` (a malformed cu_seqlens could
   give two sequences one dQ chunk, whose ordered adds would wait on each other) and without
@@ -203,6 +204,7 @@ def validate_backward(c: Checks, block: BackwardBlock) -> Backward | None:
         deterministic=block.values.get("deterministic", False),
         overlap=block.values.get("overlap", False),
         early_dv=block.values.get("early_dv", False),
+        dv_before_meeting=block.values.get("dv_before_meeting", False),
         longest_first=block.values.get("longest_first", False),
         dq_red=_takes(block, GradRole.DQ, DQ_RED),
         loc=block.loc,
@@ -315,6 +317,20 @@ def _shape(block: BackwardBlock, head_dim: int | None) -> bool:
             where["early_dv"],
             "early_dv on reorders the overlapped consumer: it needs 'overlap on' in the "
             "backward block",
+        )
+        ok = False
+    if v.get("dv_before_meeting") and not v.get("overlap"):
+        c.error(
+            where["dv_before_meeting"],
+            "dv_before_meeting on reorders the overlapped consumer: it needs 'overlap on' in "
+            "the backward block",
+        )
+        ok = False
+    if v.get("dv_before_meeting") and v.get("early_dv"):
+        c.error(
+            where["dv_before_meeting"],
+            "dv_before_meeting on and early_dv on each say where dV is issued (before the "
+            "meeting at dS^T, or before dS): choose one",
         )
         ok = False
     keys = ROWS_PER_CONSUMER * consumers

@@ -138,16 +138,19 @@ def parameter_space() -> tuple[Params, ...]:
     with B_r 64 (dQ split by keys or by panels), and 2 consumers at head_dim 64 with B_r 128
     (dQ split by queries) or at head_dim 128 with B_r 80 (dQ transposed), 1-3 stages, deterministic or not, dQ staged or added from
     registers, each with either of bwd_consumer's orders (the default, or the overlapped
-    one of `overlap on`, dV early or not)."""
-    orders = ((False, False), (True, False), (True, True))  # (overlap, early_dv)
+    one of `overlap on`, dV issued with dK, early or before the meeting)."""
+    # (overlap, early_dv, dv_before_meeting)
+    orders = ((False, False, False), (True, False, False), (True, True, False), (True, False, True))
     shapes = [(c, d, BLOCK_M) for c in (1, 2, 3) for d in (64, 128)]
     shapes += [(2, 64, 2 * BLOCK_M), (2, 128, TRANSPOSED_BLOCK_M)]
     # (deterministic, dq_red): dQ staged in either mode, or added from registers (not in
     # deterministic mode, whose ordered adds go through the staging)
     adds = ((False, False), (True, False), (False, True))
     return tuple(
-        Params(consumers, stages, head_dim, deterministic, overlap, block_m, early_dv, dq_red)
-        for overlap, early_dv in orders
+        Params(
+            consumers, stages, head_dim, deterministic, overlap, block_m, early_dv, dq_red, dv_meet
+        )
+        for overlap, early_dv, dv_meet in orders
         for consumers, head_dim, block_m in shapes
         for stages in (1, 2, 3)
         for deterministic, dq_red in adds
