@@ -13,12 +13,11 @@ warpgroup 0's view).
 
 from __future__ import annotations
 
-import re
 import statistics
 import struct
 from dataclasses import dataclass
 
-from ..codegen.render import read_header
+from .tiletrace import declared_ints
 
 CONSUMER_PHASES = (
     ("wait for Q, dO, LSE, D", 0, 1),
@@ -51,7 +50,6 @@ class BackwardTraceLayout:
         """The layout ``target``'s backward trace header declares (a ``fadsl.targets.Target``)."""
         if target.backward_trace_header is None:
             raise ValueError(f"target {target.name} records no backward timeline")
-        text = read_header(target.backward_trace_header)
         names = (
             "kBwdTraceCtas",
             "kBwdTraceRoles",
@@ -60,7 +58,7 @@ class BackwardTraceLayout:
             "kBwdTraceAllCtas",
             "kBwdCtaMarks",
         )
-        return cls(*(int(re.search(rf"constexpr int {name} = (\d+);", text)[1]) for name in names))
+        return cls(*declared_ints(target.backward_trace_header, names))
 
     def unpack_steps(self, raw: bytes) -> list[int]:
         return list(struct.unpack(f"<{self.ctas * self.roles * self.steps * self.marks}Q", raw))

@@ -31,6 +31,12 @@ PHASES = (
 LAST_MARK = PHASES[-1][2]
 
 
+def declared_ints(header: str, names: tuple[str, ...]) -> list[int]:
+    """The values of ``constexpr int NAME = N;`` for each of ``names`` in ``header``."""
+    text = read_header(header)
+    return [int(re.search(rf"constexpr int {name} = (\d+);", text)[1]) for name in names]
+
+
 @dataclass(frozen=True)
 class TraceLayout:
     """fadsl_tile_trace's shape, [ctas][warpgroups][steps][marks], as the header declares it."""
@@ -45,12 +51,8 @@ class TraceLayout:
         """The layout ``target``'s trace header declares (a ``fadsl.targets.Target``)."""
         if target.trace_header is None:
             raise ValueError(f"target {target.name} records no tile timeline")
-        text = read_header(target.trace_header)
-        sizes = [
-            int(re.search(rf"constexpr int {name} = (\d+);", text)[1])
-            for name in ("kTraceCtas", "kTraceWgs", "kTraceSteps", "kTraceMarks")
-        ]
-        return cls(*sizes)
+        names = ("kTraceCtas", "kTraceWgs", "kTraceSteps", "kTraceMarks")
+        return cls(*declared_ints(target.trace_header, names))
 
     def unpack(self, raw: bytes) -> list[int]:
         """The stamps from the array's bytes (unsigned 64-bit, little-endian)."""

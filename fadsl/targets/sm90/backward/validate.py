@@ -312,20 +312,14 @@ def _shape(block: BackwardBlock, head_dim: int | None) -> bool:
             f"transposed) (B_r = {BLOCK_M}, {WIDE_BLOCK_M} or {TRANSPOSED_BLOCK_M})",
         )
         ok = False
-    if v.get("early_dv") and not v.get("overlap"):
-        c.error(
-            where["early_dv"],
-            "early_dv on reorders the overlapped consumer: it needs 'overlap on' in the "
-            "backward block",
-        )
-        ok = False
-    if v.get("dv_before_meeting") and not v.get("overlap"):
-        c.error(
-            where["dv_before_meeting"],
-            "dv_before_meeting on reorders the overlapped consumer: it needs 'overlap on' in "
-            "the backward block",
-        )
-        ok = False
+    for order in ("early_dv", "dv_before_meeting"):
+        if v.get(order) and not v.get("overlap"):
+            c.error(
+                where[order],
+                f"{order} on reorders the overlapped consumer: it needs 'overlap on' in the "
+                "backward block",
+            )
+            ok = False
     if v.get("dv_before_meeting") and v.get("early_dv"):
         c.error(
             where["dv_before_meeting"],
