@@ -412,8 +412,8 @@ def walk_if(cond: str, constexpr: bool, then, other, walk: Walk) -> None:
     flags["Cfg::kDvBeforeMeeting"] = walk.params.dv_before_meeting
     flags["Cfg::kDqRed"] = walk.params.dq_red
     flags |= {f"!{name}": not value for name, value in flags.items()}
-    if constexpr:
-        chosen = then if flags[cond] else other
+    if constexpr:  # a flag, its negation, or a conjunction of them
+        chosen = then if all(flags[part] for part in cond.split("&&")) else other
         if chosen is not None:
             walk_node(chosen, walk)
         return

@@ -507,7 +507,7 @@ REDUCE = (
 )
 ISSUE = (
     "      meet_and_issue_dq<Cfg>(dq, smem, ds_buf, wg);\n"
-    "      FADSL_BWD_MARK(wg, i, 6);\n      if constexpr (!Cfg::kEarlyDv) {"
+    "      FADSL_BWD_MARK(wg, i, 6);\n      if constexpr (!Cfg::kEarlyDv &&"
 )
 GRADS = "      issue_grad_kv<Cfg>(dk, ds16, q_slot);\n      wgmma_commit();\n      wgmma_wait<1>();"
 
@@ -531,7 +531,7 @@ GRADS = "      issue_grad_kv<Cfg>(dk, ds16, q_slot);\n      wgmma_commit();\n   
         (
             "dQ issued after dV and dK",
             [
-                (ISSUE, "      if constexpr (!Cfg::kEarlyDv) {"),
+                (ISSUE, "      if constexpr (!Cfg::kEarlyDv &&"),
                 (
                     GRADS,
                     GRADS.replace(
@@ -563,8 +563,8 @@ GRADS = "      issue_grad_kv<Cfg>(dk, ds16, q_slot);\n      wgmma_commit();\n   
             "dV before the meeting: issued after the meeting too",
             [
                 (
-                    "        if constexpr (!Cfg::kDvBeforeMeeting) issue_grad_kv<Cfg>(dv, p16, do_slot);",
-                    "        issue_grad_kv<Cfg>(dv, p16, do_slot);",
+                    "      if constexpr (!Cfg::kEarlyDv && !Cfg::kDvBeforeMeeting) issue_grad_kv",
+                    "      if constexpr (!Cfg::kEarlyDv) issue_grad_kv",
                 )
             ],
         ),

@@ -30,6 +30,8 @@ CONSUMER_PHASES = (
     ("dQ added", 7, 8),
     ("dV, dK retired, slot freed", 8, 9),
 )
+# the mark that ends a consumer's m-block, from which the gap to its next m-block runs
+LAST_MARK = CONSUMER_PHASES[-1][2]
 PRODUCER_PHASES = (("wait for a free slot", 0, 1), ("loads issued", 1, 2))
 CTA_PHASES = (("start to K, V landed", 1, 2), ("m-blocks", 2, 3), ("dK, dV stored", 3, 4))
 
@@ -114,9 +116,9 @@ def budget(
                 if not all(row):
                     continue
                 consumer_stamps.append(row)
-                totals.append(row[9] - row[0])
+                totals.append(row[LAST_MARK] - row[0])
                 if s + 1 < layout.steps and rows[s + 1][0]:
-                    gaps.append(rows[s + 1][0] - row[9])
+                    gaps.append(rows[s + 1][0] - row[LAST_MARK])
     if not consumer_stamps:
         return None
     per_cta = [

@@ -1036,9 +1036,7 @@ __device__ __forceinline__ void bwd_consumer(const BwdParamsSm90& P, uint32_t sm
       wgmma_fence();
       meet_and_issue_dq<Cfg>(dq, smem, ds_buf, wg);
       FADSL_BWD_MARK(wg, i, 6);
-      if constexpr (!Cfg::kEarlyDv) {
-        if constexpr (!Cfg::kDvBeforeMeeting) issue_grad_kv<Cfg>(dv, p16, do_slot);
-      }
+      if constexpr (!Cfg::kEarlyDv && !Cfg::kDvBeforeMeeting) issue_grad_kv<Cfg>(dv, p16, do_slot);
       issue_grad_kv<Cfg>(dk, ds16, q_slot);
       wgmma_commit();
       wgmma_wait<1>();  // dQ in registers (dK, and dV unless issued early, still run)

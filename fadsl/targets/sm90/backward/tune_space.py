@@ -2,11 +2,11 @@
 
 The tile's B_r (64, or 128 or 80 where validate admits it: 128 at head_dim 64, 80 at 128; at
 80 dS's path becomes `rf -stmatrix-> smem`, since dQ^T reads dS with the queries as rows,
-stored transposed), the consumer's order (`overlap`, `early_dv`, `dv_before_meeting`), dQ's path (staged, or
-`rf -red.add-> gmem`) and the Q / dO ring's `stages`; under the causal mask, the input's
-block with `longest_first` flipped (the CTA order). Every combination is a candidate;
-validate.py refuses what does not fit (SMEM, registers, the knobs that do not combine) and
-the tuner's build step what spills. `deterministic` stays as the spec has it.
+stored transposed), the consumer's order (`overlap`, `early_dv`, `dv_before_meeting`), dQ's
+path (staged, or `rf -red.add-> gmem`) and the Q / dO ring's `stages`; under the causal
+mask, the input's block with `longest_first` flipped (the CTA order). Every combination is a
+candidate; validate.py refuses what does not fit (SMEM, registers, the knobs that do not
+combine) and the tuner's build step what spills. `deterministic` stays as the spec has it.
 """
 
 from __future__ import annotations
@@ -21,77 +21,53 @@ BLOCK_MS = (64, 128, 80)
 # dS's path at each B_r (80: dQ^T reads dS with the queries as rows, stored transposed)
 DS_PATHS = {80: "rf -stmatrix-> smem[cta] -wgmma-> rf"}
 DS_STORED = "rf -st.shared-> smem[cta] -wgmma-> rf"
-# (overlap, early_dv, dv_before_meeting)
-ORDERS = (("off", "off", "off"), ("on", "off", "off"), ("on", "on", "off"), ("on", "off", "on"))
+# The consumer's orders by name: the keys each sets (overlap, early_dv, dv_before_meeting)
+ORDERS = {
+    "plain": {"overlap": "off", "early_dv": "off", "dv_before_meeting": "off"},
+    "overlap": {"overlap": "on", "early_dv": "off", "dv_before_meeting": "off"},
+    "early_dv": {"overlap": "on", "early_dv": "on", "dv_before_meeting": "off"},
+    "dv_before_meeting": {"overlap": "on", "early_dv": "off", "dv_before_meeting": "on"},
+}
 STAGED, RED = "staged", "red.add"
 DQ_PATHS = {STAGED: None, RED: "rf -red.add-> gmem"}  # None: the default (staged) path
 STAGES = (2, 3)
 
 
-def _label(
-    block_m: int,
-    overlap: bool,
-    early_dv: bool,
-    dq: str,
-    stages: int,
-    longest_first=False,
-    dv_before_meeting=False,
-) -> str:
-    order = "early_dv" if early_dv else ("overlap" if overlap else "plain")
-    order = "dv_before_meeting" if dv_before_meeting else order
+def _label(block_m: int, order: str, dq: str, stages: int, longest_first=False) -> str:
     first = ", longest first" if longest_first else ""
     return f"B_r {block_m}, {order}, dQ {dq}, stages {stages}{first}"
+
+
+def _order_of(bwd: Backward) -> str:
+    if bwd.early_dv:
+        return "early_dv"
+    if bwd.dv_before_meeting:
+        return "dv_before_meeting"
+    return "overlap" if bwd.overlap else "plain"
 
 
 def label_of(bwd: Backward) -> str:
     """The knobs a backward block sets, e.g. "B_r 128, overlap, dQ red.add, stages 2"."""
     dq = RED if bwd.dq_red else STAGED
-    return _label(
-        bwd.block_m,
-        bwd.overlap,
-        bwd.early_dv,
-        dq,
-        bwd.stages,
-        bwd.longest_first,
-        bwd.dv_before_meeting,
-    )
+    return _label(bwd.block_m, _order_of(bwd), dq, bwd.stages, bwd.longest_first)
 
 
 def knobs_of(bwd: Backward) -> tuple:
-    return (
-        bwd.block_m,
-        bwd.overlap,
-        bwd.early_dv,
-        bwd.dv_before_meeting,
-        bwd.dq_red,
-        bwd.stages,
-        bwd.longest_first,
-    )
+    return (bwd.block_m, _order_of(bwd), bwd.dq_red, bwd.stages, bwd.longest_first)
 
 
 def candidates(base: Backward, causal: bool) -> tuple[BackwardCandidate, ...]:
     out = []
-    for block_m, (overlap, early_dv, dv_meet), dq, stages in itertools.product(
-        BLOCK_MS, ORDERS, DQ_PATHS, STAGES
-    ):
+    for block_m, order, dq, stages in itertools.product(BLOCK_MS, ORDERS, DQ_PATHS, STAGES):
         settings = {
             "tile": f"B_r = {block_m}, B_c = {base.block_n}",
-            "overlap": overlap,
-            "early_dv": early_dv,
-            "dv_before_meeting": dv_meet,
+            **ORDERS[order],
             "stages": str(stages),
         }
         paths = {GradRole.DQ.value: DQ_PATHS[dq]}
         if block_m in DS_PATHS or base.block_m in DS_PATHS:  # dS's path follows the tile
             paths[GradRole.DS.value] = DS_PATHS.get(block_m, DS_STORED)
-        label = _label(
-            block_m,
-            overlap == "on",
-            early_dv == "on",
-            dq,
-            stages,
-            dv_before_meeting=dv_meet == "on",
-        )
+        label = _label(block_m, order, dq, stages)
         out.append(BackwardCandidate(label, settings, paths))
     if causal:  # the input's block in the other CTA order
         flipped = "off" if base.longest_first else "on"
