@@ -461,6 +461,24 @@ def test_softcap_at_b_r_80_is_refused_for_its_spills():
     assert "the backward's kernels spill" in str(err.value)
 
 
+def test_dv_before_meeting_at_b_r_80_is_refused_for_its_serialized_wgmma():
+    """Issuing dV while dS is still computed at B_r 80 keeps too many registers in flight:
+    ptxas (NVRTC 13.0) does not spill but serializes every wgmma (note C7512), which cost
+    15-21 % on an H200 (2026-11-30); the check refuses it at the block. At B_r 64 it fits."""
+    compiler, name = find_compiler()
+    if compiler is None:
+        pytest.skip(name)
+    text = (ROOT / "examples" / "fa3_hopper.fa").read_text()
+    text = text.replace("    early_dv   off", "    early_dv   off\n    dv_before_meeting on")
+    with pytest.raises(SpecError) as err:
+        check_registers(compile_source(text, FILE), compiler, name)
+    assert "ptxas serialized their wgmma" in str(err.value)
+    b_r_64 = text.replace("tile       B_r = 80", "tile       B_r = 64").replace(
+        "dS:  rf -stmatrix->", "dS:  rf -st.shared->"
+    )
+    assert check_registers(compile_source(b_r_64, FILE), compiler, name).ran
+
+
 def test_a_bad_target_line_still_reports_the_blocks_own_mistakes():
     text = variant("target     sm_90a", "target     sm_91")
     text = variant("deterministic off", "stage 2", text)

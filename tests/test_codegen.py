@@ -116,5 +116,6 @@ def test_kernels_compile_without_spills(spec):
         assert usage["warnings"] == 0, where
         assert usage["spill_store_bytes"] == usage["spill_load_bytes"] == 0, where
         assert usage["stack_bytes"] == 0, where
+        assert not usage["wgmma_serialized"], where  # ptxas C7512: no MMA overlap
         assert usage["static_smem_bytes"] == 0, where
         assert 0 < usage["registers"] <= 255, where

@@ -52,6 +52,27 @@ def test_ptxas_report_takes_the_largest_over_the_functions():
     assert (usage.registers, usage.stack_bytes, usage.spills) == (96, 32, True)
 
 
+# What NVRTC 13.0 prints (its log, sm_90a) for a backward whose dV product was issued while
+# dS was still computed (dv_before_meeting at B_r 80): no spill, the wgmma serialized.
+SERIALIZED_LOG = """\
+ptxas info    : (C7512) Potential Performance Loss: wgmma.mma_async instructions are \
+serialized due to insufficient register resources for the function 'fa3_hopper_bwd_bf16'
+ptxas info    : Function properties for fa3_hopper_bwd_bf16
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 168 registers, used 16 barriers
+"""
+
+
+def test_serialized_wgmma_is_read_and_counts_as_short_of_registers():
+    usage = parse_resource_usage(SERIALIZED_LOG)
+    assert usage == Usage(168, wgmma_serialized=True)
+    assert usage.short_of_registers and not usage.spills
+    assert usage.shortfall() == "its wgmma serialized (ptxas C7512)"
+    clean = parse_resource_usage(SERIALIZED_LOG.split("\n", 2)[2])
+    assert not clean.wgmma_serialized and not clean.short_of_registers and clean.shortfall() == ""
+    assert parse_resource_usage(SPILLING_LOG).short_of_registers
+
+
 def test_a_report_without_registers_is_an_error():
     with pytest.raises(ValueError, match="Used N registers"):
         parse_resource_usage("ptxas fatal   : something else\n")
@@ -99,6 +120,15 @@ def test_a_stack_frame_alone_is_refused():
     compiler, _ = _fake(Usage(100, stack_bytes=16))
     with pytest.raises(SpecError, match="a 16-byte stack frame"):
         check_registers(compile_source(PIPELINED, "p.fa"), compiler, "fake")
+
+
+def test_a_kernel_with_serialized_wgmma_is_refused():
+    compiler, _ = _fake(Usage(168, wgmma_serialized=True))
+    with pytest.raises(SpecError) as err:
+        check_registers(compile_source(PIPELINED, "p.fa"), compiler, "fake")
+    (diag,) = err.value.diagnostics
+    assert "it uses 168 registers and ptxas serialized its wgmma" in diag.message
+    assert "(ptxas C7512)" in diag.message and "'spills allow'" in diag.message
 
 
 def test_with_many_threads_the_message_is_on_the_warps_line_and_names_the_cap():

@@ -51,11 +51,36 @@ class Usage:
     spill_load_bytes: int = 0
     stack_bytes: int = 0
     static_smem_bytes: int = 0
+    # ptxas's note C7512: it made the kernel's wgmma.mma_async wait for each other ("serialized
+    # due to insufficient register resources"), which costs a Hopper kernel its overlap of
+    # MMAs with everything else (a backward 15-21 % slower on an H200, 2026-11-30)
+    wgmma_serialized: bool = False
 
     @property
     def spills(self) -> bool:
         return bool(self.spill_store_bytes or self.spill_load_bytes or self.stack_bytes)
 
+    @property
+    def short_of_registers(self) -> bool:
+        """Spills, a stack frame, or wgmma serialized: the kernel did not fit its registers."""
+        return self.spills or self.wgmma_serialized
+
+    def shortfall(self) -> str:
+        """What ptxas did for lack of registers, in words ("" where nothing)."""
+        parts = []
+        if self.spills:
+            parts.append(
+                f"{self.spill_store_bytes} bytes of spill stores, {self.spill_load_bytes} of "
+                f"loads, a {self.stack_bytes}-byte stack frame"
+            )
+        if self.wgmma_serialized:
+            parts.append("its wgmma serialized (ptxas C7512)")
+        return "; ".join(parts)
+
+
+# ptxas's note when it serializes wgmma for lack of registers (other C7512 causes, such as
+# wgmma across a function call, print other words but the same code)
+_WGMMA_SERIALIZED = re.compile(r"\(C7512\)|wgmma\.mma_async instructions are serialized")
 
 _FIELDS = {
     "registers": re.compile(r"Used (\d+) registers"),
@@ -77,7 +102,7 @@ def parse_resource_usage(log: str) -> Usage:
                 values[field] = max(values.get(field, 0), int(match.group(1)))
     if "registers" not in values:
         raise ValueError(f"no 'Used N registers' line in the compiler's report:\n{log.strip()}")
-    return Usage(**values)
+    return Usage(**values, wgmma_serialized=bool(_WGMMA_SERIALIZED.search(log)))
 
 
 def fadsl_headers() -> dict[str, str]:

@@ -5,8 +5,9 @@ lower's register estimate counts the fragments a kernel must hold and refuses wh
 surely cannot fit; only the compiler knows what else it keeps live (addresses, loop
 state, values it hoists), so where a CUDA compiler is available the kernel is compiled
 for every architecture its target runs on, and a kernel that spills registers or uses
-a stack frame is refused with a message on the spec's `tile` (or `warps`) line, unless
-the spec says `spills allow` (for experiments).
+a stack frame, or whose wgmma ptxas serialized for lack of registers (its note C7512), is
+refused with a message on the spec's `tile` (or `warps`) line, unless the spec says
+`spills allow` (for experiments).
 
 The compiler is a plain function ``(source, arch) -> Usage``; ``find_compiler`` picks the
 runtime's (NVRTC, else nvcc), or says why there is none.
@@ -66,6 +67,7 @@ def nvcc_compiler() -> Compiler | None:
             spill_load_bytes=usage["spill_load_bytes"],
             stack_bytes=usage["stack_bytes"],
             static_smem_bytes=usage["static_smem_bytes"],
+            wgmma_serialized=usage["wgmma_serialized"],
         )
 
     return compile_with_nvcc
@@ -130,13 +132,13 @@ def check_registers(
         rows[id(c)].append(KernelUsage(source.dtype, arch, usage))
     allow = compiled.kernel.config.allow_spills
     for c in kernels:
-        spilling = [row for row in rows[id(c)] if row.usage.spills]
+        spilling = [row for row in rows[id(c)] if row.usage.short_of_registers]
         if spilling and not allow:
             raise SpecError([_spill_diagnostic(c, spilling)], compiled.source)
     backward_spills = [
         KernelUsage(source.dtype, arch, usage)
         for (_, source, arch), usage in zip(backward_jobs, backward_usages)
-        if usage.spills
+        if usage.short_of_registers
     ]
     if backward_spills and not allow:
         raise SpecError([_backward_spill_diagnostic(compiled, backward_spills)], compiled.source)
@@ -148,18 +150,27 @@ def _backward_spill_diagnostic(compiled: Compiled, spilling: list[KernelUsage]) 
     where = ", ".join(sorted({f"{r.dtype.value} on {r.arch}" for r in spilling}))
     return Diagnostic(
         compiled.kernel.backward.loc,
-        f"the backward's kernels spill ({u.spill_store_bytes} bytes of spill stores, "
-        f"{u.spill_load_bytes} of loads, a {u.stack_bytes}-byte stack frame; {where}); raise "
-        "the consumers' registers, turn overlap off, or add 'spills allow' to accept it for "
+        f"the backward's kernels {_symptom(u)} ({u.shortfall()}; {where}); raise the "
+        "consumers' registers, turn overlap off, or add 'spills allow' to accept it for "
         "an experiment",
     )
+
+
+def _symptom(usage: Usage) -> str:
+    """What a kernel short of registers does, as the diagnostics say it."""
+    if usage.spills:
+        return "spill"
+    return "do not fit their registers: ptxas serialized their wgmma, so no MMA overlaps another"
 
 
 def _spill_diagnostic(compiled: Compiled, spilling: list[KernelUsage]) -> Diagnostic:
     cfg = compiled.kernel.config
     caps = compiled.target.capabilities
     cap = register_cap(caps, cfg.threads)
-    worst = max(spilling, key=lambda r: (r.usage.spill_store_bytes, r.usage.stack_bytes))
+    worst = max(
+        spilling,
+        key=lambda r: (r.usage.spill_store_bytes, r.usage.stack_bytes, r.usage.wgmma_serialized),
+    )
     u = worst.usage
     where = ", ".join(sorted({f"{r.dtype.value} on {r.arch}" for r in spilling}))
     report = compiled.target.report
@@ -180,8 +191,7 @@ def _spill_diagnostic(compiled: Compiled, spilling: list[KernelUsage]) -> Diagno
             hint = "load fragment-wise (rf[frag]), " + hint
     return Diagnostic(
         loc,
-        f"{which} does not fit {limit}: it uses {u.registers} registers and spills "
-        f"({u.spill_store_bytes} bytes of spill stores, {u.spill_load_bytes} of loads, a "
-        f"{u.stack_bytes}-byte stack frame; {where}); {hint}, or add 'spills allow' to "
-        "accept it for an experiment",
+        f"{which} does not fit {limit}: it uses {u.registers} registers and "
+        f"{'spills' if u.spills else 'ptxas serialized its wgmma'} ({u.shortfall()}; "
+        f"{where}); {hint}, or add 'spills allow' to accept it for an experiment",
     )

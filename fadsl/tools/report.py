@@ -66,11 +66,13 @@ def _registers_line(check: RegisterCheck, cap: int, why: str = "") -> str:
     for row in check.rows:
         per_dtype.setdefault(row.dtype.value, []).append(f"{row.usage.registers} {row.arch}")
     used = "; ".join(f"{dtype}: {', '.join(rows)}" for dtype, rows in per_dtype.items())
-    spilling = [r for r in check.rows if r.usage.spills]
+    spilling = [r for r in check.rows if r.usage.short_of_registers]
     verdict = "no spills"
     if spilling:
         verdict = "spills allowed: " + ", ".join(
-            f"{r.dtype.value} {r.arch} {r.usage.spill_store_bytes} B" for r in spilling
+            f"{r.dtype.value} {r.arch} {r.usage.spill_store_bytes} B"
+            + (" (wgmma serialized)" if r.usage.wgmma_serialized else "")
+            for r in spilling
         )
     because = f", {why}" if why else ""
     return f"{used} (cap {cap}{because}; {check.compiler}; {verdict})"

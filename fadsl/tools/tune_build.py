@@ -28,10 +28,13 @@ import time
 import warnings
 from pathlib import Path
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 
 from ..errors import BuildError, SpecError
 from ..pipeline import Compiled, compile_source
+
+if TYPE_CHECKING:
+    from ..build.nvrtc import Usage
 
 OK, REJECTED, SPILLS, FAILED = "ok", "rejected", "spills", "failed"
 
@@ -63,7 +66,6 @@ Builder = Callable[[BuildJob], Built]
 
 def build_variant(job: BuildJob) -> Built:
     """Compile one variant through every pass and build its cubins (in a worker)."""
-    from ..build.nvrtc import Usage, parse_resource_usage
     from ..ir import Dtype
     from ..runtime.attention import FlashAttention
 
@@ -80,26 +82,22 @@ def build_variant(job: BuildJob) -> Built:
             for dtype in job.dtypes:
                 for arch in job.archs:
                     entry = each.cubin(Dtype(dtype), arch)
-                    ptxas = entry.meta.get("ptxas")
-                    usage = Usage(**ptxas) if ptxas else parse_resource_usage(entry.log)
+                    usage = _usage(entry)
                     registers = max(registers, usage.registers)
-                    if usage.spills:
+                    if usage.short_of_registers:
                         spilling.append(
                             f"{each.config.name} {dtype} on {arch}: {usage.registers} registers, "
-                            f"{usage.spill_store_bytes} bytes of spill stores, "
-                            f"{usage.stack_bytes}-byte stack"
+                            f"{usage.shortfall()}"
                         )
         if job.backward:  # `fadsl tune --backward`: its kernels, refused alike if they spill
             for dtype in job.dtypes:
                 for arch in job.archs:
                     entry = kern._backward_kernels().cubin(Dtype(dtype), arch)
-                    ptxas = entry.meta.get("ptxas")
-                    usage = Usage(**ptxas) if ptxas else parse_resource_usage(entry.log)
-                    if usage.spills:
+                    usage = _usage(entry)
+                    if usage.short_of_registers:
                         spilling.append(
                             f"the backward {dtype} on {arch}: {usage.registers} registers, "
-                            f"{usage.spill_store_bytes} bytes of spill stores, "
-                            f"{usage.stack_bytes}-byte stack"
+                            f"{usage.shortfall()}"
                         )
     except BuildError as err:
         reason = str(err).splitlines()[0]
@@ -108,6 +106,16 @@ def build_variant(job: BuildJob) -> Built:
     if spilling:
         return Built(job.name, SPILLS, "; ".join(spilling), registers=registers, seconds=seconds)
     return Built(job.name, OK, compiled=compiled, registers=registers, seconds=seconds)
+
+
+def _usage(entry) -> Usage:
+    """ptxas's report on a cached cubin, read from its log (the metadata of an entry written
+    before a field was added lacks it), else from the metadata."""
+    from ..build.nvrtc import Usage, parse_resource_usage
+
+    if entry.log:
+        return parse_resource_usage(entry.log)
+    return Usage(**entry.meta["ptxas"])
 
 
 def _guarded(build: Builder, job: BuildJob) -> Built:
