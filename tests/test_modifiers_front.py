@@ -208,3 +208,12 @@ def test_check_and_explain_show_the_modifiers(capsys, tmp_path):
         "prefix : i32[batch]",
         "slopes : f32[heads]",
     ]
+
+
+def test_the_example_reads_as_written():
+    from fadsl.pipeline import compile_file
+
+    path = ROOT / "examples" / "modifiers" / "alibi_causal.fa"
+    m = compile_file(path.relative_to(ROOT)).kernel.config.modifiers
+    assert [i.text() for i in m.inputs] == ["slopes : f32[heads]"]
+    assert text(m.score) == "s + slopes[h] * (kv_idx - q_idx)" and m.keep is None
