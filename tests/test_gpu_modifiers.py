@@ -172,3 +172,98 @@ def test_the_inputs_are_checked_on_the_device():
         kern(q, q, q, slopes=torch.ones(4, device="cuda"))
     with pytest.raises(ValueError, match="slopes is on cpu but q is on cuda:0"):
         kern(q, q, q, slopes=torch.ones(8))
+
+
+# --- keep (step 3): tile classes from the predicate, EMPTY blocks skipped, FULL ones unmasked
+
+PREFIX_LM = {
+    name: (MODIFIERS / f"{name}.fa").read_text() for name in ("prefix_lm", "prefix_lm_alibi")
+}
+KEEP_SHAPES = [(1, 1), (300, 1100), (1000, 333), (257, 700), (640, 640)]
+KEEP_CASES = [(n, d, sq, sk) for n in PREFIX_LM for d in DTYPES for sq, sk in KEEP_SHAPES]
+
+
+def prefix_keep(prefix, sq, sk, device):
+    """prefix-LM as the examples write it: j <= i + sk - sq or j < prefix[b], (batch, 1, sq, sk)."""
+    i = torch.arange(sq, device=device)[:, None]
+    j = torch.arange(sk, device=device)[None, :]
+    causal = (j <= i + sk - sq)[None, None]
+    return causal | (j[None, None] < prefix[:, None, None, None])
+
+
+@pytest.mark.parametrize(
+    "name, dtype, sq, sk", KEEP_CASES, ids=[f"{c[0]}-{c[1]}-{c[2]}x{c[3]}" for c in KEEP_CASES]
+)
+def test_prefix_lm_matches_float64(name, dtype, sq, sk):
+    kern = kernel(name, PREFIX_LM[name])
+    gen = torch.Generator(device="cuda").manual_seed(sq * 13 + sk)
+    q = torch.randn(4, sq, 8, 128, device="cuda", generator=gen).to(DTYPES[dtype])
+    k = torch.randn(4, sk, 4, 128, device="cuda", generator=gen).to(DTYPES[dtype])
+    v = torch.randn(4, sk, 4, 128, device="cuda", generator=gen).to(DTYPES[dtype])
+    # none, part of the keys, past the diagonal of every row, all of them and more
+    prefix = torch.tensor([0, sk // 3, sk - 1, sk + 5], device="cuda", dtype=torch.int32)
+    keep = prefix_keep(prefix, sq, sk, "cuda")
+    inputs = {"prefix": prefix}
+    bias = None
+    if "alibi" in name:
+        slopes = torch.tensor(SLOPES, device="cuda")
+        inputs["slopes"], bias = slopes, alibi_bias(slopes)
+    scale = 128**-0.5
+    out = torch.full_like(q, float("nan"))
+    out, lse = kern(q, k, v, scale, out=out, return_lse=True, **inputs)
+    torch.cuda.synchronize()
+    ref, ref_lse = reference(q, k, v, scale, False, torch.float64, bias, keep)
+    low, _ = reference(q, k, v, scale, False, q.dtype, bias, keep)
+    check(out, lse, ref, ref_lse, low, name)
+    if sq > 1 and sk > 1:  # the prefix decides: plain causal attention differs
+        causal = reference(q, k, v, scale, True, torch.float64, bias)[0]
+        assert (causal - ref).abs().max().item() > 0.05, "the prefix did not matter here"
+
+
+WINDOW = (ROOT / "tests" / "specs" / "sm90" / "fa3_window.fa").read_text()
+AS_KEEP = {
+    # the built-in mask, and the same kernel with the mask written as keep
+    "causal": (
+        _variant(
+            WINDOW.replace("causal, window(256)", "causal"), "builtin_causal", "causal", "guarded"
+        ),
+        (ROOT / "tests" / "specs" / "sm90" / "modifiers_causal.fa").read_text(),
+    ),
+    "window": (WINDOW, (ROOT / "tests" / "specs" / "sm90" / "modifiers_window.fa").read_text()),
+}
+EQUAL_CASES = [(m, d, sq, sk) for m in AS_KEEP for d in DTYPES for sq, sk in KEEP_SHAPES]
+UNIT_ROUNDOFF = {"bf16": 2.0**-8, "fp16": 2.0**-11}
+
+
+@pytest.mark.parametrize(
+    "mask, dtype, sq, sk", EQUAL_CASES, ids=[f"{c[0]}-{c[1]}-{c[2]}x{c[3]}" for c in EQUAL_CASES]
+)
+def test_a_mask_written_as_keep_gives_the_built_in_masks_results(mask, dtype, sq, sk):
+    """The same scores kept, the same blocks run (keep's last tile may skip a block the
+    built-in runs for its padding rows), so the results agree to the 16-bit rounding of P:
+    within a few units of the output's last place, and both hold FlashAttention's rule."""
+    builtin_text, keep_text = AS_KEEP[mask]
+    builtin = kernel(f"builtin_{mask}", builtin_text)
+    as_keep = kernel(f"keep_{mask}", keep_text)
+    gen = torch.Generator(device="cuda").manual_seed(sq * 5 + sk)
+    q = torch.randn(2, sq, 8, 128, device="cuda", generator=gen).to(DTYPES[dtype])
+    k = torch.randn(2, sk, 2, 128, device="cuda", generator=gen).to(DTYPES[dtype])
+    v = torch.randn(2, sk, 2, 128, device="cuda", generator=gen).to(DTYPES[dtype])
+    out, lse = builtin(q, k, v, return_lse=True)
+    again, again_lse = as_keep(q, k, v, return_lse=True)
+    torch.cuda.synchronize()
+    i = torch.arange(sq, device="cuda")[:, None]
+    j = torch.arange(sk, device="cuda")[None, :]
+    keep = j <= i + sk - sq
+    if mask == "window":
+        keep &= j >= i + sk - sq - 256
+    scale = 128**-0.5
+    ref, ref_lse = reference(q, k, v, scale, False, torch.float64, None, keep)
+    low, _ = reference(q, k, v, scale, False, q.dtype, None, keep)
+    check(again, again_lse, ref, ref_lse, low, f"keep {mask}")
+    check(out, lse, ref, ref_lse, low, f"mask {mask}")
+    assert torch.equal(lse == -math.inf, again_lse == -math.inf)
+    finite = lse != -math.inf
+    assert (lse[finite] - again_lse[finite]).abs().max().item() <= 1e-4 if finite.any() else True
+    diff = (out.double() - again.double()).abs().max().item()
+    assert diff <= 4 * UNIT_ROUNDOFF[dtype], f"keep {mask} differs from the built-in by {diff:.3e}"

@@ -41,6 +41,7 @@ from ...ir.expr import (
     UnOp,
     Var,
     VarKind,
+    text,
     tile_uniform,
 )
 from . import build as b
@@ -165,7 +166,7 @@ class Constraint:
         if self.lo is not None and self.hi is not None and self.lo != self.hi:
             # an empty interval holds nowhere: a window whose edges cross (or a causal
             # mask's diagonal past a window's far edge)
-            found = b.or_(found, b.compare(BinOp.GT, self.lo, self.hi, loc), loc)
+            found = b.or_(found, _above(self.lo, self.hi, loc), loc)
         return found
 
     def satisfied_corner(self) -> tuple[int, int] | None:
@@ -184,6 +185,24 @@ class Constraint:
         if self.lo is not None:  # F < lo: F <= lo - 1
             return Constraint(self.q, self.kv, None, b.sub(self.lo, b.const(1, loc), loc))
         return Constraint(self.q, self.kv, b.add(self.hi, b.const(1, loc), loc), None)
+
+
+def _offset(e: Expr) -> tuple[str, int]:
+    """``e`` as (the text of its part that is not a constant, the constant it adds)."""
+    if isinstance(e, Const) and isinstance(e.value, int):
+        return "", e.value
+    if isinstance(e, Binary) and e.op in (BinOp.ADD, BinOp.SUB) and isinstance(e.b, Const):
+        base, k = _offset(e.a)
+        return base, k + (e.b.value if e.op is BinOp.ADD else -e.b.value)
+    return text(e), 0
+
+
+def _above(lo: Expr, hi: Expr, loc: Loc) -> Expr:
+    """lo > hi, decided here where the two differ by a constant (a window's edges)."""
+    (base_lo, k_lo), (base_hi, k_hi) = _offset(lo), _offset(hi)
+    if base_lo == base_hi:
+        return b.const(k_lo > k_hi, loc)
+    return b.compare(BinOp.GT, lo, hi, loc)
 
 
 def _sign(k: int) -> int:

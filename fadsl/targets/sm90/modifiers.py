@@ -136,8 +136,6 @@ def context(cfg: Config) -> dict[str, Any]:
     m = cfg.modifiers
     if m is None:
         return {"score": None, "keep": None, "modifier_softcap": 0, "modifier_inputs": []}
-    if m.keep is not None:  # (issue 41, step 3 lands keep's tile classes in the kernel)
-        raise NotImplementedError(f"{cfg.name}: the sm_90a kernel does not apply keep yet")
     cap = softcap_idiom(m.score) if m.score is not None else None
     plain = _renderer(m)
     uniforms: dict[str, dict[str, str]] = {}  # C++ -> its field
