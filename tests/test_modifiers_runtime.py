@@ -65,6 +65,12 @@ def test_a_spec_without_inputs_takes_none():
     assert modifier_inputs((), {}, Q, K, "k") == ()
 
 
+def test_the_params_hold_as_many_inputs_as_a_spec_may_declare():
+    from fadsl.frontend.modifiers import MAX_INPUTS
+
+    assert INPUTS.size == 8 * MAX_INPUTS
+
+
 def test_the_pointers_land_after_the_kv_cache_fields(monkeypatch):
     import fadsl.targets.sm90.host.tma as tma
 

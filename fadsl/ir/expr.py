@@ -276,14 +276,6 @@ class InputDecl:
         return f"{self.name} : {self.dtype.value}[{dims}]"
 
 
-class TileClass(Enum):
-    """What a (q block, kv block) tile of a `keep` predicate is."""
-
-    FULL = "full"  # every score kept: no mask
-    EMPTY = "empty"  # none kept: the block is skipped
-    PARTIAL = "partial"  # masked by the predicate
-
-
 @dataclass(frozen=True)
 class TileRule:
     """derive_sparsity's result: a tile is FULL where ``full`` holds, EMPTY where ``empty``

@@ -25,9 +25,8 @@ from ...ir.expr import VarKind, children, text, tile_uniform, walk
 from ...spec.checks import Checks
 from ...spec.syntax import ExprLine, InputLine
 from ..cuda_expr import CudaExpr
+from .settings import SOFTCAP_RANGE
 
-SOFTCAP_RANGE = (1, 1000)  # `softcap N`'s (fadsl/targets/sm90/settings.py)
-INPUT_SLOTS = 8  # FwdParamsSm90's `inputs` pointers (fadsl/frontend/modifiers.py: MAX_INPUTS)
 _SIZES = {
     Dim.BATCH: "P.base.batch",
     Dim.HEADS: "P.base.heads_q",
