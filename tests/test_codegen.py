@@ -50,6 +50,18 @@ def test_generated_serving_cuda_is_current(spec, golden):
         golden.check(GENERATED / source.filename, source.text)
 
 
+MODIFIERS = sorted((ROOT / "examples" / "modifiers").glob("*.fa"))
+
+
+@pytest.mark.parametrize("spec", MODIFIERS, ids=[p.stem for p in MODIFIERS])
+def test_generated_modifier_cuda_is_current(spec, golden):
+    """The score and mask modifier examples (issue 41): forward-only, their inputs passed by
+    name (not run by the examples' GPU tests, which pass none)."""
+    compiled = compile_file(spec.relative_to(ROOT))
+    for source in sources(compiled):
+        golden.check(GENERATED / source.filename, source.text)
+
+
 def test_rendering_is_deterministic(example):
     compiled = compile_file(example.relative_to(ROOT))
     again = compile_file(example.relative_to(ROOT))

@@ -143,6 +143,14 @@ def test_sm90_layout_matches_the_cuda_struct(tmp_path):
             f"static_assert(__builtin_offsetof({struct_name}, {name}) == "
             f'{KVCACHE_OFFSET + offset}, "{name}");'
         )
+    # the score and mask modifiers' input pointers (issue 41), after the kv-cache fields
+    from fadsl.targets.sm90.host.launch import INPUTS, INPUTS_OFFSET
+
+    assert INPUTS_OFFSET == KVCACHE_OFFSET + KVCACHE_TAIL.size
+    checks.append(
+        f"static_assert(__builtin_offsetof({struct_name}, inputs) == {INPUTS_OFFSET} && "
+        f'sizeof(fadsl::sm90::FwdParamsSm90::inputs) == {INPUTS.size}, "inputs");'
+    )
     source = '#include "fadsl/sm90.cuh"\n' + "\n".join(checks) + "\n"
     source += f'extern "C" __global__ void probe(const __grid_constant__ {struct_name} p) {{}}\n'
     compile_cubin(source, "layout90.cu", "probe", "sm_90a", tmp_path)  # raises on a mismatch

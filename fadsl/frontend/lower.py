@@ -11,7 +11,10 @@ schedule builder turns the result into the IR.
 from __future__ import annotations
 
 from .. import targets
+from dataclasses import replace
+
 from .backward import read_backward
+from .modifiers import read_modifiers
 from ..spec.checks import Checks, and_list
 from ..errors import DiagnosticSink, quoted
 from ..ir import AliasPolicy, Config, Lowered, Mask, Role, Swizzle, Tensor
@@ -44,8 +47,11 @@ def lower(decl: KernelDecl, sink: DiagnosticSink, partial: bool = False) -> Lowe
     # The block is checked whatever the kernel's own lines say, so that its mistakes are
     # reported with theirs; the target's checks of it need a valid target line.
     backward = read_backward(c, target if known else None)
+    modifiers = read_modifiers(c)
     if sink.diagnostics or config is None or len(tensors) != len(Role):
         return None
+    if modifiers is not None:
+        config = replace(config, modifiers=modifiers)
     assert backward is not None or not decl.backwards, "a refused block reports why"
     return Lowered(config, tuple(tensors[r] for r in Role), order, backward)
 

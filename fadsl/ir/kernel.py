@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from ..errors import Loc
 from .backward import Backward
+from .expr import Modifiers
 from .hop import Hop
 from .ops import Op
 from .syncmodel import AsyncKind, SyncKind
@@ -132,6 +133,8 @@ class Config:
     allow_spills: bool = False  # `spills allow`: an experiment that may spill registers
     ext: TargetConfig | None = None  # the target's settings (sm_90a: Sm90Config)
     window: Window | None = None  # `mask window(...)`: a sliding window beside the mask
+    # `input`, `score` and `keep` lines (issue 41), through the modifier passes; None: none
+    modifiers: Modifiers | None = None
 
     @property
     def threads(self) -> int:

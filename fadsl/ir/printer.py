@@ -22,6 +22,8 @@ def format_kernel(kernel: Kernel) -> str:
     ]
     if cfg.ext is not None:
         out.append(cfg.ext.text())
+    if cfg.modifiers is not None:  # (kernels without modifiers print as they always have)
+        out.extend(f"modifier {line}" for line in cfg.modifiers.lines())
     if kernel.backward is not None:  # forward-only kernels print as they always have
         out.append(kernel.backward.text())
     for t in kernel.tensors:

@@ -14,10 +14,71 @@ import numbers
 
 from .. import targets
 from ..ir import Config, Dtype
+from ..ir.expr import Dim, ExprType, InputDecl
 
 GRID_YZ_LIMIT = 65535
 # The kernels index rows with 32-bit ints and add two sequence lengths: both stay below 2^30.
 SEQLEN_LIMIT = 2**30
+
+
+# An input's elements are indexed with 32-bit ints (fadsl/targets/cuda_expr.py).
+INPUT_ELEMENTS_LIMIT = 2**31
+
+
+def modifier_inputs(decls: tuple[InputDecl, ...], given: dict, q, k, kernel: str) -> tuple:
+    """The tensors a call passes for its spec's `input` lines (issue 41), by name, in declared
+    order: each a contiguous tensor of the declared dtype (f32: torch.float32, i32:
+    torch.int32) and shape (the sizes from q and k: batch, seqlen_q, heads from q; seqlen_k,
+    heads_kv from k) on q's device; every error names the argument."""
+    import torch
+
+    unknown = [name for name in given if all(d.name != name for d in decls)]
+    if unknown:
+        declared = ", ".join(d.name for d in decls)
+        raise TypeError(
+            f"kernel '{kernel}' got an unexpected keyword argument '{unknown[0]}'; "
+            + (f"its inputs are {declared}" if decls else "its spec declares no inputs")
+        )
+    sizes = {
+        Dim.BATCH: q.shape[0],
+        Dim.SEQLEN_Q: q.shape[1],
+        Dim.HEADS: q.shape[2],
+        Dim.SEQLEN_K: k.shape[1],
+        Dim.HEADS_KV: k.shape[2],
+    }
+    dtypes = {ExprType.F32: torch.float32, ExprType.I32: torch.int32}
+    found = []
+    for decl in decls:
+        name = decl.name
+        if name not in given:
+            raise TypeError(
+                f"kernel '{kernel}' needs its input '{name}' ({decl.text()}): pass {name}=..."
+            )
+        t = given[name]
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(
+                f"{name} must be a torch.Tensor ({decl.text()}), got {type(t).__name__}"
+            )
+        if t.dtype != dtypes[decl.dtype]:
+            raise TypeError(f"{name} must be {dtypes[decl.dtype]} ({decl.text()}), got {t.dtype}")
+        shape = tuple(sizes[d] if isinstance(d, Dim) else d for d in decl.dims)
+        if tuple(t.shape) != shape:
+            raise ValueError(
+                f"{name} must have shape {shape} ({decl.text()}, with q's and k's sizes), got "
+                f"{tuple(t.shape)}"
+            )
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
+        if not t.is_contiguous():
+            raise ValueError(
+                f"{name} must be contiguous (the kernel reads it row-major); pass {name}.contiguous()"
+            )
+        if t.numel() >= INPUT_ELEMENTS_LIMIT:
+            raise ValueError(
+                f"{name} has {t.numel()} elements; the kernel indexes at most 2^31 - 1"
+            )
+        found.append(t)
+    return tuple(found)
 
 
 def check_scale(softmax_scale, head_dim: int) -> float:

@@ -43,6 +43,7 @@ from .arguments import (
     compiled_dtypes,
     explain_inputs,
     lse_shape,
+    modifier_inputs,
 )
 
 log = logging.getLogger("fadsl")
@@ -294,7 +295,15 @@ class FlashAttention(ServingCalls):
 
     # ------------------------------------------------------------------ calling
     def __call__(
-        self, q, k, v, softmax_scale: float | None = None, *, out=None, return_lse: bool = False
+        self,
+        q,
+        k,
+        v,
+        softmax_scale: float | None = None,
+        *,
+        out=None,
+        return_lse: bool = False,
+        **inputs,
     ):
         """Attention of q over (k, v): softmax(q k^T * softmax_scale [+ mask]) v.
 
@@ -303,7 +312,9 @@ class FlashAttention(ServingCalls):
         h // (heads_q // heads_kv). A causal spec aligns the diagonal to the bottom right
         (query i sees key j when j <= i + seqlen_k - seqlen_q), as FlashAttention does; a
         sliding window (`mask window(L, R)`) likewise: i + d - L <= j <= i + d + R, d =
-        seqlen_k - seqlen_q.
+        seqlen_k - seqlen_q. A spec's score and mask modifiers (`input`, `score`, `keep`)
+        take their inputs as keyword arguments named as the spec declares them
+        (``kern(q, k, v, slopes=slopes)``), each contiguous on q's device.
         ``out``, if given, receives the result (q's shape, dtype and device; memory of its
         own). Returns the output, or ``(output, lse)`` with ``return_lse=True``: the
         natural-log log-sum-exp of each row's scaled scores, shape (batch, heads_q,
@@ -316,6 +327,8 @@ class FlashAttention(ServingCalls):
         scale = check_scale(softmax_scale, self.config.head_dim)
         if not isinstance(return_lse, bool):
             raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+        if inputs or self.config.modifiers is not None:
+            return self._call_modified(q, k, v, scale, out, return_lse, inputs)
         if torch.compiler.is_compiling():
             return self._call_op(q, k, v, scale, out, return_lse)
         if torch.is_grad_enabled() and any(
@@ -329,6 +342,32 @@ class FlashAttention(ServingCalls):
                 )
             return self._call_op(q, k, v, scale, None, return_lse)
         return self.forward(q, k, v, scale, out, return_lse)
+
+    def _call_modified(self, q, k, v, scale: float, out, return_lse: bool, inputs: dict):
+        """A call of a spec with score or mask modifiers (issue 41): eager, without gradients
+        (their backward is not built yet; the spec refuses a backward block)."""
+        import torch
+
+        decls = () if self.config.modifiers is None else self.config.modifiers.inputs
+        name = self.config.name
+        if torch.compiler.is_compiling():
+            raise NotImplementedError(
+                f"fadsl kernel '{name}': torch.compile of a kernel with score or keep "
+                "modifiers is not built yet; call it outside the compiled region"
+            )
+        if torch.is_grad_enabled() and any(
+            isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v)
+        ):
+            raise RuntimeError(
+                f"fadsl kernel '{name}': the backward of score and keep modifiers is not built "
+                "yet, so gradients cannot flow through it; call it under torch.no_grad() or "
+                "with q, k and v detached"
+            )
+        if not decls:  # (a keyword the spec does not take: reported as Python would, first)
+            modifier_inputs(decls, inputs, q, k, name)
+        dtype = self.check_inputs(q, k, v)
+        tensors = modifier_inputs(decls, inputs, q, k, name)
+        return self.forward(q, k, v, scale, out, return_lse, tensors, dtype)
 
     def _call_op(self, q, k, v, scale: float, out, return_lse: bool):
         import torch
@@ -344,11 +383,16 @@ class FlashAttention(ServingCalls):
         with_out(q, k, v, out, lse, scale)
         return (out, lse) if return_lse else out
 
-    def forward(self, q, k, v, scale: float, out=None, return_lse: bool = False):
-        """Check the arguments, allocate what is missing and launch (no dispatcher)."""
+    def forward(
+        self, q, k, v, scale: float, out=None, return_lse: bool = False, inputs=(), dtype=None
+    ):
+        """Check the arguments, allocate what is missing and launch (no dispatcher).
+        ``inputs``: the modifiers' tensors, checked (modifier_inputs); ``dtype``: q's, where
+        the caller has checked q, k and v already."""
         import torch
 
-        dtype = self.check_inputs(q, k, v)
+        if dtype is None:
+            dtype = self.check_inputs(q, k, v)
         if (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16:
             check_bases(q, k, v, self.config.target)
         if out is None:
@@ -358,7 +402,7 @@ class FlashAttention(ServingCalls):
         lse = None
         if return_lse:
             lse = torch.empty(lse_shape(q), device=q.device, dtype=torch.float32)
-        self.launch(dtype, q, k, v, out, lse, scale)
+        self.launch(dtype, q, k, v, out, lse, scale, inputs)
         return (out, lse) if return_lse else out
 
     def forward_into(self, q, k, v, out, lse, scale: float) -> None:
@@ -371,8 +415,14 @@ class FlashAttention(ServingCalls):
             check_lse(lse, q)
         self.launch(dtype, q, k, v, out, lse, scale)
 
-    def launch(self, dtype: Dtype, q, k, v, out, lse, scale: float) -> None:
-        """Launch on q's device and that device's current stream (arguments checked)."""
+    def launch(self, dtype: Dtype, q, k, v, out, lse, scale: float, inputs=()) -> None:
+        """Launch on q's device and that device's current stream (arguments checked;
+        ``inputs``: the modifiers')."""
+        if self.config.modifiers is not None and len(inputs) != len(self.config.modifiers.inputs):
+            raise TypeError(
+                f"kernel '{self.config.name}' reads inputs ({', '.join(i.name for i in self.config.modifiers.inputs)}): "
+                "call it with them as keyword arguments"
+            )
         if self.is_varlen:
             self._launch_padded_as_varlen(dtype, q, k, v, out, lse, scale)
             return
@@ -381,7 +431,7 @@ class FlashAttention(ServingCalls):
                 f"kernel '{self.config.name}' reads K/V from a cache ('kv_cache'): call "
                 "kvcache(q, k_cache, v_cache, cache_seqlens, ...)"
             )
-        args = Args(q, k, v, out, lse, scale)
+        args = Args(q, k, v, out, lse, scale, tuple(inputs))
         cluster = self._launch.cluster(self.compiled.kernel, args)
         if cluster == 1 and self.alone is not None:
             self.alone.launch_args(dtype, args, 1)  # the cluster-free variant
@@ -394,6 +444,8 @@ class FlashAttention(ServingCalls):
         address a plan cannot rewrite (a split workspace) or the kernel is not a padded
         one (then ``launch``)."""
         if self.is_varlen or self.is_kvcache or self._launch.slots is None:
+            return None
+        if self.config.modifiers is not None:  # (its inputs' addresses are not in the slots)
             return None
         args = Args(q, k, v, out, lse, scale)
         cluster = self._launch.cluster(self.compiled.kernel, args)

@@ -19,6 +19,7 @@ from lark import Lark, Token, Transformer, v_args
 
 from ..errors import DiagnosticSink, Loc, quoted
 from ..ir import GradRole, Role
+from ..ir import expr as ex
 
 # --- AST ---------------------------------------------------------------------
 
@@ -125,6 +126,26 @@ class BackwardDecl:
 
 
 @dataclass(frozen=True)
+class InputLine:
+    """`input NAME : DTYPE[DIMS]` (a score or mask modifier's tensor), as written."""
+
+    name: Word
+    dtype: Word
+    dims: tuple[Word | Number, ...]
+    loc: Loc  # the `input` keyword
+
+
+@dataclass(frozen=True)
+class ExprLine:
+    """`score EXPR` or `keep EXPR`: the expression as the parser built it (fadsl.ir.expr,
+    names unresolved and untyped)."""
+
+    keyword: Word
+    expr: ex.Expr
+    loc: Loc
+
+
+@dataclass(frozen=True)
 class KernelDecl:
     name: Word
     settings: tuple[Setting, ...]
@@ -132,6 +153,8 @@ class KernelDecl:
     mainloops: tuple[MainloopDecl, ...]
     loc: Loc
     backwards: tuple[BackwardDecl, ...] = ()  # a kernel takes one; more are reported
+    # score and mask modifiers: `input`, `score` and `keep` lines, in the spec's order
+    modifiers: tuple[InputLine | ExprLine, ...] = ()
 
 
 # --- Parsing -----------------------------------------------------------------
@@ -148,6 +171,13 @@ _TOKEN_NAMES = {
     "KERNEL": "'kernel'",
     "MAINLOOP": "'mainloop'",
     "BACKWARD": "'backward'",
+    "INPUT": "'input'",
+    "SCORE": "'score'",
+    "KEEP": "'keep'",
+    "AND": "'and'",
+    "OR": "'or'",
+    "NOT": "'not'",
+    "FLOAT": "a number",
 }
 
 
@@ -168,7 +198,14 @@ def _token_name(name: str) -> str:
     return f"'{literals[name]}'" if name in literals else name.lower()
 
 
+# Words that start a modifier line, as a setting's key does: "a name" speaks for them in a
+# list of what a line may start with (so that the list stays short enough to show).
+_LINE_KEYWORDS = {"INPUT", "SCORE", "KEEP"}
+
+
 def _expected(names: set[str]) -> str:
+    if "NAME" in names:
+        names = names - _LINE_KEYWORDS
     shown = sorted({_token_name(n) for n in names if not n.startswith("__IGNORE")})
     if not shown or len(shown) > 6:
         return ""
@@ -207,6 +244,10 @@ _PATH_WITHOUT_COLON = re.compile(
 )
 
 
+_HOP_HINT = "a hop is written '-INSTR->', e.g. '-cp.async->'"
+_MODIFIER_LINE = re.compile(r"\s*(score|keep)\b")
+
+
 def _syntax_message(err: lark.exceptions.UnexpectedInput, text: str) -> tuple[int, int, str]:
     lines = _lines(text)
     match err:
@@ -214,7 +255,7 @@ def _syntax_message(err: lark.exceptions.UnexpectedInput, text: str) -> tuple[in
             char = text[err.pos_in_stream] if err.pos_in_stream < len(text) else ""
             message = f"unexpected {quote_char(char)}"
             if char == ">" or (char == "-" and "->" not in lines[err.line - 1]):
-                message += "; a hop is written '-INSTR->', e.g. '-cp.async->'"
+                message += "; " + _HOP_HINT
             return err.line, err.column, message
         case lark.exceptions.UnexpectedToken() if err.token.type not in ("$END", "<END-OF-FILE>"):
             token = err.token
@@ -235,6 +276,9 @@ def _syntax_message(err: lark.exceptions.UnexpectedInput, text: str) -> tuple[in
                 )
             if token.value == "-" and source_line[col : col + 1].isdigit():
                 return line, col, _negative_number_message(source_line)
+            if token.value == ">" and not _MODIFIER_LINE.match(source_line):
+                # ('>' is a token of the modifiers' comparisons; in a path, a broken arrow)
+                return line, col, f"unexpected {quote_char('>')}; {_HOP_HINT}"
             expected = _expected(set(err.accepts or err.expected))
             if token.type == "_NL":
                 # The newline token starts right after the line's text.
@@ -286,6 +330,7 @@ class _ToAst(Transformer):
             tuple(i for i in items if isinstance(i, MainloopDecl)),
             self._loc(meta),
             tuple(i for i in items if isinstance(i, BackwardDecl)),
+            tuple(i for i in items if isinstance(i, (InputLine, ExprLine))),
         )
 
     @v_args(meta=True)
@@ -347,6 +392,70 @@ class _ToAst(Transformer):
             return LoopStep(form, tuple(self._word(t) for t in children), self._loc(meta))
 
         return method
+
+    # --- score and mask modifiers
+    @v_args(meta=True)
+    def input_decl(self, meta, children):
+        keyword, name, dtype, *dims = children
+        return InputLine(self._word(name), self._word(dtype), tuple(dims), self._loc(keyword))
+
+    def score_decl(self, children):
+        keyword, expr = children
+        return ExprLine(self._word(keyword), expr, self._loc(keyword))
+
+    keep_decl = score_decl
+
+    def int_const(self, children):
+        token = children[0]
+        # An i32: larger values are kept as written, for check_modifiers to refuse.
+        value = int(token) if len(token) <= 18 else 10**18
+        return ex.Const(value, self._loc(token), text=str(token))
+
+    def float_const(self, children):
+        token = children[0]
+        return ex.Const(float(token), self._loc(token), text=str(token))
+
+    def name(self, children):
+        return ex.Name(str(children[0]), self._loc(children[0]))
+
+    def apply(self, children):
+        name, *args = children
+        return ex.Apply(str(name), tuple(args), self._loc(name))
+
+    def load(self, children):
+        name, *indices = children
+        return ex.Load(str(name), tuple(indices), self._loc(name))
+
+    @v_args(meta=True)
+    def neg(self, meta, children):
+        return ex.Unary(ex.UnOp.NEG, children[0], self._loc(meta))
+
+    def not_op(self, children):
+        keyword, x = children
+        return ex.Unary(ex.UnOp.NOT, x, self._loc(keyword))
+
+    def _binary(op):  # noqa: N805 - a small factory of methods
+        @v_args(meta=True)
+        def method(self, meta, children):
+            a, *_keyword, b = children  # (`and` and `or` keep their keyword token)
+            return ex.Binary(op, a, b, self._loc(meta))
+
+        return method
+
+    or_op = _binary(ex.BinOp.OR)
+    and_op = _binary(ex.BinOp.AND)
+    lt = _binary(ex.BinOp.LT)
+    le = _binary(ex.BinOp.LE)
+    gt = _binary(ex.BinOp.GT)
+    ge = _binary(ex.BinOp.GE)
+    eq = _binary(ex.BinOp.EQ)
+    ne = _binary(ex.BinOp.NE)
+    add = _binary(ex.BinOp.ADD)
+    sub = _binary(ex.BinOp.SUB)
+    mul = _binary(ex.BinOp.MUL)
+    div = _binary(ex.BinOp.DIV)
+    floordiv = _binary(ex.BinOp.FLOORDIV)
+    mod = _binary(ex.BinOp.MOD)
 
     move = _step("move")
     move_next = _step("move_next")

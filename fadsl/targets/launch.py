@@ -26,6 +26,8 @@ class Args(NamedTuple):
     out: Any
     lse: Any  # a float32 tensor (batch, heads_q, seqlen_q), or None
     softmax_scale: float
+    # the spec's modifier inputs (issue 41), in declared order, checked; () without any
+    inputs: tuple = ()
 
 
 class KernelLaunch(NamedTuple):

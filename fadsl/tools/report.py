@@ -6,6 +6,7 @@ from typing import Any
 
 from ..build.spill_check import RegisterCheck, register_cap
 from ..ir import Kernel, Phase, Step
+from ..ir.expr import Modifiers, text
 from ..passes.plan_smem import flow, live_text, occupancy
 from ..pipeline import Compiled
 from ..build.resources import ctas_per_sm
@@ -33,6 +34,12 @@ def summary(compiled: Compiled, registers: RegisterCheck | None = None) -> str:
         lines = report.check_lines(k, lines)
     if k.backward is not None:
         lines.append(("backward", _backward_line(k)))
+    m = cfg.modifiers
+    if m is not None:
+        lines += [("input", i.text()) for i in m.inputs]
+        lines += [
+            (key, text(e)) for key, e in (("score", m.score), ("keep", m.keep)) if e is not None
+        ]
     if registers is not None:
         cap, why = _register_cap(compiled)
         lines.append(("registers", _registers_line(registers, cap, why)))
@@ -182,7 +189,54 @@ def explain_data(compiled: Compiled, registers: RegisterCheck | None = None) -> 
         data.update(report.explain_data(k))
     if k.backward is not None and report is not None and report.backward_data is not None:
         data["backward"] = report.backward_data(k)
+    if cfg.modifiers is not None:
+        data["modifiers"] = modifiers_data(cfg.modifiers)
     return data
+
+
+def modifiers_data(m: Modifiers) -> dict[str, Any]:
+    """The spec's score and mask modifiers as the passes left them (fadsl/passes/modifiers):
+    each expression with its type, the score's derivative, the keep predicate's tile rule."""
+    data: dict[str, Any] = {"inputs": [i.text() for i in m.inputs]}
+    if m.score is not None:
+        data["score"] = {
+            "expr": text(m.score),
+            "type": m.score.type.value,
+            "derivative": text(m.derivative) if m.derivative is not None else None,
+            "not_differentiable": m.not_differentiable or None,
+        }
+    if m.keep is not None:
+        rule = m.rule
+        data["keep"] = {
+            "expr": text(m.keep),
+            "type": m.keep.type.value,
+            "full": text(rule.full),
+            "empty": text(rule.empty),
+            "exact": rule.exact,
+            "why": rule.why,
+        }
+    return data
+
+
+def modifiers_text(data: dict[str, Any]) -> list[str]:
+    out = ["Modifiers (s: the score q.k softmax_scale, natural units)"]
+    out += [f"  input {i}   (a keyword argument of the call)" for i in data["inputs"]]
+    score = data.get("score")
+    if score is not None:
+        out.append(f"  score {score['expr']}   : {score['type']}")
+        if score["derivative"] is not None:
+            out.append(f"    d score / d s = {score['derivative']}")
+        else:
+            out.append(f"    no derivative: {score['not_differentiable']}")
+    keep = data.get("keep")
+    if keep is not None:
+        out.append(f"  keep {keep['expr']}   : {keep['type']}")
+        out.append("    tile classes, for query rows q_lo .. q_hi against keys kv_lo .. kv_hi:")
+        out.append(f"      FULL (no mask)          where {keep['full']}")
+        out.append(f"      EMPTY (block skipped)   where {keep['empty']}")
+        out.append("      PARTIAL (masked by keep) otherwise")
+        out.append(f"    {'exact' if keep['exact'] else 'not exact'}: {keep['why']}")
+    return out
 
 
 def explain_text(compiled: Compiled, registers: RegisterCheck | None = None) -> str:
@@ -237,6 +291,8 @@ def explain_text(compiled: Compiled, registers: RegisterCheck | None = None) -> 
         out += _schedule_text(data)
     if "backward" in data:  # the forward's report stays as it was; the backward follows it
         out += ["", *report.backward_sections(data["backward"])]
+    if "modifiers" in data:
+        out += ["", *modifiers_text(data["modifiers"])]
     return "\n".join(out) + "\n"
 
 

@@ -71,6 +71,12 @@ def validate(c: Checks, tensors: dict[Role, Tensor]) -> bool:
             "window needs target sm_90a",
         )
         ok = False
+    if c.decl.modifiers:
+        c.error(
+            c.decl.modifiers[0].loc,
+            "score and keep modifiers are not built for sm_80 yet: they need target sm_90a",
+        )
+        ok = False
     for role in (Role.K, Role.V):
         tensor = tensors.get(role)
         if tensor is not None and tensor.smem_scope is Scope.WARP and warps > 1:

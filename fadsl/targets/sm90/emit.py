@@ -17,6 +17,7 @@ from typing import Any
 from ...ir import Dtype, Kernel, Parity, Phase, Scope, Step, Sync, Threads
 from ...ir.ops import Op
 from .alone import alone_name
+from .modifiers import context as modifier_context
 from .caps import (
     BAR_ARRIVE,
     BAR_SYNC,
@@ -248,6 +249,9 @@ def context(kernel: Kernel, dtype: Dtype) -> dict[str, Any]:
         [x for x in pro if x not in init], ("sync_wgmma_wait", 0), 1, "the first S is issued"
     )
     epilogue = _with_mark(epi[:cut], ("sync_wgmma_fence", 0), 4, "the last P V's turn is taken")
+    # `score` and `keep` (issue 41): the SpecModifiers struct's slots; a score that is the
+    # built-in softcap written out compiles as `softcap N`
+    modifiers = modifier_context(cfg)
     tail = _with_mark(
         [x for x in epi[cut:] if not x["elected"]], (Op.O_R2S.spelling, 1), 6, "O is in SMEM"
     )
@@ -264,7 +268,8 @@ def context(kernel: Kernel, dtype: Dtype) -> dict[str, Any]:
         "persistent": hw.persistent,
         "overlap": hw.overlap,
         "lazy_rescale": hw.lazy_rescale,
-        "softcap": hw.softcap,
+        "softcap": hw.softcap or modifiers["modifier_softcap"],
+        **modifiers,
         "guarded": hw.guarded,
         "scheduler": hw.scheduler,
         "rescale": hw.rescale,
@@ -319,8 +324,13 @@ def context(kernel: Kernel, dtype: Dtype) -> dict[str, Any]:
         "kv_cache": hw.kv_cache,
         "pack_gqa": hw.pack_gqa,
         "split_all": hw.split_all,
-        # (a window's tile starts at its window's first block, not at block 0)
-        "kv_end": "w.block_end" if hw.split_kv or cfg.window else "w.n_blocks",
+        # (a window's tile starts at its window's first block, not at block 0; keep's, past
+        # the EMPTY blocks keep_work trimmed)
+        "kv_end": (
+            "w.block_end"
+            if hw.split_kv or cfg.window or modifiers["keep"] is not None
+            else "w.n_blocks"
+        ),
         # `cluster 2`: K/V loads multicast into both CTAs, arrivals on the peer's barriers
         "cluster": hw.cluster,
         # the cluster-free variant that the launches which do not pair run (sm90/alone.py)

@@ -15,6 +15,7 @@ from ...spec.readers import assigns, count, on_off, single, word_choice
 from ...spec.syntax import Call, Number, Setting, Word
 
 TMA_SWIZZLE = "128B"  # `swizzle 128B`: the swizzle TMA writes and wgmma reads
+SOFTCAP_RANGE = (1, 1000)  # `softcap N`'s N (and a score modifier's N * tanh(s / N))
 
 
 def q_slots(c: Checks, setting: Setting) -> int | None:
@@ -40,7 +41,7 @@ def cluster(c: Checks, setting: Setting) -> int | None:
 def softcap(c: Checks, setting: Setting) -> int | None:
     """`softcap N` (sm_90a): scores capped by N tanh(s softmax_scale / N) before the softmax
     (Gemma 2, Grok: 30 or 50); off without the line."""
-    return count(c, setting, 1, 1000)
+    return count(c, setting, *SOFTCAP_RANGE)
 
 
 def varlen(c: Checks, setting: Setting) -> bool | None:

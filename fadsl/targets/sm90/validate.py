@@ -23,6 +23,7 @@ from __future__ import annotations
 from ...spec.checks import Checks, and_list
 from ...ir import AliasPolicy, Config, Instr, Level, Mask, Rescale, Role, Scope, Tensor
 from .config import Sm90Config
+from .modifiers import validate_modifiers
 from ...spec.syntax import PathDecl
 from .caps import (
     CAPABILITIES,
@@ -138,6 +139,7 @@ def validate(c: Checks, tensors: dict[Role, Tensor]) -> bool:
         ok = False
     ok = _scopes(c, tensors) and ok
     ok = _serving(c, block_c) and ok
+    ok = validate_modifiers(c) and ok
     return ok
 
 

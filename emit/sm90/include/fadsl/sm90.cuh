@@ -92,6 +92,9 @@ struct FwdParamsSm90 {
   const int* page_table;
   int page_table_stride;
   int num_pages;  // pages in the cache (paged; kv_input_bad flags an entry outside them)
+  // score and mask modifiers (issue 41; nullptr otherwise): the spec's `input` tensors in
+  // their declared order, contiguous, read-only (fadsl/sm90_modifiers.cuh)
+  const void* inputs[8];
 };
 
 // ---------------------------------------------------------------------------
@@ -138,6 +141,11 @@ struct FwdConfig {
   // across the mainloop: a few integer instructions a block for 8 registers (a generated Cfg
   // sets it where ptxas would otherwise spill them: varlen at head_dim 64, rescale guarded).
   static constexpr bool kQDescPerBlock = false;
+  // Score and mask modifiers (issue 41; a generated Cfg sets them and `using Modifiers` to its
+  // SpecModifiers): kScore, `score EXPR` applied to S (natural units after it); kKeep, `keep
+  // EXPR` as -inf in the blocks its tile rule classes PARTIAL (fadsl/sm90_modifiers.cuh).
+  static constexpr bool kScore = false;
+  static constexpr bool kKeep = false;
 
   static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "head_dim 64, 128 or 256");
   static_assert(kConsumerWGs >= 1 && kConsumerWGs <= 3, "1 to 3 consumer warpgroups");
@@ -506,6 +514,7 @@ __device__ __forceinline__ void rescale_o(float (&o)[Cfg::kORegs], const float (
 }  // namespace fadsl::sm90
 
 #include "sm90_epilogue.cuh"  // 5. the epilogue steps (next to this file)
+#include "sm90_modifiers.cuh"  // score and mask modifiers (next to this file)
 #include "sm90_guard.cuh"  // rescale guarded: the softmax without its row max (next to this file)
 #include "sm90_varlen.cuh"  // varlen on: the packed sequences' tile list and scheduler (next to this file)
 #include "sm90_kvcache.cuh"  // kv_cache, pack_gqa, splits auto: the combine kernel (next to this file)

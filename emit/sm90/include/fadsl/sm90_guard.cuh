@@ -101,9 +101,16 @@ __device__ __forceinline__ float dot_rows(uint32_t q_row, uint32_t k_row) {
 // from the warpgroup's first row, K [panel][B_c rows]. Slow (each lane reads its rows and
 // keys whole) and register-light, for it runs beside O, P and S in registers; it is for
 // inputs whose scores jump by 120 or more (log2 units) between blocks.
-template <class Cfg>
+// `each(x, r, c)`: what becomes of a score of this thread's row r, column c of the block,
+// as it is computed (a score modifier's ScoreOf: applied one score at a time, so that the
+// rare path holds no more than one of them beside the others).
+struct Unchanged {
+  __device__ __forceinline__ float operator()(float x, int, int) const { return x; }
+};
+
+template <class Cfg, class F = Unchanged>
 __device__ __forceinline__ void recompute_s_warp(float (&s)[Cfg::kSRegs], uint32_t smem_q_wg, uint32_t smem_k,
-                                                 int warp, int lane) {
+                                                 int warp, int lane, F each = {}) {
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const uint32_t q_row = smem_q_wg + (16 * warp + lane / 4 + 8 * r) * Cfg::kRowBytes;
@@ -112,7 +119,12 @@ __device__ __forceinline__ void recompute_s_warp(float (&s)[Cfg::kSRegs], uint32
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const uint32_t k_row = smem_k + (8 * j + 2 * (lane % 4) + e) * Cfg::kRowBytes;
-        s[4 * j + 2 * r + e] = dot_rows<Cfg>(q_row, k_row);
+        const float x = dot_rows<Cfg>(q_row, k_row);
+        int c = 8 * j + e;
+        // (a modifier's work on this score waits for it: hoisted above the dot products, the
+        // 64 scores' index terms were live at once, and ptxas spilled 100 bytes for ALiBi)
+        if constexpr (!cuda::std::is_same_v<F, Unchanged>) asm volatile("" : "+r"(c) : "f"(x));
+        s[4 * j + 2 * r + e] = each(x, r, c);
       }
     }
   }
@@ -181,10 +193,12 @@ __device__ __forceinline__ bool online_softmax_guarded(float (&s)[Cfg::kSRegs], 
 }
 
 // The rarest case of a guarded block: S again from SMEM, and the full online_softmax.
-template <class Cfg>
+// `each`: a score modifier's (score_of, where the kernel has one), applied as S is computed.
+template <class Cfg, class F = Unchanged>
 __device__ __forceinline__ void softmax_redo(float (&s)[Cfg::kSRegs], float (&m)[2], float (&l)[2], float (&scale)[2],
-                                             float scale_log2, uint32_t smem_q_wg, uint32_t smem_k, int warp, int lane) {
-  recompute_s_warp<Cfg>(s, smem_q_wg, smem_k, warp, lane);
+                                             float scale_log2, uint32_t smem_q_wg, uint32_t smem_k, int warp, int lane,
+                                             F each = {}) {
+  recompute_s_warp<Cfg>(s, smem_q_wg, smem_k, warp, lane, each);
   apply_softcap<Cfg>(s, scale_log2);  // a guarded block is unmasked: nothing else to redo
   online_softmax<Cfg>(s, m, l, scale, scale_log2);
 }

@@ -158,6 +158,30 @@ __device__ __forceinline__ void window_work(TileWork& w, int seqlen_q, int seqle
   w.masked_from = imax(w.n_masked, w.n_blocks - left_masked);
 }
 
+// `keep` (issue 41): the blocks whose tile rule says EMPTY (no row of the tile keeps a key of
+// them: fadsl/passes/modifiers/sparsity.py, rendered into Cfg::Modifiers::empty) trimmed off
+// both ends of the tile's range, so that the producer loads none of them and the consumers
+// run none. Each end is scanned while EMPTY: causal masks, windows and prefix-LM have their
+// EMPTY blocks at the ends; one left in the middle runs masked (every score -inf). The
+// producer and the consumers trim alike, from the same values. The leading iterations that
+// mask for the seqlen_k tail or the causal diagonal (n_masked) lose those trimmed off the top.
+template <class Cfg>
+__device__ __forceinline__ void keep_work(const FwdParamsSm90& P, TileWork& w) {
+  const int q_lo = w.m0, q_hi = imin(w.m0 + Cfg::kBlockM, w.seqlen_q) - 1;
+  auto empty = [&](int n) {
+    const int kv_lo = n * Cfg::kBlockN, kv_hi = imin(kv_lo + Cfg::kBlockN, w.seqlen_k) - 1;
+    return Cfg::Modifiers::empty(P, w.batch, w.head, q_lo, q_hi, kv_lo, kv_hi);
+  };
+  int top = 0;
+  for (; w.n_blocks > 0 && empty(w.block_end - 1); ++top) {
+    --w.block_end;
+    --w.n_blocks;
+  }
+  while (w.n_blocks > 0 && empty(w.block_end - w.n_blocks)) --w.n_blocks;
+  w.n_masked = imin(imax(w.n_masked - top, 0), w.n_blocks);
+  w.masked_from = w.n_blocks;
+}
+
 // The tile's K/V blocks (w.m0 set): how many, which mask, for sequences of these lengths.
 template <class Cfg>
 __device__ __forceinline__ void kv_work(TileWork& w, int seqlen_q, int seqlen_k, int group = 1) {
@@ -198,6 +222,7 @@ __device__ __forceinline__ TileWork tile_work(const FwdParamsSm90& P, const Tile
   w.seqlen_k = Cfg::kKvCache ? imin(imax(P.cache_seqlens[w.batch], 0), P.base.seqlen_k) : P.base.seqlen_k;
   if constexpr (Cfg::kPageSize > 0) w.pages = P.page_table + static_cast<int64_t>(w.batch) * P.page_table_stride;
   kv_work<Cfg>(w, P.base.seqlen_q, w.seqlen_k, Cfg::kPackGQA ? P.base.heads_q / P.base.heads_kv : 1);
+  if constexpr (Cfg::kKeep) keep_work<Cfg>(P, w);
   return w;
 }
 

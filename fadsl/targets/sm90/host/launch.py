@@ -122,7 +122,8 @@ def split_plan(tiles: int, ctas: int, blocks: int) -> tuple[int, int]:
 
 # FwdParamsSm90 (emit/sm90/include/fadsl/sm90.cuh): the Q, K, V and O tensor maps (128
 # bytes each, 128-byte aligned), then FwdParams at 512, the split and scheduler fields, the
-# varlen fields; 896 bytes in all (the maps' 128-byte alignment rounds 776 up).
+# varlen fields, the kv-cache fields, the modifiers' 8 input pointers; 896 bytes in all
+# (the maps' 128-byte alignment rounds 864 up).
 # tests/test_params.py checks these against the C++ struct.
 TENSOR_MAP_BYTES = 128
 SM90_BASE_OFFSET = 4 * TENSOR_MAP_BYTES
@@ -143,6 +144,10 @@ _NO_VARLEN = VARLEN_TAIL.pack(0, 0, 0, 0)
 SPLIT_OFFSET = SM90_BASE_OFFSET + FWD_PARAMS.size  # where the split fields start
 VARLEN_OFFSET = SPLIT_OFFSET + SPLIT_TAIL.size + DIVISORS.size
 _SM90_PAD = bytes(SM90_PARAMS_BYTES - VARLEN_OFFSET - VARLEN_TAIL.size)
+# Then the kv-cache fields (host/kvcache.py's KVCACHE_TAIL, 24 bytes), and the score and mask
+# modifiers' input pointers (issue 41), in declared order, zeros past the spec's.
+INPUTS = struct.Struct("<8Q")
+INPUTS_OFFSET = VARLEN_OFFSET + VARLEN_TAIL.size + struct.calcsize("<QQii")
 # The kernels move tiles as 64-column panels (128-byte rows, the 128-byte swizzle's span),
 # and each consumer warpgroup stores its own 64 rows of O.
 PANEL_COLS = 64
@@ -184,7 +189,16 @@ _SM90_PACKED_LIMIT = 4096
 
 def pack_fwd_params_sm90(kernel: Kernel, a: Args) -> bytes:
     """FwdParamsSm90: Q's map with B_r-row boxes, K's and V's with B_c-row boxes, O's with
-    64-row boxes (one consumer warpgroup's rows), then FwdParams."""
+    64-row boxes (one consumer warpgroup's rows), then FwdParams; the modifiers' inputs."""
+    packed = _pack_fwd_params_sm90(kernel, a)
+    if not a.inputs:
+        return packed
+    pointers = [t.data_ptr() for t in a.inputs]
+    inputs = INPUTS.pack(*pointers, *[0] * (8 - len(pointers)))
+    return packed[:INPUTS_OFFSET] + inputs + packed[INPUTS_OFFSET + INPUTS.size :]
+
+
+def _pack_fwd_params_sm90(kernel: Kernel, a: Args) -> bytes:
     q, k, v, o, lse = a.q, a.k, a.v, a.out, a.lse
     cfg = kernel.config
     key = (

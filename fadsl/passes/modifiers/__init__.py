@@ -1,0 +1,35 @@
+"""The passes over a spec's score and mask modifiers (issue 41), each a pure function
+``Modifiers -> Modifiers`` in its own module, run in the order ``MODIFIER_PASSES`` lists:
+
+1. check_modifiers (check.py): names resolved, types inferred, indices and functions
+   proven safe; every problem a located error (SpecError);
+2. derive_sparsity (sparsity.py): `keep`'s tile classes (FULL, EMPTY, PARTIAL) as a rule
+   over a tile's bounds, by interval arithmetic;
+3. differentiate_score (derivative.py): d score / d s, symbolically (for explain now, for
+   the backward of step 4).
+
+The front end runs them (fadsl/frontend/modifiers.py) so that their errors are reported
+with the spec's other ones.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from ...ir.expr import Modifiers
+from .check import check_modifiers
+from .derivative import differentiate_score
+from .sparsity import derive_sparsity
+
+MODIFIER_PASSES: tuple[tuple[str, Callable[[Modifiers], Modifiers]], ...] = (
+    ("check_modifiers", check_modifiers),
+    ("derive_sparsity", derive_sparsity),
+    ("differentiate_score", differentiate_score),
+)
+
+
+def run_modifier_passes(modifiers: Modifiers) -> Modifiers:
+    """The modifiers through every pass, in order (a SpecError from the first that refuses)."""
+    for _name, run in MODIFIER_PASSES:
+        modifiers = run(modifiers)
+    return modifiers

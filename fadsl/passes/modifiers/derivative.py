@@ -1,0 +1,89 @@
+"""differentiate_score: d score / d s, symbolically, for the backward (issue 41's step 4:
+dS is multiplied by it) and for `fadsl explain`.
+
+A pure pass, ``Modifiers -> Modifiers``: ``derivative`` is the expression's derivative by
+the score ``s``, folded as it is built (fadsl/passes/modifiers/build.py), so that ALiBi's
+``s + slopes[h] * (kv_idx - q_idx)`` gives ``1.0`` and softcap's ``30 * tanh(s / 30)`` gives
+``1.0 - tanh(s / 30) * tanh(s / 30)`` (the factor the built-in softcap's backward takes,
+docs/numerics.md). Where the score goes through ``floor`` the derivative is 0 almost
+everywhere and undefined at the steps: ``not_differentiable`` says so, and a backward of
+such a score is to be refused (the forward is fine). A where() differentiates each branch
+(its condition picks one); min, max and clamp the argument they pick; abs by its sign.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+from ...ir.expr import Binary, BinOp, FnCall, Const, Expr, ExprType, Fn, Load, Modifiers
+from ...ir.expr import Unary, UnOp, Var, VarKind, Where, reads_score, text
+from . import build as b
+
+F32 = ExprType.F32
+
+
+class NotDifferentiable(Exception):
+    """The score goes through a function with no useful derivative (the message says which)."""
+
+
+def differentiate_score(m: Modifiers) -> Modifiers:
+    if m.score is None:
+        return m
+    try:
+        return replace(m, derivative=derivative(m.score))
+    except NotDifferentiable as err:
+        return replace(m, derivative=None, not_differentiable=str(err))
+
+
+def derivative(e: Expr) -> Expr:
+    """d e / d s of a typed expression (a float)."""
+    loc = e.loc
+    if not reads_score(e):
+        return b.const(0.0, loc)
+    match e:
+        case Var(kind=VarKind.SCORE):
+            return b.const(1.0, loc)
+        case Unary(op=UnOp.NEG, x=x):
+            return b.neg(derivative(x), loc)
+        case Binary(op=BinOp.ADD, a=x, b=y):
+            return b.add(derivative(x), derivative(y), loc)
+        case Binary(op=BinOp.SUB, a=x, b=y):
+            return b.sub(derivative(x), derivative(y), loc)
+        case Binary(op=BinOp.MUL, a=x, b=y):
+            return b.add(b.mul(derivative(x), y, loc), b.mul(x, derivative(y), loc), loc)
+        case Binary(op=BinOp.DIV, a=x, b=y) if not reads_score(y):
+            return b.div(derivative(x), y, loc)
+        case Binary(op=BinOp.DIV, a=x, b=y):
+            top = b.sub(b.mul(derivative(x), y, loc), b.mul(x, derivative(y), loc), loc)
+            return b.div(top, b.mul(y, y, loc), loc)
+        case Where(cond=c, a=x, b=y):
+            return b.where(c, derivative(x), derivative(y), loc)
+        case FnCall(fn=Fn.ABS, args=(x,)):
+            return b.where(b.compare(BinOp.GE, x, b.const(0, loc), loc), derivative(x),
+                           b.neg(derivative(x), loc), loc)  # fmt: skip
+        case FnCall(fn=Fn.MIN | Fn.MAX, args=(x, y)):
+            op = BinOp.LE if e.fn is Fn.MIN else BinOp.GE
+            return b.where(b.compare(op, x, y, loc), derivative(x), derivative(y), loc)
+        case FnCall(fn=Fn.CLAMP, args=(x, lo, hi)):
+            inside = b.and_(b.compare(BinOp.GE, x, lo, loc), b.compare(BinOp.LE, x, hi, loc), loc)
+            below = b.compare(BinOp.LT, x, lo, loc)
+            outside = b.where(below, derivative(lo), derivative(hi), loc)
+            return b.where(inside, derivative(x), outside, loc)
+        case FnCall(fn=Fn.EXP, args=(x,)):
+            return b.mul(e, derivative(x), loc)
+        case FnCall(fn=Fn.LOG, args=(x,)):
+            return b.div(derivative(x), x, loc)
+        case FnCall(fn=Fn.LOG2, args=(x,)):
+            return b.div(derivative(x), b.mul(x, b.const(math.log(2.0), loc), loc), loc)
+        case FnCall(fn=Fn.TANH, args=(x,)):
+            square = b.sub(b.const(1.0, loc), b.mul(e, e, loc), loc)
+            return b.mul(square, derivative(x), loc)
+        case FnCall(fn=Fn.FLOOR):
+            raise NotDifferentiable(
+                f"'{text(e)}' rounds the score down: its derivative is 0 almost everywhere "
+                "and undefined at each step"
+            )
+        case Const() | Load() | Var():
+            return b.const(0.0, loc)
+    raise NotDifferentiable(f"'{text(e)}' has no derivative rule")

@@ -1,0 +1,261 @@
+"""Interval arithmetic over a modifier's values, with bounds affine in the call's sizes.
+
+check_modifiers asks two kinds of question of an expression, and both are about ranges:
+does an index stay inside its input (``kv_idx`` in ``[0, seqlen_k)``: its bounds are the
+size itself), and can a function produce inf or NaN from finite inputs (``exp`` of more than
+88, ``log`` of 0 or less, a division by a divisor that may be 0). A bound is therefore an
+affine form ``c + sum(k_d d)`` over the sizes d (batch, heads, heads_kv, seqlen_q,
+seqlen_k), or None where nothing is known. A comparison of two bounds is decided only where
+it holds for every size of 1 or more; otherwise it is not proven, and the caller refuses.
+Scores (``s``) and the elements of inputs are finite but unbounded.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ...ir.expr import Dim
+
+
+@dataclass(frozen=True)
+class Affine:
+    """``const + sum(k d for d, k in terms)``, every size d at least 1."""
+
+    const: float
+    terms: tuple[tuple[Dim, int], ...] = ()
+
+    @staticmethod
+    def size(dim: Dim, offset: float = 0) -> Affine:
+        return Affine(offset, ((dim, 1),))
+
+    @property
+    def is_const(self) -> bool:
+        return not self.terms
+
+    def __add__(self, other: Affine) -> Affine:
+        terms = dict(self.terms)
+        for d, k in other.terms:
+            terms[d] = terms.get(d, 0) + k
+        kept = tuple(sorted(((d, k) for d, k in terms.items() if k), key=lambda t: t[0].value))
+        return Affine(self.const + other.const, kept)
+
+    def scaled(self, k: float) -> Affine | None:
+        """``k`` times the form; None where a size would get a fractional factor."""
+        if self.terms and k != int(k):
+            return None
+        return Affine(self.const * k, tuple((d, int(c * k)) for d, c in self.terms if c * k))
+
+    def least(self) -> float:
+        """Its least value over all sizes, or -inf where a size has a negative factor."""
+        if any(k < 0 for _, k in self.terms):
+            return -math.inf
+        return self.const + sum(k for _, k in self.terms)
+
+    def text(self) -> str:
+        """The form in the spec's syntax: "seqlen_k + 99", "-seqlen_q + 1", "3"."""
+        out = ""
+        for d, k in self.terms:
+            term = d.value if abs(k) == 1 else f"{abs(k)} * {d.value}"
+            out += ("-" if k < 0 else "") + term if not out else (" - " if k < 0 else " + ") + term
+        c = self.const
+        if c or not out:
+            shown = str(int(abs(c))) if c == int(c) and abs(c) < 2**53 else repr(abs(c))
+            out += (
+                ("-" if c < 0 else "") + shown if not out else (" - " if c < 0 else " + ") + shown
+            )
+        return out
+
+
+def at_most(a: Affine | None, b: Affine | None) -> bool:
+    """Proven: a <= b for every size (None: unknown, never proven)."""
+    if a is None or b is None:
+        return False
+    return (b + a.scaled(-1)).least() >= 0
+
+
+def below(a: Affine | None, b: Affine | None) -> bool:
+    """Proven: a < b for every size."""
+    if a is None or b is None:
+        return False
+    return (b + a.scaled(-1)).least() > 0
+
+
+@dataclass(frozen=True)
+class Interval:
+    """Every value an expression can take lies in [lo, hi]; None: unbounded on that side."""
+
+    lo: Affine | None
+    hi: Affine | None
+
+    def text(self) -> str:
+        lo = "-inf" if self.lo is None else self.lo.text()
+        hi = "inf" if self.hi is None else self.hi.text()
+        return f"[{lo}, {hi}]"
+
+    @property
+    def numeric(self) -> bool:
+        """Both bounds are plain numbers (no size in them)."""
+        return self.lo is not None and self.hi is not None and self.lo.is_const and self.hi.is_const
+
+    def excludes_zero(self) -> bool:
+        zero = Affine(0)
+        return below(zero, self.lo) or below(self.hi, zero)
+
+
+UNBOUNDED = Interval(None, None)
+
+
+def point(value: float) -> Interval:
+    return Interval(Affine(value), Affine(value))
+
+
+def index_range(dim: Dim) -> Interval:
+    """An index over ``dim``: 0 .. dim - 1."""
+    return Interval(Affine(0), Affine.size(dim, -1))
+
+
+def _add(a: Affine | None, b: Affine | None) -> Affine | None:
+    return None if a is None or b is None else a + b
+
+
+def add(x: Interval, y: Interval) -> Interval:
+    return Interval(_add(x.lo, y.lo), _add(x.hi, y.hi))
+
+
+def neg(x: Interval) -> Interval:
+    return Interval(
+        None if x.hi is None else x.hi.scaled(-1), None if x.lo is None else x.lo.scaled(-1)
+    )
+
+
+def sub(x: Interval, y: Interval) -> Interval:
+    return add(x, neg(y))
+
+
+def _scale(x: Interval, k: float) -> Interval:
+    lo = None if x.lo is None else x.lo.scaled(k)
+    hi = None if x.hi is None else x.hi.scaled(k)
+    return Interval(lo, hi) if k >= 0 else Interval(hi, lo)
+
+
+def _products(x: Interval, y: Interval, op) -> Interval:
+    """Numeric bounds: the extremes of ``op`` over the corners (inf where unbounded)."""
+    xs = (-math.inf if x.lo is None else x.lo.const, math.inf if x.hi is None else x.hi.const)
+    ys = (-math.inf if y.lo is None else y.lo.const, math.inf if y.hi is None else y.hi.const)
+    values = []
+    for a in xs:
+        for b in ys:
+            v = op(a, b)
+            values.append(0.0 if math.isnan(v) else v)  # 0 x inf: the corner adds nothing
+    lo, hi = min(values), max(values)
+    return Interval(None if lo == -math.inf else Affine(lo), None if hi == math.inf else Affine(hi))
+
+
+def _numeric_or_unbounded(x: Interval) -> bool:
+    return all(b is None or b.is_const for b in (x.lo, x.hi))
+
+
+def mul(x: Interval, y: Interval) -> Interval:
+    for a, b in ((x, y), (y, x)):
+        if a.numeric and a.lo == a.hi:
+            return _scale(b, a.lo.const)
+    if _numeric_or_unbounded(x) and _numeric_or_unbounded(y):
+        return _products(x, y, lambda a, b: a * b)
+    return UNBOUNDED
+
+
+def square(x: Interval) -> Interval:
+    """x * x of one value: never negative."""
+    found = absolute(x)
+    if found.numeric:
+        return Interval(Affine(found.lo.const**2), Affine(found.hi.const**2))
+    return Interval(Affine(0), None)
+
+
+def div(x: Interval, y: Interval) -> Interval:
+    """x / y where y excludes 0 (the caller checks)."""
+    if y.numeric and y.lo == y.hi:
+        return _scale(x, 1 / y.lo.const)
+    if _numeric_or_unbounded(x) and y.numeric:
+        return _products(x, y, lambda a, b: a / b)
+    return UNBOUNDED
+
+
+def floordiv(x: Interval, y: Interval) -> Interval:
+    if not (_numeric_or_unbounded(x) and y.numeric):
+        return UNBOUNDED
+    q = div(x, y)
+    return Interval(
+        None if q.lo is None else Affine(math.floor(q.lo.const)),
+        None if q.hi is None else Affine(math.floor(q.hi.const)),
+    )
+
+
+def mod(x: Interval, y: Interval) -> Interval:
+    """Python's %: the sign of the divisor, below it in magnitude."""
+    if y.numeric and y.lo.const > 0:
+        return Interval(Affine(0), Affine(y.hi.const - 1))
+    if y.numeric and y.hi.const < 0:
+        return Interval(Affine(y.lo.const + 1), Affine(0))
+    return UNBOUNDED
+
+
+def lowest(a: Affine | None, b: Affine | None) -> Affine | None:
+    """The smaller of two bounds where one is proven smaller for every size, else None
+    (the lower bound of min(u, v) from u's and v's, or the tighter of two upper bounds)."""
+    if at_most(a, b):
+        return a
+    if at_most(b, a):
+        return b
+    return None
+
+
+def highest(a: Affine | None, b: Affine | None) -> Affine | None:
+    """The larger of two bounds where one is proven larger, else None."""
+    if at_most(a, b):
+        return b
+    if at_most(b, a):
+        return a
+    return None
+
+
+def either(a: Affine | None, b: Affine | None) -> Affine | None:
+    """One of two bounds, both valid: a number where one is, else the first known."""
+    for bound in (a, b):
+        if bound is not None and bound.is_const:
+            return bound
+    return a if a is not None else b
+
+
+def minimum(x: Interval, y: Interval) -> Interval:
+    # min(u, v) is at most u and at most v: the tighter upper bound where one is proven
+    # tighter, else either known one
+    return Interval(lowest(x.lo, y.lo), lowest(x.hi, y.hi) or either(x.hi, y.hi))
+
+
+def maximum(x: Interval, y: Interval) -> Interval:
+    return Interval(highest(x.lo, y.lo) or either(x.lo, y.lo), highest(x.hi, y.hi))
+
+
+def union(x: Interval, y: Interval) -> Interval:
+    return Interval(lowest(x.lo, y.lo), highest(x.hi, y.hi))
+
+
+def absolute(x: Interval) -> Interval:
+    zero = Affine(0)
+    if at_most(zero, x.lo):
+        return x
+    if at_most(x.hi, zero):
+        return neg(x)
+    if x.numeric:
+        return Interval(zero, Affine(max(-x.lo.const, x.hi.const)))
+    return Interval(zero, None)
+
+
+def monotone(x: Interval, f) -> Interval:
+    """An increasing function of numeric bounds (exp, log, floor, tanh); unbounded ends stay
+    unbounded (the caller knows the function's own range)."""
+    lo = None if x.lo is None or not x.lo.is_const else Affine(f(x.lo.const))
+    hi = None if x.hi is None or not x.hi.is_const else Affine(f(x.hi.const))
+    return Interval(lo, hi)

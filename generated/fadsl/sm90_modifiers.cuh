@@ -1,0 +1,117 @@
+// fadsl/sm90_modifiers.cuh -- score and mask modifiers (issue 41) on sm_90a: a spec's
+// `score EXPR` and `keep EXPR`, rendered by fadsl/targets/cuda_expr.py into the generated
+// kernel's SpecModifiers (Cfg::Modifiers), applied to a consumer's S in registers.
+//
+// Included at the end of fadsl/sm90.cuh (it uses FwdConfig, TileWork and RowLimits); the
+// tile rule's EMPTY blocks are trimmed in the tile scheduler (keep_work, sm90_tiles.cuh).
+//
+// Where they run, in the softmax step of every block (ops.cu.j2): S = Q K^T in registers ->
+// apply_score -> the built-in mask (mask_scores) -> mask_keep (PARTIAL blocks only) -> the
+// online softmax. The score is taken in natural units, s = S softmax_scale, and left in
+// them: the kernel's scale_log2 is then log2 e, so the row max and every later factor are of
+// the modified scores (docs/numerics.md, "Score and mask modifiers"). Before the mask, so
+// that a masked key stays -inf whatever the score makes of it.
+//
+// A thread's rows past seqlen_q (a tile's padding, never stored) are read as the last row,
+// and keys past seqlen_k (masked) as the last key, so that an input indexed by q_idx or
+// kv_idx is never read outside its rows: check_modifiers proved every index inside its
+// dimension for q_idx < seqlen_q and kv_idx < seqlen_k.
+#pragma once
+
+#include "modifiers.cuh"  // the functions the expressions call (the common header)
+
+namespace fadsl::sm90 {
+
+// Where a block's scores lie, by value (a struct of references to the kernel's TileWork
+// and RowLimits would take their addresses and put them on the stack): the tile's batch and
+// head, this thread's first row, the sequence lengths, the block's first key of this thread.
+struct ScoreSite {
+  int b, h;
+  int row0, seqlen_q, seqlen_k;
+  int col0;  // n_block B_c + 2 (lane % 4)
+};
+
+template <class Cfg>
+__device__ __forceinline__ ScoreSite score_site(const TileWork& w, const RowLimits& rows, int n_block, int lane) {
+  return {w.batch, w.head, rows.row0, rows.seqlen_q, rows.seqlen_k, n_block * Cfg::kBlockN + 2 * (lane % 4)};
+}
+
+// The indices of this thread's score of its row r (0 or 1) and its column c (8j + e: the
+// wgmma accumulator layout's s[4j + 2r + e]): query row0 + 8r, key col0 + c, clamped to the
+// sequences.
+__device__ __forceinline__ int score_q_idx(const ScoreSite& at, int r) { return imin(at.row0 + 8 * r, at.seqlen_q - 1); }
+__device__ __forceinline__ int score_kv_idx(const ScoreSite& at, int c) { return imin(at.col0 + c, at.seqlen_k - 1); }
+
+// f(x, q_idx, kv_idx) on each of this thread's scores x.
+template <class Cfg, class F>
+__device__ __forceinline__ void for_each_score(float (&s)[Cfg::kSRegs], const ScoreSite& at, F f) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+#pragma unroll
+    for (int j = 0; j < Cfg::kBlockN / 8; ++j) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) f(s[4 * j + 2 * r + e], score_q_idx(at, r), score_kv_idx(at, 8 * j + e));
+    }
+  }
+}
+
+// `score` of one raw score S: score(S softmax_scale, b, h, q_idx, kv_idx), natural units.
+// (u: the tile's Uniforms, what the expressions read that is the same for all its scores.)
+template <class Cfg, class U>
+struct ScoreOf {
+  const FwdParamsSm90& P;
+  U u;  // (by value: a reference to the kernel's would take its address)
+  ScoreSite at;
+  __device__ __forceinline__ float operator()(float x, int r, int c) const {
+    return Cfg::Modifiers::score(P, u, x * P.base.softmax_scale, at.b, at.h, score_q_idx(at, r), score_kv_idx(at, c));
+  }
+};
+
+template <class Cfg, class U>
+__device__ __forceinline__ ScoreOf<Cfg, U> score_of(const FwdParamsSm90& P, const U& u, const ScoreSite& at) {
+  return {P, u, at};
+}
+
+// `score` on this thread's S.
+template <class Cfg, class U>
+__device__ __forceinline__ void apply_score(float (&s)[Cfg::kSRegs], const FwdParamsSm90& P, const U& u,
+                                            const ScoreSite& at) {
+  if constexpr (Cfg::kScore) {
+    const ScoreOf<Cfg, U> score{P, u, at};
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+#pragma unroll
+      for (int j = 0; j < Cfg::kBlockN / 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) s[4 * j + 2 * r + e] = score(s[4 * j + 2 * r + e], r, 8 * j + e);
+      }
+    }
+  }
+}
+
+// `keep`: -inf where the predicate does not hold (a PARTIAL block's scores).
+template <class Cfg, class U>
+__device__ __forceinline__ void mask_keep(float (&s)[Cfg::kSRegs], const FwdParamsSm90& P, const U& u,
+                                          const ScoreSite& at) {
+  if constexpr (Cfg::kKeep) {
+    for_each_score<Cfg>(s, at, [&](float& x, int q_idx, int kv_idx) {
+      if (!Cfg::Modifiers::keep(P, u, at.b, at.h, q_idx, kv_idx)) x = -INFINITY;
+    });
+  }
+}
+
+// Whether block n_block needs `keep`'s mask for warpgroup wg's 64 rows: not FULL by the tile
+// rule (a PARTIAL block, or an EMPTY one that keep_work left inside the range). The rows past
+// seqlen_q count as the last row, as for_each_score reads them; warp-uniform.
+template <class Cfg>
+__device__ __forceinline__ bool keep_partial(const FwdParamsSm90& P, const TileWork& w, int wg, int n_block) {
+  if constexpr (!Cfg::kKeep) {
+    return false;
+  } else {
+    const int q_lo = imin(w.m0 + 64 * wg, w.seqlen_q - 1), q_hi = imin(w.m0 + 64 * wg + 63, w.seqlen_q - 1);
+    const int kv_lo = n_block * Cfg::kBlockN, kv_hi = imin(kv_lo + Cfg::kBlockN, w.seqlen_k) - 1;
+    return !Cfg::Modifiers::full(P, w.batch, w.head, q_lo, q_hi, kv_lo, kv_hi);
+  }
+}
+
+}  // namespace fadsl::sm90
