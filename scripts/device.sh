@@ -5,7 +5,9 @@
 #   comparison with SDPA FLASH, compute-sanitizer (racecheck, synccheck, memcheck) at a small
 #   shape, then the benchmarks if asked.
 # Usage (repo root, on the device):
-#   bash scripts/device.sh [fa4stage] [numerics] [backward] [bwdtrace] [bwdvarlen] [varlen] [kvcache] [distributed] [tests] [sanitize] [trace] [probe] [streamprobe] [bench ARGS...]
+#   bash scripts/device.sh [fa4stage] [numerics] [backward] [bwdtrace] [bwdvarlen] [varlen] [kvcache] [modifiers] [distributed] [tests] [sanitize] [trace] [probe] [streamprobe] [bench ARGS...]
+#   modifiers: tests/test_gpu_modifiers.py (score and keep modifiers), then compute-sanitizer on
+#   scripts/sanitize_modifiers.py (examples/modifiers/ at ragged shapes, every tile class)
 #   varlen: tests/test_gpu_varlen.py, then compute-sanitizer on scripts/sanitize_varlen.py,
 #   then VARLEN_BENCH's specs timed (VARLEN_BACKWARD=1: their backward, beside FA4's)
 #   bwdvarlen (and backward): tests/test_gpu_backward_varlen.py, then compute-sanitizer on
@@ -161,6 +163,9 @@ if [[ $steps == *" varlen "* ]]; then
       --json "$OUT/varlen_$(basename "$spec" .fa).json" 2>&1 | tee -a "$OUT/bench_varlen.log" | tail -6
     status=$((status | ${PIPESTATUS[0]}))
   done
+fi
+if [[ $steps == *" modifiers "* ]]; then
+  checked modifiers tests/test_gpu_modifiers.py scripts/sanitize_modifiers.py
 fi
 if [[ $steps == *" kvcache "* ]]; then
   # kv-cache calls (issue 31): the GPU tests, compute-sanitizer on ragged caches with split

@@ -1,0 +1,49 @@
+"""Run each example with score or mask modifiers (examples/modifiers/) once per dtype at a few
+ragged shapes, for compute-sanitizer (racecheck, synccheck, memcheck):
+
+    compute-sanitizer --tool racecheck python3 -P scripts/sanitize_modifiers.py
+
+Inputs: ALiBi's slopes per head, prefix-LM's prefix lengths per batch, among them 0, one past
+the keys and a prefix longer than the keys (the predicate's edges), so that every tile class
+(full, empty, partial) runs."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+import fadsl
+
+ROOT = Path(__file__).resolve().parents[1]
+SHAPES = ((1, 1), (70, 333), (333, 70), (300, 1100))  # (seqlen_q, seqlen_k)
+HEADS, BATCH = 4, 4
+
+
+def inputs(kern, sk: int) -> dict[str, torch.Tensor]:
+    """The spec's declared inputs, by name (the examples declare slopes and prefix)."""
+    made = {}
+    names = {i.name for i in kern.config.modifiers.inputs}
+    if "slopes" in names:
+        made["slopes"] = torch.tensor([2.0 ** -(h + 1) for h in range(HEADS)], device="cuda")
+    if "prefix" in names:
+        made["prefix"] = torch.tensor([0, sk // 3, sk + 1, 1], device="cuda", dtype=torch.int32)
+    unknown = names - made.keys()
+    if unknown:
+        sys.exit(f"{kern.config.name}: no input made for {sorted(unknown)}")
+    return made
+
+
+for path in sorted((ROOT / "examples" / "modifiers").glob("*.fa")):
+    kern = fadsl.load(str(path), verbose=False)
+    d = kern.config.head_dim
+    for dtype in kern.config.dtypes:
+        torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype.value]
+        for sq, sk in SHAPES:
+            q = torch.randn(BATCH, sq, HEADS, d, device="cuda", dtype=torch_dtype)
+            k = torch.randn(BATCH, sk, HEADS, d, device="cuda", dtype=torch_dtype)
+            v = torch.randn(BATCH, sk, HEADS, d, device="cuda", dtype=torch_dtype)
+            out, lse = kern(q, k, v, return_lse=True, **inputs(kern, sk))
+            torch.cuda.synchronize()
+            print(f"{path.stem} {dtype.value} {sq}x{sk}: ran, finite={bool(out.isfinite().all())}")
