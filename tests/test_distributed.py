@@ -7,6 +7,7 @@ it are tests/test_gpu_distributed.py's (2 GPUs)."""
 
 from __future__ import annotations
 
+import datetime
 import math
 import os
 import tempfile
@@ -282,6 +283,51 @@ def _checks_worker(rank, world, init_file):
 def test_bad_arguments_are_named():
     with tempfile.TemporaryDirectory() as where:
         mp.spawn(_checks_worker, args=(2, os.path.join(where, "init")), nprocs=2)
+
+
+def _disagreeing_worker(rank, world, init_file):
+    """Rank 1 alone passes bad arguments, or a call that differs from rank 0's: every rank
+    must raise (a rank that went on would wait forever in the ring's first exchange; the
+    group's 60 s timeout turns such a hang into a failure)."""
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=60),
+    )
+    try:
+        step = ReferenceStep()
+        q = torch.randn(1, 4, 4, 8)
+        bad_q = q[0] if rank == 1 else q
+        with pytest.raises(ValueError) as err:
+            fcp.ring_attention(bad_q, q, q, step=step)
+        want = "q: expected a 4-D tensor" if rank == 1 else "rank 1: q: expected a 4-D tensor"
+        assert want in str(err.value)
+        with pytest.raises(TypeError, match="rank 1: causal: expected True or False|^causal"):
+            fcp.ring_attention(q, q, q, causal=1 if rank == 1 else False, step=step)
+        longer = torch.randn(1, 6, 4, 8) if rank == 1 else q
+        with pytest.raises(ValueError, match=r"the ranks' calls differ .* ranks \[1\]"):
+            fcp.ring_attention(q, longer, longer, step=step)
+        with pytest.raises(ValueError, match="the ranks' calls differ"):
+            fcp.ring_attention(q, q, q, softmax_scale=0.5 if rank else 0.25, step=step)
+        packed = torch.randn(8, 4, 8)
+        cu = torch.tensor([0, 4, 8] if rank == 0 else [0, 2, 8], dtype=torch.int32)
+        with pytest.raises(ValueError, match="the ranks' calls differ"):
+            fcp.ring_attention_varlen(packed, packed, packed, cu, step=step)
+        with pytest.raises(ValueError, match="rank 1: k: 3 heads do not split|^k: 3 heads"):
+            kv = torch.randn(1, 4, 3 if rank == 1 else 2, 8)
+            fcp.ulysses_attention(torch.randn(1, 4, 6, 8), kv, kv)
+        # and the group still works: an agreed call runs on both ranks
+        out = fcp.ring_attention(q, q.clone(), q.clone(), step=step)
+        assert out.shape == q.shape and torch.isfinite(out).all()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_rank_with_bad_or_different_arguments_is_an_error_on_every_rank():
+    with tempfile.TemporaryDirectory() as where:
+        mp.spawn(_disagreeing_worker, args=(2, os.path.join(where, "init")), nprocs=2)
 
 
 def test_without_a_process_group_the_error_says_how_to_start_one():

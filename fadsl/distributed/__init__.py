@@ -24,6 +24,7 @@ import math
 import torch
 import torch.distributed as dist
 
+from .agree import agreed, signature_of
 from .ring import LAYOUTS, RingAttention
 from .steps import ReferenceStep, ShippedStep, SpecStep, AttentionStep
 from .ulysses import ulysses
@@ -114,19 +115,31 @@ def ring_attention(
     ``return_lse`` their LSE, fp32 (batch, heads_q, seqlen_q), natural log). Gradients flow
     to q, k and v (not through the LSE)."""
     rank, world = _world(group)
-    _check_flag("causal", causal)
-    _check_flag("return_lse", return_lse)
-    _check_qkv(q, k, v)
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout: expected one of {', '.join(LAYOUTS)}, got {layout!r}")
-    if causal:
-        if q.shape[1] != k.shape[1]:
-            raise ValueError(
-                f"k: causal ring attention needs shards of equal length, q {q.shape[1]} "
-                f"and k {k.shape[1]}"
-            )
-        if layout == "zigzag" and q.shape[1] % 2:
-            raise ValueError(f"q: a zigzag shard holds two chunks; its length {q.shape[1]} is odd")
+
+    def check() -> tuple[int, ...]:
+        _check_flag("causal", causal)
+        _check_flag("return_lse", return_lse)
+        _check_qkv(q, k, v)
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout: expected one of {', '.join(LAYOUTS)}, got {layout!r}")
+        if causal:
+            if q.shape[1] != k.shape[1]:
+                raise ValueError(
+                    f"k: causal ring attention needs shards of equal length, q {q.shape[1]} "
+                    f"and k {k.shape[1]}"
+                )
+            if layout == "zigzag" and q.shape[1] % 2:
+                raise ValueError(
+                    f"q: a zigzag shard holds two chunks; its length {q.shape[1]} is odd"
+                )
+        if step is None:
+            _default_step(q)
+        # what travels (K and V shards, then dK and dV) and what the merge assumes
+        return signature_of(
+            *k.shape, q.shape[2], str(q.dtype), causal, layout, _scale(softmax_scale, q.shape[3])
+        )
+
+    agreed(group, rank, world, check)
     scale = _scale(softmax_scale, q.shape[3])
     out, lse = RingAttention.apply(q, k, v, causal, scale, layout, group, step or _default_step(q))
     return (out, lse) if return_lse else out
@@ -148,30 +161,41 @@ def ring_attention_varlen(
     heads_kv, head_dim), this rank's shard_zigzag_varlen shards, with their ``cu_seqlens``
     (int32, on q's device: the same on every rank). Returns this rank's rows of the output
     (and with ``return_lse`` their LSE, fp32 (heads_q, tokens)); gradients flow to q, k and v."""
-    _world(group)
-    _check_flag("causal", causal)
-    _check_flag("return_lse", return_lse)
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 3:
-            raise ValueError(f"{name}: expected a 3-D tensor (tokens, heads, head_dim)")
-    _check_qkv(q[None], k[None], v[None])
-    if q.shape[0] != k.shape[0]:
-        raise ValueError(f"k: {k.shape[0]} tokens where q has {q.shape[0]} (one cu_seqlens)")
-    if (
-        not isinstance(cu_seqlens, torch.Tensor)
-        or cu_seqlens.dim() != 1
-        or cu_seqlens.dtype != torch.int32
-        or cu_seqlens.device != q.device
-    ):
-        raise ValueError("cu_seqlens: expected a 1-D int32 tensor on q's device")
-    bounds = cu_seqlens.tolist()
-    if not bounds or bounds[0] != 0 or bounds[-1] != q.shape[0]:
-        raise ValueError(f"cu_seqlens: must run from 0 to the {q.shape[0]} tokens, got {bounds}")
-    if any(b < a or (b - a) % 2 for a, b in zip(bounds, bounds[1:])):
-        raise ValueError(
-            f"cu_seqlens: each sequence's shard holds two equal chunks (even, non-decreasing "
-            f"lengths), got {bounds}"
+    rank, world = _world(group)
+
+    def check() -> tuple[int, ...]:
+        _check_flag("causal", causal)
+        _check_flag("return_lse", return_lse)
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            if not isinstance(t, torch.Tensor) or t.dim() != 3:
+                raise ValueError(f"{name}: expected a 3-D tensor (tokens, heads, head_dim)")
+        _check_qkv(q[None], k[None], v[None])
+        if q.shape[0] != k.shape[0]:
+            raise ValueError(f"k: {k.shape[0]} tokens where q has {q.shape[0]} (one cu_seqlens)")
+        if (
+            not isinstance(cu_seqlens, torch.Tensor)
+            or cu_seqlens.dim() != 1
+            or cu_seqlens.dtype != torch.int32
+            or cu_seqlens.device != q.device
+        ):
+            raise ValueError("cu_seqlens: expected a 1-D int32 tensor on q's device")
+        bounds = cu_seqlens.tolist()
+        if not bounds or bounds[0] != 0 or bounds[-1] != q.shape[0]:
+            raise ValueError(
+                f"cu_seqlens: must run from 0 to the {q.shape[0]} tokens, got {bounds}"
+            )
+        if any(b < a or (b - a) % 2 for a, b in zip(bounds, bounds[1:])):
+            raise ValueError(
+                f"cu_seqlens: each sequence's shard holds two equal chunks (even, non-decreasing "
+                f"lengths), got {bounds}"
+            )
+        if step is None:
+            _default_step(q)
+        return signature_of(
+            *q.shape, k.shape[1], str(q.dtype), causal, bounds, _scale(softmax_scale, q.shape[2])
         )
+
+    agreed(group, rank, world, check)
     scale = _scale(softmax_scale, q.shape[2])
     out, lse = RingAttentionVarlen.apply(
         q, k, v, cu_seqlens, causal, scale, group, step or _default_step(q)
@@ -194,11 +218,19 @@ def ulysses_attention(
     head; returns this rank's shard of the output. ``attend(q, k, v)``: the local attention
     (autograd-aware); default fadsl.attention with ``causal`` and ``softmax_scale``."""
     rank, world = _world(group)
-    _check_flag("causal", causal)
-    _check_qkv(q, k, v)
-    for name, t in (("q", q), ("k", k)):
-        if t.shape[2] % world:
-            raise ValueError(f"{name}: {t.shape[2]} heads do not split over {world} ranks")
+
+    def check() -> tuple[int, ...]:
+        _check_flag("causal", causal)
+        _check_qkv(q, k, v)
+        for name, t in (("q", q), ("k", k)):
+            if t.shape[2] % world:
+                raise ValueError(f"{name}: {t.shape[2]} heads do not split over {world} ranks")
+        # the all-to-alls exchange equal chunks of q, k and v
+        return signature_of(
+            *q.shape, *k.shape[1:3], str(q.dtype), causal, _scale(softmax_scale, q.shape[3])
+        )
+
+    agreed(group, rank, world, check)
     scale = _scale(softmax_scale, q.shape[3])
     if attend is None:
         from ..runtime.public import attention
