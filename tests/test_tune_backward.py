@@ -44,7 +44,7 @@ def test_rewrite_backward_sets_adds_and_removes_lines_of_the_block_only():
 
 
 def test_rewrite_backward_needs_a_block():
-    plain = (ROOT / "examples" / "fa3_hdim256.fa").read_text()
+    plain = (ROOT / "tests" / "specs" / "sm90" / "fa3_q_ring.fa").read_text()
     with pytest.raises(ValueError, match="no backward block"):
         rewrite_backward(plain, {"stages": "3"}, {}, "x")
 
@@ -137,7 +137,7 @@ def test_the_cli_refuses_the_forward_search_options(capsys, monkeypatch, extra, 
 
 def test_the_cli_refuses_a_forward_only_spec(capsys, monkeypatch):
     monkeypatch.chdir(ROOT)
-    assert main(["tune", "--backward", "--list", "examples/fa3_hdim256.fa"]) == 1
+    assert main(["tune", "--backward", "--list", "tests/specs/sm90/fa3_q_ring.fa"]) == 1
     assert "has no backward block" in capsys.readouterr().err
 
 
