@@ -71,7 +71,7 @@ __device__ __forceinline__ void bwd_producer_split(const BwdParamsSm90& P, uint3
     // LSE) for m-block i - kStages; a fresh barrier passes parity 1 at once
     mbar_wait_parity(bwd_bar_q_empty<Cfg>(smem, slot), ((i / Cfg::kStages) & 1u) ^ 1u);
     const uint32_t q_full = bwd_bar_q_full<Cfg>(smem, slot);
-    mbar_arrive_expect_tx(q_full, Cfg::kQBytes + Cfg::kRowFloatsBytes);
+    mbar_arrive_expect_tx(q_full, Cfg::kQBytes + Cfg::kRowFloatsBytes);  // Q's panels and the LSE complete it
 #pragma unroll
     for (int panel = 0; panel < Cfg::kPanels; ++panel) {
       const uint32_t at = slot * Cfg::kQBytes + panel * Cfg::kBlockM * Cfg::kRowBytes;
@@ -83,7 +83,7 @@ __device__ __forceinline__ void bwd_producer_split(const BwdParamsSm90& P, uint3
     mbar_wait_parity(bwd_bar_do_empty<Cfg>(smem, do_slot), ((i / Cfg::kDoStages) & 1u) ^ 1u);
     FADSL_BWD_MARK(Cfg::kConsumerWGs, i, 1);  // (both rings' slots free)
     const uint32_t do_full = bwd_bar_do_full<Cfg>(smem, do_slot);
-    mbar_arrive_expect_tx(do_full, Cfg::kQBytes + Cfg::kRowFloatsBytes);
+    mbar_arrive_expect_tx(do_full, Cfg::kQBytes + Cfg::kRowFloatsBytes);  // dO's panels and D complete it
 #pragma unroll
     for (int panel = 0; panel < Cfg::kPanels; ++panel) {
       const uint32_t at = do_slot * Cfg::kQBytes + panel * Cfg::kBlockM * Cfg::kRowBytes;
@@ -120,7 +120,8 @@ __device__ __forceinline__ void issue_grad_panel_t(float (&acc)[Cfg::kAccPanelRe
                                                    uint32_t keys_buf) {
 #pragma unroll
   for (int kk = 0; kk < Cfg::kBlockM / 16; ++kk) {
-    const uint64_t desc_a = make_desc_mnmajor_sw128(rows_panel + kk * 16 * Cfg::kRowBytes, Cfg::kBlockM * Cfg::kRowBytes);
+    const uint32_t step = kk * 16 * Cfg::kRowBytes;  // 16 query rows
+    const uint64_t desc_a = make_desc_mnmajor_sw128(rows_panel + step, Cfg::kBlockM * Cfg::kRowBytes);
     const uint64_t desc_b = make_desc_kmajor_sw128(keys_buf + kk * 32);
     Wgmma<Cfg::kBlockN>::template ss<typename Cfg::T, 1, 0>(acc, desc_a, desc_b, 1u);
   }
@@ -307,11 +308,11 @@ __device__ __forceinline__ void bwd_consumer_split(const BwdParamsSm90& P, uint3
     float s[Cfg::kSRegs], dp[Cfg::kSRegs];
     wgmma_fence();  // s, dp (and dq, by the adds) were accessed by ordinary instructions before
     issue_rows_by_keys<Cfg>(s, q_slot, k_wg);
-    wgmma_commit();
+    wgmma_commit();  // group S: P needs it before dP
     // RAW: the dO slot and D landed (TMA and bulk complete_tx on do_full)
     mbar_wait_parity(bwd_bar_do_full<Cfg>(smem, i % Cfg::kDoStages), static_cast<uint32_t>(i / Cfg::kDoStages) & 1u);
     issue_rows_by_keys<Cfg>(dp, do_slot, v_wg);
-    wgmma_commit();
+    wgmma_commit();  // group dP
     wgmma_wait<1>();  // S in registers (dP's group may still run)
     fence_regs(s);
     FADSL_BWD_MARK(wg, i, 2);
@@ -350,10 +351,10 @@ __device__ __forceinline__ void bwd_consumer_split(const BwdParamsSm90& P, uint3
     issue_grad_panel_t<Cfg>(dv[1], do_panels + Cfg::kBlockM * Cfg::kRowBytes, p_buf);
     float dq[Cfg::kDqRegs];  // both slices: the second's wgmma waits for the first's adds
     issue_dq_panel_t<Cfg>(dq, k_panels, ds_buf);
-    wgmma_commit();
+    wgmma_commit();  // group dV^T, dQ^T slice 0: the adds need it before dK^T's
     FADSL_BWD_MARK(wg, i, 6);
     issue_grad_panel_t<Cfg>(dk[0], q_panels, ds_buf);
-    wgmma_commit();
+    wgmma_commit();  // group dK^T panel 0
     wgmma_wait<1>();  // dV^T and dQ^T slice 0 retired (dK^T's first panel may still run)
     fence_regs(dq);
     FADSL_BWD_MARK(wg, i, 7);
@@ -362,9 +363,9 @@ __device__ __forceinline__ void bwd_consumer_split(const BwdParamsSm90& P, uint3
     red_add_dq<Cfg>(dq_accum_share<Cfg>(P, accum_head, m, 2 * wg), dq, tid);
     wgmma_fence();  // dq was read by the adds above
     issue_dq_panel_t<Cfg>(dq, k_panels + Cfg::kBlockN * Cfg::kRowBytes, ds_buf);
-    wgmma_commit();
+    wgmma_commit();  // group dQ^T slice 1
     issue_grad_panel_t<Cfg>(dk[1], q_panels + Cfg::kBlockM * Cfg::kRowBytes, ds_buf);
-    wgmma_commit();
+    wgmma_commit();  // group dK^T panel 1
     wgmma_wait<1>();  // dQ^T slice 1 retired (dK^T's second panel may still run)
     fence_regs(dq);
     red_add_dq<Cfg>(dq_accum_share<Cfg>(P, accum_head, m, 2 * wg + 1), dq, tid);
