@@ -116,3 +116,22 @@ def test_packed_sequences_build_too(tmp_path: Path):
     assert stores == ["0", "0", "0"], cubin.log
     used = _most_register(cubin.cubin, source.kernel_name)
     assert used is None or used <= 237, used
+
+
+@pytest.mark.nvcc
+@pytest.mark.skipif(COMPILER is None, reason="needs NVRTC (cuda-bindings)")
+def test_the_traced_split_backward_builds(tmp_path: Path, monkeypatch):
+    """FADSL_BWD_TRACE (sm90_bwd_trace.cuh's m-block timeline): bwd_consumer_split and
+    bwd_producer_split stamp their marks too; the plain build's source has none."""
+    from fadsl.build import cache
+
+    import fadsl
+
+    monkeypatch.setenv("FADSL_CACHE_DIR", str(tmp_path))
+    kern = fadsl.load(str(data_dir("examples").joinpath("fa3_hdim256.fa")), verbose=False)
+    backward = kern._backward_kernels()
+    dtype = kern.config.dtypes[0]
+    source = backward.source(dtype)
+    assert "FADSL_BWD_TRACE" not in source and "bwd_consumer_split<Cfg>" in source
+    traced = cache.development_build(backward.request(dtype, "sm_90a"), {"FADSL_BWD_TRACE": 1})
+    assert b"fadsl_bwd_trace" in traced.cubin and b"fadsl_bwd_ctas" in traced.cubin
