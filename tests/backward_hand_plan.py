@@ -33,8 +33,12 @@ from fadsl.targets.sm90.backward.schedule import build_schedule
 def hand_protocol(p: Params) -> Protocol:
     """The schedule's steps interleaved with the hand-listed syncs."""
     steps = build_schedule(p)
-    producer = _interleave(steps.producer, _producer(p, steps.producer))
-    consumer = _interleave(steps.consumer, _consumer(p))
+    if p.split:
+        producer = _interleave(steps.producer, _split_producer(p, steps.producer))
+        consumer = _interleave(steps.consumer, _split_consumer(p))
+    else:
+        producer = _interleave(steps.producer, _producer(p, steps.producer))
+        consumer = _interleave(steps.consumer, _consumer(p))
     return Protocol(p, _setup(p), producer, consumer, steps.layout)
 
 
@@ -58,16 +62,25 @@ def _names(steps: tuple[Item, ...], phase: LoopPhase) -> list[str]:
 
 def _setup(p: Params) -> tuple[Item, ...]:
     init = dict(who=Who.THREAD0, source=CodeSite.KERNEL, phase=LoopPhase.BEFORE)
+    rings = [(Mbar.Q_FULL, Mbar.Q_EMPTY, Index.RING)]
+    if p.split:  # dO's ring of its own
+        rings.append((Mbar.DO_FULL, Mbar.DO_EMPTY, Index.RING_DO))
     return (
         Item(Kind.MBAR_INIT, mbar=Mbar.KV_FULL, count=1, why="the producer's expect_tx", **init),
-        Item(Kind.MBAR_INIT, mbar=Mbar.Q_FULL, slot=Index.RING, count=1, **init),
-        Item(
-            Kind.MBAR_INIT,
-            mbar=Mbar.Q_EMPTY,
-            slot=Index.RING,
-            count=p.consumer_threads,
-            why="every consumer thread, once per m-block",
-            **init,
+        *(
+            item
+            for full, empty, slot in rings
+            for item in (
+                Item(Kind.MBAR_INIT, mbar=full, slot=slot, count=1, **init),
+                Item(
+                    Kind.MBAR_INIT,
+                    mbar=empty,
+                    slot=slot,
+                    count=p.consumer_threads,
+                    why="every consumer thread, once per m-block",
+                    **init,
+                ),
+            )
         ),
         Item(Kind.FENCE_MBAR_INIT, why="the inits visible to TMA's complete_tx", **init),
         Item(
@@ -80,19 +93,54 @@ def _setup(p: Params) -> tuple[Item, ...]:
     )
 
 
-def _producer(p: Params, steps: tuple[Item, ...]) -> list[Item | str]:
-    def sync(kind: Kind, phase: LoopPhase, **fields) -> Item:
-        return Item(kind, Who.ELECTED, CodeSite.PRODUCER, phase, guard=Guard.HAS_WORK, **fields)
+def _producer_sync(kind: Kind, phase: LoopPhase, source: CodeSite, **fields) -> Item:
+    return Item(kind, Who.ELECTED, source, phase, guard=Guard.HAS_WORK, **fields)
 
+
+def _load_kv(p: Params, steps: tuple[Item, ...]) -> list[Item | str]:
+    """bwd_load_kv: kv_full armed with K's and V's bytes, then their loads."""
     return [
-        sync(
+        _producer_sync(
             Kind.MBAR_ARRIVE_EXPECT_TX,
             LoopPhase.BEFORE,
+            CodeSite.LOAD_KV,
             mbar=Mbar.KV_FULL,
             tx=2 * p.kv_bytes,
             why="K's and V's bytes complete kv_full",
         ),
         *_names(steps, LoopPhase.BEFORE),  # K and V, panel by panel
+    ]
+
+
+def _split_producer(p: Params, steps: tuple[Item, ...]) -> list[Item | str]:
+    """bwd_producer_split: per m-block the Q ring's slot (Q, LSE), then the dO ring's (dO,
+    D), each after its empty barrier's wait and armed with its bytes."""
+    out = _load_kv(p, steps)
+    names = iter(_names(steps, LoopPhase.LOOP))
+    for empty, full, slot, flip in (
+        (Mbar.Q_EMPTY, Mbar.Q_FULL, Index.RING, WaitParity.RING_FLIP),
+        (Mbar.DO_EMPTY, Mbar.DO_FULL, Index.RING_DO, WaitParity.RING_DO_FLIP),
+    ):
+        ring = dict(slot=slot, why="the ring's slot")
+        out += [
+            _producer_sync(
+                Kind.MBAR_WAIT, LoopPhase.LOOP, CodeSite.PRODUCER_SPLIT, mbar=empty, parity=flip, **ring
+            ),
+            _producer_sync(
+                Kind.MBAR_ARRIVE_EXPECT_TX, LoopPhase.LOOP, CodeSite.PRODUCER_SPLIT, mbar=full,
+                tx=p.q_bytes + p.row_floats_bytes, **ring,
+            ),
+            *(next(names) for _ in range(p.panels + 1)),  # the panels, then LSE or D
+        ]  # fmt: skip
+    return out
+
+
+def _producer(p: Params, steps: tuple[Item, ...]) -> list[Item | str]:
+    def sync(kind: Kind, phase: LoopPhase, **fields) -> Item:
+        return _producer_sync(kind, phase, CodeSite.PRODUCER, **fields)
+
+    return [
+        *_load_kv(p, steps),
         sync(
             Kind.MBAR_WAIT,
             LoopPhase.LOOP,
@@ -240,6 +288,67 @@ def _consumer(p: Params) -> list[Item | str]:
         why="the last reduce-add read the staging before the CTA exits",
     )
     return listing + ([] if p.dq_red else [exit_wait]) + ["dK -> global", "dV -> global"]
+
+
+def _split_consumer(p: Params) -> list[Item | str]:
+    """bwd_consumer_split (head_dim 256): S and dP in groups of their own, each after its
+    ring's full barrier; P and dS stored, fenced and met at kBarDS by both warpgroups; dV^T
+    of both panels with dQ^T of the first in one group, dK^T of the first panel in the next;
+    wait_group 1 (dV^T and dQ^T retired): the dO slot released, the first slice added; a
+    wgmma.fence, the second slice's dQ^T and dK^T in groups of their own, wait_group 1 and
+    its adds; wait_group 0, the Q slot released."""
+
+    def sync(kind: Kind, phase: LoopPhase = LoopPhase.LOOP, **fields) -> Item:
+        return Item(kind, Who.WARPGROUP, CodeSite.CONSUMER_SPLIT, phase, **fields)
+
+    do_ring = dict(slot=Index.RING_DO)
+    return [
+        "dK, dV = 0",
+        sync(
+            Kind.MBAR_WAIT, LoopPhase.BEFORE, guard=Guard.HAS_WORK, mbar=Mbar.KV_FULL,
+            parity=WaitParity.ZERO, why="RAW: K and V landed",
+        ),
+        sync(Kind.MBAR_WAIT, mbar=Mbar.Q_FULL, slot=Index.RING, parity=WaitParity.RING),
+        sync(Kind.WGMMA_FENCE, why="S, dP (and dQ, by the adds) were accessed by ordinary code"),
+        "S = Q K_w^T",
+        sync(Kind.WGMMA_COMMIT),
+        sync(Kind.MBAR_WAIT, mbar=Mbar.DO_FULL, parity=WaitParity.RING_DO, **do_ring),
+        "dP = dO V_w^T",
+        sync(Kind.WGMMA_COMMIT),
+        sync(Kind.WGMMA_WAIT, pending=1, why="S in registers"),
+        "P = exp2(S - LSE)",
+        sync(Kind.WGMMA_WAIT, pending=0, why="dP in registers"),
+        "dS = P (dP - D)",
+        "P to 16 bits",
+        "dS to 16 bits",
+        "P -> smem",
+        "dS -> smem",
+        sync(Kind.FENCE_PROXY_ASYNC_SMEM, why="RAW: P's and dS's stmatrix before the wgmmas"),
+        sync(
+            Kind.NAMED_BAR_SYNC, named=Named.DS, threads=p.consumer_threads,
+            why="RAW: both warpgroups' keys of P and dS",
+        ),
+        "dV^T += dO^T P (panel 0)",
+        "dV^T += dO^T P (panel 1)",
+        "dQ^T = K^T dS^T (panel 0)",
+        sync(Kind.WGMMA_COMMIT),
+        "dK^T += Q^T dS (panel 0)",
+        sync(Kind.WGMMA_COMMIT),
+        sync(Kind.WGMMA_WAIT, pending=1, why="dV^T and dQ^T's first slice retired"),
+        sync(Kind.MBAR_ARRIVE, mbar=Mbar.DO_EMPTY, why="WAR: the dO slot and D free", **do_ring),
+        "dQ red.add (panel 0)",
+        sync(Kind.WGMMA_FENCE, why="dQ read by the adds"),
+        "dQ^T = K^T dS^T (panel 1)",
+        sync(Kind.WGMMA_COMMIT),
+        "dK^T += Q^T dS (panel 1)",
+        sync(Kind.WGMMA_COMMIT),
+        sync(Kind.WGMMA_WAIT, pending=1, why="dQ^T's second slice retired"),
+        "dQ red.add (panel 1)",
+        sync(Kind.WGMMA_WAIT, pending=0, why="dK^T retired: Q read"),
+        sync(Kind.MBAR_ARRIVE, mbar=Mbar.Q_EMPTY, slot=Index.RING, why="WAR: the Q slot free"),
+        "dK -> global",
+        "dV -> global",
+    ]  # fmt: skip
 
 
 def _stage_and_reduce(p: Params, source: CodeSite) -> list[Item | str]:

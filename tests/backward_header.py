@@ -14,7 +14,10 @@ meet_and_issue_dq inlined with their parameters bound), and turns each traced ca
 Call, resolving the operands' local variables down to the SMEM offsets (kOff*) and the ring
 index and parity expressions. Any other condition must have the same calls on both sides.
 The consumer's function is the one the template's kernel body calls, with its
-`{% if overlap %}` decided (``kernel_template``).
+`{% if overlap %}` decided (``kernel_template``). At head_dim 256 the roles' functions are
+emit/sm90/include/fadsl/sm90_bwd_split.cuh's (bwd_producer_split, bwd_consumer_split), which
+the template names through emit.py's slots; operands of the warpgroup's head_dim panels
+(2 wg + n) are read by evaluating their offsets.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from fadsl.targets.sm90.backward import emit
 from fadsl.targets.sm90.backward.program import (
     StagedTile,
     Guard,
@@ -44,12 +48,14 @@ from fadsl.targets.sm90.backward.program import (
 
 ROOT = Path(__file__).resolve().parents[1]
 HEADER = (ROOT / "emit/sm90/include/fadsl/sm90_bwd.cuh").read_text()
+SPLIT_HEADER = (ROOT / f"emit/sm90/include/fadsl/{emit.SPLIT_HEADER}").read_text()
 TEMPLATE = (ROOT / "emit/sm90/backward.cu.j2").read_text()
 # the functions a role's walk inlines, with the source their calls are tagged with
 INLINED = {
     "ordered_reduce_add": CodeSite.ORDERED_REDUCE_ADD,
     "reduce_dq": CodeSite.REDUCE_DQ,
     "meet_and_issue_dq": CodeSite.MEET_AND_ISSUE_DQ,
+    "bwd_load_kv": CodeSite.LOAD_KV,
 }
 
 
@@ -87,21 +93,31 @@ TRACED = {
     "issue_grad_kv": Kind.WGMMA,
     "issue_dq": Kind.WGMMA,
     "issue_dq_t": Kind.WGMMA,
+    "issue_rows_by_keys": Kind.WGMMA,  # head_dim 256's (sm90_bwd_split.cuh)
+    "issue_grad_panel_t": Kind.WGMMA,
+    "issue_dq_panel_t": Kind.WGMMA,
     "bwd_probs": Kind.PROBS,
+    "bwd_probs_rows": Kind.PROBS,
     "bwd_grad_scores": Kind.GRAD_SCORES,
+    "bwd_grad_scores_rows": Kind.GRAD_SCORES,
     "pack_pairs": Kind.PACK,
     "store_ds": Kind.ST_SHARED,
     "store_ds_t": Kind.ST_SHARED,
+    "store_keys_t": Kind.ST_SHARED,
     "stage_dq": Kind.ST_SHARED,
     "bulk_reduce_add_f32": Kind.BULK_REDUCE_ADD,
     "red_add_dq": Kind.RED_GLOBAL,
     "store_grad_kv": Kind.STORE_GLOBAL,
+    "store_grad_kv_t": Kind.STORE_GLOBAL,
 }
 # the callees whose operands name SMEM, by argument position
 SMEM_ARGS = {"issue_keys_by_rows": (1, 2), "issue_grad_kv": (2,), "issue_dq": (1, 2)}
 SMEM_ARGS |= {"issue_dq_t": (1, 2), "store_ds_t": (0,)}
 SMEM_ARGS |= {"bwd_probs": (3,), "bwd_grad_scores": (3,), "store_ds": (0,), "stage_dq": (0,)}
 SMEM_ARGS |= {"bulk_reduce_add_f32": (1,), "tma_load_4d": (0,), "bulk_load": (0,)}
+SMEM_ARGS |= {"issue_rows_by_keys": (1, 2), "issue_grad_panel_t": (1, 2)}
+SMEM_ARGS |= {"issue_dq_panel_t": (1, 2), "bwd_probs_rows": (3,), "bwd_grad_scores_rows": (3,)}
+SMEM_ARGS |= {"store_keys_t": (0,)}
 REGISTERS = {"s": Reg.S, "dp": Reg.DP, "p16": Reg.P16, "ds16": Reg.DS16}
 REGISTERS |= {"dk": Reg.DK, "dv": Reg.DV, "dq": Reg.DQ}
 OFFSETS = {
@@ -111,9 +127,13 @@ OFFSETS = {
     "kOffDO": StagedTile.DO,
 }
 OFFSETS |= {"kOffDS": StagedTile.DS, "kOffDQ": StagedTile.DQ_STAGE, "kOffLSE": StagedTile.LSE}
-OFFSETS |= {"kOffD": StagedTile.D}
+OFFSETS |= {"kOffD": StagedTile.D, "kOffP": StagedTile.P}
 MBARS = {"bwd_bar_kv": Mbar.KV_FULL, "bwd_bar_q_full": Mbar.Q_FULL}
 MBARS |= {"bwd_bar_q_empty": Mbar.Q_EMPTY}
+MBARS |= {"bwd_bar_do_full": Mbar.DO_FULL, "bwd_bar_do_empty": Mbar.DO_EMPTY}
+# head_dim 256: a 64-column panel of K (B_c rows) or of a Q or dO slot (B_r rows)
+PANEL_BYTES = {StagedTile.K: "kBlockN*kRowBytes", StagedTile.Q: "kBlockM*kRowBytes"}
+PANEL_BYTES |= {StagedTile.DO: "kBlockM*kRowBytes"}
 
 
 def squash(text: str) -> str:
@@ -127,15 +147,25 @@ def _strip(text: str) -> str:
     return "\n".join(line for line in text.split("\n") if not line.strip().startswith("#"))
 
 
-def kernel_template(overlap: bool, template: str = TEMPLATE) -> str:
-    """The template with each `{% if overlap %} A {% else %} B {% endif %}` decided and the
-    Cfg's window and softcap constants left out (no other `{% if %}` may decide which calls
-    the kernel makes)."""
+def kernel_template(overlap: bool, template: str = TEMPLATE, split: bool = False) -> str:
+    """The template with each `{% if overlap %} A {% else %} B {% endif %}` (and `{% if split
+    %}`) decided, the roles' functions named as emit.py names them, and the Cfg's window and
+    softcap constants left out (no other `{% if %}` may decide which calls the kernel
+    makes)."""
     tag = lambda body: rf"\{{%-?\s*{body}\s*-?%\}}"  # noqa: E731
-    branch = re.compile(
-        tag("if overlap") + r"(.*?)(?:" + tag("else") + r"(.*?))?" + tag("endif"), re.S
-    )
-    decided = branch.sub(lambda b: (b[1] if overlap else b[2]) or "", template)
+    decided = template
+    for flag, value in (("overlap", overlap), ("split", split)):
+        branch = re.compile(
+            tag(f"if {flag}") + r"(.*?)(?:" + tag("else") + r"(.*?))?" + tag("endif"), re.S
+        )
+        decided = branch.sub(lambda b: (b[1] if value else b[2]) or "", decided)
+    names = {
+        "header": emit.SPLIT_HEADER if split else emit.HEADER,
+        "producer": emit.SPLIT_PRODUCER if split else emit.PRODUCER,
+        "consumer": emit.SPLIT_CONSUMER if split else emit.CONSUMER,
+    }
+    for slot, name in names.items():
+        decided = re.sub(r"\{\{\s*" + slot + r"\s*\}\}", name, decided)
     # the Cfg's constants of a window or a softcap: declarations, never calls
     constants = re.compile(
         tag("if (window|softcap|longest_first|varlen|dv_before_meeting)") + r"(.*?)" + tag("endif"),
@@ -237,7 +267,7 @@ def config_constants(params: Params) -> dict[str, object]:
         name: evaluate(value, {}) for name, value in re.findall(r"(\w+_)\s*=\s*(\w+)", head)
     }
     env |= {"kHeadDim_": params.head_dim, "kBlockM_": params.block_m}
-    env |= {"kBlockN_": 64 * params.consumers, "kConsumerWGs_": params.consumers}
+    env |= {"kBlockN_": params.block_n, "kConsumerWGs_": params.consumers}
     env |= {"kStages_": params.stages, "kCausal_": False, "kDeterministic_": params.deterministic}
     env |= {"kOverlap_": params.overlap, "kEarlyDv_": params.early_dv, "kDqRed_": params.dq_red}
     for name, expr in re.findall(r"static constexpr (?:int|bool) (\w+) = ([^;]+);", body):
@@ -287,12 +317,19 @@ def expand(expr: str, variables: dict) -> str:
 def index_of(flat: str) -> Index:
     if "i%Cfg::kStages" in flat:
         return Index.RING
+    if "i%Cfg::kDoStages" in flat:
+        return Index.RING_DO
     return Index.ALTERNATE if "i%2" in flat else Index.NONE
 
 
 def operand(expr: str, walk: Walk) -> tuple:
     flat = expand(expr, walk.variables)
     (offset,) = {OFFSETS[name] for name in re.findall(r"Cfg::(kOff\w+)", flat)}
+    if re.search(r"\b2\*wg\b", flat):  # head_dim 256: panel 2 wg + n of K, Q or dO
+        at = lambda text: evaluate(text, walk.env, smem=0, wg=0, i=0)  # noqa: E731
+        base = next(name for name, tile in OFFSETS.items() if tile is offset)
+        n = (at(flat) - at(base)) // at(PANEL_BYTES[offset])
+        return offset, index_of(flat), Part.WG_PANEL, n
     if re.search(r"\bwg\b", flat):  # wg panel strides (B_c rows each), or wg's 64 rows
         panel = re.search(r"kBlockN|kDSPanelBytes", flat)
         part = Part.PANEL_OF_WG if panel else Part.ROWS_OF_WG
@@ -311,6 +348,9 @@ def parity_of(expr: str, walk: Walk) -> WaitParity:
     flat = expand(expr, walk.variables)
     if flat in ("0u", "0", "1u", "1"):
         return WaitParity.ZERO if flat.startswith("0") else WaitParity.ONE
+    if "i/Cfg::kDoStages" in flat:
+        assert "&1" in flat, flat
+        return WaitParity.RING_DO_FLIP if "^1" in flat else WaitParity.RING_DO
     assert "i/Cfg::kStages" in flat and "&1" in flat, flat
     return WaitParity.RING_FLIP if "^1" in flat else WaitParity.RING
 
@@ -338,8 +378,8 @@ def detail_of(name: str, args: list[str], template: str, walk: Walk) -> tuple:
         case Kind.TMA_LOAD | Kind.BULK_LOAD:
             barrier = args[2] if kind is Kind.TMA_LOAD else args[3]
             return mbar_of(barrier, walk) + smem[0][:2]
-        case Kind.WGMMA:
-            return REGISTERS[args[0]], frozenset(smem)
+        case Kind.WGMMA:  # (dk[0]: a head_dim panel's accumulator at head_dim 256)
+            return REGISTERS[re.sub(r"\[\d+\]$", "", args[0])], frozenset(smem)
         case Kind.PROBS | Kind.GRAD_SCORES:
             regs = tuple(REGISTERS[a] for a in args if a in REGISTERS)
             return frozenset(op[:2] for op in smem), regs
@@ -391,9 +431,10 @@ def walk_node(node, walk: Walk) -> None:
         case ("for", head, body) if "panel<Cfg::kPanels" in head:
             for _ in range(walk.env["kPanels"]):
                 walk_node(body, walk)
-        case ("for", head, body) if "slot<Cfg::kStages" in head:
+        case ("for", head, body) if "slot<Cfg::kStages" in head or "slot<Cfg::kDoStages" in head:
             inner = walk.fork()
-            inner.variables["slot"] = "i%Cfg::kStages"  # each slot: the ring's barriers
+            ring = "kDoStages" if "kDoStages" in head else "kStages"
+            inner.variables["slot"] = f"i%Cfg::{ring}"  # each slot: the ring's barriers
             walk_node(body, inner)
             walk.calls += inner.calls
         case ("for", head, body):
@@ -411,6 +452,7 @@ def walk_if(cond: str, constexpr: bool, then, other, walk: Walk) -> None:
     flags["Cfg::kEarlyDv"] = walk.params.early_dv
     flags["Cfg::kDvBeforeMeeting"] = walk.params.dv_before_meeting
     flags["Cfg::kDqRed"] = walk.params.dq_red
+    flags["Cfg::kSplitHeadDim"] = walk.params.split
     flags |= {f"!{name}": not value for name, value in flags.items()}
     if constexpr:  # a flag, its negation, or a conjunction of them
         chosen = then if all(flags[part] for part in cond.split("&&")) else other
@@ -463,42 +505,50 @@ def walk_simple(text: str, walk: Walk) -> None:
 
 
 KERNEL = r"__global__ void __launch_bounds__\(Cfg::kThreads"
-SOURCES = {"bwd_consumer": CodeSite.CONSUMER}
-ROLES = {
-    WarpRole.PRODUCER: (r"void bwd_producer\(", CodeSite.PRODUCER, Who.ELECTED),
-    WarpRole.SETUP: (KERNEL, CodeSite.KERNEL, Who.CTA),
-}
+SOURCES = {"bwd_consumer": CodeSite.CONSUMER, "bwd_consumer_split": CodeSite.CONSUMER_SPLIT}
+SOURCES |= {"bwd_producer": CodeSite.PRODUCER, "bwd_producer_split": CodeSite.PRODUCER_SPLIT}
 
 
-def kernel_body(overlap: bool, template: str = TEMPLATE) -> str:
+def kernel_body(overlap: bool, template: str = TEMPLATE, split: bool = False) -> str:
     """The main kernel's body in the template, `{% if overlap %}` decided."""
-    return function(kernel_template(overlap, template), KERNEL)[1]
+    return function(kernel_template(overlap, template, split), KERNEL)[1]
 
 
-def consumer_function(overlap: bool, template: str = TEMPLATE) -> str:
+def consumer_function(overlap: bool, template: str = TEMPLATE, split: bool = False) -> str:
     """The consumer body the kernel calls: `else { ...; NAME<Cfg>(P, smem, block,
     warpgroup - 1); }` after the producer's branch."""
-    body = squash(kernel_body(overlap, template))
+    body = squash(kernel_body(overlap, template, split))
     (name,) = re.findall(r"(\w+)<Cfg>\(P,smem,block,warpgroup-1\);", body)
     return name
 
 
+def producer_function(overlap: bool, template: str = TEMPLATE, split: bool = False) -> str:
+    """The producer body the kernel's elected thread calls: `NAME<Cfg>(P, smem, block);`."""
+    body = squash(kernel_body(overlap, template, split))
+    (name,) = re.findall(r"(\w+)<Cfg>\(P,smem,block\);", body)
+    return name
+
+
 def header_calls(
-    role: WarpRole, params: Params, header: str = HEADER, template: str = TEMPLATE
+    role: WarpRole,
+    params: Params,
+    header: str = HEADER,
+    template: str = TEMPLATE,
+    split_header: str = SPLIT_HEADER,
 ) -> list[Call]:
     """The calls of ``role``'s function for ``params``: the producer's and the consumer's
-    in the header (the consumer the one the template's kernel calls), the setup's in the
+    in the headers (each the one the template's kernel calls), the setup's in the
     template's kernel body."""
-    headers = header
+    headers = header + split_header
     if role is WarpRole.SETUP:
-        text = kernel_template(params.overlap, template)
-        pattern, source, who = ROLES[role]
+        text = kernel_template(params.overlap, template, params.split)
+        pattern, source, who = KERNEL, CodeSite.KERNEL, Who.CTA
     elif role is WarpRole.CONSUMER:
-        text, name = headers, consumer_function(params.overlap, template)
+        text, name = headers, consumer_function(params.overlap, template, params.split)
         pattern, source, who = rf"void {name}\(", SOURCES[name], Who.WARPGROUP
     else:
-        text = headers
-        pattern, source, who = ROLES[role]
+        text, name = headers, producer_function(params.overlap, template, params.split)
+        pattern, source, who = rf"void {name}\(", SOURCES[name], Who.ELECTED
     _, body = function(text, pattern)
     walk = Walk(params, config_constants(params), source, who, {}, [], headers)
     walk_block(statements(body), walk)
@@ -528,8 +578,12 @@ def expected_calls(proto: Protocol, role: WarpRole) -> list[Call]:
                 detail = (tuple(bar_id(x.named, wg) for wg in range(p.consumers)), x.threads)
             case Kind.TMA_LOAD | Kind.BULK_LOAD:
                 detail = (x.mbar, x.slot) + smem(x.writes)[0]
-            case Kind.WGMMA:
-                ops = frozenset((op.buffer, op.index, op.part) for op in x.reads)
+            case Kind.WGMMA:  # (head_dim 256: which of the warpgroup's panels)
+                ops = frozenset(
+                    (op.buffer, op.index, op.part)
+                    + ((op.panel,) if op.part is Part.WG_PANEL else ())
+                    for op in x.reads
+                )
                 detail = (x.reg_writes[0], ops)
             case Kind.PROBS | Kind.GRAD_SCORES:
                 regs = tuple(dict.fromkeys(x.reg_reads + x.reg_writes))

@@ -32,7 +32,7 @@ def test_compile_writes_the_backward_sources(tmp_path, monkeypatch):
 
 def test_a_forward_only_spec_writes_no_backward(tmp_path, monkeypatch):
     monkeypatch.chdir(ROOT)
-    assert main(["compile", "examples/fa3_hdim256.fa", "-o", str(tmp_path)]) == 0
+    assert main(["compile", "tests/specs/sm90/fa3_q_ring.fa", "-o", str(tmp_path)]) == 0
     assert not list(tmp_path.glob("*_bwd_*.cu"))
 
 
@@ -69,7 +69,7 @@ def test_explain_lists_the_protocols_syncs(capsys, monkeypatch):
 
 def test_bench_backward_refuses_a_forward_only_spec(capsys, monkeypatch):
     monkeypatch.chdir(ROOT)
-    assert main(["bench", "--backward", "examples/fa3_hdim256.fa"]) == 1
+    assert main(["bench", "--backward", "tests/specs/sm90/fa3_q_ring.fa"]) == 1
     assert "has no backward block" in capsys.readouterr().err
 
 

@@ -31,6 +31,20 @@ def test_each_shipped_spec_is_an_example_of_its_target_head_dim_and_mask(target,
     )
 
 
+SM90_SHIPPED = sorted(targets.get("sm_90a").shipped.items())
+
+
+@pytest.mark.parametrize("key, spec", SM90_SHIPPED, ids=[s for _, s in SM90_SHIPPED])
+def test_every_shipped_sm90_spec_trains(key, spec):
+    """fadsl.attention on Hopper has gradients at every head_dim it ships (head_dim 256's
+    examples run the split backward, sm90_bwd_split.cuh): each shipped spec has a backward
+    block for its head_dim."""
+    kernel = compile_file(str((ROOT / "examples" / f"{spec}.fa").relative_to(ROOT))).kernel
+    assert kernel.backward is not None, spec
+    assert key[0] == kernel.config.head_dim
+    assert (kernel.backward.block_n == 80) == (kernel.config.head_dim == 256)
+
+
 @pytest.mark.parametrize(
     "capability, head_dim, causal, spec",
     [
@@ -38,6 +52,7 @@ def test_each_shipped_spec_is_an_example_of_its_target_head_dim_and_mask(target,
         ((9, 0), 64, True, "fa3_hdim64_causal"),
         ((9, 0), 128, False, "fa3_hopper"),
         ((9, 0), 128, True, "fa3_causal"),
+        ((9, 0), 256, False, "fa3_hdim256"),
         ((9, 0), 256, True, "fa3_hdim256_causal"),
         ((8, 0), 128, False, "fa2_pipelined"),  # A100: the sm_80 kernels
         ((8, 9), 128, True, "fa2_causal"),

@@ -1,8 +1,10 @@
 """The sm_90a backward on the GPU: dQ, dK, dV (and a gradient through the LSE) against float32
 autograd of the reference, with FlashAttention's rule: the error at most twice PyTorch's own
 in the input dtype, plus a small epsilon. Odd shapes, seqlen_q != seqlen_k with the causal
-mask (rows that see no key), GQA 8:1 and MQA, both dtypes, head_dim 64 and 128; outputs
-poisoned first; torch.compile(fullgraph=True) and a CUDA graph over forward and backward."""
+mask (rows that see no key), GQA 8:1 and MQA, both dtypes, head_dim 64, 128 and 256 (the
+consumers split head_dim: `-k 256` runs those, fadsl.attention's windows and softcaps at 256
+too); outputs poisoned first; torch.compile(fullgraph=True) and a CUDA graph over forward
+and backward."""
 
 from __future__ import annotations
 
@@ -56,6 +58,20 @@ VARIANTS += ("fa3_causal+longest_first",)
 VARIANTS += ("fa3_hopper+dv_before_meeting", "fa3_causal+br64+dv_before_meeting")
 VARIANTS += ("fa3_hdim64+dv_before_meeting",)
 CASES = [(n, d, s) for n in FORWARDS + PLAIN + VARIANTS for d in DTYPES for s in SHAPES]
+# head_dim 256 (sm90_bwd_split.cuh: B_r 64, each consumer S and dP of B_c / 2 keys, dK^T, dV^T
+# and dQ^T of its half of head_dim): the examples' B_c 80 and the B_c 64 fallback; seqlens off
+# both 64 and 80, seqlen_q != seqlen_k both ways (causal: rows that see no key), GQA 8:1, MQA
+FORWARDS_256 = ("fa3_hdim256", "fa3_hdim256_causal", "fa3_hdim256+bc64", "fa3_hdim256_causal+bc64")
+SHAPES_256 = [
+    (1, 1, 1, 1, 1),
+    (2, 80, 80, 2, 2),
+    (1, 63, 81, 2, 1),
+    (1, 161, 479, 4, 1),
+    (1, 1000, 333, 8, 1),
+    (2, 257, 700, 8, 8),
+    (1, 64, 1000, 16, 2),
+]
+CASES += [(n, d, s) for n in FORWARDS_256 for d in DTYPES for s in SHAPES_256]
 _loaded: dict[str, object] = {}
 
 
@@ -64,8 +80,9 @@ def training_spec(name: str) -> str:
     (or ``backward {}`` added where it has none); ``NAME+KEY`` / ``NAME-KEY`` (repeatable)
     turns an on/off key of the block on / off (``fa3_causal-overlap+deterministic``);
     ``+br128`` / ``+br64`` / ``+br80`` sets the block's tile to B_r = 128 / 64 / 80 (B_c 128;
-    at 80 dS goes ``rf -stmatrix-> smem``); ``+s2`` / ``+s3`` sets the stages; ``+dqred`` /
-    ``-dqred`` gives dQ the path ``rf -red.add-> gmem`` / the staged one."""
+    at 80 dS goes ``rf -stmatrix-> smem``); ``+bc64`` sets head_dim 256's tile to B_r = 64,
+    B_c = 64; ``+s2`` / ``+s3`` sets the stages; ``+dqred`` / ``-dqred`` gives dQ the path
+    ``rf -red.add-> gmem`` / the staged one."""
     example, *switches = re.split(r"(?=[+-])", name)
     text = (EXAMPLES / f"{example}.fa").read_text()
     if "backward {" not in text:
@@ -77,6 +94,8 @@ def training_spec(name: str) -> str:
             block = _set_line(block, "tile", f"tile B_r = {switch[3:]}, B_c = 128")
             ds_store = "stmatrix" if switch[1:] == "br80" else "st.shared"
             block = _set_line(block, "dS:", f"dS: rf -{ds_store}-> smem[cta] -wgmma-> rf")
+        elif switch[1:] == "bc64":
+            block = _set_line(block, "tile", "tile B_r = 64, B_c = 64")
         elif switch[1:] in ("s2", "s3"):
             block = _set_line(block, "stages", f"stages {switch[2:]}")
         elif switch[1:] == "dqred":
@@ -160,40 +179,43 @@ def test_gradients_match_float32_autograd(name, dtype, shape):
         check_rule(ours, t, o, what)
 
 
-@pytest.mark.parametrize("name", ["fa3_hopper", "fa3_causal"])
+@pytest.mark.parametrize("name", ["fa3_hopper", "fa3_causal", "fa3_hdim256", "fa3_hdim256_causal"])
 def test_gradient_through_the_lse(name):
     """A loss on the LSE too: dS gains P dLSE (the preprocess folds it into D)."""
     kern = kernel(name)
     causal = kern.config.mask.value == "causal"
-    q, k, v, dout = inputs((1, 200, 300, 4, 2), torch.bfloat16, 128, seed=7)
+    d = kern.config.head_dim
+    q, k, v, dout = inputs((1, 200, 300, 4, 2), torch.bfloat16, d, seed=7)
     dlse = torch.randn(1, 4, 200, device="cuda")
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     out, lse = kern(*leaves, return_lse=True)
     loss = (out.float() * dout.float()).sum() + (torch.where(lse.isinf(), 0.0, lse) * dlse).sum()
     loss.backward()
-    scale = 1.0 / math.sqrt(128)
+    scale = 1.0 / math.sqrt(d)
     truth = reference_grads(q, k, v, dout, scale, causal, torch.float32, dlse)
     own = reference_grads(q, k, v, dout, scale, causal, torch.bfloat16, dlse)
     for ours, t, o, what in zip((l.grad for l in leaves), truth, own, ("dq", "dk", "dv")):
         check_rule(ours, t, o, what)
 
 
-def test_large_logits_stay_finite():
+@pytest.mark.parametrize("name", ["fa3_hopper", "fa3_hdim256"])
+def test_large_logits_stay_finite(name):
     """Scores of a few hundred: P = exp2(S c - LSE) stays in [0, 1]."""
-    kern = kernel("fa3_hopper")
-    q, k, v, dout = inputs((1, 129, 257, 2, 2), torch.bfloat16, 128, seed=3)
+    kern = kernel(name)
+    d = kern.config.head_dim
+    q, k, v, dout = inputs((1, 129, 257, 2, 2), torch.bfloat16, d, seed=3)
     q = q * 8
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     kern(*leaves).backward(dout)
-    truth = reference_grads(q, k, v, dout, 1 / math.sqrt(128), False, torch.float32)
-    own = reference_grads(q, k, v, dout, 1 / math.sqrt(128), False, torch.bfloat16)
+    truth = reference_grads(q, k, v, dout, 1 / math.sqrt(d), False, torch.float32)
+    own = reference_grads(q, k, v, dout, 1 / math.sqrt(d), False, torch.bfloat16)
     for ours, t, o, what in zip((l.grad for l in leaves), truth, own, ("dq", "dk", "dv")):
         check_rule(ours, t, o, what)
 
 
 def test_forward_only_spec_still_refuses_gradients():
-    plain = fadsl.load(EXAMPLES / "fa3_hdim256.fa", verbose=False)  # no backward block
-    q, k, v, dout = inputs((1, 64, 64, 2, 2), torch.bfloat16, 256, seed=1)
+    plain = fadsl.load(EXAMPLES.parent / "tests/specs/sm90/fa3_q_ring.fa", verbose=False)
+    q, k, v, dout = inputs((1, 64, 64, 2, 2), torch.bfloat16, 64, seed=1)
     out = plain(q.requires_grad_(), k, v)
     with pytest.raises(RuntimeError, match="no backward block"):
         out.backward(dout)
@@ -298,3 +320,61 @@ def test_the_op_called_without_its_lse_refuses_a_backward():
     out, _ = functional(q.requires_grad_(), k, v, 1.0 / math.sqrt(128), False)
     with pytest.raises(RuntimeError, match="needs the forward's LSE"):
         out.backward(dout)
+
+
+# fadsl.attention at head_dim 256 trains: the shipped fa3_hdim256 / fa3_hdim256_causal and
+# their window and softcap variants run the split backward (the example's block as it is).
+# (causal, window_size, softcap) as FlashAttention takes them
+ATTENTION_256 = [
+    (False, (-1, -1), 0.0),
+    (True, (-1, -1), 0.0),
+    (False, (128, 64), 0.0),
+    (True, (256, 0), 0.0),
+    (False, (-1, -1), 30.0),
+    (True, (-1, -1), 50.0),
+    (False, (128, 64), 50.0),
+]
+ATTENTION_256_CASES = [
+    (c, d, s)
+    for c in ATTENTION_256
+    for d in DTYPES
+    for s in ((1, 300, 1100, 4, 1), (1, 1000, 333, 8, 2))
+]
+
+
+@pytest.mark.parametrize(
+    "call, dtype, shape",
+    ATTENTION_256_CASES,
+    ids=[
+        f"attention256-{'causal' if c[0] else 'none'}-w{c[1][0]}_{c[1][1]}-cap{int(c[2])}-{d}-"
+        + "x".join(map(str, s))
+        for c, d, s in ATTENTION_256_CASES
+    ],
+)
+def test_attention_at_head_dim_256_trains(call, dtype, shape):
+    causal, window_size, softcap = call
+    torch_dtype = DTYPES[dtype]
+    q, k, v, dout = inputs(shape, torch_dtype, 256, seed=sum(shape) * 13 + int(softcap))
+    if softcap:
+        q = q * 8  # logits far past the cap: tanh saturates, its derivative near 0
+    poison_allocator(4 * q.numel() * 8)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = fadsl.attention(*leaves, causal=causal, window_size=window_size, softcap=softcap)
+    out.backward(dout)
+    left, right = window_size
+    window = None
+    if left >= 0 or (right >= 0 and not causal):
+        big = shape[1] + shape[2]  # an unbounded side
+        window = (left if left >= 0 else big, 0 if causal else right if right >= 0 else big)
+    scale = 1.0 / math.sqrt(256)
+
+    def grads(dtype):
+        refs = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
+        ref, _ = reference(*refs, scale, causal, dtype, softcap=softcap or None, window=window)
+        (ref.to(torch.float32) * dout.to(torch.float32)).sum().backward()
+        return [t.grad.to(torch.float32) for t in refs]
+
+    truth, own = grads(torch.float32), grads(torch_dtype)
+    for ours, t, o, what in zip((l.grad for l in leaves), truth, own, ("dq", "dk", "dv")):
+        assert ours.dtype == torch_dtype and ours.shape == t.shape
+        check_rule(ours, t, o, f"attention {call} {what}")

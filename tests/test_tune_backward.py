@@ -44,9 +44,25 @@ def test_rewrite_backward_sets_adds_and_removes_lines_of_the_block_only():
 
 
 def test_rewrite_backward_needs_a_block():
-    plain = (ROOT / "examples" / "fa3_hdim256.fa").read_text()
+    plain = (ROOT / "tests" / "specs" / "sm90" / "fa3_q_ring.fa").read_text()
     with pytest.raises(ValueError, match="no backward block"):
         rewrite_backward(plain, {"stages": "3"}, {}, "x")
+
+
+def test_the_variants_of_head_dim_256():
+    """head_dim 256's split consumer has one order, dQ path and ring size: its knob is B_c
+    (80 or 64), under the causal mask in either CTA order; every variant is admitted."""
+    text = (ROOT / "examples" / "fa3_hdim256_causal.fa").read_text()
+    compiled, variants = variants_of(text)
+    assert variants[0].backward == compiled.kernel.backward
+    admitted = [v.backward for v in variants if v.backward is not None]
+    assert len(admitted) == len(variants) == 4
+    assert {(b.block_n, b.longest_first) for b in admitted} == {
+        (n, first) for n in (80, 64) for first in (False, True)
+    }
+    assert all(b.dq_red and not b.overlap and b.stages == 2 for b in admitted)
+    assert label_of(admitted[0]) == "B_c 80, B_r 64, plain, dQ red.add, stages 2"
+    assert len({knobs_of(b) for b in admitted}) == 4
 
 
 def test_the_variants_of_head_dim_64():
@@ -137,7 +153,7 @@ def test_the_cli_refuses_the_forward_search_options(capsys, monkeypatch, extra, 
 
 def test_the_cli_refuses_a_forward_only_spec(capsys, monkeypatch):
     monkeypatch.chdir(ROOT)
-    assert main(["tune", "--backward", "--list", "examples/fa3_hdim256.fa"]) == 1
+    assert main(["tune", "--backward", "--list", "tests/specs/sm90/fa3_q_ring.fa"]) == 1
     assert "has no backward block" in capsys.readouterr().err
 
 

@@ -17,6 +17,7 @@ from backward_header import (
     HEADER,
     MBARS,
     OFFSETS,
+    SPLIT_HEADER,
     TEMPLATE,
     config_constants,
     consumer_function,
@@ -26,6 +27,8 @@ from backward_header import (
     function,
     header_calls,
     kernel_body,
+    kernel_template,
+    producer_function,
     squash,
 )
 from bruteforce_async import explore
@@ -74,11 +77,18 @@ def test_the_cases_wrap_every_ring_slot_twice():
     assert {p.dq_transposed for p in PARAMS} == {False, True}
     assert {p.stages for p in PARAMS} == {1, 2, 3}
     # 6 shapes with B_r 64, one with B_r 128 and one with B_r 80, 3 stages, 3
-    # (deterministic, dQ's adds), 4 orders
-    assert len(PARAMS) == 288 and sum(p.overlap for p in PARAMS) == 216
+    # (deterministic, dQ's adds), 4 orders; and head_dim 256's B_c 80 and 64, 3 stages
+    assert len(PARAMS) == 294 and sum(p.overlap for p in PARAMS) == 216
     assert sum(p.early_dv for p in PARAMS) == 72 and sum(p.block_m == 128 for p in PARAMS) == 36
     assert sum(p.dv_before_meeting for p in PARAMS) == 72
-    assert sum(p.block_m == 80 for p in PARAMS) == 36 and sum(p.dq_red for p in PARAMS) == 96
+    assert sum(p.block_m == 80 for p in PARAMS) == 36 and sum(p.dq_red for p in PARAMS) == 102
+    split = [p for p in PARAMS if p.split]
+    assert sorted((p.block_n, p.stages) for p in split) == [
+        (n, s) for n in (64, 80) for s in (1, 2, 3)
+    ]
+    assert {p.do_stages for p in split} == {1} and all(p.dq_red for p in split)
+    # the split consumer has one order: neither of the overlapped ones' dV placements
+    assert not any(p.overlap or p.early_dv or p.dv_before_meeting for p in split)
 
 
 # --- mutations ----------------------------------------------------------------------------
@@ -104,9 +114,13 @@ RED = (
     replace(PANELS, dq_red=True),
     Params(1, 1, 64, dq_red=True),
 )
+# head_dim 256: the consumers split head_dim (bwd_consumer_split), its one order
+SPLIT = Params(2, 2, 256, dq_red=True, block_n=80)
+SPLITS = (SPLIT, replace(SPLIT, stages=1), replace(SPLIT, block_n=64, stages=3))
 MUTATED = PLAIN + RED + tuple(replace(p, overlap=True) for p in PLAIN + RED)
 MUTATED += tuple(replace(p, overlap=True, early_dv=True) for p in PLAIN + RED)
 MUTATED += tuple(replace(p, overlap=True, dv_before_meeting=True) for p in PLAIN + RED)
+MUTATED += SPLITS
 OVERLAPPED = tuple(p for p in MUTATED if p.overlap)
 
 
@@ -163,6 +177,9 @@ DV_GROUP = "consumer: wgmma.commit_group (each m-block) after dV += P^T dO"
 
 
 def unneeded(params: Params) -> set[str]:
+    """The syncs the proof finds redundant: none of the split consumer's (head_dim 256)."""
+    if params.split:
+        return set()
     extra = {DV_GROUP} if params.dv_before_meeting else set()
     return UNNEEDED[params.deterministic, params.overlap] | extra
 
@@ -187,13 +204,15 @@ def test_flipping_each_parity(params):
         WaitParity.ZERO: WaitParity.ONE,  # kv_full, used once: parity 1 passes the fresh barrier
         WaitParity.RING: WaitParity.RING_FLIP,
         WaitParity.RING_FLIP: WaitParity.RING,
+        WaitParity.RING_DO: WaitParity.RING_DO_FLIP,
+        WaitParity.RING_DO_FLIP: WaitParity.RING_DO,
     }
 
     def flip(x: Item):
         return None if x.parity is None else (replace(x, parity=flips[x.parity]),)
 
     found = _refusals(protocol(params), flip)
-    assert len(found) == 3  # kv_full, q_full, q_empty
+    assert len(found) == 3 + 2 * params.split  # kv_full, q_full, q_empty (do_full, do_empty)
     assert all(found.values()), [w for w, p in found.items() if not p]
 
 
@@ -211,7 +230,9 @@ def test_shrinking_each_count(params):
     found = _refusals(protocol(params), shrink)
     assert all(found.values()), [w for w, p in found.items() if not p]
     q_empty = next(p for w, p in found.items() if w.startswith("setup: mbarrier.init"))
-    assert any("arrival(s) where phase" in p and "q_empty" in p for p in q_empty), q_empty
+    # (the setup's inits share a label: the last one's refusal, do_empty's at head_dim 256)
+    empty = "do_empty" if params.split else "q_empty"
+    assert any("arrival(s) where phase" in p and empty in p for p in q_empty), q_empty
 
 
 @pytest.mark.parametrize("params", MUTATED, ids=lambda p: p.describe())
@@ -232,9 +253,9 @@ def test_waiting_for_one_group_fewer(params):
     assert any(re.search(r"RAW on (dP\^T|dQ acc)", p) for p in wgmma), wgmma
 
 
-def single_ds_buffer(proto: Protocol) -> Protocol:
-    """dS^T always in buffer 0 (no i % 2)."""
-    fix = lambda op: replace(op, index=Index.NONE) if op.buffer is StagedTile.DS else op  # noqa
+def single_ds_buffer(proto: Protocol, tile: StagedTile = StagedTile.DS) -> Protocol:
+    """dS^T (or ``tile``) always in buffer 0 (no i % 2)."""
+    fix = lambda op: replace(op, index=Index.NONE) if op.buffer is tile else op  # noqa
     items = tuple(
         replace(x, reads=tuple(map(fix, x.reads)), writes=tuple(map(fix, x.writes)))
         for x in proto.consumer
@@ -266,6 +287,67 @@ def test_one_ds_buffer(params):
         assert any(re.search(r"(WAR|RAW) on dS\^T.*dQ = dS K", p) for p in problems), problems
     else:
         assert problems == ()
+
+
+SPLIT_BUFFER_CASES = [replace(SPLIT, block_n=n, stages=s) for n in (80, 64) for s in (1, 2, 3)]
+
+
+@pytest.mark.parametrize("params", SPLIT_BUFFER_CASES, ids=lambda p: p.describe())
+def test_the_split_consumer_needs_two_ds_buffers_and_one_p_buffer(params):
+    """head_dim 256: dS in one buffer, the other warpgroup's next dS rows overwrite bytes this
+    one's dK^T or dQ^T may still read (with 2 or more Q slots; with one, the next m-block's
+    Q waits for both warpgroups' release of this one). One P buffer is enough (a finding:
+    kPBytes of SMEM to save): P's only reader, dV^T, retires before the warpgroup releases
+    the single dO slot, and the other warpgroup's next P waits for that slot's refill."""
+    problems = check_protocol(single_ds_buffer(protocol(params)))
+    if params.stages > 1:
+        assert any(re.search(r"WAR on dS\^T: .*dK\^T \+= Q\^T dS.*dS -> smem", p) for p in problems)
+    else:
+        assert problems == ()
+    assert check_protocol(single_ds_buffer(protocol(params), StagedTile.P)) == ()
+    assert params.do_stages == 1
+
+
+def _moved(proto: Protocol, name: str, after: str) -> Protocol:
+    """The consumer's step ``name`` moved to just after step ``after``."""
+    items = list(proto.consumer)
+    step = items.pop(next(n for n, x in enumerate(items) if x.name == name))
+    items.insert(next(n for n, x in enumerate(items) if x.name == after) + 1, step)
+    return proto.with_role(WarpRole.CONSUMER, tuple(items))
+
+
+@pytest.mark.parametrize("params", SPLITS, ids=lambda p: p.describe())
+def test_the_split_slices_are_ordered(params):
+    """head_dim 256: dQ^T's first slice added after the second slice's wgmma is issued into
+    the same registers (what ptxas would do with both live, PR #2889's spill): the adds read
+    registers that wgmma overwrites. The first slice's wgmma.fence taken away: likewise."""
+    moved = _moved(protocol(params), "dQ red.add (panel 0)", "dQ^T = K^T dS^T (panel 1)")
+    problems = check_protocol(moved)
+    assert any(re.search(r"dQ acc", p) for p in problems), problems
+    unfenced = _without(_moved(moved, "dQ red.add (panel 0)", "dK^T += Q^T dS (panel 0)"),
+                        WarpRole.CONSUMER, Kind.WGMMA_FENCE)  # fmt: skip
+    assert check_protocol(unfenced)
+
+
+@pytest.mark.parametrize("params", SPLITS, ids=lambda p: p.describe())
+def test_the_split_do_slot_is_released_after_dv(params):
+    """head_dim 256: the dO slot's release moved before the wait that retires dV^T: the
+    producer may reload dO while dV^T reads it. With one Q slot it may not (a finding): the
+    producer reloads dO after Q, whose slot every consumer releases after its last wait."""
+    items = list(protocol(params).consumer)
+    n = next(
+        n for n, x in enumerate(items) if x.kind is Kind.MBAR_ARRIVE and x.mbar is Mbar.DO_EMPTY
+    )
+    assert items[n - 1].kind is Kind.WGMMA_WAIT and items[n - 1].pending == 1
+    items[n - 1], items[n] = items[n], items[n - 1]
+    problems = check_protocol(protocol(params).with_role(WarpRole.CONSUMER, tuple(items)))
+    if params.stages == 1:
+        assert problems == ()
+        return
+    assert any(
+        re.search(r"WAR on dO\[slot 0\] panel \d: .*dV\^T \+= dO\^T P.*producer", p)
+        for p in problems
+    ), problems
 
 
 def _without(
@@ -582,6 +664,33 @@ def test_an_edited_overlap_header_is_caught(what, edits):
     raise AssertionError(f"{what}: the edited header still matches the protocol")
 
 
+@pytest.mark.parametrize(
+    "what,old,new",
+    [
+        ("a dropped dO release", "    mbar_arrive(bwd_bar_do_empty<Cfg>(smem, i % Cfg::kDoStages));\n", ""),
+        ("a dropped dO wait", "mbar_wait_parity(bwd_bar_do_empty<Cfg>(smem, do_slot), ((i / Cfg::kDoStages) & 1u) ^ 1u);", ""),
+        ("a flipped dO parity", "static_cast<uint32_t>(i / Cfg::kDoStages) & 1u);", "(static_cast<uint32_t>(i / Cfg::kDoStages) & 1u) ^ 1u);"),
+        ("dO's bytes on q_full", "bulk_load(smem + Cfg::kOffD + do_slot * Cfg::kRowFloatsBytes, P.dpsum + row0, Cfg::kRowFloatsBytes, do_full);", "bulk_load(smem + Cfg::kOffD + do_slot * Cfg::kRowFloatsBytes, P.dpsum + row0, Cfg::kRowFloatsBytes, q_full);"),
+        ("no fence before dQ^T's second slice", "    wgmma_fence();  // dq was read by the adds above\n", ""),
+        ("the first slice added late", "    red_add_dq<Cfg>(dq_accum_share<Cfg>(P, accum_head, m, 2 * wg), dq, tid);\n    wgmma_fence();", "    wgmma_fence();"),
+        ("one P buffer", "(i % 2) * Cfg::kPBytes", "0 * Cfg::kPBytes"),
+        ("the meeting of one warpgroup", "named_bar_sync(Cfg::kBarDS, Cfg::kConsumerThreads);", "named_bar_sync(Cfg::kBarDS, 128);"),
+        ("dK^T's second panel on the first's", "q_panels + Cfg::kBlockM * Cfg::kRowBytes, ds_buf", "q_panels, ds_buf"),
+        ("dQ^T's second slice on K's first panel", "k_panels + Cfg::kBlockN * Cfg::kRowBytes, ds_buf", "k_panels, ds_buf"),
+        ("the Q slot released before dK^T retires", "    wgmma_wait<0>();  // dK^T retired: Q read\n", ""),
+    ],
+)  # fmt: skip
+def test_an_edited_split_header_is_caught(what, old, new):
+    assert SPLIT_HEADER.count(old) == 1, what
+    edited = SPLIT_HEADER.replace(old, new)
+    for params in SPLITS:
+        for role in (WarpRole.PRODUCER, WarpRole.CONSUMER):
+            found = header_calls(role, params, split_header=edited)
+            if found != expected_calls(protocol(params), role):
+                return
+    raise AssertionError(f"{what}: the edited header still matches the protocol")
+
+
 def _cfg_argument(template: str, index: int) -> str:
     """The template's ``index``-th argument of ``struct Cfg : BwdConfig<...>``."""
     (cfg,) = re.findall(r"struct Cfg : BwdConfig<(.*?)> \{", template)
@@ -594,7 +703,7 @@ def test_an_edited_template_is_caught():
     overlap = '{{ "true" if overlap else "false" }}'
     assert _cfg_argument(TEMPLATE, 8) == overlap
     assert _cfg_argument(TEMPLATE.replace(overlap, '"false"'), 8) != overlap
-    call = "bwd_consumer<Cfg>(P, smem, block, warpgroup - 1);"
+    call = "{{ consumer }}<Cfg>(P, smem, block, warpgroup - 1);"
     with pytest.raises(ValueError):
         consumer_function(False, TEMPLATE.replace(call, call + call))
 
@@ -613,17 +722,25 @@ def test_the_header_agrees_on_layout_barriers_and_roles():
         # the mbarriers: distinct 8-byte words inside the kNumBars the plan reserves
         words = []
         for name in MBARS:
+            if "_do_" in name and not params.split:  # the dO ring's own: head_dim 256
+                continue
             _, body = function(HEADER, rf"uint32_t {name}\(")
             (expr,) = re.findall(r"return ([^;]+);", body)
-            slots = range(params.stages) if "slot" in expr else [0]
+            ring = params.do_stages if "_do_" in name else params.stages
+            slots = range(ring) if "slot" in expr else [0]
             words += [evaluate(expr, env, smem=0, slot=s) - env["kOffBar"] for s in slots]
         assert sorted(words) == [8 * n for n in range(env["kNumBars"])]
     for overlap in (False, True):
         split = squash(kernel_body(overlap))
+        assert producer_function(overlap) == "bwd_producer"
         assert "if(warpgroup==0){" in split and "threadIdx.x/32==0&&elect_one()" in split
         assert "bwd_producer<Cfg>(P,smem,block);}}else{" in split  # the elected thread's block
         assert consumer_function(overlap) == "bwd_consumer"
         assert split.count("warpgroup-1);") == 1
+    # head_dim 256: the kernel calls the split header's roles
+    assert consumer_function(False, split=True) == "bwd_consumer_split"
+    assert producer_function(False, split=True) == "bwd_producer_split"
+    assert '#include "fadsl/sm90_bwd_split.cuh"' in kernel_template(False, split=True)
     # the template's Cfg passes `overlap` as BwdConfig's kOverlap_ (its ninth parameter)
     (cfg,) = re.findall(r"struct Cfg : BwdConfig<(.*?)> \{", TEMPLATE)
     head = HEADER[: HEADER.index("struct BwdConfig")]

@@ -8,7 +8,9 @@ Run it again (python3 emit/sm90/gen_wgmma.py) after changing the N list or the t
 
 from pathlib import Path
 
-WIDTHS = range(16, 257, 16)
+# N = 16, 32, ..., 256, and 40: S and dP of the head_dim 256 backward, 40 keys per consumer
+# warpgroup of B_c 80 (sm90_bwd_split.cuh; PTX allows any multiple of 8)
+WIDTHS = sorted({*range(16, 257, 16), 40})
 OUT = Path(__file__).resolve().parent / "include" / "fadsl" / "sm90_wgmma.cuh"
 
 HEAD = """\
@@ -37,7 +39,7 @@ HEAD = """\
 namespace fadsl::sm90 {
 
 template <int N>
-struct Wgmma;  // specialised below for N = 16, 32, ..., 256
+struct Wgmma;  // specialised below for N = 16, 32, ..., 256 and 40
 """
 
 

@@ -26,7 +26,9 @@ def read_paths(c: Checks, target: Target) -> dict[Role, Tensor]:
         if name not in Role.__members__:
             c.suggested.add(closest(name, Role.__members__) or "")
             hint = suggest(name, Role.__members__)
-            if name in {g.value for g in GradRole}:
+            # (P too is a backward block's tensor, at head_dim 256 only: a forward's P is the
+            # softmax's, which never leaves registers, so no hint for it)
+            if name in {g.value for g in GradRole if g is not GradRole.P}:
                 hint = f" ({name}'s path goes inside the 'backward {{ ... }}' block)"
             c.error(
                 path.tensor.loc,

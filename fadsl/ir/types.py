@@ -83,6 +83,8 @@ class GradRole(Enum):
     DO = "dO"  # the output's gradient, the backward's input
     LSE = "LSE"  # the forward's log-sum-exp per query row (fp32)
     D = "D"  # rowsum(dO * O) per query row (fp32; FlashAttention's dPsum), by the preprocess
+    # exp(S - LSE): dV's operand, in registers (RS), or at head_dim 256 16-bit through SMEM
+    P = "P"
     DS = "dS"  # P (dP - D): dK's and dQ's operand, 16-bit through SMEM
     DQ = "dQ"  # Q's gradient, reduce-added into an fp32 accumulator over the n-blocks
     DK = "dK"  # K's gradient, accumulated in registers over the m-blocks

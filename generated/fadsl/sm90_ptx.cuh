@@ -447,6 +447,13 @@ __device__ __forceinline__ void stmatrix_x4_trans(uint32_t smem_dst, uint32_t r0
                : "memory");
 }
 
+// Two of the matrices above stored transposed (matrices 0 and 1: lanes 0-15 give the row
+// addresses; the upper lanes' are not read).
+__device__ __forceinline__ void stmatrix_x2_trans(uint32_t smem_dst, uint32_t r0, uint32_t r1) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x2.trans.shared.b16 [%0], {%1, %2};\n" ::"r"(smem_dst), "r"(r0), "r"(r1)
+               : "memory");
+}
+
 // Round two fp32 values to 16 bits (RNE); `lo` lands in the low half (the lower column).
 template <typename T>
 __device__ __forceinline__ uint32_t pack_f32x2(float lo, float hi) {
@@ -530,6 +537,12 @@ __device__ __forceinline__ void st_shared_b32(uint32_t addr, uint32_t v) {
 
 __device__ __forceinline__ void st_shared_v4(uint32_t addr, float a, float b, float c, float d) {
   asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "f"(a), "f"(b), "f"(c), "f"(d) : "memory");
+}
+
+__device__ __forceinline__ float ld_shared_f32(uint32_t addr) {
+  float v;
+  asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(v) : "r"(addr) : "memory");
+  return v;
 }
 
 __device__ __forceinline__ float2 ld_shared_v2_f32(uint32_t addr) {

@@ -147,14 +147,22 @@ struct BwdConfig {
   // `dQ: rf -red.add-> gmem`: each thread adds its dQ share into the accumulator from its
   // registers (red_add_dq), no staging; else staged in SMEM for one bulk reduce-add
   static constexpr bool kDqRed = kDqRed_;
-  static_assert(kHeadDim == 64 || kHeadDim == 128, "head_dim 64 or 128");
+  static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "head_dim 64, 128 or 256");
+  // head_dim 256: dK and dV of 64 keys over every column would take 256 fp32 registers a
+  // thread, so the consumer warpgroups split head_dim instead of the keys (FlashAttention-3's
+  // 64 x 80 tile): warpgroup w holds dK^T and dV^T of all B_c keys for head_dim panels 2w
+  // and 2w + 1, S and dP of its B_c / 2 keys, P and dS go through SMEM (sm90_bwd_split.cuh)
+  static constexpr bool kSplitHeadDim = kHeadDim == 256;
   // B_r 128: 64 queries of dQ per consumer warpgroup; S^T and dP^T of 128 queries (64 + 64
   // fp32 registers) fit beside dK and dV at head_dim 64 only.  B_r 80: dQ computed
   // transposed (kDqTransposed), one 64-column panel of head_dim per consumer warpgroup.
   static_assert(kBlockM == 64 || (kBlockM == 128 && kConsumerWGs == 2 && kHeadDim == 64) ||
                     (kBlockM == 80 && kConsumerWGs == 2 && kHeadDim == 128),
                 "B_r 64, 128 with 2 consumer warpgroups at head_dim 64, or 80 with 2 at head_dim 128");
-  static_assert(kBlockN == 64 * kConsumerWGs, "each consumer warpgroup owns 64 keys");
+  static_assert(kSplitHeadDim ? kConsumerWGs == 2 && (kBlockN == 64 || kBlockN == 80) : kBlockN == 64 * kConsumerWGs,
+                "each consumer warpgroup owns 64 keys; at head_dim 256 two own B_c 64 or 80 between them");
+  static_assert(!kSplitHeadDim || (kBlockM == 64 && kDqRed && !kOverlap && !kDeterministic),
+                "head_dim 256: B_r 64, dQ added from registers (no room for its staging), the plain order");
   static_assert(kStages >= 1, "at least one ring slot");
   static_assert(!kEarlyDv || kOverlap, "the early dV is the overlapped consumer's");
   static_assert(!kDqRed || !kDeterministic, "the ordered adds go through the staging");
@@ -198,12 +206,14 @@ struct BwdConfig {
   static constexpr int kDqKeys = kDqByKeys ? 64 : kBlockN;                         // wgmma K
   // one warpgroup's share of an m-block (staged or added): 64 queries x kDqCols, or
   // (transposed) 64 head_dim columns x B_r queries
-  static constexpr int kDqFloats = kDqTransposed ? 64 * kBlockM : 64 * kDqCols;
+  static constexpr int kDqFloats = kDqTransposed || kSplitHeadDim ? 64 * kBlockM : 64 * kDqCols;
   static_assert(!kDqTransposed || kHeadDim == 64 * kConsumerWGs, "a 64-column panel of dQ^T per warpgroup");
 
-  static constexpr int kSRegs = kBlockM / 2;     // S^T, dP^T: 64 keys x B_r, fp32
-  static constexpr int kPRegs = kBlockM / 4;     // P^T, dS^T: 16-bit pairs
-  static constexpr int kAccRegs = kHeadDim / 2;  // dK, dV: 64 keys x head_dim, fp32
+  static constexpr int kKeysPerWG = kBlockN / kConsumerWGs;     // 64 (head_dim 256: 40 or 32)
+  static constexpr int kSRegs = kKeysPerWG * kBlockM / 128;      // S^T, dP^T: the warpgroup's keys x B_r, fp32
+  static constexpr int kPRegs = kSRegs / 2;                      // P^T, dS^T: 16-bit pairs
+  static constexpr int kAccRegs = kKeysPerWG * kHeadDim / 128;   // dK, dV: 64 keys x head_dim (or B_c x 128), fp32
+  static constexpr int kAccPanelRegs = 64 * kBlockN / 128;       // head_dim 256: one panel of dK^T or dV^T
   static constexpr int kDqRegs = kDqFloats / 128;
 
   static constexpr int kPanels = kHeadDim / 64;
@@ -214,20 +224,28 @@ struct BwdConfig {
   // a panel: 64 queries of every key row (transposed: 64 keys of every query row)
   static constexpr int kDSPanelBytes = kDqTransposed ? kBlockM * kRowBytes : kBlockN * kRowBytes;
   static constexpr int kRowFloatsBytes = kBlockM * 4;     // one slot of LSE or of D
+  // head_dim 256: dO and D in a ring of their own of one slot, with barriers of their own (a
+  // second slot, or a Q/dO ring of two, does not fit beside K, V, Q's two slots, P and dS);
+  // P in SMEM too, rows = the B_c keys (as dS), double-buffered
+  static constexpr int kDoStages = kSplitHeadDim ? 1 : kStages;
+  static constexpr int kPBytes = kSplitHeadDim ? kDSBytes : 0;
 
   // SMEM plan (a generated Cfg sets these from fadsl/targets/sm90/backward/plan_smem.py)
   static constexpr int kOffK = 0;
   static constexpr int kOffV = kOffK + kKVBytes;
   static constexpr int kOffQ = kOffV + kKVBytes;
   static constexpr int kOffDO = kOffQ + kStages * kQBytes;
-  static constexpr int kOffDS = kOffDO + kStages * kQBytes;
+  static constexpr int kOffP = kOffDO + kDoStages * kQBytes;
+  static constexpr int kOffDS = kOffP + 2 * kPBytes;
   static constexpr int kOffDQ = kOffDS + 2 * kDSBytes;
   static constexpr int kDqStageBytes = kDqRed ? 0 : kConsumerWGs * kDqFloats * 4;  // none with red.add
   static constexpr int kOffLSE = kOffDQ + kDqStageBytes;
   static constexpr int kOffD = kOffLSE + kStages * kRowFloatsBytes;
-  static constexpr int kOffBar = kOffD + kStages * kRowFloatsBytes;
-  // mbarriers: kv_full, then q_full and q_empty per slot
-  static constexpr int kNumBars = 1 + 2 * kStages;
+  static constexpr int kOffBar = kOffD + kDoStages * kRowFloatsBytes;
+  // mbarriers: kv_full, then q_full and q_empty per slot (head_dim 256: then do_full and
+  // do_empty per slot of the dO ring)
+  static constexpr int kDoBars = kSplitHeadDim ? 2 * kDoStages : 0;
+  static constexpr int kNumBars = 1 + 2 * kStages + kDoBars;
   static constexpr int kSmemBytes = kOffBar + 8 * kNumBars + 1024;
 
   // Named barrier ids (0 is __syncthreads)
@@ -556,12 +574,20 @@ template <class Cfg>
 __device__ __forceinline__ uint32_t bwd_bar_q_empty(uint32_t smem, int slot) {
   return smem + Cfg::kOffBar + 8 * (1 + Cfg::kStages + slot);
 }
-
+// head_dim 256: the dO ring's own (kDoStages slots), after Q's
 template <class Cfg>
-__device__ __forceinline__ void bwd_producer(const BwdParamsSm90& P, uint32_t smem, const BwdBlock& b) {
-  if (b.m_count == 0) return;  // the consumers store zeros without waiting
+__device__ __forceinline__ uint32_t bwd_bar_do_full(uint32_t smem, int slot) {
+  return smem + Cfg::kOffBar + 8 * (1 + 2 * Cfg::kStages + slot);
+}
+template <class Cfg>
+__device__ __forceinline__ uint32_t bwd_bar_do_empty(uint32_t smem, int slot) {
+  return smem + Cfg::kOffBar + 8 * (1 + 2 * Cfg::kStages + Cfg::kDoStages + slot);
+}
+
+// K and V of the n-block, once: 2 kKVBytes complete on kv_full (phase 0).
+template <class Cfg>
+__device__ __forceinline__ void bwd_load_kv(const BwdParamsSm90& P, uint32_t smem, const BwdBlock& b) {
   const uint32_t bar_kv = bwd_bar_kv<Cfg>(smem);
-  // K and V of the n-block, once: 2 kKVBytes complete on kv_full (phase 0)
   mbar_arrive_expect_tx(bar_kv, 2 * Cfg::kKVBytes);
 #pragma unroll
   for (int panel = 0; panel < Cfg::kPanels; ++panel) {
@@ -569,8 +595,21 @@ __device__ __forceinline__ void bwd_producer(const BwdParamsSm90& P, uint32_t sm
     tma_load_4d(smem + Cfg::kOffK + at, &P.tma_k, bar_kv, 64 * panel, b.k_row0 + b.n0, b.head_kv, b.batch);
     tma_load_4d(smem + Cfg::kOffV + at, &P.tma_v, bar_kv, 64 * panel, b.k_row0 + b.n0, b.head_kv, b.batch);
   }
-  const int64_t rows = Cfg::kVarlen ? (static_cast<int64_t>(b.head) * P.m_blocks + b.chunk0) * Cfg::kBlockM
-                                    : (static_cast<int64_t>(b.batch) * P.heads_q + b.head) * P.seqlen_q_rounded;
+}
+
+// The first row of the block's (batch, head) in the LSE and D (m-block m's B_r rows follow
+// at m B_r).
+template <class Cfg>
+__device__ __forceinline__ int64_t bwd_stat_rows(const BwdParamsSm90& P, const BwdBlock& b) {
+  return Cfg::kVarlen ? (static_cast<int64_t>(b.head) * P.m_blocks + b.chunk0) * Cfg::kBlockM
+                      : (static_cast<int64_t>(b.batch) * P.heads_q + b.head) * P.seqlen_q_rounded;
+}
+
+template <class Cfg>
+__device__ __forceinline__ void bwd_producer(const BwdParamsSm90& P, uint32_t smem, const BwdBlock& b) {
+  if (b.m_count == 0) return;  // the consumers store zeros without waiting
+  bwd_load_kv<Cfg>(P, smem, b);
+  const int64_t rows = bwd_stat_rows<Cfg>(P, b);
   for (int i = 0; i < b.m_count; ++i) {
     const int slot = i % Cfg::kStages;
     const uint32_t phase = static_cast<uint32_t>(i / Cfg::kStages) & 1u;
@@ -847,11 +886,12 @@ __device__ __forceinline__ void store_grad_kv(const float (&acc)[Cfg::kAccRegs],
   }
 }
 
-// This warpgroup's share of m-block m in dQ's fp32 accumulator (the consumers' fragment
-// order: bwd_convert_dq_row reads it back).
+// Share `share` of m-block m in dQ's fp32 accumulator, kDqFloats each (the consumers'
+// fragment order: bwd_convert_dq_row reads it back): warpgroup wg's, or at head_dim 256
+// head_dim panel `share` (warpgroup share / 2's slice share % 2).
 template <class Cfg>
-__device__ __forceinline__ float* dq_accum_share(const BwdParamsSm90& P, int64_t accum_head, int m, int wg) {
-  return P.dq_accum + (accum_head + m) * (Cfg::kBlockM * Cfg::kHeadDim) + (Cfg::kDqByKeys ? 0 : wg * Cfg::kDqFloats);
+__device__ __forceinline__ float* dq_accum_share(const BwdParamsSm90& P, int64_t accum_head, int m, int share) {
+  return P.dq_accum + (accum_head + m) * (Cfg::kBlockM * Cfg::kHeadDim) + (Cfg::kDqByKeys ? 0 : share * Cfg::kDqFloats);
 }
 
 // `dQ: rf -red.add-> gmem`: the thread's dQ registers added into the accumulator, float4 q
@@ -1152,46 +1192,51 @@ __device__ __forceinline__ void bwd_preprocess_row(const BwdPrepParams& P) {
 // covers queries 64s.. (split by queries), columns s kDqCols.. (by panels), or all of
 // the m-block (by keys: one share).
 //
-// Transposed (kDqTransposed: B_r 80, share s = head_dim panel s): float4 q of thread tid
-// holds columns d = 64 s + 16 (tid / 32) + (tid % 32) / 4 and d + 8 of queries
-// u = 8q + 2 (tid % 4) and u + 1 (registers 4q + 2r + e: column d + 8r, query u + e).  A
-// CTA takes 16 queries (q-groups 2c and 2c + 1 of its m-block); thread (share, tid) reads
-// one float4 of each and swaps two values with its partner lane (tid ^ 4: column d ^ 1) so
-// that each holds two adjacent columns of one query.
+// Transposed (kDqTransposed: B_r 80; and head_dim 256: share s = head_dim panel s): float4
+// q of thread tid holds columns d = 64 s + 16 (tid / 32) + (tid % 32) / 4 and d + 8 of
+// queries u = 8q + 2 (tid % 4) and u + 1 (registers 4q + 2r + e: column d + 8r, query
+// u + e).  A CTA takes 16 queries (q-groups 2c and 2c + 1 of its m-block); thread (tid) of
+// share s = threadIdx.x / 128 (and s + 2 at head_dim 256) reads one float4 of each and
+// swaps two values with its partner lane (tid ^ 4: column d ^ 1) so that each holds two
+// adjacent columns of one query.
 template <class Cfg>
 __device__ __forceinline__ void bwd_convert_dq_t(const BwdConvertParams& P) {
   const int row0 = blockIdx.x * 16, head = blockIdx.y, batch = blockIdx.z;
   const int m_block = row0 / Cfg::kBlockM;
   if (m_block >= P.m_blocks) return;
   const BwdQueryRows rows = bwd_query_rows<Cfg>(P.cu_seqlens_q, P.sequences, P.seqlen_q, m_block);
-  const int share = threadIdx.x / 128, tid = threadIdx.x % 128, lane = tid % 32;
-  const bool odd = (lane / 4) % 2 == 1;  // column d odd: takes query u + 1
-  const int col = 64 * share + 16 * (tid / 32) + (lane / 4) - (odd ? 1 : 0);  // the pair's first column
-  const float* chunk = P.dq_accum + ((static_cast<int64_t>(batch) * P.heads_q + head) * P.m_blocks + m_block) *
-                                        (Cfg::kBlockM * Cfg::kHeadDim) + share * Cfg::kDqFloats;
-  typename Cfg::T* dq = static_cast<typename Cfg::T*>(P.dq) + batch * P.dq_batch_stride + head * P.dq_head_stride;
 #pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int q = (row0 % Cfg::kBlockM) / 8 + half;
-    const float4 v = *reinterpret_cast<const float4*>(chunk + (q * 128 + tid) * 4);
-    // even d sends its query u + 1 values (v.y, v.w), odd d its query u values (v.x, v.z)
-    const float got0 = __shfl_xor_sync(0xffffffffu, odd ? v.x : v.y, 4);
-    const float got1 = __shfl_xor_sync(0xffffffffu, odd ? v.z : v.w, 4);
-    const float2 lo = odd ? make_float2(got0, v.y) : make_float2(v.x, got0);  // columns col, col + 1
-    const float2 hi = odd ? make_float2(got1, v.w) : make_float2(v.z, got1);  // columns col + 8, col + 9
-    const int row = m_block * Cfg::kBlockM + 8 * q + 2 * (lane % 4) + (odd ? 1 : 0);
-    if (bwd_holds_query<Cfg>(rows, P.seqlen_q, row)) {
-      typename Cfg::T* out = dq + bwd_query_of<Cfg>(rows, row) * P.dq_row_stride + col;
-      *reinterpret_cast<uint32_t*>(out) = pack_f32x2<typename Cfg::T>(lo.x * P.softmax_scale, lo.y * P.softmax_scale);
-      *reinterpret_cast<uint32_t*>(out + 8) =
-          pack_f32x2<typename Cfg::T>(hi.x * P.softmax_scale, hi.y * P.softmax_scale);
+  for (int round = 0; round < Cfg::kHeadDim / 128; ++round) {  // the CTA's 2 warpgroups take shares 2 round + 0, 1
+    const int share = threadIdx.x / 128 + 2 * round, tid = threadIdx.x % 128, lane = tid % 32;
+    const bool odd = (lane / 4) % 2 == 1;  // column d odd: takes query u + 1
+    const int col = 64 * share + 16 * (tid / 32) + (lane / 4) - (odd ? 1 : 0);  // the pair's first column
+    const float* chunk = P.dq_accum + ((static_cast<int64_t>(batch) * P.heads_q + head) * P.m_blocks + m_block) *
+                                          (Cfg::kBlockM * Cfg::kHeadDim) + share * Cfg::kDqFloats;
+    typename Cfg::T* dq = static_cast<typename Cfg::T*>(P.dq) + batch * P.dq_batch_stride + head * P.dq_head_stride;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int q = (row0 % Cfg::kBlockM) / 8 + half;
+      const float4 v = *reinterpret_cast<const float4*>(chunk + (q * 128 + tid) * 4);
+      // even d sends its query u + 1 values (v.y, v.w), odd d its query u values (v.x, v.z)
+      const float got0 = __shfl_xor_sync(0xffffffffu, odd ? v.x : v.y, 4);
+      const float got1 = __shfl_xor_sync(0xffffffffu, odd ? v.z : v.w, 4);
+      const float2 lo = odd ? make_float2(got0, v.y) : make_float2(v.x, got0);  // columns col, col + 1
+      const float2 hi = odd ? make_float2(got1, v.w) : make_float2(v.z, got1);  // columns col + 8, col + 9
+      const int row = m_block * Cfg::kBlockM + 8 * q + 2 * (lane % 4) + (odd ? 1 : 0);
+      if (bwd_holds_query<Cfg>(rows, P.seqlen_q, row)) {
+        typename Cfg::T* out = dq + bwd_query_of<Cfg>(rows, row) * P.dq_row_stride + col;
+        *reinterpret_cast<uint32_t*>(out) =
+            pack_f32x2<typename Cfg::T>(lo.x * P.softmax_scale, lo.y * P.softmax_scale);
+        *reinterpret_cast<uint32_t*>(out + 8) =
+            pack_f32x2<typename Cfg::T>(hi.x * P.softmax_scale, hi.y * P.softmax_scale);
+      }
     }
   }
 }
 
 template <class Cfg>
 __device__ __forceinline__ void bwd_convert_dq_row(const BwdConvertParams& P) {
-  if constexpr (Cfg::kDqTransposed) {
+  if constexpr (Cfg::kDqTransposed || Cfg::kSplitHeadDim) {
     bwd_convert_dq_t<Cfg>(P);
     return;
   }

@@ -7,7 +7,14 @@ from typing import Any
 
 from ....ir import Dtype, Kernel, Mask
 from ....ir.backward import Backward
-from .plan_smem import dq_by_keys, dq_by_queries, dq_transposed, plan_smem
+from .plan_smem import (
+    do_stages,
+    dq_by_keys,
+    dq_by_queries,
+    dq_transposed,
+    plan_smem,
+    split_head_dim,
+)
 
 TEMPLATE = "sm90/backward.cu.j2"
 # A plan buffer -> the header's offset constant (BwdConfig)
@@ -16,6 +23,7 @@ _OFFSETS = {
     "V": "kOffV",
     "Q": "kOffQ",
     "dO": "kOffDO",
+    "P": "kOffP",
     "dS": "kOffDS",
     "dQ": "kOffDQ",
     "LSE": "kOffLSE",
@@ -40,8 +48,20 @@ def convert_ctas(m_blocks: int, block_m: int) -> int:
     return m_blocks * block_m // 16
 
 
+# The header and the roles' functions: the consumers split the keys (sm90_bwd.cuh), or at
+# head_dim 256 head_dim (sm90_bwd_split.cuh)
+HEADER, PRODUCER, CONSUMER = "sm90_bwd.cuh", "bwd_producer", "bwd_consumer"
+SPLIT_HEADER = "sm90_bwd_split.cuh"
+SPLIT_PRODUCER, SPLIT_CONSUMER = "bwd_producer_split", "bwd_consumer_split"
+
+
 def dq_split(bwd: Backward, head_dim: int) -> str:
     """How the consumer warpgroups share dQ = dS K (sm90_bwd.cuh's kDqByKeys)."""
+    if split_head_dim(head_dim):
+        return (
+            f"transposed (dQ^T by head_dim panels, 2 of 64 columns each, one at a time, all "
+            f"{bwd.block_m} queries, over all {bwd.block_n} keys)"
+        )
     if dq_by_queries(bwd):
         return f"by queries (64 each, all head_dim columns, over all {bwd.block_n} keys)"
     if dq_transposed(bwd):
@@ -60,7 +80,13 @@ def context(kernel: Kernel, dtype: Dtype) -> dict[str, Any]:
     bwd = kernel.backward
     cfg = kernel.config
     plan = plan_smem(bwd, cfg.head_dim)
+    split = split_head_dim(cfg.head_dim)
     return {
+        "header": SPLIT_HEADER if split else HEADER,
+        "producer": SPLIT_PRODUCER if split else PRODUCER,
+        "consumer": SPLIT_CONSUMER if split else CONSUMER,
+        "split": split,
+        "do_stages": do_stages(bwd, cfg.head_dim),
         "cuda_type": dtype.cuda_type,
         "head_dim": cfg.head_dim,
         "block_m": bwd.block_m,
@@ -86,7 +112,7 @@ def context(kernel: Kernel, dtype: Dtype) -> dict[str, Any]:
         # sm90_bwd.cuh's bwd_convert_dq_t (transposed) or bwd_convert_dq_row
         "convert_layout": (
             "a thread per float4 of each head_dim panel, pairs of columns by shuffle"
-            if dq_transposed(bwd)
+            if dq_transposed(bwd) or split
             else "a warp per pair of rows 8 apart"
         ),
         "prep_rows": prep_rows_per_cta(cfg.head_dim),

@@ -5,6 +5,11 @@ the same offsets from its template slots): K and V for the CTA's n-block, the Q 
 with their LSE and D rows, dS^T double-buffered (the dQ GEMM of one m-block reads it while
 the next m-block's is written), dQ's fp32 staging for the bulk reduce-add, and the
 mbarriers. Tiles are 1024-byte aligned (the 128-byte swizzle's atom).
+
+At head_dim 256 (sm90_bwd_split.cuh: the consumers split head_dim) P goes through SMEM too,
+double-buffered like dS, and dO with its D rows has a ring of its own of ``SPLIT_DO_STAGES``
+slot: two dO slots, or one ring of two Q/dO slots, do not fit beside K, V, Q's slots, P and
+dS (research/backward-hdim256.md).
 """
 
 from __future__ import annotations
@@ -18,6 +23,10 @@ SMEM_LIMIT = 227 * 1024  # sm_90a's dynamic SMEM per CTA
 ELEM = 2  # bf16 / fp16
 # An element is 16 bits; the fp32 LSE/D rows and dQ staging are 4 bytes.
 F32 = 4
+# head_dim 256: the consumer warpgroups split head_dim, not the keys (sm90_bwd.cuh's
+# kSplitHeadDim), and dO has a ring of its own of one slot (kDoStages)
+SPLIT_HEAD_DIM = 256
+SPLIT_DO_STAGES = 1
 
 
 @dataclass(frozen=True)
@@ -43,6 +52,19 @@ class BackwardSmem:
 
 def _round(n: int, align: int = ALIGN) -> int:
     return -(-n // align) * align
+
+
+def split_head_dim(head_dim: int) -> bool:
+    """Whether the consumer warpgroups split head_dim (each holds dK^T and dV^T of every key
+    for its half of the columns) rather than the keys: at head_dim 256, where dK and dV of 64
+    keys would take 256 registers a thread (sm90_bwd.cuh's kSplitHeadDim)."""
+    return head_dim == SPLIT_HEAD_DIM
+
+
+def do_stages(bwd: Backward, head_dim: int) -> int:
+    """The dO ring's slots: its own ring of one slot at head_dim 256, else Q's (sm90_bwd.cuh's
+    kDoStages)."""
+    return SPLIT_DO_STAGES if split_head_dim(head_dim) else bwd.stages
 
 
 def dq_by_queries(bwd: Backward) -> bool:
@@ -82,20 +104,42 @@ def dq_staging_bytes(bwd: Backward, head_dim: int) -> int:
 def plan_smem(bwd: Backward, head_dim: int) -> BackwardSmem:
     """Offsets of the main kernel's buffers for ``bwd``'s tiles at ``head_dim``."""
     m, n, s = bwd.block_m, bwd.block_n, bwd.stages
+    split, d = split_head_dim(head_dim), do_stages(bwd, head_dim)
+    if split:
+        do = (
+            "dO",
+            d * m * head_dim * ELEM,
+            f"a ring of its own, {d} m-block (a second does not fit)",
+        )
+        bars = ((1 + 2 * s + 2 * d) * 8, "K/V full; Q full and empty per slot; dO's likewise")
+        pds = (
+            ("P", 2 * n * m * ELEM, "two m-blocks: each warpgroup's dV^T reads both's keys"),
+            ("dS", 2 * n * m * ELEM, "two m-blocks: each warpgroup's dK^T and dQ^T read both's"),
+        )
+    else:
+        do = ("dO", s * m * head_dim * ELEM, f"a ring of {s} m-blocks, with Q's slot")
+        bars = ((1 + 2 * s) * 8, "K/V full; Q/dO full and empty per slot")
+        pds = (
+            (
+                "dS",
+                2 * n * m * ELEM,
+                "two m-blocks: the dQ GEMM reads one while the next is written",
+            ),
+        )
     sizes = (
         ("K", n * head_dim * ELEM, "the CTA's n-block (one TMA load)"),
         ("V", n * head_dim * ELEM, "the CTA's n-block (one TMA load)"),
         ("Q", s * m * head_dim * ELEM, f"a ring of {s} m-blocks"),
-        ("dO", s * m * head_dim * ELEM, f"a ring of {s} m-blocks, with Q's slot"),
-        ("dS", 2 * n * m * ELEM, "two m-blocks: the dQ GEMM reads one while the next is written"),
+        do,
+        *pds,
         (
             "dQ",
             dq_staging_bytes(bwd, head_dim),
             "one m-block, until its bulk reduce-add has read it",
         ),
         ("LSE", s * m * F32, "with Q's slot"),
-        ("D", s * m * F32, "with dO's slot"),
-        ("mbarriers", (1 + 2 * s) * 8, "K/V full; Q/dO full and empty per slot"),
+        ("D", d * m * F32, "with dO's slot"),
+        ("mbarriers", *bars),
     )
     buffers, offset = [], 0
     for name, nbytes, lifetime in sizes:

@@ -9,6 +9,12 @@ into a ring of ``stages`` slots per m-block), and ``consumers`` warpgroups of 12
 (wgmma, the softmax gradient, dS^T through SMEM, dQ staged and reduce-added into global
 memory by the warpgroup's thread 0, the "leader").
 
+At head_dim 256 (``Params.split``: emit/sm90/include/fadsl/sm90_bwd_split.cuh,
+bwd_producer_split and bwd_consumer_split) the two consumers split head_dim instead of the
+keys: S and dP of each warpgroup's B_c / 2 keys, P and dS through SMEM, dV^T, dK^T and dQ^T
+of its two head_dim panels; dO and D have a ring of their own (``do_stages`` slots, barriers
+do_full / do_empty), and dQ is added from registers.
+
 Each role's program is a tuple of ``Item`` in the header's order, each one call (a sync or
 a step that accesses memory) tagged with the phase it runs in: once before the m-block
 loop, once per m-block (``LoopPhase.LOOP``), or once after it. Loop items name their slot and
@@ -31,10 +37,12 @@ from enum import Enum
 
 from ....ir import WARPGROUP_THREADS
 from ....ir.backward import Backward
+from .plan_smem import SPLIT_DO_STAGES, split_head_dim
 
 KEYS_PER_WARPGROUP = 64  # each consumer warpgroup owns 64 keys of the n-block
 BLOCK_M = 64  # queries per m-block (B_r) by default; dS^T's rows hold 64-query panels
 TRANSPOSED_BLOCK_M = 80  # B_r at head_dim 128 with dQ^T: dS's rows are queries (64-key panels)
+SPLIT_BLOCK_NS = (80, 64)  # B_c at head_dim 256 (validate.py's)
 ROW_BYTES = 128  # a 64-column panel row of 16-bit elements (the 128-byte swizzle)
 PANEL_COLUMNS = 64
 F32 = 4
@@ -62,8 +70,11 @@ class CodeSite(Enum):
     """Where the item's call is: the function of the header, or the kernel's body."""
 
     KERNEL = "the kernel body"
+    LOAD_KV = "bwd_load_kv"  # both producers': K and V once
     PRODUCER = "bwd_producer"
     CONSUMER = "bwd_consumer"
+    PRODUCER_SPLIT = "bwd_producer_split"  # head_dim 256
+    CONSUMER_SPLIT = "bwd_consumer_split"
     MEET_AND_ISSUE_DQ = "meet_and_issue_dq"  # the overlapped consumer's helper
     REDUCE_DQ = "reduce_dq"  # both consumers': dQ added into the accumulator
     ORDERED_REDUCE_ADD = "ordered_reduce_add"
@@ -121,6 +132,8 @@ class Mbar(Enum):
     KV_FULL = "kv_full"
     Q_FULL = "q_full"
     Q_EMPTY = "q_empty"
+    DO_FULL = "do_full"  # head_dim 256: the dO ring's own
+    DO_EMPTY = "do_empty"
 
 
 class Named(Enum):
@@ -140,6 +153,7 @@ class StagedTile(Enum):
     DO = "dO"
     LSE = "LSE"
     D = "D"
+    P = "P"  # head_dim 256: rows = the B_c keys, as dS
     DS = "dS^T"
     DQ_STAGE = "dQ staging"
 
@@ -150,11 +164,14 @@ class Part(Enum):
     ROWS_OF_WG = "the warpgroup's 64 key rows"  # of K, V, dS^T; the warpgroup's staging
     # K's B operand of dQ split by head_dim panels; dS^T's A operand of dQ split by queries
     PANEL_OF_WG = "panel wg, every key"
+    # head_dim 256: panel 2 wg + Operand.panel of K, Q or dO (the warpgroup's half of head_dim)
+    WG_PANEL = "one of the warpgroup's head_dim panels"
 
 
 class Index(Enum):
     NONE = "one copy"
     RING = "ring slot i % stages"
+    RING_DO = "dO ring slot i % do_stages"  # head_dim 256
     ALTERNATE = "buffer i % 2"
 
 
@@ -163,6 +180,15 @@ class WaitParity(Enum):
     ONE = "1"
     RING = "(i / stages) & 1"
     RING_FLIP = "((i / stages) & 1) ^ 1"
+    RING_DO = "(i / do_stages) & 1"
+    RING_DO_FLIP = "((i / do_stages) & 1) ^ 1"
+
+
+# a ring's index -> its barriers' parity (the consumers'; the producer's flipped)
+RING_PARITY = {
+    Index.RING: (WaitParity.RING, WaitParity.RING_FLIP),
+    Index.RING_DO: (WaitParity.RING_DO, WaitParity.RING_DO_FLIP),
+}
 
 
 class Reg(Enum):
@@ -224,6 +250,8 @@ class Params:
     dq_red: bool = False  # dQ added from registers (red_add_dq), no staging
     # with overlap: dV issued once dS is computed, before the meeting at dS^T
     dv_before_meeting: bool = False
+    # B_c: 64 per consumer (0 here: that default); at head_dim 256 80 or 64 for both
+    block_n: int = 0
 
     @classmethod
     def of(cls, bwd: Backward, head_dim: int) -> Params:
@@ -238,25 +266,45 @@ class Params:
             early_dv=bwd.early_dv,
             dq_red=bwd.dq_red,
             dv_before_meeting=bwd.dv_before_meeting,
+            block_n=bwd.block_n,
         )
 
     def __post_init__(self) -> None:
+        if not self.block_n:
+            object.__setattr__(self, "block_n", KEYS_PER_WARPGROUP * self.consumers)
         assert 1 <= self.consumers <= 3, self
         assert self.stages >= 1, self
-        assert self.head_dim in (64, 128), self  # the header's static_asserts
+        assert self.head_dim in (64, 128, 256), self  # the header's static_asserts
+        assert not self.early_dv or self.overlap, self
+        assert not self.dv_before_meeting or (self.overlap and not self.early_dv), self
+        assert not self.dq_red or not self.deterministic, self  # the ordered adds are staged
+        if self.split:  # sm90_bwd_split.cuh's one order, dQ from registers
+            assert self.consumers == 2 and self.block_m == BLOCK_M, self
+            # (overlap off: so neither early_dv nor dv_before_meeting, which need it)
+            assert self.block_n in SPLIT_BLOCK_NS and self.dq_red and not self.overlap, self
+            return
+        assert self.block_n == KEYS_PER_WARPGROUP * self.consumers, self
         wide = self.block_m == 2 * BLOCK_M and self.consumers == 2 and self.head_dim == 64
         transposed = self.block_m == TRANSPOSED_BLOCK_M and (self.consumers, self.head_dim) == (
             2,
             128,
         )
         assert self.block_m == BLOCK_M or wide or transposed, self
-        assert not self.early_dv or self.overlap, self
-        assert not self.dv_before_meeting or (self.overlap and not self.early_dv), self
-        assert not self.dq_red or not self.deterministic, self  # the ordered adds are staged
 
     @property
-    def block_n(self) -> int:
-        return KEYS_PER_WARPGROUP * self.consumers
+    def split(self) -> bool:
+        """The consumers split head_dim, not the keys (head_dim 256: sm90_bwd_split.cuh)."""
+        return split_head_dim(self.head_dim)
+
+    @property
+    def do_stages(self) -> int:
+        """The dO ring's slots: a ring of its own at head_dim 256, else Q's ring."""
+        return SPLIT_DO_STAGES if self.split else self.stages
+
+    @property
+    def keys_per_warpgroup(self) -> int:
+        """The keys of S^T and dP^T (S and dP at head_dim 256) of one consumer warpgroup."""
+        return self.block_n // self.consumers
 
     @property
     def panels(self) -> int:
@@ -300,18 +348,28 @@ class Params:
         return self.block_n * self.block_m * 2
 
     @property
+    def p_bytes(self) -> int:  # one P buffer (head_dim 256; none otherwise): as dS's
+        return self.ds_bytes if self.split else 0
+
+    @property
     def row_floats_bytes(self) -> int:  # one slot of LSE or of D
         return self.block_m * F32
 
     @property
     def dq_floats(self) -> int:  # one warpgroup's staged share of an m-block: 64 queries
-        if self.dq_transposed:  # 64 columns of every query
+        if self.dq_transposed or self.split:  # 64 columns of every query
             return PANEL_COLUMNS * self.block_m
         all_cols = self.dq_by_keys or self.dq_by_queries
         cols = self.head_dim if all_cols else self.head_dim // self.consumers
         return BLOCK_M * cols
 
     def describe(self) -> str:
+        if self.split:
+            return (
+                f"{self.consumers} consumer(s), {self.stages} stage(s) (dO {self.do_stages}), "
+                f"head_dim {self.head_dim} split, B_r {self.block_m}, B_c {self.block_n}, "
+                "dQ^T by panels, dQ by red.add"
+            )
         if self.dq_by_queries:
             split = "dQ by queries"
         elif self.dq_transposed:
@@ -352,11 +410,12 @@ def default_layout(p: Params) -> Layout:
         (StagedTile.K, p.kv_bytes, 1),
         (StagedTile.V, p.kv_bytes, 1),
         (StagedTile.Q, p.q_bytes, p.stages),
-        (StagedTile.DO, p.q_bytes, p.stages),
+        (StagedTile.DO, p.q_bytes, p.do_stages),
+        (StagedTile.P, p.p_bytes, 2),
         (StagedTile.DS, p.ds_bytes, 2),
         (StagedTile.DQ_STAGE, 0 if p.dq_red else p.dq_floats * F32, p.consumers),
         (StagedTile.LSE, p.row_floats_bytes, p.stages),
-        (StagedTile.D, p.row_floats_bytes, p.stages),
+        (StagedTile.D, p.row_floats_bytes, p.do_stages),
     )
     offsets, at = [], 0
     for buffer, size, copies in sizes:

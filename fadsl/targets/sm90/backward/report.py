@@ -16,7 +16,14 @@ from ..caps import (
     register_pool,
     registers_asked,
 )
-from .plan_smem import dq_by_keys, dq_by_queries, dq_transposed, plan_smem
+from .plan_smem import (
+    do_stages,
+    dq_by_keys,
+    dq_by_queries,
+    dq_transposed,
+    plan_smem,
+    split_head_dim,
+)
 from .protocol import Guard, Index, Item, Kind, Params
 from .protocol import WarpRole
 from .protocol import protocol
@@ -77,6 +84,11 @@ def _sync_text(role: WarpRole, item: Item) -> str:
 
 def _dq_split(kernel: Kernel) -> str:
     bwd, head_dim = kernel.backward, kernel.config.head_dim
+    if split_head_dim(head_dim):
+        return (
+            "by head_dim panels: each consumer its two 64-column panels one at a time, for all "
+            f"{bwd.block_m} queries over all {bwd.block_n} keys"
+        )
     if dq_by_queries(bwd):
         return (
             f"by queries (each consumer its own 64 of the {bwd.block_m}, all {head_dim} "
@@ -98,6 +110,56 @@ def _dq_split(kernel: Kernel) -> str:
     return f"by {halves} of head_dim ({share} columns each, over all {bwd.block_n} keys)"
 
 
+def _loads(kernel: Kernel) -> dict[str, list[str]]:
+    """What the producer loads: once, and per m-block through its ring(s)."""
+    bwd, head_dim = kernel.backward, kernel.config.head_dim
+    once = {"once per n-block": ["K (TMA)", "V (TMA)"]}
+    if split_head_dim(head_dim):
+        rings = (
+            f"per m-block, Q and LSE through a ring of {bwd.stages} slots, dO and D through "
+            f"one of {do_stages(bwd, head_dim)}"
+        )
+        return once | {rings: ["Q (TMA)", "LSE (bulk copy)", "dO (TMA)", "D (bulk copy)"]}
+    return once | {
+        f"per m-block, through a ring of {bwd.stages} slots": [
+            "Q (TMA)",
+            "dO (TMA)",
+            "LSE (bulk copy)",
+            "D (bulk copy)",
+        ],
+    }
+
+
+def _per_m_block(kernel: Kernel) -> list[str]:
+    """A consumer warpgroup's work per m-block."""
+    bwd = kernel.backward
+    adds = (
+        "added into the fp32 accumulator from registers (red.global.add)"
+        if bwd.dq_red
+        else "reduce-added into the fp32 accumulator from a staging buffer"
+    )
+    if split_head_dim(kernel.config.head_dim):
+        return [
+            "S = Q K_w^T, dP = dO V_w^T  (its keys)",
+            "P = exp2(S c log2(e) - LSE log2(e))  (c: softmax_scale)",
+            "dS = P (dP - D)",
+            "P, dS -> SMEM (stmatrix .trans, the keys as rows); both warpgroups meet",
+            "dV^T += dO^T P, dK^T += Q^T dS  (its head_dim panels, all keys)",
+            f"dQ^T = K^T dS^T {_dq_split(kernel)}; each panel {adds}",
+        ]
+    return [
+        "S^T = K Q^T",
+        "dP^T = V dO^T",
+        "P^T = exp2(S^T c log2(e) - LSE log2(e))  (c: softmax_scale)",
+        *(["dV += P^T dO  (issued before dS^T)"] if bwd.early_dv else []),
+        "dS^T = P^T (dP^T - D)",
+        *(["dV += P^T dO  (issued before the meeting at dS^T)"] if bwd.dv_before_meeting else []),
+        *([] if bwd.early_dv or bwd.dv_before_meeting else ["dV += P^T dO"]),
+        "dK += dS^T Q",
+        f"dQ = dS K {_dq_split(kernel)}, {adds}",
+    ]
+
+
 def backward_data(kernel: Kernel) -> dict[str, Any]:
     """The backward section of `fadsl explain --json`."""
     bwd = kernel.backward
@@ -105,6 +167,7 @@ def backward_data(kernel: Kernel) -> dict[str, Any]:
     head_dim = kernel.config.head_dim
     plan = plan_smem(bwd, head_dim)
     threads = bwd.threads
+    split = split_head_dim(head_dim)
     return {
         "settings": {
             "block_m": bwd.block_m,
@@ -129,15 +192,7 @@ def backward_data(kernel: Kernel) -> dict[str, Any]:
                 "warpgroups": [0],
                 "threads": WARPGROUP_THREADS,
                 "setmaxnreg": bwd.producer_regs,
-                "loads": {
-                    "once per n-block": ["K (TMA)", "V (TMA)"],
-                    f"per m-block, through a ring of {bwd.stages} slots": [
-                        "Q (TMA)",
-                        "dO (TMA)",
-                        "LSE (bulk copy)",
-                        "D (bulk copy)",
-                    ],
-                },
+                "loads": _loads(kernel),
             },
             {
                 "role": "consumers",
@@ -145,26 +200,9 @@ def backward_data(kernel: Kernel) -> dict[str, Any]:
                 "threads": WARPGROUP_THREADS * bwd.consumers,
                 "setmaxnreg": bwd.consumer_regs,
                 "keys_each": bwd.keys_per_consumer,
-                "per_m_block": [
-                    "S^T = K Q^T",
-                    "dP^T = V dO^T",
-                    "P^T = exp2(S^T c log2(e) - LSE log2(e))  (c: softmax_scale)",
-                    *(["dV += P^T dO  (issued before dS^T)"] if bwd.early_dv else []),
-                    "dS^T = P^T (dP^T - D)",
-                    *(
-                        ["dV += P^T dO  (issued before the meeting at dS^T)"]
-                        if bwd.dv_before_meeting
-                        else []
-                    ),
-                    *([] if bwd.early_dv or bwd.dv_before_meeting else ["dV += P^T dO"]),
-                    "dK += dS^T Q",
-                    f"dQ = dS K {_dq_split(kernel)}, "
-                    + (
-                        "added into the fp32 accumulator from registers (red.global.add)"
-                        if bwd.dq_red
-                        else "reduce-added into the fp32 accumulator from a staging buffer"
-                    ),
-                ],
+                # head_dim 256: the columns of dK^T and dV^T each holds for every key
+                **({"head_dim_each": head_dim // bwd.consumers} if split else {}),
+                "per_m_block": _per_m_block(kernel),
             },
         ],
         "registers": {
@@ -225,8 +263,15 @@ def backward_sections(data: Mapping[str, Any]) -> list[str]:
         f"  producer   warpgroup 0, setmaxnreg.dec to {producer['setmaxnreg']}: warp 0 loads "
         f"{' and '.join(once[1])} {once[0]}; {', '.join(streamed[1])} {streamed[0]}",
         f"  consumers  {_warpgroups(wgs[0], len(wgs))}, setmaxnreg.inc to "
-        f"{consumers['setmaxnreg']}: each owns {consumers['keys_each']} of the n-block's "
-        f"{s['block_n']} keys and, per m-block:",
+        f"{consumers['setmaxnreg']}: each "
+        + (
+            f"computes S and dP for {consumers['keys_each']} of the n-block's {s['block_n']} "
+            f"keys, holds dK^T and dV^T of all of them for {consumers['head_dim_each']} "
+            "head_dim columns and, per m-block:"
+            if "head_dim_each" in consumers
+            else f"owns {consumers['keys_each']} of the n-block's {s['block_n']} keys and, per "
+            "m-block:"
+        ),
         *(f"               {step}" for step in consumers["per_m_block"]),
         "             dK and dV accumulate in registers over the m-blocks and are stored after "
         "the last",

@@ -26,9 +26,17 @@ order them is the pass's to find: nothing here says so.
   soon as P^T is packed (before dS), so that it runs under the softmax gradient; with
   ``dv_before_meeting`` once dS is computed and P^T packed, so that it runs under the dS^T
   store and the warpgroups' meeting.
+
+At head_dim 256 (``Params.split``: bwd_producer_split, bwd_consumer_split) the producer loads
+Q and LSE on the Q ring's q_full and dO and D on the dO ring's do_full; each consumer
+computes S and dP of its keys, stores P and dS (its key rows of each), then issues dV^T of
+its two head_dim panels with dQ^T of the first, dK^T of the first panel, adds that dQ^T
+slice from registers, issues dQ^T and dK^T of the second panel and adds the second slice.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 from .program import (
     StagedTile,
@@ -59,23 +67,17 @@ def producer_steps(p: Params) -> tuple[Item, ...]:
     """bwd_producer's loads: K and V once, then each m-block the ring slot's Q, dO, LSE, D."""
 
     def load(kind: Kind, phase: LoopPhase, operand: Operand, name: str, **fields) -> Item:
-        return Item(
-            kind,
-            Who.ELECTED,
-            CodeSite.PRODUCER,
-            phase,
-            name=name,
-            guard=Guard.HAS_WORK,
-            writes=(operand,),
-            **fields,
-        )
+        return _load(kind, phase, operand, name, **({"source": CodeSite.PRODUCER} | fields))
 
     out = []
-    for panel in range(p.panels):
+    for panel in range(p.panels):  # (in bwd_load_kv)
         for buffer in (StagedTile.K, StagedTile.V):
             operand = Operand(buffer, part=Part.PANEL, panel=panel)
             name = f"{buffer.value} panel {panel} load"
-            out.append(load(Kind.TMA_LOAD, LoopPhase.BEFORE, operand, name, mbar=Mbar.KV_FULL))
+            kv = dict(mbar=Mbar.KV_FULL, source=CodeSite.LOAD_KV)
+            out.append(load(Kind.TMA_LOAD, LoopPhase.BEFORE, operand, name, **kv))
+    if p.split:
+        return tuple(out) + _split_producer_loop(p)
     ring = dict(mbar=Mbar.Q_FULL, slot=Index.RING)
     for panel in range(p.panels):
         for buffer in (StagedTile.Q, StagedTile.DO):
@@ -88,8 +90,35 @@ def producer_steps(p: Params) -> tuple[Item, ...]:
     return tuple(out)
 
 
+def _load(kind: Kind, phase: LoopPhase, operand: Operand, name: str, **fields) -> Item:
+    """A load of the producer's elected thread (none for a CTA without an m-block)."""
+    return Item(
+        kind, Who.ELECTED, phase=phase, name=name, guard=Guard.HAS_WORK, writes=(operand,), **fields
+    )
+
+
+def _split_producer_loop(p: Params) -> tuple[Item, ...]:
+    """bwd_producer_split's m-block: Q's panels and LSE complete on the Q ring's q_full,
+    dO's panels and D on the dO ring's do_full."""
+    out = []
+    for full, index, tile, row in (
+        (Mbar.Q_FULL, Index.RING, StagedTile.Q, StagedTile.LSE),
+        (Mbar.DO_FULL, Index.RING_DO, StagedTile.DO, StagedTile.D),
+    ):
+        ring = dict(mbar=full, slot=index, source=CodeSite.PRODUCER_SPLIT)
+        for panel in range(p.panels):
+            operand = Operand(tile, index, Part.PANEL, panel)
+            name = f"{tile.value} panel {panel} load"
+            out.append(_load(Kind.TMA_LOAD, LoopPhase.LOOP, operand, name, **ring))
+        operand = Operand(row, index)
+        out.append(_load(Kind.BULK_LOAD, LoopPhase.LOOP, operand, f"{row.value} load", **ring))
+    return tuple(out)
+
+
 def consumer_steps(p: Params) -> tuple[Item, ...]:
     """A consumer warpgroup's steps (module docstring: the two consumers' orders)."""
+    if p.split:
+        return _split_consumer_steps(p)
     main = CodeSite.CONSUMER
 
     def step(
@@ -155,6 +184,83 @@ def consumer_steps(p: Params) -> tuple[Item, ...]:
     dq = wgmma("dQ = dS K", dq_reads, (), Reg.DQ, CodeSite.MEET_AND_ISSUE_DQ)
     staging = _stage_and_reduce(p, CodeSite.REDUCE_DQ)  # both consumers call reduce_dq
     loop = front + ([dq, *grads, *staging] if p.overlap else [*grads, dq, *staging])
+    return (
+        step(Kind.ZERO, "dK, dV = 0", LoopPhase.BEFORE, reg_writes=(Reg.DK, Reg.DV)),
+        *loop,
+        step(Kind.STORE_GLOBAL, "dK -> global", LoopPhase.AFTER, reg_reads=(Reg.DK,)),
+        step(Kind.STORE_GLOBAL, "dV -> global", LoopPhase.AFTER, reg_reads=(Reg.DV,)),
+    )
+
+
+def _split_consumer_steps(p: Params) -> tuple[Item, ...]:
+    """bwd_consumer_split's steps (head_dim 256): the warpgroup's keys of S and dP, P and dS
+    into SMEM by key rows, then dV^T of both its head_dim panels, and per panel dQ^T, dK^T
+    and dQ^T's adds from registers."""
+    main = CodeSite.CONSUMER_SPLIT
+
+    def step(kind: Kind, name: str, phase: LoopPhase = LoopPhase.LOOP, **fields) -> Item:
+        return Item(kind, Who.WARPGROUP, main, phase, name=name, **fields)
+
+    def wgmma(name: str, reads: tuple, regs: tuple, acc: Reg) -> Item:
+        return step(Kind.WGMMA, name, reads=reads, reg_reads=regs, reg_writes=(acc,))
+
+    q, do = Operand(StagedTile.Q, Index.RING), Operand(StagedTile.DO, Index.RING_DO)
+    p_buf, ds_buf = Operand(StagedTile.P, Index.ALTERNATE), Operand(StagedTile.DS, Index.ALTERNATE)
+    rows = Part.ROWS_OF_WG  # the warpgroup's keys: rows of K and V, of P and dS
+
+    def panel(buffer: StagedTile, index: Index, n: int) -> Operand:  # panel 2 wg + n
+        return Operand(buffer, index, Part.WG_PANEL, n)
+
+    loop = [
+        wgmma("S = Q K_w^T", (q, Operand(StagedTile.K, part=rows)), (), Reg.S),
+        wgmma("dP = dO V_w^T", (do, Operand(StagedTile.V, part=rows)), (), Reg.DP),
+        step(
+            Kind.PROBS,
+            "P = exp2(S - LSE)",
+            reads=(Operand(StagedTile.LSE, Index.RING),),
+            reg_reads=(Reg.S,),
+            reg_writes=(Reg.S,),
+        ),
+        step(
+            Kind.GRAD_SCORES,
+            "dS = P (dP - D)",
+            reads=(Operand(StagedTile.D, Index.RING_DO),),
+            reg_reads=(Reg.S, Reg.DP),
+            reg_writes=(Reg.DP,),
+        ),
+        step(Kind.PACK, "P to 16 bits", reg_reads=(Reg.S,), reg_writes=(Reg.P16,)),
+        step(Kind.PACK, "dS to 16 bits", reg_reads=(Reg.DP,), reg_writes=(Reg.DS16,)),
+        step(
+            Kind.ST_SHARED,
+            "P -> smem",
+            writes=(replace(p_buf, part=rows),),
+            reg_reads=(Reg.P16,),
+        ),
+        step(
+            Kind.ST_SHARED,
+            "dS -> smem",
+            writes=(replace(ds_buf, part=rows),),
+            reg_reads=(Reg.DS16,),
+        ),
+        *(
+            wgmma(
+                f"dV^T += dO^T P (panel {n})",
+                (panel(StagedTile.DO, Index.RING_DO, n), p_buf),
+                (Reg.DV,),
+                Reg.DV,
+            )
+            for n in range(2)
+        ),
+    ]
+    for n in range(2):  # dQ^T's slices (into the same registers), each with a dK^T panel
+        loop += [
+            wgmma(f"dQ^T = K^T dS^T (panel {n})", (panel(StagedTile.K, Index.NONE, n), ds_buf), (), Reg.DQ),
+            wgmma(f"dK^T += Q^T dS (panel {n})", (panel(StagedTile.Q, Index.RING, n), ds_buf), (Reg.DK,), Reg.DK),
+            Item(
+                Kind.RED_GLOBAL, Who.WARPGROUP, main, LoopPhase.LOOP, name=f"dQ red.add (panel {n})",
+                reg_reads=(Reg.DQ,),
+            ),
+        ]  # fmt: skip
     return (
         step(Kind.ZERO, "dK, dV = 0", LoopPhase.BEFORE, reg_writes=(Reg.DK, Reg.DV)),
         *loop,

@@ -7,6 +7,10 @@ path (staged, or `rf -red.add-> gmem`) and the Q / dO ring's `stages`; under the
 mask, the input's block with `longest_first` flipped (the CTA order). Every combination is a
 candidate; validate.py refuses what does not fit (SMEM, registers, the knobs that do not
 combine) and the tuner's build step what spills. `deterministic` stays as the spec has it.
+
+At head_dim 256 (the consumers split head_dim: a block whose B_c is not 64 per consumer) the
+kernel has one order (validate refuses `overlap`, `early_dv` and `dv_before_meeting` there),
+one dQ path and one ring size that fit; its knob is B_c (80 or 64).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ ORDERS = {
 STAGED, RED = "staged", "red.add"
 DQ_PATHS = {STAGED: None, RED: "rf -red.add-> gmem"}  # None: the default (staged) path
 STAGES = (2, 3)
+SPLIT_BLOCK_NS = (80, 64)  # head_dim 256's B_c (validate.py's)
 
 
 def _label(block_m: int, order: str, dq: str, stages: int, longest_first=False) -> str:
@@ -46,17 +51,27 @@ def _order_of(bwd: Backward) -> str:
     return "overlap" if bwd.overlap else "plain"
 
 
+def _split(bwd: Backward) -> bool:
+    """Whether the block is head_dim 256's (its consumers split head_dim, not the keys)."""
+    return bwd.keys_per_consumer != 64
+
+
 def label_of(bwd: Backward) -> str:
     """The knobs a backward block sets, e.g. "B_r 128, overlap, dQ red.add, stages 2"."""
     dq = RED if bwd.dq_red else STAGED
-    return _label(bwd.block_m, _order_of(bwd), dq, bwd.stages, bwd.longest_first)
+    label = _label(bwd.block_m, _order_of(bwd), dq, bwd.stages, bwd.longest_first)
+    return f"B_c {bwd.block_n}, {label}" if _split(bwd) else label
 
 
 def knobs_of(bwd: Backward) -> tuple:
-    return (bwd.block_m, _order_of(bwd), bwd.dq_red, bwd.stages, bwd.longest_first)
+    return (bwd.block_m, _order_of(bwd), bwd.dq_red, bwd.stages, bwd.longest_first) + (
+        (bwd.block_n,) if _split(bwd) else ()
+    )
 
 
 def candidates(base: Backward, causal: bool) -> tuple[BackwardCandidate, ...]:
+    if _split(base):
+        return _split_candidates(base, causal)
     out = []
     for block_m, order, dq, stages in itertools.product(BLOCK_MS, ORDERS, DQ_PATHS, STAGES):
         settings = {
@@ -72,6 +87,22 @@ def candidates(base: Backward, causal: bool) -> tuple[BackwardCandidate, ...]:
     if causal:  # the input's block in the other CTA order
         flipped = "off" if base.longest_first else "on"
         out.append(BackwardCandidate(label_of(base), {"longest_first": flipped}, {}))
+    return tuple(out)
+
+
+def _split_candidates(base: Backward, causal: bool) -> tuple[BackwardCandidate, ...]:
+    """head_dim 256: each B_c (in either CTA order under the causal mask)."""
+    out = []
+    for block_n in SPLIT_BLOCK_NS:
+        tile = {"tile": f"B_r = {base.block_m}, B_c = {block_n}"}
+        label = f"B_c {block_n}, " + _label(base.block_m, "plain", RED, base.stages)
+        out.append(BackwardCandidate(label, tile, {}))
+        if causal:
+            flipped = "off" if base.longest_first else "on"
+            first = _label(base.block_m, "plain", RED, base.stages, flipped == "on")
+            out.append(
+                BackwardCandidate(f"B_c {block_n}, {first}", {**tile, "longest_first": flipped}, {})
+            )
     return tuple(out)
 
 

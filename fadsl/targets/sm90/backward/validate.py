@@ -2,7 +2,7 @@
 errors that say what is allowed, and the block's defaults.
 
 What the first backward kernel supports (docs/backward.md, FlashAttention-3's backward):
-- the kernel's head_dim 64 or 128, dtypes bf16/fp16, mask none or causal, no softcap;
+- the kernel's head_dim 64, 128 or 256, dtypes bf16/fp16, mask none or causal;
 - B_r = 64 (queries per m-block), or at head_dim 64 B_r = 128 (dQ split by queries, 64 per
   consumer warpgroup: FlashAttention-3's 128 x 128 tile), B_c = 64 x consumers (keys per
   CTA: each consumer warpgroup owns 64 of them, wgmma's M for S^T and dP^T), one producer
@@ -18,13 +18,18 @@ What the first backward kernel supports (docs/backward.md, FlashAttention-3's ba
   within the CTA's launch allocation (as the forward's: setmaxnreg only moves registers
   within it);
 - each tensor's one path (``PATHS``): which hops, instructions and sharing scope;
-- the SMEM plan (``plan_smem.plan_smem``) within sm_90a's 227 KB per CTA.
+- the SMEM plan (``plan_smem.plan_smem``) within sm_90a's 227 KB per CTA;
+- at head_dim 256 (sm90_bwd_split.cuh: the consumers split head_dim; FlashAttention-3's
+  64 x 80 tile): B_r 64, B_c 80 or 64, P and dS through SMEM by stmatrix, dQ added from
+  registers (its staging does not fit), no `deterministic on` (which needs the staging, as
+  FlashAttention-3 has none at 256), `overlap`, `early_dv` and `dv_before_meeting` off (that
+  consumer's order is its own).
 Every key has a default, so `backward {}` alone is a valid block.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ....spec.checks import BackwardBlock, Checks, and_list
 from ....ir import (
@@ -49,9 +54,9 @@ from ..caps import (
     register_pool,
     registers_asked,
 )
-from .plan_smem import plan_smem
+from .plan_smem import SPLIT_HEAD_DIM, plan_smem
 
-HEAD_DIMS = (64, 128)
+HEAD_DIMS = (64, 128, SPLIT_HEAD_DIM)
 DTYPES = (Dtype.BF16, Dtype.FP16)  # every dtype today; a new one needs its backward first
 MASKS = (Mask.NONE, Mask.CAUSAL)
 BLOCK_M = 64  # queries per m-block: wgmma's M of the dQ GEMM
@@ -63,14 +68,19 @@ WIDE_HEAD_DIMS = (64,)
 # so dQ is computed transposed (dQ^T = K^T dS^T, a 64-column panel of head_dim per consumer)
 TRANSPOSED_BLOCK_M = 80
 TRANSPOSED_HEAD_DIMS = (128,)
+# head_dim 256: each consumer computes S and dP for B_c / 2 keys (a multiple of 8: wgmma's N)
+# and holds dK^T and dV^T of all B_c keys for its 128 columns, 2 x B_c / 2 x 2 registers a
+# thread: B_c 80 (FlashAttention-3's; 160 accumulator registers) or 64 (128) fit in 240
+SPLIT_BLOCK_NS = (80, 64)
 CONSUMERS = 2
 STAGES = (2, 3)
 PRODUCER_REGS = (24, 56)  # the producer only issues loads
 CONSUMER_REGS = (24, 240)
 SMEM_LIMIT = CAPABILITIES.smem_per_cta
 
-# The block's defaults: FlashAttention-3's backward at head_dim 128.
+# The block's defaults: FlashAttention-3's backward at head_dim 128 (at 256: its 64 x 80).
 DEFAULT_TILE = {"B_r": BLOCK_M, "B_c": ROWS_PER_CONSUMER * CONSUMERS}
+SPLIT_DEFAULT_TILE = {"B_r": BLOCK_M, "B_c": SPLIT_BLOCK_NS[0]}
 DEFAULT_WARPGROUPS = {"producer": 1, "consumers": CONSUMERS}
 DEFAULT_REGISTERS = {"producer": 24, "consumers": 240}
 DEFAULT_STAGES = 2
@@ -150,18 +160,68 @@ DS_TRANSPOSED = Route(
 )
 
 
-def _paths(block: BackwardBlock) -> dict[Role | GradRole, Route]:
-    """The paths of the block's tile: PATHS, dS's transposed where B_r is 80."""
+# head_dim 256 (the consumers split head_dim): P and dS through SMEM with the keys as rows,
+# dQ added from registers
+SPLIT_WHY = (
+    "at head_dim 256 each consumer warpgroup computes {what} for its B_c / 2 keys and both "
+    "read all of it ({readers}), so stmatrix .trans stores each 8 x 8 block with the keys as "
+    "rows"
+)
+SPLIT_PATHS: dict[Role | GradRole, Route] = {
+    GradRole.P: Route(
+        (RF, SMEM, RF),
+        (Instr.STMATRIX, Instr.WGMMA),
+        Scope.CTA,
+        SPLIT_WHY.format(what="P", readers="dV^T += dO^T P"),
+    ),
+    GradRole.DS: Route(
+        (RF, SMEM, RF),
+        (Instr.STMATRIX, Instr.WGMMA),
+        Scope.CTA,
+        SPLIT_WHY.format(what="dS", readers="dK^T += Q^T dS, dQ^T = K^T dS^T"),
+    ),
+    GradRole.DQ: replace(
+        DQ_RED,
+        why="each consumer thread adds its fp32 share into the accumulator "
+        "(red.global.add.v4.f32): at head_dim 256 its staging does not fit in SMEM beside K, "
+        "V, Q, dO, P and dS",
+    ),
+}
+P_IN_REGISTERS = (
+    f"P stays in registers below head_dim {SPLIT_HEAD_DIM} (dV += P^T dO takes it as the "
+    "wgmma's A operand): leave its path out"
+)
+
+
+def default_tile(head_dim: int | None) -> dict[str, int]:
+    """The `tile` of a block that leaves it out."""
+    return SPLIT_DEFAULT_TILE if head_dim == SPLIT_HEAD_DIM else DEFAULT_TILE
+
+
+def _paths(block: BackwardBlock, head_dim: int | None) -> dict[Role | GradRole, Route]:
+    """The paths of the block's tile: PATHS, dS's transposed where B_r is 80; at head_dim
+    256 P's and dS's through SMEM and dQ's from registers."""
+    if head_dim == SPLIT_HEAD_DIM:  # (P before dS, in the order the kernel makes them)
+        roles = [r for r in PATHS if r is not GradRole.DS]
+        roles.insert(roles.index(GradRole.DQ), GradRole.P)
+        roles.insert(roles.index(GradRole.DQ), GradRole.DS)
+        return {role: SPLIT_PATHS.get(role, PATHS.get(role)) for role in roles}
     if block.values.get("tile", DEFAULT_TILE)["B_r"] != TRANSPOSED_BLOCK_M:
         return PATHS
     return PATHS | {GradRole.DS: DS_TRANSPOSED}
 
 
+def _other_path(role: Role | GradRole, head_dim: int | None) -> Route | None:
+    """The path ``role`` may take instead of its default (none at head_dim 256)."""
+    return None if head_dim == SPLIT_HEAD_DIM else OTHER_PATHS.get(role)
+
+
 def validate_backward(c: Checks, block: BackwardBlock) -> Backward | None:
     """The block checked against the kernel it belongs to, every default filled in; None
     when something was reported."""
+    head_dim = c.values.get("head_dim")
     ok = _kernel_settings(c)
-    ok = _shape(block, c.values.get("head_dim")) and ok
+    ok = _shape(block, head_dim) and ok
     if block.values.get("longest_first") and c.values.get("mask", Mask.NONE) is not Mask.CAUSAL:
         block.checks.error(
             block.key_locs["longest_first"],
@@ -188,10 +248,15 @@ def validate_backward(c: Checks, block: BackwardBlock) -> Backward | None:
                 ok = False
     regs_ok = _registers(block)
     ok = regs_ok and ok
-    paths = _paths(block)
+    paths = _paths(block, head_dim)
     for role, (tensor, decl) in block.paths.items():
-        ok = _path(block.checks, paths[role], OTHER_PATHS.get(role), tensor, decl) and ok
-    tile = block.values.get("tile", DEFAULT_TILE)
+        if role not in paths:  # (P below head_dim 256)
+            block.checks.error(decl.tensor.loc, P_IN_REGISTERS)
+            ok = False
+            continue
+        ok = _path(block.checks, paths[role], _other_path(role, head_dim), tensor, decl) and ok
+    tile = block.values.get("tile", default_tile(head_dim))
+    tensors = tuple(_tensor(block, role, route) for role, route in paths.items())
     groups = block.values.get("warpgroups", DEFAULT_WARPGROUPS)
     regs = block.values.get("registers", DEFAULT_REGISTERS)
     backward = Backward(
@@ -206,12 +271,12 @@ def validate_backward(c: Checks, block: BackwardBlock) -> Backward | None:
         early_dv=block.values.get("early_dv", False),
         dv_before_meeting=block.values.get("dv_before_meeting", False),
         longest_first=block.values.get("longest_first", False),
-        dq_red=_takes(block, GradRole.DQ, DQ_RED),
+        dq_red=_takes(tensors, GradRole.DQ, DQ_RED),
         loc=block.loc,
-        tensors=tuple(_tensor(block, role, route) for role, route in paths.items()),
+        tensors=tensors,
         key_locs=tuple(sorted(block.key_locs.items())),
     )
-    if backward.dq_red and backward.deterministic:
+    if backward.dq_red and backward.deterministic and head_dim != SPLIT_HEAD_DIM:
         _, decl = block.paths[GradRole.DQ]
         block.checks.error(
             decl.tensor.loc,
@@ -219,7 +284,6 @@ def validate_backward(c: Checks, block: BackwardBlock) -> Backward | None:
             f"needs dQ staged for its ordered reduce-add ({PATHS[GradRole.DQ].text()})",
         )
         ok = False
-    head_dim = c.values.get("head_dim")
     if ok and head_dim in HEAD_DIMS:
         ok = _smem(block, backward, head_dim)
     return backward if ok else None
@@ -232,7 +296,7 @@ def _kernel_settings(c: Checks) -> bool:
     if head_dim is not None and head_dim not in HEAD_DIMS:
         c.error(
             c.key_locs["head_dim"],
-            f"the backward block needs head_dim 64 or 128 (what its kernel is built for), "
+            f"the backward block needs head_dim 64, 128 or 256 (what its kernel is built for), "
             f"not {head_dim}; without the block the kernel is forward-only",
         )
         ok = False
@@ -283,7 +347,17 @@ def _shape(block: BackwardBlock, head_dim: int | None) -> bool:
             f"warpgroups (consumers = {CONSUMERS})",
         )
         ok = False
-    tile = v.get("tile", DEFAULT_TILE)
+    stages = v.get("stages", DEFAULT_STAGES)
+    if stages not in STAGES:
+        c.error(
+            where["stages_value"],
+            f"stages {stages}: the backward's Q and dO rings take "
+            f"{' or '.join(map(str, STAGES))} slots",
+        )
+        ok = False
+    tile = v.get("tile", default_tile(head_dim))
+    if head_dim == SPLIT_HEAD_DIM:
+        return _split_shape(block, tile) and ok
     if tile["B_r"] == WIDE_BLOCK_M and head_dim is not None and head_dim not in WIDE_HEAD_DIMS:
         c.error(
             where["B_r"],
@@ -335,14 +409,54 @@ def _shape(block: BackwardBlock, head_dim: int | None) -> bool:
             "consumer warpgroup owning 64 keys (wgmma's M for S^T and dP^T)",
         )
         ok = False
-    stages = v.get("stages", DEFAULT_STAGES)
-    if stages not in STAGES:
+    return ok
+
+
+def _split_shape(block: BackwardBlock, tile: dict[str, int]) -> bool:
+    """The tile and the consumer's order at head_dim 256 (sm90_bwd_split.cuh)."""
+    c, v, where = block.checks, block.values, block.key_locs
+    ok = True
+    if tile["B_r"] != BLOCK_M:
         c.error(
-            where["stages_value"],
-            f"stages {stages}: the backward's Q and dO rings take "
-            f"{' or '.join(map(str, STAGES))} slots",
+            where["B_r"],
+            f"B_r = {tile['B_r']}: at head_dim {SPLIT_HEAD_DIM} the backward steps through the "
+            f"queries {BLOCK_M} at a time, wgmma's M of S and dP (B_r = {BLOCK_M})",
         )
         ok = False
+    if tile["B_c"] not in SPLIT_BLOCK_NS:
+        c.error(
+            where["B_c"],
+            f"B_c = {tile['B_c']}: at head_dim {SPLIT_HEAD_DIM} each of the {CONSUMERS} consumer "
+            "warpgroups computes S and dP for B_c / 2 keys and holds dK^T and dV^T of all B_c "
+            "keys for its 128 columns (2 B_c fp32 registers a thread): B_c = "
+            f"{' or '.join(map(str, SPLIT_BLOCK_NS))} fit in 240 registers",
+        )
+        ok = False
+    refused = {
+        "deterministic": (
+            "its ordered dQ adds go through a staging buffer in SMEM, and at head_dim "
+            f"{SPLIT_HEAD_DIM} dQ's staging does not fit beside K, V, Q, dO, P and dS "
+            "(FlashAttention-3 has no deterministic mode there either)"
+        ),
+        "overlap": (
+            "that consumer's order issues dQ before dV and dK; at head_dim "
+            f"{SPLIT_HEAD_DIM} dQ^T is computed a panel at a time, each panel's adds under a "
+            "dK^T panel, an order of its own"
+        ),
+        "early_dv": (
+            f"at head_dim {SPLIT_HEAD_DIM} dV^T is the first wgmma issued after P and dS are "
+            "in SMEM already"
+        ),
+        "dv_before_meeting": (
+            f"at head_dim {SPLIT_HEAD_DIM} dV^T reads every key's P from SMEM, so it cannot be "
+            "issued before the warpgroups meet; it is the first wgmma issued after the meeting "
+            "already"
+        ),
+    }
+    for key, why in refused.items():
+        if v.get(key):
+            c.error(where[key], f"{key} on: {why}; leave it off")
+            ok = False
     return ok
 
 
@@ -383,11 +497,9 @@ def _registers(block: BackwardBlock) -> bool:
     return False
 
 
-def _takes(block: BackwardBlock, role: Role | GradRole, route: Route) -> bool:
-    """Whether the spec wrote ``route`` as ``role``'s path."""
-    if role not in block.paths:
-        return False
-    tensor, _ = block.paths[role]
+def _takes(tensors: tuple[BackwardTensor, ...], role: Role | GradRole, route: Route) -> bool:
+    """Whether ``role``'s path (the spec's, or its default) is ``route``."""
+    tensor = next(t for t in tensors if t.role is role)
     return (
         tuple(hop.instr for hop in tensor.hops) == route.instrs
         and (tensor.hops[0].src, *(hop.dst for hop in tensor.hops)) == route.levels

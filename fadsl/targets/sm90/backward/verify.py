@@ -95,8 +95,8 @@ from ....passes.asyncmodel.model import (
 from ....passes.asyncmodel.prove import AsyncVerifyError, check
 from .program import (
     BLOCK_M,
+    SPLIT_BLOCK_NS,
     TRANSPOSED_BLOCK_M,
-    KEYS_PER_WARPGROUP,
     ROW_BYTES,
     WARPGROUP_THREADS,
     StagedTile,
@@ -136,9 +136,11 @@ def m_counts(p: Params) -> range:
 def parameter_space() -> tuple[Params, ...]:
     """Every configuration the header admits: 1-3 consumer warpgroups, head_dim 64 or 128
     with B_r 64 (dQ split by keys or by panels), and 2 consumers at head_dim 64 with B_r 128
-    (dQ split by queries) or at head_dim 128 with B_r 80 (dQ transposed), 1-3 stages, deterministic or not, dQ staged or added from
-    registers, each with either of bwd_consumer's orders (the default, or the overlapped
-    one of `overlap on`, dV issued with dK, early or before the meeting)."""
+    (dQ split by queries) or at head_dim 128 with B_r 80 (dQ transposed), 1-3 stages,
+    deterministic or not, dQ staged or added from registers, each with either of
+    bwd_consumer's orders (the default, or the overlapped one of `overlap on`, dV issued with
+    dK, early or before the meeting); and head_dim 256's bwd_consumer_split with B_c 80 or
+    64, 1-3 stages (of the Q ring; dO's has one slot)."""
     # (overlap, early_dv, dv_before_meeting)
     orders = ((False, False, False), (True, False, False), (True, True, False), (True, False, True))
     shapes = [(c, d, BLOCK_M) for c in (1, 2, 3) for d in (64, 128)]
@@ -146,7 +148,7 @@ def parameter_space() -> tuple[Params, ...]:
     # (deterministic, dq_red): dQ staged in either mode, or added from registers (not in
     # deterministic mode, whose ordered adds go through the staging)
     adds = ((False, False), (True, False), (False, True))
-    return tuple(
+    keys = tuple(
         Params(
             consumers, stages, head_dim, deterministic, overlap, block_m, early_dv, dq_red, dv_meet
         )
@@ -155,6 +157,13 @@ def parameter_space() -> tuple[Params, ...]:
         for stages in (1, 2, 3)
         for deterministic, dq_red in adds
     )
+    # head_dim 256 (the consumers split head_dim): its one order, dQ from registers
+    split = tuple(
+        Params(2, stages, 256, block_m=BLOCK_M, dq_red=True, block_n=block_n)
+        for block_n in SPLIT_BLOCK_NS
+        for stages in (1, 2, 3)
+    )
+    return keys + split
 
 
 # --- the unrolled program -----------------------------------------------------------------
@@ -168,18 +177,20 @@ class _At:
     i: int | None
     wg: int | None
 
-    def index(self, index: Index, stages: int) -> int:
+    def index(self, index: Index, p: Params) -> int:
         if index is Index.NONE:
             return 0
         assert self.i is not None, f"{index} outside the m-block loop"
-        return self.i % stages if index is Index.RING else self.i % 2
+        slots = {Index.RING: p.stages, Index.RING_DO: p.do_stages, Index.ALTERNATE: 2}
+        return self.i % slots[index]
 
-    def parity(self, parity: WaitParity, stages: int) -> int:
+    def parity(self, parity: WaitParity, p: Params) -> int:
         if parity in (WaitParity.ZERO, WaitParity.ONE):
             return int(parity is WaitParity.ONE)
         assert self.i is not None, f"{parity} outside the m-block loop"
-        ring = (self.i // stages) & 1
-        return ring if parity is WaitParity.RING else ring ^ 1
+        do_ring = parity in (WaitParity.RING_DO, WaitParity.RING_DO_FLIP)
+        ring = (self.i // (p.do_stages if do_ring else p.stages)) & 1
+        return ring if parity in (WaitParity.RING, WaitParity.RING_DO) else ring ^ 1
 
     def when(self) -> str:
         return f"m-block {self.i}" if self.i is not None else "outside the loop"
@@ -198,22 +209,23 @@ def spans(proto: Protocol, operand: Operand, at: _At) -> tuple[Span, ...]:
     """The SMEM bytes an operand names for the warpgroup and m-block of ``at``."""
     p = proto.params
     offset, size = proto.buffers().base(operand.buffer)
-    copy = at.index(operand.index, p.stages)
+    copy = at.index(operand.index, p)
     if operand.buffer is StagedTile.DQ_STAGE:  # one staging buffer per warpgroup
         assert operand.part is Part.ROWS_OF_WG and at.wg is not None
         copy = at.wg
     base = offset + copy * size
     label = operand.buffer.value
-    if operand.index is Index.RING:
+    if operand.index in (Index.RING, Index.RING_DO):
         label += f"[slot {copy}]"
     elif operand.index is Index.ALTERNATE:
         label += f"[buffer {copy}]"
-    # K and V hold B_c rows per 64-column panel, dS^T B_c rows per 64-query panel (dQ
+    # K and V hold B_c rows per 64-column panel, dS^T (and P) B_c rows per 64-query panel (dQ
     # transposed: B_r query rows per 64-key panel), Q and dO B_r rows per 64-column panel
-    by_keys = (StagedTile.K, StagedTile.V) + (() if p.dq_transposed else (StagedTile.DS,))
+    by_keys = (StagedTile.K, StagedTile.V, StagedTile.P)
+    by_keys += () if p.dq_transposed else (StagedTile.DS,)
     panel_rows = p.block_n if operand.buffer in by_keys else p.block_m
     panel_bytes = panel_rows * ROW_BYTES
-    rows = KEYS_PER_WARPGROUP * ROW_BYTES  # a warpgroup's 64 rows of one panel
+    rows = p.keys_per_warpgroup * ROW_BYTES  # a warpgroup's key rows of one panel
     match operand.part:
         case Part.WHOLE:
             return (Span("smem", base, base + size, label),)
@@ -223,9 +235,13 @@ def spans(proto: Protocol, operand: Operand, at: _At) -> tuple[Span, ...]:
         case Part.PANEL_OF_WG:
             lo = base + at.wg * panel_bytes
             return (Span("smem", lo, lo + panel_bytes, f"{label} panel {at.wg}"),)
+        case Part.WG_PANEL:  # head_dim 256: panel 2 wg + n, the warpgroup's half
+            n = 2 * at.wg + operand.panel
+            lo = base + n * panel_bytes
+            return (Span("smem", lo, lo + panel_bytes, f"{label} panel {n}"),)
         case Part.ROWS_OF_WG if operand.buffer is StagedTile.DQ_STAGE:
             return (Span("smem", base, base + size, f"{label} of wg{at.wg}"),)
-        case Part.ROWS_OF_WG:  # K, V, dS^T: the warpgroup's rows of each panel
+        case Part.ROWS_OF_WG:  # K, V, dS^T, P: the warpgroup's rows of each panel
             return tuple(
                 Span(
                     "smem",
@@ -250,12 +266,12 @@ def _lower(proto: Protocol, item: Item, at: _At) -> list[Event]:
     why = f"{item.why} ({at.when()})" if item.why else at.when()
     barrier = None
     if item.mbar is not None:
-        slot = at.index(item.slot, p.stages) if item.slot is not Index.NONE else None
+        slot = at.index(item.slot, p) if item.slot is not Index.NONE else None
         barrier = mbar_name(item.mbar, slot)
     leader = item.who is Who.LEADER
     match item.kind:
         case Kind.MBAR_WAIT:
-            return [Wait(barrier, at.parity(item.parity, p.stages), why)]
+            return [Wait(barrier, at.parity(item.parity, p), why)]
         case Kind.MBAR_ARRIVE:
             count = WARPGROUP_THREADS if item.who is Who.WARPGROUP else 1
             return [Arrive(barrier, count, 0, why)]
@@ -340,7 +356,8 @@ def build_program(proto: Protocol, m_count: int) -> Program:
     counts: list[tuple[str, int]] = []
     for item in proto.setup:
         if item.kind is Kind.MBAR_INIT:
-            slots = range(p.stages) if item.slot is Index.RING else [None]
+            rings = {Index.RING: range(p.stages), Index.RING_DO: range(p.do_stages)}
+            slots = rings.get(item.slot, [None])
             counts += [(mbar_name(item.mbar, slot), item.count) for slot in slots]
     if p.deterministic:
         counts += [(ticket_name(wg, i), 1) for wg in range(1, p.consumers) for i in range(m_count)]

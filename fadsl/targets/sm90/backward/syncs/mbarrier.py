@@ -6,7 +6,8 @@ ones.
   all of them) before the first; the consumers wait on it before their first read of any
   of them. K and V, loaded once before the loop, are waited for once before the loop with
   parity 0 and the loads' guard (a CTA with no m-block loads nothing: an unguarded wait
-  would hang); a ring slot's (Q, dO, LSE, D) each m-block, parity (i / stages) & 1;
+  would hang); a ring slot's (Q, dO, LSE, D) each m-block, parity (i / stages) & 1 (at
+  head_dim 256 the dO ring's (dO, D) on barriers of its own, parity (i / do_stages) & 1);
 - a ring slot refilled a round later (WAR across roles and the back edge): once the
   m-block's last read of the slot is done (an ordinary read once issued, a wgmma's once a
   wait retired its group; at the latest at the m-block's end, where the consumers wait for
@@ -24,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..program import (
+    RING_PARITY,
     WARPGROUP_THREADS,
     Index,
     Item,
@@ -41,7 +43,7 @@ from . import wgmma
 from .state import LOADS, Consumer, names, sync, words
 
 # a ring's full barrier -> its empty barrier (the consumers' release of the slot)
-EMPTY_OF = {Mbar.Q_FULL: Mbar.Q_EMPTY}
+EMPTY_OF = {Mbar.Q_FULL: Mbar.Q_EMPTY, Mbar.DO_FULL: Mbar.DO_EMPTY}
 
 
 @dataclass(frozen=True)
@@ -49,13 +51,13 @@ class Transaction:
     """The loads that complete on one full barrier, in one phase of the producer."""
 
     full: Mbar
-    slot: Index  # Index.RING: a barrier per ring slot, refilled each m-block
+    slot: Index  # a ring's (Index.RING, RING_DO): a barrier per slot, refilled each m-block
     phase: LoopPhase
     loads: tuple[Item, ...]
 
     @property
     def ring(self) -> bool:
-        return self.slot is Index.RING
+        return self.slot in RING_PARITY
 
     def buffers(self) -> str:
         return words(op.buffer.value for x in self.loads for op in x.writes)
@@ -120,7 +122,7 @@ def producer(schedule: Protocol) -> tuple[Item, ...]:
                     f"WAR: every consumer's reads of the slot's {t.buffers()} (a round "
                     "ago) done before they are reloaded"
                 )
-                empty, flip = EMPTY_OF[t.full], WaitParity.RING_FLIP
+                empty, flip = EMPTY_OF[t.full], RING_PARITY[t.slot][1]
                 out.append(Item(Kind.MBAR_WAIT, mbar=empty, parity=flip, why=why, **arm))
             tx = sum(load_bytes(schedule, op) for load in t.loads for op in load.writes)
             why = f"{t.buffers()}'s bytes complete {t.full.value}"
@@ -142,20 +144,21 @@ def wait_loaded_before_loop(c: Consumer, schedule: Protocol) -> None:
             c.place(sync(Kind.MBAR_WAIT, Who.WARPGROUP, c.home, LoopPhase.BEFORE, why, **once))
 
 
-def _slot_readers(schedule: Protocol, steps: list[Item]) -> dict[Mbar, tuple[str, set[int]]]:
-    """Per ring's empty barrier: its slot's buffers and the m-block's steps that read them."""
+def _slot_readers(schedule: Protocol, steps: list[Item]) -> dict[Mbar, tuple[str, Index, set[int]]]:
+    """Per ring's empty barrier: its slot's buffers, the ring's index and the m-block's steps
+    that read them."""
     found = {}
     for t in transactions(schedule):
         if t.ring:
             readers = {k for k, x in enumerate(steps) if any(map(t.loaded, x.reads))}
-            found[EMPTY_OF[t.full]] = (t.buffers(), readers)
+            found[EMPTY_OF[t.full]] = (t.buffers(), t.slot, readers)
     return found
 
 
 def start_m_block(c: Consumer, schedule: Protocol, steps: list[Item]) -> None:
     """The m-block's readers of each ring slot, none released nor waited for yet."""
     c.waited, c.released = set(), set()
-    c.ring_readers = {e: set(r) for e, (_, r) in _slot_readers(schedule, steps).items()}
+    c.ring_readers = {e: set(r) for e, (_, _, r) in _slot_readers(schedule, steps).items()}
 
 
 def wait_full(c: Consumer, schedule: Protocol, step: Item, phase: LoopPhase) -> None:
@@ -165,7 +168,7 @@ def wait_full(c: Consumer, schedule: Protocol, step: Item, phase: LoopPhase) -> 
             continue
         c.waited.add(t.full)
         why = f"RAW: the slot's {t.buffers()} landed before {step.name} reads them"
-        ring = dict(mbar=t.full, slot=Index.RING, parity=WaitParity.RING)
+        ring = dict(mbar=t.full, slot=t.slot, parity=RING_PARITY[t.slot][0])
         c.place(sync(Kind.MBAR_WAIT, Who.WARPGROUP, c.home, phase, why, **ring))
 
 
@@ -177,13 +180,13 @@ def read_done(c: Consumer, k: int) -> None:
 
 def release_if_done(c: Consumer, schedule: Protocol, steps: list[Item], phase: LoopPhase) -> None:
     """Arrive on a slot's empty barrier as soon as the m-block's reads of it are done."""
-    for empty, (buffers, readers) in _slot_readers(schedule, steps).items():
+    for empty, (buffers, index, readers) in _slot_readers(schedule, steps).items():
         if c.ring_readers.get(empty) or empty in c.released or phase is not LoopPhase.LOOP:
             continue
         c.released.add(empty)
         retired = names(steps[k] for k in sorted(readers) if steps[k].kind is Kind.WGMMA)
         why = f"WAR: the slot's {buffers} are free (read; {retired or 'no wgmma'} retired)"
-        ring = dict(mbar=empty, slot=Index.RING)
+        ring = dict(mbar=empty, slot=index)
         c.place(sync(Kind.MBAR_ARRIVE, Who.WARPGROUP, c.home, phase, why, **ring))
 
 

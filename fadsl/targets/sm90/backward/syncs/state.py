@@ -46,7 +46,8 @@ def same_bytes(a: Operand, b: Operand) -> bool:
     """Whether two operands of one m-block may share bytes (distinct panels do not)."""
     if a.buffer is not b.buffer or a.index is not b.index:
         return False
-    return not (a.part is b.part is Part.PANEL and a.panel != b.panel)
+    panels = (Part.PANEL, Part.WG_PANEL)  # (of one warpgroup: the pass builds one's program)
+    return not (a.part is b.part and a.part in panels and a.panel != b.panel)
 
 
 def reaches_other_warpgroups(read: Operand) -> bool:
