@@ -200,6 +200,7 @@ def _consumer(p: Params) -> list[Item | str]:
         sync(Kind.WGMMA_COMMIT),
         "dP^T = V dO^T",
         sync(Kind.WGMMA_COMMIT),
+        *_owed_release(p, LoopPhase.LOOP),  # m-block i - 1's ticket, under S^T and dP^T
         sync(Kind.WGMMA_WAIT, pending=1, why="S^T in registers (dP^T's group may run on)"),
         "P = exp2(S - LSE)",
     ]
@@ -287,6 +288,7 @@ def _consumer(p: Params) -> list[Item | str]:
         LoopPhase.AFTER,
         why="the last reduce-add read the staging before the CTA exits",
     )
+    listing += _owed_release(p, LoopPhase.AFTER)  # the last m-block's ticket
     return listing + ([] if p.dq_red else [exit_wait]) + ["dK -> global", "dV -> global"]
 
 
@@ -351,6 +353,19 @@ def _split_consumer(p: Params) -> list[Item | str]:
     ]  # fmt: skip
 
 
+def _owed_release(p: Params, phase: LoopPhase) -> list[Item]:
+    """Deterministic mode: release_dq_ticket, the leader's release of the ticket it owes
+    (from m-block 1 on, and after the loop of a CTA with work)."""
+    if not p.deterministic:
+        return []
+    owed = dict(who=Who.LEADER, source=CodeSite.RELEASE_DQ_TICKET, phase=phase, guard=Guard.OWED)
+    return [
+        Item(Kind.BULK_WAIT, pending=0, why="the adds performed", **owed),
+        Item(Kind.FENCE_PROXY_ASYNC_GLOBAL, why="the adds before the release", **owed),
+        Item(Kind.SEM_RELEASE, why="the next ticket may add", **owed),
+    ]
+
+
 def _stage_and_reduce(p: Params, source: CodeSite) -> list[Item | str]:
     """The staging's syncs around dQ's st.shared and the leader's reduce-add (ordered by the
     semaphore in deterministic mode); with ``dq_red`` the registers' adds alone, no sync."""
@@ -377,7 +392,4 @@ def _stage_and_reduce(p: Params, source: CodeSite) -> list[Item | str]:
         Item(Kind.FENCE_PROXY_ASYNC_GLOBAL, why="the acquire before the adds", **ordered),
         "dQ reduce-add",
         replace(commit, source=CodeSite.ORDERED_REDUCE_ADD),
-        Item(Kind.BULK_WAIT, pending=0, why="the adds performed", **ordered),
-        Item(Kind.FENCE_PROXY_ASYNC_GLOBAL, why="the adds before the release", **ordered),
-        Item(Kind.SEM_RELEASE, why="the next ticket may add", **ordered),
-    ]
+    ]  # the release is owed: _owed_release

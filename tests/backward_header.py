@@ -1,6 +1,6 @@
 """What the backward header does, call by call, as the protocol's items would say it: the
 reader behind tests/test_verify_backward.py's check that emit/sm90/include/fadsl/sm90_bwd.cuh
-(bwd_producer, bwd_consumer, reduce_dq, ordered_reduce_add),
+(bwd_producer, bwd_consumer, reduce_dq, ordered_reduce_add, release_dq_ticket),
 emit/sm90/include/fadsl/sm90_bwd.cuh (bwd_consumer, meet_and_issue_dq) and the kernel body of
 emit/sm90/backward.cu.j2 make exactly the calls of fadsl/targets/sm90/backward/protocol.py (the
 plan the sync pass places).
@@ -9,8 +9,9 @@ A small reader of the header's C++: statements, blocks, if / if constexpr / for 
 It walks a function for one configuration (if constexpr on kDqByKeys and kDeterministic
 decided; the panel loop unrolled; the m-block loop marks its items LOOP and those after
 it AFTER; `if (tid == 0)` makes the leader the executor; `if (b.m_count > 0)` and an early
-`return` when m_count == 0 guard the items; ordered_reduce_add, reduce_dq and
-meet_and_issue_dq inlined with their parameters bound), and turns each traced call into a
+`return` when m_count == 0 guard the items, `if (tid == 0 && i > 0)` and, after the loop,
+`if (tid == 0 && b.m_count > 0)` the owed ticket's release; ordered_reduce_add,
+release_dq_ticket, reduce_dq and meet_and_issue_dq inlined with their parameters bound), and turns each traced call into a
 Call, resolving the operands' local variables down to the SMEM offsets (kOff*) and the ring
 index and parity expressions. Any other condition must have the same calls on both sides.
 The consumer's function is the one the template's kernel body calls, with its
@@ -56,6 +57,7 @@ INLINED = {
     "reduce_dq": CodeSite.REDUCE_DQ,
     "meet_and_issue_dq": CodeSite.MEET_AND_ISSUE_DQ,
     "bwd_load_kv": CodeSite.LOAD_KV,
+    "release_dq_ticket": CodeSite.RELEASE_DQ_TICKET,
 }
 
 
@@ -463,6 +465,9 @@ def walk_if(cond: str, constexpr: bool, then, other, walk: Walk) -> None:
         "tid==0": dict(who=Who.LEADER),
         "threadIdx.x==0": dict(who=Who.THREAD0),
         "b.m_count>0": dict(guard=Guard.HAS_WORK),
+        # the owed ticket's release: from m-block 1 on, and after a loop with work
+        "tid==0&&i>0": dict(who=Who.LEADER, guard=Guard.OWED),
+        "tid==0&&b.m_count>0": dict(who=Who.LEADER, guard=Guard.OWED),
     }
     if cond in changes:
         assert other is None, cond

@@ -77,11 +77,13 @@ def test_the_cases_wrap_every_ring_slot_twice():
     assert {p.dq_transposed for p in PARAMS} == {False, True}
     assert {p.stages for p in PARAMS} == {1, 2, 3}
     # 6 shapes with B_r 64, one with B_r 128 and one with B_r 80, 3 stages, 3
-    # (deterministic, dQ's adds), 4 orders; and head_dim 256's B_c 80 and 64, 3 stages
-    assert len(PARAMS) == 294 and sum(p.overlap for p in PARAMS) == 216
-    assert sum(p.early_dv for p in PARAMS) == 72 and sum(p.block_m == 128 for p in PARAMS) == 36
-    assert sum(p.dv_before_meeting for p in PARAMS) == 72
-    assert sum(p.block_m == 80 for p in PARAMS) == 36 and sum(p.dq_red for p in PARAMS) == 102
+    # (deterministic, dQ's adds), 4 orders, deterministic only with 2 or 3 stages; and head_dim
+    # 256's B_c 80 and 64, 3 stages
+    assert len(PARAMS) == 262 and sum(p.overlap for p in PARAMS) == 192
+    assert sum(p.early_dv for p in PARAMS) == 64 and sum(p.block_m == 128 for p in PARAMS) == 32
+    assert sum(p.dv_before_meeting for p in PARAMS) == 64
+    assert sum(p.block_m == 80 for p in PARAMS) == 32 and sum(p.dq_red for p in PARAMS) == 102
+    assert all(p.stages >= 2 for p in PARAMS if p.deterministic)
     split = [p for p in PARAMS if p.split]
     assert sorted((p.block_n, p.stages) for p in split) == [
         (n, s) for n in (64, 80) for s in (1, 2, 3)
@@ -245,7 +247,8 @@ def test_waiting_for_one_group_fewer(params):
     refused = {w for w, p in found.items() if p}
     if params.deterministic:  # the redundant waits stay redundant
         assert set(found) - refused == {w for w in unneeded(params) if "wait_group" in w}
-        ordered = found["consumer: cp.async.bulk.wait_group (each m-block) after dQ reduce-add"]
+        # the owed release of the previous m-block's ticket, under S^T and dP^T
+        ordered = found["consumer: cp.async.bulk.wait_group (each m-block) after dP^T = V dO^T"]
         assert any("wait_group 0 of the reduce-add" in p for p in ordered)
     else:
         assert refused == set(found)
@@ -453,22 +456,29 @@ def test_a_wait_or_barrier_by_the_leader_alone_is_refused():
 
 
 @pytest.mark.parametrize(
-    "kind,message",
+    "kind,site,message",
     [
-        (Kind.SEM_ACQUIRE, "does not follow the ticket's acquire"),
-        (Kind.FENCE_PROXY_ASYNC_GLOBAL, "between the ticket's acquire and the reduce-add"),
-        (Kind.SEM_RELEASE, "no release of the next ticket"),
+        (Kind.SEM_ACQUIRE, CodeSite.ORDERED_REDUCE_ADD, "does not follow the ticket's acquire"),
+        (
+            Kind.FENCE_PROXY_ASYNC_GLOBAL,
+            CodeSite.ORDERED_REDUCE_ADD,
+            "between the ticket's acquire and the reduce-add",
+        ),
+        (Kind.SEM_RELEASE, CodeSite.RELEASE_DQ_TICKET, "no release of the next ticket"),
     ],
 )
-def test_the_semaphore_order_is_checked(kind, message):
-    problems = check_protocol(_without(protocol(Params(2, 2, 64, True)), WarpRole.CONSUMER, kind))
+def test_the_semaphore_order_is_checked(kind, site, message):
+    proto = protocol(Params(2, 2, 64, True))
+    items = proto.consumer
+    n = next(n for n, x in enumerate(items) if x.kind is kind and x.source is site)
+    problems = check_protocol(proto.with_role(WarpRole.CONSUMER, items[:n] + items[n + 1 :]))
     assert any(message in p for p in problems), problems
 
 
 def test_the_release_needs_the_adds_performed_and_fenced():
-    proto = protocol(Params(3, 1, 128, True))
+    proto = protocol(Params(3, 2, 128, True))
     items = proto.consumer
-    ordered = [n for n, x in enumerate(items) if x.source is CodeSite.ORDERED_REDUCE_ADD]
+    ordered = [n for n, x in enumerate(items) if x.source is CodeSite.RELEASE_DQ_TICKET]
     wait = next(n for n in ordered if items[n].kind is Kind.BULK_WAIT)
     read_only = replace(items[wait], kind=Kind.BULK_WAIT_READ)
     problems = check_protocol(
@@ -569,6 +579,17 @@ def test_the_header_makes_the_protocols_calls(role, params):
         ("no acquire fence", "fence_proxy_async_global();  // the acquire", ""),
         ("no staging fence", "fence_proxy_async_smem();\n    named_bar_sync", "named_bar_sync"),
         ("red.add: dQ not added", "    red_add_dq<Cfg>(dst, dq, tid);\n  } else {", "  } else {"),
+        (
+            "no ticket released at the end",
+            "if (tid == 0 && b.m_count > 0) release_dq_ticket<Cfg>(owed);",
+            "",
+        ),
+        (
+            "the ticket's release at once",
+            "  tma_store_commit();\n}",
+            "  tma_store_commit();\n  bulk_wait_all();\n}",
+        ),
+        ("no completion before the release", "  bulk_wait_all();             // the adds", ""),
     ],
 )
 def test_an_edited_header_is_caught(what, old, new):
@@ -584,7 +605,7 @@ def test_an_edited_header_is_caught(what, old, new):
 # the overlapped order's lines, each with a neighbour that makes it the only such text
 ARRIVE = "      mbar_arrive(bwd_bar_q_empty<Cfg>(smem, slot));\n    } else {"
 REDUCE = (
-    "      reduce_dq<Cfg>(P, b, stage, dq, accum_head, m, wg, tid);\n"
+    "      reduce_dq<Cfg>(P, b, stage, dq, accum_head, m, wg, tid, owed);\n"
     "      FADSL_BWD_MARK(wg, i, 8);\n      wgmma_wait<0>();"
 )
 ISSUE = (

@@ -166,6 +166,8 @@ struct BwdConfig {
   static_assert(kStages >= 1, "at least one ring slot");
   static_assert(!kEarlyDv || kOverlap, "the early dV is the overlapped consumer's");
   static_assert(!kDqRed || !kDeterministic, "the ordered adds go through the staging");
+  // release_dq_ticket's deferral is deadlock-free with a ring of 2 or more (its comment)
+  static_assert(!kDeterministic || kStages >= 2, "the deferred ticket release needs 2 stages");
   // A sliding window (a generated Cfg sets both; right 0 with the causal mask): query i sees
   // key j iff i + d - kWindowLeft <= j <= i + d + kWindowRight, d = seqlen_k - seqlen_q. -1:
   // no window.  `softcap N` (a generated Cfg sets it): the forward's scores were capped by
@@ -907,26 +909,55 @@ __device__ __forceinline__ void red_add_dq(float* dst, const float (&dq)[Cfg::kD
 
 // `deterministic on`: the m-block's reduce-adds in ticket order place * consumers + wg
 // (bwd_dq_place: the n-block's place among those that add into the m-block, in n-block or in
-// visit order).  Each add completes (wait_group 0: its writes performed) before the next
-// ticket is released.
+// visit order).  The leader waits for its ticket, issues and commits the add, and owes the
+// release of ticket + 1 (release_dq_ticket): waiting here for the add to complete (an L2
+// round trip and 40 KB at head_dim 128) held the whole warpgroup, as its next wgmma needs
+// every warp (deterministic backward at 0.55-0.66x the default's speed on an H200,
+// 2026-11-30).
+struct DqTicket {
+  int* semaphore;
+  int ticket;
+};
+
 template <class Cfg>
 __device__ __forceinline__ void ordered_reduce_add(float* dst, uint32_t stage, int* semaphore, int ticket) {
   while (ld_acquire_gpu(semaphore) != ticket) __nanosleep(32);
   fence_proxy_async_global();  // the acquire before the async proxy's adds
   bulk_reduce_add_f32(dst, stage, Cfg::kDqFloats * 4);
   tma_store_commit();
+}
+
+// The owed release: the add completes (wait_group 0: its writes performed, not only its
+// SMEM read) before the next ticket is released.  bwd_consumer calls it in the next m-block
+// once S^T and dP^T are issued (the wait runs under them), or after the loop.
+// Deadlock-free: a warpgroup never waits on another warpgroup or CTA while it owes a
+// release.  Between the add and the release it waits only for q_full of m-block i + 1,
+// whose slot was freed by the q_empty arrivals of m-block i + 1 - kStages <= i - 1: every
+// warpgroup of the CTA arrives there after its own add of i - 1 at the latest (the
+// overlapped order; the default arrives before its add), and every add of i - 1 was
+// granted, its releases done before any warpgroup of the CTA could get the ticket of i
+// (tickets rise with wg, and a warpgroup releases i - 1 before its meeting of i).  The
+// release comes before the meeting at dS^T of i + 1 and before the ticket wait of i + 1,
+// so warpgroup wg + 1, waiting at i for wg's release, is never waited for by wg; with one
+// stage q_full of i + 1 would need the q_empty of i of warpgroup wg + 1, after its ticket:
+// a cycle (hence kStages >= 2).  fadsl/targets/sm90/backward/verify.py proves it.
+template <class Cfg>
+__device__ __forceinline__ void release_dq_ticket(const DqTicket& owed) {
   bulk_wait_all();             // the adds performed in global memory
   fence_proxy_async_global();  // the async proxy's adds before the release
-  st_release_gpu(semaphore, ticket + 1);
+  st_release_gpu(owed.semaphore, owed.ticket + 1);
 }
 
 // The warpgroup's dQ of m-block m added into the accumulator: from registers (`dQ: rf
 // -red.add-> gmem`), or stored into its staging buffer and reduce-added in bulk by the
-// warpgroup's first thread (ordered by ticket with `deterministic on`).  Both consumers'.
+// warpgroup's first thread (ordered by ticket with `deterministic on`: the leader then owes
+// the ticket's release, `owed`).  Both consumers'.  WAR on the staging: the previous add has
+// read it (its issuer's wait_read, then the warpgroup's barrier; in deterministic mode the
+// owed release's wait_group 0 came earlier in this m-block anyway).
 template <class Cfg>
 __device__ __forceinline__ void reduce_dq(const BwdParamsSm90& P, const BwdBlock& b, uint32_t stage,
                                           const float (&dq)[Cfg::kDqRegs], int64_t accum_head, int m, int wg,
-                                          int tid) {
+                                          int tid, DqTicket& owed) {
   float* dst = dq_accum_share<Cfg>(P, accum_head, m, wg);
   if constexpr (Cfg::kDqRed) {
     red_add_dq<Cfg>(dst, dq, tid);
@@ -941,8 +972,9 @@ __device__ __forceinline__ void reduce_dq(const BwdParamsSm90& P, const BwdBlock
     named_bar_sync(Cfg::kBarDQ + wg, 128);
     if (tid == 0) {
       if constexpr (Cfg::kDeterministic) {
-        ordered_reduce_add<Cfg>(dst, stage, P.dq_semaphore + accum_head + m,
-                                  bwd_dq_place<Cfg>(P, b, m) * Cfg::kConsumerWGs + wg);
+        owed.semaphore = P.dq_semaphore + accum_head + m;
+        owed.ticket = bwd_dq_place<Cfg>(P, b, m) * Cfg::kConsumerWGs + wg;
+        ordered_reduce_add<Cfg>(dst, stage, owed.semaphore, owed.ticket);
       } else {
         bulk_reduce_add_f32(dst, stage, Cfg::kDqFloats * 4);
         tma_store_commit();
@@ -1005,6 +1037,7 @@ __device__ __forceinline__ void bwd_consumer(const BwdParamsSm90& P, uint32_t sm
   // RAW: K and V landed (TMA complete_tx on kv_full, phase 0)
   if (b.m_count > 0) mbar_wait_parity(bwd_bar_kv<Cfg>(smem), 0u);
   if (wg == 0 && tid == 0) FADSL_BWD_CTA_MARK(2);
+  DqTicket owed{nullptr, 0};  // `deterministic on`: the leader's unreleased ticket
 
   for (int i = 0; i < b.m_count; ++i) {
     FADSL_BWD_MARK(wg, i, 0);
@@ -1022,6 +1055,11 @@ __device__ __forceinline__ void bwd_consumer(const BwdParamsSm90& P, uint32_t sm
     wgmma_commit();
     issue_keys_by_rows<Cfg>(dp, v_wg, do_slot);
     wgmma_commit();
+    // `deterministic on`: m-block i - 1's ticket, released while S^T and dP^T run, before
+    // anything that waits on another warpgroup or CTA (release_dq_ticket)
+    if constexpr (Cfg::kDeterministic) {
+      if (tid == 0 && i > 0) release_dq_ticket<Cfg>(owed);
+    }
     wgmma_wait<1>();  // S^T in registers (dP^T's group may still run)
     fence_regs(s);
     FADSL_BWD_MARK(wg, i, 2);
@@ -1082,7 +1120,7 @@ __device__ __forceinline__ void bwd_consumer(const BwdParamsSm90& P, uint32_t sm
       wgmma_wait<1>();  // dQ in registers (dK, and dV unless issued early, still run)
       fence_regs(dq);
       FADSL_BWD_MARK(wg, i, 7);
-      reduce_dq<Cfg>(P, b, stage, dq, accum_head, m, wg, tid);
+      reduce_dq<Cfg>(P, b, stage, dq, accum_head, m, wg, tid, owed);
       FADSL_BWD_MARK(wg, i, 8);
       wgmma_wait<0>();  // dV and dK retired: Q, dO read; p16 and ds16 free
       // WAR: the slot's Q, dO (wgmma, retired above), LSE and D (read above) are free
@@ -1101,12 +1139,16 @@ __device__ __forceinline__ void bwd_consumer(const BwdParamsSm90& P, uint32_t sm
       FADSL_BWD_MARK(wg, i, 7);
       // WAR: the slot's Q, dO (wgmma, retired above), LSE and D (read above) are free
       mbar_arrive(bwd_bar_q_empty<Cfg>(smem, slot));
-      reduce_dq<Cfg>(P, b, stage, dq, accum_head, m, wg, tid);
+      reduce_dq<Cfg>(P, b, stage, dq, accum_head, m, wg, tid, owed);
       FADSL_BWD_MARK(wg, i, 8);
     }
     FADSL_BWD_MARK(wg, i, 9);
   }
   if (wg == 0 && tid == 0) FADSL_BWD_CTA_MARK(3);
+  // `deterministic on`: the last m-block's ticket, before the CTA exits
+  if constexpr (Cfg::kDeterministic) {
+    if (tid == 0 && b.m_count > 0) release_dq_ticket<Cfg>(owed);
+  }
   // The last reduce-add has read the staging buffer before the CTA's SMEM goes away
   if constexpr (!Cfg::kDqRed) {
     if (tid == 0) bulk_wait_all();

@@ -1,6 +1,6 @@
 """The vocabulary of the backward main kernel's sync plan: what emit/sm90/include/fadsl/sm90_bwd.cuh
 (bwd_producer; bwd_consumer, in its default order or the overlapped one of `overlap on`;
-meet_and_issue_dq, reduce_dq, ordered_reduce_add) and the kernel body of emit/sm90/backward.cu.j2 do, call by call, for one CTA (one n-block of
+meet_and_issue_dq, reduce_dq, ordered_reduce_add, release_dq_ticket) and the kernel body of emit/sm90/backward.cu.j2 do, call by call, for one CTA (one n-block of
 keys), said as data.
 
 Roles: the setup thread (thread 0: the mbarrier inits, before the roles split), the
@@ -78,6 +78,8 @@ class CodeSite(Enum):
     MEET_AND_ISSUE_DQ = "meet_and_issue_dq"  # the overlapped consumer's helper
     REDUCE_DQ = "reduce_dq"  # both consumers': dQ added into the accumulator
     ORDERED_REDUCE_ADD = "ordered_reduce_add"
+    # deterministic: the ticket's release, deferred to the next m-block or the loop's end
+    RELEASE_DQ_TICKET = "release_dq_ticket"
 
 
 class LoopPhase(Enum):
@@ -89,6 +91,9 @@ class LoopPhase(Enum):
 class Guard(Enum):
     ALWAYS = "always"
     HAS_WORK = "only when the CTA visits an m-block (m_count > 0)"
+    # the release of the previous m-block's ticket: in m-block i > 0 for m-block i - 1, after
+    # the loop (m_count > 0) for the last one
+    OWED = "only when the leader owes the previous m-block's ticket"
 
 
 class Kind(Enum):

@@ -50,24 +50,48 @@ spans at most stages m-blocks (a slot reused) or 2 (a dS^T buffer); m = 0 is the
 visits no m-block (no load and no wait: dK = dV = 0).
 
 The deterministic semaphore (``deterministic on``), and why only its order within the CTA
-is checked here. The reduce-adds into m-block m's accumulator are ordered by ticket
-t = n_block * consumers + wg through a counter per (batch, head, m-block), zeroed by the
+is checked in the model. The reduce-adds into m-block m's accumulator are ordered by ticket
+t = place * consumers + wg through a counter per (batch, head, m-block), zeroed by the
 preprocess kernel: the leader of ticket t spins (ld.acquire.gpu) until the counter reads t,
-adds, and stores t + 1 (st.release.gpu). (1) No wait forever: every n-block below n visits
-m too (m_begin is non-decreasing in n; without a mask every n-block visits every m-block),
-so tickets 0 .. t - 1 all come; a CTA's tickets rise with m, so no CTA waits on one that
-waits on it; a lower n-block is a lower blockIdx, dispatched first, so the CTA waited for
-is resident or done (the launch-order assumption FlashAttention-3 makes too). Within the
-CTA, ticket n C + w waits for warpgroup w - 1's release of the same m-block: modelled here
-as an mbarrier (one per m-block and warpgroup boundary) so that the model proves it cannot
-deadlock with the named barriers; warpgroup 0's wait, on the CTA below, is left out (it
-returns, by the argument above). (2) Order of the adds: ticket t's release follows its
-bulk group's ``wait_group 0`` (the adds performed, not only the SMEM read) and a
-``fence.proxy.async.global`` (the async proxy's writes ordered before the generic
-release), by the thread that issued the adds; ticket t + 1's acquire is followed by a
-``fence.proxy.async.global`` before its adds. Release -> acquire at GPU scope then orders
-ticket t's adds before ticket t + 1's, so the sum is formed in the same order in every
-run. ``semaphore_problems`` checks (2)'s shape.
+adds and commits; it then owes the release of t + 1 (release_dq_ticket: wait_group 0,
+fence, st.release.gpu), which it pays in its next m-block once S^T and dP^T are issued,
+before the first wgmma wait (Guard.OWED), or after the loop for its last m-block.
+
+(1) No wait forever. Every n-block below n visits m too (m_begin is non-decreasing in n;
+without a mask every n-block visits every m-block), so tickets 0 .. t - 1 all come; a lower
+n-block is a lower blockIdx, dispatched first, so the CTA waited for is resident or done
+(the launch-order assumption FlashAttention-3 makes too). The release is deferred, so a
+CTA must never wait on another CTA or warpgroup while it owes a release that one may be
+waiting for. Between the add of m-block i and its release, the owing warpgroup waits only
+for q_full of m-block i + 1 (no ticket: the next acquire comes after the release; no
+meeting: the release comes before the meeting at dS^T of i + 1, in both consumer orders).
+q_full of i + 1 needs the q_empty arrivals of m-block i + 1 - stages, which is i - 1 or
+earlier with stages >= 2: every warpgroup of the CTA arrives there before its add of i - 1
+(the default order) or right after it (the overlapped order, after wait_group 0 only), and
+every ticket of m-block i - 1 of the CTA was granted: a warpgroup holding ticket i has
+released i - 1 (before its meeting of i), the warpgroups below it hold tickets of i, hence
+released i - 1 too, and those above it wait at i - 1 only on warpgroups of this CTA at
+i - 1, each of which releases i - 1 in its m-block i before any wait on another CTA. By
+induction on the m-block index the owing warpgroup reaches its release without any other
+CTA's progress. In particular warpgroup wg + 1, waiting at m-block m for warpgroup wg's
+release of m, is never waited for by wg: wg reaches its deferred release before the
+meeting of m + 1, and the ring does not block it. With one stage it would (q_full of i + 1
+needs warpgroup wg + 1's q_empty of i, after its ticket in the overlapped order): BwdConfig
+static_asserts stages >= 2 with deterministic on, and ``parameter_space`` has none.
+Within the CTA, ticket place C + w waits for warpgroup w - 1's release of the same m-block:
+modelled here as an mbarrier (one per m-block and warpgroup boundary, arrived where the
+deferred release runs) so that the model proves it cannot deadlock with the named barriers
+and the ring; warpgroup 0's wait, on the CTA below, is left out (it returns, by the
+argument above). ``semaphore_problems`` checks the argument's premise: no acquire and no
+meeting of every consumer between an add and its release, and every ticket released
+before the program ends.
+
+(2) Order of the adds: ticket t's release follows its bulk group's ``wait_group 0`` (the
+adds performed, not only the SMEM read) and a ``fence.proxy.async.global`` (the async
+proxy's writes ordered before the generic release), by the thread that issued the adds;
+ticket t + 1's acquire is followed by a ``fence.proxy.async.global`` before its adds.
+Release -> acquire at GPU scope then orders ticket t's adds before ticket t + 1's, so the
+sum is formed in the same order in every run. ``semaphore_problems`` checks (2)'s shape.
 """
 
 from __future__ import annotations
@@ -105,6 +129,7 @@ from .program import (
     Item,
     Kind,
     Mbar,
+    Named,
     Operand,
     Params,
     WaitParity,
@@ -137,10 +162,10 @@ def parameter_space() -> tuple[Params, ...]:
     """Every configuration the header admits: 1-3 consumer warpgroups, head_dim 64 or 128
     with B_r 64 (dQ split by keys or by panels), and 2 consumers at head_dim 64 with B_r 128
     (dQ split by queries) or at head_dim 128 with B_r 80 (dQ transposed), 1-3 stages,
-    deterministic or not, dQ staged or added from registers, each with either of
-    bwd_consumer's orders (the default, or the overlapped one of `overlap on`, dV issued with
-    dK, early or before the meeting); and head_dim 256's bwd_consumer_split with B_c 80 or
-    64, 1-3 stages (of the Q ring; dO's has one slot)."""
+    deterministic or not (deterministic: 2-3 stages), dQ staged or added from registers, each
+    with either of bwd_consumer's orders (the default, or the overlapped one of `overlap on`,
+    dV issued with dK, early or before the meeting); and head_dim 256's bwd_consumer_split
+    with B_c 80 or 64, 1-3 stages (of the Q ring; dO's has one slot)."""
     # (overlap, early_dv, dv_before_meeting)
     orders = ((False, False, False), (True, False, False), (True, True, False), (True, False, True))
     shapes = [(c, d, BLOCK_M) for c in (1, 2, 3) for d in (64, 128)]
@@ -156,6 +181,7 @@ def parameter_space() -> tuple[Params, ...]:
         for consumers, head_dim, block_m in shapes
         for stages in (1, 2, 3)
         for deterministic, dq_red in adds
+        if stages >= 2 or not deterministic  # BwdConfig's static_assert (the deferred release)
     )
     # head_dim 256 (the consumers split head_dim): its one order, dQ from registers
     split = tuple(
@@ -333,12 +359,18 @@ def _lower(proto: Protocol, item: Item, at: _At) -> list[Event]:
 
 def unrolled(items: tuple[Item, ...], m_count: int) -> list[tuple[Item, int | None]]:
     """(item, m-block) in the order one thread runs them: the items before the loop, the
-    loop's m_count times, those after; HAS_WORK items only when m_count > 0."""
+    loop's m_count times, those after; HAS_WORK items only when m_count > 0. An OWED item
+    (the deferred release of a ticket) acts for the m-block that owes it: in m-block i for
+    i - 1 (none in m-block 0), after the loop for the last one (none when m_count = 0)."""
     out = []
     live = [x for x in items if x.guard is Guard.ALWAYS or m_count > 0]
     out += [(x, None) for x in live if x.phase is LoopPhase.BEFORE]
-    out += [(x, i) for i in range(m_count) for x in live if x.phase is LoopPhase.LOOP]
-    out += [(x, None) for x in live if x.phase is LoopPhase.AFTER]
+    for i in range(m_count):
+        for x in live:
+            if x.phase is LoopPhase.LOOP and (x.guard is not Guard.OWED or i > 0):
+                out.append((x, i - 1 if x.guard is Guard.OWED else i))
+    after = [x for x in live if x.phase is LoopPhase.AFTER]
+    out += [(x, m_count - 1 if x.guard is Guard.OWED else None) for x in after]
     return out
 
 
@@ -424,53 +456,85 @@ def _setup_problems(proto: Protocol) -> list[str]:
 
 
 def semaphore_problems(proto: Protocol) -> list[str]:
-    """``deterministic on``: in each m-block the leader, which issues the reduce-add, (a)
-    acquires its ticket and fences the async proxy before the add, (b) waits for the add's
-    bulk group to complete (wait_group 0, not only .read), fences the async proxy again and
-    then releases the next ticket. Without it: no semaphore at all."""
-    loop = [x for x in proto.consumer if x.phase is LoopPhase.LOOP]
-    ops = [x for x in loop if x.kind in (Kind.SEM_ACQUIRE, Kind.SEM_RELEASE)]
+    """``deterministic on``: the leader, which issues each m-block's reduce-add, (a) acquires
+    the m-block's ticket and fences the async proxy before the add, (b) after it commits
+    its bulk group, waits for it to complete (wait_group 0, not only .read), fences the
+    async proxy again and then releases the next ticket, (c) with no acquire and no meeting
+    with the other warpgroups (bar.sync of every consumer thread) between the add and that
+    release, and every ticket is released before the program ends. Checked on the unrolled
+    program for 1-3 m-blocks: the release may be deferred into the next m-block or after
+    the loop (Guard.OWED). Without it: no semaphore at all."""
+    ops = [x for x in proto.consumer if x.kind in (Kind.SEM_ACQUIRE, Kind.SEM_RELEASE)]
     if not proto.params.deterministic:
         return ["a dQ semaphore without deterministic mode"] if ops else []
-    reduces = [n for n, x in enumerate(loop) if x.kind is Kind.BULK_REDUCE_ADD]
+    loop = [x for x in proto.consumer if x.phase is LoopPhase.LOOP]
+    reduces = [x for x in loop if x.kind is Kind.BULK_REDUCE_ADD]
     if len(reduces) != 1:
         return [f"{len(reduces)} dQ reduce-adds per m-block, expected 1"]
-    (add,) = reduces
-    if any(x.who is not Who.LEADER for x in ops) or loop[add].who is not Who.LEADER:
+    if any(x.who is not Who.LEADER for x in ops + reduces):
         return ["the ticket's acquire, the reduce-add and the release are not one thread's"]
-    mine = [(n, x) for n, x in enumerate(loop) if x.who is Who.LEADER]
-    before = [x.kind for n, x in mine if n < add]
-    after = [(x.kind, x.pending) for n, x in mine if n > add]
+    for m_count in (1, 2, 3):
+        problems = _ticket_problems(proto, m_count)
+        if problems:
+            return problems
+    return []
+
+
+def _ticket_problems(proto: Protocol, m_count: int) -> list[str]:
+    run = unrolled(proto.consumer, m_count)
+    adds = [n for n, (x, _) in enumerate(run) if x.kind is Kind.BULK_REDUCE_ADD]
     problems = []
-    acquire = _last(before, Kind.SEM_ACQUIRE)
-    if acquire is None:
-        problems.append("deterministic: the reduce-add does not follow the ticket's acquire")
-    elif Kind.FENCE_PROXY_ASYNC_GLOBAL not in before[acquire:]:
-        problems.append(
-            "deterministic: no fence.proxy.async.global between the ticket's acquire and the "
-            "reduce-add (the async proxy's adds could pass the previous ticket's)"
+    for previous, add in zip([-1] + adds, adds):
+        i = run[add][1]
+        before = [x.kind for x, _ in run[previous + 1 : add] if x.who is Who.LEADER]
+        acquire = _last(before, Kind.SEM_ACQUIRE)
+        if acquire is None:
+            problems.append("deterministic: the reduce-add does not follow the ticket's acquire")
+        elif Kind.FENCE_PROXY_ASYNC_GLOBAL not in before[acquire:]:
+            problems.append(
+                "deterministic: no fence.proxy.async.global between the ticket's acquire and "
+                "the reduce-add (the async proxy's adds could pass the previous ticket's)"
+            )
+        rest = run[add + 1 :]
+        release = next(
+            (n for n, (x, j) in enumerate(rest) if x.kind is Kind.SEM_RELEASE and j == i), None
         )
-    kinds = [k for k, _ in after]
-    release = kinds.index(Kind.SEM_RELEASE) if Kind.SEM_RELEASE in kinds else None
-    if release is None:
-        problems.append("deterministic: no release of the next ticket after the reduce-add")
-        return problems
-    commit = kinds.index(Kind.BULK_COMMIT) if Kind.BULK_COMMIT in kinds[:release] else None
-    done = [
-        n
-        for n, (k, pending) in enumerate(after[:release])
-        if k is Kind.BULK_WAIT and pending == 0 and commit is not None and n > commit
-    ]
-    if not done:
-        problems.append(
-            "deterministic: the ticket's release does not follow a committed "
-            "cp.async.bulk.wait_group 0 of the reduce-add (its adds may not be performed)"
-        )
-    elif Kind.FENCE_PROXY_ASYNC_GLOBAL not in kinds[done[0] : release]:
-        problems.append(
-            "deterministic: no fence.proxy.async.global between the reduce-add's "
-            "wait_group 0 and the ticket's release"
-        )
+        if release is None:
+            problems.append(
+                f"deterministic: no release of the next ticket after the reduce-add of m-block "
+                f"{i} (of {m_count}): the CTAs and warpgroups after it wait forever"
+            )
+            continue
+        between = [x for x, _ in rest[:release]]
+        after = [(x.kind, x.pending) for x in between if x.who is Who.LEADER]
+        kinds = [k for k, _ in after]
+        commit = kinds.index(Kind.BULK_COMMIT) if Kind.BULK_COMMIT in kinds else None
+        done = [
+            n
+            for n, (k, pending) in enumerate(after)
+            if k is Kind.BULK_WAIT and pending == 0 and commit is not None and n > commit
+        ]
+        if not done:
+            problems.append(
+                "deterministic: the ticket's release does not follow a committed "
+                "cp.async.bulk.wait_group 0 of the reduce-add (its adds may not be performed)"
+            )
+        elif Kind.FENCE_PROXY_ASYNC_GLOBAL not in kinds[done[-1] :]:
+            problems.append(
+                "deterministic: no fence.proxy.async.global between the reduce-add's "
+                "wait_group 0 and the ticket's release"
+            )
+        blocking = [
+            x
+            for x in between
+            if x.kind is Kind.SEM_ACQUIRE or (x.kind is Kind.NAMED_BAR_SYNC and x.named is Named.DS)
+        ]
+        if blocking:
+            problems.append(
+                f"deterministic: the ticket of m-block {i} is released after "
+                f"{blocking[0].kind.value} ({blocking[0].source.value}): a wait on another "
+                "warpgroup or CTA while owing a release that it may be waiting for (deadlock)"
+            )
     return problems
 
 

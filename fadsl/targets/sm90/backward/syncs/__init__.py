@@ -27,7 +27,8 @@ order: the wgmma commit and wait and the slot's release they allow (registers fi
 slot goes back to the producer as early as it can), the full barrier's wait, the staging's
 WAR, the proxy fence (the writers', before the barrier that hands the bytes over), the
 wgmma.fence (the warpgroup's own, issued before it blocks at a meeting), the meeting
-barrier, the ordered add's acquire: the header's order.
+barrier, the ordered add's acquire: the header's order. The ordered add's release owed from
+the previous m-block goes before the m-block's first wgmma wait (bulk.py).
 
 Its result is the plan (protocol.py: ``protocol(p) = insert_syncs(build_schedule(p))``), which
 verify.py proves; tests/test_backward_syncs.py checks that it equals a plan written by hand
@@ -39,7 +40,7 @@ from __future__ import annotations
 
 from ..program import Item, Kind, LoopPhase, Protocol, WarpRole
 from . import bulk, mbarrier, named, wgmma
-from .state import Consumer, join, loop_entry_equal
+from .state import Consumer, join, loop_entry_equal, names
 
 __all__ = ["insert_syncs", "without_syncs"]
 
@@ -102,6 +103,7 @@ def _consumer(schedule: Protocol, economical: bool) -> tuple[Item, ...]:
 def _m_block(entry: Consumer, schedule: Protocol, steps: list[Item]) -> Consumer:
     c = entry.snapshot()
     mbarrier.start_m_block(c, schedule, steps)
+    bulk.start_m_block(c)
     for k in range(len(steps)):
         _place_step(c, schedule, steps, k, LoopPhase.LOOP)
     wgmma.commit(c, LoopPhase.LOOP, "the m-block's end")
@@ -123,6 +125,8 @@ def _place_step(c: Consumer, schedule: Protocol, steps: list[Item], k: int, phas
         wgmma.issue(c, k, step)
         return
     wgmma.commit(c, phase, f"the warpgroup turns to {step.name}")
+    if wgmma.waits_before(c, step):  # the owed release runs under the groups in flight
+        bulk.release_due(c, phase, f"while {names(g.steps()[0] for g in c.in_flight)} run")
     wgmma.wait_before(c, step, phase)
     mbarrier.release_if_done(c, schedule, steps, phase)
     _syncs_before(c, schedule, steps, k, phase)

@@ -11,10 +11,13 @@ the deterministic mode's ordered add.
   the CTA's SMEM goes away;
 - ``deterministic on``: the reduce-adds into one m-block's accumulator (WAW in global
   memory, across warpgroups and CTAs) go in ticket order: the leader acquires its ticket
-  (ld.acquire.gpu spin) and fences the async proxy before the add; after it, commits, waits
-  for the adds to be performed (wait_group 0, not only .read), fences the async proxy
-  again and releases the next ticket (st.release.gpu). verify.py's docstring has the
-  argument across CTAs.
+  (ld.acquire.gpu spin) and fences the async proxy before the add, then commits it and owes
+  the release: it waits for the adds to be performed (wait_group 0, not only .read),
+  fences the async proxy again and releases the next ticket (st.release.gpu) in the next
+  m-block, before its first wgmma wait (so the completion's latency runs under S^T and
+  dP^T instead of holding the warpgroup, 2026-11-30), or after the loop. That is before
+  anything that waits on another warpgroup or CTA (the meeting at dS^T, the next acquire):
+  verify.py's docstring has the deadlock argument, within the CTA and across CTAs.
 
 The ordered add's wait_group 0 retires the staging's read too, and the next m-block's dS^T
 meeting (a barrier of the whole warpgroup) orders it before the staging writes: the
@@ -26,7 +29,7 @@ wait as retiring the read.
 
 from __future__ import annotations
 
-from ..program import WARPGROUP_THREADS, Item, Kind, Named, LoopPhase, Who
+from ..program import WARPGROUP_THREADS, CodeSite, Guard, Item, Kind, Named, LoopPhase, Who
 from .state import Consumer, names, same_bytes, sync
 
 BULK_READS = frozenset({Kind.BULK_REDUCE_ADD})  # bulk async copies out of SMEM
@@ -68,6 +71,7 @@ def before_add(c: Consumer, step: Item, phase: LoopPhase) -> None:
     """The ordered add's acquire of its ticket, fenced before the async proxy's adds."""
     if step.kind not in BULK_READS or not c.params.deterministic:
         return
+    release_due(c, phase, "before the next ticket's wait")  # never wait while owing
     why = "WAW on dQ's accumulator: the lower tickets' reduce-adds before this one"
     c.place(sync(Kind.SEM_ACQUIRE, step.who, step.source, phase, why))
     why = "the acquire (generic) before the adds (async proxy)"
@@ -75,27 +79,48 @@ def before_add(c: Consumer, step: Item, phase: LoopPhase) -> None:
 
 
 def after_add(c: Consumer, step: Item, phase: LoopPhase) -> None:
-    """The reduce-add's commit; with deterministic on, the ordered add's release."""
+    """The reduce-add's commit; with deterministic on, the ticket's release is then owed."""
     if step.kind not in BULK_READS:
         return
     why = f"closes {step.name}'s bulk group: the staging's later wait names it"
     c.place(sync(Kind.BULK_COMMIT, step.who, step.source, phase, why))
     c.bulk_in_flight.append((step,))
-    if not c.params.deterministic:
+    if c.params.deterministic:
+        c.owed.append(step)
+
+
+def start_m_block(c: Consumer) -> None:
+    """The releases owed from the previous m-block fall due in this one."""
+    c.due = list(c.owed)
+
+
+def release_due(c: Consumer, phase: LoopPhase, when: str) -> None:
+    """The owed ticket's release (release_dq_ticket, by the leader that added): its adds
+    performed, the async proxy fenced, the next ticket released. Guard.OWED: it runs from
+    m-block 1 on (for m-block i - 1), and after the loop of a CTA with work."""
+    if not c.due:
         return
-    why = "the adds performed (not only their SMEM read) before the next ticket's release"
-    c.place(sync(Kind.BULK_WAIT, step.who, step.source, phase, why, pending=0))
+    adds = c.due
+    who, site = adds[-1].who, CodeSite.RELEASE_DQ_TICKET
+    owed = dict(guard=Guard.OWED)
+    why = f"{names(adds)}'s adds performed (not only their SMEM read) before the release, {when}"
+    c.place(sync(Kind.BULK_WAIT, who, site, phase, why, pending=0, **owed))
     if c.economical:  # the wait retires the staging's read too (module docstring)
         c.bulk_retired_unmet += [x for group in c.bulk_in_flight for x in group]
         c.bulk_in_flight = []
     why = "the adds (async proxy) before the release (generic)"
-    c.place(sync(Kind.FENCE_PROXY_ASYNC_GLOBAL, step.who, step.source, phase, why))
+    c.place(sync(Kind.FENCE_PROXY_ASYNC_GLOBAL, who, site, phase, why, **owed))
     why = "WAW on dQ's accumulator: the next ticket may add"
-    c.place(sync(Kind.SEM_RELEASE, step.who, step.source, phase, why))
+    c.place(sync(Kind.SEM_RELEASE, who, site, phase, why, **owed))
+    c.owed = [x for x in c.owed if x not in adds]
+    c.due = []
 
 
 def wait_at_exit(c: Consumer) -> None:
-    """After the loop: no bulk group still reads SMEM when the CTA exits."""
+    """After the loop: the last ticket released, and no bulk group still reads SMEM when
+    the CTA exits."""
+    c.due = list(c.owed)
+    release_due(c, LoopPhase.AFTER, "before the CTA exits")
     if c.bulk_in_flight:
         readers = [x for group in c.bulk_in_flight for x in group]
         why = f"the last {names(readers)} read the staging before the CTA exits"

@@ -109,10 +109,16 @@ class Consumer:
     bulk_open: list[Item] = field(default_factory=list)
     bulk_in_flight: list[tuple[Item, ...]] = field(default_factory=list)
     bulk_retired_unmet: list[Item] = field(default_factory=list)
+    # deterministic: the ordered adds whose ticket the leader has not released yet, and
+    # those of them due in this m-block (owed since the previous one)
+    owed: list[Item] = field(default_factory=list)
+    due: list[Item] = field(default_factory=list)
 
     def place(self, item: Item) -> None:
         """Append a sync or step; a named barrier publishes what the warpgroup did before it
         to every thread it counts."""
+        # the deadlock argument of bulk.py: no meeting with other warpgroups while owing
+        assert not (self.due and item.named is Named.DS), "a meeting while a ticket is owed"
         self.out.append(item)
         if item.kind is Kind.NAMED_BAR_SYNC:
             self.unmet_in_warpgroup.clear()
@@ -144,10 +150,11 @@ def join(a: Consumer, b: Consumer) -> Consumer:
     # a group of the same reads issued again is one more of the same: bounded by its steps
     joined.bulk_in_flight = union(a.bulk_in_flight, b.bulk_in_flight)
     joined.bulk_retired_unmet = union(a.bulk_retired_unmet, b.bulk_retired_unmet)
+    joined.owed = union(a.owed, b.owed)  # owed after m-block i - 1, not before the loop
     return joined
 
 
 def loop_entry_equal(a: Consumer, b: Consumer) -> bool:
     keys = ("touched", "fenced", "unfenced", "unmet_in_warpgroup", "unmet_in_consumers")
-    keys += ("bulk_in_flight", "bulk_retired_unmet")
+    keys += ("bulk_in_flight", "bulk_retired_unmet", "owed")
     return all(getattr(a, k) == getattr(b, k) for k in keys)

@@ -111,6 +111,11 @@ def track(c: Consumer, step: Item) -> None:
         c.touched[reg] = tuple(dict.fromkeys(c.touched.get(reg, ()) + (step.name,)))
 
 
+def waits_before(c: Consumer, step: Item) -> bool:
+    """Whether ``wait_before`` places a wgmma.wait_group before ``step``."""
+    return any(_group_hazards(g, step) for g in c.in_flight)
+
+
 def wait_before(c: Consumer, step: Item, phase: LoopPhase) -> None:
     """wgmma.wait_group before ordinary ``step`` where an in-flight group has a hazard on it."""
     found = [(n, _group_hazards(g, step)) for n, g in enumerate(c.in_flight)]

@@ -1,0 +1,90 @@
+"""The deterministic backward's deferred ticket release (release_dq_ticket in
+emit/sm90/include/fadsl/sm90_bwd.cuh): the leader issues and commits its ordered reduce-add
+and releases the next ticket in its next m-block, under S^T and dP^T, or after the loop.
+Each broken placement is refused by fadsl/targets/sm90/backward/verify.py: after the meeting
+(a deadlock), without the completion wait (the adds' order lost), none at the CTA's end,
+and with one stage in the overlapped order (a cycle through the ring)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from fadsl.passes.asyncmodel.prove import check
+from fadsl.targets.sm90.backward.program import CodeSite, Item, Kind, LoopPhase, Params, WarpRole
+from fadsl.targets.sm90.backward.protocol import protocol
+from fadsl.targets.sm90.backward.verify import build_program, check_protocol
+
+PANELS = Params(2, 2, 128)  # dQ by head_dim panels: a meeting of every consumer
+BY_KEYS = Params(2, 2, 64)  # dQ by keys: each warpgroup's own barrier
+
+# both consumer orders, dQ by panels, by keys, and by keys with 3 warpgroups
+DEFERRED = [replace(p, deterministic=True) for p in (PANELS, BY_KEYS, Params(3, 2, 128))]
+DEFERRED += [replace(p, overlap=True) for p in DEFERRED]
+
+
+def _owed_release(items: tuple[Item, ...], phase: LoopPhase) -> list[int]:
+    return [
+        n
+        for n, x in enumerate(items)
+        if x.source is CodeSite.RELEASE_DQ_TICKET and x.phase is phase
+    ]
+
+
+@pytest.mark.parametrize("params", DEFERRED, ids=lambda p: p.describe())
+def test_the_release_after_the_meeting_is_refused(params):
+    """The owed release moved after the next m-block's meeting at dS^T (or, by keys, after
+    the next ticket's wait): warpgroup 0 would wait there for warpgroup 1, which waits for
+    warpgroup 0's release; the model finds the hang where the meeting counts both."""
+    items = protocol(params).consumer
+    owed = _owed_release(items, LoopPhase.LOOP)
+    moved = [items[n] for n in owed]
+    rest = [x for n, x in enumerate(items) if n not in owed]
+    meeting = Kind.SEM_ACQUIRE if params.dq_by_keys else Kind.NAMED_BAR_SYNC
+    at = next(n for n, x in enumerate(rest) if x.kind is meeting and x.phase is LoopPhase.LOOP)
+    mutant = protocol(params).with_role(
+        WarpRole.CONSUMER, tuple(rest[: at + 1] + moved + rest[at + 1 :])
+    )
+    problems = check_protocol(mutant)
+    assert any("while owing a release" in p and "deadlock" in p for p in problems), problems
+    if not params.dq_by_keys:  # the model alone: a hang at the meeting
+        found = [p for m in (2, 3) for p in check(build_program(mutant, m))]
+        assert any("hang" in p and "never returns" in p for p in found), found
+
+
+@pytest.mark.parametrize("params", DEFERRED, ids=lambda p: p.describe())
+@pytest.mark.parametrize("phase", [LoopPhase.LOOP, LoopPhase.AFTER], ids=lambda p: p.name)
+def test_the_release_without_the_completion_wait_is_refused(params, phase):
+    """wait_group 0 dropped before the owed release: the next ticket could add before this
+    one's adds are performed (the sum's order lost)."""
+    items = protocol(params).consumer
+    (wait,) = [n for n in _owed_release(items, phase) if items[n].kind is Kind.BULK_WAIT]
+    problems = check_protocol(
+        protocol(params).with_role(WarpRole.CONSUMER, items[:wait] + items[wait + 1 :])
+    )
+    assert any("wait_group 0 of the reduce-add" in p for p in problems), problems
+
+
+@pytest.mark.parametrize("params", DEFERRED, ids=lambda p: p.describe())
+def test_the_release_at_the_ctas_end_is_needed(params):
+    items = protocol(params).consumer
+    (release,) = [
+        n for n in _owed_release(items, LoopPhase.AFTER) if items[n].kind is Kind.SEM_RELEASE
+    ]
+    mutant = protocol(params).with_role(WarpRole.CONSUMER, items[:release] + items[release + 1 :])
+    problems = check_protocol(mutant)
+    assert any("no release of the next ticket" in p for p in problems), problems
+    if params.consumers > 1:  # the model alone: the last warpgroup's ticket never comes
+        found = check(build_program(mutant, 2))
+        assert any("ticket of wg1, m-block 1" in p for p in found), found
+
+
+def test_the_deferred_release_needs_two_stages():
+    """One stage, overlapped: m-block i + 1's q_full needs warpgroup 1's q_empty arrival of
+    m-block i, after its ticket, which waits for warpgroup 0's release, deferred past that
+    q_full wait: a cycle (BwdConfig's static_assert). The default order arrives before its
+    add: no cycle."""
+    problems = check_protocol(protocol(replace(PANELS, stages=1, deterministic=True, overlap=True)))
+    assert any("hang" in p for p in problems), problems
+    assert check_protocol(protocol(replace(PANELS, stages=1, deterministic=True))) == ()
