@@ -168,8 +168,8 @@ def _consumer(p: Params) -> list[Item | str]:
     for dQ alone (wait_group 1), stages and reduce-adds it while dV and dK run, then waits
     for them (wait_group 0) and releases the slot. With ``early_dv`` it commits dV alone
     right after P^T is packed, waits for dP^T with dV's group still running (wait_group 1),
-    and after the meeting commits dQ, then dK. With ``dv_before_meeting`` it commits dV alone
-    once dS is computed and P^T packed, then stores dS^T, meets, commits dQ, then dK."""
+    and after the meeting commits dQ, then dK. With ``dv_before_meeting`` it packs and stores
+    dS^T, then commits dV alone (its fence covers dQ's too), meets, commits dQ, then dK."""
     main = CodeSite.CONSUMER
     meet = CodeSite.MEET_AND_ISSUE_DQ
 
@@ -219,13 +219,13 @@ def _consumer(p: Params) -> list[Item | str]:
             "dS = P (dP - D)",
             "P^T to 16 bits",
         ]
-    if p.dv_before_meeting:  # dV in a group of its own, before dS^T's store and the meeting
+    listing += ["dS^T to 16 bits", "dS^T -> smem"]
+    if p.dv_before_meeting:  # dV in a group of its own, after dS^T's store, before the meeting
         listing += [
             sync(Kind.WGMMA_FENCE, why="the A registers P^T were written by ordinary code"),
             "dV += P^T dO",
             sync(Kind.WGMMA_COMMIT),
         ]
-    listing += ["dS^T to 16 bits", "dS^T -> smem"]
     regs_fence = sync(
         Kind.WGMMA_FENCE, why="the A registers P^T, dS^T were written by ordinary code"
     )
@@ -259,7 +259,7 @@ def _consumer(p: Params) -> list[Item | str]:
     if p.overlap:
         listing += [
             ds_fence,
-            regs_fence,
+            *([] if p.dv_before_meeting else [regs_fence]),  # dV's fence covers them
             ds_ready,
             "dQ = dS K",
             sync(Kind.WGMMA_COMMIT, source=meet),

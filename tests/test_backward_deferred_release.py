@@ -19,9 +19,11 @@ from fadsl.targets.sm90.backward.verify import build_program, check_protocol
 PANELS = Params(2, 2, 128)  # dQ by head_dim panels: a meeting of every consumer
 BY_KEYS = Params(2, 2, 64)  # dQ by keys: each warpgroup's own barrier
 
-# both consumer orders, dQ by panels, by keys, and by keys with 3 warpgroups
+# both consumer orders, dQ by panels, by keys, and by keys with 3 warpgroups; the overlapped
+# one also with dV issued after the dS^T store, before the meeting (dv_before_meeting)
 DEFERRED = [replace(p, deterministic=True) for p in (PANELS, BY_KEYS, Params(3, 2, 128))]
 DEFERRED += [replace(p, overlap=True) for p in DEFERRED]
+DEFERRED += [replace(p, dv_before_meeting=True) for p in DEFERRED if p.overlap]
 
 
 def _owed_release(items: tuple[Item, ...], phase: LoopPhase) -> list[int]:
@@ -30,6 +32,28 @@ def _owed_release(items: tuple[Item, ...], phase: LoopPhase) -> list[int]:
         for n, x in enumerate(items)
         if x.source is CodeSite.RELEASE_DQ_TICKET and x.phase is phase
     ]
+
+
+@pytest.mark.parametrize("params", DEFERRED, ids=lambda p: p.describe())
+def test_the_release_comes_before_the_front_and_the_meeting(params):
+    """The owed release (wait_group 0, fence, release) right after S^T's and dP^T's issue,
+    before the m-block's first wgmma wait; so before dS^T's store, dV (with
+    dv_before_meeting, issued after that store) and the barrier at dS^T."""
+    items = protocol(params).consumer
+    owed = _owed_release(items, LoopPhase.LOOP)
+    kinds = [items[n].kind for n in owed]
+    assert kinds == [Kind.BULK_WAIT, Kind.FENCE_PROXY_ASYNC_GLOBAL, Kind.SEM_RELEASE], kinds
+    assert owed == list(range(owed[0], owed[0] + 3)), owed  # together
+    loop = [n for n, x in enumerate(items) if x.phase is LoopPhase.LOOP]
+    names = {x.name: n for n, x in enumerate(items) if x.phase is LoopPhase.LOOP and x.name}
+    assert names["dP^T = V dO^T"] < owed[0]
+    first_wait = next(n for n in loop if items[n].kind is Kind.WGMMA_WAIT)
+    # the barrier at dS^T: every consumer's, or by keys the warpgroup's own (whose ticket
+    # wait comes later still, before the reduce-add)
+    at = next(n for n in loop if items[n].kind is Kind.NAMED_BAR_SYNC)
+    assert owed[-1] < first_wait < names["dS^T -> smem"] < at
+    if params.dv_before_meeting:
+        assert names["dS^T -> smem"] < names["dV += P^T dO"] < at < names["dQ = dS K"]
 
 
 @pytest.mark.parametrize("params", DEFERRED, ids=lambda p: p.describe())

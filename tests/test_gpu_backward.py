@@ -54,7 +54,7 @@ VARIANTS += ("fa3_hdim64+br64-overlap", "fa3_hdim64-dqred", "fa3_hdim64_causal-d
 # every head's n-block 0 launched first (the causal mask's CTA order; head_dim 64's B_r 128
 # block spills 4 bytes with it, nvrtc 13.5)
 VARIANTS += ("fa3_causal+longest_first",)
-# dV issued once dS is computed, before the warpgroups meet at dS^T (B_r 80, 64 and 128)
+# dV issued after the dS^T store, before the warpgroups meet (B_r 80, 64 and 128)
 VARIANTS += ("fa3_hopper+dv_before_meeting", "fa3_causal+br64+dv_before_meeting")
 VARIANTS += ("fa3_hdim64+dv_before_meeting",)
 CASES = [(n, d, s) for n in FORWARDS + PLAIN + VARIANTS for d in DTYPES for s in SHAPES]

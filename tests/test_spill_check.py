@@ -52,8 +52,8 @@ def test_ptxas_report_takes_the_largest_over_the_functions():
     assert (usage.registers, usage.stack_bytes, usage.spills) == (96, 32, True)
 
 
-# What NVRTC 13.0 prints (its log, sm_90a) for a backward whose dV product was issued while
-# dS was still computed (dv_before_meeting at B_r 80): no spill, the wgmma serialized.
+# What NVRTC 13.0 prints (its log, sm_90a) for a backward whose dV product was issued before
+# the dS^T store (dv_before_meeting at B_r 80 until 2026-11-30): no spill, the wgmma serialized.
 SERIALIZED_LOG = """\
 ptxas info    : (C7512) Potential Performance Loss: wgmma.mma_async instructions are \
 serialized due to insufficient register resources for the function 'fa3_hopper_bwd_bf16'

@@ -173,8 +173,9 @@ UNNEEDED[True, False] = UNNEEDED[False, False] | _redundant_staging_syncs("dQ = 
 UNNEEDED[True, True] = _redundant_staging_syncs("dK += dS^T Q")
 
 
-# `dv_before_meeting`: dV's own group, closed as the warpgroup turns to ordinary code (the
-# pass's rule, as the header does); dQ's wait would retire it anyway, issued before dQ
+# `dv_before_meeting`: dV's own group, closed as the warpgroup turns to the dS^T fence and
+# the meeting (the pass's rule, as the header does); it is the group just before dQ's, and a
+# wait retires groups oldest first, so every wait that retires dQ retires dV anyway
 DV_GROUP = "consumer: wgmma.commit_group (each m-block) after dV += P^T dO"
 
 
@@ -613,6 +614,14 @@ ISSUE = (
     "      FADSL_BWD_MARK(wg, i, 6);\n      if constexpr (!Cfg::kEarlyDv &&"
 )
 GRADS = "      issue_grad_kv<Cfg>(dk, ds16, q_slot);\n      wgmma_commit();\n      wgmma_wait<1>();"
+DV_BEFORE_MEETING = (
+    "      if constexpr (Cfg::kDvBeforeMeeting) {\n"
+    "        wgmma_fence();  // p16 (its A operand) and dv written by ordinary instructions\n"
+    "        issue_grad_kv<Cfg>(dv, p16, do_slot);\n"
+    "        wgmma_commit();\n"
+    "      }\n"
+)
+DS_PACK = "    pack_pairs<Cfg>(dp, ds16);\n"
 
 
 @pytest.mark.parametrize(
@@ -661,6 +670,17 @@ GRADS = "      issue_grad_kv<Cfg>(dk, ds16, q_slot);\n      wgmma_commit();\n   
         (
             "dV before the meeting: no fence",
             [("wgmma_fence();  // p16 (its A operand) and dv written", "// ")],
+        ),
+        (
+            "dV before the meeting: issued before the dS^T store (its old place)",
+            [
+                (DV_BEFORE_MEETING, ""),
+                (DS_PACK, DV_BEFORE_MEETING.replace("\n  ", "\n") + DS_PACK),
+            ],
+        ),
+        (
+            "dV before the meeting: dQ's fence kept",
+            [("if constexpr (!Cfg::kDvBeforeMeeting) wgmma_fence();", "wgmma_fence();")],
         ),
         (
             "dV before the meeting: issued after the meeting too",

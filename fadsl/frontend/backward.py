@@ -34,7 +34,7 @@ from ..spec.syntax import BackwardDecl, PathDecl, Setting, Word
 # The block's keys, each read as the kernel's key of that name is; `deterministic on|off`
 # orders dQ's accumulation by n-block (bitwise-stable gradients); `overlap on|off` stages dQ
 # while dV and dK run; `early_dv on|off` issues dV as soon as P is packed, before dS;
-# `dv_before_meeting on|off` issues it once dS is computed, before the meeting at dS^T;
+# `dv_before_meeting on|off` issues it after the dS^T store, before the meeting;
 # `longest_first on|off` launches every head's first n-block (the causal mask's longest)
 # before any head's second.
 KERNEL_KEYS = ("tile", "warpgroups", "registers", "stages")

@@ -52,8 +52,8 @@ class Backward:
     overlap: bool = False
     # with overlap: dV issued as soon as P^T is packed, before dS (sm90_bwd.cuh, bwd_consumer)
     early_dv: bool = False
-    # with overlap: dV issued once dS is computed, before the warpgroups meet at dS^T (its
-    # product under the dS^T store and the meeting; sm90_bwd.cuh, bwd_consumer)
+    # with overlap: dV issued after the dS^T store, before the warpgroups meet (its product
+    # under the meeting; FlashAttention-3's order; sm90_bwd.cuh, bwd_consumer)
     dv_before_meeting: bool = False
     # dQ's path is `rf -red.add-> gmem`: added into the accumulator from registers, no staging
     dq_red: bool = False

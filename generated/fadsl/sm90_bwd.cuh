@@ -183,8 +183,8 @@ struct BwdConfig {
   // by head).
   static constexpr bool kLongestFirst = false;
   // `dv_before_meeting on` (a generated Cfg sets it; with kOverlap, not with kEarlyDv): dV
-  // issued once dS is computed and P^T packed, in a wgmma group of its own, so that it runs
-  // under the dS^T store and the warpgroups' meeting, where no product is queued otherwise
+  // issued once dS^T is stored (FlashAttention-3's order), in a wgmma group of its own, so
+  // that it runs under the warpgroups' meeting, where no product is queued otherwise
   static constexpr bool kDvBeforeMeeting = false;
   // `varlen on` (a generated Cfg sets it): packed sequences, cu_seqlens in the params; a CTA
   // per (n-block slot, query head) over the packed keys (bwd_block)
@@ -1087,11 +1087,6 @@ __device__ __forceinline__ void bwd_consumer(const BwdParamsSm90& P, uint32_t sm
       fence_regs(dp);
       bwd_grad_scores<Cfg>(s, dp, dtanh, d_slot, lane);
       pack_pairs<Cfg>(s, p16);
-      if constexpr (Cfg::kDvBeforeMeeting) {  // (only with kOverlap, without kEarlyDv)
-        wgmma_fence();  // p16 (its A operand) and dv written by ordinary instructions
-        issue_grad_kv<Cfg>(dv, p16, do_slot);
-        wgmma_commit();
-      }
     }
     pack_pairs<Cfg>(dp, ds16);
     FADSL_BWD_MARK(wg, i, 4);
@@ -1107,11 +1102,20 @@ __device__ __forceinline__ void bwd_consumer(const BwdParamsSm90& P, uint32_t sm
     FADSL_BWD_MARK(wg, i, 5);
     float dq[Cfg::kDqRegs];
     if constexpr (Cfg::kOverlap) {
+      // `dv_before_meeting on` (only without kEarlyDv): dV after the dS^T store, as
+      // FlashAttention-3 issues it; with any of the store after the issue, ptxas (NVRTC 13.0)
+      // serializes every wgmma (C7512) at head_dim 128 B_r 80 and head_dim 64 B_r 128
+      if constexpr (Cfg::kDvBeforeMeeting) {
+        wgmma_fence();  // p16 (its A operand) and dv written by ordinary instructions
+        issue_grad_kv<Cfg>(dv, p16, do_slot);
+        wgmma_commit();
+      }
       // RAW: dS^T's st.shared (generic proxy) before the dQ wgmma reads it (async proxy)
       fence_proxy_async_smem();
       // dq was read by ordinary instructions (the previous m-block's adds); dk (and dv, p16
-      // unless dV is issued already) and the A registers ds16 written
-      wgmma_fence();
+      // unless dV is issued already) and the A registers ds16 written (with kDvBeforeMeeting
+      // all before dV's wgmma_fence above, and none since)
+      if constexpr (!Cfg::kDvBeforeMeeting) wgmma_fence();
       meet_and_issue_dq<Cfg>(dq, smem, ds_buf, wg);
       FADSL_BWD_MARK(wg, i, 6);
       if constexpr (!Cfg::kEarlyDv && !Cfg::kDvBeforeMeeting) issue_grad_kv<Cfg>(dv, p16, do_slot);

@@ -253,7 +253,7 @@ class Params:
     block_m: int = BLOCK_M  # B_r: 64, 64 per consumer (dQ split by queries), or 80 (dQ^T)
     early_dv: bool = False  # with overlap: dV issued once P^T is packed, before dS
     dq_red: bool = False  # dQ added from registers (red_add_dq), no staging
-    # with overlap: dV issued once dS is computed, before the meeting at dS^T
+    # with overlap: dV issued after the dS^T store, before the meeting
     dv_before_meeting: bool = False
     # B_c: 64 per consumer (0 here: that default); at head_dim 256 80 or 64 for both
     block_n: int = 0

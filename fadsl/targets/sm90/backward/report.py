@@ -153,7 +153,11 @@ def _per_m_block(kernel: Kernel) -> list[str]:
         "P^T = exp2(S^T c log2(e) - LSE log2(e))  (c: softmax_scale)",
         *(["dV += P^T dO  (issued before dS^T)"] if bwd.early_dv else []),
         "dS^T = P^T (dP^T - D)",
-        *(["dV += P^T dO  (issued before the meeting at dS^T)"] if bwd.dv_before_meeting else []),
+        *(
+            ["dV += P^T dO  (after the dS^T store, before the meeting)"]
+            if bwd.dv_before_meeting
+            else []
+        ),
         *([] if bwd.early_dv or bwd.dv_before_meeting else ["dV += P^T dO"]),
         "dK += dS^T Q",
         f"dQ = dS K {_dq_split(kernel)}, {adds}",

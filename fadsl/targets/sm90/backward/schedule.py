@@ -24,8 +24,8 @@ order them is the pass's to find: nothing here says so.
   stages dQ last; the overlapped one issues dQ first, then dV and dK, and stages dQ while
   they run. With ``early_dv`` the overlapped one issues dV inside the front instead, as
   soon as P^T is packed (before dS), so that it runs under the softmax gradient; with
-  ``dv_before_meeting`` once dS is computed and P^T packed, so that it runs under the dS^T
-  store and the warpgroups' meeting.
+  ``dv_before_meeting`` after the dS^T store, before the meeting (FlashAttention-3's
+  order), so that it runs under the warpgroups' meeting.
 
 At head_dim 256 (``Params.split``: bwd_producer_split, bwd_consumer_split) the producer loads
 Q and LSE on the Q ring's q_full and dO and D on the dO ring's do_full; each consumer
@@ -159,11 +159,11 @@ def consumer_steps(p: Params) -> tuple[Item, ...]:
         wgmma("dP^T = V dO^T", (v_rows, do), (), Reg.DP),
         probs,
         *([pack_p, dv, grad_scores] if p.early_dv else [grad_scores, pack_p]),
-        *([dv] if p.dv_before_meeting else []),
     ]
     front = scores + [
         step(Kind.PACK, "dS^T to 16 bits", reg_reads=(Reg.DP,), reg_writes=(Reg.DS16,)),
         step(Kind.ST_SHARED, "dS^T -> smem", writes=(ds_store,), reg_reads=(Reg.DS16,)),
+        *([dv] if p.dv_before_meeting else []),
     ]
     grads = [dk] if p.early_dv or p.dv_before_meeting else [dv, dk]
     # dQ = dS K: by keys, the warpgroup's own rows of dS^T and K; by head_dim panels, all
