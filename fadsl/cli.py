@@ -165,7 +165,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print("fadsl bench: needs a CUDA GPU, and none is visible", file=sys.stderr)
         return EXIT_FAILURE
     if kern.is_varlen:
-        return _bench_varlen(args, kern, heads)
+        return _bench_varlen(args, kern, heads, others)
     if args.backward:
         return _bench_backward(args, kern, heads, others)
     if kern.is_kvcache:
@@ -245,14 +245,12 @@ def _bench_backward(args: argparse.Namespace, kern, heads: int, others: tuple) -
     )  # fmt: skip
 
 
-def _bench_varlen(args: argparse.Namespace, kern, heads: int) -> int:
+def _bench_varlen(args: argparse.Namespace, kern, heads: int, others: tuple) -> int:
     """`fadsl bench` on a `varlen on` spec: packed batches of mixed lengths, --seqlens the
-    longest, the forward or (--backward) the backward (fadsl/tools/bench_varlen.py)."""
+    longest, the forward or (--backward) the backward (fadsl/tools/bench_varlen.py); with
+    --against padded specs, sequences of equal length, each padded kernel on the same tokens."""
     from .tools import bench_varlen
 
-    if args.against:
-        print("fadsl bench: a varlen spec is timed alone; leave out --against", file=sys.stderr)
-        return EXIT_FAILURE
     cfg = kern.config
     if cfg.window or cfg.features.softcap or args.causal != (cfg.mask.value == "causal"):
         print(
@@ -264,7 +262,7 @@ def _bench_varlen(args: argparse.Namespace, kern, heads: int) -> int:
     return _bench_tool(
         args, bench_varlen, kern=kern, max_seqlens=tuple(args.seqlens), causal=args.causal,
         tokens=args.tokens, heads=heads, rounds=args.rounds, dtype_name=args.dtype,
-        backward=args.backward,
+        backward=args.backward, against=others,
     )  # fmt: skip
 
 

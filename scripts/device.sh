@@ -9,7 +9,8 @@
 #   modifiers: tests/test_gpu_modifiers.py (score and keep modifiers), then compute-sanitizer on
 #   scripts/sanitize_modifiers.py (examples/modifiers/ at ragged shapes, every tile class)
 #   varlen: tests/test_gpu_varlen.py, then compute-sanitizer on scripts/sanitize_varlen.py,
-#   then VARLEN_BENCH's specs timed (VARLEN_BACKWARD=1: their backward, beside FA4's)
+#   then VARLEN_BENCH's specs timed (VARLEN_BACKWARD=1: their backward, beside FA4's;
+#   SPEC=PADDED: on equal lengths beside the padded spec, the same tokens)
 #   bwdvarlen (and backward): tests/test_gpu_backward_varlen.py, then compute-sanitizer on
 #   scripts/sanitize_backward_varlen.py
 #   kvcache: tests/test_gpu_kvcache.py and test_gpu_serving_api.py (fadsl.attention_varlen and
@@ -157,9 +158,13 @@ if [[ $steps == *" varlen "* ]]; then
   # (VARLEN_TESTS=0: neither); then `fadsl bench` on each spec of VARLEN_BENCH (mixed
   # lengths up to each of VARLEN_SEQLENS, VARLEN_TOKENS tokens, hidden 2048; FA4's varlen too)
   [[ ${VARLEN_TESTS:-1} == 1 ]] && checked varlen tests/test_gpu_varlen.py scripts/sanitize_varlen.py
-  for spec in ${VARLEN_BENCH:-}; do
+  # SPEC=PADDED: equal lengths, the padded spec on the same tokens (packing's cost)
+  for group in ${VARLEN_BENCH:-}; do
+    spec=${group%%=*}
+    against=""
+    [[ $group == *=* ]] && against="--against ${group#*=}"
     causal=$(grep -qE '^\s*mask\s+causal' "$spec" && echo --causal)
-    python3 -P -m fadsl.cli bench "$spec" $causal ${VARLEN_BACKWARD:+--backward} --hidden 2048 --seqlens ${VARLEN_SEQLENS:-1024,4096,16384} --tokens ${VARLEN_TOKENS:-32768} \
+    python3 -P -m fadsl.cli bench "$spec" $causal $against ${VARLEN_BACKWARD:+--backward} --hidden 2048 --seqlens ${VARLEN_SEQLENS:-1024,4096,16384} --tokens ${VARLEN_TOKENS:-32768} \
       --json "$OUT/varlen_$(basename "$spec" .fa).json" 2>&1 | tee -a "$OUT/bench_varlen.log" | tail -6
     status=$((status | ${PIPESTATUS[0]}))
   done

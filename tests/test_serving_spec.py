@@ -496,6 +496,31 @@ def test_bench_varlen_check_chunks_heads_and_still_catches_a_wrong_row(
         bench_varlen._check(out, q, k, v, lengths, d**-0.5, causal, 40)
 
 
+def test_bench_varlen_against_a_padded_spec_refuses_what_is_not_equal_work():
+    """`fadsl bench VARLEN --against PADDED` times both on equal lengths: refused (before any
+    tensor is made) for a varlen spec against, a padded spec without a backward block when
+    the backward is timed, another head_dim, and tokens that are not whole sequences."""
+    import fadsl.tools.bench_varlen as bench_varlen
+
+    varlen = fadsl.load(str(VARLEN64), verbose=False)
+    padded = fadsl.load(str(ROOT / "examples" / "fa3_hdim64.fa"), verbose=False)
+    text = (ROOT / "examples" / "fa3_hdim64.fa").read_text()
+    forward_only = fadsl.load(
+        re.sub(r"\n  # The backward pass.*?\n  }\n", "\n", text, flags=re.S), verbose=False
+    )
+    assert not forward_only.has_backward
+    with pytest.raises(ValueError, match="a padded spec is what a varlen spec is timed against"):
+        bench_varlen.run(varlen, against=(varlen,))
+    with pytest.raises(ValueError, match="a padded spec with a backward block"):
+        bench_varlen.run(varlen, against=(forward_only,), backward=True)
+    with pytest.raises(ValueError, match="head_dim 128"):
+        bench_varlen.run(
+            varlen, against=(fadsl.load(str(ROOT / "examples" / "fa3_hopper.fa"), verbose=False),)
+        )
+    with pytest.raises(ValueError, match="--tokens 5000 is not a multiple of the sequence length"):
+        bench_varlen.run(varlen, max_seqlens=(1024,), tokens=5000, against=(padded,))
+
+
 def test_num_splits_needs_splits_auto():
     """A kv-cache call asking for pieces from a spec that runs whole tiles is refused by name
     (before any tensor is looked at: no GPU needed)."""

@@ -11,6 +11,11 @@ FLOPs (half of them under the causal mask). Before timing, fadsl's output is che
 float32 attention on the first and the longest sequence: a wrong kernel is never timed. The
 contenders run in balanced orders (bench.py's Williams design), warm-up first, median of the
 rounds' medians.
+
+With padded specs to time against (``against``, `fadsl bench VARLEN --against PADDED`), every
+sequence is L long (``tokens`` / L of them) and each padded kernel runs the same tokens as a
+batch (tokens / L, L, heads, head_dim): what packing costs against the padded layout on equal
+work (FlashAttention's "varlen at least 0.95x the padded kernel" question).
 """
 
 from __future__ import annotations
@@ -58,8 +63,11 @@ def run(
     dtype_name: str | None = None,
     log: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True),
     backward: bool = False,
+    against: tuple[FlashAttention, ...] = (),
 ) -> dict:
     import torch
+
+    from .bench import variants
 
     if backward and not kern.has_backward:
         raise ValueError(f"{kern.config.name} has no backward block: nothing to time")
@@ -68,9 +76,21 @@ def run(
     d = kern.config.head_dim
     scale = d**-0.5
     fa4 = _fa4_varlen()
+    padded = dict(list(variants(kern, against, name).items())[1:])  # "fadsl:<kernel>": kernel
+    for other in against:
+        if other.is_varlen or (backward and not other.has_backward):
+            raise ValueError(
+                f"--against {other.compiled.file}: a padded spec"
+                + (" with a backward block" if backward else "")
+                + " is what a varlen spec is timed against"
+            )
     rows = []
     for max_len in max_seqlens:
-        lengths = lengths_for(max_len, tokens)
+        if against and tokens % max_len:
+            raise ValueError(
+                f"--tokens {tokens} is not a multiple of the sequence length {max_len}"
+            )
+        lengths = [max_len] * (tokens // max_len) if against else lengths_for(max_len, tokens)
         cu = torch.tensor([0, *_prefix(lengths)], dtype=torch.int32, device="cuda")
         q, k, v = (torch.randn(tokens, heads, d, device="cuda", dtype=dtype) for _ in range(3))
         out = torch.empty_like(q)
@@ -85,6 +105,8 @@ def run(
             }
             contenders["fadsl"](0)
             _check(out, q, k, v, lengths, scale, causal, max_len)
+        for label, other in padded.items():  # the same tokens as a padded batch
+            contenders[label] = _padded_call(other, q, k, v, max_len, scale, backward)
         if fa4 is not None and not backward:
 
             def fa4_call(_, q=q, k=k, v=v, cu=cu, longest=longest):
@@ -122,8 +144,24 @@ def run(
         "causal": causal,
         "dtype": name,
         "backward": backward,
+        "equal_lengths": bool(against),
         "rows": rows,
     }
+
+
+def _padded_call(other: FlashAttention, q, k, v, seqlen: int, scale: float, backward: bool):
+    """A padded kernel's forward (or, with ``backward``, its backward through autograd) on the
+    packed tokens viewed as a batch of sequences of ``seqlen``."""
+    import torch
+
+    batch = q.shape[0] // seqlen
+    as_batch = [t.view(batch, seqlen, *t.shape[1:]) for t in (q, k, v)]
+    if not backward:
+        out = torch.empty_like(as_batch[0])
+        return lambda _: other(*as_batch, scale, out=out)
+    leaves = [t.clone().requires_grad_() for t in as_batch]
+    out = other(*leaves, scale)
+    return grad_of(out, leaves, torch.randn_like(out))
 
 
 def _backward_contenders(kern, fa4, q, k, v, cu, lengths, scale, causal, log) -> dict:
@@ -225,10 +263,11 @@ def _check(out, q, k, v, lengths, scale, causal, max_len) -> None:
 
 def table(result: dict) -> str:
     rows = result["rows"]
+    lengths = "every length L" if result.get("equal_lengths") else "lengths uniform in [L/8, L]"
     return ratio_table(
         f"{result['kernel']} varlen{' backward' if result.get('backward') else ''} "
         f"({'causal' if result['causal'] else 'no mask'}, "
-        f"{result['dtype']}), lengths uniform in [L/8, L], {rows[0]['tokens'] if rows else 0} "
+        f"{result['dtype']}), {lengths}, {rows[0]['tokens'] if rows else 0} "
         "tokens",
         "max L  seqs  ",
         rows,
