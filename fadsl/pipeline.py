@@ -59,7 +59,10 @@ def front_end(source: str, file: str = "<spec>") -> Kernel:
     lowered = lower(decl, sink, partial=bool(sink.diagnostics)) if decl is not None else None
     sink.raise_if_any()
     assert lowered is not None
-    return targets.get(lowered.config.target).build_schedule(lowered)
+    try:
+        return targets.get(lowered.config.target).build_schedule(lowered)
+    except SpecError as err:  # what a target reads but does not build yet (sm_90a: FP8)
+        raise SpecError(err.diagnostics, source) from None
 
 
 def compile_source(source: str, file: str = "<spec>", skip: tuple[str, ...] = ()) -> Compiled:

@@ -62,7 +62,7 @@ _HEADER = re.compile(
     r"head_dim=(?P<head_dim>\d+) B_r=(?P<block_r>\d+) B_c=(?P<block_c>\d+) "
     r"warps=(?P<warps>\d+) mask=(?P<mask>\S+) swizzle=(?P<swizzle>none|xor\(\d+, \d+, \d+\)) "
     r"smem_alias=(?P<alias>\S+)(?P<spills> spills=allow)?"
-    r"(?: window=(?P<window_left>\d+),(?P<window_right>\d+))?$"
+    r"(?: window=(?P<window_left>\d+),(?P<window_right>\d+))?(?: output=(?P<output>\S+))?$"
 )
 _BUFFER = re.compile(
     r"buffer (?P<name>\S+) (?P<rows>\d+)x(?P<cols>\d+)x(?P<elem>\d+)B(?: slots=(?P<slots>\d+))? "
@@ -220,6 +220,7 @@ class _Reader:
                 if m["window_left"] is None
                 else Window(int(m["window_left"]), int(m["window_right"]))
             ),
+            out_dtype=None if m["output"] is None else self.enum(Dtype, m["output"]),
         )
 
     def tensor(self, line: str) -> Tensor:

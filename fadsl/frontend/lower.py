@@ -38,6 +38,8 @@ def lower(decl: KernelDecl, sink: DiagnosticSink, partial: bool = False) -> Lowe
     # reported too, and no key is asked for on a guess.
     known = "target" in c.values
     target = targets.get(c.values["target"]) if known else _likely_target(c)
+    if known:
+        _report_foreign_dtypes(c, target)
     tensors = read_paths(c, target)
     required = (*REQUIRED_KEYS, *(target.required_keys if known else ()))
     _report_foreign_keys(c, target)
@@ -112,6 +114,28 @@ def _report_foreign_keys(c: Checks, target: targets.Target) -> None:
                 + (f"; {target.key_hints[key]}" if key in target.key_hints else ""),
             )
             c.values.pop(key, None)
+
+
+def _report_foreign_dtypes(c: Checks, target: targets.Target) -> None:
+    """A dtype the target does not take (e4m3 on sm_80) is refused at its word, saying
+    which targets take it; the dtype line then counts as not set."""
+    offered = target.capabilities.dtypes
+    listed = {d.value: d for d in c.values.get("dtype", ())}
+    for setting in c.decl.settings:
+        if setting.key.text != "dtype" or c.key_locs.get("dtype") != setting.key.loc:
+            continue
+        for value in setting.values:
+            dtype = listed.get(getattr(value, "text", None))
+            if dtype is None or dtype in offered:
+                continue
+            owners = [t for t in targets.names() if dtype in targets.get(t).capabilities.dtypes]
+            why = " (FP8 wgmma)" if dtype.is_8bit else ""
+            c.error(
+                value.loc,
+                f"dtype {dtype.value} needs target {and_list(owners)}{why}; {target.name} "
+                f"takes {and_list([d.value for d in offered])}",
+            )
+            c.values.pop("dtype", None)
 
 
 def _keys_of(target: targets.Target) -> set[str]:

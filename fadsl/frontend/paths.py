@@ -14,7 +14,8 @@ from ..ir import GradRole, Hop, Instr, Level, RegLoad, Role, Scope, Tensor
 from ..spec.syntax import PathDecl, Word
 from ..targets import Target
 
-# Every path has two hops; a longer one is refused as a whole, not hop by hop.
+# Every path has two hops (three for sm_90a's 8-bit V, transposed in SMEM); a longer one is
+# refused as a whole, not hop by hop.
 MAX_HOPS = 4
 
 
@@ -52,9 +53,12 @@ def read_paths(c: Checks, target: Target) -> dict[Role, Tensor]:
 def _path(c: Checks, target: Target, role: Role, path: PathDecl) -> Tensor | None:
     if len(path.hops) > MAX_HOPS:
         shape = "rf -> smem -> gmem" if role is Role.O else "gmem -> smem -> rf"
+        three = ""
+        if role is Role.V and (Level.SMEM, Level.SMEM) in target.capabilities.hop_instrs:
+            three = ", or three for 8-bit V (gmem -> smem -transpose-> smem -> rf)"
         c.error(
             path.hops[MAX_HOPS].loc,
-            f"{role.value}'s path has {len(path.hops)} hops; a path has two ({shape})",
+            f"{role.value}'s path has {len(path.hops)} hops; a path has two ({shape}){three}",
         )
         return None
     ok = True
@@ -110,6 +114,13 @@ def _path(c: Checks, target: Target, role: Role, path: PathDecl) -> Tensor | Non
                 + (f" (it is {and_list(owners)}'s)" if owners else ""),
             )
             ok = False
+        elif scope is not None and Scope(ref.scope.text) is not scope:
+            c.error(
+                ref.scope.loc,
+                f"both smem levels of {role.value}'s path hold its tiles in one scope: "
+                f"smem[{scope.value}], as the first",
+            )
+            ok = False
         else:
             scope = Scope(ref.scope.text)
     if not ok:
@@ -163,10 +174,14 @@ def _hop(c: Checks, target: Target, src: Level, dst: Level, word: Word) -> Hop |
         return None
     instr = Instr(word.text)
     caps = target.capabilities
-    if src is dst:
-        c.error(word.loc, f"a hop must change level, but this one goes {src.value} -> {dst.value}")
-        return None
     allowed = caps.hop_instrs.get((src, dst))
+    if allowed is None and src is dst:
+        c.error(
+            word.loc,
+            f"a hop must change level, but this one goes {src.value} -> {dst.value}"
+            + _same_level_owners(instr, target, src),
+        )
+        return None
     if allowed is None:
         c.error(
             word.loc,
@@ -198,3 +213,17 @@ def _foreign(instr: Instr, target: Target, src: Level, dst: Level, allowed) -> s
         f"'{instr.value}' is an instruction of target {and_list(owners)}; {target.name} "
         f"copies {src.value} -> {dst.value} with {one_of(i.value for i in allowed)}"
     )
+
+
+def _same_level_owners(instr: Instr, target: Target, level: Level) -> str:
+    """For a level-to-level hop only other targets offer (sm_90a's smem -transpose-> smem),
+    whose it is."""
+    owners = [
+        name
+        for name in targets.names()
+        if name != target.name
+        and instr in targets.get(name).capabilities.hop_instrs.get((level, level), ())
+    ]
+    if not owners:
+        return ""
+    return f" ('{instr.value}' is target {and_list(owners)}'s {level.value} -> {level.value} hop)"

@@ -88,6 +88,8 @@ def dtype(c: Checks, setting: Setting) -> tuple[Dtype, ...] | None:
             continue
         if value.text not in names:
             hint = suggest(value.text, names)
+            if value.text.lower().startswith(("fp8", "float8", "e4m3", "e5m2")):
+                hint = f" (the 8-bit floats are 'e4m3' and 'e5m2', on target {_fp8_targets()})"
             c.error(
                 value.loc, f"unknown dtype '{quoted(value.text)}'; expected {one_of(names)}{hint}"
             )
@@ -95,8 +97,26 @@ def dtype(c: Checks, setting: Setting) -> tuple[Dtype, ...] | None:
         if names[value.text] in dtypes:
             c.error(value.loc, f"dtype '{value.text}' is listed twice")
             continue
+        if dtypes and names[value.text].is_8bit != dtypes[0].is_8bit:
+            c.error(value.loc, _mixed_widths(dtypes[0], names[value.text]))
+            continue
         dtypes.append(names[value.text])
     return tuple(dtypes) if dtypes and len(dtypes) == len(setting.values) else None
+
+
+def _fp8_targets() -> str:
+    owners = [t for t in targets.names() if Dtype.E4M3 in targets.get(t).capabilities.dtypes]
+    return " or ".join(owners)
+
+
+def _mixed_widths(first: Dtype, other: Dtype) -> str:
+    # FP8 wgmma (k32) and 16-bit wgmma (k16) make different kernels, tiles and budgets
+    width = {True: "8-bit", False: "16-bit"}
+    return (
+        f"dtype '{other.value}' is {width[other.is_8bit]} and '{first.value}' "
+        f"{width[first.is_8bit]}: a kernel's dtypes are all 8-bit (e4m3, e5m2) or all 16-bit "
+        "(bf16, fp16); write a spec for each"
+    )
 
 
 def head_dim(c: Checks, setting: Setting) -> int | None:

@@ -135,6 +135,8 @@ class Config:
     window: Window | None = None  # `mask window(...)`: a sliding window beside the mask
     # `input`, `score` and `keep` lines (issue 41), through the modifier passes; None: none
     modifiers: Modifiers | None = None
+    # `output` (8-bit dtypes): the type O is written in; None: the inputs' own
+    out_dtype: Dtype | None = None
 
     @property
     def threads(self) -> int:

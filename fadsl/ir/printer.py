@@ -19,6 +19,7 @@ def format_kernel(kernel: Kernel) -> str:
         f"swizzle={cfg.swizzle or 'none'} smem_alias={cfg.smem_alias.value}"
         + (" spills=allow" if cfg.allow_spills else "")
         + (f" window={cfg.window.left},{cfg.window.right}" if cfg.window else "")
+        + (f" output={cfg.out_dtype.value}" if cfg.out_dtype else "")
     ]
     if cfg.ext is not None:
         out.append(cfg.ext.text())

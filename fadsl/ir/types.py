@@ -9,14 +9,27 @@ from enum import Enum
 class Dtype(Enum):
     BF16 = "bf16"
     FP16 = "fp16"
+    # FP8 (sm_90a, research/fp8-forward.md): Q, K and V in 8 bits, O written in 16
+    E4M3 = "e4m3"
+    E5M2 = "e5m2"
+
+    @property
+    def is_8bit(self) -> bool:
+        return self in (Dtype.E4M3, Dtype.E5M2)
 
     @property
     def nbytes(self) -> int:
-        return 2
+        return 1 if self.is_8bit else 2
 
     @property
     def cuda_type(self) -> str:
-        return {Dtype.BF16: "__nv_bfloat16", Dtype.FP16: "half"}[self]
+        # 8-bit data stays raw bytes in a kernel: every conversion is PTX (no cuda_fp8.h)
+        return {Dtype.BF16: "__nv_bfloat16", Dtype.FP16: "half"}.get(self, "uint8_t")
+
+    @property
+    def ptx_type(self) -> str:
+        """The type as wgmma and cvt spell it."""
+        return {Dtype.BF16: "bf16", Dtype.FP16: "f16"}.get(self, self.value)
 
 
 class Mask(Enum):
@@ -39,6 +52,9 @@ class Instr(Enum):
     TMA = "tma"  # sm_90a: cp.async.bulk.tensor (gmem <-> smem)
     WGMMA = "wgmma"  # sm_90a: wgmma.mma_async reads its SMEM operand through a descriptor
     STMATRIX = "stmatrix"  # sm_90a: rf -> smem, 8x8 16-bit matrices
+    # sm_90a, 8-bit V: smem -> smem by the producer warps, V into Vt (keys contiguous), as
+    # FP8 wgmma reads its B operand K-major only
+    TRANSPOSE = "transpose"
     # The backward block's (no forward target offers them as a hop, so a forward path that
     # names one is refused with the instruction its target uses instead):
     BULK = "bulk"  # cp.async.bulk gmem -> smem: a plain span, no tensor map (LSE, D rows)

@@ -68,6 +68,8 @@ class Capabilities:
     alignment: str
     # the SMEM sharing scopes a path may name
     scopes: tuple[Scope, ...] = (Scope.WARP, Scope.CTA)
+    # the dtypes a spec may list (a spec's `dtype` word outside them is refused at the word)
+    dtypes: tuple[Dtype, ...] = (Dtype.BF16, Dtype.FP16)
 
     def runs_on(self, capability: tuple[int, int]) -> bool:
         """Whether the instructions run on a GPU of ``capability`` (``devices``)."""

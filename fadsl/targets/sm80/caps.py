@@ -6,7 +6,7 @@ groups and cp.async.wait_group), ldmatrix; runs on sm_80 to sm_90.
 
 from __future__ import annotations
 
-from ...ir import Instr, Level, Scope
+from ...ir import Dtype, Instr, Level, Scope
 from ...ir.syncmodel import AsyncKind, SyncKind, SyncModel, WaitRule
 from .. import Capabilities
 from ..common_syncs import SYNCTHREADS
@@ -26,6 +26,7 @@ CAPABILITIES = Capabilities(
     archs=(("sm_80", "A100"), ("sm_90a", "H100/H200")),
     devices=((8, 0), False),  # sm_80 and newer
     alignment="16-byte vector loads",
+    dtypes=(Dtype.BF16, Dtype.FP16),  # mma.sync's 16-bit inputs (FP8 is sm_90a's)
 )
 
 # A cp.async copy lands in SMEM some time after it is issued; each step that issues

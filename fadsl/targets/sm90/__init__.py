@@ -78,6 +78,7 @@ TARGET = Target(
         "pack_gqa",
         "splits",
         "spills",
+        "output",
     ),
     key_hints={"warps": "use 'warpgroups producer = 1, consumers = N'"},
     configure=configure,

@@ -28,6 +28,7 @@ from ...ir import Access, Buffer, Kernel, Mode, Partition, Phase, Role, Scope, S
 from ...ir.lowered import Lowered
 from ...ir.ops import Move, Op
 from .caps import TMA_LOAD, TMA_STORE, WGMMA
+from .fp8 import refuse_unbuilt
 
 # Register tiles each consumer op reads and writes (per thread, in the warpgroup's rows).
 S, P, O_ACC = "S", "P", "O"
@@ -57,6 +58,7 @@ def ring_buffers(kernel: Kernel) -> frozenset[str]:
 
 def build_schedule(lowered: Lowered) -> Kernel:
     cfg = lowered.config
+    refuse_unbuilt(cfg)  # 8-bit dtypes: the FP8 kernel's schedule is not built yet
     hw = cfg.ext
     assert hw is not None
     tensors = {t.role: t for t in lowered.tensors}

@@ -1,6 +1,7 @@
 """sm_90a's own settings keys (Target.settings): the warp specialisation (warpgroups,
 registers), the consumers' order (pingpong, overlap), the tile scheduler, the rescale mode,
-the split tail, clusters, Q slots, softcap, varlen, the KV cache, PackGQA and splits. Each
+the split tail, clusters, Q slots, softcap, varlen, the KV cache, PackGQA, splits and the
+8-bit kernels' output type. Each
 reads its value on its own (fadsl/spec/readers.py); what the values mean together is
 validate.py's to check."""
 
@@ -9,7 +10,7 @@ from __future__ import annotations
 from typing import Callable
 
 from ...errors import one_of
-from ...ir import Rescale
+from ...ir import Dtype, Rescale
 from ...spec.checks import Checks, clip, show
 from ...spec.readers import assigns, count, on_off, single, word_choice
 from ...spec.syntax import Call, Number, Setting, Word
@@ -131,6 +132,23 @@ def tail(c: Checks, setting: Setting) -> bool | None:
     return word_choice(c, setting, {"whole": False, "split_kv": True})
 
 
+def output(c: Checks, setting: Setting) -> Dtype | None:
+    """`output bf16|fp16` (sm_90a, 8-bit dtypes): the type O is written in, from its fp32
+    accumulator; bf16 without the line."""
+    value = single(c, setting)
+    if value is None:
+        return None
+    c.key_locs["output_value"] = value.loc  # validate refuses it for 16-bit dtypes
+    if isinstance(value, Word) and value.text in (Dtype.E4M3.value, Dtype.E5M2.value):
+        c.error(
+            value.loc,
+            f"output {value.text}: O is written in 16 bits, 'bf16' or 'fp16' (an 8-bit O "
+            "would round away what its fp32 accumulator holds)",
+        )
+        return None
+    return word_choice(c, setting, {d.value: d for d in (Dtype.BF16, Dtype.FP16)})
+
+
 SETTINGS: dict[str, Callable[[Checks, Setting], object]] = {
     "q_slots": q_slots,
     "warpgroups": warpgroups,
@@ -146,4 +164,5 @@ SETTINGS: dict[str, Callable[[Checks, Setting], object]] = {
     "kv_cache": kv_cache,
     "pack_gqa": pack_gqa,
     "splits": splits,
+    "output": output,
 }

@@ -15,6 +15,8 @@
 - a sliding window (`mask window(...)`) with `cluster 1` and `tail whole` (both pair or
   split tiles by the K/V blocks they share, which a window's tiles do not); so does
   `varlen on`, whose tiles run longest first across the packed sequences.
+- 8-bit dtypes (e4m3, e5m2): V transposed in SMEM, O written as `output bf16|fp16`, and
+  what the first FP8 forward leaves out refused (fp8.py).
 TMA's 16-byte stride and alignment rules concern the tensors: the runtime checks them.
 """
 
@@ -23,6 +25,7 @@ from __future__ import annotations
 from ...spec.checks import Checks, and_list
 from ...ir import AliasPolicy, Config, Instr, Level, Mask, Rescale, Role, Scope, Tensor
 from .config import Sm90Config
+from .fp8 import eight_bit, out_dtype, untransposed_v, validate_fp8, validate_transpose
 from .modifiers import validate_modifiers
 from ...spec.syntax import PathDecl
 from .caps import (
@@ -44,20 +47,28 @@ SCOPES = {Role.Q: Scope.WARPGROUP, Role.K: Scope.CTA, Role.V: Scope.CTA, Role.O:
 OVERHEAD_REGS = 24  # softmax state, addresses, loop counters: an estimate
 
 
-def smem_bytes(block_r: int, block_c: int, head_dim: int, stages: int, q_slots: int = 1) -> int:
+def smem_bytes(
+    block_r: int, block_c: int, head_dim: int, stages: int, q_slots: int = 1, fp8: bool = False
+) -> int:
     """The plan's size: Q's slots, the K and V rings, 1 + 2 x q_slots + 4 x stages
-    mbarriers, 1024 bytes of alignment slack (the least it can be: O over the dead V ring)."""
-    tiles = (q_slots * block_r + 2 * stages * block_c) * head_dim * 2
-    return tiles + 8 * (1 + 2 * q_slots + 4 * stages) + 1024
+    mbarriers, 1024 bytes of alignment slack (the least it can be: O over the dead V ring).
+    ``fp8``: 1-byte tiles, and the transposed V's ring (Vt) beside V's, with its 2 mbarriers
+    a slot (research/fp8-forward.md §3.2)."""
+    rings = 3 if fp8 else 2
+    tiles = (q_slots * block_r + rings * stages * block_c) * head_dim * (1 if fp8 else 2)
+    return tiles + 8 * (1 + 2 * q_slots + 2 * rings * stages) + 1024
 
 
-def consumer_registers(head_dim: int, block_c: int, overlap: bool) -> list[tuple[str, int]]:
+def consumer_registers(
+    head_dim: int, block_c: int, overlap: bool, fp8: bool = False
+) -> list[tuple[str, int]]:
     """Registers per consumer thread live at once: O's and S's fp32 accumulators (a
     warpgroup's 64 rows over 128 threads: d/2 and B_c/2) and, with overlap, P(j) as 16-bit
-    pairs (B_c/4) while S(j+1) is in flight."""
+    pairs (B_c/4; ``fp8``: 8-bit quads, B_c/8) while S(j+1) is in flight."""
     parts = [("O accumulators", head_dim // 2), ("S accumulators", block_c // 2)]
     if overlap:
-        parts.append(("P of the previous block, held during S (overlap on)", block_c // 4))
+        p_regs = block_c // 8 if fp8 else block_c // 4
+        parts.append(("P of the previous block, held during S (overlap on)", p_regs))
     parts.append(("softmax state and addresses", OVERHEAD_REGS))
     return parts
 
@@ -100,14 +111,16 @@ def validate(c: Checks, tensors: dict[Role, Tensor]) -> bool:
         ok = False
     stages = v.get("stages", 2)
     q_slots = v.get("q_slots", 1)
-    need = smem_bytes(block_r, block_c, head_dim, stages, q_slots)
+    fp8 = eight_bit(c)
+    need = smem_bytes(block_r, block_c, head_dim, stages, q_slots, fp8)
     if ok and need > CAPABILITIES.smem_per_cta:
         q_text = (
             f"Q {block_r}x{head_dim}" if q_slots == 1 else f"Q {q_slots} x {block_r}x{head_dim}"
         )
+        rings = "K, V and transposed V rings" if fp8 else "K and V rings"
         if (
             q_slots > 1
-            and smem_bytes(block_r, block_c, head_dim, stages) <= CAPABILITIES.smem_per_cta
+            and smem_bytes(block_r, block_c, head_dim, stages, fp8=fp8) <= CAPABILITIES.smem_per_cta
         ):
             where, advice = c.key_locs["q_slots_value"], "use q_slots 1"
         else:
@@ -115,13 +128,15 @@ def validate(c: Checks, tensors: dict[Role, Tensor]) -> bool:
             advice = "use fewer stages or a smaller B_c"
         c.error(
             where,
-            f"the SMEM plan needs {need} bytes ({q_text}, K and V rings of "
-            f"{stages} x {block_c}x{head_dim}, bf16/fp16, mbarriers, alignment), over "
+            f"the SMEM plan needs {need} bytes ({q_text}, {rings} of "
+            f"{stages} x {block_c}x{head_dim}, {'e4m3/e5m2' if fp8 else 'bf16/fp16'}, "
+            "mbarriers, alignment), over "
             f"sm_90a's {CAPABILITIES.smem_per_cta}; {advice}",
         )
         ok = False
     ok = _registers(c, consumers, head_dim, block_c) and ok
     ok = _knobs(c, consumers) and ok
+    ok = (validate_fp8(c) if fp8 else _output_of_16_bits(c)) and ok
     swizzle = v.get("swizzle", "128B")
     if swizzle != "128B":
         c.error(
@@ -299,7 +314,7 @@ def _registers(c: Checks, consumers: int, head_dim: int, block_c: int) -> bool:
         )
         return False
     overlap = c.values.get("overlap", True)
-    parts = consumer_registers(head_dim, block_c, overlap)
+    parts = consumer_registers(head_dim, block_c, overlap, eight_bit(c))
     need = sum(n for _, n in parts)
     if need > regs["consumers"]:
         listed = and_list(f"{what} ({n})" for what, n in parts)
@@ -311,6 +326,17 @@ def _registers(c: Checks, consumers: int, head_dim: int, block_c: int) -> bool:
         )
         return False
     return True
+
+
+def _output_of_16_bits(c: Checks) -> bool:
+    """`output` with 16-bit dtypes: refused, O has the inputs' type."""
+    if "output" not in c.values:
+        return True
+    c.error(
+        c.key_locs["output_value"],
+        "a 16-bit kernel writes O in its own type: 'output' is for 8-bit dtypes (e4m3, e5m2)",
+    )
+    return False
 
 
 def _knobs(c: Checks, consumers: int) -> bool:
@@ -394,10 +420,14 @@ def configure(c: Checks) -> Config:
             pack_gqa=v.get("pack_gqa", False),
             split_all=v.get("splits", False),
         ),
+        out_dtype=out_dtype(c),
     )
 
 
 def validate_path(c: Checks, role: Role, path: PathDecl, levels: list[Level], hops: list) -> bool:
+    transpose = next((hop for hop in hops if hop.instr is Instr.TRANSPOSE), None)
+    if transpose is not None:
+        return validate_transpose(c, role, path, levels, transpose)
     if role is Role.O:
         want = [Level.RF, Level.SMEM, Level.GMEM]
         text = "O must go rf -stmatrix-> smem[warpgroup] -tma-> gmem"
@@ -411,4 +441,4 @@ def validate_path(c: Checks, role: Role, path: PathDecl, levels: list[Level], ho
         c.error(path.tensor.loc, text)
         return False
     assert all(h.instr in (Instr.TMA, Instr.WGMMA, Instr.STMATRIX) for h in hops)
-    return True
+    return role is not Role.V or untransposed_v(c, path)

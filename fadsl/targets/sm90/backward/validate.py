@@ -220,6 +220,14 @@ def validate_backward(c: Checks, block: BackwardBlock) -> Backward | None:
     """The block checked against the kernel it belongs to, every default filled in; None
     when something was reported."""
     head_dim = c.values.get("head_dim")
+    if any(d.is_8bit for d in c.values.get("dtype", ())):
+        block.checks.error(
+            block.loc,
+            "8-bit dtypes have no backward pass (the FP8 kernel is a forward, "
+            "research/fp8-forward.md): remove the backward block; the kernel is then "
+            "forward-only",
+        )
+        return None
     ok = _kernel_settings(c)
     ok = _shape(block, head_dim) and ok
     if block.values.get("longest_first") and c.values.get("mask", Mask.NONE) is not Mask.CAUSAL:
