@@ -37,12 +37,14 @@ def kernels():
     return {name: fadsl.load(text, verbose=False) for name, text in SPECS.items()}
 
 
-def reference(q, k, v, scale, causal, dtype, softcap=None, window=None):
+def reference(q, k, v, scale, causal, dtype, softcap=None, window=None, bias=None, keep=None):
     """Attention and LSE with GQA and a bottom-right causal mask, in ``dtype`` (softmax in fp32;
     all of it in float64 for float64). Rows that see no key give 0 and LSE -inf. ``softcap``:
     the scores capped, softcap tanh(s scale / softcap), before the mask. ``window``: (left,
     right), FlashAttention's window_size: query i sees key j iff i + sk - sq - left <= j <=
-    i + sk - sq + right (with ``causal`` too)."""
+    i + sk - sq + right (with ``causal`` too). ``bias(i, j)``: added to the scaled scores (a
+    (heads, sq, sk) tensor); ``keep``: a boolean (batch, heads, sq, sk) or broadcastable
+    tensor, False masked (score modifiers and keep predicates)."""
     sq, sk = q.shape[1], k.shape[1]
     groups = q.shape[2] // k.shape[2]
     q, k, v = (t.to(dtype).transpose(1, 2) for t in (q, k, v))
@@ -52,6 +54,11 @@ def reference(q, k, v, scale, causal, dtype, softcap=None, window=None):
     scores = torch.matmul(q, k.transpose(2, 3)).to(work) * scale
     if softcap is not None:
         scores = softcap * torch.tanh(scores / softcap)
+    if bias is not None:
+        rows = torch.arange(sq, device=q.device)[:, None]
+        scores = scores + bias(rows, torch.arange(sk, device=q.device)[None, :]).to(work)
+    if keep is not None:
+        scores = scores.masked_fill(~keep, float("-inf"))
     if causal:
         i = torch.arange(sq, device=q.device)[:, None]
         j = torch.arange(sk, device=q.device)[None, :]

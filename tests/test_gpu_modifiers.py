@@ -1,7 +1,7 @@
 """Score and mask modifiers (issue 41) on the GPU: the modifier examples and variants of them
 (causal and not, every rescale mode, head_dim 64 and 128), both dtypes, odd shapes, GQA, rows
-that see no key, against a float64 reference written here by hand (the modifier applied in
-torch, not from the IR) with FlashAttention's rule; the LSE within 1e-3 relative. Scores
+that see no key, against test_gpu_general's float64 reference (the modifier applied in torch
+as its bias and keep, not from the IR) with FlashAttention's rule; the LSE within 1e-3 relative. Scores
 that jump by hundreds of log2 units from block to block drive the rescale's rare paths,
 where guarded recomputes S and applies the score again. The built-in softcap written as a
 score runs the built-in's kernel: the same bits."""
@@ -16,6 +16,7 @@ import torch
 
 import fadsl
 from conftest import ROOT
+from test_gpu_general import reference
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability(0) == (9, 0)
 pytestmark = [
@@ -67,32 +68,6 @@ def kernel(name: str, text: str | None = None):
     return _loaded[name]
 
 
-def reference(q, k, v, scale, causal, dtype, bias=None, keep=None):
-    """Attention and LSE in ``dtype`` (softmax in fp32; float64 throughout for float64) with
-    GQA, ``bias(i, j, heads)`` added to the scaled scores (a (heads, sq, sk) tensor), a
-    bottom-right causal mask and ``keep`` (a boolean (batch, heads, sq, sk) or broadcastable
-    tensor). Rows that see no key give 0 and LSE -inf."""
-    sq, sk = q.shape[1], k.shape[1]
-    groups = q.shape[2] // k.shape[2]
-    q, k, v = (t.to(dtype).transpose(1, 2) for t in (q, k, v))
-    k = k.repeat_interleave(groups, dim=1)
-    v = v.repeat_interleave(groups, dim=1)
-    work = torch.float64 if dtype == torch.float64 else torch.float32
-    scores = torch.matmul(q, k.transpose(2, 3)).to(work) * scale
-    i = torch.arange(sq, device=q.device)[:, None]
-    j = torch.arange(sk, device=q.device)[None, :]
-    if bias is not None:
-        scores = scores + bias(i, j).to(work)
-    if causal:
-        scores = scores.masked_fill(j > i + sk - sq, float("-inf"))
-    if keep is not None:
-        scores = scores.masked_fill(~keep, float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)
-    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
-    out = torch.matmul(probs.to(dtype), v).to(work)
-    return out.transpose(1, 2), lse
-
-
 def alibi_bias(slopes):
     """ALiBi as the spec writes it: slopes[h] (kv_idx - q_idx), shape (heads, sq, sk)."""
     return lambda i, j: slopes.double()[:, None, None] * (j - i).double()[None]
@@ -136,8 +111,8 @@ def test_alibi_matches_float64(name, dtype, sq, sk):
     out, lse = kern(q, k, v, scale, out=out, return_lse=True, slopes=slopes)
     torch.cuda.synchronize()
     bias = alibi_bias(slopes)
-    ref, ref_lse = reference(q, k, v, scale, causal, torch.float64, bias)
-    low, _ = reference(q, k, v, scale, causal, q.dtype, bias)
+    ref, ref_lse = reference(q, k, v, scale, causal, torch.float64, bias=bias)
+    low, _ = reference(q, k, v, scale, causal, q.dtype, bias=bias)
     check(out, lse, ref, ref_lse, low, name)
     if sq > 1 and sk > 1:  # the slopes decide: without them the result differs
         plain = reference(q, k, v, scale, causal, torch.float64)[0]
@@ -212,11 +187,11 @@ def test_prefix_lm_matches_float64(name, dtype, sq, sk):
     out = torch.full_like(q, float("nan"))
     out, lse = kern(q, k, v, scale, out=out, return_lse=True, **inputs)
     torch.cuda.synchronize()
-    ref, ref_lse = reference(q, k, v, scale, False, torch.float64, bias, keep)
-    low, _ = reference(q, k, v, scale, False, q.dtype, bias, keep)
+    ref, ref_lse = reference(q, k, v, scale, False, torch.float64, bias=bias, keep=keep)
+    low, _ = reference(q, k, v, scale, False, q.dtype, bias=bias, keep=keep)
     check(out, lse, ref, ref_lse, low, name)
     if sq > 1 and sk > 1:  # the prefix decides: plain causal attention differs
-        causal = reference(q, k, v, scale, True, torch.float64, bias)[0]
+        causal = reference(q, k, v, scale, True, torch.float64, bias=bias)[0]
         assert (causal - ref).abs().max().item() > 0.05, "the prefix did not matter here"
 
 
@@ -258,8 +233,8 @@ def test_a_mask_written_as_keep_gives_the_built_in_masks_results(mask, dtype, sq
     if mask == "window":
         keep &= j >= i + sk - sq - 256
     scale = 128**-0.5
-    ref, ref_lse = reference(q, k, v, scale, False, torch.float64, None, keep)
-    low, _ = reference(q, k, v, scale, False, q.dtype, None, keep)
+    ref, ref_lse = reference(q, k, v, scale, False, torch.float64, keep=keep)
+    low, _ = reference(q, k, v, scale, False, q.dtype, keep=keep)
     check(again, again_lse, ref, ref_lse, low, f"keep {mask}")
     check(out, lse, ref, ref_lse, low, f"mask {mask}")
     assert torch.equal(lse == -math.inf, again_lse == -math.inf)
