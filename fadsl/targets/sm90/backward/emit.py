@@ -72,6 +72,13 @@ def dq_split(bwd: Backward, head_dim: int) -> str:
     return f"by head_dim panels ({share} columns each, over all {bwd.block_n} keys)"
 
 
+def dq_semaphores(bwd: Backward, head_dim: int) -> int:
+    """`deterministic on`'s ticket counters per m-block (sm90_bwd.cuh's kDqSemaphores): one
+    per warpgroup share of dQ where the shares are disjoint, one where each warpgroup adds
+    into all of it (by keys)."""
+    return 1 if dq_by_keys(bwd, head_dim) else bwd.consumers
+
+
 def smem_bytes(bwd: Backward, head_dim: int) -> int:
     return plan_smem(bwd, head_dim).total + BASE_ALIGN_SLACK
 

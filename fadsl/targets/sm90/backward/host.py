@@ -23,7 +23,7 @@ from typing import Any, Callable
 from ....ir import Kernel
 from ...launch import KernelLaunch, sm_count
 from ..host.tma import tensor_map
-from .emit import AUX_THREADS, convert_ctas, prep_rows_per_cta, smem_bytes
+from .emit import AUX_THREADS, convert_ctas, dq_semaphores, prep_rows_per_cta, smem_bytes
 
 PANEL_COLS = 64
 # BwdParamsSm90: four 128-byte tensor maps, then (sm90_bwd.cuh's order) 6 pointers, 6 int64
@@ -196,9 +196,10 @@ def _launch_all(
     lse_log2 = torch.empty((batch, heads_q, rows), **f32)
     dpsum = torch.empty((batch, heads_q, rows), **f32)
     dq_accum = torch.empty((batch, heads_q, rows * head_dim), **f32)
-    # `deterministic on`: one int per (batch, head, m-block), zeroed by the preprocess
+    # `deterministic on`: one int per (batch, head, m-block, share), zeroed by the preprocess
+    shares = dq_semaphores(bwd, head_dim)
     semaphore = (
-        torch.empty((batch, heads_q, m_blocks), device=device, dtype=torch.int32)
+        torch.empty((batch, heads_q, m_blocks, shares), device=device, dtype=torch.int32)
         if bwd.deterministic
         else None
     )

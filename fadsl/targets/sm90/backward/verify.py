@@ -50,9 +50,16 @@ spans at most stages m-blocks (a slot reused) or 2 (a dS^T buffer); m = 0 is the
 visits no m-block (no load and no wait: dK = dV = 0).
 
 The deterministic semaphore (``deterministic on``), and why only its order within the CTA
-is checked in the model. The reduce-adds into m-block m's accumulator are ordered by ticket
-t = place * consumers + wg through a counter per (batch, head, m-block), zeroed by the
-preprocess kernel: the leader of ticket t spins (ld.acquire.gpu) until the counter reads t,
+is checked in the model. Where the warpgroups' shares of dQ are disjoint (split by queries,
+by head_dim panels or transposed), each share's reduce-adds are ordered by ticket t = place
+through a counter per (batch, head, m-block, share); where every warpgroup adds into all of
+it (split by keys, ``Params.dq_by_keys``) by t = place * consumers + wg through one counter
+per (batch, head, m-block). Both zeroed by the preprocess kernel. Per share, a warpgroup
+waits only on the same warpgroup of the CTA before it at the m-block, never on this CTA's
+other warpgroups, so the model has no ticket event then; each such wait is one that the
+single counter's order implies too (wg of n-block n after wg - 1 of n after ... after wg
+of the n-block placed before n), so (1) below holds a fortiori. The leader of ticket t
+spins (ld.acquire.gpu) until the counter reads t,
 adds and commits; it then owes the release of t + 1 (release_dq_ticket: wait_group 0,
 fence, st.release.gpu), which it pays in its next m-block once S^T and dP^T are issued,
 before the first wgmma wait (Guard.OWED), or after the loop for its last m-block.
@@ -78,7 +85,7 @@ release of m, is never waited for by wg: wg reaches its deferred release before 
 meeting of m + 1, and the ring does not block it. With one stage it would (q_full of i + 1
 needs warpgroup wg + 1's q_empty of i, after its ticket in the overlapped order): BwdConfig
 static_asserts stages >= 2 with deterministic on, and ``parameter_space`` has none.
-Within the CTA, ticket place C + w waits for warpgroup w - 1's release of the same m-block:
+Within the CTA (split by keys), ticket place C + w waits for warpgroup w - 1's release of the same m-block:
 modelled here as an mbarrier (one per m-block and warpgroup boundary, arrived where the
 deferred release runs) so that the model proves it cannot deadlock with the named barriers
 and the ring; warpgroup 0's wait, on the CTA below, is left out (it returns, by the
@@ -315,9 +322,9 @@ def _lower(proto: Protocol, item: Item, at: _At) -> list[Event]:
             return [BulkCommit()]
         case Kind.BULK_WAIT_READ | Kind.BULK_WAIT:
             return [BulkWait(item.pending)]
-        case Kind.SEM_ACQUIRE if at.wg > 0:  # the previous warpgroup of this CTA
+        case Kind.SEM_ACQUIRE if at.wg > 0 and p.dq_by_keys:  # this CTA's previous warpgroup
             return [Wait(ticket_name(at.wg, at.i), 0, why)]
-        case Kind.SEM_RELEASE if at.wg < p.consumers - 1:
+        case Kind.SEM_RELEASE if at.wg < p.consumers - 1 and p.dq_by_keys:
             return [Arrive(ticket_name(at.wg + 1, at.i), 1, 0, why)]
         case Kind.SEM_ACQUIRE | Kind.SEM_RELEASE | Kind.WGMMA_FENCE:
             return []  # the CTA below or above; wgmma.fence: register_problems
@@ -391,7 +398,7 @@ def build_program(proto: Protocol, m_count: int) -> Program:
             rings = {Index.RING: range(p.stages), Index.RING_DO: range(p.do_stages)}
             slots = rings.get(item.slot, [None])
             counts += [(mbar_name(item.mbar, slot), item.count) for slot in slots]
-    if p.deterministic:
+    if p.deterministic and p.dq_by_keys:
         counts += [(ticket_name(wg, i), 1) for wg in range(1, p.consumers) for i in range(m_count)]
     return Program(tuple(agents), tuple(counts))
 
