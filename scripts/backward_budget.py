@@ -5,7 +5,9 @@ own durations (torch.profiler), medians over a few calls. Hidden 2048, 16384 tok
 
 Usage (a Hopper GPU): python3 -P scripts/backward_budget.py SPEC... [--seqlens 1024,16384]
 Prints one line per (spec, seqlen): each kernel's microseconds and share of the call, and
-the main kernel's TF/s (2.5 x the forward's FLOPs over the main kernel alone).
+the main kernel's TF/s (2.5 x the forward's FLOPs over the main kernel alone). A spec with
+`varlen on` is called on the same batch packed (equal lengths, its varlen() call), so that a
+varlen spec beside its padded one shows what packing costs kernel by kernel.
 """
 
 from __future__ import annotations
@@ -22,9 +24,20 @@ import fadsl
 CALLS = 5
 
 
-def kernel_times(kern, q, k, v, dout) -> dict[str, float]:
+def packed_call(kern, batch: int, seqlen: int):
+    """The spec's varlen() call over ``batch`` sequences of ``seqlen`` tokens each."""
+    cu = torch.arange(0, (batch + 1) * seqlen, seqlen, device="cuda", dtype=torch.int32)
+
+    def call(q, k, v):
+        flat = [t.flatten(0, 1) for t in (q, k, v)]
+        return kern.varlen(*flat, cu, cu, seqlen, seqlen).view(q.shape)
+
+    return call
+
+
+def kernel_times(kern, q, k, v, dout, call=None) -> dict[str, float]:
     """Median microseconds of each kernel the backward launches, by the kernel's role."""
-    out = kern(q, k, v)
+    out = (call or kern)(q, k, v)
     torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)  # warm-up: built and loaded
     torch.cuda.synchronize()
     per_call: dict[str, list[float]] = defaultdict(list)
@@ -67,7 +80,9 @@ def main() -> None:
                 for _ in range(3)
             )
             dout = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
-            times = kernel_times(kern, q, k, v, dout)
+            varlen = getattr(kern.config, "varlen", False)
+            call = packed_call(kern, batch, seqlen) if varlen else None
+            times = kernel_times(kern, q, k, v, dout, call)
             total = sum(times.values())
             fwd = 4 * batch * heads * seqlen * seqlen * d * (0.5 if causal else 1.0)
             main_tfs = 2.5 * fwd / (times.get("main", float("nan")) * 1e-6) / 1e12

@@ -342,12 +342,15 @@ OUTSIDE = {
 }
 
 
+@pytest.mark.parametrize("heads_kv", [2, 8], ids=["gqa", "mha"])
 @pytest.mark.parametrize("case", OUTSIDE)
-def test_rows_outside_the_sequences_get_zero_gradients(case):
+def test_rows_outside_the_sequences_get_zero_gradients(case, heads_kv):
     """cu_seqlens need not cover the tensors (a statically padded packed batch): rows before
-    cu[0] and from cu[B] on get dq = dk = dv = 0; the sequences' are right."""
+    cu[0] and from cu[B] on get dq = dk = dv = 0 (the preprocess zeroes them; without GQA dk
+    and dv are stored in place, with it cast from zeroed fp32 accumulators), on a poisoned
+    allocator; the sequences' are right."""
     rows_q, rows_k, starts_q, starts_k = OUTSIDE[case]
-    q, k, v, dout, _, _ = packed([rows_q], [rows_k], 8, 2, 128, torch.bfloat16, seed=17)
+    q, k, v, dout, _, _ = packed([rows_q], [rows_k], 8, heads_kv, 128, torch.bfloat16, seed=17)
     cu_q = torch.tensor(starts_q, dtype=torch.int32, device="cuda")
     cu_k = torch.tensor(starts_k, dtype=torch.int32, device="cuda")
     poison_allocator(4 * q.numel() * 8)

@@ -106,6 +106,14 @@ struct BwdPrepParams {
   int seqlen_q, seqlen_q_rounded, heads_q;
   const int* cu_seqlens_q;  // `varlen on` (null otherwise): BwdParamsSm90's
   int sequences;
+  // `varlen on`: the gradients the later kernels write in place, rows of q_row_bytes (dq) and
+  // k_row_bytes (dk, dv; null where the main kernel adds into fp32 accumulators instead),
+  // zeroed here outside every sequence (bwd_zero_outside)
+  void* dq;
+  void* dk;
+  void* dv;
+  const int* cu_seqlens_k;
+  int tokens_k, q_row_bytes, k_row_bytes;
 };
 
 static_assert(sizeof(BwdParamsSm90) == 768, "BwdParamsSm90's layout is fadsl/targets/sm90/backward/host.py's");
@@ -119,7 +127,7 @@ struct BwdConvertParams {
   const int* cu_seqlens_q;  // `varlen on` (null otherwise): BwdParamsSm90's
   int sequences;
 };
-static_assert(sizeof(BwdPrepParams) == 160 && sizeof(BwdConvertParams) == 72,
+static_assert(sizeof(BwdPrepParams) == 208 && sizeof(BwdConvertParams) == 72,
               "the host's layouts (fadsl/targets/sm90/backward/host.py)");
 
 // ---------------------------------------------------------------------------
@@ -1183,6 +1191,48 @@ __device__ __forceinline__ void bwd_consumer(const BwdParamsSm90& P, uint32_t sm
 // ---------------------------------------------------------------------------
 // 7. Preprocess and dQ's conversion (256 threads per CTA, 16-byte accesses)
 // ---------------------------------------------------------------------------
+
+// `varlen on`: rows [0, cu[0]) and [cu[sequences], tokens) of a gradient belong to no
+// sequence; no later kernel writes them, so they are zeroed here (FlashAttention-3 leaves
+// them unwritten).  With malformed cu_seqlens (a sequence before row 0, decreasing, past the
+// tokens: valid_sequences' rule) every row is zeroed, and the main kernel and dQ's conversion
+// then write the well-formed sequences' rows (stream order; the forward made O and the LSE
+// NaN).  The preprocess's first kZeroCtas CTAs of head 0 do it, 16 bytes a store.  Zeroing
+// only these rows, not the whole tensors, saved 63 us of a 1k-token backward (16 x 1024,
+// hidden 1024, H200, 2026-11-30: scripts/backward_budget.py).
+constexpr int kZeroCtas = 16;
+
+__device__ __forceinline__ void zero_bytes(void* base, int64_t begin, int64_t end) {
+  const int64_t first = begin / 16, last = end / 16;  // (rows of 16-byte multiples)
+  uint4* at = static_cast<uint4*>(base);
+  for (int64_t i = first + blockIdx.x * 256 + threadIdx.x; i < last; i += kZeroCtas * 256) {
+    at[i] = make_uint4(0u, 0u, 0u, 0u);
+  }
+}
+
+__device__ __forceinline__ void zero_outside(void* t, const int* cu, int sequences, int tokens, int row_bytes,
+                                             bool valid) {
+  if (t == nullptr) return;
+  const int64_t bytes = static_cast<int64_t>(tokens) * row_bytes;
+  const int64_t begin = valid ? static_cast<int64_t>(cu[0]) * row_bytes : bytes;
+  const int64_t end = valid ? static_cast<int64_t>(cu[sequences]) * row_bytes : bytes;
+  zero_bytes(t, 0, begin);
+  zero_bytes(t, end, bytes);
+}
+
+__device__ __forceinline__ void bwd_zero_outside(const BwdPrepParams& P) {
+  if (blockIdx.x >= kZeroCtas || blockIdx.y != 0) return;
+  bool ok = true;  // valid_sequences' rule, over both cu_seqlens
+  for (int b = threadIdx.x; b < P.sequences; b += 256) {
+    const int q0 = P.cu_seqlens_q[b], q1 = P.cu_seqlens_q[b + 1];
+    const int k0 = P.cu_seqlens_k[b], k1 = P.cu_seqlens_k[b + 1];
+    ok = ok && 0 <= q0 && q0 <= q1 && q1 <= P.seqlen_q && 0 <= k0 && k0 <= k1 && k1 <= P.tokens_k;
+  }
+  const bool valid = __syncthreads_and(ok);
+  zero_outside(P.dq, P.cu_seqlens_q, P.sequences, P.seqlen_q, P.q_row_bytes, valid);
+  zero_outside(P.dk, P.cu_seqlens_k, P.sequences, P.tokens_k, P.k_row_bytes, valid);
+  zero_outside(P.dv, P.cu_seqlens_k, P.sequences, P.tokens_k, P.k_row_bytes, valid);
+}
 
 // The preprocess: 8 elements of a row per thread (one 16-byte load of O and one of dO), so
 // head_dim / 8 threads per row and 256 * 8 / head_dim rows per CTA (the host's grid:

@@ -33,8 +33,9 @@ PANEL_COLS = 64
 DKV_STORE_T, DKV_STORE_PARTIAL, DKV_ADD_FP32 = 0, 1, 2
 MAIN_FIELDS = struct.Struct("<6Q6q7i2fi2Qi")
 MAIN_BYTES = 768
-# BwdPrepParams: 8 pointers, 8 int64 strides, 3 ints, the varlen pointer and int; 160 bytes.
-PREP = struct.Struct("<8Q8q3i4xQi4x")
+# BwdPrepParams: 8 pointers, 8 int64 strides, 3 ints, the varlen pointer and int, then the
+# varlen gradients to zero outside the sequences (4 pointers, 3 ints); 208 bytes.
+PREP = struct.Struct("<8Q8q3i4xQi4x4Q3i4x")
 # BwdConvertParams: 2 pointers, 3 int64 strides, 3 ints, a float, the varlen pointer and int.
 CONVERT = struct.Struct("<2Q3q3ifQi4x")
 LOG2E = 1.4426950408889634
@@ -125,9 +126,11 @@ def run_varlen(
     bwd = kernel.backward
     sequences = cu_seqlens_q.shape[0] - 1
     tokens_q, tokens_k = q.shape[0], k.shape[0]
-    grads = (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v))
     if tokens_q == 0 or tokens_k == 0 or sequences == 0:
-        return grads
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    # contiguous rows: the preprocess zeroes those outside every sequence (bwd_zero_outside),
+    # the later kernels write the rest
+    grads = tuple(torch.empty(t.shape, device=t.device, dtype=t.dtype) for t in (q, k, v))
     r = bwd.block_m
     layout = _Layout(
         # each sequence starts a chunk of r rows of its own: at most r rows more each
@@ -152,6 +155,25 @@ def run_varlen(
         zero_partials=True,
     )
     return dq[0], dk[0], dv[0]
+
+
+def _zeroed_outside(layout: _Layout, dq, dk, dv, dkv_store: int) -> tuple[int, ...]:
+    """BwdPrepParams' last fields: with packed sequences the gradients whose rows outside
+    every sequence the preprocess zeroes (dk and dv only where the main kernel stores them
+    in place, not into fp32 accumulators), cu_seqlens_k, the keys' rows and the bytes of a
+    row of dq and of dk; nothing otherwise."""
+    if not layout.cu_q:
+        return (0, 0, 0, 0, 0, 0, 0)
+    in_place = dkv_store == DKV_STORE_T
+    return (
+        dq.data_ptr(),
+        dk.data_ptr() if in_place else 0,
+        dv.data_ptr() if in_place else 0,
+        layout.cu_k,
+        dk.shape[1],
+        dq[0, 0].numel() * dq.element_size(),
+        dk[0, 0].numel() * dk.element_size() if in_place else 0,
+    )
 
 
 def _in_visit_order(kernel: Kernel, key_ctas: int, device) -> bool:
@@ -240,6 +262,7 @@ def _launch_all(
                 heads_q,
                 layout.cu_q,
                 layout.sequences,
+                *_zeroed_outside(layout, dq, dk, dv, dkv_store),
             ),
         )
     )
