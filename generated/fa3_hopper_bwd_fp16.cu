@@ -70,7 +70,6 @@ extern "C" __global__ void __launch_bounds__(Cfg::kThreads, 1) fa3_hopper_bwd_fp
 }
 
 extern "C" __global__ void __launch_bounds__(256) fa3_hopper_bwd_fp16_preprocess(const __grid_constant__ BwdPrepParams P) {
-  if constexpr (Cfg::kVarlen) bwd_zero_outside(P);  // rows outside every sequence
   bwd_preprocess_row<Cfg>(P);
 }
 
