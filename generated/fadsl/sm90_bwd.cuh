@@ -1197,15 +1197,17 @@ __device__ __forceinline__ void bwd_consumer(const BwdParamsSm90& P, uint32_t sm
 // them unwritten).  With malformed cu_seqlens (a sequence before row 0, decreasing, past the
 // tokens: valid_sequences' rule) every row is zeroed, and the main kernel and dQ's conversion
 // then write the well-formed sequences' rows (stream order; the forward made O and the LSE
-// NaN).  The preprocess's first kZeroCtas CTAs of head 0 do it, 16 bytes a store.  Zeroing
+// NaN).  The preprocess's first kZeroCtas CTAs of head 0 (fewer where its grid has fewer)
+// do it, 16 bytes a store.  Zeroing
 // only these rows, not the whole tensors, saved 63 us of a 1k-token backward (16 x 1024,
 // hidden 1024, H200, 2026-11-30: scripts/backward_budget.py).
 constexpr int kZeroCtas = 16;
 
 __device__ __forceinline__ void zero_bytes(void* base, int64_t begin, int64_t end) {
   const int64_t first = begin / 16, last = end / 16;  // (rows of 16-byte multiples)
+  const int ctas = imin(kZeroCtas, static_cast<int>(gridDim.x));
   uint4* at = static_cast<uint4*>(base);
-  for (int64_t i = first + blockIdx.x * 256 + threadIdx.x; i < last; i += kZeroCtas * 256) {
+  for (int64_t i = first + blockIdx.x * 256 + threadIdx.x; i < last; i += ctas * 256) {
     at[i] = make_uint4(0u, 0u, 0u, 0u);
   }
 }
