@@ -35,7 +35,8 @@
 #   and memory sections for the main kernel of each of BWD_NCU_SPECS (default fa3_hopper and
 #   fa3_hdim64; "": none) at 1 x 16384
 #   bwdtrace: scripts/backward_trace.py (the backward's m-block timeline) on each of
-#   BWD_TRACE_SPECS (default the four training examples) at each of BWD_TRACE_SEQLENS
+#   BWD_TRACE_SPECS (spec files, or training variants' names as BWD_SPECS takes them, e.g.
+#   fa3_hopper+deterministic-dqred+s2; default the four training examples) at each of BWD_TRACE_SEQLENS
 #   (default "1024 16384"), hidden 2048
 #   fa4stage: copy the carried .fa4a (FlashAttention-4's first half) to /tmp/fa4; a later call
 #   on the same warm machine that carries .fa4b installs it (bench times it then)
@@ -147,6 +148,10 @@ if [[ $steps == *" bwdprobe "* ]]; then
 fi
 if [[ $steps == *" bwdtrace "* ]]; then
   for spec in ${BWD_TRACE_SPECS:-examples/fa3_hopper.fa examples/fa3_causal.fa examples/fa3_hdim64.fa examples/fa3_hdim64_causal.fa}; do
+    if [[ ! -f $spec ]]; then  # a training variant's name, as BWD_SPECS takes (NAME+KEY...)
+      python3 -P -c "import sys; sys.path.insert(0, 'tests'); from test_gpu_backward import training_spec; open('/tmp/$spec.fa', 'w').write(training_spec('$spec'))"
+      spec=/tmp/$spec.fa
+    fi
     for seqlen in ${BWD_TRACE_SEQLENS:-1024 16384}; do
       python3 -P scripts/backward_trace.py "$spec" --seqlen "$seqlen" --hidden 2048 2>&1 | tee -a "$OUT/backward_trace.log" | tail -18
       status=$((status | ${PIPESTATUS[0]}))

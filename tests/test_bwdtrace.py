@@ -37,6 +37,7 @@ def test_the_budget_of_a_timeline():
     found = bwdtrace.budget(*_timeline(), LAYOUT, consumers=2)
     assert found.m_blocks == 6
     assert set(found.consumer.values()) == {10}
+    assert set(found.consumer_mean.values()) == set(found.consumer_p90.values()) == {10}
     assert found.m_block == 90 and found.m_block_gap == 910
     assert found.producer == {"wait for a free slot": 7, "loads issued": 3}
     assert found.ctas == 3
@@ -45,6 +46,20 @@ def test_the_budget_of_a_timeline():
     text = bwdtrace.report(found)
     assert "6 consumer m-blocks; an m-block takes 0.09 us" in text
     assert "gap to the SM next CTA" in text
+
+
+def test_a_stall_of_some_m_blocks_moves_the_mean_and_the_tail_not_the_median():
+    """Warpgroup 1's third m-block waits 1 us longer to add dQ (marks 8 and 9 later): the
+    median of "dQ added" stays 10 ns, its mean is (5 x 10 + 1010) / 6, its p90 1010."""
+    steps, ctas = _timeline()
+    base = ((0 * LAYOUT.roles + 1) * LAYOUT.steps + 2) * LAYOUT.marks
+    steps[base + 8] += 1000
+    steps[base + 9] += 1000
+    found = bwdtrace.budget(steps, ctas, LAYOUT, consumers=2)
+    assert found.consumer["dQ added"] == 10
+    assert found.consumer_mean["dQ added"] == pytest.approx((5 * 10 + 1010) / 6)
+    assert found.consumer_p90["dQ added"] == 1010
+    assert "dQ added" in bwdtrace.report(found)
 
 
 def test_no_complete_m_block_is_no_budget():

@@ -73,10 +73,14 @@ class BackwardTraceLayout:
 class Budget:
     """Medians in ns: per consumer m-block phase, per producer phase, per CTA phase; the
     gap from a consumer's m-block to its next; the gap on an SM from one CTA's dK, dV store
-    to the next CTA's start."""
+    to the next CTA's start. Per consumer phase also the mean and the 90th percentile: a
+    wait that stalls some m-blocks only (an ordered add's ticket) moves them, not the
+    median."""
 
     m_blocks: int
     consumer: dict[str, float]
+    consumer_mean: dict[str, float]
+    consumer_p90: dict[str, float]
     m_block: float
     m_block_gap: float
     producer: dict[str, float]
@@ -87,6 +91,18 @@ class Budget:
 
 def _median(values: list[int]) -> float:
     return statistics.median(values) if values else 0.0
+
+
+def _mean(values: list[int]) -> float:
+    return statistics.fmean(values) if values else 0.0
+
+
+def _p90(values: list[int]) -> float:
+    """The 90th percentile (nearest rank)."""
+    if not values:
+        return 0.0
+    ranked = sorted(values)
+    return float(ranked[max(0, -(-9 * len(ranked) // 10) - 1)])
 
 
 def _durations(stamps: list[list[int]], phases) -> dict[str, list[int]]:
@@ -132,9 +148,12 @@ def budget(
     for runs in by_sm.values():
         runs.sort(key=lambda c: c[1])
         cta_gaps += [b[1] - a[4] for a, b in zip(runs, runs[1:])]
+    phases = _durations(consumer_stamps, CONSUMER_PHASES)
     return Budget(
         m_blocks=len(consumer_stamps),
-        consumer={k: _median(v) for k, v in _durations(consumer_stamps, CONSUMER_PHASES).items()},
+        consumer={k: _median(v) for k, v in phases.items()},
+        consumer_mean={k: _mean(v) for k, v in phases.items()},
+        consumer_p90={k: _p90(v) for k, v in phases.items()},
         m_block=_median(totals),
         m_block_gap=_median(gaps),
         producer={k: _median(v) for k, v in _durations(producer_stamps, PRODUCER_PHASES).items()},
@@ -145,11 +164,14 @@ def budget(
 
 
 def report(b: Budget) -> str:
-    """The medians in microseconds, each consumer phase also as a share of its m-block."""
+    """The medians in microseconds, each consumer phase also as a share of its m-block and
+    with its mean and 90th percentile."""
     lines = [f"{b.m_blocks} consumer m-blocks; an m-block takes {b.m_block / 1e3:.2f} us"]
-    lines.append(f"{'consumer phase':<28} {'us':>7} {'share':>6}")
+    lines.append(f"{'consumer phase':<28} {'us':>7} {'share':>6} {'mean':>7} {'p90':>7}")
     for name, ns in b.consumer.items():
-        lines.append(f"{name:<28} {ns / 1e3:>7.3f} {ns / max(b.m_block, 1):>6.1%}")
+        mean, p90 = b.consumer_mean[name] / 1e3, b.consumer_p90[name] / 1e3
+        share = ns / max(b.m_block, 1)
+        lines.append(f"{name:<28} {ns / 1e3:>7.3f} {share:>6.1%} {mean:>7.3f} {p90:>7.3f}")
     lines.append(f"{'gap to the next m-block':<28} {b.m_block_gap / 1e3:>7.3f}")
     lines += [f"producer: {name:<18} {ns / 1e3:>7.3f}" for name, ns in b.producer.items()]
     lines.append(f"{b.ctas} CTAs:")
