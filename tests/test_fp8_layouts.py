@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fp8_layout_model as model
+from fadsl.targets.sm90.transpose_agents import vt_panel_keys, vt_warp_spans
 from fp8_layout_model import DESIGN, Choices
 
 BLOCKS_C = (64, 128, 192, 256)
@@ -134,12 +135,15 @@ def test_each_warp_writes_only_its_own_vt_rows(block_c, head_dim):
     for warp, _, stores in trace:
         for address in stores:
             written[warp].update(range(address, address + 16))
+    assert panel == vt_panel_keys(block_c)
     for warp, addresses in written.items():
         expected = set()
         for p in range(block_c // panel):
             lo = p * head_dim * panel + warp * rows * panel
             expected.update(range(lo, lo + rows * panel))
         assert addresses == expected, warp
+        spans = vt_warp_spans(head_dim, block_c, warp)  # what verify's agents claim
+        assert addresses == {b for lo, hi in spans for b in range(lo, hi)}, warp
 
 
 def test_rho_is_a_permutation_of_each_16_columns():
