@@ -15,6 +15,7 @@ import pytest
 from bruteforce_async import explore
 from conftest import ROOT
 from fadsl import targets
+from fadsl.cli import main
 from fadsl.codegen.render import render
 from fadsl.errors import SpecError
 from fadsl.ir import Kernel, Phase, Step, Sync, Threads
@@ -232,3 +233,13 @@ def test_check_and_explain_without_a_compiler(golden):
         text = summary(compiled) + explain_text(compiled)
         golden.check(ROOT / "tests/golden/report" / f"{spec.stem}.no_compile.txt", text)
         assert "K, V and Vt each in a ring" in text and "vt_full  128 arrivals" in text
+
+
+def test_fadsl_compile_refuses_the_cuda_at_the_dtype_line(tmp_path, capsys):
+    assert main(["compile", str(SPECS[0]), "-o", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert ":5:3: dtype e4m3: sm_90a's FP8 forward is not built yet" in err
+    lines = err.splitlines()
+    at = next(i for i, line in enumerate(lines) if "not built yet" in line)
+    assert lines[at + 1].strip().startswith("dtype") and lines[at + 2].strip() == "^"
+    assert not list(tmp_path.glob("*.cu"))

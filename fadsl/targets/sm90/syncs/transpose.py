@@ -33,7 +33,7 @@ Vt's consumer side (its full wait and empty arrival) is mbarrier.py's, as for an
 
 from __future__ import annotations
 
-from ....ir import Hazard, HazardKind, Item, Kernel, Parity, Phase, Step, Sync, Threads
+from ....ir import Hazard, HazardKind, Item, Kernel, Mode, Parity, Phase, Step, Sync, Threads
 from ....ir.ops import Op
 from ..caps import FENCE_PROXY_ASYNC, MBAR_ARRIVE, MBAR_EXPECT_TX, MBAR_WAIT, SYNCWARP, TMA_LOAD
 from .state import hazard, init_barrier, transposed_from, transposed_into, unique_ops
@@ -141,8 +141,8 @@ def _around_load(kernel: Kernel, load: Step, phase: Phase, transpose: Step) -> l
 
 
 def _reads_writes(step: Step) -> tuple[str, str]:
-    (read,) = [a.buffer for a in step.accesses if a.mode.value == "read"]
-    (write,) = [a.buffer for a in step.accesses if a.mode.value == "write"]
+    (read,) = [a.buffer for a in step.accesses if a.mode is Mode.READ]
+    (write,) = [a.buffer for a in step.accesses if a.mode is Mode.WRITE]
     return read, write
 
 
@@ -151,7 +151,7 @@ def _vt_readers(kernel: Kernel, vt: str) -> list[Step]:
         [
             s
             for s in kernel.steps()
-            if any(a.buffer == vt and a.mode.value == "read" for a in s.accesses)
+            if any(a.buffer == vt and a.mode is Mode.READ for a in s.accesses)
         ]
     )
 
