@@ -19,7 +19,7 @@ SEEDS = tuple(
     + sorted((ROOT / "examples" / "serving").glob("*.fa"))
     + sorted((ROOT / "tests/specs/bench").glob("*.fa"))
     # an FP8 spec that passes every check (refused as not built yet): its vocabulary
-    + [ROOT / "tests/specs/bad/bad_fp8_not_built.fa"]
+    + [ROOT / "tests/specs/fp8/fa3_fp8_hdim256.fa"]
 )
 
 # Names (with dots, as instructions have), numbers, the two-character operators,

@@ -1,6 +1,6 @@
 """The FP8 forward's vocabulary and front end (research/fp8-forward.md §3.1, §7 step 1): the
 8-bit dtypes, the `output` key, V's transpose hop, the targets' dtypes as data, and the
-refusal of every 8-bit spec on sm_90a until its kernel is built. The located refusals
+refusal of every 8-bit spec's CUDA on sm_90a until its kernel is built. The located refusals
 themselves are golden files (tests/specs/bad/bad_fp8_*)."""
 
 from __future__ import annotations
@@ -18,9 +18,10 @@ from fadsl.ir import Dtype, Hop, Instr, Level, Role, Scope
 from fadsl.ir.printer import format_kernel
 from fadsl.pipeline import compile_file, front_end
 from fadsl.spec.syntax import parse_recovering
+from fadsl.targets.sm90.fp8 import refuse_unbuilt
 from fadsl.targets.sm90.validate import consumer_registers, smem_bytes
 
-SPEC = (ROOT / "tests/specs/bad/bad_fp8_not_built.fa").read_text()
+SPEC = (ROOT / "tests/specs/fp8/fa3_fp8_hdim256.fa").read_text()
 
 
 def _lowered(source: str):
@@ -78,18 +79,21 @@ def test_16bit_kernels_have_no_output_type():
     assert " output=" not in format_kernel(kernel)
 
 
-def test_sm90a_refuses_to_build_an_8bit_spec_at_its_dtype_line():
+def test_sm90a_compiles_an_8bit_spec_but_renders_no_cuda_yet():
+    """Since step 3 (2026-11-30) the spec gets its schedule, plan and proof; the CUDA is
+    refused at the dtype line (tests/test_fp8_plan.py renders it)."""
+    kernel = front_end(SPEC, "fp8.fa")
+    assert kernel.config.dtypes == (Dtype.E4M3, Dtype.E5M2)
     with pytest.raises(SpecError) as info:
-        front_end(SPEC, "fp8.fa")
+        refuse_unbuilt(kernel.config)
     (diagnostic,) = info.value.diagnostics
     assert (diagnostic.loc.line, diagnostic.loc.col) == (4, 3)
     assert "FP8 forward is not built yet" in diagnostic.message
-    assert "^" in str(info.value)  # rendered with the line and a caret, as every spec error
 
 
 def test_print_read_print_keeps_a_three_hop_path_and_the_output_type():
-    """A hand-made 8-bit kernel (none is built yet): fa3_hopper's IR with 8-bit dtypes, an
-    output type and V's transpose."""
+    """A hand-made 8-bit kernel: fa3_hopper's IR with 8-bit dtypes, an output type and V's
+    transpose (the compiled ones: tests/test_fp8_plan.py)."""
     kernel = compile_file(ROOT / "examples/fa3_hopper.fa").kernel
     v = kernel.tensor(Role.V)
     gmem_smem, smem_rf = v.hops

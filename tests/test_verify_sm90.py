@@ -28,6 +28,8 @@ from fadsl.targets.sm90.verify import (
 )
 from gpu_specs import spec_body
 from gpu_specs import single_ctas
+from sync_mutants import mutants as _mutants
+from sync_mutants import survivors as _survivors
 from unverified import SM90_SPECS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -97,52 +99,6 @@ def test_the_examples_exist():
 @pytest.mark.parametrize("name", sorted(KERNELS))
 def test_plan_is_proven(name):
     assert verify(KERNELS[name]) is KERNELS[name]
-
-
-_FLIPS = {
-    Parity.PHASE: Parity.PHASE_FLIP,
-    Parity.PHASE_FLIP: Parity.PHASE,
-    Parity.TILE: Parity.TILE_FLIP,
-    Parity.TILE_FLIP: Parity.TILE,
-}
-
-
-def _mutants(kernel: Kernel):
-    """(what, mutant) for every sync: dropped, parity flipped, a per-tile parity made ZERO,
-    expect_tx dropped, a wgmma wait that leaves one more group in flight."""
-    for phase in ("prologue", "mainloop", "epilogue"):
-        items = getattr(kernel, phase)
-        for i, item in enumerate(items):
-            if not isinstance(item, Sync):
-                continue
-
-            def put(new: tuple) -> Kernel:
-                return replace(kernel, **{phase: items[:i] + new + items[i + 1 :]})
-
-            yield f"drop {phase} #{i} {item.text()}", put(())
-            if item.parity in _FLIPS:
-                yield f"flip {phase} #{i} {item.text()}", put(
-                    (replace(item, parity=_FLIPS[item.parity]),)
-                )
-            if item.parity in (Parity.TILE, Parity.TILE_FLIP):
-                yield f"zero {phase} #{i} {item.text()}", put((replace(item, parity=Parity.ZERO),))
-            if item.tx:
-                yield f"no expect_tx {phase} #{i}", put((replace(item, tx=0),))
-            if item.kind.counted:
-                yield f"wait {item.groups + 1} {phase} #{i}", put(
-                    (replace(item, groups=item.groups + 1),)
-                )
-
-
-def _survivors(kernel: Kernel) -> list[str]:
-    survivors = []
-    for what, mutant in _mutants(kernel):
-        try:
-            verify(mutant)
-        except AsyncVerifyError:
-            continue
-        survivors.append(what)
-    return survivors
 
 
 # Syncs of a plan that verify proves unnecessary (findings for insert_syncs), each a strict

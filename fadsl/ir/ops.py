@@ -21,6 +21,7 @@ class Move(Enum):
     S2R = "smem -> rf"
     R2S = "rf -> smem"
     S2G = "smem -> gmem"
+    S2S = "smem -> smem"
     COMPUTE = "registers only (or a fragment-wise SMEM read by an mma)"
 
 
@@ -52,6 +53,8 @@ class Op(Enum):
     SETMAXNREG = "setmaxnreg"  # a warpgroup's register budget (producer down, consumers up)
     RESCALE_O = "rescale_o"  # O *= exp2(m_old - m_new), before the P V that accumulates on it
     CONVERT_P = "convert_p"  # P (fp32) -> 16-bit pairs: the A operand (registers) of P V
+    # sm_90a, 8-bit: the producer warps transpose V's raw slot into Vt (P V's K-major B)
+    TRANSPOSE_V = "transpose_v"
 
     @property
     def spelling(self) -> str:
@@ -107,6 +110,7 @@ _INFO: dict[Op, _Info] = {
     Op.SETMAXNREG: _Info(None, Move.COMPUTE, None),
     Op.RESCALE_O: _Info(None, Move.COMPUTE, None),
     Op.CONVERT_P: _Info(None, Move.COMPUTE, None),
+    Op.TRANSPOSE_V: _Info(Role.V, Move.S2S, None),
 }
 _TWIN = {
     Op.K_G2S: Op.K_G2S_NEXT,

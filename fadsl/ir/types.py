@@ -167,6 +167,9 @@ class Threads(Enum):
     CONSUMER_LAST = "consumer_last"  # consumer warpgroup W - 1 only
     CONSUMER_WARP_LANE0 = "consumer_warp_lane0"  # lane 0 of each consumer warp
     CONSUMER_ELECTED = "consumer_elected"  # one elected thread per consumer warpgroup
+    # 8-bit kernels: the producer warpgroup's 4 warps transpose V, each into its own Vt rows
+    PRODUCER_WARPS = "producer_warps"  # every thread of the producer warpgroup
+    PRODUCER_WARP_LANE0 = "producer_warp_lane0"  # lane 0 of each producer warp
 
 
 class Parity(Enum):

@@ -88,6 +88,11 @@ BAR_SYNC = SyncKind(
     "bar.sync", "a named barrier", scope=Scope.WARPGROUP, cost=5, signal=Signal.TURN_SYNC
 )
 BAR_ARRIVE = SyncKind("bar.arrive", "a named-barrier arrival", signal=Signal.TURN_ARRIVE)
+# 8-bit kernels: a producer warp's lanes meet after their transpose (their ldmatrix reads of
+# the raw V slot and stmatrix writes of Vt done) before lane 0 arrives for the whole warp
+SYNCWARP = SyncKind(
+    "__syncwarp()", "a warp barrier", scope=Scope.WARP, cost=1, signal=Signal.TURN_SYNC
+)
 FENCE_PROXY_ASYNC = SyncKind("fence.proxy.async", "a proxy fence", signal=Signal.FENCE)
 BULK_COMMIT = SyncKind("cp.async.bulk.commit_group", "a bulk commit", signal=Signal.COMMIT)
 BULK_WAIT = SyncKind(
@@ -100,7 +105,7 @@ BULK_WAIT = SyncKind(
 
 SYNC_MODEL = SyncModel(
     async_kinds=(TMA_LOAD, WGMMA, TMA_STORE),
-    barriers=(BAR_SYNC, SYNCTHREADS),
+    barriers=(BAR_SYNC, SYNCTHREADS, SYNCWARP),
     waits=(MBAR_WAIT, WGMMA_WAIT, BULK_WAIT),
     others=(
         MBAR_INIT,

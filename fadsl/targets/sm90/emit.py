@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from ...ir import Dtype, Kernel, Parity, Phase, Scope, Step, Sync, Threads
+from .fp8 import refuse_unbuilt
 from ...ir.ops import Op
 from .alone import alone_name
 from .modifiers import context as modifier_context
@@ -225,6 +226,7 @@ class _Render:
 
 
 def context(kernel: Kernel, dtype: Dtype) -> dict[str, Any]:
+    refuse_unbuilt(kernel.config)  # 8-bit: schedule, plan and proof only (fp8-forward.md §7)
     cfg = kernel.config
     hw = cfg.ext
     assert hw is not None and kernel.smem_bytes is not None

@@ -5,8 +5,9 @@ The FP8 forward reads Q and K as TMA writes them (K-major) but must transpose V 
 -transpose-> smem[cta] -wgmma-> rf`; O is written in 16 bits (`output bf16|fp16`). What the
 first FP8 kernel leaves out is refused at its key: the backward block
 (backward/validate.py), `rescale guarded`, score/keep modifiers, `cluster 2`. The kernel
-itself is not built yet: a spec that passes every check is refused by
-``refuse_unbuilt``, at its dtype line, before any schedule is built.
+itself is not built yet: a spec that passes every check gets its schedule, SMEM plan, syncs
+and proof (the IR), and is refused by ``refuse_unbuilt``, at its dtype line, when its CUDA
+would be rendered (emit.context).
 """
 
 from __future__ import annotations
@@ -83,6 +84,13 @@ def validate_fp8(c: Checks) -> bool:
             "steps, and V transposed in whole 64- or 128-byte rows of keys)",
         )
         ok = False
+    if v.get("head_dim") == 64:
+        c.error(
+            value_loc(c, "head_dim"),
+            "head_dim 64 with 8-bit dtypes has 64-byte rows, which take the 64-byte swizzle "
+            "(not built yet): use head_dim 128 or 256",
+        )
+        ok = False
     if v.get("rescale") is Rescale.GUARDED:
         c.error(
             value_loc(c, "rescale"),
@@ -115,8 +123,8 @@ def value_loc(c: Checks, key: str) -> Loc:
 
 
 def refuse_unbuilt(cfg: Config) -> None:
-    """An 8-bit spec passes the front end, but its kernel is not built yet: refused at
-    the dtype line, so that no 16-bit schedule is built for 8-bit data."""
+    """An 8-bit spec is compiled through every pass, but its CUDA is not built yet: refused
+    at the dtype line before any template sees it."""
     eight = [d.value for d in cfg.dtypes if d.is_8bit]
     if not eight:
         return

@@ -11,6 +11,11 @@ never live at a step where K or V is, within a tile; the next tile's loads into 
 bytes wait for O's TMA store (insert_syncs' free barrier). The mbarrier array has a full
 and an empty barrier per TMA-loaded tile or ring slot, and O's free barrier when O lies
 over the rings.
+
+8-bit kernels (research/fp8-forward.md §3.2): Q | K ring | V ring | Vt ring | O; the ring the
+tile's last wgmma reads is Vt, so O, when it does not fit, lies over Vt: the next tile's raw
+V loads need not wait for O's store, only its first transpose does. Vt has a full and an
+empty barrier per slot like the loaded rings.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from dataclasses import replace
 from ... import targets
 from ...errors import Diagnostic, SpecError
 from ...ir import Buffer, Kernel, Mode, Region
+from ...ir.ops import Op
 from ...passes.plan_smem import flow, live_text, occupancy
 
 TILE_ALIGN = 1024
@@ -33,7 +39,11 @@ def mbarrier_count(kernel: Kernel, o_aliased: bool | None = None) -> int:
     if o_aliased is None:
         o_aliased = o_over_rings(kernel)
     loaded = {
-        a.buffer for s in kernel.steps() if s.is_async for a in s.accesses if a.mode is Mode.WRITE
+        a.buffer
+        for s in kernel.steps()
+        if s.is_async or s.op is Op.TRANSPOSE_V  # Vt: written by the producer warps
+        for a in s.accesses
+        if a.mode is Mode.WRITE
     }
     return sum(2 * buf.slots for buf in kernel.buffers if buf.name in loaded) + o_aliased
 
@@ -45,7 +55,8 @@ def plan_smem(kernel: Kernel, target: targets.Target) -> Kernel:
     placed: dict[str, Buffer] = {}
     regions: list[Region] = []
     offset = 0
-    for index, name in enumerate(("Q", "K", "V")):
+    rings = ring_names(kernel)
+    for index, name in enumerate(("Q", *rings)):
         buf = bufs[name]
         placed[name] = replace(buf, offset=offset, region=index)
         size = _aligned(buf.nbytes)
@@ -57,25 +68,28 @@ def plan_smem(kernel: Kernel, target: targets.Target) -> Kernel:
     if offset + _aligned(o.nbytes) + 8 * bars + BASE_SLACK <= limit:
         # Room for O's own bytes: the next tile's V loads need not wait for this tile's O
         # store, nor every consumer warpgroup for the others before stmatrix.
-        placed["O"] = replace(o, offset=offset, region=3)
+        placed["O"] = replace(o, offset=offset, region=len(regions))
         why = "O has bytes of its own (they fit): the next tile loads V while this one stores O"
-        regions.append(Region(3, offset, _aligned(o.nbytes), ("O",), (why,)))
+        regions.append(Region(len(regions), offset, _aligned(o.nbytes), ("O",), (why,)))
         offset += _aligned(o.nbytes)
     else:
-        placed["O"] = _o_over_v(o, placed, steps, occupied, offset)
+        last, before = rings[-1], rings[-2]  # V and K; 8-bit: Vt and the raw V
+        placed["O"] = _o_over_v(o, placed, steps, occupied, offset, rings)
+        writes = f"transposes into {last}" if last == "Vt" else f"{last} loads"
         why = [
-            f"V (live {live_text(steps, occupied['V'])}) and O (live "
+            f"{last} (live {live_text(steps, occupied[last])}) and O (live "
             f"{live_text(steps, occupied['O'])}) are never live at once; O is written after "
             "every consumer warpgroup's last wgmma of the tile has read the rings, and the "
-            "next tile's V loads wait for O's TMA store (no room for O's own bytes)"
+            f"next tile's {writes} wait for O's TMA store (no room for O's own bytes)"
         ]
-        if placed["O"].offset < placed["V"].offset:
+        if placed["O"].offset < placed[last].offset:
             why.append(
-                f"O ({o.nbytes} bytes) is larger than the V ring: it ends where the V ring "
-                f"ends and runs into the K ring (live {live_text(steps, occupied['K'])}), "
-                "dead too"
+                f"O ({o.nbytes} bytes) is larger than the {last} ring: it ends where the "
+                f"{last} ring ends and runs into the {before} ring (live "
+                f"{live_text(steps, occupied[before])}), dead too"
             )
-        regions[2] = replace(regions[2], members=("V", "O"), reasons=tuple(why))
+        index = len(rings)
+        regions[index] = replace(regions[index], members=(last, "O"), reasons=tuple(why))
         bars = mbarrier_count(kernel, o_aliased=True)
         if kernel.config.ext.cluster > 1:
             # The peer's multicast into the V ring would need a cluster-wide "O stored"
@@ -136,26 +150,33 @@ def _aligned(nbytes: int) -> int:
     return -(-nbytes // TILE_ALIGN) * TILE_ALIGN
 
 
-def _o_over_v(o: Buffer, placed: dict[str, Buffer], steps, occupied, rings_end: int) -> Buffer:
-    """O over the dead V ring (ending where it ends, into the dead K ring, when larger)."""
-    for ring in ("K", "V"):
+def ring_names(kernel: Kernel) -> tuple[str, ...]:
+    """The rings in SMEM order: K, V and, for 8-bit kernels, Vt (the schedule's order)."""
+    return tuple(b.name for b in kernel.buffers if b.name not in ("Q", "O"))
+
+
+def _o_over_v(o, placed: dict[str, Buffer], steps, occupied, rings_end: int, rings) -> Buffer:
+    """O over the dead last ring (V, or Vt), ending where it ends, into the ring before it
+    when larger."""
+    last, before = rings[-1], rings[-2]
+    for ring in (before, last):
         if occupied["O"] & occupied[ring]:
             raise SpecError(
                 [Diagnostic(o.loc, f"O is live while the {ring} ring is: O cannot lie over it")]
             )
-    v = placed["V"]
+    v = placed[last]
     o_offset = v.offset if o.nbytes <= v.nbytes else rings_end - o.nbytes
-    if o_offset < placed["K"].offset:
+    if o_offset < placed[before].offset:
         raise SpecError(
             [
                 Diagnostic(
                     o.loc,
-                    f"O ({o.nbytes} bytes) is larger than the K and V rings together; "
-                    "use more stages",
+                    f"O ({o.nbytes} bytes) is larger than the {before} and {last} rings "
+                    "together; use more stages",
                 )
             ]
         )
-    return replace(o, offset=o_offset, region=2)
+    return replace(o, offset=o_offset, region=len(rings))
 
 
 def mbarrier_offset(kernel: Kernel) -> int:

@@ -13,6 +13,7 @@ from typing import Any, Mapping
 
 from ...errors import Loc
 from ...ir import Kernel, Mask, Phase, Step, Sync
+from ...ir.ops import Op
 from .. import Capabilities, Report
 from .alone import alone_name
 from .backward.report import backward_data, backward_sections
@@ -259,6 +260,10 @@ def explain_data(kernel: Kernel) -> dict[str, Any]:
             },
             "stages": hw.stages,
             "q_slots": hw.q_slots,
+            # 8-bit kernels: the producer warps transpose V into Vt (fp8-forward.md §3.3)
+            **(
+                {"transpose_v": True} if any(s.op is Op.TRANSPOSE_V for s in kernel.steps()) else {}
+            ),
             "tail": "split_kv" if hw.split_kv else "whole",
             **({"cluster": hw.cluster} if hw.cluster > 1 else {}),
             # the kernel the launches that do not pair run (sm90/alone.py)
@@ -315,14 +320,17 @@ def explain_sections(data: Mapping[str, Any]) -> list[str]:
         f"Warp specialisation ({data['warps']} warps = {ws['warpgroups']} warpgroups of "
         f"{WARPGROUP_THREADS} threads)",
         f"  producer   warpgroup 0, setmaxnreg.dec to {producer['setmaxnreg']} registers: "
-        f"one elected thread issues every TMA load (Q per tile, K and V per block)",
+        f"one elected thread issues every TMA load (Q per tile, K and V per block)"
+        + ("; its 4 warps transpose each V block into Vt" if ws.get("transpose_v") else ""),
         f"  consumers  {_warpgroups(wgs[0], len(wgs))}, setmaxnreg.inc to "
         f"{consumers['setmaxnreg']} registers: {consumers['rows_per_warpgroup']} query rows "
         f"each (B_r = {data['block_r']})",
         f"  registers  {producer['threads']} x {producer['setmaxnreg']} + "
         f"{consumers['threads']} x {consumers['setmaxnreg']} = {regs['used']} of the CTA's "
         f"launch allocation, {regs['available']}",
-        f"  stages     {ws['stages']}: K and V each in a ring of {ws['stages']} slots",
+        f"  stages     {ws['stages']}: "
+        f"{'K, V and Vt' if ws.get('transpose_v') else 'K and V'} each in a ring of "
+        f"{ws['stages']} slots",
         "  q_slots    "
         + (
             f"{ws['q_slots']}: Q in a ring of {ws['q_slots']} tiles; the producer loads the next "
@@ -418,9 +426,14 @@ def explain_sections(data: Mapping[str, Any]) -> list[str]:
                 "(every P <= 1)",
             }[ws["rescale"]]
         ),
-        "             exact up to the 16-bit rounding of P for finite scores s with "
-        "|s softmax_scale log2(e)| < 2^16: every factor applied is a normal fp32 number, or "
-        "a true value below 2^-126 of the row's total flushed to 0 (docs/numerics.md)",
+        (
+            "             8-bit: P offset by 2^8, lazy slack 0.8 (P <= 2^8.8 < 448) and P rounded "
+            "to e4m3 (research/fp8-forward.md §3.5, §4; tests/fp8_softmax_model.py)"
+            if ws.get("transpose_v")
+            else "             exact up to the 16-bit rounding of P for finite scores s with "
+            "|s softmax_scale log2(e)| < 2^16: every factor applied is a normal fp32 number, "
+            "or a true value below 2^-126 of the row's total flushed to 0 (docs/numerics.md)"
+        ),
         *(
             [
                 f"  softcap    {ws['softcap']}: scores capped by {ws['softcap']} tanh(s "

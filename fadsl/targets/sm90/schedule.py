@@ -20,6 +20,19 @@ in the setup); a ring step works on item it + lag (``Step.lag``):
 S = Q K^T and O += P V are wgmma (async: ``WGMMA``), the loads TMA (``TMA_LOAD``), O's
 store a TMA store (``TMA_STORE``). Register tiles are not SMEM buffers: their uses are
 ``REGISTERS`` below, which the sync pass reads to place wgmma waits. No syncs yet.
+
+8-bit dtypes (research/fp8-forward.md §3.2): FP8 wgmma reads its B operand K-major only, so
+V's raw ring (TMA-written, rows = keys) is transposed by the producer warpgroup's 4 warps
+(``Threads.PRODUCER_WARPS``, each its own head_dim / 4 rows) into a second ring, ``Vt``
+(rows = head_dim, keys contiguous), which P V reads; V is loaded with K (FA3's order):
+
+  producer thread  prologue Q, K(it), V(it)   mainloop K(it), V(it)
+  producer warps                              mainloop transpose V(it-1)   epilogue the same
+  consumers        as above, O += P Vt(it-1)
+
+(with one stage the transpose of V(it-1) comes before the load of V(it), into its slot).
+
+Q, K, V and Vt hold 1-byte elements, O the `output` type's 2.
 """
 
 from __future__ import annotations
@@ -28,7 +41,9 @@ from ...ir import Access, Buffer, Kernel, Mode, Partition, Phase, Role, Scope, S
 from ...ir.lowered import Lowered
 from ...ir.ops import Move, Op
 from .caps import TMA_LOAD, TMA_STORE, WGMMA
-from .fp8 import refuse_unbuilt
+
+# The transposed V ring of 8-bit kernels (no tensor of its own: V's second SMEM level)
+VT = "Vt"
 
 # Register tiles each consumer op reads and writes (per thread, in the warpgroup's rows).
 S, P, O_ACC = "S", "P", "O"
@@ -58,18 +73,19 @@ def ring_buffers(kernel: Kernel) -> frozenset[str]:
 
 def build_schedule(lowered: Lowered) -> Kernel:
     cfg = lowered.config
-    refuse_unbuilt(cfg)  # 8-bit dtypes: the FP8 kernel's schedule is not built yet
     hw = cfg.ext
     assert hw is not None
     tensors = {t.role: t for t in lowered.tensors}
     elem = cfg.dtypes[0].nbytes
+    fp8 = cfg.dtypes[0].is_8bit
+    out_elem = (cfg.out_dtype or cfg.dtypes[0]).nbytes
     rows = {Role.Q: cfg.block_r, Role.K: cfg.block_c, Role.V: cfg.block_c, Role.O: cfg.block_r}
     buffers = tuple(
         Buffer(
             name=role.value,
             rows=rows[role],
             cols=cfg.head_dim,
-            elem_bytes=elem,
+            elem_bytes=out_elem if role is Role.O else elem,
             scope=tensors[role].smem_scope,
             swizzle=None,
             loc=tensors[role].loc,
@@ -77,6 +93,18 @@ def build_schedule(lowered: Lowered) -> Kernel:
         )
         for role in Role
     )
+    if fp8:  # Vt: a ring like V's, after it (plan_smem places the buffers in this order)
+        vt = Buffer(
+            name=VT,
+            rows=cfg.head_dim,
+            cols=cfg.block_c,
+            elem_bytes=elem,
+            scope=tensors[Role.V].smem_scope,
+            swizzle=None,
+            loc=tensors[Role.V].hops[1].loc,
+            slots=hw.stages,
+        )
+        buffers = buffers[:3] + (vt,) + buffers[3:]
 
     def loc(role: Role, hop: int):
         return tensors[role].hops[hop].loc
@@ -89,8 +117,8 @@ def build_schedule(lowered: Lowered) -> Kernel:
             phase=phase,
             accesses=(Access(role.value, Mode.WRITE, Partition.WHOLE),),
             async_kind=TMA_LOAD,
-            title=f"{what}: gmem -> smem (TMA, {rows[role]} rows in 64-column panels, "
-            f"128-byte swizzle)" + ("" if lag is None else " into its ring slot"),
+            title=f"{what}: gmem -> smem (TMA, {rows[role]} rows in {128 // elem}-column "
+            f"panels, 128-byte swizzle)" + ("" if lag is None else " into its ring slot"),
             loc=loc(role, 0),
             who=Threads.PRODUCER_THREAD,
             lag=lag,
@@ -111,6 +139,17 @@ def build_schedule(lowered: Lowered) -> Kernel:
         )
 
     def pv(phase: Phase) -> Step:
+        if fp8:
+            return consumer(
+                Op.PV,
+                phase,
+                "O += P Vt(it-1) (wgmma k32, P as e4m3 quads from registers, Vt K-major from "
+                "SMEM), one commit group",
+                loc(Role.V, 2),
+                (Access(VT, Mode.READ, Partition.WHOLE),),
+                lag=-1,
+                kind=WGMMA,
+            )
         return consumer(
             Op.PV,
             phase,
@@ -121,8 +160,27 @@ def build_schedule(lowered: Lowered) -> Kernel:
             kind=WGMMA,
         )
 
+    def transpose(phase: Phase) -> Step:
+        """The producer warps' transpose of V(it-1): each warp reads the raw slot (ldmatrix
+        .trans) and writes its own head_dim / 4 rows of the Vt slot (prmt, stmatrix)."""
+        return Step(
+            Op.TRANSPOSE_V,
+            phase,
+            (
+                Access("V", Mode.READ, Partition.WHOLE),
+                Access(VT, Mode.WRITE, Partition.SLICE),
+            ),
+            None,
+            "V(it-1) -> Vt(it-1): each producer warp its head_dim / 4 rows, keys in P's "
+            "register order (ldmatrix.x4.trans, prmt, stmatrix.x4)",
+            loc(Role.V, 1),
+            Threads.PRODUCER_WARPS,
+            -1,
+        )
+
     def softmax(phase: Phase) -> list[Step]:
-        convert = consumer(Op.CONVERT_P, phase, "P to 16-bit pairs (the A operand of P V)", cfg.loc)
+        what = "P to e4m3 quads in P's key order" if fp8 else "P to 16-bit pairs"
+        convert = consumer(Op.CONVERT_P, phase, f"{what} (the A operand of P V)", cfg.loc)
         if hw.guarded and phase is Phase.MAINLOOP:
             # `rescale guarded`: a block whose row sums pass 2^120 (or inf) gets S again from
             # the Q and K tiles, once the P V in flight has read P (fadsl/sm90_guard.cuh), so
@@ -176,11 +234,21 @@ def build_schedule(lowered: Lowered) -> Kernel:
     prologue = [
         load(Role.Q, Phase.PROLOGUE, None),
         load(Role.K, Phase.PROLOGUE, 0),
+        *([load(Role.V, Phase.PROLOGUE, 0)] if fp8 else []),
         consumer(Op.INIT, Phase.PROLOGUE, "O = 0, m = -inf, l = 0", cfg.loc),
         qk(Phase.PROLOGUE),
         *softmax(Phase.PROLOGUE),
     ]
-    loop = [load(Role.K, Phase.MAINLOOP, 0), load(Role.V, Phase.MAINLOOP, -1)]
+    if fp8 and hw.stages == 1:
+        # one raw V slot: V(it) overwrites V(it-1), so warp 0 transposes first (loading
+        # first, it would wait for its own transpose's release: a hang verify finds)
+        loop = [load(Role.K, Phase.MAINLOOP, 0), transpose(Phase.MAINLOOP)]
+        loop.append(load(Role.V, Phase.MAINLOOP, 0))
+    elif fp8:  # V with K, transposed a block later
+        loop = [load(Role.K, Phase.MAINLOOP, 0), load(Role.V, Phase.MAINLOOP, 0)]
+        loop.append(transpose(Phase.MAINLOOP))
+    else:
+        loop = [load(Role.K, Phase.MAINLOOP, 0), load(Role.V, Phase.MAINLOOP, -1)]
     if hw.overlap:
         loop += [qk(Phase.MAINLOOP), rescale(Phase.MAINLOOP), pv(Phase.MAINLOOP)]
     else:
@@ -188,14 +256,15 @@ def build_schedule(lowered: Lowered) -> Kernel:
     loop += softmax(Phase.MAINLOOP)
     o_slice = (Access("O", Mode.WRITE, Partition.SLICE),)
     epilogue = [
-        load(Role.V, Phase.EPILOGUE, -1),
+        transpose(Phase.EPILOGUE) if fp8 else load(Role.V, Phase.EPILOGUE, -1),
         rescale(Phase.EPILOGUE),
         pv(Phase.EPILOGUE),
         consumer(Op.NORMALIZE, Phase.EPILOGUE, "row sums, LSE, O /= l", cfg.loc),
         consumer(
             Op.O_R2S,
             Phase.EPILOGUE,
-            "O -> 16 bits -> the warpgroup's rows of the O tile in SMEM (stmatrix)",
+            ("O unpermuted (rho's columns: a register renaming) -> " if fp8 else "O -> ")
+            + "16 bits -> the warpgroup's rows of the O tile in SMEM (stmatrix)",
             loc(Role.O, 0),
             o_slice,
         ),

@@ -75,7 +75,7 @@ pairs cover, and the per-tile barriers cycle with period 2 (2q for Q's ring of t
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from itertools import product
 
 from ...ir import Buffer, Kernel, Mode, Partition, Phase, Parity, Step, Sync, Threads
@@ -100,7 +100,10 @@ from ...passes.asyncmodel.model import (
     WgmmaWait,
 )
 from ...passes.asyncmodel.prove import AsyncVerifyError, check
-from . import caps, cluster_agents
+from . import caps, cluster_agents, transpose_agents
+from .wgmma_fence_rule import WGMMA_FENCE as _WGMMA_FENCE
+from .wgmma_fence_rule import WgmmaFence as _WgmmaFence
+from .wgmma_fence_rule import wgmma_fence_problems as _wgmma_fence_problems
 
 WARPS_PER_WARPGROUP = 4
 # per tile of a sequence: the consumer warpgroups that skip its tail (tail split_kv)
@@ -248,7 +251,9 @@ def problems_of(
     ``skips``, the warpgroups of each tile that skip its tail (tail split_kv); ``ctas``: the
     launch's CTAs per cluster (default the spec's)."""
     marked = build_program(kernel, tiles, fences=True, skips=skips, ctas=ctas)
-    return list(check(_without_fences(marked))) + _wgmma_fence_problems(marked)
+    program = _without_fences(marked)
+    problems = list(check(program)) + _wgmma_fence_problems(marked)
+    return problems + transpose_agents.lane0_problems(program)
 
 
 def _setup_problems(kernel: Kernel) -> list[str]:
@@ -301,16 +306,23 @@ def build_program(
                 else [sync.barrier]
             )
             counts += [(name, sync.count) for name in names]
-    roles = [("producer", None, 1)] + [(f"wg{wg}", wg, 128) for wg in range(consumers)]
+    # the producer: its elected thread, or (8-bit kernels) its 4 transposing warps
+    roles = transpose_agents.producer_roles(kernel)
+    roles += [(f"wg{wg}", wg, 128, None) for wg in range(consumers)]
     ctas = ctas or hopper.cluster
     named = [
-        (cluster_agents.agent_name(role, cta, ctas > 1), wg, threads, cta)
+        (cluster_agents.agent_name(role, cta, ctas > 1), wg, threads, cta, warp)
         for cta in range(ctas)
-        for role, wg, threads in roles
+        for role, wg, threads, warp in roles
     ]
     agents = tuple(
-        Agent(name, threads, tuple(_Agent(kernel, name, wg, cta, ctas).events(tiles, skips)), cta)
-        for name, wg, threads, cta in named
+        Agent(
+            name,
+            threads,
+            tuple(_Agent(kernel, name, wg, cta, ctas, warp).events(tiles, skips)),
+            cta,
+        )
+        for name, wg, threads, cta, warp in named
     )
     program = Program(agents, tuple(counts), ctas)
     return program if fences else _without_fences(program)
@@ -328,16 +340,24 @@ def _without_fences(program: Program) -> Program:
 
 
 class _Agent:
-    """One role's unrolled program: the producer thread (wg None) or consumer warpgroup wg,
+    """One role's unrolled program: the producer thread (wg None), producer warp ``warp``
+    (8-bit kernels: warp 0 runs the elected thread's items too) or consumer warpgroup wg,
     of CTA ``cta`` of the cluster."""
 
     def __init__(
-        self, kernel: Kernel, name: str, wg: int | None, cta: int = 0, ctas: int = 1
+        self,
+        kernel: Kernel,
+        name: str,
+        wg: int | None,
+        cta: int = 0,
+        ctas: int = 1,
+        warp: int | None = None,
     ) -> None:
         self.kernel = kernel
         self.ext = kernel.config.ext
         self.name = name
         self.wg = wg
+        self.warp = warp
         self.cta = cta
         self.ctas = ctas  # the launch's CTAs per cluster
         self.rings = {s.barrier for s in kernel.syncs() if s.lag is not None}
@@ -383,7 +403,9 @@ class _Agent:
         last = self.ext.consumers - 1
         match who:
             case Threads.PRODUCER_THREAD:
-                return self.wg is None
+                return self.wg is None and self.warp in (None, 0)
+            case Threads.PRODUCER_WARPS | Threads.PRODUCER_WARP_LANE0:
+                return self.wg is None and self.warp is not None
             case Threads.CONSUMERS | Threads.CONSUMER_WARP_LANE0 | Threads.CONSUMER_ELECTED:
                 return self.wg is not None
             case Threads.CONSUMER_FIRST:
@@ -460,6 +482,9 @@ class _Agent:
 
     def step(self, step: Step, it: int) -> list[Event]:
         slot = self.slot(step.lag, it)
+        if step.op is Op.TRANSPOSE_V:  # this warp's reads of raw V, writes of its Vt rows
+            what = f"{step.op.spelling} by warp {self.warp} (tile {self.running}, it={it})"
+            return transpose_agents.transpose_events(self, step, slot, what)
         smem = [
             (self.span(self.kernel.buffer(a.buffer), a.partition, slot), a.mode)
             for a in step.accesses
@@ -517,6 +542,8 @@ class _Agent:
                     bar_id += (self.wg + sync.peer) % self.ext.consumers
                 kind = BarSync if sync.kind is caps.BAR_SYNC else BarArrive
                 return [kind(bar_id, sync.count, why)]
+            case caps.SYNCWARP:  # a producer warp's lanes meet: a bar.sync of its agent
+                return [BarSync(transpose_agents.warp_barrier(self.warp), 32, why)]
             case caps.WGMMA_COMMIT:
                 return [WgmmaCommit()]
             case caps.WGMMA_WAIT:
@@ -537,8 +564,11 @@ class _Agent:
                 raise AssertionError(f"unknown sync kind {sync.kind.name}")
 
     def arrivals(self, sync: Sync) -> int:
-        """An arrive's count: one per consumer warp (lane 0 of each), else one thread's."""
-        return WARPS_PER_WARPGROUP if sync.who is Threads.CONSUMER_WARP_LANE0 else 1
+        """An arrive's count: one per consumer warp (lane 0 of each), each thread of a
+        producer warp's, else one thread's (a producer warp's lane 0 included)."""
+        if sync.who is Threads.CONSUMER_WARP_LANE0:
+            return WARPS_PER_WARPGROUP
+        return transpose_agents.WARP_THREADS if sync.who is Threads.PRODUCER_WARPS else 1
 
     def parity(self, sync: Sync, it: int) -> int:
         if sync.lag is None:
@@ -564,40 +594,3 @@ class _Agent:
                 return phase ^ 1
             case _:
                 raise AssertionError(f"a ring barrier's wait needs a ring parity: {sync.parity}")
-
-
-@dataclass(frozen=True)
-class _WgmmaFence:
-    """wgmma.fence: no effect on SMEM, so it is not an async model event; the register rule
-    below reads it from the unfiltered events."""
-
-
-_WGMMA_FENCE = _WgmmaFence()
-
-
-def _wgmma_fence_problems(program: Program) -> list[str]:
-    """PTX's rule for wgmma's register operands: a wgmma.fence before a warpgroup's first wgmma,
-    and between ordinary code writing registers and a wgmma that reads or accumulates into
-    them."""
-    problems = []
-    for agent in program.agents:
-        dirty: set[Span] = set()
-        fenced = False  # the first wgmma of a warpgroup needs a wgmma.fence before it
-        for index, event in enumerate(agent.events):
-            match event:
-                case GenericAccess(span=span, write=True) if span.space.startswith("rf:"):
-                    dirty.add(span)
-                case _WgmmaFence():
-                    dirty.clear()
-                    fenced = True
-                case Wgmma(what=what) if not fenced:
-                    problems.append(f"{agent.name} #{index} ({what}): no wgmma.fence before it")
-                    fenced = True
-                case Wgmma(reads=reads, writes=writes, what=what):
-                    stale = sorted(s.name for s in dirty & set(reads + writes))
-                    if stale:
-                        problems.append(
-                            f"{agent.name} #{index} ({what}) uses register(s) "
-                            f"{', '.join(stale)} written since its last wgmma.fence"
-                        )
-    return problems

@@ -16,6 +16,8 @@ One module per mechanism, each with the hazards it orders in its docstring:
 - pingpong: the consumer warpgroups' turns on the tensor cores (named barriers);
 - store: O's stmatrix and TMA store (named barriers, the proxy fence, bulk waits
   and, where O lies over the dead rings, its free barrier);
+- transpose (8-bit kernels): raw V's barriers and the producer warps' side of Vt's
+  (the consumers wait on and release Vt as any ring, through mbarrier);
 - state: the consumer program being built, which they share.
 
 This pass walks the phases and calls them in order; ``role_of`` (state) names the
@@ -50,6 +52,7 @@ from .store import (
     wait_last_store,
 )
 from .state import Consumers, role_of
+from .transpose import around_transposes, init_transpose_barriers
 from .wgmma import issue_wgmma, track_register_writes, wait_groups
 
 __all__ = ["insert_syncs", "role_of"]  # role_of (state): emit and report ask here
@@ -68,7 +71,11 @@ def insert_syncs(kernel: Kernel, target: targets.Target) -> Kernel:
     rings = ring_buffers(kernel)
     freed = freed_by_stores(kernel)
 
-    setup: list[Item] = [*init_barriers(kernel, rings), *init_free_barriers(kernel, freed)]
+    setup: list[Item] = [
+        *init_barriers(kernel, rings),
+        *init_transpose_barriers(kernel),
+        *init_free_barriers(kernel, freed),
+    ]
     if setup:
         setup += init_fences(kernel)
 
@@ -114,7 +121,8 @@ def insert_syncs(kernel: Kernel, target: targets.Target) -> Kernel:
     new = {Phase.TEARDOWN: tuple(consumer_items[Phase.TEARDOWN])}
     for phase, items in kernel.phases():
         head = setup if phase is Phase.SETUP else []
-        programs = producer(kernel, items, phase, readers, rings, freed) + consumer_items[phase]
+        programs = producer(kernel, items, phase, readers, rings, freed)
+        programs = around_transposes(kernel, programs, phase, freed) + consumer_items[phase]
         new[phase] = tuple(head + programs)
     return replace(
         kernel,

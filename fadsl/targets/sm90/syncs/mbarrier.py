@@ -46,6 +46,7 @@ from .state import (
     init_barrier,
     role_of,
     tma_loaded,
+    transposed_from,
     unique_ops,
 )
 
@@ -54,6 +55,8 @@ def init_barriers(kernel: Kernel, rings: frozenset[str]) -> list[Sync]:
     """A full and an empty mbarrier per TMA-loaded tile or ring slot."""
     inits = []
     for buf in tma_loaded(kernel):
+        if buf.name in transposed_from(kernel):
+            continue  # raw V, read by the producer warps: syncs/transpose.py
         ring = buf.name in rings
         slots = _tile_slots(buf, rings)
         name = buf.name.lower()
@@ -99,10 +102,11 @@ def producer(
     """The producer's program: before each TMA load, wait for the slot's previous round to
     be read (and for a TMA store over its bytes), then arm the full barrier."""
     out: list[Item] = []
+    raw = transposed_from(kernel)  # loads whose barriers syncs/transpose.py places
     for step in items:
         if not isinstance(step, Step) or role_of(step.who) != "producer":
             continue
-        if step.async_kind == TMA_LOAD:
+        if step.async_kind == TMA_LOAD and step.accesses[0].buffer not in raw:
             out += _around_load(kernel, step, phase, readers, rings, freed)
         out.append(step)
     return out

@@ -18,7 +18,12 @@ RING_DEAD_ID = 1
 O_STORE_ID = 2  # + wg (up to 3 consumer warpgroups: 2..4)
 TURN_ID = 5  # + wg
 
-PRODUCER_ROLES = (Threads.PRODUCER, Threads.PRODUCER_THREAD)
+PRODUCER_ROLES = (
+    Threads.PRODUCER,
+    Threads.PRODUCER_THREAD,
+    Threads.PRODUCER_WARPS,
+    Threads.PRODUCER_WARP_LANE0,
+)
 TO_CONSUMERS = "producer -> consumers"
 TO_PRODUCER = "consumers -> producer"
 TO_NEXT_TILE = "consumers -> producer, next tile"
@@ -101,8 +106,37 @@ def overlaps(a, b) -> bool:
 
 
 def first_load(kernel: Kernel, buffer: str) -> Step:
-    """The TMA load that fills ``buffer`` (the step the hazards of its barriers name)."""
-    return next(s for s in kernel.steps() if writes_to(s, buffer, TMA_LOAD))
+    """The TMA load that fills ``buffer``, or the producer warps' transpose that writes Vt
+    (the step the hazards of its barriers name)."""
+    return next(
+        s
+        for s in kernel.steps()
+        if writes_to(s, buffer, TMA_LOAD) or (s.op is Op.TRANSPOSE_V and writes_to(s, buffer))
+    )
+
+
+def transposed_from(kernel: Kernel) -> frozenset[str]:
+    """The TMA-loaded buffers the producer warps transpose (8-bit kernels: the raw V ring),
+    whose barriers are syncs/transpose.py's, not the consumers' (mbarrier.py)."""
+    return frozenset(
+        a.buffer
+        for s in kernel.steps()
+        if s.op is Op.TRANSPOSE_V
+        for a in s.accesses
+        if a.mode is Mode.READ
+    )
+
+
+def transposed_into(kernel: Kernel) -> list[Buffer]:
+    """The buffers the producer warps' transpose writes (Vt)."""
+    names = {
+        a.buffer
+        for s in kernel.steps()
+        if s.op is Op.TRANSPOSE_V
+        for a in s.accesses
+        if a.mode is Mode.WRITE
+    }
+    return [b for b in kernel.buffers if b.name in names]
 
 
 def before_refill(kernel: Kernel, reader: Step, loaded: str, buf: str = "", **args) -> Hazard:

@@ -37,15 +37,16 @@ from .state import (
     init_barrier,
     overlaps,
     tma_loaded,
+    transposed_into,
     unique_ops,
     writes_to,
 )
 
 
 def freed_by_stores(kernel: Kernel) -> dict[str, list[str]]:
-    """A TMA-stored tile over loaded bytes (O over the dead V ring) -> the loaded buffers
-    under it: its store frees them."""
-    loaded = tma_loaded(kernel)
+    """A TMA-stored tile over loaded bytes (O over the dead V ring, or over the Vt ring the
+    producer warps write) -> the buffers under it: its store frees them."""
+    loaded = tma_loaded(kernel) + transposed_into(kernel)
     stored = [kernel.buffer(a.buffer) for s in _stores(kernel) for a in s.accesses]
     return {
         out.name: [b.name for b in loaded if overlaps(out, b)]
@@ -61,10 +62,15 @@ def init_free_barriers(kernel: Kernel, freed: dict[str, list[str]]) -> list[Sync
 
 
 def wait_free(
-    kernel: Kernel, load: Step, phase: Phase, buffer: str, freed: dict[str, list[str]]
+    kernel: Kernel,
+    load: Step,
+    phase: Phase,
+    buffer: str,
+    freed: dict[str, list[str]],
+    who: Threads = Threads.PRODUCER_THREAD,
 ) -> list[Sync]:
-    """The producer's waits, before a load into ``buffer``, for the previous tile's TMA
-    store of a tile over it."""
+    """The producer's waits (its elected thread's, or each transposing warp's), before a
+    load or transpose into ``buffer``, for the previous tile's TMA store of a tile over it."""
     waits = []
     for out_name, under in freed.items():
         if buffer not in under:
@@ -85,7 +91,7 @@ def wait_free(
                     ),
                 ),
                 kernel.config.loc,
-                who=Threads.PRODUCER_THREAD,
+                who=who,
                 barrier=f"{out_name.lower()}_free",
                 parity=Parity.TILE_FLIP,
             )
