@@ -76,7 +76,7 @@ extern "C" __global__ void __launch_bounds__(Cfg::kThreads, 1) fa3_hdim256_causa
 }
 
 extern "C" __global__ void __launch_bounds__(256) fa3_hdim256_causal_bwd_fp16_preprocess(const __grid_constant__ BwdPrepParams P) {
-  bwd_preprocess_row<Cfg>(P);
+  bwd_preprocess<Cfg>(P);
 }
 
 extern "C" __global__ void __launch_bounds__(256) fa3_hdim256_causal_bwd_fp16_convert_dq(const __grid_constant__ BwdConvertParams P) {

@@ -1299,6 +1299,14 @@ __device__ __forceinline__ void bwd_preprocess_row(const BwdPrepParams& P) {
   zero[0] = zero[1] = make_float4(0.f, 0.f, 0.f, 0.f);
 }
 
+// The preprocess kernel's body: with `varlen on` first the gradients' rows outside every
+// sequence (bwd_zero_outside), then the CTA's rows.
+template <class Cfg>
+__device__ __forceinline__ void bwd_preprocess(const BwdPrepParams& P) {
+  if constexpr (Cfg::kVarlen) bwd_zero_outside(P);
+  bwd_preprocess_row<Cfg>(P);
+}
+
 // dQ from the accumulator, one warp per pair of rows (u, u + 8) of a 16-row group, 8 warps
 // per CTA (the host's grid: m_blocks B_r / 16 CTAs per (head, batch)): lane L converts
 // columns c = 2L (+ 64 j) of both rows. In a warpgroup share's staging order (stage_dq),
