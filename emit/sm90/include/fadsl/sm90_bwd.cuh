@@ -925,11 +925,10 @@ __device__ __forceinline__ void red_add_dq(float* dst, const float (&dq)[Cfg::kD
 // are one (kDqByKeys), ticket place * consumers + wg on one counter.  An order per disjoint
 // share is all that bitwise-stable sums need; one order over both warpgroups made warpgroup
 // 1 wait for warpgroup 0's release, a whole m-block later (0.58-0.68x the default's speed
-// on an H200, 2026-11-30).  The leader waits for its ticket, issues and commits the add, and owes the
-// release of ticket + 1 (release_dq_ticket): waiting here for the add to complete (an L2
-// round trip and 40 KB at head_dim 128) held the whole warpgroup, as its next wgmma needs
-// every warp (deterministic backward at 0.55-0.66x the default's speed on an H200,
-// 2026-11-30).
+// on an H200, 2026-11-30; per share 0.69-0.77x).  The leader waits for its ticket, issues
+// and commits the add, and owes the release of ticket + 1 (release_dq_ticket): waiting here
+// for the add to complete (an L2 round trip and 40 KB at head_dim 128) held the whole
+// warpgroup, as its next wgmma needs every warp.
 struct DqTicket {
   int* semaphore;
   int ticket;
@@ -1195,7 +1194,7 @@ __device__ __forceinline__ void bwd_consumer(const BwdParamsSm90& P, uint32_t sm
 // `varlen on`: rows [0, cu[0]) and [cu[sequences], tokens) of a gradient belong to no
 // sequence; no later kernel writes them, so they are zeroed here (FlashAttention-3 leaves
 // them unwritten).  With malformed cu_seqlens (a sequence before row 0, decreasing, past the
-// tokens: valid_sequences' rule) every row is zeroed, and the main kernel and dQ's conversion
+// tokens: a sequence bwd_sequence_ok refuses) every row is zeroed, and the main kernel and dQ's conversion
 // then write the well-formed sequences' rows (stream order; the forward made O and the LSE
 // NaN).  The preprocess's first kZeroCtas CTAs of head 0 (fewer where its grid has fewer)
 // do it, 16 bytes a store.  Zeroing
@@ -1224,11 +1223,10 @@ __device__ __forceinline__ void zero_outside(void* t, const int* cu, int sequenc
 
 __device__ __forceinline__ void bwd_zero_outside(const BwdPrepParams& P) {
   if (blockIdx.x >= kZeroCtas || blockIdx.y != 0) return;
-  bool ok = true;  // valid_sequences' rule, over both cu_seqlens
+  bool ok = true;  // every sequence as the main kernel takes it (bwd_sequence_ok)
   for (int b = threadIdx.x; b < P.sequences; b += 256) {
-    const int q0 = P.cu_seqlens_q[b], q1 = P.cu_seqlens_q[b + 1];
-    const int k0 = P.cu_seqlens_k[b], k1 = P.cu_seqlens_k[b + 1];
-    ok = ok && 0 <= q0 && q0 <= q1 && q1 <= P.seqlen_q && 0 <= k0 && k0 <= k1 && k1 <= P.tokens_k;
+    ok = ok && bwd_sequence_ok(P.cu_seqlens_q[b], P.cu_seqlens_q[b + 1], P.seqlen_q) &&
+         bwd_sequence_ok(P.cu_seqlens_k[b], P.cu_seqlens_k[b + 1], P.tokens_k);
   }
   const bool valid = __syncthreads_and(ok);
   zero_outside(P.dq, P.cu_seqlens_q, P.sequences, P.seqlen_q, P.q_row_bytes, valid);
