@@ -5,7 +5,7 @@
 #   comparison with SDPA FLASH, compute-sanitizer (racecheck, synccheck, memcheck) at a small
 #   shape, then the benchmarks if asked.
 # Usage (repo root, on the device):
-#   bash scripts/device.sh [fa4stage] [numerics] [backward] [bwdtrace] [bwdvarlen] [varlen] [kvcache] [modifiers] [distributed] [tests] [sanitize] [trace] [probe] [streamprobe] [bench ARGS...]
+#   bash scripts/device.sh [fa4stage] [numerics] [backward] [bwdwindow] [bwdtrace] [bwdvarlen] [varlen] [kvcache] [modifiers] [distributed] [tests] [sanitize] [trace] [probe] [streamprobe] [bench ARGS...]
 #   modifiers: tests/test_gpu_modifiers.py (score and keep modifiers), then compute-sanitizer on
 #   scripts/sanitize_modifiers.py (examples/modifiers/ at ragged shapes, every tile class)
 #   varlen: tests/test_gpu_varlen.py, then compute-sanitizer on scripts/sanitize_varlen.py,
@@ -27,6 +27,9 @@
 #   on, e.g. fa3_causal+overlap; see tests/test_gpu_backward.py training_spec) at BWD_SEQLENS;
 #   NAME=VAR1,VAR2 times the variants VAR1, VAR2 on the same tensors (--against); every spec
 #   is built first, in parallel (scripts/prebuild.py --backward)
+#   bwdwindow: scripts/window_backward_bench.py: fadsl.attention's backward with a causal window of
+#   each of BWD_WINDOWS (default 1024) beside the causal one and FA4's, at BWD_WINDOW_SEQLENS
+#   (default 8192,16384), head_dims BWD_WINDOW_DIMS (default 128)
 #   bwdprobe: the backward's budget and experiments: research/probes/probe_backward.py on each spec
 #   of BWD_PROBE_SPECS (default the four training examples) with each define set of
 #   BWD_PROBE_DEFINES (";"-separated, e.g. "FADSL_X=1;FADSL_Y=1 FADSL_Z=2"; none: skipped)
@@ -157,6 +160,11 @@ if [[ $steps == *" bwdtrace "* ]]; then
       status=$((status | ${PIPESTATUS[0]}))
     done
   done
+fi
+if [[ $steps == *" bwdwindow "* ]]; then
+  python3 -P scripts/window_backward_bench.py --windows ${BWD_WINDOWS:-1024} --seqlens ${BWD_WINDOW_SEQLENS:-8192,16384} \
+    --head-dims ${BWD_WINDOW_DIMS:-128} --json "$OUT/bwd_window.json" 2>&1 | tee -a "$OUT/bench_backward.log" | tail -12
+  status=$((status | ${PIPESTATUS[0]}))
 fi
 if [[ $steps == *" varlen "* ]]; then
   # varlen (issue 31): its GPU tests, then compute-sanitizer on a ragged packed batch

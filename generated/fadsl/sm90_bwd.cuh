@@ -290,10 +290,10 @@ struct BwdBlock {
 // the next sequence's, at least cdiv(its rows, block) of them (research/backward-varlen.md
 // §3).  Returns the last s < sequences whose first slot is at or before `slot`; malformed cu
 // still give some s in range, which the callers check (bwd_sequence_ok).
-__device__ __forceinline__ int bwd_first_slot(const int* cu, int s, int block) {
+__host__ __device__ __forceinline__ int bwd_first_slot(const int* cu, int s, int block) {
   return (cu[s] + s * block) / block;
 }
-__device__ __forceinline__ int bwd_varlen_sequence(const int* cu, int sequences, int block, int slot) {
+__host__ __device__ __forceinline__ int bwd_varlen_sequence(const int* cu, int sequences, int block, int slot) {
   int lo = 0, hi = imin(slot, sequences - 1);  // a sequence's first slot is s or later
   while (lo < hi) {
     const int mid = (lo + hi + 1) / 2;
@@ -304,7 +304,7 @@ __device__ __forceinline__ int bwd_varlen_sequence(const int* cu, int sequences,
 }
 // Whether rows [r0, r1) lie within a tensor of `rows` rows in order (else the sequence is
 // treated as empty: nothing read or written for it; the forward made O and the LSE NaN).
-__device__ __forceinline__ bool bwd_sequence_ok(int r0, int r1, int rows) {
+__host__ __device__ __forceinline__ bool bwd_sequence_ok(int r0, int r1, int rows) {
   return 0 <= r0 && r0 <= r1 && r1 <= rows;
 }
 
@@ -316,7 +316,7 @@ struct BwdQueryRows {
 // Padded calls: rows [0, seqlen_q) as they are (none read from cu_seqlens).  The
 // preprocess and convert_dq take a CTA's rows from one chunk (their rows per CTA divide B_r).
 template <class Cfg>
-__device__ __forceinline__ BwdQueryRows bwd_query_rows(const int* cu_q, int sequences, int tokens_q, int chunk) {
+__host__ __device__ __forceinline__ BwdQueryRows bwd_query_rows(const int* cu_q, int sequences, int tokens_q, int chunk) {
   if constexpr (!Cfg::kVarlen) return {0, 0, tokens_q};
   const int s = bwd_varlen_sequence(cu_q, sequences, Cfg::kBlockM, chunk);
   const int q0 = cu_q[s], q1 = cu_q[s + 1];
@@ -327,12 +327,20 @@ __device__ __forceinline__ BwdQueryRows bwd_query_rows(const int* cu_q, int sequ
 // Whether padded row `row` holds a query, and the tensors' row of it (padded calls test the
 // params' seqlen_q where they use it: a copy held in a local moved ptxas's allocation).
 template <class Cfg>
-__device__ __forceinline__ bool bwd_holds_query(const BwdQueryRows& rows, int seqlen_q, int row) {
+__host__ __device__ __forceinline__ bool bwd_holds_query(const BwdQueryRows& rows, int seqlen_q, int row) {
   if constexpr (Cfg::kVarlen) return rows.begin <= row && row < rows.end;
   return row < seqlen_q;
 }
+// Whether m-block `chunk` (varlen: a chunk of B_r padded rows) holds a query; padded calls
+// have none without one (their m-blocks cover [0, seqlen_q)).  Uniform over a CTA of the
+// preprocess or convert_dq, whose rows lie in one chunk.
 template <class Cfg>
-__device__ __forceinline__ int bwd_query_of(const BwdQueryRows& rows, int row) {
+__host__ __device__ __forceinline__ bool bwd_chunk_holds_query(const BwdQueryRows& rows, int chunk) {
+  if constexpr (!Cfg::kVarlen) return true;
+  return rows.begin < (chunk + 1) * Cfg::kBlockM && chunk * Cfg::kBlockM < rows.end;
+}
+template <class Cfg>
+__host__ __device__ __forceinline__ int bwd_query_of(const BwdQueryRows& rows, int row) {
   if constexpr (Cfg::kVarlen) return row + rows.shift;
   return row;
 }
@@ -1248,8 +1256,11 @@ __device__ __forceinline__ void bwd_preprocess_row(const BwdPrepParams& P) {
   // the query row of padded row `row` (varlen: the CTA's rows lie in one chunk, since
   // kRowsPerCta divides B_r, so in one sequence's padded rows)
   static_assert(Cfg::kBlockM % kRowsPerCta == 0, "a preprocess CTA within one chunk");
-  const BwdQueryRows rows =
-      bwd_query_rows<Cfg>(P.cu_seqlens_q, P.sequences, P.seqlen_q, blockIdx.x * kRowsPerCta / Cfg::kBlockM);
+  const int chunk = blockIdx.x * kRowsPerCta / Cfg::kBlockM;
+  const BwdQueryRows rows = bwd_query_rows<Cfg>(P.cu_seqlens_q, P.sequences, P.seqlen_q, chunk);
+  // a chunk with no query (a sequence's padding slot) is never visited by the main kernel
+  // nor written by convert_dq: its LSE, D, semaphores and accumulator stay unwritten
+  if (!bwd_chunk_holds_query<Cfg>(rows, chunk)) return;
   const bool real = bwd_holds_query<Cfg>(rows, P.seqlen_q, row);
   const int query = bwd_query_of<Cfg>(rows, row);
   float d = 0.f;
@@ -1328,6 +1339,7 @@ __device__ __forceinline__ void bwd_convert_dq_t(const BwdConvertParams& P) {
   const int m_block = row0 / Cfg::kBlockM;
   if (m_block >= P.m_blocks) return;
   const BwdQueryRows rows = bwd_query_rows<Cfg>(P.cu_seqlens_q, P.sequences, P.seqlen_q, m_block);
+  if (!bwd_chunk_holds_query<Cfg>(rows, m_block)) return;  // a padding slot: nothing to write
 #pragma unroll
   for (int round = 0; round < Cfg::kHeadDim / 128; ++round) {  // the CTA's 2 warpgroups take shares 2 round + 0, 1
     const int share = threadIdx.x / 128 + 2 * round, tid = threadIdx.x % 128, lane = tid % 32;
@@ -1368,6 +1380,7 @@ __device__ __forceinline__ void bwd_convert_dq_row(const BwdConvertParams& P) {
   const int m_block = row / Cfg::kBlockM, q = row % Cfg::kBlockM, u = q % 64;
   if (m_block >= P.m_blocks) return;
   const BwdQueryRows rows = bwd_query_rows<Cfg>(P.cu_seqlens_q, P.sequences, P.seqlen_q, m_block);
+  if (!bwd_chunk_holds_query<Cfg>(rows, m_block)) return;  // a padding slot: nothing to write
   const float* chunk = P.dq_accum + ((static_cast<int64_t>(batch) * P.heads_q + head) * P.m_blocks + m_block) *
                                         (Cfg::kBlockM * Cfg::kHeadDim);
   typename Cfg::T* dq = static_cast<typename Cfg::T*>(P.dq) + batch * P.dq_batch_stride + head * P.dq_head_stride;
