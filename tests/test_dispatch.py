@@ -17,6 +17,10 @@ from fadsl.runtime.dispatch import shipped_spec
 ROOT = Path(__file__).resolve().parent.parent
 SHIPPED = [
     (name, key, spec) for name in targets.names() for key, spec in targets.get(name).shipped.items()
+] + [
+    (name, key, spec)
+    for name in targets.names()
+    for key, (_, spec) in targets.get(name).shipped_short.items()
 ]
 
 
@@ -31,7 +35,9 @@ def test_each_shipped_spec_is_an_example_of_its_target_head_dim_and_mask(target,
     )
 
 
-SM90_SHIPPED = sorted(targets.get("sm_90a").shipped.items())
+SM90_SHIPPED = sorted(targets.get("sm_90a").shipped.items()) + sorted(
+    (key, spec) for key, (_, spec) in targets.get("sm_90a").shipped_short.items()
+)
 
 
 @pytest.mark.parametrize("key, spec", SM90_SHIPPED, ids=[s for _, s in SM90_SHIPPED])
@@ -61,6 +67,43 @@ def test_every_shipped_sm90_spec_trains(key, spec):
 )
 def test_the_gpu_head_dim_and_mask_pick_the_spec(capability, head_dim, causal, spec):
     assert shipped_spec(capability, head_dim, causal) == spec
+
+
+@pytest.mark.parametrize(
+    "capability, head_dim, causal, seqlen_q, spec",
+    [
+        ((9, 0), 64, True, 1, "fa3_hdim64_causal_short"),
+        ((9, 0), 64, True, 2048, "fa3_hdim64_causal_short"),
+        ((9, 0), 64, True, 2049, "fa3_hdim64_causal"),
+        ((9, 0), 64, True, None, "fa3_hdim64_causal"),  # no length: the long queries' spec
+        ((9, 0), 64, False, 1024, "fa3_hdim64"),  # no short spec for it
+        ((9, 0), 128, True, 1024, "fa3_causal"),
+        ((8, 0), 128, True, 1024, "fa2_causal"),
+    ],
+)
+def test_short_queries_pick_the_short_spec_where_one_ships(
+    capability, head_dim, causal, seqlen_q, spec
+):
+    assert shipped_spec(capability, head_dim, causal, seqlen_q) == spec
+
+
+def test_the_short_spec_is_the_long_ones_kernel_but_its_tile_and_schedule():
+    """fa3_hdim64_causal_short differs from fa3_hdim64_causal only in the lines that fit short
+    queries (tile, warpgroups, registers, scheduler): the same dtypes, mask, paths and
+    backward block, so a call's gradients do not depend on which one ran."""
+    long_, short = (
+        compile_file(f"examples/{name}.fa").kernel
+        for name in ("fa3_hdim64_causal", "fa3_hdim64_causal_short")
+    )
+    assert short.config.block_r < long_.config.block_r
+    for field in ("dtypes", "head_dim", "mask", "window", "modifiers", "out_dtype"):
+        assert getattr(short.config, field) == getattr(long_.config, field), field
+    blocks = [
+        (ROOT / "examples" / f"{name}.fa").read_text().split("backward {", 1)[1]
+        for name in ("fa3_hdim64_causal", "fa3_hdim64_causal_short")
+    ]
+    assert blocks[0] == blocks[1]
+    assert short.backward is not None
 
 
 def test_what_no_spec_covers_is_named():

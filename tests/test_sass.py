@@ -82,9 +82,6 @@ NO_OVERLAP = {
     "examples/fa3_hdim256_causal.fa": "ptxas issues 2 softmax instructions before the P V "
     "wait at B_c 64; measured 1.15x / 1.05x cuDNN at 2048 / 8192 (H200, 2026-11-27); B_c 48 "
     "keeps 73, untimed; B_c 80 spills with the mask",
-    "examples/fa3_hdim64_causal.fa": "24 at 3 consumers with rescale lazy (guarded spills "
-    "there); measured 0.83x / 1.11x cuDNN at 2048 / 8192 (H200, 2026-11-27); 2 consumers on "
-    "128 x 128, guarded, keep 268, not run on a GPU yet",
 }
 
 

@@ -31,12 +31,19 @@ def _candidates(capability: tuple[int, int]) -> tuple[targets.Target, ...]:
     return tuple(sorted(found, key=key))
 
 
-def shipped_spec(capability: tuple[int, int], head_dim: int, causal: bool) -> str:
+def shipped_spec(
+    capability: tuple[int, int], head_dim: int, causal: bool, seqlen_q: int | None = None
+) -> str:
     """The example (its name under examples/) that fadsl.attention runs on a GPU of
-    ``capability`` for ``head_dim`` and the mask; ValueError naming what no spec covers."""
+    ``capability`` for ``head_dim``, the mask and (where the target ships a spec for short
+    queries, ``Target.shipped_short``) ``seqlen_q``; ValueError naming what no spec covers."""
     candidates = _candidates(capability)
     for target in candidates:
         if (head_dim, causal) in target.shipped:
+            short = target.shipped_short.get((head_dim, causal))
+            # (a comparison, not int(): under torch.compile a symbolic size guards on it only)
+            if short is not None and seqlen_q is not None and seqlen_q <= short[0]:
+                return short[1]
             return target.shipped[head_dim, causal]
     gpu = f"compute capability {capability[0]}.{capability[1]}"
     if not candidates:
@@ -52,18 +59,20 @@ def shipped_spec(capability: tuple[int, int], head_dim: int, causal: bool) -> st
 
 
 def attention_kernel(q, causal: bool, window_size=(-1, -1), softcap=0.0) -> FlashAttention:
-    """The shipped spec's kernel for q's GPU, head dimension and the mask, loaded once (then
-    built once and cached like any spec); with a sliding window or a softcap, its variant
-    (attention_variant), chosen once per (device, head_dim, mask, window, softcap)."""
+    """The shipped spec's kernel for q's GPU, head dimension, mask and query length (a spec
+    for short queries where the target ships one), loaded once (then built once and cached
+    like any spec); with a sliding window or a softcap, its variant (attention_variant),
+    chosen once per (device, spec, mask, window, softcap)."""
     # int(): under torch.compile(dynamic=True) a size is a SymInt; the kernel is chosen by
     # its value (a guard), as a spec's own head_dim is fixed
     window = tuple(window_size) if isinstance(window_size, (tuple, list)) else window_size
+    capability, head_dim = device_capability(q.device), int(q.shape[-1])
+    name = shipped_spec(capability, head_dim, causal, q.shape[1])
     if window == (-1, -1) and type(softcap) in (int, float) and softcap == 0:
-        return _shipped(shipped_spec(device_capability(q.device), int(q.shape[-1]), causal))
-    key = ("attention", q.device, int(q.shape[-1]), *_typed(causal, window, softcap))
+        return _shipped(name)
+    key = ("attention", q.device, name, *_typed(causal, window, softcap))
 
     def choose() -> FlashAttention:
-        name = shipped_spec(device_capability(q.device), int(q.shape[-1]), causal)
         base = data_dir("examples").joinpath(f"{name}.fa").read_text()
         variant, text = attention_variant(name, base, causal, window_size, softcap)
         try:

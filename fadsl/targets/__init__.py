@@ -163,6 +163,11 @@ class Target:
     backward_trace_header: str | None = None
     # fadsl.attention's specs: (head_dim, causal) -> an example's name (examples/NAME.fa)
     shipped: Mapping[tuple[int, bool], str] = dataclasses.field(default_factory=dict)
+    # fadsl.attention's specs for short queries: (head_dim, causal) -> (longest seqlen_q, an
+    # example's name), run in place of ``shipped``'s where seqlen_q is at most that
+    shipped_short: Mapping[tuple[int, bool], tuple[int, str]] = dataclasses.field(
+        default_factory=dict
+    )
     # fadsl.attention_varlen / attention_with_kvcache: ("varlen" or "kvcache", head_dim) -> a
     # serving spec (examples/serving/NAME.fa) whose mask, softcap and cache lines a call sets
     shipped_serving: Mapping[tuple[str, int], str] = dataclasses.field(default_factory=dict)

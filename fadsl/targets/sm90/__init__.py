@@ -106,6 +106,9 @@ TARGET = Target(
         (256, False): "fa3_hdim256",
         (256, True): "fa3_hdim256_causal",
     },
+    # up to 2k queries, head_dim 64 causal: 128-row tiles waste less of the diagonal than 192
+    # (1.25x the 192-row spec at 1k, level at 2k; H200, 2026-11-30, docs/performance.md)
+    shipped_short={(64, True): (2048, "fa3_hdim64_causal_short")},
     # fadsl.attention_varlen and attention_with_kvcache (docs/serving.md)
     shipped_serving={
         ("varlen", 64): "fa3_varlen_hdim64",
