@@ -370,10 +370,9 @@ class FlashAttention(ServingCalls):
                     "but gradients of a score or keep modifier's inputs are not built yet "
                     f"(issue 41): pass {decl.name}.detach(), or call under torch.no_grad()"
                 )
-        dtype = self.check_inputs(q, k, v)
         grads = grad_mode and any(t.requires_grad for t in (q, k, v))
         if not grads and not torch.compiler.is_compiling():
-            return self.forward(q, k, v, scale, out, return_lse, tensors, dtype)
+            return self.forward(q, k, v, scale, out, return_lse, tensors)
         if grads and out is not None:
             raise RuntimeError(
                 f"fadsl kernel '{name}': out= does not support automatic differentiation; "

@@ -118,7 +118,7 @@ def _define(name: str):
         dq, dk, dv = backward_op(
             q, k, v, out, lse, grad_out, grad_lse, list(tensors), ctx.softmax_scale
         )
-        return dq, dk, dv, None, None, None
+        return dq, dk, dv, [None] * ctx.inputs, None, None
 
     forward.register_autograd(backward, setup_context=setup_context)
     return forward
