@@ -2,7 +2,8 @@
 LSE's gradient) of the modifier examples and variants against float64 autograd of
 test_gpu_general's reference (the modifier applied in torch as its bias and keep, not from
 the IR), with FlashAttention's rule (the error at most twice PyTorch's own in the input
-dtype, plus 1e-4); ALiBi, prefix-LM, prefix-LM with ALiBi; causal and window written as keep
+dtype, plus 1e-4); ALiBi, prefix-LM, prefix-LM with ALiBi; scores whose derivative varies
+(tanh, a leaky where, clamp and a square); causal and window written as keep
 beside the built-in masks' backward; the softcap written as a score beside the built-in
 `softcap N` (the same kernel: bitwise with `deterministic on`); ragged shapes, GQA, both
 dtypes, `deterministic on` bitwise over runs; gradients poisoned first; torch.compile
@@ -245,6 +246,59 @@ def test_the_softcap_written_as_a_score_trains_as_the_built_in(dtype, shape):
     theirs = run(kernel("bwd_softcap_builtin", SOFTCAP_BUILTIN), q, k, v, dout, dlse, {})
     for a, c in zip(ours, theirs):  # (the built-in's rule: tests/test_gpu_backward_variants.py)
         assert torch.equal(a, c)
+
+
+# Scores whose derivative varies score by score (kScoreGrad: P times it held from P to dS), at
+# alibi_causal's block (B_r 64), as torch computes them (torch's conventions at ties)
+VARYING = {
+    "tanh": ("20 * tanh(s / 40)", lambda s: 20 * torch.tanh(s / 40)),
+    "leaky": ("where(s > 0, s, 0.5 * s)", lambda s: torch.where(s > 0, s, 0.5 * s)),
+    "clamped": ("clamp(s, -2, 2) + 0.01 * s * s", lambda s: torch.clamp(s, -2, 2) + 0.01 * s * s),
+}
+
+
+def scored_reference(q, k, v, scale, dtype, modify):
+    """Causal attention of ``modify(scores)`` in ``dtype`` (float64: all of it; else softmax
+    in fp32), differentiable in q, k and v."""
+    sq, sk = q.shape[1], k.shape[1]
+    groups = q.shape[2] // k.shape[2]
+    q, k, v = (t.to(dtype).transpose(1, 2) for t in (q, k, v))
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    work = torch.float64 if dtype == torch.float64 else torch.float32
+    scores = modify(torch.matmul(q, k.transpose(2, 3)).to(work) * scale)
+    i = torch.arange(sq, device=q.device)[:, None]
+    j = torch.arange(sk, device=q.device)[None, :]
+    scores = scores.masked_fill(j > i + sk - sq, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+    return torch.matmul(probs.to(dtype), v).to(work).transpose(1, 2)
+
+
+VARYING_CASES = [(n, d, s) for n in VARYING for d in DTYPES for s in SHAPES]
+
+
+@pytest.mark.parametrize(
+    "name, dtype, shape",
+    VARYING_CASES,
+    ids=[f"{c[0]}-{c[1]}-{'x'.join(map(str, c[2]))}" for c in VARYING_CASES],
+)
+def test_a_score_with_a_varying_derivative_matches_float64_autograd(name, dtype, shape):
+    line, modify = VARYING[name]
+    text = re.sub(r"^  (input|score) .*\n", "", ALIBI, flags=re.M)
+    text = text.replace("  mask       causal\n", f"  mask       causal\n  score      {line}\n")
+    kern = kernel(f"varying_{name}", text.replace("kernel alibi_causal", f"kernel varying_{name}"))
+    q, k, v, dout, _ = tensors(shape, DTYPES[dtype], seed=sum(shape) + len(name))
+    scale = 128**-0.5
+    poison_allocator(4 * q.numel() * 8)
+    ours = run(kern, q, k, v, dout, None, {})
+
+    def grads(dtype):
+        leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
+        out = scored_reference(*leaves, scale, dtype, modify)
+        (out.double() * dout.double()).sum().backward()
+        return [t.grad.double() for t in leaves]
+
+    for g, t, o, what in zip(ours, grads(torch.float64), grads(q.dtype), ("dq", "dk", "dv")):
+        check_rule(g, t, o, f"{name} {what}")
 
 
 @pytest.mark.parametrize("name", ["prefix_lm_det"])

@@ -131,13 +131,17 @@ def test_the_derivative_at_kinks_and_ties_is_torchs(score, torch_fn):
 
 
 def variants() -> dict[str, str]:
-    """The examples, and a score with a derivative other than 1 (kScoreGrad), a keep with
-    `deterministic on` and causal and window masks written as keep, each at the example's
-    block."""
+    """The examples, and scores with a derivative other than 1 (kScoreGrad: constant, and
+    varying score by score), a keep with `deterministic on` and causal and window masks
+    written as keep, each at an example's block."""
     found = {p.stem: p.read_text() for p in EXAMPLES}
     alibi = found["alibi_causal"]
     prefix = found["prefix_lm"]
     found["scaled_score"] = with_lines(alibi, "  score      0.5 * s\n")  # kScoreGrad, 0.5
+    # derivatives that vary score by score: 1 - tanh^2, a leaky where's, a polynomial's
+    found["tanh_score"] = with_lines(alibi, "  score      20 * tanh(s / 40)\n")
+    found["leaky_score"] = with_lines(alibi, "  score      where(s > 0, s, 0.5 * s)\n")
+    found["poly_score"] = with_lines(alibi, "  score      s + 0.01 * s * s\n")
     found["prefix_deterministic"] = prefix.replace(
         "    early_dv   off\n", "    early_dv   off\n    deterministic on\n"
     ).replace("    dQ: rf -red.add-> gmem\n", "")
@@ -171,17 +175,16 @@ def test_the_backward_builds_without_spills(name):
 
 
 @pytest.mark.nvcc
-def test_a_score_whose_derivative_varies_spills_and_is_refused_at_the_block():
-    """A derivative that differs from score to score is a per-score fp32 factor held from P
-    to dS (as the built-in softcap's 1 - tanh^2, which fits this block): written as an
-    expression, ptxas (NVRTC 13.5, 2026-11-30) spills 56-88 bytes at head_dim 128 with B_r
-    64 (tanh, a leaky where, overlap on or off), and the spill check refuses it at the
-    backward block. The built-in softcap written as a score compiles as the built-in and fits
-    (test_a_softcap_written_as_a_score_is_the_builtin_softcaps_backward)."""
+def test_a_spilling_backward_is_refused_at_the_block():
+    """A score whose derivative varies beside keep's predicate at B_r 80 (prefix-LM's block)
+    spills (NVRTC 13.5, 2026-11-30: some 500 bytes): the spill check refuses it at the
+    backward block, which at B_r 64 (VARIANTS' tanh_score) builds."""
     compiler, why = find_compiler()
     if compiler is None:
         pytest.skip(why)
-    text = with_lines(VARIANTS["alibi_causal"], "  score      20 * tanh(s / 40)\n")
+    text = VARIANTS["prefix_lm"].replace(
+        "  keep       kv_idx", "  score      20 * tanh(s / 40)\n  keep       kv_idx"
+    )
     with pytest.raises(SpecError) as err:
         check_registers(compile_source(text, "tanh.fa"), compiler, why)
     (d,) = err.value.diagnostics

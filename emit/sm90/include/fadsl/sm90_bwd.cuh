@@ -744,14 +744,17 @@ __device__ __forceinline__ void bwd_softcap(float (&s)[Cfg::kSRegs], float (&dta
 
 // P^T in place of S^T: element (key row 16 warp + g + 8r of the warpgroup, query column
 // 8j + 2t + e of the m-block) is 2^(S c log2e - LSE log2e), 0 where masked.  With a `score`
-// modifier, 2^(s' log2e - LSE log2e) of the modified score s' (bwd_score; `dtanh` then holds
-// its derivative); with `keep`, masked where it does not hold too.
+// modifier, 2^(s' log2e - LSE log2e) of the modified score s' (bwd_score, or where its
+// derivative is not 1 bwd_score_at, and `dtanh` then holds P times the derivative,
+// bwd_dscore_at: one factor a score from P to dS); with `keep`, masked where it does not
+// hold too (bwd_keeps).
 template <class Cfg, bool kMask>
 __device__ __forceinline__ void bwd_probs(float (&s)[Cfg::kSRegs], float (&dtanh)[Cfg::kSRegs],
                                           const BwdParamsSm90& P, uint32_t lse_slot, int key0, int q0, int lane,
                                           const BwdBlock& b) {
   bwd_softcap<Cfg>(s, dtanh, P.scale_log2);
-  if constexpr (Cfg::kScore) bwd_score<Cfg>(s, dtanh, P, b, key0, q0, lane);  // modified, natural units
+  bwd_score<Cfg>(s, P, b, key0, q0, lane);  // `score` whose derivative is 1: S^T modified in place
+  const auto u = bwd_score_uniforms<Cfg>(P, b);  // kScoreGrad's loads per (batch, head); else none
   const int t = lane % 4;
   const int d = bwd_diagonal<Cfg>(P, b);
 #pragma unroll
@@ -764,15 +767,16 @@ __device__ __forceinline__ void bwd_probs(float (&s)[Cfg::kSRegs], float (&dtanh
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         float& x = s[4 * j + 2 * r + e];
-        float p = fast_exp2(fmaf(x, bwd_probs_scale<Cfg>(P), -lse));
+        float p = fast_exp2(fmaf(bwd_score_at<Cfg>(x, P, u, b, key0 + 8 * r, q0 + col), bwd_probs_scale<Cfg>(P), -lse));
         if constexpr (kMask) {
           const int key = key0 + 8 * r;
           bool masked = key >= bwd_keys<Cfg>(P, b);
           if constexpr (bwd_has_right_edge<Cfg>()) masked = masked || key > q0 + col + d + bwd_right_edge<Cfg>();
           if constexpr (has_window<Cfg>()) masked = masked || key < q0 + col + d - Cfg::kWindowLeft;
-          if constexpr (Cfg::kKeep) masked = masked || !bwd_keeps<Cfg>(P, b, key, q0, col);
+          if constexpr (Cfg::kKeep) masked = masked || !bwd_keeps<Cfg>(P, b, key, q0 + col);
           if (masked) p = 0.f;
         }
+        if constexpr (Cfg::kScoreGrad) dtanh[4 * j + 2 * r + e] = p * bwd_dscore_at<Cfg>(x, P, u, b, key0 + 8 * r, q0 + col);
         x = p;
       }
     }
@@ -794,8 +798,12 @@ __device__ __forceinline__ void bwd_grad_scores(const float (&p)[Cfg::kSRegs], f
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         const int i = 4 * j + 2 * r + e;
-        dp[i] = p[i] * (dp[i] - d);
-        if constexpr (bwd_scales_ds<Cfg>()) dp[i] *= dtanh[i];
+        if constexpr (Cfg::kScoreGrad) {  // dtanh holds P times the score's derivative (bwd_probs)
+          dp[i] = dtanh[i] * (dp[i] - d);
+        } else {
+          dp[i] = p[i] * (dp[i] - d);
+          if constexpr (Cfg::kSoftcap > 0.f) dp[i] *= dtanh[i];
+        }
       }
     }
   }

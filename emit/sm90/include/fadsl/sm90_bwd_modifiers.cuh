@@ -5,15 +5,20 @@
 //
 // Included by fadsl/sm90_bwd.cuh before its parameters and blocks are declared, so the
 // functions take them as template parameters (Params: BwdParamsSm90, Block: BwdBlock).
-// Every call of them in sm90_bwd.cuh is under `if constexpr` on the Cfg's kScore, kScoreGrad
-// or kKeep, all false in a kernel without modifiers: their code is not instantiated there.
+// Each one's body is under `if constexpr` on the Cfg's kScore, kScoreGrad or kKeep, all false
+// in a kernel without modifiers: there each is nothing, or the identity (bwd_score_at,
+// bwd_probs_scale: the raw score, softmax_scale log2 e), and the kernel's SASS is unchanged.
 //
-// What they do, per m-block of the n-block (bwd_consumer):
-//   bwd_score      S^T -> the modified score s' = score(S softmax_scale, b, h, q_idx, kv_idx)
-//                  in natural units (bwd_probs then takes P = 2^(s' log2 e - LSE log2 e),
-//                  the forward's LSE being of the modified scores), and d score / d s
-//                  (differentiate_score's derivative, where it is not the constant 1) into
-//                  `dscore`, which dS = P (dP - D) is multiplied by (bwd_grad_scores);
+// What they do, per m-block of the n-block (bwd_consumer), in bwd_probs:
+//   bwd_score      a score whose derivative is the constant 1: S^T -> the modified score
+//                  s' = score(S softmax_scale, b, h, q_idx, kv_idx), natural units, in place;
+//   bwd_score_at   a score whose derivative is not 1 (kScoreGrad): s' score by score inside
+//                  bwd_probs' loop; bwd_probs takes P = 2^(s' log2 e - LSE log2 e) (the
+//                  forward's LSE being of the modified scores);
+//   bwd_dscore_at  d score / d s (differentiate_score's derivative, where it is not the
+//                  constant 1): bwd_probs keeps P times it, which bwd_grad_scores multiplies
+//                  by (dP - D) for dS (one fp32 factor a score from P to dS, as the built-in
+//                  softcap's 1 - tanh^2; P itself then only goes to 16 bits for dV);
 //   bwd_keeps      `keep` of one score (bwd_probs' masked path: -inf, so P = 0);
 //   bwd_keep_partial  whether an m-block is not FULL by keep's tile rule (bwd_needs_mask);
 //   bwd_keep_trim  per n-block, the m-blocks keep's tile rule classes EMPTY at both ends of
@@ -36,41 +41,77 @@
 
 namespace fadsl::sm90 {
 
-// The clamped indices of this thread's score s[4j + 2r + e] of S^T: key row key0 + 8r,
-// query column q0 + 8j + 2 (lane % 4) + e (the layout bwd_probs reads).
+// The clamped indices of a score: query q (a query row past seqlen_q read as the last row),
+// key `key` (past seqlen_k: the last key).
 template <class Block>
-__device__ __forceinline__ int bwd_q_idx(const Block& b, int q0, int col) {
-  return imin(q0 + col, b.seqlen_q - 1);
+__device__ __forceinline__ int bwd_q_idx(const Block& b, int q) {
+  return imin(q, b.seqlen_q - 1);
 }
 template <class Block>
 __device__ __forceinline__ int bwd_kv_idx(const Block& b, int key) {
   return imin(key, b.seqlen_k - 1);
 }
 
-// `score` on this thread's S^T (raw q.k), in place: the modified score in natural units, and
-// with kScoreGrad its derivative by s into dscore.
+// `score` whose derivative is the constant 1 (ALiBi, any bias added to s) on this thread's
+// S^T, in place, before bwd_probs' loop: the modified score in natural units, score(S
+// softmax_scale, b, h, q_idx, kv_idx), as the forward's apply_score takes it.  (Evaluated
+// score by score inside the loop instead, ALiBi spilled 4 bytes at B_r 80 beside keep's
+// predicate; NVRTC 13.5, 2026-11-30.)
 template <class Cfg, class Params, class Block>
-__device__ __forceinline__ void bwd_score(float (&s)[Cfg::kSRegs], float (&dscore)[Cfg::kSRegs], const Params& P,
-                                          const Block& b, int key0, int q0, int lane) {
-  if constexpr (Cfg::kScore) {
+__device__ __forceinline__ void bwd_score(float (&s)[Cfg::kSRegs], const Params& P, const Block& b, int key0, int q0,
+                                          int lane) {
+  if constexpr (Cfg::kScore && !Cfg::kScoreGrad) {
     using M = typename Cfg::Modifiers;
-    const typename M::Uniforms u = M::uniforms(P, b.batch, b.head);  // per m-block: a few __ldg
+    const typename M::Uniforms u = M::uniforms(P, b.batch, b.head);  // a few __ldg per m-block
     const int t = lane % 4;
 #pragma unroll
     for (int j = 0; j < Cfg::kBlockM / 8; ++j) {
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        const int q_idx = bwd_q_idx(b, q0, 8 * j + 2 * t + e);
+        const int q_idx = bwd_q_idx(b, q0 + 8 * j + 2 * t + e);
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-          const int kv_idx = bwd_kv_idx(b, key0 + 8 * r);
           float& x = s[4 * j + 2 * r + e];
-          const float scaled = x * P.softmax_scale;  // s, as the forward's apply_score takes it
-          if constexpr (Cfg::kScoreGrad) dscore[4 * j + 2 * r + e] = M::dscore(P, u, scaled, b.batch, b.head, q_idx, kv_idx);
-          x = M::score(P, u, scaled, b.batch, b.head, q_idx, kv_idx);
+          x = M::score(P, u, x * P.softmax_scale, b.batch, b.head, q_idx, bwd_kv_idx(b, key0 + 8 * r));
         }
       }
     }
+  }
+}
+
+// What a score with a derivative other than 1 reads once per (batch, head), or nothing.
+struct BwdNoUniforms {};
+template <class Cfg, class Params, class Block>
+__device__ __forceinline__ auto bwd_score_uniforms(const Params& P, const Block& b) {
+  if constexpr (Cfg::kScoreGrad) {
+    return Cfg::Modifiers::uniforms(P, b.batch, b.head);  // a few __ldg per m-block
+  } else {
+    return BwdNoUniforms{};
+  }
+}
+
+// The score bwd_probs takes P of, for the raw q.k `x` of key `key` and query `q`: where the
+// score's derivative is not 1 (kScoreGrad), score(x softmax_scale, b, h, q_idx, kv_idx) in
+// natural units, evaluated score by score inside bwd_probs' loop beside its derivative
+// (bwd_dscore_at), so that neither is held beside S^T (a pre-pass holding the derivatives
+// spilled 56-88 bytes at head_dim 128, B_r 64; NVRTC 13.5, 2026-11-30); else x as it is
+// (bwd_score modified it already, or there is no score).
+template <class Cfg, class Params, class U, class Block>
+__device__ __forceinline__ float bwd_score_at(float x, const Params& P, const U& u, const Block& b, int key, int q) {
+  if constexpr (Cfg::kScoreGrad) {
+    return Cfg::Modifiers::score(P, u, x * P.softmax_scale, b.batch, b.head, bwd_q_idx(b, q), bwd_kv_idx(b, key));
+  } else {
+    return x;
+  }
+}
+
+// d score / d s of the same score (kScoreGrad: the derivative is not the constant 1).
+template <class Cfg, class Params, class U, class Block>
+__device__ __forceinline__ float bwd_dscore_at(float x, const Params& P, const U& u, const Block& b, int key, int q) {
+  if constexpr (Cfg::kScoreGrad) {
+    return Cfg::Modifiers::dscore(P, u, x * P.softmax_scale, b.batch, b.head, bwd_q_idx(b, q), bwd_kv_idx(b, key));
+  } else {
+    return 1.f;
   }
 }
 
@@ -85,20 +126,14 @@ __device__ __forceinline__ float bwd_probs_scale(const Params& P) {
   }
 }
 
-// Whether dS is multiplied by a per-score factor: the built-in softcap's 1 - tanh^2, or the
-// score's derivative (kScoreGrad: not the constant 1).
-template <class Cfg>
-__host__ __device__ constexpr bool bwd_scales_ds() {
-  return Cfg::kSoftcap > 0.f || Cfg::kScoreGrad;
-}
-
-// `keep` of the score of key `key` and query column `col` of m-block q0.
+// `keep` of the score of key `key` and query `q` (its loads per call: the compiler keeps
+// them out of the loop, or not, as registers allow).
 template <class Cfg, class Params, class Block>
-__device__ __forceinline__ bool bwd_keeps(const Params& P, const Block& b, int key, int q0, int col) {
+__device__ __forceinline__ bool bwd_keeps(const Params& P, const Block& b, int key, int q) {
   if constexpr (Cfg::kKeep) {
     using M = typename Cfg::Modifiers;
     const typename M::Uniforms u = M::uniforms(P, b.batch, b.head);
-    return M::keep(P, u, b.batch, b.head, bwd_q_idx(b, q0, col), bwd_kv_idx(b, key));
+    return M::keep(P, u, b.batch, b.head, bwd_q_idx(b, q), bwd_kv_idx(b, key));
   } else {
     return true;
   }
