@@ -3,7 +3,7 @@ LSE's gradient) of the modifier examples and variants against float64 autograd o
 test_gpu_general's reference (the modifier applied in torch as its bias and keep, not from
 the IR), with FlashAttention's rule (the error at most twice PyTorch's own in the input
 dtype, plus 1e-4); ALiBi, prefix-LM, prefix-LM with ALiBi; scores whose derivative varies
-(tanh, a leaky where, clamp and a square); causal and window written as keep
+(tanh, a leaky where, clamp, abs, max with its ties); causal and window written as keep
 beside the built-in masks' backward; the softcap written as a score beside the built-in
 `softcap N` (the same kernel: bitwise with `deterministic on`); ragged shapes, GQA, both
 dtypes, `deterministic on` bitwise over runs; gradients poisoned first; torch.compile
@@ -253,7 +253,9 @@ def test_the_softcap_written_as_a_score_trains_as_the_built_in(dtype, shape):
 VARYING = {
     "tanh": ("20 * tanh(s / 40)", lambda s: 20 * torch.tanh(s / 40)),
     "leaky": ("where(s > 0, s, 0.5 * s)", lambda s: torch.where(s > 0, s, 0.5 * s)),
-    "clamped": ("clamp(s, -2, 2) + 0.01 * s * s", lambda s: torch.clamp(s, -2, 2) + 0.01 * s * s),
+    "clamped": ("clamp(s, -8, 8)", lambda s: torch.clamp(s, -8, 8)),
+    "abs": ("s + 0.5 * abs(s)", lambda s: s + 0.5 * s.abs()),
+    "max": ("max(s, 0.5 * s - 1)", lambda s: torch.maximum(s, 0.5 * s - 1)),
 }
 
 
