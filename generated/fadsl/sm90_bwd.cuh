@@ -784,7 +784,8 @@ __device__ __forceinline__ void bwd_probs(float (&s)[Cfg::kSRegs], float (&dtanh
 }
 
 // dS^T = P^T (dP^T - D) in place of dP^T (D of the element's query column), times the
-// cap's derivative with `softcap N`, or the score's (bwd_score) with a `score` modifier.
+// cap's derivative with `softcap N`; with a score whose derivative is not 1, (P d score / d s)
+// (dP^T - D) from the product bwd_probs left in `dtanh`.
 template <class Cfg>
 __device__ __forceinline__ void bwd_grad_scores(const float (&p)[Cfg::kSRegs], float (&dp)[Cfg::kSRegs],
                                                 const float (&dtanh)[Cfg::kSRegs], uint32_t d_slot, int lane) {
@@ -1115,7 +1116,7 @@ __device__ __forceinline__ void bwd_consumer(const BwdParamsSm90& P, uint32_t sm
     fence_regs(s);
     FADSL_BWD_MARK(wg, i, 2);
 
-    float dtanh[Cfg::kSRegs];  // softcap's 1 - tanh^2, or the score's derivative (unused without either)
+    float dtanh[Cfg::kSRegs];  // softcap's 1 - tanh^2, or P times the score's derivative (unused without either)
     const uint32_t lse_slot = smem + Cfg::kOffLSE + slot * Cfg::kRowFloatsBytes;
     const uint32_t d_slot = smem + Cfg::kOffD + slot * Cfg::kRowFloatsBytes;
     if (bwd_needs_mask<Cfg>(P, b, m)) {
