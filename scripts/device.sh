@@ -6,7 +6,8 @@
 #   shape, then the benchmarks if asked.
 # Usage (repo root, on the device):
 #   bash scripts/device.sh [fa4stage] [numerics] [backward] [bwdwindow] [bwdtrace] [bwdvarlen] [varlen] [kvcache] [modifiers] [distributed] [tests] [sanitize] [trace] [probe] [streamprobe] [bench ARGS...]
-#   modifiers: tests/test_gpu_modifiers.py (score and keep modifiers), then compute-sanitizer on
+#   modifiers: tests/test_gpu_modifiers.py and tests/test_gpu_modifiers_backward.py (score and
+#   keep modifiers, forward and backward), then compute-sanitizer on
 #   scripts/sanitize_modifiers.py (examples/modifiers/ at ragged shapes, every tile class)
 #   varlen: tests/test_gpu_varlen.py, then compute-sanitizer on scripts/sanitize_varlen.py,
 #   then VARLEN_BENCH's specs timed (VARLEN_BACKWARD=1: their backward, beside FA4's;
@@ -183,7 +184,7 @@ if [[ $steps == *" varlen "* ]]; then
   done
 fi
 if [[ $steps == *" modifiers "* ]]; then
-  checked modifiers tests/test_gpu_modifiers.py scripts/sanitize_modifiers.py
+  checked modifiers tests/test_gpu_modifiers.py scripts/sanitize_modifiers.py tests/test_gpu_modifiers_backward.py
 fi
 if [[ $steps == *" kvcache "* ]]; then
   # kv-cache calls (issue 31): the GPU tests, compute-sanitizer on ragged caches with split

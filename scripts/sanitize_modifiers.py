@@ -1,5 +1,6 @@
 """Run each example with score or mask modifiers (examples/modifiers/) once per dtype at a few
-ragged shapes, for compute-sanitizer (racecheck, synccheck, memcheck):
+ragged shapes, forward and backward (and prefix-LM's backward with `deterministic on`), for
+compute-sanitizer (racecheck, synccheck, memcheck):
 
     compute-sanitizer --tool racecheck python3 -P scripts/sanitize_modifiers.py
 
@@ -35,8 +36,23 @@ def inputs(kern, sk: int) -> dict[str, torch.Tensor]:
     return made
 
 
-for path in sorted((ROOT / "examples" / "modifiers").glob("*.fa")):
-    kern = fadsl.load(str(path), verbose=False)
+def specs() -> list[tuple[str, str]]:
+    """The examples (each with its backward block), and prefix-LM's with `deterministic on`
+    (keep trims no m-block there; every n-block adds in ticket order)."""
+    found = [
+        (p.stem, p.read_text()) for p in sorted((ROOT / "examples" / "modifiers").glob("*.fa"))
+    ]
+    prefix = dict(found)["prefix_lm"]
+    deterministic = prefix.replace("kernel prefix_lm {", "kernel prefix_lm_det {")
+    deterministic = deterministic.replace(
+        "    early_dv   off\n", "    early_dv   off\n    deterministic on\n"
+    )
+    found.append(("prefix_lm_det", deterministic.replace("    dQ: rf -red.add-> gmem\n", "")))
+    return found
+
+
+for name, text in specs():
+    kern = fadsl.load(text, verbose=False)
     d = kern.config.head_dim
     for dtype in kern.config.dtypes:
         torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype.value]
@@ -44,6 +60,16 @@ for path in sorted((ROOT / "examples" / "modifiers").glob("*.fa")):
             q = torch.randn(BATCH, sq, HEADS, d, device="cuda", dtype=torch_dtype)
             k = torch.randn(BATCH, sk, HEADS, d, device="cuda", dtype=torch_dtype)
             v = torch.randn(BATCH, sk, HEADS, d, device="cuda", dtype=torch_dtype)
-            out, lse = kern(q, k, v, return_lse=True, **inputs(kern, sk))
+            with torch.no_grad():
+                out, lse = kern(q, k, v, return_lse=True, **inputs(kern, sk))
             torch.cuda.synchronize()
-            print(f"{path.stem} {dtype.value} {sq}x{sk}: ran, finite={bool(out.isfinite().all())}")
+            print(f"{name} {dtype.value} {sq}x{sk}: ran, finite={bool(out.isfinite().all())}")
+            if not kern.has_backward:
+                continue
+            # the backward (issue 41, step 4): its three kernels, the LSE's gradient too
+            leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+            out, lse = kern(*leaves, return_lse=True, **inputs(kern, sk))
+            (out.float().square().sum() + lse.nan_to_num(0.0, 0.0, 0.0).sum()).backward()
+            torch.cuda.synchronize()
+            finite = all(bool(t.grad.isfinite().all()) for t in leaves)
+            print(f"{name} {dtype.value} {sq}x{sk}: backward ran, finite={finite}")

@@ -151,9 +151,9 @@ def _strip(text: str) -> str:
 
 def kernel_template(overlap: bool, template: str = TEMPLATE, split: bool = False) -> str:
     """The template with each `{% if overlap %} A {% else %} B {% endif %}` (and `{% if split
-    %}`) decided, the roles' functions named as emit.py names them, and the Cfg's window and
-    softcap constants left out (no other `{% if %}` may decide which calls the kernel
-    makes)."""
+    %}`) decided, the roles' functions named as emit.py names them, and the Cfg's window,
+    softcap and modifier constants (and the modifiers' struct, included from a template of
+    its own) left out (no other `{% if %}` may decide which calls the kernel makes)."""
     tag = lambda body: rf"\{{%-?\s*{body}\s*-?%\}}"  # noqa: E731
     decided = template
     for flag, value in (("overlap", overlap), ("split", split)):
@@ -170,7 +170,11 @@ def kernel_template(overlap: bool, template: str = TEMPLATE, split: bool = False
         decided = re.sub(r"\{\{\s*" + slot + r"\s*\}\}", name, decided)
     # the Cfg's constants of a window or a softcap: declarations, never calls
     constants = re.compile(
-        tag("if (window|softcap|longest_first|varlen|dv_before_meeting)") + r"(.*?)" + tag("endif"),
+        tag(
+            "if (window|softcap|longest_first|varlen|dv_before_meeting|modifiers|score|score_grad|keep)"
+        )
+        + r"(.*?)"
+        + tag("endif"),
         re.S,
     )
     for block in constants.finditer(decided):

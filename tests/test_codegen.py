@@ -55,10 +55,10 @@ MODIFIERS = sorted((ROOT / "examples" / "modifiers").glob("*.fa"))
 
 @pytest.mark.parametrize("spec", MODIFIERS, ids=[p.stem for p in MODIFIERS])
 def test_generated_modifier_cuda_is_current(spec, golden):
-    """The score and mask modifier examples (issue 41): forward-only, their inputs passed by
-    name (not run by the examples' GPU tests, which pass none)."""
+    """The score and mask modifier examples (issue 41), forward and backward, their inputs
+    passed by name (not run by the examples' GPU tests, which pass none)."""
     compiled = compile_file(spec.relative_to(ROOT))
-    for source in sources(compiled):
+    for source in sources(compiled) + backward_sources(compiled):
         golden.check(GENERATED / source.filename, source.text)
 
 

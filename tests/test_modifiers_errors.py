@@ -230,11 +230,43 @@ def test_syntax_errors_in_an_expression_are_located(line, col, message):
     assert (d.loc.line, d.loc.col) == (FIRST, col) and message in d.message
 
 
-def test_a_backward_block_with_modifiers_is_refused_at_its_keyword():
-    text = spec("score s * 2").replace("  swizzle    128B\n", "  swizzle    128B\n  backward {}\n")
-    (d,) = refusal("", text).diagnostics
-    assert (d.loc.line, d.loc.col) == (16, 3)
-    assert d.message.startswith("the backward of 'score' and 'keep' is not built yet (issue 41")
+def with_backward(text: str, block: str = "backward {}") -> str:
+    return text.replace("  swizzle    128B\n", f"  swizzle    128B\n  {block}\n")
+
+
+def test_a_backward_block_with_a_score_that_has_no_derivative_is_refused_at_the_function():
+    """floor of the score has no derivative (0 almost everywhere, undefined at the steps):
+    the forward compiles, a backward block is refused at floor's token (issue 41, step 4)."""
+    text = with_backward(spec("score floor(s * 4) / 4"))
+    err = refusal("", text)
+    (d,) = err.diagnostics
+    assert (d.loc.line, d.loc.col) == (FIRST, 9)
+    assert d.message.startswith(
+        "the backward block (line 16) multiplies dS by d score / d s, but 'floor(s * 4)' "
+        "rounds the score down: its derivative is 0 almost everywhere and undefined at each step"
+    )
+    assert str(err).split("\n")[1:] == ["      score floor(s * 4) / 4", "            ^"]
+    front_end(spec("score floor(s * 4) / 4"), "mods.fa")  # forward-only: fine
+
+
+def test_a_backward_block_with_modifiers_at_head_dim_256_is_refused_at_its_keyword():
+    text = with_backward(spec("score s * 2")).replace("head_dim   128", "head_dim   256")
+    text = text.replace("B_r = 128, B_c = 128", "B_r = 128, B_c = 80")
+    found = [(d.loc.line, d.loc.col, d.message) for d in refusal("", text).diagnostics]
+    assert any(
+        (line, col) == (16, 3) and m.startswith("the backward of score and keep at head_dim 256")
+        for line, col, m in found
+    ), found
+
+
+def test_a_backward_block_with_modifiers_compiles():
+    for lines in (
+        "score s * 2",
+        "keep kv_idx <= q_idx",
+        "score 2 * tanh(s / 2)\n  keep q_idx >= 0",
+    ):
+        lowered = front_end(with_backward(spec(lines)), "mods.fa")
+        assert lowered.backward is not None and lowered.config.modifiers is not None
 
 
 SM80 = """kernel k {

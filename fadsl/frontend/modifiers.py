@@ -3,8 +3,8 @@ and taken through the modifier passes (fadsl/passes/modifiers), their errors rep
 the spec's others.
 
 Here: the declarations themselves (an input's name, dtype and dimensions; one `score` and
-one `keep` at most; inputs within the kernel's params) and what no target builds yet (the
-backward of a modified score or mask). What an expression may say is check_modifiers'
+one `keep` at most; inputs within the kernel's params) and, with a backward block, a score
+whose derivative is not defined (differentiate_score's NotDifferentiable). What an expression may say is check_modifiers'
 business; what a target supports, its validate's (sm_80: none; sm_90a:
 fadsl/targets/sm90/modifiers.py).
 """
@@ -48,13 +48,6 @@ def read_modifiers(c: Checks) -> Modifiers | None:
         first = lines[0]
         c.error(first.loc, "inputs are read by 'score' or 'keep' lines, and the kernel has neither")
         return None
-    for block in c.decl.backwards:
-        c.error(
-            block.loc,
-            "the backward of 'score' and 'keep' is not built yet (issue 41, step 4): gradients "
-            "through a modified score or mask would be wrong; remove the backward block (the "
-            "kernel is then forward-only) or the modifiers",
-        )
     score, keep = exprs.get("score"), exprs.get("keep")
     modifiers = Modifiers(
         inputs=inputs,
@@ -71,7 +64,22 @@ def read_modifiers(c: Checks) -> Modifiers | None:
         for d in err.diagnostics:
             c.error(d.loc, d.message)
         return None
+    _differentiable(c, modifiers)
     return modifiers if len(c.sink) == before else None
+
+
+def _differentiable(c: Checks, m: Modifiers) -> None:
+    """A backward block needs d score / d s (differentiate_score): where the score has none
+    (it rounds the score: floor), the block is refused at the token that has no derivative."""
+    if not c.decl.backwards or not m.not_differentiable:
+        return
+    block = c.decl.backwards[0]
+    c.error(
+        m.not_differentiable_loc or m.score_loc or block.loc,
+        f"the backward block (line {block.loc.line}) multiplies dS by d score / d s, but "
+        f"{m.not_differentiable}; write the score without it, or remove the backward block "
+        "(the kernel is then forward-only)",
+    )
 
 
 def _inputs(c: Checks, lines: list[InputLine]) -> tuple[InputDecl, ...]:

@@ -304,6 +304,7 @@ class Modifiers:
     rule: TileRule | None = None
     derivative: Expr | None = None
     not_differentiable: str = ""
+    not_differentiable_loc: Loc | None = None  # the token with no derivative (floor)
 
     def input(self, name: str) -> InputDecl | None:
         return next((i for i in self.inputs if i.name == name), None)

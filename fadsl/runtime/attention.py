@@ -124,11 +124,14 @@ class FlashAttention(ServingCalls):
         self._more_modules: dict[tuple[Dtype, int, str], object] = {}
         self.op_name = f"{self.config.name}_{spec_hash(compiled.kernel)[:12]}"
         from .custom_op import kvcache_op_for, ops_for, varlen_op_for
+        from .modified_op import modified_op_for
 
         # Registered now, not on first use: torch.compile cannot trace a registration.
         self._ops = ops_for(self)
         self._varlen_op = varlen_op_for(self) if self.is_varlen else None
         self._kvcache_op = kvcache_op_for(self) if self.is_kvcache else None
+        # score and mask modifiers (issue 41): their inputs are the op's arguments
+        self._modified_op = modified_op_for(self) if self.config.modifiers is not None else None
 
     @property
     def is_varlen(self) -> bool:
@@ -283,15 +286,17 @@ class FlashAttention(ServingCalls):
             self._backward = BackwardKernels(self.compiled, self.verbose, self.cubin_dirs)
         return self._backward
 
-    def backward(self, q, k, v, out, lse, dout, dlse, scale: float):
+    def backward(self, q, k, v, out, lse, dout, dlse, scale: float, inputs=()):
         """(dq, dk, dv) of the loss whose gradient on the output is ``dout`` (and on the
-        LSE ``dlse``, or None), from the forward's q, k, v, out and lse."""
+        LSE ``dlse``, or None), from the forward's q, k, v, out and lse; ``inputs``: the
+        score and mask modifiers' tensors, checked, in declared order."""
         if self.is_varlen:  # the kernels read cu_seqlens: the batch packed end to end
             return self.backward_padded_as_varlen(q, k, v, out, lse, dout, dlse, scale)
         dtype = self.check_inputs(q, k, v)
         dout, lse, dlse = backward_operands(out, lse, dout, dlse, lse_shape(q), q.device)
         arch = arch_of(q.device.index)
-        return self._backward_kernels()(dtype, arch, q, k, v, out, lse, dout, dlse, scale)
+        kernels = self._backward_kernels()
+        return kernels(dtype, arch, q, k, v, out, lse, dout, dlse, scale, tuple(inputs))
 
     # ------------------------------------------------------------------ calling
     def __call__(
@@ -327,7 +332,7 @@ class FlashAttention(ServingCalls):
         scale = check_scale(softmax_scale, self.config.head_dim)
         if not isinstance(return_lse, bool):
             raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
-        if inputs or self.config.modifiers is not None:
+        if inputs or self.config.modifiers is not None:  # (issue 41: their own op)
             return self._call_modified(q, k, v, scale, out, return_lse, inputs)
         if torch.compiler.is_compiling():
             return self._call_op(q, k, v, scale, out, return_lse)
@@ -344,30 +349,40 @@ class FlashAttention(ServingCalls):
         return self.forward(q, k, v, scale, out, return_lse)
 
     def _call_modified(self, q, k, v, scale: float, out, return_lse: bool, inputs: dict):
-        """A call of a spec with score or mask modifiers (issue 41): eager, without gradients
-        (their backward is not built yet; the spec refuses a backward block)."""
+        """A call of a spec with score or mask modifiers (issue 41): the inputs checked by
+        name, dtype, shape, device and layout; eager calls without gradients launch
+        directly, the others (gradients through q, k, v; torch.compile) go through the
+        modified op (fadsl/runtime/modified_op.py), whose backward runs the spec's backward
+        kernels with the same inputs. An input that requires grad is refused by name:
+        gradients of the modifiers' inputs are not built yet."""
         import torch
 
         decls = () if self.config.modifiers is None else self.config.modifiers.inputs
         name = self.config.name
-        if torch.compiler.is_compiling():
-            raise NotImplementedError(
-                f"fadsl kernel '{name}': torch.compile of a kernel with score or keep "
-                "modifiers is not built yet; call it outside the compiled region"
-            )
-        if torch.is_grad_enabled() and any(
-            isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v)
-        ):
-            raise RuntimeError(
-                f"fadsl kernel '{name}': the backward of score and keep modifiers is not built "
-                "yet, so gradients cannot flow through it; call it under torch.no_grad() or "
-                "with q, k and v detached"
-            )
         if not decls:  # (a keyword the spec does not take: reported as Python would, first)
             modifier_inputs(decls, inputs, q, k, name)
-        dtype = self.check_inputs(q, k, v)
         tensors = modifier_inputs(decls, inputs, q, k, name)
-        return self.forward(q, k, v, scale, out, return_lse, tensors, dtype)
+        grad_mode = torch.is_grad_enabled()
+        for decl, t in zip(decls, tensors):
+            if grad_mode and t.requires_grad:
+                raise RuntimeError(
+                    f"fadsl kernel '{name}': input '{decl.name}' ({decl.text()}) requires grad, "
+                    "but gradients of a score or keep modifier's inputs are not built yet "
+                    f"(issue 41): pass {decl.name}.detach(), or call under torch.no_grad()"
+                )
+        grads = grad_mode and any(t.requires_grad for t in (q, k, v))
+        if not grads and not torch.compiler.is_compiling():
+            return self.forward(q, k, v, scale, out, return_lse, tensors)
+        if grads and out is not None:
+            raise RuntimeError(
+                f"fadsl kernel '{name}': out= does not support automatic differentiation; "
+                "call it without out=, under torch.no_grad(), or with q, k and v detached"
+            )
+        o, lse = self._modified_op(q, k, v, list(tensors), scale, return_lse or self.has_backward)
+        if out is not None:  # (compiled, without gradients)
+            out.copy_(o)
+            o = out
+        return (o, lse) if return_lse else o
 
     def _call_op(self, q, k, v, scale: float, out, return_lse: bool):
         import torch

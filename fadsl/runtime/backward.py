@@ -8,6 +8,7 @@ and launched on the current stream by the target's host code (``BackwardLaunch.r
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import replace
 from pathlib import Path
@@ -107,13 +108,26 @@ class BackwardKernels:
         return found
 
     def __call__(
-        self, dtype: Dtype, arch: str, q, k, v, out, lse, dout, dlse, softmax_scale: float
+        self,
+        dtype: Dtype,
+        arch: str,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        dout,
+        dlse,
+        softmax_scale: float,
+        inputs: tuple = (),
     ):
         """(dq, dk, dv), launched on q's device (architecture ``arch``) and its current
-        stream."""
-        return self._run(
-            self.launcher.run, dtype, arch, q, (k, v, out, lse, dout, dlse), softmax_scale
-        )
+        stream; ``inputs``: the score and mask modifiers' tensors, checked, in declared
+        order (none without modifiers)."""
+        run = self.launcher.run
+        if inputs:
+            run = functools.partial(run, inputs=tuple(inputs))
+        return self._run(run, dtype, arch, q, (k, v, out, lse, dout, dlse), softmax_scale)
 
     def varlen(
         self,

@@ -9,6 +9,12 @@ docs/numerics.md). Where the score goes through ``floor`` the derivative is 0 al
 everywhere and undefined at the steps: ``not_differentiable`` says so, and a backward of
 such a score is to be refused (the forward is fine). A where() differentiates each branch
 (its condition picks one); min, max and clamp the argument they pick; abs by its sign.
+
+At kinks and ties the derivative is torch autograd's, so that the backward agrees with a
+reference written in torch: abs has 0 at 0 (``sgn``); min and max (``torch.minimum``,
+``torch.maximum``) give each argument half at a tie; clamp passes x's at both bounds
+(``lo <= x <= hi``, as ``torch.clamp``), a bound's where x is past it; where() the branch its
+condition picks.
 """
 
 from __future__ import annotations
@@ -24,7 +30,12 @@ F32 = ExprType.F32
 
 
 class NotDifferentiable(Exception):
-    """The score goes through a function with no useful derivative (the message says which)."""
+    """The score goes through a function with no useful derivative (the message says which;
+    ``loc``: that function's token)."""
+
+    def __init__(self, message: str, loc=None) -> None:
+        super().__init__(message)
+        self.loc = loc
 
 
 def differentiate_score(m: Modifiers) -> Modifiers:
@@ -33,7 +44,9 @@ def differentiate_score(m: Modifiers) -> Modifiers:
     try:
         return replace(m, derivative=derivative(m.score))
     except NotDifferentiable as err:
-        return replace(m, derivative=None, not_differentiable=str(err))
+        return replace(
+            m, derivative=None, not_differentiable=str(err), not_differentiable_loc=err.loc
+        )
 
 
 def derivative(e: Expr) -> Expr:
@@ -60,11 +73,18 @@ def derivative(e: Expr) -> Expr:
         case Where(cond=c, a=x, b=y):
             return b.where(c, derivative(x), derivative(y), loc)
         case FnCall(fn=Fn.ABS, args=(x,)):
-            return b.where(b.compare(BinOp.GE, x, b.const(0, loc), loc), derivative(x),
-                           b.neg(derivative(x), loc), loc)  # fmt: skip
+            # torch's: sgn(x) x', so 0 at x = 0
+            zero = b.const(0, loc)
+            negative = b.where(b.compare(BinOp.LT, x, zero, loc), b.neg(derivative(x), loc),
+                               b.const(0.0, loc), loc)  # fmt: skip
+            return b.where(b.compare(BinOp.GT, x, zero, loc), derivative(x), negative, loc)
         case FnCall(fn=Fn.MIN | Fn.MAX, args=(x, y)):
-            op = BinOp.LE if e.fn is Fn.MIN else BinOp.GE
-            return b.where(b.compare(op, x, y, loc), derivative(x), derivative(y), loc)
+            # torch.minimum / maximum's: the picked argument's, half of each at a tie
+            dx, dy = derivative(x), derivative(y)
+            op = BinOp.LT if e.fn is Fn.MIN else BinOp.GT
+            tie = b.where(b.compare(BinOp.EQ, x, y, loc),
+                          b.mul(b.add(dx, dy, loc), b.const(0.5, loc), loc), dy, loc)  # fmt: skip
+            return b.where(b.compare(op, x, y, loc), dx, tie, loc)
         case FnCall(fn=Fn.CLAMP, args=(x, lo, hi)):
             inside = b.and_(b.compare(BinOp.GE, x, lo, loc), b.compare(BinOp.LE, x, hi, loc), loc)
             below = b.compare(BinOp.LT, x, lo, loc)
@@ -82,8 +102,9 @@ def derivative(e: Expr) -> Expr:
         case FnCall(fn=Fn.FLOOR):
             raise NotDifferentiable(
                 f"'{text(e)}' rounds the score down: its derivative is 0 almost everywhere "
-                "and undefined at each step"
+                "and undefined at each step",
+                e.loc,
             )
         case Const() | Load() | Var():
             return b.const(0.0, loc)
-    raise NotDifferentiable(f"'{text(e)}' has no derivative rule")
+    raise NotDifferentiable(f"'{text(e)}' has no derivative rule", e.loc)

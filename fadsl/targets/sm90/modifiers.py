@@ -25,6 +25,7 @@ from ...ir.expr import VarKind, children, text, tile_uniform, walk
 from ...spec.checks import Checks
 from ...spec.syntax import ExprLine, InputLine
 from ..cuda_expr import CudaExpr
+from .backward.plan_smem import SPLIT_HEAD_DIM
 from .settings import SOFTCAP_RANGE
 
 _SIZES = {
@@ -48,7 +49,8 @@ _NAMES = {
 
 
 def validate_modifiers(c: Checks) -> bool:
-    """What the sm_90a forward does not take with modifiers yet, at the modifier's line."""
+    """What the sm_90a kernels do not take with modifiers yet, at the modifier's line (the
+    backward's: at its block)."""
     lines = c.decl.modifiers
     if not lines:
         return True
@@ -69,6 +71,15 @@ def validate_modifiers(c: Checks) -> bool:
             score.loc,
             "a score modifier and 'softcap' do not combine: write the cap into the score, "
             f"e.g. score {v['softcap']} * tanh(s / {v['softcap']})",
+        )
+        ok = False
+    if c.decl.backwards and v.get("head_dim") == SPLIT_HEAD_DIM:
+        c.error(
+            c.decl.backwards[0].loc,
+            "the backward of score and keep at head_dim 256 is not built yet (its consumers "
+            "split head_dim: fadsl/sm90_bwd_split.cuh computes P without the modifiers); "
+            "remove the backward block (the kernel is then forward-only), or use head_dim "
+            "64 or 128",
         )
         ok = False
     if keep is not None:
@@ -108,8 +119,21 @@ def softcap_idiom(score) -> int | None:
     return None
 
 
-def _renderer(m: Modifiers, replaced: dict[str, str] | None = None) -> CudaExpr:
-    return CudaExpr(_NAMES, _SIZES, m.inputs, lambda i: f"P.inputs[{i}]", replaced)
+# The backward's params (BwdParamsSm90, sm90_bwd.cuh) hold the sizes flat, and heads_kv as
+# heads_q / group.
+_BWD_SIZES = {
+    Dim.BATCH: "P.batch",
+    Dim.HEADS: "P.heads_q",
+    Dim.HEADS_KV: "(P.heads_q / P.group)",
+    Dim.SEQLEN_Q: "P.seqlen_q",
+    Dim.SEQLEN_K: "P.seqlen_k",
+}
+
+
+def _renderer(
+    m: Modifiers, replaced: dict[str, str] | None = None, sizes: dict[Dim, str] = _SIZES
+) -> CudaExpr:
+    return CudaExpr(_NAMES, sizes, m.inputs, lambda i: f"P.inputs[{i}]", replaced)
 
 
 def tile_loads(e: Expr) -> list[Expr]:
@@ -127,18 +151,31 @@ def _where(loc: Loc | None) -> str:
     return "" if loc is None else f" (line {loc.line})"
 
 
-def context(cfg: Config) -> dict[str, Any]:
+def score_grad(m: Modifiers) -> Expr | None:
+    """The score's derivative by s where the backward multiplies dS by it: None where there
+    is no score, or its derivative is the constant 1 (ALiBi, any bias added to s)."""
+    d = m.derivative
+    if m.score is None or d is None or (isinstance(d, Const) and d.value == 1.0):
+        return None
+    return d
+
+
+def context(cfg: Config, sizes: dict[Dim, str] = _SIZES, backward: bool = False) -> dict[str, Any]:
     """The template's modifier slots: ``score`` and ``keep`` (None without them), each with
     the spec's text and its C++; ``uniforms``, what they read once per tile (tile_loads);
     and ``modifier_softcap``, the cap of a score that is the
-    built-in softcap written out (then ``score`` is None: the kernel is the built-in's)."""
+    built-in softcap written out (then ``score`` is None: the kernel is the built-in's).
+    ``sizes``: the C++ of each size (the forward's params by default); ``backward``: the
+    backward's slots too, ``score_grad`` (the derivative dS is multiplied by, or None)."""
     m = cfg.modifiers
     if m is None:
-        return {"score": None, "keep": None, "modifier_softcap": 0, "modifier_inputs": []}
+        found = {"score": None, "keep": None, "modifier_softcap": 0, "modifier_inputs": []}
+        return {**found, "score_grad": None} if backward else found
     cap = softcap_idiom(m.score) if m.score is not None else None
-    plain = _renderer(m)
+    grad = score_grad(m) if backward and not cap else None
+    plain = _renderer(m, sizes=sizes)
     uniforms: dict[str, dict[str, str]] = {}  # C++ -> its field
-    for e in (x for x in (None if cap else m.score, m.keep) if x is not None):
+    for e in (x for x in (None if cap else m.score, grad, m.keep) if x is not None):
         for part in tile_loads(e):
             code = plain.render(part)
             if code not in uniforms:
@@ -151,7 +188,7 @@ def context(cfg: Config) -> dict[str, Any]:
                     "code": code,
                     "source": text(part),
                 }
-    render = _renderer(m, {code: f"u.{u['name']}" for code, u in uniforms.items()})
+    render = _renderer(m, {code: f"u.{u['name']}" for code, u in uniforms.items()}, sizes)
     score = None
     if m.score is not None and cap is None:
         score = {
@@ -170,10 +207,25 @@ def context(cfg: Config) -> dict[str, Any]:
             "empty_text": text(rule.empty),
             "exact": rule.exact,
         }
-    return {
+    found = {
         "score": score,
         "keep": keep,
         "modifier_softcap": cap or 0,
         "uniforms": list(uniforms.values()),
         "modifier_inputs": [f"P.inputs[{i}]: {d.text()}" for i, d in enumerate(m.inputs)],
     }
+    if backward:
+        found["score_grad"] = (
+            None
+            if grad is None
+            else {"source": text(grad), "code": render.render(grad, ExprType.F32)}
+        )
+    return found
+
+
+def backward_context(cfg: Config) -> dict[str, Any]:
+    """The backward template's modifier slots (emit/sm90/bwd_modifiers.cu.j2): context's,
+    over BwdParamsSm90's sizes, with ``score_grad``; ``modifiers``, whether the kernel has a
+    SpecModifiers struct."""
+    found = context(cfg, _BWD_SIZES, backward=True)
+    return {**found, "modifiers": found["score"] is not None or found["keep"] is not None}

@@ -44,6 +44,7 @@
 
 #include "sm90.cuh"  // FastDiv, the PTX wrappers, wgmma (next to this file)
 #include "sm90_bwd_trace.cuh"  // FADSL_BWD_MARK: empty unless FADSL_BWD_TRACE (development builds)
+#include "sm90_bwd_modifiers.cuh"  // score and mask modifiers (issue 41): under if constexpr only
 
 namespace fadsl::sm90 {
 
@@ -79,6 +80,11 @@ struct BwdParamsSm90 {
   const int* cu_seqlens_q;
   const int* cu_seqlens_k;
   int sequences;
+  // score and mask modifiers (issue 41; zeros otherwise): the spec's `input` tensors in their
+  // declared order, contiguous, read-only (fadsl/sm90_bwd_modifiers.cuh), and the batch
+  // size, which an expression may read (`batch`)
+  const void* inputs[8];
+  int batch;
 };
 
 // BwdParamsSm90::dkv_store.  GQA's query heads of one K/V head each hold part of its dK and
@@ -117,6 +123,9 @@ struct BwdPrepParams {
 };
 
 static_assert(sizeof(BwdParamsSm90) == 768, "BwdParamsSm90's layout is fadsl/targets/sm90/backward/host.py's");
+static_assert(__builtin_offsetof(BwdParamsSm90, sequences) == 664 && __builtin_offsetof(BwdParamsSm90, inputs) == 672 &&
+                  __builtin_offsetof(BwdParamsSm90, batch) == 736,
+              "the modifiers' fields where fadsl/targets/sm90/backward/host.py packs them (MODIFIERS_OFFSET)");
 
 struct BwdConvertParams {
   const float* dq_accum;
@@ -197,6 +206,13 @@ struct BwdConfig {
   // `varlen on` (a generated Cfg sets it): packed sequences, cu_seqlens in the params; a CTA
   // per (n-block slot, query head) over the packed keys (bwd_block)
   static constexpr bool kVarlen = false;
+  // Score and mask modifiers (issue 41; a generated Cfg sets them and `using Modifiers` to its
+  // SpecModifiers, fadsl/sm90_bwd_modifiers.cuh): kScore, P from the modified score; kScoreGrad,
+  // dS times d score / d s (not the constant 1); kKeep, keep's -inf in the m-blocks its tile
+  // rule does not class FULL, the EMPTY ones off both ends of the range (bwd_keep_trim)
+  static constexpr bool kScore = false;
+  static constexpr bool kScoreGrad = false;
+  static constexpr bool kKeep = false;
 
   static constexpr int kThreads = 128 * (1 + kConsumerWGs);
   static constexpr int kConsumerThreads = 128 * kConsumerWGs;
@@ -435,6 +451,7 @@ __device__ __forceinline__ BwdBlock bwd_block(const BwdParamsSm90& P) {
     m_end = last_q < 0 ? 0 : imin(m_end, last_q / Cfg::kBlockM + 1);
   }
   b.m_count = imax(m_end - b.m_begin, 0);
+  if constexpr (Cfg::kKeep) bwd_keep_trim<Cfg>(P, b);  // keep's EMPTY m-blocks off both ends
   return b;
 }
 
@@ -577,6 +594,7 @@ __device__ __forceinline__ bool bwd_needs_mask(const BwdParamsSm90& P, const Bwd
   if constexpr (has_window<Cfg>()) {  // a key before the last row's left edge
     mask = mask || b.n0 < (m + 1) * Cfg::kBlockM - 1 + d - Cfg::kWindowLeft;
   }
+  if constexpr (Cfg::kKeep) mask = mask || bwd_keep_partial<Cfg>(P, b, m);  // not FULL by keep's rule
   return mask;
 }
 
@@ -733,12 +751,18 @@ __device__ __forceinline__ void bwd_softcap(float (&s)[Cfg::kSRegs], float (&dta
 }
 
 // P^T in place of S^T: element (key row 16 warp + g + 8r of the warpgroup, query column
-// 8j + 2t + e of the m-block) is 2^(S c log2e - LSE log2e), 0 where masked.
+// 8j + 2t + e of the m-block) is 2^(S c log2e - LSE log2e), 0 where masked.  With a `score`
+// modifier, 2^(s' log2e - LSE log2e) of the modified score s' (bwd_score, or where its
+// derivative is not 1 bwd_score_at, and `dtanh` then holds P times the derivative,
+// bwd_dscore_at: one factor a score from P to dS); with `keep`, masked where it does not
+// hold too (bwd_keeps).
 template <class Cfg, bool kMask>
 __device__ __forceinline__ void bwd_probs(float (&s)[Cfg::kSRegs], float (&dtanh)[Cfg::kSRegs],
                                           const BwdParamsSm90& P, uint32_t lse_slot, int key0, int q0, int lane,
                                           const BwdBlock& b) {
   bwd_softcap<Cfg>(s, dtanh, P.scale_log2);
+  bwd_score<Cfg>(s, P, b, key0, q0, lane);  // `score` whose derivative is 1: S^T modified in place
+  const auto u = bwd_score_uniforms<Cfg>(P, b);  // kScoreGrad's loads per (batch, head); else none
   const int t = lane % 4;
   const int d = bwd_diagonal<Cfg>(P, b);
 #pragma unroll
@@ -751,14 +775,16 @@ __device__ __forceinline__ void bwd_probs(float (&s)[Cfg::kSRegs], float (&dtanh
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         float& x = s[4 * j + 2 * r + e];
-        float p = fast_exp2(fmaf(x, P.scale_log2, -lse));
+        float p = fast_exp2(fmaf(bwd_score_at<Cfg>(x, P, u, b, key0 + 8 * r, q0 + col), bwd_probs_scale<Cfg>(P), -lse));
         if constexpr (kMask) {
           const int key = key0 + 8 * r;
           bool masked = key >= bwd_keys<Cfg>(P, b);
           if constexpr (bwd_has_right_edge<Cfg>()) masked = masked || key > q0 + col + d + bwd_right_edge<Cfg>();
           if constexpr (has_window<Cfg>()) masked = masked || key < q0 + col + d - Cfg::kWindowLeft;
+          if constexpr (Cfg::kKeep) masked = masked || !bwd_keeps<Cfg>(P, b, key, q0 + col);
           if (masked) p = 0.f;
         }
+        if constexpr (Cfg::kScoreGrad) dtanh[4 * j + 2 * r + e] = p * bwd_dscore_at<Cfg>(x, P, u, b, key0 + 8 * r, q0 + col);
         x = p;
       }
     }
@@ -766,7 +792,8 @@ __device__ __forceinline__ void bwd_probs(float (&s)[Cfg::kSRegs], float (&dtanh
 }
 
 // dS^T = P^T (dP^T - D) in place of dP^T (D of the element's query column), times the
-// cap's derivative with `softcap N`.
+// cap's derivative with `softcap N`; with a score whose derivative is not 1, (P d score / d s)
+// (dP^T - D) from the product bwd_probs left in `dtanh`.
 template <class Cfg>
 __device__ __forceinline__ void bwd_grad_scores(const float (&p)[Cfg::kSRegs], float (&dp)[Cfg::kSRegs],
                                                 const float (&dtanh)[Cfg::kSRegs], uint32_t d_slot, int lane) {
@@ -780,8 +807,12 @@ __device__ __forceinline__ void bwd_grad_scores(const float (&p)[Cfg::kSRegs], f
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         const int i = 4 * j + 2 * r + e;
-        dp[i] = p[i] * (dp[i] - d);
-        if constexpr (Cfg::kSoftcap > 0.f) dp[i] *= dtanh[i];
+        if constexpr (Cfg::kScoreGrad) {  // dtanh holds P times the score's derivative (bwd_probs)
+          dp[i] = dtanh[i] * (dp[i] - d);
+        } else {
+          dp[i] = p[i] * (dp[i] - d);
+          if constexpr (Cfg::kSoftcap > 0.f) dp[i] *= dtanh[i];
+        }
       }
     }
   }
@@ -1093,7 +1124,7 @@ __device__ __forceinline__ void bwd_consumer(const BwdParamsSm90& P, uint32_t sm
     fence_regs(s);
     FADSL_BWD_MARK(wg, i, 2);
 
-    float dtanh[Cfg::kSRegs];  // softcap's 1 - tanh^2 (unused without it)
+    float dtanh[Cfg::kSRegs];  // softcap's 1 - tanh^2, or P times the score's derivative (unused without either)
     const uint32_t lse_slot = smem + Cfg::kOffLSE + slot * Cfg::kRowFloatsBytes;
     const uint32_t d_slot = smem + Cfg::kOffD + slot * Cfg::kRowFloatsBytes;
     if (bwd_needs_mask<Cfg>(P, b, m)) {

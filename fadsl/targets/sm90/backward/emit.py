@@ -7,6 +7,7 @@ from typing import Any
 
 from ....ir import Dtype, Kernel, Mask
 from ....ir.backward import Backward
+from ..modifiers import backward_context as modifier_context
 from .plan_smem import (
     do_stages,
     dq_by_keys,
@@ -88,6 +89,9 @@ def context(kernel: Kernel, dtype: Dtype) -> dict[str, Any]:
     cfg = kernel.config
     plan = plan_smem(bwd, cfg.head_dim)
     split = split_head_dim(cfg.head_dim)
+    # `score` and `keep` (issue 41): the SpecModifiers struct's slots; a score that is the
+    # built-in softcap written out compiles as `softcap N`
+    modifiers = modifier_context(cfg)
     return {
         "header": SPLIT_HEADER if split else HEADER,
         "producer": SPLIT_PRODUCER if split else PRODUCER,
@@ -111,7 +115,8 @@ def context(kernel: Kernel, dtype: Dtype) -> dict[str, Any]:
         "mask": cfg.mask_text,  # the mask line's value, window included
         # the forward's sliding window and softcap: compile-time constants of the Cfg
         "window": cfg.window,
-        "softcap": cfg.features.softcap,
+        "softcap": cfg.features.softcap or modifiers["modifier_softcap"],
+        **modifiers,
         "threads": bwd.threads,
         "producer_regs": bwd.producer_regs,
         "consumer_regs": bwd.consumer_regs,

@@ -33,6 +33,11 @@ PANEL_COLS = 64
 DKV_STORE_T, DKV_STORE_PARTIAL, DKV_ADD_FP32 = 0, 1, 2
 MAIN_FIELDS = struct.Struct("<6Q6q7i2fi2Qi")
 MAIN_BYTES = 768
+# Then the score and mask modifiers' fields (issue 41): the spec's input pointers in declared
+# order, zeros past them, and the batch size, at the offsets sm90_bwd.cuh's static_assert
+# names (packed only for a spec with modifiers; zeros otherwise, as before they existed).
+MODIFIERS = struct.Struct("<8Qi")
+MODIFIERS_OFFSET = 672
 # BwdPrepParams: 8 pointers, 8 int64 strides, 3 ints, the varlen pointer and int, then the
 # varlen gradients to zero outside the sequences (4 pointers, 3 ints); 208 bytes.
 PREP = struct.Struct("<8Q8q3i4xQi4x4Q3i4x")
@@ -84,10 +89,12 @@ def run(
     dout,
     dlse,
     softmax_scale: float,
+    inputs: tuple = (),
 ) -> tuple[Any, Any, Any]:
     """dq, dk, dv for one call: allocates the workspace, launches the three kernels through
     ``launch`` (which loads and launches a KernelLaunch on the current stream) and sums
-    GQA's per-head dK and dV. ``dlse``: the LSE's gradient (strides of ``lse``) or None."""
+    GQA's per-head dK and dV. ``dlse``: the LSE's gradient (strides of ``lse``) or None;
+    ``inputs``: the score and mask modifiers' tensors (checked, in declared order)."""
     import torch
 
     bwd = kernel.backward
@@ -99,7 +106,7 @@ def run(
     )
     grads = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
     return _launch_all(
-        kernel, launch, layout, (q, k, v, out, dout), grads, lse, dlse, softmax_scale
+        kernel, launch, layout, (q, k, v, out, dout), grads, lse, dlse, softmax_scale, inputs=inputs
     )
 
 
@@ -188,6 +195,12 @@ def _in_visit_order(kernel: Kernel, key_ctas: int, device) -> bool:
     return key_ctas <= sm_count(device.index)
 
 
+def modifier_fields(inputs: tuple, batch: int) -> bytes:
+    """BwdParamsSm90's modifier fields: the inputs' pointers (zeros past them), the batch."""
+    pointers = [t.data_ptr() for t in inputs]
+    return MODIFIERS.pack(*pointers, *[0] * (8 - len(pointers)), batch)
+
+
 def _launch_all(
     kernel: Kernel,
     launch: Callable[[KernelLaunch], None],
@@ -198,10 +211,11 @@ def _launch_all(
     dlse,
     softmax_scale: float,
     zero_partials: bool = False,
+    inputs: tuple = (),
 ) -> tuple[Any, Any, Any]:
     """The three kernels over (batch, seqlen, heads, head_dim) views: ``tensors`` q, k, v,
     out, dout; ``grads`` dq, dk, dv to write (dk and dv replaced by fp32 partials under GQA,
-    zeroed first where ``zero_partials``)."""
+    zeroed first where ``zero_partials``); ``inputs``: the modifiers' tensors."""
     import torch
 
     q, k, v, out, dout = tensors
@@ -298,6 +312,8 @@ def _launch_all(
         layout.sequences,
     )
     main = maps + fields
+    if kernel.config.modifiers is not None:
+        main += bytes(MODIFIERS_OFFSET - len(main)) + modifier_fields(inputs, batch)
     main += bytes(MAIN_BYTES - len(main))
     launch(KernelLaunch("", (layout.key_ctas, heads_q, batch), (threads(kernel), 1, 1), main))
     launch(
