@@ -79,16 +79,18 @@ def test_16bit_kernels_have_no_output_type():
     assert " output=" not in format_kernel(kernel)
 
 
-def test_sm90a_compiles_an_8bit_spec_but_renders_no_cuda_yet():
-    """Since step 3 (2026-11-30) the spec gets its schedule, plan and proof; the CUDA is
-    refused at the dtype line (tests/test_fp8_plan.py renders it)."""
+def test_sm90a_renders_the_plain_8bit_forward_and_refuses_a_serving_variant():
+    """Since step 4 (2026-11-30) the plain FP8 forward's CUDA is built; what it does not
+    build (here `varlen on`) is refused at its key when the CUDA would be rendered."""
     kernel = front_end(SPEC, "fp8.fa")
     assert kernel.config.dtypes == (Dtype.E4M3, Dtype.E5M2)
+    refuse_unbuilt(kernel.config)  # nothing to refuse
+    varlen = front_end(SPEC.replace("  mask", "  varlen     on\n  mask", 1), "fp8.fa")
     with pytest.raises(SpecError) as info:
-        refuse_unbuilt(kernel.config)
+        refuse_unbuilt(varlen.config)
     (diagnostic,) = info.value.diagnostics
-    assert (diagnostic.loc.line, diagnostic.loc.col) == (4, 3)
-    assert "FP8 forward is not built yet" in diagnostic.message
+    assert "'varlen' with dtype e4m3 and e5m2" in diagnostic.message
+    assert "does not build it yet" in diagnostic.message
 
 
 def test_print_read_print_keeps_a_three_hop_path_and_the_output_type():

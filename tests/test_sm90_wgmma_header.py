@@ -37,3 +37,36 @@ def test_wgmma_wrappers_name_every_accumulator_register():
             in block
         )
         assert block.count(f'"+f"(d[{regs - 1}])') == 4 and f"d[{regs}]" not in block
+
+
+def test_wgmma8_header_matches_its_generator():
+    gen = _generator()
+    assert gen.OUT8.read_text() == gen.render8(), "run python3 emit/sm90/gen_wgmma.py"
+    assert gen.WIDTHS8 == [64, 96, 128, 160, 192, 224, 256]
+
+
+def test_wgmma8_wrappers_are_k32_without_transpose_operands():
+    """m64nNk32 with each operand's own 8-bit type, every accumulator named once per asm,
+    and the 16-bit wrappers' transpose immediates absent (PTX allows them for .f16/.bf16 only)."""
+    text = _generator().render8()
+    for n in (64, 128, 192, 256):
+        block = text[text.index(f"struct Wgmma8<{n}>") :]
+        block = block[: block.index("\n};")]
+        regs = n // 2
+        for ta in ("e4m3", "e5m2"):
+            for tb in ("e4m3", "e5m2"):
+                instr = f"wgmma.mma_async.sync.aligned.m64n{n}k32.f32.{ta}.{tb} {{%0, "
+                assert block.count(instr) == 2  # ss and rs
+                assert f"is_same_v<TA, {ta}> && cuda::std::is_same_v<TB, {tb}>" in block
+        # SS: regs outputs, desc_a, desc_b, the scale-d predicate, imm-scale-a/b only
+        assert f"%{regs - 1}}}, %{regs}, %{regs + 1}, p, 1, 1; }}" in block
+        assert f"setp.ne.b32 p, %{regs + 2}, 0;" in block
+        # RS: regs outputs, 4 A registers (four 8-bit values each), desc_b, scale_d
+        assert (
+            f"%{regs - 1}}}, {{%{regs}, %{regs + 1}, %{regs + 2}, %{regs + 3}}}, %{regs + 4}, p, 1, 1; }}"
+            in block
+        )
+        assert f"setp.ne.b32 p, %{regs + 5}, 0;" in block
+        assert block.count(f'"+f"(d[{regs - 1}])') == 8 and f"d[{regs}]" not in block
+        assert "k16" not in block and "kTrans" not in block and '"n"(' not in block
+    assert "struct e4m3" in text and "struct e5m2" in text

@@ -81,14 +81,15 @@ def loops(sass: str) -> list[Loop]:
 
 
 def mainloops(sass: str) -> list[Loop]:
-    """The consumers' mainloops: the innermost loops that issue wgmma and compute 2^x. In a
+    """The consumers' mainloops: the innermost loops that issue wgmma (HGMMA, or the FP8
+    kernels' QGMMA) and compute 2^x. In a
     generated sm_90a kernel: the masked iterations', then the others'. Left out: the tile
     loop around them, and the "loops" of an mbarrier wait's retry path, whose branch back
     sits after the function's EXIT."""
     candidates = [
         loop
         for loop in loops(sass)
-        if loop.count("HGMMA") and loop.count("MUFU.EX2") and not loop.count("EXIT")
+        if loop.count("HGMMA", "QGMMA") and loop.count("MUFU.EX2") and not loop.count("EXIT")
     ]
     return [
         loop

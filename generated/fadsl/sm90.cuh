@@ -102,9 +102,12 @@ struct FwdParamsSm90 {
 // ---------------------------------------------------------------------------
 
 template <class T_, int kHeadDim_, int kConsumerWGs_, int kBlockN_, int kStages_, bool kCausal_,
-          bool kPersistent_ = true, bool kLazyRescale_ = false>
+          bool kPersistent_ = true, bool kLazyRescale_ = false, int kInBytes_ = 2>
 struct FwdConfig {
   using T = T_;
+  // Bytes of a Q, K or V element: 2, or 1 for the FP8 forward (Fp8FwdConfig, fadsl/sm90_fp8.cuh,
+  // where T is O's type)
+  static constexpr int kInBytes = kInBytes_;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kConsumerWGs = kConsumerWGs_;  // each owns 64 query rows
   static constexpr int kBlockM = 64 * kConsumerWGs;
@@ -168,8 +171,8 @@ struct FwdConfig {
   // SMEM plan: tiles are column panels of 64 elements (128-byte rows, 128-byte swizzle).
   static constexpr int kPanels = kHeadDim / 64;
   static constexpr int kRowBytes = 128;
-  static constexpr int kQBytes = kBlockM * kHeadDim * 2;
-  static constexpr int kKVBytes = kBlockN * kHeadDim * 2;  // one ring slot of K or of V
+  static constexpr int kQBytes = kBlockM * kHeadDim * kInBytes;
+  static constexpr int kKVBytes = kBlockN * kHeadDim * kInBytes;  // one ring slot of K or of V
   static constexpr int kOBytes = kBlockM * kHeadDim * 2;
   static constexpr int kOffQ = 0;
   static constexpr int kOffK = kOffQ + kQBytes;

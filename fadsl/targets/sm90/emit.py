@@ -35,6 +35,7 @@ from .caps import (
     MBAR_INIT,
     MBAR_WAIT,
     SYNCTHREADS,
+    SYNCWARP,
     TMA_LOAD,
     WGMMA_COMMIT,
     WGMMA_FENCE,
@@ -51,6 +52,7 @@ _SYNC_MACROS = {
     MBAR_INIT: "sync_mbar_init",
     FENCE_MBAR_INIT: "sync_fence_mbar_init",
     SYNCTHREADS: "sync_syncthreads",
+    SYNCWARP: "sync_syncwarp",
     MBAR_EXPECT_TX: "sync_expect_tx",
     MBAR_ARRIVE: "sync_mbar_arrive",
     MBAR_ARRIVE_PEER: "sync_mbar_arrive_peer",
@@ -75,7 +77,13 @@ _GUARDS = {
     Threads.CONSUMER_WARP_LANE0: "lane == 0",
     # the thread that issues the warpgroup's TMA store (bulk groups are per thread)
     Threads.CONSUMER_ELECTED: "warp == 0 && elect_one()",
+    # the FP8 forward's producer warps (a transpose): lane 0 of each releases the raw V slot
+    Threads.PRODUCER_WARP_LANE0: "lane == 0",
 }
+# With a transpose every producer thread runs the tile loop, and the producer thread's steps
+# (TMA loads and their barriers) are the elected thread's of warp 0 (`leader`); without one,
+# the loop is that thread's alone and needs no guard.
+_TRANSPOSE_GUARDS = {**_GUARDS, Threads.PRODUCER_THREAD: "leader"}
 _REG_ARRAYS = {"S": "s", "P": "p", "O": "o"}
 
 
@@ -134,7 +142,8 @@ def _comment(sync: Sync) -> list[str]:
 class _Render:
     def __init__(self, kernel: Kernel) -> None:
         self.kernel = kernel
-        self.rings = ring_buffers(kernel)
+        self.rings = {name.lower() for name in ring_buffers(kernel)}
+        self.guards = _TRANSPOSE_GUARDS if has_transpose(kernel) else _GUARDS
         self.in_flight: list[Step] = []
         inits = [s for s in kernel.syncs() if s.kind == MBAR_INIT]
         # name -> (first index, K/V ring, slots of a ring of tiles): the per-tile barriers
@@ -152,7 +161,7 @@ class _Render:
         self.ring_barriers = len(ring)
 
     def _ring(self, barrier: str) -> bool:
-        return barrier.split("_")[0].upper() in self.rings
+        return barrier.split("_")[0] in self.rings  # k_full: K's ring; vt_empty: Vt's
 
     def bar(self, name: str, lag: int | None) -> str:
         index, ring, slots = self.barriers[name]
@@ -195,7 +204,7 @@ class _Render:
             "kind": "sync",
             "macro": _SYNC_MACROS[sync.kind],
             "args": args,
-            "guard": _GUARDS.get(sync.who, ""),
+            "guard": self.guards.get(sync.who, ""),
             "elected": sync.who is Threads.CONSUMER_ELECTED,
             "comment": _comment(sync),
         }
@@ -219,14 +228,19 @@ class _Render:
                 )
                 and step.async_kind == TMA_LOAD,
             },
-            "guard": _GUARDS.get(step.who, ""),
+            "guard": self.guards.get(step.who, ""),
             "elected": step.who is Threads.CONSUMER_ELECTED,
             "comment": [step.title] if step.title else [],
         }
 
 
+def has_transpose(kernel: Kernel) -> bool:
+    """Whether the producer warps transpose V (the FP8 forward's Vt ring)."""
+    return any(s.op is Op.TRANSPOSE_V for s in kernel.steps())
+
+
 def context(kernel: Kernel, dtype: Dtype) -> dict[str, Any]:
-    refuse_unbuilt(kernel.config)  # 8-bit: schedule, plan and proof only (fp8-forward.md §7)
+    refuse_unbuilt(kernel.config)  # 8-bit: what the FP8 forward does not build yet
     cfg = kernel.config
     hw = cfg.ext
     assert hw is not None and kernel.smem_bytes is not None
@@ -254,8 +268,24 @@ def context(kernel: Kernel, dtype: Dtype) -> dict[str, Any]:
     # `score` and `keep` (issue 41): the SpecModifiers struct's slots; a score that is the
     # built-in softcap written out compiles as `softcap N`
     modifiers = modifier_context(cfg)
+    # The tail's items for every thread, then the elected thread's (the TMA store and its
+    # bulk group) in the template's block of that thread. 8-bit kernels keep the plan's order:
+    # an elected item before the last shared one (the wait for the previous tile's store
+    # before O's bytes are written again, where the FP8 kernel with one consumer has it)
+    # stays in place, under its guard. 16-bit kernels move every elected item into the block
+    # (their sources stay as they were; fa3_decode_paged's wait then follows O's stmatrix:
+    # research/fp8-forward.md §7 step 4 notes it).
+    rest = epi[cut:]
+    shared = (
+        max((i for i, x in enumerate(rest) if not x["elected"]), default=-1)
+        if has_transpose(kernel)
+        else -1
+    )
     tail = _with_mark(
-        [x for x in epi[cut:] if not x["elected"]], (Op.O_R2S.spelling, 1), 6, "O is in SMEM"
+        rest[: shared + 1] + [x for x in rest[shared + 1 :] if not x["elected"]],
+        (Op.O_R2S.spelling, 1),
+        6,
+        "O is in SMEM",
     )
     return {
         "head_dim": cfg.head_dim,
@@ -279,7 +309,11 @@ def context(kernel: Kernel, dtype: Dtype) -> dict[str, Any]:
         "mask_text": cfg.mask_text,  # the mask line's value, window included
         # `mask window(...)`: its sizes, compile-time constants of the kernel's Cfg
         "window": cfg.window,
-        "cuda_type": dtype.cuda_type,
+        # 8-bit (research/fp8-forward.md §3.6): the inputs' tag (fadsl/sm90_wgmma8.cuh), and
+        # T is O's 16-bit type
+        "fp8": dtype.is_8bit,
+        "fp8_in": dtype.ptx_type if dtype.is_8bit else "",
+        "cuda_type": (cfg.out_dtype or dtype).cuda_type if dtype.is_8bit else dtype.cuda_type,
         "smem_bytes": kernel.smem_bytes,
         "offsets": {name: b.offset for name, b in bufs.items()},
         "o_aliased": o_over_rings(kernel),
@@ -350,7 +384,7 @@ def context(kernel: Kernel, dtype: Dtype) -> dict[str, Any]:
         "consumer_epilogue": epilogue,
         "consumer_tail": tail,
         # in the template's block of the elected thread: unguarded there
-        "consumer_store": [{**x, "guard": ""} for x in epi[cut:] if x["elected"]],
+        "consumer_store": [{**x, "guard": ""} for x in rest[shared + 1 :] if x["elected"]],
     }
 
 

@@ -4,10 +4,10 @@ The FP8 forward reads Q and K as TMA writes them (K-major) but must transpose V 
 (FP8 wgmma has no transpose bit), so V's path names the hop: `V: gmem -tma-> smem[cta]
 -transpose-> smem[cta] -wgmma-> rf`; O is written in 16 bits (`output bf16|fp16`). What the
 first FP8 kernel leaves out is refused at its key: the backward block
-(backward/validate.py), `rescale guarded`, score/keep modifiers, `cluster 2`. The kernel
-itself is not built yet: a spec that passes every check gets its schedule, SMEM plan, syncs
-and proof (the IR), and is refused by ``refuse_unbuilt``, at its dtype line, when its CUDA
-would be rendered (emit.context).
+(backward/validate.py), `rescale guarded`, score/keep modifiers, `cluster 2`. The kernel is
+built (fadsl/sm90_fp8.cuh) for the plain forward; a spec with a serving variant (varlen, a
+KV cache, pack_gqa, split pieces) gets its schedule, SMEM plan, syncs and proof, and is refused
+by ``refuse_unbuilt``, at that key, when its CUDA would be rendered (emit.context).
 """
 
 from __future__ import annotations
@@ -122,19 +122,35 @@ def value_loc(c: Checks, key: str) -> Loc:
     return c.key_locs.get(key, c.decl.loc)
 
 
+# What the FP8 forward's kernel (fadsl/sm90_fp8.cuh) does not build yet, by the Cfg extension's
+# field: (the spec's key, what it would need)
+UNBUILT = (
+    ("varlen", "varlen", "packed sequences' descales and tile list"),
+    ("kv_cache", "kv_cache", "8-bit caches (their TMA maps and pages)"),
+    ("pack_gqa", "pack_gqa", "Q's packed rows (load_q8)"),
+    ("split_kv", "tail", "split pieces' partials and their combination"),
+    ("split_all", "splits", "split pieces' partials and their combination"),
+)
+
+
 def refuse_unbuilt(cfg: Config) -> None:
-    """An 8-bit spec is compiled through every pass, but its CUDA is not built yet: refused
-    at the dtype line before any template sees it."""
+    """An 8-bit spec's CUDA is rendered (since step 4, research/fp8-forward.md §7) unless it
+    asks for what the FP8 kernel does not build yet: refused at that key (else the dtype
+    line) before any template sees it."""
     eight = [d.value for d in cfg.dtypes if d.is_8bit]
     if not eight:
         return
-    raise SpecError(
-        [
-            Diagnostic(
-                cfg.loc_of("dtype"),
-                f"dtype {' and '.join(eight)}: sm_90a's FP8 forward is not built yet "
-                "(research/fp8-forward.md, issue 42); the spec passes every check, but no "
-                "kernel is generated for it",
-            )
-        ]
-    )
+    hw = cfg.ext
+    for field, key, needs in UNBUILT:
+        value = getattr(hw, field, None)
+        if value is None or value is False or (field == "kv_cache" and value < 0):
+            continue
+        raise SpecError(
+            [
+                Diagnostic(
+                    cfg.loc_of(key) or cfg.loc_of("dtype"),
+                    f"'{key}' with dtype {' and '.join(eight)}: sm_90a's FP8 forward does not "
+                    f"build it yet ({needs}; research/fp8-forward.md, issue 42)",
+                )
+            ]
+        )

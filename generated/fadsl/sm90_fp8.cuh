@@ -1,0 +1,177 @@
+// fadsl/sm90_fp8.cuh -- the FP8 forward's steps (research/fp8-forward.md §3.3-§3.6): what an
+// 8-bit kernel (`dtype e4m3` or `e5m2`) does differently from fadsl/sm90.cuh's 16-bit one.
+// Included by 8-bit kernels only, after fadsl/sm90.cuh; 16-bit kernels never see it.
+//
+//   1. the descales (a kernel parameter of their own) and the configuration (Fp8FwdConfig:
+//      1-byte Q, K, V in 128-byte panels, a Vt ring, P in e4m3, the offset and the slack)
+//   2. producer: the TMA loads of 8-bit tiles; the producer warps' transpose of a raw V slot
+//      into a Vt slot (ldmatrix.x4.trans, prmt, stmatrix.x4, Vt rows permuted by rho)
+//   3. consumer: S = Q K^T and O += P Vt (k32 wgmma, fadsl/sm90_wgmma8.cuh), the online
+//      softmax with FA3's offset, P to e4m3 in the registers' own order
+//   4. epilogue: O's registers unpermuted (rho undone), v_descale / l, the LSE
+//
+// As in fadsl/sm90.cuh no function here waits, arrives or fences: the kernel body holds every
+// sync the compiler placed (the transpose's: fadsl/targets/sm90/syncs/transpose.py).
+//
+// Numerics (§3.5, §4; tests/fp8_softmax_model.py models them): every factor is a normal fp32
+// number.  c' = softmax_scale log2(e) q_descale k_descale is checked positive normal per tile
+// (else NaN, and every row of the tile is NaN); the reference R = m c' - 8 puts a row's largest
+// key at P = 2^8, the lazy slack 0.8 keeps P <= 2^8.8 < 448 (e4m3's largest: satfinite never
+// clamps a finite P); l >= 2^8, so v_descale / l is one rounding of normal numbers.
+#pragma once
+
+// (after fadsl/sm90.cuh, which the kernel includes first: NVRTC names headers by their
+// include spelling, so "sm90.cuh" here would be a second copy)
+#include "sm90_wgmma8.cuh"  // Wgmma8<N>: m64nNk32 with 8-bit operands (next to this file)
+
+namespace fadsl::sm90 {
+
+// ---------------------------------------------------------------------------
+// 1. Descales and configuration
+// ---------------------------------------------------------------------------
+
+// The 8-bit kernel's second parameter (`const __grid_constant__`): float32 descales of
+// (batch, heads_kv) each, at any strides (an expanded scalar: strides 0); nullptr = 1.
+// With varlen the batch is the sequence.
+struct Fp8Descales {
+  const float* q;
+  const float* k;
+  const float* v;
+  int q_batch_stride, q_head_stride;
+  int k_batch_stride, k_head_stride;
+  int v_batch_stride, v_head_stride;
+};
+
+// FwdConfig with 1-byte inputs: T (O's 16-bit type) and everything of the epilogue as in
+// 16-bit kernels; TIn the inputs' tag (e4m3 or e5m2), P always e4m3.
+template <class TIn_, class TOut, int kHeadDim_, int kConsumerWGs_, int kBlockN_, int kStages_, bool kCausal_,
+          bool kPersistent_, bool kLazyRescale_>
+struct Fp8FwdConfig
+    : FwdConfig<TOut, kHeadDim_, kConsumerWGs_, kBlockN_, kStages_, kCausal_, kPersistent_, kLazyRescale_, 1> {
+  using TIn = TIn_;
+  using TP = e4m3;  // P, P V's A operand
+  // The lazy reference moves once the max grows past 2^0.8 of it: P <= 2^(8 + 0.8) = 445.7 < 448
+  static constexpr float kRescaleSlack = 0.8f;
+  static constexpr float kPOffset = 8.f;  // log2 of a row's largest P (FA3's Max_offset)
+  static constexpr int kPRegs = kBlockN_ / 8;  // P, four e4m3 a register
+  // Q, K and raw V: panels of 128 one-byte columns (128-byte rows, the 128-byte swizzle)
+  static constexpr int kInPanelCols = 128;
+  static constexpr int kInPanels = kHeadDim_ / kInPanelCols;
+  // Vt (head_dim rows of B_c keys): panels of 128 keys (128-byte swizzle), 64 when B_c is not
+  // a multiple of 128 (64-byte swizzle)
+  static constexpr int kVtPanelKeys = kBlockN_ % 128 == 0 ? 128 : 64;
+  static constexpr int kVtBytes = kHeadDim_ * kBlockN_;  // one Vt ring slot
+  static_assert(kHeadDim_ == 128 || kHeadDim_ == 256, "8-bit head_dim 128 or 256 (64 needs the 64-byte swizzle)");
+  static_assert(kBlockN_ % 64 == 0, "8-bit B_c: a multiple of 64 (whole Vt panels, k32 steps)");
+};
+
+// One descale of the tile's (batch, K/V head); 1 without the tensor.
+__device__ __forceinline__ float descale_of(const float* d, int batch_stride, int head_stride, const TileWork& w) {
+  return d == nullptr ? 1.f : d[w.batch * batch_stride + w.head_kv * head_stride];
+}
+
+// c' = softmax_scale log2(e) q_descale k_descale for the tile, the softmax's scale_log2 (two
+// roundings after the 16-bit kernel's one, as tests/fp8_softmax_model.py's scale_log2). Not a
+// positive normal fp32 (a descale 0, negative, inf or NaN, or the product out of range): NaN,
+// which makes every P, l, O and LSE of the tile NaN (no host sync, no silent garbage; c' < 0
+// would make every P at least 1).
+template <class Cfg>
+__device__ __forceinline__ float fp8_scale_log2(const FwdParams& p, const Fp8Descales& D, const TileWork& w) {
+  const float c = __fmul_rn(__fmul_rn(__fmul_rn(p.softmax_scale, 1.4426950408889634f),
+                                      descale_of(D.q, D.q_batch_stride, D.q_head_stride, w)),
+                            descale_of(D.k, D.k_batch_stride, D.k_head_stride, w));
+  return c >= 1.17549435e-38f && c <= 3.40282347e+38f ? c : quiet_nan();
+}
+
+// v_descale of the tile, used as given (inf or NaN propagate into O).
+template <class Cfg>
+__device__ __forceinline__ float fp8_v_descale(const Fp8Descales& D, const TileWork& w) {
+  return descale_of(D.v, D.v_batch_stride, D.v_head_stride, w);
+}
+
+// ---------------------------------------------------------------------------
+// 2. Producer steps
+// ---------------------------------------------------------------------------
+
+// The CTA's Q tile, kInPanels panels of 128 one-byte columns; kQBytes land on `bar`.
+template <class Cfg>
+__device__ __forceinline__ void load_q8(const FwdParamsSm90& P, uint32_t smem_q, uint32_t bar, const TileWork& w) {
+  static_assert(!Cfg::kPackGQA, "pack_gqa with 8-bit dtypes is not built");
+#pragma unroll
+  for (int panel = 0; panel < Cfg::kInPanels; ++panel) {
+    tma_load_4d(smem_q + panel * Cfg::kBlockM * Cfg::kRowBytes, &P.tma_q, bar, Cfg::kInPanelCols * panel,
+                q_row<Cfg>(w, w.m0), w.head, w.batch);
+  }
+}
+
+// K or V block n (kBlockN rows of head_dim bytes) into one raw ring slot; kKVBytes land on `bar`.
+template <class Cfg>
+__device__ __forceinline__ void load_kv8(const CUtensorMap* tmap, uint32_t smem_slot, uint32_t bar, int n_block,
+                                         const TileWork& w) {
+  static_assert(Cfg::kPageSize == 0, "a paged kv_cache with 8-bit dtypes is not built");
+#pragma unroll
+  for (int panel = 0; panel < Cfg::kInPanels; ++panel) {
+    tma_load_4d(smem_slot + panel * Cfg::kBlockN * Cfg::kRowBytes, tmap, bar, Cfg::kInPanelCols * panel,
+                kv_row<Cfg>(w, n_block * Cfg::kBlockN), w.head_kv, w.batch);
+  }
+}
+
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t smem_src, uint32_t (&x)[4]) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(x[0]), "=r"(x[1]), "=r"(x[2]), "=r"(x[3])
+               : "r"(smem_src)
+               : "memory");
+}
+
+// Vt's physical row of head_dim column `col` within its 16 columns (rho, §3.3): logical 2g + h
+// sits at 8h + 2(g % 4) + g / 4, so that the 8 rows one stmatrix matrix writes are consecutive
+// (else every stmatrix is a 2-way bank conflict).  O's accumulator comes out in this order;
+// unpermute_o undoes it.
+__host__ __device__ __forceinline__ constexpr int vt_row_rho(int col) {
+  return 16 * (col / 16) + 8 * (col % 2) + 2 * ((col % 16 / 2) % 4) + (col % 16 / 2) / 4;
+}
+
+// The producer warps' transpose of one raw V slot (B_c keys x head_dim bytes, as TMA wrote it)
+// into a Vt slot (head_dim rows, permuted by rho, of B_c keys): warp `warp` writes the Vt rows
+// of head_dim columns [warp d / 4, (warp + 1) d / 4), all keys, in units of 16 keys x 32
+// columns: one ldmatrix.x4.trans (lane 8m + i: raw row k0 + 8(m % 2) + i, bytes d0 + 16(m / 2)),
+// four prmt, one stmatrix.x4 (lane 8m + i: Vt row rho(d0 + 16(m / 2) + 2i + m % 2), keys k0..).
+// Within each 16 keys, Vt byte 4t + 2u + e holds key 2t + 8u + e: the order convert_p8's
+// registers hold P in (§3.4), so that the P hand-over moves no lane and no byte.
+// tests/fp8_layout_model.py's transpose_v is this function, address for address.
+template <class Cfg>
+__device__ __forceinline__ void transpose_v(uint32_t smem_v_slot, uint32_t smem_vt_slot, int warp, int lane) {
+  constexpr int kRows = Cfg::kHeadDim / 4;    // Vt rows of one warp
+  constexpr int kPanel = Cfg::kVtPanelKeys;   // Vt's row bytes within a panel
+  constexpr int kRawPanelBytes = Cfg::kBlockN * Cfg::kRowBytes;
+  constexpr int kVtPanelBytes = Cfg::kHeadDim * kPanel;
+  static_assert(kRows % 32 == 0, "whole 32-column units per warp (head_dim 128 or 256)");
+  const int m = lane / 8, i = lane % 8;
+  // ldmatrix: this lane's raw row in the unit (its swizzle row is i: k0 is a multiple of 8)
+  const uint32_t ld_row = (8 * (m % 2) + i) * Cfg::kRowBytes;
+  const int ld_col = 16 * (m / 2);
+  // stmatrix: this lane's Vt row in the unit (rho; d0 is a multiple of 32), and its swizzle
+  // row (128-byte rows: the row % 8; 64-byte rows: (row % 8) / 2)
+  const int st_row = vt_row_rho(16 * (m / 2) + 2 * i + m % 2);
+  const uint32_t st_xor = 16 * (kPanel == 128 ? st_row % 8 : (st_row % 8) / 2);
+#pragma unroll
+  for (int u = 0; u < kRows / 32; ++u) {
+    const int d0 = warp * kRows + 32 * u;
+    const uint32_t raw = smem_v_slot + (d0 / 128) * kRawPanelBytes + ld_row +
+                         ((static_cast<uint32_t>(d0 % 128 + ld_col)) ^ (16u * i));
+    const uint32_t vt = smem_vt_slot + (d0 + st_row) * kPanel;
+    // a loop, not unrolled: unrolled, ptxas keeps each unit's swizzled Vt address (the XOR
+    // below) in a register of its own, and the producer's 24 spill them
+#pragma unroll 1
+    for (int k0 = 0; k0 < Cfg::kBlockN; k0 += 16) {
+      uint32_t x[4];
+      ldmatrix_x4_trans(raw + k0 * Cfg::kRowBytes, x);
+      stmatrix_x4(vt + (k0 / kPanel) * kVtPanelBytes + ((k0 % kPanel) ^ st_xor), __byte_perm(x[0], x[1], 0x6420),
+                  __byte_perm(x[0], x[1], 0x7531), __byte_perm(x[2], x[3], 0x6420), __byte_perm(x[2], x[3], 0x7531));
+    }
+  }
+}
+
+}  // namespace fadsl::sm90
+
+#include "sm90_fp8_consumer.cuh"  // 3. and 4.: the consumers' steps (next to this file)
