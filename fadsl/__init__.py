@@ -5,8 +5,8 @@ The public API: ``attention`` (attention through a shipped spec for the GPU),
 shipped serving specs, FlashAttention's conventions), ``append_kv``
 (new tokens' keys and values into a KV cache, before a `kv_cache` kernel's call), ``load`` (a
 spec's file or text -> a ``FlashAttention``, a torch operator), ``build_ahead``, ``tune`` (a
-spec's knobs searched on this GPU -> a ``TuneResult``), the errors a spec or a build can raise,
-and the version.
+spec's knobs searched on this GPU -> a ``TuneResult``), ``fp8`` (quantize and rotate FP8
+inputs), the errors a spec or a build can raise, and the version.
 """
 
 from ._version import __version__
@@ -25,6 +25,10 @@ def __getattr__(name: str):
         from .runtime import public
 
         return getattr(public, name)
+    if name == "fp8":  # fadsl.fp8.quantize, rotate: torch on first use, as the calls
+        import importlib
+
+        return importlib.import_module(".fp8", __name__)
     raise AttributeError(f"module 'fadsl' has no attribute {name!r}")
 
 
@@ -41,6 +45,7 @@ __all__ = [
     "attention_varlen",
     "attention_with_kvcache",
     "build_ahead",
+    "fp8",
     "load",
     "tune",
 ]

@@ -1,7 +1,7 @@
 """What the backward header does, call by call, as the protocol's items would say it: the
-reader behind tests/test_verify_backward.py's check that emit/sm90/include/fadsl/sm90_bwd.cuh
+reader behind tests/test_verify_backward.py's check that emit/sm90/include/fadsl/sm90_bwd_roles.cuh
 (bwd_producer, bwd_consumer, reduce_dq, ordered_reduce_add, release_dq_ticket),
-emit/sm90/include/fadsl/sm90_bwd.cuh (bwd_consumer, meet_and_issue_dq) and the kernel body of
+emit/sm90/include/fadsl/sm90_bwd_roles.cuh (bwd_consumer, meet_and_issue_dq) and the kernel body of
 emit/sm90/backward.cu.j2 make exactly the calls of fadsl/targets/sm90/backward/protocol.py (the
 plan the sync pass places).
 
@@ -48,7 +48,11 @@ from fadsl.targets.sm90.backward.program import (
 )
 
 ROOT = Path(__file__).resolve().parents[1]
-HEADER = (ROOT / "emit/sm90/include/fadsl/sm90_bwd.cuh").read_text()
+# sm90_bwd.cuh with the sections it includes (the roles' functions live in sm90_bwd_roles.cuh)
+HEADER = "".join(
+    (ROOT / "emit/sm90/include/fadsl" / name).read_text()
+    for name in ("sm90_bwd.cuh", "sm90_bwd_roles.cuh", "sm90_bwd_prep.cuh")
+)
 SPLIT_HEADER = (ROOT / f"emit/sm90/include/fadsl/{emit.SPLIT_HEADER}").read_text()
 TEMPLATE = (ROOT / "emit/sm90/backward.cu.j2").read_text()
 # the functions a role's walk inlines, with the source their calls are tagged with

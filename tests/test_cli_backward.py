@@ -27,7 +27,8 @@ def test_compile_writes_the_backward_sources(tmp_path, monkeypatch):
         for kernel in ("", "_preprocess", "_convert_dq"):
             assert "void __launch_bounds__" in text
             assert re.search(rf"fa3_hopper_bwd_{dtype}{kernel}\(const __grid_constant__", text)
-    assert (tmp_path / "fadsl" / "sm90_bwd.cuh").exists()
+    for header in ("sm90_bwd.cuh", "sm90_bwd_roles.cuh", "sm90_bwd_prep.cuh"):  # and its sections
+        assert (tmp_path / "fadsl" / header).exists()
 
 
 def test_a_forward_only_spec_writes_no_backward(tmp_path, monkeypatch):

@@ -36,10 +36,47 @@ def test_attention_matches_float64(head_dim, causal, dtype):
     out, lse = fadsl.attention(q, k, v, causal=causal, return_lse=True)
     torch.cuda.synchronize()
     assert_fa_rule(out, lse, q, k, v, head_dim**-0.5, causal)
-    name = dispatch.shipped_spec(torch.cuda.get_device_capability(0), head_dim, causal)
+    capability = torch.cuda.get_device_capability(0)
+    name = dispatch.shipped_spec(capability, head_dim, causal, q.shape[1])
     assert dispatch._LOADED[name].config.name == name  # the example's kernel, kept
     again = fadsl.attention(q, k, v, causal=causal)
     assert torch.equal(again, out)
+
+
+def short_specs() -> list[tuple[int, bool, int]]:
+    if not GPU:
+        return []
+    capability = torch.cuda.get_device_capability(0)
+    return sorted(
+        (d, c, limit)
+        for t in dispatch._candidates(capability)
+        for (d, c), (limit, _) in t.shipped_short.items()
+    )
+
+
+@pytest.mark.parametrize("head_dim, causal, limit", short_specs())
+def test_short_and_long_queries_run_their_specs_and_agree_with_float64(head_dim, causal, limit):
+    """On both sides of Target.shipped_short's threshold: the spec each side runs (the short
+    one up to the limit), its output within FlashAttention's rule, and under
+    torch.compile(dynamic=True) the same outputs as eager on both sides."""
+    capability = torch.cuda.get_device_capability(0)
+    compiled = torch.compile(
+        lambda q, k, v: fadsl.attention(q, k, v, causal=causal), fullgraph=True, dynamic=True
+    )
+    for seqlen in (limit - 77, limit, limit + 1, limit + 300):
+        gen = torch.Generator(device="cuda").manual_seed(seqlen)
+        q, k, v = (
+            torch.randn(1, seqlen, 4, head_dim, device="cuda", generator=gen).to(torch.bfloat16)
+            for _ in range(3)
+        )
+        out, lse = fadsl.attention(q, k, v, causal=causal, return_lse=True)
+        torch.cuda.synchronize()
+        assert_fa_rule(out, lse, q, k, v, head_dim**-0.5, causal)
+        name = dispatch.shipped_spec(capability, head_dim, causal, seqlen)
+        long_name = dispatch.shipped_spec(capability, head_dim, causal)
+        assert (name != long_name) == (seqlen <= limit), seqlen
+        assert dispatch._LOADED[name].config.name == name
+        assert torch.equal(compiled(q, k, v), out), seqlen
 
 
 def test_this_gpu_has_shipped_specs():

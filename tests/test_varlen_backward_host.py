@@ -1,7 +1,7 @@
 """The varlen backward's host side without a GPU: host.run_varlen on CPU tensors with the TMA
 encoder replaced and each launch recorded. The gradients are allocated uninitialised, and
 the preprocess's params name the ones whose rows outside every sequence it zeroes
-(sm90_bwd.cuh's bwd_zero_outside): dq always, dk and dv where the main kernel stores them in
+(sm90_bwd_prep.cuh's bwd_zero_outside): dq always, dk and dv where the main kernel stores them in
 place (no GQA), cu_seqlens_k, the keys' rows and the bytes of a row; a padded call names
 none."""
 

@@ -48,12 +48,12 @@ class Backward:
     stages: int  # Q / dO ring slots
     deterministic: bool  # dQ's accumulation ordered by n-block: bitwise-stable gradients
     loc: Loc  # the block's `backward` keyword
-    # dQ issued before dV and dK and staged while they run (sm90_bwd.cuh, bwd_consumer)
+    # dQ issued before dV and dK and staged while they run (sm90_bwd_roles.cuh, bwd_consumer)
     overlap: bool = False
-    # with overlap: dV issued as soon as P^T is packed, before dS (sm90_bwd.cuh, bwd_consumer)
+    # with overlap: dV issued as soon as P^T is packed, before dS (sm90_bwd_roles.cuh, bwd_consumer)
     early_dv: bool = False
     # with overlap: dV issued after the dS^T store, before the warpgroups meet (its product
-    # under the meeting; FlashAttention-3's order; sm90_bwd.cuh, bwd_consumer)
+    # under the meeting; FlashAttention-3's order; sm90_bwd_roles.cuh, bwd_consumer)
     dv_before_meeting: bool = False
     # dQ's path is `rf -red.add-> gmem`: added into the accumulator from registers, no staging
     dq_red: bool = False

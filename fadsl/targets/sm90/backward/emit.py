@@ -39,13 +39,13 @@ AUX_THREADS = 256  # the preprocess's and convert_dq's threads per CTA
 
 def prep_rows_per_cta(head_dim: int) -> int:
     """The preprocess's query rows per CTA: 8 elements of a row per thread
-    (sm90_bwd.cuh's bwd_preprocess_row)."""
+    (sm90_bwd_prep.cuh's bwd_preprocess_row)."""
     return AUX_THREADS * 8 // head_dim
 
 
 def convert_ctas(m_blocks: int, block_m: int) -> int:
     """convert_dq's CTAs per (head, batch): 16 query rows each, a warp per pair of rows 8
-    apart (sm90_bwd.cuh's bwd_convert_dq_row)."""
+    apart (sm90_bwd_prep.cuh's bwd_convert_dq_row)."""
     return m_blocks * block_m // 16
 
 
@@ -121,7 +121,7 @@ def context(kernel: Kernel, dtype: Dtype) -> dict[str, Any]:
         "producer_regs": bwd.producer_regs,
         "consumer_regs": bwd.consumer_regs,
         "dq_split": dq_split(bwd, cfg.head_dim),
-        # sm90_bwd.cuh's bwd_convert_dq_t (transposed) or bwd_convert_dq_row
+        # sm90_bwd_prep.cuh's bwd_convert_dq_t (transposed) or bwd_convert_dq_row
         "convert_layout": (
             "a thread per float4 of each head_dim panel, pairs of columns by shuffle"
             if dq_transposed(bwd) or split

@@ -1,0 +1,214 @@
+// fadsl/sm90_bwd_prep.cuh -- section 7 of fadsl/sm90_bwd.cuh (which includes it after the
+// main kernel's sections): the preprocess kernel's body (varlen's zeroing, D, the LSE in log2
+// units, dQ's accumulator and semaphores) and dQ's conversion.  Not a header of its own:
+// include fadsl/sm90_bwd.cuh.
+#pragma once
+
+namespace fadsl::sm90 {
+
+// ---------------------------------------------------------------------------
+// 7. Preprocess and dQ's conversion (256 threads per CTA, 16-byte accesses)
+// ---------------------------------------------------------------------------
+
+// `varlen on`: rows [0, cu[0]) and [cu[sequences], tokens) of a gradient belong to no
+// sequence; no later kernel writes them, so they are zeroed here (FlashAttention-3 leaves
+// them unwritten).  With malformed cu_seqlens (a sequence before row 0, decreasing, past the
+// tokens: a sequence bwd_sequence_ok refuses) every row is zeroed, and the main kernel and dQ's conversion
+// then write the well-formed sequences' rows (stream order; the forward made O and the LSE
+// NaN).  The preprocess's first kZeroCtas CTAs of head 0 (fewer where its grid has fewer)
+// do it, 16 bytes a store.  Zeroing
+// only these rows, not the whole tensors, saved 63 us of a 1k-token backward (16 x 1024,
+// hidden 1024, H200, 2026-11-30: scripts/backward_budget.py).
+constexpr int kZeroCtas = 16;
+
+__device__ __forceinline__ void zero_bytes(void* base, int64_t begin, int64_t end) {
+  const int64_t first = begin / 16, last = end / 16;  // (rows of 16-byte multiples)
+  const int ctas = imin(kZeroCtas, static_cast<int>(gridDim.x));
+  uint4* at = static_cast<uint4*>(base);
+  for (int64_t i = first + blockIdx.x * 256 + threadIdx.x; i < last; i += ctas * 256) {
+    at[i] = make_uint4(0u, 0u, 0u, 0u);
+  }
+}
+
+__device__ __forceinline__ void zero_outside(void* t, const int* cu, int sequences, int tokens, int row_bytes,
+                                             bool valid) {
+  if (t == nullptr) return;
+  const int64_t bytes = static_cast<int64_t>(tokens) * row_bytes;
+  const int64_t begin = valid ? static_cast<int64_t>(cu[0]) * row_bytes : bytes;
+  const int64_t end = valid ? static_cast<int64_t>(cu[sequences]) * row_bytes : bytes;
+  zero_bytes(t, 0, begin);
+  zero_bytes(t, end, bytes);
+}
+
+__device__ __forceinline__ void bwd_zero_outside(const BwdPrepParams& P) {
+  if (blockIdx.x >= kZeroCtas || blockIdx.y != 0) return;
+  bool ok = true;  // every sequence as the main kernel takes it (bwd_sequence_ok)
+  for (int b = threadIdx.x; b < P.sequences; b += 256) {
+    ok = ok && bwd_sequence_ok(P.cu_seqlens_q[b], P.cu_seqlens_q[b + 1], P.seqlen_q) &&
+         bwd_sequence_ok(P.cu_seqlens_k[b], P.cu_seqlens_k[b + 1], P.tokens_k);
+  }
+  const bool valid = __syncthreads_and(ok);
+  zero_outside(P.dq, P.cu_seqlens_q, P.sequences, P.seqlen_q, P.q_row_bytes, valid);
+  zero_outside(P.dk, P.cu_seqlens_k, P.sequences, P.tokens_k, P.k_row_bytes, valid);
+  zero_outside(P.dv, P.cu_seqlens_k, P.sequences, P.tokens_k, P.k_row_bytes, valid);
+}
+
+// The preprocess: 8 elements of a row per thread (one 16-byte load of O and one of dO), so
+// head_dim / 8 threads per row and 256 * 8 / head_dim rows per CTA (the host's grid:
+// fadsl/targets/sm90/backward/host.py prep_rows_per_cta); the row's threads are adjacent
+// lanes of one warp and sum their parts of D by shuffles.
+template <class Cfg>
+__device__ __forceinline__ void bwd_preprocess_row(const BwdPrepParams& P) {
+  using T = typename Cfg::T;
+  constexpr int kThreadsPerRow = Cfg::kHeadDim / 8;  // 8 or 16: within a warp
+  constexpr int kRowsPerCta = 256 / kThreadsPerRow;
+  const int part = threadIdx.x % kThreadsPerRow;
+  const int row = blockIdx.x * kRowsPerCta + threadIdx.x / kThreadsPerRow, head = blockIdx.y, batch = blockIdx.z;
+  // the query row of padded row `row` (varlen: the CTA's rows lie in one chunk, since
+  // kRowsPerCta divides B_r, so in one sequence's padded rows)
+  static_assert(Cfg::kBlockM % kRowsPerCta == 0, "a preprocess CTA within one chunk");
+  const int chunk = blockIdx.x * kRowsPerCta / Cfg::kBlockM;
+  const BwdQueryRows rows = bwd_query_rows<Cfg>(P.cu_seqlens_q, P.sequences, P.seqlen_q, chunk);
+  // a chunk with no query (a sequence's padding slot) is never visited by the main kernel
+  // nor written by convert_dq: its LSE, D, semaphores and accumulator stay unwritten
+  if (!bwd_chunk_holds_query<Cfg>(rows, chunk)) return;
+  const bool real = bwd_holds_query<Cfg>(rows, P.seqlen_q, row);
+  const int query = bwd_query_of<Cfg>(rows, row);
+  float d = 0.f;
+  if (real) {
+    const T* o = static_cast<const T*>(P.o) + batch * P.o_batch_stride + query * P.o_row_stride + head * P.o_head_stride;
+    const T* g = static_cast<const T*>(P.dout) + batch * P.do_batch_stride + query * P.do_row_stride +
+                 head * P.do_head_stride;
+    // 16-byte aligned: O and dO are rows of head_dim 16-bit elements that TMA reads too
+    const uint4 o8 = *reinterpret_cast<const uint4*>(o + 8 * part);
+    const uint4 g8 = *reinterpret_cast<const uint4*>(g + 8 * part);
+    const uint32_t os[4] = {o8.x, o8.y, o8.z, o8.w}, gs[4] = {g8.x, g8.y, g8.z, g8.w};
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float2 a = unpack_f32x2<T>(os[e]), b = unpack_f32x2<T>(gs[e]);
+      d = fmaf(a.x, b.x, fmaf(a.y, b.y, d));
+    }
+  }
+  // every lane of the warp takes part (rows past the end add zeros)
+#pragma unroll
+  for (int width = kThreadsPerRow / 2; width > 0; width /= 2) d += __shfl_xor_sync(0xffffffffu, d, width);
+  if (row >= P.seqlen_q_rounded) return;
+  const int64_t at = (static_cast<int64_t>(batch) * P.heads_q + head) * P.seqlen_q_rounded + row;
+  if (part == 0) {
+    float lse = -INFINITY;
+    if (real) {
+      const int64_t at_lse = batch * P.lse_batch_stride + head * P.lse_head_stride + query;
+      lse = P.lse[at_lse];
+      // dLSE_i / dS_ij = P_ij, so a gradient on the LSE adds P dLSE to dS = P (dP - D):
+      // the same as D - dLSE in place of D
+      if (P.dlse != nullptr) d -= P.dlse[at_lse];
+    }
+    P.dpsum[at] = d;
+    // a row that saw no key (LSE -inf), or a padding row: P = 2^(S c - inf) = 0
+    P.lse_log2[at] = lse == -INFINITY ? INFINITY : lse * 1.4426950408889634f;
+    // the m-block's semaphores (rows are m-blocks of B_r: seqlen_q_rounded / B_r per head)
+    if (P.dq_semaphore != nullptr && row % Cfg::kBlockM == 0) {
+#pragma unroll
+      for (int share = 0; share < Cfg::kDqSemaphores; ++share) {
+        P.dq_semaphore[at / Cfg::kBlockM * Cfg::kDqSemaphores + share] = 0;
+      }
+    }
+  }
+  // the row's head_dim floats of dQ's accumulator zeroed: 2 float4 per thread
+  float4* zero = reinterpret_cast<float4*>(P.dq_accum + at * Cfg::kHeadDim) + 2 * part;
+  zero[0] = zero[1] = make_float4(0.f, 0.f, 0.f, 0.f);
+}
+
+// The preprocess kernel's body: with `varlen on` first the gradients' rows outside every
+// sequence (bwd_zero_outside), then the CTA's rows.
+template <class Cfg>
+__device__ __forceinline__ void bwd_preprocess(const BwdPrepParams& P) {
+  if constexpr (Cfg::kVarlen) bwd_zero_outside(P);
+  bwd_preprocess_row<Cfg>(P);
+}
+
+// dQ from the accumulator, one warp per pair of rows (u, u + 8) of a 16-row group, 8 warps
+// per CTA (the host's grid: m_blocks B_r / 16 CTAs per (head, batch)): lane L converts
+// columns c = 2L (+ 64 j) of both rows. In a warpgroup share's staging order (stage_dq),
+// float4 q of thread tid holds, of the share's 64 queries and kDqCols columns, row
+// u' = 16 (tid / 32) + (tid % 32) / 4 and u' + 8, columns 8q + 2 (tid % 4) + {0, 1}
+// (registers 4q + 2r + e: row u' + 8r, column + e). So the lane reads one whole float4
+// (both rows) and the warp's reads are runs of 64 bytes, its writes whole rows. Share s
+// covers queries 64s.. (split by queries), columns s kDqCols.. (by panels), or all of
+// the m-block (by keys: one share).
+//
+// Transposed (kDqTransposed: B_r 80; and head_dim 256: share s = head_dim panel s): float4
+// q of thread tid holds columns d = 64 s + 16 (tid / 32) + (tid % 32) / 4 and d + 8 of
+// queries u = 8q + 2 (tid % 4) and u + 1 (registers 4q + 2r + e: column d + 8r, query
+// u + e).  A CTA takes 16 queries (q-groups 2c and 2c + 1 of its m-block); thread (tid) of
+// share s = threadIdx.x / 128 (and s + 2 at head_dim 256) reads one float4 of each and
+// swaps two values with its partner lane (tid ^ 4: column d ^ 1) so that each holds two
+// adjacent columns of one query.
+template <class Cfg>
+__device__ __forceinline__ void bwd_convert_dq_t(const BwdConvertParams& P) {
+  const int row0 = blockIdx.x * 16, head = blockIdx.y, batch = blockIdx.z;
+  const int m_block = row0 / Cfg::kBlockM;
+  if (m_block >= P.m_blocks) return;
+  const BwdQueryRows rows = bwd_query_rows<Cfg>(P.cu_seqlens_q, P.sequences, P.seqlen_q, m_block);
+  if (!bwd_chunk_holds_query<Cfg>(rows, m_block)) return;  // a padding slot: nothing to write
+#pragma unroll
+  for (int round = 0; round < Cfg::kHeadDim / 128; ++round) {  // the CTA's 2 warpgroups take shares 2 round + 0, 1
+    const int share = threadIdx.x / 128 + 2 * round, tid = threadIdx.x % 128, lane = tid % 32;
+    const bool odd = (lane / 4) % 2 == 1;  // column d odd: takes query u + 1
+    const int col = 64 * share + 16 * (tid / 32) + (lane / 4) - (odd ? 1 : 0);  // the pair's first column
+    const float* chunk = P.dq_accum + ((static_cast<int64_t>(batch) * P.heads_q + head) * P.m_blocks + m_block) *
+                                          (Cfg::kBlockM * Cfg::kHeadDim) + share * Cfg::kDqFloats;
+    typename Cfg::T* dq = static_cast<typename Cfg::T*>(P.dq) + batch * P.dq_batch_stride + head * P.dq_head_stride;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int q = (row0 % Cfg::kBlockM) / 8 + half;
+      const float4 v = *reinterpret_cast<const float4*>(chunk + (q * 128 + tid) * 4);
+      // even d sends its query u + 1 values (v.y, v.w), odd d its query u values (v.x, v.z)
+      const float got0 = __shfl_xor_sync(0xffffffffu, odd ? v.x : v.y, 4);
+      const float got1 = __shfl_xor_sync(0xffffffffu, odd ? v.z : v.w, 4);
+      const float2 lo = odd ? make_float2(got0, v.y) : make_float2(v.x, got0);  // columns col, col + 1
+      const float2 hi = odd ? make_float2(got1, v.w) : make_float2(v.z, got1);  // columns col + 8, col + 9
+      const int row = m_block * Cfg::kBlockM + 8 * q + 2 * (lane % 4) + (odd ? 1 : 0);
+      if (bwd_holds_query<Cfg>(rows, P.seqlen_q, row)) {
+        typename Cfg::T* out = dq + bwd_query_of<Cfg>(rows, row) * P.dq_row_stride + col;
+        *reinterpret_cast<uint32_t*>(out) =
+            pack_f32x2<typename Cfg::T>(lo.x * P.softmax_scale, lo.y * P.softmax_scale);
+        *reinterpret_cast<uint32_t*>(out + 8) =
+            pack_f32x2<typename Cfg::T>(hi.x * P.softmax_scale, hi.y * P.softmax_scale);
+      }
+    }
+  }
+}
+
+template <class Cfg>
+__device__ __forceinline__ void bwd_convert_dq_row(const BwdConvertParams& P) {
+  if constexpr (Cfg::kDqTransposed || Cfg::kSplitHeadDim) {
+    bwd_convert_dq_t<Cfg>(P);
+    return;
+  }
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int row = blockIdx.x * 16 + warp, head = blockIdx.y, batch = blockIdx.z;  // and row + 8
+  const int m_block = row / Cfg::kBlockM, q = row % Cfg::kBlockM, u = q % 64;
+  if (m_block >= P.m_blocks) return;
+  const BwdQueryRows rows = bwd_query_rows<Cfg>(P.cu_seqlens_q, P.sequences, P.seqlen_q, m_block);
+  if (!bwd_chunk_holds_query<Cfg>(rows, m_block)) return;  // a padding slot: nothing to write
+  const float* chunk = P.dq_accum + ((static_cast<int64_t>(batch) * P.heads_q + head) * P.m_blocks + m_block) *
+                                        (Cfg::kBlockM * Cfg::kHeadDim);
+  typename Cfg::T* dq = static_cast<typename Cfg::T*>(P.dq) + batch * P.dq_batch_stride + head * P.dq_head_stride;
+#pragma unroll
+  for (int col = 2 * lane; col < Cfg::kHeadDim; col += 64) {
+    const int share = Cfg::kDqByQueries ? q / 64 : col / Cfg::kDqCols, c = col % Cfg::kDqCols;
+    const int tid = 32 * (u / 16) + 4 * (u % 8) + (c % 8) / 2;
+    const float4 v = *reinterpret_cast<const float4*>(chunk + share * Cfg::kDqFloats + ((c / 8) * 128 + tid) * 4);
+    if (bwd_holds_query<Cfg>(rows, P.seqlen_q, row)) {
+      *reinterpret_cast<uint32_t*>(dq + bwd_query_of<Cfg>(rows, row) * P.dq_row_stride + col) =
+          pack_f32x2<typename Cfg::T>(v.x * P.softmax_scale, v.y * P.softmax_scale);
+    }
+    if (bwd_holds_query<Cfg>(rows, P.seqlen_q, row + 8)) {
+      *reinterpret_cast<uint32_t*>(dq + bwd_query_of<Cfg>(rows, row + 8) * P.dq_row_stride + col) =
+          pack_f32x2<typename Cfg::T>(v.z * P.softmax_scale, v.w * P.softmax_scale);
+    }
+  }
+}
+
+}  // namespace fadsl::sm90
