@@ -294,6 +294,9 @@ extern "C" __global__ void __launch_bounds__(Cfg::kThreads, 1) fa3_decode_paged_
         store_lse<Cfg>(P.base, w, rows, m, l, scale_log2, lane);
         normalize_o<Cfg>(o, l);
         // hazard WAR on O: o_s2g -> o_r2s (within each warpgroup, previous tile)
+        // the previous tile's TMA store has read O's SMEM (waited a tile late: long done by now)
+        if (warp == 0 && elect_one()) tma_store_wait_read<0>();
+        // hazard WAR on O: o_s2g -> o_r2s (within each warpgroup, previous tile)
         named_bar_sync(2 + wg, 128);
         // O -> 16 bits -> the warpgroup's rows of the O tile in SMEM (stmatrix)
         store_o_smem<Cfg>(o, smem_o_wg, warp, lane);
@@ -303,9 +306,6 @@ extern "C" __global__ void __launch_bounds__(Cfg::kThreads, 1) fa3_decode_paged_
         // hazard RAW on O: o_r2s -> o_s2g (within each warpgroup)
         named_bar_sync(2 + wg, 128);
         if (warp == 0 && elect_one()) {
-          // hazard WAR on O: o_s2g -> o_r2s (within each warpgroup, previous tile)
-          // the previous tile's TMA store has read O's SMEM (waited a tile late: long done by now)
-          tma_store_wait_read<0>();
           // the warpgroup's 64 O rows: smem -> gmem (TMA store, rows past seqlen_q clipped)
           store_o_tma<Cfg>(P, smem_o_wg, w, wg);
           // closes the TMA store's bulk group

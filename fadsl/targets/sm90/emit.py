@@ -269,18 +269,13 @@ def context(kernel: Kernel, dtype: Dtype) -> dict[str, Any]:
     # built-in softcap written out compiles as `softcap N`
     modifiers = modifier_context(cfg)
     # The tail's items for every thread, then the elected thread's (the TMA store and its
-    # bulk group) in the template's block of that thread. 8-bit kernels keep the plan's order:
-    # an elected item before the last shared one (the wait for the previous tile's store
-    # before O's bytes are written again, where the FP8 kernel with one consumer has it)
-    # stays in place, under its guard. 16-bit kernels move every elected item into the block
-    # (their sources stay as they were; fa3_decode_paged's wait then follows O's stmatrix:
-    # research/fp8-forward.md §7 step 4 notes it).
+    # bulk group) in the template's block of that thread, in the plan's order: an elected
+    # item before the last shared one (the wait for the previous tile's store before O's
+    # bytes are written again, where the plan puts it without ping-pong) stays in place,
+    # under its guard. (Until 2026-11-30 every elected item moved into the block, and that
+    # wait followed O's stmatrix: a WAR the proof orders and the kernel did not.)
     rest = epi[cut:]
-    shared = (
-        max((i for i, x in enumerate(rest) if not x["elected"]), default=-1)
-        if has_transpose(kernel)
-        else -1
-    )
+    shared = max((i for i, x in enumerate(rest) if not x["elected"]), default=-1)
     tail = _with_mark(
         rest[: shared + 1] + [x for x in rest[shared + 1 :] if not x["elected"]],
         (Op.O_R2S.spelling, 1),
