@@ -96,6 +96,15 @@ def test_empty_rows_take_the_floor():
     assert torch.equal(descale, torch.full((2, 4), 2.0**-100 / 448))
 
 
+@pytest.mark.parametrize("shape", [(0, 5, 4, 16), (2, 5, 4, 0), (0, 0, 4, 0)])
+@pytest.mark.parametrize("block_rows", [None, 2])
+def test_empty_tensors_round_trip(shape, block_rows):
+    x = torch.zeros(shape)
+    x8, descale = fp8.quantize(x, scale_heads=2, block_rows=block_rows)
+    assert x8.shape == x.shape and descale.shape[:2] == (shape[0], 2)
+    assert fp8.dequantize(x8, descale, block_rows=block_rows).shape == x.shape
+
+
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_the_rotation_is_orthogonal_and_keeps_q_k(head_dim):
     m = fp8.hadamard_rotation(head_dim, seed=3).double()

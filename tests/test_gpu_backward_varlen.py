@@ -395,3 +395,31 @@ def test_malformed_cu_seqlens_give_nan_gradients_or_a_named_error(path):
             assert grad.isnan().any(), f"{bad_q}, {bad_k}: finite {what} for malformed input"
     good = call(cu_q, cu_k)
     assert all(g.isfinite().all() for g in good), "the call after a malformed one"
+
+
+def test_malformed_cu_seqlens_give_the_same_gradients_whatever_memory_held():
+    """cu_seqlens_q [15, 131, 0, 7] (B_r 64): the slot search sends sequence 2's chunk to
+    sequence 0, whose rows do not reach it, so the preprocess skips the chunk as padding while
+    the main kernel visits it for sequence 2. Its LSE (+inf) and D (0) are written anyway:
+    the gradients do not depend on what the allocator's memory held before."""
+    kern = spec("fa3_varlen_causal")
+    g = torch.Generator(device="cuda").manual_seed(11)
+    q, dout = (torch.randn(182, 4, 128, device="cuda", generator=g).bfloat16() for _ in range(2))
+    k, v = (torch.randn(30, 4, 128, device="cuda", generator=g).bfloat16() for _ in range(2))
+    cu_q = torch.tensor([15, 131, 0, 7], dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0, 10, 20, 30], dtype=torch.int32, device="cuda")
+    runs = []
+    for poison in (float("nan"), 3.0):
+        junk = torch.full((1 << 24,), poison, device="cuda")
+        del junk
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        try:
+            kern.varlen(*leaves, cu_q, cu_k).backward(dout)
+        except (ValueError, RuntimeError) as error:  # refused up front: as good
+            assert "cu_seqlens" in str(error), f"an error not naming cu_seqlens: {error}"
+            return
+        torch.cuda.synchronize()
+        runs.append([t.grad for t in leaves])
+    for first, second, what in zip(*runs, ("dq", "dk", "dv")):
+        assert torch.equal(first.isnan(), second.isnan()), what
+        assert torch.equal(first.nan_to_num(), second.nan_to_num()), what

@@ -69,9 +69,19 @@ __device__ __forceinline__ void bwd_preprocess_row(const BwdPrepParams& P) {
   static_assert(Cfg::kBlockM % kRowsPerCta == 0, "a preprocess CTA within one chunk");
   const int chunk = blockIdx.x * kRowsPerCta / Cfg::kBlockM;
   const BwdQueryRows rows = bwd_query_rows<Cfg>(P.cu_seqlens_q, P.sequences, P.seqlen_q, chunk);
-  // a chunk with no query (a sequence's padding slot) is never visited by the main kernel
-  // nor written by convert_dq: its LSE, D, semaphores and accumulator stay unwritten
-  if (!bwd_chunk_holds_query<Cfg>(rows, chunk)) return;
+  // A chunk with no query (a sequence's padding slot) is not written by convert_dq, and
+  // with well-formed cu_seqlens never visited by the main kernel: O and dO are not read and
+  // its accumulator is not zeroed.  With malformed cu_seqlens the main kernel may still
+  // visit it for another sequence (bwd_varlen_sequence's search assumes rising slots), so
+  // its LSE is +inf and D 0 (P = 0, dS = 0: zeros added into an accumulator nobody reads).
+  if (!bwd_chunk_holds_query<Cfg>(rows, chunk)) {
+    if (part == 0 && row < P.seqlen_q_rounded) {
+      const int64_t at = (static_cast<int64_t>(batch) * P.heads_q + head) * P.seqlen_q_rounded + row;
+      P.dpsum[at] = 0.f;
+      P.lse_log2[at] = INFINITY;
+    }
+    return;
+  }
   const bool real = bwd_holds_query<Cfg>(rows, P.seqlen_q, row);
   const int query = bwd_query_of<Cfg>(rows, row);
   float d = 0.f;
