@@ -63,8 +63,9 @@ def attention_kernel(q, causal: bool, window_size=(-1, -1), softcap=0.0) -> Flas
     for short queries where the target ships one), loaded once (then built once and cached
     like any spec); with a sliding window or a softcap, its variant (attention_variant),
     chosen once per (device, spec, mask, window, softcap)."""
-    # int(): under torch.compile(dynamic=True) a size is a SymInt; the kernel is chosen by
-    # its value (a guard), as a spec's own head_dim is fixed
+    # int(head_dim): under torch.compile(dynamic=True) a size is a SymInt; the kernel is
+    # chosen by its value (a guard), as a spec's own head_dim is fixed; seqlen_q is only
+    # compared with the short spec's limit (shipped_spec)
     window = tuple(window_size) if isinstance(window_size, (tuple, list)) else window_size
     capability, head_dim = device_capability(q.device), int(q.shape[-1])
     name = shipped_spec(capability, head_dim, causal, q.shape[1])

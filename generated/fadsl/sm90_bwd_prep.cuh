@@ -69,19 +69,6 @@ __device__ __forceinline__ void bwd_preprocess_row(const BwdPrepParams& P) {
   static_assert(Cfg::kBlockM % kRowsPerCta == 0, "a preprocess CTA within one chunk");
   const int chunk = blockIdx.x * kRowsPerCta / Cfg::kBlockM;
   const BwdQueryRows rows = bwd_query_rows<Cfg>(P.cu_seqlens_q, P.sequences, P.seqlen_q, chunk);
-  // A chunk with no query (a sequence's padding slot) is not written by convert_dq, and
-  // with well-formed cu_seqlens never visited by the main kernel: O and dO are not read and
-  // its accumulator is not zeroed.  With malformed cu_seqlens the main kernel may still
-  // visit it for another sequence (bwd_varlen_sequence's search assumes rising slots), so
-  // its LSE is +inf and D 0 (P = 0, dS = 0: zeros added into an accumulator nobody reads).
-  if (!bwd_chunk_holds_query<Cfg>(rows, chunk)) {
-    if (part == 0 && row < P.seqlen_q_rounded) {
-      const int64_t at = (static_cast<int64_t>(batch) * P.heads_q + head) * P.seqlen_q_rounded + row;
-      P.dpsum[at] = 0.f;
-      P.lse_log2[at] = INFINITY;
-    }
-    return;
-  }
   const bool real = bwd_holds_query<Cfg>(rows, P.seqlen_q, row);
   const int query = bwd_query_of<Cfg>(rows, row);
   float d = 0.f;
@@ -124,6 +111,13 @@ __device__ __forceinline__ void bwd_preprocess_row(const BwdPrepParams& P) {
       }
     }
   }
+  // A chunk with no query (a sequence's padding slot: none of its rows is `real`, so its LSE
+  // is +inf and D 0 as above) is not converted by convert_dq, and with well-formed
+  // cu_seqlens never visited by the main kernel: its accumulator is not zeroed.  (With
+  // malformed cu_seqlens the main kernel may still visit it for another sequence,
+  // bwd_varlen_sequence's search assuming rising slots: P = 0, dS = 0, zeros added into an
+  // accumulator nobody reads.)
+  if (!bwd_chunk_holds_query<Cfg>(rows, chunk)) return;
   // the row's head_dim floats of dQ's accumulator zeroed: 2 float4 per thread
   float4* zero = reinterpret_cast<float4*>(P.dq_accum + at * Cfg::kHeadDim) + 2 * part;
   zero[0] = zero[1] = make_float4(0.f, 0.f, 0.f, 0.f);
