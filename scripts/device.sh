@@ -31,6 +31,7 @@
 #   bwdwindow: scripts/window_backward_bench.py: fadsl.attention's backward with a causal window of
 #   each of BWD_WINDOWS (default 1024) beside the causal one and FA4's, at BWD_WINDOW_SEQLENS
 #   (default 8192,16384), head_dims BWD_WINDOW_DIMS (default 128)
+#   fp8bench: scripts/fp8_bench.py (issue 42: fadsl's FP8 forward beside cuDNN's, errors and TF/s) with FP8_BENCH_ARGS; cuDNN's from a carried .whl-cudnn (see the script's header)
 #   bwdprobe: the backward's budget and experiments: research/probes/probe_backward.py on each spec
 #   of BWD_PROBE_SPECS (default the four training examples) with each define set of
 #   BWD_PROBE_DEFINES (";"-separated, e.g. "FADSL_X=1;FADSL_Y=1 FADSL_Z=2"; none: skipped)
@@ -165,6 +166,14 @@ fi
 if [[ $steps == *" bwdwindow "* ]]; then
   python3 -P scripts/window_backward_bench.py --windows ${BWD_WINDOWS:-1024} --seqlens ${BWD_WINDOW_SEQLENS:-8192,16384} \
     --head-dims ${BWD_WINDOW_DIMS:-128} --json "$OUT/bwd_window.json" 2>&1 | tee -a "$OUT/bench_backward.log" | tail -12
+  status=$((status | ${PIPESTATUS[0]}))
+fi
+if [[ $steps == *" fp8bench "* ]]; then
+  # nvidia-cudnn-frontend (the cudnn module) where carried; without it cuDNN's row says why
+  if compgen -G ".whl-cudnn/*.whl" >/dev/null; then
+    python3 -m pip install -q --upgrade --no-index --no-deps --target /tmp/site .whl-cudnn/*.whl || status=1
+  fi
+  python3 -P scripts/fp8_bench.py ${FP8_BENCH_ARGS:-} --json "$OUT/fp8_bench.json" 2>&1 | tee "$OUT/fp8_bench.log" | tail -80
   status=$((status | ${PIPESTATUS[0]}))
 fi
 if [[ $steps == *" varlen "* ]]; then
