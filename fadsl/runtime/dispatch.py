@@ -123,7 +123,7 @@ def fp8_attention_kernel(q, causal: bool, out_dtype) -> FlashAttention:
         name = shipped_fp8_spec(capability, head_dim, causal, q.dtype)
         if word == "bf16":  # the examples' own output
             return _shipped(name)
-        variant = f"{name}_{word}"
+        variant = f"{name}_out_{word}"
         kern = _LOADED.get(variant)
         if kern is None:
             base = data_dir("examples").joinpath(f"{name}.fa").read_text()
