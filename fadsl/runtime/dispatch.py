@@ -104,7 +104,7 @@ def shipped_fp8_spec(capability: tuple[int, int], head_dim: int, causal: bool, d
     raise ValueError(
         f"q is {dtype} with q.shape[-1] (head_dim) = {head_dim} and {mask}: no shipped 8-bit "
         f"spec covers it on a GPU of {gpu} (8-bit head_dim {', '.join(map(str, dims)) or 'none'}"
-        f" with {mask}{'; sm_90a is needed' if not dims else ''})"
+        f" with {mask}{'; 8-bit q, k and v need sm_90a, compute capability 9.0' if not dims else ''})"
         + (f"; head_dim {head_dim}: {why[0]}" if why else "")
     )
 
