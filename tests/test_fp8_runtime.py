@@ -308,3 +308,16 @@ def test_fake_tensors_get_the_descale_checks(cpu_kernel):
     )
     with pytest.raises(Exception, match=r"k_descale must have shape \(batch, heads_kv\)"):
         compiled(q, k, v, torch.ones(2, 4))
+
+
+def test_every_launch_of_an_8bit_kernel_passes_its_descales(device):
+    """forward() and launch() without descales (fadsl bench, direct calls) still pass the
+    second parameter (descales of 1) and allocate O in the output type, never q's."""
+    log, _ = device
+    kern = fadsl.load(ROOT / "examples" / "fa3_fp8_hdim128.fa", verbose=False)
+    q, k, v = inputs()
+    out = kern.forward(q, k, v, 0.1)
+    assert out.dtype == torch.bfloat16
+    assert log[-1].second == fp8_host.DESCALES.pack(0, 0, 0, 0, 0, 0, 0, 0, 0)
+    kern.launch(kern.config.dtypes[0], q, k, v, out, None, 0.1)
+    assert log[-1].second == fp8_host.DESCALES.pack(0, 0, 0, 0, 0, 0, 0, 0, 0)

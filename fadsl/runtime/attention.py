@@ -412,6 +412,8 @@ class FlashAttention(ServingCalls, Fp8Calls):
         the caller has checked q, k and v already."""
         import torch
 
+        if self.is_fp8:  # (O of the spec's output type; descales of 1)
+            return self.fp8_forward(q, k, v, scale, (None, None, None), out, return_lse)
         if dtype is None:
             dtype = self.check_inputs(q, k, v)
         if (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16:
@@ -454,6 +456,8 @@ class FlashAttention(ServingCalls, Fp8Calls):
                 f"kernel '{self.config.name}' reads K/V from a cache ('kv_cache'): call "
                 "kvcache(q, k_cache, v_cache, cache_seqlens, ...)"
             )
+        if descales is None and self.is_fp8:  # (every launch passes its second parameter)
+            descales = (None, None, None)
         args = Args(q, k, v, out, lse, scale, tuple(inputs), descales)
         cluster = self._launch.cluster(self.compiled.kernel, args)
         if cluster == 1 and self.alone is not None:
@@ -470,6 +474,8 @@ class FlashAttention(ServingCalls, Fp8Calls):
             return None
         if self.config.modifiers is not None:  # (its inputs' addresses are not in the slots)
             return None
+        if descales is None and self.is_fp8:
+            descales = (None, None, None)
         args = Args(q, k, v, out, lse, scale, (), descales)
         cluster = self._launch.cluster(self.compiled.kernel, args)
         if cluster == 1 and self.alone is not None:
