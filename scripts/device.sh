@@ -5,10 +5,12 @@
 #   comparison with SDPA FLASH, compute-sanitizer (racecheck, synccheck, memcheck) at a small
 #   shape, then the benchmarks if asked.
 # Usage (repo root, on the device):
-#   bash scripts/device.sh [fa4stage] [numerics] [backward] [bwdwindow] [bwdtrace] [bwdvarlen] [varlen] [kvcache] [modifiers] [distributed] [tests] [sanitize] [trace] [probe] [streamprobe] [bench ARGS...]
+#   bash scripts/device.sh [fa4stage] [numerics] [backward] [bwdwindow] [bwdtrace] [bwdvarlen] [varlen] [kvcache] [modifiers] [fp8] [distributed] [tests] [sanitize] [trace] [probe] [streamprobe] [bench ARGS...]
 #   modifiers: tests/test_gpu_modifiers.py and tests/test_gpu_modifiers_backward.py (score and
 #   keep modifiers, forward and backward), then compute-sanitizer on
 #   scripts/sanitize_modifiers.py (examples/modifiers/ at ragged shapes, every tile class)
+#   fp8: tests/test_gpu_fp8.py (the FP8 forward against the dequantized reference, issue 42),
+#   then compute-sanitizer on scripts/sanitize_fp8.py (each FP8 kernel at ragged shapes)
 #   varlen: tests/test_gpu_varlen.py, then compute-sanitizer on scripts/sanitize_varlen.py,
 #   then VARLEN_BENCH's specs timed (VARLEN_BACKWARD=1: their backward, beside FA4's;
 #   SPEC=PADDED: on equal lengths beside the padded spec, the same tokens)
@@ -194,6 +196,10 @@ if [[ $steps == *" varlen "* ]]; then
 fi
 if [[ $steps == *" modifiers "* ]]; then
   checked modifiers tests/test_gpu_modifiers.py scripts/sanitize_modifiers.py tests/test_gpu_modifiers_backward.py
+fi
+if [[ $steps == *" fp8 "* ]]; then
+  [[ ${PREBUILD:-1} == 1 ]] || python3 -P scripts/prebuild.py --fp8 2>&1 | tail -12  # (PREBUILD=0: the FP8 kernels alone)
+  checked fp8 tests/test_gpu_fp8.py scripts/sanitize_fp8.py
 fi
 if [[ $steps == *" kvcache "* ]]; then
   # kv-cache calls (issue 31): the GPU tests, compute-sanitizer on ragged caches with split

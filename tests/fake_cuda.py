@@ -20,6 +20,7 @@ import torch
 from fadsl.runtime import append, dispatch, driver, planned
 from fadsl.targets import launch as common_launch
 from fadsl.targets.sm90.host import launch as sm90_launch
+from fadsl.targets.sm90.host import fp8 as fp8_host
 from fadsl.targets.sm90.host import tma
 from fadsl.targets.sm90.host.kvcache import COMBINE_SUFFIX, COMBINE_THREADS
 from fadsl.targets.sm90.host.varlen import TILES_SUFFIX, TILES_THREADS
@@ -34,23 +35,35 @@ class Launched(NamedTuple):
     cluster: int
     dependent: bool
     params: bytes
+    second: bytes | None = None  # an 8-bit kernel's second parameter (Fp8Descales)
 
 
 class FakeModule:
-    """A loaded kernel that records its launches (``params_bytes``: its struct's size)."""
+    """A loaded kernel that records its launches (``params_bytes``: its struct's size;
+    ``second_bytes``: its second parameter's, 0 for none)."""
 
-    def __init__(self, name: str, params_bytes: int, log: list, threads: int = 128) -> None:
+    def __init__(
+        self, name: str, params_bytes: int, log: list, threads: int = 128, second_bytes: int = 0
+    ) -> None:
         self.name, self.size, self.log, self.threads = name, params_bytes, log, threads
+        self.second_size = second_bytes
 
-    def launch(self, grid, block, params, stream, cluster=1, dependent=False) -> None:
+    def launch(self, grid, block, params, stream, cluster=1, dependent=False, second=None):
         assert len(params) == self.size, (self.name, len(params))
-        self.log.append(Launched(self.name, grid, block, cluster, dependent, bytes(params)))
+        assert (second is None) == (self.second_size == 0), (self.name, second)
+        assert second is None or len(second) == self.second_size, (self.name, len(second))
+        second = None if second is None else bytes(second)
+        self.log.append(Launched(self.name, grid, block, cluster, dependent, bytes(params), second))
 
     def prepared(self, grid, block, stream, cluster=1, dependent=False):
         def launch(argument: int) -> None:
             address = ctypes.c_void_p.from_address(argument).value
             params = ctypes.string_at(address, self.size)
-            self.log.append(Launched(self.name, grid, block, cluster, dependent, params))
+            second = None
+            if self.second_size:
+                at = ctypes.c_void_p.from_address(argument + ctypes.sizeof(ctypes.c_void_p))
+                second = ctypes.string_at(at.value, self.second_size)
+            self.log.append(Launched(self.name, grid, block, cluster, dependent, params, second))
 
         return launch
 
@@ -133,7 +146,8 @@ def _recorders(log: list):
         if kern.config.target != "sm_90a":
             size = common_launch.FWD_PARAMS.size
         name = kern.config.name
-        found = FakeModule(name, size, log)
+        second = fp8_host.DESCALES.size if kern.is_fp8 else 0
+        found = FakeModule(name, size, log, second_bytes=second)
         entries = [(kern._modules, (dtype, 0), found), (kern._co_resident, (dtype, 0), 132)]
         for suffix, threads in ((COMBINE_SUFFIX, COMBINE_THREADS), (TILES_SUFFIX, TILES_THREADS)):
             more = FakeModule(name + suffix, size, log, threads)

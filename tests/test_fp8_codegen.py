@@ -17,7 +17,10 @@ from fadsl.pipeline import compile_file, compile_source
 from fadsl.targets.sm90 import caps
 from fadsl.targets.sm90.syncs.insert import role_of
 
-SPECS = sorted((ROOT / "tests" / "specs" / "fp8").glob("*.fa"))
+# the 8-bit test specs and the shipped 8-bit examples (fadsl.attention's, Target.shipped_fp8)
+SPECS = sorted((ROOT / "tests" / "specs" / "fp8").glob("*.fa")) + sorted(
+    (ROOT / "examples").glob("fa3_fp8*.fa")
+)
 IDS = [p.stem for p in SPECS]
 GENERATED = ROOT / "generated"
 

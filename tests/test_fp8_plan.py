@@ -67,7 +67,7 @@ TRANSPOSE_SYNCS = (
 
 
 def test_the_specs_exist():
-    assert {p.stem for p in SPECS} == {"fa3_fp8_hdim128", "fa3_fp8_hdim256", "fa3_fp8_one_wg"}
+    assert {p.stem for p in SPECS} == {"fa3_fp8_hdim128_fp16", "fa3_fp8_hdim256", "fa3_fp8_one_wg"}
 
 
 def test_the_schedule_transposes_v_into_its_own_ring():
@@ -113,7 +113,7 @@ def test_one_stage_in_the_two_stage_order_hangs():
 
 @pytest.mark.parametrize(
     "name, smem, o_over_vt",
-    [("fa3_fp8_hdim256", 230_520, True), ("fa3_fp8_hdim128", 197_744, False)],
+    [("fa3_fp8_hdim256", 230_520, True), ("fa3_fp8_hdim128_fp16", 197_744, False)],
 )
 def test_smem_is_the_designs_table(name, smem, o_over_vt):
     """§3.2: Q | K | V | Vt | O, 1,024-byte aligned; at head_dim 256 O over the dead Vt."""
@@ -147,7 +147,7 @@ def test_the_mutants_include_every_transpose_sync():
 
 @pytest.mark.parametrize("tile", ["V", "Vt"])
 def test_shrinking_a_ring_fails(tile):
-    kernel = KERNELS["fa3_fp8_hdim128"]
+    kernel = KERNELS["fa3_fp8_hdim128_fp16"]
     buffers = tuple(replace(b, slots=1) if b.name == tile else b for b in kernel.buffers)
     with pytest.raises(AsyncVerifyError):
         verify(replace(kernel, buffers=buffers))
@@ -156,7 +156,7 @@ def test_shrinking_a_ring_fails(tile):
 def test_a_lane0_arrival_needs_the_warps_syncwarp():
     """Warps 1-3 hold no TMA load, so the async model alone would take lane 0's arrival for the
     whole warp's; verify's rule names it."""
-    kernel = KERNELS["fa3_fp8_hdim128"]
+    kernel = KERNELS["fa3_fp8_hdim128_fp16"]
     loop = tuple(i for i in kernel.mainloop if not (isinstance(i, Sync) and i.kind is SYNCWARP))
     found = problems_of(replace(kernel, mainloop=loop), (2,))
     assert any("pw1" in p and "no __syncwarp of pw1" in p for p in found), found

@@ -96,7 +96,17 @@ def torch_dtypes() -> dict:
     """The torch dtypes a spec may compile for, with their ``Dtype``."""
     import torch
 
-    return {torch.bfloat16: Dtype.BF16, torch.float16: Dtype.FP16}
+    return {
+        torch.bfloat16: Dtype.BF16,
+        torch.float16: Dtype.FP16,
+        torch.float8_e4m3fn: Dtype.E4M3,
+        torch.float8_e5m2: Dtype.E5M2,
+    }
+
+
+def torch_name(dtype: Dtype) -> str:
+    """How a message names ``dtype``'s torch dtype (torch.bfloat16, torch.float8_e4m3fn)."""
+    return {d: f"{t}" for t, d in torch_dtypes().items()}[dtype]
 
 
 def compiled_dtypes(dtypes: tuple[Dtype, ...]) -> dict:
@@ -126,7 +136,7 @@ def accepts(q, k, v, dtypes: dict, head_dim: int) -> Dtype | None:
         and 0 < qs[1] < SEQLEN_LIMIT
         and 0 < ks[1] < SEQLEN_LIMIT
         and qst[3] == kst[3] == vst[3] == 1
-        and not any(st % 8 for st in (*qst[:3], *kst[:3], *vst[:3]))
+        and not any(st % (16 // dtype.nbytes) for st in (*qst[:3], *kst[:3], *vst[:3]))
         and device >= 0
         and k.get_device() == device
         and v.get_device() == device
@@ -188,9 +198,7 @@ def check_operand(name: str, t, q, cfg: Config, head_axis: int = 3) -> None:
     it): a dtype the spec compiles, q's dtype, the spec's head_dim last, and strides the
     target's loads take; each error names ``name``."""
     if torch_dtypes().get(t.dtype) not in cfg.dtypes:
-        allowed = ", ".join(
-            f"torch.{'bfloat16' if d is Dtype.BF16 else 'float16'}" for d in cfg.dtypes
-        )
+        allowed = ", ".join(torch_name(d) for d in cfg.dtypes)
         raise TypeError(
             f"{name} has dtype {t.dtype}; kernel '{cfg.name}' was compiled for {allowed}"
         )
@@ -212,10 +220,11 @@ def check_strides(name: str, t, target: str) -> None:
             f"{name} must be contiguous in its last dimension (stride 1), got strides "
             f"{t.stride()}; pass {name}.contiguous()"
         )
-    if any(st % 8 for st, n in zip(t.stride()[:3], t.shape[:3]) if n > 1):
+    per = 16 // t.element_size()  # elements in 16 bytes: 8 at 16 bits, 16 at 8 (FP8)
+    if any(st % per for st, n in zip(t.stride()[:3], t.shape[:3]) if n > 1):
         in_bytes = tuple(st * t.element_size() for st in t.stride())
         raise ValueError(
-            f"{name} must be 16-byte aligned with strides that are multiples of 8 "
+            f"{name} must be 16-byte aligned with strides that are multiples of {per} "
             f"elements ({_alignment(target)}), got strides {t.stride()} "
             f"({in_bytes} bytes) for shape {tuple(t.shape)}; pass {name}.contiguous()"
         )
@@ -225,9 +234,9 @@ def check_base(name: str, t, target: str) -> None:
     """The tensor's address must be 16-byte aligned, as its strides are."""
     if t.data_ptr() % 16:
         raise ValueError(
-            f"{name} must be 16-byte aligned with strides that are multiples of 8 "
-            f"elements ({_alignment(target)}), got an address {t.data_ptr() % 16} bytes "
-            "past a 16-byte boundary"
+            f"{name} must be 16-byte aligned with strides that are multiples of "
+            f"{16 // t.element_size()} elements ({_alignment(target)}), got an address "
+            f"{t.data_ptr() % 16} bytes past a 16-byte boundary"
         )
 
 
@@ -237,25 +246,27 @@ def check_bases(q, k, v, target: str) -> None:
         check_base(name, t, target)
 
 
-def check_out_meta(out, q, target: str) -> None:
-    """``out`` must be a tensor of q's shape, dtype and device with strides the kernel takes
-    (no memory access: fake tensors pass)."""
+def check_out_meta(out, q, target: str, dtype=None) -> None:
+    """``out`` must be a tensor of q's shape, dtype (``dtype`` where given: an 8-bit call's
+    output type) and device with strides the kernel takes (no memory access: fake tensors
+    pass)."""
     import torch
 
     if not isinstance(out, torch.Tensor):
         raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
-    if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
+    dtype = q.dtype if dtype is None else dtype
+    if out.shape != q.shape or out.dtype != dtype or out.device != q.device:
         raise ValueError(
-            f"out must match q: shape {tuple(q.shape)}, {q.dtype}, {q.device}; got shape "
+            f"out must match q: shape {tuple(q.shape)}, {dtype}, {q.device}; got shape "
             f"{tuple(out.shape)}, {out.dtype}, {out.device}"
         )
     check_strides("out", out, target)
 
 
-def check_out(out, q, k, v, target: str) -> None:
+def check_out(out, q, k, v, target: str, dtype=None) -> None:
     """``check_out_meta``, then out's address: aligned, no two elements in one place, and no
     byte shared with q, k or v (which the kernel reads while it writes out)."""
-    check_out_meta(out, q, target)
+    check_out_meta(out, q, target, dtype)
     check_base("out", out, target)
     # A contiguous out (the usual case) has no overlapping elements: skip the walk.
     if not out.is_contiguous() and overlaps_itself(out):

@@ -33,6 +33,7 @@ from ..targets import check_arch
 from ..targets.archs import arch_for
 from ..targets.launch import Args, CallPlan, KernelStep, current_stream
 from . import arguments
+from .fp8_calls import Fp8Calls
 from .serving import ServingCalls
 from .arguments import (
     accepts,
@@ -48,6 +49,7 @@ from .arguments import (
 
 log = logging.getLogger("fadsl")
 PADDED_SOURCES = ("q", "k", "v", "out", "lse")  # a padded call's addresses, in a plan's order
+FP8_SOURCES = PADDED_SOURCES + ("q_descale", "k_descale", "v_descale")  # an 8-bit kernel's
 
 
 def cache_dir() -> Path:
@@ -93,9 +95,10 @@ def _ensure_log_handler() -> None:
             log.setLevel(logging.INFO)
 
 
-class FlashAttention(ServingCalls):
+class FlashAttention(ServingCalls, Fp8Calls):
     """A compiled spec; call it on CUDA tensors shaped (batch, seqlen, heads, head_dim); a
-    serving spec also takes ``varlen`` or ``kvcache`` calls (fadsl/runtime/serving.py)."""
+    serving spec also takes ``varlen`` or ``kvcache`` calls (fadsl/runtime/serving.py), an
+    8-bit one the descales (fadsl/runtime/fp8_calls.py)."""
 
     def __init__(
         self, compiled: Compiled, verbose: bool = True, cubin_dirs: Iterable[os.PathLike] = ()
@@ -124,10 +127,11 @@ class FlashAttention(ServingCalls):
         self._more_modules: dict[tuple[Dtype, int, str], object] = {}
         self.op_name = f"{self.config.name}_{spec_hash(compiled.kernel)[:12]}"
         from .custom_op import kvcache_op_for, ops_for, varlen_op_for
+        from .fp8_ops import fp8_op_for
         from .modified_op import modified_op_for
 
         # Registered now, not on first use: torch.compile cannot trace a registration.
-        self._ops = ops_for(self)
+        self._ops = fp8_op_for(self) if self.is_fp8 else ops_for(self)
         self._varlen_op = varlen_op_for(self) if self.is_varlen else None
         self._kvcache_op = kvcache_op_for(self) if self.is_kvcache else None
         # score and mask modifiers (issue 41): their inputs are the op's arguments
@@ -332,6 +336,8 @@ class FlashAttention(ServingCalls):
         scale = check_scale(softmax_scale, self.config.head_dim)
         if not isinstance(return_lse, bool):
             raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+        if self.is_fp8:  # (issue 42: the descales are its keywords, no backward)
+            return self._call_fp8(q, k, v, scale, out, return_lse, inputs)
         if inputs or self.config.modifiers is not None:  # (issue 41: their own op)
             return self._call_modified(q, k, v, scale, out, return_lse, inputs)
         if torch.compiler.is_compiling():
@@ -406,6 +412,8 @@ class FlashAttention(ServingCalls):
         the caller has checked q, k and v already."""
         import torch
 
+        if self.is_fp8:  # (O of the spec's output type; descales of 1)
+            return self.fp8_forward(q, k, v, scale, (None, None, None), out, return_lse)
         if dtype is None:
             dtype = self.check_inputs(q, k, v)
         if (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16:
@@ -430,9 +438,11 @@ class FlashAttention(ServingCalls):
             check_lse(lse, q)
         self.launch(dtype, q, k, v, out, lse, scale)
 
-    def launch(self, dtype: Dtype, q, k, v, out, lse, scale: float, inputs=()) -> None:
+    def launch(
+        self, dtype: Dtype, q, k, v, out, lse, scale: float, inputs=(), descales=None
+    ) -> None:
         """Launch on q's device and that device's current stream (arguments checked;
-        ``inputs``: the modifiers')."""
+        ``inputs``: the modifiers'; ``descales``: an 8-bit kernel's three, checked)."""
         if self.config.modifiers is not None and len(inputs) != len(self.config.modifiers.inputs):
             raise TypeError(
                 f"kernel '{self.config.name}' reads inputs ({', '.join(i.name for i in self.config.modifiers.inputs)}): "
@@ -446,23 +456,27 @@ class FlashAttention(ServingCalls):
                 f"kernel '{self.config.name}' reads K/V from a cache ('kv_cache'): call "
                 "kvcache(q, k_cache, v_cache, cache_seqlens, ...)"
             )
-        args = Args(q, k, v, out, lse, scale, tuple(inputs))
+        if descales is None and self.is_fp8:  # (every launch passes its second parameter)
+            descales = (None, None, None)
+        args = Args(q, k, v, out, lse, scale, tuple(inputs), descales)
         cluster = self._launch.cluster(self.compiled.kernel, args)
         if cluster == 1 and self.alone is not None:
             self.alone.launch_args(dtype, args, 1)  # the cluster-free variant
         else:
             self.launch_args(dtype, args, cluster)
 
-    def prepare(self, dtype: Dtype, q, k, v, out, lse, scale: float, stream: int):
+    def prepare(self, dtype: Dtype, q, k, v, out, lse, scale: float, stream: int, descales=None):
         """This call's launch kept for the later calls of its signature (``plans.Prepared``,
-        its sources PADDED_SOURCES; not yet launched), or None where the params hold an
-        address a plan cannot rewrite (a split workspace) or the kernel is not a padded
-        one (then ``launch``)."""
+        its sources PADDED_SOURCES, then an 8-bit kernel's DESCALE_SOURCES; not yet
+        launched), or None where the params hold an address a plan cannot rewrite (a split
+        workspace) or the kernel is not a padded one (then ``launch``)."""
         if self.is_varlen or self.is_kvcache or self._launch.slots is None:
             return None
         if self.config.modifiers is not None:  # (its inputs' addresses are not in the slots)
             return None
-        args = Args(q, k, v, out, lse, scale)
+        if descales is None and self.is_fp8:
+            descales = (None, None, None)
+        args = Args(q, k, v, out, lse, scale, (), descales)
         cluster = self._launch.cluster(self.compiled.kernel, args)
         if cluster == 1 and self.alone is not None:
             return self.alone._prepare_args(dtype, args, 1, stream)  # the cluster-free variant
@@ -479,11 +493,16 @@ class FlashAttention(ServingCalls):
         self._modules.get((dtype, index)) or self.module(dtype, index)  # (its co-residency)
         if cluster > 1 and self._launch.fit_grid is not None:
             grid = self._launch.fit_grid(kernel, grid, self._co_resident[dtype, index])
-        plan = CallPlan(params, (KernelStep("", grid, self._block, False, cluster),), slots)
+        second = None if args.descales is None else self._launch.pack_second(args)
+        step = KernelStep("", grid, self._block, False, cluster)
+        plan = CallPlan(params, (step,), slots, second=second)
         q, k, v, out, lse = args.q, args.k, args.v, args.out, args.lse
         addresses = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr())
         addresses += (0 if lse is None else lse.data_ptr(),)
-        return self.prepared(dtype, index, stream, plan, PADDED_SOURCES, addresses)
+        if args.descales is None:
+            return self.prepared(dtype, index, stream, plan, PADDED_SOURCES, addresses)
+        addresses += tuple(0 if t is None else t.data_ptr() for t in args.descales)
+        return self.prepared(dtype, index, stream, plan, FP8_SOURCES, addresses)
 
     def launch_args(self, dtype: Dtype, args: Args, cluster: int) -> None:
         """Launch with ``args`` in clusters of ``cluster`` CTAs (1: without clusters)."""
@@ -496,11 +515,14 @@ class FlashAttention(ServingCalls):
         module = self._modules.get((dtype, index)) or self.module(dtype, index)
         if cluster > 1 and self._launch.fit_grid is not None:
             grid = self._launch.fit_grid(kernel, grid, self._co_resident[dtype, index])
+        # an 8-bit kernel's second parameter: the descales (Fp8Descales)
+        second = None if args.descales is None else self._launch.pack_second(args)
         if index == torch.cuda.current_device():
-            module.launch(grid, self._block, params, current_stream(index), cluster)
+            module.launch(grid, self._block, params, current_stream(index), cluster, second=second)
         else:
             with torch.cuda.device(index):
-                module.launch(grid, self._block, params, current_stream(index), cluster)
+                stream = current_stream(index)
+                module.launch(grid, self._block, params, stream, cluster, second=second)
 
     # ------------------------------------------------------------------ checks
     # The checks themselves are in fadsl/runtime/arguments.py; these pass them the spec's config.

@@ -88,6 +88,52 @@ def attention_kernel(q, causal: bool, window_size=(-1, -1), softcap=0.0) -> Flas
     return _chosen(key, choose)
 
 
+def shipped_fp8_spec(capability: tuple[int, int], head_dim: int, causal: bool, dtype) -> str:
+    """The 8-bit example (its name under examples/) that fadsl.attention runs on 8-bit q of
+    ``dtype`` on a GPU of ``capability`` (``Target.shipped_fp8``); ValueError naming the
+    unsupported combination and why (``Target.fp8_unshipped``)."""
+    candidates = _candidates(capability)
+    for target in candidates:
+        name = target.shipped_fp8.get((head_dim, causal))
+        if name is not None:
+            return name
+    gpu = f"compute capability {capability[0]}.{capability[1]}"
+    mask = "causal=True" if causal else "causal=False"
+    dims = sorted({d for t in candidates for d, c in t.shipped_fp8 if c == causal})
+    why = [t.fp8_unshipped[head_dim] for t in candidates if head_dim in t.fp8_unshipped]
+    raise ValueError(
+        f"q is {dtype} with q.shape[-1] (head_dim) = {head_dim} and {mask}: no shipped 8-bit "
+        f"spec covers it on a GPU of {gpu} (8-bit head_dim {', '.join(map(str, dims)) or 'none'}"
+        f" with {mask}{'; 8-bit q, k and v need sm_90a, compute capability 9.0' if not dims else ''})"
+        + (f"; head_dim {head_dim}: {why[0]}" if why else "")
+    )
+
+
+def fp8_attention_kernel(q, causal: bool, out_dtype) -> FlashAttention:
+    """The shipped 8-bit spec's kernel for q's GPU, dtype, head dimension and mask, its
+    variant with `output fp16` for out_dtype torch.float16 (bf16 the default); chosen once
+    per (device, dtype, head_dim, mask, out_dtype)."""
+    from .fp8_calls import check_out_dtype, out_dtypes
+
+    key = ("fp8", q.device, q.dtype, int(q.shape[-1]), *_typed(causal), out_dtype)
+
+    def choose() -> FlashAttention:
+        word = out_dtypes()[check_out_dtype(out_dtype)]
+        capability, head_dim = device_capability(q.device), int(q.shape[-1])
+        name = shipped_fp8_spec(capability, head_dim, causal, q.dtype)
+        if word == "bf16":  # the examples' own output
+            return _shipped(name)
+        variant = f"{name}_out_{word}"
+        kern = _LOADED.get(variant)
+        if kern is None:
+            base = data_dir("examples").joinpath(f"{name}.fa").read_text()
+            text = rewrite(base, {"output": word}, {}, variant)
+            kern = _LOADED[variant] = load(text, verbose=False)
+        return kern
+
+    return _chosen(key, choose)
+
+
 def _shipped(name: str) -> FlashAttention:
     kern = _LOADED.get(name)
     if kern is None:

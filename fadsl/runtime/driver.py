@@ -16,6 +16,7 @@ from typing import Callable
 from ..cudadriver import DriverError  # noqa: F401 (the runtime catches it from here)
 from ..cudadriver import check as _check
 from ..cudadriver import driver as _driver
+from ..targets.launch import second_offset
 
 _CONTEXTS: dict[int, object] = {}  # device index -> its primary context, retained
 
@@ -128,14 +129,19 @@ class Module:
         stream: int,
         cluster: int = 1,
         dependent: bool = False,
+        second: bytes | None = None,
     ) -> None:
-        """Launch with one by-value argument, the params struct ``params``, on ``stream``;
-        with ``cluster`` > 1, in clusters of that many CTAs along x; ``dependent``: as a
-        programmatic dependent of the stream's previous kernel (the kernel must execute
-        griddepcontrol.wait before it reads that kernel's results). Either uses
-        cuLaunchKernelEx."""
+        """Launch with one by-value argument, the params struct ``params`` (and ``second``,
+        a second one: an 8-bit kernel's descales), on ``stream``; with ``cluster`` > 1, in
+        clusters of that many CTAs along x; ``dependent``: as a programmatic dependent of
+        the stream's previous kernel (the kernel must execute griddepcontrol.wait before it
+        reads that kernel's results). Either uses cuLaunchKernelEx."""
         buffer = ctypes.create_string_buffer(params, len(params))
-        pointers = (ctypes.c_void_p * 1)(ctypes.addressof(buffer))
+        if second is None:
+            pointers = (ctypes.c_void_p * 1)(ctypes.addressof(buffer))
+        else:
+            extra = ctypes.create_string_buffer(second, len(second))
+            pointers = (ctypes.c_void_p * 2)(ctypes.addressof(buffer), ctypes.addressof(extra))
         argument = ctypes.addressof(pointers)
         if cluster > 1 or dependent:
             self._launch_ex(grid, block, stream, cluster, dependent)(argument)
@@ -284,21 +290,35 @@ class ParamsBuffer:
     the buffer may be rewritten at once (a plan holds a lock from the writes to the launch,
     so that two threads never interleave)."""
 
-    __slots__ = ("size", "address", "argument", "view", "_storage", "_pointers")
+    __slots__ = ("size", "address", "argument", "view", "second", "_storage", "_pointers")
 
-    def __init__(self, raw: bytes) -> None:
+    def __init__(self, raw: bytes, second: bytes | None = None) -> None:
         self.size = len(raw)
-        self._storage = ctypes.create_string_buffer(self.size + PARAMS_ALIGN)
+        # a second parameter (an 8-bit kernel's descales) lies after the first, at
+        # second_offset: the view spans both, so that a slot's offset says which
+        self.second = None if second is None else (second_offset(self.size), len(second))
+        end = self.size if second is None else self.second[0] + self.second[1]
+        self._storage = ctypes.create_string_buffer(end + PARAMS_ALIGN)
         start = ctypes.addressof(self._storage)
         self.address = start + (-start % PARAMS_ALIGN)
         ctypes.memmove(self.address, raw, self.size)
-        self.view = (ctypes.c_char * self.size).from_address(self.address)
-        self._pointers = (ctypes.c_void_p * 1)(self.address)
+        if second is None:
+            self._pointers = (ctypes.c_void_p * 1)(self.address)
+        else:
+            ctypes.memmove(self.address + self.second[0], second, len(second))
+            self._pointers = (ctypes.c_void_p * 2)(self.address, self.address + self.second[0])
+        self.view = (ctypes.c_char * end).from_address(self.address)
         self.argument = ctypes.addressof(self._pointers)
 
     def raw(self) -> bytes:
-        """The bytes a launch would pass now."""
+        """The bytes a launch would pass now (the first parameter's)."""
         return ctypes.string_at(self.address, self.size)
+
+    def raw_second(self) -> bytes | None:
+        """The second parameter's bytes a launch would pass now (None: no second)."""
+        if self.second is None:
+            return None
+        return ctypes.string_at(self.address + self.second[0], self.second[1])
 
     def tensor_map_address(self, offset: int) -> Callable[[int], None]:
         """A function that points the CUtensorMap at ``offset`` bytes in (a 64-byte multiple)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from . import append, dispatch
+from . import append, dispatch, fp8_planned
 from .arguments import check_base, check_bases, check_scale, lse_shape
 from .attention import PADDED_SOURCES
 from .kvcache import run_kvcache
@@ -38,6 +38,7 @@ def clear() -> None:
     holds no tensor, only the modules it launches)."""
     for cache in (_ATTENTION, _VARLEN, _KVCACHE, _APPEND):
         cache.clear()
+    fp8_planned.clear()
 
 
 def _misaligned(named, target: str) -> None:

@@ -98,7 +98,7 @@ class Prepared:
     workspaces' come after, made by ``launch``); ``addresses`` are the planned call's."""
 
     def __init__(self, plan: CallPlan, sources, addresses, modules, stream: int, index: int):
-        self.buffer = ParamsBuffer(plan.params)
+        self.buffer = ParamsBuffer(plan.params, plan.second)
         names = (*sources, *(w.source for w in plan.workspaces))
         writers: list[list[Callable[[int], None]]] = [[] for _ in names]
         for slot in plan.slots:

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import torch
 
-from . import planned, public_ops
+from . import fp8_ops, fp8_planned, planned, public_ops
 from .arguments import check_scale
+from .fp8_calls import DESCALE_NAMES, check_out_dtype, is_fp8, refuse_gradients
 from .varlen import check_max_seqlen
 
 
@@ -66,6 +67,10 @@ def attention(
     causal: bool = False,
     softmax_scale: float | None = None,
     *,
+    q_descale=None,
+    k_descale=None,
+    v_descale=None,
+    out_dtype=None,
     window_size=(-1, -1),
     softcap=0.0,
     return_lse=False,
@@ -73,7 +78,14 @@ def attention(
     """softmax(q k^T * softmax_scale [+ causal mask]) v through a shipped spec for q's GPU.
 
     q (batch, seqlen_q, heads_q, head_dim), k and v (batch, seqlen_k, heads_kv, head_dim) in
-    bf16 or fp16 on one CUDA device; heads_q a multiple of heads_kv (GQA, MQA). causal:
+    bf16 or fp16 on one CUDA device; heads_q a multiple of heads_kv (GQA, MQA). 8-bit q, k
+    and v (all torch.float8_e4m3fn or all torch.float8_e5m2; sm_90a, head_dim 128): the
+    attention of q * q_descale, k * k_descale and v * v_descale, each descale float32 of
+    shape (batch, heads_kv) on q's device at any strides (an expanded scalar: one for the
+    tensor), None for 1 (their values are not checked: a scale that makes softmax_scale *
+    q_descale * k_descale no positive normal float32 makes that (batch, head)'s rows NaN);
+    out_dtype torch.bfloat16 (None) or torch.float16; no window, softcap or gradients
+    (fadsl/runtime/fp8_calls.py). causal:
     FlashAttention's bottom-right aligned mask. softmax_scale: 1 / sqrt(head_dim) if None.
     window_size (left, right): FlashAttention's sliding window (-1: unbounded on that side;
     with causal the right side is 0). softcap: the scores capped, softcap tanh(s
@@ -85,11 +97,16 @@ def attention(
     traces it. The same checks and messages as a loaded spec's call.
     """
     key = None
-    if not torch.compiler.is_compiling():  # a call of a signature met before: its plan
+    plain = q_descale is None and k_descale is None and v_descale is None and out_dtype is None
+    if plain and not torch.compiler.is_compiling():  # a call of a signature met before
         key, plan = planned.attention_lookup(q, k, v, causal, softmax_scale, window_size,
                                              softcap, return_lse)  # fmt: skip
         if plan is not None:
             return plan(q, k, v)
+    if not plain or is_fp8(q):
+        descales = (q_descale, k_descale, v_descale)
+        return _attention_fp8(q, k, v, causal, softmax_scale, descales, out_dtype, window_size,
+                              softcap, return_lse)  # fmt: skip
     _check_flag("causal", causal)
     _check_flag("return_lse", return_lse)
     check_q(q, 4, "batch, seqlen, heads, head_dim")
@@ -105,6 +122,46 @@ def attention(
         return (out, lse) if return_lse else out
     return planned.attention_call(key, q, k, v, causal, softmax_scale, return_lse, window_size,
                                   softcap)  # fmt: skip
+
+
+def _attention_fp8(q, k, v, causal, softmax_scale, descales, out_dtype, window_size, softcap,
+                   return_lse):  # fmt: skip
+    """fadsl.attention with descales or an out_dtype, or on 8-bit q (issue 42)."""
+    key = None
+    compiling = torch.compiler.is_compiling()
+    if not compiling:  # a call of a signature met before: its plan
+        key, plan = fp8_planned.lookup(q, k, v, descales, causal, softmax_scale, out_dtype,
+                                       window_size, softcap, return_lse)  # fmt: skip
+        if plan is not None:
+            return plan(q, k, v, descales)
+    _check_flag("causal", causal)
+    _check_flag("return_lse", return_lse)
+    check_q(q, 4, "batch, seqlen, heads, head_dim")
+    if not is_fp8(q):
+        named = zip((*DESCALE_NAMES, "out_dtype"), (*descales, out_dtype))
+        given = next(name for name, value in named if value is not None)
+        raise TypeError(
+            f"{given} is for 8-bit q, k and v (torch.float8_e4m3fn or torch.float8_e5m2); "
+            f"q is {q.dtype}"
+        )
+    left, right = _window(window_size)
+    _check_softcap(softcap)
+    if (left, right) != (-1, -1) or softcap:
+        raise ValueError(
+            f"window_size={tuple(window_size)}, softcap={softcap} with 8-bit q, k and v: the "
+            "FP8 forward is not built with a window or a softcap yet (issue 42); leave them "
+            "(-1, -1) and 0"
+        )
+    refuse_gradients(
+        "fadsl.attention", (("q", q), ("k", k), ("v", v), *zip(DESCALE_NAMES, descales))
+    )
+    check_out_dtype(out_dtype)
+    if compiling:
+        check_scale(softmax_scale, 1)  # (named here, not by the op's schema)
+        out, lse = fp8_ops.attention_fp8(q, k, v, *descales, causal, softmax_scale, out_dtype,
+                                         return_lse)  # fmt: skip
+        return (out, lse) if return_lse else out
+    return fp8_planned.call(key, q, k, v, descales, causal, softmax_scale, out_dtype, return_lse)
 
 
 def attention_varlen(

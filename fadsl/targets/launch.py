@@ -28,6 +28,9 @@ class Args(NamedTuple):
     softmax_scale: float
     # the spec's modifier inputs (issue 41), in declared order, checked; () without any
     inputs: tuple = ()
+    # an 8-bit kernel's descales (issue 42): (q_descale, k_descale, v_descale), each a
+    # checked float32 tensor or None (= 1); None for 16-bit kernels
+    descales: tuple | None = None
 
 
 class KernelLaunch(NamedTuple):
@@ -94,6 +97,9 @@ class CallPlan(NamedTuple):
     workspaces: tuple[Workspace, ...] = ()
     held: tuple[Any, ...] = ()
     reusable: bool = True
+    # the kernel's second by-value parameter (an 8-bit kernel's Fp8Descales), None: none;
+    # its slots' offsets count from second_offset(len(params))
+    second: bytes | None = None
 
     def launches(self) -> tuple[KernelLaunch, ...]:
         return tuple(KernelLaunch(s.suffix, s.grid, s.block, self.params, s.dependent)
@@ -142,6 +148,9 @@ class Launch:
     # every address in pack's params (None, or a None answer: the params hold addresses of
     # their own, which a launch plan cannot rewrite)
     slots: Callable[[Kernel, Args], tuple[AddressSlot, ...] | None] | None = None
+    # an 8-bit kernel's second parameter (the descales) from a call's Args.descales; None:
+    # the target's kernels take one parameter
+    pack_second: Callable[[Args], bytes] | None = None
 
     def symbol(self, source_name: str) -> str:
         return source_name + self.kernel_suffix
@@ -156,6 +165,15 @@ class Launch:
     def spec_cluster(self, kernel: Kernel) -> int:
         """The spec's CTAs per cluster (a launch may use fewer)."""
         return 1 if self.spec_cluster_of is None else self.spec_cluster_of(kernel)
+
+
+SECOND_ALIGN = 128  # (the first parameter's CUtensorMaps lie on 128 bytes)
+
+
+def second_offset(params_bytes: int) -> int:
+    """Where a kernel's second parameter starts in a launch plan's buffer (ParamsBuffer):
+    after the first, on SECOND_ALIGN bytes; a slot of the second counts from it."""
+    return -(-params_bytes // SECOND_ALIGN) * SECOND_ALIGN
 
 
 # fadsl::FwdParams: 5 pointers, 14 int64 strides, 5 int sizes, the float scale; 176 bytes

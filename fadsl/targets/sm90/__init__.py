@@ -25,6 +25,7 @@ from .caps import BACKWARD_TRACE_HEADER, CAPABILITIES, SYNC_MODEL, TRACE_HEADER
 from .config import read_config
 from .settings import PAGE_SIZES, SETTINGS, TMA_SWIZZLE
 from .emit import TEMPLATE, context
+from .fp8 import UNSHIPPED
 from .host.kvcache import plan_kvcache
 from .host.launch import LAUNCH
 from .host.varlen import MAX_SEQUENCES, plan_varlen
@@ -109,6 +110,10 @@ TARGET = Target(
     # up to 2k queries, head_dim 64 causal: 128-row tiles waste less of the diagonal than 192
     # (1.25x the 192-row spec at 1k, level at 2k; H200, 2026-11-30, docs/performance.md)
     shipped_short={(64, True): (2048, "fa3_hdim64_causal_short")},
+    # fadsl.attention on 8-bit q, k, v (issue 42): head_dim 128 (both dtypes build with 0
+    # spills, NVRTC 13.5, 2026-11-30); fp8.UNSHIPPED says why 64 and 256 have none yet
+    shipped_fp8={(128, False): "fa3_fp8_hdim128", (128, True): "fa3_fp8_hdim128_causal"},
+    fp8_unshipped=UNSHIPPED,
     # fadsl.attention_varlen and attention_with_kvcache (docs/serving.md)
     shipped_serving={
         ("varlen", 64): "fa3_varlen_hdim64",

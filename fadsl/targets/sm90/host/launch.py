@@ -17,6 +17,7 @@ from ...launch import (
     pack_fwd_params,
     sm_count,
 )
+from .fp8 import FP8_PANEL_COLS, descale_slots, pack_descales
 
 
 def cluster_size(kernel: Kernel) -> int:
@@ -148,8 +149,9 @@ _SM90_PAD = bytes(SM90_PARAMS_BYTES - VARLEN_OFFSET - VARLEN_TAIL.size)
 # modifiers' input pointers (issue 41), in declared order, zeros past the spec's.
 INPUTS = struct.Struct("<8Q")
 INPUTS_OFFSET = VARLEN_OFFSET + VARLEN_TAIL.size + struct.calcsize("<QQii")
-# The kernels move tiles as 64-column panels (128-byte rows, the 128-byte swizzle's span),
-# and each consumer warpgroup stores its own 64 rows of O.
+# The kernels move tiles as 64-column panels (128-byte rows, the 128-byte swizzle's span;
+# 8-bit Q, K, V: 128 columns, host/fp8.py), and each consumer warpgroup stores its own 64
+# rows of O.
 PANEL_COLS = 64
 O_BOX_ROWS = 64
 
@@ -227,11 +229,13 @@ def _pack_fwd_params_sm90(kernel: Kernel, a: Args) -> bytes:
     if found is None:
         from .tma import tensor_map
 
+        # 8-bit Q, K, V (issue 42): 128 one-byte columns a panel, 128 bytes as 64 two-byte
+        cols = PANEL_COLS if q.element_size() != 1 else FP8_PANEL_COLS
         found = b"".join(
             (
-                tensor_map(q, PANEL_COLS, cfg.block_r),
-                tensor_map(k, PANEL_COLS, cfg.block_c),
-                tensor_map(v, PANEL_COLS, cfg.block_c),
+                tensor_map(q, cols, cfg.block_r),
+                tensor_map(k, cols, cfg.block_c),
+                tensor_map(v, cols, cfg.block_c),
                 tensor_map(o, PANEL_COLS, O_BOX_ROWS),
                 pack_fwd_params(kernel, a),
                 _NO_SPLIT,
@@ -308,7 +312,10 @@ def address_slots(kernel: Kernel, a: Args) -> tuple[AddressSlot, ...] | None:
         tiles = tile_count(kernel, a)
         if split_plan(tiles, sm_count(a.q.device.index), kv_blocks(kernel, a))[1] > 1:
             return None
-    return _address_slots(a.lse is not None)
+    if a.descales is None:
+        return _address_slots(a.lse is not None)
+    present = tuple(t is not None for t in a.descales)
+    return _address_slots(a.lse is not None) + descale_slots(SM90_PARAMS_BYTES, present)
 
 
 @functools.cache
@@ -330,4 +337,5 @@ LAUNCH = Launch(
     check_loaded=check_loaded,
     fit_grid=fit_grid,
     slots=address_slots,
+    pack_second=pack_descales,  # an 8-bit kernel's Fp8Descales (host/fp8.py)
 )

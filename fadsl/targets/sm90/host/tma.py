@@ -2,8 +2,8 @@
 
 Each (batch, seqlen, heads, head_dim) tensor becomes a 4-D tiled map over (head_dim,
 seqlen, heads, batch) with the tensor's own strides, so strided views (a packed qkv) need
-no copy. A box is ``box_cols`` columns (one 64-element panel: 128-byte rows, the 128-byte
-swizzle's span) by ``box_rows`` rows of one (head, batch); boxes that reach past seqlen are
+no copy. A box is ``box_cols`` columns (one panel of 128-byte rows, the 128-byte swizzle's
+span: 64 16-bit elements, 128 8-bit ones) by ``box_rows`` rows of one (head, batch); boxes that reach past seqlen are
 zero-filled on load and clipped on store, which is what the kernels' tails rely on.
 
 TMA's rules (cuTensorMapEncodeTiled): the base address 16-byte aligned, every stride but the
@@ -36,6 +36,9 @@ def _constants() -> tuple:
     types = {
         torch.bfloat16: driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
         torch.float16: driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+        # FP8 (issue 42): raw bytes to TMA (the kernels convert nothing on load)
+        torch.float8_e4m3fn: driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_UINT8,
+        torch.float8_e5m2: driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_UINT8,
     }
     modes = (
         driver.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
