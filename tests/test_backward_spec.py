@@ -522,6 +522,37 @@ def test_dv_before_meeting_fits_its_registers_at_b_r_80_and_head_dim_64():
     assert not any(u.wgmma_serialized or u.spills for u in backward), backward
 
 
+def test_the_dq_writer_variants_fit_their_registers():
+    """`dq_writer on`: the writer warps run after the producer warpgroup's setmaxnreg.dec, and
+    no training variant spills (NVRTC 13.5, 2026-12-01); head_dim 64's deterministic writer
+    in visit order needs setmaxnreg 32/232 (at 24 it spills 8 bytes)."""
+    compiler, name = find_compiler()
+    if compiler is None:
+        pytest.skip(name)
+    from test_gpu_backward import training_spec
+
+    names = [f"{e}+{det}dq_writer-dqred" for e in ("fa3_causal", "fa3_hdim64_causal")
+             for det in ("", "deterministic+")]  # fmt: skip
+    names += ["fa3_hopper+deterministic+dq_writer-dqred+s2", "fa3_hdim64+dq_writer-dqred"]
+    names += ["fa3_hdim64+deterministic+dq_writer-dqred+p32"]
+    seen = []
+
+    def recording(source, arch):
+        usage = compiler(source, arch)
+        seen.append((source.kernel_name, usage))
+        return usage
+
+    for spec in names:
+        compiled = compile_source(training_spec(spec), FILE)
+        assert compiled.kernel.backward.dq_writer
+        assert check_registers(compiled, recording, name).ran, spec
+    backward = [usage for kernel, usage in seen if "bwd" in kernel]
+    assert len(backward) >= 2 * len(names) and not any(u.spills for u in backward)
+    with pytest.raises(SpecError, match="the backward's kernels spill"):
+        spilling = training_spec("fa3_hdim64+deterministic+dq_writer-dqred")
+        check_registers(compile_source(spilling, FILE), compiler, name)
+
+
 def test_a_bad_target_line_still_reports_the_blocks_own_mistakes():
     text = variant("target     sm_90a", "target     sm_91")
     text = variant("deterministic off", "stage 2", text)
