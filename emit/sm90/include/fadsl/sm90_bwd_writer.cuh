@@ -32,14 +32,15 @@ __device__ __forceinline__ void bwd_dq_writer(const BwdParamsSm90& P, uint32_t s
   const int64_t accum_head = bwd_accum_head<Cfg>(P, b);
   for (int i = 0; i < b.m_count; ++i) {
     const int m = bwd_m_block<Cfg>(P, b, i);
-    int* const semaphore = Cfg::kDeterministic ? dq_semaphore_share<Cfg>(P, accum_head, m, w) : nullptr;
+    // (the counter is found where it is used: held across the barriers it spilled 40 bytes at
+    // head_dim 64, B_r 128, deterministic, setmaxnreg 32/232, NVRTC 13.5, 2026-12-01)
     const int place = Cfg::kDeterministic ? bwd_dq_place<Cfg>(P, b, m) : 0;
     // RAW: consumer w's staging written and fenced (its fence.proxy.async, then bar.arrive)
     named_bar_sync(Cfg::kBarDqFull + w, 160);
     if (lane == 0) {
       if constexpr (Cfg::kDeterministic) {
         // WAW on the share's accumulator: the adds of the places before this one done
-        while (ld_acquire_gpu(semaphore) != place) __nanosleep(32);
+        while (ld_acquire_gpu(dq_semaphore_share<Cfg>(P, accum_head, m, w)) != place) __nanosleep(32);
         fence_proxy_async_global();  // the ticket's acquire (generic) before the adds (async proxy)
       }
       bulk_reduce_add_f32(dq_accum_share<Cfg>(P, accum_head, m, w), stage, Cfg::kDqFloats * 4);
@@ -54,7 +55,7 @@ __device__ __forceinline__ void bwd_dq_writer(const BwdParamsSm90& P, uint32_t s
       if (lane == 0) {
         bulk_wait_all();  // the writer's adds performed in global memory
         fence_proxy_async_global();  // the async proxy's adds before the release
-        st_release_gpu(semaphore, place + 1);  // WAW: the next place may add
+        st_release_gpu(dq_semaphore_share<Cfg>(P, accum_head, m, w), place + 1);  // WAW: the next place may add
       }
     }
   }
