@@ -635,8 +635,16 @@ def test_an_edited_header_is_caught(what, old, new):
         ("no __syncwarp", "    __syncwarp();  // lane 0's wait", "    // lane 0's wait"),
         ("no empty wait", "if (i > 0) named_bar_sync(Cfg::kBarDqEmpty + wg, 160);", ""),
         ("no read wait", "      tma_store_wait_read<0>();   // WAR: the add", "      // WAR"),
-        ("no release", "st_release_gpu(semaphore, place + 1);", ""),
-        ("no acquire", "while (ld_acquire_gpu(semaphore) != place) __nanosleep(32);", ""),
+        (
+            "no release",
+            "st_release_gpu(dq_semaphore_share<Cfg>(P, accum_head, m, w), place + 1);",
+            "",
+        ),
+        (
+            "no acquire",
+            "while (ld_acquire_gpu(dq_semaphore_share<Cfg>(P, accum_head, m, w)) != place)",
+            "",
+        ),
         (
             "an arrival after the last",
             "if (i + 1 < b.m_count) named_bar_arrive",
