@@ -81,6 +81,7 @@ extern "C" __global__ void __launch_bounds__(Cfg::kThreads, 1) alibi_causal_bwd_
       const BwdBlock block = bwd_role_block<Cfg>(P, shared);
       bwd_producer<Cfg>(P, smem, block);
     }
+    bwd_dq_writers<Cfg>(P, smem, shared);  // warps 1..consumers with `dq_writer on` (nothing otherwise)
   } else {
     setmaxnreg_inc<Cfg::kConsumerRegs>();
     const BwdBlock block = bwd_role_block<Cfg>(P, shared);

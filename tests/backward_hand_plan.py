@@ -14,6 +14,7 @@ from dataclasses import replace
 
 from fadsl.targets.sm90.backward.program import (
     WARPGROUP_THREADS,
+    WRITER_BAR_THREADS,
     Guard,
     Index,
     Item,
@@ -39,7 +40,8 @@ def hand_protocol(p: Params) -> Protocol:
     else:
         producer = _interleave(steps.producer, _producer(p, steps.producer))
         consumer = _interleave(steps.consumer, _consumer(p))
-    return Protocol(p, _setup(p), producer, consumer, steps.layout)
+    writer = _interleave(steps.writer, _writer(p))
+    return Protocol(p, _setup(p), producer, consumer, steps.layout, writer)
 
 
 def _interleave(steps: tuple[Item, ...], listing: list[Item | str]) -> tuple[Item, ...]:
@@ -289,7 +291,8 @@ def _consumer(p: Params) -> list[Item | str]:
         why="the last reduce-add read the staging before the CTA exits",
     )
     listing += _owed_release(p, LoopPhase.AFTER)  # the last m-block's ticket
-    return listing + ([] if p.dq_red else [exit_wait]) + ["dK -> global", "dV -> global"]
+    no_bulk = p.dq_red or p.dq_writer  # (the writer waits for its own adds)
+    return listing + ([] if no_bulk else [exit_wait]) + ["dK -> global", "dV -> global"]
 
 
 def _split_consumer(p: Params) -> list[Item | str]:
@@ -355,8 +358,8 @@ def _split_consumer(p: Params) -> list[Item | str]:
 
 def _owed_release(p: Params, phase: LoopPhase) -> list[Item]:
     """Deterministic mode: release_dq_ticket, the leader's release of the ticket it owes
-    (from m-block 1 on, and after the loop of a CTA with work)."""
-    if not p.deterministic:
+    (from m-block 1 on, and after the loop of a CTA with work); none with a writer."""
+    if not p.deterministic or p.dq_writer:
         return []
     owed = dict(who=Who.LEADER, source=CodeSite.RELEASE_DQ_TICKET, phase=phase, guard=Guard.OWED)
     return [
@@ -376,6 +379,20 @@ def _stage_and_reduce(p: Params, source: CodeSite) -> list[Item | str]:
     def sync(kind: Kind, who: Who = Who.WARPGROUP, **fields) -> Item:
         return Item(kind, who, source, LoopPhase.LOOP, **fields)
 
+    if p.dq_writer:  # reduce_dq's writer branch: the staging handed over, no add here
+        return [
+            sync(
+                Kind.NAMED_BAR_SYNC, named=Named.DQ_EMPTY, threads=WRITER_BAR_THREADS,
+                guard=Guard.AFTER_FIRST, why="WAR: the writer's previous add read the staging",
+            ),
+            "dQ -> staging",
+            sync(Kind.FENCE_PROXY_ASYNC_SMEM, why="RAW: the staging's st.shared before the add"),
+            sync(
+                Kind.NAMED_BAR_ARRIVE, named=Named.DQ_FULL, threads=WRITER_BAR_THREADS,
+                why="RAW: the staging handed to the writer",
+            ),
+        ]  # fmt: skip
+
     out = [
         sync(Kind.BULK_WAIT_READ, Who.LEADER, why="WAR: the previous reduce-add read the staging"),
         sync(Kind.NAMED_BAR_SYNC, why="WAR: the leader's wait before the staging", **own_bar),
@@ -393,3 +410,40 @@ def _stage_and_reduce(p: Params, source: CodeSite) -> list[Item | str]:
         "dQ reduce-add",
         replace(commit, source=CodeSite.ORDERED_REDUCE_ADD),
     ]  # the release is owed: _owed_release
+
+
+def _writer(p: Params) -> list[Item | str]:
+    """bwd_dq_writer: per m-block the full barrier, lane 0's (ordered) bulk reduce-add, its
+    commit and read wait, __syncwarp, the empty barrier's arrival but in the last m-block,
+    and in deterministic mode lane 0's wait_group 0, fence and release."""
+    if not p.dq_writer:
+        return []
+
+    def sync(kind: Kind, who: Who = Who.WRITER, **fields) -> Item:
+        return Item(kind, who, CodeSite.DQ_WRITER, LoopPhase.LOOP, **fields)
+
+    lane0 = Who.WRITER_LANE0
+    acquire = [
+        sync(Kind.SEM_ACQUIRE, lane0, why="the lower tickets' adds done"),
+        sync(Kind.FENCE_PROXY_ASYNC_GLOBAL, lane0, why="the acquire before the adds"),
+    ]
+    release = [
+        sync(Kind.BULK_WAIT, lane0, pending=0, why="the adds performed"),
+        sync(Kind.FENCE_PROXY_ASYNC_GLOBAL, lane0, why="the adds before the release"),
+        sync(Kind.SEM_RELEASE, lane0, why="the next ticket may add"),
+    ]
+    return [
+        sync(Kind.NAMED_BAR_SYNC, named=Named.DQ_FULL, threads=WRITER_BAR_THREADS),
+        *(acquire if p.deterministic else []),
+        "dQ reduce-add",
+        sync(Kind.BULK_COMMIT, lane0),
+        sync(Kind.BULK_WAIT_READ, lane0, pending=0, why="WAR: the add read the staging"),
+        sync(Kind.SYNCWARP, why="lane 0's wait before the warp's arrival"),
+        sync(
+            Kind.NAMED_BAR_ARRIVE,
+            named=Named.DQ_EMPTY,
+            threads=WRITER_BAR_THREADS,
+            guard=Guard.BEFORE_LAST,
+        ),
+        *(release if p.deterministic else []),
+    ]

@@ -51,7 +51,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # sm90_bwd.cuh with the sections it includes (the roles' functions live in sm90_bwd_roles.cuh)
 HEADER = "".join(
     (ROOT / "emit/sm90/include/fadsl" / name).read_text()
-    for name in ("sm90_bwd.cuh", "sm90_bwd_roles.cuh", "sm90_bwd_prep.cuh")
+    for name in ("sm90_bwd.cuh", "sm90_bwd_roles.cuh", "sm90_bwd_writer.cuh", "sm90_bwd_prep.cuh")
 )
 SPLIT_HEADER = (ROOT / f"emit/sm90/include/fadsl/{emit.SPLIT_HEADER}").read_text()
 TEMPLATE = (ROOT / "emit/sm90/backward.cu.j2").read_text()
@@ -88,6 +88,8 @@ TRACED = {
     "fence_proxy_async_smem": Kind.FENCE_PROXY_ASYNC_SMEM,
     "fence_proxy_async_global": Kind.FENCE_PROXY_ASYNC_GLOBAL,
     "named_bar_sync": Kind.NAMED_BAR_SYNC,
+    "named_bar_arrive": Kind.NAMED_BAR_ARRIVE,
+    "__syncwarp": Kind.SYNCWARP,
     "tma_store_commit": Kind.BULK_COMMIT,
     "tma_store_wait_read": Kind.BULK_WAIT_READ,
     "bulk_wait_all": Kind.BULK_WAIT,
@@ -175,7 +177,7 @@ def kernel_template(overlap: bool, template: str = TEMPLATE, split: bool = False
     # the Cfg's constants of a window or a softcap: declarations, never calls
     constants = re.compile(
         tag(
-            "if (window|softcap|longest_first|varlen|dv_before_meeting|modifiers|score|score_grad|keep)"
+            "if (window|softcap|longest_first|varlen|dv_before_meeting|dq_writer|modifiers|score|score_grad|keep)"
         )
         + r"(.*?)"
         + tag("endif"),
@@ -382,8 +384,8 @@ def detail_of(name: str, args: list[str], template: str, walk: Walk) -> tuple:
             return (number(template),)
         case Kind.BULK_WAIT:
             return (0,)
-        case Kind.NAMED_BAR_SYNC:
-            ids = tuple(number(args[0], wg=wg) for wg in range(walk.params.consumers))
+        case Kind.NAMED_BAR_SYNC | Kind.NAMED_BAR_ARRIVE:  # (the writer's w: its consumer's wg)
+            ids = tuple(number(args[0], wg=wg, w=wg) for wg in range(walk.params.consumers))
             return ids, number(args[1])
         case Kind.TMA_LOAD | Kind.BULK_LOAD:
             barrier = args[2] if kind is Kind.TMA_LOAD else args[3]
@@ -462,6 +464,7 @@ def walk_if(cond: str, constexpr: bool, then, other, walk: Walk) -> None:
     flags["Cfg::kEarlyDv"] = walk.params.early_dv
     flags["Cfg::kDvBeforeMeeting"] = walk.params.dv_before_meeting
     flags["Cfg::kDqRed"] = walk.params.dq_red
+    flags["Cfg::kDqWriter"] = walk.params.dq_writer
     flags["Cfg::kSplitHeadDim"] = walk.params.split
     flags |= {f"!{name}": not value for name, value in flags.items()}
     if constexpr:  # a flag, its negation, or a conjunction of them
@@ -476,6 +479,11 @@ def walk_if(cond: str, constexpr: bool, then, other, walk: Walk) -> None:
         # the owed ticket's release: from m-block 1 on, and after a loop with work
         "tid==0&&i>0": dict(who=Who.LEADER, guard=Guard.OWED),
         "tid==0&&b.m_count>0": dict(who=Who.LEADER, guard=Guard.OWED),
+        # reduce_dq's writer branch and bwd_dq_writer: the empty barrier's sync from m-block
+        # 1 on and its arrival but in the last m-block; the writer's lane 0
+        "i>0": dict(guard=Guard.AFTER_FIRST),
+        "i+1<b.m_count": dict(guard=Guard.BEFORE_LAST),
+        "lane==0": dict(who=Who.WRITER_LANE0),
     }
     if cond in changes:
         assert other is None, cond
@@ -520,6 +528,7 @@ def walk_simple(text: str, walk: Walk) -> None:
 KERNEL = r"__global__ void __launch_bounds__\(Cfg::kThreads"
 SOURCES = {"bwd_consumer": CodeSite.CONSUMER, "bwd_consumer_split": CodeSite.CONSUMER_SPLIT}
 SOURCES |= {"bwd_producer": CodeSite.PRODUCER, "bwd_producer_split": CodeSite.PRODUCER_SPLIT}
+WRITERS = "bwd_dq_writers"  # the producer warpgroup's call of `dq_writer on`'s writer warps
 
 
 def kernel_body(overlap: bool, template: str = TEMPLATE, split: bool = False) -> str:
@@ -542,6 +551,19 @@ def producer_function(overlap: bool, template: str = TEMPLATE, split: bool = Fal
     return name
 
 
+def writer_function(overlap: bool, template: str = TEMPLATE, split: bool = False) -> str:
+    """The writer body the producer warpgroup's warps run: the kernel calls `bwd_dq_writers<Cfg>(P,
+    smem, shared);` in warpgroup 0's branch, which calls it under `if constexpr
+    (Cfg::kDqWriter)`."""
+    body = squash(kernel_body(overlap, template, split))
+    assert f"setmaxnreg_dec<Cfg::kProducerRegs>();" in body.split(f"{WRITERS}<Cfg>")[0]
+    assert body.count(f"{WRITERS}<Cfg>(P,smem,shared);") == 1, "the writers' call"
+    _, dispatch = function(HEADER, rf"void {WRITERS}\(")
+    (name,) = re.findall(r"(\w+)<Cfg>\(P,smem,bwd_role_block", squash(dispatch))
+    assert squash(dispatch).startswith("ifconstexpr(Cfg::kDqWriter)"), dispatch
+    return name
+
+
 def header_calls(
     role: WarpRole,
     params: Params,
@@ -559,6 +581,11 @@ def header_calls(
     elif role is WarpRole.CONSUMER:
         text, name = headers, consumer_function(params.overlap, template, params.split)
         pattern, source, who = rf"void {name}\(", SOURCES[name], Who.WARPGROUP
+    elif role is WarpRole.WRITER:
+        name = writer_function(params.overlap, template, params.split)
+        if not params.dq_writer:  # bwd_dq_writers' if constexpr: no call
+            return []
+        text, pattern, source, who = headers, rf"void {name}\(", CodeSite.DQ_WRITER, Who.WRITER
     else:
         text, name = headers, producer_function(params.overlap, template, params.split)
         pattern, source, who = rf"void {name}\(", SOURCES[name], Who.ELECTED
@@ -587,7 +614,7 @@ def expected_calls(proto: Protocol, role: WarpRole) -> list[Call]:
                 detail = (x.mbar, x.slot, x.tx)
             case Kind.WGMMA_WAIT | Kind.BULK_WAIT_READ | Kind.BULK_WAIT:
                 detail = (x.pending,)
-            case Kind.NAMED_BAR_SYNC:
+            case Kind.NAMED_BAR_SYNC | Kind.NAMED_BAR_ARRIVE:
                 detail = (tuple(bar_id(x.named, wg) for wg in range(p.consumers)), x.threads)
             case Kind.TMA_LOAD | Kind.BULK_LOAD:
                 detail = (x.mbar, x.slot) + smem(x.writes)[0]

@@ -115,6 +115,7 @@ def test_the_full_block_lowers_to_the_ir():
         "dv_before_meeting": False,
         "dq_red": False,
         "longest_first": False,
+        "dq_writer": False,
     }
     assert bwd.loc == Loc(FILE, *where(text, "  backward {", "backward"))
     assert bwd.loc_of("stages") == Loc(FILE, *where(text, "stages     3"))
@@ -227,7 +228,7 @@ LOCATED = [
     ("producer = 24, consumers = 240\n    stages", "producer = 24, consumers = 244\n    stages", "consumers = 244", "244", "the backward's consumers take setmaxnreg 24 to 240, a multiple of 8, not 244"),
     ("producer = 24, consumers = 240\n    stages", "producer = 24, consumers = 248\n    stages", "consumers = 248", "248", "not 248"),
     ("deterministic off", "deterministic maybe", "deterministic maybe", "maybe", "unknown deterministic 'maybe'; expected 'on' or 'off'"),
-    ("deterministic off", "stage 3", "stage 3", "stage", "unknown key 'stage' in the backward block; it takes 'tile', 'warpgroups', 'registers', 'stages', 'deterministic', 'overlap', 'early_dv', 'dv_before_meeting' and 'longest_first' (did you mean 'stages'?)"),
+    ("deterministic off", "stage 3", "stage 3", "stage", "unknown key 'stage' in the backward block; it takes 'tile', 'warpgroups', 'registers', 'stages', 'deterministic', 'overlap', 'early_dv', 'dv_before_meeting', 'longest_first' and 'dq_writer' (did you mean 'stages'?)"),
     ("deterministic off", "mask causal", "mask causal", "mask", "'mask' is a setting of the kernel, not of its backward block"),
     ("deterministic off", "stages 3", "stages 3", "stages", "duplicate key 'stages' in the backward block (first set at line"),
     ("dV:  rf -st.global-> gmem", "dW:  rf -st.global-> gmem", "dW:", "dW", "unknown tensor 'dW' in the backward block; it moves Q, K, V, dO, LSE, D, P, dS, dQ, dK and dV"),
@@ -237,6 +238,8 @@ LOCATED = [
     ("dS:  rf -st.shared-> smem[cta]", "dS:  rf -st.shared-> smem[warpgroup]", "dS:  rf", "warpgroup", "dS lives in smem[cta] in the backward"),
     ("dK:  rf -st.global-> gmem", "dK:  rf -st.shared-> smem[cta] -tma-> gmem", "dK:  rf -st.shared", "dK", "dK must go rf -st.global-> gmem in the backward"),
     ("dO:  gmem -tma-> smem[cta] -wgmma-> rf", "dO:  gmem -tma-> smem[cta]", "dO:  gmem", "dO", "dO must go gmem -tma-> smem[cta] -wgmma-> rf in the backward"),
+    ("dQ:  rf -st.shared-> smem[warpgroup] -reduce.add-> gmem", "dQ:  rf -red.add-> gmem\n    dq_writer on", "dq_writer on", "dq_writer", "dq_writer on hands each consumer's staged dQ to a writer warp for its bulk reduce-add; dQ's path here adds from registers"),
+    ("deterministic off", "dq_writer maybe", "dq_writer maybe", "maybe", "unknown dq_writer 'maybe'; expected 'on' or 'off'"),
     ("smem[warpgroup] -reduce.add->", "smem[warpgroup] -reduce->", "-reduce->", "reduce", "unknown instruction 'reduce' (did you mean 'reduce.add'?)"),
     ("dV:  rf -st.global-> gmem", "dV:  rf[tile] -st.global-> gmem", "dV:  rf[tile]", "tile", "only smem takes a bracket (its sharing scope), not rf"),
     ("dS:  rf -st.shared-> smem[cta]", "dS:  rf -st.shared-> smem", "dS:  rf", "smem", "smem needs a sharing scope: smem[warpgroup] or smem[cta] or smem[cluster]"),
@@ -253,6 +256,36 @@ LOCATED = [
 )
 def test_each_mistake_is_located(old, new, line_part, token, message):
     assert_error(variant(old, new), line_part, token, message)
+
+
+HDIM64 = ROOT / "examples" / "fa3_hdim64.fa"
+
+
+def hdim64_staged(tile: str) -> str:
+    """examples/fa3_hdim64.fa with dQ staged, `dq_writer on` and the backward tile ``tile``."""
+    text = HDIM64.read_text()
+    for old, new in (
+        ("    tile       B_r = 128, B_c = 128 ", f"    tile       {tile} "),
+        ("dQ: rf -red.add-> gmem ", "dQ: rf -st.shared-> smem[warpgroup] -reduce.add-> gmem\n    dq_writer on "),
+    ):  # fmt: skip
+        assert text.count(old) == 1, old
+        text = text.replace(old, new)
+    return text
+
+
+def test_the_dq_writer_needs_shares_of_its_own():
+    """Split by keys (head_dim 64 at B_r 64) both consumers add into all of dQ: refused at the
+    key; by queries (B_r 128) and at head_dim 128 in either mode it is admitted."""
+    message = "dq_writer on: at head_dim 64 with B_r = 64 dQ is split by keys"
+    assert_error(hdim64_staged("B_r = 64, B_c = 128"), "dq_writer on", "dq_writer", message)
+    bwd = compile_source(hdim64_staged("B_r = 128, B_c = 128"), FILE).kernel.backward
+    assert bwd.dq_writer and not bwd.dq_red
+    for det in ("off", "on"):
+        text = variant("deterministic off", f"deterministic {det}\n    dq_writer on")
+        bwd = compile_source(text, FILE).kernel.backward
+        assert bwd.dq_writer and bwd.deterministic == (det == "on")
+        assert bwd.text().endswith(" dq_writer=on")
+        assert read_backward_ir(bwd.text(), bwd.loc).dq_writer
 
 
 def test_a_second_path_is_located():
@@ -489,6 +522,37 @@ def test_dv_before_meeting_fits_its_registers_at_b_r_80_and_head_dim_64():
     assert not any(u.wgmma_serialized or u.spills for u in backward), backward
 
 
+def test_the_dq_writer_variants_fit_their_registers():
+    """`dq_writer on`: the writer warps run after the producer warpgroup's setmaxnreg.dec, and
+    no training variant spills (NVRTC 13.5, 2026-12-01); head_dim 64's deterministic writer
+    in visit order needs setmaxnreg 32/232 (at 24 it spills 8 bytes)."""
+    compiler, name = find_compiler()
+    if compiler is None:
+        pytest.skip(name)
+    from test_gpu_backward import training_spec
+
+    names = [f"{e}+{det}dq_writer-dqred" for e in ("fa3_causal", "fa3_hdim64_causal")
+             for det in ("", "deterministic+")]  # fmt: skip
+    names += ["fa3_hopper+deterministic+dq_writer-dqred+s2", "fa3_hdim64+dq_writer-dqred"]
+    names += ["fa3_hdim64+deterministic+dq_writer-dqred+p32"]
+    seen = []
+
+    def recording(source, arch):
+        usage = compiler(source, arch)
+        seen.append((source.kernel_name, usage))
+        return usage
+
+    for spec in names:
+        compiled = compile_source(training_spec(spec), FILE)
+        assert compiled.kernel.backward.dq_writer
+        assert check_registers(compiled, recording, name).ran, spec
+    backward = [usage for kernel, usage in seen if "bwd" in kernel]
+    assert len(backward) >= 2 * len(names) and not any(u.spills for u in backward)
+    with pytest.raises(SpecError, match="the backward's kernels spill"):
+        spilling = training_spec("fa3_hdim64+deterministic+dq_writer-dqred")
+        check_registers(compile_source(spilling, FILE), compiler, name)
+
+
 def test_a_bad_target_line_still_reports_the_blocks_own_mistakes():
     text = variant("target     sm_90a", "target     sm_91")
     text = variant("deterministic off", "stage 2", text)
@@ -636,6 +700,7 @@ LOCATED_256 = [
     ("deterministic off", "deterministic on", "deterministic on", "deterministic", "deterministic on: its ordered dQ adds go through a staging buffer in SMEM, and at head_dim 256 dQ's staging does not fit beside K, V, Q, dO, P and dS (FlashAttention-3 has no deterministic mode there either); leave it off"),
     ("overlap    off", "overlap    on", "    overlap    on", "overlap", "overlap on: that consumer's order issues dQ before dV and dK; at head_dim 256 dQ^T is computed a panel at a time"),
     ("overlap    off", "early_dv on", "early_dv on", "early_dv", "early_dv on: at head_dim 256 dV^T is the first wgmma issued after P and dS are in SMEM already; leave it off"),
+    ("overlap    off", "dq_writer on", "dq_writer on", "dq_writer", "dq_writer on: at head_dim 256 dQ is added from registers, with no staging for a writer warp to reduce-add; leave it off"),
     ("overlap    off", "dv_before_meeting on", "dv_before_meeting on", "dv_before_meeting", "dv_before_meeting on: at head_dim 256 dV^T reads every key's P from SMEM, so it cannot be issued before the warpgroups meet; it is the first wgmma issued after the meeting already; leave it off"),
     ("dQ:  rf -red.add-> gmem", "dQ:  rf -st.shared-> smem[warpgroup] -reduce.add-> gmem", "dQ:  rf -st.shared", "dQ", "dQ must go rf -red.add-> gmem in the backward (each consumer thread adds its fp32 share into the accumulator (red.global.add.v4.f32): at head_dim 256 its staging does not fit in SMEM beside K, V, Q, dO, P and dS)"),
     ("dS:  rf -stmatrix->", "dS:  rf -st.shared->", "dS:  rf -st.shared", "st.shared", "'st.shared' does not move dS rf -> smem in the backward; 'stmatrix' does (dS: rf -stmatrix-> smem[cta] -wgmma-> rf)"),

@@ -57,6 +57,19 @@ VARIANTS += ("fa3_causal+longest_first",)
 # dV issued after the dS^T store, before the warpgroups meet (B_r 80, 64 and 128)
 VARIANTS += ("fa3_hopper+dv_before_meeting", "fa3_causal+br64+dv_before_meeting")
 VARIANTS += ("fa3_hdim64+dv_before_meeting",)
+# `dq_writer on` (a writer warp per consumer reduce-adds its staged dQ): both consumer orders,
+# every disjoint split (transposed at B_r 80, by panels at B_r 64, by queries at head_dim 64),
+# in either mode; head_dim 64's deterministic writer with setmaxnreg 32/232 (+p32: at 24 the
+# writer spills 8 bytes in visit order, NVRTC 13.5, 2026-12-01)
+WRITERS = ("fa3_hopper+dq_writer-dqred+s2", "fa3_causal+dq_writer-dqred")
+WRITERS += ("fa3_causal-overlap+dq_writer-dqred", "fa3_hopper+br64+dq_writer-dqred")
+WRITERS += ("fa3_hdim64+dq_writer-dqred", "fa3_hdim64_causal+dq_writer-dqred")
+WRITERS += (
+    "fa3_causal+deterministic+dq_writer-dqred",
+    "fa3_hopper+br64+deterministic+dq_writer-dqred",
+)
+WRITERS += ("fa3_hdim64_causal+deterministic+dq_writer-dqred",)
+VARIANTS += WRITERS
 CASES = [(n, d, s) for n in FORWARDS + PLAIN + VARIANTS for d in DTYPES for s in SHAPES]
 # head_dim 256 (sm90_bwd_split.cuh: B_r 64, each consumer S and dP of B_c / 2 keys, dK^T, dV^T
 # and dQ^T of its half of head_dim): the examples' B_c 80 and the B_c 64 fallback; seqlens off
@@ -82,7 +95,8 @@ def training_spec(name: str) -> str:
     ``+br128`` / ``+br64`` / ``+br80`` sets the block's tile to B_r = 128 / 64 / 80 (B_c 128;
     at 80 dS goes ``rf -stmatrix-> smem``); ``+bc64`` sets head_dim 256's tile to B_r = 64,
     B_c = 64; ``+s2`` / ``+s3`` sets the stages; ``+dqred`` / ``-dqred`` gives dQ the path
-    ``rf -red.add-> gmem`` / the staged one."""
+    ``rf -red.add-> gmem`` / the staged one; ``+p32`` sets setmaxnreg to producer 32,
+    consumers 232; ``+dq_writer`` turns the writer warps on as any other key."""
     example, *switches = re.split(r"(?=[+-])", name)
     text = (EXAMPLES / f"{example}.fa").read_text()
     if "backward {" not in text:
@@ -98,6 +112,8 @@ def training_spec(name: str) -> str:
             block = _set_line(block, "tile", "tile B_r = 64, B_c = 64")
         elif switch[1:] in ("s2", "s3"):
             block = _set_line(block, "stages", f"stages {switch[2:]}")
+        elif switch[1:] == "p32":
+            block = _set_line(block, "registers", "registers producer = 32, consumers = 232")
         elif switch[1:] == "dqred":
             block = _set_line(
                 block, "dQ:", "dQ: rf -red.add-> gmem" if switch[0] == "+" else STAGED_DQ
@@ -278,6 +294,12 @@ DETERMINISTIC = (
     "fa3_hdim64+br64+deterministic-dqred",
     "fa3_causal+br64+deterministic+early_dv-dqred",
     "fa3_causal+longest_first+deterministic-dqred",
+    # `dq_writer on`: the writer warps' ordered adds (both visit orders, by the shapes below)
+    "fa3_hopper+deterministic+dq_writer-dqred+s2",
+    "fa3_causal+deterministic+dq_writer-dqred",
+    "fa3_hopper+br64+deterministic+dq_writer-dqred",
+    "fa3_hdim64+deterministic+dq_writer-dqred+p32",
+    "fa3_hdim64_causal+deterministic+dq_writer-dqred",
 )
 
 

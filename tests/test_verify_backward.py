@@ -30,11 +30,14 @@ from backward_header import (
     kernel_template,
     producer_function,
     squash,
+    writer_function,
 )
 from bruteforce_async import explore
 from fadsl.passes.asyncmodel.prove import check
 from fadsl.targets.sm90.backward.program import (
     BAR_DQ,
+    BAR_DQ_EMPTY,
+    BAR_DQ_FULL,
     BAR_DS,
     StagedTile,
     Guard,
@@ -79,10 +82,14 @@ def test_the_cases_wrap_every_ring_slot_twice():
     # 6 shapes with B_r 64, one with B_r 128 and one with B_r 80, 3 stages, 3
     # (deterministic, dQ's adds), 4 orders, deterministic only with 2 or 3 stages; and head_dim
     # 256's B_c 80 and 64, 3 stages
-    assert len(PARAMS) == 262 and sum(p.overlap for p in PARAMS) == 192
-    assert sum(p.early_dv for p in PARAMS) == 64 and sum(p.block_m == 128 for p in PARAMS) == 32
-    assert sum(p.dv_before_meeting for p in PARAMS) == 64
-    assert sum(p.block_m == 80 for p in PARAMS) == 32 and sum(p.dq_red for p in PARAMS) == 102
+    # `dq_writer on`: each staged one of the 5 shapes whose shares are disjoint (not by keys)
+    writers = [p for p in PARAMS if p.dq_writer]
+    assert len(writers) == 5 * 4 * (3 + 2) and not any(p.dq_by_keys for p in writers)
+    others = [p for p in PARAMS if not p.dq_writer]
+    assert len(others) == 262 and sum(p.overlap for p in others) == 192
+    assert sum(p.early_dv for p in others) == 64 and sum(p.block_m == 128 for p in others) == 32
+    assert sum(p.dv_before_meeting for p in others) == 64
+    assert sum(p.block_m == 80 for p in others) == 32 and sum(p.dq_red for p in others) == 102
     assert all(p.stages >= 2 for p in PARAMS if p.deterministic)
     split = [p for p in PARAMS if p.split]
     assert sorted((p.block_n, p.stages) for p in split) == [
@@ -123,6 +130,16 @@ MUTATED = PLAIN + RED + tuple(replace(p, overlap=True) for p in PLAIN + RED)
 MUTATED += tuple(replace(p, overlap=True, early_dv=True) for p in PLAIN + RED)
 MUTATED += tuple(replace(p, overlap=True, dv_before_meeting=True) for p in PLAIN + RED)
 MUTATED += SPLITS
+# `dq_writer on`: the writer's hand-over, lane-0 waits and ordered add, in both orders
+WRITERS = (
+    replace(PANELS, dq_writer=True),
+    replace(PANELS, deterministic=True, dq_writer=True),
+    replace(BY_QUERIES, deterministic=True, dq_writer=True, overlap=True, early_dv=True),
+    replace(TRANSPOSED, deterministic=True, dq_writer=True, overlap=True),
+    replace(TRANSPOSED, dq_writer=True, overlap=True, dv_before_meeting=True, stages=1),
+    Params(1, 3, 64, deterministic=True, dq_writer=True),
+)
+MUTATED += WRITERS
 OVERLAPPED = tuple(p for p in MUTATED if p.overlap)
 
 
@@ -134,7 +151,7 @@ def label(items: tuple[Item, ...], n: int) -> str:
 
 def mutants(proto: Protocol, change):
     """(label, mutant) for each item of each role that ``change`` maps to new items."""
-    for role in (WarpRole.SETUP, WarpRole.PRODUCER, WarpRole.CONSUMER):
+    for role in WarpRole:
         items = proto.role(role)
         for n, item in enumerate(items):
             new = change(item)
@@ -184,7 +201,8 @@ def unneeded(params: Params) -> set[str]:
     if params.split:
         return set()
     extra = {DV_GROUP} if params.dv_before_meeting else set()
-    return UNNEEDED[params.deterministic, params.overlap] | extra
+    # (with a dQ writer the consumer has no staging syncs that the ordered add makes redundant)
+    return UNNEEDED[params.deterministic and not params.dq_writer, params.overlap] | extra
 
 
 @pytest.mark.parametrize("params", MUTATED, ids=lambda p: p.describe())
@@ -246,7 +264,11 @@ def test_waiting_for_one_group_fewer(params):
         lambda x: (replace(x, pending=x.pending + 1),) if x.kind in waits else None,
     )
     refused = {w for w, p in found.items() if p}
-    if params.deterministic:  # the redundant waits stay redundant
+    if params.deterministic and params.dq_writer:  # the writer's release follows its wait
+        assert refused == set(found)
+        ordered = found["writer: cp.async.bulk.wait_group (each m-block) after dQ reduce-add"]
+        assert any("wait_group 0 of its reduce-add" in p for p in ordered)
+    elif params.deterministic:  # the redundant waits stay redundant
         assert set(found) - refused == {w for w in unneeded(params) if "wait_group" in w}
         # the owed release of the previous m-block's ticket, under S^T and dP^T
         ordered = found["consumer: cp.async.bulk.wait_group (each m-block) after dP^T = V dO^T"]
@@ -414,7 +436,7 @@ def test_the_wait_read_can_move_before_the_ds_barrier():
     before the other threads' staging writes by that barrier, so the first staging barrier
     goes (one bar.sync less per m-block). The same in the overlapped consumer, where the
     wait moves before meet_and_issue_dq's barrier (right after dS^T's proxy fence)."""
-    for params in (p for p in MUTATED if not p.deterministic and not p.dq_red):
+    for params in (p for p in MUTATED if not (p.deterministic or p.dq_red or p.dq_writer)):
         items = list(protocol(params).consumer)
         n = next(n for n, x in enumerate(items) if x.kind is Kind.BULK_WAIT_READ)
         wait, barrier = items.pop(n), items.pop(n)
@@ -579,7 +601,11 @@ def test_the_header_makes_the_protocols_calls(role, params):
         ),
         ("no acquire fence", "fence_proxy_async_global();  // the acquire", ""),
         ("no staging fence", "fence_proxy_async_smem();\n    named_bar_sync", "named_bar_sync"),
-        ("red.add: dQ not added", "    red_add_dq<Cfg>(dst, dq, tid);\n  } else {", "  } else {"),
+        (
+            "red.add: dQ not added",
+            "    red_add_dq<Cfg>(dst, dq, tid);\n  } else if",
+            "  } else if",
+        ),
         (
             "no ticket released at the end",
             "if (tid == 0 && b.m_count > 0) release_dq_ticket<Cfg>(owed);",
@@ -603,10 +629,65 @@ def test_an_edited_header_is_caught(what, old, new):
     raise AssertionError(f"{what}: the edited header still matches the protocol")
 
 
+@pytest.mark.parametrize(
+    "what,old,new",
+    [
+        ("no __syncwarp", "    __syncwarp();  // lane 0's wait", "    // lane 0's wait"),
+        ("no empty wait", "if (i > 0) named_bar_sync(Cfg::kBarDqEmpty + wg, 160);", ""),
+        ("no read wait", "      tma_store_wait_read<0>();   // WAR: the add", "      // WAR"),
+        (
+            "no release",
+            "st_release_gpu(dq_semaphore_share<Cfg>(P, accum_head, m, w), place + 1);",
+            "",
+        ),
+        (
+            "no acquire",
+            "while (ld_acquire_gpu(dq_semaphore_share<Cfg>(P, accum_head, m, w)) != place)",
+            "",
+        ),
+        (
+            "an arrival after the last",
+            "if (i + 1 < b.m_count) named_bar_arrive",
+            "named_bar_arrive",
+        ),
+        (
+            "no staging fence",
+            "fence_proxy_async_smem();\n    named_bar_arrive(Cfg::kBarDqFull",
+            "named_bar_arrive(Cfg::kBarDqFull",
+        ),
+        (
+            "the consumer's own release",
+            "Cfg::kDeterministic && !Cfg::kDqWriter) {\n    if (tid == 0 &&",
+            "Cfg::kDeterministic) {\n    if (tid == 0 &&",
+        ),
+    ],
+)
+def test_an_edited_writer_header_is_caught(what, old, new):
+    """`dq_writer on`: each of the writer's and the consumer's hand-over syncs, taken out of
+    the header, makes its calls differ from the proven plan's."""
+    assert HEADER.count(old) == 1, what
+    edited = HEADER.replace(old, new)
+    cases = (WRITERS[1], replace(PANELS, dq_writer=True, overlap=True), WRITERS[2])
+    for params in cases:
+        for role in (WarpRole.CONSUMER, WarpRole.WRITER):
+            if header_calls(role, params, edited) != expected_calls(protocol(params), role):
+                return
+    raise AssertionError(f"{what}: the edited header still matches the protocol")
+
+
+def test_the_writers_are_called_from_the_producer_warpgroup():
+    """The kernel body calls bwd_dq_writers unconditionally in warpgroup 0's branch (after
+    setmaxnreg.dec), and it runs bwd_dq_writer only under `if constexpr (Cfg::kDqWriter)`."""
+    assert writer_function(False) == writer_function(True) == "bwd_dq_writer"
+    assert header_calls(WarpRole.WRITER, PANELS) == []
+    with pytest.raises(AssertionError):
+        writer_function(False, TEMPLATE.replace("    bwd_dq_writers<Cfg>(P, smem, shared);", ""))
+
+
 # the overlapped order's lines, each with a neighbour that makes it the only such text
 ARRIVE = "      mbar_arrive(bwd_bar_q_empty<Cfg>(smem, slot));\n    } else {"
 REDUCE = (
-    "      reduce_dq<Cfg>(P, b, stage, dq, accum_head, m, wg, tid, owed);\n"
+    "      reduce_dq<Cfg>(P, b, stage, dq, accum_head, m, wg, tid, owed, i);\n"
     "      FADSL_BWD_MARK(wg, i, 8);\n      wgmma_wait<0>();"
 )
 ISSUE = (
@@ -753,6 +834,11 @@ def test_the_header_agrees_on_layout_barriers_and_roles():
     for params in PARAMS:
         env = config_constants(params)
         assert (env["kBarDS"], env["kBarDQ"]) == (BAR_DS, BAR_DQ)
+        assert (env["kBarDqFull"], env["kBarDqEmpty"]) == (BAR_DQ_FULL, BAR_DQ_EMPTY)
+        # the writers' barriers: distinct ids of the 16, past the consumers' own
+        ids = {BAR_DS} | {BAR_DQ + wg for wg in range(3)}
+        writer_ids = {b + wg for b in (BAR_DQ_FULL, BAR_DQ_EMPTY) for wg in range(3)}
+        assert not ids & writer_ids and len(writer_ids) == 6 and max(writer_ids) < 16
         assert env["kThreads"] == 128 * (1 + params.consumers)
         assert env["kDqByKeys"] == params.dq_by_keys and env["kDqFloats"] == params.dq_floats
         assert env["kOverlap"] == params.overlap and env["kEarlyDv"] == params.early_dv
@@ -775,7 +861,8 @@ def test_the_header_agrees_on_layout_barriers_and_roles():
         split = squash(kernel_body(overlap))
         assert producer_function(overlap) == "bwd_producer"
         assert "if(warpgroup==0){" in split and "threadIdx.x/32==0&&elect_one()" in split
-        assert "bwd_producer<Cfg>(P,smem,block);}}else{" in split  # the elected thread's block
+        # the elected thread's block, then the writer warps' call (warpgroup 0's other warps)
+        assert "bwd_producer<Cfg>(P,smem,block);}bwd_dq_writers<Cfg>(P,smem,shared);}else{" in split
         assert consumer_function(overlap) == "bwd_consumer"
         assert split.count("warpgroup-1);") == 1
     # head_dim 256: the kernel calls the split header's roles

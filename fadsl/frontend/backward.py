@@ -36,9 +36,11 @@ from ..spec.syntax import BackwardDecl, PathDecl, Setting, Word
 # while dV and dK run; `early_dv on|off` issues dV as soon as P is packed, before dS;
 # `dv_before_meeting on|off` issues it after the dS^T store, before the meeting;
 # `longest_first on|off` launches every head's first n-block (the causal mask's longest)
-# before any head's second.
+# before any head's second; `dq_writer on|off` hands each consumer's staged dQ to a writer
+# warp of the producer warpgroup for its bulk reduce-add.
 KERNEL_KEYS = ("tile", "warpgroups", "registers", "stages")
 ON_OFF_KEYS = ("deterministic", "overlap", "early_dv", "dv_before_meeting", "longest_first")
+ON_OFF_KEYS += ("dq_writer",)
 
 
 def backward_settings() -> dict[str, Callable[[Checks, Setting], object]]:

@@ -60,6 +60,9 @@ class Backward:
     # CTAs launched n-block by n-block across heads and batches (the causal mask's longest
     # first) rather than head by head (sm90_bwd.cuh, bwd_block)
     longest_first: bool = False
+    # dQ's staged share reduce-added by a writer warp of the producer warpgroup per consumer
+    # (research/backward-dq-writer.md; sm90_bwd_writer.cuh, bwd_dq_writer)
+    dq_writer: bool = False
     # Every tensor's path, the defaults included, in the target's order. The IR's text form
     # leaves them out (the target admits one path per tensor): a kernel read back has none.
     tensors: tuple[BackwardTensor, ...] = ()
@@ -95,13 +98,14 @@ class Backward:
             + (" dv_before_meeting=on" if self.dv_before_meeting else "")
             + (" dq=red.add" if self.dq_red else "")
             + (" longest_first=on" if self.longest_first else "")
+            + (" dq_writer=on" if self.dq_writer else "")
         )
 
 
 _TEXT = re.compile(
     r"backward B_r=(?P<m>\d+) B_c=(?P<n>\d+) consumers=(?P<consumers>\d+) "
     r"regs=(?P<preg>\d+)/(?P<creg>\d+) stages=(?P<stages>\d+) "
-    r"deterministic=(?P<deterministic>on|off)(?P<overlap> overlap=on)?(?P<early_dv> early_dv=on)?(?P<dv_before_meeting> dv_before_meeting=on)?(?P<dq_red> dq=red.add)?(?P<longest_first> longest_first=on)?$"
+    r"deterministic=(?P<deterministic>on|off)(?P<overlap> overlap=on)?(?P<early_dv> early_dv=on)?(?P<dv_before_meeting> dv_before_meeting=on)?(?P<dq_red> dq=red.add)?(?P<longest_first> longest_first=on)?(?P<dq_writer> dq_writer=on)?$"
 )
 
 
@@ -126,5 +130,6 @@ def read_backward(line: str, loc: Loc) -> Backward:
         dv_before_meeting=m["dv_before_meeting"] is not None,
         dq_red=m["dq_red"] is not None,
         longest_first=m["longest_first"] is not None,
+        dq_writer=m["dq_writer"] is not None,
         loc=loc,
     )

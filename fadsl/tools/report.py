@@ -54,6 +54,7 @@ def _backward_line(kernel: Kernel) -> str:
         f"{'on' if b.deterministic else 'off'}, overlap {'on' if b.overlap else 'off'}"
         + (", early_dv on" if b.early_dv else "")
         + (", longest_first on" if b.longest_first else "")
+        + (", dq_writer on" if b.dq_writer else "")
         + " (the spec's backward block; explain shows its plan)"
     )
 

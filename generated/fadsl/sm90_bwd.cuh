@@ -207,6 +207,11 @@ struct BwdConfig {
   // issued once dS^T is stored (FlashAttention-3's order), in a wgmma group of its own, so
   // that it runs under the warpgroups' meeting, where no product is queued otherwise
   static constexpr bool kDvBeforeMeeting = false;
+  // `dq_writer on` (a generated Cfg sets it; dQ staged in shares of its own, not kDqByKeys):
+  // warp 1 + w of the producer warpgroup reduce-adds consumer w's staging (bwd_dq_writer),
+  // with the ticket's acquire and release in deterministic mode, so that the consumer
+  // waits for neither (research/backward-dq-writer.md)
+  static constexpr bool kDqWriter = false;
   // `varlen on` (a generated Cfg sets it): packed sequences, cu_seqlens in the params; a CTA
   // per (n-block slot, query head) over the packed keys (bwd_block)
   static constexpr bool kVarlen = false;
@@ -285,6 +290,10 @@ struct BwdConfig {
   // Named barrier ids (0 is __syncthreads)
   static constexpr int kBarDS = 1;  // all consumer threads: both halves of dS^T in SMEM
   static constexpr int kBarDQ = 2;  // + wg: the warpgroup's dQ staging (128 threads)
+  // `dq_writer on`, + wg: consumer wg and its writer warp (160 threads): the staging written
+  // (full: the consumer arrives, the writer syncs) and read by the writer's add (empty)
+  static constexpr int kBarDqFull = 5;
+  static constexpr int kBarDqEmpty = 8;
 };
 
 // ---------------------------------------------------------------------------
@@ -607,4 +616,5 @@ __device__ __forceinline__ bool bwd_needs_mask(const BwdParamsSm90& P, const Bwd
 // The rest of the backward, sections of this header kept in files of their own (each
 // included here, after what it uses):
 #include "sm90_bwd_roles.cuh"  // 4-6: the producer, the consumer warpgroups, the main kernel's bodies
+#include "sm90_bwd_writer.cuh"  // 6b: `dq_writer on`'s writer warps
 #include "sm90_bwd_prep.cuh"   // 7: the preprocess and dQ's conversion

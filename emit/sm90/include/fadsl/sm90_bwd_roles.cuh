@@ -347,6 +347,13 @@ __device__ __forceinline__ void store_grad_kv(const float (&acc)[Cfg::kAccRegs],
   }
 }
 
+// The first m-block of the block's (batch, head) in dQ's accumulator (and its semaphores).
+template <class Cfg>
+__device__ __forceinline__ int64_t bwd_accum_head(const BwdParamsSm90& P, const BwdBlock& b) {
+  return Cfg::kVarlen ? static_cast<int64_t>(b.head) * P.m_blocks + b.chunk0
+                      : (static_cast<int64_t>(b.batch) * P.heads_q + b.head) * P.m_blocks;
+}
+
 // Share `share` of m-block m in dQ's fp32 accumulator, kDqFloats each (the consumers'
 // fragment order: bwd_convert_dq_row reads it back): warpgroup wg's, or at head_dim 256
 // head_dim panel `share` (warpgroup share / 2's slice share % 2).
@@ -410,19 +417,35 @@ __device__ __forceinline__ void release_dq_ticket(const DqTicket& owed) {
   st_release_gpu(owed.semaphore, owed.ticket + 1);
 }
 
-// The warpgroup's dQ of m-block m added into the accumulator: from registers (`dQ: rf
-// -red.add-> gmem`), or stored into its staging buffer and reduce-added in bulk by the
-// warpgroup's first thread (ordered by ticket with `deterministic on`: the leader then owes
-// the ticket's release, `owed`).  Both consumers'.  WAR on the staging: the previous add has
-// read it (its issuer's wait_read, then the warpgroup's barrier; in deterministic mode the
-// owed release's wait_group 0 came earlier in this m-block anyway).
+// The counter of share `share` of m-block m (`deterministic on`; one per m-block where the
+// shares are one, kDqByKeys: the caller adds no share then).
+template <class Cfg>
+__device__ __forceinline__ int* dq_semaphore_share(const BwdParamsSm90& P, int64_t accum_head, int m, int share) {
+  return P.dq_semaphore + (accum_head + m) * Cfg::kDqSemaphores + share;
+}
+
+// The warpgroup's dQ of m-block m (the CTA's i-th) added into the accumulator: from registers
+// (`dQ: rf -red.add-> gmem`), or stored into its staging buffer and reduce-added in bulk by
+// the warpgroup's first thread (ordered by ticket with `deterministic on`: the leader then
+// owes the ticket's release, `owed`), or with `dq_writer on` by its writer warp
+// (bwd_dq_writer).  Both consumers'.  WAR on the staging: the previous add has read it (its
+// issuer's wait_read, then the warpgroup's barrier; in deterministic mode the owed
+// release's wait_group 0 came earlier in this m-block anyway; the writer's empty barrier).
 template <class Cfg>
 __device__ __forceinline__ void reduce_dq(const BwdParamsSm90& P, const BwdBlock& b, uint32_t stage,
                                           const float (&dq)[Cfg::kDqRegs], int64_t accum_head, int m, int wg,
-                                          int tid, DqTicket& owed) {
+                                          int tid, DqTicket& owed, int i) {
   float* dst = dq_accum_share<Cfg>(P, accum_head, m, wg);
   if constexpr (Cfg::kDqRed) {
     red_add_dq<Cfg>(dst, dq, tid);
+  } else if constexpr (Cfg::kDqWriter) {
+    // WAR: writer wg's reduce-add of m-block i - 1 has read the staging (its lane 0's
+    // wait_group.read, __syncwarp, then its bar.arrive)
+    if (i > 0) named_bar_sync(Cfg::kBarDqEmpty + wg, 160);
+    stage_dq<Cfg>(stage, dq, tid);
+    // RAW: the staging's st.shared (generic proxy) before the writer's bulk reduce reads it (async proxy)
+    fence_proxy_async_smem();
+    named_bar_arrive(Cfg::kBarDqFull + wg, 160);  // RAW: the staging handed to writer wg, which syncs on it
   } else {
     // WAR: the previous reduce-add has read the staging buffer (its issuing thread waits,
     // then the warpgroup meets)
@@ -435,11 +458,11 @@ __device__ __forceinline__ void reduce_dq(const BwdParamsSm90& P, const BwdBlock
     if (tid == 0) {
       if constexpr (Cfg::kDeterministic) {
         const int place = bwd_dq_place<Cfg>(P, b, m);
-        owed.semaphore = P.dq_semaphore + (accum_head + m) * Cfg::kDqSemaphores;
         if constexpr (Cfg::kDqByKeys) {  // one counter: the warpgroups in turn
+          owed.semaphore = dq_semaphore_share<Cfg>(P, accum_head, m, 0);
           owed.ticket = place * Cfg::kConsumerWGs + wg;
         } else {
-          owed.semaphore += wg;
+          owed.semaphore = dq_semaphore_share<Cfg>(P, accum_head, m, wg);
           owed.ticket = place;
         }
         ordered_reduce_add<Cfg>(dst, stage, owed.semaphore, owed.ticket);
@@ -500,8 +523,7 @@ __device__ __forceinline__ void bwd_consumer(const BwdParamsSm90& P, uint32_t sm
   const uint32_t k_wg = smem + Cfg::kOffK + 64 * wg * Cfg::kRowBytes;  // the warpgroup's 64 key rows
   const uint32_t v_wg = smem + Cfg::kOffV + 64 * wg * Cfg::kRowBytes;
   const uint32_t stage = smem + Cfg::kOffDQ + wg * Cfg::kDqFloats * 4;
-  const int64_t accum_head = Cfg::kVarlen ? static_cast<int64_t>(b.head) * P.m_blocks + b.chunk0
-                                          : (static_cast<int64_t>(b.batch) * P.heads_q + b.head) * P.m_blocks;
+  const int64_t accum_head = bwd_accum_head<Cfg>(P, b);
   // RAW: K and V landed (TMA complete_tx on kv_full, phase 0)
   if (b.m_count > 0) mbar_wait_parity(bwd_bar_kv<Cfg>(smem), 0u);
   if (wg == 0 && tid == 0) FADSL_BWD_CTA_MARK(2);
@@ -524,8 +546,9 @@ __device__ __forceinline__ void bwd_consumer(const BwdParamsSm90& P, uint32_t sm
     issue_keys_by_rows<Cfg>(dp, v_wg, do_slot);
     wgmma_commit();
     // `deterministic on`: m-block i - 1's ticket, released while S^T and dP^T run, before
-    // anything that waits on another warpgroup or CTA (release_dq_ticket)
-    if constexpr (Cfg::kDeterministic) {
+    // anything that waits on another warpgroup or CTA (release_dq_ticket; the writer's own
+    // with `dq_writer on`)
+    if constexpr (Cfg::kDeterministic && !Cfg::kDqWriter) {
       if (tid == 0 && i > 0) release_dq_ticket<Cfg>(owed);
     }
     wgmma_wait<1>();  // S^T in registers (dP^T's group may still run)
@@ -592,7 +615,7 @@ __device__ __forceinline__ void bwd_consumer(const BwdParamsSm90& P, uint32_t sm
       wgmma_wait<1>();  // dQ in registers (dK, and dV unless issued early, still run)
       fence_regs(dq);
       FADSL_BWD_MARK(wg, i, 7);
-      reduce_dq<Cfg>(P, b, stage, dq, accum_head, m, wg, tid, owed);
+      reduce_dq<Cfg>(P, b, stage, dq, accum_head, m, wg, tid, owed, i);
       FADSL_BWD_MARK(wg, i, 8);
       wgmma_wait<0>();  // dV and dK retired: Q, dO read; p16 and ds16 free
       // WAR: the slot's Q, dO (wgmma, retired above), LSE and D (read above) are free
@@ -611,18 +634,19 @@ __device__ __forceinline__ void bwd_consumer(const BwdParamsSm90& P, uint32_t sm
       FADSL_BWD_MARK(wg, i, 7);
       // WAR: the slot's Q, dO (wgmma, retired above), LSE and D (read above) are free
       mbar_arrive(bwd_bar_q_empty<Cfg>(smem, slot));
-      reduce_dq<Cfg>(P, b, stage, dq, accum_head, m, wg, tid, owed);
+      reduce_dq<Cfg>(P, b, stage, dq, accum_head, m, wg, tid, owed, i);
       FADSL_BWD_MARK(wg, i, 8);
     }
     FADSL_BWD_MARK(wg, i, 9);
   }
   if (wg == 0 && tid == 0) FADSL_BWD_CTA_MARK(3);
   // `deterministic on`: the last m-block's ticket, before the CTA exits
-  if constexpr (Cfg::kDeterministic) {
+  if constexpr (Cfg::kDeterministic && !Cfg::kDqWriter) {
     if (tid == 0 && b.m_count > 0) release_dq_ticket<Cfg>(owed);
   }
-  // The last reduce-add has read the staging buffer before the CTA's SMEM goes away
-  if constexpr (!Cfg::kDqRed) {
+  // The last reduce-add has read the staging buffer before the CTA's SMEM goes away (the
+  // writer's own wait with `dq_writer on`)
+  if constexpr (!Cfg::kDqRed && !Cfg::kDqWriter) {
     if (tid == 0) bulk_wait_all();
   }
 

@@ -48,12 +48,19 @@ PANEL_COLUMNS = 64
 F32 = 4
 BAR_DS = 1  # named barrier: every consumer thread, both halves of dS^T written (panels)
 BAR_DQ = 2  # named barrier BAR_DQ + wg: one warpgroup (128 threads)
+# `dq_writer on`: consumer wg and its writer warp (160 threads), the staging written (full)
+# and read by the writer's bulk reduce-add (empty); ids 5-7 and 8-10 of the 16
+BAR_DQ_FULL = 5
+BAR_DQ_EMPTY = 8
+WARP_THREADS = 32
+WRITER_BAR_THREADS = WARPGROUP_THREADS + WARP_THREADS
 
 
 class WarpRole(Enum):
     SETUP = "setup"
     PRODUCER = "producer"
     CONSUMER = "consumer"
+    WRITER = "writer"  # `dq_writer on`: warp 1 + w of the producer warpgroup, per consumer w
 
 
 class Who(Enum):
@@ -64,6 +71,8 @@ class Who(Enum):
     ELECTED = "the producer's elected thread"
     WARPGROUP = "every thread of the consumer warpgroup"
     LEADER = "thread 0 of the consumer warpgroup"
+    WRITER = "every lane of the dQ writer warp"
+    WRITER_LANE0 = "lane 0 of the dQ writer warp"
 
 
 class CodeSite(Enum):
@@ -80,6 +89,7 @@ class CodeSite(Enum):
     ORDERED_REDUCE_ADD = "ordered_reduce_add"
     # deterministic: the ticket's release, deferred to the next m-block or the loop's end
     RELEASE_DQ_TICKET = "release_dq_ticket"
+    DQ_WRITER = "bwd_dq_writer"  # `dq_writer on`: the writer warp's loop
 
 
 class LoopPhase(Enum):
@@ -94,6 +104,8 @@ class Guard(Enum):
     # the release of the previous m-block's ticket: in m-block i > 0 for m-block i - 1, after
     # the loop (m_count > 0) for the last one
     OWED = "only when the leader owes the previous m-block's ticket"
+    AFTER_FIRST = "from m-block 1 on (i > 0)"
+    BEFORE_LAST = "except in the last m-block (i + 1 < m_count)"
 
 
 class Kind(Enum):
@@ -110,6 +122,8 @@ class Kind(Enum):
     FENCE_PROXY_ASYNC_SMEM = "fence.proxy.async.shared::cta"
     FENCE_PROXY_ASYNC_GLOBAL = "fence.proxy.async.global"
     NAMED_BAR_SYNC = "bar.sync"
+    NAMED_BAR_ARRIVE = "bar.arrive"
+    SYNCWARP = "__syncwarp"
     BULK_COMMIT = "cp.async.bulk.commit_group"
     BULK_WAIT_READ = "cp.async.bulk.wait_group.read"
     BULK_WAIT = "cp.async.bulk.wait_group"
@@ -147,6 +161,8 @@ class Named(Enum):
 
     DS = "kBarDS"
     DQ = "kBarDQ + wg"
+    DQ_FULL = "kBarDqFull + wg"  # `dq_writer on`: consumer wg's staging written
+    DQ_EMPTY = "kBarDqEmpty + wg"  # `dq_writer on`: its writer's add has read it
 
 
 class StagedTile(Enum):
@@ -257,6 +273,9 @@ class Params:
     dv_before_meeting: bool = False
     # B_c: 64 per consumer (0 here: that default); at head_dim 256 80 or 64 for both
     block_n: int = 0
+    # `dq_writer on`: warp 1 + w of the producer warpgroup reduce-adds consumer w's staging
+    # (bwd_dq_writer), with the ticket's acquire and release in deterministic mode
+    dq_writer: bool = False
 
     @classmethod
     def of(cls, bwd: Backward, head_dim: int) -> Params:
@@ -272,6 +291,7 @@ class Params:
             dq_red=bwd.dq_red,
             dv_before_meeting=bwd.dv_before_meeting,
             block_n=bwd.block_n,
+            dq_writer=bwd.dq_writer,
         )
 
     def __post_init__(self) -> None:
@@ -283,6 +303,8 @@ class Params:
         assert not self.early_dv or self.overlap, self
         assert not self.dv_before_meeting or (self.overlap and not self.early_dv), self
         assert not self.dq_red or not self.deterministic, self  # the ordered adds are staged
+        # the writer reduce-adds a staging share of its own consumer alone
+        assert not self.dq_writer or not (self.dq_red or self.split or self.dq_by_keys), self
         if self.split:  # sm90_bwd_split.cuh's one order, dQ from registers
             assert self.consumers == 2 and self.block_m == BLOCK_M, self
             # (overlap off: so neither early_dv nor dv_before_meeting, which need it)
@@ -386,6 +408,7 @@ class Params:
         det += ", early dV" if self.early_dv else ""
         det += ", dV before the meeting" if self.dv_before_meeting else ""
         det += ", dQ by red.add" if self.dq_red else ""
+        det += ", dQ writer" if self.dq_writer else ""
         return (
             f"{self.consumers} consumer(s), {self.stages} stage(s), head_dim {self.head_dim}, "
             f"B_r {self.block_m} ({split}){det}"
@@ -393,7 +416,8 @@ class Params:
 
 
 def bar_id(named: Named, wg: int) -> int:
-    return BAR_DS if named is Named.DS else BAR_DQ + wg
+    bases = {Named.DQ: BAR_DQ, Named.DQ_FULL: BAR_DQ_FULL, Named.DQ_EMPTY: BAR_DQ_EMPTY}
+    return BAR_DS if named is Named.DS else bases[named] + wg
 
 
 @dataclass(frozen=True)
@@ -436,19 +460,22 @@ class Protocol:
     producer: tuple[Item, ...]
     consumer: tuple[Item, ...]
     layout: Layout | None = None  # None: the header's default plan (default_layout)
+    writer: tuple[Item, ...] = ()  # `dq_writer on`: one writer warp's program (each's)
 
     def buffers(self) -> Layout:
         return self.layout or default_layout(self.params)
 
     def role(self, role: WarpRole) -> tuple[Item, ...]:
-        return {WarpRole.SETUP: self.setup, WarpRole.PRODUCER: self.producer}.get(
-            role, self.consumer
-        )
+        return getattr(self, _ROLE_FIELDS[role])
 
     def with_role(self, role: WarpRole, items: tuple[Item, ...]) -> Protocol:
-        key = {
-            WarpRole.SETUP: "setup",
-            WarpRole.PRODUCER: "producer",
-            WarpRole.CONSUMER: "consumer",
-        }[role]
+        key = _ROLE_FIELDS[role]
         return replace(self, **{key: tuple(items)})
+
+
+_ROLE_FIELDS = {
+    WarpRole.SETUP: "setup",
+    WarpRole.PRODUCER: "producer",
+    WarpRole.CONSUMER: "consumer",
+    WarpRole.WRITER: "writer",
+}

@@ -7,8 +7,8 @@ kernel body of emit/sm90/backward.cu.j2) makes its calls in its
 order (tests/test_verify_backward.py), verify.py proves it in the async model for every
 m-block count, and `fadsl explain` prints its syncs with their whys. A plan written by hand
 from the header stays beside the tests as an oracle (tests/backward_hand_plan.py):
-tests/test_backward_syncs.py checks that the pass places exactly its syncs in all 222
-configurations.
+tests/test_backward_syncs.py checks that the pass places exactly its syncs in every
+configuration of verify.parameter_space.
 
 The vocabulary (roles, kinds, buffers, ``Item``, ``Params``, ``Protocol`` ...) is
 program.py's, re-exported here so that ``from .protocol import Item`` keeps working.

@@ -27,6 +27,10 @@ order them is the pass's to find: nothing here says so.
   ``dv_before_meeting`` after the dS^T store, before the meeting (FlashAttention-3's
   order), so that it runs under the warpgroups' meeting.
 
+With ``dq_writer`` the consumer stages dQ and its writer warp (bwd_dq_writer, warp 1 + w of
+the producer warpgroup for consumer w) issues the bulk reduce-add of that staging, from its
+lane 0, once per m-block: the add moves from the consumer's program to the writer's.
+
 At head_dim 256 (``Params.split``: bwd_producer_split, bwd_consumer_split) the producer loads
 Q and LSE on the Q ring's q_full and dO and D on the dO ring's do_full; each consumer
 computes S and dP of its keys, stores P and dS (its key rows of each), then issues dV^T of
@@ -55,12 +59,28 @@ from .program import (
     Who,
 )
 
-__all__ = ["schedule", "producer_steps", "consumer_steps"]
+__all__ = ["schedule", "producer_steps", "consumer_steps", "writer_steps"]
 
 
 def build_schedule(p: Params) -> Protocol:
     """The plan's steps, every role's, with no sync: what ``insert_syncs`` places syncs in."""
-    return Protocol(p, (), producer_steps(p), consumer_steps(p))
+    return Protocol(p, (), producer_steps(p), consumer_steps(p), writer=writer_steps(p))
+
+
+def writer_steps(p: Params) -> tuple[Item, ...]:
+    """``dq_writer``: the writer's lane 0 reduce-adds its consumer's staging each m-block."""
+    if not p.dq_writer:
+        return ()
+    stage = Operand(StagedTile.DQ_STAGE, part=Part.ROWS_OF_WG)
+    add = Item(
+        Kind.BULK_REDUCE_ADD,
+        Who.WRITER_LANE0,
+        CodeSite.DQ_WRITER,
+        LoopPhase.LOOP,
+        name="dQ reduce-add",
+        reads=(stage,),
+    )
+    return (add,)
 
 
 def producer_steps(p: Params) -> tuple[Item, ...]:
@@ -282,16 +302,19 @@ def _stage_and_reduce(p: Params, source: CodeSite) -> list[Item]:
         ]
     stage = Operand(StagedTile.DQ_STAGE, part=Part.ROWS_OF_WG)
     add_source = CodeSite.ORDERED_REDUCE_ADD if p.deterministic else source
+    store = Item(
+        Kind.ST_SHARED,
+        Who.WARPGROUP,
+        source,
+        LoopPhase.LOOP,
+        name="dQ -> staging",
+        writes=(stage,),
+        reg_reads=(Reg.DQ,),
+    )
+    if p.dq_writer:  # the add is the writer's (writer_steps)
+        return [store]
     return [
-        Item(
-            Kind.ST_SHARED,
-            Who.WARPGROUP,
-            source,
-            LoopPhase.LOOP,
-            name="dQ -> staging",
-            writes=(stage,),
-            reg_reads=(Reg.DQ,),
-        ),
+        store,
         Item(
             Kind.BULK_REDUCE_ADD,
             Who.LEADER,

@@ -14,6 +14,9 @@ What the first backward kernel supports (docs/backward.md, FlashAttention-3's ba
   give two sequences one dQ chunk, whose ordered adds would wait on each other) and without
   `longest_first on` (the varlen grid is a slot per n-block of the packed keys);
 - dQ staged (its default path) or `rf -red.add-> gmem`, not with `deterministic on`;
+- `dq_writer on` (a writer warp per consumer reduce-adds its staging) with dQ staged and the
+  consumers' shares of it disjoint (not split by keys: head_dim 64 at B_r 64), in either
+  mode;
 - setmaxnreg: the producer 24 to 56, the consumers at most 240, multiples of 8, their total
   within the CTA's launch allocation (as the forward's: setmaxnreg only moves registers
   within it);
@@ -279,6 +282,7 @@ def validate_backward(c: Checks, block: BackwardBlock) -> Backward | None:
         early_dv=block.values.get("early_dv", False),
         dv_before_meeting=block.values.get("dv_before_meeting", False),
         longest_first=block.values.get("longest_first", False),
+        dq_writer=block.values.get("dq_writer", False),
         dq_red=_takes(tensors, GradRole.DQ, DQ_RED),
         loc=block.loc,
         tensors=tensors,
@@ -292,9 +296,36 @@ def validate_backward(c: Checks, block: BackwardBlock) -> Backward | None:
             f"needs dQ staged for its ordered reduce-add ({PATHS[GradRole.DQ].text()})",
         )
         ok = False
+    if backward.dq_writer and head_dim in (64, 128):
+        ok = _dq_writer(block, backward, head_dim) and ok
     if ok and head_dim in HEAD_DIMS:
         ok = _smem(block, backward, head_dim)
     return backward if ok else None
+
+
+def _dq_writer(block: BackwardBlock, backward: Backward, head_dim: int) -> bool:
+    """`dq_writer on`: writer w reduce-adds consumer w's staged share, which must be its
+    own (research/backward-dq-writer.md)."""
+    where = block.key_locs["dq_writer"]
+    if backward.dq_red:
+        block.checks.error(
+            where,
+            "dq_writer on hands each consumer's staged dQ to a writer warp for its bulk "
+            f"reduce-add; dQ's path here adds from registers: give dQ its staged path "
+            f"({PATHS[GradRole.DQ].text()}) or leave dq_writer off",
+        )
+        return False
+    by_keys = backward.block_m == BLOCK_M and (head_dim // backward.consumers) % 64 != 0
+    if by_keys:
+        block.checks.error(
+            where,
+            f"dq_writer on: at head_dim {head_dim} with B_r = {BLOCK_M} dQ is split by keys, "
+            "so both consumer warpgroups add into all of the m-block's dQ, and their adds "
+            "keep the consumers' own order; a writer needs a share of its own (B_r = "
+            f"{WIDE_BLOCK_M} at head_dim 64 splits dQ by queries): leave it off",
+        )
+        return False
+    return True
 
 
 def _kernel_settings(c: Checks) -> bool:
@@ -454,6 +485,10 @@ def _split_shape(block: BackwardBlock, tile: dict[str, int]) -> bool:
         "early_dv": (
             f"at head_dim {SPLIT_HEAD_DIM} dV^T is the first wgmma issued after P and dS are "
             "in SMEM already"
+        ),
+        "dq_writer": (
+            f"at head_dim {SPLIT_HEAD_DIM} dQ is added from registers, with no staging for "
+            "a writer warp to reduce-add"
         ),
         "dv_before_meeting": (
             f"at head_dim {SPLIT_HEAD_DIM} dV^T reads every key's P from SMEM, so it cannot be "

@@ -12,7 +12,9 @@ every wait returns (no hang: counts and expected bytes match what arrives) and s
 phase it means (parities); no bulk group still reads SMEM when its warpgroup ends. Three
 rules outside the model's events are checked here: the setup (each mbarrier initialised,
 fence.mbarrier_init, __syncthreads, before the roles split), PTX's wgmma.fence rule for
-registers, and the deterministic semaphore's order within the CTA (below).
+registers, and the deterministic semaphore's order within the CTA (below). With `dq_writer
+on` the writer warps are agents too, and verify_writer.py has their rules (the lane-0 rule,
+the writer's ordered add).
 
 How the header's calls become model events (a faithful lowering, nothing added):
 - ``bulk_load`` (LSE, D: cp.async.bulk global -> shared) is a TMA load: an async-proxy
@@ -103,11 +105,12 @@ sum is formed in the same order in every run. ``semaphore_problems`` checks (2)'
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ....passes.asyncmodel.model import (
     Agent,
     Arrive,
+    BarArrive,
     BarSync,
     BulkCommit,
     BulkWait,
@@ -149,6 +152,7 @@ from .program import (
     bar_id,
 )
 from .protocol import protocol
+from . import verify_writer
 
 _INIT_KINDS = (Kind.MBAR_INIT, Kind.FENCE_MBAR_INIT, Kind.SYNCTHREADS)
 _WARPGROUP_WIDE = (
@@ -157,6 +161,7 @@ _WARPGROUP_WIDE = (
     Kind.WGMMA_COMMIT,
     Kind.WGMMA_WAIT,
     Kind.NAMED_BAR_SYNC,
+    Kind.NAMED_BAR_ARRIVE,
 )
 
 
@@ -172,7 +177,8 @@ def parameter_space() -> tuple[Params, ...]:
     deterministic or not (deterministic: 2-3 stages), dQ staged or added from registers, each
     with either of bwd_consumer's orders (the default, or the overlapped one of `overlap on`,
     dV issued with dK, early or before the meeting); and head_dim 256's bwd_consumer_split
-    with B_c 80 or 64, 1-3 stages (of the Q ring; dO's has one slot)."""
+    with B_c 80 or 64, 1-3 stages (of the Q ring; dO's has one slot). Each staged one whose
+    shares of dQ are disjoint (not split by keys) also with `dq_writer on`."""
     # (overlap, early_dv, dv_before_meeting)
     orders = ((False, False, False), (True, False, False), (True, True, False), (True, False, True))
     shapes = [(c, d, BLOCK_M) for c in (1, 2, 3) for d in (64, 128)]
@@ -190,6 +196,8 @@ def parameter_space() -> tuple[Params, ...]:
         for deterministic, dq_red in adds
         if stages >= 2 or not deterministic  # BwdConfig's static_assert (the deferred release)
     )
+    # `dq_writer on`: where dQ is staged in shares of their own (not split by keys)
+    keys += tuple(replace(p, dq_writer=True) for p in keys if not (p.dq_red or p.dq_by_keys))
     # head_dim 256 (the consumers split head_dim): its one order, dQ from registers
     split = tuple(
         Params(2, stages, 256, block_m=BLOCK_M, dq_red=True, block_n=block_n)
@@ -318,6 +326,10 @@ def _lower(proto: Protocol, item: Item, at: _At) -> list[Event]:
             return [] if leader else [FenceProxyAsync()]
         case Kind.NAMED_BAR_SYNC:
             return [BarSync(bar_id(item.named, at.wg), item.threads, why)]
+        case Kind.NAMED_BAR_ARRIVE:
+            return [BarArrive(bar_id(item.named, at.wg), item.threads, why)]
+        case Kind.SYNCWARP:
+            return []  # the warp's own order: verify_writer.lane0_problems
         case Kind.BULK_COMMIT:
             return [BulkCommit()]
         case Kind.BULK_WAIT_READ | Kind.BULK_WAIT:
@@ -372,9 +384,10 @@ def unrolled(items: tuple[Item, ...], m_count: int) -> list[tuple[Item, int | No
     out = []
     live = [x for x in items if x.guard is Guard.ALWAYS or m_count > 0]
     out += [(x, None) for x in live if x.phase is LoopPhase.BEFORE]
+    skipped = {Guard.OWED: 0, Guard.AFTER_FIRST: 0, Guard.BEFORE_LAST: m_count - 1}
     for i in range(m_count):
         for x in live:
-            if x.phase is LoopPhase.LOOP and (x.guard is not Guard.OWED or i > 0):
+            if x.phase is LoopPhase.LOOP and skipped.get(x.guard) != i:
                 out.append((x, i - 1 if x.guard is Guard.OWED else i))
     after = [x for x in live if x.phase is LoopPhase.AFTER]
     out += [(x, m_count - 1 if x.guard is Guard.OWED else None) for x in after]
@@ -386,6 +399,11 @@ def build_program(proto: Protocol, m_count: int) -> Program:
     p = proto.params
     roles = [("producer", WarpRole.PRODUCER, None, 1)]
     roles += [(f"wg{wg}", WarpRole.CONSUMER, wg, WARPGROUP_THREADS) for wg in range(p.consumers)]
+    if p.dq_writer:  # writer w: warp 1 + w of the producer warpgroup
+        threads = verify_writer.WRITER_THREADS
+        roles += [
+            (verify_writer.agent_name(w), WarpRole.WRITER, w, threads) for w in range(p.consumers)
+        ]
     agents = []
     for name, role, wg, threads in roles:
         events = []
@@ -427,6 +445,9 @@ def structural_problems(proto: Protocol) -> list[str]:
                     f"{role.value} item {n}: {x.kind.value} by {x.who.value}: it is executed "
                     "by the whole warpgroup (.sync.aligned, or a named barrier counting it)"
                 )
+    problems += verify_writer.structural_problems(proto)
+    if proto.params.dq_writer:
+        return problems + verify_writer.semaphore_problems(proto)
     return problems + semaphore_problems(proto)
 
 

@@ -16,6 +16,9 @@ hazards it orders in its docstring:
   dS^T meeting, the staging before the reduce-add);
 - bulk: the reduce-add's bulk groups (the staging's WAR, the exit) and the deterministic
   ordered add;
+- writer: with ``dq_writer`` the hand-over of the staging between the consumer and its
+  writer warp (a full and an empty named barrier), the writer's bulk waits, ``__syncwarp``
+  and ordered add;
 - state: the consumer program being built, which they share.
 
 Every consumer warpgroup runs the same program; the pass builds it once, for warpgroup wg,
@@ -39,7 +42,7 @@ from the header (tests/backward_hand_plan.py) in every configuration, every fiel
 from __future__ import annotations
 
 from ..program import Item, Kind, LoopPhase, Protocol, WarpRole
-from . import bulk, mbarrier, named, wgmma
+from . import bulk, mbarrier, named, wgmma, writer
 from .state import Consumer, join, loop_entry_equal, names
 
 __all__ = ["insert_syncs", "without_syncs"]
@@ -54,6 +57,7 @@ def without_syncs(plan: Protocol) -> Protocol:
         roles[WarpRole.PRODUCER],
         roles[WarpRole.CONSUMER],
         plan.layout,
+        roles[WarpRole.WRITER],
     )
 
 
@@ -69,6 +73,7 @@ def insert_syncs(schedule: Protocol, *, economical: bool = False) -> Protocol:
         mbarrier.producer(schedule),
         _consumer(schedule, economical),
         schedule.layout,
+        writer.program(schedule),
     )
 
 
@@ -134,6 +139,7 @@ def _place_step(c: Consumer, schedule: Protocol, steps: list[Item], k: int, phas
     wgmma.track(c, step)
     named.record_writes(c, step)
     bulk.after_add(c, step, phase)
+    writer.after_write(c, schedule, step, phase)
     if phase is LoopPhase.LOOP:
         mbarrier.read_done(c, k)
         mbarrier.release_if_done(c, schedule, steps, phase)
@@ -144,6 +150,7 @@ def _syncs_before(c: Consumer, schedule: Protocol, steps: list[Item], k: int, ph
     if phase is LoopPhase.LOOP:
         mbarrier.wait_full(c, schedule, step, phase)
     bulk.before_write(c, step, phase)
+    writer.before_write(c, schedule, step, phase)
     fenced = named.fence_writes(c, step, phase)
     if step.kind is Kind.WGMMA:
         wgmma.fence(c, steps, k, phase)

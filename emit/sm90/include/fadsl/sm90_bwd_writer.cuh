@@ -1,0 +1,74 @@
+// fadsl/sm90_bwd_writer.cuh -- section 6b of fadsl/sm90_bwd.cuh (which includes it after the
+// roles, sections 4-6): `dq_writer on`'s writer warps (research/backward-dq-writer.md).  Not a
+// header of its own: include fadsl/sm90_bwd.cuh.
+//
+// Writer w is warp 1 + w of the producer warpgroup (warps 1..3 idle after setmaxnreg.dec
+// otherwise; the producer's elected thread stays in warp 0).  Per m-block it takes consumer
+// w's staged dQ share (reduce_dq's writer branch) and reduce-adds it into the accumulator
+// from lane 0, so that the consumer waits neither for the add's read nor, with `deterministic
+// on`, for its ticket or the release's wait_group 0: FlashAttention-3's dQ writer
+// (hopper/mainloop_bwd_sm90_tma_gmma_ws.hpp), a warp per consumer share.
+//
+// Deadlock-free: the consumer waits on its writer only at the empty barrier, for the read of
+// m-block i - 1; the writer on its consumer only at the full barrier of the same m-block; the
+// ring is the producer's alone, so the consumer runs at most one m-block ahead.  Across CTAs
+// (deterministic) writer w at m-block m waits for the place before it, whose writer releases
+// it before it waits on anything again (the next full barrier): an induction on (place,
+// m-block), with the residency assumption of bwd_dq_place.
+// fadsl/targets/sm90/backward/verify.py and verify_writer.py prove the plan it runs.
+#pragma once
+
+namespace fadsl::sm90 {
+
+// Writer w's loop over the block's m-blocks, in the consumers' order (bwd_m_block); its
+// place, counter and destination are the consumer's (bwd_dq_place, dq_semaphore_share,
+// dq_accum_share).
+template <class Cfg>
+__device__ __forceinline__ void bwd_dq_writer(const BwdParamsSm90& P, uint32_t smem, const BwdBlock& b, int w) {
+  static_assert(!Cfg::kDqRed && !Cfg::kDqByKeys && !Cfg::kSplitHeadDim,
+                "a writer reduce-adds a staged share of its own consumer");
+  const int lane = threadIdx.x % 32;
+  const uint32_t stage = smem + Cfg::kOffDQ + w * Cfg::kDqFloats * 4;
+  const int64_t accum_head = bwd_accum_head<Cfg>(P, b);
+  for (int i = 0; i < b.m_count; ++i) {
+    const int m = bwd_m_block<Cfg>(P, b, i);
+    // (the counter is found where it is used: held across the barriers it spilled 40 bytes at
+    // head_dim 64, B_r 128, deterministic, setmaxnreg 32/232, NVRTC 13.5, 2026-12-01)
+    const int place = Cfg::kDeterministic ? bwd_dq_place<Cfg>(P, b, m) : 0;
+    // RAW: consumer w's staging written and fenced (its fence.proxy.async, then bar.arrive)
+    named_bar_sync(Cfg::kBarDqFull + w, 160);
+    if (lane == 0) {
+      if constexpr (Cfg::kDeterministic) {
+        // WAW on the share's accumulator: the adds of the places before this one done
+        while (ld_acquire_gpu(dq_semaphore_share<Cfg>(P, accum_head, m, w)) != place) __nanosleep(32);
+        fence_proxy_async_global();  // the ticket's acquire (generic) before the adds (async proxy)
+      }
+      bulk_reduce_add_f32(dq_accum_share<Cfg>(P, accum_head, m, w), stage, Cfg::kDqFloats * 4);
+      tma_store_commit();         // the add's bulk group, which the waits below name
+      tma_store_wait_read<0>();   // WAR: the add has read the staging
+    }
+    __syncwarp();  // lane 0's wait before the other lanes' arrivals
+    // WAR: the staging read, consumer w may write it again (it syncs from m-block 1 on, so
+    // none after the last)
+    if (i + 1 < b.m_count) named_bar_arrive(Cfg::kBarDqEmpty + w, 160);
+    if constexpr (Cfg::kDeterministic) {
+      if (lane == 0) {
+        bulk_wait_all();  // the writer's adds performed in global memory
+        fence_proxy_async_global();  // the async proxy's adds before the release
+        st_release_gpu(dq_semaphore_share<Cfg>(P, accum_head, m, w), place + 1);  // WAW: the next place may add
+      }
+    }
+  }
+}
+
+// The producer warpgroup's warps 1..consumers, after setmaxnreg.dec: writer warp - 1 on the
+// block of its role (bwd_role_block).  Nothing without `dq_writer on`.
+template <class Cfg>
+__device__ __forceinline__ void bwd_dq_writers(const BwdParamsSm90& P, uint32_t smem, const BwdBlock& shared) {
+  if constexpr (Cfg::kDqWriter) {
+    const int warp = threadIdx.x / 32;
+    if (warp >= 1 && warp <= Cfg::kConsumerWGs) bwd_dq_writer<Cfg>(P, smem, bwd_role_block<Cfg>(P, shared), warp - 1);
+  }
+}
+
+}  // namespace fadsl::sm90

@@ -1,0 +1,172 @@
+"""verify.py's rules for the dQ writer warps (`dq_writer on`, research/backward-dq-writer.md),
+read from the plan's items as the header runs them; nothing here knows where the sync pass
+put them (syncs/writer.py), only what the hardware needs.
+
+In the async model writer w is an agent of 32 threads (``writer{w}``) beside consumer
+warpgroup w: its bar.sync / bar.arrive on kBarDqFull + w and kBarDqEmpty + w meet the
+consumer's 128 threads (160 in all), its lane-0 items (the bulk reduce-add, its commit and
+waits) are the agent's events, which the model takes in the warp's one program order. That
+order holds for the other lanes only through a ``__syncwarp`` after lane 0's items (the
+FP8 forward's lane-0 rule, targets/sm90/transpose_agents.py): ``lane0_problems`` checks
+that every arrival of the warp that its consumer waits on (bar.arrive) follows lane 0's
+items with a ``__syncwarp`` between, and the model itself lowers ``__syncwarp`` to nothing.
+
+``semaphore_problems`` checks the ordered add's shape in the writer, as verify.py's checks
+the consumer's leader: lane 0 acquires the ticket and fences the async proxy before the
+add; after it, in the same m-block, its bulk group committed and waited for with
+wait_group 0 (the adds performed), a fence, then the release; no wait on anything (a
+bar.sync, another acquire) between the add and its release, so that a writer never blocks
+while a CTA or writer after it waits for its ticket (the design's deadlock argument: the
+consumer waits on its writer only at the empty barrier, for the previous m-block's read;
+the writer on its consumer only at the full barrier, after its release). Every ticket is
+released before the program ends; no semaphore item in the consumer then.
+"""
+
+from __future__ import annotations
+
+from .program import Guard, Item, Kind, LoopPhase, Named, Protocol, WarpRole, Who
+
+WRITER_THREADS = 32
+_LANE0_KINDS = frozenset(
+    {
+        Kind.BULK_REDUCE_ADD,
+        Kind.BULK_COMMIT,
+        Kind.BULK_WAIT_READ,
+        Kind.BULK_WAIT,
+        Kind.SEM_ACQUIRE,
+        Kind.SEM_RELEASE,
+        Kind.FENCE_PROXY_ASYNC_GLOBAL,
+    }
+)
+_WARP_KINDS = frozenset({Kind.NAMED_BAR_SYNC, Kind.NAMED_BAR_ARRIVE, Kind.SYNCWARP})
+
+
+def agent_name(w: int) -> str:
+    return f"writer{w}"
+
+
+def structural_problems(proto: Protocol) -> list[str]:
+    """Who runs what in the writer's program, and whether a writer exists where it must."""
+    p, items = proto.params, proto.writer
+    if not p.dq_writer:
+        return ["a dQ writer program without dq_writer"] if items else []
+    problems = []
+    if any(x.phase is not LoopPhase.LOOP for x in items):
+        problems.append("the writer has items outside its m-block loop")
+    for n, x in enumerate(items):
+        if x.kind in _WARP_KINDS and x.who is not Who.WRITER:
+            problems.append(f"writer item {n}: {x.kind.value} by {x.who.value}, not every lane")
+        if x.kind in _LANE0_KINDS and x.who is not Who.WRITER_LANE0:
+            problems.append(f"writer item {n}: {x.kind.value} by {x.who.value}, not lane 0")
+        if x.named not in (None, Named.DQ_FULL, Named.DQ_EMPTY):
+            problems.append(f"writer item {n}: {x.named.value} is a consumer's barrier")
+    for role in (WarpRole.PRODUCER, WarpRole.CONSUMER):
+        for n, x in enumerate(proto.role(role)):
+            if x.who in (Who.WRITER, Who.WRITER_LANE0):
+                problems.append(f"{role.value} item {n}: {x.kind.value} by {x.who.value}")
+    return problems + lane0_problems(items)
+
+
+def lane0_problems(items: tuple[Item, ...]) -> list[str]:
+    """An arrival of the warp that its consumer waits on (bar.arrive) after lane 0's items
+    with no ``__syncwarp`` between: the other lanes may arrive before lane 0's waits."""
+    problems, pending = [], None
+    for n, x in enumerate(items):
+        if x.who is Who.WRITER_LANE0:
+            pending = (n, x)
+        elif x.kind is Kind.SYNCWARP:
+            pending = None
+        elif x.kind is Kind.NAMED_BAR_ARRIVE and pending is not None:
+            at, lane0 = pending
+            problems.append(
+                f"writer item {n} (bar.arrive {x.named.value}) follows lane 0's "
+                f"{lane0.name or lane0.kind.value} (item {at}) with no __syncwarp in between: "
+                "the warp's other lanes may arrive before lane 0's waits"
+            )
+    return problems
+
+
+def unrolled_writer(items: tuple[Item, ...], m_count: int) -> list[tuple[Item, int]]:
+    """(item, m-block) as the writer warp runs them: the loop m_count times, an item of
+    Guard.BEFORE_LAST in every m-block but the last, AFTER_FIRST from m-block 1 on."""
+    out = []
+    for i in range(m_count):
+        for x in items:
+            if x.guard is Guard.BEFORE_LAST and i == m_count - 1:
+                continue
+            if x.guard is Guard.AFTER_FIRST and i == 0:
+                continue
+            out.append((x, i))
+    return out
+
+
+def semaphore_problems(proto: Protocol) -> list[str]:
+    """``deterministic on`` with a writer: the ordered add's shape in the writer's program
+    (module docstring), checked for 1-3 m-blocks; none in the consumer."""
+    consumer_ops = [x for x in proto.consumer if x.kind in (Kind.SEM_ACQUIRE, Kind.SEM_RELEASE)]
+    ops = [x for x in proto.writer if x.kind in (Kind.SEM_ACQUIRE, Kind.SEM_RELEASE)]
+    if consumer_ops:
+        return ["a dQ semaphore in the consumer with a dQ writer: the writer orders the adds"]
+    if not proto.params.deterministic:
+        return ["a dQ semaphore without deterministic mode"] if ops else []
+    adds = [x for x in proto.writer if x.kind is Kind.BULK_REDUCE_ADD]
+    if len(adds) != 1:
+        return [f"{len(adds)} dQ reduce-adds per m-block in the writer, expected 1"]
+    for m_count in (1, 2, 3):
+        problems = _ticket_problems(unrolled_writer(proto.writer, m_count), m_count)
+        if problems:
+            return problems
+    return []
+
+
+def _ticket_problems(run: list[tuple[Item, int]], m_count: int) -> list[str]:
+    problems = []
+    adds = [n for n, (x, _) in enumerate(run) if x.kind is Kind.BULK_REDUCE_ADD]
+    for previous, add in zip([-1] + adds, adds):
+        i = run[add][1]
+        before = [x.kind for x, _ in run[previous + 1 : add] if x.who is Who.WRITER_LANE0]
+        acquires = [n for n, k in enumerate(before) if k is Kind.SEM_ACQUIRE]
+        if not acquires:
+            problems.append("deterministic: the writer's add does not follow the ticket's acquire")
+        elif Kind.FENCE_PROXY_ASYNC_GLOBAL not in before[acquires[-1] :]:
+            problems.append(
+                "deterministic: no fence.proxy.async.global between the writer's acquire and "
+                "its reduce-add (the async proxy's adds could pass the previous ticket's)"
+            )
+        rest = run[add + 1 :]
+        release = next(
+            (n for n, (x, j) in enumerate(rest) if x.kind is Kind.SEM_RELEASE and j == i), None
+        )
+        if release is None:
+            problems.append(
+                f"deterministic: the writer releases no ticket after its reduce-add of m-block "
+                f"{i} (of {m_count}): the CTAs after it wait forever"
+            )
+            continue
+        between = [x for x, _ in rest[:release]]
+        kinds = [(x.kind, x.pending) for x in between if x.who is Who.WRITER_LANE0]
+        plain = [k for k, _ in kinds]
+        commit = plain.index(Kind.BULK_COMMIT) if Kind.BULK_COMMIT in plain else None
+        done = [
+            n
+            for n, (k, pending) in enumerate(kinds)
+            if k is Kind.BULK_WAIT and pending == 0 and commit is not None and n > commit
+        ]
+        if not done:
+            problems.append(
+                "deterministic: the writer's release does not follow a committed "
+                "cp.async.bulk.wait_group 0 of its reduce-add (its adds may not be performed)"
+            )
+        elif Kind.FENCE_PROXY_ASYNC_GLOBAL not in plain[done[-1] :]:
+            problems.append(
+                "deterministic: no fence.proxy.async.global between the writer's "
+                "wait_group 0 and its release"
+            )
+        blocking = [x for x in between if x.kind in (Kind.SEM_ACQUIRE, Kind.NAMED_BAR_SYNC)]
+        if blocking:
+            problems.append(
+                f"deterministic: the writer releases the ticket of m-block {i} after "
+                f"{blocking[0].kind.value}: a wait while a CTA after it may wait for its "
+                "ticket (deadlock)"
+            )
+    return problems
