@@ -524,7 +524,7 @@ def test_dv_before_meeting_fits_its_registers_at_b_r_80_and_head_dim_64():
 
 def test_the_dq_writer_variants_fit_their_registers():
     """`dq_writer on`: the writer warps run after the producer warpgroup's setmaxnreg.dec, and
-    no training variant spills (NVRTC 13.5, 2026-12-01); head_dim 64's deterministic writer
+    no training variant spills (NVRTC 13.5, 2026-11-30); head_dim 64's deterministic writer
     in visit order needs setmaxnreg 32/232 (at 24 it spills 8 bytes)."""
     compiler, name = find_compiler()
     if compiler is None:

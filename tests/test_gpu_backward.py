@@ -60,7 +60,7 @@ VARIANTS += ("fa3_hdim64+dv_before_meeting",)
 # `dq_writer on` (a writer warp per consumer reduce-adds its staged dQ): both consumer orders,
 # every disjoint split (transposed at B_r 80, by panels at B_r 64, by queries at head_dim 64),
 # in either mode; head_dim 64's deterministic writer with setmaxnreg 32/232 (+p32: at 24 the
-# writer spills 8 bytes in visit order, NVRTC 13.5, 2026-12-01)
+# writer spills 8 bytes in visit order, NVRTC 13.5, 2026-11-30)
 WRITERS = ("fa3_hopper+dq_writer-dqred+s2", "fa3_causal+dq_writer-dqred")
 WRITERS += ("fa3_causal-overlap+dq_writer-dqred", "fa3_hopper+br64+dq_writer-dqred")
 WRITERS += ("fa3_hdim64+dq_writer-dqred", "fa3_hdim64_causal+dq_writer-dqred")

@@ -174,3 +174,21 @@ def test_the_result_table_names_the_variants_not_fadsl():
     header = next(line for line in lines if line.startswith("seqlen"))
     assert header.index(second) < header.index(first) < header.index("cudnn")  # winner first
     assert lines[-1].split()[-2:] == ["1.10", "1.10"]  # 440 / 400 against each
+
+
+def test_a_deterministic_block_tries_the_dq_writer_at_both_register_splits():
+    """With `deterministic on` dQ's third path is the staged one with writer warps, each at
+    the block's registers and at 32/232; without `deterministic` it is never tried; labels
+    name the split; the split-by-keys blocks (head_dim 64, B_r 64) are refused at the key."""
+    det = rewrite_backward(HDIM64, {"deterministic": "on"}, {"dQ": None}, "d")
+    _, variants = variants_of(det)
+    writers = [v for v in variants if v.backward is not None and v.backward.dq_writer]
+    assert writers and all(v.backward.deterministic for v in writers)
+    splits = {(v.backward.producer_regs, v.backward.consumer_regs) for v in writers}
+    assert (32, 232) in splits and len(splits) == 2
+    assert all(v.label == label_of(v.backward) and "staged+writer" in v.label for v in writers)
+    assert all(v.label.endswith(("registers 24/240", "registers 32/232")) for v in writers)
+    refused = [v for v in variants if v.backward is None and "writer" in v.label]
+    assert any("split by keys" in v.reason for v in refused if v.label.startswith("B_r 64"))
+    _, plain = variants_of(HDIM64)
+    assert not any("writer" in v.label for v in plain)

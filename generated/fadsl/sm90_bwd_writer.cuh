@@ -33,7 +33,7 @@ __device__ __forceinline__ void bwd_dq_writer(const BwdParamsSm90& P, uint32_t s
   for (int i = 0; i < b.m_count; ++i) {
     const int m = bwd_m_block<Cfg>(P, b, i);
     // (the counter is found where it is used: held across the barriers it spilled 40 bytes at
-    // head_dim 64, B_r 128, deterministic, setmaxnreg 32/232, NVRTC 13.5, 2026-12-01)
+    // head_dim 64, B_r 128, deterministic, setmaxnreg 32/232, NVRTC 13.5, 2026-11-30)
     const int place = Cfg::kDeterministic ? bwd_dq_place<Cfg>(P, b, m) : 0;
     // RAW: consumer w's staging written and fenced (its fence.proxy.async, then bar.arrive)
     named_bar_sync(Cfg::kBarDqFull + w, 160);

@@ -4,9 +4,14 @@ The tile's B_r (64, or 128 or 80 where validate admits it: 128 at head_dim 64, 8
 80 dS's path becomes `rf -stmatrix-> smem`, since dQ^T reads dS with the queries as rows,
 stored transposed), the consumer's order (`overlap`, `early_dv`, `dv_before_meeting`), dQ's
 path (staged, or `rf -red.add-> gmem`) and the Q / dO ring's `stages`; under the causal
-mask, the input's block with `longest_first` flipped (the CTA order). Every combination is a
-candidate; validate.py refuses what does not fit (SMEM, registers, the knobs that do not
-combine) and the tuner's build step what spills. `deterministic` stays as the spec has it.
+mask, the input's block with `longest_first` flipped (the CTA order). With `deterministic on`
+dQ has a third path: staged and reduce-added by writer warps (`dq_writer on`: 1.26-1.30x
+the ordered adds without them at head_dim 128 on an H200, 2026-11-30; without
+`deterministic` it times below red.add, so it is not tried there), with the registers as the
+block has them and at setmaxnreg 32/232 (head_dim 64's writer spills at 24). Every
+combination is a candidate; validate.py refuses what does not fit (SMEM, registers, the knobs
+that do not combine) and the tuner's build step what spills. `deterministic` stays as the
+spec has it.
 
 At head_dim 256 (the consumers split head_dim: a block whose B_c is not 64 per consumer) the
 kernel has one order (validate refuses `overlap`, `early_dv` and `dv_before_meeting` there),
@@ -32,15 +37,26 @@ ORDERS = {
     "early_dv": {"overlap": "on", "early_dv": "on", "dv_before_meeting": "off"},
     "dv_before_meeting": {"overlap": "on", "early_dv": "off", "dv_before_meeting": "on"},
 }
-STAGED, RED = "staged", "red.add"
-DQ_PATHS = {STAGED: None, RED: "rf -red.add-> gmem"}  # None: the default (staged) path
+STAGED, RED, WRITER = "staged", "red.add", "staged+writer"
+# dQ's path by name (None: the default, staged) and whether writer warps add the staging
+DQ_CHOICES = {STAGED: (None, False), RED: ("rf -red.add-> gmem", False), WRITER: (None, True)}
+# the deterministic writer's second register split (producer, consumers): the writer's loop
+# beside the producer's needs more than 24 at head_dim 64 (tests/test_backward_spec.py)
+WRITER_REGISTERS = (32, 232)
 STAGES = (2, 3)
 SPLIT_BLOCK_NS = (80, 64)  # head_dim 256's B_c (validate.py's)
 
 
-def _label(block_m: int, order: str, dq: str, stages: int, longest_first=False) -> str:
+def _label(
+    block_m: int, order: str, dq: str, stages: int, longest_first=False, registers=None
+) -> str:
     first = ", longest first" if longest_first else ""
-    return f"B_r {block_m}, {order}, dQ {dq}, stages {stages}{first}"
+    regs = f", registers {registers[0]}/{registers[1]}" if registers else ""
+    return f"B_r {block_m}, {order}, dQ {dq}, stages {stages}{first}{regs}"
+
+
+def _dq_of(bwd: Backward) -> str:
+    return WRITER if bwd.dq_writer else RED if bwd.dq_red else STAGED
 
 
 def _order_of(bwd: Backward) -> str:
@@ -57,33 +73,43 @@ def _split(bwd: Backward) -> bool:
 
 
 def label_of(bwd: Backward) -> str:
-    """The knobs a backward block sets, e.g. "B_r 128, overlap, dQ red.add, stages 2"."""
-    dq = RED if bwd.dq_red else STAGED
-    label = _label(bwd.block_m, _order_of(bwd), dq, bwd.stages, bwd.longest_first)
+    """The knobs a backward block sets, e.g. "B_r 128, overlap, dQ red.add, stages 2" (and
+    the register split where writer warps run: the knob the writer's candidates vary)."""
+    regs = (bwd.producer_regs, bwd.consumer_regs) if bwd.dq_writer else None
+    label = _label(bwd.block_m, _order_of(bwd), _dq_of(bwd), bwd.stages, bwd.longest_first, regs)
     return f"B_c {bwd.block_n}, {label}" if _split(bwd) else label
 
 
 def knobs_of(bwd: Backward) -> tuple:
-    return (bwd.block_m, _order_of(bwd), bwd.dq_red, bwd.stages, bwd.longest_first) + (
-        (bwd.block_n,) if _split(bwd) else ()
-    )
+    knobs = (bwd.block_m, _order_of(bwd), _dq_of(bwd), bwd.stages, bwd.longest_first)
+    if bwd.dq_writer:
+        knobs += (bwd.producer_regs, bwd.consumer_regs)
+    return knobs + ((bwd.block_n,) if _split(bwd) else ())
 
 
 def candidates(base: Backward, causal: bool) -> tuple[BackwardCandidate, ...]:
     if _split(base):
         return _split_candidates(base, causal)
     out = []
-    for block_m, order, dq, stages in itertools.product(BLOCK_MS, ORDERS, DQ_PATHS, STAGES):
+    dqs = (STAGED, RED, WRITER) if base.deterministic else (STAGED, RED)
+    for block_m, order, dq, stages in itertools.product(BLOCK_MS, ORDERS, dqs, STAGES):
         settings = {
             "tile": f"B_r = {block_m}, B_c = {base.block_n}",
             **ORDERS[order],
             "stages": str(stages),
         }
-        paths = {GradRole.DQ.value: DQ_PATHS[dq]}
+        path, writer = DQ_CHOICES[dq]
+        if writer or base.dq_writer:
+            settings["dq_writer"] = "on" if writer else "off"
+        paths = {GradRole.DQ.value: path}
         if block_m in DS_PATHS or base.block_m in DS_PATHS:  # dS's path follows the tile
             paths[GradRole.DS.value] = DS_PATHS.get(block_m, DS_STORED)
-        label = _label(block_m, order, dq, stages)
-        out.append(BackwardCandidate(label, settings, paths))
+        out.append(BackwardCandidate(_label(block_m, order, dq, stages), settings, paths))
+        if writer:  # the same block at the writer's second register split
+            producer, consumers = WRITER_REGISTERS
+            regs = {"registers": f"producer = {producer}, consumers = {consumers}"}
+            label = _label(block_m, order, dq, stages, registers=WRITER_REGISTERS)
+            out.append(BackwardCandidate(label, {**settings, **regs}, paths))
     if causal:  # the input's block in the other CTA order
         flipped = "off" if base.longest_first else "on"
         out.append(BackwardCandidate(label_of(base), {"longest_first": flipped}, {}))
