@@ -12,7 +12,7 @@ import re
 import pytest
 
 from conftest import ROOT
-from test_fp8_codegen import _emitted, _planned, _sources
+from emitted_syncs import emitted_syncs, planned_syncs, rendered
 
 SM90 = sorted(
     p
@@ -25,15 +25,15 @@ CONSUMERS = "===================== consumer warpgroups ====================="
 
 @pytest.mark.parametrize("spec", SM90, ids=[p.stem for p in SM90])
 def test_the_rendered_kernel_makes_the_proven_plans_syncs_in_order(spec):
-    compiled, sources = _sources(spec)
+    compiled, sources = rendered(spec)
     body = sources[0].text.split(PRODUCER, 1)[1]
     producer, consumers = body.split(CONSUMERS)
-    assert _emitted(producer) == _planned(compiled.kernel, "producer")
-    assert _emitted(consumers) == _planned(compiled.kernel, "consumers")
+    assert emitted_syncs(producer) == planned_syncs(compiled.kernel, "producer")
+    assert emitted_syncs(consumers) == planned_syncs(compiled.kernel, "consumers")
 
 
 def test_the_decode_kernel_waits_for_the_previous_store_before_writing_o():
-    compiled, sources = _sources(ROOT / "examples/serving/fa3_decode_paged.fa")
+    compiled, sources = rendered(ROOT / "examples/serving/fa3_decode_paged.fa")
     text = sources[0].text
     wait = text.index("if (warp == 0 && elect_one()) tma_store_wait_read<0>();")
     assert wait < text.index("store_o_smem<Cfg>(")

@@ -10,12 +10,11 @@ import re
 import pytest
 
 from conftest import ROOT
+from emitted_syncs import emitted_syncs, planned_syncs, rendered
 from fadsl.codegen.render import render
 from fadsl.errors import SpecError
-from fadsl.ir import Dtype, Phase, Sync
+from fadsl.ir import Dtype
 from fadsl.pipeline import compile_file, compile_source
-from fadsl.targets.sm90 import caps
-from fadsl.targets.sm90.syncs.insert import role_of
 
 # the 8-bit test specs and the shipped 8-bit examples (fadsl.attention's, Target.shipped_fp8)
 SPECS = sorted((ROOT / "tests" / "specs" / "fp8").glob("*.fa")) + sorted(
@@ -25,15 +24,10 @@ IDS = [p.stem for p in SPECS]
 GENERATED = ROOT / "generated"
 
 
-def _sources(spec):
-    compiled = compile_file(spec.relative_to(ROOT))
-    return compiled, render(compiled.kernel, compiled.target, compiled.file)
-
-
 @pytest.mark.parametrize("spec", SPECS, ids=IDS)
 def test_generated_fp8_cuda_is_current(spec, golden):
     """generated/ holds the 8-bit kernels as rendered (one per input dtype)."""
-    compiled, sources = _sources(spec)
+    compiled, sources = rendered(spec)
     assert [s.dtype for s in sources] == list(compiled.kernel.config.dtypes)
     for source in sources:
         golden.check(GENERATED / source.filename, source.text)
@@ -41,7 +35,7 @@ def test_generated_fp8_cuda_is_current(spec, golden):
 
 @pytest.mark.parametrize("spec", SPECS, ids=IDS)
 def test_the_8bit_kernel_calls_the_fp8_steps(spec):
-    compiled, sources = _sources(spec)
+    compiled, sources = rendered(spec)
     cfg = compiled.kernel.config
     for source in sources:
         text = source.text
@@ -78,61 +72,20 @@ def test_the_8bit_kernel_calls_the_fp8_steps(spec):
         assert "Cfg::kOffVt = " not in text and "static constexpr int kOffVt = " in text
 
 
-_CALL = re.compile(
-    r"\b(mbar_wait_parity|mbar_arrive_expect_tx|mbar_arrive|fence_proxy_async_smem|__syncwarp"
-    r"|wgmma_fence|wgmma_commit|wgmma_wait<\d>|named_bar_sync|named_bar_arrive|tma_store_commit"
-    r"|tma_store_wait_read<\d>)\((?:bar_(\w+?)\b)?"
-)
-_KIND = {
-    caps.MBAR_WAIT: "mbar_wait_parity",
-    caps.MBAR_EXPECT_TX: "mbar_arrive_expect_tx",
-    caps.MBAR_ARRIVE: "mbar_arrive",
-    caps.FENCE_PROXY_ASYNC: "fence_proxy_async_smem",
-    caps.SYNCWARP: "__syncwarp",
-    caps.WGMMA_FENCE: "wgmma_fence",
-    caps.WGMMA_COMMIT: "wgmma_commit",
-    caps.BAR_SYNC: "named_bar_sync",
-    caps.BAR_ARRIVE: "named_bar_arrive",
-    caps.BULK_COMMIT: "tma_store_commit",
-}
-
-
-def _planned(kernel, role):
-    """The role's syncs as the plan orders them (phase by phase): (call, barrier)."""
-    out = []
-    for phase, items in kernel.phases():
-        for item in items:
-            if not isinstance(item, Sync) or role_of(item.who) != role:
-                continue
-            if item.kind is caps.WGMMA_WAIT:
-                out.append((f"wgmma_wait<{item.groups}>", None))
-            elif item.kind is caps.BULK_WAIT:
-                out.append((f"tma_store_wait_read<{item.groups}>", None))
-            elif item.kind in (caps.BAR_SYNC, caps.BAR_ARRIVE):  # named by their ids
-                out.append((_KIND[item.kind], None))
-            elif item.kind in _KIND:
-                out.append((_KIND[item.kind], item.barrier or None))
-    return out
-
-
-def _emitted(text):
-    return [(m.group(1), m.group(2)) for m in _CALL.finditer(text)]
-
-
 @pytest.mark.parametrize("spec", SPECS, ids=IDS)
 def test_the_emitted_sync_plan_is_the_proven_one(spec):
     """Each role's branch of the kernel holds exactly the plan's syncs (the one verify
     proved), in the plan's order, each with its hazards in a comment; the producer's TMA
     side runs on the elected `leader` only, a warp's release on its lane 0."""
-    compiled, sources = _sources(spec)
+    compiled, sources = rendered(spec)
     kernel = compiled.kernel
     text = sources[0].text
     body = text.split("===================== producer warpgroup =====================", 1)[1]
     producer, consumers = body.split(
         "===================== consumer warpgroups ====================="
     )
-    assert _emitted(producer) == _planned(kernel, "producer")
-    assert _emitted(consumers) == _planned(kernel, "consumers")
+    assert emitted_syncs(producer) == planned_syncs(kernel, "producer")
+    assert emitted_syncs(consumers) == planned_syncs(kernel, "consumers")
     for sync in kernel.syncs():
         for hazard in sync.serves:
             assert f"// hazard {hazard.describe()}" in text
