@@ -293,7 +293,9 @@ def validate_backward(c: Checks, block: BackwardBlock) -> Backward | None:
         block.checks.error(
             decl.tensor.loc,
             f"dQ's red.add adds in whatever order the threads get there: deterministic on "
-            f"needs dQ staged for its ordered reduce-add ({PATHS[GradRole.DQ].text()})",
+            f"needs dQ staged for its ordered reduce-add ({PATHS[GradRole.DQ].text()}); "
+            f"where dQ's shares are disjoint, `dq_writer on` beside it has writer warps make "
+            f"those adds (0.90-0.96x the default's speed on an H200, docs/performance.md)",
         )
         ok = False
     if backward.dq_writer and head_dim in (64, 128):
