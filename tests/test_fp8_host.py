@@ -189,7 +189,7 @@ def test_a_params_buffer_holds_the_second_parameter_after_the_first():
     assert (ctypes.c_void_p * 1).from_address(single.argument)[0] == single.address
 
 
-def test_16bit_calls_pack_no_second_parameter():
+def test_only_8bit_specs_are_fp8_and_name_an_output_type():
     kern = fadsl.load(ROOT / "examples" / "fa3_hopper.fa", verbose=False)
     assert not kern.is_fp8 and kern.out_torch_dtype is None
     fp8 = fadsl.load(EXAMPLE, verbose=False)

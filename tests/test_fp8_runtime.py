@@ -118,6 +118,11 @@ def _bad_calls():
         ),
         "descale 0-d": ({"q_descale": torch.tensor(0.5)}, ValueError, "q_descale must have shape"),
         "out_dtype": ({"out_dtype": torch.float32}, TypeError, "out_dtype must be torch.bfloat16"),
+        "out_dtype not a dtype": (
+            {"out_dtype": ["bf16"]},
+            TypeError,
+            "out_dtype must be torch.bfloat16",
+        ),
         "window": ({"window_size": (128, 0)}, ValueError, "window_size=.*8-bit q, k and v"),
         "softcap": ({"softcap": 30}, ValueError, "softcap=30 with 8-bit"),
         "causal type": ({"causal": 1}, TypeError, "causal must be True or False"),
@@ -321,3 +326,19 @@ def test_every_launch_of_an_8bit_kernel_passes_its_descales(device):
     assert log[-1].second == fp8_host.DESCALES.pack(0, 0, 0, 0, 0, 0, 0, 0, 0)
     kern.launch(kern.config.dtypes[0], q, k, v, out, None, 0.1)
     assert log[-1].second == fp8_host.DESCALES.pack(0, 0, 0, 0, 0, 0, 0, 0, 0)
+
+
+@pytest.mark.parametrize("bad", ["dtype", "shape"])
+def test_a_traced_call_checks_out_as_eager_does(cpu_kernel, bad):
+    """Under torch.compile a loaded 8-bit kernel's out= gets the eager call's checks of shape,
+    dtype and device (before 2026-11-30 a float32 out took a silent cast and an out of
+    another batch a silent broadcast)."""
+    q, k, v = inputs(sq=64, sk=96, hq=4)
+    shape = q.shape if bad == "dtype" else (q.shape[0] + 1, *q.shape[1:])
+    out = torch.empty(shape, dtype=torch.float32 if bad == "dtype" else torch.bfloat16)
+    torch._dynamo.reset()
+    compiled = torch.compile(
+        lambda q, k, v, out: cpu_kernel(q, k, v, out=out), fullgraph=True, backend="aot_eager"
+    )
+    with pytest.raises(Exception, match="out must match q"):
+        compiled(q, k, v, out)

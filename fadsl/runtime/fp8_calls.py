@@ -6,9 +6,11 @@ A descale is a float32 tensor of shape (batch, heads_kv) on q's device, at any s
 expanded scalar, strides 0, is one per-tensor descale), or None for a descale of 1. Query
 head h takes the descale of its K/V head h // (heads_q // heads_kv). The checks read shapes,
 strides, dtypes and devices only: a descale's values are not read on the host (a check of
-finite-ness would wait for the device on every call). The kernel makes every row of a
+finite-ness would wait for the device on every call). The kernel makes the rows of a
 (batch, K/V head) NaN whose softmax_scale * q_descale * k_descale is not a positive normal
-float32 (0, negative, inf, NaN, or a product out of range); v_descale multiplies O as given
+float32 (0, negative, inf, NaN, or a product out of range), but for a tile of rows that sees
+no key at all (causal with seqlen_q > seqlen_k), written 0 with LSE -inf before the scale is
+read, as in every other call; v_descale multiplies O as given
 (inf and NaN propagate); see research/fp8-forward.md §3.5.
 
 ``Fp8Calls`` is FlashAttention's part for them (fadsl/runtime/attention.py): ``kern(q, k, v,
@@ -17,9 +19,7 @@ softmax_scale, q_descale=..., k_descale=..., v_descale=..., out=..., return_lse=
 
 from __future__ import annotations
 
-import functools
-
-from .arguments import check_bases, check_out, lse_shape
+from .arguments import check_bases, check_out, check_out_meta, lse_shape
 
 DESCALE_NAMES = ("q_descale", "k_descale", "v_descale")
 # The kernel indexes a descale with int arithmetic (batch * batch_stride + head * head_stride)
@@ -51,7 +51,7 @@ def check_out_dtype(out_dtype):
 
     if out_dtype is None:
         return torch.bfloat16
-    if out_dtype not in out_dtypes():
+    if not isinstance(out_dtype, torch.dtype) or out_dtype not in out_dtypes():
         raise TypeError(
             f"out_dtype must be torch.bfloat16 or torch.float16 (an 8-bit call's output type), "
             f"got {out_dtype!r}"
@@ -116,9 +116,10 @@ class Fp8Calls:
         """Whether the spec's dtypes are 8-bit (`dtype e4m3`, `e5m2`)."""
         return self.config.dtypes[0].is_8bit
 
-    @functools.cached_property
+    @property
     def out_torch_dtype(self):
-        """O's torch dtype: the spec's `output` for an 8-bit spec, else None (q's)."""
+        """O's torch dtype: the spec's `output` for an 8-bit spec, else None (q's). A plain
+        property: torch.compile traces it (a cached_property's lock breaks the graph)."""
         if not self.is_fp8:
             return None
         return {w: t for t, w in out_dtypes().items()}[self.config.out_dtype.value]
@@ -140,6 +141,8 @@ class Fp8Calls:
         named = (("q", q), ("k", k), ("v", v), *zip(DESCALE_NAMES, descales))
         refuse_gradients(f"fadsl kernel '{name}'", named)
         if torch.compiler.is_compiling():
+            if out is not None:  # as eager's check_out, less the address checks (fake tensors)
+                check_out_meta(out, q, self.config.target, self.out_torch_dtype)
             o, lse = self._ops(q, k, v, *descales, scale, return_lse)
             if out is not None:
                 out.copy_(o)

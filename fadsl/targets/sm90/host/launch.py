@@ -193,11 +193,13 @@ def pack_fwd_params_sm90(kernel: Kernel, a: Args) -> bytes:
     """FwdParamsSm90: Q's map with B_r-row boxes, K's and V's with B_c-row boxes, O's with
     64-row boxes (one consumer warpgroup's rows), then FwdParams; the modifiers' inputs."""
     packed = _pack_fwd_params_sm90(kernel, a)
-    if not a.inputs:
-        return packed
-    pointers = [t.data_ptr() for t in a.inputs]
-    inputs = INPUTS.pack(*pointers, *[0] * (8 - len(pointers)))
-    return packed[:INPUTS_OFFSET] + inputs + packed[INPUTS_OFFSET + INPUTS.size :]
+    if a.inputs:
+        pointers = [t.data_ptr() for t in a.inputs]
+        inputs = INPUTS.pack(*pointers, *[0] * (8 - len(pointers)))
+        packed = packed[:INPUTS_OFFSET] + inputs + packed[INPUTS_OFFSET + INPUTS.size :]
+    # address_slots places an 8-bit kernel's descale pointers after this many bytes
+    assert len(packed) == SM90_PARAMS_BYTES, len(packed)
+    return packed
 
 
 def _pack_fwd_params_sm90(kernel: Kernel, a: Args) -> bytes:
