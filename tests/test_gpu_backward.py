@@ -67,6 +67,8 @@ WRITERS += ("fa3_hdim64+dq_writer-dqred", "fa3_hdim64_causal+dq_writer-dqred")
 WRITERS += (
     "fa3_causal+deterministic+dq_writer-dqred",
     "fa3_hopper+br64+deterministic+dq_writer-dqred",
+    "fa3_hopper+deterministic+dq_writer-dqred+s2",
+    "fa3_hdim64+deterministic+dq_writer-dqred+p32",
 )
 WRITERS += ("fa3_hdim64_causal+deterministic+dq_writer-dqred",)
 VARIANTS += WRITERS

@@ -187,8 +187,9 @@ struct BwdConfig {
   static_assert(kStages >= 1, "at least one ring slot");
   static_assert(!kEarlyDv || kOverlap, "the early dV is the overlapped consumer's");
   static_assert(!kDqRed || !kDeterministic, "the ordered adds go through the staging");
-  // release_dq_ticket's deferral is deadlock-free with a ring of 2 or more (its comment)
-  static_assert(!kDeterministic || kStages >= 2, "the deferred ticket release needs 2 stages");
+  // release_dq_ticket's deferral is deadlock-free with a ring of 2 or more (its comment); the
+  // writer warps release in the same m-block, but the proof has not been run with 1 stage
+  static_assert(!kDeterministic || kStages >= 2, "deterministic on is proven with 2 stages or more");
   // A sliding window (a generated Cfg sets both; right 0 with the causal mask): query i sees
   // key j iff i + d - kWindowLeft <= j <= i + d + kWindowRight, d = seqlen_k - seqlen_q. -1:
   // no window.  `softcap N` (a generated Cfg sets it): the forward's scores were capped by
