@@ -96,8 +96,10 @@ def test_an_older_gpu_is_told_8bit_needs_sm90(device, monkeypatch):
     monkeypatch.setattr(dispatch, "_CAPABILITY", {})
     monkeypatch.setattr(dispatch, "_CHOSEN", {})  # (the earlier tests' choices: on 9.0)
     q, k, v = inputs()
-    with pytest.raises(ValueError, match="compute capability 8.0.*8-bit head_dim none"):
+    with pytest.raises(ValueError, match="compute capability 8.0.*8-bit head_dim none") as err:
         fadsl.attention(q, k, v)
+    # what needs what is asked of the targets (Target.shipped_fp8, capabilities.devices)
+    assert "8-bit q, k and v need sm_90a, compute capability 9.0)" in str(err.value)
 
 
 # ---------------------------------------------------------------- argument errors

@@ -101,12 +101,23 @@ def shipped_fp8_spec(capability: tuple[int, int], head_dim: int, causal: bool, d
     mask = "causal=True" if causal else "causal=False"
     dims = sorted({d for t in candidates for d, c in t.shipped_fp8 if c == causal})
     why = [t.fp8_unshipped[head_dim] for t in candidates if head_dim in t.fp8_unshipped]
+    needs = "" if dims else "; " + _fp8_targets()
     raise ValueError(
         f"q is {dtype} with q.shape[-1] (head_dim) = {head_dim} and {mask}: no shipped 8-bit "
         f"spec covers it on a GPU of {gpu} (8-bit head_dim {', '.join(map(str, dims)) or 'none'}"
-        f" with {mask}{'; 8-bit q, k and v need sm_90a, compute capability 9.0' if not dims else ''})"
-        + (f"; head_dim {head_dim}: {why[0]}" if why else "")
+        f" with {mask}{needs})" + (f"; head_dim {head_dim}: {why[0]}" if why else "")
     )
+
+
+def _fp8_targets() -> str:
+    """Which targets ship 8-bit specs, and the GPUs they run on (asked of the targets)."""
+    shipping = [targets.get(n) for n in targets.names() if targets.get(n).shipped_fp8]
+    gpus = [
+        f"{t.name}, compute capability {t.capabilities.devices[0][0]}.{t.capabilities.devices[0][1]}"
+        + ("" if t.capabilities.devices[1] else " or newer")
+        for t in shipping
+    ]
+    return "8-bit q, k and v need " + (" or ".join(gpus) if gpus else "a target that ships them")
 
 
 def fp8_attention_kernel(q, causal: bool, out_dtype) -> FlashAttention:

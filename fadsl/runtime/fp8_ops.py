@@ -5,9 +5,9 @@ custom_op reads the annotations as types):
 - ``fadsl::<kernel>_<hash>(q, k, v, q_descale, k_descale, v_descale, softmax_scale,
   return_lse) -> (out, lse)`` for each loaded 8-bit spec (fadsl/runtime/fp8_calls.py), in
   place of the 16-bit kernels' ops (fadsl/runtime/custom_op.py);
-- ``fadsl::attention_fp8(q, k, v, q_descale, k_descale, v_descale, causal, softmax_scale,
-  out_dtype, with_lse) -> (out, lse)``, fadsl.attention's on 8-bit inputs (the kernel
-  chosen when it runs, fadsl/runtime/dispatch.py).
+- fadsl.attention's op on 8-bit inputs, ``fadsl::attention_fp8``, is in
+  fadsl/runtime/fp8_public_ops.py (it chooses its kernel through fadsl/runtime/dispatch.py,
+  which loads specs: this module stays below attention.py, which imports it).
 
 Neither has an autograd formula: the FP8 forward has no backward, and the calls refuse
 inputs that require grad before they reach an op (naming the argument). The fake
@@ -20,10 +20,9 @@ from typing import Optional
 import torch
 from torch.library import custom_op
 
-from . import dispatch
-from .arguments import check_scale, lse_shape
+from .arguments import lse_shape
 
-_NO_LSE = (0,)
+NO_LSE = (0,)
 _OPS: dict = {}  # op name -> op; a spec loaded twice shares its op (registered once)
 _KERNELS: dict = {}  # op name -> the kernel object it calls now
 
@@ -52,51 +51,18 @@ def _define(name: str):
         kern = _KERNELS[name]
         descales = (q_descale, k_descale, v_descale)
         found = kern.fp8_forward(q, k, v, softmax_scale, descales, None, return_lse)
-        return found if return_lse else (found, q.new_empty(_NO_LSE, dtype=torch.float32))
+        return found if return_lse else (found, q.new_empty(NO_LSE, dtype=torch.float32))
 
     @forward.register_fake
     def _(q, k, v, q_descale, k_descale, v_descale, softmax_scale, return_lse):
         kern = _KERNELS[name]
         kern.check_fp8_call(q, k, v, (q_descale, k_descale, v_descale))
-        return _outputs(q, kern.out_torch_dtype, return_lse)
+        return fp8_outputs(q, kern.out_torch_dtype, return_lse)
 
     return forward
 
 
-def _outputs(q, out_dtype, with_lse: bool):
-    shape = lse_shape(q) if with_lse else _NO_LSE
+def fp8_outputs(q, out_dtype, with_lse: bool):
+    """Empty O of the output type and the LSE (a placeholder of shape (0,) without it)."""
+    shape = lse_shape(q) if with_lse else NO_LSE
     return q.new_empty(q.shape, dtype=out_dtype), q.new_empty(shape, dtype=torch.float32)
-
-
-def attention_fp8_call(q, k, v, descales, causal: bool, softmax_scale, out_dtype, with_lse):
-    """fadsl.attention's 8-bit call without a plan (the op's body): the shipped kernel's
-    checks and launch."""
-    kern = dispatch.fp8_attention_kernel(q, causal, out_dtype)
-    scale = check_scale(softmax_scale, kern.config.head_dim)
-    return kern.fp8_forward(q, k, v, scale, descales, None, with_lse)
-
-
-@custom_op("fadsl::attention_fp8", mutates_args=())
-def attention_fp8(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    q_descale: Optional[torch.Tensor],
-    k_descale: Optional[torch.Tensor],
-    v_descale: Optional[torch.Tensor],
-    causal: bool,
-    softmax_scale: Optional[float],
-    out_dtype: Optional[torch.dtype],
-    with_lse: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    descales = (q_descale, k_descale, v_descale)
-    found = attention_fp8_call(q, k, v, descales, causal, softmax_scale, out_dtype, with_lse)
-    return found if with_lse else (found, q.new_empty(_NO_LSE, dtype=torch.float32))
-
-
-@attention_fp8.register_fake
-def _(q, k, v, q_descale, k_descale, v_descale, causal, softmax_scale, out_dtype, with_lse):
-    kern = dispatch.fp8_attention_kernel(q, causal, out_dtype)
-    check_scale(softmax_scale, kern.config.head_dim)
-    kern.check_fp8_call(q, k, v, (q_descale, k_descale, v_descale))
-    return _outputs(q, kern.out_torch_dtype, with_lse)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from . import fp8_ops, fp8_planned, planned, public_ops
+from . import fp8_planned, fp8_public_ops, planned, public_ops
 from .arguments import check_scale
 from .fp8_calls import DESCALE_NAMES, check_out_dtype, is_fp8, refuse_gradients
 from .varlen import check_max_seqlen
@@ -158,7 +158,7 @@ def _attention_fp8(q, k, v, causal, softmax_scale, descales, out_dtype, window_s
     check_out_dtype(out_dtype)
     if compiling:
         check_scale(softmax_scale, 1)  # (named here, not by the op's schema)
-        out, lse = fp8_ops.attention_fp8(q, k, v, *descales, causal, softmax_scale, out_dtype,
+        out, lse = fp8_public_ops.attention_fp8(q, k, v, *descales, causal, softmax_scale, out_dtype,
                                          return_lse)  # fmt: skip
         return (out, lse) if return_lse else out
     return fp8_planned.call(key, q, k, v, descales, causal, softmax_scale, out_dtype, return_lse)

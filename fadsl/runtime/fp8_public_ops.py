@@ -1,0 +1,54 @@
+"""fadsl.attention's 8-bit (FP8) forward as a torch.library custom op (issue 42), so that
+torch.compile (fullgraph, dynamic shapes) traces it (no `from __future__ import annotations`
+here: custom_op reads the annotations as types):
+
+- ``fadsl::attention_fp8(q, k, v, q_descale, k_descale, v_descale, causal, softmax_scale,
+  out_dtype, with_lse) -> (out, lse)``: the shipped 8-bit spec's kernel, chosen when it runs
+  (fadsl/runtime/dispatch.py); no autograd formula (the FP8 forward has no backward).
+
+A loaded 8-bit spec's own op is fadsl/runtime/fp8_ops.py's, as the 16-bit kernels' are in
+fadsl/runtime/custom_op.py and fadsl.attention's in fadsl/runtime/public_ops.py.
+"""
+
+from typing import Optional
+
+import torch
+from torch.library import custom_op
+
+from . import dispatch
+from .arguments import check_scale
+from .fp8_ops import NO_LSE, fp8_outputs
+
+
+def attention_fp8_call(q, k, v, descales, causal: bool, softmax_scale, out_dtype, with_lse):
+    """fadsl.attention's 8-bit call without a plan (the op's body): the shipped kernel's
+    checks and launch."""
+    kern = dispatch.fp8_attention_kernel(q, causal, out_dtype)
+    scale = check_scale(softmax_scale, kern.config.head_dim)
+    return kern.fp8_forward(q, k, v, scale, descales, None, with_lse)
+
+
+@custom_op("fadsl::attention_fp8", mutates_args=())
+def attention_fp8(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_descale: Optional[torch.Tensor],
+    k_descale: Optional[torch.Tensor],
+    v_descale: Optional[torch.Tensor],
+    causal: bool,
+    softmax_scale: Optional[float],
+    out_dtype: Optional[torch.dtype],
+    with_lse: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    descales = (q_descale, k_descale, v_descale)
+    found = attention_fp8_call(q, k, v, descales, causal, softmax_scale, out_dtype, with_lse)
+    return found if with_lse else (found, q.new_empty(NO_LSE, dtype=torch.float32))
+
+
+@attention_fp8.register_fake
+def _(q, k, v, q_descale, k_descale, v_descale, causal, softmax_scale, out_dtype, with_lse):
+    kern = dispatch.fp8_attention_kernel(q, causal, out_dtype)
+    check_scale(softmax_scale, kern.config.head_dim)
+    kern.check_fp8_call(q, k, v, (q_descale, k_descale, v_descale))
+    return fp8_outputs(q, kern.out_torch_dtype, with_lse)
