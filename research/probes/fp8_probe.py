@@ -1,0 +1,294 @@
+"""Where fadsl's FP8 forward (examples/fa3_fp8_hdim128.fa, e4m3) loses its time: one variant
+a process, built as a development cubin from source patches (the repository is untouched),
+timed at hidden 2048 / 16k tokens with the SM clock and power sampled (fadsl/tools/clocks).
+
+research/fp8-forward.md §9 (2026-11-30) plans its runs. Usage:
+  python3 -P fp8_probe.py --variant base --seqlens 1024,4096,16384      (GPU)
+  python3 -P fp8_probe.py --variant pin --build-only                     (CPU: ptxas, SASS)
+  for v in base no_exp2 ...; do python3 -P fp8_probe.py --variant $v; done
+
+Variants (timing-only ones give wrong O; "exact" ones must match base bit for bit):
+  base          the shipped kernel
+  no_exp2       every ex2.approx -> one FFMA giving 1.0 (MUFU.EX2 gone; P = 1, no rescale)
+  no_cvt        pack_e4m3x4's two cvt.rn.satfinite.e4m3x2 -> LOP3/PRMT (F2FP gone)
+  no_transpose  transpose_v returns at once (the producer keeps every sync)
+  slack8        kRescaleSlack 0.8 -> 8 (almost no O rescale; P clamps at 448: timing only)
+  pin           exact: the K-slot release after online_softmax8, on !(l[0] < 0) (ptxas then
+                keeps every exponential between the S wait and the P V wait: 391 vs 67)
+  ilp2          exact: transpose_v loads two 16-key units before storing them
+  vds_early     exact: v_descale loaded at the tile's start, not in the epilogue
+  fixes         exact: pin + ilp2 + vds_early
+  bc128, bc128s3  B_c 128 (stages 2 / 3): no padding at 1k (1024 = 8 x 128)
+  bf16          the shipped bf16 kernel (fadsl.attention), the reference
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import pathlib
+import statistics
+import sys
+import tempfile
+
+ROOT = pathlib.Path(__file__).resolve().parent
+for cand in (pathlib.Path.cwd(), pathlib.Path("/work/main")):
+    if (cand / "fadsl").is_dir():
+        sys.path.insert(0, str(cand))
+        ROOT = cand
+        break
+
+SPEC = ROOT / "examples" / "fa3_fp8_hdim128.fa"
+
+# ---- source patches: (file suffix or "KERNEL", old, new) -------------------------------------
+EXP2_OLD = 'asm("ex2.approx.ftz.f32 %0, %1;\\n" : "=f"(y) : "f"(x));'
+CVT_OLD = """  asm("{\\n"
+      "  .reg .b16 lo, hi;\\n"
+      "  cvt.rn.satfinite.e4m3x2.f32 lo, %2, %1;\\n"  // the first operand lands in the high byte
+      "  cvt.rn.satfinite.e4m3x2.f32 hi, %4, %3;\\n"
+      "  mov.b32 %0, {lo, hi};\\n"
+      "}\\n"
+      : "=r"(packed)
+      : "f"(a), "f"(b), "f"(c), "f"(d));"""
+TRANSPOSE_HEAD = "  constexpr int kRows = Cfg::kHeadDim / 4;    // Vt rows of one warp\n"
+UNIT_LOOP_OLD = """#pragma unroll 1
+    for (int k0 = 0; k0 < Cfg::kBlockN; k0 += 16) {
+      uint32_t x[4];
+      ldmatrix_x4_trans(raw + k0 * Cfg::kRowBytes, x);
+      stmatrix_x4(vt + (k0 / kPanel) * kVtPanelBytes + ((k0 % kPanel) ^ st_xor), __byte_perm(x[0], x[1], 0x6420),
+                  __byte_perm(x[0], x[1], 0x7531), __byte_perm(x[2], x[3], 0x6420), __byte_perm(x[2], x[3], 0x7531));
+    }"""
+UNIT_LOOP_ILP2 = """#pragma unroll 1
+    for (int k0 = 0; k0 < Cfg::kBlockN; k0 += 32) {
+      uint32_t x[4], y[4];
+      ldmatrix_x4_trans(raw + k0 * Cfg::kRowBytes, x);
+      ldmatrix_x4_trans(raw + (k0 + 16) * Cfg::kRowBytes, y);
+      stmatrix_x4(vt + (k0 / kPanel) * kVtPanelBytes + ((k0 % kPanel) ^ st_xor), __byte_perm(x[0], x[1], 0x6420),
+                  __byte_perm(x[0], x[1], 0x7531), __byte_perm(x[2], x[3], 0x6420), __byte_perm(x[2], x[3], 0x7531));
+      const int k1 = k0 + 16;
+      stmatrix_x4(vt + (k1 / kPanel) * kVtPanelBytes + ((k1 % kPanel) ^ st_xor), __byte_perm(y[0], y[1], 0x6420),
+                  __byte_perm(y[0], y[1], 0x7531), __byte_perm(y[2], y[3], 0x6420), __byte_perm(y[2], y[3], 0x7531));
+    }"""
+PIN_OLD = """        // hazard WAR on K: qk -> k_g2s across the loop back edge (consumers -> producer)
+        if (lane == 0) mbar_arrive(bar_k_empty(ring_slot(ring_base + it)));
+        // mask (leading iterations only) and online softmax of S in place
+        if constexpr (kMask) mask_scores<Cfg>(s, P.base, rows, w.n_blocks - 1 - (it), lane);
+        online_softmax8<Cfg>(s, m, l, scale, scale_log2);
+"""
+PIN_NEW = """        // mask (leading iterations only) and online softmax of S in place
+        if constexpr (kMask) mask_scores<Cfg>(s, P.base, rows, w.n_blocks - 1 - (it), lane);
+        online_softmax8<Cfg>(s, m, l, scale, scale_log2);
+        // PROBE pin: K released after the exponentials, on a test ptxas cannot fold (true for NaN)
+        if (lane == 0 && !(l[0] < 0.f)) mbar_arrive(bar_k_empty(ring_slot(ring_base + it)));
+"""
+VDS_OLD_1 = "      const float scale_log2 = fp8_scale_log2<Cfg>(P.base, D, w);\n"
+VDS_NEW_1 = (
+    VDS_OLD_1
+    + "      const float v_descale_early = fp8_v_descale<Cfg>(D, w);  // PROBE vds_early\n"
+)
+VDS_OLD_2 = "normalize_o8<Cfg>(o, l, fp8_v_descale<Cfg>(D, w));"
+VDS_NEW_2 = "normalize_o8<Cfg>(o, l, v_descale_early);"
+
+PATCHES = {
+    "no_exp2": [("sm90_ptx.cuh", EXP2_OLD, "y = __fmaf_rn(x, 0.f, 1.f);")],
+    "no_cvt": [
+        (
+            "sm90_fp8_consumer.cuh",
+            CVT_OLD,
+            "  packed = __byte_perm(__float_as_uint(a) ^ __float_as_uint(b), "
+            "__float_as_uint(c) ^ __float_as_uint(d), 0x7531);",
+        )
+    ],
+    "no_transpose": [
+        ("sm90_fp8.cuh", TRANSPOSE_HEAD, "  return;  // PROBE no_transpose\n" + TRANSPOSE_HEAD)
+    ],
+    "slack8": [("sm90_fp8.cuh", "kRescaleSlack = 0.8f;", "kRescaleSlack = 8.f;")],
+    "pin": [("KERNEL", PIN_OLD, PIN_NEW)],
+    "ilp2": [("sm90_fp8.cuh", UNIT_LOOP_OLD, UNIT_LOOP_ILP2)],
+    "vds_early": [("KERNEL", VDS_OLD_1, VDS_NEW_1), ("KERNEL", VDS_OLD_2, VDS_NEW_2)],
+}
+PATCHES["fixes"] = PATCHES["pin"] + PATCHES["ilp2"] + PATCHES["vds_early"]
+SPEC_EDITS = {
+    "bc128": ("B_c = 192", "B_c = 128", None),
+    "bc128s3": ("B_c = 192", "B_c = 128", ("stages     2", "stages     3")),
+}
+EXACT = {"pin", "ilp2", "vds_early", "fixes"}
+
+
+def spec_path(variant: str, tmp: pathlib.Path) -> pathlib.Path:
+    if variant not in SPEC_EDITS:
+        return SPEC
+    old, new, more = SPEC_EDITS[variant]
+    text = SPEC.read_text().replace(old, new)
+    if more:
+        text = text.replace(*more)
+    text = text.replace("kernel fa3_fp8_hdim128 ", f"kernel fa3_fp8_hdim128_{variant} ")
+    path = tmp / f"fa3_fp8_hdim128_{variant}.fa"
+    path.write_text(text)
+    return path
+
+
+def build(kern, dtype, arch: str, variant: str, defines: dict | None = None):
+    """The variant's cubin as the kernel's development build (use_development_build's way)."""
+    from fadsl.build import cache, nvrtc
+
+    patches = PATCHES.get(variant, [])
+    request = kern.request(dtype, arch)
+    text = request.text
+    for where, old, new in patches:
+        if where == "KERNEL":
+            assert old in text, (variant, old[:60])
+            text = text.replace(old, new)
+    header_patches = [p for p in patches if p[0] != "KERNEL"]
+    original = nvrtc.fadsl_headers
+
+    def patched():
+        headers = dict(original())
+        for suffix, old, new in header_patches:
+            hits = [k for k in headers if k.endswith(suffix)]
+            assert hits and all(old in headers[k] for k in hits), (variant, suffix, old[:60])
+            for k in hits:
+                headers[k] = headers[k].replace(old, new)
+        return headers
+
+    nvrtc.fadsl_headers = patched
+    try:
+        entry = cache.development_build(dataclasses.replace(request, text=text), defines or {})
+    finally:
+        nvrtc.fadsl_headers = original
+    for k in kern.variants:
+        k._entries[dtype, arch] = entry
+    return entry
+
+
+def sass_summary(entry) -> dict:
+    from fadsl.build.nvrtc import parse_resource_usage
+    from fadsl.tools import sass
+
+    text = sass.disassemble(entry.cubin, sass.nvdisasm())
+    loops = sass.mainloops(text)
+    out = {"ptxas": dataclasses.asdict(parse_resource_usage(entry.log))}
+    out["mainloops"] = [
+        {
+            "len": len(lp.instructions),
+            "overlap": sass.softmax_overlap(lp),
+            "mufu": lp.count("MUFU.EX2"),
+            "f2fp": lp.count("F2FP"),
+            "qgmma": lp.count("QGMMA"),
+        }
+        for lp in loops
+    ]
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--variant", default="base")
+    p.add_argument("--seqlens", default="1024,4096,16384")
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--tokens", type=int, default=16384)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--runs", type=int, default=30)
+    p.add_argument("--build-only", action="store_true")
+    p.add_argument("--check", action="store_true", help="exact variants: O equal to base's")
+    p.add_argument("--json")
+    p.add_argument("--trace", action="store_true", help="FADSL_TILE_TRACE build: the tile timeline")
+    args = p.parse_args()
+
+    import torch
+
+    import fadsl
+    from fadsl.ir import Dtype
+    from fadsl.tools import clocks
+
+    e4m3 = Dtype("e4m3")
+    tmp = pathlib.Path(tempfile.mkdtemp())
+    result = {"variant": args.variant, "rows": []}
+    if args.variant != "bf16":
+        kern = fadsl.load(str(spec_path(args.variant, tmp)), verbose=False)
+        arch = "sm_90a"
+        entry = build(
+            kern, e4m3, arch, args.variant, {"FADSL_TILE_TRACE": 1} if args.trace else None
+        )
+        result["sass"] = sass_summary(entry)
+        print(args.variant, json.dumps(result["sass"]))
+        if args.check and args.variant in EXACT:
+            base = fadsl.load(str(SPEC), verbose=False)
+    if args.build_only:
+        return 0
+
+    reader = clocks.nvml_reader()
+    sampler = clocks.Sampler(reader) if reader else None
+    d = 128
+    heads = args.hidden // d
+    for seqlen in (int(s) for s in args.seqlens.split(",")):
+        batch = max(1, args.tokens // seqlen)
+        g = torch.Generator(device="cuda").manual_seed(0)
+        q, k, v = (
+            torch.randn(batch, seqlen, heads, d, device="cuda", generator=g) for _ in range(3)
+        )
+        if args.variant == "bf16":
+            q, k, v = (t.to(torch.bfloat16) for t in (q, k, v))
+            call = lambda: fadsl.attention(q, k, v)  # noqa: E731
+        else:
+            q, k, v = (t.to(torch.float8_e4m3fn) for t in (q, k, v))
+            ds = torch.ones(batch, heads, device="cuda", dtype=torch.float32)
+            call = lambda: kern(q, k, v, q_descale=ds, k_descale=ds, v_descale=ds)  # noqa: E731
+        out = call()
+        torch.cuda.synchronize()
+        if args.check and args.variant in EXACT:
+            ref = base(q, k, v, q_descale=ds, k_descale=ds, v_descale=ds)
+            print(
+                f"  check {seqlen}: max |O - O_base| = {(out.float() - ref.float()).abs().max().item()}"
+            )
+        for _ in range(args.warmup):
+            call()
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(args.runs)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(args.runs)]
+        if sampler:
+            sampler.start()
+        for i in range(args.runs):
+            starts[i].record()
+            call()
+            ends[i].record()
+        torch.cuda.synchronize()
+        readings = sampler.stop() if sampler else []
+        ms = statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
+        tflops = 4 * batch * heads * seqlen * seqlen * d / (ms * 1e-3) / 1e12
+        summ = clocks.summarize(readings)
+        if args.trace and args.variant != "bf16":
+            from fadsl.tools import tiletrace
+
+            module = kern.module(e4m3, 0)
+            module.zero_global("fadsl_tile_trace")
+            call()
+            torch.cuda.synchronize()
+            layout = tiletrace.TraceLayout.of_target(kern.compiled.target)
+            timeline = tiletrace.phases(
+                layout.unpack(module.read_global("fadsl_tile_trace")), layout
+            )
+            if timeline is not None:
+                print(tiletrace.report(timeline, math.ceil(seqlen / kern.config.block_c)))
+        row = {
+            "seqlen": seqlen,
+            "ms": ms,
+            "tflops": tflops,
+            "mhz": summ.sm_mhz if summ else None,
+            "watts": summ.power_w if summ else None,
+            "capped": summ.power_capped if summ else None,
+        }
+        row["tflops_per_ghz"] = tflops / (row["mhz"] / 1000) if row["mhz"] else None
+        result["rows"].append(row)
+        print(
+            f"  {args.variant:13s} {seqlen:6d}: {tflops:6.0f} TF/s  {ms:8.3f} ms  "
+            + (summ.text() if summ else "no clocks")
+        )
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
