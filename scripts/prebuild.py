@@ -68,8 +68,7 @@ def fp8_specs() -> list[str]:
         found.append(str(path.relative_to(ROOT)))
         found.append(rewrite(path.read_text(), {"output": "fp16"}, {}, f"{path.stem}_out_fp16"))
     for path in sorted((ROOT / "tests" / "specs" / "fp8").glob("*.fa")):
-        if path.stem != "fa3_fp8_hdim256":  # (it spills: a strict xfail, never run)
-            found.append(str(path.relative_to(ROOT)))
+        found.append(str(path.relative_to(ROOT)))
     return found
 
 

@@ -131,10 +131,10 @@ def test_unbuilt_serving_variants_are_refused_at_their_key(line, key):
     assert diagnostic.loc.line == source.splitlines().index(line) + 1
 
 
-# head_dim 256 at FA3's 128 x 128 with 24 / 240 registers (the only split the launch's pool
-# allows with 240): ptxas spills 84 bytes (2026-11-30, NVRTC 13.5); 32 / 232 spills 92 and
-# serializes the wgmma (C7512). Kept as a strict xfail until the producer's registers shrink.
-SPILLS = {"fa3_fp8_hdim256": "84 bytes of spill stores at 24 / 240 registers (NVRTC 13.5)"}
+# Specs that ptxas cannot yet build without spills, kept as strict xfails: none. head_dim 256
+# (FA3's 128 x 128 at 24 / 240) spilled 84 bytes in its producer until transpose_v_lean
+# (2026-11-30, NVRTC 13.5: 0 spills, no C7512)
+SPILLS: dict[str, str] = {}
 
 
 def _built(spec):

@@ -21,7 +21,7 @@ from fadsl.spec.syntax import parse_recovering
 from fadsl.targets.sm90.fp8 import refuse_unbuilt
 from fadsl.targets.sm90.validate import consumer_registers, smem_bytes
 
-SPEC = (ROOT / "tests/specs/fp8/fa3_fp8_hdim256.fa").read_text()
+SPEC = (ROOT / "tests/specs/fp8/fa3_fp8_hdim256_eager.fa").read_text()
 
 
 def _lowered(source: str):

@@ -183,3 +183,42 @@ def test_random_operands(block_c, head_dim, seed, extreme):
     if extreme:
         v = torch.where(v % 3 == 0, torch.zeros_like(v), torch.full_like(v, 255))
     assert torch.equal(model.p_times_v(p, v, DESIGN), p @ v)
+
+
+def lean_addresses(warp: int, half: int, head_dim: int = 256, block_c: int = 128):
+    """transpose_v_lean's lane addresses (fadsl/sm90_fp8.cuh, its arithmetic line for line,
+    slots at 0) for one half-unit: ((k0, c), ldmatrix.x2's 16, stmatrix.x2's 16)."""
+    rows, panel, key_units = head_dim // 4, 128, block_c // 16
+    raw_panel_bytes, vt_panel_bytes = block_c * 128, head_dim * panel
+    c = 16 * (half % 2) + 32 * (half // (2 * key_units))
+    k0 = 16 * (half // 2 % key_units)
+    loads, stores = [], []
+    for lane in range(16):
+        m, i = lane // 8 % 2, lane % 8
+        st_xor = 16 * (model.rho(2 * i + m) % 8)
+        raw0 = (
+            (warp * rows // 128) * raw_panel_bytes
+            + (8 * m + i) * 128
+            + ((warp * rows % 128) ^ (16 * i))
+        )
+        vt0 = (warp * rows + model.rho(2 * i + m)) * panel + st_xor
+        loads.append((raw0 ^ c) + k0 * 128)
+        stores.append(((vt0 + c * panel) ^ (k0 % panel)) + (k0 // panel) * vt_panel_bytes)
+    return (k0, c), loads, stores
+
+
+def test_transpose_v_lean_moves_the_units_bytes_in_halves():
+    """Each half h of transpose_v_lean's units addresses exactly the x4 unit's matrices 2h and
+    2h + 1 (lanes 16h..16h + 15 of unit_addresses), and the halves cover each warp's units
+    once: the same ldmatrix reads and stmatrix writes as transpose_v_units (head_dim 256)."""
+    for warp in range(model.WARPS):
+        seen = []
+        for half in range(2 * 2 * 8):
+            (k0, c), loads, stores = lean_addresses(warp, half)
+            d0, h = warp * 64 + 32 * (c // 32), c // 16 % 2
+            ref_loads, ref_stores = model.unit_addresses(256, 128, k0, d0)
+            assert loads == ref_loads[16 * h : 16 * h + 16], (warp, half)
+            assert stores == ref_stores[16 * h : 16 * h + 16], (warp, half)
+            seen.append((k0, d0, h))
+        units = model.warp_units(256, 128, warp)
+        assert sorted(seen) == sorted((k0, d0, h) for k0, d0 in units for h in range(2))

@@ -31,7 +31,7 @@ from ir_reader import read_kernel
 from sync_mutants import mutants, survivors
 
 SPECS = sorted((ROOT / "tests/specs/fp8").glob("*.fa"))
-HDIM256 = (ROOT / "tests/specs/fp8/fa3_fp8_hdim256.fa").read_text()
+HDIM256 = (ROOT / "tests/specs/fp8/fa3_fp8_hdim256_eager.fa").read_text()
 
 
 def _variant(text: str, **settings: str) -> str:
@@ -67,11 +67,11 @@ TRANSPOSE_SYNCS = (
 
 
 def test_the_specs_exist():
-    assert {p.stem for p in SPECS} == {"fa3_fp8_hdim128_fp16", "fa3_fp8_hdim256", "fa3_fp8_one_wg"}
+    assert {p.stem for p in SPECS} == {"fa3_fp8_hdim128_fp16", "fa3_fp8_hdim256_eager", "fa3_fp8_one_wg"}
 
 
 def test_the_schedule_transposes_v_into_its_own_ring():
-    kernel = KERNELS["fa3_fp8_hdim256"]
+    kernel = KERNELS["fa3_fp8_hdim256_eager"]
     assert [b.name for b in kernel.buffers] == ["Q", "K", "V", "Vt", "O"]
     vt, v, o = kernel.buffer("Vt"), kernel.buffer("V"), kernel.buffer("O")
     assert (vt.rows, vt.cols, vt.elem_bytes, vt.slots) == (256, 128, 1, 2)
@@ -113,7 +113,7 @@ def test_one_stage_in_the_two_stage_order_hangs():
 
 @pytest.mark.parametrize(
     "name, smem, o_over_vt",
-    [("fa3_fp8_hdim256", 230_520, True), ("fa3_fp8_hdim128_fp16", 197_744, False)],
+    [("fa3_fp8_hdim256_eager", 230_520, True), ("fa3_fp8_hdim128_fp16", 197_744, False)],
 )
 def test_smem_is_the_designs_table(name, smem, o_over_vt):
     """§3.2: Q | K | V | Vt | O, 1,024-byte aligned; at head_dim 256 O over the dead Vt."""
@@ -137,7 +137,7 @@ def test_every_sync_is_needed(name):
 def test_the_mutants_include_every_transpose_sync():
     """The test above is not vacuous for the new syncs: each is dropped (and its parity
     flipped) in the head_dim 256 kernel, whose O lies over Vt."""
-    whats = [what for what, _ in mutants(KERNELS["fa3_fp8_hdim256"])]
+    whats = [what for what, _ in mutants(KERNELS["fa3_fp8_hdim256_eager"])]
     for sync in TRANSPOSE_SYNCS:
         assert any(w.startswith("drop mainloop") and sync in w for w in whats), sync
         if "parity" in sync:
@@ -214,7 +214,7 @@ def test_the_cuda_is_rendered_since_step_4():
 
 
 def test_the_phases_hold_the_producer_warps():
-    kernel = KERNELS["fa3_fp8_hdim256"]
+    kernel = KERNELS["fa3_fp8_hdim256_eager"]
     assert all(
         i.who is not Threads.PRODUCER_WARPS for i in kernel.prologue
     ), "the prologue transposes nothing: V(0) is transposed in the first mainloop iteration"

@@ -56,6 +56,15 @@ def test_fadsl_attention_runs_the_shipped_8bit_example(device, dtype, causal):
     assert (fields["q_batch_stride"], fields["q_head_stride"]) == (2, 1)
 
 
+@pytest.mark.parametrize("dtype", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+def test_head_dim_256_runs_its_example_without_a_mask(device, dtype):
+    log, _ = device
+    q, k, v = inputs(dtype, d=256)
+    out = fadsl.attention(q, k, v, q_descale=torch.rand(2, 2))
+    assert out.dtype == torch.bfloat16 and out.shape == q.shape
+    assert log[-1].kernel == "fa3_fp8_hdim256"
+
+
 def test_out_dtype_fp16_runs_the_output_fp16_variant(device):
     log, _ = device
     q, k, v = inputs()
@@ -70,7 +79,7 @@ def test_out_dtype_fp16_runs_the_output_fp16_variant(device):
 
 def test_the_shipped_8bit_table_names_examples_with_both_dtypes():
     target = get("sm_90a")
-    assert set(target.shipped_fp8) == {(128, False), (128, True)}
+    assert set(target.shipped_fp8) == {(128, False), (128, True), (256, False)}
     for (head_dim, causal), name in target.shipped_fp8.items():
         kern = fadsl.load(ROOT / "examples" / f"{name}.fa", verbose=False)
         cfg = kern.config
@@ -82,12 +91,17 @@ def test_the_shipped_8bit_table_names_examples_with_both_dtypes():
 
 
 @pytest.mark.parametrize(
-    "head_dim, why", [(64, "64-byte swizzle"), (256, "spills 84 bytes"), (96, "head_dim 128")]
+    "head_dim, causal, why",
+    [
+        (64, False, "64-byte swizzle"),
+        (256, True, "spills 24 bytes"),
+        (96, False, "head_dim 128, 256"),
+    ],
 )
-def test_an_unshipped_head_dim_is_named_with_why(device, head_dim, why):
+def test_an_unshipped_head_dim_is_named_with_why(device, head_dim, causal, why):
     q, k, v = inputs(d=head_dim)
     with pytest.raises(ValueError, match=f"head_dim\\) = {head_dim}") as err:
-        fadsl.attention(q, k, v)
+        fadsl.attention(q, k, v, causal)
     assert why in str(err.value) and "torch.float8_e4m3fn" in str(err.value)
 
 

@@ -49,14 +49,14 @@ def _ids(shape) -> str:
     return "x".join(map(str, shape))
 
 
-def fp8_inputs(shape, dtype, seed: int, scale: float = 1.0):
-    """Random q, k, v quantized per (batch, K/V head) by fadsl.fp8.quantize: (q8, k8, v8,
-    (q_descale, k_descale, v_descale))."""
+def fp8_inputs(shape, dtype, seed: int, scale: float = 1.0, d: int = 128):
+    """Random q, k, v of head_dim d quantized per (batch, K/V head) by fadsl.fp8.quantize:
+    (q8, k8, v8, (q_descale, k_descale, v_descale))."""
     b, sq, sk, hq, hkv = shape
     g = torch.Generator(device="cuda").manual_seed(seed)
-    q = torch.randn(b, sq, hq, 128, device="cuda", generator=g) * scale
-    k = torch.randn(b, sk, hkv, 128, device="cuda", generator=g) * scale
-    v = torch.randn(b, sk, hkv, 128, device="cuda", generator=g)
+    q = torch.randn(b, sq, hq, d, device="cuda", generator=g) * scale
+    k = torch.randn(b, sk, hkv, d, device="cuda", generator=g) * scale
+    v = torch.randn(b, sk, hkv, d, device="cuda", generator=g)
     q8, qd = quantize(q, dtype, scale_heads=hkv)
     k8, kd = quantize(k, dtype)
     v8, vd = quantize(v, dtype)
@@ -164,14 +164,14 @@ def test_every_descale_layout_is_read_as_given(name, layout):
     check_close(out, lse, ref_out, ref_lse, *_v_stats(v8, descales[2], 2), layout)
 
 
-@pytest.mark.parametrize("spec", ["fa3_fp8_hdim128", "fa3_fp8_hdim128_causal"])
+@pytest.mark.parametrize("spec", ["fa3_fp8_hdim128", "fa3_fp8_hdim128_causal", "fa3_fp8_hdim256"])
 def test_a_loaded_spec_writes_a_poisoned_out_and_fp16_through_fadsl_attention(spec):
     """The loaded example with out= NaN-filled (every element written), and fadsl.attention's
     out_dtype=torch.float16 (its `output fp16` variant) against the same reference."""
     kern = fadsl.load(ROOT / "examples" / f"{spec}.fa", verbose=False)
     causal = kern.config.mask.value == "causal"
     shape = (2, 300, 451, 4, 2)
-    q8, k8, v8, descales = fp8_inputs(shape, E4M3, seed=11)
+    q8, k8, v8, descales = fp8_inputs(shape, E4M3, seed=11, d=kern.config.head_dim)
     out = torch.full(q8.shape, float("nan"), device="cuda", dtype=torch.bfloat16)
     kern(q8, k8, v8, 0.1, out=out, q_descale=descales[0], k_descale=descales[1],
          v_descale=descales[2])  # fmt: skip

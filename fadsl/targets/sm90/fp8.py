@@ -159,8 +159,10 @@ def refuse_unbuilt(cfg: Config) -> None:
 # fadsl.attention's 8-bit head_dims without a shipped spec (Target.fp8_unshipped), and why
 UNSHIPPED = {
     64: "its 64-byte rows take the 64-byte swizzle, which the FP8 kernel does not build yet",
+    # read only when (head_dim, causal) is not in the table: causal=True at 256
     256: (
-        "FA3's 128 x 128 tile spills 84 bytes of registers at 24 / 240 (research/fp8-forward.md "
-        "§7 step 4), so no spec ships until it builds without spills"
+        "with causal=True FA3's 128 x 128 tile spills 24 bytes of the consumers' 240 registers "
+        "(its mask; research/fp8-forward.md §7 step 4), so no causal spec ships until it builds "
+        "without spills"
     ),
 }

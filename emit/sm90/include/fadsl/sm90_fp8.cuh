@@ -63,6 +63,9 @@ struct Fp8FwdConfig
   static constexpr int kVtBytes = kHeadDim_ * kBlockN_;  // one Vt ring slot
   static_assert(kHeadDim_ == 128 || kHeadDim_ == 256, "8-bit head_dim 128 or 256 (64 needs the 64-byte swizzle)");
   static_assert(kBlockN_ % 64 == 0, "8-bit B_c: a multiple of 64 (whole Vt panels, k32 steps)");
+  // transpose_v by transpose_v_lean (two bases, x2 halves): at head_dim 256 the producer has
+  // 24 registers (the consumers need 240 of the launch's 384 x 168) and transpose_v_units spills
+  static constexpr bool kLeanTranspose = kHeadDim_ > 128;
 };
 
 // One descale of the tile's (batch, K/V head); 1 without the tensor.
@@ -140,7 +143,7 @@ __host__ __device__ __forceinline__ constexpr int vt_row_rho(int col) {
 // registers hold P in (§3.4), so that the P hand-over moves no lane and no byte.
 // tests/fp8_layout_model.py's transpose_v is this function, address for address.
 template <class Cfg>
-__device__ __forceinline__ void transpose_v(uint32_t smem_v_slot, uint32_t smem_vt_slot, int warp, int lane) {
+__device__ __forceinline__ void transpose_v_units(uint32_t smem_v_slot, uint32_t smem_vt_slot, int warp, int lane) {
   constexpr int kRows = Cfg::kHeadDim / 4;    // Vt rows of one warp
   constexpr int kPanel = Cfg::kVtPanelKeys;   // Vt's row bytes within a panel
   constexpr int kRawPanelBytes = Cfg::kBlockN * Cfg::kRowBytes;
@@ -169,6 +172,68 @@ __device__ __forceinline__ void transpose_v(uint32_t smem_v_slot, uint32_t smem_
       stmatrix_x4(vt + (k0 / kPanel) * kVtPanelBytes + ((k0 % kPanel) ^ st_xor), __byte_perm(x[0], x[1], 0x6420),
                   __byte_perm(x[0], x[1], 0x7531), __byte_perm(x[2], x[3], 0x6420), __byte_perm(x[2], x[3], 0x7531));
     }
+  }
+}
+
+__device__ __forceinline__ void ldmatrix_x2_trans(uint32_t smem_src, uint32_t (&x)[2]) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0, %1}, [%2];\n"
+               : "=r"(x[0]), "=r"(x[1])
+               : "r"(smem_src)
+               : "memory");
+}
+
+__device__ __forceinline__ void stmatrix_x2(uint32_t smem_dst, uint32_t r0, uint32_t r1) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x2.shared.b16 [%0], {%1, %2};\n" ::"r"(smem_dst), "r"(r0), "r"(r1)
+               : "memory");
+}
+
+// transpose_v_units for a producer of 24 registers (head_dim 256, Cfg::kLeanTranspose): the
+// same bytes to the same places, each 16-key x 32-column unit as two halves h of 16 columns
+// (ldmatrix.x2.trans: the x4's matrices 2h, 2h + 1; stmatrix.x2: its matrices 2h, 2h + 1, lanes
+// 0-15 addressing), in one loop that is not unrolled, %tid.x read here (asm volatile) and each
+// half's two addresses one XOR and one add from two bases of the call. 2026-11-30, NVRTC 13.5,
+// producer at 24 registers: transpose_v_units spilled 52 bytes (84 loaded); per-unit addresses
+// from %tid.x, 28; these two bases, 12; the halves (4 data registers, not 8), 0.
+// Addresses: with d0 = 64 warp + 32 u and c = 32 u + 16 h, transpose_v_units' raw column
+// (d0 % 128 + 16 h) ^ 16 i is (64 (warp % 2) ^ 16 i) ^ c (disjoint bits), and its Vt byte
+// (d0 + 16 h + rho(2 i + m)) 128 + (k0 % 128 ^ st_xor) is (vt0 + 128 c) ^ k0 % 128 (slots are
+// 1,024-byte aligned); tests/fp8_layout_model.py's transpose_v_lean checks both, byte for byte.
+template <class Cfg>
+__device__ __forceinline__ void transpose_v_lean(uint32_t smem_v_slot, uint32_t smem_vt_slot) {
+  constexpr int kRows = Cfg::kHeadDim / 4;
+  constexpr int kPanel = Cfg::kVtPanelKeys;
+  constexpr int kRawPanelBytes = Cfg::kBlockN * Cfg::kRowBytes;
+  constexpr int kVtPanelBytes = Cfg::kHeadDim * kPanel;
+  constexpr int kKeyUnits = Cfg::kBlockN / 16;
+  static_assert(kRows == 64 && kPanel == 128, "head_dim 256: two 32-column units a warp, 128-key Vt panels");
+  static_assert(Cfg::kRowBytes == 128, "raw rows of one 128-byte panel");
+  uint32_t tid;
+  asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(tid));
+  const int warp = static_cast<int>(tid / 32 % 4), lane = static_cast<int>(tid % 32);
+  const int m = lane / 8 % 2, i = lane % 8;  // lanes 16-31: addresses .x2 ignores
+  const uint32_t st_xor = 16 * (vt_row_rho(2 * i + m) % 8);
+  const uint32_t raw0 = smem_v_slot + (warp * kRows / 128) * kRawPanelBytes + (8 * m + i) * Cfg::kRowBytes +
+                        ((static_cast<uint32_t>(warp * kRows % 128)) ^ (16u * i));
+  const uint32_t vt0 = smem_vt_slot + (warp * kRows + vt_row_rho(2 * i + m)) * kPanel + st_xor;
+#pragma unroll 1
+  for (int half = 0; half < 2 * (kRows / 32) * kKeyUnits; ++half) {
+    const int c = 16 * (half % 2) + 32 * (half / (2 * kKeyUnits)), k0 = 16 * (half / 2 % kKeyUnits);
+    const uint32_t raw = (raw0 ^ static_cast<uint32_t>(c)) + k0 * Cfg::kRowBytes;
+    const uint32_t vt = ((vt0 + c * kPanel) ^ static_cast<uint32_t>(k0 % kPanel)) + (k0 / kPanel) * kVtPanelBytes;
+    uint32_t x[2];
+    ldmatrix_x2_trans(raw, x);
+    stmatrix_x2(vt, __byte_perm(x[0], x[1], 0x6420), __byte_perm(x[0], x[1], 0x7531));
+  }
+}
+
+// V(it-1) -> Vt(it-1) by the producer warps: transpose_v_units, or at head_dim 256 the same
+// bytes in fewer registers (transpose_v_lean).
+template <class Cfg>
+__device__ __forceinline__ void transpose_v(uint32_t smem_v_slot, uint32_t smem_vt_slot, int warp, int lane) {
+  if constexpr (Cfg::kLeanTranspose) {
+    transpose_v_lean<Cfg>(smem_v_slot, smem_vt_slot);
+  } else {
+    transpose_v_units<Cfg>(smem_v_slot, smem_vt_slot, warp, lane);
   }
 }
 
