@@ -67,7 +67,11 @@ TRANSPOSE_SYNCS = (
 
 
 def test_the_specs_exist():
-    assert {p.stem for p in SPECS} == {"fa3_fp8_hdim128_fp16", "fa3_fp8_hdim256_eager", "fa3_fp8_one_wg"}
+    assert {p.stem for p in SPECS} == {
+        "fa3_fp8_hdim128_fp16",
+        "fa3_fp8_hdim256_eager",
+        "fa3_fp8_one_wg",
+    }
 
 
 def test_the_schedule_transposes_v_into_its_own_ring():

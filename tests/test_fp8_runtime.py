@@ -57,10 +57,15 @@ def test_fadsl_attention_runs_the_shipped_8bit_example(device, dtype, causal):
 
 
 @pytest.mark.parametrize("dtype", [E4M3, E5M2], ids=["e4m3", "e5m2"])
-def test_head_dim_256_runs_its_example_without_a_mask(device, dtype):
+def test_head_dim_256_runs_as_a_loaded_spec_until_it_ships(device, dtype):
+    """examples/fa3_fp8_hdim256.fa builds (0 spills) but has not run on a GPU: fadsl.attention
+    names why it does not take it, and a loaded spec launches it."""
     log, _ = device
     q, k, v = inputs(dtype, d=256)
-    out = fadsl.attention(q, k, v, q_descale=torch.rand(2, 2))
+    with pytest.raises(ValueError, match="ships after its first GPU run"):
+        fadsl.attention(q, k, v)
+    kern = fadsl.load(ROOT / "examples" / "fa3_fp8_hdim256.fa", verbose=False)
+    out = kern(q, k, v, 256**-0.5, q_descale=torch.rand(2, 2))
     assert out.dtype == torch.bfloat16 and out.shape == q.shape
     assert log[-1].kernel == "fa3_fp8_hdim256"
 
@@ -79,7 +84,7 @@ def test_out_dtype_fp16_runs_the_output_fp16_variant(device):
 
 def test_the_shipped_8bit_table_names_examples_with_both_dtypes():
     target = get("sm_90a")
-    assert set(target.shipped_fp8) == {(128, False), (128, True), (256, False)}
+    assert set(target.shipped_fp8) == {(128, False), (128, True)}
     for (head_dim, causal), name in target.shipped_fp8.items():
         kern = fadsl.load(ROOT / "examples" / f"{name}.fa", verbose=False)
         cfg = kern.config
@@ -95,7 +100,7 @@ def test_the_shipped_8bit_table_names_examples_with_both_dtypes():
     [
         (64, False, "64-byte swizzle"),
         (256, True, "spills 24 bytes"),
-        (96, False, "head_dim 128, 256"),
+        (96, False, "head_dim 128"),
     ],
 )
 def test_an_unshipped_head_dim_is_named_with_why(device, head_dim, causal, why):
