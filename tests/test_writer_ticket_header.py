@@ -1,0 +1,62 @@
+"""The dQ writer's ordered add in the header (sm90_bwd_writer.cuh, `dq_writer on` with
+`deterministic on`): the proof (verify_writer.py) checks the order of the acquire, the add, the
+waits, the fences and the release, not their arguments. Here, on the header's text: the writer
+acquires and releases the same counter (its own share's, of its m-block), waits for its own
+place and releases the next one, and adds to its own share's rows; a typo in any of them (share
+0 for w, a release of `place`, another m-block's counter) would pass every CPU check of the plan
+and show on the GPU only as a hang or an unordered sum."""
+
+from __future__ import annotations
+
+import re
+
+from conftest import ROOT
+
+HEADER = ROOT / "emit" / "sm90" / "include" / "fadsl" / "sm90_bwd_writer.cuh"
+
+
+def _writer_body() -> str:
+    text = HEADER.read_text()
+    start = text.index("void bwd_dq_writer(")
+    return text[start : text.index("\n}\n", start)]
+
+
+def _calls(body: str, name: str) -> list[str]:
+    """The argument lists of every call of ``name`` (one level of nested parentheses)."""
+    return re.findall(rf"\b{name}\(((?:[^()]|\([^()]*\))*)\)", body)
+
+
+def test_the_writer_acquires_and_releases_its_own_counter_and_place():
+    body = _writer_body()
+    acquires = re.findall(r"while \(ld_acquire_gpu\((.+?)\) != (\w+)\)", body)
+    releases = [a.rsplit(",", 1) for a in _calls(body, "st_release_gpu")]
+    assert len(acquires) == 1 and len(releases) == 1, (acquires, releases)
+    (counter, waited), (released_counter, value) = acquires[0], releases[0]
+    share = "dq_semaphore_share<Cfg>(P, accum_head, m, w)"
+    assert counter == share and released_counter.strip() == share
+    assert waited == "place" and value.strip() == "place + 1"
+    # the place is the m-block's rank in the consumer's own order (bwd_dq_place)
+    assert "const int place = Cfg::kDeterministic ? bwd_dq_place<Cfg>(P, b, m) : 0;" in body
+
+
+def test_the_writer_adds_its_own_share_from_its_own_staging():
+    body = _writer_body()
+    adds = _calls(body, "bulk_reduce_add_f32")
+    assert adds == ["dq_accum_share<Cfg>(P, accum_head, m, w), stage, Cfg::kDqFloats * 4"]
+    assert "const uint32_t stage = smem + Cfg::kOffDQ + w * Cfg::kDqFloats * 4;" in body
+    # the m-block is the consumers' (bwd_m_block over the same block), once per iteration
+    assert "const int m = bwd_m_block<Cfg>(P, b, i);" in body
+
+
+def test_a_mistyped_release_is_caught(monkeypatch, tmp_path):
+    """The check fails on a header whose writer releases `place` (the same ticket again)."""
+    text = HEADER.read_text().replace("accum_head, m, w), place + 1)", "accum_head, m, w), place)")
+    assert text != HEADER.read_text()
+    bad = tmp_path / "sm90_bwd_writer.cuh"
+    bad.write_text(text)
+    monkeypatch.setitem(globals(), "HEADER", bad)
+    try:
+        test_the_writer_acquires_and_releases_its_own_counter_and_place()
+    except AssertionError:
+        return
+    raise AssertionError("a release of `place` passed the check")
