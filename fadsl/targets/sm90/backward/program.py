@@ -479,3 +479,21 @@ _ROLE_FIELDS = {
     WarpRole.CONSUMER: "consumer",
     WarpRole.WRITER: "writer",
 }
+
+
+def unrolled(items: tuple[Item, ...], m_count: int) -> list[tuple[Item, int | None]]:
+    """(item, m-block) in the order one thread runs them: the items before the loop, the
+    loop's m_count times, those after; HAS_WORK items only when m_count > 0. An OWED item
+    (the deferred release of a ticket) acts for the m-block that owes it: in m-block i for
+    i - 1 (none in m-block 0), after the loop for the last one (none when m_count = 0)."""
+    out = []
+    live = [x for x in items if x.guard is Guard.ALWAYS or m_count > 0]
+    out += [(x, None) for x in live if x.phase is LoopPhase.BEFORE]
+    skipped = {Guard.OWED: 0, Guard.AFTER_FIRST: 0, Guard.BEFORE_LAST: m_count - 1}
+    for i in range(m_count):
+        for x in live:
+            if x.phase is LoopPhase.LOOP and skipped.get(x.guard) != i:
+                out.append((x, i - 1 if x.guard is Guard.OWED else i))
+    after = [x for x in live if x.phase is LoopPhase.AFTER]
+    out += [(x, m_count - 1 if x.guard is Guard.OWED else None) for x in after]
+    return out

@@ -24,7 +24,7 @@ released before the program ends; no semaphore item in the consumer then.
 
 from __future__ import annotations
 
-from .program import Guard, Item, Kind, LoopPhase, Named, Protocol, WarpRole, Who
+from .program import Item, Kind, LoopPhase, Named, Protocol, WarpRole, Who, unrolled
 
 WRITER_THREADS = 32
 _LANE0_KINDS = frozenset(
@@ -86,20 +86,6 @@ def lane0_problems(items: tuple[Item, ...]) -> list[str]:
     return problems
 
 
-def unrolled_writer(items: tuple[Item, ...], m_count: int) -> list[tuple[Item, int]]:
-    """(item, m-block) as the writer warp runs them: the loop m_count times, an item of
-    Guard.BEFORE_LAST in every m-block but the last, AFTER_FIRST from m-block 1 on."""
-    out = []
-    for i in range(m_count):
-        for x in items:
-            if x.guard is Guard.BEFORE_LAST and i == m_count - 1:
-                continue
-            if x.guard is Guard.AFTER_FIRST and i == 0:
-                continue
-            out.append((x, i))
-    return out
-
-
 def semaphore_problems(proto: Protocol) -> list[str]:
     """``deterministic on`` with a writer: the ordered add's shape in the writer's program
     (module docstring), checked for 1-3 m-blocks; none in the consumer."""
@@ -113,7 +99,7 @@ def semaphore_problems(proto: Protocol) -> list[str]:
     if len(adds) != 1:
         return [f"{len(adds)} dQ reduce-adds per m-block in the writer, expected 1"]
     for m_count in (1, 2, 3):
-        problems = _ticket_problems(unrolled_writer(proto.writer, m_count), m_count)
+        problems = _ticket_problems(unrolled(proto.writer, m_count), m_count)
         if problems:
             return problems
     return []
