@@ -167,6 +167,8 @@ def sass_summary(entry) -> dict:
     from fadsl.build.nvrtc import parse_resource_usage
     from fadsl.tools import sass
 
+    if not entry.log.strip():  # a cache hit keeps no compiler report: the --build-only run printed it
+        return {}
     text = sass.disassemble(entry.cubin, sass.nvdisasm())
     loops = sass.mainloops(text)
     out = {"ptxas": dataclasses.asdict(parse_resource_usage(entry.log))}

@@ -111,9 +111,14 @@ TARGET = Target(
     # (1.25x the 192-row spec at 1k, level at 2k; H200, 2026-11-30, docs/performance.md)
     shipped_short={(64, True): (2048, "fa3_hdim64_causal_short")},
     # fadsl.attention on 8-bit q, k, v (issue 42): head_dim 128 (both dtypes build with 0
-    # spills, NVRTC 13.5, and ran on an H200, 2026-11-30); fp8.UNSHIPPED says why 64 and 256
-    # have none yet (examples/fa3_fp8_hdim256.fa builds, and awaits its first GPU run)
-    shipped_fp8={(128, False): "fa3_fp8_hdim128", (128, True): "fa3_fp8_hdim128_causal"},
+    # spills, NVRTC 13.5, and ran on an H200, 2026-11-30) and head_dim 256 without a mask (0
+    # spills; tests/test_gpu_fp8.py's loaded-spec test passed on an H200, 2026-11-30);
+    # fp8.UNSHIPPED says why 64 and causal 256 have none yet
+    shipped_fp8={
+        (128, False): "fa3_fp8_hdim128",
+        (128, True): "fa3_fp8_hdim128_causal",
+        (256, False): "fa3_fp8_hdim256",
+    },
     fp8_unshipped=UNSHIPPED,
     # fadsl.attention_varlen and attention_with_kvcache (docs/serving.md)
     shipped_serving={

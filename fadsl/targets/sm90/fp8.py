@@ -160,9 +160,8 @@ def refuse_unbuilt(cfg: Config) -> None:
 UNSHIPPED = {
     64: "its 64-byte rows take the 64-byte swizzle, which the FP8 kernel does not build yet",
     256: (
-        "without a mask FA3's 128 x 128 tile builds with 0 spills since 2026-11-30 "
-        "(examples/fa3_fp8_hdim256.fa, loadable with fadsl.load) and ships after its first GPU "
-        "run; with causal=True it spills 24 bytes of the consumers' 240 registers (its mask; "
-        "research/fp8-forward.md §7 step 4)"
+        "with causal=True FA3's 128 x 128 tile spills 24 bytes of the consumers' 240 "
+        "registers (its mask; research/fp8-forward.md §7 step 4); without a mask "
+        "examples/fa3_fp8_hdim256.fa runs it"
     ),
 }
