@@ -491,6 +491,20 @@ __device__ __forceinline__ BwdBlock bwd_role_block(const BwdParamsSm90& P, const
   return shared;
 }
 
+// This thread's warpgroup (0: the producer), warp-uniform through the shuffle so that ptxas
+// keeps what derives from it (a consumer's SMEM addresses and wgmma descriptors) in uniform
+// registers: about a sixth fewer instructions per m-block at head_dim 128 (SASS, 2026-11-30).
+// Kernels with score or keep modifiers keep the division: there the uniform registers spill
+// 8-48 bytes (NVRTC 13.5, 2026-11-30).
+template <class Cfg>
+__device__ __forceinline__ int bwd_warpgroup() {
+  if constexpr (Cfg::kScore || Cfg::kKeep) {
+    return threadIdx.x / 128;
+  } else {
+    return __shfl_sync(0xffffffffu, threadIdx.x / 128, 0);
+  }
+}
+
 // The first n-block whose keys m-block m sees (0 without a window): with `deterministic on`
 // the m-block's tickets start there.  Every n-block from it to the last that m sees visits
 // m-block m (bwd_block's range is the same condition), so the tickets come without a gap.

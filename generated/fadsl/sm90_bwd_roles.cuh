@@ -90,11 +90,15 @@ __device__ __forceinline__ void bwd_producer(const BwdParamsSm90& P, uint32_t sm
 // tile^T (B_r rows, K-major, B_r-row panels): S^T = K Q^T or dP^T = V dO^T.
 template <class Cfg>
 __device__ __forceinline__ void issue_keys_by_rows(float (&acc)[Cfg::kSRegs], uint32_t keys_wg, uint32_t rows_slot) {
+  // Each operand's descriptor is built once and each k16 step moves its start address
+  // (desc_advance, one add): built per step, the masks, shifts and register moves were about
+  // a third of a consumer's instructions per m-block (SASS, 2026-11-30).
+  const uint64_t a0 = make_desc_kmajor_sw128(keys_wg), b0 = make_desc_kmajor_sw128(rows_slot);
 #pragma unroll
   for (int kk = 0; kk < Cfg::kHeadDim / 16; ++kk) {
     const uint32_t panel = kk / 4, k_bytes = (kk % 4) * 32;
-    const uint64_t desc_a = make_desc_kmajor_sw128(keys_wg + panel * Cfg::kBlockN * Cfg::kRowBytes + k_bytes);
-    const uint64_t desc_b = make_desc_kmajor_sw128(rows_slot + panel * Cfg::kBlockM * Cfg::kRowBytes + k_bytes);
+    const uint64_t desc_a = desc_advance(a0, panel * Cfg::kBlockN * Cfg::kRowBytes + k_bytes);
+    const uint64_t desc_b = desc_advance(b0, panel * Cfg::kBlockM * Cfg::kRowBytes + k_bytes);
     Wgmma<Cfg::kBlockM>::template ss<typename Cfg::T, 0, 0>(acc, desc_a, desc_b, kk > 0 ? 1u : 0u);
   }
 }
@@ -116,12 +120,13 @@ __device__ __forceinline__ void issue_grad_kv(float (&acc)[Cfg::kAccRegs], const
 // queries contiguous: MN-major A), B = K (rows = keys, head_dim contiguous: MN-major B).
 template <class Cfg>
 __device__ __forceinline__ void issue_dq(float (&dq)[Cfg::kDqRegs], uint32_t ds_keys, uint32_t k_keys) {
+  const uint64_t a0 = make_desc_mnmajor_sw128(ds_keys, Cfg::kBlockN * Cfg::kRowBytes);  // (as issue_keys_by_rows)
+  const uint64_t b0 = make_desc_mnmajor_sw128(k_keys, Cfg::kBlockN * Cfg::kRowBytes);
 #pragma unroll
   for (int kk = 0; kk < Cfg::kDqKeys / 16; ++kk) {
     const uint32_t step = kk * 16 * Cfg::kRowBytes;
-    const uint64_t desc_a = make_desc_mnmajor_sw128(ds_keys + step, Cfg::kBlockN * Cfg::kRowBytes);
-    const uint64_t desc_b = make_desc_mnmajor_sw128(k_keys + step, Cfg::kBlockN * Cfg::kRowBytes);
-    Wgmma<Cfg::kDqCols>::template ss<typename Cfg::T, 1, 1>(dq, desc_a, desc_b, kk > 0 ? 1u : 0u);
+    Wgmma<Cfg::kDqCols>::template ss<typename Cfg::T, 1, 1>(dq, desc_advance(a0, step), desc_advance(b0, step),
+                                                             kk > 0 ? 1u : 0u);
   }
 }
 
@@ -130,10 +135,12 @@ __device__ __forceinline__ void issue_dq(float (&dq)[Cfg::kDqRegs], uint32_t ds_
 // B_r query rows of each 64-key panel, keys contiguous: K-major B).
 template <class Cfg>
 __device__ __forceinline__ void issue_dq_t(float (&dq)[Cfg::kDqRegs], uint32_t ds_buf, uint32_t k_panel) {
+  const uint64_t a0 = make_desc_mnmajor_sw128(k_panel, Cfg::kBlockN * Cfg::kRowBytes);  // (as issue_keys_by_rows)
+  const uint64_t b0 = make_desc_kmajor_sw128(ds_buf);
 #pragma unroll
   for (int kk = 0; kk < Cfg::kBlockN / 16; ++kk) {
-    const uint64_t desc_a = make_desc_mnmajor_sw128(k_panel + kk * 16 * Cfg::kRowBytes, Cfg::kBlockN * Cfg::kRowBytes);
-    const uint64_t desc_b = make_desc_kmajor_sw128(ds_buf + (kk / 4) * Cfg::kDSPanelBytes + (kk % 4) * 32);
+    const uint64_t desc_a = desc_advance(a0, kk * 16 * Cfg::kRowBytes);
+    const uint64_t desc_b = desc_advance(b0, (kk / 4) * Cfg::kDSPanelBytes + (kk % 4) * 32);
     Wgmma<Cfg::kBlockM>::template ss<typename Cfg::T, 1, 0>(dq, desc_a, desc_b, kk > 0 ? 1u : 0u);
   }
 }

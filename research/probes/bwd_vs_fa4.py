@@ -1,11 +1,11 @@
 """The backward beside FlashAttention-4's and cuDNN's on the same tensors, sustained: TF/s,
 SM clock, power and energy per call for each contender (is the gap the power cap, or the
-clocks a backward needs?), and a mode that runs one NVTX-ranged backward per contender for
+clocks a backward needs?), and a mode that runs one profiled backward per contender for
 Nsight Compute.
 
 Usage (GPU machine, FA4 installed for its column; issue 44):
   python3 -P bwd_vs_fa4.py examples/fa3_hopper.fa --seqlen 16384 [--seconds 2 --rounds 2]
-  ncu --nvtx --nvtx-include "fadsl/" --nvtx-include "fa4/" ... python3 -P bwd_vs_fa4.py SPEC --ncu
+  ncu --profile-from-start off ... python3 -P bwd_vs_fa4.py SPEC --ncu   (fadsl, cuDNN, FA4 in turn)
 
 Each contender runs its backward back to back for ``--seconds`` (after a warm-up of the same
 length, which brings the board to its steady clock), in rotated orders over ``--rounds``; the
@@ -131,7 +131,11 @@ def main() -> int:
     p.add_argument("--tokens", type=int, default=16384)
     p.add_argument("--seconds", type=float, default=2.0)
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--ncu", action="store_true", help="one backward per contender in an NVTX range")
+    p.add_argument(
+        "--ncu",
+        action="store_true",
+        help="one backward per contender between cudaProfilerStart and Stop",
+    )
     p.add_argument("--json")
     args = p.parse_args()
 
@@ -140,15 +144,18 @@ def main() -> int:
     from fadsl.tools import clocks
 
     calls, flops, shape = contenders(args.spec, args.seqlen, args.hidden, args.tokens)
-    if args.ncu:
+    if args.ncu:  # the autograd engine launches from its own thread: NVTX ranges (per thread)
+        # miss its kernels, so the profiler's start and stop (per context) bracket each call
         for name, call in calls.items():
             for _ in range(3):
                 call()
-            torch.cuda.synchronize()
-            torch.cuda.nvtx.range_push(name)
+        torch.cuda.synchronize()
+        for name, call in calls.items():
+            print(f"ncu: {name}", flush=True)
+            torch.cuda.profiler.start()
             call()
             torch.cuda.synchronize()
-            torch.cuda.nvtx.range_pop()
+            torch.cuda.profiler.stop()
         return 0
     read = clocks.nvml_reader()
     sampler = clocks.Sampler(read, interval=0.005) if read else None
