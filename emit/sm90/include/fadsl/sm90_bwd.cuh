@@ -494,11 +494,13 @@ __device__ __forceinline__ BwdBlock bwd_role_block(const BwdParamsSm90& P, const
 // This thread's warpgroup (0: the producer), warp-uniform through the shuffle so that ptxas
 // keeps what derives from it (a consumer's SMEM addresses and wgmma descriptors) in uniform
 // registers: about a sixth fewer instructions per m-block at head_dim 128 (SASS, 2026-11-30).
-// Kernels with score or keep modifiers keep the division: there the uniform registers spill
-// 8-48 bytes (NVRTC 13.5, 2026-11-30).
+// Kernels with score or keep modifiers, a window, or head_dim split over the consumers keep
+// the division: there the uniform registers spill 4-48 bytes (NVRTC 13.5, 2026-11-30;
+// tests/test_modifiers_backward.py, test_backward_hdim256_build.py, test_varlen_backward_build.py).
 template <class Cfg>
 __device__ __forceinline__ int bwd_warpgroup() {
-  if constexpr (Cfg::kScore || Cfg::kKeep) {
+  if constexpr (Cfg::kScore || Cfg::kKeep || Cfg::kWindowLeft >= 0 || Cfg::kWindowRight >= 0 ||
+                Cfg::kSplitHeadDim) {
     return threadIdx.x / 128;
   } else {
     return __shfl_sync(0xffffffffu, threadIdx.x / 128, 0);
