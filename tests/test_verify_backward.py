@@ -633,6 +633,7 @@ def test_an_edited_header_is_caught(what, old, new):
     "what,old,new",
     [
         ("no __syncwarp", "    __syncwarp();  // lane 0's wait", "    // lane 0's wait"),
+        ("no __syncwarp after the release", "      __syncwarp();\n    }\n  }\n}", "    }\n  }\n}"),
         ("no empty wait", "if (i > 0) named_bar_sync(Cfg::kBarDqEmpty + wg, 160);", ""),
         ("no read wait", "      tma_store_wait_read<0>();   // WAR: the add", "      // WAR"),
         (

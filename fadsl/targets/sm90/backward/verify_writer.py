@@ -8,8 +8,11 @@ consumer's 128 threads (160 in all), its lane-0 items (the bulk reduce-add, its 
 waits) are the agent's events, which the model takes in the warp's one program order. That
 order holds for the other lanes only through a ``__syncwarp`` after lane 0's items (the
 FP8 forward's lane-0 rule, targets/sm90/transpose_agents.py): ``lane0_problems`` checks
-that every arrival of the warp that its consumer waits on (bar.arrive) follows lane 0's
-items with a ``__syncwarp`` between, and the model itself lowers ``__syncwarp`` to nothing.
+that every named barrier of the warp (bar.sync, bar.arrive) follows lane 0's items with a
+``__syncwarp`` between, in m-block order across the loop's back edge: both are .aligned
+(the warp executes them converged, which only the ``__syncwarp`` promises after lane 0's
+divergent block), and an arrival that its consumer waits on must follow lane 0's waits.
+The model itself lowers ``__syncwarp`` to nothing.
 
 ``semaphore_problems`` checks the ordered add's shape in the writer, as verify.py's checks
 the consumer's leader: lane 0 acquires the ticket and fences the async proxy before the
@@ -68,22 +71,32 @@ def structural_problems(proto: Protocol) -> list[str]:
 
 
 def lane0_problems(items: tuple[Item, ...]) -> list[str]:
-    """An arrival of the warp that its consumer waits on (bar.arrive) after lane 0's items
-    with no ``__syncwarp`` between: the other lanes may arrive before lane 0's waits."""
-    problems, pending = [], None
-    for n, x in enumerate(items):
-        if x.who is Who.WRITER_LANE0:
-            pending = (n, x)
-        elif x.kind is Kind.SYNCWARP:
-            pending = None
-        elif x.kind is Kind.NAMED_BAR_ARRIVE and pending is not None:
-            at, lane0 = pending
-            problems.append(
-                f"writer item {n} (bar.arrive {x.named.value}) follows lane 0's "
-                f"{lane0.name or lane0.kind.value} (item {at}) with no __syncwarp in between: "
-                "the warp's other lanes may arrive before lane 0's waits"
-            )
-    return problems
+    """A named barrier of the warp (bar.sync or bar.arrive) after lane 0's items with no
+    ``__syncwarp`` between, in the unrolled program (so across the loop's back edge: lane
+    0's release at the end of an m-block, the next one's bar.sync). Both are .aligned: the
+    warp must execute them converged, and after a lane-0 block only a ``__syncwarp``
+    promises that; a bar.arrive that its consumer waits on must also follow lane 0's waits
+    in every lane."""
+    for m_count in (1, 2, 3):
+        problems, pending = [], None
+        for x, i in unrolled(items, m_count):
+            if x.who is Who.WRITER_LANE0:
+                pending = (x, i)
+            elif x.kind is Kind.SYNCWARP:
+                pending = None
+            elif x.kind in (Kind.NAMED_BAR_SYNC, Kind.NAMED_BAR_ARRIVE) and pending is not None:
+                lane0, j = pending
+                why = "the warp may not run it converged (.aligned)"
+                if x.kind is Kind.NAMED_BAR_ARRIVE:
+                    why = "the warp's other lanes may arrive before lane 0's waits, and " + why
+                problems.append(
+                    f"writer: {x.kind.value} {x.named.value} (m-block {i}) follows lane 0's "
+                    f"{lane0.name or lane0.kind.value} (m-block {j}) with no __syncwarp in "
+                    f"between: {why}"
+                )
+        if problems:
+            return list(dict.fromkeys(problems))
+    return []
 
 
 def semaphore_problems(proto: Protocol) -> list[str]:

@@ -16,7 +16,9 @@ writer's 32 (bar.arrive by the side that hands over, bar.sync by the side that w
   ticket (ld.acquire.gpu) and fences the async proxy before the add; after the hand-back it
   waits for the add to be performed (wait_group 0), fences again and releases the next
   ticket (st.release.gpu), before it waits on anything (the next m-block's full barrier):
-  the release is never deferred, so nothing in the consumer waits on a ticket.
+  the release is never deferred, so nothing in the consumer waits on a ticket. A
+  ``__syncwarp`` then reconverges the warp before that full barrier's bar.sync, which is
+  .aligned (every lane executes it together; verify_writer.py's lane-0 rule).
 
 The consumer has no bulk group then (bulk.py finds no add in its program), and the exit's
 wait is the writer's own wait_group.read of its last add.
@@ -116,4 +118,6 @@ def program(schedule: Protocol) -> tuple[Item, ...]:
             out.append(Item(Kind.FENCE_PROXY_ASYNC_GLOBAL, why=why, **lane0))
             why = "WAW on dQ's accumulator: the next ticket may add"
             out.append(Item(Kind.SEM_RELEASE, why=why, **lane0))
+            why = "lane 0's release before the warp's next bar.sync, which it runs converged"
+            out.append(Item(Kind.SYNCWARP, why=why, **warp))
     return tuple(out)

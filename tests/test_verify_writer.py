@@ -1,0 +1,83 @@
+"""The dQ writer's own rules in the backward's proof (verify_writer.py, `dq_writer on`), each
+shown to refuse the plan it is there for: the lane-0 rule (a named barrier of the warp after
+lane 0's items needs a ``__syncwarp`` between, across the m-block loop's back edge too).
+tests/test_verify_backward.py drops, shrinks and flips every sync of the writer's
+configurations; here the mutations that name the writer's syncs one by one."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from fadsl.targets.sm90.backward.program import Item, Kind, Protocol, WarpRole, Who
+from fadsl.targets.sm90.backward.protocol import protocol
+from fadsl.targets.sm90.backward.verify import check_protocol, parameter_space
+from fadsl.targets.sm90.backward.verify_writer import lane0_problems
+
+WRITERS = tuple(p for p in parameter_space() if p.dq_writer)
+DETERMINISTIC = tuple(p for p in WRITERS if p.deterministic)
+
+
+def _writer(proto: Protocol, items: list[Item]) -> Protocol:
+    return proto.with_role(WarpRole.WRITER, tuple(items))
+
+
+def _syncwarps(items: tuple[Item, ...]) -> list[int]:
+    return [n for n, x in enumerate(items) if x.kind is Kind.SYNCWARP]
+
+
+@pytest.mark.parametrize("params", DETERMINISTIC, ids=lambda p: p.describe())
+def test_the_release_is_followed_by_a_syncwarp(params):
+    """Deterministic: lane 0's release is the m-block's last item of lane 0, and a
+    ``__syncwarp`` of the warp follows it, before the next m-block's bar.sync."""
+    items = protocol(params).writer
+    release = next(n for n, x in enumerate(items) if x.kind is Kind.SEM_RELEASE)
+    assert items[release + 1].kind is Kind.SYNCWARP and items[release + 1].who is Who.WRITER
+    assert not any(x.who is Who.WRITER_LANE0 for x in items[release + 1 :])
+
+
+@pytest.mark.parametrize("params", DETERMINISTIC, ids=lambda p: p.describe())
+def test_no_syncwarp_after_the_release_is_refused(params):
+    """Without it the next m-block's bar.sync follows lane 0's divergent release: the proof
+    refuses the plan (from 2 m-blocks on: the hazard is across the loop's back edge)."""
+    proto = protocol(params)
+    items = list(proto.writer)
+    del items[_syncwarps(proto.writer)[-1]]
+    found = check_protocol(_writer(proto, items))
+    assert found and all("no __syncwarp" in p for p in found), found
+    assert any(
+        "bar.sync kBarDqFull + wg (m-block 1) follows lane 0's st.release.gpu (m-block 0)" in p
+        for p in found
+    ), found
+
+
+@pytest.mark.parametrize("params", WRITERS, ids=lambda p: p.describe())
+def test_every_named_barrier_after_lane_0_needs_a_syncwarp(params):
+    """Each ``__syncwarp`` of the writer, dropped alone, is refused by the lane-0 rule; so is
+    a lane-0 item moved after one of them (the read's wait after the warp's __syncwarp)."""
+    proto = protocol(params)
+    for n in _syncwarps(proto.writer):
+        items = list(proto.writer)
+        del items[n]
+        assert lane0_problems(tuple(items)), (n, items)
+        assert check_protocol(_writer(proto, items)), n
+    items = list(proto.writer)
+    read = next(n for n, x in enumerate(items) if x.kind is Kind.BULK_WAIT_READ)
+    items[read], items[read + 1] = items[read + 1], items[read]
+    assert items[read].kind is Kind.SYNCWARP
+    found = lane0_problems(tuple(items))
+    assert any("bar.arrive kBarDqEmpty + wg (m-block 0)" in p for p in found), found
+
+
+def test_a_lane_0_item_before_a_bar_sync_is_refused():
+    """The rule names bar.sync as well as bar.arrive, within an m-block too: a lane-0 item
+    just before the full barrier's bar.sync (a wait moved to the m-block's start)."""
+    params = WRITERS[0]
+    proto = protocol(params)
+    items = list(proto.writer)
+    read = next(n for n, x in enumerate(items) if x.kind is Kind.BULK_WAIT_READ)
+    moved = items.pop(read)
+    items.insert(0, replace(moved, pending=1))
+    found = lane0_problems(tuple(items))
+    assert any(p.startswith("writer: bar.sync kBarDqFull + wg (m-block 0)") for p in found), found
