@@ -1,6 +1,7 @@
 """The dQ writer's own rules in the backward's proof (verify_writer.py, `dq_writer on`), each
 shown to refuse the plan it is there for: the lane-0 rule (a named barrier of the warp after
-lane 0's items needs a ``__syncwarp`` between, across the m-block loop's back edge too).
+lane 0's items needs a ``__syncwarp`` between, across the m-block loop's back edge too) and
+the exit rule (lane 0's adds completed, not only read, before the warp exits).
 tests/test_verify_backward.py drops, shrinks and flips every sync of the writer's
 configurations; here the mutations that name the writer's syncs one by one."""
 
@@ -10,10 +11,16 @@ from dataclasses import replace
 
 import pytest
 
-from fadsl.targets.sm90.backward.program import Item, Kind, Protocol, WarpRole, Who
+from fadsl.passes.asyncmodel.prove import check
+from fadsl.targets.sm90.backward.program import Item, Kind, LoopPhase, Protocol, WarpRole, Who
 from fadsl.targets.sm90.backward.protocol import protocol
-from fadsl.targets.sm90.backward.verify import check_protocol, parameter_space
-from fadsl.targets.sm90.backward.verify_writer import lane0_problems
+from fadsl.targets.sm90.backward.verify import (
+    build_program,
+    check_protocol,
+    m_counts,
+    parameter_space,
+)
+from fadsl.targets.sm90.backward.verify_writer import exit_problems, lane0_problems
 
 WRITERS = tuple(p for p in parameter_space() if p.dq_writer)
 DETERMINISTIC = tuple(p for p in WRITERS if p.deterministic)
@@ -81,3 +88,31 @@ def test_a_lane_0_item_before_a_bar_sync_is_refused():
     items.insert(0, replace(moved, pending=1))
     found = lane0_problems(tuple(items))
     assert any(p.startswith("writer: bar.sync kBarDqFull + wg (m-block 0)") for p in found), found
+
+
+@pytest.mark.parametrize("params", WRITERS, ids=lambda p: p.describe())
+def test_the_writer_waits_for_its_last_add_before_it_exits(params):
+    """Without `deterministic`, lane 0's wait_group 0 (not .read) after the loop; with it,
+    none: each m-block's release waited for its add so already (the exit rule holds)."""
+    items = protocol(params).writer
+    after = [x for x in items if x.phase is not LoopPhase.LOOP]
+    if params.deterministic:
+        assert after == [] and exit_problems(items) == []
+        return
+    (wait,) = after
+    assert (wait.kind, wait.who, wait.pending) == (Kind.BULK_WAIT, Who.WRITER_LANE0, 0)
+    assert wait is items[-1]
+
+
+@pytest.mark.parametrize("params", [p for p in WRITERS if not p.deterministic][:8])
+def test_no_exit_wait_is_refused_by_the_exit_rule_alone(params):
+    """Dropped, or only for the read (wait_group.read 0), the exit wait leaves the last add
+    in flight: the exit rule refuses the plan, which the async model alone would accept (its
+    events are SMEM's, and the read was waited for in the loop)."""
+    proto = protocol(params)
+    *loop, wait = proto.writer
+    for mutant in (loop, loop + [replace(wait, kind=Kind.BULK_WAIT_READ)]):
+        plan = _writer(proto, mutant)
+        found = check_protocol(plan)
+        assert found and all("1 bulk group(s) not completed" in p for p in found), found
+        assert all(check(build_program(plan, m)) == () for m in m_counts(params))

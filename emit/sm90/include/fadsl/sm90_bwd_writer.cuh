@@ -64,6 +64,13 @@ __device__ __forceinline__ void bwd_dq_writer(const BwdParamsSm90& P, uint32_t s
       __syncwarp();
     }
   }
+  // The last add performed, not only its read of the staging, before the warp exits: PTX says
+  // nothing of a bulk group's global writes still in flight when its thread exits (the consumer
+  // without a writer waits the same way).  With `deterministic on` each release's wait_group 0
+  // has done it already.
+  if constexpr (!Cfg::kDeterministic) {
+    if (lane == 0) bulk_wait_all();
+  }
 }
 
 // The producer warpgroup's warps 1..consumers, after setmaxnreg.dec: writer warp - 1 on the

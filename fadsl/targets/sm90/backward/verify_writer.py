@@ -23,6 +23,11 @@ while a CTA or writer after it waits for its ticket (the design's deadlock argum
 consumer waits on its writer only at the empty barrier, for the previous m-block's read;
 the writer on its consumer only at the full barrier, after its release). Every ticket is
 released before the program ends; no semaphore item in the consumer then.
+
+``exit_problems``: lane 0's reduce-adds are all committed and completed (wait_group 0, not
+only .read) before the warp exits, so that the adds are performed before the CTA ends: the
+async model sees only their SMEM read. Without ``deterministic`` that is the writer's exit
+wait after its loop; with it, each m-block's release has waited so already.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ _LANE0_KINDS = frozenset(
     }
 )
 _WARP_KINDS = frozenset({Kind.NAMED_BAR_SYNC, Kind.NAMED_BAR_ARRIVE, Kind.SYNCWARP})
+_EXIT_KINDS = frozenset({Kind.BULK_WAIT, Kind.BULK_WAIT_READ})  # lane 0's, after the loop
 
 
 def agent_name(w: int) -> str:
@@ -54,8 +60,11 @@ def structural_problems(proto: Protocol) -> list[str]:
     if not p.dq_writer:
         return ["a dQ writer program without dq_writer"] if items else []
     problems = []
-    if any(x.phase is not LoopPhase.LOOP for x in items):
-        problems.append("the writer has items outside its m-block loop")
+    if any(x.phase is not LoopPhase.LOOP and x.kind not in _EXIT_KINDS for x in items):
+        problems.append("the writer has items outside its m-block loop other than its exit wait")
+    phases = [list(LoopPhase).index(x.phase) for x in items]
+    if phases != sorted(phases):
+        problems.append("the writer's items are not in loop order")
     for n, x in enumerate(items):
         if x.kind in _WARP_KINDS and x.who is not Who.WRITER:
             problems.append(f"writer item {n}: {x.kind.value} by {x.who.value}, not every lane")
@@ -67,7 +76,34 @@ def structural_problems(proto: Protocol) -> list[str]:
         for n, x in enumerate(proto.role(role)):
             if x.who in (Who.WRITER, Who.WRITER_LANE0):
                 problems.append(f"{role.value} item {n}: {x.kind.value} by {x.who.value}")
-    return problems + lane0_problems(items)
+    return problems + lane0_problems(items) + exit_problems(items)
+
+
+def exit_problems(items: tuple[Item, ...]) -> list[str]:
+    """Every reduce-add of lane 0 committed and completed (wait_group 0, not only .read)
+    before the warp exits, for 1-3 m-blocks: the adds performed before the CTA ends, which
+    the async model (SMEM only: a bulk group's read) does not see."""
+    for m_count in (1, 2, 3):
+        uncommitted, pending = 0, 0  # adds since the last commit; groups not completed
+        for x, _ in unrolled(items, m_count):
+            if x.who is not Who.WRITER_LANE0:
+                continue
+            if x.kind is Kind.BULK_REDUCE_ADD:
+                uncommitted += 1
+            elif x.kind is Kind.BULK_COMMIT:
+                pending += uncommitted > 0
+                uncommitted = 0
+            elif x.kind is Kind.BULK_WAIT:
+                pending = min(pending, x.pending)
+        left = [f"{pending} bulk group(s) not completed"] if pending else []
+        left += [f"{uncommitted} reduce-add(s) not committed"] if uncommitted else []
+        if left:
+            return [
+                f"writer: lane 0 exits after {m_count} m-block(s) with {' and '.join(left)} "
+                "(no cp.async.bulk.wait_group without .read after them): the last adds may "
+                "not be performed when the CTA ends"
+            ]
+    return []
 
 
 def lane0_problems(items: tuple[Item, ...]) -> list[str]:
