@@ -1,18 +1,32 @@
 """The dQ writer's own rules in the backward's proof (verify_writer.py, `dq_writer on`), each
 shown to refuse the plan it is there for: the lane-0 rule (a named barrier of the warp after
 lane 0's items needs a ``__syncwarp`` between, across the m-block loop's back edge too) and
-the exit rule (lane 0's adds completed, not only read, before the warp exits).
+the exit rule (lane 0's adds completed, not only read, before the warp exits); and the
+named barriers' thread counts (160: a consumer warpgroup and its writer warp), which the
+async model checks itself (each generation's arrivals against the count each side names).
 tests/test_verify_backward.py drops, shrinks and flips every sync of the writer's
 configurations; here the mutations that name the writer's syncs one by one."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 
 import pytest
 
 from fadsl.passes.asyncmodel.prove import check
-from fadsl.targets.sm90.backward.program import Item, Kind, LoopPhase, Protocol, WarpRole, Who
+from fadsl.targets.sm90.backward.program import (
+    WARP_THREADS,
+    WARPGROUP_THREADS,
+    WRITER_BAR_THREADS,
+    Item,
+    Kind,
+    LoopPhase,
+    Named,
+    Protocol,
+    WarpRole,
+    Who,
+)
 from fadsl.targets.sm90.backward.protocol import protocol
 from fadsl.targets.sm90.backward.verify import (
     build_program,
@@ -116,3 +130,65 @@ def test_no_exit_wait_is_refused_by_the_exit_rule_alone(params):
         found = check_protocol(plan)
         assert found and all("1 bulk group(s) not completed" in p for p in found), found
         assert all(check(build_program(plan, m)) == () for m in m_counts(params))
+
+
+BARRIERS = (Kind.NAMED_BAR_SYNC, Kind.NAMED_BAR_ARRIVE)
+# a count without the writer warp, with a warp more, with a warp of the consumer less, the
+# writer's alone
+COUNTS = (WARPGROUP_THREADS, WRITER_BAR_THREADS + WARP_THREADS, WARPGROUP_THREADS - WARP_THREADS)
+COUNTS += (WARP_THREADS,)
+
+
+def _recount(proto: Protocol, threads: int, role: WarpRole, n: int) -> Protocol:
+    """The plan with item n of ``role`` (a named barrier) counting ``threads``."""
+    items = proto.role(role)
+    return proto.with_role(role, items[:n] + (replace(items[n], threads=threads),) + items[n + 1 :])
+
+
+def _writer_barriers(proto: Protocol) -> list[tuple[WarpRole, int, Item]]:
+    return [
+        (role, n, x)
+        for role in (WarpRole.CONSUMER, WarpRole.WRITER)
+        for n, x in enumerate(proto.role(role))
+        if x.kind in BARRIERS and x.named in (Named.DQ_FULL, Named.DQ_EMPTY)
+    ]
+
+
+@pytest.mark.parametrize("params", WRITERS, ids=lambda p: p.describe())
+def test_each_side_of_a_writer_barrier_counts_160(params):
+    """The four sides of the pair (the consumer's bar.arrive on full and bar.sync on empty,
+    the writer's bar.sync on full and bar.arrive on empty) each count 160; any other count
+    on one side, arrive or sync, is refused: a mismatch with the other side, or more
+    threads arriving than the barrier counts."""
+    proto = protocol(params)
+    sides = _writer_barriers(proto)
+    kinds = {(role, x.kind, x.named) for role, _, x in sides}
+    assert len(kinds) == len(sides) == 4
+    assert {x.threads for _, _, x in sides} == {WRITER_BAR_THREADS} == {160}
+    for role, n, x in sides:
+        for threads in COUNTS:
+            found = check_protocol(_recount(proto, threads, role, n))
+            assert found, (role, x.kind, x.named, threads)
+            assert all(re.search(r"named barrier \d+|never returns", p) for p in found), found
+
+
+@pytest.mark.parametrize("params", WRITERS[:: len(WRITERS) // 10], ids=lambda p: p.describe())
+@pytest.mark.parametrize("named", (Named.DQ_FULL, Named.DQ_EMPTY), ids=lambda n: n.name)
+def test_both_sides_of_a_writer_barrier_miscounted_are_refused(params, named):
+    """Both sides of one barrier changed alike, so that they agree: 128 (the writer warp
+    left out) lets the consumer's warpgroup complete a generation alone, and the writer's
+    32 threads then overflow one or wait forever; 192 never completes (a hang)."""
+    proto = protocol(params)
+    alone = r"named barrier \d+: 160 threads arrive|never returns"
+    for threads, sign in ((WARPGROUP_THREADS, alone), (COUNTS[1], "never returns")):
+        plan = proto
+        for role in (WarpRole.CONSUMER, WarpRole.WRITER):
+            items = plan.role(role)
+            recounted = tuple(
+                replace(x, threads=threads) if x.kind in BARRIERS and x.named is named else x
+                for x in items
+            )
+            assert recounted != items
+            plan = plan.with_role(role, recounted)
+        found = check_protocol(plan)
+        assert found and all(re.search(sign, p) for p in found), (threads, found)
