@@ -415,7 +415,8 @@ def _stage_and_reduce(p: Params, source: CodeSite) -> list[Item | str]:
 def _writer(p: Params) -> list[Item | str]:
     """bwd_dq_writer: per m-block the full barrier, lane 0's (ordered) bulk reduce-add, its
     commit and read wait, __syncwarp, the empty barrier's arrival but in the last m-block,
-    and in deterministic mode lane 0's wait_group 0, fence and release."""
+    and in deterministic mode lane 0's wait_group 0, fence and release, then __syncwarp;
+    otherwise lane 0's wait_group 0 after the loop."""
     if not p.dq_writer:
         return []
 
@@ -431,7 +432,13 @@ def _writer(p: Params) -> list[Item | str]:
         sync(Kind.BULK_WAIT, lane0, pending=0, why="the adds performed"),
         sync(Kind.FENCE_PROXY_ASYNC_GLOBAL, lane0, why="the adds before the release"),
         sync(Kind.SEM_RELEASE, lane0, why="the next ticket may add"),
+        sync(Kind.SYNCWARP, why="lane 0's release before the next m-block's bar.sync"),
     ]
+    # without the release's wait_group 0: the last add performed before the warp exits
+    exit_wait = replace(
+        sync(Kind.BULK_WAIT, lane0, pending=0, why="the last add performed"),
+        phase=LoopPhase.AFTER,
+    )
     return [
         sync(Kind.NAMED_BAR_SYNC, named=Named.DQ_FULL, threads=WRITER_BAR_THREADS),
         *(acquire if p.deterministic else []),
@@ -445,5 +452,5 @@ def _writer(p: Params) -> list[Item | str]:
             threads=WRITER_BAR_THREADS,
             guard=Guard.BEFORE_LAST,
         ),
-        *(release if p.deterministic else []),
+        *(release if p.deterministic else [exit_wait]),
     ]

@@ -633,6 +633,12 @@ def test_an_edited_header_is_caught(what, old, new):
     "what,old,new",
     [
         ("no __syncwarp", "    __syncwarp();  // lane 0's wait", "    // lane 0's wait"),
+        (
+            "no __syncwarp after the release",
+            "      __syncwarp();\n    }\n  }\n  //",
+            "    }\n  }\n  //",
+        ),
+        ("no exit wait", "    if (lane == 0) bulk_wait_all();\n", ""),
         ("no empty wait", "if (i > 0) named_bar_sync(Cfg::kBarDqEmpty + wg, 160);", ""),
         ("no read wait", "      tma_store_wait_read<0>();   // WAR: the add", "      // WAR"),
         (
@@ -667,7 +673,7 @@ def test_an_edited_writer_header_is_caught(what, old, new):
     the header, makes its calls differ from the proven plan's."""
     assert HEADER.count(old) == 1, what
     edited = HEADER.replace(old, new)
-    cases = (WRITERS[1], replace(PANELS, dq_writer=True, overlap=True), WRITERS[2])
+    cases = (WRITERS[1], replace(PANELS, dq_writer=True, overlap=True), WRITERS[2], WRITERS[0])
     for params in cases:
         for role in (WarpRole.CONSUMER, WarpRole.WRITER):
             if header_calls(role, params, edited) != expected_calls(protocol(params), role):

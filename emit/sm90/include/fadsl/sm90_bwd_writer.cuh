@@ -57,7 +57,19 @@ __device__ __forceinline__ void bwd_dq_writer(const BwdParamsSm90& P, uint32_t s
         fence_proxy_async_global();  // the async proxy's adds before the release
         st_release_gpu(dq_semaphore_share<Cfg>(P, accum_head, m, w), place + 1);  // WAW: the next place may add
       }
+      // the warp converged after lane 0's release, before the next m-block's bar.sync: bar.sync
+      // is .aligned (every lane executes it together), which the compiler's reconvergence after
+      // the divergent block above does not promise (cutlass's GenericBarrier<SyncwarpSync> syncs
+      // the warp around its lane-0 semaphore operations too)
+      __syncwarp();
     }
+  }
+  // The last add performed, not only its read of the staging, before the warp exits: PTX says
+  // nothing of a bulk group's global writes still in flight when its thread exits (the consumer
+  // without a writer waits the same way).  With `deterministic on` each release's wait_group 0
+  // has done it already.
+  if constexpr (!Cfg::kDeterministic) {
+    if (lane == 0) bulk_wait_all();
   }
 }
 

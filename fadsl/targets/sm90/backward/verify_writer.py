@@ -8,8 +8,11 @@ consumer's 128 threads (160 in all), its lane-0 items (the bulk reduce-add, its 
 waits) are the agent's events, which the model takes in the warp's one program order. That
 order holds for the other lanes only through a ``__syncwarp`` after lane 0's items (the
 FP8 forward's lane-0 rule, targets/sm90/transpose_agents.py): ``lane0_problems`` checks
-that every arrival of the warp that its consumer waits on (bar.arrive) follows lane 0's
-items with a ``__syncwarp`` between, and the model itself lowers ``__syncwarp`` to nothing.
+that every named barrier of the warp (bar.sync, bar.arrive) follows lane 0's items with a
+``__syncwarp`` between, in m-block order across the loop's back edge: both are .aligned
+(the warp executes them converged, which only the ``__syncwarp`` promises after lane 0's
+divergent block), and an arrival that its consumer waits on must follow lane 0's waits.
+The model itself lowers ``__syncwarp`` to nothing.
 
 ``semaphore_problems`` checks the ordered add's shape in the writer, as verify.py's checks
 the consumer's leader: lane 0 acquires the ticket and fences the async proxy before the
@@ -20,6 +23,11 @@ while a CTA or writer after it waits for its ticket (the design's deadlock argum
 consumer waits on its writer only at the empty barrier, for the previous m-block's read;
 the writer on its consumer only at the full barrier, after its release). Every ticket is
 released before the program ends; no semaphore item in the consumer then.
+
+``exit_problems``: lane 0's reduce-adds are all committed and completed (wait_group 0, not
+only .read) before the warp exits, so that the adds are performed before the CTA ends: the
+async model sees only their SMEM read. Without ``deterministic`` that is the writer's exit
+wait after its loop; with it, each m-block's release has waited so already.
 """
 
 from __future__ import annotations
@@ -39,6 +47,7 @@ _LANE0_KINDS = frozenset(
     }
 )
 _WARP_KINDS = frozenset({Kind.NAMED_BAR_SYNC, Kind.NAMED_BAR_ARRIVE, Kind.SYNCWARP})
+_EXIT_KINDS = frozenset({Kind.BULK_WAIT, Kind.BULK_WAIT_READ})  # lane 0's, after the loop
 
 
 def agent_name(w: int) -> str:
@@ -51,8 +60,11 @@ def structural_problems(proto: Protocol) -> list[str]:
     if not p.dq_writer:
         return ["a dQ writer program without dq_writer"] if items else []
     problems = []
-    if any(x.phase is not LoopPhase.LOOP for x in items):
-        problems.append("the writer has items outside its m-block loop")
+    if any(x.phase is not LoopPhase.LOOP and x.kind not in _EXIT_KINDS for x in items):
+        problems.append("the writer has items outside its m-block loop other than its exit wait")
+    phases = [list(LoopPhase).index(x.phase) for x in items]
+    if phases != sorted(phases):
+        problems.append("the writer's items are not in loop order")
     for n, x in enumerate(items):
         if x.kind in _WARP_KINDS and x.who is not Who.WRITER:
             problems.append(f"writer item {n}: {x.kind.value} by {x.who.value}, not every lane")
@@ -64,26 +76,63 @@ def structural_problems(proto: Protocol) -> list[str]:
         for n, x in enumerate(proto.role(role)):
             if x.who in (Who.WRITER, Who.WRITER_LANE0):
                 problems.append(f"{role.value} item {n}: {x.kind.value} by {x.who.value}")
-    return problems + lane0_problems(items)
+    return problems + lane0_problems(items) + exit_problems(items)
+
+
+def exit_problems(items: tuple[Item, ...]) -> list[str]:
+    """Every reduce-add of lane 0 committed and completed (wait_group 0, not only .read)
+    before the warp exits, for 1-3 m-blocks: the adds performed before the CTA ends, which
+    the async model (SMEM only: a bulk group's read) does not see."""
+    for m_count in (1, 2, 3):
+        uncommitted, pending = 0, 0  # adds since the last commit; groups not completed
+        for x, _ in unrolled(items, m_count):
+            if x.who is not Who.WRITER_LANE0:
+                continue
+            if x.kind is Kind.BULK_REDUCE_ADD:
+                uncommitted += 1
+            elif x.kind is Kind.BULK_COMMIT:
+                pending += uncommitted > 0
+                uncommitted = 0
+            elif x.kind is Kind.BULK_WAIT:
+                pending = min(pending, x.pending)
+        left = [f"{pending} bulk group(s) not completed"] if pending else []
+        left += [f"{uncommitted} reduce-add(s) not committed"] if uncommitted else []
+        if left:
+            return [
+                f"writer: lane 0 exits after {m_count} m-block(s) with {' and '.join(left)} "
+                "(no cp.async.bulk.wait_group without .read after them): the last adds may "
+                "not be performed when the CTA ends"
+            ]
+    return []
 
 
 def lane0_problems(items: tuple[Item, ...]) -> list[str]:
-    """An arrival of the warp that its consumer waits on (bar.arrive) after lane 0's items
-    with no ``__syncwarp`` between: the other lanes may arrive before lane 0's waits."""
-    problems, pending = [], None
-    for n, x in enumerate(items):
-        if x.who is Who.WRITER_LANE0:
-            pending = (n, x)
-        elif x.kind is Kind.SYNCWARP:
-            pending = None
-        elif x.kind is Kind.NAMED_BAR_ARRIVE and pending is not None:
-            at, lane0 = pending
-            problems.append(
-                f"writer item {n} (bar.arrive {x.named.value}) follows lane 0's "
-                f"{lane0.name or lane0.kind.value} (item {at}) with no __syncwarp in between: "
-                "the warp's other lanes may arrive before lane 0's waits"
-            )
-    return problems
+    """A named barrier of the warp (bar.sync or bar.arrive) after lane 0's items with no
+    ``__syncwarp`` between, in the unrolled program (so across the loop's back edge: lane
+    0's release at the end of an m-block, the next one's bar.sync). Both are .aligned: the
+    warp must execute them converged, and after a lane-0 block only a ``__syncwarp``
+    promises that; a bar.arrive that its consumer waits on must also follow lane 0's waits
+    in every lane."""
+    for m_count in (1, 2, 3):
+        problems, pending = [], None
+        for x, i in unrolled(items, m_count):
+            if x.who is Who.WRITER_LANE0:
+                pending = (x, i)
+            elif x.kind is Kind.SYNCWARP:
+                pending = None
+            elif x.kind in (Kind.NAMED_BAR_SYNC, Kind.NAMED_BAR_ARRIVE) and pending is not None:
+                lane0, j = pending
+                why = "the warp may not run it converged (.aligned)"
+                if x.kind is Kind.NAMED_BAR_ARRIVE:
+                    why = "the warp's other lanes may arrive before lane 0's waits, and " + why
+                problems.append(
+                    f"writer: {x.kind.value} {x.named.value} (m-block {i}) follows lane 0's "
+                    f"{lane0.name or lane0.kind.value} (m-block {j}) with no __syncwarp in "
+                    f"between: {why}"
+                )
+        if problems:
+            return list(dict.fromkeys(problems))
+    return []
 
 
 def semaphore_problems(proto: Protocol) -> list[str]:

@@ -16,10 +16,14 @@ writer's 32 (bar.arrive by the side that hands over, bar.sync by the side that w
   ticket (ld.acquire.gpu) and fences the async proxy before the add; after the hand-back it
   waits for the add to be performed (wait_group 0), fences again and releases the next
   ticket (st.release.gpu), before it waits on anything (the next m-block's full barrier):
-  the release is never deferred, so nothing in the consumer waits on a ticket.
+  the release is never deferred, so nothing in the consumer waits on a ticket. A
+  ``__syncwarp`` then reconverges the warp before that full barrier's bar.sync, which is
+  .aligned (every lane executes it together; verify_writer.py's lane-0 rule).
 
-The consumer has no bulk group then (bulk.py finds no add in its program), and the exit's
-wait is the writer's own wait_group.read of its last add.
+The consumer has no bulk group then (bulk.py finds no add in its program). The writer's exit:
+lane 0's wait_group 0 after the loop, so that its last add is performed, not only read,
+before the warp exits (as the consumer's own exit wait without a writer, bulk.py); with
+``deterministic on`` every m-block's release has waited so already, and there is none.
 """
 
 from __future__ import annotations
@@ -116,4 +120,11 @@ def program(schedule: Protocol) -> tuple[Item, ...]:
             out.append(Item(Kind.FENCE_PROXY_ASYNC_GLOBAL, why=why, **lane0))
             why = "WAW on dQ's accumulator: the next ticket may add"
             out.append(Item(Kind.SEM_RELEASE, why=why, **lane0))
+            why = "lane 0's release before the warp's next bar.sync, which it runs converged"
+            out.append(Item(Kind.SYNCWARP, why=why, **warp))
+    if out and not any(x.kind is Kind.BULK_WAIT for x in out):  # (deterministic: the release's)
+        adds = names(list(schedule.writer))
+        why = f"the last {adds} performed (not only its read) before the warp exits"
+        after = dict(source=schedule.writer[-1].source, phase=LoopPhase.AFTER)
+        out.append(Item(Kind.BULK_WAIT, Who.WRITER_LANE0, why=why, pending=0, **after))
     return tuple(out)
