@@ -153,6 +153,7 @@ from .program import (
     unrolled,
 )
 from .protocol import protocol
+from .verify_tickets import Voice, ticket_problems
 from . import verify_writer
 
 _INIT_KINDS = (Kind.MBAR_INIT, Kind.FENCE_MBAR_INIT, Kind.SYNCTHREADS)
@@ -491,67 +492,28 @@ def semaphore_problems(proto: Protocol) -> list[str]:
     return []
 
 
+# The consumers' leader as verify_tickets.py's agent
+LEADER_VOICE = Voice(
+    agent=Who.LEADER,
+    blocks=lambda x: x.kind is Kind.SEM_ACQUIRE
+    or (x.kind is Kind.NAMED_BAR_SYNC and x.named is Named.DS),
+    no_acquire="deterministic: the reduce-add does not follow the ticket's acquire",
+    no_acquire_fence="deterministic: no fence.proxy.async.global between the ticket's acquire "
+    "and the reduce-add (the async proxy's adds could pass the previous ticket's)",
+    no_release="deterministic: no release of the next ticket after the reduce-add of m-block "
+    "{i} (of {m_count}): the CTAs and warpgroups after it wait forever",
+    no_completion="deterministic: the ticket's release does not follow a committed "
+    "cp.async.bulk.wait_group 0 of the reduce-add (its adds may not be performed)",
+    no_release_fence="deterministic: no fence.proxy.async.global between the reduce-add's "
+    "wait_group 0 and the ticket's release",
+    blocked="deterministic: the ticket of m-block {i} is released after {what} ({source.value}): "
+    "a wait on another warpgroup or CTA while owing a release that it may be waiting for "
+    "(deadlock)",
+)
+
+
 def _ticket_problems(proto: Protocol, m_count: int) -> list[str]:
-    run = unrolled(proto.consumer, m_count)
-    adds = [n for n, (x, _) in enumerate(run) if x.kind is Kind.BULK_REDUCE_ADD]
-    problems = []
-    for previous, add in zip([-1] + adds, adds):
-        i = run[add][1]
-        before = [x.kind for x, _ in run[previous + 1 : add] if x.who is Who.LEADER]
-        acquire = _last(before, Kind.SEM_ACQUIRE)
-        if acquire is None:
-            problems.append("deterministic: the reduce-add does not follow the ticket's acquire")
-        elif Kind.FENCE_PROXY_ASYNC_GLOBAL not in before[acquire:]:
-            problems.append(
-                "deterministic: no fence.proxy.async.global between the ticket's acquire and "
-                "the reduce-add (the async proxy's adds could pass the previous ticket's)"
-            )
-        rest = run[add + 1 :]
-        release = next(
-            (n for n, (x, j) in enumerate(rest) if x.kind is Kind.SEM_RELEASE and j == i), None
-        )
-        if release is None:
-            problems.append(
-                f"deterministic: no release of the next ticket after the reduce-add of m-block "
-                f"{i} (of {m_count}): the CTAs and warpgroups after it wait forever"
-            )
-            continue
-        between = [x for x, _ in rest[:release]]
-        after = [(x.kind, x.pending) for x in between if x.who is Who.LEADER]
-        kinds = [k for k, _ in after]
-        commit = kinds.index(Kind.BULK_COMMIT) if Kind.BULK_COMMIT in kinds else None
-        done = [
-            n
-            for n, (k, pending) in enumerate(after)
-            if k is Kind.BULK_WAIT and pending == 0 and commit is not None and n > commit
-        ]
-        if not done:
-            problems.append(
-                "deterministic: the ticket's release does not follow a committed "
-                "cp.async.bulk.wait_group 0 of the reduce-add (its adds may not be performed)"
-            )
-        elif Kind.FENCE_PROXY_ASYNC_GLOBAL not in kinds[done[-1] :]:
-            problems.append(
-                "deterministic: no fence.proxy.async.global between the reduce-add's "
-                "wait_group 0 and the ticket's release"
-            )
-        blocking = [
-            x
-            for x in between
-            if x.kind is Kind.SEM_ACQUIRE or (x.kind is Kind.NAMED_BAR_SYNC and x.named is Named.DS)
-        ]
-        if blocking:
-            problems.append(
-                f"deterministic: the ticket of m-block {i} is released after "
-                f"{blocking[0].kind.value} ({blocking[0].source.value}): a wait on another "
-                "warpgroup or CTA while owing a release that it may be waiting for (deadlock)"
-            )
-    return problems
-
-
-def _last(kinds: list[Kind], kind: Kind) -> int | None:
-    found = [n for n, k in enumerate(kinds) if k is kind]
-    return found[-1] if found else None
+    return ticket_problems(unrolled(proto.consumer, m_count), m_count, LEADER_VOICE)
 
 
 def register_problems(proto: Protocol, m_count: int) -> list[str]:

@@ -33,6 +33,7 @@ wait after its loop; with it, each m-block's release has waited so already.
 from __future__ import annotations
 
 from .program import Item, Kind, LoopPhase, Named, Protocol, WarpRole, Who, unrolled
+from .verify_tickets import Voice, ticket_problems
 
 WRITER_THREADS = 32
 _LANE0_KINDS = frozenset(
@@ -148,60 +149,25 @@ def semaphore_problems(proto: Protocol) -> list[str]:
     if len(adds) != 1:
         return [f"{len(adds)} dQ reduce-adds per m-block in the writer, expected 1"]
     for m_count in (1, 2, 3):
-        problems = _ticket_problems(unrolled(proto.writer, m_count), m_count)
+        problems = ticket_problems(unrolled(proto.writer, m_count), m_count, WRITER_VOICE)
         if problems:
             return problems
     return []
 
 
-def _ticket_problems(run: list[tuple[Item, int]], m_count: int) -> list[str]:
-    problems = []
-    adds = [n for n, (x, _) in enumerate(run) if x.kind is Kind.BULK_REDUCE_ADD]
-    for previous, add in zip([-1] + adds, adds):
-        i = run[add][1]
-        before = [x.kind for x, _ in run[previous + 1 : add] if x.who is Who.WRITER_LANE0]
-        acquires = [n for n, k in enumerate(before) if k is Kind.SEM_ACQUIRE]
-        if not acquires:
-            problems.append("deterministic: the writer's add does not follow the ticket's acquire")
-        elif Kind.FENCE_PROXY_ASYNC_GLOBAL not in before[acquires[-1] :]:
-            problems.append(
-                "deterministic: no fence.proxy.async.global between the writer's acquire and "
-                "its reduce-add (the async proxy's adds could pass the previous ticket's)"
-            )
-        rest = run[add + 1 :]
-        release = next(
-            (n for n, (x, j) in enumerate(rest) if x.kind is Kind.SEM_RELEASE and j == i), None
-        )
-        if release is None:
-            problems.append(
-                f"deterministic: the writer releases no ticket after its reduce-add of m-block "
-                f"{i} (of {m_count}): the CTAs after it wait forever"
-            )
-            continue
-        between = [x for x, _ in rest[:release]]
-        kinds = [(x.kind, x.pending) for x in between if x.who is Who.WRITER_LANE0]
-        plain = [k for k, _ in kinds]
-        commit = plain.index(Kind.BULK_COMMIT) if Kind.BULK_COMMIT in plain else None
-        done = [
-            n
-            for n, (k, pending) in enumerate(kinds)
-            if k is Kind.BULK_WAIT and pending == 0 and commit is not None and n > commit
-        ]
-        if not done:
-            problems.append(
-                "deterministic: the writer's release does not follow a committed "
-                "cp.async.bulk.wait_group 0 of its reduce-add (its adds may not be performed)"
-            )
-        elif Kind.FENCE_PROXY_ASYNC_GLOBAL not in plain[done[-1] :]:
-            problems.append(
-                "deterministic: no fence.proxy.async.global between the writer's "
-                "wait_group 0 and its release"
-            )
-        blocking = [x for x in between if x.kind in (Kind.SEM_ACQUIRE, Kind.NAMED_BAR_SYNC)]
-        if blocking:
-            problems.append(
-                f"deterministic: the writer releases the ticket of m-block {i} after "
-                f"{blocking[0].kind.value}: a wait while a CTA after it may wait for its "
-                "ticket (deadlock)"
-            )
-    return problems
+# A writer's lane 0 as verify_tickets.py's agent
+WRITER_VOICE = Voice(
+    agent=Who.WRITER_LANE0,
+    blocks=lambda x: x.kind in (Kind.SEM_ACQUIRE, Kind.NAMED_BAR_SYNC),
+    no_acquire="deterministic: the writer's add does not follow the ticket's acquire",
+    no_acquire_fence="deterministic: no fence.proxy.async.global between the writer's acquire "
+    "and its reduce-add (the async proxy's adds could pass the previous ticket's)",
+    no_release="deterministic: the writer releases no ticket after its reduce-add of m-block "
+    "{i} (of {m_count}): the CTAs after it wait forever",
+    no_completion="deterministic: the writer's release does not follow a committed "
+    "cp.async.bulk.wait_group 0 of its reduce-add (its adds may not be performed)",
+    no_release_fence="deterministic: no fence.proxy.async.global between the writer's "
+    "wait_group 0 and its release",
+    blocked="deterministic: the writer releases the ticket of m-block {i} after {what}: a wait "
+    "while a CTA after it may wait for its ticket (deadlock)",
+)
