@@ -56,7 +56,7 @@ extern "C" __global__ void __launch_bounds__(Cfg::kThreads, 1) fa3_varlen_causal
   __syncthreads();  // the inits before any thread waits on or arrives at a barrier
   if (threadIdx.x == 0) FADSL_BWD_CTA_MARK(1);
   const BwdBlock shared = bwd_shared_block<Cfg>(P);  // (bwd_block_per_role: each role finds its own)
-  const int warpgroup = bwd_warpgroup<Cfg>();  // (warp-uniform: fadsl/sm90_bwd.cuh)
+  const int warpgroup = bwd_warpgroup<Cfg>();  // (warp-uniform where it can: fadsl/sm90_bwd.cuh)
   if (warpgroup == 0) {
     setmaxnreg_dec<Cfg::kProducerRegs>();
     if (threadIdx.x / 32 == 0 && elect_one()) {

@@ -90,16 +90,23 @@ __device__ __forceinline__ void bwd_producer(const BwdParamsSm90& P, uint32_t sm
 // tile^T (B_r rows, K-major, B_r-row panels): S^T = K Q^T or dP^T = V dO^T.
 template <class Cfg>
 __device__ __forceinline__ void issue_keys_by_rows(float (&acc)[Cfg::kSRegs], uint32_t keys_wg, uint32_t rows_slot) {
-  // Each operand's descriptor is built once and each k16 step moves its start address
-  // (desc_advance, one add): built per step, the masks, shifts and register moves were about
-  // a third of a consumer's instructions per m-block (SASS, 2026-11-30).
-  const uint64_t a0 = make_desc_kmajor_sw128(keys_wg), b0 = make_desc_kmajor_sw128(rows_slot);
+  if constexpr (bwd_uniform_warpgroup<Cfg>()) {  // descriptors built once, moved per k16 step
+    const uint64_t a0 = make_desc_kmajor_sw128(keys_wg), b0 = make_desc_kmajor_sw128(rows_slot);
 #pragma unroll
-  for (int kk = 0; kk < Cfg::kHeadDim / 16; ++kk) {
-    const uint32_t panel = kk / 4, k_bytes = (kk % 4) * 32;
-    const uint64_t desc_a = desc_advance(a0, panel * Cfg::kBlockN * Cfg::kRowBytes + k_bytes);
-    const uint64_t desc_b = desc_advance(b0, panel * Cfg::kBlockM * Cfg::kRowBytes + k_bytes);
-    Wgmma<Cfg::kBlockM>::template ss<typename Cfg::T, 0, 0>(acc, desc_a, desc_b, kk > 0 ? 1u : 0u);
+    for (int kk = 0; kk < Cfg::kHeadDim / 16; ++kk) {
+      const uint32_t panel = kk / 4, k_bytes = (kk % 4) * 32;
+      const uint64_t desc_a = desc_advance(a0, panel * Cfg::kBlockN * Cfg::kRowBytes + k_bytes);
+      const uint64_t desc_b = desc_advance(b0, panel * Cfg::kBlockM * Cfg::kRowBytes + k_bytes);
+      Wgmma<Cfg::kBlockM>::template ss<typename Cfg::T, 0, 0>(acc, desc_a, desc_b, kk > 0 ? 1u : 0u);
+    }
+  } else {  // (bwd_uniform_warpgroup says why)
+#pragma unroll
+    for (int kk = 0; kk < Cfg::kHeadDim / 16; ++kk) {
+      const uint32_t panel = kk / 4, k_bytes = (kk % 4) * 32;
+      const uint64_t desc_a = make_desc_kmajor_sw128(keys_wg + panel * Cfg::kBlockN * Cfg::kRowBytes + k_bytes);
+      const uint64_t desc_b = make_desc_kmajor_sw128(rows_slot + panel * Cfg::kBlockM * Cfg::kRowBytes + k_bytes);
+      Wgmma<Cfg::kBlockM>::template ss<typename Cfg::T, 0, 0>(acc, desc_a, desc_b, kk > 0 ? 1u : 0u);
+    }
   }
 }
 
@@ -120,13 +127,23 @@ __device__ __forceinline__ void issue_grad_kv(float (&acc)[Cfg::kAccRegs], const
 // queries contiguous: MN-major A), B = K (rows = keys, head_dim contiguous: MN-major B).
 template <class Cfg>
 __device__ __forceinline__ void issue_dq(float (&dq)[Cfg::kDqRegs], uint32_t ds_keys, uint32_t k_keys) {
-  const uint64_t a0 = make_desc_mnmajor_sw128(ds_keys, Cfg::kBlockN * Cfg::kRowBytes);  // (as issue_keys_by_rows)
-  const uint64_t b0 = make_desc_mnmajor_sw128(k_keys, Cfg::kBlockN * Cfg::kRowBytes);
+  constexpr uint32_t kPanel = Cfg::kBlockN * Cfg::kRowBytes;
+  if constexpr (bwd_uniform_warpgroup<Cfg>()) {  // (as issue_keys_by_rows)
+    const uint64_t a0 = make_desc_mnmajor_sw128(ds_keys, kPanel), b0 = make_desc_mnmajor_sw128(k_keys, kPanel);
 #pragma unroll
-  for (int kk = 0; kk < Cfg::kDqKeys / 16; ++kk) {
-    const uint32_t step = kk * 16 * Cfg::kRowBytes;
-    Wgmma<Cfg::kDqCols>::template ss<typename Cfg::T, 1, 1>(dq, desc_advance(a0, step), desc_advance(b0, step),
-                                                             kk > 0 ? 1u : 0u);
+    for (int kk = 0; kk < Cfg::kDqKeys / 16; ++kk) {
+      const uint32_t step = kk * 16 * Cfg::kRowBytes;
+      Wgmma<Cfg::kDqCols>::template ss<typename Cfg::T, 1, 1>(dq, desc_advance(a0, step), desc_advance(b0, step),
+                                                               kk > 0 ? 1u : 0u);
+    }
+  } else {
+#pragma unroll
+    for (int kk = 0; kk < Cfg::kDqKeys / 16; ++kk) {
+      const uint32_t step = kk * 16 * Cfg::kRowBytes;
+      const uint64_t desc_a = make_desc_mnmajor_sw128(ds_keys + step, kPanel);
+      const uint64_t desc_b = make_desc_mnmajor_sw128(k_keys + step, kPanel);
+      Wgmma<Cfg::kDqCols>::template ss<typename Cfg::T, 1, 1>(dq, desc_a, desc_b, kk > 0 ? 1u : 0u);
+    }
   }
 }
 
@@ -135,13 +152,22 @@ __device__ __forceinline__ void issue_dq(float (&dq)[Cfg::kDqRegs], uint32_t ds_
 // B_r query rows of each 64-key panel, keys contiguous: K-major B).
 template <class Cfg>
 __device__ __forceinline__ void issue_dq_t(float (&dq)[Cfg::kDqRegs], uint32_t ds_buf, uint32_t k_panel) {
-  const uint64_t a0 = make_desc_mnmajor_sw128(k_panel, Cfg::kBlockN * Cfg::kRowBytes);  // (as issue_keys_by_rows)
-  const uint64_t b0 = make_desc_kmajor_sw128(ds_buf);
+  constexpr uint32_t kPanel = Cfg::kBlockN * Cfg::kRowBytes;
+  if constexpr (bwd_uniform_warpgroup<Cfg>()) {  // (as issue_keys_by_rows)
+    const uint64_t a0 = make_desc_mnmajor_sw128(k_panel, kPanel), b0 = make_desc_kmajor_sw128(ds_buf);
 #pragma unroll
-  for (int kk = 0; kk < Cfg::kBlockN / 16; ++kk) {
-    const uint64_t desc_a = desc_advance(a0, kk * 16 * Cfg::kRowBytes);
-    const uint64_t desc_b = desc_advance(b0, (kk / 4) * Cfg::kDSPanelBytes + (kk % 4) * 32);
-    Wgmma<Cfg::kBlockM>::template ss<typename Cfg::T, 1, 0>(dq, desc_a, desc_b, kk > 0 ? 1u : 0u);
+    for (int kk = 0; kk < Cfg::kBlockN / 16; ++kk) {
+      const uint64_t desc_a = desc_advance(a0, kk * 16 * Cfg::kRowBytes);
+      const uint64_t desc_b = desc_advance(b0, (kk / 4) * Cfg::kDSPanelBytes + (kk % 4) * 32);
+      Wgmma<Cfg::kBlockM>::template ss<typename Cfg::T, 1, 0>(dq, desc_a, desc_b, kk > 0 ? 1u : 0u);
+    }
+  } else {
+#pragma unroll
+    for (int kk = 0; kk < Cfg::kBlockN / 16; ++kk) {
+      const uint64_t desc_a = make_desc_mnmajor_sw128(k_panel + kk * 16 * Cfg::kRowBytes, kPanel);
+      const uint64_t desc_b = make_desc_kmajor_sw128(ds_buf + (kk / 4) * Cfg::kDSPanelBytes + (kk % 4) * 32);
+      Wgmma<Cfg::kBlockM>::template ss<typename Cfg::T, 1, 0>(dq, desc_a, desc_b, kk > 0 ? 1u : 0u);
+    }
   }
 }
 
@@ -377,12 +403,20 @@ __device__ __forceinline__ void red_add_dq(float* dst, const float (&dq)[Cfg::kD
   // the thread's first float4 once, opaque to the compiler (the empty asm), then constant
   // steps that ptxas folds into each add's immediate offset: otherwise the index arithmetic
   // is reassociated and the 64-bit address rebuilt for every add, about 5 instructions each
-  // (SASS, NVRTC 13.5, 2026-11-30)
-  float* mine = dst + 4 * tid;
-  asm("" : "+l"(mine));
+  // (SASS, NVRTC 13.5, 2026-11-30); where bwd_uniform_warpgroup is off the pinned pointer
+  // spilled (16 bytes, fa3_hopper's windowed and capped variant), so the index stays there
+  if constexpr (bwd_uniform_warpgroup<Cfg>()) {
+    float* mine = dst + 4 * tid;
+    asm("" : "+l"(mine));
 #pragma unroll
-  for (int q = 0; q < Cfg::kDqRegs / 4; ++q) {
-    red_add_v4_f32(mine + 4 * 128 * q, dq[4 * q], dq[4 * q + 1], dq[4 * q + 2], dq[4 * q + 3]);
+    for (int q = 0; q < Cfg::kDqRegs / 4; ++q) {
+      red_add_v4_f32(mine + 4 * 128 * q, dq[4 * q], dq[4 * q + 1], dq[4 * q + 2], dq[4 * q + 3]);
+    }
+  } else {
+#pragma unroll
+    for (int q = 0; q < Cfg::kDqRegs / 4; ++q) {
+      red_add_v4_f32(dst + 4 * (q * 128 + tid), dq[4 * q], dq[4 * q + 1], dq[4 * q + 2], dq[4 * q + 3]);
+    }
   }
 }
 
