@@ -495,14 +495,15 @@ __device__ __forceinline__ BwdBlock bwd_role_block(const BwdParamsSm90& P, const
 // product's wgmma descriptors once, moving them per k16 step (issue_keys_by_rows): with both, ptxas
 // keeps the descriptors in uniform registers, and the head_dim 128 consumer loop runs 26 %
 // fewer instructions (SASS, NVRTC 13.5, 2026-11-30: +2-3 % on an H200). Kernels with score or
-// keep modifiers, a window, a softcap, packed sequences or head_dim split over the consumers
-// keep the division and descriptors built per step: there either spills 4-48 bytes in some
-// variant (NVRTC 13.5, 2026-11-30; tests/test_modifiers_backward.py,
-// test_backward_hdim256_build.py, test_varlen_backward_build.py, test_attention_variants.py).
+// keep modifiers, a window, a softcap, packed sequences, dQ writer warps or head_dim split
+// over the consumers keep the division and descriptors built per step: there either spills
+// 4-48 bytes in some variant (NVRTC 13.5, 2026-11-30; tests/test_modifiers_backward.py,
+// test_backward_hdim256_build.py, test_varlen_backward_build.py, test_attention_variants.py,
+// test_backward_spec.py).
 template <class Cfg>
 __host__ __device__ constexpr bool bwd_uniform_warpgroup() {
   return !(Cfg::kScore || Cfg::kKeep || Cfg::kWindowLeft >= 0 || Cfg::kWindowRight >= 0 ||
-           Cfg::kSoftcap > 0.f || Cfg::kVarlen || Cfg::kSplitHeadDim);
+           Cfg::kSoftcap > 0.f || Cfg::kVarlen || Cfg::kDqWriter || Cfg::kSplitHeadDim);
 }
 
 // This thread's warpgroup (0: the producer); warp-uniform through a shuffle where
