@@ -51,7 +51,13 @@ ROOT = Path(__file__).resolve().parents[1]
 # sm90_bwd.cuh with the sections it includes (the roles' functions live in sm90_bwd_roles.cuh)
 HEADER = "".join(
     (ROOT / "emit/sm90/include/fadsl" / name).read_text()
-    for name in ("sm90_bwd.cuh", "sm90_bwd_roles.cuh", "sm90_bwd_writer.cuh", "sm90_bwd_prep.cuh")
+    for name in (
+        "sm90_bwd.cuh",
+        "sm90_bwd_ds.cuh",
+        "sm90_bwd_roles.cuh",
+        "sm90_bwd_writer.cuh",
+        "sm90_bwd_prep.cuh",
+    )
 )
 SPLIT_HEADER = (ROOT / f"emit/sm90/include/fadsl/{emit.SPLIT_HEADER}").read_text()
 TEMPLATE = (ROOT / "emit/sm90/backward.cu.j2").read_text()
