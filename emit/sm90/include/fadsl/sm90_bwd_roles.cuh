@@ -566,6 +566,8 @@ __device__ __forceinline__ void bwd_consumer(const BwdParamsSm90& P, uint32_t sm
     const uint32_t ds_buf = smem + Cfg::kOffDS + (i % 2) * Cfg::kDSBytes;
     if constexpr (Cfg::kDqTransposed) {
       store_ds_t<Cfg>(ds_buf, ds16, wg, warp, lane);
+    } else if constexpr (Cfg::kDsStmatrix) {
+      store_ds_stmatrix<Cfg>(ds_buf, ds16, wg, warp, lane);
     } else {
       store_ds<Cfg>(ds_buf, ds16, wg, warp, lane);
     }

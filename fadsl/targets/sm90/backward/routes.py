@@ -1,6 +1,13 @@
 """The paths sm_90a's backward gives each tensor (``Route``), the other paths a tensor may take
 instead, and which of them a block's tile admits: the tables validate.py checks a block's
 paths against (moved out of it; validate.py re-exports them).
+
+dS has three: stored by `st.shared` (the default: 4-byte stores of 16-bit pairs in the
+accumulator's layout), or by `stmatrix` (``DS_STMATRIX``: the same bytes, an 8 x 8 block of
+16-bit elements per matrix, four per instruction, so B_r / 16 stores a thread instead of B_r
+/ 4) where dS^T is stored with the keys as rows, and at B_r 80 by `stmatrix .trans` (the
+queries as rows, for dQ^T: ``DS_TRANSPOSED``, its one path there). Each is a generic-proxy
+store of the warpgroup's rows of the same buffer, so the sync plan is the same.
 """
 
 from __future__ import annotations
@@ -78,7 +85,15 @@ DQ_RED = Route(
     "each consumer thread adds its fp32 share into the accumulator (red.global.add.v4.f32), "
     "no staging in SMEM",
 )
-OTHER_PATHS: dict[Role | GradRole, Route] = {GradRole.DQ: DQ_RED}
+# dS^T's 8 x 8 blocks stored whole (the accumulator's fragment is stmatrix's register layout)
+DS_STMATRIX = Route(
+    (RF, SMEM, RF),
+    (Instr.STMATRIX, Instr.WGMMA),
+    Scope.CTA,
+    "dK += dS^T Q and dQ = dS K read every consumer's part of it from SMEM; stmatrix "
+    "stores it four 8 x 8 blocks an instruction",
+)
+OTHER_PATHS: dict[Role | GradRole, Route] = {GradRole.DQ: DQ_RED, GradRole.DS: DS_STMATRIX}
 # dS's path where dQ is computed transposed (B_r = 80): the queries as rows
 DS_TRANSPOSED = Route(
     (RF, SMEM, RF),
@@ -131,6 +146,9 @@ def paths_of(block_m: int, head_dim: int | None) -> dict[Role | GradRole, Route]
     return PATHS | {GradRole.DS: DS_TRANSPOSED}
 
 
-def other_path(role: Role | GradRole, head_dim: int | None) -> Route | None:
-    """The path ``role`` may take instead of its default (none at head_dim 256)."""
-    return None if head_dim == SPLIT_HEAD_DIM else OTHER_PATHS.get(role)
+def other_path(role: Role | GradRole, block_m: int, head_dim: int | None) -> Route | None:
+    """The path ``role`` may take instead of its default: none at head_dim 256, and dS's
+    stmatrix store not at B_r 80 (where stmatrix .trans is its one path)."""
+    if head_dim == SPLIT_HEAD_DIM or (role is GradRole.DS and block_m == TRANSPOSED_BLOCK_M):
+        return None
+    return OTHER_PATHS.get(role)

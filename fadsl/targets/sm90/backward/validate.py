@@ -14,13 +14,15 @@ What the first backward kernel supports (docs/backward.md, FlashAttention-3's ba
   give two sequences one dQ chunk, whose ordered adds would wait on each other) and without
   `longest_first on` (the varlen grid is a slot per n-block of the packed keys);
 - dQ staged (its default path) or `rf -red.add-> gmem`, not with `deterministic on`;
+- dS stored by st.shared (its default path) or `rf -stmatrix-> smem[cta]` (the same bytes,
+  four 8 x 8 blocks an instruction); at B_r 80 by stmatrix .trans only (routes.py);
 - `dq_writer on` (a writer warp per consumer reduce-adds its staging) with dQ staged and the
   consumers' shares of it disjoint (not split by keys: head_dim 64 at B_r 64), in either
   mode;
 - setmaxnreg: the producer 24 to 56, the consumers at most 240, multiples of 8, their total
   within the CTA's launch allocation (as the forward's: setmaxnreg only moves registers
   within it);
-- each tensor's one path (``PATHS``): which hops, instructions and sharing scope;
+- each tensor's path (``PATHS`` or ``OTHER_PATHS``): hops, instructions and sharing scope;
 - the SMEM plan (``plan_smem.plan_smem``) within sm_90a's 227 KB per CTA;
 - at head_dim 256 (sm90_bwd_split.cuh: the consumers split head_dim; FlashAttention-3's
   64 x 80 tile): B_r 64, B_c 80 or 64, P and dS through SMEM by stmatrix, dQ added from
@@ -47,6 +49,7 @@ from ..caps import (
 from .plan_smem import SPLIT_HEAD_DIM, plan_smem
 from .routes import (  # (the path tables: tune_space, variants and tests read them here)
     DQ_RED,
+    DS_STMATRIX,
     DS_TRANSPOSED,
     OTHER_PATHS,
     PATHS,
@@ -142,7 +145,8 @@ def validate_backward(c: Checks, block: BackwardBlock) -> Backward | None:
             block.checks.error(decl.tensor.loc, P_IN_REGISTERS)
             ok = False
             continue
-        ok = _path(block.checks, paths[role], other_path(role, head_dim), tensor, decl) and ok
+        other = other_path(role, tile["B_r"], head_dim)
+        ok = _path(block.checks, paths[role], other, tensor, decl) and ok
     tensors = tuple(_tensor(block, role, route) for role, route in paths.items())
     groups = block.values.get("warpgroups", DEFAULT_WARPGROUPS)
     regs = block.values.get("registers", DEFAULT_REGISTERS)
@@ -160,6 +164,8 @@ def validate_backward(c: Checks, block: BackwardBlock) -> Backward | None:
         longest_first=block.values.get("longest_first", False),
         dq_writer=block.values.get("dq_writer", False),
         dq_red=_takes(tensors, GradRole.DQ, DQ_RED),
+        ds_stmatrix=other_path(GradRole.DS, tile["B_r"], head_dim) is not None
+        and _takes(tensors, GradRole.DS, DS_STMATRIX),
         loc=block.loc,
         tensors=tensors,
         key_locs=tuple(sorted(block.key_locs.items())),
@@ -432,7 +438,11 @@ def _path(
 ) -> bool:
     role = tensor.role
     levels = (tensor.hops[0].src, *(hop.dst for hop in tensor.hops))
-    if other is not None and levels == other.levels:
+    instrs = tuple(hop.instr for hop in tensor.hops)
+    # (dS's two stores share their levels: the instructions choose)
+    same = other is not None and levels == other.levels
+    matches = lambda r: sum(a is b for a, b in zip(instrs, r.instrs))  # noqa: E731
+    if same and (levels != route.levels or matches(other) > matches(route)):
         route = other
     if levels != route.levels:
         also = f", or {other.text()} ({other.why})" if other is not None else ""
@@ -449,13 +459,15 @@ def _path(
             f"{role.value} lives in smem[{route.scope.value}] in the backward: {route.why}",
         )
         ok = False
-    for hop, instr in zip(tensor.hops, route.instrs):
-        if hop.instr is not instr:
+    routes = (route, other) if same and other is not route else (route,)
+    for n, hop in enumerate(tensor.hops):
+        if hop.instr is not route.instrs[n]:
+            does = " or ".join(dict.fromkeys(f"'{r.instrs[n].value}'" for r in routes))
             c.error(
                 hop.loc,
                 f"'{hop.instr.value}' does not move {role.value} {hop.src.value} -> "
-                f"{hop.dst.value} in the backward; '{instr.value}' does "
-                f"({role.value}: {route.text()})",
+                f"{hop.dst.value} in the backward; {does} {'do' if ' or ' in does else 'does'} "
+                f"({role.value}: {', or '.join(r.text() for r in routes)})",
             )
             ok = False
     return ok
