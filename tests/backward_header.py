@@ -51,7 +51,13 @@ ROOT = Path(__file__).resolve().parents[1]
 # sm90_bwd.cuh with the sections it includes (the roles' functions live in sm90_bwd_roles.cuh)
 HEADER = "".join(
     (ROOT / "emit/sm90/include/fadsl" / name).read_text()
-    for name in ("sm90_bwd.cuh", "sm90_bwd_roles.cuh", "sm90_bwd_writer.cuh", "sm90_bwd_prep.cuh")
+    for name in (
+        "sm90_bwd.cuh",
+        "sm90_bwd_ds.cuh",
+        "sm90_bwd_roles.cuh",
+        "sm90_bwd_writer.cuh",
+        "sm90_bwd_prep.cuh",
+    )
 )
 SPLIT_HEADER = (ROOT / f"emit/sm90/include/fadsl/{emit.SPLIT_HEADER}").read_text()
 TEMPLATE = (ROOT / "emit/sm90/backward.cu.j2").read_text()
@@ -111,6 +117,7 @@ TRACED = {
     "pack_pairs": Kind.PACK,
     "store_ds": Kind.ST_SHARED,
     "store_ds_t": Kind.ST_SHARED,
+    "store_ds_stmatrix": Kind.ST_SHARED,
     "store_keys_t": Kind.ST_SHARED,
     "stage_dq": Kind.ST_SHARED,
     "bulk_reduce_add_f32": Kind.BULK_REDUCE_ADD,
@@ -125,7 +132,7 @@ SMEM_ARGS |= {"bwd_probs": (3,), "bwd_grad_scores": (3,), "store_ds": (0,), "sta
 SMEM_ARGS |= {"bulk_reduce_add_f32": (1,), "tma_load_4d": (0,), "bulk_load": (0,)}
 SMEM_ARGS |= {"issue_rows_by_keys": (1, 2), "issue_grad_panel_t": (1, 2)}
 SMEM_ARGS |= {"issue_dq_panel_t": (1, 2), "bwd_probs_rows": (3,), "bwd_grad_scores_rows": (3,)}
-SMEM_ARGS |= {"store_keys_t": (0,)}
+SMEM_ARGS |= {"store_keys_t": (0,), "store_ds_stmatrix": (0,)}
 REGISTERS = {"s": Reg.S, "dp": Reg.DP, "p16": Reg.P16, "ds16": Reg.DS16}
 REGISTERS |= {"dk": Reg.DK, "dv": Reg.DV, "dq": Reg.DQ}
 OFFSETS = {
@@ -177,7 +184,7 @@ def kernel_template(overlap: bool, template: str = TEMPLATE, split: bool = False
     # the Cfg's constants of a window or a softcap: declarations, never calls
     constants = re.compile(
         tag(
-            "if (window|softcap|longest_first|varlen|dv_before_meeting|dq_writer|modifiers|score|score_grad|keep)"
+            "if (window|softcap|longest_first|varlen|dv_before_meeting|dq_writer|ds_stmatrix|modifiers|score|score_grad|keep)"
         )
         + r"(.*?)"
         + tag("endif"),
@@ -397,8 +404,8 @@ def detail_of(name: str, args: list[str], template: str, walk: Walk) -> tuple:
             return frozenset(op[:2] for op in smem), regs
         case Kind.PACK:
             return (REGISTERS[args[0]],), (REGISTERS[args[1]],)
-        case Kind.ST_SHARED:
-            return smem[0][:2], REGISTERS[args[1]]
+        case Kind.ST_SHARED:  # (which store: st.shared, stmatrix or stmatrix .trans)
+            return smem[0][:2], REGISTERS[args[1]], name
         case Kind.BULK_REDUCE_ADD:
             return (smem[0][0],)
         case Kind.STORE_GLOBAL:
@@ -465,6 +472,7 @@ def walk_if(cond: str, constexpr: bool, then, other, walk: Walk) -> None:
     flags["Cfg::kDvBeforeMeeting"] = walk.params.dv_before_meeting
     flags["Cfg::kDqRed"] = walk.params.dq_red
     flags["Cfg::kDqWriter"] = walk.params.dq_writer
+    flags["Cfg::kDsStmatrix"] = walk.params.ds_stmatrix
     flags["Cfg::kSplitHeadDim"] = walk.params.split
     flags |= {f"!{name}": not value for name, value in flags.items()}
     if constexpr:  # a flag, its negation, or a conjunction of them
@@ -595,6 +603,19 @@ def header_calls(
     return walk.calls
 
 
+def store_function(buffer: StagedTile, p: Params) -> str:
+    """The header's function that stores ``buffer`` from registers in configuration ``p``:
+    dQ's staging, P and dS at head_dim 256 (stmatrix .trans, the keys as rows), dS^T by
+    stmatrix .trans where dQ is transposed, else by stmatrix or st.shared as the spec says."""
+    if buffer is StagedTile.DQ_STAGE:
+        return "stage_dq"
+    if p.split:
+        return "store_keys_t"
+    if p.dq_transposed:
+        return "store_ds_t"
+    return "store_ds_stmatrix" if p.ds_stmatrix else "store_ds"
+
+
 def expected_calls(proto: Protocol, role: WarpRole) -> list[Call]:
     """The protocol's items as the header's calls (the register-only zeroing has none)."""
     p = proto.params
@@ -631,7 +652,8 @@ def expected_calls(proto: Protocol, role: WarpRole) -> list[Call]:
             case Kind.PACK:
                 detail = (x.reg_reads, x.reg_writes)
             case Kind.ST_SHARED:
-                detail = (smem(x.writes)[0], x.reg_reads[0])
+                store = store_function(x.writes[0].buffer, p)
+                detail = (smem(x.writes)[0], x.reg_reads[0], store)
             case Kind.BULK_REDUCE_ADD:
                 detail = (x.reads[0].buffer,)
             case Kind.STORE_GLOBAL | Kind.RED_GLOBAL:

@@ -116,6 +116,7 @@ def test_the_full_block_lowers_to_the_ir():
         "dq_red": False,
         "longest_first": False,
         "dq_writer": False,
+        "ds_stmatrix": False,
     }
     assert bwd.loc == Loc(FILE, *where(text, "  backward {", "backward"))
     assert bwd.loc_of("stages") == Loc(FILE, *where(text, "stages     3"))

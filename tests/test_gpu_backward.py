@@ -72,6 +72,15 @@ WRITERS += (
 )
 WRITERS += ("fa3_hdim64_causal+deterministic+dq_writer-dqred",)
 VARIANTS += WRITERS
+# dS^T stored by stmatrix (four 8 x 8 blocks an instruction, the bytes st.shared stores; not
+# yet run on a GPU, 2026-11-30): dQ by queries (head_dim 64's B_r 128, both masks), by head_dim
+# panels (B_r 64, dQ added or staged) and by keys (head_dim 64 at B_r 64, staged), and beside
+# the writer warps' ordered adds
+DS_STMATRIX = ("fa3_hdim64+ds_stmatrix", "fa3_hdim64_causal+ds_stmatrix")
+DS_STMATRIX += ("fa3_hopper+br64+ds_stmatrix", "fa3_causal+br64+ds_stmatrix-dqred")
+DS_STMATRIX += ("fa3_hdim64+br64+ds_stmatrix-dqred",)
+DS_STMATRIX += ("fa3_hdim64_causal+ds_stmatrix+deterministic+dq_writer-dqred",)
+VARIANTS += DS_STMATRIX
 CASES = [(n, d, s) for n in FORWARDS + PLAIN + VARIANTS for d in DTYPES for s in SHAPES]
 # head_dim 256 (sm90_bwd_split.cuh: B_r 64, each consumer S and dP of B_c / 2 keys, dK^T, dV^T
 # and dQ^T of its half of head_dim): the examples' B_c 80 and the B_c 64 fallback; seqlens off
@@ -97,8 +106,10 @@ def training_spec(name: str) -> str:
     ``+br128`` / ``+br64`` / ``+br80`` sets the block's tile to B_r = 128 / 64 / 80 (B_c 128;
     at 80 dS goes ``rf -stmatrix-> smem``); ``+bc64`` sets head_dim 256's tile to B_r = 64,
     B_c = 64; ``+s2`` / ``+s3`` sets the stages; ``+dqred`` / ``-dqred`` gives dQ the path
-    ``rf -red.add-> gmem`` / the staged one; ``+p32`` sets setmaxnreg to producer 32,
-    consumers 232; ``+dq_writer`` turns the writer warps on as any other key."""
+    ``rf -red.add-> gmem`` / the staged one; ``+ds_stmatrix`` / ``-ds_stmatrix`` gives dS
+    the path ``rf -stmatrix-> smem[cta] -wgmma-> rf`` / the st.shared one (not at B_r 80);
+    ``+p32`` sets setmaxnreg to producer 32, consumers 232; ``+dq_writer`` turns the writer
+    warps on as any other key."""
     example, *switches = re.split(r"(?=[+-])", name)
     text = (EXAMPLES / f"{example}.fa").read_text()
     if "backward {" not in text:
@@ -116,6 +127,9 @@ def training_spec(name: str) -> str:
             block = _set_line(block, "stages", f"stages {switch[2:]}")
         elif switch[1:] == "p32":
             block = _set_line(block, "registers", "registers producer = 32, consumers = 232")
+        elif switch[1:] == "ds_stmatrix":  # (after a +brNN, which sets dS's line too)
+            ds_store = "stmatrix" if switch[0] == "+" else "st.shared"
+            block = _set_line(block, "dS:", f"dS: rf -{ds_store}-> smem[cta] -wgmma-> rf")
         elif switch[1:] == "dqred":
             block = _set_line(
                 block, "dQ:", "dQ: rf -red.add-> gmem" if switch[0] == "+" else STAGED_DQ

@@ -107,9 +107,17 @@ def test_head_dim_128_refuses_b_r_128_and_takes_80():
     assert wide and all(v.backward is None and "needs head_dim 64" in v.reason for v in wide)
     admitted = [v for v in variants if v.backward is not None]
     assert {v.backward.block_m for v in admitted} == {64, 80}
-    for v in admitted:  # dS's path follows the tile: stored transposed at B_r 80
+    for v in admitted:  # dS's path follows the tile: stored transposed at B_r 80, else by
+        # st.shared or (the knob) by stmatrix, each B_r 64 block both ways
         stmatrix = "dS: rf -stmatrix-> smem[cta]" in " ".join(v.text.split())
-        assert stmatrix == (v.backward.block_m == 80), v.label
+        assert stmatrix == (v.backward.block_m == 80 or v.backward.ds_stmatrix), v.label
+        assert v.backward.ds_stmatrix == ("dS stmatrix" in v.label), v.label
+    sixty_four = [v.backward for v in admitted if v.backward.block_m == 64]
+    by_stmatrix = [b.text() for b in sixty_four if b.ds_stmatrix]
+    assert by_stmatrix and {t.removesuffix(" ds=stmatrix") for t in by_stmatrix} == {
+        b.text() for b in sixty_four if not b.ds_stmatrix
+    }
+    assert not any(v.backward.ds_stmatrix for v in admitted if v.backward.block_m == 80)
     # a third stage fits B_r 80 only without dQ's staging buffer
     eighty = [v.backward for v in admitted if v.backward.block_m == 80]
     assert {b.stages for b in eighty} == {2, 3}

@@ -83,9 +83,13 @@ def test_the_cases_wrap_every_ring_slot_twice():
     # (deterministic, dQ's adds), 4 orders, deterministic only with 2 or 3 stages; and head_dim
     # 256's B_c 80 and 64, 3 stages
     # `dq_writer on`: each staged one of the 5 shapes whose shares are disjoint (not by keys)
-    writers = [p for p in PARAMS if p.dq_writer]
+    # dS by stmatrix: once more each configuration with 2 stages that keeps dS^T's keys as rows
+    stm = {p for p in PARAMS if p.ds_stmatrix}
+    plain_two = {p for p in PARAMS if p.stages == 2 and not (p.dq_transposed or p.split)}
+    assert stm and {replace(p, ds_stmatrix=False) for p in stm} == plain_two - stm
+    writers = [p for p in PARAMS if p.dq_writer and not p.ds_stmatrix]
     assert len(writers) == 5 * 4 * (3 + 2) and not any(p.dq_by_keys for p in writers)
-    others = [p for p in PARAMS if not p.dq_writer]
+    others = [p for p in PARAMS if not (p.dq_writer or p.ds_stmatrix)]
     assert len(others) == 262 and sum(p.overlap for p in others) == 192
     assert sum(p.early_dv for p in others) == 64 and sum(p.block_m == 128 for p in others) == 32
     assert sum(p.dv_before_meeting for p in others) == 64
@@ -140,6 +144,14 @@ WRITERS = (
     Params(1, 3, 64, deterministic=True, dq_writer=True),
 )
 MUTATED += WRITERS
+# dS by stmatrix (store_ds_stmatrix): the st.shared store's step, so the same fence and meeting
+STMATRIX = (
+    replace(BY_QUERIES, ds_stmatrix=True, dq_red=True, overlap=True),  # the head_dim 64 example's
+    replace(PANELS, ds_stmatrix=True),
+    replace(BY_KEYS, ds_stmatrix=True, overlap=True, early_dv=True),
+    replace(PANELS, ds_stmatrix=True, deterministic=True, dq_writer=True, overlap=True),
+)
+MUTATED += STMATRIX
 OVERLAPPED = tuple(p for p in MUTATED if p.overlap)
 
 
@@ -626,6 +638,35 @@ def test_an_edited_header_is_caught(what, old, new):
         for role in (WarpRole.PRODUCER, WarpRole.CONSUMER):
             if header_calls(role, params, edited) != expected_calls(protocol(params), role):
                 return
+    raise AssertionError(f"{what}: the edited header still matches the protocol")
+
+
+@pytest.mark.parametrize(
+    "what,old,new",
+    [
+        ("st.shared for stmatrix", "store_ds_stmatrix<Cfg>(ds_buf", "store_ds<Cfg>(ds_buf"),
+        (
+            "stmatrix for st.shared",
+            "      store_ds<Cfg>(ds_buf",
+            "      store_ds_stmatrix<Cfg>(ds_buf",
+        ),
+        ("stmatrix .trans", "store_ds_stmatrix<Cfg>(ds_buf", "store_ds_t<Cfg>(ds_buf"),
+        (
+            "no fence after the store",
+            "      fence_proxy_async_smem();\n      // dq was read",
+            "      // dq was read",
+        ),
+    ],
+)
+def test_an_edited_ds_store_is_caught(what, old, new):
+    """The header stores dS^T by the instruction the spec's path names (Cfg::kDsStmatrix),
+    each followed by the proxy fence before the meeting, in every order."""
+    assert HEADER.count(old) == 1, what
+    edited = HEADER.replace(old, new)
+    for params in STMATRIX + (PANELS, replace(BY_QUERIES, dq_red=True, overlap=True)):
+        calls = header_calls(WarpRole.CONSUMER, params, edited)
+        if calls != expected_calls(protocol(params), WarpRole.CONSUMER):
+            return
     raise AssertionError(f"{what}: the edited header still matches the protocol")
 
 

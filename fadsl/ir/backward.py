@@ -63,6 +63,9 @@ class Backward:
     # dQ's staged share reduce-added by a writer warp of the producer warpgroup per consumer
     # (research/backward-dq-writer.md; sm90_bwd_writer.cuh, bwd_dq_writer)
     dq_writer: bool = False
+    # dS's path is `rf -stmatrix-> smem[cta]` where dS^T keeps the keys as rows (not B_r 80):
+    # its 8 x 8 blocks stored whole, four per stmatrix (sm90_bwd_roles.cuh, store_ds_stmatrix)
+    ds_stmatrix: bool = False
     # Every tensor's path, the defaults included, in the target's order. The IR's text form
     # leaves them out (the target admits one path per tensor): a kernel read back has none.
     tensors: tuple[BackwardTensor, ...] = ()
@@ -99,13 +102,14 @@ class Backward:
             + (" dq=red.add" if self.dq_red else "")
             + (" longest_first=on" if self.longest_first else "")
             + (" dq_writer=on" if self.dq_writer else "")
+            + (" ds=stmatrix" if self.ds_stmatrix else "")
         )
 
 
 _TEXT = re.compile(
     r"backward B_r=(?P<m>\d+) B_c=(?P<n>\d+) consumers=(?P<consumers>\d+) "
     r"regs=(?P<preg>\d+)/(?P<creg>\d+) stages=(?P<stages>\d+) "
-    r"deterministic=(?P<deterministic>on|off)(?P<overlap> overlap=on)?(?P<early_dv> early_dv=on)?(?P<dv_before_meeting> dv_before_meeting=on)?(?P<dq_red> dq=red.add)?(?P<longest_first> longest_first=on)?(?P<dq_writer> dq_writer=on)?$"
+    r"deterministic=(?P<deterministic>on|off)(?P<overlap> overlap=on)?(?P<early_dv> early_dv=on)?(?P<dv_before_meeting> dv_before_meeting=on)?(?P<dq_red> dq=red.add)?(?P<longest_first> longest_first=on)?(?P<dq_writer> dq_writer=on)?(?P<ds_stmatrix> ds=stmatrix)?$"
 )
 
 
@@ -131,5 +135,6 @@ def read_backward(line: str, loc: Loc) -> Backward:
         dq_red=m["dq_red"] is not None,
         longest_first=m["longest_first"] is not None,
         dq_writer=m["dq_writer"] is not None,
+        ds_stmatrix=m["ds_stmatrix"] is not None,
         loc=loc,
     )

@@ -55,6 +55,7 @@ def _backward_line(kernel: Kernel) -> str:
         + (", early_dv on" if b.early_dv else "")
         + (", longest_first on" if b.longest_first else "")
         + (", dq_writer on" if b.dq_writer else "")
+        + (", dS by stmatrix" if b.ds_stmatrix else "")
         + " (the spec's backward block; explain shows its plan)"
     )
 

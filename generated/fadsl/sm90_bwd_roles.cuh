@@ -266,40 +266,6 @@ __device__ __forceinline__ void pack_pairs(const float (&f)[Cfg::kSRegs], uint32
   for (int i = 0; i < Cfg::kPRegs; ++i) x[i] = pack_f32x2<typename Cfg::T>(f[2 * i], f[2 * i + 1]);
 }
 
-// dS^T (this warpgroup's 64 key rows) into an SMEM buffer of B_c rows x B_r queries
-// (per 64-query panel, one 128-byte swizzled row per key).
-template <class Cfg>
-__device__ __forceinline__ void store_ds(uint32_t ds_buf, const uint32_t (&x)[Cfg::kPRegs], int wg, int warp, int lane) {
-  const int row = 64 * wg + 16 * warp + lane / 4;
-#pragma unroll
-  for (int j = 0; j < Cfg::kBlockM / 8; ++j) {
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const uint32_t byte =
-          (j / 8) * Cfg::kDSPanelBytes + (row + 8 * r) * Cfg::kRowBytes + (8 * (j % 8) + 2 * (lane % 4)) * 2;
-      st_shared_b32(ds_buf + swizzle128(byte), x[2 * j + r]);
-    }
-  }
-}
-
-// dS^T (this warpgroup's 64 keys) into key panel wg of a buffer with the B_r queries as
-// rows (128-byte swizzled rows of 64 keys): each 8 x 8 block of the registers stored
-// transposed by stmatrix .trans.  x[2j + r] holds keys 16 warp + lane / 4 + 8r, queries
-// 8j + 2 (lane % 4) + {0, 1}; an x4 stores blocks (j, r) = (2n + I / 2, I % 2), I < 4,
-// whose query row lane % 8 lane L / 8 addresses.
-template <class Cfg>
-__device__ __forceinline__ void store_ds_t(uint32_t ds_buf, const uint32_t (&x)[Cfg::kPRegs], int wg, int warp,
-                                           int lane) {
-  const int block = lane / 8;
-  const uint32_t key_bytes = (16 * warp + 8 * (block % 2)) * 2;
-#pragma unroll
-  for (int n = 0; n < Cfg::kBlockM / 16; ++n) {
-    const int query = 8 * (2 * n + block / 2) + lane % 8;
-    const uint32_t byte = wg * Cfg::kDSPanelBytes + query * Cfg::kRowBytes + key_bytes;
-    stmatrix_x4_trans(ds_buf + swizzle128(byte), x[4 * n], x[4 * n + 1], x[4 * n + 2], x[4 * n + 3]);
-  }
-}
-
 // The warpgroup's dQ registers into its staging buffer: float4 q of thread `tid` at
 // (q * 128 + tid) * 4 floats (convert_dq reads the same order back).
 template <class Cfg>
@@ -634,6 +600,8 @@ __device__ __forceinline__ void bwd_consumer(const BwdParamsSm90& P, uint32_t sm
     const uint32_t ds_buf = smem + Cfg::kOffDS + (i % 2) * Cfg::kDSBytes;
     if constexpr (Cfg::kDqTransposed) {
       store_ds_t<Cfg>(ds_buf, ds16, wg, warp, lane);
+    } else if constexpr (Cfg::kDsStmatrix) {
+      store_ds_stmatrix<Cfg>(ds_buf, ds16, wg, warp, lane);
     } else {
       store_ds<Cfg>(ds_buf, ds16, wg, warp, lane);
     }

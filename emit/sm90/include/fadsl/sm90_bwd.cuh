@@ -213,6 +213,10 @@ struct BwdConfig {
   // with the ticket's acquire and release in deterministic mode, so that the consumer
   // waits for neither (research/backward-dq-writer.md)
   static constexpr bool kDqWriter = false;
+  // `dS: rf -stmatrix-> smem[cta]` (a generated Cfg sets it; not where dQ is transposed or
+  // head_dim split, whose dS stores are stmatrix .trans already): dS^T's 8 x 8 blocks stored
+  // by stmatrix, four an instruction (store_ds_stmatrix), the bytes store_ds's st.shared write
+  static constexpr bool kDsStmatrix = false;
   // `varlen on` (a generated Cfg sets it): packed sequences, cu_seqlens in the params; a CTA
   // per (n-block slot, query head) over the packed keys (bwd_block)
   static constexpr bool kVarlen = false;
@@ -642,6 +646,7 @@ __device__ __forceinline__ bool bwd_needs_mask(const BwdParamsSm90& P, const Bwd
 
 // The rest of the backward, sections of this header kept in files of their own (each
 // included here, after what it uses):
+#include "sm90_bwd_ds.cuh"     // 5a: dS^T into SMEM (st.shared, stmatrix, stmatrix .trans)
 #include "sm90_bwd_roles.cuh"  // 4-6: the producer, the consumer warpgroups, the main kernel's bodies
 #include "sm90_bwd_writer.cuh"  // 6b: `dq_writer on`'s writer warps
 #include "sm90_bwd_prep.cuh"   // 7: the preprocess and dQ's conversion

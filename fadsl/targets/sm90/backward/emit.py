@@ -112,6 +112,7 @@ def context(kernel: Kernel, dtype: Dtype) -> dict[str, Any]:
         "varlen": cfg.features.varlen,
         "dq_red": bwd.dq_red,
         "dq_writer": bwd.dq_writer,
+        "ds_stmatrix": bwd.ds_stmatrix,
         "causal": cfg.mask is Mask.CAUSAL,
         "mask": cfg.mask_text,  # the mask line's value, window included
         # the forward's sliding window and softcap: compile-time constants of the Cfg

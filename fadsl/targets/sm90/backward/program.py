@@ -276,6 +276,9 @@ class Params:
     # `dq_writer on`: warp 1 + w of the producer warpgroup reduce-adds consumer w's staging
     # (bwd_dq_writer), with the ticket's acquire and release in deterministic mode
     dq_writer: bool = False
+    # `dS: rf -stmatrix-> smem[cta]` (store_ds_stmatrix): the same bytes as st.shared's, a
+    # generic-proxy store too, so the same step and syncs (not where dS^T is transposed)
+    ds_stmatrix: bool = False
 
     @classmethod
     def of(cls, bwd: Backward, head_dim: int) -> Params:
@@ -292,6 +295,7 @@ class Params:
             dv_before_meeting=bwd.dv_before_meeting,
             block_n=bwd.block_n,
             dq_writer=bwd.dq_writer,
+            ds_stmatrix=bwd.ds_stmatrix,
         )
 
     def __post_init__(self) -> None:
@@ -305,6 +309,7 @@ class Params:
         assert not self.dq_red or not self.deterministic, self  # the ordered adds are staged
         # the writer reduce-adds a staging share of its own consumer alone
         assert not self.dq_writer or not (self.dq_red or self.split or self.dq_by_keys), self
+        assert not self.ds_stmatrix or not (self.split or self.dq_transposed), self
         if self.split:  # sm90_bwd_split.cuh's one order, dQ from registers
             assert self.consumers == 2 and self.block_m == BLOCK_M, self
             # (overlap off: so neither early_dv nor dv_before_meeting, which need it)
@@ -409,6 +414,7 @@ class Params:
         det += ", dV before the meeting" if self.dv_before_meeting else ""
         det += ", dQ by red.add" if self.dq_red else ""
         det += ", dQ writer" if self.dq_writer else ""
+        det += ", dS by stmatrix" if self.ds_stmatrix else ""
         return (
             f"{self.consumers} consumer(s), {self.stages} stage(s), head_dim {self.head_dim}, "
             f"B_r {self.block_m} ({split}){det}"

@@ -182,6 +182,8 @@ def consumer_steps(p: Params) -> tuple[Item, ...]:
     ]
     front = scores + [
         step(Kind.PACK, "dS^T to 16 bits", reg_reads=(Reg.DP,), reg_writes=(Reg.DS16,)),
+        # (st.shared, stmatrix with ds_stmatrix, stmatrix .trans where dQ is transposed: each
+        # a generic-proxy store of the warpgroup's part, so one kind of step)
         step(Kind.ST_SHARED, "dS^T -> smem", writes=(ds_store,), reg_reads=(Reg.DS16,)),
         *([dv] if p.dv_before_meeting else []),
     ]

@@ -3,7 +3,9 @@
 The tile's B_r (64, or 128 or 80 where validate admits it: 128 at head_dim 64, 80 at 128; at
 80 dS's path becomes `rf -stmatrix-> smem`, since dQ^T reads dS with the queries as rows,
 stored transposed), the consumer's order (`overlap`, `early_dv`, `dv_before_meeting`), dQ's
-path (staged, or `rf -red.add-> gmem`) and the Q / dO ring's `stages`; under the causal
+path (staged, or `rf -red.add-> gmem`), dS's store where B_r is not 80 (st.shared, or
+`rf -stmatrix-> smem`: the same bytes, a quarter of the store instructions; not yet timed on a
+GPU, 2026-11-30) and the Q / dO ring's `stages`; under the causal
 mask, the input's block with `longest_first` flipped (the CTA order). With `deterministic on`
 dQ has a third path: staged and reduce-added by writer warps (`dq_writer on`: 1.26-1.30x
 the ordered adds without them at head_dim 128 on an H200, 2026-11-30; without
@@ -30,6 +32,7 @@ BLOCK_MS = (64, 128, 80)
 # dS's path at each B_r (80: dQ^T reads dS with the queries as rows, stored transposed)
 DS_PATHS = {80: "rf -stmatrix-> smem[cta] -wgmma-> rf"}
 DS_STORED = "rf -st.shared-> smem[cta] -wgmma-> rf"
+DS_STMATRIX = "rf -stmatrix-> smem[cta] -wgmma-> rf"  # (elsewhere: dS^T's blocks whole)
 # The consumer's orders by name: the keys each sets (overlap, early_dv, dv_before_meeting)
 ORDERS = {
     "plain": {"overlap": "off", "early_dv": "off", "dv_before_meeting": "off"},
@@ -48,11 +51,12 @@ SPLIT_BLOCK_NS = (80, 64)  # head_dim 256's B_c (validate.py's)
 
 
 def _label(
-    block_m: int, order: str, dq: str, stages: int, longest_first=False, registers=None
+    block_m: int, order: str, dq: str, stages: int, longest_first=False, registers=None, ds=False
 ) -> str:
     first = ", longest first" if longest_first else ""
     regs = f", registers {registers[0]}/{registers[1]}" if registers else ""
-    return f"B_r {block_m}, {order}, dQ {dq}, stages {stages}{first}{regs}"
+    stored = ", dS stmatrix" if ds else ""
+    return f"B_r {block_m}, {order}, dQ {dq}{stored}, stages {stages}{first}{regs}"
 
 
 def _dq_of(bwd: Backward) -> str:
@@ -76,7 +80,8 @@ def label_of(bwd: Backward) -> str:
     """The knobs a backward block sets, e.g. "B_r 128, overlap, dQ red.add, stages 2" (and
     the register split where writer warps run: the knob the writer's candidates vary)."""
     regs = (bwd.producer_regs, bwd.consumer_regs) if bwd.dq_writer else None
-    label = _label(bwd.block_m, _order_of(bwd), _dq_of(bwd), bwd.stages, bwd.longest_first, regs)
+    knobs = (bwd.block_m, _order_of(bwd), _dq_of(bwd), bwd.stages, bwd.longest_first, regs)
+    label = _label(*knobs, ds=bwd.ds_stmatrix)
     return f"B_c {bwd.block_n}, {label}" if _split(bwd) else label
 
 
@@ -84,6 +89,7 @@ def knobs_of(bwd: Backward) -> tuple:
     knobs = (bwd.block_m, _order_of(bwd), _dq_of(bwd), bwd.stages, bwd.longest_first)
     if bwd.dq_writer:
         knobs += (bwd.producer_regs, bwd.consumer_regs)
+    knobs += ("dS stmatrix",) if bwd.ds_stmatrix else ()
     return knobs + ((bwd.block_n,) if _split(bwd) else ())
 
 
@@ -92,7 +98,11 @@ def candidates(base: Backward, causal: bool) -> tuple[BackwardCandidate, ...]:
         return _split_candidates(base, causal)
     out = []
     dqs = (STAGED, RED, WRITER) if base.deterministic else (STAGED, RED)
-    for block_m, order, dq, stages in itertools.product(BLOCK_MS, ORDERS, dqs, STAGES):
+    # (dS by stmatrix: where dS^T keeps the keys as rows, each block tried both ways)
+    dss = (False, True)
+    for block_m, order, dq, ds, stages in itertools.product(BLOCK_MS, ORDERS, dqs, dss, STAGES):
+        if ds and block_m in DS_PATHS:
+            continue
         settings = {
             "tile": f"B_r = {block_m}, B_c = {base.block_n}",
             **ORDERS[order],
@@ -102,13 +112,15 @@ def candidates(base: Backward, causal: bool) -> tuple[BackwardCandidate, ...]:
         if writer or base.dq_writer:
             settings["dq_writer"] = "on" if writer else "off"
         paths = {GradRole.DQ.value: path}
-        if block_m in DS_PATHS or base.block_m in DS_PATHS:  # dS's path follows the tile
-            paths[GradRole.DS.value] = DS_PATHS.get(block_m, DS_STORED)
-        out.append(BackwardCandidate(_label(block_m, order, dq, stages), settings, paths))
+        if ds:
+            paths[GradRole.DS.value] = DS_STMATRIX
+        elif block_m in DS_PATHS or base.block_m in DS_PATHS or base.ds_stmatrix:
+            paths[GradRole.DS.value] = DS_PATHS.get(block_m, DS_STORED)  # (follows the tile)
+        out.append(BackwardCandidate(_label(block_m, order, dq, stages, ds=ds), settings, paths))
         if writer:  # the same block at the writer's second register split
             producer, consumers = WRITER_REGISTERS
             regs = {"registers": f"producer = {producer}, consumers = {consumers}"}
-            label = _label(block_m, order, dq, stages, registers=WRITER_REGISTERS)
+            label = _label(block_m, order, dq, stages, registers=WRITER_REGISTERS, ds=ds)
             out.append(BackwardCandidate(label, {**settings, **regs}, paths))
     if causal:  # the input's block in the other CTA order
         flipped = "off" if base.longest_first else "on"

@@ -14,13 +14,15 @@ What the first backward kernel supports (docs/backward.md, FlashAttention-3's ba
   give two sequences one dQ chunk, whose ordered adds would wait on each other) and without
   `longest_first on` (the varlen grid is a slot per n-block of the packed keys);
 - dQ staged (its default path) or `rf -red.add-> gmem`, not with `deterministic on`;
+- dS stored by st.shared (its default path) or `rf -stmatrix-> smem[cta]` (the same bytes,
+  four 8 x 8 blocks an instruction); at B_r 80 by stmatrix .trans only (routes.py);
 - `dq_writer on` (a writer warp per consumer reduce-adds its staging) with dQ staged and the
   consumers' shares of it disjoint (not split by keys: head_dim 64 at B_r 64), in either
   mode;
 - setmaxnreg: the producer 24 to 56, the consumers at most 240, multiples of 8, their total
   within the CTA's launch allocation (as the forward's: setmaxnreg only moves registers
   within it);
-- each tensor's one path (``PATHS``): which hops, instructions and sharing scope;
+- each tensor's path (``PATHS`` or ``OTHER_PATHS``): hops, instructions and sharing scope;
 - the SMEM plan (``plan_smem.plan_smem``) within sm_90a's 227 KB per CTA;
 - at head_dim 256 (sm90_bwd_split.cuh: the consumers split head_dim; FlashAttention-3's
   64 x 80 tile): B_r 64, B_c 80 or 64, P and dS through SMEM by stmatrix, dQ added from
@@ -32,21 +34,8 @@ Every key has a default, so `backward {}` alone is a valid block.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-
 from ....spec.checks import BackwardBlock, Checks, and_list
-from ....ir import (
-    Backward,
-    BackwardTensor,
-    Dtype,
-    GradRole,
-    Hop,
-    Instr,
-    Level,
-    Mask,
-    Role,
-    Scope,
-)
+from ....ir import Backward, BackwardTensor, Dtype, GradRole, Hop, Mask, Role
 from ....spec.syntax import PathDecl
 from ..caps import (
     CAPABILITIES,
@@ -58,6 +47,18 @@ from ..caps import (
     registers_asked,
 )
 from .plan_smem import SPLIT_HEAD_DIM, plan_smem
+from .routes import (  # (the path tables: tune_space, variants and tests read them here)
+    DQ_RED,
+    DS_STMATRIX,
+    DS_TRANSPOSED,
+    OTHER_PATHS,
+    PATHS,
+    SPLIT_PATHS,
+    TRANSPOSED_BLOCK_M,
+    Route,
+    other_path,
+    paths_of,
+)
 
 HEAD_DIMS = (64, 128, SPLIT_HEAD_DIM)
 DTYPES = (Dtype.BF16, Dtype.FP16)  # every dtype today; a new one needs its backward first
@@ -67,9 +68,7 @@ BLOCK_M = 64  # queries per m-block: wgmma's M of the dQ GEMM
 # keys x 128 queries take 64 + 64 fp32 registers, so only beside head_dim 64's dK and dV
 WIDE_BLOCK_M = 128
 WIDE_HEAD_DIMS = (64,)
-# B_r = 80 at head_dim 128 (FlashAttention-3's non-causal tile): not a multiple of wgmma's M,
-# so dQ is computed transposed (dQ^T = K^T dS^T, a 64-column panel of head_dim per consumer)
-TRANSPOSED_BLOCK_M = 80
+# B_r = 80 (routes.py's TRANSPOSED_BLOCK_M) at head_dim 128: dQ^T = K^T dS^T
 TRANSPOSED_HEAD_DIMS = (128,)
 # head_dim 256: each consumer computes S and dP for B_c / 2 keys (a multiple of 8: wgmma's N)
 # and holds dK^T and dV^T of all B_c keys for its 128 columns, 2 x B_c / 2 x 2 registers a
@@ -88,108 +87,6 @@ DEFAULT_WARPGROUPS = {"producer": 1, "consumers": CONSUMERS}
 DEFAULT_REGISTERS = {"producer": 24, "consumers": 240}
 DEFAULT_STAGES = 2
 
-GMEM, SMEM, RF = Level.GMEM, Level.SMEM, Level.RF
-
-
-@dataclass(frozen=True)
-class Route:
-    """The one path the backward kernel gives a tensor, and why (for the messages)."""
-
-    levels: tuple[Level, ...]
-    instrs: tuple[Instr, ...]
-    scope: Scope | None  # the smem level's; None: the path skips SMEM
-    why: str
-
-    def text(self) -> str:
-        parts = [self.levels[0].value]
-        for instr, level in zip(self.instrs, self.levels[1:]):
-            shown = f"smem[{self.scope.value}]" if level is SMEM and self.scope else level.value
-            parts.append(f"-{instr.value}-> {shown}")
-        return " ".join(parts)
-
-
-_WGMMA_INPUT = (GMEM, SMEM, RF), (Instr.TMA, Instr.WGMMA), Scope.CTA
-_ROW_STATISTIC = (GMEM, SMEM, RF), (Instr.BULK, Instr.LD_SHARED), Scope.CTA
-_WRITTEN_ONCE = (RF, GMEM), (Instr.ST_GLOBAL,), None
-PATHS: dict[Role | GradRole, Route] = {
-    Role.Q: Route(*_WGMMA_INPUT, "every consumer warpgroup reads each m-block's Q whole"),
-    Role.K: Route(*_WGMMA_INPUT, "loaded once per n-block; dQ = dS K reads all of it"),
-    Role.V: Route(*_WGMMA_INPUT, "loaded once per n-block, read by dP^T = V dO^T"),
-    GradRole.DO: Route(*_WGMMA_INPUT, "streamed per m-block with Q; read whole by each consumer"),
-    GradRole.LSE: Route(
-        *_ROW_STATISTIC, "an m-block's 64 fp32 values: a plain bulk copy, no tensor map"
-    ),
-    GradRole.D: Route(
-        *_ROW_STATISTIC, "an m-block's 64 fp32 values: a plain bulk copy, no tensor map"
-    ),
-    GradRole.DS: Route(
-        (RF, SMEM, RF),
-        (Instr.ST_SHARED, Instr.WGMMA),
-        Scope.CTA,
-        "dK += dS^T Q and dQ = dS K read every consumer's part of it from SMEM",
-    ),
-    GradRole.DQ: Route(
-        (RF, SMEM, GMEM),
-        (Instr.ST_SHARED, Instr.REDUCE_ADD),
-        Scope.WARPGROUP,
-        "each consumer warpgroup stages its share in fp32 for a bulk reduce-add into the "
-        "fp32 accumulator",
-    ),
-    GradRole.DK: Route(
-        *_WRITTEN_ONCE, "each consumer warpgroup stores its rows once, after the last m-block"
-    ),
-    GradRole.DV: Route(
-        *_WRITTEN_ONCE, "each consumer warpgroup stores its rows once, after the last m-block"
-    ),
-}
-
-
-# The other path a tensor may take (``Backward`` records which one the spec wrote).
-DQ_RED = Route(
-    (RF, GMEM),
-    (Instr.RED_ADD,),
-    None,
-    "each consumer thread adds its fp32 share into the accumulator (red.global.add.v4.f32), "
-    "no staging in SMEM",
-)
-OTHER_PATHS: dict[Role | GradRole, Route] = {GradRole.DQ: DQ_RED}
-# dS's path where dQ is computed transposed (B_r = 80): the queries as rows
-DS_TRANSPOSED = Route(
-    (RF, SMEM, RF),
-    (Instr.STMATRIX, Instr.WGMMA),
-    Scope.CTA,
-    f"at B_r = {TRANSPOSED_BLOCK_M} dQ^T = K^T dS^T reads dS with the queries as rows, so "
-    "stmatrix .trans stores each 8 x 8 block of dS^T transposed",
-)
-
-
-# head_dim 256 (the consumers split head_dim): P and dS through SMEM with the keys as rows,
-# dQ added from registers
-SPLIT_WHY = (
-    "at head_dim 256 each consumer warpgroup computes {what} for its B_c / 2 keys and both "
-    "read all of it ({readers}), so stmatrix .trans stores each 8 x 8 block with the keys as "
-    "rows"
-)
-SPLIT_PATHS: dict[Role | GradRole, Route] = {
-    GradRole.P: Route(
-        (RF, SMEM, RF),
-        (Instr.STMATRIX, Instr.WGMMA),
-        Scope.CTA,
-        SPLIT_WHY.format(what="P", readers="dV^T += dO^T P"),
-    ),
-    GradRole.DS: Route(
-        (RF, SMEM, RF),
-        (Instr.STMATRIX, Instr.WGMMA),
-        Scope.CTA,
-        SPLIT_WHY.format(what="dS", readers="dK^T += Q^T dS, dQ^T = K^T dS^T"),
-    ),
-    GradRole.DQ: replace(
-        DQ_RED,
-        why="each consumer thread adds its fp32 share into the accumulator "
-        "(red.global.add.v4.f32): at head_dim 256 its staging does not fit in SMEM beside K, "
-        "V, Q, dO, P and dS",
-    ),
-}
 P_IN_REGISTERS = (
     f"P stays in registers below head_dim {SPLIT_HEAD_DIM} (dV += P^T dO takes it as the "
     "wgmma's A operand): leave its path out"
@@ -199,24 +96,6 @@ P_IN_REGISTERS = (
 def default_tile(head_dim: int | None) -> dict[str, int]:
     """The `tile` of a block that leaves it out."""
     return SPLIT_DEFAULT_TILE if head_dim == SPLIT_HEAD_DIM else DEFAULT_TILE
-
-
-def _paths(block: BackwardBlock, head_dim: int | None) -> dict[Role | GradRole, Route]:
-    """The paths of the block's tile: PATHS, dS's transposed where B_r is 80; at head_dim
-    256 P's and dS's through SMEM and dQ's from registers."""
-    if head_dim == SPLIT_HEAD_DIM:  # (P before dS, in the order the kernel makes them)
-        roles = [r for r in PATHS if r is not GradRole.DS]
-        roles.insert(roles.index(GradRole.DQ), GradRole.P)
-        roles.insert(roles.index(GradRole.DQ), GradRole.DS)
-        return {role: SPLIT_PATHS.get(role, PATHS.get(role)) for role in roles}
-    if block.values.get("tile", DEFAULT_TILE)["B_r"] != TRANSPOSED_BLOCK_M:
-        return PATHS
-    return PATHS | {GradRole.DS: DS_TRANSPOSED}
-
-
-def _other_path(role: Role | GradRole, head_dim: int | None) -> Route | None:
-    """The path ``role`` may take instead of its default (none at head_dim 256)."""
-    return None if head_dim == SPLIT_HEAD_DIM else OTHER_PATHS.get(role)
 
 
 def validate_backward(c: Checks, block: BackwardBlock) -> Backward | None:
@@ -259,14 +138,15 @@ def validate_backward(c: Checks, block: BackwardBlock) -> Backward | None:
                 ok = False
     regs_ok = _registers(block)
     ok = regs_ok and ok
-    paths = _paths(block, head_dim)
+    tile = block.values.get("tile", default_tile(head_dim))
+    paths = paths_of(tile["B_r"], head_dim)
     for role, (tensor, decl) in block.paths.items():
         if role not in paths:  # (P below head_dim 256)
             block.checks.error(decl.tensor.loc, P_IN_REGISTERS)
             ok = False
             continue
-        ok = _path(block.checks, paths[role], _other_path(role, head_dim), tensor, decl) and ok
-    tile = block.values.get("tile", default_tile(head_dim))
+        other = other_path(role, tile["B_r"], head_dim)
+        ok = _path(block.checks, paths[role], other, tensor, decl) and ok
     tensors = tuple(_tensor(block, role, route) for role, route in paths.items())
     groups = block.values.get("warpgroups", DEFAULT_WARPGROUPS)
     regs = block.values.get("registers", DEFAULT_REGISTERS)
@@ -284,6 +164,8 @@ def validate_backward(c: Checks, block: BackwardBlock) -> Backward | None:
         longest_first=block.values.get("longest_first", False),
         dq_writer=block.values.get("dq_writer", False),
         dq_red=_takes(tensors, GradRole.DQ, DQ_RED),
+        ds_stmatrix=other_path(GradRole.DS, tile["B_r"], head_dim) is not None
+        and _takes(tensors, GradRole.DS, DS_STMATRIX),
         loc=block.loc,
         tensors=tensors,
         key_locs=tuple(sorted(block.key_locs.items())),
@@ -556,7 +438,11 @@ def _path(
 ) -> bool:
     role = tensor.role
     levels = (tensor.hops[0].src, *(hop.dst for hop in tensor.hops))
-    if other is not None and levels == other.levels:
+    instrs = tuple(hop.instr for hop in tensor.hops)
+    # (dS's two stores share their levels: the instructions choose)
+    same = other is not None and levels == other.levels
+    matches = lambda r: sum(a is b for a, b in zip(instrs, r.instrs))  # noqa: E731
+    if same and (levels != route.levels or matches(other) > matches(route)):
         route = other
     if levels != route.levels:
         also = f", or {other.text()} ({other.why})" if other is not None else ""
@@ -573,13 +459,15 @@ def _path(
             f"{role.value} lives in smem[{route.scope.value}] in the backward: {route.why}",
         )
         ok = False
-    for hop, instr in zip(tensor.hops, route.instrs):
-        if hop.instr is not instr:
+    routes = (route, other) if same and other is not route else (route,)
+    for n, hop in enumerate(tensor.hops):
+        if hop.instr is not route.instrs[n]:
+            does = " or ".join(dict.fromkeys(f"'{r.instrs[n].value}'" for r in routes))
             c.error(
                 hop.loc,
                 f"'{hop.instr.value}' does not move {role.value} {hop.src.value} -> "
-                f"{hop.dst.value} in the backward; '{instr.value}' does "
-                f"({role.value}: {route.text()})",
+                f"{hop.dst.value} in the backward; {does} {'do' if ' or ' in does else 'does'} "
+                f"({role.value}: {', or '.join(r.text() for r in routes)})",
             )
             ok = False
     return ok

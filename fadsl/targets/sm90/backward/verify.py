@@ -180,7 +180,8 @@ def parameter_space() -> tuple[Params, ...]:
     with either of bwd_consumer's orders (the default, or the overlapped one of `overlap on`,
     dV issued with dK, early or before the meeting); and head_dim 256's bwd_consumer_split
     with B_c 80 or 64, 1-3 stages (of the Q ring; dO's has one slot). Each staged one whose
-    shares of dQ are disjoint (not split by keys) also with `dq_writer on`."""
+    shares of dQ are disjoint (not split by keys) also with `dq_writer on`, and each with 2
+    stages not at B_r 80 with dS stored by stmatrix."""
     # (overlap, early_dv, dv_before_meeting)
     orders = ((False, False, False), (True, False, False), (True, True, False), (True, False, True))
     shapes = [(c, d, BLOCK_M) for c in (1, 2, 3) for d in (64, 128)]
@@ -200,6 +201,10 @@ def parameter_space() -> tuple[Params, ...]:
     )
     # `dq_writer on`: where dQ is staged in shares of their own (not split by keys)
     keys += tuple(replace(p, dq_writer=True) for p in keys if not (p.dq_red or p.dq_by_keys))
+    # dS by stmatrix (the same step as st.shared's): each 2-stage one that keeps dS^T's keys as rows
+    keys += tuple(
+        replace(p, ds_stmatrix=True) for p in keys if p.stages == 2 and not p.dq_transposed
+    )
     # head_dim 256 (the consumers split head_dim): its one order, dQ from registers
     split = tuple(
         Params(2, stages, 256, block_m=BLOCK_M, dq_red=True, block_n=block_n)
