@@ -13,6 +13,8 @@ namespace fadsl::sm90 {
 
 // The byte (before the swizzle) of x[2j + r]'s pair in store_ds: keys row 64 wg + 16 warp +
 // lane / 4 + 8r of the buffer, queries 8j + 2 (lane % 4) + {0, 1}, in query panel j / 8.
+// store_ds spells the same sum inline: called from it, this function changed ptxas's
+// allocation and a dQ writer variant spilled 8 bytes (NVRTC 13.5, 2026-11-30).
 template <class Cfg>
 __host__ __device__ __forceinline__ constexpr uint32_t ds_pair_byte(int j, int r, int wg, int warp, int lane) {
   const int row = 64 * wg + 16 * warp + lane / 4;
@@ -23,11 +25,14 @@ __host__ __device__ __forceinline__ constexpr uint32_t ds_pair_byte(int j, int r
 // (per 64-query panel, one 128-byte swizzled row per key).
 template <class Cfg>
 __device__ __forceinline__ void store_ds(uint32_t ds_buf, const uint32_t (&x)[Cfg::kPRegs], int wg, int warp, int lane) {
+  const int row = 64 * wg + 16 * warp + lane / 4;
 #pragma unroll
   for (int j = 0; j < Cfg::kBlockM / 8; ++j) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      st_shared_b32(ds_buf + swizzle128(ds_pair_byte<Cfg>(j, r, wg, warp, lane)), x[2 * j + r]);
+      const uint32_t byte =
+          (j / 8) * Cfg::kDSPanelBytes + (row + 8 * r) * Cfg::kRowBytes + (8 * (j % 8) + 2 * (lane % 4)) * 2;
+      st_shared_b32(ds_buf + swizzle128(byte), x[2 * j + r]);
     }
   }
 }
