@@ -495,8 +495,9 @@ __device__ __forceinline__ BwdBlock bwd_role_block(const BwdParamsSm90& P, const
   return shared;
 }
 
-// Whether the kernel takes its warpgroup index warp-uniform (bwd_warpgroup) and builds each
-// product's wgmma descriptors once, moving them per k16 step (issue_keys_by_rows): with both, ptxas
+// The lean path: the warpgroup index warp-uniform (bwd_warpgroup), each product's wgmma
+// descriptors built once and moved per k16 step (issue_keys_by_rows, issue_dq, issue_dq_t)
+// and dQ's red.add from one pinned pointer (red_add_dq). With the first two, ptxas
 // keeps the descriptors in uniform registers, and the head_dim 128 consumer loop runs 26 %
 // fewer instructions (SASS, NVRTC 13.5, 2026-11-30: +2-3 % on an H200). Kernels with score or
 // keep modifiers, a window, a softcap, packed sequences, dQ writer warps or head_dim split
@@ -505,16 +506,16 @@ __device__ __forceinline__ BwdBlock bwd_role_block(const BwdParamsSm90& P, const
 // test_backward_hdim256_build.py, test_varlen_backward_build.py, test_attention_variants.py,
 // test_backward_spec.py).
 template <class Cfg>
-__host__ __device__ constexpr bool bwd_uniform_warpgroup() {
+__host__ __device__ constexpr bool bwd_lean_path() {
   return !(Cfg::kScore || Cfg::kKeep || Cfg::kWindowLeft >= 0 || Cfg::kWindowRight >= 0 ||
            Cfg::kSoftcap > 0.f || Cfg::kVarlen || Cfg::kDqWriter || Cfg::kSplitHeadDim);
 }
 
-// This thread's warpgroup (0: the producer); warp-uniform through a shuffle where
-// bwd_uniform_warpgroup.
+// This thread's warpgroup (0: the producer); warp-uniform through a shuffle on the lean
+// path (bwd_lean_path).
 template <class Cfg>
 __device__ __forceinline__ int bwd_warpgroup() {
-  if constexpr (bwd_uniform_warpgroup<Cfg>()) {
+  if constexpr (bwd_lean_path<Cfg>()) {
     return __shfl_sync(0xffffffffu, threadIdx.x / 128, 0);
   } else {
     return threadIdx.x / 128;

@@ -90,7 +90,7 @@ __device__ __forceinline__ void bwd_producer(const BwdParamsSm90& P, uint32_t sm
 // tile^T (B_r rows, K-major, B_r-row panels): S^T = K Q^T or dP^T = V dO^T.
 template <class Cfg>
 __device__ __forceinline__ void issue_keys_by_rows(float (&acc)[Cfg::kSRegs], uint32_t keys_wg, uint32_t rows_slot) {
-  if constexpr (bwd_uniform_warpgroup<Cfg>()) {  // descriptors built once, moved per k16 step
+  if constexpr (bwd_lean_path<Cfg>()) {  // descriptors built once, moved per k16 step
     const uint64_t a0 = make_desc_kmajor_sw128(keys_wg), b0 = make_desc_kmajor_sw128(rows_slot);
 #pragma unroll
     for (int kk = 0; kk < Cfg::kHeadDim / 16; ++kk) {
@@ -99,7 +99,7 @@ __device__ __forceinline__ void issue_keys_by_rows(float (&acc)[Cfg::kSRegs], ui
       const uint64_t desc_b = desc_advance(b0, panel * Cfg::kBlockM * Cfg::kRowBytes + k_bytes);
       Wgmma<Cfg::kBlockM>::template ss<typename Cfg::T, 0, 0>(acc, desc_a, desc_b, kk > 0 ? 1u : 0u);
     }
-  } else {  // (bwd_uniform_warpgroup says why)
+  } else {  // (bwd_lean_path says why)
 #pragma unroll
     for (int kk = 0; kk < Cfg::kHeadDim / 16; ++kk) {
       const uint32_t panel = kk / 4, k_bytes = (kk % 4) * 32;
@@ -128,7 +128,7 @@ __device__ __forceinline__ void issue_grad_kv(float (&acc)[Cfg::kAccRegs], const
 template <class Cfg>
 __device__ __forceinline__ void issue_dq(float (&dq)[Cfg::kDqRegs], uint32_t ds_keys, uint32_t k_keys) {
   constexpr uint32_t kPanel = Cfg::kBlockN * Cfg::kRowBytes;
-  if constexpr (bwd_uniform_warpgroup<Cfg>()) {  // (as issue_keys_by_rows)
+  if constexpr (bwd_lean_path<Cfg>()) {  // (as issue_keys_by_rows)
     const uint64_t a0 = make_desc_mnmajor_sw128(ds_keys, kPanel), b0 = make_desc_mnmajor_sw128(k_keys, kPanel);
 #pragma unroll
     for (int kk = 0; kk < Cfg::kDqKeys / 16; ++kk) {
@@ -153,7 +153,7 @@ __device__ __forceinline__ void issue_dq(float (&dq)[Cfg::kDqRegs], uint32_t ds_
 template <class Cfg>
 __device__ __forceinline__ void issue_dq_t(float (&dq)[Cfg::kDqRegs], uint32_t ds_buf, uint32_t k_panel) {
   constexpr uint32_t kPanel = Cfg::kBlockN * Cfg::kRowBytes;
-  if constexpr (bwd_uniform_warpgroup<Cfg>()) {  // (as issue_keys_by_rows)
+  if constexpr (bwd_lean_path<Cfg>()) {  // (as issue_keys_by_rows)
     const uint64_t a0 = make_desc_mnmajor_sw128(k_panel, kPanel), b0 = make_desc_kmajor_sw128(ds_buf);
 #pragma unroll
     for (int kk = 0; kk < Cfg::kBlockN / 16; ++kk) {
@@ -369,9 +369,9 @@ __device__ __forceinline__ void red_add_dq(float* dst, const float (&dq)[Cfg::kD
   // the thread's first float4 once, opaque to the compiler (the empty asm), then constant
   // steps that ptxas folds into each add's immediate offset: otherwise the index arithmetic
   // is reassociated and the 64-bit address rebuilt for every add, about 5 instructions each
-  // (SASS, NVRTC 13.5, 2026-11-30); where bwd_uniform_warpgroup is off the pinned pointer
+  // (SASS, NVRTC 13.5, 2026-11-30); where bwd_lean_path is off the pinned pointer
   // spilled (16 bytes, fa3_hopper's windowed and capped variant), so the index stays there
-  if constexpr (bwd_uniform_warpgroup<Cfg>()) {
+  if constexpr (bwd_lean_path<Cfg>()) {
     float* mine = dst + 4 * tid;
     asm("" : "+l"(mine));
 #pragma unroll
