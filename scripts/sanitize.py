@@ -16,7 +16,7 @@ import fadsl.targets.sm90.host.launch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
-from gpu_specs import general_specs, sm90_specs  # noqa: E402
+from gpu_specs import general_specs, is_8bit, sm90_specs  # noqa: E402
 
 from fadsl.runtime.attention import runs_on  # noqa: E402
 
@@ -34,7 +34,11 @@ MANY_TILES_PAIRED = (2, 768, 333, 70, 7)
 # The examples, and causal versions of those that load fragment-wise and one block ahead.
 # Named as their kernels are (SANITIZE_ONLY matches these names). fa3_hdim64 splits its tail
 # (`tail split_kv`): MANY_TILES' last round and the (113, 203) shape's two tiles run as pieces.
-SPECS = {p.stem: str(p.relative_to(ROOT)) for p in sorted((ROOT / "examples").glob("*.fa"))}
+SPECS = {  # (FP8 examples: scripts/sanitize_fp8.py)
+    p.stem: str(p.relative_to(ROOT))
+    for p in sorted((ROOT / "examples").glob("*.fa"))
+    if not is_8bit(p.read_text())
+}
 SPECS.update(
     {n: t for n, t in general_specs().items() if n.endswith(("d256_causal", "pipelined_causal"))}
 )

@@ -17,6 +17,7 @@ import torch
 
 import fadsl
 from conftest import EXAMPLES, ROOT
+from gpu_specs import is_8bit
 from fadsl.runtime.attention import runs_on
 from test_gpu_general import reference as general_reference
 
@@ -41,7 +42,10 @@ SHAPES = [
 ]
 
 
-@pytest.fixture(scope="module", params=EXAMPLES, ids=[p.stem for p in EXAMPLES])
+EXAMPLES_16BIT = [p for p in EXAMPLES if not is_8bit(p.read_text())]  # (FP8: test_gpu_fp8.py)
+
+
+@pytest.fixture(scope="module", params=EXAMPLES_16BIT, ids=[p.stem for p in EXAMPLES_16BIT])
 def kern(request):
     kern = fadsl.load(request.param.relative_to(ROOT))
     if not runs_on(kern.config.target, 0):
