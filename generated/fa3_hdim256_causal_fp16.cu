@@ -57,7 +57,8 @@ extern "C" __global__ void __launch_bounds__(Cfg::kThreads, 1) fa3_hdim256_causa
   auto k_slot = [&](int s) { return smem + Cfg::kOffK + s * Cfg::kKVBytes; };
   auto v_slot = [&](int s) { return smem + Cfg::kOffV + s * Cfg::kKVBytes; };
 
-  const int warpgroup = threadIdx.x / 128;
+  // warp-uniform (lane 0's, shuffled): what derives from it stays in uniform registers
+  const int warpgroup = __shfl_sync(0xffffffffu, threadIdx.x / 128, 0);
   const int warp = (threadIdx.x / 32) % 4;  // within the warpgroup
   const int lane = threadIdx.x % 32;
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...ir import Dtype, Kernel, Parity, Phase, Scope, Step, Sync, Threads
+from ...ir import Dtype, Kernel, Mask, Parity, Phase, Scope, Step, Sync, Threads
 from .fp8 import refuse_unbuilt
 from ...ir.ops import Op
 from .alone import alone_name
@@ -239,6 +239,26 @@ def has_transpose(kernel: Kernel) -> bool:
     return any(s.op is Op.TRANSPOSE_V for s in kernel.steps())
 
 
+def uniform_warpgroup(cfg, dtype: Dtype) -> bool:
+    """The warpgroup index made warp-uniform by a shuffle from lane 0: ptxas then keeps what
+    derives from it (wgmma descriptors, SMEM addresses) in uniform registers. Measured on an
+    H200 (research/probes/probe_forward.py, PROBE_DEFINES over the same tensors, hidden 2048,
+    2026-11-30): head_dim 256 causal +5-13 % and +3-8 % in two runs at 1k-16k; elsewhere mixed
+    (head_dim 128 +2-4 % at 1k, -2-3 % from 2k; head_dim 256 without a mask within -3..+4
+    %), so only the measured kernel takes it: head_dim 256, causal without a window, 16-bit,
+    no softcap or modifiers, no packed sequences, cache or split (their register
+    allocation was not measured)."""
+    hw = cfg.ext
+    return (
+        cfg.head_dim == 256
+        and cfg.mask is Mask.CAUSAL
+        and cfg.window is None
+        and not dtype.is_8bit
+        and not (hw.softcap or cfg.modifiers is not None)
+        and not (hw.varlen or hw.split_kv or hw.kv_cache >= 0)
+    )
+
+
 def context(kernel: Kernel, dtype: Dtype) -> dict[str, Any]:
     refuse_unbuilt(kernel.config)  # 8-bit: what the FP8 forward does not build yet
     cfg = kernel.config
@@ -298,6 +318,7 @@ def context(kernel: Kernel, dtype: Dtype) -> dict[str, Any]:
         "softcap": hw.softcap or modifiers["modifier_softcap"],
         **modifiers,
         "guarded": hw.guarded,
+        "uniform_warpgroup": uniform_warpgroup(cfg, dtype),
         "scheduler": hw.scheduler,
         "rescale": hw.rescale,
         "mask": cfg.mask.value,
