@@ -263,7 +263,8 @@ def test_the_headers_address_functions_are_the_model(s, header_bytes):
 
 # --- the spec -----------------------------------------------------------------------------
 
-HDIM64 = (ROOT / "examples" / "fa3_hdim64.fa").read_text()
+HDIM64_EXAMPLE = (ROOT / "examples" / "fa3_hdim64.fa").read_text()
+HDIM64 = re.sub(r"^\s*dS:[^\n]*\n", "", HDIM64_EXAMPLE, flags=re.MULTILINE)  # st.shared
 DS_LINE = "    dS: rf -stmatrix-> smem[cta] -wgmma-> rf\n"
 
 
@@ -282,6 +283,8 @@ def test_the_path_sets_the_flag_and_the_cfg():
     assert not plain.kernel.backward.ds_stmatrix
     source, *_ = render_backward(plain.kernel, plain.target, "x.fa")
     assert "kDsStmatrix" not in source.text
+    # the example's own line is the option's
+    assert compile_source(HDIM64_EXAMPLE, "x.fa").kernel.backward.text() == bwd.text()
     # st.shared written out is the default
     stored = with_ds(HDIM64, "    dS: rf -st.shared-> smem[cta] -wgmma-> rf\n")
     assert compile_source(stored, "x.fa").kernel.backward.text() == plain.kernel.backward.text()
@@ -325,12 +328,15 @@ def test_the_training_variants_build_with_stmatrix_stores():
         seen.append((source.kernel_name, usage))
         return usage
 
-    for spec in DS_STMATRIX:
+    # the head_dim 64 examples store by stmatrix; DS_STMATRIX holds their st.shared twins
+    specs = ["fa3_hdim64", "fa3_hdim64_causal"]
+    specs += [s for s in DS_STMATRIX if "-ds_stmatrix" not in s]
+    for spec in specs:
         compiled = compile_source(training_spec(spec), "x.fa")
         assert compiled.kernel.backward.ds_stmatrix, spec
         assert check_registers(compiled, recording, name).ran, spec
     backward = [u for kernel, u in seen if "bwd" in kernel]
-    assert len(backward) >= 2 * len(DS_STMATRIX)
+    assert len(backward) >= 2 * len(specs)
     assert not any(u.spills or u.wgmma_serialized for u in backward), backward
     tool = sass.nvdisasm()
     if tool is None:
@@ -338,7 +344,7 @@ def test_the_training_variants_build_with_stmatrix_stores():
     import fadsl
     from fadsl.ir import Dtype
 
-    for spec, block_m in (("fa3_hdim64+ds_stmatrix", 128), ("fa3_hopper+br64+ds_stmatrix", 64)):
+    for spec, block_m in (("fa3_hdim64", 128), ("fa3_hopper+br64+ds_stmatrix", 64)):
         kern = fadsl.load(training_spec(spec), verbose=False)
         entry = kern._backward_kernels().cubin(Dtype("bf16"), "sm_90a")
         text = sass.disassemble(entry.cubin, tool)

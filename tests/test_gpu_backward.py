@@ -72,11 +72,11 @@ WRITERS += (
 )
 WRITERS += ("fa3_hdim64_causal+deterministic+dq_writer-dqred",)
 VARIANTS += WRITERS
-# dS^T stored by stmatrix (four 8 x 8 blocks an instruction, the bytes st.shared stores; not
-# yet run on a GPU, 2026-11-30): dQ by queries (head_dim 64's B_r 128, both masks), by head_dim
-# panels (B_r 64, dQ added or staged) and by keys (head_dim 64 at B_r 64, staged), and beside
-# the writer warps' ordered adds
-DS_STMATRIX = ("fa3_hdim64+ds_stmatrix", "fa3_hdim64_causal+ds_stmatrix")
+# dS^T stored by stmatrix (four 8 x 8 blocks an instruction, the bytes st.shared stores; the
+# head_dim 64 examples' path since 2026-11-30, so their st.shared twins are the variants): dQ
+# by queries (head_dim 64's B_r 128, both masks), by head_dim panels (B_r 64, dQ added or
+# staged) and by keys (head_dim 64 at B_r 64, staged), and beside the writer warps' ordered adds
+DS_STMATRIX = ("fa3_hdim64-ds_stmatrix", "fa3_hdim64_causal-ds_stmatrix")
 DS_STMATRIX += ("fa3_hopper+br64+ds_stmatrix", "fa3_causal+br64+ds_stmatrix-dqred")
 DS_STMATRIX += ("fa3_hdim64+br64+ds_stmatrix-dqred",)
 DS_STMATRIX += ("fa3_hdim64_causal+ds_stmatrix+deterministic+dq_writer-dqred",)
