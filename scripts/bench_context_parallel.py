@@ -29,6 +29,8 @@ import torch.distributed as dist
 import fadsl.distributed as fcp
 from fadsl.tools.bench import balanced_orders
 
+ONE_GPU = "fadsl one GPU"  # the whole sequence on one GPU (each rank runs it alone)
+
 
 def _timer(device):
     if device.type == "cuda":
@@ -107,6 +109,44 @@ def _fadsl_contenders(q, k, v, dout, rank, world, causal, step):
     return calls
 
 
+def _one_gpu_contender(q, k, v, dout, causal, step):
+    """The whole sequence on each GPU alone (fadsl.attention, or the reference step on CPU):
+    the throughput context parallelism is measured against."""
+    whole = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    import torch.nn.functional as F
+
+    import fadsl
+
+    def fwd():
+        if step is None:
+            return fadsl.attention(*whole, causal=causal)
+        # (--cpu) torch's attention in fp32 on the whole sequence
+        o = F.scaled_dot_product_attention(
+            *(t.transpose(1, 2) for t in whole), is_causal=causal, enable_gqa=True
+        )
+        return o.transpose(1, 2)
+
+    def full():
+        torch.autograd.grad(fwd(), whole, dout)
+
+    return {ONE_GPU: (fwd, full)}
+
+
+def _step_peak_mb(full, device) -> float:
+    """The most memory one forward+backward call of ``full`` holds above what was allocated
+    before it (its activations, buffers and gradients), the largest over ranks, in MiB."""
+    if device.type != "cuda":
+        return float("nan")
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    full()
+    torch.cuda.synchronize()
+    peak = torch.tensor([torch.cuda.max_memory_allocated() - before], device=device)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    return peak.item() / 2**20
+
+
 def _torch_contenders(q, k, v, dout, world, causal, stack):
     """torch's context_parallel over SDPA, per backend; entered once (it shards the buffers
     in place) and left by ``stack`` at the end."""
@@ -157,6 +197,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=0, help="0: one whole balanced design")
     parser.add_argument("--cpu", action="store_true", help="gloo and the fp32 reference step")
+    parser.add_argument(
+        "--no-one-gpu", action="store_true", help="leave out the whole sequence on one GPU"
+    )
     args = parser.parse_args()
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     dist.init_process_group("gloo" if args.cpu else "nccl")
@@ -178,11 +221,14 @@ def main() -> None:
         )
         with contextlib.ExitStack() as stack:
             calls = _fadsl_contenders(q, k, v, dout, rank, world, causal, step)
+            if not args.no_one_gpu:
+                calls |= _one_gpu_contender(q, k, v, dout, causal, step)
             if not args.cpu:
                 calls |= _torch_contenders(q, k, v, dout, world, causal, stack)
             names = list(calls)
             orders = balanced_orders(len(names))
             times = {n: {"forward": [], "step": []} for n in names}
+            peak_mb = {n: _step_peak_mb(calls[n][1], device) for n in names}
             for r in range(args.rounds or len(orders)):
                 for i in orders[r % len(orders)]:
                     fwd, full = calls[names[i]]
@@ -194,13 +240,17 @@ def main() -> None:
             print(f"seqlen {seqlen} x batch {args.batch}, {args.heads}/{heads_kv} heads, "
                   f"head_dim {args.head_dim}, {'causal' if causal else 'no mask'}, {world} ranks "
                   "(TF/s per GPU; ms)")  # fmt: skip
+            one = statistics.median(times[ONE_GPU]["step"]) if ONE_GPU in times else None
             for n in names:
                 f_ms = statistics.median(times[n]["forward"])
                 s_ms = statistics.median(times[n]["step"])
-                f_tf = flops / (f_ms * 1e-3) / world / 1e12
-                s_tf = 3.5 * flops / (s_ms * 1e-3) / world / 1e12
+                gpus = 1 if n == ONE_GPU else world  # the one-GPU contender: per GPU, alone
+                f_tf = flops / (f_ms * 1e-3) / gpus / 1e12
+                s_tf = 3.5 * flops / (s_ms * 1e-3) / gpus / 1e12
+                speedup = f"   x one GPU {one / s_ms:5.2f}" if one else ""
                 print(f"  {n:18s} forward {f_tf:7.1f} ({f_ms:8.2f} ms)   "
-                      f"forward+backward {s_tf:7.1f} ({s_ms:8.2f} ms)")  # fmt: skip
+                      f"forward+backward {s_tf:7.1f} ({s_ms:8.2f} ms)   "
+                      f"step peak {peak_mb[n]:8.0f} MiB{speedup}")  # fmt: skip
     dist.destroy_process_group()
 
 
