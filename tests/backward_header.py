@@ -1,9 +1,9 @@
 """What the backward header does, call by call, as the protocol's items would say it: the
-reader behind tests/test_verify_backward.py's check that emit/sm90/include/fadsl/sm90_bwd_roles.cuh
-(bwd_producer, bwd_consumer, reduce_dq, ordered_reduce_add, release_dq_ticket),
-emit/sm90/include/fadsl/sm90_bwd_roles.cuh (bwd_consumer, meet_and_issue_dq) and the kernel body of
-emit/sm90/backward.cu.j2 make exactly the calls of fadsl/targets/sm90/backward/protocol.py (the
-plan the sync pass places).
+reader behind tests/test_verify_backward.py's check that emit/sm90/include/fadsl/sm90_bwd_producer.cuh
+(bwd_producer), emit/sm90/include/fadsl/sm90_bwd_dq_reduce.cuh (reduce_dq, ordered_reduce_add,
+release_dq_ticket), emit/sm90/include/fadsl/sm90_bwd_consumer.cuh (bwd_consumer, meet_and_issue_dq)
+and the kernel body of emit/sm90/backward.cu.j2 make exactly the calls of
+fadsl/targets/sm90/backward/protocol.py (the plan the sync pass places).
 
 A small reader of the header's C++: statements, blocks, if / if constexpr / for / while.
 It walks a function for one configuration (if constexpr on kDqByKeys and kDeterministic
@@ -48,13 +48,16 @@ from fadsl.targets.sm90.backward.program import (
 )
 
 ROOT = Path(__file__).resolve().parents[1]
-# sm90_bwd.cuh with the sections it includes (the roles' functions live in sm90_bwd_roles.cuh)
+# sm90_bwd.cuh with the sections it includes (the roles' functions live in sm90_bwd_producer.cuh,
+# sm90_bwd_dq_reduce.cuh and sm90_bwd_consumer.cuh), in its include order
 HEADER = "".join(
     (ROOT / "emit/sm90/include/fadsl" / name).read_text()
     for name in (
         "sm90_bwd.cuh",
         "sm90_bwd_ds.cuh",
-        "sm90_bwd_roles.cuh",
+        "sm90_bwd_producer.cuh",
+        "sm90_bwd_dq_reduce.cuh",
+        "sm90_bwd_consumer.cuh",
         "sm90_bwd_writer.cuh",
         "sm90_bwd_prep.cuh",
     )

@@ -27,7 +27,14 @@ def test_compile_writes_the_backward_sources(tmp_path, monkeypatch):
         for kernel in ("", "_preprocess", "_convert_dq"):
             assert "void __launch_bounds__" in text
             assert re.search(rf"fa3_hopper_bwd_{dtype}{kernel}\(const __grid_constant__", text)
-    for header in ("sm90_bwd.cuh", "sm90_bwd_roles.cuh", "sm90_bwd_prep.cuh"):  # and its sections
+    # sm90_bwd.cuh and some of its sections
+    for header in (
+        "sm90_bwd.cuh",
+        "sm90_bwd_producer.cuh",
+        "sm90_bwd_dq_reduce.cuh",
+        "sm90_bwd_consumer.cuh",
+        "sm90_bwd_prep.cuh",
+    ):
         assert (tmp_path / "fadsl" / header).exists()
 
 

@@ -48,12 +48,13 @@ class Backward:
     stages: int  # Q / dO ring slots
     deterministic: bool  # dQ's accumulation ordered by n-block: bitwise-stable gradients
     loc: Loc  # the block's `backward` keyword
-    # dQ issued before dV and dK and staged while they run (sm90_bwd_roles.cuh, bwd_consumer)
+    # dQ issued before dV and dK and staged while they run (sm90_bwd_consumer.cuh, bwd_consumer)
     overlap: bool = False
-    # with overlap: dV issued as soon as P^T is packed, before dS (sm90_bwd_roles.cuh, bwd_consumer)
+    # with overlap: dV issued as soon as P^T is packed, before dS (sm90_bwd_consumer.cuh,
+    # bwd_consumer)
     early_dv: bool = False
     # with overlap: dV issued after the dS^T store, before the warpgroups meet (its product
-    # under the meeting; FlashAttention-3's order; sm90_bwd_roles.cuh, bwd_consumer)
+    # under the meeting; FlashAttention-3's order; sm90_bwd_consumer.cuh, bwd_consumer)
     dv_before_meeting: bool = False
     # dQ's path is `rf -red.add-> gmem`: added into the accumulator from registers, no staging
     dq_red: bool = False
@@ -64,7 +65,7 @@ class Backward:
     # (research/backward-dq-writer.md; sm90_bwd_writer.cuh, bwd_dq_writer)
     dq_writer: bool = False
     # dS's path is `rf -stmatrix-> smem[cta]` where dS^T keeps the keys as rows (not B_r 80):
-    # its 8 x 8 blocks stored whole, four per stmatrix (sm90_bwd_roles.cuh, store_ds_stmatrix)
+    # its 8 x 8 blocks stored whole, four per stmatrix (sm90_bwd_ds.cuh, store_ds_stmatrix)
     ds_stmatrix: bool = False
     # Every tensor's path, the defaults included, in the target's order. The IR's text form
     # leaves them out (the target admits one path per tensor): a kernel read back has none.

@@ -648,6 +648,8 @@ __device__ __forceinline__ bool bwd_needs_mask(const BwdParamsSm90& P, const Bwd
 // The rest of the backward, sections of this header kept in files of their own (each
 // included here, after what it uses):
 #include "sm90_bwd_ds.cuh"     // 5a: dS^T into SMEM (st.shared, stmatrix, stmatrix .trans)
-#include "sm90_bwd_roles.cuh"  // 4-6: the producer, the consumer warpgroups, the main kernel's bodies
+#include "sm90_bwd_producer.cuh"   // 4: the producer's loads, the rings' barriers
+#include "sm90_bwd_dq_reduce.cuh"  // 5b: dQ into its fp32 accumulator (staged, red.add, in ticket order)
+#include "sm90_bwd_consumer.cuh"   // 5-6: a consumer warpgroup's steps and body
 #include "sm90_bwd_writer.cuh"  // 6b: `dq_writer on`'s writer warps
 #include "sm90_bwd_prep.cuh"   // 7: the preprocess and dQ's conversion

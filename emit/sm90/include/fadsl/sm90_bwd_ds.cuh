@@ -1,8 +1,8 @@
 // fadsl/sm90_bwd_ds.cuh -- section 5a of fadsl/sm90_bwd.cuh (which includes it before the
-// roles, sections 4-6): a consumer warpgroup's dS^T from registers into SMEM, by st.shared
-// (store_ds, the default), stmatrix (store_ds_stmatrix: `dS: rf -stmatrix-> smem[cta]`) or,
-// where dQ is computed transposed (B_r 80), stmatrix .trans (store_ds_t).  Not a header of
-// its own: include fadsl/sm90_bwd.cuh.
+// producer and the consumers, sections 4-6): a consumer warpgroup's dS^T from registers into
+// SMEM, by st.shared (store_ds, the default), stmatrix (store_ds_stmatrix:
+// `dS: rf -stmatrix-> smem[cta]`) or, where dQ is computed transposed (B_r 80), stmatrix
+// .trans (store_ds_t).  Not a header of its own: include fadsl/sm90_bwd.cuh.
 //
 // Each is a generic-proxy store of the warpgroup's own part of one dS buffer, ordered before
 // the wgmmas that read it by the same fence.proxy.async and named barrier (bwd_consumer), so

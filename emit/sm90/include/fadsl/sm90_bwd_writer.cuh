@@ -1,6 +1,6 @@
 // fadsl/sm90_bwd_writer.cuh -- section 6b of fadsl/sm90_bwd.cuh (which includes it after the
-// roles, sections 4-6): `dq_writer on`'s writer warps (research/backward-dq-writer.md).  Not a
-// header of its own: include fadsl/sm90_bwd.cuh.
+// producer and the consumers, sections 4-6): `dq_writer on`'s writer warps
+// (research/backward-dq-writer.md).  Not a header of its own: include fadsl/sm90_bwd.cuh.
 //
 // Writer w is warp 1 + w of the producer warpgroup (warps 1..3 idle after setmaxnreg.dec
 // otherwise; the producer's elected thread stays in warp 0).  Per m-block it takes consumer

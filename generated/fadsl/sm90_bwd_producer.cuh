@@ -1,0 +1,85 @@
+// fadsl/sm90_bwd_producer.cuh -- section 4 of fadsl/sm90_bwd.cuh (which includes it after its
+// parameters, configuration and blocks, sections 1-3): the producer's loads, and the rings'
+// barrier addresses, which the consumers (and head_dim 256's, fadsl/sm90_bwd_split.cuh) wait
+// on too.  Not a header of its own: include fadsl/sm90_bwd.cuh.
+#pragma once
+
+namespace fadsl::sm90 {
+
+// ---------------------------------------------------------------------------
+// 4. Producer (one elected thread of warp 0)
+// ---------------------------------------------------------------------------
+
+template <class Cfg>
+__device__ __forceinline__ uint32_t bwd_bar_kv(uint32_t smem) {
+  return smem + Cfg::kOffBar;
+}
+template <class Cfg>
+__device__ __forceinline__ uint32_t bwd_bar_q_full(uint32_t smem, int slot) {
+  return smem + Cfg::kOffBar + 8 * (1 + slot);
+}
+template <class Cfg>
+__device__ __forceinline__ uint32_t bwd_bar_q_empty(uint32_t smem, int slot) {
+  return smem + Cfg::kOffBar + 8 * (1 + Cfg::kStages + slot);
+}
+// head_dim 256: the dO ring's own (kDoStages slots), after Q's
+template <class Cfg>
+__device__ __forceinline__ uint32_t bwd_bar_do_full(uint32_t smem, int slot) {
+  return smem + Cfg::kOffBar + 8 * (1 + 2 * Cfg::kStages + slot);
+}
+template <class Cfg>
+__device__ __forceinline__ uint32_t bwd_bar_do_empty(uint32_t smem, int slot) {
+  return smem + Cfg::kOffBar + 8 * (1 + 2 * Cfg::kStages + Cfg::kDoStages + slot);
+}
+
+// K and V of the n-block, once: 2 kKVBytes complete on kv_full (phase 0).
+template <class Cfg>
+__device__ __forceinline__ void bwd_load_kv(const BwdParamsSm90& P, uint32_t smem, const BwdBlock& b) {
+  const uint32_t bar_kv = bwd_bar_kv<Cfg>(smem);
+  mbar_arrive_expect_tx(bar_kv, 2 * Cfg::kKVBytes);
+#pragma unroll
+  for (int panel = 0; panel < Cfg::kPanels; ++panel) {
+    const uint32_t at = panel * Cfg::kBlockN * Cfg::kRowBytes;
+    tma_load_4d(smem + Cfg::kOffK + at, &P.tma_k, bar_kv, 64 * panel, b.k_row0 + b.n0, b.head_kv, b.batch);
+    tma_load_4d(smem + Cfg::kOffV + at, &P.tma_v, bar_kv, 64 * panel, b.k_row0 + b.n0, b.head_kv, b.batch);
+  }
+}
+
+// The first row of the block's (batch, head) in the LSE and D (m-block m's B_r rows follow
+// at m B_r).
+template <class Cfg>
+__device__ __forceinline__ int64_t bwd_stat_rows(const BwdParamsSm90& P, const BwdBlock& b) {
+  return Cfg::kVarlen ? (static_cast<int64_t>(b.head) * P.m_blocks + b.chunk0) * Cfg::kBlockM
+                      : (static_cast<int64_t>(b.batch) * P.heads_q + b.head) * P.seqlen_q_rounded;
+}
+
+template <class Cfg>
+__device__ __forceinline__ void bwd_producer(const BwdParamsSm90& P, uint32_t smem, const BwdBlock& b) {
+  if (b.m_count == 0) return;  // the consumers store zeros without waiting
+  bwd_load_kv<Cfg>(P, smem, b);
+  const int64_t rows = bwd_stat_rows<Cfg>(P, b);
+  for (int i = 0; i < b.m_count; ++i) {
+    const int slot = i % Cfg::kStages;
+    const uint32_t phase = static_cast<uint32_t>(i / Cfg::kStages) & 1u;
+    const int m = bwd_m_block<Cfg>(P, b, i);
+    FADSL_BWD_MARK(Cfg::kConsumerWGs, i, 0);
+    // WAR: every consumer thread has retired its wgmma reading the slot's Q and dO (and read
+    // its LSE and D) for m-block i - kStages; a fresh barrier passes parity 1 at once.
+    mbar_wait_parity(bwd_bar_q_empty<Cfg>(smem, slot), phase ^ 1u);
+    FADSL_BWD_MARK(Cfg::kConsumerWGs, i, 1);
+    const uint32_t full = bwd_bar_q_full<Cfg>(smem, slot);
+    mbar_arrive_expect_tx(full, 2 * Cfg::kQBytes + 2 * Cfg::kRowFloatsBytes);
+#pragma unroll
+    for (int panel = 0; panel < Cfg::kPanels; ++panel) {
+      const uint32_t at = slot * Cfg::kQBytes + panel * Cfg::kBlockM * Cfg::kRowBytes;
+      tma_load_4d(smem + Cfg::kOffQ + at, &P.tma_q, full, 64 * panel, b.q_row0 + m * Cfg::kBlockM, b.head, b.batch);
+      tma_load_4d(smem + Cfg::kOffDO + at, &P.tma_do, full, 64 * panel, b.q_row0 + m * Cfg::kBlockM, b.head, b.batch);
+    }
+    const int64_t row0 = rows + static_cast<int64_t>(m) * Cfg::kBlockM;
+    bulk_load(smem + Cfg::kOffLSE + slot * Cfg::kRowFloatsBytes, P.lse_log2 + row0, Cfg::kRowFloatsBytes, full);
+    bulk_load(smem + Cfg::kOffD + slot * Cfg::kRowFloatsBytes, P.dpsum + row0, Cfg::kRowFloatsBytes, full);
+    FADSL_BWD_MARK(Cfg::kConsumerWGs, i, 2);
+  }
+}
+
+}  // namespace fadsl::sm90
