@@ -110,17 +110,17 @@ def _fadsl_contenders(q, k, v, dout, rank, world, causal, step):
 
 
 def _one_gpu_contender(q, k, v, dout, causal, step):
-    """The whole sequence on each GPU alone (fadsl.attention, or the reference step on CPU):
-    the throughput context parallelism is measured against."""
-    whole = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    """The whole sequence on each GPU alone (fadsl.attention; with --cpu, torch's attention
+    in fp32): the throughput context parallelism is measured against."""
     import torch.nn.functional as F
 
     import fadsl
 
+    whole = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+
     def fwd():
         if step is None:
             return fadsl.attention(*whole, causal=causal)
-        # (--cpu) torch's attention in fp32 on the whole sequence
         o = F.scaled_dot_product_attention(
             *(t.transpose(1, 2) for t in whole), is_causal=causal, enable_gqa=True
         )
