@@ -55,6 +55,7 @@ HEADER = "".join(
     for name in (
         "sm90_bwd.cuh",
         "sm90_bwd_ds.cuh",
+        "sm90_bwd_persistent.cuh",
         "sm90_bwd_producer.cuh",
         "sm90_bwd_dq_reduce.cuh",
         "sm90_bwd_consumer.cuh",
@@ -147,7 +148,7 @@ OFFSETS = {
 OFFSETS |= {"kOffDS": StagedTile.DS, "kOffDQ": StagedTile.DQ_STAGE, "kOffLSE": StagedTile.LSE}
 OFFSETS |= {"kOffD": StagedTile.D, "kOffP": StagedTile.P}
 MBARS = {"bwd_bar_kv": Mbar.KV_FULL, "bwd_bar_q_full": Mbar.Q_FULL}
-MBARS |= {"bwd_bar_q_empty": Mbar.Q_EMPTY}
+MBARS |= {"bwd_bar_q_empty": Mbar.Q_EMPTY, "bwd_bar_kv_empty": Mbar.KV_EMPTY}
 MBARS |= {"bwd_bar_do_full": Mbar.DO_FULL, "bwd_bar_do_empty": Mbar.DO_EMPTY}
 # head_dim 256: a 64-column panel of K (B_c rows) or of a Q or dO slot (B_r rows)
 PANEL_BYTES = {StagedTile.K: "kBlockN*kRowBytes", StagedTile.Q: "kBlockM*kRowBytes"}
@@ -165,14 +166,16 @@ def _strip(text: str) -> str:
     return "\n".join(line for line in text.split("\n") if not line.strip().startswith("#"))
 
 
-def kernel_template(overlap: bool, template: str = TEMPLATE, split: bool = False) -> str:
+def kernel_template(
+    overlap: bool, template: str = TEMPLATE, split: bool = False, persistent: bool = False
+) -> str:
     """The template with each `{% if overlap %} A {% else %} B {% endif %}` (and `{% if split
     %}`) decided, the roles' functions named as emit.py names them, and the Cfg's window,
     softcap and modifier constants (and the modifiers' struct, included from a template of
     its own) left out (no other `{% if %}` may decide which calls the kernel makes)."""
     tag = lambda body: rf"\{{%-?\s*{body}\s*-?%\}}"  # noqa: E731
     decided = template
-    for flag, value in (("overlap", overlap), ("split", split)):
+    for flag, value in (("overlap", overlap), ("split", split), ("persistent", persistent)):
         branch = re.compile(
             tag(f"if {flag}") + r"(.*?)(?:" + tag("else") + r"(.*?))?" + tag("endif"), re.S
         )
@@ -336,9 +339,20 @@ def expand(expr: str, variables: dict) -> str:
     raise AssertionError(f"variables do not resolve: {expr}")
 
 
+def running(flat: str, walk: Walk) -> str:
+    """The ring's and dS^T's index: the CTA's running m-block, run.m0 + i (BwdRun: 0 with one
+    tile per CTA, so i there); with `scheduler persistent` a bare i (the tile's own m-block,
+    a ring restarted per tile) is left as `tile-local i`, which no plan's index reads as."""
+    if walk.params.persistent:
+        flat = re.sub(r"(?<![\w.+])i(?=[%/])", "tile-local i", flat)
+    return flat.replace("(run.m0+i)", "i")
+
+
 def index_of(flat: str) -> Index:
-    if "i%Cfg::kStages" in flat:
+    if "i%Cfg::kStages" in flat and "tile-local" not in flat:
         return Index.RING
+    if "tile-local" in flat:
+        return flat  # (matches no Index)
     if "i%Cfg::kDoStages" in flat:
         return Index.RING_DO
     return Index.ALTERNATE if "i%2" in flat else Index.NONE
@@ -351,25 +365,30 @@ def operand(expr: str, walk: Walk) -> tuple:
         at = lambda text: evaluate(text, walk.env, smem=0, wg=0, i=0)  # noqa: E731
         base = next(name for name, tile in OFFSETS.items() if tile is offset)
         n = (at(flat) - at(base)) // at(PANEL_BYTES[offset])
-        return offset, index_of(flat), Part.WG_PANEL, n
+        return offset, index_of(running(flat, walk)), Part.WG_PANEL, n
     if re.search(r"\bwg\b", flat):  # wg panel strides (B_c rows each), or wg's 64 rows
         panel = re.search(r"kBlockN|kDSPanelBytes", flat)
         part = Part.PANEL_OF_WG if panel else Part.ROWS_OF_WG
     else:
         part = Part.PANEL if re.search(r"\bpanel\b", flat) else Part.WHOLE
-    return offset, index_of(flat), part
+    return offset, index_of(running(flat, walk)), part
 
 
 def mbar_of(expr: str, walk: Walk) -> tuple:
     flat = expand(expr, walk.variables)
     (mbar,) = {MBARS[name] for name in re.findall(r"(bwd_bar_\w+)<", flat)}
-    return mbar, index_of(flat)
+    return mbar, index_of(running(flat, walk))
 
 
 def parity_of(expr: str, walk: Walk) -> WaitParity:
-    flat = expand(expr, walk.variables)
+    flat = running(expand(expr, walk.variables), walk)
     if flat in ("0u", "0", "1u", "1"):
         return WaitParity.ZERO if flat.startswith("0") else WaitParity.ONE
+    if "run.kv" in flat:  # `scheduler persistent`: K and V's barriers by the tile's round
+        assert "&1" in flat, flat
+        return WaitParity.TILE_FLIP if "^1" in flat else WaitParity.TILE
+    if "tile-local" in flat:
+        return flat  # (matches no WaitParity)
     if "i/Cfg::kDoStages" in flat:
         assert "&1" in flat, flat
         return WaitParity.RING_DO_FLIP if "^1" in flat else WaitParity.RING_DO
@@ -456,7 +475,8 @@ def walk_node(node, walk: Walk) -> None:
         case ("for", head, body) if "slot<Cfg::kStages" in head or "slot<Cfg::kDoStages" in head:
             inner = walk.fork()
             ring = "kDoStages" if "kDoStages" in head else "kStages"
-            inner.variables["slot"] = f"i%Cfg::{ring}"  # each slot: the ring's barriers
+            # each slot: the ring's barriers (every slot, whichever m-block runs it)
+            inner.variables["slot"] = f"(run.m0+i)%Cfg::{ring}"
             walk_node(body, inner)
             walk.calls += inner.calls
         case ("for", head, body):
@@ -477,6 +497,7 @@ def walk_if(cond: str, constexpr: bool, then, other, walk: Walk) -> None:
     flags["Cfg::kDqWriter"] = walk.params.dq_writer
     flags["Cfg::kDsStmatrix"] = walk.params.ds_stmatrix
     flags["Cfg::kSplitHeadDim"] = walk.params.split
+    flags["Cfg::kPersistent"] = walk.params.persistent
     flags |= {f"!{name}": not value for name, value in flags.items()}
     if constexpr:  # a flag, its negation, or a conjunction of them
         chosen = then if all(flags[part] for part in cond.split("&&")) else other
@@ -521,7 +542,7 @@ def walk_simple(text: str, walk: Walk) -> None:
             params, body = function(walk.header, rf"void {name}\(")
             inner = walk.fork(source=INLINED[name])
             params = split_args(params)
-            assert len(params) == len(args), name
+            assert len(args) <= len(params), name  # (the rest: default arguments)
             for param, arg in zip(params, args):
                 value = expand(arg, walk.variables)
                 if value != param_name(param):  # the same name: nothing to resolve
@@ -542,23 +563,33 @@ SOURCES |= {"bwd_producer": CodeSite.PRODUCER, "bwd_producer_split": CodeSite.PR
 WRITERS = "bwd_dq_writers"  # the producer warpgroup's call of `dq_writer on`'s writer warps
 
 
-def kernel_body(overlap: bool, template: str = TEMPLATE, split: bool = False) -> str:
+def kernel_body(
+    overlap: bool, template: str = TEMPLATE, split: bool = False, persistent: bool = False
+) -> str:
     """The main kernel's body in the template, `{% if overlap %}` decided."""
-    return function(kernel_template(overlap, template, split), KERNEL)[1]
+    return function(kernel_template(overlap, template, split, persistent), KERNEL)[1]
 
 
-def consumer_function(overlap: bool, template: str = TEMPLATE, split: bool = False) -> str:
+def consumer_function(
+    overlap: bool, template: str = TEMPLATE, split: bool = False, persistent: bool = False
+) -> str:
     """The consumer body the kernel calls: `else { ...; NAME<Cfg>(P, smem, block,
-    warpgroup - 1); }` after the producer's branch."""
-    body = squash(kernel_body(overlap, template, split))
-    (name,) = re.findall(r"(\w+)<Cfg>\(P,smem,block,warpgroup-1\);", body)
+    warpgroup - 1); }` after the producer's branch (`scheduler persistent`: per tile, with
+    the tile's BwdRun last)."""
+    body = squash(kernel_body(overlap, template, split, persistent))
+    run = ",run" if persistent else ""
+    (name,) = re.findall(rf"(\w+)<Cfg>\(P,smem,block,warpgroup-1{run}\);", body)
     return name
 
 
-def producer_function(overlap: bool, template: str = TEMPLATE, split: bool = False) -> str:
-    """The producer body the kernel's elected thread calls: `NAME<Cfg>(P, smem, block);`."""
-    body = squash(kernel_body(overlap, template, split))
-    (name,) = re.findall(r"(\w+)<Cfg>\(P,smem,block\);", body)
+def producer_function(
+    overlap: bool, template: str = TEMPLATE, split: bool = False, persistent: bool = False
+) -> str:
+    """The producer body the kernel's elected thread calls: `NAME<Cfg>(P, smem, block);`
+    (`scheduler persistent`: `NAME<Cfg>(P, smem, block, run);` per tile)."""
+    body = squash(kernel_body(overlap, template, split, persistent))
+    run = ",run" if persistent else ""
+    (name,) = re.findall(rf"(\w+)<Cfg>\(P,smem,block{run}\);", body)
     return name
 
 
@@ -587,10 +618,11 @@ def header_calls(
     template's kernel body."""
     headers = header + split_header
     if role is WarpRole.SETUP:
-        text = kernel_template(params.overlap, template, params.split)
+        text = kernel_template(params.overlap, template, params.split, params.persistent)
         pattern, source, who = KERNEL, CodeSite.KERNEL, Who.CTA
     elif role is WarpRole.CONSUMER:
-        text, name = headers, consumer_function(params.overlap, template, params.split)
+        name = consumer_function(params.overlap, template, params.split, params.persistent)
+        text = headers
         pattern, source, who = rf"void {name}\(", SOURCES[name], Who.WARPGROUP
     elif role is WarpRole.WRITER:
         name = writer_function(params.overlap, template, params.split)
@@ -598,7 +630,8 @@ def header_calls(
             return []
         text, pattern, source, who = headers, rf"void {name}\(", CodeSite.DQ_WRITER, Who.WRITER
     else:
-        text, name = headers, producer_function(params.overlap, template, params.split)
+        name = producer_function(params.overlap, template, params.split, params.persistent)
+        text = headers
         pattern, source, who = rf"void {name}\(", SOURCES[name], Who.ELECTED
     _, body = function(text, pattern)
     walk = Walk(params, config_constants(params), source, who, {}, [], headers)

@@ -54,6 +54,10 @@ VARIANTS += ("fa3_hdim64+br64-overlap", "fa3_hdim64-dqred", "fa3_hdim64_causal-d
 # every head's n-block 0 launched first (the causal mask's CTA order; head_dim 64's B_r 128
 # block spills 4 bytes with it, nvrtc 13.5)
 VARIANTS += ("fa3_causal+longest_first",)
+# `scheduler persistent` (a CTA per SM looping over the tiles, K and V of the next tile loaded
+# under this one's epilogue): the four examples' blocks, and causal in longest_first order
+VARIANTS += ("fa3_hopper+persistent", "fa3_causal+persistent", "fa3_hdim64+persistent")
+VARIANTS += ("fa3_hdim64_causal+persistent", "fa3_causal+persistent+longest_first")
 # dV issued after the dS^T store, before the warpgroups meet (B_r 80, 64 and 128)
 VARIANTS += ("fa3_hopper+dv_before_meeting", "fa3_causal+br64+dv_before_meeting")
 VARIANTS += ("fa3_hdim64+dv_before_meeting",)
@@ -108,7 +112,8 @@ def training_spec(name: str) -> str:
     B_c = 64; ``+s2`` / ``+s3`` sets the stages; ``+dqred`` / ``-dqred`` gives dQ the path
     ``rf -red.add-> gmem`` / the staged one; ``+ds_stmatrix`` / ``-ds_stmatrix`` gives dS
     the path ``rf -stmatrix-> smem[cta] -wgmma-> rf`` / the st.shared one (not at B_r 80);
-    ``+p32`` sets setmaxnreg to producer 32, consumers 232; ``+dq_writer`` turns the writer
+    ``+p32`` sets setmaxnreg to producer 32, consumers 232; ``+persistent`` / ``-persistent``
+    sets the block's ``scheduler persistent`` / ``grid``; ``+dq_writer`` turns the writer
     warps on as any other key."""
     example, *switches = re.split(r"(?=[+-])", name)
     text = (EXAMPLES / f"{example}.fa").read_text()
@@ -130,6 +135,10 @@ def training_spec(name: str) -> str:
         elif switch[1:] == "ds_stmatrix":  # (after a +brNN, which sets dS's line too)
             ds_store = "stmatrix" if switch[0] == "+" else "st.shared"
             block = _set_line(block, "dS:", f"dS: rf -{ds_store}-> smem[cta] -wgmma-> rf")
+        elif switch[1:] == "persistent":  # the backward's scheduler (the forward's own stays)
+            block = _set_line(
+                block, "scheduler", f"scheduler {'persistent' if switch[0] == '+' else 'grid'}"
+            )
         elif switch[1:] == "dqred":
             block = _set_line(
                 block, "dQ:", "dQ: rf -red.add-> gmem" if switch[0] == "+" else STAGED_DQ
@@ -209,6 +218,18 @@ def test_gradients_match_float32_autograd(name, dtype, shape):
     for ours, t, o, what in zip((l.grad for l in leaves), truth, own, ("dq", "dk", "dv")):
         assert ours.dtype == torch_dtype and ours.shape == t.shape
         check_rule(ours, t, o, what)
+
+
+# `scheduler persistent` with more tiles than SMs, so that each CTA runs several tiles (the
+# ring's running index, K and V's phases over tiles), odd lengths, GQA 2:1, both dtypes
+PERSISTENT_SHAPES = [(2, 2049, 1999, 16, 8), (1, 4096, 4096, 40, 40), (3, 1000, 1300, 24, 12)]
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("shape", PERSISTENT_SHAPES, ids=str)
+@pytest.mark.parametrize("name", [v for v in VARIANTS if "+persistent" in v])
+def test_persistent_ctas_loop_over_many_tiles(name, dtype, shape):
+    test_gradients_match_float32_autograd(name, dtype, shape)
 
 
 @pytest.mark.parametrize("name", ["fa3_hopper", "fa3_causal", "fa3_hdim256", "fa3_hdim256_causal"])

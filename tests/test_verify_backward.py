@@ -598,7 +598,7 @@ def test_the_header_makes_the_protocols_calls(role, params):
     [
         ("a dropped wait_read", "if (tid == 0) tma_store_wait_read<0>();", ""),
         ("a flipped parity", "phase ^ 1u);", "phase);"),
-        ("one dS^T buffer", "(i % 2) * Cfg::kDSBytes", "0 * Cfg::kDSBytes"),
+        ("one dS^T buffer", "(run_i % 2) * Cfg::kDSBytes", "0 * Cfg::kDSBytes"),
         ("wait<2>", "wgmma_wait<1>();  // S^T", "wgmma_wait<2>();  // S^T"),
         (
             "a fence moved",
@@ -780,8 +780,8 @@ DS_PACK = "    pack_pairs<Cfg>(dp, ds16);\n"
                 ),
             ],
         ),
-        ("one dS^T buffer", [("(i % 2) * Cfg::kDSBytes", "0 * Cfg::kDSBytes")]),
-        ("a flipped parity", [("& 1u);", "& 1u ^ 1u);")]),
+        ("one dS^T buffer", [("(run_i % 2) * Cfg::kDSBytes", "0 * Cfg::kDSBytes")]),
+        ("a flipped parity", [("Cfg::kStages) & 1u);", "Cfg::kStages) & 1u ^ 1u);")]),
         ("no meeting by keys", [("named_bar_sync(Cfg::kBarDQ + wg, 128);  // RAW", "// ")]),
         ("a meeting too small", [("kBarDS, Cfg::kConsumerThreads);", "kBarDS, 128);")]),
         ("no wgmma fence", [("wgmma_fence();\n      meet_and_issue_dq", "meet_and_issue_dq")]),
@@ -898,12 +898,18 @@ def test_the_header_agrees_on_layout_barriers_and_roles():
         for name in MBARS:
             if "_do_" in name and not params.split:  # the dO ring's own: head_dim 256
                 continue
+            if name == "bwd_bar_kv_empty":  # `scheduler persistent`'s: kNumBars one more
+                continue
             _, body = function(HEADER, rf"uint32_t {name}\(")
             (expr,) = re.findall(r"return ([^;]+);", body)
             ring = params.do_stages if "_do_" in name else params.stages
             slots = range(ring) if "slot" in expr else [0]
             words += [evaluate(expr, env, smem=0, slot=s) - env["kOffBar"] for s in slots]
         assert sorted(words) == [8 * n for n in range(env["kNumBars"])]
+        # kv_empty: the word after them (the persistent Cfg's kNumBars counts it)
+        _, body = function(HEADER, r"uint32_t bwd_bar_kv_empty\(")
+        (expr,) = re.findall(r"return ([^;]+);", body)
+        assert evaluate(expr, env, smem=0) - env["kOffBar"] == 8 * env["kNumBars"]
     for overlap in (False, True):
         split = squash(kernel_body(overlap))
         assert producer_function(overlap) == "bwd_producer"

@@ -27,7 +27,7 @@ from ..ir import (
     Scope,
 )
 from ..spec.checks import BackwardBlock, Checks, and_list
-from ..spec.readers import on_off
+from ..spec.readers import on_off, word_choice
 from .settings import kernel_settings
 from ..spec.syntax import BackwardDecl, PathDecl, Setting, Word
 
@@ -37,7 +37,9 @@ from ..spec.syntax import BackwardDecl, PathDecl, Setting, Word
 # `dv_before_meeting on|off` issues it after the dS^T store, before the meeting;
 # `longest_first on|off` launches every head's first n-block (the causal mask's longest)
 # before any head's second; `dq_writer on|off` hands each consumer's staged dQ to a writer
-# warp of the producer warpgroup for its bulk reduce-add.
+# warp of the producer warpgroup for its bulk reduce-add; `scheduler persistent|grid` runs
+# about one CTA per SM over the tiles (the next tile's K and V under this one's epilogue) or
+# one CTA per tile (the default).
 KERNEL_KEYS = ("tile", "warpgroups", "registers", "stages")
 ON_OFF_KEYS = ("deterministic", "overlap", "early_dv", "dv_before_meeting", "longest_first")
 ON_OFF_KEYS += ("dq_writer",)
@@ -47,7 +49,13 @@ def backward_settings() -> dict[str, Callable[[Checks, Setting], object]]:
     """Each key the block may set, with its reader (the kernel's, a target's for the warp
     specialisation's keys)."""
     kernel = kernel_settings()
-    return {**{key: kernel[key] for key in KERNEL_KEYS}, **{key: on_off for key in ON_OFF_KEYS}}
+    keys = {**{key: kernel[key] for key in KERNEL_KEYS}, **{key: on_off for key in ON_OFF_KEYS}}
+    return keys | {"scheduler": _scheduler}
+
+
+def _scheduler(c: Checks, setting: Setting) -> bool | None:
+    """The backward's `scheduler persistent` (True) or `grid` (False, the default)."""
+    return word_choice(c, setting, {"persistent": True, "grid": False})
 
 
 # The tensors the block may give a path: the forward's inputs and the backward's own.

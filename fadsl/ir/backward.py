@@ -67,6 +67,9 @@ class Backward:
     # dS's path is `rf -stmatrix-> smem[cta]` where dS^T keeps the keys as rows (not B_r 80):
     # its 8 x 8 blocks stored whole, four per stmatrix (sm90_bwd_ds.cuh, store_ds_stmatrix)
     ds_stmatrix: bool = False
+    # `scheduler persistent`: about one CTA per SM, each looping over (n-block, head, batch)
+    # tiles, the next tile's K and V loaded under this one's epilogue (sm90_bwd_persistent.cuh)
+    persistent: bool = False
     # Every tensor's path, the defaults included, in the target's order. The IR's text form
     # leaves them out (the target admits one path per tensor): a kernel read back has none.
     tensors: tuple[BackwardTensor, ...] = ()
@@ -104,13 +107,14 @@ class Backward:
             + (" longest_first=on" if self.longest_first else "")
             + (" dq_writer=on" if self.dq_writer else "")
             + (" ds=stmatrix" if self.ds_stmatrix else "")
+            + (" scheduler=persistent" if self.persistent else "")
         )
 
 
 _TEXT = re.compile(
     r"backward B_r=(?P<m>\d+) B_c=(?P<n>\d+) consumers=(?P<consumers>\d+) "
     r"regs=(?P<preg>\d+)/(?P<creg>\d+) stages=(?P<stages>\d+) "
-    r"deterministic=(?P<deterministic>on|off)(?P<overlap> overlap=on)?(?P<early_dv> early_dv=on)?(?P<dv_before_meeting> dv_before_meeting=on)?(?P<dq_red> dq=red.add)?(?P<longest_first> longest_first=on)?(?P<dq_writer> dq_writer=on)?(?P<ds_stmatrix> ds=stmatrix)?$"
+    r"deterministic=(?P<deterministic>on|off)(?P<overlap> overlap=on)?(?P<early_dv> early_dv=on)?(?P<dv_before_meeting> dv_before_meeting=on)?(?P<dq_red> dq=red.add)?(?P<longest_first> longest_first=on)?(?P<dq_writer> dq_writer=on)?(?P<ds_stmatrix> ds=stmatrix)?(?P<persistent> scheduler=persistent)?$"
 )
 
 
@@ -137,5 +141,6 @@ def read_backward(line: str, loc: Loc) -> Backward:
         longest_first=m["longest_first"] is not None,
         dq_writer=m["dq_writer"] is not None,
         ds_stmatrix=m["ds_stmatrix"] is not None,
+        persistent=m["persistent"] is not None,
         loc=loc,
     )

@@ -227,6 +227,9 @@ struct BwdConfig {
   static constexpr bool kScore = false;
   static constexpr bool kScoreGrad = false;
   static constexpr bool kKeep = false;
+  // `scheduler persistent` (a generated Cfg sets it, with kNumBars one more for kv_empty):
+  // about one CTA per SM, each running the roles once per tile (sm90_bwd_persistent.cuh)
+  static constexpr bool kPersistent = false;
 
   static constexpr int kThreads = 128 * (1 + kConsumerWGs);
   static constexpr int kConsumerThreads = 128 * kConsumerWGs;
@@ -405,23 +408,25 @@ __device__ __forceinline__ int bwd_diagonal(const BwdParamsSm90& P, const BwdBlo
   return P.seqlen_k - P.seqlen_q;
 }
 
+// The block of grid position (x, y, z) in a grid of (gx, gy, gz) CTAs (bwd_block: the
+// launch's own; `scheduler persistent`: a tile's, bwd_tile_block).
 template <class Cfg>
-__device__ __forceinline__ BwdBlock bwd_block(const BwdParamsSm90& P) {
+__device__ __forceinline__ BwdBlock bwd_block_at(const BwdParamsSm90& P, int x, int y, int z, int gx, int gy, int gz) {
   BwdBlock b;
-  b.n_block = blockIdx.x;
-  b.head = blockIdx.y;
-  b.batch = blockIdx.z;
+  b.n_block = x;
+  b.head = y;
+  b.batch = z;
   b.seqlen_q = P.seqlen_q;
   b.seqlen_k = P.seqlen_k;
   b.q_row0 = b.k_row0 = 0;
   if constexpr (Cfg::kVarlen) {
-    // slot blockIdx.x of the packed keys: its sequence and n-block (a gap slot past the
+    // slot x of the packed keys: its sequence and n-block (a gap slot past the
     // sequence's keys, or a malformed sequence, has no work and stores nothing)
-    const int s = bwd_varlen_sequence(P.cu_seqlens_k, P.sequences, Cfg::kBlockN, blockIdx.x);
+    const int s = bwd_varlen_sequence(P.cu_seqlens_k, P.sequences, Cfg::kBlockN, x);
     const int q0 = P.cu_seqlens_q[s], q1 = P.cu_seqlens_q[s + 1];
     const int k0 = P.cu_seqlens_k[s], k1 = P.cu_seqlens_k[s + 1];
     const bool ok = bwd_sequence_ok(q0, q1, P.seqlen_q) && bwd_sequence_ok(k0, k1, P.seqlen_k);
-    b.n_block = blockIdx.x - bwd_first_slot(P.cu_seqlens_k, s, Cfg::kBlockN);
+    b.n_block = x - bwd_first_slot(P.cu_seqlens_k, s, Cfg::kBlockN);
     b.batch = 0;
     b.q_row0 = q0;
     b.k_row0 = k0;
@@ -439,19 +444,19 @@ __device__ __forceinline__ BwdBlock bwd_block(const BwdParamsSm90& P) {
     // L2 (50 MB on H100 and H200): with the n-block slowest over all pairs at once, every
     // running CTA reads its own head's Q and dO and the L2 thrashes (measured 2026-11-29,
     // H200: -27 % at causal 1k, head_dim 128).  The last section holds the remainder.
-    const int pairs = gridDim.y * gridDim.z;
-    const int launched = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+    const int pairs = gy * gz;
+    const int launched = x + gx * (y + gy * z);
     const long long head_bytes = (long long)P.seqlen_q_rounded * Cfg::kHeadDim * (2 * 2 + 4);
     const long long fit = (40ll << 20) / head_bytes;
     const int section = fit < 1 ? 1 : 1 << (31 - __clz(fit > (1 << 30) ? 1 << 30 : (int)fit));
-    const int section_ctas = section * gridDim.x;
+    const int section_ctas = section * gx;
     const int first_pair = launched / section_ctas * section;
     const int in_section = launched % section_ctas;
     const int pairs_here = imin(section, pairs - first_pair);
     const int hb = first_pair + in_section % pairs_here;
     b.n_block = in_section / pairs_here;
-    b.head = hb % gridDim.y;
-    b.batch = hb / gridDim.y;
+    b.head = hb % gy;
+    b.batch = hb / gy;
   }
   b.head_kv = b.head / P.group;
   b.n0 = b.n_block * Cfg::kBlockN;
@@ -471,6 +476,10 @@ __device__ __forceinline__ BwdBlock bwd_block(const BwdParamsSm90& P) {
   b.m_count = imax(m_end - b.m_begin, 0);
   if constexpr (Cfg::kKeep) bwd_keep_trim<Cfg>(P, b);  // keep's EMPTY m-blocks off both ends
   return b;
+}
+template <class Cfg>
+__device__ __forceinline__ BwdBlock bwd_block(const BwdParamsSm90& P) {
+  return bwd_block_at<Cfg>(P, blockIdx.x, blockIdx.y, blockIdx.z, gridDim.x, gridDim.y, gridDim.z);
 }
 
 // Whether each role finds its block after its setmaxnreg (bwd_block reads only the params and
@@ -648,6 +657,7 @@ __device__ __forceinline__ bool bwd_needs_mask(const BwdParamsSm90& P, const Bwd
 // The rest of the backward, sections of this header kept in files of their own (each
 // included here, after what it uses):
 #include "sm90_bwd_ds.cuh"     // 5a: dS^T into SMEM (st.shared, stmatrix, stmatrix .trans)
+#include "sm90_bwd_persistent.cuh"  // 3b: `scheduler persistent`'s tiles and K/V's empty barrier
 #include "sm90_bwd_producer.cuh"   // 4: the producer's loads, the rings' barriers
 #include "sm90_bwd_dq_reduce.cuh"  // 5b: dQ into its fp32 accumulator (staged, red.add, in ticket order)
 #include "sm90_bwd_consumer.cuh"   // 5-6: a consumer warpgroup's steps and body

@@ -298,7 +298,8 @@ __device__ __forceinline__ void meet_and_issue_dq(float (&dq)[Cfg::kDqRegs], uin
 // warpgroups' meeting off the critical path too, but keeps dQ's registers live over S^T and
 // dP^T: at head_dim 128 that spills about 400 bytes at 240 registers.)
 template <class Cfg>
-__device__ __forceinline__ void bwd_consumer(const BwdParamsSm90& P, uint32_t smem, const BwdBlock& b, int wg) {
+__device__ __forceinline__ void bwd_consumer(const BwdParamsSm90& P, uint32_t smem, const BwdBlock& b, int wg,
+                                             const BwdRun& run = {}) {
   const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
   const int key0 = b.n0 + 64 * wg + 16 * warp + lane / 4;  // this thread's key row r = 0
   float dk[Cfg::kAccRegs], dv[Cfg::kAccRegs];
@@ -309,19 +310,24 @@ __device__ __forceinline__ void bwd_consumer(const BwdParamsSm90& P, uint32_t sm
   const uint32_t v_wg = smem + Cfg::kOffV + 64 * wg * Cfg::kRowBytes;
   const uint32_t stage = smem + Cfg::kOffDQ + wg * Cfg::kDqFloats * 4;
   const int64_t accum_head = bwd_accum_head<Cfg>(P, b);
-  // RAW: K and V landed (TMA complete_tx on kv_full, phase 0)
-  if (b.m_count > 0) mbar_wait_parity(bwd_bar_kv<Cfg>(smem), 0u);
+  // RAW: K and V landed (TMA complete_tx on kv_full, phase 0; persistent: the tile's round)
+  if constexpr (Cfg::kPersistent) {
+    if (b.m_count > 0) mbar_wait_parity(bwd_bar_kv<Cfg>(smem), static_cast<uint32_t>(run.kv) & 1u);
+  } else {
+    if (b.m_count > 0) mbar_wait_parity(bwd_bar_kv<Cfg>(smem), 0u);
+  }
   if (wg == 0 && tid == 0) FADSL_BWD_CTA_MARK(2);
   DqTicket owed{nullptr, 0};  // `deterministic on`: the leader's unreleased ticket
 
   for (int i = 0; i < b.m_count; ++i) {
     FADSL_BWD_MARK(wg, i, 0);
-    const int slot = i % Cfg::kStages;
+    const int run_i = run.m0 + i;  // ring slot, parity and dS^T buffer run on over tiles (persistent)
+    const int slot = run_i % Cfg::kStages;
     const int m = bwd_m_block<Cfg>(P, b, i);
     const uint32_t q_slot = smem + Cfg::kOffQ + slot * Cfg::kQBytes;
     const uint32_t do_slot = smem + Cfg::kOffDO + slot * Cfg::kQBytes;
     // RAW: the slot's Q, dO, LSE and D landed (TMA and bulk complete_tx on q_full)
-    mbar_wait_parity(bwd_bar_q_full<Cfg>(smem, slot), static_cast<uint32_t>(i / Cfg::kStages) & 1u);
+    mbar_wait_parity(bwd_bar_q_full<Cfg>(smem, slot), static_cast<uint32_t>(run_i / Cfg::kStages) & 1u);
     FADSL_BWD_MARK(wg, i, 1);
 
     float s[Cfg::kSRegs], dp[Cfg::kSRegs];
@@ -369,7 +375,7 @@ __device__ __forceinline__ void bwd_consumer(const BwdParamsSm90& P, uint32_t sm
 
     // dS^T into buffer i % 2: the other warpgroup's dQ of m-block i - 1 may still read the
     // other buffer (its reads of this one retired before it met at dS^T(i - 1))
-    const uint32_t ds_buf = smem + Cfg::kOffDS + (i % 2) * Cfg::kDSBytes;
+    const uint32_t ds_buf = smem + Cfg::kOffDS + (run_i % 2) * Cfg::kDSBytes;
     if constexpr (Cfg::kDqTransposed) {
       store_ds_t<Cfg>(ds_buf, ds16, wg, warp, lane);
     } else if constexpr (Cfg::kDsStmatrix) {
@@ -427,6 +433,11 @@ __device__ __forceinline__ void bwd_consumer(const BwdParamsSm90& P, uint32_t sm
     FADSL_BWD_MARK(wg, i, 9);
   }
   if (wg == 0 && tid == 0) FADSL_BWD_CTA_MARK(3);
+  if constexpr (Cfg::kPersistent) {
+    // WAR: every wgmma reading K and V retired (wait_group 0 ends each m-block): the producer
+    // loads the next tile's while this one's dK and dV are stored
+    if (b.m_count > 0) mbar_arrive(bwd_bar_kv_empty<Cfg>(smem));
+  }
   // `deterministic on`: the last m-block's ticket, before the CTA exits
   if constexpr (Cfg::kDeterministic && !Cfg::kDqWriter) {
     if (tid == 0 && b.m_count > 0) release_dq_ticket<Cfg>(owed);

@@ -32,10 +32,17 @@ __device__ __forceinline__ uint32_t bwd_bar_do_empty(uint32_t smem, int slot) {
   return smem + Cfg::kOffBar + 8 * (1 + 2 * Cfg::kStages + Cfg::kDoStages + slot);
 }
 
-// K and V of the n-block, once: 2 kKVBytes complete on kv_full (phase 0).
+// K and V of the n-block, once: 2 kKVBytes complete on kv_full (phase 0; `scheduler
+// persistent`: the tile's round, run.kv).
 template <class Cfg>
-__device__ __forceinline__ void bwd_load_kv(const BwdParamsSm90& P, uint32_t smem, const BwdBlock& b) {
+__device__ __forceinline__ void bwd_load_kv(const BwdParamsSm90& P, uint32_t smem, const BwdBlock& b,
+                                            const BwdRun& run = {}) {
   const uint32_t bar_kv = bwd_bar_kv<Cfg>(smem);
+  if constexpr (Cfg::kPersistent) {
+    // WAR: every consumer thread retired its wgmmas reading the previous tile's K and V (a
+    // fresh barrier passes parity 1 at once)
+    mbar_wait_parity(bwd_bar_kv_empty<Cfg>(smem), (static_cast<uint32_t>(run.kv) & 1u) ^ 1u);
+  }
   mbar_arrive_expect_tx(bar_kv, 2 * Cfg::kKVBytes);
 #pragma unroll
   for (int panel = 0; panel < Cfg::kPanels; ++panel) {
@@ -54,13 +61,15 @@ __device__ __forceinline__ int64_t bwd_stat_rows(const BwdParamsSm90& P, const B
 }
 
 template <class Cfg>
-__device__ __forceinline__ void bwd_producer(const BwdParamsSm90& P, uint32_t smem, const BwdBlock& b) {
+__device__ __forceinline__ void bwd_producer(const BwdParamsSm90& P, uint32_t smem, const BwdBlock& b,
+                                             const BwdRun& run = {}) {
   if (b.m_count == 0) return;  // the consumers store zeros without waiting
-  bwd_load_kv<Cfg>(P, smem, b);
+  bwd_load_kv<Cfg>(P, smem, b, run);
   const int64_t rows = bwd_stat_rows<Cfg>(P, b);
   for (int i = 0; i < b.m_count; ++i) {
-    const int slot = i % Cfg::kStages;
-    const uint32_t phase = static_cast<uint32_t>(i / Cfg::kStages) & 1u;
+    const int run_i = run.m0 + i;  // the ring's running index (run.m0 = 0 with one tile per CTA)
+    const int slot = run_i % Cfg::kStages;
+    const uint32_t phase = static_cast<uint32_t>(run_i / Cfg::kStages) & 1u;
     const int m = bwd_m_block<Cfg>(P, b, i);
     FADSL_BWD_MARK(Cfg::kConsumerWGs, i, 0);
     // WAR: every consumer thread has retired its wgmma reading the slot's Q and dO (and read

@@ -109,6 +109,7 @@ def context(kernel: Kernel, dtype: Dtype) -> dict[str, Any]:
         "early_dv": bwd.early_dv,
         "dv_before_meeting": bwd.dv_before_meeting,
         "longest_first": bwd.longest_first,
+        "persistent": bwd.persistent,
         "varlen": cfg.features.varlen,
         "dq_red": bwd.dq_red,
         "dq_writer": bwd.dq_writer,

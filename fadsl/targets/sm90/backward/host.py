@@ -195,6 +195,15 @@ def _in_visit_order(kernel: Kernel, key_ctas: int, device) -> bool:
     return key_ctas <= sm_count(device.index)
 
 
+def main_grid(bwd, key_ctas: int, heads_q: int, batch: int, device) -> tuple[int, int, int]:
+    """The main kernel's grid: a CTA per (n-block, head, batch) tile, or with `scheduler
+    persistent` min(tiles, SMs) CTAs (one CTA fits an SM: __launch_bounds__(threads, 1) and
+    the SMEM plan), each looping over the tiles (sm90_bwd_persistent.cuh)."""
+    if not bwd.persistent:
+        return (key_ctas, heads_q, batch)
+    return (max(1, min(key_ctas * heads_q * batch, sm_count(device.index))), 1, 1)
+
+
 def modifier_fields(inputs: tuple, batch: int) -> bytes:
     """BwdParamsSm90's modifier fields: the inputs' pointers (zeros past them), the batch."""
     pointers = [t.data_ptr() for t in inputs]
@@ -312,10 +321,12 @@ def _launch_all(
         layout.sequences,
     )
     main = maps + fields
-    if kernel.config.modifiers is not None:
+    # (`scheduler persistent` reads the batch there too: bwd_tiles)
+    if kernel.config.modifiers is not None or bwd.persistent:
         main += bytes(MODIFIERS_OFFSET - len(main)) + modifier_fields(inputs, batch)
     main += bytes(MAIN_BYTES - len(main))
-    launch(KernelLaunch("", (layout.key_ctas, heads_q, batch), (threads(kernel), 1, 1), main))
+    grid = main_grid(bwd, layout.key_ctas, heads_q, batch, device)
+    launch(KernelLaunch("", grid, (threads(kernel), 1, 1), main))
     launch(
         KernelLaunch(
             "_convert_dq",

@@ -119,6 +119,8 @@ def plan_smem(bwd: Backward, head_dim: int) -> BackwardSmem:
     else:
         do = ("dO", s * m * head_dim * ELEM, f"a ring of {s} m-blocks, with Q's slot")
         bars = ((1 + 2 * s) * 8, "K/V full; Q/dO full and empty per slot")
+        if bwd.persistent:  # kv_empty: the tile's K and V freed for the next tile's
+            bars = ((2 + 2 * s) * 8, "K/V full; Q/dO full and empty per slot; K/V empty")
         pds = (
             (
                 "dS",

@@ -149,6 +149,8 @@ SYNC_KINDS = frozenset(list(Kind)[: list(Kind).index(Kind.SEM_RELEASE) + 1])
 
 class Mbar(Enum):
     KV_FULL = "kv_full"
+    # `scheduler persistent`: every consumer thread's K and V reads of the tile retired
+    KV_EMPTY = "kv_empty"
     Q_FULL = "q_full"
     Q_EMPTY = "q_empty"
     DO_FULL = "do_full"  # head_dim 256: the dO ring's own
@@ -203,6 +205,9 @@ class WaitParity(Enum):
     RING_FLIP = "((i / stages) & 1) ^ 1"
     RING_DO = "(i / do_stages) & 1"
     RING_DO_FLIP = "((i / do_stages) & 1) ^ 1"
+    # `scheduler persistent`: K and V's barriers, by the CTA's tiles with work so far (t)
+    TILE = "t & 1"
+    TILE_FLIP = "(t & 1) ^ 1"
 
 
 # a ring's index -> its barriers' parity (the consumers'; the producer's flipped)
@@ -279,6 +284,10 @@ class Params:
     # `dS: rf -stmatrix-> smem[cta]` (store_ds_stmatrix): the same bytes as st.shared's, a
     # generic-proxy store too, so the same step and syncs (not where dS^T is transposed)
     ds_stmatrix: bool = False
+    # `scheduler persistent`: the CTA runs the program once per tile, its m-block index i
+    # running on over the tiles (ring slots, parities and dS^T buffers continue), K and V
+    # freed per tile on kv_empty and their barriers' phase that of the tile's round t
+    persistent: bool = False
 
     @classmethod
     def of(cls, bwd: Backward, head_dim: int) -> Params:
@@ -296,6 +305,7 @@ class Params:
             block_n=bwd.block_n,
             dq_writer=bwd.dq_writer,
             ds_stmatrix=bwd.ds_stmatrix,
+            persistent=bwd.persistent,
         )
 
     def __post_init__(self) -> None:
@@ -310,6 +320,8 @@ class Params:
         # the writer reduce-adds a staging share of its own consumer alone
         assert not self.dq_writer or not (self.dq_red or self.split or self.dq_by_keys), self
         assert not self.ds_stmatrix or not (self.split or self.dq_transposed), self
+        # validate.py's _persistent: no state but K, V and dK, dV carried per tile
+        assert not self.persistent or not (self.deterministic or self.dq_writer or self.split)
         if self.split:  # sm90_bwd_split.cuh's one order, dQ from registers
             assert self.consumers == 2 and self.block_m == BLOCK_M, self
             # (overlap off: so neither early_dv nor dv_before_meeting, which need it)
@@ -415,6 +427,7 @@ class Params:
         det += ", dQ by red.add" if self.dq_red else ""
         det += ", dQ writer" if self.dq_writer else ""
         det += ", dS by stmatrix" if self.ds_stmatrix else ""
+        det += ", persistent" if self.persistent else ""
         return (
             f"{self.consumers} consumer(s), {self.stages} stage(s), head_dim {self.head_dim}, "
             f"B_r {self.block_m} ({split}){det}"

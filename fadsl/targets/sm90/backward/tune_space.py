@@ -6,7 +6,8 @@ stored transposed), the consumer's order (`overlap`, `early_dv`, `dv_before_meet
 path (staged, or `rf -red.add-> gmem`), dS's store where B_r is not 80 (st.shared, or
 `rf -stmatrix-> smem`: the same bytes, a quarter of the store instructions; not yet timed on a
 GPU, 2026-11-30) and the Q / dO ring's `stages`; under the causal
-mask, the input's block with `longest_first` flipped (the CTA order). With `deterministic on`
+mask, the input's block with `longest_first` flipped (the CTA order); the input's block on the
+other `scheduler` (persistent CTAs or a CTA per tile) where it admits persistent ones. With `deterministic on`
 dQ has a third path: staged and reduce-added by writer warps (`dq_writer on`: 1.26-1.30x
 the ordered adds without them at head_dim 128 on an H200, 2026-11-30; without
 `deterministic` it times below red.add, so it is not tried there), with the registers as the
@@ -125,6 +126,10 @@ def candidates(base: Backward, causal: bool) -> tuple[BackwardCandidate, ...]:
     if causal:  # the input's block in the other CTA order
         flipped = "off" if base.longest_first else "on"
         out.append(BackwardCandidate(label_of(base), {"longest_first": flipped}, {}))
+    if not (base.deterministic or base.dq_writer):  # the input's block on the other scheduler
+        scheduler = "grid" if base.persistent else "persistent"
+        label = f"{label_of(base)}, scheduler {scheduler}"
+        out.append(BackwardCandidate(label, {"scheduler": scheduler}, {}))
     return tuple(out)
 
 

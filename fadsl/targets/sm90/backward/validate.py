@@ -19,6 +19,9 @@ What the first backward kernel supports (docs/backward.md, FlashAttention-3's ba
 - `dq_writer on` (a writer warp per consumer reduce-adds its staging) with dQ staged and the
   consumers' shares of it disjoint (not split by keys: head_dim 64 at B_r 64), in either
   mode;
+- `scheduler persistent` (a CTA per SM looping over the tiles) not with `deterministic on`,
+  `dq_writer on`, `varlen on`, head_dim 256 or score and keep modifiers (the first version's
+  loop carries no state of theirs across tiles);
 - setmaxnreg: the producer 24 to 56, the consumers at most 240, multiples of 8, their total
   within the CTA's launch allocation (as the forward's: setmaxnreg only moves registers
   within it);
@@ -163,6 +166,7 @@ def validate_backward(c: Checks, block: BackwardBlock) -> Backward | None:
         dv_before_meeting=block.values.get("dv_before_meeting", False),
         longest_first=block.values.get("longest_first", False),
         dq_writer=block.values.get("dq_writer", False),
+        persistent=block.values.get("scheduler", False),
         dq_red=_takes(tensors, GradRole.DQ, DQ_RED),
         ds_stmatrix=other_path(GradRole.DS, tile["B_r"], head_dim) is not None
         and _takes(tensors, GradRole.DS, DS_STMATRIX),
@@ -182,9 +186,37 @@ def validate_backward(c: Checks, block: BackwardBlock) -> Backward | None:
         ok = False
     if backward.dq_writer and head_dim in (64, 128):
         ok = _dq_writer(block, backward, head_dim) and ok
+    if backward.persistent:
+        ok = _persistent(c, block, backward, head_dim) and ok
     if ok and head_dim in HEAD_DIMS:
         ok = _smem(block, backward, head_dim)
     return backward if ok else None
+
+
+def _persistent(c: Checks, block: BackwardBlock, backward: Backward, head_dim: int | None) -> bool:
+    """`scheduler persistent`: the first version's CTA loops over tiles of padded batches
+    with per-tile state only in K, V and the dK, dV accumulators; what keeps other state per
+    CTA is refused here."""
+    why = []
+    if backward.deterministic:
+        why.append("deterministic on (its dQ tickets assume a CTA per n-block, in launch order)")
+    if backward.dq_writer:
+        why.append("dq_writer on (the writer warps' barriers are per CTA, not per tile)")
+    if c.values.get("varlen"):
+        why.append("varlen on (its grid is a slot per n-block of the packed keys)")
+    if head_dim == SPLIT_HEAD_DIM:
+        why.append(f"head_dim {SPLIT_HEAD_DIM} (its consumers split head_dim: another loop)")
+    if c.decl.modifiers:
+        why.append("score or keep modifiers (their per-block state is not carried over tiles)")
+    if not why:
+        return True
+    block.checks.error(
+        block.key_locs["scheduler"],
+        "scheduler persistent (a CTA per SM looping over the tiles) is not built with "
+        + and_list(why)
+        + ": use scheduler grid (the default) there",
+    )
+    return False
 
 
 def _dq_writer(block: BackwardBlock, backward: Backward, head_dim: int) -> bool:

@@ -154,6 +154,7 @@ from .program import (
 )
 from .protocol import protocol
 from .verify_tickets import Voice, ticket_problems
+from .verify_tiles import persistent_space, tile_counts, tiles_unrolled  # noqa: F401
 from . import verify_writer
 
 _INIT_KINDS = (Kind.MBAR_INIT, Kind.FENCE_MBAR_INIT, Kind.SYNCTHREADS)
@@ -167,9 +168,12 @@ _WARPGROUP_WIDE = (
 )
 
 
-def m_counts(p: Params) -> range:
-    """The m-block counts the plan is proven for (module docstring: why they suffice)."""
-    return range(0, 2 * p.stages + 3)
+def m_counts(p: Params) -> tuple[int | tuple[int, ...], ...]:
+    """The m-block counts the plan is proven for (module docstring: why they suffice); with
+    `scheduler persistent` sequences of tiles, each tile's m-block count."""
+    if not p.persistent:
+        return tuple(range(0, 2 * p.stages + 3))
+    return tile_counts(p)
 
 
 def parameter_space() -> tuple[Params, ...]:
@@ -224,6 +228,7 @@ class _At:
 
     i: int | None
     wg: int | None
+    t: int = 0  # `scheduler persistent`: the CTA's tiles with an m-block before this one
 
     def index(self, index: Index, p: Params) -> int:
         if index is Index.NONE:
@@ -235,6 +240,8 @@ class _At:
     def parity(self, parity: WaitParity, p: Params) -> int:
         if parity in (WaitParity.ZERO, WaitParity.ONE):
             return int(parity is WaitParity.ONE)
+        if parity in (WaitParity.TILE, WaitParity.TILE_FLIP):
+            return (self.t & 1) ^ int(parity is WaitParity.TILE_FLIP)
         assert self.i is not None, f"{parity} outside the m-block loop"
         do_ring = parity in (WaitParity.RING_DO, WaitParity.RING_DO_FLIP)
         ring = (self.i // (p.do_stages if do_ring else p.stages)) & 1
@@ -383,8 +390,9 @@ def _lower(proto: Protocol, item: Item, at: _At) -> list[Event]:
     raise AssertionError(f"{item.kind} has no model event in {item.source.value}")
 
 
-def build_program(proto: Protocol, m_count: int) -> Program:
-    """The producer and the consumer warpgroups of one CTA that visits m_count m-blocks."""
+def build_program(proto: Protocol, m_count: int | tuple[int, ...]) -> Program:
+    """The producer and the consumer warpgroups of one CTA that visits m_count m-blocks
+    (`scheduler persistent`: a sequence of tiles, each's m-block count)."""
     p = proto.params
     roles = [("producer", WarpRole.PRODUCER, None, 1)]
     roles += [(f"wg{wg}", WarpRole.CONSUMER, wg, WARPGROUP_THREADS) for wg in range(p.consumers)]
@@ -396,8 +404,8 @@ def build_program(proto: Protocol, m_count: int) -> Program:
     agents = []
     for name, role, wg, threads in roles:
         events = []
-        for item, i in unrolled(proto.role(role), m_count):
-            events += _lower(proto, item, _At(i, wg))
+        for item, i, t in tiles_unrolled(proto.role(role), m_count):
+            events += _lower(proto, item, _At(i, wg, t))
         agents.append(Agent(name, threads, tuple(events)))
     counts: list[tuple[str, int]] = []
     for item in proto.setup:
@@ -405,7 +413,7 @@ def build_program(proto: Protocol, m_count: int) -> Program:
             rings = {Index.RING: range(p.stages), Index.RING_DO: range(p.do_stages)}
             slots = rings.get(item.slot, [None])
             counts += [(mbar_name(item.mbar, slot), item.count) for slot in slots]
-    if p.deterministic and p.dq_by_keys:
+    if p.deterministic and p.dq_by_keys:  # (not with `scheduler persistent`: one tile)
         counts += [(ticket_name(wg, i), 1) for wg in range(1, p.consumers) for i in range(m_count)]
     return Program(tuple(agents), tuple(counts))
 
@@ -521,14 +529,14 @@ def _ticket_problems(proto: Protocol, m_count: int) -> list[str]:
     return ticket_problems(unrolled(proto.consumer, m_count), m_count, LEADER_VOICE)
 
 
-def register_problems(proto: Protocol, m_count: int) -> list[str]:
+def register_problems(proto: Protocol, m_count: int | tuple[int, ...]) -> list[str]:
     """PTX's rule for wgmma's registers: a wgmma.fence before the warpgroup's first wgmma,
     and between an ordinary access (read or write) of a register and a wgmma that reads or
     accumulates into it."""
     problems = []
     fenced = False
     touched: set[Reg] = set()
-    for item, i in unrolled(proto.consumer, m_count):
+    for item, i, _ in tiles_unrolled(proto.consumer, m_count):
         where = f"{item.name or item.kind.value} ({_At(i, 0).when()})"
         if item.kind is Kind.WGMMA_FENCE:
             touched.clear()
@@ -552,7 +560,7 @@ def register_problems(proto: Protocol, m_count: int) -> list[str]:
 # --- the proof ----------------------------------------------------------------------------
 
 
-def problems_of(proto: Protocol, m_count: int) -> list[str]:
+def problems_of(proto: Protocol, m_count: int | tuple[int, ...]) -> list[str]:
     """Every problem of the plan for a CTA visiting m_count m-blocks (empty: proven)."""
     found = structural_problems(proto)
     if found:

@@ -10,7 +10,8 @@ and registers each reads and writes, which threads run it and which proxy (its k
 hazards it orders in its docstring:
 
 - mbarrier: the setup, the loads' full barriers (expect_tx with their bytes) and the ring's
-  empty barriers (ring parity, the producer's flipped);
+  empty barriers (ring parity, the producer's flipped); with `scheduler persistent` K and
+  V's empty barrier per tile;
 - wgmma: wgmma.fence, commit groups, wgmma.wait_group from the commit order;
 - named: the proxy fence and the barrier between st.shared and an async-proxy reader (the
   dS^T meeting, the staging before the reduce-add);
@@ -97,6 +98,7 @@ def _consumer(schedule: Protocol, economical: bool) -> tuple[Item, ...]:
         raise AssertionError("the loop's entry state does not settle")
 
     c = body
+    mbarrier.release_tile(c, schedule)
     bulk.wait_at_exit(c)
     for k in range(len(steps[LoopPhase.AFTER])):
         _place_step(c, schedule, steps[LoopPhase.AFTER], k, LoopPhase.AFTER)

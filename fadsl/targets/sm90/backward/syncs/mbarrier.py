@@ -15,6 +15,14 @@ ones.
   also read by ordinary code of every thread (LSE, D), each of which orders its own reads
   before its own arrival. The producer waits on it with the flipped parity before arming
   the slot, which a fresh barrier passes in the first round;
+- `scheduler persistent` (``Params.persistent``: the program runs once per tile, the
+  m-block index running on): what is loaded once per tile (K and V) is loaded again for the
+  next tile once every consumer thread has read it (WAR across roles and tiles): after the
+  m-block loop, where every wgmma group is retired, each consumer thread arrives on
+  kv_empty, which the producer waits on before arming kv_full, with the flipped parity of
+  the tile's round t (a fresh barrier passes it for t = 0); the consumers wait on kv_full
+  with parity t & 1, t counting the CTA's tiles with an m-block (those without load and
+  wait nothing);
 - the setup: thread 0 initialises each barrier (a ring's per slot: full with one arrival,
   the producer's expect_tx; empty with one per consumer thread), then fence.mbarrier_init
   (the inits visible to the async proxy's complete_tx), then __syncthreads before any use.
@@ -44,6 +52,8 @@ from .state import LOADS, Consumer, names, sync, words
 
 # a ring's full barrier -> its empty barrier (the consumers' release of the slot)
 EMPTY_OF = {Mbar.Q_FULL: Mbar.Q_EMPTY, Mbar.DO_FULL: Mbar.DO_EMPTY}
+# `scheduler persistent`: what is loaded once a tile (K and V) freed for the next tile's loads
+KV_EMPTY = Mbar.KV_EMPTY
 
 
 @dataclass(frozen=True)
@@ -93,6 +103,10 @@ def setup(schedule: Protocol) -> tuple[Item, ...]:
     for t in transactions(schedule):
         why = f"one arrival: the producer's arrive.expect_tx for {t.buffers()}"
         out.append(Item(Kind.MBAR_INIT, mbar=t.full, slot=t.slot, count=1, why=why, **init))
+        if not t.ring and schedule.params.persistent:
+            count = WARPGROUP_THREADS * schedule.params.consumers
+            why = f"every consumer thread frees the tile's {t.buffers()} once per tile"
+            out.append(Item(Kind.MBAR_INIT, mbar=KV_EMPTY, count=count, why=why, **init))
         if t.ring:
             count = WARPGROUP_THREADS * schedule.params.consumers
             why = f"every consumer thread releases the slot's {t.buffers()} once per m-block"
@@ -124,6 +138,13 @@ def producer(schedule: Protocol) -> tuple[Item, ...]:
                 )
                 empty, flip = EMPTY_OF[t.full], RING_PARITY[t.slot][1]
                 out.append(Item(Kind.MBAR_WAIT, mbar=empty, parity=flip, why=why, **arm))
+            elif schedule.params.persistent:
+                why = (
+                    f"WAR: every consumer's reads of the previous tile's {t.buffers()} "
+                    "retired before they are reloaded"
+                )
+                flip = WaitParity.TILE_FLIP
+                out.append(Item(Kind.MBAR_WAIT, mbar=KV_EMPTY, parity=flip, why=why, **arm))
             tx = sum(load_bytes(schedule, op) for load in t.loads for op in load.writes)
             why = f"{t.buffers()}'s bytes complete {t.full.value}"
             out.append(Item(Kind.MBAR_ARRIVE_EXPECT_TX, mbar=t.full, tx=tx, why=why, **arm))
@@ -140,8 +161,29 @@ def wait_loaded_before_loop(c: Consumer, schedule: Protocol) -> None:
         if t.phase is LoopPhase.BEFORE and read:
             (guard,) = {x.guard for x in t.loads}
             why = f"RAW: {t.buffers()} landed (loaded once: phase 0)"
-            once = dict(guard=guard, mbar=t.full, parity=WaitParity.ZERO)
+            parity = WaitParity.ZERO
+            if schedule.params.persistent:
+                why = (
+                    f"RAW: the tile's {t.buffers()} landed (loaded once a tile: its round's phase)"
+                )
+                parity = WaitParity.TILE
+            once = dict(guard=guard, mbar=t.full, parity=parity)
             c.place(sync(Kind.MBAR_WAIT, Who.WARPGROUP, c.home, LoopPhase.BEFORE, why, **once))
+
+
+def release_tile(c: Consumer, schedule: Protocol) -> None:
+    """`scheduler persistent`, after the m-block loop: every wgmma that read what was loaded
+    once a tile (K, V) is retired (no group crosses an m-block's end), so every consumer
+    thread frees it for the next tile's loads, with the loads' guard."""
+    if not schedule.params.persistent:
+        return
+    assert not c.in_flight, "a wgmma group crosses the m-block loop's end"
+    for t in transactions(schedule):
+        if t.phase is LoopPhase.BEFORE:
+            (guard,) = {x.guard for x in t.loads}
+            why = f"WAR: the tile's {t.buffers()} read (every wgmma retired): the next tile's may load"
+            tile = dict(guard=guard, mbar=KV_EMPTY)
+            c.place(sync(Kind.MBAR_ARRIVE, Who.WARPGROUP, c.home, LoopPhase.AFTER, why, **tile))
 
 
 def _slot_readers(schedule: Protocol, steps: list[Item]) -> dict[Mbar, tuple[str, Index, set[int]]]:
