@@ -190,7 +190,7 @@ def kernel_template(
     # the Cfg's constants of a window or a softcap: declarations, never calls
     constants = re.compile(
         tag(
-            "if (window|softcap|longest_first|varlen|dv_before_meeting|dq_writer|ds_stmatrix|modifiers|score|score_grad|keep)"
+            "if (window|softcap|longest_first|varlen|dv_before_meeting|dq_writer|ds_stmatrix|modifiers|score|score_grad|keep|learn)"
         )
         + r"(.*?)"
         + tag("endif"),

@@ -188,7 +188,13 @@ def test_the_backward_launches_carry_the_inputs_on_the_stand_in_device(monkeypat
         ]
         main = log[2].params
         found = host.MODIFIERS.unpack_from(main, host.MODIFIERS_OFFSET)
-        assert found == (prefix.data_ptr(), slopes.data_ptr(), *[0] * 6, 2)
+        assert found == (
+            prefix.data_ptr(),
+            slopes.data_ptr(),
+            *[0] * 6,
+            2,
+            0,
+        )  # (no learnable input)
         assert log[2].grid == (2, 4, 2)  # cdiv(130, 64) n-blocks (B_c 128: 2), heads, batch
     finally:
         fake_cuda.uninstall()

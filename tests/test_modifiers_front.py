@@ -187,6 +187,7 @@ def test_check_and_explain_show_the_modifiers(capsys, tmp_path):
     assert main(["explain", "--no-compile", path]) == 0
     out = capsys.readouterr().out
     assert "d score / d s = 1.0" in out
+    assert "d score / d slopes[h] = 1.0 * (kv_idx - q_idx)" in out  # (slopes' gradient: dS' x it)
     assert (
         "FULL (no mask)          where kv_hi - q_lo <= seqlen_k - seqlen_q or kv_hi < prefix[b]"
         in out
@@ -203,6 +204,7 @@ def test_check_and_explain_show_the_modifiers(capsys, tmp_path):
         "type": "f32",
         "derivative": "1.0",
         "not_differentiable": None,
+        "input_grads": [{"read": "slopes[h]", "derivative": "1.0 * (kv_idx - q_idx)", "why": None}],
     }
     assert data["keep"]["exact"] is True and data["inputs"] == [
         "prefix : i32[batch]",

@@ -290,11 +290,31 @@ class TileRule:
 
 
 @dataclass(frozen=True)
+class InputGrad:
+    """One read of a float input by ``score``, ``input[indices]``, and the score's
+    derivative by it (differentiate_inputs): the backward adds dS' x ``derivative`` into the
+    input's gradient at ``indices``, dS' being the gradient of the modified score.
+    ``derivative`` is None where there is none (``why``, at ``loc``: the token)."""
+
+    input: str
+    indices: tuple["Expr", ...]
+    derivative: "Expr | None"
+    loc: Loc
+    why: str = ""
+
+    def index_text(self) -> str:
+        return ", ".join(text(x) for x in self.indices)
+
+
+@dataclass(frozen=True)
 class Modifiers:
     """A spec's modifiers. ``score``: the new score as an expression of ``s`` (natural
     units), or None; ``keep``: the predicate a score is kept by, or None. ``rule`` (for
     ``keep``) and ``derivative`` (d score / d s, for ``score``) are filled in by the passes;
-    ``not_differentiable`` says why there is no derivative."""
+    ``not_differentiable`` says why there is no derivative; ``input_grads`` (differentiate_inputs):
+    the score's derivative by each read of a float input. ``learn``: the inputs whose
+    gradients a backward kernel computes (the runtime's variant for inputs that require
+    grad; empty in a compiled spec, and not part of its text form)."""
 
     inputs: tuple[InputDecl, ...] = ()
     score: Expr | None = None
@@ -305,6 +325,8 @@ class Modifiers:
     derivative: Expr | None = None
     not_differentiable: str = ""
     not_differentiable_loc: Loc | None = None  # the token with no derivative (floor)
+    input_grads: tuple[InputGrad, ...] = ()
+    learn: tuple[str, ...] = ()
 
     def input(self, name: str) -> InputDecl | None:
         return next((i for i in self.inputs if i.name == name), None)

@@ -180,13 +180,19 @@ class CudaExpr:
 
     def _load(self, e: Load) -> str:
         index = next(i for i, d in enumerate(self.inputs) if d.name == e.input)
-        decl = self.inputs[index]
+        cpp = _CPP_TYPES[self.inputs[index].dtype]
+        return f"{NAMESPACE}load<{cpp}>({self.pointer(index)}, {self.offset(e)})"
+
+    def offset(self, e: Load) -> str:
+        """The row-major element offset of a read, ``input[i, j, ...]``, as C++."""
+        decl = next(d for d in self.inputs if d.name == e.input)
         offset = self.render(e.indices[0])
         for x, dim in zip(e.indices[1:], decl.dims[1:]):
-            size = self.sizes[dim] if isinstance(dim, Dim) else str(dim)
-            offset = f"({offset}) * {size} + {self._operand(x, 6, None, right=True)}"
-        cpp = _CPP_TYPES[decl.dtype]
-        return f"{NAMESPACE}load<{cpp}>({self.pointer(index)}, {offset})"
+            offset = f"({offset}) * {self.size(dim)} + {self._operand(x, 6, None, right=True)}"
+        return offset
+
+    def size(self, dim: Dim | int) -> str:
+        return self.sizes[dim] if isinstance(dim, Dim) else str(dim)
 
     def _const(self, c: Const) -> str:
         if c.type is BOOL:

@@ -206,6 +206,14 @@ def modifiers_data(m: Modifiers) -> dict[str, Any]:
             "type": m.score.type.value,
             "derivative": text(m.derivative) if m.derivative is not None else None,
             "not_differentiable": m.not_differentiable or None,
+            "input_grads": [
+                {
+                    "read": f"{g.input}[{g.index_text()}]",
+                    "derivative": None if g.derivative is None else text(g.derivative),
+                    "why": g.why or None,
+                }
+                for g in m.input_grads
+            ],
         }
     if m.keep is not None:
         rule = m.rule
@@ -230,6 +238,11 @@ def modifiers_text(data: dict[str, Any]) -> list[str]:
             out.append(f"    d score / d s = {score['derivative']}")
         else:
             out.append(f"    no derivative: {score['not_differentiable']}")
+        for g in score.get("input_grads", ()):  # a learnable input's gradient: dS' times it
+            if g["derivative"] is not None:
+                out.append(f"    d score / d {g['read']} = {g['derivative']}")
+            else:
+                out.append(f"    no derivative by {g['read']}: {g['why']}")
     keep = data.get("keep")
     if keep is not None:
         out.append(f"  keep {keep['expr']}   : {keep['type']}")

@@ -160,7 +160,7 @@ __device__ __forceinline__ void bwd_probs(float (&s)[Cfg::kSRegs], float (&dtanh
 // (dP^T - D) from the product bwd_probs left in `dtanh`.
 template <class Cfg>
 __device__ __forceinline__ void bwd_grad_scores(const float (&p)[Cfg::kSRegs], float (&dp)[Cfg::kSRegs],
-                                                const float (&dtanh)[Cfg::kSRegs], uint32_t d_slot, int lane) {
+                                                float (&dtanh)[Cfg::kSRegs], uint32_t d_slot, int lane) {
   const int t = lane % 4;
 #pragma unroll
   for (int j = 0; j < Cfg::kBlockM / 8; ++j) {
@@ -172,7 +172,9 @@ __device__ __forceinline__ void bwd_grad_scores(const float (&p)[Cfg::kSRegs], f
       for (int r = 0; r < 2; ++r) {
         const int i = 4 * j + 2 * r + e;
         if constexpr (Cfg::kScoreGrad) {  // dtanh holds P times the score's derivative (bwd_probs)
-          dp[i] = dtanh[i] * (dp[i] - d);
+          const float ds = dtanh[i] * (dp[i] - d);
+          if constexpr (Cfg::kLearn) dtanh[i] = p[i] * (dp[i] - d);  // dS' for bwd_learn
+          dp[i] = ds;
         } else {
           dp[i] = p[i] * (dp[i] - d);
           if constexpr (Cfg::kSoftcap > 0.f) dp[i] *= dtanh[i];
@@ -370,6 +372,7 @@ __device__ __forceinline__ void bwd_consumer(const BwdParamsSm90& P, uint32_t sm
       bwd_grad_scores<Cfg>(s, dp, dtanh, d_slot, lane);
       pack_pairs<Cfg>(s, p16);
     }
+    bwd_learn<Cfg>(dp, dtanh, P, b, key0, m * Cfg::kBlockM, lane);  // kLearn: dS' into the inputs' gradients
     pack_pairs<Cfg>(dp, ds16);
     FADSL_BWD_MARK(wg, i, 4);
 

@@ -6,7 +6,9 @@
 2. derive_sparsity (sparsity.py): `keep`'s tile classes (FULL, EMPTY, PARTIAL) as a rule
    over a tile's bounds, by interval arithmetic;
 3. differentiate_score (derivative.py): d score / d s, symbolically (for explain now, for
-   the backward of step 4).
+   the backward of step 4);
+4. differentiate_inputs (input_grads.py): the score's derivative by each read of a float
+   input (the gradients of learnable inputs: ALiBi's slopes, a bias table).
 
 The front end runs them (fadsl/frontend/modifiers.py) so that their errors are reported
 with the spec's other ones.
@@ -19,12 +21,14 @@ from typing import Callable
 from ...ir.expr import Modifiers
 from .check import check_modifiers
 from .derivative import differentiate_score
+from .input_grads import differentiate_inputs
 from .sparsity import derive_sparsity
 
 MODIFIER_PASSES: tuple[tuple[str, Callable[[Modifiers], Modifiers]], ...] = (
     ("check_modifiers", check_modifiers),
     ("derive_sparsity", derive_sparsity),
     ("differentiate_score", differentiate_score),
+    ("differentiate_inputs", differentiate_inputs),
 )
 
 

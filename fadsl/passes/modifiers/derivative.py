@@ -20,13 +20,44 @@ condition picks.
 from __future__ import annotations
 
 import math
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from ...ir.expr import Binary, BinOp, FnCall, Const, Expr, ExprType, Fn, Load, Modifiers
-from ...ir.expr import Unary, UnOp, Var, VarKind, Where, reads_score, text
+from ...ir.expr import Unary, UnOp, Var, VarKind, Where, reads_score, text, walk
 from . import build as b
 
 F32 = ExprType.F32
+
+
+@dataclass(frozen=True)
+class Wrt:
+    """What a derivative is by: the score ``s`` (``input`` empty), or one read of an input,
+    ``input[index]`` (every read of that input at an index of the same text is the same
+    variable; reads at other indices are other variables, held constant)."""
+
+    input: str = ""
+    index: str = ""  # the indices' text, "h" or "h, kv_idx - q_idx"
+
+    @property
+    def what(self) -> str:
+        return f"input '{self.input}'" if self.input else "the score"
+
+    def matches(self, e: Expr) -> bool:
+        if not self.input:
+            return isinstance(e, Var) and e.kind is VarKind.SCORE
+        return isinstance(e, Load) and e.input == self.input and index_text(e) == self.index
+
+    def occurs(self, e: Expr) -> bool:
+        if not self.input:
+            return reads_score(e)
+        return any(isinstance(n, Load) and n.input == self.input for n in walk(e))
+
+
+def index_text(e: Load) -> str:
+    return ", ".join(text(x) for x in e.indices)
+
+
+SCORE = Wrt()
 
 
 class NotDifferentiable(Exception):
@@ -49,14 +80,18 @@ def differentiate_score(m: Modifiers) -> Modifiers:
         )
 
 
-def derivative(e: Expr) -> Expr:
-    """d e / d s of a typed expression (a float)."""
+def derivative(e: Expr, wrt: Wrt = SCORE) -> Expr:
+    """d e / d s of a typed expression (a float), or d e / d ``wrt``'s read."""
     loc = e.loc
-    if not reads_score(e):
+    if not wrt.occurs(e):
         return b.const(0.0, loc)
+    if wrt.matches(e):
+        return b.const(1.0, loc)
+
+    def derivative(x: Expr) -> Expr:  # (the recursion, by the same variable)
+        return _derivative(x, wrt)
+
     match e:
-        case Var(kind=VarKind.SCORE):
-            return b.const(1.0, loc)
         case Unary(op=UnOp.NEG, x=x):
             return b.neg(derivative(x), loc)
         case Binary(op=BinOp.ADD, a=x, b=y):
@@ -65,7 +100,7 @@ def derivative(e: Expr) -> Expr:
             return b.sub(derivative(x), derivative(y), loc)
         case Binary(op=BinOp.MUL, a=x, b=y):
             return b.add(b.mul(derivative(x), y, loc), b.mul(x, derivative(y), loc), loc)
-        case Binary(op=BinOp.DIV, a=x, b=y) if not reads_score(y):
+        case Binary(op=BinOp.DIV, a=x, b=y) if not wrt.occurs(y):
             return b.div(derivative(x), y, loc)
         case Binary(op=BinOp.DIV, a=x, b=y):
             top = b.sub(b.mul(derivative(x), y, loc), b.mul(x, derivative(y), loc), loc)
@@ -101,10 +136,15 @@ def derivative(e: Expr) -> Expr:
             return b.mul(square, derivative(x), loc)
         case FnCall(fn=Fn.FLOOR):
             raise NotDifferentiable(
-                f"'{text(e)}' rounds the score down: its derivative is 0 almost everywhere "
+                f"'{text(e)}' rounds {wrt.what} down: its derivative is 0 almost everywhere "
                 "and undefined at each step",
                 e.loc,
             )
-        case Const() | Load() | Var():
-            return b.const(0.0, loc)
+        case Load():  # another read whose index reads the variable (through floor)
+            raise NotDifferentiable(
+                f"'{text(e)}' reads {wrt.what} in its index, which has no derivative", e.loc
+            )
     raise NotDifferentiable(f"'{text(e)}' has no derivative rule", e.loc)
+
+
+_derivative = derivative

@@ -26,6 +26,7 @@ from ...spec.checks import Checks
 from ...spec.syntax import ExprLine, InputLine
 from ..cuda_expr import CudaExpr
 from .backward.plan_smem import SPLIT_HEAD_DIM
+from .learn import learn_factors, learn_slots
 from .settings import SOFTCAP_RANGE
 
 _SIZES = {
@@ -170,12 +171,13 @@ def context(cfg: Config, sizes: dict[Dim, str] = _SIZES, backward: bool = False)
     m = cfg.modifiers
     if m is None:
         found = {"score": None, "keep": None, "modifier_softcap": 0, "modifier_inputs": []}
-        return {**found, "score_grad": None} if backward else found
+        return {**found, "score_grad": None, "learn": None} if backward else found
     cap = softcap_idiom(m.score) if m.score is not None else None
     grad = score_grad(m) if backward and not cap else None
     plain = _renderer(m, sizes=sizes)
     uniforms: dict[str, dict[str, str]] = {}  # C++ -> its field
-    for e in (x for x in (None if cap else m.score, grad, m.keep) if x is not None):
+    factors = learn_factors(m) if backward else []
+    for e in (x for x in (None if cap else m.score, grad, m.keep, *factors) if x is not None):
         for part in tile_loads(e):
             code = plain.render(part)
             if code not in uniforms:
@@ -215,6 +217,7 @@ def context(cfg: Config, sizes: dict[Dim, str] = _SIZES, backward: bool = False)
         "modifier_inputs": [f"P.inputs[{i}]: {d.text()}" for i, d in enumerate(m.inputs)],
     }
     if backward:
+        found["learn"] = learn_slots(m, render, plain) if m.learn else None
         found["score_grad"] = (
             None
             if grad is None

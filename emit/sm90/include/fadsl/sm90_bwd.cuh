@@ -45,6 +45,7 @@
 #include "sm90.cuh"  // FastDiv, the PTX wrappers, wgmma (next to this file)
 #include "sm90_bwd_trace.cuh"  // FADSL_BWD_MARK: empty unless FADSL_BWD_TRACE (development builds)
 #include "sm90_bwd_modifiers.cuh"  // score and mask modifiers (issue 41): under if constexpr only
+#include "sm90_bwd_learn.cuh"  // the learnable inputs' gradients (issue 41): under if constexpr only
 
 namespace fadsl::sm90 {
 
@@ -85,6 +86,8 @@ struct BwdParamsSm90 {
   // size, which an expression may read (`batch`)
   const void* inputs[8];
   int batch;
+  // kLearn: the learnable inputs' gradients, fp32, zeroed (fadsl/targets/sm90/learn.py's order)
+  float* input_grads;
 };
 
 // BwdParamsSm90::dkv_store.  GQA's query heads of one K/V head each hold part of its dK and
@@ -127,7 +130,7 @@ static_assert(sizeof(BwdParamsSm90) == 768, "BwdParamsSm90's layout is fadsl/tar
 // tests/test_varlen_backward_chunks.py)
 #if !defined(__CUDACC_RTC__)
 static_assert(__builtin_offsetof(BwdParamsSm90, sequences) == 664 && __builtin_offsetof(BwdParamsSm90, inputs) == 672 &&
-                  __builtin_offsetof(BwdParamsSm90, batch) == 736,
+                  __builtin_offsetof(BwdParamsSm90, batch) == 736 && __builtin_offsetof(BwdParamsSm90, input_grads) == 744,
               "the modifiers' fields where fadsl/targets/sm90/backward/host.py packs them (MODIFIERS_OFFSET)");
 #endif
 
@@ -230,6 +233,9 @@ struct BwdConfig {
   // `scheduler persistent` (a generated Cfg sets it, with kNumBars one more for kv_empty):
   // about one CTA per SM, each running the roles once per tile (sm90_bwd_persistent.cuh)
   static constexpr bool kPersistent = false;
+  // kLearn: the gradients of the score's learnable inputs into P.input_grads (the runtime's
+  // variant of a spec's backward for inputs that require grad; fadsl/sm90_bwd_learn.cuh)
+  static constexpr bool kLearn = false;
 
   static constexpr int kThreads = 128 * (1 + kConsumerWGs);
   static constexpr int kConsumerThreads = 128 * kConsumerWGs;

@@ -36,7 +36,7 @@ MAIN_BYTES = 768
 # Then the score and mask modifiers' fields (issue 41): the spec's input pointers in declared
 # order, zeros past them, and the batch size, at the offsets sm90_bwd.cuh's static_assert
 # names (packed only for a spec with modifiers; zeros otherwise, as before they existed).
-MODIFIERS = struct.Struct("<8Qi")
+MODIFIERS = struct.Struct("<8Qi4xQ")  # ... batch, input_grads (kLearn's buffer, at 744)
 MODIFIERS_OFFSET = 672
 # BwdPrepParams: 8 pointers, 8 int64 strides, 3 ints, the varlen pointer and int, then the
 # varlen gradients to zero outside the sequences (4 pointers, 3 ints); 208 bytes.
@@ -90,11 +90,13 @@ def run(
     dlse,
     softmax_scale: float,
     inputs: tuple = (),
+    input_grads=None,
 ) -> tuple[Any, Any, Any]:
     """dq, dk, dv for one call: allocates the workspace, launches the three kernels through
     ``launch`` (which loads and launches a KernelLaunch on the current stream) and sums
     GQA's per-head dK and dV. ``dlse``: the LSE's gradient (strides of ``lse``) or None;
-    ``inputs``: the score and mask modifiers' tensors (checked, in declared order)."""
+    ``inputs``: the score and mask modifiers' tensors (checked, in declared order);
+    ``input_grads``: the learnable variant's fp32 gradient buffer, zeroed, or None."""
     import torch
 
     bwd = kernel.backward
@@ -106,7 +108,16 @@ def run(
     )
     grads = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
     return _launch_all(
-        kernel, launch, layout, (q, k, v, out, dout), grads, lse, dlse, softmax_scale, inputs=inputs
+        kernel,
+        launch,
+        layout,
+        (q, k, v, out, dout),
+        grads,
+        lse,
+        dlse,
+        softmax_scale,
+        inputs=inputs,
+        input_grads=input_grads,
     )
 
 
@@ -204,10 +215,12 @@ def main_grid(bwd, key_ctas: int, heads_q: int, batch: int, device) -> tuple[int
     return (max(1, min(key_ctas * heads_q * batch, sm_count(device.index))), 1, 1)
 
 
-def modifier_fields(inputs: tuple, batch: int) -> bytes:
-    """BwdParamsSm90's modifier fields: the inputs' pointers (zeros past them), the batch."""
+def modifier_fields(inputs: tuple, batch: int, input_grads=None) -> bytes:
+    """BwdParamsSm90's modifier fields: the inputs' pointers (zeros past them), the batch,
+    the learnable inputs' gradient buffer (0 without)."""
     pointers = [t.data_ptr() for t in inputs]
-    return MODIFIERS.pack(*pointers, *[0] * (8 - len(pointers)), batch)
+    grads = 0 if input_grads is None else input_grads.data_ptr()
+    return MODIFIERS.pack(*pointers, *[0] * (8 - len(pointers)), batch, grads)
 
 
 def _launch_all(
@@ -221,6 +234,7 @@ def _launch_all(
     softmax_scale: float,
     zero_partials: bool = False,
     inputs: tuple = (),
+    input_grads=None,
 ) -> tuple[Any, Any, Any]:
     """The three kernels over (batch, seqlen, heads, head_dim) views: ``tensors`` q, k, v,
     out, dout; ``grads`` dq, dk, dv to write (dk and dv replaced by fp32 partials under GQA,
@@ -323,7 +337,7 @@ def _launch_all(
     main = maps + fields
     # (`scheduler persistent` reads the batch there too: bwd_tiles)
     if kernel.config.modifiers is not None or bwd.persistent:
-        main += bytes(MODIFIERS_OFFSET - len(main)) + modifier_fields(inputs, batch)
+        main += bytes(MODIFIERS_OFFSET - len(main)) + modifier_fields(inputs, batch, input_grads)
     main += bytes(MAIN_BYTES - len(main))
     grid = main_grid(bwd, layout.key_ctas, heads_q, batch, device)
     launch(KernelLaunch("", grid, (threads(kernel), 1, 1), main))
