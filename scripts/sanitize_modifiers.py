@@ -4,9 +4,11 @@ compute-sanitizer (racecheck, synccheck, memcheck):
 
     compute-sanitizer --tool racecheck python3 -P scripts/sanitize_modifiers.py
 
-Inputs: ALiBi's slopes per head, prefix-LM's prefix lengths per batch, among them 0, one past
-the keys and a prefix longer than the keys (the predicate's edges), so that every tile class
-(full, empty, partial) runs."""
+Inputs: ALiBi's slopes per head, the T5-style bias table per head and bucket, prefix-LM's
+prefix lengths per batch, among them 0, one past the keys and a prefix longer than the keys
+(the predicate's edges), so that every tile class (full, empty, partial) runs. Each backward
+runs twice where the spec has float inputs: as given, and with them requiring grad (the
+learnable variant, whose adds into their gradients are global atomics)."""
 
 from __future__ import annotations
 
@@ -28,6 +30,8 @@ def inputs(kern, sk: int) -> dict[str, torch.Tensor]:
     names = {i.name for i in kern.config.modifiers.inputs}
     if "slopes" in names:
         made["slopes"] = torch.tensor([2.0 ** -(h + 1) for h in range(HEADS)], device="cuda")
+    if "bias" in names:
+        made["bias"] = torch.linspace(-1, 1, HEADS * 32, device="cuda").view(HEADS, 32)
     if "prefix" in names:
         made["prefix"] = torch.tensor([0, sk // 3, sk + 1, 1], device="cuda", dtype=torch.int32)
     unknown = names - made.keys()
@@ -73,3 +77,18 @@ for name, text in specs():
             torch.cuda.synchronize()
             finite = all(bool(t.grad.isfinite().all()) for t in leaves)
             print(f"{name} {dtype.value} {sq}x{sk}: backward ran, finite={finite}")
+            learnable = {
+                n: t.requires_grad_() for n, t in inputs(kern, sk).items() if t.is_floating_point()
+            }
+            if not learnable or name.endswith(
+                "_det"
+            ):  # (deterministic: refused with learnable inputs)
+                continue
+            leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+            out = kern(*leaves, **{**inputs(kern, sk), **learnable})
+            out.float().square().sum().backward()
+            torch.cuda.synchronize()
+            finite = all(bool(t.grad.isfinite().all()) for t in (*leaves, *learnable.values()))
+            print(
+                f"{name} {dtype.value} {sq}x{sk}: learnable {sorted(learnable)} ran, finite={finite}"
+            )

@@ -91,18 +91,10 @@ def test_the_pointers_land_after_the_kv_cache_fields(monkeypatch):
     assert INPUTS.unpack_from(without, INPUTS_OFFSET) == (0,) * 8
 
 
-def test_a_call_without_its_inputs_or_with_a_learnable_one_is_refused():
-    """Gradients of the modifiers' inputs are not built yet (issue 41): an input that requires
-    grad is refused by name before anything runs (its gradient would otherwise be dropped)."""
+def test_a_call_without_its_inputs_is_refused():
+    """(An input that requires grad and cannot have a gradient: tests/test_modifiers_learnable.py.)"""
     kern = fadsl.load(ROOT / "examples" / "modifiers" / "alibi_causal.fa", verbose=False)
     q = torch.zeros(1, 64, 4, 128, dtype=torch.bfloat16, requires_grad=True)
-    slopes = torch.ones(4, requires_grad=True)
-    with pytest.raises(
-        RuntimeError,
-        match=r"input 'slopes' \(slopes : f32\[heads\]\) requires grad, but gradients of a "
-        r"score or keep modifier's inputs are not built yet \(issue 41\): pass slopes.detach\(\)",
-    ):
-        kern(q, q, q, slopes=slopes)
     with pytest.raises(TypeError, match="kernel 'alibi_causal' reads inputs \\(slopes\\)"):
         kern.launch(None, q, q, q, None, None, 0.1)
     plain = fadsl.load(ROOT / "examples" / "fa3_hdim256.fa", verbose=False)

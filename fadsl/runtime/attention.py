@@ -32,7 +32,8 @@ from ..pipeline import Compiled, compile_file, compile_source
 from ..targets import check_arch
 from ..targets.archs import arch_for
 from ..targets.launch import Args, CallPlan, KernelStep, current_stream
-from . import arguments
+from . import arguments, learnable
+from .learnable import learning
 from .fp8_calls import Fp8Calls
 from .serving import ServingCalls
 from .arguments import (
@@ -290,6 +291,11 @@ class FlashAttention(ServingCalls, Fp8Calls):
             self._backward = BackwardKernels(self.compiled, self.verbose, self.cubin_dirs)
         return self._backward
 
+    def backward_learnable(self, q, k, v, out, lse, dout, dlse, scale: float, inputs, learn):
+        """backward's (dq, dk, dv) and the fp32 gradients of the inputs ``learn`` marks, end
+        to end in one buffer (fadsl/runtime/learnable.py)."""
+        return learnable.backward(self, q, k, v, out, lse, dout, dlse, scale, inputs, learn)
+
     def backward(self, q, k, v, out, lse, dout, dlse, scale: float, inputs=()):
         """(dq, dk, dv) of the loss whose gradient on the output is ``dout`` (and on the
         LSE ``dlse``, or None), from the forward's q, k, v, out and lse; ``inputs``: the
@@ -359,8 +365,8 @@ class FlashAttention(ServingCalls, Fp8Calls):
         name, dtype, shape, device and layout; eager calls without gradients launch
         directly, the others (gradients through q, k, v; torch.compile) go through the
         modified op (fadsl/runtime/modified_op.py), whose backward runs the spec's backward
-        kernels with the same inputs. An input that requires grad is refused by name:
-        gradients of the modifiers' inputs are not built yet."""
+        kernels with the same inputs, and gives the inputs that require grad their gradients
+        (fadsl/runtime/learnable.py, which refuses, by name, one that cannot have any)."""
         import torch
 
         decls = () if self.config.modifiers is None else self.config.modifiers.inputs
@@ -369,14 +375,8 @@ class FlashAttention(ServingCalls, Fp8Calls):
             modifier_inputs(decls, inputs, q, k, name)
         tensors = modifier_inputs(decls, inputs, q, k, name)
         grad_mode = torch.is_grad_enabled()
-        for decl, t in zip(decls, tensors):
-            if grad_mode and t.requires_grad:
-                raise RuntimeError(
-                    f"fadsl kernel '{name}': input '{decl.name}' ({decl.text()}) requires grad, "
-                    "but gradients of a score or keep modifier's inputs are not built yet "
-                    f"(issue 41): pass {decl.name}.detach(), or call under torch.no_grad()"
-                )
-        grads = grad_mode and any(t.requires_grad for t in (q, k, v))
+        learn = learning(self, decls, tensors)  # (refuses an input that cannot learn, by name)
+        grads = grad_mode and (any(t.requires_grad for t in (q, k, v)) or any(learn))
         if not grads and not torch.compiler.is_compiling():
             return self.forward(q, k, v, scale, out, return_lse, tensors)
         if grads and out is not None:

@@ -54,9 +54,13 @@ class BackwardKernels:
             filename=source.filename,
             text=source.text,
             headers=header_text(),
-            normalised=spec_hash(self.kernel) + ":backward",
+            normalised=spec_hash(self.kernel) + ":backward" + self._learn_key(),
             arch=arch,
         )
+
+    def _learn_key(self) -> str:
+        m = self.kernel.config.modifiers
+        return f":learn={','.join(m.learn)}" if m is not None and m.learn else ""
 
     def cubin(self, dtype: Dtype, arch: str) -> cache.Entry:
         if (dtype, arch) in self._development:
@@ -120,13 +124,17 @@ class BackwardKernels:
         dlse,
         softmax_scale: float,
         inputs: tuple = (),
+        input_grads=None,
     ):
         """(dq, dk, dv), launched on q's device (architecture ``arch``) and its current
         stream; ``inputs``: the score and mask modifiers' tensors, checked, in declared
-        order (none without modifiers)."""
+        order (none without modifiers); ``input_grads``: a learnable variant's fp32
+        gradient buffer, zeroed (fadsl/runtime/learnable.py)."""
         run = self.launcher.run
         if inputs:
             run = functools.partial(run, inputs=tuple(inputs))
+        if input_grads is not None:
+            run = functools.partial(run, input_grads=input_grads)
         return self._run(run, dtype, arch, q, (k, v, out, lse, dout, dlse), softmax_scale)
 
     def varlen(

@@ -8,9 +8,11 @@ torch.compile sees them as graph inputs and autograd saves them for the backward
   lse)``, functional, with an autograd formula: ``fadsl::<kernel>_<hash>_modified_backward``
   (the spec's backward kernels, which read the same inputs: the modified score, its
   derivative and keep's mask are recomputed there) where the spec has a backward block,
-  else one that raises (gradients are never dropped silently). The inputs get no gradient:
-  FlashAttention refuses a call whose input requires one before the op runs
-  (fadsl/runtime/attention.py, ``_call_modified``); learnable inputs are a later step.
+  else one that raises (gradients are never dropped silently). An input that requires grad
+  gets its gradient: the backward op returns them in one fp32 buffer (the learnable inputs'
+  elements end to end, fadsl/runtime/learnable.py), which the formula splits; the others
+  get None. FlashAttention refuses, by name, an input that requires grad and cannot have one
+  before the op runs (fadsl/runtime/attention.py, ``_call_modified``).
 
 Both have fake implementations (shapes only), so ``torch.compile(fullgraph=True)`` traces
 through them with no graph break. FlashAttention checks the inputs by name, dtype, shape,
@@ -24,6 +26,7 @@ import torch
 from torch.library import custom_op
 
 from .arguments import lse_shape
+from .learnable import split_buffer
 
 
 class ModifiedAttention(Protocol):
@@ -37,6 +40,8 @@ class ModifiedAttention(Protocol):
     def check_inputs(self, q, k, v): ...
 
     def backward(self, q, k, v, out, lse, dout, dlse, scale, inputs): ...
+
+    def backward_learnable(self, q, k, v, out, lse, dout, dlse, scale, inputs, learn): ...
 
 
 # op name -> the functional op; and the kernel object each name calls now (two loads of one
@@ -86,19 +91,28 @@ def _define(name: str):
         dlse: Optional[torch.Tensor],
         inputs: List[torch.Tensor],
         softmax_scale: float,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        learn: List[bool],
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         kern = _KERNELS[name]
-        return kern.backward(q, k, v, out, lse, dout, dlse, softmax_scale, tuple(inputs))
+        if any(learn):
+            return kern.backward_learnable(
+                q, k, v, out, lse, dout, dlse, softmax_scale, tuple(inputs), tuple(learn)
+            )
+        dq, dk, dv = kern.backward(q, k, v, out, lse, dout, dlse, softmax_scale, tuple(inputs))
+        return dq, dk, dv, q.new_zeros((0,), dtype=torch.float32)
 
     @backward_op.register_fake
-    def _(q, k, v, out, lse, dout, dlse, inputs, softmax_scale):
-        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    def _(q, k, v, out, lse, dout, dlse, inputs, softmax_scale, learn):
+        size = sum(t.numel() for t, wants in zip(inputs, learn) if wants)
+        flat = q.new_empty((size,), dtype=torch.float32)
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), flat
 
     def setup_context(ctx, inputs, output) -> None:
         q, k, v, tensors, softmax_scale, _ = inputs
         out, lse = output
         ctx.softmax_scale = softmax_scale
         ctx.inputs = len(tensors)
+        ctx.learn = [bool(t.requires_grad) for t in tensors]  # (the inputs that get gradients)
         if _KERNELS[name].has_backward:
             ctx.save_for_backward(q, k, v, out, lse, *tensors)
 
@@ -115,10 +129,11 @@ def _define(name: str):
                 f"fadsl kernel '{name}': its backward needs the forward's LSE; call the op "
                 "with return_lse=True (the FlashAttention object always does)"
             )
-        dq, dk, dv = backward_op(
-            q, k, v, out, lse, grad_out, grad_lse, list(tensors), ctx.softmax_scale
+        dq, dk, dv, flat = backward_op(
+            q, k, v, out, lse, grad_out, grad_lse, list(tensors), ctx.softmax_scale, ctx.learn
         )
-        return dq, dk, dv, [None] * ctx.inputs, None, None
+        grads = split_buffer(flat, tensors, ctx.learn)
+        return dq, dk, dv, grads, None, None
 
     forward.register_autograd(backward, setup_context=setup_context)
     return forward
