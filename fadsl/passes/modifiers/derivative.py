@@ -140,7 +140,9 @@ def derivative(e: Expr, wrt: Wrt = SCORE) -> Expr:
                 "and undefined at each step",
                 e.loc,
             )
-        case Load():  # another read whose index reads the variable (through floor)
+        case Load(indices=xs) if not any(wrt.occurs(x) for x in xs):
+            return b.const(0.0, loc)  # the input at another index: another variable
+        case Load():  # a read whose index reads the variable (through floor)
             raise NotDifferentiable(
                 f"'{text(e)}' reads {wrt.what} in its index, which has no derivative", e.loc
             )
