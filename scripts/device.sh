@@ -6,8 +6,9 @@
 #   shape, then the benchmarks if asked.
 # Usage (repo root, on the device):
 #   bash scripts/device.sh [fa4stage] [numerics] [backward] [bwdwindow] [bwdtrace] [bwdvarlen] [varlen] [kvcache] [modifiers] [fp8] [distributed] [tests] [sanitize] [trace] [probe] [streamprobe] [bench ARGS...]
-#   modifiers: tests/test_gpu_modifiers.py and tests/test_gpu_modifiers_backward.py (score and
-#   keep modifiers, forward and backward), then compute-sanitizer on
+#   modifiers: tests/test_gpu_modifiers.py, tests/test_gpu_modifiers_backward.py and
+#   tests/test_gpu_modifiers_learnable.py (score and keep modifiers, forward and backward,
+#   learnable inputs' gradients), then compute-sanitizer on
 #   scripts/sanitize_modifiers.py (examples/modifiers/ at ragged shapes, every tile class)
 #   fp8: tests/test_gpu_fp8.py (the FP8 forward against the dequantized reference, issue 42),
 #   then compute-sanitizer on scripts/sanitize_fp8.py (each FP8 kernel at ragged shapes)
@@ -195,7 +196,7 @@ if [[ $steps == *" varlen "* ]]; then
   done
 fi
 if [[ $steps == *" modifiers "* ]]; then
-  checked modifiers tests/test_gpu_modifiers.py scripts/sanitize_modifiers.py tests/test_gpu_modifiers_backward.py
+  checked modifiers tests/test_gpu_modifiers.py scripts/sanitize_modifiers.py tests/test_gpu_modifiers_backward.py tests/test_gpu_modifiers_learnable.py
 fi
 if [[ $steps == *" fp8 "* ]]; then
   [[ ${PREBUILD:-1} == 1 ]] || python3 -P scripts/prebuild.py --fp8 2>&1 | tail -12  # (PREBUILD=0: the FP8 kernels alone)
