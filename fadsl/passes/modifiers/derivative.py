@@ -15,6 +15,9 @@ reference written in torch: abs has 0 at 0 (``sgn``); min and max (``torch.minim
 ``torch.maximum``) give each argument half at a tie; clamp passes x's at both bounds
 (``lo <= x <= hi``, as ``torch.clamp``), a bound's where x is past it; where() the branch its
 condition picks.
+
+``derivative(e, wrt)`` differentiates by one read of an input instead (``Wrt``: every read of
+that input at an index of the same text), for differentiate_inputs (input_grads.py).
 """
 
 from __future__ import annotations
@@ -82,6 +85,10 @@ def differentiate_score(m: Modifiers) -> Modifiers:
 
 def derivative(e: Expr, wrt: Wrt = SCORE) -> Expr:
     """d e / d s of a typed expression (a float), or d e / d ``wrt``'s read."""
+    return _derivative(e, wrt)
+
+
+def _derivative(e: Expr, wrt: Wrt) -> Expr:
     loc = e.loc
     if not wrt.occurs(e):
         return b.const(0.0, loc)
@@ -147,6 +154,3 @@ def derivative(e: Expr, wrt: Wrt = SCORE) -> Expr:
                 f"'{text(e)}' reads {wrt.what} in its index, which has no derivative", e.loc
             )
     raise NotDifferentiable(f"'{text(e)}' has no derivative rule", e.loc)
-
-
-_derivative = derivative
