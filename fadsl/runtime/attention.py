@@ -294,7 +294,8 @@ class FlashAttention(ServingCalls, Fp8Calls):
     def backward_learnable(self, q, k, v, out, lse, dout, dlse, scale: float, inputs, learn):
         """backward's (dq, dk, dv) and the fp32 gradients of the inputs ``learn`` marks, end
         to end in one buffer (fadsl/runtime/learnable.py)."""
-        return learnable.backward(self, q, k, v, out, lse, dout, dlse, scale, inputs, learn)
+        arch = arch_of(q.device.index)
+        return learnable.backward(self, arch, q, k, v, out, lse, dout, dlse, scale, inputs, learn)
 
     def backward(self, q, k, v, out, lse, dout, dlse, scale: float, inputs=()):
         """(dq, dk, dv) of the loss whose gradient on the output is ``dout`` (and on the

@@ -117,17 +117,16 @@ def check_spills(kernels, dtype: Dtype, arch: str) -> None:
         )
 
 
-def backward(kern, q, k, v, out, lse, dout, dlse, scale: float, inputs, learn):
-    """(dq, dk, dv, the fp32 gradient buffer) with ``learn``'s inputs' gradients."""
+def backward(kern, arch: str, q, k, v, out, lse, dout, dlse, scale: float, inputs, learn):
+    """(dq, dk, dv, the fp32 gradient buffer) with ``learn``'s inputs' gradients, on q's
+    device (architecture ``arch``)."""
     import torch
 
     from .arguments import backward_operands, lse_shape
-    from .attention import arch_of
 
     names = learnable_names(kern.config.modifiers.inputs, learn)
     dtype = kern.check_inputs(q, k, v)
     dout, lse, dlse = backward_operands(out, lse, dout, dlse, lse_shape(q), q.device)
-    arch = arch_of(q.device.index)
     kernels = variant_kernels(kern, names)
     check_spills(kernels, dtype, arch)
     flat = torch.zeros(buffer_size(inputs, learn), device=q.device, dtype=torch.float32)
