@@ -154,7 +154,8 @@ from .program import (
 )
 from .protocol import protocol
 from .verify_tickets import Voice, ticket_problems
-from .verify_tiles import persistent_space, tile_counts, tiles_unrolled  # noqa: F401
+from . import verify_tiles
+from .verify_tiles import tile_counts, tiles_unrolled  # noqa: F401
 from . import verify_writer
 
 _INIT_KINDS = (Kind.MBAR_INIT, Kind.FENCE_MBAR_INIT, Kind.SYNCTHREADS)
@@ -174,6 +175,11 @@ def m_counts(p: Params) -> tuple[int | tuple[int, ...], ...]:
     if not p.persistent:
         return tuple(range(0, 2 * p.stages + 3))
     return tile_counts(p)
+
+
+def persistent_space() -> tuple[Params, ...]:
+    """`scheduler persistent`'s proven configurations (verify_tiles.persistent_space)."""
+    return verify_tiles.persistent_space(parameter_space())
 
 
 def parameter_space() -> tuple[Params, ...]:
