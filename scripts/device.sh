@@ -120,7 +120,8 @@ if [[ $steps == *" backward "* ]]; then
   # written by the tests' training_spec into /tmp; BWD_SEQLENS)
   # BWD_TESTS=0: timing only
   names=$(echo ${BWD_SPECS:-} | tr ' =,' '\n\n\n')
-  python3 -P scripts/prebuild.py --backward $names 2>&1 | tee "$OUT/prebuild_backward.log" | tail -3
+  # (BWD_TESTS=0: the timed specs alone)
+  python3 -P scripts/prebuild.py $([[ ${BWD_TESTS:-1} == 1 ]] && echo --backward || echo --backward-only) $names 2>&1 | tee "$OUT/prebuild_backward.log" | tail -3
   echo "prebuild (backward): $((SECONDS - start)) s"
   [[ ${BWD_TESTS:-1} == 1 ]] && checked backward tests/test_gpu_backward.py scripts/sanitize_backward.py -x tests/test_gpu_backward_variants.py
   for name in $names; do

@@ -6,7 +6,7 @@ architecture (or the one given: python3 scripts/prebuild.py sm_90a).
 ``python3 scripts/prebuild.py --backward [NAME ...]`` builds instead the forward and backward
 cubins of tests/test_gpu_backward.py's training specs (its training_spec names: every one
 the tests and scripts/sanitize_backward.py load, and the NAMEs given, e.g. the variants a
-backward bench times)."""
+backward bench times); ``--backward-only NAME ...`` builds the NAMEs alone."""
 
 import sys
 import time
@@ -43,14 +43,15 @@ def build_training(job: tuple[str, str, str]) -> str:
     return f"{name} {dtype} {arch} (forward and backward): {time.monotonic() - start:.1f} s"
 
 
-def prebuild_backward(names: list[str]) -> None:
+def prebuild_backward(names: list[str], only: bool = False) -> None:
     import torch
     from test_gpu_backward import DETERMINISTIC, FORWARDS, PLAIN, VARIANTS
 
     from fadsl.runtime.attention import arch_of
 
     arch = arch_of(torch.cuda.current_device())
-    wanted = dict.fromkeys(FORWARDS + PLAIN + VARIANTS + DETERMINISTIC + tuple(names))
+    every = () if only else FORWARDS + PLAIN + VARIANTS + DETERMINISTIC
+    wanted = dict.fromkeys(every + tuple(names))
     jobs = [(n, d, arch) for n in wanted for d in ("bf16", "fp16")]
     with ProcessPoolExecutor(max_workers=min(len(jobs), 16)) as pool:
         for line in pool.map(build_training, jobs):
@@ -75,8 +76,8 @@ def fp8_specs() -> list[str]:
 if __name__ == "__main__":
     import fadsl
 
-    if sys.argv[1:2] == ["--backward"]:
-        prebuild_backward(sys.argv[2:])
+    if sys.argv[1:2] in (["--backward"], ["--backward-only"]):
+        prebuild_backward(sys.argv[2:], only=sys.argv[1] == "--backward-only")
         sys.exit(0)
     if sys.argv[1:2] == ["--fp8"]:  # the FP8 kernels alone (scripts/device.sh fp8)
         import torch

@@ -1,7 +1,10 @@
 """One small backward call per training example (tests/test_gpu_backward.py's specs), for
 compute-sanitizer: python3 scripts/sanitize_backward.py [REGEX] (from scripts/device.sh backward;
-REGEX: only the specs whose names it matches)."""
+REGEX: only the specs whose names it matches). SANITIZE_BATCH=N runs a batch of N (default
+1; 12 gives the persistent scheduler more tiles than an H100 or H200 has SMs, so each CTA
+loops)."""
 
+import os
 import re
 import sys
 
@@ -26,7 +29,9 @@ for name in NAMES:
     )
     d = kern.config.head_dim
     q, k, v, dout = (
-        torch.randn(1, n, h, d, device="cuda", dtype=torch.bfloat16)
+        torch.randn(
+            int(os.environ.get("SANITIZE_BATCH", "1")), n, h, d, device="cuda", dtype=torch.bfloat16
+        )
         for n, h in ((200, 4), (300, 2), (300, 2), (200, 4))
     )
     leaves = [t.requires_grad_() for t in (q, k, v)]

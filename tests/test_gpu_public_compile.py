@@ -30,11 +30,12 @@ def fullgraph(fn, **options):
     return torch.compile(fn, fullgraph=True, **options)
 
 
+@pytest.mark.parametrize("heads_kv", [8, 2])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_attention_forward_and_backward_compile(head_dim, causal):
+def test_attention_forward_and_backward_compile(head_dim, causal, heads_kv):
     q = randn(2, 300, 8, head_dim, seed=1)
-    k, v = randn(2, 333, 2, head_dim, seed=2), randn(2, 333, 2, head_dim, seed=3)
+    k, v = randn(2, 333, heads_kv, head_dim, seed=2), randn(2, 333, heads_kv, head_dim, seed=3)
     dout = randn(2, 300, 8, head_dim, seed=4)
 
     def step(q, k, v):
@@ -49,9 +50,15 @@ def test_attention_forward_and_backward_compile(head_dim, causal):
     loss_c.backward()
     assert torch.equal(out_c, out)  # (the loss's sums may add in another order)
     torch.testing.assert_close(loss_c, loss, rtol=1e-5, atol=0)
-    # dK and dV are each CTA's own; dQ is added up across CTAs in whatever order they finish
+    # dQ is added up across CTAs in whatever order they finish; so are dK and dV under GQA
+    # (each query head's share added into the K/V head's fp32 accumulator by red.add:
+    # fadsl/targets/sm90/backward/host.py, DKV_ADD_FP32); without GQA each CTA owns its rows
     torch.testing.assert_close(traced[0].grad, eager[0].grad, atol=2e-3, rtol=1e-2)
-    assert torch.equal(traced[1].grad, eager[1].grad) and torch.equal(traced[2].grad, eager[2].grad)
+    for got, want in zip(traced[1:], eager[1:]):
+        if heads_kv == 8:
+            assert torch.equal(got.grad, want.grad)
+        else:
+            torch.testing.assert_close(got.grad, want.grad, atol=2e-3, rtol=1e-2)
     with torch.no_grad():  # the inference path traces too (no LSE saved)
         assert torch.equal(fullgraph(fadsl.attention)(q, k, v, causal), out.detach())
 

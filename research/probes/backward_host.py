@@ -1,0 +1,83 @@
+"""Where a short backward's time goes: the host's share against the GPU's.
+
+`fadsl bench --backward` records a CUDA event before and after each call; when the host
+takes longer to issue a call than the GPU to run it, that interval is the host's time. This
+probe measures both sides for one spec at one shape (hidden 2048, 16384 tokens, as the
+bench): the host's microseconds per ``torch.autograd.grad`` with the GPU held busy (a
+``torch.cuda._sleep`` queued ahead, so no call waits for the GPU), the GPU's milliseconds per
+call from one pair of events around 20 calls queued behind the sleep (no host gap between
+them), the bench's own per-call median, and cProfile's heaviest functions over 50 calls.
+
+Usage (a GPU): python3 -P research/probes/backward_host.py SPEC [SPEC ...] [--seqlen 1024]
+[--profile N] (N: cProfile lines, 0 for none)
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import time
+
+import torch
+
+import fadsl
+from fadsl.tools.bench import _time
+
+
+def measure(path: str, seqlen: int, profile_lines: int) -> None:
+    kern = fadsl.load(path, verbose=False)
+    d = kern.config.head_dim
+    heads, batch = 2048 // d, max(1, 16384 // seqlen)
+    q, k, v, dout = (
+        torch.randn(batch, seqlen, heads, d, device="cuda", dtype=torch.bfloat16) for _ in range(4)
+    )
+    leaves = [t.requires_grad_() for t in (q, k, v)]
+    out = kern(*leaves)
+
+    def call(_: int = 0):
+        return torch.autograd.grad(out, leaves, dout, retain_graph=True)
+
+    for _ in range(5):
+        call()
+    torch.cuda.synchronize()
+    # the host alone: the GPU busy for ~200 ms ahead of the calls
+    torch.cuda._sleep(300_000_000)
+    start = time.perf_counter()
+    for _ in range(20):
+        call()
+    host_us = (time.perf_counter() - start) / 20 * 1e6
+    torch.cuda.synchronize()
+    # the GPU alone: 20 calls queued behind a sleep, one event pair around them
+    first, last = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(300_000_000)
+    first.record()
+    for _ in range(20):
+        call()
+    last.record()
+    torch.cuda.synchronize()
+    gpu_ms = first.elapsed_time(last) / 20
+    bench_ms, _ = _time(call, 1, 8, 32)
+    print(
+        f"{kern.config.name} {batch}x{seqlen}x{heads}x{d}: host {host_us:.0f} us per call, "
+        f"GPU {gpu_ms * 1e3:.0f} us per call queued, bench {bench_ms * 1e3:.0f} us",
+        flush=True,
+    )
+    if profile_lines:
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in range(50):
+            call()
+        profiler.disable()
+        torch.cuda.synchronize()
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(profile_lines)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("specs", nargs="+")
+    parser.add_argument("--seqlen", type=int, default=1024)
+    parser.add_argument("--profile", type=int, default=25)
+    args = parser.parse_args()
+    for spec in args.specs:
+        measure(spec, args.seqlen, args.profile)
