@@ -358,6 +358,11 @@ class FlashAttention(ServingCalls, Fp8Calls):
                     "differentiation; call it without out=, under torch.no_grad(), or "
                     "with q, k and v detached"
                 )
+            if self.has_backward:  # (eagerly: the kernels without the dispatcher)
+                from . import eager_grad
+
+                o, lse = eager_grad.attention(self, scale, q, k, v)
+                return (o, lse) if return_lse else o
             return self._call_op(q, k, v, scale, None, return_lse)
         return self.forward(q, k, v, scale, out, return_lse)
 

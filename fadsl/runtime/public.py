@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from . import fp8_planned, fp8_public_ops, planned, public_ops
+from . import dispatch, eager_grad, fp8_planned, fp8_public_ops, planned, public_ops
 from .arguments import check_scale
 from .fp8_calls import DESCALE_NAMES, check_out_dtype, is_fp8, refuse_gradients
 from .varlen import check_max_seqlen
@@ -113,8 +113,16 @@ def attention(
     left, right = _window(window_size)
     _check_softcap(softcap)
     grad = _needs_grad(q, k, v)
-    if grad or torch.compiler.is_compiling():
+    compiling = torch.compiler.is_compiling()
+    if grad or compiling:
         check_scale(softmax_scale, 1)  # (named here, not by the op's schema)
+    if grad and not compiling:  # eagerly: the kernels without the dispatcher (eager_grad.py)
+        kern = dispatch.attention_kernel(q, causal, (left, right), float(softcap))
+        if kern.has_backward:  # (else the op, whose backward says there is none)
+            scale = check_scale(softmax_scale, kern.config.head_dim)
+            out, lse = eager_grad.attention(kern, scale, q, k, v)
+            return (out, lse) if return_lse else out
+    if grad or compiling:
         # with gradients the LSE is saved for the backward whether or not the caller asked
         out, lse = public_ops.attention(
             q, k, v, causal, softmax_scale, left, right, float(softcap), return_lse or grad
@@ -206,8 +214,16 @@ def attention_varlen(
     _check_softcap(softcap)
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal)
     grad = _needs_grad(q, k, v)
-    if grad or torch.compiler.is_compiling():
+    compiling = torch.compiler.is_compiling()
+    if grad or compiling:
         check_scale(softmax_scale, 1)  # (named here, not by the op's schema)
+    if grad and not compiling:  # eagerly: the kernels without the dispatcher (eager_grad.py)
+        kern = dispatch.attention_kernel(q, causal, (left, right), float(softcap))
+        if kern.has_backward:  # (else the op, whose backward says there is none)
+            scale = check_scale(softmax_scale, kern.config.head_dim)
+            out, lse = eager_grad.attention(kern, scale, q, k, v)
+            return (out, lse) if return_lse else out
+    if grad or compiling:
         check_max_seqlen("max_seqlen_q", max_seqlen_q)
         check_max_seqlen("max_seqlen_k", max_seqlen_k)
         # with gradients the LSE is saved for the backward whether or not the caller asked

@@ -1,0 +1,48 @@
+"""Eager calls that need gradients, without the dispatcher.
+
+torch.compile traces the kernels through torch.library custom ops (custom_op.py,
+public_ops.py), whose autograd formula runs the spec's backward. In eager mode those ops'
+layers (the dispatcher, custom_op's autograd wrapper, its aliasing checks, the backward op's
+own dispatch) cost more host time than the kernels they launch: on the H200 machine
+(2026-11-30, research/probes/backward_host.py examples/fa3_causal.fa, 16 x 1024 x 16 x 128)
+a backward through autograd took 406 us of host time per call against 166 us for
+FlashAttention.backward called directly, while the GPU's backward took 517 us, so calls at
+1k tokens were as slow as the host. Here the same kernels run through one
+torch.autograd.Function: the forward and backward of FlashAttention (the same arguments as
+the ops pass, so the same launches and the same bits), the LSE's gradient None where the LSE
+is not used (the ops' zero tensor adds 0 to D: the same bits either way).
+
+Only specs with a backward block come here: the ops' formula raises the forward-only message
+at backward time, and keeps doing so.
+"""
+
+import torch
+
+
+class _Attention(torch.autograd.Function):
+    """(out, lse) of ``kern`` (a FlashAttention with a backward block) at ``scale``; the
+    backward is the spec's."""
+
+    @staticmethod
+    def forward(ctx, kern, scale, q, k, v):
+        out, lse = kern.forward(q, k, v, scale, None, True)
+        ctx.kern, ctx.scale = kern, scale
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.set_materialize_grads(False)  # (an unused LSE's gradient stays None)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        if dout is None and dlse is None:
+            return None, None, None, None, None
+        q, k, v, out, lse = ctx.saved_tensors
+        if dout is None:  # only the LSE reaches the loss
+            dout = torch.zeros_like(out)
+        dq, dk, dv = ctx.kern.backward(q, k, v, out, lse, dout, dlse, ctx.scale)
+        return None, None, dq, dk, dv
+
+
+def attention(kern, scale: float, q, k, v):
+    """(out, lse) with gradients through q, k, v and the LSE, eagerly: ``kern`` has a backward
+    block and ``scale`` is checked."""
+    return _Attention.apply(kern, scale, q, k, v)
