@@ -29,6 +29,7 @@ from test_gpu_backward import training_spec
 
 FILE = "persistent.fa"
 EXAMPLES = ("fa3_hopper", "fa3_causal", "fa3_hdim64", "fa3_hdim64_causal")
+SHIPPED = ("fa3_hdim64",)  # the examples whose backward block says `scheduler persistent`
 PERSISTENT = persistent_space()
 
 
@@ -44,12 +45,12 @@ def test_the_key_reaches_the_ir_and_the_template(example):
     bwd = compiled(f"{example}+persistent").kernel.backward
     assert bwd.persistent and bwd.text().endswith(" scheduler=persistent")
     assert read_backward(bwd.text(), bwd.loc).persistent
-    assert not compiled(example).kernel.backward.persistent
+    assert compiled(example).kernel.backward.persistent == (example in SHIPPED)
     assert not compiled(f"{example}-persistent").kernel.backward.persistent
     kernel = compiled(f"{example}+persistent").kernel
     assert context(kernel, kernel.config.dtypes[0])["persistent"]
     # kv_empty: 8 bytes more of mbarriers
-    grid = plan_smem(compiled(example).kernel.backward, kernel.config.head_dim)
+    grid = plan_smem(compiled(f"{example}-persistent").kernel.backward, kernel.config.head_dim)
     tiles = plan_smem(bwd, kernel.config.head_dim)
     assert tiles.buffers[-1].nbytes == grid.buffers[-1].nbytes + 8
 

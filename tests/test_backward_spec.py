@@ -264,10 +264,12 @@ HDIM64 = ROOT / "examples" / "fa3_hdim64.fa"
 
 
 def hdim64_staged(tile: str) -> str:
-    """examples/fa3_hdim64.fa with dQ staged, `dq_writer on` and the backward tile ``tile``."""
+    """examples/fa3_hdim64.fa with dQ staged, `dq_writer on` (on the grid: `scheduler
+    persistent` refuses it) and the backward tile ``tile``."""
     text = HDIM64.read_text()
     for old, new in (
         ("    tile       B_r = 128, B_c = 128 ", f"    tile       {tile} "),
+        ("    scheduler  persistent\n", "    scheduler  grid\n"),
         ("dQ: rf -red.add-> gmem ", "dQ: rf -st.shared-> smem[warpgroup] -reduce.add-> gmem\n    dq_writer on "),
     ):  # fmt: skip
         assert text.count(old) == 1, old

@@ -57,6 +57,7 @@ VARIANTS += ("fa3_causal+longest_first",)
 # `scheduler persistent` (a CTA per SM looping over the tiles, K and V of the next tile loaded
 # under this one's epilogue): the four examples' blocks, and causal in longest_first order
 VARIANTS += ("fa3_hopper+persistent", "fa3_causal+persistent", "fa3_hdim64+persistent")
+VARIANTS += ("fa3_hdim64-persistent",)  # (the example ships persistent: its grid twin)
 VARIANTS += ("fa3_hdim64_causal+persistent", "fa3_causal+persistent+longest_first")
 # dV issued after the dS^T store, before the warpgroups meet (B_r 80, 64 and 128)
 VARIANTS += ("fa3_hopper+dv_before_meeting", "fa3_causal+br64+dv_before_meeting")
@@ -114,7 +115,9 @@ def training_spec(name: str) -> str:
     the path ``rf -stmatrix-> smem[cta] -wgmma-> rf`` / the st.shared one (not at B_r 80);
     ``+p32`` sets setmaxnreg to producer 32, consumers 232; ``+persistent`` / ``-persistent``
     sets the block's ``scheduler persistent`` / ``grid``; ``+dq_writer`` turns the writer
-    warps on as any other key."""
+    warps on as any other key. An example whose block says ``scheduler persistent`` gets
+    ``scheduler grid`` with ``+deterministic`` or ``+dq_writer`` (which persistent refuses)
+    unless the name says ``+persistent`` itself."""
     example, *switches = re.split(r"(?=[+-])", name)
     text = (EXAMPLES / f"{example}.fa").read_text()
     if "backward {" not in text:
@@ -146,6 +149,9 @@ def training_spec(name: str) -> str:
         else:
             key, value = switch[1:], "on" if switch[0] == "+" else "off"
             block = _set_line(block, key, f"{key} {value}")
+    refused = re.search(r"^\s*(deterministic|dq_writer)\s+on\b", block, re.M)
+    if refused and "+persistent" not in switches:
+        block = re.sub(r"^(\s*)scheduler\s+persistent\b", r"\1scheduler grid", block, flags=re.M)
     return head + "backward {" + block
 
 

@@ -22,6 +22,7 @@ import time
 import torch
 
 import fadsl
+from fadsl.runtime.attention import arch_of
 from fadsl.tools.bench import _time
 
 
@@ -63,6 +64,30 @@ def measure(path: str, seqlen: int, profile_lines: int) -> None:
         f"GPU {gpu_ms * 1e3:.0f} us per call queued, bench {bench_ms * 1e3:.0f} us",
         flush=True,
     )
+    # the layers' shares: FlashAttention.backward called directly (no autograd, no custom
+    # op), and the three kernels' launches alone (BackwardKernels.__call__)
+    with torch.no_grad():
+        _, lse = kern(q, k, v, return_lse=True)
+    scale = d**-0.5
+    kernels = kern._backward_kernels()
+    dtype = kern.check_inputs(q, k, v)
+    arch = arch_of(q.device.index)
+    layers = {
+        "FlashAttention.backward": lambda: kern.backward(q, k, v, out, lse, dout, None, scale),
+        "BackwardKernels.__call__": lambda: kernels(
+            dtype, arch, q, k, v, out, lse, dout, None, scale
+        ),
+        "torch.empty_like x3": lambda: [torch.empty_like(t) for t in (q, k, v)],
+    }
+    for name, fn in layers.items():
+        fn()
+        torch.cuda.synchronize()
+        torch.cuda._sleep(300_000_000)
+        start = time.perf_counter()
+        for _ in range(20):
+            fn()
+        print(f"  {name}: {(time.perf_counter() - start) / 20 * 1e6:.0f} us per call", flush=True)
+        torch.cuda.synchronize()
     if profile_lines:
         profiler = cProfile.Profile()
         profiler.enable()
