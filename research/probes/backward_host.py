@@ -79,6 +79,30 @@ def measure(path: str, seqlen: int, profile_lines: int) -> None:
         ),
         "torch.empty_like x3": lambda: [torch.empty_like(t) for t in (q, k, v)],
     }
+    from fadsl.runtime.arguments import backward_operands, lse_shape
+    from fadsl.targets.launch import current_stream
+    from fadsl.targets.sm90.host.tma import tensor_map
+
+    index = q.device.index
+    pieces = {  # (each alone, 200 times: what FlashAttention.backward spends before the kernels)
+        "check_inputs": lambda: kern.check_inputs(q, k, v),
+        "backward_operands": lambda: backward_operands(
+            out, lse, dout, None, lse_shape(q), q.device
+        ),
+        "arch_of": lambda: arch_of(index),
+        "torch.cuda.device": lambda: torch.cuda.device(index).__enter__(),
+        "current_stream": lambda: current_stream(index),
+        "tensor_map (cached)": lambda: tensor_map(q, 64, 128),
+        "torch.empty fp32 (b, h, rows x d)": lambda: torch.empty(
+            (batch, heads, seqlen * d), device=q.device, dtype=torch.float32
+        ),
+    }
+    for name, fn in pieces.items():
+        fn()
+        start = time.perf_counter()
+        for _ in range(200):
+            fn()
+        print(f"    {name}: {(time.perf_counter() - start) / 200 * 1e6:.1f} us", flush=True)
     for name, fn in layers.items():
         fn()
         torch.cuda.synchronize()
