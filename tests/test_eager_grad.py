@@ -160,3 +160,60 @@ def test_compile_still_traces_the_ops(calls):
     for a, b in zip(got, want):
         assert torch.equal(a.grad, b.grad)
     assert len(calls) == 2
+
+
+class _FakeDriver:
+    """cuCtx* calls of one thread, recorded: ``current`` is the context current on it (0:
+    none), ``devices`` each context's device."""
+
+    class CUresult:
+        CUDA_SUCCESS = 0
+
+    def __init__(self, current=0):
+        self.current, self.devices, self.calls = current, {11: 0, 22: 1}, []
+
+    def cuCtxGetCurrent(self):
+        self.calls.append("get")
+        return 0, self.current
+
+    def cuCtxGetDevice(self):
+        return 0, self.devices[self.current]
+
+    def cuDeviceGet(self, index):
+        return 0, index
+
+    def cuDevicePrimaryCtxRetain(self, device):
+        self.calls.append(f"retain {device}")
+        return 0, {0: 11, 1: 22}[device]
+
+    def cuCtxSetCurrent(self, context):
+        self.calls.append(f"set {context}")
+        self.current = context
+        return (0,)
+
+
+@pytest.mark.parametrize(
+    "current, index, made", [(0, 0, "set 11"), (22, 0, "set 11"), (11, 0, None)]
+)
+def test_ensure_context_makes_the_devices_primary_context_current_once(
+    monkeypatch, current, index, made
+):
+    import threading
+
+    from fadsl.runtime import driver
+
+    fake = _FakeDriver(current)
+    monkeypatch.setattr(driver, "_driver", lambda: fake)
+    monkeypatch.setattr(driver, "_CONTEXTS", {})
+    monkeypatch.setattr(driver, "_THREAD", threading.local())
+    driver.ensure_context(index)
+    assert fake.current == {0: 11, 1: 22}[index]
+    assert (made in fake.calls) if made else not any(c.startswith("set") for c in fake.calls)
+    calls = len(fake.calls)
+    driver.ensure_context(index)  # (known for this thread: no driver call)
+    assert len(fake.calls) == calls
+    seen = []  # another thread asks again
+    worker = threading.Thread(target=lambda: seen.append(driver.ensure_context(index)))
+    worker.start()
+    worker.join()
+    assert fake.calls[calls] == "get"

@@ -45,6 +45,34 @@ def _device_context(driver, device_index: int):
         _check(driver, driver.cuCtxPopCurrent(), "cuCtxPopCurrent")
 
 
+_THREAD = threading.local()  # the device whose context this thread was found to have current
+
+
+def ensure_context(device_index: int) -> None:
+    """Make the device's primary context current on this thread where no context of the
+    device is. PyTorch's autograd engine runs a backward on a worker thread of its own, on
+    which the CUDA runtime makes the context current lazily, at the thread's first runtime
+    call: a driver launch before any (the caching allocator can serve every tensor without
+    one) fails with CUDA_ERROR_INVALID_CONTEXT (H200, 2026-11-30, the first backward of a
+    process through fadsl/runtime/eager_grad.py). Checked once per thread and device."""
+    if getattr(_THREAD, "device", None) == device_index:
+        return
+    driver = _driver()
+    current = _check(driver, driver.cuCtxGetCurrent(), "cuCtxGetCurrent")
+    same = int(current) != 0 and (
+        int(_check(driver, driver.cuCtxGetDevice(), "cuCtxGetDevice")) == device_index
+    )
+    if not same:
+        context = _CONTEXTS.get(device_index)
+        if context is None:
+            device = _check(driver, driver.cuDeviceGet(device_index), "cuDeviceGet")
+            context = _CONTEXTS[device_index] = _check(
+                driver, driver.cuDevicePrimaryCtxRetain(device), "cuDevicePrimaryCtxRetain"
+            )
+        _check(driver, driver.cuCtxSetCurrent(context), "cuCtxSetCurrent")
+    _THREAD.device = device_index
+
+
 class Module:
     """One loaded cubin and its kernel ``name``."""
 

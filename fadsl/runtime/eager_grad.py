@@ -18,6 +18,8 @@ at backward time, and keeps doing so.
 
 import torch
 
+from .driver import ensure_context
+
 
 class _Attention(torch.autograd.Function):
     """(out, lse) of ``kern`` (a FlashAttention with a backward block) at ``scale``; the
@@ -25,6 +27,7 @@ class _Attention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, kern, scale, q, k, v):
+        ensure_context(q.device.index)  # (a recomputation may run on autograd's thread)
         out, lse = kern.forward(q, k, v, scale, None, True)
         ctx.kern, ctx.scale = kern, scale
         ctx.save_for_backward(q, k, v, out, lse)
@@ -36,6 +39,7 @@ class _Attention(torch.autograd.Function):
         if dout is None and dlse is None:
             return None, None, None, None, None
         q, k, v, out, lse = ctx.saved_tensors
+        ensure_context(q.device.index)  # (autograd's worker thread: driver.ensure_context)
         if dout is None:  # only the LSE reaches the loss
             dout = torch.zeros_like(out)
         dq, dk, dv = ctx.kern.backward(q, k, v, out, lse, dout, dlse, ctx.scale)
