@@ -188,7 +188,8 @@ def test_a_deterministic_block_tries_the_dq_writer_at_both_register_splits():
     """With `deterministic on` dQ's third path is the staged one with writer warps, each at
     the block's registers and at 32/232; without `deterministic` it is never tried; labels
     name the split; the split-by-keys blocks (head_dim 64, B_r 64) are refused at the key."""
-    det = rewrite_backward(HDIM64, {"deterministic": "on"}, {"dQ": None}, "d")
+    # (on the grid: the example's `scheduler persistent` refuses `deterministic on`)
+    det = rewrite_backward(HDIM64, {"deterministic": "on", "scheduler": "grid"}, {"dQ": None}, "d")
     _, variants = variants_of(det)
     writers = [v for v in variants if v.backward is not None and v.backward.dq_writer]
     assert writers and all(v.backward.deterministic for v in writers)

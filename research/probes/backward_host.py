@@ -64,11 +64,25 @@ def measure(path: str, seqlen: int, profile_lines: int) -> None:
         f"GPU {gpu_ms * 1e3:.0f} us per call queued, bench {bench_ms * 1e3:.0f} us",
         flush=True,
     )
+    # the same backward through the custom op's autograd formula (what eager calls took
+    # before fadsl/runtime/eager_grad.py; torch.compile's path)
+    scale = d**-0.5
+    out_op, _ = kern._call_op(*leaves, scale, None, True)
+    for _ in range(5):
+        torch.autograd.grad(out_op, leaves, dout, retain_graph=True)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(300_000_000)
+    start = time.perf_counter()
+    for _ in range(20):
+        torch.autograd.grad(out_op, leaves, dout, retain_graph=True)
+    print(
+        f"  through the custom op: host {(time.perf_counter() - start) / 20 * 1e6:.0f} us per call"
+    )
+    torch.cuda.synchronize()
     # the layers' shares: FlashAttention.backward called directly (no autograd, no custom
     # op), and the three kernels' launches alone (BackwardKernels.__call__)
     with torch.no_grad():
         _, lse = kern(q, k, v, return_lse=True)
-    scale = d**-0.5
     kernels = kern._backward_kernels()
     dtype = kern.check_inputs(q, k, v)
     arch = arch_of(q.device.index)
