@@ -194,7 +194,8 @@ def test_the_backward_launches_carry_the_inputs_on_the_stand_in_device(monkeypat
             *[0] * 6,
             2,
             0,
-        )  # (no learnable input)
+            0,
+        )  # (no learnable input: no gradient buffer, no per-row sums)
         assert log[2].grid == (2, 4, 2)  # cdiv(130, 64) n-blocks (B_c 128: 2), heads, batch
     finally:
         fake_cuda.uninstall()

@@ -9,7 +9,6 @@ tests/test_gpu_modifiers_learnable.py."""
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 
 import pytest
 import torch
@@ -19,6 +18,7 @@ from fadsl.build.spill_check import find_compiler
 from fadsl.codegen.render import render_backward
 from fadsl.passes.modifiers.input_grads import learnable
 from fadsl.pipeline import compile_source
+from fadsl.runtime.learnable import learn_variant
 from modifier_eval import evaluate
 from test_modifiers_backward import cfg_of, with_lines
 from test_modifiers_front import modifiers
@@ -125,11 +125,10 @@ def test_an_input_that_cannot_learn_says_why_at_its_token(lines, why):
 
 
 def variant(text: str, learn: tuple[str, ...], name: str = "spec.fa"):
-    compiled = compile_source(text, name)
-    k = compiled.kernel
-    m = replace(k.config.modifiers, learn=learn)
-    kernel = replace(k, config=replace(k.config, modifiers=m))
-    return compiled, render_backward(kernel, compiled.target, compiled.file)
+    """The runtime's learnable variant (learn_variant: the target's learn_lines too) and its
+    backward sources."""
+    compiled = learn_variant(compile_source(text, name), learn)
+    return compiled, render_backward(compiled.kernel, compiled.target, compiled.file)
 
 
 def test_alibi_sums_its_slope_per_warp_and_t5_scatters_its_table():
@@ -137,13 +136,53 @@ def test_alibi_sums_its_slope_per_warp_and_t5_scatters_its_table():
     cfg = cfg_of(alibi.text)
     assert "kLearn = true" in cfg
     assert "static constexpr int kLearnUniform = 1;" in alibi.text
+    assert "static constexpr int kLearnScatter = 0;" in alibi.text
     assert "static constexpr bool kLearnClamped = false;" in alibi.text  # kv_idx - q_idx: finite
-    assert "sums[0] += g * (1.0f * static_cast<float>(kv_idx - q_idx));" in alibi.text
+    assert "const float f = 1.0f * static_cast<float>(kv_idx - q_idx);" in alibi.text
+    assert "sums[0] += g * f;" in alibi.text
     assert "bwd_learn_add_warp(P.input_grads + (h), sums[0], lane);" in alibi.text
     _, (t5, _) = variant(T5, ("bias",))
     assert "static constexpr int kLearnUniform = 0;" in t5.text
+    assert "static constexpr int kLearnScatter = 1;" in t5.text
     assert "static constexpr bool kLearnClamped = true;" in t5.text  # its index reads q_idx, kv_idx
-    assert "if (g != 0.f) atomicAdd(P.input_grads + ((h) * 32 + " in t5.text
+    assert "const int at = (h) * 32 + " in t5.text
+    assert "if (g != 0.f) atomicAdd(P.input_grads + at, g * f);" in t5.text
+
+
+def test_the_variant_corrects_d_rounding_per_row():
+    """D's correction (fadsl/sm90_bwd_learn.cuh): per query row the sum of dS' and each
+    read's W, into P.learn_rows, then the `_learn` kernel's -eps W at the row's reference
+    element: summed over a CTA's rows for a uniform read, row by row for a scattered one."""
+    _, (alibi, _) = variant(ALIBI, ("slopes",))
+    assert "static constexpr int kLearnRow = 1 + kLearnUniform + kLearnScatter;" in alibi.text
+    assert "row[1] += p * f;" in alibi.text  # W: every score of a uniform read
+    assert "learn_refs" not in alibi.text
+    assert "if (fix[1] != 0.f) atomicAdd(P.input_grads + (h), fix[1]);  // slopes[h]" in alibi.text
+    assert "alibi_causal_bwd_bf16_learn(const __grid_constant__ BwdParamsSm90 P) {\n" in alibi.text
+    assert "  bwd_learn_fix<Cfg>(P);" in alibi.text
+    _, (t5, _) = variant(T5, ("bias",))
+    assert "static __device__ __forceinline__ void learn_refs(" in t5.text
+    assert "ref[0] = (h) * 32 + " in t5.text
+    assert "if (at == ref[0]) row[1] += p * f;" in t5.text  # W: the scores at the reference
+    assert "if (fix[1] != 0.f) atomicAdd(P.input_grads + ((h) * 32 + " in t5.text
+    header = (ROOT / "emit" / "sm90" / "include" / "fadsl" / "sm90_bwd_learn.cuh").read_text()
+    for piece in ("bwd_learn_add_rows", "red_add_v4_f32(at, row[0][0], row[0][1]", "bwd_learn_ref"):
+        assert piece in header
+
+
+def test_a_b_r_80_block_learns_at_b_r_64_and_its_own_stays():
+    """prefix_lm_alibi's block is B_r 80 (dQ transposed): its learnable variant spilled there
+    (learn.py's learn_backward_lines), so the variant is the spec with B_r 64, through the
+    pipeline again; the spec's own backward keeps B_r 80."""
+    own = compile_source(PREFIX_ALIBI, "prefix_lm_alibi.fa")
+    compiled, (source, _) = variant(PREFIX_ALIBI, ("slopes",), "prefix_lm_alibi.fa")
+    assert own.kernel.backward.block_m == 80 and compiled.kernel.backward.block_m == 64
+    assert compiled.kernel.backward.block_n == own.kernel.backward.block_n == 128
+    assert "B_r = 64 queries per m-block" in source.text and "kLearn = true" in source.text
+    assert compiled.kernel.config.name == own.kernel.config.name
+    for text, learn in ((ALIBI, ("slopes",)), (T5, ("bias",))):  # B_r 64: the spec's own block
+        spec = compile_source(text, "x.fa")
+        assert learn_variant(spec, learn).kernel.backward is spec.kernel.backward
 
 
 def test_two_learnable_inputs_share_the_buffer_in_declared_order():
@@ -155,7 +194,12 @@ def test_two_learnable_inputs_share_the_buffer_in_declared_order():
     _, (source, _) = variant(text, ("slopes", "bias"))
     assert "//   slopes : f32[heads]: from element 0" in source.text
     assert "//   bias : f32[heads, 4]: from element P.heads_q" in source.text
-    assert "atomicAdd(P.input_grads + (P.heads_q + (h) * 4 + " in source.text
+    assert "const int at = P.heads_q + (h) * 4 + " in source.text
+    # one row float each: the sum of dS', slopes' W, bias's W
+    assert "static constexpr int kLearnUniform = 1;" in source.text
+    assert "static constexpr int kLearnScatter = 1;" in source.text
+    assert "if (at == ref[0]) row[2] += p * f;" in source.text
+    assert "if (fix[2] != 0.f) atomicAdd(P.input_grads + (P.heads_q + (h) * 4 + " in source.text
 
 
 @pytest.mark.parametrize("path", sorted(MODIFIERS.glob("*.fa")), ids=lambda p: p.stem)
@@ -178,6 +222,9 @@ LEARNABLE = {
 @pytest.mark.nvcc
 @pytest.mark.parametrize("name", LEARNABLE)
 def test_the_learnable_variant_builds_without_spills(name):
+    """Each example's variant as the runtime builds it (learn_variant), both dtypes: no
+    spill or C7512 in any of its kernels (ptxas reports each; the usage is their largest),
+    the `_learn` kernel among them."""
     compiler, why = find_compiler()
     if compiler is None:
         pytest.skip(why)
@@ -185,6 +232,7 @@ def test_the_learnable_variant_builds_without_spills(name):
     _, sources = variant(text, learn, f"{name}.fa")
     assert len(sources) == 2  # bf16 and fp16
     for source in sources:
+        assert f"{source.kernel_name}_learn(" in source.text
         usage = compiler(source, "sm_90a")
         assert not (usage.spills or usage.wgmma_serialized), (source.filename, usage)
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import fadsl
+from fadsl.pipeline import compile_source
 from fadsl.runtime import learnable
 from fadsl.runtime.attention import FlashAttention
 from fadsl.runtime.backward import BackwardKernels
@@ -46,6 +47,20 @@ def test_alibis_slopes_get_their_gradient(learning):
     assert learn == ("slopes",) and buffer.dtype == torch.float32 and buffer.shape == (4,)
     assert torch.equal(slopes.grad, torch.tensor([1.0, 2.0, 3.0, 4.0]))
     assert all(torch.equal(t.grad, torch.full_like(t, x)) for t, x in zip(leaves, (1.0, 2.0, 3.0)))
+
+
+def test_prefix_lm_alibis_slopes_learn_at_b_r_64(learning):
+    """prefix_lm_alibi's backward block is B_r 80; its learnable variant is the spec with B_r
+    64 (the target's learn_lines: B_r 80 spilled), its own backward untouched."""
+    kern = fadsl.load(PREFIX, verbose=False)
+    q, k, v, slopes = tensors(2)
+    prefix = torch.tensor([5, 70], dtype=torch.int32)
+    slopes = slopes.clone().requires_grad_()
+    kern(q, k, v, slopes=slopes, prefix=prefix).float().sum().backward()
+    assert learning[0][0] == ("slopes",)
+    assert torch.equal(slopes.grad, torch.tensor([1.0, 2.0, 3.0, 4.0]))
+    assert kern._learn_backward[("slopes",)].kernel.backward.block_m == 64
+    assert kern.compiled.kernel.backward.block_m == 80
 
 
 def test_an_input_alone_may_require_grad(learning, monkeypatch):
@@ -94,11 +109,58 @@ def test_compile_fullgraph_gives_the_same_gradients(learning):
 
 
 def test_the_buffer_goes_into_bwd_params():
-    buffer = torch.zeros(8)
+    buffer, rows = torch.zeros(8), torch.zeros(16)
     slopes = torch.zeros(4)
-    fields = host.MODIFIERS.unpack(host.modifier_fields((slopes,), 3, buffer))
-    assert fields == (slopes.data_ptr(), *[0] * 7, 3, buffer.data_ptr())
-    assert host.MODIFIERS_OFFSET + host.MODIFIERS.size <= host.MAIN_BYTES  # 744 + 8 = 752
+    fields = host.MODIFIERS.unpack(host.modifier_fields((slopes,), 3, buffer, rows))
+    assert fields == (slopes.data_ptr(), *[0] * 7, 3, buffer.data_ptr(), rows.data_ptr())
+    assert host.MODIFIERS_OFFSET + host.MODIFIERS.size <= host.MAIN_BYTES  # 752 + 8 = 760
+
+
+def _variant(path, learn):
+    text = path.read_text()
+    return learnable.learn_variant(compile_source(text, path.name), learn).kernel
+
+
+def test_the_learnable_backward_fixes_d_rounding_after_the_main_kernel(monkeypatch):
+    """The variant's fourth kernel, `_learn` (sm90_bwd_learn.cuh's bwd_learn_fix), runs after
+    the others with the main kernel's params, a query row per thread; the per-row sums it
+    reads (learn_rows) start as -dLSE in their first float (so that the sum of dS' ends as
+    D's rounding's eps), zeros elsewhere, their pointer at BwdParamsSm90's offset 752. The
+    spec's own backward launches three kernels and passes no such buffer."""
+    monkeypatch.setattr(host, "tensor_map", lambda t, cols, rows: bytes(128))
+    made = []
+    rows_buffer = host.learn_rows_buffer
+    monkeypatch.setattr(
+        host, "learn_rows_buffer", lambda *a: made.append(rows_buffer(*a)) or made[-1]
+    )
+    b, sq, sk, hq = 2, 300, 1100, 4
+    q, out, dout = (torch.randn(b, sq, hq, 128).bfloat16() for _ in range(3))
+    k, v = (torch.randn(b, sk, 1, 128).bfloat16() for _ in range(2))
+    lse, dlse = torch.randn(b, hq, sq), torch.randn(b, hq, sq)
+    slopes, grads = torch.ones(hq), torch.zeros(hq)
+    kernel = _variant(ALIBI, ("slopes",))
+    assert host.suffixes(kernel) == ("_preprocess", "", "_convert_dq", "_learn")
+    seen = []
+    host.run(kernel, seen.append, q, k, v, out, lse, dout, dlse, 0.1, (slopes,), grads)
+    assert [x.suffix for x in seen] == ["_preprocess", "", "_convert_dq", "_learn"]
+    fix = seen[3]
+    assert fix.grid == (2, hq, b) and fix.block == (256, 1, 1)  # cdiv(300, 256) rows
+    assert fix.params == seen[1].params
+    *_, batch, at_grads, at_rows = host.MODIFIERS.unpack_from(fix.params, host.MODIFIERS_OFFSET)
+    (rows,) = made
+    assert (batch, at_grads, at_rows) == (b, grads.data_ptr(), rows.data_ptr())
+    assert rows.shape == (b, hq, 320, 2)  # B_r 64's padded rows; the sum of dS', slopes' W
+    assert torch.equal(rows[:, :, :sq, 0], -dlse) and not rows[:, :, sq:].any()
+    assert not rows[..., 1].any()
+    seen.clear()
+    host.run(kernel, seen.append, q, k, v, out, lse, dout, None, 0.1, (slopes,), grads)
+    assert not made[-1].any()  # no LSE gradient: the sums start at 0
+    own = compile_source(ALIBI.read_text(), ALIBI.name).kernel
+    assert host.suffixes(own) == host.SUFFIXES
+    seen.clear()
+    host.run(own, seen.append, q, k, v, out, lse, dout, dlse, 0.1, (slopes,))
+    assert [x.suffix for x in seen] == list(host.SUFFIXES) and len(made) == 2
+    assert host.MODIFIERS.unpack_from(seen[1].params, host.MODIFIERS_OFFSET)[-2:] == (0, 0)
 
 
 # --- refusals -------------------------------------------------------------------------------

@@ -104,7 +104,8 @@ class BackwardKernels:
             )
         found = {}
         with torch.cuda.device(index):
-            for suffix in launcher.suffixes:
+            kernels = launcher.suffixes_of or (lambda kernel: launcher.suffixes)
+            for suffix in kernels(self.kernel):
                 module = Module(entry.cubin, name + suffix, launcher.smem(self.kernel, suffix), 0)
                 module.prepare(index)
                 found[suffix] = module

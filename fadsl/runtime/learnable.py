@@ -83,20 +83,44 @@ def split_buffer(flat, tensors, learn) -> list:
 
 def variant_kernels(kern, names: tuple[str, ...]):
     """The spec's backward kernels with ``names``' gradients (BackwardKernels), cached on
-    the FlashAttention object per set of names."""
+    the FlashAttention object per set of names. Where the target gives the variant other
+    backward lines (``BackwardLaunch.learn_lines``: sm_90a's B_r 64 for a B_r 80 block, whose
+    variant spills), the spec's text with them goes through the pipeline again (validated,
+    its passes and proof run) and the variant is of that kernel; the spec's own backward
+    stays as it is."""
     from .backward import BackwardKernels
 
     cache = kern.__dict__.setdefault("_learn_backward", {})
     found = cache.get(names)
     if found is None:
-        compiled = kern.compiled
-        cfg = compiled.kernel.config
-        modifiers = replace(cfg.modifiers, learn=names)
-        kernel = replace(compiled.kernel, config=replace(cfg, modifiers=modifiers))
-        found = cache[names] = BackwardKernels(
-            replace(compiled, kernel=kernel), kern.verbose, kern.cubin_dirs
-        )
+        variant = learn_variant(kern.compiled, names)
+        found = cache[names] = BackwardKernels(variant, kern.verbose, kern.cubin_dirs)
     return found
+
+
+def learn_variant(compiled, names: tuple[str, ...]):
+    """The Compiled whose kernel's backward computes ``names``' gradients (variant_kernels's)."""
+    compiled = _variant_spec(compiled)
+    cfg = compiled.kernel.config
+    modifiers = replace(cfg.modifiers, learn=names)
+    return replace(
+        compiled, kernel=replace(compiled.kernel, config=replace(cfg, modifiers=modifiers))
+    )
+
+
+def _variant_spec(compiled):
+    """``compiled``, or its spec with the target's learn_lines in the backward block."""
+    from .. import targets
+    from ..frontend.rewrite import rewrite_backward
+    from ..pipeline import compile_source
+
+    kernel = compiled.kernel
+    hook = targets.get(kernel.config.target).backward_launch.learn_lines
+    settings, paths = hook(kernel.backward) if hook is not None else ({}, {})
+    if not settings and not paths:
+        return compiled
+    text = rewrite_backward(compiled.source, settings, paths, kernel.config.name)
+    return compile_source(text, compiled.file)
 
 
 def check_spills(kernels, dtype: Dtype, arch: str) -> None:

@@ -13,7 +13,7 @@ import struct
 from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple
 
-from ..ir import Kernel
+from ..ir import Backward, Kernel
 
 
 class Args(NamedTuple):
@@ -198,6 +198,12 @@ class BackwardLaunch:
     # a packed (`varlen on`) call: run_varlen(kernel, launch, q, k, v, out, lse, dout, dlse,
     # cu_seqlens_q, cu_seqlens_k, scale) -> (dq, dk, dv); None: the target has none
     run_varlen: Callable[..., tuple[Any, Any, Any]] | None = None
+    # the suffixes of one kernel's source where they are not ``suffixes`` (a learnable
+    # variant's extra kernel); None: always ``suffixes``
+    suffixes_of: Callable[[Kernel], tuple[str, ...]] | None = None
+    # the backward block's (setting, path) lines a learnable variant (Modifiers.learn) takes
+    # in place of the spec's (rewrite_backward's), e.g. a smaller tile that fits its registers
+    learn_lines: Callable[[Backward], tuple[dict[str, str], dict[str, str | None]]] | None = None
 
 
 FWD_PARAMS = struct.Struct("<5Q14q5if")

@@ -86,8 +86,11 @@ struct BwdParamsSm90 {
   // size, which an expression may read (`batch`)
   const void* inputs[8];
   int batch;
-  // kLearn: the learnable inputs' gradients, fp32, zeroed (fadsl/targets/sm90/learn.py's order)
+  // kLearn: the learnable inputs' gradients, fp32, zeroed (fadsl/targets/sm90/learn.py's order),
+  // and per (batch, head, padded query row) Modifiers::kLearnRow floats for D's rounding's
+  // correction (fadsl/sm90_bwd_learn.cuh: sum dS' from -dLSE, then each read's W), the host's
   float* input_grads;
+  float* learn_rows;
 };
 
 // BwdParamsSm90::dkv_store.  GQA's query heads of one K/V head each hold part of its dK and
@@ -130,7 +133,8 @@ static_assert(sizeof(BwdParamsSm90) == 768, "BwdParamsSm90's layout is fadsl/tar
 // tests/test_varlen_backward_chunks.py)
 #if !defined(__CUDACC_RTC__)
 static_assert(__builtin_offsetof(BwdParamsSm90, sequences) == 664 && __builtin_offsetof(BwdParamsSm90, inputs) == 672 &&
-                  __builtin_offsetof(BwdParamsSm90, batch) == 736 && __builtin_offsetof(BwdParamsSm90, input_grads) == 744,
+                  __builtin_offsetof(BwdParamsSm90, batch) == 736 && __builtin_offsetof(BwdParamsSm90, input_grads) == 744 &&
+                  __builtin_offsetof(BwdParamsSm90, learn_rows) == 752,
               "the modifiers' fields where fadsl/targets/sm90/backward/host.py packs them (MODIFIERS_OFFSET)");
 #endif
 

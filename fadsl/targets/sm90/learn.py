@@ -15,15 +15,43 @@ fadsl/sm90_bwd_learn.cuh). Two kinds of read, by their index:
 
 The gradients live in one fp32 buffer, ``P.input_grads``: the learnable inputs' elements
 in declared order, each row-major, zeroed by the host before the kernel.
+
+D's rounding (D from the 16-bit O) leaves each query row's dS' summing to dLSE_i + eps_i,
+not to dLSE_i, and an input's sum multiplies eps_i by the row's factors (docs/numerics.md,
+"Learnable inputs: D's rounding"). So the variant also sums, per query row into ``P.learn_rows``
+(learn_row_floats a row: the row's dS', then per read the row's P x factor at its reference
+element), and its fourth kernel, ``_learn``, adds -eps_i W per row: exact for uniform reads,
+the reference element's share for scattered ones (fadsl/sm90_bwd_learn.cuh).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from ...ir.backward import Backward
 from ...ir.expr import Binary, BinOp, Expr, ExprType, Fn, FnCall, Load, Modifiers, text
 from ...ir.expr import tile_uniform, walk
 from ..cuda_expr import CudaExpr
+from .backward.routes import TRANSPOSED_BLOCK_M
+from .backward.validate import BLOCK_M
+
+
+def learn_row_floats(m: Modifiers) -> int:
+    """Floats per query row of the variant's ``P.learn_rows`` (SpecModifiers::kLearnRow):
+    the row's sum of dS', then one per learnable read (its W, fadsl/sm90_bwd_learn.cuh)."""
+    return 1 + sum(1 for g in m.input_grads if g.input in m.learn)
+
+
+def learn_backward_lines(bwd: Backward) -> tuple[dict[str, str], dict[str, str | None]]:
+    """The backward block's setting and path lines (rewrite_backward's) the learnable
+    variant takes in place of the spec's: at B_r 80 (dQ transposed) B_r 64, whose dS path
+    the block's `rf -stmatrix-> smem[cta]` names too. prefix_lm_alibi's variant spilled 16
+    bytes at B_r 80 before D's correction (NVRTC 13.0, the H200's, 2026-11-30) and 16-68 with
+    it (bf16 and fp16, NVRTC 13.0 and 13.5); at B_r 64 none (tests/test_modifiers_learnable.py).
+    Else none: the spec's own block."""
+    if bwd.block_m != TRANSPOSED_BLOCK_M:
+        return {}, {}
+    return {"tile": f"B_r = {BLOCK_M}, B_c = {bwd.block_n}"}, {}
 
 
 def learn_factors(m: Modifiers) -> list[Expr]:

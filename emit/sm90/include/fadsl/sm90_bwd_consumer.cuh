@@ -372,7 +372,7 @@ __device__ __forceinline__ void bwd_consumer(const BwdParamsSm90& P, uint32_t sm
       bwd_grad_scores<Cfg>(s, dp, dtanh, d_slot, lane);
       pack_pairs<Cfg>(s, p16);
     }
-    bwd_learn<Cfg>(dp, dtanh, P, b, key0, m * Cfg::kBlockM, lane);  // kLearn: dS' into the inputs' gradients
+    bwd_learn<Cfg>(dp, dtanh, s, p16, P, b, key0, m * Cfg::kBlockM, lane);  // kLearn: dS' into the inputs' gradients
     pack_pairs<Cfg>(dp, ds16);
     FADSL_BWD_MARK(wg, i, 4);
 

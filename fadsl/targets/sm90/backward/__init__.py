@@ -2,8 +2,9 @@
 and the host side of their launches."""
 
 from ...launch import BackwardLaunch
+from ..learn import learn_backward_lines
 from .emit import TEMPLATE, context
-from .host import SUFFIXES, dynamic_smem, run, run_varlen, threads
+from .host import SUFFIXES, dynamic_smem, run, run_varlen, suffixes, threads
 
 BACKWARD_LAUNCH = BackwardLaunch(
     template=TEMPLATE,
@@ -13,4 +14,6 @@ BACKWARD_LAUNCH = BackwardLaunch(
     threads=threads,
     run=run,
     run_varlen=run_varlen,
+    suffixes_of=suffixes,  # a learnable variant's `_learn` (host.LEARN_SUFFIX)
+    learn_lines=learn_backward_lines,  # B_r 64 for a B_r 80 block (learn.py says why)
 )

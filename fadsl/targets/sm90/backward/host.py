@@ -6,6 +6,8 @@ A backward call runs, on the current stream (emit/sm90/include/fadsl/sm90_bwd.cu
                          with `deterministic on` per query head), dQ's accumulator by
                          reduce-adds;
   ``<name>_convert_dq``  dQ in the input dtype;
+  ``<name>_learn``       (a learnable variant's only) the inputs' correction for D's
+                         rounding, from the main kernel's per-row sums (learn_rows_buffer);
 then, under GQA, dK and dV cast to the input dtype (with `deterministic on` first summed over
 each K/V head's query heads in a fixed order: torch's sum over the group dimension).
 
@@ -23,6 +25,7 @@ from typing import Any, Callable
 from ....ir import Kernel
 from ...launch import KernelLaunch, sm_count
 from ..host.tma import tensor_map
+from ..learn import learn_row_floats
 from .emit import AUX_THREADS, convert_ctas, dq_semaphores, prep_rows_per_cta, smem_bytes
 
 PANEL_COLS = 64
@@ -36,7 +39,8 @@ MAIN_BYTES = 768
 # Then the score and mask modifiers' fields (issue 41): the spec's input pointers in declared
 # order, zeros past them, and the batch size, at the offsets sm90_bwd.cuh's static_assert
 # names (packed only for a spec with modifiers; zeros otherwise, as before they existed).
-MODIFIERS = struct.Struct("<8Qi4xQ")  # ... batch, input_grads (kLearn's buffer, at 744)
+# ... batch, input_grads (kLearn's buffer, at 744), learn_rows (its per-row sums, at 752)
+MODIFIERS = struct.Struct("<8Qi4xQQ")
 MODIFIERS_OFFSET = 672
 # BwdPrepParams: 8 pointers, 8 int64 strides, 3 ints, the varlen pointer and int, then the
 # varlen gradients to zero outside the sequences (4 pointers, 3 ints); 208 bytes.
@@ -47,6 +51,19 @@ LOG2E = 1.4426950408889634
 
 
 SUFFIXES = ("_preprocess", "", "_convert_dq")
+# A learnable variant's fourth kernel (kLearn): the inputs' correction for D's rounding
+LEARN_SUFFIX = "_learn"
+LEARN_ROWS_PER_CTA = 256  # sm90_bwd_learn.cuh's bwd_learn_fix: a query row per thread
+
+
+def suffixes(kernel: Kernel) -> tuple[str, ...]:
+    """The kernels of ``kernel``'s backward source: with learnable inputs, ``_learn`` too."""
+    return SUFFIXES + ((LEARN_SUFFIX,) if _learns(kernel) else ())
+
+
+def _learns(kernel: Kernel) -> bool:
+    m = kernel.config.modifiers
+    return m is not None and bool(m.learn)
 
 
 def threads(kernel: Kernel) -> int:
@@ -215,12 +232,26 @@ def main_grid(bwd, key_ctas: int, heads_q: int, batch: int, device) -> tuple[int
     return (max(1, min(key_ctas * heads_q * batch, sm_count(device.index))), 1, 1)
 
 
-def modifier_fields(inputs: tuple, batch: int, input_grads=None) -> bytes:
+def modifier_fields(inputs: tuple, batch: int, input_grads=None, learn_rows=None) -> bytes:
     """BwdParamsSm90's modifier fields: the inputs' pointers (zeros past them), the batch,
-    the learnable inputs' gradient buffer (0 without)."""
+    the learnable inputs' gradient buffer and its per-row sums (0 without)."""
     pointers = [t.data_ptr() for t in inputs]
     grads = 0 if input_grads is None else input_grads.data_ptr()
-    return MODIFIERS.pack(*pointers, *[0] * (8 - len(pointers)), batch, grads)
+    rows = 0 if learn_rows is None else learn_rows.data_ptr()
+    return MODIFIERS.pack(*pointers, *[0] * (8 - len(pointers)), batch, grads, rows)
+
+
+def learn_rows_buffer(kernel: Kernel, batch: int, heads_q: int, rows: int, dlse, device):
+    """The learnable variant's per-row sums (sm90_bwd_learn.cuh), fp32 (batch, heads_q,
+    rows, learn_row_floats): zeros, the row's sum of dS' starting at -dLSE, so that it ends
+    as D's rounding's eps (dLSE: (batch, heads_q, seqlen_q) or None)."""
+    import torch
+
+    floats = learn_row_floats(kernel.config.modifiers)
+    found = torch.zeros((batch, heads_q, rows, floats), device=device, dtype=torch.float32)
+    if dlse is not None:
+        found[:, :, : dlse.shape[2], 0] = -dlse
+    return found
 
 
 def _launch_all(
@@ -335,9 +366,13 @@ def _launch_all(
         layout.sequences,
     )
     main = maps + fields
+    learn_rows = None
+    if input_grads is not None and _learns(kernel):
+        learn_rows = learn_rows_buffer(kernel, batch, heads_q, rows, dlse, device)
     # (`scheduler persistent` reads the batch there too: bwd_tiles)
     if kernel.config.modifiers is not None or bwd.persistent:
-        main += bytes(MODIFIERS_OFFSET - len(main)) + modifier_fields(inputs, batch, input_grads)
+        extra = modifier_fields(inputs, batch, input_grads, learn_rows)
+        main += bytes(MODIFIERS_OFFSET - len(main)) + extra
     main += bytes(MAIN_BYTES - len(main))
     grid = main_grid(bwd, layout.key_ctas, heads_q, batch, device)
     launch(KernelLaunch("", grid, (threads(kernel), 1, 1), main))
@@ -359,6 +394,10 @@ def _launch_all(
             ),
         )
     )
+    if learn_rows is not None and seqlen_q > 0:  # after the main kernel: every row's sums
+        learn_ctas = -(-seqlen_q // LEARN_ROWS_PER_CTA)
+        grid = (learn_ctas, heads_q, batch)
+        launch(KernelLaunch(LEARN_SUFFIX, grid, (LEARN_ROWS_PER_CTA, 1, 1), main))
     if dkv_store == DKV_STORE_PARTIAL:
         shape = (batch, seqlen_k, heads_kv, group, head_dim)
         dk = dk.view(shape).sum(dim=3)
