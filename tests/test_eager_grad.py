@@ -217,3 +217,26 @@ def test_ensure_context_makes_the_devices_primary_context_current_once(
     worker.start()
     worker.join()
     assert fake.calls[calls] == "get"
+
+
+def test_attention_varlen_with_gradients_keeps_its_op(calls, monkeypatch):
+    """Packed sequences are not eager_grad's: fadsl.attention_varlen with gradients runs its
+    varlen op (a padded kernel there would attend across the sequences' boundaries)."""
+    from fadsl.runtime import eager_grad
+
+    seen = []
+
+    def refused(*args, **kwargs):
+        raise AssertionError("attention_varlen reached eager_grad")
+
+    def varlen_op(q, k, v, *rest):
+        seen.append(rest)
+        return torch.zeros_like(q), q.new_zeros((q.shape[1], q.shape[0]))
+
+    monkeypatch.setattr(eager_grad, "attention", refused)
+    monkeypatch.setattr(public_ops, "attention_varlen", varlen_op)
+    monkeypatch.setattr(public, "check_q", lambda q, dims, shape: None)  # (CPU tensors)
+    packed = torch.zeros(8, 2, 64, requires_grad=True)
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+    public.attention_varlen(packed, packed, packed, cu, cu, 5, 5, causal=True)
+    assert len(seen) == 1

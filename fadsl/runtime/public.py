@@ -214,16 +214,8 @@ def attention_varlen(
     _check_softcap(softcap)
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal)
     grad = _needs_grad(q, k, v)
-    compiling = torch.compiler.is_compiling()
-    if grad or compiling:
+    if grad or torch.compiler.is_compiling():
         check_scale(softmax_scale, 1)  # (named here, not by the op's schema)
-    if grad and not compiling:  # eagerly: the kernels without the dispatcher (eager_grad.py)
-        kern = dispatch.attention_kernel(q, causal, (left, right), float(softcap))
-        if kern.has_backward:  # (else the op, whose backward says there is none)
-            scale = check_scale(softmax_scale, kern.config.head_dim)
-            out, lse = eager_grad.attention(kern, scale, q, k, v)
-            return (out, lse) if return_lse else out
-    if grad or compiling:
         check_max_seqlen("max_seqlen_q", max_seqlen_q)
         check_max_seqlen("max_seqlen_k", max_seqlen_k)
         # with gradients the LSE is saved for the backward whether or not the caller asked
