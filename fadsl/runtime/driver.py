@@ -21,6 +21,17 @@ from ..targets.launch import second_offset
 _CONTEXTS: dict[int, object] = {}  # device index -> its primary context, retained
 
 
+def _primary(driver, device_index: int):
+    """The device's primary context (the one PyTorch uses), retained once for the process."""
+    context = _CONTEXTS.get(device_index)
+    if context is None:
+        device = _check(driver, driver.cuDeviceGet(device_index), "cuDeviceGet")
+        context = _CONTEXTS[device_index] = _check(
+            driver, driver.cuDevicePrimaryCtxRetain(device), "cuDevicePrimaryCtxRetain"
+        )
+    return context
+
+
 @contextlib.contextmanager
 def _device_context(driver, device_index: int):
     """A context of the device current on this thread for the block: the current one if it
@@ -32,13 +43,7 @@ def _device_context(driver, device_index: int):
         if int(_check(driver, driver.cuCtxGetDevice(), "cuCtxGetDevice")) == device_index:
             yield
             return
-    context = _CONTEXTS.get(device_index)
-    if context is None:
-        device = _check(driver, driver.cuDeviceGet(device_index), "cuDeviceGet")
-        context = _CONTEXTS[device_index] = _check(
-            driver, driver.cuDevicePrimaryCtxRetain(device), "cuDevicePrimaryCtxRetain"
-        )
-    _check(driver, driver.cuCtxPushCurrent(context), "cuCtxPushCurrent")
+    _check(driver, driver.cuCtxPushCurrent(_primary(driver, device_index)), "cuCtxPushCurrent")
     try:
         yield
     finally:
@@ -63,13 +68,7 @@ def ensure_context(device_index: int) -> None:
         int(_check(driver, driver.cuCtxGetDevice(), "cuCtxGetDevice")) == device_index
     )
     if not same:
-        context = _CONTEXTS.get(device_index)
-        if context is None:
-            device = _check(driver, driver.cuDeviceGet(device_index), "cuDeviceGet")
-            context = _CONTEXTS[device_index] = _check(
-                driver, driver.cuDevicePrimaryCtxRetain(device), "cuDevicePrimaryCtxRetain"
-            )
-        _check(driver, driver.cuCtxSetCurrent(context), "cuCtxSetCurrent")
+        _check(driver, driver.cuCtxSetCurrent(_primary(driver, device_index)), "cuCtxSetCurrent")
     _THREAD.device = device_index
 
 

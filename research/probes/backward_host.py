@@ -26,7 +26,39 @@ from fadsl.runtime.attention import arch_of
 from fadsl.tools.bench import _time
 
 
+def host_us(fn, calls: int = 20, busy: bool = True) -> float:
+    """Microseconds of host time per ``fn()``, after a warm-up call; ``busy``: with a
+    ~200 ms sleep queued ahead on the GPU, so that no call waits for it."""
+    fn()
+    torch.cuda.synchronize()
+    if busy:
+        torch.cuda._sleep(300_000_000)
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    took = (time.perf_counter() - start) / calls * 1e6
+    torch.cuda.synchronize()
+    return took
+
+
+def gpu_us(fn, calls: int = 20) -> float:
+    """Microseconds of GPU time per ``fn()``: the calls queued behind a sleep, one event pair
+    around them (no host gap between them)."""
+    first, last = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(300_000_000)
+    first.record()
+    for _ in range(calls):
+        fn()
+    last.record()
+    torch.cuda.synchronize()
+    return first.elapsed_time(last) / calls * 1e3
+
+
 def measure(path: str, seqlen: int, profile_lines: int) -> None:
+    from fadsl.runtime.arguments import backward_operands, lse_shape
+    from fadsl.targets.launch import current_stream
+    from fadsl.targets.sm90.host.tma import tensor_map
+
     kern = fadsl.load(path, verbose=False)
     d = kern.config.head_dim
     heads, batch = 2048 // d, max(1, 16384 // seqlen)
@@ -35,70 +67,35 @@ def measure(path: str, seqlen: int, profile_lines: int) -> None:
     )
     leaves = [t.requires_grad_() for t in (q, k, v)]
     out = kern(*leaves)
+    scale = d**-0.5
+    # the same backward through the custom op's autograd formula (what eager calls took
+    # before fadsl/runtime/eager_grad.py; torch.compile's path)
+    out_op, _ = kern._call_op(*leaves, scale, None, True)
 
     def call(_: int = 0):
         return torch.autograd.grad(out, leaves, dout, retain_graph=True)
 
     for _ in range(5):
         call()
-    torch.cuda.synchronize()
-    # the host alone: the GPU busy for ~200 ms ahead of the calls
-    torch.cuda._sleep(300_000_000)
-    start = time.perf_counter()
-    for _ in range(20):
-        call()
-    host_us = (time.perf_counter() - start) / 20 * 1e6
-    torch.cuda.synchronize()
-    # the GPU alone: 20 calls queued behind a sleep, one event pair around them
-    first, last = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda._sleep(300_000_000)
-    first.record()
-    for _ in range(20):
-        call()
-    last.record()
-    torch.cuda.synchronize()
-    gpu_ms = first.elapsed_time(last) / 20
+    host, gpu = host_us(call), gpu_us(call)
     bench_ms, _ = _time(call, 1, 8, 32)
     print(
-        f"{kern.config.name} {batch}x{seqlen}x{heads}x{d}: host {host_us:.0f} us per call, "
-        f"GPU {gpu_ms * 1e3:.0f} us per call queued, bench {bench_ms * 1e3:.0f} us",
+        f"{kern.config.name} {batch}x{seqlen}x{heads}x{d}: host {host:.0f} us per call, "
+        f"GPU {gpu:.0f} us per call queued, bench {bench_ms * 1e3:.0f} us",
         flush=True,
     )
-    # the same backward through the custom op's autograd formula (what eager calls took
-    # before fadsl/runtime/eager_grad.py; torch.compile's path)
-    scale = d**-0.5
-    out_op, _ = kern._call_op(*leaves, scale, None, True)
-    for _ in range(5):
-        torch.autograd.grad(out_op, leaves, dout, retain_graph=True)
-    torch.cuda.synchronize()
-    torch.cuda._sleep(300_000_000)
-    start = time.perf_counter()
-    for _ in range(20):
-        torch.autograd.grad(out_op, leaves, dout, retain_graph=True)
-    print(
-        f"  through the custom op: host {(time.perf_counter() - start) / 20 * 1e6:.0f} us per call"
-    )
-    torch.cuda.synchronize()
+    through_op = host_us(lambda: torch.autograd.grad(out_op, leaves, dout, retain_graph=True))
+    print(f"  through the custom op: host {through_op:.0f} us per call")
     # the layers' shares: FlashAttention.backward called directly (no autograd, no custom
-    # op), and the three kernels' launches alone (BackwardKernels.__call__)
+    # op), the three kernels' launches alone (BackwardKernels.__call__), and the pieces
+    # FlashAttention.backward spends before the kernels (each alone, 200 times)
     with torch.no_grad():
         _, lse = kern(q, k, v, return_lse=True)
     kernels = kern._backward_kernels()
     dtype = kern.check_inputs(q, k, v)
-    arch = arch_of(q.device.index)
-    layers = {
-        "FlashAttention.backward": lambda: kern.backward(q, k, v, out, lse, dout, None, scale),
-        "BackwardKernels.__call__": lambda: kernels(
-            dtype, arch, q, k, v, out, lse, dout, None, scale
-        ),
-        "torch.empty_like x3": lambda: [torch.empty_like(t) for t in (q, k, v)],
-    }
-    from fadsl.runtime.arguments import backward_operands, lse_shape
-    from fadsl.targets.launch import current_stream
-    from fadsl.targets.sm90.host.tma import tensor_map
-
     index = q.device.index
-    pieces = {  # (each alone, 200 times: what FlashAttention.backward spends before the kernels)
+    arch = arch_of(index)
+    pieces = {
         "check_inputs": lambda: kern.check_inputs(q, k, v),
         "backward_operands": lambda: backward_operands(
             out, lse, dout, None, lse_shape(q), q.device
@@ -112,20 +109,16 @@ def measure(path: str, seqlen: int, profile_lines: int) -> None:
         ),
     }
     for name, fn in pieces.items():
-        fn()
-        start = time.perf_counter()
-        for _ in range(200):
-            fn()
-        print(f"    {name}: {(time.perf_counter() - start) / 200 * 1e6:.1f} us", flush=True)
+        print(f"    {name}: {host_us(fn, 200, busy=False):.1f} us", flush=True)
+    layers = {
+        "FlashAttention.backward": lambda: kern.backward(q, k, v, out, lse, dout, None, scale),
+        "BackwardKernels.__call__": lambda: kernels(
+            dtype, arch, q, k, v, out, lse, dout, None, scale
+        ),
+        "torch.empty_like x3": lambda: [torch.empty_like(t) for t in (q, k, v)],
+    }
     for name, fn in layers.items():
-        fn()
-        torch.cuda.synchronize()
-        torch.cuda._sleep(300_000_000)
-        start = time.perf_counter()
-        for _ in range(20):
-            fn()
-        print(f"  {name}: {(time.perf_counter() - start) / 20 * 1e6:.0f} us per call", flush=True)
-        torch.cuda.synchronize()
+        print(f"  {name}: {host_us(fn):.0f} us per call", flush=True)
     if profile_lines:
         profiler = cProfile.Profile()
         profiler.enable()
