@@ -9,11 +9,39 @@ namespace fadsl::sm90 {
 // 5. Consumer steps (one warpgroup, 64 keys)
 // ---------------------------------------------------------------------------
 
+#if defined(FADSL_EXP_DESC64)
+// Experiment FADSL_EXP_DESC64 (research/backward-sass-census.md): a product's base descriptor
+// opaque to the compiler (an empty asm), each k16 step's descriptor one 64-bit add to it.
+// NVVM, seeing desc_advance's constant high word, splits each descriptor into 32-bit halves,
+// and ptxas then refills the high words of the wgmma's descriptor quad (UMOV UR21/UR23,
+// 0x40000040) before every wgmma; a whole 64-bit add is one UIADD3.64 that writes both. The
+// same value as desc_advance: the low word is (address >> 4, under 2^14 below 228 KB) | LBO
+// << 16, under 2^30, plus byte_offset >> 4 < 2^14: no carry out of the low word.
+__device__ __forceinline__ uint64_t bwd_desc_base(uint64_t desc) {
+  asm("" : "+l"(desc));
+  return desc;
+}
+__device__ __forceinline__ uint64_t bwd_desc_step(uint64_t desc, uint32_t byte_offset) {
+  return desc + (byte_offset >> 4);
+}
+
+#endif
 // X^T = rows x_wg (64 keys, K-major, one panel per 64 head_dim columns, B_c-row panels) times
 // tile^T (B_r rows, K-major, B_r-row panels): S^T = K Q^T or dP^T = V dO^T.
 template <class Cfg>
 __device__ __forceinline__ void issue_keys_by_rows(float (&acc)[Cfg::kSRegs], uint32_t keys_wg, uint32_t rows_slot) {
   if constexpr (bwd_lean_path<Cfg>()) {  // descriptors built once, moved per k16 step
+#if defined(FADSL_EXP_DESC64)
+    const uint64_t a0 = bwd_desc_base(make_desc_kmajor_sw128(keys_wg));
+    const uint64_t b0 = bwd_desc_base(make_desc_kmajor_sw128(rows_slot));
+#pragma unroll
+    for (int kk = 0; kk < Cfg::kHeadDim / 16; ++kk) {
+      const uint32_t panel = kk / 4, k_bytes = (kk % 4) * 32;
+      const uint64_t desc_a = bwd_desc_step(a0, panel * Cfg::kBlockN * Cfg::kRowBytes + k_bytes);
+      const uint64_t desc_b = bwd_desc_step(b0, panel * Cfg::kBlockM * Cfg::kRowBytes + k_bytes);
+      Wgmma<Cfg::kBlockM>::template ss<typename Cfg::T, 0, 0>(acc, desc_a, desc_b, kk > 0 ? 1u : 0u);
+    }
+#else
     const uint64_t a0 = make_desc_kmajor_sw128(keys_wg), b0 = make_desc_kmajor_sw128(rows_slot);
 #pragma unroll
     for (int kk = 0; kk < Cfg::kHeadDim / 16; ++kk) {
@@ -22,6 +50,7 @@ __device__ __forceinline__ void issue_keys_by_rows(float (&acc)[Cfg::kSRegs], ui
       const uint64_t desc_b = desc_advance(b0, panel * Cfg::kBlockM * Cfg::kRowBytes + k_bytes);
       Wgmma<Cfg::kBlockM>::template ss<typename Cfg::T, 0, 0>(acc, desc_a, desc_b, kk > 0 ? 1u : 0u);
     }
+#endif
   } else {  // (bwd_lean_path says why)
 #pragma unroll
     for (int kk = 0; kk < Cfg::kHeadDim / 16; ++kk) {
@@ -38,6 +67,17 @@ __device__ __forceinline__ void issue_keys_by_rows(float (&acc)[Cfg::kSRegs], ui
 template <class Cfg>
 __device__ __forceinline__ void issue_grad_kv(float (&acc)[Cfg::kAccRegs], const uint32_t (&x)[Cfg::kPRegs],
                                               uint32_t rows_slot) {
+#if defined(FADSL_EXP_DESC64)
+  if constexpr (bwd_lean_path<Cfg>()) {
+    const uint64_t y0 = bwd_desc_base(make_desc_mnmajor_sw128(rows_slot, Cfg::kBlockM * Cfg::kRowBytes));
+#pragma unroll
+    for (int kk = 0; kk < Cfg::kBlockM / 16; ++kk) {
+      const uint32_t a[4] = {x[4 * kk], x[4 * kk + 1], x[4 * kk + 2], x[4 * kk + 3]};
+      Wgmma<Cfg::kHeadDim>::template rs<typename Cfg::T, 1>(acc, a, bwd_desc_step(y0, kk * 16 * Cfg::kRowBytes), 1u);
+    }
+    return;
+  }
+#endif
   const uint64_t y0 = make_desc_mnmajor_sw128(rows_slot, Cfg::kBlockM * Cfg::kRowBytes);
 #pragma unroll
   for (int kk = 0; kk < Cfg::kBlockM / 16; ++kk) {
@@ -52,6 +92,16 @@ template <class Cfg>
 __device__ __forceinline__ void issue_dq(float (&dq)[Cfg::kDqRegs], uint32_t ds_keys, uint32_t k_keys) {
   constexpr uint32_t kPanel = Cfg::kBlockN * Cfg::kRowBytes;
   if constexpr (bwd_lean_path<Cfg>()) {  // (as issue_keys_by_rows)
+#if defined(FADSL_EXP_DESC64)
+    const uint64_t a0 = bwd_desc_base(make_desc_mnmajor_sw128(ds_keys, kPanel));
+    const uint64_t b0 = bwd_desc_base(make_desc_mnmajor_sw128(k_keys, kPanel));
+#pragma unroll
+    for (int kk = 0; kk < Cfg::kDqKeys / 16; ++kk) {
+      const uint32_t step = kk * 16 * Cfg::kRowBytes;
+      Wgmma<Cfg::kDqCols>::template ss<typename Cfg::T, 1, 1>(dq, bwd_desc_step(a0, step), bwd_desc_step(b0, step),
+                                                               kk > 0 ? 1u : 0u);
+    }
+#else
     const uint64_t a0 = make_desc_mnmajor_sw128(ds_keys, kPanel), b0 = make_desc_mnmajor_sw128(k_keys, kPanel);
 #pragma unroll
     for (int kk = 0; kk < Cfg::kDqKeys / 16; ++kk) {
@@ -59,6 +109,7 @@ __device__ __forceinline__ void issue_dq(float (&dq)[Cfg::kDqRegs], uint32_t ds_
       Wgmma<Cfg::kDqCols>::template ss<typename Cfg::T, 1, 1>(dq, desc_advance(a0, step), desc_advance(b0, step),
                                                                kk > 0 ? 1u : 0u);
     }
+#endif
   } else {
 #pragma unroll
     for (int kk = 0; kk < Cfg::kDqKeys / 16; ++kk) {
@@ -77,6 +128,16 @@ template <class Cfg>
 __device__ __forceinline__ void issue_dq_t(float (&dq)[Cfg::kDqRegs], uint32_t ds_buf, uint32_t k_panel) {
   constexpr uint32_t kPanel = Cfg::kBlockN * Cfg::kRowBytes;
   if constexpr (bwd_lean_path<Cfg>()) {  // (as issue_keys_by_rows)
+#if defined(FADSL_EXP_DESC64)
+    const uint64_t a0 = bwd_desc_base(make_desc_mnmajor_sw128(k_panel, kPanel));
+    const uint64_t b0 = bwd_desc_base(make_desc_kmajor_sw128(ds_buf));
+#pragma unroll
+    for (int kk = 0; kk < Cfg::kBlockN / 16; ++kk) {
+      const uint64_t desc_a = bwd_desc_step(a0, kk * 16 * Cfg::kRowBytes);
+      const uint64_t desc_b = bwd_desc_step(b0, (kk / 4) * Cfg::kDSPanelBytes + (kk % 4) * 32);
+      Wgmma<Cfg::kBlockM>::template ss<typename Cfg::T, 1, 0>(dq, desc_a, desc_b, kk > 0 ? 1u : 0u);
+    }
+#else
     const uint64_t a0 = make_desc_mnmajor_sw128(k_panel, kPanel), b0 = make_desc_kmajor_sw128(ds_buf);
 #pragma unroll
     for (int kk = 0; kk < Cfg::kBlockN / 16; ++kk) {
@@ -84,6 +145,7 @@ __device__ __forceinline__ void issue_dq_t(float (&dq)[Cfg::kDqRegs], uint32_t d
       const uint64_t desc_b = desc_advance(b0, (kk / 4) * Cfg::kDSPanelBytes + (kk % 4) * 32);
       Wgmma<Cfg::kBlockM>::template ss<typename Cfg::T, 1, 0>(dq, desc_a, desc_b, kk > 0 ? 1u : 0u);
     }
+#endif
   } else {
 #pragma unroll
     for (int kk = 0; kk < Cfg::kBlockN / 16; ++kk) {
