@@ -382,6 +382,9 @@ __device__ __forceinline__ void bwd_consumer(const BwdParamsSm90& P, uint32_t sm
   }
   if (wg == 0 && tid == 0) FADSL_BWD_CTA_MARK(2);
   DqTicket owed{nullptr, 0};  // `deterministic on`: the leader's unreleased ticket
+#if defined(FADSL_EXP_DQ_PTR)
+  owed.dq_next = bwd_dq_first<Cfg>(P, b, accum_head, wg, tid);  // red.add's pointer (red_add_dq_stepped)
+#endif
 
   for (int i = 0; i < b.m_count; ++i) {
     FADSL_BWD_MARK(wg, i, 0);
