@@ -191,6 +191,25 @@ __device__ __forceinline__ void bwd_probs(float (&s)[Cfg::kSRegs], float (&dtanh
   const auto u = bwd_score_uniforms<Cfg>(P, b);  // kScoreGrad's loads per (batch, head); else none
   const int t = lane % 4;
   const int d = bwd_diagonal<Cfg>(P, b);
+#if defined(FADSL_EXP_MASK_LIM)
+  // Experiment FADSL_EXP_MASK_LIM (research/backward-sass-census.md): without a window or
+  // `keep`, element (r, j, e) is masked iff its key is past the keys or past its query's right
+  // edge: key0 + 8r >= keys, or key0 + 8r > q0 + (8j + 2t + e) + d + right, i.e. 8j + e <
+  // lim[r] = key0 + 8r - q0 - d - right - 2t (integers far from overflow: keys, queries < 2^30).
+  // lim[r] is INT_MAX past the keys (every element masked) and INT_MIN without a right edge
+  // (none masked by it), so each element costs one compare with an immediate 8j + e, in
+  // place of a column add and a compare-or per element (SASS, NVRTC 13.5, 2026-11-30).
+  int lim[2];
+  if constexpr (kMask && !has_window<Cfg>() && !Cfg::kKeep) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int key = key0 + 8 * r;
+      int edge = INT_MIN;
+      if constexpr (bwd_has_right_edge<Cfg>()) edge = key - q0 - d - bwd_right_edge<Cfg>() - 2 * t;
+      lim[r] = key >= bwd_keys<Cfg>(P, b) ? INT_MAX : edge;
+    }
+  }
+#endif
 #pragma unroll
   for (int j = 0; j < Cfg::kBlockM / 8; ++j) {
     const float2 lse_pair = ld_shared_v2_f32(lse_slot + 4 * (8 * j + 2 * t));  // columns 8j + 2t + e
@@ -202,7 +221,13 @@ __device__ __forceinline__ void bwd_probs(float (&s)[Cfg::kSRegs], float (&dtanh
       for (int r = 0; r < 2; ++r) {
         float& x = s[4 * j + 2 * r + e];
         float p = fast_exp2(fmaf(bwd_score_at<Cfg>(x, P, u, b, key0 + 8 * r, q0 + col), bwd_probs_scale<Cfg>(P), -lse));
+#if defined(FADSL_EXP_MASK_LIM)
+        if constexpr (kMask && !has_window<Cfg>() && !Cfg::kKeep) {
+          if (8 * j + e < lim[r]) p = 0.f;
+        } else if constexpr (kMask) {
+#else
         if constexpr (kMask) {
+#endif
           const int key = key0 + 8 * r;
           bool masked = key >= bwd_keys<Cfg>(P, b);
           if constexpr (bwd_has_right_edge<Cfg>()) masked = masked || key > q0 + col + d + bwd_right_edge<Cfg>();
