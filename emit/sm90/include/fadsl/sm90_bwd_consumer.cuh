@@ -26,6 +26,20 @@ __device__ __forceinline__ uint64_t bwd_desc_step(uint64_t desc, uint32_t byte_o
 }
 
 #endif
+#if defined(FADSL_EXP_LSE_V4)
+// Experiment FADSL_EXP_LSE_V4 (research/backward-sass-census.md): the preprocess writes each
+// m-block's LSE and D in the order in which the consumers read them (bwd_stat_slot), so that
+// lane t of a quad finds its columns 8j + 2t + e (j < B_r / 8, e < 2) as B_r / 4 contiguous
+// floats from (B_r / 4) t: one 16-byte load per two j, B_r / 16 a thread for each of the
+// LSE and D in place of B_r / 8 8-byte loads. A permutation inside each m-block of B_r rows
+// (a CTA's slot holds one whole m-block), of workspaces no other kernel reads.
+__device__ __forceinline__ float4 ld_shared_v4_f32(uint32_t addr) {
+  float4 v;
+  asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];\n" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(addr) : "memory");
+  return v;
+}
+
+#endif
 // X^T = rows x_wg (64 keys, K-major, one panel per 64 head_dim columns, B_c-row panels) times
 // tile^T (B_r rows, K-major, B_r-row panels): S^T = K Q^T or dP^T = V dO^T.
 template <class Cfg>
@@ -210,9 +224,22 @@ __device__ __forceinline__ void bwd_probs(float (&s)[Cfg::kSRegs], float (&dtanh
     }
   }
 #endif
+#if defined(FADSL_EXP_LSE_V4)
+  float4 lse_quad;  // columns 8j + 2t + e of j and j + 1 (j even)
+#endif
 #pragma unroll
   for (int j = 0; j < Cfg::kBlockM / 8; ++j) {
+#if defined(FADSL_EXP_LSE_V4)
+    float2 lse_pair;  // (the pair's load is volatile: issued only where the order is not permuted)
+    if constexpr (bwd_stats_permuted<Cfg>()) {
+      if (j % 2 == 0) lse_quad = ld_shared_v4_f32(lse_slot + 4 * ((Cfg::kBlockM / 4) * t + 2 * j));
+      lse_pair = j % 2 == 0 ? make_float2(lse_quad.x, lse_quad.y) : make_float2(lse_quad.z, lse_quad.w);
+    } else {
+      lse_pair = ld_shared_v2_f32(lse_slot + 4 * (8 * j + 2 * t));
+    }
+#else
     const float2 lse_pair = ld_shared_v2_f32(lse_slot + 4 * (8 * j + 2 * t));  // columns 8j + 2t + e
+#endif
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
       const int col = 8 * j + 2 * t + e;
@@ -249,9 +276,22 @@ template <class Cfg>
 __device__ __forceinline__ void bwd_grad_scores(const float (&p)[Cfg::kSRegs], float (&dp)[Cfg::kSRegs],
                                                 float (&dtanh)[Cfg::kSRegs], uint32_t d_slot, int lane) {
   const int t = lane % 4;
+#if defined(FADSL_EXP_LSE_V4)
+  float4 d_quad;  // (as bwd_probs' lse_quad)
+#endif
 #pragma unroll
   for (int j = 0; j < Cfg::kBlockM / 8; ++j) {
+#if defined(FADSL_EXP_LSE_V4)
+    float2 d_pair;  // (as bwd_probs' lse_pair)
+    if constexpr (bwd_stats_permuted<Cfg>()) {
+      if (j % 2 == 0) d_quad = ld_shared_v4_f32(d_slot + 4 * ((Cfg::kBlockM / 4) * t + 2 * j));
+      d_pair = j % 2 == 0 ? make_float2(d_quad.x, d_quad.y) : make_float2(d_quad.z, d_quad.w);
+    } else {
+      d_pair = ld_shared_v2_f32(d_slot + 4 * (8 * j + 2 * t));
+    }
+#else
     const float2 d_pair = ld_shared_v2_f32(d_slot + 4 * (8 * j + 2 * t));  // columns 8j + 2t + e
+#endif
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
       const float d = e == 0 ? d_pair.x : d_pair.y;
