@@ -529,23 +529,6 @@ __host__ __device__ constexpr bool bwd_lean_path() {
   return !(Cfg::kScore || Cfg::kKeep || Cfg::kWindowLeft >= 0 || Cfg::kWindowRight >= 0 ||
            Cfg::kSoftcap > 0.f || Cfg::kVarlen || Cfg::kDqWriter || Cfg::kSplitHeadDim);
 }
-#if defined(FADSL_EXP_LSE_V4)
-
-// Experiment FADSL_EXP_LSE_V4 (fadsl/sm90_bwd_consumer.cuh's ld_shared_v4_f32): where the
-// preprocess writes the LSE and D of row `row` (of B_r-row m-blocks, each permuted alone:
-// column c = 8j + 2t + e at (B_r / 4) t + 2j + e), for kernels whose every consumer reads them
-// through bwd_probs and bwd_grad_scores (the lean path, padded, head_dim not split).
-template <class Cfg>
-__host__ __device__ constexpr bool bwd_stats_permuted() {
-  return bwd_lean_path<Cfg>() && !Cfg::kSplitHeadDim && !Cfg::kVarlen && Cfg::kBlockM % 16 == 0;
-}
-template <class Cfg>
-__host__ __device__ constexpr int bwd_stat_slot(int row) {
-  if constexpr (!bwd_stats_permuted<Cfg>()) return row;
-  const int c = row % Cfg::kBlockM;
-  return row - c + (c % 8 / 2) * (Cfg::kBlockM / 4) + (c / 8) * 2 + c % 2;
-}
-#endif
 
 // This thread's warpgroup (0: the producer); warp-uniform through a shuffle on the lean
 // path (bwd_lean_path).

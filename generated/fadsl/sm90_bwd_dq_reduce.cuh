@@ -74,47 +74,8 @@ __device__ __forceinline__ void red_add_dq(float* dst, const float (&dq)[Cfg::kD
 struct DqTicket {
   int* semaphore;
   int ticket;
-#if defined(FADSL_EXP_DQ_PTR)
-  float* dq_next = nullptr;  // (bwd_dq_first)
-#endif
 };
 
-#if defined(FADSL_EXP_DQ_PTR)
-// Experiment FADSL_EXP_DQ_PTR (research/backward-sass-census.md): with `dQ: rf -red.add->
-// gmem` on the lean path the consumer's m-blocks are m_begin, m_begin + 1, ... (bwd_m_block:
-// the visit order is deterministic mode's, which stages dQ) and dq_accum_share is affine in
-// m, so the thread's first float4 of m-block m_begin + i is the block's first plus i B_r
-// head_dim floats: one pointer, built once per block (bwd_dq_first, carried in the DqTicket
-// that red.add leaves unused) and advanced by that constant after each m-block's adds (one
-// 64-bit add), in place of (accum_head + m) B_r head_dim + wg kDqFloats + 4 tid rebuilt in 64
-// bits each m-block (about 12 instructions; SASS, NVRTC 13.5, 2026-11-30).
-template <class Cfg>
-__host__ __device__ constexpr bool bwd_dq_stepped() {
-  return Cfg::kDqRed && bwd_lean_path<Cfg>() && !Cfg::kDeterministic;
-}
-template <class Cfg>
-__device__ __forceinline__ float* bwd_dq_first(const BwdParamsSm90& P, const BwdBlock& b, int64_t accum_head, int wg,
-                                               int tid) {
-  if constexpr (!bwd_dq_stepped<Cfg>()) return nullptr;
-  float* mine = dq_accum_share<Cfg>(P, accum_head, b.m_begin, wg) + 4 * tid;
-  asm("" : "+l"(mine));  // (as red_add_dq: each add's offset an immediate)
-  return mine;
-}
-// The adds from the carried pointer; false (nothing added) where bwd_dq_stepped is off.
-template <class Cfg>
-__device__ __forceinline__ bool red_add_dq_stepped(const float (&dq)[Cfg::kDqRegs], DqTicket& owed) {
-  if constexpr (bwd_dq_stepped<Cfg>()) {
-#pragma unroll
-    for (int q = 0; q < Cfg::kDqRegs / 4; ++q) {
-      red_add_v4_f32(owed.dq_next + 4 * 128 * q, dq[4 * q], dq[4 * q + 1], dq[4 * q + 2], dq[4 * q + 3]);
-    }
-    owed.dq_next += Cfg::kBlockM * Cfg::kHeadDim;  // m-block m + 1's
-    return true;
-  }
-  return false;
-}
-
-#endif
 template <class Cfg>
 __device__ __forceinline__ void ordered_reduce_add(float* dst, uint32_t stage, int* semaphore, int ticket) {
   while (ld_acquire_gpu(semaphore) != ticket) __nanosleep(32);
@@ -164,9 +125,6 @@ __device__ __forceinline__ void reduce_dq(const BwdParamsSm90& P, const BwdBlock
                                           int tid, DqTicket& owed, int i) {
   float* dst = dq_accum_share<Cfg>(P, accum_head, m, wg);
   if constexpr (Cfg::kDqRed) {
-#if defined(FADSL_EXP_DQ_PTR)
-    if (red_add_dq_stepped<Cfg>(dq, owed)) return;  // (a constant: the experiment's adds, or red_add_dq's)
-#endif
     red_add_dq<Cfg>(dst, dq, tid);
   } else if constexpr (Cfg::kDqWriter) {
     // WAR: writer wg's reduce-add of m-block i - 1 has read the staging (its lane 0's

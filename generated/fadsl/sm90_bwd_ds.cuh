@@ -75,24 +75,6 @@ __device__ __forceinline__ void store_ds_t(uint32_t ds_buf, const uint32_t (&x)[
                                            int lane) {
   const int block = lane / 8;
   const uint32_t key_bytes = (16 * warp + 8 * (block % 2)) * 2;
-#if defined(FADSL_EXP_STSM_IMM)
-  // Experiment FADSL_EXP_STSM_IMM (research/backward-sass-census.md): x4 n's row lies 16 n
-  // query rows (2048 n bytes) past x4 0's, and swizzle128 reads bits 7-9 and flips bits 4-6
-  // only, which adding 2048 n (bit 11 up, no carry down) leaves alone: swizzle128(byte +
-  // 2048 n) = swizzle128(byte) + 2048 n. One address a thread and m-block, each store's
-  // offset an immediate, in place of B_r / 16 swizzled addresses kept in registers. The
-  // lean path's kernels only (bwd_lean_path): prefix_lm_alibi's spilled 16 bytes with it.
-  if constexpr (bwd_lean_path<Cfg>()) {
-    static_assert(16 * Cfg::kRowBytes == 2048, "16 query rows of 128 bytes");
-    const uint32_t at =
-        ds_buf + swizzle128(wg * Cfg::kDSPanelBytes + (8 * (block / 2) + lane % 8) * Cfg::kRowBytes + key_bytes);
-#pragma unroll
-    for (int n = 0; n < Cfg::kBlockM / 16; ++n) {
-      stmatrix_x4_trans(at + 2048 * n, x[4 * n], x[4 * n + 1], x[4 * n + 2], x[4 * n + 3]);
-    }
-    return;
-  }
-#endif
 #pragma unroll
   for (int n = 0; n < Cfg::kBlockM / 16; ++n) {
     const int query = 8 * (2 * n + block / 2) + lane % 8;

@@ -100,15 +100,9 @@ __device__ __forceinline__ void bwd_preprocess_row(const BwdPrepParams& P) {
       // the same as D - dLSE in place of D
       if (P.dlse != nullptr) d -= P.dlse[at_lse];
     }
-#if defined(FADSL_EXP_LSE_V4)
-    const int64_t at_stat = at - row + bwd_stat_slot<Cfg>(row);  // (the m-block's rows permuted)
-    P.dpsum[at_stat] = d;
-    P.lse_log2[at_stat] = lse == -INFINITY ? INFINITY : lse * 1.4426950408889634f;
-#else
     P.dpsum[at] = d;
     // a row that saw no key (LSE -inf), or a padding row: P = 2^(S c - inf) = 0
     P.lse_log2[at] = lse == -INFINITY ? INFINITY : lse * 1.4426950408889634f;
-#endif
     // the m-block's semaphores (rows are m-blocks of B_r: seqlen_q_rounded / B_r per head)
     if (P.dq_semaphore != nullptr && row % Cfg::kBlockM == 0) {
 #pragma unroll

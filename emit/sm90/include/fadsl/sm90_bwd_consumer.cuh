@@ -9,53 +9,11 @@ namespace fadsl::sm90 {
 // 5. Consumer steps (one warpgroup, 64 keys)
 // ---------------------------------------------------------------------------
 
-#if defined(FADSL_EXP_DESC64)
-// Experiment FADSL_EXP_DESC64 (research/backward-sass-census.md): a product's base descriptor
-// opaque to the compiler (an empty asm), each k16 step's descriptor one 64-bit add to it.
-// NVVM, seeing desc_advance's constant high word, splits each descriptor into 32-bit halves,
-// and ptxas then refills the high words of the wgmma's descriptor quad (UMOV UR21/UR23,
-// 0x40000040) before every wgmma; a whole 64-bit add is one UIADD3.64 that writes both. The
-// same value as desc_advance: the low word is (address >> 4, under 2^14 below 228 KB) | LBO
-// << 16, under 2^30, plus byte_offset >> 4 < 2^14: no carry out of the low word.
-__device__ __forceinline__ uint64_t bwd_desc_base(uint64_t desc) {
-  asm("" : "+l"(desc));
-  return desc;
-}
-__device__ __forceinline__ uint64_t bwd_desc_step(uint64_t desc, uint32_t byte_offset) {
-  return desc + (byte_offset >> 4);
-}
-
-#endif
-#if defined(FADSL_EXP_LSE_V4)
-// Experiment FADSL_EXP_LSE_V4 (research/backward-sass-census.md): the preprocess writes each
-// m-block's LSE and D in the order in which the consumers read them (bwd_stat_slot), so that
-// lane t of a quad finds its columns 8j + 2t + e (j < B_r / 8, e < 2) as B_r / 4 contiguous
-// floats from (B_r / 4) t: one 16-byte load per two j, B_r / 16 a thread for each of the
-// LSE and D in place of B_r / 8 8-byte loads. A permutation inside each m-block of B_r rows
-// (a CTA's slot holds one whole m-block), of workspaces no other kernel reads.
-__device__ __forceinline__ float4 ld_shared_v4_f32(uint32_t addr) {
-  float4 v;
-  asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];\n" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(addr) : "memory");
-  return v;
-}
-
-#endif
 // X^T = rows x_wg (64 keys, K-major, one panel per 64 head_dim columns, B_c-row panels) times
 // tile^T (B_r rows, K-major, B_r-row panels): S^T = K Q^T or dP^T = V dO^T.
 template <class Cfg>
 __device__ __forceinline__ void issue_keys_by_rows(float (&acc)[Cfg::kSRegs], uint32_t keys_wg, uint32_t rows_slot) {
   if constexpr (bwd_lean_path<Cfg>()) {  // descriptors built once, moved per k16 step
-#if defined(FADSL_EXP_DESC64)
-    const uint64_t a0 = bwd_desc_base(make_desc_kmajor_sw128(keys_wg));
-    const uint64_t b0 = bwd_desc_base(make_desc_kmajor_sw128(rows_slot));
-#pragma unroll
-    for (int kk = 0; kk < Cfg::kHeadDim / 16; ++kk) {
-      const uint32_t panel = kk / 4, k_bytes = (kk % 4) * 32;
-      const uint64_t desc_a = bwd_desc_step(a0, panel * Cfg::kBlockN * Cfg::kRowBytes + k_bytes);
-      const uint64_t desc_b = bwd_desc_step(b0, panel * Cfg::kBlockM * Cfg::kRowBytes + k_bytes);
-      Wgmma<Cfg::kBlockM>::template ss<typename Cfg::T, 0, 0>(acc, desc_a, desc_b, kk > 0 ? 1u : 0u);
-    }
-#else
     const uint64_t a0 = make_desc_kmajor_sw128(keys_wg), b0 = make_desc_kmajor_sw128(rows_slot);
 #pragma unroll
     for (int kk = 0; kk < Cfg::kHeadDim / 16; ++kk) {
@@ -64,7 +22,6 @@ __device__ __forceinline__ void issue_keys_by_rows(float (&acc)[Cfg::kSRegs], ui
       const uint64_t desc_b = desc_advance(b0, panel * Cfg::kBlockM * Cfg::kRowBytes + k_bytes);
       Wgmma<Cfg::kBlockM>::template ss<typename Cfg::T, 0, 0>(acc, desc_a, desc_b, kk > 0 ? 1u : 0u);
     }
-#endif
   } else {  // (bwd_lean_path says why)
 #pragma unroll
     for (int kk = 0; kk < Cfg::kHeadDim / 16; ++kk) {
@@ -81,17 +38,6 @@ __device__ __forceinline__ void issue_keys_by_rows(float (&acc)[Cfg::kSRegs], ui
 template <class Cfg>
 __device__ __forceinline__ void issue_grad_kv(float (&acc)[Cfg::kAccRegs], const uint32_t (&x)[Cfg::kPRegs],
                                               uint32_t rows_slot) {
-#if defined(FADSL_EXP_DESC64)
-  if constexpr (bwd_lean_path<Cfg>()) {
-    const uint64_t y0 = bwd_desc_base(make_desc_mnmajor_sw128(rows_slot, Cfg::kBlockM * Cfg::kRowBytes));
-#pragma unroll
-    for (int kk = 0; kk < Cfg::kBlockM / 16; ++kk) {
-      const uint32_t a[4] = {x[4 * kk], x[4 * kk + 1], x[4 * kk + 2], x[4 * kk + 3]};
-      Wgmma<Cfg::kHeadDim>::template rs<typename Cfg::T, 1>(acc, a, bwd_desc_step(y0, kk * 16 * Cfg::kRowBytes), 1u);
-    }
-    return;
-  }
-#endif
   const uint64_t y0 = make_desc_mnmajor_sw128(rows_slot, Cfg::kBlockM * Cfg::kRowBytes);
 #pragma unroll
   for (int kk = 0; kk < Cfg::kBlockM / 16; ++kk) {
@@ -106,16 +52,6 @@ template <class Cfg>
 __device__ __forceinline__ void issue_dq(float (&dq)[Cfg::kDqRegs], uint32_t ds_keys, uint32_t k_keys) {
   constexpr uint32_t kPanel = Cfg::kBlockN * Cfg::kRowBytes;
   if constexpr (bwd_lean_path<Cfg>()) {  // (as issue_keys_by_rows)
-#if defined(FADSL_EXP_DESC64)
-    const uint64_t a0 = bwd_desc_base(make_desc_mnmajor_sw128(ds_keys, kPanel));
-    const uint64_t b0 = bwd_desc_base(make_desc_mnmajor_sw128(k_keys, kPanel));
-#pragma unroll
-    for (int kk = 0; kk < Cfg::kDqKeys / 16; ++kk) {
-      const uint32_t step = kk * 16 * Cfg::kRowBytes;
-      Wgmma<Cfg::kDqCols>::template ss<typename Cfg::T, 1, 1>(dq, bwd_desc_step(a0, step), bwd_desc_step(b0, step),
-                                                               kk > 0 ? 1u : 0u);
-    }
-#else
     const uint64_t a0 = make_desc_mnmajor_sw128(ds_keys, kPanel), b0 = make_desc_mnmajor_sw128(k_keys, kPanel);
 #pragma unroll
     for (int kk = 0; kk < Cfg::kDqKeys / 16; ++kk) {
@@ -123,7 +59,6 @@ __device__ __forceinline__ void issue_dq(float (&dq)[Cfg::kDqRegs], uint32_t ds_
       Wgmma<Cfg::kDqCols>::template ss<typename Cfg::T, 1, 1>(dq, desc_advance(a0, step), desc_advance(b0, step),
                                                                kk > 0 ? 1u : 0u);
     }
-#endif
   } else {
 #pragma unroll
     for (int kk = 0; kk < Cfg::kDqKeys / 16; ++kk) {
@@ -142,16 +77,6 @@ template <class Cfg>
 __device__ __forceinline__ void issue_dq_t(float (&dq)[Cfg::kDqRegs], uint32_t ds_buf, uint32_t k_panel) {
   constexpr uint32_t kPanel = Cfg::kBlockN * Cfg::kRowBytes;
   if constexpr (bwd_lean_path<Cfg>()) {  // (as issue_keys_by_rows)
-#if defined(FADSL_EXP_DESC64)
-    const uint64_t a0 = bwd_desc_base(make_desc_mnmajor_sw128(k_panel, kPanel));
-    const uint64_t b0 = bwd_desc_base(make_desc_kmajor_sw128(ds_buf));
-#pragma unroll
-    for (int kk = 0; kk < Cfg::kBlockN / 16; ++kk) {
-      const uint64_t desc_a = bwd_desc_step(a0, kk * 16 * Cfg::kRowBytes);
-      const uint64_t desc_b = bwd_desc_step(b0, (kk / 4) * Cfg::kDSPanelBytes + (kk % 4) * 32);
-      Wgmma<Cfg::kBlockM>::template ss<typename Cfg::T, 1, 0>(dq, desc_a, desc_b, kk > 0 ? 1u : 0u);
-    }
-#else
     const uint64_t a0 = make_desc_mnmajor_sw128(k_panel, kPanel), b0 = make_desc_kmajor_sw128(ds_buf);
 #pragma unroll
     for (int kk = 0; kk < Cfg::kBlockN / 16; ++kk) {
@@ -159,7 +84,6 @@ __device__ __forceinline__ void issue_dq_t(float (&dq)[Cfg::kDqRegs], uint32_t d
       const uint64_t desc_b = desc_advance(b0, (kk / 4) * Cfg::kDSPanelBytes + (kk % 4) * 32);
       Wgmma<Cfg::kBlockM>::template ss<typename Cfg::T, 1, 0>(dq, desc_a, desc_b, kk > 0 ? 1u : 0u);
     }
-#endif
   } else {
 #pragma unroll
     for (int kk = 0; kk < Cfg::kBlockN / 16; ++kk) {
@@ -205,41 +129,9 @@ __device__ __forceinline__ void bwd_probs(float (&s)[Cfg::kSRegs], float (&dtanh
   const auto u = bwd_score_uniforms<Cfg>(P, b);  // kScoreGrad's loads per (batch, head); else none
   const int t = lane % 4;
   const int d = bwd_diagonal<Cfg>(P, b);
-#if defined(FADSL_EXP_MASK_LIM)
-  // Experiment FADSL_EXP_MASK_LIM (research/backward-sass-census.md): without a window or
-  // `keep`, element (r, j, e) is masked iff its key is past the keys or past its query's right
-  // edge: key0 + 8r >= keys, or key0 + 8r > q0 + (8j + 2t + e) + d + right, i.e. 8j + e <
-  // lim[r] = key0 + 8r - q0 - d - right - 2t (integers far from overflow: keys, queries < 2^30).
-  // lim[r] is INT_MAX past the keys (every element masked) and INT_MIN without a right edge
-  // (none masked by it), so each element costs one compare with an immediate 8j + e, in
-  // place of a column add and a compare-or per element (SASS, NVRTC 13.5, 2026-11-30).
-  int lim[2];
-  if constexpr (kMask && !has_window<Cfg>() && !Cfg::kKeep) {
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int key = key0 + 8 * r;
-      int edge = INT_MIN;
-      if constexpr (bwd_has_right_edge<Cfg>()) edge = key - q0 - d - bwd_right_edge<Cfg>() - 2 * t;
-      lim[r] = key >= bwd_keys<Cfg>(P, b) ? INT_MAX : edge;
-    }
-  }
-#endif
-#if defined(FADSL_EXP_LSE_V4)
-  float4 lse_quad;  // columns 8j + 2t + e of j and j + 1 (j even)
-#endif
 #pragma unroll
   for (int j = 0; j < Cfg::kBlockM / 8; ++j) {
-#if defined(FADSL_EXP_LSE_V4)
-    float2 lse_pair;  // (the pair's load is volatile: issued only where the order is not permuted)
-    if constexpr (bwd_stats_permuted<Cfg>()) {
-      if (j % 2 == 0) lse_quad = ld_shared_v4_f32(lse_slot + 4 * ((Cfg::kBlockM / 4) * t + 2 * j));
-      lse_pair = j % 2 == 0 ? make_float2(lse_quad.x, lse_quad.y) : make_float2(lse_quad.z, lse_quad.w);
-    } else {
-      lse_pair = ld_shared_v2_f32(lse_slot + 4 * (8 * j + 2 * t));
-    }
-#else
     const float2 lse_pair = ld_shared_v2_f32(lse_slot + 4 * (8 * j + 2 * t));  // columns 8j + 2t + e
-#endif
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
       const int col = 8 * j + 2 * t + e;
@@ -248,13 +140,7 @@ __device__ __forceinline__ void bwd_probs(float (&s)[Cfg::kSRegs], float (&dtanh
       for (int r = 0; r < 2; ++r) {
         float& x = s[4 * j + 2 * r + e];
         float p = fast_exp2(fmaf(bwd_score_at<Cfg>(x, P, u, b, key0 + 8 * r, q0 + col), bwd_probs_scale<Cfg>(P), -lse));
-#if defined(FADSL_EXP_MASK_LIM)
-        if constexpr (kMask && !has_window<Cfg>() && !Cfg::kKeep) {
-          if (8 * j + e < lim[r]) p = 0.f;
-        } else if constexpr (kMask) {
-#else
         if constexpr (kMask) {
-#endif
           const int key = key0 + 8 * r;
           bool masked = key >= bwd_keys<Cfg>(P, b);
           if constexpr (bwd_has_right_edge<Cfg>()) masked = masked || key > q0 + col + d + bwd_right_edge<Cfg>();
@@ -276,22 +162,9 @@ template <class Cfg>
 __device__ __forceinline__ void bwd_grad_scores(const float (&p)[Cfg::kSRegs], float (&dp)[Cfg::kSRegs],
                                                 float (&dtanh)[Cfg::kSRegs], uint32_t d_slot, int lane) {
   const int t = lane % 4;
-#if defined(FADSL_EXP_LSE_V4)
-  float4 d_quad;  // (as bwd_probs' lse_quad)
-#endif
 #pragma unroll
   for (int j = 0; j < Cfg::kBlockM / 8; ++j) {
-#if defined(FADSL_EXP_LSE_V4)
-    float2 d_pair;  // (as bwd_probs' lse_pair)
-    if constexpr (bwd_stats_permuted<Cfg>()) {
-      if (j % 2 == 0) d_quad = ld_shared_v4_f32(d_slot + 4 * ((Cfg::kBlockM / 4) * t + 2 * j));
-      d_pair = j % 2 == 0 ? make_float2(d_quad.x, d_quad.y) : make_float2(d_quad.z, d_quad.w);
-    } else {
-      d_pair = ld_shared_v2_f32(d_slot + 4 * (8 * j + 2 * t));
-    }
-#else
     const float2 d_pair = ld_shared_v2_f32(d_slot + 4 * (8 * j + 2 * t));  // columns 8j + 2t + e
-#endif
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
       const float d = e == 0 ? d_pair.x : d_pair.y;
@@ -447,9 +320,6 @@ __device__ __forceinline__ void bwd_consumer(const BwdParamsSm90& P, uint32_t sm
   }
   if (wg == 0 && tid == 0) FADSL_BWD_CTA_MARK(2);
   DqTicket owed{nullptr, 0};  // `deterministic on`: the leader's unreleased ticket
-#if defined(FADSL_EXP_DQ_PTR)
-  owed.dq_next = bwd_dq_first<Cfg>(P, b, accum_head, wg, tid);  // red.add's pointer (red_add_dq_stepped)
-#endif
 
   for (int i = 0; i < b.m_count; ++i) {
     FADSL_BWD_MARK(wg, i, 0);
