@@ -153,11 +153,17 @@ __device__ __forceinline__ void bwd_learn(const float (&ds)[Cfg::kSRegs], const 
   }
 }
 
+// x summed over the warp (every lane gets the sum).
+__device__ __forceinline__ float bwd_warp_sum(float x) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) x += __shfl_xor_sync(0xffffffffu, x, offset);
+  return x;
+}
+
 // A uniform read's sum over the warp, one add by lane 0 (none where it is 0: a CTA whose
 // scores are all masked adds nothing).
 __device__ __forceinline__ void bwd_learn_add_warp(float* dst, float x, int lane) {
-#pragma unroll
-  for (int offset = 16; offset > 0; offset >>= 1) x += __shfl_xor_sync(0xffffffffu, x, offset);
+  x = bwd_warp_sum(x);
   if (lane == 0 && x != 0.f) atomicAdd(dst, x);
 }
 
@@ -189,9 +195,7 @@ __device__ __forceinline__ void bwd_learn_fix(const Params& P) {
       const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
 #pragma unroll
       for (int x = 0; x < M::kLearnUniform; ++x) {
-        float v = fix[1 + x];
-#pragma unroll
-        for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
+        const float v = bwd_warp_sum(fix[1 + x]);
         if (lane == 0) warps[warp][x] = v;
       }
       __syncthreads();  // RAW: every warp's sums in SMEM before thread 0 adds them
