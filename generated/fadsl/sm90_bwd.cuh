@@ -215,6 +215,10 @@ struct BwdConfig {
   // issued once dS^T is stored (FlashAttention-3's order), in a wgmma group of its own, so
   // that it runs under the warpgroups' meeting, where no product is queued otherwise
   static constexpr bool kDvBeforeMeeting = false;
+  // `dq_lag on` (a generated Cfg sets it, with kNumBars 4 more for ds_full and ds_empty per
+  // dS^T buffer; with kOverlap and dQ by red.add only): dQ(i - 1) issued in m-block i, after
+  // dV(i), so that the warpgroups never meet (bwd_consumer_lagged, fadsl/sm90_bwd_lag.cuh)
+  static constexpr bool kDqLag = false;
   // `dq_writer on` (a generated Cfg sets it; dQ staged in shares of its own, not kDqByKeys):
   // warp 1 + w of the producer warpgroup reduce-adds consumer w's staging (bwd_dq_writer),
   // with the ticket's acquire and release in deterministic mode, so that the consumer
@@ -672,4 +676,5 @@ __device__ __forceinline__ bool bwd_needs_mask(const BwdParamsSm90& P, const Bwd
 #include "sm90_bwd_dq_reduce.cuh"  // 5b: dQ into its fp32 accumulator (staged, red.add, in ticket order)
 #include "sm90_bwd_consumer.cuh"   // 5-6: a consumer warpgroup's steps and body
 #include "sm90_bwd_writer.cuh"  // 6b: `dq_writer on`'s writer warps
+#include "sm90_bwd_lag.cuh"     // 6c: `dq_lag on`'s consumer (dQ one m-block behind, no meeting)
 #include "sm90_bwd_prep.cuh"   // 7: the preprocess and dQ's conversion

@@ -52,6 +52,7 @@ def convert_ctas(m_blocks: int, block_m: int) -> int:
 # The header and the roles' functions: the consumers split the keys (sm90_bwd.cuh), or at
 # head_dim 256 head_dim (sm90_bwd_split.cuh)
 HEADER, PRODUCER, CONSUMER = "sm90_bwd.cuh", "bwd_producer", "bwd_consumer"
+LAGGED_CONSUMER = "bwd_consumer_lagged"  # `dq_lag on` (sm90_bwd_lag.cuh)
 SPLIT_HEADER = "sm90_bwd_split.cuh"
 SPLIT_PRODUCER, SPLIT_CONSUMER = "bwd_producer_split", "bwd_consumer_split"
 
@@ -95,7 +96,7 @@ def context(kernel: Kernel, dtype: Dtype) -> dict[str, Any]:
     return {
         "header": SPLIT_HEADER if split else HEADER,
         "producer": SPLIT_PRODUCER if split else PRODUCER,
-        "consumer": SPLIT_CONSUMER if split else CONSUMER,
+        "consumer": SPLIT_CONSUMER if split else LAGGED_CONSUMER if bwd.dq_lag else CONSUMER,
         "split": split,
         "do_stages": do_stages(bwd, cfg.head_dim),
         "cuda_type": dtype.cuda_type,
@@ -108,6 +109,7 @@ def context(kernel: Kernel, dtype: Dtype) -> dict[str, Any]:
         "overlap": bwd.overlap,
         "early_dv": bwd.early_dv,
         "dv_before_meeting": bwd.dv_before_meeting,
+        "dq_lag": bwd.dq_lag,
         "longest_first": bwd.longest_first,
         "persistent": bwd.persistent,
         "varlen": cfg.features.varlen,

@@ -121,6 +121,8 @@ def plan_smem(bwd: Backward, head_dim: int) -> BackwardSmem:
         bars = ((1 + 2 * s) * 8, "K/V full; Q/dO full and empty per slot")
         if bwd.persistent:  # kv_empty: the tile's K and V freed for the next tile's
             bars = ((2 + 2 * s) * 8, "K/V full; Q/dO full and empty per slot; K/V empty")
+        if bwd.dq_lag:  # dS^T's full and empty per buffer (sm90_bwd_lag.cuh)
+            bars = (bars[0] + 4 * 8, bars[1] + "; dS^T full and empty per buffer")
         pds = (
             (
                 "dS",

@@ -288,6 +288,10 @@ class Params:
     # running on over the tiles (ring slots, parities and dS^T buffers continue), K and V
     # freed per tile on kv_empty and their barriers' phase that of the tile's round t
     persistent: bool = False
+    # `dq_lag on` (bwd_consumer_lagged, sm90_bwd_lag.cuh): with overlap and dq_red, dQ of
+    # m-block i - 1 issued in m-block i after dV(i); no meeting: dS^T handed over through
+    # ds_full / ds_empty mbarriers per dS^T buffer, the last dQ issued after the loop
+    dq_lag: bool = False
 
     @classmethod
     def of(cls, bwd: Backward, head_dim: int) -> Params:
@@ -306,6 +310,7 @@ class Params:
             dq_writer=bwd.dq_writer,
             ds_stmatrix=bwd.ds_stmatrix,
             persistent=bwd.persistent,
+            dq_lag=bwd.dq_lag,
         )
 
     def __post_init__(self) -> None:
@@ -322,6 +327,13 @@ class Params:
         assert not self.ds_stmatrix or not (self.split or self.dq_transposed), self
         # validate.py's _persistent: no state but K, V and dK, dV carried per tile
         assert not self.persistent or not (self.deterministic or self.dq_writer or self.split)
+        # validate.py's _dq_lag: the overlapped order with red.add, dV first, meeting-free
+        assert not self.dq_lag or (
+            self.overlap
+            and self.dq_red
+            and not (self.early_dv or self.dv_before_meeting or self.dq_writer)
+            and not (self.split or self.dq_by_keys)
+        ), self
         if self.split:  # sm90_bwd_split.cuh's one order, dQ from registers
             assert self.consumers == 2 and self.block_m == BLOCK_M, self
             # (overlap off: so neither early_dv nor dv_before_meeting, which need it)
@@ -424,6 +436,7 @@ class Params:
         det += ", overlap" if self.overlap else ""
         det += ", early dV" if self.early_dv else ""
         det += ", dV before the meeting" if self.dv_before_meeting else ""
+        det += ", dQ one m-block behind" if self.dq_lag else ""
         det += ", dQ by red.add" if self.dq_red else ""
         det += ", dQ writer" if self.dq_writer else ""
         det += ", dS by stmatrix" if self.ds_stmatrix else ""

@@ -19,6 +19,9 @@ What the first backward kernel supports (docs/backward.md, FlashAttention-3's ba
 - `dq_writer on` (a writer warp per consumer reduce-adds its staging) with dQ staged and the
   consumers' shares of it disjoint (not split by keys: head_dim 64 at B_r 64), in either
   mode;
+- `dq_lag on` (dQ one m-block behind: the consumers never meet) with `overlap on` and dQ by
+  red.add only, not with `deterministic`, `early_dv`, `dv_before_meeting` or `dq_writer on`,
+  head_dim 256 or dQ split by keys;
 - `scheduler persistent` (a CTA per SM looping over the tiles) not with `deterministic on`,
   `dq_writer on`, `varlen on`, head_dim 256 or score and keep modifiers (the first version's
   loop carries no state of theirs across tiles);
@@ -164,6 +167,7 @@ def validate_backward(c: Checks, block: BackwardBlock) -> Backward | None:
         overlap=block.values.get("overlap", False),
         early_dv=block.values.get("early_dv", False),
         dv_before_meeting=block.values.get("dv_before_meeting", False),
+        dq_lag=block.values.get("dq_lag", False),
         longest_first=block.values.get("longest_first", False),
         dq_writer=block.values.get("dq_writer", False),
         persistent=block.values.get("scheduler", False),
@@ -188,6 +192,8 @@ def validate_backward(c: Checks, block: BackwardBlock) -> Backward | None:
         ok = _dq_writer(block, backward, head_dim) and ok
     if backward.persistent:
         ok = _persistent(c, block, backward, head_dim) and ok
+    if backward.dq_lag:
+        ok = _dq_lag(block, backward, head_dim) and ok
     if ok and head_dim in HEAD_DIMS:
         ok = _smem(block, backward, head_dim)
     return backward if ok else None
@@ -215,6 +221,39 @@ def _persistent(c: Checks, block: BackwardBlock, backward: Backward, head_dim: i
         "scheduler persistent (a CTA per SM looping over the tiles) is not built with "
         + and_list(why)
         + ": use scheduler grid (the default) there",
+    )
+    return False
+
+
+def _dq_lag(block: BackwardBlock, backward: Backward, head_dim: int | None) -> bool:
+    """`dq_lag on`: the overlapped consumer with dQ(i - 1) issued in m-block i
+    (sm90_bwd_lag.cuh); what that order is not built with is refused here."""
+    why = []
+    if not backward.overlap:
+        why.append("overlap off (it reorders the overlapped consumer: 'overlap on')")
+    if not backward.dq_red:
+        why.append(f"dQ staged (it adds dQ from registers: {DQ_RED.text()})")
+    if backward.deterministic:
+        why.append("deterministic on (its tickets assume dQ added in its own m-block)")
+    for key, what in (("early_dv", "dV's place"), ("dv_before_meeting", "dV's place")):
+        if getattr(backward, key):
+            why.append(f"{key} on (dV is issued before dQ already: {what} is fixed)")
+    if backward.dq_writer:
+        why.append("dq_writer on (the writer reduce-adds a staging; dq_lag adds from registers)")
+    if head_dim == SPLIT_HEAD_DIM:
+        why.append(f"head_dim {SPLIT_HEAD_DIM} (its consumers split head_dim: another loop)")
+    elif head_dim is not None and backward.block_m == BLOCK_M:
+        if (head_dim // backward.consumers) % 64 != 0:
+            why.append(
+                f"dQ split by keys (head_dim {head_dim} at B_r = {BLOCK_M}: each consumer's dQ "
+                "reads only its own dS^T rows, so the consumers never meet there already)"
+            )
+    if not why:
+        return True
+    block.checks.error(
+        block.key_locs["dq_lag"],
+        "dq_lag on (dQ one m-block behind, so that the consumers never meet) is not built "
+        "with " + and_list(why) + ": leave it off",
     )
     return False
 

@@ -1,0 +1,193 @@
+// fadsl/sm90_bwd_lag.cuh -- section 6c of fadsl/sm90_bwd.cuh (which includes it after the
+// consumer, sections 5-6): `dq_lag on`'s consumer warpgroup, bwd_consumer_lagged, whose dQ
+// runs one m-block behind so that the warpgroups never meet.  Not a header of its own:
+// include fadsl/sm90_bwd.cuh.
+#pragma once
+
+namespace fadsl::sm90 {
+
+// ---------------------------------------------------------------------------
+// 6c. `dq_lag on`: dQ one m-block behind, no meeting
+// ---------------------------------------------------------------------------
+//
+// dQ = dS K reads both warpgroups' halves of dS^T, so bwd_consumer makes the warpgroups meet
+// (bar.sync of every consumer thread) between the dS^T store and dQ's wgmma, every
+// m-block: the faster one waits there for the slower, about 8 % of the head_dim 128
+// backward on an H200 (the meeting left out, results wrong: 1.05-1.10x, 2026-11-30).  Here
+// warpgroup w issues dQ(i - 1) in m-block i, after dS^T(i) is stored and dV(i) issued, by
+// when the other half of dS^T(i - 1) was stored long before unless the other warpgroup lags
+// a whole m-block.  Per dS^T buffer (m-block i's is i % 2, i the running index over tiles)
+// two mbarriers of every consumer thread's arrival replace the meeting:
+//   ds_full(buf):  each thread arrives after its st.shared of dS^T(i) and its
+//                  fence.proxy.async; dQ(i)'s issuer waits for the phase (RAW);
+//   ds_empty(buf): each thread arrives once its dQ(i) wgmma retired; the store of dS^T(i + 2)
+//                  into the same buffer waits for the phase (WAR, from i + 2 >= 2 on).
+// A warpgroup waits only for what the other did an m-block or more earlier, so they drift
+// apart freely up to a buffer's reuse.  After the loop the last dQ is issued and added
+// before K is freed (persistent) or dK and dV are stored.
+
+// ds_full, then ds_empty, per dS^T buffer, after the plan's other mbarriers (kv_full, the
+// ring's, `scheduler persistent`'s kv_empty): BwdConfig's kNumBars is 4 more with kDqLag.
+template <class Cfg>
+__device__ __forceinline__ uint32_t bwd_bar_ds_full(uint32_t smem, int buf) {
+  return smem + Cfg::kOffBar + 8 * (1 + 2 * Cfg::kStages + Cfg::kDoBars + (Cfg::kPersistent ? 1 : 0) + buf);
+}
+template <class Cfg>
+__device__ __forceinline__ uint32_t bwd_bar_ds_empty(uint32_t smem, int buf) {
+  return bwd_bar_ds_full<Cfg>(smem, 2 + buf);
+}
+
+// dQ of one m-block from dS^T buffer `ds_buf` (both warpgroups' halves): the warpgroup's
+// share as meet_and_issue_dq issues it, without the meeting, in a wgmma group of its own.
+template <class Cfg>
+__device__ __forceinline__ void issue_dq_lagged(float (&dq)[Cfg::kDqRegs], uint32_t smem, uint32_t ds_buf, int wg) {
+  if constexpr (Cfg::kDqTransposed) {  // dQ^T: K's panel wg (as M), every query, all of dS
+    issue_dq_t<Cfg>(dq, ds_buf, smem + Cfg::kOffK + wg * Cfg::kBlockN * Cfg::kRowBytes);
+  } else if constexpr (Cfg::kDqByQueries) {  // the warpgroup's 64 queries (dS^T panel wg), all of K
+    issue_dq<Cfg>(dq, ds_buf + wg * Cfg::kDSPanelBytes, smem + Cfg::kOffK);
+  } else {  // every query, the warpgroup's panel of K
+    issue_dq<Cfg>(dq, ds_buf, smem + Cfg::kOffK + wg * Cfg::kBlockN * Cfg::kRowBytes);
+  }
+  wgmma_commit();
+}
+
+// A consumer warpgroup with `dq_lag on` (BwdConfig's static_assert: overlap on, dQ by
+// red.add, no deterministic order, early dV, dQ writer, dQ by keys or split head_dim).
+// In wgmma commit order, per m-block i: S^T(i), dP^T(i), then dV(i), dQ(i - 1) (from i = 1),
+// dK(i); wait_group 1 retires dV and dQ(i - 1), whose adds run under dK(i).
+template <class Cfg>
+__device__ __forceinline__ void bwd_consumer_lagged(const BwdParamsSm90& P, uint32_t smem, const BwdBlock& b, int wg,
+                                                    const BwdRun& run = {}) {
+  static_assert(Cfg::kOverlap && Cfg::kDqRed && !Cfg::kDeterministic && !Cfg::kEarlyDv && !Cfg::kDvBeforeMeeting &&
+                    !Cfg::kDqWriter && !Cfg::kDqByKeys && !Cfg::kSplitHeadDim,
+                "dq_lag: overlap on, dQ by red.add, none of deterministic, early_dv, dv_before_meeting, dq_writer");
+  const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
+  const int key0 = b.n0 + 64 * wg + 16 * warp + lane / 4;  // this thread's key row r = 0
+  float dk[Cfg::kAccRegs], dv[Cfg::kAccRegs];
+#pragma unroll
+  for (int i = 0; i < Cfg::kAccRegs; ++i) dk[i] = dv[i] = 0.f;
+
+  const uint32_t k_wg = smem + Cfg::kOffK + 64 * wg * Cfg::kRowBytes;  // the warpgroup's 64 key rows
+  const uint32_t v_wg = smem + Cfg::kOffV + 64 * wg * Cfg::kRowBytes;
+  const int64_t accum_head = bwd_accum_head<Cfg>(P, b);
+  // RAW: K and V landed (TMA complete_tx on kv_full, phase 0; persistent: the tile's round)
+  if constexpr (Cfg::kPersistent) {
+    if (b.m_count > 0) mbar_wait_parity(bwd_bar_kv<Cfg>(smem), static_cast<uint32_t>(run.kv) & 1u);
+  } else {
+    if (b.m_count > 0) mbar_wait_parity(bwd_bar_kv<Cfg>(smem), 0u);
+  }
+  if (wg == 0 && tid == 0) FADSL_BWD_CTA_MARK(2);
+  DqTicket unused{nullptr, 0};  // (reduce_dq's ticket: deterministic mode only)
+  int m_prev = 0;               // m-block i - 1's index, whose dQ m-block i issues
+
+  for (int i = 0; i < b.m_count; ++i) {
+    FADSL_BWD_MARK(wg, i, 0);
+    const int run_i = run.m0 + i;  // ring slot, parity and dS^T buffer run on over tiles (persistent)
+    const int slot = run_i % Cfg::kStages;
+    const int m = bwd_m_block<Cfg>(P, b, i);
+    const uint32_t q_slot = smem + Cfg::kOffQ + slot * Cfg::kQBytes;
+    const uint32_t do_slot = smem + Cfg::kOffDO + slot * Cfg::kQBytes;
+    // RAW: the slot's Q, dO, LSE and D landed (TMA and bulk complete_tx on q_full)
+    mbar_wait_parity(bwd_bar_q_full<Cfg>(smem, slot), static_cast<uint32_t>(run_i / Cfg::kStages) & 1u);
+    FADSL_BWD_MARK(wg, i, 1);
+
+    float s[Cfg::kSRegs], dp[Cfg::kSRegs];
+    wgmma_fence();  // s and dp were read by ordinary instructions in the previous m-block
+    issue_keys_by_rows<Cfg>(s, k_wg, q_slot);
+    wgmma_commit();
+    issue_keys_by_rows<Cfg>(dp, v_wg, do_slot);
+    wgmma_commit();
+    wgmma_wait<1>();  // S^T in registers (dP^T's group may still run)
+    fence_regs(s);
+    FADSL_BWD_MARK(wg, i, 2);
+
+    float dtanh[Cfg::kSRegs];  // softcap's 1 - tanh^2, or P times the score's derivative (unused without either)
+    const uint32_t lse_slot = smem + Cfg::kOffLSE + slot * Cfg::kRowFloatsBytes;
+    const uint32_t d_slot = smem + Cfg::kOffD + slot * Cfg::kRowFloatsBytes;
+    if (bwd_needs_mask<Cfg>(P, b, m)) {
+      bwd_probs<Cfg, true>(s, dtanh, P, lse_slot, key0, m * Cfg::kBlockM, lane, b);
+    } else {
+      bwd_probs<Cfg, false>(s, dtanh, P, lse_slot, key0, m * Cfg::kBlockM, lane, b);
+    }
+    FADSL_BWD_MARK(wg, i, 3);
+    uint32_t p16[Cfg::kPRegs], ds16[Cfg::kPRegs];
+    wgmma_wait<0>();  // dP^T in registers
+    fence_regs(dp);
+    bwd_grad_scores<Cfg>(s, dp, dtanh, d_slot, lane);
+    pack_pairs<Cfg>(s, p16);
+    bwd_learn<Cfg>(dp, dtanh, s, p16, P, b, key0, m * Cfg::kBlockM, lane);  // kLearn: dS' into the inputs' gradients
+    pack_pairs<Cfg>(dp, ds16);
+    FADSL_BWD_MARK(wg, i, 4);
+
+    const int buf = run_i % 2;
+    // WAR: both warpgroups' dQ(i - 2) wgmmas, which read this buffer, retired
+    if (run_i >= 2) mbar_wait_parity(bwd_bar_ds_empty<Cfg>(smem, buf), static_cast<uint32_t>(run_i / 2 - 1) & 1u);
+    const uint32_t ds_buf = smem + Cfg::kOffDS + buf * Cfg::kDSBytes;
+    if constexpr (Cfg::kDqTransposed) {
+      store_ds_t<Cfg>(ds_buf, ds16, wg, warp, lane);
+    } else if constexpr (Cfg::kDsStmatrix) {
+      store_ds_stmatrix<Cfg>(ds_buf, ds16, wg, warp, lane);
+    } else {
+      store_ds<Cfg>(ds_buf, ds16, wg, warp, lane);
+    }
+    // RAW: dS^T's st.shared (generic proxy) before either warpgroup's dQ wgmma reads it (async proxy)
+    fence_proxy_async_smem();
+    mbar_arrive(bwd_bar_ds_full<Cfg>(smem, buf));  // RAW: this thread's part of dS^T(i) stored and fenced
+    FADSL_BWD_MARK(wg, i, 5);
+
+    wgmma_fence();  // dv and its A registers p16, dk and ds16 written by ordinary instructions
+    issue_grad_kv<Cfg>(dv, p16, do_slot);
+    wgmma_commit();
+    if (i > 0) {
+      const int prev = run_i - 1;
+      float dq[Cfg::kDqRegs];  // (scoped: live from its wgmma to its adds, not over S^T and dP^T)
+      // RAW: both warpgroups' parts of dS^T(i - 1) stored and fenced
+      mbar_wait_parity(bwd_bar_ds_full<Cfg>(smem, prev % 2), static_cast<uint32_t>(prev / 2) & 1u);
+      issue_dq_lagged<Cfg>(dq, smem, smem + Cfg::kOffDS + (prev % 2) * Cfg::kDSBytes, wg);
+      FADSL_BWD_MARK(wg, i, 6);
+      issue_grad_kv<Cfg>(dk, ds16, q_slot);
+      wgmma_commit();
+      wgmma_wait<1>();  // dV(i) and dQ(i - 1) in registers (dK(i) still runs)
+      fence_regs(dq);
+      mbar_arrive(bwd_bar_ds_empty<Cfg>(smem, prev % 2));  // WAR: this warpgroup's reads of dS^T(i - 1) retired
+      FADSL_BWD_MARK(wg, i, 7);
+      reduce_dq<Cfg>(P, b, 0u, dq, accum_head, m_prev, wg, tid, unused, i - 1);
+      FADSL_BWD_MARK(wg, i, 8);
+    } else {
+      issue_grad_kv<Cfg>(dk, ds16, q_slot);
+      wgmma_commit();
+    }
+    wgmma_wait<0>();  // dV and dK retired: Q, dO read; p16 and ds16 free
+    // WAR: the slot's Q, dO (wgmma, retired above), LSE and D (read above) are free
+    mbar_arrive(bwd_bar_q_empty<Cfg>(smem, slot));
+    m_prev = m;
+    FADSL_BWD_MARK(wg, i, 9);
+  }
+  if (b.m_count > 0) {  // the last m-block's dQ, before K is freed or the CTA ends
+    const int last = run.m0 + b.m_count - 1;
+    float dq[Cfg::kDqRegs];
+    // RAW: both warpgroups' parts of the last dS^T stored and fenced
+    mbar_wait_parity(bwd_bar_ds_full<Cfg>(smem, last % 2), static_cast<uint32_t>(last / 2) & 1u);
+    wgmma_fence();  // dq read by the previous adds
+    issue_dq_lagged<Cfg>(dq, smem, smem + Cfg::kOffDS + (last % 2) * Cfg::kDSBytes, wg);
+    wgmma_wait<0>();  // the last dQ in registers
+    fence_regs(dq);
+    mbar_arrive(bwd_bar_ds_empty<Cfg>(smem, last % 2));  // WAR: this warpgroup's reads of the last dS^T retired
+    reduce_dq<Cfg>(P, b, 0u, dq, accum_head, m_prev, wg, tid, unused, b.m_count - 1);
+  }
+  if (wg == 0 && tid == 0) FADSL_BWD_CTA_MARK(3);
+  if constexpr (Cfg::kPersistent) {
+    // WAR: every wgmma reading K and V retired (the last dQ's wait_group 0): the producer
+    // loads the next tile's while this one's dK and dV are stored
+    if (b.m_count > 0) mbar_arrive(bwd_bar_kv_empty<Cfg>(smem));
+  }
+
+  // dK, dV per K/V head, or with deterministic GQA per query head (summed over the group after)
+  BwdBlock out = b;
+  out.head = P.dkv_store == kDkvStorePartial ? b.head : b.head_kv;
+  store_grad_kv<Cfg>(dk, P.dk, P.dk_batch_stride, P.dk_row_stride, P.dk_head_stride, P, out, key0, P.softmax_scale);
+  store_grad_kv<Cfg>(dv, P.dv, P.dv_batch_stride, P.dv_row_stride, P.dv_head_stride, P, out, key0, 1.f);
+  if (wg == 0 && tid == 0) FADSL_BWD_CTA_MARK(4);
+}
+
+}  // namespace fadsl::sm90
