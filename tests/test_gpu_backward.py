@@ -86,6 +86,18 @@ DS_STMATRIX += ("fa3_hopper+br64+ds_stmatrix", "fa3_causal+br64+ds_stmatrix-dqre
 DS_STMATRIX += ("fa3_hdim64+br64+ds_stmatrix-dqred",)
 DS_STMATRIX += ("fa3_hdim64_causal+ds_stmatrix+deterministic+dq_writer-dqred",)
 VARIANTS += DS_STMATRIX
+# `dq_lag on` (dQ one m-block behind, dS^T handed over by mbarriers, no meeting) is the four
+# examples' order since 2026-11-30, so the variants above built on them run it too where they
+# admit it (dQ transposed at B_r 80, by head_dim panels at B_r 64 with dS by st.shared and by
+# stmatrix, by queries at head_dim 64's B_r 128, persistent and not); the meeting's order is
+# the twin here
+MEETING = (
+    "fa3_hopper-dq_lag",
+    "fa3_causal-dq_lag",
+    "fa3_hdim64-dq_lag",
+    "fa3_hdim64_causal-dq_lag",
+)
+VARIANTS += MEETING
 CASES = [(n, d, s) for n in FORWARDS + PLAIN + VARIANTS for d in DTYPES for s in SHAPES]
 # head_dim 256 (sm90_bwd_split.cuh: B_r 64, each consumer S and dP of B_c / 2 keys, dK^T, dV^T
 # and dQ^T of its half of head_dim): the examples' B_c 80 and the B_c 64 fallback; seqlens off
@@ -117,7 +129,10 @@ def training_spec(name: str) -> str:
     sets the block's ``scheduler persistent`` / ``grid``; ``+dq_writer`` turns the writer
     warps on as any other key. An example whose block says ``scheduler persistent`` gets
     ``scheduler grid`` with ``+deterministic`` or ``+dq_writer`` (which persistent refuses)
-    unless the name says ``+persistent`` itself."""
+    unless the name says ``+persistent`` itself; likewise a block that says ``dq_lag on`` gets
+    ``dq_lag off`` where a switch asks for what it refuses (``+early_dv``,
+    ``+dv_before_meeting``, ``+deterministic``, ``+dq_writer``, ``-overlap``, ``-dqred``, or
+    ``+br64`` at head_dim 64, where dQ is split by keys) unless the name says ``+dq_lag``."""
     example, *switches = re.split(r"(?=[+-])", name)
     text = (EXAMPLES / f"{example}.fa").read_text()
     if "backward {" not in text:
@@ -152,6 +167,11 @@ def training_spec(name: str) -> str:
     refused = re.search(r"^\s*(deterministic|dq_writer)\s+on\b", block, re.M)
     if refused and "+persistent" not in switches:
         block = re.sub(r"^(\s*)scheduler\s+persistent\b", r"\1scheduler grid", block, flags=re.M)
+    by_keys = "+br64" in switches and re.search(r"^\s*head_dim\s+64\b", head, re.M)
+    lag_refused = set(switches) & {"+early_dv", "+dv_before_meeting", "+deterministic"}
+    lag_refused |= set(switches) & {"+dq_writer", "-overlap", "-dqred"}
+    if (lag_refused or by_keys) and "+dq_lag" not in switches:
+        block = re.sub(r"^(\s*)dq_lag\s+on\b", r"\1dq_lag off", block, flags=re.M)
     return head + "backward {" + block
 
 

@@ -47,6 +47,22 @@ VARIANTS = {
     "softcap50": ("fa3_softcap", None, None, RED + "    stages 3\n"),
     "window_softcap30": ("fa3_window_softcap", None, None, RED),
     "causal_softcap30": ("fa3_softcap", "causal", 30, STAGED),
+    # `dq_lag on` (dQ one m-block behind, no meeting): the window at B_r 80, window and
+    # softcap at head_dim 64's B_r 128
+    "causal_window_br80_lag": (
+        "fa3_window",
+        None,
+        None,
+        RED
+        + "    dq_lag on\n    stages 3\n    tile B_r = 80, B_c = 128\n"
+        + "    dS: rf -stmatrix-> smem[cta] -wgmma-> rf\n",
+    ),
+    "window_softcap30_lag": (
+        "fa3_window_softcap",
+        None,
+        None,
+        RED + "    dq_lag on\n    tile B_r = 128, B_c = 128\n",
+    ),
 }
 DETERMINISTIC = {
     "window_deterministic": (

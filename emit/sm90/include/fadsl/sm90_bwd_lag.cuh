@@ -58,7 +58,7 @@ __device__ __forceinline__ void issue_dq_lagged(float (&dq)[Cfg::kDqRegs], uint3
 template <class Cfg>
 __device__ __forceinline__ void bwd_consumer_lagged(const BwdParamsSm90& P, uint32_t smem, const BwdBlock& b, int wg,
                                                     const BwdRun& run = {}) {
-  static_assert(Cfg::kOverlap && Cfg::kDqRed && !Cfg::kDeterministic && !Cfg::kEarlyDv && !Cfg::kDvBeforeMeeting &&
+  static_assert(Cfg::kDqLag && Cfg::kOverlap && Cfg::kDqRed && !Cfg::kDeterministic && !Cfg::kEarlyDv && !Cfg::kDvBeforeMeeting &&
                     !Cfg::kDqWriter && !Cfg::kDqByKeys && !Cfg::kSplitHeadDim,
                 "dq_lag: overlap on, dQ by red.add, none of deterministic, early_dv, dv_before_meeting, dq_writer");
   const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;

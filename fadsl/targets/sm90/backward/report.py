@@ -159,8 +159,17 @@ def _per_m_block(kernel: Kernel) -> list[str]:
             else []
         ),
         *([] if bwd.early_dv or bwd.dv_before_meeting else ["dV += P^T dO"]),
-        "dK += dS^T Q",
-        f"dQ = dS K {_dq_split(kernel)}, {adds}",
+        *(
+            [
+                "dS^T -> SMEM (buffer i % 2), each thread arrives on its ds_full; dV += P^T dO",
+                f"dQ(i - 1) = dS K {_dq_split(kernel)} once ds_full(i - 1) completes, "
+                f"{adds}; ds_empty(i - 1) arrived when it retires (no meeting; the last "
+                "m-block's dQ after the loop)",
+                "dK += dS^T Q",
+            ]
+            if bwd.dq_lag
+            else ["dK += dS^T Q", f"dQ = dS K {_dq_split(kernel)}, {adds}"]
+        ),
     ]
 
 
@@ -186,6 +195,9 @@ def backward_data(kernel: Kernel) -> dict[str, Any]:
             "early_dv": bwd.early_dv,
             "dv_before_meeting": bwd.dv_before_meeting,
             "longest_first": bwd.longest_first,
+            **(
+                {"dq_lag": True} if bwd.dq_lag else {}
+            ),  # (only where on: older JSON keeps its keys)
             # (only where packed: the forward's sections name varlen the same way)
             **({"varlen": True} if kernel.config.features.varlen else {}),
             **({"ds_stmatrix": True} if bwd.ds_stmatrix else {}),  # (dS's path: stmatrix)
@@ -246,6 +258,7 @@ def backward_sections(data: Mapping[str, Any]) -> list[str]:
         f"warpgroups; stages {s['stages']}; deterministic {_on(s['deterministic'])}; "
         f"overlap {_on(s['overlap'])}; early_dv {_on(s['early_dv'])}"
         + ("; dv_before_meeting on" if s["dv_before_meeting"] else "")
+        + ("; dq_lag on (dQ one m-block behind: no meeting)" if s.get("dq_lag") else "")
         + (
             "; longest_first on (by L2 sections, each section's n-block 0 first)"
             if s["longest_first"]
