@@ -113,6 +113,7 @@ def test_the_full_block_lowers_to_the_ir():
         "overlap": True,
         "early_dv": True,
         "dv_before_meeting": False,
+        "dq_lag": False,
         "dq_red": False,
         "longest_first": False,
         "dq_writer": False,
@@ -230,7 +231,7 @@ LOCATED = [
     ("producer = 24, consumers = 240\n    stages", "producer = 24, consumers = 244\n    stages", "consumers = 244", "244", "the backward's consumers take setmaxnreg 24 to 240, a multiple of 8, not 244"),
     ("producer = 24, consumers = 240\n    stages", "producer = 24, consumers = 248\n    stages", "consumers = 248", "248", "not 248"),
     ("deterministic off", "deterministic maybe", "deterministic maybe", "maybe", "unknown deterministic 'maybe'; expected 'on' or 'off'"),
-    ("deterministic off", "stage 3", "stage 3", "stage", "unknown key 'stage' in the backward block; it takes 'tile', 'warpgroups', 'registers', 'stages', 'deterministic', 'overlap', 'early_dv', 'dv_before_meeting', 'longest_first', 'dq_writer' and 'scheduler' (did you mean 'stages'?)"),
+    ("deterministic off", "stage 3", "stage 3", "stage", "unknown key 'stage' in the backward block; it takes 'tile', 'warpgroups', 'registers', 'stages', 'deterministic', 'overlap', 'early_dv', 'dv_before_meeting', 'longest_first', 'dq_writer', 'dq_lag' and 'scheduler' (did you mean 'stages'?)"),
     ("deterministic off", "mask causal", "mask causal", "mask", "'mask' is a setting of the kernel, not of its backward block"),
     ("deterministic off", "stages 3", "stages 3", "stages", "duplicate key 'stages' in the backward block (first set at line"),
     ("dV:  rf -st.global-> gmem", "dW:  rf -st.global-> gmem", "dW:", "dW", "unknown tensor 'dW' in the backward block; it moves Q, K, V, dO, LSE, D, P, dS, dQ, dK and dV"),
@@ -270,6 +271,7 @@ def hdim64_staged(tile: str) -> str:
     for old, new in (
         ("    tile       B_r = 128, B_c = 128 ", f"    tile       {tile} "),
         ("    scheduler  persistent\n", "    scheduler  grid\n"),
+        ("    dq_lag     on\n", "    dq_lag     off\n"),  # (it adds dQ from registers)
         ("dQ: rf -red.add-> gmem ", "dQ: rf -st.shared-> smem[warpgroup] -reduce.add-> gmem\n    dq_writer on "),
     ):  # fmt: skip
         assert text.count(old) == 1, old
@@ -516,6 +518,10 @@ def test_dv_before_meeting_fits_its_registers_at_b_r_80_and_head_dim_64():
     hopper = (ROOT / "examples" / "fa3_hopper.fa").read_text()
     hopper = hopper.replace("    early_dv   off", "    early_dv   off\n    dv_before_meeting on")
     hdim64 = (ROOT / "examples" / "fa3_hdim64.fa").read_text()
+    # (the examples' dq_lag issues dV before dQ already, without a meeting)
+    hopper, hdim64 = (
+        t.replace("    dq_lag     on\n", "    dq_lag     off\n") for t in (hopper, hdim64)
+    )
     hdim64 = hdim64.replace("    overlap    on\n", "    overlap    on\n    dv_before_meeting on\n")
     for text in (hopper, hdim64):
         compiled = compile_source(text, FILE)
@@ -743,3 +749,34 @@ def test_explain_shows_the_head_dim_256_block():
     text = explain_text(compile_file(HDIM256.relative_to(ROOT)))
     assert "each computes S and dP for 40 of the n-block's 80 keys" in text
     assert re.search(r"^  P +180224 +20480  ", text, re.M)
+
+
+def test_dq_lag_is_read_and_refused_where_it_is_not_built():
+    """`dq_lag on` (dQ one m-block behind: the consumers never meet) lowers to the IR and back
+    in the examples; beside what its order is not built with it is refused at its key, with
+    every reason named."""
+    hopper = (ROOT / "examples" / "fa3_hopper.fa").read_text()
+    bwd = compile_source(hopper, FILE).kernel.backward
+    assert bwd.dq_lag and bwd.overlap and bwd.dq_red
+    assert " dq_lag=on" in bwd.text() and read_backward_ir(bwd.text(), bwd.loc).dq_lag
+    assert bwd.loc_of("dq_lag").line == where(hopper, "dq_lag     on")[0]
+    lag = "    dq_lag     on\n"
+    refusals = {
+        "dQ staged": ("dQ:  rf -red.add-> gmem", "dQ:  rf -st.shared-> smem[warpgroup] -reduce.add-> gmem"),
+        "overlap off": ("    overlap    on", "    overlap    off"),
+        "early_dv on": ("    early_dv   off", "    early_dv   on"),
+        "deterministic on": ("    deterministic off", "    deterministic on"),
+    }  # fmt: skip
+    for reason, (old, new) in refusals.items():
+        text = variant(old, new, hopper)
+        found = errors(text)
+        line, col = where(text, lag.rstrip("\n"), "dq_lag")
+        assert any(
+            (l, c) == (line, col) and m.startswith("dq_lag on") and reason in m for l, c, m in found
+        ), (reason, found)
+    # head_dim 64 at B_r 64 splits dQ by keys: no meeting to leave out
+    hdim64 = (ROOT / "examples" / "fa3_hdim64.fa").read_text()
+    text = variant(
+        "    tile       B_r = 128, B_c = 128 ", "    tile       B_r = 64, B_c = 128 ", hdim64
+    )
+    assert_error(text, "dq_lag     on", "dq_lag", "dQ split by keys")
