@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import re
 from dataclasses import replace
+from math import lcm
 
 import pytest
 
 from backward_header import (
     HEADER,
+    LAG_HEADER,
     MBARS,
     OFFSETS,
     SPLIT_HEADER,
@@ -74,6 +76,10 @@ def test_the_plan_is_proven(params):
 
 def test_the_cases_wrap_every_ring_slot_twice():
     for params in PARAMS:
+        if params.dq_lag:  # every joint phase of the ring and dS^T's barriers, and 3 more
+            top = lcm(2 * params.stages, 4) + 3
+            assert list(m_counts(params)) == list(range(0, top + 1)) and top >= 7
+            continue
         assert list(m_counts(params)) == list(range(0, 2 * params.stages + 3))
     assert {p.dq_by_keys for p in PARAMS} == {False, True}
     assert {p.dq_by_queries for p in PARAMS} == {False, True}
@@ -89,7 +95,11 @@ def test_the_cases_wrap_every_ring_slot_twice():
     assert stm and {replace(p, ds_stmatrix=False) for p in stm} == plain_two - stm
     writers = [p for p in PARAMS if p.dq_writer and not p.ds_stmatrix]
     assert len(writers) == 5 * 4 * (3 + 2) and not any(p.dq_by_keys for p in writers)
-    others = [p for p in PARAMS if not (p.dq_writer or p.ds_stmatrix)]
+    # `dq_lag on`: 5 shapes (dQ not by keys), 1-3 stages, 4 of them with 2 stages by stmatrix
+    lag = [p for p in PARAMS if p.dq_lag]
+    assert len(lag) == 5 * 3 + 4 and sum(p.ds_stmatrix for p in lag) == 4
+    assert all(p.overlap and p.dq_red and not p.dq_by_keys for p in lag)
+    others = [p for p in PARAMS if not (p.dq_writer or p.ds_stmatrix or p.dq_lag)]
     assert len(others) == 262 and sum(p.overlap for p in others) == 192
     assert sum(p.early_dv for p in others) == 64 and sum(p.block_m == 128 for p in others) == 32
     assert sum(p.dv_before_meeting for p in others) == 64
@@ -153,6 +163,15 @@ STMATRIX = (
 )
 MUTATED += STMATRIX
 OVERLAPPED = tuple(p for p in MUTATED if p.overlap)
+# `dq_lag on` (bwd_consumer_lagged): dS^T handed to dQ a step later by ds_full / ds_empty
+LAG = Params(2, 2, 128, overlap=True, dq_red=True, dq_lag=True)
+LAGGED = (
+    LAG,
+    replace(LAG, stages=3, block_m=80),  # the fa3_hopper example's (dQ transposed)
+    replace(LAG, head_dim=64, block_m=128, ds_stmatrix=True),  # by queries, stmatrix
+    Params(1, 1, 64, overlap=True, dq_red=True, dq_lag=True),
+)
+MUTATED += LAGGED
 
 
 def label(items: tuple[Item, ...], n: int) -> str:
@@ -208,10 +227,28 @@ UNNEEDED[True, True] = _redundant_staging_syncs("dK += dS^T Q")
 DV_GROUP = "consumer: wgmma.commit_group (each m-block) after dV += P^T dO"
 
 
+# `dq_lag on`: dV's group only splits one that wait_group 1 retires with dQ's anyway; no
+# one waits for the last m-block's ds_empty phase in a CTA of one tile; with one consumer
+# the warpgroup's own wait_group retired dQ(i - 2) before its store of dS^T(i) (program
+# order), so the ds_empty wait orders nothing more
+LAG_DV_GROUP = DV_GROUP
+LAG_LAST_EMPTY = (
+    "consumer: mbarrier.arrive (after the m-block loop) after dQ = dS K (the last m-block)"
+)
+LAG_EMPTY_WAIT = "consumer: mbarrier.try_wait.parity (each m-block) after dS^T to 16 bits"
+
+
+def lag_unneeded(params: Params) -> set[str]:
+    found = {LAG_DV_GROUP} | (set() if params.persistent else {LAG_LAST_EMPTY})
+    return found | ({LAG_EMPTY_WAIT} if params.consumers == 1 else set())
+
+
 def unneeded(params: Params) -> set[str]:
     """The syncs the proof finds redundant: none of the split consumer's (head_dim 256)."""
     if params.split:
         return set()
+    if params.dq_lag:
+        return lag_unneeded(params)
     extra = {DV_GROUP} if params.dv_before_meeting else set()
     # (with a dQ writer the consumer has no staging syncs that the ordered add makes redundant)
     return UNNEEDED[params.deterministic and not params.dq_writer, params.overlap] | extra
@@ -239,13 +276,16 @@ def test_flipping_each_parity(params):
         WaitParity.RING_FLIP: WaitParity.RING,
         WaitParity.RING_DO: WaitParity.RING_DO_FLIP,
         WaitParity.RING_DO_FLIP: WaitParity.RING_DO,
+        WaitParity.ALTERNATE: WaitParity.ALTERNATE_PREVIOUS,  # dq_lag: ((i / 2) & 1) ^ 1
+        WaitParity.ALTERNATE_PREVIOUS: WaitParity.ALTERNATE,
     }
 
     def flip(x: Item):
         return None if x.parity is None else (replace(x, parity=flips[x.parity]),)
 
     found = _refusals(protocol(params), flip)
-    assert len(found) == 3 + 2 * params.split  # kv_full, q_full, q_empty (do_full, do_empty)
+    # kv_full, q_full, q_empty (do_full, do_empty; dq_lag: ds_empty, ds_full and the last's)
+    assert len(found) == 3 + 2 * params.split + 3 * params.dq_lag
     assert all(found.values()), [w for w, p in found.items() if not p]
 
 
@@ -263,8 +303,9 @@ def test_shrinking_each_count(params):
     found = _refusals(protocol(params), shrink)
     assert all(found.values()), [w for w, p in found.items() if not p]
     q_empty = next(p for w, p in found.items() if w.startswith("setup: mbarrier.init"))
-    # (the setup's inits share a label: the last one's refusal, do_empty's at head_dim 256)
-    empty = "do_empty" if params.split else "q_empty"
+    # (the setup's inits share a label: the last one's refusal, do_empty's at head_dim 256,
+    # ds_empty's with dq_lag)
+    empty = "do_empty" if params.split else "ds_empty" if params.dq_lag else "q_empty"
     assert any("arrival(s) where phase" in p and empty in p for p in q_empty), q_empty
 
 
@@ -900,6 +941,8 @@ def test_the_header_agrees_on_layout_barriers_and_roles():
                 continue
             if name == "bwd_bar_kv_empty":  # `scheduler persistent`'s: kNumBars one more
                 continue
+            if "_ds_" in name:  # `dq_lag on`'s, after kv_empty: below
+                continue
             _, body = function(HEADER, rf"uint32_t {name}\(")
             (expr,) = re.findall(r"return ([^;]+);", body)
             ring = params.do_stages if "_do_" in name else params.stages
@@ -910,6 +953,16 @@ def test_the_header_agrees_on_layout_barriers_and_roles():
         _, body = function(HEADER, r"uint32_t bwd_bar_kv_empty\(")
         (expr,) = re.findall(r"return ([^;]+);", body)
         assert evaluate(expr, env, smem=0) - env["kOffBar"] == 8 * env["kNumBars"]
+        # dq_lag's ds_full, ds_empty per buffer: the 4 words after those (and kv_empty's), which
+        # the template's kNumBars counts (4 more with dq_lag)
+        _, full = function(LAG_HEADER, r"uint32_t bwd_bar_ds_full\(")
+        (expr,) = re.findall(r"return ([^;]+);", full)
+        expr = expr.replace("(Cfg::kPersistent ? 1 : 0)", str(int(params.persistent)))
+        at = lambda buf: evaluate(expr, env, smem=0, buf=buf) - env["kOffBar"]  # noqa
+        _, empty = function(LAG_HEADER, r"uint32_t bwd_bar_ds_empty\(")
+        assert squash(empty) == "returnbwd_bar_ds_full<Cfg>(smem,2+buf);"
+        first = env["kNumBars"] + params.persistent
+        assert [at(b) for b in range(4)] == [8 * (first + n) for n in range(4)]
     for overlap in (False, True):
         split = squash(kernel_body(overlap))
         assert producer_function(overlap) == "bwd_producer"
