@@ -360,7 +360,8 @@ def running(flat: str, walk: Walk) -> str:
     tile per CTA, so i there); with `scheduler persistent` a bare i (the tile's own m-block,
     a ring restarted per tile) is left as `tile-local i`, which no plan's index reads as."""
     if walk.guard is Guard.LAGGED:  # the m-block a lagged call acts for: its running index
-        flat = flat.replace("((run.m0+i)-1)", "(run.m0+i)")  # prev, in m-block i
+        flat = flat.replace("(run.m0+i)", "(current)")  # (m-block i's own: no plan index)
+        flat = flat.replace("((current)-1)", "(run.m0+i)")  # prev, in m-block i
         flat = flat.replace("(run.m0+b.m_count-1)", "(run.m0+i)")  # last, after the loop
     if walk.params.persistent:
         flat = re.sub(r"(?<![\w.+])i(?=[%/])", "tile-local i", flat)
@@ -406,8 +407,8 @@ def parity_of(expr: str, walk: Walk) -> WaitParity:
     if "run.kv" in flat:  # `scheduler persistent`: K and V's barriers by the tile's round
         assert "&1" in flat, flat
         return WaitParity.TILE_FLIP if "^1" in flat else WaitParity.TILE
-    if "tile-local" in flat:
-        return flat  # (matches no WaitParity)
+    if "tile-local" in flat or "(i-1)" in flat or "current" in flat:
+        return flat  # (matches no WaitParity: a lagged call read as its m-block's, or not)
     if re.search(r"\bi/2\b", flat):  # `dq_lag on`: a dS^T buffer's uses
         assert "&1" in flat and "^" not in flat, flat
         return WaitParity.ALTERNATE_PREVIOUS if "i/2-1" in flat else WaitParity.ALTERNATE
@@ -580,11 +581,12 @@ def _walk_lagged(then, other, walk: Walk) -> None:
     """`if (i > 0) { A } else { B }` in bwd_consumer_lagged: B's calls (dK's) are A's too, in
     the same order and with nothing between them; A's others act for m-block i - 1
     (``Guard.LAGGED``), B's run in every m-block."""
-    lagged, plain = walk.fork(guard=Guard.LAGGED), walk.fork()
-    walk_node(then, lagged)
+    lagged, unlagged, plain = walk.fork(guard=Guard.LAGGED), walk.fork(), walk.fork()
+    walk_node(then, lagged)  # A's calls read as m-block i - 1's
+    walk_node(then, unlagged)  # A's calls read as m-block i's
     walk_node(other, plain)
-    common = [replace(c, guard=Guard.LAGGED) for c in plain.calls]
-    found = [n for n in range(len(lagged.calls)) if lagged.calls[n : n + len(common)] == common]
+    common = plain.calls
+    found = [n for n in range(len(unlagged.calls)) if unlagged.calls[n : n + len(common)] == common]
     assert found, "the else branch's calls are not the lagged branch's: the check does not know it"
     at = found[0]
     walk.calls += lagged.calls[:at] + plain.calls + lagged.calls[at + len(common) :]
