@@ -39,7 +39,8 @@ def hand_protocol(p: Params) -> Protocol:
         consumer = _interleave(steps.consumer, _split_consumer(p))
     else:
         producer = _interleave(steps.producer, _producer(p, steps.producer))
-        consumer = _interleave(steps.consumer, _consumer(p))
+        listing = _lag_consumer(p) if p.dq_lag else _consumer(p)
+        consumer = _interleave(steps.consumer, listing)
     writer = _interleave(steps.writer, _writer(p))
     return Protocol(p, _setup(p), producer, consumer, steps.layout, writer)
 
@@ -84,6 +85,10 @@ def _setup(p: Params) -> tuple[Item, ...]:
                 ),
             )
         ),
+        *(
+            Item(Kind.MBAR_INIT, mbar=mbar, slot=Index.ALTERNATE, count=p.consumer_threads, **init)
+            for mbar in ((Mbar.DS_FULL, Mbar.DS_EMPTY) if p.dq_lag else ())
+        ),  # dq_lag: dS^T's full and empty per buffer, every consumer thread
         Item(Kind.FENCE_MBAR_INIT, why="the inits visible to TMA's complete_tx", **init),
         Item(
             Kind.SYNCTHREADS,
@@ -293,6 +298,79 @@ def _consumer(p: Params) -> list[Item | str]:
     listing += _owed_release(p, LoopPhase.AFTER)  # the last m-block's ticket
     no_bulk = p.dq_red or p.dq_writer  # (the writer waits for its own adds)
     return listing + ([] if no_bulk else [exit_wait]) + ["dK -> global", "dV -> global"]
+
+
+def _lag_consumer(p: Params) -> list[Item | str]:
+    """bwd_consumer_lagged (`dq_lag on`, issue_dq_lagged and reduce_dq inlined): the
+    overlapped front; from m-block 2 on the wait on the buffer's ds_empty (its previous
+    use's dQ retired), the dS^T store, its proxy fence and each thread's ds_full arrival;
+    dV in a group of its own; from m-block 1 on the wait on the previous buffer's ds_full,
+    dQ(i - 1) in a group of its own; dK; then dQ(i - 1)'s wait_group 1, ds_empty arrival
+    and adds; wait_group 0 and the slot's release. After the loop (m_count > 0) the last
+    dQ likewise, its wgmma.fence after the ds_full wait, wait_group 0."""
+    main = CodeSite.CONSUMER_LAGGED
+    lagged = dict(guard=Guard.LAGGED)
+
+    def sync(kind: Kind, phase: LoopPhase = LoopPhase.LOOP, source: CodeSite = main, **fields):
+        return Item(kind, Who.WARPGROUP, source, phase, **fields)
+
+    buf = dict(slot=Index.ALTERNATE)
+    full_wait = dict(mbar=Mbar.DS_FULL, parity=WaitParity.ALTERNATE, **buf, **lagged)
+    empty = dict(mbar=Mbar.DS_EMPTY, **buf, **lagged)
+    dq_commit = dict(source=CodeSite.ISSUE_DQ_LAGGED, **lagged)
+    return [
+        "dK, dV = 0",
+        sync(
+            Kind.MBAR_WAIT, LoopPhase.BEFORE, guard=Guard.HAS_WORK, mbar=Mbar.KV_FULL,
+            parity=WaitParity.ZERO, why="RAW: K and V landed",
+        ),
+        sync(Kind.MBAR_WAIT, mbar=Mbar.Q_FULL, slot=Index.RING, parity=WaitParity.RING),
+        sync(Kind.WGMMA_FENCE, why="S^T, dP^T were accessed by ordinary code"),
+        "S^T = K Q^T",
+        sync(Kind.WGMMA_COMMIT),
+        "dP^T = V dO^T",
+        sync(Kind.WGMMA_COMMIT),
+        sync(Kind.WGMMA_WAIT, pending=1, why="S^T in registers"),
+        "P = exp2(S - LSE)",
+        sync(Kind.WGMMA_WAIT, pending=0, why="dP^T in registers"),
+        "dS = P (dP - D)",
+        "P^T to 16 bits",
+        "dS^T to 16 bits",
+        sync(
+            Kind.MBAR_WAIT, mbar=Mbar.DS_EMPTY, parity=WaitParity.ALTERNATE_PREVIOUS,
+            guard=Guard.REUSED, why="WAR: both warpgroups' dQ(i - 2) retired", **buf,
+        ),
+        "dS^T -> smem",
+        sync(Kind.FENCE_PROXY_ASYNC_SMEM, why="RAW: dS^T's st.shared before dQ's wgmma"),
+        sync(Kind.MBAR_ARRIVE, mbar=Mbar.DS_FULL, why="RAW: this thread's part stored", **buf),
+        sync(Kind.WGMMA_FENCE, why="dV, P^T, dK, dS^T written by ordinary code"),
+        "dV += P^T dO",
+        sync(Kind.WGMMA_COMMIT),
+        sync(Kind.MBAR_WAIT, why="RAW: both warpgroups' parts of dS^T(i - 1)", **full_wait),
+        "dQ = dS K",
+        sync(Kind.WGMMA_COMMIT, **dq_commit),
+        "dK += dS^T Q",
+        sync(Kind.WGMMA_COMMIT),
+        sync(Kind.WGMMA_WAIT, pending=1, why="dV(i) and dQ(i - 1) retired", **lagged),
+        sync(Kind.MBAR_ARRIVE, why="WAR: this warpgroup's reads of dS^T(i - 1) retired", **empty),
+        "dQ red.add",
+        sync(Kind.WGMMA_WAIT, pending=0, why="dV and dK retired: Q, dO read"),
+        sync(Kind.MBAR_ARRIVE, mbar=Mbar.Q_EMPTY, slot=Index.RING, why="WAR: the slot is free"),
+        sync(Kind.MBAR_WAIT, LoopPhase.AFTER, why="RAW: the last dS^T stored", **full_wait),
+        sync(Kind.WGMMA_FENCE, LoopPhase.AFTER, why="dq read by the adds", **lagged),
+        "dQ = dS K (the last m-block)",
+        sync(Kind.WGMMA_COMMIT, LoopPhase.AFTER, **dq_commit),
+        sync(Kind.WGMMA_WAIT, LoopPhase.AFTER, pending=0, why="the last dQ", **lagged),
+        sync(Kind.MBAR_ARRIVE, LoopPhase.AFTER, why="WAR: the last dS^T read", **empty),
+        "dQ red.add (the last m-block)",
+        *(
+            [sync(Kind.MBAR_ARRIVE, LoopPhase.AFTER, guard=Guard.HAS_WORK, mbar=Mbar.KV_EMPTY)]
+            if p.persistent
+            else []
+        ),  # K and V freed once the last dQ retired
+        "dK -> global",
+        "dV -> global",
+    ]  # fmt: skip
 
 
 def _split_consumer(p: Params) -> list[Item | str]:

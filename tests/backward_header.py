@@ -64,6 +64,9 @@ HEADER = "".join(
     )
 )
 SPLIT_HEADER = (ROOT / f"emit/sm90/include/fadsl/{emit.SPLIT_HEADER}").read_text()
+# `dq_lag on`'s consumer (bwd_consumer_lagged, issue_dq_lagged), a section sm90_bwd.cuh
+# includes; read apart, so that an edit of HEADER's text names one place
+LAG_HEADER = (ROOT / "emit/sm90/include/fadsl/sm90_bwd_lag.cuh").read_text()
 TEMPLATE = (ROOT / "emit/sm90/backward.cu.j2").read_text()
 # the functions a role's walk inlines, with the source their calls are tagged with
 INLINED = {
@@ -72,6 +75,7 @@ INLINED = {
     "meet_and_issue_dq": CodeSite.MEET_AND_ISSUE_DQ,
     "bwd_load_kv": CodeSite.LOAD_KV,
     "release_dq_ticket": CodeSite.RELEASE_DQ_TICKET,
+    "issue_dq_lagged": CodeSite.ISSUE_DQ_LAGGED,
 }
 
 
@@ -150,6 +154,7 @@ OFFSETS |= {"kOffD": StagedTile.D, "kOffP": StagedTile.P}
 MBARS = {"bwd_bar_kv": Mbar.KV_FULL, "bwd_bar_q_full": Mbar.Q_FULL}
 MBARS |= {"bwd_bar_q_empty": Mbar.Q_EMPTY, "bwd_bar_kv_empty": Mbar.KV_EMPTY}
 MBARS |= {"bwd_bar_do_full": Mbar.DO_FULL, "bwd_bar_do_empty": Mbar.DO_EMPTY}
+MBARS |= {"bwd_bar_ds_full": Mbar.DS_FULL, "bwd_bar_ds_empty": Mbar.DS_EMPTY}  # dq_lag
 # head_dim 256: a 64-column panel of K (B_c rows) or of a Q or dO slot (B_r rows)
 PANEL_BYTES = {StagedTile.K: "kBlockN*kRowBytes", StagedTile.Q: "kBlockM*kRowBytes"}
 PANEL_BYTES |= {StagedTile.DO: "kBlockM*kRowBytes"}
@@ -167,15 +172,21 @@ def _strip(text: str) -> str:
 
 
 def kernel_template(
-    overlap: bool, template: str = TEMPLATE, split: bool = False, persistent: bool = False
+    overlap: bool,
+    template: str = TEMPLATE,
+    split: bool = False,
+    persistent: bool = False,
+    dq_lag: bool = False,
 ) -> str:
     """The template with each `{% if overlap %} A {% else %} B {% endif %}` (and `{% if split
-    %}`) decided, the roles' functions named as emit.py names them, and the Cfg's window,
-    softcap and modifier constants (and the modifiers' struct, included from a template of
-    its own) left out (no other `{% if %}` may decide which calls the kernel makes)."""
+    %}`, `persistent`, `dq_lag`) decided, the roles' functions named as emit.py names them, and
+    the Cfg's window, softcap and modifier constants (and the modifiers' struct, included from
+    a template of its own; the barrier count of `persistent or dq_lag`) left out (no other
+    `{% if %}` may decide which calls the kernel makes)."""
     tag = lambda body: rf"\{{%-?\s*{body}\s*-?%\}}"  # noqa: E731
     decided = template
-    for flag, value in (("overlap", overlap), ("split", split), ("persistent", persistent)):
+    flags = (("overlap", overlap), ("split", split), ("persistent", persistent))
+    for flag, value in flags + (("dq_lag", dq_lag),):
         branch = re.compile(
             tag(f"if {flag}") + r"(.*?)(?:" + tag("else") + r"(.*?))?" + tag("endif"), re.S
         )
@@ -183,14 +194,16 @@ def kernel_template(
     names = {
         "header": emit.SPLIT_HEADER if split else emit.HEADER,
         "producer": emit.SPLIT_PRODUCER if split else emit.PRODUCER,
-        "consumer": emit.SPLIT_CONSUMER if split else emit.CONSUMER,
+        "consumer": (
+            emit.SPLIT_CONSUMER if split else emit.LAGGED_CONSUMER if dq_lag else emit.CONSUMER
+        ),
     }
     for slot, name in names.items():
         decided = re.sub(r"\{\{\s*" + slot + r"\s*\}\}", name, decided)
     # the Cfg's constants of a window or a softcap: declarations, never calls
     constants = re.compile(
         tag(
-            "if (window|softcap|longest_first|varlen|dv_before_meeting|dq_writer|ds_stmatrix|modifiers|score|score_grad|keep|learn)"
+            "if (window|softcap|longest_first|varlen|dv_before_meeting|dq_writer|ds_stmatrix|modifiers|score|score_grad|keep|learn|persistent or dq_lag)"
         )
         + r"(.*?)"
         + tag("endif"),
@@ -346,6 +359,10 @@ def running(flat: str, walk: Walk) -> str:
     """The ring's and dS^T's index: the CTA's running m-block, run.m0 + i (BwdRun: 0 with one
     tile per CTA, so i there); with `scheduler persistent` a bare i (the tile's own m-block,
     a ring restarted per tile) is left as `tile-local i`, which no plan's index reads as."""
+    if walk.guard is Guard.LAGGED:  # the m-block a lagged call acts for: its running index
+        flat = flat.replace("(run.m0+i)", "(current)")  # (m-block i's own: no plan index)
+        flat = flat.replace("((current)-1)", "(run.m0+i)")  # prev, in m-block i
+        flat = flat.replace("(run.m0+b.m_count-1)", "(run.m0+i)")  # last, after the loop
     if walk.params.persistent:
         flat = re.sub(r"(?<![\w.+])i(?=[%/])", "tile-local i", flat)
     return flat.replace("(run.m0+i)", "i")
@@ -390,8 +407,11 @@ def parity_of(expr: str, walk: Walk) -> WaitParity:
     if "run.kv" in flat:  # `scheduler persistent`: K and V's barriers by the tile's round
         assert "&1" in flat, flat
         return WaitParity.TILE_FLIP if "^1" in flat else WaitParity.TILE
-    if "tile-local" in flat:
-        return flat  # (matches no WaitParity)
+    if "tile-local" in flat or "(i-1)" in flat or "current" in flat:
+        return flat  # (matches no WaitParity: a lagged call read as its m-block's, or not)
+    if re.search(r"\bi/2\b", flat):  # `dq_lag on`: a dS^T buffer's uses
+        assert "&1" in flat and "^" not in flat, flat
+        return WaitParity.ALTERNATE_PREVIOUS if "i/2-1" in flat else WaitParity.ALTERNATE
     if "i/Cfg::kDoStages" in flat:
         assert "&1" in flat, flat
         return WaitParity.RING_DO_FLIP if "^1" in flat else WaitParity.RING_DO
@@ -475,6 +495,11 @@ def walk_node(node, walk: Walk) -> None:
         case ("for", head, body) if "panel<Cfg::kPanels" in head:
             for _ in range(walk.env["kPanels"]):
                 walk_node(body, walk)
+        case ("for", "intbuf=0;buf<2;++buf", body):  # `dq_lag on`: dS^T's barriers per buffer
+            inner = walk.fork()
+            inner.variables["buf"] = "(run.m0+i)%2"
+            walk_node(body, inner)
+            walk.calls += inner.calls
         case ("for", head, body) if "slot<Cfg::kStages" in head or "slot<Cfg::kDoStages" in head:
             inner = walk.fork()
             ring = "kDoStages" if "kDoStages" in head else "kStages"
@@ -501,6 +526,7 @@ def walk_if(cond: str, constexpr: bool, then, other, walk: Walk) -> None:
     flags["Cfg::kDsStmatrix"] = walk.params.ds_stmatrix
     flags["Cfg::kSplitHeadDim"] = walk.params.split
     flags["Cfg::kPersistent"] = walk.params.persistent
+    flags["Cfg::kDqLag"] = walk.params.dq_lag
     flags |= {f"!{name}": not value for name, value in flags.items()}
     if constexpr:  # a flag, its negation, or a conjunction of them
         chosen = then if all(flags[part] for part in cond.split("&&")) else other
@@ -519,7 +545,16 @@ def walk_if(cond: str, constexpr: bool, then, other, walk: Walk) -> None:
         "i>0": dict(guard=Guard.AFTER_FIRST),
         "i+1<b.m_count": dict(guard=Guard.BEFORE_LAST),
         "lane==0": dict(who=Who.WRITER_LANE0),
+        # `dq_lag on`: the store into a dS^T buffer's waits for its previous use's readers
+        "run_i>=2": dict(guard=Guard.REUSED),
     }
+    if cond == "i>0" and other is not None:  # `dq_lag on`: dQ(i - 1) around dK(i)'s calls
+        return _walk_lagged(then, other, walk)
+    if cond == "b.m_count>0" and walk.phase is LoopPhase.AFTER and _declares_last(then):
+        inner = walk.fork(guard=Guard.LAGGED)  # the last m-block's lagged dQ
+        walk_node(then, inner)
+        walk.calls += inner.calls
+        return
     if cond in changes:
         assert other is None, cond
         inner = walk.fork(**changes[cond])
@@ -534,6 +569,27 @@ def walk_if(cond: str, constexpr: bool, then, other, walk: Walk) -> None:
         sides.append(inner.calls)
     assert sides[0] == sides[1], f"calls that depend on a condition the check does not know: {cond}"
     walk.calls += sides[0]
+
+
+def _declares_last(node) -> bool:
+    """A block whose first statement declares `last`, the m-block its calls act for."""
+    first = node[1][0] if node[0] == "block" and node[1] else ("", "")
+    return first[0] == "simple" and squash(first[1]).startswith("constintlast=")
+
+
+def _walk_lagged(then, other, walk: Walk) -> None:
+    """`if (i > 0) { A } else { B }` in bwd_consumer_lagged: B's calls (dK's) are A's too, in
+    the same order and with nothing between them; A's others act for m-block i - 1
+    (``Guard.LAGGED``), B's run in every m-block."""
+    lagged, unlagged, plain = walk.fork(guard=Guard.LAGGED), walk.fork(), walk.fork()
+    walk_node(then, lagged)  # A's calls read as m-block i - 1's
+    walk_node(then, unlagged)  # A's calls read as m-block i's
+    walk_node(other, plain)
+    common = plain.calls
+    found = [n for n in range(len(unlagged.calls)) if unlagged.calls[n : n + len(common)] == common]
+    assert found, "the else branch's calls are not the lagged branch's: the check does not know it"
+    at = found[0]
+    walk.calls += lagged.calls[:at] + plain.calls + lagged.calls[at + len(common) :]
 
 
 def walk_simple(text: str, walk: Walk) -> None:
@@ -562,24 +618,33 @@ def walk_simple(text: str, walk: Walk) -> None:
 
 KERNEL = r"__global__ void __launch_bounds__\(Cfg::kThreads"
 SOURCES = {"bwd_consumer": CodeSite.CONSUMER, "bwd_consumer_split": CodeSite.CONSUMER_SPLIT}
+SOURCES |= {"bwd_consumer_lagged": CodeSite.CONSUMER_LAGGED}
 SOURCES |= {"bwd_producer": CodeSite.PRODUCER, "bwd_producer_split": CodeSite.PRODUCER_SPLIT}
 WRITERS = "bwd_dq_writers"  # the producer warpgroup's call of `dq_writer on`'s writer warps
 
 
 def kernel_body(
-    overlap: bool, template: str = TEMPLATE, split: bool = False, persistent: bool = False
+    overlap: bool,
+    template: str = TEMPLATE,
+    split: bool = False,
+    persistent: bool = False,
+    dq_lag: bool = False,
 ) -> str:
     """The main kernel's body in the template, `{% if overlap %}` decided."""
-    return function(kernel_template(overlap, template, split, persistent), KERNEL)[1]
+    return function(kernel_template(overlap, template, split, persistent, dq_lag), KERNEL)[1]
 
 
 def consumer_function(
-    overlap: bool, template: str = TEMPLATE, split: bool = False, persistent: bool = False
+    overlap: bool,
+    template: str = TEMPLATE,
+    split: bool = False,
+    persistent: bool = False,
+    dq_lag: bool = False,
 ) -> str:
     """The consumer body the kernel calls: `else { ...; NAME<Cfg>(P, smem, block,
     warpgroup - 1); }` after the producer's branch (`scheduler persistent`: per tile, with
     the tile's BwdRun last)."""
-    body = squash(kernel_body(overlap, template, split, persistent))
+    body = squash(kernel_body(overlap, template, split, persistent, dq_lag))
     run = ",run" if persistent else ""
     (name,) = re.findall(rf"(\w+)<Cfg>\(P,smem,block,warpgroup-1{run}\);", body)
     return name
@@ -615,16 +680,21 @@ def header_calls(
     header: str = HEADER,
     template: str = TEMPLATE,
     split_header: str = SPLIT_HEADER,
+    lag_header: str = LAG_HEADER,
 ) -> list[Call]:
     """The calls of ``role``'s function for ``params``: the producer's and the consumer's
     in the headers (each the one the template's kernel calls), the setup's in the
     template's kernel body."""
-    headers = header + split_header
+    headers = header + split_header + lag_header
     if role is WarpRole.SETUP:
-        text = kernel_template(params.overlap, template, params.split, params.persistent)
+        text = kernel_template(
+            params.overlap, template, params.split, params.persistent, params.dq_lag
+        )
         pattern, source, who = KERNEL, CodeSite.KERNEL, Who.CTA
     elif role is WarpRole.CONSUMER:
-        name = consumer_function(params.overlap, template, params.split, params.persistent)
+        name = consumer_function(
+            params.overlap, template, params.split, params.persistent, params.dq_lag
+        )
         text = headers
         pattern, source, who = rf"void {name}\(", SOURCES[name], Who.WARPGROUP
     elif role is WarpRole.WRITER:

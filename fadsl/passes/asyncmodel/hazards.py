@@ -9,7 +9,11 @@ happens-before (order.py); a generic-proxy write followed by an async-proxy acce
 also needs a fence.proxy.async by the writer between the two.
 
 Two accesses of one many-threaded agent are made by different threads, so program order is
-not enough: a bar.sync of the agent must come between (with the writers' fence before it).
+not enough: a bar.sync of the agent must come between (with the writers' fence before it),
+or an mbarrier hand-over that every thread of the agent takes part in: an arrival of all
+its threads on a phase (each thread's release) that a later wait of the agent sees complete
+(each thread's acquire), the writers' fence before the arrival. A thread passes that wait
+only once every thread arrived, as it passes a bar.sync only once every thread reached it.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from dataclasses import dataclass, replace
 
 from .model import (
     Agent,
+    Arrive,
     BarSync,
     BulkCommit,
     BulkWait,
@@ -28,6 +33,7 @@ from .model import (
     TmaLoad,
     TmaMulticast,
     TmaStore,
+    Wait,
     Wgmma,
     WgmmaCommit,
     WgmmaWait,
@@ -127,14 +133,17 @@ def accesses(program: Program, run: Run) -> tuple[list[AccessInterval], list[str
 
 
 def hazard_problems(
-    program: Program, ops: list[AccessInterval], order: Order, clock: dict
+    program: Program, ops: list[AccessInterval], order: Order, clock: dict, run: Run | None = None
 ) -> list[str]:
     """One problem for each pair of overlapping accesses, one a write, that is not ordered (or
-    not fenced); ``clock`` names them in the order they ran."""
+    not fenced); ``clock`` names them in the order they ran; ``run`` (the phases the
+    agents' arrivals joined and their waits saw) lets an agent-wide mbarrier hand-over order
+    its threads' accesses (module docstring)."""
     agents = program.agents
     found: list[tuple[int, int, list[str]]] = []
     fences = _indices(program, FenceProxyAsync)
     barriers = _indices(program, BarSync)
+    handed = _handovers(program, run) if run is not None else {}
     for n, m in _overlapping_pairs(ops):
         x, y = ops[n], ops[m]
         same = x.agent == y.agent
@@ -158,7 +167,8 @@ def hazard_problems(
                 )
             )
         elif same and agents[x.agent].threads > 1 and x.span.space == "smem":
-            found.append((n, m, _across_threads(program, first, second, fences, barriers)))
+            syncs = (fences, barriers, handed.get(x.agent, []))
+            found.append((n, m, _across_threads(program, first, second, *syncs)))
         elif first.generic and first.write and not second.generic and second.span.space == "smem":
             if not any(
                 f > first.index and order.before((first.agent, f), second.start)
@@ -195,12 +205,34 @@ def _indices(program: Program, kind: type) -> dict[int, list[int]]:
     }
 
 
+def _handovers(program: Program, run: Run) -> dict[int, list[tuple[int, int]]]:
+    """Per many-threaded agent, its (arrival, wait) pairs of an mbarrier hand-over: an
+    arrival of every thread of the agent on a phase that a later wait of the agent saw."""
+    found: dict[int, list[tuple[int, int]]] = {}
+    for a, agent in enumerate(program.agents):
+        events = list(enumerate(agent.events))
+        arrivals = [
+            (j, run.joined.get((a, j)))
+            for j, e in events
+            if isinstance(e, Arrive) and e.count == agent.threads > 1 and not e.tx
+        ]
+        waits = [(w, run.saw.get((a, w))) for w, e in events if isinstance(e, Wait)]
+        found[a] = [
+            (j, w)
+            for j, phase in arrivals
+            for w, seen in waits
+            if phase and seen == phase and j < w
+        ]
+    return found
+
+
 def _across_threads(
     program: Program,
     first: AccessInterval,
     second: AccessInterval,
     fences: dict[int, list[int]],
     barriers: dict[int, list[int]],
+    handed: list[tuple[int, int]] = (),
 ) -> list[str]:
     """Two accesses of one many-threaded agent to the same SMEM bytes: different threads make
     them (a thread's share of a tile, an elected thread's TMA), so a bar.sync of the agent must
@@ -214,6 +246,8 @@ def _across_threads(
     agent = program.agents[first.agent]
     done = first.index if first.generic else first.end[1]
     between = [b for b in barriers[first.agent] if done < b < second.index]
+    # an agent-wide hand-over: every thread's arrival after the access, the wait before
+    between += [arrive for arrive, wait in handed if done < arrive and wait < second.index]
     if not between:
         return [
             f"{where(agent, first.index)} and {where(agent, second.index)} touch "

@@ -82,7 +82,7 @@ def _proof_problems(program: Program, run: Run) -> tuple[str, ...]:
     ops, problems = accesses(program, run)
     problems += phase_problems(program, run, order)
     problems += exit_problems(program, run, order)
-    problems += hazard_problems(program, ops, order, run.clock)
+    problems += hazard_problems(program, ops, order, run.clock, run)
     return tuple(dict.fromkeys(problems))
 
 

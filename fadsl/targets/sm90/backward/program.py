@@ -85,6 +85,9 @@ class CodeSite(Enum):
     PRODUCER_SPLIT = "bwd_producer_split"  # head_dim 256
     CONSUMER_SPLIT = "bwd_consumer_split"
     MEET_AND_ISSUE_DQ = "meet_and_issue_dq"  # the overlapped consumer's helper
+    # `dq_lag on` (sm90_bwd_lag.cuh): the consumer with dQ one m-block behind, its dQ helper
+    CONSUMER_LAGGED = "bwd_consumer_lagged"
+    ISSUE_DQ_LAGGED = "issue_dq_lagged"
     REDUCE_DQ = "reduce_dq"  # both consumers': dQ added into the accumulator
     ORDERED_REDUCE_ADD = "ordered_reduce_add"
     # deterministic: the ticket's release, deferred to the next m-block or the loop's end
@@ -106,6 +109,11 @@ class Guard(Enum):
     OWED = "only when the leader owes the previous m-block's ticket"
     AFTER_FIRST = "from m-block 1 on (i > 0)"
     BEFORE_LAST = "except in the last m-block (i + 1 < m_count)"
+    # `dq_lag on`: a step of the previous m-block (dQ and its adds), run in m-block i > 0 for
+    # i - 1 and after the loop (m_count > 0) for the last one, as OWED
+    LAGGED = "for the previous m-block: in m-block i > 0 for i - 1, after the loop for the last"
+    # a dS^T buffer's reuse: from the CTA's running m-block index 2 on (run_i >= 2)
+    REUSED = "from the running m-block 2 on (the buffer's previous use, i - 2)"
 
 
 class Kind(Enum):
@@ -155,6 +163,10 @@ class Mbar(Enum):
     Q_EMPTY = "q_empty"
     DO_FULL = "do_full"  # head_dim 256: the dO ring's own
     DO_EMPTY = "do_empty"
+    # `dq_lag on`: dS^T handed from its writers to the lagged dQ per buffer (i % 2): every
+    # consumer thread's part stored (full), every consumer thread's dQ read retired (empty)
+    DS_FULL = "ds_full"
+    DS_EMPTY = "ds_empty"
 
 
 class Named(Enum):
@@ -208,6 +220,10 @@ class WaitParity(Enum):
     # `scheduler persistent`: K and V's barriers, by the CTA's tiles with work so far (t)
     TILE = "t & 1"
     TILE_FLIP = "(t & 1) ^ 1"
+    # `dq_lag on`: a dS^T buffer's barriers, by its uses so far (buffer i % 2: use i / 2),
+    # the empty one's of the buffer's previous use (i - 2)
+    ALTERNATE = "(i / 2) & 1"
+    ALTERNATE_PREVIOUS = "(i / 2 - 1) & 1"
 
 
 # a ring's index -> its barriers' parity (the consumers'; the producer's flipped)
@@ -513,19 +529,25 @@ _ROLE_FIELDS = {
 }
 
 
-def unrolled(items: tuple[Item, ...], m_count: int) -> list[tuple[Item, int | None]]:
+def unrolled(items: tuple[Item, ...], m_count: int, m0: int = 0) -> list[tuple[Item, int | None]]:
     """(item, m-block) in the order one thread runs them: the items before the loop, the
     loop's m_count times, those after; HAS_WORK items only when m_count > 0. An OWED item
-    (the deferred release of a ticket) acts for the m-block that owes it: in m-block i for
-    i - 1 (none in m-block 0), after the loop for the last one (none when m_count = 0)."""
+    (the deferred release of a ticket) or a LAGGED one (`dq_lag on`'s dQ) acts for the
+    previous m-block: in m-block i for i - 1 (none in m-block 0), after the loop for the
+    last one (none when m_count = 0). A REUSED item runs from the running index m0 + i = 2
+    on (m0: the m-blocks of the CTA's earlier tiles)."""
     out = []
+    behind = (Guard.OWED, Guard.LAGGED)
     live = [x for x in items if x.guard is Guard.ALWAYS or m_count > 0]
     out += [(x, None) for x in live if x.phase is LoopPhase.BEFORE]
-    skipped = {Guard.OWED: 0, Guard.AFTER_FIRST: 0, Guard.BEFORE_LAST: m_count - 1}
+    skipped = {Guard.AFTER_FIRST: 0, Guard.BEFORE_LAST: m_count - 1} | dict.fromkeys(behind, 0)
     for i in range(m_count):
         for x in live:
-            if x.phase is LoopPhase.LOOP and skipped.get(x.guard) != i:
-                out.append((x, i - 1 if x.guard is Guard.OWED else i))
+            if x.phase is not LoopPhase.LOOP or skipped.get(x.guard) == i:
+                continue
+            if x.guard is Guard.REUSED and m0 + i < 2:
+                continue
+            out.append((x, i - 1 if x.guard in behind else i))
     after = [x for x in live if x.phase is LoopPhase.AFTER]
-    out += [(x, m_count - 1 if x.guard is Guard.OWED else None) for x in after]
+    out += [(x, m_count - 1 if x.guard in behind else None) for x in after]
     return out

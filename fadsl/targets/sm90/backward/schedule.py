@@ -25,7 +25,13 @@ order them is the pass's to find: nothing here says so.
   they run. With ``early_dv`` the overlapped one issues dV inside the front instead, as
   soon as P^T is packed (before dS), so that it runs under the softmax gradient; with
   ``dv_before_meeting`` after the dS^T store, before the meeting (FlashAttention-3's
-  order), so that it runs under the warpgroups' meeting.
+  order), so that it runs under the warpgroups' meeting. With ``dq_lag``
+  (bwd_consumer_lagged, its helpers issue_dq_lagged and reduce_dq inlined) dQ runs one
+  m-block behind: after the front of m-block i, dV(i), then dQ(i - 1) from its dS^T buffer
+  (``Guard.LAGGED``: the step acts for m-block i - 1, so ``Index.ALTERNATE`` names the
+  previous buffer), dK(i) and dQ(i - 1)'s adds; after the loop the last m-block's dQ and
+  its adds. Nothing here says how dS^T reaches dQ a step later: that is the sync pass's
+  (syncs/handover.py).
 
 With ``dq_writer`` the consumer stages dQ and its writer warp (bwd_dq_writer, warp 1 + w of
 the producer warpgroup for consumer w) issues the bulk reduce-add of that staging, from its
@@ -139,7 +145,7 @@ def consumer_steps(p: Params) -> tuple[Item, ...]:
     """A consumer warpgroup's steps (module docstring: the two consumers' orders)."""
     if p.split:
         return _split_consumer_steps(p)
-    main = CodeSite.CONSUMER
+    main = CodeSite.CONSUMER_LAGGED if p.dq_lag else CodeSite.CONSUMER
 
     def step(
         kind: Kind, name: str, phase: LoopPhase = LoopPhase.LOOP, source: CodeSite = main, **fields
@@ -206,9 +212,20 @@ def consumer_steps(p: Params) -> tuple[Item, ...]:
     dq = wgmma("dQ = dS K", dq_reads, (), Reg.DQ, CodeSite.MEET_AND_ISSUE_DQ)
     staging = _stage_and_reduce(p, CodeSite.REDUCE_DQ)  # both consumers call reduce_dq
     loop = front + ([dq, *grads, *staging] if p.overlap else [*grads, dq, *staging])
+    last = []
+    if p.dq_lag:  # dQ(i - 1) and its adds between dV(i) and dK(i); the last after the loop
+        lagged = dict(source=CodeSite.ISSUE_DQ_LAGGED, guard=Guard.LAGGED)
+        dq, (add,) = replace(dq, **lagged), staging
+        add = replace(add, guard=Guard.LAGGED)
+        loop = front + [dv, dq, dk, add]
+        last = [
+            replace(dq, phase=LoopPhase.AFTER, name="dQ = dS K (the last m-block)"),
+            replace(add, phase=LoopPhase.AFTER, name="dQ red.add (the last m-block)"),
+        ]
     return (
         step(Kind.ZERO, "dK, dV = 0", LoopPhase.BEFORE, reg_writes=(Reg.DK, Reg.DV)),
         *loop,
+        *last,
         step(Kind.STORE_GLOBAL, "dK -> global", LoopPhase.AFTER, reg_reads=(Reg.DK,)),
         step(Kind.STORE_GLOBAL, "dV -> global", LoopPhase.AFTER, reg_reads=(Reg.DV,)),
     )

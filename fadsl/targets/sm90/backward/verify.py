@@ -105,7 +105,7 @@ sum is formed in the same order in every run. ``semaphore_problems`` checks (2)'
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from ....passes.asyncmodel.model import (
     Agent,
@@ -128,9 +128,6 @@ from ....passes.asyncmodel.model import (
 )
 from ....passes.asyncmodel.prove import AsyncVerifyError, check
 from .program import (
-    BLOCK_M,
-    SPLIT_BLOCK_NS,
-    TRANSPOSED_BLOCK_M,
     ROW_BYTES,
     WARPGROUP_THREADS,
     StagedTile,
@@ -154,8 +151,8 @@ from .program import (
 )
 from .protocol import protocol
 from .verify_tickets import Voice, ticket_problems
-from . import verify_tiles
 from .verify_tiles import tile_counts, tiles_unrolled  # noqa: F401
+from .verify_space import m_counts, parameter_space, persistent_space  # noqa: F401
 from . import verify_writer
 
 _INIT_KINDS = (Kind.MBAR_INIT, Kind.FENCE_MBAR_INIT, Kind.SYNCTHREADS)
@@ -167,61 +164,6 @@ _WARPGROUP_WIDE = (
     Kind.NAMED_BAR_SYNC,
     Kind.NAMED_BAR_ARRIVE,
 )
-
-
-def m_counts(p: Params) -> tuple[int | tuple[int, ...], ...]:
-    """The m-block counts the plan is proven for (module docstring: why they suffice); with
-    `scheduler persistent` sequences of tiles, each tile's m-block count."""
-    if not p.persistent:
-        return tuple(range(0, 2 * p.stages + 3))
-    return tile_counts(p)
-
-
-def persistent_space() -> tuple[Params, ...]:
-    """`scheduler persistent`'s proven configurations (verify_tiles.persistent_space)."""
-    return verify_tiles.persistent_space(parameter_space())
-
-
-def parameter_space() -> tuple[Params, ...]:
-    """Every configuration the header admits: 1-3 consumer warpgroups, head_dim 64 or 128
-    with B_r 64 (dQ split by keys or by panels), and 2 consumers at head_dim 64 with B_r 128
-    (dQ split by queries) or at head_dim 128 with B_r 80 (dQ transposed), 1-3 stages,
-    deterministic or not (deterministic: 2-3 stages), dQ staged or added from registers, each
-    with either of bwd_consumer's orders (the default, or the overlapped one of `overlap on`,
-    dV issued with dK, early or before the meeting); and head_dim 256's bwd_consumer_split
-    with B_c 80 or 64, 1-3 stages (of the Q ring; dO's has one slot). Each staged one whose
-    shares of dQ are disjoint (not split by keys) also with `dq_writer on`, and each with 2
-    stages not at B_r 80 with dS stored by stmatrix."""
-    # (overlap, early_dv, dv_before_meeting)
-    orders = ((False, False, False), (True, False, False), (True, True, False), (True, False, True))
-    shapes = [(c, d, BLOCK_M) for c in (1, 2, 3) for d in (64, 128)]
-    shapes += [(2, 64, 2 * BLOCK_M), (2, 128, TRANSPOSED_BLOCK_M)]
-    # (deterministic, dq_red): dQ staged in either mode, or added from registers (not in
-    # deterministic mode, whose ordered adds go through the staging)
-    adds = ((False, False), (True, False), (False, True))
-    keys = tuple(
-        Params(
-            consumers, stages, head_dim, deterministic, overlap, block_m, early_dv, dq_red, dv_meet
-        )
-        for overlap, early_dv, dv_meet in orders
-        for consumers, head_dim, block_m in shapes
-        for stages in (1, 2, 3)
-        for deterministic, dq_red in adds
-        if stages >= 2 or not deterministic  # BwdConfig's static_assert (the deferred release)
-    )
-    # `dq_writer on`: where dQ is staged in shares of their own (not split by keys)
-    keys += tuple(replace(p, dq_writer=True) for p in keys if not (p.dq_red or p.dq_by_keys))
-    # dS by stmatrix (the same step as st.shared's): each 2-stage one that keeps dS^T's keys as rows
-    keys += tuple(
-        replace(p, ds_stmatrix=True) for p in keys if p.stages == 2 and not p.dq_transposed
-    )
-    # head_dim 256 (the consumers split head_dim): its one order, dQ from registers
-    split = tuple(
-        Params(2, stages, 256, block_m=BLOCK_M, dq_red=True, block_n=block_n)
-        for block_n in SPLIT_BLOCK_NS
-        for stages in (1, 2, 3)
-    )
-    return keys + split
 
 
 # --- the unrolled program -----------------------------------------------------------------
@@ -249,6 +191,8 @@ class _At:
         if parity in (WaitParity.TILE, WaitParity.TILE_FLIP):
             return (self.t & 1) ^ int(parity is WaitParity.TILE_FLIP)
         assert self.i is not None, f"{parity} outside the m-block loop"
+        if parity in (WaitParity.ALTERNATE, WaitParity.ALTERNATE_PREVIOUS):  # dS^T's uses
+            return (self.i // 2 - int(parity is WaitParity.ALTERNATE_PREVIOUS)) & 1
         do_ring = parity in (WaitParity.RING_DO, WaitParity.RING_DO_FLIP)
         ring = (self.i // (p.do_stages if do_ring else p.stages)) & 1
         return ring if parity in (WaitParity.RING, WaitParity.RING_DO) else ring ^ 1
@@ -417,6 +361,7 @@ def build_program(proto: Protocol, m_count: int | tuple[int, ...]) -> Program:
     for item in proto.setup:
         if item.kind is Kind.MBAR_INIT:
             rings = {Index.RING: range(p.stages), Index.RING_DO: range(p.do_stages)}
+            rings[Index.ALTERNATE] = range(2)  # `dq_lag on`: dS^T's barriers per buffer
             slots = rings.get(item.slot, [None])
             counts += [(mbar_name(item.mbar, slot), item.count) for slot in slots]
     if p.deterministic and p.dq_by_keys:  # (not with `scheduler persistent`: one tile)

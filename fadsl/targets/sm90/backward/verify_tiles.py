@@ -36,7 +36,7 @@ def tiles_unrolled(items: tuple[Item, ...], m_count: int | tuple[int, ...]) -> l
     counts = m_count if isinstance(m_count, tuple) else (m_count,)
     out, m0, t = [], 0, 0
     for m in counts:
-        out += [(x, None if i is None else m0 + i, t) for x, i in unrolled(items, m)]
+        out += [(x, None if i is None else m0 + i, t) for x, i in unrolled(items, m, m0)]
         m0, t = m0 + m, t + (m > 0)
     return out
 

@@ -20,6 +20,9 @@ hazards it orders in its docstring:
 - writer: with ``dq_writer`` the hand-over of the staging between the consumer and its
   writer warp (a full and an empty named barrier), the writer's bulk waits, ``__syncwarp``
   and ordered add;
+- handover: with ``dq_lag`` the hand-over of each dS^T buffer from the warpgroups that
+  write it to the lagged dQ that reads it a step later (a full and an empty mbarrier per
+  buffer, in place of the meeting);
 - state: the consumer program being built, which they share.
 
 Every consumer warpgroup runs the same program; the pass builds it once, for warpgroup wg,
@@ -42,8 +45,8 @@ from the header (tests/backward_hand_plan.py) in every configuration, every fiel
 
 from __future__ import annotations
 
-from ..program import Item, Kind, LoopPhase, Protocol, WarpRole
-from . import bulk, mbarrier, named, wgmma, writer
+from ..program import Guard, Item, Kind, LoopPhase, Protocol, WarpRole
+from . import bulk, handover, mbarrier, named, wgmma, writer
 from .state import Consumer, join, loop_entry_equal, names
 
 __all__ = ["insert_syncs", "without_syncs"]
@@ -70,7 +73,7 @@ def insert_syncs(schedule: Protocol, *, economical: bool = False) -> Protocol:
     assert not schedule.setup, "the setup holds syncs only"
     return Protocol(
         schedule.params,
-        mbarrier.setup(schedule),
+        mbarrier.setup(schedule, handover.inits(schedule)),
         mbarrier.producer(schedule),
         _consumer(schedule, economical),
         schedule.layout,
@@ -98,10 +101,21 @@ def _consumer(schedule: Protocol, economical: bool) -> tuple[Item, ...]:
         raise AssertionError("the loop's entry state does not settle")
 
     c = body
+    after = steps[LoopPhase.AFTER]
+    # the last m-block's lagged steps (dq_lag's last dQ) end the m-blocks' work, then the
+    # tile's: K and V freed (every wgmma reading them retired), the exit's bulk wait
+    lagged = len([x for x in after if x.guard is Guard.LAGGED])
+    assert all(x.guard is Guard.LAGGED for x in after[:lagged]), "lagged steps come first"
+    for k in range(lagged):
+        _place_step(c, schedule, after, k, LoopPhase.AFTER)
+    if lagged:
+        wgmma.commit(c, LoopPhase.AFTER, "the last m-block's end")
+        wgmma.drain(c, LoopPhase.AFTER)
+        handover.release_if_retired(c, schedule, LoopPhase.AFTER)
     mbarrier.release_tile(c, schedule)
     bulk.wait_at_exit(c)
-    for k in range(len(steps[LoopPhase.AFTER])):
-        _place_step(c, schedule, steps[LoopPhase.AFTER], k, LoopPhase.AFTER)
+    for k in range(lagged, len(after)):
+        _place_step(c, schedule, after, k, LoopPhase.AFTER)
     wgmma.commit(c, LoopPhase.AFTER, "the program's end")
     wgmma.drain(c, LoopPhase.AFTER)
     return tuple(c.out)
@@ -116,6 +130,7 @@ def _m_block(entry: Consumer, schedule: Protocol, steps: list[Item]) -> Consumer
     wgmma.commit(c, LoopPhase.LOOP, "the m-block's end")
     mbarrier.release_at_end(c, schedule, steps, LoopPhase.LOOP)
     wgmma.drain(c, LoopPhase.LOOP)
+    handover.release_if_retired(c, schedule, LoopPhase.LOOP)
     return c
 
 
@@ -136,12 +151,14 @@ def _place_step(c: Consumer, schedule: Protocol, steps: list[Item], k: int, phas
         bulk.release_due(c, phase, f"while {names(g.steps()[0] for g in c.in_flight)} run")
     wgmma.wait_before(c, step, phase)
     mbarrier.release_if_done(c, schedule, steps, phase)
+    handover.release_if_retired(c, schedule, phase)
     _syncs_before(c, schedule, steps, k, phase)
     c.place(step)
     wgmma.track(c, step)
     named.record_writes(c, step)
     bulk.after_add(c, step, phase)
     writer.after_write(c, schedule, step, phase)
+    handover.after_write(c, schedule, step, phase)
     if phase is LoopPhase.LOOP:
         mbarrier.read_done(c, k)
         mbarrier.release_if_done(c, schedule, steps, phase)
@@ -151,8 +168,10 @@ def _syncs_before(c: Consumer, schedule: Protocol, steps: list[Item], k: int, ph
     step = steps[k]
     if phase is LoopPhase.LOOP:
         mbarrier.wait_full(c, schedule, step, phase)
+    handover.wait_full(c, schedule, step, phase)
     bulk.before_write(c, step, phase)
     writer.before_write(c, schedule, step, phase)
+    handover.before_write(c, schedule, step, phase)
     fenced = named.fence_writes(c, step, phase)
     if step.kind is Kind.WGMMA:
         wgmma.fence(c, steps, k, phase)

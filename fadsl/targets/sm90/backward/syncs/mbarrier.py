@@ -97,7 +97,9 @@ def load_bytes(schedule: Protocol, operand: Operand) -> int:
     return slot_bytes
 
 
-def setup(schedule: Protocol) -> tuple[Item, ...]:
+def setup(schedule: Protocol, more: tuple[Item, ...] = ()) -> tuple[Item, ...]:
+    """Thread 0's inits of the loads' barriers, then ``more`` (another mechanism's: the
+    hand-over's), then the fence and __syncthreads."""
     init = dict(who=Who.THREAD0, source=CodeSite.KERNEL, phase=LoopPhase.BEFORE)
     out = []
     for t in transactions(schedule):
@@ -112,6 +114,7 @@ def setup(schedule: Protocol) -> tuple[Item, ...]:
             why = f"every consumer thread releases the slot's {t.buffers()} once per m-block"
             empty = EMPTY_OF[t.full]
             out.append(Item(Kind.MBAR_INIT, mbar=empty, slot=t.slot, count=count, why=why, **init))
+    out += more
     if out:
         why = "the inits visible to the async proxy (TMA's complete_tx)"
         out.append(Item(Kind.FENCE_MBAR_INIT, why=why, **init))

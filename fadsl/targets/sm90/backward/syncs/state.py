@@ -17,7 +17,20 @@ from __future__ import annotations
 from copy import deepcopy
 from dataclasses import dataclass, field
 
-from ..program import Item, Kind, Mbar, Named, Operand, Params, Part, LoopPhase, Reg, CodeSite, Who
+from ..program import (
+    CodeSite,
+    Guard,
+    Item,
+    Kind,
+    LoopPhase,
+    Mbar,
+    Named,
+    Operand,
+    Params,
+    Part,
+    Reg,
+    Who,
+)
 
 # steps whose SMEM accesses go through the async proxy (the rest are generic st/ld.shared)
 ASYNC_PROXY = frozenset({Kind.TMA_LOAD, Kind.BULK_LOAD, Kind.WGMMA, Kind.BULK_REDUCE_ADD})
@@ -54,6 +67,13 @@ def reaches_other_warpgroups(read: Operand) -> bool:
     """Whether a read of a buffer that each warpgroup writes by its own rows takes other
     warpgroups' rows too: every part but the warpgroup's own does."""
     return read.part is not Part.ROWS_OF_WG
+
+
+def guard_of(steps) -> Guard:
+    """The guard of a sync placed for ``steps``: theirs where they share one (a wgmma group of
+    lagged dQ alone runs only where dQ does), else always."""
+    guards = {x.guard for x in steps}
+    return guards.pop() if len(guards) == 1 else Guard.ALWAYS
 
 
 def registers(step: Item) -> frozenset[Reg]:
@@ -113,6 +133,8 @@ class Consumer:
     # those of them due in this m-block (owed since the previous one)
     owed: list[Item] = field(default_factory=list)
     due: list[Item] = field(default_factory=list)
+    # handover: the lagged readers of a handed-over buffer waited for and not yet retired
+    handed_reading: list[Item] = field(default_factory=list)
 
     def place(self, item: Item) -> None:
         """Append a sync or step; a named barrier publishes what the warpgroup did before it

@@ -9,7 +9,9 @@
   where ordinary code needs the earlier one's result before the later one's (S^T before
   dP^T, dQ before dV and dK); and, as the header does, where the warpgroup turns to
   anything else (a barrier, a fence, ordinary code). ``economical`` keeps a group open
-  across syncs: bwd_consumer's dV, dK and dQ then share one;
+  across syncs: bwd_consumer's dV, dK and dQ then share one; never across wgmmas of
+  different guards (`dq_lag on`'s dQ(i - 1), from m-block 1 on, after dV(i)): the commit
+  closing a group runs under its wgmmas' guard;
 - wgmma.wait_group N before an ordinary step that reads or writes a register an in-flight
   group writes (RAW, WAW), writes one it reads (WAR: an RS operand), or writes SMEM it
   reads: N is the number of groups committed after the newest such group. A wait also
@@ -20,7 +22,7 @@
 from __future__ import annotations
 
 from ..program import Item, Kind, LoopPhase, Reg, Who
-from .state import Consumer, WgmmaGroup, names, registers, same_bytes, sync, words
+from .state import Consumer, WgmmaGroup, guard_of, names, registers, same_bytes, sync, words
 
 
 def hazards(reads, writes, smem_reads, step: Item) -> list[str]:
@@ -60,6 +62,8 @@ def must_close(c: Consumer, steps: list[Item], k: int, synced_before: bool) -> s
         return f"{steps[open_need].name} needs it before {steps[k].name}'s result"
     if synced_before and not c.economical:
         return "the warpgroup syncs before its next wgmma"
+    if guard_of(c.open_group.steps()) is not steps[k].guard:  # (its commit runs under one)
+        return f"{steps[k].name} runs under another guard ({steps[k].guard.value})"
     return ""
 
 
@@ -71,7 +75,8 @@ def commit(c: Consumer, phase: LoopPhase, reason: str, at: int | None = None) ->
     group, c.open_group = c.open_group, WgmmaGroup()
     last = group.wgmmas[-1][1]
     why = f"closes the group of {names(group.steps())}: {reason}"
-    item = sync(Kind.WGMMA_COMMIT, Who.WARPGROUP, last.source, phase, why)
+    guard = guard_of(group.steps())
+    item = sync(Kind.WGMMA_COMMIT, Who.WARPGROUP, last.source, phase, why, guard=guard)
     c.out.insert(len(c.out) if at is None else at, item)
     c.in_flight.append(group)
 
@@ -95,7 +100,8 @@ def fence(c: Consumer, steps: list[Item], k: int, phase: LoopPhase) -> None:
         why = f"{regs} accessed by ordinary code ({by}) before {names(run)} use them"
     else:
         why = f"the warpgroup's first wgmma ({names(run)}, m-block 0)"
-    c.place(sync(Kind.WGMMA_FENCE, Who.WARPGROUP, c.home, phase, why))
+    guard = run[0].guard  # (a run of lagged dQ alone: only where it runs)
+    c.place(sync(Kind.WGMMA_FENCE, Who.WARPGROUP, c.home, phase, why, guard=guard))
     c.touched.clear()
     c.fenced = True
 
@@ -126,7 +132,7 @@ def wait_before(c: Consumer, step: Item, phase: LoopPhase) -> None:
     served = "; ".join(
         f"{h}: {names(c.in_flight[n].steps())} before {step.name}" for n, hs in found for h in hs
     )
-    _wait(c, newest, phase, served)
+    _wait(c, newest, phase, served, step.guard)
 
 
 def wait_for(c: Consumer, positions: set[int], phase: LoopPhase, why: str) -> None:
@@ -142,12 +148,15 @@ def drain(c: Consumer, phase: LoopPhase) -> None:
         _wait(c, len(c.in_flight) - 1, phase, "no wgmma group crosses into the next m-block")
 
 
-def _wait(c: Consumer, newest: int, phase: LoopPhase, why: str) -> None:
+def _wait(c: Consumer, newest: int, phase: LoopPhase, why: str, guard=None) -> None:
+    """wgmma.wait_group retiring the in-flight groups up to ``newest``; ``guard``: that of the
+    step it is placed for (a lagged step's wait runs only where the step does)."""
     pending = len(c.in_flight) - newest - 1
     retired, c.in_flight = c.in_flight[: newest + 1], c.in_flight[newest + 1 :]
     if pending:
         why += f" ({names(s for g in c.in_flight for s in g.steps())} may run on)"
-    c.place(sync(Kind.WGMMA_WAIT, Who.WARPGROUP, c.home, phase, why, pending=pending))
+    more = {} if guard is None else dict(guard=guard)
+    c.place(sync(Kind.WGMMA_WAIT, Who.WARPGROUP, c.home, phase, why, pending=pending, **more))
     for group in retired:
         for readers in c.ring_readers.values():
             readers.difference_update(k for k, _ in group.wgmmas)
