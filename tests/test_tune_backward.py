@@ -29,7 +29,10 @@ def variants_of(text: str):
 
 def test_rewrite_backward_sets_adds_and_removes_lines_of_the_block_only():
     text = rewrite_backward(
-        HOPPER, {"stages": "2", "early_dv": "off", "deterministic": "on"}, {"dQ": None}, "t"
+        HOPPER,
+        {"stages": "2", "early_dv": "off", "deterministic": "on", "dq_lag": "off"},
+        {"dQ": None},
+        "t",
     )
     assert "dQ:" in HOPPER.split("backward {")[1]
     bwd = compile_source(text, "t.fa").kernel.backward
@@ -151,7 +154,7 @@ def test_the_cli_lists_the_variants(capsys, monkeypatch):
     monkeypatch.chdir(ROOT)
     assert main(["tune", "--backward", "--list", "examples/fa3_hdim64.fa"]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[0].endswith("(the input)") and out[0].startswith("B_r 128, overlap, dQ red.add")
+    assert out[0].endswith("(the input)") and out[0].startswith("B_r 128, dq_lag, dQ red.add")
     assert any("[refused: the backward's SMEM plan needs" in line for line in out)
 
 
@@ -195,7 +198,9 @@ def test_a_deterministic_block_tries_the_dq_writer_at_both_register_splits():
     the block's registers and at 32/232; without `deterministic` it is never tried; labels
     name the split; the split-by-keys blocks (head_dim 64, B_r 64) are refused at the key."""
     # (on the grid: the example's `scheduler persistent` refuses `deterministic on`)
-    det = rewrite_backward(HDIM64, {"deterministic": "on", "scheduler": "grid"}, {"dQ": None}, "d")
+    det = rewrite_backward(
+        HDIM64, {"deterministic": "on", "scheduler": "grid", "dq_lag": "off"}, {"dQ": None}, "d"
+    )
     _, variants = variants_of(det)
     writers = [v for v in variants if v.backward is not None and v.backward.dq_writer]
     assert writers and all(v.backward.deterministic for v in writers)
