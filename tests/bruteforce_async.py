@@ -15,7 +15,18 @@ at any time after the copy is issued. It reports
   generic access of the same agent (or a TMA store it issued) with no bar.sync of the agent
   since (different threads make them), and an async operation reading or writing bytes the
   agent wrote through the generic proxy unless a fence.proxy.async and then a bar.sync came
-  between.
+  between. An mbarrier hand-over of the agent's own threads serves as the bar.sync: every
+  thread of the agent arrives (one arrive of the agent's thread count, no tx) after the
+  access, on phase k of an mbarrier, and a later wait of the agent returns for phase k. In
+  this explorer's terms: a wait returns when the barrier's phase counter is some P of the
+  other parity, so it returned for phase P - 1 (the phase whose completion it observed); an
+  arrival the explored interleaving joined to phase P - 1 took part in that completion, so
+  every thread's arrival (its release, after its access) came before the completion, and
+  the completion before every thread's return from the wait (its acquire). Only that phase's
+  arrivals count (the PTX ISA states a wait's acquire for the phase it observed complete; an
+  arrival of an earlier phase is not counted, which can only report more). For a generic
+  write that an async operation then accesses, the writers' fence.proxy.async must come
+  before that arrival, as before a bar.sync.
 Two wgmma of one agent never race (the tensor core runs them in order), nor do the accesses of
 one event or two synchronous accesses of one agent.
 
@@ -124,7 +135,9 @@ def explore(program: Program, limit: int = 400_000, all_kinds: bool = False) -> 
         frozenset(),
         tuple((0, 0) for _ in agents),  # (wgmma groups committed, bulk groups committed)
         frozenset(),
-        frozenset(),  # own: (agent, index, synced, fenced, clean) of many-threaded agents
+        # own, of many-threaded agents: (agent, index, synced, fenced, clean, arrivals), the
+        # arrivals (slot, phase, fenced then) of all the agent's threads since the access
+        frozenset(),
     )
     seen = {start}
     stack = [start]
@@ -245,7 +258,7 @@ def _check_own(program: Program, a: int, index: int, event, own: frozenset, foun
     ):
         return own
     is_async = isinstance(event, TmaLoad | TmaMulticast | TmaStore | Wgmma)
-    for oa, oi, synced, _, clean in own:
+    for oa, oi, synced, _, clean, _ in own:
         earlier = program.agents[oa].events[oi]
         if oa != a or oi == index or not _conflict(program, oa, earlier, a, event):
             continue
@@ -254,8 +267,32 @@ def _check_own(program: Program, a: int, index: int, event, own: frozenset, foun
         elif is_async and isinstance(earlier, GenericAccess) and earlier.write and not clean:
             found.add("proxy race")
     if isinstance(event, GenericAccess) and event.span.space == "smem":
-        own = own | {(a, index, False, False, False)}
+        own = own | {(a, index, False, False, False, ())}
     return own
+
+
+def _arrived(own: frozenset, a: int, slot: int, phase: int) -> frozenset:
+    """Every thread of agent a arrives on ``phase`` of mbarrier ``slot`` (each thread's
+    release): noted on a's own accesses so far, with whether the writer had fenced them."""
+    out = set()
+    for oa, oi, s, f, c, h in own:
+        if oa == a:
+            h = tuple(sorted(set(h) | {(slot, phase, f)}))
+        out.add((oa, oi, s, f, c, h))
+    return frozenset(out)
+
+
+def _waited(own: frozenset, a: int, slot: int, phase: int) -> frozenset:
+    """Agent a's wait on mbarrier ``slot`` returned for ``phase`` (each thread's acquire): a's
+    accesses whose threads all arrived on that phase are ordered before all that follows, as
+    by a bar.sync (and clean for the async proxy if fenced before the arrival)."""
+    out = set()
+    for oa, oi, s, f, c, h in own:
+        seen = [fenced for sl, ph, fenced in h if (sl, ph) == (slot, phase)]
+        if oa == a and seen:
+            s, c = True, c or any(seen)
+        out.add((oa, oi, s, f, c, h))
+    return frozenset(out)
 
 
 def _land(program: Program, state, op, event: TmaLoad | TmaMulticast, found: set[str]):
@@ -280,8 +317,11 @@ def _move(program: Program, state, a: int, event, found: set[str]):
         own = _check_own(program, a, pcs[a], event, own, found)
     match event:
         case Wait(barrier=name, parity=parity):
-            if mbars[_slot(program, agent.cta, name)][0] % 2 == parity:
+            slot = _slot(program, agent.cta, name)
+            if mbars[slot][0] % 2 == parity:
                 return None
+            if agent.threads > 1:  # it returned for the phase before the current one
+                own = _waited(own, a, slot, mbars[slot][0] - 1)
         case Arrive(barrier=name, count=count) | RemoteArrive(barrier=name, count=count):
             tx = event.tx if isinstance(event, Arrive) else 0
             cta = event.cta if isinstance(event, RemoteArrive) else agent.cta
@@ -289,6 +329,8 @@ def _move(program: Program, state, a: int, event, found: set[str]):
                 found.add("exit race")  # an arrive on a CTA that may have exited
             i = _slot(program, cta, name)
             phase, pending, cur = mbars[i]
+            if isinstance(event, Arrive) and not tx and count == agent.threads > 1:
+                own = _arrived(own, a, i, phase)
             if count > pending:
                 found.add("over-arrival")
                 count = pending
@@ -327,8 +369,8 @@ def _move(program: Program, state, a: int, event, found: set[str]):
             blocked = tuple(sorted(waiting.items()))
             if isinstance(event, BarSync) and advance:  # every thread of the agent has met
                 own = frozenset(
-                    (oa, oi, True, f, c or f) if oa == a else (oa, oi, s, f, c)
-                    for oa, oi, s, f, c in own
+                    (oa, oi, True, f, c or f, h) if oa == a else (oa, oi, s, f, c, h)
+                    for oa, oi, s, f, c, h in own
                 )
         case ClusterArrive(relaxed=relaxed):
             if _pending(a) in dict(blocked) and not relaxed:
@@ -371,12 +413,12 @@ def _move(program: Program, state, a: int, event, found: set[str]):
             }
             flight = flight - retired
             if kind is TmaStore and agent.threads > 1:  # only the issuing thread waited
-                own = own | {(fa, fi, False, False, False) for fa, fi, _ in retired}
+                own = own | {(fa, fi, False, False, False, ()) for fa, fi, _ in retired}
         case GenericAccess(write=True, span=span) if span.space == "smem":
             unfenced = unfenced | {(a, pcs[a])}
         case FenceProxyAsync():
             unfenced = frozenset((wa, wi) for wa, wi in unfenced if wa != a)
-            own = frozenset((oa, oi, s, f or oa == a, c) for oa, oi, s, f, c in own)
+            own = frozenset((oa, oi, s, f or oa == a, c, h) for oa, oi, s, f, c, h in own)
         case GenericAccess():
             pass
         case _:

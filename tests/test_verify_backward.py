@@ -35,6 +35,7 @@ from backward_header import (
     writer_function,
 )
 from bruteforce_async import explore
+from fadsl.passes.asyncmodel.model import Wait
 from fadsl.passes.asyncmodel.prove import check
 from fadsl.targets.sm90.backward.program import (
     BAR_DQ,
@@ -1126,7 +1127,76 @@ def test_an_edited_lag_template_is_caught():
     assert consumer_function(True, dq_lag=True) == "bwd_consumer_lagged"
 
 
-@pytest.mark.xfail(reason="bruteforce_async.py orders a warpgroup's own threads by bar.sync only, not yet by an mbarrier phase all of them arrive on and wait for", strict=True)  # fmt: skip
-def test_bruteforce_agrees_on_the_lag():
-    params = Params(1, 1, 64, overlap=True, dq_red=True, dq_lag=True)
-    assert explore(build_program(protocol(params), 1), all_kinds=True) == set()
+LAG_SMALL = LAGGED[3]  # one consumer warpgroup, one stage: the brute force's lagged plan
+
+
+@pytest.mark.parametrize("params,m_count", [(LAG_SMALL, 1), (LAG_SMALL, 2), (LAG, 1)], ids=str)
+def test_bruteforce_agrees_on_the_lag(params, m_count):
+    """`dq_lag on`: the brute force also takes the warpgroup's ds_full hand-over (every
+    thread's arrival after its part of dS^T, then their wait for that phase) as ordering the
+    store before dQ's wgmma, as a bar.sync would. LAG's two warpgroups of two m-blocks pass
+    the brute force's state limit (400,000 states, about 35 s to give up)."""
+    assert explore(build_program(protocol(params), m_count), all_kinds=True) == set()
+
+
+def _fence_after_the_arrival(items: list) -> None:
+    n = _at(items, Kind.FENCE_PROXY_ASYNC_SMEM)
+    assert items[n + 1].kind is Kind.MBAR_ARRIVE and items[n + 1].mbar is Mbar.DS_FULL
+    items[n], items[n + 1] = items[n + 1], items[n]
+
+
+BRUTE_LAG_BREAKS = {  # what the brute force finds with one consumer warpgroup, two m-blocks
+    "no ds_empty wait": set(),  # test_one_lagged_consumer_needs_no_empty_wait
+    "no ds_full wait": {"race"},
+    "ds_full's parity flipped": {"hang"},
+    "ds_empty before dQ's wait_group": set(),
+    "no proxy fence": {"proxy race"},
+    "ds_full before the store": {"race"},
+    "fence after ds_full's arrival": {"proxy race"},
+}
+
+
+@pytest.mark.parametrize(
+    "what,edit",
+    [b[:2] for b in LAG_BREAKS] + [("fence after ds_full's arrival", _fence_after_the_arrival)],
+    ids=[b[0] for b in LAG_BREAKS] + ["fence after ds_full's arrival"],
+)
+def test_bruteforce_agrees_on_a_broken_lag_plan(what, edit):
+    """The lag's hand-over broken (its wait dropped, its arrival before the store or before
+    the fence, ...): the brute force finds the race (or hang) exactly when the proof refuses."""
+    items = list(protocol(LAG_SMALL).consumer)
+    edit(items)
+    program = build_program(protocol(LAG_SMALL).with_role(WarpRole.CONSUMER, tuple(items)), 2)
+    found = explore(program, all_kinds=True)
+    assert found == BRUTE_LAG_BREAKS[what], (what, found)
+    assert bool(found) == bool(check(program)), (what, found, check(program))
+
+
+def _moved_wait(parity: int | None):
+    """The one-m-block lag program with wg0's ds_full wait dropped (``parity`` None) or moved
+    just before its arrival, waiting with ``parity``."""
+    program = build_program(protocol(LAG_SMALL), 1)
+    (agent,) = [a for a in program.agents if a.threads > 1]
+    events = list(agent.events)
+    (wait,) = [e for e in events if isinstance(e, Wait) and e.barrier == "ds_full[0]"]
+    events.remove(wait)
+    if parity is not None:
+        arrive = next(n for n, e in enumerate(events) if getattr(e, "barrier", "") == "ds_full[0]")
+        events.insert(arrive, replace(wait, parity=parity))
+    agents = tuple(replace(a, events=tuple(events)) if a is agent else a for a in program.agents)
+    return replace(program, agents=agents)
+
+
+@pytest.mark.parametrize(
+    "parity,kind",
+    [(None, "race"), (0, "hang"), (1, "race")],
+    ids=["no wait", "wait before the arrival", "wait for the phase before"],
+)
+def test_bruteforce_needs_the_wait_for_the_arrivals_phase(parity, kind):
+    """One m-block: without ds_full's wait the store and dQ's wgmma race; the wait moved
+    before the arrival hangs (wg0 is its only arriver), or with the other parity returns at
+    once, for no phase wg0 arrived on, and orders nothing. The proof agrees."""
+    program = _moved_wait(parity)
+    assert explore(program, all_kinds=True) == {kind}
+    problems = check(program)
+    assert problems and (kind == "hang") == any(p.startswith("hang") for p in problems), problems
