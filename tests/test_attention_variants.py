@@ -155,7 +155,12 @@ def test_the_target_says_which_lines_a_window_or_a_softcap_needs():
         "warpgroups": "producer = 1, consumers = 2",
         "registers": "producer = 24, consumers = 240",
     }
-    assert hdim64.backward == {"tile": "B_r = 64, B_c = 128", "early_dv": "off", "overlap": "on"}
+    assert hdim64.backward == {
+        "tile": "B_r = 64, B_c = 128",
+        "early_dv": "off",
+        "dq_lag": "off",  # (a softcap keeps the meeting: SOFTCAP_BACKWARD)
+        "overlap": "on",
+    }
     assert hdim64.backward_paths == {"dS": "rf -st.shared-> smem[cta] -wgmma-> rf"}
     causal = lines_of(kernel("fa3_causal"), False, True, False)  # 2 consumers already
     assert not causal.settings and causal.backward["overlap"] == "off"
