@@ -780,3 +780,11 @@ def test_dq_lag_is_read_and_refused_where_it_is_not_built():
         "    tile       B_r = 128, B_c = 128 ", "    tile       B_r = 64, B_c = 128 ", hdim64
     )
     assert_error(text, "dq_lag     on", "dq_lag", "dQ split by keys")
+
+
+def test_dq_lag_waits_for_a_gpu_run_beside_modifiers():
+    """Score and keep modifiers with `dq_lag on` are refused at the key until that order has
+    run beside them on a GPU (the lagged consumer makes the same modifier calls)."""
+    alibi = (ROOT / "examples" / "modifiers" / "alibi_causal.fa").read_text()
+    text = variant("    overlap    on\n", "    overlap    on\n    dq_lag     on\n", alibi)
+    assert_error(text, "dq_lag     on", "dq_lag", "score or keep modifiers")

@@ -21,7 +21,7 @@ What the first backward kernel supports (docs/backward.md, FlashAttention-3's ba
   mode;
 - `dq_lag on` (dQ one m-block behind: the consumers never meet) with `overlap on` and dQ by
   red.add only, not with `deterministic`, `early_dv`, `dv_before_meeting` or `dq_writer on`,
-  head_dim 256 or dQ split by keys;
+  head_dim 256, dQ split by keys or score and keep modifiers;
 - `scheduler persistent` (a CTA per SM looping over the tiles) not with `deterministic on`,
   `dq_writer on`, `varlen on`, head_dim 256 or score and keep modifiers (the first version's
   loop carries no state of theirs across tiles);
@@ -193,7 +193,7 @@ def validate_backward(c: Checks, block: BackwardBlock) -> Backward | None:
     if backward.persistent:
         ok = _persistent(c, block, backward, head_dim) and ok
     if backward.dq_lag:
-        ok = _dq_lag(block, backward, head_dim) and ok
+        ok = _dq_lag(c, block, backward, head_dim) and ok
     if ok and head_dim in HEAD_DIMS:
         ok = _smem(block, backward, head_dim)
     return backward if ok else None
@@ -225,7 +225,7 @@ def _persistent(c: Checks, block: BackwardBlock, backward: Backward, head_dim: i
     return False
 
 
-def _dq_lag(block: BackwardBlock, backward: Backward, head_dim: int | None) -> bool:
+def _dq_lag(c: Checks, block: BackwardBlock, backward: Backward, head_dim: int | None) -> bool:
     """`dq_lag on`: the overlapped consumer with dQ(i - 1) issued in m-block i
     (sm90_bwd_lag.cuh); what that order is not built with is refused here."""
     why = []
@@ -240,6 +240,8 @@ def _dq_lag(block: BackwardBlock, backward: Backward, head_dim: int | None) -> b
             why.append(f"{key} on (dV is issued before dQ already: {what} is fixed)")
     if backward.dq_writer:
         why.append("dq_writer on (the writer reduce-adds a staging; dq_lag adds from registers)")
+    if c.decl.modifiers:
+        why.append("score or keep modifiers (not yet run on a GPU in that order)")
     if head_dim == SPLIT_HEAD_DIM:
         why.append(f"head_dim {SPLIT_HEAD_DIM} (its consumers split head_dim: another loop)")
     elif head_dim is not None and backward.block_m == BLOCK_M:
