@@ -52,7 +52,7 @@ from ..caps import (
     register_pool,
     registers_asked,
 )
-from .plan_smem import SPLIT_HEAD_DIM, plan_smem
+from .plan_smem import SPLIT_HEAD_DIM, dq_by_keys, plan_smem
 from .routes import (  # (the path tables: tune_space, variants and tests read them here)
     DQ_RED,
     DS_STMATRIX,
@@ -235,21 +235,20 @@ def _dq_lag(c: Checks, block: BackwardBlock, backward: Backward, head_dim: int |
         why.append(f"dQ staged (it adds dQ from registers: {DQ_RED.text()})")
     if backward.deterministic:
         why.append("deterministic on (its tickets assume dQ added in its own m-block)")
-    for key, what in (("early_dv", "dV's place"), ("dv_before_meeting", "dV's place")):
+    for key in ("early_dv", "dv_before_meeting"):
         if getattr(backward, key):
-            why.append(f"{key} on (dV is issued before dQ already: {what} is fixed)")
+            why.append(f"{key} on (dV is issued before dQ already: dV's place is fixed)")
     if backward.dq_writer:
         why.append("dq_writer on (the writer reduce-adds a staging; dq_lag adds from registers)")
     if c.decl.modifiers:
         why.append("score or keep modifiers (not yet run on a GPU in that order)")
     if head_dim == SPLIT_HEAD_DIM:
         why.append(f"head_dim {SPLIT_HEAD_DIM} (its consumers split head_dim: another loop)")
-    elif head_dim is not None and backward.block_m == BLOCK_M:
-        if (head_dim // backward.consumers) % 64 != 0:
-            why.append(
-                f"dQ split by keys (head_dim {head_dim} at B_r = {BLOCK_M}: each consumer's dQ "
-                "reads only its own dS^T rows, so the consumers never meet there already)"
-            )
+    elif head_dim is not None and dq_by_keys(backward, head_dim):
+        why.append(
+            f"dQ split by keys (head_dim {head_dim} at B_r = {backward.block_m}: each consumer's "
+            "dQ reads only its own dS^T rows, so the consumers never meet there already)"
+        )
     if not why:
         return True
     block.checks.error(
