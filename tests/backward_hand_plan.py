@@ -306,8 +306,10 @@ def _lag_consumer(p: Params) -> list[Item | str]:
     use's dQ retired), the dS^T store, its proxy fence and each thread's ds_full arrival;
     dV in a group of its own; from m-block 1 on the wait on the previous buffer's ds_full,
     dQ(i - 1) in a group of its own; dK; then dQ(i - 1)'s wait_group 1, ds_empty arrival
-    and adds; wait_group 0 and the slot's release. After the loop (m_count > 0) the last
-    dQ likewise, its wgmma.fence after the ds_full wait, wait_group 0."""
+    and adds; wait_group 0 and the slot's release. With `dq_first on` the ds_full wait, one
+    wgmma.fence (every m-block), dQ(i - 1) in a group of its own, then dV and dK in one
+    group, wait_group 1 (dQ alone retired). After the loop (m_count > 0) the last dQ
+    likewise, its wgmma.fence after the ds_full wait, wait_group 0."""
     main = CodeSite.CONSUMER_LAGGED
     lagged = dict(guard=Guard.LAGGED)
 
@@ -318,6 +320,28 @@ def _lag_consumer(p: Params) -> list[Item | str]:
     full_wait = dict(mbar=Mbar.DS_FULL, parity=WaitParity.ALTERNATE, **buf, **lagged)
     empty = dict(mbar=Mbar.DS_EMPTY, **buf, **lagged)
     dq_commit = dict(source=CodeSite.ISSUE_DQ_LAGGED, **lagged)
+    gradients = [
+        sync(Kind.WGMMA_FENCE, why="dV, P^T, dK, dS^T written by ordinary code"),
+        "dV += P^T dO",
+        sync(Kind.WGMMA_COMMIT),
+        sync(Kind.MBAR_WAIT, why="RAW: both warpgroups' parts of dS^T(i - 1)", **full_wait),
+        "dQ = dS K",
+        sync(Kind.WGMMA_COMMIT, **dq_commit),
+        "dK += dS^T Q",
+        sync(Kind.WGMMA_COMMIT),
+        sync(Kind.WGMMA_WAIT, pending=1, why="dV(i) and dQ(i - 1) retired", **lagged),
+    ]
+    if p.dq_first:
+        gradients = [
+            sync(Kind.MBAR_WAIT, why="RAW: both warpgroups' parts of dS^T(i - 1)", **full_wait),
+            sync(Kind.WGMMA_FENCE, why="dV, P^T, dK, dS^T written by ordinary code"),
+            "dQ = dS K",
+            sync(Kind.WGMMA_COMMIT, **dq_commit),
+            "dV += P^T dO",
+            "dK += dS^T Q",
+            sync(Kind.WGMMA_COMMIT),
+            sync(Kind.WGMMA_WAIT, pending=1, why="dQ(i - 1) retired", **lagged),
+        ]
     return [
         "dK, dV = 0",
         sync(
@@ -343,15 +367,7 @@ def _lag_consumer(p: Params) -> list[Item | str]:
         "dS^T -> smem",
         sync(Kind.FENCE_PROXY_ASYNC_SMEM, why="RAW: dS^T's st.shared before dQ's wgmma"),
         sync(Kind.MBAR_ARRIVE, mbar=Mbar.DS_FULL, why="RAW: this thread's part stored", **buf),
-        sync(Kind.WGMMA_FENCE, why="dV, P^T, dK, dS^T written by ordinary code"),
-        "dV += P^T dO",
-        sync(Kind.WGMMA_COMMIT),
-        sync(Kind.MBAR_WAIT, why="RAW: both warpgroups' parts of dS^T(i - 1)", **full_wait),
-        "dQ = dS K",
-        sync(Kind.WGMMA_COMMIT, **dq_commit),
-        "dK += dS^T Q",
-        sync(Kind.WGMMA_COMMIT),
-        sync(Kind.WGMMA_WAIT, pending=1, why="dV(i) and dQ(i - 1) retired", **lagged),
+        *gradients,
         sync(Kind.MBAR_ARRIVE, why="WAR: this warpgroup's reads of dS^T(i - 1) retired", **empty),
         "dQ red.add",
         sync(Kind.WGMMA_WAIT, pending=0, why="dV and dK retired: Q, dO read"),

@@ -203,7 +203,7 @@ def kernel_template(
     # the Cfg's constants of a window or a softcap: declarations, never calls
     constants = re.compile(
         tag(
-            "if (window|softcap|longest_first|varlen|dv_before_meeting|dq_writer|ds_stmatrix|modifiers|score|score_grad|keep|learn|persistent or dq_lag)"
+            "if (window|softcap|longest_first|varlen|dv_before_meeting|dq_writer|ds_stmatrix|modifiers|score|score_grad|keep|learn|persistent or dq_lag|dq_first)"
         )
         + r"(.*?)"
         + tag("endif"),
@@ -527,6 +527,7 @@ def walk_if(cond: str, constexpr: bool, then, other, walk: Walk) -> None:
     flags["Cfg::kSplitHeadDim"] = walk.params.split
     flags["Cfg::kPersistent"] = walk.params.persistent
     flags["Cfg::kDqLag"] = walk.params.dq_lag
+    flags["Cfg::kDqFirst"] = walk.params.dq_first
     flags |= {f"!{name}": not value for name, value in flags.items()}
     if constexpr:  # a flag, its negation, or a conjunction of them
         chosen = then if all(flags[part] for part in cond.split("&&")) else other
@@ -578,18 +579,23 @@ def _declares_last(node) -> bool:
 
 
 def _walk_lagged(then, other, walk: Walk) -> None:
-    """`if (i > 0) { A } else { B }` in bwd_consumer_lagged: B's calls (dK's) are A's too, in
-    the same order and with nothing between them; A's others act for m-block i - 1
-    (``Guard.LAGGED``), B's run in every m-block."""
+    """`if (i > 0) { A } else { B }` in bwd_consumer_lagged: B's calls (dK's; with
+    `dq_first on` the fence, dV's and dK's) are A's too, in the same order (A's first match of
+    each, in turn); A's others act for m-block i - 1 (``Guard.LAGGED``), B's run in every
+    m-block."""
     lagged, unlagged, plain = walk.fork(guard=Guard.LAGGED), walk.fork(), walk.fork()
     walk_node(then, lagged)  # A's calls read as m-block i - 1's
     walk_node(then, unlagged)  # A's calls read as m-block i's
     walk_node(other, plain)
-    common = plain.calls
-    found = [n for n in range(len(unlagged.calls)) if unlagged.calls[n : n + len(common)] == common]
-    assert found, "the else branch's calls are not the lagged branch's: the check does not know it"
-    at = found[0]
-    walk.calls += lagged.calls[:at] + plain.calls + lagged.calls[at + len(common) :]
+    at, matched = 0, {}
+    for call in plain.calls:
+        rest = unlagged.calls[at:]
+        assert (
+            call in rest
+        ), "the else branch's calls are not the lagged branch's: the check does not know it"
+        at += rest.index(call)
+        matched[at], at = call, at + 1
+    walk.calls += [matched.get(n, call) for n, call in enumerate(lagged.calls)]
 
 
 def walk_simple(text: str, walk: Walk) -> None:

@@ -159,6 +159,7 @@ def test_the_target_says_which_lines_a_window_or_a_softcap_needs():
         "tile": "B_r = 64, B_c = 128",
         "early_dv": "off",
         "dq_lag": "off",  # (a softcap keeps the meeting: SOFTCAP_BACKWARD)
+        "dq_first": "off",  # (which orders the lag)
         "overlap": "on",
     }
     assert hdim64.backward_paths == {"dS": "rf -st.shared-> smem[cta] -wgmma-> rf"}

@@ -114,6 +114,7 @@ def test_the_full_block_lowers_to_the_ir():
         "early_dv": True,
         "dv_before_meeting": False,
         "dq_lag": False,
+        "dq_first": False,
         "dq_red": False,
         "longest_first": False,
         "dq_writer": False,
@@ -231,7 +232,7 @@ LOCATED = [
     ("producer = 24, consumers = 240\n    stages", "producer = 24, consumers = 244\n    stages", "consumers = 244", "244", "the backward's consumers take setmaxnreg 24 to 240, a multiple of 8, not 244"),
     ("producer = 24, consumers = 240\n    stages", "producer = 24, consumers = 248\n    stages", "consumers = 248", "248", "not 248"),
     ("deterministic off", "deterministic maybe", "deterministic maybe", "maybe", "unknown deterministic 'maybe'; expected 'on' or 'off'"),
-    ("deterministic off", "stage 3", "stage 3", "stage", "unknown key 'stage' in the backward block; it takes 'tile', 'warpgroups', 'registers', 'stages', 'deterministic', 'overlap', 'early_dv', 'dv_before_meeting', 'longest_first', 'dq_writer', 'dq_lag' and 'scheduler' (did you mean 'stages'?)"),
+    ("deterministic off", "stage 3", "stage 3", "stage", "unknown key 'stage' in the backward block; it takes 'tile', 'warpgroups', 'registers', 'stages', 'deterministic', 'overlap', 'early_dv', 'dv_before_meeting', 'longest_first', 'dq_writer', 'dq_lag', 'dq_first' and 'scheduler' (did you mean 'stages'?)"),
     ("deterministic off", "mask causal", "mask causal", "mask", "'mask' is a setting of the kernel, not of its backward block"),
     ("deterministic off", "stages 3", "stages 3", "stages", "duplicate key 'stages' in the backward block (first set at line"),
     ("dV:  rf -st.global-> gmem", "dW:  rf -st.global-> gmem", "dW:", "dW", "unknown tensor 'dW' in the backward block; it moves Q, K, V, dO, LSE, D, P, dS, dQ, dK and dV"),
@@ -272,6 +273,7 @@ def hdim64_staged(tile: str) -> str:
         ("    tile       B_r = 128, B_c = 128 ", f"    tile       {tile} "),
         ("    scheduler  persistent\n", "    scheduler  grid\n"),
         ("    dq_lag     on\n", "    dq_lag     off\n"),  # (it adds dQ from registers)
+        ("    dq_first   on\n", "    dq_first   off\n"),  # (which orders the lag)
         ("dQ: rf -red.add-> gmem ", "dQ: rf -st.shared-> smem[warpgroup] -reduce.add-> gmem\n    dq_writer on "),
     ):  # fmt: skip
         assert text.count(old) == 1, old
@@ -522,6 +524,7 @@ def test_dv_before_meeting_fits_its_registers_at_b_r_80_and_head_dim_64():
     hopper, hdim64 = (
         t.replace("    dq_lag     on\n", "    dq_lag     off\n") for t in (hopper, hdim64)
     )
+    hdim64 = hdim64.replace("    dq_first   on\n", "    dq_first   off\n")
     hdim64 = hdim64.replace("    overlap    on\n", "    overlap    on\n    dv_before_meeting on\n")
     for text in (hopper, hdim64):
         compiled = compile_source(text, FILE)
@@ -780,6 +783,21 @@ def test_dq_lag_is_read_and_refused_where_it_is_not_built():
         "    tile       B_r = 128, B_c = 128 ", "    tile       B_r = 64, B_c = 128 ", hdim64
     )
     assert_error(text, "dq_lag     on", "dq_lag", "dQ split by keys")
+
+
+def test_dq_first_is_read_and_needs_the_lag():
+    """`dq_first on` (the lagged dQ issued before dV) lowers to the IR and back in the head_dim
+    64 example, and without `dq_lag on` it is refused at its key."""
+    hdim64 = (ROOT / "examples" / "fa3_hdim64.fa").read_text()
+    bwd = compile_source(hdim64, FILE).kernel.backward
+    assert bwd.dq_lag and bwd.dq_first
+    assert " dq_lag=on dq_first=on" in bwd.text()
+    assert read_backward_ir(bwd.text(), bwd.loc).dq_first
+    assert bwd.loc_of("dq_first").line == where(hdim64, "dq_first   on")[0]
+    hopper = (ROOT / "examples" / "fa3_hopper.fa").read_text()
+    assert not compile_source(hopper, FILE).kernel.backward.dq_first
+    text = variant("    dq_lag     on\n", "    dq_lag     off\n", hdim64)
+    assert_error(text, "dq_first   on", "dq_first", "it needs `dq_lag on`")
 
 
 def test_dq_lag_waits_for_a_gpu_run_beside_modifiers():

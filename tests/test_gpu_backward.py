@@ -98,6 +98,12 @@ MEETING = (
     "fa3_hdim64_causal-dq_lag",
 )
 VARIANTS += MEETING
+# `dq_first on` (the lagged dQ issued before dV) is the head_dim 64 examples' since
+# 2026-12-01: their twins keep the lag after dV; and dQ by head_dim panels (B_r 64 at head_dim
+# 128, dS by stmatrix and by st.shared) issued first
+DQ_FIRST = ("fa3_hdim64-dq_first", "fa3_hdim64_causal-dq_first")
+DQ_FIRST += ("fa3_hopper+br64+ds_stmatrix+dq_first", "fa3_causal+br64+dq_first")
+VARIANTS += DQ_FIRST
 CASES = [(n, d, s) for n in FORWARDS + PLAIN + VARIANTS for d in DTYPES for s in SHAPES]
 # head_dim 256 (sm90_bwd_split.cuh: B_r 64, each consumer S and dP of B_c / 2 keys, dK^T, dV^T
 # and dQ^T of its half of head_dim): the examples' B_c 80 and the B_c 64 fallback; seqlens off
@@ -132,7 +138,8 @@ def training_spec(name: str) -> str:
     unless the name says ``+persistent`` itself; likewise a block that says ``dq_lag on`` gets
     ``dq_lag off`` where a switch asks for what it refuses (``+early_dv``,
     ``+dv_before_meeting``, ``+deterministic``, ``+dq_writer``, ``-overlap``, ``-dqred``, or
-    ``+br64`` at head_dim 64, where dQ is split by keys) unless the name says ``+dq_lag``."""
+    ``+br64`` at head_dim 64, where dQ is split by keys) unless the name says ``+dq_lag``,
+    and ``dq_first off`` wherever ``dq_lag`` ends up off."""
     example, *switches = re.split(r"(?=[+-])", name)
     text = (EXAMPLES / f"{example}.fa").read_text()
     if "backward {" not in text:
@@ -172,6 +179,8 @@ def training_spec(name: str) -> str:
     lag_refused |= set(switches) & {"+dq_writer", "-overlap", "-dqred"}
     if (lag_refused or by_keys) and "+dq_lag" not in switches:
         block = re.sub(r"^(\s*)dq_lag\s+on\b", r"\1dq_lag off", block, flags=re.M)
+    if not re.search(r"^\s*dq_lag\s+on\b", block, re.M):  # (`dq_first` orders the lag)
+        block = re.sub(r"^(\s*)dq_first\s+on\b", r"\1dq_first off", block, flags=re.M)
     return head + "backward {" + block
 
 

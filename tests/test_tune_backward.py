@@ -88,10 +88,11 @@ def test_the_variants_of_head_dim_64():
         for v in refused
     )
     assert any(v.label.startswith("B_r 80") for v in refused)
-    # dQ one m-block behind: tried with red.add only, admitted at B_r 128
-    lagged = [v for v in variants if ", dq_lag," in v.label]
-    assert lagged and all("dQ red.add" in v.label for v in lagged)
-    assert any(v.backward is not None and v.backward.block_m == 128 for v in lagged)
+    # dQ one m-block behind (after dV or before it): tried with red.add only, admitted at B_r 128
+    for order in (", dq_lag,", ", dq_lag_first,"):
+        lagged = [v for v in variants if order in v.label]
+        assert lagged and all("dQ red.add" in v.label for v in lagged)
+        assert any(v.backward is not None and v.backward.block_m == 128 for v in lagged)
     # a third stage fits B_r 128 only without dQ's staging buffer
     assert any(v.backward.block_m == 128 and v.backward.stages == 3 for v in admitted)
     assert all(
@@ -154,7 +155,8 @@ def test_the_cli_lists_the_variants(capsys, monkeypatch):
     monkeypatch.chdir(ROOT)
     assert main(["tune", "--backward", "--list", "examples/fa3_hdim64.fa"]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[0].endswith("(the input)") and out[0].startswith("B_r 128, dq_lag, dQ red.add")
+    assert out[0].endswith("(the input)")
+    assert out[0].startswith("B_r 128, dq_lag_first, dQ red.add")
     assert any("[refused: the backward's SMEM plan needs" in line for line in out)
 
 
@@ -199,7 +201,10 @@ def test_a_deterministic_block_tries_the_dq_writer_at_both_register_splits():
     name the split; the split-by-keys blocks (head_dim 64, B_r 64) are refused at the key."""
     # (on the grid: the example's `scheduler persistent` refuses `deterministic on`)
     det = rewrite_backward(
-        HDIM64, {"deterministic": "on", "scheduler": "grid", "dq_lag": "off"}, {"dQ": None}, "d"
+        HDIM64,
+        {"deterministic": "on", "scheduler": "grid", "dq_lag": "off", "dq_first": "off"},
+        {"dQ": None},
+        "d",
     )
     _, variants = variants_of(det)
     writers = [v for v in variants if v.backward is not None and v.backward.dq_writer]

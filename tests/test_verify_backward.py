@@ -97,9 +97,11 @@ def test_the_cases_wrap_every_ring_slot_twice():
     assert stm and {replace(p, ds_stmatrix=False) for p in stm} == plain_two - stm
     writers = [p for p in PARAMS if p.dq_writer and not p.ds_stmatrix]
     assert len(writers) == 5 * 4 * (3 + 2) and not any(p.dq_by_keys for p in writers)
-    # `dq_lag on`: 5 shapes (dQ not by keys), 1-3 stages, 4 of them with 2 stages by stmatrix
+    # `dq_lag on`: 5 shapes (dQ not by keys), 1-3 stages, `dq_first` off and on, 8 of them
+    # with 2 stages by stmatrix
     lag = [p for p in PARAMS if p.dq_lag]
-    assert len(lag) == 5 * 3 + 4 and sum(p.ds_stmatrix for p in lag) == 4
+    assert len(lag) == (5 * 3 + 4) * 2 and sum(p.ds_stmatrix for p in lag) == 8
+    assert sum(p.dq_first for p in lag) == len(lag) // 2
     assert all(p.overlap and p.dq_red and not p.dq_by_keys for p in lag)
     others = [p for p in PARAMS if not (p.dq_writer or p.ds_stmatrix or p.dq_lag)]
     assert len(others) == 262 and sum(p.overlap for p in others) == 192
@@ -172,8 +174,14 @@ LAGGED = (
     replace(LAG, stages=3, block_m=80),  # the fa3_hopper example's (dQ transposed)
     replace(LAG, head_dim=64, block_m=128, ds_stmatrix=True),  # by queries, stmatrix
     Params(1, 1, 64, overlap=True, dq_red=True, dq_lag=True),
+    # `dq_first on`: dQ(i - 1) before dV(i) and dK(i), which share a group
+    replace(
+        LAG, head_dim=64, block_m=128, ds_stmatrix=True, dq_first=True
+    ),  # the head_dim 64 examples'
+    replace(LAG, stages=3, dq_first=True),
 )
 MUTATED += LAGGED
+LAG_ORDERS = LAGGED[:3] + LAGGED[4:]  # (LAGGED[3]: one consumer warpgroup)
 
 
 def label(items: tuple[Item, ...], n: int) -> str:
@@ -241,7 +249,9 @@ LAG_EMPTY_WAIT = "consumer: mbarrier.try_wait.parity (each m-block) after dS^T t
 
 
 def lag_unneeded(params: Params) -> set[str]:
-    found = {LAG_DV_GROUP} | (set() if params.persistent else {LAG_LAST_EMPTY})
+    # (`dq_first on`: dV and dK share the group after dQ's, so dV closes none of its own)
+    found = set() if params.dq_first else {LAG_DV_GROUP}
+    found |= set() if params.persistent else {LAG_LAST_EMPTY}
     return found | ({LAG_EMPTY_WAIT} if params.consumers == 1 else set())
 
 
@@ -1038,7 +1048,7 @@ LAG_BREAKS = [
 
 
 @pytest.mark.parametrize("what,edit,hazard", LAG_BREAKS, ids=[b[0] for b in LAG_BREAKS])
-@pytest.mark.parametrize("params", LAGGED[:3], ids=lambda p: p.describe())
+@pytest.mark.parametrize("params", LAG_ORDERS, ids=lambda p: p.describe())
 def test_a_broken_lag_plan_is_refused(params, what, edit, hazard):
     """Each of the hand-over's syncs taken out, moved or given the wrong parity: the proof
     names the hazard (the dS^T bytes, the dQ or store that races) or the hang."""
@@ -1091,25 +1101,43 @@ LAG_EDITS = [
     ("no fence", "    fence_proxy_async_smem();\n    mbar_arrive(bwd_bar_ds_full", "    mbar_arrive(bwd_bar_ds_full"),
     ("no ds_full wait", "      mbar_wait_parity(bwd_bar_ds_full<Cfg>(smem, prev % 2), static_cast<uint32_t>(prev / 2) & 1u);\n", ""),
     ("this buffer, not the previous", "(smem, prev % 2), static_cast", "(smem, buf), static_cast"),
-    ("ds_empty before the wait_group", "      wgmma_wait<1>();  // dV(i) and dQ(i - 1) in registers (dK(i) still runs)\n      fence_regs(dq);\n      mbar_arrive(bwd_bar_ds_empty<Cfg>(smem, prev % 2));", "      mbar_arrive(bwd_bar_ds_empty<Cfg>(smem, prev % 2));\n      wgmma_wait<1>();\n      fence_regs(dq);"),
+    ("ds_empty before the wait_group", "        wgmma_wait<1>();  // dV(i) and dQ(i - 1) in registers (dK(i) still runs)\n        fence_regs(dq);\n        mbar_arrive(bwd_bar_ds_empty<Cfg>(smem, prev % 2));", "        mbar_arrive(bwd_bar_ds_empty<Cfg>(smem, prev % 2));\n        wgmma_wait<1>();\n        fence_regs(dq);"),
     ("no last dQ", "    issue_dq_lagged<Cfg>(dq, smem, smem + Cfg::kOffDS + (last % 2) * Cfg::kDSBytes, wg);\n", ""),
     ("the last dQ's wait_group 1", "    wgmma_wait<0>();  // the last dQ", "    wgmma_wait<1>();  // the last dQ"),
     ("no last ds_empty", "    mbar_arrive(bwd_bar_ds_empty<Cfg>(smem, last % 2));", ""),
     ("dQ of this m-block's buffer", "(dq, smem, smem + Cfg::kOffDS + (prev % 2) * Cfg::kDSBytes", "(dq, smem, ds_buf"),
+    # `dq_first on`'s branch
+    ("dq_first: dQ's wait_group 2", "wgmma_wait<1>();  // dQ(i - 1) in registers", "wgmma_wait<2>();  // dQ(i - 1) in registers"),
+    ("dq_first: dV and dK apart", "        issue_grad_kv<Cfg>(dv, p16, do_slot);\n        issue_grad_kv<Cfg>(dk, ds16, q_slot);\n        wgmma_commit();\n        wgmma_wait<1>();", "        issue_grad_kv<Cfg>(dv, p16, do_slot);\n        wgmma_commit();\n        issue_grad_kv<Cfg>(dk, ds16, q_slot);\n        wgmma_commit();\n        wgmma_wait<1>();"),
+    ("dq_first: no fence in m-block 0", "      } else {\n        wgmma_fence();", "      } else {"),
+    ("dq_first: the fence after dQ", "        wgmma_fence();  // dv and its A registers p16, dk and ds16, dq written by ordinary instructions\n        issue_dq_lagged<Cfg>(dq, smem, smem + Cfg::kOffDS + (prev % 2) * Cfg::kDSBytes, wg);", "        issue_dq_lagged<Cfg>(dq, smem, smem + Cfg::kOffDS + (prev % 2) * Cfg::kDSBytes, wg);\n        wgmma_fence();"),
+    ("dq_first: ds_empty before the wait_group", "        wgmma_wait<1>();  // dQ(i - 1) in registers (dV(i) and dK(i) still run)\n        fence_regs(dq);\n        mbar_arrive(bwd_bar_ds_empty<Cfg>(smem, prev % 2));", "        mbar_arrive(bwd_bar_ds_empty<Cfg>(smem, prev % 2));\n        wgmma_wait<1>();\n        fence_regs(dq);"),
 ]  # fmt: skip
+
+
+def _nth_replaced(text: str, old: str, new: str, n: int) -> str:
+    """``text`` with the n-th occurrence of ``old`` (from 0) replaced by ``new``."""
+    at = -1
+    for _ in range(n + 1):
+        at = text.index(old, at + 1)
+    return text[:at] + new + text[at + len(old) :]
 
 
 @pytest.mark.parametrize("what,old,new", LAG_EDITS, ids=[e[0] for e in LAG_EDITS])
 def test_an_edited_lag_header_is_caught(what, old, new):
     """`dq_lag on`: each of bwd_consumer_lagged's hand-over calls taken out, moved or changed
-    makes its calls differ from the proven plan's."""
-    assert LAG_HEADER.count(old) == 1, what
-    edited = LAG_HEADER.replace(old, new)
-    for params in LAGGED:
-        found = header_calls(WarpRole.CONSUMER, params, lag_header=edited)
-        if found != expected_calls(protocol(params), WarpRole.CONSUMER):
-            return
-    raise AssertionError(f"{what}: the edited header still matches the protocol")
+    (in each order's branch, `dq_first` on or off, where both spell it) makes its calls
+    differ from the proven plan's."""
+    count = LAG_HEADER.count(old)
+    assert count in (1, 2), what
+    for n in range(count):
+        edited = _nth_replaced(LAG_HEADER, old, new, n)
+        found = [
+            header_calls(WarpRole.CONSUMER, params, lag_header=edited)
+            != expected_calls(protocol(params), WarpRole.CONSUMER)
+            for params in LAGGED
+        ]
+        assert any(found), f"{what} (occurrence {n}): the edited header still matches the protocol"
 
 
 def test_an_edited_lag_template_is_caught():
@@ -1130,7 +1158,14 @@ def test_an_edited_lag_template_is_caught():
 LAG_SMALL = LAGGED[3]  # one consumer warpgroup, one stage: the brute force's lagged plan
 
 
-@pytest.mark.parametrize("params,m_count", [(LAG_SMALL, 1), (LAG_SMALL, 2), (LAG, 1)], ids=str)
+LAG_SMALL_FIRST = replace(LAG_SMALL, dq_first=True)  # (`dq_first on`'s order)
+
+
+@pytest.mark.parametrize(
+    "params,m_count",
+    [(LAG_SMALL, 1), (LAG_SMALL, 2), (LAG, 1), (LAG_SMALL_FIRST, 2)],
+    ids=str,
+)
 def test_bruteforce_agrees_on_the_lag(params, m_count):
     """`dq_lag on`: the brute force also takes the warpgroup's ds_full hand-over (every
     thread's arrival after its part of dS^T, then their wait for that phase) as ordering the

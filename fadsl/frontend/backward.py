@@ -35,7 +35,8 @@ from ..spec.syntax import BackwardDecl, PathDecl, Setting, Word
 # orders dQ's accumulation by n-block (bitwise-stable gradients); `overlap on|off` stages dQ
 # while dV and dK run; `early_dv on|off` issues dV as soon as P is packed, before dS;
 # `dv_before_meeting on|off` issues it after the dS^T store, before the meeting; `dq_lag
-# on|off` issues dQ one m-block behind, after dV, so that the consumers never meet;
+# on|off` issues dQ one m-block behind, after dV, so that the consumers never meet; with it,
+# `dq_first on|off` issues that dQ before dV, so that its adds run under dV and dK;
 # `longest_first on|off` launches every head's first n-block (the causal mask's longest)
 # before any head's second; `dq_writer on|off` hands each consumer's staged dQ to a writer
 # warp of the producer warpgroup for its bulk reduce-add; `scheduler persistent|grid` runs
@@ -43,7 +44,7 @@ from ..spec.syntax import BackwardDecl, PathDecl, Setting, Word
 # one CTA per tile (the default).
 KERNEL_KEYS = ("tile", "warpgroups", "registers", "stages")
 ON_OFF_KEYS = ("deterministic", "overlap", "early_dv", "dv_before_meeting", "longest_first")
-ON_OFF_KEYS += ("dq_writer", "dq_lag")
+ON_OFF_KEYS += ("dq_writer", "dq_lag", "dq_first")
 
 
 def backward_settings() -> dict[str, Callable[[Checks, Setting], object]]:

@@ -59,6 +59,9 @@ class Backward:
     # with overlap and dQ by red.add: dQ of m-block i - 1 issued in m-block i, after dV, so
     # that the consumer warpgroups never meet (sm90_bwd_lag.cuh, bwd_consumer_lagged)
     dq_lag: bool = False
+    # with dq_lag: dQ(i - 1) issued before dV(i), not between dV(i) and dK(i), so that its
+    # adds run under both dV and dK (sm90_bwd_lag.cuh, Cfg::kDqFirst)
+    dq_first: bool = False
     # dQ's path is `rf -red.add-> gmem`: added into the accumulator from registers, no staging
     dq_red: bool = False
     # CTAs launched n-block by n-block across heads and batches (the causal mask's longest
@@ -107,6 +110,7 @@ class Backward:
             + (" early_dv=on" if self.early_dv else "")
             + (" dv_before_meeting=on" if self.dv_before_meeting else "")
             + (" dq_lag=on" if self.dq_lag else "")
+            + (" dq_first=on" if self.dq_first else "")
             + (" dq=red.add" if self.dq_red else "")
             + (" longest_first=on" if self.longest_first else "")
             + (" dq_writer=on" if self.dq_writer else "")
@@ -118,7 +122,7 @@ class Backward:
 _TEXT = re.compile(
     r"backward B_r=(?P<m>\d+) B_c=(?P<n>\d+) consumers=(?P<consumers>\d+) "
     r"regs=(?P<preg>\d+)/(?P<creg>\d+) stages=(?P<stages>\d+) "
-    r"deterministic=(?P<deterministic>on|off)(?P<overlap> overlap=on)?(?P<early_dv> early_dv=on)?(?P<dv_before_meeting> dv_before_meeting=on)?(?P<dq_lag> dq_lag=on)?(?P<dq_red> dq=red.add)?(?P<longest_first> longest_first=on)?(?P<dq_writer> dq_writer=on)?(?P<ds_stmatrix> ds=stmatrix)?(?P<persistent> scheduler=persistent)?$"
+    r"deterministic=(?P<deterministic>on|off)(?P<overlap> overlap=on)?(?P<early_dv> early_dv=on)?(?P<dv_before_meeting> dv_before_meeting=on)?(?P<dq_lag> dq_lag=on)?(?P<dq_first> dq_first=on)?(?P<dq_red> dq=red.add)?(?P<longest_first> longest_first=on)?(?P<dq_writer> dq_writer=on)?(?P<ds_stmatrix> ds=stmatrix)?(?P<persistent> scheduler=persistent)?$"
 )
 
 
@@ -142,6 +146,7 @@ def read_backward(line: str, loc: Loc) -> Backward:
         early_dv=m["early_dv"] is not None,
         dv_before_meeting=m["dv_before_meeting"] is not None,
         dq_lag=m["dq_lag"] is not None,
+        dq_first=m["dq_first"] is not None,
         dq_red=m["dq_red"] is not None,
         longest_first=m["longest_first"] is not None,
         dq_writer=m["dq_writer"] is not None,

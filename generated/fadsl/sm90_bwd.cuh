@@ -219,6 +219,9 @@ struct BwdConfig {
   // dS^T buffer; with kOverlap and dQ by red.add only): dQ(i - 1) issued in m-block i, after
   // dV(i), so that the warpgroups never meet (bwd_consumer_lagged, fadsl/sm90_bwd_lag.cuh)
   static constexpr bool kDqLag = false;
+  // `dq_first on` (a generated Cfg sets it, with kDqLag): dQ(i - 1) issued before dV(i), in a
+  // group of its own, so that its adds run under dV(i) and dK(i)
+  static constexpr bool kDqFirst = false;
   // `dq_writer on` (a generated Cfg sets it; dQ staged in shares of its own, not kDqByKeys):
   // warp 1 + w of the producer warpgroup reduce-adds consumer w's staging (bwd_dq_writer),
   // with the ticket's acquire and release in deterministic mode, so that the consumer

@@ -24,9 +24,11 @@ SOFTCAP_FORWARD = {
 # 2026-11-29, tests/test_attention_variants.py) fits the overlapped order with the causal mask
 # and the plain one without (the overlapped order spills 12 bytes with a two-sided window,
 # the plain one 4 with the causal mask).
-# The examples' `dq_lag on` stays off there: that order needs `overlap on` and dQ split other
-# than by keys, and is not timed beside a softcap (2026-11-30).
+# The examples' `dq_lag on` (and `dq_first on`, which orders it) stays off there: that order
+# needs `overlap on` and dQ split other than by keys, and is not timed beside a softcap
+# (2026-11-30).
 SOFTCAP_BACKWARD = {"tile": "B_r = 64, B_c = {block_n}", "early_dv": "off", "dq_lag": "off"}
+SOFTCAP_BACKWARD |= {"dq_first": "off"}
 SOFTCAP_ORDER = {True: "on", False: "off"}  # causal -> `overlap`
 # At head_dim 256 the backward's own tile takes the softcap as it is (B_c 80: 238 registers,
 # no spill, NVRTC 13.5, tests/test_backward_hdim256_build.py), so its block is left alone.

@@ -54,7 +54,10 @@ __device__ __forceinline__ void issue_dq_lagged(float (&dq)[Cfg::kDqRegs], uint3
 // A consumer warpgroup with `dq_lag on` (BwdConfig's static_assert: overlap on, dQ by
 // red.add, no deterministic order, early dV, dQ writer, dQ by keys or split head_dim).
 // In wgmma commit order, per m-block i: S^T(i), dP^T(i), then dV(i), dQ(i - 1) (from i = 1),
-// dK(i); wait_group 1 retires dV and dQ(i - 1), whose adds run under dK(i).
+// dK(i); wait_group 1 retires dV and dQ(i - 1), whose adds run under dK(i).  With
+// `dq_first on` (Cfg::kDqFirst): dQ(i - 1), then dV(i) and dK(i) in one group, so that
+// wait_group 1 retires dQ(i - 1) alone and its adds run under both (at head_dim 64 1.02-1.06x
+// on an H200; at B_r 80 ptxas spills there and serializes the wgmmas, NVRTC 13.5).
 template <class Cfg>
 __device__ __forceinline__ void bwd_consumer_lagged(const BwdParamsSm90& P, uint32_t smem, const BwdBlock& b, int wg,
                                                     const BwdRun& run = {}) {
@@ -135,27 +138,53 @@ __device__ __forceinline__ void bwd_consumer_lagged(const BwdParamsSm90& P, uint
     mbar_arrive(bwd_bar_ds_full<Cfg>(smem, buf));  // RAW: this thread's part of dS^T(i) stored and fenced
     FADSL_BWD_MARK(wg, i, 5);
 
-    wgmma_fence();  // dv and its A registers p16, dk and ds16 written by ordinary instructions
-    issue_grad_kv<Cfg>(dv, p16, do_slot);
-    wgmma_commit();
-    if (i > 0) {
-      const int prev = run_i - 1;
-      float dq[Cfg::kDqRegs];  // (scoped: live from its wgmma to its adds, not over S^T and dP^T)
-      // RAW: both warpgroups' parts of dS^T(i - 1) stored and fenced
-      mbar_wait_parity(bwd_bar_ds_full<Cfg>(smem, prev % 2), static_cast<uint32_t>(prev / 2) & 1u);
-      issue_dq_lagged<Cfg>(dq, smem, smem + Cfg::kOffDS + (prev % 2) * Cfg::kDSBytes, wg);
-      FADSL_BWD_MARK(wg, i, 6);
-      issue_grad_kv<Cfg>(dk, ds16, q_slot);
-      wgmma_commit();
-      wgmma_wait<1>();  // dV(i) and dQ(i - 1) in registers (dK(i) still runs)
-      fence_regs(dq);
-      mbar_arrive(bwd_bar_ds_empty<Cfg>(smem, prev % 2));  // WAR: this warpgroup's reads of dS^T(i - 1) retired
-      FADSL_BWD_MARK(wg, i, 7);
-      reduce_dq<Cfg>(P, b, 0u, dq, accum_head, m_prev, wg, tid, unused, i - 1);
-      FADSL_BWD_MARK(wg, i, 8);
+    if constexpr (Cfg::kDqFirst) {
+      if (i > 0) {
+        const int prev = run_i - 1;
+        float dq[Cfg::kDqRegs];  // (scoped: live from its wgmma to its adds, not over S^T and dP^T)
+        // RAW: both warpgroups' parts of dS^T(i - 1) stored and fenced
+        mbar_wait_parity(bwd_bar_ds_full<Cfg>(smem, prev % 2), static_cast<uint32_t>(prev / 2) & 1u);
+        wgmma_fence();  // dv and its A registers p16, dk and ds16, dq written by ordinary instructions
+        issue_dq_lagged<Cfg>(dq, smem, smem + Cfg::kOffDS + (prev % 2) * Cfg::kDSBytes, wg);
+        FADSL_BWD_MARK(wg, i, 6);
+        issue_grad_kv<Cfg>(dv, p16, do_slot);
+        issue_grad_kv<Cfg>(dk, ds16, q_slot);
+        wgmma_commit();
+        wgmma_wait<1>();  // dQ(i - 1) in registers (dV(i) and dK(i) still run)
+        fence_regs(dq);
+        mbar_arrive(bwd_bar_ds_empty<Cfg>(smem, prev % 2));  // WAR: this warpgroup's reads of dS^T(i - 1) retired
+        FADSL_BWD_MARK(wg, i, 7);
+        reduce_dq<Cfg>(P, b, 0u, dq, accum_head, m_prev, wg, tid, unused, i - 1);
+        FADSL_BWD_MARK(wg, i, 8);
+      } else {
+        wgmma_fence();  // dv and its A registers p16, dk and ds16 written by ordinary instructions
+        issue_grad_kv<Cfg>(dv, p16, do_slot);
+        issue_grad_kv<Cfg>(dk, ds16, q_slot);
+        wgmma_commit();
+      }
     } else {
-      issue_grad_kv<Cfg>(dk, ds16, q_slot);
+      wgmma_fence();  // dv and its A registers p16, dk and ds16 written by ordinary instructions
+      issue_grad_kv<Cfg>(dv, p16, do_slot);
       wgmma_commit();
+      if (i > 0) {
+        const int prev = run_i - 1;
+        float dq[Cfg::kDqRegs];  // (scoped: live from its wgmma to its adds, not over S^T and dP^T)
+        // RAW: both warpgroups' parts of dS^T(i - 1) stored and fenced
+        mbar_wait_parity(bwd_bar_ds_full<Cfg>(smem, prev % 2), static_cast<uint32_t>(prev / 2) & 1u);
+        issue_dq_lagged<Cfg>(dq, smem, smem + Cfg::kOffDS + (prev % 2) * Cfg::kDSBytes, wg);
+        FADSL_BWD_MARK(wg, i, 6);
+        issue_grad_kv<Cfg>(dk, ds16, q_slot);
+        wgmma_commit();
+        wgmma_wait<1>();  // dV(i) and dQ(i - 1) in registers (dK(i) still runs)
+        fence_regs(dq);
+        mbar_arrive(bwd_bar_ds_empty<Cfg>(smem, prev % 2));  // WAR: this warpgroup's reads of dS^T(i - 1) retired
+        FADSL_BWD_MARK(wg, i, 7);
+        reduce_dq<Cfg>(P, b, 0u, dq, accum_head, m_prev, wg, tid, unused, i - 1);
+        FADSL_BWD_MARK(wg, i, 8);
+      } else {
+        issue_grad_kv<Cfg>(dk, ds16, q_slot);
+        wgmma_commit();
+      }
     }
     wgmma_wait<0>();  // dV and dK retired: Q, dO read; p16 and ds16 free
     // WAR: the slot's Q, dO (wgmma, retired above), LSE and D (read above) are free

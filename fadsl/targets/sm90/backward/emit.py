@@ -110,6 +110,7 @@ def context(kernel: Kernel, dtype: Dtype) -> dict[str, Any]:
         "early_dv": bwd.early_dv,
         "dv_before_meeting": bwd.dv_before_meeting,
         "dq_lag": bwd.dq_lag,
+        "dq_first": bwd.dq_first,
         "longest_first": bwd.longest_first,
         "persistent": bwd.persistent,
         "varlen": cfg.features.varlen,

@@ -308,6 +308,8 @@ class Params:
     # m-block i - 1 issued in m-block i after dV(i); no meeting: dS^T handed over through
     # ds_full / ds_empty mbarriers per dS^T buffer, the last dQ issued after the loop
     dq_lag: bool = False
+    # `dq_first on` (with dq_lag): dQ(i - 1) issued before dV(i), its adds under dV and dK
+    dq_first: bool = False
 
     @classmethod
     def of(cls, bwd: Backward, head_dim: int) -> Params:
@@ -327,6 +329,7 @@ class Params:
             ds_stmatrix=bwd.ds_stmatrix,
             persistent=bwd.persistent,
             dq_lag=bwd.dq_lag,
+            dq_first=bwd.dq_first,
         )
 
     def __post_init__(self) -> None:
@@ -350,6 +353,7 @@ class Params:
             and not (self.early_dv or self.dv_before_meeting or self.dq_writer)
             and not (self.split or self.dq_by_keys)
         ), self
+        assert not self.dq_first or self.dq_lag, self
         if self.split:  # sm90_bwd_split.cuh's one order, dQ from registers
             assert self.consumers == 2 and self.block_m == BLOCK_M, self
             # (overlap off: so neither early_dv nor dv_before_meeting, which need it)
@@ -453,6 +457,7 @@ class Params:
         det += ", early dV" if self.early_dv else ""
         det += ", dV before the meeting" if self.dv_before_meeting else ""
         det += ", dQ one m-block behind" if self.dq_lag else ""
+        det += " (before dV)" if self.dq_first else ""
         det += ", dQ by red.add" if self.dq_red else ""
         det += ", dQ writer" if self.dq_writer else ""
         det += ", dS by stmatrix" if self.ds_stmatrix else ""

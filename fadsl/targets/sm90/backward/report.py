@@ -160,17 +160,24 @@ def _per_m_block(kernel: Kernel) -> list[str]:
         ),
         *([] if bwd.early_dv or bwd.dv_before_meeting else ["dV += P^T dO"]),
         *(
-            [
-                "dS^T -> SMEM (buffer i % 2), each thread arrives on its ds_full; dV += P^T dO",
-                f"dQ(i - 1) = dS K {_dq_split(kernel)} once ds_full(i - 1) completes, "
-                f"{adds}; ds_empty(i - 1) arrived when it retires (no meeting; the last "
-                "m-block's dQ after the loop)",
-                "dK += dS^T Q",
-            ]
+            _lagged_steps(kernel, adds)
             if bwd.dq_lag
             else ["dK += dS^T Q", f"dQ = dS K {_dq_split(kernel)}, {adds}"]
         ),
     ]
+
+
+def _lagged_steps(kernel: Kernel, adds: str) -> list[str]:
+    """`dq_lag on`'s gradient steps per m-block (`dq_first on`: dQ(i - 1) before dV(i))."""
+    dq = (
+        f"dQ(i - 1) = dS K {_dq_split(kernel)} once ds_full(i - 1) completes, {adds}; "
+        "ds_empty(i - 1) arrived when it retires (no meeting; the last m-block's dQ after the "
+        "loop)"
+    )
+    store = "dS^T -> SMEM (buffer i % 2), each thread arrives on its ds_full"
+    if kernel.backward.dq_first:
+        return [store, dq, "dV += P^T dO and dK += dS^T Q (one group, under dQ(i - 1)'s adds)"]
+    return [f"{store}; dV += P^T dO", dq, "dK += dS^T Q"]
 
 
 def backward_data(kernel: Kernel) -> dict[str, Any]:
@@ -198,6 +205,7 @@ def backward_data(kernel: Kernel) -> dict[str, Any]:
             **(
                 {"dq_lag": True} if bwd.dq_lag else {}
             ),  # (only where on: older JSON keeps its keys)
+            **({"dq_first": True} if bwd.dq_first else {}),
             # (only where packed: the forward's sections name varlen the same way)
             **({"varlen": True} if kernel.config.features.varlen else {}),
             **({"ds_stmatrix": True} if bwd.ds_stmatrix else {}),  # (dS's path: stmatrix)
@@ -259,6 +267,7 @@ def backward_sections(data: Mapping[str, Any]) -> list[str]:
         f"overlap {_on(s['overlap'])}; early_dv {_on(s['early_dv'])}"
         + ("; dv_before_meeting on" if s["dv_before_meeting"] else "")
         + ("; dq_lag on (dQ one m-block behind: no meeting)" if s.get("dq_lag") else "")
+        + ("; dq_first on (that dQ issued before dV)" if s.get("dq_first") else "")
         + (
             "; longest_first on (by L2 sections, each section's n-block 0 first)"
             if s["longest_first"]

@@ -29,8 +29,8 @@ order them is the pass's to find: nothing here says so.
   (bwd_consumer_lagged, its helpers issue_dq_lagged and reduce_dq inlined) dQ runs one
   m-block behind: after the front of m-block i, dV(i), then dQ(i - 1) from its dS^T buffer
   (``Guard.LAGGED``: the step acts for m-block i - 1, so ``Index.ALTERNATE`` names the
-  previous buffer), dK(i) and dQ(i - 1)'s adds; after the loop the last m-block's dQ and
-  its adds. Nothing here says how dS^T reaches dQ a step later: that is the sync pass's
+  previous buffer), dK(i) and dQ(i - 1)'s adds (with ``dq_first``, dQ(i - 1) before dV(i),
+  so that its adds run under both); after the loop the last m-block's dQ and its adds. Nothing here says how dS^T reaches dQ a step later: that is the sync pass's
   (syncs/handover.py).
 
 With ``dq_writer`` the consumer stages dQ and its writer warp (bwd_dq_writer, warp 1 + w of
@@ -213,11 +213,12 @@ def consumer_steps(p: Params) -> tuple[Item, ...]:
     staging = _stage_and_reduce(p, CodeSite.REDUCE_DQ)  # both consumers call reduce_dq
     loop = front + ([dq, *grads, *staging] if p.overlap else [*grads, dq, *staging])
     last = []
-    if p.dq_lag:  # dQ(i - 1) and its adds between dV(i) and dK(i); the last after the loop
+    if p.dq_lag:  # dQ(i - 1) and its adds between dV(i) and dK(i) (dq_first: before dV(i));
+        # the last after the loop
         lagged = dict(source=CodeSite.ISSUE_DQ_LAGGED, guard=Guard.LAGGED)
         dq, (add,) = replace(dq, **lagged), staging
         add = replace(add, guard=Guard.LAGGED)
-        loop = front + [dv, dq, dk, add]
+        loop = front + ([dq, dv, dk, add] if p.dq_first else [dv, dq, dk, add])
         last = [
             replace(dq, phase=LoopPhase.AFTER, name="dQ = dS K (the last m-block)"),
             replace(add, phase=LoopPhase.AFTER, name="dQ red.add (the last m-block)"),

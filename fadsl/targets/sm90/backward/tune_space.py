@@ -36,16 +36,18 @@ DS_PATHS = {80: "rf -stmatrix-> smem[cta] -wgmma-> rf"}
 DS_STORED = "rf -st.shared-> smem[cta] -wgmma-> rf"
 DS_STMATRIX = "rf -stmatrix-> smem[cta] -wgmma-> rf"  # (elsewhere: dS^T's blocks whole)
 # The consumer's orders by name: the keys each sets
-_ORDER_KEYS = ("overlap", "early_dv", "dv_before_meeting", "dq_lag")
+_ORDER_KEYS = ("overlap", "early_dv", "dv_before_meeting", "dq_lag", "dq_first")
 ORDERS = {
     name: dict(zip(_ORDER_KEYS, values))
     for name, values in {
-        "plain": ("off", "off", "off", "off"),
-        "overlap": ("on", "off", "off", "off"),
-        "early_dv": ("on", "on", "off", "off"),
-        "dv_before_meeting": ("on", "off", "on", "off"),
-        # dQ one m-block behind, no meeting (with dQ by red.add only: validate refuses it staged)
-        "dq_lag": ("on", "off", "off", "on"),
+        "plain": ("off", "off", "off", "off", "off"),
+        "overlap": ("on", "off", "off", "off", "off"),
+        "early_dv": ("on", "on", "off", "off", "off"),
+        "dv_before_meeting": ("on", "off", "on", "off", "off"),
+        # dQ one m-block behind, no meeting (with dQ by red.add only: validate refuses it
+        # staged), issued after dV or before it
+        "dq_lag": ("on", "off", "off", "on", "off"),
+        "dq_lag_first": ("on", "off", "off", "on", "on"),
     }.items()
 }
 STAGED, RED, WRITER = "staged", "red.add", "staged+writer"
@@ -77,7 +79,7 @@ def _order_of(bwd: Backward) -> str:
     if bwd.dv_before_meeting:
         return "dv_before_meeting"
     if bwd.dq_lag:
-        return "dq_lag"
+        return "dq_lag_first" if bwd.dq_first else "dq_lag"
     return "overlap" if bwd.overlap else "plain"
 
 
@@ -113,7 +115,7 @@ def candidates(base: Backward, causal: bool) -> tuple[BackwardCandidate, ...]:
     for block_m, order, dq, ds, stages in itertools.product(BLOCK_MS, ORDERS, dqs, dss, STAGES):
         if ds and block_m in DS_PATHS:
             continue
-        if order == "dq_lag" and dq != RED:  # (it adds dQ from registers)
+        if order.startswith("dq_lag") and dq != RED:  # (it adds dQ from registers)
             continue
         settings = {
             "tile": f"B_r = {block_m}, B_c = {base.block_n}",

@@ -21,7 +21,8 @@ What the first backward kernel supports (docs/backward.md, FlashAttention-3's ba
   mode;
 - `dq_lag on` (dQ one m-block behind: the consumers never meet) with `overlap on` and dQ by
   red.add only, not with `deterministic`, `early_dv`, `dv_before_meeting` or `dq_writer on`,
-  head_dim 256, dQ split by keys or score and keep modifiers;
+  head_dim 256, dQ split by keys or score and keep modifiers; `dq_first on` (that dQ issued
+  before dV) with it only;
 - `scheduler persistent` (a CTA per SM looping over the tiles) not with `deterministic on`,
   `dq_writer on`, `varlen on`, head_dim 256 or score and keep modifiers (the first version's
   loop carries no state of theirs across tiles);
@@ -168,6 +169,7 @@ def validate_backward(c: Checks, block: BackwardBlock) -> Backward | None:
         early_dv=block.values.get("early_dv", False),
         dv_before_meeting=block.values.get("dv_before_meeting", False),
         dq_lag=block.values.get("dq_lag", False),
+        dq_first=block.values.get("dq_first", False),
         longest_first=block.values.get("longest_first", False),
         dq_writer=block.values.get("dq_writer", False),
         persistent=block.values.get("scheduler", False),
@@ -194,6 +196,13 @@ def validate_backward(c: Checks, block: BackwardBlock) -> Backward | None:
         ok = _persistent(c, block, backward, head_dim) and ok
     if backward.dq_lag:
         ok = _dq_lag(c, block, backward, head_dim) and ok
+    if backward.dq_first and not backward.dq_lag:
+        block.checks.error(
+            block.key_locs["dq_first"],
+            "dq_first on orders the lagged dQ (dQ(i - 1) issued before dV(i)): it needs "
+            "`dq_lag on`",
+        )
+        ok = False
     if ok and head_dim in HEAD_DIMS:
         ok = _smem(block, backward, head_dim)
     return backward if ok else None

@@ -21,7 +21,7 @@
 
 from __future__ import annotations
 
-from ..program import Item, Kind, LoopPhase, Reg, Who
+from ..program import Guard, Item, Kind, LoopPhase, Reg, Who
 from .state import Consumer, WgmmaGroup, guard_of, names, registers, same_bytes, sync, words
 
 
@@ -100,7 +100,10 @@ def fence(c: Consumer, steps: list[Item], k: int, phase: LoopPhase) -> None:
         why = f"{regs} accessed by ordinary code ({by}) before {names(run)} use them"
     else:
         why = f"the warpgroup's first wgmma ({names(run)}, m-block 0)"
-    guard = run[0].guard  # (a run of lagged dQ alone: only where it runs)
+    # a run under one guard (lagged dQ alone): only where it runs; a run that mixes guards
+    # (dq_first's lagged dQ(i - 1), then dV(i) and dK(i)): in every m-block
+    guards = {step.guard for step in run}
+    guard = run[0].guard if len(guards) == 1 else Guard.ALWAYS
     c.place(sync(Kind.WGMMA_FENCE, Who.WARPGROUP, c.home, phase, why, guard=guard))
     c.touched.clear()
     c.fenced = True
