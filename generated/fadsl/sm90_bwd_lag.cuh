@@ -56,8 +56,8 @@ __device__ __forceinline__ void issue_dq_lagged(float (&dq)[Cfg::kDqRegs], uint3
 // In wgmma commit order, per m-block i: S^T(i), dP^T(i), then dV(i), dQ(i - 1) (from i = 1),
 // dK(i); wait_group 1 retires dV and dQ(i - 1), whose adds run under dK(i).  With
 // `dq_first on` (Cfg::kDqFirst): dQ(i - 1), then dV(i) and dK(i) in one group, so that
-// wait_group 1 retires dQ(i - 1) alone and its adds run under both (at head_dim 64 1.02-1.06x
-// on an H200; at B_r 80 ptxas spills there and serializes the wgmmas, NVRTC 13.5).
+// wait_group 1 retires dQ(i - 1) alone and its adds run under both (at head_dim 64 1.01-1.05x
+// on an H200, 2026-12-01; at B_r 80 ptxas spills there and serializes the wgmmas, NVRTC 13.5).
 template <class Cfg>
 __device__ __forceinline__ void bwd_consumer_lagged(const BwdParamsSm90& P, uint32_t smem, const BwdBlock& b, int wg,
                                                     const BwdRun& run = {}) {

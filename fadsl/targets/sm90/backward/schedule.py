@@ -30,7 +30,8 @@ order them is the pass's to find: nothing here says so.
   m-block behind: after the front of m-block i, dV(i), then dQ(i - 1) from its dS^T buffer
   (``Guard.LAGGED``: the step acts for m-block i - 1, so ``Index.ALTERNATE`` names the
   previous buffer), dK(i) and dQ(i - 1)'s adds (with ``dq_first``, dQ(i - 1) before dV(i),
-  so that its adds run under both); after the loop the last m-block's dQ and its adds. Nothing here says how dS^T reaches dQ a step later: that is the sync pass's
+  so that its adds run under both); after the loop the last m-block's dQ and its adds.
+  Nothing here says how dS^T reaches dQ a step later: that is the sync pass's
   (syncs/handover.py).
 
 With ``dq_writer`` the consumer stages dQ and its writer warp (bwd_dq_writer, warp 1 + w of
