@@ -1,13 +1,15 @@
-"""Eager calls with gradients go through fadsl/runtime/eager_grad.py's autograd.Function (no
+"""Eager calls with gradients go through fadsl/runtime/eager_grad.py's autograd.Functions (no
 dispatcher: the custom ops' layers cost more host time than a short backward's kernels), on
-the CPU with the kernels stood in for: a loaded spec's call and fadsl.attention's reach the
+the CPU with the kernels stood in for: a loaded spec's call, fadsl.attention's and (packed
+sequences, their own Function) fadsl.attention_varlen's and a loaded varlen spec's reach the
 backward with the same arguments as through the ops (dout, the LSE's gradient or None, the
-saved out and LSE, the scale), give the same gradients, and torch.compile still traces the
-ops; a forward-only spec still says so at backward. The kernels themselves:
+saved out and LSE, the cu_seqlens, the scale), give the same gradients, and torch.compile
+still traces the ops; a forward-only spec still says so at backward. The kernels themselves:
 tests/test_gpu_backward.py, tests/test_gpu_public_compile.py."""
 
 from __future__ import annotations
 
+import types
 import pytest
 import torch
 
@@ -219,24 +221,126 @@ def test_ensure_context_makes_the_devices_primary_context_current_once(
     assert fake.calls[calls] == "get"
 
 
-def test_attention_varlen_with_gradients_keeps_its_op(calls, monkeypatch):
-    """Packed sequences are not eager_grad's: fadsl.attention_varlen with gradients runs its
-    varlen op (a padded kernel there would attend across the sequences' boundaries)."""
+class StandInVarlen:
+    """A `varlen on` spec with a backward block, its kernels stood in for: the forward a
+    function of q, k, v and the scale, the backward recording its arguments and giving
+    gradients that depend on every operand."""
+
+    has_backward = True
+    is_varlen = True
+
+    def __init__(self, found):
+        self.found = found
+        self.config = types.SimpleNamespace(head_dim=64, name="stand_in_varlen")
+
+    def varlen_forward(self, q, k, v, cu_q, cu_k, scale, out, return_lse, lse=None):
+        o = (q.float() * scale + k.float().mean() + v.float().mean()).to(q.dtype)
+        lse = (q.float().sum(-1) * scale).t().contiguous()  # (heads, tokens)
+        return (o, lse) if return_lse else o
+
+    def varlen_backward(self, q, k, v, out, lse, dout, dlse, cu_q, cu_k, scale):
+        self.found.append((dout, dlse, out, lse, cu_q, cu_k, scale))
+        term = dout.float().sum() + out.float().sum() + lse.sum() + scale + cu_q.sum() + cu_k.sum()
+        if dlse is not None:
+            term = term + 2 * dlse.sum()
+        return tuple(torch.full_like(t, float(term) * n) for n, t in ((1, q), (2, k), (3, v)))
+
+
+@pytest.fixture
+def varlen_calls(monkeypatch):
+    """fadsl.attention_varlen on CPU tensors with its kernel stood in for (StandInVarlen)."""
+    found = []
+    kern = StandInVarlen(found)
+    monkeypatch.setattr(dispatch, "varlen_kernel", lambda *args: kern)
+    monkeypatch.setattr(public, "check_q", lambda q, dims, shape: None)  # (CPU tensors)
+    return found
+
+
+def packed(seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(9, 4, 64, generator=gen).bfloat16()
+    k = torch.randn(11, 2, 64, generator=gen).bfloat16()
+    v = torch.randn(11, 2, 64, generator=gen).bfloat16()
+    cu_q = torch.tensor([0, 4, 9], dtype=torch.int32)
+    cu_k = torch.tensor([0, 5, 11], dtype=torch.int32)
+    return (q, k, v), (cu_q, cu_k)
+
+
+@pytest.mark.parametrize("use_lse", [False, True])
+def test_attention_varlen_with_gradients_skips_the_dispatcher_and_matches_its_op(
+    varlen_calls, use_lse
+):
+    """The eager call goes through eager_grad's varlen Function with the varlen kernel and
+    the same cu_seqlens (never a padded kernel, which would attend across the sequences),
+    and reaches the same backward with the same arguments as the varlen op."""
+    (q, k, v), (cu_q, cu_k) = packed()
+    got, want = leaves(q, k, v), leaves(q, k, v)
+    o, lse = public.attention_varlen(*got, cu_q, cu_k, 5, 6, causal=True, softmax_scale=0.1,
+                                     return_lse=True)  # fmt: skip
+    assert type(o.grad_fn).__name__ == "_VarlenBackward"
+    o2, lse2 = public_ops.attention_varlen(*want, cu_q, cu_k, 5, 6, True, 0.1, -1, -1, 0.0, True)
+    assert type(o2.grad_fn).__name__ != "_VarlenBackward"
+    assert torch.equal(o, o2) and torch.equal(lse, lse2)
+    for out, l in ((o, lse), (o2, lse2)):
+        loss = out.float().square().sum() + (3 * l.sum() if use_lse else 0)
+        loss.backward()
+    (dout, dlse, out, saved, cu_q1, cu_k1, scale), (dout2, dlse2, *_) = varlen_calls
+    assert torch.equal(dout, dout2) and torch.equal(out, o) and torch.equal(saved, lse)
+    assert torch.equal(cu_q1, cu_q) and torch.equal(cu_k1, cu_k) and scale == 0.1
+    if use_lse:
+        assert torch.equal(dlse, torch.full_like(lse, 3)) and torch.equal(dlse, dlse2)
+    else:  # the op's autograd passes zeros; here None: the kernels add 0 either way
+        assert dlse is None and torch.equal(dlse2, torch.zeros_like(lse))
+    for a, b in zip(got, want):
+        assert torch.equal(a.grad, b.grad)
+
+
+def test_attention_varlen_with_only_the_lse_in_the_loss_gives_a_zero_dout(varlen_calls):
+    (q, k, v), cu = packed(1)
+    got = leaves(q, k, v)
+    _, lse = public.attention_varlen(*got, *cu, return_lse=True)
+    lse.sum().backward()
+    ((dout, dlse, out, *_),) = varlen_calls
+    assert torch.equal(dout, torch.zeros_like(out)) and torch.equal(dlse, torch.ones_like(dlse))
+    assert all(t.grad is not None for t in got)
+
+
+def test_attention_varlen_without_a_backward_keeps_its_op(varlen_calls, monkeypatch):
+    """A varlen spec without a backward block is the op's (whose backward says so), and
+    eager_grad's varlen Function is not reached."""
     from fadsl.runtime import eager_grad
 
+    monkeypatch.setattr(StandInVarlen, "has_backward", False)
     seen = []
 
     def refused(*args, **kwargs):
-        raise AssertionError("attention_varlen reached eager_grad")
+        raise AssertionError("a forward-only varlen spec reached eager_grad")
 
     def varlen_op(q, k, v, *rest):
         seen.append(rest)
         return torch.zeros_like(q), q.new_zeros((q.shape[1], q.shape[0]))
 
+    monkeypatch.setattr(eager_grad, "varlen", refused)
     monkeypatch.setattr(eager_grad, "attention", refused)
     monkeypatch.setattr(public_ops, "attention_varlen", varlen_op)
-    monkeypatch.setattr(public, "check_q", lambda q, dims, shape: None)  # (CPU tensors)
-    packed = torch.zeros(8, 2, 64, requires_grad=True)
-    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
-    public.attention_varlen(packed, packed, packed, cu, cu, 5, 5, causal=True)
+    (q, k, v), cu = packed(2)
+    public.attention_varlen(*leaves(q, k, v), *cu, 5, 6, causal=True)
     assert len(seen) == 1
+
+
+def test_a_loaded_varlen_specs_call_with_gradients_skips_the_dispatcher(monkeypatch):
+    """A loaded `varlen on` spec's varlen call with gradients runs eager_grad's varlen
+    Function on its own kernels (here stood in for), as fadsl.attention_varlen does."""
+    kern = fadsl.load(ROOT / "examples" / "serving" / "fa3_varlen_causal.fa", verbose=False)
+    found = []
+    monkeypatch.setattr(type(kern), "varlen_forward", StandInVarlen.varlen_forward)
+    monkeypatch.setattr(type(kern), "varlen_backward", StandInVarlen.varlen_backward)
+    monkeypatch.setattr(kern, "found", found, raising=False)
+    (q, k, v), cu = packed(3)
+    got = leaves(q, k, v)
+    o = kern.varlen(*got, *cu, softmax_scale=0.1)
+    assert type(o.grad_fn).__name__ == "_VarlenBackward"
+    o.float().sum().backward()
+    ((dout, dlse, *_),) = found
+    assert dlse is None and torch.equal(dout, torch.ones_like(o))
+    assert all(t.grad is not None for t in got)

@@ -214,10 +214,18 @@ def attention_varlen(
     _check_softcap(softcap)
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal)
     grad = _needs_grad(q, k, v)
-    if grad or torch.compiler.is_compiling():
+    compiling = torch.compiler.is_compiling()
+    if grad or compiling:
         check_scale(softmax_scale, 1)  # (named here, not by the op's schema)
         check_max_seqlen("max_seqlen_q", max_seqlen_q)
         check_max_seqlen("max_seqlen_k", max_seqlen_k)
+    if grad and not compiling:  # eagerly: the varlen kernels without the dispatcher
+        kern = dispatch.varlen_kernel(q, causal, (left, right), float(softcap), max_seqlen_q)
+        if kern.has_backward:  # (else the op, whose backward says there is none)
+            scale = check_scale(softmax_scale, kern.config.head_dim)
+            out, lse = eager_grad.varlen(kern, scale, q, k, v, cu_seqlens_q, cu_seqlens_k)
+            return (out, lse) if return_lse else out
+    if grad or compiling:
         # with gradients the LSE is saved for the backward whether or not the caller asked
         out, lse = public_ops.attention_varlen(
             *args, softmax_scale, left, right, float(softcap), return_lse or grad

@@ -111,6 +111,8 @@ class ServingCalls:
         or ``(output, lse)`` with the LSE (heads_q, tokens_q), float32. The spec must say
         `varlen on`. Gradients flow through q, k and v (and the LSE) when the spec has a
         backward block."""
+        import torch
+
         from .varlen import check_max_seqlen
 
         if not self.is_varlen:
@@ -124,6 +126,11 @@ class ServingCalls:
         if not isinstance(return_lse, bool):
             raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
         if self._through_op((q, k, v), out):
+            if self.has_backward and not torch.compiler.is_compiling():
+                from . import eager_grad  # (eagerly: the varlen kernels without the dispatcher)
+
+                o, lse = eager_grad.varlen(self, scale, q, k, v, cu_seqlens_q, cu_seqlens_k)
+                return (o, lse) if return_lse else o
             # with a backward the op always makes the LSE (its autograd saves it)
             with_lse = return_lse or self.has_backward
             o, lse = self._varlen_op(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, with_lse)
