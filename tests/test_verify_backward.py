@@ -1101,17 +1101,17 @@ LAG_EDITS = [
     ("no fence", "    fence_proxy_async_smem();\n    mbar_arrive(bwd_bar_ds_full", "    mbar_arrive(bwd_bar_ds_full"),
     ("no ds_full wait", "      mbar_wait_parity(bwd_bar_ds_full<Cfg>(smem, prev % 2), static_cast<uint32_t>(prev / 2) & 1u);\n", ""),
     ("this buffer, not the previous", "(smem, prev % 2), static_cast", "(smem, buf), static_cast"),
-    ("ds_empty before the wait_group", "        wgmma_wait<1>();  // dV(i) and dQ(i - 1) in registers (dK(i) still runs)\n        fence_regs(dq);\n        mbar_arrive(bwd_bar_ds_empty<Cfg>(smem, prev % 2));", "        mbar_arrive(bwd_bar_ds_empty<Cfg>(smem, prev % 2));\n        wgmma_wait<1>();\n        fence_regs(dq);"),
+    ("ds_empty before the wait_group", "      wgmma_wait<1>();  // dQ(i - 1) in registers, and dV(i) issued before it (the newest group still runs)\n      fence_regs(dq);\n      mbar_arrive(bwd_bar_ds_empty<Cfg>(smem, prev % 2));", "      mbar_arrive(bwd_bar_ds_empty<Cfg>(smem, prev % 2));\n      wgmma_wait<1>();\n      fence_regs(dq);"),
+    ("dQ's wait_group 2", "wgmma_wait<1>();  // dQ(i - 1) in registers", "wgmma_wait<2>();  // dQ(i - 1) in registers"),
     ("no last dQ", "    issue_dq_lagged<Cfg>(dq, smem, smem + Cfg::kOffDS + (last % 2) * Cfg::kDSBytes, wg);\n", ""),
     ("the last dQ's wait_group 1", "    wgmma_wait<0>();  // the last dQ", "    wgmma_wait<1>();  // the last dQ"),
     ("no last ds_empty", "    mbar_arrive(bwd_bar_ds_empty<Cfg>(smem, last % 2));", ""),
     ("dQ of this m-block's buffer", "(dq, smem, smem + Cfg::kOffDS + (prev % 2) * Cfg::kDSBytes", "(dq, smem, ds_buf"),
-    # `dq_first on`'s branch
-    ("dq_first: dQ's wait_group 2", "wgmma_wait<1>();  // dQ(i - 1) in registers", "wgmma_wait<2>();  // dQ(i - 1) in registers"),
-    ("dq_first: dV and dK apart", "        issue_grad_kv<Cfg>(dv, p16, do_slot);\n        issue_grad_kv<Cfg>(dk, ds16, q_slot);\n        wgmma_commit();\n        wgmma_wait<1>();", "        issue_grad_kv<Cfg>(dv, p16, do_slot);\n        wgmma_commit();\n        issue_grad_kv<Cfg>(dk, ds16, q_slot);\n        wgmma_commit();\n        wgmma_wait<1>();"),
-    ("dq_first: no fence in m-block 0", "      } else {\n        wgmma_fence();", "      } else {"),
-    ("dq_first: the fence after dQ", "        wgmma_fence();  // dv and its A registers p16, dk and ds16, dq written by ordinary instructions\n        issue_dq_lagged<Cfg>(dq, smem, smem + Cfg::kOffDS + (prev % 2) * Cfg::kDSBytes, wg);", "        issue_dq_lagged<Cfg>(dq, smem, smem + Cfg::kOffDS + (prev % 2) * Cfg::kDSBytes, wg);\n        wgmma_fence();"),
-    ("dq_first: ds_empty before the wait_group", "        wgmma_wait<1>();  // dQ(i - 1) in registers (dV(i) and dK(i) still run)\n        fence_regs(dq);\n        mbar_arrive(bwd_bar_ds_empty<Cfg>(smem, prev % 2));", "        mbar_arrive(bwd_bar_ds_empty<Cfg>(smem, prev % 2));\n        wgmma_wait<1>();\n        fence_regs(dq);"),
+    # `dq_first on`'s lines
+    ("dq_first: dV and dK apart", "        issue_grad_kv<Cfg>(dv, p16, do_slot);\n      }\n      issue_grad_kv<Cfg>(dk, ds16, q_slot);\n      wgmma_commit();\n      wgmma_wait<1>();", "        issue_grad_kv<Cfg>(dv, p16, do_slot);\n        wgmma_commit();\n      }\n      issue_grad_kv<Cfg>(dk, ds16, q_slot);\n      wgmma_commit();\n      wgmma_wait<1>();"),
+    ("dq_first: no fence in m-block 0", "    } else {\n      if constexpr (Cfg::kDqFirst) {\n        wgmma_fence();", "    } else {\n      if constexpr (Cfg::kDqFirst) {"),
+    ("dq_first: the fence after dQ", "      if constexpr (Cfg::kDqFirst) {\n        wgmma_fence();  // dv and its A registers p16, dk and ds16, dq written by ordinary instructions\n      }\n      issue_dq_lagged<Cfg>(dq, smem, smem + Cfg::kOffDS + (prev % 2) * Cfg::kDSBytes, wg);", "      issue_dq_lagged<Cfg>(dq, smem, smem + Cfg::kOffDS + (prev % 2) * Cfg::kDSBytes, wg);\n      if constexpr (Cfg::kDqFirst) {\n        wgmma_fence();\n      }"),
+    ("dq_first: dV before dQ", "      issue_dq_lagged<Cfg>(dq, smem, smem + Cfg::kOffDS + (prev % 2) * Cfg::kDSBytes, wg);\n      FADSL_BWD_MARK(wg, i, 6);\n      if constexpr (Cfg::kDqFirst) {  // dV(i) after dQ(i - 1), in dK(i)'s group\n        issue_grad_kv<Cfg>(dv, p16, do_slot);\n      }", "      if constexpr (Cfg::kDqFirst) {\n        issue_grad_kv<Cfg>(dv, p16, do_slot);\n      }\n      issue_dq_lagged<Cfg>(dq, smem, smem + Cfg::kOffDS + (prev % 2) * Cfg::kDSBytes, wg);\n      FADSL_BWD_MARK(wg, i, 6);"),
 ]  # fmt: skip
 
 

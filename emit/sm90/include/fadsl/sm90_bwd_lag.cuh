@@ -138,53 +138,39 @@ __device__ __forceinline__ void bwd_consumer_lagged(const BwdParamsSm90& P, uint
     mbar_arrive(bwd_bar_ds_full<Cfg>(smem, buf));  // RAW: this thread's part of dS^T(i) stored and fenced
     FADSL_BWD_MARK(wg, i, 5);
 
-    if constexpr (Cfg::kDqFirst) {
-      if (i > 0) {
-        const int prev = run_i - 1;
-        float dq[Cfg::kDqRegs];  // (scoped: live from its wgmma to its adds, not over S^T and dP^T)
-        // RAW: both warpgroups' parts of dS^T(i - 1) stored and fenced
-        mbar_wait_parity(bwd_bar_ds_full<Cfg>(smem, prev % 2), static_cast<uint32_t>(prev / 2) & 1u);
-        wgmma_fence();  // dv and its A registers p16, dk and ds16, dq written by ordinary instructions
-        issue_dq_lagged<Cfg>(dq, smem, smem + Cfg::kOffDS + (prev % 2) * Cfg::kDSBytes, wg);
-        FADSL_BWD_MARK(wg, i, 6);
-        issue_grad_kv<Cfg>(dv, p16, do_slot);
-        issue_grad_kv<Cfg>(dk, ds16, q_slot);
-        wgmma_commit();
-        wgmma_wait<1>();  // dQ(i - 1) in registers (dV(i) and dK(i) still run)
-        fence_regs(dq);
-        mbar_arrive(bwd_bar_ds_empty<Cfg>(smem, prev % 2));  // WAR: this warpgroup's reads of dS^T(i - 1) retired
-        FADSL_BWD_MARK(wg, i, 7);
-        reduce_dq<Cfg>(P, b, 0u, dq, accum_head, m_prev, wg, tid, unused, i - 1);
-        FADSL_BWD_MARK(wg, i, 8);
-      } else {
-        wgmma_fence();  // dv and its A registers p16, dk and ds16 written by ordinary instructions
-        issue_grad_kv<Cfg>(dv, p16, do_slot);
-        issue_grad_kv<Cfg>(dk, ds16, q_slot);
-        wgmma_commit();
-      }
-    } else {
+    if constexpr (!Cfg::kDqFirst) {  // dV(i) first, in a group of its own
       wgmma_fence();  // dv and its A registers p16, dk and ds16 written by ordinary instructions
       issue_grad_kv<Cfg>(dv, p16, do_slot);
       wgmma_commit();
-      if (i > 0) {
-        const int prev = run_i - 1;
-        float dq[Cfg::kDqRegs];  // (scoped: live from its wgmma to its adds, not over S^T and dP^T)
-        // RAW: both warpgroups' parts of dS^T(i - 1) stored and fenced
-        mbar_wait_parity(bwd_bar_ds_full<Cfg>(smem, prev % 2), static_cast<uint32_t>(prev / 2) & 1u);
-        issue_dq_lagged<Cfg>(dq, smem, smem + Cfg::kOffDS + (prev % 2) * Cfg::kDSBytes, wg);
-        FADSL_BWD_MARK(wg, i, 6);
-        issue_grad_kv<Cfg>(dk, ds16, q_slot);
-        wgmma_commit();
-        wgmma_wait<1>();  // dV(i) and dQ(i - 1) in registers (dK(i) still runs)
-        fence_regs(dq);
-        mbar_arrive(bwd_bar_ds_empty<Cfg>(smem, prev % 2));  // WAR: this warpgroup's reads of dS^T(i - 1) retired
-        FADSL_BWD_MARK(wg, i, 7);
-        reduce_dq<Cfg>(P, b, 0u, dq, accum_head, m_prev, wg, tid, unused, i - 1);
-        FADSL_BWD_MARK(wg, i, 8);
-      } else {
-        issue_grad_kv<Cfg>(dk, ds16, q_slot);
-        wgmma_commit();
+    }
+    if (i > 0) {
+      const int prev = run_i - 1;
+      float dq[Cfg::kDqRegs];  // (scoped: live from its wgmma to its adds, not over S^T and dP^T)
+      // RAW: both warpgroups' parts of dS^T(i - 1) stored and fenced
+      mbar_wait_parity(bwd_bar_ds_full<Cfg>(smem, prev % 2), static_cast<uint32_t>(prev / 2) & 1u);
+      if constexpr (Cfg::kDqFirst) {
+        wgmma_fence();  // dv and its A registers p16, dk and ds16, dq written by ordinary instructions
       }
+      issue_dq_lagged<Cfg>(dq, smem, smem + Cfg::kOffDS + (prev % 2) * Cfg::kDSBytes, wg);
+      FADSL_BWD_MARK(wg, i, 6);
+      if constexpr (Cfg::kDqFirst) {  // dV(i) after dQ(i - 1), in dK(i)'s group
+        issue_grad_kv<Cfg>(dv, p16, do_slot);
+      }
+      issue_grad_kv<Cfg>(dk, ds16, q_slot);
+      wgmma_commit();
+      wgmma_wait<1>();  // dQ(i - 1) in registers, and dV(i) issued before it (the newest group still runs)
+      fence_regs(dq);
+      mbar_arrive(bwd_bar_ds_empty<Cfg>(smem, prev % 2));  // WAR: this warpgroup's reads of dS^T(i - 1) retired
+      FADSL_BWD_MARK(wg, i, 7);
+      reduce_dq<Cfg>(P, b, 0u, dq, accum_head, m_prev, wg, tid, unused, i - 1);
+      FADSL_BWD_MARK(wg, i, 8);
+    } else {
+      if constexpr (Cfg::kDqFirst) {
+        wgmma_fence();  // dv and its A registers p16, dk and ds16 written by ordinary instructions
+        issue_grad_kv<Cfg>(dv, p16, do_slot);
+      }
+      issue_grad_kv<Cfg>(dk, ds16, q_slot);
+      wgmma_commit();
     }
     wgmma_wait<0>();  // dV and dK retired: Q, dO read; p16 and ds16 free
     // WAR: the slot's Q, dO (wgmma, retired above), LSE and D (read above) are free
