@@ -179,14 +179,17 @@ def kernel_template(
     dq_lag: bool = False,
 ) -> str:
     """The template with each `{% if overlap %} A {% else %} B {% endif %}` (and `{% if split
-    %}`, `persistent`, `dq_lag`) decided, the roles' functions named as emit.py names them, and
+    %}`, `persistent`, `dq_lag`; `fused_convert` off) decided, the roles' functions named as emit.py names them, and
     the Cfg's window, softcap and modifier constants (and the modifiers' struct, included from
     a template of its own; the barrier count of `persistent or dq_lag`) left out (no other
     `{% if %}` may decide which calls the kernel makes)."""
     tag = lambda body: rf"\{{%-?\s*{body}\s*-?%\}}"  # noqa: E731
     decided = template
     flags = (("overlap", overlap), ("split", split), ("persistent", persistent))
-    for flag, value in flags + (("dq_lag", dq_lag),):
+    # (`fused_convert`'s bwd_finish_dq runs after the roles' programs, and its Cfg constant:
+    # read against the plan of its own, finish.py, by tests/test_backward_fused_convert.py;
+    # decided first, since its blocks sit inside `persistent`'s branches)
+    for flag, value in (("fused_convert", False),) + flags + (("dq_lag", dq_lag),):
         branch = re.compile(
             tag(f"if {flag}") + r"(.*?)(?:" + tag("else") + r"(.*?))?" + tag("endif"), re.S
         )

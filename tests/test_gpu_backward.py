@@ -104,6 +104,14 @@ VARIANTS += MEETING
 DQ_FIRST = ("fa3_hdim64-dq_first", "fa3_hdim64_causal-dq_first")
 DQ_FIRST += ("fa3_hopper+br64+ds_stmatrix+dq_first", "fa3_causal+br64+dq_first")
 VARIANTS += DQ_FIRST
+# `fused_convert on` (dQ converted by the CTA that completes each m-block, no convert_dq): the
+# examples' blocks with it (fa3_hdim64's persistent CTAs and its grid twin), dQ by panels,
+# persistent causal, and the un-lagged order; SHAPES' causal 1000 x 333 has m-blocks no n-block visits (host-zeroed)
+FUSED = ("fa3_hopper+fused_convert", "fa3_causal+fused_convert", "fa3_hdim64_causal+fused_convert")
+FUSED += ("fa3_hdim64+fused_convert", "fa3_hdim64-persistent+fused_convert")
+FUSED += ("fa3_causal+br64+fused_convert", "fa3_causal+persistent+fused_convert")
+FUSED += ("fa3_hopper-dq_lag+fused_convert",)
+VARIANTS += FUSED
 CASES = [(n, d, s) for n in FORWARDS + PLAIN + VARIANTS for d in DTYPES for s in SHAPES]
 # head_dim 256 (sm90_bwd_split.cuh: B_r 64, each consumer S and dP of B_c / 2 keys, dK^T, dV^T
 # and dQ^T of its half of head_dim): the examples' B_c 80 and the B_c 64 fallback; seqlens off
@@ -119,6 +127,8 @@ SHAPES_256 = [
     (1, 64, 1000, 16, 2),
 ]
 CASES += [(n, d, s) for n in FORWARDS_256 for d in DTYPES for s in SHAPES_256]
+FUSED_256 = ("fa3_hdim256+fused_convert", "fa3_hdim256_causal+fused_convert")  # (dQ^T's units)
+CASES += [(n, d, s) for n in FUSED_256 for d in DTYPES for s in SHAPES_256]
 _loaded: dict[str, object] = {}
 
 
@@ -253,6 +263,18 @@ def test_gradients_match_float32_autograd(name, dtype, shape):
     for ours, t, o, what in zip((l.grad for l in leaves), truth, own, ("dq", "dk", "dv")):
         assert ours.dtype == torch_dtype and ours.shape == t.shape
         check_rule(ours, t, o, what)
+
+
+# `fused_convert on` with many CTAs adding into each m-block at once (GQA 2:1, odd lengths), at
+# the host's threshold (the main kernel converts) and one query past it (convert_dq does)
+FUSED_SHAPES = [(2, 2049, 1999, 16, 8), (1, 4096, 4096, 40, 40), (1, 4097, 3000, 8, 4)]
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("shape", FUSED_SHAPES, ids=str)
+@pytest.mark.parametrize("name", ["fa3_hopper+fused_convert", "fa3_hdim64+fused_convert"])
+def test_fused_convert_under_load_and_past_its_threshold(name, dtype, shape):
+    test_gradients_match_float32_autograd(name, dtype, shape)
 
 
 # `scheduler persistent` with more tiles than SMs, so that each CTA runs several tiles (the

@@ -76,6 +76,9 @@ class Backward:
     # `scheduler persistent`: about one CTA per SM, each looping over (n-block, head, batch)
     # tiles, the next tile's K and V loaded under this one's epilogue (sm90_bwd_persistent.cuh)
     persistent: bool = False
+    # dQ converted to the input dtype by the main kernel's CTA that completes each m-block's
+    # adds, not by a convert_dq kernel after it (sm90_bwd_convert.cuh, bwd_finish_dq)
+    fused_convert: bool = False
     # Every tensor's path, the defaults included, in the target's order. The IR's text form
     # leaves them out (the target admits one path per tensor): a kernel read back has none.
     tensors: tuple[BackwardTensor, ...] = ()
@@ -116,13 +119,14 @@ class Backward:
             + (" dq_writer=on" if self.dq_writer else "")
             + (" ds=stmatrix" if self.ds_stmatrix else "")
             + (" scheduler=persistent" if self.persistent else "")
+            + (" fused_convert=on" if self.fused_convert else "")
         )
 
 
 _TEXT = re.compile(
     r"backward B_r=(?P<m>\d+) B_c=(?P<n>\d+) consumers=(?P<consumers>\d+) "
     r"regs=(?P<preg>\d+)/(?P<creg>\d+) stages=(?P<stages>\d+) "
-    r"deterministic=(?P<deterministic>on|off)(?P<overlap> overlap=on)?(?P<early_dv> early_dv=on)?(?P<dv_before_meeting> dv_before_meeting=on)?(?P<dq_lag> dq_lag=on)?(?P<dq_first> dq_first=on)?(?P<dq_red> dq=red.add)?(?P<longest_first> longest_first=on)?(?P<dq_writer> dq_writer=on)?(?P<ds_stmatrix> ds=stmatrix)?(?P<persistent> scheduler=persistent)?$"
+    r"deterministic=(?P<deterministic>on|off)(?P<overlap> overlap=on)?(?P<early_dv> early_dv=on)?(?P<dv_before_meeting> dv_before_meeting=on)?(?P<dq_lag> dq_lag=on)?(?P<dq_first> dq_first=on)?(?P<dq_red> dq=red.add)?(?P<longest_first> longest_first=on)?(?P<dq_writer> dq_writer=on)?(?P<ds_stmatrix> ds=stmatrix)?(?P<persistent> scheduler=persistent)?(?P<fused_convert> fused_convert=on)?$"
 )
 
 
@@ -152,5 +156,6 @@ def read_backward(line: str, loc: Loc) -> Backward:
         dq_writer=m["dq_writer"] is not None,
         ds_stmatrix=m["ds_stmatrix"] is not None,
         persistent=m["persistent"] is not None,
+        fused_convert=m["fused_convert"] is not None,
         loc=loc,
     )

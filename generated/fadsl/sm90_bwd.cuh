@@ -91,6 +91,11 @@ struct BwdParamsSm90 {
   // correction (fadsl/sm90_bwd_learn.cuh: sum dS' from -dLSE, then each read's W), the host's
   float* input_grads;
   float* learn_rows;
+  // `fused_convert on` (0 otherwise, and where the host launches convert_dq): dQ in the input
+  // dtype, written by the CTA whose adds complete an m-block (fadsl/sm90_bwd_convert.cuh),
+  // and its strides in elements; dq_semaphore then counts each m-block's n-blocks done
+  void* dq;
+  int64_t dq_batch_stride, dq_row_stride, dq_head_stride;
 };
 
 // BwdParamsSm90::dkv_store.  GQA's query heads of one K/V head each hold part of its dK and
@@ -128,7 +133,7 @@ struct BwdPrepParams {
   int tokens_k, q_row_bytes, k_row_bytes;
 };
 
-static_assert(sizeof(BwdParamsSm90) == 768, "BwdParamsSm90's layout is fadsl/targets/sm90/backward/host.py's");
+static_assert(sizeof(BwdParamsSm90) == 896, "BwdParamsSm90's layout is fadsl/targets/sm90/backward/host.py's");
 // (NVRTC 13.0 has no __builtin_offsetof; nvcc's host compile of this header checks it:
 // tests/test_varlen_backward_chunks.py)
 #if !defined(__CUDACC_RTC__)
@@ -136,6 +141,8 @@ static_assert(__builtin_offsetof(BwdParamsSm90, sequences) == 664 && __builtin_o
                   __builtin_offsetof(BwdParamsSm90, batch) == 736 && __builtin_offsetof(BwdParamsSm90, input_grads) == 744 &&
                   __builtin_offsetof(BwdParamsSm90, learn_rows) == 752,
               "the modifiers' fields where fadsl/targets/sm90/backward/host.py packs them (MODIFIERS_OFFSET)");
+static_assert(__builtin_offsetof(BwdParamsSm90, dq) == 760 && __builtin_offsetof(BwdParamsSm90, dq_head_stride) == 784,
+              "fused_convert's fields where fadsl/targets/sm90/backward/host.py packs them (FUSED_OFFSET)");
 #endif
 
 struct BwdConvertParams {
@@ -247,6 +254,11 @@ struct BwdConfig {
   // kLearn: the gradients of the score's learnable inputs into P.input_grads (the runtime's
   // variant of a spec's backward for inputs that require grad; fadsl/sm90_bwd_learn.cuh)
   static constexpr bool kLearn = false;
+  // `fused_convert on` (a generated Cfg sets it; dQ by red.add, not deterministic, persistent,
+  // packed or with keep): after its dK and dV stores the CTA counts itself done for each
+  // m-block it visited, and the CTA that completes an m-block converts its dQ (no convert_dq
+  // kernel where the host passes P.dq; fadsl/sm90_bwd_convert.cuh)
+  static constexpr bool kFusedConvert = false;
 
   static constexpr int kThreads = 128 * (1 + kConsumerWGs);
   static constexpr int kConsumerThreads = 128 * kConsumerWGs;
@@ -319,6 +331,8 @@ struct BwdConfig {
   // (full: the consumer arrives, the writer syncs) and read by the writer's add (empty)
   static constexpr int kBarDqFull = 5;
   static constexpr int kBarDqEmpty = 8;
+  // `fused_convert on`: every consumer thread, its dQ adds fenced before the CTA's counts
+  static constexpr int kBarFinish = 11;
 };
 
 // ---------------------------------------------------------------------------
@@ -425,10 +439,20 @@ __device__ __forceinline__ int bwd_diagonal(const BwdParamsSm90& P, const BwdBlo
   return P.seqlen_k - P.seqlen_q;
 }
 
+// __clz on the device, the compiler's builtin where the host runs bwd_block_at (tests)
+__host__ __device__ __forceinline__ int bwd_clz(int x) {
+#if defined(__CUDA_ARCH__)
+  return __clz(x);
+#else
+  return __builtin_clz(static_cast<unsigned>(x));
+#endif
+}
+
 // The block of grid position (x, y, z) in a grid of (gx, gy, gz) CTAs (bwd_block: the
 // launch's own; `scheduler persistent`: a tile's, bwd_tile_block).
 template <class Cfg>
-__device__ __forceinline__ BwdBlock bwd_block_at(const BwdParamsSm90& P, int x, int y, int z, int gx, int gy, int gz) {
+__host__ __device__ __forceinline__ BwdBlock bwd_block_at(const BwdParamsSm90& P, int x, int y, int z, int gx, int gy,
+                                                          int gz) {
   BwdBlock b;
   b.n_block = x;
   b.head = y;
@@ -465,7 +489,7 @@ __device__ __forceinline__ BwdBlock bwd_block_at(const BwdParamsSm90& P, int x, 
     const int launched = x + gx * (y + gy * z);
     const long long head_bytes = (long long)P.seqlen_q_rounded * Cfg::kHeadDim * (2 * 2 + 4);
     const long long fit = (40ll << 20) / head_bytes;
-    const int section = fit < 1 ? 1 : 1 << (31 - __clz(fit > (1 << 30) ? 1 << 30 : (int)fit));
+    const int section = fit < 1 ? 1 : 1 << (31 - bwd_clz(fit > (1 << 30) ? 1 << 30 : (int)fit));
     const int section_ctas = section * gx;
     const int first_pair = launched / section_ctas * section;
     const int in_section = launched % section_ctas;
@@ -552,7 +576,7 @@ __device__ __forceinline__ int bwd_warpgroup() {
 // the m-block's tickets start there.  Every n-block from it to the last that m sees visits
 // m-block m (bwd_block's range is the same condition), so the tickets come without a gap.
 template <class Cfg>
-__device__ __forceinline__ int bwd_first_n_block(const BwdBlock& b, int m) {
+__host__ __device__ __forceinline__ int bwd_first_n_block(const BwdBlock& b, int m) {
   if constexpr (has_window<Cfg>()) {
     const int first_key = m * Cfg::kBlockM + (b.seqlen_k - b.seqlen_q) - Cfg::kWindowLeft;  // (padded only: see validate)
     return first_key > 0 ? first_key / Cfg::kBlockN : 0;
@@ -575,7 +599,7 @@ __device__ __forceinline__ bool bwd_in_visit_order(const BwdParamsSm90& P) {
 }
 
 template <class Cfg>
-__device__ __forceinline__ int bwd_n_blocks(const BwdBlock& b) {
+__host__ __device__ __forceinline__ int bwd_n_blocks(const BwdBlock& b) {
   return (b.seqlen_k + Cfg::kBlockN - 1) / Cfg::kBlockN;
 }
 
@@ -681,3 +705,4 @@ __device__ __forceinline__ bool bwd_needs_mask(const BwdParamsSm90& P, const Bwd
 #include "sm90_bwd_writer.cuh"  // 6b: `dq_writer on`'s writer warps
 #include "sm90_bwd_lag.cuh"     // 6c: `dq_lag on`'s consumer (dQ one m-block behind, no meeting)
 #include "sm90_bwd_prep.cuh"   // 7: the preprocess and dQ's conversion
+#include "sm90_bwd_convert.cuh"  // 7b: `fused_convert on`: dQ converted by the CTA that completes an m-block

@@ -131,10 +131,10 @@ __device__ __forceinline__ void bwd_preprocess(const BwdPrepParams& P) {
   bwd_preprocess_row<Cfg>(P);
 }
 
-// dQ from the accumulator, one warp per pair of rows (u, u + 8) of a 16-row group, 8 warps
-// per CTA (the host's grid: m_blocks B_r / 16 CTAs per (head, batch)): lane L converts
-// columns c = 2L (+ 64 j) of both rows. In a warpgroup share's staging order (stage_dq),
-// float4 q of thread tid holds, of the share's 64 queries and kDqCols columns, row
+// dQ from the accumulator.  Row order (dQ not transposed): a warp converts a pair of rows
+// (q, q + 8) of an m-block, q % 16 < 8 (the kernel's CTA: 16 rows, a warp per pair); lane L
+// converts columns c = 2L (+ 64 j) of both rows. In a warpgroup share's staging order
+// (stage_dq), float4 q of thread tid holds, of the share's 64 queries and kDqCols columns, row
 // u' = 16 (tid / 32) + (tid % 32) / 4 and u' + 8, columns 8q + 2 (tid % 4) + {0, 1}
 // (registers 4q + 2r + e: row u' + 8r, column + e). So the lane reads one whole float4
 // (both rows) and the warp's reads are runs of 64 bytes, its writes whole rows. Share s
@@ -144,73 +144,168 @@ __device__ __forceinline__ void bwd_preprocess(const BwdPrepParams& P) {
 // Transposed (kDqTransposed: B_r 80; and head_dim 256: share s = head_dim panel s): float4
 // q of thread tid holds columns d = 64 s + 16 (tid / 32) + (tid % 32) / 4 and d + 8 of
 // queries u = 8q + 2 (tid % 4) and u + 1 (registers 4q + 2r + e: column d + 8r, query
-// u + e).  A CTA takes 16 queries (q-groups 2c and 2c + 1 of its m-block); thread (tid) of
-// share s = threadIdx.x / 128 (and s + 2 at head_dim 256) reads one float4 of each and
-// swaps two values with its partner lane (tid ^ 4: column d ^ 1) so that each holds two
+// u + e).  A warp converts, for a group of 16 queries (q-groups 2c and 2c + 1 of its m-block),
+// the 16 columns of warp j (0..3) of one share: each lane reads one float4 of each q-group
+// and swaps two values with its partner lane (lane ^ 4: column d ^ 1) so that each holds two
 // adjacent columns of one query.
+//
+// A unit is one such warp's work; its loads and its stores are separate calls so that a
+// warp converting a whole m-block (`fused_convert on`: bwd_convert_m_block) issues a batch
+// of units' loads before their stores.  kL2: the loads bypass L1 (ld.global.cg), for an
+// accumulator other CTAs added into during this kernel.
 template <class Cfg>
-__device__ __forceinline__ void bwd_convert_dq_t(const BwdConvertParams& P) {
-  const int row0 = blockIdx.x * 16, head = blockIdx.y, batch = blockIdx.z;
-  const int m_block = row0 / Cfg::kBlockM;
-  if (m_block >= P.m_blocks) return;
-  const BwdQueryRows rows = bwd_query_rows<Cfg>(P.cu_seqlens_q, P.sequences, P.seqlen_q, m_block);
-  if (!bwd_chunk_holds_query<Cfg>(rows, m_block)) return;  // a padding slot: nothing to write
+__host__ __device__ constexpr bool bwd_dq_by_columns() {
+  return Cfg::kDqTransposed || Cfg::kSplitHeadDim;
+}
+template <class Cfg>
+__host__ __device__ constexpr int bwd_dq_unit_vectors() {  // float4 loads per lane and unit
+  return bwd_dq_by_columns<Cfg>() ? 2 : Cfg::kHeadDim / 64;
+}
+template <class Cfg>
+__host__ __device__ constexpr int bwd_dq_units() {  // units per m-block
+  return bwd_dq_by_columns<Cfg>() ? Cfg::kBlockM / 16 * (Cfg::kHeadDim / 64) * 4 : Cfg::kBlockM / 2;
+}
+
+template <bool kL2>
+__device__ __forceinline__ float4 load_dq_accum(const float* at) {
+  if constexpr (kL2) return __ldcg(reinterpret_cast<const float4*>(at));
+  return *reinterpret_cast<const float4*>(at);
+}
+
+// The (q-group pair, share, warp) of column unit `unit` (< bwd_dq_units): its 16 queries'
+// first q-group, its share and the share's warp j.
+struct BwdDqColumnUnit {
+  int q, share, j;
+};
+template <class Cfg>
+__device__ __forceinline__ BwdDqColumnUnit bwd_dq_column_unit(int unit) {
+  return {2 * (unit / (4 * (Cfg::kHeadDim / 64))), unit / 4 % (Cfg::kHeadDim / 64), unit % 4};
+}
+// Row unit `unit`: the first of its two rows in the m-block (q % 16 < 8).
+__device__ __forceinline__ int bwd_dq_row_unit(int unit) { return 16 * (unit / 8) + unit % 8; }
+
+template <class Cfg, bool kL2 = false>
+__device__ __forceinline__ void bwd_dq_unit_load(const float* chunk, int unit, int lane,
+                                                 float4 (&v)[bwd_dq_unit_vectors<Cfg>()]) {
+  if constexpr (bwd_dq_by_columns<Cfg>()) {
+    const BwdDqColumnUnit cu = bwd_dq_column_unit<Cfg>(unit);
+    const float* share = chunk + cu.share * Cfg::kDqFloats;
 #pragma unroll
-  for (int round = 0; round < Cfg::kHeadDim / 128; ++round) {  // the CTA's 2 warpgroups take shares 2 round + 0, 1
-    const int share = threadIdx.x / 128 + 2 * round, tid = threadIdx.x % 128, lane = tid % 32;
+    for (int half = 0; half < 2; ++half) v[half] = load_dq_accum<kL2>(share + ((cu.q + half) * 128 + 32 * cu.j + lane) * 4);
+  } else {
+    const int q = bwd_dq_row_unit(unit), u = q % 64;
+#pragma unroll
+    for (int k = 0; k < Cfg::kHeadDim / 64; ++k) {
+      const int col = 2 * lane + 64 * k;
+      const int share = Cfg::kDqByQueries ? q / 64 : col / Cfg::kDqCols, c = col % Cfg::kDqCols;
+      const int tid = 32 * (u / 16) + 4 * (u % 8) + (c % 8) / 2;
+      v[k] = load_dq_accum<kL2>(chunk + share * Cfg::kDqFloats + ((c / 8) * 128 + tid) * 4);
+    }
+  }
+}
+
+// The unit's stores into dq (the (batch, head)'s base) of m-block m_block: dQ = the sums times
+// softmax_scale in T, rows that hold no query skipped.  Every lane of the warp calls it (the
+// column order's shuffles).
+template <class Cfg>
+__device__ __forceinline__ void bwd_dq_unit_store(const BwdConvertParams& P, const BwdQueryRows& rows,
+                                                  typename Cfg::T* dq, int m_block, int unit, int lane,
+                                                  const float4 (&v)[bwd_dq_unit_vectors<Cfg>()]) {
+  if constexpr (bwd_dq_by_columns<Cfg>()) {
+    const BwdDqColumnUnit cu = bwd_dq_column_unit<Cfg>(unit);
     const bool odd = (lane / 4) % 2 == 1;  // column d odd: takes query u + 1
-    const int col = 64 * share + 16 * (tid / 32) + (lane / 4) - (odd ? 1 : 0);  // the pair's first column
-    const float* chunk = P.dq_accum + ((static_cast<int64_t>(batch) * P.heads_q + head) * P.m_blocks + m_block) *
-                                          (Cfg::kBlockM * Cfg::kHeadDim) + share * Cfg::kDqFloats;
-    typename Cfg::T* dq = static_cast<typename Cfg::T*>(P.dq) + batch * P.dq_batch_stride + head * P.dq_head_stride;
+    const int col = 64 * cu.share + 16 * cu.j + (lane / 4) - (odd ? 1 : 0);  // the pair's first column
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      const int q = (row0 % Cfg::kBlockM) / 8 + half;
-      const float4 v = *reinterpret_cast<const float4*>(chunk + (q * 128 + tid) * 4);
       // even d sends its query u + 1 values (v.y, v.w), odd d its query u values (v.x, v.z)
-      const float got0 = __shfl_xor_sync(0xffffffffu, odd ? v.x : v.y, 4);
-      const float got1 = __shfl_xor_sync(0xffffffffu, odd ? v.z : v.w, 4);
-      const float2 lo = odd ? make_float2(got0, v.y) : make_float2(v.x, got0);  // columns col, col + 1
-      const float2 hi = odd ? make_float2(got1, v.w) : make_float2(v.z, got1);  // columns col + 8, col + 9
-      const int row = m_block * Cfg::kBlockM + 8 * q + 2 * (lane % 4) + (odd ? 1 : 0);
+      const float got0 = __shfl_xor_sync(0xffffffffu, odd ? v[half].x : v[half].y, 4);
+      const float got1 = __shfl_xor_sync(0xffffffffu, odd ? v[half].z : v[half].w, 4);
+      const float2 lo = odd ? make_float2(got0, v[half].y) : make_float2(v[half].x, got0);  // columns col, col + 1
+      const float2 hi = odd ? make_float2(got1, v[half].w) : make_float2(v[half].z, got1);  // columns col + 8, col + 9
+      const int row = m_block * Cfg::kBlockM + 8 * (cu.q + half) + 2 * (lane % 4) + (odd ? 1 : 0);
       if (bwd_holds_query<Cfg>(rows, P.seqlen_q, row)) {
         typename Cfg::T* out = dq + bwd_query_of<Cfg>(rows, row) * P.dq_row_stride + col;
-        *reinterpret_cast<uint32_t*>(out) =
-            pack_f32x2<typename Cfg::T>(lo.x * P.softmax_scale, lo.y * P.softmax_scale);
+        *reinterpret_cast<uint32_t*>(out) = pack_f32x2<typename Cfg::T>(lo.x * P.softmax_scale, lo.y * P.softmax_scale);
         *reinterpret_cast<uint32_t*>(out + 8) =
             pack_f32x2<typename Cfg::T>(hi.x * P.softmax_scale, hi.y * P.softmax_scale);
+      }
+    }
+  } else {
+    const int row = m_block * Cfg::kBlockM + bwd_dq_row_unit(unit);
+#pragma unroll
+    for (int k = 0; k < Cfg::kHeadDim / 64; ++k) {
+      const int col = 2 * lane + 64 * k;
+      if (bwd_holds_query<Cfg>(rows, P.seqlen_q, row)) {
+        *reinterpret_cast<uint32_t*>(dq + bwd_query_of<Cfg>(rows, row) * P.dq_row_stride + col) =
+            pack_f32x2<typename Cfg::T>(v[k].x * P.softmax_scale, v[k].y * P.softmax_scale);
+      }
+      if (bwd_holds_query<Cfg>(rows, P.seqlen_q, row + 8)) {
+        *reinterpret_cast<uint32_t*>(dq + bwd_query_of<Cfg>(rows, row + 8) * P.dq_row_stride + col) =
+            pack_f32x2<typename Cfg::T>(v[k].z * P.softmax_scale, v[k].w * P.softmax_scale);
       }
     }
   }
 }
 
+// m-block m_block's accumulator of (batch, head), and that head's dQ.
+template <class Cfg>
+__device__ __forceinline__ const float* bwd_dq_chunk(const BwdConvertParams& P, int head, int batch, int m_block) {
+  return P.dq_accum + ((static_cast<int64_t>(batch) * P.heads_q + head) * P.m_blocks + m_block) *
+                          (Cfg::kBlockM * Cfg::kHeadDim);
+}
+template <class Cfg>
+__device__ __forceinline__ typename Cfg::T* bwd_dq_head(const BwdConvertParams& P, int head, int batch) {
+  return static_cast<typename Cfg::T*>(P.dq) + batch * P.dq_batch_stride + head * P.dq_head_stride;
+}
+
+// The convert_dq kernel: a CTA per 16 rows of an m-block (the host's grid: m_blocks B_r / 16
+// CTAs per (head, batch)), 8 warps: row order, warp w the pair (w, w + 8); column order, warp
+// w of warpgroup g the units of shares g + 2 r (r < head_dim / 128), as its j = w % 4.
 template <class Cfg>
 __device__ __forceinline__ void bwd_convert_dq_row(const BwdConvertParams& P) {
-  if constexpr (Cfg::kDqTransposed || Cfg::kSplitHeadDim) {
-    bwd_convert_dq_t<Cfg>(P);
-    return;
-  }
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const int row = blockIdx.x * 16 + warp, head = blockIdx.y, batch = blockIdx.z;  // and row + 8
-  const int m_block = row / Cfg::kBlockM, q = row % Cfg::kBlockM, u = q % 64;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, head = blockIdx.y, batch = blockIdx.z;
+  const int row0 = blockIdx.x * 16, m_block = row0 / Cfg::kBlockM;
   if (m_block >= P.m_blocks) return;
   const BwdQueryRows rows = bwd_query_rows<Cfg>(P.cu_seqlens_q, P.sequences, P.seqlen_q, m_block);
   if (!bwd_chunk_holds_query<Cfg>(rows, m_block)) return;  // a padding slot: nothing to write
-  const float* chunk = P.dq_accum + ((static_cast<int64_t>(batch) * P.heads_q + head) * P.m_blocks + m_block) *
-                                        (Cfg::kBlockM * Cfg::kHeadDim);
-  typename Cfg::T* dq = static_cast<typename Cfg::T*>(P.dq) + batch * P.dq_batch_stride + head * P.dq_head_stride;
+  const float* chunk = bwd_dq_chunk<Cfg>(P, head, batch, m_block);
+  typename Cfg::T* dq = bwd_dq_head<Cfg>(P, head, batch);
+  float4 v[bwd_dq_unit_vectors<Cfg>()];
+  if constexpr (bwd_dq_by_columns<Cfg>()) {
+    const int group = row0 % Cfg::kBlockM / 16, shares = Cfg::kHeadDim / 64;
 #pragma unroll
-  for (int col = 2 * lane; col < Cfg::kHeadDim; col += 64) {
-    const int share = Cfg::kDqByQueries ? q / 64 : col / Cfg::kDqCols, c = col % Cfg::kDqCols;
-    const int tid = 32 * (u / 16) + 4 * (u % 8) + (c % 8) / 2;
-    const float4 v = *reinterpret_cast<const float4*>(chunk + share * Cfg::kDqFloats + ((c / 8) * 128 + tid) * 4);
-    if (bwd_holds_query<Cfg>(rows, P.seqlen_q, row)) {
-      *reinterpret_cast<uint32_t*>(dq + bwd_query_of<Cfg>(rows, row) * P.dq_row_stride + col) =
-          pack_f32x2<typename Cfg::T>(v.x * P.softmax_scale, v.y * P.softmax_scale);
+    for (int round = 0; round < Cfg::kHeadDim / 128; ++round) {  // the CTA's 2 warpgroups take shares 2 round + 0, 1
+      const int unit = (group * shares + warp / 4 + 2 * round) * 4 + warp % 4;
+      bwd_dq_unit_load<Cfg>(chunk, unit, lane, v);
+      bwd_dq_unit_store<Cfg>(P, rows, dq, m_block, unit, lane, v);
     }
-    if (bwd_holds_query<Cfg>(rows, P.seqlen_q, row + 8)) {
-      *reinterpret_cast<uint32_t*>(dq + bwd_query_of<Cfg>(rows, row + 8) * P.dq_row_stride + col) =
-          pack_f32x2<typename Cfg::T>(v.z * P.softmax_scale, v.w * P.softmax_scale);
+  } else {
+    const int unit = row0 % Cfg::kBlockM / 16 * 8 + warp;
+    bwd_dq_unit_load<Cfg>(chunk, unit, lane, v);
+    bwd_dq_unit_store<Cfg>(P, rows, dq, m_block, unit, lane, v);
+  }
+}
+
+// `fused_convert on`: one warp converts all of m-block m_block of (batch, head), kBatch units'
+// loads (16 float4 a lane) issued before their stores, through L2 (other CTAs' adds).
+template <class Cfg>
+__device__ __forceinline__ void bwd_convert_m_block(const BwdConvertParams& P, int head, int batch, int m_block,
+                                                    int lane) {
+  const BwdQueryRows rows = bwd_query_rows<Cfg>(P.cu_seqlens_q, P.sequences, P.seqlen_q, m_block);
+  if (!bwd_chunk_holds_query<Cfg>(rows, m_block)) return;
+  const float* chunk = bwd_dq_chunk<Cfg>(P, head, batch, m_block);
+  typename Cfg::T* dq = bwd_dq_head<Cfg>(P, head, batch);
+  constexpr int kUnits = bwd_dq_units<Cfg>(), kBatch = 16 / bwd_dq_unit_vectors<Cfg>();
+#pragma unroll 1
+  for (int first = 0; first < kUnits; first += kBatch) {
+    float4 v[kBatch][bwd_dq_unit_vectors<Cfg>()];
+#pragma unroll
+    for (int k = 0; k < kBatch; ++k) {
+      if (first + k < kUnits) bwd_dq_unit_load<Cfg, true>(chunk, first + k, lane, v[k]);
+    }
+#pragma unroll
+    for (int k = 0; k < kBatch; ++k) {
+      if (first + k < kUnits) bwd_dq_unit_store<Cfg>(P, rows, dq, m_block, first + k, lane, v[k]);
     }
   }
 }

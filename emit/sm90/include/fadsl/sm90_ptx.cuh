@@ -384,6 +384,17 @@ __device__ __forceinline__ uint32_t atomic_inc_acq_rel_gpu(uint32_t* counter, ui
   return old;
 }
 
+// Orders this thread's earlier global accesses, its red.adds included (performed before
+// the fence completes), before its later ones, at GPU scope (release and acquire).
+__device__ __forceinline__ void fence_acq_rel_gpu() { asm volatile("fence.acq_rel.gpu;\n" ::: "memory"); }
+
+// atomicAdd at GPU scope with release and acquire semantics (as atomic_inc_acq_rel_gpu); returns old.
+__device__ __forceinline__ int atomic_add_acq_rel_gpu(int* counter, int value) {
+  int old;
+  asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], %2;\n" : "=r"(old) : "l"(counter), "r"(value) : "memory");
+  return old;
+}
+
 // bar.red.or over named barrier `id`: waits like bar.sync, and returns whether any of the
 // `count` threads passed true.
 __device__ __forceinline__ bool named_bar_red_or(uint32_t id, uint32_t count, bool value) {

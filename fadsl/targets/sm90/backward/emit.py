@@ -81,6 +81,15 @@ def dq_semaphores(bwd: Backward, head_dim: int) -> int:
     return 1 if dq_by_keys(bwd, head_dim) else bwd.consumers
 
 
+# `fused_convert on`: the main kernel's CTAs convert dQ (sm90_bwd_convert.cuh) for calls of at
+# most this many queries; past it the host launches convert_dq as without the knob. The CTA
+# that completes a (batch, head)'s m-blocks converts them alone: about 768 bytes per query at
+# head_dim 128 through one SM (some 200 GB/s), so the grid's last wave ends that much later,
+# against the 50-60 us of convert_dq at 16k tokens, hidden 2048 (research/backward-fused-convert.md;
+# an estimate of 2026-12-01, to be measured).
+FUSED_CONVERT_MAX_QUERIES = 4096
+
+
 def smem_bytes(bwd: Backward, head_dim: int) -> int:
     return plan_smem(bwd, head_dim).total + BASE_ALIGN_SLACK
 
@@ -111,6 +120,8 @@ def context(kernel: Kernel, dtype: Dtype) -> dict[str, Any]:
         "dv_before_meeting": bwd.dv_before_meeting,
         "dq_lag": bwd.dq_lag,
         "dq_first": bwd.dq_first,
+        "fused_convert": bwd.fused_convert,
+        "fused_convert_max_queries": FUSED_CONVERT_MAX_QUERIES,
         "longest_first": bwd.longest_first,
         "persistent": bwd.persistent,
         "varlen": cfg.features.varlen,

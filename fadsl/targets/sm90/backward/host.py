@@ -22,11 +22,18 @@ import struct
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from ....ir import Kernel
+from ....ir import Kernel, Mask
 from ...launch import KernelLaunch, sm_count
 from ..host.tma import tensor_map
 from ..learn import learn_row_floats
-from .emit import AUX_THREADS, convert_ctas, dq_semaphores, prep_rows_per_cta, smem_bytes
+from .emit import (
+    AUX_THREADS,
+    FUSED_CONVERT_MAX_QUERIES,
+    convert_ctas,
+    dq_semaphores,
+    prep_rows_per_cta,
+    smem_bytes,
+)
 
 PANEL_COLS = 64
 # BwdParamsSm90: four 128-byte tensor maps, then (sm90_bwd.cuh's order) 6 pointers, 6 int64
@@ -35,13 +42,17 @@ PANEL_COLS = 64
 # BwdParamsSm90::dkv_store (sm90_bwd.cuh's DkvStore)
 DKV_STORE_T, DKV_STORE_PARTIAL, DKV_ADD_FP32 = 0, 1, 2
 MAIN_FIELDS = struct.Struct("<6Q6q7i2fi2Qi")
-MAIN_BYTES = 768
+MAIN_BYTES = 896
 # Then the score and mask modifiers' fields (issue 41): the spec's input pointers in declared
 # order, zeros past them, and the batch size, at the offsets sm90_bwd.cuh's static_assert
 # names (packed only for a spec with modifiers; zeros otherwise, as before they existed).
 # ... batch, input_grads (kLearn's buffer, at 744), learn_rows (its per-row sums, at 752)
 MODIFIERS = struct.Struct("<8Qi4xQQ")
 MODIFIERS_OFFSET = 672
+# Then `fused_convert on`'s: dQ's pointer and its 3 int64 strides (zeros: convert_dq converts);
+# the struct is 896 bytes with them (its 128-byte alignment, the tensor maps')
+FUSED = struct.Struct("<Q3q")
+FUSED_OFFSET = 760
 # BwdPrepParams: 8 pointers, 8 int64 strides, 3 ints, the varlen pointer and int, then the
 # varlen gradients to zero outside the sequences (4 pointers, 3 ints); 208 bytes.
 PREP = struct.Struct("<8Q8q3i4xQi4x4Q3i4x")
@@ -223,6 +234,44 @@ def _in_visit_order(kernel: Kernel, key_ctas: int, device) -> bool:
     return key_ctas <= sm_count(device.index)
 
 
+def fuses_convert(kernel: Kernel, layout: _Layout, seqlen_q: int) -> bool:
+    """Whether the main kernel converts dQ this call (`fused_convert on`, padded calls of at
+    most FUSED_CONVERT_MAX_QUERIES queries: emit.py says why), not convert_dq."""
+    bwd = kernel.backward
+    return bwd.fused_convert and not layout.cu_q and seqlen_q <= FUSED_CONVERT_MAX_QUERIES
+
+
+def dq_contributors(kernel: Kernel, seqlen_q: int, seqlen_k: int, m: int) -> int:
+    """The n-blocks that visit m-block m of a padded call: sm90_bwd_convert.cuh's
+    bwd_dq_contributors (tests/test_backward_fused_convert.py holds the two to bwd_block)."""
+    bwd, cfg = kernel.backward, kernel.config
+    n_blocks = -(-seqlen_k // bwd.block_n)
+    d = seqlen_k - seqlen_q
+    window = cfg.window
+    right = 0 if cfg.mask is Mask.CAUSAL else (window.right if window else None)
+    last = n_blocks - 1
+    if right is not None:
+        x = (m + 1) * bwd.block_m - 1 + d + right
+        last = -1 if x < 0 else min(x // bwd.block_n, n_blocks - 1)
+    first = 0
+    if window:
+        first_key = m * bwd.block_m + d - window.left
+        first = first_key // bwd.block_n if first_key > 0 else 0
+    return max(last - first + 1, 0)
+
+
+def keyless_queries(kernel: Kernel, seqlen_q: int, seqlen_k: int) -> int:
+    """`fused_convert on`: the leading queries in m-blocks that no n-block visits (a right
+    edge left of every key: causal or a window with seqlen_q > seqlen_k), whose dQ rows no
+    CTA converts, so the host zeroes them; only leading m-blocks can be such (a query i < seqlen_q
+    sees key i + d - left < seqlen_k, so a later m-block has a key if an earlier one has)."""
+    m_blocks = -(-seqlen_q // kernel.backward.block_m)
+    m = 0
+    while m < m_blocks and dq_contributors(kernel, seqlen_q, seqlen_k, m) == 0:
+        m += 1
+    return min(m * kernel.backward.block_m, seqlen_q)
+
+
 def main_grid(bwd, key_ctas: int, heads_q: int, batch: int, device) -> tuple[int, int, int]:
     """The main kernel's grid: a CTA per (n-block, head, batch) tile, or with `scheduler
     persistent` min(tiles, SMs) CTAs (one CTA fits an SM: __launch_bounds__(threads, 1) and
@@ -286,11 +335,13 @@ def _launch_all(
     lse_log2 = torch.empty((batch, heads_q, rows), **f32)
     dpsum = torch.empty((batch, heads_q, rows), **f32)
     dq_accum = torch.empty((batch, heads_q, rows * head_dim), **f32)
-    # `deterministic on`: one int per (batch, head, m-block, share), zeroed by the preprocess
+    # `deterministic on`: one int per (batch, head, m-block, share), zeroed by the preprocess;
+    # `fused_convert on` counts each m-block's n-blocks done in share 0's
+    fused = fuses_convert(kernel, layout, seqlen_q)
     shares = dq_semaphores(bwd, head_dim)
     semaphore = (
         torch.empty((batch, heads_q, m_blocks, shares), device=device, dtype=torch.int32)
-        if bwd.deterministic
+        if bwd.deterministic or fused
         else None
     )
     semaphore_ptr = 0 if semaphore is None else semaphore.data_ptr()
@@ -373,9 +424,33 @@ def _launch_all(
     if kernel.config.modifiers is not None or bwd.persistent:
         extra = modifier_fields(inputs, batch, input_grads, learn_rows)
         main += bytes(MODIFIERS_OFFSET - len(main)) + extra
+    if fused:
+        main += bytes(FUSED_OFFSET - len(main)) + FUSED.pack(dq.data_ptr(), *_strides3(dq))
+        keyless = keyless_queries(kernel, seqlen_q, seqlen_k)
+        if keyless:  # rows no CTA converts (their gradient is 0)
+            dq[:, :keyless].zero_()
     main += bytes(MAIN_BYTES - len(main))
     grid = main_grid(bwd, layout.key_ctas, heads_q, batch, device)
     launch(KernelLaunch("", grid, (threads(kernel), 1, 1), main))
+    if not fused:
+        _launch_convert(
+            launch, layout, bwd, dq_accum, dq, seqlen_q, m_blocks, heads_q, batch, softmax_scale
+        )
+    if learn_rows is not None and seqlen_q > 0:  # after the main kernel: every row's sums
+        learn_ctas = -(-seqlen_q // LEARN_ROWS_PER_CTA)
+        grid = (learn_ctas, heads_q, batch)
+        launch(KernelLaunch(LEARN_SUFFIX, grid, (LEARN_ROWS_PER_CTA, 1, 1), main))
+    if dkv_store == DKV_STORE_PARTIAL:
+        shape = (batch, seqlen_k, heads_kv, group, head_dim)
+        dk = dk.view(shape).sum(dim=3)
+        dv = dv.view(shape).sum(dim=3)
+    return dq, dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _launch_convert(
+    launch, layout: _Layout, bwd, dq_accum, dq, seqlen_q, m_blocks, heads_q, batch, scale
+):
+    """convert_dq: dQ = the accumulator times softmax_scale in the input dtype."""
     launch(
         KernelLaunch(
             "_convert_dq",
@@ -388,18 +463,9 @@ def _launch_all(
                 seqlen_q,
                 m_blocks,
                 heads_q,
-                softmax_scale,
+                scale,
                 layout.cu_q,
                 layout.sequences,
             ),
         )
     )
-    if learn_rows is not None and seqlen_q > 0:  # after the main kernel: every row's sums
-        learn_ctas = -(-seqlen_q // LEARN_ROWS_PER_CTA)
-        grid = (learn_ctas, heads_q, batch)
-        launch(KernelLaunch(LEARN_SUFFIX, grid, (LEARN_ROWS_PER_CTA, 1, 1), main))
-    if dkv_store == DKV_STORE_PARTIAL:
-        shape = (batch, seqlen_k, heads_kv, group, head_dim)
-        dk = dk.view(shape).sum(dim=3)
-        dv = dv.view(shape).sum(dim=3)
-    return dq, dk.to(k.dtype), dv.to(v.dtype)

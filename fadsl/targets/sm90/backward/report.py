@@ -16,6 +16,7 @@ from ..caps import (
     register_pool,
     registers_asked,
 )
+from .emit import FUSED_CONVERT_MAX_QUERIES
 from .plan_smem import (
     do_stages,
     dq_by_keys,
@@ -206,6 +207,7 @@ def backward_data(kernel: Kernel) -> dict[str, Any]:
                 {"dq_lag": True} if bwd.dq_lag else {}
             ),  # (only where on: older JSON keeps its keys)
             **({"dq_first": True} if bwd.dq_first else {}),
+            **({"fused_convert": True} if bwd.fused_convert else {}),
             # (only where packed: the forward's sections name varlen the same way)
             **({"varlen": True} if kernel.config.features.varlen else {}),
             **({"ds_stmatrix": True} if bwd.ds_stmatrix else {}),  # (dS's path: stmatrix)
@@ -268,6 +270,12 @@ def backward_sections(data: Mapping[str, Any]) -> list[str]:
         + ("; dv_before_meeting on" if s["dv_before_meeting"] else "")
         + ("; dq_lag on (dQ one m-block behind: no meeting)" if s.get("dq_lag") else "")
         + ("; dq_first on (that dQ issued before dV)" if s.get("dq_first") else "")
+        + (
+            "; fused_convert on (dQ converted by the CTA that completes each m-block, no "
+            f"convert_dq up to {FUSED_CONVERT_MAX_QUERIES} queries)"
+            if s.get("fused_convert")
+            else ""
+        )
         + (
             "; longest_first on (by L2 sections, each section's n-block 0 first)"
             if s["longest_first"]

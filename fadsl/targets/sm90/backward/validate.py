@@ -23,6 +23,8 @@ What the first backward kernel supports (docs/backward.md, FlashAttention-3's ba
   red.add only, not with `deterministic`, `early_dv`, `dv_before_meeting` or `dq_writer on`,
   head_dim 256, dQ split by keys or score and keep modifiers; `dq_first on` (that dQ issued
   before dV) with it only;
+- `fused_convert on` (dQ converted by the main kernel's CTA that completes each m-block) with
+  dQ by red.add only, not with `deterministic on`, `varlen on` or a keep modifier;
 - `scheduler persistent` (a CTA per SM looping over the tiles) not with `deterministic on`,
   `dq_writer on`, `varlen on`, head_dim 256 or score and keep modifiers (the first version's
   loop carries no state of theirs across tiles);
@@ -43,7 +45,7 @@ from __future__ import annotations
 
 from ....spec.checks import BackwardBlock, Checks, and_list
 from ....ir import Backward, BackwardTensor, Dtype, GradRole, Hop, Mask, Role
-from ....spec.syntax import PathDecl
+from ....spec.syntax import ExprLine, PathDecl
 from ..caps import (
     CAPABILITIES,
     REGISTER_UNIT,
@@ -173,6 +175,7 @@ def validate_backward(c: Checks, block: BackwardBlock) -> Backward | None:
         longest_first=block.values.get("longest_first", False),
         dq_writer=block.values.get("dq_writer", False),
         persistent=block.values.get("scheduler", False),
+        fused_convert=block.values.get("fused_convert", False),
         dq_red=_takes(tensors, GradRole.DQ, DQ_RED),
         ds_stmatrix=other_path(GradRole.DS, tile["B_r"], head_dim) is not None
         and _takes(tensors, GradRole.DS, DS_STMATRIX),
@@ -203,6 +206,8 @@ def validate_backward(c: Checks, block: BackwardBlock) -> Backward | None:
             "`dq_lag on`",
         )
         ok = False
+    if backward.fused_convert:
+        ok = _fused_convert(c, block, backward) and ok
     if ok and head_dim in HEAD_DIMS:
         ok = _smem(block, backward, head_dim)
     return backward if ok else None
@@ -263,6 +268,29 @@ def _dq_lag(c: Checks, block: BackwardBlock, backward: Backward, head_dim: int |
     block.checks.error(
         block.key_locs["dq_lag"],
         "dq_lag on (dQ one m-block behind, so that the consumers never meet) is not built "
+        "with " + and_list(why) + ": leave it off",
+    )
+    return False
+
+
+def _fused_convert(c: Checks, block: BackwardBlock, backward: Backward) -> bool:
+    """`fused_convert on`: each (batch, head, m-block)'s counter completes when every n-block
+    that visits it has counted itself done (sm90_bwd_convert.cuh); what would break that
+    count, or the counter array it shares with the ordered adds, is refused here."""
+    why = []
+    if not backward.dq_red:
+        why.append(f"dQ staged (the count follows adds from registers: {DQ_RED.text()})")
+    if backward.deterministic:
+        why.append("deterministic on (its tickets use the counters)")
+    if c.values.get("varlen"):
+        why.append("varlen on (an m-block's n-blocks are its sequence's: not built)")
+    if any(isinstance(line, ExprLine) and line.keyword.text == "keep" for line in c.decl.modifiers):
+        why.append("a keep modifier (its trimmed ranges are not in the count)")
+    if not why:
+        return True
+    block.checks.error(
+        block.key_locs["fused_convert"],
+        "fused_convert on (dQ converted by the CTA that completes each m-block) is not built "
         "with " + and_list(why) + ": leave it off",
     )
     return False
