@@ -79,15 +79,63 @@ void run(const char* name) {{
         printf("%s %d %d %d %d %d\n", name, sq, sk, m, visits[m], bwd_dq_contributors<Cfg>(any, m));
     }}
 }}
+template <class Cfg>
+void run_varlen(const char* name) {{
+  // packed sequences (q lengths, k lengths): empty ones, queries before every key, odd lengths
+  const std::vector<std::vector<int>> packings[] = {{
+      {{{{5, 0, 300, 1, 129, 700}}, {{5, 7, 100, 0, 333, 65}}}},
+      {{{{81, 80, 79, 160}}, {{200, 1, 79, 1000}}}},
+  }};
+  for (const auto& packing : packings) {{
+    std::vector<int> cu_q{{0}}, cu_k{{0}};
+    for (size_t s = 0; s < packing[0].size(); ++s) {{
+      cu_q.push_back(cu_q.back() + packing[0][s]);
+      cu_k.push_back(cu_k.back() + packing[1][s]);
+    }}
+    BwdParamsSm90 P{{}};
+    P.sequences = static_cast<int>(packing[0].size());
+    P.cu_seqlens_q = cu_q.data();
+    P.cu_seqlens_k = cu_k.data();
+    P.seqlen_q = cu_q.back();
+    P.seqlen_k = cu_k.back();
+    P.group = 1;
+    const int chunks = (P.seqlen_q + P.sequences * Cfg::kBlockM) / Cfg::kBlockM + 1;
+    const int slots = (P.seqlen_k + Cfg::kBlockN - 1) / Cfg::kBlockN + P.sequences;
+    std::vector<int> visits(chunks, 0);
+    for (int x = 0; x < slots; ++x) {{
+      const BwdBlock b = bwd_block_at<Cfg>(P, x, 0, 0, slots, 1, 1);
+      for (int i = 0; i < b.m_count; ++i) ++visits[b.chunk0 + b.m_begin + i];
+    }}
+    for (int chunk = 0; chunk < chunks; ++chunk) {{
+      // the chunk's sequence and m-block, as bwd_keyless_chunk finds them
+      const int s = bwd_varlen_sequence(cu_q.data(), P.sequences, Cfg::kBlockM, chunk);
+      const BwdQueryRows rows = bwd_query_rows<Cfg>(cu_q.data(), P.sequences, P.seqlen_q, chunk);
+      if (!bwd_chunk_holds_query<Cfg>(rows, chunk)) continue;
+      BwdBlock b{{}};
+      b.seqlen_q = cu_q[s + 1] - cu_q[s];
+      b.seqlen_k = cu_k[s + 1] - cu_k[s];
+      const int m = chunk - bwd_first_slot(cu_q.data(), s, Cfg::kBlockM);
+      printf("%s %d %d %d %d %d\n", name, P.seqlen_q, P.seqlen_k, chunk, visits[chunk],
+             bwd_dq_contributors<Cfg>(b, m));
+    }}
+  }}
+}}
 int main() {{
 {runs}
 }}
 """
 
 
-def _config(name, head_dim, block_m, causal, window) -> str:
+# `varlen on`: the chunks of packed sequences, each sequence's m-blocks from its first slot
+VARLEN_CONFIGS = [c for c in CONFIGS if c[0] in ("none80", "causal80", "causal128", "window64")]
+
+
+def _config(name, head_dim, block_m, causal, window, varlen=False) -> str:
     c = "true" if causal else "false"
+    name += "_varlen" if varlen else ""
     lines = [f"struct {name} : BwdConfig<__nv_bfloat16, {head_dim}, {block_m}, 128, 2, 2, {c}> {{"]
+    if varlen:
+        lines.append("  static constexpr bool kVarlen = true;")
     if window:
         lines.append(f"  static constexpr int kWindowLeft = {window[0]};")
         lines.append(f"  static constexpr int kWindowRight = {window[1]};")
@@ -102,8 +150,10 @@ def counts(tmp_path_factory):
     root = tmp_path_factory.mktemp("contributors")
     write_headers(root, "sm90")
     program = PROGRAM.format(
-        configs="\n".join(_config(*c) for c in CONFIGS),
-        runs="\n".join(f'  run<{c[0]}>("{c[0]}");' for c in CONFIGS),
+        configs="\n".join(_config(*c) for c in CONFIGS)
+        + "\n".join(_config(*c, varlen=True) for c in VARLEN_CONFIGS),
+        runs="\n".join(f'  run<{c[0]}>("{c[0]}");' for c in CONFIGS)
+        + "\n".join(f'  run_varlen<{c[0]}_varlen>("{c[0]}_varlen");' for c in VARLEN_CONFIGS),
     )
     (root / "count.cu").write_text(program)
     binary = root / "count"
@@ -135,7 +185,10 @@ def stand_in(name: str):
 
 
 def test_the_count_is_the_n_blocks_that_visit_the_m_block(counts):
-    assert {name for name, *_ in counts} == {c[0] for c in CONFIGS}
+    """Padded calls by (batch, head) m-block, packed ones by chunk (its sequence's m-block, as
+    the preprocess finds it to zero a keyless chunk's rows)."""
+    names = {c[0] for c in CONFIGS} | {f"{c[0]}_varlen" for c in VARLEN_CONFIGS}
+    assert {name for name, *_ in counts} == names
     wrong = [(key, got) for key, got in counts.items() if got[0] != got[1]]
     assert not wrong, wrong[:10]
     # the cases that matter occur: m-blocks no n-block visits, and partial ranges
@@ -144,9 +197,10 @@ def test_the_count_is_the_n_blocks_that_visit_the_m_block(counts):
 
 
 def test_the_hosts_count_and_keyless_rows_agree_with_the_header(counts):
-    for (name, sq, sk, m), (visits, _) in counts.items():
+    padded = {key: got for key, got in counts.items() if not key[0].endswith("_varlen")}
+    for (name, sq, sk, m), (visits, _) in padded.items():
         assert host.dq_contributors(stand_in(name), sq, sk, m) == visits, (name, sq, sk, m)
-    for name, sq, sk in {key[:3] for key in counts}:
+    for name, sq, sk in {key[:3] for key in padded}:
         kernel = stand_in(name)
         keyless = host.keyless_queries(kernel, sq, sk)
         block_m = kernel.backward.block_m
@@ -321,3 +375,33 @@ def test_bwd_finish_dq_makes_the_plans_calls_in_its_order():
     taken = {1} | {ids["kBarDQ"] + w for w in range(3)} | {ids["kBarDqFull"] + w for w in range(3)}
     taken |= {ids["kBarDqEmpty"] + w for w in range(3)}
     assert ids["kBarFinish"] not in taken and 0 < ids["kBarFinish"] < 16
+
+
+def test_packed_calls_always_convert_in_the_main_kernel(monkeypatch):
+    """With packed sequences the host knows no sequence's length: the main kernel converts
+    whatever the tokens (here past the padded threshold), and the preprocess zeroes the
+    keyless chunks' rows (bwd_keyless_chunk), so the host zeroes none."""
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(host, "tensor_map", lambda *args: bytes(128))
+
+    def no_host_zeroing(*args):
+        raise AssertionError("the host zeroes rows of a packed call")
+
+    monkeypatch.setattr(host, "keyless_queries", no_host_zeroing)
+    text = (EXAMPLES / "serving" / "fa3_varlen_causal.fa").read_text()
+    kernel = compile_source(
+        text.replace("backward {", "backward {\n    fused_convert on", 1), FILE
+    ).kernel
+    tokens = FUSED_CONVERT_MAX_QUERIES + 100
+    q = torch.zeros(tokens, 4, 128, dtype=torch.bfloat16)
+    k = torch.zeros(300, 2, 128, dtype=torch.bfloat16)
+    cu_q = torch.tensor([0, tokens - 50, tokens], dtype=torch.int32)
+    cu_k = torch.tensor([0, 100, 300], dtype=torch.int32)
+    lse = torch.zeros(4, tokens)
+    seen = []
+    dq, _, _ = host.run_varlen(
+        kernel, seen.append, q, k, k.clone(), q.clone(), lse, q.clone(), None, cu_q, cu_k, 0.1
+    )
+    assert [l.suffix for l in seen] == ["_preprocess", ""]
+    pointer, *strides = host.FUSED.unpack_from(seen[1].params, host.FUSED_OFFSET)
+    assert pointer == dq.data_ptr() and strides[1] == dq.stride(0)

@@ -423,3 +423,28 @@ def test_malformed_cu_seqlens_give_the_same_gradients_whatever_memory_held():
     for first, second, what in zip(*runs, ("dq", "dk", "dv")):
         assert torch.equal(first.isnan(), second.isnan()), what
         assert torch.equal(first.nan_to_num(), second.nan_to_num()), what
+
+
+# `fused_convert on` with packed sequences: each sequence's m-blocks counted and converted by
+# its last CTA, its keyless chunks (causal, queries before every key) zeroed by the preprocess
+FUSED_CASES = {
+    "fa3_varlen_causal+fused_convert": ("one", "no_query_first", "no_key_second_causal", "odd_causal", "mixed_causal", "unequal_causal"),
+    "fa3_varlen_hdim64+fused_convert": ("one_d64", "no_key_second", "odd_d64", "mixed_d64", "short300_d128"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "name, case", [(name, case) for name, cases in FUSED_CASES.items() for case in cases]
+)
+def test_fused_convert_gradients_per_sequence(name, case):
+    lengths_q, lengths_k, _, _, _, _, hq, hkv, dtype = CASES[case]
+    kern = spec(name)
+    d, causal = kern.config.head_dim, kern.config.mask.value == "causal"
+    q, k, v, dout, cu_q, cu_k = packed(lengths_q, lengths_k, hq, hkv, d, DTYPES[dtype], seed=17)
+    poison_allocator(4 * max(q.numel(), k.numel()) * 8)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = kern.varlen(*leaves, cu_q, cu_k)
+    out.backward(dout)
+    assert out.isfinite().all()
+    ours = [t.grad for t in leaves]
+    check_sequences(ours, q, k, v, dout, cu_q, cu_k, d**-0.5, causal, None, 0)

@@ -603,6 +603,23 @@ __host__ __device__ __forceinline__ int bwd_n_blocks(const BwdBlock& b) {
   return (b.seqlen_k + Cfg::kBlockN - 1) / Cfg::kBlockN;
 }
 
+// The n-blocks that visit m-block m of block b's (batch, head): from the first whose keys m
+// sees (bwd_first_n_block: 0 without a window) to the last, the largest n whose first key is
+// within the right edge of m's last query, (m + 1) B_r - 1 + d + right (bwd_block's m_begin
+// says n visits m iff n B_c - d - right < (m + 1) B_r); every n-block without a right edge.
+// Without a window's left edge every m-block below P.m_blocks is in range of each n-block.
+// (`fused_convert on`: the count that completes m-block m, fadsl/sm90_bwd_convert.cuh.)
+template <class Cfg>
+__host__ __device__ __forceinline__ int bwd_dq_contributors(const BwdBlock& b, int m) {
+  const int n_blocks = bwd_n_blocks<Cfg>(b);
+  int last = n_blocks - 1;
+  if constexpr (bwd_has_right_edge<Cfg>()) {
+    const int x = (m + 1) * Cfg::kBlockM - 1 + (b.seqlen_k - b.seqlen_q) + bwd_right_edge<Cfg>();
+    last = x < 0 ? -1 : imin(x / Cfg::kBlockN, n_blocks - 1);
+  }
+  return imax(last - bwd_first_n_block<Cfg>(b, m) + 1, 0);
+}
+
 // Without a mask, in visit order, of n_blocks n-blocks over m_count m-blocks (every n-block
 // visits every one): n-block n's first m-block, n m_count / n_blocks, and how many n-blocks
 // start at or before m-block x (n m_count / n_blocks <= x iff n < (x + 1) n_blocks / m_count).

@@ -14,26 +14,11 @@
 // passes that on to the warp's lanes, which then convert the m-block (bwd_convert_m_block,
 // reading through L2).  An m-block that no n-block visits (causal, or a window, where some
 // queries see no key) has no counter that completes: the host zeroes those rows of dQ
-// (fadsl/targets/sm90/backward/host.py).
+// (fadsl/targets/sm90/backward/host.py), or with `varlen on`, where the host does not know
+// the sequences, the preprocess (bwd_preprocess_row).
 #pragma once
 
 namespace fadsl::sm90 {
-
-// The n-blocks that visit m-block m of block b's (batch, head): from the first whose keys m
-// sees (bwd_first_n_block: 0 without a window) to the last, the largest n whose first key is
-// within the right edge of m's last query, (m + 1) B_r - 1 + d + right (bwd_block's m_begin
-// says n visits m iff n B_c - d - right < (m + 1) B_r); every n-block without a right edge.
-// Without a window's left edge every m-block below P.m_blocks is in range of each n-block.
-template <class Cfg>
-__host__ __device__ __forceinline__ int bwd_dq_contributors(const BwdBlock& b, int m) {
-  const int n_blocks = bwd_n_blocks<Cfg>(b);
-  int last = n_blocks - 1;
-  if constexpr (bwd_has_right_edge<Cfg>()) {
-    const int x = (m + 1) * Cfg::kBlockM - 1 + (b.seqlen_k - b.seqlen_q) + bwd_right_edge<Cfg>();
-    last = x < 0 ? -1 : imin(x / Cfg::kBlockN, n_blocks - 1);
-  }
-  return imax(last - bwd_first_n_block<Cfg>(b, m) + 1, 0);
-}
 
 // The convert kernel's view of the main kernel's params (P.dq set: `fused_convert on`).
 __device__ __forceinline__ BwdConvertParams bwd_convert_view(const BwdParamsSm90& P) {
@@ -62,7 +47,10 @@ __device__ __forceinline__ void bwd_finish_dq(const BwdParamsSm90& P, const BwdB
     named_bar_sync(Cfg::kBarFinish, Cfg::kConsumerThreads);  // every consumer thread's fence before any count
     constexpr int kWarps = Cfg::kConsumerThreads / 32;
     const int thread = threadIdx.x - 128, warp = thread / 32, lane = thread % 32;
-    int* counts = P.dq_semaphore + (static_cast<int64_t>(b.batch) * P.heads_q + b.head) * P.m_blocks * Cfg::kDqSemaphores;
+    // the block's first m-block among the counters and the accumulator's (varlen: its sequence's first chunk)
+    const int64_t accum_head = bwd_accum_head<Cfg>(P, b);
+    const int chunk0 = static_cast<int>(accum_head % P.m_blocks);
+    int* counts = P.dq_semaphore + accum_head * Cfg::kDqSemaphores;
     const BwdConvertParams view = bwd_convert_view(P);
     for (int first = 0; first < b.m_count; first += Cfg::kConsumerThreads) {
       const int i = first + lane * kWarps + warp;  // the CTA's i-th m-block: consecutive ones on consecutive warps
@@ -79,7 +67,7 @@ __device__ __forceinline__ void bwd_finish_dq(const BwdParamsSm90& P, const BwdB
         const int lane_of = __ffs(owned) - 1;
         owned &= owned - 1u;
         const int m = bwd_m_block<Cfg>(P, b, first + lane_of * kWarps + warp);
-        bwd_convert_m_block<Cfg>(view, b.head, b.batch, m, lane);
+        bwd_convert_m_block<Cfg>(view, b.head, b.batch, chunk0 + m, lane);
       }
     }
   }

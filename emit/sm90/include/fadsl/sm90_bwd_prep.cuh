@@ -53,6 +53,19 @@ __device__ __forceinline__ void bwd_zero_outside(const BwdPrepParams& P) {
   zero_outside(P.dv, P.cu_seqlens_k, P.sequences, P.tokens_k, P.k_row_bytes, valid);
 }
 
+// `fused_convert on` with `varlen on`: whether padded chunk `chunk` of a sequence is an m-block
+// that no n-block of the sequence visits (causal or a window, its queries before every key),
+// so that no CTA converts it (fadsl/sm90_bwd_convert.cuh); the host zeroes such rows of padded
+// calls.  (A malformed sequence's rows are none of the preprocess's `real` ones.)
+template <class Cfg>
+__device__ __forceinline__ bool bwd_keyless_chunk(const BwdPrepParams& P, int chunk) {
+  const int s = bwd_varlen_sequence(P.cu_seqlens_q, P.sequences, Cfg::kBlockM, chunk);
+  BwdBlock b{};
+  b.seqlen_q = P.cu_seqlens_q[s + 1] - P.cu_seqlens_q[s];
+  b.seqlen_k = P.cu_seqlens_k[s + 1] - P.cu_seqlens_k[s];
+  return bwd_dq_contributors<Cfg>(b, chunk - bwd_first_slot(P.cu_seqlens_q, s, Cfg::kBlockM)) == 0;
+}
+
 // The preprocess: 8 elements of a row per thread (one 16-byte load of O and one of dO), so
 // head_dim / 8 threads per row and 256 * 8 / head_dim rows per CTA (the host's grid:
 // fadsl/targets/sm90/backward/host.py prep_rows_per_cta); the row's threads are adjacent
@@ -84,6 +97,12 @@ __device__ __forceinline__ void bwd_preprocess_row(const BwdPrepParams& P) {
     for (int e = 0; e < 4; ++e) {
       const float2 a = unpack_f32x2<T>(os[e]), b = unpack_f32x2<T>(gs[e]);
       d = fmaf(a.x, b.x, fmaf(a.y, b.y, d));
+    }
+  }
+  if constexpr (Cfg::kFusedConvert && Cfg::kVarlen) {
+    if (real && bwd_keyless_chunk<Cfg>(P, chunk)) {  // no CTA converts this row: its dQ is 0
+      uint8_t* row_bytes = static_cast<uint8_t*>(P.dq) + static_cast<int64_t>(query) * P.q_row_bytes;
+      *reinterpret_cast<uint4*>(row_bytes + (head * Cfg::kHeadDim + 8 * part) * sizeof(T)) = make_uint4(0u, 0u, 0u, 0u);
     }
   }
   // every lane of the warp takes part (rows past the end add zeros)

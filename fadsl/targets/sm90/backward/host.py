@@ -235,10 +235,11 @@ def _in_visit_order(kernel: Kernel, key_ctas: int, device) -> bool:
 
 
 def fuses_convert(kernel: Kernel, layout: _Layout, seqlen_q: int) -> bool:
-    """Whether the main kernel converts dQ this call (`fused_convert on`, padded calls of at
-    most FUSED_CONVERT_MAX_QUERIES queries: emit.py says why), not convert_dq."""
+    """Whether the main kernel converts dQ this call (`fused_convert on`), not convert_dq:
+    padded calls of at most FUSED_CONVERT_MAX_QUERIES queries (emit.py says why), and packed
+    ones always (their lengths are on the device; packed sequences are mostly short)."""
     bwd = kernel.backward
-    return bwd.fused_convert and not layout.cu_q and seqlen_q <= FUSED_CONVERT_MAX_QUERIES
+    return bwd.fused_convert and (bool(layout.cu_q) or seqlen_q <= FUSED_CONVERT_MAX_QUERIES)
 
 
 def dq_contributors(kernel: Kernel, seqlen_q: int, seqlen_k: int, m: int) -> int:
@@ -426,8 +427,9 @@ def _launch_all(
         main += bytes(MODIFIERS_OFFSET - len(main)) + extra
     if fused:
         main += bytes(FUSED_OFFSET - len(main)) + FUSED.pack(dq.data_ptr(), *_strides3(dq))
-        keyless = keyless_queries(kernel, seqlen_q, seqlen_k)
-        if keyless:  # rows no CTA converts (their gradient is 0)
+        # rows no CTA converts (their gradient is 0; packed: the preprocess zeroes them)
+        keyless = 0 if layout.cu_q else keyless_queries(kernel, seqlen_q, seqlen_k)
+        if keyless:
             dq[:, :keyless].zero_()
     main += bytes(MAIN_BYTES - len(main))
     grid = main_grid(bwd, layout.key_ctas, heads_q, batch, device)

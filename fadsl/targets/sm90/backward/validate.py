@@ -24,7 +24,7 @@ What the first backward kernel supports (docs/backward.md, FlashAttention-3's ba
   head_dim 256, dQ split by keys or score and keep modifiers; `dq_first on` (that dQ issued
   before dV) with it only;
 - `fused_convert on` (dQ converted by the main kernel's CTA that completes each m-block) with
-  dQ by red.add only, not with `deterministic on`, `varlen on` or a keep modifier;
+  dQ by red.add only, not with `deterministic on` or a keep modifier;
 - `scheduler persistent` (a CTA per SM looping over the tiles) not with `deterministic on`,
   `dq_writer on`, `varlen on`, head_dim 256 or score and keep modifiers (the first version's
   loop carries no state of theirs across tiles);
@@ -282,8 +282,6 @@ def _fused_convert(c: Checks, block: BackwardBlock, backward: Backward) -> bool:
         why.append(f"dQ staged (the count follows adds from registers: {DQ_RED.text()})")
     if backward.deterministic:
         why.append("deterministic on (its tickets use the counters)")
-    if c.values.get("varlen"):
-        why.append("varlen on (an m-block's n-blocks are its sequence's: not built)")
     if any(isinstance(line, ExprLine) and line.keyword.text == "keep" for line in c.decl.modifiers):
         why.append("a keep modifier (its trimmed ranges are not in the count)")
     if not why:
