@@ -12,12 +12,19 @@ import torch
 
 sys.path.insert(0, "tests")
 import test_gpu_backward_variants as windowed  # noqa: E402
-from test_gpu_backward import FORWARDS, FORWARDS_256, PLAIN, VARIANTS, kernel  # noqa: E402
+from test_gpu_backward import (
+    FORWARDS,
+    FORWARDS_256,
+    FUSED_256,
+    PLAIN,
+    VARIANTS,
+    kernel,
+)  # noqa: E402
 
 ONLY = re.compile(sys.argv[1] if len(sys.argv) > 1 else "")
 NAMES = FORWARDS + PLAIN + VARIANTS + ("fa3_hopper+deterministic-dqred+s2",)
 NAMES += ("fa3_hopper+deterministic+dq_writer-dqred+s2",)  # the writer warps' ordered adds
-NAMES += FORWARDS_256  # head_dim 256: the consumers split head_dim
+NAMES += FORWARDS_256 + FUSED_256  # head_dim 256: the consumers split head_dim
 NAMES += tuple(windowed.VARIANTS) + tuple(windowed.DETERMINISTIC)  # windows and softcap
 for name in NAMES:
     if not ONLY.search(name):

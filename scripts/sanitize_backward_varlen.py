@@ -23,6 +23,16 @@ CASES = {
     "causal_softcap30_hd128": (128, True, (-1, -1), 30, 4, 4),
     "gqa4_causal_hd128": (128, True, (-1, -1), 0, 8, 2),
 }
+# `fused_convert on` (dQ converted by each sequence's last CTA, keyless chunks zeroed by the
+# preprocess): the serving specs with the knob, loaded when their case runs
+FUSED_SPECS = {"fused_causal_hd128": "fa3_varlen_causal", "fused_none_hd64": "fa3_varlen_hdim64"}
+CASES["fused_causal_hd128"] = (128, True, (-1, -1), 0, 8, 2)
+CASES["fused_none_hd64"] = (64, False, (-1, -1), 0, 4, 4)
+FUSED = {}
+for case, spec in FUSED_SPECS.items():
+    if ONLY.search(case):
+        text = open(f"examples/serving/{spec}.fa").read()
+        FUSED[case] = fadsl.load(text.replace("backward {", "backward {\n    fused_convert on", 1))
 cu = [0, *torch.tensor(LENGTHS).cumsum(0).tolist()]
 # (rows of q, rows of k, cu_seqlens_q, cu_seqlens_k) of each case's batches: the lengths
 # above; then unequal q and k with rows outside every sequence (slots and chunks before the
@@ -45,9 +55,17 @@ for name, (d, causal, window_size, softcap, hq, hkv) in CASES.items():
         )
         k, v = (torch.randn(rows_k, hkv, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
         leaves = [t.requires_grad_() for t in (q, k, v)]
-        out = fadsl.attention_varlen(
-            *leaves, cu_q, cu_k, causal=causal, window_size=window_size, softcap=softcap
-        )
+        if name in FUSED:  # a loaded serving spec with `fused_convert on`
+            try:
+                out = FUSED[name].varlen(*leaves, cu_q, cu_k)
+            except (ValueError, RuntimeError) as error:  # malformed cu_seqlens refused up front
+                assert "cu_seqlens" in str(error), error
+                print(name, starts_q, "refused:", error)
+                continue
+        else:
+            out = fadsl.attention_varlen(
+                *leaves, cu_q, cu_k, causal=causal, window_size=window_size, softcap=softcap
+            )
         out.backward(dout)
         torch.cuda.synchronize()
         sums = [float(t.grad.float().abs().sum()) for t in leaves]

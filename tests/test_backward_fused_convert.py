@@ -24,21 +24,24 @@ from types import SimpleNamespace
 import pytest
 
 from conftest import ROOT
+from fadsl.build.nvrtc import compile_cubin
 from fadsl.build.spill_check import check_registers, find_compiler
-from fadsl.codegen.render import write_headers
+from fadsl.codegen.render import render_backward, write_headers
 from fadsl.errors import SpecError
 from fadsl.ir import Mask, Window
 from fadsl.ir.backward import read_backward
 from fadsl.pipeline import compile_source
+from fadsl.targets import target_of
 from fadsl.targets.sm90.backward import host
 from fadsl.targets.sm90.backward.emit import FUSED_CONVERT_MAX_QUERIES
 from fadsl.targets.sm90.backward.finish import finish_plan
 from fadsl.targets.sm90.backward.verify_finish import finish_problems
+from fadsl.tools.sass import disassemble, nvdisasm
 
 FILE = "t.fa"
 EXAMPLES = ROOT / "examples"
 
-# name, head_dim, B_r, causal, window (left, right) or None
+# name, head_dim, B_r, causal, window (left, right) or None, B_c (128 unless head_dim 256's)
 CONFIGS = [
     ("none80", 128, 80, False, None),
     ("causal80", 128, 80, True, None),
@@ -47,6 +50,9 @@ CONFIGS = [
     ("window80", 128, 80, False, (100, 30)),
     ("window64", 128, 64, False, (0, 0)),
     ("causalwindow128", 64, 128, True, (200, 0)),
+    ("causal256", 256, 64, True, None, 80),
+    ("window256", 256, 64, False, (70, 10), 64),
+    ("none256", 256, 64, False, None, 64),
 ]
 
 PROGRAM = r"""
@@ -130,10 +136,13 @@ int main() {{
 VARLEN_CONFIGS = [c for c in CONFIGS if c[0] in ("none80", "causal80", "causal128", "window64")]
 
 
-def _config(name, head_dim, block_m, causal, window, varlen=False) -> str:
+def _config(name, head_dim, block_m, causal, window, block_n=128, varlen=False) -> str:
     c = "true" if causal else "false"
     name += "_varlen" if varlen else ""
-    lines = [f"struct {name} : BwdConfig<__nv_bfloat16, {head_dim}, {block_m}, 128, 2, 2, {c}> {{"]
+    # (head_dim 256: dQ by red.add, the split consumers' static_assert)
+    red = ", false, false, false, true" if head_dim == 256 else ""
+    base = f"BwdConfig<__nv_bfloat16, {head_dim}, {block_m}, {block_n}, 2, 2, {c}{red}>"
+    lines = [f"struct {name} : {base} {{"]
     if varlen:
         lines.append("  static constexpr bool kVarlen = true;")
     if window:
@@ -173,9 +182,9 @@ def counts(tmp_path_factory):
 
 def stand_in(name: str):
     """What host.dq_contributors reads of a kernel, for one of CONFIGS."""
-    _, head_dim, block_m, causal, window = next(c for c in CONFIGS if c[0] == name)
+    _, head_dim, block_m, causal, window, *block_n = next(c for c in CONFIGS if c[0] == name)
     return SimpleNamespace(
-        backward=SimpleNamespace(block_m=block_m, block_n=128),
+        backward=SimpleNamespace(block_m=block_m, block_n=block_n[0] if block_n else 128),
         config=SimpleNamespace(
             mask=Mask.CAUSAL if causal else Mask.NONE,
             window=Window(*window) if window else None,
@@ -193,7 +202,7 @@ def test_the_count_is_the_n_blocks_that_visit_the_m_block(counts):
     assert not wrong, wrong[:10]
     # the cases that matter occur: m-blocks no n-block visits, and partial ranges
     assert any(v == 0 for v, _ in counts.values())
-    assert any(0 < v < -(-key[2] // 128) for key, (v, _) in counts.items())
+    assert any(0 < v < -(-key[2] // 128) for key, (v, _) in counts.items() if "256" not in key[0])
 
 
 def test_the_hosts_count_and_keyless_rows_agree_with_the_header(counts):
@@ -289,6 +298,8 @@ def launches(monkeypatch, example: str, seqlen_q: int, seqlen_k: int):
     and pointers; the tensor maps, which need a driver, are stood in for)."""
     torch = pytest.importorskip("torch")
     monkeypatch.setattr(host, "tensor_map", lambda *args: bytes(128))
+    empty_like = torch.empty_like  # (the gradients NaN until written: what the host zeroes shows)
+    monkeypatch.setattr(torch, "empty_like", lambda t: empty_like(t).fill_(float("nan")))
     kernel = compile_source(fused(example), FILE).kernel
     d = kernel.config.head_dim
     q = torch.zeros(2, seqlen_q, 4, d, dtype=torch.bfloat16)
@@ -303,6 +314,7 @@ def launches(monkeypatch, example: str, seqlen_q: int, seqlen_k: int):
 def test_the_main_kernel_converts_up_to_the_threshold(monkeypatch):
     kernel, seen, dq = launches(monkeypatch, "fa3_hopper", 1000, 700)
     assert [l.suffix for l in seen] == ["_preprocess", ""]
+    assert dq.isnan().all()  # (no mask: every row is some CTA's to convert)
     params = seen[1].params
     assert len(params) == host.MAIN_BYTES
     pointer, *strides = host.FUSED.unpack_from(params, host.FUSED_OFFSET)
@@ -322,7 +334,7 @@ def test_rows_no_cta_converts_are_zeroed_by_the_host(monkeypatch):
     # queries below 667 see no key; m-blocks 0..7 (80 rows) hold only such, m-block 8 some
     # with keys, so its other rows are converted from their zero sums
     assert keyless == 640
-    assert (dq[:, :keyless] == 0).all()
+    assert (dq[:, :keyless] == 0).all() and dq[:, keyless:].isnan().all()
     assert [l.suffix for l in seen] == ["_preprocess", ""]
 
 
@@ -405,3 +417,39 @@ def test_packed_calls_always_convert_in_the_main_kernel(monkeypatch):
     assert [l.suffix for l in seen] == ["_preprocess", ""]
     pointer, *strides = host.FUSED.unpack_from(seen[1].params, host.FUSED_OFFSET)
     assert pointer == dq.data_ptr() and strides[1] == dq.stride(0)
+
+
+def test_the_fused_kernels_machine_code_keeps_the_plans_orders():
+    """What the plan's calls become in ptxas's SASS (NVRTC, fa3_hopper bf16), so that a wrapper
+    whose asm lost its ordering (a relaxed atomic, a load through L1) fails here: each
+    consumer thread's MEMBAR.GPU before the meeting on barrier 11 of 256 threads; after it the
+    count an atomic add at GPU scope between a MEMBAR.GPU (release) and an L1 invalidation
+    (acquire); every load after the meeting at GPU scope (L2), and no dQ add after it."""
+    compiler, name = find_compiler()
+    tool = nvdisasm()
+    if compiler is None or tool is None:
+        pytest.skip("needs NVRTC and nvdisasm")
+    compiled = compile_source(fused("fa3_hopper"), FILE)
+    source = next(s for s in render_backward(compiled.kernel, target_of(compiled.kernel), FILE)
+                  if s.kernel_name.endswith("bf16"))  # fmt: skip
+    cubin = compile_cubin(source.text, source.filename, source.kernel_name, "sm_90a", Path("/tmp"))
+    sass = disassemble(cubin.cubin, tool)
+    main = sass.split(".text." + source.kernel_name + ":")[1].split(".text.")[0]
+    code = [
+        line.split("*/", 1)[1].strip()
+        for line in main.splitlines()
+        if re.search(r"/\*[0-9a-f]{4}\*/", line)
+    ]
+    meeting = [i for i, c in enumerate(code) if re.match(r"BAR\.SYNC\S* 0xb, 0x100\b", c)]
+    assert len(meeting) == 1, meeting
+    at = meeting[0]
+    assert any("MEMBAR" in c and "GPU" in c for c in code[at - 8 : at]), code[at - 8 : at]
+    after = code[at + 1 :]
+    atomics = [i for i, c in enumerate(after) if c.startswith("ATOMG") and ".ADD" in c]
+    assert atomics and all("GPU" in after[i] for i in atomics), [after[i] for i in atomics]
+    count = atomics[0]
+    assert any("MEMBAR" in c and "GPU" in c for c in after[max(0, count - 4) : count])
+    assert any(c.startswith("CCTL.IVALL") for c in after[count + 1 : count + 4])
+    loads = [c for c in after if c.startswith("LDG")]
+    assert loads and all("STRONG.GPU" in c for c in loads), loads
+    assert not any(c.startswith("RED") for c in after)

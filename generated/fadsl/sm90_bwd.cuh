@@ -63,7 +63,8 @@ struct BwdParamsSm90 {
   float* dq_accum;        // (batch, heads_q, m_blocks, B_r x head_dim), fragment order
   void* dk;               // (batch, seqlen_k, heads, head_dim): T, or fp32 (dkv_store)
   void* dv;
-  int* dq_semaphore;  // `deterministic on`: per (batch, head, m-block, share), the reduce-adds done
+  int* dq_semaphore;  // `deterministic on`: per (batch, head, m-block, share), the reduce-adds done;
+                     // `fused_convert on`: share 0's, the n-blocks done (sm90_bwd_convert.cuh)
   int64_t dk_batch_stride, dk_row_stride, dk_head_stride;  // elements
   int64_t dv_batch_stride, dv_row_stride, dv_head_stride;
   int seqlen_q, seqlen_k, seqlen_q_rounded, m_blocks;
@@ -116,7 +117,7 @@ struct BwdPrepParams {
   float* lse_log2;
   float* dpsum;
   float* dq_accum;
-  int* dq_semaphore;  // zeroed here (null unless `deterministic on`)
+  int* dq_semaphore;  // zeroed here (null unless `deterministic on` or a fused conversion)
   int64_t o_batch_stride, o_row_stride, o_head_stride;  // elements
   int64_t do_batch_stride, do_row_stride, do_head_stride;
   int64_t lse_batch_stride, lse_head_stride;

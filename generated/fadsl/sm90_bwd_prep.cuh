@@ -191,49 +191,49 @@ __device__ __forceinline__ float4 load_dq_accum(const float* at) {
   return *reinterpret_cast<const float4*>(at);
 }
 
-// The (q-group pair, share, warp) of column unit `unit` (< bwd_dq_units): its 16 queries'
-// first q-group, its share and the share's warp j.
-struct BwdDqColumnUnit {
+// A unit's place: row order, q (its rows q and q + 8 of the m-block); column order, q (the
+// first of its two q-groups), the share and the share's warp j.
+struct BwdDqUnit {
   int q, share, j;
 };
+// The unit-th of an m-block's bwd_dq_units (`fused_convert on`: a warp takes them in turn).
 template <class Cfg>
-__device__ __forceinline__ BwdDqColumnUnit bwd_dq_column_unit(int unit) {
-  return {2 * (unit / (4 * (Cfg::kHeadDim / 64))), unit / 4 % (Cfg::kHeadDim / 64), unit % 4};
+__device__ __forceinline__ BwdDqUnit bwd_dq_unit(int unit) {
+  if constexpr (bwd_dq_by_columns<Cfg>()) {
+    return {2 * (unit / (4 * (Cfg::kHeadDim / 64))), unit / 4 % (Cfg::kHeadDim / 64), unit % 4};
+  }
+  return {16 * (unit / 8) + unit % 8, 0, 0};
 }
-// Row unit `unit`: the first of its two rows in the m-block (q % 16 < 8).
-__device__ __forceinline__ int bwd_dq_row_unit(int unit) { return 16 * (unit / 8) + unit % 8; }
 
 template <class Cfg, bool kL2 = false>
-__device__ __forceinline__ void bwd_dq_unit_load(const float* chunk, int unit, int lane,
+__device__ __forceinline__ void bwd_dq_unit_load(const float* chunk, const BwdDqUnit& at, int lane,
                                                  float4 (&v)[bwd_dq_unit_vectors<Cfg>()]) {
   if constexpr (bwd_dq_by_columns<Cfg>()) {
-    const BwdDqColumnUnit cu = bwd_dq_column_unit<Cfg>(unit);
-    const float* share = chunk + cu.share * Cfg::kDqFloats;
+    const float* share = chunk + at.share * Cfg::kDqFloats;
 #pragma unroll
-    for (int half = 0; half < 2; ++half) v[half] = load_dq_accum<kL2>(share + ((cu.q + half) * 128 + 32 * cu.j + lane) * 4);
+    for (int half = 0; half < 2; ++half) v[half] = load_dq_accum<kL2>(share + ((at.q + half) * 128 + 32 * at.j + lane) * 4);
   } else {
-    const int q = bwd_dq_row_unit(unit), u = q % 64;
+    const int u = at.q % 64;
 #pragma unroll
     for (int k = 0; k < Cfg::kHeadDim / 64; ++k) {
       const int col = 2 * lane + 64 * k;
-      const int share = Cfg::kDqByQueries ? q / 64 : col / Cfg::kDqCols, c = col % Cfg::kDqCols;
+      const int share = Cfg::kDqByQueries ? at.q / 64 : col / Cfg::kDqCols, c = col % Cfg::kDqCols;
       const int tid = 32 * (u / 16) + 4 * (u % 8) + (c % 8) / 2;
       v[k] = load_dq_accum<kL2>(chunk + share * Cfg::kDqFloats + ((c / 8) * 128 + tid) * 4);
     }
   }
 }
 
-// The unit's stores into dq (the (batch, head)'s base) of m-block m_block: dQ = the sums times
-// softmax_scale in T, rows that hold no query skipped.  Every lane of the warp calls it (the
-// column order's shuffles).
+// The unit's stores into dq (the (batch, head)'s base): dQ = the sums times softmax_scale in
+// T, rows that hold no query skipped; row0, the m-block's first padded row.  Every lane of the
+// warp calls it (the column order's shuffles).
 template <class Cfg>
 __device__ __forceinline__ void bwd_dq_unit_store(const BwdConvertParams& P, const BwdQueryRows& rows,
-                                                  typename Cfg::T* dq, int m_block, int unit, int lane,
+                                                  typename Cfg::T* dq, int row0, const BwdDqUnit& at, int lane,
                                                   const float4 (&v)[bwd_dq_unit_vectors<Cfg>()]) {
   if constexpr (bwd_dq_by_columns<Cfg>()) {
-    const BwdDqColumnUnit cu = bwd_dq_column_unit<Cfg>(unit);
     const bool odd = (lane / 4) % 2 == 1;  // column d odd: takes query u + 1
-    const int col = 64 * cu.share + 16 * cu.j + (lane / 4) - (odd ? 1 : 0);  // the pair's first column
+    const int col = 64 * at.share + 16 * at.j + (lane / 4) - (odd ? 1 : 0);  // the pair's first column
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       // even d sends its query u + 1 values (v.y, v.w), odd d its query u values (v.x, v.z)
@@ -241,7 +241,7 @@ __device__ __forceinline__ void bwd_dq_unit_store(const BwdConvertParams& P, con
       const float got1 = __shfl_xor_sync(0xffffffffu, odd ? v[half].z : v[half].w, 4);
       const float2 lo = odd ? make_float2(got0, v[half].y) : make_float2(v[half].x, got0);  // columns col, col + 1
       const float2 hi = odd ? make_float2(got1, v[half].w) : make_float2(v[half].z, got1);  // columns col + 8, col + 9
-      const int row = m_block * Cfg::kBlockM + 8 * (cu.q + half) + 2 * (lane % 4) + (odd ? 1 : 0);
+      const int row = row0 + 8 * (at.q + half) + 2 * (lane % 4) + (odd ? 1 : 0);
       if (bwd_holds_query<Cfg>(rows, P.seqlen_q, row)) {
         typename Cfg::T* out = dq + bwd_query_of<Cfg>(rows, row) * P.dq_row_stride + col;
         *reinterpret_cast<uint32_t*>(out) = pack_f32x2<typename Cfg::T>(lo.x * P.softmax_scale, lo.y * P.softmax_scale);
@@ -250,7 +250,7 @@ __device__ __forceinline__ void bwd_dq_unit_store(const BwdConvertParams& P, con
       }
     }
   } else {
-    const int row = m_block * Cfg::kBlockM + bwd_dq_row_unit(unit);
+    const int row = row0 + at.q;
 #pragma unroll
     for (int k = 0; k < Cfg::kHeadDim / 64; ++k) {
       const int col = 2 * lane + 64 * k;
@@ -278,30 +278,41 @@ __device__ __forceinline__ typename Cfg::T* bwd_dq_head(const BwdConvertParams& 
 }
 
 // The convert_dq kernel: a CTA per 16 rows of an m-block (the host's grid: m_blocks B_r / 16
-// CTAs per (head, batch)), 8 warps: row order, warp w the pair (w, w + 8); column order, warp
-// w of warpgroup g the units of shares g + 2 r (r < head_dim / 128), as its j = w % 4.
-template <class Cfg>
-__device__ __forceinline__ void bwd_convert_dq_row(const BwdConvertParams& P) {
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, head = blockIdx.y, batch = blockIdx.z;
-  const int row0 = blockIdx.x * 16, m_block = row0 / Cfg::kBlockM;
+// CTAs per (head, batch)), 8 warps: row order, warp w the pair (w, w + 8); column order, the
+// 128 threads of warpgroup g the units of shares g + 2 r (r < head_dim / 128), warp w as j = w % 4.
+// The kernel's m-block `m_block` of (batch, head): its rows, accumulator and dQ for `convert`
+// (a padding slot, or an m-block past the end: nothing).
+template <class Cfg, class Convert>
+__device__ __forceinline__ void bwd_convert_dq_block(const BwdConvertParams& P, int m_block, Convert&& convert) {
+  const int head = blockIdx.y, batch = blockIdx.z;
   if (m_block >= P.m_blocks) return;
   const BwdQueryRows rows = bwd_query_rows<Cfg>(P.cu_seqlens_q, P.sequences, P.seqlen_q, m_block);
   if (!bwd_chunk_holds_query<Cfg>(rows, m_block)) return;  // a padding slot: nothing to write
-  const float* chunk = bwd_dq_chunk<Cfg>(P, head, batch, m_block);
-  typename Cfg::T* dq = bwd_dq_head<Cfg>(P, head, batch);
+  convert(rows, bwd_dq_chunk<Cfg>(P, head, batch, m_block), bwd_dq_head<Cfg>(P, head, batch));
+}
+
+template <class Cfg>
+__device__ __forceinline__ void bwd_convert_dq_row(const BwdConvertParams& P) {
+  const int lane = threadIdx.x % 32;
   float4 v[bwd_dq_unit_vectors<Cfg>()];
   if constexpr (bwd_dq_by_columns<Cfg>()) {
-    const int group = row0 % Cfg::kBlockM / 16, shares = Cfg::kHeadDim / 64;
+    const int row0 = blockIdx.x * 16, m_block = row0 / Cfg::kBlockM;
+    bwd_convert_dq_block<Cfg>(P, m_block, [&](const BwdQueryRows& rows, const float* chunk, typename Cfg::T* dq) {
 #pragma unroll
-    for (int round = 0; round < Cfg::kHeadDim / 128; ++round) {  // the CTA's 2 warpgroups take shares 2 round + 0, 1
-      const int unit = (group * shares + warp / 4 + 2 * round) * 4 + warp % 4;
-      bwd_dq_unit_load<Cfg>(chunk, unit, lane, v);
-      bwd_dq_unit_store<Cfg>(P, rows, dq, m_block, unit, lane, v);
-    }
+      for (int round = 0; round < Cfg::kHeadDim / 128; ++round) {
+        const int tid = threadIdx.x % 128;
+        const BwdDqUnit at{(row0 % Cfg::kBlockM) / 8, static_cast<int>(threadIdx.x / 128) + 2 * round, tid / 32};
+        bwd_dq_unit_load<Cfg>(chunk, at, lane, v);
+        bwd_dq_unit_store<Cfg>(P, rows, dq, m_block * Cfg::kBlockM, at, lane, v);
+      }
+    });
   } else {
-    const int unit = row0 % Cfg::kBlockM / 16 * 8 + warp;
-    bwd_dq_unit_load<Cfg>(chunk, unit, lane, v);
-    bwd_dq_unit_store<Cfg>(P, rows, dq, m_block, unit, lane, v);
+    const int row = blockIdx.x * 16 + threadIdx.x / 32, m_block = row / Cfg::kBlockM;  // (and row + 8)
+    bwd_convert_dq_block<Cfg>(P, m_block, [&](const BwdQueryRows& rows, const float* chunk, typename Cfg::T* dq) {
+      const BwdDqUnit at{row % Cfg::kBlockM, 0, 0};
+      bwd_dq_unit_load<Cfg>(chunk, at, lane, v);
+      bwd_dq_unit_store<Cfg>(P, rows, dq, row - at.q, at, lane, v);
+    });
   }
 }
 
@@ -320,11 +331,13 @@ __device__ __forceinline__ void bwd_convert_m_block(const BwdConvertParams& P, i
     float4 v[kBatch][bwd_dq_unit_vectors<Cfg>()];
 #pragma unroll
     for (int k = 0; k < kBatch; ++k) {
-      if (first + k < kUnits) bwd_dq_unit_load<Cfg, true>(chunk, first + k, lane, v[k]);
+      if (first + k < kUnits) bwd_dq_unit_load<Cfg, true>(chunk, bwd_dq_unit<Cfg>(first + k), lane, v[k]);
     }
 #pragma unroll
     for (int k = 0; k < kBatch; ++k) {
-      if (first + k < kUnits) bwd_dq_unit_store<Cfg>(P, rows, dq, m_block, first + k, lane, v[k]);
+      if (first + k < kUnits) {
+        bwd_dq_unit_store<Cfg>(P, rows, dq, m_block * Cfg::kBlockM, bwd_dq_unit<Cfg>(first + k), lane, v[k]);
+      }
     }
   }
 }

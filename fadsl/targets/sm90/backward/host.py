@@ -5,7 +5,8 @@ A backward call runs, on the current stream (emit/sm90/include/fadsl/sm90_bwd.cu
   ``<name>``             the main kernel: dK, dV (under GQA in fp32: added per K/V head, or
                          with `deterministic on` per query head), dQ's accumulator by
                          reduce-adds;
-  ``<name>_convert_dq``  dQ in the input dtype;
+  ``<name>_convert_dq``  dQ in the input dtype (not where the main kernel converts it:
+                         `fused_convert on`, fuses_convert);
   ``<name>_learn``       (a learnable variant's only) the inputs' correction for D's
                          rounding, from the main kernel's per-row sums (learn_rows_buffer);
 then, under GQA, dK and dV cast to the input dtype (with `deterministic on` first summed over

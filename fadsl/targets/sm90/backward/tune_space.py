@@ -8,7 +8,8 @@ path (staged, or `rf -red.add-> gmem`), dS's store where B_r is not 80 (st.share
 `rf -stmatrix-> smem`: the same bytes, a quarter of the store instructions; not yet timed on a
 GPU, 2026-11-30) and the Q / dO ring's `stages`; under the causal
 mask, the input's block with `longest_first` flipped (the CTA order); the input's block on the
-other `scheduler` (persistent CTAs or a CTA per tile) where it admits persistent ones. With `deterministic on`
+other `scheduler` (persistent CTAs or a CTA per tile) where it admits persistent ones; the input's
+block with `fused_convert` flipped where dQ goes by red.add. With `deterministic on`
 dQ has a third path: staged and reduce-added by writer warps (`dq_writer on`: 1.26-1.30x
 the ordered adds without them at head_dim 128 on an H200, 2026-11-30; without
 `deterministic` it times below red.add, so it is not tried there), with the registers as the
@@ -93,7 +94,9 @@ def label_of(bwd: Backward) -> str:
     the register split where writer warps run: the knob the writer's candidates vary)."""
     regs = (bwd.producer_regs, bwd.consumer_regs) if bwd.dq_writer else None
     knobs = (bwd.block_m, _order_of(bwd), _dq_of(bwd), bwd.stages, bwd.longest_first, regs)
-    label = _label(*knobs, ds=bwd.ds_stmatrix)
+    label = _label(*knobs, ds=bwd.ds_stmatrix) + (
+        ", dQ converted in-kernel" if bwd.fused_convert else ""
+    )
     return f"B_c {bwd.block_n}, {label}" if _split(bwd) else label
 
 
@@ -102,7 +105,18 @@ def knobs_of(bwd: Backward) -> tuple:
     if bwd.dq_writer:
         knobs += (bwd.producer_regs, bwd.consumer_regs)
     knobs += ("dS stmatrix",) if bwd.ds_stmatrix else ()
+    knobs += ("fused convert",) if bwd.fused_convert else ()
     return knobs + ((bwd.block_n,) if _split(bwd) else ())
+
+
+def _fused_flip(base: Backward) -> tuple[BackwardCandidate, ...]:
+    """The input's block with `fused_convert` flipped, where it admits the knob (dQ by
+    red.add, not deterministic: validate.py's)."""
+    if not base.dq_red or base.deterministic:
+        return ()
+    flipped = "off" if base.fused_convert else "on"
+    label = f"{label_of(base)}, fused_convert {flipped}"
+    return (BackwardCandidate(label, {"fused_convert": flipped}, {}),)
 
 
 def candidates(base: Backward, causal: bool) -> tuple[BackwardCandidate, ...]:
@@ -143,7 +157,7 @@ def candidates(base: Backward, causal: bool) -> tuple[BackwardCandidate, ...]:
         scheduler = "grid" if base.persistent else "persistent"
         label = f"{label_of(base)}, scheduler {scheduler}"
         out.append(BackwardCandidate(label, {"scheduler": scheduler}, {}))
-    return tuple(out)
+    return tuple(out) + _fused_flip(base)
 
 
 def _split_candidates(base: Backward, causal: bool) -> tuple[BackwardCandidate, ...]:
@@ -159,7 +173,7 @@ def _split_candidates(base: Backward, causal: bool) -> tuple[BackwardCandidate, 
             out.append(
                 BackwardCandidate(f"B_c {block_n}, {first}", {**tile, "longest_first": flipped}, {})
             )
-    return tuple(out)
+    return tuple(out) + _fused_flip(base)
 
 
 BACKWARD_TUNE_SPACE = BackwardTuneSpace(candidates=candidates, label=label_of, knobs=knobs_of)
