@@ -36,6 +36,7 @@ from fadsl.targets.sm90.backward import host
 from fadsl.targets.sm90.backward.emit import FUSED_CONVERT_MAX_QUERIES
 from fadsl.targets.sm90.backward.finish import finish_plan
 from fadsl.targets.sm90.backward.verify_finish import finish_problems
+from fadsl.tools.report import explain_data, explain_text
 from fadsl.tools.sass import disassemble, nvdisasm
 
 FILE = "t.fa"
@@ -230,8 +231,17 @@ def fused(example: str, extra: str = "") -> str:
 
 
 def test_the_knob_is_read_printed_and_read_back():
-    bwd = compile_source(fused("fa3_hopper"), FILE).kernel.backward
+    compiled = compile_source(fused("fa3_hopper"), FILE)
+    bwd = compiled.kernel.backward
     assert bwd.fused_convert
+    assert explain_data(compiled)["backward"]["settings"]["fused_convert"] is True
+    assert (
+        f"fused_convert on (dQ converted by the CTA that completes each m-block, no convert_dq up to {FUSED_CONVERT_MAX_QUERIES} queries)"
+        in explain_text(compiled)
+    )
+    plain = compile_source((EXAMPLES / "fa3_hopper.fa").read_text(), FILE)
+    assert "fused_convert" not in explain_data(plain)["backward"]["settings"]
+    assert "fused_convert" not in explain_text(plain)
     assert bwd.text().endswith(" fused_convert=on")
     assert read_backward(bwd.text(), bwd.loc).fused_convert
     assert not compile_source(
