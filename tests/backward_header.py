@@ -54,6 +54,7 @@ HEADER = "".join(
     (ROOT / "emit/sm90/include/fadsl" / name).read_text()
     for name in (
         "sm90_bwd.cuh",
+        "sm90_bwd_block.cuh",
         "sm90_bwd_ds.cuh",
         "sm90_bwd_persistent.cuh",
         "sm90_bwd_producer.cuh",

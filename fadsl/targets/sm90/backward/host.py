@@ -244,7 +244,7 @@ def fuses_convert(kernel: Kernel, layout: _Layout, seqlen_q: int) -> bool:
 
 
 def dq_contributors(kernel: Kernel, seqlen_q: int, seqlen_k: int, m: int) -> int:
-    """The n-blocks that visit m-block m of a padded call: sm90_bwd.cuh's
+    """The n-blocks that visit m-block m of a padded call: sm90_bwd_block.cuh's
     bwd_dq_contributors (tests/test_backward_fused_convert.py holds the two to bwd_block)."""
     bwd, cfg = kernel.backward, kernel.config
     n_blocks = -(-seqlen_k // bwd.block_n)

@@ -1,0 +1,156 @@
+"""sm_90a's backward knobs that combine only in some ways (validate.py calls
+``check_knobs`` once the block is read): each refusal located at the key that asks for what
+is not built beside the rest, with what would work instead.
+
+- dQ by red.add is not ordered: not with `deterministic on` (a writer warp may make the
+  ordered adds of a staged dQ);
+- `dq_writer on` needs dQ staged in shares of its own;
+- `scheduler persistent` carries no per-CTA state but K, V and the dK, dV accumulators;
+- `dq_lag on` reorders the overlapped consumer with dQ from registers; `dq_first on` orders
+  that lag;
+- `fused_convert on` counts each m-block's contributing n-blocks from the block's ranges.
+"""
+
+from __future__ import annotations
+
+from ....ir import Backward, GradRole
+from ....spec.checks import BackwardBlock, Checks, and_list
+from ....spec.syntax import ExprLine
+from .plan_smem import SPLIT_HEAD_DIM, dq_by_keys
+from .routes import DQ_RED, PATHS
+
+
+def check_knobs(c: Checks, block: BackwardBlock, backward: Backward, head_dim: int | None) -> bool:
+    """Whether the block's knobs combine; each refusal reported at its key."""
+    ok = True
+    if backward.dq_red and backward.deterministic and head_dim != SPLIT_HEAD_DIM:
+        _, decl = block.paths[GradRole.DQ]
+        block.checks.error(
+            decl.tensor.loc,
+            f"dQ's red.add adds in whatever order the threads get there: deterministic on "
+            f"needs dQ staged for its ordered reduce-add ({PATHS[GradRole.DQ].text()}); "
+            f"where dQ's shares are disjoint, `dq_writer on` beside it has writer warps make "
+            f"those adds (0.90-0.96x the default's speed on an H200, docs/performance.md)",
+        )
+        ok = False
+    if backward.dq_writer and head_dim in (64, 128):
+        ok = _dq_writer(block, backward, head_dim) and ok
+    if backward.persistent:
+        ok = _persistent(c, block, backward, head_dim) and ok
+    if backward.dq_lag:
+        ok = _dq_lag(c, block, backward, head_dim) and ok
+    if backward.dq_first and not backward.dq_lag:
+        block.checks.error(
+            block.key_locs["dq_first"],
+            "dq_first on orders the lagged dQ (dQ(i - 1) issued before dV(i)): it needs "
+            "`dq_lag on`",
+        )
+        ok = False
+    if backward.fused_convert:
+        ok = _fused_convert(c, block, backward) and ok
+    return ok
+
+
+def _persistent(c: Checks, block: BackwardBlock, backward: Backward, head_dim: int | None) -> bool:
+    """`scheduler persistent`: the first version's CTA loops over tiles of padded batches
+    with per-tile state only in K, V and the dK, dV accumulators; what keeps other state per
+    CTA is refused here."""
+    why = []
+    if backward.deterministic:
+        why.append("deterministic on (its dQ tickets assume a CTA per n-block, in launch order)")
+    if backward.dq_writer:
+        why.append("dq_writer on (the writer warps' barriers are per CTA, not per tile)")
+    if c.values.get("varlen"):
+        why.append("varlen on (its grid is a slot per n-block of the packed keys)")
+    if head_dim == SPLIT_HEAD_DIM:
+        why.append(f"head_dim {SPLIT_HEAD_DIM} (its consumers split head_dim: another loop)")
+    if c.decl.modifiers:
+        why.append("score or keep modifiers (their per-block state is not carried over tiles)")
+    if not why:
+        return True
+    block.checks.error(
+        block.key_locs["scheduler"],
+        "scheduler persistent (a CTA per SM looping over the tiles) is not built with "
+        + and_list(why)
+        + ": use scheduler grid (the default) there",
+    )
+    return False
+
+
+def _dq_lag(c: Checks, block: BackwardBlock, backward: Backward, head_dim: int | None) -> bool:
+    """`dq_lag on`: the overlapped consumer with dQ(i - 1) issued in m-block i
+    (sm90_bwd_lag.cuh); what that order is not built with is refused here."""
+    why = []
+    if not backward.overlap:
+        why.append("overlap off (it reorders the overlapped consumer: 'overlap on')")
+    if not backward.dq_red:
+        why.append(f"dQ staged (it adds dQ from registers: {DQ_RED.text()})")
+    if backward.deterministic:
+        why.append("deterministic on (its tickets assume dQ added in its own m-block)")
+    for key in ("early_dv", "dv_before_meeting"):
+        if getattr(backward, key):
+            why.append(f"{key} on (dV is issued before dQ already: dV's place is fixed)")
+    if backward.dq_writer:
+        why.append("dq_writer on (the writer reduce-adds a staging; dq_lag adds from registers)")
+    if c.decl.modifiers:
+        why.append("score or keep modifiers (not yet run on a GPU in that order)")
+    if head_dim == SPLIT_HEAD_DIM:
+        why.append(f"head_dim {SPLIT_HEAD_DIM} (its consumers split head_dim: another loop)")
+    elif head_dim is not None and dq_by_keys(backward, head_dim):
+        why.append(
+            f"dQ split by keys (head_dim {head_dim} at B_r = {backward.block_m}: each consumer's "
+            "dQ reads only its own dS^T rows, so the consumers never meet there already)"
+        )
+    if not why:
+        return True
+    block.checks.error(
+        block.key_locs["dq_lag"],
+        "dq_lag on (dQ one m-block behind, so that the consumers never meet) is not built "
+        "with " + and_list(why) + ": leave it off",
+    )
+    return False
+
+
+def _fused_convert(c: Checks, block: BackwardBlock, backward: Backward) -> bool:
+    """`fused_convert on`: each (batch, head, m-block)'s counter completes when every n-block
+    that visits it has counted itself done (sm90_bwd_convert.cuh); what would break that
+    count, or the counter array it shares with the ordered adds, is refused here."""
+    why = []
+    if not backward.dq_red:
+        why.append(f"dQ staged (the count follows adds from registers: {DQ_RED.text()})")
+    if backward.deterministic:
+        why.append("deterministic on (its tickets use the counters)")
+    if any(isinstance(line, ExprLine) and line.keyword.text == "keep" for line in c.decl.modifiers):
+        why.append("a keep modifier (its trimmed ranges are not in the count)")
+    if not why:
+        return True
+    block.checks.error(
+        block.key_locs["fused_convert"],
+        "fused_convert on (dQ converted by the CTA that completes each m-block) is not built "
+        "with " + and_list(why) + ": leave it off",
+    )
+    return False
+
+
+def _dq_writer(block: BackwardBlock, backward: Backward, head_dim: int) -> bool:
+    """`dq_writer on`: writer w reduce-adds consumer w's staged share, which must be its
+    own (research/backward-dq-writer.md)."""
+    where = block.key_locs["dq_writer"]
+    if backward.dq_red:
+        block.checks.error(
+            where,
+            "dq_writer on hands each consumer's staged dQ to a writer warp for its bulk "
+            f"reduce-add; dQ's path here adds from registers: give dQ its staged path "
+            f"({PATHS[GradRole.DQ].text()}) or leave dq_writer off",
+        )
+        return False
+    if dq_by_keys(backward, head_dim):
+        block.checks.error(
+            where,
+            f"dq_writer on: at head_dim {head_dim} with B_r = {backward.block_m} dQ is split by keys, "
+            "so both consumer warpgroups add into all of the m-block's dQ, and their adds "
+            "keep the consumers' own order; a writer needs a share of its own (B_r = "
+            "128 at head_dim 64 splits dQ by queries): leave it off",
+        )
+        return False
+    return True
