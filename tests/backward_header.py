@@ -1,5 +1,5 @@
 """What the backward header does, call by call, as the protocol's items would say it: the
-reader behind tests/test_verify_backward.py's check that emit/sm90/include/fadsl/sm90_bwd_producer.cuh
+reader behind tests/test_verify_backward_header.py's check that emit/sm90/include/fadsl/sm90_bwd_producer.cuh
 (bwd_producer), emit/sm90/include/fadsl/sm90_bwd_dq_reduce.cuh (reduce_dq, ordered_reduce_add,
 release_dq_ticket), emit/sm90/include/fadsl/sm90_bwd_consumer.cuh (bwd_consumer, meet_and_issue_dq)
 and the kernel body of emit/sm90/backward.cu.j2 make exactly the calls of

@@ -3,7 +3,7 @@ the steps with no sync) it places the kernel's plan (protocol.py: ``protocol``),
 verify.py proves and which equals the plan written by hand from the header
 (tests/backward_hand_plan.py, an oracle only), sync for sync and field for field but
 ``why``, in every configuration of verify.parameter_space; ``economical`` leaves out exactly the syncs the proof
-finds redundant (tests/test_verify_backward.py UNNEEDED). The pass is a pure function of
+finds redundant (tests/backward_cases.py UNNEEDED). The pass is a pure function of
 the schedule, and taking an access out of a step moves or removes the syncs that ordered
 it."""
 
@@ -30,7 +30,7 @@ from fadsl.targets.sm90.backward.protocol import protocol
 from fadsl.targets.sm90.backward.verify import check_protocol, parameter_space
 from fadsl.targets.sm90.backward.schedule import build_schedule
 from fadsl.targets.sm90.backward.syncs import insert_syncs, without_syncs
-from test_verify_backward import DV_GROUP, UNNEEDED
+from backward_cases import DV_GROUP, UNNEEDED
 
 PARAMS = parameter_space()
 

@@ -18,7 +18,7 @@ head_dim 64, 1 x 16384 the same code ranged 0.93-1.09 over processes, and one bu
 TF/s from one 20-call window to the next, in the same sequence whatever was allocated where
 (time, not placement: research/performance-history.md, 2026-11-27, decode's last per cent, item 20).
 
-The headers keep no experiment's switch (tests/test_verify_backward.py checks that the
+The headers keep no experiment's switch (tests/test_verify_backward_header.py checks that the
 header makes exactly the proven plan's calls, under conditions it knows): an experiment is
 a local edit guarded by its define, kept out of the commit (research/performance-history.md,
 2026-11-27, decode's last per cent, items 13, 15 and 17, say what each changed).

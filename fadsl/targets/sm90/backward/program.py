@@ -24,7 +24,7 @@ parity symbolically (``Index``, ``WaitParity``): ring slot i % stages and parity
 Who builds what: schedule.py the steps (``build_schedule``: the work, no sync), syncs/ the syncs
 (``insert_syncs``), protocol.py the plan (``protocol``: the two together), which verify.py
 unrolls for a given m-block count and proves in the async model, and which
-tests/test_verify_backward.py checks the header against, call for call.
+tests/test_verify_backward_header.py checks the header against, call for call.
 
 Nothing here is a string that acts: kinds, buffers, barriers and registers are enums;
 ``name`` and ``why`` only label messages.

@@ -4,7 +4,7 @@ sync pass (syncs/: ``insert_syncs``), each sync with a ``why`` naming the hazard
 
 ``protocol(p)`` is the one plan: the header (emit/sm90/include/fadsl/sm90_bwd.cuh and the
 kernel body of emit/sm90/backward.cu.j2) makes its calls in its
-order (tests/test_verify_backward.py), verify.py proves it in the async model for every
+order (tests/test_verify_backward_header.py), verify.py proves it in the async model for every
 m-block count, and `fadsl explain` prints its syncs with their whys. A plan written by hand
 from the header stays beside the tests as an oracle (tests/backward_hand_plan.py):
 tests/test_backward_syncs.py checks that the pass places exactly its syncs in every

@@ -22,7 +22,7 @@ the deterministic mode's ordered add.
 The ordered add's wait_group 0 retires the staging's read too, and the next m-block's dS^T
 meeting (a barrier of the whole warpgroup) orders it before the staging writes: the
 staging's own wait_group.read, the barrier after it and the exit's wait_group 0 are then
-redundant (tests/test_verify_backward.py UNNEEDED). The header keeps one staging path for
+redundant (tests/backward_cases.py UNNEEDED). The header keeps one staging path for
 both modes, and so does this pass unless ``economical``, which counts the ordered add's
 wait as retiring the read.
 """
