@@ -92,6 +92,8 @@ void run_varlen(const char* name) {{
   const std::vector<std::vector<int>> packings[] = {{
       {{{{5, 0, 300, 1, 129, 700}}, {{5, 7, 100, 0, 333, 65}}}},
       {{{{81, 80, 79, 160}}, {{200, 1, 79, 1000}}}},
+      {{{{0, 640, 2, 0, 1023, 77}}, {{3, 1, 0, 64, 128, 500}}}},
+      {{{{1, 1, 1, 257, 300}}, {{1000, 0, 2, 256, 12}}}},
   }};
   for (const auto& packing : packings) {{
     std::vector<int> cu_q{{0}}, cu_k{{0}};
@@ -122,8 +124,10 @@ void run_varlen(const char* name) {{
       b.seqlen_q = cu_q[s + 1] - cu_q[s];
       b.seqlen_k = cu_k[s + 1] - cu_k[s];
       const int m = chunk - bwd_first_slot(cu_q.data(), s, Cfg::kBlockM);
+      // (the preprocess zeroes a chunk's rows where bwd_keyless_chunk says none visits it)
+      const bool keyless = bwd_keyless_chunk<Cfg>(cu_q.data(), cu_k.data(), P.sequences, chunk);
       printf("%s %d %d %d %d %d\n", name, P.seqlen_q, P.seqlen_k, chunk, visits[chunk],
-             bwd_dq_contributors<Cfg>(b, m));
+             keyless ? 0 : bwd_dq_contributors<Cfg>(b, m));
     }}
   }}
 }}
@@ -134,7 +138,9 @@ int main() {{
 
 
 # `varlen on`: the chunks of packed sequences, each sequence's m-blocks from its first slot
-VARLEN_CONFIGS = [c for c in CONFIGS if c[0] in ("none80", "causal80", "causal128", "window64")]
+VARLEN_CONFIGS = [
+    c for c in CONFIGS if c[0] in ("none80", "causal80", "causal128", "window64", "window80")
+]
 
 
 def _config(name, head_dim, block_m, causal, window, block_n=128, varlen=False) -> str:
@@ -399,10 +405,10 @@ def test_bwd_finish_dq_makes_the_plans_calls_in_its_order():
     assert ids["kBarFinish"] not in taken and 0 < ids["kBarFinish"] < 16
 
 
-def test_packed_calls_always_convert_in_the_main_kernel(monkeypatch):
-    """With packed sequences the host knows no sequence's length: the main kernel converts
-    whatever the tokens (here past the padded threshold), and the preprocess zeroes the
-    keyless chunks' rows (bwd_keyless_chunk), so the host zeroes none."""
+def test_packed_calls_convert_in_the_main_kernel_up_to_the_threshold(monkeypatch):
+    """With packed sequences the host knows no sequence's length, only the tokens, which bound
+    them: up to the threshold the main kernel converts, and the preprocess zeroes the keyless
+    chunks' rows (bwd_keyless_chunk), so the host zeroes none; past it, convert_dq."""
     torch = pytest.importorskip("torch")
     monkeypatch.setattr(host, "tensor_map", lambda *args: bytes(128))
 
@@ -414,19 +420,23 @@ def test_packed_calls_always_convert_in_the_main_kernel(monkeypatch):
     kernel = compile_source(
         text.replace("backward {", "backward {\n    fused_convert on", 1), FILE
     ).kernel
-    tokens = FUSED_CONVERT_MAX_QUERIES + 100
-    q = torch.zeros(tokens, 4, 128, dtype=torch.bfloat16)
-    k = torch.zeros(300, 2, 128, dtype=torch.bfloat16)
-    cu_q = torch.tensor([0, tokens - 50, tokens], dtype=torch.int32)
-    cu_k = torch.tensor([0, 100, 300], dtype=torch.int32)
-    lse = torch.zeros(4, tokens)
-    seen = []
-    dq, _, _ = host.run_varlen(
-        kernel, seen.append, q, k, k.clone(), q.clone(), lse, q.clone(), None, cu_q, cu_k, 0.1
-    )
-    assert [l.suffix for l in seen] == ["_preprocess", ""]
-    pointer, *strides = host.FUSED.unpack_from(seen[1].params, host.FUSED_OFFSET)
-    assert pointer == dq.data_ptr() and strides[1] == dq.stride(0)
+    for tokens, suffixes in (
+        (FUSED_CONVERT_MAX_QUERIES, ["_preprocess", ""]),
+        (FUSED_CONVERT_MAX_QUERIES + 1, ["_preprocess", "", "_convert_dq"]),
+    ):
+        q = torch.zeros(tokens, 4, 128, dtype=torch.bfloat16)
+        k = torch.zeros(300, 2, 128, dtype=torch.bfloat16)
+        cu_q = torch.tensor([0, tokens - 50, tokens], dtype=torch.int32)
+        cu_k = torch.tensor([0, 100, 300], dtype=torch.int32)
+        lse = torch.zeros(4, tokens)
+        seen = []
+        dq, _, _ = host.run_varlen(
+            kernel, seen.append, q, k, k.clone(), q.clone(), lse, q.clone(), None, cu_q, cu_k, 0.1
+        )
+        assert [l.suffix for l in seen] == suffixes
+        pointer, *strides = host.FUSED.unpack_from(seen[1].params, host.FUSED_OFFSET)
+        fused = len(suffixes) == 2
+        assert (pointer == dq.data_ptr()) == fused and pointer == (dq.data_ptr() if fused else 0)
 
 
 def test_the_fused_kernels_machine_code_keeps_the_plans_orders():

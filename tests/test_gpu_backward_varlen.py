@@ -366,12 +366,13 @@ def test_rows_outside_the_sequences_get_zero_gradients(case, heads_kv):
     check_sequences(ours, q, k, v, dout, cu_q, cu_k, 128**-0.5, True, None, 0)
 
 
-@pytest.mark.parametrize("path", ["public", "loaded"])
+@pytest.mark.parametrize("path", ["public", "loaded", "fused"])
 def test_malformed_cu_seqlens_give_nan_gradients_or_a_named_error(path):
     """Decreasing cu_seqlens, or past the tensor (fadsl.attention_varlen, and a loaded spec's
-    .varlen): no fault and no hang; either an error naming cu_seqlens or NaN gradients,
-    never finite ones. The next call is fine."""
-    kern = spec("fa3_varlen_causal") if path == "loaded" else None
+    .varlen, with `fused_convert on` too): no fault and no hang; either an error naming
+    cu_seqlens or NaN gradients, never finite ones. The next call is fine."""
+    names = {"loaded": "fa3_varlen_causal", "fused": "fa3_varlen_causal+fused_convert"}
+    kern = spec(names[path]) if path in names else None
     q, k, v, dout, cu_q, cu_k = packed([100, 200], [100, 200], 4, 4, 128, torch.bfloat16, 5)
 
     def call(cu_q, cu_k):

@@ -49,7 +49,7 @@ __device__ __forceinline__ void bwd_finish_dq(const BwdParamsSm90& P, const BwdB
     const int thread = threadIdx.x - 128, warp = thread / 32, lane = thread % 32;
     // the block's first m-block among the counters and the accumulator's (varlen: its sequence's first chunk)
     const int64_t accum_head = bwd_accum_head<Cfg>(P, b);
-    const int chunk0 = static_cast<int>(accum_head % P.m_blocks);
+    const int chunk0 = Cfg::kVarlen ? b.chunk0 : 0;
     int* counts = P.dq_semaphore + accum_head * Cfg::kDqSemaphores;
     const BwdConvertParams view = bwd_convert_view(P);
     for (int first = 0; first < b.m_count; first += Cfg::kConsumerThreads) {

@@ -21,25 +21,26 @@ namespace fadsl::sm90 {
 // hidden 1024, H200, 2026-11-30: scripts/backward_budget.py).
 constexpr int kZeroCtas = 16;
 
-__device__ __forceinline__ void zero_bytes(void* base, int64_t begin, int64_t end) {
+__device__ __forceinline__ void zero_bytes(void* base, int64_t begin, int64_t end, uint32_t word = 0u) {
   const int64_t first = begin / 16, last = end / 16;  // (rows of 16-byte multiples)
   const int ctas = imin(kZeroCtas, static_cast<int>(gridDim.x));
   uint4* at = static_cast<uint4*>(base);
   for (int64_t i = first + blockIdx.x * 256 + threadIdx.x; i < last; i += ctas * 256) {
-    at[i] = make_uint4(0u, 0u, 0u, 0u);
+    at[i] = make_uint4(word, word, word, word);
   }
 }
 
 __device__ __forceinline__ void zero_outside(void* t, const int* cu, int sequences, int tokens, int row_bytes,
-                                             bool valid) {
+                                             bool valid, uint32_t word = 0u) {
   if (t == nullptr) return;
   const int64_t bytes = static_cast<int64_t>(tokens) * row_bytes;
   const int64_t begin = valid ? static_cast<int64_t>(cu[0]) * row_bytes : bytes;
   const int64_t end = valid ? static_cast<int64_t>(cu[sequences]) * row_bytes : bytes;
-  zero_bytes(t, 0, begin);
-  zero_bytes(t, end, bytes);
+  zero_bytes(t, 0, begin, word);
+  zero_bytes(t, end, bytes, word);
 }
 
+template <class Cfg>
 __device__ __forceinline__ void bwd_zero_outside(const BwdPrepParams& P) {
   if (blockIdx.x >= kZeroCtas || blockIdx.y != 0) return;
   bool ok = true;  // every sequence as the main kernel takes it (bwd_sequence_ok)
@@ -48,7 +49,11 @@ __device__ __forceinline__ void bwd_zero_outside(const BwdPrepParams& P) {
          bwd_sequence_ok(P.cu_seqlens_k[b], P.cu_seqlens_k[b + 1], P.tokens_k);
   }
   const bool valid = __syncthreads_and(ok);
-  zero_outside(P.dq, P.cu_seqlens_q, P.sequences, P.seqlen_q, P.q_row_bytes, valid);
+  // `fused_convert on`: malformed cu_seqlens may give two sequences one dQ chunk, whose count
+  // then completes twice or never (fadsl/sm90_bwd_convert.cuh): dQ starts as NaN (all bits
+  // set: a NaN in bf16 and fp16) rather than zeros, so that no finite dQ comes of it
+  const uint32_t dq_word = Cfg::kFusedConvert && !valid ? 0xffffffffu : 0u;
+  zero_outside(P.dq, P.cu_seqlens_q, P.sequences, P.seqlen_q, P.q_row_bytes, valid, dq_word);
   zero_outside(P.dk, P.cu_seqlens_k, P.sequences, P.tokens_k, P.k_row_bytes, valid);
   zero_outside(P.dv, P.cu_seqlens_k, P.sequences, P.tokens_k, P.k_row_bytes, valid);
 }
@@ -58,12 +63,12 @@ __device__ __forceinline__ void bwd_zero_outside(const BwdPrepParams& P) {
 // so that no CTA converts it (fadsl/sm90_bwd_convert.cuh); the host zeroes such rows of padded
 // calls.  (A malformed sequence's rows are none of the preprocess's `real` ones.)
 template <class Cfg>
-__device__ __forceinline__ bool bwd_keyless_chunk(const BwdPrepParams& P, int chunk) {
-  const int s = bwd_varlen_sequence(P.cu_seqlens_q, P.sequences, Cfg::kBlockM, chunk);
+__host__ __device__ __forceinline__ bool bwd_keyless_chunk(const int* cu_q, const int* cu_k, int sequences, int chunk) {
+  const int s = bwd_varlen_sequence(cu_q, sequences, Cfg::kBlockM, chunk);
   BwdBlock b{};
-  b.seqlen_q = P.cu_seqlens_q[s + 1] - P.cu_seqlens_q[s];
-  b.seqlen_k = P.cu_seqlens_k[s + 1] - P.cu_seqlens_k[s];
-  return bwd_dq_contributors<Cfg>(b, chunk - bwd_first_slot(P.cu_seqlens_q, s, Cfg::kBlockM)) == 0;
+  b.seqlen_q = cu_q[s + 1] - cu_q[s];
+  b.seqlen_k = cu_k[s + 1] - cu_k[s];
+  return bwd_dq_contributors<Cfg>(b, chunk - bwd_first_slot(cu_q, s, Cfg::kBlockM)) == 0;
 }
 
 // The preprocess: 8 elements of a row per thread (one 16-byte load of O and one of dO), so
@@ -100,7 +105,7 @@ __device__ __forceinline__ void bwd_preprocess_row(const BwdPrepParams& P) {
     }
   }
   if constexpr (Cfg::kFusedConvert && Cfg::kVarlen) {
-    if (real && bwd_keyless_chunk<Cfg>(P, chunk)) {  // no CTA converts this row: its dQ is 0
+    if (real && bwd_keyless_chunk<Cfg>(P.cu_seqlens_q, P.cu_seqlens_k, P.sequences, chunk)) {  // no CTA converts it: 0
       uint8_t* row_bytes = static_cast<uint8_t*>(P.dq) + static_cast<int64_t>(query) * P.q_row_bytes;
       *reinterpret_cast<uint4*>(row_bytes + (head * Cfg::kHeadDim + 8 * part) * sizeof(T)) = make_uint4(0u, 0u, 0u, 0u);
     }
@@ -146,7 +151,7 @@ __device__ __forceinline__ void bwd_preprocess_row(const BwdPrepParams& P) {
 // sequence (bwd_zero_outside), then the CTA's rows.
 template <class Cfg>
 __device__ __forceinline__ void bwd_preprocess(const BwdPrepParams& P) {
-  if constexpr (Cfg::kVarlen) bwd_zero_outside(P);
+  if constexpr (Cfg::kVarlen) bwd_zero_outside<Cfg>(P);
   bwd_preprocess_row<Cfg>(P);
 }
 

@@ -237,10 +237,10 @@ def _in_visit_order(kernel: Kernel, key_ctas: int, device) -> bool:
 
 def fuses_convert(kernel: Kernel, layout: _Layout, seqlen_q: int) -> bool:
     """Whether the main kernel converts dQ this call (`fused_convert on`), not convert_dq:
-    padded calls of at most FUSED_CONVERT_MAX_QUERIES queries (emit.py says why), and packed
-    ones always (their lengths are on the device; packed sequences are mostly short)."""
-    bwd = kernel.backward
-    return bwd.fused_convert and (bool(layout.cu_q) or seqlen_q <= FUSED_CONVERT_MAX_QUERIES)
+    where no sequence has more than FUSED_CONVERT_MAX_QUERIES queries (emit.py says why):
+    padded calls by their length, packed ones by their tokens (their sequences' lengths are
+    on the device; the call's max_seqlen_q would say more, but does not reach the backward)."""
+    return kernel.backward.fused_convert and seqlen_q <= FUSED_CONVERT_MAX_QUERIES
 
 
 def dq_contributors(kernel: Kernel, seqlen_q: int, seqlen_k: int, m: int) -> int:
