@@ -270,16 +270,16 @@ def packed(seed=0):
 def test_attention_varlen_with_gradients_skips_the_dispatcher_and_matches_its_op(
     varlen_calls, use_lse
 ):
-    """The eager call goes through eager_grad's varlen Function with the varlen kernel and
+    """The eager call goes through eager_grad's Function with the varlen kernel and
     the same cu_seqlens (never a padded kernel, which would attend across the sequences),
     and reaches the same backward with the same arguments as the varlen op."""
     (q, k, v), (cu_q, cu_k) = packed()
     got, want = leaves(q, k, v), leaves(q, k, v)
     o, lse = public.attention_varlen(*got, cu_q, cu_k, 5, 6, causal=True, softmax_scale=0.1,
                                      return_lse=True)  # fmt: skip
-    assert type(o.grad_fn).__name__ == "_VarlenBackward"
+    assert type(o.grad_fn).__name__ == "_AttentionBackward"
     o2, lse2 = public_ops.attention_varlen(*want, cu_q, cu_k, 5, 6, True, 0.1, -1, -1, 0.0, True)
-    assert type(o2.grad_fn).__name__ != "_VarlenBackward"
+    assert type(o2.grad_fn).__name__ != "_AttentionBackward"
     assert torch.equal(o, o2) and torch.equal(lse, lse2)
     for out, l in ((o, lse), (o2, lse2)):
         loss = out.float().square().sum() + (3 * l.sum() if use_lse else 0)
@@ -339,7 +339,7 @@ def test_a_loaded_varlen_specs_call_with_gradients_skips_the_dispatcher(monkeypa
     (q, k, v), cu = packed(3)
     got = leaves(q, k, v)
     o = kern.varlen(*got, *cu, softmax_scale=0.1)
-    assert type(o.grad_fn).__name__ == "_VarlenBackward"
+    assert type(o.grad_fn).__name__ == "_AttentionBackward"
     o.float().sum().backward()
     ((dout, dlse, *_),) = found
     assert dlse is None and torch.equal(dout, torch.ones_like(o))

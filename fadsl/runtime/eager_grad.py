@@ -13,8 +13,8 @@ the ops pass, so the same launches and the same bits), the LSE's gradient None w
 is not used (the ops' zero tensor adds 0 to D: the same bits either way).
 
 Packed sequences (a loaded `varlen on` spec's varlen call, fadsl.attention_varlen) go
-through an autograd.Function of their own, calling the varlen kernels with the same
-cu_seqlens as their ops do (never a padded kernel: that would attend across sequences).
+through the same Function with their cu_seqlens, which calls the varlen kernels as their ops
+do (never a padded kernel: that would attend across sequences).
 
 Only specs with a backward block come here: the ops' formula raises the forward-only message
 at backward time, and keeps doing so.
@@ -27,27 +27,35 @@ from .driver import ensure_context
 
 class _Attention(torch.autograd.Function):
     """(out, lse) of ``kern`` (a FlashAttention with a backward block) at ``scale``; the
-    backward is the spec's."""
+    backward is the spec's. ``packed``: (cu_q, cu_k) of a packed call, whose varlen forward
+    and backward it calls instead (empty: a padded call)."""
 
     @staticmethod
-    def forward(ctx, kern, scale, q, k, v):
+    def forward(ctx, kern, scale, q, k, v, *packed):
         ensure_context(q.device.index)  # (a recomputation may run on autograd's thread)
-        out, lse = kern.forward(q, k, v, scale, None, True)
+        if packed:
+            out, lse = kern.varlen_forward(q, k, v, *packed, scale, None, True)
+        else:
+            out, lse = kern.forward(q, k, v, scale, None, True)
         ctx.kern, ctx.scale = kern, scale
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, *packed)
         ctx.set_materialize_grads(False)  # (an unused LSE's gradient stays None)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
+        q, k, v, out, lse, *packed = ctx.saved_tensors
+        unused = (None,) * len(packed)  # (cu_seqlens take no gradient)
         if dout is None and dlse is None:
-            return None, None, None, None, None
-        q, k, v, out, lse = ctx.saved_tensors
+            return None, None, None, None, None, *unused
         ensure_context(q.device.index)  # (autograd's worker thread: driver.ensure_context)
         if dout is None:  # only the LSE reaches the loss
             dout = torch.zeros_like(out)
-        dq, dk, dv = ctx.kern.backward(q, k, v, out, lse, dout, dlse, ctx.scale)
-        return None, None, dq, dk, dv
+        if packed:
+            grads = ctx.kern.varlen_backward(q, k, v, out, lse, dout, dlse, *packed, ctx.scale)
+        else:
+            grads = ctx.kern.backward(q, k, v, out, lse, dout, dlse, ctx.scale)
+        return None, None, *grads, *unused
 
 
 def attention(kern, scale: float, q, k, v):
@@ -56,32 +64,7 @@ def attention(kern, scale: float, q, k, v):
     return _Attention.apply(kern, scale, q, k, v)
 
 
-class _Varlen(torch.autograd.Function):
-    """(out, lse) of ``kern``'s varlen call (a `varlen on` spec with a backward block) over
-    the sequences cu_q, cu_k at ``scale``; the backward is the spec's varlen backward."""
-
-    @staticmethod
-    def forward(ctx, kern, scale, q, k, v, cu_q, cu_k):
-        ensure_context(q.device.index)  # (a recomputation may run on autograd's thread)
-        out, lse = kern.varlen_forward(q, k, v, cu_q, cu_k, scale, None, True)
-        ctx.kern, ctx.scale = kern, scale
-        ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
-        ctx.set_materialize_grads(False)  # (an unused LSE's gradient stays None)
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, dout, dlse):
-        if dout is None and dlse is None:
-            return (None,) * 7
-        q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
-        ensure_context(q.device.index)  # (autograd's worker thread: driver.ensure_context)
-        if dout is None:  # only the LSE reaches the loss
-            dout = torch.zeros_like(out)
-        dq, dk, dv = ctx.kern.varlen_backward(q, k, v, out, lse, dout, dlse, cu_q, cu_k, ctx.scale)
-        return None, None, dq, dk, dv, None, None
-
-
 def varlen(kern, scale: float, q, k, v, cu_q, cu_k):
     """(out, lse) of a packed call with gradients through q, k, v and the LSE, eagerly:
     ``kern`` is a `varlen on` spec with a backward block and ``scale`` is checked."""
-    return _Varlen.apply(kern, scale, q, k, v, cu_q, cu_k)
+    return _Attention.apply(kern, scale, q, k, v, cu_q, cu_k)

@@ -267,6 +267,8 @@ def keyless_queries(kernel: Kernel, seqlen_q: int, seqlen_k: int) -> int:
     edge left of every key: causal or a window with seqlen_q > seqlen_k), whose dQ rows no
     CTA converts, so the host zeroes them; only leading m-blocks can be such (a query i < seqlen_q
     sees key i + d - left < seqlen_k, so a later m-block has a key if an earlier one has)."""
+    if 0 < seqlen_q <= seqlen_k:  # (every query's right edge reaches a key: d >= 0)
+        return 0
     m_blocks = -(-seqlen_q // kernel.backward.block_m)
     m = 0
     while m < m_blocks and dq_contributors(kernel, seqlen_q, seqlen_k, m) == 0:

@@ -51,6 +51,17 @@ def check_knobs(c: Checks, block: BackwardBlock, backward: Backward, head_dim: i
     return ok
 
 
+def _refused(block: BackwardBlock, key: str, knob: str, why: list[str], instead: str) -> bool:
+    """Whether ``knob`` (set at ``key``) combines with the rest: refused, located, where
+    ``why`` names what it is not built with."""
+    if not why:
+        return True
+    block.checks.error(
+        block.key_locs[key], f"{knob} is not built with " + and_list(why) + f": {instead}"
+    )
+    return False
+
+
 def _persistent(c: Checks, block: BackwardBlock, backward: Backward, head_dim: int | None) -> bool:
     """`scheduler persistent`: the first version's CTA loops over tiles of padded batches
     with per-tile state only in K, V and the dK, dV accumulators; what keeps other state per
@@ -66,15 +77,8 @@ def _persistent(c: Checks, block: BackwardBlock, backward: Backward, head_dim: i
         why.append(f"head_dim {SPLIT_HEAD_DIM} (its consumers split head_dim: another loop)")
     if c.decl.modifiers:
         why.append("score or keep modifiers (their per-block state is not carried over tiles)")
-    if not why:
-        return True
-    block.checks.error(
-        block.key_locs["scheduler"],
-        "scheduler persistent (a CTA per SM looping over the tiles) is not built with "
-        + and_list(why)
-        + ": use scheduler grid (the default) there",
-    )
-    return False
+    knob = "scheduler persistent (a CTA per SM looping over the tiles)"
+    return _refused(block, "scheduler", knob, why, "use scheduler grid (the default) there")
 
 
 def _dq_lag(c: Checks, block: BackwardBlock, backward: Backward, head_dim: int | None) -> bool:
@@ -101,14 +105,8 @@ def _dq_lag(c: Checks, block: BackwardBlock, backward: Backward, head_dim: int |
             f"dQ split by keys (head_dim {head_dim} at B_r = {backward.block_m}: each consumer's "
             "dQ reads only its own dS^T rows, so the consumers never meet there already)"
         )
-    if not why:
-        return True
-    block.checks.error(
-        block.key_locs["dq_lag"],
-        "dq_lag on (dQ one m-block behind, so that the consumers never meet) is not built "
-        "with " + and_list(why) + ": leave it off",
-    )
-    return False
+    knob = "dq_lag on (dQ one m-block behind, so that the consumers never meet)"
+    return _refused(block, "dq_lag", knob, why, "leave it off")
 
 
 def _fused_convert(c: Checks, block: BackwardBlock, backward: Backward) -> bool:
@@ -122,14 +120,8 @@ def _fused_convert(c: Checks, block: BackwardBlock, backward: Backward) -> bool:
         why.append("deterministic on (its tickets use the counters)")
     if any(isinstance(line, ExprLine) and line.keyword.text == "keep" for line in c.decl.modifiers):
         why.append("a keep modifier (its trimmed ranges are not in the count)")
-    if not why:
-        return True
-    block.checks.error(
-        block.key_locs["fused_convert"],
-        "fused_convert on (dQ converted by the CTA that completes each m-block) is not built "
-        "with " + and_list(why) + ": leave it off",
-    )
-    return False
+    knob = "fused_convert on (dQ converted by the CTA that completes each m-block)"
+    return _refused(block, "fused_convert", knob, why, "leave it off")
 
 
 def _dq_writer(block: BackwardBlock, backward: Backward, head_dim: int) -> bool:
