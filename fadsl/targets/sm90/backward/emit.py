@@ -85,8 +85,9 @@ def dq_semaphores(bwd: Backward, head_dim: int) -> int:
 # most this many queries; past it the host launches convert_dq as without the knob. The CTA
 # that completes a (batch, head)'s m-blocks converts them alone: about 768 bytes per query at
 # head_dim 128 through one SM (some 200 GB/s), so the grid's last wave ends that much later,
-# against the 50-60 us of convert_dq at 16k tokens, hidden 2048 (research/backward-fused-convert.md;
-# an estimate of 2026-12-01, to be measured).
+# against the 50-60 us of convert_dq at 16k tokens, hidden 2048 (research/backward-fused-convert.md).
+# Measured on an H200 (2026-12-01, docs/backward.md): the knob loses at every length (0.75-1.01x
+# its unfused twin), so no example ships it and the bound was not tuned further.
 FUSED_CONVERT_MAX_QUERIES = 4096
 
 
