@@ -16,6 +16,7 @@ import torch
 
 import fadsl
 from conftest import ROOT
+from document_ids import PATTERNS, document_ids, document_keep
 from test_gpu_general import reference
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability(0) == (9, 0)
@@ -193,6 +194,40 @@ def test_prefix_lm_matches_float64(name, dtype, sq, sk):
     if sq > 1 and sk > 1:  # the prefix decides: plain causal attention differs
         causal = reference(q, k, v, scale, True, torch.float64, bias=bias)[0]
         assert (causal - ref).abs().max().item() > 0.05, "the prefix did not matter here"
+
+
+DOCUMENT = (MODIFIERS / "document_causal.fa").read_text()
+DOC_CASES = [(d, sq, sk) for d in DTYPES for sq, sk in KEEP_SHAPES]
+
+
+@pytest.mark.parametrize(
+    "dtype, sq, sk", DOC_CASES, ids=[f"{c[0]}-{c[1]}x{c[2]}" for c in DOC_CASES]
+)
+def test_document_mask_matches_float64(dtype, sq, sk):
+    """examples/modifiers/document_causal.fa: each batch row one pattern of ids (packed
+    documents, one document, ids scattered per token, no query's id among the keys), GQA."""
+    kern = kernel("document_causal", DOCUMENT)
+    gen = torch.Generator(device="cuda").manual_seed(sq * 17 + sk)
+    q = torch.randn(4, sq, 8, 128, device="cuda", generator=gen).to(DTYPES[dtype])
+    k = torch.randn(4, sk, 2, 128, device="cuda", generator=gen).to(DTYPES[dtype])
+    v = torch.randn(4, sk, 2, 128, device="cuda", generator=gen).to(DTYPES[dtype])
+    made = document_ids(PATTERNS, sq, sk, seed=sq + sk)
+    keep = document_keep(made)
+    scale = 128**-0.5
+    out = torch.full_like(q, float("nan"))
+    out, lse = kern(q, k, v, scale, out=out, return_lse=True, **made)
+    torch.cuda.synchronize()
+    ref, ref_lse = reference(q, k, v, scale, True, torch.float64, keep=keep)
+    low, _ = reference(q, k, v, scale, True, q.dtype, keep=keep)
+    check(out, lse, ref, ref_lse, low, "document_causal")
+    assert (lse[3] == -math.inf).all(), "no query's document among the keys: no row sees a key"
+    # one document: plain causal attention, within the same rule
+    plain, plain_lse = reference(q[1:2], k[1:2], v[1:2], scale, True, torch.float64)
+    plain_low, _ = reference(q[1:2], k[1:2], v[1:2], scale, True, q.dtype)
+    check(out[1:2], lse[1:2], plain, plain_lse, plain_low, "one document")
+    if sq > 64 and sk > 64:  # the ids decide: plain causal attention differs
+        causal = reference(q, k, v, scale, True, torch.float64)[0]
+        assert (causal[0] - ref[0]).abs().max().item() > 0.05, "the documents did not matter"
 
 
 WINDOW = (ROOT / "tests" / "specs" / "sm90" / "fa3_window.fa").read_text()

@@ -19,6 +19,7 @@ import torch
 
 import fadsl
 from conftest import ROOT
+from document_ids import PATTERNS, document_ids, document_keep
 from test_gpu_general import reference
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability(0) == (9, 0)
@@ -68,7 +69,7 @@ PREFIX = (MODIFIERS / "prefix_lm.fa").read_text()
 PREFIX_ALIBI = (MODIFIERS / "prefix_lm_alibi.fa").read_text()
 
 
-def made_inputs(kern, batch, heads, sk):
+def made_inputs(kern, batch, heads, sk, sq=None):
     names = {i.name for i in kern.config.modifiers.inputs}
     found = {}
     if "slopes" in names:
@@ -79,6 +80,12 @@ def made_inputs(kern, batch, heads, sk):
         found["prefix"] = torch.tensor(
             [0, sk // 3, sk + 1, 1][:batch], device="cuda", dtype=torch.int32
         )
+    if (
+        "q_doc" in names
+    ):  # (document_causal: one pattern of ids a batch row, turning with the shape)
+        turn = sk + (sq or sk)
+        patterns = [PATTERNS[(row + turn) % len(PATTERNS)] for row in range(batch)]
+        found.update(document_ids(patterns, sq or sk, sk, seed=turn))
     return found
 
 
@@ -96,6 +103,8 @@ def modifier_terms(kern, made, sq, sk):
     if "prefix" in made:
         prefix = made["prefix"].long()
         keep = (j <= i + sk - sq)[None, None] | (j[None, None] < prefix[:, None, None, None])
+    if "q_doc" in made:
+        keep = document_keep(made)
     return bias, keep
 
 
@@ -145,6 +154,7 @@ def run(kern, q, k, v, dout, dlse, made):
 
 
 EXAMPLES = {"alibi_causal": ALIBI, "prefix_lm": PREFIX, "prefix_lm_alibi": PREFIX_ALIBI}
+EXAMPLES["document_causal"] = (MODIFIERS / "document_causal.fa").read_text()
 EXAMPLES["prefix_lm_det"] = deterministic(PREFIX)  # keep with ordered dQ adds (no trimming)
 CASES = [(n, d, s, lse) for n in EXAMPLES for d in DTYPES for s in SHAPES for lse in (False, True)]
 
@@ -158,7 +168,7 @@ def test_gradients_match_float64_autograd(name, dtype, shape, with_lse):
     kern = kernel(name, EXAMPLES[name])
     b, sq, sk, hq, _ = shape
     q, k, v, dout, dlse = tensors(shape, DTYPES[dtype], seed=sum(shape) * 7 + len(name))
-    made = made_inputs(kern, b, hq, sk)
+    made = made_inputs(kern, b, hq, sk, sq)
     bias, keep = modifier_terms(kern, made, sq, sk)
     causal = kern.config.mask.value == "causal"
     scale = 128**-0.5
