@@ -103,12 +103,12 @@ def test_bench_without_a_gpu_says_so():
 
 
 def test_an_unexpected_exception_is_exit_3_with_one_line(monkeypatch, capsys):
-    import fadsl.cli
+    import fadsl.cli.common
 
     def broken(source, file):
         raise RuntimeError("boom\nsecond line")
 
-    monkeypatch.setattr(fadsl.cli, "compile_source", broken)
+    monkeypatch.setattr(fadsl.cli.common, "compile_source", broken)
     assert main(["check", str(ROOT / SPEC)]) == 3
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "Traceback" not in err
