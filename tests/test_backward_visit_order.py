@@ -1,7 +1,8 @@
 """The host's choice of the deterministic adds' order (fadsl/targets/sm90/backward/host.py,
-_in_visit_order): the visit order only where every n-block of a (batch, head) fits on the GPU
-at once (a CTA there may wait on a later-launched one), and never with a window, packed
-sequences or longest_first; the n-block order (safe whatever runs at once) otherwise."""
+_in_visit_order): without a mask the visit order only where every n-block of a (batch, head)
+fits on the GPU at once (a CTA there may wait on a later-launched one), causal at any length
+(its n-blocks launch last first), and never with a window, packed sequences or longest_first;
+the n-block order (safe whatever runs at once) otherwise."""
 
 from __future__ import annotations
 
@@ -30,16 +31,23 @@ def _kernel(name: str, *replace: tuple[str, str]):
     return fadsl.load(text, verbose=False).compiled.kernel
 
 
-@pytest.mark.parametrize(
-    "name", ["fa3_hopper+deterministic-dqred+s2", "fa3_causal+deterministic-dqred"]
-)
-def test_deterministic_adds_follow_visits_while_every_n_block_fits(sms, name):
-    kernel = _kernel(name)
+def test_deterministic_adds_follow_visits_while_every_n_block_fits(sms):
+    kernel = _kernel("fa3_hopper+deterministic-dqred+s2")
     assert host._in_visit_order(kernel, 8, _Device())
     assert host._in_visit_order(kernel, 132, _Device())
     assert not host._in_visit_order(
         kernel, 133, _Device()
     )  # a CTA could wait on one not yet placed
+
+
+@pytest.mark.parametrize(
+    "name", ["fa3_causal+deterministic-dqred", "fa3_hdim64_causal+deterministic+dq_writer-dqred"]
+)
+def test_causal_deterministic_adds_follow_visits_at_any_length(sms, name):
+    """Causal, each wait is on an n-block launched earlier (tests/test_backward_launch_order.py)."""
+    kernel = _kernel(name)
+    for key_ctas in (1, 8, 132, 133, 4096):
+        assert host._in_visit_order(kernel, key_ctas, _Device())
 
 
 def test_the_n_block_order_elsewhere(sms):

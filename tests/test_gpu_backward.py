@@ -473,7 +473,8 @@ DETERMINISTIC = (
 
 # (batch, seqlen_q, seqlen_k, heads, heads_kv): 8 n-blocks a (batch, head), all on the GPU at
 # once, so an m-block's adds follow the order the n-blocks reach it (bwd_dq_place's visit
-# order); 133 n-blocks, more than an H100's or H200's SMs, so they follow the n-block order
+# order); 133 n-blocks, more than an H100's or H200's SMs, so without a mask they follow the
+# n-block order (causal: the visit order at any length, its n-blocks launched last first)
 DETERMINISTIC_SHAPES = [(2, 700, 900, 8, 2), (1, 300, 133 * 128, 2, 1)]
 
 
@@ -497,6 +498,29 @@ def test_deterministic_gradients_are_bitwise_stable(name, shape):
     scale = 1.0 / math.sqrt(d)
     truth = reference_grads(q, k, v, dout, scale, causal, torch.float32)
     own = reference_grads(q, k, v, dout, scale, causal, torch.bfloat16)
+    for ours, t, o, what in zip(runs[0], truth, own, ("dq", "dk", "dv")):
+        check_rule(ours, t, o, what)
+
+
+@pytest.mark.parametrize("name", [n for n in DETERMINISTIC if "causal" in n])
+def test_deterministic_causal_adds_past_the_gpus_ctas_are_bitwise_stable(name):
+    """Causal, 133 n-blocks a (batch, head) (more than the GPU runs at once) over 27 or more
+    m-blocks, each m-block's adds in visit order (up to 133 tickets, the n-blocks launched last
+    first): 5 runs bitwise equal, and right."""
+    kern = kernel(name)
+    d = kern.config.head_dim
+    q, k, v, dout = inputs((1, 2100, 133 * 128, 2, 1), torch.bfloat16, d, seed=29)
+    runs = []
+    for _ in range(5):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        kern(*leaves).backward(dout)
+        runs.append([t.grad for t in leaves])
+    for later in runs[1:]:
+        for a, b in zip(runs[0], later):
+            assert torch.equal(a, b)
+    scale = 1.0 / math.sqrt(d)
+    truth = reference_grads(q, k, v, dout, scale, True, torch.float32)
+    own = reference_grads(q, k, v, dout, scale, True, torch.bfloat16)
     for ours, t, o, what in zip(runs[0], truth, own, ("dq", "dk", "dv")):
         check_rule(ours, t, o, what)
 

@@ -120,6 +120,20 @@ __host__ __device__ __forceinline__ int bwd_clz(int x) {
 #endif
 }
 
+// `deterministic on` in visit order (P.dq_in_visit_order, set by the host only without a
+// window, packed sequences or longest_first, and without a mask with no more n-blocks per
+// (batch, head) than the GPU runs CTAs at once): the n-blocks reach each m-block one after another instead of
+// all at once, so an m-block's ordered adds (ordered_reduce_add) seldom wait.  Without a
+// mask n-block n of N visits all M m-blocks from m-block visit_first = n M / N on,
+// wrapping around, so that at any step the running n-blocks are spread over the m-blocks;
+// with the causal mask it visits them upwards from its diagonal as always, which reaches an
+// m-block from the last n-block that sees it down to n-block 0.
+template <class Cfg>
+__host__ __device__ __forceinline__ bool bwd_in_visit_order(const BwdParamsSm90& P) {
+  if constexpr (!Cfg::kDeterministic || Cfg::kVarlen || Cfg::kLongestFirst || has_window<Cfg>()) return false;
+  return P.dq_in_visit_order != 0;
+}
+
 // The block of grid position (x, y, z) in a grid of (gx, gy, gz) CTAs (bwd_block: the
 // launch's own; `scheduler persistent`: a tile's, bwd_tile_block).
 template <class Cfg>
@@ -149,6 +163,17 @@ __host__ __device__ __forceinline__ BwdBlock bwd_block_at(const BwdParamsSm90& P
       b.n_block = b.seqlen_q = b.seqlen_k = b.q_row0 = b.k_row0 = 0;  // no key stored, no m-block
     }
     b.chunk0 = bwd_first_slot(P.cu_seqlens_q, s, Cfg::kBlockM);
+  }
+  if constexpr (Cfg::kCausal) {
+    // `deterministic on`, causal, in visit order: a (batch, head)'s n-blocks launch last first
+    // (the shortest first: n-block n visits the m-blocks from its diagonal on). At m-block m
+    // n-block n adds after n + 1 (causal_visit_place), which launched before it, so a CTA
+    // never waits on one launched after it; and as one (batch, head)'s CTAs end (the short
+    // ones first) the next one's start in its tickets' order. Launched n-block first (the
+    // grid's order otherwise), the next (batch, head)'s n-block 0 would start first and wait
+    // at every m-block for n-blocks not yet launched, its CTAs in step with the last one
+    // launched (0.78x at head_dim 64, 16k: H200, 2026-12-01, docs/backward.md).
+    if (bwd_in_visit_order<Cfg>(P)) b.n_block = gx - 1 - x;
   }
   if constexpr (Cfg::kLongestFirst && !Cfg::kVarlen) {
     // Blocks launch x fastest, then y, then z.  The launch index runs over sections of
@@ -256,20 +281,6 @@ __host__ __device__ __forceinline__ int bwd_first_n_block(const BwdBlock& b, int
   return 0;
 }
 
-// `deterministic on` in visit order (P.dq_in_visit_order, set by the host only without a
-// window, packed sequences or longest_first, and with no more n-blocks per (batch, head) than
-// the GPU runs CTAs at once): the n-blocks reach each m-block one after another instead of
-// all at once, so an m-block's ordered adds (ordered_reduce_add) seldom wait.  Without a
-// mask n-block n of N visits all M m-blocks from m-block visit_first = n M / N on,
-// wrapping around, so that at any step the running n-blocks are spread over the m-blocks;
-// with the causal mask it visits them upwards from its diagonal as always, which reaches an
-// m-block from the last n-block that sees it down to n-block 0.
-template <class Cfg>
-__device__ __forceinline__ bool bwd_in_visit_order(const BwdParamsSm90& P) {
-  if constexpr (!Cfg::kDeterministic || Cfg::kVarlen || Cfg::kLongestFirst || has_window<Cfg>()) return false;
-  return P.dq_in_visit_order != 0;
-}
-
 template <class Cfg>
 __host__ __device__ __forceinline__ int bwd_n_blocks(const BwdBlock& b) {
   return (b.seqlen_k + Cfg::kBlockN - 1) / Cfg::kBlockN;
@@ -348,11 +359,13 @@ __device__ __forceinline__ int bwd_m_block(const BwdParamsSm90& P, const BwdBloc
 //   between the m-block's first seen key and this n-block's).  A CTA waits only on smaller
 //   n-blocks of its (batch, head), which launch before it in either order of bwd_block, so
 //   a waited-for CTA has started: no deadlock whatever runs at once.
-// - visit order (bwd_in_visit_order): causal_visit_place, visit_place without a mask.  Here
-//   a CTA may wait on larger n-blocks, which launch after it: the host
-//   asks for it only where every n-block of a (batch, head) fits on the GPU at once, so that
-//   of the CTAs running only the last (batch, head) launched can be short of a CTA it waits
-//   on, and the others, complete, finish and make room for it.
+// - visit order (bwd_in_visit_order): causal_visit_place, visit_place without a mask.
+//   Causal, a CTA waits on larger n-blocks, which bwd_block_at launches before it (last
+//   first): no deadlock whatever runs at once.  Without a mask a CTA may wait on larger
+//   n-blocks, which launch after it: the host asks for it only where every n-block of a
+//   (batch, head) fits on the GPU at once, so that of the CTAs running only the last (batch,
+//   head) launched can be short of a CTA it waits on, and the others, complete, finish and
+//   make room for it.
 template <class Cfg>
 __device__ __forceinline__ int bwd_dq_place(const BwdParamsSm90& P, const BwdBlock& b, int m) {
   if (bwd_in_visit_order<Cfg>(P)) {

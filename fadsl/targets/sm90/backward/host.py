@@ -225,14 +225,16 @@ def _zeroed_outside(layout: _Layout, dq, dk, dv, dkv_store: int) -> tuple[int, .
 
 def _in_visit_order(kernel: Kernel, key_ctas: int, device) -> bool:
     """`deterministic on`: whether an m-block's ordered dQ adds may follow the order in which
-    the n-blocks reach it (sm90_bwd.cuh, bwd_dq_place) rather than the n-block order. There a
-    CTA waits on larger n-blocks, which launch after it, so every n-block of a (batch, head)
-    must fit on the GPU at once (one CTA per SM). Not with packed sequences, a window or
-    longest_first (whose launch order interleaves the pairs)."""
+    the n-blocks reach it (sm90_bwd_block.cuh, bwd_dq_place) rather than the n-block order.
+    There a CTA waits on larger n-blocks: causal, those launch before it (bwd_block_at launches
+    a (batch, head)'s n-blocks last first), at any length; without a mask they launch after
+    it, so every n-block of a (batch, head) must fit on the GPU at once (one CTA per SM). Not
+    with packed sequences, a window or longest_first (whose launch order interleaves the
+    pairs)."""
     cfg, bwd = kernel.config, kernel.backward
     if not bwd.deterministic or cfg.features.varlen or cfg.window or bwd.longest_first:
         return False
-    return key_ctas <= sm_count(device.index)
+    return cfg.mask is Mask.CAUSAL or key_ctas <= sm_count(device.index)
 
 
 def fuses_convert(kernel: Kernel, layout: _Layout, seqlen_q: int) -> bool:
