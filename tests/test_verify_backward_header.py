@@ -12,23 +12,20 @@ import pytest
 from backward_header import (
     HEADER,
     LAG_HEADER,
-    MBARS,
-    OFFSETS,
     SPLIT_HEADER,
     TEMPLATE,
     config_constants,
     consumer_function,
     differences,
-    evaluate,
     expected_calls,
-    function,
     header_calls,
     kernel_body,
     kernel_template,
     producer_function,
-    squash,
     writer_function,
 )
+from backward_walk import MBARS, OFFSETS, evaluate
+from cpp_reader import function, squash
 from fadsl.targets.sm90.backward.program import (
     BAR_DQ,
     BAR_DQ_EMPTY,
