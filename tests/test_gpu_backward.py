@@ -478,28 +478,34 @@ DETERMINISTIC = (
 DETERMINISTIC_SHAPES = [(2, 700, 900, 8, 2), (1, 300, 133 * 128, 2, 1)]
 
 
+def stable_and_right(name: str, shape: tuple, runs: int, seed: int) -> None:
+    """``runs`` backwards of spec ``name`` on the same tensors give bitwise-identical dQ, dK
+    and dV, within FlashAttention's rule of the float32 reference."""
+    kern = kernel(name)
+    d = kern.config.head_dim
+    causal = kern.config.mask.value == "causal"
+    q, k, v, dout = inputs(shape, torch.bfloat16, d, seed=seed)
+    grads = []
+    for _ in range(runs):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        kern(*leaves).backward(dout)
+        grads.append([t.grad for t in leaves])
+    for later in grads[1:]:
+        for a, b in zip(grads[0], later):
+            assert torch.equal(a, b)
+    scale = 1.0 / math.sqrt(d)
+    truth = reference_grads(q, k, v, dout, scale, causal, torch.float32)
+    own = reference_grads(q, k, v, dout, scale, causal, torch.bfloat16)
+    for ours, t, o, what in zip(grads[0], truth, own, ("dq", "dk", "dv")):
+        check_rule(ours, t, o, what)
+
+
 @pytest.mark.parametrize("shape", DETERMINISTIC_SHAPES, ids=["visit_order", "n_block_order"])
 @pytest.mark.parametrize("name", DETERMINISTIC)
 def test_deterministic_gradients_are_bitwise_stable(name, shape):
     """`deterministic on`: 10 runs give bitwise-identical dQ, dK, dV (GQA, several n-blocks
     per m-block, so that dQ's reduce-adds race), and they are right."""
-    kern = kernel(name)
-    d = kern.config.head_dim
-    causal = kern.config.mask.value == "causal"
-    q, k, v, dout = inputs(shape, torch.bfloat16, d, seed=13)
-    runs = []
-    for _ in range(10):
-        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-        kern(*leaves).backward(dout)
-        runs.append([t.grad for t in leaves])
-    for later in runs[1:]:
-        for a, b in zip(runs[0], later):
-            assert torch.equal(a, b)
-    scale = 1.0 / math.sqrt(d)
-    truth = reference_grads(q, k, v, dout, scale, causal, torch.float32)
-    own = reference_grads(q, k, v, dout, scale, causal, torch.bfloat16)
-    for ours, t, o, what in zip(runs[0], truth, own, ("dq", "dk", "dv")):
-        check_rule(ours, t, o, what)
+    stable_and_right(name, shape, runs=10, seed=13)
 
 
 @pytest.mark.parametrize("name", [n for n in DETERMINISTIC if "causal" in n])
@@ -507,22 +513,7 @@ def test_deterministic_causal_adds_past_the_gpus_ctas_are_bitwise_stable(name):
     """Causal, 133 n-blocks a (batch, head) (more than the GPU runs at once) over 27 or more
     m-blocks, each m-block's adds in visit order (up to 133 tickets, the n-blocks launched last
     first): 5 runs bitwise equal, and right."""
-    kern = kernel(name)
-    d = kern.config.head_dim
-    q, k, v, dout = inputs((1, 2100, 133 * 128, 2, 1), torch.bfloat16, d, seed=29)
-    runs = []
-    for _ in range(5):
-        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-        kern(*leaves).backward(dout)
-        runs.append([t.grad for t in leaves])
-    for later in runs[1:]:
-        for a, b in zip(runs[0], later):
-            assert torch.equal(a, b)
-    scale = 1.0 / math.sqrt(d)
-    truth = reference_grads(q, k, v, dout, scale, True, torch.float32)
-    own = reference_grads(q, k, v, dout, scale, True, torch.bfloat16)
-    for ours, t, o, what in zip(runs[0], truth, own, ("dq", "dk", "dv")):
-        check_rule(ours, t, o, what)
+    stable_and_right(name, (1, 2100, 133 * 128, 2, 1), runs=5, seed=29)
 
 
 def test_the_op_called_without_its_lse_refuses_a_backward():
