@@ -41,6 +41,10 @@ struct SpecModifiers {
   static __device__ __forceinline__ bool empty(const FwdParamsSm90& P, int b, int h, int q_lo, int q_hi, int kv_lo, int kv_hi) {
     return false;
   }
+  // keep reads inputs per token: <kernel>_keep_classes classes the tiles before each launch
+  // (P.inputs[2]: a byte per tile; P.inputs[3]: each q block's range of kept blocks)
+  static constexpr int kClassesInput = 2;
+  static constexpr bool kClassesPerHead = false;
 };
 
 // The spec's configuration over the header's defaults: setmaxnreg split and SMEM plan
@@ -70,6 +74,11 @@ __device__ __forceinline__ uint32_t ring_phase(int item) { return static_cast<ui
 // Read by the host (cuModuleGetGlobal) so that host and device agree on the launch:
 // threads, dynamic SMEM bytes, B_r, B_c, CTAs per cluster.
 extern "C" __device__ const int document_causal_bf16_launch_info[5] = {Cfg::kThreads, Cfg::kSmemBytes, Cfg::kBlockM, Cfg::kBlockN, Cfg::kClusterSize};
+
+// Before each launch of the attention kernel: keep's class of every tile (it reads inputs per token)
+extern "C" __global__ void __launch_bounds__(128, 1) document_causal_bf16_keep_classes(const __grid_constant__ FwdParamsSm90 P) {
+  keep_classes<Cfg>(P);
+}
 
 extern "C" __global__ void __launch_bounds__(Cfg::kThreads, 1) document_causal_bf16(const __grid_constant__ FwdParamsSm90 P) {
   extern __shared__ __align__(1024) uint8_t smem_raw[];

@@ -41,6 +41,7 @@ struct SpecModifiers {
   static __device__ __forceinline__ bool empty(const FwdParamsSm90& P, int b, int h, int q_lo, int q_hi, int kv_lo, int kv_hi) {
     return kv_lo - q_hi > P.base.seqlen_k - P.base.seqlen_q && kv_lo >= fadsl::modifiers::load<int>(P.inputs[0], b);
   }
+  static constexpr int kClassesInput = -1;  // (the rule alone classes the tiles)
 };
 
 // The spec's configuration over the header's defaults: setmaxnreg split and SMEM plan

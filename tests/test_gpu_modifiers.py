@@ -230,6 +230,90 @@ def test_document_mask_matches_float64(dtype, sq, sk):
         assert (causal[0] - ref[0]).abs().max().item() > 0.05, "the documents did not matter"
 
 
+def _torch_classes(made, sq, sk, block_r, block_c, causal=True):
+    """Each tile's class (0 EMPTY, 1 PARTIAL, 2 FULL) and each q block's (first, last) kept
+    block by the predicate in torch, as <kernel>_keep_classes makes them (tiles wholly above
+    the causal diagonal EMPTY)."""
+    keep = document_keep(made)[:, 0]  # (batch, sq, sk)
+    qb, kb = -(-sq // block_r), -(-sk // block_c)
+    classes = torch.zeros(keep.shape[0], qb, kb, dtype=torch.uint8)
+    ranges = torch.tensor([2**31 - 1, -1], dtype=torch.int32).repeat(keep.shape[0], qb, 1)
+    for b in range(keep.shape[0]):
+        for i in range(qb):
+            rows = slice(i * block_r, min((i + 1) * block_r, sq))
+            for j in range(kb):
+                if causal and j * block_c > rows.stop - 1 + sk - sq:
+                    continue
+                tile = keep[b, rows, j * block_c : (j + 1) * block_c]
+                if tile.any():
+                    classes[b, i, j] = 2 if tile.all() else 1
+                    ranges[b, i, 0] = min(ranges[b, i, 0].item(), j)
+                    ranges[b, i, 1] = max(ranges[b, i, 1].item(), j)
+    return classes, ranges
+
+
+@pytest.mark.parametrize("sq, sk", [(1000, 1000), (640, 1000), (1000, 333)], ids=str)
+def test_document_tiles_are_classed_as_the_predicate_says(monkeypatch, sq, sk):
+    """<kernel>_keep_classes's bytes and ranges against the predicate evaluated in torch."""
+    from fadsl.runtime import keep_classes
+
+    made_here = []
+    real = keep_classes.workspaces
+
+    def recording(config, q, k):
+        found = real(config, q, k)
+        made_here.append(found[0])
+        return found
+
+    monkeypatch.setattr(keep_classes, "workspaces", recording)
+    kern = kernel("document_causal", DOCUMENT)
+    gen = torch.Generator(device="cuda").manual_seed(sq + 3 * sk)
+    q = torch.randn(4, sq, 4, 128, device="cuda", generator=gen).to(torch.bfloat16)
+    k = torch.randn(4, sk, 2, 128, device="cuda", generator=gen).to(torch.bfloat16)
+    v = torch.randn(4, sk, 2, 128, device="cuda", generator=gen).to(torch.bfloat16)
+    made = document_ids(PATTERNS, sq, sk, seed=sq * sk)
+    kern(q, k, v, **made)
+    torch.cuda.synchronize()
+    ((classes, ranges),) = made_here
+    want_classes, want_ranges = _torch_classes(made, sq, sk, 128, 128)
+    qb, kb = want_classes.shape[1:]
+    got = classes.view(4, qb, kb).cpu()
+    below = torch.ones(qb, kb, dtype=torch.bool)  # (tiles above the diagonal: EMPTY, unread)
+    for i in range(qb):
+        for j in range(kb):
+            below[i, j] = j * 128 <= min((i + 1) * 128, sq) - 1 + sk - sq
+    assert torch.equal(got[:, below], want_classes[:, below])
+    assert torch.equal(ranges.view(4, qb, 2).cpu(), want_ranges)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_document_blocks_no_query_keeps_are_never_read(dtype):
+    """Keys 256-511 of each batch row belong to a document no query is in: their K/V blocks
+    (2 and 3 of B_c 128) are EMPTY for every tile, so the kernel must never load them. Their
+    V is NaN: a block loaded and masked would still add 0 x NaN into O."""
+    kern = kernel("document_causal", DOCUMENT)
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    n = 1024
+    q = torch.randn(2, n, 4, 128, device="cuda", generator=gen).to(DTYPES[dtype])
+    k = torch.randn(2, n, 2, 128, device="cuda", generator=gen).to(DTYPES[dtype])
+    v = torch.randn(2, n, 2, 128, device="cuda", generator=gen).to(DTYPES[dtype])
+    kv_doc = torch.zeros(2, n, dtype=torch.int32, device="cuda")
+    kv_doc[:, 256:512], kv_doc[:, 512:] = 9, 1
+    q_doc = kv_doc.clone()
+    q_doc[:, 256:512] = 0  # (these queries see document 0's keys, before them)
+    made = {"q_doc": q_doc, "kv_doc": kv_doc}
+    clean = v.clone()
+    clean[:, 256:512] = 0
+    v[:, 256:512] = float("nan")
+    scale = 128**-0.5
+    out, lse = kern(q, k, v, scale, return_lse=True, **made)
+    torch.cuda.synchronize()
+    keep = document_keep(made)
+    ref, ref_lse = reference(q, k, clean, scale, True, torch.float64, keep=keep)
+    low, _ = reference(q, k, clean, scale, True, q.dtype, keep=keep)
+    check(out, lse, ref, ref_lse, low, "document_causal, unread blocks poisoned")
+
+
 WINDOW = (ROOT / "tests" / "specs" / "sm90" / "fa3_window.fa").read_text()
 AS_KEEP = {
     # the built-in mask, and the same kernel with the mask written as keep

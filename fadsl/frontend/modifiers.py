@@ -19,6 +19,8 @@ from ..spec.syntax import ExprLine, InputLine, Number, Word
 
 # The inputs a kernel's params hold (sm_90a's FwdParamsSm90 keeps this many pointers).
 MAX_INPUTS = 8
+# The slots a keep that reads inputs per token takes for its tiles' classes (TileRule.by_pass).
+CLASS_INPUTS = 2
 # Dimensions of an input that are constants: at least 1, and an element count within i32.
 MAX_CONSTANT_DIM = 2**20
 INPUT_DTYPES = {"f32": ExprType.F32, "i32": ExprType.I32}
@@ -63,6 +65,15 @@ def read_modifiers(c: Checks) -> Modifiers | None:
     except SpecError as err:
         for d in err.diagnostics:
             c.error(d.loc, d.message)
+        return None
+    rule = modifiers.rule
+    if rule is not None and rule.by_pass and len(inputs) > MAX_INPUTS - CLASS_INPUTS:
+        c.error(
+            modifiers.keep_loc,
+            f"this keep reads inputs per token, so each call classes its tiles first, and the "
+            f"classes take {CLASS_INPUTS} of the kernel's {MAX_INPUTS} input slots: declare at "
+            f"most {MAX_INPUTS - CLASS_INPUTS} inputs",
+        )
         return None
     _differentiable(c, modifiers)
     return modifiers if len(c.sink) == before else None

@@ -252,6 +252,16 @@ def reads_score(e: Expr) -> bool:
     return VarKind.SCORE in var_kinds(e)
 
 
+def reads_per_token(e: Expr) -> bool:
+    """Whether ``e`` reads an input at an index that varies inside a tile (``t[b, q_idx]``)."""
+    return any(isinstance(n, Load) and not all(map(tile_uniform, n.indices)) for n in walk(e))
+
+
+def reads_head(e: Expr) -> bool:
+    """Whether ``e`` reads the head: ``h`` itself (in an index or not)."""
+    return VarKind.HEAD in var_kinds(e)
+
+
 def tile_uniform(e: Expr) -> bool:
     """Whether ``e`` has one value for all of a tile's scores: it reads no score, query row
     or key (inputs indexed by the batch and head only are uniform too)."""
@@ -281,12 +291,18 @@ class TileRule:
     """derive_sparsity's result: a tile is FULL where ``full`` holds, EMPTY where ``empty``
     holds, PARTIAL otherwise. Both read only what is uniform over a tile: its bounds (Q_LO ..
     KV_HI), the batch, the head, the sizes and inputs indexed by those. ``exact``: FULL and
-    EMPTY are decided exactly (never PARTIAL where every or no score is kept), with ``why``."""
+    EMPTY are decided exactly (never PARTIAL where every or no score is kept), with ``why``.
+    ``by_pass``: the predicate reads an input indexed by ``q_idx`` or ``kv_idx`` (document
+    ids), which no rule over a tile's bounds can see through: each call classes the tiles by
+    evaluating the predicate at every score first (a pass before the kernel), per head where
+    it reads ``h`` (``per_head``), and the kernel takes those classes beside the rule's."""
 
     full: Expr
     empty: Expr
     exact: bool
     why: str
+    by_pass: bool = False
+    per_head: bool = False
 
 
 @dataclass(frozen=True)

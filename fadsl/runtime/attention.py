@@ -32,7 +32,7 @@ from ..pipeline import Compiled, compile_file, compile_source
 from ..targets import check_arch
 from ..targets.archs import arch_for
 from ..targets.launch import Args, CallPlan, KernelStep, current_stream
-from . import arguments, learnable
+from . import arguments, keep_classes, learnable
 from .learnable import learning
 from .fp8_calls import Fp8Calls
 from .serving import ServingCalls
@@ -464,12 +464,16 @@ class FlashAttention(ServingCalls, Fp8Calls):
             )
         if descales is None and self.is_fp8:  # (every launch passes its second parameter)
             descales = (None, None, None)
+        classes_grid = None
+        if keep_classes.by_pass(self.config):  # (the tiles' classes: inputs after the spec's)
+            hidden, classes_grid = keep_classes.workspaces(self.config, q, k)
+            inputs = tuple(inputs) + hidden
         args = Args(q, k, v, out, lse, scale, tuple(inputs), descales)
         cluster = self._launch.cluster(self.compiled.kernel, args)
         if cluster == 1 and self.alone is not None:
             self.alone.launch_args(dtype, args, 1)  # the cluster-free variant
         else:
-            self.launch_args(dtype, args, cluster)
+            self.launch_args(dtype, args, cluster, classes_grid)
 
     def prepare(self, dtype: Dtype, q, k, v, out, lse, scale: float, stream: int, descales=None):
         """This call's launch kept for the later calls of its signature (``plans.Prepared``,
@@ -510,8 +514,10 @@ class FlashAttention(ServingCalls, Fp8Calls):
         addresses += tuple(0 if t is None else t.data_ptr() for t in args.descales)
         return self.prepared(dtype, index, stream, plan, FP8_SOURCES, addresses)
 
-    def launch_args(self, dtype: Dtype, args: Args, cluster: int) -> None:
-        """Launch with ``args`` in clusters of ``cluster`` CTAs (1: without clusters)."""
+    def launch_args(self, dtype: Dtype, args: Args, cluster: int, classes_grid=None) -> None:
+        """Launch with ``args`` in clusters of ``cluster`` CTAs (1: without clusters);
+        ``classes_grid``: <kernel>_keep_classes's grid, launched first with the same params
+        (a keep that reads inputs per token: fadsl/runtime/keep_classes.py)."""
         import torch
 
         index = args.q.device.index
@@ -523,12 +529,31 @@ class FlashAttention(ServingCalls, Fp8Calls):
             grid = self._launch.fit_grid(kernel, grid, self._co_resident[dtype, index])
         # an 8-bit kernel's second parameter: the descales (Fp8Descales)
         second = None if args.descales is None else self._launch.pack_second(args)
+        if classes_grid is not None:  # (the classes first, on the same stream)
+            classes = self._classes_module(dtype, index)
+            with torch.cuda.device(index):
+                block = (keep_classes.CLASSES_THREADS, 1, 1)
+                classes.launch(classes_grid, block, params, current_stream(index))
         if index == torch.cuda.current_device():
             module.launch(grid, self._block, params, current_stream(index), cluster, second=second)
         else:
             with torch.cuda.device(index):
                 stream = current_stream(index)
                 module.launch(grid, self._block, params, stream, cluster, second=second)
+
+    def _classes_module(self, dtype: Dtype, index: int):
+        """<kernel>_keep_classes of the loaded cubin (module() loads it first)."""
+        from .driver import Module
+
+        found = self._modules.get((dtype, index, keep_classes.CLASSES_SUFFIX))
+        if found is None:
+            self._modules.get((dtype, index)) or self.module(dtype, index)
+            arch = arch_of(index)
+            name = self.request(dtype, arch).kernel + keep_classes.CLASSES_SUFFIX
+            found = Module(self.cubin(dtype, arch).cubin, name, 0, keep_classes.CLASSES_THREADS)
+            found.prepare(index)
+            self._modules[dtype, index, keep_classes.CLASSES_SUFFIX] = found
+        return found
 
     # ------------------------------------------------------------------ checks
     # The checks themselves are in fadsl/runtime/arguments.py; these pass them the spec's config.

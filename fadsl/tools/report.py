@@ -224,6 +224,8 @@ def modifiers_data(m: Modifiers) -> dict[str, Any]:
             "empty": text(rule.empty),
             "exact": rule.exact,
             "why": rule.why,
+            "by_pass": rule.by_pass,
+            "per_head": rule.per_head,
         }
     return data
 
@@ -251,6 +253,13 @@ def modifiers_text(data: dict[str, Any]) -> list[str]:
         out.append(f"      EMPTY (block skipped)   where {keep['empty']}")
         out.append("      PARTIAL (masked by keep) otherwise")
         out.append(f"    {'exact' if keep['exact'] else 'not exact'}: {keep['why']}")
+        if keep["by_pass"]:
+            out.append(
+                "    and by a pass before the kernel, each call: the predicate at every score of "
+                f"each tile{', per head' if keep['per_head'] else ''}; a tile is EMPTY, FULL or "
+                "PARTIAL by what it finds, the kernel skipping the EMPTY blocks at each end of a "
+                "tile's range and masking only PARTIAL ones"
+            )
     return out
 
 

@@ -165,10 +165,47 @@ __device__ __forceinline__ void window_work(TileWork& w, int seqlen_q, int seqle
 // EMPTY blocks at the ends; one left in the middle runs masked (every score -inf). The
 // producer and the consumers trim alike, from the same values. The leading iterations that
 // mask for the seqlen_k tail or the causal diagonal (n_masked) lose those trimmed off the top.
+//
+// A keep that reads inputs per token (document ids: TileRule.by_pass) has its tiles classed
+// by <kernel>_keep_classes before the kernel (fadsl/sm90_modifiers.cuh, keep_classes): then
+// the blocks outside the q block's range of kept ones are EMPTY too, read once a tile
+// (keep_range), and a block is FULL where its class says so (keep_class).
+enum : uint8_t { kTileEmpty = 0, kTilePartial = 1, kTileFull = 2 };
+
+// The (batch, head) row of the classes: one per batch, or per head where keep reads h.
+template <class Cfg>
+__device__ __forceinline__ int keep_class_row(const FwdParamsSm90& P, int batch, int head) {
+  return Cfg::Modifiers::kClassesPerHead ? batch * P.base.heads_q + head : batch;
+}
+
+// The first and last kv block of the tile's q block that keep keeps a score of (first >
+// last: none), from P.inputs[kClassesInput + 1].
+template <class Cfg>
+__device__ __forceinline__ int2 keep_range(const FwdParamsSm90& P, const TileWork& w) {
+  const int q_blocks = (P.base.seqlen_q + Cfg::kBlockM - 1) / Cfg::kBlockM;
+  const int2* ranges = static_cast<const int2*>(P.inputs[Cfg::Modifiers::kClassesInput + 1]);
+  return __ldg(ranges + keep_class_row<Cfg>(P, w.batch, w.head) * q_blocks + w.m0 / Cfg::kBlockM);
+}
+
+// The class of the tile's block n_block, from P.inputs[kClassesInput].
+template <class Cfg>
+__device__ __forceinline__ int keep_class(const FwdParamsSm90& P, const TileWork& w, int n_block) {
+  const int q_blocks = (P.base.seqlen_q + Cfg::kBlockM - 1) / Cfg::kBlockM;
+  const int kv_blocks = (P.base.seqlen_k + Cfg::kBlockN - 1) / Cfg::kBlockN;
+  const uint8_t* classes = static_cast<const uint8_t*>(P.inputs[Cfg::Modifiers::kClassesInput]);
+  const int row = keep_class_row<Cfg>(P, w.batch, w.head) * q_blocks + w.m0 / Cfg::kBlockM;
+  return __ldg(classes + static_cast<long long>(row) * kv_blocks + n_block);
+}
+
 template <class Cfg>
 __device__ __forceinline__ void keep_work(const FwdParamsSm90& P, TileWork& w) {
   const int q_lo = w.m0, q_hi = imin(w.m0 + Cfg::kBlockM, w.seqlen_q) - 1;
+  int2 kept = make_int2(0, 0);  // the blocks the classes keep a score of (kClassesInput >= 0)
+  if constexpr (Cfg::Modifiers::kClassesInput >= 0) kept = keep_range<Cfg>(P, w);
   auto empty = [&](int n) {
+    if constexpr (Cfg::Modifiers::kClassesInput >= 0) {
+      if (n < kept.x || n > kept.y) return true;
+    }
     const int kv_lo = n * Cfg::kBlockN, kv_hi = imin(kv_lo + Cfg::kBlockN, w.seqlen_k) - 1;
     return Cfg::Modifiers::empty(P, w.batch, w.head, q_lo, q_hi, kv_lo, kv_hi);
   };

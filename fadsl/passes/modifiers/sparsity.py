@@ -20,7 +20,10 @@ dual (prefix-LM: ``kv_idx <= q_idx or kv_idx < prefix[b]``, whose failing sets b
 the corner (q_lo, kv_hi)). A comparison of anything else (a float, a product of indices,
 an input indexed by q_idx) decides nothing: PARTIAL, and ``exact`` is False. Causal masks,
 sliding windows and prefix-LM written as expressions are exact (tests/test_modifiers_sparsity.py
-checks every class against the predicate's scores over random tiles).
+checks every class against the predicate's scores over random tiles). A predicate that
+reads an input indexed by q_idx or kv_idx (document ids) is marked ``by_pass`` (and
+``per_head`` where it reads h): no rule over a tile's bounds sees through it, so the target
+classes its tiles per call by evaluating the predicate (sm_90a: <kernel>_keep_classes).
 """
 
 from __future__ import annotations
@@ -41,6 +44,8 @@ from ...ir.expr import (
     UnOp,
     Var,
     VarKind,
+    reads_head,
+    reads_per_token,
     text,
     tile_uniform,
 )
@@ -61,7 +66,9 @@ def derive_sparsity(m: Modifiers) -> Modifiers:
         else "a term is not linear in q_idx and kv_idx, or the comparisons do not meet at a "
         "corner: some FULL or EMPTY tiles are classed PARTIAL (masked, still correct)"
     )
-    return replace(m, rule=TileRule(facts.full, facts.empty, exact, why))
+    by_pass = reads_per_token(m.keep)
+    per_head = by_pass and reads_head(m.keep)
+    return replace(m, rule=TileRule(facts.full, facts.empty, exact, why, by_pass, per_head))
 
 
 # --- linear forms ------------------------------------------------------------

@@ -110,7 +110,49 @@ __device__ __forceinline__ bool keep_partial(const FwdParamsSm90& P, const TileW
   } else {
     const int q_lo = imin(w.m0 + 64 * wg, w.seqlen_q - 1), q_hi = imin(w.m0 + 64 * wg + 63, w.seqlen_q - 1);
     const int kv_lo = n_block * Cfg::kBlockN, kv_hi = imin(kv_lo + Cfg::kBlockN, w.seqlen_k) - 1;
-    return !Cfg::Modifiers::full(P, w.batch, w.head, q_lo, q_hi, kv_lo, kv_hi);
+    if (Cfg::Modifiers::full(P, w.batch, w.head, q_lo, q_hi, kv_lo, kv_hi)) return false;
+    if constexpr (Cfg::Modifiers::kClassesInput >= 0) return keep_class<Cfg>(P, w, n_block) != kTileFull;
+    return true;
+  }
+}
+
+// <kernel>_keep_classes (a keep that reads inputs per token, TileRule.by_pass), before each
+// launch of the attention kernel: keep evaluated at every score of tile (q block
+// blockIdx.y, kv block blockIdx.x) of (batch, head) row blockIdx.z (keep_class_row), 128
+// threads; its class byte at P.inputs[kClassesInput] (EMPTY, PARTIAL, FULL), and, where it
+// keeps a score, the q block's range of kept blocks at P.inputs[kClassesInput + 1] widened
+// to it (atomicMin and atomicMax on the host's (INT_MAX, -1)). Rows past seqlen_q and keys
+// past seqlen_k are not scores; a causal tile wholly above the diagonal is EMPTY unread
+// (the kernel's range never reaches it).
+template <class Cfg>
+__device__ __forceinline__ void keep_classes(const FwdParamsSm90& P) {
+  const int heads = Cfg::Modifiers::kClassesPerHead ? P.base.heads_q : 1;
+  const int b = blockIdx.z / heads, h = blockIdx.z % heads;
+  const int q0 = blockIdx.y * Cfg::kBlockM, k0 = blockIdx.x * Cfg::kBlockN;
+  const int rows = imin(Cfg::kBlockM, P.base.seqlen_q - q0), cols = imin(Cfg::kBlockN, P.base.seqlen_k - k0);
+  const long long tile = (static_cast<long long>(blockIdx.z) * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
+  uint8_t* classes = static_cast<uint8_t*>(const_cast<void*>(P.inputs[Cfg::Modifiers::kClassesInput]));
+  if (Cfg::kCausal && k0 > q0 + rows - 1 + P.base.seqlen_k - P.base.seqlen_q) {
+    if (threadIdx.x == 0) classes[tile] = kTileEmpty;
+    return;  // (uniform over the CTA: no barrier below is reached by part of it)
+  }
+  const auto u = Cfg::Modifiers::uniforms(P, b, h);
+  bool any = false, all = true;
+  for (int i = threadIdx.x; i < rows * cols; i += blockDim.x) {
+    const bool kept = Cfg::Modifiers::keep(P, u, b, h, q0 + i / cols, k0 + i % cols);
+    any = any || kept;
+    all = all && kept;
+  }
+  any = __syncthreads_or(any);  // (the CTA's threads all reach both: orders nothing else)
+  all = __syncthreads_and(all);
+  if (threadIdx.x == 0) {
+    classes[tile] = all ? kTileFull : any ? kTilePartial : kTileEmpty;
+    if (any) {
+      int* range = static_cast<int*>(const_cast<void*>(P.inputs[Cfg::Modifiers::kClassesInput + 1])) +
+                   2 * (static_cast<long long>(blockIdx.z) * gridDim.y + blockIdx.y);
+      atomicMin(range, static_cast<int>(blockIdx.x));
+      atomicMax(range + 1, static_cast<int>(blockIdx.x));
+    }
   }
 }
 
