@@ -530,7 +530,8 @@ class FlashAttention(ServingCalls, Fp8Calls):
         # an 8-bit kernel's second parameter: the descales (Fp8Descales)
         second = None if args.descales is None else self._launch.pack_second(args)
         if classes_grid is not None:  # (the classes first, on the same stream)
-            classes = self._classes_module(dtype, index)
+            suffix, threads = keep_classes.CLASSES_SUFFIX, keep_classes.CLASSES_THREADS
+            classes = self.kernel_module(dtype, index, suffix, threads)
             with torch.cuda.device(index):
                 block = (keep_classes.CLASSES_THREADS, 1, 1)
                 classes.launch(classes_grid, block, params, current_stream(index))
@@ -540,20 +541,6 @@ class FlashAttention(ServingCalls, Fp8Calls):
             with torch.cuda.device(index):
                 stream = current_stream(index)
                 module.launch(grid, self._block, params, stream, cluster, second=second)
-
-    def _classes_module(self, dtype: Dtype, index: int):
-        """<kernel>_keep_classes of the loaded cubin (module() loads it first)."""
-        from .driver import Module
-
-        found = self._modules.get((dtype, index, keep_classes.CLASSES_SUFFIX))
-        if found is None:
-            self._modules.get((dtype, index)) or self.module(dtype, index)
-            arch = arch_of(index)
-            name = self.request(dtype, arch).kernel + keep_classes.CLASSES_SUFFIX
-            found = Module(self.cubin(dtype, arch).cubin, name, 0, keep_classes.CLASSES_THREADS)
-            found.prepare(index)
-            self._modules[dtype, index, keep_classes.CLASSES_SUFFIX] = found
-        return found
 
     # ------------------------------------------------------------------ checks
     # The checks themselves are in fadsl/runtime/arguments.py; these pass them the spec's config.
