@@ -87,3 +87,17 @@ def test_the_workspaces_fit_the_tiles_and_start_with_nothing_kept(sq, sk, heads)
     assert ranges.dtype == torch.int32 and ranges.shape == (2 * q_blocks, 2)
     assert (ranges[:, 0] == keep_classes.INT_MAX).all() and (ranges[:, 1] == -1).all()
     assert keep_classes.by_pass(config)
+
+
+def test_more_tiles_than_the_pass_can_launch_are_refused_naming_q():
+    config = _compiled(DOCUMENT).kernel.config
+    q = torch.empty(1, 65536 * config.block_r, 1, 128, device="meta")
+    k = torch.empty(1, 128, 1, 128, device="meta")
+    with pytest.raises(ValueError, match=r"^q: .* at most 65535 q blocks"):
+        keep_classes.workspaces(config, q, k)
+    per_head = _compiled(
+        DOCUMENT.replace(KEEP, "  keep       q_doc[b, q_idx] == kv_doc[b, kv_idx] or h == 0\n")
+    ).kernel.config
+    q = torch.empty(1024, 128, 128, 128, device="meta")
+    with pytest.raises(ValueError, match=r"^q: batch 1024 x 128 heads"):
+        keep_classes.workspaces(per_head, q, k)

@@ -471,7 +471,7 @@ class FlashAttention(ServingCalls, Fp8Calls):
         args = Args(q, k, v, out, lse, scale, tuple(inputs), descales)
         cluster = self._launch.cluster(self.compiled.kernel, args)
         if cluster == 1 and self.alone is not None:
-            self.alone.launch_args(dtype, args, 1)  # the cluster-free variant
+            self.alone.launch_args(dtype, args, 1, classes_grid)  # the cluster-free variant
         else:
             self.launch_args(dtype, args, cluster, classes_grid)
 

@@ -7,6 +7,8 @@ The kernel then skips the blocks outside a q block's range and masks only PARTIA
 
 from __future__ import annotations
 
+from .arguments import GRID_YZ_LIMIT
+
 CLASSES_SUFFIX = "_keep_classes"  # the classing kernel's symbol after the attention kernel's
 CLASSES_THREADS = 128
 INT_MAX = 2**31 - 1
@@ -28,6 +30,18 @@ def workspaces(config, q, k) -> tuple:
     q_blocks = -(-seqlen_q // config.block_r)
     kv_blocks = -(-k.shape[1] // config.block_c)
     rows = batch * (heads if config.modifiers.rule.per_head else 1)
+    if q_blocks > GRID_YZ_LIMIT:  # (the pass's grid: q blocks along y, rows along z)
+        raise ValueError(
+            f"q: {seqlen_q} queries are {q_blocks} blocks of {config.block_r}, and kernel "
+            f"'{config.name}' classes its keep's tiles with a CTA per tile, at most "
+            f"{GRID_YZ_LIMIT} q blocks (CUDA's grid); split the call along the queries"
+        )
+    if rows > GRID_YZ_LIMIT:
+        raise ValueError(
+            f"q: batch {batch} x {heads} heads is {rows} rows of tiles to class (kernel "
+            f"'{config.name}''s keep reads h), at most {GRID_YZ_LIMIT} (CUDA's grid); split "
+            "the call along the batch"
+        )
     classes = torch.empty(rows * q_blocks * kv_blocks, dtype=torch.uint8, device=q.device)
     ranges = torch.full((rows * q_blocks, 2), -1, dtype=torch.int32, device=q.device)
     ranges[:, 0] = INT_MAX

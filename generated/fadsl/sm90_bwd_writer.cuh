@@ -14,7 +14,8 @@
 // ring is the producer's alone, so the consumer runs at most one m-block ahead.  Across CTAs
 // (deterministic) writer w at m-block m waits for the place before it, whose writer releases
 // it before it waits on anything again (the next full barrier): an induction on (place,
-// m-block), with the residency assumption of bwd_dq_place.
+// m-block), with bwd_dq_place's argument that the place before launched earlier or (without
+// a mask, in visit order) is resident.
 // fadsl/targets/sm90/backward/verify.py and verify_writer.py prove the plan it runs.
 #pragma once
 

@@ -72,9 +72,10 @@ struct BwdParamsSm90 {
   int dkv_store;       // DkvStore: how dK and dV leave the CTA
   float scale_log2;    // softmax_scale log2 e
   float softmax_scale;
-  // `deterministic on`: 1 where the host found every n-block of a (batch, head) able to run
-  // at once (bwd_in_visit_order), so that an m-block's tickets follow the order in which
-  // the n-blocks reach it rather than the n-block order
+  // `deterministic on`: 1 where an m-block's tickets follow the order in which the n-blocks
+  // reach it rather than the n-block order (bwd_in_visit_order): causal at any length (its
+  // n-blocks launched last first), without a mask where the host found every n-block of a
+  // (batch, head) able to run at once
   int dq_in_visit_order;
   // `varlen on` (null otherwise): batch 1 of packed rows; seqlen_q / seqlen_k are the
   // tokens, and (lse_log2, dpsum, dq_accum, dq_semaphore) hold each sequence's queries from
