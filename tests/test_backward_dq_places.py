@@ -9,11 +9,10 @@ never comes (a hang) or add out of order (dQ not bitwise stable)."""
 from __future__ import annotations
 
 import shutil
-import subprocess
 
 import pytest
 
-from fadsl.codegen.render import write_headers
+from host_program import run_host_program
 
 pytestmark = pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
 
@@ -44,25 +43,9 @@ int main() {
 
 @pytest.fixture(scope="module")
 def places(tmp_path_factory):
-    root = tmp_path_factory.mktemp("places")
-    write_headers(root, "sm90")
-    (root / "places.cu").write_text(PROGRAM)
-    subprocess.run(
-        [
-            "nvcc",
-            "-std=c++17",
-            "-I",
-            str(root),
-            "-o",
-            str(root / "places"),
-            str(root / "places.cu"),
-        ],
-        check=True,
-        capture_output=True,
-    )
-    lines = subprocess.run([str(root / "places")], check=True, capture_output=True, text=True)
+    stdout = run_host_program(tmp_path_factory.mktemp("places"), "places", PROGRAM)
     found = {"none": {}, "causal": {}}
-    for line in lines.stdout.splitlines():
+    for line in stdout.splitlines():
         kind, *values = line.split()
         *where, n, place = map(int, values)
         found[kind].setdefault(tuple(where), {})[n] = place

@@ -18,18 +18,17 @@ stores the option promises (SASS)."""
 from __future__ import annotations
 
 import re
-import shutil
-import subprocess
 from dataclasses import dataclass
 
 import pytest
 
 from conftest import ROOT
 from fadsl.build.spill_check import check_registers, find_compiler
-from fadsl.codegen.render import render_backward, write_headers
+from fadsl.codegen.render import render_backward
 from fadsl.errors import SpecError
 from fadsl.pipeline import compile_source
 from test_gpu_backward import DS_STMATRIX, training_spec
+from host_program import run_host_program
 
 ROW_BYTES = 128  # a key's row of one 64-query panel (the 128-byte swizzle's row)
 LANES, WARPS, HALF = 32, 4, 2  # HALF: bytes of a 16-bit element
@@ -227,15 +226,7 @@ int main() {
 
 @pytest.fixture(scope="module")
 def header_bytes(tmp_path_factory):
-    if shutil.which("nvcc") is None:
-        pytest.skip("needs nvcc")
-    root = tmp_path_factory.mktemp("ds_stmatrix")
-    write_headers(root, "sm90")
-    (root / "ds.cu").write_text(PROGRAM)
-    exe = root / "ds"
-    command = ["nvcc", "-std=c++17", "-I", str(root), "-o", str(exe), str(root / "ds.cu")]
-    subprocess.run(command, check=True, capture_output=True)
-    lines = subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout
+    lines = run_host_program(tmp_path_factory.mktemp("ds_stmatrix"), "ds", PROGRAM)
     found: dict[str, dict] = {"pair": {}, "row": {}}
     for line in lines.splitlines():
         kind, *values = line.split()

@@ -15,18 +15,17 @@ kernel's CTA whose count completes an m-block. What a GPU is not needed for:
 from __future__ import annotations
 
 import re
-import shutil
 import struct
-import subprocess
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
 from conftest import ROOT
+from host_program import run_host_program
 from fadsl.build.nvrtc import compile_cubin
 from fadsl.build.spill_check import check_registers, find_compiler
-from fadsl.codegen.render import render_backward, write_headers
+from fadsl.codegen.render import render_backward
 from fadsl.errors import SpecError
 from fadsl.ir import Mask, Window
 from fadsl.ir.backward import read_backward
@@ -161,24 +160,13 @@ def _config(name, head_dim, block_m, causal, window, block_n=128, varlen=False) 
 @pytest.fixture(scope="module")
 def counts(tmp_path_factory):
     """(config, seqlen_q, seqlen_k, m) -> (n-blocks whose range holds m, bwd_dq_contributors)."""
-    if shutil.which("nvcc") is None:
-        pytest.skip("needs nvcc")
-    root = tmp_path_factory.mktemp("contributors")
-    write_headers(root, "sm90")
     program = PROGRAM.format(
         configs="\n".join(_config(*c) for c in CONFIGS)
         + "\n".join(_config(*c, varlen=True) for c in VARLEN_CONFIGS),
         runs="\n".join(f'  run<{c[0]}>("{c[0]}");' for c in CONFIGS)
         + "\n".join(f'  run_varlen<{c[0]}_varlen>("{c[0]}_varlen");' for c in VARLEN_CONFIGS),
     )
-    (root / "count.cu").write_text(program)
-    binary = root / "count"
-    subprocess.run(
-        ["nvcc", "-std=c++17", "-I", str(root), "-o", str(binary), str(root / "count.cu")],
-        check=True,
-        capture_output=True,
-    )
-    lines = subprocess.run([str(binary)], check=True, capture_output=True, text=True).stdout
+    lines = run_host_program(tmp_path_factory.mktemp("contributors"), "count", program)
     found = {}
     for line in lines.splitlines():
         name, *values = line.split()

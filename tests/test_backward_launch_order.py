@@ -11,13 +11,11 @@ step with its last one launched; the host then asks for the visit order at any l
 
 from __future__ import annotations
 
-import shutil
-import subprocess
 from collections import defaultdict
 
 import pytest
 
-from fadsl.codegen.render import write_headers
+from host_program import run_host_program
 
 # name, head_dim, B_r (B_c 128): the examples' tiles and B_r 64
 CONFIGS = [("c80", 128, 80), ("c128", 64, 128), ("c64", 128, 64)]
@@ -64,26 +62,14 @@ def _config(name: str, head_dim: int, block_m: int) -> str:
 @pytest.fixture(scope="module")
 def launches(tmp_path_factory):
     """(config, seqlen_q, seqlen_k) -> the launch: [(n_block, [(m, place), ...]) per x]."""
-    if shutil.which("nvcc") is None:
-        pytest.skip("needs nvcc")
-    root = tmp_path_factory.mktemp("launch_order")
-    write_headers(root, "sm90")
     program = PROGRAM.format(
         configs="\n".join(_config(*c) for c in CONFIGS),
         lengths=", ".join(f"{{{sq}, {sk}}}" for sq, sk in LENGTHS),
         runs="\n".join(f'  run<{c[0]}>("{c[0]}");' for c in CONFIGS),
     )
-    (root / "order.cu").write_text(program)
-    binary = root / "order"
-    subprocess.run(
-        ["nvcc", "-std=c++17", "-I", str(root), "-o", str(binary), str(root / "order.cu")],
-        check=True,
-        capture_output=True,
-    )
+    stdout = run_host_program(tmp_path_factory.mktemp("launch_order"), "order", program)
     found = defaultdict(list)
-    for line in subprocess.run(
-        [str(binary)], check=True, capture_output=True, text=True
-    ).stdout.splitlines():
+    for line in stdout.splitlines():
         name, sq, sk, x, n, *visits = line.split()
         key = (name, int(sq), int(sk))
         assert int(x) == len(found[key])

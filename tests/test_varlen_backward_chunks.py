@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import random
 import shutil
-import subprocess
 
 import pytest
 
-from fadsl.codegen.render import write_headers
+from host_program import run_host_program
 
 pytestmark = pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
 
@@ -66,19 +65,10 @@ def _cases() -> list[tuple[list[int], int]]:
 
 @pytest.fixture(scope="module")
 def found(tmp_path_factory):
-    root = tmp_path_factory.mktemp("chunks")
-    write_headers(root, "sm90")
-    (root / "chunks.cu").write_text(PROGRAM)
-    exe = root / "chunks"
-    subprocess.run(
-        ["nvcc", "-std=c++17", "-I", str(root), "-o", str(exe), str(root / "chunks.cu")],
-        check=True,
-        capture_output=True,
-    )
     stdin = "".join(f"{len(cu) - 1} {tokens} {' '.join(map(str, cu))}\n" for cu, tokens in _cases())
-    out = subprocess.run([str(exe)], input=stdin, check=True, capture_output=True, text=True)
+    stdout = run_host_program(tmp_path_factory.mktemp("chunks"), "chunks", PROGRAM, stdin)
     results = []
-    for line in out.stdout.splitlines():
+    for line in stdout.splitlines():
         if line == "case":
             results.append({})
             continue
