@@ -22,6 +22,7 @@ from fadsl.targets import launch as common_launch
 from fadsl.targets.sm90.host import launch as sm90_launch
 from fadsl.targets.sm90.host import fp8 as fp8_host
 from fadsl.targets.sm90.host import tma
+from fadsl.targets.sm90.host.keep_classes import CLASSES_SUFFIX, CLASSES_THREADS
 from fadsl.targets.sm90.host.kvcache import COMBINE_SUFFIX, COMBINE_THREADS
 from fadsl.targets.sm90.host.varlen import TILES_SUFFIX, TILES_THREADS
 
@@ -83,7 +84,7 @@ def fake_tensor_map_address(self, offset: int):
 
 
 class Allocator:
-    """torch.empty / torch.empty_like / torch.zeros without a device argument, each call's
+    """torch.empty / torch.empty_like / torch.zeros / torch.full without a device argument, each call's
     n-th tensor of one (shape, strides, dtype) the same memory within a generation."""
 
     def __init__(self, monkeypatch) -> None:
@@ -91,6 +92,7 @@ class Allocator:
         self._counts: dict = {}
         self._tensors: dict = {}
         real_empty, real_like, real_zeros = torch.empty, torch.empty_like, torch.zeros
+        real_full = torch.full
 
         def tensor(kind, shape, strides, dtype, make):
             key = (self.generation, kind, tuple(shape), strides, dtype)
@@ -114,6 +116,9 @@ class Allocator:
         def zeros(*size, device=None, **kwargs):
             return real_zeros(*size, **kwargs)
 
+        def full(size, value, device=None, **kwargs):
+            return real_full(size, value, **kwargs)
+
         def contiguous(t, **kwargs):  # (a copy where it is needed, from the allocator)
             if t.is_contiguous() or kwargs:
                 return real_contiguous(t, **kwargs)
@@ -126,6 +131,7 @@ class Allocator:
         monkeypatch.setattr(torch, "empty", empty)
         monkeypatch.setattr(torch, "empty_like", empty_like)
         monkeypatch.setattr(torch, "zeros", zeros)
+        monkeypatch.setattr(torch, "full", full)
         monkeypatch.setattr(torch.Tensor, "contiguous", contiguous)
 
     def next_call(self, generation: int) -> None:
@@ -139,7 +145,8 @@ _INSTALLED: list = []  # (dict, key) of every recorder module given to a kernel
 
 def _recorders(log: list):
     """FlashAttention.module's stand-in: the kernel (and its cluster-free variant, and its
-    other kernels: a split's combine, varlen's tile list) given recorder modules."""
+    other kernels: a split's combine, varlen's tile list, a keep's classes) given recorder
+    modules."""
 
     def module(kern, dtype, device):
         size = sm90_launch.SM90_PARAMS_BYTES
@@ -149,7 +156,8 @@ def _recorders(log: list):
         second = fp8_host.DESCALES.size if kern.is_fp8 else 0
         found = FakeModule(name, size, log, second_bytes=second)
         entries = [(kern._modules, (dtype, 0), found), (kern._co_resident, (dtype, 0), 132)]
-        for suffix, threads in ((COMBINE_SUFFIX, COMBINE_THREADS), (TILES_SUFFIX, TILES_THREADS)):
+        others = ((COMBINE_SUFFIX, COMBINE_THREADS), (TILES_SUFFIX, TILES_THREADS))
+        for suffix, threads in others + ((CLASSES_SUFFIX, CLASSES_THREADS),):
             more = FakeModule(name + suffix, size, log, threads)
             entries.append((kern._more_modules, (dtype, 0, suffix), more))
         for table, key, value in entries:

@@ -255,7 +255,7 @@ def _torch_classes(made, sq, sk, block_r, block_c, causal=True):
 @pytest.mark.parametrize("sq, sk", [(1000, 1000), (640, 1000), (1000, 333)], ids=str)
 def test_document_tiles_are_classed_as_the_predicate_says(monkeypatch, sq, sk):
     """<kernel>_keep_classes's bytes and ranges against the predicate evaluated in torch."""
-    from fadsl.runtime import keep_classes
+    from fadsl.targets.sm90.host import keep_classes
 
     made_here = []
     real = keep_classes.workspaces

@@ -1,8 +1,9 @@
 """A `keep` that reads inputs per token (document ids): derive_sparsity marks it
 (TileRule.by_pass, per_head where it reads h), `fadsl explain` says so, the spec is refused
 where the classes' two input slots do not fit, the forward's source carries the classing
-kernel and its slots (the others none), and the runtime's workspaces have the shapes and
-starting values the kernel expects (fadsl/runtime/keep_classes.py)."""
+kernel and its slots (the others none), and the target's workspaces have the shapes and
+starting values the kernel expects (fadsl/targets/sm90/host/keep_classes.py), launched first
+with the attention kernel's params (on tests/fake_cuda.py's stand-in device)."""
 
 from __future__ import annotations
 
@@ -11,11 +12,13 @@ import re
 import pytest
 import torch
 
+import fadsl
+
 from conftest import ROOT
 from fadsl.codegen.render import render
 from fadsl.errors import SpecError
 from fadsl.pipeline import compile_source
-from fadsl.runtime import keep_classes
+from fadsl.targets.sm90.host import keep_classes
 from fadsl.tools.report import explain_text
 
 MODIFIERS = ROOT / "examples" / "modifiers"
@@ -86,7 +89,7 @@ def test_the_workspaces_fit_the_tiles_and_start_with_nothing_kept(sq, sk, heads)
     assert classes.dtype == torch.uint8 and classes.numel() == 2 * q_blocks * kv_blocks
     assert ranges.dtype == torch.int32 and ranges.shape == (2 * q_blocks, 2)
     assert (ranges[:, 0] == keep_classes.INT_MAX).all() and (ranges[:, 1] == -1).all()
-    assert keep_classes.by_pass(config)
+    assert keep_classes.plan_keep_classes(_compiled(DOCUMENT).kernel, q, k)[1].grid == grid
 
 
 def test_more_tiles_than_the_pass_can_launch_are_refused_naming_q():
@@ -101,3 +104,38 @@ def test_more_tiles_than_the_pass_can_launch_are_refused_naming_q():
     q = torch.empty(1024, 128, 128, 128, device="meta")
     with pytest.raises(ValueError, match=r"^q: batch 1024 x 128 heads"):
         keep_classes.workspaces(per_head, q, k)
+
+
+def test_the_classing_kernel_runs_first_with_the_kernels_params(monkeypatch):
+    """A document call on a stand-in device (tests/fake_cuda.py): <kernel>_keep_classes is
+    launched before the attention kernel, on its grid of tiles, with the same params, whose
+    inputs are the spec's two then the classes and ranges."""
+    import fake_cuda
+    from fadsl.targets.sm90.host.launch import INPUTS, INPUTS_OFFSET
+
+    log, _ = fake_cuda.install(monkeypatch)
+    made = []
+    real = keep_classes.workspaces
+
+    def recording(config, q, k):
+        found = real(config, q, k)
+        made.append(found[0])
+        return found
+
+    monkeypatch.setattr(keep_classes, "workspaces", recording)
+    try:
+        kern = fadsl.load(DOCUMENT, verbose=False)
+        q, k, v = (torch.randn(2, 300, 4, 128, dtype=torch.bfloat16) for _ in "qkv")
+        ids = {"q_doc": torch.zeros(2, 300, dtype=torch.int32)}
+        ids["kv_doc"] = torch.zeros(2, 300, dtype=torch.int32)
+        kern(q, k, v, **ids)
+        classes, main = log
+        assert classes.kernel == main.kernel + keep_classes.CLASSES_SUFFIX
+        assert classes.grid == (3, 3, 2) and classes.block == (keep_classes.CLASSES_THREADS, 1, 1)
+        assert classes.params == main.params
+        ((cls, ranges),) = made
+        pointers = INPUTS.unpack_from(main.params, INPUTS_OFFSET)
+        expected = (ids["q_doc"], ids["kv_doc"], cls, ranges)
+        assert pointers == (*(t.data_ptr() for t in expected), 0, 0, 0, 0)
+    finally:
+        fake_cuda.uninstall()

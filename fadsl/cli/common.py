@@ -14,12 +14,16 @@ class UnreadableSpec(Exception):
     """The spec file cannot be read (exit 2, like a bad spec)."""
 
 
-def compile_spec(path: str) -> Compiled:
+def read_spec_file(path: str) -> str:
+    """The spec at ``path``; one that cannot be read is UnreadableSpec (exit 2)."""
     try:
-        source = read_spec(Path(path))
+        return read_spec(Path(path))
     except OSError as err:
         raise UnreadableSpec(f"fadsl: error: cannot read '{path}': {err.strerror or err}") from None
-    return compile_source(source, str(Path(path)))
+
+
+def compile_spec(path: str) -> Compiled:
+    return compile_source(read_spec_file(path), str(Path(path)))
 
 
 def seqlens(text: str) -> list[int]:

@@ -7,9 +7,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from ..pipeline import read_spec
 from ..tools import bench
-from .common import EXIT_FAILURE, EXIT_OK, UnreadableSpec, minutes, positive, seqlens
+from .common import EXIT_FAILURE, EXIT_OK, minutes, positive, read_spec_file, seqlens
 
 
 def add_tune(sub) -> None:
@@ -94,10 +93,7 @@ def add_tune(sub) -> None:
 def cmd_tune(args: argparse.Namespace) -> int:
     from ..tools import tune as tuning
 
-    try:
-        source = read_spec(Path(args.spec))
-    except OSError as err:
-        raise UnreadableSpec(f"fadsl: error: cannot read '{args.spec}': {err.strerror or err}")
+    source = read_spec_file(args.spec)
     knobs = [k.strip() for k in args.knobs.split(",") if k.strip()] if args.knobs else None
     if args.backward:
         return _tune_backward(args, source)

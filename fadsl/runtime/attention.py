@@ -32,7 +32,7 @@ from ..pipeline import Compiled, compile_file, compile_source
 from ..targets import check_arch
 from ..targets.archs import arch_for
 from ..targets.launch import Args, CallPlan, KernelStep, current_stream
-from . import arguments, keep_classes, learnable
+from . import arguments, learnable
 from .learnable import learning
 from .fp8_calls import Fp8Calls
 from .serving import ServingCalls
@@ -464,16 +464,18 @@ class FlashAttention(ServingCalls, Fp8Calls):
             )
         if descales is None and self.is_fp8:  # (every launch passes its second parameter)
             descales = (None, None, None)
-        classes_grid = None
-        if keep_classes.by_pass(self.config):  # (the tiles' classes: inputs after the spec's)
-            hidden, classes_grid = keep_classes.workspaces(self.config, q, k)
-            inputs = tuple(inputs) + hidden
+        first = None  # a kernel launched first (a keep's tile classes: inputs after the spec's)
+        if self._launch.before is not None:
+            found = self._launch.before(self.compiled.kernel, q, k)
+            if found is not None:
+                hidden, first = found
+                inputs = tuple(inputs) + hidden
         args = Args(q, k, v, out, lse, scale, tuple(inputs), descales)
         cluster = self._launch.cluster(self.compiled.kernel, args)
         if cluster == 1 and self.alone is not None:
-            self.alone.launch_args(dtype, args, 1, classes_grid)  # the cluster-free variant
+            self.alone.launch_args(dtype, args, 1, first)  # the cluster-free variant
         else:
-            self.launch_args(dtype, args, cluster, classes_grid)
+            self.launch_args(dtype, args, cluster, first)
 
     def prepare(self, dtype: Dtype, q, k, v, out, lse, scale: float, stream: int, descales=None):
         """This call's launch kept for the later calls of its signature (``plans.Prepared``,
@@ -514,10 +516,10 @@ class FlashAttention(ServingCalls, Fp8Calls):
         addresses += tuple(0 if t is None else t.data_ptr() for t in args.descales)
         return self.prepared(dtype, index, stream, plan, FP8_SOURCES, addresses)
 
-    def launch_args(self, dtype: Dtype, args: Args, cluster: int, classes_grid=None) -> None:
+    def launch_args(self, dtype: Dtype, args: Args, cluster: int, first=None) -> None:
         """Launch with ``args`` in clusters of ``cluster`` CTAs (1: without clusters);
-        ``classes_grid``: <kernel>_keep_classes's grid, launched first with the same params
-        (a keep that reads inputs per token: fadsl/runtime/keep_classes.py)."""
+        ``first``: a KernelStep of the source launched before, with the same params (the
+        target's ``Launch.before``)."""
         import torch
 
         index = args.q.device.index
@@ -529,18 +531,22 @@ class FlashAttention(ServingCalls, Fp8Calls):
             grid = self._launch.fit_grid(kernel, grid, self._co_resident[dtype, index])
         # an 8-bit kernel's second parameter: the descales (Fp8Descales)
         second = None if args.descales is None else self._launch.pack_second(args)
-        if classes_grid is not None:  # (the classes first, on the same stream)
-            suffix, threads = keep_classes.CLASSES_SUFFIX, keep_classes.CLASSES_THREADS
-            classes = self.kernel_module(dtype, index, suffix, threads)
-            with torch.cuda.device(index):
-                block = (keep_classes.CLASSES_THREADS, 1, 1)
-                classes.launch(classes_grid, block, params, current_stream(index))
+        before = (
+            None
+            if first is None
+            else self.kernel_module(dtype, index, first.suffix, first.block[0])
+        )
+
+        def go(stream: int) -> None:
+            if before is not None:  # (on the same stream, before the kernel)
+                before.launch(first.grid, first.block, params, stream)
+            module.launch(grid, self._block, params, stream, cluster, second=second)
+
         if index == torch.cuda.current_device():
-            module.launch(grid, self._block, params, current_stream(index), cluster, second=second)
+            go(current_stream(index))
         else:
             with torch.cuda.device(index):
-                stream = current_stream(index)
-                module.launch(grid, self._block, params, stream, cluster, second=second)
+                go(current_stream(index))
 
     # ------------------------------------------------------------------ checks
     # The checks themselves are in fadsl/runtime/arguments.py; these pass them the spec's config.

@@ -145,6 +145,10 @@ class Launch:
     fit_grid: Callable[[Kernel, tuple[int, int, int], int], tuple[int, int, int]] | None = None
     # `varlen on` and `kv_cache` calls (None: the target has neither)
     serving: ServingLaunch | None = None
+    # a kernel a padded forward call launches first, with the same params, and the tensors it
+    # fills, passed as the call's inputs after the spec's (None, or a None answer: none;
+    # sm_90a: a keep's tile classes, host/keep_classes.py)
+    before: Callable[[Kernel, Any, Any], tuple[tuple, KernelStep] | None] | None = None
     # every address in pack's params (None, or a None answer: the params hold addresses of
     # their own, which a launch plan cannot rewrite)
     slots: Callable[[Kernel, Args], tuple[AddressSlot, ...] | None] | None = None

@@ -17,6 +17,7 @@ from ...launch import (
     pack_fwd_params,
     sm_count,
 )
+from . import keep_classes
 from .fp8 import FP8_PANEL_COLS, descale_slots, pack_descales
 
 
@@ -340,4 +341,5 @@ LAUNCH = Launch(
     fit_grid=fit_grid,
     slots=address_slots,
     pack_second=pack_descales,  # an 8-bit kernel's Fp8Descales (host/fp8.py)
+    before=keep_classes.plan_keep_classes,  # a keep's tile classes (host/keep_classes.py)
 )
