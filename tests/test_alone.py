@@ -207,6 +207,7 @@ def test_launches_that_do_not_pair_run_the_variant(seqlen_q, seqlen_k, pairs, mo
 
     class Launch:  # the target's launch, cut after the cluster decision
         cluster = staticmethod(targets.launch_for("sm_90a").cluster)
+        before = None  # (no kernel launched first)
 
         def pack(self, kernel, args):
             raise PairPath
