@@ -2,6 +2,7 @@
 // Do not edit: change the spec and regenerate.
 //
 // FlashAttention-3's backward for sm_90a, fp16, head_dim 128, B_r = 80 queries per m-block, B_c = 128 keys per CTA, mask causal, score and mask modifiers (SpecModifiers):
+//   document_causal_bwd_fp16_keep_classes   keep's class of each B_r x B_c tile and each n-block's range of kept m-blocks (keep reads inputs per token); first, with the main kernel's params
 //   document_causal_bwd_fp16_preprocess   D = rowsum(dO O), LSE in log2 units, dQ's accumulator zeroed; grid (cdiv(seqlen_q_rounded, 16), heads_q, batch) x 256 (16 rows per CTA, 8 elements per thread)
 //   document_causal_bwd_fp16              grid (cdiv(seqlen_k, 128), heads_q, batch) x 384 threads:
 //     warpgroup 0        producer: setmaxnreg.dec 24; one elected thread loads K, V once and Q, dO, LSE, D per m-block
@@ -40,6 +41,10 @@ struct SpecModifiers {
   static __device__ __forceinline__ bool empty(const BwdParamsSm90& P, int b, int h, int q_lo, int q_hi, int kv_lo, int kv_hi) {
     return false;
   }
+  // keep reads inputs per token: <kernel>_keep_classes classes the B_r x B_c tiles before each launch
+  // (P.inputs[2]: a byte per tile; P.inputs[3]: each n-block's range of kept m-blocks)
+  static constexpr int kClassesInput = 2;
+  static constexpr bool kClassesPerHead = false;
 };
 
 // The spec's backward block over the header's defaults: setmaxnreg split and SMEM plan
@@ -96,6 +101,12 @@ extern "C" __global__ void __launch_bounds__(Cfg::kThreads, 1) document_causal_b
     const BwdBlock block = bwd_role_block<Cfg>(P, shared);
     bwd_consumer<Cfg>(P, smem, block, warpgroup - 1);
   }
+}
+
+// Before each launch of the main kernel, with its params: keep's class of every B_r x B_c tile (it reads inputs per token);
+// grid (m_blocks, cdiv(seqlen_k, B_c), batch) x 128
+extern "C" __global__ void __launch_bounds__(128, 1) document_causal_bwd_fp16_keep_classes(const __grid_constant__ BwdParamsSm90 P) {
+  bwd_keep_classes<Cfg>(P);
 }
 
 extern "C" __global__ void __launch_bounds__(256) document_causal_bwd_fp16_preprocess(const __grid_constant__ BwdPrepParams P) {

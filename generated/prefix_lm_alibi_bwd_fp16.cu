@@ -46,6 +46,7 @@ struct SpecModifiers {
   static __device__ __forceinline__ bool empty(const BwdParamsSm90& P, int b, int h, int q_lo, int q_hi, int kv_lo, int kv_hi) {
     return kv_lo - q_hi > P.seqlen_k - P.seqlen_q && kv_lo >= fadsl::modifiers::load<int>(P.inputs[0], b);
   }
+  static constexpr int kClassesInput = -1;  // (the rule alone classes the tiles)
 };
 
 // The spec's backward block over the header's defaults: setmaxnreg split and SMEM plan

@@ -102,7 +102,7 @@ def kernel_template(
     # the Cfg's constants of a window or a softcap: declarations, never calls
     constants = re.compile(
         tag(
-            "if (window|softcap|longest_first|varlen|dv_before_meeting|dq_writer|ds_stmatrix|modifiers|score|score_grad|keep|learn|persistent or dq_lag|dq_first)"
+            "if (window|softcap|longest_first|varlen|dv_before_meeting|dq_writer|ds_stmatrix|modifiers|score|score_grad|keep|keep_classes|learn|persistent or dq_lag|dq_first)"
         )
         + r"(.*?)"
         + tag("endif"),
@@ -110,8 +110,10 @@ def kernel_template(
     )
     for block in constants.finditer(decided):
         body = re.sub(r"//[^\n]*", "", block[2])
-        if block[1] == "learn":  # a learnable variant's `_learn` kernel: of its own, after the main
-            body = re.sub(r'extern "C" __global__ [^\n]*_learn\([^)]*\) \{[^}]*\}', "", body)
+        if block[1] in ("learn", "keep_classes"):  # a kernel of its own, after or before the main
+            body = re.sub(
+                r'extern "C" __global__ [^\n]*_(learn|keep_classes)\([^)]*\) \{[^}]*\}', "", body
+            )
         assert "(" not in body, f"a call under {{% if {block[1]} %}}"
     decided = constants.sub("", decided)
     assert not re.search(tag(r"(if|elif|else|endif)\b.*?"), decided), "another {% if %}"

@@ -260,8 +260,8 @@ def test_document_tiles_are_classed_as_the_predicate_says(monkeypatch, sq, sk):
     made_here = []
     real = keep_classes.workspaces
 
-    def recording(config, q, k):
-        found = real(config, q, k)
+    def recording(*args, **kwargs):
+        found = real(*args, **kwargs)
         made_here.append(found[0])
         return found
 

@@ -156,6 +156,8 @@ def run(kern, q, k, v, dout, dlse, made):
 EXAMPLES = {"alibi_causal": ALIBI, "prefix_lm": PREFIX, "prefix_lm_alibi": PREFIX_ALIBI}
 EXAMPLES["document_causal"] = (MODIFIERS / "document_causal.fa").read_text()
 EXAMPLES["prefix_lm_det"] = deterministic(PREFIX)  # keep with ordered dQ adds (no trimming)
+# the classes with ordered dQ adds: FULL m-blocks unmasked, none trimmed
+EXAMPLES["document_causal_det"] = deterministic(EXAMPLES["document_causal"])
 CASES = [(n, d, s, lse) for n in EXAMPLES for d in DTYPES for s in SHAPES for lse in (False, True)]
 
 
@@ -348,3 +350,82 @@ def test_a_learnable_input_is_refused_by_name():
     slopes = torch.ones(4, device="cuda", requires_grad=True)
     with pytest.raises(RuntimeError, match="input 'slopes' .* requires grad"):
         kern(q.requires_grad_(), k, v, slopes=slopes)
+
+
+# --- a keep that reads inputs per token: the backward's own tile classes ---------------
+
+
+def _bwd_classes(made, sq, sk, block_m, block_n):
+    """Per batch row, n-block and m-block the class (0 EMPTY, 1 PARTIAL, 2 FULL) of the
+    document predicate in torch, below the causal diagonal (255 above: not compared), and
+    per n-block the first and last m-block it keeps (INT_MAX, -1: none)."""
+    keep = document_keep(made)[:, 0].cpu()
+    mb, nb = -(-sq // block_m), -(-sk // block_n)
+    classes = torch.full((keep.shape[0], nb, mb), 255, dtype=torch.uint8)
+    ranges = torch.tensor([2**31 - 1, -1], dtype=torch.int32).repeat(keep.shape[0], nb, 1)
+    for b in range(keep.shape[0]):
+        for n in range(nb):
+            for m in range(mb):
+                last_row = min((m + 1) * block_m, sq) - 1
+                if n * block_n > last_row + sk - sq:
+                    continue  # (above the causal diagonal: EMPTY unread)
+                tile = keep[b, m * block_m : (m + 1) * block_m, n * block_n : (n + 1) * block_n]
+                classes[b, n, m] = 2 if tile.all() else 1 if tile.any() else 0
+                if tile.any():
+                    ranges[b, n, 0] = min(ranges[b, n, 0].item(), m)
+                    ranges[b, n, 1] = max(ranges[b, n, 1].item(), m)
+    return classes, ranges
+
+
+@pytest.mark.parametrize("sq, sk", [(1000, 1000), (640, 1000), (1000, 333)], ids=str)
+def test_the_backward_classes_its_tiles_as_the_predicate_says(monkeypatch, sq, sk):
+    from fadsl.targets.sm90.host import keep_classes
+
+    made_here = []
+    real = keep_classes.workspaces
+
+    def recording(*args, **kwargs):
+        found = real(*args, **kwargs)
+        made_here.append((args, found[0]))
+        return found
+
+    monkeypatch.setattr(keep_classes, "workspaces", recording)
+    kern = kernel("document_causal", EXAMPLES["document_causal"])
+    bwd = kern.compiled.kernel.backward
+    q, k, v, dout, _ = tensors((4, sq, sk, 4, 2), torch.bfloat16, seed=sq + sk)
+    made = document_ids(PATTERNS, sq, sk, seed=sq * sk)
+    run(kern, q, k, v, dout, None, made)
+    torch.cuda.synchronize()
+    ((args, (classes, ranges)),) = [m for m in made_here if m[0][3] == bwd.block_m]
+    want_classes, want_ranges = _bwd_classes(made, sq, sk, bwd.block_m, bwd.block_n)
+    got = classes.view(want_classes.shape).cpu()
+    below = want_classes != 255
+    assert torch.equal(got[below], want_classes[below])
+    assert torch.equal(ranges.view(want_ranges.shape).cpu(), want_ranges)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_backward_never_visits_queries_no_key_of_the_n_block_keeps(dtype):
+    """Rows 480-639 (m-blocks 6 and 7 of B_r 80) are of a document no key has: every n-block
+    trims them off its range, so their dO, poisoned with NaN, reaches no gradient (an
+    m-block visited and masked would add 0 x NaN into dV). dK and dV equal, bit for bit,
+    those of the same call with those rows of dO zero; their dQ is 0."""
+    kern = kernel("document_causal", EXAMPLES["document_causal"])
+    assert kern.compiled.kernel.backward.block_m == 80
+    n = 640
+    q, k, v, dout, _ = tensors((2, n, n, 4, 4), DTYPES[dtype], seed=11)  # (no GQA: dK, dV stored)
+    ids = (torch.arange(n, device="cuda") // 150).to(torch.int32).repeat(2, 1)
+    q_doc = ids.clone()
+    q_doc[:, 480:] = 99
+    made = {"q_doc": q_doc, "kv_doc": ids}
+    clean = dout.clone()
+    clean[:, 480:] = 0
+    dout[:, 480:] = float("nan")
+    poisoned = run(kern, q, k, v, dout, None, made)
+    zeroed = run(kern, q, k, v, clean, None, made)
+    for a, b, what in zip(poisoned[1:], zeroed[1:], ("dk", "dv")):
+        assert torch.isfinite(a).all(), what
+        assert torch.equal(a, b), what
+    assert torch.isfinite(poisoned[0]).all()
+    assert (poisoned[0][:, 480:] == 0).all()
+    torch.testing.assert_close(poisoned[0], zeroed[0], atol=1e-2, rtol=1e-2)

@@ -83,7 +83,9 @@ def test_the_workspaces_fit_the_tiles_and_start_with_nothing_kept(sq, sk, heads)
     config = _compiled(DOCUMENT).kernel.config
     q = torch.empty(2, sq, heads, 128)
     k = torch.empty(2, sk, 1, 128)
-    (classes, ranges), grid = keep_classes.workspaces(config, q, k)
+    (classes, ranges), grid = keep_classes.workspaces(
+        config, q, k, config.block_r, config.block_c, False
+    )
     q_blocks, kv_blocks = -(-sq // config.block_r), -(-sk // config.block_c)
     assert grid == (kv_blocks, q_blocks, 2)  # (per batch: keep does not read h)
     assert classes.dtype == torch.uint8 and classes.numel() == 2 * q_blocks * kv_blocks
@@ -97,13 +99,13 @@ def test_more_tiles_than_the_pass_can_launch_are_refused_naming_q():
     q = torch.empty(1, 65536 * config.block_r, 1, 128, device="meta")
     k = torch.empty(1, 128, 1, 128, device="meta")
     with pytest.raises(ValueError, match=r"^q: .* at most 65535 q blocks"):
-        keep_classes.workspaces(config, q, k)
+        keep_classes.workspaces(config, q, k, config.block_r, config.block_c, False)
     per_head = _compiled(
         DOCUMENT.replace(KEEP, "  keep       q_doc[b, q_idx] == kv_doc[b, kv_idx] or h == 0\n")
     ).kernel.config
     q = torch.empty(1024, 128, 128, 128, device="meta")
     with pytest.raises(ValueError, match=r"^q: batch 1024 x 128 heads"):
-        keep_classes.workspaces(per_head, q, k)
+        keep_classes.workspaces(per_head, q, k, per_head.block_r, per_head.block_c, False)
 
 
 def test_the_classing_kernel_runs_first_with_the_kernels_params(monkeypatch):
@@ -117,8 +119,8 @@ def test_the_classing_kernel_runs_first_with_the_kernels_params(monkeypatch):
     made = []
     real = keep_classes.workspaces
 
-    def recording(config, q, k):
-        found = real(config, q, k)
+    def recording(*args, **kwargs):
+        found = real(*args, **kwargs)
         made.append(found[0])
         return found
 
@@ -139,3 +141,75 @@ def test_the_classing_kernel_runs_first_with_the_kernels_params(monkeypatch):
         assert pointers == (*(t.data_ptr() for t in expected), 0, 0, 0, 0)
     finally:
         fake_cuda.uninstall()
+
+
+def _backward_source(text: str):
+    from fadsl.codegen.render import render_backward
+
+    c = _compiled(text)
+    (source,) = [s for s in render_backward(c.kernel, c.target, "t.fa") if "bf16" in s.kernel_name]
+    return c, source
+
+
+def test_the_backward_source_carries_its_own_classing_kernel():
+    c, source = _backward_source(DOCUMENT)
+    assert f"{source.kernel_name}{keep_classes.CLASSES_SUFFIX}(" in source.text
+    assert "bwd_keep_classes<Cfg>(P);" in source.text
+    assert re.search(r"kClassesInput = 2;", source.text)
+    from fadsl.targets.sm90.backward import host as bwd_host
+
+    assert keep_classes.CLASSES_SUFFIX in bwd_host.suffixes(c.kernel)
+    prefix, source = _backward_source((MODIFIERS / "prefix_lm.fa").read_text())
+    assert keep_classes.CLASSES_SUFFIX not in source.text
+    assert "kClassesInput = -1;" in source.text
+    assert keep_classes.CLASSES_SUFFIX not in bwd_host.suffixes(prefix.kernel)
+
+
+@pytest.mark.parametrize("sq, sk", [(1000, 1000), (100, 700), (700, 1)])
+def test_the_backward_workspaces_are_per_n_block_at_its_tile(sq, sk):
+    kernel = _compiled(DOCUMENT).kernel
+    bwd = kernel.backward
+    q = torch.empty(3, sq, 4, 128)
+    k = torch.empty(3, sk, 2, 128)
+    (classes, ranges), grid = keep_classes.plan_backward_classes(kernel, q, k)
+    m_blocks, n_blocks = -(-sq // bwd.block_m), -(-sk // bwd.block_n)
+    assert bwd.block_m != kernel.config.block_r  # (its own geometry: B_r 80)
+    assert grid == (m_blocks, n_blocks, 3)
+    assert classes.numel() == 3 * m_blocks * n_blocks and ranges.shape == (3 * n_blocks, 2)
+    assert (ranges[:, 0] == keep_classes.INT_MAX).all() and (ranges[:, 1] == -1).all()
+
+
+def test_more_key_blocks_than_the_backward_pass_can_launch_are_refused_naming_k():
+    kernel = _compiled(DOCUMENT).kernel
+    q = torch.empty(1, 128, 1, 128, device="meta")
+    k = torch.empty(1, 65536 * kernel.backward.block_n, 1, 128, device="meta")
+    with pytest.raises(ValueError, match=r"^k: .* at most 65535 kv blocks"):
+        keep_classes.plan_backward_classes(kernel, q, k)
+
+
+def test_the_backward_classes_its_tiles_before_its_main_kernel():
+    """The backward of a document call (tests/fake_cuda.py's TMA stand-in): the classing
+    kernel of the backward's source runs before the main kernel, on the backward's tiles,
+    with the main kernel's params, whose inputs are the ids then the classes and ranges."""
+    import fadsl.targets.sm90.host.tma as tma
+    from fadsl.targets.sm90.backward import host as bwd_host
+
+    kernel = _compiled(DOCUMENT).kernel
+    original = tma._encode
+    tma._encode = lambda *a: bytes(tma.MAP_BYTES)
+    try:
+        q, k, v = (torch.randn(2, 300, 4, 128, dtype=torch.bfloat16) for _ in "qkv")
+        ids = (torch.zeros(2, 300, dtype=torch.int32), torch.zeros(2, 300, dtype=torch.int32))
+        launches = []
+        bwd_host.run(kernel, launches.append, q, k, v, q, torch.randn(2, 4, 300), q, None, 0.1, ids)
+    finally:
+        tma._encode = original
+    names = [x.suffix for x in launches]
+    assert names == ["_preprocess", keep_classes.CLASSES_SUFFIX, "", "_convert_dq"]
+    classes, main = launches[1], launches[2]
+    assert classes.params == main.params
+    assert classes.grid == (-(-300 // kernel.backward.block_m), 3, 2)
+    assert classes.block == (keep_classes.CLASSES_THREADS, 1, 1)
+    pointers = bwd_host.MODIFIERS.unpack_from(main.params, bwd_host.MODIFIERS_OFFSET)[:8]
+    assert pointers[:2] == tuple(t.data_ptr() for t in ids)
+    assert all(pointers[2:4]) and pointers[4:] == (0, 0, 0, 0)

@@ -151,12 +151,29 @@ __device__ __forceinline__ BwdTile bwd_tile(const Block& b, int m) {
           imin(b.n0 + Cfg::kBlockN, b.seqlen_k) - 1};
 }
 
-// Whether m-block m needs keep's predicate: not FULL by the tile rule (CTA-uniform).
+// A keep that reads inputs per token (TileRule.by_pass): the n-block's row of tiles in the
+// classes <kernel>_keep_classes wrote before the kernel (bwd_keep_classes): per (batch[,
+// head], n-block) a class byte per m-block at P.inputs[kClassesInput] and the first and last
+// m-block kept at P.inputs[kClassesInput + 1].
+template <class Cfg, class Params, class Block>
+__device__ __forceinline__ long long bwd_class_row(const Params& P, const Block& b) {
+  const int row = Cfg::Modifiers::kClassesPerHead ? b.batch * P.heads_q + b.head : b.batch;
+  const int n_blocks = (P.seqlen_k + Cfg::kBlockN - 1) / Cfg::kBlockN;
+  return static_cast<long long>(row) * n_blocks + b.n0 / Cfg::kBlockN;
+}
+
+// Whether m-block m needs keep's predicate: not FULL by the tile rule, nor by its class where
+// the classes were made per call (CTA-uniform).
 template <class Cfg, class Params, class Block>
 __device__ __forceinline__ bool bwd_keep_partial(const Params& P, const Block& b, int m) {
   if constexpr (Cfg::kKeep) {
     const BwdTile x = bwd_tile<Cfg>(b, m);
-    return !Cfg::Modifiers::full(P, b.batch, b.head, x.q_lo, x.q_hi, x.kv_lo, x.kv_hi);
+    if (Cfg::Modifiers::full(P, b.batch, b.head, x.q_lo, x.q_hi, x.kv_lo, x.kv_hi)) return false;
+    if constexpr (Cfg::Modifiers::kClassesInput >= 0) {
+      const uint8_t* classes = static_cast<const uint8_t*>(P.inputs[Cfg::Modifiers::kClassesInput]);
+      return __ldg(classes + bwd_class_row<Cfg>(P, b) * P.m_blocks + m) != kTileFull;
+    }
+    return true;
   } else {
     return false;
   }
@@ -171,6 +188,16 @@ template <class Cfg, class Params, class Block>
 __device__ __forceinline__ void bwd_keep_trim(const Params& P, Block& b) {
   if constexpr (Cfg::kKeep && !Cfg::kDeterministic) {
     int lo = b.m_begin, hi = b.m_begin + b.m_count;
+    if constexpr (Cfg::Modifiers::kClassesInput >= 0) {  // the classes' range of kept m-blocks
+      const int2* ranges = static_cast<const int2*>(P.inputs[Cfg::Modifiers::kClassesInput + 1]);
+      const int2 kept = __ldg(ranges + bwd_class_row<Cfg>(P, b));  // (INT_MAX, -1): none
+      if (kept.x > kept.y) {
+        hi = lo;  // none kept: nothing to visit
+      } else {
+        lo = imax(lo, kept.x);
+        hi = imax(imin(hi, kept.y + 1), lo);
+      }
+    }
     for (; lo < hi; ++lo) {
       const BwdTile x = bwd_tile<Cfg>(b, lo);
       if (!Cfg::Modifiers::empty(P, b.batch, b.head, x.q_lo, x.q_hi, x.kv_lo, x.kv_hi)) break;
@@ -181,6 +208,24 @@ __device__ __forceinline__ void bwd_keep_trim(const Params& P, Block& b) {
     }
     b.m_begin = lo;
     b.m_count = hi - lo;
+  }
+}
+
+// <kernel>_keep_classes of the backward (a keep that reads inputs per token), before each
+// launch of the main kernel, with its params, 128 threads a CTA: tile (m-block blockIdx.x,
+// n-block blockIdx.y) of (batch[, head]) row blockIdx.z, classed at the backward's B_r x B_c
+// (keep_classes_tile), per n-block the range of m-blocks kept.
+template <class Cfg, class Params>
+__device__ __forceinline__ void bwd_keep_classes(const Params& P) {
+  if constexpr (Cfg::kKeep && Cfg::Modifiers::kClassesInput >= 0) {
+    const int heads = Cfg::Modifiers::kClassesPerHead ? P.heads_q : 1;
+    const int b = blockIdx.z / heads, h = blockIdx.z % heads;
+    const auto u = Cfg::Modifiers::uniforms(P, b, h);
+    uint8_t* classes = static_cast<uint8_t*>(const_cast<void*>(P.inputs[Cfg::Modifiers::kClassesInput]));
+    int* ranges = static_cast<int*>(const_cast<void*>(P.inputs[Cfg::Modifiers::kClassesInput + 1]));
+    keep_classes_tile<128, Cfg::kBlockM, Cfg::kBlockN, true, Cfg::kCausal>(
+        P.seqlen_q, P.seqlen_k, classes, ranges,
+        [&](int q_idx, int kv_idx) { return Cfg::Modifiers::keep(P, u, b, h, q_idx, kv_idx); });
   }
 }
 

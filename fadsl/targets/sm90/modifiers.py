@@ -211,9 +211,7 @@ def context(cfg: Config, sizes: dict[Dim, str] = _SIZES, backward: bool = False)
             # a keep that reads inputs per token: its tiles' classes and each q block's range of
             # kept blocks, made by <kernel>_keep_classes, are the call's inputs after the spec's
             "classes": (
-                {"input": len(m.inputs), "per_head": rule.per_head}
-                if rule.by_pass and not backward
-                else None
+                {"input": len(m.inputs), "per_head": rule.per_head} if rule.by_pass else None
             ),
         }
     found = {

@@ -116,44 +116,73 @@ __device__ __forceinline__ bool keep_partial(const FwdParamsSm90& P, const TileW
   }
 }
 
-// <kernel>_keep_classes (a keep that reads inputs per token, TileRule.by_pass), before each
-// launch of the attention kernel: keep evaluated at every score of tile (q block
-// blockIdx.y, kv block blockIdx.x) of (batch, head) row blockIdx.z (keep_class_row), 128
-// threads; its class byte at P.inputs[kClassesInput] (EMPTY, PARTIAL, FULL), and, where it
-// keeps a score, the q block's range of kept blocks at P.inputs[kClassesInput + 1] widened
-// to it (atomicMin and atomicMax on the host's (INT_MAX, -1)). Rows past seqlen_q and keys
-// past seqlen_k are not scores; a causal tile wholly above the diagonal is EMPTY unread
-// (the kernel's range never reaches it).
-template <class Cfg>
-__device__ __forceinline__ void keep_classes(const FwdParamsSm90& P) {
-  const int heads = Cfg::Modifiers::kClassesPerHead ? P.base.heads_q : 1;
-  const int b = blockIdx.z / heads, h = blockIdx.z % heads;
-  const int q0 = blockIdx.y * Cfg::kBlockM, k0 = blockIdx.x * Cfg::kBlockN;
-  const int rows = imin(Cfg::kBlockM, P.base.seqlen_q - q0), cols = imin(Cfg::kBlockN, P.base.seqlen_k - k0);
-  const long long tile = (static_cast<long long>(blockIdx.z) * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
-  uint8_t* classes = static_cast<uint8_t*>(const_cast<void*>(P.inputs[Cfg::Modifiers::kClassesInput]));
-  if (Cfg::kCausal && k0 > q0 + rows - 1 + P.base.seqlen_k - P.base.seqlen_q) {
-    if (threadIdx.x == 0) classes[tile] = kTileEmpty;
-    return;  // (uniform over the CTA: no barrier below is reached by part of it)
-  }
-  const auto u = Cfg::Modifiers::uniforms(P, b, h);
+// One tile's class by keep_at(r, c), whether query row r < rows keeps key column c < cols,
+// over a CTA of kThreads threads: a thread per key column, the rows in turn, so that what the
+// predicate reads per key is loaded once a thread and what it reads per query is one
+// broadcast load a warp (no index divided by the tile's width). EMPTY: no score kept; FULL:
+// every one; PARTIAL otherwise. Every thread of the CTA calls it (two CTA-wide reductions).
+template <int kThreads, class KeepAt>
+__device__ __forceinline__ int keep_tile_class(int rows, int cols, KeepAt keep_at) {
   bool any = false, all = true;
-  for (int i = threadIdx.x; i < rows * cols; i += blockDim.x) {
-    const bool kept = Cfg::Modifiers::keep(P, u, b, h, q0 + i / cols, k0 + i % cols);
-    any = any || kept;
-    all = all && kept;
+  for (int c = threadIdx.x; c < cols; c += kThreads) {
+#pragma unroll 8
+    for (int r = 0; r < rows; ++r) {
+      const bool kept = keep_at(r, c);
+      any = any || kept;
+      all = all && kept;
+    }
   }
   any = __syncthreads_or(any);  // (the CTA's threads all reach both: orders nothing else)
   all = __syncthreads_and(all);
+  return all ? kTileFull : any ? kTilePartial : kTileEmpty;
+}
+
+// A classing kernel's CTA (the forward's <kernel>_keep_classes and the backward's): the tile
+// of blockIdx.x and blockIdx.y (queries on x where kQueriesOnX: the backward's m-blocks; else
+// keys: the forward's kv blocks) in row blockIdx.z of the classes (a batch, or a (batch,
+// head)), keep_at(q_idx, kv_idx) its predicate there. Writes the tile's class byte at
+// classes[(z gridDim.y + y) gridDim.x + x] and, where it keeps a score, widens range (z
+// gridDim.y + y) of `ranges` (int pairs from the host's (INT_MAX, -1)) to x: the first and
+// last block along x kept by that row of tiles. Rows past seqlen_q and keys past seqlen_k are
+// not scores; a causal tile wholly above the diagonal is EMPTY unread (no kernel reaches it).
+template <int kThreads, int kBlockQ, int kBlockK, bool kQueriesOnX, bool kCausal, class KeepAt>
+__device__ __forceinline__ void keep_classes_tile(int seqlen_q, int seqlen_k, uint8_t* classes, int* ranges,
+                                                  KeepAt keep_at) {
+  const int q0 = (kQueriesOnX ? blockIdx.x : blockIdx.y) * kBlockQ;
+  const int k0 = (kQueriesOnX ? blockIdx.y : blockIdx.x) * kBlockK;
+  const int rows = imin(kBlockQ, seqlen_q - q0), cols = imin(kBlockK, seqlen_k - k0);
+  const long long row_of_tiles = static_cast<long long>(blockIdx.z) * gridDim.y + blockIdx.y;
+  uint8_t* cls = classes + row_of_tiles * gridDim.x + blockIdx.x;
+  if (kCausal && k0 > q0 + rows - 1 + seqlen_k - seqlen_q) {
+    if (threadIdx.x == 0) *cls = kTileEmpty;
+    return;  // (uniform over the CTA: no barrier below is reached by part of it)
+  }
+  const int found = keep_tile_class<kThreads>(rows, cols, [&](int r, int c) { return keep_at(q0 + r, k0 + c); });
   if (threadIdx.x == 0) {
-    classes[tile] = all ? kTileFull : any ? kTilePartial : kTileEmpty;
-    if (any) {
-      int* range = static_cast<int*>(const_cast<void*>(P.inputs[Cfg::Modifiers::kClassesInput + 1])) +
-                   2 * (static_cast<long long>(blockIdx.z) * gridDim.y + blockIdx.y);
+    *cls = static_cast<uint8_t>(found);
+    if (found != kTileEmpty) {
+      int* range = ranges + 2 * row_of_tiles;
       atomicMin(range, static_cast<int>(blockIdx.x));
       atomicMax(range + 1, static_cast<int>(blockIdx.x));
     }
   }
+}
+
+// <kernel>_keep_classes (a keep that reads inputs per token, TileRule.by_pass), before each
+// launch of the attention kernel, 128 threads a CTA: tile (q block blockIdx.y, kv block
+// blockIdx.x) of (batch, head) row blockIdx.z (keep_class_row) classed into
+// P.inputs[kClassesInput] (EMPTY, PARTIAL, FULL), each q block's range of kept kv blocks into
+// P.inputs[kClassesInput + 1].
+template <class Cfg>
+__device__ __forceinline__ void keep_classes(const FwdParamsSm90& P) {
+  const int heads = Cfg::Modifiers::kClassesPerHead ? P.base.heads_q : 1;
+  const int b = blockIdx.z / heads, h = blockIdx.z % heads;
+  const auto u = Cfg::Modifiers::uniforms(P, b, h);
+  uint8_t* classes = static_cast<uint8_t*>(const_cast<void*>(P.inputs[Cfg::Modifiers::kClassesInput]));
+  int* ranges = static_cast<int*>(const_cast<void*>(P.inputs[Cfg::Modifiers::kClassesInput + 1]));
+  keep_classes_tile<128, Cfg::kBlockM, Cfg::kBlockN, false, Cfg::kCausal>(
+      P.base.seqlen_q, P.base.seqlen_k, classes, ranges,
+      [&](int q_idx, int kv_idx) { return Cfg::Modifiers::keep(P, u, b, h, q_idx, kv_idx); });
 }
 
 }  // namespace fadsl::sm90

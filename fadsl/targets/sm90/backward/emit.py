@@ -135,6 +135,8 @@ def context(kernel: Kernel, dtype: Dtype) -> dict[str, Any]:
         "window": cfg.window,
         "softcap": cfg.features.softcap or modifiers["modifier_softcap"],
         **modifiers,
+        # a keep that reads inputs per token: its tiles classed by <kernel>_keep_classes
+        "keep_classes": (modifiers["keep"] or {}).get("classes"),
         "threads": bwd.threads,
         "producer_regs": bwd.producer_regs,
         "consumer_regs": bwd.consumer_regs,

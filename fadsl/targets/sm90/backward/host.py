@@ -25,6 +25,12 @@ from typing import Any, Callable
 
 from ....ir import Kernel, Mask
 from ...launch import KernelLaunch, sm_count
+from ..host.keep_classes import (
+    CLASSES_SUFFIX,
+    CLASSES_THREADS,
+    classes_per_call,
+    plan_backward_classes,
+)
 from ..host.tma import tensor_map
 from ..learn import learn_row_floats
 from .emit import (
@@ -69,8 +75,10 @@ LEARN_ROWS_PER_CTA = 256  # sm90_bwd_learn.cuh's bwd_learn_fix: a query row per 
 
 
 def suffixes(kernel: Kernel) -> tuple[str, ...]:
-    """The kernels of ``kernel``'s backward source: with learnable inputs, ``_learn`` too."""
-    return SUFFIXES + ((LEARN_SUFFIX,) if _learns(kernel) else ())
+    """The kernels of ``kernel``'s backward source: with learnable inputs, ``_learn`` too;
+    with a keep that reads inputs per token, ``_keep_classes``."""
+    found = SUFFIXES + ((LEARN_SUFFIX,) if _learns(kernel) else ())
+    return found + ((CLASSES_SUFFIX,) if classes_per_call(kernel) else ())
 
 
 def _learns(kernel: Kernel) -> bool:
@@ -423,6 +431,10 @@ def _launch_all(
         layout.sequences,
     )
     main = maps + fields
+    # a keep that reads inputs per token: its tiles classed first (the inputs after the spec's)
+    classes = plan_backward_classes(kernel, q, k)
+    if classes is not None:
+        inputs = tuple(inputs) + classes[0]
     learn_rows = None
     if input_grads is not None and _learns(kernel):
         learn_rows = learn_rows_buffer(kernel, batch, heads_q, rows, dlse, device)
@@ -438,6 +450,8 @@ def _launch_all(
             dq[:, :keyless].zero_()
     main += bytes(MAIN_BYTES - len(main))
     grid = main_grid(bwd, layout.key_ctas, heads_q, batch, device)
+    if classes is not None:  # (with the main kernel's params, before it)
+        launch(KernelLaunch(CLASSES_SUFFIX, classes[1], (CLASSES_THREADS, 1, 1), main))
     launch(KernelLaunch("", grid, (threads(kernel), 1, 1), main))
     if not fused:
         _launch_convert(

@@ -5,7 +5,9 @@ and writes each tile's class and each q block's range of kept blocks into two wo
 which the kernel reads as the inputs after the spec's (P.inputs[len(inputs)], [len(inputs)
 + 1]). The kernel then skips the blocks outside a q block's range and masks only PARTIAL
 ones. ``LAUNCH.before`` (host/launch.py) plans it; the runtime launches it first, with the
-attention kernel's params."""
+attention kernel's params. The backward does the same at its own B_r x B_c, before its main
+kernel (backward/host.py; fadsl/sm90_bwd_modifiers.cuh, bwd_keep_classes), with each
+n-block's range of kept m-blocks, so that an n-block visits only those."""
 
 from __future__ import annotations
 
@@ -21,28 +23,53 @@ GRID_YZ_LIMIT = 65535  # CUDA's grid in y and z: the pass's q blocks and rows of
 def plan_keep_classes(kernel: Kernel, q, k) -> tuple[tuple, KernelStep] | None:
     """The classing kernel of a call of ``kernel`` (None: its keep needs none): the
     workspaces it fills, as the call's inputs after the spec's, and its launch."""
-    m = kernel.config.modifiers
-    if m is None or m.rule is None or not m.rule.by_pass:
+    if not classes_per_call(kernel):
         return None
-    hidden, grid = workspaces(kernel.config, q, k)
+    config = kernel.config
+    hidden, grid = workspaces(config, q, k, config.block_r, config.block_c, queries_on_x=False)
     return hidden, KernelStep(CLASSES_SUFFIX, grid, (CLASSES_THREADS, 1, 1))
 
 
-def workspaces(config, q, k) -> tuple:
-    """The call's class bytes (one per tile) and q-block ranges (int32 pairs, started at
-    (INT_MAX, -1): none kept), and the classing kernel's grid (kv blocks, q blocks, rows),
-    for q (batch, seqlen_q, heads, head_dim) and k (batch, seqlen_k, ...)."""
+def plan_backward_classes(kernel: Kernel, q, k) -> tuple[tuple, tuple] | None:
+    """The backward's classing kernel (the same suffix, in the backward's source; None: its
+    keep needs none): the workspaces at the backward's B_r x B_c, m-blocks along the grid's x
+    and each n-block's range of kept m-blocks, and its grid."""
+    if not classes_per_call(kernel):
+        return None
+    bwd = kernel.backward
+    return workspaces(kernel.config, q, k, bwd.block_m, bwd.block_n, queries_on_x=True)
+
+
+def classes_per_call(kernel: Kernel) -> bool:
+    """Whether ``kernel``'s keep reads inputs per token, so each call classes its tiles."""
+    m = kernel.config.modifiers
+    return m is not None and m.rule is not None and m.rule.by_pass
+
+
+def workspaces(config, q, k, block_q: int, block_k: int, queries_on_x: bool) -> tuple:
+    """A call's class bytes (one per tile of block_q queries x block_k keys) and ranges
+    (int32 pairs, started at (INT_MAX, -1): none kept) of kept blocks along the grid's x (kv
+    blocks per q block; with ``queries_on_x``, m-blocks per n-block), and the classing
+    kernel's grid (x, y, rows), for q (batch, seqlen_q, heads, head_dim) and k (batch,
+    seqlen_k, ...)."""
     import torch
 
     batch, seqlen_q, heads = q.shape[0], q.shape[1], q.shape[2]
-    q_blocks = -(-seqlen_q // config.block_r)
-    kv_blocks = -(-k.shape[1] // config.block_c)
+    q_blocks = -(-seqlen_q // block_q)
+    kv_blocks = -(-k.shape[1] // block_k)
     rows = batch * (heads if config.modifiers.rule.per_head else 1)
-    if q_blocks > GRID_YZ_LIMIT:
+    x, y = (q_blocks, kv_blocks) if queries_on_x else (kv_blocks, q_blocks)
+    if y > GRID_YZ_LIMIT:
+        what = (
+            f"{k.shape[1]} keys are {kv_blocks} blocks of {block_k}"
+            if queries_on_x
+            else f"{seqlen_q} queries are {q_blocks} blocks of {block_q}"
+        )
         raise ValueError(
-            f"q: {seqlen_q} queries are {q_blocks} blocks of {config.block_r}, and kernel "
-            f"'{config.name}' classes its keep's tiles with a CTA per tile, at most "
-            f"{GRID_YZ_LIMIT} q blocks (CUDA's grid); split the call along the queries"
+            f"{'k' if queries_on_x else 'q'}: {what}, and kernel '{config.name}' classes its "
+            f"keep's tiles with a CTA per tile, at most {GRID_YZ_LIMIT} "
+            f"{'kv' if queries_on_x else 'q'} blocks (CUDA's grid); split the call along the "
+            f"{'keys' if queries_on_x else 'queries'}"
         )
     if rows > GRID_YZ_LIMIT:
         raise ValueError(
@@ -51,6 +78,6 @@ def workspaces(config, q, k) -> tuple:
             "the call along the batch"
         )
     classes = torch.empty(rows * q_blocks * kv_blocks, dtype=torch.uint8, device=q.device)
-    ranges = torch.full((rows * q_blocks, 2), -1, dtype=torch.int32, device=q.device)
+    ranges = torch.full((rows * y, 2), -1, dtype=torch.int32, device=q.device)
     ranges[:, 0] = INT_MAX
-    return (classes, ranges), (kv_blocks, q_blocks, rows)
+    return (classes, ranges), (x, y, rows)
