@@ -429,3 +429,23 @@ def test_the_backward_never_visits_queries_no_key_of_the_n_block_keeps(dtype):
     assert torch.isfinite(poisoned[0]).all()
     assert (poisoned[0][:, 480:] == 0).all()
     torch.testing.assert_close(poisoned[0], zeroed[0], atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("sq, sk", [(1000, 1000), (300, 1100), (1100, 300)], ids=str)
+def test_classes_made_once_give_every_call_the_same_results(sq, sk):
+    """kern.keep_classes(q, k, ...) made once and passed to three calls: the outputs and the
+    LSE, dK and dV bit for bit those of calls that class their own tiles (no GQA: dK and dV
+    stored, not added), dQ within its adds' order."""
+    kern = kernel("document_causal", EXAMPLES["document_causal"])
+    q, k, v, dout, dlse = tensors((4, sq, sk, 4, 4), torch.bfloat16, seed=sq + 2 * sk)
+    made = document_ids(PATTERNS, sq, sk, seed=sq * 3 + sk)
+    classes = kern.keep_classes(q, k, **made)
+    fresh = kern(q, k, v, return_lse=True, **made)
+    want = run(kern, q, k, v, dout, dlse, made)
+    for _ in range(3):
+        poison_allocator(4 * q.numel() * 8)
+        again = kern(q, k, v, return_lse=True, **made, keep_classes=classes)
+        assert all(torch.equal(a, b) for a, b in zip(again, fresh))
+        got = run(kern, q, k, v, dout, dlse, {**made, "keep_classes": classes})
+        assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
+        torch.testing.assert_close(got[0], want[0], atol=2e-2, rtol=2e-2)

@@ -62,7 +62,7 @@ def patched(monkeypatch):
         if lse is not None:
             lse.copy_(l)
 
-    def backward(self, dtype, arch, q, k, v, out, lse, dout, dlse, scale, inputs=()):
+    def backward(self, dtype, arch, q, k, v, out, lse, dout, dlse, scale, inputs=(), classes=None):
         # (the op's implementation runs below autograd: the kernels' stand-in records what
         # it was given and returns constant gradients)
         calls["backward"].append(tuple(inputs))
@@ -214,3 +214,21 @@ def test_a_spec_without_modifiers_packs_zeros_there(monkeypatch):
     main = launches[1].params
     assert len(main) == host.MAIN_BYTES
     assert main[host.MODIFIERS_OFFSET - 4 :] == bytes(host.MAIN_BYTES - host.MODIFIERS_OFFSET + 4)
+
+
+def test_compile_sets_keep_classes_aside(patched):
+    """Under torch.compile a call's keep_classes is set aside (its checks would hold at trace
+    time only): the traced call passes the spec's inputs alone, and classes its own tiles."""
+    kern = fadsl.load(ALIBI, verbose=False)
+    q, k, v, slopes = tensors(3)
+
+    def f(q, k, v, slopes):
+        return kern(q, k, v, 0.1, slopes=slopes, keep_classes="not looked at").float().sum()
+
+    torch._dynamo.reset()
+    got = [t.clone().requires_grad_() for t in (q, k, v)]
+    torch.compile(f, fullgraph=True, backend="aot_eager")(*got, slopes).backward()
+    assert all(len(c) == 1 and c[0] is not None for c in patched["backward"])
+    assert patched["forward"] and all(len(c) == 1 for c in patched["forward"])
+    with pytest.raises(TypeError, match="keep_classes must be what kernel"):
+        kern(q, k, v, 0.1, slopes=slopes, keep_classes="not looked at")

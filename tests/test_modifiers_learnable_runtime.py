@@ -26,7 +26,22 @@ def learning(patched, monkeypatch):  # noqa: F811
     filled with 1, 2, 3, ... (its elements' order is the inputs' split)."""
     seen = []
 
-    def call(self, dtype, arch, q, k, v, out, lse, dout, dlse, scale, inputs=(), input_grads=None):
+    def call(
+        self,
+        dtype,
+        arch,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        dout,
+        dlse,
+        scale,
+        inputs=(),
+        input_grads=None,
+        classes=None,
+    ):
         seen.append((self.kernel.config.modifiers.learn, input_grads))
         assert input_grads is not None and not input_grads.any()  # zeroed
         input_grads.copy_(torch.arange(1, input_grads.numel() + 1, dtype=torch.float32))

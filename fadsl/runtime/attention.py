@@ -32,7 +32,7 @@ from ..pipeline import Compiled, compile_file, compile_source
 from ..targets import check_arch
 from ..targets.archs import arch_for
 from ..targets.launch import Args, CallPlan, KernelStep, current_stream
-from . import arguments, learnable
+from . import arguments, keep_classes, learnable
 from .learnable import learning
 from .fp8_calls import Fp8Calls
 from .serving import ServingCalls
@@ -307,7 +307,15 @@ class FlashAttention(ServingCalls, Fp8Calls):
         dout, lse, dlse = backward_operands(out, lse, dout, dlse, lse_shape(q), q.device)
         arch = arch_of(q.device.index)
         kernels = self._backward_kernels()
-        return kernels(dtype, arch, q, k, v, out, lse, dout, dlse, scale, tuple(inputs))
+        inputs, _, classes = keep_classes.split(self, inputs)
+        return kernels(dtype, arch, q, k, v, out, lse, dout, dlse, scale, inputs, classes=classes)
+
+    def keep_classes(self, q, k, **inputs):
+        """The tile classes of a keep that reads inputs per token, made once for calls on
+        q's and k's shapes and these inputs (the spec's, by name), to pass to each of them as
+        ``keep_classes=`` (fadsl/runtime/keep_classes.py); on q's device and stream."""
+        tensors = modifier_inputs(self.config.modifiers.inputs, inputs, q, k, self.config.name)
+        return keep_classes.make(self, q, k, tensors)
 
     # ------------------------------------------------------------------ calling
     def __call__(
@@ -377,9 +385,13 @@ class FlashAttention(ServingCalls, Fp8Calls):
 
         decls = () if self.config.modifiers is None else self.config.modifiers.inputs
         name = self.config.name
+        classes = keep_classes.taken(inputs)  # (made ahead: keep_classes.py)
         if not decls:  # (a keyword the spec does not take: reported as Python would, first)
             modifier_inputs(decls, inputs, q, k, name)
         tensors = modifier_inputs(decls, inputs, q, k, name)
+        if classes is not None:
+            keep_classes.check(self, classes, q, k, tensors)
+            tensors += tuple(classes.tensors())
         grad_mode = torch.is_grad_enabled()
         learn = learning(self, decls, tensors)  # (refuses an input that cannot learn, by name)
         grads = grad_mode and (any(t.requires_grad for t in (q, k, v)) or any(learn))
@@ -449,7 +461,7 @@ class FlashAttention(ServingCalls, Fp8Calls):
     ) -> None:
         """Launch on q's device and that device's current stream (arguments checked;
         ``inputs``: the modifiers'; ``descales``: an 8-bit kernel's three, checked)."""
-        if self.config.modifiers is not None and len(inputs) != len(self.config.modifiers.inputs):
+        if self.config.modifiers is not None and len(inputs) not in keep_classes.counts(self):
             raise TypeError(
                 f"kernel '{self.config.name}' reads inputs ({', '.join(i.name for i in self.config.modifiers.inputs)}): "
                 "call it with them as keyword arguments"
@@ -465,7 +477,10 @@ class FlashAttention(ServingCalls, Fp8Calls):
         if descales is None and self.is_fp8:  # (every launch passes its second parameter)
             descales = (None, None, None)
         first = None  # a kernel launched first (a keep's tile classes: inputs after the spec's)
-        if self._launch.before is not None:
+        inputs, made, _ = keep_classes.split(self, inputs)
+        if made is not None:  # (made ahead: kern.keep_classes)
+            inputs += made
+        elif self._launch.before is not None:
             found = self._launch.before(self.compiled.kernel, q, k)
             if found is not None:
                 hidden, first = found

@@ -126,17 +126,36 @@ class BackwardKernels:
         softmax_scale: float,
         inputs: tuple = (),
         input_grads=None,
+        classes=None,
     ):
         """(dq, dk, dv), launched on q's device (architecture ``arch``) and its current
         stream; ``inputs``: the score and mask modifiers' tensors, checked, in declared
         order (none without modifiers); ``input_grads``: a learnable variant's fp32
-        gradient buffer, zeroed (fadsl/runtime/learnable.py)."""
+        gradient buffer, zeroed (fadsl/runtime/learnable.py); ``classes``: a keep's tile
+        classes made ahead (``classes_only``; used where their tiles are this kernel's)."""
         run = self.launcher.run
         if inputs:
             run = functools.partial(run, inputs=tuple(inputs))
         if input_grads is not None:
             run = functools.partial(run, input_grads=input_grads)
+        if classes is not None:
+            run = functools.partial(run, classes=classes)
         return self._run(run, dtype, arch, q, (k, v, out, lse, dout, dlse), softmax_scale)
+
+    def classes_only(self, dtype: Dtype, arch: str, q, k, inputs: tuple) -> tuple:
+        """A keep's tile classes at this backward's tiles for calls on q, k and ``inputs``
+        (the target's ``classes_only``), made on q's device and current stream."""
+        import torch
+
+        index = q.device.index
+        modules = self.modules(dtype, index, arch)
+        stream = current_stream(index)
+
+        def launch(kl) -> None:
+            modules[kl.suffix].launch(kl.grid, kl.block, kl.params, stream)
+
+        with torch.cuda.device(index):
+            return self.launcher.classes_only(self.kernel, launch, q, k, tuple(inputs))
 
     def varlen(
         self,

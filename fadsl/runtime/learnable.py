@@ -17,6 +17,7 @@ from dataclasses import replace
 from ..errors import Diagnostic, SpecError
 from ..ir import Dtype
 from ..passes.modifiers.input_grads import learnable
+from . import keep_classes
 
 
 def learning(kern, decls, tensors) -> tuple[bool, ...]:
@@ -154,7 +155,8 @@ def backward(kern, arch: str, q, k, v, out, lse, dout, dlse, scale: float, input
     kernels = variant_kernels(kern, names)
     check_spills(kernels, dtype, arch)
     flat = torch.zeros(buffer_size(inputs, learn), device=q.device, dtype=torch.float32)
+    inputs, _, classes = keep_classes.split(kern, inputs)  # (used where the tiles agree)
     dq, dk, dv = kernels(
-        dtype, arch, q, k, v, out, lse, dout, dlse, scale, tuple(inputs), input_grads=flat
+        dtype, arch, q, k, v, out, lse, dout, dlse, scale, inputs, input_grads=flat, classes=classes
     )
     return dq, dk, dv, flat

@@ -208,6 +208,9 @@ class BackwardLaunch:
     # the backward block's (setting, path) lines a learnable variant (Modifiers.learn) takes
     # in place of the spec's (rewrite_backward's), e.g. a smaller tile that fits its registers
     learn_lines: Callable[[Backward], tuple[dict[str, str], dict[str, str | None]]] | None = None
+    # a keep that reads inputs per token: classes_only(kernel, launch, q, k, inputs) ->
+    # (B_r, B_c, class bytes, ranges), made ahead for ``run``'s ``classes`` (reused over calls)
+    classes_only: Callable[..., tuple] | None = None
 
 
 FWD_PARAMS = struct.Struct("<5Q14q5if")

@@ -4,7 +4,8 @@ the plain causal kernel of the same tiles on the same tensors (no documents: the
 document-masked tile is cut from) and FlexAttention's document mask (torch.compile'd
 flex_attention with a BlockMask made once, as a model reuses it over its layers; its making
 timed apart), bf16, head_dim 128, 16 heads, documents of equal length; forward and (with
---backward) backward alone (torch.autograd.grad over a graph kept from one forward). Prints
+--backward) backward alone (torch.autograd.grad over a graph kept from one forward); "fadsl
+reused" passes classes made once (kern.keep_classes), as a model's layers would. Prints
 ms, TF/s counted over the kept scores only (documents x L (L + 1) / 2 pairs; FLOPs 4 d heads
 per pair forward, 2.5 times that backward), ratios, and fadsl's error against FlexAttention.
 
@@ -56,13 +57,21 @@ def main() -> None:
         kept = (lengths * (lengths + 1) / 2).sum().item()
         causal_pairs = n * (n + 1) / 2
         fwd_flops = 4 * HEAD_DIM * HEADS * kept
+        classes = document.keep_classes(q, k, q_doc=ids, kv_doc=ids)
+        made_ours = median_times(
+            {"classes": lambda _: document.keep_classes(q, k, q_doc=ids, kv_doc=ids)}, 2, 10, 1
+        )
         contenders = {
             "fadsl document": lambda _: document(q, k, v, q_doc=ids, kv_doc=ids),
+            "fadsl reused": lambda _: document(
+                q, k, v, q_doc=ids, kv_doc=ids, keep_classes=classes
+            ),
             "fadsl causal": lambda _: plain(q, k, v),
             "flex document": lambda _: flex(qt, kt, vt, block_mask=block_mask),
         }
         flops = {
             "fadsl document": fwd_flops,
+            "fadsl reused": fwd_flops,
             "fadsl causal": 4 * HEAD_DIM * HEADS * causal_pairs,
             "flex document": fwd_flops,
         }
@@ -71,12 +80,15 @@ def main() -> None:
         theirs = flex(qt, kt, vt, block_mask=block_mask).transpose(1, 2).float()
         err = (ours - theirs).abs().max().item()
         _report("forward", docs, n, ms, flops, made["mask"], err)
+        print(
+            f"  fadsl's keep_classes made (forward and backward) in {made_ours['classes']:.3f} ms"
+        )
         if args.backward:
-            ms, err = _backward(document, plain, flex, block_mask, (q, k, v, dout), ids)
+            ms, err = _backward(document, plain, flex, block_mask, (q, k, v, dout), ids, classes)
             _report("backward", docs, n, ms, {c: 2.5 * f for c, f in flops.items()}, 0.0, err)
 
 
-def _backward(document, plain, flex, block_mask, tensors, ids):
+def _backward(document, plain, flex, block_mask, tensors, ids, classes):
     """Each contender's backward alone (ms), over a graph made once; and the largest dQ,
     dK, dV difference between fadsl's and FlexAttention's."""
     q, k, v, dout = tensors
@@ -84,6 +96,7 @@ def _backward(document, plain, flex, block_mask, tensors, ids):
     flex_leaves = [t.detach().transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v)]
     outs = {
         "fadsl document": document(*leaves, q_doc=ids, kv_doc=ids),
+        "fadsl reused": document(*leaves, q_doc=ids, kv_doc=ids, keep_classes=classes),
         "fadsl causal": plain(*leaves),
         "flex document": flex(*flex_leaves, block_mask=block_mask),
     }
@@ -111,7 +124,7 @@ def _report(what, docs, n, ms, flops, mask_ms, err) -> None:
     print(
         f"{what} {docs:3d} documents of {n // docs}: {line};  document x causal TF/s "
         f"{tf['fadsl document'] / tf['fadsl causal']:.2f}, x flex "
-        f"{ms['flex document'] / ms['fadsl document']:.2f}{made};  max |fadsl - flex| {err:.2e}",
+        f"{ms['flex document'] / ms['fadsl document']:.2f} (reused {ms['flex document'] / ms['fadsl reused']:.2f}){made};  max |fadsl - flex| {err:.2e}",
         flush=True,
     )
 

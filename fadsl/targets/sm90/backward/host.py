@@ -128,12 +128,15 @@ def run(
     softmax_scale: float,
     inputs: tuple = (),
     input_grads=None,
+    classes=None,
 ) -> tuple[Any, Any, Any]:
     """dq, dk, dv for one call: allocates the workspace, launches the three kernels through
     ``launch`` (which loads and launches a KernelLaunch on the current stream) and sums
     GQA's per-head dK and dV. ``dlse``: the LSE's gradient (strides of ``lse``) or None;
     ``inputs``: the score and mask modifiers' tensors (checked, in declared order);
-    ``input_grads``: the learnable variant's fp32 gradient buffer, zeroed, or None."""
+    ``input_grads``: the learnable variant's fp32 gradient buffer, zeroed, or None;
+    ``classes``: (B_r, B_c, class bytes, ranges) made before for these q, k and inputs
+    (``classes_only``), used where B_r and B_c are this kernel's (else its pass runs)."""
     import torch
 
     bwd = kernel.backward
@@ -155,7 +158,30 @@ def run(
         softmax_scale,
         inputs=inputs,
         input_grads=input_grads,
+        classes=classes,
     )
+
+
+def classes_only(kernel: Kernel, launch: Callable[[KernelLaunch], None], q, k, inputs) -> tuple:
+    """The backward's tile classes of a keep that reads inputs per token, made ahead for
+    calls on these q, k (shapes) and ``inputs`` (the spec's, checked): (B_r, B_c, class bytes,
+    ranges), for ``run``'s ``classes``. Launches the classing kernel alone, with params that
+    hold only what it reads (sizes, the inputs, the batch)."""
+    bwd = kernel.backward
+    (cls, ranges), grid = plan_backward_classes(kernel, q, k)
+    batch, seqlen_q, heads_q = q.shape[0], q.shape[1], q.shape[2]
+    m_blocks = -(-seqlen_q // bwd.block_m)
+    fields = MAIN_FIELDS.pack(
+        *[0] * 12, seqlen_q, k.shape[1], m_blocks * bwd.block_m, m_blocks, heads_q, 1, 0,
+        0.0, 0.0, 0, 0, 0, 0,
+    )  # fmt: skip
+    main = bytes(4 * 128) + fields
+    main += bytes(MODIFIERS_OFFSET - len(main)) + modifier_fields(
+        tuple(inputs) + (cls, ranges), batch
+    )
+    main += bytes(MAIN_BYTES - len(main))
+    launch(KernelLaunch(CLASSES_SUFFIX, grid, (CLASSES_THREADS, 1, 1), main))
+    return bwd.block_m, bwd.block_n, cls, ranges
 
 
 def run_varlen(
@@ -329,6 +355,7 @@ def _launch_all(
     zero_partials: bool = False,
     inputs: tuple = (),
     input_grads=None,
+    classes=None,
 ) -> tuple[Any, Any, Any]:
     """The three kernels over (batch, seqlen, heads, head_dim) views: ``tensors`` q, k, v,
     out, dout; ``grads`` dq, dk, dv to write (dk and dv replaced by fp32 partials under GQA,
@@ -431,10 +458,15 @@ def _launch_all(
         layout.sequences,
     )
     main = maps + fields
-    # a keep that reads inputs per token: its tiles classed first (the inputs after the spec's)
-    classes = plan_backward_classes(kernel, q, k)
-    if classes is not None:
-        inputs = tuple(inputs) + classes[0]
+    # a keep that reads inputs per token: its tiles classed first (the inputs after the
+    # spec's), unless the caller made them for this geometry before
+    given, classes = classes, None
+    if given is not None and tuple(given[:2]) == (bwd.block_m, bwd.block_n):
+        inputs = tuple(inputs) + tuple(given[2:])
+    else:
+        classes = plan_backward_classes(kernel, q, k)
+        if classes is not None:
+            inputs = tuple(inputs) + classes[0]
     learn_rows = None
     if input_grads is not None and _learns(kernel):
         learn_rows = learn_rows_buffer(kernel, batch, heads_q, rows, dlse, device)
