@@ -477,8 +477,10 @@ class FlashAttention(ServingCalls, Fp8Calls):
         if descales is None and self.is_fp8:  # (every launch passes its second parameter)
             descales = (None, None, None)
         first = None  # a kernel launched first (a keep's tile classes: inputs after the spec's)
-        inputs, made, _ = keep_classes.split(self, inputs)
-        if made is not None:  # (made ahead: kern.keep_classes)
+        made = None
+        if self.config.modifiers is not None:  # (classes made ahead: kern.keep_classes)
+            inputs, made, _ = keep_classes.split(self, inputs)
+        if made is not None:
             inputs += made
         elif self._launch.before is not None:
             found = self._launch.before(self.compiled.kernel, q, k)
