@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 import torch
 
-from fadsl.runtime import append, dispatch, driver, planned
+from fadsl.runtime import append, dispatch, driver, eager_grad, planned
 from fadsl.targets import launch as common_launch
 from fadsl.targets.sm90.host import launch as sm90_launch
 from fadsl.targets.sm90.host import fp8 as fp8_host
@@ -188,6 +188,8 @@ def install(monkeypatch):
     monkeypatch.setattr(tma, "_encoded", {})
     monkeypatch.setattr(sm90_launch, "_SM90_PACKED", {})
     monkeypatch.setattr(driver.ParamsBuffer, "tensor_map_address", fake_tensor_map_address)
+    # (no driver, no context: the eager autograd Functions' backward thread needs none here)
+    monkeypatch.setattr(eager_grad, "ensure_context", lambda index: None)
     planned.clear()
     log: list[Launched] = []
     allocator = Allocator(monkeypatch)

@@ -344,11 +344,18 @@ def test_compile_fullgraph_forward_and_backward():
         assert (a.grad.float() - b.float()).abs().max().item() <= 1e-2
 
 
-def test_a_learnable_input_is_refused_by_name():
-    kern = kernel("alibi_causal", ALIBI)
+def test_an_input_that_cannot_learn_is_refused_by_name():
+    """ALiBi's slopes learn (tests/test_gpu_modifiers_learnable.py); read only by keep they
+    have no gradient, and requiring one is refused naming them."""
+    text = ALIBI.replace(
+        "  score      s + slopes[h] * (kv_idx - q_idx)     # added before the row max, as softcap is\n",
+        "  keep       kv_idx - q_idx < slopes[h]\n",
+    )
+    assert text != ALIBI
+    kern = kernel("alibi_keep_only", text)
     q, k, v, _, _ = tensors((1, 64, 64, 4, 4), torch.bfloat16, seed=1)
     slopes = torch.ones(4, device="cuda", requires_grad=True)
-    with pytest.raises(RuntimeError, match="input 'slopes' .* requires grad"):
+    with pytest.raises(RuntimeError, match="input 'slopes' requires grad, but it has no gradient"):
         kern(q.requires_grad_(), k, v, slopes=slopes)
 
 

@@ -232,3 +232,20 @@ def test_compile_sets_keep_classes_aside(patched):
     assert patched["forward"] and all(len(c) == 1 for c in patched["forward"])
     with pytest.raises(TypeError, match="keep_classes must be what kernel"):
         kern(q, k, v, 0.1, slopes=slopes, keep_classes="not looked at")
+
+
+def test_eager_calls_with_gradients_skip_the_dispatcher(patched):
+    """An eager call whose q, k, v require grad runs the kernels through one autograd
+    Function (fadsl/runtime/eager_grad.py, _Modified), not the modified op: the same launches
+    with the same inputs, each input that requires grad getting its gradient there too."""
+    kern = fadsl.load(PREFIX, verbose=False)
+    q, k, v, slopes = tensors(4)
+    prefix = torch.tensor([5, 70], dtype=torch.int32)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    o = kern(*leaves, slopes=slopes, prefix=prefix)
+    assert type(o.grad_fn).__name__ == "_ModifiedBackward"
+    o.float().sum().backward()
+    assert [tuple(x is y for x, y in zip(c, (prefix, slopes))) for c in patched["backward"]] == [
+        (True, True)
+    ]
+    assert all(t.grad is not None for t in leaves)

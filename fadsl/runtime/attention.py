@@ -402,7 +402,14 @@ class FlashAttention(ServingCalls, Fp8Calls):
                 f"fadsl kernel '{name}': out= does not support automatic differentiation; "
                 "call it without out=, under torch.no_grad(), or with q, k and v detached"
             )
-        o, lse = self._modified_op(q, k, v, list(tensors), scale, return_lse or self.has_backward)
+        if self.has_backward and not torch.compiler.is_compiling():  # (no dispatcher)
+            from . import eager_grad
+
+            o, lse = eager_grad.modified(self, scale, q, k, v, tensors)
+        else:
+            o, lse = self._modified_op(
+                q, k, v, list(tensors), scale, return_lse or self.has_backward
+            )
         if out is not None:  # (compiled, without gradients)
             out.copy_(o)
             o = out

@@ -16,6 +16,11 @@ Packed sequences (a loaded `varlen on` spec's varlen call, fadsl.attention_varle
 through the same Function with their cu_seqlens, which calls the varlen kernels as their ops
 do (never a padded kernel: that would attend across sequences).
 
+Calls of a spec with score and mask modifiers (issue 41) go through _Modified, the modified
+op's formula (modified_op.py) without the op: the inputs after q, k and v (a KeepClasses'
+tensors after the spec's), their gradients where they require grad (the learnable variant's
+buffer, split as the op splits it).
+
 Only specs with a backward block come here: the ops' formula raises the forward-only message
 at backward time, and keeps doing so.
 """
@@ -23,6 +28,7 @@ at backward time, and keeps doing so.
 import torch
 
 from .driver import ensure_context
+from .learnable import split_buffer
 
 
 class _Attention(torch.autograd.Function):
@@ -56,6 +62,45 @@ class _Attention(torch.autograd.Function):
         else:
             grads = ctx.kern.backward(q, k, v, out, lse, dout, dlse, ctx.scale)
         return None, None, *grads, *unused
+
+
+class _Modified(torch.autograd.Function):
+    """(out, lse) of ``kern`` (a FlashAttention with modifiers and a backward block) at
+    ``scale`` on ``inputs``; the backward is the spec's, the inputs that require grad
+    getting theirs."""
+
+    @staticmethod
+    def forward(ctx, kern, scale, q, k, v, *inputs):
+        ensure_context(q.device.index)
+        out, lse = kern.forward(q, k, v, scale, None, True, inputs)
+        ctx.kern, ctx.scale = kern, scale
+        ctx.learn = tuple(bool(t.requires_grad) for t in inputs)
+        ctx.save_for_backward(q, k, v, out, lse, *inputs)
+        ctx.set_materialize_grads(False)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse, *inputs = ctx.saved_tensors
+        if dout is None and dlse is None:
+            return None, None, None, None, None, *(None,) * len(inputs)
+        ensure_context(q.device.index)
+        if dout is None:
+            dout = torch.zeros_like(out)
+        kern, scale = ctx.kern, ctx.scale
+        if any(ctx.learn):
+            *grads, flat = kern.backward_learnable(
+                q, k, v, out, lse, dout, dlse, scale, tuple(inputs), ctx.learn
+            )
+            return None, None, *grads, *split_buffer(flat, inputs, ctx.learn)
+        grads = kern.backward(q, k, v, out, lse, dout, dlse, scale, tuple(inputs))
+        return None, None, *grads, *(None,) * len(inputs)
+
+
+def modified(kern, scale: float, q, k, v, inputs: tuple):
+    """(out, lse) of a spec with modifiers, with gradients through q, k, v, the LSE and the
+    inputs that require grad, eagerly (``inputs`` checked; ``kern`` has a backward block)."""
+    return _Modified.apply(kern, scale, q, k, v, *inputs)
 
 
 def attention(kern, scale: float, q, k, v):
