@@ -15,12 +15,13 @@ struct TileCoord {
 // fastest, then head, then batch, so that the CTAs running at once work on few heads and
 // share their K and V through L2.
 //   kPersistent (`scheduler persistent`): grid = min(tiles, SMs); CTA c runs steps
-//     s = 0, 1, ...  Without a mask, step s is tile c + s * gridDim.x.  Causal: tiles go
-//     in pairs of a head's long and short query block (m = num_m - 1 - i, then i: the
-//     pair's blocks add up to num_m + 1), the CTA running pairs c, c + gridDim.x, ..., so
-//     that every CTA gets the same work however long each tile is.
+//     s = 0, 1, ...  Without a mask, step s is tile c + s * gridDim.x.  Causal (and a
+//     `keep` without a mask: longest_tiles_first): tiles go in pairs of a head's long and
+//     short query block (m = num_m - 1 - i, then i: the pair's blocks add up to num_m + 1
+//     under causal), the CTA running pairs c, c + gridDim.x, ..., so that every CTA gets
+//     the same work however long each tile is.
 //   grid (`scheduler grid`): one CTA per tile, the hardware handing out tiles as SMs
-//     free up; causal puts the longest query blocks first.
+//     free up; causal (and keep) puts the longest query blocks first.
 //   A sliding window (causal or not) takes the plain order either way: its tiles run about
 //     the same number of blocks (a few at the sequence's ends fewer), so pairs would not
 //     balance anything.
@@ -61,7 +62,7 @@ template <class Cfg>
 __device__ __forceinline__ int tile_index(const FwdParams& p, int step) {
   const int ctas = gridDim.x, cta = blockIdx.x;
   int t = cta;  // one CTA per tile (the grid has exactly one per tile): step 0 only
-  if constexpr (Cfg::kPersistent && Cfg::kCausal && !has_window<Cfg>()) {
+  if constexpr (Cfg::kPersistent && longest_tiles_first<Cfg>()) {
     t = 2 * (cta + (step / 2) * ctas) + (step & 1);
   } else if constexpr (Cfg::kPersistent) {
     t = cta + step * ctas;
@@ -76,10 +77,10 @@ __device__ __forceinline__ TileCoord tile_coords(const FwdParamsSm90& P, int t) 
   const int m = num_m_blocks<Cfg>(P.base);
   const int bh = fast_div(t, P.div_m_blocks), j = t - bh * m;
   TileCoord c;
-  if constexpr (Cfg::kCausal && Cfg::kPersistent && !has_window<Cfg>()) {
+  if constexpr (longest_tiles_first<Cfg>() && Cfg::kPersistent) {
     c.m_block = (j & 1) ? j / 2 : m - 1 - j / 2;  // num_m - 1, 0, num_m - 2, 1, ...
   } else {
-    c.m_block = Cfg::kCausal && !has_window<Cfg>() ? m - 1 - j : j;  // causal: long rows first
+    c.m_block = longest_tiles_first<Cfg>() ? m - 1 - j : j;  // long rows first
   }
   c.batch = fast_div(bh, P.div_heads);
   c.head = bh - c.batch * tile_heads<Cfg>(P.base);
