@@ -33,8 +33,8 @@ from ..targets import check_arch
 from ..targets.archs import arch_for
 from ..targets.launch import Args, CallPlan, KernelStep, current_stream
 from . import arguments, keep_classes, learnable
-from .learnable import learning
 from .fp8_calls import Fp8Calls
+from .modified_calls import ModifiedCalls
 from .serving import ServingCalls
 from .arguments import (
     accepts,
@@ -45,7 +45,6 @@ from .arguments import (
     compiled_dtypes,
     explain_inputs,
     lse_shape,
-    modifier_inputs,
 )
 
 log = logging.getLogger("fadsl")
@@ -96,7 +95,7 @@ def _ensure_log_handler() -> None:
             log.setLevel(logging.INFO)
 
 
-class FlashAttention(ServingCalls, Fp8Calls):
+class FlashAttention(ServingCalls, Fp8Calls, ModifiedCalls):
     """A compiled spec; call it on CUDA tensors shaped (batch, seqlen, heads, head_dim); a
     serving spec also takes ``varlen`` or ``kvcache`` calls (fadsl/runtime/serving.py), an
     8-bit one the descales (fadsl/runtime/fp8_calls.py)."""
@@ -310,13 +309,6 @@ class FlashAttention(ServingCalls, Fp8Calls):
         inputs, _, classes = keep_classes.split(self, inputs)
         return kernels(dtype, arch, q, k, v, out, lse, dout, dlse, scale, inputs, classes=classes)
 
-    def keep_classes(self, q, k, **inputs):
-        """The tile classes of a keep that reads inputs per token, made once for calls on
-        q's and k's shapes and these inputs (the spec's, by name), to pass to each of them as
-        ``keep_classes=`` (fadsl/runtime/keep_classes.py); on q's device and stream."""
-        tensors = modifier_inputs(self.config.modifiers.inputs, inputs, q, k, self.config.name)
-        return keep_classes.make(self, q, k, tensors)
-
     # ------------------------------------------------------------------ calling
     def __call__(
         self,
@@ -373,47 +365,6 @@ class FlashAttention(ServingCalls, Fp8Calls):
                 return (o, lse) if return_lse else o
             return self._call_op(q, k, v, scale, None, return_lse)
         return self.forward(q, k, v, scale, out, return_lse)
-
-    def _call_modified(self, q, k, v, scale: float, out, return_lse: bool, inputs: dict):
-        """A call of a spec with score or mask modifiers (issue 41): the inputs checked by
-        name, dtype, shape, device and layout; eager calls without gradients launch
-        directly, the others (gradients through q, k, v; torch.compile) go through the
-        modified op (fadsl/runtime/modified_op.py), whose backward runs the spec's backward
-        kernels with the same inputs, and gives the inputs that require grad their gradients
-        (fadsl/runtime/learnable.py, which refuses, by name, one that cannot have any)."""
-        import torch
-
-        decls = () if self.config.modifiers is None else self.config.modifiers.inputs
-        name = self.config.name
-        classes = keep_classes.taken(inputs)  # (made ahead: keep_classes.py)
-        if not decls:  # (a keyword the spec does not take: reported as Python would, first)
-            modifier_inputs(decls, inputs, q, k, name)
-        tensors = modifier_inputs(decls, inputs, q, k, name)
-        if classes is not None:
-            keep_classes.check(self, classes, q, k, tensors)
-            tensors += tuple(classes.tensors())
-        grad_mode = torch.is_grad_enabled()
-        learn = learning(self, decls, tensors)  # (refuses an input that cannot learn, by name)
-        grads = grad_mode and (any(t.requires_grad for t in (q, k, v)) or any(learn))
-        if not grads and not torch.compiler.is_compiling():
-            return self.forward(q, k, v, scale, out, return_lse, tensors)
-        if grads and out is not None:
-            raise RuntimeError(
-                f"fadsl kernel '{name}': out= does not support automatic differentiation; "
-                "call it without out=, under torch.no_grad(), or with q, k and v detached"
-            )
-        if self.has_backward and not torch.compiler.is_compiling():  # (no dispatcher)
-            from . import eager_grad
-
-            o, lse = eager_grad.modified(self, scale, q, k, v, tensors)
-        else:
-            o, lse = self._modified_op(
-                q, k, v, list(tensors), scale, return_lse or self.has_backward
-            )
-        if out is not None:  # (compiled, without gradients)
-            out.copy_(o)
-            o = out
-        return (o, lse) if return_lse else o
 
     def _call_op(self, q, k, v, scale: float, out, return_lse: bool):
         import torch
