@@ -213,3 +213,32 @@ def test_the_backward_classes_its_tiles_before_its_main_kernel():
     pointers = bwd_host.MODIFIERS.unpack_from(main.params, bwd_host.MODIFIERS_OFFSET)[:8]
     assert pointers[:2] == tuple(t.data_ptr() for t in ids)
     assert all(pointers[2:4]) and pointers[4:] == (0, 0, 0, 0)
+
+
+def test_classes_made_for_other_tiles_are_not_used_by_the_backward():
+    """run's classes are used only at the tiles they were made for (a learnable variant's
+    backward may take B_r 64 where the spec's takes 80): otherwise its own pass runs."""
+    import fadsl.targets.sm90.host.tma as tma
+    from fadsl.targets.sm90.backward import host as bwd_host
+
+    kernel = _compiled(DOCUMENT).kernel
+    bwd = kernel.backward
+    original = tma._encode
+    tma._encode = lambda *a: bytes(tma.MAP_BYTES)
+    try:
+        q, k, v = (torch.randn(1, 200, 2, 128, dtype=torch.bfloat16) for _ in "qkv")
+        ids = (torch.zeros(1, 200, dtype=torch.int32), torch.zeros(1, 200, dtype=torch.int32))
+        made = (torch.zeros(8, dtype=torch.uint8), torch.zeros(2, 2, dtype=torch.int32))
+        for tiles, classed in (((bwd.block_m, bwd.block_n), False), ((64, bwd.block_n), True)):
+            launches = []
+            lse = torch.randn(1, 2, 200)
+            bwd_host.run(
+                kernel, launches.append, q, k, v, q, lse, q, None, 0.1, ids, classes=(*tiles, *made)
+            )
+            names = [x.suffix for x in launches]
+            assert (keep_classes.CLASSES_SUFFIX in names) == classed
+            main = next(x for x in launches if x.suffix == "")
+            pointers = bwd_host.MODIFIERS.unpack_from(main.params, bwd_host.MODIFIERS_OFFSET)[2:4]
+            assert (pointers == tuple(t.data_ptr() for t in made)) == (not classed)
+    finally:
+        tma._encode = original
