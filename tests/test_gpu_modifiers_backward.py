@@ -438,13 +438,27 @@ def test_the_backward_never_visits_queries_no_key_of_the_n_block_keeps(dtype):
     torch.testing.assert_close(poisoned[0], zeroed[0], atol=1e-2, rtol=1e-2)
 
 
-@pytest.mark.parametrize("sq, sk", [(1000, 1000), (300, 1100), (1100, 300)], ids=str)
-def test_classes_made_once_give_every_call_the_same_results(sq, sk):
+# a keep per head, with GQA: the classes per (batch, head), heads_kv read as heads_q / group
+PER_HEAD = EXAMPLES["document_causal"].replace(
+    "  keep       q_doc[b, q_idx] == kv_doc[b, kv_idx]\n",
+    "  keep       q_doc[b, q_idx] == kv_doc[b, kv_idx] or h < heads_kv\n",
+)
+MADE_ONCE = [("document_causal", 4, s) for s in ((1000, 1000), (300, 1100), (1100, 300))]
+MADE_ONCE += [("document_per_head", 2, (700, 900))]
+
+
+@pytest.mark.parametrize("name, heads_kv, lengths", MADE_ONCE, ids=str)
+def test_classes_made_once_give_every_call_the_same_results(name, heads_kv, lengths):
     """kern.keep_classes(q, k, ...) made once and passed to three calls: the outputs and the
-    LSE, dK and dV bit for bit those of calls that class their own tiles (no GQA: dK and dV
-    stored, not added), dQ within its adds' order."""
-    kern = kernel("document_causal", EXAMPLES["document_causal"])
-    q, k, v, dout, dlse = tensors((4, sq, sk, 4, 4), torch.bfloat16, seed=sq + 2 * sk)
+    LSE, dK and dV bit for bit those of calls that class their own tiles (without GQA: dK and
+    dV stored, not added), dQ within its adds' order; a keep per head under GQA (its classes
+    per (batch, head), heads_kv read from heads_q and the group) within the same bounds.
+    (Written 2026-12-01 after the H200 run of the first three cases; the per-head case not
+    yet run on a GPU.)"""
+    assert PER_HEAD != EXAMPLES["document_causal"]
+    kern = kernel(name, PER_HEAD if name == "document_per_head" else EXAMPLES[name])
+    sq, sk = lengths
+    q, k, v, dout, dlse = tensors((4, sq, sk, 4, heads_kv), torch.bfloat16, seed=sq + 2 * sk)
     made = document_ids(PATTERNS, sq, sk, seed=sq * 3 + sk)
     classes = kern.keep_classes(q, k, **made)
     fresh = kern(q, k, v, return_lse=True, **made)
@@ -454,5 +468,7 @@ def test_classes_made_once_give_every_call_the_same_results(sq, sk):
         again = kern(q, k, v, return_lse=True, **made, keep_classes=classes)
         assert all(torch.equal(a, b) for a, b in zip(again, fresh))
         got = run(kern, q, k, v, dout, dlse, {**made, "keep_classes": classes})
-        assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
-        torch.testing.assert_close(got[0], want[0], atol=2e-2, rtol=2e-2)
+        for a, b in zip(got, want):  # (GQA: dK and dV added in fp32, in any order)
+            if heads_kv == 4 and a is not got[0]:
+                assert torch.equal(a, b)
+            torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)

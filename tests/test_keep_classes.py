@@ -242,3 +242,33 @@ def test_classes_made_for_other_tiles_are_not_used_by_the_backward():
             assert (pointers == tuple(t.data_ptr() for t in made)) == (not classed)
     finally:
         tma._encode = original
+
+
+@pytest.mark.parametrize("heads_q, heads_kv", [(4, 4), (4, 2), (8, 1)])
+def test_the_backward_pass_made_ahead_reads_the_sizes_each_call_gives_it(heads_q, heads_kv):
+    """classes_only's params hold what the per-call pass's hold for the fields a keep may
+    read (seqlen_q, seqlen_k, rows, m_blocks, heads_q, group: an expression's heads_kv is
+    heads_q / group) and the same batch."""
+    import fadsl.targets.sm90.host.tma as tma
+    from fadsl.targets.sm90.backward import host as bwd_host
+
+    kernel = _compiled(DOCUMENT).kernel
+    original = tma._encode
+    tma._encode = lambda *a: bytes(tma.MAP_BYTES)
+    try:
+        q = torch.randn(3, 200, heads_q, 128, dtype=torch.bfloat16)
+        k, v = (torch.randn(3, 300, heads_kv, 128, dtype=torch.bfloat16) for _ in "kv")
+        ids = (torch.zeros(3, 200, dtype=torch.int32), torch.zeros(3, 300, dtype=torch.int32))
+        per_call, ahead = [], []
+        lse = torch.randn(3, heads_q, 200)
+        bwd_host.run(kernel, per_call.append, q, k, v, q, lse, q, None, 0.1, ids)
+        bwd_host.classes_only(kernel, ahead.append, q, k, ids)
+    finally:
+        tma._encode = original
+    ((made,),) = [[x for x in per_call if x.suffix == keep_classes.CLASSES_SUFFIX]]
+    (alone,) = ahead
+    ints = slice(4 * 128 + 6 * 8 + 6 * 8, 4 * 128 + 6 * 8 + 6 * 8 + 6 * 4)  # (up to group)
+    assert alone.params[ints] == made.params[ints]
+    assert alone.grid == made.grid
+    batch = bwd_host.MODIFIERS.unpack_from(alone.params, bwd_host.MODIFIERS_OFFSET)[8]
+    assert batch == bwd_host.MODIFIERS.unpack_from(made.params, bwd_host.MODIFIERS_OFFSET)[8] == 3

@@ -97,7 +97,9 @@ def test_a_call_they_were_not_made_for_is_refused_by_name(device):
     with pytest.raises(ValueError, match=r"made from another tensor than this call's q_doc"):
         kern(q, k, v, q_doc=ids["q_doc"].clone(), kv_doc=ids["kv_doc"], keep_classes=classes)
     q2, k2, v2, ids2 = tensors(sq=200)
-    with pytest.raises(ValueError, match=r"made for \(batch, seqlen_q, heads, seqlen_k\)"):
+    with pytest.raises(
+        ValueError, match=r"made for \(batch, seqlen_q, heads, seqlen_k, heads_kv\)"
+    ):
         kern(q2, k2, v2, **ids2, keep_classes=classes)
     ids["kv_doc"].add_(1)  # written in place after the classes were made
     with pytest.raises(ValueError, match=r"kv_doc was written in place after keep_classes"):
@@ -114,3 +116,20 @@ def test_a_spec_whose_keep_needs_no_pass_refuses_to_make_them(device):
     q, k, _, _ = tensors()
     with pytest.raises(TypeError, match=r"classes no tiles per call"):
         kern.keep_classes(q, k, prefix=torch.zeros(2, dtype=torch.int32))
+
+
+def test_another_count_of_inputs_and_a_spec_without_keep_are_refused(device):
+    kern = fadsl.load(DOCUMENT, verbose=False)
+    q, k, v, ids = tensors()
+    from fadsl.runtime import keep_classes
+
+    with pytest.raises(TypeError, match=r"takes 2 inputs .* got 3"):
+        keep_classes.split(kern, (ids["q_doc"], ids["kv_doc"], ids["kv_doc"]))
+    plain = fadsl.load((ROOT / "examples" / "fa3_causal.fa").read_text(), verbose=False)
+    with pytest.raises(TypeError, match=r"has no keep"):
+        plain.keep_classes(q, k)
+    q2 = torch.randn(2, 300, 4, 128, dtype=torch.bfloat16)
+    k4 = torch.randn(2, 300, 4, 128, dtype=torch.bfloat16)
+    classes = kern.keep_classes(q2, k4, **ids)  # made for 4 K/V heads: not for 2
+    with pytest.raises(ValueError, match=r"heads_kv\) = \(2, 300, 4, 300, 4\)"):
+        kern(q, k, v, **ids, keep_classes=classes)

@@ -419,9 +419,10 @@ class FlashAttention(ServingCalls, Fp8Calls, ModifiedCalls):
     ) -> None:
         """Launch on q's device and that device's current stream (arguments checked;
         ``inputs``: the modifiers'; ``descales``: an 8-bit kernel's three, checked)."""
-        if self.config.modifiers is not None and len(inputs) not in keep_classes.counts(self):
+        decls = () if self.config.modifiers is None else self.config.modifiers.inputs
+        if self.config.modifiers is not None and len(inputs) not in (len(decls), len(decls) + 4):
             raise TypeError(
-                f"kernel '{self.config.name}' reads inputs ({', '.join(i.name for i in self.config.modifiers.inputs)}): "
+                f"kernel '{self.config.name}' reads inputs ({', '.join(i.name for i in decls)}): "
                 "call it with them as keyword arguments"
             )
         if self.is_varlen:

@@ -8,13 +8,16 @@ tiles in every call, forward and backward, with a pass over every score of the c
 ``kern(q, k, v, q_doc=..., kv_doc=..., keep_classes=classes)``.
 
 Under torch.compile the argument is set aside and each call classes its own tiles (the
-checks below would run at trace time only). A ``KeepClasses`` is tied to what it was made from, and a call that does not match is
-refused by name (never a silent wrong mask): the kernel (its op name), q's batch, queries
-and heads, k's keys, and the very input tensors, at the versions they had (an in-place write
-to an id tensor bumps its version; torch cannot see a write through ``.data`` or a raw
-pointer, so ids written that way need new classes). In an op's input list (the autograd and
-torch.compile path) its four tensors follow the spec's inputs: the forward's class bytes and
-ranges, then the backward's, which the runtime splits off again (``split``).
+checks below would run at trace time only). A ``KeepClasses`` is tied to what it was made from,
+and a call that does not match is refused by name (never a silent wrong mask): the kernel (its
+op name), q's batch, queries and heads, k's keys and heads, and the very input tensors, at the
+versions they had (an in-place write to an id tensor bumps its version; torch cannot see a
+write through ``.data`` or a raw pointer, so ids written that way need new classes). Its four
+tensors ride after the spec's inputs (the eager autograd Function's and the launches' input
+lists), the forward's class bytes and ranges, then the backward's, which the runtime splits
+off again (``split``). Making them runs the backward's pass too where the spec has a backward
+(its cubin built on first use); a learnable variant whose backward takes other tiles (B_r 64
+for the spec's 80) classes its own in each call.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ class KeepClasses:
     """Tile classes of one kernel's keep for calls of one shape on the same inputs."""
 
     kernel: str  # the op name of the kernel that made them (its spec hash)
-    sizes: tuple[int, int, int, int]  # q's batch, queries, heads; k's keys
+    sizes: tuple[int, int, int, int, int]  # q's batch, queries, heads; k's keys, heads
     inputs: tuple  # the spec's input tensors they were made from, in declared order
     versions: tuple[int, ...]  # and those tensors' versions then
     forward: tuple  # (class bytes, ranges) at the forward's tiles
@@ -43,8 +46,8 @@ class KeepClasses:
         return [*self.forward, *(self.backward[2:] if self.backward else self.forward)]
 
 
-def sizes_of(q, k) -> tuple[int, int, int, int]:
-    return (q.shape[0], q.shape[1], q.shape[2], k.shape[1])
+def sizes_of(q, k) -> tuple[int, int, int, int, int]:
+    return (q.shape[0], q.shape[1], q.shape[2], k.shape[1], k.shape[2])
 
 
 def make(kern, q, k, tensors: tuple) -> KeepClasses:
@@ -109,7 +112,8 @@ def check(kern, classes: Any, q, k, tensors: tuple) -> None:
         )
     if classes.sizes != sizes_of(q, k):
         raise ValueError(
-            f"keep_classes were made for (batch, seqlen_q, heads, seqlen_k) = {classes.sizes}, "
+            "keep_classes were made for (batch, seqlen_q, heads, seqlen_k, heads_kv) = "
+            f"{classes.sizes}, "
             f"but this call's q and k give {sizes_of(q, k)}"
         )
     for made, given, version, decl in zip(
@@ -127,13 +131,6 @@ def check(kern, classes: Any, q, k, tensors: tuple) -> None:
             )
 
 
-def counts(kern) -> tuple[int, int]:
-    """How many tensors an op's input list may hold: the spec's inputs, and then the four
-    of a KeepClasses."""
-    count = len(kern.config.modifiers.inputs)
-    return (count, count + 4)
-
-
 def split(kern, inputs: tuple) -> tuple[tuple, tuple | None, tuple | None]:
     """An op's input list as (the spec's inputs, the forward's classes or None, the
     backward's (B_r, B_c, class bytes, ranges) or None): classes ride after the spec's
@@ -142,6 +139,11 @@ def split(kern, inputs: tuple) -> tuple[tuple, tuple | None, tuple | None]:
     inputs = tuple(inputs)
     if len(inputs) == count:
         return inputs, None, None
+    if len(inputs) != count + 4:
+        raise TypeError(
+            f"kernel '{kern.config.name}' takes {count} inputs (then, made ahead, the 4 "
+            f"tensors of its keep_classes), got {len(inputs)}"
+        )
     bwd = kern.compiled.kernel.backward
     backward = None if bwd is None else (bwd.block_m, bwd.block_n, *inputs[count + 2 : count + 4])
     return inputs[:count], inputs[count : count + 2], backward

@@ -22,6 +22,11 @@ class ModifiedCalls:
         """The tile classes of a keep that reads inputs per token, made once for calls on
         q's and k's shapes and these inputs (the spec's, by name), to pass to each of them as
         ``keep_classes=`` (fadsl/runtime/keep_classes.py); on q's device and stream."""
+        if self.config.modifiers is None:
+            raise TypeError(
+                f"kernel '{self.config.name}' has no keep (no score or mask modifiers): it "
+                "classes no tiles"
+            )
         tensors = modifier_inputs(self.config.modifiers.inputs, inputs, q, k, self.config.name)
         return keep_classes.make(self, q, k, tensors)
 

@@ -272,6 +272,8 @@ def explain_data(kernel: Kernel) -> dict[str, Any]:
             "pingpong": hw.pingpong,
             "overlap": hw.overlap,
             "scheduler": hw.scheduler,
+            # longest_tiles_first (sm90.cuh): causal, or a keep without a window
+            "longest_first": (cfg.mask is Mask.CAUSAL or _keeps(cfg)) and not cfg.window,
             "rescale": hw.rescale,
             **({"softcap": hw.softcap} if hw.softcap else {}),
             **({"varlen": True} if hw.varlen else {}),
@@ -361,9 +363,9 @@ def explain_sections(data: Mapping[str, Any]) -> list[str]:
                     "(splits auto: every tile's pieces in turn)"
                     if "splits" in ws
                     else (
-                        "(a window's in plain order)"
-                        if "window" in ws
-                        else "(causal: a long and a short query block in pairs)"
+                        "(a long and a short query block in pairs: causal, or a keep)"
+                        if ws.get("longest_first")
+                        else "(in order)"
                     )
                 )
             )
@@ -601,3 +603,8 @@ REPORT = Report(
     backward_data=backward_data,  # the backward block: settings, roles, registers, SMEM map
     backward_sections=backward_sections,
 )
+
+
+def _keeps(cfg) -> bool:
+    """Whether the spec has a `keep` (its tiles' work grows with the query block there)."""
+    return cfg.modifiers is not None and cfg.modifiers.keep is not None

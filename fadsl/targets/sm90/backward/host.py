@@ -171,8 +171,9 @@ def classes_only(kernel: Kernel, launch: Callable[[KernelLaunch], None], q, k, i
     (cls, ranges), grid = plan_backward_classes(kernel, q, k)
     batch, seqlen_q, heads_q = q.shape[0], q.shape[1], q.shape[2]
     m_blocks = -(-seqlen_q // bwd.block_m)
+    group = heads_q // k.shape[2]  # (an expression's heads_kv is heads_q / group)
     fields = MAIN_FIELDS.pack(
-        *[0] * 12, seqlen_q, k.shape[1], m_blocks * bwd.block_m, m_blocks, heads_q, 1, 0,
+        *[0] * 12, seqlen_q, k.shape[1], m_blocks * bwd.block_m, m_blocks, heads_q, group, 0,
         0.0, 0.0, 0, 0, 0, 0,
     )  # fmt: skip
     main = bytes(4 * 128) + fields
