@@ -208,10 +208,10 @@ def test_explain_shows_the_varlen_line_only_for_varlen(capsys):
     text = _explain(capsys, VARLEN)
     assert "\n  varlen     on: q, k, v and o packed as (tokens, heads, head_dim)" in text
     assert "(varlen: the padded order sequence by sequence, the longest K/V loops first)" in text
-    assert "(causal: a long and a short query block in pairs)" not in text
+    assert "(a long and a short query block in pairs: causal, or a keep)" not in text
     padded = _explain(capsys, ROOT / "examples" / "fa3_causal.fa")
     assert "varlen" not in padded
-    assert "(causal: a long and a short query block in pairs)" in padded
+    assert "(a long and a short query block in pairs: causal, or a keep)" in padded
     assert '"varlen": true' in _explain(capsys, VARLEN64, "--json")
     assert '"varlen"' not in _explain(capsys, ROOT / "examples" / "fa3_causal.fa", "--json")
 
