@@ -363,9 +363,13 @@ def explain_sections(data: Mapping[str, Any]) -> list[str]:
                     "(splits auto: every tile's pieces in turn)"
                     if "splits" in ws
                     else (
-                        "(a long and a short query block in pairs: causal, or a keep)"
-                        if ws.get("longest_first")
-                        else "(in order)"
+                        "(a window's in plain order)"
+                        if "window" in ws
+                        else (
+                            "(a long and a short query block in pairs: causal, or a keep)"
+                            if ws.get("longest_first")
+                            else "(in order)"
+                        )
                     )
                 )
             )
