@@ -50,3 +50,21 @@ def document_ids(patterns, sq: int, sk: int, seed: int, device: str = "cuda"):
 def document_keep(made) -> torch.Tensor:
     """The predicate in torch, (batch, 1, sq, sk): q_doc[b, i] == kv_doc[b, j]."""
     return (made["q_doc"][:, :, None] == made["kv_doc"][:, None, :])[:, None]
+
+
+def recorded_workspaces(monkeypatch) -> list:
+    """Each pair of class workspaces a call makes (fadsl/targets/sm90/host/keep_classes.py's
+    workspaces: the forward's, then the backward's), as (its tiles' B_r, (class bytes,
+    ranges)), in the order made."""
+    from fadsl.targets.sm90.host import keep_classes
+
+    made = []
+    real = keep_classes.workspaces
+
+    def recording(*args, **kwargs):
+        found = real(*args, **kwargs)
+        made.append((args[3], found[0]))
+        return found
+
+    monkeypatch.setattr(keep_classes, "workspaces", recording)
+    return made

@@ -198,6 +198,30 @@ def install(monkeypatch):
     return log, allocator
 
 
+def install_backward(monkeypatch, log: list) -> None:
+    """The backward's kernels on the stand-in device too (after ``install``): each launch of
+    the preprocess, the main kernel, dQ's conversion and a keep's classing kernel recorded in
+    ``log``, with its params' size checked."""
+    import contextlib
+
+    from fadsl.runtime.backward import BackwardKernels
+    from fadsl.targets.sm90.backward import host
+
+    sizes = {
+        "_preprocess": host.PREP.size,
+        "": host.MAIN_BYTES,
+        "_convert_dq": host.CONVERT.size,
+        CLASSES_SUFFIX: host.MAIN_BYTES,
+    }
+
+    def modules(self, dtype, index, arch):
+        name = self._sources[dtype].kernel_name
+        return {s: FakeModule(name + s, n, log) for s, n in sizes.items()}
+
+    monkeypatch.setattr(BackwardKernels, "modules", modules)
+    monkeypatch.setattr(torch.cuda, "device", lambda index: contextlib.nullcontext())
+
+
 def uninstall() -> None:
     """What monkeypatch does not undo: the recorder modules given to kernels (which the
     dispatcher keeps), the plans and the SM count made on the stand-in."""

@@ -16,7 +16,7 @@ import torch
 
 import fadsl
 from conftest import ROOT
-from document_ids import PATTERNS, document_ids, document_keep
+from document_ids import PATTERNS, document_ids, document_keep, recorded_workspaces
 from test_gpu_general import reference
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability(0) == (9, 0)
@@ -255,17 +255,8 @@ def _torch_classes(made, sq, sk, block_r, block_c, causal=True):
 @pytest.mark.parametrize("sq, sk", [(1000, 1000), (640, 1000), (1000, 333)], ids=str)
 def test_document_tiles_are_classed_as_the_predicate_says(monkeypatch, sq, sk):
     """<kernel>_keep_classes's bytes and ranges against the predicate evaluated in torch."""
-    from fadsl.targets.sm90.host import keep_classes
 
-    made_here = []
-    real = keep_classes.workspaces
-
-    def recording(*args, **kwargs):
-        found = real(*args, **kwargs)
-        made_here.append(found[0])
-        return found
-
-    monkeypatch.setattr(keep_classes, "workspaces", recording)
+    made_here = recorded_workspaces(monkeypatch)
     kern = kernel("document_causal", DOCUMENT)
     gen = torch.Generator(device="cuda").manual_seed(sq + 3 * sk)
     q = torch.randn(4, sq, 4, 128, device="cuda", generator=gen).to(torch.bfloat16)
@@ -274,7 +265,7 @@ def test_document_tiles_are_classed_as_the_predicate_says(monkeypatch, sq, sk):
     made = document_ids(PATTERNS, sq, sk, seed=sq * sk)
     kern(q, k, v, **made)
     torch.cuda.synchronize()
-    ((classes, ranges),) = made_here
+    ((_, (classes, ranges)),) = made_here
     want_classes, want_ranges = _torch_classes(made, sq, sk, 128, 128)
     qb, kb = want_classes.shape[1:]
     got = classes.view(4, qb, kb).cpu()

@@ -19,7 +19,7 @@ import torch
 
 import fadsl
 from conftest import ROOT
-from document_ids import PATTERNS, document_ids, document_keep
+from document_ids import PATTERNS, document_ids, document_keep, recorded_workspaces
 from test_gpu_general import reference
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability(0) == (9, 0)
@@ -386,24 +386,15 @@ def _bwd_classes(made, sq, sk, block_m, block_n):
 
 @pytest.mark.parametrize("sq, sk", [(1000, 1000), (640, 1000), (1000, 333)], ids=str)
 def test_the_backward_classes_its_tiles_as_the_predicate_says(monkeypatch, sq, sk):
-    from fadsl.targets.sm90.host import keep_classes
 
-    made_here = []
-    real = keep_classes.workspaces
-
-    def recording(*args, **kwargs):
-        found = real(*args, **kwargs)
-        made_here.append((args, found[0]))
-        return found
-
-    monkeypatch.setattr(keep_classes, "workspaces", recording)
+    made_here = recorded_workspaces(monkeypatch)
     kern = kernel("document_causal", EXAMPLES["document_causal"])
     bwd = kern.compiled.kernel.backward
     q, k, v, dout, _ = tensors((4, sq, sk, 4, 2), torch.bfloat16, seed=sq + sk)
     made = document_ids(PATTERNS, sq, sk, seed=sq * sk)
     run(kern, q, k, v, dout, None, made)
     torch.cuda.synchronize()
-    ((args, (classes, ranges)),) = [m for m in made_here if m[0][3] == bwd.block_m]
+    ((_, (classes, ranges)),) = [m for m in made_here if m[0] == bwd.block_m]
     want_classes, want_ranges = _bwd_classes(made, sq, sk, bwd.block_m, bwd.block_n)
     got = classes.view(want_classes.shape).cpu()
     below = want_classes != 255

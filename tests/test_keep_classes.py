@@ -15,6 +15,7 @@ import torch
 import fadsl
 
 from conftest import ROOT
+from document_ids import recorded_workspaces
 from fadsl.codegen.render import render
 from fadsl.errors import SpecError
 from fadsl.pipeline import compile_source
@@ -116,15 +117,7 @@ def test_the_classing_kernel_runs_first_with_the_kernels_params(monkeypatch):
     from fadsl.targets.sm90.host.launch import INPUTS, INPUTS_OFFSET
 
     log, _ = fake_cuda.install(monkeypatch)
-    made = []
-    real = keep_classes.workspaces
-
-    def recording(*args, **kwargs):
-        found = real(*args, **kwargs)
-        made.append(found[0])
-        return found
-
-    monkeypatch.setattr(keep_classes, "workspaces", recording)
+    made = recorded_workspaces(monkeypatch)
     try:
         kern = fadsl.load(DOCUMENT, verbose=False)
         q, k, v = (torch.randn(2, 300, 4, 128, dtype=torch.bfloat16) for _ in "qkv")
@@ -135,7 +128,7 @@ def test_the_classing_kernel_runs_first_with_the_kernels_params(monkeypatch):
         assert classes.kernel == main.kernel + keep_classes.CLASSES_SUFFIX
         assert classes.grid == (3, 3, 2) and classes.block == (keep_classes.CLASSES_THREADS, 1, 1)
         assert classes.params == main.params
-        ((cls, ranges),) = made
+        ((_, (cls, ranges)),) = made
         pointers = INPUTS.unpack_from(main.params, INPUTS_OFFSET)
         expected = (ids["q_doc"], ids["kv_doc"], cls, ranges)
         assert pointers == (*(t.data_ptr() for t in expected), 0, 0, 0, 0)

@@ -7,14 +7,12 @@ written in place since, is refused by name. The classes themselves: tests/test_g
 
 from __future__ import annotations
 
-import contextlib
 
 import pytest
 import torch
 
 import fadsl
 from conftest import ROOT
-from fadsl.runtime.backward import BackwardKernels
 from fadsl.runtime.keep_classes import KeepClasses
 from fadsl.targets.sm90.backward import host
 from fadsl.targets.sm90.host.keep_classes import CLASSES_SUFFIX
@@ -29,19 +27,7 @@ def device(monkeypatch):
     import fake_cuda
 
     log, _ = fake_cuda.install(monkeypatch)
-
-    def modules(self, dtype, index, arch):
-        sizes = {
-            "_preprocess": host.PREP.size,
-            "": host.MAIN_BYTES,
-            "_convert_dq": host.CONVERT.size,
-            CLASSES_SUFFIX: host.MAIN_BYTES,
-        }
-        name = self._sources[dtype].kernel_name
-        return {s: fake_cuda.FakeModule(name + s, n, log) for s, n in sizes.items()}
-
-    monkeypatch.setattr(BackwardKernels, "modules", modules)
-    monkeypatch.setattr(torch.cuda, "device", lambda index: contextlib.nullcontext())
+    fake_cuda.install_backward(monkeypatch, log)
     yield log
     fake_cuda.uninstall()
 

@@ -7,7 +7,6 @@ kernels themselves: tests/test_gpu_modifiers_backward.py."""
 
 from __future__ import annotations
 
-import contextlib
 
 import pytest
 import torch
@@ -161,18 +160,7 @@ def test_the_backward_launches_carry_the_inputs_on_the_stand_in_device(monkeypat
     import fake_cuda
 
     log, _ = fake_cuda.install(monkeypatch)
-
-    def modules(self, dtype, index, arch):
-        sizes = {
-            "_preprocess": host.PREP.size,
-            "": host.MAIN_BYTES,
-            "_convert_dq": host.CONVERT.size,
-        }
-        name = self._sources[dtype].kernel_name
-        return {s: fake_cuda.FakeModule(name + s, n, log) for s, n in sizes.items()}
-
-    monkeypatch.setattr(BackwardKernels, "modules", modules)
-    monkeypatch.setattr(torch.cuda, "device", lambda index: contextlib.nullcontext())
+    fake_cuda.install_backward(monkeypatch, log)
     try:
         kern = fadsl.load(PREFIX, verbose=False)
         q, k, v, slopes = tensors(5, sq=100, sk=130)

@@ -419,12 +419,6 @@ class FlashAttention(ServingCalls, Fp8Calls, ModifiedCalls):
     ) -> None:
         """Launch on q's device and that device's current stream (arguments checked;
         ``inputs``: the modifiers'; ``descales``: an 8-bit kernel's three, checked)."""
-        decls = () if self.config.modifiers is None else self.config.modifiers.inputs
-        if self.config.modifiers is not None and len(inputs) not in (len(decls), len(decls) + 4):
-            raise TypeError(
-                f"kernel '{self.config.name}' reads inputs ({', '.join(i.name for i in decls)}): "
-                "call it with them as keyword arguments"
-            )
         if self.is_varlen:
             self._launch_padded_as_varlen(dtype, q, k, v, out, lse, scale)
             return
@@ -437,7 +431,7 @@ class FlashAttention(ServingCalls, Fp8Calls, ModifiedCalls):
             descales = (None, None, None)
         first = None  # a kernel launched first (a keep's tile classes: inputs after the spec's)
         made = None
-        if self.config.modifiers is not None:  # (classes made ahead: kern.keep_classes)
+        if self.config.modifiers is not None:  # (counted; classes made ahead split off)
             inputs, made, _ = keep_classes.split(self, inputs)
         if made is not None:
             inputs += made

@@ -145,17 +145,12 @@ class BackwardKernels:
     def classes_only(self, dtype: Dtype, arch: str, q, k, inputs: tuple) -> tuple:
         """A keep's tile classes at this backward's tiles for calls on q, k and ``inputs``
         (the target's ``classes_only``), made on q's device and current stream."""
-        import torch
-
-        index = q.device.index
-        modules = self.modules(dtype, index, arch)
-        stream = current_stream(index)
-
-        def launch(kl) -> None:
-            modules[kl.suffix].launch(kl.grid, kl.block, kl.params, stream)
-
-        with torch.cuda.device(index):
-            return self.launcher.classes_only(self.kernel, launch, q, k, tuple(inputs))
+        return self._launching(
+            dtype,
+            arch,
+            q,
+            lambda launch: self.launcher.classes_only(self.kernel, launch, q, k, tuple(inputs)),
+        )
 
     def varlen(
         self,
@@ -177,6 +172,13 @@ class BackwardKernels:
         return self._run(self.launcher.run_varlen, dtype, arch, q, args, softmax_scale)
 
     def _run(self, run, dtype: Dtype, arch: str, q, args, softmax_scale: float):
+        return self._launching(
+            dtype, arch, q, lambda launch: run(self.kernel, launch, q, *args, softmax_scale)
+        )
+
+    def _launching(self, dtype: Dtype, arch: str, q, call):
+        """``call(launch)`` on q's device, ``launch`` loading and launching each KernelLaunch
+        of this backward's source on the device's current stream."""
         import torch
 
         index = q.device.index
@@ -187,4 +189,4 @@ class BackwardKernels:
             modules[kl.suffix].launch(kl.grid, kl.block, kl.params, stream)
 
         with torch.cuda.device(index):
-            return run(self.kernel, launch, q, *args, softmax_scale)
+            return call(launch)

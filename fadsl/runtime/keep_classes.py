@@ -140,9 +140,11 @@ def split(kern, inputs: tuple) -> tuple[tuple, tuple | None, tuple | None]:
     if len(inputs) == count:
         return inputs, None, None
     if len(inputs) != count + 4:
+        names = ", ".join(d.name for d in kern.config.modifiers.inputs)
         raise TypeError(
-            f"kernel '{kern.config.name}' takes {count} inputs (then, made ahead, the 4 "
-            f"tensors of its keep_classes), got {len(inputs)}"
+            f"kernel '{kern.config.name}' reads inputs ({names}): call it with them as keyword "
+            f"arguments; it takes {count} inputs (then, made ahead, the 4 tensors of its "
+            f"keep_classes), got {len(inputs)}"
         )
     bwd = kern.compiled.kernel.backward
     backward = None if bwd is None else (bwd.block_m, bwd.block_n, *inputs[count + 2 : count + 4])

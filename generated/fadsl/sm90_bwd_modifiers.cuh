@@ -212,21 +212,11 @@ __device__ __forceinline__ void bwd_keep_trim(const Params& P, Block& b) {
 }
 
 // <kernel>_keep_classes of the backward (a keep that reads inputs per token), before each
-// launch of the main kernel, with its params, 128 threads a CTA: tile (m-block blockIdx.x,
-// n-block blockIdx.y) of (batch[, head]) row blockIdx.z, classed at the backward's B_r x B_c
-// (keep_classes_tile), per n-block the range of m-blocks kept.
+// launch of the main kernel, with its params: tile (m-block blockIdx.x, n-block blockIdx.y)
+// at the backward's B_r x B_c (keep_classes_cta), each n-block's range of kept m-blocks.
 template <class Cfg, class Params>
 __device__ __forceinline__ void bwd_keep_classes(const Params& P) {
-  if constexpr (Cfg::kKeep && Cfg::Modifiers::kClassesInput >= 0) {
-    const int heads = Cfg::Modifiers::kClassesPerHead ? P.heads_q : 1;
-    const int b = blockIdx.z / heads, h = blockIdx.z % heads;
-    const auto u = Cfg::Modifiers::uniforms(P, b, h);
-    uint8_t* classes = static_cast<uint8_t*>(const_cast<void*>(P.inputs[Cfg::Modifiers::kClassesInput]));
-    int* ranges = static_cast<int*>(const_cast<void*>(P.inputs[Cfg::Modifiers::kClassesInput + 1]));
-    keep_classes_tile<128, Cfg::kBlockM, Cfg::kBlockN, true, Cfg::kCausal>(
-        P.seqlen_q, P.seqlen_k, classes, ranges,
-        [&](int q_idx, int kv_idx) { return Cfg::Modifiers::keep(P, u, b, h, q_idx, kv_idx); });
-  }
+  keep_classes_cta<Cfg, Cfg::kBlockM, Cfg::kBlockN, true>(P, P.heads_q, P.seqlen_q, P.seqlen_k);
 }
 
 }  // namespace fadsl::sm90

@@ -137,31 +137,38 @@ __device__ __forceinline__ int keep_tile_class(int rows, int cols, KeepAt keep_a
   return all ? kTileFull : any ? kTilePartial : kTileEmpty;
 }
 
-// A classing kernel's CTA (the forward's <kernel>_keep_classes and the backward's): the tile
-// of blockIdx.x and blockIdx.y (queries on x where kQueriesOnX: the backward's m-blocks; else
-// keys: the forward's kv blocks) in row blockIdx.z of the classes (a batch, or a (batch,
-// head)), keep_at(q_idx, kv_idx) its predicate there. Writes the tile's class byte at
-// classes[(z gridDim.y + y) gridDim.x + x] and, where it keeps a score, widens range (z
-// gridDim.y + y) of `ranges` (int pairs from the host's (INT_MAX, -1)) to x: the first and
-// last block along x kept by that row of tiles. Rows past seqlen_q and keys past seqlen_k are
-// not scores; a causal tile wholly above the diagonal is EMPTY unread (no kernel reaches it).
-template <int kThreads, int kBlockQ, int kBlockK, bool kQueriesOnX, bool kCausal, class KeepAt>
-__device__ __forceinline__ void keep_classes_tile(int seqlen_q, int seqlen_k, uint8_t* classes, int* ranges,
-                                                  KeepAt keep_at) {
+// A classing kernel's CTA (the forward's <kernel>_keep_classes and the backward's), 128
+// threads, on either's params P (their inputs and sizes): the tile of blockIdx.x and
+// blockIdx.y (queries on x where kQueriesOnX: the backward's m-blocks; else keys: the
+// forward's kv blocks) in row blockIdx.z of the classes (a batch, or a (batch, head) where
+// keep reads h), classed by Cfg's keep. Writes the tile's class byte at
+// P.inputs[kClassesInput][(z gridDim.y + y) gridDim.x + x] and, where it keeps a score, widens
+// range (z gridDim.y + y) of P.inputs[kClassesInput + 1] (int pairs from the host's (INT_MAX,
+// -1)) to x: the first and last block along x kept by that row of tiles. Rows past seqlen_q
+// and keys past seqlen_k are not scores; a causal tile wholly above the diagonal is EMPTY
+// unread (no kernel reaches it).
+template <class Cfg, int kBlockQ, int kBlockK, bool kQueriesOnX, class Params>
+__device__ __forceinline__ void keep_classes_cta(const Params& P, int heads_q, int seqlen_q, int seqlen_k) {
   const int q0 = (kQueriesOnX ? blockIdx.x : blockIdx.y) * kBlockQ;
   const int k0 = (kQueriesOnX ? blockIdx.y : blockIdx.x) * kBlockK;
   const int rows = imin(kBlockQ, seqlen_q - q0), cols = imin(kBlockK, seqlen_k - k0);
   const long long row_of_tiles = static_cast<long long>(blockIdx.z) * gridDim.y + blockIdx.y;
-  uint8_t* cls = classes + row_of_tiles * gridDim.x + blockIdx.x;
-  if (kCausal && k0 > q0 + rows - 1 + seqlen_k - seqlen_q) {
+  uint8_t* cls = static_cast<uint8_t*>(const_cast<void*>(P.inputs[Cfg::Modifiers::kClassesInput])) +
+                 row_of_tiles * gridDim.x + blockIdx.x;
+  if (Cfg::kCausal && k0 > q0 + rows - 1 + seqlen_k - seqlen_q) {
     if (threadIdx.x == 0) *cls = kTileEmpty;
     return;  // (uniform over the CTA: no barrier below is reached by part of it)
   }
-  const int found = keep_tile_class<kThreads>(rows, cols, [&](int r, int c) { return keep_at(q0 + r, k0 + c); });
+  const int heads = Cfg::Modifiers::kClassesPerHead ? heads_q : 1;
+  const int b = blockIdx.z / heads, h = blockIdx.z % heads;
+  const auto u = Cfg::Modifiers::uniforms(P, b, h);
+  const int found = keep_tile_class<128>(
+      rows, cols, [&](int r, int c) { return Cfg::Modifiers::keep(P, u, b, h, q0 + r, k0 + c); });
   if (threadIdx.x == 0) {
     *cls = static_cast<uint8_t>(found);
     if (found != kTileEmpty) {
-      int* range = ranges + 2 * row_of_tiles;
+      int* range = static_cast<int*>(const_cast<void*>(P.inputs[Cfg::Modifiers::kClassesInput + 1])) +
+                   2 * row_of_tiles;
       atomicMin(range, static_cast<int>(blockIdx.x));
       atomicMax(range + 1, static_cast<int>(blockIdx.x));
     }
@@ -169,20 +176,11 @@ __device__ __forceinline__ void keep_classes_tile(int seqlen_q, int seqlen_k, ui
 }
 
 // <kernel>_keep_classes (a keep that reads inputs per token, TileRule.by_pass), before each
-// launch of the attention kernel, 128 threads a CTA: tile (q block blockIdx.y, kv block
-// blockIdx.x) of (batch, head) row blockIdx.z (keep_class_row) classed into
-// P.inputs[kClassesInput] (EMPTY, PARTIAL, FULL), each q block's range of kept kv blocks into
-// P.inputs[kClassesInput + 1].
+// launch of the attention kernel: tile (q block blockIdx.y, kv block blockIdx.x), each q
+// block's range of kept kv blocks.
 template <class Cfg>
 __device__ __forceinline__ void keep_classes(const FwdParamsSm90& P) {
-  const int heads = Cfg::Modifiers::kClassesPerHead ? P.base.heads_q : 1;
-  const int b = blockIdx.z / heads, h = blockIdx.z % heads;
-  const auto u = Cfg::Modifiers::uniforms(P, b, h);
-  uint8_t* classes = static_cast<uint8_t*>(const_cast<void*>(P.inputs[Cfg::Modifiers::kClassesInput]));
-  int* ranges = static_cast<int*>(const_cast<void*>(P.inputs[Cfg::Modifiers::kClassesInput + 1]));
-  keep_classes_tile<128, Cfg::kBlockM, Cfg::kBlockN, false, Cfg::kCausal>(
-      P.base.seqlen_q, P.base.seqlen_k, classes, ranges,
-      [&](int q_idx, int kv_idx) { return Cfg::Modifiers::keep(P, u, b, h, q_idx, kv_idx); });
+  keep_classes_cta<Cfg, Cfg::kBlockM, Cfg::kBlockN, false>(P, P.base.heads_q, P.base.seqlen_q, P.base.seqlen_k);
 }
 
 }  // namespace fadsl::sm90

@@ -459,15 +459,9 @@ def _launch_all(
         layout.sequences,
     )
     main = maps + fields
-    # a keep that reads inputs per token: its tiles classed first (the inputs after the
-    # spec's), unless the caller made them for this geometry before
-    given, classes = classes, None
-    if given is not None and tuple(given[:2]) == (bwd.block_m, bwd.block_n):
-        inputs = tuple(inputs) + tuple(given[2:])
-    else:
-        classes = plan_backward_classes(kernel, q, k)
-        if classes is not None:
-            inputs = tuple(inputs) + classes[0]
+    # a keep that reads inputs per token: its tiles' classes, the inputs after the spec's
+    hidden, classes_grid = _keep_classes(kernel, q, k, classes)
+    inputs = tuple(inputs) + hidden
     learn_rows = None
     if input_grads is not None and _learns(kernel):
         learn_rows = learn_rows_buffer(kernel, batch, heads_q, rows, dlse, device)
@@ -483,8 +477,8 @@ def _launch_all(
             dq[:, :keyless].zero_()
     main += bytes(MAIN_BYTES - len(main))
     grid = main_grid(bwd, layout.key_ctas, heads_q, batch, device)
-    if classes is not None:  # (with the main kernel's params, before it)
-        launch(KernelLaunch(CLASSES_SUFFIX, classes[1], (CLASSES_THREADS, 1, 1), main))
+    if classes_grid is not None:  # (with the main kernel's params, before it)
+        launch(KernelLaunch(CLASSES_SUFFIX, classes_grid, (CLASSES_THREADS, 1, 1), main))
     launch(KernelLaunch("", grid, (threads(kernel), 1, 1), main))
     if not fused:
         _launch_convert(
@@ -499,6 +493,17 @@ def _launch_all(
         dk = dk.view(shape).sum(dim=3)
         dv = dv.view(shape).sum(dim=3)
     return dq, dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _keep_classes(kernel: Kernel, q, k, made) -> tuple[tuple, tuple | None]:
+    """The tile classes the main kernel reads after the spec's inputs (none where its keep
+    needs none) and the grid of the pass that fills them first (None: no pass): ``made``
+    ahead (``classes_only``'s) where its tiles are this kernel's, else this call's own."""
+    bwd = kernel.backward
+    if made is not None and tuple(made[:2]) == (bwd.block_m, bwd.block_n):
+        return tuple(made[2:]), None
+    planned = plan_backward_classes(kernel, q, k)
+    return ((), None) if planned is None else planned
 
 
 def _launch_convert(
