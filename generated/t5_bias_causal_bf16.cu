@@ -31,6 +31,11 @@ struct SpecModifiers {
   static __device__ __forceinline__ float score(const FwdParamsSm90& P, const Uniforms& u, float s, int b, int h, int q_idx, int kv_idx) {
     return s + fadsl::modifiers::load<float>(P.inputs[0], (h) * 32 + fadsl::modifiers::imin(fadsl::modifiers::imax(q_idx - kv_idx < 16 ? q_idx - kv_idx : 16 + __float2int_rd(logf(static_cast<float>(fadsl::modifiers::imax(q_idx - kv_idx, 16)) / 16.0f) / logf(8.0f) * 16.0f), 0), 31));
   }
+  // the score is s + f, f reading the indices only as d = q_idx - kv_idx (split_distance_term):
+  // f = bias[h, clamp(where(q_idx - kv_idx < 16, q_idx - kv_idx, 16 + floor(log(max(q_idx - kv_idx, 16) / 16.0) / log(8.0) * 16.0)), 0, 31)], at distance d (apply_score: once a distance a warp meets)
+  static __device__ __forceinline__ float score_term(const FwdParamsSm90& P, const Uniforms& u, int b, int h, int d) {
+    return fadsl::modifiers::load<float>(P.inputs[0], (h) * 32 + fadsl::modifiers::imin(fadsl::modifiers::imax(d - 0 < 16 ? d - 0 : 16 + __float2int_rd(logf(static_cast<float>(fadsl::modifiers::imax(d - 0, 16)) / 16.0f) / logf(8.0f) * 16.0f), 0), 31));
+  }
 };
 
 // The spec's configuration over the header's defaults: setmaxnreg split and SMEM plan
@@ -47,6 +52,7 @@ struct Cfg : FwdConfig<__nv_bfloat16, 128, 2, 128, 2, true, true, true> {
   static constexpr int kSmemBytes = 197712;
   using Modifiers = SpecModifiers;
   static constexpr bool kScore = true;  // `score`: S in natural units after it
+  static constexpr bool kScoreByDistance = true;  // s + f(q_idx - kv_idx): f once a distance (DistanceTable)
 };
 // setmaxnreg moves registers within the CTA's launch allocation (168 a thread): the roles' counts must fit it
 static_assert(128 * Cfg::kProducerRegs + Cfg::kConsumerThreads * Cfg::kConsumerRegs <= Cfg::kThreads * 168, "register pool");

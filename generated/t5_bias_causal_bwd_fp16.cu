@@ -26,9 +26,11 @@ struct SpecModifiers {
   static __device__ __forceinline__ Uniforms uniforms(const BwdParamsSm90& P, int b, int h) {
     return {};
   }
-  // score s + bias[h, clamp(where(q_idx - kv_idx < 16, q_idx - kv_idx, 16 + floor(log(max(q_idx - kv_idx, 16) / 16.0) / log(8.0) * 16.0)), 0, 31)] (line 17): s = S softmax_scale, natural units (as the forward's)
-  static __device__ __forceinline__ float score(const BwdParamsSm90& P, const Uniforms& u, float s, int b, int h, int q_idx, int kv_idx) {
-    return s + fadsl::modifiers::load<float>(P.inputs[0], (h) * 32 + fadsl::modifiers::imin(fadsl::modifiers::imax(q_idx - kv_idx < 16 ? q_idx - kv_idx : 16 + __float2int_rd(logf(static_cast<float>(fadsl::modifiers::imax(q_idx - kv_idx, 16)) / 16.0f) / logf(8.0f) * 16.0f), 0), 31));
+  // score s + bias[h, clamp(where(q_idx - kv_idx < 16, q_idx - kv_idx, 16 + floor(log(max(q_idx - kv_idx, 16) / 16.0) / log(8.0) * 16.0)), 0, 31)] (line 17): s = S softmax_scale, natural units (as the forward's), s + f with
+  // f reading the indices only as d = q_idx - kv_idx (split_distance_term), f at distance d:
+  // bias[h, clamp(where(q_idx - kv_idx < 16, q_idx - kv_idx, 16 + floor(log(max(q_idx - kv_idx, 16) / 16.0) / log(8.0) * 16.0)), 0, 31)] (bwd_score: once a distance a warp meets)
+  static __device__ __forceinline__ float score_term(const BwdParamsSm90& P, const Uniforms& u, int b, int h, int d) {
+    return fadsl::modifiers::load<float>(P.inputs[0], (h) * 32 + fadsl::modifiers::imin(fadsl::modifiers::imax(d - 0 < 16 ? d - 0 : 16 + __float2int_rd(logf(static_cast<float>(fadsl::modifiers::imax(d - 0, 16)) / 16.0f) / logf(8.0f) * 16.0f), 0), 31));
   }
 };
 
@@ -50,6 +52,7 @@ struct Cfg : BwdConfig<half, 128, 64, 128, 2, 2, true, false, true, false, true>
   static constexpr int kSmemBytes = 165928;
   using Modifiers = SpecModifiers;  // the spec's score and keep (fadsl/sm90_bwd_modifiers.cuh)
   static constexpr bool kScore = true;  // `score`: P from the modified score, in natural units
+  static constexpr bool kScoreByDistance = true;  // s + f(q_idx - kv_idx): f once a distance (DistanceTable)
 };
 static_assert(128 * Cfg::kProducerRegs + Cfg::kConsumerThreads * Cfg::kConsumerRegs <= 65536, "register pool");
 static_assert(Cfg::kOffBar + 8 * Cfg::kNumBars + 1024 <= Cfg::kSmemBytes, "SMEM plan");

@@ -204,6 +204,7 @@ def test_check_and_explain_show_the_modifiers(capsys, tmp_path):
         "type": "f32",
         "derivative": "1.0",
         "not_differentiable": None,
+        "distance_term": None,  # (ALiBi's term is one multiply: no table)
         "input_grads": [{"read": "slopes[h]", "derivative": "1.0 * (kv_idx - q_idx)", "why": None}],
     }
     assert data["keep"]["exact"] is True and data["inputs"] == [

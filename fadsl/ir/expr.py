@@ -343,6 +343,8 @@ class Modifiers:
     not_differentiable_loc: Loc | None = None  # the token with no derivative (floor)
     input_grads: tuple[InputGrad, ...] = ()
     learn: tuple[str, ...] = ()
+    # split_distance_term: f where score is s + f(b, h, q_idx - kv_idx), f dear to evaluate
+    distance_term: Expr | None = None
 
     def input(self, name: str) -> InputDecl | None:
         return next((i for i in self.inputs if i.name == name), None)

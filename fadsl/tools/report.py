@@ -206,6 +206,7 @@ def modifiers_data(m: Modifiers) -> dict[str, Any]:
             "type": m.score.type.value,
             "derivative": text(m.derivative) if m.derivative is not None else None,
             "not_differentiable": m.not_differentiable or None,
+            "distance_term": text(m.distance_term) if m.distance_term is not None else None,
             "input_grads": [
                 {
                     "read": f"{g.input}[{g.index_text()}]",
@@ -240,6 +241,11 @@ def modifiers_text(data: dict[str, Any]) -> list[str]:
             out.append(f"    d score / d s = {score['derivative']}")
         else:
             out.append(f"    no derivative: {score['not_differentiable']}")
+        if score.get("distance_term") is not None:
+            out.append(
+                f"    s + f(q_idx - kv_idx), f = {score['distance_term']}: evaluated once a "
+                "distance a warp's block meets, not once a score (split_distance_term)"
+            )
         for g in score.get("input_grads", ()):  # a learnable input's gradient: dS' times it
             if g["derivative"] is not None:
                 out.append(f"    d score / d {g['read']} = {g['derivative']}")

@@ -72,11 +72,62 @@ __device__ __forceinline__ ScoreOf<Cfg, U> score_of(const FwdParamsSm90& P, cons
   return {P, u, at};
 }
 
+// A score s + f(b, h, d), d = q_idx - kv_idx (split_distance_term), where f is dear (T5's
+// log-bucketed table): a warp's scores of one block meet few distances, so each lane
+// evaluates f at kWindows of them and each score reads its value from the lane that holds it
+// (a shuffle). The warp's scores have distances d = base + o + spread: base warp-uniform, o a
+// compile-time offset in [kLo, kHi] (the score's register), spread the lane's part, in
+// [kSpreadLo, kSpreadLo + 14]. Window k of lane l holds f at base + kLo + kSpreadLo + 16 k + l:
+// 32 distances 16 apart, so that the 15 distances of one offset over the warp's lanes lie in
+// window (o - kLo) / 16, at lane (o - kLo) % 16 + spread - kSpreadLo (0 .. 29). Evaluated at
+// distances clamped into [-(seqlen_k - 1), seqlen_q - 1], where every real score's lies and
+// check_modifiers proved f's indices in bounds (a padding row's or key's value is never used).
+template <int kLo, int kHi>
+struct DistanceTable {
+  static constexpr int kSpreadLo = -7;
+  static constexpr int kWindows = (kHi - kLo) / 16 + 1;
+  float t[kWindows];
+
+  template <class F>
+  __device__ __forceinline__ void fill(int base, int lane, int seqlen_q, int seqlen_k, F f) {
+#pragma unroll
+    for (int k = 0; k < kWindows; ++k) {
+      const int d = imax(1 - seqlen_k, imin(base + kLo + kSpreadLo + 16 * k + lane, seqlen_q - 1));
+      t[k] = f(d);
+    }
+  }
+  // f at base + o + spread (o a constant once unrolled)
+  __device__ __forceinline__ float at(int o, int spread) const {
+    const int k = (o - kLo) / 16;
+    return __shfl_sync(0xffffffffu, t[k], (o - kLo) % 16 + spread - kSpreadLo);
+  }
+};
+
 // `score` on this thread's S.
 template <class Cfg, class U>
 __device__ __forceinline__ void apply_score(float (&s)[Cfg::kSRegs], const FwdParamsSm90& P, const U& u,
                                             const ScoreSite& at) {
-  if constexpr (Cfg::kScore) {
+  if constexpr (Cfg::kScore && Cfg::kScoreByDistance) {
+    // this thread's score (r, c = 8j + e): q_idx row0 + 8r, kv_idx col0 + c, so d = row0 - col0
+    // + 8r - c, row0 - col0 = base + spread with spread = lane / 4 - 2 (lane % 4) (row0 =
+    // the warp's first row + lane / 4, col0 = the block's first key + 2 (lane % 4))
+    const int lane = threadIdx.x % 32;
+    const int spread = lane / 4 - 2 * (lane % 4);
+    DistanceTable<7 - Cfg::kBlockN, 8> table;
+    table.fill(at.row0 - at.col0 - spread, lane, at.seqlen_q, at.seqlen_k,
+               [&](int d) { return Cfg::Modifiers::score_term(P, u, at.b, at.h, d); });
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+#pragma unroll
+      for (int j = 0; j < Cfg::kBlockN / 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          float& x = s[4 * j + 2 * r + e];
+          x = x * P.base.softmax_scale + table.at(8 * r - 8 * j - e, spread);
+        }
+      }
+    }
+  } else if constexpr (Cfg::kScore) {
     const ScoreOf<Cfg, U> score{P, u, at};
 #pragma unroll
     for (int r = 0; r < 2; ++r) {

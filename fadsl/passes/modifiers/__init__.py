@@ -8,7 +8,9 @@
 3. differentiate_score (derivative.py): d score / d s, symbolically (for explain now, for
    the backward of step 4);
 4. differentiate_inputs (input_grads.py): the score's derivative by each read of a float
-   input (the gradients of learnable inputs: ALiBi's slopes, a bias table).
+   input (the gradients of learnable inputs: ALiBi's slopes, a bias table);
+5. split_distance_term (distance.py): a score ``s + f`` whose ``f`` reads the indices only as
+   their distance, and is dear to evaluate (a target evaluates it once a distance).
 
 The front end runs them (fadsl/frontend/modifiers.py) so that their errors are reported
 with the spec's other ones.
@@ -21,6 +23,7 @@ from typing import Callable
 from ...ir.expr import Modifiers
 from .check import check_modifiers
 from .derivative import differentiate_score
+from .distance import split_distance_term
 from .input_grads import differentiate_inputs
 from .sparsity import derive_sparsity
 
@@ -29,6 +32,7 @@ MODIFIER_PASSES: tuple[tuple[str, Callable[[Modifiers], Modifiers]], ...] = (
     ("derive_sparsity", derive_sparsity),
     ("differentiate_score", differentiate_score),
     ("differentiate_inputs", differentiate_inputs),
+    ("split_distance_term", split_distance_term),
 )
 
 

@@ -190,13 +190,22 @@ def context(cfg: Config, sizes: dict[Dim, str] = _SIZES, backward: bool = False)
                     "code": code,
                     "source": text(part),
                 }
-    render = _renderer(m, {code: f"u.{u['name']}" for code, u in uniforms.items()}, sizes)
+    tiled = {code: f"u.{u['name']}" for code, u in uniforms.items()}
+    render = _renderer(m, tiled, sizes)
     score = None
     if m.score is not None and cap is None:
         score = {
             "source": text(m.score) + _where(m.score_loc),
             "code": render.render(m.score, ExprType.F32),
+            "distance": None,
         }
+        if m.distance_term is not None:  # f(b, h, d) of s + f: q_idx the distance, kv_idx 0
+            at_distance = {**_NAMES, VarKind.Q_IDX: "d", VarKind.KV_IDX: "0"}
+            term = CudaExpr(at_distance, sizes, m.inputs, lambda i: f"P.inputs[{i}]", tiled)
+            score["distance"] = {
+                "source": text(m.distance_term),
+                "code": term.render(m.distance_term, ExprType.F32),
+            }
     keep = None
     if m.keep is not None:
         rule = m.rule

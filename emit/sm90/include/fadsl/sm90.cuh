@@ -146,8 +146,10 @@ struct FwdConfig {
   static constexpr bool kQDescPerBlock = false;
   // Score and mask modifiers (issue 41; a generated Cfg sets them and `using Modifiers` to its
   // SpecModifiers): kScore, `score EXPR` applied to S (natural units after it); kKeep, `keep
-  // EXPR` as -inf in the blocks its tile rule classes PARTIAL (fadsl/sm90_modifiers.cuh).
+  // EXPR` as -inf in the blocks its tile rule classes PARTIAL (fadsl/sm90_modifiers.cuh);
+  // kScoreByDistance, a score s + f(q_idx - kv_idx) whose f is evaluated once a distance.
   static constexpr bool kScore = false;
+  static constexpr bool kScoreByDistance = false;
   static constexpr bool kKeep = false;
 
   static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "head_dim 64, 128 or 256");

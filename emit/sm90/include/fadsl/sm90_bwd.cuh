@@ -248,6 +248,7 @@ struct BwdConfig {
   // dS times d score / d s (not the constant 1); kKeep, keep's -inf in the m-blocks its tile
   // rule does not class FULL, the EMPTY ones off both ends of the range (bwd_keep_trim)
   static constexpr bool kScore = false;
+  static constexpr bool kScoreByDistance = false;  // s + f(q_idx - kv_idx): f once a distance a warp meets
   static constexpr bool kScoreGrad = false;
   static constexpr bool kKeep = false;
   // `scheduler persistent` (a generated Cfg sets it, with kNumBars one more for kv_empty):

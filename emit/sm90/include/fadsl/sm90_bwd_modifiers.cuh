@@ -60,7 +60,28 @@ __device__ __forceinline__ int bwd_kv_idx(const Block& b, int key) {
 template <class Cfg, class Params, class Block>
 __device__ __forceinline__ void bwd_score(float (&s)[Cfg::kSRegs], const Params& P, const Block& b, int key0, int q0,
                                           int lane) {
-  if constexpr (Cfg::kScore && !Cfg::kScoreGrad) {
+  if constexpr (Cfg::kScoreByDistance) {
+    // s + f(q_idx - kv_idx), f once a distance the warp meets (DistanceTable): the score (r, 8j +
+    // e) is key key0 + 8r against query q0 + 8j + 2t + e, so d = (q0 - key0 + g) + (2t - g) + 8j +
+    // e - 8r with g = lane / 4 (key0 - g the warp's first key)
+    using M = typename Cfg::Modifiers;
+    const typename M::Uniforms u = M::uniforms(P, b.batch, b.head);
+    const int spread = 2 * (lane % 4) - lane / 4;
+    DistanceTable<-8, Cfg::kBlockM - 7> table;
+    table.fill(q0 - key0 + lane / 4, lane, b.seqlen_q, b.seqlen_k,
+               [&](int d) { return M::score_term(P, u, b.batch, b.head, d); });
+#pragma unroll
+    for (int j = 0; j < Cfg::kBlockM / 8; ++j) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          float& x = s[4 * j + 2 * r + e];
+          x = x * P.softmax_scale + table.at(8 * j + e - 8 * r, spread);
+        }
+      }
+    }
+  } else if constexpr (Cfg::kScore && !Cfg::kScoreGrad) {
     using M = typename Cfg::Modifiers;
     const typename M::Uniforms u = M::uniforms(P, b.batch, b.head);  // a few __ldg per m-block
     const int t = lane % 4;
