@@ -93,3 +93,35 @@ def test_planned_varlen_and_attention_calls_match_the_checked_body():
         assert torch.equal(out, expected[0]) and torch.equal(lse, expected[1])
         assert torch.equal(padded, padded_expected)
     assert len(planned._VARLEN) == 1 and len(planned._ATTENTION) == 1
+
+
+@pytest.mark.parametrize("name", ["fa3_hopper", "fa3_causal", "fa3_hdim64_causal"])
+def test_a_loaded_kernels_planned_calls_give_the_checked_paths_bits(name):
+    """kern(q, k, v) through its plan (fadsl/runtime/plain_calls.py; the third call of a
+    signature, on other tensors, outputs poisoned first) equals its checked path's
+    (``forward``) on the same tensors, bit for bit, the LSE too."""
+    import fadsl
+    from conftest import ROOT
+
+    kern = fadsl.load((ROOT / "examples" / f"{name}.fa").read_text(), verbose=False)
+    kern._plans.clear()
+    d = kern.config.head_dim
+
+    def tensors(seed):
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        q = torch.randn(2, 700, 8, d, device="cuda", dtype=BF, generator=g)
+        k, v = (torch.randn(2, 900, 2, d, device="cuda", dtype=BF, generator=g) for _ in "kv")
+        return q, k, v
+
+    first = tensors(1)
+    kern(*first, return_lse=True)
+    kern(*first, return_lse=True)
+    assert len(kern._plans) == 1
+    q, k, v = tensors(2)
+    torch.full((8 * q.numel(),), float("nan"), device="cuda")  # (poisons the allocator's blocks)
+    out, lse = kern(q, k, v, return_lse=True)
+    ref, ref_lse = kern.forward(q, k, v, d**-0.5, None, True)
+    torch.cuda.synchronize()
+    assert len(kern._plans) == 1
+    assert not out.isnan().any()
+    assert torch.equal(out, ref) and torch.equal(lse, ref_lse)

@@ -35,6 +35,8 @@ from ..targets.launch import Args, CallPlan, KernelStep, current_stream
 from . import arguments, keep_classes, learnable
 from .fp8_calls import Fp8Calls
 from .modified_calls import ModifiedCalls
+from .plain_calls import PlainCalls
+from .plans import PlanCache
 from .serving import ServingCalls
 from .arguments import (
     accepts,
@@ -95,7 +97,7 @@ def _ensure_log_handler() -> None:
             log.setLevel(logging.INFO)
 
 
-class FlashAttention(ServingCalls, Fp8Calls, ModifiedCalls):
+class FlashAttention(ServingCalls, Fp8Calls, ModifiedCalls, PlainCalls):
     """A compiled spec; call it on CUDA tensors shaped (batch, seqlen, heads, head_dim); a
     serving spec also takes ``varlen`` or ``kvcache`` calls (fadsl/runtime/serving.py), an
     8-bit one the descales (fadsl/runtime/fp8_calls.py)."""
@@ -126,6 +128,7 @@ class FlashAttention(ServingCalls, Fp8Calls, ModifiedCalls):
         # a call's other kernels (varlen's tile list, splits' combine), by (dtype, device, suffix)
         self._more_modules: dict[tuple[Dtype, int, str], object] = {}
         self.op_name = f"{self.config.name}_{spec_hash(compiled.kernel)[:12]}"
+        self._plans = PlanCache()  # plain eager calls' launch plans (fadsl/runtime/plain_calls.py)
         from .custom_op import kvcache_op_for, ops_for, varlen_op_for
         from .fp8_ops import fp8_op_for
         from .modified_op import modified_op_for
@@ -364,6 +367,8 @@ class FlashAttention(ServingCalls, Fp8Calls, ModifiedCalls):
                 o, lse = eager_grad.attention(self, scale, q, k, v)
                 return (o, lse) if return_lse else o
             return self._call_op(q, k, v, scale, None, return_lse)
+        if out is None:  # (a signature's later calls: its launch plan)
+            return self._call_planned(q, k, v, scale, return_lse)
         return self.forward(q, k, v, scale, out, return_lse)
 
     def _call_op(self, q, k, v, scale: float, out, return_lse: bool):

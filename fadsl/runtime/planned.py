@@ -20,7 +20,7 @@ from . import append, dispatch, fp8_planned
 from .arguments import check_base, check_bases, check_scale, lse_shape
 from .attention import PADDED_SOURCES
 from .kvcache import run_kvcache
-from .plans import PlanCache, Prepared, stream_and_device
+from .plans import AttentionPlan, PlanCache, Prepared, stream_and_device
 from .public_ops import check_kvcache_call
 from .varlen import check_max_seqlen, check_varlen, run_varlen, varlen_lse_shape
 
@@ -63,27 +63,6 @@ def attention_signature(q, k, v, causal, softmax_scale, window_size, softcap, re
         *(type(window_size), window, type(window[0]), type(window[1])),
         *(type(softcap), softcap, *stream_and_device(device.index)),
     )
-
-
-class AttentionPlan:
-    """A padded call's plan: out (and the LSE) allocated, the addresses checked and
-    written, one launch."""
-
-    def __init__(self, prepared, target: str, return_lse: bool, lse_shape_, device) -> None:
-        self.launch, self.target, self.device = prepared.launch, target, device
-        self.return_lse, self.lse_shape = return_lse, lse_shape_
-
-    def __call__(self, q, k, v):
-        out = torch.empty_like(q)
-        addresses = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr())
-        if (addresses[0] | addresses[1] | addresses[2]) % 16:
-            check_bases(q, k, v, self.target)
-        if not self.return_lse:
-            self.launch((*addresses, 0))
-            return out
-        lse = _empty_lse(self.lse_shape, self.device)
-        self.launch((*addresses, lse.data_ptr()))
-        return out, lse
 
 
 def attention_lookup(q, k, v, causal, softmax_scale, window_size, softcap, return_lse):

@@ -29,6 +29,7 @@ from typing import Any, Callable
 import torch
 
 from ..targets.launch import CallPlan, current_stream
+from .arguments import check_bases
 from .driver import ParamsBuffer
 
 _ADDRESS = struct.Struct("<Q")
@@ -159,3 +160,24 @@ class Prepared:
             if poison:
                 t.fill_(float("nan"))
         return made
+
+
+class AttentionPlan:
+    """A padded call's plan: out (and the LSE) allocated, the addresses checked and
+    written, one launch (fadsl.attention's, and a loaded kernel's plain call)."""
+
+    def __init__(self, prepared, target: str, return_lse: bool, lse_shape_, device) -> None:
+        self.launch, self.target, self.device = prepared.launch, target, device
+        self.return_lse, self.lse_shape = return_lse, lse_shape_
+
+    def __call__(self, q, k, v):
+        out = torch.empty_like(q)
+        addresses = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr())
+        if (addresses[0] | addresses[1] | addresses[2]) % 16:
+            check_bases(q, k, v, self.target)  # (the checked path's error)
+        if not self.return_lse:
+            self.launch((*addresses, 0))
+            return out
+        lse = torch.empty(self.lse_shape, dtype=torch.float32, device=self.device)
+        self.launch((*addresses, lse.data_ptr()))
+        return out, lse

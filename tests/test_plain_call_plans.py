@@ -1,0 +1,176 @@
+"""A loaded kernel's plain calls through launch plans (fadsl/runtime/plain_calls.py; issue
+45) on the CPU, on a stand-in device (tests/fake_cuda.py): a signature's second call keeps a
+plan, and its later calls launch byte for byte what the checked path (``forward``) launches
+for the same tensors (params with their TMA descriptors, grid, block, cluster); a changed
+shape, stride, dtype, scale or flag is checked again and refused with the checked path's
+error, launching nothing; a misaligned address is refused on a plan's call; calls with
+``out=`` and calls of a spec with modifiers take their own paths."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fadsl
+import fake_cuda
+from conftest import ROOT
+
+BF = torch.bfloat16
+SPECS = {
+    "fa3_hopper (cluster 2)": ROOT / "examples" / "fa3_hopper.fa",
+    "fa3_causal": ROOT / "examples" / "fa3_causal.fa",
+    "fa3_hdim64_causal": ROOT / "examples" / "fa3_hdim64_causal.fa",
+    "fa3_hdim64 (split tail)": ROOT / "examples" / "fa3_hdim64.fa",
+}
+PLANNED = [name for name in SPECS if "split" not in name]
+_loaded: dict[str, object] = {}
+
+
+@pytest.fixture
+def device(monkeypatch):
+    """(launch log, allocator) of a stand-in cuda:0."""
+    found = fake_cuda.install(monkeypatch)
+    yield found
+    fake_cuda.uninstall()
+
+
+def kernel(name: str):
+    if name not in _loaded:
+        _loaded[name] = fadsl.load(SPECS[name].read_text(), verbose=False)
+    kern = _loaded[name]
+    kern._plans.clear()
+    return kern
+
+
+def inputs(kern, batch=2, seqlen=300, heads=(4, 2)):
+    d = kern.config.head_dim
+    q = torch.randn(batch, seqlen, heads[0], d, dtype=BF)
+    k, v = (torch.randn(batch, seqlen + 17, heads[1], d, dtype=BF) for _ in "kv")
+    return q, k, v
+
+
+@pytest.mark.parametrize("return_lse", [False, True], ids=["out", "out+lse"])
+@pytest.mark.parametrize("name", PLANNED)
+def test_a_plan_launches_what_the_checked_path_launches(device, name, return_lse):
+    log, allocator = device
+    kern = kernel(name)
+    first, second = inputs(kern), inputs(kern)
+
+    def launches(generation, tensors, checked=False):
+        allocator.next_call(generation)
+        log.clear()
+        if checked:
+            result = kern.forward(*tensors, tensors[0].shape[-1] ** -0.5, None, return_lse)
+        else:
+            result = kern(*tensors, return_lse=return_lse)
+        return list(log), result
+
+    unplanned, _ = launches(0, first)  # a signature's first call keeps no plan
+    assert unplanned and len(kern._plans) == 0
+    missed, _ = launches(0, first)  # its second does, and launches through it
+    assert missed == unplanned == launches(0, first, checked=True)[0]
+    assert len(kern._plans) == 1
+    hit, result = launches(1, second)
+    expected, expected_result = launches(1, second, checked=True)
+    assert hit == expected and hit != missed  # (the plan rewrote the addresses)
+    assert len(kern._plans) == 1
+    if return_lse:
+        assert [t.data_ptr() for t in result] == [t.data_ptr() for t in expected_result]
+        assert result[1].shape == (2, 4, 300) and result[1].dtype == torch.float32
+
+
+def test_a_split_tail_call_is_not_planned(device):
+    """A split tail's workspace is the call's own (no slot names it): every call takes the
+    checked path, and launches what it launches."""
+    log, _ = device
+    kern = kernel("fa3_hdim64 (split tail)")
+    q, k, v = inputs(kern, batch=1, seqlen=1000, heads=(2, 2))
+    found = []
+    for _ in range(3):
+        log.clear()
+        kern(q, k, v)
+        found.append(list(log))
+    assert found[0] and len(kern._plans) == 0
+    assert [[(x.grid, x.block) for x in f] for f in found] == [
+        [(x.grid, x.block) for x in found[0]]
+    ] * 3
+
+
+MUTATIONS = {
+    "k fp16": lambda q, k, v: (q, k.half(), v),
+    "v of fewer keys": lambda q, k, v: (q, k, v[:, :64]),
+    "q's rows 132 apart": lambda q, k, v: (
+        torch.randn(*q.shape[:-1], q.shape[-1] + 4, dtype=BF)[..., : q.shape[-1]],
+        k,
+        v,
+    ),
+    "head_dim 64": lambda q, k, v: (q[..., :64], k[..., :64], v[..., :64]),
+    "3 query heads": lambda q, k, v: (q[:, :, :3], k, v),
+}
+
+
+def _error(call):
+    try:
+        call()
+    except Exception as err:  # noqa: BLE001 (the type and message are compared)
+        return type(err), str(err)
+    return None
+
+
+@pytest.mark.parametrize("mutation", list(MUTATIONS))
+def test_a_changed_argument_is_checked_again(device, mutation):
+    """After a planned signature, a changed call raises what it raises with no plan, and
+    launches nothing."""
+    log, _ = device
+    kern = kernel("fa3_causal")
+    good = inputs(kern)
+    bad = MUTATIONS[mutation](*good)
+    kern(*good)
+    kern(*good)
+    assert len(kern._plans) == 1
+    log.clear()
+    with_plans = _error(lambda: kern(*bad))
+    assert with_plans is not None and with_plans[0] in (TypeError, ValueError), with_plans
+    assert not log, "a refused call launched"
+    kern._plans.clear()
+    assert _error(lambda: kern(*bad)) == with_plans
+
+
+def test_other_scales_and_flags_are_other_signatures(device):
+    log, _ = device
+    kern = kernel("fa3_causal")
+    q, k, v = inputs(kern)
+    for scale in (None, 0.1, 0.1, None):
+        for lse in (False, True):
+            kern(q, k, v, scale, return_lse=lse)
+    assert len(kern._plans) == 4  # (None, 0.1) x (False, True), each called twice
+    with pytest.raises(ValueError, match="softmax_scale"):
+        kern(q, k, v, float("nan"))
+    with pytest.raises(TypeError, match="return_lse"):
+        kern(q, k, v, return_lse=1)
+
+
+def _misaligned(t):
+    flat = torch.randn(t.numel() + 8, dtype=t.dtype)[1 : 1 + t.numel()]
+    return flat.view(t.shape).copy_(t)
+
+
+def test_a_misaligned_address_is_refused_on_a_plans_call(device):
+    log, _ = device
+    kern = kernel("fa3_causal")
+    q, k, v = inputs(kern)
+    kern(q, k, v)
+    kern(q, k, v)
+    log.clear()
+    with pytest.raises(ValueError, match=r"^v must be 16-byte aligned"):
+        kern(q, k, _misaligned(v))
+    assert not log and len(kern._plans) == 1
+
+
+def test_calls_with_out_keep_no_plan(device):
+    kern = kernel("fa3_causal")
+    q, k, v = inputs(kern)
+    out = torch.empty_like(q)
+    for _ in range(3):
+        kern(q, k, v, out=out)
+    assert len(kern._plans) == 0
