@@ -125,3 +125,45 @@ def test_a_loaded_kernels_planned_calls_give_the_checked_paths_bits(name):
     assert len(kern._plans) == 1
     assert not out.isnan().any()
     assert torch.equal(out, ref) and torch.equal(lse, ref_lse)
+
+
+@pytest.mark.parametrize("name", ["alibi_causal", "document_causal"])
+def test_a_modified_calls_plan_gives_the_checked_paths_bits(name):
+    """kern(q, k, v, **inputs) of a modifier example through its plan (the third call of a
+    signature, on other tensors and inputs; document_causal with classes made ahead) equals
+    the checked path on the same tensors, bit for bit, the LSE too."""
+    import fadsl
+    from conftest import ROOT
+
+    kern = fadsl.load((ROOT / "examples" / "modifiers" / f"{name}.fa").read_text(), verbose=False)
+    kern._plans.clear()
+
+    def call(seed):
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        q = torch.randn(2, 700, 8, 128, device="cuda", dtype=BF, generator=g)
+        k, v = (torch.randn(2, 900, 2, 128, device="cuda", dtype=BF, generator=g) for _ in "kv")
+        if name == "alibi_causal":
+            named = {"slopes": torch.rand(8, device="cuda", generator=g)}
+        else:
+            q_doc = torch.randint(0, 3, (2, 700), device="cuda", generator=g).sort(1).values
+            kv_doc = torch.randint(0, 3, (2, 900), device="cuda", generator=g).sort(1).values
+            named = {"q_doc": q_doc.int(), "kv_doc": kv_doc.int()}
+            named["keep_classes"] = kern.keep_classes(q, k, **named)
+        return q, k, v, named
+
+    q, k, v, named = call(1)
+    with torch.no_grad():
+        kern(q, k, v, return_lse=True, **named)
+        kern(q, k, v, return_lse=True, **named)
+        assert len(kern._plans) == 1
+        q, k, v, named = call(2)
+        torch.full((8 * q.numel(),), float("nan"), device="cuda")  # (poisons freed blocks)
+        out, lse = kern(q, k, v, return_lse=True, **named)
+        classes = named.pop("keep_classes", None)
+        tensors = tuple(named[d.name] for d in kern.config.modifiers.inputs)
+        tensors += () if classes is None else tuple(classes.tensors())
+        ref, ref_lse = kern.forward(q, k, v, 128**-0.5, None, True, tensors)
+    torch.cuda.synchronize()
+    assert len(kern._plans) == 1
+    assert not out.isnan().any()
+    assert torch.equal(out, ref) and torch.equal(lse, ref_lse)

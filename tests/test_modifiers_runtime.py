@@ -104,27 +104,23 @@ def test_a_call_without_its_inputs_is_refused():
         plain(q.detach(), q.detach(), q.detach(), slopes=torch.ones(4))
 
 
-def test_a_spec_with_modifiers_keeps_no_launch_plan(monkeypatch):
-    """Launch plans (fadsl/runtime/plans.py) rewrite only the addresses their slots list (q,
-    k, v, out, the LSE), never the modifiers' inputs: ``prepare`` refuses a spec with
-    modifiers, and each call of one, on a stand-in device (tests/fake_cuda.py), packs its
-    own inputs' pointers, none reused from an earlier call."""
+def test_a_modified_calls_plan_packs_each_calls_own_inputs(monkeypatch):
+    """Launch plans (fadsl/runtime/plans.py) of a spec with modifiers list the inputs'
+    addresses in their slots (P.inputs): each call, on a stand-in device (tests/fake_cuda.py),
+    packs its own inputs' pointers, none reused from an earlier call, planned or not
+    (tests/test_plain_call_plans.py has the rest)."""
     import fake_cuda
-    from fadsl.ir import Dtype
-    from fadsl.runtime import planned
 
     log, _ = fake_cuda.install(monkeypatch)
     try:
         kern = fadsl.load(ROOT / "examples" / "modifiers" / "alibi_causal.fa", verbose=False)
         q, k, v = (torch.randn(1, 128, 4, 128, dtype=torch.bfloat16) for _ in "qkv")
-        out = torch.empty_like(q)
-        assert kern.prepare(Dtype.BF16, q, k, v, out, None, 0.1, 7) is None
         first, second = torch.ones(4), torch.full((4,), 2.0)
         for slopes in (first, first, second, first):
             kern(q, k, v, slopes=slopes)
         found = [INPUTS.unpack_from(launched.params, INPUTS_OFFSET) for launched in log]
         expected = [p.data_ptr() for p in (first, first, second, first)]
         assert found == [(p, *[0] * 7) for p in expected]
-        assert len(planned._ATTENTION) == 0
+        assert len(kern._plans) == 1  # (kept at the second call, used by the last two)
     finally:
         fake_cuda.uninstall()

@@ -1,10 +1,13 @@
-"""A loaded kernel's plain calls through launch plans (fadsl/runtime/plain_calls.py; issue
-45) on the CPU, on a stand-in device (tests/fake_cuda.py): a signature's second call keeps a
-plan, and its later calls launch byte for byte what the checked path (``forward``) launches
-for the same tensors (params with their TMA descriptors, grid, block, cluster); a changed
-shape, stride, dtype, scale or flag is checked again and refused with the checked path's
-error, launching nothing; a misaligned address is refused on a plan's call; calls with
-``out=`` and calls of a spec with modifiers take their own paths."""
+"""A loaded kernel's plain and modified calls through launch plans
+(fadsl/runtime/plain_calls.py, modified_calls.py; issue 45) on the CPU, on a stand-in device
+(tests/fake_cuda.py): a signature's second call keeps a plan, and its later calls launch byte
+for byte what the checked path (``forward``) launches for the same tensors (params with their
+TMA descriptors, grid, block, cluster); a changed shape, stride, dtype, scale or flag is
+checked again and refused with the checked path's error, launching nothing; a misaligned
+address is refused on a plan's call; calls with ``out=`` keep none. Modified calls (issue
+41): their inputs' addresses (and classes made ahead) rewritten in the plan, the classes
+checked again on every call, a keep classed by the call's own pass not planned, calls with
+gradients not planned."""
 
 from __future__ import annotations
 
@@ -174,3 +177,133 @@ def test_calls_with_out_keep_no_plan(device):
     for _ in range(3):
         kern(q, k, v, out=out)
     assert len(kern._plans) == 0
+
+
+# ---------------------------------------------------------------- modified calls (issue 41)
+MODIFIERS = ROOT / "examples" / "modifiers"
+
+
+@pytest.fixture
+def device_bwd(monkeypatch):
+    """The stand-in device with the backward's kernels too (keep_classes makes both)."""
+    log, allocator = fake_cuda.install(monkeypatch)
+    fake_cuda.install_backward(monkeypatch, log)
+    yield log, allocator
+    fake_cuda.uninstall()
+
+
+def modified(name: str):
+    key = f"modifiers/{name}"
+    if key not in _loaded:
+        _loaded[key] = fadsl.load((MODIFIERS / f"{name}.fa").read_text(), verbose=False)
+    kern = _loaded[key]
+    kern._plans.clear()
+    return kern
+
+
+def modifier_inputs(name, q, k):
+    batch, seqlen_q, heads = q.shape[:3]
+    if name == "alibi_causal":
+        return {"slopes": torch.rand(heads)}
+    if name == "t5_bias_causal":
+        return {"bias": torch.randn(heads, 32)}
+    if name == "prefix_lm":
+        return {"prefix": torch.tensor([5, 100][:batch], dtype=torch.int32)}
+    return {
+        "q_doc": torch.zeros(batch, seqlen_q, dtype=torch.int32),
+        "kv_doc": torch.zeros(batch, k.shape[1], dtype=torch.int32),
+    }
+
+
+MODIFIED_CASES = [(n, False) for n in ("alibi_causal", "t5_bias_causal", "prefix_lm")]
+MODIFIED_CASES += [("document_causal", False), ("document_causal", True)]
+
+
+@pytest.mark.parametrize(
+    "name, made_ahead",
+    MODIFIED_CASES,
+    ids=[n + (" classes made ahead" if m else "") for n, m in MODIFIED_CASES],
+)
+def test_a_modified_plan_launches_what_the_checked_path_launches(device_bwd, name, made_ahead):
+    """With its inputs' addresses in the plan's slots (P.inputs); a keep whose classes the
+    call makes itself is not planned (its workspaces are the call's own), one whose classes
+    were made ahead is."""
+    log, allocator = device_bwd
+    kern = modified(name)
+    calls = []
+    for _ in range(2):
+        q, k, v = inputs(kern)
+        named = modifier_inputs(name, q, k)
+        if made_ahead:
+            named["keep_classes"] = kern.keep_classes(q, k, **named)
+        calls.append((q, k, v, named))
+
+    def launches(generation, call, checked=False):
+        q, k, v, named = call
+        allocator.next_call(generation)
+        log.clear()
+        if checked:  # the checked path of the same call: its inputs and classes as it passes them
+            named = dict(named)
+            classes = named.pop("keep_classes", None)
+            tensors = tuple(named[d.name] for d in kern.config.modifiers.inputs)
+            tensors += () if classes is None else tuple(classes.tensors())
+            result = kern.forward(q, k, v, 128**-0.5, None, True, tensors)
+        else:
+            result = kern(q, k, v, return_lse=True, **named)
+        return list(log), result
+
+    launches(0, calls[0], checked=True)  # (a kernel's first launch allocates what it keeps)
+    first, _ = launches(0, calls[0])
+    second, _ = launches(0, calls[0])
+    checked, _ = launches(0, calls[0], checked=True)
+    if name == "document_causal" and not made_ahead:  # (ranges from torch.full: fresh memory)
+        shapes = [[(x.kernel, x.grid, x.block) for x in found] for found in (first, second)]
+        assert shapes == [[(x.kernel, x.grid, x.block) for x in checked]] * 2
+        assert len(kern._plans) == 0
+        return
+    assert first == second == checked
+    assert len(kern._plans) == 1
+    hit, result = launches(1, calls[1])
+    expected, expected_result = launches(1, calls[1], checked=True)
+    assert hit == expected and hit != second
+    assert len(kern._plans) == 1
+    assert [t.data_ptr() for t in result] == [t.data_ptr() for t in expected_result]
+
+
+def test_a_modified_plans_call_checks_its_classes_and_inputs_again(device_bwd):
+    """On a plan's call: classes made from other ids, or ids written in place since, are
+    refused by name; an input of another dtype or shape is another signature, refused as
+    the checked path refuses it; none of them launches."""
+    log, _ = device_bwd
+    kern = modified("document_causal")
+    q, k, v = inputs(kern)
+    ids = modifier_inputs("document_causal", q, k)
+    classes = kern.keep_classes(q, k, **ids)
+    for _ in range(2):
+        kern(q, k, v, **ids, keep_classes=classes)
+    assert len(kern._plans) == 1
+    log.clear()
+    other = {n: t.clone() for n, t in ids.items()}
+    with pytest.raises(ValueError, match="made from another tensor than this call's q_doc"):
+        kern(q, k, v, **other, keep_classes=classes)
+    ids["kv_doc"].add_(1)
+    with pytest.raises(ValueError, match="kv_doc was written in place"):
+        kern(q, k, v, **ids, keep_classes=classes)
+    with pytest.raises(TypeError, match="q_doc must be torch.int32"):
+        kern(q, k, v, q_doc=ids["q_doc"].long(), kv_doc=ids["kv_doc"])
+    with pytest.raises(ValueError, match="kv_doc must have shape"):
+        kern(q, k, v, q_doc=ids["q_doc"], kv_doc=ids["kv_doc"][:, :7])
+    assert not log
+
+
+def test_a_modified_call_with_gradients_keeps_no_plan(device_bwd):
+    kern = modified("alibi_causal")
+    q, k, v = inputs(kern)
+    slopes = torch.rand(q.shape[2], requires_grad=True)
+    for _ in range(3):
+        kern(q, k, v, slopes=slopes)
+    assert len(kern._plans) == 0
+    with torch.no_grad():
+        for _ in range(2):
+            kern(q, k, v, slopes=slopes)
+    assert len(kern._plans) == 1

@@ -31,7 +31,7 @@ from ..ir import Dtype
 from ..pipeline import Compiled, compile_file, compile_source
 from ..targets import check_arch
 from ..targets.archs import arch_for
-from ..targets.launch import Args, CallPlan, KernelStep, current_stream
+from ..targets.launch import INPUT_SOURCES, Args, CallPlan, KernelStep, current_stream
 from . import arguments, keep_classes, learnable
 from .fp8_calls import Fp8Calls
 from .modified_calls import ModifiedCalls
@@ -452,18 +452,26 @@ class FlashAttention(ServingCalls, Fp8Calls, ModifiedCalls, PlainCalls):
         else:
             self.launch_args(dtype, args, cluster, first)
 
-    def prepare(self, dtype: Dtype, q, k, v, out, lse, scale: float, stream: int, descales=None):
+    def prepare(
+        self, dtype: Dtype, q, k, v, out, lse, scale: float, stream: int, descales=None, inputs=()
+    ):
         """This call's launch kept for the later calls of its signature (``plans.Prepared``,
-        its sources PADDED_SOURCES, then an 8-bit kernel's DESCALE_SOURCES; not yet
+        its sources PADDED_SOURCES, then an 8-bit kernel's DESCALE_SOURCES or the modifiers'
+        INPUT_SOURCES, one for each of ``inputs``, the classes made ahead among them; not yet
         launched), or None where the params hold an address a plan cannot rewrite (a split
-        workspace) or the kernel is not a padded one (then ``launch``)."""
+        workspace, a keep's classes made by the call) or the kernel is not a padded one
+        (then ``launch``)."""
         if self.is_varlen or self.is_kvcache or self._launch.slots is None:
             return None
-        if self.config.modifiers is not None:  # (its inputs' addresses are not in the slots)
-            return None
+        if self.config.modifiers is not None:
+            spec_inputs, made, _ = keep_classes.split(self, inputs)
+            rule = self.config.modifiers.rule
+            if made is None and rule is not None and rule.by_pass:
+                return None  # (classed by the call's own pass, into workspaces of its own)
+            inputs = spec_inputs + (made or ())
         if descales is None and self.is_fp8:
             descales = (None, None, None)
-        args = Args(q, k, v, out, lse, scale, (), descales)
+        args = Args(q, k, v, out, lse, scale, tuple(inputs), descales)
         cluster = self._launch.cluster(self.compiled.kernel, args)
         if cluster == 1 and self.alone is not None:
             return self.alone._prepare_args(dtype, args, 1, stream)  # the cluster-free variant
@@ -487,7 +495,9 @@ class FlashAttention(ServingCalls, Fp8Calls, ModifiedCalls, PlainCalls):
         addresses = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr())
         addresses += (0 if lse is None else lse.data_ptr(),)
         if args.descales is None:
-            return self.prepared(dtype, index, stream, plan, PADDED_SOURCES, addresses)
+            addresses += tuple(t.data_ptr() for t in args.inputs)
+            sources = PADDED_SOURCES + INPUT_SOURCES[: len(args.inputs)]
+            return self.prepared(dtype, index, stream, plan, sources, addresses)
         addresses += tuple(0 if t is None else t.data_ptr() for t in args.descales)
         return self.prepared(dtype, index, stream, plan, FP8_SOURCES, addresses)
 

@@ -10,8 +10,9 @@ Eager calls without gradients launch directly; with gradients, one autograd Func
 from __future__ import annotations
 
 from . import keep_classes
-from .arguments import modifier_inputs
+from .arguments import check_bases, lse_shape, modifier_inputs
 from .learnable import learning
+from .plans import AttentionPlan, stream_and_device
 
 
 class ModifiedCalls:
@@ -43,6 +44,18 @@ class ModifiedCalls:
         decls = () if self.config.modifiers is None else self.config.modifiers.inputs
         name = self.config.name
         classes = keep_classes.taken(inputs)  # (made ahead: keep_classes.py)
+        key = None
+        rule = self.config.modifiers.rule if decls else None
+        classed_by_call = rule is not None and rule.by_pass and classes is None
+        if out is None and decls and not classed_by_call and not torch.compiler.is_compiling():
+            key = self._modified_signature(q, k, v, scale, return_lse, inputs, classes)
+            plan = None if key is None else self._plans.get(key)
+            if plan is not None:  # (the checks' verdict is the signature's; classes: their own)
+                tensors = tuple(inputs[d.name] for d in decls)
+                if classes is not None:
+                    keep_classes.check(self, classes, q, k, tensors)
+                    tensors += tuple(classes.forward)
+                return plan(q, k, v, tensors)
         if not decls:  # (a keyword the spec does not take: reported as Python would, first)
             modifier_inputs(decls, inputs, q, k, name)
         tensors = modifier_inputs(decls, inputs, q, k, name)
@@ -53,6 +66,8 @@ class ModifiedCalls:
         learn = learning(self, decls, tensors)  # (refuses an input that cannot learn, by name)
         grads = grad_mode and (any(t.requires_grad for t in (q, k, v)) or any(learn))
         if not grads and not torch.compiler.is_compiling():
+            if key is not None and self._plans.worth_planning(key):
+                return self._plan_modified(key, q, k, v, scale, return_lse, tensors)
             return self.forward(q, k, v, scale, out, return_lse, tensors)
         if grads and out is not None:
             raise RuntimeError(
@@ -71,3 +86,53 @@ class ModifiedCalls:
             out.copy_(o)
             o = out
         return (o, lse) if return_lse else o
+
+    def _modified_signature(self, q, k, v, scale: float, return_lse: bool, inputs: dict, classes):
+        """A modified call's signature for its launch plan (fadsl/runtime/plans.py): q's,
+        k's, v's and each named input's shape, strides, dtype and device, the scale,
+        return_lse, whether classes were made ahead (they are checked on every call: their
+        verdict rests on the inputs' identity and versions), the stream and device; None
+        where gradients may flow (those calls take the autograd Function) or no signature
+        can be formed (the checked path names the argument)."""
+        import torch
+
+        try:
+            tensors = (q, k, v, *inputs.values())
+            if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+                return None
+            named = tuple((n, t.shape, t.stride(), t.dtype, t.device) for n, t in inputs.items())
+            return (
+                *(q.shape, q.stride(), q.dtype, q.device),
+                *(k.shape, k.stride(), k.dtype, k.device),
+                *(v.shape, v.stride(), v.dtype, v.device),
+                *(type(scale), scale, return_lse, named, classes is None),
+                *stream_and_device(q.device.index),
+            )
+        except Exception:  # (not a tensor, an unhashable value: the checks say what)
+            return None
+
+    def _plan_modified(self, key, q, k, v, scale: float, return_lse: bool, tensors: tuple):
+        """The checked call of a signature met before (its arguments checked), launched
+        through a plan kept for the later ones (None from prepare: a keep's classes made
+        by the call, whose workspaces are its own; then the checked launch, every time)."""
+        import torch
+
+        dtype = self.check_inputs(q, k, v)
+        if (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16:
+            check_bases(q, k, v, self.config.target)
+        out = torch.empty_like(q)
+        lse = None
+        if return_lse:
+            lse = torch.empty(lse_shape(q), device=q.device, dtype=torch.float32)
+        prepared = self.prepare(dtype, q, k, v, out, lse, scale, key[-2], inputs=tensors)
+        if prepared is None:
+            self.launch(dtype, q, k, v, out, lse, scale, tensors)
+        else:
+            spec_inputs, made, _ = keep_classes.split(self, tensors)
+            more = tuple(t.data_ptr() for t in spec_inputs + (made or ()))
+            prepared.launch(
+                (*(t.data_ptr() if t is not None else 0 for t in (q, k, v, out, lse)), *more)
+            )
+            plan = AttentionPlan(prepared, self.config.target, return_lse, lse_shape(q), q.device)
+            self._plans.put(key, plan)
+        return (out, lse) if return_lse else out

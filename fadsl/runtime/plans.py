@@ -170,14 +170,17 @@ class AttentionPlan:
         self.launch, self.target, self.device = prepared.launch, target, device
         self.return_lse, self.lse_shape = return_lse, lse_shape_
 
-    def __call__(self, q, k, v):
+    def __call__(self, q, k, v, inputs=()):
+        """The call on q, k, v (``inputs``: a modified call's tensors, its plan's INPUT_SOURCES:
+        checked by the caller)."""
         out = torch.empty_like(q)
         addresses = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr())
         if (addresses[0] | addresses[1] | addresses[2]) % 16:
             check_bases(q, k, v, self.target)  # (the checked path's error)
+        more = tuple(t.data_ptr() for t in inputs)
         if not self.return_lse:
-            self.launch((*addresses, 0))
+            self.launch((*addresses, 0, *more))
             return out
         lse = torch.empty(self.lse_shape, dtype=torch.float32, device=self.device)
-        self.launch((*addresses, lse.data_ptr()))
+        self.launch((*addresses, lse.data_ptr(), *more))
         return out, lse

@@ -47,6 +47,11 @@ class KernelLaunch(NamedTuple):
     dependent: bool = False
 
 
+# The sources of a call's modifier inputs in the slots (P.inputs[i]: the spec's inputs in
+# declared order, then a keep's classes where the call passes or makes them)
+INPUT_SOURCES = tuple(f"input{i}" for i in range(8))
+
+
 class AddressSlot(NamedTuple):
     """Where a call's address lies in its params struct: ``offset`` bytes in, the address of
     the call's tensor ``source`` (a name the call kind lists: "q", "out", "cache_seqlens",

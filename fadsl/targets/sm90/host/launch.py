@@ -10,6 +10,7 @@ import struct
 from ....ir import Kernel
 from ...launch import (
     FWD_PARAMS,
+    INPUT_SOURCES,
     AddressSlot,
     Args,
     Launch,
@@ -316,7 +317,12 @@ def address_slots(kernel: Kernel, a: Args) -> tuple[AddressSlot, ...] | None:
         if split_plan(tiles, sm_count(a.q.device.index), kv_blocks(kernel, a))[1] > 1:
             return None
     if a.descales is None:
-        return _address_slots(a.lse is not None)
+        slots = _address_slots(a.lse is not None)
+        if a.inputs:  # the modifiers' inputs (and a keep's classes): P.inputs' pointers
+            slots += tuple(
+                AddressSlot(INPUTS_OFFSET + 8 * i, INPUT_SOURCES[i]) for i in range(len(a.inputs))
+            )
+        return slots
     present = tuple(t is not None for t in a.descales)
     return _address_slots(a.lse is not None) + descale_slots(SM90_PARAMS_BYTES, present)
 
