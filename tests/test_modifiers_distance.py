@@ -20,13 +20,17 @@ T5 = (
     "s + bias[h, clamp(where(q_idx - kv_idx < 16, q_idx - kv_idx, 16 + floor(log(max(q_idx"
     " - kv_idx, 16) / 16.0) / log(8.0) * 16.0)), 0, 31)]"
 )
-INPUTS = "input bias : f32[heads, 32]\n  input rel : f32[heads, 401]\n  input slopes : f32[heads]"
+INPUTS = (
+    "input bias : f32[heads, 32]\n  input rel : f32[heads, 401]\n  input slopes : f32[heads]\n"
+    "  input irel : i32[heads, 401]"
+)
 BY_DISTANCE = {
     "t5": T5,
     "table_both_signs": "s + rel[h, clamp(q_idx - kv_idx + 200, 0, 400)]",
     "term_first": "rel[h, clamp(kv_idx - q_idx + 200, 0, 400)] + s",
     "log_distance": "s + slopes[h] * log(1.0 + abs(q_idx - kv_idx))",
     "exp_by_batch": "s - exp(-abs(kv_idx - q_idx) / 64.0) * (b + 1)",
+    "int table added": "s + irel[h, clamp(q_idx - kv_idx + 200, 0, 400)]",
 }
 NOT_BY_DISTANCE = {
     "alibi (cheap)": "s + slopes[h] * (kv_idx - q_idx)",
@@ -37,6 +41,8 @@ NOT_BY_DISTANCE = {
     "a sum, not a distance": "s + log(1.0 + q_idx + kv_idx)",
     "uniform term": "s + log(1.0 + slopes[h] * slopes[h])",
     "softcap": "30 * tanh(s / 30)",
+    "an int subtracted (its negation would be the int's)": "s - irel[h, clamp(q_idx - kv_idx + 200, 0, 400)]",
+    "dear only per tile": "s + tanh(slopes[h]) * (kv_idx - q_idx)",
 }
 
 
@@ -66,11 +72,13 @@ def test_the_term_at_the_distance_and_0_is_the_scores_term(score):
         "bias": [[rng.uniform(-2, 2) for _ in range(32)] for _ in range(4)],
         "rel": [[rng.uniform(-2, 2) for _ in range(401)] for _ in range(4)],
         "slopes": [[rng.uniform(-1, 1)] for _ in range(4)],
+        "irel": [[rng.randint(-9, 9) for _ in range(401)] for _ in range(4)],
     }
     inputs = {
         "bias": lambda h, i: tables["bias"][h][i],
         "rel": lambda h, i: tables["rel"][h][i],
         "slopes": lambda h: tables["slopes"][h][0],
+        "irel": lambda h, i: tables["irel"][h][i],
     }
     for _ in range(400):
         sq, sk = rng.randint(1, 3000), rng.randint(1, 3000)

@@ -11,6 +11,8 @@ gradients not planned."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -286,14 +288,16 @@ def test_a_modified_plans_call_checks_its_classes_and_inputs_again(device_bwd):
     other = {n: t.clone() for n, t in ids.items()}
     with pytest.raises(ValueError, match="made from another tensor than this call's q_doc"):
         kern(q, k, v, **other, keep_classes=classes)
+    with pytest.raises(ValueError, match=r"^q must be 16-byte aligned"):
+        kern(_misaligned(q), k, v, **ids, keep_classes=classes)
     ids["kv_doc"].add_(1)
     with pytest.raises(ValueError, match="kv_doc was written in place"):
         kern(q, k, v, **ids, keep_classes=classes)
     with pytest.raises(TypeError, match="q_doc must be torch.int32"):
-        kern(q, k, v, q_doc=ids["q_doc"].long(), kv_doc=ids["kv_doc"])
+        kern(q, k, v, q_doc=ids["q_doc"].long(), kv_doc=ids["kv_doc"], keep_classes=classes)
     with pytest.raises(ValueError, match="kv_doc must have shape"):
-        kern(q, k, v, q_doc=ids["q_doc"], kv_doc=ids["kv_doc"][:, :7])
-    assert not log
+        kern(q, k, v, q_doc=ids["q_doc"], kv_doc=ids["kv_doc"][:, :7], keep_classes=classes)
+    assert not log and len(kern._plans) == 1
 
 
 def test_a_modified_call_with_gradients_keeps_no_plan(device_bwd):
@@ -307,3 +311,44 @@ def test_a_modified_call_with_gradients_keeps_no_plan(device_bwd):
         for _ in range(2):
             kern(q, k, v, slopes=slopes)
     assert len(kern._plans) == 1
+    (plan,) = kern._plans._plans.values()
+    planned = []
+    monkeypatch_call = type(plan).__call__
+
+    def recording(self, *args, **kwargs):
+        planned.append(args)
+        return monkeypatch_call(self, *args, **kwargs)
+
+    type(plan).__call__ = recording
+    try:
+        grad = kern(q, k, v, slopes=slopes)  # (grad enabled again: the autograd Function)
+        with torch.no_grad():
+            kern(q, k, v, slopes=slopes)
+    finally:
+        type(plan).__call__ = monkeypatch_call
+    assert grad.requires_grad and len(planned) == 1
+
+
+def test_a_spec_with_modifiers_and_no_inputs_plans_its_calls(device, tmp_path):
+    """A score that reads no input (a bias computed from the distance alone) keeps a plan,
+    and launches what the checked path launches."""
+    log, allocator = device
+    text = (MODIFIERS / "alibi_causal.fa").read_text()
+    text = re.sub(r"^  input      slopes : f32\[heads\].*\n", "", text, flags=re.M)
+    text = text.replace(
+        "s + slopes[h] * (kv_idx - q_idx)", "s + log(1.0 + abs(q_idx - kv_idx)) * -0.25"
+    )
+    kern = fadsl.load(text, verbose=False)
+    assert not kern.config.modifiers.inputs and kern.config.modifiers.distance_term is not None
+    q, k, v = inputs(kern)
+    kern.forward(q, k, v, 128**-0.5)  # (a kernel's first launch allocates what it keeps)
+    found = []
+    for _ in range(3):
+        allocator.next_call(0)
+        log.clear()
+        kern(q, k, v)
+        found.append(list(log))
+    allocator.next_call(0)
+    log.clear()
+    kern.forward(q, k, v, 128**-0.5)
+    assert found == [list(log)] * 3 and len(kern._plans) == 1

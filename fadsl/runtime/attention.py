@@ -464,7 +464,10 @@ class FlashAttention(ServingCalls, Fp8Calls, ModifiedCalls, PlainCalls):
         if self.is_varlen or self.is_kvcache or self._launch.slots is None:
             return None
         if self.config.modifiers is not None:
-            spec_inputs, made, _ = keep_classes.split(self, inputs)
+            try:
+                spec_inputs, made, _ = keep_classes.split(self, inputs)
+            except TypeError:  # (not the spec's inputs: the checked launch names them)
+                return None
             rule = self.config.modifiers.rule
             if made is None and rule is not None and rule.by_pass:
                 return None  # (classed by the call's own pass, into workspaces of its own)

@@ -45,9 +45,11 @@ class ModifiedCalls:
         name = self.config.name
         classes = keep_classes.taken(inputs)  # (made ahead: keep_classes.py)
         key = None
-        rule = self.config.modifiers.rule if decls else None
+        modifiers = self.config.modifiers
+        rule = None if modifiers is None else modifiers.rule
         classed_by_call = rule is not None and rule.by_pass and classes is None
-        if out is None and decls and not classed_by_call and not torch.compiler.is_compiling():
+        planned = out is None and modifiers is not None and not classed_by_call
+        if planned and not torch.compiler.is_compiling():
             key = self._modified_signature(q, k, v, scale, return_lse, inputs, classes)
             plan = None if key is None else self._plans.get(key)
             if plan is not None:  # (the checks' verdict is the signature's; classes: their own)

@@ -24,8 +24,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from ...ir.expr import Binary, BinOp, Expr, Fn, FnCall, Load, Modifiers, Unary, UnOp, Var, VarKind
-from ...ir.expr import children, reads_score, tile_uniform, walk
+from ...ir.expr import Binary, BinOp, Expr, ExprType, Fn, FnCall, Load, Modifiers, Unary, UnOp
+from ...ir.expr import Var, VarKind, children, reads_score, tile_uniform
 
 # The functions whose evaluation costs more than a table's read (a MUFU op each, and more).
 _DEAR_FNS = frozenset({Fn.EXP, Fn.LOG, Fn.LOG2, Fn.TANH})
@@ -39,15 +39,15 @@ def split_distance_term(m: Modifiers) -> Modifiers:
 
 
 def distance_term(score: Expr) -> Expr | None:
-    """``f`` where ``score`` is ``s + f`` or ``f + s`` (``-f`` where it is ``s - f``), ``f`` reads no score, reads the
+    """``f`` where ``score`` is ``s + f`` or ``f + s`` (``-f`` where it is ``s - f``, f a float), ``f`` reads no score, reads the
     indices only as their distance, and is dear (see the module's docstring); else None."""
     match score:
         case Binary(op=BinOp.ADD, a=Var(kind=VarKind.SCORE), b=f):
             term = f
         case Binary(op=BinOp.ADD, a=f, b=Var(kind=VarKind.SCORE)):
             term = f
-        case Binary(op=BinOp.SUB, a=Var(kind=VarKind.SCORE), b=f):
-            term = Unary(UnOp.NEG, f, f.loc, f.type)  # s - f = s + (-f) exactly
+        case Binary(op=BinOp.SUB, a=Var(kind=VarKind.SCORE), b=f) if f.type is ExprType.F32:
+            term = Unary(UnOp.NEG, f, f.loc, f.type)  # s - f = s + (-f) exactly (a float's sign)
         case _:
             return None
     if reads_score(f) or tile_uniform(f) or not _by_distance_only(f):
@@ -73,9 +73,12 @@ def _by_distance_only(e: Expr) -> bool:
 
 
 def _dear(f: Expr) -> bool:
-    for n in walk(f):
-        if isinstance(n, FnCall) and n.fn in _DEAR_FNS:
-            return True
-        if isinstance(n, Load) and not all(map(tile_uniform, n.indices)):
-            return True
-    return False
+    """Whether ``f`` evaluates a transcendental or reads an input per score: parts the same
+    for all of a tile's scores are not counted (the kernels load them once per tile)."""
+    if tile_uniform(f):
+        return False
+    if isinstance(f, FnCall) and f.fn in _DEAR_FNS:
+        return True
+    if isinstance(f, Load):
+        return True  # (not tile-uniform: an index varies inside the tile)
+    return any(_dear(child) for child in children(f))

@@ -245,4 +245,9 @@ def backward_context(cfg: Config) -> dict[str, Any]:
     over BwdParamsSm90's sizes, with ``score_grad``; ``modifiers``, whether the kernel has a
     SpecModifiers struct."""
     found = context(cfg, _BWD_SIZES, backward=True)
-    return {**found, "modifiers": found["score"] is not None or found["keep"] is not None}
+    by_distance = found["score"] is not None and found["score"]["distance"] is not None
+    return {
+        **found,
+        "modifiers": found["score"] is not None or found["keep"] is not None,
+        "score_by_distance": by_distance,  # (its own block in the template's Cfg)
+    }
