@@ -10,9 +10,9 @@ Eager calls without gradients launch directly; with gradients, one autograd Func
 from __future__ import annotations
 
 from . import keep_classes
-from .arguments import check_bases, lse_shape, modifier_inputs
+from .arguments import modifier_inputs
 from .learnable import learning
-from .plans import AttentionPlan, stream_and_device
+from .plans import stream_and_device
 
 
 class ModifiedCalls:
@@ -68,8 +68,8 @@ class ModifiedCalls:
         learn = learning(self, decls, tensors)  # (refuses an input that cannot learn, by name)
         grads = grad_mode and (any(t.requires_grad for t in (q, k, v)) or any(learn))
         if not grads and not torch.compiler.is_compiling():
-            if key is not None and self._plans.worth_planning(key):
-                return self._plan_modified(key, q, k, v, scale, return_lse, tensors)
+            if key is not None and self._plans.worth_planning(key):  # (its second call)
+                return self._launch_planning(key, q, k, v, scale, return_lse, tensors, True)
             return self.forward(q, k, v, scale, out, return_lse, tensors)
         if grads and out is not None:
             raise RuntimeError(
@@ -112,29 +112,3 @@ class ModifiedCalls:
             )
         except Exception:  # (not a tensor, an unhashable value: the checks say what)
             return None
-
-    def _plan_modified(self, key, q, k, v, scale: float, return_lse: bool, tensors: tuple):
-        """The checked call of a signature met before (its arguments checked), launched
-        through a plan kept for the later ones (None from prepare: a keep's classes made
-        by the call, whose workspaces are its own; then the checked launch, every time)."""
-        import torch
-
-        dtype = self.check_inputs(q, k, v)
-        if (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16:
-            check_bases(q, k, v, self.config.target)
-        out = torch.empty_like(q)
-        lse = None
-        if return_lse:
-            lse = torch.empty(lse_shape(q), device=q.device, dtype=torch.float32)
-        prepared = self.prepare(dtype, q, k, v, out, lse, scale, key[-2], inputs=tensors)
-        if prepared is None:
-            self.launch(dtype, q, k, v, out, lse, scale, tensors)
-        else:
-            spec_inputs, made, _ = keep_classes.split(self, tensors)
-            more = tuple(t.data_ptr() for t in spec_inputs + (made or ()))
-            prepared.launch(
-                (*(t.data_ptr() if t is not None else 0 for t in (q, k, v, out, lse)), *more)
-            )
-            plan = AttentionPlan(prepared, self.config.target, return_lse, lse_shape(q), q.device)
-            self._plans.put(key, plan)
-        return (out, lse) if return_lse else out

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from . import keep_classes
 from .arguments import check_bases, lse_shape
 from .plans import AttentionPlan, stream_and_device
 
@@ -34,6 +35,15 @@ class PlainCalls:
         plan = self._plans.get(key)
         if plan is not None:
             return plan(q, k, v)
+        return self._launch_planning(
+            key, q, k, v, scale, return_lse, (), self._plans.worth_planning(key)
+        )
+
+    def _launch_planning(self, key, q, k, v, scale: float, return_lse: bool, tensors, planning):
+        """A call's checked launch (q, k and v checked here, ``tensors``, the modifiers' inputs
+        and classes made ahead, by the caller), keeping a plan for its signature ``key`` where
+        ``planning`` (its second call) and the kernel takes one (``prepare``: None for a split
+        workspace, a varlen kernel's padded call, a keep's classes made by the call)."""
         dtype = self.check_inputs(q, k, v)
         if (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16:
             check_bases(q, k, v, self.config.target)
@@ -42,12 +52,16 @@ class PlainCalls:
         if return_lse:
             lse = torch.empty(lse_shape(q), device=q.device, dtype=torch.float32)
         prepared = None
-        if self._plans.worth_planning(key):
-            prepared = self.prepare(dtype, q, k, v, out, lse, scale, key[-2])
-        if prepared is None:  # (a first call; a split workspace, a varlen kernel's padded call)
-            self.launch(dtype, q, k, v, out, lse, scale)
-        else:
-            prepared.launch(tuple(0 if t is None else t.data_ptr() for t in (q, k, v, out, lse)))
-            plan = AttentionPlan(prepared, self.config.target, return_lse, lse_shape(q), q.device)
-            self._plans.put(key, plan)
+        if planning:
+            prepared = self.prepare(dtype, q, k, v, out, lse, scale, key[-2], inputs=tensors)
+        if prepared is None:
+            self.launch(dtype, q, k, v, out, lse, scale, tensors)
+            return (out, lse) if return_lse else out
+        if self.config.modifiers is not None:  # (the plan's inputs: the spec's, then classes)
+            spec_inputs, made, _ = keep_classes.split(self, tensors)
+            tensors = spec_inputs + (made or ())
+        addresses = tuple(0 if t is None else t.data_ptr() for t in (q, k, v, out, lse))
+        prepared.launch(addresses + tuple(t.data_ptr() for t in tensors))
+        plan = AttentionPlan(prepared, self.config.target, return_lse, lse_shape(q), q.device)
+        self._plans.put(key, plan)
         return (out, lse) if return_lse else out
