@@ -86,16 +86,27 @@ def test_a_plan_launches_what_the_checked_path_launches(device, name, return_lse
 
 def test_a_split_tail_call_is_not_planned(device):
     """A split tail's workspace is the call's own (no slot names it): every call takes the
-    checked path, and launches what it launches."""
+    checked path, and launches what it launches; the plan is tried once."""
     log, _ = device
     kern = kernel("fa3_hdim64 (split tail)")
     q, k, v = inputs(kern, batch=1, seqlen=1000, heads=(2, 2))
-    found = []
-    for _ in range(3):
-        log.clear()
-        kern(q, k, v)
-        found.append(list(log))
+    found, prepared = [], []
+    real_prepare = kern.prepare
+
+    def counting(*args, **kwargs):
+        prepared.append(real_prepare(*args, **kwargs))
+        return prepared[-1]
+
+    kern.prepare = counting
+    try:
+        for _ in range(3):
+            log.clear()
+            kern(q, k, v)
+            found.append(list(log))
+    finally:
+        del kern.prepare
     assert found[0] and len(kern._plans) == 0
+    assert prepared == [None]  # (tried at the second call, refused, not tried again)
     assert [[(x.grid, x.block) for x in f] for f in found] == [
         [(x.grid, x.block) for x in found[0]]
     ] * 3

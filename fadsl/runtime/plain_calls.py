@@ -55,6 +55,8 @@ class PlainCalls:
         if planning:
             prepared = self.prepare(dtype, q, k, v, out, lse, scale, key[-2], inputs=tensors)
         if prepared is None:
+            if planning:
+                self._plans.refuse(key)  # (the next calls of the signature launch unplanned)
             self.launch(dtype, q, k, v, out, lse, scale, tensors)
             return (out, lse) if return_lse else out
         if self.config.modifiers is not None:  # (the plan's inputs: the spec's, then classes)

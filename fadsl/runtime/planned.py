@@ -89,9 +89,12 @@ def attention_call(key, q, k, v, causal, softmax_scale, return_lse, window_size,
     out = torch.empty_like(q)
     lse = _empty_lse(lse_shape(q), q.device) if return_lse else None
     prepared = None
-    if _ATTENTION.worth_planning(key):
+    planning = _ATTENTION.worth_planning(key)
+    if planning:
         prepared = kern.prepare(dtype, q, k, v, out, lse, scale, key[-2])
     if prepared is None:  # (a first call; a split workspace, a varlen kernel's padded call)
+        if planning:  # (refused: the signature's later calls skip prepare)
+            _ATTENTION.refuse(key)
         kern.launch(dtype, q, k, v, out, lse, scale)
     else:
         prepared.launch(tuple(0 if t is None else t.data_ptr() for t in (q, k, v, out, lse)))

@@ -36,6 +36,9 @@ _ADDRESS = struct.Struct("<Q")
 PLAN_LIMIT = 256  # plans kept per call kind; the oldest goes first
 
 
+_UNSEEN, _REFUSED = object(), object()  # (PlanCache._seen: absent, and refused a plan)
+
+
 class PlanCache:
     """Plans by signature, at most ``limit``, the oldest dropped first. A signature gets a
     plan at its second call (``worth_planning``): making one costs about half a call's
@@ -53,14 +56,21 @@ class PlanCache:
         _bounded_put(self._plans, key, plan, self.limit)
 
     def worth_planning(self, key: tuple | None) -> bool:
-        """Whether ``key`` (None: a call with no signature) has been called before; its call
-        is remembered."""
+        """Whether ``key`` (None: a call with no signature) has been called before and not
+        refused; its call is remembered."""
         if key is None:
             return False
-        if key in self._seen:
-            return True
-        _bounded_put(self._seen, key, None, 4 * self.limit)
-        return False
+        seen = self._seen.get(key, _UNSEEN)
+        if seen is _UNSEEN:
+            _bounded_put(self._seen, key, None, 4 * self.limit)
+            return False
+        return seen is not _REFUSED
+
+    def refuse(self, key: tuple | None) -> None:
+        """``key``'s calls keep no plan (the kernel's ``prepare`` found none: a split
+        workspace, a varlen kernel's padded call): its later calls do not try again."""
+        if key is not None:
+            self._seen[key] = _REFUSED
 
     def clear(self) -> None:
         self._plans.clear()
