@@ -457,21 +457,17 @@ class FlashAttention(ServingCalls, Fp8Calls, ModifiedCalls, PlainCalls):
     ):
         """This call's launch kept for the later calls of its signature (``plans.Prepared``,
         its sources PADDED_SOURCES, then an 8-bit kernel's DESCALE_SOURCES or the modifiers'
-        INPUT_SOURCES, one for each of ``inputs``, the classes made ahead among them; not yet
-        launched), or None where the params hold an address a plan cannot rewrite (a split
-        workspace, a keep's classes made by the call) or the kernel is not a padded one
+        INPUT_SOURCES, one for each of ``inputs``: P.inputs as the kernel reads them, the
+        spec's inputs and then the forward's classes made ahead; not yet launched), or None
+        where the params hold an address a plan cannot rewrite (a split workspace, a keep's
+        classes made by the call: ``inputs`` without them) or the kernel is not a padded one
         (then ``launch``)."""
         if self.is_varlen or self.is_kvcache or self._launch.slots is None:
             return None
         if self.config.modifiers is not None:
-            try:
-                spec_inputs, made, _ = keep_classes.split(self, inputs)
-            except TypeError:  # (not the spec's inputs: the checked launch names them)
-                return None
-            rule = self.config.modifiers.rule
-            if made is None and rule is not None and rule.by_pass:
+            rule, count = self.config.modifiers.rule, len(self.config.modifiers.inputs)
+            if rule is not None and rule.by_pass and len(inputs) == count:
                 return None  # (classed by the call's own pass, into workspaces of its own)
-            inputs = spec_inputs + (made or ())
         if descales is None and self.is_fp8:
             descales = (None, None, None)
         args = Args(q, k, v, out, lse, scale, tuple(inputs), descales)

@@ -68,8 +68,8 @@ class ModifiedCalls:
         learn = learning(self, decls, tensors)  # (refuses an input that cannot learn, by name)
         grads = grad_mode and (any(t.requires_grad for t in (q, k, v)) or any(learn))
         if not grads and not torch.compiler.is_compiling():
-            if key is not None and self._plans.worth_planning(key):  # (its second call)
-                return self._launch_planning(key, q, k, v, scale, return_lse, tensors, True)
+            if key is not None:  # (planned at its signature's second call)
+                return self._launch_planning(self._plans, key, q, k, v, scale, return_lse, tensors)
             return self.forward(q, k, v, scale, out, return_lse, tensors)
         if grads and out is not None:
             raise RuntimeError(

@@ -35,15 +35,15 @@ class PlainCalls:
         plan = self._plans.get(key)
         if plan is not None:
             return plan(q, k, v)
-        return self._launch_planning(
-            key, q, k, v, scale, return_lse, (), self._plans.worth_planning(key)
-        )
+        return self._launch_planning(self._plans, key, q, k, v, scale, return_lse)
 
-    def _launch_planning(self, key, q, k, v, scale: float, return_lse: bool, tensors, planning):
-        """A call's checked launch (q, k and v checked here, ``tensors``, the modifiers' inputs
-        and classes made ahead, by the caller), keeping a plan for its signature ``key`` where
-        ``planning`` (its second call) and the kernel takes one (``prepare``: None for a split
-        workspace, a varlen kernel's padded call, a keep's classes made by the call)."""
+    def _launch_planning(self, plans, key, q, k, v, scale: float, return_lse: bool, tensors=()):
+        """A call's checked launch (q, k and v checked here; ``tensors``, the modifiers'
+        inputs and classes made ahead, by the caller), keeping a plan in ``plans`` for its
+        signature ``key`` at the signature's second call where the kernel takes one
+        (``prepare``: None for a split workspace, a varlen kernel's padded call, a keep's
+        classes made by the call; the signature is then refused, and not tried again)."""
+        planning = plans.worth_planning(key)
         dtype = self.check_inputs(q, k, v)
         if (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16:
             check_bases(q, k, v, self.config.target)
@@ -53,17 +53,19 @@ class PlainCalls:
             lse = torch.empty(lse_shape(q), device=q.device, dtype=torch.float32)
         prepared = None
         if planning:
-            prepared = self.prepare(dtype, q, k, v, out, lse, scale, key[-2], inputs=tensors)
+            read = tensors  # (P.inputs: the spec's inputs, then the forward's classes)
+            if self.config.modifiers is not None:
+                spec_inputs, made, _ = keep_classes.split(self, tensors)
+                read = spec_inputs + (made or ())
+            prepared = self.prepare(dtype, q, k, v, out, lse, scale, key[-2], inputs=read)
         if prepared is None:
             if planning:
-                self._plans.refuse(key)  # (the next calls of the signature launch unplanned)
+                plans.refuse(key)  # (the signature's later calls launch unplanned)
             self.launch(dtype, q, k, v, out, lse, scale, tensors)
             return (out, lse) if return_lse else out
-        if self.config.modifiers is not None:  # (the plan's inputs: the spec's, then classes)
-            spec_inputs, made, _ = keep_classes.split(self, tensors)
-            tensors = spec_inputs + (made or ())
         addresses = tuple(0 if t is None else t.data_ptr() for t in (q, k, v, out, lse))
-        prepared.launch(addresses + tuple(t.data_ptr() for t in tensors))
-        plan = AttentionPlan(prepared, self.config.target, return_lse, lse_shape(q), q.device)
-        self._plans.put(key, plan)
+        prepared.launch(addresses + tuple(t.data_ptr() for t in read))
+        plans.put(
+            key, AttentionPlan(prepared, self.config.target, return_lse, lse_shape(q), q.device)
+        )
         return (out, lse) if return_lse else out

@@ -17,10 +17,10 @@ from __future__ import annotations
 import torch
 
 from . import append, dispatch, fp8_planned
-from .arguments import check_base, check_bases, check_scale, lse_shape
+from .arguments import check_base, check_scale, lse_shape
 from .attention import PADDED_SOURCES
 from .kvcache import run_kvcache
-from .plans import AttentionPlan, PlanCache, Prepared, stream_and_device
+from .plans import PlanCache, Prepared, stream_and_device
 from .public_ops import check_kvcache_call
 from .varlen import check_max_seqlen, check_varlen, run_varlen, varlen_lse_shape
 
@@ -83,24 +83,7 @@ def attention_call(key, q, k, v, causal, softmax_scale, return_lse, window_size,
     kernel's checks and launch; a plan kept at the second call of the signature ``key``."""
     kern = dispatch.attention_kernel(q, causal, window_size, softcap)
     scale = check_scale(softmax_scale, kern.config.head_dim)
-    dtype = kern.check_inputs(q, k, v)
-    if (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16:
-        check_bases(q, k, v, kern.config.target)
-    out = torch.empty_like(q)
-    lse = _empty_lse(lse_shape(q), q.device) if return_lse else None
-    prepared = None
-    planning = _ATTENTION.worth_planning(key)
-    if planning:
-        prepared = kern.prepare(dtype, q, k, v, out, lse, scale, key[-2])
-    if prepared is None:  # (a first call; a split workspace, a varlen kernel's padded call)
-        if planning:  # (refused: the signature's later calls skip prepare)
-            _ATTENTION.refuse(key)
-        kern.launch(dtype, q, k, v, out, lse, scale)
-    else:
-        prepared.launch(tuple(0 if t is None else t.data_ptr() for t in (q, k, v, out, lse)))
-        plan = AttentionPlan(prepared, kern.config.target, return_lse, lse_shape(q), q.device)
-        _ATTENTION.put(key, plan)
-    return (out, lse) if return_lse else out
+    return kern._launch_planning(_ATTENTION, key, q, k, v, scale, return_lse)
 
 
 assert PADDED_SOURCES == ("q", "k", "v", "out", "lse")  # AttentionPlan's order

@@ -163,14 +163,16 @@ def score_grad(m: Modifiers) -> Expr | None:
 
 def context(cfg: Config, sizes: dict[Dim, str] = _SIZES, backward: bool = False) -> dict[str, Any]:
     """The template's modifier slots: ``score`` and ``keep`` (None without them), each with
-    the spec's text and its C++; ``uniforms``, what they read once per tile (tile_loads);
+    the spec's text and its C++ (``score``'s ``distance``: split_distance_term's f, with
+    ``score_by_distance``); ``uniforms``, what they read once per tile (tile_loads);
     and ``modifier_softcap``, the cap of a score that is the
     built-in softcap written out (then ``score`` is None: the kernel is the built-in's).
     ``sizes``: the C++ of each size (the forward's params by default); ``backward``: the
     backward's slots too, ``score_grad`` (the derivative dS is multiplied by, or None)."""
     m = cfg.modifiers
     if m is None:
-        found = {"score": None, "keep": None, "modifier_softcap": 0, "modifier_inputs": []}
+        found = {"score": None, "score_by_distance": False, "keep": None}
+        found |= {"modifier_softcap": 0, "modifier_inputs": []}
         return {**found, "score_grad": None, "learn": None} if backward else found
     cap = softcap_idiom(m.score) if m.score is not None else None
     grad = score_grad(m) if backward and not cap else None
@@ -225,6 +227,8 @@ def context(cfg: Config, sizes: dict[Dim, str] = _SIZES, backward: bool = False)
         }
     found = {
         "score": score,
+        # (the Cfg's kScoreByDistance: a block of its own in the templates)
+        "score_by_distance": score is not None and score["distance"] is not None,
         "keep": keep,
         "modifier_softcap": cap or 0,
         "uniforms": list(uniforms.values()),
@@ -245,9 +249,4 @@ def backward_context(cfg: Config) -> dict[str, Any]:
     over BwdParamsSm90's sizes, with ``score_grad``; ``modifiers``, whether the kernel has a
     SpecModifiers struct."""
     found = context(cfg, _BWD_SIZES, backward=True)
-    by_distance = found["score"] is not None and found["score"]["distance"] is not None
-    return {
-        **found,
-        "modifiers": found["score"] is not None or found["keep"] is not None,
-        "score_by_distance": by_distance,  # (its own block in the template's Cfg)
-    }
+    return {**found, "modifiers": found["score"] is not None or found["keep"] is not None}
