@@ -48,7 +48,9 @@ def calls(monkeypatch):
         if lse is not None:
             lse.copy_(l)
 
-    def backward(self, dtype, arch, q, k, v, out, lse, dout, dlse, scale, inputs=(), classes=None):
+    def backward(
+        self, dtype, arch, q, k, v, out, lse, dout, dlse, scale, inputs=(), classes=None, key=None
+    ):
         found.append((dout, dlse, out, lse, scale))
         term = dout.float().sum() + out.float().sum() + lse.sum() + scale
         if dlse is not None:

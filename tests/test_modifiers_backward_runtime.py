@@ -61,7 +61,9 @@ def patched(monkeypatch):
         if lse is not None:
             lse.copy_(l)
 
-    def backward(self, dtype, arch, q, k, v, out, lse, dout, dlse, scale, inputs=(), classes=None):
+    def backward(
+        self, dtype, arch, q, k, v, out, lse, dout, dlse, scale, inputs=(), classes=None, key=None
+    ):
         # (the op's implementation runs below autograd: the kernels' stand-in records what
         # it was given and returns constant gradients)
         calls["backward"].append(tuple(inputs))

@@ -32,7 +32,8 @@ from ..pipeline import Compiled, compile_file, compile_source
 from ..targets import check_arch
 from ..targets.archs import arch_for
 from ..targets.launch import INPUT_SOURCES, Args, CallPlan, KernelStep, current_stream
-from . import arguments, keep_classes, learnable
+from . import arguments, keep_classes
+from .backward_calls import BackwardCalls
 from .fp8_calls import Fp8Calls
 from .modified_calls import ModifiedCalls
 from .plain_calls import PlainCalls
@@ -40,7 +41,6 @@ from .plans import PlanCache
 from .serving import ServingCalls
 from .arguments import (
     accepts,
-    backward_operands,
     check_bases,
     check_lse,
     check_scale,
@@ -97,7 +97,7 @@ def _ensure_log_handler() -> None:
             log.setLevel(logging.INFO)
 
 
-class FlashAttention(ServingCalls, Fp8Calls, ModifiedCalls, PlainCalls):
+class FlashAttention(ServingCalls, Fp8Calls, ModifiedCalls, PlainCalls, BackwardCalls):
     """A compiled spec; call it on CUDA tensors shaped (batch, seqlen, heads, head_dim); a
     serving spec also takes ``varlen`` or ``kvcache`` calls (fadsl/runtime/serving.py), an
     8-bit one the descales (fadsl/runtime/fp8_calls.py)."""
@@ -277,40 +277,10 @@ class FlashAttention(ServingCalls, Fp8Calls, ModifiedCalls, PlainCalls):
             found[key] = int(ptxas.get(key, 0))
         return found
 
-    # ------------------------------------------------------------------ backward
-    @property
-    def has_backward(self) -> bool:
-        """Whether the spec has a ``backward { ... }`` block (gradients flow through it)."""
-        return self.compiled.kernel.backward is not None
-
-    def backward_source(self, dtype: str) -> str:
-        return self._backward_kernels().source(Dtype(dtype))
-
-    def _backward_kernels(self):
-        if self._backward is None:
-            from .backward import BackwardKernels
-
-            self._backward = BackwardKernels(self.compiled, self.verbose, self.cubin_dirs)
-        return self._backward
-
-    def backward_learnable(self, q, k, v, out, lse, dout, dlse, scale: float, inputs, learn):
-        """backward's (dq, dk, dv) and the fp32 gradients of the inputs ``learn`` marks, end
-        to end in one buffer (fadsl/runtime/learnable.py)."""
-        arch = arch_of(q.device.index)
-        return learnable.backward(self, arch, q, k, v, out, lse, dout, dlse, scale, inputs, learn)
-
-    def backward(self, q, k, v, out, lse, dout, dlse, scale: float, inputs=()):
-        """(dq, dk, dv) of the loss whose gradient on the output is ``dout`` (and on the
-        LSE ``dlse``, or None), from the forward's q, k, v, out and lse; ``inputs``: the
-        score and mask modifiers' tensors, checked, in declared order."""
-        if self.is_varlen:  # the kernels read cu_seqlens: the batch packed end to end
-            return self.backward_padded_as_varlen(q, k, v, out, lse, dout, dlse, scale)
-        dtype = self.check_inputs(q, k, v)
-        dout, lse, dlse = backward_operands(out, lse, dout, dlse, lse_shape(q), q.device)
-        arch = arch_of(q.device.index)
-        kernels = self._backward_kernels()
-        inputs, _, classes = keep_classes.split(self, inputs)
-        return kernels(dtype, arch, q, k, v, out, lse, dout, dlse, scale, inputs, classes=classes)
+    @staticmethod
+    def arch(index: int) -> str:
+        """The architecture to build for on device ``index`` (arch_of)."""
+        return arch_of(index)
 
     # ------------------------------------------------------------------ calling
     def __call__(

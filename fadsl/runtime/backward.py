@@ -19,6 +19,8 @@ from ..build.nvrtc import compile_cubin
 from ..codegen.render import Source, header_text, render_backward, spec_hash
 from ..ir import Dtype
 from ..targets.launch import current_stream
+from .backward_plans import BackwardPlan
+from .plans import PlanCache
 
 log = logging.getLogger("fadsl")
 
@@ -37,6 +39,7 @@ class BackwardKernels:
         self._sources: dict[Dtype, Source] = {s.dtype: s for s in sources}
         self._modules: dict[tuple[Dtype, int], dict[str, object]] = {}
         self._development: dict[tuple[Dtype, str], cache.Entry] = {}
+        self.plans = PlanCache()  # padded calls' launch plans by signature (backward_plans.py)
 
     def use_development_build(self, dtype: Dtype, arch: str, defines: dict[str, int]) -> None:
         """Build ``dtype``'s backward kernels for ``arch`` with ``defines`` (#define NAME VALUE
@@ -127,12 +130,22 @@ class BackwardKernels:
         inputs: tuple = (),
         input_grads=None,
         classes=None,
+        key: tuple | None = None,
     ):
         """(dq, dk, dv), launched on q's device (architecture ``arch``) and its current
         stream; ``inputs``: the score and mask modifiers' tensors, checked, in declared
         order (none without modifiers); ``input_grads``: a learnable variant's fp32
         gradient buffer, zeroed (fadsl/runtime/learnable.py); ``classes``: a keep's tile
-        classes made ahead (``classes_only``; used where their tiles are this kernel's)."""
+        classes made ahead (``classes_only``; used where their tiles are this kernel's);
+        ``key``: the call's signature (backward_plans.signature), whose second call keeps
+        a launch plan in ``plans`` (None: none)."""
+        if (
+            input_grads is None
+            and self.launcher.plan is not None
+            and self.plans.worth_planning(key)
+        ):
+            return self._planning(dtype, arch, key, (q, k, v, out, lse, dout, dlse),
+                                  softmax_scale, tuple(inputs), classes)  # fmt: skip
         run = self.launcher.run
         if inputs:
             run = functools.partial(run, inputs=tuple(inputs))
@@ -141,6 +154,34 @@ class BackwardKernels:
         if classes is not None:
             run = functools.partial(run, classes=classes)
         return self._run(run, dtype, arch, q, (k, v, out, lse, dout, dlse), softmax_scale)
+
+    def _planning(
+        self, dtype: Dtype, arch: str, key: tuple, tensors, scale: float, inputs, classes
+    ):
+        """``__call__``'s launches through the target's ``plan``, keeping its plan for the
+        signature ``key`` (or refusing the signature where the call has none)."""
+        q = tensors[0]
+        found = self._launching(
+            dtype,
+            arch,
+            q,
+            lambda launch: self.launcher.plan(
+                self.kernel, launch, *tensors, scale, inputs, classes
+            ),
+        )
+        grads, spec = found
+        if spec is None:
+            self.plans.refuse(key)
+            return grads
+        read = inputs + (tuple(classes[2:]) if classes is not None else ())
+        dlse = tensors[6]
+        addresses = tuple(t.data_ptr() for t in tensors[:6])
+        addresses += (0 if dlse is None else dlse.data_ptr(),)
+        addresses += tuple(t.data_ptr() for t in (*spec.held, *read))
+        index = q.device.index
+        modules = self.modules(dtype, index, arch)
+        self.plans.put(key, BackwardPlan(spec, modules, addresses, len(read), key[-2], index))
+        return grads
 
     def classes_only(self, dtype: Dtype, arch: str, q, k, inputs: tuple) -> tuple:
         """A keep's tile classes at this backward's tiles for calls on q, k and ``inputs``

@@ -216,6 +216,10 @@ class BackwardLaunch:
     # a keep that reads inputs per token: classes_only(kernel, launch, q, k, inputs) ->
     # (B_r, B_c, class bytes, ranges), made ahead for ``run``'s ``classes`` (reused over calls)
     classes_only: Callable[..., tuple] | None = None
+    # a padded call's launch plan: plan(kernel, launch, q, k, v, out, lse, dout, dlse, scale,
+    # inputs, classes) -> ((dq, dk, dv), its plan or None), launching as ``run`` does (sm_90a:
+    # backward/launch_plan.py); None: the target's backward calls keep no plans
+    plan: Callable[..., tuple] | None = None
 
 
 FWD_PARAMS = struct.Struct("<5Q14q5if")

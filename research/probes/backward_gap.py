@@ -1,7 +1,8 @@
 """A backward call's wall time against its kernels' (the gap is the host's): examples/modifiers/
 document_causal.fa (4 documents of 1024 in 1 x 4096 tokens, 16 heads, head_dim 128, classes
 made ahead) and examples/fa3_causal.fa on the same tensors; torch.autograd.grad over a kept
-graph, 50 calls: host microseconds a call (the loop's time before the synchronize), wall
+graph, 50 calls, through the checked path on every call and through the signature's launch
+plan (fadsl/runtime/backward_plans.py): host microseconds a call (the loop's time before the synchronize), wall
 microseconds a call (after it), the kernels' own microseconds (torch.profiler), and
 cProfile's heaviest functions of the document call.
 
@@ -40,16 +41,25 @@ def main() -> None:
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
         out = fn(leaves)
         bwd = lambda: torch.autograd.grad(out, leaves, do, retain_graph=True)
-        for _ in range(20):
-            bwd()
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        for _ in range(50):
-            bwd()
-        host = (time.perf_counter() - t) / 50 * 1e6
-        torch.cuda.synchronize()
-        wall = (time.perf_counter() - t) / 50 * 1e6
-        print(label, "backward: host us/call", round(host, 1), "wall us/call", round(wall, 1))
+        kernels = (kern if label == "document" else plain)._backward_kernels()
+        for planned in (False, True):  # (the checked path on every call, then the plan)
+            kernels.plans.clear()
+            if not planned:
+                kernels.plans.worth_planning = lambda key: False
+            for _ in range(20):
+                bwd()
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            for _ in range(50):
+                bwd()
+            host = (time.perf_counter() - t) / 50 * 1e6
+            torch.cuda.synchronize()
+            wall = (time.perf_counter() - t) / 50 * 1e6
+            vars(kernels.plans).pop("worth_planning", None)
+            print(
+                label, "backward", "planned:" if planned else "checked:", "host us/call",
+                round(host, 1), "wall us/call", round(wall, 1), flush=True,
+            )  # fmt: skip
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             for _ in range(10):
                 bwd()

@@ -84,6 +84,14 @@ def measure(path: str, seqlen: int, profile_lines: int) -> None:
         f"GPU {gpu:.0f} us per call queued, bench {bench_ms * 1e3:.0f} us",
         flush=True,
     )
+    kernels = kern._backward_kernels()
+    kernels.plans.clear()
+    kernels.plans.worth_planning = lambda key: False  # (every call checked)
+    checked_host, checked_gpu = host_us(call), gpu_us(call)
+    vars(kernels.plans).pop("worth_planning")
+    print(
+        f"  checked on every call (no launch plan): host {checked_host:.0f} us, GPU {checked_gpu:.0f} us"
+    )
     through_op = host_us(lambda: torch.autograd.grad(out_op, leaves, dout, retain_graph=True))
     print(f"  through the custom op: host {through_op:.0f} us per call")
     # the layers' shares: FlashAttention.backward called directly (no autograd, no custom

@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 from ....ir import Kernel, Mask
-from ...launch import KernelLaunch, sm_count
+from ...launch import INPUT_SOURCES, KernelLaunch, sm_count
 from ..host.keep_classes import (
     CLASSES_SUFFIX,
     CLASSES_THREADS,
@@ -66,6 +66,15 @@ PREP = struct.Struct("<8Q8q3i4xQi4x4Q3i4x")
 # BwdConvertParams: 2 pointers, 3 int64 strides, 3 ints, a float, the varlen pointer and int.
 CONVERT = struct.Struct("<2Q3q3ifQi4x")
 LOG2E = 1.4426950408889634
+# The address fields of each struct by name, in packing order (prepare_call packs them, and a
+# launch plan's slots are made from the same names: launch_plan.py): PREP's first 8 fields,
+# the main kernel's four tensor maps and MAIN_FIELDS' first 6, CONVERT's first 2; then the
+# modifiers' inputs (INPUT_SOURCES) at MODIFIERS_OFFSET and dq at FUSED_OFFSET.
+PREP_ADDRESSES = ("out", "dout", "lse", "dlse", "lse_log2", "dpsum", "dq_accum", "semaphore")
+MAIN_MAPS = ("q", "k", "v", "dout")
+MAIN_ADDRESSES = ("lse_log2", "dpsum", "dq_accum", "dk", "dv", "semaphore")
+CONVERT_ADDRESSES = ("dq_accum", "dq")
+ADDRESS_NAMES = (*PREP_ADDRESSES, "q", "k", "v", "dq", "dk", "dv")
 
 
 SUFFIXES = ("_preprocess", "", "_convert_dq")
@@ -137,8 +146,19 @@ def run(
     ``input_grads``: the learnable variant's fp32 gradient buffer, zeroed, or None;
     ``classes``: (B_r, B_c, class bytes, ranges) made before for these q, k and inputs
     (``classes_only``), used where B_r and B_c are this kernel's (else its pass runs)."""
-    import torch
+    call = padded_call(
+        kernel, q, k, v, out, lse, dout, dlse, softmax_scale, inputs, input_grads, classes
+    )
+    for kl in call.launches:
+        launch(kl)
+    return call.result(k, v)
 
+
+def padded_call(
+    kernel: Kernel, q, k, v, out, lse, dout, dlse, softmax_scale: float, inputs=(),
+    input_grads=None, classes=None,
+) -> Call:  # fmt: skip
+    """``run``'s kernels, packed and not launched, and the tensors they write."""
     bwd = kernel.backward
     layout = _Layout(
         rows=-(-q.shape[1] // bwd.block_m) * bwd.block_m,
@@ -146,20 +166,11 @@ def run(
         lse_batch_stride=lse.stride(0),
         lse_head_stride=lse.stride(1),
     )
-    grads = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
-    return _launch_all(
-        kernel,
-        launch,
-        layout,
-        (q, k, v, out, dout),
-        grads,
-        lse,
-        dlse,
-        softmax_scale,
-        inputs=inputs,
-        input_grads=input_grads,
-        classes=classes,
-    )
+    tensors = (q, k, v, out, dout)
+    return prepare_call(
+        kernel, layout, tensors, None, lse, dlse, softmax_scale,
+        inputs=inputs, input_grads=input_grads, classes=classes,
+    )  # fmt: skip
 
 
 def classes_only(kernel: Kernel, launch: Callable[[KernelLaunch], None], q, k, inputs) -> tuple:
@@ -237,25 +248,6 @@ def run_varlen(
         zero_partials=True,
     )
     return dq[0], dk[0], dv[0]
-
-
-def _zeroed_outside(layout: _Layout, dq, dk, dv, dkv_store: int) -> tuple[int, ...]:
-    """BwdPrepParams' last fields: with packed sequences the gradients whose rows outside
-    every sequence the preprocess zeroes (dk and dv only where the main kernel stores them
-    in place, not into fp32 accumulators), cu_seqlens_k, the keys' rows and the bytes of a
-    row of dq and of dk; nothing otherwise."""
-    if not layout.cu_q:
-        return (0, 0, 0, 0, 0, 0, 0)
-    in_place = dkv_store == DKV_STORE_T
-    return (
-        dq.data_ptr(),
-        dk.data_ptr() if in_place else 0,
-        dv.data_ptr() if in_place else 0,
-        layout.cu_k,
-        dk.shape[1],
-        dq[0, 0].numel() * dq.element_size(),
-        dk[0, 0].numel() * dk.element_size() if in_place else 0,
-    )
 
 
 def _in_visit_order(kernel: Kernel, key_ctas: int, device) -> bool:
@@ -344,9 +336,150 @@ def learn_rows_buffer(kernel: Kernel, batch: int, heads_q: int, rows: int, dlse,
     return found
 
 
-def _launch_all(
+def _zeroed_outside(layout: _Layout, dq, dk, dv, dkv_store: int) -> tuple[int, ...]:
+    """BwdPrepParams' last fields: with packed sequences the gradients whose rows outside
+    every sequence the preprocess zeroes (dk and dv only where the main kernel stores them
+    in place, not into fp32 accumulators), cu_seqlens_k, the keys' rows and the bytes of a
+    row of dq and of dk; nothing otherwise."""
+    if not layout.cu_q:
+        return (0, 0, 0, 0, 0, 0, 0)
+    in_place = dkv_store == DKV_STORE_T
+    return (
+        dq.data_ptr(),
+        dk.data_ptr() if in_place else 0,
+        dv.data_ptr() if in_place else 0,
+        layout.cu_k,
+        dk.shape[1],
+        dq[0, 0].numel() * dq.element_size(),
+        dk[0, 0].numel() * dk.element_size() if in_place else 0,
+    )
+
+
+class Sizes(NamedTuple):
+    """What a call's shapes (its signature) decide beyond the kernel: the sizes its params
+    hold, how dK and dV are stored, whether the main kernel converts dQ, the leading dQ rows
+    the host zeroes, and the workspace's parts (name, byte offset) in one fp32 tensor of
+    ``workspace_floats``: D, the LSE in log2 units, dQ's accumulator, the semaphores (the
+    preprocess writes or zeroes each before the main kernel reads it)."""
+
+    batch: int
+    seqlen_q: int
+    heads_q: int
+    seqlen_k: int
+    heads_kv: int
+    rows: int
+    m_blocks: int
+    dkv_store: int
+    fused: bool
+    keyless: int
+    parts: tuple[tuple[str, int], ...]
+    workspace_floats: int
+
+
+def sizes(kernel: Kernel, layout: _Layout, q, k) -> Sizes:
+    bwd, head_dim = kernel.backward, kernel.config.head_dim
+    batch, seqlen_q, heads_q = q.shape[0], q.shape[1], q.shape[2]
+    seqlen_k, heads_kv = k.shape[1], k.shape[2]
+    group, rows = heads_q // heads_kv, layout.rows
+    m_blocks = rows // bwd.block_m
+    fused = fuses_convert(kernel, layout, seqlen_q)
+    # GQA (sm90_bwd.cuh's DkvStore): the group's dK and dV added in fp32 per K/V head, or with
+    # `deterministic on` stored per query head and summed over the group by _finish
+    dkv_store = DKV_STORE_T
+    if group > 1:
+        dkv_store = DKV_STORE_PARTIAL if bwd.deterministic else DKV_ADD_FP32
+    # `deterministic on`: one int per (batch, head, m-block, share), zeroed by the preprocess;
+    # `fused_convert on` counts each m-block's n-blocks done in share 0's
+    semaphores = 0
+    if bwd.deterministic or fused:
+        semaphores = batch * heads_q * m_blocks * dq_semaphores(bwd, head_dim)
+    per_row = batch * heads_q * rows
+    parts, floats = [], 0
+    for name, count in (
+        ("lse_log2", per_row),
+        ("dpsum", per_row),
+        ("dq_accum", per_row * head_dim),
+        ("semaphore", semaphores),
+    ):
+        if count:
+            parts.append((name, 4 * floats))
+            floats += -(-count // WORKSPACE_ALIGN) * WORKSPACE_ALIGN
+    # rows no CTA converts (their gradient is 0; packed: the preprocess zeroes them)
+    keyless = 0 if not fused or layout.cu_q else keyless_queries(kernel, seqlen_q, seqlen_k)
+    return Sizes(
+        batch, seqlen_q, heads_q, seqlen_k, heads_kv, rows, m_blocks, dkv_store, fused,
+        keyless, tuple(parts), floats,
+    )  # fmt: skip
+
+
+WORKSPACE_ALIGN = 32  # floats: each part of the workspace starts on 128 bytes
+
+
+def make(s: Sizes, head_dim: int, q, k, v, grads=None, zero_partials: bool = False) -> tuple:
+    """A call's tensors in MADE's order: dq, dk, dv (``grads``' where given; fp32 under GQA,
+    zeroed for the adds, or where ``zero_partials``) and the workspace."""
+    import torch
+
+    dq, dk, dv = grads or (torch.empty_like(q), None, None)
+    if s.dkv_store == DKV_STORE_T:
+        if dk is None:
+            dk, dv = torch.empty_like(k), torch.empty_like(v)
+    else:
+        heads = s.heads_q if s.dkv_store == DKV_STORE_PARTIAL else s.heads_kv
+        shape = (s.batch, s.seqlen_k, heads, head_dim)
+        dk, dv = (torch.empty(shape, device=q.device, dtype=torch.float32) for _ in "kv")
+        if zero_partials or s.dkv_store == DKV_ADD_FP32:
+            dk.zero_()
+            dv.zero_()
+    workspace = torch.empty(s.workspace_floats, device=q.device, dtype=torch.float32)
+    return dq, dk, dv, workspace
+
+
+MADE = ("dq", "dk", "dv", "workspace")  # make's tensors, as a launch plan names them
+
+
+def finish(s: Sizes, dtypes, made: tuple) -> tuple[Any, Any, Any]:
+    """dq, dk, dv from a call's tensors after its kernels (``dtypes``: k's and v's): the rows
+    no CTA converts zeroed, GQA's fp32 dK and dV summed over the group where stored per query
+    head, and cast."""
+    dq, dk, dv, _ = made
+    if s.keyless:
+        dq[:, : s.keyless].zero_()
+    if s.dkv_store == DKV_STORE_PARTIAL:
+        shape = (s.batch, s.seqlen_k, s.heads_kv, s.heads_q // s.heads_kv, dk.shape[-1])
+        dk = dk.view(shape).sum(dim=3)
+        dv = dv.view(shape).sum(dim=3)
+    if dk.dtype == dtypes[0] and dv.dtype == dtypes[1]:
+        return dq, dk, dv
+    return dq, dk.to(dtypes[0]), dv.to(dtypes[1])
+
+
+class Call(NamedTuple):
+    """One call's kernels as packed (``prepare_call``): ``launches`` in order, the tensors it
+    made (``made``, MADE's order), ``addresses``: each address field's value by name (0: none),
+    ``plannable``: whether a launch plan may replay it with other addresses (no classing pass,
+    no learnable buffers, no packed sequences)."""
+
+    sizes: Sizes
+    launches: tuple[KernelLaunch, ...]
+    made: tuple
+    addresses: dict
+    plannable: bool
+
+    def result(self, k, v) -> tuple[Any, Any, Any]:
+        return finish(self.sizes, (k.dtype, v.dtype), self.made)
+
+
+def _launch_all(kernel: Kernel, launch, layout: _Layout, tensors, *args, **kwargs):
+    """prepare_call's kernels launched through ``launch``, then dq, dk, dv."""
+    call = prepare_call(kernel, layout, tensors, *args, **kwargs)
+    for kl in call.launches:
+        launch(kl)
+    return call.result(tensors[1], tensors[2])
+
+
+def prepare_call(
     kernel: Kernel,
-    launch: Callable[[KernelLaunch], None],
     layout: _Layout,
     tensors,
     grads,
@@ -357,103 +490,57 @@ def _launch_all(
     inputs: tuple = (),
     input_grads=None,
     classes=None,
-) -> tuple[Any, Any, Any]:
-    """The three kernels over (batch, seqlen, heads, head_dim) views: ``tensors`` q, k, v,
-    out, dout; ``grads`` dq, dk, dv to write (dk and dv replaced by fp32 partials under GQA,
-    zeroed first where ``zero_partials``); ``inputs``: the modifiers' tensors."""
-    import torch
-
+) -> Call:
+    """The kernels of one call over (batch, seqlen, heads, head_dim) views: ``tensors`` q, k, v,
+    out, dout; ``grads`` dq, dk, dv to write (None: made here; dk and dv replaced by fp32
+    partials under GQA, zeroed first where ``zero_partials``); ``inputs``: the modifiers'
+    tensors."""
     q, k, v, out, dout = tensors
-    dq, dk, dv = grads
-    bwd = kernel.backward
-    head_dim = kernel.config.head_dim
-    batch, seqlen_q, heads_q = q.shape[0], q.shape[1], q.shape[2]
-    seqlen_k, heads_kv = k.shape[1], k.shape[2]
-    group = heads_q // heads_kv
-    rows = layout.rows
-    m_blocks = rows // bwd.block_m
-    device = q.device
-    f32 = dict(device=device, dtype=torch.float32)
-    lse_log2 = torch.empty((batch, heads_q, rows), **f32)
-    dpsum = torch.empty((batch, heads_q, rows), **f32)
-    dq_accum = torch.empty((batch, heads_q, rows * head_dim), **f32)
-    # `deterministic on`: one int per (batch, head, m-block, share), zeroed by the preprocess;
-    # `fused_convert on` counts each m-block's n-blocks done in share 0's
-    fused = fuses_convert(kernel, layout, seqlen_q)
-    shares = dq_semaphores(bwd, head_dim)
-    semaphore = (
-        torch.empty((batch, heads_q, m_blocks, shares), device=device, dtype=torch.int32)
-        if bwd.deterministic or fused
-        else None
+    bwd, head_dim = kernel.backward, kernel.config.head_dim
+    s = sizes(kernel, layout, q, k)
+    made = make(s, head_dim, q, k, v, grads, zero_partials)
+    dq, dk, dv, workspace = made
+    base = workspace.data_ptr()
+    addresses = dict.fromkeys(ADDRESS_NAMES, 0)
+    addresses.update((name, base + offset) for name, offset in s.parts)
+    for name, t in (("out", out), ("dout", dout), ("lse", lse), ("dlse", dlse)):
+        addresses[name] = 0 if t is None else t.data_ptr()
+    addresses.update(q=q.data_ptr(), k=k.data_ptr(), v=v.data_ptr())
+    addresses.update(dq=dq.data_ptr(), dk=dk.data_ptr(), dv=dv.data_ptr())
+    a = addresses
+    prep = PREP.pack(
+        *(a[name] for name in PREP_ADDRESSES),
+        *_strides3(out),
+        *_strides3(dout),
+        layout.lse_batch_stride,
+        layout.lse_head_stride,
+        s.seqlen_q,
+        s.rows,
+        s.heads_q,
+        layout.cu_q,
+        layout.sequences,
+        *_zeroed_outside(layout, dq, dk, dv, s.dkv_store),
     )
-    semaphore_ptr = 0 if semaphore is None else semaphore.data_ptr()
-    # GQA (sm90_bwd.cuh's DkvStore): the group's dK and dV added in fp32 per K/V head, or with
-    # `deterministic on` stored per query head and summed over the group below in a fixed order
-    dkv_store = DKV_STORE_T
-    if group > 1 and bwd.deterministic:
-        dkv_store = DKV_STORE_PARTIAL
-        partial = torch.zeros if zero_partials else torch.empty
-        dk = partial((batch, seqlen_k, heads_q, head_dim), **f32)
-        dv = partial((batch, seqlen_k, heads_q, head_dim), **f32)
-    elif group > 1:
-        dkv_store = DKV_ADD_FP32
-        dk = torch.zeros((batch, seqlen_k, heads_kv, head_dim), **f32)
-        dv = torch.zeros((batch, seqlen_k, heads_kv, head_dim), **f32)
-
-    launch(
-        KernelLaunch(
-            "_preprocess",
-            (-(-rows // prep_rows_per_cta(head_dim)), heads_q, batch),
-            (AUX_THREADS, 1, 1),
-            PREP.pack(
-                out.data_ptr(),
-                dout.data_ptr(),
-                lse.data_ptr(),
-                0 if dlse is None else dlse.data_ptr(),
-                lse_log2.data_ptr(),
-                dpsum.data_ptr(),
-                dq_accum.data_ptr(),
-                semaphore_ptr,
-                *_strides3(out),
-                *_strides3(dout),
-                layout.lse_batch_stride,
-                layout.lse_head_stride,
-                seqlen_q,
-                rows,
-                heads_q,
-                layout.cu_q,
-                layout.sequences,
-                *_zeroed_outside(layout, dq, dk, dv, dkv_store),
-            ),
-        )
-    )
+    prep_grid = (-(-s.rows // prep_rows_per_cta(head_dim)), s.heads_q, s.batch)
+    launches = [KernelLaunch("_preprocess", prep_grid, (AUX_THREADS, 1, 1), prep)]
     maps = b"".join(
-        (
-            tensor_map(q, PANEL_COLS, bwd.block_m),
-            tensor_map(k, PANEL_COLS, bwd.block_n),
-            tensor_map(v, PANEL_COLS, bwd.block_n),
-            tensor_map(dout, PANEL_COLS, bwd.block_m),
-        )
+        tensor_map(t, PANEL_COLS, bwd.block_m if name in ("q", "dout") else bwd.block_n)
+        for name, t in zip(MAIN_MAPS, (q, k, v, dout))
     )
     fields = MAIN_FIELDS.pack(
-        lse_log2.data_ptr(),
-        dpsum.data_ptr(),
-        dq_accum.data_ptr(),
-        dk.data_ptr(),
-        dv.data_ptr(),
-        semaphore_ptr,
+        *(a[name] for name in MAIN_ADDRESSES),
         *_strides3(dk),
         *_strides3(dv),
-        seqlen_q,
-        seqlen_k,
-        rows,
-        m_blocks,
-        heads_q,
-        group,
-        dkv_store,
+        s.seqlen_q,
+        s.seqlen_k,
+        s.rows,
+        s.m_blocks,
+        s.heads_q,
+        s.heads_q // s.heads_kv,
+        s.dkv_store,
         softmax_scale * LOG2E,
         softmax_scale,
-        int(_in_visit_order(kernel, layout.key_ctas, device)),
+        int(_in_visit_order(kernel, layout.key_ctas, q.device)),
         layout.cu_q,
         layout.cu_k,
         layout.sequences,
@@ -464,35 +551,38 @@ def _launch_all(
     inputs = tuple(inputs) + hidden
     learn_rows = None
     if input_grads is not None and _learns(kernel):
-        learn_rows = learn_rows_buffer(kernel, batch, heads_q, rows, dlse, device)
+        learn_rows = learn_rows_buffer(kernel, s.batch, s.heads_q, s.rows, dlse, q.device)
     # (`scheduler persistent` reads the batch there too: bwd_tiles)
     if kernel.config.modifiers is not None or bwd.persistent:
-        extra = modifier_fields(inputs, batch, input_grads, learn_rows)
+        extra = modifier_fields(inputs, s.batch, input_grads, learn_rows)
         main += bytes(MODIFIERS_OFFSET - len(main)) + extra
-    if fused:
-        main += bytes(FUSED_OFFSET - len(main)) + FUSED.pack(dq.data_ptr(), *_strides3(dq))
-        # rows no CTA converts (their gradient is 0; packed: the preprocess zeroes them)
-        keyless = 0 if layout.cu_q else keyless_queries(kernel, seqlen_q, seqlen_k)
-        if keyless:
-            dq[:, :keyless].zero_()
+    if s.fused:
+        main += bytes(FUSED_OFFSET - len(main)) + FUSED.pack(a["dq"], *_strides3(dq))
     main += bytes(MAIN_BYTES - len(main))
-    grid = main_grid(bwd, layout.key_ctas, heads_q, batch, device)
     if classes_grid is not None:  # (with the main kernel's params, before it)
-        launch(KernelLaunch(CLASSES_SUFFIX, classes_grid, (CLASSES_THREADS, 1, 1), main))
-    launch(KernelLaunch("", grid, (threads(kernel), 1, 1), main))
-    if not fused:
-        _launch_convert(
-            launch, layout, bwd, dq_accum, dq, seqlen_q, m_blocks, heads_q, batch, softmax_scale
+        launches.append(KernelLaunch(CLASSES_SUFFIX, classes_grid, (CLASSES_THREADS, 1, 1), main))
+    grid = main_grid(bwd, layout.key_ctas, s.heads_q, s.batch, q.device)
+    launches.append(KernelLaunch("", grid, (threads(kernel), 1, 1), main))
+    if not s.fused:  # convert_dq: dQ = the accumulator times softmax_scale in the input dtype
+        convert = CONVERT.pack(
+            *(a[name] for name in CONVERT_ADDRESSES),
+            *_strides3(dq),
+            s.seqlen_q,
+            s.m_blocks,
+            s.heads_q,
+            softmax_scale,
+            layout.cu_q,
+            layout.sequences,
         )
-    if learn_rows is not None and seqlen_q > 0:  # after the main kernel: every row's sums
-        learn_ctas = -(-seqlen_q // LEARN_ROWS_PER_CTA)
-        grid = (learn_ctas, heads_q, batch)
-        launch(KernelLaunch(LEARN_SUFFIX, grid, (LEARN_ROWS_PER_CTA, 1, 1), main))
-    if dkv_store == DKV_STORE_PARTIAL:
-        shape = (batch, seqlen_k, heads_kv, group, head_dim)
-        dk = dk.view(shape).sum(dim=3)
-        dv = dv.view(shape).sum(dim=3)
-    return dq, dk.to(k.dtype), dv.to(v.dtype)
+        grid = (convert_ctas(s.m_blocks, bwd.block_m), s.heads_q, s.batch)
+        launches.append(KernelLaunch("_convert_dq", grid, (AUX_THREADS, 1, 1), convert))
+    if learn_rows is not None and s.seqlen_q > 0:  # after the main kernel: every row's sums
+        grid = (-(-s.seqlen_q // LEARN_ROWS_PER_CTA), s.heads_q, s.batch)
+        launches.append(KernelLaunch(LEARN_SUFFIX, grid, (LEARN_ROWS_PER_CTA, 1, 1), main))
+    for i, t in enumerate(inputs):
+        addresses[INPUT_SOURCES[i]] = t.data_ptr()
+    plannable = classes_grid is None and input_grads is None and not layout.cu_q
+    return Call(s, tuple(launches), made, addresses, plannable)
 
 
 def _keep_classes(kernel: Kernel, q, k, made) -> tuple[tuple, tuple | None]:
@@ -504,27 +594,3 @@ def _keep_classes(kernel: Kernel, q, k, made) -> tuple[tuple, tuple | None]:
         return tuple(made[2:]), None
     planned = plan_backward_classes(kernel, q, k)
     return ((), None) if planned is None else planned
-
-
-def _launch_convert(
-    launch, layout: _Layout, bwd, dq_accum, dq, seqlen_q, m_blocks, heads_q, batch, scale
-):
-    """convert_dq: dQ = the accumulator times softmax_scale in the input dtype."""
-    launch(
-        KernelLaunch(
-            "_convert_dq",
-            (convert_ctas(m_blocks, bwd.block_m), heads_q, batch),
-            (AUX_THREADS, 1, 1),
-            CONVERT.pack(
-                dq_accum.data_ptr(),
-                dq.data_ptr(),
-                *_strides3(dq),
-                seqlen_q,
-                m_blocks,
-                heads_q,
-                scale,
-                layout.cu_q,
-                layout.sequences,
-            ),
-        )
-    )
