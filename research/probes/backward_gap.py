@@ -23,10 +23,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def main() -> None:
-    kern = fadsl.load(
-        ROOT / Path("examples/modifiers/document_causal.fa").read_text(), verbose=False
-    )
-    plain = fadsl.load(ROOT / Path("examples/fa3_causal.fa").read_text(), verbose=False)
+    kern = fadsl.load((ROOT / "examples/modifiers/document_causal.fa").read_text(), verbose=False)
+    plain = fadsl.load((ROOT / "examples/fa3_causal.fa").read_text(), verbose=False)
     n, docs = 4096, 4
     q, k, v, do = (
         torch.randn(1, n, 16, 128, device="cuda", dtype=torch.bfloat16) for _ in range(4)
