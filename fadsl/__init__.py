@@ -4,7 +4,8 @@ The public API: ``attention`` (attention through a shipped spec for the GPU),
 ``attention_varlen`` and ``attention_with_kvcache`` (packed batches and KV caches through the
 shipped serving specs, FlashAttention's conventions), ``append_kv``
 (new tokens' keys and values into a KV cache, before a `kv_cache` kernel's call), ``load`` (a
-spec's file or text -> a ``FlashAttention``, a torch operator), ``build_ahead``, ``tune`` (a
+spec's file or text -> a ``FlashAttention``, a torch operator), ``build_ahead``, ``block_table`` (a FlexAttention BlockMask as the table a spec's
+`keep` reads), ``tune`` (a
 spec's knobs searched on this GPU -> a ``TuneResult``), ``fp8`` (quantize and rotate FP8
 inputs), the errors a spec or a build can raise, and the version.
 """
@@ -25,6 +26,10 @@ def __getattr__(name: str):
         from .runtime import public
 
         return getattr(public, name)
+    if name == "block_table":  # a FlexAttention BlockMask as a spec's table (issue 41)
+        from .runtime.block_table import block_table
+
+        return block_table
     if name == "fp8":  # fadsl.fp8.quantize, rotate: torch on first use, as the calls
         import importlib
 
@@ -44,6 +49,7 @@ __all__ = [
     "attention",
     "attention_varlen",
     "attention_with_kvcache",
+    "block_table",
     "build_ahead",
     "fp8",
     "load",

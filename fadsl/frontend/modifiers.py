@@ -12,10 +12,10 @@ fadsl/targets/sm90/modifiers.py).
 from __future__ import annotations
 
 from ..errors import SpecError, quoted, suggest
-from ..ir.expr import SPEC_VARS, WHERE, Dim, ExprType, Fn, InputDecl, Modifiers
+from ..ir.expr import SPEC_VARS, WHERE, Blocks, Dim, ExprType, Fn, InputDecl, Modifiers
 from ..passes.modifiers import run_modifier_passes
 from ..spec.checks import Checks
-from ..spec.syntax import ExprLine, InputLine, Number, Word
+from ..spec.syntax import BlocksDim, ExprLine, InputLine, Number, Word
 
 # The inputs a kernel's params hold (sm_90a's FwdParamsSm90 keeps this many pointers).
 MAX_INPUTS = 8
@@ -131,7 +131,9 @@ def _inputs(c: Checks, lines: list[InputLine]) -> tuple[InputDecl, ...]:
     return tuple(found.values())
 
 
-def _dim(c: Checks, d: Word | Number) -> Dim | int | None:
+def _dim(c: Checks, d: Word | Number | BlocksDim) -> Dim | Blocks | int | None:
+    if isinstance(d, BlocksDim):
+        return _blocks(c, d)
     if isinstance(d, Number):
         if not 1 <= d.value <= MAX_CONSTANT_DIM:
             c.error(
@@ -145,6 +147,25 @@ def _dim(c: Checks, d: Word | Number) -> Dim | int | None:
         c.error(
             d.loc,
             f"unknown dimension '{quoted(d.text)}'{suggest(d.text, names)}; an input's "
-            f"dimensions are sizes of the call ({', '.join(names)}) or constants",
+            f"dimensions are sizes of the call ({', '.join(names)}), their blocks "
+            "(cdiv(seqlen_q, 128)) or constants",
         )
     return dim
+
+
+def _blocks(c: Checks, d: BlocksDim) -> Blocks | None:
+    """``cdiv(SIZE, N)``: one entry per block of N indices along a size of the call."""
+    if d.fn.text != "cdiv":
+        c.error(
+            d.fn.loc,
+            f"unknown dimension function '{quoted(d.fn.text)}'{suggest(d.fn.text, ['cdiv'])}; "
+            "an input's dimension may be cdiv(SIZE, N), the blocks of N along a size",
+        )
+        return None
+    size = _dim(c, d.name)
+    if size is None:
+        return None
+    if not 1 <= d.block.value <= MAX_CONSTANT_DIM:
+        c.error(d.block.loc, f"a block of {d.block.text}: a block is 1 to {MAX_CONSTANT_DIM}")
+        return None
+    return Blocks(size, d.block.value)

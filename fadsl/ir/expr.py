@@ -40,6 +40,31 @@ class Dim(Enum):
     SEQLEN_K = "seqlen_k"
 
 
+@dataclass(frozen=True)
+class Blocks:
+    """An input's dimension of ``cdiv(dim, block)`` entries, one per block of ``block``
+    indices along ``dim`` (a block mask's q and kv blocks: FlexAttention's BlockMask as
+    fadsl.block_table makes it), read at ``q_idx // block``."""
+
+    dim: Dim
+    block: int
+
+    @property
+    def value(self) -> str:
+        return f"cdiv({self.dim.value}, {self.block})"
+
+    def of(self, size: int) -> int:
+        """The entries for ``dim`` of ``size``."""
+        return -(-size // self.block)
+
+
+def dim_size(d: "Dim | Blocks | int", sizes: dict) -> int:
+    """An input dimension's extent given the call's ``sizes`` (by Dim)."""
+    if isinstance(d, Dim):
+        return sizes[d]
+    return d.of(sizes[d.dim]) if isinstance(d, Blocks) else d
+
+
 class VarKind(Enum):
     """The names an expression may read besides its inputs (FlexAttention's score_mod
     arguments: score, b, h, q_idx, kv_idx), the call's sizes, and a tile's bounds, which
@@ -274,15 +299,15 @@ def tile_uniform(e: Expr) -> bool:
 @dataclass(frozen=True)
 class InputDecl:
     """``input NAME : DTYPE[DIMS]``: a read-only tensor the call passes by name, contiguous,
-    each dimension a size of the call or a constant."""
+    each dimension a size of the call, its blocks (``cdiv(seqlen_q, 128)``) or a constant."""
 
     name: str
     dtype: ExprType  # i32 or f32
-    dims: tuple[Dim | int, ...]
+    dims: tuple[Dim | Blocks | int, ...]
     loc: Loc
 
     def text(self) -> str:
-        dims = ", ".join(d.value if isinstance(d, Dim) else str(d) for d in self.dims)
+        dims = ", ".join(str(d) if isinstance(d, int) else d.value for d in self.dims)
         return f"{self.name} : {self.dtype.value}[{dims}]"
 
 

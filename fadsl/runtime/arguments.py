@@ -14,7 +14,7 @@ import numbers
 
 from .. import targets
 from ..ir import Config, Dtype
-from ..ir.expr import Dim, ExprType, InputDecl
+from ..ir.expr import Dim, ExprType, InputDecl, dim_size
 
 GRID_YZ_LIMIT = 65535
 # The kernels index rows with 32-bit ints and add two sequence lengths: both stay below 2^30.
@@ -61,7 +61,7 @@ def modifier_inputs(decls: tuple[InputDecl, ...], given: dict, q, k, kernel: str
             )
         if t.dtype != dtypes[decl.dtype]:
             raise TypeError(f"{name} must be {dtypes[decl.dtype]} ({decl.text()}), got {t.dtype}")
-        shape = tuple(sizes[d] if isinstance(d, Dim) else d for d in decl.dims)
+        shape = tuple(dim_size(d, sizes) for d in decl.dims)
         if tuple(t.shape) != shape:
             raise ValueError(
                 f"{name} must have shape {shape} ({decl.text()}, with q's and k's sizes), got "

@@ -38,6 +38,15 @@ class Number:
 
 
 @dataclass(frozen=True)
+class BlocksDim:
+    """An input dimension ``FN(NAME, N)`` as written (``cdiv(seqlen_q, 128)``)."""
+
+    fn: Word
+    name: Word
+    block: Number
+
+
+@dataclass(frozen=True)
 class Call:
     name: Word
     args: tuple["Atom", ...]
@@ -131,7 +140,7 @@ class InputLine:
 
     name: Word
     dtype: Word
-    dims: tuple[Word | Number, ...]
+    dims: tuple[Word | Number | BlocksDim, ...]
     loc: Loc  # the `input` keyword
 
 
@@ -340,6 +349,10 @@ class _ToAst(Transformer):
 
     def word(self, children):
         return self._word(children[0])
+
+    def blocks_dim(self, children):
+        fn, name, block = children
+        return BlocksDim(self._word(fn), self._word(name), self.number([block]))
 
     def number(self, children):
         token = children[0]

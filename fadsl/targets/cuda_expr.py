@@ -27,6 +27,7 @@ from typing import Callable, Mapping, Sequence
 from ..ir.expr import (
     Binary,
     BinOp,
+    Blocks,
     FnCall,
     Const,
     Dim,
@@ -191,7 +192,9 @@ class CudaExpr:
             offset = f"({offset}) * {self.size(dim)} + {self._operand(x, 6, None, right=True)}"
         return offset
 
-    def size(self, dim: Dim | int) -> str:
+    def size(self, dim: Dim | Blocks | int) -> str:
+        if isinstance(dim, Blocks):  # (cdiv: a size and a block are positive)
+            return f"(({self.sizes[dim.dim]} + {dim.block - 1}) / {dim.block})"
         return self.sizes[dim] if isinstance(dim, Dim) else str(dim)
 
     def _const(self, c: Const) -> str:

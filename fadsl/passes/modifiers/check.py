@@ -234,9 +234,9 @@ class _Checker:
                 "a float down",
             )
         else:
-            size = rg.Affine.size(dim) if isinstance(dim, Dim) else rg.Affine(dim)
+            size = rg.Affine(dim) if isinstance(dim, int) else rg.Affine.size(dim)
             if not (rg.at_most(rg.Affine(0), found.lo) and rg.below(found.hi, size)):
-                bound = dim.value if isinstance(dim, Dim) else str(dim)
+                bound = str(dim) if isinstance(dim, int) else dim.value
                 last = rg.Affine(-1) + size
                 self.error(
                     raw.loc,

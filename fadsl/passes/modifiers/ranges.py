@@ -15,18 +15,19 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ...ir.expr import Dim
+from ...ir.expr import Blocks, Dim
 
 
 @dataclass(frozen=True)
 class Affine:
-    """``const + sum(k d for d, k in terms)``, every size d at least 1."""
+    """``const + sum(k d for d, k in terms)``, every size d at least 1 (a size of the call,
+    or its blocks: cdiv(size, block), an unknown of its own)."""
 
     const: float
-    terms: tuple[tuple[Dim, int], ...] = ()
+    terms: tuple[tuple[Dim | Blocks, int], ...] = ()
 
     @staticmethod
-    def size(dim: Dim, offset: float = 0) -> Affine:
+    def size(dim: Dim | Blocks, offset: float = 0) -> Affine:
         return Affine(offset, ((dim, 1),))
 
     @property
@@ -183,6 +184,10 @@ def div(x: Interval, y: Interval) -> Interval:
 
 
 def floordiv(x: Interval, y: Interval) -> Interval:
+    if y.numeric and y.lo.const == y.hi.const and y.lo.const == int(y.lo.const) > 0:
+        found = _index_blocks(x, int(y.lo.const))
+        if found is not None:
+            return found
     if not (_numeric_or_unbounded(x) and y.numeric):
         return UNBOUNDED
     q = div(x, y)
@@ -190,6 +195,22 @@ def floordiv(x: Interval, y: Interval) -> Interval:
         None if q.lo is None else Affine(math.floor(q.lo.const)),
         None if q.hi is None else Affine(math.floor(q.hi.const)),
     )
+
+
+def _index_blocks(x: Interval, block: int) -> Interval | None:
+    """``x // block`` for an index ``x`` in [c, size - 1] (c >= 0, a constant): in [c // block,
+    cdiv(size, block) - 1], since floor((size - 1) / block) = cdiv(size, block) - 1 for every
+    size of 1 or more (the block that holds a size's last index is its last); None for any
+    other x."""
+    lo, hi = x.lo, x.hi
+    if lo is None or hi is None or not lo.is_const or lo.const < 0 or lo.const != int(lo.const):
+        return None
+    if hi.const != -1 or len(hi.terms) != 1 or hi.terms[0][1] != 1:
+        return None
+    size = hi.terms[0][0]
+    if not isinstance(size, Dim):
+        return None
+    return Interval(Affine(lo.const // block), Affine.size(Blocks(size, block), -1))
 
 
 def mod(x: Interval, y: Interval) -> Interval:
@@ -230,12 +251,13 @@ def either(a: Affine | None, b: Affine | None) -> Affine | None:
 
 def minimum(x: Interval, y: Interval) -> Interval:
     # min(u, v) is at most u and at most v: the tighter upper bound where one is proven
-    # tighter, else either known one
-    return Interval(lowest(x.lo, y.lo), lowest(x.hi, y.hi) or either(x.hi, y.hi))
+    # tighter, else either known one (v's first: clamp(x, lo, hi)'s hi, which a spec writes
+    # to fit the dimension it indexes)
+    return Interval(lowest(x.lo, y.lo), lowest(x.hi, y.hi) or either(y.hi, x.hi))
 
 
 def maximum(x: Interval, y: Interval) -> Interval:
-    return Interval(highest(x.lo, y.lo) or either(x.lo, y.lo), highest(x.hi, y.hi))
+    return Interval(highest(x.lo, y.lo) or either(y.lo, x.lo), highest(x.hi, y.hi))
 
 
 def union(x: Interval, y: Interval) -> Interval:
