@@ -119,7 +119,7 @@ def test_a_blockmasks_attention_and_gradients_hold_the_rule(case, made_ahead):
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     got = torch.autograd.grad(kern(*leaves, scale, **named), leaves, dout)
     truth = reference_grads(q, k, v, dout, None, scale, False, torch.float64, keep=keep)
-    own = reference_grads(q, k, v, dout, None, scale, False, torch.float32, keep=keep)
+    own = reference_grads(q, k, v, dout, None, scale, False, q.dtype, keep=keep)
     for g, t, o, what in zip(got, truth, own, ("dq", "dk", "dv")):
         check_rule(g, t, o, f"{name} {what}")
 

@@ -157,7 +157,7 @@ def run(
 def padded_call(
     kernel: Kernel, q, k, v, out, lse, dout, dlse, softmax_scale: float, inputs=(),
     input_grads=None, classes=None,
-) -> Call:  # fmt: skip
+) -> PackedCall:  # fmt: skip
     """``run``'s kernels, packed and not launched, and the tensors they write."""
     bwd = kernel.backward
     layout = _Layout(
@@ -454,7 +454,7 @@ def finish(s: Sizes, dtypes, made: tuple) -> tuple[Any, Any, Any]:
     return dq, dk.to(dtypes[0]), dv.to(dtypes[1])
 
 
-class Call(NamedTuple):
+class PackedCall(NamedTuple):
     """One call's kernels as packed (``prepare_call``): ``launches`` in order, the tensors it
     made (``made``, MADE's order), ``addresses``: each address field's value by name (0: none),
     ``plannable``: whether a launch plan may replay it with other addresses (no classing pass,
@@ -490,7 +490,7 @@ def prepare_call(
     inputs: tuple = (),
     input_grads=None,
     classes=None,
-) -> Call:
+) -> PackedCall:
     """The kernels of one call over (batch, seqlen, heads, head_dim) views: ``tensors`` q, k, v,
     out, dout; ``grads`` dq, dk, dv to write (None: made here; dk and dv replaced by fp32
     partials under GQA, zeroed first where ``zero_partials``); ``inputs``: the modifiers'
@@ -582,7 +582,7 @@ def prepare_call(
     for i, t in enumerate(inputs):
         addresses[INPUT_SOURCES[i]] = t.data_ptr()
     plannable = classes_grid is None and input_grads is None and not layout.cu_q
-    return Call(s, tuple(launches), made, addresses, plannable)
+    return PackedCall(s, tuple(launches), made, addresses, plannable)
 
 
 def _keep_classes(kernel: Kernel, q, k, made) -> tuple[tuple, tuple | None]:

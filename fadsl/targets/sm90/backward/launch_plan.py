@@ -63,7 +63,7 @@ def plan(
     return grads, BackwardCallPlan(steps, make, finish, call.made)
 
 
-def slots(suffix: str, call: host.Call) -> tuple[AddressSlot, ...]:
+def slots(suffix: str, call: host.PackedCall) -> tuple[AddressSlot, ...]:
     """Every address in kernel ``suffix``'s params of ``call``: the fields host.py packs from
     its address tuples (those the call leaves 0 have none), the workspace's parts as the
     workspace's address plus their offsets."""
