@@ -146,7 +146,7 @@ extern "C" __global__ void __launch_bounds__(Cfg::kThreads, 1) block_sparse_bf16
           // hazard RAW on K: k_g2s -> convert_p (producer -> consumers)
           mbar_arrive_expect_tx(bar_k_full(ring_slot(ring_base + it)), 32768);
           // K(it): gmem -> smem (TMA, 128 rows in 64-column panels, 128-byte swizzle) into its ring slot
-          load_kv<Cfg>(&P.tma_k, k_slot(ring_slot(ring_base + it)), bar_k_full(ring_slot(ring_base + it)), w.block_end - 1 - (it), w);
+          load_kv<Cfg>(&P.tma_k, k_slot(ring_slot(ring_base + it)), bar_k_full(ring_slot(ring_base + it)), kv_block<Cfg>(P, w, it), w);
         }
         for (int it = 1; it < w.n_blocks; ++it) {
           // hazard WAR on K: qk -> k_g2s across the loop back edge (consumers -> producer)
@@ -156,13 +156,13 @@ extern "C" __global__ void __launch_bounds__(Cfg::kThreads, 1) block_sparse_bf16
           // hazard RAW on K: k_g2s -> convert_p (producer -> consumers)
           mbar_arrive_expect_tx(bar_k_full(ring_slot(ring_base + it)), 32768);
           // K(it): gmem -> smem (TMA, 128 rows in 64-column panels, 128-byte swizzle) into its ring slot
-          load_kv<Cfg>(&P.tma_k, k_slot(ring_slot(ring_base + it)), bar_k_full(ring_slot(ring_base + it)), w.block_end - 1 - (it), w);
+          load_kv<Cfg>(&P.tma_k, k_slot(ring_slot(ring_base + it)), bar_k_full(ring_slot(ring_base + it)), kv_block<Cfg>(P, w, it), w);
           // hazard WAR on V: pv -> v_g2s across the loop back edge (consumers -> producer)
           mbar_wait_parity(bar_v_empty(ring_slot(ring_base + it - 1)), ring_phase(ring_base + it - 1) ^ 1u);
           // hazard RAW on V: v_g2s -> pv (producer -> consumers)
           mbar_arrive_expect_tx(bar_v_full(ring_slot(ring_base + it - 1)), 32768);
           // V(it-1): gmem -> smem (TMA, 128 rows in 64-column panels, 128-byte swizzle) into its ring slot
-          load_kv<Cfg>(&P.tma_v, v_slot(ring_slot(ring_base + it - 1)), bar_v_full(ring_slot(ring_base + it - 1)), w.block_end - 1 - (it - 1), w);
+          load_kv<Cfg>(&P.tma_v, v_slot(ring_slot(ring_base + it - 1)), bar_v_full(ring_slot(ring_base + it - 1)), kv_block<Cfg>(P, w, it - 1), w);
         }
         {
           const int it = w.n_blocks;
@@ -171,7 +171,7 @@ extern "C" __global__ void __launch_bounds__(Cfg::kThreads, 1) block_sparse_bf16
           // hazard RAW on V: v_g2s -> pv (producer -> consumers)
           mbar_arrive_expect_tx(bar_v_full(ring_slot(ring_base + it - 1)), 32768);
           // V(it-1): gmem -> smem (TMA, 128 rows in 64-column panels, 128-byte swizzle) into its ring slot
-          load_kv<Cfg>(&P.tma_v, v_slot(ring_slot(ring_base + it - 1)), bar_v_full(ring_slot(ring_base + it - 1)), w.block_end - 1 - (it - 1), w);
+          load_kv<Cfg>(&P.tma_v, v_slot(ring_slot(ring_base + it - 1)), bar_v_full(ring_slot(ring_base + it - 1)), kv_block<Cfg>(P, w, it - 1), w);
         }
         ring_base += w.n_blocks;
         ++tile_count;
@@ -231,9 +231,9 @@ extern "C" __global__ void __launch_bounds__(Cfg::kThreads, 1) block_sparse_bf16
         // hazard WAR on K: qk -> k_g2s across the loop back edge (consumers -> producer)
         if (lane == 0) mbar_arrive(bar_k_empty(ring_slot(ring_base + it)));
         // mask (leading iterations only) and online softmax of S in place
-        const ScoreSite site = score_site<Cfg>(w, rows, w.block_end - 1 - (it), lane);  // the block's scores
-        if (w.n_masked > 0) mask_scores<Cfg>(s, P.base, rows, w.block_end - 1 - (it), lane);
-        if (keep_partial<Cfg>(P, w, wg, w.block_end - 1 - (it))) mask_keep<Cfg>(s, P, uniforms, site);
+        const ScoreSite site = score_site<Cfg>(w, rows, kv_block<Cfg>(P, w, it), lane);  // the block's scores
+        if (w.n_masked > 0) mask_scores<Cfg>(s, P.base, rows, kv_block<Cfg>(P, w, it), lane);
+        if (keep_partial<Cfg>(P, w, wg, kv_block<Cfg>(P, w, it))) mask_keep<Cfg>(s, P, uniforms, site);
         online_softmax<Cfg>(s, m, l, scale, scale_log2);
         // P to 16-bit pairs (the A operand of P V)
         convert_p<Cfg>(s, p);
@@ -268,8 +268,8 @@ extern "C" __global__ void __launch_bounds__(Cfg::kThreads, 1) block_sparse_bf16
         wgmma_wait<1>();
         fence_regs(s);
         // mask (leading iterations only) and online softmax of S in place (guarded: no row max)
-        const ScoreSite site = score_site<Cfg>(w, rows, w.block_end - 1 - (it), lane);  // the block's scores
-        if constexpr (kMask) mask_scores<Cfg>(s, P.base, rows, w.block_end - 1 - (it), lane);
+        const ScoreSite site = score_site<Cfg>(w, rows, kv_block<Cfg>(P, w, it), lane);  // the block's scores
+        if constexpr (kMask) mask_scores<Cfg>(s, P.base, rows, kv_block<Cfg>(P, w, it), lane);
         if constexpr (kMask) mask_keep<Cfg>(s, P, uniforms, site);
         // redo: a row sum past 2^120 (inf, NaN): S again once P V has read P (below)
         bool redo = false;
@@ -293,7 +293,7 @@ extern "C" __global__ void __launch_bounds__(Cfg::kThreads, 1) block_sparse_bf16
       // the rest: a block keep's tile rule does not class FULL for this warpgroup's rows masks
       // too (keep_partial, warp-uniform)
       for (; it < w.n_blocks; ++it) {
-        if (keep_partial<Cfg>(P, w, wg, w.block_end - 1 - it)) iteration(it, fadsl::sm90::true_type{});
+        if (keep_partial<Cfg>(P, w, wg, kv_block<Cfg>(P, w, it))) iteration(it, fadsl::sm90::true_type{});
         else iteration(it, fadsl::sm90::false_type{});
       }
       FADSL_TILE_MARK(step, 3);  // the mainloop is done

@@ -286,7 +286,7 @@ extern "C" __global__ void __launch_bounds__(Cfg::kThreads, 1) prefix_lm_bf16(co
       // the rest: a block keep's tile rule does not class FULL for this warpgroup's rows masks
       // too (keep_partial, warp-uniform)
       for (; it < w.n_blocks; ++it) {
-        if (keep_partial<Cfg>(P, w, wg, w.block_end - 1 - it)) iteration(it, fadsl::sm90::true_type{});
+        if (keep_partial<Cfg>(P, w, wg, w.block_end - 1 - (it))) iteration(it, fadsl::sm90::true_type{});
         else iteration(it, fadsl::sm90::false_type{});
       }
       FADSL_TILE_MARK(step, 3);  // the mainloop is done

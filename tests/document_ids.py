@@ -54,8 +54,8 @@ def document_keep(made) -> torch.Tensor:
 
 def recorded_workspaces(monkeypatch) -> list:
     """Each pair of class workspaces a call makes (fadsl/targets/sm90/host/keep_classes.py's
-    workspaces: the forward's, then the backward's), as (its tiles' B_r, (class bytes,
-    ranges)), in the order made."""
+    workspaces: the forward's, then the backward's), as (its tiles' B_r, (class bytes, the
+    forward's lists of kept blocks or the backward's ranges)), in the order made."""
     from fadsl.targets.sm90.host import keep_classes
 
     made = []

@@ -130,6 +130,9 @@ def test_a_blockmask_of_other_blocks_or_not_a_blockmask_is_refused_by_name():
     with pytest.raises(ValueError, match="block_mask has blocks of 64 x 64"):
         fadsl.block_table(bm)
     assert fadsl.block_table(bm, block_size=(64, 64)).shape == (1, 1, 5, 5)
+    causal = flex.create_block_mask(MASKS["causal"], 2, 1, 300, 300, device="cpu")
+    with pytest.raises(ValueError, match="block_mask has batch 2, neither 1 .* nor the call's 3"):
+        fadsl.block_table(causal, batch=3)
     with pytest.raises(TypeError, match="block_mask must be a FlexAttention BlockMask"):
         fadsl.block_table(torch.ones(1, 1, 3, 3))
 

@@ -231,13 +231,14 @@ def test_document_mask_matches_float64(dtype, sq, sk):
 
 
 def _torch_classes(made, sq, sk, block_r, block_c, causal=True):
-    """Each tile's class (0 EMPTY, 1 PARTIAL, 2 FULL) and each q block's (first, last) kept
-    block by the predicate in torch, as <kernel>_keep_classes makes them (tiles wholly above
-    the causal diagonal EMPTY)."""
+    """Each tile's class (0 EMPTY, 1 PARTIAL, 2 FULL) and each q block's list of kept blocks
+    (the CTAs done: every kv block's; the count; the blocks, the last first; zeros after) by
+    the predicate in torch, as <kernel>_keep_classes makes them (tiles wholly above the causal
+    diagonal EMPTY)."""
     keep = document_keep(made)[:, 0]  # (batch, sq, sk)
     qb, kb = -(-sq // block_r), -(-sk // block_c)
     classes = torch.zeros(keep.shape[0], qb, kb, dtype=torch.uint8)
-    ranges = torch.tensor([2**31 - 1, -1], dtype=torch.int32).repeat(keep.shape[0], qb, 1)
+    lists = torch.zeros(keep.shape[0], qb, 2 + kb, dtype=torch.int32)
     for b in range(keep.shape[0]):
         for i in range(qb):
             rows = slice(i * block_r, min((i + 1) * block_r, sq))
@@ -247,14 +248,15 @@ def _torch_classes(made, sq, sk, block_r, block_c, causal=True):
                 tile = keep[b, rows, j * block_c : (j + 1) * block_c]
                 if tile.any():
                     classes[b, i, j] = 2 if tile.all() else 1
-                    ranges[b, i, 0] = min(ranges[b, i, 0].item(), j)
-                    ranges[b, i, 1] = max(ranges[b, i, 1].item(), j)
-    return classes, ranges
+            kept = [j for j in reversed(range(kb)) if classes[b, i, j]]
+            lists[b, i, : 2 + len(kept)] = torch.tensor([kb, len(kept), *kept], dtype=torch.int32)
+    return classes, lists
 
 
 @pytest.mark.parametrize("sq, sk", [(1000, 1000), (640, 1000), (1000, 333)], ids=str)
 def test_document_tiles_are_classed_as_the_predicate_says(monkeypatch, sq, sk):
-    """<kernel>_keep_classes's bytes and ranges against the predicate evaluated in torch."""
+    """<kernel>_keep_classes's bytes and lists of kept blocks against the predicate evaluated
+    in torch."""
 
     made_here = recorded_workspaces(monkeypatch)
     kern = kernel("document_causal", DOCUMENT)
@@ -265,8 +267,8 @@ def test_document_tiles_are_classed_as_the_predicate_says(monkeypatch, sq, sk):
     made = document_ids(PATTERNS, sq, sk, seed=sq * sk)
     kern(q, k, v, **made)
     torch.cuda.synchronize()
-    ((_, (classes, ranges)),) = made_here
-    want_classes, want_ranges = _torch_classes(made, sq, sk, 128, 128)
+    ((_, (classes, lists)),) = made_here
+    want_classes, want_lists = _torch_classes(made, sq, sk, 128, 128)
     qb, kb = want_classes.shape[1:]
     got = classes.view(4, qb, kb).cpu()
     below = torch.ones(qb, kb, dtype=torch.bool)  # (tiles above the diagonal: EMPTY, unread)
@@ -274,7 +276,7 @@ def test_document_tiles_are_classed_as_the_predicate_says(monkeypatch, sq, sk):
         for j in range(kb):
             below[i, j] = j * 128 <= min((i + 1) * 128, sq) - 1 + sk - sq
     assert torch.equal(got[:, below], want_classes[:, below])
-    assert torch.equal(ranges.view(4, qb, 2).cpu(), want_ranges)
+    assert torch.equal(lists.view(4, qb, 2 + kb).cpu(), want_lists)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -303,6 +305,36 @@ def test_document_blocks_no_query_keeps_are_never_read(dtype):
     ref, ref_lse = reference(q, k, clean, scale, True, torch.float64, keep=keep)
     low, _ = reference(q, k, clean, scale, True, q.dtype, keep=keep)
     check(out, lse, ref, ref_lse, low, "document_causal, unread blocks poisoned")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_document_blocks_between_kept_ones_are_never_read(dtype):
+    """Document 1 owns keys 0-127 and 512-1023, so its queries (512 on) keep kv block 0 and
+    blocks 4 on, and blocks 1-3 (document 0's keys 128-255, document 9's 256-511, which no
+    query is in) are EMPTY between kept ones: the kernel visits the q block's list of kept
+    blocks and never loads them. Keys 256-511's V is NaN: a block loaded and masked would
+    still add 0 x NaN into O."""
+    kern = kernel("document_causal", DOCUMENT)
+    gen = torch.Generator(device="cuda").manual_seed(6)
+    n = 1024
+    q = torch.randn(2, n, 4, 128, device="cuda", generator=gen).to(DTYPES[dtype])
+    k = torch.randn(2, n, 2, 128, device="cuda", generator=gen).to(DTYPES[dtype])
+    v = torch.randn(2, n, 2, 128, device="cuda", generator=gen).to(DTYPES[dtype])
+    kv_doc = torch.ones(2, n, dtype=torch.int32, device="cuda")
+    kv_doc[:, 128:256], kv_doc[:, 256:512] = 0, 9
+    q_doc = kv_doc.clone()
+    q_doc[:, 256:512] = 0  # (these queries see document 0's keys, before them)
+    made = {"q_doc": q_doc, "kv_doc": kv_doc}
+    clean = v.clone()
+    clean[:, 256:512] = 0
+    v[:, 256:512] = float("nan")
+    scale = 128**-0.5
+    out, lse = kern(q, k, v, scale, return_lse=True, **made)
+    torch.cuda.synchronize()
+    keep = document_keep(made)
+    ref, ref_lse = reference(q, k, clean, scale, True, torch.float64, keep=keep)
+    low, _ = reference(q, k, clean, scale, True, q.dtype, keep=keep)
+    check(out, lse, ref, ref_lse, low, "document_causal, blocks between kept ones poisoned")
 
 
 WINDOW = (ROOT / "tests" / "specs" / "sm90" / "fa3_window.fa").read_text()

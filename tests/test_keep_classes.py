@@ -84,15 +84,21 @@ def test_the_workspaces_fit_the_tiles_and_start_with_nothing_kept(sq, sk, heads)
     config = _compiled(DOCUMENT).kernel.config
     q = torch.empty(2, sq, heads, 128)
     k = torch.empty(2, sk, 1, 128)
-    (classes, ranges), grid = keep_classes.workspaces(
+    (classes, lists), grid = keep_classes.workspaces(
         config, q, k, config.block_r, config.block_c, False
     )
     q_blocks, kv_blocks = -(-sq // config.block_r), -(-sk // config.block_c)
     assert grid == (kv_blocks, q_blocks, 2)  # (per batch: keep does not read h)
     assert classes.dtype == torch.uint8 and classes.numel() == 2 * q_blocks * kv_blocks
-    assert ranges.dtype == torch.int32 and ranges.shape == (2 * q_blocks, 2)
-    assert (ranges[:, 0] == keep_classes.INT_MAX).all() and (ranges[:, 1] == -1).all()
+    # the forward: each q block's list (CTAs done, count, the kept blocks), zeroed
+    assert lists.dtype == torch.int32 and lists.shape == (2 * q_blocks, 2 + kv_blocks)
+    assert not lists.any()
     assert keep_classes.plan_keep_classes(_compiled(DOCUMENT).kernel, q, k)[1].grid == grid
+    # the backward: each n-block's (first, last) kept m-block, started at (INT_MAX, -1)
+    (_, ranges), grid = keep_classes.workspaces(config, q, k, 64, 128, True)
+    assert grid == (-(-sq // 64), kv_blocks, 2)
+    assert ranges.dtype == torch.int32 and ranges.shape == (2 * kv_blocks, 2)
+    assert (ranges[:, 0] == keep_classes.INT_MAX).all() and (ranges[:, 1] == -1).all()
 
 
 def test_more_tiles_than_the_pass_can_launch_are_refused_naming_q():

@@ -104,7 +104,7 @@ def test_the_kernel_trims_masks_and_skips_with_the_rule():
     assert "w.block_end - 1 - (it)" in text and "w.n_blocks - 1 - (it)" not in text
     assert "if (keep_partial<Cfg>(P, w, wg, w.block_end - 1 - (it))) mask_keep<Cfg>" in text
     assert (
-        "if (keep_partial<Cfg>(P, w, wg, w.block_end - 1 - it)) iteration(it, fadsl::sm90::true_type{});"
+        "if (keep_partial<Cfg>(P, w, wg, w.block_end - 1 - (it))) iteration(it, fadsl::sm90::true_type{});"
         in text
     )
     assert "if constexpr (kMask) mask_keep<Cfg>(s, P, uniforms, site);" in text

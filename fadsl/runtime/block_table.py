@@ -65,9 +65,15 @@ def block_table(block_mask, block_size=(128, 128), batch: int | None = None, hea
     for count, index, value in lists:  # (full last: a block in both lists is full)
         slots = torch.arange(index.shape[-1], device=index.device)
         listed = slots < count[..., None]
-        columns = torch.where(listed, index.long().clamp(0, kv_blocks), kv_blocks)
+        index = index.long()
+        listed &= (index >= 0) & (index < kv_blocks)  # (never a block: a malformed list's)
+        columns = torch.where(listed, index, kv_blocks)
         table.scatter_(3, columns, value)
     table = table[..., :kv_blocks]
-    if (batch is not None and b == 1 and batch != 1) or (heads is not None and h == 1):
-        table = table.expand(batch if batch is not None else b, heads or h, q_blocks, kv_blocks)
+    for name, given, have in (("batch", batch, b), ("heads", heads, h)):
+        if given is not None and have not in (1, given):
+            raise ValueError(
+                f"block_mask has {name} {have}, neither 1 (broadcast) nor the call's {given}"
+            )
+    table = table.expand(batch or b, heads or h, q_blocks, kv_blocks)
     return table.contiguous()

@@ -263,9 +263,10 @@ def modifiers_text(data: dict[str, Any]) -> list[str]:
             out.append(
                 "    and by a pass before the kernel, each call: the predicate at every score of "
                 f"each tile{', per head' if keep['per_head'] else ''}; a tile is EMPTY, FULL or "
-                "PARTIAL by what it finds, the kernel skipping the EMPTY blocks at each end of a "
-                "tile's range and masking only PARTIAL ones (the backward: a pass of its own "
-                "over its tiles, each n-block skipping the EMPTY m-blocks at each end)"
+                "PARTIAL by what it finds, the kernel visiting each q block's list of its "
+                "blocks that are not EMPTY and masking only PARTIAL ones (the backward: a pass "
+                "of its own over its tiles, each n-block skipping the EMPTY m-blocks at each "
+                "end of its range)"
             )
     return out
 

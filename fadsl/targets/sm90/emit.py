@@ -234,6 +234,13 @@ class _Render:
         }
 
 
+def by_pass_classes(cfg) -> bool:
+    """Whether a pass classes the tiles before the kernel (a keep that reads inputs per
+    token: TileRule.by_pass), whose list of kept blocks the tiles visit (kv_block)."""
+    m = cfg.modifiers
+    return m is not None and m.rule is not None and m.rule.by_pass
+
+
 def has_transpose(kernel: Kernel) -> bool:
     """Whether the producer warps transpose V (the FP8 forward's Vt ring)."""
     return any(s.op is Op.TRANSPOSE_V for s in kernel.steps())
@@ -376,12 +383,17 @@ def context(kernel: Kernel, dtype: Dtype) -> dict[str, Any]:
         "kv_cache": hw.kv_cache,
         "pack_gqa": hw.pack_gqa,
         "split_all": hw.split_all,
-        # (a window's tile starts at its window's first block, not at block 0; keep's, past
-        # the EMPTY blocks keep_work trimmed)
-        "kv_end": (
-            "w.block_end"
-            if hw.split_kv or cfg.window or modifiers["keep"] is not None
-            else "w.n_blocks"
+        # the K/V block of iteration @ (a window's tile starts at its window's first block,
+        # not at block 0; keep's, past the EMPTY blocks keep_work trimmed; with a pass's
+        # classes, the it-th block of its list: kv_block)
+        "kv_block": (
+            "kv_block<Cfg>(P, w, @)"
+            if by_pass_classes(cfg)
+            else (
+                "w.block_end - 1 - (@)"
+                if hw.split_kv or cfg.window or modifiers["keep"] is not None
+                else "w.n_blocks - 1 - (@)"
+            )
         ),
         # `cluster 2`: K/V loads multicast into both CTAs, arrivals on the peer's barriers
         "cluster": hw.cluster,

@@ -219,7 +219,7 @@ def context(cfg: Config, sizes: dict[Dim, str] = _SIZES, backward: bool = False)
             "full_text": text(rule.full),
             "empty_text": text(rule.empty),
             "exact": rule.exact,
-            # a keep that reads inputs per token: its tiles' classes and each q block's range of
+            # a keep that reads inputs per token: its tiles' classes and each q block's list of
             # kept blocks, made by <kernel>_keep_classes, are the call's inputs after the spec's
             "classes": (
                 {"input": len(m.inputs), "per_head": rule.per_head} if rule.by_pass else None

@@ -188,16 +188,36 @@ __device__ __forceinline__ int keep_tile_class(int rows, int cols, KeepAt keep_a
   return all ? kTileFull : any ? kTilePartial : kTileEmpty;
 }
 
+// The forward's list of a row of tiles' kept kv blocks (kv_block reads it), by the CTA that
+// classes the row's last tile, whichever that is: list[0] counts the row's CTAs done (the host
+// zeroes it), list[1] is the count of kept blocks, list[2 ..] the blocks, the last first (the
+// order the kernel visits them in). Thread 0 of each CTA, after its class byte: the fence
+// makes that byte visible to the device before the count says it is done; the CTA whose add
+// completes the count fences again and reads every byte of the row, each written and fenced
+// before its CTA's add (the threadfence reduction's pattern, CUDA C++ Programming Guide).
+__device__ __forceinline__ void keep_kept_list(const uint8_t* row, int* list, int blocks) {
+  __threadfence();  // (orders: this CTA's class byte before its count)
+  if (atomicAdd(list, 1) != blocks - 1) return;
+  __threadfence();  // (orders: every CTA's count before the reads of their bytes)
+  const volatile uint8_t* bytes = row;
+  int count = 0;
+  for (int x = blocks - 1; x >= 0; --x) {
+    if (bytes[x] != kTileEmpty) list[2 + count++] = x;
+  }
+  list[1] = count;
+}
+
 // A classing kernel's CTA (the forward's <kernel>_keep_classes and the backward's), 128
 // threads, on either's params P (their inputs and sizes): the tile of blockIdx.x and
 // blockIdx.y (queries on x where kQueriesOnX: the backward's m-blocks; else keys: the
 // forward's kv blocks) in row blockIdx.z of the classes (a batch, or a (batch, head) where
 // keep reads h), classed by Cfg's keep. Writes the tile's class byte at
-// P.inputs[kClassesInput][(z gridDim.y + y) gridDim.x + x] and, where it keeps a score, widens
-// range (z gridDim.y + y) of P.inputs[kClassesInput + 1] (int pairs from the host's (INT_MAX,
-// -1)) to x: the first and last block along x kept by that row of tiles. Rows past seqlen_q
-// and keys past seqlen_k are not scores; a causal tile wholly above the diagonal is EMPTY
-// unread (no kernel reaches it).
+// P.inputs[kClassesInput][(z gridDim.y + y) gridDim.x + x]. The backward: where the tile keeps
+// a score, widens range (z gridDim.y + y) of P.inputs[kClassesInput + 1] (int pairs from the
+// host's (INT_MAX, -1)) to x: the first and last block along x kept by that row of tiles.
+// The forward (keep_kept_list): that row's list of kept blocks instead. Rows past seqlen_q and
+// keys past seqlen_k are not scores; a causal tile wholly above the diagonal is EMPTY unread
+// (no kernel reaches it).
 template <class Cfg, int kBlockQ, int kBlockK, bool kQueriesOnX, class Params>
 __device__ __forceinline__ void keep_classes_cta(const Params& P, int heads_q, int seqlen_q, int seqlen_k) {
   const int q0 = (kQueriesOnX ? blockIdx.x : blockIdx.y) * kBlockQ;
@@ -206,29 +226,31 @@ __device__ __forceinline__ void keep_classes_cta(const Params& P, int heads_q, i
   const long long row_of_tiles = static_cast<long long>(blockIdx.z) * gridDim.y + blockIdx.y;
   uint8_t* cls = static_cast<uint8_t*>(const_cast<void*>(P.inputs[Cfg::Modifiers::kClassesInput])) +
                  row_of_tiles * gridDim.x + blockIdx.x;
-  if (Cfg::kCausal && k0 > q0 + rows - 1 + seqlen_k - seqlen_q) {
-    if (threadIdx.x == 0) *cls = kTileEmpty;
-    return;  // (uniform over the CTA: no barrier below is reached by part of it)
+  int found = kTileEmpty;
+  // (uniform over the CTA: every thread reaches keep_tile_class's barriers, or none does)
+  if (!(Cfg::kCausal && k0 > q0 + rows - 1 + seqlen_k - seqlen_q)) {
+    const int heads = Cfg::Modifiers::kClassesPerHead ? heads_q : 1;
+    const int b = blockIdx.z / heads, h = blockIdx.z % heads;
+    const auto u = Cfg::Modifiers::uniforms(P, b, h);
+    found = keep_tile_class<128>(
+        rows, cols, [&](int r, int c) { return Cfg::Modifiers::keep(P, u, b, h, q0 + r, k0 + c); });
   }
-  const int heads = Cfg::Modifiers::kClassesPerHead ? heads_q : 1;
-  const int b = blockIdx.z / heads, h = blockIdx.z % heads;
-  const auto u = Cfg::Modifiers::uniforms(P, b, h);
-  const int found = keep_tile_class<128>(
-      rows, cols, [&](int r, int c) { return Cfg::Modifiers::keep(P, u, b, h, q0 + r, k0 + c); });
-  if (threadIdx.x == 0) {
-    *cls = static_cast<uint8_t>(found);
+  if (threadIdx.x != 0) return;
+  *cls = static_cast<uint8_t>(found);
+  int* kept = static_cast<int*>(const_cast<void*>(P.inputs[Cfg::Modifiers::kClassesInput + 1]));
+  if constexpr (kQueriesOnX) {
     if (found != kTileEmpty) {
-      int* range = static_cast<int*>(const_cast<void*>(P.inputs[Cfg::Modifiers::kClassesInput + 1])) +
-                   2 * row_of_tiles;
-      atomicMin(range, static_cast<int>(blockIdx.x));
-      atomicMax(range + 1, static_cast<int>(blockIdx.x));
+      atomicMin(kept + 2 * row_of_tiles, static_cast<int>(blockIdx.x));
+      atomicMax(kept + 2 * row_of_tiles + 1, static_cast<int>(blockIdx.x));
     }
+  } else {
+    keep_kept_list(cls - blockIdx.x, kept + row_of_tiles * (2 + gridDim.x), gridDim.x);
   }
 }
 
 // <kernel>_keep_classes (a keep that reads inputs per token, TileRule.by_pass), before each
 // launch of the attention kernel: tile (q block blockIdx.y, kv block blockIdx.x), each q
-// block's range of kept kv blocks.
+// block's list of kept kv blocks.
 template <class Cfg>
 __device__ __forceinline__ void keep_classes(const FwdParamsSm90& P) {
   keep_classes_cta<Cfg, Cfg::kBlockM, Cfg::kBlockN, false>(P, P.base.heads_q, P.base.seqlen_q, P.base.seqlen_k);

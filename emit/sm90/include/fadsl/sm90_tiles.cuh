@@ -169,8 +169,8 @@ __device__ __forceinline__ void window_work(TileWork& w, int seqlen_q, int seqle
 //
 // A keep that reads inputs per token (document ids: TileRule.by_pass) has its tiles classed
 // by <kernel>_keep_classes before the kernel (fadsl/sm90_modifiers.cuh, keep_classes): then
-// the blocks outside the q block's range of kept ones are EMPTY too, read once a tile
-// (keep_range), and a block is FULL where its class says so (keep_class).
+// the tile visits only the blocks the pass found a kept score in, from its list (keep_list,
+// kv_block), and a block is FULL where its class says so (keep_class).
 enum : uint8_t { kTileEmpty = 0, kTilePartial = 1, kTileFull = 2 };
 
 // The (batch, head) row of the classes: one per batch, or per head where keep reads h.
@@ -179,13 +179,29 @@ __device__ __forceinline__ int keep_class_row(const FwdParamsSm90& P, int batch,
   return Cfg::Modifiers::kClassesPerHead ? batch * P.base.heads_q + head : batch;
 }
 
-// The first and last kv block of the tile's q block that keep keeps a score of (first >
-// last: none), from P.inputs[kClassesInput + 1].
+// The tile's q block's list of kept kv blocks, from P.inputs[kClassesInput + 1]
+// (keep_kept_list, fadsl/sm90_modifiers.cuh): [1] their count, [2 ..] the blocks, the last first.
 template <class Cfg>
-__device__ __forceinline__ int2 keep_range(const FwdParamsSm90& P, const TileWork& w) {
+__device__ __forceinline__ const int* keep_list(const FwdParamsSm90& P, const TileWork& w) {
   const int q_blocks = (P.base.seqlen_q + Cfg::kBlockM - 1) / Cfg::kBlockM;
-  const int2* ranges = static_cast<const int2*>(P.inputs[Cfg::Modifiers::kClassesInput + 1]);
-  return __ldg(ranges + keep_class_row<Cfg>(P, w.batch, w.head) * q_blocks + w.m0 / Cfg::kBlockM);
+  const int kv_blocks = (P.base.seqlen_k + Cfg::kBlockN - 1) / Cfg::kBlockN;
+  const int* lists = static_cast<const int*>(P.inputs[Cfg::Modifiers::kClassesInput + 1]);
+  const long long row = static_cast<long long>(keep_class_row<Cfg>(P, w.batch, w.head)) * q_blocks + w.m0 / Cfg::kBlockM;
+  return lists + row * (2 + kv_blocks);
+}
+
+// The K/V block of the tile's iteration it (0 .. n_blocks - 1, the last block first): with
+// classes made by a pass, the it-th kept block of the list, so that the EMPTY blocks between
+// kept ones are neither loaded nor run; else block_end - 1 - it. The producer and the
+// consumers read the same list, so they visit the same blocks in the same order, and the ring
+// protocol counts iterations, not blocks.
+template <class Cfg>
+__device__ __forceinline__ int kv_block(const FwdParamsSm90& P, const TileWork& w, int it) {
+  if constexpr (Cfg::kKeep && Cfg::Modifiers::kClassesInput >= 0) {
+    return __ldg(keep_list<Cfg>(P, w) + 2 + it);
+  } else {
+    return w.block_end - 1 - it;
+  }
 }
 
 // The class of the tile's block n_block, from P.inputs[kClassesInput].
@@ -200,13 +216,23 @@ __device__ __forceinline__ int keep_class(const FwdParamsSm90& P, const TileWork
 
 template <class Cfg>
 __device__ __forceinline__ void keep_work(const FwdParamsSm90& P, TileWork& w) {
+  if constexpr (Cfg::Modifiers::kClassesInput >= 0) {
+    // the pass's list: its blocks lie in the causal range (the pass classes the tiles above
+    // the diagonal EMPTY), the last first; a block's place in it is at most its place in the
+    // range below the list's first block, so the leading n_masked iterations (less the
+    // blocks above that first one) still take every block that needs the diagonal's or the
+    // seqlen_k tail's mask (masking one more is exact)
+    const int* list = keep_list<Cfg>(P, w);
+    const int count = w.n_blocks > 0 ? __ldg(list + 1) : 0;
+    const int top = count > 0 ? w.block_end - 1 - __ldg(list + 2) : 0;
+    w.block_end -= top;
+    w.n_blocks = count;
+    w.n_masked = imin(imax(w.n_masked - top, 0), w.n_blocks);
+    w.masked_from = w.n_blocks;
+    return;
+  }
   const int q_lo = w.m0, q_hi = imin(w.m0 + Cfg::kBlockM, w.seqlen_q) - 1;
-  int2 kept = make_int2(0, 0);  // the blocks the classes keep a score of (kClassesInput >= 0)
-  if constexpr (Cfg::Modifiers::kClassesInput >= 0) kept = keep_range<Cfg>(P, w);
   auto empty = [&](int n) {
-    if constexpr (Cfg::Modifiers::kClassesInput >= 0) {
-      if (n < kept.x || n > kept.y) return true;
-    }
     const int kv_lo = n * Cfg::kBlockN, kv_hi = imin(kv_lo + Cfg::kBlockN, w.seqlen_k) - 1;
     return Cfg::Modifiers::empty(P, w.batch, w.head, q_lo, q_hi, kv_lo, kv_hi);
   };

@@ -1,10 +1,10 @@
 """A `keep` that reads inputs per token (document ids: ``TileRule.by_pass``) on sm_90a:
 before each padded forward launch, <kernel>_keep_classes evaluates the predicate at every
 score of every (q block, kv block) tile of the call (fadsl/sm90_modifiers.cuh, keep_classes)
-and writes each tile's class and each q block's range of kept blocks into two workspaces,
+and writes each tile's class and each q block's list of kept blocks into two workspaces,
 which the kernel reads as the inputs after the spec's (P.inputs[len(inputs)], [len(inputs)
-+ 1]). The kernel then skips the blocks outside a q block's range and masks only PARTIAL
-ones. ``LAUNCH.before`` (host/launch.py) plans it; the runtime launches it first, with the
++ 1]). The kernel then visits only the listed blocks (the EMPTY ones between kept ones too
+are neither loaded nor run) and masks only PARTIAL ones. ``LAUNCH.before`` (host/launch.py) plans it; the runtime launches it first, with the
 attention kernel's params. The backward does the same at its own B_r x B_c, before its main
 kernel (backward/host.py; fadsl/sm90_bwd_modifiers.cuh, bwd_keep_classes), with each
 n-block's range of kept m-blocks, so that an n-block visits only those."""
@@ -47,11 +47,11 @@ def classes_per_call(kernel: Kernel) -> bool:
 
 
 def workspaces(config, q, k, block_q: int, block_k: int, queries_on_x: bool) -> tuple:
-    """A call's class bytes (one per tile of block_q queries x block_k keys) and ranges
-    (int32 pairs, started at (INT_MAX, -1): none kept) of kept blocks along the grid's x (kv
-    blocks per q block; with ``queries_on_x``, m-blocks per n-block), and the classing
-    kernel's grid (x, y, rows), for q (batch, seqlen_q, heads, head_dim) and k (batch,
-    seqlen_k, ...)."""
+    """A call's class bytes (one per tile of block_q queries x block_k keys) and, the forward,
+    each q block's list of kept kv blocks (int32: CTAs done, count, blocks; zeroed) or, with
+    ``queries_on_x`` (the backward), ranges (int32 pairs, started at (INT_MAX, -1): none kept)
+    of kept m-blocks per n-block, and the classing kernel's grid (x, y, rows), for q (batch,
+    seqlen_q, heads, head_dim) and k (batch, seqlen_k, ...)."""
     import torch
 
     batch, seqlen_q, heads = q.shape[0], q.shape[1], q.shape[2]
@@ -78,6 +78,10 @@ def workspaces(config, q, k, block_q: int, block_k: int, queries_on_x: bool) -> 
             "the call along the batch"
         )
     classes = torch.empty(rows * q_blocks * kv_blocks, dtype=torch.uint8, device=q.device)
+    if not queries_on_x:  # the forward: each q block's list of kept kv blocks, its count of
+        # CTAs done zeroed (fadsl/sm90_modifiers.cuh, keep_kept_list)
+        lists = torch.zeros((rows * q_blocks, 2 + kv_blocks), dtype=torch.int32, device=q.device)
+        return (classes, lists), (x, y, rows)
     ranges = torch.full((rows * y, 2), -1, dtype=torch.int32, device=q.device)
     ranges[:, 0] = INT_MAX
     return (classes, ranges), (x, y, rows)
