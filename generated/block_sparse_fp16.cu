@@ -41,7 +41,7 @@ struct SpecModifiers {
     return false;
   }
   // keep reads inputs per token: <kernel>_keep_classes classes the tiles before each launch
-  // (P.inputs[1]: a byte per tile; P.inputs[2]: each q block's range of kept blocks)
+  // (P.inputs[1]: a byte per tile; P.inputs[2]: each q block's list of kept blocks)
   static constexpr int kClassesInput = 1;
   static constexpr bool kClassesPerHead = true;
 };

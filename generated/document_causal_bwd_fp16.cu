@@ -2,7 +2,7 @@
 // Do not edit: change the spec and regenerate.
 //
 // FlashAttention-3's backward for sm_90a, fp16, head_dim 128, B_r = 80 queries per m-block, B_c = 128 keys per CTA, mask causal, score and mask modifiers (SpecModifiers):
-//   document_causal_bwd_fp16_keep_classes   keep's class of each B_r x B_c tile and each n-block's range of kept m-blocks (keep reads inputs per token); first, with the main kernel's params
+//   document_causal_bwd_fp16_keep_classes   keep's class of each B_r x B_c tile and each n-block's list of kept m-blocks (keep reads inputs per token); first, with the main kernel's params
 //   document_causal_bwd_fp16_preprocess   D = rowsum(dO O), LSE in log2 units, dQ's accumulator zeroed; grid (cdiv(seqlen_q_rounded, 16), heads_q, batch) x 256 (16 rows per CTA, 8 elements per thread)
 //   document_causal_bwd_fp16              grid (cdiv(seqlen_k, 128), heads_q, batch) x 384 threads:
 //     warpgroup 0        producer: setmaxnreg.dec 24; one elected thread loads K, V once and Q, dO, LSE, D per m-block
@@ -42,7 +42,7 @@ struct SpecModifiers {
     return false;
   }
   // keep reads inputs per token: <kernel>_keep_classes classes the B_r x B_c tiles before each launch
-  // (P.inputs[2]: a byte per tile; P.inputs[3]: each n-block's range of kept m-blocks)
+  // (P.inputs[2]: a byte per tile; P.inputs[3]: each n-block's list of kept m-blocks)
   static constexpr int kClassesInput = 2;
   static constexpr bool kClassesPerHead = false;
 };

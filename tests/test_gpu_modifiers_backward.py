@@ -365,13 +365,15 @@ def test_an_input_that_cannot_learn_is_refused_by_name():
 def _bwd_classes(made, sq, sk, block_m, block_n):
     """Per batch row, n-block and m-block the class (0 EMPTY, 1 PARTIAL, 2 FULL) of the
     document predicate in torch, below the causal diagonal (255 above: not compared), and
-    per n-block the first and last m-block it keeps (INT_MAX, -1: none)."""
+    per n-block the list of m-blocks it keeps (CTAs done: every m-block's; the count; the
+    m-blocks, the last first; zeros after)."""
     keep = document_keep(made)[:, 0].cpu()
     mb, nb = -(-sq // block_m), -(-sk // block_n)
     classes = torch.full((keep.shape[0], nb, mb), 255, dtype=torch.uint8)
-    ranges = torch.tensor([2**31 - 1, -1], dtype=torch.int32).repeat(keep.shape[0], nb, 1)
+    lists = torch.zeros((keep.shape[0], nb, 2 + mb), dtype=torch.int32)
     for b in range(keep.shape[0]):
         for n in range(nb):
+            kept = []
             for m in range(mb):
                 last_row = min((m + 1) * block_m, sq) - 1
                 if n * block_n > last_row + sk - sq:
@@ -379,9 +381,10 @@ def _bwd_classes(made, sq, sk, block_m, block_n):
                 tile = keep[b, m * block_m : (m + 1) * block_m, n * block_n : (n + 1) * block_n]
                 classes[b, n, m] = 2 if tile.all() else 1 if tile.any() else 0
                 if tile.any():
-                    ranges[b, n, 0] = min(ranges[b, n, 0].item(), m)
-                    ranges[b, n, 1] = max(ranges[b, n, 1].item(), m)
-    return classes, ranges
+                    kept.append(m)
+            kept.reverse()
+            lists[b, n, : 2 + len(kept)] = torch.tensor([mb, len(kept), *kept], dtype=torch.int32)
+    return classes, lists
 
 
 @pytest.mark.parametrize("sq, sk", [(1000, 1000), (640, 1000), (1000, 333)], ids=str)
@@ -394,12 +397,12 @@ def test_the_backward_classes_its_tiles_as_the_predicate_says(monkeypatch, sq, s
     made = document_ids(PATTERNS, sq, sk, seed=sq * sk)
     run(kern, q, k, v, dout, None, made)
     torch.cuda.synchronize()
-    ((_, (classes, ranges)),) = [m for m in made_here if m[0] == bwd.block_m]
-    want_classes, want_ranges = _bwd_classes(made, sq, sk, bwd.block_m, bwd.block_n)
+    ((_, (classes, lists)),) = [m for m in made_here if m[0] == bwd.block_m]
+    want_classes, want_lists = _bwd_classes(made, sq, sk, bwd.block_m, bwd.block_n)
     got = classes.view(want_classes.shape).cpu()
     below = want_classes != 255
     assert torch.equal(got[below], want_classes[below])
-    assert torch.equal(ranges.view(want_ranges.shape).cpu(), want_ranges)
+    assert torch.equal(lists.view(want_lists.shape).cpu(), want_lists)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -426,6 +429,33 @@ def test_the_backward_never_visits_queries_no_key_of_the_n_block_keeps(dtype):
         assert torch.equal(a, b), what
     assert torch.isfinite(poisoned[0]).all()
     assert (poisoned[0][:, 480:] == 0).all()
+    torch.testing.assert_close(poisoned[0], zeroed[0], atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_backward_never_visits_m_blocks_between_kept_ones(dtype):
+    """Rows 160-319 (m-blocks 2 and 3 of B_r 80) are of a document no key has, between rows of
+    document 0 (0-159, 320-399): n-block 0 keeps m-blocks 0, 1 and 4, and visits its list of
+    them, never 2 and 3, so their dO, poisoned with NaN, reaches no gradient. dK and dV equal,
+    bit for bit, those of the same call with those rows of dO zero; their dQ is 0."""
+    kern = kernel("document_causal", EXAMPLES["document_causal"])
+    assert kern.compiled.kernel.backward.block_m == 80
+    n = 640
+    q, k, v, dout, _ = tensors((2, n, n, 4, 4), DTYPES[dtype], seed=12)  # (no GQA: dK, dV stored)
+    ids = (torch.arange(n, device="cuda") // 400).to(torch.int32).repeat(2, 1)
+    q_doc = ids.clone()
+    q_doc[:, 160:320] = 99
+    made = {"q_doc": q_doc, "kv_doc": ids}
+    clean = dout.clone()
+    clean[:, 160:320] = 0
+    dout[:, 160:320] = float("nan")
+    poisoned = run(kern, q, k, v, dout, None, made)
+    zeroed = run(kern, q, k, v, clean, None, made)
+    for a, b, what in zip(poisoned[1:], zeroed[1:], ("dk", "dv")):
+        assert torch.isfinite(a).all(), what
+        assert torch.equal(a, b), what
+    assert torch.isfinite(poisoned[0]).all()
+    assert (poisoned[0][:, 160:320] == 0).all()
     torch.testing.assert_close(poisoned[0], zeroed[0], atol=1e-2, rtol=1e-2)
 
 

@@ -94,11 +94,11 @@ def test_the_workspaces_fit_the_tiles_and_start_with_nothing_kept(sq, sk, heads)
     assert lists.dtype == torch.int32 and lists.shape == (2 * q_blocks, 2 + kv_blocks)
     assert not lists.any()
     assert keep_classes.plan_keep_classes(_compiled(DOCUMENT).kernel, q, k)[1].grid == grid
-    # the backward: each n-block's (first, last) kept m-block, started at (INT_MAX, -1)
-    (_, ranges), grid = keep_classes.workspaces(config, q, k, 64, 128, True)
+    # the backward: each n-block's list of kept m-blocks, zeroed
+    (_, lists), grid = keep_classes.workspaces(config, q, k, 64, 128, True)
     assert grid == (-(-sq // 64), kv_blocks, 2)
-    assert ranges.dtype == torch.int32 and ranges.shape == (2 * kv_blocks, 2)
-    assert (ranges[:, 0] == keep_classes.INT_MAX).all() and (ranges[:, 1] == -1).all()
+    assert lists.dtype == torch.int32 and lists.shape == (2 * kv_blocks, 2 + -(-sq // 64))
+    assert not lists.any()
 
 
 def test_more_tiles_than_the_pass_can_launch_are_refused_naming_q():
@@ -118,7 +118,7 @@ def test_more_tiles_than_the_pass_can_launch_are_refused_naming_q():
 def test_the_classing_kernel_runs_first_with_the_kernels_params(monkeypatch):
     """A document call on a stand-in device (tests/fake_cuda.py): <kernel>_keep_classes is
     launched before the attention kernel, on its grid of tiles, with the same params, whose
-    inputs are the spec's two then the classes and ranges."""
+    inputs are the spec's two then the classes and the lists of kept blocks."""
     import fake_cuda
     from fadsl.targets.sm90.host.launch import INPUTS, INPUTS_OFFSET
 
@@ -134,9 +134,9 @@ def test_the_classing_kernel_runs_first_with_the_kernels_params(monkeypatch):
         assert classes.kernel == main.kernel + keep_classes.CLASSES_SUFFIX
         assert classes.grid == (3, 3, 2) and classes.block == (keep_classes.CLASSES_THREADS, 1, 1)
         assert classes.params == main.params
-        ((_, (cls, ranges)),) = made
+        ((_, (cls, lists)),) = made
         pointers = INPUTS.unpack_from(main.params, INPUTS_OFFSET)
-        expected = (ids["q_doc"], ids["kv_doc"], cls, ranges)
+        expected = (ids["q_doc"], ids["kv_doc"], cls, lists)
         assert pointers == (*(t.data_ptr() for t in expected), 0, 0, 0, 0)
     finally:
         fake_cuda.uninstall()
@@ -170,12 +170,12 @@ def test_the_backward_workspaces_are_per_n_block_at_its_tile(sq, sk):
     bwd = kernel.backward
     q = torch.empty(3, sq, 4, 128)
     k = torch.empty(3, sk, 2, 128)
-    (classes, ranges), grid = keep_classes.plan_backward_classes(kernel, q, k)
+    (classes, lists), grid = keep_classes.plan_backward_classes(kernel, q, k)
     m_blocks, n_blocks = -(-sq // bwd.block_m), -(-sk // bwd.block_n)
     assert bwd.block_m != kernel.config.block_r  # (its own geometry: B_r 80)
     assert grid == (m_blocks, n_blocks, 3)
-    assert classes.numel() == 3 * m_blocks * n_blocks and ranges.shape == (3 * n_blocks, 2)
-    assert (ranges[:, 0] == keep_classes.INT_MAX).all() and (ranges[:, 1] == -1).all()
+    assert classes.numel() == 3 * m_blocks * n_blocks
+    assert lists.shape == (3 * n_blocks, 2 + m_blocks) and not lists.any()
 
 
 def test_more_key_blocks_than_the_backward_pass_can_launch_are_refused_naming_k():
@@ -189,7 +189,7 @@ def test_more_key_blocks_than_the_backward_pass_can_launch_are_refused_naming_k(
 def test_the_backward_classes_its_tiles_before_its_main_kernel():
     """The backward of a document call (tests/fake_cuda.py's TMA stand-in): the classing
     kernel of the backward's source runs before the main kernel, on the backward's tiles,
-    with the main kernel's params, whose inputs are the ids then the classes and ranges."""
+    with the main kernel's params, whose inputs are the ids then the classes and the lists."""
     import fadsl.targets.sm90.host.tma as tma
     from fadsl.targets.sm90.backward import host as bwd_host
 

@@ -174,13 +174,20 @@ __device__ __forceinline__ BwdTile bwd_tile(const Block& b, int m) {
 
 // A keep that reads inputs per token (TileRule.by_pass): the n-block's row of tiles in the
 // classes <kernel>_keep_classes wrote before the kernel (bwd_keep_classes): per (batch[,
-// head], n-block) a class byte per m-block at P.inputs[kClassesInput] and the first and last
-// m-block kept at P.inputs[kClassesInput + 1].
+// head], n-block) a class byte per m-block at P.inputs[kClassesInput] and the list of the
+// m-blocks kept at P.inputs[kClassesInput + 1] (keep_kept_list: [1] their count, [2 ..] the
+// m-blocks, the last first).
 template <class Cfg, class Params, class Block>
 __device__ __forceinline__ long long bwd_class_row(const Params& P, const Block& b) {
   const int row = Cfg::Modifiers::kClassesPerHead ? b.batch * P.heads_q + b.head : b.batch;
   const int n_blocks = (P.seqlen_k + Cfg::kBlockN - 1) / Cfg::kBlockN;
   return static_cast<long long>(row) * n_blocks + b.n0 / Cfg::kBlockN;
+}
+
+template <class Cfg, class Params, class Block>
+__device__ __forceinline__ const int* bwd_kept_list(const Params& P, const Block& b) {
+  const int* lists = static_cast<const int*>(P.inputs[Cfg::Modifiers::kClassesInput + 1]);
+  return lists + bwd_class_row<Cfg>(P, b) * (2 + P.m_blocks);
 }
 
 // Whether m-block m needs keep's predicate: not FULL by the tile rule, nor by its class where
@@ -201,24 +208,21 @@ __device__ __forceinline__ bool bwd_keep_partial(const Params& P, const Block& b
 }
 
 // bwd_block's m range without the m-blocks keep's tile rule classes EMPTY at either end (no
-// score of the n-block kept by any of their queries: P = 0, nothing to add).  An EMPTY
-// m-block between two visited ones is visited, masked.  The producer and the consumers find
-// the same range (bwd_block runs once before the roles split, or per role on the same
-// params).
+// score of the n-block kept by any of their queries: P = 0, nothing to add); an EMPTY m-block
+// between two visited ones is visited, masked. With classes made by a pass, the n-block's
+// list of kept m-blocks instead (bwd_m_block reads it), every EMPTY one left out; not with
+// `deterministic on`, whose tickets count every m-block of the range. The producer and the
+// consumers find the same m-blocks (bwd_block runs once before the roles split, or per role
+// on the same params).
 template <class Cfg, class Params, class Block>
 __device__ __forceinline__ void bwd_keep_trim(const Params& P, Block& b) {
   if constexpr (Cfg::kKeep && !Cfg::kDeterministic) {
-    int lo = b.m_begin, hi = b.m_begin + b.m_count;
-    if constexpr (Cfg::Modifiers::kClassesInput >= 0) {  // the classes' range of kept m-blocks
-      const int2* ranges = static_cast<const int2*>(P.inputs[Cfg::Modifiers::kClassesInput + 1]);
-      const int2 kept = __ldg(ranges + bwd_class_row<Cfg>(P, b));  // (INT_MAX, -1): none
-      if (kept.x > kept.y) {
-        hi = lo;  // none kept: nothing to visit
-      } else {
-        lo = imax(lo, kept.x);
-        hi = imax(imin(hi, kept.y + 1), lo);
-      }
+    if constexpr (Cfg::Modifiers::kClassesInput >= 0) {
+      // (the list lies in the causal range: the pass classes the tiles above the diagonal EMPTY)
+      b.m_count = b.m_count > 0 ? __ldg(bwd_kept_list<Cfg>(P, b) + 1) : 0;
+      return;
     }
+    int lo = b.m_begin, hi = b.m_begin + b.m_count;
     for (; lo < hi; ++lo) {
       const BwdTile x = bwd_tile<Cfg>(b, lo);
       if (!Cfg::Modifiers::empty(P, b.batch, b.head, x.q_lo, x.q_hi, x.kv_lo, x.kv_hi)) break;
@@ -234,7 +238,7 @@ __device__ __forceinline__ void bwd_keep_trim(const Params& P, Block& b) {
 
 // <kernel>_keep_classes of the backward (a keep that reads inputs per token), before each
 // launch of the main kernel, with its params: tile (m-block blockIdx.x, n-block blockIdx.y)
-// at the backward's B_r x B_c (keep_classes_cta), each n-block's range of kept m-blocks.
+// at the backward's B_r x B_c (keep_classes_cta), each n-block's list of kept m-blocks.
 template <class Cfg, class Params>
 __device__ __forceinline__ void bwd_keep_classes(const Params& P) {
   keep_classes_cta<Cfg, Cfg::kBlockM, Cfg::kBlockN, true>(P, P.heads_q, P.seqlen_q, P.seqlen_k);

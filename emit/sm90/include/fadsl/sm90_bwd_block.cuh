@@ -338,9 +338,15 @@ __host__ __device__ __forceinline__ constexpr int causal_visit_place(int n, int 
   return imin(((m + 1) * block_m + d - 1) / block_n, n_blocks - 1) - n;
 }
 
-// The i-th m-block n-block b visits (producer and consumers alike).
+// The i-th m-block n-block b visits (producer and consumers alike): with a keep's classes made
+// by a pass (and not `deterministic on`), the i-th of its list of kept m-blocks in ascending
+// order (bwd_keep_trim; the list holds them the last first), so that the EMPTY ones between
+// kept ones are neither loaded nor run; the rings count iterations, not m-blocks.
 template <class Cfg>
 __device__ __forceinline__ int bwd_m_block(const BwdParamsSm90& P, const BwdBlock& b, int i) {
+  if constexpr (Cfg::kKeep && !Cfg::kDeterministic) {
+    if constexpr (Cfg::Modifiers::kClassesInput >= 0) return __ldg(bwd_kept_list<Cfg>(P, b) + 1 + b.m_count - i);
+  }
   if constexpr (!Cfg::kCausal) {
     if (bwd_in_visit_order<Cfg>(P)) {
       const int m = visit_first(b.n_block, b.m_count, bwd_n_blocks<Cfg>(b)) + i;  // (m_count > 0 where any i is asked)

@@ -188,7 +188,8 @@ __device__ __forceinline__ int keep_tile_class(int rows, int cols, KeepAt keep_a
   return all ? kTileFull : any ? kTilePartial : kTileEmpty;
 }
 
-// The forward's list of a row of tiles' kept kv blocks (kv_block reads it), by the CTA that
+// A row of tiles' list of kept blocks along x (the forward's kv_block and the backward's
+// bwd_m_block read it), by the CTA that
 // classes the row's last tile, whichever that is: list[0] counts the row's CTAs done (the host
 // zeroes it), list[1] is the count of kept blocks, list[2 ..] the blocks, the last first (the
 // order the kernel visits them in). Thread 0 of each CTA, after its class byte: the fence
@@ -212,10 +213,8 @@ __device__ __forceinline__ void keep_kept_list(const uint8_t* row, int* list, in
 // blockIdx.y (queries on x where kQueriesOnX: the backward's m-blocks; else keys: the
 // forward's kv blocks) in row blockIdx.z of the classes (a batch, or a (batch, head) where
 // keep reads h), classed by Cfg's keep. Writes the tile's class byte at
-// P.inputs[kClassesInput][(z gridDim.y + y) gridDim.x + x]. The backward: where the tile keeps
-// a score, widens range (z gridDim.y + y) of P.inputs[kClassesInput + 1] (int pairs from the
-// host's (INT_MAX, -1)) to x: the first and last block along x kept by that row of tiles.
-// The forward (keep_kept_list): that row's list of kept blocks instead. Rows past seqlen_q and
+// P.inputs[kClassesInput][(z gridDim.y + y) gridDim.x + x] and, with keep_kept_list, that row
+// of tiles' list of kept blocks along x at P.inputs[kClassesInput + 1]. Rows past seqlen_q and
 // keys past seqlen_k are not scores; a causal tile wholly above the diagonal is EMPTY unread
 // (no kernel reaches it).
 template <class Cfg, int kBlockQ, int kBlockK, bool kQueriesOnX, class Params>
@@ -237,15 +236,8 @@ __device__ __forceinline__ void keep_classes_cta(const Params& P, int heads_q, i
   }
   if (threadIdx.x != 0) return;
   *cls = static_cast<uint8_t>(found);
-  int* kept = static_cast<int*>(const_cast<void*>(P.inputs[Cfg::Modifiers::kClassesInput + 1]));
-  if constexpr (kQueriesOnX) {
-    if (found != kTileEmpty) {
-      atomicMin(kept + 2 * row_of_tiles, static_cast<int>(blockIdx.x));
-      atomicMax(kept + 2 * row_of_tiles + 1, static_cast<int>(blockIdx.x));
-    }
-  } else {
-    keep_kept_list(cls - blockIdx.x, kept + row_of_tiles * (2 + gridDim.x), gridDim.x);
-  }
+  int* lists = static_cast<int*>(const_cast<void*>(P.inputs[Cfg::Modifiers::kClassesInput + 1]));
+  keep_kept_list(cls - blockIdx.x, lists + row_of_tiles * (2 + gridDim.x), gridDim.x);
 }
 
 // <kernel>_keep_classes (a keep that reads inputs per token, TileRule.by_pass), before each

@@ -7,7 +7,8 @@ which the kernel reads as the inputs after the spec's (P.inputs[len(inputs)], [l
 are neither loaded nor run) and masks only PARTIAL ones. ``LAUNCH.before`` (host/launch.py) plans it; the runtime launches it first, with the
 attention kernel's params. The backward does the same at its own B_r x B_c, before its main
 kernel (backward/host.py; fadsl/sm90_bwd_modifiers.cuh, bwd_keep_classes), with each
-n-block's range of kept m-blocks, so that an n-block visits only those."""
+n-block's list of kept m-blocks, so that an n-block visits only those (but with `deterministic
+on`, whose n-blocks visit every m-block of their range, the EMPTY ones masked)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,6 @@ from ...launch import KernelStep
 
 CLASSES_SUFFIX = "_keep_classes"  # the classing kernel's symbol after the attention kernel's
 CLASSES_THREADS = 128  # its CTA (__launch_bounds__(128, 1) in kernel.cu.j2)
-INT_MAX = 2**31 - 1
 GRID_YZ_LIMIT = 65535  # CUDA's grid in y and z: the pass's q blocks and rows of tiles
 
 
@@ -33,7 +33,7 @@ def plan_keep_classes(kernel: Kernel, q, k) -> tuple[tuple, KernelStep] | None:
 def plan_backward_classes(kernel: Kernel, q, k) -> tuple[tuple, tuple] | None:
     """The backward's classing kernel (the same suffix, in the backward's source; None: its
     keep needs none): the workspaces at the backward's B_r x B_c, m-blocks along the grid's x
-    and each n-block's range of kept m-blocks, and its grid."""
+    and each n-block's list of kept m-blocks, and its grid."""
     if not classes_per_call(kernel):
         return None
     bwd = kernel.backward
@@ -47,11 +47,11 @@ def classes_per_call(kernel: Kernel) -> bool:
 
 
 def workspaces(config, q, k, block_q: int, block_k: int, queries_on_x: bool) -> tuple:
-    """A call's class bytes (one per tile of block_q queries x block_k keys) and, the forward,
-    each q block's list of kept kv blocks (int32: CTAs done, count, blocks; zeroed) or, with
-    ``queries_on_x`` (the backward), ranges (int32 pairs, started at (INT_MAX, -1): none kept)
-    of kept m-blocks per n-block, and the classing kernel's grid (x, y, rows), for q (batch,
-    seqlen_q, heads, head_dim) and k (batch, seqlen_k, ...)."""
+    """A call's class bytes (one per tile of block_q queries x block_k keys) and lists of kept
+    blocks along the grid's x (int32: CTAs done, count, the blocks, the last first; zeroed):
+    kv blocks per q block, or with ``queries_on_x`` (the backward) m-blocks per n-block; and
+    the classing kernel's grid (x, y, rows), for q (batch, seqlen_q, heads, head_dim) and k
+    (batch, seqlen_k, ...)."""
     import torch
 
     batch, seqlen_q, heads = q.shape[0], q.shape[1], q.shape[2]
@@ -78,10 +78,7 @@ def workspaces(config, q, k, block_q: int, block_k: int, queries_on_x: bool) -> 
             "the call along the batch"
         )
     classes = torch.empty(rows * q_blocks * kv_blocks, dtype=torch.uint8, device=q.device)
-    if not queries_on_x:  # the forward: each q block's list of kept kv blocks, its count of
-        # CTAs done zeroed (fadsl/sm90_modifiers.cuh, keep_kept_list)
-        lists = torch.zeros((rows * q_blocks, 2 + kv_blocks), dtype=torch.int32, device=q.device)
-        return (classes, lists), (x, y, rows)
-    ranges = torch.full((rows * y, 2), -1, dtype=torch.int32, device=q.device)
-    ranges[:, 0] = INT_MAX
-    return (classes, ranges), (x, y, rows)
+    # each row of tiles' list of kept blocks along x, its count of CTAs done zeroed
+    # (fadsl/sm90_modifiers.cuh, keep_kept_list)
+    lists = torch.zeros((rows * y, 2 + x), dtype=torch.int32, device=q.device)
+    return (classes, lists), (x, y, rows)
