@@ -46,7 +46,10 @@ def test_the_example_declares_block_dimensions_and_reads_them_proven():
         (
             "blocks : i32[batch, heads, cdiv(seqlen_q, 128), cdiv(seqlen_k, 128)]",
             "blocks[b, h, q_idx // 64, kv_idx // 128] != 0",
-            "index 3 of 'blocks' may fall outside [0, cdiv(seqlen_q, 128))",
+            "index 3 of 'blocks' may fall outside [0, cdiv(seqlen_q, 128)): 'q_idx // 64' "
+            "ranges over [0, cdiv(seqlen_q, 64) - 1]; index it by an index over seqlen_q "
+            "floor-divided by 128, "
+            "e.g. q_idx // 128",
         ),
         (
             "blocks : i32[batch, heads, cdiv(seqlen_q, 128), cdiv(seqlen_k, 128)]",

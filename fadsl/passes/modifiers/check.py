@@ -34,6 +34,7 @@ from ...ir.expr import (
     Apply,
     Binary,
     BinOp,
+    Blocks,
     FnCall,
     Const,
     Dim,
@@ -56,6 +57,14 @@ from . import ranges as rg
 
 I32, F32, BOOL = ExprType.I32, ExprType.F32, ExprType.BOOL
 INT_MAX = 2**31 - 1
+# an index over each size, for the hint of an index into its blocks
+_INDEX_OF = {
+    Dim.BATCH: "b",
+    Dim.HEADS: "h",
+    Dim.HEADS_KV: "h",
+    Dim.SEQLEN_Q: "q_idx",
+    Dim.SEQLEN_K: "kv_idx",
+}
 FLOAT_MAX = 3.4028234663852886e38
 EXP_LIMIT = 88.0  # exp(88) ~ 1.65e38 < fp32's largest 3.4e38; exp(89) overflows
 _VAR_RANGES = {
@@ -238,10 +247,16 @@ class _Checker:
             if not (rg.at_most(rg.Affine(0), found.lo) and rg.below(found.hi, size)):
                 bound = str(dim) if isinstance(dim, int) else dim.value
                 last = rg.Affine(-1) + size
+                fix = f"clamp it, clamp({text(raw)}, 0, {last.text()})"
+                if isinstance(dim, Blocks):  # (cdiv has no spelling in an expression)
+                    fix = (
+                        f"index it by an index over {dim.dim.value} floor-divided by "
+                        f"{dim.block}, e.g. {_INDEX_OF[dim.dim]} // {dim.block}"
+                    )
                 self.error(
                     raw.loc,
                     f"{where} may fall outside [0, {bound}): '{text(raw)}' ranges over "
-                    f"{found.text()}; clamp it, clamp({text(raw)}, 0, {last.text()})",
+                    f"{found.text()}; {fix}",
                 )
 
     def apply(self, e: Apply) -> tuple[Expr, rg.Interval]:

@@ -251,8 +251,8 @@ def either(a: Affine | None, b: Affine | None) -> Affine | None:
 
 def minimum(x: Interval, y: Interval) -> Interval:
     # min(u, v) is at most u and at most v: the tighter upper bound where one is proven
-    # tighter, else either known one (v's first: clamp(x, lo, hi)'s hi, which a spec writes
-    # to fit the dimension it indexes)
+    # tighter, else either known one (a number first, then v's: clamp(x, lo, hi)'s hi, which
+    # a spec writes to fit the dimension it indexes)
     return Interval(lowest(x.lo, y.lo), lowest(x.hi, y.hi) or either(y.hi, x.hi))
 
 
