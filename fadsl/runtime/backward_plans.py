@@ -6,7 +6,7 @@ dtypes and devices, the scale with its type, the current stream and device (plan
 why that suffices). A signature's second call keeps the target's plan (its three kernels'
 params as packed, with the slots of every address: fadsl/targets/sm90/backward/launch_plan.py);
 its later calls make dout, the LSE and dLSE as the checks would (contiguous; float32),
-check that the four tensors TMA reads lie on 16 bytes, allocate dq, dk, dv and the workspace
+check that q, k, v, out and dout lie on 16 bytes, allocate dq, dk, dv and the workspace
 as the checked path does, write the addresses that changed and launch, without the checks,
 the packing, the TMA descriptors' encoding or the launch configs. The gradients are the
 checked path's: the same kernels with the same params (tests/test_backward_plans.py holds the
@@ -21,9 +21,9 @@ from .plans import Prepared, stream_and_device
 
 
 def signature(q, k, v, out, lse, dout, dlse, scale: float, inputs: tuple) -> tuple | None:
-    """A padded backward call's signature (``inputs``: the tensors the main kernel reads
-    after the spec's, a keep's classes included), or None where none can be formed (the
-    checked path names the argument)."""
+    """A padded backward call's signature (``inputs``: the modifiers' tensors as the main
+    kernel reads them, the spec's inputs then a keep's classes made ahead), or None where
+    none can be formed (the checked path names the argument)."""
     try:
         tensors = tuple((t.shape, t.stride(), t.dtype, t.device) for t in (q, k, v, out, lse, dout))
         extra = tuple((t.shape, t.stride(), t.dtype, t.device) for t in inputs)
