@@ -220,9 +220,10 @@ extern "C" __global__ void __launch_bounds__(Cfg::kThreads, 1) t5_bias_causal_fp
         // hazard WAR on K: qk -> k_g2s across the loop back edge (consumers -> producer)
         if (lane == 0) mbar_arrive(bar_k_empty(ring_slot(ring_base + it)));
         // mask (leading iterations only) and online softmax of S in place
-        const ScoreSite site = score_site<Cfg>(w, rows, w.n_blocks - 1 - (it), lane);  // the block's scores
+        const int n_block = w.n_blocks - 1 - (it);  // the block's K/V index, found once an iteration
+        const ScoreSite site = score_site<Cfg>(w, rows, n_block, lane);  // the block's scores
         apply_score<Cfg>(s, P, uniforms, site);
-        if (w.n_masked > 0) mask_scores<Cfg>(s, P.base, rows, w.n_blocks - 1 - (it), lane);
+        if (w.n_masked > 0) mask_scores<Cfg>(s, P.base, rows, n_block, lane);
         online_softmax<Cfg>(s, m, l, scale, scale_log2);
         // P to 16-bit pairs (the A operand of P V)
         convert_p<Cfg>(s, p);
@@ -257,9 +258,10 @@ extern "C" __global__ void __launch_bounds__(Cfg::kThreads, 1) t5_bias_causal_fp
         wgmma_wait<1>();
         fence_regs(s);
         // mask (leading iterations only) and online softmax of S in place (guarded: no row max)
-        const ScoreSite site = score_site<Cfg>(w, rows, w.n_blocks - 1 - (it), lane);  // the block's scores
+        const int n_block = w.n_blocks - 1 - (it);  // the block's K/V index, found once an iteration
+        const ScoreSite site = score_site<Cfg>(w, rows, n_block, lane);  // the block's scores
         apply_score<Cfg>(s, P, uniforms, site);
-        if constexpr (kMask) mask_scores<Cfg>(s, P.base, rows, w.n_blocks - 1 - (it), lane);
+        if constexpr (kMask) mask_scores<Cfg>(s, P.base, rows, n_block, lane);
         // redo: a row sum past 2^120 (inf, NaN): S again once P V has read P (below)
         bool redo = false;
         if constexpr (kMask) online_softmax<Cfg>(s, m, l, scale, scale_log2);

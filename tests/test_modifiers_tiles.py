@@ -102,7 +102,8 @@ def test_the_kernel_trims_masks_and_skips_with_the_rule():
     # blocks counted from the trimmed range's end, the first block masked where PARTIAL, the
     # loop's blocks masked where the warpgroup's rows do not keep the whole block
     assert "w.block_end - 1 - (it)" in text and "w.n_blocks - 1 - (it)" not in text
-    assert "if (keep_partial<Cfg>(P, w, wg, w.block_end - 1 - (it))) mask_keep<Cfg>" in text
+    assert "const int n_block = w.block_end - 1 - (it);" in text
+    assert "if (keep_partial<Cfg>(P, w, wg, n_block)) mask_keep<Cfg>" in text
     assert (
         "if (keep_partial<Cfg>(P, w, wg, w.block_end - 1 - (it))) iteration(it, fadsl::sm90::true_type{});"
         in text

@@ -149,9 +149,7 @@ def run(
     call = padded_call(
         kernel, q, k, v, out, lse, dout, dlse, softmax_scale, inputs, input_grads, classes
     )
-    for kl in call.launches:
-        launch(kl)
-    return call.result(k, v)
+    return launch_call(call, launch, k, v)
 
 
 def padded_call(
@@ -236,9 +234,8 @@ def run_varlen(
         sequences=sequences,
     )
     packed = tuple(t.unsqueeze(0) for t in (q, k, v, out, dout))
-    dq, dk, dv = _launch_all(
+    call = prepare_call(
         kernel,
-        launch,
         layout,
         packed,
         tuple(g.unsqueeze(0) for g in grads),
@@ -247,6 +244,7 @@ def run_varlen(
         softmax_scale,
         zero_partials=True,
     )
+    dq, dk, dv = launch_call(call, launch, k, v)
     return dq[0], dk[0], dv[0]
 
 
@@ -384,7 +382,7 @@ def sizes(kernel: Kernel, layout: _Layout, q, k) -> Sizes:
     m_blocks = rows // bwd.block_m
     fused = fuses_convert(kernel, layout, seqlen_q)
     # GQA (sm90_bwd.cuh's DkvStore): the group's dK and dV added in fp32 per K/V head, or with
-    # `deterministic on` stored per query head and summed over the group by _finish
+    # `deterministic on` stored per query head and summed over the group by finish
     dkv_store = DKV_STORE_T
     if group > 1:
         dkv_store = DKV_STORE_PARTIAL if bwd.deterministic else DKV_ADD_FP32
@@ -470,12 +468,12 @@ class PackedCall(NamedTuple):
         return finish(self.sizes, (k.dtype, v.dtype), self.made)
 
 
-def _launch_all(kernel: Kernel, launch, layout: _Layout, tensors, *args, **kwargs):
-    """prepare_call's kernels launched through ``launch``, then dq, dk, dv."""
-    call = prepare_call(kernel, layout, tensors, *args, **kwargs)
+def launch_call(call: PackedCall, launch: Callable[[KernelLaunch], None], k, v):
+    """``call``'s kernels launched through ``launch``, then its dq, dk, dv (k's and v's
+    dtypes)."""
     for kl in call.launches:
         launch(kl)
-    return call.result(tensors[1], tensors[2])
+    return call.result(k, v)
 
 
 def prepare_call(

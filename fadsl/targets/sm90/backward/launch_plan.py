@@ -49,9 +49,7 @@ def plan(
     call = host.padded_call(
         kernel, q, k, v, out, lse, dout, dlse, softmax_scale, inputs, classes=classes
     )
-    for kl in call.launches:
-        launch(kl)
-    grads = call.result(k, v)
+    grads = host.launch_call(call, launch, k, v)
     if not call.plannable:
         return grads, None
     steps = tuple(
