@@ -302,11 +302,12 @@ def _consumer(p: Params) -> list[Item | str]:
 
 def _lag_consumer(p: Params) -> list[Item | str]:
     """bwd_consumer_lagged (`dq_lag on`, issue_dq_lagged and reduce_dq inlined): the
-    overlapped front; from m-block 2 on the wait on the buffer's ds_empty (its previous
-    use's dQ retired), the dS^T store, its proxy fence and each thread's ds_full arrival;
-    dV in a group of its own; from m-block 1 on the wait on the previous buffer's ds_full,
+    overlapped front, LSE loaded after the slot's q_full wait, before S^T; from m-block 2 on the wait on the buffer's ds_empty (its previous
+    use's dQ retired), the dS^T store; dV in a group of its own, then dS^T's proxy fence and
+    each thread's ds_full arrival (under dV); from m-block 1 on the wait on the previous buffer's ds_full,
     dQ(i - 1) in a group of its own; dK; then dQ(i - 1)'s wait_group 1, ds_empty arrival
-    and adds; wait_group 0 and the slot's release. With `dq_first on` the ds_full wait, one
+    and adds; wait_group 0 and the slot's release. With `dq_first on` the proxy fence and
+    the arrival right after the store, then the ds_full wait, one
     wgmma.fence (every m-block), dQ(i - 1) in a group of its own, then dV and dK in one
     group, wait_group 1 (dQ alone retired). After the loop (m_count > 0) the last dQ
     likewise, its wgmma.fence after the ds_full wait, wait_group 0."""
@@ -320,10 +321,15 @@ def _lag_consumer(p: Params) -> list[Item | str]:
     full_wait = dict(mbar=Mbar.DS_FULL, parity=WaitParity.ALTERNATE, **buf, **lagged)
     empty = dict(mbar=Mbar.DS_EMPTY, **buf, **lagged)
     dq_commit = dict(source=CodeSite.ISSUE_DQ_LAGGED, **lagged)
+    handed = [
+        sync(Kind.FENCE_PROXY_ASYNC_SMEM, why="RAW: dS^T's st.shared before dQ's wgmma"),
+        sync(Kind.MBAR_ARRIVE, mbar=Mbar.DS_FULL, why="RAW: this thread's part stored", **buf),
+    ]
     gradients = [
         sync(Kind.WGMMA_FENCE, why="dV, P^T, dK, dS^T written by ordinary code"),
         "dV += P^T dO",
         sync(Kind.WGMMA_COMMIT),
+        *handed,  # under dV: the fence waits for the stores to land
         sync(Kind.MBAR_WAIT, why="RAW: both warpgroups' parts of dS^T(i - 1)", **full_wait),
         "dQ = dS K",
         sync(Kind.WGMMA_COMMIT, **dq_commit),
@@ -333,6 +339,7 @@ def _lag_consumer(p: Params) -> list[Item | str]:
     ]
     if p.dq_first:
         gradients = [
+            *handed,
             sync(Kind.MBAR_WAIT, why="RAW: both warpgroups' parts of dS^T(i - 1)", **full_wait),
             sync(Kind.WGMMA_FENCE, why="dV, P^T, dK, dS^T written by ordinary code"),
             "dQ = dS K",
@@ -349,6 +356,7 @@ def _lag_consumer(p: Params) -> list[Item | str]:
             parity=WaitParity.ZERO, why="RAW: K and V landed",
         ),
         sync(Kind.MBAR_WAIT, mbar=Mbar.Q_FULL, slot=Index.RING, parity=WaitParity.RING),
+        "LSE -> registers",
         sync(Kind.WGMMA_FENCE, why="S^T, dP^T were accessed by ordinary code"),
         "S^T = K Q^T",
         sync(Kind.WGMMA_COMMIT),
@@ -365,8 +373,6 @@ def _lag_consumer(p: Params) -> list[Item | str]:
             guard=Guard.REUSED, why="WAR: both warpgroups' dQ(i - 2) retired", **buf,
         ),
         "dS^T -> smem",
-        sync(Kind.FENCE_PROXY_ASYNC_SMEM, why="RAW: dS^T's st.shared before dQ's wgmma"),
-        sync(Kind.MBAR_ARRIVE, mbar=Mbar.DS_FULL, why="RAW: this thread's part stored", **buf),
         *gradients,
         sync(Kind.MBAR_ARRIVE, why="WAR: this warpgroup's reads of dS^T(i - 1) retired", **empty),
         "dQ red.add",

@@ -281,6 +281,8 @@ def expected_calls(proto: Protocol, role: WarpRole) -> list[Call]:
             case Kind.PROBS | Kind.GRAD_SCORES:
                 regs = tuple(dict.fromkeys(x.reg_reads + x.reg_writes))
                 detail = (frozenset(smem(x.reads)), regs)
+            case Kind.LOAD_ROWS:
+                detail = (frozenset(smem(x.reads)),)
             case Kind.PACK:
                 detail = (x.reg_reads, x.reg_writes)
             case Kind.ST_SHARED:

@@ -80,6 +80,7 @@ TRACED = {
     "bwd_probs_rows": Kind.PROBS,
     "bwd_grad_scores": Kind.GRAD_SCORES,
     "bwd_grad_scores_rows": Kind.GRAD_SCORES,
+    "load_row_pairs": Kind.LOAD_ROWS,
     "pack_pairs": Kind.PACK,
     "store_ds": Kind.ST_SHARED,
     "store_ds_t": Kind.ST_SHARED,
@@ -94,7 +95,11 @@ TRACED = {
 # the callees whose operands name SMEM, by argument position
 SMEM_ARGS = {"issue_keys_by_rows": (1, 2), "issue_grad_kv": (2,), "issue_dq": (1, 2)}
 SMEM_ARGS |= {"issue_dq_t": (1, 2), "store_ds_t": (0,)}
-SMEM_ARGS |= {"bwd_probs": (3,), "bwd_grad_scores": (3,), "store_ds": (0,), "stage_dq": (0,)}
+# (bwd_probs' 9th: the D it loads under P's exponentials, in the lagged consumer)
+SMEM_ARGS |= {"bwd_probs": (3, 8), "bwd_grad_scores": (3,), "store_ds": (0,), "stage_dq": (0,)}
+SMEM_ARGS |= {"load_row_pairs": (0,)}
+# values loaded into registers ahead (RowPairs): an argument naming them reads no SMEM
+ROW_REGISTERS = {"lse", "d_sums"}
 SMEM_ARGS |= {"bulk_reduce_add_f32": (1,), "tma_load_4d": (0,), "bulk_load": (0,)}
 SMEM_ARGS |= {"issue_rows_by_keys": (1, 2), "issue_grad_panel_t": (1, 2)}
 SMEM_ARGS |= {"issue_dq_panel_t": (1, 2), "bwd_probs_rows": (3,), "bwd_grad_scores_rows": (3,)}
@@ -223,7 +228,8 @@ def parity_of(expr: str, walk: Walk) -> WaitParity:
 
 def detail_of(name: str, args: list[str], template: str, walk: Walk) -> tuple:
     kind = TRACED[name]
-    smem = [operand(args[n], walk) for n in SMEM_ARGS.get(name, ())]
+    positions = [n for n in SMEM_ARGS.get(name, ()) if n < len(args)]
+    smem = [operand(args[n], walk) for n in positions if args[n] not in ROW_REGISTERS]
     number = lambda expr, **k: evaluate(expr, walk.env, **k)  # noqa: E731
     match kind:
         case Kind.MBAR_INIT:
@@ -249,6 +255,8 @@ def detail_of(name: str, args: list[str], template: str, walk: Walk) -> tuple:
         case Kind.PROBS | Kind.GRAD_SCORES:
             regs = tuple(REGISTERS[a] for a in args if a in REGISTERS)
             return frozenset(op[:2] for op in smem), regs
+        case Kind.LOAD_ROWS:
+            return (frozenset(op[:2] for op in smem),)
         case Kind.PACK:
             return (REGISTERS[args[0]],), (REGISTERS[args[1]],)
         case Kind.ST_SHARED:  # (which store: st.shared, stmatrix or stmatrix .trans)

@@ -88,7 +88,7 @@ def _statement(text: str, at: int):
 def split_args(text: str) -> list[str]:
     args, depth, current = [], 0, ""
     for ch in text:
-        depth += {"(": 1, "[": 1, ")": -1, "]": -1}.get(ch, 0)
+        depth += {"(": 1, "[": 1, "{": 1, ")": -1, "]": -1, "}": -1}.get(ch, 0)
         if ch == "," and depth == 0:
             args.append(current.strip())
             current = ""

@@ -114,16 +114,57 @@ __device__ __forceinline__ void bwd_softcap(float (&s)[Cfg::kSRegs], float (&dta
   }
 }
 
+// LSE or D of the two query columns 8j + 2t + e (e = 0, 1) a thread's S^T holds, per j: read
+// from the ring slot where the loop uses them (SlotRows), or loaded ahead into registers
+// (RowPairs) so that no ld.shared waits behind the wgmmas' operand reads (the lagged
+// consumer: the first exponential's LSE wait was 6 % of its stall samples; H200,
+// 2026-12-01, docs/backward.md "Loads ahead of the wgmmas").
+struct SlotRows {
+  uint32_t slot;
+  int t;  // lane % 4
+  __device__ __forceinline__ float2 pair(int j) const { return ld_shared_v2_f32(slot + 4 * (8 * j + 2 * t)); }
+};
+// (bwd_consumer builds its SlotRows in place: its SASS stays byte-identical to the loads it
+// made inside the loops before, nvdisasm, 2026-12-01; the lagged consumer calls slot_rows)
+__device__ __forceinline__ SlotRows slot_rows(uint32_t slot, int lane) { return SlotRows{slot, lane % 4}; }
+template <class Cfg>
+struct RowPairs {
+  float2 v[Cfg::kBlockM / 8];
+  __device__ __forceinline__ float2 pair(int j) const { return v[j]; }
+};
+template <class Cfg>
+__device__ __forceinline__ RowPairs<Cfg> load_row_pairs(const SlotRows& from) {
+  RowPairs<Cfg> rows;
+#pragma unroll
+  for (int j = 0; j < Cfg::kBlockM / 8; ++j) rows.v[j] = from.pair(j);
+  return rows;
+}
+// bwd_probs' work after column pair j's exponentials: nothing, or the next product's row
+// values loaded pair by pair as the LSE's registers free (LSE and D both whole spill at B_r 80)
+struct NoPrefetch {
+  __device__ __forceinline__ void operator()(int) const {}
+};
+template <class Cfg>
+struct PrefetchPairs {
+  RowPairs<Cfg>& into;
+  SlotRows from;
+  __device__ __forceinline__ void operator()(int j) const { into.v[j] = from.pair(j); }
+};
+template <class Cfg>
+__device__ __forceinline__ PrefetchPairs<Cfg> prefetch_pairs(RowPairs<Cfg>& into, const SlotRows& from) {
+  return PrefetchPairs<Cfg>{into, from};
+}
+
 // P^T in place of S^T: element (key row 16 warp + g + 8r of the warpgroup, query column
 // 8j + 2t + e of the m-block) is 2^(S c log2e - LSE log2e), 0 where masked.  With a `score`
 // modifier, 2^(s' log2e - LSE log2e) of the modified score s' (bwd_score, or where its
 // derivative is not 1 bwd_score_at, and `dtanh` then holds P times the derivative,
 // bwd_dscore_at: one factor a score from P to dS); with `keep`, masked where it does not
 // hold too (bwd_keeps).
-template <class Cfg, bool kMask>
+template <class Cfg, bool kMask, class Rows, class Then = NoPrefetch>
 __device__ __forceinline__ void bwd_probs(float (&s)[Cfg::kSRegs], float (&dtanh)[Cfg::kSRegs],
-                                          const BwdParamsSm90& P, uint32_t lse_slot, int key0, int q0, int lane,
-                                          const BwdBlock& b) {
+                                          const BwdParamsSm90& P, const Rows& lse_rows, int key0, int q0, int lane,
+                                          const BwdBlock& b, const Then& then = {}) {
   bwd_softcap<Cfg>(s, dtanh, P.scale_log2);
   bwd_score<Cfg>(s, P, b, key0, q0, lane);  // `score` whose derivative is 1: S^T modified in place
   const auto u = bwd_score_uniforms<Cfg>(P, b);  // kScoreGrad's loads per (batch, head); else none
@@ -131,7 +172,7 @@ __device__ __forceinline__ void bwd_probs(float (&s)[Cfg::kSRegs], float (&dtanh
   const int d = bwd_diagonal<Cfg>(P, b);
 #pragma unroll
   for (int j = 0; j < Cfg::kBlockM / 8; ++j) {
-    const float2 lse_pair = ld_shared_v2_f32(lse_slot + 4 * (8 * j + 2 * t));  // columns 8j + 2t + e
+    const float2 lse_pair = lse_rows.pair(j);  // columns 8j + 2t + e
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
       const int col = 8 * j + 2 * t + e;
@@ -152,19 +193,19 @@ __device__ __forceinline__ void bwd_probs(float (&s)[Cfg::kSRegs], float (&dtanh
         x = p;
       }
     }
+    then(j);
   }
 }
 
 // dS^T = P^T (dP^T - D) in place of dP^T (D of the element's query column), times the
 // cap's derivative with `softcap N`; with a score whose derivative is not 1, (P d score / d s)
 // (dP^T - D) from the product bwd_probs left in `dtanh`.
-template <class Cfg>
+template <class Cfg, class Rows>
 __device__ __forceinline__ void bwd_grad_scores(const float (&p)[Cfg::kSRegs], float (&dp)[Cfg::kSRegs],
-                                                float (&dtanh)[Cfg::kSRegs], uint32_t d_slot, int lane) {
-  const int t = lane % 4;
+                                                float (&dtanh)[Cfg::kSRegs], const Rows& d_rows) {
 #pragma unroll
   for (int j = 0; j < Cfg::kBlockM / 8; ++j) {
-    const float2 d_pair = ld_shared_v2_f32(d_slot + 4 * (8 * j + 2 * t));  // columns 8j + 2t + e
+    const float2 d_pair = d_rows.pair(j);  // columns 8j + 2t + e
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
       const float d = e == 0 ? d_pair.x : d_pair.y;
@@ -352,9 +393,9 @@ __device__ __forceinline__ void bwd_consumer(const BwdParamsSm90& P, uint32_t sm
     const uint32_t lse_slot = smem + Cfg::kOffLSE + slot * Cfg::kRowFloatsBytes;
     const uint32_t d_slot = smem + Cfg::kOffD + slot * Cfg::kRowFloatsBytes;
     if (bwd_needs_mask<Cfg>(P, b, m)) {
-      bwd_probs<Cfg, true>(s, dtanh, P, lse_slot, key0, m * Cfg::kBlockM, lane, b);
+      bwd_probs<Cfg, true>(s, dtanh, P, SlotRows{lse_slot, lane % 4}, key0, m * Cfg::kBlockM, lane, b);
     } else {
-      bwd_probs<Cfg, false>(s, dtanh, P, lse_slot, key0, m * Cfg::kBlockM, lane, b);
+      bwd_probs<Cfg, false>(s, dtanh, P, SlotRows{lse_slot, lane % 4}, key0, m * Cfg::kBlockM, lane, b);
     }
     FADSL_BWD_MARK(wg, i, 3);
     uint32_t p16[Cfg::kPRegs], ds16[Cfg::kPRegs];
@@ -365,11 +406,11 @@ __device__ __forceinline__ void bwd_consumer(const BwdParamsSm90& P, uint32_t sm
       wgmma_commit();
       wgmma_wait<1>();  // dP^T in registers (dV's group may still run)
       fence_regs(dp);
-      bwd_grad_scores<Cfg>(s, dp, dtanh, d_slot, lane);
+      bwd_grad_scores<Cfg>(s, dp, dtanh, SlotRows{d_slot, lane % 4});
     } else {
       wgmma_wait<0>();  // dP^T in registers
       fence_regs(dp);
-      bwd_grad_scores<Cfg>(s, dp, dtanh, d_slot, lane);
+      bwd_grad_scores<Cfg>(s, dp, dtanh, SlotRows{d_slot, lane % 4});
       pack_pairs<Cfg>(s, p16);
     }
     bwd_learn<Cfg>(dp, dtanh, s, p16, P, b, key0, m * Cfg::kBlockM, lane);  // kLearn: dS' into the inputs' gradients

@@ -94,6 +94,11 @@ __device__ __forceinline__ void bwd_consumer_lagged(const BwdParamsSm90& P, uint
     mbar_wait_parity(bwd_bar_q_full<Cfg>(smem, slot), static_cast<uint32_t>(run_i / Cfg::kStages) & 1u);
     FADSL_BWD_MARK(wg, i, 1);
 
+    // LSE into registers before S^T's operands fill the SMEM pipe (q_full covered it above)
+    const uint32_t lse_slot = smem + Cfg::kOffLSE + slot * Cfg::kRowFloatsBytes;
+    const uint32_t d_slot = smem + Cfg::kOffD + slot * Cfg::kRowFloatsBytes;
+    const RowPairs<Cfg> lse = load_row_pairs<Cfg>(slot_rows(lse_slot, lane));
+    RowPairs<Cfg> d_sums;  // D, loaded pair by pair under P's exponentials
     float s[Cfg::kSRegs], dp[Cfg::kSRegs];
     wgmma_fence();  // s and dp were read by ordinary instructions in the previous m-block
     issue_keys_by_rows<Cfg>(s, k_wg, q_slot);
@@ -105,18 +110,16 @@ __device__ __forceinline__ void bwd_consumer_lagged(const BwdParamsSm90& P, uint
     FADSL_BWD_MARK(wg, i, 2);
 
     float dtanh[Cfg::kSRegs];  // softcap's 1 - tanh^2, or P times the score's derivative (unused without either)
-    const uint32_t lse_slot = smem + Cfg::kOffLSE + slot * Cfg::kRowFloatsBytes;
-    const uint32_t d_slot = smem + Cfg::kOffD + slot * Cfg::kRowFloatsBytes;
     if (bwd_needs_mask<Cfg>(P, b, m)) {
-      bwd_probs<Cfg, true>(s, dtanh, P, lse_slot, key0, m * Cfg::kBlockM, lane, b);
+      bwd_probs<Cfg, true>(s, dtanh, P, lse, key0, m * Cfg::kBlockM, lane, b, prefetch_pairs<Cfg>(d_sums, slot_rows(d_slot, lane)));
     } else {
-      bwd_probs<Cfg, false>(s, dtanh, P, lse_slot, key0, m * Cfg::kBlockM, lane, b);
+      bwd_probs<Cfg, false>(s, dtanh, P, lse, key0, m * Cfg::kBlockM, lane, b, prefetch_pairs<Cfg>(d_sums, slot_rows(d_slot, lane)));
     }
     FADSL_BWD_MARK(wg, i, 3);
     uint32_t p16[Cfg::kPRegs], ds16[Cfg::kPRegs];
     wgmma_wait<0>();  // dP^T in registers
     fence_regs(dp);
-    bwd_grad_scores<Cfg>(s, dp, dtanh, d_slot, lane);
+    bwd_grad_scores<Cfg>(s, dp, dtanh, d_sums);
     pack_pairs<Cfg>(s, p16);
     bwd_learn<Cfg>(dp, dtanh, s, p16, P, b, key0, m * Cfg::kBlockM, lane);  // kLearn: dS' into the inputs' gradients
     pack_pairs<Cfg>(dp, ds16);
@@ -133,16 +136,15 @@ __device__ __forceinline__ void bwd_consumer_lagged(const BwdParamsSm90& P, uint
     } else {
       store_ds<Cfg>(ds_buf, ds16, wg, warp, lane);
     }
-    // RAW: dS^T's st.shared (generic proxy) before either warpgroup's dQ wgmma reads it (async proxy)
-    fence_proxy_async_smem();
-    mbar_arrive(bwd_bar_ds_full<Cfg>(smem, buf));  // RAW: this thread's part of dS^T(i) stored and fenced
-    FADSL_BWD_MARK(wg, i, 5);
-
-    if constexpr (!Cfg::kDqFirst) {  // dV(i) first, in a group of its own
+    if constexpr (!Cfg::kDqFirst) {  // dV(i) first, in a group of its own, under the fence below
       wgmma_fence();  // dv and its A registers p16, dk and ds16 written by ordinary instructions
       issue_grad_kv<Cfg>(dv, p16, do_slot);
       wgmma_commit();
     }
+    // RAW: dS^T's st.shared (generic proxy) before either warpgroup's dQ wgmma reads it (async proxy)
+    fence_proxy_async_smem();
+    mbar_arrive(bwd_bar_ds_full<Cfg>(smem, buf));  // RAW: this thread's part of dS^T(i) stored and fenced
+    FADSL_BWD_MARK(wg, i, 5);
     if (i > 0) {
       const int prev = run_i - 1;
       float dq[Cfg::kDqRegs];  // (scoped: live from its wgmma to its adds, not over S^T and dP^T)

@@ -143,6 +143,7 @@ class Kind(Enum):
     WGMMA = "wgmma.mma_async"
     PROBS = "P from S and LSE (ld.shared)"
     GRAD_SCORES = "dS from P, dP and D (ld.shared)"
+    LOAD_ROWS = "LSE or D ld.shared into registers, ahead of their use"
     PACK = "16-bit pairs"
     ZERO = "accumulators zeroed"
     ST_SHARED = "st.shared"

@@ -27,7 +27,8 @@ order them is the pass's to find: nothing here says so.
   ``dv_before_meeting`` after the dS^T store, before the meeting (FlashAttention-3's
   order), so that it runs under the warpgroups' meeting. With ``dq_lag``
   (bwd_consumer_lagged, its helpers issue_dq_lagged and reduce_dq inlined) dQ runs one
-  m-block behind: after the front of m-block i, dV(i), then dQ(i - 1) from its dS^T buffer
+  m-block behind (its LSE loaded into registers before S^T, its D under P's exponentials):
+  after the front of m-block i, dV(i), then dQ(i - 1) from its dS^T buffer
   (``Guard.LAGGED``: the step acts for m-block i - 1, so ``Index.ALTERNATE`` names the
   previous buffer), dK(i) and dQ(i - 1)'s adds (with ``dq_first``, dQ(i - 1) before dV(i),
   so that its adds run under both); after the loop the last m-block's dQ and its adds.
@@ -164,17 +165,21 @@ def consumer_steps(p: Params) -> tuple[Item, ...]:
     ds_store = Operand(StagedTile.DS, Index.ALTERNATE, ds_part)
     k_rows = Operand(StagedTile.K, part=Part.ROWS_OF_WG)
     v_rows = Operand(StagedTile.V, part=Part.ROWS_OF_WG)
+    lse, d = Operand(StagedTile.LSE, Index.RING), Operand(StagedTile.D, Index.RING)
+    # the lagged consumer loads LSE ahead of S^T and D under P's exponentials (no ld.shared
+    # then waits behind the wgmmas' operand reads), so P reads D and dS reads registers
+    ahead = p.dq_lag
     probs = step(
         Kind.PROBS,
         "P = exp2(S - LSE)",
-        reads=(Operand(StagedTile.LSE, Index.RING),),
+        reads=(d if ahead else lse,),
         reg_reads=(Reg.S,),
         reg_writes=(Reg.S,),
     )
     grad_scores = step(
         Kind.GRAD_SCORES,
         "dS = P (dP - D)",
-        reads=(Operand(StagedTile.D, Index.RING),),
+        reads=() if ahead else (d,),
         reg_reads=(Reg.S, Reg.DP),
         reg_writes=(Reg.DP,),
     )
@@ -182,6 +187,7 @@ def consumer_steps(p: Params) -> tuple[Item, ...]:
     dv = wgmma("dV += P^T dO", (do,), (Reg.P16, Reg.DV), Reg.DV)
     dk = wgmma("dK += dS^T Q", (q,), (Reg.DS16, Reg.DK), Reg.DK)
     scores = [
+        *([step(Kind.LOAD_ROWS, "LSE -> registers", reads=(lse,))] if ahead else []),
         wgmma("S^T = K Q^T", (k_rows, q), (), Reg.S),
         wgmma("dP^T = V dO^T", (v_rows, do), (), Reg.DP),
         probs,

@@ -321,6 +321,7 @@ def _lower(proto: Protocol, item: Item, at: _At) -> list[Event]:
         case (
             Kind.PROBS
             | Kind.GRAD_SCORES
+            | Kind.LOAD_ROWS
             | Kind.PACK
             | Kind.ZERO
             | Kind.ST_SHARED

@@ -118,6 +118,7 @@ def _consumer(schedule: Protocol, economical: bool) -> tuple[Item, ...]:
         _place_step(c, schedule, after, k, LoopPhase.AFTER)
     wgmma.commit(c, LoopPhase.AFTER, "the program's end")
     wgmma.drain(c, LoopPhase.AFTER)
+    assert not c.handover_due, "a hand-over's fence and arrival never placed"
     return tuple(c.out)
 
 
@@ -128,6 +129,7 @@ def _m_block(entry: Consumer, schedule: Protocol, steps: list[Item]) -> Consumer
     for k in range(len(steps)):
         _place_step(c, schedule, steps, k, LoopPhase.LOOP)
     wgmma.commit(c, LoopPhase.LOOP, "the m-block's end")
+    handover.place_due(c, schedule, steps, None, LoopPhase.LOOP)
     mbarrier.release_at_end(c, schedule, steps, LoopPhase.LOOP)
     wgmma.drain(c, LoopPhase.LOOP)
     handover.release_if_retired(c, schedule, LoopPhase.LOOP)
@@ -147,6 +149,7 @@ def _place_step(c: Consumer, schedule: Protocol, steps: list[Item], k: int, phas
         wgmma.issue(c, k, step)
         return
     wgmma.commit(c, phase, f"the warpgroup turns to {step.name}")
+    handover.place_due(c, schedule, steps, k, phase)
     if wgmma.waits_before(c, step):  # the owed release runs under the groups in flight
         bulk.release_due(c, phase, f"while {names(g.steps()[0] for g in c.in_flight)} run")
     wgmma.wait_before(c, step, phase)
@@ -166,6 +169,8 @@ def _place_step(c: Consumer, schedule: Protocol, steps: list[Item], k: int, phas
 
 def _syncs_before(c: Consumer, schedule: Protocol, steps: list[Item], k: int, phase: LoopPhase):
     step = steps[k]
+    if step.kind is Kind.WGMMA:  # (an ordinary step's were placed before its waits)
+        handover.place_due(c, schedule, steps, k, phase)
     if phase is LoopPhase.LOOP:
         mbarrier.wait_full(c, schedule, step, phase)
     handover.wait_full(c, schedule, step, phase)

@@ -21,6 +21,13 @@ a pair of mbarriers of its own, each counting every consumer thread:
   (``Guard.REUSED``: the buffer's first use has no earlier reader), with the parity of the
   previous use, (i / 2 - 1) & 1.
 
+The fence and the arrival follow the write or, where wgmmas that do not read the tile are
+issued right after it (`dq_lag on`'s dV(i) after the dS^T store), that run and its commit:
+the fence waits for the thread's stores to land, and the run gives the tensor cores work
+meanwhile (FlashAttention-3's and -4's order; on an H200 the fence and the arrival before
+dV were 8 % of the lagged consumer's stall samples, 2026-12-01: docs/backward.md, "Loads
+ahead of the wgmmas"). The due syncs go before the next step that is not such a wgmma.
+
 Each barrier completes a phase per use of its buffer, so each wait names one phase: the
 writers cannot arrive on full(buf) for use k + 1 before empty(buf) completed use k, which
 needs full(buf)'s use k complete; the readers cannot arrive on empty(buf) for use k + 1
@@ -46,7 +53,14 @@ from ..program import (
 )
 from .state import ASYNC_PROXY, Consumer, names, reaches_other_warpgroups, same_bytes, sync
 
-__all__ = ["inits", "before_write", "after_write", "wait_full", "release_if_retired"]
+__all__ = [
+    "inits",
+    "before_write",
+    "after_write",
+    "place_due",
+    "wait_full",
+    "release_if_retired",
+]
 
 # the tiles handed over this way, with their (full, empty) mbarriers
 BARRIERS = {StagedTile.DS: (Mbar.DS_FULL, Mbar.DS_EMPTY)}
@@ -118,11 +132,31 @@ def before_write(c: Consumer, schedule: Protocol, step: Item, phase: LoopPhase) 
 
 
 def after_write(c: Consumer, schedule: Protocol, step: Item, phase: LoopPhase) -> None:
-    """RAW: the writer's part fenced for the async proxy, then its arrival on full."""
-    if step.kind in ASYNC_PROXY:
+    """A write of a handed-over tile: its fence and arrival are due (``place_due``)."""
+    if step.kind not in ASYNC_PROXY and _buffers(schedule, step.writes):
+        c.handover_due.append(step)
+
+
+def place_due(
+    c: Consumer, schedule: Protocol, steps: list[Item], k: int | None, phase: LoopPhase
+) -> None:
+    """Before steps[k] (``None``: the m-block's or the program's end), unless it is a wgmma
+    reading no tile a due write handed over: each due writer's part fenced for the async
+    proxy (RAW), then its arrival on full."""
+    if not c.handover_due:
         return
     handed = _handed(schedule)
-    for tile in _buffers(schedule, step.writes):
+    if k is not None and steps[k].kind is Kind.WGMMA:
+        tiles = {t for w in c.handover_due for t in _buffers(schedule, w.writes)}
+        if not any(op.buffer in tiles for op in steps[k].reads):
+            return  # a wgmma of the run after the write: it goes first
+    due, c.handover_due = c.handover_due, []
+    for step in due:
+        _fence_and_arrive(c, handed, step, phase)
+
+
+def _fence_and_arrive(c: Consumer, handed: dict, step: Item, phase: LoopPhase) -> None:
+    for tile in [t for t in dict.fromkeys(op.buffer for op in step.writes) if t in handed]:
         readers = names(handed[tile][1])
         why = (
             f"RAW: {step.name}'s st.shared (generic proxy) before every warpgroup's {readers} "

@@ -133,8 +133,10 @@ class Consumer:
     # those of them due in this m-block (owed since the previous one)
     owed: list[Item] = field(default_factory=list)
     due: list[Item] = field(default_factory=list)
-    # handover: the lagged readers of a handed-over buffer waited for and not yet retired
+    # handover: the lagged readers of a handed-over buffer waited for and not yet retired;
+    # the writes whose fence and arrival wait for the run of wgmmas issued after them
     handed_reading: list[Item] = field(default_factory=list)
+    handover_due: list[Item] = field(default_factory=list)
 
     def place(self, item: Item) -> None:
         """Append a sync or step; a named barrier publishes what the warpgroup did before it

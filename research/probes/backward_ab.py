@@ -1,0 +1,99 @@
+"""Development builds of one backward side by side, sustained, in one process: for a spec
+with a backward block, each define set of --sets (";"-separated, "NAME=VALUE ..." each, the
+first the control, e.g. FADSL_NOTHING=1) built as its own development build
+(use_development_build), every build's backward timed back to back for --seconds after as
+long a warm-up (research/probes/bwd_vs_fa4.py's `sustained`: the board at its steady clock),
+in rotated orders over --rounds, on the same tensors. Prints TF/s (2.5 x the forward's
+FLOPs), the SM clock and each set's ratio to the control. Sustained timing rather than
+probe_backward.py's 16-call medians: at 16k those ranged 0.93-1.09 between two builds of
+the same code (H200, 2026-12-01).
+
+Usage (a Hopper GPU): python3 -P research/probes/backward_ab.py examples/fa3_hopper.fa
+  --sets "FADSL_NOTHING=1;FADSL_MY_EXPERIMENT=1" [--seqlens 1024,4096,16384] [--seconds 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import statistics
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+
+import fadsl  # noqa: E402
+from fadsl.runtime.attention import arch_of  # noqa: E402
+from fadsl.tools import clocks  # noqa: E402
+
+from bwd_vs_fa4 import sustained  # noqa: E402
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("spec")
+    p.add_argument("--sets", required=True)
+    p.add_argument("--seqlens", default="1024,4096,16384")
+    p.add_argument("--seconds", type=float, default=1.0)
+    p.add_argument("--rounds", type=int, default=2)
+    args = p.parse_args()
+    text = open(args.spec).read()
+    base = fadsl.load(text, verbose=False)
+    name, dtype = base.config.name, base.config.dtypes[0]
+    sets = [dict(d.split("=") for d in s.split()) for s in args.sets.split(";")]
+    kerns = []
+    for i, defines in enumerate(sets):
+        kern = fadsl.load(text.replace(f"kernel {name}", f"kernel ab{i}_{name}", 1), verbose=False)
+        kern._backward_kernels().use_development_build(dtype, arch_of(0), defines)
+        kerns.append(kern)
+    d, causal = base.config.head_dim, base.config.mask.value == "causal"
+    heads = 2048 // d
+    tdtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype.value]
+    read = clocks.nvml_reader()
+    sampler = clocks.Sampler(read, interval=0.005) if read else None
+    labels = [" ".join(f"{k}={v}" for k, v in s.items()) for s in sets]
+    for seqlen in map(int, args.seqlens.split(",")):
+        batch = max(1, 16384 // seqlen)
+        shape = (batch, seqlen, heads, d)
+        torch.manual_seed(0)
+        q, k, v = (
+            torch.randn(shape, device="cuda", dtype=tdtype, requires_grad=True) for _ in range(3)
+        )
+        dout = torch.randn(shape, device="cuda", dtype=tdtype)
+        outs = [kern(q, k, v) for kern in kerns]
+        ref = torch.autograd.grad(outs[0], (q, k, v), dout, retain_graph=True)
+        for i, o in enumerate(outs[1:], 1):  # each set's gradients against the control's
+            got = torch.autograd.grad(o, (q, k, v), dout, retain_graph=True)
+            errs = [
+                ((a.float() - b.float()).abs().max() / a.float().abs().max()).item()
+                for a, b in zip(ref, got)
+            ]
+            print(
+                f"  set {i} against the control: dq/dk/dv max error {errs[0]:.1e} / {errs[1]:.1e} / {errs[2]:.1e} of max"
+            )
+        calls = [
+            (lambda o=o: torch.autograd.grad(o, (q, k, v), dout, retain_graph=True)) for o in outs
+        ]
+        flops = 2.5 * 4 * batch * heads * seqlen * seqlen * d * (0.5 if causal else 1.0)
+        results: dict[int, list] = {i: [] for i in range(len(sets))}
+        for r in range(args.rounds):
+            order = list(range(len(sets)))
+            order = order[r % len(order) :] + order[: r % len(order)]
+            order = order if r % 2 == 0 else order[::-1]
+            for i in order:
+                ms, readings, _ = sustained(calls[i], args.seconds, sampler, None)
+                s = clocks.summarize(readings)
+                results[i].append((flops / (ms * 1e-3) / 1e12, s.sm_mhz if s else float("nan")))
+        ctrl = statistics.median(t for t, _ in results[0])
+        print(f"== {name}, {batch} x {seqlen}")
+        for i, label in enumerate(labels):
+            tf = statistics.median(t for t, _ in results[i])
+            mhz = statistics.median(m for _, m in results[i])
+            runs = " ".join(f"{t:.1f}" for t, _ in results[i])
+            print(f"  {tf:7.1f} TF/s {mhz:6.0f} MHz  x control {tf / ctrl:.3f}  ({runs})  {label}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
