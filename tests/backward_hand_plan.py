@@ -302,13 +302,14 @@ def _consumer(p: Params) -> list[Item | str]:
 
 def _lag_consumer(p: Params) -> list[Item | str]:
     """bwd_consumer_lagged (`dq_lag on`, issue_dq_lagged and reduce_dq inlined): the
-    overlapped front, LSE loaded after the slot's q_full wait, before S^T; from m-block 2 on the wait on the buffer's ds_empty (its previous
-    use's dQ retired), the dS^T store; dV in a group of its own, then dS^T's proxy fence and
-    each thread's ds_full arrival (under dV); from m-block 1 on the wait on the previous buffer's ds_full,
-    dQ(i - 1) in a group of its own; dK; then dQ(i - 1)'s wait_group 1, ds_empty arrival
-    and adds; wait_group 0 and the slot's release. With `dq_first on` the proxy fence and
-    the arrival right after the store, then the ds_full wait, one
-    wgmma.fence (every m-block), dQ(i - 1) in a group of its own, then dV and dK in one
+    overlapped front, LSE loaded after the slot's q_full wait, before S^T; from m-block 2
+    on the wait on the buffer's ds_empty (its previous use's dQ retired), the dS^T store;
+    dV in a group of its own, then dS^T's proxy fence and each thread's ds_full arrival
+    (under dV); from m-block 1 on the wait on the previous buffer's ds_full, dQ(i - 1) in
+    a group of its own; dK; then dQ(i - 1)'s wait_group 1, ds_empty arrival and adds;
+    wait_group 0 and the slot's release. With `dq_first on` the proxy fence and the
+    arrival right after the store, then the ds_full wait, one wgmma.fence (every
+    m-block), dQ(i - 1) in a group of its own, then dV and dK in one
     group, wait_group 1 (dQ alone retired). After the loop (m_count > 0) the last dQ
     likewise, its wgmma.fence after the ds_full wait, wait_group 0."""
     main = CodeSite.CONSUMER_LAGGED

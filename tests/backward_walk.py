@@ -98,14 +98,14 @@ SMEM_ARGS |= {"issue_dq_t": (1, 2), "store_ds_t": (0,)}
 # (bwd_probs' 9th: the D it loads under P's exponentials, in the lagged consumer)
 SMEM_ARGS |= {"bwd_probs": (3, 8), "bwd_grad_scores": (3,), "store_ds": (0,), "stage_dq": (0,)}
 SMEM_ARGS |= {"load_row_pairs": (0,)}
-# values loaded into registers ahead (RowPairs): an argument naming them reads no SMEM
-ROW_REGISTERS = {"lse", "d_sums"}
+# (an argument naming registers, such as the row values loaded ahead, reads no SMEM)
 SMEM_ARGS |= {"bulk_reduce_add_f32": (1,), "tma_load_4d": (0,), "bulk_load": (0,)}
 SMEM_ARGS |= {"issue_rows_by_keys": (1, 2), "issue_grad_panel_t": (1, 2)}
 SMEM_ARGS |= {"issue_dq_panel_t": (1, 2), "bwd_probs_rows": (3,), "bwd_grad_scores_rows": (3,)}
 SMEM_ARGS |= {"store_keys_t": (0,), "store_ds_stmatrix": (0,)}
 REGISTERS = {"s": Reg.S, "dp": Reg.DP, "p16": Reg.P16, "ds16": Reg.DS16}
 REGISTERS |= {"dk": Reg.DK, "dv": Reg.DV, "dq": Reg.DQ}
+REGISTERS |= {"lse": Reg.LSE, "d_sums": Reg.D}  # the lagged consumer's RowPairs
 OFFSETS = {
     "kOffK": StagedTile.K,
     "kOffV": StagedTile.V,
@@ -229,7 +229,7 @@ def parity_of(expr: str, walk: Walk) -> WaitParity:
 def detail_of(name: str, args: list[str], template: str, walk: Walk) -> tuple:
     kind = TRACED[name]
     positions = [n for n in SMEM_ARGS.get(name, ()) if n < len(args)]
-    smem = [operand(args[n], walk) for n in positions if args[n] not in ROW_REGISTERS]
+    smem = [operand(args[n], walk) for n in positions if args[n] not in REGISTERS]
     number = lambda expr, **k: evaluate(expr, walk.env, **k)  # noqa: E731
     match kind:
         case Kind.MBAR_INIT:
@@ -252,8 +252,9 @@ def detail_of(name: str, args: list[str], template: str, walk: Walk) -> tuple:
             return mbar_of(barrier, walk) + smem[0][:2]
         case Kind.WGMMA:  # (dk[0]: a head_dim panel's accumulator at head_dim 256)
             return REGISTERS[re.sub(r"\[\d+\]$", "", args[0])], frozenset(smem)
-        case Kind.PROBS | Kind.GRAD_SCORES:
-            regs = tuple(REGISTERS[a] for a in args if a in REGISTERS)
+        case Kind.PROBS | Kind.GRAD_SCORES:  # (D's RowPairs inside bwd_probs' prefetch)
+            words = [w for a in args for w in re.findall(r"\b\w+\b", a)]
+            regs = tuple(dict.fromkeys(REGISTERS[w] for w in words if w in REGISTERS))
             return frozenset(op[:2] for op in smem), regs
         case Kind.LOAD_ROWS:
             return (frozenset(op[:2] for op in smem),)

@@ -69,9 +69,8 @@ def main() -> int:
                 ((a.float() - b.float()).abs().max() / a.float().abs().max()).item()
                 for a, b in zip(ref, got)
             ]
-            print(
-                f"  set {i} against the control: dq/dk/dv max error {errs[0]:.1e} / {errs[1]:.1e} / {errs[2]:.1e} of max"
-            )
+            shown = " / ".join(f"{e:.1e}" for e in errs)
+            print(f"  set {i} against the control: dq/dk/dv max error {shown} of max")
         calls = [
             (lambda o=o: torch.autograd.grad(o, (q, k, v), dout, retain_graph=True)) for o in outs
         ]

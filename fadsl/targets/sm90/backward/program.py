@@ -141,8 +141,8 @@ class Kind(Enum):
     TMA_LOAD = "cp.async.bulk.tensor global -> shared"
     BULK_LOAD = "cp.async.bulk global -> shared"
     WGMMA = "wgmma.mma_async"
-    PROBS = "P from S and LSE (ld.shared)"
-    GRAD_SCORES = "dS from P, dP and D (ld.shared)"
+    PROBS = "P from S and LSE (ld.shared, or LSE ahead in registers and D's ld.shared)"
+    GRAD_SCORES = "dS from P, dP and D (ld.shared, or D ahead in registers)"
     LOAD_ROWS = "LSE or D ld.shared into registers, ahead of their use"
     PACK = "16-bit pairs"
     ZERO = "accumulators zeroed"
@@ -242,6 +242,8 @@ class Reg(Enum):
     DK = "dK acc"
     DV = "dV acc"
     DQ = "dQ acc"
+    LSE = "LSE (loaded ahead)"  # the lagged consumer's row values in registers (RowPairs)
+    D = "D (loaded ahead)"
 
 
 @dataclass(frozen=True)

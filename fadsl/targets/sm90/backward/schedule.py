@@ -173,21 +173,25 @@ def consumer_steps(p: Params) -> tuple[Item, ...]:
         Kind.PROBS,
         "P = exp2(S - LSE)",
         reads=(d if ahead else lse,),
-        reg_reads=(Reg.S,),
-        reg_writes=(Reg.S,),
+        reg_reads=(Reg.S, Reg.LSE) if ahead else (Reg.S,),
+        reg_writes=(Reg.S, Reg.D) if ahead else (Reg.S,),
     )
     grad_scores = step(
         Kind.GRAD_SCORES,
         "dS = P (dP - D)",
         reads=() if ahead else (d,),
-        reg_reads=(Reg.S, Reg.DP),
+        reg_reads=(Reg.S, Reg.DP, Reg.D) if ahead else (Reg.S, Reg.DP),
         reg_writes=(Reg.DP,),
     )
     pack_p = step(Kind.PACK, "P^T to 16 bits", reg_reads=(Reg.S,), reg_writes=(Reg.P16,))
     dv = wgmma("dV += P^T dO", (do,), (Reg.P16, Reg.DV), Reg.DV)
     dk = wgmma("dK += dS^T Q", (q,), (Reg.DS16, Reg.DK), Reg.DK)
     scores = [
-        *([step(Kind.LOAD_ROWS, "LSE -> registers", reads=(lse,))] if ahead else []),
+        *(
+            [step(Kind.LOAD_ROWS, "LSE -> registers", reads=(lse,), reg_writes=(Reg.LSE,))]
+            if ahead
+            else []
+        ),
         wgmma("S^T = K Q^T", (k_rows, q), (), Reg.S),
         wgmma("dP^T = V dO^T", (v_rows, do), (), Reg.DP),
         probs,

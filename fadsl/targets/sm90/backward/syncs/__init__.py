@@ -169,16 +169,20 @@ def _place_step(c: Consumer, schedule: Protocol, steps: list[Item], k: int, phas
 
 def _syncs_before(c: Consumer, schedule: Protocol, steps: list[Item], k: int, phase: LoopPhase):
     step = steps[k]
-    if step.kind is Kind.WGMMA:  # (an ordinary step's were placed before its waits)
-        handover.place_due(c, schedule, steps, k, phase)
+    mark = len(c.out)
     if phase is LoopPhase.LOOP:
         mbarrier.wait_full(c, schedule, step, phase)
     handover.wait_full(c, schedule, step, phase)
     bulk.before_write(c, step, phase)
     writer.before_write(c, schedule, step, phase)
     handover.before_write(c, schedule, step, phase)
+    if step.kind is Kind.WGMMA:  # (an ordinary step's went before its waits)
+        handover.place_due(c, schedule, steps, k, phase, at=mark, blocked=len(c.out) > mark)
     fenced = named.fence_writes(c, step, phase)
     if step.kind is Kind.WGMMA:
         wgmma.fence(c, steps, k, phase)
+    met = len(c.out)
     named.meet(c, step, phase, fenced)
+    # (a hand-over's arrival held back over a meeting could close a cycle: none in any plan)
+    assert not (c.handover_due and len(c.out) > met), "a meeting while an arrival is held back"
     bulk.before_add(c, step, phase)

@@ -138,21 +138,33 @@ def after_write(c: Consumer, schedule: Protocol, step: Item, phase: LoopPhase) -
 
 
 def place_due(
-    c: Consumer, schedule: Protocol, steps: list[Item], k: int | None, phase: LoopPhase
+    c: Consumer,
+    schedule: Protocol,
+    steps: list[Item],
+    k: int | None,
+    phase: LoopPhase,
+    at: int | None = None,
+    blocked: bool = False,
 ) -> None:
-    """Before steps[k] (``None``: the m-block's or the program's end), unless it is a wgmma
-    reading no tile a due write handed over: each due writer's part fenced for the async
-    proxy (RAW), then its arrival on full."""
+    """Each due writer's part fenced for the async proxy (RAW), then its arrival on full:
+    before steps[k] (``None``: the m-block's end), at ``at`` in the program where steps[k]
+    is a wgmma (ahead of the syncs placed for it, its waits among them: an arrival never
+    comes after a wait, which might wait for the other warpgroup to get past its own).
+    Held back where steps[k] is a wgmma that reads no tile a due write handed over and
+    needs no wait or barrier (not ``blocked``): the run of wgmmas after the write."""
     if not c.handover_due:
         return
-    handed = _handed(schedule)
-    if k is not None and steps[k].kind is Kind.WGMMA:
+    if k is not None and steps[k].kind is Kind.WGMMA and not blocked:
         tiles = {t for w in c.handover_due for t in _buffers(schedule, w.writes)}
         if not any(op.buffer in tiles for op in steps[k].reads):
             return  # a wgmma of the run after the write: it goes first
+    handed = _handed(schedule)
     due, c.handover_due = c.handover_due, []
+    at = len(c.out) if at is None else at
+    rest, c.out = c.out[at:], c.out[:at]
     for step in due:
         _fence_and_arrive(c, handed, step, phase)
+    c.out += rest
 
 
 def _fence_and_arrive(c: Consumer, handed: dict, step: Item, phase: LoopPhase) -> None:
