@@ -5,7 +5,7 @@
 #   comparison with SDPA FLASH, compute-sanitizer (racecheck, synccheck, memcheck) at a small
 #   shape, then the benchmarks if asked.
 # Usage (repo root, on the device):
-#   bash scripts/device.sh [fa4stage] [numerics] [backward] [bwdwindow] [bwdtrace] [bwdvarlen] [varlen] [kvcache] [modifiers] [fp8] [distributed] [tests] [sanitize] [trace] [probe] [streamprobe] [bench ARGS...]
+#   bash scripts/device.sh [fa4stage] [numerics] [backward] [bwdwindow] [bwdab] [bwdtrace] [bwdvarlen] [varlen] [kvcache] [modifiers] [fp8] [distributed] [tests] [sanitize] [trace] [probe] [streamprobe] [bench ARGS...]
 #   modifiers: tests/test_gpu_modifiers.py, tests/test_gpu_modifiers_backward.py and
 #   tests/test_gpu_modifiers_learnable.py (score and keep modifiers, forward and backward,
 #   learnable inputs' gradients), then compute-sanitizer on
@@ -42,6 +42,9 @@
 #   kernel's share of a backward call) and Nsight Compute's SpeedOfLight, compute, warp-state
 #   and memory sections for the main kernel of each of BWD_NCU_SPECS (default fa3_hopper and
 #   fa3_hdim64; "": none) at 1 x 16384
+#   bwdab: research/probes/backward_ab.py: development builds of each of BWD_AB_SPECS (default
+#   fa3_hopper, fa3_causal), one per define set of BWD_AB_SETS (";"-separated, after the control
+#   FADSL_NOTHING=1), timed sustained side by side at BWD_AB_SEQLENS (default 1024,4096,16384)
 #   bwdtrace: scripts/backward_trace.py (the backward's m-block timeline) on each of
 #   BWD_TRACE_SPECS (spec files, or training variants' names as BWD_SPECS takes them, e.g.
 #   fa3_hopper+deterministic-dqred+s2; default the four training examples) at each of BWD_TRACE_SEQLENS
@@ -153,6 +156,13 @@ if [[ $steps == *" bwdprobe "* ]]; then
       --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats --section MemoryWorkloadAnalysis \
       python3 -P scripts/ncu_one.py --backward "$spec" > "$OUT/ncu_$(basename "$spec" .fa).txt" 2>&1
     grep -E "Duration|SM Frequency|Compute \(SM\) Throughput|Memory Throughput|Issue Slots Busy|Executed Ipc Active|Warp Cycles Per Issued|Shared Memory|L1/TEX Hit|Max Bandwidth" "$OUT/ncu_$(basename "$spec" .fa).txt" | head -20
+  done
+fi
+if [[ $steps == *" bwdab "* ]]; then
+  for spec in ${BWD_AB_SPECS:-examples/fa3_hopper.fa examples/fa3_causal.fa}; do
+    python3 -P research/probes/backward_ab.py "$spec" --sets "FADSL_NOTHING=1;${BWD_AB_SETS:?BWD_AB_SETS: the define sets to time}" \
+      --seqlens ${BWD_AB_SEQLENS:-1024,4096,16384} --seconds ${BWD_AB_SECONDS:-0.8} 2>&1 | grep -v "^\[" | tee -a "$OUT/backward_ab.log"
+    status=$((status | ${PIPESTATUS[0]}))
   done
 fi
 if [[ $steps == *" bwdtrace "* ]]; then
