@@ -149,7 +149,7 @@ def run(
     call = padded_call(
         kernel, q, k, v, out, lse, dout, dlse, softmax_scale, inputs, input_grads, classes
     )
-    return launch_call(call, launch, k, v)
+    return call.launched(launch, k, v)
 
 
 def padded_call(
@@ -244,7 +244,7 @@ def run_varlen(
         softmax_scale,
         zero_partials=True,
     )
-    dq, dk, dv = launch_call(call, launch, k, v)
+    dq, dk, dv = call.launched(launch, k, v)
     return dq[0], dk[0], dv[0]
 
 
@@ -467,13 +467,11 @@ class PackedCall(NamedTuple):
     def result(self, k, v) -> tuple[Any, Any, Any]:
         return finish(self.sizes, (k.dtype, v.dtype), self.made)
 
-
-def launch_call(call: PackedCall, launch: Callable[[KernelLaunch], None], k, v):
-    """``call``'s kernels launched through ``launch``, then its dq, dk, dv (k's and v's
-    dtypes)."""
-    for kl in call.launches:
-        launch(kl)
-    return call.result(k, v)
+    def launched(self, launch: Callable[[KernelLaunch], None], k, v) -> tuple[Any, Any, Any]:
+        """The kernels launched through ``launch``, then ``result``."""
+        for kl in self.launches:
+            launch(kl)
+        return self.result(k, v)
 
 
 def prepare_call(

@@ -49,7 +49,7 @@ def plan(
     call = host.padded_call(
         kernel, q, k, v, out, lse, dout, dlse, softmax_scale, inputs, classes=classes
     )
-    grads = host.launch_call(call, launch, k, v)
+    grads = call.launched(launch, k, v)
     if not call.plannable:
         return grads, None
     steps = tuple(

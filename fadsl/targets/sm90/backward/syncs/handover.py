@@ -160,27 +160,23 @@ def place_due(
             return  # a wgmma of the run after the write: it goes first
     handed = _handed(schedule)
     due, c.handover_due = c.handover_due, []
-    at = len(c.out) if at is None else at
-    rest, c.out = c.out[at:], c.out[:at]
+    syncs = []
     for step in due:
-        _fence_and_arrive(c, handed, step, phase)
-    c.out += rest
-
-
-def _fence_and_arrive(c: Consumer, handed: dict, step: Item, phase: LoopPhase) -> None:
-    for tile in [t for t in dict.fromkeys(op.buffer for op in step.writes) if t in handed]:
-        readers = names(handed[tile][1])
-        why = (
-            f"RAW: {step.name}'s st.shared (generic proxy) before every warpgroup's {readers} "
-            "reads it (async proxy) a step later"
-        )
-        c.place(sync(Kind.FENCE_PROXY_ASYNC_SMEM, Who.WARPGROUP, c.home, phase, why))
-        c.unfenced.clear()  # the fence orders every earlier generic access of the thread
-        why = f"RAW: this thread's part of {tile.value} stored and fenced, for {readers}"
-        full = dict(mbar=BARRIERS[tile][0], slot=Index.ALTERNATE)
-        c.place(sync(Kind.MBAR_ARRIVE, Who.WARPGROUP, c.home, phase, why, **full))
-        for pending in (c.unmet_in_warpgroup, c.unmet_in_consumers):  # handed over, not met
-            pending[:] = [(w, op) for w, op in pending if op.buffer is not tile]
+        for tile in _buffers(schedule, step.writes):
+            readers = names(handed[tile][1])
+            why = (
+                f"RAW: {step.name}'s st.shared (generic proxy) before every warpgroup's "
+                f"{readers} reads it (async proxy) a step later"
+            )
+            syncs.append(sync(Kind.FENCE_PROXY_ASYNC_SMEM, Who.WARPGROUP, c.home, phase, why))
+            why = f"RAW: this thread's part of {tile.value} stored and fenced, for {readers}"
+            full = dict(mbar=BARRIERS[tile][0], slot=Index.ALTERNATE)
+            syncs.append(sync(Kind.MBAR_ARRIVE, Who.WARPGROUP, c.home, phase, why, **full))
+            for pending in (c.unmet_in_warpgroup, c.unmet_in_consumers):  # handed, not met
+                pending[:] = [(w, op) for w, op in pending if op.buffer is not tile]
+    c.unfenced.clear()  # the fence orders every earlier generic access of the thread
+    at = len(c.out) if at is None else at
+    c.out[at:at] = syncs  # (neither a named barrier: nothing for Consumer.place to publish)
 
 
 def wait_full(c: Consumer, schedule: Protocol, step: Item, phase: LoopPhase) -> None:
