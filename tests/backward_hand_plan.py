@@ -391,8 +391,37 @@ def _lag_consumer(p: Params) -> list[Item | str]:
             if p.persistent
             else []
         ),  # K and V freed once the last dQ retired
-        "dK -> global",
-        "dV -> global",
+        *(_tma_epilogue(main) if p.dkv_tma else ["dK -> global", "dV -> global"]),
+    ]  # fmt: skip
+
+
+def _tma_epilogue(main: CodeSite) -> list[Item | str]:
+    """bwd_consumer_lagged's epilogue with dK and dV by TMA: dV's rows staged in V's, the
+    proxy fence, the warpgroup's barrier, thread 0's TMA store and commit; the wait on the
+    last dS^T buffer's ds_empty (every warpgroup's last dQ, which read K, retired); dK the
+    same way through K's rows, then thread 0's wait_group.read 0 before the exit."""
+
+    def sync(kind: Kind, who: Who = Who.WARPGROUP, **fields) -> Item:
+        return Item(kind, who, main, LoopPhase.AFTER, **fields)
+
+    met = [
+        sync(Kind.FENCE_PROXY_ASYNC_SMEM, why="RAW: the stmatrix before the TMA store"),
+        sync(Kind.NAMED_BAR_SYNC, named=Named.DQ, threads=WARPGROUP_THREADS, why="RAW: staged"),
+    ]
+    return [
+        "dV -> smem (V's rows)",
+        *met,
+        "dV TMA store",
+        sync(Kind.BULK_COMMIT, Who.LEADER),
+        sync(
+            Kind.MBAR_WAIT, mbar=Mbar.DS_EMPTY, slot=Index.ALTERNATE, parity=WaitParity.ALTERNATE,
+            guard=Guard.LAGGED, why="WAR: every warpgroup's last dQ read K",
+        ),
+        "dK -> smem (K's rows)",
+        *met,
+        "dK TMA store",
+        sync(Kind.BULK_COMMIT, Who.LEADER),
+        sync(Kind.BULK_WAIT_READ, Who.LEADER, pending=0, why="the stores read their tiles"),
     ]  # fmt: skip
 
 

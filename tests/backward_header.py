@@ -102,7 +102,7 @@ def kernel_template(
     # the Cfg's constants of a window or a softcap: declarations, never calls
     constants = re.compile(
         tag(
-            "if (window|softcap|longest_first|varlen|dv_before_meeting|dq_writer|ds_stmatrix|modifiers|score|score_by_distance|score_grad|keep|keep_classes|learn|persistent or dq_lag|dq_first)"
+            "if (window|softcap|longest_first|varlen|dv_before_meeting|dq_writer|ds_stmatrix|dkv_tma|modifiers|score|score_by_distance|score_grad|keep|keep_classes|learn|persistent or dq_lag|dq_first)"
         )
         + r"(.*?)"
         + tag("endif"),
@@ -241,6 +241,8 @@ def store_function(buffer: StagedTile, p: Params) -> str:
     stmatrix .trans where dQ is transposed, else by stmatrix or st.shared as the spec says."""
     if buffer is StagedTile.DQ_STAGE:
         return "stage_dq"
+    if buffer in (StagedTile.K, StagedTile.V):  # dK's and dV's rows, for their TMA stores
+        return "stage_grad_kv"
     if p.split:
         return "store_keys_t"
     if p.dq_transposed:
@@ -288,7 +290,7 @@ def expected_calls(proto: Protocol, role: WarpRole) -> list[Call]:
             case Kind.ST_SHARED:
                 store = store_function(x.writes[0].buffer, p)
                 detail = (smem(x.writes)[0], x.reg_reads[0], store)
-            case Kind.BULK_REDUCE_ADD:
+            case Kind.BULK_REDUCE_ADD | Kind.TMA_STORE:
                 detail = (x.reads[0].buffer,)
             case Kind.STORE_GLOBAL | Kind.RED_GLOBAL:
                 detail = x.reg_reads

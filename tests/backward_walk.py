@@ -91,6 +91,8 @@ TRACED = {
     "red_add_dq": Kind.RED_GLOBAL,
     "store_grad_kv": Kind.STORE_GLOBAL,
     "store_grad_kv_t": Kind.STORE_GLOBAL,
+    "stage_grad_kv": Kind.ST_SHARED,  # dK's and dV's rows into the dead K and V tiles
+    "store_grad_kv_tma": Kind.TMA_STORE,
 }
 # the callees whose operands name SMEM, by argument position
 SMEM_ARGS = {"issue_keys_by_rows": (1, 2), "issue_grad_kv": (2,), "issue_dq": (1, 2)}
@@ -103,6 +105,7 @@ SMEM_ARGS |= {"bulk_reduce_add_f32": (1,), "tma_load_4d": (0,), "bulk_load": (0,
 SMEM_ARGS |= {"issue_rows_by_keys": (1, 2), "issue_grad_panel_t": (1, 2)}
 SMEM_ARGS |= {"issue_dq_panel_t": (1, 2), "bwd_probs_rows": (3,), "bwd_grad_scores_rows": (3,)}
 SMEM_ARGS |= {"store_keys_t": (0,), "store_ds_stmatrix": (0,)}
+SMEM_ARGS |= {"stage_grad_kv": (0,), "store_grad_kv_tma": (0,)}
 REGISTERS = {"s": Reg.S, "dp": Reg.DP, "p16": Reg.P16, "ds16": Reg.DS16}
 REGISTERS |= {"dk": Reg.DK, "dv": Reg.DV, "dq": Reg.DQ}
 REGISTERS |= {"lse": Reg.LSE, "d_sums": Reg.D}  # the lagged consumer's RowPairs
@@ -146,6 +149,7 @@ class Walk:
     header: str  # the text the inlined functions are read from
     phase: LoopPhase = LoopPhase.BEFORE
     guard: Guard = Guard.ALWAYS
+    returned: bool = False  # the function returned (the rest of it is not walked)
 
     def fork(self, **changes) -> Walk:
         return replace(self, variables=dict(self.variables), calls=[], **changes)
@@ -262,7 +266,7 @@ def detail_of(name: str, args: list[str], template: str, walk: Walk) -> tuple:
             return (REGISTERS[args[0]],), (REGISTERS[args[1]],)
         case Kind.ST_SHARED:  # (which store: st.shared, stmatrix or stmatrix .trans)
             return smem[0][:2], REGISTERS[args[1]], name
-        case Kind.BULK_REDUCE_ADD:
+        case Kind.BULK_REDUCE_ADD | Kind.TMA_STORE:
             return (smem[0][0],)
         case Kind.STORE_GLOBAL:
             return (REGISTERS[args[0]],)
@@ -279,6 +283,8 @@ DECLARATION = re.compile(
 
 def walk_block(nodes: list, walk: Walk) -> None:
     for node in nodes:
+        if walk.returned:
+            return
         if node[0] == "if" and node[1] == "b.m_count==0" and node[3] == ("simple", "return"):
             walk.guard = Guard.HAS_WORK  # the rest runs only for a CTA with work
             continue
@@ -291,6 +297,7 @@ def walk_node(node, walk: Walk) -> None:
             inner = walk.fork()
             walk_block(nodes, inner)
             walk.calls += inner.calls
+            walk.returned = inner.returned
         case ("simple", text):
             walk_simple(text, walk)
         case ("if", cond, constexpr, then, other):
@@ -339,6 +346,7 @@ def walk_if(cond: str, constexpr: bool, then, other, walk: Walk) -> None:
     flags["Cfg::kPersistent"] = walk.params.persistent
     flags["Cfg::kDqLag"] = walk.params.dq_lag
     flags["Cfg::kDqFirst"] = walk.params.dq_first
+    flags["Cfg::kDkvTma"] = walk.params.dkv_tma
     flags |= {f"!{name}": not value for name, value in flags.items()}
     if constexpr:  # a flag, its negation, or a conjunction of them
         chosen = then if all(flags[part] for part in cond.split("&&")) else other
@@ -360,6 +368,14 @@ def walk_if(cond: str, constexpr: bool, then, other, walk: Walk) -> None:
         # `dq_lag on`: the store into a dS^T buffer's waits for its previous use's readers
         "run_i>=2": dict(guard=Guard.REUSED),
     }
+    if cond == "P.dkv_store==kDkvStoreT":  # dK and dV by TMA, then return; under GQA (fp32
+        # sums per K/V head) the st.global from registers after it, which no sync orders
+        assert other is None and then[-1][-1] == ("simple", "return"), "a return ends it"
+        inner = walk.fork()
+        walk_node(then, inner)
+        walk.calls += inner.calls
+        walk.returned = True
+        return
     if cond == "i>0" and other is not None:  # `dq_lag on`: dQ(i - 1) around dK(i)'s calls
         return _walk_lagged(then, other, walk)
     if cond == "b.m_count>0" and walk.phase is LoopPhase.AFTER and _declares_last(then):

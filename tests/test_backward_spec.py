@@ -118,6 +118,7 @@ def test_the_full_block_lowers_to_the_ir():
         "persistent": False,
         "fused_convert": False,
         "ds_stmatrix": False,
+        "dkv_tma": False,
     }
     assert bwd.loc == Loc(FILE, *where(text, "  backward {", "backward"))
     assert bwd.loc_of("stages") == Loc(FILE, *where(text, "stages     3"))
@@ -238,7 +239,8 @@ LOCATED = [
     ("D:   gmem -bulk-> smem[cta] -ld.shared->", "D:   gmem -bulk-> smem[cta] -wgmma->", "D:   gmem", "wgmma", "'wgmma' does not move D smem -> rf in the backward; 'ld.shared' does"),
     ("dQ:  rf -st.shared-> smem[warpgroup]", "dQ:  rf -st.shared-> smem[cta]", "dQ:  rf", "cta", "dQ lives in smem[warpgroup] in the backward: each consumer warpgroup stages its share in fp32"),
     ("dS:  rf -st.shared-> smem[cta]", "dS:  rf -st.shared-> smem[warpgroup]", "dS:  rf", "warpgroup", "dS lives in smem[cta] in the backward"),
-    ("dK:  rf -st.global-> gmem", "dK:  rf -st.shared-> smem[cta] -tma-> gmem", "dK:  rf -st.shared", "dK", "dK must go rf -st.global-> gmem in the backward"),
+    ("dK:  rf -st.global-> gmem", "dK:  rf -st.shared-> smem[warpgroup] -tma-> gmem", "dK:  rf -st.shared", "st.shared", "'st.shared' does not move dK rf -> smem in the backward; 'stmatrix' does (dK: rf -stmatrix-> smem[warpgroup] -tma-> gmem)"),
+    ("dK:  rf -st.global-> gmem", "dK:  rf -st.global-> smem[warpgroup] -wgmma-> rf", "dK:  rf", "dK", "dK must go rf -st.global-> gmem in the backward (each consumer warpgroup stores its rows once, after the last m-block), or rf -stmatrix-> smem[warpgroup] -tma-> gmem"),
     ("dO:  gmem -tma-> smem[cta] -wgmma-> rf", "dO:  gmem -tma-> smem[cta]", "dO:  gmem", "dO", "dO must go gmem -tma-> smem[cta] -wgmma-> rf in the backward"),
     ("dQ:  rf -st.shared-> smem[warpgroup] -reduce.add-> gmem", "dQ:  rf -red.add-> gmem\n    dq_writer on", "dq_writer on", "dq_writer", "dq_writer on hands each consumer's staged dQ to a writer warp for its bulk reduce-add; dQ's path here adds from registers"),
     ("deterministic off", "dq_writer maybe", "dq_writer maybe", "maybe", "unknown dq_writer 'maybe'; expected 'on' or 'off'"),

@@ -113,6 +113,12 @@ FUSED += ("fa3_causal+br64+fused_convert", "fa3_causal+persistent+fused_convert"
 FUSED += ("fa3_hopper-dq_lag+fused_convert", "fa3_causal+longest_first+fused_convert")
 FUSED += ("fa3_hdim64+br64+fused_convert",)  # (dQ split by keys: both warpgroups add into all)
 VARIANTS += FUSED
+# dK and dV by TMA through the dead K and V tiles (the lagged examples' since 2026-12-02, so
+# the variants above built on them run it where they admit it): their st.global twins, and
+# head_dim 64 without a mask (dQ by queries) on the grid
+DKV_TMA = ("fa3_hopper-dkv_tma", "fa3_causal-dkv_tma", "fa3_hdim64_causal-dkv_tma")
+DKV_TMA += ("fa3_hdim64-persistent+dkv_tma",)
+VARIANTS += DKV_TMA
 CASES = [(n, d, s) for n in FORWARDS + PLAIN + VARIANTS for d in DTYPES for s in SHAPES]
 # head_dim 256 (sm90_bwd_split.cuh: B_r 64, each consumer S and dP of B_c / 2 keys, dK^T, dV^T
 # and dQ^T of its half of head_dim): the examples' B_c 80 and the B_c 64 fallback; seqlens off
@@ -143,6 +149,9 @@ def training_spec(name: str) -> str:
     B_c = 64; ``+s2`` / ``+s3`` sets the stages; ``+dqred`` / ``-dqred`` gives dQ the path
     ``rf -red.add-> gmem`` / the staged one; ``+ds_stmatrix`` / ``-ds_stmatrix`` gives dS
     the path ``rf -stmatrix-> smem[cta] -wgmma-> rf`` / the st.shared one (not at B_r 80);
+    ``+dkv_tma`` / ``-dkv_tma`` gives dK and dV the path ``rf -stmatrix-> smem[warpgroup]
+    -tma-> gmem`` / ``rf -st.global-> gmem`` (the first is refused, and so dropped, where
+    ``dq_lag`` ends up off or ``scheduler persistent`` on, unless the name says ``+dkv_tma``);
     ``+p32`` sets setmaxnreg to producer 32, consumers 232; ``+persistent`` / ``-persistent``
     sets the block's ``scheduler persistent`` / ``grid``; ``+dq_writer`` turns the writer
     warps on as any other key. An example whose block says ``scheduler persistent`` gets
@@ -176,6 +185,10 @@ def training_spec(name: str) -> str:
             block = _set_line(
                 block, "scheduler", f"scheduler {'persistent' if switch[0] == '+' else 'grid'}"
             )
+        elif switch[1:] == "dkv_tma":
+            path = TMA_DKV if switch[0] == "+" else "rf -st.global-> gmem"
+            for grad in ("dK:", "dV:"):
+                block = _set_line(block, grad, f"{grad} {path}")
         elif switch[1:] == "dqred":
             block = _set_line(
                 block, "dQ:", "dQ: rf -red.add-> gmem" if switch[0] == "+" else STAGED_DQ
@@ -193,7 +206,16 @@ def training_spec(name: str) -> str:
         block = re.sub(r"^(\s*)dq_lag\s+on\b", r"\1dq_lag off", block, flags=re.M)
     if not re.search(r"^\s*dq_lag\s+on\b", block, re.M):  # (`dq_first` orders the lag)
         block = re.sub(r"^(\s*)dq_first\s+on\b", r"\1dq_first off", block, flags=re.M)
+    # dK and dV by TMA: the lagged consumer's, one tile per CTA
+    persistent = re.search(r"^\s*scheduler\s+persistent\b", block, re.M)
+    if (persistent or not re.search(r"^\s*dq_lag\s+on\b", block, re.M)) and (
+        "+dkv_tma" not in switches
+    ):
+        block = block.replace(TMA_DKV, "rf -st.global-> gmem")
     return head + "backward {" + block
+
+
+TMA_DKV = "rf -stmatrix-> smem[warpgroup] -tma-> gmem"  # dK's and dV's path by TMA
 
 
 def _set_line(block: str, first_word: str, line: str) -> str:

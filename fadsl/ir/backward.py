@@ -79,6 +79,10 @@ class Backward:
     # dQ converted to the input dtype by the main kernel's CTA that completes each m-block's
     # adds, not by a convert_dq kernel after it (sm90_bwd_convert.cuh, bwd_finish_dq)
     fused_convert: bool = False
+    # dK's and dV's paths are `rf -stmatrix-> smem[warpgroup] -tma-> gmem`: each consumer
+    # warpgroup stages its rows in the dead K and V tiles and one thread stores them by TMA
+    # (sm90_bwd_lag.cuh, store_grad_kv_tma); not `rf -st.global-> gmem` from registers
+    dkv_tma: bool = False
     # Every tensor's path, the defaults included, in the target's order. The IR's text form
     # leaves them out (the target admits one path per tensor): a kernel read back has none.
     tensors: tuple[BackwardTensor, ...] = ()
@@ -120,13 +124,14 @@ class Backward:
             + (" ds=stmatrix" if self.ds_stmatrix else "")
             + (" scheduler=persistent" if self.persistent else "")
             + (" fused_convert=on" if self.fused_convert else "")
+            + (" dkv=tma" if self.dkv_tma else "")
         )
 
 
 _TEXT = re.compile(
     r"backward B_r=(?P<m>\d+) B_c=(?P<n>\d+) consumers=(?P<consumers>\d+) "
     r"regs=(?P<preg>\d+)/(?P<creg>\d+) stages=(?P<stages>\d+) "
-    r"deterministic=(?P<deterministic>on|off)(?P<overlap> overlap=on)?(?P<early_dv> early_dv=on)?(?P<dv_before_meeting> dv_before_meeting=on)?(?P<dq_lag> dq_lag=on)?(?P<dq_first> dq_first=on)?(?P<dq_red> dq=red.add)?(?P<longest_first> longest_first=on)?(?P<dq_writer> dq_writer=on)?(?P<ds_stmatrix> ds=stmatrix)?(?P<persistent> scheduler=persistent)?(?P<fused_convert> fused_convert=on)?$"
+    r"deterministic=(?P<deterministic>on|off)(?P<overlap> overlap=on)?(?P<early_dv> early_dv=on)?(?P<dv_before_meeting> dv_before_meeting=on)?(?P<dq_lag> dq_lag=on)?(?P<dq_first> dq_first=on)?(?P<dq_red> dq=red.add)?(?P<longest_first> longest_first=on)?(?P<dq_writer> dq_writer=on)?(?P<ds_stmatrix> ds=stmatrix)?(?P<persistent> scheduler=persistent)?(?P<fused_convert> fused_convert=on)?(?P<dkv_tma> dkv=tma)?$"
 )
 
 
@@ -157,5 +162,6 @@ def read_backward(line: str, loc: Loc) -> Backward:
         ds_stmatrix=m["ds_stmatrix"] is not None,
         persistent=m["persistent"] is not None,
         fused_convert=m["fused_convert"] is not None,
+        dkv_tma=m["dkv_tma"] is not None,
         loc=loc,
     )

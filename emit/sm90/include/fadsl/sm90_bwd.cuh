@@ -98,6 +98,10 @@ struct BwdParamsSm90 {
   // and its strides in elements; dq_semaphore then counts each m-block's n-blocks done
   void* dq;
   int64_t dq_batch_stride, dq_row_stride, dq_head_stride;
+  // dK and dV stored by TMA from the dead K and V tiles (16-bit, one K/V head per query
+  // head; zeros otherwise): boxes of 64 columns x 64 key rows, a consumer warpgroup's
+  CUtensorMap tma_dk;
+  CUtensorMap tma_dv;
 };
 
 // BwdParamsSm90::dkv_store.  GQA's query heads of one K/V head each hold part of its dK and
@@ -135,7 +139,7 @@ struct BwdPrepParams {
   int tokens_k, q_row_bytes, k_row_bytes;
 };
 
-static_assert(sizeof(BwdParamsSm90) == 896, "BwdParamsSm90's layout is fadsl/targets/sm90/backward/host.py's");
+static_assert(sizeof(BwdParamsSm90) == 1152, "BwdParamsSm90's layout is fadsl/targets/sm90/backward/host.py's");
 // (NVRTC 13.0 has no __builtin_offsetof; nvcc's host compile of this header checks it:
 // tests/test_varlen_backward_chunks.py)
 #if !defined(__CUDACC_RTC__)
@@ -240,6 +244,10 @@ struct BwdConfig {
   // head_dim split, whose dS stores are stmatrix .trans already): dS^T's 8 x 8 blocks stored
   // by stmatrix, four an instruction (store_ds_stmatrix), the bytes store_ds's st.shared write
   static constexpr bool kDsStmatrix = false;
+  // `dK: rf -stmatrix-> smem[warpgroup] -tma-> gmem` and dV's alike (a generated Cfg sets it;
+  // with kDqLag, one tile per CTA): each consumer warpgroup stages its rows in the dead V,
+  // then K tile and its thread 0 stores them by TMA (bwd_consumer_lagged's epilogue)
+  static constexpr bool kDkvTma = false;
   // `varlen on` (a generated Cfg sets it): packed sequences, cu_seqlens in the params; a CTA
   // per (n-block slot, query head) over the packed keys (bwd_block)
   static constexpr bool kVarlen = false;

@@ -51,6 +51,45 @@ __device__ __forceinline__ void issue_dq_lagged(float (&dq)[Cfg::kDqRegs], uint3
   wgmma_commit();
 }
 
+// dK or dV (the warpgroup's 64 key rows, times `scale`) into its rows of the K or V tile
+// (`tile_wg`: the tile's address plus the warpgroup's first row), 16-bit in the tile's
+// 128-byte swizzled 64-column panels, as the TMA store reads them: x4 n of warp w stores
+// 8 x 8 blocks (j, r) = (2n + I / 2, I % 2), I = lane / 8, whose key row 16 w + 8r + lane % 8
+// lane L addresses, columns 8j .. 8j + 7 (the accumulator's fragment is stmatrix's register
+// layout, as store_ds_stmatrix's).  A generic-proxy store: fenced and met before the TMA
+// store reads it.
+template <class Cfg>
+__device__ __forceinline__ void stage_grad_kv(uint32_t tile_wg, const float (&acc)[Cfg::kAccRegs], int warp, int lane,
+                                              float scale) {
+  const int block = lane / 8;
+  const int key = 16 * warp + 8 * (block % 2) + lane % 8;
+#pragma unroll
+  for (int n = 0; n < Cfg::kHeadDim / 16; ++n) {
+    const int j = 2 * n + block / 2;
+    const uint32_t byte = (j / 8) * Cfg::kBlockN * Cfg::kRowBytes + key * Cfg::kRowBytes + (j % 8) * 16;
+    uint32_t x[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int jj = 2 * n + i / 2, r = i % 2;
+      x[i] = pack_f32x2<typename Cfg::T>(acc[4 * jj + 2 * r] * scale, acc[4 * jj + 2 * r + 1] * scale);
+    }
+    stmatrix_x4(tile_wg + swizzle128(byte), x[0], x[1], x[2], x[3]);
+  }
+}
+
+// The warpgroup's 64 staged rows of dK or dV (`tile_wg` as stage_grad_kv's) to global memory
+// by TMA, a box of 64 columns x 64 rows per panel (the host's tma_dk and tma_dv); rows past
+// seqlen_k are not written.  By one thread, in the bulk group it commits after.
+template <class Cfg>
+__device__ __forceinline__ void store_grad_kv_tma(uint32_t tile_wg, const CUtensorMap* map, const BwdBlock& b,
+                                                  int head, int wg) {
+#pragma unroll
+  for (int panel = 0; panel < Cfg::kPanels; ++panel) {
+    tma_store_4d(map, tile_wg + panel * Cfg::kBlockN * Cfg::kRowBytes, 64 * panel, b.k_row0 + b.n0 + 64 * wg, head,
+                 b.batch);
+  }
+}
+
 // A consumer warpgroup with `dq_lag on` (BwdConfig's static_assert: overlap on, dQ by
 // red.add, no deterministic order, early dV, dQ writer, dQ by keys or split head_dim).
 // In wgmma commit order, per m-block i: S^T(i), dP^T(i), then dV(i), dQ(i - 1) (from i = 1),
@@ -64,6 +103,7 @@ __device__ __forceinline__ void bwd_consumer_lagged(const BwdParamsSm90& P, uint
   static_assert(Cfg::kDqLag && Cfg::kOverlap && Cfg::kDqRed && !Cfg::kDeterministic && !Cfg::kEarlyDv && !Cfg::kDvBeforeMeeting &&
                     !Cfg::kDqWriter && !Cfg::kDqByKeys && !Cfg::kSplitHeadDim,
                 "dq_lag: overlap on, dQ by red.add, none of deterministic, early_dv, dv_before_meeting, dq_writer");
+  static_assert(!Cfg::kDkvTma || (!Cfg::kPersistent && !Cfg::kVarlen), "dK, dV by TMA: one tile per CTA, padded batches");
   const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
   const int key0 = b.n0 + 64 * wg + 16 * warp + lane / 4;  // this thread's key row r = 0
   float dk[Cfg::kAccRegs], dv[Cfg::kAccRegs];
@@ -202,6 +242,33 @@ __device__ __forceinline__ void bwd_consumer_lagged(const BwdParamsSm90& P, uint
   // dK, dV per K/V head, or with deterministic GQA per query head (summed over the group after)
   BwdBlock out = b;
   out.head = P.dkv_store == kDkvStorePartial ? b.head : b.head_kv;
+  if constexpr (Cfg::kDkvTma) {
+    if (P.dkv_store == kDkvStoreT) {  // (GQA's fp32 per K/V head: from registers, below)
+      // dV through the warpgroup's V rows, which only its dP^T read (retired in the loop)
+      stage_grad_kv<Cfg>(v_wg, dv, warp, lane, 1.f);
+      fence_proxy_async_smem();  // RAW: the stmatrix (generic proxy) before the TMA store reads it (async proxy)
+      named_bar_sync(Cfg::kBarDQ + wg, 128);  // RAW: every thread's part of the rows staged and fenced
+      if (tid == 0) {
+        store_grad_kv_tma<Cfg>(v_wg, &P.tma_dv, b, out.head, wg);
+        tma_store_commit();  // dV's bulk group: the exit's wait names it
+      }
+      if (b.m_count > 0) {
+        const int last = run.m0 + b.m_count - 1;
+        // WAR: every warpgroup's last dQ, which read K, retired (the last dS^T buffer's empty phase)
+        mbar_wait_parity(bwd_bar_ds_empty<Cfg>(smem, last % 2), static_cast<uint32_t>(last / 2) & 1u);
+      }
+      stage_grad_kv<Cfg>(k_wg, dk, warp, lane, P.softmax_scale);
+      fence_proxy_async_smem();  // RAW: the stmatrix (generic proxy) before the TMA store reads it (async proxy)
+      named_bar_sync(Cfg::kBarDQ + wg, 128);  // RAW: every thread's part of the rows staged and fenced
+      if (tid == 0) {
+        store_grad_kv_tma<Cfg>(k_wg, &P.tma_dk, b, out.head, wg);
+        tma_store_commit();  // dK's bulk group: the exit's wait names it
+        tma_store_wait_read<0>();  // both stores read their tiles before the CTA exits
+      }
+      if (wg == 0 && tid == 0) FADSL_BWD_CTA_MARK(4);
+      return;
+    }
+  }
   store_grad_kv<Cfg>(dk, P.dk, P.dk_batch_stride, P.dk_row_stride, P.dk_head_stride, P, out, key0, P.softmax_scale);
   store_grad_kv<Cfg>(dv, P.dv, P.dv_batch_stride, P.dv_row_stride, P.dv_head_stride, P, out, key0, 1.f);
   if (wg == 0 && tid == 0) FADSL_BWD_CTA_MARK(4);

@@ -49,7 +49,7 @@ PANEL_COLS = 64
 # BwdParamsSm90::dkv_store (sm90_bwd.cuh's DkvStore)
 DKV_STORE_T, DKV_STORE_PARTIAL, DKV_ADD_FP32 = 0, 1, 2
 MAIN_FIELDS = struct.Struct("<6Q6q7i2fi2Qi")
-MAIN_BYTES = 896
+MAIN_BYTES = 1152
 # Then the score and mask modifiers' fields (issue 41): the spec's input pointers in declared
 # order, zeros past them, and the batch size, at the offsets sm90_bwd.cuh's static_assert
 # names (packed only for a spec with modifiers; zeros otherwise, as before they existed).
@@ -60,6 +60,10 @@ MODIFIERS_OFFSET = 672
 # the struct is 896 bytes with them (its 128-byte alignment, the tensor maps')
 FUSED = struct.Struct("<Q3q")
 FUSED_OFFSET = 760
+# Then dK and dV's TMA store maps (boxes of 64 columns x 64 key rows), for 16-bit gradients
+# of one K/V head per query head (zeros otherwise); the struct is 1152 bytes with them
+DKV_MAPS_OFFSET = 896
+DKV_BOX_ROWS = 64
 # BwdPrepParams: 8 pointers, 8 int64 strides, 3 ints, the varlen pointer and int, then the
 # varlen gradients to zero outside the sequences (4 pointers, 3 ints); 208 bytes.
 PREP = struct.Struct("<8Q8q3i4xQi4x4Q3i4x")
@@ -452,17 +456,26 @@ def finish(s: Sizes, dtypes, made: tuple) -> tuple[Any, Any, Any]:
     return dq, dk.to(dtypes[0]), dv.to(dtypes[1])
 
 
+def stores_dkv_by_tma(kernel: Kernel, s: Sizes) -> bool:
+    """Whether the call's params hold dK and dV's TMA store maps: the spec's paths say so
+    (padded batches: validate.py) and the gradients are stored per K/V head in the input
+    dtype (under GQA the group's fp32 sums go from registers: sm90_bwd_lag.cuh)."""
+    return kernel.backward.dkv_tma and s.dkv_store == DKV_STORE_T
+
+
 class PackedCall(NamedTuple):
     """One call's kernels as packed (``prepare_call``): ``launches`` in order, the tensors it
     made (``made``, MADE's order), ``addresses``: each address field's value by name (0: none),
     ``plannable``: whether a launch plan may replay it with other addresses (no classing pass,
-    no learnable buffers, no packed sequences)."""
+    no learnable buffers, no packed sequences); ``dkv_maps``: whether the main kernel's
+    params hold dK's and dV's TMA store maps (at DKV_MAPS_OFFSET)."""
 
     sizes: Sizes
     launches: tuple[KernelLaunch, ...]
     made: tuple
     addresses: dict
     plannable: bool
+    dkv_maps: bool = False
 
     def result(self, k, v) -> tuple[Any, Any, Any]:
         return finish(self.sizes, (k.dtype, v.dtype), self.made)
@@ -554,6 +567,10 @@ def prepare_call(
         main += bytes(MODIFIERS_OFFSET - len(main)) + extra
     if s.fused:
         main += bytes(FUSED_OFFSET - len(main)) + FUSED.pack(a["dq"], *_strides3(dq))
+    dkv_maps = stores_dkv_by_tma(kernel, s)
+    if dkv_maps:
+        main += bytes(DKV_MAPS_OFFSET - len(main))
+        main += tensor_map(dk, PANEL_COLS, DKV_BOX_ROWS) + tensor_map(dv, PANEL_COLS, DKV_BOX_ROWS)
     main += bytes(MAIN_BYTES - len(main))
     if classes_grid is not None:  # (with the main kernel's params, before it)
         launches.append(KernelLaunch(CLASSES_SUFFIX, classes_grid, (CLASSES_THREADS, 1, 1), main))
@@ -578,7 +595,7 @@ def prepare_call(
     for i, t in enumerate(inputs):
         addresses[INPUT_SOURCES[i]] = t.data_ptr()
     plannable = classes_grid is None and input_grads is None and not layout.cu_q
-    return PackedCall(s, tuple(launches), made, addresses, plannable)
+    return PackedCall(s, tuple(launches), made, addresses, plannable, dkv_maps)
 
 
 def _keep_classes(kernel: Kernel, q, k, made) -> tuple[tuple, tuple | None]:

@@ -8,7 +8,9 @@ is not built beside the rest, with what would work instead.
 - `scheduler persistent` carries no per-CTA state but K, V and the dK, dV accumulators;
 - `dq_lag on` reorders the overlapped consumer with dQ from registers; `dq_first on` orders
   that lag;
-- `fused_convert on` counts each m-block's contributing n-blocks from the block's ranges.
+- `fused_convert on` counts each m-block's contributing n-blocks from the block's ranges;
+- dK and dV stored by TMA from the dead K and V tiles: the lagged consumer's epilogue, one
+  tile per CTA, padded batches.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from ....ir import Backward, GradRole
 from ....spec.checks import BackwardBlock, Checks, and_list
 from ....spec.syntax import ExprLine
 from .plan_smem import SPLIT_HEAD_DIM, dq_by_keys
-from .routes import DQ_RED, PATHS
+from .routes import DK_TMA, DQ_RED, PATHS
 
 
 def check_knobs(c: Checks, block: BackwardBlock, backward: Backward, head_dim: int | None) -> bool:
@@ -48,7 +50,32 @@ def check_knobs(c: Checks, block: BackwardBlock, backward: Backward, head_dim: i
         ok = False
     if backward.fused_convert:
         ok = _fused_convert(c, block, backward) and ok
+    if backward.dkv_tma:
+        ok = _dkv_tma(c, block, backward) and ok
     return ok
+
+
+def _dkv_tma(c: Checks, block: BackwardBlock, backward: Backward) -> bool:
+    """dK and dV through the dead K and V tiles by TMA: built in the lagged consumer, whose
+    last dQ retires in every warpgroup before K is overwritten (the last dS^T buffer's empty
+    barrier), with one tile per CTA (a persistent CTA's next K and V would wait for the
+    store's read) and boxes that no packed sequence's end cuts."""
+    why = []
+    if not backward.dq_lag:
+        why.append("dq_lag off (the lagged consumer's epilogue stores them: 'dq_lag on')")
+    if backward.persistent:
+        why.append("scheduler persistent (the next tile's K and V load into those tiles)")
+    if c.values.get("varlen"):
+        why.append("varlen on (a 64-row box would reach into the next sequence's keys)")
+    if not why:
+        return True
+    role = GradRole.DK if GradRole.DK in block.paths else GradRole.DV
+    block.checks.error(
+        block.paths[role][1].tensor.loc,
+        f"{role.value}'s path {DK_TMA.text()} is not built with {and_list(why)}: "
+        f"store dK and dV from registers there ({PATHS[GradRole.DK].text()})",
+    )
+    return False
 
 
 def _refused(block: BackwardBlock, key: str, knob: str, why: list[str], instead: str) -> bool:

@@ -88,4 +88,9 @@ def slots(suffix: str, call: host.PackedCall) -> tuple[AddressSlot, ...]:
     found += pointers(host.MODIFIERS_OFFSET, inputs)
     if call.sizes.fused:
         found += pointers(host.FUSED_OFFSET, ("dq",))
+    if call.dkv_maps:
+        found += tuple(
+            AddressSlot(host.DKV_MAPS_OFFSET + MAP_BYTES * i, name, 0, True)
+            for i, name in enumerate(("dk", "dv"))
+        )
     return found

@@ -130,9 +130,11 @@ def plan_smem(bwd: Backward, head_dim: int) -> BackwardSmem:
                 "two m-blocks: the dQ GEMM reads one while the next is written",
             ),
         )
+    kv = "the CTA's n-block (one TMA load)"
+    staged = "; then each warpgroup's rows stage its {} for the TMA store" if bwd.dkv_tma else ""
     sizes = (
-        ("K", n * head_dim * ELEM, "the CTA's n-block (one TMA load)"),
-        ("V", n * head_dim * ELEM, "the CTA's n-block (one TMA load)"),
+        ("K", n * head_dim * ELEM, kv + staged.format("dK")),
+        ("V", n * head_dim * ELEM, kv + staged.format("dV")),
         ("Q", s * m * head_dim * ELEM, f"a ring of {s} m-blocks"),
         do,
         *pds,

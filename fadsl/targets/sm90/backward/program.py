@@ -150,6 +150,7 @@ class Kind(Enum):
     BULK_REDUCE_ADD = "cp.reduce.async.bulk .add.f32 shared -> global"
     RED_GLOBAL = "red.global.add.v4.f32 from registers"
     STORE_GLOBAL = "st.global from registers"
+    TMA_STORE = "cp.async.bulk.tensor shared -> global"
 
 
 # the kinds listed before the steps
@@ -313,6 +314,9 @@ class Params:
     dq_lag: bool = False
     # `dq_first on` (with dq_lag): dQ(i - 1) issued before dV(i), its adds under dV and dK
     dq_first: bool = False
+    # dK and dV `rf -stmatrix-> smem[warpgroup] -tma-> gmem` (with dq_lag, one tile per CTA):
+    # each warpgroup's rows staged in the dead V, then K tile, stored by its leader's TMA
+    dkv_tma: bool = False
 
     @classmethod
     def of(cls, bwd: Backward, head_dim: int) -> Params:
@@ -333,6 +337,7 @@ class Params:
             persistent=bwd.persistent,
             dq_lag=bwd.dq_lag,
             dq_first=bwd.dq_first,
+            dkv_tma=bwd.dkv_tma,
         )
 
     def __post_init__(self) -> None:
@@ -357,6 +362,8 @@ class Params:
             and not (self.split or self.dq_by_keys)
         ), self
         assert not self.dq_first or self.dq_lag, self
+        # knobs.py's _dkv_tma: the lagged consumer's epilogue, one tile per CTA
+        assert not self.dkv_tma or (self.dq_lag and not self.persistent), self
         if self.split:  # sm90_bwd_split.cuh's one order, dQ from registers
             assert self.consumers == 2 and self.block_m == BLOCK_M, self
             # (overlap off: so neither early_dv nor dv_before_meeting, which need it)
@@ -465,6 +472,7 @@ class Params:
         det += ", dQ writer" if self.dq_writer else ""
         det += ", dS by stmatrix" if self.ds_stmatrix else ""
         det += ", persistent" if self.persistent else ""
+        det += ", dK and dV by TMA" if self.dkv_tma else ""
         return (
             f"{self.consumers} consumer(s), {self.stages} stage(s), head_dim {self.head_dim}, "
             f"B_r {self.block_m} ({split}){det}"

@@ -211,6 +211,7 @@ def backward_data(kernel: Kernel) -> dict[str, Any]:
             # (only where packed: the forward's sections name varlen the same way)
             **({"varlen": True} if kernel.config.features.varlen else {}),
             **({"ds_stmatrix": True} if bwd.ds_stmatrix else {}),  # (dS's path: stmatrix)
+            **({"dkv_tma": True} if bwd.dkv_tma else {}),  # (dK's and dV's paths: TMA)
         },
         "paths": [{"tensor": t.role.value, "path": t.path_text()} for t in bwd.tensors],
         "roles": [
@@ -309,7 +310,14 @@ def backward_sections(data: Mapping[str, Any]) -> list[str]:
         ),
         *(f"               {step}" for step in consumers["per_m_block"]),
         "             dK and dV accumulate in registers over the m-blocks and are stored after "
-        "the last",
+        "the last"
+        + (
+            " (16-bit, one K/V head per query head: staged by stmatrix in the warpgroup's "
+            "rows of the dead V tile, then of K once every warpgroup's last dQ retired, each "
+            "stored by its thread 0's TMA)"
+            if s.get("dkv_tma")
+            else ""
+        ),
         f"  registers  {regs['producer'][0]} x {regs['producer'][1]} + {regs['consumers'][0]} x "
         f"{regs['consumers'][1]} x {regs['consumers'][2]} = {regs['used']} of the CTA's pool "
         f"of {regs['pool']} ({regs['threads']} threads launch with "

@@ -93,7 +93,20 @@ DS_STMATRIX = Route(
     "dK += dS^T Q and dQ = dS K read every consumer's part of it from SMEM; stmatrix "
     "stores it four 8 x 8 blocks an instruction",
 )
+# dK and dV staged in the K and V tiles (dead once the last m-block's wgmmas retired) and
+# stored by TMA, a warpgroup's 64 rows a box, instead of 16-byte st.global from registers
+DKV_TMA_WHY = (
+    "each consumer warpgroup stages its rows in the dead {tile} tile by stmatrix (no SMEM "
+    "of its own) and one of its threads stores them by TMA"
+)
+DK_TMA, DV_TMA = (
+    Route(
+        (RF, SMEM, GMEM), (Instr.STMATRIX, Instr.TMA), Scope.WARPGROUP, DKV_TMA_WHY.format(tile=t)
+    )
+    for t in ("K", "V")
+)
 OTHER_PATHS: dict[Role | GradRole, Route] = {GradRole.DQ: DQ_RED, GradRole.DS: DS_STMATRIX}
+OTHER_PATHS |= {GradRole.DK: DK_TMA, GradRole.DV: DV_TMA}
 # dS's path where dQ is computed transposed (B_r = 80): the queries as rows
 DS_TRANSPOSED = Route(
     (RF, SMEM, RF),

@@ -234,12 +234,25 @@ def consumer_steps(p: Params) -> tuple[Item, ...]:
             replace(dq, phase=LoopPhase.AFTER, name="dQ = dS K (the last m-block)"),
             replace(add, phase=LoopPhase.AFTER, name="dQ red.add (the last m-block)"),
         ]
+    stores = [
+        step(Kind.STORE_GLOBAL, "dK -> global", LoopPhase.AFTER, reg_reads=(Reg.DK,)),
+        step(Kind.STORE_GLOBAL, "dV -> global", LoopPhase.AFTER, reg_reads=(Reg.DV,)),
+    ]
+    if p.dkv_tma:  # dV through its dead V rows first (the warpgroup's own reads), then dK's
+        stores = []
+        for grad, tile, reg in (("dV", v_rows, Reg.DV), ("dK", k_rows, Reg.DK)):
+            rows = f"{tile.buffer.value}'s rows"
+            stores += [
+                step(Kind.ST_SHARED, f"{grad} -> smem ({rows})", LoopPhase.AFTER, writes=(tile,),
+                     reg_reads=(reg,)),  # fmt: skip
+                Item(Kind.TMA_STORE, Who.LEADER, main, LoopPhase.AFTER, name=f"{grad} TMA store",
+                     reads=(tile,)),  # fmt: skip
+            ]
     return (
         step(Kind.ZERO, "dK, dV = 0", LoopPhase.BEFORE, reg_writes=(Reg.DK, Reg.DV)),
         *loop,
         *last,
-        step(Kind.STORE_GLOBAL, "dK -> global", LoopPhase.AFTER, reg_reads=(Reg.DK,)),
-        step(Kind.STORE_GLOBAL, "dV -> global", LoopPhase.AFTER, reg_reads=(Reg.DV,)),
+        *stores,
     )
 
 

@@ -16,7 +16,9 @@ the ordered adds without them at head_dim 128 on an H200, 2026-11-30; without
 block has them and at setmaxnreg 32/232 (head_dim 64's writer spills at 24). Every
 combination is a candidate; validate.py refuses what does not fit (SMEM, registers, the knobs
 that do not combine) and the tuner's build step what spills. `deterministic` stays as the
-spec has it.
+spec has it. dK and dV go by TMA through the dead K and V tiles wherever that is built (the
+lagged orders on the grid: 1.00-1.04x their register stores on an H200, 2026-12-02) and
+from registers elsewhere.
 
 At head_dim 256 (the consumers split head_dim: a block whose B_c is not 64 per consumer) the
 kernel has one order (validate refuses `overlap`, `early_dv` and `dv_before_meeting` there),
@@ -57,16 +59,26 @@ DQ_CHOICES = {STAGED: (None, False), RED: ("rf -red.add-> gmem", False), WRITER:
 # the deterministic writer's second register split (producer, consumers): the writer's loop
 # beside the producer's needs more than 24 at head_dim 64 (tests/test_backward_spec.py)
 WRITER_REGISTERS = (32, 232)
+# dK's and dV's path by TMA (the lagged consumer's, one tile per CTA); None: the default
+DKV_TMA = "rf -stmatrix-> smem[warpgroup] -tma-> gmem"
 STAGES = (2, 3)
 SPLIT_BLOCK_NS = (80, 64)  # head_dim 256's B_c (validate.py's)
 
 
 def _label(
-    block_m: int, order: str, dq: str, stages: int, longest_first=False, registers=None, ds=False
+    block_m: int,
+    order: str,
+    dq: str,
+    stages: int,
+    longest_first=False,
+    registers=None,
+    ds=False,
+    tma=False,
 ) -> str:
     first = ", longest first" if longest_first else ""
     regs = f", registers {registers[0]}/{registers[1]}" if registers else ""
     stored = ", dS stmatrix" if ds else ""
+    stored += ", dK dV TMA" if tma else ""
     return f"B_r {block_m}, {order}, dQ {dq}{stored}, stages {stages}{first}{regs}"
 
 
@@ -94,7 +106,7 @@ def label_of(bwd: Backward) -> str:
     the register split where writer warps run: the knob the writer's candidates vary)."""
     regs = (bwd.producer_regs, bwd.consumer_regs) if bwd.dq_writer else None
     knobs = (bwd.block_m, _order_of(bwd), _dq_of(bwd), bwd.stages, bwd.longest_first, regs)
-    label = _label(*knobs, ds=bwd.ds_stmatrix) + (
+    label = _label(*knobs, ds=bwd.ds_stmatrix, tma=bwd.dkv_tma) + (
         ", dQ converted in-kernel" if bwd.fused_convert else ""
     )
     return f"B_c {bwd.block_n}, {label}" if _split(bwd) else label
@@ -105,6 +117,7 @@ def knobs_of(bwd: Backward) -> tuple:
     if bwd.dq_writer:
         knobs += (bwd.producer_regs, bwd.consumer_regs)
     knobs += ("dS stmatrix",) if bwd.ds_stmatrix else ()
+    knobs += ("dK dV TMA",) if bwd.dkv_tma else ()
     knobs += ("fused convert",) if bwd.fused_convert else ()
     return knobs + ((bwd.block_n,) if _split(bwd) else ())
 
@@ -144,11 +157,15 @@ def candidates(base: Backward, causal: bool) -> tuple[BackwardCandidate, ...]:
             paths[GradRole.DS.value] = DS_STMATRIX
         elif block_m in DS_PATHS or base.block_m in DS_PATHS or base.ds_stmatrix:
             paths[GradRole.DS.value] = DS_PATHS.get(block_m, DS_STORED)  # (follows the tile)
-        out.append(BackwardCandidate(_label(block_m, order, dq, stages, ds=ds), settings, paths))
+        tma = order.startswith("dq_lag") and not base.persistent
+        if tma or base.dkv_tma:  # (both or neither: validate.py)
+            paths[GradRole.DK.value] = paths[GradRole.DV.value] = DKV_TMA if tma else None
+        label = _label(block_m, order, dq, stages, ds=ds, tma=tma)
+        out.append(BackwardCandidate(label, settings, paths))
         if writer:  # the same block at the writer's second register split
             producer, consumers = WRITER_REGISTERS
             regs = {"registers": f"producer = {producer}, consumers = {consumers}"}
-            label = _label(block_m, order, dq, stages, registers=WRITER_REGISTERS, ds=ds)
+            label = _label(block_m, order, dq, stages, registers=WRITER_REGISTERS, ds=ds, tma=tma)
             out.append(BackwardCandidate(label, {**settings, **regs}, paths))
     if causal:  # the input's block in the other CTA order
         flipped = "off" if base.longest_first else "on"
@@ -156,7 +173,9 @@ def candidates(base: Backward, causal: bool) -> tuple[BackwardCandidate, ...]:
     if not (base.deterministic or base.dq_writer):  # the input's block on the other scheduler
         scheduler = "grid" if base.persistent else "persistent"
         label = f"{label_of(base)}, scheduler {scheduler}"
-        out.append(BackwardCandidate(label, {"scheduler": scheduler}, {}))
+        # (persistent CTAs store dK and dV from registers: their next K and V reuse the tiles)
+        stored = {GradRole.DK.value: None, GradRole.DV.value: None} if base.dkv_tma else {}
+        out.append(BackwardCandidate(label, {"scheduler": scheduler}, stored))
     return tuple(out) + _fused_flip(base)
 
 

@@ -58,8 +58,10 @@ from ..caps import (
 from .knobs import check_knobs
 from .plan_smem import SPLIT_HEAD_DIM, plan_smem
 from .routes import (  # (the path tables: tune_space, variants and tests read them here)
+    DK_TMA,
     DQ_RED,
     DS_STMATRIX,
+    DV_TMA,
     DS_TRANSPOSED,
     OTHER_PATHS,
     PATHS,
@@ -180,10 +182,13 @@ def validate_backward(c: Checks, block: BackwardBlock) -> Backward | None:
         dq_red=_takes(tensors, GradRole.DQ, DQ_RED),
         ds_stmatrix=other_path(GradRole.DS, tile["B_r"], head_dim) is not None
         and _takes(tensors, GradRole.DS, DS_STMATRIX),
+        dkv_tma=other_path(GradRole.DK, tile["B_r"], head_dim) is not None
+        and _takes(tensors, GradRole.DK, DK_TMA),
         loc=block.loc,
         tensors=tensors,
         key_locs=tuple(sorted(block.key_locs.items())),
     )
+    ok = _same_dkv_paths(block, tensors, tile["B_r"], head_dim) and ok
     ok = check_knobs(c, block, backward, head_dim) and ok
     if ok and head_dim in HEAD_DIMS:
         ok = _smem(block, backward, head_dim)
@@ -398,6 +403,24 @@ def _registers(block: BackwardBlock) -> bool:
         f"{launch_registers(threads)} each; setmaxnreg only moves registers within it, and "
         f"setmaxnreg.inc would wait forever); with producer = {regs['producer']}, "
         f"consumers = {room} fits",
+    )
+    return False
+
+
+def _same_dkv_paths(block: BackwardBlock, tensors, block_m: int, head_dim: int | None) -> bool:
+    """dK and dV leave the CTA the same way (one epilogue stores both)."""
+    if other_path(GradRole.DK, block_m, head_dim) is None:
+        return True
+    dk, dv = _takes(tensors, GradRole.DK, DK_TMA), _takes(tensors, GradRole.DV, DV_TMA)
+    if dk == dv:
+        return True
+    role = GradRole.DV if dk else GradRole.DK
+    where = block.paths[role][1].tensor.loc if role in block.paths else block.loc
+    route = DV_TMA if dk else DK_TMA
+    block.checks.error(
+        where,
+        f"{role.value} goes the way {(GradRole.DK if dk else GradRole.DV).value} goes in the "
+        f"backward (one epilogue stores both): {route.text()}, or both from registers",
     )
     return False
 

@@ -24,7 +24,8 @@ How the header's calls become model events (a faithful lowering, nothing added):
   ``cp.async.bulk.wait_group{.read}`` retires its bulk group (``wait_group 0`` without
   ``.read`` retires it too). Its write is to global memory: per-element atomic adds in the
   L2 that no agent of the CTA reads (the convert kernel reads the accumulator after the
-  kernel boundary), so it is no SMEM event;
+  kernel boundary), so it is no SMEM event; dK's and dV's TMA stores the same (their
+  global writes are read only by the kernels after this one);
 - an item of the warpgroup's thread 0 alone (``if (tid == 0)``) is an event of the
   warpgroup's agent, which the model reads as the act of some of its threads: its bulk
   wait orders nothing for the other threads until a bar.sync of the warpgroup follows
@@ -312,7 +313,7 @@ def _lower(proto: Protocol, item: Item, at: _At) -> list[Event]:
                 TmaLoad(span, barrier, span.hi - span.lo, what)
                 for span in spans(proto, operand, at)
             ]
-        case Kind.BULK_REDUCE_ADD:
+        case Kind.BULK_REDUCE_ADD | Kind.TMA_STORE:
             return [TmaStore(span, what) for op in item.reads for span in spans(proto, op, at)]
         case Kind.WGMMA:
             reads = tuple(s for op in item.reads for s in spans(proto, op, at))

@@ -55,15 +55,21 @@ def lag_space() -> tuple[Params, ...]:
     of deterministic, early_dv, dv_before_meeting, dq_writer, head_dim 256 or dQ by keys):
     one consumer at head_dim 64 or 128, two at head_dim 128 with B_r 64 (dQ by head_dim
     panels) or 80 (dQ transposed) and at head_dim 64 with B_r 128 (dQ by queries), 1-3
-    stages, each with `dq_first` off and on (dQ(i - 1) issued before dV(i)). The mask (causal or not) changes no call of the plan: the m-block range is the
-    host's, and the masked m-blocks run the same steps."""
+    stages, each with `dq_first` off and on (dQ(i - 1) issued before dV(i)) and with dK and
+    dV stored from registers or by TMA through the dead K and V tiles. The mask (causal or
+    not) changes no call of the plan: the m-block range is the host's, and the masked
+    m-blocks run the same steps."""
     shapes = ((1, 64, BLOCK_M), (1, 128, BLOCK_M), (2, 128, BLOCK_M))
     shapes += ((2, 64, 2 * BLOCK_M), (2, 128, TRANSPOSED_BLOCK_M))
     return tuple(
-        Params(c, stages, d, overlap=True, block_m=m, dq_red=True, dq_lag=True, dq_first=first)
+        Params(
+            c, stages, d, overlap=True, block_m=m, dq_red=True, dq_lag=True, dq_first=first,
+            dkv_tma=tma,
+        )  # fmt: skip
         for c, d, m in shapes
         for stages in (1, 2, 3)
         for first in (False, True)
+        for tma in (False, True)
     )
 
 

@@ -15,14 +15,15 @@ hazards it orders in its docstring:
 - wgmma: wgmma.fence, commit groups, wgmma.wait_group from the commit order;
 - named: the proxy fence and the barrier between st.shared and an async-proxy reader (the
   dS^T meeting, the staging before the reduce-add);
-- bulk: the reduce-add's bulk groups (the staging's WAR, the exit) and the deterministic
-  ordered add;
+- bulk: the reduce-add's bulk groups (the staging's WAR, the exit), dK's and dV's TMA
+  stores (their read before the exit) and the deterministic ordered add;
 - writer: with ``dq_writer`` the hand-over of the staging between the consumer and its
   writer warp (a full and an empty named barrier), the writer's bulk waits, ``__syncwarp``
   and ordered add;
 - handover: with ``dq_lag`` the hand-over of each dS^T buffer from the warpgroups that
   write it to the lagged dQ that reads it a step later (a full and an empty mbarrier per
-  buffer, in place of the meeting);
+  buffer, in place of the meeting), and the wait on the last buffer's empty barrier before
+  K, which every warpgroup's last dQ reads, is written after the loop;
 - state: the consumer program being built, which they share.
 
 Every consumer warpgroup runs the same program; the pass builds it once, for warpgroup wg,
@@ -116,6 +117,7 @@ def _consumer(schedule: Protocol, economical: bool) -> tuple[Item, ...]:
     bulk.wait_at_exit(c)
     for k in range(lagged, len(after)):
         _place_step(c, schedule, after, k, LoopPhase.AFTER)
+    bulk.wait_stores_read(c)
     wgmma.commit(c, LoopPhase.AFTER, "the program's end")
     wgmma.drain(c, LoopPhase.AFTER)
     assert not c.handover_due, "a hand-over's fence and arrival never placed"

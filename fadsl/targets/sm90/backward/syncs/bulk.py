@@ -8,7 +8,9 @@ the deterministic mode's ordered add.
   that reads those bytes), then a bar.sync of the warpgroup, as the writers are its other
   threads too;
 - before the CTA exits, cp.async.bulk.wait_group 0: the last reduce-add's read done before
-  the CTA's SMEM goes away;
+  the CTA's SMEM goes away; after dK's and dV's TMA stores (the epilogue's, after the loop
+  and after that wait) cp.async.bulk.wait_group.read 0: their SMEM read done (their global
+  writes need no wait: the kernels after this one are stream-ordered);
 - ``deterministic on``: the reduce-adds into one m-block's accumulator (WAW in global
   memory, across warpgroups and CTAs) go in ticket order: the leader acquires its ticket
   (ld.acquire.gpu spin) and fences the async proxy before the add, then commits it and owes
@@ -32,7 +34,8 @@ from __future__ import annotations
 from ..program import WARPGROUP_THREADS, CodeSite, Guard, Item, Kind, Named, LoopPhase, Who
 from .state import Consumer, names, same_bytes, sync
 
-BULK_READS = frozenset({Kind.BULK_REDUCE_ADD})  # bulk async copies out of SMEM
+# bulk async copies out of SMEM: dQ's reduce-add, dK's and dV's TMA stores
+BULK_READS = frozenset({Kind.BULK_REDUCE_ADD, Kind.TMA_STORE})
 
 
 def before_write(c: Consumer, step: Item, phase: LoopPhase) -> None:
@@ -82,7 +85,8 @@ def after_add(c: Consumer, step: Item, phase: LoopPhase) -> None:
     """The reduce-add's commit; with deterministic on, the ticket's release is then owed."""
     if step.kind not in BULK_READS:
         return
-    why = f"closes {step.name}'s bulk group: the staging's later wait names it"
+    named = "the staging's" if step.kind is Kind.BULK_REDUCE_ADD else "the exit's"
+    why = f"closes {step.name}'s bulk group: {named} later wait names it"
     c.place(sync(Kind.BULK_COMMIT, step.who, step.source, phase, why))
     c.bulk_in_flight.append((step,))
     if c.params.deterministic:
@@ -114,6 +118,18 @@ def release_due(c: Consumer, phase: LoopPhase, when: str) -> None:
     c.place(sync(Kind.SEM_RELEASE, who, site, phase, why, **owed))
     c.owed = [x for x in c.owed if x not in adds]
     c.due = []
+
+
+def wait_stores_read(c: Consumer) -> None:
+    """After the epilogue's TMA stores: their SMEM read before the CTA exits (.read: only
+    the SMEM must outlive them)."""
+    if not c.bulk_in_flight:
+        return
+    readers = [x for group in c.bulk_in_flight for x in group]
+    assert all(x.kind is Kind.TMA_STORE for x in readers), "a reduce-add after the exit's wait"
+    why = f"{names(readers)} read their tiles before the CTA exits"
+    c.place(sync(Kind.BULK_WAIT_READ, readers[-1].who, c.home, LoopPhase.AFTER, why, pending=0))
+    c.bulk_in_flight = []
 
 
 def wait_at_exit(c: Consumer) -> None:

@@ -116,10 +116,35 @@ def inits(schedule: Protocol) -> tuple[Item, ...]:
 
 def before_write(c: Consumer, schedule: Protocol, step: Item, phase: LoopPhase) -> None:
     """WAR: the previous use's readers (every warpgroup's, two m-blocks ago) retired before
-    the writer writes the buffer again."""
+    the writer writes the buffer again; after the loop, the last m-block's lagged readers
+    in every warpgroup retired before a write of other bytes they read (K, by dK's
+    staging: the last buffer's empty barrier completes once every consumer thread's last
+    dQ retired, and that dQ read K with it)."""
     if step.kind in ASYNC_PROXY:
         return
     handed = _handed(schedule)
+    if phase is LoopPhase.AFTER:
+        for tile, (_, readers) in handed.items():
+            late = [
+                r
+                for r in readers
+                if r.phase is LoopPhase.AFTER
+                and any(
+                    same_bytes(w, x) and reaches_other_warpgroups(x)
+                    for w in step.writes
+                    for x in r.reads
+                    if x.buffer is not tile
+                )
+            ]
+            if not late:
+                continue
+            why = (
+                f"WAR: every warpgroup's {names(late)} (it reads them too) retired before "
+                f"{step.name} writes them"
+            )
+            empty = dict(mbar=BARRIERS[tile][1], slot=Index.ALTERNATE, guard=Guard.LAGGED)
+            parity = WaitParity.ALTERNATE
+            c.place(sync(Kind.MBAR_WAIT, Who.WARPGROUP, c.home, phase, why, parity=parity, **empty))
     for tile in _buffers(schedule, step.writes):
         readers = names(handed[tile][1])
         why = (

@@ -33,7 +33,9 @@ from ..program import (
 )
 
 # steps whose SMEM accesses go through the async proxy (the rest are generic st/ld.shared)
-ASYNC_PROXY = frozenset({Kind.TMA_LOAD, Kind.BULK_LOAD, Kind.WGMMA, Kind.BULK_REDUCE_ADD})
+ASYNC_PROXY = frozenset(
+    {Kind.TMA_LOAD, Kind.BULK_LOAD, Kind.WGMMA, Kind.BULK_REDUCE_ADD, Kind.TMA_STORE}
+)
 LOADS = frozenset({Kind.TMA_LOAD, Kind.BULK_LOAD})
 
 
