@@ -243,10 +243,21 @@ def consumer_steps(p: Params) -> tuple[Item, ...]:
         for grad, tile, reg in (("dV", v_rows, Reg.DV), ("dK", k_rows, Reg.DK)):
             rows = f"{tile.buffer.value}'s rows"
             stores += [
-                step(Kind.ST_SHARED, f"{grad} -> smem ({rows})", LoopPhase.AFTER, writes=(tile,),
-                     reg_reads=(reg,)),  # fmt: skip
-                Item(Kind.TMA_STORE, Who.LEADER, main, LoopPhase.AFTER, name=f"{grad} TMA store",
-                     reads=(tile,)),  # fmt: skip
+                step(
+                    Kind.ST_SHARED,
+                    f"{grad} -> smem ({rows})",
+                    LoopPhase.AFTER,
+                    writes=(tile,),
+                    reg_reads=(reg,),
+                ),
+                Item(
+                    Kind.TMA_STORE,
+                    Who.LEADER,
+                    main,
+                    LoopPhase.AFTER,
+                    name=f"{grad} TMA store",
+                    reads=(tile,),
+                ),
             ]
     return (
         step(Kind.ZERO, "dK, dV = 0", LoopPhase.BEFORE, reg_writes=(Reg.DK, Reg.DV)),
