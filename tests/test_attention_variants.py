@@ -162,7 +162,11 @@ def test_the_target_says_which_lines_a_window_or_a_softcap_needs():
         "dq_first": "off",  # (which orders the lag)
         "overlap": "on",
     }
-    assert hdim64.backward_paths == {"dS": "rf -st.shared-> smem[cta] -wgmma-> rf"}
+    assert hdim64.backward_paths == {
+        "dS": "rf -st.shared-> smem[cta] -wgmma-> rf",
+        "dK": "rf -st.global-> gmem",  # (their TMA path is the lagged consumer's)
+        "dV": "rf -st.global-> gmem",
+    }
     causal = lines_of(kernel("fa3_causal"), False, True, False)  # 2 consumers already
     assert not causal.settings and causal.backward["overlap"] == "off"
     plain = lines_of(kernel("fa3_causal"), False, False, True)

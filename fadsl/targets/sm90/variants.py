@@ -26,7 +26,7 @@ SOFTCAP_FORWARD = {
 # the plain one 4 with the causal mask).
 # The examples' `dq_lag on` (and `dq_first on`, which orders it) stays off there: that order
 # needs `overlap on` and dQ split other than by keys, and is not timed beside a softcap
-# (2026-11-30).
+# (2026-11-30); so do their dK and dV by TMA, which need it.
 SOFTCAP_BACKWARD = {"tile": "B_r = 64, B_c = {block_n}", "early_dv": "off", "dq_lag": "off"}
 SOFTCAP_BACKWARD |= {"dq_first": "off"}
 SOFTCAP_ORDER = {True: "on", False: "off"}  # causal -> `overlap`
@@ -56,4 +56,6 @@ def variant_lines(kernel: Kernel, windowed: bool, capped: bool, causal: bool) ->
         backward = {k: v.format(block_n=block_n) for k, v in SOFTCAP_BACKWARD.items()}
         backward["overlap"] = SOFTCAP_ORDER[causal]
         backward_paths = {GradRole.DS.value: PATHS[GradRole.DS].text()}
+        # dK and dV from registers: their TMA path is the lagged consumer's
+        backward_paths |= {g.value: PATHS[g].text() for g in (GradRole.DK, GradRole.DV)}
     return VariantLines(settings, scopes, backward, backward_paths)
