@@ -35,31 +35,38 @@ def packed_call(kern, batch: int, seqlen: int):
     return call
 
 
-def kernel_times(kern, q, k, v, dout, call=None) -> dict[str, float]:
-    """Median microseconds of each kernel the backward launches, by the kernel's role."""
-    out = (call or kern)(q, k, v)
-    torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)  # warm-up: built and loaded
+def device_times(run, role=lambda name: name, calls: int = CALLS) -> dict[str, float]:
+    """Median microseconds per call of the kernels ``run()`` launches (after one warm-up
+    call), summed by ``role(kernel name)``; research/probes/bwd_vs_fa4.py times FA4's and
+    cuDNN's backward with it too."""
+    run()  # warm-up: built and loaded
     torch.cuda.synchronize()
     per_call: dict[str, list[float]] = defaultdict(list)
-    name = kern.config.name
-    for _ in range(CALLS):
+    for _ in range(calls):
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+            run()
             torch.cuda.synchronize()
         sums: dict[str, float] = defaultdict(float)
         for event in prof.events():
-            if event.device_type != torch.autograd.DeviceType.CUDA:
-                continue
-            kind = event.name
-            if name in kind and "_bwd_" in kind:
-                kind = kind.split("_bwd_")[1]
-                kind = "main" if "_" not in kind else kind.split("_", 1)[1]
-            else:
-                kind = "torch: " + kind[:40]
-            sums[kind] += event.device_time  # microseconds
+            if event.device_type == torch.autograd.DeviceType.CUDA:
+                sums[role(event.name)] += event.device_time  # microseconds
         for kind, us in sums.items():
             per_call[kind].append(us)
     return {kind: statistics.median(times) for kind, times in per_call.items()}
+
+
+def kernel_times(kern, q, k, v, dout, call=None) -> dict[str, float]:
+    """Median microseconds of each kernel the backward launches, by the kernel's role."""
+    out = (call or kern)(q, k, v)
+    name = kern.config.name
+
+    def role(kind: str) -> str:
+        if name in kind and "_bwd_" in kind:
+            kind = kind.split("_bwd_")[1]
+            return "main" if "_" not in kind else kind.split("_", 1)[1]
+        return "torch: " + kind[:40]
+
+    return device_times(lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True), role)
 
 
 def main() -> None:

@@ -40,6 +40,8 @@ from fadsl.targets.sm90.backward.program import (
     bar_id,
 )
 
+from fadsl.targets.sm90.backward.protocol import protocol
+
 from backward_walk import Call, Walk, evaluate, walk_block
 from cpp_reader import function, group, squash, statements, strip
 
@@ -307,3 +309,22 @@ def differences(expected: list[Call], found: list[Call]) -> str:
     return "\n".join(
         difflib.unified_diff(show(expected), show(found), "protocol", "header", lineterm="")
     )
+
+
+def lag_edits_missed(old: str, new: str, cases) -> list[int]:
+    """The occurrences n (from 0) of ``old`` in LAG_HEADER whose replacement by ``new``
+    leaves bwd_consumer_lagged's calls equal to the proven plan's in every configuration of
+    ``cases`` (an edit the check would not catch)."""
+    missed = []
+    for n in range(LAG_HEADER.count(old)):
+        at = -1
+        for _ in range(n + 1):
+            at = LAG_HEADER.index(old, at + 1)
+        edited = LAG_HEADER[:at] + new + LAG_HEADER[at + len(old) :]
+        if all(
+            header_calls(WarpRole.CONSUMER, p, lag_header=edited)
+            == expected_calls(protocol(p), WarpRole.CONSUMER)
+            for p in cases
+        ):
+            missed.append(n)
+    return missed

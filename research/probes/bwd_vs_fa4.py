@@ -123,40 +123,15 @@ def sustained(call, seconds: float, sampler, energy):
     return ms, readings, (None if e0 is None or e1 is None else (e1 - e0) / calls)
 
 
-def kernel_budget(name: str, call, flops: float, calls: int = 7) -> str:
-    """One line: each kernel of a backward call (median microseconds over ``calls``), their
-    sum, and the call's span from the first kernel's start to the last one's end (the span
-    less the sum is the time between kernels)."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
+def kernel_budget(name: str, call) -> str:
+    """One line: each kernel of a backward call, median microseconds (scripts/
+    backward_budget.py's device_times), and their sum. (The profiler adds host time between
+    the launches, so the call's span under it says nothing of the gaps.)"""
+    from scripts.backward_budget import device_times
 
-    for _ in range(3):
-        call()
-    torch.cuda.synchronize()
-    per_kernel: dict[str, list[float]] = {}
-    spans = []
-    for _ in range(calls):
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            call()
-            torch.cuda.synchronize()
-        events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-        events = [e for e in events if "Memcpy" not in e.name and "Memset" not in e.name] or events
-        sums: dict[str, float] = {}
-        for e in events:
-            sums[e.name[:48]] = sums.get(e.name[:48], 0.0) + e.device_time
-        for k, us in sums.items():
-            per_kernel.setdefault(k, []).append(us)
-        start = min(e.time_range.start for e in events)
-        end = max(e.time_range.end for e in events)
-        spans.append(end - start)
-    med = {k: statistics.median(v) for k, v in per_kernel.items()}
-    span = statistics.median(spans)
-    total = sum(med.values())
-    cells = "; ".join(f"{k} {us:.1f}" for k, us in sorted(med.items(), key=lambda kv: -kv[1]))
-    return (
-        f"{name:6s} span {span:8.1f} us ({flops / (span * 1e-6) / 1e12:6.1f} TF/s), kernels"
-        f" {total:8.1f} us, between {span - total:6.1f} us: {cells}"
-    )
+    times = device_times(call, role=lambda kernel: kernel[:48], calls=7)
+    cells = "; ".join(f"{k} {us:.1f}" for k, us in sorted(times.items(), key=lambda kv: -kv[1]))
+    return f"{name:6s} kernels {sum(times.values()):8.1f} us: {cells}"
 
 
 def main() -> int:
@@ -175,7 +150,7 @@ def main() -> int:
     p.add_argument(
         "--kernels",
         action="store_true",
-        help="each contender's kernels (torch.profiler): median microseconds, and the call's span",
+        help="each contender's kernels (torch.profiler): median microseconds per call",
     )
     p.add_argument("--json")
     args = p.parse_args()
@@ -200,7 +175,7 @@ def main() -> int:
         return 0
     if args.kernels:
         for name, call in calls.items():
-            print(kernel_budget(name, call, flops), flush=True)
+            print(kernel_budget(name, call), flush=True)
         return 0
     read = clocks.nvml_reader()
     sampler = clocks.Sampler(read, interval=0.005) if read else None

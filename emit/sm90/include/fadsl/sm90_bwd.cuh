@@ -337,7 +337,7 @@ struct BwdConfig {
 
   // Named barrier ids (0 is __syncthreads)
   static constexpr int kBarDS = 1;  // all consumer threads: both halves of dS^T in SMEM
-  static constexpr int kBarDQ = 2;  // + wg: the warpgroup's dQ staging (128 threads)
+  static constexpr int kBarDQ = 2;  // + wg: the warpgroup's dQ staging, or its dK / dV rows staged for TMA (128 threads)
   // `dq_writer on`, + wg: consumer wg and its writer warp (160 threads): the staging written
   // (full: the consumer arrives, the writer syncs) and read by the writer's add (empty)
   static constexpr int kBarDqFull = 5;

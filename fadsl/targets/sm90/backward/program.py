@@ -47,7 +47,7 @@ ROW_BYTES = 128  # a 64-column panel row of 16-bit elements (the 128-byte swizzl
 PANEL_COLUMNS = 64
 F32 = 4
 BAR_DS = 1  # named barrier: every consumer thread, both halves of dS^T written (panels)
-BAR_DQ = 2  # named barrier BAR_DQ + wg: one warpgroup (128 threads)
+BAR_DQ = 2  # named barrier BAR_DQ + wg: one warpgroup (128 threads; dQ staging, dK / dV by TMA)
 # `dq_writer on`: consumer wg and its writer warp (160 threads), the staging written (full)
 # and read by the writer's bulk reduce-add (empty); ids 5-7 and 8-10 of the 16
 BAR_DQ_FULL = 5

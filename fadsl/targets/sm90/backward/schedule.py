@@ -234,12 +234,8 @@ def consumer_steps(p: Params) -> tuple[Item, ...]:
             replace(dq, phase=LoopPhase.AFTER, name="dQ = dS K (the last m-block)"),
             replace(add, phase=LoopPhase.AFTER, name="dQ red.add (the last m-block)"),
         ]
-    stores = [
-        step(Kind.STORE_GLOBAL, "dK -> global", LoopPhase.AFTER, reg_reads=(Reg.DK,)),
-        step(Kind.STORE_GLOBAL, "dV -> global", LoopPhase.AFTER, reg_reads=(Reg.DV,)),
-    ]
+    stores = []
     if p.dkv_tma:  # dV through its dead V rows first (the warpgroup's own reads), then dK's
-        stores = []
         for grad, tile, reg in (("dV", v_rows, Reg.DV), ("dK", k_rows, Reg.DK)):
             rows = f"{tile.buffer.value}'s rows"
             stores += [
@@ -259,6 +255,11 @@ def consumer_steps(p: Params) -> tuple[Item, ...]:
                     reads=(tile,),
                 ),
             ]
+    else:
+        stores = [
+            step(Kind.STORE_GLOBAL, "dK -> global", LoopPhase.AFTER, reg_reads=(Reg.DK,)),
+            step(Kind.STORE_GLOBAL, "dV -> global", LoopPhase.AFTER, reg_reads=(Reg.DV,)),
+        ]
     return (
         step(Kind.ZERO, "dK, dV = 0", LoopPhase.BEFORE, reg_writes=(Reg.DK, Reg.DV)),
         *loop,

@@ -32,6 +32,7 @@ import itertools
 from ....ir import GradRole
 from ....ir.backward import Backward
 from ...tuning import BackwardCandidate, BackwardTuneSpace
+from .routes import DK_TMA
 
 BLOCK_MS = (64, 128, 80)
 # dS's path at each B_r (80: dQ^T reads dS with the queries as rows, stored transposed)
@@ -60,7 +61,7 @@ DQ_CHOICES = {STAGED: (None, False), RED: ("rf -red.add-> gmem", False), WRITER:
 # beside the producer's needs more than 24 at head_dim 64 (tests/test_backward_spec.py)
 WRITER_REGISTERS = (32, 232)
 # dK's and dV's path by TMA (the lagged consumer's, one tile per CTA); None: the default
-DKV_TMA = "rf -stmatrix-> smem[warpgroup] -tma-> gmem"
+DKV_TMA = DK_TMA.text()
 STAGES = (2, 3)
 SPLIT_BLOCK_NS = (80, 64)  # head_dim 256's B_c (validate.py's)
 

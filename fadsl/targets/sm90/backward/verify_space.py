@@ -63,13 +63,12 @@ def lag_space() -> tuple[Params, ...]:
     shapes += ((2, 64, 2 * BLOCK_M), (2, 128, TRANSPOSED_BLOCK_M))
     return tuple(
         Params(
-            c, stages, d, overlap=True, block_m=m, dq_red=True, dq_lag=True, dq_first=first,
-            dkv_tma=tma,
-        )  # fmt: skip
+            c, stages, d, overlap=True, block_m=m, dq_red=True, dq_lag=True, dq_first=f, dkv_tma=t
+        )
         for c, d, m in shapes
         for stages in (1, 2, 3)
-        for first in (False, True)
-        for tma in (False, True)
+        for f in (False, True)  # dq_first
+        for t in (False, True)  # dkv_tma
     )
 
 

@@ -117,7 +117,7 @@ def _consumer(schedule: Protocol, economical: bool) -> tuple[Item, ...]:
     bulk.wait_at_exit(c)
     for k in range(lagged, len(after)):
         _place_step(c, schedule, after, k, LoopPhase.AFTER)
-    bulk.wait_stores_read(c)
+    bulk.wait_at_exit(c)  # (the epilogue's TMA stores, if any)
     wgmma.commit(c, LoopPhase.AFTER, "the program's end")
     wgmma.drain(c, LoopPhase.AFTER)
     assert not c.handover_due, "a hand-over's fence and arrival never placed"

@@ -120,25 +120,17 @@ def release_due(c: Consumer, phase: LoopPhase, when: str) -> None:
     c.due = []
 
 
-def wait_stores_read(c: Consumer) -> None:
-    """After the epilogue's TMA stores: their SMEM read before the CTA exits (.read: only
-    the SMEM must outlive them)."""
-    if not c.bulk_in_flight:
-        return
-    readers = [x for group in c.bulk_in_flight for x in group]
-    assert all(x.kind is Kind.TMA_STORE for x in readers), "a reduce-add after the exit's wait"
-    why = f"{names(readers)} read their tiles before the CTA exits"
-    c.place(sync(Kind.BULK_WAIT_READ, readers[-1].who, c.home, LoopPhase.AFTER, why, pending=0))
-    c.bulk_in_flight = []
-
-
 def wait_at_exit(c: Consumer) -> None:
-    """After the loop: the last ticket released, and no bulk group still reads SMEM when
-    the CTA exits."""
+    """After the loop, and again after the epilogue's TMA stores: the last ticket released,
+    and no bulk group still reads SMEM when the CTA exits (the stores' by .read: only their
+    SMEM must outlive them)."""
     c.due = list(c.owed)
     release_due(c, LoopPhase.AFTER, "before the CTA exits")
     if c.bulk_in_flight:
         readers = [x for group in c.bulk_in_flight for x in group]
-        why = f"the last {names(readers)} read the staging before the CTA exits"
-        c.place(sync(Kind.BULK_WAIT, readers[-1].who, c.home, LoopPhase.AFTER, why, pending=0))
+        stores = all(x.kind is Kind.TMA_STORE for x in readers)
+        kind = Kind.BULK_WAIT_READ if stores else Kind.BULK_WAIT
+        what = "their tiles" if stores else "the staging"
+        why = f"the last {names(readers)} read {what} before the CTA exits"
+        c.place(sync(kind, readers[-1].who, c.home, LoopPhase.AFTER, why, pending=0))
         c.bulk_in_flight = []

@@ -123,37 +123,40 @@ def before_write(c: Consumer, schedule: Protocol, step: Item, phase: LoopPhase) 
     if step.kind in ASYNC_PROXY:
         return
     handed = _handed(schedule)
-    if phase is LoopPhase.AFTER:
-        for tile, (_, readers) in handed.items():
-            late = [
-                r
-                for r in readers
-                if r.phase is LoopPhase.AFTER
-                and any(
-                    same_bytes(w, x) and reaches_other_warpgroups(x)
-                    for w in step.writes
-                    for x in r.reads
-                    if x.buffer is not tile
-                )
-            ]
-            if not late:
-                continue
+    for tile, (_, readers) in handed.items() if phase is LoopPhase.AFTER else ():
+        late = [r for r in readers if r.phase is LoopPhase.AFTER and _takes_beside(r, tile, step)]
+        if late:  # (the last m-block's readers: the buffer's use of that m-block)
             why = (
                 f"WAR: every warpgroup's {names(late)} (it reads them too) retired before "
                 f"{step.name} writes them"
             )
-            empty = dict(mbar=BARRIERS[tile][1], slot=Index.ALTERNATE, guard=Guard.LAGGED)
-            parity = WaitParity.ALTERNATE
-            c.place(sync(Kind.MBAR_WAIT, Who.WARPGROUP, c.home, phase, why, parity=parity, **empty))
+            _wait_empty(c, tile, phase, why, Guard.LAGGED, WaitParity.ALTERNATE)
     for tile in _buffers(schedule, step.writes):
         readers = names(handed[tile][1])
         why = (
             f"WAR: every warpgroup's {readers} of the buffer's previous use (i - 2) retired "
             f"before {step.name} writes it"
         )
-        empty = dict(mbar=BARRIERS[tile][1], slot=Index.ALTERNATE, guard=Guard.REUSED)
-        parity = WaitParity.ALTERNATE_PREVIOUS
-        c.place(sync(Kind.MBAR_WAIT, Who.WARPGROUP, c.home, phase, why, parity=parity, **empty))
+        _wait_empty(c, tile, phase, why, Guard.REUSED, WaitParity.ALTERNATE_PREVIOUS)
+
+
+def _takes_beside(reader: Item, tile: StagedTile, step: Item) -> bool:
+    """Whether ``reader`` of the handed-over ``tile`` also reads, beside it, bytes that
+    ``step`` writes, other warpgroups' rows of them included (dQ reads K with dS^T)."""
+    return any(
+        same_bytes(w, x) and reaches_other_warpgroups(x)
+        for w in step.writes
+        for x in reader.reads
+        if x.buffer is not tile
+    )
+
+
+def _wait_empty(
+    c: Consumer, tile: StagedTile, phase: LoopPhase, why: str, guard: Guard, parity: WaitParity
+) -> None:
+    """The warpgroup's wait on ``tile``'s empty barrier (its buffer i % 2) for ``parity``."""
+    empty = dict(mbar=BARRIERS[tile][1], slot=Index.ALTERNATE, guard=guard, parity=parity)
+    c.place(sync(Kind.MBAR_WAIT, Who.WARPGROUP, c.home, phase, why, **empty))
 
 
 def after_write(c: Consumer, schedule: Protocol, step: Item, phase: LoopPhase) -> None:
