@@ -45,6 +45,7 @@
 #   bwdab: research/probes/backward_ab.py: development builds of each of BWD_AB_SPECS (default
 #   fa3_hopper, fa3_causal), one per define set of BWD_AB_SETS (";"-separated, after the control
 #   FADSL_NOTHING=1), timed sustained side by side at BWD_AB_SEQLENS (default 1024,4096,16384)
+#   with the spec files of BWD_AB_AGAINST (other backward blocks, as built) on the same tensors
 #   bwdtrace: scripts/backward_trace.py (the backward's m-block timeline) on each of
 #   BWD_TRACE_SPECS (spec files, or training variants' names as BWD_SPECS takes them, e.g.
 #   fa3_hopper+deterministic-dqred+s2; default the four training examples) at each of BWD_TRACE_SEQLENS
@@ -161,7 +162,8 @@ fi
 if [[ $steps == *" bwdab "* ]]; then
   for spec in ${BWD_AB_SPECS:-examples/fa3_hopper.fa examples/fa3_causal.fa}; do
     python3 -P research/probes/backward_ab.py "$spec" --sets "FADSL_NOTHING=1;${BWD_AB_SETS:?BWD_AB_SETS: the define sets to time}" \
-      --seqlens ${BWD_AB_SEQLENS:-1024,4096,16384} --seconds ${BWD_AB_SECONDS:-0.8} 2>&1 | grep -v "^\[" | tee -a "$OUT/backward_ab.log"
+      --seqlens ${BWD_AB_SEQLENS:-1024,4096,16384} --seconds ${BWD_AB_SECONDS:-0.8} \
+      ${BWD_AB_AGAINST:+--against $BWD_AB_AGAINST} 2>&1 | grep -v "^\[" | tee -a "$OUT/backward_ab.log"
     status=$((status | ${PIPESTATUS[0]}))
   done
 fi

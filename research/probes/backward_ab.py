@@ -10,6 +10,10 @@ the same code (H200, 2026-12-01).
 
 Usage (a Hopper GPU): python3 -P research/probes/backward_ab.py examples/fa3_hopper.fa
   --sets "FADSL_NOTHING=1;FADSL_MY_EXPERIMENT=1" [--seqlens 1024,4096,16384] [--seconds 1]
+  [--against OTHER.fa ...]
+--against: other specs of the same head_dim and mask (another backward block), each timed
+as shipped beside the sets, on the same tensors; the energy per call is printed too (at
+the board's power cap a backward's speed is its work per joule).
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import fadsl  # noqa: E402
 from fadsl.runtime.attention import arch_of  # noqa: E402
 from fadsl.tools import clocks  # noqa: E402
 
-from bwd_vs_fa4 import sustained  # noqa: E402
+from bwd_vs_fa4 import energy_reader, sustained  # noqa: E402
 
 
 def main() -> int:
@@ -37,6 +41,7 @@ def main() -> int:
     p.add_argument("--seqlens", default="1024,4096,16384")
     p.add_argument("--seconds", type=float, default=1.0)
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--against", nargs="*", default=[])
     args = p.parse_args()
     text = open(args.spec).read()
     base = fadsl.load(text, verbose=False)
@@ -47,12 +52,18 @@ def main() -> int:
         kern = fadsl.load(text.replace(f"kernel {name}", f"kernel ab{i}_{name}", 1), verbose=False)
         kern._backward_kernels().use_development_build(dtype, arch_of(0), defines)
         kerns.append(kern)
+    for i, other in enumerate(args.against):  # other blocks as built for users
+        other_text = open(other).read()
+        other_name = fadsl.load(other_text, verbose=False).config.name
+        renamed = other_text.replace(f"kernel {other_name}", f"kernel abx{i}_{other_name}", 1)
+        kerns.append(fadsl.load(renamed, verbose=False))
     d, causal = base.config.head_dim, base.config.mask.value == "causal"
     heads = 2048 // d
     tdtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype.value]
     read = clocks.nvml_reader()
     sampler = clocks.Sampler(read, interval=0.005) if read else None
-    labels = [" ".join(f"{k}={v}" for k, v in s.items()) for s in sets]
+    energy = energy_reader()
+    labels = [" ".join(f"{k}={v}" for k, v in s.items()) for s in sets] + list(args.against)
     for seqlen in map(int, args.seqlens.split(",")):
         batch = max(1, 16384 // seqlen)
         shape = (batch, seqlen, heads, d)
@@ -75,22 +86,28 @@ def main() -> int:
             (lambda o=o: torch.autograd.grad(o, (q, k, v), dout, retain_graph=True)) for o in outs
         ]
         flops = 2.5 * 4 * batch * heads * seqlen * seqlen * d * (0.5 if causal else 1.0)
-        results: dict[int, list] = {i: [] for i in range(len(sets))}
+        results: dict[int, list] = {i: [] for i in range(len(kerns))}
         for r in range(args.rounds):
-            order = list(range(len(sets)))
+            order = list(range(len(kerns)))
             order = order[r % len(order) :] + order[: r % len(order)]
             order = order if r % 2 == 0 else order[::-1]
             for i in order:
-                ms, readings, _ = sustained(calls[i], args.seconds, sampler, None)
+                ms, readings, joules = sustained(calls[i], args.seconds, sampler, energy)
                 s = clocks.summarize(readings)
-                results[i].append((flops / (ms * 1e-3) / 1e12, s.sm_mhz if s else float("nan")))
-        ctrl = statistics.median(t for t, _ in results[0])
+                mhz = s.sm_mhz if s else float("nan")
+                mj = 1000 * joules if joules else float("nan")
+                results[i].append((flops / (ms * 1e-3) / 1e12, mhz, mj))
+        ctrl = statistics.median(t for t, _, _ in results[0])
         print(f"== {name}, {batch} x {seqlen}")
         for i, label in enumerate(labels):
-            tf = statistics.median(t for t, _ in results[i])
-            mhz = statistics.median(m for _, m in results[i])
-            runs = " ".join(f"{t:.1f}" for t, _ in results[i])
-            print(f"  {tf:7.1f} TF/s {mhz:6.0f} MHz  x control {tf / ctrl:.3f}  ({runs})  {label}")
+            tf = statistics.median(t for t, _, _ in results[i])
+            mhz = statistics.median(m for _, m, _ in results[i])
+            mj = statistics.median(e for _, _, e in results[i])
+            runs = " ".join(f"{t:.1f}" for t, _, _ in results[i])
+            print(
+                f"  {tf:7.1f} TF/s {mhz:6.0f} MHz {mj:7.1f} mJ/call  x control {tf / ctrl:.3f}"
+                f"  ({runs})  {label}"
+            )
     return 0
 
 
