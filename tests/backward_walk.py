@@ -347,6 +347,7 @@ def walk_if(cond: str, constexpr: bool, then, other, walk: Walk) -> None:
     flags["Cfg::kDqLag"] = walk.params.dq_lag
     flags["Cfg::kDqFirst"] = walk.params.dq_first
     flags["Cfg::kDkvTma"] = walk.params.dkv_tma
+    flags["Cfg::kPrefetchKv"] = walk.params.prefetch_kv
     flags |= {f"!{name}": not value for name, value in flags.items()}
     if constexpr:  # a flag, its negation, or a conjunction of them
         chosen = then if all(flags[part] for part in cond.split("&&")) else other

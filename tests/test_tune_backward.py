@@ -58,20 +58,24 @@ def test_rewrite_backward_needs_a_block():
 def test_the_variants_of_head_dim_256():
     """head_dim 256's split consumer has one order, dQ path and ring size: its knob is B_c
     (80 or 64), under the causal mask in either CTA order, and the input's block with dQ
-    converted in the main kernel; every variant is admitted."""
+    converted in the main kernel or with a later CTA's K and V prefetched; every variant is
+    admitted."""
     text = (ROOT / "examples" / "fa3_hdim256_causal.fa").read_text()
     compiled, variants = variants_of(text)
     assert variants[0].backward == compiled.kernel.backward
     admitted = [v.backward for v in variants if v.backward is not None]
-    assert len(admitted) == len(variants) == 5
-    assert {(b.block_n, b.longest_first, b.fused_convert) for b in admitted} == {
-        (n, first, False) for n in (80, 64) for first in (False, True)
-    } | {(80, compiled.kernel.backward.longest_first, True)}
+    assert len(admitted) == len(variants) == 6
+    first = compiled.kernel.backward.longest_first
+    assert {(b.block_n, b.longest_first, b.fused_convert, b.prefetch_kv) for b in admitted} == {
+        (n, first, False, False) for n in (80, 64) for first in (False, True)
+    } | {(80, first, True, False), (80, first, False, True)}
     assert all(b.dq_red and not b.overlap and b.stages == 2 for b in admitted)
     assert label_of(admitted[0]) == "B_c 80, B_r 64, plain, dQ red.add, stages 2"
     fused = next(b for b in admitted if b.fused_convert)
     assert label_of(fused).endswith(", dQ converted in-kernel")
-    assert len({knobs_of(b) for b in admitted}) == 5
+    prefetched = next(b for b in admitted if b.prefetch_kv)
+    assert label_of(prefetched).endswith(", K and V prefetched")
+    assert len({knobs_of(b) for b in admitted}) == 6
 
 
 def test_the_variants_of_head_dim_64():

@@ -83,6 +83,10 @@ class Backward:
     # warpgroup stages its rows in the dead K and V tiles and one thread stores them by TMA
     # (sm90_bwd_lag.cuh, store_grad_kv_tma); not `rf -st.global-> gmem` from registers
     dkv_tma: bool = False
+    # the producer prefetches into the L2 the K and V tiles of the CTA launched a wave
+    # (%nsmid CTAs) after its own, once its first loads are issued: that CTA's loads then
+    # hit the L2 (sm90_bwd_producer.cuh, bwd_prefetch_later_kv)
+    prefetch_kv: bool = False
     # Every tensor's path, the defaults included, in the target's order. The IR's text form
     # leaves them out (the target admits one path per tensor): a kernel read back has none.
     tensors: tuple[BackwardTensor, ...] = ()
@@ -125,13 +129,14 @@ class Backward:
             + (" scheduler=persistent" if self.persistent else "")
             + (" fused_convert=on" if self.fused_convert else "")
             + (" dkv=tma" if self.dkv_tma else "")
+            + (" prefetch_kv=on" if self.prefetch_kv else "")
         )
 
 
 _TEXT = re.compile(
     r"backward B_r=(?P<m>\d+) B_c=(?P<n>\d+) consumers=(?P<consumers>\d+) "
     r"regs=(?P<preg>\d+)/(?P<creg>\d+) stages=(?P<stages>\d+) "
-    r"deterministic=(?P<deterministic>on|off)(?P<overlap> overlap=on)?(?P<early_dv> early_dv=on)?(?P<dv_before_meeting> dv_before_meeting=on)?(?P<dq_lag> dq_lag=on)?(?P<dq_first> dq_first=on)?(?P<dq_red> dq=red.add)?(?P<longest_first> longest_first=on)?(?P<dq_writer> dq_writer=on)?(?P<ds_stmatrix> ds=stmatrix)?(?P<persistent> scheduler=persistent)?(?P<fused_convert> fused_convert=on)?(?P<dkv_tma> dkv=tma)?$"
+    r"deterministic=(?P<deterministic>on|off)(?P<overlap> overlap=on)?(?P<early_dv> early_dv=on)?(?P<dv_before_meeting> dv_before_meeting=on)?(?P<dq_lag> dq_lag=on)?(?P<dq_first> dq_first=on)?(?P<dq_red> dq=red.add)?(?P<longest_first> longest_first=on)?(?P<dq_writer> dq_writer=on)?(?P<ds_stmatrix> ds=stmatrix)?(?P<persistent> scheduler=persistent)?(?P<fused_convert> fused_convert=on)?(?P<dkv_tma> dkv=tma)?(?P<prefetch_kv> prefetch_kv=on)?$"
 )
 
 
@@ -163,5 +168,6 @@ def read_backward(line: str, loc: Loc) -> Backward:
         persistent=m["persistent"] is not None,
         fused_convert=m["fused_convert"] is not None,
         dkv_tma=m["dkv_tma"] is not None,
+        prefetch_kv=m["prefetch_kv"] is not None,
         loc=loc,
     )

@@ -56,6 +56,7 @@ def _backward_line(kernel: Kernel) -> str:
         + (", longest_first on" if b.longest_first else "")
         + (", dq_writer on" if b.dq_writer else "")
         + (", dS by stmatrix" if b.ds_stmatrix else "")
+        + (", prefetch_kv on" if b.prefetch_kv else "")
         + " (the spec's backward block; explain shows its plan)"
     )
 

@@ -90,6 +90,9 @@ __device__ __forceinline__ void bwd_producer_split(const BwdParamsSm90& P, uint3
       tma_load_4d(smem + Cfg::kOffDO + at, &P.tma_do, do_full, 64 * panel, q_row, b.head, b.batch);
     }
     bulk_load(smem + Cfg::kOffD + do_slot * Cfg::kRowFloatsBytes, P.dpsum + row0, Cfg::kRowFloatsBytes, do_full);
+    if constexpr (Cfg::kPrefetchKv) {
+      if (i == 0) bwd_prefetch_later_kv<Cfg>(P);  // (after this CTA's own first loads)
+    }
     FADSL_BWD_MARK(Cfg::kConsumerWGs, i, 2);
   }
 }

@@ -189,6 +189,22 @@ __device__ __forceinline__ void tma_prefetch_desc(const CUtensorMap* tmap) {
   asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(tmap)) : "memory");
 }
 
+// A hint: the box at (c0, c1, c2, c3) fetched from global memory into the L2, nothing
+// written to SMEM and no barrier completed; a later load of it then hits the L2.
+__device__ __forceinline__ void tma_prefetch_l2_4d(const CUtensorMap* tmap, int c0, int c1, int c2, int c3) {
+  asm volatile("cp.async.bulk.prefetch.tensor.4d.L2.global.tile [%0, {%1, %2, %3, %4}];\n" ::"l"(
+                   reinterpret_cast<uint64_t>(tmap)),
+               "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+               : "memory");
+}
+
+// The number of SM identifiers (%nsmid: at least the SMs, ids may have gaps).
+__device__ __forceinline__ int sm_id_count() {
+  uint32_t n;
+  asm volatile("mov.u32 %0, %%nsmid;\n" : "=r"(n));
+  return static_cast<int>(n);
+}
+
 __device__ __forceinline__ void tma_load_2d(uint32_t smem_dst, const CUtensorMap* tmap, uint32_t bar, int c0, int c1) {
   asm volatile(
       "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"

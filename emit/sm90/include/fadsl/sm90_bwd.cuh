@@ -248,6 +248,9 @@ struct BwdConfig {
   // with kDqLag, one tile per CTA): each consumer warpgroup stages its rows in the dead V,
   // then K tile and its thread 0 stores them by TMA (bwd_consumer_lagged's epilogue)
   static constexpr bool kDkvTma = false;
+  // `prefetch_kv on` (a generated Cfg sets it; one tile per CTA): the producer fetches the K
+  // and V tiles of the CTA launched a wave after this one into the L2 (bwd_prefetch_later_kv)
+  static constexpr bool kPrefetchKv = false;
   // `varlen on` (a generated Cfg sets it): packed sequences, cu_seqlens in the params; a CTA
   // per (n-block slot, query head) over the packed keys (bwd_block)
   static constexpr bool kVarlen = false;

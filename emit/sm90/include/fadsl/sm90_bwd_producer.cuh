@@ -52,6 +52,26 @@ __device__ __forceinline__ void bwd_load_kv(const BwdParamsSm90& P, uint32_t sme
   }
 }
 
+// `prefetch_kv on`: the K and V tiles of the CTA launched %nsmid CTAs after this one (grid
+// order, x fastest: with one CTA per SM, about the one that starts a wave later, as this one
+// ends or an SM frees) fetched into the L2, once this CTA's first loads are issued; K and V
+// are read by one CTA each, so that CTA's loads would go to DRAM.  A hint: nothing to order,
+// and a wrong guess costs L2 bandwidth only.
+template <class Cfg>
+__device__ __forceinline__ void bwd_prefetch_later_kv(const BwdParamsSm90& P) {
+  static_assert(!Cfg::kPersistent, "prefetch_kv: one tile per CTA (a persistent CTA loads its next K and V early)");
+  const int gx = gridDim.x, gy = gridDim.y, gz = gridDim.z;
+  const int later = blockIdx.x + gx * (blockIdx.y + gy * blockIdx.z) + sm_id_count();
+  if (later >= gx * gy * gz) return;
+  const BwdBlock b = bwd_block_at<Cfg>(P, later % gx, later / gx % gy, later / (gx * gy), gx, gy, gz);
+  if (b.m_count == 0) return;  // (that CTA loads nothing)
+#pragma unroll
+  for (int panel = 0; panel < Cfg::kPanels; ++panel) {
+    tma_prefetch_l2_4d(&P.tma_k, 64 * panel, b.k_row0 + b.n0, b.head_kv, b.batch);
+    tma_prefetch_l2_4d(&P.tma_v, 64 * panel, b.k_row0 + b.n0, b.head_kv, b.batch);
+  }
+}
+
 // The first row of the block's (batch, head) in the LSE and D (m-block m's B_r rows follow
 // at m B_r).
 template <class Cfg>
@@ -87,6 +107,9 @@ __device__ __forceinline__ void bwd_producer(const BwdParamsSm90& P, uint32_t sm
     const int64_t row0 = rows + static_cast<int64_t>(m) * Cfg::kBlockM;
     bulk_load(smem + Cfg::kOffLSE + slot * Cfg::kRowFloatsBytes, P.lse_log2 + row0, Cfg::kRowFloatsBytes, full);
     bulk_load(smem + Cfg::kOffD + slot * Cfg::kRowFloatsBytes, P.dpsum + row0, Cfg::kRowFloatsBytes, full);
+    if constexpr (Cfg::kPrefetchKv) {
+      if (i == 0) bwd_prefetch_later_kv<Cfg>(P);  // (after this CTA's own first loads)
+    }
     FADSL_BWD_MARK(Cfg::kConsumerWGs, i, 2);
   }
 }

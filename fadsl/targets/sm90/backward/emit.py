@@ -130,6 +130,7 @@ def context(kernel: Kernel, dtype: Dtype) -> dict[str, Any]:
         "dq_writer": bwd.dq_writer,
         "ds_stmatrix": bwd.ds_stmatrix,
         "dkv_tma": bwd.dkv_tma,
+        "prefetch_kv": bwd.prefetch_kv,
         "causal": cfg.mask is Mask.CAUSAL,
         "mask": cfg.mask_text,  # the mask line's value, window included
         # the forward's sliding window and softcap: compile-time constants of the Cfg

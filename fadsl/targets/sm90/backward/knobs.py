@@ -10,7 +10,8 @@ is not built beside the rest, with what would work instead.
   that lag;
 - `fused_convert on` counts each m-block's contributing n-blocks from the block's ranges;
 - dK and dV stored by TMA from the dead K and V tiles: the lagged consumer's epilogue, one
-  tile per CTA, padded batches.
+  tile per CTA, padded batches;
+- `prefetch_kv on` reads ahead in the grid's launch order, one tile per CTA.
 """
 
 from __future__ import annotations
@@ -52,6 +53,15 @@ def check_knobs(c: Checks, block: BackwardBlock, backward: Backward, head_dim: i
         ok = _fused_convert(c, block, backward) and ok
     if backward.dkv_tma:
         ok = _dkv_tma(c, block, backward) and ok
+    if backward.prefetch_kv:
+        why = []
+        if backward.persistent:
+            why.append(
+                "scheduler persistent (a CTA loads its next tile's K and V under this one's "
+                "stores already)"
+            )
+        knob = "prefetch_kv on (the K and V of the CTA launched a wave later fetched into the L2)"
+        ok = _refused(block, "prefetch_kv", knob, why, "leave it off") and ok
     return ok
 
 

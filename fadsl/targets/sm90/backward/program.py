@@ -317,6 +317,10 @@ class Params:
     # dK and dV `rf -stmatrix-> smem[warpgroup] -tma-> gmem` (with dq_lag, one tile per CTA):
     # each warpgroup's rows staged in the dead V, then K tile, stored by its leader's TMA
     dkv_tma: bool = False
+    # `prefetch_kv on`: the producer's L2 prefetch of a later CTA's K and V after its first
+    # loads; no item (a hint orders nothing), so the plan is the block's without it, and the
+    # header reader walks that branch to show it makes none of the plan's calls
+    prefetch_kv: bool = False
 
     @classmethod
     def of(cls, bwd: Backward, head_dim: int) -> Params:
@@ -338,6 +342,7 @@ class Params:
             dq_lag=bwd.dq_lag,
             dq_first=bwd.dq_first,
             dkv_tma=bwd.dkv_tma,
+            prefetch_kv=bwd.prefetch_kv,
         )
 
     def __post_init__(self) -> None:
@@ -364,6 +369,7 @@ class Params:
         assert not self.dq_first or self.dq_lag, self
         # knobs.py's _dkv_tma: the lagged consumer's epilogue, one tile per CTA
         assert not self.dkv_tma or (self.dq_lag and not self.persistent), self
+        assert not (self.prefetch_kv and self.persistent), self  # knobs.py: one tile per CTA
         if self.split:  # sm90_bwd_split.cuh's one order, dQ from registers
             assert self.consumers == 2 and self.block_m == BLOCK_M, self
             # (overlap off: so neither early_dv nor dv_before_meeting, which need it)
@@ -473,6 +479,7 @@ class Params:
         det += ", dS by stmatrix" if self.ds_stmatrix else ""
         det += ", persistent" if self.persistent else ""
         det += ", dK and dV by TMA" if self.dkv_tma else ""
+        det += ", a later CTA's K and V prefetched" if self.prefetch_kv else ""
         return (
             f"{self.consumers} consumer(s), {self.stages} stage(s), head_dim {self.head_dim}, "
             f"B_r {self.block_m} ({split}){det}"

@@ -212,6 +212,7 @@ def backward_data(kernel: Kernel) -> dict[str, Any]:
             **({"varlen": True} if kernel.config.features.varlen else {}),
             **({"ds_stmatrix": True} if bwd.ds_stmatrix else {}),  # (dS's path: stmatrix)
             **({"dkv_tma": True} if bwd.dkv_tma else {}),  # (dK's and dV's paths: TMA)
+            **({"prefetch_kv": True} if bwd.prefetch_kv else {}),
         },
         "paths": [{"tensor": t.role.value, "path": t.path_text()} for t in bwd.tensors],
         "roles": [
@@ -280,6 +281,12 @@ def backward_sections(data: Mapping[str, Any]) -> list[str]:
         + (
             "; longest_first on (by L2 sections, each section's n-block 0 first)"
             if s["longest_first"]
+            else ""
+        )
+        + (
+            "; prefetch_kv on (the K and V of the CTA launched a wave later fetched into the "
+            "L2 once this CTA's first loads are issued)"
+            if s.get("prefetch_kv")
             else ""
         ),
         *(

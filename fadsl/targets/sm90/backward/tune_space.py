@@ -9,7 +9,8 @@ path (staged, or `rf -red.add-> gmem`), dS's store where B_r is not 80 (st.share
 GPU, 2026-11-30) and the Q / dO ring's `stages`; under the causal
 mask, the input's block with `longest_first` flipped (the CTA order); the input's block on the
 other `scheduler` (persistent CTAs or a CTA per tile) where it admits persistent ones; the input's
-block with `fused_convert` flipped where dQ goes by red.add. With `deterministic on`
+block with `fused_convert` flipped where dQ goes by red.add; the input's block with
+`prefetch_kv` flipped where it runs a tile per CTA. With `deterministic on`
 dQ has a third path: staged and reduce-added by writer warps (`dq_writer on`: 1.26-1.30x
 the ordered adds without them at head_dim 128 on an H200, 2026-11-30; without
 `deterministic` it times below red.add, so it is not tried there), with the registers as the
@@ -110,6 +111,7 @@ def label_of(bwd: Backward) -> str:
     label = _label(*knobs, ds=bwd.ds_stmatrix, tma=bwd.dkv_tma) + (
         ", dQ converted in-kernel" if bwd.fused_convert else ""
     )
+    label += ", K and V prefetched" if bwd.prefetch_kv else ""
     return f"B_c {bwd.block_n}, {label}" if _split(bwd) else label
 
 
@@ -120,6 +122,7 @@ def knobs_of(bwd: Backward) -> tuple:
     knobs += ("dS stmatrix",) if bwd.ds_stmatrix else ()
     knobs += ("dK dV TMA",) if bwd.dkv_tma else ()
     knobs += ("fused convert",) if bwd.fused_convert else ()
+    knobs += ("prefetch K V",) if bwd.prefetch_kv else ()
     return knobs + ((bwd.block_n,) if _split(bwd) else ())
 
 
@@ -131,6 +134,15 @@ def _fused_flip(base: Backward) -> tuple[BackwardCandidate, ...]:
     flipped = "off" if base.fused_convert else "on"
     label = f"{label_of(base)}, fused_convert {flipped}"
     return (BackwardCandidate(label, {"fused_convert": flipped}, {}),)
+
+
+def _prefetch_flip(base: Backward) -> tuple[BackwardCandidate, ...]:
+    """The input's block with `prefetch_kv` flipped, where it runs a tile per CTA."""
+    if base.persistent:
+        return ()
+    flipped = "off" if base.prefetch_kv else "on"
+    label = f"{label_of(base)}, prefetch_kv {flipped}"
+    return (BackwardCandidate(label, {"prefetch_kv": flipped}, {}),)
 
 
 def candidates(base: Backward, causal: bool) -> tuple[BackwardCandidate, ...]:
@@ -176,8 +188,10 @@ def candidates(base: Backward, causal: bool) -> tuple[BackwardCandidate, ...]:
         label = f"{label_of(base)}, scheduler {scheduler}"
         # (persistent CTAs store dK and dV from registers: their next K and V reuse the tiles)
         stored = {GradRole.DK.value: None, GradRole.DV.value: None} if base.dkv_tma else {}
-        out.append(BackwardCandidate(label, {"scheduler": scheduler}, stored))
-    return tuple(out) + _fused_flip(base)
+        # (a persistent CTA loads its next K and V early: no prefetch_kv)
+        off = {"prefetch_kv": "off"} if base.prefetch_kv else {}
+        out.append(BackwardCandidate(label, {"scheduler": scheduler, **off}, stored))
+    return tuple(out) + _fused_flip(base) + _prefetch_flip(base)
 
 
 def _split_candidates(base: Backward, causal: bool) -> tuple[BackwardCandidate, ...]:
@@ -193,7 +207,7 @@ def _split_candidates(base: Backward, causal: bool) -> tuple[BackwardCandidate, 
             out.append(
                 BackwardCandidate(f"B_c {block_n}, {first}", {**tile, "longest_first": flipped}, {})
             )
-    return tuple(out) + _fused_flip(base)
+    return tuple(out) + _fused_flip(base) + _prefetch_flip(base)
 
 
 BACKWARD_TUNE_SPACE = BackwardTuneSpace(candidates=candidates, label=label_of, knobs=knobs_of)
