@@ -103,7 +103,13 @@ def test_the_prefetch_touches_no_smem_and_no_barrier():
     _, body = function(strip(HEADER), r"void bwd_prefetch_later_kv\(")
     calls = set(re.findall(r"\b(\w+)(?:<[^<>()]*>)?\(", body))
     # the later CTA's block, from the grid's shape and %nsmid, and the L2 prefetch: nothing else
-    assert calls == {"static_assert", "sm_id_count", "bwd_block_at", "tma_prefetch_l2_4d"}, calls
+    assert calls == {
+        "static_assert",
+        "static_cast",
+        "sm_id_count",
+        "bwd_block_at",
+        "tma_prefetch_l2_4d",
+    }, calls
     assert "smem" not in body
 
 

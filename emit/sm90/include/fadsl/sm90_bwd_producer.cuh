@@ -61,9 +61,11 @@ template <class Cfg>
 __device__ __forceinline__ void bwd_prefetch_later_kv(const BwdParamsSm90& P) {
   static_assert(!Cfg::kPersistent, "prefetch_kv: one tile per CTA (a persistent CTA loads its next K and V early)");
   const int gx = gridDim.x, gy = gridDim.y, gz = gridDim.z;
-  const int later = blockIdx.x + gx * (blockIdx.y + gy * blockIdx.z) + sm_id_count();
-  if (later >= gx * gy * gz) return;
-  const BwdBlock b = bwd_block_at<Cfg>(P, later % gx, later / gx % gy, later / (gx * gy), gx, gy, gz);
+  const int64_t later = blockIdx.x + static_cast<int64_t>(gx) * (blockIdx.y + static_cast<int64_t>(gy) * blockIdx.z) +
+                        sm_id_count();  // (a varlen grid's x may be large: 64-bit)
+  if (later >= static_cast<int64_t>(gx) * gy * gz) return;
+  const int x = static_cast<int>(later % gx), y = static_cast<int>(later / gx % gy);
+  const BwdBlock b = bwd_block_at<Cfg>(P, x, y, static_cast<int>(later / gx / gy), gx, gy, gz);
   if (b.m_count == 0) return;  // (that CTA loads nothing)
 #pragma unroll
   for (int panel = 0; panel < Cfg::kPanels; ++panel) {
