@@ -45,7 +45,8 @@
 #   bwdab: research/probes/backward_ab.py: development builds of each of BWD_AB_SPECS (default
 #   fa3_hopper, fa3_causal), one per define set of BWD_AB_SETS (";"-separated, after the control
 #   FADSL_NOTHING=1), timed sustained side by side at BWD_AB_SEQLENS (default 1024,4096,16384)
-#   with the spec files of BWD_AB_AGAINST (other backward blocks, as built) on the same tensors
+#   with BWD_AB_AGAINST (spec files or training variants' names, e.g. fa3_causal+prefetch_kv: other
+#   backward blocks, as built) on the same tensors
 #   bwdtrace: scripts/backward_trace.py (the backward's m-block timeline) on each of
 #   BWD_TRACE_SPECS (spec files, or training variants' names as BWD_SPECS takes them, e.g.
 #   fa3_hopper+deterministic-dqred+s2; default the four training examples) at each of BWD_TRACE_SEQLENS

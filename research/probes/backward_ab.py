@@ -12,8 +12,10 @@ Usage (a Hopper GPU): python3 -P research/probes/backward_ab.py examples/fa3_hop
   --sets "FADSL_NOTHING=1;FADSL_MY_EXPERIMENT=1" [--seqlens 1024,4096,16384] [--seconds 1]
   [--against OTHER.fa ...]
 --against: other specs of the same head_dim and mask (another backward block), each timed
-as shipped beside the sets, on the same tensors; the energy per call is printed too (at
-the board's power cap a backward's speed is its work per joule).
+as shipped beside the sets, on the same tensors: a spec file, or a training variant's name
+as tests/test_gpu_backward.py's training_spec reads it (fa3_causal+prefetch_kv); the
+energy per call is printed too (at the board's power cap a backward's speed is its work
+per joule).
 """
 
 from __future__ import annotations
@@ -32,6 +34,16 @@ from fadsl.runtime.attention import arch_of  # noqa: E402
 from fadsl.tools import clocks  # noqa: E402
 
 from bwd_vs_fa4 import energy_reader, sustained  # noqa: E402
+
+
+def _spec_text(spec: str) -> str:
+    """A spec file's text, or the training variant ``spec`` names (training_spec)."""
+    if pathlib.Path(spec).is_file():
+        return pathlib.Path(spec).read_text()
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "tests"))
+    from test_gpu_backward import training_spec
+
+    return training_spec(spec)
 
 
 def main() -> int:
@@ -53,7 +65,7 @@ def main() -> int:
         kern._backward_kernels().use_development_build(dtype, arch_of(0), defines)
         kerns.append(kern)
     for i, other in enumerate(args.against):  # other blocks as built for users
-        other_text = open(other).read()
+        other_text = _spec_text(other)
         other_name = fadsl.load(other_text, verbose=False).config.name
         renamed = other_text.replace(f"kernel {other_name}", f"kernel abx{i}_{other_name}", 1)
         kerns.append(fadsl.load(renamed, verbose=False))
