@@ -12,6 +12,7 @@ from dataclasses import replace
 import pytest
 
 from backward_header import HEADER, SPLIT_HEADER, expected_calls, header_calls
+from host_program import run_host_program
 from cpp_reader import function, strip
 import fadsl
 from fadsl.build.resources import can_compile
@@ -84,15 +85,13 @@ def test_the_producer_makes_the_plans_calls_with_the_key(params):
 @pytest.mark.parametrize("params", SHAPES[1::2], ids=lambda p: p.describe())
 def test_the_reader_walks_the_prefetch_branch(params):
     # a barrier arrival slipped into the branch is found (so the branch is read, not skipped)
-    call = "if (i == 0) bwd_prefetch_later_kv<Cfg>(P);"
+    call = "if (i == b.m_count - 1) bwd_prefetch_later_kv<Cfg>(P);"
     assert HEADER.count(call) == SPLIT_HEADER.count(call) == 1
     edited, split = (
-        text.replace(
-            call, "if (i == 0) { bwd_prefetch_later_kv<Cfg>(P); mbar_arrive(" + bar + "); }"
-        )
+        text.replace(call, call.replace("bwd_", "{ bwd_")[:-1] + f"; mbar_arrive({bar}); }}")
         for text, bar in ((HEADER, "full"), (SPLIT_HEADER, "q_full"))
     )
-    with pytest.raises(AssertionError, match="a condition the check does not know: i==0"):
+    with pytest.raises(AssertionError, match="a condition the check does not know: i==b.m_count-1"):
         header_calls(WarpRole.PRODUCER, params, header=edited, split_header=split)
     off = replace(params, prefetch_kv=False)  # (the branch is not compiled without the key)
     found = header_calls(WarpRole.PRODUCER, off, header=edited, split_header=split)
@@ -103,13 +102,8 @@ def test_the_prefetch_touches_no_smem_and_no_barrier():
     _, body = function(strip(HEADER), r"void bwd_prefetch_later_kv\(")
     calls = set(re.findall(r"\b(\w+)(?:<[^<>()]*>)?\(", body))
     # the later CTA's block, from the grid's shape and %nsmid, and the L2 prefetch: nothing else
-    assert calls == {
-        "static_assert",
-        "static_cast",
-        "sm_id_count",
-        "bwd_block_at",
-        "tma_prefetch_l2_4d",
-    }, calls
+    allowed = {"static_assert", "sm_id_count", "bwd_launched_after", "bwd_block_at"}
+    assert calls == allowed | {"tma_prefetch_l2_4d"}, calls
     assert "smem" not in body
 
 
@@ -134,3 +128,40 @@ def test_the_build_prefetches_each_panel_of_k_and_v():
         counts[name] = len(re.findall(r"UTMAPF\.L2\.4D", text))
     # K and V of head_dim 128: two 64-column panels each
     assert counts == {"fa3_causal+prefetch_kv": 4, "fa3_causal": 0}, counts
+
+
+LAUNCHED_AFTER = r"""
+#include "fadsl/sm90_bwd.cuh"
+#include <cstdio>
+using namespace fadsl::sm90;
+int main() {
+  int x, y, z, gx, gy, gz, ahead;
+  while (scanf("%d %d %d %d %d %d %d", &x, &y, &z, &gx, &gy, &gz, &ahead) == 7) {
+    const BwdGridPos p = bwd_launched_after(x, y, z, gx, gy, gz, ahead);
+    printf("%d %d %d %d\n", p.ok ? 1 : 0, p.x, p.y, p.z);
+  }
+}
+"""
+
+
+def test_the_later_cta_is_the_one_launched_that_many_places_after(tmp_path):
+    # grids of the examples' shapes, a varlen grid's long x, one CTA; waves of H100/H200 SMs
+    grids = [(8, 16, 16), (13, 3, 1), (1, 1, 1), (3_000_000, 32, 1), (5, 7, 9)]
+    cases = []
+    for gx, gy, gz in grids:
+        total = gx * gy * gz
+        for at in sorted({0, 1, gx - 1, gx, total // 2, total - 1}):
+            if at >= total:
+                continue
+            for ahead in (0, 1, 132, 144, total):
+                x, y, z = at % gx, at // gx % gy, at // (gx * gy)
+                cases.append((x, y, z, gx, gy, gz, ahead))
+    stdin = "".join(" ".join(map(str, c)) + "\n" for c in cases)
+    out = run_host_program(tmp_path, "launched_after", LAUNCHED_AFTER, stdin).split()
+    assert len(out) == 4 * len(cases)
+    for k, (x, y, z, gx, gy, gz, ahead) in enumerate(cases):
+        ok, lx, ly, lz = map(int, out[4 * k : 4 * k + 4])
+        later = x + gx * (y + gy * z) + ahead
+        assert ok == (later < gx * gy * gz), (x, y, z, gx, gy, gz, ahead)
+        if ok:
+            assert (lx, ly, lz) == (later % gx, later // gx % gy, later // (gx * gy))

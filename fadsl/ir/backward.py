@@ -84,8 +84,8 @@ class Backward:
     # (sm90_bwd_lag.cuh, store_grad_kv_tma); not `rf -st.global-> gmem` from registers
     dkv_tma: bool = False
     # the producer prefetches into the L2 the K and V tiles of the CTA launched a wave
-    # (%nsmid CTAs) after its own, once its first loads are issued: that CTA's loads then
-    # hit the L2 (sm90_bwd_producer.cuh, bwd_prefetch_later_kv)
+    # (%nsmid CTAs) after its own, as it issues its last loads: that CTA's loads then hit
+    # the L2 (sm90_bwd_producer.cuh, bwd_prefetch_later_kv)
     prefetch_kv: bool = False
     # Every tensor's path, the defaults included, in the target's order. The IR's text form
     # leaves them out (the target admits one path per tensor): a kernel read back has none.

@@ -215,6 +215,20 @@ __host__ __device__ __forceinline__ BwdBlock bwd_block_at(const BwdParamsSm90& P
   if constexpr (Cfg::kKeep) bwd_keep_trim<Cfg>(P, b);  // keep's EMPTY m-blocks off both ends
   return b;
 }
+// The grid position of the CTA launched `ahead` places after (x, y, z) in launch order (x
+// fastest, then y, then z) in a grid of (gx, gy, gz) CTAs; ok false past the grid's end
+// (`prefetch_kv on`'s later CTA, bwd_prefetch_later_kv).
+struct BwdGridPos {
+  bool ok;
+  int x, y, z;
+};
+__host__ __device__ __forceinline__ BwdGridPos bwd_launched_after(int x, int y, int z, int gx, int gy, int gz,
+                                                                  int ahead) {
+  // (64-bit: a varlen grid's x runs over the packed keys' slots)
+  const int64_t at = x + static_cast<int64_t>(gx) * (y + static_cast<int64_t>(gy) * z) + ahead;
+  if (ahead < 0 || at >= static_cast<int64_t>(gx) * gy * gz) return BwdGridPos{false, 0, 0, 0};
+  return BwdGridPos{true, static_cast<int>(at % gx), static_cast<int>(at / gx % gy), static_cast<int>(at / gx / gy)};
+}
 template <class Cfg>
 __device__ __forceinline__ BwdBlock bwd_block(const BwdParamsSm90& P) {
   return bwd_block_at<Cfg>(P, blockIdx.x, blockIdx.y, blockIdx.z, gridDim.x, gridDim.y, gridDim.z);

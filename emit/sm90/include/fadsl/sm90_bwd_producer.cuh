@@ -52,20 +52,19 @@ __device__ __forceinline__ void bwd_load_kv(const BwdParamsSm90& P, uint32_t sme
   }
 }
 
-// `prefetch_kv on`: the K and V tiles of the CTA launched %nsmid CTAs after this one (grid
-// order, x fastest: with one CTA per SM, about the one that starts a wave later, as this one
-// ends or an SM frees) fetched into the L2, once this CTA's first loads are issued; K and V
-// are read by one CTA each, so that CTA's loads would go to DRAM.  A hint: nothing to order,
-// and a wrong guess costs L2 bandwidth only.
+// `prefetch_kv on`: the K and V tiles of the CTA launched %nsmid CTAs after this one (with
+// one CTA per SM, about the one that starts as this wave's CTAs end) fetched into the L2 as
+// this CTA's producer issues its last loads, a few m-blocks before this CTA ends; without
+// GQA no other CTA reads them, so that CTA's loads would go to DRAM.  bwd_block_at finds its
+// block as that CTA will (longest_first's and the visit order's remapping included).  A
+// hint: nothing to order, and a wrong guess costs L2 bandwidth only.
 template <class Cfg>
 __device__ __forceinline__ void bwd_prefetch_later_kv(const BwdParamsSm90& P) {
   static_assert(!Cfg::kPersistent, "prefetch_kv: one tile per CTA (a persistent CTA loads its next K and V early)");
   const int gx = gridDim.x, gy = gridDim.y, gz = gridDim.z;
-  const int64_t later = blockIdx.x + static_cast<int64_t>(gx) * (blockIdx.y + static_cast<int64_t>(gy) * blockIdx.z) +
-                        sm_id_count();  // (a varlen grid's x may be large: 64-bit)
-  if (later >= static_cast<int64_t>(gx) * gy * gz) return;
-  const int x = static_cast<int>(later % gx), y = static_cast<int>(later / gx % gy);
-  const BwdBlock b = bwd_block_at<Cfg>(P, x, y, static_cast<int>(later / gx / gy), gx, gy, gz);
+  const BwdGridPos later = bwd_launched_after(blockIdx.x, blockIdx.y, blockIdx.z, gx, gy, gz, sm_id_count());
+  if (!later.ok) return;
+  const BwdBlock b = bwd_block_at<Cfg>(P, later.x, later.y, later.z, gx, gy, gz);
   if (b.m_count == 0) return;  // (that CTA loads nothing)
 #pragma unroll
   for (int panel = 0; panel < Cfg::kPanels; ++panel) {
@@ -110,7 +109,7 @@ __device__ __forceinline__ void bwd_producer(const BwdParamsSm90& P, uint32_t sm
     bulk_load(smem + Cfg::kOffLSE + slot * Cfg::kRowFloatsBytes, P.lse_log2 + row0, Cfg::kRowFloatsBytes, full);
     bulk_load(smem + Cfg::kOffD + slot * Cfg::kRowFloatsBytes, P.dpsum + row0, Cfg::kRowFloatsBytes, full);
     if constexpr (Cfg::kPrefetchKv) {
-      if (i == 0) bwd_prefetch_later_kv<Cfg>(P);  // (after this CTA's own first loads)
+      if (i == b.m_count - 1) bwd_prefetch_later_kv<Cfg>(P);  // (with this CTA's last loads)
     }
     FADSL_BWD_MARK(Cfg::kConsumerWGs, i, 2);
   }

@@ -91,7 +91,7 @@ __device__ __forceinline__ void bwd_producer_split(const BwdParamsSm90& P, uint3
     }
     bulk_load(smem + Cfg::kOffD + do_slot * Cfg::kRowFloatsBytes, P.dpsum + row0, Cfg::kRowFloatsBytes, do_full);
     if constexpr (Cfg::kPrefetchKv) {
-      if (i == 0) bwd_prefetch_later_kv<Cfg>(P);  // (after this CTA's own first loads)
+      if (i == b.m_count - 1) bwd_prefetch_later_kv<Cfg>(P);  // (with this CTA's last loads)
     }
     FADSL_BWD_MARK(Cfg::kConsumerWGs, i, 2);
   }

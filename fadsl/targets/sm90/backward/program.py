@@ -317,7 +317,7 @@ class Params:
     # dK and dV `rf -stmatrix-> smem[warpgroup] -tma-> gmem` (with dq_lag, one tile per CTA):
     # each warpgroup's rows staged in the dead V, then K tile, stored by its leader's TMA
     dkv_tma: bool = False
-    # `prefetch_kv on`: the producer's L2 prefetch of a later CTA's K and V after its first
+    # `prefetch_kv on`: the producer's L2 prefetch of a later CTA's K and V with its last
     # loads; no item (a hint orders nothing), so the plan is the block's without it, and the
     # header reader walks that branch to show it makes none of the plan's calls
     prefetch_kv: bool = False

@@ -285,7 +285,7 @@ def backward_sections(data: Mapping[str, Any]) -> list[str]:
         )
         + (
             "; prefetch_kv on (the K and V of the CTA launched a wave later fetched into the "
-            "L2 once this CTA's first loads are issued)"
+            "L2 with this CTA's last loads)"
             if s.get("prefetch_kv")
             else ""
         ),

@@ -29,6 +29,7 @@ one dQ path and one ring size that fit; its knob is B_c (80 or 64).
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 from ....ir import GradRole
 from ....ir.backward import Backward
@@ -141,7 +142,7 @@ def _prefetch_flip(base: Backward) -> tuple[BackwardCandidate, ...]:
     if base.persistent:
         return ()
     flipped = "off" if base.prefetch_kv else "on"
-    label = f"{label_of(base)}, prefetch_kv {flipped}"
+    label = label_of(replace(base, prefetch_kv=not base.prefetch_kv))
     return (BackwardCandidate(label, {"prefetch_kv": flipped}, {}),)
 
 
@@ -185,7 +186,7 @@ def candidates(base: Backward, causal: bool) -> tuple[BackwardCandidate, ...]:
         out.append(BackwardCandidate(label_of(base), {"longest_first": flipped}, {}))
     if not (base.deterministic or base.dq_writer):  # the input's block on the other scheduler
         scheduler = "grid" if base.persistent else "persistent"
-        label = f"{label_of(base)}, scheduler {scheduler}"
+        label = f"{label_of(replace(base, prefetch_kv=False))}, scheduler {scheduler}"
         # (persistent CTAs store dK and dV from registers: their next K and V reuse the tiles)
         stored = {GradRole.DK.value: None, GradRole.DV.value: None} if base.dkv_tma else {}
         # (a persistent CTA loads its next K and V early: no prefetch_kv)
