@@ -85,14 +85,13 @@ def test_the_producer_makes_the_plans_calls_with_the_key(params):
 @pytest.mark.parametrize("params", SHAPES[1::2], ids=lambda p: p.describe())
 def test_the_reader_walks_the_prefetch_branch(params):
     # a barrier arrival slipped into the branch is found (so the branch is read, not skipped)
-    call = "if (i == b.m_count - 1) bwd_prefetch_later_kv<Cfg>(P);"
+    call = "if constexpr (Cfg::kPrefetchKv) bwd_prefetch_later_kv<Cfg>(P);"
     assert HEADER.count(call) == SPLIT_HEADER.count(call) == 1
-    edited, split = (
-        text.replace(call, call.replace("bwd_", "{ bwd_")[:-1] + f"; mbar_arrive({bar}); }}")
-        for text, bar in ((HEADER, "full"), (SPLIT_HEADER, "q_full"))
-    )
-    with pytest.raises(AssertionError, match="a condition the check does not know: i==b.m_count-1"):
-        header_calls(WarpRole.PRODUCER, params, header=edited, split_header=split)
+    slipped = call[:-1] + "; mbar_arrive(bwd_bar_kv<Cfg>(smem)); }"
+    slipped = slipped.replace("bwd_prefetch", "{ bwd_prefetch", 1)
+    edited, split = (text.replace(call, slipped) for text in (HEADER, SPLIT_HEADER))
+    found = header_calls(WarpRole.PRODUCER, params, header=edited, split_header=split)
+    assert found != expected_calls(protocol(params), WarpRole.PRODUCER)
     off = replace(params, prefetch_kv=False)  # (the branch is not compiled without the key)
     found = header_calls(WarpRole.PRODUCER, off, header=edited, split_header=split)
     assert found == expected_calls(protocol(off), WarpRole.PRODUCER)

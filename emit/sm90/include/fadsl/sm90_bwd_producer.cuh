@@ -108,11 +108,9 @@ __device__ __forceinline__ void bwd_producer(const BwdParamsSm90& P, uint32_t sm
     const int64_t row0 = rows + static_cast<int64_t>(m) * Cfg::kBlockM;
     bulk_load(smem + Cfg::kOffLSE + slot * Cfg::kRowFloatsBytes, P.lse_log2 + row0, Cfg::kRowFloatsBytes, full);
     bulk_load(smem + Cfg::kOffD + slot * Cfg::kRowFloatsBytes, P.dpsum + row0, Cfg::kRowFloatsBytes, full);
-    if constexpr (Cfg::kPrefetchKv) {
-      if (i == b.m_count - 1) bwd_prefetch_later_kv<Cfg>(P);  // (with this CTA's last loads)
-    }
     FADSL_BWD_MARK(Cfg::kConsumerWGs, i, 2);
   }
+  if constexpr (Cfg::kPrefetchKv) bwd_prefetch_later_kv<Cfg>(P);  // (right after this CTA's last loads)
 }
 
 }  // namespace fadsl::sm90

@@ -90,11 +90,9 @@ __device__ __forceinline__ void bwd_producer_split(const BwdParamsSm90& P, uint3
       tma_load_4d(smem + Cfg::kOffDO + at, &P.tma_do, do_full, 64 * panel, q_row, b.head, b.batch);
     }
     bulk_load(smem + Cfg::kOffD + do_slot * Cfg::kRowFloatsBytes, P.dpsum + row0, Cfg::kRowFloatsBytes, do_full);
-    if constexpr (Cfg::kPrefetchKv) {
-      if (i == b.m_count - 1) bwd_prefetch_later_kv<Cfg>(P);  // (with this CTA's last loads)
-    }
     FADSL_BWD_MARK(Cfg::kConsumerWGs, i, 2);
   }
+  if constexpr (Cfg::kPrefetchKv) bwd_prefetch_later_kv<Cfg>(P);  // (right after this CTA's last loads)
 }
 
 // ---------------------------------------------------------------------------

@@ -127,23 +127,17 @@ def knobs_of(bwd: Backward) -> tuple:
     return knobs + ((bwd.block_n,) if _split(bwd) else ())
 
 
-def _fused_flip(base: Backward) -> tuple[BackwardCandidate, ...]:
-    """The input's block with `fused_convert` flipped, where it admits the knob (dQ by
-    red.add, not deterministic: validate.py's)."""
-    if not base.dq_red or base.deterministic:
-        return ()
-    flipped = "off" if base.fused_convert else "on"
-    label = f"{label_of(base)}, fused_convert {flipped}"
-    return (BackwardCandidate(label, {"fused_convert": flipped}, {}),)
+def _flipped(base: Backward, key: str) -> BackwardCandidate:
+    """The input's block with the on/off ``key`` (a Backward field of that name) flipped."""
+    on = not getattr(base, key)
+    return BackwardCandidate(label_of(replace(base, **{key: on})), {key: "on" if on else "off"}, {})
 
 
-def _prefetch_flip(base: Backward) -> tuple[BackwardCandidate, ...]:
-    """The input's block with `prefetch_kv` flipped, where it runs a tile per CTA."""
-    if base.persistent:
-        return ()
-    flipped = "off" if base.prefetch_kv else "on"
-    label = label_of(replace(base, prefetch_kv=not base.prefetch_kv))
-    return (BackwardCandidate(label, {"prefetch_kv": flipped}, {}),)
+def _flips(base: Backward) -> tuple[BackwardCandidate, ...]:
+    """`fused_convert` flipped where the block admits it (dQ by red.add, not deterministic:
+    validate.py's), `prefetch_kv` where it runs a tile per CTA."""
+    fused = (_flipped(base, "fused_convert"),) if base.dq_red and not base.deterministic else ()
+    return fused + (() if base.persistent else (_flipped(base, "prefetch_kv"),))
 
 
 def candidates(base: Backward, causal: bool) -> tuple[BackwardCandidate, ...]:
@@ -192,7 +186,7 @@ def candidates(base: Backward, causal: bool) -> tuple[BackwardCandidate, ...]:
         # (a persistent CTA loads its next K and V early: no prefetch_kv)
         off = {"prefetch_kv": "off"} if base.prefetch_kv else {}
         out.append(BackwardCandidate(label, {"scheduler": scheduler, **off}, stored))
-    return tuple(out) + _fused_flip(base) + _prefetch_flip(base)
+    return tuple(out) + _flips(base)
 
 
 def _split_candidates(base: Backward, causal: bool) -> tuple[BackwardCandidate, ...]:
@@ -208,7 +202,7 @@ def _split_candidates(base: Backward, causal: bool) -> tuple[BackwardCandidate, 
             out.append(
                 BackwardCandidate(f"B_c {block_n}, {first}", {**tile, "longest_first": flipped}, {})
             )
-    return tuple(out) + _fused_flip(base) + _prefetch_flip(base)
+    return tuple(out) + _flips(base)
 
 
 BACKWARD_TUNE_SPACE = BackwardTuneSpace(candidates=candidates, label=label_of, knobs=knobs_of)
