@@ -8,7 +8,8 @@ compute-sanitizer (racecheck, synccheck, memcheck):
 
 Inputs: ALiBi's slopes per head, the T5-style bias table per head and bucket, prefix-LM's
 prefix lengths per batch, among them 0, one past the keys and a prefix longer than the keys
-(the predicate's edges), and document ids packed, single, scattered and foreign to the keys
+(the predicate's edges), block_sparse's table (full, partial and skipped blocks at random),
+and document ids packed, single, scattered and foreign to the keys
 (tests/document_ids.py), so that every tile class (full, empty, partial) runs. Each backward
 runs twice where the spec has float inputs: as given, and with them requiring grad (the
 learnable variant, whose adds into their gradients are global atomics)."""
@@ -24,6 +25,7 @@ import fadsl
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
+from block_text import deterministic  # noqa: E402
 from document_ids import PATTERNS, document_ids  # noqa: E402
 
 SHAPES = ((1, 1), (70, 333), (333, 70), (300, 1100))  # (seqlen_q, seqlen_k)
@@ -43,6 +45,10 @@ def inputs(kern, sq: int, sk: int) -> dict[str, torch.Tensor]:
         made["prefix"] = torch.tensor([0, sk // 3, sk + 1, 1], device="cuda", dtype=torch.int32)
     if "q_doc" in names:  # one pattern a batch row (tests/document_ids.py)
         made.update(document_ids(PATTERNS[:BATCH], sq, sk, seed=sq + sk))
+    if "blocks" in names:  # block_sparse's table: full (2), partial (1), skipped (0), mixed
+        shape = (BATCH, HEADS, -(-sq // 128), -(-sk // 128))
+        gen = torch.Generator(device="cuda").manual_seed(sq * sk)
+        made["blocks"] = torch.randint(0, 3, shape, device="cuda", generator=gen, dtype=torch.int32)
     unknown = names - made.keys()
     if unknown:
         sys.exit(f"{kern.config.name}: no input made for {sorted(unknown)}")
@@ -55,12 +61,8 @@ def specs() -> list[tuple[str, str]]:
     found = [
         (p.stem, p.read_text()) for p in sorted((ROOT / "examples" / "modifiers").glob("*.fa"))
     ]
-    prefix = dict(found)["prefix_lm"]
-    deterministic = prefix.replace("kernel prefix_lm {", "kernel prefix_lm_det {")
-    deterministic = deterministic.replace(
-        "    early_dv   off\n", "    early_dv   off\n    deterministic on\n"
-    )
-    found.append(("prefix_lm_det", deterministic.replace("    dQ: rf -red.add-> gmem\n", "")))
+    prefix = dict(found)["prefix_lm"].replace("kernel prefix_lm {", "kernel prefix_lm_det {")
+    found.append(("prefix_lm_det", deterministic(prefix)))
     return found
 
 

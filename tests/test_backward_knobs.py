@@ -236,9 +236,20 @@ def test_dq_first_is_read_and_needs_the_lag():
     assert_error(text, "dq_first   on", "dq_first", "it needs `dq_lag on`")
 
 
-def test_dq_lag_waits_for_a_gpu_run_beside_modifiers():
-    """Score and keep modifiers with `dq_lag on` are refused at the key until that order has
-    run beside them on a GPU (the lagged consumer makes the same modifier calls)."""
-    alibi = (ROOT / "examples" / "modifiers" / "alibi_causal.fa").read_text()
-    text = variant("    overlap    on\n", "    overlap    on\n    dq_lag     on\n", alibi)
-    assert_error(text, "dq_lag     on", "dq_lag", "score or keep modifiers")
+@pytest.mark.parametrize("example", ["alibi_causal", "document_causal", "prefix_lm"])
+def test_dq_lag_builds_beside_modifiers(example):
+    """Score and keep modifiers with `dq_lag on` (the lagged consumer makes the overlapped
+    one's modifier calls, bwd_probs and bwd_learn): the modifier examples' blocks say it, and
+    it reaches the Cfg with the modifiers; off (dK, dV from registers) the Cfg has it off."""
+    text = (ROOT / "examples" / "modifiers" / f"{example}.fa").read_text()
+    assert "    dq_lag     on\n" in text
+    for lag in ("on", "off"):
+        found = text.replace("    dq_lag     on\n", f"    dq_lag     {lag}\n")
+        if lag == "off":  # (dK and dV by TMA are the lagged consumer's epilogue)
+            found = found.replace("-stmatrix-> smem[warpgroup] -tma-> gmem", "-st.global-> gmem")
+        compiled = compile_source(found, FILE)
+        assert compiled.kernel.backward.dq_lag == (lag == "on")
+        source, *_ = render_backward(compiled.kernel, compiled.target, FILE)
+        cfg = source.text.split("struct Cfg", 1)[1]
+        assert ("static constexpr bool kDqLag = true;" in cfg) == (lag == "on")
+        assert "using Modifiers" in cfg

@@ -14,6 +14,7 @@ import re
 import pytest
 import torch
 
+from block_text import deterministic as deterministic_block, unlagged
 from conftest import ROOT
 from fadsl.build.spill_check import check_registers, find_compiler
 from fadsl.codegen.render import render_backward
@@ -22,6 +23,7 @@ from fadsl.pipeline import compile_source
 from fadsl.targets.sm90.backward.program import Params
 from fadsl.targets.sm90.backward.verify import parameter_space, prove
 from modifier_eval import evaluate
+from test_backward_spec import where
 from test_modifiers_front import modifiers
 
 MODIFIERS = ROOT / "examples" / "modifiers"
@@ -88,8 +90,7 @@ def test_the_sync_plan_of_each_example_is_proven(spec, deterministic):
     on` too: keep then trims no m-block, every n-block of an m-block's range adds)."""
     text = spec.read_text()
     if deterministic:
-        text = text.replace("    early_dv   off\n", "    early_dv   off\n    deterministic on\n")
-        text = text.replace("    dQ: rf -red.add-> gmem\n", "")
+        text = deterministic_block(text)
     compiled = compile_source(text, spec.name)
     bwd = compiled.kernel.backward
     assert bwd.deterministic == deterministic
@@ -130,6 +131,13 @@ def test_the_derivative_at_kinks_and_ties_is_torchs(score, torch_fn):
 # --- the kernels build: no spills, no serialized wgmma --------------------------------
 
 
+VARYING = {
+    "tanh_score": "20 * tanh(s / 40)",
+    "leaky_score": "where(s > 0, s, 0.5 * s)",
+    "poly_score": "s + 0.01 * s * s",
+}
+
+
 def variants() -> dict[str, str]:
     """The examples, and scores with a derivative other than 1 (kScoreGrad: constant, and
     varying score by score), a keep with `deterministic on` and causal and window masks
@@ -138,13 +146,11 @@ def variants() -> dict[str, str]:
     alibi = found["alibi_causal"]
     prefix = found["prefix_lm"]
     found["scaled_score"] = with_lines(alibi, "  score      0.5 * s\n")  # kScoreGrad, 0.5
-    # derivatives that vary score by score: 1 - tanh^2, a leaky where's, a polynomial's
-    found["tanh_score"] = with_lines(alibi, "  score      20 * tanh(s / 40)\n")
-    found["leaky_score"] = with_lines(alibi, "  score      where(s > 0, s, 0.5 * s)\n")
-    found["poly_score"] = with_lines(alibi, "  score      s + 0.01 * s * s\n")
-    found["prefix_deterministic"] = prefix.replace(
-        "    early_dv   off\n", "    early_dv   off\n    deterministic on\n"
-    ).replace("    dQ: rf -red.add-> gmem\n", "")
+    # derivatives that vary score by score: 1 - tanh^2, a leaky where's, a polynomial's, at
+    # alibi's block with dQ added in its own m-block (with dq_lag on they spill: below)
+    for name, score in VARYING.items():
+        found[name] = with_lines(unlagged(alibi), f"  score      {score}\n")
+    found["prefix_deterministic"] = deterministic_block(prefix)
     for name in ("modifiers_causal", "modifiers_window"):
         text = (ROOT / "tests" / "specs" / "sm90" / f"{name}.fa").read_text()
         block = alibi[alibi.index("  # The backward pass") :]
@@ -176,15 +182,17 @@ def test_the_backward_builds_without_spills(name):
 
 @pytest.mark.nvcc
 def test_a_spilling_backward_is_refused_at_the_block():
-    """A score whose derivative varies beside keep's predicate at B_r 80 (prefix-LM's block)
-    spills (NVRTC 13.5, 2026-11-30: some 500 bytes): the spill check refuses it at the
+    """A score whose derivative varies beside keep's predicate at B_r 80 (prefix-LM's former
+    block) spills (NVRTC 13.5, 2026-11-30: some 500 bytes): the spill check refuses it at the
     backward block, which at B_r 64 (VARIANTS' tanh_score) builds."""
     compiler, why = find_compiler()
     if compiler is None:
         pytest.skip(why)
-    text = VARIANTS["prefix_lm"].replace(
+    b_r_80 = unlagged(VARIANTS["prefix_lm"]).replace("B_r = 64, B_c = 128", "B_r = 80, B_c = 128")
+    text = b_r_80.replace(
         "  keep       kv_idx", "  score      20 * tanh(s / 40)\n  keep       kv_idx"
     )
+    assert compile_source(text, "tanh.fa").kernel.backward.block_m == 80
     with pytest.raises(SpecError) as err:
         check_registers(compile_source(text, "tanh.fa"), compiler, why)
     (d,) = err.value.diagnostics
@@ -192,3 +200,21 @@ def test_a_spilling_backward_is_refused_at_the_block():
         "the backward's kernels spill" in d.message
         and d.loc.line == text.count("\n", 0, text.index("  backward {")) + 1
     )
+
+
+@pytest.mark.nvcc
+def test_a_varying_derivative_at_the_lagged_block_is_told_to_drop_the_lag():
+    """tanh's derivative at alibi's block with `dq_lag on` spills (NVRTC 13.5, 2026-12-02):
+    the refusal names dq_lag first, at the block, and the same score builds without it
+    (test_the_backward_builds_without_spills)."""
+    compiler, why = find_compiler()
+    if compiler is None:
+        pytest.skip(why)
+    alibi = (ROOT / "examples" / "modifiers" / "alibi_causal.fa").read_text()
+    text = with_lines(alibi, f"  score      {VARYING['tanh_score']}\n")
+    with pytest.raises(SpecError) as raised:
+        check_registers(compile_source(text, "tanh.fa"), compiler, why)
+    (diagnostic,) = raised.value.diagnostics
+    assert "the backward's kernels spill" in diagnostic.message
+    assert "; turn dq_lag off, raise the consumers' registers" in diagnostic.message
+    assert (diagnostic.loc.line, diagnostic.loc.col) == where(text, "  backward {", "backward")

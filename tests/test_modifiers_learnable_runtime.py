@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import fadsl
+from block_text import deterministic as deterministic_block
 from fadsl.pipeline import compile_source
 from fadsl.runtime import learnable
 from fadsl.runtime.attention import FlashAttention
@@ -206,8 +207,7 @@ def test_a_derivative_that_reads_the_score_is_refused(patched):  # noqa: F811
 
 def test_deterministic_and_forward_only_specs_refuse_a_learnable_input(patched):  # noqa: F811
     text = ALIBI.read_text()
-    det = text.replace("    early_dv   off\n", "    early_dv   off\n    deterministic on\n")
-    det = det.replace("    dQ: rf -red.add-> gmem\n", "")
+    det = deterministic_block(text)
     q, k, v, slopes = tensors(6)
     with pytest.raises(RuntimeError, match="`deterministic on`: learnable inputs"):
         fadsl.load(det, verbose=False)(q, k, v, slopes=slopes.clone().requires_grad_())

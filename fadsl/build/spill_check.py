@@ -148,9 +148,11 @@ def check_registers(
 def _backward_spill_diagnostic(compiled: Compiled, spilling: list[KernelUsage]) -> Diagnostic:
     u = max(spilling, key=lambda r: (r.usage.spill_store_bytes, r.usage.stack_bytes)).usage
     where = ", ".join(sorted({f"{r.dtype.value} on {r.arch}" for r in spilling}))
+    # dq_lag's order keeps more live at once (dQ(i - 1) issued in m-block i): the first to drop
+    lag = "turn dq_lag off, " if compiled.kernel.backward.dq_lag else ""
     return Diagnostic(
         compiled.kernel.backward.loc,
-        f"the backward's kernels {_symptom(u)} ({u.shortfall()}; {where}); raise the "
+        f"the backward's kernels {_symptom(u)} ({u.shortfall()}; {where}); {lag}raise the "
         "consumers' registers, turn overlap off, or add 'spills allow' to accept it for "
         "an experiment",
     )

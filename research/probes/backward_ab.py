@@ -15,7 +15,8 @@ Usage (a Hopper GPU): python3 -P research/probes/backward_ab.py examples/fa3_hop
 as shipped beside the sets, on the same tensors: a spec file, or a training variant's name
 as tests/test_gpu_backward.py's training_spec reads it (fa3_causal+prefetch_kv); the
 energy per call is printed too (at the board's power cap a backward's speed is its work
-per joule).
+per joule). A spec with score or mask modifiers (examples/modifiers/) gets its inputs from
+modifier_inputs, the same for every contender (so the --against specs declare the same).
 """
 
 from __future__ import annotations
@@ -44,6 +45,32 @@ def _spec_text(spec: str) -> str:
     from test_gpu_backward import training_spec
 
     return training_spec(spec)
+
+
+def modifier_inputs(kern, batch: int, heads: int, seqlen: int) -> dict:
+    """The spec's modifier inputs (examples/modifiers/) at one shape, made once and passed to
+    every contender: ALiBi's slopes, a prefix of a quarter of the keys, a T5 bias table, 8
+    equal documents a row, half the blocks below the diagonal full, the diagonal's partial, the rest skipped.
+    """
+    made = {}
+    for tensor in kern.config.modifiers.inputs if kern.config.modifiers else ():
+        if tensor.name == "slopes":
+            made["slopes"] = 2.0 ** (-8 * torch.arange(1, heads + 1, device="cuda") / heads)
+        elif tensor.name == "prefix":
+            made["prefix"] = torch.full((batch,), seqlen // 4, device="cuda", dtype=torch.int32)
+        elif tensor.name == "bias":
+            made["bias"] = torch.randn(heads, 32, device="cuda")
+        elif tensor.name in ("q_doc", "kv_doc"):
+            ids = torch.arange(seqlen, device="cuda") * 8 // seqlen
+            made[tensor.name] = ids.to(torch.int32).expand(batch, seqlen).contiguous()
+        elif tensor.name == "blocks":
+            n = -(-seqlen // 128)
+            i, j = torch.arange(n, device="cuda")[:, None], torch.arange(n, device="cuda")[None]
+            full = (j < i) & (torch.rand(batch, heads, n, n, device="cuda") < 0.5)
+            made["blocks"] = torch.where(j == i, 1, torch.where(full, 2, 0)).to(torch.int32)
+        else:
+            raise SystemExit(f"backward_ab.py: no made input for {tensor.name!r}")
+    return made
 
 
 def main() -> int:
@@ -84,7 +111,8 @@ def main() -> int:
             torch.randn(shape, device="cuda", dtype=tdtype, requires_grad=True) for _ in range(3)
         )
         dout = torch.randn(shape, device="cuda", dtype=tdtype)
-        outs = [kern(q, k, v) for kern in kerns]
+        extra = modifier_inputs(base, batch, heads, seqlen)
+        outs = [kern(q, k, v, **extra) for kern in kerns]
         ref = torch.autograd.grad(outs[0], (q, k, v), dout, retain_graph=True)
         for i, o in enumerate(outs[1:], 1):  # each set's gradients against the control's
             got = torch.autograd.grad(o, (q, k, v), dout, retain_graph=True)

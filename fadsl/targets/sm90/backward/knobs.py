@@ -133,8 +133,6 @@ def _dq_lag(c: Checks, block: BackwardBlock, backward: Backward, head_dim: int |
             why.append(f"{key} on (dV is issued before dQ already: dV's place is fixed)")
     if backward.dq_writer:
         why.append("dq_writer on (the writer reduce-adds a staging; dq_lag adds from registers)")
-    if c.decl.modifiers:
-        why.append("score or keep modifiers (not yet run on a GPU in that order)")
     if head_dim == SPLIT_HEAD_DIM:
         why.append(f"head_dim {SPLIT_HEAD_DIM} (its consumers split head_dim: another loop)")
     elif head_dim is not None and dq_by_keys(backward, head_dim):
