@@ -379,6 +379,8 @@ def _lag_consumer(p: Params) -> list[Item | str]:
         "dQ red.add",
         sync(Kind.WGMMA_WAIT, pending=0, why="dV and dK retired: Q, dO read"),
         sync(Kind.MBAR_ARRIVE, mbar=Mbar.Q_EMPTY, slot=Index.RING, why="WAR: the slot is free"),
+        # `dv_out_first on`: dV's staging and TMA store first (the header's first dkv_store branch)
+        *(_tma_epilogue(main)[:5] if p.dv_out_first else []),
         sync(Kind.MBAR_WAIT, LoopPhase.AFTER, why="RAW: the last dS^T stored", **full_wait),
         sync(Kind.WGMMA_FENCE, LoopPhase.AFTER, why="dq read by the adds", **lagged),
         "dQ = dS K (the last m-block)",
@@ -391,7 +393,7 @@ def _lag_consumer(p: Params) -> list[Item | str]:
             if p.persistent
             else []
         ),  # K and V freed once the last dQ retired
-        *(_tma_epilogue(main) if p.dkv_tma else ["dK -> global", "dV -> global"]),
+        *(_tma_epilogue(main)[5 if p.dv_out_first else 0 :] if p.dkv_tma else ["dK -> global", "dV -> global"]),
     ]  # fmt: skip
 
 
@@ -399,7 +401,8 @@ def _tma_epilogue(main: CodeSite) -> list[Item | str]:
     """bwd_consumer_lagged's epilogue with dK and dV by TMA: dV's rows staged in V's, the
     proxy fence, the warpgroup's barrier, thread 0's TMA store and commit; the wait on the
     last dS^T buffer's ds_empty (every warpgroup's last dQ, which read K, retired); dK the
-    same way through K's rows, then thread 0's wait_group.read 0 before the exit."""
+    same way through K's rows, then thread 0's wait_group.read 0 before the exit (its first
+    five entries, dV's, go before the last dQ with `dv_out_first on`)."""
 
     def sync(kind: Kind, who: Who = Who.WARPGROUP, **fields) -> Item:
         return Item(kind, who, main, LoopPhase.AFTER, **fields)

@@ -348,6 +348,7 @@ def walk_if(cond: str, constexpr: bool, then, other, walk: Walk) -> None:
     flags["Cfg::kDqFirst"] = walk.params.dq_first
     flags["Cfg::kDkvTma"] = walk.params.dkv_tma
     flags["Cfg::kPrefetchKv"] = walk.params.prefetch_kv
+    flags["Cfg::kDvOutFirst"] = walk.params.dv_out_first
     flags |= {f"!{name}": not value for name, value in flags.items()}
     if constexpr:  # a flag, its negation, or a conjunction of them
         chosen = then if all(flags[part] for part in cond.split("&&")) else other
@@ -370,12 +371,13 @@ def walk_if(cond: str, constexpr: bool, then, other, walk: Walk) -> None:
         "run_i>=2": dict(guard=Guard.REUSED),
     }
     if cond == "P.dkv_store==kDkvStoreT":  # dK and dV by TMA, then return; under GQA (fp32
-        # sums per K/V head) the st.global from registers after it, which no sync orders
-        assert other is None and then[-1][-1] == ("simple", "return"), "a return ends it"
+        # sums per K/V head) the st.global from registers after it, which no sync orders;
+        # `dv_out_first on`: dV's by TMA first, before the last dQ (no return there)
+        assert other is None
         inner = walk.fork()
         walk_node(then, inner)
         walk.calls += inner.calls
-        walk.returned = True
+        walk.returned = then[-1][-1] == ("simple", "return")
         return
     if cond == "i>0" and other is not None:  # `dq_lag on`: dQ(i - 1) around dK(i)'s calls
         return _walk_lagged(then, other, walk)

@@ -121,6 +121,8 @@ DKV_TMA += ("fa3_hdim64-persistent+dkv_tma",)
 VARIANTS += DKV_TMA
 # `prefetch_kv on`: a later CTA's K and V fetched into the L2 (a hint: the same gradients)
 VARIANTS += ("fa3_causal+prefetch_kv", "fa3_hopper+prefetch_kv", "fa3_hdim64_causal+prefetch_kv")
+# `dv_out_first on`: dV's TMA store before the last m-block's dQ (the examples with dK, dV by TMA)
+VARIANTS += ("fa3_causal+dv_out_first", "fa3_hopper+dv_out_first", "fa3_hdim64_causal+dv_out_first")
 CASES = [(n, d, s) for n in FORWARDS + PLAIN + VARIANTS for d in DTYPES for s in SHAPES]
 # head_dim 256 (sm90_bwd_split.cuh: B_r 64, each consumer S and dP of B_c / 2 keys, dK^T, dV^T
 # and dQ^T of its half of head_dim): the examples' B_c 80 and the B_c 64 fallback; seqlens off

@@ -80,11 +80,15 @@ def test_the_cases_wrap_every_ring_slot_twice():
     writers = [p for p in PARAMS if p.dq_writer and not p.ds_stmatrix]
     assert len(writers) == 5 * 4 * (3 + 2) and not any(p.dq_by_keys for p in writers)
     # `dq_lag on`: 5 shapes (dQ not by keys), 1-3 stages, `dq_first` off and on, dK and dV
-    # from registers or by TMA, 16 of them with 2 stages by stmatrix
+    # from registers or by TMA (dV's store after or before the last dQ), 24 of them with 2
+    # stages by stmatrix
     lag = [p for p in PARAMS if p.dq_lag]
-    assert len(lag) == (5 * 3 + 4) * 2 * 2 and sum(p.ds_stmatrix for p in lag) == 16
-    tma = {p for p in lag if p.dkv_tma}
-    assert {replace(p, dkv_tma=False) for p in tma} == set(lag) - tma
+    assert len(lag) == (5 * 3 + 4) * 2 * 3 and sum(p.ds_stmatrix for p in lag) == 24
+    tma = {p for p in lag if p.dkv_tma and not p.dv_out_first}
+    plain = {p for p in lag if not p.dkv_tma}
+    assert {replace(p, dkv_tma=False) for p in tma} == plain
+    first = {p for p in lag if p.dv_out_first}
+    assert {replace(p, dv_out_first=False) for p in first} == tma
     assert sum(p.dq_first for p in lag) == len(lag) // 2
     assert all(p.overlap and p.dq_red and not p.dq_by_keys for p in lag)
     others = [p for p in PARAMS if not (p.dq_writer or p.ds_stmatrix or p.dq_lag)]

@@ -57,6 +57,7 @@ def _backward_line(kernel: Kernel) -> str:
         + (", dq_writer on" if b.dq_writer else "")
         + (", dS by stmatrix" if b.ds_stmatrix else "")
         + (", prefetch_kv on" if b.prefetch_kv else "")
+        + (", dv_out_first on" if b.dv_out_first else "")
         + " (the spec's backward block; explain shows its plan)"
     )
 

@@ -251,6 +251,9 @@ struct BwdConfig {
   // `prefetch_kv on` (a generated Cfg sets it; one tile per CTA): the producer fetches the K
   // and V tiles of the CTA launched a wave after this one into the L2 (bwd_prefetch_later_kv)
   static constexpr bool kPrefetchKv = false;
+  // `dv_out_first on` (a generated Cfg sets it, with kDkvTma): dV staged in its dead V rows
+  // and stored by TMA before the last m-block's dQ, its store under that dQ's wgmma and adds
+  static constexpr bool kDvOutFirst = false;
   // `varlen on` (a generated Cfg sets it): packed sequences, cu_seqlens in the params; a CTA
   // per (n-block slot, query head) over the packed keys (bwd_block)
   static constexpr bool kVarlen = false;

@@ -104,6 +104,7 @@ __device__ __forceinline__ void bwd_consumer_lagged(const BwdParamsSm90& P, uint
                     !Cfg::kDqWriter && !Cfg::kDqByKeys && !Cfg::kSplitHeadDim,
                 "dq_lag: overlap on, dQ by red.add, none of deterministic, early_dv, dv_before_meeting, dq_writer");
   static_assert(!Cfg::kDkvTma || (!Cfg::kPersistent && !Cfg::kVarlen), "dK, dV by TMA: one tile per CTA, padded batches");
+  static_assert(!Cfg::kDvOutFirst || Cfg::kDkvTma, "dv_out_first: it moves dV's TMA store");
   const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
   const int key0 = b.n0 + 64 * wg + 16 * warp + lane / 4;  // this thread's key row r = 0
   float dk[Cfg::kAccRegs], dv[Cfg::kAccRegs];
@@ -220,6 +221,18 @@ __device__ __forceinline__ void bwd_consumer_lagged(const BwdParamsSm90& P, uint
     m_prev = m;
     FADSL_BWD_MARK(wg, i, 9);
   }
+  if constexpr (Cfg::kDkvTma && Cfg::kDvOutFirst) {
+    if (P.dkv_store == kDkvStoreT) {  // dV's store under the last dQ (GQA's fp32: from registers, below)
+      // dV through the warpgroup's V rows, which only its dP^T read (retired in the loop)
+      stage_grad_kv<Cfg>(v_wg, dv, warp, lane, 1.f);
+      fence_proxy_async_smem();  // RAW: the stmatrix (generic proxy) before the TMA store reads it (async proxy)
+      named_bar_sync(Cfg::kBarDQ + wg, 128);  // RAW: every thread's part of the rows staged and fenced
+      if (tid == 0) {
+        store_grad_kv_tma<Cfg>(v_wg, &P.tma_dv, b, b.head_kv, wg);  // (per K/V head: kDkvStoreT)
+        tma_store_commit();  // dV's bulk group: the exit's wait names it
+      }
+    }
+  }
   if (b.m_count > 0) {  // the last m-block's dQ, before K is freed or the CTA ends
     const int last = run.m0 + b.m_count - 1;
     float dq[Cfg::kDqRegs];
@@ -244,13 +257,15 @@ __device__ __forceinline__ void bwd_consumer_lagged(const BwdParamsSm90& P, uint
   out.head = P.dkv_store == kDkvStorePartial ? b.head : b.head_kv;
   if constexpr (Cfg::kDkvTma) {
     if (P.dkv_store == kDkvStoreT) {  // (GQA's fp32 per K/V head: from registers, below)
-      // dV through the warpgroup's V rows, which only its dP^T read (retired in the loop)
-      stage_grad_kv<Cfg>(v_wg, dv, warp, lane, 1.f);
-      fence_proxy_async_smem();  // RAW: the stmatrix (generic proxy) before the TMA store reads it (async proxy)
-      named_bar_sync(Cfg::kBarDQ + wg, 128);  // RAW: every thread's part of the rows staged and fenced
-      if (tid == 0) {
-        store_grad_kv_tma<Cfg>(v_wg, &P.tma_dv, b, out.head, wg);
-        tma_store_commit();  // dV's bulk group: the exit's wait names it
+      if constexpr (!Cfg::kDvOutFirst) {
+        // dV through the warpgroup's V rows, which only its dP^T read (retired in the loop)
+        stage_grad_kv<Cfg>(v_wg, dv, warp, lane, 1.f);
+        fence_proxy_async_smem();  // RAW: the stmatrix (generic proxy) before the TMA store reads it (async proxy)
+        named_bar_sync(Cfg::kBarDQ + wg, 128);  // RAW: every thread's part of the rows staged and fenced
+        if (tid == 0) {
+          store_grad_kv_tma<Cfg>(v_wg, &P.tma_dv, b, out.head, wg);
+          tma_store_commit();  // dV's bulk group: the exit's wait names it
+        }
       }
       if (b.m_count > 0) {
         const int last = run.m0 + b.m_count - 1;

@@ -11,7 +11,8 @@ is not built beside the rest, with what would work instead.
 - `fused_convert on` counts each m-block's contributing n-blocks from the block's ranges;
 - dK and dV stored by TMA from the dead K and V tiles: the lagged consumer's epilogue, one
   tile per CTA, padded batches;
-- `prefetch_kv on` reads ahead in the grid's launch order, one tile per CTA.
+- `prefetch_kv on` reads ahead in the grid's launch order, one tile per CTA;
+- `dv_out_first on` moves dV's TMA store, so it needs dK and dV by TMA.
 """
 
 from __future__ import annotations
@@ -62,6 +63,10 @@ def check_knobs(c: Checks, block: BackwardBlock, backward: Backward, head_dim: i
             )
         knob = "prefetch_kv on (the K and V of the CTA launched a wave later fetched into the L2)"
         ok = _refused(block, "prefetch_kv", knob, why, "leave it off") and ok
+    if backward.dv_out_first and not backward.dkv_tma:
+        why = [f"dV stored from registers (it moves dV's TMA store: dV: {DK_TMA.text()})"]
+        knob = "dv_out_first on (dV staged and stored by TMA before the last m-block's dQ)"
+        ok = _refused(block, "dv_out_first", knob, why, "leave it off") and ok
     return ok
 
 

@@ -321,6 +321,9 @@ class Params:
     # loads; no item (a hint orders nothing), so the plan is the block's without it, and the
     # header reader walks that branch to show it makes none of the plan's calls
     prefetch_kv: bool = False
+    # `dv_out_first on` (with dkv_tma): dV's staging in its V rows and its TMA store before
+    # the last m-block's dQ and adds, dK's after them
+    dv_out_first: bool = False
 
     @classmethod
     def of(cls, bwd: Backward, head_dim: int) -> Params:
@@ -343,6 +346,7 @@ class Params:
             dq_first=bwd.dq_first,
             dkv_tma=bwd.dkv_tma,
             prefetch_kv=bwd.prefetch_kv,
+            dv_out_first=bwd.dv_out_first,
         )
 
     def __post_init__(self) -> None:
@@ -370,6 +374,7 @@ class Params:
         # knobs.py's _dkv_tma: the lagged consumer's epilogue, one tile per CTA
         assert not self.dkv_tma or (self.dq_lag and not self.persistent), self
         assert not (self.prefetch_kv and self.persistent), self  # knobs.py: one tile per CTA
+        assert not self.dv_out_first or self.dkv_tma, self  # knobs.py: it moves dV's TMA store
         if self.split:  # sm90_bwd_split.cuh's one order, dQ from registers
             assert self.consumers == 2 and self.block_m == BLOCK_M, self
             # (overlap off: so neither early_dv nor dv_before_meeting, which need it)
@@ -479,6 +484,7 @@ class Params:
         det += ", dS by stmatrix" if self.ds_stmatrix else ""
         det += ", persistent" if self.persistent else ""
         det += ", dK and dV by TMA" if self.dkv_tma else ""
+        det += " (dV before the last dQ)" if self.dv_out_first else ""
         det += ", a later CTA's K and V prefetched" if self.prefetch_kv else ""
         return (
             f"{self.consumers} consumer(s), {self.stages} stage(s), head_dim {self.head_dim}, "

@@ -213,6 +213,7 @@ def backward_data(kernel: Kernel) -> dict[str, Any]:
             **({"ds_stmatrix": True} if bwd.ds_stmatrix else {}),  # (dS's path: stmatrix)
             **({"dkv_tma": True} if bwd.dkv_tma else {}),  # (dK's and dV's paths: TMA)
             **({"prefetch_kv": True} if bwd.prefetch_kv else {}),
+            **({"dv_out_first": True} if bwd.dv_out_first else {}),
         },
         "paths": [{"tensor": t.role.value, "path": t.path_text()} for t in bwd.tensors],
         "roles": [
@@ -287,6 +288,11 @@ def backward_sections(data: Mapping[str, Any]) -> list[str]:
             "; prefetch_kv on (the K and V of the CTA launched a wave later fetched into the "
             "L2 with this CTA's last loads)"
             if s.get("prefetch_kv")
+            else ""
+        )
+        + (
+            "; dv_out_first on (dV staged and stored by TMA before the last m-block's dQ)"
+            if s.get("dv_out_first")
             else ""
         ),
         *(

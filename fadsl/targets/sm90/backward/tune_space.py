@@ -10,7 +10,8 @@ GPU, 2026-11-30) and the Q / dO ring's `stages`; under the causal
 mask, the input's block with `longest_first` flipped (the CTA order); the input's block on the
 other `scheduler` (persistent CTAs or a CTA per tile) where it admits persistent ones; the input's
 block with `fused_convert` flipped where dQ goes by red.add; the input's block with
-`prefetch_kv` flipped where it runs a tile per CTA. With `deterministic on`
+`prefetch_kv` flipped where it runs a tile per CTA, and with `dv_out_first` flipped where dK
+and dV go by TMA. With `deterministic on`
 dQ has a third path: staged and reduce-added by writer warps (`dq_writer on`: 1.26-1.30x
 the ordered adds without them at head_dim 128 on an H200, 2026-11-30; without
 `deterministic` it times below red.add, so it is not tried there), with the registers as the
@@ -113,6 +114,7 @@ def label_of(bwd: Backward) -> str:
         ", dQ converted in-kernel" if bwd.fused_convert else ""
     )
     label += ", K and V prefetched" if bwd.prefetch_kv else ""
+    label += ", dV stored before the last dQ" if bwd.dv_out_first else ""
     return f"B_c {bwd.block_n}, {label}" if _split(bwd) else label
 
 
@@ -124,6 +126,7 @@ def knobs_of(bwd: Backward) -> tuple:
     knobs += ("dK dV TMA",) if bwd.dkv_tma else ()
     knobs += ("fused convert",) if bwd.fused_convert else ()
     knobs += ("prefetch K V",) if bwd.prefetch_kv else ()
+    knobs += ("dV out first",) if bwd.dv_out_first else ()
     return knobs + ((bwd.block_n,) if _split(bwd) else ())
 
 
@@ -135,9 +138,11 @@ def _flipped(base: Backward, key: str) -> BackwardCandidate:
 
 def _flips(base: Backward) -> tuple[BackwardCandidate, ...]:
     """`fused_convert` flipped where the block admits it (dQ by red.add, not deterministic:
-    validate.py's), `prefetch_kv` where it runs a tile per CTA."""
+    validate.py's), `prefetch_kv` where it runs a tile per CTA, `dv_out_first` where dK and
+    dV go by TMA."""
     fused = (_flipped(base, "fused_convert"),) if base.dq_red and not base.deterministic else ()
-    return fused + (() if base.persistent else (_flipped(base, "prefetch_kv"),))
+    fused += () if base.persistent else (_flipped(base, "prefetch_kv"),)
+    return fused + ((_flipped(base, "dv_out_first"),) if base.dkv_tma else ())
 
 
 def candidates(base: Backward, causal: bool) -> tuple[BackwardCandidate, ...]:
@@ -168,7 +173,10 @@ def candidates(base: Backward, causal: bool) -> tuple[BackwardCandidate, ...]:
         tma = order.startswith("dq_lag") and not base.persistent
         if tma or base.dkv_tma:  # (both or neither: validate.py)
             paths[GradRole.DK.value] = paths[GradRole.DV.value] = DKV_TMA if tma else None
+        if base.dv_out_first and not tma:  # (it moves dV's TMA store)
+            settings["dv_out_first"] = "off"
         label = _label(block_m, order, dq, stages, ds=ds, tma=tma)
+        label += ", dV stored before the last dQ" if base.dv_out_first and tma else ""
         out.append(BackwardCandidate(label, settings, paths))
         if writer:  # the same block at the writer's second register split
             producer, consumers = WRITER_REGISTERS
@@ -180,11 +188,13 @@ def candidates(base: Backward, causal: bool) -> tuple[BackwardCandidate, ...]:
         out.append(BackwardCandidate(label_of(base), {"longest_first": flipped}, {}))
     if not (base.deterministic or base.dq_writer):  # the input's block on the other scheduler
         scheduler = "grid" if base.persistent else "persistent"
-        label = f"{label_of(replace(base, prefetch_kv=False))}, scheduler {scheduler}"
+        plain = replace(base, prefetch_kv=False, dv_out_first=False)
+        label = f"{label_of(plain)}, scheduler {scheduler}"
         # (persistent CTAs store dK and dV from registers: their next K and V reuse the tiles)
         stored = {GradRole.DK.value: None, GradRole.DV.value: None} if base.dkv_tma else {}
         # (a persistent CTA loads its next K and V early: no prefetch_kv)
         off = {"prefetch_kv": "off"} if base.prefetch_kv else {}
+        off |= {"dv_out_first": "off"} if base.dv_out_first else {}
         out.append(BackwardCandidate(label, {"scheduler": scheduler, **off}, stored))
     return tuple(out) + _flips(base)
 

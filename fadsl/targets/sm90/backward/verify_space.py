@@ -56,19 +56,21 @@ def lag_space() -> tuple[Params, ...]:
     one consumer at head_dim 64 or 128, two at head_dim 128 with B_r 64 (dQ by head_dim
     panels) or 80 (dQ transposed) and at head_dim 64 with B_r 128 (dQ by queries), 1-3
     stages, each with `dq_first` off and on (dQ(i - 1) issued before dV(i)) and with dK and
-    dV stored from registers or by TMA through the dead K and V tiles. The mask (causal or
+    dV stored from registers or by TMA through the dead K and V tiles (dV's store after the
+    last dQ, or before it: `dv_out_first on`). The mask (causal or
     not) changes no call of the plan: the m-block range is the host's, and the masked
     m-blocks run the same steps."""
     shapes = ((1, 64, BLOCK_M), (1, 128, BLOCK_M), (2, 128, BLOCK_M))
     shapes += ((2, 64, 2 * BLOCK_M), (2, 128, TRANSPOSED_BLOCK_M))
+    lag = dict(overlap=True, dq_red=True, dq_lag=True)
+    # (dkv_tma, dv_out_first): from registers, by TMA after the last dQ, dV's before it
+    stores = ((False, False), (True, False), (True, True))
     return tuple(
-        Params(
-            c, stages, d, overlap=True, block_m=m, dq_red=True, dq_lag=True, dq_first=f, dkv_tma=t
-        )
+        Params(c, stages, d, block_m=m, dq_first=f, dkv_tma=t, dv_out_first=v, **lag)
         for c, d, m in shapes
         for stages in (1, 2, 3)
         for f in (False, True)  # dq_first
-        for t in (False, True)  # dkv_tma
+        for t, v in stores
     )
 
 

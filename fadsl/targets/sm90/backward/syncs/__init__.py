@@ -104,18 +104,20 @@ def _consumer(schedule: Protocol, economical: bool) -> tuple[Item, ...]:
     c = body
     after = steps[LoopPhase.AFTER]
     # the last m-block's lagged steps (dq_lag's last dQ) end the m-blocks' work, then the
-    # tile's: K and V freed (every wgmma reading them retired), the exit's bulk wait
-    lagged = len([x for x in after if x.guard is Guard.LAGGED])
-    assert all(x.guard is Guard.LAGGED for x in after[:lagged]), "lagged steps come first"
-    for k in range(lagged):
+    # tile's: K and V freed (every wgmma reading them retired), the exit's bulk wait; with
+    # `dv_out_first on` dV's staging and TMA store go first, under the last dQ
+    first = next((k for k, x in enumerate(after) if x.guard is Guard.LAGGED), 0)
+    end = first + len([x for x in after if x.guard is Guard.LAGGED])
+    assert all(x.guard is Guard.LAGGED for x in after[first:end]), "the lagged steps together"
+    for k in range(end):
         _place_step(c, schedule, after, k, LoopPhase.AFTER)
-    if lagged:
+    if end > first:
         wgmma.commit(c, LoopPhase.AFTER, "the last m-block's end")
         wgmma.drain(c, LoopPhase.AFTER)
         handover.release_if_retired(c, schedule, LoopPhase.AFTER)
     mbarrier.release_tile(c, schedule)
-    bulk.wait_at_exit(c)
-    for k in range(lagged, len(after)):
+    bulk.wait_at_exit(c, stores=False)  # (a TMA store in flight reads on until the exit's)
+    for k in range(end, len(after)):
         _place_step(c, schedule, after, k, LoopPhase.AFTER)
     bulk.wait_at_exit(c)  # (the epilogue's TMA stores, if any)
     wgmma.commit(c, LoopPhase.AFTER, "the program's end")
