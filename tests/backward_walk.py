@@ -378,6 +378,9 @@ def walk_if(cond: str, constexpr: bool, then, other, walk: Walk) -> None:
         walk_node(then, inner)
         walk.calls += inner.calls
         walk.returned = then[-1][-1] == ("simple", "return")
+        assert (
+            walk.returned or walk.params.dv_out_first
+        ), "a return ends it (dv_out_first's dV: none)"
         return
     if cond == "i>0" and other is not None:  # `dq_lag on`: dQ(i - 1) around dK(i)'s calls
         return _walk_lagged(then, other, walk)

@@ -138,3 +138,32 @@ def test_the_build_issues_dvs_tma_store_before_the_last_wgmma():
         assert len(stores) == 4, (name, stores)  # dK's and dV's two panels each
         before[name] = sum(n < last_wgmma for n in stores)
     assert before == {"fa3_causal+dv_out_first": 2, "fa3_causal": 0}, before
+
+
+# the syncs after the loop that dV's early store and dK's store need (dV's commit is not: the
+# exit's wait retires both stores' reads either way), by kind and occurrence from the
+# epilogue's first step (dV's staging)
+NEEDED = {
+    "dV's proxy fence": (Kind.FENCE_PROXY_ASYNC_SMEM, 0),
+    "dV's barrier": (Kind.NAMED_BAR_SYNC, 0),
+    "the wait for every warpgroup's last dQ": (Kind.MBAR_WAIT, 1),
+    "dK's proxy fence": (Kind.FENCE_PROXY_ASYNC_SMEM, 1),
+    "dK's barrier": (Kind.NAMED_BAR_SYNC, 1),
+    "dK's commit": (Kind.BULK_COMMIT, 1),
+    "the exit's wait_group.read": (Kind.BULK_WAIT_READ, 0),
+}
+
+
+@pytest.mark.parametrize("what", NEEDED)
+@pytest.mark.parametrize("p", SHAPES[:2], ids=lambda p: p.describe())
+def test_each_sync_of_the_reordered_epilogue_is_needed(p, what):
+    """Each, left out of the plan with `dv_out_first on` (two consumers), fails the proof."""
+    proto = protocol(replace(p, dv_out_first=True))
+    consumer = proto.consumer
+    tail = next(n for n, x in enumerate(consumer) if x.phase is LoopPhase.AFTER)
+    kind, nth = NEEDED[what]
+    at = [n for n, x in enumerate(consumer) if n >= tail and x.kind is kind][nth]
+    if kind is Kind.MBAR_WAIT:  # (the first is the last dQ's wait for its dS^T)
+        assert consumer[at].guard is Guard.LAGGED and consumer[at].mbar.value == "ds_empty"
+    mutant = proto.with_role(WarpRole.CONSUMER, consumer[:at] + consumer[at + 1 :])
+    assert check_protocol(mutant), f"{what} left out: still proven"

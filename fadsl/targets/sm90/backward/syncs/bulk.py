@@ -120,15 +120,15 @@ def release_due(c: Consumer, phase: LoopPhase, when: str) -> None:
     c.due = []
 
 
-def wait_at_exit(c: Consumer, stores: bool = True) -> None:
+def wait_at_exit(c: Consumer, with_stores: bool = True) -> None:
     """After the loop, and again after the epilogue's TMA stores: the last ticket released,
     and no bulk group still reads SMEM when the CTA exits (the stores' by .read: only their
-    SMEM must outlive them). ``stores=False`` (after the loop): TMA stores alone in flight
+    SMEM must outlive them). ``with_stores=False`` (after the loop): TMA stores alone in flight
     (`dv_out_first on`'s dV) are left to the exit's wait."""
     c.due = list(c.owed)
     release_due(c, LoopPhase.AFTER, "before the CTA exits")
     only_stores = all(x.kind is Kind.TMA_STORE for group in c.bulk_in_flight for x in group)
-    if c.bulk_in_flight and (stores or not only_stores):
+    if c.bulk_in_flight and (with_stores or not only_stores):
         readers = [x for group in c.bulk_in_flight for x in group]
         stores = all(x.kind is Kind.TMA_STORE for x in readers)
         kind = Kind.BULK_WAIT_READ if stores else Kind.BULK_WAIT
