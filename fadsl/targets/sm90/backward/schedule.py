@@ -260,7 +260,8 @@ def consumer_steps(p: Params) -> tuple[Item, ...]:
             step(Kind.STORE_GLOBAL, "dK -> global", LoopPhase.AFTER, reg_reads=(Reg.DK,)),
             step(Kind.STORE_GLOBAL, "dV -> global", LoopPhase.AFTER, reg_reads=(Reg.DV,)),
         ]
-    # dv_out_first: dV's staging and TMA store before the last dQ (under it), dK's after
+    # dv_out_first: dV's staging and TMA store (stores' first two) before the last dQ, under
+    # it; dK's after
     tail = [*stores[:2], *last, *stores[2:]] if p.dv_out_first else [*last, *stores]
     return (
         step(Kind.ZERO, "dK, dV = 0", LoopPhase.BEFORE, reg_writes=(Reg.DK, Reg.DV)),

@@ -140,9 +140,10 @@ def _flips(base: Backward) -> tuple[BackwardCandidate, ...]:
     """`fused_convert` flipped where the block admits it (dQ by red.add, not deterministic:
     validate.py's), `prefetch_kv` where it runs a tile per CTA, `dv_out_first` where dK and
     dV go by TMA."""
-    fused = (_flipped(base, "fused_convert"),) if base.dq_red and not base.deterministic else ()
-    fused += () if base.persistent else (_flipped(base, "prefetch_kv"),)
-    return fused + ((_flipped(base, "dv_out_first"),) if base.dkv_tma else ())
+    keys = ("fused_convert",) if base.dq_red and not base.deterministic else ()
+    keys += () if base.persistent else ("prefetch_kv",)
+    keys += ("dv_out_first",) if base.dkv_tma else ()
+    return tuple(_flipped(base, key) for key in keys)
 
 
 def candidates(base: Backward, causal: bool) -> tuple[BackwardCandidate, ...]:

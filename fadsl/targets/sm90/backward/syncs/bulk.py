@@ -127,10 +127,9 @@ def wait_at_exit(c: Consumer, with_stores: bool = True) -> None:
     (`dv_out_first on`'s dV) are left to the exit's wait."""
     c.due = list(c.owed)
     release_due(c, LoopPhase.AFTER, "before the CTA exits")
-    only_stores = all(x.kind is Kind.TMA_STORE for group in c.bulk_in_flight for x in group)
-    if c.bulk_in_flight and (with_stores or not only_stores):
-        readers = [x for group in c.bulk_in_flight for x in group]
-        stores = all(x.kind is Kind.TMA_STORE for x in readers)
+    readers = [x for group in c.bulk_in_flight for x in group]
+    stores = all(x.kind is Kind.TMA_STORE for x in readers)
+    if readers and (with_stores or not stores):
         kind = Kind.BULK_WAIT_READ if stores else Kind.BULK_WAIT
         what = "their tiles" if stores else "the staging"
         why = f"the last {names(readers)} read {what} before the CTA exits"
