@@ -343,9 +343,5 @@ def test_the_training_variants_build_with_stmatrix_stores():
         (body,) = [f for n, f in zip(parts[1::2], parts[2::2]) if n.endswith("_bwd_bf16")]
         # (the m-block loop; not the retry paths of waits, whose branch back is after EXIT)
         loops = [x for x in sass.loops(body) if x.count("HGMMA") and not x.count("EXIT")]
-        inner = [
-            x
-            for x in loops
-            if not any(y is not x and x.start <= y.start and y.end <= x.end for y in loops)
-        ]
+        inner = sass.innermost(loops)
         assert [(x.count("STSM"), x.count("STS ", "STS.")) for x in inner] == [(block_m // 16, 0)]

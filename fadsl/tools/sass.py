@@ -114,6 +114,21 @@ def softmax_overlap(loop: Loop) -> int | None:
     return sum(1 for text in texts[first:second] if text.startswith(SOFTMAX_OPS))
 
 
+def function(sass: str, name: str) -> str:
+    """The listing of the function ``name`` in a disassembled cubin (nvdisasm -c), up to the
+    next function's section."""
+    return sass.split(f".text.{name}:", 1)[1].split(".text.", 1)[0]
+
+
+def innermost(found: list[Loop]) -> list[Loop]:
+    """The loops of ``found`` that hold none of the others."""
+    return [
+        x
+        for x in found
+        if not any(y is not x and x.start <= y.start and y.end <= x.end for y in found)
+    ]
+
+
 def nvdisasm() -> str | None:
     """nvdisasm from PATH or from the nvidia-cuda-nvdisasm wheel; None if neither."""
     found = shutil.which("nvdisasm")
