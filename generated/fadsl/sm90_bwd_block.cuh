@@ -256,27 +256,36 @@ __device__ __forceinline__ BwdBlock bwd_role_block(const BwdParamsSm90& P, const
   return shared;
 }
 
-// The lean path: the warpgroup index warp-uniform (bwd_warpgroup), each product's wgmma
-// descriptors built once and moved per k16 step (issue_keys_by_rows, issue_dq, issue_dq_t)
-// and dQ's red.add from one pinned pointer (red_add_dq). With the first two, ptxas
-// keeps the descriptors in uniform registers, and the head_dim 128 consumer loop runs 26 %
-// fewer instructions (SASS, NVRTC 13.5, 2026-11-30: +2-3 % on an H200). Kernels with score or
-// keep modifiers, a window, a softcap, packed sequences, dQ writer warps or head_dim split
-// over the consumers keep the division and descriptors built per step: there either spills
-// 4-48 bytes in some variant (NVRTC 13.5, 2026-11-30; tests/test_modifiers_backward.py,
-// test_backward_hdim256_build.py, test_varlen_backward_build.py, test_attention_variants.py,
-// test_backward_spec.py).
+// The lean path, three parts (SASS, NVRTC 13.5): each product's wgmma descriptors built
+// once and moved per k16 step (issue_keys_by_rows, issue_dq, issue_dq_t), the warpgroup
+// index warp-uniform (bwd_warpgroup), and dQ's red.add from one pinned pointer (red_add_dq).
+// With the first two ptxas keeps the descriptors in uniform registers; all three cut the
+// head_dim 128 consumer loop by 26 % (2026-11-30: +2-3 % on an H200), and the first two cut
+// a keep's (examples/modifiers/document_causal.fa) from 695 to 529 instructions on its
+// common path (2026-12-02). Each is left out where it made ptxas spill (4-48 bytes in some
+// variant; tests/test_modifiers_backward.py, test_attention_variants.py,
+// test_backward_hdim256_build.py, test_varlen_backward_build.py, test_backward_spec.py):
+// the descriptors with packed sequences, dQ writer warps, a split head_dim or a softcap;
+// the uniform index also with a score and a keep together (prefix_lm_alibi); the pinned
+// pointer with any modifier, window or softcap.
 template <class Cfg>
 __host__ __device__ constexpr bool bwd_lean_path() {
-  return !(Cfg::kScore || Cfg::kKeep || Cfg::kWindowLeft >= 0 || Cfg::kWindowRight >= 0 ||
-           Cfg::kSoftcap > 0.f || Cfg::kVarlen || Cfg::kDqWriter || Cfg::kSplitHeadDim);
+  return !(Cfg::kVarlen || Cfg::kDqWriter || Cfg::kSplitHeadDim || Cfg::kSoftcap > 0.f);
+}
+template <class Cfg>
+__host__ __device__ constexpr bool bwd_uniform_warpgroup() {
+  return bwd_lean_path<Cfg>() && !(Cfg::kScore && Cfg::kKeep);
+}
+template <class Cfg>
+__host__ __device__ constexpr bool bwd_pinned_dq() {
+  return bwd_lean_path<Cfg>() && !(Cfg::kScore || Cfg::kKeep || Cfg::kWindowLeft >= 0 || Cfg::kWindowRight >= 0);
 }
 
-// This thread's warpgroup (0: the producer); warp-uniform through a shuffle on the lean
-// path (bwd_lean_path).
+// This thread's warpgroup (0: the producer); warp-uniform through a shuffle where
+// bwd_uniform_warpgroup.
 template <class Cfg>
 __device__ __forceinline__ int bwd_warpgroup() {
-  if constexpr (bwd_lean_path<Cfg>()) {
+  if constexpr (bwd_uniform_warpgroup<Cfg>()) {
     return __shfl_sync(0xffffffffu, threadIdx.x / 128, 0);
   } else {
     return threadIdx.x / 128;

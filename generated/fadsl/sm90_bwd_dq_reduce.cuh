@@ -44,9 +44,9 @@ __device__ __forceinline__ void red_add_dq(float* dst, const float (&dq)[Cfg::kD
   // the thread's first float4 once, opaque to the compiler (the empty asm), then constant
   // steps that ptxas folds into each add's immediate offset: otherwise the index arithmetic
   // is reassociated and the 64-bit address rebuilt for every add, about 5 instructions each
-  // (SASS, NVRTC 13.5, 2026-11-30); where bwd_lean_path is off the pinned pointer
+  // (SASS, NVRTC 13.5, 2026-11-30); where bwd_pinned_dq is off the pinned pointer
   // spilled (16 bytes, fa3_hopper's windowed and capped variant), so the index stays there
-  if constexpr (bwd_lean_path<Cfg>()) {
+  if constexpr (bwd_pinned_dq<Cfg>()) {
     float* mine = dst + 4 * tid;
     asm("" : "+l"(mine));
 #pragma unroll
