@@ -16,7 +16,6 @@ import torch
 
 from block_text import deterministic as deterministic_block, unlagged
 from conftest import ROOT
-from fadsl.build.nvrtc import nvrtc_available
 from fadsl.build.spill_check import check_registers, find_compiler
 from fadsl.codegen.render import render_backward
 from fadsl.errors import SpecError
@@ -219,31 +218,3 @@ def test_a_varying_derivative_at_the_lagged_block_is_told_to_drop_the_lag():
     assert "the backward's kernels spill" in diagnostic.message
     assert "; turn dq_lag off, raise the consumers' registers" in diagnostic.message
     assert (diagnostic.loc.line, diagnostic.loc.col) == where(text, "  backward {", "backward")
-
-
-@pytest.mark.nvcc
-@pytest.mark.parametrize("spec", EXAMPLES, ids=[p.stem for p in EXAMPLES])
-def test_the_m_block_loop_keeps_its_descriptors_in_uniform_registers(spec):
-    """bwd_lean_path (sm90_bwd_block.cuh) holds for score and keep kernels: each product's
-    wgmma descriptors built once and moved per k16 step, the warpgroup index warp-uniform,
-    so ptxas keeps the descriptors in uniform registers. Built per step from a thread's
-    address they came from the vector datapath, 48 R2UR an m-block (NVRTC 13.5, 2026-12-02:
-    695 -> 529 instructions on document_causal's common path, 1.05x its backward at 4k and
-    16k on an H200). A score and a keep together keep the thread's index (the uniform one
-    spilled there), and so their R2UR."""
-    import fadsl
-    from fadsl.ir import Dtype
-    from fadsl.tools import sass
-
-    tool = sass.nvdisasm()
-    if tool is None or not nvrtc_available():
-        pytest.skip("needs NVRTC and nvdisasm")
-    text = spec.read_text()
-    backward = fadsl.load(text, verbose=False)._backward_kernels()
-    listing = sass.disassemble(backward.cubin(Dtype("bf16"), "sm_90a").cubin, tool)
-    body = sass.function(listing, f"{spec.stem}_bwd_bf16")
-    # (the m-block loop; not the retry paths of waits, whose branch back is after EXIT)
-    loops = [x for x in sass.loops(body) if x.count("HGMMA") and not x.count("EXIT")]
-    (loop,) = sass.innermost(loops)
-    uniform_index = not (has_line(text, "score") and has_line(text, "keep"))
-    assert (loop.count("R2UR") <= 2) == uniform_index, (loop.count("R2UR"), loop.count("HGMMA"))
