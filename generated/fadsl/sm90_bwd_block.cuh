@@ -262,11 +262,12 @@ __device__ __forceinline__ BwdBlock bwd_role_block(const BwdParamsSm90& P, const
 // With the first two ptxas keeps the descriptors in uniform registers; all three cut the
 // head_dim 128 consumer loop by 26 % (2026-11-30: +2-3 % on an H200), and the first two cut
 // a keep's (examples/modifiers/document_causal.fa) from 695 to 529 instructions on its
-// common path, the first and the third packed sequences' (examples/serving/fa3_varlen_causal.fa)
-// from 704 to 532 (2026-12-02; 1.01-1.02x its backward on an H200). Each is left out where it made ptxas spill (4-48 bytes in
-// some variant; tests/test_modifiers_backward.py, test_attention_variants.py,
+// common path, the first and the third packed sequences' (examples/serving/
+// fa3_varlen_causal.fa) from 704 to 532 (2026-12-02; 1.01-1.02x its backward on an H200).
+// Each is left out where it made ptxas spill (4-48 bytes in some variant;
+// tests/test_modifiers_backward.py, test_attention_variants.py,
 // test_backward_hdim256_build.py, test_varlen_backward_build.py, test_backward_spec.py):
-// the descriptors with dQ writer warps, a split head_dim, a softcap, or packed sequences
+// the whole path with dQ writer warps, a split head_dim, a softcap, or packed sequences
 // with a window; the uniform index also with packed sequences, or a score and a keep
 // together (prefix_lm_alibi); the pinned pointer with any modifier, window or softcap.
 template <class Cfg>
@@ -280,7 +281,8 @@ __host__ __device__ constexpr bool bwd_uniform_warpgroup() {
 }
 template <class Cfg>
 __host__ __device__ constexpr bool bwd_pinned_dq() {
-  return bwd_lean_path<Cfg>() && !(Cfg::kScore || Cfg::kKeep || Cfg::kWindowLeft >= 0 || Cfg::kWindowRight >= 0);
+  return bwd_lean_path<Cfg>() &&
+         !(Cfg::kScore || Cfg::kKeep || Cfg::kWindowLeft >= 0 || Cfg::kWindowRight >= 0);
 }
 
 // This thread's warpgroup (0: the producer); warp-uniform through a shuffle where
