@@ -36,7 +36,7 @@ from fadsl.targets.sm90.backward.emit import FUSED_CONVERT_MAX_QUERIES
 from fadsl.targets.sm90.backward.finish import finish_plan
 from fadsl.targets.sm90.backward.verify_finish import finish_problems
 from fadsl.tools.report import explain_data, explain_text
-from fadsl.tools.sass import disassemble, nvdisasm
+from fadsl.tools.sass import disassemble, function, nvdisasm
 
 FILE = "t.fa"
 EXAMPLES = ROOT / "examples"
@@ -442,7 +442,7 @@ def test_the_fused_kernels_machine_code_keeps_the_plans_orders():
                   if s.kernel_name.endswith("bf16"))  # fmt: skip
     cubin = compile_cubin(source.text, source.filename, source.kernel_name, "sm_90a", Path("/tmp"))
     sass = disassemble(cubin.cubin, tool)
-    main = sass.split(".text." + source.kernel_name + ":")[1].split(".text.")[0]
+    main = function(sass, source.kernel_name)
     code = [
         line.split("*/", 1)[1].strip()
         for line in main.splitlines()

@@ -91,14 +91,7 @@ def mainloops(sass: str) -> list[Loop]:
         for loop in loops(sass)
         if loop.count("HGMMA", "QGMMA") and loop.count("MUFU.EX2") and not loop.count("EXIT")
     ]
-    return [
-        loop
-        for loop in candidates
-        if not any(
-            other is not loop and loop.start <= other.start and other.end <= loop.end
-            for other in candidates
-        )
-    ]
+    return innermost(candidates)
 
 
 def softmax_overlap(loop: Loop) -> int | None:

@@ -261,9 +261,8 @@ __device__ __forceinline__ BwdBlock bwd_role_block(const BwdParamsSm90& P, const
 // index warp-uniform (bwd_warpgroup), and dQ's red.add from one pinned pointer (red_add_dq).
 // With the first two ptxas keeps the descriptors in uniform registers: they cut the head_dim
 // 128 consumer loop from 862 to 635 instructions, the third to 587 (2026-11-30: +2-3 % on an
-// H200); the first two cut
-// a keep's (examples/modifiers/document_causal.fa) from 695 to 529 instructions on its
-// common path, the first and the third packed sequences' (examples/serving/
+// H200). The first two cut a keep's common path (examples/modifiers/document_causal.fa) from
+// 695 to 529, the first and the third packed sequences' (examples/serving/
 // fa3_varlen_causal.fa) from 704 to 532 (2026-12-02; 1.01-1.02x its backward on an H200).
 // Each is left out where it made ptxas spill (4-48 bytes in some variant;
 // tests/test_modifiers_backward.py, test_attention_variants.py,
