@@ -263,16 +263,18 @@ __device__ __forceinline__ BwdBlock bwd_role_block(const BwdParamsSm90& P, const
 // 128 consumer loop from 862 to 635 instructions, the third to 587 (2026-11-30: +2-3 % on an
 // H200). The first two cut a keep's common path (examples/modifiers/document_causal.fa) from
 // 695 to 529, the first and the third packed sequences' (examples/serving/
-// fa3_varlen_causal.fa) from 704 to 532 (2026-12-02; 1.01-1.02x its backward on an H200).
+// fa3_varlen_causal.fa) from 704 to 532 (2026-12-02; 1.01-1.02x its backward on an H200),
+// the first two the dQ writer's (fa3_hdim64_causal's deterministic block) from 733 to 577.
 // Each is left out where it made ptxas spill (4-48 bytes in some variant;
 // tests/test_modifiers_backward.py, test_attention_variants.py,
 // test_backward_hdim256_build.py, test_varlen_backward_build.py, test_backward_spec.py):
-// the whole path with dQ writer warps, a split head_dim, a softcap, or packed sequences
-// with a window; the uniform index also with packed sequences, or a score and a keep
-// together (prefix_lm_alibi); the pinned pointer with any modifier, window or softcap.
+// the whole path with a softcap, a split head_dim (whose consumer builds its descriptors
+// once a product itself: sm90_bwd_split.cuh) or packed sequences with a window; the uniform
+// index also with packed sequences, or a score and a keep together (prefix_lm_alibi); the
+// pinned pointer with any modifier, window or softcap.
 template <class Cfg>
 __host__ __device__ constexpr bool bwd_lean_path() {
-  return !(Cfg::kDqWriter || Cfg::kSplitHeadDim || Cfg::kSoftcap > 0.f ||
+  return !(Cfg::kSplitHeadDim || Cfg::kSoftcap > 0.f ||
            (Cfg::kVarlen && (Cfg::kWindowLeft >= 0 || Cfg::kWindowRight >= 0)));
 }
 template <class Cfg>

@@ -104,11 +104,14 @@ __device__ __forceinline__ void bwd_producer_split(const BwdParamsSm90& P, uint3
 // warpgroup's kKeysPerWG rows of K or V (K-major, B_c-row panels): S = Q K_w^T or dP = dO V_w^T.
 template <class Cfg>
 __device__ __forceinline__ void issue_rows_by_keys(float (&acc)[Cfg::kSRegs], uint32_t rows_slot, uint32_t keys_wg) {
+  // descriptors built once, moved per k16 step (desc_advance: one add where a rebuild masks
+  // and shifts the address, and ptxas keeps them in uniform registers)
+  const uint64_t a0 = make_desc_kmajor_sw128(rows_slot), b0 = make_desc_kmajor_sw128(keys_wg);
 #pragma unroll
   for (int kk = 0; kk < Cfg::kHeadDim / 16; ++kk) {
     const uint32_t panel = kk / 4, k_bytes = (kk % 4) * 32;
-    const uint64_t desc_a = make_desc_kmajor_sw128(rows_slot + panel * Cfg::kBlockM * Cfg::kRowBytes + k_bytes);
-    const uint64_t desc_b = make_desc_kmajor_sw128(keys_wg + panel * Cfg::kBlockN * Cfg::kRowBytes + k_bytes);
+    const uint64_t desc_a = desc_advance(a0, panel * Cfg::kBlockM * Cfg::kRowBytes + k_bytes);
+    const uint64_t desc_b = desc_advance(b0, panel * Cfg::kBlockN * Cfg::kRowBytes + k_bytes);
     Wgmma<Cfg::kKeysPerWG>::template ss<typename Cfg::T, 0, 0>(acc, desc_a, desc_b, kk > 0 ? 1u : 0u);
   }
 }
@@ -119,12 +122,12 @@ __device__ __forceinline__ void issue_rows_by_keys(float (&acc)[Cfg::kSRegs], ui
 template <class Cfg>
 __device__ __forceinline__ void issue_grad_panel_t(float (&acc)[Cfg::kAccPanelRegs], uint32_t rows_panel,
                                                    uint32_t keys_buf) {
+  const uint64_t a0 = make_desc_mnmajor_sw128(rows_panel, Cfg::kBlockM * Cfg::kRowBytes);
+  const uint64_t b0 = make_desc_kmajor_sw128(keys_buf);
 #pragma unroll
   for (int kk = 0; kk < Cfg::kBlockM / 16; ++kk) {
     const uint32_t step = kk * 16 * Cfg::kRowBytes;  // 16 query rows
-    const uint64_t desc_a = make_desc_mnmajor_sw128(rows_panel + step, Cfg::kBlockM * Cfg::kRowBytes);
-    const uint64_t desc_b = make_desc_kmajor_sw128(keys_buf + kk * 32);
-    Wgmma<Cfg::kBlockN>::template ss<typename Cfg::T, 1, 0>(acc, desc_a, desc_b, 1u);
+    Wgmma<Cfg::kBlockN>::template ss<typename Cfg::T, 1, 0>(acc, desc_advance(a0, step), desc_advance(b0, kk * 32), 1u);
   }
 }
 
@@ -133,12 +136,13 @@ __device__ __forceinline__ void issue_grad_panel_t(float (&acc)[Cfg::kAccPanelRe
 // queries contiguous: MN-major B).
 template <class Cfg>
 __device__ __forceinline__ void issue_dq_panel_t(float (&dq)[Cfg::kDqRegs], uint32_t k_panel, uint32_t ds_buf) {
+  const uint64_t a0 = make_desc_mnmajor_sw128(k_panel, Cfg::kBlockN * Cfg::kRowBytes);
+  const uint64_t b0 = make_desc_mnmajor_sw128(ds_buf, Cfg::kBlockN * Cfg::kRowBytes);
 #pragma unroll
   for (int kk = 0; kk < Cfg::kBlockN / 16; ++kk) {
     const uint32_t step = kk * 16 * Cfg::kRowBytes;
-    const uint64_t desc_a = make_desc_mnmajor_sw128(k_panel + step, Cfg::kBlockN * Cfg::kRowBytes);
-    const uint64_t desc_b = make_desc_mnmajor_sw128(ds_buf + step, Cfg::kBlockN * Cfg::kRowBytes);
-    Wgmma<Cfg::kBlockM>::template ss<typename Cfg::T, 1, 1>(dq, desc_a, desc_b, kk > 0 ? 1u : 0u);
+    Wgmma<Cfg::kBlockM>::template ss<typename Cfg::T, 1, 1>(dq, desc_advance(a0, step), desc_advance(b0, step),
+                                                           kk > 0 ? 1u : 0u);
   }
 }
 
