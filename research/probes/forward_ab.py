@@ -53,7 +53,8 @@ def main() -> int:
         kern.use_development_build(dtype, arch_of(0), defines)
         kerns.append(kern)
     d = base.config.head_dim
-    causal = base.config.mask.value == "causal" or base.config.modifiers is not None
+    keep = base.config.modifiers is not None and base.config.modifiers.keep is not None
+    causal = base.config.mask.value == "causal" or keep  # (a keep counted as causal work)
     heads = args.heads or 2048 // d
     tdtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype.value]
     read = clocks.nvml_reader()

@@ -6,6 +6,10 @@ overhead (--overhead, in blocks: its prologue and epilogue). The orders:
   pairs    `scheduler persistent` as shipped for causal and `keep` (longest_tiles_first): a
            head's long and short query blocks in pairs (m = M - 1 - k with k), CTA c running
            pairs c, c + G, c + 2G, ... (tile_index, tile_coords);
+  rotated33 the pairs as shipped, CTA c taking position (c + 33 s) mod G of step s's G pairs
+           (the same pairs in flight, another CTA for each);
+  golden   a head's pairs in the order k = j a mod M/2, a the odd number nearest 0.618 M/2;
+  grouped16 pairs enumerated over groups of 16 heads: the group, then k, then the head;
   dynamic tiles  a persistent CTA taking the next tile from a counter as soon as it is
            free, the tiles of each WINDOW heads sorted longest first (FlashAttention-3's
            dynamic scheduler, with L2 locality kept to a window of heads);
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import heapq
+import math
 
 HEADS = 16
 
@@ -40,6 +45,37 @@ def pairs(work: list[list[int]], sms: int, overhead: float) -> list[float]:
             load[index % sms] += head[m - 1 - k] + head[k] + 2 * overhead
             index += 1
     return load
+
+
+def rotated33(work, sms: int, overhead: float, window: int) -> list[float]:
+    units = [u for head in work for u in head_pairs(head, overhead)]
+    load = [0.0] * sms
+    for cta in range(sms):
+        for step in range(-(-len(units) // sms)):
+            index = step * sms + (cta + 33 * step) % sms
+            if index < len(units):
+                load[cta] += units[index]
+    return load
+
+
+def golden(work, sms: int, overhead: float, window: int) -> list[float]:
+    half = len(work[0]) // 2
+    a = max(1, round(0.618 * half)) | 1
+    while math.gcd(a, half) != 1:
+        a += 2
+    units = []
+    for head in work:
+        pairs_of_head = head_pairs(head, overhead)
+        units += [pairs_of_head[j * a % half] for j in range(half)]
+    return [sum(units[c::sms]) for c in range(sms)]
+
+
+def grouped16(work, sms: int, overhead: float, window: int) -> list[float]:
+    units = []
+    for first in range(0, len(work), 16):
+        heads = [head_pairs(head, overhead) for head in work[first : first + 16]]
+        units += [pairs_of_head[k] for k in range(len(heads[0])) for pairs_of_head in heads]
+    return [sum(units[c::sms]) for c in range(sms)]
 
 
 def take(units, sms: int) -> list[float]:
@@ -94,16 +130,17 @@ def main() -> None:
         "causal 16 x 1k": (8, [0] * 16),
     }
     print(f"{args.sms} SMs, {HEADS} heads, overhead {args.overhead} blocks a tile")
-    orders = {"dynamic tiles": dynamic_tiles, "dynamic pairs": dynamic_pairs}
+    orders = {"rotated33": rotated33, "golden": golden, "grouped16": grouped16}
+    orders.update({"dynamic tiles": dynamic_tiles, "dynamic pairs": dynamic_pairs})
     orders["sorted pairs"] = sorted_pairs
-    print(f"{'shape':30s} {'pairs':>7s}" + "".join(f" {name:>14s}" for name in orders))
+    print(f"{'shape':30s} {'pairs':>7s}" + "".join(f" {name:>13s}" for name in orders))
     for name, (m_blocks, prefixes) in shapes.items():
         work = tile_blocks(m_blocks, prefixes)
         mean = (sum(map(sum, work)) + args.overhead * m_blocks * len(work)) / args.sms
         cells = [max(pairs(work, args.sms, args.overhead)) / mean]
         for order in orders.values():
             cells.append(max(order(work, args.sms, args.overhead, args.window)) / mean)
-        print(f"{name:30s} {cells[0]:7.3f}" + "".join(f" {c:14.3f}" for c in cells[1:]))
+        print(f"{name:30s} {cells[0]:7.3f}" + "".join(f" {c:13.3f}" for c in cells[1:]))
 
 
 if __name__ == "__main__":
