@@ -13,7 +13,7 @@ BlockMask (its partial and full lists of 128 x 128 blocks, by rows for the forwa
 columns for the backward), so FA4 skips the empty blocks as fadsl and Flex do.
 
 Usage (a Hopper GPU): python3 -P research/probes/modifier_speed.py [--seqlens 16384,4096]
-[--variants alibi_causal,prefix_lm,t5_bias_causal,document_causal] [--fa4]
+[--variants alibi_causal,prefix_lm,t5_bias_causal,document_causal] [--fa4] [--kernels]
 (document_causal: 16 documents a row, fadsl's tile classes made once and passed to each call
 as kern.keep_classes gives them, as FA4's and Flex's tables are.)"""
 
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 from pathlib import Path
 
 import torch
@@ -179,11 +180,26 @@ def fa4_block_sparsity(block_mask, batch: int):
     return forward, backward
 
 
+def kernel_ms(call) -> float:
+    """The kernels' device time of one call of ``call(0)``, ms (scripts/backward_budget.py's
+    device_times: torch.profiler, the median of 7 calls after a warm-up)."""
+    sys.path.insert(0, str(ROOT))
+    from scripts.backward_budget import device_times
+
+    return sum(device_times(lambda: call(0), calls=7).values()) / 1000
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seqlens", default="16384,4096")
     parser.add_argument("--variants", default="alibi_causal,prefix_lm,t5_bias_causal")
     parser.add_argument("--fa4", action="store_true", help="FlashAttention-4's column too")
+    parser.add_argument(
+        "--kernels",
+        action="store_true",
+        help="each call's kernel time (torch.profiler, the median of 7 calls) in place of the "
+        "call's span: a call shorter than its host path times the host otherwise",
+    )
     args = parser.parse_args()
     if args.fa4:
         from flash_attn.cute import flash_attn_func
@@ -258,8 +274,12 @@ def main() -> None:
                 backwards["fa4"] = lambda _: torch.autograd.grad(
                     fa4_out, fa4_leaves, dout, retain_graph=True
                 )
-            fwd = median_times(forwards, 5, 20)
-            bwd = median_times(backwards, 3, 10)
+            if args.kernels:
+                fwd = {c: kernel_ms(call) for c, call in forwards.items()}
+                bwd = {c: kernel_ms(call) for c, call in backwards.items()}
+            else:
+                fwd = median_times(forwards, 5, 20)
+                bwd = median_times(backwards, 3, 10)
             line = []
             for what, ms, f in (("forward", fwd, flops), ("backward", bwd, 2.5 * flops)):
                 cells = [f"{c} {t:.3f} ms ({f / t / 1e9:.0f} TF/s)" for c, t in ms.items()]
