@@ -80,8 +80,15 @@ def test_the_m_block_loop_builds_each_descriptor_once(spec):
     assert rebuilt >= 3, rebuilt  # (the pattern still matches how ptxas prints the mask)
 
 
-UNIFORM = [p for p in SPECS if p.parent.name != "serving" and p.stem != "prefix_lm_alibi"]
-UNIFORM = [p for p in UNIFORM if "hdim256" not in p.stem] + WRITERS
+# (not packed sequences, prefix_lm_alibi's score with a keep, or head_dim 256's split consumers)
+OFF_UNIFORM = (
+    "fa3_varlen_causal",
+    "fa3_varlen_hdim64",
+    "prefix_lm_alibi",
+    "fa3_hdim256",
+    "fa3_hdim256_causal",
+)
+UNIFORM = [p for p in SPECS if p.stem not in OFF_UNIFORM] + WRITERS
 
 
 @pytest.mark.nvcc

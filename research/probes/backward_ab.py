@@ -73,6 +73,43 @@ def modifier_inputs(kern, batch: int, heads: int, seqlen: int) -> dict:
     return made
 
 
+def rotated_rounds(calls, flops: float, seconds: float, rounds: int) -> list[list[tuple]]:
+    """Each of ``calls`` timed sustained (bwd_vs_fa4.sustained) in each of ``rounds``, the
+    order rotated a place a round and reversed every other: per call, a (TF/s of ``flops``,
+    SM MHz, mJ a call) per round."""
+    read = clocks.nvml_reader()
+    sampler = clocks.Sampler(read, interval=0.005) if read else None
+    energy = energy_reader()
+    results: list[list[tuple]] = [[] for _ in calls]
+    for r in range(rounds):
+        order = list(range(len(calls)))
+        order = order[r % len(order) :] + order[: r % len(order)]
+        order = order if r % 2 == 0 else order[::-1]
+        for i in order:
+            ms, readings, joules = sustained(calls[i], seconds, sampler, energy)
+            s = clocks.summarize(readings)
+            mhz = s.sm_mhz if s else float("nan")
+            mj = 1000 * joules if joules else float("nan")
+            results[i].append((flops / (ms * 1e-3) / 1e12, mhz, mj))
+    return results
+
+
+def print_rounds(results: list[list[tuple]], labels: list[str], notes: list[str] | None = None):
+    """A line per call of rotated_rounds' results: the medians, the ratio to the first (the
+    control), the rounds' TF/s, its note (if any) and its label."""
+    ctrl = statistics.median(t for t, _, _ in results[0])
+    for i, label in enumerate(labels):
+        tf = statistics.median(t for t, _, _ in results[i])
+        mhz = statistics.median(m for _, m, _ in results[i])
+        mj = statistics.median(e for _, _, e in results[i])
+        runs = " ".join(f"{t:.1f}" for t, _, _ in results[i])
+        note = f"  {notes[i]}" if notes else ""
+        print(
+            f"  {tf:7.1f} TF/s {mhz:6.0f} MHz {mj:7.1f} mJ/call  x control {tf / ctrl:.3f}"
+            f"{note}  ({runs})  {label}"
+        )
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("spec")
@@ -99,9 +136,6 @@ def main() -> int:
     d, causal = base.config.head_dim, base.config.mask.value == "causal"
     heads = 2048 // d
     tdtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype.value]
-    read = clocks.nvml_reader()
-    sampler = clocks.Sampler(read, interval=0.005) if read else None
-    energy = energy_reader()
     labels = [" ".join(f"{k}={v}" for k, v in s.items()) for s in sets] + list(args.against)
     for seqlen in map(int, args.seqlens.split(",")):
         batch = max(1, 16384 // seqlen)
@@ -126,28 +160,9 @@ def main() -> int:
             (lambda o=o: torch.autograd.grad(o, (q, k, v), dout, retain_graph=True)) for o in outs
         ]
         flops = 2.5 * 4 * batch * heads * seqlen * seqlen * d * (0.5 if causal else 1.0)
-        results: dict[int, list] = {i: [] for i in range(len(kerns))}
-        for r in range(args.rounds):
-            order = list(range(len(kerns)))
-            order = order[r % len(order) :] + order[: r % len(order)]
-            order = order if r % 2 == 0 else order[::-1]
-            for i in order:
-                ms, readings, joules = sustained(calls[i], args.seconds, sampler, energy)
-                s = clocks.summarize(readings)
-                mhz = s.sm_mhz if s else float("nan")
-                mj = 1000 * joules if joules else float("nan")
-                results[i].append((flops / (ms * 1e-3) / 1e12, mhz, mj))
-        ctrl = statistics.median(t for t, _, _ in results[0])
+        results = rotated_rounds(calls, flops, args.seconds, args.rounds)
         print(f"== {name}, {batch} x {seqlen}")
-        for i, label in enumerate(labels):
-            tf = statistics.median(t for t, _, _ in results[i])
-            mhz = statistics.median(m for _, m, _ in results[i])
-            mj = statistics.median(e for _, _, e in results[i])
-            runs = " ".join(f"{t:.1f}" for t, _, _ in results[i])
-            print(
-                f"  {tf:7.1f} TF/s {mhz:6.0f} MHz {mj:7.1f} mJ/call  x control {tf / ctrl:.3f}"
-                f"  ({runs})  {label}"
-            )
+        print_rounds(results, labels)
     return 0
 
 

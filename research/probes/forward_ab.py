@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import pathlib
-import statistics
 import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
@@ -28,10 +27,8 @@ import torch  # noqa: E402
 
 import fadsl  # noqa: E402
 from fadsl.runtime.attention import arch_of  # noqa: E402
-from fadsl.tools import clocks  # noqa: E402
 
-from backward_ab import modifier_inputs  # noqa: E402
-from bwd_vs_fa4 import energy_reader, sustained  # noqa: E402
+from backward_ab import modifier_inputs, print_rounds, rotated_rounds  # noqa: E402
 
 
 def main() -> int:
@@ -57,9 +54,6 @@ def main() -> int:
     causal = base.config.mask.value == "causal" or keep  # (a keep counted as causal work)
     heads = args.heads or 2048 // d
     tdtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype.value]
-    read = clocks.nvml_reader()
-    sampler = clocks.Sampler(read, interval=0.005) if read else None
-    energy = energy_reader()
     labels = [" ".join(f"{k}={v}" for k, v in s.items()) for s in sets]
     for seqlen in map(int, args.seqlens.split(",")):
         batch = max(1, 16384 // seqlen)
@@ -72,28 +66,9 @@ def main() -> int:
         equal = ["yes" if torch.equal(outs[0], o) else "NO" for o in outs]
         calls = [(lambda kern=kern: kern(q, k, v, **extra)) for kern in kerns]
         flops = 4 * batch * heads * seqlen * seqlen * d * (0.5 if causal else 1.0)
-        results: dict[int, list] = {i: [] for i in range(len(kerns))}
-        for r in range(args.rounds):
-            order = list(range(len(kerns)))
-            order = order[r % len(order) :] + order[: r % len(order)]
-            order = order if r % 2 == 0 else order[::-1]
-            for i in order:
-                ms, readings, joules = sustained(calls[i], args.seconds, sampler, energy)
-                s = clocks.summarize(readings)
-                mhz = s.sm_mhz if s else float("nan")
-                mj = 1000 * joules if joules else float("nan")
-                results[i].append((flops / (ms * 1e-3) / 1e12, mhz, mj))
-        ctrl = statistics.median(t for t, _, _ in results[0])
+        results = rotated_rounds(calls, flops, args.seconds, args.rounds)
         print(f"== {name}, {batch} x {seqlen} x {heads} heads")
-        for i, label in enumerate(labels):
-            tf = statistics.median(t for t, _, _ in results[i])
-            mhz = statistics.median(m for _, m, _ in results[i])
-            mj = statistics.median(e for _, _, e in results[i])
-            runs = " ".join(f"{t:.1f}" for t, _, _ in results[i])
-            print(
-                f"  {tf:7.1f} TF/s {mhz:6.0f} MHz {mj:7.1f} mJ/call  x control {tf / ctrl:.3f}"
-                f"  bitwise {equal[i]}  ({runs})  {label}"
-            )
+        print_rounds(results, labels, [f"bitwise {e}" for e in equal])
     return 0
 
 

@@ -30,6 +30,7 @@ import fadsl
 from fadsl.tools.bench import median_times
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))  # (scripts.backward_budget, for --kernels)
 HEADS, HEAD_DIM, TOKENS = 16, 128, 16384
 
 
@@ -183,7 +184,6 @@ def fa4_block_sparsity(block_mask, batch: int):
 def kernel_ms(call) -> float:
     """The kernels' device time of one call of ``call(0)``, ms (scripts/backward_budget.py's
     device_times: torch.profiler, the median of 7 calls after a warm-up)."""
-    sys.path.insert(0, str(ROOT))
     from scripts.backward_budget import device_times
 
     return sum(device_times(lambda: call(0), calls=7).values()) / 1000
