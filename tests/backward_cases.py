@@ -80,6 +80,20 @@ LAGGED = (
     replace(LAG, stages=3, dq_first=True),
 )
 MUTATED += LAGGED
+# `dq_lag on` with `dq_writer on`: the lagged staging handed to the writer warps, in either mode
+STAGED_LAG = dict(dq_red=False, dq_writer=True)
+LAGGED_WRITERS = (
+    replace(LAG, **STAGED_LAG),
+    replace(LAG, stages=3, block_m=80, deterministic=True, **STAGED_LAG),  # dQ transposed
+    # head_dim 64's deterministic block: by queries, stmatrix, dq_first (dK and dV by TMA:
+    # tests/test_backward_dkv_tma.py)
+    replace(
+        LAG, head_dim=64, block_m=128, ds_stmatrix=True, dq_first=True, deterministic=True,
+        **STAGED_LAG,
+    ),
+    Params(1, 2, 64, deterministic=True, overlap=True, dq_lag=True, **STAGED_LAG),
+)  # fmt: skip
+MUTATED += LAGGED_WRITERS
 LAG_ORDERS = LAGGED[:3] + LAGGED[4:]  # (LAGGED[3]: one consumer warpgroup)
 
 

@@ -376,7 +376,7 @@ def _lag_consumer(p: Params) -> list[Item | str]:
         "dS^T -> smem",
         *gradients,
         sync(Kind.MBAR_ARRIVE, why="WAR: this warpgroup's reads of dS^T(i - 1) retired", **empty),
-        "dQ red.add",
+        *_lagged_add(p, LoopPhase.LOOP),
         sync(Kind.WGMMA_WAIT, pending=0, why="dV and dK retired: Q, dO read"),
         sync(Kind.MBAR_ARRIVE, mbar=Mbar.Q_EMPTY, slot=Index.RING, why="WAR: the slot is free"),
         # `dv_out_first on`: dV's staging and TMA store first (the header's first dkv_store branch)
@@ -387,13 +387,41 @@ def _lag_consumer(p: Params) -> list[Item | str]:
         sync(Kind.WGMMA_COMMIT, LoopPhase.AFTER, **dq_commit),
         sync(Kind.WGMMA_WAIT, LoopPhase.AFTER, pending=0, why="the last dQ", **lagged),
         sync(Kind.MBAR_ARRIVE, LoopPhase.AFTER, why="WAR: the last dS^T read", **empty),
-        "dQ red.add (the last m-block)",
+        *_lagged_add(p, LoopPhase.AFTER),
         *(
             [sync(Kind.MBAR_ARRIVE, LoopPhase.AFTER, guard=Guard.HAS_WORK, mbar=Mbar.KV_EMPTY)]
             if p.persistent
             else []
         ),  # K and V freed once the last dQ retired
         *(_tma_epilogue(main)[5 if p.dv_out_first else 0 :] if p.dkv_tma else ["dK -> global", "dV -> global"]),
+    ]  # fmt: skip
+
+
+def _lagged_add(p: Params, phase: LoopPhase) -> list[Item | str]:
+    """reduce_dq inlined in bwd_consumer_lagged, for m-block i - 1 in m-block i (after the
+    loop for the last): dQ's red.add from registers; with `dq_writer on` its writer branch,
+    whose empty barrier's wait (reduce_dq's i > 0, i the m-block it acts for) runs from m-block
+    2 on and after a loop of two or more, then the staging, its proxy fence and the full
+    barrier's arrival."""
+    last = " (the last m-block)" if phase is LoopPhase.AFTER else ""
+    if not p.dq_writer:
+        return [f"dQ red.add{last}"]
+
+    def sync(kind: Kind, **fields) -> Item:
+        return Item(kind, Who.WARPGROUP, CodeSite.REDUCE_DQ, phase, **fields)
+
+    bar = dict(threads=WRITER_BAR_THREADS)
+    return [
+        sync(
+            Kind.NAMED_BAR_SYNC, named=Named.DQ_EMPTY, guard=Guard.LAGGED_AFTER_FIRST,
+            why="WAR: the writer's add of the m-block before read the staging", **bar,
+        ),
+        f"dQ -> staging{last}",
+        sync(Kind.FENCE_PROXY_ASYNC_SMEM, guard=Guard.LAGGED, why="RAW: before the writer's add"),
+        sync(
+            Kind.NAMED_BAR_ARRIVE, named=Named.DQ_FULL, guard=Guard.LAGGED,
+            why="RAW: the staging handed to the writer", **bar,
+        ),
     ]  # fmt: skip
 
 

@@ -389,6 +389,14 @@ def walk_if(cond: str, constexpr: bool, then, other, walk: Walk) -> None:
         walk_node(then, inner)
         walk.calls += inner.calls
         return
+    if cond == "i>0" and walk.guard is Guard.LAGGED:  # reduce_dq's writer branch, lagged:
+        # its i is the m-block the call acts for (i - 1 in the loop, the last after it), so
+        # its test keeps the lag and leaves out that call's first m-block
+        assert walk.variables.get("i") in ("i-1", "b.m_count-1"), walk.variables.get("i")
+        inner = walk.fork(guard=Guard.LAGGED_AFTER_FIRST)
+        walk_node(then, inner)
+        walk.calls += inner.calls
+        return
     if cond in changes:
         assert other is None, cond
         inner = walk.fork(**changes[cond])

@@ -165,6 +165,9 @@ def test_the_dq_writer_variants_fit_their_registers():
              for det in ("", "deterministic+")]  # fmt: skip
     names += ["fa3_hopper+deterministic+dq_writer-dqred+s2", "fa3_hdim64+dq_writer-dqred"]
     names += ["fa3_hdim64+deterministic+dq_writer-dqred+p32"]
+    # beside `dq_lag on` (fits at 24 / 240, NVRTC 13.5, 2026-12-02)
+    names += ["fa3_hdim64+deterministic+dq_writer-dqred+dq_lag"]
+    names += ["fa3_causal+deterministic+dq_writer-dqred+dq_lag"]
     names += ["fa3_hdim64+deterministic+dq_writer-dqred-ds_stmatrix"]  # (24 registers: fits)
     seen = []
 
@@ -224,6 +227,31 @@ def test_dq_lag_is_read_and_refused_where_it_is_not_built():
         "    tile       B_r = 128, B_c = 128 ", "    tile       B_r = 64, B_c = 128 ", hdim64
     )
     assert_error(text, "dq_lag     on", "dq_lag", "dQ split by keys")
+
+
+def test_dq_lag_builds_with_the_dq_writer_in_either_mode():
+    """`dq_lag on` beside `dq_writer on` (the lagged dQ staged and handed to the writer
+    warps, which order the deterministic adds): admitted with and without `deterministic on`,
+    the lagged consumer in the kernel; without the writer, a staged dQ and the deterministic
+    order stay refused at the key."""
+    hopper = (ROOT / "examples" / "fa3_hopper.fa").read_text()
+    staged = "dQ:  rf -st.shared-> smem[warpgroup] -reduce.add-> gmem"
+    writer = variant("dQ:  rf -red.add-> gmem", staged, hopper)
+    writer = variant("    dq_lag     on\n", "    dq_lag     on\n    dq_writer  on\n", writer)
+    for mode in ("off", "on"):
+        text = variant("    deterministic off", f"    deterministic {mode}", writer)
+        text = variant("    stages     3", "    stages     2", text)
+        compiled = compile_source(text, FILE)
+        bwd = compiled.kernel.backward
+        assert bwd.dq_lag and bwd.dq_writer and not bwd.dq_red
+        assert bwd.deterministic == (mode == "on")
+        main, *_ = render_backward(compiled.kernel, compiled.target, FILE)
+        assert "kDqLag = true" in main.text and "kDqWriter = true" in main.text
+    alone = variant("    deterministic off", "    deterministic on", hopper)
+    alone = variant("dQ:  rf -red.add-> gmem", staged, alone)
+    messages = [m for _, _, m in errors(alone) if m.startswith("dq_lag on")]
+    assert messages and "deterministic on without dq_writer on" in messages[0]
+    assert "dQ staged and reduce-added by the consumers" in messages[0]
 
 
 def test_dq_first_is_read_and_needs_the_lag():

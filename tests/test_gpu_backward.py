@@ -77,6 +77,17 @@ WRITERS += (
 )
 WRITERS += ("fa3_hdim64_causal+deterministic+dq_writer-dqred",)
 VARIANTS += WRITERS
+# the writer warps beside `dq_lag on` (dQ(i - 1) staged in m-block i, no meeting): every
+# disjoint split, in either mode, dK and dV by TMA where the example has them (head_dim 64
+# without a mask: from registers), dq_first with head_dim 64's examples
+LAGGED_WRITERS = ("fa3_causal+dq_writer-dqred+dq_lag", "fa3_hdim64+dq_writer-dqred+dq_lag")
+LAGGED_WRITERS += (
+    "fa3_causal+deterministic+dq_writer-dqred+dq_lag",
+    "fa3_hopper+deterministic+dq_writer-dqred+s2+dq_lag",
+    "fa3_hdim64+deterministic+dq_writer-dqred+dq_lag",
+    "fa3_hdim64_causal+deterministic+dq_writer-dqred+dq_lag",
+)
+VARIANTS += LAGGED_WRITERS
 # dS^T stored by stmatrix (four 8 x 8 blocks an instruction, the bytes st.shared stores; the
 # head_dim 64 examples' path since 2026-11-30, so their st.shared twins are the variants): dQ
 # by queries (head_dim 64's B_r 128, both masks), by head_dim panels (B_r 64, dQ added or
@@ -494,6 +505,8 @@ DETERMINISTIC = (
     "fa3_hopper+br64+deterministic+dq_writer-dqred",
     "fa3_hdim64+deterministic+dq_writer-dqred+p32",
     "fa3_hdim64_causal+deterministic+dq_writer-dqred",
+) + tuple(  # and beside `dq_lag on`
+    name for name in LAGGED_WRITERS if "deterministic" in name
 )
 
 

@@ -224,6 +224,9 @@ def test_a_deterministic_block_tries_the_dq_writer_at_both_register_splits():
     assert (32, 232) in splits and len(splits) == 2
     assert all(v.label == label_of(v.backward) and "staged+writer" in v.label for v in writers)
     assert all(v.label.endswith(("registers 24/240", "registers 32/232")) for v in writers)
+    # the lagged orders too (the writer warps take the lagged staging), at both splits
+    lagged = {(v.backward.dq_first, v.backward.producer_regs) for v in writers if v.backward.dq_lag}
+    assert lagged == {(False, 24), (False, 32), (True, 24), (True, 32)}, lagged
     refused = [v for v in variants if v.backward is None and "writer" in v.label]
     assert any("split by keys" in v.reason for v in refused if v.label.startswith("B_r 64"))
     _, plain = variants_of(HDIM64)

@@ -77,13 +77,21 @@ def test_the_cases_wrap_every_ring_slot_twice():
     stm = {p for p in PARAMS if p.ds_stmatrix}
     plain_two = {p for p in PARAMS if p.stages == 2 and not (p.dq_transposed or p.split)}
     assert stm and {replace(p, ds_stmatrix=False) for p in stm} == plain_two - stm
-    writers = [p for p in PARAMS if p.dq_writer and not p.ds_stmatrix]
+    writers = [p for p in PARAMS if p.dq_writer and not (p.ds_stmatrix or p.dq_lag)]
     assert len(writers) == 5 * 4 * (3 + 2) and not any(p.dq_by_keys for p in writers)
     # `dq_lag on`: 5 shapes (dQ not by keys), 1-3 stages, `dq_first` off and on, dK and dV
     # from registers or by TMA (dV's store after or before the last dQ), 24 of them with 2
-    # stages by stmatrix
-    lag = [p for p in PARAMS if p.dq_lag]
+    # stages by stmatrix; each again with the writer warps, and with 2 or 3 stages with them
+    # in deterministic mode
+    lag_writers = [p for p in PARAMS if p.dq_lag and p.dq_writer]
+    lag = [p for p in PARAMS if p.dq_lag and not p.dq_writer]
     assert len(lag) == (5 * 3 + 4) * 2 * 3 and sum(p.ds_stmatrix for p in lag) == 24
+    staged = dict(dq_red=True, dq_writer=False, deterministic=False)
+    assert {replace(p, **staged) for p in lag_writers} == set(lag)
+    deterministic = [p for p in lag_writers if p.deterministic]
+    assert len(lag_writers) == len(lag) + len(deterministic)
+    assert len(deterministic) == (5 * 2 + 4) * 2 * 3 and min(p.stages for p in deterministic) == 2
+    assert not any(p.dq_red for p in lag_writers)
     tma = {p for p in lag if p.dkv_tma and not p.dv_out_first}
     plain = {p for p in lag if not p.dkv_tma}
     assert {replace(p, dkv_tma=False) for p in tma} == plain

@@ -153,15 +153,27 @@ def test_one_lagged_consumer_needs_no_empty_wait():
 
 
 def test_the_lagged_plan_has_no_meeting():
-    """`dq_lag on`: no named barrier at all (the meeting's kBarDS replaced by the hand-over;
-    with dK and dV by TMA only the warpgroup's own before each store, after the loop), and
-    every hand-over sync of the loop's dQ acts for the previous m-block."""
+    """`dq_lag on`: no meeting (the meeting's kBarDS replaced by the hand-over; with dK and
+    dV by TMA only the warpgroup's own barrier before each store, after the loop; with the
+    writer warps only the staging's hand-over to them, guarded as the lagged staging runs),
+    and every hand-over sync of the loop's dQ acts for the previous m-block."""
     for params in (p for p in PARAMS if p.dq_lag):
         items = protocol(params).consumer
         met = [x for x in items if x.kind in (Kind.NAMED_BAR_SYNC, Kind.NAMED_BAR_ARRIVE)]
-        assert [(x.phase, x.named, x.threads) for x in met] == (
+        writer = (Named.DQ_EMPTY, Named.DQ_FULL)
+        assert [(x.phase, x.named, x.threads) for x in met if x.named not in writer] == (
             [(LoopPhase.AFTER, Named.DQ, 128)] * 2 if params.dkv_tma else []
         )
+        handed = [(x.phase, x.kind, x.guard) for x in met if x.named in writer]
+        staged = [
+            (phase, kind, guard)
+            for phase in (LoopPhase.LOOP, LoopPhase.AFTER)
+            for kind, guard in (
+                (Kind.NAMED_BAR_SYNC, Guard.LAGGED_AFTER_FIRST),
+                (Kind.NAMED_BAR_ARRIVE, Guard.LAGGED),
+            )
+        ]
+        assert handed == (staged if params.dq_writer else [])
         for x in items:
             if x.mbar is Mbar.DS_FULL and x.kind is Kind.MBAR_WAIT or x.mbar is Mbar.DS_EMPTY:
                 lagged = x.kind is Kind.MBAR_ARRIVE or x.phase is not LoopPhase.LOOP

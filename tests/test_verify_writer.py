@@ -159,11 +159,12 @@ def test_each_side_of_a_writer_barrier_counts_160(params):
     """The four sides of the pair (the consumer's bar.arrive on full and bar.sync on empty,
     the writer's bar.sync on full and bar.arrive on empty) each count 160; any other count
     on one side, arrive or sync, is refused: a mismatch with the other side, or more
-    threads arriving than the barrier counts."""
+    threads arriving than the barrier counts. (With `dq_lag on` the consumer's two sides
+    come twice: in the loop for the m-block before, and after it for the last.)"""
     proto = protocol(params)
     sides = _writer_barriers(proto)
     kinds = {(role, x.kind, x.named) for role, _, x in sides}
-    assert len(kinds) == len(sides) == 4
+    assert len(kinds) == 4 and len(sides) == (6 if params.dq_lag else 4)
     assert {x.threads for _, _, x in sides} == {WRITER_BAR_THREADS} == {160}
     for role, n, x in sides:
         for threads in COUNTS:
@@ -182,9 +183,11 @@ SAMPLED = tuple(p for p in WRITERS if not p.ds_stmatrix)
 def test_both_sides_of_a_writer_barrier_miscounted_are_refused(params, named):
     """Both sides of one barrier changed alike, so that they agree: 128 (the writer warp
     left out) lets the consumer's warpgroup complete a generation alone, and the writer's
-    32 threads then overflow one or wait forever; 192 never completes (a hang)."""
+    32 threads then overflow one, wait forever or (`dq_lag on`, whose last staging comes after
+    the loop) arrive in a generation that never completes, and with one consumer its
+    warpgroup may arrive twice in one; 192 never completes (a hang)."""
     proto = protocol(params)
-    alone = r"named barrier \d+: 160 threads arrive|never returns"
+    alone = r"named barrier \d+|never returns"  # (its generations, however they go wrong)
     for threads, sign in ((WARPGROUP_THREADS, alone), (COUNTS[1], "never returns")):
         plan = proto
         for role in (WarpRole.CONSUMER, WarpRole.WRITER):

@@ -91,7 +91,11 @@ __device__ __forceinline__ void store_grad_kv_tma(uint32_t tile_wg, const CUtens
 }
 
 // A consumer warpgroup with `dq_lag on` (BwdConfig's static_assert: overlap on, dQ by
-// red.add, no deterministic order, early dV, dQ writer, dQ by keys or split head_dim).
+// red.add or staged for the writer warps, deterministic only with them, no early dV, dQ by
+// keys or split head_dim).  With `dq_writer on` reduce_dq stages dQ(i - 1) in m-block i and
+// hands it to writer wg, whose loop takes the m-blocks in the same order (sm90_bwd_writer.cuh):
+// its empty barrier's wait runs from the second staging on (reduce_dq's i is the m-block the
+// add is for), the ordered adds stay the writer's.
 // In wgmma commit order, per m-block i: S^T(i), dP^T(i), then dV(i), dQ(i - 1) (from i = 1),
 // dK(i); wait_group 1 retires dV and dQ(i - 1), whose adds run under dK(i).  With
 // `dq_first on` (Cfg::kDqFirst): dQ(i - 1), then dV(i) and dK(i) in one group, so that
@@ -100,9 +104,9 @@ __device__ __forceinline__ void store_grad_kv_tma(uint32_t tile_wg, const CUtens
 template <class Cfg>
 __device__ __forceinline__ void bwd_consumer_lagged(const BwdParamsSm90& P, uint32_t smem, const BwdBlock& b, int wg,
                                                     const BwdRun& run = {}) {
-  static_assert(Cfg::kDqLag && Cfg::kOverlap && Cfg::kDqRed && !Cfg::kDeterministic && !Cfg::kEarlyDv && !Cfg::kDvBeforeMeeting &&
-                    !Cfg::kDqWriter && !Cfg::kDqByKeys && !Cfg::kSplitHeadDim,
-                "dq_lag: overlap on, dQ by red.add, none of deterministic, early_dv, dv_before_meeting, dq_writer");
+  static_assert(Cfg::kDqLag && Cfg::kOverlap && (Cfg::kDqRed || Cfg::kDqWriter) && (!Cfg::kDeterministic || Cfg::kDqWriter) &&
+                    !Cfg::kEarlyDv && !Cfg::kDvBeforeMeeting && !Cfg::kDqByKeys && !Cfg::kSplitHeadDim,
+                "dq_lag: overlap on, dQ by red.add or by the writer warps (deterministic: the writer's), none of early_dv, dv_before_meeting");
   static_assert(!Cfg::kDkvTma || (!Cfg::kPersistent && !Cfg::kVarlen), "dK, dV by TMA: one tile per CTA, padded batches");
   static_assert(!Cfg::kDvOutFirst || Cfg::kDkvTma, "dv_out_first: it moves dV's TMA store");
   const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
@@ -121,7 +125,9 @@ __device__ __forceinline__ void bwd_consumer_lagged(const BwdParamsSm90& P, uint
     if (b.m_count > 0) mbar_wait_parity(bwd_bar_kv<Cfg>(smem), 0u);
   }
   if (wg == 0 && tid == 0) FADSL_BWD_CTA_MARK(2);
-  DqTicket unused{nullptr, 0};  // (reduce_dq's ticket: deterministic mode only)
+  DqTicket unused{nullptr, 0};  // (reduce_dq's ticket: deterministic mode without a writer only)
+  // dq_writer on: the warpgroup's dQ staging, handed to its writer warp (reduce_dq's writer branch)
+  const uint32_t dq_stage = Cfg::kDqWriter ? smem + Cfg::kOffDQ + wg * Cfg::kDqFloats * 4 : 0u;
   int m_prev = 0;               // m-block i - 1's index, whose dQ m-block i issues
 
   for (int i = 0; i < b.m_count; ++i) {
@@ -205,7 +211,7 @@ __device__ __forceinline__ void bwd_consumer_lagged(const BwdParamsSm90& P, uint
       fence_regs(dq);
       mbar_arrive(bwd_bar_ds_empty<Cfg>(smem, prev % 2));  // WAR: this warpgroup's reads of dS^T(i - 1) retired
       FADSL_BWD_MARK(wg, i, 7);
-      reduce_dq<Cfg>(P, b, 0u, dq, accum_head, m_prev, wg, tid, unused, i - 1);
+      reduce_dq<Cfg>(P, b, dq_stage, dq, accum_head, m_prev, wg, tid, unused, i - 1);
       FADSL_BWD_MARK(wg, i, 8);
     } else {
       if constexpr (Cfg::kDqFirst) {
@@ -243,7 +249,7 @@ __device__ __forceinline__ void bwd_consumer_lagged(const BwdParamsSm90& P, uint
     wgmma_wait<0>();  // the last dQ in registers
     fence_regs(dq);
     mbar_arrive(bwd_bar_ds_empty<Cfg>(smem, last % 2));  // WAR: this warpgroup's reads of the last dS^T retired
-    reduce_dq<Cfg>(P, b, 0u, dq, accum_head, m_prev, wg, tid, unused, b.m_count - 1);
+    reduce_dq<Cfg>(P, b, dq_stage, dq, accum_head, m_prev, wg, tid, unused, b.m_count - 1);
   }
   if (wg == 0 && tid == 0) FADSL_BWD_CTA_MARK(3);
   if constexpr (Cfg::kPersistent) {

@@ -129,15 +129,19 @@ def _dq_lag(c: Checks, block: BackwardBlock, backward: Backward, head_dim: int |
     why = []
     if not backward.overlap:
         why.append("overlap off (it reorders the overlapped consumer: 'overlap on')")
-    if not backward.dq_red:
-        why.append(f"dQ staged (it adds dQ from registers: {DQ_RED.text()})")
-    if backward.deterministic:
-        why.append("deterministic on (its tickets assume dQ added in its own m-block)")
+    if not backward.dq_red and not backward.dq_writer:
+        why.append(
+            f"dQ staged and reduce-added by the consumers (it adds dQ from registers, "
+            f"{DQ_RED.text()}, or hands the staging to the writer warps, dq_writer on)"
+        )
+    if backward.deterministic and not backward.dq_writer:
+        why.append(
+            "deterministic on without dq_writer on (the consumers' tickets assume dQ added in "
+            "its own m-block; the writer warps' do not)"
+        )
     for key in ("early_dv", "dv_before_meeting"):
         if getattr(backward, key):
             why.append(f"{key} on (dV is issued before dQ already: dV's place is fixed)")
-    if backward.dq_writer:
-        why.append("dq_writer on (the writer reduce-adds a staging; dq_lag adds from registers)")
     if head_dim == SPLIT_HEAD_DIM:
         why.append(f"head_dim {SPLIT_HEAD_DIM} (its consumers split head_dim: another loop)")
     elif head_dim is not None and dq_by_keys(backward, head_dim):

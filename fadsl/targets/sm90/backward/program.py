@@ -112,6 +112,12 @@ class Guard(Enum):
     # `dq_lag on`: a step of the previous m-block (dQ and its adds), run in m-block i > 0 for
     # i - 1 and after the loop (m_count > 0) for the last one, as OWED
     LAGGED = "for the previous m-block: in m-block i > 0 for i - 1, after the loop for the last"
+    # `dq_lag on` with `dq_writer on`: the lagged staging's wait for the writer's add of the
+    # m-block before it (AFTER_FIRST of the m-block it acts for): in m-block i >= 2 for
+    # i - 1, after the loop when m_count >= 2
+    LAGGED_AFTER_FIRST = (
+        "for the previous m-block but the first: in m-block i >= 2, after a loop of 2 or more"
+    )
     # a dS^T buffer's reuse: from the CTA's running m-block index 2 on (run_i >= 2)
     REUSED = "from the running m-block 2 on (the buffer's previous use, i - 2)"
 
@@ -363,11 +369,12 @@ class Params:
         assert not self.ds_stmatrix or not (self.split or self.dq_transposed), self
         # validate.py's _persistent: no state but K, V and dK, dV carried per tile
         assert not self.persistent or not (self.deterministic or self.dq_writer or self.split)
-        # validate.py's _dq_lag: the overlapped order with red.add, dV first, meeting-free
+        # knobs.py's _dq_lag: the overlapped order, dV first, meeting-free; dQ added from
+        # registers or handed to the writer warps (then deterministic too)
         assert not self.dq_lag or (
             self.overlap
-            and self.dq_red
-            and not (self.early_dv or self.dv_before_meeting or self.dq_writer)
+            and (self.dq_red or self.dq_writer)
+            and not (self.early_dv or self.dv_before_meeting)
             and not (self.split or self.dq_by_keys)
         ), self
         assert not self.dq_first or self.dq_lag, self
@@ -563,16 +570,20 @@ def unrolled(items: tuple[Item, ...], m_count: int, m0: int = 0) -> list[tuple[I
     loop's m_count times, those after; HAS_WORK items only when m_count > 0. An OWED item
     (the deferred release of a ticket) or a LAGGED one (`dq_lag on`'s dQ) acts for the
     previous m-block: in m-block i for i - 1 (none in m-block 0), after the loop for the
-    last one (none when m_count = 0). A REUSED item runs from the running index m0 + i = 2
-    on (m0: the m-blocks of the CTA's earlier tiles)."""
+    last one (none when m_count = 0); a LAGGED_AFTER_FIRST one likewise, but never for
+    m-block 0 (in m-block i >= 2, after the loop when m_count >= 2). A REUSED item runs
+    from the running index m0 + i = 2 on (m0: the m-blocks of the CTA's earlier tiles)."""
     out = []
-    behind = (Guard.OWED, Guard.LAGGED)
+    behind = (Guard.OWED, Guard.LAGGED, Guard.LAGGED_AFTER_FIRST)
     live = [x for x in items if x.guard is Guard.ALWAYS or m_count > 0]
+    live = [x for x in live if x.guard is not Guard.LAGGED_AFTER_FIRST or m_count > 1]
     out += [(x, None) for x in live if x.phase is LoopPhase.BEFORE]
     skipped = {Guard.AFTER_FIRST: 0, Guard.BEFORE_LAST: m_count - 1} | dict.fromkeys(behind, 0)
     for i in range(m_count):
         for x in live:
             if x.phase is not LoopPhase.LOOP or skipped.get(x.guard) == i:
+                continue
+            if x.guard is Guard.LAGGED_AFTER_FIRST and i < 2:
                 continue
             if x.guard is Guard.REUSED and m0 + i < 2:
                 continue

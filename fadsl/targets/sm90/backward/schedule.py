@@ -37,7 +37,9 @@ order them is the pass's to find: nothing here says so.
 
 With ``dq_writer`` the consumer stages dQ and its writer warp (bwd_dq_writer, warp 1 + w of
 the producer warpgroup for consumer w) issues the bulk reduce-add of that staging, from its
-lane 0, once per m-block: the add moves from the consumer's program to the writer's.
+lane 0, once per m-block: the add moves from the consumer's program to the writer's (with
+``dq_lag`` the staging is the lagged step: m-block i stages dQ(i - 1), the writer's loop
+takes the m-blocks in the same order).
 
 At head_dim 256 (``Params.split``: bwd_producer_split, bwd_consumer_split) the producer loads
 Q and LSE on the Q ring's q_full and dO and D on the dO ring's do_full; each consumer
@@ -232,7 +234,7 @@ def consumer_steps(p: Params) -> tuple[Item, ...]:
         loop = front + ([dq, dv, dk, add] if p.dq_first else [dv, dq, dk, add])
         last = [
             replace(dq, phase=LoopPhase.AFTER, name="dQ = dS K (the last m-block)"),
-            replace(add, phase=LoopPhase.AFTER, name="dQ red.add (the last m-block)"),
+            replace(add, phase=LoopPhase.AFTER, name=f"{add.name} (the last m-block)"),
         ]
     stores = []
     if p.dkv_tma:  # dV through its dead V rows first (the warpgroup's own reads), then dK's

@@ -15,7 +15,9 @@ and dV go by TMA. With `deterministic on`
 dQ has a third path: staged and reduce-added by writer warps (`dq_writer on`: 1.26-1.30x
 the ordered adds without them at head_dim 128 on an H200, 2026-11-30; without
 `deterministic` it times below red.add, so it is not tried there), with the registers as the
-block has them and at setmaxnreg 32/232 (head_dim 64's writer spills at 24). Every
+block has them and at setmaxnreg 32/232 (head_dim 64's writer spills at 24), in the lagged
+orders too (`dq_lag` with the writer: 1.02-1.08x the meeting's order under the causal mask,
+0.93-1.00x without a mask, H200, 2026-12-02, docs/backward.md). Every
 combination is a candidate; validate.py refuses what does not fit (SMEM, registers, the knobs
 that do not combine) and the tuner's build step what spills. `deterministic` stays as the
 spec has it. dK and dV go by TMA through the dead K and V tiles wherever that is built (the
@@ -156,7 +158,8 @@ def candidates(base: Backward, causal: bool) -> tuple[BackwardCandidate, ...]:
     for block_m, order, dq, ds, stages in itertools.product(BLOCK_MS, ORDERS, dqs, dss, STAGES):
         if ds and block_m in DS_PATHS:
             continue
-        if order.startswith("dq_lag") and dq != RED:  # (it adds dQ from registers)
+        # (the lag adds dQ from registers, or hands it to the writer warps)
+        if order.startswith("dq_lag") and dq not in (RED, WRITER):
             continue
         settings = {
             "tile": f"B_r = {block_m}, B_c = {base.block_n}",

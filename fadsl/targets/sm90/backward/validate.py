@@ -20,9 +20,10 @@ What the first backward kernel supports (docs/backward.md, FlashAttention-3's ba
   consumers' shares of it disjoint (not split by keys: head_dim 64 at B_r 64), in either
   mode;
 - `dq_lag on` (dQ one m-block behind: the consumers never meet) with `overlap on` and dQ by
-  red.add only, not with `deterministic`, `early_dv`, `dv_before_meeting` or `dq_writer on`,
-  head_dim 256, dQ split by keys or score and keep modifiers; `dq_first on` (that dQ issued
-  before dV) with it only;
+  red.add or handed to the writer warps (`dq_writer on`, then in either mode), not with
+  `deterministic` without the writer, `early_dv`, `dv_before_meeting`, head_dim 256, dQ
+  split by keys or score and keep modifiers; `dq_first on` (that dQ issued before dV) with
+  it only;
 - `fused_convert on` (dQ converted by the main kernel's CTA that completes each m-block) with
   dQ by red.add only, not with `deterministic on` or a keep modifier;
 - `scheduler persistent` (a CTA per SM looping over the tiles) not with `deterministic on`,

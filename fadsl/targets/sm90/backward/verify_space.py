@@ -51,13 +51,15 @@ def persistent_space() -> tuple[Params, ...]:
 
 
 def lag_space() -> tuple[Params, ...]:
-    """`dq_lag on`'s configurations (validate.py's _dq_lag: overlap on, dQ by red.add, none
-    of deterministic, early_dv, dv_before_meeting, dq_writer, head_dim 256 or dQ by keys):
+    """`dq_lag on`'s configurations (knobs.py's _dq_lag: overlap on, dQ by red.add or
+    staged for the writer warps, none of early_dv, dv_before_meeting, head_dim 256 or dQ by
+    keys, deterministic only with the writer):
     one consumer at head_dim 64 or 128, two at head_dim 128 with B_r 64 (dQ by head_dim
     panels) or 80 (dQ transposed) and at head_dim 64 with B_r 128 (dQ by queries), 1-3
     stages, each with `dq_first` off and on (dQ(i - 1) issued before dV(i)) and with dK and
     dV stored from registers or by TMA through the dead K and V tiles (dV's store after the
-    last dQ, or before it: `dv_out_first on`). The mask (causal or
+    last dQ, or before it: `dv_out_first on`); each also with dQ staged for the writer
+    warps, deterministic or not. The mask (causal or
     not) changes no call of the plan: the m-block range is the host's, and the masked
     m-blocks run the same steps."""
     shapes = ((1, 64, BLOCK_M), (1, 128, BLOCK_M), (2, 128, BLOCK_M))
@@ -65,13 +67,23 @@ def lag_space() -> tuple[Params, ...]:
     lag = dict(overlap=True, dq_red=True, dq_lag=True)
     # (dkv_tma, dv_out_first): from registers, by TMA after the last dQ, dV's before it
     stores = ((False, False), (True, False), (True, True))
-    return tuple(
+    red = tuple(
         Params(c, stages, d, block_m=m, dq_first=f, dkv_tma=t, dv_out_first=v, **lag)
         for c, d, m in shapes
         for stages in (1, 2, 3)
         for f in (False, True)  # dq_first
         for t, v in stores
     )
+    # dQ staged for the writer warps (`dq_writer on`), in either mode (deterministic: 2 or 3
+    # stages, BwdConfig's static_assert)
+    staged = dict(dq_red=False, dq_writer=True)
+    writer = tuple(
+        replace(p, deterministic=det, **staged)
+        for p in red
+        for det in (False, True)
+        if p.stages >= 2 or not det
+    )
+    return red + writer
 
 
 def parameter_space() -> tuple[Params, ...]:
@@ -103,7 +115,10 @@ def parameter_space() -> tuple[Params, ...]:
     )
     keys += lag_space()  # `dq_lag on`: the overlapped order, dQ one m-block behind
     # `dq_writer on`: where dQ is staged in shares of their own (not split by keys)
-    keys += tuple(replace(p, dq_writer=True) for p in keys if not (p.dq_red or p.dq_by_keys))
+    # (lag_space's own writers are there already)
+    keys += tuple(
+        replace(p, dq_writer=True) for p in keys if not (p.dq_red or p.dq_by_keys or p.dq_writer)
+    )
     # dS by stmatrix (the same step as st.shared's): each 2-stage one that keeps dS^T's keys as rows
     keys += tuple(
         replace(p, ds_stmatrix=True) for p in keys if p.stages == 2 and not p.dq_transposed

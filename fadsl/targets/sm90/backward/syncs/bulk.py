@@ -72,8 +72,8 @@ def before_write(c: Consumer, step: Item, phase: LoopPhase) -> None:
 
 def before_add(c: Consumer, step: Item, phase: LoopPhase) -> None:
     """The ordered add's acquire of its ticket, fenced before the async proxy's adds."""
-    if step.kind not in BULK_READS or not c.params.deterministic:
-        return
+    if step.kind is not Kind.BULK_REDUCE_ADD or not c.params.deterministic:
+        return  # (dK's and dV's TMA stores are no ordered add)
     release_due(c, phase, "before the next ticket's wait")  # never wait while owing
     why = "WAW on dQ's accumulator: the lower tickets' reduce-adds before this one"
     c.place(sync(Kind.SEM_ACQUIRE, step.who, step.source, phase, why))
@@ -89,7 +89,7 @@ def after_add(c: Consumer, step: Item, phase: LoopPhase) -> None:
     why = f"closes {step.name}'s bulk group: {named} later wait names it"
     c.place(sync(Kind.BULK_COMMIT, step.who, step.source, phase, why))
     c.bulk_in_flight.append((step,))
-    if c.params.deterministic:
+    if c.params.deterministic and step.kind is Kind.BULK_REDUCE_ADD:
         c.owed.append(step)
 
 

@@ -11,7 +11,10 @@ writer's 32 (bar.arrive by the side that hands over, bar.sync by the side that w
   group and waits for its read (cp.async.bulk.wait_group.read 0), ``__syncwarp`` so that
   the other lanes' arrivals follow lane 0's wait, then bar.arrive kBarDqEmpty + w, except
   in the last m-block (no store follows it: ``Guard.BEFORE_LAST``); the consumer's bar.sync
-  on it before its stores from m-block 1 on (``Guard.AFTER_FIRST``);
+  on it before its stores from m-block 1 on (``Guard.AFTER_FIRST``; with ``dq_lag`` the
+  staging of m-block i - 1 runs in m-block i, so from m-block 2 on and after a loop of two
+  or more, ``Guard.LAGGED_AFTER_FIRST``, and its fence and arrival where it runs,
+  ``Guard.LAGGED``);
 - ``deterministic on``: the ordered add's semaphore moves with the add: lane 0 spins on its
   ticket (ld.acquire.gpu) and fences the async proxy before the add; after the hand-back it
   waits for the add to be performed (wait_group 0), fences again and releases the next
@@ -63,7 +66,9 @@ def before_write(c: Consumer, schedule: Protocol, step: Item, phase: LoopPhase) 
     if not readers:
         return
     why = f"WAR: the writer's {names(readers)} (an m-block ago) read the bytes {step.name} writes"
-    empty = dict(named=Named.DQ_EMPTY, threads=WRITER_BAR_THREADS, guard=Guard.AFTER_FIRST)
+    # (a lagged staging acts for the m-block before: its first is m-block 0's, in m-block 1)
+    first = Guard.LAGGED_AFTER_FIRST if step.guard is Guard.LAGGED else Guard.AFTER_FIRST
+    empty = dict(named=Named.DQ_EMPTY, threads=WRITER_BAR_THREADS, guard=first)
     c.place(sync(Kind.NAMED_BAR_SYNC, Who.WARPGROUP, step.source, phase, why, **empty))
 
 
@@ -77,10 +82,11 @@ def after_write(c: Consumer, schedule: Protocol, step: Item, phase: LoopPhase) -
         f"RAW: {step.name}'s st.shared (generic proxy) before the writer's {names(readers)} "
         "reads it (async proxy)"
     )
-    c.place(sync(Kind.FENCE_PROXY_ASYNC_SMEM, Who.WARPGROUP, step.source, phase, why))
+    at = dict(guard=step.guard)  # (a lagged staging's hand-over runs where it does)
+    c.place(sync(Kind.FENCE_PROXY_ASYNC_SMEM, Who.WARPGROUP, step.source, phase, why, **at))
     c.unfenced = [(w, op) for w, op in c.unfenced if w is not step]
     why = f"RAW: every thread's part of {step.name} written and fenced, handed to the writer"
-    full = dict(named=Named.DQ_FULL, threads=WRITER_BAR_THREADS)
+    full = dict(named=Named.DQ_FULL, threads=WRITER_BAR_THREADS, **at)
     c.place(sync(Kind.NAMED_BAR_ARRIVE, Who.WARPGROUP, step.source, phase, why, **full))
 
 
