@@ -119,7 +119,7 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--against", nargs="*", default=[])
     args = p.parse_args()
-    text = open(args.spec).read()
+    text = _spec_text(args.spec)
     base = fadsl.load(text, verbose=False)
     name, dtype = base.config.name, base.config.dtypes[0]
     sets = [dict(d.split("=") for d in s.split()) for s in args.sets.split(";")]
