@@ -1,5 +1,5 @@
 """Development builds of one backward side by side, sustained, in one process: for a spec
-with a backward block, each define set of --sets (";"-separated, "NAME=VALUE ..." each, the
+with a backward block (a file, or a training variant's name as for --against), each define set of --sets (";"-separated, "NAME=VALUE ..." each, the
 first the control, e.g. FADSL_NOTHING=1) built as its own development build
 (use_development_build), every build's backward timed back to back for --seconds after as
 long a warm-up (research/probes/bwd_vs_fa4.py's `sustained`: the board at its steady clock),
