@@ -52,8 +52,10 @@ __device__ __forceinline__ void bwd_dq_writer(const BwdParamsSm90& P, uint32_t s
     // waits a writer runs per m-block (the ticket's acquire, the add's read and completion, the
     // release), where the visit order's divisions took 0.98 us of 2.8 at head_dim 64 without
     // a mask and paced the consumers (H200, 2026-12-03, docs/backward.md)
-    const int next_m = i + 1 < b.m_count ? bwd_m_block<Cfg>(P, b, i + 1) : m;
-    const int next_place = Cfg::kDeterministic && i + 1 < b.m_count ? bwd_dq_place<Cfg>(P, b, next_m) : 0;
+    // (only the place is held over the waits: holding the index as well spilled 4 bytes at
+    // fa3_hopper's 24/240; the index is found again after them, one division)
+    const int next_place =
+        Cfg::kDeterministic && i + 1 < b.m_count ? bwd_dq_place<Cfg>(P, b, bwd_m_block<Cfg>(P, b, i + 1)) : 0;
     if (lane == 0) tma_store_wait_read<0>();  // WAR: the add has read the staging
     __syncwarp();  // lane 0's wait before the other lanes' arrivals
     // WAR: the staging read, consumer w may write it again (it syncs from m-block 1 on, so
@@ -71,7 +73,7 @@ __device__ __forceinline__ void bwd_dq_writer(const BwdParamsSm90& P, uint32_t s
       // the warp around its lane-0 semaphore operations too)
       __syncwarp();
     }
-    m = next_m;
+    m = i + 1 < b.m_count ? bwd_m_block<Cfg>(P, b, i + 1) : m;
     place = next_place;
   }
   // The last add performed, not only its read of the staging, before the warp exits: PTX says
