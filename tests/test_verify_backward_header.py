@@ -145,12 +145,16 @@ def test_an_edited_ds_store_is_caught(what, old, new):
         ("no __syncwarp", "    __syncwarp();  // lane 0's wait", "    // lane 0's wait"),
         (
             "no __syncwarp after the release",
-            "      __syncwarp();\n    }\n  }\n  //",
-            "    }\n  }\n  //",
+            "      __syncwarp();\n    }\n    m = i + 1",
+            "    }\n    m = i + 1",
         ),
         ("no exit wait", "    if (lane == 0) bulk_wait_all();\n", ""),
         ("no empty wait", "if (i > 0) named_bar_sync(Cfg::kBarDqEmpty + wg, 160);", ""),
-        ("no read wait", "      tma_store_wait_read<0>();   // WAR: the add", "      // WAR"),
+        (
+            "no read wait",
+            "    if (lane == 0) tma_store_wait_read<0>();  // WAR: the add",
+            "    // WAR",
+        ),
         (
             "no release",
             "st_release_gpu(dq_semaphore_share<Cfg>(P, accum_head, m, w), place + 1);",

@@ -31,11 +31,12 @@ __device__ __forceinline__ void bwd_dq_writer(const BwdParamsSm90& P, uint32_t s
   const int lane = threadIdx.x % 32;
   const uint32_t stage = smem + Cfg::kOffDQ + w * Cfg::kDqFloats * 4;
   const int64_t accum_head = bwd_accum_head<Cfg>(P, b);
+  // m-block i's index and place (the counter is found where it is used: held across the
+  // barriers it spilled 40 bytes at head_dim 64, B_r 128, deterministic, setmaxnreg 32/232,
+  // NVRTC 13.5, 2026-11-30)
+  int m = b.m_count > 0 ? bwd_m_block<Cfg>(P, b, 0) : 0;
+  int place = Cfg::kDeterministic && b.m_count > 0 ? bwd_dq_place<Cfg>(P, b, m) : 0;
   for (int i = 0; i < b.m_count; ++i) {
-    const int m = bwd_m_block<Cfg>(P, b, i);
-    // (the counter is found where it is used: held across the barriers it spilled 40 bytes at
-    // head_dim 64, B_r 128, deterministic, setmaxnreg 32/232, NVRTC 13.5, 2026-11-30)
-    const int place = Cfg::kDeterministic ? bwd_dq_place<Cfg>(P, b, m) : 0;
     // RAW: consumer w's staging written and fenced (its fence.proxy.async, then bar.arrive)
     named_bar_sync(Cfg::kBarDqFull + w, 160);
     if (lane == 0) {
@@ -46,8 +47,16 @@ __device__ __forceinline__ void bwd_dq_writer(const BwdParamsSm90& P, uint32_t s
       }
       bulk_reduce_add_f32(dq_accum_share<Cfg>(P, accum_head, m, w), stage, Cfg::kDqFloats * 4);
       tma_store_commit();         // the add's bulk group, which the waits below name
-      tma_store_wait_read<0>();   // WAR: the add has read the staging
     }
+    // m-block i + 1's index and place, found while the add reads the staging: off the chain of
+    // waits a writer runs per m-block (the ticket's acquire, the add's read and completion, the
+    // release), where the visit order's divisions took 0.98 us of 2.8 at head_dim 64 without
+    // a mask and paced the consumers (H200, 2026-12-03, docs/backward.md)
+    // (only the place is held over the waits: holding the index as well spilled 4 bytes at
+    // fa3_hopper's 24/240; the index is found again after them, one division)
+    const int next_place =
+        Cfg::kDeterministic && i + 1 < b.m_count ? bwd_dq_place<Cfg>(P, b, bwd_m_block<Cfg>(P, b, i + 1)) : 0;
+    if (lane == 0) tma_store_wait_read<0>();  // WAR: the add has read the staging
     __syncwarp();  // lane 0's wait before the other lanes' arrivals
     // WAR: the staging read, consumer w may write it again (it syncs from m-block 1 on, so
     // none after the last)
@@ -64,6 +73,8 @@ __device__ __forceinline__ void bwd_dq_writer(const BwdParamsSm90& P, uint32_t s
       // the warp around its lane-0 semaphore operations too)
       __syncwarp();
     }
+    m = i + 1 < b.m_count ? bwd_m_block<Cfg>(P, b, i + 1) : m;
+    place = next_place;
   }
   // The last add performed, not only its read of the staging, before the warp exits: PTX says
   // nothing of a bulk group's global writes still in flight when its thread exits (the consumer
