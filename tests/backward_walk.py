@@ -6,6 +6,7 @@ registers). backward_header.py's docstring says what the walk decides and how.""
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass, replace
 
@@ -189,8 +190,38 @@ def index_of(flat: str) -> Index:
     return Index.ALTERNATE if "i%2" in flat else Index.NONE
 
 
+# one-line address helpers of the header, whose bodies the walk reads in place of their calls
+ADDRESS_HELPERS = ("bwd_dq_stage",)  # (sm90_bwd_dq_reduce.cuh: a share's dQ staging)
+
+
+def inline_address_helpers(flat: str, header: str) -> str:
+    """``flat`` with each call of an ADDRESS_HELPERS function replaced by the expression its
+    body in ``header`` returns, the call's arguments in place of its parameters."""
+    for name in ADDRESS_HELPERS:
+        if f"{name}<" not in flat:
+            continue
+        names, returned = _helper(name, header)
+
+        def inlined(call: re.Match) -> str:
+            out = returned
+            for param, arg in zip(names, split_args(call[1]), strict=True):
+                out = re.sub(rf"\b{param}\b", f"({arg})", out)
+            return f"({out})"
+
+        flat = re.sub(rf"\b{name}<Cfg>\(((?:[^()]|\([^()]*\))*)\)", inlined, flat)
+    return flat
+
+
+@functools.lru_cache(maxsize=None)
+def _helper(name: str, header: str) -> tuple[list[str], str]:
+    """An address helper's parameter names and the expression it returns."""
+    params, body = function(header, rf"uint32_t {name}\(")
+    (returned,) = re.findall(r"return(.+?);", squash(body))
+    return [param_name(p) for p in split_args(params)], returned
+
+
 def operand(expr: str, walk: Walk) -> tuple:
-    flat = expand(expr, walk.variables)
+    flat = inline_address_helpers(expand(expr, walk.variables), walk.header)
     (offset,) = {OFFSETS[name] for name in re.findall(r"Cfg::(kOff\w+)", flat)}
     if re.search(r"\b2\*wg\b", flat):  # head_dim 256: panel 2 wg + n of K, Q or dO
         at = lambda text: evaluate(text, walk.env, smem=0, wg=0, i=0)  # noqa: E731

@@ -35,17 +35,30 @@ def test_the_writer_acquires_and_releases_its_own_counter_and_place():
     share = "dq_semaphore_share<Cfg>(P, accum_head, m, w)"
     assert counter == share and released_counter.strip() == share
     assert waited == "place" and value.strip() == "place + 1"
-    # the place is the m-block's rank in the consumer's own order (bwd_dq_place)
-    assert "const int place = Cfg::kDeterministic ? bwd_dq_place<Cfg>(P, b, m) : 0;" in body
+    # the place is the m-block's rank in the consumer's own order (bwd_dq_place): m-block 0's
+    # found before the loop, m-block i + 1's while the add of i reads the staging, and taken
+    # as the next iteration's place
+    flat = re.sub(r"\s+", " ", body)
+    assert (
+        "int place = Cfg::kDeterministic && b.m_count > 0 ? bwd_dq_place<Cfg>(P, b, m) : 0;" in flat
+    )
+    following = "bwd_dq_place<Cfg>(P, b, bwd_m_block<Cfg>(P, b, i + 1))"
+    assert (
+        f"const int next_place = Cfg::kDeterministic && i + 1 < b.m_count ? {following} : 0;"
+        in flat
+    )
+    assert flat.count("place = next_place;") == 1
 
 
 def test_the_writer_adds_its_own_share_from_its_own_staging():
     body = _writer_body()
     adds = _calls(body, "bulk_reduce_add_f32")
     assert adds == ["dq_accum_share<Cfg>(P, accum_head, m, w), stage, Cfg::kDqFloats * 4"]
-    assert "const uint32_t stage = smem + Cfg::kOffDQ + w * Cfg::kDqFloats * 4;" in body
-    # the m-block is the consumers' (bwd_m_block over the same block), once per iteration
-    assert "const int m = bwd_m_block<Cfg>(P, b, i);" in body
+    assert "const uint32_t stage = bwd_dq_stage<Cfg>(smem, w);" in body
+    # the m-block is the consumers' (bwd_m_block over the same block): m-block 0's before
+    # the loop, i + 1's at the end of iteration i
+    assert "int m = b.m_count > 0 ? bwd_m_block<Cfg>(P, b, 0) : 0;" in body
+    assert "m = i + 1 < b.m_count ? bwd_m_block<Cfg>(P, b, i + 1) : m;" in body
 
 
 def test_a_mistyped_release_is_caught(monkeypatch, tmp_path):

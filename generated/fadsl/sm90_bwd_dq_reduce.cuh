@@ -21,6 +21,14 @@ __device__ __forceinline__ void stage_dq(uint32_t stage, const float (&dq)[Cfg::
   }
 }
 
+// Share `share`'s dQ staging buffer (dQ staged: `rf -st.shared-> smem[warpgroup] -reduce.add->
+// gmem`), kDqFloats fp32 each: consumer warpgroup `share` stores it, its leader or its writer
+// warp reduce-adds it (tests/backward_walk.py inlines this body to read the plan's operands).
+template <class Cfg>
+__device__ __forceinline__ uint32_t bwd_dq_stage(uint32_t smem, int share) {
+  return smem + Cfg::kOffDQ + share * Cfg::kDqFloats * 4;
+}
+
 // The first m-block of the block's (batch, head) in dQ's accumulator (and its semaphores).
 template <class Cfg>
 __device__ __forceinline__ int64_t bwd_accum_head(const BwdParamsSm90& P, const BwdBlock& b) {

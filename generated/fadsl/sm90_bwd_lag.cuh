@@ -127,7 +127,7 @@ __device__ __forceinline__ void bwd_consumer_lagged(const BwdParamsSm90& P, uint
   if (wg == 0 && tid == 0) FADSL_BWD_CTA_MARK(2);
   DqTicket unused{nullptr, 0};  // (reduce_dq's ticket: deterministic mode without a writer only)
   // dq_writer on: the warpgroup's dQ staging, handed to its writer warp (reduce_dq's writer branch)
-  const uint32_t dq_stage = Cfg::kDqWriter ? smem + Cfg::kOffDQ + wg * Cfg::kDqFloats * 4 : 0u;
+  const uint32_t dq_stage = Cfg::kDqWriter ? bwd_dq_stage<Cfg>(smem, wg) : 0u;
   int m_prev = 0;               // m-block i - 1's index, whose dQ m-block i issues
 
   for (int i = 0; i < b.m_count; ++i) {

@@ -351,7 +351,7 @@ __device__ __forceinline__ void bwd_consumer(const BwdParamsSm90& P, uint32_t sm
 
   const uint32_t k_wg = smem + Cfg::kOffK + 64 * wg * Cfg::kRowBytes;  // the warpgroup's 64 key rows
   const uint32_t v_wg = smem + Cfg::kOffV + 64 * wg * Cfg::kRowBytes;
-  const uint32_t stage = smem + Cfg::kOffDQ + wg * Cfg::kDqFloats * 4;
+  const uint32_t stage = bwd_dq_stage<Cfg>(smem, wg);
   const int64_t accum_head = bwd_accum_head<Cfg>(P, b);
   // RAW: K and V landed (TMA complete_tx on kv_full, phase 0; persistent: the tile's round)
   if constexpr (Cfg::kPersistent) {

@@ -29,7 +29,7 @@ __device__ __forceinline__ void bwd_dq_writer(const BwdParamsSm90& P, uint32_t s
   static_assert(!Cfg::kDqRed && !Cfg::kDqByKeys && !Cfg::kSplitHeadDim,
                 "a writer reduce-adds a staged share of its own consumer");
   const int lane = threadIdx.x % 32;
-  const uint32_t stage = smem + Cfg::kOffDQ + w * Cfg::kDqFloats * 4;
+  const uint32_t stage = bwd_dq_stage<Cfg>(smem, w);
   const int64_t accum_head = bwd_accum_head<Cfg>(P, b);
   // m-block i's index and place (the counter is found where it is used: held across the
   // barriers it spilled 40 bytes at head_dim 64, B_r 128, deterministic, setmaxnreg 32/232,
