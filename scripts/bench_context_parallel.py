@@ -4,6 +4,7 @@ same shards, one training step's attention (forward and backward) and the forwar
 
     torchrun --nproc-per-node 2 scripts/bench_context_parallel.py [--seqlens 16384,65536]
         [--heads 16] [--head-dim 128] [--batch 1] [--causal 1] [--runs 10] [--rounds 0]
+        [--head-chunks N]
 
 Every contender sees the same tensors; each is timed in balanced orders (a Williams design,
 fadsl/tools/bench.py), the same order on every rank; a timing is the slowest rank's (CUDA
@@ -72,7 +73,7 @@ def _time(fn, device, warmup: int, runs: int) -> float:
     return ms.item()
 
 
-def _fadsl_contenders(q, k, v, dout, rank, world, causal, step):
+def _fadsl_contenders(q, k, v, dout, rank, world, causal, step, head_chunks=None):
     """name -> (forward-only call, forward+backward call) on zigzag (ring) or contiguous
     (all-to-all) shards of the same tensors."""
     calls = {}
@@ -89,18 +90,9 @@ def _fadsl_contenders(q, k, v, dout, rank, world, causal, step):
     if q.shape[2] % world == 0 and k.shape[2] % world == 0:
         cont = [t.chunk(world, dim=1)[rank].contiguous() for t in (q, k, v, dout)]
         a2a_in = [t.requires_grad_() for t in cont[:3]]
-        attend = None
-        if step is not None:  # (--cpu) torch's own attention in place of fadsl's kernels
-            import torch.nn.functional as F
 
-            def attend(a, b, c):
-                o = F.scaled_dot_product_attention(
-                    *(t.transpose(1, 2) for t in (a, b, c)), is_causal=causal, enable_gqa=True
-                )
-                return o.transpose(1, 2)
-
-        def a2a():
-            return fcp.ulysses_attention(*a2a_in, causal=causal, attend=attend)
+        def a2a():  # (head_chunks None: the automatic groups of heads)
+            return fcp.ulysses_attention(*a2a_in, causal=causal, step=step, head_chunks=head_chunks)
 
         def a2a_step():
             torch.autograd.grad(a2a(), a2a_in, cont[3])
@@ -198,6 +190,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=0, help="0: one whole balanced design")
     parser.add_argument("--cpu", action="store_true", help="gloo and the fp32 reference step")
     parser.add_argument(
+        "--head-chunks", type=int, default=None, help="the all-to-all's groups of heads"
+    )
+    parser.add_argument(
         "--no-one-gpu", action="store_true", help="leave out the whole sequence on one GPU"
     )
     args = parser.parse_args()
@@ -220,7 +215,7 @@ def main() -> None:
             for s in (shape_q, shape_k, shape_k, shape_q)
         )
         with contextlib.ExitStack() as stack:
-            calls = _fadsl_contenders(q, k, v, dout, rank, world, causal, step)
+            calls = _fadsl_contenders(q, k, v, dout, rank, world, causal, step, args.head_chunks)
             if not args.no_one_gpu:
                 calls |= _one_gpu_contender(q, k, v, dout, causal, step)
             if not args.cpu:

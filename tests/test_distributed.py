@@ -127,6 +127,39 @@ def _ulysses_case(rank, world, case):
         _close(f"ulysses {name} d{label}", _gather(got.grad, world, cat), leaf.grad, 1e-10)
 
 
+def _ulysses_step_case(rank, world, case):
+    """The default form (UlyssesAttention: ReferenceStep over groups of heads) with one group
+    and with a group per K/V head of the rank: the same output and gradients as
+    whole-sequence attention; what autograd keeps with groups is the shards, the output shard
+    and the LSE, not the gathered tensors (gathered again in the backward)."""
+    name, causal, batch, seqlen, heads, heads_kv, d = case
+    q, k, v, dout = _case_tensors(13, batch, seqlen, seqlen, heads, heads_kv, d)
+    scale = 0.4
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    want = full_attention(*leaves, causal, scale)
+    want.backward(dout)
+    cat = lambda parts: torch.cat(parts, 1)  # noqa: E731
+    for chunks in sorted({1, heads_kv // world}):
+        mine = [_contiguous(t, rank, world).clone().requires_grad_() for t in (q, k, v)]
+        out = fcp.ulysses_attention(
+            *mine, causal=causal, softmax_scale=scale, step=ReferenceStep(), head_chunks=chunks
+        )
+        # kept: q, k, v and out, then the LSE (fp32 rows of this rank's heads, whole); the
+        # shards with groups (gathered again in the backward), the gathered tensors with one
+        kept = out.grad_fn.saved_tensors
+        lse_floats = batch * heads // world * seqlen
+        assert (
+            sum(t.numel() for t in kept) == 2 * mine[0].numel() + 2 * mine[1].numel() + lse_floats
+        )
+        rows = seqlen if chunks == 1 else seqlen // world
+        assert all(t.shape[1] == rows for t in kept[:4]), (chunks, [t.shape for t in kept])
+        out.backward(_contiguous(dout, rank, world))
+        label = f"ulysses step {name} chunks {chunks}"
+        _close(f"{label} out", _gather(out.detach(), world, cat), want.detach())
+        for x, got, leaf in zip("qkv", mine, leaves):
+            _close(f"{label} d{x}", _gather(got.grad, world, cat), leaf.grad)
+
+
 # (name, causal, whole sequence lengths (multiples of 2 x world), heads, heads_kv, head_dim)
 VARLEN_CASES = [("causal_gqa", True, [4, 12, 8], 4, 2, 8), ("plain", False, [8, 4], 2, 2, 16)]
 
@@ -171,6 +204,7 @@ def _worker(rank, world, init_file, ulysses_too):
         if ulysses_too:
             for case in ULYSSES_CASES:
                 _ulysses_case(rank, world, case)
+                _ulysses_step_case(rank, world, case)
         for case in VARLEN_CASES:
             _varlen_case(rank, world, case)
         with pytest.raises(RuntimeError, match="gradient through the returned LSE"):
@@ -276,6 +310,15 @@ def _checks_worker(rank, world, init_file):
         with pytest.raises(ValueError, match="k: 3 heads do not split over 2 ranks"):
             six = torch.randn(1, 4, 6, 8)
             fcp.ulysses_attention(six, torch.randn(1, 4, 3, 8), torch.randn(1, 4, 3, 8))
+        with pytest.raises(ValueError, match="head_chunks: 3 does not divide the 2 K/V heads"):
+            fcp.ulysses_attention(q, q, q, step=step, head_chunks=3)
+        for chunks in (0, 1.0, True):
+            with pytest.raises(ValueError, match="head_chunks: expected a positive int"):
+                fcp.ulysses_attention(q, q, q, step=step, head_chunks=chunks)
+        with pytest.raises(ValueError, match="attend: a local attention of its own"):
+            fcp.ulysses_attention(q, q, q, attend=lambda *a: a[0], head_chunks=2)
+        with pytest.raises(ValueError, match="q: on cpu; fadsl's kernels run on CUDA"):
+            fcp.ulysses_attention(q, q, q)
     finally:
         dist.destroy_process_group()
 

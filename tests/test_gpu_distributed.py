@@ -1,8 +1,10 @@
 """fadsl.distributed on 2 GPUs (NCCL): ring attention with fadsl's kernels in every step
 (zigzag causal, contiguous without a mask, GQA, head_dim 64 and 128, bf16) and the all-to-all
-around fadsl.attention, each rank's shards gathered and held to FlashAttention's rule against
-float32 attention of the whole sequence (forward output and dq, dk, dv). Each case in fresh
-processes (torch.multiprocessing.spawn), NVLink multicast off (the GPU machine's KINDS.md)."""
+(fadsl's kernels as steps over one group of heads or a group per K/V head, or around
+fadsl.attention itself), each rank's shards gathered and held to FlashAttention's rule
+against float32 attention of the whole sequence (forward output and dq, dk, dv). Each case
+in fresh processes (torch.multiprocessing.spawn), NVLink multicast off (the GPU machine's
+KINDS.md)."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import fadsl
 import fadsl.distributed as fcp
 from test_gpu_backward import check_rule, reference_grads
 from test_gpu_general import reference
@@ -33,6 +36,8 @@ CASES = [
     ("ring_zigzag_causal_hd64", "zigzag", True, 64, 1, 4096, 8, 8),
     ("ring_contiguous_causal", "contiguous", True, 128, 1, 1024, 4, 2),
     ("ulysses_causal_gqa", "ulysses", True, 128, 1, 2048, 8, 4),
+    ("ulysses_groups_causal_gqa", "ulysses_groups", True, 128, 2, 2048, 8, 4),
+    ("ulysses_attend_plain", "ulysses_attend", False, 64, 1, 3000, 4, 2),
 ]
 
 
@@ -57,6 +62,11 @@ def _worker(rank, world, init_file, case):
         mine = [shard(t).clone().requires_grad_() for t in (q, k, v)]
         if how == "ulysses":
             out = fcp.ulysses_attention(*mine, causal=causal)
+        elif how == "ulysses_groups":  # a K/V head of the rank a group
+            out = fcp.ulysses_attention(*mine, causal=causal, head_chunks=heads_kv // world)
+        elif how == "ulysses_attend":
+            attend = lambda *t: fadsl.attention(*t, causal=causal)  # noqa: E731
+            out = fcp.ulysses_attention(*mine, causal=causal, attend=attend)
         else:
             out = fcp.ring_attention(*mine, causal=causal, layout=how)
         out.backward(shard(dout))

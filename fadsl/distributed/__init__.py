@@ -27,7 +27,7 @@ import torch.distributed as dist
 from .agree import agreed, signature_of
 from .ring import LAYOUTS, RingAttention
 from .steps import ReferenceStep, ShippedStep, SpecStep, AttentionStep
-from .ulysses import ulysses
+from .ulysses import UlyssesAttention, ulysses
 from .varlen import RingAttentionVarlen, shard_zigzag_varlen, unshard_zigzag_varlen
 
 __all__ = [
@@ -212,12 +212,23 @@ def ulysses_attention(
     *,
     group=None,
     attend=None,
+    step: AttentionStep | None = None,
+    head_chunks: int | None = None,
 ):
     """Attention over the whole sequence with heads split across ``group``'s ranks: q, k, v
     are this rank's contiguous sequence shards (rank r holds the r-th of W chunks) of every
-    head; returns this rank's shard of the output. ``attend(q, k, v)``: the local attention
-    (autograd-aware); default fadsl.attention with ``causal`` and ``softmax_scale``."""
+    head; returns this rank's shard of the output.
+
+    By default the attention is ``step`` (an ``AttentionStep``; fadsl.attention's kernels
+    unless given) over ``head_chunks`` groups of this rank's heads in turn, each group's
+    q, k, v, output and dO gathered again in the backward (``UlyssesAttention``: a rank holds
+    one or two groups' gathered tensors at a time). ``head_chunks`` divides heads_kv / W;
+    None: as many as keep each group at least 16 waves of 128-row tiles on the device's SMs
+    (at most 8; one off CUDA devices). ``attend(q, k, v)`` instead: any autograd-aware local
+    attention over all of this rank's heads at once (it then keeps what it saves)."""
     rank, world = _world(group)
+    if attend is not None and (step is not None or head_chunks is not None):
+        raise ValueError("attend: a local attention of its own takes no step or head_chunks")
 
     def check() -> tuple[int, ...]:
         _check_flag("causal", causal)
@@ -225,20 +236,49 @@ def ulysses_attention(
         for name, t in (("q", q), ("k", k)):
             if t.shape[2] % world:
                 raise ValueError(f"{name}: {t.shape[2]} heads do not split over {world} ranks")
-        # the all-to-alls exchange equal chunks of q, k and v
+        chunks = 1 if attend is not None else _head_chunks(head_chunks, q, k, world)
+        # the all-to-alls exchange equal chunks of q, k and v, in as many groups on every rank
         return signature_of(
-            *q.shape, *k.shape[1:3], str(q.dtype), causal, _scale(softmax_scale, q.shape[3])
-        )
+            *q.shape, *k.shape[1:3], str(q.dtype), causal, _scale(softmax_scale, q.shape[3]),
+            chunks,
+        )  # fmt: skip
 
     agreed(group, rank, world, check)
     scale = _scale(softmax_scale, q.shape[3])
-    if attend is None:
-        from ..runtime.public import attention
+    if attend is not None:
+        return ulysses(attend, q, k, v, group)
+    chunks = _head_chunks(head_chunks, q, k, world)
+    return UlyssesAttention.apply(q, k, v, causal, scale, group, step or _default_step(q), chunks)
 
-        def attend(q_, k_, v_):
-            return attention(q_, k_, v_, causal=causal, softmax_scale=scale)
 
-    return ulysses(attend, q, k, v, group)
+TILE_ROWS = 128  # the rows of a forward tile the automatic head_chunks counts waves in
+MIN_WAVES = 16  # the waves of tiles each group of heads keeps (head_chunks=None)
+MAX_CHUNKS = 8
+
+
+def _head_chunks(head_chunks, q, k, world: int) -> int:
+    """The groups of heads ``ulysses_attention`` runs in turn: ``head_chunks`` checked, or
+    the automatic choice its docstring gives."""
+    per_rank = k.shape[2] // world
+    if head_chunks is not None:
+        if isinstance(head_chunks, bool) or not isinstance(head_chunks, int) or head_chunks < 1:
+            raise ValueError(f"head_chunks: expected a positive int, got {head_chunks!r}")
+        if per_rank % head_chunks:
+            raise ValueError(
+                f"head_chunks: {head_chunks} does not divide the {per_rank} K/V heads of a rank "
+                f"({k.shape[2]} over {world} ranks)"
+            )
+        return head_chunks
+    if q.device.type != "cuda":
+        return 1
+    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    tiles_per_head = q.shape[0] * world * -(-q.shape[1] // TILE_ROWS)  # (the whole sequence)
+    q_heads = q.shape[2] // world
+    best = 1
+    for chunks in range(1, MAX_CHUNKS + 1):
+        if per_rank % chunks == 0 and q_heads // chunks * tiles_per_head >= MIN_WAVES * sms:
+            best = chunks
+    return best
 
 
 def shard_zigzag(x: torch.Tensor, rank: int, world: int, dim: int = 1) -> torch.Tensor:
