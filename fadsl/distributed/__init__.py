@@ -9,8 +9,9 @@
 - ``ring_attention``: K and V shards pass around the ring (NCCL send/recv under each step's
   attention), partial outputs merged by their LSE in fp32; the backward passes dK and dV
   around the same way. Causal needs the zigzag (balanced) or contiguous layout.
-- ``ulysses_attention``: heads split and sequence gathered by two all-to-alls around one
-  local attention; heads_q and heads_kv divisible by the group's size; contiguous shards.
+- ``ulysses_attention``: heads split and sequence gathered by all-to-alls around the local
+  attention, a group of heads at a time (``head_chunks``: the backward then holds one group's
+  gathered tensors); heads_q and heads_kv divisible by the group's size; contiguous shards.
 
 Each step's attention is an ``AttentionStep`` (fadsl/distributed/steps.py): fadsl.attention's
 shipped kernels by default, ``SpecStep`` for two loaded specs with backward blocks,
@@ -221,8 +222,8 @@ def ulysses_attention(
 
     By default the attention is ``step`` (an ``AttentionStep``; fadsl.attention's kernels
     unless given) over ``head_chunks`` groups of this rank's heads in turn, each group's
-    q, k, v, output and dO gathered again in the backward (``UlyssesAttention``: a rank holds
-    one or two groups' gathered tensors at a time). ``head_chunks`` divides heads_kv / W;
+    q, k, v, output and dO gathered again in the backward (``UlyssesAttention``: the backward
+    holds one group's gathered tensors at a time). ``head_chunks`` divides heads_kv / W;
     None: as many as keep each group at least 16 waves of 128-row tiles on the device's SMs
     (at most 8; one off CUDA devices). ``attend(q, k, v)`` instead: any autograd-aware local
     attention over all of this rank's heads at once (it then keeps what it saves)."""
