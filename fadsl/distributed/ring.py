@@ -178,10 +178,11 @@ def ring_backward(ring: Ring, step, q, k, v, out, lse, dout, causal: bool, scale
                 masked,
                 scale,
             )
-            dq[:, rows] += dq_part.float()
+            # (added in place, each bf16 value widened as it is read: no fp32 copy of a part)
+            dq[:, rows].add_(dq_part)
             dk, dv = grads_kv.current()
-            dk[:, keys] += dk_part.float()
-            dv[:, keys] += dv_part.float()
+            dk[:, keys].add_(dk_part)
+            dv[:, keys].add_(dv_part)
         grads_kv.hand_on()
     return (dq.to(q.dtype), *grads_kv.home(k, v))
 

@@ -126,7 +126,7 @@ def ring_backward_varlen(ring: Ring, step, q, k, v, out, lse, dout, cu, causal, 
         dk, dv = grads_kv.current()
         for target, g, at in ((dq, grads[0], rows), (dk, grads[1], keys), (dv, grads[2], keys)):
             if at is None:
-                target += g.float()
+                target.add_(g)  # (widened as it is read: no fp32 copy)
             else:
                 target.index_add_(0, at, g.float())
         grads_kv.hand_on()

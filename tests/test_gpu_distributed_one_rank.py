@@ -1,6 +1,7 @@
-"""fadsl.distributed's all-to-all by groups of heads (UlyssesAttention) on one GPU, a process
-group of one rank (NCCL): each group's all-to-alls are then copies, and the kernels and the
-memory the backward holds are what is tested (2 GPUs: tests/test_gpu_distributed.py).
+"""fadsl.distributed on one GPU, a process group of one rank (NCCL): the all-to-all by
+groups of heads (UlyssesAttention), whose all-to-alls are then copies, and the ring, which
+then runs one step; the kernels, the gradients' adds in fp32 and the memory the backward
+holds are what is tested (2 GPUs: tests/test_gpu_distributed.py).
 
 - The output and dq, dk, dv of 1, 2 and 4 groups, GQA and MHA, causal and not, odd lengths,
   within FlashAttention's rule against float32 attention, every tensor the groups write into
@@ -81,6 +82,24 @@ def test_groups_of_heads_match_float32_attention(one_rank_group, case, monkeypat
         out.backward(dout)
         for leaf, t, o, what in zip(leaves, truth, own, ("dq", "dk", "dv")):
             check_rule(leaf.grad, t, o, f"{chunks} groups {what}")
+
+
+@pytest.mark.parametrize("case", CASES[:2], ids=lambda c: "-".join(map(str, c)))
+def test_the_ring_of_one_rank_matches_float32_attention(one_rank_group, case):
+    causal, batch, seqlen, heads, heads_kv, d = case
+    q, k, v, dout = _inputs(batch, seqlen, heads, heads_kv, d, seed=9)
+    scale = 1 / math.sqrt(d)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = fcp.ring_attention(*leaves, causal=causal, softmax_scale=scale, layout="contiguous")
+    out.backward(dout)
+    truth_out, _ = reference(q, k, v, scale, causal, torch.float32)
+    own_out, _ = reference(q, k, v, scale, causal, torch.bfloat16)
+    check_rule(out.detach(), truth_out.float(), own_out.float(), "ring out")
+    truth = reference_grads(q, k, v, dout, scale, causal, torch.float32)
+    own = reference_grads(q, k, v, dout, scale, causal, torch.bfloat16)
+    for leaf, t, o, what in zip(leaves, truth, own, ("dq", "dk", "dv")):
+        assert leaf.grad.dtype == torch.bfloat16
+        check_rule(leaf.grad, t, o, f"ring {what}")
 
 
 def _backward_peak(q, k, v, dout, chunks: int) -> int:
