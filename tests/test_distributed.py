@@ -73,8 +73,11 @@ RING_CASES = [
 ]
 
 
-def _ring_case(rank, world, case):
+def _ring_case(rank, world, case, head_chunks=None):
+    """One case of RING_CASES; ``head_chunks``: the ring run once per group of heads (a group
+    per K/V head: head_chunks = heads_kv)."""
     name, causal, layout, batch, per_q, per_k, heads, heads_kv, d = case
+    name = name if head_chunks is None else f"{name} in {head_chunks} groups"
     chunks = 2 * world if layout == "zigzag" else world
     q, k, v, dout = _case_tensors(7, batch, per_q * chunks, per_k * chunks, heads, heads_kv, d)
     scale = 1 / math.sqrt(d) * 1.3
@@ -85,7 +88,7 @@ def _ring_case(rank, world, case):
     mine = [shard(t).float().requires_grad_() for t in (q, k, v)]
     out, lse = fcp.ring_attention(
         *mine, causal=causal, softmax_scale=scale, layout=layout, step=ReferenceStep(),
-        return_lse=True,
+        return_lse=True, head_chunks=head_chunks,
     )  # fmt: skip
     out.backward(shard(dout).float())
     leaves = [t.requires_grad_() for t in (q, k, v)]
@@ -201,6 +204,8 @@ def _worker(rank, world, init_file, ulysses_too):
     try:
         for case in RING_CASES:
             _ring_case(rank, world, case)
+            if case[-2] > 1:
+                _ring_case(rank, world, case, head_chunks=case[-2])
         if ulysses_too:
             for case in ULYSSES_CASES:
                 _ulysses_case(rank, world, case)
@@ -312,6 +317,8 @@ def _checks_worker(rank, world, init_file):
             fcp.ulysses_attention(six, torch.randn(1, 4, 3, 8), torch.randn(1, 4, 3, 8))
         with pytest.raises(ValueError, match="head_chunks: 3 does not divide the 2 K/V heads"):
             fcp.ulysses_attention(q, q, q, step=step, head_chunks=3)
+        with pytest.raises(ValueError, match="head_chunks: 3 does not divide the 4 K/V heads"):
+            fcp.ring_attention(q, q, q, step=step, head_chunks=3)
         for chunks in (0, 1.0, True):
             with pytest.raises(ValueError, match="head_chunks: expected a positive int"):
                 fcp.ulysses_attention(q, q, q, step=step, head_chunks=chunks)

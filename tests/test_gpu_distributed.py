@@ -1,5 +1,6 @@
 """fadsl.distributed on 2 GPUs (NCCL): ring attention with fadsl's kernels in every step
-(zigzag causal, contiguous without a mask, GQA, head_dim 64 and 128, bf16) and the all-to-all
+(zigzag causal, contiguous without a mask, GQA, head_dim 64 and 128, bf16; once per group of
+heads too) and the all-to-all
 (fadsl's kernels as steps over one group of heads or a group per K/V head, or around
 fadsl.attention itself), each rank's shards gathered and held to FlashAttention's rule
 against float32 attention of the whole sequence (forward output and dq, dk, dv). Each case
@@ -35,6 +36,7 @@ CASES = [
     ("ring_contiguous_plain", "contiguous", False, 128, 1, 3072, 4, 4),
     ("ring_zigzag_causal_hd64", "zigzag", True, 64, 1, 4096, 8, 8),
     ("ring_contiguous_causal", "contiguous", True, 128, 1, 1024, 4, 2),
+    ("ring_zigzag_causal_gqa_groups", "zigzag_groups", True, 128, 1, 2048, 8, 2),
     ("ulysses_causal_gqa", "ulysses", True, 128, 1, 2048, 8, 4),
     ("ulysses_groups_causal_gqa", "ulysses_groups", True, 128, 2, 2048, 8, 4),
     ("ulysses_attend_plain", "ulysses_attend", False, 64, 1, 3000, 4, 2),
@@ -54,7 +56,7 @@ def _worker(rank, world, init_file, case):
         )
         dout = torch.randn(shape_q, device="cuda", dtype=torch.bfloat16, generator=g)
         scale = 1.0 / math.sqrt(d)
-        if how == "zigzag":
+        if how.startswith("zigzag"):
             shard, unshard = (lambda t: fcp.shard_zigzag(t, rank, world)), fcp.unshard_zigzag
         else:
             shard = lambda t: t.chunk(world, dim=1)[rank].contiguous()  # noqa: E731
@@ -67,6 +69,8 @@ def _worker(rank, world, init_file, case):
         elif how == "ulysses_attend":
             attend = lambda *t: fadsl.attention(*t, causal=causal)  # noqa: E731
             out = fcp.ulysses_attention(*mine, causal=causal, attend=attend)
+        elif how == "zigzag_groups":  # the ring once per K/V head
+            out = fcp.ring_attention(*mine, causal=causal, head_chunks=heads_kv)
         else:
             out = fcp.ring_attention(*mine, causal=causal, layout=how)
         out.backward(shard(dout))

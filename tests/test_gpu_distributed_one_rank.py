@@ -89,17 +89,20 @@ def test_the_ring_of_one_rank_matches_float32_attention(one_rank_group, case):
     causal, batch, seqlen, heads, heads_kv, d = case
     q, k, v, dout = _inputs(batch, seqlen, heads, heads_kv, d, seed=9)
     scale = 1 / math.sqrt(d)
-    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    out = fcp.ring_attention(*leaves, causal=causal, softmax_scale=scale, layout="contiguous")
-    out.backward(dout)
     truth_out, _ = reference(q, k, v, scale, causal, torch.float32)
     own_out, _ = reference(q, k, v, scale, causal, torch.bfloat16)
-    check_rule(out.detach(), truth_out.float(), own_out.float(), "ring out")
     truth = reference_grads(q, k, v, dout, scale, causal, torch.float32)
     own = reference_grads(q, k, v, dout, scale, causal, torch.bfloat16)
-    for leaf, t, o, what in zip(leaves, truth, own, ("dq", "dk", "dv")):
-        assert leaf.grad.dtype == torch.bfloat16
-        check_rule(leaf.grad, t, o, f"ring {what}")
+    for chunks in (1, heads_kv):  # the ring once, and once per K/V head
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = fcp.ring_attention(
+            *leaves, causal=causal, softmax_scale=scale, layout="contiguous", head_chunks=chunks
+        )
+        out.backward(dout)
+        check_rule(out.detach(), truth_out.float(), own_out.float(), f"ring {chunks} out")
+        for leaf, t, o, what in zip(leaves, truth, own, ("dq", "dk", "dv")):
+            assert leaf.grad.dtype == torch.bfloat16
+            check_rule(leaf.grad, t, o, f"ring {chunks} {what}")
 
 
 def _backward_peak(q, k, v, dout, chunks: int) -> int:

@@ -106,6 +106,7 @@ def ring_attention(
     layout: str = "zigzag",
     step: AttentionStep | None = None,
     return_lse: bool = False,
+    head_chunks: int | None = None,
 ):
     """Attention of this rank's query shard over every rank's K/V shards in ``group`` (the
     default group if None). q (batch, seqlen_q, heads_q, head_dim), k and v (batch,
@@ -114,8 +115,13 @@ def ring_attention(
     causal: the mask over global positions (every rank's shards of equal length, queries
     and keys of one sequence). Returns this rank's rows of the output (and with
     ``return_lse`` their LSE, fp32 (batch, heads_q, seqlen_q), natural log). Gradients flow
-    to q, k and v (not through the LSE)."""
+    to q, k and v (not through the LSE). ``head_chunks``: the ring runs once per group of
+    heads (dividing heads_kv; None: as ulysses_attention chooses, over this rank's rows), so
+    that the K/V shards in flight and the travelling fp32 dK and dV are one group's."""
     rank, world = _world(group)
+
+    def ring_chunks() -> int:
+        return _head_chunks(head_chunks, q, k.shape[2], q.shape[2], _tiles(q.shape[0], q.shape[1]))
 
     def check() -> tuple[int, ...]:
         _check_flag("causal", causal)
@@ -135,14 +141,18 @@ def ring_attention(
                 )
         if step is None:
             _default_step(q)
-        # what travels (K and V shards, then dK and dV) and what the merge assumes
+        # what travels (K and V shards, then dK and dV), in how many groups, and what the
+        # merge assumes
         return signature_of(
-            *k.shape, q.shape[2], str(q.dtype), causal, layout, _scale(softmax_scale, q.shape[3])
-        )
+            *k.shape, q.shape[2], str(q.dtype), causal, layout, _scale(softmax_scale, q.shape[3]),
+            ring_chunks(),
+        )  # fmt: skip
 
     agreed(group, rank, world, check)
     scale = _scale(softmax_scale, q.shape[3])
-    out, lse = RingAttention.apply(q, k, v, causal, scale, layout, group, step or _default_step(q))
+    out, lse = RingAttention.apply(
+        q, k, v, causal, scale, layout, group, step or _default_step(q), ring_chunks()
+    )
     return (out, lse) if return_lse else out
 
 
@@ -231,13 +241,19 @@ def ulysses_attention(
     if attend is not None and (step is not None or head_chunks is not None):
         raise ValueError("attend: a local attention of its own takes no step or head_chunks")
 
+    def ulysses_chunks() -> int:  # (the rank's heads, over the whole sequence)
+        kv_heads, q_heads = k.shape[2] // world, q.shape[2] // world
+        return _head_chunks(
+            head_chunks, q, kv_heads, q_heads, _tiles(q.shape[0], world * q.shape[1])
+        )
+
     def check() -> tuple[int, ...]:
         _check_flag("causal", causal)
         _check_qkv(q, k, v)
         for name, t in (("q", q), ("k", k)):
             if t.shape[2] % world:
                 raise ValueError(f"{name}: {t.shape[2]} heads do not split over {world} ranks")
-        chunks = 1 if attend is not None else _head_chunks(head_chunks, q, k, world)
+        chunks = 1 if attend is not None else ulysses_chunks()
         # the all-to-alls exchange equal chunks of q, k and v, in as many groups on every rank
         return signature_of(
             *q.shape, *k.shape[1:3], str(q.dtype), causal, _scale(softmax_scale, q.shape[3]),
@@ -248,7 +264,7 @@ def ulysses_attention(
     scale = _scale(softmax_scale, q.shape[3])
     if attend is not None:
         return ulysses(attend, q, k, v, group)
-    chunks = _head_chunks(head_chunks, q, k, world)
+    chunks = ulysses_chunks()
     return UlyssesAttention.apply(q, k, v, causal, scale, group, step or _default_step(q), chunks)
 
 
@@ -257,29 +273,31 @@ MIN_WAVES = 16  # the waves of tiles each group of heads keeps (head_chunks=None
 MAX_CHUNKS = 8
 
 
-def _head_chunks(head_chunks, q, k, world: int) -> int:
-    """The groups of heads ``ulysses_attention`` runs in turn: ``head_chunks`` checked, or
-    the automatic choice its docstring gives."""
-    per_rank = k.shape[2] // world
+def _head_chunks(head_chunks, q, kv_heads: int, q_heads: int, tiles_per_head: int) -> int:
+    """The groups of heads a call runs in turn, of the ``kv_heads`` K/V heads and ``q_heads``
+    query heads a rank attends with: ``head_chunks`` checked, or (None) as many (dividing
+    kv_heads, at most MAX_CHUNKS) as keep a group's attention at least MIN_WAVES waves of
+    ``tiles_per_head`` tiles a query head on the device's SMs; one off CUDA devices."""
     if head_chunks is not None:
         if isinstance(head_chunks, bool) or not isinstance(head_chunks, int) or head_chunks < 1:
             raise ValueError(f"head_chunks: expected a positive int, got {head_chunks!r}")
-        if per_rank % head_chunks:
+        if kv_heads % head_chunks:
             raise ValueError(
-                f"head_chunks: {head_chunks} does not divide the {per_rank} K/V heads of a rank "
-                f"({k.shape[2]} over {world} ranks)"
+                f"head_chunks: {head_chunks} does not divide the {kv_heads} K/V heads of a rank"
             )
         return head_chunks
     if q.device.type != "cuda":
         return 1
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-    tiles_per_head = q.shape[0] * world * -(-q.shape[1] // TILE_ROWS)  # (the whole sequence)
-    q_heads = q.shape[2] // world
     best = 1
     for chunks in range(1, MAX_CHUNKS + 1):
-        if per_rank % chunks == 0 and q_heads // chunks * tiles_per_head >= MIN_WAVES * sms:
+        if kv_heads % chunks == 0 and q_heads // chunks * tiles_per_head >= MIN_WAVES * sms:
             best = chunks
     return best
+
+
+def _tiles(batch: int, rows: int) -> int:
+    return batch * -(-rows // TILE_ROWS)
 
 
 def shard_zigzag(x: torch.Tensor, rank: int, world: int, dim: int = 1) -> torch.Tensor:

@@ -187,21 +187,61 @@ def ring_backward(ring: Ring, step, q, k, v, out, lse, dout, causal: bool, scale
     return (dq.to(q.dtype), *grads_kv.home(k, v))
 
 
+def head_groups(heads_q: int, heads_kv: int, chunks: int) -> list[tuple[slice, slice]]:
+    """(query heads, K/V heads) of each of ``chunks`` groups: GQA's groups kept whole (query
+    head h reads K/V head h // (heads_q / heads_kv))."""
+    per_q, per_kv = heads_q // chunks, heads_kv // chunks
+    return [
+        (slice(c * per_q, (c + 1) * per_q), slice(c * per_kv, (c + 1) * per_kv))
+        for c in range(chunks)
+    ]
+
+
+def _heads(x: torch.Tensor, heads: slice, dim: int = 2) -> torch.Tensor:
+    """``x``'s heads ``heads`` (dim 2 of (batch, seqlen, heads, d); 1 of the LSE's (batch,
+    heads, seqlen)) as a tensor of their own (the whole of x with one group)."""
+    if heads.start == 0 and heads.stop == x.shape[dim]:
+        return x
+    return x[:, heads].contiguous() if dim == 1 else x[:, :, heads].contiguous()
+
+
 class RingAttention(torch.autograd.Function):
+    """The ring over ``chunks`` groups of heads in turn: each group's K/V shards travel the
+    ring, then its dK and dV, while the other groups' wait (one group's fp32 accumulators and
+    shards in flight at a time)."""
+
     @staticmethod
-    def forward(ctx, q, k, v, causal, scale, layout, group, step):
+    def forward(ctx, q, k, v, causal, scale, layout, group, step, chunks=1):
         ring = Ring(group)
-        out, lse = ring_forward(ring, step, q, k, v, causal, scale, layout)
+        groups = head_groups(q.shape[2], k.shape[2], chunks)
+        if chunks == 1:
+            out, lse = ring_forward(ring, step, q, k, v, causal, scale, layout)
+        else:
+            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+            lse = torch.empty((q.shape[0], q.shape[2], q.shape[1]), device=q.device)
+            for hq, hk in groups:
+                out[:, :, hq], lse[:, hq] = ring_forward(
+                    ring, step, _heads(q, hq), _heads(k, hk), _heads(v, hk), causal, scale, layout
+                )
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (ring, step, causal, scale, layout)
+        ctx.args = (ring, step, causal, scale, layout, groups)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
         no_lse_gradient(dlse, "ring_attention")
         q, k, v, out, lse = ctx.saved_tensors
-        ring, step, causal, scale, layout = ctx.args
-        dq, dk, dv = ring_backward(
-            ring, step, q, k, v, out, lse, dout.contiguous(), causal, scale, layout
-        )
-        return dq, dk, dv, None, None, None, None, None
+        ring, step, causal, scale, layout, groups = ctx.args
+        dout = dout.contiguous()
+        if len(groups) == 1:
+            grads = ring_backward(ring, step, q, k, v, out, lse, dout, causal, scale, layout)
+        else:
+            grads = tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+            for hq, hk in groups:
+                found = ring_backward(
+                    ring, step, _heads(q, hq), _heads(k, hk), _heads(v, hk), _heads(out, hq),
+                    _heads(lse, hq, dim=1), _heads(dout, hq), causal, scale, layout,
+                )  # fmt: skip
+                for grad, part, heads in zip(grads, found, (hq, hk, hk)):
+                    grad[:, :, heads] = part
+        return (*grads, None, None, None, None, None, None)
