@@ -109,7 +109,11 @@ def _ring_case(rank, world, case, head_chunks=None):
 
 
 # (name, causal, batch, seqlen (whole, a multiple of world), heads, heads_kv, head_dim)
-ULYSSES_CASES = [("plain_gqa", False, 2, 6, 12, 6, 8), ("causal", True, 1, 12, 6, 6, 16)]
+ULYSSES_CASES = [
+    ("plain_gqa", False, 2, 6, 12, 6, 8),
+    ("causal", True, 1, 12, 6, 6, 16),
+    ("causal_gqa", True, 2, 12, 12, 6, 8),
+]
 
 
 def _ulysses_case(rank, world, case):
@@ -143,7 +147,14 @@ def _ulysses_step_case(rank, world, case):
     want.backward(dout)
     cat = lambda parts: torch.cat(parts, 1)  # noqa: E731
     for chunks in sorted({1, heads_kv // world}):
-        mine = [_contiguous(t, rank, world).clone().requires_grad_() for t in (q, k, v)]
+        # with groups, (batch, heads, seqlen, d) tensors seen transposed: non-contiguous shards
+        bases = [
+            _contiguous(t, rank, world).transpose(1, 2).contiguous().requires_grad_()
+            for t in (q, k, v)
+        ]
+        mine = [b.transpose(1, 2) if chunks > 1 else b.transpose(1, 2).contiguous() for b in bases]
+        for t in mine:
+            t.retain_grad()
         out = fcp.ulysses_attention(
             *mine, causal=causal, softmax_scale=scale, step=ReferenceStep(), head_chunks=chunks
         )
@@ -156,11 +167,13 @@ def _ulysses_step_case(rank, world, case):
         )
         rows = seqlen if chunks == 1 else seqlen // world
         assert all(t.shape[1] == rows for t in kept[:4]), (chunks, [t.shape for t in kept])
+        # twice through a retained graph: the gradients add up to twice the whole's
+        out.backward(_contiguous(dout, rank, world), retain_graph=True)
         out.backward(_contiguous(dout, rank, world))
         label = f"ulysses step {name} chunks {chunks}"
         _close(f"{label} out", _gather(out.detach(), world, cat), want.detach())
         for x, got, leaf in zip("qkv", mine, leaves):
-            _close(f"{label} d{x}", _gather(got.grad, world, cat), leaf.grad)
+            _close(f"{label} d{x}", _gather(got.grad, world, cat), 2 * leaf.grad)
 
 
 # (name, causal, whole sequence lengths (multiples of 2 x world), heads, heads_kv, head_dim)
@@ -224,6 +237,67 @@ def _worker(rank, world, init_file, ulysses_too):
 def test_ring_and_ulysses_match_whole_sequence_attention(world):
     with tempfile.TemporaryDirectory() as where:
         mp.spawn(_worker, args=(world, os.path.join(where, "init"), True), nprocs=world)
+
+
+def _autograd_guard_worker(rank, world, init_file):
+    """With groups of heads the backward reads the saved shards and output again: an in-place
+    edit of them after the call must make backward raise (autograd's version check), not
+    give silently wrong gradients; a double backward is refused (once_differentiable)."""
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        step = ReferenceStep()
+        calls = [
+            lambda q, k, v: fcp.ulysses_attention(q, k, v, step=step, head_chunks=2),
+            lambda q, k, v: fcp.ring_attention(q, k, v, step=step, head_chunks=2),
+        ]
+        for call in calls:
+            q, k, v = (torch.randn(1, 4, 4, 8, requires_grad=True) for _ in range(3))
+            out = call(q, k, v)
+            with torch.no_grad():
+                k.mul_(1.0)  # (same values, a new version)
+            with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+                out.sum().backward()
+            out = call(q, k, v)
+            with torch.no_grad():
+                out.mul_(1.0)
+            with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+                out.sum().backward()
+            out = call(q, k, v)
+            (dq,) = torch.autograd.grad((out * out).sum(), q, create_graph=True)
+            with pytest.raises(RuntimeError, match="once_differentiable"):
+                dq.sum().backward()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_in_place_edits_and_double_backward_raise():
+    with tempfile.TemporaryDirectory() as where:
+        mp.spawn(_autograd_guard_worker, args=(2, os.path.join(where, "init")), nprocs=2)
+
+
+def test_automatic_head_chunks_count_waves_on_the_device(monkeypatch):
+    """head_chunks=None: the most groups (dividing the rank's K/V heads, at most 8) that keep
+    16 waves of 128-row tiles a group on the device's SMs (faked: 132, an H100/H200's)."""
+    from types import SimpleNamespace
+
+    from fadsl.distributed import _head_chunks, _tiles
+
+    monkeypatch.setattr(
+        torch.cuda,
+        "get_device_properties",
+        lambda device: SimpleNamespace(multi_processor_count=132),
+    )
+    on_gpu = SimpleNamespace(device=torch.device("cuda", 0))
+    # the all-to-all on two ranks, 32 heads: 16 of them a rank over the whole sequence
+    assert _head_chunks(None, on_gpu, 16, 16, _tiles(1, 131072)) == 4  # 4 x 1024 tiles >= 2112
+    assert _head_chunks(None, on_gpu, 16, 16, _tiles(1, 32768)) == 1  # 8 x 256 < 2112
+    assert _head_chunks(None, on_gpu, 16, 16, _tiles(1, 65536)) == 2
+    # GQA 32/8: groups divide the 4 K/V heads of a rank; 1M tokens would allow 8, capped by 4
+    assert _head_chunks(None, on_gpu, 4, 16, _tiles(1, 1 << 20)) == 4
+    assert _head_chunks(None, on_gpu, 48, 48, _tiles(1, 1 << 20)) == 8  # at most 8
+    assert _head_chunks(3, on_gpu, 48, 48, 1) == 3  # given: taken as it is
+    off_gpu = SimpleNamespace(device=torch.device("cpu"))
+    assert _head_chunks(None, off_gpu, 16, 16, _tiles(1, 1 << 20)) == 1
 
 
 def test_merge_of_rows_that_saw_no_key_and_of_partials_with_nan_rows():
@@ -367,7 +441,12 @@ def _disagreeing_worker(rank, world, init_file):
             fcp.ring_attention_varlen(packed, packed, packed, cu, step=step)
         with pytest.raises(ValueError, match="rank 1: k: 3 heads do not split|^k: 3 heads"):
             kv = torch.randn(1, 4, 3 if rank == 1 else 2, 8)
-            fcp.ulysses_attention(torch.randn(1, 4, 6, 8), kv, kv)
+            fcp.ulysses_attention(torch.randn(1, 4, 6, 8), kv, kv, step=step)
+        with pytest.raises(ValueError, match="the ranks' calls differ"):
+            fcp.ring_attention(q, q, q, step=step, head_chunks=2 if rank else 1)
+        with pytest.raises(ValueError, match="rank 1: attend: a local attention|^attend: a local"):
+            attend = (lambda *a: a[0]) if rank == 1 else None
+            fcp.ulysses_attention(q, q, q, step=step, attend=attend)
         # and the group still works: an agreed call runs on both ranks
         out = fcp.ring_attention(q, q.clone(), q.clone(), step=step)
         assert out.shape == q.shape and torch.isfinite(out).all()

@@ -106,7 +106,7 @@ def ring_attention(
     layout: str = "zigzag",
     step: AttentionStep | None = None,
     return_lse: bool = False,
-    head_chunks: int | None = None,
+    head_chunks: int | None = 1,
 ):
     """Attention of this rank's query shard over every rank's K/V shards in ``group`` (the
     default group if None). q (batch, seqlen_q, heads_q, head_dim), k and v (batch,
@@ -116,8 +116,10 @@ def ring_attention(
     and keys of one sequence). Returns this rank's rows of the output (and with
     ``return_lse`` their LSE, fp32 (batch, heads_q, seqlen_q), natural log). Gradients flow
     to q, k and v (not through the LSE). ``head_chunks``: the ring runs once per group of
-    heads (dividing heads_kv; None: as ulysses_attention chooses, over this rank's rows), so
-    that the K/V shards in flight and the travelling fp32 dK and dV are one group's."""
+    heads (dividing heads_kv; 1, the default: all heads at once; None: as ulysses_attention
+    chooses, over this rank's rows), so that the K/V shards in flight and the travelling fp32
+    dK and dV are one group's. With more than one group the backward reads the saved inputs
+    and output: an in-place edit of them after the call makes backward raise."""
     rank, world = _world(group)
 
     def ring_chunks() -> int:
@@ -235,11 +237,12 @@ def ulysses_attention(
     q, k, v, output and dO gathered again in the backward (``UlyssesAttention``: the backward
     holds one group's gathered tensors at a time). ``head_chunks`` divides heads_kv / W;
     None: as many as keep each group at least 16 waves of 128-row tiles on the device's SMs
-    (at most 8; one off CUDA devices). ``attend(q, k, v)`` instead: any autograd-aware local
-    attention over all of this rank's heads at once (it then keeps what it saves)."""
+    (at most 8; one off CUDA devices); with more than one group the backward gathers again
+    from the saved input shards and output shard, so an in-place edit of them after the call
+    makes backward raise (autograd's version check). ``attend(q, k, v)`` instead: any
+    autograd-aware local attention over all of this rank's heads at once (it then keeps what
+    it saves)."""
     rank, world = _world(group)
-    if attend is not None and (step is not None or head_chunks is not None):
-        raise ValueError("attend: a local attention of its own takes no step or head_chunks")
 
     def ulysses_chunks() -> int:  # (the rank's heads, over the whole sequence)
         kv_heads, q_heads = k.shape[2] // world, q.shape[2] // world
@@ -253,6 +256,10 @@ def ulysses_attention(
         for name, t in (("q", q), ("k", k)):
             if t.shape[2] % world:
                 raise ValueError(f"{name}: {t.shape[2]} heads do not split over {world} ranks")
+        if attend is not None and (step is not None or head_chunks is not None):
+            raise ValueError("attend: a local attention of its own takes no step or head_chunks")
+        if attend is None and step is None:
+            _default_step(q)
         chunks = 1 if attend is not None else ulysses_chunks()
         # the all-to-alls exchange equal chunks of q, k and v, in as many groups on every rank
         return signature_of(

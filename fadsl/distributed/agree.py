@@ -76,8 +76,8 @@ def agreed(group, rank: int, world: int, check: Callable[[], tuple[int, ...]]) -
     if any(r != table[rank] for r in table):
         differ = [r for r in range(world) if table[r] != table[0]]
         raise ValueError(
-            "the ranks' calls differ (shapes, dtype, mask, scale or cu_seqlens must be the "
-            f"same on every rank): ranks {differ} differ from rank 0"
+            "the ranks' calls differ (shapes, dtype, mask, scale, head_chunks or cu_seqlens "
+            f"must be the same on every rank): ranks {differ} differ from rank 0"
         )
 
 

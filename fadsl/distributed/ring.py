@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.autograd.function import once_differentiable
 
 from .merge import merge_into
 
@@ -228,6 +229,7 @@ class RingAttention(torch.autograd.Function):
         return out, lse
 
     @staticmethod
+    @once_differentiable  # (a double backward is not defined: refused, not silently wrong)
     def backward(ctx, dout, dlse):
         no_lse_gradient(dlse, "ring_attention")
         q, k, v, out, lse = ctx.saved_tensors

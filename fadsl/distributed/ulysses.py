@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.autograd.function import once_differentiable
 
 
 def _exchange(x: torch.Tensor, group, async_op: bool = False):
@@ -155,6 +156,7 @@ class UlyssesAttention(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable  # (a double backward is not defined: refused, not silently wrong)
     def backward(ctx, dout):
         world, chunks, group = dist.get_world_size(ctx.group), ctx.chunks, ctx.group
         dout = dout.contiguous()

@@ -14,6 +14,7 @@ merged (merge.py) or added back at those rows.
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from .merge import merge_into
 from .ring import Ring, TravellingGrads, no_lse_gradient, ring_steps
@@ -143,6 +144,7 @@ class RingAttentionVarlen(torch.autograd.Function):
         return out, lse
 
     @staticmethod
+    @once_differentiable  # (a double backward is not defined: refused, not silently wrong)
     def backward(ctx, dout, dlse):
         no_lse_gradient(dlse, "ring_attention_varlen")
         q, k, v, out, lse, cu = ctx.saved_tensors
