@@ -1,16 +1,20 @@
 """Run each FP8 kernel (issue 42) once at ragged shapes, for compute-sanitizer (racecheck,
 synccheck, memcheck):
 
-    compute-sanitizer --tool racecheck python3 -P scripts/sanitize_fp8.py
+    compute-sanitizer --tool racecheck python3 -P scripts/sanitize_fp8.py [256]
+
+(`256`: the head_dim 256 kernels only.)
 
 The shipped examples (examples/fa3_fp8_hdim128*.fa) through fadsl.attention, both 8-bit
-dtypes, O in bf16 and fp16, descales per (batch, head), per tensor and none; and the 8-bit
+dtypes, O in bf16 and fp16, descales per (batch, head), per tensor and none; head_dim 256
+(examples/fa3_fp8_hdim256*.fa: 128 x 128 and, causal, 128 x 64) in e4m3; and the 8-bit
 test specs that build without spills (tests/specs/fp8/: one consumer warpgroup with one stage,
 O in fp16), loaded, with out=. Shapes: tails of every block size (B_r 128 or 64, B_c 192 or
 128), a single query, more keys than queries and fewer, GQA; the LSE written too."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import torch
@@ -21,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SHAPES = ((1, 1, 1), (2, 70, 333), (1, 333, 70), (2, 300, 1100))  # (batch, seqlen_q, seqlen_k)
 HEADS, HEADS_KV, HEAD_DIM = 4, 2, 128
 DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
-# the head_dim 128 test specs (these inputs are head_dim 128; head_dim 256 runs in tests/test_gpu_fp8.py)
+# the head_dim 128 test specs (these inputs are head_dim 128)
 SPECS = ("fa3_fp8_one_wg", "fa3_fp8_hdim128_fp16")
 
 
@@ -42,8 +46,10 @@ def descales(batch: int, kind: int):
     return tuple(torch.rand(batch, HEADS_KV, device="cuda") + 0.5 for _ in range(3))
 
 
+ONLY_256 = sys.argv[1:] == ["256"]
+
 with torch.no_grad():
-    for name, dtype in DTYPES.items():
+    for name, dtype in {} if ONLY_256 else DTYPES.items():
         for causal in (False, True):
             for out_dtype in (torch.bfloat16, torch.float16):
                 for i, (batch, sq, sk) in enumerate(SHAPES):
@@ -56,7 +62,15 @@ with torch.no_grad():
                     finite = bool(out.isfinite().all())
                     print(f"fadsl.attention {name} causal={causal} {out_dtype} {batch}x{sq}x{sk}: "
                           f"ran, finite={finite}")  # fmt: skip
-    for spec in SPECS:
+    for causal in (False, True):  # head_dim 256: fa3_fp8_hdim256 and fa3_fp8_hdim256_causal
+        for batch, sq, sk in SHAPES:
+            q, k, v = (torch.randn(batch, n, h, 256, device="cuda").to(torch.float8_e4m3fn)
+                       for n, h in ((sq, HEADS), (sk, HEADS_KV), (sk, HEADS_KV)))  # fmt: skip
+            out = fadsl.attention(q, k, v, causal)
+            torch.cuda.synchronize()
+            print(f"fadsl.attention e4m3 d 256 causal={causal} {batch}x{sq}x{sk}: ran, "
+                  f"finite={bool(out.isfinite().all())}")  # fmt: skip
+    for spec in () if ONLY_256 else SPECS:
         kern = fadsl.load(ROOT / "tests" / "specs" / "fp8" / f"{spec}.fa", verbose=False)
         for dtype in kern.config.dtypes:
             for i, (batch, sq, sk) in enumerate(SHAPES):

@@ -188,14 +188,15 @@ def test_random_operands(block_c, head_dim, seed, extreme):
 def lean_addresses(warp: int, half: int, head_dim: int = 256, block_c: int = 128):
     """transpose_v_lean's lane addresses (fadsl/sm90_fp8.cuh, its arithmetic line for line,
     slots at 0) for one half-unit: ((k0, c), ldmatrix.x2's 16, stmatrix.x2's 16)."""
-    rows, panel, key_units = head_dim // 4, 128, block_c // 16
+    rows, panel, key_units = head_dim // 4, model.vt_panel(block_c), block_c // 16
     raw_panel_bytes, vt_panel_bytes = block_c * 128, head_dim * panel
     c = 16 * (half % 2) + 32 * (half // (2 * key_units))
     k0 = 16 * (half // 2 % key_units)
     loads, stores = [], []
     for lane in range(16):
         m, i = lane // 8 % 2, lane % 8
-        st_xor = 16 * (model.rho(2 * i + m) % 8)
+        swizzle_row = model.rho(2 * i + m) % 8
+        st_xor = 16 * (swizzle_row if panel == 128 else swizzle_row // 2)
         raw0 = (
             (warp * rows // 128) * raw_panel_bytes
             + (8 * m + i) * 128
@@ -207,18 +208,20 @@ def lean_addresses(warp: int, half: int, head_dim: int = 256, block_c: int = 128
     return (k0, c), loads, stores
 
 
-def test_transpose_v_lean_moves_the_units_bytes_in_halves():
+@pytest.mark.parametrize("block_c", [128, 64])
+def test_transpose_v_lean_moves_the_units_bytes_in_halves(block_c):
     """Each half h of transpose_v_lean's units addresses exactly the x4 unit's matrices 2h and
     2h + 1 (lanes 16h..16h + 15 of unit_addresses), and the halves cover each warp's units
-    once: the same ldmatrix reads and stmatrix writes as transpose_v_units (head_dim 256)."""
+    once: the same ldmatrix reads and stmatrix writes as transpose_v_units (head_dim 256;
+    B_c 64 writes Vt in 64-key panels with the 64-byte swizzle)."""
     for warp in range(model.WARPS):
         seen = []
-        for half in range(2 * 2 * 8):
-            (k0, c), loads, stores = lean_addresses(warp, half)
+        for half in range(2 * 2 * (block_c // 16)):
+            (k0, c), loads, stores = lean_addresses(warp, half, block_c=block_c)
             d0, h = warp * 64 + 32 * (c // 32), c // 16 % 2
-            ref_loads, ref_stores = model.unit_addresses(256, 128, k0, d0)
+            ref_loads, ref_stores = model.unit_addresses(256, block_c, k0, d0)
             assert loads == ref_loads[16 * h : 16 * h + 16], (warp, half)
             assert stores == ref_stores[16 * h : 16 * h + 16], (warp, half)
             seen.append((k0, d0, h))
-        units = model.warp_units(256, 128, warp)
+        units = model.warp_units(256, block_c, warp)
         assert sorted(seen) == sorted((k0, d0, h) for k0, d0 in units for h in range(2))

@@ -57,18 +57,21 @@ def test_fadsl_attention_runs_the_shipped_8bit_example(device, dtype, causal):
 
 
 @pytest.mark.parametrize("dtype", [E4M3, E5M2], ids=["e4m3", "e5m2"])
-def test_head_dim_256_without_a_mask_runs_its_shipped_example(device, dtype):
-    """examples/fa3_fp8_hdim256.fa (0 spills; its GPU test passed on an H200, 2026-11-30) is
-    what fadsl.attention runs at head_dim 256 without a mask, on the loaded spec's grid."""
+@pytest.mark.parametrize("causal", [False, True])
+def test_head_dim_256_runs_its_shipped_example(device, dtype, causal):
+    """examples/fa3_fp8_hdim256.fa and, causal, fa3_fp8_hdim256_causal.fa (128 x 64 tiles;
+    both 0 spills) are what fadsl.attention runs at head_dim 256, on the loaded spec's grid."""
     log, _ = device
     q, k, v = inputs(dtype, d=256)
     qd = torch.rand(2, 2)
-    out = fadsl.attention(q, k, v, q_descale=qd)
+    out = fadsl.attention(q, k, v, causal, q_descale=qd)
     assert out.dtype == torch.bfloat16 and out.shape == q.shape
-    assert log[-1].kernel == "fa3_fp8_hdim256"
-    kern = fadsl.load(ROOT / "examples" / "fa3_fp8_hdim256.fa", verbose=False)
+    name = "fa3_fp8_hdim256_causal" if causal else "fa3_fp8_hdim256"
+    assert log[-1].kernel == name
+    kern = fadsl.load(ROOT / "examples" / f"{name}.fa", verbose=False)
+    assert kern.config.block_c == (64 if causal else 128)
     kern(q, k, v, 256**-0.5, q_descale=qd)
-    assert log[-1].kernel == "fa3_fp8_hdim256"
+    assert log[-1].kernel == name
     assert log[-1].grid == log[-2].grid
 
 
@@ -86,14 +89,14 @@ def test_out_dtype_fp16_runs_the_output_fp16_variant(device):
 
 def test_the_shipped_8bit_table_names_examples_with_both_dtypes():
     target = get("sm_90a")
-    assert set(target.shipped_fp8) == {(128, False), (128, True), (256, False)}
+    assert set(target.shipped_fp8) == {(128, False), (128, True), (256, False), (256, True)}
     for (head_dim, causal), name in target.shipped_fp8.items():
         kern = fadsl.load(ROOT / "examples" / f"{name}.fa", verbose=False)
         cfg = kern.config
         assert cfg.head_dim == head_dim and (cfg.mask.value == "causal") == causal
         assert [d.value for d in cfg.dtypes] == ["e4m3", "e5m2"]
         assert cfg.out_dtype.value == "bf16"
-    assert set(target.fp8_unshipped) == {64, 256}
+    assert set(target.fp8_unshipped) == {64}
     assert not get("sm_80").shipped_fp8
 
 
@@ -101,7 +104,7 @@ def test_the_shipped_8bit_table_names_examples_with_both_dtypes():
     "head_dim, causal, why",
     [
         (64, False, "64-byte swizzle"),
-        (256, True, "spills 24 bytes"),
+        (64, True, "64-byte swizzle"),
         (96, False, "head_dim 128"),
     ],
 )

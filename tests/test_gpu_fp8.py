@@ -136,6 +136,34 @@ def test_fp8_attention_matches_the_dequantized_reference(name, causal, shape):
     check_close(out, lse, ref_out, ref_lse, *_v_stats(v8, descales[2], shape[4]), name)
 
 
+# head_dim 256 (fa3_fp8_hdim256's 128 x 128 tiles, the causal spec's 128 x 64): a single key,
+# ragged tails and seqlen_q < seqlen_k (the causal diagonal off the tile grid), GQA, MQA, and
+# a long row of 32 causal blocks
+SHAPES_256 = [
+    (1, 1, 1, 2, 2),
+    (2, 127, 300, 4, 4),
+    (1, 128, 128, 16, 4),
+    (2, 1000, 1000, 4, 1),
+    (1, 200, 1111, 2, 2),
+    (1, 2048, 2048, 4, 4),
+]
+
+
+@pytest.mark.parametrize("shape", SHAPES_256, ids=_ids)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("name", list(DTYPES))
+def test_fp8_head_dim_256_matches_the_dequantized_reference(name, causal, shape):
+    q8, k8, v8, descales = fp8_inputs(shape, DTYPES[name], seed=sum(shape) + causal, d=256)
+    scale = 1 / math.sqrt(256)
+    poison_allocator(8 * q8.numel() * 4)
+    out, lse = fadsl.attention(q8, k8, v8, causal=causal, return_lse=True,
+                               q_descale=descales[0], k_descale=descales[1],
+                               v_descale=descales[2])  # fmt: skip
+    assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
+    ref_out, ref_lse = fp8_reference(q8, k8, v8, descales, scale, causal)
+    check_close(out, lse, ref_out, ref_lse, *_v_stats(v8, descales[2], shape[4]), name)
+
+
 def _descale_layouts(batch: int, heads_kv: int):
     """Descales of one meaning in the layouts a caller may pass: None (1), an expanded
     scalar, contiguous per (batch, head), and a transposed (strided) view."""
@@ -164,7 +192,10 @@ def test_every_descale_layout_is_read_as_given(name, layout):
     check_close(out, lse, ref_out, ref_lse, *_v_stats(v8, descales[2], 2), layout)
 
 
-@pytest.mark.parametrize("spec", ["fa3_fp8_hdim128", "fa3_fp8_hdim128_causal", "fa3_fp8_hdim256"])
+@pytest.mark.parametrize(
+    "spec",
+    ["fa3_fp8_hdim128", "fa3_fp8_hdim128_causal", "fa3_fp8_hdim256", "fa3_fp8_hdim256_causal"],
+)
 def test_a_loaded_spec_writes_a_poisoned_out_and_fp16_through_fadsl_attention(spec):
     """The loaded example with out= NaN-filled (every element written), and fadsl.attention's
     out_dtype=torch.float16 (its `output fp16` variant) against the same reference."""

@@ -112,12 +112,14 @@ TARGET = Target(
     shipped_short={(64, True): (2048, "fa3_hdim64_causal_short")},
     # fadsl.attention on 8-bit q, k, v (issue 42): head_dim 128 (both dtypes build with 0
     # spills, NVRTC 13.5, and ran on an H200, 2026-11-30) and head_dim 256 without a mask (0
-    # spills; tests/test_gpu_fp8.py's loaded-spec test passed on an H200, 2026-11-30);
-    # fp8.UNSHIPPED says why 64 and causal 256 have none yet
+    # spills; tests/test_gpu_fp8.py's loaded-spec test passed on an H200, 2026-11-30) and
+    # head_dim 256 causal on 128 x 64 tiles (0 spills, NVRTC 13.5; tests/test_gpu_fp8.py on
+    # an H200, 2026-12-03); fp8.UNSHIPPED says why 64 has none yet
     shipped_fp8={
         (128, False): "fa3_fp8_hdim128",
         (128, True): "fa3_fp8_hdim128_causal",
         (256, False): "fa3_fp8_hdim256",
+        (256, True): "fa3_fp8_hdim256_causal",
     },
     fp8_unshipped=UNSHIPPED,
     # fadsl.attention_varlen and attention_with_kvcache (docs/serving.md)

@@ -159,9 +159,4 @@ def refuse_unbuilt(cfg: Config) -> None:
 # fadsl.attention's 8-bit head_dims without a shipped spec (Target.fp8_unshipped), and why
 UNSHIPPED = {
     64: "its 64-byte rows take the 64-byte swizzle, which the FP8 kernel does not build yet",
-    256: (
-        "with causal=True FA3's 128 x 128 tile spills 24 bytes of the consumers' 240 "
-        "registers (its mask; research/fp8-forward.md §7 step 4); without a mask "
-        "examples/fa3_fp8_hdim256.fa runs it"
-    ),
 }

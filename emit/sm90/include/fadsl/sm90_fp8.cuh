@@ -205,13 +205,16 @@ __device__ __forceinline__ void transpose_v_lean(uint32_t smem_v_slot, uint32_t 
   constexpr int kRawPanelBytes = Cfg::kBlockN * Cfg::kRowBytes;
   constexpr int kVtPanelBytes = Cfg::kHeadDim * kPanel;
   constexpr int kKeyUnits = Cfg::kBlockN / 16;
-  static_assert(kRows == 64 && kPanel == 128, "head_dim 256: two 32-column units a warp, 128-key Vt panels");
+  static_assert(kRows == 64, "head_dim 256: two 32-column units a warp");
+  static_assert(kPanel == 128 || kPanel == 64, "Vt panels of 128 keys (128-byte swizzle) or 64 (64-byte)");
   static_assert(Cfg::kRowBytes == 128, "raw rows of one 128-byte panel");
   uint32_t tid;
   asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(tid));
   const int warp = static_cast<int>(tid / 32 % 4), lane = static_cast<int>(tid % 32);
   const int m = lane / 8 % 2, i = lane % 8;  // lanes 16-31: addresses .x2 ignores
-  const uint32_t st_xor = 16 * (vt_row_rho(2 * i + m) % 8);
+  // the lane's Vt row is 2 i + m past a multiple of 16: its swizzle row is rho's (128-byte
+  // rows: the row % 8; 64-byte rows: (row % 8) / 2, as transpose_v_units)
+  const uint32_t st_xor = 16 * (kPanel == 128 ? vt_row_rho(2 * i + m) % 8 : vt_row_rho(2 * i + m) % 8 / 2);
   const uint32_t raw0 = smem_v_slot + (warp * kRows / 128) * kRawPanelBytes + (8 * m + i) * Cfg::kRowBytes +
                         ((static_cast<uint32_t>(warp * kRows % 128)) ^ (16u * i));
   const uint32_t vt0 = smem_vt_slot + (warp * kRows + vt_row_rho(2 * i + m)) * kPanel + st_xor;
