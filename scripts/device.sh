@@ -21,7 +21,7 @@
 #   attention_with_kvcache), compute-sanitizer on scripts/sanitize_kvcache.py, KV_BENCH
 #   distributed (kind nvidia-h200-x2): tests/test_gpu_distributed.py, the context-parallel training
 #   example, scripts/bench_context_parallel.py at CP_SEQLENS beside torch's context_parallel
-#   tune: fadsl tune on TUNE_SPEC within TUNE_BUDGET minutes, the winner then timed beside TUNE_AGAINST
+#   tune: fadsl tune on TUNE_SPEC (from TUNE_FROM's specs too) within TUNE_BUDGET minutes, the winner then timed beside TUNE_AGAINST
 #   tunebackward: fadsl tune --backward on each of TUNE_BWD_SPECS (the training examples)
 #   calls: fadsl bench --calls (the public calls' host time per call beside SDPA and FA4, and
 #   paged decode eager and from a CUDA graph beside cuDNN and FA4; FA4 when a call with
@@ -255,7 +255,9 @@ if [[ $steps == *" tune "* ]]; then
   spec=${TUNE_SPEC:-tests/specs/sm90/tune_causal_hdim64.fa}
   causal=$(grep -qE '^\s*mask\s+causal' "$spec" && echo --causal)
   start=$SECONDS
-  python3 -P -m fadsl.cli tune "$spec" $causal --hidden 2048 --budget ${TUNE_BUDGET:-5} -o "$OUT/tuned.fa" 2>&1 | tee "$OUT/tune.log" | grep -v "^\[" | tail -25
+  starts=""
+  for start in ${TUNE_FROM:-}; do starts="$starts --from $start"; done
+  python3 -P -m fadsl.cli tune "$spec" $causal $starts --hidden 2048 --budget ${TUNE_BUDGET:-5} -o "$OUT/tuned.fa" 2>&1 | tee "$OUT/tune.log" | grep -v "^\[" | tail -25
   status=$((status | ${PIPESTATUS[0]}))
   echo "tune: $((SECONDS - start)) s"
   if [[ -f "$OUT/tuned.fa" && -n "${TUNE_AGAINST:-examples/fa3_hdim64_causal.fa}" ]]; then

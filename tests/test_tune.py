@@ -329,6 +329,73 @@ def test_a_plateau_ends_after_patience_rounds_without_a_better_variant():
     assert sum(c.expanded for c in result.candidates) == tuning.PATIENCE
 
 
+class TrapTimer(FakeTimer):
+    """A hill with a moat: ``best`` scores highest, but every variant one knob short of it
+    scores below the input, so a climb from the input never reaches it."""
+
+    def tflops(self, knobs: dict, seqlen: int) -> float:
+        misses = sum(knobs.get(k) != v for k, v in self.best.items())
+        return {0: 520.0, 1: 440.0}.get(misses, 480.0) + seqlen / 1024
+
+
+def start_spec(tmp_path, name="start", **lines) -> Path:
+    """fa3_hdim64 renamed, with its tile's B_c and its stages replaced as given."""
+    text = HDIM64.read_text().replace("kernel fa3_hdim64 {", f"kernel {name} {{")
+    if "B_c" in lines:
+        text = text.replace("B_r = 192, B_c = 128", f"B_r = 192, B_c = {lines['B_c']}")
+    if "stages" in lines:
+        text = text.replace("stages     2 ", f"stages     {lines['stages']} ")
+    path = tmp_path / f"{name}.fa"
+    path.write_text(text)
+    return path
+
+
+def test_a_start_reaches_the_hill_a_climb_from_the_input_cannot(tmp_path):
+    best = {"B_c": 96, "stages": 3}
+    alone = run_tune(timer=TrapTimer(best), build=FakeBuild(), cache=False)
+    assert alone.winner is alone.input  # the moat: every one-knob move loses
+    timer = TrapTimer(best)
+    start = start_spec(tmp_path, B_c=96, stages=3)
+    result = run_tune(timer=timer, build=FakeBuild(), cache=False, starts=[start])
+    assert result.winner.name == "fa3_hdim64_c96_s3"  # the input with the start's knobs
+    first = timer.rounds[0]
+    assert "fa3_hdim64_c96_s3" in {c.name for c in first.contenders}  # screened in round 1
+    assert result.winner.variant.text.startswith(HDIM64.read_text()[:40])  # the input's text
+
+
+def test_a_start_equal_to_the_input_or_to_a_neighbour_is_timed_once(tmp_path):
+    timer = FakeTimer({"stages": 3})
+    same, near = start_spec(tmp_path, "same"), start_spec(tmp_path, "near", stages=3)
+    result = run_tune(timer=timer, build=FakeBuild(), cache=False, starts=[same, near])
+    names = [c.name for c in result.candidates]
+    assert len(names) == len(set(names)) and names.count("fa3_hdim64") == 1
+    assert result.winner.name == "fa3_hdim64_s3"
+
+
+def test_a_start_of_another_problem_or_refused_knobs_is_named(tmp_path):
+    with pytest.raises(
+        ValueError, match=r"--from .*fa3_hopper.fa: head_dim 128, the input's is 64"
+    ):
+        run_tune(timer=FakeTimer({}), build=FakeBuild(), cache=False, starts=[HOPPER])
+    causal = HDIM64_CAUSAL
+    with pytest.raises(ValueError, match=r"mask causal, the input's is none"):
+        run_tune(timer=FakeTimer({}), build=FakeBuild(), cache=False, starts=[causal])
+    # a start's knob the input's checks refuse: 7 stages fit the start's B_c 64, and with
+    # --knobs stages only they are tried on the input's B_c 128 (over the SMEM)
+    deep = start_spec(tmp_path, "deep", B_c=64, stages=7)
+    with pytest.raises(ValueError, match=r"--from .*deep.fa: its knobs on fa3_hdim64: the SMEM"):
+        run_tune(
+            timer=FakeTimer({}), build=FakeBuild(), cache=False, starts=[deep], knobs=["stages"]
+        )
+
+
+def test_cli_from_reads_its_specs_and_is_refused_with_backward(tmp_path, capsys):
+    assert main(["tune", str(HDIM64), "--from", str(tmp_path / "missing.fa")]) == 2
+    assert "cannot read" in capsys.readouterr().err
+    assert main(["tune", str(BACKWARD), "--backward", "--from", str(HDIM64)]) == 1
+    assert "leave out --from" in capsys.readouterr().err
+
+
 def test_max_rounds_bounds_the_search():
     result = run_tune(
         timer=FakeTimer({"B_c": 96, "stages": 3}), build=FakeBuild(), cache=False, max_rounds=1

@@ -69,6 +69,16 @@ def add_tune(sub) -> None:
         "--knobs", metavar="K,K,...", help="only these knobs (default: all of the target's)"
     )
     tune.add_argument(
+        "--from",
+        dest="starts",
+        action="append",
+        default=[],
+        metavar="SPEC",
+        help="also start from SPEC's knobs (a spec of the same target, head_dim, mask, "
+        "window and dtypes; repeatable): they are screened with the first round, and the "
+        "search goes on from the best",
+    )
+    tune.add_argument(
         "--max-rounds", type=positive, metavar="N", help="at most N rounds of neighbours"
     )
     tune.add_argument(
@@ -97,6 +107,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     knobs = [k.strip() for k in args.knobs.split(",") if k.strip()] if args.knobs else None
     if args.backward:
         return _tune_backward(args, source)
+    starts = [(read_spec_file(path), path) for path in args.starts]
     try:
         if args.list:
             print(tuning.list_variants(source, args.spec, knobs))
@@ -106,6 +117,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
         result = tuning.tune(
             source,
             file=args.spec,
+            starts=starts,
             seqlens=tuple(args.seqlens),
             dtype=args.dtype,
             causal=args.causal,
@@ -135,11 +147,15 @@ def _tune_backward(args: argparse.Namespace, source: str) -> int:
     compiled and timed (fadsl/tools/tune_backward.py)."""
     from ..tools import tune_backward as tuning
 
-    given = [
-        f"--{name.replace('_', '-')}"
-        for name in ("knobs", "max_rounds", "budget", "batch")
-        if getattr(args, name) is not None
-    ] + (["--fresh"] if args.fresh else [])
+    given = (
+        [
+            f"--{name.replace('_', '-')}"
+            for name in ("knobs", "max_rounds", "budget", "batch")
+            if getattr(args, name) is not None
+        ]
+        + (["--fresh"] if args.fresh else [])
+        + (["--from"] if args.starts else [])
+    )
     if given:
         print(
             f"fadsl tune: --backward tries every variant of the backward block and times them "

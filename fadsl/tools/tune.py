@@ -1,7 +1,8 @@
 """`fadsl tune`: search a spec's knobs for the fastest variant on this GPU and workload.
 
 The search is best-first over the target's knobs (``Target.tune_space``): the input spec is
-the first centre; each round takes the centre's neighbours (fadsl/tools/variants.py: one
+the first centre (other specs' knobs, ``starts``, applied to the input are screened with its
+first round, so the search can go on from whichever start is best); each round takes the centre's neighbours (fadsl/tools/variants.py: one
 knob moved, failed moves repaired, the front end and the register model pruning what
 cannot work), compiles them in parallel (fadsl/tools/tune_build.py: every pass, then NVRTC;
 spills refused) and times them against the input in one run per sequence length
@@ -47,7 +48,7 @@ from .tune_measure import (
     Workload,
 )
 from .tune_report import Candidate, TuneResult, spec_with_header
-from .variants import Base, neighbours, values_key
+from .variants import Base, Variant, neighbours, values_key
 
 DEFAULT_SEQLENS = (2048, 4096, 8192, 16384)
 # A measured variant is expanded (its neighbours tried) while its score is within this of the
@@ -175,6 +176,7 @@ def _source(spec: str | os.PathLike, file: str | None) -> tuple[str, str]:
 def tune(
     spec: str | os.PathLike,
     *,
+    starts: Sequence[str | os.PathLike | tuple[str, str]] = (),
     seqlens: Sequence[int] = DEFAULT_SEQLENS,
     dtype: str | None = None,
     causal: bool | None = None,
@@ -199,6 +201,10 @@ def tune(
 
     The workload is bench's (``seqlens``; batch = ``tokens`` / seqlen unless ``batch``;
     ``heads``, or ``hidden`` / head_dim; the spec's mask and first dtype by default).
+    ``starts``: other specs (paths, texts, or (text, file name) pairs) of the same target,
+    head_dim, mask, window and dtypes, whose knobs applied to the input are screened in the
+    first round beside the input's neighbours (several starting points: a search that would
+    climb from the input alone may stop on a hill the start is past).
     ``budget``: minutes, after which no new variant is compiled or timed (the final round,
     kept a share of it, still runs). ``jobs``: compile processes (default: the CPUs).
     ``output``: write the winner's spec there. ``knobs``: only these (e.g. ["B_c",
@@ -210,6 +216,7 @@ def tune(
     """
     base = _base(spec, file, knobs)
     compiled_input = base.compiled
+    start_variants = start_points(base, starts)
     workload = _workload(compiled_input, seqlens, dtype, causal, heads, hidden, tokens, batch)
     stream = sys.stderr if progress is True else (progress or None)
     budget_s = None if budget is None else max(0.0, budget * 60.0)
@@ -226,12 +233,56 @@ def tune(
         clock=clock,
         budget=budget_s,
         progress=bar,
+        starts=start_variants,
     )
     result = search.run(max_rounds)
     if output is not None:
         write_atomic(Path(output), result.spec_text)
         search.progress.note(f"wrote {output}")
     return result
+
+
+# What a start must share with the input (its knobs are the rest): a spec of another problem
+# would be timed as the input's variant without being one.
+SAME_PROBLEM = ("head_dim", "mask", "window", "dtypes")
+
+
+def start_points(base: Base, starts) -> list[Variant]:
+    """The input with each start's knob values (those of ``base.space``: all of the target's,
+    or ``--knobs``'), judged as any variant; a start equal to the input is dropped. Raises
+    SpecError for a bad start spec, ValueError for one of another problem or whose knobs the
+    input's checks refuse."""
+    variants: list[Variant] = []
+    for start in starts:
+        text, file = start if isinstance(start, tuple) else _source(start, None)
+        other = Base.of(text, file)
+        if targets.target_of(other.compiled.kernel) is not targets.target_of(base.compiled.kernel):
+            raise ValueError(
+                f"--from {file}: target {other.config.target}, the input's is "
+                f"{base.config.target}; a start is a spec of the input's target"
+            )
+        for field in SAME_PROBLEM:
+            mine, theirs = getattr(base.config, field), getattr(other.config, field)
+            if mine != theirs:
+                raise ValueError(
+                    f"--from {file}: {field} {_spell(theirs)}, the input's is {_spell(mine)}; a "
+                    f"start shares the input's {', '.join(SAME_PROBLEM)} (only its knobs differ)"
+                )
+        values = dict(base.values)
+        values.update({k.name: other.values[k.name] for k in base.space.knobs})
+        if values_key(values) == values_key(base.values):
+            continue
+        variant, _, why = base.judge(values)
+        if variant is None:
+            raise ValueError(f"--from {file}: its knobs on {base.config.name}: {why}")
+        variants.append(variant)
+    return variants
+
+
+def _spell(value) -> str:
+    if isinstance(value, tuple):
+        return ", ".join(_spell(v) for v in value) or "none"
+    return str(getattr(value, "value", value))
 
 
 def list_variants(spec: str | os.PathLike, file: str | None = None, knobs=None) -> str:
@@ -277,8 +328,10 @@ class _Search:
         clock: Callable[[], float],
         budget: float | None,
         progress: Progress,
+        starts: Sequence[Variant] = (),
     ) -> None:
         self.base, self.workload, self.timer = base, workload, timer
+        self.starts = tuple(starts)
         self.build, self.jobs, self.cache, self.fresh = build, jobs, cache, fresh
         self.clock, self.progress = clock, progress
         self.start = clock()
@@ -331,17 +384,33 @@ class _Search:
             self.pruned += found.pruned
             self.repaired += found.repaired
             fresh = [Candidate(v) for v in found.variants]
-            self.candidates += fresh
+            starts = [Candidate(v) for v in self._unseen_starts(seen)] if self.rounds == 1 else []
+            self.candidates += starts + fresh
             self.progress.note(
                 f"round {self.rounds}: {len(fresh)} variants of {centre.name} "
                 f"({sum(found.pruned.values())} moves pruned, {found.repaired} repaired)"
+                + (
+                    f", and {len(starts)} start(s): {', '.join(c.name for c in starts)}"
+                    if starts
+                    else ""
+                )
             )
+            fresh = starts + fresh
             if self.device is None:
                 self._compile(fresh, (self.workload.dtype,), self.archs)
                 raise NoGPUError(self._no_gpu_message(fresh))
             self._screen(fresh)
             centre = self._next_centre()
         return self._finish()
+
+    def _unseen_starts(self, seen: set) -> list[Variant]:
+        """The starts not met yet (one may be a neighbour of the input), now seen."""
+        unseen = []
+        for variant in self.starts:
+            if variant.values not in seen:
+                seen.add(variant.values)
+                unseen.append(variant)
+        return unseen
 
     def _improved(self) -> bool:
         """Whether the last round found a variant better than the best before it."""
