@@ -20,6 +20,7 @@ from fadsl.ir import Mask, Rescale
 from fadsl.pipeline import compile_source, front_end
 from fadsl.targets import get
 from fadsl.tools import tune as tuning
+from fadsl.tools.tune_starts import shipped_starts
 from fadsl.tools.tune_build import OK, SPILLS, BuildJob, Built, build_variant
 from fadsl.tools import bench
 from fadsl.tools.tune_measure import BenchTimer, Contender, Device, TimingRound, Workload
@@ -387,6 +388,41 @@ def test_a_start_of_another_problem_or_refused_knobs_is_named(tmp_path):
         run_tune(
             timer=FakeTimer({}), build=FakeBuild(), cache=False, starts=[deep], knobs=["stages"]
         )
+
+
+class MoatTimer(FakeTimer):
+    """``best`` highest; the input (which misses every knob of ``best``) next; any other
+    variant lower: no one-knob climb (repairs included) leaves the input."""
+
+    def tflops(self, knobs: dict, seqlen: int) -> float:
+        misses = sum(knobs.get(k) != v for k, v in self.best.items())
+        return {0: 520.0, len(self.best): 480.0}.get(misses, 440.0) + seqlen / 1024
+
+
+def test_the_shipped_specs_for_the_inputs_problem_are_starts():
+    """tune_causal_hdim64 (2 consumers, B_c 112, lazy) starts from fadsl.attention's two
+    head_dim 64 causal specs as well: their knobs on its text."""
+    base = Base.of(ACCEPTANCE.read_text(), str(ACCEPTANCE))
+    starts = {v.name: dict(v.values) for v in shipped_starts(base)}
+    shipped = [Base.of((ROOT / "examples" / f"{n}.fa").read_text(), n).values
+               for n in ("fa3_hdim64_causal", "fa3_hdim64_causal_short")]  # fmt: skip
+    assert sorted(starts.values(), key=str) == sorted(shipped, key=str)
+    assert all(name.startswith("tune_causal_hdim64_") for name in starts)
+    # the shipped spec itself, and a problem nothing ships (a window), have none
+    assert shipped_starts(Base.of(HDIM64.read_text(), str(HDIM64))) == []
+    windowed = ROOT / "tests" / "specs" / "sm90" / "fa3_window.fa"  # causal, window(256)
+    assert shipped_starts(Base.of(windowed.read_text(), str(windowed))) == []
+
+
+def test_a_search_starts_from_the_shipped_spec_unless_told_not_to():
+    short = Base.of((ROOT / "examples" / "fa3_hdim64_causal_short.fa").read_text(), "s").values
+    knobs = ["q_slots", "pingpong", "rescale"]
+    best = {k: short[k] for k in knobs}
+    options = dict(path=ACCEPTANCE, build=FakeBuild(), cache=False, knobs=knobs)
+    alone = run_tune(timer=MoatTimer(best), shipped=False, **options)
+    assert alone.winner is alone.input
+    result = run_tune(timer=MoatTimer(best), **options)
+    assert result.winner.name == "tune_causal_hdim64_q2_ppoff_guarded"
 
 
 def test_cli_from_reads_its_specs_and_is_refused_with_backward(tmp_path, capsys):

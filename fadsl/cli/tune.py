@@ -75,8 +75,14 @@ def add_tune(sub) -> None:
         default=[],
         metavar="SPEC",
         help="also start from SPEC's knobs (a spec of the same target, head_dim, mask, "
-        "window and dtypes; repeatable): they are screened with the first round, and the "
+        "window and dtype width; repeatable): they are screened with the first round, and the "
         "search goes on from the best",
+    )
+    tune.add_argument(
+        "--no-shipped",
+        action="store_true",
+        help="do not also start from the target's shipped spec for the spec's head_dim and "
+        "mask (what fadsl.attention runs; a start by default where its knobs fit the spec)",
     )
     tune.add_argument(
         "--max-rounds", type=positive, metavar="N", help="at most N rounds of neighbours"
@@ -118,6 +124,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
             source,
             file=args.spec,
             starts=starts,
+            shipped=not args.no_shipped,
             seqlens=tuple(args.seqlens),
             dtype=args.dtype,
             causal=args.causal,
@@ -155,6 +162,7 @@ def _tune_backward(args: argparse.Namespace, source: str) -> int:
         ]
         + (["--fresh"] if args.fresh else [])
         + (["--from"] if args.starts else [])
+        + (["--no-shipped"] if args.no_shipped else [])
     )
     if given:
         print(

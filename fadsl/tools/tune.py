@@ -48,6 +48,7 @@ from .tune_measure import (
     Workload,
 )
 from .tune_report import Candidate, TuneResult, spec_with_header
+from .tune_starts import shipped_starts, start_points
 from .variants import Base, Variant, neighbours, values_key
 
 DEFAULT_SEQLENS = (2048, 4096, 8192, 16384)
@@ -177,6 +178,7 @@ def tune(
     spec: str | os.PathLike,
     *,
     starts: Sequence[str | os.PathLike | tuple[str, str]] = (),
+    shipped: bool = True,
     seqlens: Sequence[int] = DEFAULT_SEQLENS,
     dtype: str | None = None,
     causal: bool | None = None,
@@ -202,9 +204,11 @@ def tune(
     The workload is bench's (``seqlens``; batch = ``tokens`` / seqlen unless ``batch``;
     ``heads``, or ``hidden`` / head_dim; the spec's mask and first dtype by default).
     ``starts``: other specs (paths, texts, or (text, file name) pairs) of the same target,
-    head_dim, mask, window and dtypes, whose knobs applied to the input are screened in the
-    first round beside the input's neighbours (several starting points: a search that would
-    climb from the input alone may stop on a hill the start is past).
+    head_dim, mask, window and dtype width, whose knobs applied to the input are screened in
+    the first round beside the input's neighbours (several starting points: a search that
+    would climb from the input alone may stop on a hill the start is past). ``shipped``: the
+    target's shipped specs for the input's head_dim and mask are starts too, where they fit
+    (fadsl/tools/tune_starts.py).
     ``budget``: minutes, after which no new variant is compiled or timed (the final round,
     kept a share of it, still runs). ``jobs``: compile processes (default: the CPUs).
     ``output``: write the winner's spec there. ``knobs``: only these (e.g. ["B_c",
@@ -216,7 +220,11 @@ def tune(
     """
     base = _base(spec, file, knobs)
     compiled_input = base.compiled
-    start_variants = start_points(base, starts)
+    start_variants = start_points(
+        base, [s if isinstance(s, tuple) else _source(s, None) for s in starts]
+    )
+    if shipped:
+        start_variants += shipped_starts(base)
     workload = _workload(compiled_input, seqlens, dtype, causal, heads, hidden, tokens, batch)
     stream = sys.stderr if progress is True else (progress or None)
     budget_s = None if budget is None else max(0.0, budget * 60.0)
@@ -240,49 +248,6 @@ def tune(
         write_atomic(Path(output), result.spec_text)
         search.progress.note(f"wrote {output}")
     return result
-
-
-# What a start must share with the input (its knobs are the rest): a spec of another problem
-# would be timed as the input's variant without being one.
-SAME_PROBLEM = ("head_dim", "mask", "window", "dtypes")
-
-
-def start_points(base: Base, starts) -> list[Variant]:
-    """The input with each start's knob values (those of ``base.space``: all of the target's,
-    or ``--knobs``'), judged as any variant; a start equal to the input is dropped. Raises
-    SpecError for a bad start spec, ValueError for one of another problem or whose knobs the
-    input's checks refuse."""
-    variants: list[Variant] = []
-    for start in starts:
-        text, file = start if isinstance(start, tuple) else _source(start, None)
-        other = Base.of(text, file)
-        if targets.target_of(other.compiled.kernel) is not targets.target_of(base.compiled.kernel):
-            raise ValueError(
-                f"--from {file}: target {other.config.target}, the input's is "
-                f"{base.config.target}; a start is a spec of the input's target"
-            )
-        for field in SAME_PROBLEM:
-            mine, theirs = getattr(base.config, field), getattr(other.config, field)
-            if mine != theirs:
-                raise ValueError(
-                    f"--from {file}: {field} {_spell(theirs)}, the input's is {_spell(mine)}; a "
-                    f"start shares the input's {', '.join(SAME_PROBLEM)} (only its knobs differ)"
-                )
-        values = dict(base.values)
-        values.update({k.name: other.values[k.name] for k in base.space.knobs})
-        if values_key(values) == values_key(base.values):
-            continue
-        variant, _, why = base.judge(values)
-        if variant is None:
-            raise ValueError(f"--from {file}: its knobs on {base.config.name}: {why}")
-        variants.append(variant)
-    return variants
-
-
-def _spell(value) -> str:
-    if isinstance(value, tuple):
-        return ", ".join(_spell(v) for v in value) or "none"
-    return str(getattr(value, "value", value))
 
 
 def list_variants(spec: str | os.PathLike, file: str | None = None, knobs=None) -> str:
