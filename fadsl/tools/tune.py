@@ -4,8 +4,8 @@ The search is best-first over the target's knobs (``Target.tune_space``): the in
 the first centre (other specs' knobs applied to the input, fadsl/tools/tune_starts.py, are
 screened with its first round, so the search can go on from whichever start is best); each
 round takes the centre's neighbours (fadsl/tools/variants.py: one knob moved, failed moves
-repaired, the front end and the register model pruning what cannot work), compiles them in parallel (fadsl/tools/tune_build.py: every pass, then NVRTC;
-spills refused) and times them against the input in one run per sequence length
+repaired, the front end and the register model pruning what cannot work), compiles them in
+parallel (fadsl/tools/tune_build.py: every pass, then NVRTC; spills refused) and times them against the input in one run per sequence length
 (fadsl/tools/tune_measure.py: bench's method, fewer runs). The next centre is the best
 measured variant not yet expanded, while it is within ``EXPAND_WITHIN`` of the best; the
 search ends there, after ``PATIENCE`` rounds without a better variant, at ``max_rounds`` or
