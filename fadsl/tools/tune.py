@@ -5,11 +5,11 @@ the first centre (other specs' knobs applied to the input, fadsl/tools/tune_star
 screened with its first round, so the search can go on from whichever start is best); each
 round takes the centre's neighbours (fadsl/tools/variants.py: one knob moved, failed moves
 repaired, the front end and the register model pruning what cannot work), compiles them in
-parallel (fadsl/tools/tune_build.py: every pass, then NVRTC; spills refused) and times them against the input in one run per sequence length
-(fadsl/tools/tune_measure.py: bench's method, fewer runs). The next centre is the best
-measured variant not yet expanded, while it is within ``EXPAND_WITHIN`` of the best; the
-search ends there, after ``PATIENCE`` rounds without a better variant, at ``max_rounds`` or
-when the budget is spent. Then the best
+parallel (fadsl/tools/tune_build.py: every pass, then NVRTC; spills refused) and times them
+against the input in one run per sequence length (fadsl/tools/tune_measure.py: bench's
+method, fewer runs). The next centre is the best measured variant not yet expanded, while
+it is within ``EXPAND_WITHIN`` of the best; the search ends there, after ``PATIENCE`` rounds
+without a better variant, at ``max_rounds`` or when the budget is spent. Then the best
 ``FINAL_TOP`` are built for every dtype and architecture of the spec (the winner must pass
 `fadsl check`) and timed once more with bench's full method, beside the input and the
 references (SDPA's FLASH_ATTENTION and CUDNN_ATTENTION, FlashAttention-4 where installed).
