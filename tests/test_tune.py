@@ -330,13 +330,13 @@ def test_a_plateau_ends_after_patience_rounds_without_a_better_variant():
     assert sum(c.expanded for c in result.candidates) == tuning.PATIENCE
 
 
-class TrapTimer(FakeTimer):
-    """A hill with a moat: ``best`` scores highest, but every variant one knob short of it
-    scores below the input, so a climb from the input never reaches it."""
+class MoatTimer(FakeTimer):
+    """``best`` highest; the input (which misses every knob of ``best``) next; any other
+    variant lower: no one-knob climb (repairs included) leaves the input."""
 
     def tflops(self, knobs: dict, seqlen: int) -> float:
         misses = sum(knobs.get(k) != v for k, v in self.best.items())
-        return {0: 520.0, 1: 440.0}.get(misses, 480.0) + seqlen / 1024
+        return {0: 520.0, len(self.best): 480.0}.get(misses, 440.0) + seqlen / 1024
 
 
 def start_spec(tmp_path, name="start", **lines) -> Path:
@@ -353,9 +353,9 @@ def start_spec(tmp_path, name="start", **lines) -> Path:
 
 def test_a_start_reaches_the_hill_a_climb_from_the_input_cannot(tmp_path):
     best = {"B_c": 96, "stages": 3}
-    alone = run_tune(timer=TrapTimer(best), build=FakeBuild(), cache=False)
+    alone = run_tune(timer=MoatTimer(best), build=FakeBuild(), cache=False)
     assert alone.winner is alone.input  # the moat: every one-knob move loses
-    timer = TrapTimer(best)
+    timer = MoatTimer(best)
     start = start_spec(tmp_path, B_c=96, stages=3)
     result = run_tune(timer=timer, build=FakeBuild(), cache=False, starts=[start])
     assert result.winner.name == "fa3_hdim64_c96_s3"  # the input with the start's knobs
@@ -388,15 +388,6 @@ def test_a_start_of_another_problem_or_refused_knobs_is_named(tmp_path):
         run_tune(
             timer=FakeTimer({}), build=FakeBuild(), cache=False, starts=[deep], knobs=["stages"]
         )
-
-
-class MoatTimer(FakeTimer):
-    """``best`` highest; the input (which misses every knob of ``best``) next; any other
-    variant lower: no one-knob climb (repairs included) leaves the input."""
-
-    def tflops(self, knobs: dict, seqlen: int) -> float:
-        misses = sum(knobs.get(k) != v for k, v in self.best.items())
-        return {0: 520.0, len(self.best): 480.0}.get(misses, 440.0) + seqlen / 1024
 
 
 def test_the_shipped_specs_for_the_inputs_problem_are_starts():

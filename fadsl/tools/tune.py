@@ -348,19 +348,15 @@ class _Search:
             found = neighbours(self.base, centre.variant.knobs, seen)
             self.pruned += found.pruned
             self.repaired += found.repaired
-            fresh = [Candidate(v) for v in found.variants]
             starts = [Candidate(v) for v in self._unseen_starts(seen)] if self.rounds == 1 else []
-            self.candidates += starts + fresh
+            fresh = starts + [Candidate(v) for v in found.variants]
+            self.candidates += fresh
+            said = f", and {len(starts)} start(s): {', '.join(c.name for c in starts)}"
             self.progress.note(
-                f"round {self.rounds}: {len(fresh)} variants of {centre.name} "
+                f"round {self.rounds}: {len(found.variants)} variants of {centre.name} "
                 f"({sum(found.pruned.values())} moves pruned, {found.repaired} repaired)"
-                + (
-                    f", and {len(starts)} start(s): {', '.join(c.name for c in starts)}"
-                    if starts
-                    else ""
-                )
+                + (said if starts else "")
             )
-            fresh = starts + fresh
             if self.device is None:
                 self._compile(fresh, (self.workload.dtype,), self.archs)
                 raise NoGPUError(self._no_gpu_message(fresh))

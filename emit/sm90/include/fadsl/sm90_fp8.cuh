@@ -134,6 +134,14 @@ __host__ __device__ __forceinline__ constexpr int vt_row_rho(int col) {
   return 16 * (col / 16) + 8 * (col % 2) + 2 * ((col % 16 / 2) % 4) + (col % 16 / 2) / 4;
 }
 
+// The XOR a Vt row's 16-byte chunks take under the panel's swizzle (128-key panels: 128-byte
+// rows, the row % 8; 64-key panels: 64-byte rows, (row % 8) / 2).
+template <int kPanel>
+__device__ __forceinline__ constexpr uint32_t vt_swizzle_xor(int row) {
+  static_assert(kPanel == 128 || kPanel == 64, "Vt panels of 128 keys (128-byte swizzle) or 64 (64-byte)");
+  return 16u * static_cast<uint32_t>(kPanel == 128 ? row % 8 : row % 8 / 2);
+}
+
 // The producer warps' transpose of one raw V slot (B_c keys x head_dim bytes, as TMA wrote it)
 // into a Vt slot (head_dim rows, permuted by rho, of B_c keys): warp `warp` writes the Vt rows
 // of head_dim columns [warp d / 4, (warp + 1) d / 4), all keys, in units of 16 keys x 32
@@ -154,9 +162,8 @@ __device__ __forceinline__ void transpose_v_units(uint32_t smem_v_slot, uint32_t
   const uint32_t ld_row = (8 * (m % 2) + i) * Cfg::kRowBytes;
   const int ld_col = 16 * (m / 2);
   // stmatrix: this lane's Vt row in the unit (rho; d0 is a multiple of 32), and its swizzle
-  // row (128-byte rows: the row % 8; 64-byte rows: (row % 8) / 2)
   const int st_row = vt_row_rho(16 * (m / 2) + 2 * i + m % 2);
-  const uint32_t st_xor = 16 * (kPanel == 128 ? st_row % 8 : (st_row % 8) / 2);
+  const uint32_t st_xor = vt_swizzle_xor<kPanel>(st_row);
 #pragma unroll
   for (int u = 0; u < kRows / 32; ++u) {
     const int d0 = warp * kRows + 32 * u;
@@ -206,15 +213,13 @@ __device__ __forceinline__ void transpose_v_lean(uint32_t smem_v_slot, uint32_t 
   constexpr int kVtPanelBytes = Cfg::kHeadDim * kPanel;
   constexpr int kKeyUnits = Cfg::kBlockN / 16;
   static_assert(kRows == 64, "head_dim 256: two 32-column units a warp");
-  static_assert(kPanel == 128 || kPanel == 64, "Vt panels of 128 keys (128-byte swizzle) or 64 (64-byte)");
   static_assert(Cfg::kRowBytes == 128, "raw rows of one 128-byte panel");
   uint32_t tid;
   asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(tid));
   const int warp = static_cast<int>(tid / 32 % 4), lane = static_cast<int>(tid % 32);
   const int m = lane / 8 % 2, i = lane % 8;  // lanes 16-31: addresses .x2 ignores
-  // the lane's Vt row is 2 i + m past a multiple of 16: its swizzle row is rho's (128-byte
-  // rows: the row % 8; 64-byte rows: (row % 8) / 2, as transpose_v_units)
-  const uint32_t st_xor = 16 * (kPanel == 128 ? vt_row_rho(2 * i + m) % 8 : vt_row_rho(2 * i + m) % 8 / 2);
+  // the lane's Vt row is 2 i + m past a multiple of 16, so its swizzle is rho(2 i + m)'s
+  const uint32_t st_xor = vt_swizzle_xor<kPanel>(vt_row_rho(2 * i + m));
   const uint32_t raw0 = smem_v_slot + (warp * kRows / 128) * kRawPanelBytes + (8 * m + i) * Cfg::kRowBytes +
                         ((static_cast<uint32_t>(warp * kRows % 128)) ^ (16u * i));
   const uint32_t vt0 = smem_vt_slot + (warp * kRows + vt_row_rho(2 * i + m)) * kPanel + st_xor;
