@@ -69,9 +69,11 @@ class FakeModule:
         return launch
 
 
-def fake_encode(ptr, dtype, dims, byte_strides, box_cols, box_rows, box=None) -> bytes:
+def fake_encode(
+    ptr, dtype, dims, byte_strides, box_cols, box_rows, box=None, streamed=False
+) -> bytes:
     """A descriptor's stand-in: its global address, then a digest of everything else."""
-    rest = repr((dtype, tuple(dims), tuple(byte_strides), box or (box_cols, box_rows)))
+    rest = repr((dtype, tuple(dims), tuple(byte_strides), box or (box_cols, box_rows), streamed))
     digest = hashlib.sha256(rest.encode()).digest() * 4
     return struct.pack("<Q", ptr) + digest[: tma.MAP_BYTES - 8]
 

@@ -115,7 +115,7 @@ def test_8bit_maps_are_uint8_with_128_column_boxes(monkeypatch):
     kInPanelCols), B_r and B_c rows, byte strides; O: 64 16-bit columns by 64 rows."""
     encoded = []
 
-    def record(ptr, dtype, dims, byte_strides, box_cols, box_rows, box=None):
+    def record(ptr, dtype, dims, byte_strides, box_cols, box_rows, box=None, streamed=False):
         encoded.append((dtype, tuple(dims), tuple(byte_strides), box_cols, box_rows))
         return bytes(tma.MAP_BYTES)
 

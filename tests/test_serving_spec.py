@@ -234,13 +234,21 @@ def test_explain_and_check_show_the_kv_cache_knobs(capsys):
 # --- the params structs over CPU tensors -------------------------------------------------
 
 
+class Recorded(list):
+    def __init__(self):
+        super().__init__()
+        self.streamed: list[bool] = []
+
+
 @pytest.fixture
 def encoded(monkeypatch):
-    """The TMA encoder replaced by a recorder: (ptr, dims, strides, box) per map."""
-    calls = []
+    """The TMA encoder replaced by a recorder: (ptr, dims, strides, box) per map; which
+    maps were encoded streamed (no L2 promotion) in ``calls.streamed``, by position."""
+    calls = Recorded()
 
-    def fake(ptr, dtype, dims, byte_strides, box_cols, box_rows, box=None):
+    def fake(ptr, dtype, dims, byte_strides, box_cols, box_rows, box=None, streamed=False):
         calls.append((ptr, tuple(dims), tuple(byte_strides), tuple(box or (box_cols, box_rows))))
+        calls.streamed.append(streamed)
         return bytes([len(calls)]) * tma.MAP_BYTES
 
     monkeypatch.setattr(tma, "_encode_dims", fake)
@@ -275,6 +283,7 @@ def test_varlen_params_pack_packed_tensors_and_a_ragged_o_map(encoded):
     assert q_call == (q.data_ptr(), (128, tokens, heads_q, 1), (row, head, head), (64, 128))
     assert k_call[:2] == (k.data_ptr(), (128, tokens + 20, heads_kv, 1))
     assert k_call[3] == v_call[3] == (64, 128)
+    assert not any(encoded.streamed)  # varlen's K and V are read by every q tile
     ragged = (128, 64, heads_q, tokens + 1)  # (head_dim, r < 64, heads, anchor row)
     assert o_call == (out.data_ptr() - 64 * row, ragged, (row, head, row), (64, 64))
     f = _fields(raw)
@@ -331,6 +340,8 @@ def test_kvcache_params_pack_gqa_maps_and_the_page_table(encoded):
     assert o_call == (a.out.data_ptr(), *q_call[1:3], (64, 4, 16, 1, 1))
     assert k_call[1] == (128, 64, 8, 10) and k_call[3] == (64, 64)  # a page a box
     assert v_call[0] == a.v_cache.data_ptr() and v_call[3] == (64, 64)
+    # K and V are read once: their maps ask the L2 for no promotion; Q's and O's keep it
+    assert encoded.streamed == [False, False, True, True]
     f = _fields(raw)
     assert (f["batch"], f["heads_q"], f["heads_kv"], f["seqlen_q"]) == (2, 32, 8, 1)
     assert f["seqlen_k"] == 5 * 64  # the capacity: the table's pages x the page's rows
@@ -351,6 +362,7 @@ def test_kvcache_params_of_a_contiguous_cache(encoded):
     a = _decode_args(kernel, batch=3, pages=1000, max_pages=0)
     raw = kvcache.pack_kvcache_params(kernel, a)
     assert encoded[2][1] == (128, 1000, 8, 3) and encoded[2][3] == (64, 128)  # B_c rows
+    assert encoded.streamed == [False, False, True, True]  # a contiguous cache's K, V too
     assert _fields(raw)["seqlen_k"] == 1000
     tail = SM90_BASE_OFFSET + FWD_PARAMS.size
     assert SPLIT_TAIL.unpack_from(raw, tail) == (0, 0, 8 * 3, 1)  # one piece: the tile count

@@ -12,6 +12,9 @@ the load path differs:
   cpasync_B_S the producer warpgroup's 128 threads issue cp.async 16-byte copies (a warp
               covers two whole 256-byte token rows at a time) into the same 128-byte-swizzled
               layout, completing on the slot's mbarrier (cp.async.mbarrier.arrive.noinc)
+  tmapre_B_S  tma_B_S with the piece's page-table entries copied into SMEM by the producer
+              warpgroup first, so that no global load sits between a slot's empty wait and
+              its boxes (does the issuing thread's lookup latency bound the TMA path?)
   ldg         256 threads a CTA load the same bytes into registers (ld.global.nc, 16 bytes)
               and fold them into a checksum: no SMEM, as many CTAs as fit
 
@@ -39,8 +42,9 @@ HEAD_DIM, PAGE, HEADS_KV = 128, 64, 8
 SHAPES = [(1, 131072), (8, 16384), (128, 8192)]  # (sequences, keys each)
 VARIANTS = [
     ("tma", 128, 3), ("tma", 64, 3), ("tma", 64, 6), ("cpasync", 128, 3), ("cpasync", 64, 3),
-    ("cpasync", 64, 6), ("ldg", 0, 0),
+    ("cpasync", 64, 6), ("tmapre", 128, 3), ("tmapre", 64, 3), ("tmapre", 64, 2), ("ldg", 0, 0),
 ]  # fmt: skip
+MAX_PAGES = 1024  # page-table entries of one piece the tmapre variants hold in SMEM
 
 SOURCE = r"""
 #include "fadsl/sm90_ptx.cuh"
@@ -72,7 +76,9 @@ __device__ __forceinline__ void cp_async_arrive(uint32_t bar) {
 }
 
 // K and V rings: slot s of K at s * kSlot, of V after them; full and empty mbarriers per slot
-template <int kBlockN, int kStages, bool kCpAsync>
+constexpr int kMaxPages = 1024;  // tmapre: the piece's page-table entries in SMEM
+
+template <int kBlockN, int kStages, bool kCpAsync, bool kPagesInSmem = false>
 __device__ __forceinline__ void stream(const ProbeParams& P) {
   constexpr uint32_t kSlot = kBlockN * kRowBytes;
   extern __shared__ __align__(1024) unsigned char smem_raw[];  // the rings, then the mbarriers
@@ -88,11 +94,17 @@ __device__ __forceinline__ void stream(const ProbeParams& P) {
     }
     fence_mbarrier_init();
   }
-  __syncthreads();
   int seq, head, split;
   work_of(P, blockIdx.x, seq, head, split);
   const int first = split * P.blocks;
   const int* pages = P.table + seq * P.per;
+  if constexpr (kPagesInSmem) {  // the piece's entries, indexed from its first page
+    int* cached = reinterpret_cast<int*>(smem_raw + 2 * kStages * kSlot + 32 * kStages);
+    const int first_page = first * kBlockN / kPage, count = P.blocks * kBlockN / kPage;
+    for (int i = threadIdx.x; i < count && i < kMaxPages; i += blockDim.x) cached[i] = pages[first_page + i];
+    pages = cached - first_page;
+  }
+  __syncthreads();
   if (threadIdx.x < 128) {  // producer warpgroup
     if (!kCpAsync && threadIdx.x != 0) return;
     for (int j = 0; j < P.blocks; ++j) {
@@ -168,8 +180,24 @@ extern "C" __global__ void __launch_bounds__(256, 1) cpasync_128_3(const __grid_
 extern "C" __global__ void __launch_bounds__(256, 2) cpasync_64_3(const __grid_constant__ ProbeParams P) { stream<64, 3, true>(P); }
 extern "C" __global__ void __launch_bounds__(256, 1) tma_64_6(const __grid_constant__ ProbeParams P) { stream<64, 6, false>(P); }
 extern "C" __global__ void __launch_bounds__(256, 1) cpasync_64_6(const __grid_constant__ ProbeParams P) { stream<64, 6, true>(P); }
+extern "C" __global__ void __launch_bounds__(256, 1) tmapre_128_3(const __grid_constant__ ProbeParams P) { stream<128, 3, false, true>(P); }
+extern "C" __global__ void __launch_bounds__(256, 2) tmapre_64_3(const __grid_constant__ ProbeParams P) { stream<64, 3, false, true>(P); }
+extern "C" __global__ void __launch_bounds__(256, 2) tmapre_64_2(const __grid_constant__ ProbeParams P) { stream<64, 2, false, true>(P); }
 extern "C" __global__ void __launch_bounds__(256) ldg(const __grid_constant__ ProbeParams P) { load_sum(P); }
 """
+
+
+def use_l2_promotion(name: str) -> None:
+    """Encode the TMA maps with CU_TENSOR_MAP_L2_PROMOTION_<name> (NONE, L2_64B, L2_128B,
+    L2_256B: fadsl's) instead of fadsl's; `--l2` (does the promotion cost the TMA path?)."""
+    from fadsl.targets.sm90.host import tma
+
+    driver, types, modes, strides = tma._constants()
+    promotion = getattr(driver.CUtensorMapL2promotion, f"CU_TENSOR_MAP_L2_PROMOTION_{name}")
+    chosen = (driver, types, (modes[0], modes[1], promotion, modes[3]), strides)
+    tma._constants = lambda: chosen
+    tma._encoded.clear()
+    tma._promotion.cache_clear()
 
 
 def params(k, v, table, sink, heads, splits, blocks) -> bytes:
@@ -198,7 +226,10 @@ def main() -> None:
         "--shape", help="one shape, SEQUENCESxKEYS (default: 1x131072 8x16384 128x8192)"
     )
     parser.add_argument("--variant", help="one variant (e.g. tma_128_3, cpasync_64_3, ldg)")
+    parser.add_argument("--l2", help="the TMA maps' L2 promotion: NONE, L2_64B, L2_128B, L2_256B")
     args = parser.parse_args()
+    if args.l2:
+        use_l2_promotion(args.l2)
     shapes = [tuple(map(int, args.shape.split("x")))] if args.shape else SHAPES
     variants = [
         v
@@ -224,7 +255,7 @@ def main() -> None:
             cells = []
             for kind, block_n, stages in variants:
                 rows = block_n or 64
-                ctas_per_sm = 2 if (block_n, stages) == (64, 3) else 1
+                ctas_per_sm = 2 if (block_n, stages) in ((64, 3), (64, 2)) else 1
                 # pieces: fill the SMs once (as splits auto), at least 4 blocks each
                 items = seqs * HEADS_KV
                 per_sm = 8 if kind == "ldg" else ctas_per_sm
@@ -232,6 +263,8 @@ def main() -> None:
                 blocks = keys // rows // splits
                 name = f"{kind}_{block_n}_{stages}" if kind != "ldg" else "ldg"
                 smem = 2 * stages * block_n * 256 + 32 * stages if kind != "ldg" else 0
+                smem += 4 * MAX_PAGES if kind == "tmapre" else 0
+                assert kind != "tmapre" or blocks * rows // PAGE <= MAX_PAGES
                 module = Module(cubin, name, smem, 256)
                 module.prepare(0)
                 raw = params(k, v, table, sink, HEADS_KV, splits, blocks)

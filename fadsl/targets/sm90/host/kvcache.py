@@ -157,8 +157,8 @@ def pack_kvcache_params(kernel: Kernel, a: KvCacheArgs) -> bytes:
     raw = b"".join(
         (
             q_map,
-            tensor_map(k, PANEL_COLS, kv_rows),
-            tensor_map(v, PANEL_COLS, kv_rows),
+            tensor_map(k, PANEL_COLS, kv_rows, streamed=True),  # read once: no L2 promotion
+            tensor_map(v, PANEL_COLS, kv_rows, streamed=True),
             o_map,
             base,
             SPLIT_TAIL.pack(

@@ -13,6 +13,14 @@ runtime refuses tensors that break them before anything is encoded (fadsl/runtim
 A descriptor depends only on the tensor's address, dtype, shape and strides and the box, so
 encoded descriptors are kept in a small dict: a call on the same tensors (a training step's
 buffers, a benchmark's) costs a dict lookup per tensor instead of a driver call.
+
+L2 promotion: maps of tiles that many CTAs read (Q, K, V of the attention kernels, O) ask
+the L2 for 256-byte lines (``CU_TENSOR_MAP_L2_PROMOTION_L2_256B``). A KV cache's K and V are
+read once, and there the promotion costs bandwidth: on an H200 (2026-12-04,
+`research/probes/stream_probe.py --l2 NONE` against `--l2 L2_256B`) TMA boxes of a paged
+cache streamed 4.22-4.26 against 3.57-3.90 TB/s at 1 x 131072 keys and 4.59-4.61 against
+4.12-4.22 at 128 x 8192 (cuDNN's decode 4.10 and 4.62). So ``streamed=True`` maps (the
+kv-cache calls' K and V) encode no promotion.
 """
 
 from __future__ import annotations
@@ -51,6 +59,13 @@ def _constants() -> tuple:
 
 
 @functools.cache
+def _promotion(streamed: bool):
+    """The L2 promotion of a map: none for a streamed (read-once) tensor, else 256 bytes."""
+    driver, _, (_, _, shared, _), _ = _constants()
+    return driver.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_NONE if streamed else shared
+
+
+@functools.cache
 def _box(cols: int, rows: int) -> list:
     u32 = _driver().cuuint32_t
     return [u32(cols), u32(rows), u32(1), u32(1)]
@@ -68,14 +83,17 @@ def tma_strides(shape, strides, element_size: int) -> tuple[int, int, int]:
     return found[0], found[1], found[2]
 
 
-def tensor_map(t, box_cols: int, box_rows: int) -> bytes:
+def tensor_map(t, box_cols: int, box_rows: int, streamed: bool = False) -> bytes:
     """The 128 bytes of a CUtensorMap over ``t`` (batch, seqlen, heads, head_dim), boxes of
-    ``box_cols`` x ``box_rows``; the tensor was checked by the runtime."""
+    ``box_cols`` x ``box_rows``; the tensor was checked by the runtime. ``streamed``: each
+    element is read once (a KV cache's K and V), so no L2 promotion (the module's note)."""
     shape, strides, ptr = t.shape, t.stride(), t.data_ptr()
-    key = (ptr, t.dtype, shape, strides, box_cols, box_rows)
+    key = (ptr, t.dtype, shape, strides, box_cols, box_rows, streamed)
     found = _encoded.get(key)
     if found is None:
-        found = _encode(ptr, t.dtype, shape, strides, t.element_size(), box_cols, box_rows)
+        found = _encode(
+            ptr, t.dtype, shape, strides, t.element_size(), box_cols, box_rows, streamed
+        )
         if len(_encoded) >= CACHE_LIMIT:
             _encoded.clear()
         _encoded[key] = found
@@ -105,11 +123,11 @@ def ragged_rows_map(t, box_cols: int, box_rows: int) -> bytes:
     return found
 
 
-def _encode(ptr, dtype, shape, strides, element_size, box_cols, box_rows) -> bytes:
+def _encode(ptr, dtype, shape, strides, element_size, box_cols, box_rows, streamed) -> bytes:
     batch, seqlen, heads, head_dim = shape
     dims = (head_dim, seqlen, heads, batch)
     byte_strides = tma_strides(shape, strides, element_size)
-    return _encode_dims(ptr, dtype, dims, byte_strides, box_cols, box_rows)
+    return _encode_dims(ptr, dtype, dims, byte_strides, box_cols, box_rows, streamed=streamed)
 
 
 def packed_heads_map(t, group: int, box_cols: int, box_rows: int) -> bytes:
@@ -135,10 +153,13 @@ def packed_heads_map(t, group: int, box_cols: int, box_rows: int) -> bytes:
     return found
 
 
-def _encode_dims(ptr, dtype, dims, byte_strides, box_cols, box_rows, box=None) -> bytes:
+def _encode_dims(
+    ptr, dtype, dims, byte_strides, box_cols, box_rows, box=None, streamed=False
+) -> bytes:
     """A tiled map of ``dims`` (innermost first) with dimensions 1.. ``byte_strides`` apart;
-    boxes of ``box_cols`` x ``box_rows`` x 1 x 1 (or ``box``)."""
-    driver, types, (interleave, swizzle, l2, oob), element_strides = _constants()
+    boxes of ``box_cols`` x ``box_rows`` x 1 x 1 (or ``box``); ``streamed``: tensor_map's."""
+    driver, types, (interleave, swizzle, _, oob), element_strides = _constants()
+    l2 = _promotion(streamed)
     u64, u32 = driver.cuuint64_t, driver.cuuint32_t
     rank = len(dims)
     tmap = _check(
