@@ -187,7 +187,7 @@ extern "C" __global__ void __launch_bounds__(Cfg::kThreads, 1) fa3_fp8_hdim128_e
   } else {
     // ===================== consumer warpgroups =====================
     const int wg = warpgroup - 1;
-    const uint32_t smem_q_wg = smem_q + wg * 64 * Cfg::kRowBytes;
+    const uint32_t smem_q_wg = smem_q + wg * 64 * Cfg::kInRowBytes;
     const uint32_t smem_o_wg = smem + Cfg::kOffO + wg * 64 * Cfg::kRowBytes;
     // scale_log2 (c' = softmax_scale log2(e) q_descale k_descale): per tile, below
     float o[Cfg::kORegs];

@@ -7,6 +7,7 @@ a launch plan's buffer with the second parameter after the first."""
 from __future__ import annotations
 
 import ctypes
+import functools
 import struct
 from types import SimpleNamespace
 
@@ -66,9 +67,9 @@ def test_the_header_declares_the_fields_in_the_packed_order():
     assert tuple(names) == fp8_host.DESCALES_FIELDS
 
 
-def _args(descales, lse=False):
-    q = torch.zeros(3, 130, 8, 128, dtype=torch.float8_e4m3fn)
-    k = torch.zeros(3, 70, 2, 128, dtype=torch.float8_e4m3fn)
+def _args(descales, lse=False, head_dim=128):
+    q = torch.zeros(3, 130, 8, head_dim, dtype=torch.float8_e4m3fn)
+    k = torch.zeros(3, 70, 2, head_dim, dtype=torch.float8_e4m3fn)
     out = torch.empty(q.shape, dtype=torch.bfloat16)
     lse_t = torch.empty(3, 8, 130) if lse else None
     return Args(q, k, k.clone(), out, lse_t, 0.1, (), descales)
@@ -110,9 +111,9 @@ def test_a_size_one_dimension_has_stride_zero():
     assert fp8_host.descale_strides(torch.rand(3, 1)) == (1, 0)
 
 
-def test_8bit_maps_are_uint8_with_128_column_boxes(monkeypatch):
-    """Q, K and V of an 8-bit call: 128 one-byte columns a box (load_q8 / load_kv8's
-    kInPanelCols), B_r and B_c rows, byte strides; O: 64 16-bit columns by 64 rows."""
+@pytest.fixture
+def encoded_maps(monkeypatch):
+    """The TMA encoder replaced by a recorder: (dtype, dims, strides, box cols, box rows)."""
     encoded = []
 
     def record(ptr, dtype, dims, byte_strides, box_cols, box_rows, box=None, streamed=False):
@@ -122,23 +123,40 @@ def test_8bit_maps_are_uint8_with_128_column_boxes(monkeypatch):
     monkeypatch.setattr(tma, "_encode_dims", record)
     monkeypatch.setattr(tma, "_encoded", {})
     monkeypatch.setattr(params, "_SM90_PACKED", {})
+    return encoded
+
+
+def test_8bit_maps_are_uint8_with_128_column_boxes(encoded_maps):
+    """Q, K and V of an 8-bit call: 128 one-byte columns a box (load_q8 / load_kv8's
+    kInPanelCols), B_r and B_c rows, byte strides; O: 64 16-bit columns by 64 rows."""
     kern = fadsl.load(EXAMPLE, verbose=False)
     a = _args((None, None, None))
     packed = params.pack_fwd_params_sm90(kern.compiled.kernel, a)
     assert len(packed) == params.SM90_PARAMS_BYTES
-    q, k, v, o = encoded
+    q, k, v, o = encoded_maps
     assert q == (torch.float8_e4m3fn, (128, 130, 8, 3), (8 * 128, 128, 130 * 8 * 128), 128, 128)
     assert k[3:] == (128, 192) and v[3:] == (128, 192) and k[2] == (256, 128, 70 * 256)
     assert o == (torch.bfloat16, (128, 130, 8, 3), (8 * 256, 256, 130 * 8 * 256), 64, 64)
     cfg_source = kern.source("e4m3")
     assert "load_q8<Cfg>" in cfg_source and "Fp8FwdConfig" in cfg_source
     header = (ROOT / "emit" / "sm90" / "include" / "fadsl" / "sm90_fp8.cuh").read_text()
-    assert "static constexpr int kInPanelCols = 128;" in header
+    assert "static constexpr int kInPanelCols = kHeadDim_ < 128 ? 64 : 128;" in header
 
 
-def test_float8_maps_encode_as_uint8(monkeypatch):
-    """The map types by torch dtype (the driver's enums stood in for by their names: no
-    driver library here)."""
+def test_head_dim_64_maps_have_64_column_boxes(encoded_maps):
+    """8-bit head_dim 64: Q, K and V boxes of 64 one-byte columns (64-byte rows: tma.py gives
+    them the 64-byte swizzle, as Fp8FwdConfig's kInPanelCols and the descriptors read them);
+    O's 16-bit boxes stay 64 x 64."""
+    kern = fadsl.load(ROOT / "examples" / "fa3_fp8_hdim64.fa", verbose=False)
+    params.pack_fwd_params_sm90(kern.compiled.kernel, _args((None, None, None), head_dim=64))
+    q, k, v, o = encoded_maps
+    assert q == (torch.float8_e4m3fn, (64, 130, 8, 3), (8 * 64, 64, 130 * 8 * 64), 64, 128)
+    assert k[3:] == v[3:] == (64, 256) and k[2] == (128, 64, 70 * 128)
+    assert o == (torch.bfloat16, (64, 130, 8, 3), (8 * 128, 128, 130 * 8 * 128), 64, 64)
+
+
+def _named_driver(monkeypatch):
+    """The driver's enums stood in for by their names (no driver library here)."""
 
     class Names:
         def __getattr__(self, name):
@@ -154,7 +172,26 @@ def test_float8_maps_encode_as_uint8(monkeypatch):
         cuuint32_t=int,
     )
     monkeypatch.setattr(tma, "_driver", lambda: fake)
-    types = tma._constants.__wrapped__()[1]
+    for cached in (tma._constants, tma._swizzle, tma._promotion):
+        monkeypatch.setattr(tma, cached.__name__, functools.cache(cached.__wrapped__))
+
+
+def test_a_box_row_picks_its_swizzle_and_a_streamed_map_no_promotion(monkeypatch):
+    """128-byte box rows (16-bit panels, 8-bit ones of 128 columns) take the 128-byte swizzle,
+    8-bit head_dim 64's 64-byte rows the 64-byte one; a streamed map (a KV cache's K and V)
+    asks the L2 for no promotion, every other map for 256-byte lines."""
+    _named_driver(monkeypatch)
+    assert tma._swizzle(128) == "CU_TENSOR_MAP_SWIZZLE_128B"
+    assert tma._swizzle(64) == "CU_TENSOR_MAP_SWIZZLE_64B"
+    assert tma._promotion(True) == "CU_TENSOR_MAP_L2_PROMOTION_NONE"
+    assert tma._promotion(False) == "CU_TENSOR_MAP_L2_PROMOTION_L2_256B"
+
+
+def test_float8_maps_encode_as_uint8(monkeypatch):
+    """The map types by torch dtype (the driver's enums stood in for by their names: no
+    driver library here)."""
+    _named_driver(monkeypatch)
+    types = tma._constants()[1]
     uint8 = types[torch.float8_e4m3fn]
     assert types[torch.float8_e5m2] == uint8
     assert "UINT8" in str(uint8) and types[torch.bfloat16] != uint8

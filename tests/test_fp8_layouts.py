@@ -225,3 +225,34 @@ def test_transpose_v_lean_moves_the_units_bytes_in_halves(block_c):
             seen.append((k0, d0, h))
         units = model.warp_units(256, block_c, warp)
         assert sorted(seen) == sorted((k0, d0, h) for k0, d0 in units for h in range(2))
+
+
+def narrow_addresses(warp: int, k0: int, block_c: int):
+    """transpose_v_narrow's lane addresses (fadsl/sm90_fp8.cuh, its arithmetic line for line,
+    slots at 0) for the unit at keys k0: (ldmatrix.x4's 32, stmatrix.x4's 32)."""
+    panel, row = model.vt_panel(block_c), 64
+    vt_panel_bytes = 64 * panel
+    loads, stores = [], []
+    for lane in range(32):
+        m, i, d0 = lane // 8, lane % 8, 16 * warp
+        raw = (8 * m + i) * row + (d0 ^ (16 * (i % 8 // 2)))
+        st_row = model.rho(d0 + 2 * i + m % 2)
+        st_xor = 16 * (st_row % 8 if panel == 128 else st_row % 8 // 2)
+        st_xor ^= 16 * (m // 2)
+        vt = st_row * panel
+        loads.append(raw + k0 * row)
+        stores.append(vt + (k0 // panel) * vt_panel_bytes + ((k0 % panel) ^ st_xor))
+    return loads, stores
+
+
+@pytest.mark.parametrize("block_c", BLOCKS_C)
+def test_transpose_v_narrow_is_the_models_head_dim_64_transpose(block_c):
+    """transpose_v_narrow (head_dim 64: 32-key x 16-column units, raw rows of 64 bytes in the
+    64-byte swizzle) addresses exactly the layout model's units, each warp the units of its
+    own 16 Vt rows once: the transpose the model proves exact and conflict-free."""
+    for warp in range(model.WARPS):
+        units = model.warp_units(64, block_c, warp)
+        assert [k0 for k0, _ in units] == list(range(0, block_c, 32))  # the kernel's loop
+        for k0, d0 in units:
+            assert d0 == 16 * warp
+            assert narrow_addresses(warp, k0, block_c) == model.unit_addresses(64, block_c, k0, d0)

@@ -203,6 +203,35 @@ def test_a_loaded_spec_writes_a_poisoned_out_and_fp16_through_fadsl_attention(sp
     check_close(half, None, ref_out, None, *stats, spec + " fp16")
 
 
+# head_dim 64 (examples/fa3_fp8_hdim64.fa and its causal twin: 64-byte rows, the 64-byte
+# swizzle, transpose_v_narrow; not yet fadsl.attention's): a single key, ragged tails, the
+# causal diagonal off the tile grid, GQA, MQA, and rows of many 256-key blocks
+SHAPES_64 = [
+    (1, 1, 1, 2, 2),
+    (2, 127, 300, 4, 4),
+    (1, 200, 1111, 8, 2),
+    (2, 1000, 1000, 4, 1),
+    (1, 2048, 2048, 4, 4),
+]
+
+
+@pytest.mark.parametrize("shape", SHAPES_64, ids=[_ids(s) for s in SHAPES_64])
+@pytest.mark.parametrize("spec", ["fa3_fp8_hdim64", "fa3_fp8_hdim64_causal"])
+@pytest.mark.parametrize("name", list(DTYPES))
+def test_head_dim_64_matches_the_dequantized_reference(name, spec, shape):
+    """The loaded head_dim 64 examples, out poisoned with NaN (every element written), the
+    LSE beside it, against float64 attention of the dequantized inputs."""
+    kern = fadsl.load(ROOT / "examples" / f"{spec}.fa", verbose=False)
+    causal = kern.config.mask.value == "causal"
+    q8, k8, v8, descales = fp8_inputs(shape, DTYPES[name], seed=sum(shape) + causal, d=64)
+    out = torch.full(q8.shape, float("nan"), device="cuda", dtype=torch.bfloat16)
+    poison_allocator(8 * q8.numel() * 4)
+    _, lse = kern(q8, k8, v8, 0.125, out=out, return_lse=True, q_descale=descales[0],
+                  k_descale=descales[1], v_descale=descales[2])  # fmt: skip
+    ref_out, ref_lse = fp8_reference(q8, k8, v8, descales, 0.125, causal)
+    check_close(out, lse, ref_out, ref_lse, *_v_stats(v8, descales[2], shape[4]), spec)
+
+
 def _threshold_k_descales(scale: float) -> tuple[float, float]:
     """(below, at): k_descale values whose c' = fl(fl(fl(scale log2 e) 1) k_descale), the
     kernel's roundings (round to nearest, q_descale 1), falls just below and at or above the

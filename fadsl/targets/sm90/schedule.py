@@ -109,6 +109,9 @@ def build_schedule(lowered: Lowered) -> Kernel:
     def loc(role: Role, hop: int):
         return tensors[role].hops[hop].loc
 
+    # a panel's columns: 128-byte rows, or 8-bit head_dim 64's one panel of 64-byte rows
+    panel_cols = min(128 // elem, cfg.head_dim)
+
     def load(role: Role, phase: Phase, lag: int | None) -> Step:
         what = "the tile's Q" if lag is None else f"{role.value}(it{lag:+d})"
         what = what.replace("(it+0)", "(it)")
@@ -117,8 +120,9 @@ def build_schedule(lowered: Lowered) -> Kernel:
             phase=phase,
             accesses=(Access(role.value, Mode.WRITE, Partition.WHOLE),),
             async_kind=TMA_LOAD,
-            title=f"{what}: gmem -> smem (TMA, {rows[role]} rows in {128 // elem}-column "
-            f"panels, 128-byte swizzle)" + ("" if lag is None else " into its ring slot"),
+            title=f"{what}: gmem -> smem (TMA, {rows[role]} rows in {panel_cols}-column "
+            f"panels, {panel_cols * elem}-byte swizzle)"
+            + ("" if lag is None else " into its ring slot"),
             loc=loc(role, 0),
             who=Threads.PRODUCER_THREAD,
             lag=lag,

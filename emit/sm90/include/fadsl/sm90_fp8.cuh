@@ -54,14 +54,16 @@ struct Fp8FwdConfig
   static constexpr float kRescaleSlack = 0.8f;
   static constexpr float kPOffset = 8.f;  // log2 of a row's largest P (FA3's Max_offset)
   static constexpr int kPRegs = kBlockN_ / 8;  // P, four e4m3 a register
-  // Q, K and raw V: panels of 128 one-byte columns (128-byte rows, the 128-byte swizzle)
-  static constexpr int kInPanelCols = 128;
+  // Q, K and raw V: panels of 128 one-byte columns (128-byte rows, the 128-byte swizzle); at
+  // head_dim 64 one panel of 64 (64-byte rows, the 64-byte swizzle)
+  static constexpr int kInPanelCols = kHeadDim_ < 128 ? 64 : 128;
+  static constexpr int kInRowBytes = kInPanelCols;  // (one byte a column)
   static constexpr int kInPanels = kHeadDim_ / kInPanelCols;
   // Vt (head_dim rows of B_c keys): panels of 128 keys (128-byte swizzle), 64 when B_c is not
   // a multiple of 128 (64-byte swizzle)
   static constexpr int kVtPanelKeys = kBlockN_ % 128 == 0 ? 128 : 64;
   static constexpr int kVtBytes = kHeadDim_ * kBlockN_;  // one Vt ring slot
-  static_assert(kHeadDim_ == 128 || kHeadDim_ == 256, "8-bit head_dim 128 or 256 (64 needs the 64-byte swizzle)");
+  static_assert(kHeadDim_ == 64 || kHeadDim_ == 128 || kHeadDim_ == 256, "8-bit head_dim 64, 128 or 256");
   static_assert(kBlockN_ % 64 == 0, "8-bit B_c: a multiple of 64 (whole Vt panels, k32 steps)");
   // transpose_v by transpose_v_lean (two bases, x2 halves): at head_dim 256 the producer has
   // 24 registers (the consumers need 240 of the launch's 384 x 168) and transpose_v_units spills
@@ -96,13 +98,13 @@ __device__ __forceinline__ float fp8_v_descale(const Fp8Descales& D, const TileW
 // 2. Producer steps
 // ---------------------------------------------------------------------------
 
-// The CTA's Q tile, kInPanels panels of 128 one-byte columns; kQBytes land on `bar`.
+// The CTA's Q tile, kInPanels panels of kInPanelCols one-byte columns; kQBytes land on `bar`.
 template <class Cfg>
 __device__ __forceinline__ void load_q8(const FwdParamsSm90& P, uint32_t smem_q, uint32_t bar, const TileWork& w) {
   static_assert(!Cfg::kPackGQA, "pack_gqa with 8-bit dtypes is not built");
 #pragma unroll
   for (int panel = 0; panel < Cfg::kInPanels; ++panel) {
-    tma_load_4d(smem_q + panel * Cfg::kBlockM * Cfg::kRowBytes, &P.tma_q, bar, Cfg::kInPanelCols * panel,
+    tma_load_4d(smem_q + panel * Cfg::kBlockM * Cfg::kInRowBytes, &P.tma_q, bar, Cfg::kInPanelCols * panel,
                 q_row<Cfg>(w, w.m0), w.head, w.batch);
   }
 }
@@ -114,7 +116,7 @@ __device__ __forceinline__ void load_kv8(const CUtensorMap* tmap, uint32_t smem_
   static_assert(Cfg::kPageSize == 0, "a paged kv_cache with 8-bit dtypes is not built");
 #pragma unroll
   for (int panel = 0; panel < Cfg::kInPanels; ++panel) {
-    tma_load_4d(smem_slot + panel * Cfg::kBlockN * Cfg::kRowBytes, tmap, bar, Cfg::kInPanelCols * panel,
+    tma_load_4d(smem_slot + panel * Cfg::kBlockN * Cfg::kInRowBytes, tmap, bar, Cfg::kInPanelCols * panel,
                 kv_row<Cfg>(w, n_block * Cfg::kBlockN), w.head_kv, w.batch);
   }
 }
@@ -134,12 +136,13 @@ __host__ __device__ __forceinline__ constexpr int vt_row_rho(int col) {
   return 16 * (col / 16) + 8 * (col % 2) + 2 * ((col % 16 / 2) % 4) + (col % 16 / 2) / 4;
 }
 
-// The XOR a Vt row's 16-byte chunks take under the panel's swizzle (128-key panels: 128-byte
-// rows, the row % 8; 64-key panels: 64-byte rows, (row % 8) / 2).
-template <int kPanel>
-__device__ __forceinline__ constexpr uint32_t vt_swizzle_xor(int row) {
-  static_assert(kPanel == 128 || kPanel == 64, "Vt panels of 128 keys (128-byte swizzle) or 64 (64-byte)");
-  return 16u * static_cast<uint32_t>(kPanel == 128 ? row % 8 : row % 8 / 2);
+// The XOR a row's 16-byte chunks take under its panel's swizzle: 128-byte rows (Vt's 128-key
+// panels, Q/K/V's 128 columns) the row % 8; 64-byte rows (64-key panels, head_dim 64's Q/K/V)
+// (row % 8) / 2.
+template <int kRowBytes>
+__device__ __forceinline__ constexpr uint32_t row_swizzle_xor(int row) {
+  static_assert(kRowBytes == 128 || kRowBytes == 64, "rows of 128 bytes (128-byte swizzle) or 64 (64-byte)");
+  return 16u * static_cast<uint32_t>(kRowBytes == 128 ? row % 8 : row % 8 / 2);
 }
 
 // The producer warps' transpose of one raw V slot (B_c keys x head_dim bytes, as TMA wrote it)
@@ -154,31 +157,62 @@ template <class Cfg>
 __device__ __forceinline__ void transpose_v_units(uint32_t smem_v_slot, uint32_t smem_vt_slot, int warp, int lane) {
   constexpr int kRows = Cfg::kHeadDim / 4;    // Vt rows of one warp
   constexpr int kPanel = Cfg::kVtPanelKeys;   // Vt's row bytes within a panel
-  constexpr int kRawPanelBytes = Cfg::kBlockN * Cfg::kRowBytes;
+  constexpr int kRawPanelBytes = Cfg::kBlockN * Cfg::kInRowBytes;
   constexpr int kVtPanelBytes = Cfg::kHeadDim * kPanel;
   static_assert(kRows % 32 == 0, "whole 32-column units per warp (head_dim 128 or 256)");
+  static_assert(Cfg::kInRowBytes == 128, "raw rows of 128-byte panels");
   const int m = lane / 8, i = lane % 8;
   // ldmatrix: this lane's raw row in the unit (its swizzle row is i: k0 is a multiple of 8)
-  const uint32_t ld_row = (8 * (m % 2) + i) * Cfg::kRowBytes;
+  const uint32_t ld_row = (8 * (m % 2) + i) * Cfg::kInRowBytes;
   const int ld_col = 16 * (m / 2);
   // stmatrix: this lane's Vt row in the unit (rho; d0 is a multiple of 32), and its swizzle
   const int st_row = vt_row_rho(16 * (m / 2) + 2 * i + m % 2);
-  const uint32_t st_xor = vt_swizzle_xor<kPanel>(st_row);
+  const uint32_t st_xor = row_swizzle_xor<kPanel>(st_row);
 #pragma unroll
   for (int u = 0; u < kRows / 32; ++u) {
     const int d0 = warp * kRows + 32 * u;
     const uint32_t raw = smem_v_slot + (d0 / 128) * kRawPanelBytes + ld_row +
-                         ((static_cast<uint32_t>(d0 % 128 + ld_col)) ^ (16u * i));
+                         ((static_cast<uint32_t>(d0 % 128 + ld_col)) ^ row_swizzle_xor<128>(i));
     const uint32_t vt = smem_vt_slot + (d0 + st_row) * kPanel;
     // a loop, not unrolled: unrolled, ptxas keeps each unit's swizzled Vt address (the XOR
     // below) in a register of its own, and the producer's 24 spill them
 #pragma unroll 1
     for (int k0 = 0; k0 < Cfg::kBlockN; k0 += 16) {
       uint32_t x[4];
-      ldmatrix_x4_trans(raw + k0 * Cfg::kRowBytes, x);
+      ldmatrix_x4_trans(raw + k0 * Cfg::kInRowBytes, x);
       stmatrix_x4(vt + (k0 / kPanel) * kVtPanelBytes + ((k0 % kPanel) ^ st_xor), __byte_perm(x[0], x[1], 0x6420),
                   __byte_perm(x[0], x[1], 0x7531), __byte_perm(x[2], x[3], 0x6420), __byte_perm(x[2], x[3], 0x7531));
     }
+  }
+}
+
+// transpose_v_units at head_dim 64 (raw V rows of 64 bytes, the 64-byte swizzle): a warp's
+// kRows = 16 Vt rows are 16 columns, so a unit is 32 keys x 16 columns (the layout model's
+// NARROW unit): ldmatrix.x4.trans's matrix m reads raw rows k0 + 8m + i at byte d0 = 16 warp
+// (lane 8m + i), and stmatrix.x4's matrix m writes Vt row rho(d0 + 2i + m % 2), 16 keys from
+// k0 + 16(m / 2); the same prmt pairs, so the same key order within each 16 keys. Warp w
+// writes its own Vt rows [16 w, 16 w + 16) of every panel, as for the wide units.
+// tests/fp8_layout_model.py's transpose_v (head_dim 64) is this function, address for address.
+template <class Cfg>
+__device__ __forceinline__ void transpose_v_narrow(uint32_t smem_v_slot, uint32_t smem_vt_slot, int warp, int lane) {
+  constexpr int kPanel = Cfg::kVtPanelKeys;
+  constexpr int kRow = Cfg::kInRowBytes;
+  constexpr int kVtPanelBytes = Cfg::kHeadDim * kPanel;
+  static_assert(Cfg::kHeadDim == 64 && kRow == 64, "head_dim 64: one raw panel of 64-byte rows");
+  static_assert(Cfg::kBlockN % 32 == 0, "whole 32-key units");
+  const int m = lane / 8, i = lane % 8, d0 = 16 * warp;
+  // ldmatrix: raw row k0 + 8m + i (its swizzle row is i: k0 is a multiple of 32), byte d0
+  const uint32_t raw = smem_v_slot + (8 * m + i) * kRow + (static_cast<uint32_t>(d0) ^ row_swizzle_xor<kRow>(i));
+  // stmatrix: Vt row rho(d0 + 2i + m % 2), keys 16(m / 2) past k0 (bits below k0's, so an XOR)
+  const int st_row = vt_row_rho(d0 + 2 * i + m % 2);
+  const uint32_t st_xor = row_swizzle_xor<kPanel>(st_row) ^ (16u * static_cast<uint32_t>(m / 2));
+  const uint32_t vt = smem_vt_slot + st_row * kPanel;
+#pragma unroll 1
+  for (int k0 = 0; k0 < Cfg::kBlockN; k0 += 32) {
+    uint32_t x[4];
+    ldmatrix_x4_trans(raw + k0 * kRow, x);
+    stmatrix_x4(vt + (k0 / kPanel) * kVtPanelBytes + ((k0 % kPanel) ^ st_xor), __byte_perm(x[0], x[1], 0x6420),
+                __byte_perm(x[0], x[1], 0x7531), __byte_perm(x[2], x[3], 0x6420), __byte_perm(x[2], x[3], 0x7531));
   }
 }
 
@@ -209,24 +243,24 @@ template <class Cfg>
 __device__ __forceinline__ void transpose_v_lean(uint32_t smem_v_slot, uint32_t smem_vt_slot) {
   constexpr int kRows = Cfg::kHeadDim / 4;
   constexpr int kPanel = Cfg::kVtPanelKeys;
-  constexpr int kRawPanelBytes = Cfg::kBlockN * Cfg::kRowBytes;
+  constexpr int kRawPanelBytes = Cfg::kBlockN * Cfg::kInRowBytes;
   constexpr int kVtPanelBytes = Cfg::kHeadDim * kPanel;
   constexpr int kKeyUnits = Cfg::kBlockN / 16;
   static_assert(kRows == 64, "head_dim 256: two 32-column units a warp");
-  static_assert(Cfg::kRowBytes == 128, "raw rows of one 128-byte panel");
+  static_assert(Cfg::kInRowBytes == 128, "raw rows of one 128-byte panel");
   uint32_t tid;
   asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(tid));
   const int warp = static_cast<int>(tid / 32 % 4), lane = static_cast<int>(tid % 32);
   const int m = lane / 8 % 2, i = lane % 8;  // lanes 16-31: addresses .x2 ignores
   // the lane's Vt row is 2 i + m past a multiple of 16, so its swizzle is rho(2 i + m)'s
-  const uint32_t st_xor = vt_swizzle_xor<kPanel>(vt_row_rho(2 * i + m));
-  const uint32_t raw0 = smem_v_slot + (warp * kRows / 128) * kRawPanelBytes + (8 * m + i) * Cfg::kRowBytes +
+  const uint32_t st_xor = row_swizzle_xor<kPanel>(vt_row_rho(2 * i + m));
+  const uint32_t raw0 = smem_v_slot + (warp * kRows / 128) * kRawPanelBytes + (8 * m + i) * Cfg::kInRowBytes +
                         ((static_cast<uint32_t>(warp * kRows % 128)) ^ (16u * i));
   const uint32_t vt0 = smem_vt_slot + (warp * kRows + vt_row_rho(2 * i + m)) * kPanel + st_xor;
 #pragma unroll 1
   for (int half = 0; half < 2 * (kRows / 32) * kKeyUnits; ++half) {
     const int c = 16 * (half % 2) + 32 * (half / (2 * kKeyUnits)), k0 = 16 * (half / 2 % kKeyUnits);
-    const uint32_t raw = (raw0 ^ static_cast<uint32_t>(c)) + k0 * Cfg::kRowBytes;
+    const uint32_t raw = (raw0 ^ static_cast<uint32_t>(c)) + k0 * Cfg::kInRowBytes;
     const uint32_t vt = ((vt0 + c * kPanel) ^ static_cast<uint32_t>(k0 % kPanel)) + (k0 / kPanel) * kVtPanelBytes;
     uint32_t x[2];
     ldmatrix_x2_trans(raw, x);
@@ -234,12 +268,14 @@ __device__ __forceinline__ void transpose_v_lean(uint32_t smem_v_slot, uint32_t 
   }
 }
 
-// V(it-1) -> Vt(it-1) by the producer warps: transpose_v_units, or at head_dim 256 the same
-// bytes in fewer registers (transpose_v_lean).
+// V(it-1) -> Vt(it-1) by the producer warps: transpose_v_units, at head_dim 256 the same
+// bytes in fewer registers (transpose_v_lean), at head_dim 64 in narrow units (transpose_v_narrow).
 template <class Cfg>
 __device__ __forceinline__ void transpose_v(uint32_t smem_v_slot, uint32_t smem_vt_slot, int warp, int lane) {
   if constexpr (Cfg::kLeanTranspose) {
     transpose_v_lean<Cfg>(smem_v_slot, smem_vt_slot);
+  } else if constexpr (Cfg::kHeadDim == 64) {
+    transpose_v_narrow<Cfg>(smem_v_slot, smem_vt_slot, warp, lane);
   } else {
     transpose_v_units<Cfg>(smem_v_slot, smem_vt_slot, warp, lane);
   }

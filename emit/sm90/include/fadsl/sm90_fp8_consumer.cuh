@@ -9,33 +9,43 @@ namespace fadsl::sm90 {
 // 3. Consumer steps (one warpgroup, 64 query rows)
 // ---------------------------------------------------------------------------
 
+// The K-major descriptor of a tile of kRowBytes-byte rows: 128 (8-row groups 1,024 bytes
+// apart, the 128-byte swizzle) or 64 (the 64-byte swizzle: descriptor swizzle mode 2, 8-row
+// groups 512 bytes apart), as TMA or the producer warps wrote it.
+template <int kRowBytes>
+__device__ __forceinline__ uint64_t make_desc_kmajor8(uint32_t smem_addr) {
+  if constexpr (kRowBytes == 128) {
+    return make_desc_kmajor_sw128(smem_addr);
+  } else {
+    static_assert(kRowBytes == 64, "rows of 128 or 64 bytes");
+    constexpr uint64_t kSwizzle64B = 2;  // bits 62-63
+    const uint64_t desc = make_smem_desc(smem_addr, 16, 8 * kRowBytes);
+    return (desc & ~(3ull << 62)) | (kSwizzle64B << 62);
+  }
+}
+
 // Issue S = Q K^T (64 x kBlockN) over one K slot: head_dim / 32 k32 wgmma, both operands
-// K-major in 128-byte panels of 128 one-byte columns (4 k32 steps of 32 bytes a panel).
+// K-major in panels of kInPanelCols one-byte columns (128: 4 k32 steps of 32 bytes a panel;
+// head_dim 64's one panel of 64: 2).
 template <class Cfg>
 __device__ __forceinline__ void issue_qk8(float (&s)[Cfg::kSRegs], uint32_t smem_q_wg, uint32_t smem_k_slot) {
   using TIn = typename Cfg::TIn;
-  const uint64_t k0 = make_desc_kmajor_sw128(smem_k_slot);
+  constexpr int kRow = Cfg::kInRowBytes, kStepsPerPanel = kRow / 32;
+  const uint64_t k0 = make_desc_kmajor8<kRow>(smem_k_slot);
 #pragma unroll
   for (int kk = 0; kk < Cfg::kHeadDim / 32; ++kk) {
-    const uint32_t panel = kk / 4, k_bytes = (kk % 4) * 32;
-    const uint64_t desc_q = make_desc_kmajor_sw128(smem_q_wg + panel * Cfg::kBlockM * Cfg::kRowBytes + k_bytes);
-    const uint64_t desc_k = desc_advance(k0, panel * Cfg::kBlockN * Cfg::kRowBytes + k_bytes);
+    const uint32_t panel = kk / kStepsPerPanel, k_bytes = (kk % kStepsPerPanel) * 32;
+    const uint64_t desc_q = make_desc_kmajor8<kRow>(smem_q_wg + panel * Cfg::kBlockM * kRow + k_bytes);
+    const uint64_t desc_k = desc_advance(k0, panel * Cfg::kBlockN * kRow + k_bytes);
     Wgmma8<Cfg::kBlockN>::template ss<TIn, TIn>(s, desc_q, desc_k, kk > 0 ? 1u : 0u);
   }
 }
 
-// The K-major descriptor of a Vt slot (head_dim rows, keys contiguous): 128-byte panels of 128
-// keys (8-row groups 1,024 bytes apart), or 64-byte panels of 64 keys, 64-byte swizzle (descriptor
-// swizzle mode 2, 8-row groups 512 bytes apart), as the producer warps wrote it (transpose_v).
+// The K-major descriptor of a Vt slot (head_dim rows, keys contiguous): panels of 128 keys
+// (128-byte rows) or 64 (64-byte rows), as the producer warps wrote it (transpose_v).
 template <class Cfg>
 __device__ __forceinline__ uint64_t make_desc_vt(uint32_t smem_vt_slot) {
-  if constexpr (Cfg::kVtPanelKeys == 128) {
-    return make_desc_kmajor_sw128(smem_vt_slot);
-  } else {
-    constexpr uint64_t kSwizzle64B = 2;  // bits 62-63
-    const uint64_t desc = make_smem_desc(smem_vt_slot, 16, 8 * Cfg::kVtPanelKeys);
-    return (desc & ~(3ull << 62)) | (kSwizzle64B << 62);
-  }
+  return make_desc_kmajor8<Cfg::kVtPanelKeys>(smem_vt_slot);
 }
 
 // Issue O += P Vt over one Vt slot: kBlockN / 32 RS k32 wgmma, P (e4m3) from registers, Vt

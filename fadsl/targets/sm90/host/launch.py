@@ -19,7 +19,7 @@ from ...launch import (
     sm_count,
 )
 from . import keep_classes
-from .fp8 import FP8_PANEL_COLS, descale_slots, pack_descales
+from .fp8 import descale_slots, fp8_panel_cols, pack_descales
 
 
 def cluster_size(kernel: Kernel) -> int:
@@ -234,7 +234,8 @@ def _pack_fwd_params_sm90(kernel: Kernel, a: Args) -> bytes:
         from .tma import tensor_map
 
         # 8-bit Q, K, V (issue 42): 128 one-byte columns a panel, 128 bytes as 64 two-byte
-        cols = PANEL_COLS if q.element_size() != 1 else FP8_PANEL_COLS
+        # (64 at head_dim 64)
+        cols = PANEL_COLS if q.element_size() != 1 else fp8_panel_cols(cfg.head_dim)
         found = b"".join(
             (
                 tensor_map(q, cols, cfg.block_r),

@@ -3,7 +3,8 @@
 Each (batch, seqlen, heads, head_dim) tensor becomes a 4-D tiled map over (head_dim,
 seqlen, heads, batch) with the tensor's own strides, so strided views (a packed qkv) need
 no copy. A box is ``box_cols`` columns (one panel of 128-byte rows, the 128-byte swizzle's
-span: 64 16-bit elements, 128 8-bit ones) by ``box_rows`` rows of one (head, batch); boxes that reach past seqlen are
+span: 64 16-bit elements, 128 8-bit ones; 8-bit head_dim 64's 64 one-byte columns take the
+64-byte swizzle) by ``box_rows`` rows of one (head, batch); boxes that reach past seqlen are
 zero-filled on load and clipped on store, which is what the kernels' tails rely on.
 
 TMA's rules (cuTensorMapEncodeTiled): the base address 16-byte aligned, every stride but the
@@ -56,6 +57,17 @@ def _constants() -> tuple:
         driver.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
     )
     return driver, types, modes, [driver.cuuint32_t(1)] * 4
+
+
+@functools.cache
+def _swizzle(row_bytes: int):
+    """The swizzle of boxes whose rows are ``row_bytes`` long: 128 bytes (every 16-bit tile,
+    8-bit ones of 128 columns) or 64 (8-bit head_dim 64's Q, K and V)."""
+    driver, _, (_, wide, _, _), _ = _constants()
+    if row_bytes == 128:
+        return wide
+    assert row_bytes == 64, row_bytes
+    return driver.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_64B
 
 
 @functools.cache
@@ -158,8 +170,9 @@ def _encode_dims(
 ) -> bytes:
     """A tiled map of ``dims`` (innermost first) with dimensions 1.. ``byte_strides`` apart;
     boxes of ``box_cols`` x ``box_rows`` x 1 x 1 (or ``box``); ``streamed``: tensor_map's."""
-    driver, types, (interleave, swizzle, _, oob), element_strides = _constants()
+    driver, types, (interleave, _, _, oob), element_strides = _constants()
     l2 = _promotion(streamed)
+    swizzle = _swizzle(box_cols * dtype.itemsize)  # a box's row: the swizzle's span
     u64, u32 = driver.cuuint64_t, driver.cuuint32_t
     rank = len(dims)
     tmap = _check(
