@@ -111,6 +111,9 @@ fi
 if [[ -d .fa4b && -f /tmp/fa4/lib.part00 ]]; then
   source .fa4b/install.sh || status=1
 fi
+# for commands after this script in the same call (`source /tmp/fadsl-env.sh`): the installed
+# packages, FA4's CuTe DSL folders when it was installed, fadsl's cubin cache
+printf 'export PYTHONPATH=%q:%q FADSL_CACHE_DIR=%q\n' "$PYTHONPATH" "$PWD" "$FADSL_CACHE_DIR" > /tmp/fadsl-env.sh
 if [[ $steps == *" numerics "* ]]; then
   python3 -P -m pytest -q -m gpu tests/test_gpu_numerics.py -p no:cacheprovider --durations=5 --timeout=300 -rs 2>&1 | tee "$OUT/pytest_numerics.log" | tail -25
   status=$((status | ${PIPESTATUS[0]}))

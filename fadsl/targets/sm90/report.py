@@ -57,6 +57,13 @@ def _on(flag: bool) -> str:
     return "on" if flag else "off"
 
 
+def narrow_rows_note(cfg) -> str:
+    """8-bit head_dim 64: Q, K and raw V rows are 64 bytes, which take the 64-byte swizzle."""
+    if cfg.dtypes[0].is_8bit and cfg.head_dim * cfg.dtypes[0].nbytes < 128:
+        return f"; Q, K and raw V: {cfg.head_dim * cfg.dtypes[0].nbytes}-byte rows, 64B"
+    return ""
+
+
 def check_lines(kernel: Kernel, lines: list[tuple[str, str]]) -> list[tuple[str, str]]:
     cfg = kernel.config
     hw = cfg.ext
@@ -67,7 +74,7 @@ def check_lines(kernel: Kernel, lines: list[tuple[str, str]]) -> list[tuple[str,
     )
     replaced = {
         "warps": f"{cfg.warps} ({cfg.threads} threads: {1 + hw.consumers} warpgroups)",
-        "swizzle": f"{hw.swizzle_bytes}B (TMA writes it, wgmma reads it)",
+        "swizzle": f"{hw.swizzle_bytes}B (TMA writes it, wgmma reads it)" + narrow_rows_note(cfg),
         "smem": f"{kernel.smem_bytes} bytes (Q, K ring, V ring, {mbarrier_count(kernel)} "
         f"mbarriers; O {'over the dead V ring' if o_over_rings(kernel) else 'in its own bytes'})",
     }
