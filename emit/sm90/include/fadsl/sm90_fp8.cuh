@@ -186,7 +186,7 @@ __device__ __forceinline__ void transpose_v_units(uint32_t smem_v_slot, uint32_t
   }
 }
 
-// transpose_v_units at head_dim 64 (raw V rows of 64 bytes, the 64-byte swizzle): a warp's
+// transpose_v_units' counterpart at head_dim 64 (raw V rows of 64 bytes, the 64-byte swizzle): a warp's
 // kRows = 16 Vt rows are 16 columns, so a unit is 32 keys x 16 columns (the layout model's
 // NARROW unit): ldmatrix.x4.trans's matrix m reads raw rows k0 + 8m + i at byte d0 = 16 warp
 // (lane 8m + i), and stmatrix.x4's matrix m writes Vt row rho(d0 + 2i + m % 2), 16 keys from
