@@ -27,7 +27,7 @@ HDIM256 = "examples/fa3_hdim256.fa"
 def test_the_host_launches_the_split_kernels(monkeypatch):
     calls = []
 
-    def fake_encode(ptr, dtype, shape, strides, element_size, box_cols, box_rows):
+    def fake_encode(ptr, dtype, shape, strides, element_size, box_cols, box_rows, streamed=False):
         calls.append((tuple(shape), box_cols, box_rows))
         return bytes(tma.MAP_BYTES)
 

@@ -175,7 +175,7 @@ def test_sm90_pack_places_the_maps_and_params(monkeypatch):
 
     calls = []
 
-    def fake_encode(ptr, dtype, shape, strides, element_size, box_cols, box_rows):
+    def fake_encode(ptr, dtype, shape, strides, element_size, box_cols, box_rows, streamed=False):
         calls.append((ptr, tuple(shape), tma.tma_strides(shape, strides, element_size)))
         calls[-1] += (box_cols, box_rows)
         return bytes([len(calls)]) * tma.MAP_BYTES
