@@ -181,7 +181,7 @@ extern "C" __global__ void __launch_bounds__(Cfg::kThreads, 1) document_causal_f
   } else {
     // ===================== consumer warpgroups =====================
     const int wg = warpgroup - 1;
-    const uint32_t smem_q_wg = smem_q + wg * 64 * Cfg::kRowBytes;
+    const uint32_t smem_q_wg = smem_q + wg * 64 * Cfg::kInRowBytes;
     const uint32_t smem_o_wg = smem + Cfg::kOffO + wg * 64 * Cfg::kRowBytes;
     const float scale_log2 = P.base.softmax_scale * 1.4426950408889634f;
     float o[Cfg::kORegs];

@@ -146,8 +146,8 @@ extern "C" __global__ void __launch_bounds__(Cfg::kThreads, 1) fa3_hdim64_causal
     const int wg = warpgroup - 1;
     // the warpgroup's 64 rows of each of Q's 2 slots; each tile selects one (a
     // select, not a multiply by the slot: so ptxas keeps the mainloop as with one slot)
-    const uint32_t smem_q_wg_slot0 = smem_q + 0 * Cfg::kQBytes + wg * 64 * Cfg::kRowBytes;
-    const uint32_t smem_q_wg_slot1 = smem_q + 1 * Cfg::kQBytes + wg * 64 * Cfg::kRowBytes;
+    const uint32_t smem_q_wg_slot0 = smem_q + 0 * Cfg::kQBytes + wg * 64 * Cfg::kInRowBytes;
+    const uint32_t smem_q_wg_slot1 = smem_q + 1 * Cfg::kQBytes + wg * 64 * Cfg::kInRowBytes;
     const uint32_t smem_o_wg = smem + Cfg::kOffO + wg * 64 * Cfg::kRowBytes;
     const float scale_log2 = P.base.softmax_scale * 1.4426950408889634f;
     float o[Cfg::kORegs];

@@ -180,7 +180,7 @@ extern "C" __global__ void __launch_bounds__(Cfg::kThreads, 1) prefix_lm_alibi_b
   } else {
     // ===================== consumer warpgroups =====================
     const int wg = warpgroup - 1;
-    const uint32_t smem_q_wg = smem_q + wg * 64 * Cfg::kRowBytes;
+    const uint32_t smem_q_wg = smem_q + wg * 64 * Cfg::kInRowBytes;
     const uint32_t smem_o_wg = smem + Cfg::kOffO + wg * 64 * Cfg::kRowBytes;
     // log2 e: apply_score leaves S in natural units (s = S softmax_scale), the modified score
     const float scale_log2 = 1.4426950408889634f;

@@ -205,7 +205,7 @@ def test_a_loaded_spec_writes_a_poisoned_out_and_fp16_through_fadsl_attention(sp
 
 # head_dim 64 (examples/fa3_fp8_hdim64.fa and its causal twin: 64-byte rows, the 64-byte
 # swizzle, transpose_v_narrow; not yet fadsl.attention's): a single key, ragged tails, the
-# causal diagonal off the tile grid, GQA, MQA, and rows of many 256-key blocks
+# causal diagonal off the tile grid, GQA, MQA, and rows of many key blocks
 SHAPES_64 = [
     (1, 1, 1, 2, 2),
     (2, 127, 300, 4, 4),

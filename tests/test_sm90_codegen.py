@@ -314,7 +314,7 @@ def test_q_slots_render_a_ring_of_tiles():
     # selected inside it (a select, not a multiply: ptxas then keeps the mainloop's schedule)
     loop = text.index("for (int step = 0, tile;", text.index("consumer warpgroups"))
     for s in (0, 1):
-        base = f"smem_q_wg_slot{s} = smem_q + {s} * Cfg::kQBytes + wg * 64 * Cfg::kRowBytes;"
+        base = f"smem_q_wg_slot{s} = smem_q + {s} * Cfg::kQBytes + wg * 64 * Cfg::kInRowBytes;"
         assert text.index(base) < loop
     select = "smem_q_wg = (tile_count & 1) ? smem_q_wg_slot1 : smem_q_wg_slot0;"
     assert loop < text.index(select)

@@ -173,6 +173,7 @@ struct FwdConfig {
   // SMEM plan: tiles are column panels of 64 elements (128-byte rows, 128-byte swizzle).
   static constexpr int kPanels = kHeadDim / 64;
   static constexpr int kRowBytes = 128;
+  static constexpr int kInRowBytes = kRowBytes;  // Q, K, V rows in a panel (8-bit head_dim 64: 64)
   static constexpr int kQBytes = kBlockM * kHeadDim * kInBytes;
   static constexpr int kKVBytes = kBlockN * kHeadDim * kInBytes;  // one ring slot of K or of V
   static constexpr int kOBytes = kBlockM * kHeadDim * 2;

@@ -57,7 +57,7 @@ struct Fp8FwdConfig
   // Q, K and raw V: panels of 128 one-byte columns (128-byte rows, the 128-byte swizzle); at
   // head_dim 64 one panel of 64 (64-byte rows, the 64-byte swizzle)
   static constexpr int kInPanelCols = kHeadDim_ < 128 ? 64 : 128;
-  static constexpr int kInRowBytes = kInPanelCols;  // (one byte a column)
+  static constexpr int kInRowBytes = kInPanelCols;  // (one byte a column; FwdConfig's 128 otherwise)
   static constexpr int kInPanels = kHeadDim_ / kInPanelCols;
   // Vt (head_dim rows of B_c keys): panels of 128 keys (128-byte swizzle), 64 when B_c is not
   // a multiple of 128 (64-byte swizzle)

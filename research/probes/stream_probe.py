@@ -190,14 +190,12 @@ extern "C" __global__ void __launch_bounds__(256) ldg(const __grid_constant__ Pr
 def use_l2_promotion(name: str) -> None:
     """Encode the TMA maps with CU_TENSOR_MAP_L2_PROMOTION_<name> (NONE, L2_64B, L2_128B,
     L2_256B: fadsl's) instead of fadsl's; `--l2` (does the promotion cost the TMA path?)."""
+    from fadsl.cudadriver import driver
     from fadsl.targets.sm90.host import tma
 
-    driver, types, modes, strides = tma._constants()
-    promotion = getattr(driver.CUtensorMapL2promotion, f"CU_TENSOR_MAP_L2_PROMOTION_{name}")
-    chosen = (driver, types, (modes[0], modes[1], promotion, modes[3]), strides)
-    tma._constants = lambda: chosen
+    promotion = getattr(driver().CUtensorMapL2promotion, f"CU_TENSOR_MAP_L2_PROMOTION_{name}")
+    tma._promotion = lambda streamed: promotion
     tma._encoded.clear()
-    tma._promotion.cache_clear()
 
 
 def params(k, v, table, sink, heads, splits, blocks) -> bytes:

@@ -42,6 +42,16 @@ HEAD_DIMS = (64, 128, 256)
 MAX_CONSUMERS = 3
 ROWS_PER_CONSUMER = 64  # wgmma's M
 PANEL_COLUMNS = 64  # a TMA box's columns: 128 bytes of 16-bit elements, the swizzle's span
+SWIZZLE_BYTES = 128  # the widest swizzle's span: a tile's rows are panels of at most this
+
+
+def panel_columns(head_dim: int, elem_bytes: int) -> int:
+    """The columns of a Q, K or V panel (a TMA box, a K-major wgmma operand): 128 bytes of
+    elements, or the whole row where it is shorter (8-bit head_dim 64: 64 bytes, which take the
+    64-byte swizzle; fadsl/sm90_fp8.cuh's kInPanelCols, host/tma.py's _swizzle)."""
+    return min(SWIZZLE_BYTES // elem_bytes, head_dim)
+
+
 NAMED_BARRIERS = 16  # ids 0..15; 0 is __syncthreads
 
 # Asynchronous operations: what they access after the issuing instruction returns.

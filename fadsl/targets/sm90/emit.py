@@ -351,8 +351,6 @@ def context(kernel: Kernel, dtype: Dtype) -> dict[str, Any]:
         "q_slots": bufs["Q"].slots,
         "q_slot": tile_slot_expr(bufs["Q"].slots),
         "q_slot_bases": q_slot_bases(bufs["Q"].slots),
-        # a Q row's bytes in its panel: 8-bit rows are head_dim 64's 64 bytes (Fp8FwdConfig)
-        "q_row_bytes": "Cfg::kInRowBytes" if dtype.is_8bit else "Cfg::kRowBytes",
         "q_slot_select": q_slot_select(bufs["Q"].slots),
         "q_full": render.bar("q_full", None),
         # tail split_kv: the scheduler of work items (whole tiles, then pieces of the last

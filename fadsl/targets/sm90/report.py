@@ -26,6 +26,7 @@ from .caps import (
     ROWS_PER_CONSUMER,
     WARPGROUP_THREADS,
     launch_registers,
+    panel_columns,
     register_pool,
     registers_asked,
 )
@@ -58,10 +59,9 @@ def _on(flag: bool) -> str:
 
 
 def narrow_rows_note(cfg) -> str:
-    """8-bit head_dim 64: Q, K and raw V rows are 64 bytes, which take the 64-byte swizzle."""
-    if cfg.dtypes[0].is_8bit and cfg.head_dim * cfg.dtypes[0].nbytes < 128:
-        return f"; Q, K and raw V: {cfg.head_dim * cfg.dtypes[0].nbytes}-byte rows, 64B"
-    return ""
+    """Rows shorter than the swizzle's span (8-bit head_dim 64: 64 bytes) take a narrower one."""
+    row = panel_columns(cfg.head_dim, cfg.dtypes[0].nbytes) * cfg.dtypes[0].nbytes
+    return f"; Q, K and raw V: {row}-byte rows, {row}B" if row < cfg.ext.swizzle_bytes else ""
 
 
 def check_lines(kernel: Kernel, lines: list[tuple[str, str]]) -> list[tuple[str, str]]:

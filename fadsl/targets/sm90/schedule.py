@@ -40,7 +40,7 @@ from __future__ import annotations
 from ...ir import Access, Buffer, Kernel, Mode, Partition, Phase, Role, Scope, Step, Threads
 from ...ir.lowered import Lowered
 from ...ir.ops import Move, Op
-from .caps import TMA_LOAD, TMA_STORE, WGMMA
+from .caps import TMA_LOAD, TMA_STORE, WGMMA, panel_columns
 
 # The transposed V ring of 8-bit kernels (no tensor of its own: V's second SMEM level)
 VT = "Vt"
@@ -109,8 +109,7 @@ def build_schedule(lowered: Lowered) -> Kernel:
     def loc(role: Role, hop: int):
         return tensors[role].hops[hop].loc
 
-    # a panel's columns: 128-byte rows, or 8-bit head_dim 64's one panel of 64-byte rows
-    panel_cols = min(128 // elem, cfg.head_dim)
+    panel_cols = panel_columns(cfg.head_dim, elem)
 
     def load(role: Role, phase: Phase, lag: int | None) -> Step:
         what = "the tile's Q" if lag is None else f"{role.value}(it{lag:+d})"

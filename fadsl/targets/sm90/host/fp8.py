@@ -5,9 +5,8 @@ descale of 1; and the slots a launch plan rewrites in it.
 
 FwdParamsSm90, its packing and its slots stay the 16-bit kernels' (host/launch.py): an 8-bit
 kernel's Q, K and V maps differ only in their box, 128 one-byte columns (one 128-byte panel,
-as load_q8 and load_kv8 read it; 64 at head_dim 64, with the 64-byte swizzle) instead of 64
-two-byte ones; O is 16-bit and keeps its
-64 x 64 boxes. tests/test_fp8_host.py checks the layout against the C++ struct.
+as load_q8 and load_kv8 read it; 64 at head_dim 64, with the 64-byte swizzle: caps.py's
+panel_columns) instead of 64 two-byte ones; O is 16-bit and keeps its 64 x 64 boxes. tests/test_fp8_host.py checks the layout against the C++ struct.
 """
 
 from __future__ import annotations
@@ -25,16 +24,6 @@ DESCALES_FIELDS = (
     *(f"{t}_{d}_stride" for t in "qkv" for d in ("batch", "head")),
 )
 DESCALE_SOURCES = ("q_descale", "k_descale", "v_descale")  # a plan's names for their addresses
-# An 8-bit tile's panel: 128 one-byte columns (128-byte rows, the 128-byte swizzle's span);
-# head_dim 64's one panel of 64 (64-byte rows, the 64-byte swizzle: Fp8FwdConfig's kInPanelCols)
-FP8_PANEL_COLS = 128
-
-
-def fp8_panel_cols(head_dim: int) -> int:
-    """The columns of an 8-bit Q, K or V box (tma.py picks the swizzle from its bytes)."""
-    return min(head_dim, FP8_PANEL_COLS)
-
-
 _NONE = (None, None, None)
 
 

@@ -19,7 +19,8 @@ from ...launch import (
     sm_count,
 )
 from . import keep_classes
-from .fp8 import descale_slots, fp8_panel_cols, pack_descales
+from ..caps import panel_columns
+from .fp8 import descale_slots, pack_descales
 
 
 def cluster_size(kernel: Kernel) -> int:
@@ -152,7 +153,7 @@ _SM90_PAD = bytes(SM90_PARAMS_BYTES - VARLEN_OFFSET - VARLEN_TAIL.size)
 INPUTS = struct.Struct("<8Q")
 INPUTS_OFFSET = VARLEN_OFFSET + VARLEN_TAIL.size + struct.calcsize("<QQii")
 # The kernels move tiles as 64-column panels (128-byte rows, the 128-byte swizzle's span;
-# 8-bit Q, K, V: 128 columns, host/fp8.py), and each consumer warpgroup stores its own 64
+# 8-bit Q, K, V: caps.panel_columns), and each consumer warpgroup stores its own 64
 # rows of O.
 PANEL_COLS = 64
 O_BOX_ROWS = 64
@@ -233,9 +234,8 @@ def _pack_fwd_params_sm90(kernel: Kernel, a: Args) -> bytes:
     if found is None:
         from .tma import tensor_map
 
-        # 8-bit Q, K, V (issue 42): 128 one-byte columns a panel, 128 bytes as 64 two-byte
-        # (64 at head_dim 64)
-        cols = PANEL_COLS if q.element_size() != 1 else fp8_panel_cols(cfg.head_dim)
+        # Q, K, V: 64 two-byte columns a panel, or 128 one-byte ones (issue 42; 64 at head_dim 64)
+        cols = panel_columns(cfg.head_dim, q.element_size())
         found = b"".join(
             (
                 tensor_map(q, cols, cfg.block_r),

@@ -51,8 +51,6 @@ def _constants() -> tuple:
     }
     modes = (
         driver.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
-        driver.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
-        driver.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
         # NONE fills out-of-bounds elements with zeros (NAN_REQUEST_ZERO_FMA would give NaN)
         driver.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
     )
@@ -63,18 +61,24 @@ def _constants() -> tuple:
 def _swizzle(row_bytes: int):
     """The swizzle of boxes whose rows are ``row_bytes`` long: 128 bytes (every 16-bit tile,
     8-bit ones of 128 columns) or 64 (8-bit head_dim 64's Q, K and V)."""
-    driver, _, (_, wide, _, _), _ = _constants()
-    if row_bytes == 128:
-        return wide
-    assert row_bytes == 64, row_bytes
-    return driver.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_64B
+    swizzles = _driver().CUtensorMapSwizzle
+    assert row_bytes in (128, 64), row_bytes
+    return (
+        swizzles.CU_TENSOR_MAP_SWIZZLE_128B
+        if row_bytes == 128
+        else swizzles.CU_TENSOR_MAP_SWIZZLE_64B
+    )
 
 
 @functools.cache
 def _promotion(streamed: bool):
     """The L2 promotion of a map: none for a streamed (read-once) tensor, else 256 bytes."""
-    driver, _, (_, _, shared, _), _ = _constants()
-    return driver.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_NONE if streamed else shared
+    promotions = _driver().CUtensorMapL2promotion
+    return (
+        promotions.CU_TENSOR_MAP_L2_PROMOTION_NONE
+        if streamed
+        else promotions.CU_TENSOR_MAP_L2_PROMOTION_L2_256B
+    )
 
 
 @functools.cache
@@ -170,8 +174,7 @@ def _encode_dims(
 ) -> bytes:
     """A tiled map of ``dims`` (innermost first) with dimensions 1.. ``byte_strides`` apart;
     boxes of ``box_cols`` x ``box_rows`` x 1 x 1 (or ``box``); ``streamed``: tensor_map's."""
-    driver, types, (interleave, _, _, oob), element_strides = _constants()
-    l2 = _promotion(streamed)
+    driver, types, (interleave, oob), element_strides = _constants()
     swizzle = _swizzle(box_cols * dtype.itemsize)  # a box's row: the swizzle's span
     u64, u32 = driver.cuuint64_t, driver.cuuint32_t
     rank = len(dims)
@@ -187,7 +190,7 @@ def _encode_dims(
             [u32(1)] * rank,
             interleave,
             swizzle,
-            l2,
+            _promotion(streamed),
             oob,
         ),
         f"encoding a TMA descriptor (cuTensorMapEncodeTiled) for dimensions {tuple(dims)}, "
