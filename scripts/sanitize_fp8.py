@@ -8,8 +8,7 @@ synccheck, memcheck):
 The shipped examples (examples/fa3_fp8_hdim128*.fa) through fadsl.attention, both 8-bit
 dtypes, O in bf16 and fp16, descales per (batch, head), per tensor and none; head_dim 256
 (examples/fa3_fp8_hdim256*.fa: 128 x 128 and, causal, 128 x 64) in e4m3; head_dim 64
-(examples/fa3_fp8_hdim64*.fa, 128 x 256 and, causal, 128 x 192, loaded: not yet
-fadsl.attention's) in both; and the 8-bit
+(examples/fa3_fp8_hdim64*.fa, 128 x 256 and, causal, 128 x 192, loaded) in both; and the 8-bit
 test specs that build without spills (tests/specs/fp8/: one consumer warpgroup with one stage,
 O in fp16), loaded, with out=. Shapes: tails of every block size (B_r 128 or 64, B_c 192 or
 128), a single query, more keys than queries and fewer, GQA; the LSE written too."""

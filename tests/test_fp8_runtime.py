@@ -89,23 +89,21 @@ def test_out_dtype_fp16_runs_the_output_fp16_variant(device):
 
 def test_the_shipped_8bit_table_names_examples_with_both_dtypes():
     target = get("sm_90a")
-    assert set(target.shipped_fp8) == {(128, False), (128, True), (256, False), (256, True)}
+    assert set(target.shipped_fp8) == {(d, c) for d in (64, 128, 256) for c in (False, True)}
     for (head_dim, causal), name in target.shipped_fp8.items():
         kern = fadsl.load(ROOT / "examples" / f"{name}.fa", verbose=False)
         cfg = kern.config
         assert cfg.head_dim == head_dim and (cfg.mask.value == "causal") == causal
         assert [d.value for d in cfg.dtypes] == ["e4m3", "e5m2"]
         assert cfg.out_dtype.value == "bf16"
-    assert set(target.fp8_unshipped) == {64}
     assert not get("sm_80").shipped_fp8
 
 
 @pytest.mark.parametrize(
     "head_dim, causal, why",
     [
-        (64, False, "not yet checked on a GPU"),
-        (64, True, "examples/fa3_fp8_hdim64.fa"),
-        (96, False, "head_dim 128"),
+        (96, False, "8-bit head_dim 64, 128, 256 with causal=False)"),
+        (32, True, "8-bit head_dim 64, 128, 256 with causal=True)"),
     ],
 )
 def test_an_unshipped_head_dim_is_named_with_why(device, head_dim, causal, why):

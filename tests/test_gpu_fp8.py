@@ -132,7 +132,8 @@ SHAPES_256 = [
     (1, 200, 1111, 2, 2),
     (1, 2048, 2048, 4, 4),
 ]
-CASES = [(128, s) for s in SHAPES] + [(256, s) for s in SHAPES_256]
+# head_dim 64 through fadsl.attention (the loaded examples: SHAPES_64's test below)
+CASES = [(128, s) for s in SHAPES] + [(256, s) for s in SHAPES_256] + [(64, SHAPES[1])]
 
 
 @pytest.mark.parametrize("head_dim, shape", CASES, ids=[f"d{d}-{_ids(s)}" for d, s in CASES])
@@ -180,7 +181,14 @@ def test_every_descale_layout_is_read_as_given(name, layout):
 
 @pytest.mark.parametrize(
     "spec",
-    ["fa3_fp8_hdim128", "fa3_fp8_hdim128_causal", "fa3_fp8_hdim256", "fa3_fp8_hdim256_causal"],
+    [
+        "fa3_fp8_hdim64",
+        "fa3_fp8_hdim64_causal",
+        "fa3_fp8_hdim128",
+        "fa3_fp8_hdim128_causal",
+        "fa3_fp8_hdim256",
+        "fa3_fp8_hdim256_causal",
+    ],
 )
 def test_a_loaded_spec_writes_a_poisoned_out_and_fp16_through_fadsl_attention(spec):
     """The loaded example with out= NaN-filled (every element written), and fadsl.attention's
@@ -204,7 +212,7 @@ def test_a_loaded_spec_writes_a_poisoned_out_and_fp16_through_fadsl_attention(sp
 
 
 # head_dim 64 (examples/fa3_fp8_hdim64.fa and its causal twin: 64-byte rows, the 64-byte
-# swizzle, transpose_v_narrow; not yet fadsl.attention's): a single key, ragged tails, the
+# swizzle, transpose_v_narrow; fadsl.attention's since 2026-12-04): a single key, ragged tails, the
 # causal diagonal off the tile grid, GQA, MQA, and rows of many key blocks
 SHAPES_64 = [
     (1, 1, 1, 2, 2),

@@ -91,7 +91,7 @@ def attention_kernel(q, causal: bool, window_size=(-1, -1), softcap=0.0) -> Flas
 def shipped_fp8_spec(capability: tuple[int, int], head_dim: int, causal: bool, dtype) -> str:
     """The 8-bit example (its name under examples/) that fadsl.attention runs on 8-bit q of
     ``dtype`` on a GPU of ``capability`` (``Target.shipped_fp8``); ValueError naming the
-    unsupported combination and why (``Target.fp8_unshipped``)."""
+    unsupported combination and the head_dims there are."""
     candidates = _candidates(capability)
     for target in candidates:
         name = target.shipped_fp8.get((head_dim, causal))
@@ -100,12 +100,11 @@ def shipped_fp8_spec(capability: tuple[int, int], head_dim: int, causal: bool, d
     gpu = f"compute capability {capability[0]}.{capability[1]}"
     mask = "causal=True" if causal else "causal=False"
     dims = sorted({d for t in candidates for d, c in t.shipped_fp8 if c == causal})
-    why = [t.fp8_unshipped[head_dim] for t in candidates if head_dim in t.fp8_unshipped]
     needs = "" if dims else "; " + _fp8_targets()
     raise ValueError(
         f"q is {dtype} with q.shape[-1] (head_dim) = {head_dim} and {mask}: no shipped 8-bit "
         f"spec covers it on a GPU of {gpu} (8-bit head_dim {', '.join(map(str, dims)) or 'none'}"
-        f" with {mask}{needs})" + (f"; head_dim {head_dim}: {why[0]}" if why else "")
+        f" with {mask}{needs})"
     )
 
 

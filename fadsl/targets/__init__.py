@@ -169,10 +169,8 @@ class Target:
         default_factory=dict
     )
     # fadsl.attention's 8-bit specs (issue 42): (head_dim, causal) -> an example's name, whose
-    # `dtype` line holds both 8-bit dtypes; and why a head_dim has none yet (named in the
-    # call's error)
+    # `dtype` line holds both 8-bit dtypes
     shipped_fp8: Mapping[tuple[int, bool], str] = dataclasses.field(default_factory=dict)
-    fp8_unshipped: Mapping[int, str] = dataclasses.field(default_factory=dict)
     # fadsl.attention_varlen / attention_with_kvcache: ("varlen" or "kvcache", head_dim) -> a
     # serving spec (examples/serving/NAME.fa) whose mask, softcap and cache lines a call sets
     shipped_serving: Mapping[tuple[str, int], str] = dataclasses.field(default_factory=dict)

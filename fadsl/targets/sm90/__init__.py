@@ -25,7 +25,6 @@ from .caps import BACKWARD_TRACE_HEADER, CAPABILITIES, SYNC_MODEL, TRACE_HEADER
 from .config import read_config
 from .settings import PAGE_SIZES, SETTINGS, TMA_SWIZZLE
 from .emit import TEMPLATE, context
-from .fp8 import UNSHIPPED
 from .host.kvcache import plan_kvcache
 from .host.launch import LAUNCH
 from .host.varlen import MAX_SEQUENCES, plan_varlen
@@ -114,14 +113,17 @@ TARGET = Target(
     # spills, NVRTC 13.5, and ran on an H200, 2026-11-30) and head_dim 256 without a mask (0
     # spills; tests/test_gpu_fp8.py's loaded-spec test passed on an H200, 2026-11-30) and
     # head_dim 256 causal on 128 x 64 tiles (0 spills, NVRTC 13.5; tests/test_gpu_fp8.py on
-    # an H200, 2026-12-03); fp8.UNSHIPPED says why 64 has none yet
+    # an H200, 2026-12-03); head_dim 64 with 64-byte rows and the 64-byte swizzle, 128 x 256
+    # and, causal, 128 x 192 (0 spills; tests/test_gpu_fp8.py's head_dim 64 cases and
+    # compute-sanitizer clean on an H200, 2026-12-04)
     shipped_fp8={
+        (64, False): "fa3_fp8_hdim64",
+        (64, True): "fa3_fp8_hdim64_causal",
         (128, False): "fa3_fp8_hdim128",
         (128, True): "fa3_fp8_hdim128_causal",
         (256, False): "fa3_fp8_hdim256",
         (256, True): "fa3_fp8_hdim256_causal",
     },
-    fp8_unshipped=UNSHIPPED,
     # fadsl.attention_varlen and attention_with_kvcache (docs/serving.md)
     shipped_serving={
         ("varlen", 64): "fa3_varlen_hdim64",

@@ -147,12 +147,3 @@ def refuse_unbuilt(cfg: Config) -> None:
                 )
             ]
         )
-
-
-# fadsl.attention's 8-bit head_dims without a shipped spec (Target.fp8_unshipped), and why
-UNSHIPPED = {
-    64: (
-        "its kernels (examples/fa3_fp8_hdim64.fa, fa3_fp8_hdim64_causal.fa: the 64-byte swizzle) "
-        "are built but not yet checked on a GPU; fadsl.load one of them to run it"
-    ),
-}
