@@ -5,13 +5,14 @@ synccheck, memcheck):
 
 (`256`: the head_dim 256 kernels only; `64`: the head_dim 64 examples only.)
 
-The shipped examples (examples/fa3_fp8_hdim128*.fa) through fadsl.attention, both 8-bit
-dtypes, O in bf16 and fp16, descales per (batch, head), per tensor and none; head_dim 256
-(examples/fa3_fp8_hdim256*.fa: 128 x 128 and, causal, 128 x 64) in e4m3; head_dim 64
-(examples/fa3_fp8_hdim64*.fa, 128 x 256 and, causal, 128 x 192, loaded) in both; and the 8-bit
-test specs that build without spills (tests/specs/fp8/: one consumer warpgroup with one stage,
-O in fp16), loaded, with out=. Shapes: tails of every block size (B_r 128 or 64, B_c 192 or
-128), a single query, more keys than queries and fewer, GQA; the LSE written too."""
+The shipped examples (examples/fa3_fp8_hdim128*.fa, their 128 x 128 short twins up to 1024
+queries) through fadsl.attention, both 8-bit dtypes, O in bf16 and fp16, descales per (batch,
+head), per tensor and none; head_dim 256 (examples/fa3_fp8_hdim256*.fa: 128 x 128 and, causal,
+128 x 64) in e4m3; head_dim 64 (examples/fa3_fp8_hdim64*.fa, 128 x 256 and, causal, 128 x 192
+and 128 x 128, loaded) in both; and the 8-bit test specs that build without spills
+(tests/specs/fp8/: one consumer warpgroup with one stage, O in fp16), loaded, with out=.
+Shapes: tails of every block size (B_r 128 or 64, B_c 192 or 128), a single query, more keys
+than queries and fewer, GQA; the LSE written too."""
 
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ import torch
 import fadsl
 
 ROOT = Path(__file__).resolve().parents[1]
-SHAPES = ((1, 1, 1), (2, 70, 333), (1, 333, 70), (2, 300, 1100))  # (batch, seqlen_q, seqlen_k)
+# (batch, seqlen_q, seqlen_k); 1030 queries: fadsl.attention's long specs (past 1024)
+SHAPES = ((1, 1, 1), (2, 70, 333), (1, 333, 70), (2, 300, 1100), (1, 1030, 200))
 HEADS, HEADS_KV, HEAD_DIM = 4, 2, 128
 DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 # the head_dim 128 test specs (these inputs are head_dim 128)
@@ -47,6 +49,8 @@ def descales(batch: int, kind: int):
     return tuple(torch.rand(batch, HEADS_KV, device="cuda") + 0.5 for _ in range(3))
 
 
+# the head_dim 64 examples, loaded
+HEAD_DIM_64 = ("fa3_fp8_hdim64", "fa3_fp8_hdim64_causal", "fa3_fp8_hdim64_causal_short")
 # the parts a run covers: the shipped head_dim 128 calls and the test specs, 256, 64
 PARTS = {"": {"128", "256", "64"}, "256": {"256"}, "64": {"64"}}[" ".join(sys.argv[1:])]
 
@@ -72,7 +76,7 @@ with torch.no_grad():
             torch.cuda.synchronize()
             print(f"fadsl.attention e4m3 d 256 causal={causal} {batch}x{sq}x{sk}: ran, "
                   f"finite={bool(out.isfinite().all())}")  # fmt: skip
-    for spec in ("fa3_fp8_hdim64", "fa3_fp8_hdim64_causal") if "64" in PARTS else ():
+    for spec in HEAD_DIM_64 if "64" in PARTS else ():
         kern = fadsl.load(ROOT / "examples" / f"{spec}.fa", verbose=False)
         for dtype in kern.config.dtypes:
             for i, (batch, sq, sk) in enumerate(SHAPES):

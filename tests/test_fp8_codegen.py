@@ -194,7 +194,12 @@ def test_fp8_sass_has_qgmma_k32_in_the_mainloop(spec, cache):
         loops = [lp for lp in sass.mainloops(text) if lp.count("QGMMA")]
         assert loops, "no mainloop with QGMMA"
         body = loops[0]
-        qk = sum(1 for i in body.instructions if i.startswith(f"QGMMA.64x{bc}x32.F32.{t}.{t} "))
-        pv = sum(1 for i in body.instructions if i.startswith(f"QGMMA.64x{d}x32.F32.E4M3.{t} "))
+        # S's operands are both descriptors (`R.., gdesc[..], ..`), P V's A is registers
+        # (`R.., R.., gdesc[..], ..`): the two shapes are one at B_c = head_dim
+        mma = [i for i in body.instructions if i.startswith("QGMMA")]
+        ss = [i for i in mma if i.split(", ")[1].startswith("gdesc")]
+        rs = [i for i in mma if i not in ss]
+        qk = sum(1 for i in ss if i.startswith(f"QGMMA.64x{bc}x32.F32.{t}.{t} "))
+        pv = sum(1 for i in rs if i.startswith(f"QGMMA.64x{d}x32.F32.E4M3.{t} "))
         assert (qk, pv) == (d // 32, bc // 32), (dtype, qk, pv)
         assert body.count("F2FP") >= bc // 8, "P's e4m3 packing"

@@ -41,16 +41,20 @@ def _descales(log_entry):
 
 
 # ---------------------------------------------------------------- dispatch and launches
+@pytest.mark.parametrize("seqlen_q", [1025, 1024, 300])
 @pytest.mark.parametrize("dtype", [E4M3, E5M2], ids=["e4m3", "e5m2"])
 @pytest.mark.parametrize("causal", [False, True])
-def test_fadsl_attention_runs_the_shipped_8bit_example(device, dtype, causal):
+def test_fadsl_attention_runs_the_shipped_8bit_example(device, dtype, causal, seqlen_q):
+    """The head_dim 128 examples, their 128 x 128 twins for up to 1024 queries
+    (Target.shipped_fp8_short)."""
     log, _ = device
-    q, k, v = inputs(dtype)
+    q, k, v = inputs(dtype, sq=seqlen_q)
     qd = torch.rand(2, 2)
     out, lse = fadsl.attention(q, k, v, causal, q_descale=qd, return_lse=True)
-    assert out.dtype == torch.bfloat16 and out.shape == q.shape and lse.shape == (2, 8, 300)
+    assert out.dtype == torch.bfloat16 and out.shape == q.shape and lse.shape == (2, 8, seqlen_q)
     (launch,) = log
-    assert launch.kernel == ("fa3_fp8_hdim128_causal" if causal else "fa3_fp8_hdim128")
+    name = "fa3_fp8_hdim128_causal" if causal else "fa3_fp8_hdim128"
+    assert launch.kernel == name + ("_short" if seqlen_q <= 1024 else "")
     fields = _descales(launch)
     assert fields["q"] == qd.data_ptr() and fields["k"] == 0 and fields["v"] == 0
     assert (fields["q_batch_stride"], fields["q_head_stride"]) == (2, 1)
@@ -77,10 +81,12 @@ def test_head_dim_256_runs_its_shipped_example(device, dtype, causal):
 
 def test_out_dtype_fp16_runs_the_output_fp16_variant(device):
     log, _ = device
-    q, k, v = inputs()
+    q, k, v = inputs(sq=1100)
     out = fadsl.attention(q, k, v, out_dtype=torch.float16)
     assert out.dtype == torch.float16
     assert log[-1].kernel == "fa3_fp8_hdim128_out_fp16"
+    fadsl.attention(q[:, :1000], k, v, out_dtype=torch.float16)
+    assert log[-1].kernel == "fa3_fp8_hdim128_short_out_fp16"
     kern = dispatch.fp8_attention_kernel(q, False, torch.float16)
     assert kern.config.out_dtype.value == "fp16" and kern.config.dtypes == (
         dispatch._shipped("fa3_fp8_hdim128").config.dtypes
@@ -97,6 +103,32 @@ def test_the_shipped_8bit_table_names_examples_with_both_dtypes():
         assert [d.value for d in cfg.dtypes] == ["e4m3", "e5m2"]
         assert cfg.out_dtype.value == "bf16"
     assert not get("sm_80").shipped_fp8
+
+
+def test_the_short_8bit_specs_are_their_long_twins_at_b_c_128():
+    """Target.shipped_fp8_short: each (head_dim, mask) has a long spec, and its short one is
+    that spec (dtypes, output, mask, head_dim, B_r, stages) on 128-key blocks."""
+    target = get("sm_90a")
+    assert set(target.shipped_fp8_short) == {(64, True), (128, False), (128, True)}
+    for key, (limit, name) in target.shipped_fp8_short.items():
+        assert limit in (1024, 2048) and name == target.shipped_fp8[key] + "_short"
+        short = fadsl.load(ROOT / "examples" / f"{name}.fa", verbose=False).config
+        long = fadsl.load(ROOT / "examples" / f"{target.shipped_fp8[key]}.fa", verbose=False)
+        long = long.config
+        assert short.block_c == 128 < long.block_c
+        for field in ("dtypes", "out_dtype", "mask", "head_dim", "block_r", "warps"):
+            assert getattr(short, field) == getattr(long, field), (name, field)
+        assert short.ext.stages == long.ext.stages
+
+
+@pytest.mark.parametrize("seqlen_q, short", [(2048, True), (2049, False)])
+def test_head_dim_64_causal_takes_its_short_spec_up_to_2048(device, seqlen_q, short):
+    log, _ = device
+    q, k, v = inputs(b=1, sq=seqlen_q, sk=seqlen_q, hq=2, hkv=2, d=64)
+    fadsl.attention(q, k, v, True)
+    assert log[-1].kernel == "fa3_fp8_hdim64_causal" + ("_short" if short else "")
+    fadsl.attention(q, k, v, False)  # (no short spec without the mask)
+    assert log[-1].kernel == "fa3_fp8_hdim64"
 
 
 @pytest.mark.parametrize(
@@ -165,7 +197,9 @@ def test_mixed_or_16bit_operands_are_named(device):
     q, k, v = inputs()
     with pytest.raises(TypeError, match="k has dtype torch.float8_e5m2 but q has"):
         fadsl.attention(q, k.to(torch.float32).to(E5M2), v)
-    with pytest.raises(TypeError, match="v has dtype torch.bfloat16; kernel 'fa3_fp8_hdim128'"):
+    with pytest.raises(
+        TypeError, match="v has dtype torch.bfloat16; kernel 'fa3_fp8_hdim128_short'"
+    ):
         fadsl.attention(q, k, v.to(torch.float32).to(torch.bfloat16))
     bf = torch.randn(2, 30, 8, 128, dtype=torch.bfloat16)
     with pytest.raises(TypeError, match="q_descale is for 8-bit q, k and v.*q is torch.bfloat16"):

@@ -22,6 +22,8 @@ import torch
 import fadsl
 from conftest import ROOT
 from fadsl.fp8 import quantize, rotate
+from fadsl.runtime import dispatch
+from fadsl.targets import get
 from test_gpu_backward import poison_allocator
 from test_gpu_general import reference
 
@@ -385,3 +387,32 @@ def test_a_planned_call_reads_each_calls_descales():
                               v_descale=scaled[2])  # fmt: skip
         ref_out, _ = fp8_reference(q8, k8, v8, scaled, 1 / math.sqrt(128), False)
         check_close(out, None, ref_out, None, *_v_stats(v8, scaled[2], 2), str(factor))
+
+
+SHORT = sorted((d, c, limit) for (d, c), (limit, _) in get("sm_90a").shipped_fp8_short.items())
+
+
+@pytest.mark.parametrize("head_dim, causal, limit", SHORT, ids=[f"d{d}-{c}" for d, c, _ in SHORT])
+def test_short_and_long_queries_run_their_8bit_specs(head_dim, causal, limit):
+    """On both sides of Target.shipped_fp8_short's threshold: the spec each side runs (the
+    128 x 128 twin up to the limit), its output against the dequantized reference, and under
+    torch.compile(fullgraph=True, dynamic=True) the eager bits on both sides."""
+    capability = torch.cuda.get_device_capability(0)
+
+    def call(q, k, v, qd, kd, vd):
+        return fadsl.attention(q, k, v, causal, q_descale=qd, k_descale=kd, v_descale=vd,
+                               return_lse=True)  # fmt: skip
+
+    compiled = torch.compile(call, fullgraph=True, dynamic=True)
+    for seqlen in (limit - 77, limit, limit + 1):
+        shape = (1, seqlen, seqlen, 4, 2)
+        q8, k8, v8, descales = fp8_inputs(shape, E4M3, seed=seqlen, d=head_dim)
+        poison_allocator(8 * q8.numel() * 4)
+        out, lse = call(q8, k8, v8, *descales)
+        ref_out, ref_lse = fp8_reference(q8, k8, v8, descales, head_dim**-0.5, causal)
+        check_close(out, lse, ref_out, ref_lse, *_v_stats(v8, descales[2], 2), str(seqlen))
+        name = dispatch.shipped_fp8_spec(capability, head_dim, causal, E4M3, seqlen)
+        assert name.endswith("_short") == (seqlen <= limit), seqlen
+        assert dispatch._LOADED[name].config.name == name
+        again = compiled(q8, k8, v8, *descales)
+        assert torch.equal(again[0], out) and torch.equal(again[1], lse), seqlen

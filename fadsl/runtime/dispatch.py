@@ -88,14 +88,21 @@ def attention_kernel(q, causal: bool, window_size=(-1, -1), softcap=0.0) -> Flas
     return _chosen(key, choose)
 
 
-def shipped_fp8_spec(capability: tuple[int, int], head_dim: int, causal: bool, dtype) -> str:
+def shipped_fp8_spec(
+    capability: tuple[int, int], head_dim: int, causal: bool, dtype, seqlen_q: int | None = None
+) -> str:
     """The 8-bit example (its name under examples/) that fadsl.attention runs on 8-bit q of
-    ``dtype`` on a GPU of ``capability`` (``Target.shipped_fp8``); ValueError naming the
-    unsupported combination and the head_dims there are."""
+    ``dtype`` on a GPU of ``capability`` (``Target.shipped_fp8``, or ``shipped_fp8_short``'s
+    where ``seqlen_q`` is at most its limit); ValueError naming the unsupported combination
+    and the head_dims there are."""
     candidates = _candidates(capability)
     for target in candidates:
         name = target.shipped_fp8.get((head_dim, causal))
         if name is not None:
+            short = target.shipped_fp8_short.get((head_dim, causal))
+            # (a comparison: under torch.compile a symbolic size guards on it only)
+            if short is not None and seqlen_q is not None and seqlen_q <= short[0]:
+                return short[1]
             return name
     gpu = f"compute capability {capability[0]}.{capability[1]}"
     mask = "causal=True" if causal else "causal=False"
@@ -120,17 +127,18 @@ def _fp8_targets() -> str:
 
 
 def fp8_attention_kernel(q, causal: bool, out_dtype) -> FlashAttention:
-    """The shipped 8-bit spec's kernel for q's GPU, dtype, head dimension and mask, its
-    variant with `output fp16` for out_dtype torch.float16 (bf16 the default); chosen once
-    per (device, dtype, head_dim, mask, out_dtype)."""
+    """The shipped 8-bit spec's kernel for q's GPU, dtype, head dimension, mask and query
+    length (a spec for short queries where the target ships one), its variant with `output
+    fp16` for out_dtype torch.float16 (bf16 the default); chosen once per (device, spec,
+    out_dtype)."""
     from .fp8_calls import check_out_dtype, out_dtypes
 
-    key = ("fp8", q.device, q.dtype, int(q.shape[-1]), *_typed(causal), out_dtype)
+    capability, head_dim = device_capability(q.device), int(q.shape[-1])
+    name = shipped_fp8_spec(capability, head_dim, causal, q.dtype, q.shape[1])
+    key = ("fp8", q.device, name, out_dtype)
 
     def choose() -> FlashAttention:
         word = out_dtypes()[check_out_dtype(out_dtype)]
-        capability, head_dim = device_capability(q.device), int(q.shape[-1])
-        name = shipped_fp8_spec(capability, head_dim, causal, q.dtype)
         if word == "bf16":  # the examples' own output
             return _shipped(name)
         variant = f"{name}_out_{word}"

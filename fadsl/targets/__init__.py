@@ -171,6 +171,10 @@ class Target:
     # fadsl.attention's 8-bit specs (issue 42): (head_dim, causal) -> an example's name, whose
     # `dtype` line holds both 8-bit dtypes
     shipped_fp8: Mapping[tuple[int, bool], str] = dataclasses.field(default_factory=dict)
+    # the 8-bit specs for short queries, as ``shipped_short`` for ``shipped``
+    shipped_fp8_short: Mapping[tuple[int, bool], tuple[int, str]] = dataclasses.field(
+        default_factory=dict
+    )
     # fadsl.attention_varlen / attention_with_kvcache: ("varlen" or "kvcache", head_dim) -> a
     # serving spec (examples/serving/NAME.fa) whose mask, softcap and cache lines a call sets
     shipped_serving: Mapping[tuple[str, int], str] = dataclasses.field(default_factory=dict)

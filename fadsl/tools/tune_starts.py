@@ -62,7 +62,7 @@ def _spell(value) -> str:
 
 def shipped_starts(base: Base) -> list[Variant]:
     """The target's shipped specs for the input's head_dim and mask (``Target.shipped`` or
-    ``shipped_fp8``, and ``shipped_short``'s), as starts; one of another problem (a window,
+    ``shipped_fp8``, and ``shipped_short``'s or ``shipped_fp8_short``'s), as starts; one of another problem (a window,
     other dtypes) or whose knobs the input refuses is left out: these starts are offered, not
     asked for."""
     config = base.config
@@ -70,8 +70,10 @@ def shipped_starts(base: Base) -> list[Variant]:
         return []
     target = target_of(base.compiled.kernel)
     key = (config.head_dim, config.mask is Mask.CAUSAL)
-    table = target.shipped_fp8 if config.dtypes[0].is_8bit else target.shipped
-    names = [table.get(key)] + [name for k, (_, name) in target.shipped_short.items() if k == key]
+    eight = config.dtypes[0].is_8bit
+    table = target.shipped_fp8 if eight else target.shipped
+    short = target.shipped_fp8_short if eight else target.shipped_short
+    names = [table.get(key)] + [name for k, (_, name) in short.items() if k == key]
     variants = []
     for name in filter(None, names):
         text = data_dir("examples").joinpath(f"{name}.fa").read_text()

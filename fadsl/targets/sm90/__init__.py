@@ -124,6 +124,14 @@ TARGET = Target(
         (256, False): "fa3_fp8_hdim256",
         (256, True): "fa3_fp8_hdim256_causal",
     },
+    # up to these query lengths 128 x 128 tiles: 1.07-1.08x the 192-key ones at 1k (head_dim
+    # 128), 1.14x at 1k and 1.03x at 2k (head_dim 64 causal), 0.97-0.99x from 2k at 128 and
+    # 1.00x at 64 without a mask (H200, 2026-12-04, research/probes/fp8_tile_ab.py)
+    shipped_fp8_short={
+        (64, True): (2048, "fa3_fp8_hdim64_causal_short"),
+        (128, False): (1024, "fa3_fp8_hdim128_short"),
+        (128, True): (1024, "fa3_fp8_hdim128_causal_short"),
+    },
     # fadsl.attention_varlen and attention_with_kvcache (docs/serving.md)
     shipped_serving={
         ("varlen", 64): "fa3_varlen_hdim64",
