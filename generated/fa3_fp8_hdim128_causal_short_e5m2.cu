@@ -148,7 +148,7 @@ extern "C" __global__ void __launch_bounds__(Cfg::kThreads, 1) fa3_fp8_hdim128_c
           mbar_wait_parity(bar_v_full(ring_slot(ring_base + it - 1)), ring_phase(ring_base + it - 1));
           // hazard WAR on Vt: pv -> transpose_v across the loop back edge (consumers -> producer warps)
           mbar_wait_parity(bar_vt_empty(ring_slot(ring_base + it - 1)), ring_phase(ring_base + it - 1) ^ 1u);
-          // V(it-1) -> Vt(it-1): each producer warp its head_dim / 4 rows, keys in P's register order (ldmatrix.x4.trans, prmt, stmatrix.x4)
+          // V(it-1) -> Vt(it-1): each producer warp its head_dim / 4 rows, keys in P's register order (ldmatrix.x4.trans, prmt, stmatrix)
           transpose_v<Cfg>(v_slot(ring_slot(ring_base + it - 1)), vt_slot(ring_slot(ring_base + it - 1)), warp, lane);
           // hazard WAR on V: transpose_v -> v_g2s across the loop back edge (producer warps -> producer thread)
           // hazard WAW on Vt: transpose_v -> transpose_v across the loop back edge (lanes of each producer warp)
@@ -167,7 +167,7 @@ extern "C" __global__ void __launch_bounds__(Cfg::kThreads, 1) fa3_fp8_hdim128_c
           mbar_wait_parity(bar_v_full(ring_slot(ring_base + it - 1)), ring_phase(ring_base + it - 1));
           // hazard WAR on Vt: pv -> transpose_v across the loop back edge (consumers -> producer warps)
           mbar_wait_parity(bar_vt_empty(ring_slot(ring_base + it - 1)), ring_phase(ring_base + it - 1) ^ 1u);
-          // V(it-1) -> Vt(it-1): each producer warp its head_dim / 4 rows, keys in P's register order (ldmatrix.x4.trans, prmt, stmatrix.x4)
+          // V(it-1) -> Vt(it-1): each producer warp its head_dim / 4 rows, keys in P's register order (ldmatrix.x4.trans, prmt, stmatrix)
           transpose_v<Cfg>(v_slot(ring_slot(ring_base + it - 1)), vt_slot(ring_slot(ring_base + it - 1)), warp, lane);
           // hazard WAR on V: transpose_v -> v_g2s across the loop back edge (producer warps -> producer thread)
           // hazard WAW on Vt: transpose_v -> transpose_v across the loop back edge (lanes of each producer warp)

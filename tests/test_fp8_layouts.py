@@ -185,46 +185,48 @@ def test_random_operands(block_c, head_dim, seed, extreme):
     assert torch.equal(model.p_times_v(p, v, DESIGN), p @ v)
 
 
-def lean_addresses(warp: int, half: int, head_dim: int = 256, block_c: int = 128):
+def lean_addresses(warp: int, c: int, k0: int, head_dim: int = 256, block_c: int = 128):
     """transpose_v_lean's lane addresses (fadsl/sm90_fp8.cuh, its arithmetic line for line,
-    slots at 0) for one half-unit: ((k0, c), ldmatrix.x2's 16, stmatrix.x2's 16)."""
-    rows, panel, key_units = head_dim // 4, model.vt_panel(block_c), block_c // 16
+    slots at 0) for the unit of columns c.. and keys k0..: (ldmatrix.x4's 32, each
+    stmatrix.x2's 16: lanes 0-15 address both, the second 16 P bytes further)."""
+    rows, panel = head_dim // 4, model.vt_panel(block_c)
     raw_panel_bytes, vt_panel_bytes = block_c * 128, head_dim * panel
-    c = 16 * (half % 2) + 32 * (half // (2 * key_units))
-    k0 = 16 * (half // 2 % key_units)
     loads, stores = [], []
-    for lane in range(16):
-        m, i = lane // 8 % 2, lane % 8
+    for lane in range(32):
+        h, m, i = lane // 16, lane // 8 % 2, lane % 8
         swizzle_row = model.rho(2 * i + m) % 8
         st_xor = 16 * (swizzle_row if panel == 128 else swizzle_row // 2)
         raw0 = (
             (warp * rows // 128) * raw_panel_bytes
             + (8 * m + i) * 128
-            + ((warp * rows % 128) ^ (16 * i))
+            + ((warp * rows % 128) ^ (16 * i) ^ (16 * h))
         )
         vt0 = (warp * rows + model.rho(2 * i + m)) * panel + st_xor
         loads.append((raw0 ^ c) + k0 * 128)
-        stores.append(((vt0 + c * panel) ^ (k0 % panel)) + (k0 // panel) * vt_panel_bytes)
-    return (k0, c), loads, stores
+        dst = ((vt0 + c * panel) ^ (k0 % panel)) + (k0 // panel) * vt_panel_bytes
+        stores.append(dst)
+    halves = (stores[:16], [a + 16 * panel for a in stores[:16]])
+    return loads, halves
 
 
 @pytest.mark.parametrize("block_c", [128, 64])
-def test_transpose_v_lean_moves_the_units_bytes_in_halves(block_c):
-    """Each half h of transpose_v_lean's units addresses exactly the x4 unit's matrices 2h and
-    2h + 1 (lanes 16h..16h + 15 of unit_addresses), and the halves cover each warp's units
-    once: the same ldmatrix reads and stmatrix writes as transpose_v_units (head_dim 256;
-    B_c 64 writes Vt in 64-key panels with the 64-byte swizzle)."""
+def test_transpose_v_lean_moves_the_units_bytes(block_c):
+    """Each unit of transpose_v_lean loads exactly transpose_v_units' ldmatrix.x4 addresses and
+    stores through two stmatrix.x2 the x4 store's matrices 0-1 and 2-3 (lanes 0-15 and
+    16-31 of unit_addresses), over each warp's units once: the same bytes to the same places
+    as the layout model's transpose (head_dim 256; B_c 64 writes Vt in 64-key panels with the
+    64-byte swizzle)."""
     for warp in range(model.WARPS):
         seen = []
-        for half in range(2 * 2 * (block_c // 16)):
-            (k0, c), loads, stores = lean_addresses(warp, half, block_c=block_c)
-            d0, h = warp * 64 + 32 * (c // 32), c // 16 % 2
-            ref_loads, ref_stores = model.unit_addresses(256, block_c, k0, d0)
-            assert loads == ref_loads[16 * h : 16 * h + 16], (warp, half)
-            assert stores == ref_stores[16 * h : 16 * h + 16], (warp, half)
-            seen.append((k0, d0, h))
-        units = model.warp_units(256, block_c, warp)
-        assert sorted(seen) == sorted((k0, d0, h) for k0, d0 in units for h in range(2))
+        for c in (0, 32):  # the kernel's loops
+            for k0 in range(0, block_c, 16):
+                loads, (first, second) = lean_addresses(warp, c, k0, block_c=block_c)
+                d0 = warp * 64 + c
+                ref_loads, ref_stores = model.unit_addresses(256, block_c, k0, d0)
+                assert loads == ref_loads, (warp, c, k0)
+                assert first == ref_stores[:16] and second == ref_stores[16:], (warp, c, k0)
+                seen.append((k0, d0))
+        assert sorted(seen) == sorted(model.warp_units(256, block_c, warp))
 
 
 def narrow_addresses(warp: int, k0: int, block_c: int):

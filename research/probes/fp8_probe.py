@@ -12,6 +12,8 @@ Variants (timing-only ones give wrong O; "exact" ones must match base bit for bi
   no_exp2       every ex2.approx -> one FFMA giving 1.0 (MUFU.EX2 gone; P = 1, no rescale)
   no_cvt        pack_e4m3x4's two cvt.rn.satfinite.e4m3x2 -> LOP3/PRMT (F2FP gone)
   no_transpose  transpose_v returns at once (the producer keeps every sync)
+  (--spec examples/fa3_fp8_hdim256.fa: the variants of that spec; on 2026-12-04 its
+  no_transpose ran 1.57-1.65x base, which led to transpose_v_lean's x4 loads)
   slack8        kRescaleSlack 0.8 -> 8 (almost no O rescale; P clamps at 448: timing only)
   pin           exact: the K-slot release after online_softmax8, on !(l[0] < 0) (ptxas then
                 keeps every exponential between the S wait and the P V wait: 391 vs 67)
@@ -54,7 +56,10 @@ CVT_OLD = """  asm("{\\n"
       "}\\n"
       : "=r"(packed)
       : "f"(a), "f"(b), "f"(c), "f"(d));"""
-TRANSPOSE_HEAD = "  constexpr int kRows = Cfg::kHeadDim / 4;    // Vt rows of one warp\n"
+TRANSPOSE_ENTRY = (
+    "__device__ __forceinline__ void transpose_v(uint32_t smem_v_slot, uint32_t smem_vt_slot, "
+    "int warp, int lane) {\n"
+)
 UNIT_LOOP_OLD = """#pragma unroll 1
     for (int k0 = 0; k0 < Cfg::kBlockN; k0 += 16) {
       uint32_t x[4];
@@ -103,9 +108,7 @@ PATCHES = {
             "__float_as_uint(c) ^ __float_as_uint(d), 0x7531);",
         )
     ],
-    "no_transpose": [
-        ("sm90_fp8.cuh", TRANSPOSE_HEAD, "  return;  // PROBE no_transpose\n" + TRANSPOSE_HEAD)
-    ],
+    "no_transpose": [("sm90_fp8.cuh", TRANSPOSE_ENTRY, TRANSPOSE_ENTRY + "  return;  // PROBE\n")],
     "slack8": [("sm90_fp8.cuh", "kRescaleSlack = 0.8f;", "kRescaleSlack = 8.f;")],
     "pin": [("KERNEL", PIN_OLD, PIN_NEW)],
     "ilp2": [("sm90_fp8.cuh", UNIT_LOOP_OLD, UNIT_LOOP_ILP2)],
@@ -227,6 +230,7 @@ def sass_summary(entry) -> dict:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--variant", default="base")
+    p.add_argument("--spec", type=pathlib.Path, help="an 8-bit spec (default fa3_fp8_hdim128)")
     p.add_argument("--seqlens", default="1024,4096,16384")
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--tokens", type=int, default=16384)
@@ -237,6 +241,9 @@ def main() -> int:
     p.add_argument("--json")
     p.add_argument("--trace", action="store_true", help="FADSL_TILE_TRACE build: the tile timeline")
     args = p.parse_args()
+    if args.spec is not None:
+        global SPEC
+        SPEC = args.spec.resolve()
 
     import torch
 
@@ -262,7 +269,7 @@ def main() -> int:
 
     reader = clocks.nvml_reader()
     sampler = clocks.Sampler(reader) if reader else None
-    d = 128
+    d = kern.config.head_dim if args.variant != "bf16" else 128
     heads = args.hidden // d
     for seqlen in (int(s) for s in args.seqlens.split(",")):
         batch = max(1, args.tokens // seqlen)

@@ -175,7 +175,7 @@ def build_schedule(lowered: Lowered) -> Kernel:
             ),
             None,
             "V(it-1) -> Vt(it-1): each producer warp its head_dim / 4 rows, keys in P's "
-            "register order (ldmatrix.x4.trans, prmt, stmatrix.x4)",
+            "register order (ldmatrix.x4.trans, prmt, stmatrix)",
             loc(Role.V, 1),
             Threads.PRODUCER_WARPS,
             -1,

@@ -5,7 +5,7 @@
 //   1. the descales (a kernel parameter of their own) and the configuration (Fp8FwdConfig:
 //      1-byte Q, K, V in 128-byte panels, a Vt ring, P in e4m3, the offset and the slack)
 //   2. producer: the TMA loads of 8-bit tiles; the producer warps' transpose of a raw V slot
-//      into a Vt slot (ldmatrix.x4.trans, prmt, stmatrix.x4, Vt rows permuted by rho)
+//      into a Vt slot (ldmatrix.x4.trans, prmt, stmatrix, Vt rows permuted by rho)
 //   3. consumer: S = Q K^T and O += P Vt (k32 wgmma, fadsl/sm90_wgmma8.cuh), the online
 //      softmax with FA3's offset, P to e4m3 in the registers' own order
 //   4. epilogue: O's registers unpermuted (rho undone), v_descale / l, the LSE
@@ -65,8 +65,9 @@ struct Fp8FwdConfig
   static constexpr int kVtBytes = kHeadDim_ * kBlockN_;  // one Vt ring slot
   static_assert(kHeadDim_ == 64 || kHeadDim_ == 128 || kHeadDim_ == 256, "8-bit head_dim 64, 128 or 256");
   static_assert(kBlockN_ % 64 == 0, "8-bit B_c: a multiple of 64 (whole Vt panels, k32 steps)");
-  // transpose_v by transpose_v_lean (two bases, x2 halves): at head_dim 256 the producer has
-  // 24 registers (the consumers need 240 of the launch's 384 x 168) and transpose_v_units spills
+  // transpose_v by transpose_v_lean (two bases, unrolled, stmatrix.x2 halves): at head_dim 256
+  // the producer has 24 registers (the consumers need 240 of the launch's 384 x 168) and
+  // transpose_v_units spills
   static constexpr bool kLeanTranspose = kHeadDim_ > 128;
 };
 
@@ -216,55 +217,55 @@ __device__ __forceinline__ void transpose_v_narrow(uint32_t smem_v_slot, uint32_
   }
 }
 
-__device__ __forceinline__ void ldmatrix_x2_trans(uint32_t smem_src, uint32_t (&x)[2]) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0, %1}, [%2];\n"
-               : "=r"(x[0]), "=r"(x[1])
-               : "r"(smem_src)
-               : "memory");
-}
-
 __device__ __forceinline__ void stmatrix_x2(uint32_t smem_dst, uint32_t r0, uint32_t r1) {
   asm volatile("stmatrix.sync.aligned.m8n8.x2.shared.b16 [%0], {%1, %2};\n" ::"r"(smem_dst), "r"(r0), "r"(r1)
                : "memory");
 }
 
-// transpose_v_units for a producer of 24 registers (head_dim 256, Cfg::kLeanTranspose): the
-// same bytes to the same places, each 16-key x 32-column unit as two halves h of 16 columns
-// (ldmatrix.x2.trans: the x4's matrices 2h, 2h + 1; stmatrix.x2: its matrices 2h, 2h + 1, lanes
-// 0-15 addressing), in one loop that is not unrolled, %tid.x read here (asm volatile) and each
-// half's two addresses one XOR and one add from two bases of the call. 2026-11-30, NVRTC 13.5,
-// producer at 24 registers: transpose_v_units spilled 52 bytes (84 loaded); per-unit addresses
-// from %tid.x, 28; these two bases, 12; the halves (4 data registers, not 8), 0.
-// Addresses: with d0 = 64 warp + 32 u and c = 32 u + 16 h, transpose_v_units' raw column
-// (d0 % 128 + 16 h) ^ 16 i is (64 (warp % 2) ^ 16 i) ^ c (disjoint bits), and its Vt byte
-// (d0 + 16 h + rho(2 i + m)) 128 + (k0 % 128 ^ st_xor) is (vt0 + 128 c) ^ k0 % 128 (slots are
-// 1,024-byte aligned); tests/fp8_layout_model.py's transpose_v_lean checks both, byte for byte.
+// transpose_v_units for a producer of 24 registers (head_dim 256, Cfg::kLeanTranspose): each
+// 16-key x 32-column unit by one ldmatrix.x4.trans and two stmatrix.x2 (its halves of 16
+// columns: a pair of registers each, so the unit needs 6 data registers, not the x4 store's
+// 8), the loops unrolled so that every address but one per unit is an immediate offset from
+// two bases of the call, %tid.x read here (asm volatile). transpose_v_units spilled 52 bytes at
+// 24 registers (2026-11-30, NVRTC 13.5); a stmatrix.x4 here spilled 4 (2026-12-04); this, none.
+// Addresses: with d0 = 64 warp + 32 u, lane half h = lane / 16 and c = 32 u, transpose_v_units'
+// raw column (d0 % 128 + 16 h) ^ 16 i is ((64 (warp % 2) ^ 16 i) ^ 16 h) ^ c (c's bit apart);
+// its Vt byte (d0 + 16 h + rho(2 i + m)) P + (k0 % P ^ st_xor) + (k0 / P) P d (P the Vt
+// panel's keys) is ((vt0 + P c) ^ k0 % P) + (k0 / P) P d + 16 P h, half h's store at lanes
+// 0-15 (slots are 1,024-byte aligned); tests/test_fp8_layouts.py checks both against the
+// layout model, lane for lane.
+// Measured (H200, 2026-12-04, research/probes/fp8_probe.py --spec examples/fa3_fp8_hdim256.fa,
+// e4m3, hidden 2048): the earlier loop of two ldmatrix.x2 -> stmatrix.x2 halves a unit, each
+// waiting on its own load, held the kernel at 708 / 812 / 832 TF/s at 1k / 4k / 16k (with no
+// transpose at all: 1,272 / 1,377 at 4k / 16k); one x4 load a unit ran 915 / 1,080 / 1,104.
 template <class Cfg>
 __device__ __forceinline__ void transpose_v_lean(uint32_t smem_v_slot, uint32_t smem_vt_slot) {
   constexpr int kRows = Cfg::kHeadDim / 4;
   constexpr int kPanel = Cfg::kVtPanelKeys;
   constexpr int kRawPanelBytes = Cfg::kBlockN * Cfg::kInRowBytes;
   constexpr int kVtPanelBytes = Cfg::kHeadDim * kPanel;
-  constexpr int kKeyUnits = Cfg::kBlockN / 16;
   static_assert(kRows == 64, "head_dim 256: two 32-column units a warp");
   static_assert(Cfg::kInRowBytes == 128, "raw rows of one 128-byte panel");
   uint32_t tid;
   asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(tid));
   const int warp = static_cast<int>(tid / 32 % 4), lane = static_cast<int>(tid % 32);
-  const int m = lane / 8 % 2, i = lane % 8;  // lanes 16-31: addresses .x2 ignores
-  // the lane's Vt row is 2 i + m past a multiple of 16, so its swizzle is rho(2 i + m)'s
+  const int h = lane / 16, m = lane / 8 % 2, i = lane % 8;
+  // the storing lane's Vt row is 2 i + m past a multiple of 16, so its swizzle is rho(2 i + m)'s
   const uint32_t st_xor = row_swizzle_xor<kPanel>(vt_row_rho(2 * i + m));
   const uint32_t raw0 = smem_v_slot + (warp * kRows / 128) * kRawPanelBytes + (8 * m + i) * Cfg::kInRowBytes +
-                        ((static_cast<uint32_t>(warp * kRows % 128)) ^ (16u * i));
+                        ((static_cast<uint32_t>(warp * kRows % 128)) ^ (16u * i) ^ (16u * h));
   const uint32_t vt0 = smem_vt_slot + (warp * kRows + vt_row_rho(2 * i + m)) * kPanel + st_xor;
-#pragma unroll 1
-  for (int half = 0; half < 2 * (kRows / 32) * kKeyUnits; ++half) {
-    const int c = 16 * (half % 2) + 32 * (half / (2 * kKeyUnits)), k0 = 16 * (half / 2 % kKeyUnits);
-    const uint32_t raw = (raw0 ^ static_cast<uint32_t>(c)) + k0 * Cfg::kInRowBytes;
-    const uint32_t vt = ((vt0 + c * kPanel) ^ static_cast<uint32_t>(k0 % kPanel)) + (k0 / kPanel) * kVtPanelBytes;
-    uint32_t x[2];
-    ldmatrix_x2_trans(raw, x);
-    stmatrix_x2(vt, __byte_perm(x[0], x[1], 0x6420), __byte_perm(x[0], x[1], 0x7531));
+#pragma unroll
+  for (int c = 0; c < kRows; c += 32) {  // the warp's two 32-column units
+    const uint32_t raw = raw0 ^ static_cast<uint32_t>(c), vt = vt0 + c * kPanel;
+#pragma unroll
+    for (int k0 = 0; k0 < Cfg::kBlockN; k0 += 16) {
+      uint32_t x[4];
+      ldmatrix_x4_trans(raw + k0 * Cfg::kInRowBytes, x);
+      const uint32_t dst = (vt ^ static_cast<uint32_t>(k0 % kPanel)) + (k0 / kPanel) * kVtPanelBytes;
+      stmatrix_x2(dst, __byte_perm(x[0], x[1], 0x6420), __byte_perm(x[0], x[1], 0x7531));
+      stmatrix_x2(dst + 16 * kPanel, __byte_perm(x[2], x[3], 0x6420), __byte_perm(x[2], x[3], 0x7531));
+    }
   }
 }
 
