@@ -185,6 +185,19 @@ def test_bench_against_must_time_the_same_problem():
     assert proc.returncode == 0 or "GPU" in proc.stderr  # same head_dim and mask: accepted
 
 
+def test_bench_takes_an_8bit_spec_and_checks_its_against_before_looking_for_a_gpu():
+    """An 8-bit spec is timed as it is called (fadsl.tools.bench.operands); an --against spec
+    must write O in the same type."""
+    proc = run("bench", "examples/fa3_fp8_hdim128.fa", "--dtype", "e5m2")
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert "needs a CUDA GPU" in proc.stderr
+    fp16 = "tests/specs/fp8/fa3_fp8_hdim128_fp16.fa"
+    proc = run("bench", "examples/fa3_fp8_hdim128_causal.fa", "--causal", "--against", fp16)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert f"--against {fp16}: writes O in fp16; the spec's O is bf16" in proc.stderr
+    assert "GPU" not in proc.stderr
+
+
 def test_bench_table_compares_each_variant_with_each_backend_and_the_kernel():
     from fadsl.tools import bench
 

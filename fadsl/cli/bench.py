@@ -33,7 +33,9 @@ def add_bench(sub) -> None:
         metavar="N,N,...",
         help="sequence lengths (default: 512,...,16384)",
     )
-    bench_cmd.add_argument("--dtype", choices=["bf16", "fp16"], help="default: the spec's first")
+    bench_cmd.add_argument(
+        "--dtype", choices=["bf16", "fp16", "e4m3", "e5m2"], help="default: the spec's first"
+    )
     bench_cmd.add_argument("--causal", action="store_true", help="causal masking")
     bench_cmd.add_argument(
         "--tokens", type=positive, default=16384, help="batch x seqlen (default 16384)"

@@ -35,7 +35,9 @@ def add_tune(sub) -> None:
         help="sequence lengths the score averages over (default: "
         f"{','.join(map(str, DEFAULT_SEQLENS))})",
     )
-    tune.add_argument("--dtype", choices=["bf16", "fp16"], help="default: the spec's first")
+    tune.add_argument(
+        "--dtype", choices=["bf16", "fp16", "e4m3", "e5m2"], help="default: the spec's first"
+    )
     tune.add_argument(
         "--causal",
         action="store_true",

@@ -32,7 +32,7 @@ import statistics
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NamedTuple
 
 from . import clocks
 from ..codegen.render import spec_hash
@@ -41,6 +41,7 @@ from ..runtime.attention import FlashAttention
 
 DEFAULT_SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
 DEFAULT_HEADS = 16
+EIGHT_BIT = ("e4m3", "e5m2")  # the 8-bit dtypes' names (torch.float8_e4m3fn, float8_e5m2)
 
 
 @dataclass
@@ -175,6 +176,56 @@ def _reference_rows(q, k, v, scale: float, rows: int, dtype, causal: bool = Fals
     return torch.matmul(torch.softmax(scores.float(), dim=-1).to(dtype), vs).transpose(0, 1)
 
 
+class Operands(NamedTuple):
+    """One buffer set of a timed problem: what fadsl's kernels take (``args``, and
+    ``keywords``: an 8-bit kernel's descales) and tensors of the same values for the
+    references (SDPA, FlashAttention-4): 16-bit, the dequantized values in bf16 if 8-bit."""
+
+    args: tuple
+    keywords: dict
+    views: tuple
+
+    def values(self) -> tuple:
+        """q, k and v as the kernels read them (8-bit: dequantized, in float32)."""
+        if not self.keywords:
+            return self.args
+        return tuple(
+            t.float() * self.keywords[f"{n}_descale"][:, None, :, None]
+            for n, t in zip("qkv", self.args)
+        )
+
+
+def operands(dtype_name: str, shape: tuple[int, int, int, int], device="cuda") -> Operands:
+    """Random q, k and v of ``shape`` (batch, seqlen, heads, head_dim) in ``dtype_name``.
+    8-bit: normal values quantized by fadsl.fp8.quantize, a descale per (batch, head)."""
+    import torch
+
+    if dtype_name not in EIGHT_BIT:
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]
+        qkv = tuple(torch.randn(shape, device=device, dtype=dtype) for _ in range(3))
+        return Operands(qkv, {}, qkv)
+    from ..fp8 import quantize
+
+    dtype = torch.float8_e4m3fn if dtype_name == "e4m3" else torch.float8_e5m2
+    eight, descales = [], {}
+    for name in "qkv":
+        x8, descales[f"{name}_descale"] = quantize(torch.randn(shape, device=device), dtype)
+        eight.append(x8)
+    found = Operands(tuple(eight), descales, ())
+    return found._replace(views=tuple(t.to(torch.bfloat16) for t in found.values()))
+
+
+def error_bound(dtype_name: str, ops: Operands, ref, scale: float, rows: int, causal: bool):
+    """The largest error a correct kernel may show on ``ref`` (the float32 reference rows of
+    ``ops``): twice the 16-bit reference's own rounding (plus 1e-3); 8-bit, research/fp8-
+    forward.md §4's bound: P rounded to e4m3 (2^-4 max|v|, 5 % slack) and O to bf16 (2^-7)."""
+    if dtype_name in EIGHT_BIT:
+        v_max = ops.values()[2].abs().max().item()
+        return 2**-4 * v_max * 1.05 + 2**-7 * ref.abs().max().item()
+    low = _reference_rows(*ops.args, scale, rows, ops.args[0].dtype, causal).float()
+    return 2 * (low - ref).abs().max().item() + 1e-3
+
+
 def _backends() -> dict[str, object]:
     from torch.nn.attention import SDPBackend
 
@@ -235,7 +286,7 @@ def run(
             f"--dtype {dtype_name}: the spec compiles {', '.join(d.value for d in cfg.dtypes)}"
         )
     kernels = variants(kern, against, dtype_name)
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]
+    in_bytes = 1 if dtype_name in EIGHT_BIT else 2
     d = cfg.head_dim
     scale = 1.0 / math.sqrt(d)
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
@@ -246,26 +297,25 @@ def run(
     rows = []
     for seqlen in seqlens:
         batch = max(1, tokens // seqlen)
-        set_bytes = 4 * batch * seqlen * heads * d * 2  # q, k, v and o
+        set_bytes = batch * seqlen * heads * d * (3 * in_bytes + 2)  # q, k, v and o
         sets = max(2, min(8, math.ceil(2 * l2 / set_bytes)))
         log(
             f"fadsl bench: seqlen {seqlen}, batch {batch}, heads {heads}, head_dim {d}, {dtype_name}, {sets} buffer sets"
         )
-        qkv = [
-            [torch.randn(batch, seqlen, heads, d, device="cuda", dtype=dtype) for _ in range(3)]
-            for _ in range(sets)
-        ]
-        outs = [torch.empty_like(q) for q, _, _ in qkv]
+        ops = [operands(dtype_name, (batch, seqlen, heads, d)) for _ in range(sets)]
+        qkv = [o.args for o in ops]
+        keywords = [o.keywords for o in ops]
+        out_dtype = kern.out_torch_dtype if in_bytes == 1 else qkv[0][0].dtype
+        outs = [torch.empty(q.shape, device=q.device, dtype=out_dtype) for q, _, _ in qkv]
         row = Row(seqlen, batch, heads, d)
-        # Correctness first: 128 query rows of batch 0, every head, against float32.
-        q, k, v = qkv[0]
+        # Correctness first: 128 query rows of batch 0, every head, against float32 (8-bit:
+        # of the dequantized inputs).
         check = min(128, seqlen)
-        ref = _reference_rows(q, k, v, scale, check, torch.float32, causal)
-        low = _reference_rows(q, k, v, scale, check, dtype, causal).float()
-        row.error_bound = 2 * (low - ref).abs().max().item() + 1e-3
+        ref = _reference_rows(*ops[0].values(), scale, check, torch.float32, causal)
+        row.error_bound = error_bound(dtype_name, ops[0], ref, scale, check, causal)
         contenders: dict[str, Callable[[int], object]] = {}
         for name, each in kernels.items():
-            out = each(q, k, v, scale, out=outs[0].fill_(float("nan")))
+            out = each(*qkv[0], scale, out=outs[0].fill_(float("nan")), **keywords[0])
             error = (out[0, :check].float() - ref).abs().max().item()
             if not error <= row.error_bound:
                 message = (
@@ -278,10 +328,10 @@ def run(
                 continue
             row.max_error = max(row.max_error, error)
             contenders[name] = lambda i, qkv=qkv, outs=outs, each=each: each(
-                *qkv[i], scale, out=outs[i]
+                *qkv[i], scale, out=outs[i], **keywords[i]
             )
         for name, backend in backends.items():
-            views = [[t.transpose(1, 2) for t in s] for s in qkv]
+            views = [[t.transpose(1, 2) for t in o.views] for o in ops]
 
             def call(i, backend=backend, views=views):
                 with sdpa_kernel(backend):
@@ -295,8 +345,8 @@ def run(
             contenders[name] = call
         if fa4 is not None:
 
-            def call_fa4(i, fa4=fa4, qkv=qkv):
-                result = fa4(*qkv[i], softmax_scale=scale, causal=causal)
+            def call_fa4(i, fa4=fa4, ops=ops):
+                result = fa4(*ops[i].views, softmax_scale=scale, causal=causal)
                 return result[0] if isinstance(result, tuple) else result
 
             try:
@@ -332,7 +382,7 @@ def run(
             if summary:
                 row.clocks[name] = asdict(summary)
         rows.append(row)
-        del qkv, outs
+        del ops, qkv, outs
         torch.cuda.empty_cache()
     props = torch.cuda.get_device_properties(0)
     return {
@@ -381,6 +431,11 @@ def variants(
             )
         if dtype_name not in [d.value for d in oc.dtypes]:
             raise ValueError(f"--against {other.compiled.file}: does not compile {dtype_name}")
+        if oc.out_dtype != cfg.out_dtype:
+            raise ValueError(
+                f"--against {other.compiled.file}: writes O in {oc.out_dtype.value}; the "
+                f"spec's O is {cfg.out_dtype.value}"
+            )
         name = f"fadsl:{oc.name}"
         while name in out:
             name += "'"
