@@ -97,6 +97,17 @@ def test_a_failed_move_is_repaired_by_the_nearest_passing_value():
     assert one.knobs["pingpong"] == "off"  # one consumer cannot ping-pong
 
 
+def test_a_variant_that_reads_back_otherwise_is_refused_naming_the_knob():
+    """An 8-bit spec's one-consumer move reads back with pingpong off (the spec leaves the
+    key to its default): the refusal names the knob and both values, not the whole config."""
+    _, found = first_round(ROOT / "examples" / "fa3_fp8_hdim128.fa")
+    refused = dict(found.refusals)
+    assert (
+        refused["consumers 2 -> 1"] == "fa3_fp8_hdim128_w1 reads back with pingpong off (asked on)"
+    )
+    assert "rescale guarded lets P reach 2^14" in refused["rescale lazy -> guarded"]
+
+
 def comments(text: str) -> list[str]:
     return [line.split("#", 1)[1].strip() for line in text.splitlines() if "#" in line]
 

@@ -9,7 +9,7 @@ from ..errors import SpecError
 from ..ir import Mask
 from .._data import data_dir
 from ..targets import target_of
-from .variants import Base, Variant, values_key
+from .variants import Base, Variant, spelled, values_key
 
 # What a start must share with the input (its knobs are the rest), and its dtypes' width: a
 # spec of another problem would be timed as the input's variant without being one. (Its
@@ -35,13 +35,13 @@ def start_points(base: Base, starts: list[tuple[str, str]]) -> list[Variant]:
             mine, theirs = getattr(base.config, field), getattr(other.config, field)
             if mine != theirs:
                 raise ValueError(
-                    f"--from {file}: {field} {_spell(theirs)}, the input's is {_spell(mine)}; a "
+                    f"--from {file}: {field} {spelled(theirs)}, the input's is {spelled(mine)}; a "
                     f"start shares the input's {', '.join(SAME_PROBLEM)} (only its knobs differ)"
                 )
         if other.config.dtypes[0].is_8bit != base.config.dtypes[0].is_8bit:
             raise ValueError(
-                f"--from {file}: dtype {_spell(other.config.dtypes)}, the input's is "
-                f"{_spell(base.config.dtypes)}; a start has the input's width (8 or 16 bits)"
+                f"--from {file}: dtype {spelled(other.config.dtypes)}, the input's is "
+                f"{spelled(base.config.dtypes)}; a start has the input's width (8 or 16 bits)"
             )
         values = dict(base.values)
         values.update({k.name: other.values[k.name] for k in base.space.knobs})
@@ -52,12 +52,6 @@ def start_points(base: Base, starts: list[tuple[str, str]]) -> list[Variant]:
             raise ValueError(f"--from {file}: its knobs on {base.config.name}: {why}")
         variants.append(variant)
     return variants
-
-
-def _spell(value) -> str:
-    if isinstance(value, tuple):
-        return ", ".join(_spell(v) for v in value) or "none"
-    return str(getattr(value, "value", value))
 
 
 def shipped_starts(base: Base) -> list[Variant]:

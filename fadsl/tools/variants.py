@@ -132,13 +132,29 @@ class Base:
             kernel = compile_source(variant.text, f"{variant.name}.fa", skip=UNPROVED).kernel
         except SpecError as err:
             return None, CHECKS, err.diagnostics[0].message if err.diagnostics else str(err)
-        if self.space.read(kernel.config) != dict(values):
-            return None, READ_BACK, f"{variant.name} reads back as {kernel.config}"
+        read = self.space.read(kernel.config)
+        if read != dict(values):
+            differ = ", ".join(
+                f"{key} {spelled(read.get(key))} (asked {spelled(values.get(key))})"
+                for key in sorted(set(read) | set(values), key=str)
+                if read.get(key) != values.get(key)
+            )
+            return None, READ_BACK, f"{variant.name} reads back with {differ}"
         if self.space.likely_spills is not None:
             why = self.space.likely_spills(kernel.config)
             if why:
                 return None, KNOWN_SPILLS, why
         return variant, "", ""
+
+
+def spelled(value: Any) -> str:
+    """A value as a spec writes it: on / off for a flag, an enum's word, a tuple's items
+    joined (none when empty)."""
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, tuple):
+        return ", ".join(spelled(v) for v in value) or "none"
+    return str(getattr(value, "value", value))
 
 
 def steps(values: tuple[Any, ...], current: Any, reach: int | None) -> list[Any]:
