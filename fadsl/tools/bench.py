@@ -327,8 +327,8 @@ def run(
                 on_wrong(name, message)
                 continue
             row.max_error = max(row.max_error, error)
-            contenders[name] = lambda i, qkv=qkv, outs=outs, each=each: each(
-                *qkv[i], scale, out=outs[i], **keywords[i]
+            contenders[name] = lambda i, qkv=qkv, outs=outs, each=each, kw=keywords: each(
+                *qkv[i], scale, out=outs[i], **kw[i]
             )
         for name, backend in backends.items():
             views = [[t.transpose(1, 2) for t in o.views] for o in ops]
