@@ -188,7 +188,13 @@ def test_bench_against_must_time_the_same_problem():
 def test_bench_takes_an_8bit_spec_and_checks_its_against_before_looking_for_a_gpu():
     """An 8-bit spec is timed as it is called (fadsl.tools.bench.operands); an --against spec
     must write O in the same type."""
-    proc = run("bench", "examples/fa3_fp8_hdim128.fa", "--dtype", "e5m2")
+    for spec, dtype in (("examples/serving/fa3_varlen_causal.fa", "e4m3"), (SPEC, "e5m2")):
+        proc = run("bench", spec, "--dtype", dtype)  # a 16-bit spec (varlen, padded)
+        assert proc.returncode == 1 and "Traceback" not in proc.stderr
+        assert f"--dtype {dtype}: the spec compiles bf16, fp16" in proc.stderr
+    proc = run("bench", "examples/fa3_fp8_hdim128.fa", "--dtype", "e5m2", "--seqlens", "256")
+    if proc.returncode == 0:
+        pytest.skip("a GPU is present (it ran)")
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert "needs a CUDA GPU" in proc.stderr
     fp16 = "tests/specs/fp8/fa3_fp8_hdim128_fp16.fa"

@@ -107,6 +107,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 print(f"fadsl bench: --backward: {spec} has no backward block", file=sys.stderr)
                 return EXIT_FAILURE
     dtype_name = args.dtype or compiled.kernel.config.dtypes[0].value
+    compiles = [d.value for d in compiled.kernel.config.dtypes]
+    if dtype_name not in compiles:  # (every path below times the spec in this dtype)
+        print(
+            f"fadsl bench: --dtype {dtype_name}: the spec compiles {', '.join(compiles)}",
+            file=sys.stderr,
+        )
+        return EXIT_FAILURE
     try:
         bench.variants(kern, others, dtype_name)  # they time the same problem
     except ValueError as err:

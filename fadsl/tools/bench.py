@@ -215,13 +215,13 @@ def operands(dtype_name: str, shape: tuple[int, int, int, int], device="cuda") -
     return found._replace(views=tuple(t.to(torch.bfloat16) for t in found.values()))
 
 
-def error_bound(dtype_name: str, ops: Operands, ref, scale: float, rows: int, causal: bool):
+def error_bound(dtype_name: str, ops: Operands, v, ref, scale: float, rows: int, causal: bool):
     """The largest error a correct kernel may show on ``ref`` (the float32 reference rows of
-    ``ops``): twice the 16-bit reference's own rounding (plus 1e-3); 8-bit, research/fp8-
-    forward.md §4's bound: P rounded to e4m3 (2^-4 max|v|, 5 % slack) and O to bf16 (2^-7)."""
+    ``ops``, whose v as the kernels read it is ``v``): twice the 16-bit reference's own
+    rounding (plus 1e-3); 8-bit, research/fp8-forward.md §4's bound: P rounded to e4m3
+    (2^-4 max|v|, 5 % slack) and O to bf16 (2^-7)."""
     if dtype_name in EIGHT_BIT:
-        v_max = ops.values()[2].abs().max().item()
-        return 2**-4 * v_max * 1.05 + 2**-7 * ref.abs().max().item()
+        return 2**-4 * v.abs().max().item() * 1.05 + 2**-7 * ref.abs().max().item()
     low = _reference_rows(*ops.args, scale, rows, ops.args[0].dtype, causal).float()
     return 2 * (low - ref).abs().max().item() + 1e-3
 
@@ -311,8 +311,10 @@ def run(
         # Correctness first: 128 query rows of batch 0, every head, against float32 (8-bit:
         # of the dequantized inputs).
         check = min(128, seqlen)
-        ref = _reference_rows(*ops[0].values(), scale, check, torch.float32, causal)
-        row.error_bound = error_bound(dtype_name, ops[0], ref, scale, check, causal)
+        values = ops[0].values()
+        ref = _reference_rows(*values, scale, check, torch.float32, causal)
+        row.error_bound = error_bound(dtype_name, ops[0], values[2], ref, scale, check, causal)
+        del values
         contenders: dict[str, Callable[[int], object]] = {}
         for name, each in kernels.items():
             out = each(*qkv[0], scale, out=outs[0].fill_(float("nan")), **keywords[0])
