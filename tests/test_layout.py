@@ -93,7 +93,7 @@ LAYERS = (
     ("fadsl.pipeline",),
     ("fadsl.codegen",),
     ("fadsl.build",),
-    ("fadsl.runtime",),
+    ("fadsl.runtime", "fadsl.fp8"),  # fadsl.fp8: the 8-bit calls' quantize, rotate (torch alone)
     ("fadsl.distributed",),  # context parallelism over torch.distributed, on the runtime's calls
     ("fadsl.tools",),
     ("fadsl.cli",),
