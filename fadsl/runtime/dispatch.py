@@ -40,11 +40,8 @@ def shipped_spec(
     candidates = _candidates(capability)
     for target in candidates:
         if (head_dim, causal) in target.shipped:
-            short = target.shipped_short.get((head_dim, causal))
-            # (a comparison, not int(): under torch.compile a symbolic size guards on it only)
-            if short is not None and seqlen_q is not None and seqlen_q <= short[0]:
-                return short[1]
-            return target.shipped[head_dim, causal]
+            found = target.shipped[head_dim, causal]
+            return _short_or(found, target.shipped_short.get((head_dim, causal)), seqlen_q)
     gpu = f"compute capability {capability[0]}.{capability[1]}"
     if not candidates:
         raise ValueError(f"q is on a GPU of {gpu}; fadsl's kernels need 8.0 or newer")
@@ -56,6 +53,15 @@ def shipped_spec(
         f"of {gpu} (head_dim {', '.join(map(str, dims)) or 'none'} with {mask}); write a spec "
         "for it (examples/ has the shipped ones) and call fadsl.load(spec)"
     )
+
+
+def _short_or(name: str, short: tuple[int, str] | None, seqlen_q) -> str:
+    """``short``'s spec (a ``shipped_short`` entry: longest seqlen_q, name) where seqlen_q is
+    at most its limit, else ``name``."""
+    # (a comparison, not int(): under torch.compile a symbolic size guards on it only)
+    if short is not None and seqlen_q is not None and seqlen_q <= short[0]:
+        return short[1]
+    return name
 
 
 def attention_kernel(q, causal: bool, window_size=(-1, -1), softcap=0.0) -> FlashAttention:
@@ -99,11 +105,7 @@ def shipped_fp8_spec(
     for target in candidates:
         name = target.shipped_fp8.get((head_dim, causal))
         if name is not None:
-            short = target.shipped_fp8_short.get((head_dim, causal))
-            # (a comparison: under torch.compile a symbolic size guards on it only)
-            if short is not None and seqlen_q is not None and seqlen_q <= short[0]:
-                return short[1]
-            return name
+            return _short_or(name, target.shipped_fp8_short.get((head_dim, causal)), seqlen_q)
     gpu = f"compute capability {capability[0]}.{capability[1]}"
     mask = "causal=True" if causal else "causal=False"
     dims = sorted({d for t in candidates for d, c in t.shipped_fp8 if c == causal})

@@ -36,12 +36,12 @@ from typing import Callable, NamedTuple
 
 from . import clocks
 from ..codegen.render import spec_hash
-from ..ir import Mask
+from ..ir import Dtype, Mask
+from ..runtime.arguments import torch_dtypes
 from ..runtime.attention import FlashAttention
 
 DEFAULT_SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
 DEFAULT_HEADS = 16
-EIGHT_BIT = ("e4m3", "e5m2")  # the 8-bit dtypes' names (torch.float8_e4m3fn, float8_e5m2)
 
 
 @dataclass
@@ -200,13 +200,12 @@ def operands(dtype_name: str, shape: tuple[int, int, int, int], device="cuda") -
     8-bit: normal values quantized by fadsl.fp8.quantize, a descale per (batch, head)."""
     import torch
 
-    if dtype_name not in EIGHT_BIT:
-        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]
+    dtype = {d.value: t for t, d in torch_dtypes().items()}[dtype_name]
+    if not Dtype(dtype_name).is_8bit:
         qkv = tuple(torch.randn(shape, device=device, dtype=dtype) for _ in range(3))
         return Operands(qkv, {}, qkv)
     from ..fp8 import quantize
 
-    dtype = torch.float8_e4m3fn if dtype_name == "e4m3" else torch.float8_e5m2
     eight, descales = [], {}
     for name in "qkv":
         x8, descales[f"{name}_descale"] = quantize(torch.randn(shape, device=device), dtype)
@@ -220,7 +219,7 @@ def error_bound(dtype_name: str, ops: Operands, v, ref, scale: float, rows: int,
     ``ops``, whose v as the kernels read it is ``v``): twice the 16-bit reference's own
     rounding (plus 1e-3); 8-bit, research/fp8-forward.md §4's bound: P rounded to e4m3
     (2^-4 max|v|, 5 % slack) and O to bf16 (2^-7)."""
-    if dtype_name in EIGHT_BIT:
+    if Dtype(dtype_name).is_8bit:
         return 2**-4 * v.abs().max().item() * 1.05 + 2**-7 * ref.abs().max().item()
     low = _reference_rows(*ops.args, scale, rows, ops.args[0].dtype, causal).float()
     return 2 * (low - ref).abs().max().item() + 1e-3
@@ -286,7 +285,7 @@ def run(
             f"--dtype {dtype_name}: the spec compiles {', '.join(d.value for d in cfg.dtypes)}"
         )
     kernels = variants(kern, against, dtype_name)
-    in_bytes = 1 if dtype_name in EIGHT_BIT else 2
+    in_bytes = Dtype(dtype_name).nbytes
     d = cfg.head_dim
     scale = 1.0 / math.sqrt(d)
     l2 = torch.cuda.get_device_properties(0).L2_cache_size

@@ -7,18 +7,19 @@ rotated rounds: which tile fadsl.attention should run at short sequences (issue 
 
 Each --variant is NAME=OLD/NEW[;OLD/NEW...]: text edits of the spec (the kernel renamed).
 TF/s over the work the mask keeps (hidden 2048 / head_dim heads, 16k tokens a call), the
-median of each round's CUDA-event median, and each variant over the example."""
+median of the rounds' medians in balanced orders (fadsl.tools.bench.median_times), and each
+variant over the example."""
 
 from __future__ import annotations
 
 import argparse
 import pathlib
-import statistics
 import tempfile
 
 import torch
 
 import fadsl
+from fadsl.tools.bench import median_times
 
 
 def variants(spec: pathlib.Path, edits: list[str], tmp: pathlib.Path) -> dict[str, object]:
@@ -37,17 +38,6 @@ def variants(spec: pathlib.Path, edits: list[str], tmp: pathlib.Path) -> dict[st
         path.write_text(new_text)
         kernels[label] = fadsl.load(str(path), verbose=False)
     return kernels
-
-
-def time_ms(call, runs: int) -> float:
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(runs)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(runs)]
-    for i in range(runs):
-        starts[i].record()
-        call()
-        ends[i].record()
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
 
 
 def main() -> None:
@@ -80,26 +70,17 @@ def main() -> None:
             torch.randn(batch, seqlen, heads, d, device="cuda", generator=g).to(torch.float8_e4m3fn)
             for _ in range(3)
         )
-        calls = {n: (lambda kern=kernels[n]: kern(q, k, v)) for n in names}
-        outs = {n: calls[n]().float() for n in names}
+        calls = {n: (lambda i, kern=kernels[n]: kern(q, k, v)) for n in names}  # (i: one set)
+        outs = {n: calls[n](0).float() for n in names}
         for n in names[1:]:
             diff = (outs[n] - outs["example"]).abs().max().item()
             assert diff < 0.05, (n, seqlen, diff)
-        for call in calls.values():
-            for _ in range(5):
-                call()
-        samples = {n: [] for n in names}
-        for r in range(args.rounds):
-            order = names[r % len(names) :] + names[: r % len(names)]
-            order = order if r % 2 == 0 else order[::-1]
-            for n in order:
-                samples[n].append(time_ms(calls[n], args.runs))
+        ms = median_times(calls, warmup=5, runs=args.runs, rounds=args.rounds)
         work = 4 * batch * heads * seqlen * seqlen * d * (0.5 if causal else 1.0)
-        base = statistics.median(samples["example"])
-        row = []
-        for n in names:
-            ms = statistics.median(samples[n])
-            row.append(f"{n} {work / (ms * 1e-3) / 1e12:.0f} TF/s ({base / ms:.3f}x)")
+        row = [
+            f"{n} {work / (ms[n] * 1e-3) / 1e12:.0f} TF/s ({ms['example'] / ms[n]:.3f}x)"
+            for n in names
+        ]
         print(f"{cfg.name} seqlen {seqlen}: " + ", ".join(row), flush=True)
 
 
