@@ -111,9 +111,10 @@ class Allocator:
             dtype = dtype or torch.get_default_dtype()
             return tensor("empty", shape, None, dtype, lambda: real_empty(shape, dtype=dtype))
 
-        def empty_like(t, **kwargs):
+        def empty_like(t, dtype=None, **kwargs):
             assert not kwargs, kwargs
-            return tensor("like", t.shape, t.stride(), t.dtype, lambda: real_like(t))
+            dtype = dtype or t.dtype
+            return tensor("like", t.shape, t.stride(), dtype, lambda: real_like(t, dtype=dtype))
 
         def zeros(*size, device=None, **kwargs):
             return real_zeros(*size, **kwargs)

@@ -114,7 +114,7 @@ UNBUILT_SPEC = (ROOT / "tests/specs/fp8/fa3_fp8_one_wg.fa").read_text()
 
 @pytest.mark.parametrize(
     "line, key",
-    [("  varlen     on", "varlen"), ("  tail       split_kv", "tail")],
+    [("  kv_cache   contiguous", "kv_cache"), ("  tail       split_kv", "tail")],
 )
 def test_unbuilt_serving_variants_are_refused_at_their_key(line, key):
     source = UNBUILT_SPEC.replace("  pingpong   off", f"  pingpong   off\n{line}")

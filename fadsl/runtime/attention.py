@@ -130,12 +130,14 @@ class FlashAttention(ServingCalls, Fp8Calls, ModifiedCalls, PlainCalls, Backward
         self.op_name = f"{self.config.name}_{spec_hash(compiled.kernel)[:12]}"
         self._plans = PlanCache()  # plain eager calls' launch plans (fadsl/runtime/plain_calls.py)
         from .custom_op import kvcache_op_for, ops_for, varlen_op_for
-        from .fp8_ops import fp8_op_for
+        from .fp8_ops import fp8_op_for, fp8_varlen_op_for
         from .modified_op import modified_op_for
 
         # Registered now, not on first use: torch.compile cannot trace a registration.
         self._ops = fp8_op_for(self) if self.is_fp8 else ops_for(self)
-        self._varlen_op = varlen_op_for(self) if self.is_varlen else None
+        self._varlen_op = None
+        if self.is_varlen:
+            self._varlen_op = fp8_varlen_op_for(self) if self.is_fp8 else varlen_op_for(self)
         self._kvcache_op = kvcache_op_for(self) if self.is_kvcache else None
         # score and mask modifiers (issue 41): their inputs are the op's arguments
         self._modified_op = modified_op_for(self) if self.config.modifiers is not None else None
@@ -394,16 +396,16 @@ class FlashAttention(ServingCalls, Fp8Calls, ModifiedCalls, PlainCalls, Backward
     ) -> None:
         """Launch on q's device and that device's current stream (arguments checked;
         ``inputs``: the modifiers'; ``descales``: an 8-bit kernel's three, checked)."""
+        if descales is None and self.is_fp8:  # (every launch passes its second parameter)
+            descales = (None, None, None)
         if self.is_varlen:
-            self._launch_padded_as_varlen(dtype, q, k, v, out, lse, scale)
+            self._launch_padded_as_varlen(dtype, q, k, v, out, lse, scale, descales)
             return
         if self.is_kvcache:
             raise RuntimeError(
                 f"kernel '{self.config.name}' reads K/V from a cache ('kv_cache'): call "
                 "kvcache(q, k_cache, v_cache, cache_seqlens, ...)"
             )
-        if descales is None and self.is_fp8:  # (every launch passes its second parameter)
-            descales = (None, None, None)
         first = None  # a kernel launched first (a keep's tile classes: inputs after the spec's)
         made = None
         if self.config.modifiers is not None:  # (counted; classes made ahead split off)

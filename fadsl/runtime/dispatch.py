@@ -154,6 +154,30 @@ def fp8_attention_kernel(q, causal: bool, out_dtype) -> FlashAttention:
     return _chosen(key, choose)
 
 
+def fp8_varlen_kernel(q, causal: bool, out_dtype) -> FlashAttention:
+    """fadsl.attention_varlen's kernel on 8-bit q: the shipped 8-bit spec for q's GPU, head
+    dimension and mask (its tile for long queries: a packed batch's lengths are the
+    device's) with `varlen on`, and `output fp16` for out_dtype torch.float16; chosen once
+    per (device, head_dim, mask, out_dtype)."""
+    from .fp8_calls import check_out_dtype, out_dtypes
+
+    key = ("fp8 varlen", q.device, int(q.shape[-1]), *_typed(causal, out_dtype))
+
+    def choose() -> FlashAttention:
+        capability, head_dim = device_capability(q.device), int(q.shape[-1])
+        name = shipped_fp8_spec(capability, head_dim, causal, q.dtype)
+        word = out_dtypes()[check_out_dtype(out_dtype)]
+        settings = {"varlen": "on"} if word == "bf16" else {"varlen": "on", "output": word}
+        variant = f"{name}_varlen" + ("" if word == "bf16" else f"_out_{word}")
+        kern = _LOADED.get(variant)
+        if kern is None:
+            base = data_dir("examples").joinpath(f"{name}.fa").read_text()
+            kern = _LOADED[variant] = load(rewrite(base, settings, {}, variant), verbose=False)
+        return kern
+
+    return _chosen(key, choose)
+
+
 def _shipped(name: str) -> FlashAttention:
     kern = _LOADED.get(name)
     if kern is None:

@@ -60,25 +60,38 @@ def check_out_dtype(out_dtype):
 
 
 def check_descales(descales, q, k) -> tuple:
-    """q_descale, k_descale and v_descale (``descales``, in that order): each None or a
-    float32 tensor of shape (batch, heads_kv) on q's device, whose elements the kernel's int
-    index reaches; each error names the argument. Values are not read (module docstring)."""
+    """q_descale, k_descale and v_descale (``descales``, in that order) of a padded call: each
+    None or a float32 tensor of shape (batch, heads_kv) on q's device, whose elements the
+    kernel's int index reaches; each error names the argument. Values are not read (module
+    docstring)."""
+    return check_descale_shapes(descales, (q.shape[0], k.shape[2]), q, "batch", "q's batch")
+
+
+def check_varlen_descales(descales, q, k, cu_seqlens_q) -> tuple:
+    """check_descales for a varlen call: each descale (sequences, heads_kv), sequence b's
+    row read by its tiles."""
+    shape = (cu_seqlens_q.shape[0] - 1, k.shape[1])
+    return check_descale_shapes(descales, shape, q, "sequences", "cu_seqlens_q's sequences")
+
+
+def check_descale_shapes(descales, shape, q, rows: str, whose: str) -> tuple:
+    """The descales' checks against ``shape`` = (``rows``, heads_kv) (``whose``: where the
+    rows come from, for the message)."""
     import torch
 
-    shape = (q.shape[0], k.shape[2])
     for name, t in zip(DESCALE_NAMES, descales):
         if t is None:
             continue
         if not isinstance(t, torch.Tensor):
             raise TypeError(
-                f"{name} must be a torch.Tensor (float32, shape (batch, heads_kv)) or None, "
+                f"{name} must be a torch.Tensor (float32, shape ({rows}, heads_kv)) or None, "
                 f"got {type(t).__name__}"
             )
         if t.dtype != torch.float32:
             raise TypeError(f"{name} must be float32, got {t.dtype}")
         if tuple(t.shape) != shape:
             raise ValueError(
-                f"{name} must have shape (batch, heads_kv) = {shape} (q's batch, k's heads); "
+                f"{name} must have shape ({rows}, heads_kv) = {shape} ({whose}, k's heads); "
                 f"got {tuple(t.shape)}; one descale for the tensor: "
                 f"torch.tensor([s], device=q.device).expand{shape}"
             )

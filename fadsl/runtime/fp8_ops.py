@@ -21,6 +21,7 @@ import torch
 from torch.library import custom_op
 
 from .arguments import lse_shape
+from .varlen import varlen_lse_shape
 
 NO_LSE = (0,)
 _OPS: dict = {}  # op name -> op; a spec loaded twice shares its op (registered once)
@@ -60,6 +61,52 @@ def _define(name: str):
         return fp8_outputs(q, kern.out_torch_dtype, return_lse)
 
     return forward
+
+
+_VARLEN_OPS: dict = {}  # op name -> the varlen op of a `varlen on` 8-bit spec
+
+
+def fp8_varlen_op_for(kern):
+    """``fadsl::<kernel>_<hash>_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, q_descale,
+    k_descale, v_descale, softmax_scale, return_lse) -> (out, lse)``: a varlen call of an
+    8-bit spec as a functional op (torch.compile), no autograd formula."""
+    name = kern.op_name
+    _KERNELS[name] = kern
+    if name not in _VARLEN_OPS:
+        _VARLEN_OPS[name] = _define_varlen(name)
+    return _VARLEN_OPS[name]
+
+
+def _define_varlen(name: str):
+    @custom_op(f"fadsl::{name}_varlen", mutates_args=())
+    def varlen(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cu_seqlens_q: torch.Tensor,
+        cu_seqlens_k: torch.Tensor,
+        q_descale: Optional[torch.Tensor],
+        k_descale: Optional[torch.Tensor],
+        v_descale: Optional[torch.Tensor],
+        softmax_scale: float,
+        return_lse: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        descales = (q_descale, k_descale, v_descale)
+        found = _KERNELS[name].varlen_forward(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, None, return_lse,
+            descales=descales,
+        )  # fmt: skip
+        return found if return_lse else (found, q.new_empty(NO_LSE, dtype=torch.float32))
+
+    @varlen.register_fake
+    def _(q, k, v, cu_q, cu_k, q_descale, k_descale, v_descale, softmax_scale, return_lse):
+        kern = _KERNELS[name]
+        kern.check_varlen_call(q, k, v, cu_q, cu_k, (q_descale, k_descale, v_descale))
+        shape = varlen_lse_shape(q) if return_lse else NO_LSE
+        out = torch.empty_like(q, dtype=kern.out_torch_dtype)
+        return out, q.new_empty(shape, dtype=torch.float32)
+
+    return varlen
 
 
 def fp8_outputs(q, out_dtype, with_lse: bool):

@@ -17,12 +17,19 @@ from .arguments import check_bases, check_scale, lse_shape
 from .plans import PlanCache, stream_and_device
 
 _FP8 = PlanCache()
+_FP8_VARLEN = PlanCache()
+# an 8-bit varlen call's addresses in a plan's order (host/varlen.py's and host/fp8.py's slots)
+VARLEN_FP8_SOURCES = (
+    *("q", "k", "v", "out", "lse", "cu_seqlens_q", "cu_seqlens_k"),
+    *("q_descale", "k_descale", "v_descale"),
+)
 _FLOAT32 = torch.float32
 
 
 def clear() -> None:
     """Forget every 8-bit plan and signature (as planned.clear)."""
     _FP8.clear()
+    _FP8_VARLEN.clear()
 
 
 def _tensor(t):
@@ -64,6 +71,77 @@ class Fp8AttentionPlan:
         scales = tuple(0 if t is None else t.data_ptr() for t in descales)
         self.launch((*addresses, 0 if lse is None else lse.data_ptr(), *scales))
         return (out, lse) if self.return_lse else out
+
+
+class Fp8VarlenPlan:
+    """An 8-bit varlen call's plan (planned.VarlenPlan's, with O of the output type and the
+    descales' addresses)."""
+
+    def __init__(self, prepared, target: str, out_dtype, return_lse: bool, lse_shape_, device):
+        self.launch, self.target, self.out_dtype = prepared.launch, target, out_dtype
+        self.return_lse, self.lse_shape, self.device = return_lse, lse_shape_, device
+
+    def __call__(self, q, k, v, cu_q, cu_k, descales):
+        out = torch.empty_like(q, dtype=self.out_dtype)
+        addresses = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr())
+        if (addresses[0] | addresses[1] | addresses[2]) % 16:
+            check_bases(q, k, v, self.target)
+        lse = None
+        if self.return_lse:
+            lse = torch.empty(self.lse_shape, dtype=_FLOAT32, device=self.device)
+        scales = tuple(0 if t is None else t.data_ptr() for t in descales)
+        self.launch((*addresses, 0 if lse is None else lse.data_ptr(), cu_q.data_ptr(),
+                     cu_k.data_ptr(), *scales))  # fmt: skip
+        return (out, lse) if self.return_lse else out
+
+
+def varlen_lookup(q, k, v, cu_q, cu_k, max_q, max_k, descales, causal, softmax_scale, out_dtype,
+                  window_size, softcap, return_lse):  # fmt: skip
+    """(signature, its plan or None) of an 8-bit fadsl.attention_varlen call (as lookup)."""
+    try:
+        if torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad for t in (q, k, v, *descales)
+        ):
+            return None, None
+        key = (  # (the padded signature last: its stream at key[-2])
+            *(cu_q.shape, cu_q.stride(), cu_q.dtype, cu_q.device),
+            *(cu_k.shape, cu_k.stride(), cu_k.dtype, cu_k.device),
+            *(_max_seqlen(max_q), _max_seqlen(max_k)),
+            *signature(q, k, v, descales, causal, softmax_scale, out_dtype, window_size,
+                       softcap, return_lse),  # fmt: skip
+        )
+        return key, _FP8_VARLEN.get(key)
+    except Exception:
+        return None, None
+
+
+def _max_seqlen(value):
+    """What the checks read of a max_seqlen (its type and sign; the kernel's choice does not
+    read it)."""
+    return None if value is None else (type(value), value < 0)
+
+
+def varlen_call(key, q, k, v, cu_q, cu_k, descales, softmax_scale, out_dtype, causal,
+                return_lse):  # fmt: skip
+    """The checked path of an 8-bit varlen call (fadsl.attention_varlen has checked its own
+    arguments and the max_seqlens): the kernel's checks and launches; a plan kept at the
+    second call of the signature ``key``."""
+    from .varlen import run_varlen, varlen_lse_shape
+
+    kern = dispatch.fp8_varlen_kernel(q, causal, out_dtype)
+    scale = check_scale(softmax_scale, kern.config.head_dim)
+    dtype = kern.check_varlen_call(q, k, v, cu_q, cu_k, descales)
+    out = torch.empty_like(q, dtype=kern.out_torch_dtype)
+    lse = torch.empty(varlen_lse_shape(q), dtype=_FLOAT32, device=q.device) if return_lse else None
+    plan = run_varlen(kern, dtype, q, k, v, cu_q, cu_k, out, lse, scale, descales)
+    if plan.reusable and _FP8_VARLEN.worth_planning(key):
+        tensors = (q, k, v, out, lse, cu_q, cu_k, *descales)
+        addresses = tuple(0 if t is None else t.data_ptr() for t in tensors)
+        prepared = kern.prepared(dtype, q.device.index, key[-2], plan, VARLEN_FP8_SOURCES,
+                                 addresses)  # fmt: skip
+        _FP8_VARLEN.put(key, Fp8VarlenPlan(prepared, kern.config.target, kern.out_torch_dtype,
+                                           return_lse, varlen_lse_shape(q), q.device))  # fmt: skip
+    return (out, lse) if return_lse else out
 
 
 def lookup(q, k, v, descales, causal, softmax_scale, out_dtype, window_size, softcap,

@@ -142,28 +142,8 @@ def _attention_fp8(q, k, v, causal, softmax_scale, descales, out_dtype, window_s
                                        window_size, softcap, return_lse)  # fmt: skip
         if plan is not None:
             return plan(q, k, v, descales)
-    _check_flag("causal", causal)
-    _check_flag("return_lse", return_lse)
-    check_q(q, 4, "batch, seqlen, heads, head_dim")
-    if not is_fp8(q):
-        named = zip((*DESCALE_NAMES, "out_dtype"), (*descales, out_dtype))
-        given = next(name for name, value in named if value is not None)
-        raise TypeError(
-            f"{given} is for 8-bit q, k and v (torch.float8_e4m3fn or torch.float8_e5m2); "
-            f"q is {q.dtype}"
-        )
-    left, right = _window(window_size)
-    _check_softcap(softcap)
-    if (left, right) != (-1, -1) or softcap:
-        raise ValueError(
-            f"window_size={tuple(window_size)}, softcap={softcap} with 8-bit q, k and v: the "
-            "FP8 forward is not built with a window or a softcap yet (issue 42); leave them "
-            "(-1, -1) and 0"
-        )
-    refuse_gradients(
-        "fadsl.attention", (("q", q), ("k", k), ("v", v), *zip(DESCALE_NAMES, descales))
-    )
-    check_out_dtype(out_dtype)
+    _check_fp8_call("fadsl.attention", q, k, v, 4, "batch, seqlen, heads, head_dim", causal,
+                     descales, out_dtype, window_size, softcap, return_lse)  # fmt: skip
     if compiling:
         check_scale(softmax_scale, 1)  # (named here, not by the op's schema)
         out, lse = fp8_public_ops.attention_fp8(q, k, v, *descales, causal, softmax_scale, out_dtype,
@@ -186,10 +166,15 @@ def attention_varlen(
     window_size=(-1, -1),
     softcap: float = 0,
     return_lse: bool = False,
+    q_descale=None,
+    k_descale=None,
+    v_descale=None,
+    out_dtype=None,
 ):
     """Attention over a packed batch of sequences through a shipped spec (FlashAttention's
     ``flash_attn_varlen_func``): q (tokens_q, heads_q, head_dim), k and v (tokens_k, heads_kv,
-    head_dim), bf16 or fp16 on one CUDA device; sequence b at rows cu_seqlens_q[b] ..
+    head_dim), bf16 or fp16 on one CUDA device (or 8-bit, as fadsl.attention takes them, each
+    descale (sequences, heads_kv): sequence b's row b); sequence b at rows cu_seqlens_q[b] ..
     cu_seqlens_q[b + 1] - 1 of q and likewise of k and v (int32 prefix sums on q's device).
     causal: bottom-right aligned per sequence. window_size (left, right): a sliding window,
     -1 unbounded. softcap: scores capped by softcap tanh(s / softcap), 0 none (a whole
@@ -201,6 +186,12 @@ def attention_varlen(
     LSE), each sequence's on its own rows; rows outside every sequence get zero gradients
     and must hold finite values (a NaN there, times P = 0, reaches a neighbour's dK and dV)."""
     key = None
+    plain = q_descale is None and k_descale is None and v_descale is None and out_dtype is None
+    if not plain or is_fp8(q):
+        descales = (q_descale, k_descale, v_descale)
+        return _varlen_fp8(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                           causal, softmax_scale, descales, out_dtype, window_size, softcap,
+                           return_lse)  # fmt: skip
     if not torch.compiler.is_compiling():  # a call of a signature met before: its plan
         key, plan = planned.varlen_lookup(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                           max_seqlen_k, causal, softmax_scale, window_size,
@@ -309,3 +300,54 @@ def append_kv(k_cache, v_cache, k_new, v_new, cache_seqlens, page_table=None) ->
         plan(k_cache, v_cache, k_new, v_new, cache_seqlens, page_table, None)
     else:
         planned.append_call(key, k_cache, v_cache, k_new, v_new, cache_seqlens, page_table)
+
+
+def _check_fp8_call(what: str, q, k, v, dims: int, shape: str, causal, descales, out_dtype,
+                    window_size, softcap, return_lse) -> None:  # fmt: skip
+    """The public checks of a call with descales or an out_dtype, or on 8-bit q (``what``:
+    the call's name): 8-bit q, no window or softcap, no gradients, an output type."""
+    _check_flag("causal", causal)
+    _check_flag("return_lse", return_lse)
+    check_q(q, dims, shape)
+    if not is_fp8(q):
+        named = zip((*DESCALE_NAMES, "out_dtype"), (*descales, out_dtype))
+        given = next(name for name, value in named if value is not None)
+        raise TypeError(
+            f"{given} is for 8-bit q, k and v (torch.float8_e4m3fn or torch.float8_e5m2); "
+            f"q is {q.dtype}"
+        )
+    left, right = _window(window_size)
+    _check_softcap(softcap)
+    if (left, right) != (-1, -1) or softcap:
+        raise ValueError(
+            f"window_size={tuple(window_size)}, softcap={softcap} with 8-bit q, k and v: the "
+            "FP8 forward is not built with a window or a softcap yet (issue 42); leave them "
+            "(-1, -1) and 0"
+        )
+    refuse_gradients(what, (("q", q), ("k", k), ("v", v), *zip(DESCALE_NAMES, descales)))
+    check_out_dtype(out_dtype)
+
+
+def _varlen_fp8(q, k, v, cu_q, cu_k, max_q, max_k, causal, softmax_scale, descales, out_dtype,
+                window_size, softcap, return_lse):  # fmt: skip
+    """fadsl.attention_varlen with descales or an out_dtype, or on 8-bit q (issue 42)."""
+    key = None
+    compiling = torch.compiler.is_compiling()
+    if not compiling:  # a call of a signature met before: its plan
+        key, plan = fp8_planned.varlen_lookup(q, k, v, cu_q, cu_k, max_q, max_k, descales,
+                                              causal, softmax_scale, out_dtype, window_size,
+                                              softcap, return_lse)  # fmt: skip
+        if plan is not None:
+            return plan(q, k, v, cu_q, cu_k, descales)
+    _check_fp8_call("fadsl.attention_varlen", q, k, v, 3, "tokens, heads, head_dim", causal,
+                    descales, out_dtype, window_size, softcap, return_lse)  # fmt: skip
+    check_max_seqlen("max_seqlen_q", max_q)
+    check_max_seqlen("max_seqlen_k", max_k)
+    if compiling:
+        check_scale(softmax_scale, 1)  # (named here, not by the op's schema)
+        out, lse = fp8_public_ops.attention_varlen_fp8(q, k, v, cu_q, cu_k, *descales, causal,
+                                                       softmax_scale, out_dtype,
+                                                       return_lse)  # fmt: skip
+        return (out, lse) if return_lse else out
+    return fp8_planned.varlen_call(key, q, k, v, cu_q, cu_k, descales, softmax_scale, out_dtype,
+                                   causal, return_lse)  # fmt: skip

@@ -10,6 +10,7 @@ from ..ir import Dtype
 from ..targets.archs import arch_for
 from ..targets.launch import current_stream
 from .arguments import backward_operands, check_lse, check_scale, lse_shape
+from .fp8_calls import DESCALE_NAMES
 
 
 class ServingCalls:
@@ -68,9 +69,18 @@ class ServingCalls:
             module = self.kernel_module(dtype, index, kl.suffix, kl.block[0]) if kl.suffix else main
             if elsewhere:
                 with torch.cuda.device(index):
-                    module.launch(kl.grid, kl.block, kl.params, stream, dependent=kl.dependent)
+                    module.launch(
+                        kl.grid,
+                        kl.block,
+                        kl.params,
+                        stream,
+                        dependent=kl.dependent,
+                        second=kl.second,
+                    )
             else:
-                module.launch(kl.grid, kl.block, kl.params, stream, dependent=kl.dependent)
+                module.launch(
+                    kl.grid, kl.block, kl.params, stream, dependent=kl.dependent, second=kl.second
+                )
 
         return launch
 
@@ -103,6 +113,9 @@ class ServingCalls:
         *,
         out=None,
         return_lse: bool = False,
+        q_descale=None,
+        k_descale=None,
+        v_descale=None,
     ):
         """Attention over a packed batch of sequences (FlashAttention's varlen convention,
         fadsl/runtime/varlen.py): q (tokens_q, heads_q, head_dim), k and v (tokens_k,
@@ -110,9 +123,12 @@ class ServingCalls:
         of q and likewise of k and v (int32 on q's device). Returns the output (q's shape),
         or ``(output, lse)`` with the LSE (heads_q, tokens_q), float32. The spec must say
         `varlen on`. Gradients flow through q, k and v (and the LSE) when the spec has a
-        backward block."""
+        backward block. An 8-bit spec takes q_descale, k_descale and v_descale, each None
+        or float32 (sequences, heads_kv) (fadsl/runtime/fp8_calls.py), and returns O in
+        the spec's `output` type, without gradients."""
         import torch
 
+        from .fp8_calls import refuse_gradients
         from .varlen import check_max_seqlen
 
         if not self.is_varlen:
@@ -125,6 +141,28 @@ class ServingCalls:
         scale = check_scale(softmax_scale, self.config.head_dim)
         if not isinstance(return_lse, bool):
             raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+        descales = (q_descale, k_descale, v_descale)
+        if self.is_fp8:
+            named = (("q", q), ("k", k), ("v", v), *zip(DESCALE_NAMES, descales))
+            refuse_gradients(f"fadsl kernel '{self.config.name}'", named)
+            if torch.compiler.is_compiling():
+                if out is not None:
+                    raise RuntimeError(
+                        f"fadsl kernel '{self.config.name}': out= is for eager calls; call it "
+                        "without out= under torch.compile"
+                    )
+                args = (q, k, v, cu_seqlens_q, cu_seqlens_k, *descales, scale, return_lse)
+                o, lse = self._varlen_op(*args)
+                return (o, lse) if return_lse else o
+            return self.varlen_forward(
+                q, k, v, cu_seqlens_q, cu_seqlens_k, scale, out, return_lse, descales=descales
+            )
+        for name, t in zip(DESCALE_NAMES, descales):
+            if t is not None:
+                raise TypeError(
+                    f"{name}: kernel '{self.config.name}' takes {self.config.dtypes[0].value} "
+                    "inputs; descales are for an 8-bit spec (dtype e4m3 or e5m2)"
+                )
         if self._through_op((q, k, v), out):
             if self.has_backward and not torch.compiler.is_compiling():
                 from . import eager_grad  # (eagerly: the varlen kernels without the dispatcher)
@@ -137,16 +175,22 @@ class ServingCalls:
             return (o, lse) if return_lse else o
         return self.varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, out, return_lse)
 
-    def varlen_forward(self, q, k, v, cu_seqlens_q, cu_seqlens_k, scale, out, return_lse, lse=None):
+    def varlen_forward(
+        self, q, k, v, cu_seqlens_q, cu_seqlens_k, scale, out, return_lse, lse=None,
+        descales=None,
+    ):  # fmt: skip
         """Check a varlen call's arguments, allocate what is missing and launch (``lse``: a
-        float32 (heads_q, tokens_q) tensor to write the LSE into, with ``return_lse``)."""
+        float32 (heads_q, tokens_q) tensor to write the LSE into, with ``return_lse``;
+        ``descales``: an 8-bit spec's three, each None or a tensor, checked here)."""
         import torch
 
         from .varlen import check_varlen, check_varlen_out, run_varlen, varlen_lse_shape
 
-        dtype = check_varlen(self, q, k, v, cu_seqlens_q, cu_seqlens_k)
+        dtype = self.check_varlen_call(q, k, v, cu_seqlens_q, cu_seqlens_k, descales)
+        if self.is_fp8 and descales is None:
+            descales = (None, None, None)
         if out is None:
-            out = torch.empty_like(q)
+            out = torch.empty_like(q, dtype=self.out_torch_dtype)  # (an 8-bit spec's output)
         else:
             check_varlen_out(self, out, q, k, v)
         if not return_lse:
@@ -162,8 +206,19 @@ class ServingCalls:
                 f"lse must be a contiguous float32 tensor of shape {varlen_lse_shape(q)}, got "
                 f"{lse.dtype} of shape {tuple(lse.shape)}"
             )
-        run_varlen(self, dtype, q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, scale)
+        run_varlen(self, dtype, q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, scale, descales)
         return (out, lse) if return_lse else out
+
+    def check_varlen_call(self, q, k, v, cu_seqlens_q, cu_seqlens_k, descales=None) -> Dtype:
+        """Every check of a varlen call's tensors (and an 8-bit spec's descales); q's
+        ``Dtype``. No memory access: fake tensors pass."""
+        from .fp8_calls import check_varlen_descales
+        from .varlen import check_varlen
+
+        dtype = check_varlen(self, q, k, v, cu_seqlens_q, cu_seqlens_k)
+        if self.is_fp8:
+            check_varlen_descales(descales or (None, None, None), q, k, cu_seqlens_q)
+        return dtype
 
     def varlen_backward(self, q, k, v, out, lse, dout, dlse, cu_seqlens_q, cu_seqlens_k, scale):
         """(dq, dk, dv) of a varlen call's loss whose gradient on the output is ``dout`` (and
@@ -204,9 +259,12 @@ class ServingCalls:
         )  # fmt: skip
         return dq.view(q.shape), dk.view(k.shape), dv.view(v.shape)
 
-    def _launch_padded_as_varlen(self, dtype: Dtype, q, k, v, out, lse, scale: float) -> None:
+    def _launch_padded_as_varlen(
+        self, dtype: Dtype, q, k, v, out, lse, scale: float, descales=None
+    ) -> None:
         """A padded batch on a `varlen on` kernel: its sequences packed end to end (a view
-        where the strides allow, else a copy), cu_seqlens every seqlen rows."""
+        where the strides allow, else a copy), cu_seqlens every seqlen rows (an 8-bit
+        kernel's ``descales``, (batch, heads_kv), are then per sequence as they stand)."""
         import torch
 
         from .varlen import run_varlen
@@ -227,15 +285,18 @@ class ServingCalls:
         cu_k = torch.arange(0, (batch + 1) * seqlen_k, seqlen_k, dtype=torch.int32, device=q.device)
         flat_out = packed(out)
         into = flat_out if flat_out.data_ptr() == out.data_ptr() and out.is_contiguous() else None
-        result = into if into is not None else torch.empty_like(packed(q))
+        result = into
+        if result is None:
+            result = torch.empty(packed(q).shape, dtype=out.dtype, device=q.device)
         flat_lse = None
         if lse is not None:
             flat_lse = torch.empty(
                 (heads_q, batch * seqlen_q), device=q.device, dtype=torch.float32
             )
         run_varlen(
-            self, dtype, packed(q), packed(k), packed(v), cu_q, cu_k, result, flat_lse, scale
-        )
+            self, dtype, packed(q), packed(k), packed(v), cu_q, cu_k, result, flat_lse, scale,
+            descales,
+        )  # fmt: skip
         if into is None:
             out.copy_(result.view(batch, seqlen_q, heads_q, head_dim))
         if lse is not None:

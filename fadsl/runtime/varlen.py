@@ -86,7 +86,8 @@ def varlen_lse_shape(q) -> tuple[int, int]:
 
 
 def check_varlen_out(kern, out, q, k, v) -> None:
-    """out: q's shape, dtype and device, TMA's strides, memory of its own."""
+    """out: q's shape, dtype (an 8-bit spec's: its `output` type) and device, TMA's strides,
+    memory of its own."""
     from .arguments import check_out
 
     if not hasattr(out, "dim") or out.dim() != 3:
@@ -94,15 +95,22 @@ def check_varlen_out(kern, out, q, k, v) -> None:
             f"out must be a 3-D tensor of q's shape {tuple(q.shape)}, got "
             f"{tuple(out.shape) if hasattr(out, 'shape') else type(out).__name__}"
         )
-    check_out(out.unsqueeze(0), q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), kern.config.target)
+    check_out(
+        out.unsqueeze(0), q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), kern.config.target,
+        kern.out_torch_dtype,
+    )  # fmt: skip
 
 
-def run_varlen(kern, dtype: Dtype, q, k, v, cu_q, cu_k, out, lse, scale: float):
+def run_varlen(kern, dtype: Dtype, q, k, v, cu_q, cu_k, out, lse, scale: float, descales=None):
     """Launch the target's varlen kernels on q's device's current stream; the plan they were
-    launched by (``targets.launch.CallPlan``)."""
+    launched by (``targets.launch.CallPlan``). ``descales``: an 8-bit kernel's, checked."""
     for name, t in (("q", q), ("k", k), ("v", v), ("out", out)):
         check_base(name, t, kern.config.target)
-    plan = kern.serving.varlen(kern.compiled.kernel, q, k, v, cu_q, cu_k, out, lse, scale)
+    kernel = kern.compiled.kernel
+    if descales is None:
+        plan = kern.serving.varlen(kernel, q, k, v, cu_q, cu_k, out, lse, scale)
+    else:
+        plan = kern.serving.varlen(kernel, q, k, v, cu_q, cu_k, out, lse, scale, descales)
     launch = kern.launcher(dtype, q.device.index)
     for kl in plan.launches():
         launch(kl)

@@ -45,6 +45,8 @@ class KernelLaunch(NamedTuple):
     block: tuple[int, int, int]
     params: bytes
     dependent: bool = False
+    # a second by-value parameter (an 8-bit kernel's Fp8Descales), None: none
+    second: bytes | None = None
 
 
 # The sources of a call's modifier inputs in the slots (P.inputs[i]: the spec's inputs in
@@ -107,7 +109,10 @@ class CallPlan(NamedTuple):
     second: bytes | None = None
 
     def launches(self) -> tuple[KernelLaunch, ...]:
-        return tuple(KernelLaunch(s.suffix, s.grid, s.block, self.params, s.dependent)
+        """The kernels' launches: ``second`` goes to the main kernel (suffix ""), the one
+        that declares it; a tile list's or a combine's kernel has one parameter."""
+        return tuple(KernelLaunch(s.suffix, s.grid, s.block, self.params, s.dependent,
+                                  None if s.suffix else self.second)
                      for s in self.kernels)  # fmt: skip
 
 

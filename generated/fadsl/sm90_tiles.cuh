@@ -105,6 +105,7 @@ struct TileWork {
   // varlen: the sequence's first query row and key in the packed tensors, and its lengths
   // (read through seqlen_q/seqlen_k/q_row/kv_row, which give FwdParams' for padded batches)
   int q_start, seqlen_q, k_start, seqlen_k;
+  int sequence;  // varlen: the sequence's index in the call's batch (cu_seqlens' b; batch is 0)
   const int* pages;  // a paged kv_cache: the batch's row of the page table
 };
 

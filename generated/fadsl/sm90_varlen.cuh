@@ -63,6 +63,7 @@ __device__ __forceinline__ TileWork varlen_tile_work(const FwdParamsSm90& P, int
   const int head = r / blocks, j = r - head * blocks;
   TileWork w;
   w.batch = 0;  // one packed "batch": the tensors' batch coordinate
+  w.sequence = tiles.z;  // its index in the batch (an 8-bit kernel's descales are per sequence)
   w.head = head;
   w.head_kv = fast_div(head, P.div_group);
   if constexpr (Cfg::kCausal && Cfg::kPersistent && !has_window<Cfg>()) {

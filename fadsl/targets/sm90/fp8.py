@@ -118,7 +118,6 @@ def value_loc(c: Checks, key: str) -> Loc:
 # What the FP8 forward's kernel (fadsl/sm90_fp8.cuh) does not build yet, by the Cfg extension's
 # field: (the spec's key, what it would need)
 UNBUILT = (
-    ("varlen", "varlen", "packed sequences' descales and tile list"),
     ("kv_cache", "kv_cache", "8-bit caches (their TMA maps and pages)"),
     ("pack_gqa", "pack_gqa", "Q's packed rows (load_q8)"),
     ("split_kv", "tail", "split pieces' partials and their combination"),

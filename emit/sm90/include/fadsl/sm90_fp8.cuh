@@ -71,9 +71,12 @@ struct Fp8FwdConfig
   static constexpr bool kLeanTranspose = kHeadDim_ > 128;
 };
 
-// One descale of the tile's (batch, K/V head); 1 without the tensor.
+// One descale of the tile's (batch, K/V head); 1 without the tensor. With varlen the batch
+// index is the tile's sequence (w.batch is the packed tensors' one batch coordinate).
+template <class Cfg>
 __device__ __forceinline__ float descale_of(const float* d, int batch_stride, int head_stride, const TileWork& w) {
-  return d == nullptr ? 1.f : d[w.batch * batch_stride + w.head_kv * head_stride];
+  const int batch = Cfg::kVarlen ? w.sequence : w.batch;
+  return d == nullptr ? 1.f : d[batch * batch_stride + w.head_kv * head_stride];
 }
 
 // c' = softmax_scale log2(e) q_descale k_descale for the tile, the softmax's scale_log2 (two
@@ -84,15 +87,15 @@ __device__ __forceinline__ float descale_of(const float* d, int batch_stride, in
 template <class Cfg>
 __device__ __forceinline__ float fp8_scale_log2(const FwdParams& p, const Fp8Descales& D, const TileWork& w) {
   const float c = __fmul_rn(__fmul_rn(__fmul_rn(p.softmax_scale, 1.4426950408889634f),
-                                      descale_of(D.q, D.q_batch_stride, D.q_head_stride, w)),
-                            descale_of(D.k, D.k_batch_stride, D.k_head_stride, w));
+                                      descale_of<Cfg>(D.q, D.q_batch_stride, D.q_head_stride, w)),
+                            descale_of<Cfg>(D.k, D.k_batch_stride, D.k_head_stride, w));
   return c >= 1.17549435e-38f && c <= 3.40282347e+38f ? c : quiet_nan();
 }
 
 // v_descale of the tile, used as given (inf or NaN propagate into O).
 template <class Cfg>
 __device__ __forceinline__ float fp8_v_descale(const Fp8Descales& D, const TileWork& w) {
-  return descale_of(D.v, D.v_batch_stride, D.v_head_stride, w);
+  return descale_of<Cfg>(D.v, D.v_batch_stride, D.v_head_stride, w);
 }
 
 // ---------------------------------------------------------------------------

@@ -8,6 +8,12 @@ S (keys) or which no one stores (queries). O's map is ragged (tma.ragged_rows_ma
 stops at its sequence's end. The LSE is (heads, tokens). FwdParams' batch is the number of
 sequences and its seqlen_q and seqlen_k the tensors' rows, which the tile list checks
 cu_seqlens against.
+
+An 8-bit kernel (issue 42) reads Q, K and V through boxes of 128 one-byte columns (64 at
+head_dim 64: caps.panel_columns), as a padded 8-bit launch does, and takes the call's descales
+as its second parameter (host/fp8.py's Fp8Descales), each (sequences, heads_kv): sequence b's
+tiles read row b (fadsl/sm90_fp8.cuh, descale_of). The tile-list kernel has one parameter and
+ignores the second.
 """
 
 from __future__ import annotations
@@ -19,12 +25,15 @@ from ....ir import Kernel
 from ...launch import (
     FWD_PARAMS,
     AddressSlot,
+    Args,
     CallPlan,
     KernelStep,
     Workspace,
     fwd_pointer_slots,
     sm_count,
 )
+from ..caps import panel_columns
+from .fp8 import descale_slots, pack_descales
 from .launch import (
     DIVISORS,
     O_BOX_ROWS,
@@ -58,6 +67,9 @@ class VarlenArgs(NamedTuple):
     cu_seqlens_q: Any  # int32 (sequences + 1,)
     cu_seqlens_k: Any
     workspace: Any  # int32: the counts (COUNT_INTS), then the list (workspace_ints)
+    # an 8-bit kernel's (q_descale, k_descale, v_descale), each float32 (sequences, heads_kv)
+    # or None (= 1); None for a 16-bit kernel
+    descales: tuple | None = None
 
 
 def sequences(a: VarlenArgs) -> int:
@@ -118,11 +130,12 @@ def pack_varlen_params(kernel: Kernel, a: VarlenArgs) -> bytes:
         a.softmax_scale,
     )
     base = a.workspace.data_ptr()
+    cols = panel_columns(cfg.head_dim, q.element_size())  # (8-bit: 128 one-byte columns)
     raw = b"".join(
         (
-            tensor_map(q.unsqueeze(0), PANEL_COLS, cfg.block_r),
-            tensor_map(k.unsqueeze(0), PANEL_COLS, cfg.block_c),
-            tensor_map(v.unsqueeze(0), PANEL_COLS, cfg.block_c),
+            tensor_map(q.unsqueeze(0), cols, cfg.block_r),
+            tensor_map(k.unsqueeze(0), cols, cfg.block_c),
+            tensor_map(v.unsqueeze(0), cols, cfg.block_c),
             ragged_rows_map(o, PANEL_COLS, O_BOX_ROWS),
             params,
             SPLIT_TAIL.pack(0, 0, 0, 1),
@@ -162,9 +175,12 @@ def _varlen_slots(with_lse: bool, before_out: int) -> tuple[AddressSlot, ...]:
     )
 
 
-def plan_varlen(kernel: Kernel, q, k, v, cu_q, cu_k, out, lse, scale: float) -> CallPlan:
+def plan_varlen(
+    kernel: Kernel, q, k, v, cu_q, cu_k, out, lse, scale: float, descales=None
+) -> CallPlan:
     """A varlen call's kernels (ServingLaunch.varlen): the tile list, then attention; the
-    workspace allocated on q's device (stream-ordered, so a CUDA graph captures it)."""
+    workspace allocated on q's device (stream-ordered, so a CUDA graph captures it);
+    ``descales``: an 8-bit kernel's three (checked), its second parameter and their slots."""
     import torch
 
     if q.shape[0] == 0:  # no query row: nothing to write
@@ -176,16 +192,22 @@ def plan_varlen(kernel: Kernel, q, k, v, cu_q, cu_k, out, lse, scale: float) -> 
     batch = cu_q.shape[0] - 1
     ints = workspace_ints(batch)
     workspace = torch.empty(ints, dtype=torch.int32, device=q.device)
-    args = VarlenArgs(q, k, v, out, lse, scale, cu_q, cu_k, workspace)
+    args = VarlenArgs(q, k, v, out, lse, scale, cu_q, cu_k, workspace, descales)
+    params = pack_varlen_params(kernel, args)
+    slots, second = varlen_slots(args), None
+    if descales is not None:
+        second = pack_descales(Args(q, k, v, out, lse, scale, (), descales))
+        slots += descale_slots(len(params), tuple(t is not None for t in descales))
     steps = (
         KernelStep(TILES_SUFFIX, (1, 1, 1), (TILES_THREADS, 1, 1)),
         KernelStep("", varlen_grid(kernel, args), (kernel.config.threads, 1, 1)),
     )
     return CallPlan(
-        pack_varlen_params(kernel, args),
+        params,
         steps,
-        varlen_slots(args),
+        slots,
         (Workspace("workspace", ints, "int32"),),
         held=(workspace, k),
         reusable=reusable,
+        second=second,
     )
