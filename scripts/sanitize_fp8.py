@@ -1,9 +1,11 @@
 """Run each FP8 kernel (issue 42) once at ragged shapes, for compute-sanitizer (racecheck,
 synccheck, memcheck):
 
-    compute-sanitizer --tool racecheck python3 -P scripts/sanitize_fp8.py [256 | 64]
+    compute-sanitizer --tool racecheck python3 -P scripts/sanitize_fp8.py [256 | 64 | varlen]
 
-(`256`: the head_dim 256 kernels only; `64`: the head_dim 64 examples only.)
+(`256`: the head_dim 256 kernels only; `64`: the head_dim 64 examples only; `varlen`: the
+shipped examples with `varlen on` through fadsl.attention_varlen, head_dim 64, 128 and 256,
+causal and not, a ragged packed batch with per-sequence descales.)
 
 The shipped examples (examples/fa3_fp8_hdim128*.fa, their 128 x 128 short twins up to 1024
 queries) through fadsl.attention, both 8-bit dtypes, O in bf16 and fp16, descales per (batch,
@@ -52,7 +54,11 @@ def descales(batch: int, kind: int):
 # the head_dim 64 examples, loaded
 HEAD_DIM_64 = ("fa3_fp8_hdim64", "fa3_fp8_hdim64_causal", "fa3_fp8_hdim64_causal_short")
 # the parts a run covers: the shipped head_dim 128 calls and the test specs, 256, 64
-PARTS = {"": {"128", "256", "64"}, "256": {"256"}, "64": {"64"}}[" ".join(sys.argv[1:])]
+PARTS = {"": {"128", "256", "64"}, "256": {"256"}, "64": {"64"}, "varlen": {"varlen"}}[
+    " ".join(sys.argv[1:])
+]
+# varlen: (query rows, keys) per sequence: a single row, no row, no key, tails off the tiles
+VARLEN = ((1, 1), (300, 170), (0, 5), (129, 0), (500, 700))
 
 with torch.no_grad():
     for name, dtype in DTYPES.items() if "128" in PARTS else ():
@@ -102,3 +108,17 @@ with torch.no_grad():
                 print(
                     f"{spec} {dtype.value} {batch}x{sq}x{sk}: ran, finite={bool(out.isfinite().all())}"
                 )
+    for head_dim in (64, 128, 256) if "varlen" in PARTS else ():
+        rows, keys = zip(*VARLEN)
+        cu_q, cu_k = (torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32,
+                                   device="cuda") for n in (rows, keys))  # fmt: skip
+        q, k, v = (torch.randn(sum(n), h, head_dim, device="cuda").to(torch.float8_e4m3fn)
+                   for n, h in ((rows, HEADS), (keys, HEADS_KV), (keys, HEADS_KV)))  # fmt: skip
+        qd, kd, vd = descales(len(VARLEN), 2)
+        for causal in (False, True):
+            out, lse = fadsl.attention_varlen(q, k, v, cu_q, cu_k, causal=causal, q_descale=qd,
+                                              k_descale=kd, v_descale=vd,
+                                              return_lse=True)  # fmt: skip
+            torch.cuda.synchronize()
+            print(f"fadsl.attention_varlen e4m3 d {head_dim} causal={causal}: ran, "
+                  f"finite={bool(out.isfinite().all())}")  # fmt: skip

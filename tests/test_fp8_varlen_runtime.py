@@ -116,19 +116,35 @@ def test_fadsl_attention_varlen_runs_the_shipped_8bit_spec_with_varlen(device, c
     out = fadsl.attention_varlen(q, k, v, cu_q, cu_k, 257, 257, causal, k_descale=kd)
     assert out.dtype == torch.bfloat16 and out.shape == q.shape
     _, main = _split(log)
-    name = get_shipped(head_dim, causal)
+    name = get_shipped(head_dim, causal, 257)  # (max_seqlen_q 257: the short spec if any)
     assert main.kernel == f"{name}_varlen"
     assert _descales(main)["k"] == kd.data_ptr()
-    kern = dispatch.fp8_varlen_kernel(q, causal, None)
+    kern = dispatch.fp8_varlen_kernel(q, causal, None, 257)
     assert kern.is_varlen and kern.config.block_c == dispatch._shipped(name).config.block_c
     fp16 = fadsl.attention_varlen(q, k, v, cu_q, cu_k, causal=causal, out_dtype=torch.float16)
-    assert fp16.dtype == torch.float16 and log[-1].kernel == f"{name}_varlen_out_fp16"
+    long = get_shipped(head_dim, causal)  # (no max_seqlen_q: the long spec)
+    assert fp16.dtype == torch.float16 and log[-1].kernel == f"{long}_varlen_out_fp16"
 
 
-def get_shipped(head_dim: int, causal: bool) -> str:
-    from fadsl.targets import get
+def get_shipped(head_dim: int, causal: bool, seqlen_q: int | None = None) -> str:
+    """The padded call's 8-bit spec for ``seqlen_q`` queries (a short one within its limit)."""
+    return dispatch.shipped_fp8_spec((9, 0), head_dim, causal, E4M3, seqlen_q)
 
-    return get("sm_90a").shipped_fp8[head_dim, causal]
+
+@pytest.mark.parametrize("max_seqlen_q", [None, 1024, 1025, 2048, 2049])
+def test_max_seqlen_q_chooses_the_short_queries_spec_as_the_padded_call(device, max_seqlen_q):
+    """fadsl.attention_varlen runs a short-query spec where max_seqlen_q is within its limit
+    (Target.shipped_fp8_short: 1024 at head_dim 128, 2048 at 64 causal), the long one past it
+    or without it; a plan per choice (the signature holds the limits it is within)."""
+    log, _ = device
+    fp8_planned.clear()
+    for head_dim, causal in ((128, False), (128, True), (64, True), (64, False)):
+        q, k, v, cu_q, cu_k = packed(d=head_dim)
+        for _ in range(3):  # (the third call through the plan)
+            fadsl.attention_varlen(q, k, v, cu_q, cu_k, max_seqlen_q, None, causal)
+            expected = get_shipped(head_dim, causal, max_seqlen_q) + "_varlen"
+            assert _split(log)[1].kernel == expected
+            log.clear()
 
 
 def test_the_public_varlen_call_refuses_what_8bit_inputs_cannot_take(device):

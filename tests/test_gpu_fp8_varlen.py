@@ -189,7 +189,9 @@ def test_attention_varlen_on_8bit_inputs(head_dim, causal):
 
 # (head_dim, causal, batch, seqlen_q, seqlen_k): past Target.shipped_fp8_short's limits (head_dim
 # 128: 1024), so that fadsl.attention runs the spec the varlen call rewrites, not its twin
-PADDED = [(128, True, 2, 1100, 1100), (256, True, 2, 200, 333), (64, False, 3, 333, 200)]
+# (1000 queries at head_dim 128: both calls run the 128 x 128 short-query spec)
+PADDED = [(128, True, 2, 1100, 1100), (128, False, 2, 1000, 900), (256, True, 2, 200, 333),
+          (64, False, 3, 333, 200)]  # fmt: skip
 
 
 @pytest.mark.parametrize("head_dim, causal, batch, sq, sk", PADDED,
@@ -203,8 +205,7 @@ def test_an_equal_length_packed_batch_gives_the_padded_calls_bits(head_dim, caus
     (another sequence's in the packed tensors, TMA's zeros in the padded ones) are masked to
     P = 0 in both, adding exact zeros; query rows past it are rows of their own, not stored."""
     capability = torch.cuda.get_device_capability(0)
-    spec = dispatch.shipped_fp8_spec(capability, head_dim, causal, E4M3)
-    assert dispatch.shipped_fp8_spec(capability, head_dim, causal, E4M3, sq) == spec
+    spec = dispatch.shipped_fp8_spec(capability, head_dim, causal, E4M3, sq)
     hq, hkv = 4, 2
     descales = random_descales(batch, hkv, seed=head_dim)
     lengths_q, lengths_k = [sq] * batch, [sk] * batch
@@ -219,6 +220,8 @@ def test_an_equal_length_packed_batch_gives_the_padded_calls_bits(head_dim, caus
                                    **ours)  # fmt: skip
     out_v, lse_v = fadsl.attention_varlen(q8, k8, v8, cu_q, cu_k, sq, sk, causal, 0.1,
                                           return_lse=True, **ours)  # fmt: skip
+    chosen = dispatch.fp8_varlen_kernel(q8, causal, None, sq)  # (max_seqlen_q = sq: the same tile)
+    assert chosen.config.name == f"{spec}_varlen"
     assert torch.equal(out_v, out_p.reshape(batch * sq, hq, head_dim))
     assert torch.equal(lse_v, lse_p.permute(1, 0, 2).reshape(hq, batch * sq))
 

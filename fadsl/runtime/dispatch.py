@@ -154,18 +154,21 @@ def fp8_attention_kernel(q, causal: bool, out_dtype) -> FlashAttention:
     return _chosen(key, choose)
 
 
-def fp8_varlen_kernel(q, causal: bool, out_dtype) -> FlashAttention:
+def fp8_varlen_kernel(q, causal: bool, out_dtype, max_seqlen_q=None) -> FlashAttention:
     """fadsl.attention_varlen's kernel on 8-bit q: the shipped 8-bit spec for q's GPU, head
-    dimension and mask (its tile for long queries: a packed batch's lengths are the
-    device's) with `varlen on`, and `output fp16` for out_dtype torch.float16; chosen once
-    per (device, head_dim, mask, out_dtype)."""
+    dimension and mask with `varlen on` (the short queries' spec where ``max_seqlen_q``, an
+    int, is within its limit: the host never reads the lengths, so without it the long
+    one), and `output fp16` for out_dtype torch.float16; chosen once per (device, head_dim,
+    mask, out_dtype, the limits max_seqlen_q is within)."""
     from .fp8_calls import check_out_dtype, out_dtypes
 
+    seqlen = max_seqlen_q if type(max_seqlen_q) is int else None
     key = ("fp8 varlen", q.device, int(q.shape[-1]), *_typed(causal, out_dtype))
+    key += (fp8_short_limits_within(seqlen),)
 
     def choose() -> FlashAttention:
         capability, head_dim = device_capability(q.device), int(q.shape[-1])
-        name = shipped_fp8_spec(capability, head_dim, causal, q.dtype)
+        name = shipped_fp8_spec(capability, head_dim, causal, q.dtype, seqlen)
         word = out_dtypes()[check_out_dtype(out_dtype)]
         settings = {"varlen": "on"} if word == "bf16" else {"varlen": "on", "output": word}
         variant = f"{name}_varlen" + ("" if word == "bf16" else f"_out_{word}")
@@ -176,6 +179,21 @@ def fp8_varlen_kernel(q, causal: bool, out_dtype) -> FlashAttention:
         return kern
 
     return _chosen(key, choose)
+
+
+@functools.cache
+def _fp8_short_limits() -> tuple[int, ...]:
+    """Every target's short-query limits of its 8-bit specs (Target.shipped_fp8_short)."""
+    found = {
+        limit for n in targets.names() for limit, _ in targets.get(n).shipped_fp8_short.values()
+    }
+    return tuple(sorted(found))
+
+
+def fp8_short_limits_within(seqlen: int | None) -> tuple[bool, ...]:
+    """Which of the short-query limits ``seqlen`` is within (None: none): all that a choice
+    of spec by shipped_fp8_spec reads of it."""
+    return tuple(seqlen is not None and seqlen <= limit for limit in _fp8_short_limits())
 
 
 def _shipped(name: str) -> FlashAttention:

@@ -116,19 +116,21 @@ def varlen_lookup(q, k, v, cu_q, cu_k, max_q, max_k, descales, causal, softmax_s
 
 
 def _max_seqlen(value):
-    """What the checks read of a max_seqlen (its type and sign; the kernel's choice does not
-    read it)."""
-    return None if value is None else (type(value), value < 0)
+    """What the checks and the kernel's choice read of a max_seqlen: its type, its sign and
+    the short-query limits it is within (dispatch.fp8_varlen_kernel)."""
+    if value is None:
+        return None
+    return (type(value), value < 0, dispatch.fp8_short_limits_within(value))
 
 
 def varlen_call(key, q, k, v, cu_q, cu_k, descales, softmax_scale, out_dtype, causal,
-                return_lse):  # fmt: skip
+                return_lse, max_seqlen_q=None):  # fmt: skip
     """The checked path of an 8-bit varlen call (fadsl.attention_varlen has checked its own
     arguments and the max_seqlens): the kernel's checks and launches; a plan kept at the
     second call of the signature ``key``."""
     from .varlen import run_varlen, varlen_lse_shape
 
-    kern = dispatch.fp8_varlen_kernel(q, causal, out_dtype)
+    kern = dispatch.fp8_varlen_kernel(q, causal, out_dtype, max_seqlen_q)
     scale = check_scale(softmax_scale, kern.config.head_dim)
     dtype = kern.check_varlen_call(q, k, v, cu_q, cu_k, descales)
     out = torch.empty_like(q, dtype=kern.out_torch_dtype)

@@ -5,9 +5,10 @@ here: custom_op reads the annotations as types):
 - ``fadsl::attention_fp8(q, k, v, q_descale, k_descale, v_descale, causal, softmax_scale,
   out_dtype, with_lse) -> (out, lse)``: the shipped 8-bit spec's kernel, chosen when it runs
   (fadsl/runtime/dispatch.py); no autograd formula (the FP8 forward has no backward);
-- ``fadsl::attention_varlen_fp8(q, k, v, cu_seqlens_q, cu_seqlens_k, q_descale, k_descale,
-  v_descale, causal, softmax_scale, out_dtype, with_lse) -> (out, lse)``: its `varlen on`
-  variant (fadsl.attention_varlen on 8-bit inputs).
+- ``fadsl::attention_varlen_fp8(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, q_descale,
+  k_descale, v_descale, causal, softmax_scale, out_dtype, with_lse) -> (out, lse)``: its
+  `varlen on` variant (fadsl.attention_varlen on 8-bit inputs; max_seqlen_q chooses the
+  short queries' tile, both exact).
 
 A loaded 8-bit spec's own op is fadsl/runtime/fp8_ops.py's, as the 16-bit kernels' are in
 fadsl/runtime/custom_op.py and fadsl.attention's in fadsl/runtime/public_ops.py.
@@ -58,10 +59,10 @@ def _(q, k, v, q_descale, k_descale, v_descale, causal, softmax_scale, out_dtype
     return fp8_outputs(q, kern.out_torch_dtype, with_lse)
 
 
-def attention_varlen_fp8_call(q, k, v, cu_q, cu_k, descales, causal: bool, softmax_scale,
+def attention_varlen_fp8_call(q, k, v, cu_q, cu_k, max_q, descales, causal: bool, softmax_scale,
                               out_dtype, with_lse):  # fmt: skip
     """fadsl.attention_varlen's 8-bit call without a plan (the op's body)."""
-    kern = dispatch.fp8_varlen_kernel(q, causal, out_dtype)
+    kern = dispatch.fp8_varlen_kernel(q, causal, out_dtype, max_q)
     scale = check_scale(softmax_scale, kern.config.head_dim)
     return kern.varlen_forward(q, k, v, cu_q, cu_k, scale, None, with_lse, descales=descales)
 
@@ -73,6 +74,7 @@ def attention_varlen_fp8(
     v: torch.Tensor,
     cu_seqlens_q: torch.Tensor,
     cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: Optional[int],
     q_descale: Optional[torch.Tensor],
     k_descale: Optional[torch.Tensor],
     v_descale: Optional[torch.Tensor],
@@ -81,14 +83,15 @@ def attention_varlen_fp8(
     out_dtype: Optional[torch.dtype],
     with_lse: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    args = (q, k, v, cu_seqlens_q, cu_seqlens_k, (q_descale, k_descale, v_descale))
+    args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, (q_descale, k_descale, v_descale))
     found = attention_varlen_fp8_call(*args, causal, softmax_scale, out_dtype, with_lse)
     return found if with_lse else (found, q.new_empty(NO_LSE, dtype=torch.float32))
 
 
 @attention_varlen_fp8.register_fake
-def _(q, k, v, cu_q, cu_k, q_descale, k_descale, v_descale, causal, softmax_scale, out_dtype,
-      with_lse):  # fmt: skip
+def _(q, k, v, cu_q, cu_k, max_q, q_descale, k_descale, v_descale, causal, softmax_scale,
+      out_dtype, with_lse):  # fmt: skip
+    # max_seqlen_q chooses the tile only (both exact): the fake need not read a SymInt
     kern = dispatch.fp8_varlen_kernel(q, causal, out_dtype)
     check_scale(softmax_scale, kern.config.head_dim)
     kern.check_varlen_call(q, k, v, cu_q, cu_k, (q_descale, k_descale, v_descale))

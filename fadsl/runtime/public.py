@@ -345,9 +345,9 @@ def _varlen_fp8(q, k, v, cu_q, cu_k, max_q, max_k, causal, softmax_scale, descal
     check_max_seqlen("max_seqlen_k", max_k)
     if compiling:
         check_scale(softmax_scale, 1)  # (named here, not by the op's schema)
-        out, lse = fp8_public_ops.attention_varlen_fp8(q, k, v, cu_q, cu_k, *descales, causal,
-                                                       softmax_scale, out_dtype,
+        out, lse = fp8_public_ops.attention_varlen_fp8(q, k, v, cu_q, cu_k, max_q, *descales,
+                                                       causal, softmax_scale, out_dtype,
                                                        return_lse)  # fmt: skip
         return (out, lse) if return_lse else out
     return fp8_planned.varlen_call(key, q, k, v, cu_q, cu_k, descales, softmax_scale, out_dtype,
-                                   causal, return_lse)  # fmt: skip
+                                   causal, return_lse, max_q)  # fmt: skip
