@@ -5,7 +5,8 @@ synccheck, memcheck):
 
 (`256`: the head_dim 256 kernels only; `64`: the head_dim 64 examples only; `varlen`: the
 shipped examples with `varlen on` through fadsl.attention_varlen, head_dim 64, 128 and 256,
-causal and not, a ragged packed batch with per-sequence descales.)
+causal and not, long and short-query specs, a ragged packed batch with per-sequence
+descales.)
 
 The shipped examples (examples/fa3_fp8_hdim128*.fa, their 128 x 128 short twins up to 1024
 queries) through fadsl.attention, both 8-bit dtypes, O in bf16 and fp16, descales per (batch,
@@ -115,10 +116,11 @@ with torch.no_grad():
         q, k, v = (torch.randn(sum(n), h, head_dim, device="cuda").to(torch.float8_e4m3fn)
                    for n, h in ((rows, HEADS), (keys, HEADS_KV), (keys, HEADS_KV)))  # fmt: skip
         qd, kd, vd = descales(len(VARLEN), 2)
-        for causal in (False, True):
-            out, lse = fadsl.attention_varlen(q, k, v, cu_q, cu_k, causal=causal, q_descale=qd,
-                                              k_descale=kd, v_descale=vd,
+        # max_seqlen_q None: the long spec; 500: the short-query one where there is one
+        for causal, longest in ((False, None), (True, None), (False, 500), (True, 500)):
+            out, lse = fadsl.attention_varlen(q, k, v, cu_q, cu_k, longest, None, causal,
+                                              q_descale=qd, k_descale=kd, v_descale=vd,
                                               return_lse=True)  # fmt: skip
             torch.cuda.synchronize()
-            print(f"fadsl.attention_varlen e4m3 d {head_dim} causal={causal}: ran, "
-                  f"finite={bool(out.isfinite().all())}")  # fmt: skip
+            print(f"fadsl.attention_varlen e4m3 d {head_dim} causal={causal} max_seqlen_q="
+                  f"{longest}: ran, finite={bool(out.isfinite().all())}")  # fmt: skip
