@@ -73,7 +73,9 @@ def main() -> None:
                     "varlen equal": flops([seqlen] * batch, [seqlen] * batch, heads, d, causal),
                     "varlen ragged": flops(lengths, lengths, heads, d, causal),
                 }
-                cells = "  ".join(f"{n} {ms[n]:.3f} ms {work[n] / ms[n] / 1e9:.0f} TF/s" for n in ms)
+                cells = "  ".join(
+                    f"{n} {ms[n]:.3f} ms {work[n] / ms[n] / 1e9:.0f} TF/s" for n in ms
+                )
                 print(f"d {d} causal={causal} L {seqlen} ({len(lengths)} ragged): {cells}  "
                       f"equal/padded {ms['padded'] / ms['varlen equal']:.3f}", flush=True)  # fmt: skip
 
