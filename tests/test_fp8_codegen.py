@@ -203,3 +203,22 @@ def test_fp8_sass_has_qgmma_k32_in_the_mainloop(spec, cache):
         pv = sum(1 for i in rs if i.startswith(f"QGMMA.64x{d}x32.F32.E4M3.{t} "))
         assert (qk, pv) == (d // 32, bc // 32), (dtype, qk, pv)
         assert body.count("F2FP") >= bc // 8, "P's e4m3 packing"
+
+
+def test_three_consumers_on_64_key_rings_build(cache, tmp_path):
+    """192 x 64 tiles on three consumer warpgroups at head_dim 128: O (48 KiB of 16-bit rows)
+    outgrows both 8-bit rings (2 x 2 x 8 KiB). The header's default layout (FwdConfig, which
+    the generated Cfg overrides) once asserted that O fits over the dead rings, so NVRTC
+    refused every such spec though plan_smem had given O bytes of its own."""
+    from fadsl.frontend.rewrite import rewrite
+
+    text = (ROOT / "examples" / "fa3_fp8_hdim128.fa").read_text()
+    text = text.replace("B_r = 128, B_c = 192", "B_r = 192, B_c = 64")
+    text = text.replace("producer = 1, consumers = 2", "producer = 1, consumers = 3")
+    text = text.replace("consumers = 232", "consumers = 160")
+    spec = tmp_path / "fa3_fp8_c3_b64.fa"
+    spec.write_text(rewrite(text, {}, {}, "fa3_fp8_c3_b64"))
+    kern, entries = _built(spec)
+    assert (kern.config.block_r, kern.config.block_c) == (192, 64)
+    for dtype, entry in entries:
+        assert entry.meta["ptxas"]["spill_store_bytes"] == 0, dtype

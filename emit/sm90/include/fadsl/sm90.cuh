@@ -180,13 +180,16 @@ struct FwdConfig {
   static constexpr int kOffQ = 0;
   static constexpr int kOffK = kOffQ + kQBytes;
   static constexpr int kOffV = kOffK + kStages * kKVBytes;
-  static constexpr int kOffBar = kOffV + kStages * kKVBytes;
+  static constexpr int kRingsEnd = kOffV + kStages * kKVBytes;
   // Defaults (a generated kernel's Cfg sets the offsets from plan_smem, which gives O bytes
   // of its own where they fit): O is written after the last wgmma of every consumer, when
   // the K/V rings are dead: it starts at the V ring, or ends where the V ring ends when
-  // larger (running into the dead K ring).
-  static constexpr int kOffO = kOBytes <= kStages * kKVBytes ? kOffV : kOffBar - kOBytes;
-  static_assert(kOffO >= kOffK, "O must fit over the dead K/V rings");
+  // larger (running into the dead K ring), or takes bytes of its own after the rings when
+  // larger than both (8-bit rings of few keys beside a 16-bit O of many rows).
+  static constexpr bool kOOverRings = kOBytes <= 2 * kStages * kKVBytes;
+  static constexpr int kOffO = kOBytes <= kStages * kKVBytes ? kOffV : (kOOverRings ? kRingsEnd - kOBytes : kRingsEnd);
+  static constexpr int kOffBar = kOOverRings ? kRingsEnd : kRingsEnd + kOBytes;
+  static_assert(kOffO >= kOffK, "O over the dead K/V rings or after them");
   static_assert(kQBytes % 1024 == 0 && kKVBytes % 1024 == 0 && kOffO % 1024 == 0, "1024-byte aligned tiles");
   // mbarriers: q_full, q_empty, o_free, then per slot k_full, k_empty, v_full, v_empty.
   static constexpr int kNumBars = 3 + 4 * kStages;
