@@ -63,8 +63,9 @@ def test_fadsl_attention_runs_the_shipped_8bit_example(device, dtype, causal, se
 @pytest.mark.parametrize("dtype", [E4M3, E5M2], ids=["e4m3", "e5m2"])
 @pytest.mark.parametrize("causal", [False, True])
 def test_head_dim_256_runs_its_shipped_example(device, dtype, causal):
-    """examples/fa3_fp8_hdim256.fa and, causal, fa3_fp8_hdim256_causal.fa (128 x 64 tiles;
-    both 0 spills) are what fadsl.attention runs at head_dim 256, on the loaded spec's grid."""
+    """examples/fa3_fp8_hdim256.fa and, causal, fa3_fp8_hdim256_causal.fa (128 x 128 tiles,
+    the causal one with overlap off; both 0 spills) are what fadsl.attention runs at head_dim
+    256, on the loaded spec's grid."""
     log, _ = device
     q, k, v = inputs(dtype, d=256)
     qd = torch.rand(2, 2)
@@ -73,7 +74,7 @@ def test_head_dim_256_runs_its_shipped_example(device, dtype, causal):
     name = "fa3_fp8_hdim256_causal" if causal else "fa3_fp8_hdim256"
     assert log[-1].kernel == name
     kern = fadsl.load(ROOT / "examples" / f"{name}.fa", verbose=False)
-    assert kern.config.block_c == (64 if causal else 128)
+    assert kern.config.block_c == 128 and kern.config.ext.overlap == (not causal)
     kern(q, k, v, 256**-0.5, q_descale=qd)
     assert log[-1].kernel == name
     assert log[-1].grid == log[-2].grid

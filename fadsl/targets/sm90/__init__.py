@@ -112,8 +112,8 @@ TARGET = Target(
     # fadsl.attention on 8-bit q, k, v (issue 42): head_dim 128 (both dtypes build with 0
     # spills, NVRTC 13.5, and ran on an H200, 2026-11-30) and head_dim 256 without a mask (0
     # spills; tests/test_gpu_fp8.py's loaded-spec test passed on an H200, 2026-11-30) and
-    # head_dim 256 causal on 128 x 64 tiles (0 spills, NVRTC 13.5; tests/test_gpu_fp8.py on
-    # an H200, 2026-12-03); head_dim 64 with 64-byte rows and the 64-byte swizzle, 192 x 128
+    # head_dim 256 causal on 128 x 128 tiles with overlap off (0 spills, NVRTC 13.5;
+    # tests/test_gpu_fp8.py on an H200, 2026-12-04); head_dim 64 with 64-byte rows and the 64-byte swizzle, 192 x 128
     # on three consumer warpgroups, causal too (0 spills; 1.02-1.12x cuDNN's FP8,
     # tests/test_gpu_fp8.py's head_dim 64 cases and compute-sanitizer clean on an H200,
     # 2026-12-04)
