@@ -268,3 +268,26 @@ def test_torch_compile_traces_the_8bit_varlen_op(cpu_varlen):
     torch._dynamo.reset()
     with pytest.raises(Exception, match=r"k_descale must have shape \(sequences, heads_kv\)"):
         torch.compile(f, fullgraph=True, backend="aot_eager")(q, k, v, qd, torch.rand(3, 2))
+
+
+def test_bench_varlens_8bit_check_takes_the_fp8_bound_and_refuses_a_wrong_output():
+    """fadsl bench on an 8-bit varlen spec checks its output against float32 attention of
+    the values it reads within bench.fp8_bound: P rounded to e4m3 passes, another head's
+    values do not (bench_varlen._check, on CPU tensors)."""
+    from fadsl.tools.bench_varlen import _check
+
+    torch.manual_seed(0)
+    lengths, heads, d = [40, 90], 2, 64
+    q, k, v = (torch.randn(sum(lengths), heads, d) for _ in range(3))
+    out = torch.empty_like(q)
+    for start, n in ((0, 40), (40, 90)):
+        rows = slice(start, start + n)
+        s = torch.einsum("qhd,khd->hqk", q[rows], k[rows]) * d**-0.5
+        p = s.softmax(-1)
+        p8 = (p * 256).to(torch.float8_e4m3fn).float() / 256  # P as the kernel rounds it
+        out[rows] = torch.einsum("hqk,khd->qhd", p8, v[rows]).to(torch.bfloat16).float()
+    _check(out, q, k, v, lengths, d**-0.5, False, 90, eight=True)
+    wrong = out.clone()
+    wrong[:, 0] = out[:, 1]  # head 1's output in head 0
+    with pytest.raises(RuntimeError, match="differs from float32 attention"):
+        _check(wrong, q, k, v, lengths, d**-0.5, False, 90, eight=True)

@@ -292,3 +292,15 @@ def test_bad_arguments_are_named():
         fadsl.attention_varlen(q8, k8, v8, cu_q, cu_k, k_descale=kd)
     with pytest.raises(RuntimeError, match="q requires grad"):
         fadsl.attention_varlen(q8.detach().requires_grad_(), k8, v8, cu_q, cu_k)
+
+
+def test_fadsl_bench_times_an_8bit_varlen_spec():
+    """bench_varlen (fadsl bench on a `varlen on` spec) on an 8-bit spec: its output checked
+    within the 8-bit bound, then timed (TF/s for fadsl)."""
+    from fadsl.tools import bench_varlen
+
+    kern = varlen_spec("fa3_fp8_hdim128")
+    found = bench_varlen.run(kern, (512,), tokens=2048, heads=4, warmup=1, runs=2,
+                             dtype_name="e4m3", log=lambda s: None)  # fmt: skip
+    (row,) = found["rows"]
+    assert found["dtype"] == "e4m3" and row["tflops"]["fadsl"] > 0

@@ -214,13 +214,20 @@ def operands(dtype_name: str, shape: tuple[int, int, int, int], device="cuda") -
     return found._replace(views=tuple(t.to(torch.bfloat16) for t in found.values()))
 
 
+def fp8_bound(v_max: float, ref_max: float) -> float:
+    """research/fp8-forward.md §4's bound on an 8-bit kernel's error: P rounded to e4m3
+    (2^-4 of the largest |v| as the kernel reads it, 5 % slack) and O to bf16 (2^-7 of the
+    largest output)."""
+    return 2**-4 * v_max * 1.05 + 2**-7 * ref_max
+
+
 def error_bound(dtype_name: str, ops: Operands, v, ref, scale: float, rows: int, causal: bool):
     """The largest error a correct kernel may show on ``ref`` (the float32 reference rows of
     ``ops``, whose v as the kernels read it is ``v``): twice the 16-bit reference's own
     rounding (plus 1e-3); 8-bit, research/fp8-forward.md §4's bound: P rounded to e4m3
     (2^-4 max|v|, 5 % slack) and O to bf16 (2^-7)."""
     if Dtype(dtype_name).is_8bit:
-        return 2**-4 * v.abs().max().item() * 1.05 + 2**-7 * ref.abs().max().item()
+        return fp8_bound(v.abs().max().item(), ref.abs().max().item())
     low = _reference_rows(*ops.args, scale, rows, ops.args[0].dtype, causal).float()
     return 2 * (low - ref).abs().max().item() + 1e-3
 

@@ -16,6 +16,11 @@ With padded specs to time against (``against``, `fadsl bench VARLEN --against PA
 sequence is L long (``tokens`` / L of them) and each padded kernel runs the same tokens as a
 batch (tokens / L, L, heads, head_dim): what packing costs against the padded layout on equal
 work (FlashAttention's "varlen at least 0.95x the padded kernel" question).
+
+An 8-bit spec (`--dtype e4m3|e5m2`) takes bench.operands' quantized tokens, one descale per
+head (as every sequence's row of the call's (sequences, heads) descales), and is checked
+against float32 attention of the values it reads within research/fp8-forward.md §4's bound;
+FlashAttention-4 runs the dequantized values in bf16, an 8-bit padded spec the same bytes.
 """
 
 from __future__ import annotations
@@ -24,8 +29,9 @@ import random
 import sys
 from typing import Callable
 
+from ..ir import Dtype
 from ..runtime.attention import FlashAttention
-from .bench import DEFAULT_HEADS, median_times, ratio_table
+from .bench import DEFAULT_HEADS, fp8_bound, median_times, operands, ratio_table
 from .bench_backward import BACKWARD_FLOPS, check_grads, grad_of
 
 DEFAULT_MAX_SEQLENS = (1024, 4096, 16384)
@@ -72,7 +78,7 @@ def run(
     if backward and not kern.has_backward:
         raise ValueError(f"{kern.config.name} has no backward block: nothing to time")
     name = dtype_name or kern.config.dtypes[0].value
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[name]
+    eight = Dtype(name).is_8bit
     d = kern.config.head_dim
     scale = d**-0.5
     fa4 = _fa4_varlen()
@@ -92,24 +98,29 @@ def run(
             )
         lengths = [max_len] * (tokens // max_len) if against else lengths_for(max_len, tokens)
         cu = torch.tensor([0, *_prefix(lengths)], dtype=torch.int32, device="cuda")
-        q, k, v = (torch.randn(tokens, heads, d, device="cuda", dtype=dtype) for _ in range(3))
-        out = torch.empty_like(q)
+        ops = operands(name, (1, tokens, heads, d))
+        q, k, v = (t[0] for t in ops.args)
+        # 8-bit: one descale a head, each sequence's row of the call's (sequences, heads)
+        scales = {n: t.expand(len(lengths), heads) for n, t in ops.keywords.items()}
+        views = tuple(t[0] for t in ops.views)  # (FA4's: 8-bit values dequantized, bf16)
+        out = torch.empty(q.shape, dtype=kern.out_torch_dtype or q.dtype, device="cuda")
         longest = max(lengths)
         if backward:
             contenders = _backward_contenders(kern, fa4, q, k, v, cu, lengths, scale, causal, log)
         else:
             contenders = {
                 "fadsl": lambda _, q=q, k=k, v=v, cu=cu, out=out: kern.varlen(
-                    q, k, v, cu, cu, longest, longest, scale, out=out
+                    q, k, v, cu, cu, longest, longest, scale, out=out, **scales
                 )
             }
             contenders["fadsl"](0)
-            _check(out, q, k, v, lengths, scale, causal, max_len)
+            values = tuple(t[0] for t in ops.values())  # as the kernel reads them
+            _check(out, *values, lengths, scale, causal, max_len, eight)
         for label, other in padded.items():  # the same tokens as a padded batch
-            contenders[label] = _padded_call(other, q, k, v, max_len, scale, backward)
+            contenders[label] = _padded_call(other, q, k, v, max_len, scale, backward, scales)
         if fa4 is not None and not backward:
 
-            def fa4_call(_, q=q, k=k, v=v, cu=cu, longest=longest):
+            def fa4_call(_, q=views[0], k=views[1], v=views[2], cu=cu, longest=longest):
                 return fa4(
                     q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest,
                     max_seqlen_k=longest, softmax_scale=scale, causal=causal,
@@ -149,16 +160,21 @@ def run(
     }
 
 
-def _padded_call(other: FlashAttention, q, k, v, seqlen: int, scale: float, backward: bool):
+def _padded_call(
+    other: FlashAttention, q, k, v, seqlen: int, scale: float, backward: bool, scales: dict
+):
     """A padded kernel's forward (or, with ``backward``, its backward through autograd) on the
-    packed tokens viewed as a batch of sequences of ``seqlen``."""
+    packed tokens viewed as a batch of sequences of ``seqlen`` (``scales``: an 8-bit call's
+    descales, a row per sequence, so per batch)."""
     import torch
 
     batch = q.shape[0] // seqlen
     as_batch = [t.view(batch, seqlen, *t.shape[1:]) for t in (q, k, v)]
     if not backward:
-        out = torch.empty_like(as_batch[0])
-        return lambda _: other(*as_batch, scale, out=out)
+        out = torch.empty(
+            as_batch[0].shape, dtype=other.out_torch_dtype or q.dtype, device=q.device
+        )
+        return lambda _: other(*as_batch, scale, out=out, **scales)
     leaves = [t.clone().requires_grad_() for t in as_batch]
     out = other(*leaves, scale)
     return grad_of(out, leaves, torch.randn_like(out))
@@ -230,9 +246,11 @@ def _prefix(lengths: list[int]) -> list[int]:
 REFERENCE_SCORES = 1 << 28
 
 
-def _check(out, q, k, v, lengths, scale, causal, max_len) -> None:
+def _check(out, q, k, v, lengths, scale, causal, max_len, eight: bool = False) -> None:
     """fadsl's output on the first and the longest sequence against float32 attention, a few
-    heads at a time (the scores of one sequence of 16384 over 32 heads are 34 GB)."""
+    heads at a time (the scores of one sequence of 16384 over 32 heads are 34 GB); within
+    AGREEMENT of the largest output entry, or an 8-bit kernel's bound (``eight``: q, k and v
+    as it reads them, dequantized)."""
     import torch
 
     starts = [0, *_prefix(lengths)]
@@ -254,7 +272,9 @@ def _check(out, q, k, v, lengths, scale, causal, max_len) -> None:
                 scores.masked_fill_(above, float("-inf"))
             ref = torch.matmul(torch.softmax(scores, dim=-1), vs).transpose(0, 1)
             err = (out[rows, heads].float() - ref).abs().max().item()
-            if not err <= AGREEMENT * ref.abs().max().item():
+            ref_max = ref.abs().max().item()
+            limit = fp8_bound(vs.abs().max().item(), ref_max) if eight else AGREEMENT * ref_max
+            if not err <= limit:
                 raise RuntimeError(
                     f"fadsl's output on sequence {b} (max seqlen {max_len}) differs from "
                     f"float32 attention by {err:.3g}; not timed"
