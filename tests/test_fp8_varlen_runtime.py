@@ -137,7 +137,6 @@ def test_max_seqlen_q_chooses_the_short_queries_spec_as_the_padded_call(device, 
     (Target.shipped_fp8_short: 1024 at head_dim 128, 2048 at 64 causal), the long one past it
     or without it; a plan per choice (the signature holds the limits it is within)."""
     log, _ = device
-    fp8_planned.clear()
     for head_dim, causal in ((128, False), (128, True), (64, True), (64, False)):
         q, k, v, cu_q, cu_k = packed(d=head_dim)
         for _ in range(3):  # (the third call through the plan)
@@ -145,6 +144,18 @@ def test_max_seqlen_q_chooses_the_short_queries_spec_as_the_padded_call(device, 
             expected = get_shipped(head_dim, causal, max_seqlen_q) + "_varlen"
             assert _split(log)[1].kernel == expected
             log.clear()
+
+
+def test_a_plan_kept_for_one_max_seqlen_q_is_not_reused_past_its_limit(device):
+    """The plans of one cache: 1024 (the short spec's limit at head_dim 128) twice, so that
+    its plan is kept, then 1025 and 1024 again: each runs its own spec."""
+    log, _ = device
+    fp8_planned.clear()
+    q, k, v, cu_q, cu_k = packed()
+    for longest in (1024, 1024, 1024, 1025, 1025, 1024, None):
+        log.clear()
+        fadsl.attention_varlen(q, k, v, cu_q, cu_k, longest, None, True)
+        assert _split(log)[1].kernel == get_shipped(128, True, longest) + "_varlen", longest
 
 
 def test_the_public_varlen_call_refuses_what_8bit_inputs_cannot_take(device):

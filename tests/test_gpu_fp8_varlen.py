@@ -190,8 +190,9 @@ def test_attention_varlen_on_8bit_inputs(head_dim, causal):
 # (head_dim, causal, batch, seqlen_q, seqlen_k): past Target.shipped_fp8_short's limits (head_dim
 # 128: 1024), so that fadsl.attention runs the spec the varlen call rewrites, not its twin
 # (1000 queries at head_dim 128: both calls run the 128 x 128 short-query spec)
+# (2100 queries at head_dim 64 causal: past the short spec's 2048, the three-consumer tile)
 PADDED = [(128, True, 2, 1100, 1100), (128, False, 2, 1000, 900), (256, True, 2, 200, 333),
-          (64, False, 3, 333, 200)]  # fmt: skip
+          (64, False, 3, 333, 200), (64, True, 1, 2100, 2100)]  # fmt: skip
 
 
 @pytest.mark.parametrize("head_dim, causal, batch, sq, sk", PADDED,
@@ -304,3 +305,18 @@ def test_fadsl_bench_times_an_8bit_varlen_spec():
                              dtype_name="e4m3", log=lambda s: None)  # fmt: skip
     (row,) = found["rows"]
     assert found["dtype"] == "e4m3" and row["tflops"]["fadsl"] > 0
+
+
+def test_a_padded_call_of_a_varlen_8bit_spec_gives_the_padded_specs_bits():
+    """kern(q8, k8, v8, ...) on a `varlen on` 8-bit spec packs the batch end to end and runs
+    its varlen kernels with the (batch, heads_kv) descales as per-sequence rows: the padded
+    example's bits (the same tile, 1100 queries being past the short spec's 1024)."""
+    kern = varlen_spec("fa3_fp8_hdim128")
+    batch, sq, sk, hq, hkv = 2, 1100, 700, 4, 2
+    descales = random_descales(batch, hkv, seed=21)
+    q8, k8, v8, _, _ = packed_fp8([sq] * batch, [sk] * batch, hq, hkv, 128, E4M3, descales, seed=22)
+    padded = (q8.view(batch, sq, hq, 128), *(t.view(batch, sk, hkv, 128) for t in (k8, v8)))
+    ours = dict(q_descale=descales[0], k_descale=descales[1], v_descale=descales[2])
+    out_v, lse_v = kern(*padded, 0.1, return_lse=True, **ours)
+    out_p, lse_p = fadsl.attention(*padded, softmax_scale=0.1, return_lse=True, **ours)
+    assert torch.equal(out_v, out_p) and torch.equal(lse_v, lse_p)

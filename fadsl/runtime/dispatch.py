@@ -143,13 +143,7 @@ def fp8_attention_kernel(q, causal: bool, out_dtype) -> FlashAttention:
         word = out_dtypes()[check_out_dtype(out_dtype)]
         if word == "bf16":  # the examples' own output
             return _shipped(name)
-        variant = f"{name}_out_{word}"
-        kern = _LOADED.get(variant)
-        if kern is None:
-            base = data_dir("examples").joinpath(f"{name}.fa").read_text()
-            text = rewrite(base, {"output": word}, {}, variant)
-            kern = _LOADED[variant] = load(text, verbose=False)
-        return kern
+        return _shipped_variant(name, {"output": word}, f"{name}_out_{word}")
 
     return _chosen(key, choose)
 
@@ -172,11 +166,7 @@ def fp8_varlen_kernel(q, causal: bool, out_dtype, max_seqlen_q=None) -> FlashAtt
         word = out_dtypes()[check_out_dtype(out_dtype)]
         settings = {"varlen": "on"} if word == "bf16" else {"varlen": "on", "output": word}
         variant = f"{name}_varlen" + ("" if word == "bf16" else f"_out_{word}")
-        kern = _LOADED.get(variant)
-        if kern is None:
-            base = data_dir("examples").joinpath(f"{name}.fa").read_text()
-            kern = _LOADED[variant] = load(rewrite(base, settings, {}, variant), verbose=False)
-        return kern
+        return _shipped_variant(name, settings, variant)
 
     return _chosen(key, choose)
 
@@ -194,6 +184,16 @@ def fp8_short_limits_within(seqlen: int | None) -> tuple[bool, ...]:
     """Which of the short-query limits ``seqlen`` is within (None: none): all that a choice
     of spec by shipped_fp8_spec reads of it."""
     return tuple(seqlen is not None and seqlen <= limit for limit in _fp8_short_limits())
+
+
+def _shipped_variant(name: str, settings: dict[str, str], variant: str) -> FlashAttention:
+    """The example ``name`` with its setting lines ``settings`` rewritten, as the kernel
+    ``variant``, loaded once."""
+    kern = _LOADED.get(variant)
+    if kern is None:
+        base = data_dir("examples").joinpath(f"{name}.fa").read_text()
+        kern = _LOADED[variant] = load(rewrite(base, settings, {}, variant), verbose=False)
+    return kern
 
 
 def _shipped(name: str) -> FlashAttention:

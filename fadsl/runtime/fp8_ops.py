@@ -102,11 +102,16 @@ def _define_varlen(name: str):
     def _(q, k, v, cu_q, cu_k, q_descale, k_descale, v_descale, softmax_scale, return_lse):
         kern = _KERNELS[name]
         kern.check_varlen_call(q, k, v, cu_q, cu_k, (q_descale, k_descale, v_descale))
-        shape = varlen_lse_shape(q) if return_lse else NO_LSE
-        out = torch.empty_like(q, dtype=kern.out_torch_dtype)
-        return out, q.new_empty(shape, dtype=torch.float32)
+        return fp8_varlen_outputs(q, kern.out_torch_dtype, return_lse)
 
     return varlen
+
+
+def fp8_varlen_outputs(q, out_dtype, with_lse: bool):
+    """Empty O of the output type with q's strides and the varlen LSE (heads, tokens), or
+    the placeholder of shape (0,)."""
+    shape = varlen_lse_shape(q) if with_lse else NO_LSE
+    return torch.empty_like(q, dtype=out_dtype), q.new_empty(shape, dtype=torch.float32)
 
 
 def fp8_outputs(q, out_dtype, with_lse: bool):

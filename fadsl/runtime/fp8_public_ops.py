@@ -21,8 +21,7 @@ from torch.library import custom_op
 
 from . import dispatch
 from .arguments import check_scale
-from .varlen import varlen_lse_shape
-from .fp8_ops import NO_LSE, fp8_outputs
+from .fp8_ops import NO_LSE, fp8_outputs, fp8_varlen_outputs
 
 
 def attention_fp8_call(q, k, v, descales, causal: bool, softmax_scale, out_dtype, with_lse):
@@ -95,6 +94,4 @@ def _(q, k, v, cu_q, cu_k, max_q, q_descale, k_descale, v_descale, causal, softm
     kern = dispatch.fp8_varlen_kernel(q, causal, out_dtype)
     check_scale(softmax_scale, kern.config.head_dim)
     kern.check_varlen_call(q, k, v, cu_q, cu_k, (q_descale, k_descale, v_descale))
-    shape = varlen_lse_shape(q) if with_lse else NO_LSE
-    out = torch.empty_like(q, dtype=kern.out_torch_dtype)
-    return out, q.new_empty(shape, dtype=torch.float32)
+    return fp8_varlen_outputs(q, kern.out_torch_dtype, with_lse)

@@ -187,8 +187,6 @@ class ServingCalls:
         from .varlen import check_varlen, check_varlen_out, run_varlen, varlen_lse_shape
 
         dtype = self.check_varlen_call(q, k, v, cu_seqlens_q, cu_seqlens_k, descales)
-        if self.is_fp8 and descales is None:
-            descales = (None, None, None)
         if out is None:
             out = torch.empty_like(q, dtype=self.out_torch_dtype)  # (an 8-bit spec's output)
         else:

@@ -107,6 +107,8 @@ def run_varlen(kern, dtype: Dtype, q, k, v, cu_q, cu_k, out, lse, scale: float, 
     for name, t in (("q", q), ("k", k), ("v", v), ("out", out)):
         check_base(name, t, kern.config.target)
     kernel = kern.compiled.kernel
+    if descales is None and kern.is_fp8:  # (an 8-bit kernel always takes its second parameter)
+        descales = (None, None, None)
     if descales is None:
         plan = kern.serving.varlen(kernel, q, k, v, cu_q, cu_k, out, lse, scale)
     else:

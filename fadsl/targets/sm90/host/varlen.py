@@ -192,6 +192,8 @@ def plan_varlen(
     batch = cu_q.shape[0] - 1
     ints = workspace_ints(batch)
     workspace = torch.empty(ints, dtype=torch.int32, device=q.device)
+    eight = kernel.config.dtypes[0].is_8bit
+    assert (descales is not None) == eight, "an 8-bit kernel takes descales, no other does"
     args = VarlenArgs(q, k, v, out, lse, scale, cu_q, cu_k, workspace, descales)
     params = pack_varlen_params(kernel, args)
     slots, second = varlen_slots(args), None
