@@ -114,7 +114,8 @@ class Allocator:
         def empty_like(t, dtype=None, **kwargs):
             assert not kwargs, kwargs
             dtype = dtype or t.dtype
-            return tensor("like", t.shape, t.stride(), dtype, lambda: real_like(t, dtype=dtype))
+            made = real_like(t, dtype=dtype)  # (torch's strides: t's where t is dense)
+            return tensor("like", t.shape, made.stride(), dtype, lambda: made)
 
         def zeros(*size, device=None, **kwargs):
             return real_zeros(*size, **kwargs)

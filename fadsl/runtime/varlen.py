@@ -95,6 +95,12 @@ def check_varlen_out(kern, out, q, k, v) -> None:
             f"out must be a 3-D tensor of q's shape {tuple(q.shape)}, got "
             f"{tuple(out.shape) if hasattr(out, 'shape') else type(out).__name__}"
         )
+    dtype = kern.out_torch_dtype or q.dtype
+    if out.shape != q.shape or out.dtype != dtype or out.device != q.device:
+        raise ValueError(  # (before check_out, whose message has the batch of 1 it views)
+            f"out must match q: shape {tuple(q.shape)}, {dtype}, {q.device}; got shape "
+            f"{tuple(out.shape)}, {out.dtype}, {out.device}"
+        )
     check_out(
         out.unsqueeze(0), q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), kern.config.target,
         kern.out_torch_dtype,
