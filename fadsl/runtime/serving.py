@@ -184,7 +184,7 @@ class ServingCalls:
         ``descales``: an 8-bit spec's three, each None or a tensor, checked here)."""
         import torch
 
-        from .varlen import check_varlen, check_varlen_out, run_varlen, varlen_lse_shape
+        from .varlen import check_varlen_out, run_varlen, varlen_lse_shape
 
         dtype = self.check_varlen_call(q, k, v, cu_seqlens_q, cu_seqlens_k, descales)
         if out is None:
