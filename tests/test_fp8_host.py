@@ -150,8 +150,9 @@ def test_head_dim_64_maps_have_64_column_boxes(encoded_maps):
     kern = fadsl.load(ROOT / "examples" / "fa3_fp8_hdim64.fa", verbose=False)
     params.pack_fwd_params_sm90(kern.compiled.kernel, _args((None, None, None), head_dim=64))
     q, k, v, o = encoded_maps
-    assert q == (torch.float8_e4m3fn, (64, 130, 8, 3), (8 * 64, 64, 130 * 8 * 64), 64, 128)
-    assert k[3:] == v[3:] == (64, 256) and k[2] == (128, 64, 70 * 128)
+    rows, keys = kern.config.block_r, kern.config.block_c  # (192 x 128 since 2026-12-04)
+    assert q == (torch.float8_e4m3fn, (64, 130, 8, 3), (8 * 64, 64, 130 * 8 * 64), 64, rows)
+    assert k[3:] == v[3:] == (64, keys) and k[2] == (128, 64, 70 * 128)
     assert o == (torch.bfloat16, (64, 130, 8, 3), (8 * 128, 128, 130 * 8 * 128), 64, 64)
 
 
