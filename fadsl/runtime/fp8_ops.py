@@ -30,11 +30,17 @@ _KERNELS: dict = {}  # op name -> the kernel object it calls now
 
 def fp8_op_for(kern):
     """The op of an 8-bit kernel (registered on first load of its spec)."""
+    return _registered(kern, _OPS, _define)
+
+
+def _registered(kern, ops: dict, define):
+    """``kern``'s op in ``ops`` (made by ``define(name)`` the first time its spec loads; a
+    spec loaded again shares it, calling the newest kernel object)."""
     name = kern.op_name
     _KERNELS[name] = kern
-    if name not in _OPS:
-        _OPS[name] = _define(name)
-    return _OPS[name]
+    if name not in ops:
+        ops[name] = define(name)
+    return ops[name]
 
 
 def _define(name: str):
@@ -70,11 +76,7 @@ def fp8_varlen_op_for(kern):
     """``fadsl::<kernel>_<hash>_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, q_descale,
     k_descale, v_descale, softmax_scale, return_lse) -> (out, lse)``: a varlen call of an
     8-bit spec as a functional op (torch.compile), no autograd formula."""
-    name = kern.op_name
-    _KERNELS[name] = kern
-    if name not in _VARLEN_OPS:
-        _VARLEN_OPS[name] = _define_varlen(name)
-    return _VARLEN_OPS[name]
+    return _registered(kern, _VARLEN_OPS, _define_varlen)
 
 
 def _define_varlen(name: str):
