@@ -117,19 +117,19 @@ extern "C" __global__ void __launch_bounds__(Cfg::kThreads, 1) fa3_fp8_hdim128_c
           // hazard RAW on Q: q_g2s -> qk (producer -> consumers)
           if (leader) mbar_arrive_expect_tx(bar_q_full, 16384);
           // the tile's Q: gmem -> smem (TMA, 128 rows in 128-column panels, 128-byte swizzle)
-          if (leader) load_q8<Cfg>(P, smem_q, bar_q_full, w);
+          if (leader) load_q<Cfg>(P, smem_q, bar_q_full, w);
           // hazard WAR on K: qk -> k_g2s across the loop back edge (consumers -> producer)
           if (leader) mbar_wait_parity(bar_k_empty(ring_slot(ring_base + it)), ring_phase(ring_base + it) ^ 1u);
           // hazard RAW on K: k_g2s -> qk (producer -> consumers)
           if (leader) mbar_arrive_expect_tx(bar_k_full(ring_slot(ring_base + it)), 24576);
           // K(it): gmem -> smem (TMA, 192 rows in 128-column panels, 128-byte swizzle) into its ring slot
-          if (leader) load_kv8<Cfg>(&P.tma_k, k_slot(ring_slot(ring_base + it)), bar_k_full(ring_slot(ring_base + it)), w.n_blocks - 1 - (it), w);
+          if (leader) load_kv<Cfg>(&P.tma_k, k_slot(ring_slot(ring_base + it)), bar_k_full(ring_slot(ring_base + it)), w.n_blocks - 1 - (it), w);
           // hazard WAR on V: transpose_v -> v_g2s across the loop back edge (producer warps -> producer thread)
           if (leader) mbar_wait_parity(bar_v_empty(ring_slot(ring_base + it)), ring_phase(ring_base + it) ^ 1u);
           // hazard RAW on V: v_g2s -> transpose_v (producer thread -> producer warps)
           if (leader) mbar_arrive_expect_tx(bar_v_full(ring_slot(ring_base + it)), 24576);
           // V(it): gmem -> smem (TMA, 192 rows in 128-column panels, 128-byte swizzle) into its ring slot
-          if (leader) load_kv8<Cfg>(&P.tma_v, v_slot(ring_slot(ring_base + it)), bar_v_full(ring_slot(ring_base + it)), w.n_blocks - 1 - (it), w);
+          if (leader) load_kv<Cfg>(&P.tma_v, v_slot(ring_slot(ring_base + it)), bar_v_full(ring_slot(ring_base + it)), w.n_blocks - 1 - (it), w);
         }
         for (int it = 1; it < w.n_blocks; ++it) {
           // hazard WAR on K: qk -> k_g2s across the loop back edge (consumers -> producer)
@@ -137,13 +137,13 @@ extern "C" __global__ void __launch_bounds__(Cfg::kThreads, 1) fa3_fp8_hdim128_c
           // hazard RAW on K: k_g2s -> qk (producer -> consumers)
           if (leader) mbar_arrive_expect_tx(bar_k_full(ring_slot(ring_base + it)), 24576);
           // K(it): gmem -> smem (TMA, 192 rows in 128-column panels, 128-byte swizzle) into its ring slot
-          if (leader) load_kv8<Cfg>(&P.tma_k, k_slot(ring_slot(ring_base + it)), bar_k_full(ring_slot(ring_base + it)), w.n_blocks - 1 - (it), w);
+          if (leader) load_kv<Cfg>(&P.tma_k, k_slot(ring_slot(ring_base + it)), bar_k_full(ring_slot(ring_base + it)), w.n_blocks - 1 - (it), w);
           // hazard WAR on V: transpose_v -> v_g2s across the loop back edge (producer warps -> producer thread)
           if (leader) mbar_wait_parity(bar_v_empty(ring_slot(ring_base + it)), ring_phase(ring_base + it) ^ 1u);
           // hazard RAW on V: v_g2s -> transpose_v (producer thread -> producer warps)
           if (leader) mbar_arrive_expect_tx(bar_v_full(ring_slot(ring_base + it)), 24576);
           // V(it): gmem -> smem (TMA, 192 rows in 128-column panels, 128-byte swizzle) into its ring slot
-          if (leader) load_kv8<Cfg>(&P.tma_v, v_slot(ring_slot(ring_base + it)), bar_v_full(ring_slot(ring_base + it)), w.n_blocks - 1 - (it), w);
+          if (leader) load_kv<Cfg>(&P.tma_v, v_slot(ring_slot(ring_base + it)), bar_v_full(ring_slot(ring_base + it)), w.n_blocks - 1 - (it), w);
           // hazard RAW on V: v_g2s -> transpose_v (producer thread -> producer warps)
           mbar_wait_parity(bar_v_full(ring_slot(ring_base + it - 1)), ring_phase(ring_base + it - 1));
           // hazard WAR on Vt: pv -> transpose_v across the loop back edge (consumers -> producer warps)

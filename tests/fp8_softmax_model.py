@@ -168,6 +168,65 @@ def attend(
     return Result(state.w * inv[:, :, None], lse, total, trace)
 
 
+def piece_partial(state: WarpState, c: float, v_descale: float, scaled: bool = True):
+    """fp8_piece_partial (emit/sm90/include/fadsl/sm90_fp8_consumer.cuh): a split piece's
+    (weights x v_descale, R = m c' - 8 with -inf kept, l per thread). ``scaled`` False: the
+    16-bit pieces' (raw m, weights without v_descale), which a combine of 8-bit pieces must
+    not read."""
+    if not scaled:
+        return state.w, state.m, state.l
+    mc = state.m * torch.tensor(c, dtype=F32)
+    r = torch.where(state.m == -math.inf, state.m, mc - OFFSET)
+    return state.w * torch.tensor(v_descale, dtype=F32), r, state.l
+
+
+def attend_pieces(
+    scores,
+    block_n: int,
+    c: float,
+    splits: int,
+    mode: Mode = Mode.LAZY,
+    v_descale: float = 1.0,
+    combine_scale: float = 1.0,
+    scaled: bool = True,
+) -> Result:
+    """`splits auto` with 8-bit pieces: piece s runs the blocks [s n / splits, (s + 1) n /
+    splits) as attend does (last to first), writes piece_partial, and combine_pieces
+    (fadsl/sm90_kvcache.cuh) merges the pieces in piece order per thread (merge_piece, at
+    ``combine_scale``: 1 for 8-bit kernels), sums the quad, and takes O = o / L and LSE =
+    (m combine_scale + log2 L) ln 2. A tile's poisoned rows (a bad c') are NaN as attend's."""
+    scores = scores.to(F32)
+    warps, _, keys = scores.shape
+    n = keys // block_n
+    one = torch.tensor(combine_scale, dtype=F32)
+    o = m = l = None
+    for piece in range(splits):
+        state, trace = WarpState.initial(warps, keys), Trace()
+        for b in range((piece + 1) * n // splits - 1, piece * n // splits - 1, -1):
+            cols = torch.arange(b * block_n, (b + 1) * block_n)
+            state = softmax_block(state, scores[:, :, cols], cols, c, mode, DESIGN, trace)
+        if not good_scale(c):  # poison_rows
+            state = WarpState(state.m, torch.full_like(state.l, math.nan), state.w * math.nan)
+        x, part_m, part_l = piece_partial(state, c, v_descale, scaled)
+        if o is None:
+            o, m, l = x, part_m, part_l
+            continue
+        mx = torch.maximum(m, part_m)
+        ref = torch.where(mx == -math.inf, torch.zeros_like(mx), mx * one)
+        keep, add = ex2(m * one - ref), ex2(part_m * one - ref)
+        l = fma(l, keep[:, :, None], part_l * add[:, :, None])
+        o = fma(o, keep[:, :, None], x * add[:, :, None])
+        m = mx
+    total = (l[..., 0] + l[..., 1]) + (l[..., 2] + l[..., 3])
+    inv = torch.where(total == 0, torch.zeros_like(total), 1.0 / total)
+    lse = torch.where(
+        total == 0,
+        torch.full_like(total, -math.inf),
+        (m * one + torch.log2(total)) * torch.tensor(LN2, dtype=F32),
+    )
+    return Result(o * inv[:, :, None], lse, total, Trace())
+
+
 def softmax64(scores: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The float64 softmax and LSE of scores * scale (scale = softmax_scale qd kd)."""
     x = scores.to(F64) * scale

@@ -2,8 +2,9 @@
 without a GPU: its source compiles with NVRTC for sm_80 and sm_90a and is packaged, the
 params struct packed in Python matches AppendKvParams byte for byte (NVRTC checks every
 offset and the size with static_assert, and a wrong offset is caught), the cubin is built
-once through fadsl's cache, the packed fields (byte strides, capacity, the 16-byte flag), and
-each argument error names its argument. The GPU runs the kernel: tests/test_gpu_append_kv.py.
+once through fadsl's cache, the packed fields (byte strides, capacity, the element size, the
+16-byte flag) of 16- and 8-bit caches, and each argument error names its argument. The GPU runs
+the kernel: tests/test_gpu_append_kv.py.
 """
 
 from __future__ import annotations
@@ -91,6 +92,15 @@ def test_the_struct_fields_are_the_python_fields_in_order():
     assert PARAMS.size % 8 == 0  # the struct's alignment (its long longs and pointers)
 
 
+def test_a_plans_8_byte_write_of_the_flag_is_the_flag_and_padding():
+    """A plan writes vector16 as an 8-byte field (append.SOURCES): the int, then the 4 bytes
+    of padding that end the struct, so no other field (elem_bytes) is overwritten."""
+    table = offsets()
+    assert append.VECTOR16_OFFSET == table["vector16"] == PARAMS.size - 8
+    assert max(table.values()) == table["vector16"]
+    assert append.SOURCES[-1] == "vector16"
+
+
 def test_the_source_is_package_data():
     """An installed fadsl carries the kernel's source (pyproject's package-data of
     fadsl.emit), and the runtime reads it through fadsl._data."""
@@ -133,7 +143,7 @@ def test_pack_contiguous_in_bytes_with_16_byte_vectors():
     assert f["k_new_batch_stride"] == 5 * 256 and f["v_new_row_stride"] == 256
     assert f["capacity"] == 40 and f["page_table"] == 0 and f["seqlens_out"] == 0
     assert (f["row_bytes"], f["new_tokens"], f["batch"]) == (256, 5, 3)
-    assert f["vector16"] == 1
+    assert f["vector16"] == 1 and f["elem_bytes"] == 2
 
 
 def test_pack_paged_and_the_2_byte_path():
@@ -145,6 +155,7 @@ def test_pack_paged_and_the_2_byte_path():
     assert f["page_table"] == table.data_ptr() and f["seqlens_out"] == out.data_ptr()
     assert (f["page_table_stride"], f["page_size"], f["num_pages"]) == (10, 16, 7)
     assert f["capacity"] == 3 * 16 and f["row_bytes"] == 8 and f["vector16"] == 0
+    assert f["elem_bytes"] == 2
     # 16-byte rows, but a base 2 bytes off 16: 2 bytes a step
     n = 7 * 16 * 8
     buffer = torch.zeros(8 + n, dtype=torch.float16)
@@ -156,27 +167,81 @@ def test_pack_paged_and_the_2_byte_path():
     assert fields(pack(aligned, aligned, k_new, k_new, seqlens, table, None))["vector16"] == 1
 
 
+FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
+FP8_IDS = ["e4m3", "e5m2"]
+
+
+@pytest.mark.parametrize("dtype", FP8, ids=FP8_IDS)
+def test_pack_8_bit_rows_in_bytes_with_1_byte_units(dtype):
+    """An 8-bit cache: strides and rows in bytes, elem_bytes 1 (the kernel's unit without
+    16-byte vectors), the 16-byte path only where every row, stride and base allows it."""
+    k_cache = torch.zeros(3, 40, 2, 64, dtype=dtype)  # rows of 128 bytes
+    k_new = torch.zeros(3, 5, 2, 64, dtype=dtype)
+    seqlens = torch.zeros(3, dtype=torch.int32)
+    f = fields(pack(k_cache, k_cache, k_new, k_new, seqlens, None, None))
+    assert (f["elem_bytes"], f["row_bytes"], f["vector16"]) == (1, 128, 1)
+    assert f["k_cache_batch_stride"] == 40 * 128 and f["k_cache_row_stride"] == 128
+    assert f["k_new_batch_stride"] == 5 * 128 and f["v_new_row_stride"] == 128
+    # heads_kv x head_dim odd: rows of 15 bytes, 1 byte a step
+    k_cache = torch.zeros(7, 16, 3, 5, dtype=dtype)
+    k_new = torch.zeros(2, 1, 3, 5, dtype=dtype)
+    table = torch.zeros(2, 3, dtype=torch.int32)
+    f = fields(pack(k_cache, k_cache, k_new, k_new, seqlens[:2], table, None))
+    assert (f["elem_bytes"], f["row_bytes"], f["vector16"]) == (1, 15, 0)
+    assert f["k_cache_row_stride"] == 15 and f["k_cache_batch_stride"] == 16 * 15
+    assert append.vector16_by_strides(k_cache, k_cache, k_new, k_new) is False
+    # 16-byte rows, but a base 1 byte off 16 (an odd address: 2-byte units would misalign)
+    n = 7 * 16 * 16
+    buffer = torch.zeros(16 + n, dtype=dtype)
+    assert buffer.data_ptr() % 16 == 0
+    shifted = buffer[1 : 1 + n].view(7, 16, 1, 16)
+    k_new = torch.zeros(2, 1, 1, 16, dtype=dtype)
+    f = fields(pack(shifted, shifted, k_new, k_new, seqlens[:2], table, None))
+    assert (f["elem_bytes"], f["row_bytes"], f["vector16"]) == (1, 16, 0)
+    assert append.vector16_by_strides(shifted, shifted, k_new, k_new) is True  # the base's
+    aligned = buffer[16:].view(7, 16, 1, 16)
+    assert fields(pack(aligned, aligned, k_new, k_new, seqlens[:2], table, None))["vector16"] == 1
+
+
 # --- argument checks ----------------------------------------------------------------------
 
 
-def good(paged: bool = False) -> dict:
+def good(paged: bool = False, dtype=torch.bfloat16) -> dict:
     """Arguments that pass every check but the last (the cache is on the CPU)."""
-    bf16 = torch.bfloat16
     return {
-        "k_cache": torch.zeros(6 if paged else 2, 8, 2, 4, dtype=bf16),
-        "v_cache": torch.zeros(6 if paged else 2, 8, 2, 4, dtype=bf16),
-        "k_new": torch.zeros(2, 3, 2, 4, dtype=bf16),
-        "v_new": torch.zeros(2, 3, 2, 4, dtype=bf16),
+        "k_cache": torch.zeros(6 if paged else 2, 8, 2, 4, dtype=dtype),
+        "v_cache": torch.zeros(6 if paged else 2, 8, 2, 4, dtype=dtype),
+        "k_new": torch.zeros(2, 3, 2, 4, dtype=dtype),
+        "v_new": torch.zeros(2, 3, 2, 4, dtype=dtype),
         "cache_seqlens": torch.zeros(2, dtype=torch.int32),
         "page_table": torch.zeros(2, 3, dtype=torch.int32) if paged else None,
         "seqlens_out": torch.zeros(2, dtype=torch.int32),
     }
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, *FP8],
+                         ids=["bf16", "fp16", *FP8_IDS])  # fmt: skip
 @pytest.mark.parametrize("paged", [False, True])
-def test_good_arguments_fail_only_on_the_device(paged):
+def test_good_arguments_fail_only_on_the_device(paged, dtype):
+    """fadsl's 16- and 8-bit dtypes (arguments.torch_dtypes) pass every check."""
     with pytest.raises(ValueError, match=r"^k_cache must be on a CUDA device, got cpu"):
-        append.append_kv(**good(paged))
+        append.append_kv(**good(paged, dtype))
+
+
+@pytest.mark.parametrize("dtype", FP8, ids=FP8_IDS)
+def test_8_bit_caches_pass_the_checks_as_fake_tensors(dtype):
+    """The custom op's fake kernel runs check_append on meta tensors: an 8-bit append on
+    meta tensors fails only on the device too, and odd rows (3 x 5 bytes) are accepted."""
+    args = good(True, dtype)
+    args.update(
+        k_cache=torch.zeros(6, 8, 3, 5, dtype=dtype),
+        v_cache=torch.zeros(6, 8, 3, 5, dtype=dtype),
+        k_new=torch.zeros(2, 3, 3, 5, dtype=dtype),
+        v_new=torch.zeros(2, 3, 3, 5, dtype=dtype),
+    )
+    meta = {k: (v.to("meta") if isinstance(v, torch.Tensor) else v) for k, v in args.items()}
+    with pytest.raises(ValueError, match=r"^k_cache must be on a CUDA device, got meta"):
+        append.check_append(*meta.values())
 
 
 def with_(paged: bool = False, **changes) -> dict:
@@ -186,6 +251,8 @@ def with_(paged: bool = False, **changes) -> dict:
 
 
 bf16 = torch.bfloat16
+# the dtypes a cache may have, as the refusal names them: fadsl's (arguments.torch_dtypes)
+ACCEPTED = re.escape("torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2")
 BAD = {
     "k_cache not a tensor": (with_(k_cache=3), TypeError, r"^k_cache must be a torch.Tensor"),
     "v_cache 3-D": (
@@ -201,12 +268,66 @@ BAD = {
     "float32 caches": (
         with_(k_cache=torch.zeros(2, 8, 2, 4), v_cache=torch.zeros(2, 8, 2, 4)),
         ValueError,
-        r"^k_cache and v_cache must have the same 2-byte dtype",
+        rf"^k_cache and v_cache must have the same dtype, one of {ACCEPTED}, got torch.float32",
     ),
     "cache dtypes differ": (
         with_(v_cache=torch.zeros(2, 8, 2, 4, dtype=torch.float16)),
         ValueError,
-        r"^k_cache and v_cache must have the same 2-byte dtype .*torch.bfloat16 and torch.float16",
+        r"^k_cache and v_cache must have the same dtype, .*got torch.bfloat16 and torch.float16",
+    ),
+    **{
+        f"{dtype} caches": (
+            with_(
+                k_cache=torch.zeros(2, 8, 2, 4, dtype=dtype),
+                v_cache=torch.zeros(2, 8, 2, 4, dtype=dtype),
+                k_new=torch.zeros(2, 3, 2, 4, dtype=dtype),
+                v_new=torch.zeros(2, 3, 2, 4, dtype=dtype),
+            ),
+            ValueError,
+            rf"^k_cache and v_cache must have the same dtype, one of {ACCEPTED}, got {dtype}",
+        )
+        for dtype in (torch.int8, torch.uint8, torch.float64, torch.int16)
+    },
+    "8-bit caches differ": (
+        with_(
+            k_cache=torch.zeros(2, 8, 2, 4, dtype=torch.float8_e4m3fn),
+            v_cache=torch.zeros(2, 8, 2, 4, dtype=torch.float8_e5m2),
+        ),
+        ValueError,
+        r"^k_cache and v_cache must have the same dtype, .*got torch.float8_e4m3fn and "
+        r"torch.float8_e5m2",
+    ),
+    "v_cache 8-bit, k_cache bf16": (
+        with_(v_cache=torch.zeros(2, 8, 2, 4, dtype=torch.float8_e4m3fn)),
+        ValueError,
+        r"^k_cache and v_cache must have the same dtype, .*got torch.bfloat16 and "
+        r"torch.float8_e4m3fn",
+    ),
+    "k_new bf16 into an 8-bit cache": (
+        with_(
+            k_cache=torch.zeros(2, 8, 2, 4, dtype=torch.float8_e4m3fn),
+            v_cache=torch.zeros(2, 8, 2, 4, dtype=torch.float8_e4m3fn),
+            v_new=torch.zeros(2, 3, 2, 4, dtype=torch.float8_e4m3fn),
+        ),
+        ValueError,
+        r"^k_new \(2, 3, 2, 4\) torch.bfloat16 does not match the cache's heads, head_dim and "
+        r"dtype \(2, 4\) torch.float8_e4m3fn \(quantize the new tokens with the cache's "
+        r"descales first\)",
+    ),
+    "v_new e5m2 into an e4m3 cache": (
+        with_(
+            k_cache=torch.zeros(2, 8, 2, 4, dtype=torch.float8_e4m3fn),
+            v_cache=torch.zeros(2, 8, 2, 4, dtype=torch.float8_e4m3fn),
+            k_new=torch.zeros(2, 3, 2, 4, dtype=torch.float8_e4m3fn),
+            v_new=torch.zeros(2, 3, 2, 4, dtype=torch.float8_e5m2),
+        ),
+        ValueError,
+        r"^v_new \(2, 3, 2, 4\) torch.float8_e5m2 does not match .* torch.float8_e4m3fn",
+    ),
+    "k_new fp8 into a bf16 cache": (
+        with_(k_new=torch.zeros(2, 3, 2, 4, dtype=torch.float8_e4m3fn)),
+        ValueError,
+        r"^k_new .* torch.float8_e4m3fn does not match .* torch.bfloat16$",
     ),
     "no head_dim": (
         with_(

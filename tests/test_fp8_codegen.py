@@ -17,8 +17,10 @@ from fadsl.ir import Dtype
 from fadsl.pipeline import compile_file, compile_source
 
 # the 8-bit test specs and the shipped 8-bit examples (fadsl.attention's, Target.shipped_fp8)
-SPECS = sorted((ROOT / "tests" / "specs" / "fp8").glob("*.fa")) + sorted(
-    (ROOT / "examples").glob("fa3_fp8*.fa")
+SPECS = (
+    sorted((ROOT / "tests" / "specs" / "fp8").glob("*.fa"))
+    + sorted((ROOT / "examples").glob("fa3_fp8*.fa"))
+    + sorted((ROOT / "examples" / "serving").glob("fa3_fp8*.fa"))
 )
 IDS = [p.stem for p in SPECS]
 GENERATED = ROOT / "generated"
@@ -44,9 +46,9 @@ def test_the_8bit_kernel_calls_the_fp8_steps(spec):
         assert '#include "fadsl/sm90_fp8.cuh"' in text
         assert "const __grid_constant__ Fp8Descales D)" in text
         for call in (
-            "load_q8<Cfg>",
-            "load_kv8<Cfg>(&P.tma_k",
-            "load_kv8<Cfg>(&P.tma_v",
+            "load_q<Cfg>",  # (by the Cfg's 8-bit panels: kInPanels, kInPanelCols)
+            "load_kv<Cfg>(&P.tma_k",
+            "load_kv<Cfg>(&P.tma_v",
             "transpose_v<Cfg>(v_slot(",
             "issue_qk8<Cfg>",
             "online_softmax8<Cfg>",
@@ -65,8 +67,7 @@ def test_the_8bit_kernel_calls_the_fp8_steps(spec):
             "convert_p<Cfg>",
             "online_softmax<Cfg>",
             "normalize_o<Cfg>",
-            "load_kv<Cfg>",
-            "load_q<Cfg>",
+            "load_kv_multicast<Cfg>",
         ):
             assert call not in text, call
         assert "Cfg::kOffVt = " not in text and "static constexpr int kOffVt = " in text
@@ -112,10 +113,7 @@ def test_16bit_kernels_keep_their_signature_and_steps():
 UNBUILT_SPEC = (ROOT / "tests/specs/fp8/fa3_fp8_one_wg.fa").read_text()
 
 
-@pytest.mark.parametrize(
-    "line, key",
-    [("  kv_cache   contiguous", "kv_cache"), ("  tail       split_kv", "tail")],
-)
+@pytest.mark.parametrize("line, key", [("  tail       split_kv", "tail")])
 def test_unbuilt_serving_variants_are_refused_at_their_key(line, key):
     source = UNBUILT_SPEC.replace("  pingpong   off", f"  pingpong   off\n{line}")
     try:

@@ -79,21 +79,21 @@ def test_16bit_kernels_have_no_output_type():
     assert " output=" not in format_kernel(kernel)
 
 
-def test_sm90a_renders_the_8bit_forward_and_varlen_and_refuses_a_kv_cache():
-    """Since step 4 (2026-11-30) the plain FP8 forward's CUDA is built, and `varlen on` since
-    2026-12-04; what it does not build (here a KV cache) is refused at its key when the CUDA
-    would be rendered."""
+def test_sm90a_renders_the_8bit_forward_and_serving_and_refuses_the_tail_split():
+    """Since step 4 (2026-11-30) the plain FP8 forward's CUDA is built, `varlen on` since
+    2026-12-04 and a KV cache (pack_gqa, `splits auto`) since the same day; what it does not
+    build (the tail split) is refused at its key when the CUDA would be rendered."""
     kernel = front_end(SPEC, "fp8.fa")
     assert kernel.config.dtypes == (Dtype.E4M3, Dtype.E5M2)
     refuse_unbuilt(kernel.config)  # nothing to refuse
-    varlen = front_end(SPEC.replace("  mask", "  varlen     on\n  mask", 1), "fp8.fa")
-    assert varlen.config.features.varlen
-    refuse_unbuilt(varlen.config)  # built
-    cache = front_end(SPEC.replace("  mask", "  kv_cache   contiguous\n  mask", 1), "fp8.fa")
+    for line in ("varlen     on", "kv_cache   contiguous", "kv_cache   paged(64)"):
+        built = front_end(SPEC.replace("  mask", f"  {line}\n  mask", 1), "fp8.fa")
+        refuse_unbuilt(built.config)  # built
+    tail = front_end(SPEC.replace("  mask", "  tail       split_kv\n  mask", 1), "fp8.fa")
     with pytest.raises(SpecError) as info:
-        refuse_unbuilt(cache.config)
+        refuse_unbuilt(tail.config)
     (diagnostic,) = info.value.diagnostics
-    assert "'kv_cache' with dtype e4m3 and e5m2" in diagnostic.message
+    assert "'tail' with dtype e4m3 and e5m2" in diagnostic.message
     assert "does not build it yet" in diagnostic.message
 
 

@@ -1,7 +1,7 @@
 """The FP8 forward's host side (issue 42, research/fp8-forward.md §3.7, §6 test 6): the
 packed Fp8Descales matches the header's struct byte for byte (NVRTC checks every offset with
 static_assert), its strides and pointers as the kernel indexes them, the TMA maps of 8-bit
-tensors (UINT8, 128-column boxes as load_q8 / load_kv8 read them; O's 16-bit 64 x 64), and
+tensors (UINT8, 128-column boxes as load_q / load_kv read an 8-bit Cfg's; O's 16-bit 64 x 64), and
 a launch plan's buffer with the second parameter after the first."""
 
 from __future__ import annotations
@@ -127,7 +127,7 @@ def encoded_maps(monkeypatch):
 
 
 def test_8bit_maps_are_uint8_with_128_column_boxes(encoded_maps):
-    """Q, K and V of an 8-bit call: 128 one-byte columns a box (load_q8 / load_kv8's
+    """Q, K and V of an 8-bit call: 128 one-byte columns a box (load_q / load_kv by the Cfg's
     kInPanelCols), B_r and B_c rows, byte strides; O: 64 16-bit columns by 64 rows."""
     kern = fadsl.load(EXAMPLE, verbose=False)
     a = _args((None, None, None))
@@ -138,7 +138,7 @@ def test_8bit_maps_are_uint8_with_128_column_boxes(encoded_maps):
     assert k[3:] == (128, 192) and v[3:] == (128, 192) and k[2] == (256, 128, 70 * 256)
     assert o == (torch.bfloat16, (128, 130, 8, 3), (8 * 256, 256, 130 * 8 * 256), 64, 64)
     cfg_source = kern.source("e4m3")
-    assert "load_q8<Cfg>" in cfg_source and "Fp8FwdConfig" in cfg_source
+    assert "load_q<Cfg>" in cfg_source and "Fp8FwdConfig" in cfg_source
     header = (ROOT / "emit" / "sm90" / "include" / "fadsl" / "sm90_fp8.cuh").read_text()
     assert "static constexpr int kInPanelCols = kHeadDim_ < 128 ? 64 : 128;" in header
 

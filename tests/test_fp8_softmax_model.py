@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import fp8_softmax_model as model
-from fp8_softmax_model import DESIGN, Numerics, attend, problems, scale_log2
+from fp8_softmax_model import DESIGN, Numerics, attend, attend_pieces, problems, scale_log2
 from softmax_cases import random_case
 from softmax_model import Mode
 
@@ -242,3 +242,76 @@ def test_random_adversarial_sequences(rng, block_n, n_blocks, mode, softmax_scal
     c = scale_log2(softmax_scale, qd, kd)
     result = attend(scores, block_n, c, mode)
     assert check(result, scores, scale=softmax_scale * qd * kd) == []
+
+
+SPLITS = (2, 3)
+V_DESCALES = (1.0, 0.375, 2.0**-9)
+
+
+@pytest.mark.parametrize("splits", SPLITS)
+@pytest.mark.parametrize("mode", MODES, ids=[m.value for m in MODES])
+def test_split_pieces_merge_to_the_whole_tile(splits, mode):
+    """`splits auto`: 8-bit pieces written as fp8_piece_partial writes them and merged by
+    the combine at scale 1 meet the bound the whole tile meets, at every threshold of the
+    edge batch, with descales and v_descale != 1; their LSE is the whole tile's within
+    its rounding. A piece of fully masked keys (m -inf) and a row that sees no key merge
+    to the whole tile's 0 and -inf."""
+    block_n, n_blocks = 64, 3
+    scores = edge_batch(block_n, n_blocks)
+    scores[0, 7, :] = -math.inf  # a row that sees no key
+    scores[1, 4, : 2 * block_n] = -math.inf  # a row the first pieces never see
+    for qd, kd, vd in (
+        (1.0, 1.0, 1.0),
+        (0.25, 3.0, V_DESCALES[1]),
+        (2.0**-7, 2.0**5, V_DESCALES[2]),
+    ):
+        c = scale_log2(SCALE, qd, kd)
+        merged = attend_pieces(scores, block_n, c, splits, mode, v_descale=vd)
+        whole = attend(scores, block_n, c, mode, v_descale=vd)
+        assert problems(merged, scores, SCALE * qd * kd, vd) == []
+        assert merged.lse[0, 7] == -math.inf and (merged.weights[0, 7] == 0).all()
+        ok = whole.lse > -math.inf
+        assert torch.equal(ok, merged.lse > -math.inf)
+        assert ((merged.lse - whole.lse)[ok].abs() <= 2.0**-18 * (whole.lse[ok].abs() + 1)).all()
+
+
+def test_the_16_bit_pieces_units_fail_with_descales():
+    """The units fp8_piece_partial replaces are the ones a combine of 8-bit pieces cannot
+    read: raw maxima merged at the 16-bit scale (softmax_scale log2 e, no descales) and O
+    without v_descale miss the bound once the descales are not 1."""
+    block_n = 64
+    scores = edge_batch(block_n, 3)
+    qd, kd, vd = 0.25, 3.0, 0.375
+    c = scale_log2(SCALE, qd, kd)
+    legacy = attend_pieces(
+        scores, block_n, c, 2, v_descale=vd, combine_scale=scale_log2(SCALE), scaled=False
+    )
+    assert problems(legacy, scores, SCALE * qd * kd, vd) != []
+    # the raw maxima at scale 1 alone (O v-descaled) miss it too: the offset and c' matter
+    raw = attend_pieces(scores * 4, block_n, c, 2, v_descale=1.0, scaled=False)
+    assert problems(raw, scores * 4, SCALE * qd * kd) != []
+
+
+@pytest.mark.parametrize("q_descale", (0.0, math.inf, math.nan))
+def test_a_bad_scale_poisons_every_merged_row(q_descale):
+    c = scale_log2(SCALE, q_descale, 1.0)
+    merged = attend_pieces(edge_batch(64, 3), 64, c, 3)
+    assert merged.weights.isnan().all() and merged.lse.isnan().all()
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    rng=st.randoms(use_true_random=False),
+    block_n=st.sampled_from(BLOCKS),
+    n_blocks=st.integers(2, 5),
+    splits=st.integers(2, 5),
+    mode=st.sampled_from(MODES),
+    descales=st.sampled_from([(1.0, 1.0, 1.0), (0.25, 3.0, 0.375), (2.0**-7, 2.0**5, 4.0)]),
+)
+def test_random_split_pieces(rng, block_n, n_blocks, splits, mode, descales):
+    """Pieces of 0 blocks (splits > n_blocks) are empty partials (m -inf, l 0)."""
+    scores = fp8_warps(rng, block_n, n_blocks, warps=3)
+    qd, kd, vd = descales
+    c = scale_log2(SCALE, qd, kd)
+    merged = attend_pieces(scores, block_n, c, splits, mode, v_descale=vd)
+    assert problems(merged, scores, SCALE * qd * kd, vd) == []

@@ -2,13 +2,15 @@
 emit/common/append_kv.cu): appends into contiguous and paged caches, bf16 and fp16, 1 and 37
 new tokens, rows the 16-byte path copies and rows it does not (8 and 36 bytes, a base 2 bytes
 off 16), strided new tokens, seqlens_out, a CUDA graph, and the launch path after the first
-call. Each cache lies inside a larger buffer between guard regions of a sentinel, and after
-every append the whole buffer is compared bit for bit with what the kernel's guards allow.
-Bad inputs (a length past the capacity, one partly past it, a negative one, page-table
-entries -1 and past the cache) each run in a fresh process, which must end with its CUDA
-context alive; so does an overflowing append through fadsl.attention_with_kvcache, whose
-overflowing batch comes back NaN. `GPU_TESTS=tests/test_gpu_append_kv.py bash
-scripts/device.sh tests`."""
+call; 8-bit caches (float8_e4m3fn, float8_e5m2) the same way, poisoned first, with rows the
+kernel copies a byte at a time (odd rows, a base 1 byte off 16, new tokens' rows 24 bytes
+apart), also through fadsl.append_kv's plan. Each cache lies inside a larger buffer between
+guard regions of a sentinel, and after every append the whole buffer is compared bit for bit
+with what the kernel's guards allow. Bad inputs (a length past the capacity, one partly past
+it, a negative one, page-table entries -1 and past the cache) each run in a fresh process,
+which must end with its CUDA context alive; so does an overflowing append through
+fadsl.attention_with_kvcache, whose overflowing batch comes back NaN.
+`GPU_TESTS=tests/test_gpu_append_kv.py bash scripts/device.sh tests`."""
 
 from __future__ import annotations
 
@@ -30,31 +32,46 @@ pytestmark = [
 ]
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability(0) == (9, 0)
 
-GUARD = 64  # sentinel elements before and after each cache (128 bytes: keeps 16-byte bases)
+GUARD = 64  # sentinel elements before and after each cache (128 or 64 bytes: 16-byte bases)
 SENTINEL = -1234.0
+# 8-bit caches: bytes no new token takes (NaN in both float8 dtypes; randn's values convert
+# to finite ones), the guards' and the poison every cache row holds before the append, so
+# that each written byte changes
+SENTINEL_BYTE, POISON_BYTE = 0xFF, 0x7F
+BITS = {2: torch.int16, 1: torch.uint8}  # compared bit for bit, by element size
+FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
+FP8_IDS = ["e4m3", "e5m2"]
 INT_MAX = 2**31 - 1
 
 
 class Guarded:
     """A cache of ``shape`` inside a buffer of sentinels, ``offset`` elements past GUARD,
-    filled with random values."""
+    filled with random values (16-bit) or poisoned (8-bit)."""
 
     def __init__(self, shape, dtype, offset: int = 0, seed: int = 0, device="cuda"):
         self.shape, self.offset = tuple(shape), offset
         n = math.prod(shape)
-        self.buffer = torch.full((2 * GUARD + offset + n,), SENTINEL, dtype=dtype, device=device)
+        self.bits = BITS[torch.empty((), dtype=dtype).element_size()]
+        size = (2 * GUARD + offset + n,)
+        if self.bits is torch.uint8:
+            raw = torch.full(size, SENTINEL_BYTE, dtype=torch.uint8, device=device)
+            raw[GUARD + offset : GUARD + offset + n].fill_(POISON_BYTE)
+            self.buffer = raw.view(dtype)
+        else:
+            self.buffer = torch.full(size, SENTINEL, dtype=dtype, device=device)
         self.cache = self.buffer[GUARD + offset : GUARD + offset + n].view(shape)
-        gen = torch.Generator(device=device).manual_seed(seed)
-        self.cache.copy_(torch.randn(self.shape, generator=gen, device=device).to(dtype))
+        if self.bits is not torch.uint8:
+            gen = torch.Generator(device=device).manual_seed(seed)
+            self.cache.copy_(torch.randn(self.shape, generator=gen, device=device).to(dtype))
         self.before = self.buffer.cpu().clone()
 
     def expected(self, new, seqlens, table) -> tuple[torch.Tensor, int]:
-        """The buffer after appending ``new`` as the kernel's guards allow (on the CPU), and
-        how many rows that writes."""
-        want = self.before.clone()
+        """The buffer's bits after appending ``new`` as the kernel's guards allow (on the
+        CPU), and how many rows that writes."""
+        want = self.before.view(self.bits).clone()
         cache = want[GUARD + self.offset : GUARD + self.offset + math.prod(self.shape)]
         cache = cache.view(self.shape)
-        new, written = new.cpu(), 0
+        new, written = new.cpu().view(self.bits), 0
         rows = self.shape[1] if table is None else table.shape[1] * self.shape[1]
         pages = None if table is None else table.tolist()
         for b, s in enumerate(seqlens.tolist()):
@@ -76,9 +93,10 @@ class Guarded:
         """The buffer is exactly the expected one: the allowed rows written, nothing else
         (guards, other rows, other batches) changed."""
         want, written = self.expected(new, seqlens, table)
-        got = self.buffer.cpu()
-        assert torch.equal(got.view(torch.int16), want.view(torch.int16)), what
-        changed = (got != self.before).view(-1)[GUARD + self.offset :][: self.cache.numel()]
+        got = self.buffer.cpu().view(self.bits)
+        assert torch.equal(got, want), what
+        changed = (got != self.before.view(self.bits))[GUARD + self.offset :]
+        changed = changed[: self.cache.numel()]
         row = self.shape[2] * self.shape[3]
         assert changed.view(-1, row).any(dim=1).sum().item() == written, what
 
@@ -139,6 +157,82 @@ def test_append_writes_exactly_the_new_rows(paged, dtype, new, rows):
     torch.cuda.synchronize()
     k.check(k_new, seqlens, table, "k")
     v.check(v_new, seqlens, table, "v")
+
+
+# 8-bit rows: (heads, head_dim, offset in elements (bytes), the 16-byte path expected)
+ROWS8 = {
+    "2x64": (2, 64, 0, 1),
+    "1x16-16-bytes": (1, 16, 0, 1),
+    "1x8-8-bytes": (1, 8, 0, 0),
+    "3x5-15-bytes": (3, 5, 0, 0),
+    "1x1-1-byte": (1, 1, 0, 0),
+    "2x64-base-off-16-by-1": (2, 64, 1, 0),
+    "3x5-base-odd": (3, 5, 3, 0),
+}
+
+
+@pytest.mark.parametrize("rows", list(ROWS8))
+@pytest.mark.parametrize("new", [1, 37])
+@pytest.mark.parametrize("dtype", FP8, ids=FP8_IDS)
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_8_bit_append_writes_exactly_the_new_bytes(paged, dtype, new, rows):
+    """8-bit tokens into a poisoned 8-bit cache: the kernel copies bytes (16 at a time, or
+    one where rows or bases are odd), compared byte for byte with the torch reference."""
+    heads, dim, offset, vector = ROWS8[rows]
+    capacity = 64
+    k, v, table = make(paged, 3, capacity, heads, dim, dtype, offset)
+    seqlens = torch.tensor([0, 5, capacity - new], dtype=torch.int32, device="cuda")
+    k_new, v_new = new_tokens(3, new, heads, dim, dtype)
+    assert vector16(k, v, k_new, v_new, seqlens, table) == vector, "the case's copy path"
+    fields = append.PARAMS.unpack(append.pack(k.cache, v.cache, k_new, v_new, seqlens, table, None))
+    assert dict(zip(append.PARAMS_FIELDS, fields))["elem_bytes"] == 1
+    append.append_kv(k.cache, v.cache, k_new, v_new, seqlens, table)
+    torch.cuda.synchronize()
+    k.check(k_new, seqlens, table, "k")
+    v.check(v_new, seqlens, table, "v")
+
+
+@pytest.mark.parametrize("dtype", FP8, ids=FP8_IDS)
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_8_bit_new_tokens_with_rows_24_bytes_apart(paged, dtype):
+    """16-byte rows whose new tokens lie 24 bytes apart (a row stride not a multiple of 16:
+    one byte a step, though rows and bases allow 16)."""
+    k, v, table = make(paged, 3, 40, 1, 16, dtype)
+    seqlens = torch.tensor([3, 0, 20], dtype=torch.int32, device="cuda")
+    wide, _ = new_tokens(3, 7, 1, 24, dtype, seed=8)
+    k_new = wide[..., :16]
+    _, v_new = new_tokens(3, 7, 1, 16, dtype, seed=9)
+    assert k_new.stride(1) == 24 and vector16(k, v, k_new, k_new, seqlens, table) == 0
+    append.append_kv(k.cache, v.cache, k_new, v_new, seqlens, table)
+    torch.cuda.synchronize()
+    k.check(k_new, seqlens, table, "k")
+    v.check(v_new, seqlens, table, "v")
+
+
+def _off_by_one(t):
+    """``t``'s values at an address 1 byte past 16-byte alignment."""
+    n = t.numel() * t.element_size()
+    raw = torch.zeros(n + 16, dtype=torch.uint8, device=t.device)[1 : 1 + n]
+    return raw.view(t.dtype).view(t.shape).copy_(t)
+
+
+@pytest.mark.parametrize("dtype", FP8, ids=FP8_IDS)
+def test_8_bit_appends_through_fadsl_append_kv_and_its_plan(dtype):
+    """fadsl.append_kv plans the call at its second meeting and then rewrites only the
+    addresses and the 16-byte flag (8 bytes at VECTOR16_OFFSET): elem_bytes stays 1, and new
+    tokens at an odd address are copied a byte at a time."""
+    k, v, table = make(True, 3, 64, 2, 64, dtype)
+    seqlens = torch.tensor([1, 17, 40], dtype=torch.int32, device="cuda")
+    k_new, v_new = new_tokens(3, 2, 2, 64, dtype)
+    odd = _off_by_one(k_new)
+    assert odd.data_ptr() % 2 == 1 and torch.equal(odd.view(torch.uint8), k_new.view(torch.uint8))
+    for new in (k_new, k_new, odd, k_new):  # the second call plans it
+        k.buffer.copy_(k.before.cuda())
+        v.buffer.copy_(v.before.cuda())
+        fadsl.append_kv(k.cache, v.cache, new, v_new, seqlens, table)
+        torch.cuda.synchronize()
+        k.check(k_new, seqlens, table, "k")
+        v.check(v_new, seqlens, table, "v")
 
 
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])

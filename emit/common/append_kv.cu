@@ -29,25 +29,36 @@ struct AppendKvParams {
     long long page_table_stride;  // in int32 entries
     long long capacity;           // a batch's rows: the cache's, or max_pages * page_size
     long long num_pages;          // paged: the cache's pages
-    int row_bytes;                // heads_kv * head_dim * 2
+    long long elem_bytes;         // 2, or 1 (float8): the copy's unit without 16-byte vectors
+    int row_bytes;                // heads_kv * head_dim * elem_bytes
     int new_tokens;
     int page_size;  // paged: rows a page (> 0)
     int batch;
-    int vector16;  // every base, stride and row_bytes a multiple of 16
+    int vector16;  // every base, stride and row_bytes a multiple of 16 (last: a plan writes
+                   // it with the 4 bytes of padding after it, as 8 bytes)
 };
 
-// Copy one row of `bytes` bytes: 16 bytes a thread per step where everything is aligned to
-// 16, else 2 (any 2-byte dtype's alignment).
-__device__ __forceinline__ void copy_row(char* dst, const char* src, int bytes, bool vector16)
+// Copy `bytes` bytes in units of T, one a thread per step.
+template <typename T>
+__device__ __forceinline__ void copy_units(char* dst, const char* src, int bytes)
 {
-    if (vector16) {
-        for (int i = threadIdx.x * 16; i < bytes; i += blockDim.x * 16)
-            *reinterpret_cast<uint4*>(dst + i) = *reinterpret_cast<const uint4*>(src + i);
-    } else {
-        for (int i = threadIdx.x * 2; i < bytes; i += blockDim.x * 2)
-            *reinterpret_cast<unsigned short*>(dst + i) =
-                *reinterpret_cast<const unsigned short*>(src + i);
-    }
+    for (int i = threadIdx.x * (int)sizeof(T); i < bytes; i += blockDim.x * (int)sizeof(T))
+        *reinterpret_cast<T*>(dst + i) = *reinterpret_cast<const T*>(src + i);
+}
+
+// Copy one row of `bytes` bytes: 16 bytes a thread per step where everything is aligned to
+// 16, else the element's size, the only alignment the dtype promises: 2 bytes for 16-bit
+// caches, 1 for 8-bit ones (whose rows and bases may be odd, so 2-byte units would
+// misalign or copy a byte past the row).
+__device__ __forceinline__ void copy_row(char* dst, const char* src, int bytes, bool vector16,
+                                         int elem_bytes)
+{
+    if (vector16)
+        copy_units<uint4>(dst, src, bytes);
+    else if (elem_bytes == 2)
+        copy_units<unsigned short>(dst, src, bytes);
+    else
+        copy_units<unsigned char>(dst, src, bytes);
 }
 
 extern "C" __global__ void __launch_bounds__(128) fadsl_append_kv(const AppendKvParams p)
@@ -82,11 +93,12 @@ extern "C" __global__ void __launch_bounds__(128) fadsl_append_kv(const AppendKv
             v_offset = page * p.v_cache_batch_stride + row * p.v_cache_row_stride;
         }
         const bool vector16 = p.vector16 != 0;
+        const int elem_bytes = (int)p.elem_bytes;
         copy_row(p.k_cache + k_offset,
                  p.k_new + b * p.k_new_batch_stride + t * p.k_new_row_stride, p.row_bytes,
-                 vector16);
+                 vector16, elem_bytes);
         copy_row(p.v_cache + v_offset,
                  p.v_new + b * p.v_new_batch_stride + t * p.v_new_row_stride, p.row_bytes,
-                 vector16);
+                 vector16, elem_bytes);
     }
 }

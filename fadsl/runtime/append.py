@@ -35,15 +35,17 @@ KERNEL = "fadsl_append_kv"
 THREADS = 128
 MAX_GRID_Y = 65535  # the kernel loops over the batches past it
 
-# AppendKvParams (emit/common/append_kv.cu): 7 pointers, 11 long long, 5 int, 4 bytes of
-# padding to the struct's 8-byte alignment; 168 bytes. tests/test_append_kv.py checks every
-# offset against the CUDA struct.
-PARAMS = struct.Struct("<7Q11q5i4x")
+# AppendKvParams (emit/common/append_kv.cu): 7 pointers, 12 long long, 5 int, 4 bytes of
+# padding to the struct's 8-byte alignment; 176 bytes. tests/test_append_kv.py checks every
+# offset against the CUDA struct. elem_bytes (the copy's unit without 16-byte vectors) is a
+# long long so that vector16 stays the last int, 8-byte aligned with the padding after it:
+# a plan writes it as an 8-byte field (SOURCES below).
+PARAMS = struct.Struct("<7Q12q5i4x")
 PARAMS_FIELDS = (
     *("k_new", "v_new", "k_cache", "v_cache", "seqlens", "page_table", "seqlens_out"),
     *(f"{t}_{d}_stride" for t in ("k_new", "v_new") for d in ("batch", "row")),
     *(f"{t}_{d}_stride" for t in ("k_cache", "v_cache") for d in ("batch", "row")),
-    *("page_table_stride", "capacity", "num_pages"),
+    *("page_table_stride", "capacity", "num_pages", "elem_bytes"),
     *("row_bytes", "new_tokens", "page_size", "batch", "vector16"),
 )
 
@@ -136,9 +138,17 @@ def check_append(
 ):
     """Every check of an append, each error naming the argument (no memory access: fake
     tensors pass; ``names``: what the caller calls k_new and v_new, attention_with_kvcache
-    k and v); returns k_new and v_new with contiguous rows (copies where needed)."""
+    k and v); returns k_new and v_new with contiguous rows (copies where needed).
+
+    The caches take fadsl's dtypes (arguments.torch_dtypes: bfloat16, float16 and the 8-bit
+    float8_e4m3fn, float8_e5m2), k_cache and v_cache the same one, and k_new, v_new must
+    have the cache's dtype: the append copies bytes and converts nothing, so the caller
+    quantizes new tokens for an 8-bit cache with the cache's descales (FlashAttention-3's
+    hopper/ wants k_new in the cache's dtype too, read 2026-12-04)."""
     kn, vn = names
     import torch
+
+    from .arguments import torch_dtypes
 
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         _tensor(name, t, "(batch, capacity, heads_kv, head_dim) or (pages, page_size, ...)")
@@ -147,10 +157,11 @@ def check_append(
             f"k_cache and v_cache must have the same shape, got {tuple(k_cache.shape)} and "
             f"{tuple(v_cache.shape)}"
         )
-    if k_cache.element_size() != 2 or v_cache.dtype != k_cache.dtype:
+    accepted = tuple(torch_dtypes())
+    if k_cache.dtype not in accepted or v_cache.dtype != k_cache.dtype:
         raise ValueError(
-            f"k_cache and v_cache must have the same 2-byte dtype (bfloat16, float16), got "
-            f"{k_cache.dtype} and {v_cache.dtype}"
+            f"k_cache and v_cache must have the same dtype, one of "
+            f"{', '.join(map(str, accepted))}, got {k_cache.dtype} and {v_cache.dtype}"
         )
     if k_cache.shape[2] == 0 or k_cache.shape[3] == 0:
         raise ValueError(f"k_cache has no head or no head_dim (shape {tuple(k_cache.shape)})")
@@ -163,9 +174,12 @@ def check_append(
     for name, t in ((kn, k_new), (vn, v_new)):
         _tensor(name, t, "(batch, seqlen_new, heads_kv, head_dim)")
         if t.shape[2:] != k_cache.shape[2:] or t.dtype != k_cache.dtype:
+            hint = ""
+            if t.dtype != k_cache.dtype and k_cache.element_size() == 1:
+                hint = " (quantize the new tokens with the cache's descales first)"
             raise ValueError(
                 f"{name} {tuple(t.shape)} {t.dtype} does not match the cache's heads, head_dim and "
-                f"dtype {tuple(k_cache.shape[2:])} {k_cache.dtype}"
+                f"dtype {tuple(k_cache.shape[2:])} {k_cache.dtype}{hint}"
             )
     if k_new.shape != v_new.shape:
         raise ValueError(
@@ -236,6 +250,7 @@ def pack(k_cache, v_cache, k_new, v_new, cache_seqlens, page_table, seqlens_out)
         table_stride,
         capacity,
         pages,
+        e,
         row_bytes,
         k_new.shape[1],
         page_size,
@@ -256,7 +271,8 @@ def byte_strides(k_cache, v_cache, k_new, v_new) -> tuple[int, ...]:
 # four tensors' addresses: written as an 8-byte field (the int and the struct's 4 bytes of
 # padding after it, zeros).
 SOURCES = PARAMS_FIELDS[:7] + ("vector16",)
-VECTOR16_OFFSET = struct.calcsize("<7Q11q4i")
+VECTOR16_OFFSET = struct.calcsize("<7Q12q4i")
+assert VECTOR16_OFFSET % 8 == 0 and VECTOR16_OFFSET + 8 == PARAMS.size  # the 8-byte write
 
 
 def grid(k_new) -> tuple[int, int, int]:
@@ -289,6 +305,8 @@ def append_kv(
     each batch's cache_seqlens[b] keys (FlashAttention-3's AppendKV, as an op beside the
     attention call): contiguous caches (batch, capacity, heads_kv, head_dim), or paged ones
     (pages, page_size, heads_kv, head_dim) through page_table (batch, max_pages) int32.
+    Caches of bfloat16, float16, float8_e4m3fn or float8_e5m2; k_new and v_new of the
+    cache's dtype (for an 8-bit cache the caller quantizes them with the cache's descales).
     cache_seqlens: (batch,) int32 on the caches' device. One kernel on the current stream,
     with no host sync (a CUDA graph captures it): tokens past a batch's capacity, a negative
     length and page-table entries outside the cache are skipped on the device (see the

@@ -524,7 +524,7 @@ class FlashAttention(ServingCalls, Fp8Calls, ModifiedCalls, PlainCalls, Backward
         arguments.check_out_meta(out, q, self.config.target)
 
     def _check_out(self, out, q, k, v) -> None:
-        arguments.check_out(out, q, k, v, self.config.target)
+        arguments.check_out(out, q, k, v, self.config.target, self.out_torch_dtype)
 
 
 def build_ahead(compiled: Compiled, archs: Iterable[str], out_dir: Path) -> list[Path]:

@@ -236,8 +236,9 @@ _KVCACHE_OPS: dict[str, object] = {}
 
 def kvcache_op_for(kern) -> object:
     """``fadsl::<kernel>_<hash>_kvcache(q, k_cache, v_cache, cache_seqlens, page_table,
-    softmax_scale, num_splits, return_lse) -> (out, lse)``: a kv-cache call as a functional op
-    (torch.compile; a CUDA graph captures a decode step); gradients raise."""
+    softmax_scale, num_splits, return_lse, q_descale, k_descale, v_descale) -> (out, lse)``:
+    a kv-cache call as a functional op (torch.compile; a CUDA graph captures a decode step;
+    the descales an 8-bit spec's, None for a 16-bit one); gradients raise."""
     name = kern.op_name
     _KERNELS[name] = kern
     if name not in _KVCACHE_OPS:
@@ -246,8 +247,6 @@ def kvcache_op_for(kern) -> object:
 
 
 def _define_kvcache(name: str):
-    from .kvcache import check_kvcache
-
     @custom_op(f"fadsl::{name}_kvcache", mutates_args=())
     def kvcache(
         q: torch.Tensor,
@@ -258,21 +257,31 @@ def _define_kvcache(name: str):
         softmax_scale: float,
         num_splits: int,
         return_lse: bool,
+        q_descale: Optional[torch.Tensor],
+        k_descale: Optional[torch.Tensor],
+        v_descale: Optional[torch.Tensor],
     ) -> tuple[torch.Tensor, torch.Tensor]:
         kern = _KERNELS[name]
         found = kern.kvcache_forward(
             q, k_cache, v_cache, cache_seqlens, page_table, softmax_scale, num_splits, None,
-            return_lse,
+            return_lse, descales=(q_descale, k_descale, v_descale),
         )  # fmt: skip
         if return_lse:
             return found
         return found, q.new_empty((0,), dtype=torch.float32)
 
     @kvcache.register_fake
-    def _(q, k_cache, v_cache, cache_seqlens, page_table, softmax_scale, num_splits, return_lse):
-        check_kvcache(_KERNELS[name], q, k_cache, v_cache, cache_seqlens, page_table)
+    def _(q, k_cache, v_cache, cache_seqlens, page_table, softmax_scale, num_splits, return_lse,
+          q_descale, k_descale, v_descale):  # fmt: skip
+        kern = _KERNELS[name]
+        kern.check_kvcache_call(
+            q, k_cache, v_cache, cache_seqlens, page_table, softmax_scale, num_splits or None,
+            return_lse, (q_descale, k_descale, v_descale),
+        )  # fmt: skip
         shape = lse_shape(q) if return_lse else (0,)
-        return torch.empty_like(q), q.new_empty(shape, dtype=torch.float32)
+        return torch.empty_like(q, dtype=kern.out_torch_dtype), q.new_empty(
+            shape, dtype=torch.float32
+        )
 
     _without_backward(kvcache, f"fadsl kernel '{name}': kv-cache calls have no backward")
     return kvcache

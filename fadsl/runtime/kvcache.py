@@ -104,13 +104,18 @@ def check_kvcache(kern, q, k_cache, v_cache, cache_seqlens, page_table) -> Dtype
 
 
 def run_kvcache(kern, dtype: Dtype, q, k_cache, v_cache, cache_seqlens, page_table, out, lse,
-                scale: float, num_splits: int | None):  # fmt: skip
+                scale: float, num_splits: int | None, descales=None):  # fmt: skip
     """Launch the target's kv-cache kernels on q's device's current stream; the plan they
-    were launched by (``targets.launch.CallPlan``)."""
+    were launched by (``targets.launch.CallPlan``). ``descales``: an 8-bit kernel's,
+    checked (None: all 1)."""
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("out", out)):
         check_base(name, t, kern.config.target)
-    plan = kern.serving.kvcache(kern.compiled.kernel, q, k_cache, v_cache, cache_seqlens,
-                                page_table, out, lse, scale, num_splits)  # fmt: skip
+    args = (kern.compiled.kernel, q, k_cache, v_cache, cache_seqlens, page_table, out, lse,
+            scale, num_splits)  # fmt: skip
+    if kern.is_fp8:  # (an 8-bit kernel always takes its second parameter)
+        plan = kern.serving.kvcache(*args, tuple(descales or (None, None, None)))
+    else:
+        plan = kern.serving.kvcache(*args)
     launch = kern.launcher(dtype, q.device.index)
     for kl in plan.launches():
         launch(kl)

@@ -157,12 +157,7 @@ class ServingCalls:
             return self.varlen_forward(
                 q, k, v, cu_seqlens_q, cu_seqlens_k, scale, out, return_lse, descales=descales
             )
-        for name, t in zip(DESCALE_NAMES, descales):
-            if t is not None:
-                raise TypeError(
-                    f"{name}: kernel '{self.config.name}' takes {self.config.dtypes[0].value} "
-                    "inputs; descales are for an 8-bit spec (dtype e4m3 or e5m2)"
-                )
+        self._refuse_descales(descales)
         if self._through_op((q, k, v), out):
             if self.has_backward and not torch.compiler.is_compiling():
                 from . import eager_grad  # (eagerly: the varlen kernels without the dispatcher)
@@ -313,33 +308,44 @@ class ServingCalls:
         num_splits: int | None = None,
         out=None,
         return_lse: bool = False,
+        q_descale=None,
+        k_descale=None,
+        v_descale=None,
     ):
         """Attention of q over each batch's first cache_seqlens[b] keys of a cache
         (FlashAttention's flash_attn_with_kvcache convention; fadsl/runtime/kvcache.py): q
         (batch, seqlen_q, heads_q, head_dim); a contiguous cache (batch, capacity, heads_kv,
         head_dim) or a paged one (pages, page_size, heads_kv, head_dim) with page_table
         (batch, max_pages) int32. Returns the output (q's shape), or ``(output, lse)`` with
-        the LSE (batch, heads_q, seqlen_q). ``fadsl.append_kv`` writes new tokens first."""
+        the LSE (batch, heads_q, seqlen_q). ``fadsl.append_kv`` writes new tokens first.
+        An 8-bit spec takes 8-bit q and caches with q_descale, k_descale and v_descale, each
+        None or float32 (batch, heads_kv) (a page read by several batches needs the same
+        descales in each), and returns O in the spec's `output` type."""
+        descales = (q_descale, k_descale, v_descale)
         scale, dtype = self.check_kvcache_call(
-            q, k_cache, v_cache, cache_seqlens, page_table, softmax_scale, num_splits, return_lse
-        )
+            q, k_cache, v_cache, cache_seqlens, page_table, softmax_scale, num_splits, return_lse,
+            descales,
+        )  # fmt: skip
         if self._through_op((q, k_cache, v_cache), out):
             o, lse = self._kvcache_op(
-                q, k_cache, v_cache, cache_seqlens, page_table, scale, num_splits or 0, return_lse
-            )
+                q, k_cache, v_cache, cache_seqlens, page_table, scale, num_splits or 0, return_lse,
+                *descales,
+            )  # fmt: skip
             return (o, lse) if return_lse else o
         return self.kvcache_forward(
             q, k_cache, v_cache, cache_seqlens, page_table, scale, num_splits, out, return_lse,
-            dtype=dtype,
+            dtype=dtype, descales=descales,
         )  # fmt: skip
 
     def check_kvcache_call(
         self, q, k_cache, v_cache, cache_seqlens, page_table, softmax_scale, num_splits,
-        return_lse,
+        return_lse, descales=(None, None, None),
     ) -> tuple[float, Dtype]:  # fmt: skip
         """Every check of a kv-cache call, each error naming the argument, before anything is
         written or launched (fadsl.attention_with_kvcache runs it before appending); the
-        scale to launch with and the dtype."""
+        scale to launch with and the dtype. ``descales``: (q_descale, k_descale, v_descale),
+        an 8-bit spec's (checked against (batch, heads_kv)); given to a 16-bit spec, refused."""
+        from .fp8_calls import check_descales, refuse_gradients
         from .kvcache import check_kvcache
 
         if not self.is_kvcache:
@@ -359,22 +365,45 @@ class ServingCalls:
             )
         if not isinstance(return_lse, bool):
             raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
-        return scale, check_kvcache(self, q, k_cache, v_cache, cache_seqlens, page_table)
+        self._refuse_descales(descales)
+        dtype = check_kvcache(self, q, k_cache, v_cache, cache_seqlens, page_table)
+        if self.is_fp8:
+            named = (("q", q), ("k_cache", k_cache), ("v_cache", v_cache))
+            named += tuple(zip(DESCALE_NAMES, descales))
+            refuse_gradients(f"fadsl kernel '{self.config.name}'", named)
+            check_descales(descales, q, k_cache)
+        return scale, dtype
+
+    def _refuse_descales(self, descales) -> None:
+        """Descales given to a 16-bit spec's call: TypeError naming the first."""
+        if self.is_fp8:
+            return
+        for name, t in zip(DESCALE_NAMES, descales):
+            if t is not None:
+                raise TypeError(
+                    f"{name}: kernel '{self.config.name}' takes {self.config.dtypes[0].value} "
+                    "inputs; descales are for an 8-bit spec (dtype e4m3 or e5m2)"
+                )
 
     def kvcache_forward(
         self, q, k_cache, v_cache, cache_seqlens, page_table, scale, num_splits, out, return_lse,
-        lse=None, dtype=None,
+        lse=None, dtype=None, descales=None,
     ):  # fmt: skip
         """Check a kv-cache call's arguments (unless ``dtype`` says check_kvcache_call has),
-        allocate what is missing and launch."""
+        allocate what is missing and launch (``descales``: an 8-bit spec's three, each None
+        or a tensor)."""
         import torch
 
+        from .fp8_calls import check_descales
         from .kvcache import check_kvcache, run_kvcache
 
         if dtype is None:
             dtype = check_kvcache(self, q, k_cache, v_cache, cache_seqlens, page_table)
+            self._refuse_descales(descales or (None, None, None))
+            if self.is_fp8:
+                check_descales(descales or (None, None, None), q, k_cache)
         if out is None:
-            out = torch.empty_like(q)
+            out = torch.empty_like(q, dtype=self.out_torch_dtype)  # (an 8-bit spec's output)
         else:
             self._check_out(out, q, k_cache, v_cache)
         if not return_lse:
@@ -385,6 +414,6 @@ class ServingCalls:
             check_lse(lse, q)
         run_kvcache(
             self, dtype, q, k_cache, v_cache, cache_seqlens, page_table, out, lse, scale,
-            num_splits or None,
+            num_splits or None, descales,
         )  # fmt: skip
         return (out, lse) if return_lse else out

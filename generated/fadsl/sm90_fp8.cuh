@@ -4,8 +4,9 @@
 //
 //   1. the descales (a kernel parameter of their own) and the configuration (Fp8FwdConfig:
 //      1-byte Q, K, V in 128-byte panels, a Vt ring, P in e4m3, the offset and the slack)
-//   2. producer: the TMA loads of 8-bit tiles; the producer warps' transpose of a raw V slot
-//      into a Vt slot (ldmatrix.x4.trans, prmt, stmatrix, Vt rows permuted by rho)
+//   2. producer: the producer warps' transpose of a raw V slot into a Vt slot
+//      (ldmatrix.x4.trans, prmt, stmatrix, Vt rows permuted by rho); the TMA loads are
+//      fadsl/sm90.cuh's load_q and load_kv, by the Cfg's kInPanels, kInPanelCols, kInRowBytes
 //   3. consumer: S = Q K^T and O += P Vt (k32 wgmma, fadsl/sm90_wgmma8.cuh), the online
 //      softmax with FA3's offset, P to e4m3 in the registers' own order
 //   4. epilogue: O's registers unpermuted (rho undone), v_descale / l, the LSE
@@ -101,29 +102,6 @@ __device__ __forceinline__ float fp8_v_descale(const Fp8Descales& D, const TileW
 // ---------------------------------------------------------------------------
 // 2. Producer steps
 // ---------------------------------------------------------------------------
-
-// The CTA's Q tile, kInPanels panels of kInPanelCols one-byte columns; kQBytes land on `bar`.
-template <class Cfg>
-__device__ __forceinline__ void load_q8(const FwdParamsSm90& P, uint32_t smem_q, uint32_t bar, const TileWork& w) {
-  static_assert(!Cfg::kPackGQA, "pack_gqa with 8-bit dtypes is not built");
-#pragma unroll
-  for (int panel = 0; panel < Cfg::kInPanels; ++panel) {
-    tma_load_4d(smem_q + panel * Cfg::kBlockM * Cfg::kInRowBytes, &P.tma_q, bar, Cfg::kInPanelCols * panel,
-                q_row<Cfg>(w, w.m0), w.head, w.batch);
-  }
-}
-
-// K or V block n (kBlockN rows of head_dim bytes) into one raw ring slot; kKVBytes land on `bar`.
-template <class Cfg>
-__device__ __forceinline__ void load_kv8(const CUtensorMap* tmap, uint32_t smem_slot, uint32_t bar, int n_block,
-                                         const TileWork& w) {
-  static_assert(Cfg::kPageSize == 0, "a paged kv_cache with 8-bit dtypes is not built");
-#pragma unroll
-  for (int panel = 0; panel < Cfg::kInPanels; ++panel) {
-    tma_load_4d(smem_slot + panel * Cfg::kBlockN * Cfg::kInRowBytes, tmap, bar, Cfg::kInPanelCols * panel,
-                kv_row<Cfg>(w, n_block * Cfg::kBlockN), w.head_kv, w.batch);
-  }
-}
 
 __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t smem_src, uint32_t (&x)[4]) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"

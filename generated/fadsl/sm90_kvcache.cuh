@@ -112,7 +112,8 @@ constexpr int kCombineVecs = 2, kCombineBatch = 8;
 // threads, each the warpgroup thread whose registers it combines, placed while the attention
 // kernel still runs (PDL) and waiting for it first: every piece's partial in piece order
 // (merge_piece, as the split tail merges), then the row sums, O / l, the LSE (slice 0) and
-// O's rows. A warp whose 16 rows all lie past the tile's rows stops at once, and a thread
+// O's rows (an 8-bit kernel's pieces: O already v-descaled in the accumulator's column
+// order, the maxima scaled, fp8_piece_partial: so no descale here). A warp whose 16 rows all lie past the tile's rows stops at once, and a thread
 // whose rows do reads no partial (holds_rows: the pieces wrote none for it); nothing of
 // those rows is stored.
 template <class Cfg>
@@ -129,7 +130,8 @@ __device__ __forceinline__ void combine_pieces(const FwdParamsSm90& P) {
   const RowLimits rows = row_limits<Cfg>(w, wg, warp, lane);
   if (!holds_rows<Cfg>(P.base, rows.row0 - lane / 4)) return;  // the warp's first row: warp-uniform
   const bool mine = holds_rows<Cfg>(P.base, rows.row0);  // else no partial was written for it
-  const float scale_log2 = P.base.softmax_scale * 1.4426950408889634f;
+  // an 8-bit kernel's pieces write their maxima already scaled, R = m c' - 8 (fp8_piece_partial)
+  const float scale_log2 = Cfg::kInBytes == 1 ? 1.f : P.base.softmax_scale * 1.4426950408889634f;
   float o[kN] = {}, m[2] = {}, l[2] = {};
   for (int base = 0; mine && base < P.splits; base += kCombineBatch) {
     float4 ml[kCombineBatch];

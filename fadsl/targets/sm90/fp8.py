@@ -5,9 +5,10 @@ The FP8 forward reads Q and K as TMA writes them (K-major) but must transpose V 
 -transpose-> smem[cta] -wgmma-> rf`; O is written in 16 bits (`output bf16|fp16`). What the
 first FP8 kernel leaves out is refused at its key: the backward block
 (backward/validate.py), `rescale guarded`, score/keep modifiers, `cluster 2`. The kernel is
-built (fadsl/sm90_fp8.cuh) for the plain forward; a spec with a serving variant (varlen, a
-KV cache, pack_gqa, split pieces) gets its schedule, SMEM plan, syncs and proof, and is refused
-by ``refuse_unbuilt``, at that key, when its CUDA would be rendered (emit.context).
+built (fadsl/sm90_fp8.cuh) for the plain forward, varlen, a KV cache (contiguous or paged),
+pack_gqa and `splits auto`; a spec with the tail split gets its schedule, SMEM plan, syncs and
+proof, and is refused by ``refuse_unbuilt``, at that key, when its CUDA would be rendered
+(emit.context).
 """
 
 from __future__ import annotations
@@ -116,13 +117,11 @@ def value_loc(c: Checks, key: str) -> Loc:
 
 
 # What the FP8 forward's kernel (fadsl/sm90_fp8.cuh) does not build yet, by the Cfg extension's
-# field: (the spec's key, what it would need)
-UNBUILT = (
-    ("kv_cache", "kv_cache", "8-bit caches (their TMA maps and pages)"),
-    ("pack_gqa", "pack_gqa", "Q's packed rows (load_q8)"),
-    ("split_kv", "tail", "split pieces' partials and their combination"),
-    ("split_all", "splits", "split pieces' partials and their combination"),
-)
+# field: (the spec's key, what it would need). A KV cache (contiguous or paged), pack_gqa and
+# `splits auto` are built (research/fp8-forward.md §14): the pieces write their partials in
+# the 16-bit units (fp8_piece_partial) for the combine kernel. The tail split's last piece
+# combines in the kernel and then runs the 8-bit epilogue on merged values it does not hold.
+UNBUILT = (("split_kv", "tail", "the tail split's in-kernel combination of 8-bit pieces"),)
 
 
 def refuse_unbuilt(cfg: Config) -> None:
@@ -134,8 +133,8 @@ def refuse_unbuilt(cfg: Config) -> None:
         return
     hw = cfg.ext
     for field, key, needs in UNBUILT:
-        value = getattr(hw, field, None)
-        if value is None or value is False or (field == "kv_cache" and value < 0):
+        # (`splits auto` sets split_kv too: its pieces run the split tail's schedule)
+        if not getattr(hw, field, None) or (field == "split_kv" and hw.split_all):
             continue
         raise SpecError(
             [

@@ -173,7 +173,11 @@ struct FwdConfig {
   // SMEM plan: tiles are column panels of 64 elements (128-byte rows, 128-byte swizzle).
   static constexpr int kPanels = kHeadDim / 64;
   static constexpr int kRowBytes = 128;
-  static constexpr int kInRowBytes = kRowBytes;  // Q, K, V rows in a panel (8-bit head_dim 64: 64)
+  // Q, K and V as TMA loads them: panels of kInPanelCols elements, rows of kInRowBytes (the
+  // 8-bit Fp8FwdConfig's: 128 one-byte columns, or at head_dim 64 one panel of 64)
+  static constexpr int kInPanelCols = 64;
+  static constexpr int kInRowBytes = kRowBytes;
+  static constexpr int kInPanels = kPanels;
   static constexpr int kQBytes = kBlockM * kHeadDim * kInBytes;
   static constexpr int kKVBytes = kBlockN * kHeadDim * kInBytes;  // one ring slot of K or of V
   static constexpr int kOBytes = kBlockM * kHeadDim * 2;
@@ -244,27 +248,26 @@ namespace fadsl::sm90 {
 // 3. Producer steps (one elected thread of the producer warpgroup)
 // ---------------------------------------------------------------------------
 
-// The CTA's Q tile (kBlockM rows, all head_dim panels) into smem_q; its kQBytes land as
-// complete_tx on `bar`.
+// The CTA's Q tile (kBlockM rows, all head_dim panels: Cfg::kInPanels of kInPanelCols
+// elements, 16- or 8-bit) into smem_q; its kQBytes land as complete_tx on `bar`.
 template <class Cfg>
 __device__ __forceinline__ void load_q(const FwdParamsSm90& P, uint32_t smem_q, uint32_t bar, const TileWork& w) {
 #pragma unroll
-  for (int panel = 0; panel < Cfg::kPanels; ++panel) {
+  for (int panel = 0; panel < Cfg::kInPanels; ++panel) {
+    const uint32_t dst = smem_q + panel * Cfg::kBlockM * Cfg::kInRowBytes;
     if constexpr (Cfg::kPackGQA) {  // rows (query row, query head): a (head_dim, G, rows, ...) box
-      tma_load_5d(smem_q + panel * Cfg::kBlockM * Cfg::kRowBytes, &P.tma_q, bar, 64 * panel, 0,
-                  fast_div(w.m0, P.div_group), w.head, w.batch);
+      tma_load_5d(dst, &P.tma_q, bar, Cfg::kInPanelCols * panel, 0, fast_div(w.m0, P.div_group), w.head, w.batch);
     } else {
-      tma_load_4d(smem_q + panel * Cfg::kBlockM * Cfg::kRowBytes, &P.tma_q, bar, 64 * panel, q_row<Cfg>(w, w.m0),
-                  w.head, w.batch);
+      tma_load_4d(dst, &P.tma_q, bar, Cfg::kInPanelCols * panel, q_row<Cfg>(w, w.m0), w.head, w.batch);
     }
   }
 }
 
 // A paged kv_cache's block n: its keys' pages, one TMA box of min(kBlockN, kPageSize) rows
 // each (the cache's map: (head_dim, kPageSize, heads_kv, pages)), at their rows of the slot;
-// 8-row multiples keep the 128-byte swizzle's 1024-byte pattern. Keys past the sequence's
-// last page read that page again (masked, and no page-table entry past the sequence's is
-// read); kKVBytes land on `bar` as for a contiguous block.
+// 8-row multiples keep the swizzle's pattern (1,024 bytes of 128-byte rows, 512 of 64-byte
+// ones). Keys past the sequence's last page read that page again (masked, and no page-table
+// entry past the sequence's is read); kKVBytes land on `bar` as for a contiguous block.
 template <class Cfg>
 __device__ __forceinline__ void load_kv_paged(const CUtensorMap* tmap, uint32_t smem_slot, uint32_t bar, int n_block,
                                               const TileWork& w) {
@@ -276,14 +279,15 @@ __device__ __forceinline__ void load_kv_paged(const CUtensorMap* tmap, uint32_t 
     const int key = n_block * Cfg::kBlockN + part * kRows;
     const int page = w.pages[imin(key / Cfg::kPageSize, last_page)];
 #pragma unroll
-    for (int panel = 0; panel < Cfg::kPanels; ++panel) {
-      tma_load_4d(smem_slot + (panel * Cfg::kBlockN + part * kRows) * Cfg::kRowBytes, tmap, bar, 64 * panel,
-                  key % Cfg::kPageSize, w.head_kv, page);
+    for (int panel = 0; panel < Cfg::kInPanels; ++panel) {
+      tma_load_4d(smem_slot + (panel * Cfg::kBlockN + part * kRows) * Cfg::kInRowBytes, tmap, bar,
+                  Cfg::kInPanelCols * panel, key % Cfg::kPageSize, w.head_kv, page);
     }
   }
 }
 
-// K or V block n (kBlockN rows) into one ring slot; kKVBytes land on `bar`.
+// K or V block n (kBlockN rows) into one ring slot (with 8-bit inputs V's is the raw slot
+// the producer warps transpose into Vt); kKVBytes land on `bar`.
 template <class Cfg>
 __device__ __forceinline__ void load_kv(const CUtensorMap* tmap, uint32_t smem_slot, uint32_t bar, int n_block,
                                         const TileWork& w) {
@@ -291,8 +295,8 @@ __device__ __forceinline__ void load_kv(const CUtensorMap* tmap, uint32_t smem_s
     load_kv_paged<Cfg>(tmap, smem_slot, bar, n_block, w);
   } else {
 #pragma unroll
-    for (int panel = 0; panel < Cfg::kPanels; ++panel) {
-      tma_load_4d(smem_slot + panel * Cfg::kBlockN * Cfg::kRowBytes, tmap, bar, 64 * panel,
+    for (int panel = 0; panel < Cfg::kInPanels; ++panel) {
+      tma_load_4d(smem_slot + panel * Cfg::kBlockN * Cfg::kInRowBytes, tmap, bar, Cfg::kInPanelCols * panel,
                   kv_row<Cfg>(w, n_block * Cfg::kBlockN), w.head_kv, w.batch);
     }
   }

@@ -175,4 +175,22 @@ __device__ __forceinline__ void store_lse8(const FwdParams& p, const TileWork& w
   store_lse<Cfg>(p, w, rows, m, l8, scale_log2, lane);
 }
 
+// A split piece's O, m (`splits auto`) as the 16-bit pieces write theirs, for
+// combine_pieces (fadsl/sm90_kvcache.cuh) to merge with a scale of 1 and no descale: O
+// unpermuted (rho undone) and times v_descale (one factor a tile), m replaced by its
+// reference R = m c' - 8 (-inf kept: a row that saw no key). The piece's l keeps its 2^8
+// (P = 2^(S c' - R)), so the combined O / L and (R + log2 L) ln 2 are normalize_o8's and
+// store_lse8's values: L = sum_i l_i 2^(R_i - R) with R the largest R_i, each factor <= 1
+// from the rounded references (docs/numerics.md's rule). A NaN c' (bad descales) makes
+// the piece's R, l and O NaN, and so the combined row.
+template <class Cfg>
+__device__ __forceinline__ void fp8_piece_partial(float (&o)[Cfg::kORegs], float (&m)[2], float scale_log2,
+                                                  float v_descale) {
+  unpermute_o<Cfg>(o);
+#pragma unroll
+  for (int i = 0; i < Cfg::kORegs; ++i) o[i] *= v_descale;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) m[r] = m[r] == -INFINITY ? -INFINITY : scaled_max8<Cfg>(m[r], scale_log2);
+}
+
 }  // namespace fadsl::sm90

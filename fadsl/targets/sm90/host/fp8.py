@@ -5,7 +5,7 @@ descale of 1; and the slots a launch plan rewrites in it.
 
 FwdParamsSm90, its packing and its slots stay the 16-bit kernels' (host/launch.py): an 8-bit
 kernel's Q, K and V maps differ only in their box, 128 one-byte columns (one 128-byte panel,
-as load_q8 and load_kv8 read it; 64 at head_dim 64, with the 64-byte swizzle: caps.py's
+as load_q and load_kv read it by the Cfg's kInPanelCols; 64 at head_dim 64, with the 64-byte swizzle: caps.py's
 panel_columns) instead of 64 two-byte ones; O is 16-bit and keeps its 64 x 64 boxes. tests/test_fp8_host.py checks the layout against the C++ struct.
 """
 

@@ -6,7 +6,10 @@ q is (batch, seqlen_q, heads_q, head_dim). A contiguous cache is (batch, capacit
 head_dim), a paged one (pages, page_size, heads_kv, head_dim) with page_table (batch,
 max_pages) int32; cache_seqlens (batch,) int32 says how many keys of each batch's cache
 count. With `pack_gqa on`, Q's and O's maps are 5-D (tma.packed_heads_map) and the tiles run
-over K/V heads.
+over K/V heads. An 8-bit kernel's Q, K and V maps take 8-bit boxes (caps.panel_columns: 128
+one-byte columns, 64 at head_dim 64), O keeps its 16-bit 64-column boxes, and the call's
+descales (each (batch, heads_kv): a cache's batch is q's) are the attention kernel's second
+parameter (host/fp8.py); the combine kernel reads none (fp8_piece_partial, fadsl/sm90_fp8.cuh).
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ from ...launch import (
     pack_fwd_params,
     sm_count,
 )
+from ..caps import panel_columns
+from .fp8 import descale_slots, pack_descales
 from .launch import (
     DIVISORS,
     O_BOX_ROWS,
@@ -72,6 +77,9 @@ class KvCacheArgs(NamedTuple):
     page_table: Any  # int32 (batch, max_pages), or None (contiguous)
     splits: int  # pieces per tile (1: whole tiles)
     partials: Any  # fp32 workspace of the pieces (None with one piece)
+    # an 8-bit kernel's (q_descale, k_descale, v_descale), each float32 (batch, heads_kv) or
+    # None; None for a 16-bit kernel
+    descales: tuple | None = None
 
 
 def group(a) -> int:
@@ -141,11 +149,12 @@ def pack_kvcache_params(kernel: Kernel, a: KvCacheArgs) -> bytes:
     q, k, v, o = a.q, a.k_cache, a.v_cache, a.out
     g = group(a)
     kv_rows = cfg.block_c if a.page_table is None else min(cfg.block_c, hw.kv_cache)
+    cols = panel_columns(cfg.head_dim, q.element_size())  # (8-bit: 128 one-byte columns)
     if hw.pack_gqa:
-        q_map = packed_heads_map(q, g, PANEL_COLS, cfg.block_r)
+        q_map = packed_heads_map(q, g, cols, cfg.block_r)
         o_map = packed_heads_map(o, g, PANEL_COLS, O_BOX_ROWS)
     else:
-        q_map = tensor_map(q, PANEL_COLS, cfg.block_r)
+        q_map = tensor_map(q, cols, cfg.block_r)
         o_map = tensor_map(o, PANEL_COLS, O_BOX_ROWS)
     base = pack_fwd_params(kernel, Args(q, k, v, o, a.lse, a.softmax_scale))
     # FwdParams' seqlen_k: the capacity, which the kernel clamps cache_seqlens to
@@ -157,8 +166,8 @@ def pack_kvcache_params(kernel: Kernel, a: KvCacheArgs) -> bytes:
     raw = b"".join(
         (
             q_map,
-            tensor_map(k, PANEL_COLS, kv_rows, streamed=True),  # read once: no L2 promotion
-            tensor_map(v, PANEL_COLS, kv_rows, streamed=True),
+            tensor_map(k, cols, kv_rows, streamed=True),  # read once: no L2 promotion
+            tensor_map(v, cols, kv_rows, streamed=True),
             o_map,
             base,
             SPLIT_TAIL.pack(
@@ -203,13 +212,19 @@ def _kvcache_slots(with_lse: bool, split: bool, paged: bool) -> tuple[AddressSlo
 
 
 def plan_kvcache(
-    kernel: Kernel, q, k_cache, v_cache, seqlens, page_table, out, lse, scale, num_splits
-) -> CallPlan:
+    kernel: Kernel, q, k_cache, v_cache, seqlens, page_table, out, lse, scale, num_splits,
+    descales=None,
+) -> CallPlan:  # fmt: skip
     """A kv-cache call's kernels (ServingLaunch.kvcache): attention, then the combine kernel
-    when the tiles are split (the pieces' workspace allocated on q's device)."""
+    when the tiles are split (the pieces' workspace allocated on q's device). ``descales``:
+    an 8-bit kernel's three (checked), its second parameter and their slots."""
     import torch
 
-    probe = KvCacheArgs(q, k_cache, v_cache, out, lse, scale, seqlens, page_table, 1, None)
+    eight = kernel.config.dtypes[0].is_8bit
+    assert (descales is not None) == eight, "an 8-bit kernel takes descales, no other does"
+    probe = KvCacheArgs(
+        q, k_cache, v_cache, out, lse, scale, seqlens, page_table, 1, None, descales
+    )
     splits = choose_splits(kernel, probe, q.device.index, num_splits)
     partials, workspaces = None, ()
     if splits > 1:
@@ -225,10 +240,16 @@ def plan_kvcache(
         # (griddepcontrol.wait in combine_pieces) and so starts without a launch's gap
         block = (COMBINE_THREADS, 1, 1)
         steps.append(KernelStep(COMBINE_SUFFIX, combine_grid(kernel, args), block, True))
+    params = pack_kvcache_params(kernel, args)
+    slots, second = kvcache_slots(args), None
+    if descales is not None:
+        second = pack_descales(Args(q, k_cache, v_cache, out, lse, scale, (), descales))
+        slots += descale_slots(len(params), tuple(t is not None for t in descales))
     return CallPlan(
-        pack_kvcache_params(kernel, args),
+        params,
         tuple(steps),
-        kvcache_slots(args),
+        slots,
         workspaces,
         held=(partials,) if partials is not None else (),
+        second=second,
     )
