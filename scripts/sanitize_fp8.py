@@ -1,12 +1,14 @@
 """Run each FP8 kernel (issue 42) once at ragged shapes, for compute-sanitizer (racecheck,
 synccheck, memcheck):
 
-    compute-sanitizer --tool racecheck python3 -P scripts/sanitize_fp8.py [256 | 64 | varlen]
+    compute-sanitizer --tool racecheck python3 -P scripts/sanitize_fp8.py [256 | 64 | varlen | kvcache]
 
 (`256`: the head_dim 256 kernels only; `64`: the head_dim 64 examples only; `varlen`: the
 shipped examples with `varlen on` through fadsl.attention_varlen, head_dim 64, 128 and 256,
 causal and not, long and short-query specs, a ragged packed batch with per-sequence
-descales.)
+descales; `kvcache`: the 8-bit KV-cache specs, examples/serving/fa3_fp8_decode_paged.fa and
+tests/specs/fp8/fa3_fp8_kvcache_hdim64.fa, through kern.kvcache: lengths 0, 1, 65 and 700,
+one, three and automatic pieces, per-(batch, head) descales.)
 
 The shipped examples (examples/fa3_fp8_hdim128*.fa, their 128 x 128 short twins up to 1024
 queries) through fadsl.attention, both 8-bit dtypes, O in bf16 and fp16, descales per (batch,
@@ -55,9 +57,13 @@ def descales(batch: int, kind: int):
 # the head_dim 64 examples, loaded
 HEAD_DIM_64 = ("fa3_fp8_hdim64", "fa3_fp8_hdim64_causal", "fa3_fp8_hdim64_causal_short")
 # the parts a run covers: the shipped head_dim 128 calls and the test specs, 256, 64
-PARTS = {"": {"128", "256", "64"}, "256": {"256"}, "64": {"64"}, "varlen": {"varlen"}}[
-    " ".join(sys.argv[1:])
-]
+PARTS = {
+    "": {"128", "256", "64"},
+    "256": {"256"},
+    "64": {"64"},
+    "varlen": {"varlen"},
+    "kvcache": {"kvcache"},
+}[" ".join(sys.argv[1:])]
 # varlen: (query rows, keys) per sequence: a single row, no row, no key, tails off the tiles
 VARLEN = ((1, 1), (300, 170), (0, 5), (129, 0), (500, 700))
 
@@ -124,3 +130,23 @@ with torch.no_grad():
             torch.cuda.synchronize()
             print(f"fadsl.attention_varlen e4m3 d {head_dim} causal={causal} max_seqlen_q="
                   f"{longest}: ran, finite={bool(out.isfinite().all())}")  # fmt: skip
+    for spec, hq, d in (("examples/serving/fa3_fp8_decode_paged.fa", 8, 128),
+                        ("tests/specs/fp8/fa3_fp8_kvcache_hdim64.fa", 4, 64)) if "kvcache" in PARTS else ():  # fmt: skip
+        kern = fadsl.load(ROOT / spec, verbose=False)
+        page = kern.config.ext.kv_cache
+        lengths = torch.tensor([0, 1, 65, 700], dtype=torch.int32, device="cuda")
+        dtype = DTYPES[kern.config.dtypes[0].value]
+        if page:
+            k = torch.randn(4 * 12, page, HEADS_KV, d, device="cuda").to(dtype)
+            table = torch.randperm(48, device="cuda").view(4, 12).to(torch.int32)
+        else:
+            k, table = torch.randn(4, 768, HEADS_KV, d, device="cuda").to(dtype), None
+        v = torch.randn_like(k, dtype=torch.float32).to(dtype)
+        qd, kd, vd = descales(4, 2)
+        for sq, splits in ((1, None), (3, 1), (3, 3)):
+            q = torch.randn(4, sq, hq, d, device="cuda").to(dtype)
+            out, lse = kern.kvcache(q, k, v, lengths, table, num_splits=splits, return_lse=True,
+                                    q_descale=qd, k_descale=kd, v_descale=vd)  # fmt: skip
+            torch.cuda.synchronize()
+            print(f"{Path(spec).stem} kvcache seqlen_q {sq} splits {splits}: ran, "
+                  f"finite={bool(out.isfinite().all())}")  # fmt: skip
