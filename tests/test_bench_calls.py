@@ -63,3 +63,29 @@ def test_the_table_has_a_line_per_call_and_per_shape():
     assert host.split()[-3:] == ["30.0", "40.0", "0.75"]
     decode = [line for line in lines if "x   8192" in line]
     assert [line.split()[-1] for line in decode] == ["1.50", "0.80"]
+
+
+@pytest.mark.parametrize("page", [0, 64])
+def test_an_8bit_decode_step_pages_the_quantized_cache_the_others_read_dequantized(page):
+    """bench_kvcache.quantized_step: the 8-bit cache holds each key's bytes where the table
+    says (contiguous: in order), and the bf16 k, v the other contenders read are the 8-bit
+    values times their (batch, K/V head) descale; q's descale is its K/V head's."""
+    torch.manual_seed(page)
+    batch, length, hq, hkv, d = 2, 130, 8, 2, 64
+    q, k, v, _, table, _ = bench_kvcache.decode_tensors(
+        batch, length, hq, hkv, d, page, torch.float32, "cpu"
+    )
+    q8, (k8, v8), (qd, kd, vd), q16, k16, v16 = bench_kvcache.quantized_step(
+        q, k, v, table, page, torch.float8_e4m3fn
+    )
+    assert q8.dtype == k8.dtype == torch.float8_e4m3fn and qd.shape == kd.shape == (batch, hkv)
+    assert q16.dtype == k16.dtype == torch.bfloat16 and k16.shape == k.shape
+    for b in range(batch):
+        for j in (0, 64, length - 1):
+            at = (table[b, j // page], j % page) if page else (b, j)
+            for cache, t16, descale in ((k8, k16, kd), (v8, v16, vd)):
+                want = (cache[at].float() * descale[b][:, None]).to(torch.bfloat16)
+                assert torch.equal(want, t16[b, :, j])
+        assert torch.equal(q16[b, 0, 5], (q8[b, 0, 5].float() * qd[b, 5 // 4]).to(torch.bfloat16))
+    # the quantized values stay close to the drawn ones (per-head descales, e4m3's 2^-4)
+    assert (k16.float() - k).abs().max() <= 2**-4 * k.abs().max() * 1.01

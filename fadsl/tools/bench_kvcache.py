@@ -9,6 +9,12 @@ checked against cuDNN's (else FLASH's) before timing. Each contender's call is c
 CUDA graph and replayed, as a server runs its decode steps (so that the host's time per call,
 tens of microseconds against a few for a short cache, is not what is timed); contenders run
 in balanced orders (bench.py's Williams design), warm-up first, median of the rounds' medians.
+
+An 8-bit spec (`--dtype e4m3|e5m2`) reads q and its cache quantized by fadsl.fp8.quantize,
+a descale per (batch, K/V head); the other contenders read the values it reads, dequantized
+to bf16, and fadsl's output is checked against float32 attention of them within
+research/fp8-forward.md §4's bound (bench.fp8_bound). Its TB/s count 2 bytes an element as
+theirs do (fadsl reads half as many), so that the ratios are of time.
 """
 
 from __future__ import annotations
@@ -16,8 +22,9 @@ from __future__ import annotations
 import sys
 from typing import Callable
 
+from ..ir import Dtype
 from ..runtime.attention import FlashAttention
-from .bench import _backends, median_times, ratio_table
+from .bench import _backends, fp8_bound, median_times, ratio_table
 
 # (batch, keys per sequence): batch 1 to 128, 4k to 128k keys, at most 1M keys in all
 DEFAULT_SHAPES = (
@@ -51,15 +58,47 @@ def decode_tensors(batch, length, heads_q, heads_kv, head_dim, page, dtype, devi
     if not page:
         return q, k, v, tuple(t.transpose(1, 2).contiguous() for t in (k, v)), None, seqlens
     per = -(-length // page)
-    order = torch.randperm(batch * per, device=device)
-    table = order.view(batch, per).to(torch.int32).contiguous()
-    caches = []
-    for src in (k, v):
-        dst = torch.empty(batch * per, page, heads_kv, head_dim, device=device, dtype=dtype)
-        flat = F.pad(src.transpose(1, 2), (0, 0, 0, 0, 0, per * page - length))
-        dst[order] = flat.reshape(batch * per, page, heads_kv, head_dim)
-        caches.append(dst)
-    return q, k, v, tuple(caches), table, seqlens
+    table = torch.randperm(batch * per, device=device).view(batch, per).to(torch.int32)
+    table = table.contiguous()
+    return q, k, v, tuple(paged(t.transpose(1, 2), table, page) for t in (k, v)), table, seqlens
+
+
+def paged(rows, table, page: int):
+    """``rows`` (batch, length, heads_kv, head_dim) as a paged cache through ``table`` (batch,
+    pages a sequence): sequence b's page i is page table[b, i]; rows past its end zero."""
+    import torch
+    import torch.nn.functional as F
+
+    batch, length, heads_kv, head_dim = rows.shape
+    per = table.shape[1]
+    dst = torch.zeros(batch * per, page, heads_kv, head_dim, device=rows.device, dtype=rows.dtype)
+    flat = F.pad(rows.view(torch.uint8) if rows.element_size() == 1 else rows,
+                 (0, 0, 0, 0, 0, per * page - length))  # fmt: skip
+    dst.view(flat.dtype)[table.reshape(-1).long()] = flat.reshape(batch * per, page, heads_kv, -1)
+    return dst
+
+
+def quantized_step(q, k, v, table, page: int, dtype):
+    """An 8-bit decode step from decode_tensors' (float32) tensors: q and the cache quantized
+    a descale per (batch, K/V head) (fadsl.fp8.quantize), the other contenders' q, k and v the
+    values the kernel reads, dequantized to bf16. Returns (q8, (k8, v8) caches, descales
+    (q, k, v), q, k, v in bf16)."""
+    import torch
+
+    from ..fp8 import quantize
+
+    heads_kv = k.shape[1]
+    q8, qd = quantize(q, dtype, scale_heads=heads_kv)
+    k8, kd = quantize(k.transpose(1, 2).contiguous(), dtype)
+    v8, vd = quantize(v.transpose(1, 2).contiguous(), dtype)
+    group = q.shape[2] // heads_kv
+    q16 = (q8.float() * qd.repeat_interleave(group, 1)[:, None, :, None]).to(torch.bfloat16)
+    k16, v16 = (
+        (t8.float() * d[:, None, :, None]).to(torch.bfloat16).transpose(1, 2)
+        for t8, d in ((k8, kd), (v8, vd))
+    )
+    caches8 = (k8, v8) if not page else tuple(paged(t, table, page) for t in (k8, v8))
+    return q8, caches8, (qd, kd, vd), q16, k16, v16
 
 
 def add_fa4(contenders: dict, fa4, q, k_cache, v_cache, table, seqlens, scale, log) -> None:
@@ -93,7 +132,9 @@ def run(
     from torch.nn.attention import sdpa_kernel
 
     name = dtype_name or kern.config.dtypes[0].value
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[name]
+    eight = Dtype(name).is_8bit
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "e4m3": torch.float8_e4m3fn,
+             "e5m2": torch.float8_e5m2}[name]  # fmt: skip
     d = kern.config.head_dim
     page = kern.config.features.kv_cache
     scale = d**-0.5
@@ -101,15 +142,39 @@ def run(
     rows = []
     for batch, length in shapes:
         q, k, v, (k_cache, v_cache), table, seqlens = decode_tensors(
-            batch, length, heads_q, heads_kv, d, page, dtype
+            batch, length, heads_q, heads_kv, d, page, torch.float32 if eight else dtype
         )
-        out = torch.empty_like(q)
+        descales = {}
+        if eight:
+            q8, (k8, v8), found, q, k, v = quantized_step(q, k, v, table, page, dtype)
+            descales = dict(zip(("q_descale", "k_descale", "v_descale"), found))
+            ours = (q8, k8, v8)
+            # fa4 reads the dequantized values in its (bf16) cache
+            k_cache, v_cache = (
+                (
+                    t.transpose(1, 2).contiguous()
+                    if not page
+                    else paged(t.transpose(1, 2), table, page)
+                )
+                for t in (k, v)
+            )
+        else:
+            ours = (q, k_cache, v_cache)
+        out = torch.empty(q.shape, device=q.device, dtype=kern.out_torch_dtype or q.dtype)
         contenders: dict[str, Callable[[int], object]] = {
-            "fadsl": lambda _: kern.kvcache(q, k_cache, v_cache, seqlens, table, out=out)
+            "fadsl": lambda _: kern.kvcache(*ours, seqlens, table, out=out, **descales)
         }
         contenders["fadsl"](0)
         qt = q.transpose(1, 2)
         checked = False
+        if eight:  # against float32 attention of the values the kernel reads
+            ref = F.scaled_dot_product_attention(
+                qt.float(), k.float(), v.float(), scale=scale, enable_gqa=True
+            ).transpose(1, 2)
+            err = (out.float() - ref).abs().max().item()
+            if not err <= fp8_bound(v.float().abs().max().item(), ref.abs().max().item()):
+                raise RuntimeError(f"fadsl's 8-bit decode misses its bound by {err:.3g}; not timed")
+            checked = True
         for backend_name, backend in _backends().items():
 
             def sdpa(_, backend=backend):
@@ -135,7 +200,7 @@ def run(
             contenders = {n: graphed(fn) for n, fn in contenders.items()}
         names = list(contenders)
         ms = median_times(contenders, warmup, runs, rounds)
-        kv_bytes = 2 * batch * length * heads_kv * d * k.element_size()
+        kv_bytes = 2 * batch * length * heads_kv * d * k.element_size()  # (8-bit: bf16's)
         row = {
             "batch": batch,
             "length": length,
@@ -178,6 +243,8 @@ def table(result: dict) -> str:
     return ratio_table(
         f"{result['kernel']} decode (page {result['page_size'] or 'contiguous'}, heads "
         f"{result['heads'][0]}/{result['heads'][1]}, {result['dtype']}): TB/s of K and V read"
+        + (" (2 bytes an element: fadsl's 8-bit cache holds half)" if result["dtype"] in
+           ("e4m3", "e5m2") else "")  # fmt: skip
         + (", each call a CUDA graph replay" if result["graphs"] else ""),
         "batch  keys    ",
         result["rows"],
