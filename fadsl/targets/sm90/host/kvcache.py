@@ -77,9 +77,6 @@ class KvCacheArgs(NamedTuple):
     page_table: Any  # int32 (batch, max_pages), or None (contiguous)
     splits: int  # pieces per tile (1: whole tiles)
     partials: Any  # fp32 workspace of the pieces (None with one piece)
-    # an 8-bit kernel's (q_descale, k_descale, v_descale), each float32 (batch, heads_kv) or
-    # None; None for a 16-bit kernel
-    descales: tuple | None = None
 
 
 def group(a) -> int:
@@ -222,9 +219,7 @@ def plan_kvcache(
 
     eight = kernel.config.dtypes[0].is_8bit
     assert (descales is not None) == eight, "an 8-bit kernel takes descales, no other does"
-    probe = KvCacheArgs(
-        q, k_cache, v_cache, out, lse, scale, seqlens, page_table, 1, None, descales
-    )
+    probe = KvCacheArgs(q, k_cache, v_cache, out, lse, scale, seqlens, page_table, 1, None)
     splits = choose_splits(kernel, probe, q.device.index, num_splits)
     partials, workspaces = None, ()
     if splits > 1:
