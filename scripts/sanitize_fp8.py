@@ -8,7 +8,8 @@ shipped examples with `varlen on` through fadsl.attention_varlen, head_dim 64, 1
 causal and not, long and short-query specs, a ragged packed batch with per-sequence
 descales; `kvcache`: the 8-bit KV-cache specs, examples/serving/fa3_fp8_decode_paged.fa and
 tests/specs/fp8/fa3_fp8_kvcache_hdim64.fa, through kern.kvcache: lengths 0, 1, 65 and 700,
-one, three and automatic pieces, per-(batch, head) descales.)
+one, three and automatic pieces, per-(batch, head) descales; and fadsl.attention_with_kvcache
+at head_dim 256 and on pages of 16 keys, two new tokens appended.)
 
 The shipped examples (examples/fa3_fp8_hdim128*.fa, their 128 x 128 short twins up to 1024
 queries) through fadsl.attention, both 8-bit dtypes, O in bf16 and fp16, descales per (batch,
@@ -150,3 +151,20 @@ with torch.no_grad():
             torch.cuda.synchronize()
             print(f"{Path(spec).stem} kvcache seqlen_q {sq} splits {splits}: ran, "
                   f"finite={bool(out.isfinite().all())}")  # fmt: skip
+    # fadsl.attention_with_kvcache's own choices where the example's B_c 256 does not build:
+    # head_dim 256 (B_c 64) and pages of 16 keys (B_c 128), two new tokens appended
+    for d, page in ((256, 64), (128, 16)) if "kvcache" in PARTS else ():
+        per = -(-702 // page)
+        k = torch.randn(4 * per, page, HEADS_KV, d, device="cuda").to(torch.float8_e4m3fn)
+        v = torch.randn_like(k, dtype=torch.float32).to(torch.float8_e4m3fn)
+        table = torch.randperm(4 * per, device="cuda").view(4, per).to(torch.int32)
+        q = torch.randn(4, 2, 8, d, device="cuda").to(torch.float8_e4m3fn)
+        new = torch.randn(4, 2, HEADS_KV, d, device="cuda").to(torch.float8_e4m3fn)
+        lengths = torch.tensor([0, 1, 65, 700], dtype=torch.int32, device="cuda")
+        qd, kd, vd = descales(4, 2)
+        out = fadsl.attention_with_kvcache(q, k, v, lengths, new, new, page_table=table,
+                                           causal=True, q_descale=qd, k_descale=kd,
+                                           v_descale=vd)  # fmt: skip
+        torch.cuda.synchronize()
+        print(f"fadsl.attention_with_kvcache e4m3 d {d} page {page}: ran, "
+              f"finite={bool(out.isfinite().all())}")  # fmt: skip

@@ -8,7 +8,8 @@ cache_seqlens[b] dequantized keys with tests/test_gpu_fp8.py's bounds (test_gpu_
 check_sequence: rows with no key O = 0 and LSE -inf); O poisoned with NaN first. Also: descales
 far apart (a reading of batch 0's row, or of the query head's column, fails the bound),
 split pieces combined from a NaN-poisoned workspace, append_kv then attend, bad lengths and
-pages as NaN rows of their batch only, and bad arguments named.
+pages as NaN rows of their batch only, bad arguments named, and fadsl.attention_with_kvcache
+on 8-bit inputs (new tokens and descales; torch.compile giving the eager bits).
 `GPU_TESTS=tests/test_gpu_fp8_kvcache.py bash scripts/device.sh tests`."""
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import pytest
 import torch
 
 import fadsl
+from fadsl.frontend.rewrite import rewrite
 from conftest import ROOT
 from test_gpu_fp8 import DTYPES, E4M3, E5M2
 from test_gpu_fp8_varlen import check_sequence, random_descales
@@ -30,10 +32,29 @@ pytestmark = [
     pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (compute capability 9.0)"),
 ]
 
+DECODE = ROOT / "examples/serving/fa3_fp8_decode_paged.fa"
+
+
+def _decode_variant(settings: dict, name: str) -> str:
+    """The decode example with ``settings`` written in (dispatch.fp8_kvcache_kernel's B_c
+    where the example's 256 does not build: head_dim 256, pages of 16 keys)."""
+    return rewrite(DECODE.read_text(), settings, {}, name)
+
+
 # name -> (spec, O's dtype, (heads_q, heads_kv)): GQA 4 packed, GQA 3 unpacked
 SPECS = {
-    "paged": (ROOT / "examples/serving/fa3_fp8_decode_paged.fa", torch.bfloat16, (8, 2)),
+    "paged": (DECODE, torch.bfloat16, (8, 2)),
     "contiguous64": (ROOT / "tests/specs/fp8/fa3_fp8_kvcache_hdim64.fa", torch.float16, (6, 2)),
+    "hdim256": (
+        _decode_variant({"head_dim": "256", "tile": "B_r = 64, B_c = 64"}, "fp8_decode_hd256"),
+        torch.bfloat16,
+        (8, 2),
+    ),
+    "pages16": (
+        _decode_variant({"kv_cache": "paged(16)", "tile": "B_r = 64, B_c = 128"}, "fp8_decode_p16"),
+        torch.bfloat16,
+        (8, 2),
+    ),
 }
 LENGTHS = [0, 1, 63, 64, 65, 1000]  # no key, one, page and block edges, many blocks
 CAPACITY = 1100
@@ -291,3 +312,88 @@ def test_bad_arguments_are_named():
     for arg in ("q_descale", "k_descale", "v_descale"):
         with pytest.raises(TypeError, match=arg):
             kern16.kvcache(q, k, v, seqlens, table, **{arg: torch.ones(2, 8, device="cuda")})
+
+
+def _public_step(spec, name, seed):
+    """A decode step of 3 new tokens for fadsl.attention_with_kvcache: the spec's caches
+    (tests the public call's kernel against the reference of ``spec``'s mask and head_dim),
+    the new tokens in the 8-bit type by each batch's descales, the lengths before them."""
+    kern, (hq, hkv) = kernel(spec), SPECS[spec][2]
+    dtype, d, new = DTYPES[name], kern.config.head_dim, 3
+    lengths = [0, 5, 63, 130, 200 - new]  # (the last: a contiguous cache full)
+    descales = random_descales(len(lengths), hkv, seed=seed)
+    q8, k8, v8, seqlens, table = fp8_cache(kern, (hq, hkv), lengths, new, dtype, descales, seed,
+                                           capacity=200)  # fmt: skip
+    batches = torch.arange(len(lengths), device="cuda")
+    fresh = [
+        encode(torch.randn(len(lengths), new, hkv, d, device="cuda"), s, batches, hkv, dtype)
+        for s in descales[1:]
+    ]
+    return kern, lengths, descales, (q8, k8, v8, seqlens, *fresh, table)
+
+
+@pytest.mark.parametrize("name", list(DTYPES))
+@pytest.mark.parametrize("spec", list(SPECS))
+def test_fadsl_attention_with_kvcache_appends_then_attends(spec, name):
+    """fadsl.attention_with_kvcache on 8-bit q, caches and 3 new tokens with descales
+    (paged(64) causal head_dim 128 bf16, and contiguous head_dim 64 without a mask in fp16:
+    the examples' rewrites dispatch.fp8_kvcache_kernel chooses): the caches hold the old
+    keys then the new ones, cache_seqlens is not advanced, and each batch's rows match the
+    reference over its grown length."""
+    kern, lengths, descales, args = _public_step(spec, name, seed=53)
+    q8, k8, v8, seqlens, k_new, v_new, table = args
+    before = [[gather(t, table, b, n).clone() for t in (k8, v8)] for b, n in enumerate(lengths)]
+    causal, out_dtype = kern.config.mask.value == "causal", SPECS[spec][1]
+    out, lse = fadsl.attention_with_kvcache(
+        q8, k8, v8, seqlens, k_new, v_new, page_table=table, causal=causal, return_lse=True,
+        out_dtype=out_dtype, **named(descales),
+    )  # fmt: skip
+    torch.cuda.synchronize()
+    assert out.dtype == out_dtype and seqlens.tolist() == lengths
+    longer = [n + k_new.shape[1] for n in lengths]
+    for b, n in enumerate(longer):
+        for cache, old, t in zip((k8, v8), before[b], (k_new, v_new)):
+            want = torch.cat([old.view(torch.uint8), t[b : b + 1].view(torch.uint8)], dim=1)
+            assert torch.equal(gather(cache, table, b, n).view(torch.uint8), want), f"batch {b}"
+    check_batches(kern, out, lse, q8, k8, v8, table, longer, descales, f"public {spec} {name}")
+
+
+@pytest.mark.parametrize("spec", list(SPECS))
+def test_torch_compile_gives_the_eager_bits(spec):
+    """torch.compile(fullgraph=True) of the call (fadsl::attention_with_kvcache_fp8) on a copy
+    of the caches: the eager call's O and LSE bit for bit, and the same caches after."""
+    kern, _, descales, args = _public_step(spec, "e4m3", seed=59)
+    causal, out_dtype = kern.config.mask.value == "causal", SPECS[spec][1]
+
+    def step(q, k_cache, v_cache, seqlens, k, v, table, qd, kd, vd):
+        return fadsl.attention_with_kvcache(
+            q, k_cache, v_cache, seqlens, k, v, page_table=table, causal=causal,
+            return_lse=True, out_dtype=out_dtype, q_descale=qd, k_descale=kd, v_descale=vd,
+        )  # fmt: skip
+
+    copy = tuple(None if t is None else t.clone() for t in args)
+    eager = step(*args, *descales)
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True)(*copy, *descales)
+    torch.cuda.synchronize()
+    for got, want in zip(compiled, eager):
+        assert got.dtype == want.dtype and torch.equal(
+            got.view(torch.uint8), want.view(torch.uint8)
+        )
+    for got, want in zip(copy[1:3], args[1:3]):
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), "the caches differ"
+
+
+@pytest.mark.parametrize("spec", ["paged", "contiguous64"])
+def test_fadsl_bench_times_an_8bit_kvcache_spec(spec):
+    """bench_kvcache (fadsl bench on a `kv_cache` spec) on an 8-bit spec: its output checked
+    within the 8-bit bound against the dequantized values the others read, then timed."""
+    from fadsl.tools import bench_kvcache
+
+    found = bench_kvcache.run(kernel(spec), ((2, 3000),), heads_q=8, heads_kv=2, warmup=1,
+                              runs=2, rounds=1, dtype_name="e5m2", log=lambda s: None)  # fmt: skip
+    (row,) = found["rows"]
+    assert found["dtype"] == "e5m2" and row["tb_per_s"]["fadsl"] > 0
+    assert "e5m2" in bench_kvcache.table(found) and "2 bytes an element" in bench_kvcache.table(
+        found
+    )

@@ -379,6 +379,11 @@ def varlen_schedule(mask: str, max_seqlen_q) -> dict[str, str]:
 
 def _serving_kernel(kind: str, q, settings: dict[str, str]) -> FlashAttention:
     name = shipped_serving_spec(kind, device_capability(q.device), int(q.shape[-1]))
+    return _serving_kernel_of(name, settings)
+
+
+def _serving_kernel_of(name: str, settings: dict[str, str]) -> FlashAttention:
+    """The serving spec ``name`` with ``settings`` written in, loaded once."""
     key = (name, tuple(sorted(settings.items())))
     kern = _SERVING_LOADED.get(key)
     if kern is None:
@@ -442,6 +447,67 @@ def kvcache_kernel(q, k_cache, page_table, causal: bool, window_size, softcap) -
     return _chosen(key, choose)
 
 
+# 8-bit kv-cache calls (issue 42): the target's ("kvcache_fp8", 128) spec with q's head_dim
+# written in, and B_c where the spec's 256 does not build (fadsl check, NVRTC 13.5,
+# 2026-12-04): head_dim 256 at 256 keys needs about 312 registers a consumer thread of 256 and
+# 410 KB of SMEM (64 keys: 148 KB, no spills); pages of 16 keys (16 boxes a 256-key block)
+# spill 24-28 bytes a thread at head_dim 64 and 128 (128 keys: none).
+FP8_KVCACHE_HEAD_DIMS = (64, 128, 256)
+
+
+def fp8_kvcache_block_c(head_dim: int, page: int | None) -> int | None:
+    """B_c for an 8-bit kv-cache call where the spec's own does not build; None: the spec's."""
+    if head_dim == 256:
+        return 64
+    if page == 16:
+        return 128
+    return None
+
+
+def fp8_kvcache_kernel(q, k_cache, page_table, causal: bool, out_dtype) -> FlashAttention:
+    """fadsl.attention_with_kvcache's kernel on 8-bit q: the target's 8-bit kv-cache spec
+    with the call's mask, cache layout and query-head packing (as kvcache_kernel's, no
+    window or softcap), q's head_dim and `output fp16` for out_dtype torch.float16; chosen
+    once per (device, head_dim, heads, cache layout, mask, out_dtype)."""
+    import torch
+
+    from .fp8_calls import check_out_dtype, out_dtypes
+
+    layout = None
+    if isinstance(k_cache, torch.Tensor) and k_cache.dim() == 4:
+        layout = (int(k_cache.shape[1]) if page_table is not None else None, int(k_cache.shape[2]))
+    key = ("fp8 kvcache", q.device, int(q.shape[-1]), int(q.shape[2]), layout)
+    key += _typed(causal, out_dtype)
+
+    def choose() -> FlashAttention:
+        head_dim = int(q.shape[-1])
+        if head_dim not in FP8_KVCACHE_HEAD_DIMS:
+            raise ValueError(
+                f"q.shape[-1] (head_dim) = {head_dim} with 8-bit q: fadsl.attention_with_kvcache"
+                f" takes 8-bit head_dim {', '.join(map(str, FP8_KVCACHE_HEAD_DIMS))}"
+            )
+        settings = serving_settings(causal, (-1, -1), 0)
+        capability = device_capability(q.device)
+        try:
+            target, name = serving_target("kvcache_fp8", capability, 128)
+        except ValueError:
+            gpu = f"compute capability {capability[0]}.{capability[1]}"
+            raise ValueError(
+                f"q is {q.dtype}: no 8-bit kv-cache spec runs on a GPU of {gpu}; " + _fp8_targets()
+            ) from None
+        settings |= kvcache_settings(k_cache, page_table, int(q.shape[2]), False, target.page_sizes)
+        settings["head_dim"] = str(head_dim)
+        block_c = fp8_kvcache_block_c(head_dim, layout[0] if layout else None)
+        if block_c is not None:
+            settings["tile"] = f"B_r = 64, B_c = {block_c}"
+        word = out_dtypes()[check_out_dtype(out_dtype)]
+        if word != "bf16":  # (the spec's own output)
+            settings["output"] = word
+        return _serving_kernel_of(name, settings)
+
+    return _chosen(key, choose)
+
+
 def variant_name(base: str, settings: dict[str, str]) -> str:
     """``base`` with its settings spelled after it, in the settings' order, kernel names'
     64 characters at most: fa3_decode_paged_causal_window_512_paged_64 (PackGQA as `pack`,
@@ -452,6 +518,10 @@ def variant_name(base: str, settings: dict[str, str]) -> str:
             words.append("nomask")
         elif key in ("pack_gqa", "splits"):
             words.append({"pack_gqa": "pack", "splits": "splits"}[key] if value != "off" else "")
+        elif key in ("head_dim", "output"):
+            words.append({"head_dim": "hdim", "output": "out_"}[key] + value)
+        elif key == "tile":  # (the serving calls write B_c only)
+            words.append("bc" + value.rsplit("=", 1)[1].strip())
         else:
             words.append(("softcap " if key == "softcap" else "") + value)
     name = "_".join([base, *(re.sub(r"\W+", "_", w).strip("_") for w in words if w)])

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import torch
 
-from . import dispatch
+from . import dispatch, fp8_public_ops, planned  # (planned imports this module: names at call time)
 from .arguments import check_bases, check_scale, lse_shape
 from .plans import PlanCache, stream_and_device
 
 _FP8 = PlanCache()
 _FP8_VARLEN = PlanCache()
+_FP8_KVCACHE = PlanCache()
 # an 8-bit varlen call's addresses in a plan's order (host/varlen.py's and host/fp8.py's slots)
 VARLEN_FP8_SOURCES = (
     *("q", "k", "v", "out", "lse", "cu_seqlens_q", "cu_seqlens_k"),
@@ -30,6 +31,7 @@ def clear() -> None:
     """Forget every 8-bit plan and signature (as planned.clear)."""
     _FP8.clear()
     _FP8_VARLEN.clear()
+    _FP8_KVCACHE.clear()
 
 
 def _tensor(t):
@@ -144,6 +146,43 @@ def varlen_call(key, q, k, v, cu_q, cu_k, descales, softmax_scale, out_dtype, ca
         _FP8_VARLEN.put(key, Fp8VarlenPlan(prepared, kern.config.target, kern.out_torch_dtype,
                                            return_lse, varlen_lse_shape(q), q.device))  # fmt: skip
     return (out, lse) if return_lse else out
+
+
+def kvcache_lookup(q, k_cache, v_cache, cache_seqlens, k, v, page_table, descales, causal,
+                   softmax_scale, out_dtype, window_size, softcap, num_splits,
+                   return_lse):  # fmt: skip
+    """(signature, its plan or None) of an 8-bit fadsl.attention_with_kvcache call: the
+    16-bit call's signature (planned.kvcache_signature) after the descales and out_dtype."""
+    try:
+        if torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad for t in (q, k_cache, v_cache, k, v, *descales)
+        ):
+            return None, None
+        key = (  # (the 16-bit signature last: its stream at key[-2])
+            *(_tensor(t) for t in descales),
+            *(type(out_dtype), out_dtype),
+            *planned.kvcache_signature(q, k_cache, v_cache, cache_seqlens, k, v, page_table,
+                                       causal, softmax_scale, window_size, softcap, num_splits,
+                                       return_lse),
+        )  # fmt: skip
+        return key, _FP8_KVCACHE.get(key)
+    except Exception:  # (not a tensor, an unhashable or odd value: the checks say what)
+        return None, None
+
+
+def kvcache_call(key, q, k_cache, v_cache, cache_seqlens, k, v, page_table, descales, causal,
+                 softmax_scale, out_dtype, num_splits, return_lse):  # fmt: skip
+    """The checked path of an 8-bit kv-cache call (fadsl.attention_with_kvcache has checked
+    its own arguments): every check, the new tokens appended, the attention; a plan kept at
+    the second call of the signature ``key``."""
+    checked = fp8_public_ops.check_kvcache_fp8_call(
+        q, k_cache, v_cache, cache_seqlens, k, v, page_table, descales, causal, softmax_scale,
+        out_dtype, num_splits, return_lse,
+    )  # fmt: skip
+    return planned.kvcache_planning(
+        _FP8_KVCACHE, key, checked, q, k_cache, v_cache, cache_seqlens, k, v, page_table,
+        num_splits, return_lse, tuple(descales),
+    )  # fmt: skip
 
 
 def lookup(q, k, v, descales, causal, softmax_scale, out_dtype, window_size, softcap,

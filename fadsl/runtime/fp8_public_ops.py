@@ -8,7 +8,12 @@ here: custom_op reads the annotations as types):
 - ``fadsl::attention_varlen_fp8(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, q_descale,
   k_descale, v_descale, causal, softmax_scale, out_dtype, with_lse) -> (out, lse)``: its
   `varlen on` variant (fadsl.attention_varlen on 8-bit inputs; max_seqlen_q chooses the
-  short queries' tile, both exact).
+  short queries' tile, both exact);
+- ``fadsl::attention_with_kvcache_fp8(q, k_cache, v_cache, cache_seqlens, k, v, page_table,
+  q_descale, k_descale, v_descale, causal, softmax_scale, out_dtype, num_splits, with_lse) ->
+  (out, lse)``: the 8-bit kv-cache spec's variant (fadsl.attention_with_kvcache on 8-bit
+  inputs), which writes the new tokens k and v into the caches first (``mutates_args``, as
+  fadsl::attention_with_kvcache).
 
 A loaded 8-bit spec's own op is fadsl/runtime/fp8_ops.py's, as the 16-bit kernels' are in
 fadsl/runtime/custom_op.py and fadsl.attention's in fadsl/runtime/public_ops.py.
@@ -21,6 +26,7 @@ from torch.library import custom_op
 
 from . import dispatch
 from .arguments import check_scale
+from .public_ops import _concrete, append_and_attend, check_kvcache_kernel_call, check_new_tokens
 from .fp8_ops import NO_LSE, fp8_outputs, fp8_varlen_outputs
 
 
@@ -95,3 +101,59 @@ def _(q, k, v, cu_q, cu_k, max_q, q_descale, k_descale, v_descale, causal, softm
     check_scale(softmax_scale, kern.config.head_dim)
     kern.check_varlen_call(q, k, v, cu_q, cu_k, (q_descale, k_descale, v_descale))
     return fp8_varlen_outputs(q, kern.out_torch_dtype, with_lse)
+
+
+def check_kvcache_fp8_call(q, k_cache, v_cache, cache_seqlens, k, v, page_table, descales,
+                           causal: bool, softmax_scale, out_dtype, num_splits,
+                           with_lse):  # fmt: skip
+    """Every check of an 8-bit kv-cache call, the descales' and the new tokens' included,
+    before anything is written: (the kernel, the scale, the dtype, k and v)."""
+    check_new_tokens(k, v)
+    kern = dispatch.fp8_kvcache_kernel(q, k_cache, page_table, causal, out_dtype)
+    return check_kvcache_kernel_call(kern, q, k_cache, v_cache, cache_seqlens, k, v, page_table,
+                                     softmax_scale, num_splits, with_lse, descales)  # fmt: skip
+
+
+def kvcache_fp8_call(q, k_cache, v_cache, cache_seqlens, k, v, page_table, descales,
+                     causal: bool, softmax_scale, out_dtype, num_splits, with_lse):  # fmt: skip
+    """fadsl.attention_with_kvcache's 8-bit call without a plan (the op's body): every
+    argument checked, the new tokens appended, the attention with the descales."""
+    checked = check_kvcache_fp8_call(q, k_cache, v_cache, cache_seqlens, k, v, page_table,
+                                     descales, causal, softmax_scale, out_dtype, num_splits,
+                                     with_lse)  # fmt: skip
+    return append_and_attend(checked, q, k_cache, v_cache, cache_seqlens, page_table, num_splits,
+                             with_lse, descales)  # fmt: skip
+
+
+@custom_op("fadsl::attention_with_kvcache_fp8", mutates_args=("k_cache", "v_cache"))
+def attention_with_kvcache_fp8(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    k: Optional[torch.Tensor],
+    v: Optional[torch.Tensor],
+    page_table: Optional[torch.Tensor],
+    q_descale: Optional[torch.Tensor],
+    k_descale: Optional[torch.Tensor],
+    v_descale: Optional[torch.Tensor],
+    causal: bool,
+    softmax_scale: Optional[float],
+    out_dtype: Optional[torch.dtype],
+    num_splits: Optional[int],
+    with_lse: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    args = (q, k_cache, v_cache, cache_seqlens, k, v, page_table)
+    descales = (q_descale, k_descale, v_descale)
+    (splits,) = _concrete(num_splits)  # (by value: a SymInt under torch.compile)
+    found = kvcache_fp8_call(*args, descales, causal, softmax_scale, out_dtype, splits, with_lse)
+    return found if with_lse else (found, q.new_empty(NO_LSE, dtype=torch.float32))
+
+
+@attention_with_kvcache_fp8.register_fake
+def _(q, k_cache, v_cache, seqlens, k, v, table, q_descale, k_descale, v_descale, causal, scale,
+      out_dtype, num_splits, with_lse):  # fmt: skip
+    descales, (splits,) = (q_descale, k_descale, v_descale), _concrete(num_splits)
+    kern, *_ = check_kvcache_fp8_call(q, k_cache, v_cache, seqlens, k, v, table, descales, causal,
+                                      scale, out_dtype, splits, with_lse)  # fmt: skip
+    return fp8_outputs(q, kern.out_torch_dtype, with_lse)

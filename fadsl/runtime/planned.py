@@ -30,6 +30,7 @@ _KVCACHE = PlanCache()
 _APPEND = PlanCache()
 VARLEN_SOURCES = ("q", "k", "v", "out", "lse", "cu_seqlens_q", "cu_seqlens_k")
 KVCACHE_SOURCES = ("q", "k_cache", "v_cache", "out", "lse", "cache_seqlens", "page_table")
+KVCACHE_FP8_SOURCES = (*KVCACHE_SOURCES, "q_descale", "k_descale", "v_descale")  # host/fp8.py's
 _FLOAT32 = torch.float32
 
 
@@ -283,14 +284,17 @@ def kvcache_signature(q, k_cache, v_cache, cache_seqlens, k, v, page_table, caus
 class KvCachePlan:
     """A kv-cache call's plan: out (and the LSE) allocated, the addresses checked, the new
     tokens appended (their lengths after them in a tensor of the call's own), the attention
-    (and the combine after split pieces) launched."""
+    (and the combine after split pieces) launched. An 8-bit call's: O of ``out_dtype``, and
+    each call's descales' addresses (KVCACHE_FP8_SOURCES)."""
 
-    def __init__(self, prepared, appending, target: str, return_lse: bool, lse_shape_, device):
+    def __init__(self, prepared, appending, target: str, return_lse: bool, lse_shape_, device,
+                 out_dtype=None):  # fmt: skip
         self.launch, self.append, self.target = prepared.launch, appending, target
         self.return_lse, self.lse_shape, self.device = return_lse, lse_shape_, device
+        self.out_dtype = out_dtype
 
-    def __call__(self, q, k_cache, v_cache, cache_seqlens, k, v, page_table):
-        out = torch.empty_like(q)
+    def __call__(self, q, k_cache, v_cache, cache_seqlens, k, v, page_table, descales=None):
+        out = torch.empty_like(q, dtype=self.out_dtype)
         qp, kp, vp, op = q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr()
         if (qp | kp | vp | op) % 16:
             named = (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("out", out))
@@ -302,7 +306,11 @@ class KvCachePlan:
         lse = _empty_lse(self.lse_shape, self.device) if self.return_lse else None
         lp = 0 if lse is None else lse.data_ptr()
         table = 0 if page_table is None else page_table.data_ptr()
-        self.launch((qp, kp, vp, op, lp, seqlens.data_ptr(), table))
+        if descales is None:
+            self.launch((qp, kp, vp, op, lp, seqlens.data_ptr(), table))
+        else:
+            scales = tuple(0 if t is None else t.data_ptr() for t in descales)
+            self.launch((qp, kp, vp, op, lp, seqlens.data_ptr(), table, *scales))
         return (out, lse) if self.return_lse else out
 
 
@@ -331,11 +339,21 @@ def kvcache_call(key, q, k_cache, v_cache, cache_seqlens, k, v, page_table, caus
     """fadsl.attention_with_kvcache's checked path (public_ops.kvcache_call's): every
     argument checked, the new tokens appended, the attention; a plan kept at the second
     call of the signature ``key``."""
-    kern, scale, dtype, k_rows, v_rows = check_kvcache_call(
+    checked = check_kvcache_call(
         q, k_cache, v_cache, cache_seqlens, k, v, page_table, causal, softmax_scale,
         window_size, softcap, num_splits, return_lse,
     )  # fmt: skip
-    planning = _KVCACHE.worth_planning(key)
+    return kvcache_planning(_KVCACHE, key, checked, q, k_cache, v_cache, cache_seqlens, k, v,
+                            page_table, num_splits, return_lse)  # fmt: skip
+
+
+def kvcache_planning(cache: PlanCache, key, checked, q, k_cache, v_cache, cache_seqlens, k, v,
+                     page_table, num_splits, return_lse, descales=None):  # fmt: skip
+    """A checked kv-cache call (``checked``: public_ops.check_kvcache_kernel_call's) launched,
+    its plan kept in ``cache`` at the second call of the signature ``key`` (an 8-bit call's
+    with its ``descales``)."""
+    kern, scale, dtype, k_rows, v_rows = checked
+    planning = cache.worth_planning(key)
     target = kern.config.target
     seqlens, appending = cache_seqlens, None
     if k_rows is not None and k_rows.shape[0] and k_rows.shape[1]:
@@ -352,14 +370,16 @@ def kvcache_call(key, q, k_cache, v_cache, cache_seqlens, k, v, page_table, caus
         else:
             append.launch_append(k_cache, v_cache, k_rows, v_rows, cache_seqlens, page_table,
                                  seqlens)  # fmt: skip
-    out = torch.empty_like(q)
+    out = torch.empty_like(q, dtype=kern.out_torch_dtype)  # (None: q's)
     lse = _empty_lse(lse_shape(q), q.device) if return_lse else None
     plan = run_kvcache(kern, dtype, q, k_cache, v_cache, seqlens, page_table, out, lse, scale,
-                       num_splits or None)  # fmt: skip
+                       num_splits or None, descales)  # fmt: skip
     if planning and plan.reusable:
-        tensors = (q, k_cache, v_cache, out, lse, seqlens, page_table)
+        tensors = (q, k_cache, v_cache, out, lse, seqlens, page_table, *(descales or ()))
         addresses = tuple(0 if t is None else t.data_ptr() for t in tensors)
-        prepared = kern.prepared(dtype, q.device.index, key[-2], plan, KVCACHE_SOURCES, addresses)
-        found = KvCachePlan(prepared, appending, target, return_lse, lse_shape(q), q.device)
-        _KVCACHE.put(key, found)
+        sources = KVCACHE_SOURCES if descales is None else KVCACHE_FP8_SOURCES
+        prepared = kern.prepared(dtype, q.device.index, key[-2], plan, sources, addresses)
+        found = KvCachePlan(prepared, appending, target, return_lse, lse_shape(q), q.device,
+                            kern.out_torch_dtype)  # fmt: skip
+        cache.put(key, found)
     return (out, lse) if return_lse else out

@@ -142,8 +142,9 @@ def _attention_fp8(q, k, v, causal, softmax_scale, descales, out_dtype, window_s
                                        window_size, softcap, return_lse)  # fmt: skip
         if plan is not None:
             return plan(q, k, v, descales)
-    _check_fp8_call("fadsl.attention", q, k, v, 4, "batch, seqlen, heads, head_dim", causal,
-                     descales, out_dtype, window_size, softcap, return_lse)  # fmt: skip
+    _check_fp8_call("fadsl.attention", q, (("k", k), ("v", v)), 4,
+                    "batch, seqlen, heads, head_dim", causal, descales, out_dtype, window_size,
+                    softcap, return_lse)  # fmt: skip
     if compiling:
         check_scale(softmax_scale, 1)  # (named here, not by the op's schema)
         out, lse = fp8_public_ops.attention_fp8(q, k, v, *descales, causal, softmax_scale, out_dtype,
@@ -240,6 +241,10 @@ def attention_with_kvcache(
     softcap: float = 0,
     num_splits: int | None = None,
     return_lse: bool = False,
+    q_descale=None,
+    k_descale=None,
+    v_descale=None,
+    out_dtype=None,
 ):
     """Attention of q against a KV cache through a shipped spec (FlashAttention's
     ``flash_attn_with_kvcache``): q (batch, seqlen_q, heads_q, head_dim); k_cache and v_cache
@@ -255,14 +260,24 @@ def attention_with_kvcache(
     pieces per tile (None or 0: as many as fill the SMs in one wave; 1: none; a window runs
     whole tiles). Returns the output, or (output, lse) with the LSE (batch, heads_q,
     seqlen_q), float32. Unlike flash_attn_with_kvcache, cache_seqlens comes before k and v:
-    pass what follows them by keyword. torch.compile(fullgraph=True) traces it."""
+    pass what follows them by keyword. torch.compile(fullgraph=True) traces it. 8-bit q,
+    caches and new tokens (all torch.float8_e4m3fn or all torch.float8_e5m2; sm_90a,
+    head_dim 64, 128 or 256): as attention_varlen's 8-bit call, each
+    descale (batch, heads_kv), batch b's row read by its queries and its cache's keys (a page
+    read by several batches needs the same descales in each), O in out_dtype."""
     key = None
-    if not torch.compiler.is_compiling():  # a call of a signature met before: its plan
+    plain = q_descale is None and k_descale is None and v_descale is None and out_dtype is None
+    if plain and not torch.compiler.is_compiling():  # a call of a signature met before
         key, plan = planned.kvcache_lookup(q, k_cache, v_cache, cache_seqlens, k, v, page_table,
                                            causal, softmax_scale, window_size, softcap,
                                            num_splits, return_lse)  # fmt: skip
         if plan is not None:
             return plan(q, k_cache, v_cache, cache_seqlens, k, v, page_table)
+    if not plain or is_fp8(q):
+        descales = (q_descale, k_descale, v_descale)
+        return _kvcache_fp8(q, k_cache, v_cache, cache_seqlens, k, v, page_table, causal,
+                            softmax_scale, descales, out_dtype, window_size, softcap, num_splits,
+                            return_lse)  # fmt: skip
     _check_flag("causal", causal)
     _check_flag("return_lse", return_lse)
     check_q(q, 4, "batch, seqlen, heads, head_dim")
@@ -302,10 +317,11 @@ def append_kv(k_cache, v_cache, k_new, v_new, cache_seqlens, page_table=None) ->
         planned.append_call(key, k_cache, v_cache, k_new, v_new, cache_seqlens, page_table)
 
 
-def _check_fp8_call(what: str, q, k, v, dims: int, shape: str, causal, descales, out_dtype,
+def _check_fp8_call(what: str, q, named, dims: int, shape: str, causal, descales, out_dtype,
                     window_size, softcap, return_lse) -> None:  # fmt: skip
     """The public checks of a call with descales or an out_dtype, or on 8-bit q (``what``:
-    the call's name): 8-bit q, no window or softcap, no gradients, an output type."""
+    the call's name; ``named``: its other tensors, (name, tensor) each): 8-bit q, no window
+    or softcap, no gradients, an output type."""
     _check_flag("causal", causal)
     _check_flag("return_lse", return_lse)
     check_q(q, dims, shape)
@@ -324,7 +340,7 @@ def _check_fp8_call(what: str, q, k, v, dims: int, shape: str, causal, descales,
             "FP8 forward is not built with a window or a softcap yet (issue 42); leave them "
             "(-1, -1) and 0"
         )
-    refuse_gradients(what, (("q", q), ("k", k), ("v", v), *zip(DESCALE_NAMES, descales)))
+    refuse_gradients(what, (("q", q), *named, *zip(DESCALE_NAMES, descales)))
     check_out_dtype(out_dtype)
 
 
@@ -339,8 +355,9 @@ def _varlen_fp8(q, k, v, cu_q, cu_k, max_q, max_k, causal, softmax_scale, descal
                                               softcap, return_lse)  # fmt: skip
         if plan is not None:
             return plan(q, k, v, cu_q, cu_k, descales)
-    _check_fp8_call("fadsl.attention_varlen", q, k, v, 3, "tokens, heads, head_dim", causal,
-                    descales, out_dtype, window_size, softcap, return_lse)  # fmt: skip
+    _check_fp8_call("fadsl.attention_varlen", q, (("k", k), ("v", v)), 3,
+                    "tokens, heads, head_dim", causal, descales, out_dtype, window_size, softcap,
+                    return_lse)  # fmt: skip
     check_max_seqlen("max_seqlen_q", max_q)
     check_max_seqlen("max_seqlen_k", max_k)
     if compiling:
@@ -351,3 +368,29 @@ def _varlen_fp8(q, k, v, cu_q, cu_k, max_q, max_k, causal, softmax_scale, descal
         return (out, lse) if return_lse else out
     return fp8_planned.varlen_call(key, q, k, v, cu_q, cu_k, descales, softmax_scale, out_dtype,
                                    causal, return_lse, max_q)  # fmt: skip
+
+
+def _kvcache_fp8(q, k_cache, v_cache, cache_seqlens, k, v, page_table, causal, softmax_scale,
+                 descales, out_dtype, window_size, softcap, num_splits, return_lse):  # fmt: skip
+    """fadsl.attention_with_kvcache with descales or an out_dtype, or on 8-bit q (issue 42)."""
+    key = None
+    compiling = torch.compiler.is_compiling()
+    if not compiling:  # a call of a signature met before: its plan
+        key, plan = fp8_planned.kvcache_lookup(q, k_cache, v_cache, cache_seqlens, k, v,
+                                               page_table, descales, causal, softmax_scale,
+                                               out_dtype, window_size, softcap, num_splits,
+                                               return_lse)  # fmt: skip
+        if plan is not None:
+            return plan(q, k_cache, v_cache, cache_seqlens, k, v, page_table, descales)
+    named = (("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v))
+    _check_fp8_call("fadsl.attention_with_kvcache", q, named, 4, "batch, seqlen, heads, head_dim",
+                    causal, descales, out_dtype, window_size, softcap, return_lse)  # fmt: skip
+    args = (q, k_cache, v_cache, cache_seqlens, k, v, page_table)
+    if compiling:
+        check_scale(softmax_scale, 1)  # (named here, not by the op's schema)
+        out, lse = fp8_public_ops.attention_with_kvcache_fp8(*args, *descales, causal,
+                                                             softmax_scale, out_dtype,
+                                                             num_splits, return_lse)  # fmt: skip
+        return (out, lse) if return_lse else out
+    return fp8_planned.kvcache_call(key, *args, descales, causal, softmax_scale, out_dtype,
+                                    num_splits, return_lse)  # fmt: skip

@@ -68,17 +68,31 @@ def check_kvcache_call(q, k_cache, v_cache, cache_seqlens, k, v, page_table, cau
                        softmax_scale, window_size, softcap, num_splits, return_lse):  # fmt: skip
     """Every check of a kv-cache call, the new tokens' included, each error naming the
     argument, before anything is written: (the kernel, the scale, the dtype, k and v)."""
-    if (k is None) != (v is None):
-        raise ValueError("k and v: give the new tokens' keys and values both, or neither")
+    check_new_tokens(k, v)
     kern = dispatch.kvcache_kernel(q, k_cache, page_table, causal, window_size, softcap)
     if kern.config.window is not None and isinstance(num_splits, int) and num_splits > 1:
         raise ValueError(
             f"num_splits={num_splits} with a sliding window: the windowed kernel runs whole "
             "tiles (splits are not built with a window); leave num_splits None, 0 or 1"
         )
+    return check_kvcache_kernel_call(kern, q, k_cache, v_cache, cache_seqlens, k, v, page_table,
+                                     softmax_scale, num_splits, return_lse)  # fmt: skip
+
+
+def check_new_tokens(k, v) -> None:
+    if (k is None) != (v is None):
+        raise ValueError("k and v: give the new tokens' keys and values both, or neither")
+
+
+def check_kvcache_kernel_call(kern, q, k_cache, v_cache, cache_seqlens, k, v, page_table,
+                              softmax_scale, num_splits, return_lse,
+                              descales=(None, None, None)):  # fmt: skip
+    """The chosen kernel's checks of a kv-cache call (an 8-bit kernel's ``descales`` too)
+    and the new tokens': (the kernel, the scale, the dtype, k and v)."""
     scale, dtype = kern.check_kvcache_call(
-        q, k_cache, v_cache, cache_seqlens, page_table, softmax_scale, num_splits, return_lse
-    )
+        q, k_cache, v_cache, cache_seqlens, page_table, softmax_scale, num_splits, return_lse,
+        descales,
+    )  # fmt: skip
     if k is not None:  # (rows made contiguous where they were not)
         k, v = append.check_append(
             k_cache, v_cache, k, v, cache_seqlens, page_table, None, names=("k", "v")
@@ -91,10 +105,19 @@ def kvcache_call(q, k_cache, v_cache, cache_seqlens, k, v, page_table, causal, s
     """A kv-cache call: every argument checked, then the new tokens appended (lengths past
     a batch's capacity are not written, and that batch's rows come out NaN), then the
     attention over the caches."""
-    kern, scale, dtype, k, v = check_kvcache_call(
+    checked = check_kvcache_call(
         q, k_cache, v_cache, cache_seqlens, k, v, page_table, causal, softmax_scale,
         window_size, softcap, num_splits, return_lse,
     )  # fmt: skip
+    return append_and_attend(checked, q, k_cache, v_cache, cache_seqlens, page_table, num_splits,
+                             return_lse)  # fmt: skip
+
+
+def append_and_attend(checked, q, k_cache, v_cache, cache_seqlens, page_table, num_splits,
+                      return_lse: bool, descales=None):  # fmt: skip
+    """A checked kv-cache call's launches (``checked``: check_kvcache_kernel_call's): the new
+    tokens appended, then the attention (an 8-bit kernel's with ``descales``)."""
+    kern, scale, dtype, k, v = checked
     seqlens = cache_seqlens
     if k is not None and k.shape[0] and k.shape[1]:
         # the addresses too before the new tokens are written (run_kvcache checks them, with
@@ -105,8 +128,9 @@ def kvcache_call(q, k_cache, v_cache, cache_seqlens, k, v, page_table, causal, s
         seqlens = torch.empty_like(cache_seqlens)
         append.launch_append(k_cache, v_cache, k, v, cache_seqlens, page_table, seqlens)
     return kern.kvcache_forward(
-        q, k_cache, v_cache, seqlens, page_table, scale, num_splits, None, return_lse, dtype=dtype
-    )
+        q, k_cache, v_cache, seqlens, page_table, scale, num_splits, None, return_lse, dtype=dtype,
+        descales=descales,
+    )  # fmt: skip
 
 
 # ---------------------------------------------------------------- attention

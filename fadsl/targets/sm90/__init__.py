@@ -138,5 +138,7 @@ TARGET = Target(
         ("varlen", 64): "fa3_varlen_hdim64",
         ("varlen", 128): "fa3_varlen_causal",
         ("kvcache", 128): "fa3_decode_paged",
+        # on 8-bit q (issue 42): head_dim 64 too, written in (dispatch.fp8_kvcache_kernel)
+        ("kvcache_fp8", 128): "fa3_fp8_decode_paged",
     },
 )
