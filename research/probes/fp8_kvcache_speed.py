@@ -21,6 +21,7 @@ import torch
 
 import fadsl
 from fadsl.tools.bench import median_times
+from fadsl.tools.bench_kvcache import graphed
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGE, HEADS, HEADS_KV, D = 64, 32, 8, 128
@@ -32,20 +33,6 @@ def cache(batch: int, length: int, dtype):
     v = torch.randn_like(k, dtype=torch.float32).to(dtype)
     table = torch.randperm(batch * per, device="cuda").view(batch, per).to(torch.int32)
     return k, v, table
-
-
-def graphed(call):
-    """``call`` captured once in a CUDA graph (after a warm-up on a side stream): a replay."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        call()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        call()
-    torch.cuda.synchronize()
-    return lambda _: graph.replay()
 
 
 def main() -> None:
@@ -78,10 +65,10 @@ def main() -> None:
             descales = {n: torch.rand(batch, HEADS_KV, device="cuda") + 0.5 for n in
                         ("q_descale", "k_descale", "v_descale")}  # fmt: skip
             calls = {
-                n: (lambda kern=kern: kern.kvcache(q8, k8, v8, seqlens, table, **descales))
+                n: (lambda _, kern=kern: kern.kvcache(q8, k8, v8, seqlens, table, **descales))
                 for n, kern in kernels.items()
             }
-            calls["bf16"] = lambda: sixteen.kvcache(q16, k16, v16, seqlens, table)
+            calls["bf16"] = lambda _: sixteen.kvcache(q16, k16, v16, seqlens, table)
             contenders = {n: graphed(f) for n, f in calls.items()}
             ms = median_times(contenders, 10, args.runs)
             elements = 2 * batch * length * HEADS_KV * D  # K and V
