@@ -70,6 +70,7 @@ def test_the_specs_exist():
     assert {p.stem for p in SPECS} == {
         "fa3_fp8_hdim128_fp16",
         "fa3_fp8_hdim256_eager",
+        "fa3_fp8_kvcache_hdim64",
         "fa3_fp8_one_wg",
     }
 
