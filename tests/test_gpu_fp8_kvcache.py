@@ -397,3 +397,25 @@ def test_fadsl_bench_times_an_8bit_kvcache_spec(spec):
     assert "e5m2" in bench_kvcache.table(found) and "2 bytes an element" in bench_kvcache.table(
         found
     )
+
+
+def test_torch_compile_takes_a_transposed_q():
+    """q (batch, seqlen, heads, head_dim) viewed from (batch, heads, seqlen, head_dim): the
+    traced call's O has the eager call's strides (torch.empty_like(q)), so the compiled graph
+    reads it where the kernel wrote it."""
+    kern, _, descales, args = _public_step("paged", "e4m3", seed=61)
+    q8, k8, v8, seqlens, _, _, table = args
+    rows = torch.cat([q8, q8], dim=1)  # 2 query rows a batch
+    q_t = rows.transpose(1, 2).contiguous().transpose(1, 2)  # (the same values, heads outer)
+    assert not q_t.is_contiguous()
+
+    def step(q, qd, kd, vd):
+        out = fadsl.attention_with_kvcache(q, k8, v8, seqlens, page_table=table, causal=True,
+                                           q_descale=qd, k_descale=kd, v_descale=vd)  # fmt: skip
+        return out * 1  # (a consumer of O in the graph)
+
+    eager = step(q_t, *descales)
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True)(q_t, *descales)
+    torch.cuda.synchronize()
+    assert torch.equal(compiled.view(torch.uint16), eager.view(torch.uint16))

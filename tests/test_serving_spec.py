@@ -393,17 +393,14 @@ def test_choose_splits_fills_one_wave_of_sms(monkeypatch, paged):
     assert kvcache.choose_splits(kernel, _shape(128, 131072, paged), 0, None) == 1
     assert kvcache.choose_splits(kernel, one, 0, 3) == 3
     assert kvcache.choose_splits(kernel, one, 0, 1000) == kvcache.MAX_SPLITS
-    # a short cache: at least MIN_KEYS_PER_SPLIT keys (256: 4 blocks of 64, 2 of 128) a
-    # piece, and never under 1
+    # a short cache: at least MIN_BLOCKS_PER_SPLIT blocks a piece, and never under 1
     b_c = kernel.config.block_c
-    per_piece = {64: 4, 128: 2}[b_c]
-    assert kvcache.choose_splits(kernel, _shape(1, 1024, paged), 0, None) == 1024 // 256
-    assert kvcache.choose_splits(kernel, _shape(1, b_c, paged), 0, None) == 1
+    assert kvcache.choose_splits(kernel, _shape(1, 1024, paged), 0, None) == 1024 // b_c // 4
+    assert kvcache.choose_splits(kernel, _shape(1, 2 * b_c, paged), 0, None) == 1
     assert kvcache.choose_splits(kernel, _shape(1, 2 * b_c, paged), 0, 3) == 2  # 2 blocks
     for capacity in (64, 640, 4096, 50000, 131072):
         blocks = -(-capacity // b_c)
-        found = kvcache.choose_splits(kernel, _shape(1, capacity), 0, None)
-        assert found <= max(1, blocks // per_piece)
+        assert kvcache.choose_splits(kernel, _shape(1, capacity), 0, None) <= max(1, blocks // 4)
     # blocks of 256 keys (the 8-bit decode example's): a block a piece
     wide = replace(kernel, config=replace(kernel.config, block_c=256))
     assert kvcache.choose_splits(wide, _shape(1, 2048, paged), 0, None) == 8

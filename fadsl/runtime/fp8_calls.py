@@ -59,12 +59,13 @@ def check_out_dtype(out_dtype):
     return out_dtype
 
 
-def check_descales(descales, q, k) -> tuple:
-    """q_descale, k_descale and v_descale (``descales``, in that order) of a padded call: each
-    None or a float32 tensor of shape (batch, heads_kv) on q's device, whose elements the
-    kernel's int index reaches; each error names the argument. Values are not read (module
-    docstring)."""
-    return check_descale_shapes(descales, (q.shape[0], k.shape[2]), q, "batch", "q's batch")
+def check_descales(descales, q, k, k_name: str = "k") -> tuple:
+    """q_descale, k_descale and v_descale (``descales``, in that order) of a padded call (or
+    a kv-cache call's: ``k`` the cache, ``k_name`` its name): each None or a float32 tensor of
+    shape (batch, heads_kv) on q's device, whose elements the kernel's int index reaches;
+    each error names the argument. Values are not read (module docstring)."""
+    shape = (q.shape[0], k.shape[2])
+    return check_descale_shapes(descales, shape, q, "batch", "q's batch", k_name)
 
 
 def check_varlen_descales(descales, q, k, cu_seqlens_q) -> tuple:
@@ -74,9 +75,9 @@ def check_varlen_descales(descales, q, k, cu_seqlens_q) -> tuple:
     return check_descale_shapes(descales, shape, q, "sequences", "cu_seqlens_q's sequences")
 
 
-def check_descale_shapes(descales, shape, q, rows: str, whose: str) -> tuple:
+def check_descale_shapes(descales, shape, q, rows: str, whose: str, k_name: str = "k") -> tuple:
     """The descales' checks against ``shape`` = (``rows``, heads_kv) (``whose``: where the
-    rows come from, for the message)."""
+    rows come from, ``k_name``: the tensor whose heads are heads_kv, for the message)."""
     import torch
 
     for name, t in zip(DESCALE_NAMES, descales):
@@ -91,7 +92,8 @@ def check_descale_shapes(descales, shape, q, rows: str, whose: str) -> tuple:
             raise TypeError(f"{name} must be float32, got {t.dtype}")
         if tuple(t.shape) != shape:
             raise ValueError(
-                f"{name} must have shape ({rows}, heads_kv) = {shape} ({whose}, k's heads); "
+                f"{name} must have shape ({rows}, heads_kv) = {shape} ({whose}, {k_name}'s "
+                "heads); "
                 f"got {tuple(t.shape)}; one descale for the tensor: "
                 f"torch.tensor([s], device=q.device).expand{shape}"
             )

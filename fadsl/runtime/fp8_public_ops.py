@@ -156,4 +156,6 @@ def _(q, k_cache, v_cache, seqlens, k, v, table, q_descale, k_descale, v_descale
     descales, (splits,) = (q_descale, k_descale, v_descale), _concrete(num_splits)
     kern, *_ = check_kvcache_fp8_call(q, k_cache, v_cache, seqlens, k, v, table, descales, causal,
                                       scale, out_dtype, splits, with_lse)  # fmt: skip
-    return fp8_outputs(q, kern.out_torch_dtype, with_lse)
+    # O with q's strides, as kvcache_forward's torch.empty_like makes it
+    _, lse = fp8_outputs(q, kern.out_torch_dtype, with_lse)
+    return torch.empty_like(q, dtype=kern.out_torch_dtype), lse

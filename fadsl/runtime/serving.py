@@ -371,7 +371,7 @@ class ServingCalls:
             named = (("q", q), ("k_cache", k_cache), ("v_cache", v_cache))
             named += tuple(zip(DESCALE_NAMES, descales))
             refuse_gradients(f"fadsl kernel '{self.config.name}'", named)
-            check_descales(descales, q, k_cache)
+            check_descales(descales, q, k_cache, "k_cache")
         return scale, dtype
 
     def _refuse_descales(self, descales) -> None:
@@ -401,7 +401,7 @@ class ServingCalls:
             dtype = check_kvcache(self, q, k_cache, v_cache, cache_seqlens, page_table)
             self._refuse_descales(descales or (None, None, None))
             if self.is_fp8:
-                check_descales(descales or (None, None, None), q, k_cache)
+                check_descales(descales or (None, None, None), q, k_cache, "k_cache")
         if out is None:
             out = torch.empty_like(q, dtype=self.out_torch_dtype)  # (an 8-bit spec's output)
         else:

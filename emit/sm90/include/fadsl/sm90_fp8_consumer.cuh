@@ -182,7 +182,7 @@ __device__ __forceinline__ void store_lse8(const FwdParams& p, const TileWork& w
 // (P = 2^(S c' - R)), so the combined O / L and (R + log2 L) ln 2 are normalize_o8's and
 // store_lse8's values: L = sum_i l_i 2^(R_i - R) with R the largest R_i, each factor <= 1
 // from the rounded references (docs/numerics.md's rule). A NaN c' (bad descales) makes
-// the piece's R, l and O NaN, and so the combined row.
+// the piece's l and O NaN (R may stay -inf: the lazy rule keeps m), and so the combined row.
 template <class Cfg>
 __device__ __forceinline__ void fp8_piece_partial(float (&o)[Cfg::kORegs], float (&m)[2], float scale_log2,
                                                   float v_descale) {

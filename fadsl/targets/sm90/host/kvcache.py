@@ -57,11 +57,12 @@ KVCACHE_TAIL = struct.Struct("<QQii")  # (no padding: the struct pads its tail)
 KVCACHE_TAIL_FIELDS = ("cache_seqlens", "page_table", "page_table_stride", "num_pages")
 KVCACHE_OFFSET = VARLEN_OFFSET + VARLEN_TAIL.size
 MAX_SPLITS = 128
-# A piece holds at least this many keys: its prologue and partial cost about a 64-key block
-# or two, so 4 such blocks; a block of 256 keys (the 8-bit decode example's) is a piece
-# alone: at batch 1 and 2k-8k keys, 8-16 pieces of one block each ran 12-21 % faster than
-# 2-4 pieces of four (H200, 2026-12-04, the 8-bit decode example, CUDA-graph replays).
-MIN_KEYS_PER_SPLIT = 256
+# K/V blocks a piece holds at least: its prologue and partial cost about a block or two. A
+# block of 256 keys or more (the 8-bit decode example's) is a piece alone: at batch 1 and
+# 2k-8k keys, 8-16 pieces of one block each ran 12-21 % faster than 2-4 pieces of four
+# (H200, 2026-12-04, the 8-bit decode example, CUDA-graph replays).
+MIN_BLOCKS_PER_SPLIT = 4
+WIDE_BLOCK = 256
 # Tests only: the pieces' workspace filled with NaN before each split call, so that a
 # combine reading a partial no piece wrote (a row outside the threads that write,
 # sm90_kvcache.cuh's holds_rows) shows in the output rather than reusing stale bytes.
@@ -105,9 +106,9 @@ def tiles(kernel: Kernel, a) -> int:
 
 def choose_splits(kernel: Kernel, a, device_index: int, asked: int | None) -> int:
     """Pieces per tile: the call's num_splits, or as many as fill the SMs in one wave where
-    the tiles are fewer than the SMs, each of MIN_KEYS_PER_SPLIT keys (whole K/V blocks, at
-    least one) or more, over the cache's capacity (the lengths stay on the device). 1
-    without `splits auto`."""
+    the tiles are fewer than the SMs, each of MIN_BLOCKS_PER_SPLIT K/V blocks or more (one
+    of WIDE_BLOCK keys or more), over the cache's capacity (the lengths stay on the device).
+    1 without `splits auto`."""
     if not kernel.config.ext.split_all:
         return 1
     blocks = -(-capacity(kernel, a) // kernel.config.block_c)
@@ -119,7 +120,7 @@ def choose_splits(kernel: Kernel, a, device_index: int, asked: int | None) -> in
         return 1
     # as many pieces as fit on the SMs in one wave (one more would run a second wave on a
     # few SMs: 17 x 8 tiles on 132 SMs took twice 16 x 8's time, H200, 2026-11-27)
-    per_piece = max(1, MIN_KEYS_PER_SPLIT // kernel.config.block_c)  # blocks
+    per_piece = 1 if kernel.config.block_c >= WIDE_BLOCK else MIN_BLOCKS_PER_SPLIT
     return max(1, min(sms // count, blocks // per_piece, MAX_SPLITS))
 
 
