@@ -113,9 +113,9 @@ constexpr int kCombineVecs = 2, kCombineBatch = 8;
 // kernel still runs (PDL) and waiting for it first: every piece's partial in piece order
 // (merge_piece, as the split tail merges), then the row sums, O / l, the LSE (slice 0) and
 // O's rows (an 8-bit kernel's pieces: O already v-descaled in the accumulator's column
-// order, the maxima scaled, fp8_piece_partial: so no descale here). A warp whose 16 rows all lie past the tile's rows stops at once, and a thread
-// whose rows do reads no partial (holds_rows: the pieces wrote none for it); nothing of
-// those rows is stored.
+// order, the maxima scaled, fp8_piece_partial: so no descale here). A warp whose 16 rows
+// all lie past the tile's rows stops at once, and a thread whose rows do reads no partial
+// (holds_rows: the pieces wrote none for it); nothing of those rows is stored.
 template <class Cfg>
 __device__ __forceinline__ void combine_pieces(const FwdParamsSm90& P) {
   // launched as the attention kernel's programmatic dependent: nothing is read before its
