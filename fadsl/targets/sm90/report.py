@@ -395,6 +395,12 @@ def explain_sections(data: Mapping[str, Any]) -> list[str]:
             "the SMs in one wave; each piece's warpgroups write their partial O, m and l to a "
             "workspace and skip the tile's tail, and <kernel>_combine adds them up after the "
             "launch (a programmatic dependent: placed while the pieces run, it waits for them)"
+            + (
+                "; 8-bit pieces write O with rho undone and times v_descale, and R = m c' - 8 "
+                "for m, so that the combine reads no descale (fp8_piece_partial)"
+                if ws.get("transpose_v")
+                else ""
+            )
             if "splits" in ws
             else (
                 "split_kv: the launch's last, part-full round of tiles runs as pieces of their K/V "
