@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from . import dispatch, fp8_public_ops, planned  # (planned imports this module: names at call time)
+from . import dispatch, fp8_public_ops, planned
 from .arguments import check_bases, check_scale, lse_shape
 from .plans import PlanCache, stream_and_device
 

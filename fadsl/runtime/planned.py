@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import torch
 
-from . import append, dispatch, fp8_planned
+from . import append, dispatch
 from .arguments import check_base, check_scale, lse_shape
 from .attention import PADDED_SOURCES
 from .kvcache import run_kvcache
-from .plans import PlanCache, Prepared, stream_and_device
+from .plans import PlanCache, Prepared, clear_all, stream_and_device
 from .public_ops import check_kvcache_call
 from .varlen import check_max_seqlen, check_varlen, run_varlen, varlen_lse_shape
 
@@ -35,11 +35,9 @@ _FLOAT32 = torch.float32
 
 
 def clear() -> None:
-    """Forget every plan and every signature seen (tests, timings of first calls; a plan
-    holds no tensor, only the modules it launches)."""
-    for cache in (_ATTENTION, _VARLEN, _KVCACHE, _APPEND):
-        cache.clear()
-    fp8_planned.clear()
+    """Forget every plan and every signature seen, 16- and 8-bit (tests, timings of first
+    calls; a plan holds no tensor, only the modules it launches)."""
+    clear_all()
 
 
 def _misaligned(named, target: str) -> None:

@@ -39,6 +39,17 @@ PLAN_LIMIT = 256  # plans kept per call kind; the oldest goes first
 _UNSEEN, _REFUSED = object(), object()  # (PlanCache._seen: absent, and refused a plan)
 
 
+# Every PlanCache made (module-level caches of the planned calls, 16- and 8-bit), so that
+# clear_all forgets them all without the modules importing each other.
+_CACHES: list = []
+
+
+def clear_all() -> None:
+    """Forget every plan and signature of every PlanCache."""
+    for cache in _CACHES:
+        cache.clear()
+
+
 class PlanCache:
     """Plans by signature, at most ``limit``, the oldest dropped first. A signature gets a
     plan at its second call (``worth_planning``): making one costs about half a call's
@@ -51,6 +62,7 @@ class PlanCache:
         self._plans: dict[tuple, Any] = {}
         self._seen: dict[tuple, None] = {}
         self.get = self._plans.get
+        _CACHES.append(self)  # (clear_all's)
 
     def put(self, key: tuple, plan) -> None:
         _bounded_put(self._plans, key, plan, self.limit)
