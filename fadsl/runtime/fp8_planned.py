@@ -16,9 +16,9 @@ from . import dispatch, fp8_public_ops, planned
 from .arguments import check_bases, check_scale, lse_shape
 from .plans import PlanCache, stream_and_device
 
-_FP8 = PlanCache()
-_FP8_VARLEN = PlanCache()
-_FP8_KVCACHE = PlanCache()
+_FP8 = PlanCache(shared=True)
+_FP8_VARLEN = PlanCache(shared=True)
+_FP8_KVCACHE = PlanCache(shared=True)
 # an 8-bit varlen call's addresses in a plan's order (host/varlen.py's and host/fp8.py's slots)
 VARLEN_FP8_SOURCES = (
     *("q", "k", "v", "out", "lse", "cu_seqlens_q", "cu_seqlens_k"),

@@ -24,10 +24,10 @@ from .plans import PlanCache, Prepared, clear_all, stream_and_device
 from .public_ops import check_kvcache_call
 from .varlen import check_max_seqlen, check_varlen, run_varlen, varlen_lse_shape
 
-_ATTENTION = PlanCache()
-_VARLEN = PlanCache()
-_KVCACHE = PlanCache()
-_APPEND = PlanCache()
+_ATTENTION = PlanCache(shared=True)
+_VARLEN = PlanCache(shared=True)
+_KVCACHE = PlanCache(shared=True)
+_APPEND = PlanCache(shared=True)
 VARLEN_SOURCES = ("q", "k", "v", "out", "lse", "cu_seqlens_q", "cu_seqlens_k")
 KVCACHE_SOURCES = ("q", "k_cache", "v_cache", "out", "lse", "cache_seqlens", "page_table")
 KVCACHE_FP8_SOURCES = (*KVCACHE_SOURCES, "q_descale", "k_descale", "v_descale")  # host/fp8.py's

@@ -39,13 +39,14 @@ PLAN_LIMIT = 256  # plans kept per call kind; the oldest goes first
 _UNSEEN, _REFUSED = object(), object()  # (PlanCache._seen: absent, and refused a plan)
 
 
-# Every PlanCache made (module-level caches of the planned calls, 16- and 8-bit), so that
-# clear_all forgets them all without the modules importing each other.
+# The public calls' module-level PlanCaches (``shared``: fadsl/runtime/planned.py's and
+# fp8_planned.py's), so that clear_all forgets them all without those modules importing each
+# other. A kernel object's own caches are not listed (they go with the object).
 _CACHES: list = []
 
 
 def clear_all() -> None:
-    """Forget every plan and signature of every PlanCache."""
+    """Forget every plan and signature of the shared PlanCaches."""
     for cache in _CACHES:
         cache.clear()
 
@@ -57,12 +58,13 @@ class PlanCache:
     come again) would pay for nothing; the signatures seen once are kept, 4 x ``limit``
     at most, the same way."""
 
-    def __init__(self, limit: int = PLAN_LIMIT) -> None:
+    def __init__(self, limit: int = PLAN_LIMIT, shared: bool = False) -> None:
         self.limit = limit
         self._plans: dict[tuple, Any] = {}
         self._seen: dict[tuple, None] = {}
         self.get = self._plans.get
-        _CACHES.append(self)  # (clear_all's)
+        if shared:
+            _CACHES.append(self)  # (clear_all's)
 
     def put(self, key: tuple, plan) -> None:
         _bounded_put(self._plans, key, plan, self.limit)
