@@ -18,9 +18,12 @@ from fadsl.build.nvrtc import nvcc
 from fadsl.targets.sm90 import caps
 
 SPECS = (
-    # (16-bit kernels: tests/test_fp8_codegen.py checks the 8-bit ones, examples/fa3_fp8_*)
+    # (16-bit kernels: tests/test_fp8_codegen.py checks the 8-bit ones, examples/fa3_fp8_*
+    # and examples/serving/fa3_fp8_*)
     sorted(p for p in (ROOT / "examples").glob("fa3_*.fa") if not p.stem.startswith("fa3_fp8"))
-    + sorted((ROOT / "examples" / "serving").glob("*.fa"))
+    + sorted(
+        p for p in (ROOT / "examples" / "serving").glob("*.fa") if not p.stem.startswith("fa3_fp8")
+    )
     + sorted((ROOT / "tests" / "specs" / "sm90").glob("*.fa"))
 )
 IDS = [p.stem for p in SPECS]
