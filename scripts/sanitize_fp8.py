@@ -1,7 +1,7 @@
 """Run each FP8 kernel (issue 42) once at ragged shapes, for compute-sanitizer (racecheck,
 synccheck, memcheck):
 
-    compute-sanitizer --tool racecheck python3 -P scripts/sanitize_fp8.py [256 | 64 | varlen | kvcache]
+    compute-sanitizer --tool racecheck python3 -P scripts/sanitize_fp8.py [256 | 64 | varlen | kvcache | tail]
 
 (`256`: the head_dim 256 kernels only; `64`: the head_dim 64 examples only; `varlen`: the
 shipped examples with `varlen on` through fadsl.attention_varlen, head_dim 64, 128 and 256,
@@ -9,7 +9,9 @@ causal and not, long and short-query specs, a ragged packed batch with per-seque
 descales; `kvcache`: the 8-bit KV-cache specs, examples/serving/fa3_fp8_decode_paged.fa and
 tests/specs/fp8/fa3_fp8_kvcache_hdim64.fa, through kern.kvcache: lengths 0, 1, 65 and 700,
 one, three and automatic pieces, per-(batch, head) descales; and fadsl.attention_with_kvcache
-at head_dim 256 and on pages of 16 keys, two new tokens appended.)
+at head_dim 256 and on pages of 16 keys, two new tokens appended; `tail`: the tail split's test
+spec, tests/specs/fp8/fa3_fp8_tail_split.fa, at shapes whose tiles all run as pieces merged by
+their last one.)
 
 The shipped examples (examples/fa3_fp8_hdim128*.fa, their 128 x 128 short twins up to 1024
 queries) through fadsl.attention, both 8-bit dtypes, O in bf16 and fp16, descales per (batch,
@@ -59,11 +61,12 @@ def descales(batch: int, kind: int):
 HEAD_DIM_64 = ("fa3_fp8_hdim64", "fa3_fp8_hdim64_causal", "fa3_fp8_hdim64_causal_short")
 # the parts a run covers: the shipped head_dim 128 calls and the test specs, 256, 64
 PARTS = {
-    "": {"128", "256", "64"},
+    "": {"128", "256", "64", "tail"},
     "256": {"256"},
     "64": {"64"},
     "varlen": {"varlen"},
     "kvcache": {"kvcache"},
+    "tail": {"tail"},
 }[" ".join(sys.argv[1:])]
 # varlen: (query rows, keys) per sequence: a single row, no row, no key, tails off the tiles
 VARLEN = ((1, 1), (300, 170), (0, 5), (129, 0), (500, 700))
@@ -116,6 +119,17 @@ with torch.no_grad():
                 print(
                     f"{spec} {dtype.value} {batch}x{sq}x{sk}: ran, finite={bool(out.isfinite().all())}"
                 )
+    if "tail" in PARTS:  # tail split_kv: (batch, seqlen_q, seqlen_k) of 12 and 24 tiles, split
+        kern = fadsl.load(ROOT / "tests/specs/fp8/fa3_fp8_tail_split.fa", verbose=False)
+        for dtype in kern.config.dtypes:
+            for i, (batch, sq, sk) in enumerate(((1, 333, 4096), (2, 300, 1100))):
+                q, k, v = inputs(batch, sq, sk, DTYPES[dtype.value])
+                qd, kd, vd = descales(batch, 2 - i)
+                out, lse = kern(q, k, v, return_lse=True, q_descale=qd, k_descale=kd,
+                                v_descale=vd)  # fmt: skip
+                torch.cuda.synchronize()
+                print(f"fa3_fp8_tail_split {dtype.value} {batch}x{sq}x{sk}: ran, "
+                      f"finite={bool(out.isfinite().all())}")  # fmt: skip
     for head_dim in (64, 128, 256) if "varlen" in PARTS else ():
         rows, keys = zip(*VARLEN)
         cu_q, cu_k = (torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32,

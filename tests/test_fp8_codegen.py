@@ -12,9 +12,8 @@ import pytest
 from conftest import ROOT
 from emitted_syncs import emitted_syncs, planned_syncs, rendered
 from fadsl.codegen.render import render
-from fadsl.errors import SpecError
 from fadsl.ir import Dtype
-from fadsl.pipeline import compile_file, compile_source
+from fadsl.pipeline import compile_file
 
 # the 8-bit test specs and the shipped 8-bit examples (fadsl.attention's, Target.shipped_fp8)
 SPECS = (
@@ -60,16 +59,16 @@ def test_the_8bit_kernel_calls_the_fp8_steps(spec):
             "const float scale_log2 = fp8_scale_log2<Cfg>(P.base, D, w);",
         ):
             assert call in text, call
-        # none of the 16-bit steps
+        # none of the 16-bit steps (but the tail split's merged rows: normalize_o, below)
         for call in (
             "issue_qk<Cfg>",
             "issue_pv<Cfg>",
             "convert_p<Cfg>",
             "online_softmax<Cfg>",
-            "normalize_o<Cfg>",
             "load_kv_multicast<Cfg>",
         ):
             assert call not in text, call
+        assert ("normalize_o<Cfg>" in text) == (cfg.ext.split_kv and not cfg.ext.split_all)
         assert "Cfg::kOffVt = " not in text and "static constexpr int kOffVt = " in text
 
 
@@ -110,23 +109,25 @@ def test_16bit_kernels_keep_their_signature_and_steps():
     assert "__syncwarp" not in text and "vt_slot" not in text
 
 
-UNBUILT_SPEC = (ROOT / "tests/specs/fp8/fa3_fp8_one_wg.fa").read_text()
-
-
-@pytest.mark.parametrize("line, key", [("  tail       split_kv", "tail")])
-def test_unbuilt_serving_variants_are_refused_at_their_key(line, key):
-    source = UNBUILT_SPEC.replace("  pingpong   off", f"  pingpong   off\n{line}")
-    try:
-        compiled = compile_source(source, "fp8.fa")
-    except SpecError as error:  # refused before rendering: also at the key
-        pytest.skip(f"refused by the front end: {error.diagnostics[0].message}")
-    with pytest.raises(SpecError) as info:
-        render(compiled.kernel, compiled.target, compiled.file)
-    (diagnostic,) = info.value.diagnostics
-    assert (
-        f"'{key}' with dtype e5m2: sm_90a's FP8 forward does not build it yet" in diagnostic.message
-    )
-    assert diagnostic.loc.line == source.splitlines().index(line) + 1
+def test_the_tail_split_merges_8bit_pieces_in_16bit_units():
+    """`tail split_kv` on an 8-bit spec: a piece converts its partial to the 16-bit pieces'
+    units (fp8_piece_partial) before the hand-over, the last piece merges at a scale of 1,
+    and the tail finishes merged rows as 16-bit ones (store_lse at scale 1, normalize_o) and
+    a whole tile's as 8-bit ones; `splits auto` (the combine kernel) keeps its own path."""
+    compiled, sources = rendered(ROOT / "tests/specs/fp8/fa3_fp8_tail_split.fa")
+    for source in sources:
+        text = source.text
+        piece = text.index("fp8_piece_partial<Cfg>(o, m, scale_log2, fp8_v_descale<Cfg>(D, w));")
+        merge = text.index("combine_split<Cfg>(P, w, wg, o, m, l, 1.f, threadIdx.x % 128)")
+        finish = text.index("if (w.split >= 0) {  // the tail split's merged pieces")
+        assert piece < merge < finish
+        merged, whole = text[finish:].split("} else {", 1)
+        assert "store_lse<Cfg>(P.base, w, rows, m, l, 1.f, lane);" in merged
+        assert "normalize_o<Cfg>(o, l);" in merged and "unpermute_o" not in merged
+        assert "store_lse8<Cfg>" in whole.split("}", 1)[0]
+        assert "normalize_o8<Cfg>" in whole.split("}", 1)[0]
+    _, serving = rendered(ROOT / "examples/serving/fa3_fp8_decode_paged.fa")
+    assert all("the tail split's merged pieces" not in s.text for s in serving)
 
 
 # Specs that ptxas cannot yet build without spills, kept as strict xfails: none. head_dim 256

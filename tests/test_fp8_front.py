@@ -16,9 +16,9 @@ from fadsl.errors import DiagnosticSink, SpecError
 from fadsl.frontend.lower import lower
 from fadsl.ir import Dtype, Hop, Instr, Level, Role, Scope
 from fadsl.ir.printer import format_kernel
-from fadsl.pipeline import compile_file, front_end
+from fadsl.codegen.render import render
+from fadsl.pipeline import compile_file, compile_source, front_end
 from fadsl.spec.syntax import parse_recovering
-from fadsl.targets.sm90.fp8 import refuse_unbuilt
 from fadsl.targets.sm90.validate import consumer_registers, smem_bytes
 
 SPEC = (ROOT / "tests/specs/fp8/fa3_fp8_hdim256_eager.fa").read_text()
@@ -79,22 +79,22 @@ def test_16bit_kernels_have_no_output_type():
     assert " output=" not in format_kernel(kernel)
 
 
-def test_sm90a_renders_the_8bit_forward_and_serving_and_refuses_the_tail_split():
+def test_sm90a_renders_the_8bit_forward_serving_and_tail_split():
     """Since step 4 (2026-11-30) the plain FP8 forward's CUDA is built, `varlen on` since
-    2026-12-04 and a KV cache (pack_gqa, `splits auto`) since the same day; what it does not
-    build (the tail split) is refused at its key when the CUDA would be rendered."""
-    kernel = front_end(SPEC, "fp8.fa")
-    assert kernel.config.dtypes == (Dtype.E4M3, Dtype.E5M2)
-    refuse_unbuilt(kernel.config)  # nothing to refuse
+    2026-12-04, a KV cache (pack_gqa, `splits auto`) and the tail split the same day: each
+    renders one kernel per 8-bit dtype; only the tail split's merges its pieces in the
+    kernel, at a scale of 1 (the 16-bit pieces' units)."""
+    merged = "combine_split<Cfg>(P, w, wg, o, m, l, 1.f, threadIdx.x % 128)"
+    variants = [(SPEC, False)]
     for line in ("varlen     on", "kv_cache   contiguous", "kv_cache   paged(64)"):
-        built = front_end(SPEC.replace("  mask", f"  {line}\n  mask", 1), "fp8.fa")
-        refuse_unbuilt(built.config)  # built
-    tail = front_end(SPEC.replace("  mask", "  tail       split_kv\n  mask", 1), "fp8.fa")
-    with pytest.raises(SpecError) as info:
-        refuse_unbuilt(tail.config)
-    (diagnostic,) = info.value.diagnostics
-    assert "'tail' with dtype e4m3 and e5m2" in diagnostic.message
-    assert "does not build it yet" in diagnostic.message
+        variants.append((SPEC.replace("  mask", f"  {line}\n  mask", 1), False))
+    variants.append(((ROOT / "tests/specs/fp8/fa3_fp8_tail_split.fa").read_text(), True))
+    for source, tail in variants:
+        compiled = compile_source(source, "fp8.fa")
+        assert compiled.kernel.config.dtypes == (Dtype.E4M3, Dtype.E5M2)
+        texts = [s.text for s in render(compiled.kernel, compiled.target, compiled.file)]
+        assert len(texts) == 2
+        assert all((merged in t) == tail for t in texts)
 
 
 def test_print_read_print_keeps_a_three_hop_path_and_the_output_type():

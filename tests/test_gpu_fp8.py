@@ -242,6 +242,71 @@ def test_head_dim_64_matches_the_dequantized_reference(name, spec, shape):
     check_close(out, lse, ref_out, ref_lse, *_v_stats(v8, descales[2], shape[4]), spec)
 
 
+# `tail split_kv` (tests/specs/fp8/fa3_fp8_tail_split.fa, 128 x 192): shapes whose last round
+# of tiles is part-full, so that it runs as pieces merged by their tile's last piece (each
+# case asserts the split plan splits): fewer tiles than SMs (every tile split), a part-full
+# round after whole ones, ragged seqlen_k, GQA and MQA, and a bad v_descale in one head
+SHAPES_TAIL = [
+    (1, 333, 4096, 2, 2),
+    (2, 1000, 3001, 4, 1),
+    (1, 1200, 2500, 40, 8),
+    (1, 4096, 4096, 40, 40),
+]
+
+
+def _tail_splits(kern, shape) -> int:
+    from fadsl.targets.launch import sm_count
+    from fadsl.targets.sm90.host.launch import split_plan
+
+    b, sq, sk, hq, _ = shape
+    tiles = -(-sq // kern.config.block_r) * hq * b
+    return split_plan(tiles, sm_count(0), -(-sk // kern.config.block_c))[1]
+
+
+@pytest.mark.parametrize("shape", SHAPES_TAIL, ids=[_ids(s) for s in SHAPES_TAIL])
+@pytest.mark.parametrize("name", list(DTYPES))
+def test_the_tail_split_merges_8bit_pieces_exactly(name, shape):
+    """The tail split's pieces merged by their tile's last piece, out poisoned (NaN) and
+    the LSE beside it, against float64 attention of the dequantized inputs; and bitwise
+    stable over calls (the merge runs in piece order, whichever piece ends last)."""
+    kern = fadsl.load(ROOT / "tests/specs/fp8/fa3_fp8_tail_split.fa", verbose=False)
+    assert _tail_splits(kern, shape) > 1, "the shape must split its last round"
+    q8, k8, v8, descales = fp8_inputs(shape, DTYPES[name], seed=sum(shape))
+    outs = []
+    for _ in range(3):
+        out = torch.full(q8.shape, float("nan"), device="cuda", dtype=torch.bfloat16)
+        poison_allocator(8 * q8.numel() * 4)
+        _, lse = kern(q8, k8, v8, 0.1, out=out, return_lse=True, q_descale=descales[0],
+                      k_descale=descales[1], v_descale=descales[2])  # fmt: skip
+        outs.append((out, lse))
+    ref_out, ref_lse = fp8_reference(q8, k8, v8, descales, 0.1, False)
+    check_close(outs[0][0], outs[0][1], ref_out, ref_lse, *_v_stats(v8, descales[2], shape[4]),
+                f"tail split {name} {shape}")  # fmt: skip
+    for out, lse in outs[1:]:
+        assert torch.equal(out, outs[0][0]) and torch.equal(lse, outs[0][1])
+
+
+def test_a_bad_v_descale_poisons_only_its_rows_through_the_tail_split():
+    """A NaN v_descale of one (batch, K/V head): a piece's partial carries it (O times
+    v_descale before the merge), so its rows come out NaN and every other row exact."""
+    kern = fadsl.load(ROOT / "tests/specs/fp8/fa3_fp8_tail_split.fa", verbose=False)
+    shape = (2, 1000, 3001, 4, 2)
+    assert _tail_splits(kern, shape) > 1
+    q8, k8, v8, (qd, kd, vd) = fp8_inputs(shape, E4M3, seed=5)
+    vd = vd.clone()
+    vd[1, 0] = math.nan
+    out = torch.full(q8.shape, float("nan"), device="cuda", dtype=torch.bfloat16)
+    kern(q8, k8, v8, 0.1, out=out, q_descale=qd, k_descale=kd, v_descale=vd)
+    bad = out[1, :, :2]  # the query heads of K/V head 0 (GQA 2)
+    assert bad.isnan().all()
+    good = torch.ones(out.shape[0], out.shape[2], dtype=torch.bool, device="cuda")
+    good[1, :2] = False
+    ref_out, _ = fp8_reference(q8, k8, v8, (qd, kd, vd.nan_to_num(1.0)), 0.1, False)
+    rows = good[:, None, :, None].expand_as(out)
+    check_close(out[rows].view(-1, 128), None, ref_out[rows].view(-1, 128), None,
+                *_v_stats(v8, vd.nan_to_num(1.0), 2), "tail split, good heads")  # fmt: skip
+
+
 def _threshold_k_descales(scale: float) -> tuple[float, float]:
     """(below, at): k_descale values whose c' = fl(fl(fl(scale log2 e) 1) k_descale), the
     kernel's roundings (round to nearest, q_descale 1), falls just below and at or above the

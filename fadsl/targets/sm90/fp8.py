@@ -6,15 +6,15 @@ The FP8 forward reads Q and K as TMA writes them (K-major) but must transpose V 
 first FP8 kernel leaves out is refused at its key: the backward block
 (backward/validate.py), `rescale guarded`, score/keep modifiers, `cluster 2`. The kernel is
 built (fadsl/sm90_fp8.cuh) for the plain forward, varlen, a KV cache (contiguous or paged),
-pack_gqa and `splits auto`; a spec with the tail split gets its schedule, SMEM plan, syncs and
-proof, and is refused by ``refuse_unbuilt``, at that key, when its CUDA would be rendered
-(emit.context).
+pack_gqa, `splits auto` and `tail split_kv`: a split piece's partial is written in the 16-bit
+pieces' units (fp8_piece_partial), which `<kernel>_combine` (`splits auto`) or the tile's
+last piece (`tail split_kv`, combine_split at a scale of 1) merges as the 16-bit kernels do.
 """
 
 from __future__ import annotations
 
-from ...errors import Diagnostic, Loc, SpecError
-from ...ir import Config, Dtype, Level, Rescale, Role
+from ...errors import Loc
+from ...ir import Dtype, Level, Rescale, Role
 from ...ir.hop import Hop
 from ...spec.checks import Checks
 from ...spec.syntax import PathDecl
@@ -114,34 +114,3 @@ def value_loc(c: Checks, key: str) -> Loc:
         if setting.key.text == key and setting.key.loc == c.key_locs.get(key):
             return setting.values[0].loc if setting.values else setting.key.loc
     return c.key_locs.get(key, c.decl.loc)
-
-
-# What the FP8 forward's kernel (fadsl/sm90_fp8.cuh) does not build yet, by the Cfg extension's
-# field: (the spec's key, what it would need). A KV cache (contiguous or paged), pack_gqa and
-# `splits auto` are built (research/fp8-forward.md §14): the pieces write their partials in
-# the 16-bit units (fp8_piece_partial) for the combine kernel. The tail split's last piece
-# combines in the kernel and then runs the 8-bit epilogue on merged values it does not hold.
-UNBUILT = (("split_kv", "tail", "the tail split's in-kernel combination of 8-bit pieces"),)
-
-
-def refuse_unbuilt(cfg: Config) -> None:
-    """An 8-bit spec's CUDA is rendered (since step 4, research/fp8-forward.md §7) unless it
-    asks for what the FP8 kernel does not build yet: refused at that key (else the dtype
-    line) before any template sees it."""
-    eight = [d.value for d in cfg.dtypes if d.is_8bit]
-    if not eight:
-        return
-    hw = cfg.ext
-    for field, key, needs in UNBUILT:
-        # (`splits auto` sets split_kv too: its pieces run the split tail's schedule)
-        if not getattr(hw, field, None) or (field == "split_kv" and hw.split_all):
-            continue
-        raise SpecError(
-            [
-                Diagnostic(
-                    cfg.loc_of(key) or cfg.loc_of("dtype"),
-                    f"'{key}' with dtype {' and '.join(eight)}: sm_90a's FP8 forward does not "
-                    f"build it yet ({needs}; research/fp8-forward.md, issue 42)",
-                )
-            ]
-        )
