@@ -44,7 +44,8 @@ def packed(dtype=E4M3, hq=8, hkv=2, d=128, lengths_q=LENGTHS_Q, lengths_k=LENGTH
 
 def loaded(name="fa3_fp8_hdim128"):
     base = (ROOT / "examples" / f"{name}.fa").read_text()
-    return fadsl.load(rewrite(base, {"varlen": "on"}, {}, f"{name}_packed"), verbose=False)
+    settings = {"varlen": "on", "tail": "whole"}  # (as dispatch.fp8_varlen_kernel's)
+    return fadsl.load(rewrite(base, settings, {}, f"{name}_packed"), verbose=False)
 
 
 def _descales(launch) -> dict:
@@ -121,6 +122,7 @@ def test_fadsl_attention_varlen_runs_the_shipped_8bit_spec_with_varlen(device, c
     assert _descales(main)["k"] == kd.data_ptr()
     kern = dispatch.fp8_varlen_kernel(q, causal, None, 257)
     assert kern.is_varlen and kern.config.block_c == dispatch._shipped(name).config.block_c
+    assert not kern.config.ext.split_kv  # (a spec's tail split is for launches of equal tiles)
     fp16 = fadsl.attention_varlen(q, k, v, cu_q, cu_k, causal=causal, out_dtype=torch.float16)
     long = get_shipped(head_dim, causal)  # (no max_seqlen_q: the long spec)
     assert fp16.dtype == torch.float16 and log[-1].kernel == f"{long}_varlen_out_fp16"

@@ -41,14 +41,16 @@ HEADS = {"ragged": (8, 2), "long": (4, 1)}  # GQA 4, MQA
 _loaded: dict[str, object] = {}
 
 
-def varlen_spec(name: str):
-    """examples/NAME.fa with `varlen on`, named as fadsl.attention_varlen's own variant
-    (dispatch.fp8_varlen_kernel: the same text, so the same cached build)."""
-    if name not in _loaded:
+def varlen_spec(name: str, settings=None, variant: str | None = None):
+    """examples/NAME.fa with `varlen on` and `tail whole`, named as fadsl.attention_varlen's
+    own variant (dispatch.fp8_varlen_kernel: the same text, so the same cached build); or
+    with ``settings`` as ``variant``."""
+    settings = settings or {"varlen": "on", "tail": "whole"}
+    variant = variant or f"{name}_varlen"
+    if variant not in _loaded:
         base = (ROOT / "examples" / f"{name}.fa").read_text()
-        text = rewrite(base, {"varlen": "on"}, {}, f"{name}_varlen")
-        _loaded[name] = fadsl.load(text, verbose=False)
-    return _loaded[name]
+        _loaded[variant] = fadsl.load(rewrite(base, settings, {}, variant), verbose=False)
+    return _loaded[variant]
 
 
 def cu_seqlens(lengths) -> torch.Tensor:
@@ -219,6 +221,13 @@ def test_an_equal_length_packed_batch_gives_the_padded_calls_bits(head_dim, caus
     ours = dict(q_descale=descales[0], k_descale=descales[1], v_descale=descales[2])
     out_p, lse_p = fadsl.attention(*padded, causal=causal, softmax_scale=0.1, return_lse=True,
                                    **ours)  # fmt: skip
+    if dispatch._shipped(spec).config.ext.split_kv:
+        # the padded call merges its last round's tiles from pieces (`tail split_kv`, other
+        # roundings: tests/test_gpu_fp8.py's tail split tests); the same spec with `tail
+        # whole` runs every tile whole, as the varlen variant does
+        whole = varlen_spec(spec, {"tail": "whole"}, f"{spec}_whole")
+        assert not torch.equal(out_p, whole(*padded, 0.1, **ours))  # (the shape splits)
+        out_p, lse_p = whole(*padded, 0.1, return_lse=True, **ours)
     out_v, lse_v = fadsl.attention_varlen(q8, k8, v8, cu_q, cu_k, sq, sk, causal, 0.1,
                                           return_lse=True, **ours)  # fmt: skip
     chosen = dispatch.fp8_varlen_kernel(q8, causal, None, sq)  # (max_seqlen_q = sq: the same tile)

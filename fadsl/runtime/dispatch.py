@@ -152,8 +152,9 @@ def fp8_varlen_kernel(q, causal: bool, out_dtype, max_seqlen_q=None) -> FlashAtt
     """fadsl.attention_varlen's kernel on 8-bit q: the shipped 8-bit spec for q's GPU, head
     dimension and mask with `varlen on` (the short queries' spec where ``max_seqlen_q``, an
     int, is within its limit: the host never reads the lengths, so without it the long
-    one), and `output fp16` for out_dtype torch.float16; chosen once per (device, head_dim,
-    mask, out_dtype, the limits max_seqlen_q is within)."""
+    one), `tail whole`, and `output fp16` for out_dtype
+    torch.float16; chosen once per (device, head_dim, mask, out_dtype, the limits
+    max_seqlen_q is within)."""
     from .fp8_calls import check_out_dtype, out_dtypes
 
     seqlen = max_seqlen_q if type(max_seqlen_q) is int else None
@@ -164,7 +165,10 @@ def fp8_varlen_kernel(q, causal: bool, out_dtype, max_seqlen_q=None) -> FlashAtt
         capability, head_dim = device_capability(q.device), int(q.shape[-1])
         name = shipped_fp8_spec(capability, head_dim, causal, q.dtype, seqlen)
         word = out_dtypes()[check_out_dtype(out_dtype)]
-        settings = {"varlen": "on"} if word == "bf16" else {"varlen": "on", "output": word}
+        # (a spec's tail split is for launches of equal tiles: varlen's run longest first)
+        settings = {"varlen": "on", "tail": "whole"}
+        if word != "bf16":
+            settings["output"] = word
         variant = f"{name}_varlen" + ("" if word == "bf16" else f"_out_{word}")
         return _shipped_variant(name, settings, variant)
 
