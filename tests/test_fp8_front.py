@@ -1,23 +1,20 @@
 """The FP8 forward's vocabulary and front end (research/fp8-forward.md §3.1, §7 step 1): the
-8-bit dtypes, the `output` key, V's transpose hop, the targets' dtypes as data, and the
-refusal of every 8-bit spec's CUDA on sm_90a until its kernel is built. The located refusals
-themselves are golden files (tests/specs/bad/bad_fp8_*)."""
+8-bit dtypes, the `output` key, V's transpose hop, the targets' dtypes as data, and the 8-bit
+variants sm_90a renders. The located refusals are golden files (tests/specs/bad/bad_fp8_*)."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 
-import pytest
-
 from conftest import ROOT
 from ir_reader import read_kernel
 from fadsl import targets
-from fadsl.errors import DiagnosticSink, SpecError
+from fadsl.errors import DiagnosticSink
 from fadsl.frontend.lower import lower
 from fadsl.ir import Dtype, Hop, Instr, Level, Role, Scope
 from fadsl.ir.printer import format_kernel
 from fadsl.codegen.render import render
-from fadsl.pipeline import compile_file, compile_source, front_end
+from fadsl.pipeline import compile_file, compile_source
 from fadsl.spec.syntax import parse_recovering
 from fadsl.targets.sm90.validate import consumer_registers, smem_bytes
 

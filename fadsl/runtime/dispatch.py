@@ -152,9 +152,8 @@ def fp8_varlen_kernel(q, causal: bool, out_dtype, max_seqlen_q=None) -> FlashAtt
     """fadsl.attention_varlen's kernel on 8-bit q: the shipped 8-bit spec for q's GPU, head
     dimension and mask with `varlen on` (the short queries' spec where ``max_seqlen_q``, an
     int, is within its limit: the host never reads the lengths, so without it the long
-    one), `tail whole`, and `output fp16` for out_dtype
-    torch.float16; chosen once per (device, head_dim, mask, out_dtype, the limits
-    max_seqlen_q is within)."""
+    one), `tail whole`, and `output fp16` for out_dtype torch.float16; chosen once per
+    (device, head_dim, mask, out_dtype, the limits max_seqlen_q is within)."""
     from .fp8_calls import check_out_dtype, out_dtypes
 
     seqlen = max_seqlen_q if type(max_seqlen_q) is int else None
