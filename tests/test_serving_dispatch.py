@@ -344,15 +344,15 @@ def test_the_numbers_that_choose_a_kernel_are_read_by_value():
     from torch._dynamo.source import ConstantSource
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-    from fadsl.runtime.public_ops import _concrete
+    from fadsl.runtime.public_ops import concrete
 
     env = ShapeEnv()
     left = env.create_symintnode(env.create_symbol(64, ConstantSource("left")), hint=64)
     cap = env.create_symfloatnode(
         env.create_unspecified_symbol(30.0, ConstantSource("cap")), hint=30.0
     )
-    assert _concrete(left, 0, None, cap, True) == (64, 0, None, 30.0, True)
-    assert type(_concrete(left)[0]) is int and type(_concrete(cap)[0]) is float
+    assert concrete(left, 0, None, cap, True) == (64, 0, None, 30.0, True)
+    assert type(concrete(left)[0]) is int and type(concrete(cap)[0]) is float
 
 
 def test_the_op_paths_name_a_bad_number_before_the_ops_schema(monkeypatch):

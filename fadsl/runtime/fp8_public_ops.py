@@ -26,7 +26,7 @@ from torch.library import custom_op
 
 from . import dispatch
 from .arguments import check_scale
-from .public_ops import _concrete, append_and_attend, check_kvcache_kernel_call, check_new_tokens
+from .public_ops import append_and_attend, concrete, check_kvcache_kernel_call, check_new_tokens
 from .fp8_ops import NO_LSE, fp8_outputs, fp8_varlen_outputs
 
 
@@ -145,7 +145,7 @@ def attention_with_kvcache_fp8(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     args = (q, k_cache, v_cache, cache_seqlens, k, v, page_table)
     descales = (q_descale, k_descale, v_descale)
-    (splits,) = _concrete(num_splits)  # (by value: a SymInt under torch.compile)
+    (splits,) = concrete(num_splits)  # (by value: a SymInt under torch.compile)
     found = kvcache_fp8_call(*args, descales, causal, softmax_scale, out_dtype, splits, with_lse)
     return found if with_lse else (found, q.new_empty(NO_LSE, dtype=torch.float32))
 
@@ -153,7 +153,7 @@ def attention_with_kvcache_fp8(
 @attention_with_kvcache_fp8.register_fake
 def _(q, k_cache, v_cache, seqlens, k, v, table, q_descale, k_descale, v_descale, causal, scale,
       out_dtype, num_splits, with_lse):  # fmt: skip
-    descales, (splits,) = (q_descale, k_descale, v_descale), _concrete(num_splits)
+    descales, (splits,) = (q_descale, k_descale, v_descale), concrete(num_splits)
     kern, *_ = check_kvcache_fp8_call(q, k_cache, v_cache, seqlens, k, v, table, descales, causal,
                                       scale, out_dtype, splits, with_lse)  # fmt: skip
     # O with q's strides, as kvcache_forward's torch.empty_like makes it

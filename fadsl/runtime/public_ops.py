@@ -36,7 +36,7 @@ def _empty_lse(q) -> torch.Tensor:
     return q.new_empty(_NO_LSE, dtype=torch.float32)
 
 
-def _concrete(*values):
+def concrete(*values):
     """The values of a call's Python numbers that choose its kernel (a window's sides, the
     softcap, num_splits): under torch.compile they may arrive as SymInt or SymFloat, and
     the kernel is chosen by value (int() and float() specialise them: a guard)."""
@@ -146,8 +146,8 @@ def attention(
     softcap: float,
     with_lse: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    window = _concrete(window_left, window_right)
-    (cap,) = _concrete(softcap)
+    window = concrete(window_left, window_right)
+    (cap,) = concrete(softcap)
     if with_lse:
         return attention_call(q, k, v, causal, softmax_scale, True, window, cap)
     return attention_call(q, k, v, causal, softmax_scale, False, window, cap), _empty_lse(q)
@@ -156,7 +156,7 @@ def attention(
 @attention.register_fake
 def _(q, k, v, causal, softmax_scale, window_left, window_right, softcap, with_lse):
     kern = dispatch.attention_kernel(
-        q, causal, _concrete(window_left, window_right), *_concrete(softcap)
+        q, causal, concrete(window_left, window_right), *concrete(softcap)
     )
     check_scale(softmax_scale, kern.config.head_dim)
     kern.check_inputs(q, k, v)
@@ -192,8 +192,8 @@ def _(q, k, v, out, lse, dout, dlse, causal, softmax_scale, window_left, window_
 
 
 def _with_backward(q, causal: bool, window_left, window_right, softcap):
-    window = _concrete(window_left, window_right)
-    kern = dispatch.attention_kernel(q, causal, window, *_concrete(softcap))
+    window = concrete(window_left, window_right)
+    kern = dispatch.attention_kernel(q, causal, window, *concrete(softcap))
     if not kern.has_backward:
         raise RuntimeError(
             f"fadsl.attention: the spec it runs here ({kern.config.name}) has no backward "
@@ -253,7 +253,7 @@ def attention_varlen(
 @attention_varlen.register_fake
 def _(q, k, v, cu_q, cu_k, max_q, max_k, causal, softmax_scale, left, right, softcap, lse):
     # max_seqlen_q picks the schedule only (both exact): the fake need not read a SymInt
-    left, right, softcap = _concrete(left, right, softcap)
+    left, right, softcap = concrete(left, right, softcap)
     kern = dispatch.varlen_kernel(q, causal, (left, right), softcap, None)
     check_scale(softmax_scale, kern.config.head_dim)
     check_varlen(kern, q, k, v, cu_q, cu_k)
@@ -286,7 +286,7 @@ def attention_with_kvcache(
 
 @attention_with_kvcache.register_fake
 def _(q, k_cache, v_cache, seqlens, k, v, table, causal, scale, left, right, cap, splits, lse):
-    left, right, cap, splits = _concrete(left, right, cap, splits)
+    left, right, cap, splits = concrete(left, right, cap, splits)
     check_kvcache_call(q, k_cache, v_cache, seqlens, k, v, table, causal, scale, (left, right),
                        cap, splits, lse)  # fmt: skip
     return torch.empty_like(q), q.new_empty(lse_shape(q) if lse else _NO_LSE, dtype=torch.float32)
@@ -346,8 +346,8 @@ def _(q, k, v, out, lse, dout, dlse, cu_q, cu_k, max_q, causal, scale, left, rig
 
 
 def _varlen_with_backward(q, causal: bool, window_left, window_right, softcap, max_seqlen_q):
-    window = _concrete(window_left, window_right)
-    kern = dispatch.varlen_kernel(q, causal, window, *_concrete(softcap), max_seqlen_q)
+    window = concrete(window_left, window_right)
+    kern = dispatch.varlen_kernel(q, causal, window, *concrete(softcap), max_seqlen_q)
     if not kern.has_backward:
         raise RuntimeError(
             f"fadsl.attention_varlen: the spec it runs here ({kern.config.name}) has no "

@@ -42,11 +42,14 @@ def _fa4_varlen() -> Callable | None:
     return flash_attn_varlen_func
 
 
-def decode_tensors(batch, length, heads_q, heads_kv, head_dim, page, dtype, device="cuda"):
+def decode_tensors(
+    batch, length, heads_q, heads_kv, head_dim, page, dtype, device="cuda", caches: bool = True
+):
     """One decode step's tensors: q (batch, 1, heads_q, head_dim); the keys and values as
     SDPA reads them, (batch, heads_kv, length, head_dim); the same keys in the spec's cache,
     paged through a random permutation of the pages (page > 0; rows past a sequence's end
-    zero) or contiguous (page 0, table None); and the lengths. Returns (q, k, v, (k_cache,
+    zero) or contiguous (page 0, table None), or (None, None) without ``caches`` (a caller
+    that builds its own from the table); and the lengths. Returns (q, k, v, (k_cache,
     v_cache), table, seqlens)."""
     import torch
     import torch.nn.functional as F
@@ -56,11 +59,13 @@ def decode_tensors(batch, length, heads_q, heads_kv, head_dim, page, dtype, devi
     v = torch.randn_like(k)
     seqlens = torch.full((batch,), length, dtype=torch.int32, device=device)
     if not page:
-        return q, k, v, tuple(t.transpose(1, 2).contiguous() for t in (k, v)), None, seqlens
+        made = tuple(t.transpose(1, 2).contiguous() for t in (k, v)) if caches else (None, None)
+        return q, k, v, made, None, seqlens
     per = -(-length // page)
     table = torch.randperm(batch * per, device=device).view(batch, per).to(torch.int32)
     table = table.contiguous()
-    return q, k, v, tuple(paged(t.transpose(1, 2), table, page) for t in (k, v)), table, seqlens
+    made = tuple(paged(t.transpose(1, 2), table, page) for t in (k, v)) if caches else (None, None)
+    return q, k, v, made, table, seqlens
 
 
 def paged(rows, table, page: int):
@@ -142,8 +147,9 @@ def run(
     rows = []
     for batch, length in shapes:
         q, k, v, (k_cache, v_cache), table, seqlens = decode_tensors(
-            batch, length, heads_q, heads_kv, d, page, torch.float32 if eight else dtype
-        )
+            batch, length, heads_q, heads_kv, d, page, torch.float32 if eight else dtype,
+            caches=not eight,  # (8 bits: quantized_step pages its own through the table)
+        )  # fmt: skip
         descales = {}
         if eight:
             q8, (k8, v8), found, q, k, v = quantized_step(q, k, v, table, page, dtype)
