@@ -93,8 +93,7 @@ def check_descale_shapes(descales, shape, q, rows: str, whose: str, k_name: str 
         if tuple(t.shape) != shape:
             raise ValueError(
                 f"{name} must have shape ({rows}, heads_kv) = {shape} ({whose}, {k_name}'s "
-                "heads); "
-                f"got {tuple(t.shape)}; one descale for the tensor: "
+                f"heads); got {tuple(t.shape)}; one descale for the tensor: "
                 f"torch.tensor([s], device=q.device).expand{shape}"
             )
         if t.device != q.device:

@@ -381,6 +381,10 @@ def context(kernel: Kernel, dtype: Dtype) -> dict[str, Any]:
         "kv_cache": hw.kv_cache,
         "pack_gqa": hw.pack_gqa,
         "split_all": hw.split_all,
+        # `tail split_kv` on 8-bit inputs: pieces in the 16-bit pieces' units
+        # (fp8_piece_partial), the last one merging at scale 1 and finishing merged rows as
+        # 16-bit ones (the normalize step's branch)
+        "merged_8bit_pieces": dtype.is_8bit and hw.split_kv and not hw.split_all,
         # the K/V block of iteration @ (a window's tile starts at its window's first block,
         # not at block 0; keep's, past the EMPTY blocks keep_work trimmed; with a pass's
         # classes, the it-th block of its list: kv_block)

@@ -325,6 +325,14 @@ def explain_sections(data: Mapping[str, Any]) -> list[str]:
     producer, consumers = ws["roles"]
     regs = ws["registers_per_sm"]
     wgs = consumers["warpgroups"]
+    # split pieces of an 8-bit kernel (`splits auto`'s combine kernel, the tail split's last
+    # piece) merge in the 16-bit pieces' units
+    eight_bit_pieces = (
+        "; 8-bit pieces write O with rho undone and times v_descale, and R = m c' - 8 for m, "
+        "so that the merge, at scale 1, reads no descale (fp8_piece_partial)"
+        if ws.get("transpose_v")
+        else ""
+    )
     out = [
         f"Warp specialisation ({data['warps']} warps = {ws['warpgroups']} warpgroups of "
         f"{WARPGROUP_THREADS} threads)",
@@ -395,18 +403,14 @@ def explain_sections(data: Mapping[str, Any]) -> list[str]:
             "the SMs in one wave; each piece's warpgroups write their partial O, m and l to a "
             "workspace and skip the tile's tail, and <kernel>_combine adds them up after the "
             "launch (a programmatic dependent: placed while the pieces run, it waits for them)"
-            + (
-                "; 8-bit pieces write O with rho undone and times v_descale, and R = m c' - 8 "
-                "for m, so that the combine reads no descale (fp8_piece_partial)"
-                if ws.get("transpose_v")
-                else ""
-            )
+            + eight_bit_pieces
             if "splits" in ws
             else (
                 "split_kv: the launch's last, part-full round of tiles runs as pieces of their K/V "
                 "blocks on the CTAs that would idle; each piece's warpgroup hands its partial O, m "
                 "and l over in global memory (named barrier 8+wg, outside the SMEM plan), and the "
                 "last to finish a tile combines them and stores it (the others skip the tail)"
+                + eight_bit_pieces
                 if ws["tail"] == "split_kv"
                 else "whole: each tile runs all its K/V blocks in one CTA"
             )
