@@ -110,6 +110,7 @@ SMEM_ARGS |= {"stage_grad_kv": (0,), "store_grad_kv_tma": (0,)}
 REGISTERS = {"s": Reg.S, "dp": Reg.DP, "p16": Reg.P16, "ds16": Reg.DS16}
 REGISTERS |= {"dk": Reg.DK, "dv": Reg.DV, "dq": Reg.DQ}
 REGISTERS |= {"lse": Reg.LSE, "d_sums": Reg.D}  # the lagged consumer's RowPairs
+REGISTERS |= {"zeros": Reg.ZEROS}  # `peel_dead on`: a peeled m-block's dS^T rows
 OFFSETS = {
     "kOffK": StagedTile.K,
     "kOffV": StagedTile.V,
@@ -175,6 +176,8 @@ def running(flat: str, walk: Walk) -> str:
         flat = flat.replace("(run.m0+i)", "(current)")  # (m-block i's own: no plan index)
         flat = flat.replace("((current)-1)", "(run.m0+i)")  # prev, in m-block i
         flat = flat.replace("(run.m0+b.m_count-1)", "(run.m0+i)")  # last, after the loop
+    if walk.phase is LoopPhase.PEELED:  # `peel_dead on`: the first m-block, run.m0 (i = 0)
+        flat = flat.replace("(run.m0)", "i")
     if walk.params.persistent:
         flat = re.sub(r"(?<![\w.+])i(?=[%/])", "tile-local i", flat)
     return flat.replace("(run.m0+i)", "i")
@@ -336,7 +339,9 @@ def walk_node(node, walk: Walk) -> None:
         case ("while", cond, body):
             walk_simple(cond, walk)
             walk_node(body, walk)
-        case ("for", "inti=0;i<b.m_count;++i", body):
+        case ("for", "inti=0;i<b.m_count;++i" | "inti=i_first;i<b.m_count;++i", body):
+            # `peel_dead on`: the loop starts after the peeled m-block, where there is one
+            assert not (walk.params.peel_dead and "i=0;" in node[1]), "m-block 0 run twice"
             inner = walk.fork(phase=LoopPhase.LOOP)
             walk_node(body, inner)
             walk.calls += inner.calls
@@ -380,6 +385,7 @@ def walk_if(cond: str, constexpr: bool, then, other, walk: Walk) -> None:
     flags["Cfg::kDkvTma"] = walk.params.dkv_tma
     flags["Cfg::kPrefetchKv"] = walk.params.prefetch_kv
     flags["Cfg::kDvOutFirst"] = walk.params.dv_out_first
+    flags["Cfg::kPeelDead"] = walk.params.peel_dead
     flags |= {f"!{name}": not value for name, value in flags.items()}
     if constexpr:  # a flag, its negation, or a conjunction of them
         chosen = then if all(flags[part] for part in cond.split("&&")) else other
@@ -412,6 +418,12 @@ def walk_if(cond: str, constexpr: bool, then, other, walk: Walk) -> None:
         assert (
             walk.returned or walk.params.dv_out_first
         ), "a return ends it (dv_out_first's dV: none)"
+        return
+    if cond == "bwd_first_block_dead<Cfg>(P,b,wg)":  # `peel_dead on`: the peeled m-block
+        assert other is None and walk.phase is LoopPhase.BEFORE
+        inner = walk.fork(phase=LoopPhase.PEELED)
+        walk_node(then, inner)
+        walk.calls += inner.calls
         return
     if cond == "i>0" and other is not None:  # `dq_lag on`: dQ(i - 1) around dK(i)'s calls
         return _walk_lagged(then, other, walk)

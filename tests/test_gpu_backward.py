@@ -134,6 +134,13 @@ VARIANTS += DKV_TMA
 VARIANTS += ("fa3_causal+prefetch_kv", "fa3_hopper+prefetch_kv", "fa3_hdim64_causal+prefetch_kv")
 # `dv_out_first on`: dV's TMA store before the last m-block's dQ (the examples with dK, dV by TMA)
 VARIANTS += ("fa3_causal+dv_out_first", "fa3_hopper+dv_out_first", "fa3_hdim64_causal+dv_out_first")
+# `peel_dead on` (a warpgroup whose keys the first m-block masks entirely skips its products
+# there): fa3_causal's since 2026-12-04 (the diagonal's second warpgroup), its twin without;
+# with dS by st.shared, the writer warps' staged dQ, and where only the keys' end makes a
+# warpgroup dead (SHAPES' 1 x 1 and 700 keys): without a mask at B_r 64, head_dim 64's B_r 128
+PEEL_DEAD = ("fa3_causal-peel_dead", "fa3_causal-ds_stmatrix", "fa3_causal+dq_writer-dqred+dq_lag")
+PEEL_DEAD += ("fa3_hopper+br64+ds_stmatrix+peel_dead", "fa3_hdim64_causal+peel_dead")
+VARIANTS += PEEL_DEAD
 CASES = [(n, d, s) for n in FORWARDS + PLAIN + VARIANTS for d in DTYPES for s in SHAPES]
 # head_dim 256 (sm90_bwd_split.cuh: B_r 64, each consumer S and dP of B_c / 2 keys, dK^T, dV^T
 # and dQ^T of its half of head_dim): the examples' B_c 80 and the B_c 64 fallback; seqlens off
@@ -175,7 +182,9 @@ def training_spec(name: str) -> str:
     ``dq_lag off`` where a switch asks for what it refuses (``+early_dv``,
     ``+dv_before_meeting``, ``+deterministic``, ``+dq_writer``, ``-overlap``, ``-dqred``, or
     ``+br64`` at head_dim 64, where dQ is split by keys) unless the name says ``+dq_lag``,
-    and ``dq_first off`` wherever ``dq_lag`` ends up off."""
+    and ``dq_first off`` wherever ``dq_lag`` ends up off; ``peel_dead on`` (fa3_causal's) ends
+    up off where ``dq_lag`` does, with ``scheduler persistent`` or at B_r 80, unless the name
+    says ``+peel_dead``."""
     example, *switches = re.split(r"(?=[+-])", name)
     text = (EXAMPLES / f"{example}.fa").read_text()
     if "backward {" not in text:
@@ -227,6 +236,12 @@ def training_spec(name: str) -> str:
         "+dkv_tma" not in switches
     ):
         block = block.replace(TMA_DKV, "rf -st.global-> gmem")
+    # `peel_dead on`: the lagged consumer's, one tile per CTA, dS^T's rows keys (not B_r 80)
+    br80 = re.search(r"^\s*tile\s+B_r\s*=\s*80\b", block, re.M)
+    if (persistent or br80 or not re.search(r"^\s*dq_lag\s+on\b", block, re.M)) and (
+        "+peel_dead" not in switches
+    ):
+        block = re.sub(r"^(\s*)peel_dead\s+on\b", r"\1peel_dead off", block, flags=re.M)
     return head + "backward {" + block
 
 

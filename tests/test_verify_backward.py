@@ -83,8 +83,12 @@ def test_the_cases_wrap_every_ring_slot_twice():
     # from registers or by TMA (dV's store after or before the last dQ), 24 of them with 2
     # stages by stmatrix; each again with the writer warps, and with 2 or 3 stages with them
     # in deterministic mode
-    lag_writers = [p for p in PARAMS if p.dq_lag and p.dq_writer]
-    lag = [p for p in PARAMS if p.dq_lag and not p.dq_writer]
+    # `peel_dead on`: each 2-stage one whose dS^T keeps the keys as rows, once more
+    peeled = {p for p in PARAMS if p.peel_dead}
+    two_stages = {p for p in PARAMS if p.dq_lag and p.stages == 2 and not p.dq_transposed}
+    assert peeled and {replace(p, peel_dead=False) for p in peeled} == two_stages - peeled
+    lag_writers = [p for p in PARAMS if p.dq_lag and p.dq_writer and not p.peel_dead]
+    lag = [p for p in PARAMS if p.dq_lag and not p.dq_writer and not p.peel_dead]
     assert len(lag) == (5 * 3 + 4) * 2 * 3 and sum(p.ds_stmatrix for p in lag) == 24
     staged = dict(dq_red=True, dq_writer=False, deterministic=False)
     assert {replace(p, **staged) for p in lag_writers} == set(lag)

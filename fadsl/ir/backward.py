@@ -90,6 +90,11 @@ class Backward:
     # with dK and dV by TMA: dV staged in its dead V rows and stored before the last m-block's
     # dQ (its store then runs under that dQ), not after it (sm90_bwd_lag.cuh)
     dv_out_first: bool = False
+    # with dq_lag: a consumer warpgroup whose keys are all masked for every query of its
+    # tile's first m-block (past the keys, or past the last query's right edge: the causal
+    # diagonal's second warpgroup at B_c 128) skips that m-block's products and hands over
+    # a zero dS^T panel (sm90_bwd_lag.cuh, bwd_hand_over_dead)
+    peel_dead: bool = False
     # Every tensor's path, the defaults included, in the target's order. The IR's text form
     # leaves them out (the target admits one path per tensor): a kernel read back has none.
     tensors: tuple[BackwardTensor, ...] = ()
@@ -134,13 +139,14 @@ class Backward:
             + (" dkv=tma" if self.dkv_tma else "")
             + (" prefetch_kv=on" if self.prefetch_kv else "")
             + (" dv_out_first=on" if self.dv_out_first else "")
+            + (" peel_dead=on" if self.peel_dead else "")
         )
 
 
 _TEXT = re.compile(
     r"backward B_r=(?P<m>\d+) B_c=(?P<n>\d+) consumers=(?P<consumers>\d+) "
     r"regs=(?P<preg>\d+)/(?P<creg>\d+) stages=(?P<stages>\d+) "
-    r"deterministic=(?P<deterministic>on|off)(?P<overlap> overlap=on)?(?P<early_dv> early_dv=on)?(?P<dv_before_meeting> dv_before_meeting=on)?(?P<dq_lag> dq_lag=on)?(?P<dq_first> dq_first=on)?(?P<dq_red> dq=red.add)?(?P<longest_first> longest_first=on)?(?P<dq_writer> dq_writer=on)?(?P<ds_stmatrix> ds=stmatrix)?(?P<persistent> scheduler=persistent)?(?P<fused_convert> fused_convert=on)?(?P<dkv_tma> dkv=tma)?(?P<prefetch_kv> prefetch_kv=on)?(?P<dv_out_first> dv_out_first=on)?$"
+    r"deterministic=(?P<deterministic>on|off)(?P<overlap> overlap=on)?(?P<early_dv> early_dv=on)?(?P<dv_before_meeting> dv_before_meeting=on)?(?P<dq_lag> dq_lag=on)?(?P<dq_first> dq_first=on)?(?P<dq_red> dq=red.add)?(?P<longest_first> longest_first=on)?(?P<dq_writer> dq_writer=on)?(?P<ds_stmatrix> ds=stmatrix)?(?P<persistent> scheduler=persistent)?(?P<fused_convert> fused_convert=on)?(?P<dkv_tma> dkv=tma)?(?P<prefetch_kv> prefetch_kv=on)?(?P<dv_out_first> dv_out_first=on)?(?P<peel_dead> peel_dead=on)?$"
 )
 
 
@@ -174,5 +180,6 @@ def read_backward(line: str, loc: Loc) -> Backward:
         dkv_tma=m["dkv_tma"] is not None,
         prefetch_kv=m["prefetch_kv"] is not None,
         dv_out_first=m["dv_out_first"] is not None,
+        peel_dead=m["peel_dead"] is not None,
         loc=loc,
     )

@@ -58,6 +58,7 @@ def _backward_line(kernel: Kernel) -> str:
         + (", dS by stmatrix" if b.ds_stmatrix else "")
         + (", prefetch_kv on" if b.prefetch_kv else "")
         + (", dv_out_first on" if b.dv_out_first else "")
+        + (", peel_dead on" if b.peel_dead else "")
         + " (the spec's backward block; explain shows its plan)"
     )
 

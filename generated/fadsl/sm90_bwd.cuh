@@ -254,6 +254,10 @@ struct BwdConfig {
   // `dv_out_first on` (a generated Cfg sets it, with kDkvTma): dV staged in its dead V rows
   // and stored by TMA before the last m-block's dQ, its store under that dQ's wgmma and adds
   static constexpr bool kDvOutFirst = false;
+  // `peel_dead on` (a generated Cfg sets it, with kDqLag): a warpgroup whose keys are all
+  // masked in the tile's first m-block peels it (bwd_first_block_dead): no product, its dS^T
+  // rows handed over as zeros
+  static constexpr bool kPeelDead = false;
   // `varlen on` (a generated Cfg sets it): packed sequences, cu_seqlens in the params; a CTA
   // per (n-block slot, query head) over the packed keys (bwd_block)
   static constexpr bool kVarlen = false;

@@ -37,6 +37,22 @@ __device__ __forceinline__ uint32_t bwd_bar_ds_empty(uint32_t smem, int buf) {
   return bwd_bar_ds_full<Cfg>(smem, 2 + buf);
 }
 
+// `peel_dead on` (Cfg::kPeelDead): whether every key of warpgroup wg's 64 is masked for every
+// query of the tile's first m-block: past the keys, or past the right edge of that m-block's
+// last query (causal at B_r 64, B_c 128: the diagonal n-block's second warpgroup).  Its P and
+// dS are zeros there, so its S^T, dP^T, dV and dK products of the m-block add nothing.
+template <class Cfg>
+__device__ __forceinline__ bool bwd_first_block_dead(const BwdParamsSm90& P, const BwdBlock& b, int wg) {
+  if (b.m_count == 0) return false;
+  const int wg_key0 = b.n0 + 64 * wg;
+  if (wg_key0 >= bwd_keys<Cfg>(P, b)) return true;
+  if constexpr (bwd_has_right_edge<Cfg>()) {
+    const int last_query = (bwd_m_block<Cfg>(P, b, 0) + 1) * Cfg::kBlockM - 1;
+    return wg_key0 > last_query + bwd_diagonal<Cfg>(P, b) + bwd_right_edge<Cfg>();
+  }
+  return false;
+}
+
 // dQ of one m-block from dS^T buffer `ds_buf` (both warpgroups' halves): the warpgroup's
 // share as meet_and_issue_dq issues it, without the meeting, in a wgmma group of its own.
 template <class Cfg>
@@ -109,6 +125,8 @@ __device__ __forceinline__ void bwd_consumer_lagged(const BwdParamsSm90& P, uint
                 "dq_lag: overlap on, dQ by red.add or by the writer warps (deterministic: the writer's), none of early_dv, dv_before_meeting");
   static_assert(!Cfg::kDkvTma || (!Cfg::kPersistent && !Cfg::kVarlen), "dK, dV by TMA: one tile per CTA, padded batches");
   static_assert(!Cfg::kDvOutFirst || Cfg::kDkvTma, "dv_out_first: it moves dV's TMA store");
+  static_assert(!Cfg::kPeelDead || (!Cfg::kPersistent && !Cfg::kDqTransposed && !Cfg::kKeep && !Cfg::kLearn && !has_window<Cfg>()),
+                "peel_dead: one tile per CTA, dS^T's rows keys, the structural mask alone (knobs.py)");
   const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
   const int key0 = b.n0 + 64 * wg + 16 * warp + lane / 4;  // this thread's key row r = 0
   float dk[Cfg::kAccRegs], dv[Cfg::kAccRegs];
@@ -129,8 +147,37 @@ __device__ __forceinline__ void bwd_consumer_lagged(const BwdParamsSm90& P, uint
   // dq_writer on: the warpgroup's dQ staging, handed to its writer warp (reduce_dq's writer branch)
   const uint32_t dq_stage = Cfg::kDqWriter ? bwd_dq_stage<Cfg>(smem, wg) : 0u;
   int m_prev = 0;               // m-block i - 1's index, whose dQ m-block i issues
+  int i_first = 0;              // 1 where the first m-block is peeled (peel_dead)
+  if constexpr (Cfg::kPeelDead) {
+    if (bwd_first_block_dead<Cfg>(P, b, wg)) {
+      // The first m-block of a warpgroup whose keys it all masks: no product (P = dS = 0),
+      // only its part of the m-block's hand-over, in the loop's order: its dS^T rows stored as
+      // zeros for both warpgroups' dQ (issued lagged in m-block 1 or after the loop), and the
+      // slot released.  (The plan's peel: fadsl/targets/sm90/backward/peel.py.)
+      const int run_i = run.m0;  // one tile per CTA: 0
+      const int slot = run_i % Cfg::kStages;
+      // RAW: the slot's Q, dO, LSE and D landed (TMA and bulk complete_tx on q_full)
+      mbar_wait_parity(bwd_bar_q_full<Cfg>(smem, slot), static_cast<uint32_t>(run_i / Cfg::kStages) & 1u);
+      uint32_t zeros[Cfg::kPRegs];
+#pragma unroll
+      for (int r = 0; r < Cfg::kPRegs; ++r) zeros[r] = 0u;
+      // (dS^T buffer 0's first use: no earlier dQ reads it, so no wait on its empty barrier)
+      const uint32_t ds_buf = smem + Cfg::kOffDS + (run_i % 2) * Cfg::kDSBytes;
+      if constexpr (Cfg::kDsStmatrix) {
+        store_ds_stmatrix<Cfg>(ds_buf, zeros, wg, warp, lane);
+      } else {
+        store_ds<Cfg>(ds_buf, zeros, wg, warp, lane);
+      }
+      // RAW: the zeros' st.shared (generic proxy) before either warpgroup's dQ wgmma reads them (async proxy)
+      fence_proxy_async_smem();
+      mbar_arrive(bwd_bar_ds_full<Cfg>(smem, run_i % 2));  // RAW: this thread's part of dS^T(0) stored and fenced
+      mbar_arrive(bwd_bar_q_empty<Cfg>(smem, slot));  // WAR: the slot is read no more (nothing of it was)
+      m_prev = bwd_m_block<Cfg>(P, b, 0);
+      i_first = 1;
+    }
+  }
 
-  for (int i = 0; i < b.m_count; ++i) {
+  for (int i = i_first; i < b.m_count; ++i) {
     FADSL_BWD_MARK(wg, i, 0);
     const int run_i = run.m0 + i;  // ring slot, parity and dS^T buffer run on over tiles (persistent)
     const int slot = run_i % Cfg::kStages;

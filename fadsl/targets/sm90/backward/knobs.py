@@ -12,7 +12,9 @@ is not built beside the rest, with what would work instead.
 - dK and dV stored by TMA from the dead K and V tiles: the lagged consumer's epilogue, one
   tile per CTA, padded batches;
 - `prefetch_kv on` reads ahead in the grid's launch order, one tile per CTA;
-- `dv_out_first on` moves dV's TMA store, so it needs dK and dV by TMA.
+- `dv_out_first on` moves dV's TMA store, so it needs dK and dV by TMA;
+- `peel_dead on` peels the lagged consumer's first m-block, one tile per CTA, where the
+  masked keys are the structural mask's alone.
 """
 
 from __future__ import annotations
@@ -67,7 +69,31 @@ def check_knobs(c: Checks, block: BackwardBlock, backward: Backward, head_dim: i
         why = [f"dV stored from registers (it moves dV's TMA store: dV: {DK_TMA.text()})"]
         knob = "dv_out_first on (dV staged and stored by TMA before the last m-block's dQ)"
         ok = _refused(block, "dv_out_first", knob, why, "leave it off") and ok
+    if backward.peel_dead:
+        ok = _peel_dead(c, block, backward) and ok
     return ok
+
+
+def _peel_dead(c: Checks, block: BackwardBlock, backward: Backward) -> bool:
+    """`peel_dead on`: built in the lagged consumer (its dS^T hand-over by mbarriers lets one
+    warpgroup skip an m-block's products), for a tile per CTA, where dS^T keeps the keys as
+    rows and the keys the peel skips are those the causal edge or the keys' end masks."""
+    why = []
+    if not backward.dq_lag:
+        why.append("dq_lag off (it peels the lagged consumer's first m-block: 'dq_lag on')")
+    if backward.block_m % 64:
+        why.append(
+            f"B_r = {backward.block_m} (dQ transposed: dS^T's rows are queries, each warpgroup "
+            "a 64-key panel)"
+        )
+    if backward.persistent:
+        why.append("scheduler persistent (the peel is of a CTA's one tile)")
+    if "window" in c.values:
+        why.append("a sliding window (its left edge is not in the peel's test)")
+    if c.decl.modifiers:
+        why.append("score or keep modifiers (their per-block state and gradients run per m-block)")
+    knob = "peel_dead on (a warpgroup whose keys are all masked skips its first m-block's products)"
+    return _refused(block, "peel_dead", knob, why, "leave it off")
 
 
 def _dkv_tma(c: Checks, block: BackwardBlock, backward: Backward) -> bool:

@@ -97,6 +97,9 @@ class CodeSite(Enum):
 
 class LoopPhase(Enum):
     BEFORE = "before the m-block loop"
+    # `peel_dead on`: a warpgroup whose keys are all masked in the tile's first m-block runs
+    # these in its place, before the loop, which then starts at m-block 1 (peel.py)
+    PEELED = "the first m-block, peeled where the warpgroup's keys are all masked there"
     LOOP = "each m-block"
     AFTER = "after the m-block loop"
 
@@ -251,6 +254,7 @@ class Reg(Enum):
     DQ = "dQ acc"
     LSE = "LSE (loaded ahead)"  # the lagged consumer's row values in registers (RowPairs)
     D = "D (loaded ahead)"
+    ZEROS = "zeros (a peeled m-block's dS^T rows)"
 
 
 @dataclass(frozen=True)
@@ -330,6 +334,10 @@ class Params:
     # `dv_out_first on` (with dkv_tma): dV's staging in its V rows and its TMA store before
     # the last m-block's dQ and adds, dK's after them
     dv_out_first: bool = False
+    # `peel_dead on` (with dq_lag, one tile per CTA, dS^T's rows keys): a warpgroup whose
+    # keys are all masked in the first m-block runs the PEELED items in its place (peel.py);
+    # the proof covers every warpgroup peeled or not
+    peel_dead: bool = False
 
     @classmethod
     def of(cls, bwd: Backward, head_dim: int) -> Params:
@@ -353,6 +361,7 @@ class Params:
             dkv_tma=bwd.dkv_tma,
             prefetch_kv=bwd.prefetch_kv,
             dv_out_first=bwd.dv_out_first,
+            peel_dead=bwd.peel_dead,
         )
 
     def __post_init__(self) -> None:
@@ -382,6 +391,10 @@ class Params:
         assert not self.dkv_tma or (self.dq_lag and not self.persistent), self
         assert not (self.prefetch_kv and self.persistent), self  # knobs.py: one tile per CTA
         assert not self.dv_out_first or self.dkv_tma, self  # knobs.py: it moves dV's TMA store
+        # knobs.py's _peel_dead: the lagged consumer's first m-block, one tile per CTA
+        assert not self.peel_dead or (
+            self.dq_lag and not self.persistent and self.block_m % BLOCK_M == 0
+        ), self
         if self.split:  # sm90_bwd_split.cuh's one order, dQ from registers
             assert self.consumers == 2 and self.block_m == BLOCK_M, self
             # (overlap off: so neither early_dv nor dv_before_meeting, which need it)
@@ -492,6 +505,7 @@ class Params:
         det += ", persistent" if self.persistent else ""
         det += ", dK and dV by TMA" if self.dkv_tma else ""
         det += " (dV before the last dQ)" if self.dv_out_first else ""
+        det += ", a dead first m-block peeled" if self.peel_dead else ""
         det += ", a later CTA's K and V prefetched" if self.prefetch_kv else ""
         return (
             f"{self.consumers} consumer(s), {self.stages} stage(s), head_dim {self.head_dim}, "
@@ -565,9 +579,14 @@ _ROLE_FIELDS = {
 }
 
 
-def unrolled(items: tuple[Item, ...], m_count: int, m0: int = 0) -> list[tuple[Item, int | None]]:
+def unrolled(
+    items: tuple[Item, ...], m_count: int, m0: int = 0, peeled: bool = False
+) -> list[tuple[Item, int | None]]:
     """(item, m-block) in the order one thread runs them: the items before the loop, the
-    loop's m_count times, those after; HAS_WORK items only when m_count > 0. An OWED item
+    loop's m_count times, those after; HAS_WORK items only when m_count > 0. ``peeled``
+    (`peel_dead on`, a warpgroup whose keys the first m-block masks, m_count > 0): the
+    PEELED items as m-block 0 in place of the loop's first pass, the loop from m-block 1
+    (its items that act for the previous m-block acting for 0 there). An OWED item
     (the deferred release of a ticket) or a LAGGED one (`dq_lag on`'s dQ) acts for the
     previous m-block: in m-block i for i - 1 (none in m-block 0), after the loop for the
     last one (none when m_count = 0); a LAGGED_AFTER_FIRST one likewise, but never for
@@ -578,16 +597,24 @@ def unrolled(items: tuple[Item, ...], m_count: int, m0: int = 0) -> list[tuple[I
     live = [x for x in items if x.guard is Guard.ALWAYS or m_count > 0]
     live = [x for x in live if x.guard is not Guard.LAGGED_AFTER_FIRST or m_count > 1]
     out += [(x, None) for x in live if x.phase is LoopPhase.BEFORE]
+    peel = peeled and m_count > 0
+    if peel:
+        out += [(x, 0) for x in live if x.phase is LoopPhase.PEELED and _runs(x, 0, m0)]
     skipped = {Guard.AFTER_FIRST: 0, Guard.BEFORE_LAST: m_count - 1} | dict.fromkeys(behind, 0)
-    for i in range(m_count):
+    for i in range(int(peel), m_count):
         for x in live:
             if x.phase is not LoopPhase.LOOP or skipped.get(x.guard) == i:
                 continue
             if x.guard is Guard.LAGGED_AFTER_FIRST and i < 2:
                 continue
-            if x.guard is Guard.REUSED and m0 + i < 2:
+            if not _runs(x, i, m0):
                 continue
             out.append((x, i - 1 if x.guard in behind else i))
     after = [x for x in live if x.phase is LoopPhase.AFTER]
     out += [(x, m_count - 1 if x.guard in behind else None) for x in after]
     return out
+
+
+def _runs(item: Item, i: int, m0: int) -> bool:
+    """A REUSED item's test: from the running m-block m0 + i = 2 on."""
+    return item.guard is not Guard.REUSED or m0 + i >= 2

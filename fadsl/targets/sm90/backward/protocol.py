@@ -2,7 +2,7 @@
 sync) with every mbarrier, named barrier, fence, wgmma group and bulk group placed by the
 sync pass (syncs/: ``insert_syncs``), each sync with a ``why`` naming the hazard it orders.
 
-``protocol(p)`` is the one plan: the header (emit/sm90/include/fadsl/sm90_bwd.cuh and the
+``protocol(p)`` is the one plan (with `peel_dead on` peel.py's peeled first m-block added): the header (emit/sm90/include/fadsl/sm90_bwd.cuh and the
 kernel body of emit/sm90/backward.cu.j2) makes its calls in its
 order (tests/test_verify_backward_header.py), verify.py proves it in the async model for every
 m-block count, and `fadsl explain` prints its syncs with their whys. A plan written by hand
@@ -47,6 +47,7 @@ from .program import (
     bar_id,
     default_layout,
 )
+from .peel import peel_dead_first
 from .schedule import build_schedule
 from .syncs import insert_syncs
 
@@ -87,5 +88,6 @@ __all__ = [
 
 
 def protocol(p: Params) -> Protocol:
-    """The plan of ``p``: the sync pass's placement in the schedule's steps."""
-    return insert_syncs(build_schedule(p))
+    """The plan of ``p``: the sync pass's placement in the schedule's steps, then (`peel_dead
+    on`) the consumer's dead first m-block peeled (peel.py)."""
+    return peel_dead_first(insert_syncs(build_schedule(p)))

@@ -214,6 +214,7 @@ def backward_data(kernel: Kernel) -> dict[str, Any]:
             **({"dkv_tma": True} if bwd.dkv_tma else {}),  # (dK's and dV's paths: TMA)
             **({"prefetch_kv": True} if bwd.prefetch_kv else {}),
             **({"dv_out_first": True} if bwd.dv_out_first else {}),
+            **({"peel_dead": True} if bwd.peel_dead else {}),
         },
         "paths": [{"tensor": t.role.value, "path": t.path_text()} for t in bwd.tensors],
         "roles": [
@@ -293,6 +294,12 @@ def backward_sections(data: Mapping[str, Any]) -> list[str]:
         + (
             "; dv_out_first on (dV staged and stored by TMA before the last m-block's dQ)"
             if s.get("dv_out_first")
+            else ""
+        )
+        + (
+            "; peel_dead on (a warpgroup whose keys the first m-block masks skips its products "
+            "there)"
+            if s.get("peel_dead")
             else ""
         ),
         *(

@@ -10,8 +10,9 @@ GPU, 2026-11-30) and the Q / dO ring's `stages`; under the causal
 mask, the input's block with `longest_first` flipped (the CTA order); the input's block on the
 other `scheduler` (persistent CTAs or a CTA per tile) where it admits persistent ones; the input's
 block with `fused_convert` flipped where dQ goes by red.add; the input's block with
-`prefetch_kv` flipped where it runs a tile per CTA, and with `dv_out_first` flipped where dK
-and dV go by TMA. With `deterministic on`
+`prefetch_kv` flipped where it runs a tile per CTA, with `dv_out_first` flipped where dK
+and dV go by TMA, and with `peel_dead` flipped in the lagged orders (kept on, where the input
+has it, in every candidate that admits it). With `deterministic on`
 dQ has a third path: staged and reduce-added by writer warps (`dq_writer on`: 1.26-1.30x
 the ordered adds without them at head_dim 128 on an H200, 2026-11-30; without
 `deterministic` it times below red.add, so it is not tried there), with the registers as the
@@ -117,6 +118,7 @@ def label_of(bwd: Backward) -> str:
     )
     label += ", K and V prefetched" if bwd.prefetch_kv else ""
     label += ", dV stored before the last dQ" if bwd.dv_out_first else ""
+    label += ", dead first m-block peeled" if bwd.peel_dead else ""
     return f"B_c {bwd.block_n}, {label}" if _split(bwd) else label
 
 
@@ -129,6 +131,7 @@ def knobs_of(bwd: Backward) -> tuple:
     knobs += ("fused convert",) if bwd.fused_convert else ()
     knobs += ("prefetch K V",) if bwd.prefetch_kv else ()
     knobs += ("dV out first",) if bwd.dv_out_first else ()
+    knobs += ("peel dead",) if bwd.peel_dead else ()
     return knobs + ((bwd.block_n,) if _split(bwd) else ())
 
 
@@ -141,10 +144,11 @@ def _flipped(base: Backward, key: str) -> BackwardCandidate:
 def _flips(base: Backward) -> tuple[BackwardCandidate, ...]:
     """`fused_convert` flipped where the block admits it (dQ by red.add, not deterministic:
     validate.py's), `prefetch_kv` where it runs a tile per CTA, `dv_out_first` where dK and
-    dV go by TMA."""
+    dV go by TMA, `peel_dead` where it peels the lagged consumer (knobs.py's _peel_dead)."""
     keys = ("fused_convert",) if base.dq_red and not base.deterministic else ()
     keys += () if base.persistent else ("prefetch_kv",)
     keys += ("dv_out_first",) if base.dkv_tma else ()
+    keys += ("peel_dead",) if _peels(base.dq_lag, base.persistent, base.block_m) else ()
     return tuple(_flipped(base, key) for key in keys)
 
 
@@ -179,8 +183,12 @@ def candidates(base: Backward, causal: bool) -> tuple[BackwardCandidate, ...]:
             paths[GradRole.DK.value] = paths[GradRole.DV.value] = DKV_TMA if tma else None
         if base.dv_out_first and not tma:  # (it moves dV's TMA store)
             settings["dv_out_first"] = "off"
+        peel = base.peel_dead and _peels(order.startswith("dq_lag"), base.persistent, block_m)
+        if base.peel_dead and not peel:  # (the lagged consumer's, a tile per CTA)
+            settings["peel_dead"] = "off"
         label = _label(block_m, order, dq, stages, ds=ds, tma=tma)
         label += ", dV stored before the last dQ" if base.dv_out_first and tma else ""
+        label += ", dead first m-block peeled" if peel else ""
         out.append(BackwardCandidate(label, settings, paths))
         if writer:  # the same block at the writer's second register split
             producer, consumers = WRITER_REGISTERS
@@ -192,13 +200,14 @@ def candidates(base: Backward, causal: bool) -> tuple[BackwardCandidate, ...]:
         out.append(BackwardCandidate(label_of(base), {"longest_first": flipped}, {}))
     if not (base.deterministic or base.dq_writer):  # the input's block on the other scheduler
         scheduler = "grid" if base.persistent else "persistent"
-        plain = replace(base, prefetch_kv=False, dv_out_first=False)
+        plain = replace(base, prefetch_kv=False, dv_out_first=False, peel_dead=False)
         label = f"{label_of(plain)}, scheduler {scheduler}"
         # (persistent CTAs store dK and dV from registers: their next K and V reuse the tiles)
         stored = {GradRole.DK.value: None, GradRole.DV.value: None} if base.dkv_tma else {}
         # (a persistent CTA loads its next K and V early: no prefetch_kv)
         off = {"prefetch_kv": "off"} if base.prefetch_kv else {}
         off |= {"dv_out_first": "off"} if base.dv_out_first else {}
+        off |= {"peel_dead": "off"} if base.peel_dead else {}  # (a tile per CTA)
         out.append(BackwardCandidate(label, {"scheduler": scheduler, **off}, stored))
     return tuple(out) + _flips(base)
 
@@ -220,3 +229,8 @@ def _split_candidates(base: Backward, causal: bool) -> tuple[BackwardCandidate, 
 
 
 BACKWARD_TUNE_SPACE = BackwardTuneSpace(candidates=candidates, label=label_of, knobs=knobs_of)
+
+
+def _peels(dq_lag: bool, persistent: bool, block_m: int) -> bool:
+    """Whether `peel_dead on` is built with the order, scheduler and B_r (knobs.py's)."""
+    return dq_lag and not persistent and block_m % 64 == 0

@@ -153,6 +153,7 @@ from .program import (
 from .protocol import protocol
 from .verify_tickets import Voice, ticket_problems
 from .verify_tiles import tile_counts, tiles_unrolled  # noqa: F401
+from .verify_written import unwritten_reads
 from .verify_space import m_counts, parameter_space, persistent_space  # noqa: F401
 from . import verify_writer
 
@@ -342,9 +343,12 @@ def _lower(proto: Protocol, item: Item, at: _At) -> list[Event]:
     raise AssertionError(f"{item.kind} has no model event in {item.source.value}")
 
 
-def build_program(proto: Protocol, m_count: int | tuple[int, ...]) -> Program:
+def build_program(
+    proto: Protocol, m_count: int | tuple[int, ...], peeled: frozenset[int] = frozenset()
+) -> Program:
     """The producer and the consumer warpgroups of one CTA that visits m_count m-blocks
-    (`scheduler persistent`: a sequence of tiles, each's m-block count)."""
+    (`scheduler persistent`: a sequence of tiles, each's m-block count); the consumer
+    warpgroups of ``peeled`` run their first m-block peeled (`peel_dead on`)."""
     p = proto.params
     roles = [("producer", WarpRole.PRODUCER, None, 1)]
     roles += [(f"wg{wg}", WarpRole.CONSUMER, wg, WARPGROUP_THREADS) for wg in range(p.consumers)]
@@ -356,7 +360,8 @@ def build_program(proto: Protocol, m_count: int | tuple[int, ...]) -> Program:
     agents = []
     for name, role, wg, threads in roles:
         events = []
-        for item, i, t in tiles_unrolled(proto.role(role), m_count):
+        peel = role is WarpRole.CONSUMER and wg in peeled
+        for item, i, t in tiles_unrolled(proto.role(role), m_count, peel):
             events += _lower(proto, item, _At(i, wg, t))
         agents.append(Agent(name, threads, tuple(events)))
     counts: list[tuple[str, int]] = []
@@ -482,14 +487,16 @@ def _ticket_problems(proto: Protocol, m_count: int) -> list[str]:
     return ticket_problems(unrolled(proto.consumer, m_count), m_count, LEADER_VOICE)
 
 
-def register_problems(proto: Protocol, m_count: int | tuple[int, ...]) -> list[str]:
+def register_problems(
+    proto: Protocol, m_count: int | tuple[int, ...], peeled: bool = False
+) -> list[str]:
     """PTX's rule for wgmma's registers: a wgmma.fence before the warpgroup's first wgmma,
     and between an ordinary access (read or write) of a register and a wgmma that reads or
-    accumulates into it."""
+    accumulates into it (``peeled``: the warpgroup's first m-block peeled)."""
     problems = []
     fenced = False
     touched: set[Reg] = set()
-    for item, i, _ in tiles_unrolled(proto.consumer, m_count):
+    for item, i, _ in tiles_unrolled(proto.consumer, m_count, peeled):
         where = f"{item.name or item.kind.value} ({_At(i, 0).when()})"
         if item.kind is Kind.WGMMA_FENCE:
             touched.clear()
@@ -513,13 +520,29 @@ def register_problems(proto: Protocol, m_count: int | tuple[int, ...]) -> list[s
 # --- the proof ----------------------------------------------------------------------------
 
 
-def problems_of(proto: Protocol, m_count: int | tuple[int, ...]) -> list[str]:
-    """Every problem of the plan for a CTA visiting m_count m-blocks (empty: proven)."""
+def peel_cases(p: Params) -> tuple[frozenset[int], ...]:
+    """The sets of consumer warpgroups whose first m-block is peeled that the plan is proven
+    for: with `peel_dead on` every subset (which warpgroups the mask leaves dead is the
+    header's test, bwd_first_block_dead: the proof does not depend on it), else none."""
+    if not p.peel_dead:
+        return (frozenset(),)
+    wgs = range(p.consumers)
+    return tuple(frozenset(w for w in wgs if mask >> w & 1) for mask in range(1 << p.consumers))
+
+
+def problems_of(
+    proto: Protocol, m_count: int | tuple[int, ...], peeled: frozenset[int] = frozenset()
+) -> list[str]:
+    """Every problem of the plan for a CTA visiting m_count m-blocks, the warpgroups of
+    ``peeled`` with their first m-block peeled (empty: proven)."""
     found = structural_problems(proto)
     if found:
         return found
-    program = build_program(proto, m_count)
-    return list(check(program)) + register_problems(proto, m_count)
+    program = build_program(proto, m_count, peeled)
+    found = list(check(program))
+    for peel in sorted({wg in peeled for wg in range(proto.params.consumers)}):
+        found += register_problems(proto, m_count, peel)
+    return found + unwritten_reads(proto, m_count, peeled, spans, _At)
 
 
 def check_protocol(proto: Protocol) -> tuple[str, ...]:
@@ -530,9 +553,11 @@ def check_protocol(proto: Protocol) -> tuple[str, ...]:
     if found:
         return tuple(f"{where}: {problem}" for problem in found)
     for m_count in m_counts(proto.params):
-        found = problems_of(proto, m_count)
-        if found:
-            return tuple(f"{where}, m_count {m_count}: {problem}" for problem in found)
+        for peeled in peel_cases(proto.params):
+            found = problems_of(proto, m_count, peeled)
+            peel = f", warpgroup(s) {sorted(peeled)} peeled" if peeled else ""
+            if found:
+                return tuple(f"{where}, m_count {m_count}{peel}: {problem}" for problem in found)
     return ()
 
 

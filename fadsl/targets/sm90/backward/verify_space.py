@@ -59,7 +59,8 @@ def lag_space() -> tuple[Params, ...]:
     stages, each with `dq_first` off and on (dQ(i - 1) issued before dV(i)) and with dK and
     dV stored from registers or by TMA through the dead K and V tiles (dV's store after the
     last dQ, or before it: `dv_out_first on`); each also with dQ staged for the writer
-    warps, deterministic or not. The mask (causal or
+    warps, deterministic or not; each 2-stage one whose dS^T keeps the keys as rows also with
+    `peel_dead on` (proven with each warpgroup peeled or not). The mask (causal or
     not) changes no call of the plan: the m-block range is the host's, and the masked
     m-blocks run the same steps."""
     shapes = ((1, 64, BLOCK_M), (1, 128, BLOCK_M), (2, 128, BLOCK_M))
@@ -83,7 +84,12 @@ def lag_space() -> tuple[Params, ...]:
         for det in (False, True)
         if p.stages >= 2 or not det
     )
-    return red + writer
+    # `peel_dead on`: the first m-block peeled (dS^T's rows keys: not dQ transposed), each
+    # 2-stage one
+    peel = tuple(
+        replace(p, peel_dead=True) for p in red + writer if p.stages == 2 and not p.dq_transposed
+    )
+    return red + writer + peel
 
 
 def parameter_space() -> tuple[Params, ...]:

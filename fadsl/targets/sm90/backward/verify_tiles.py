@@ -28,26 +28,33 @@ def tile_counts(p: Params) -> tuple[tuple[int, ...], ...]:
     return pairs + triples
 
 
-def tiles_unrolled(items: tuple[Item, ...], m_count: int | tuple[int, ...]) -> list:
+def tiles_unrolled(
+    items: tuple[Item, ...], m_count: int | tuple[int, ...], peeled: bool = False
+) -> list:
     """(item, m-block, tile round) in one thread's order: ``unrolled`` for one tile of
     m_count m-blocks, or with `scheduler persistent` for each tile of a sequence in turn, the
     m-block index running on over the tiles and the round counting the tiles with an
-    m-block (the header's BwdRun: m0 and kv)."""
+    m-block (the header's BwdRun: m0 and kv). ``peeled``: the warpgroup's first m-block
+    peeled (`peel_dead on`, one tile per CTA)."""
     counts = m_count if isinstance(m_count, tuple) else (m_count,)
+    assert not peeled or len(counts) == 1, "peel_dead: one tile per CTA"
     out, m0, t = [], 0, 0
     for m in counts:
-        out += [(x, None if i is None else m0 + i, t) for x, i in unrolled(items, m, m0)]
+        steps = unrolled(items, m, m0, peeled)
+        out += [(x, None if i is None else m0 + i, t) for x, i in steps]
         m0, t = m0 + m, t + (m > 0)
     return out
 
 
 def persistent_space(space: tuple[Params, ...]) -> tuple[Params, ...]:
     """`scheduler persistent`'s configurations the tests prove (validate.py admits it without
-    deterministic mode, dQ writers, head_dim 256 or dK and dV by TMA): each of ``space``'s (verify.py's
-    parameter_space) others with 2 stages and dS by st.shared, and the examples' blocks
-    (fa3_hopper's B_r 80 with 3 stages, fa3_causal's with 2, the head_dim 64 ones' B_r 128
+    deterministic mode, dQ writers, head_dim 256, dK and dV by TMA or peel_dead): each of
+    ``space``'s (verify.py's parameter_space) others with 2 stages and dS by st.shared, and
+    the examples' blocks (fa3_hopper's B_r 80 with 3 stages, fa3_causal's with 2, the head_dim 64 ones' B_r 128
     with dS by stmatrix)."""
-    keep = lambda p: not (p.deterministic or p.dq_writer or p.split or p.dkv_tma)  # noqa: E731
+    keep = lambda p: not (
+        p.deterministic or p.dq_writer or p.split or p.dkv_tma or p.peel_dead
+    )  # noqa: E731
     base = tuple(p for p in space if keep(p) and p.stages == 2 and not p.ds_stmatrix)
     examples = (
         Params(2, 3, 128, overlap=True, block_m=TRANSPOSED_BLOCK_M, dq_red=True),

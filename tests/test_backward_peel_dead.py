@@ -1,0 +1,198 @@
+"""`peel_dead on`: in the lagged consumer, a warpgroup whose keys the tile's first m-block
+masks entirely (causal at B_r 64, B_c 128: the diagonal n-block's second warpgroup) peels
+that m-block: no product, its dS^T rows stored as zeros and the m-block's hand-over kept
+(fadsl/targets/sm90/backward/peel.py; sm90_bwd_lag.cuh). The key through the IR and the
+template; its refusals; the peeled items against a listing of the header's hand-over; the
+proof with every warpgroup peeled or not, and each peeled item needed (the written-bytes
+rule for the zeros' store); the header read against the plan, and edits of its peel caught.
+The gradients: tests/test_gpu_backward.py."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from backward_header import lag_edits_missed
+from fadsl.errors import SpecError
+from fadsl.ir import Dtype
+from fadsl.ir.backward import read_backward
+from fadsl.pipeline import compile_source
+from fadsl.targets.sm90.backward.emit import context
+from fadsl.targets.sm90.backward.program import (
+    Guard,
+    Index,
+    Kind,
+    LoopPhase,
+    Mbar,
+    Params,
+    Reg,
+    StagedTile,
+    WaitParity,
+    WarpRole,
+)
+from fadsl.targets.sm90.backward.protocol import protocol
+from fadsl.targets.sm90.backward.verify import check_protocol, peel_cases
+from fadsl.targets.sm90.backward.verify_space import parameter_space
+from test_gpu_backward import training_spec
+
+FILE = "peel_dead.fa"
+# fa3_causal's block, the head_dim 64 one's (dQ by queries), one consumer, dQ for the writers
+CAUSAL = Params(
+    2, 2, 128, overlap=True, dq_red=True, dq_lag=True, ds_stmatrix=True, dkv_tma=True,
+    peel_dead=True,
+)  # fmt: skip
+SHAPES = (
+    CAUSAL,
+    replace(CAUSAL, head_dim=64, block_m=128, dkv_tma=False, dq_first=True),
+    Params(1, 2, 128, overlap=True, dq_red=True, dq_lag=True, peel_dead=True),
+    replace(CAUSAL, dq_red=False, dq_writer=True, deterministic=True, dkv_tma=False),
+)
+PEELED_SPACE = [p for p in parameter_space() if p.peel_dead]
+
+
+def _peeled(p: Params) -> list:
+    return [x for x in protocol(p).consumer if x.phase is LoopPhase.PEELED]
+
+
+def test_the_key_reaches_the_ir_and_the_cfg():
+    compiled = compile_source(training_spec("fa3_causal+peel_dead"), FILE)
+    bwd = compiled.kernel.backward
+    assert bwd.peel_dead and bwd.text().endswith(" peel_dead=on")
+    assert read_backward(bwd.text(), bwd.loc).peel_dead
+    assert Params.of(bwd, 128).peel_dead
+    assert context(compiled.kernel, Dtype.BF16)["peel_dead"]
+    plain = compile_source(training_spec("fa3_causal-peel_dead"), FILE).kernel
+    assert not plain.backward.peel_dead and not context(plain, Dtype.BF16)["peel_dead"]
+    assert not Params.of(plain.backward, 128).peel_dead
+
+
+REFUSALS = {
+    "fa3_causal-dq_lag+peel_dead": "dq_lag off",
+    "fa3_hopper+peel_dead": "B_r = 80",
+    "fa3_causal+persistent+peel_dead": "scheduler persistent",
+}
+
+
+@pytest.mark.parametrize("name", REFUSALS)
+def test_it_is_refused_where_it_is_not_built(name):
+    text = training_spec(name)
+    with pytest.raises(SpecError) as info:
+        compile_source(text, FILE)
+    (d,) = [d for d in info.value.diagnostics if "peel_dead" in d.message]
+    assert d.message.startswith("peel_dead on (a warpgroup whose keys are all masked")
+    assert REFUSALS[name] in d.message and d.message.endswith("leave it off")
+    line = text.split("\n")[d.loc.line - 1]
+    assert line[d.loc.col - 1 :].startswith("peel_dead")
+
+
+def test_it_is_refused_with_a_window_or_modifiers():
+    window = training_spec("fa3_causal+peel_dead").replace(
+        "mask       causal", "mask       causal, window(300)"
+    )
+    modified = training_spec("fa3_causal+peel_dead").replace(
+        "mask       causal", "mask       causal\n  keep       kv_idx <= q_idx + 7000"
+    )
+    for text, why in ((window, "a sliding window"), (modified, "score or keep modifiers")):
+        assert text != training_spec("fa3_causal+peel_dead")
+        with pytest.raises(SpecError) as info:
+            compile_source(text, FILE)
+        assert any(
+            "peel_dead on" in d.message and why in d.message for d in info.value.diagnostics
+        ), [d.message for d in info.value.diagnostics]
+
+
+@pytest.mark.parametrize("p", PEELED_SPACE, ids=lambda p: p.describe())
+def test_the_peeled_m_block_is_the_headers_hand_over(p):
+    """The slot's q_full wait, the warpgroup's dS^T rows stored as zeros (by the store the
+    loop uses), the proxy fence, the buffer's ds_full arrival, the slot's q_empty arrival: in
+    that order, the loop's own syncs (their whys), nothing else; without the key, none."""
+    peeled = _peeled(p)
+    shapes = [(x.kind, x.mbar, x.slot, x.parity, x.guard) for x in peeled]
+    assert shapes == [
+        (Kind.MBAR_WAIT, Mbar.Q_FULL, Index.RING, WaitParity.RING, Guard.ALWAYS),
+        (Kind.ST_SHARED, None, Index.NONE, None, Guard.ALWAYS),
+        (Kind.FENCE_PROXY_ASYNC_SMEM, None, Index.NONE, None, Guard.ALWAYS),
+        (Kind.MBAR_ARRIVE, Mbar.DS_FULL, Index.ALTERNATE, None, Guard.ALWAYS),
+        (Kind.MBAR_ARRIVE, Mbar.Q_EMPTY, Index.RING, None, Guard.ALWAYS),
+    ]
+    store = peeled[1]
+    assert store.reg_reads == (Reg.ZEROS,) and store.writes[0].buffer is StagedTile.DS
+    assert all(x.why for x in peeled if x.is_sync)
+    assert not _peeled(replace(p, peel_dead=False))
+
+
+def test_every_warpgroup_is_proven_peeled_or_not():
+    assert peel_cases(CAUSAL) == (frozenset(), {0}, {1}, {0, 1})
+    assert peel_cases(replace(CAUSAL, peel_dead=False)) == (frozenset(),)
+
+
+@pytest.mark.parametrize("p", SHAPES, ids=lambda p: p.describe())
+def test_each_peeled_item_is_needed(p):
+    """The plan is proven; each peeled item left out fails the proof: the q_full wait (the
+    slot's release before its loads landed), the zeros' store (dQ reads bytes no warpgroup
+    stored for the m-block), the fence, either arrival (a hang)."""
+    proto = protocol(p)
+    assert check_protocol(proto) == ()
+    consumer = proto.consumer
+    at = [n for n, x in enumerate(consumer) if x.phase is LoopPhase.PEELED]
+    assert len(at) == 5
+    for n in at:
+        mutant = proto.with_role(WarpRole.CONSUMER, consumer[:n] + consumer[n + 1 :])
+        assert check_protocol(mutant), f"{consumer[n].kind.value} left out: still proven"
+
+
+def test_a_dropped_ds_store_in_the_loop_is_caught_without_the_peel_too():
+    """The written-bytes rule (verify_written.py) holds every plan: the loop's dS^T store
+    left out, the next dQ reads the buffer's bytes of two m-blocks before."""
+    proto = protocol(replace(CAUSAL, peel_dead=False))
+    consumer = proto.consumer
+    (n,) = [
+        n
+        for n, x in enumerate(consumer)
+        if x.kind is Kind.ST_SHARED and x.phase is LoopPhase.LOOP and x.writes[0].buffer is StagedTile.DS
+    ]  # fmt: skip
+    found = check_protocol(proto.with_role(WarpRole.CONSUMER, consumer[:n] + consumer[n + 1 :]))
+    assert any("that no warpgroup stored for m-block" in f for f in found), found
+
+
+# edits of the header's peel (sm90_bwd_lag.cuh) that the header check must catch
+EDITS = {
+    "the zeros' fence dropped": (
+        "fence_proxy_async_smem();\n      mbar_arrive(bwd_bar_ds_full<Cfg>(smem, run_i % 2));",
+        "mbar_arrive(bwd_bar_ds_full<Cfg>(smem, run_i % 2));",
+    ),
+    "the slot's release dropped": (
+        "mbar_arrive(bwd_bar_q_empty<Cfg>(smem, slot));  // WAR: the slot is read no more",
+        "// WAR: the slot is read no more",
+    ),
+    "the q_full wait dropped": (
+        "mbar_wait_parity(bwd_bar_q_full<Cfg>(smem, slot), static_cast<uint32_t>(run_i / Cfg::kStages) & 1u);\n      uint32_t zeros",
+        "uint32_t zeros",
+    ),
+    "the other buffer armed": (
+        "mbar_arrive(bwd_bar_ds_full<Cfg>(smem, run_i % 2));  // RAW: this thread's part of dS^T(0)",
+        "mbar_arrive(bwd_bar_ds_full<Cfg>(smem, 1));  // RAW: this thread's part of dS^T(0)",
+    ),
+    "dS^T's registers stored": (
+        "store_ds<Cfg>(ds_buf, zeros, wg, warp, lane);\n      }\n      // RAW: the zeros'",
+        "store_ds<Cfg>(ds_buf, ds16, wg, warp, lane);\n      }\n      // RAW: the zeros'",
+    ),
+}  # fmt: skip
+LOOP_FROM_FIRST = "for (int i = i_first; i < b.m_count; ++i)"
+
+
+@pytest.mark.parametrize("what", EDITS)
+def test_an_edited_peel_is_caught(what):
+    old, new = EDITS[what]
+    cases = (SHAPES[2], replace(CAUSAL, ds_stmatrix=False))
+    missed = lag_edits_missed(old, new, cases)
+    assert missed == [], f"{what}: occurrence(s) {missed} not caught"
+
+
+def test_a_loop_from_m_block_0_after_the_peel_is_caught():
+    with pytest.raises(AssertionError, match="m-block 0 run twice"):
+        lag_edits_missed(LOOP_FROM_FIRST, "for (int i = 0; i < b.m_count; ++i)", SHAPES[:1])
+    # without the key i_first stays 0: a loop from 0 makes the same calls
+    plain = (replace(CAUSAL, peel_dead=False),)
+    assert lag_edits_missed(LOOP_FROM_FIRST, "for (int i = 0; i < b.m_count; ++i)", plain) == [0]
