@@ -8,8 +8,10 @@ TMA_DKV = "rf -stmatrix-> smem[warpgroup] -tma-> gmem"
 
 def unlagged(text: str) -> str:
     """The block with dQ added in its own m-block (`dq_lag off`) and dK, dV stored from
-    registers (TMA's store is the lagged consumer's epilogue)."""
+    registers (TMA's store is the lagged consumer's epilogue), no `peel_dead` (it peels the
+    lagged consumer)."""
     text = text.replace("    dq_lag     on\n", "")
+    text = "\n".join(x for x in text.split("\n") if not x.lstrip().startswith("peel_dead"))
     return text.replace(TMA_DKV, "rf -st.global-> gmem")
 
 

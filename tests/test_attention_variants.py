@@ -5,6 +5,8 @@ the errors that name the argument. The GPU runs them in tests/test_gpu_attention
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import re
 
 import pytest
@@ -59,6 +61,8 @@ def test_each_variant_compiles_with_its_mask_softcap_and_backward(key, name, win
     elif softcap:  # 1 - tanh^2 per score: B_r 64, dS stored as at B_r 64
         assert (bwd.block_m, bwd.early_dv, bwd.overlap) == (64, False, causal)
         assert config.block_r == 64 * config.ext.consumers and config.ext.consumers <= 2
+    elif config.window is not None:  # the example's own block without `peel_dead` (refused)
+        assert bwd.text() == replace(base.kernel.backward, peel_dead=False).text()
     else:  # the example's own block
         assert bwd.text() == base.kernel.backward.text()
 

@@ -58,4 +58,8 @@ def variant_lines(kernel: Kernel, windowed: bool, capped: bool, causal: bool) ->
         backward_paths = {GradRole.DS.value: PATHS[GradRole.DS].text()}
         # dK and dV from registers: their TMA path is the lagged consumer's
         backward_paths |= {g.value: PATHS[g].text() for g in (GradRole.DK, GradRole.DV)}
+    if (windowed or capped) and kernel.backward is not None and kernel.backward.peel_dead:
+        # `peel_dead on` (fa3_causal's) peels the lagged consumer, which a softcap's block
+        # leaves; with a window it is refused (not timed or tested there, 2026-12-04)
+        backward["peel_dead"] = "off"
     return VariantLines(settings, scopes, backward, backward_paths)

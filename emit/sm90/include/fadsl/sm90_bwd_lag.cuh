@@ -40,7 +40,9 @@ __device__ __forceinline__ uint32_t bwd_bar_ds_empty(uint32_t smem, int buf) {
 // `peel_dead on` (Cfg::kPeelDead): whether every key of warpgroup wg's 64 is masked for every
 // query of the tile's first m-block: past the keys, or past the right edge of that m-block's
 // last query (causal at B_r 64, B_c 128: the diagonal n-block's second warpgroup).  Its P and
-// dS are zeros there, so its S^T, dP^T, dV and dK products of the m-block add nothing.
+// dS are zeros there, so its S^T, dP^T, dV and dK products of the m-block add nothing (nor
+// do a learnable input's gradient adds: masked scores add none).  A keep modifier only
+// narrows the mask: its first kept m-block (bwd_m_block's 0) is tested the same way.
 template <class Cfg>
 __device__ __forceinline__ bool bwd_first_block_dead(const BwdParamsSm90& P, const BwdBlock& b, int wg) {
   if (b.m_count == 0) return false;
@@ -125,8 +127,8 @@ __device__ __forceinline__ void bwd_consumer_lagged(const BwdParamsSm90& P, uint
                 "dq_lag: overlap on, dQ by red.add or by the writer warps (deterministic: the writer's), none of early_dv, dv_before_meeting");
   static_assert(!Cfg::kDkvTma || (!Cfg::kPersistent && !Cfg::kVarlen), "dK, dV by TMA: one tile per CTA, padded batches");
   static_assert(!Cfg::kDvOutFirst || Cfg::kDkvTma, "dv_out_first: it moves dV's TMA store");
-  static_assert(!Cfg::kPeelDead || (!Cfg::kPersistent && !Cfg::kDqTransposed && !Cfg::kKeep && !Cfg::kLearn && !has_window<Cfg>()),
-                "peel_dead: one tile per CTA, dS^T's rows keys, the structural mask alone (knobs.py)");
+  static_assert(!Cfg::kPeelDead || (!Cfg::kPersistent && !Cfg::kDqTransposed && !has_window<Cfg>()),
+                "peel_dead: one tile per CTA, dS^T's rows keys, no window (knobs.py)");
   const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
   const int key0 = b.n0 + 64 * wg + 16 * warp + lane / 4;  // this thread's key row r = 0
   float dk[Cfg::kAccRegs], dv[Cfg::kAccRegs];
