@@ -41,6 +41,14 @@ How the header's calls become model events (a faithful lowering, nothing added):
   later phase of the slot before that one completes);
 - ``fence.proxy.async.global`` and the semaphore's global accesses are not SMEM events.
 
+With `peel_dead on` each count is proven with every subset of the consumer warpgroups
+running their first m-block peeled (``peel_cases``: the PEELED items in place of the loop's
+first pass, ``program.unrolled``); which warpgroups the mask leaves dead is the header's
+test, so the proof does not depend on it, nor on peel.py's choice of items. Beside the
+model, verify_written.py checks that every byte of dS^T (or P) a wgmma reads for an m-block
+was stored for it by some warpgroup (the model orders accesses; it does not ask whether a
+byte read was written).
+
 Why m = 0 .. 2 stages + 2 covers every m-block count: after each m-block every wgmma group
 of a warpgroup is retired (wait_group 0, the last wgmma wait of either consumer's
 m-block), every named barrier generation is complete, at most one bulk group per
