@@ -209,3 +209,71 @@ def test_a_loop_from_m_block_0_after_the_peel_is_caught():
     # without the key i_first stays 0: a loop from 0 makes the same calls
     plain = (replace(CAUSAL, peel_dead=False),)
     assert lag_edits_missed(LOOP_FROM_FIRST, "for (int i = 0; i < b.m_count; ++i)", plain) == [0]
+
+
+# bwd_keys_dead (sm90_bwd_lag.cuh) on the host, against the mask by brute force: for each
+# n-block of B_r 64, B_c 128 blocks, causal or not, at lengths with ragged ends and
+# seqlen_q != seqlen_k both ways, whether each warpgroup's 64 keys are masked for every query
+# row of the n-block's first m-block (bwd_block_at's m_begin)
+DEAD_LENGTHS = [(1, 1), (128, 128), (1024, 1024), (1000, 333), (300, 1100), (64, 1000)]
+DEAD_LENGTHS += [(257, 700), (130, 2000), (2000, 130), (192, 190)]
+# (seqlen_k - seqlen_q = 1 or -63 mod 64: a first key at the edge or one past it; keys that
+# end where a warpgroup's start)
+DEAD_LENGTHS += [(100, 101), (300, 365), (200, 137), (129, 130), (64, 65), (100, 192), (50, 64)]
+DEAD_PROGRAM = r"""
+#include "fadsl/sm90_bwd.cuh"
+#include <cstdio>
+using namespace fadsl::sm90;
+struct causal : BwdConfig<__nv_bfloat16, 128, 64, 128, 2, 2, true, false> {};
+struct plain : BwdConfig<__nv_bfloat16, 128, 64, 128, 2, 2, false, false> {};
+template <class Cfg>
+void run(int causal_flag) {
+  const int lengths[][2] = {%s};
+  for (const auto& l : lengths) {
+    BwdParamsSm90 P{};
+    P.seqlen_q = l[0];
+    P.seqlen_k = l[1];
+    P.m_blocks = (l[0] + Cfg::kBlockM - 1) / Cfg::kBlockM;
+    P.group = 1;
+    const int n_blocks = (l[1] + Cfg::kBlockN - 1) / Cfg::kBlockN;
+    for (int x = 0; x < n_blocks; ++x) {
+      const BwdBlock b = bwd_block_at<Cfg>(P, x, 0, 0, n_blocks, 1, 1);
+      if (b.m_count == 0) continue;
+      printf("%%d %%d %%d %%d %%d", causal_flag, l[0], l[1], b.n0, b.m_begin);
+      for (int wg = 0; wg < 2; ++wg) printf(" %%d", bwd_keys_dead<Cfg>(b.n0 + 64 * wg, l[1], b.m_begin, l[1] - l[0]) ? 1 : 0);
+      printf("\n");
+    }
+  }
+}
+int main() {
+  run<causal>(1);
+  run<plain>(0);
+}
+"""
+
+
+def _all_masked(causal: bool, sq: int, sk: int, key0: int, first_m: int) -> bool:
+    rows = range(first_m * 64, first_m * 64 + 64)
+    return all(
+        k >= sk or (causal and k > q + sk - sq) for q in rows for k in range(key0, key0 + 64)
+    )
+
+
+def test_the_headers_dead_test_is_the_masks(tmp_path):
+    from host_program import run_host_program
+
+    lengths = ", ".join(f"{{{sq}, {sk}}}" for sq, sk in DEAD_LENGTHS)
+    found = run_host_program(tmp_path, "dead", DEAD_PROGRAM % lengths).split("\n")
+    rows = [list(map(int, line.split())) for line in found if line.strip()]
+    assert {(c, sq, sk) for c, sq, sk, *_ in rows} == {
+        (c, sq, sk) for c in (0, 1) for sq, sk in DEAD_LENGTHS
+    }
+    for causal, sq, sk, n0, first_m, *dead in rows:
+        for wg in (0, 1):
+            expected = _all_masked(bool(causal), sq, sk, n0 + 64 * wg, first_m)
+            assert dead[wg] == expected, (causal, sq, sk, n0, first_m, wg)
+    # fa3_causal at 1k: the diagonal's second warpgroup in each of the 8 n-blocks, no other
+    square = [r for r in rows if r[:3] == [1, 1024, 1024]]
+    assert [r[5:] for r in square] == [[0, 1]] * 8
+    # the keys' end: 700 keys leave the last n-block's second warpgroup none, causal or not
+    assert all(r[5:] == [0, 1] for r in rows if r[1:4] == [257, 700, 640])

@@ -43,16 +43,20 @@ __device__ __forceinline__ uint32_t bwd_bar_ds_empty(uint32_t smem, int buf) {
 // dS are zeros there, so its S^T, dP^T, dV and dK products of the m-block add nothing (nor
 // do a learnable input's gradient adds: masked scores add none).  A keep modifier only
 // narrows the mask: its first kept m-block (bwd_m_block's 0) is tested the same way.
+// (bwd_keys_dead: the test's arithmetic, on the host too: tests/test_backward_peel_dead.py.)
+template <class Cfg>
+__host__ __device__ constexpr bool bwd_keys_dead(int wg_key0, int keys, int first_m, int diagonal) {
+  if (wg_key0 >= keys) return true;
+  if constexpr (bwd_has_right_edge<Cfg>()) {
+    const int last_query = (first_m + 1) * Cfg::kBlockM - 1;
+    return wg_key0 > last_query + diagonal + bwd_right_edge<Cfg>();
+  }
+  return false;
+}
 template <class Cfg>
 __device__ __forceinline__ bool bwd_first_block_dead(const BwdParamsSm90& P, const BwdBlock& b, int wg) {
   if (b.m_count == 0) return false;
-  const int wg_key0 = b.n0 + 64 * wg;
-  if (wg_key0 >= bwd_keys<Cfg>(P, b)) return true;
-  if constexpr (bwd_has_right_edge<Cfg>()) {
-    const int last_query = (bwd_m_block<Cfg>(P, b, 0) + 1) * Cfg::kBlockM - 1;
-    return wg_key0 > last_query + bwd_diagonal<Cfg>(P, b) + bwd_right_edge<Cfg>();
-  }
-  return false;
+  return bwd_keys_dead<Cfg>(b.n0 + 64 * wg, bwd_keys<Cfg>(P, b), bwd_m_block<Cfg>(P, b, 0), bwd_diagonal<Cfg>(P, b));
 }
 
 // dQ of one m-block from dS^T buffer `ds_buf` (both warpgroups' halves): the warpgroup's
