@@ -161,11 +161,11 @@ def test_a_ring_restarted_per_tile_is_refused(monkeypatch):
     proof finds the dS^T buffer or the ring's phase wrong."""
     from fadsl.targets.sm90.backward import verify
 
-    def restarted(items, m_count):
+    def restarted(items, m_count, peeled=False):
         counts = m_count if isinstance(m_count, tuple) else (m_count,)
         out, t = [], 0
         for m in counts:
-            out += [(x, i, t) for x, i in verify.unrolled(items, m)]
+            out += [(x, i, t) for x, i in verify.unrolled(items, m, 0, peeled)]
             t += m > 0
         return out
 
