@@ -7,10 +7,10 @@ second warpgroup), its P and dS of that m-block are zeros: its S^T, dP^T, dV and
 add nothing, and the row values it loads feed only them. What the m-block still owes the
 others is its part of the m-block's hand-overs:
 
-- every mbarrier sync of the m-block that is not the lagged dQ's (the slot's q_full wait,
-  which orders the slot's release after the loads landed; dS^T's empty wait before the
-  buffer is written again; dS^T's full and the slot's empty arrivals, which the other
-  warpgroup's dQ and the producer count);
+- every mbarrier sync a tile's first m-block runs (the slot's q_full wait, which orders the
+  slot's release after the loads landed; dS^T's full and the slot's empty arrivals, which
+  the other warpgroup's dQ and the producer count); not the lagged dQ's, nor dS^T's empty
+  wait, which runs from the CTA's m-block 2 on (one tile per CTA);
 - dS^T's store into the warpgroup's rows, of zeros (both warpgroups' dQ of the m-block read
   the whole buffer, lagged: in m-block 1 or after the loop);
 - the proxy fence that orders that store before the full arrival hands it to the async
