@@ -152,7 +152,10 @@ __device__ __forceinline__ void bwd_consumer_lagged(const BwdParamsSm90& P, uint
   DqTicket unused{nullptr, 0};  // (reduce_dq's ticket: deterministic mode without a writer only)
   // dq_writer on: the warpgroup's dQ staging, handed to its writer warp (reduce_dq's writer branch)
   const uint32_t dq_stage = Cfg::kDqWriter ? bwd_dq_stage<Cfg>(smem, wg) : 0u;
-  int m_prev = 0;               // m-block i - 1's index, whose dQ m-block i issues
+  // m-block i - 1's index, whose dQ m-block i issues.  With the peel it starts at m-block 0's
+  // in every warpgroup, peeled or not (only m-block 1 on reads it): a start that depended on
+  // the peel made ptxas re-derive it each m-block (4-13 more instructions there, NVRTC 13.5).
+  int m_prev = Cfg::kPeelDead && b.m_count > 0 ? bwd_m_block<Cfg>(P, b, 0) : 0;
   int i_first = 0;              // 1 where the first m-block is peeled (peel_dead)
   if constexpr (Cfg::kPeelDead) {
     if (bwd_first_block_dead<Cfg>(P, b, wg)) {
@@ -178,7 +181,6 @@ __device__ __forceinline__ void bwd_consumer_lagged(const BwdParamsSm90& P, uint
       fence_proxy_async_smem();
       mbar_arrive(bwd_bar_ds_full<Cfg>(smem, run_i % 2));  // RAW: this thread's part of dS^T(0) stored and fenced
       mbar_arrive(bwd_bar_q_empty<Cfg>(smem, slot));  // WAR: the slot is read no more (nothing of it was)
-      m_prev = bwd_m_block<Cfg>(P, b, 0);
       i_first = 1;
     }
   }
