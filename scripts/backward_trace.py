@@ -17,6 +17,7 @@ import sys
 import torch
 
 import fadsl
+from fadsl.runtime.arguments import torch_dtype_of
 from fadsl.runtime.attention import arch_of
 from fadsl.tools import bwdtrace
 
@@ -35,7 +36,7 @@ def main() -> int:
     batch = max(1, args.tokens // args.seqlen)
     backward = kern._backward_kernels()
     backward.use_development_build(dtype, arch_of(0), {"FADSL_BWD_TRACE": 1})
-    torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype.value]
+    torch_dtype = torch_dtype_of(dtype)
     shape = (batch, args.seqlen, heads, cfg.head_dim)
     q, k, v = (
         torch.randn(shape, device="cuda", dtype=torch_dtype, requires_grad=True) for _ in range(3)

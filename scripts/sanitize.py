@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 import fadsl
+from fadsl.runtime.arguments import torch_dtype_of
 import fadsl.targets.sm90.host.launch
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -55,7 +56,7 @@ for name, spec in SPECS.items():
         continue
     d = kern.config.head_dim
     for dtype in kern.config.dtypes:
-        torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype.value]
+        torch_dtype = torch_dtype_of(dtype)
         for sq, sk in SHAPES:
             q = torch.randn(1, sq, 2, d, device="cuda", dtype=torch_dtype)
             k = torch.randn(1, sk, 1, d, device="cuda", dtype=torch_dtype)

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 import fadsl
+from fadsl.runtime.arguments import torch_dtype_of
 
 ROOT = Path(__file__).resolve().parent.parent
 LENGTHS = [0, 1, 63, 64, 65, 700, 2000]
@@ -19,7 +20,7 @@ for path in sorted((ROOT / "examples" / "serving").glob("fa3_decode*.fa")) + sor
     kern = fadsl.load(str(path), verbose=False)
     page = kern.config.ext.kv_cache
     for dtype in kern.config.dtypes:
-        torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype.value]
+        torch_dtype = torch_dtype_of(dtype)
         batch, capacity = len(LENGTHS), 2048
         seqlens = torch.tensor(LENGTHS, dtype=torch.int32, device="cuda")
         table = None

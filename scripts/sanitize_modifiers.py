@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 import fadsl
+from fadsl.runtime.arguments import torch_dtype_of
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
@@ -70,7 +71,7 @@ for name, text in [s for s in specs() if s[0] in sys.argv[1:] or len(sys.argv) =
     kern = fadsl.load(text, verbose=False)
     d = kern.config.head_dim
     for dtype in kern.config.dtypes:
-        torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype.value]
+        torch_dtype = torch_dtype_of(dtype)
         for sq, sk in SHAPES:
             q = torch.randn(BATCH, sq, HEADS, d, device="cuda", dtype=torch_dtype)
             k = torch.randn(BATCH, sk, HEADS, d, device="cuda", dtype=torch_dtype)

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 import fadsl
+from fadsl.runtime.arguments import torch_dtype_of
 from fadsl.frontend.rewrite import rewrite
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -26,7 +27,7 @@ for name, text in SPECS:
     kern = fadsl.load(text, verbose=False)
     d = kern.config.head_dim
     for dtype in kern.config.dtypes:
-        torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype.value]
+        torch_dtype = torch_dtype_of(dtype)
         q = torch.randn(sum(LENGTHS_Q), 8, d, device="cuda", dtype=torch_dtype)
         k = torch.randn(sum(LENGTHS_K), 2, d, device="cuda", dtype=torch_dtype)
         v = torch.randn_like(k)

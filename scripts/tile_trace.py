@@ -18,6 +18,7 @@ import sys
 import torch
 
 import fadsl
+from fadsl.runtime.arguments import torch_dtype_of
 from fadsl.tools import tiletrace
 from fadsl.ir import Dtype
 from fadsl.targets.sm90.host.launch import launch_cluster
@@ -42,7 +43,7 @@ def main() -> int:
     kern.use_development_build(dtype, arch_of(0), {"FADSL_TILE_TRACE": 1})
     traced = kern.alone if alone else kern
     module = traced.module(dtype, 0)
-    torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype.value]
+    torch_dtype = torch_dtype_of(dtype)
     q, k, v = (
         torch.randn(batch, args.seqlen, heads, cfg.head_dim, device="cuda", dtype=torch_dtype)
         for _ in range(3)

@@ -104,6 +104,11 @@ def torch_dtypes() -> dict:
     }
 
 
+def torch_dtype_of(dtype: Dtype | str):
+    """``dtype``'s torch dtype (a ``Dtype`` or its spec name: bf16, fp16, e4m3, e5m2)."""
+    return {d: t for t, d in torch_dtypes().items()}[Dtype(dtype)]
+
+
 def torch_name(dtype: Dtype) -> str:
     """How a message names ``dtype``'s torch dtype (torch.bfloat16, torch.float8_e4m3fn)."""
     return {d: f"{t}" for t, d in torch_dtypes().items()}[dtype]

@@ -37,7 +37,7 @@ from typing import Callable, NamedTuple
 from . import clocks
 from ..codegen.render import spec_hash
 from ..ir import Dtype, Mask
-from ..runtime.arguments import torch_dtypes
+from ..runtime.arguments import torch_dtype_of
 from ..runtime.attention import FlashAttention
 
 DEFAULT_SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
@@ -200,7 +200,7 @@ def operands(dtype_name: str, shape: tuple[int, int, int, int], device="cuda") -
     8-bit: normal values quantized by fadsl.fp8.quantize, a descale per (batch, head)."""
     import torch
 
-    dtype = {d.value: t for t, d in torch_dtypes().items()}[dtype_name]
+    dtype = torch_dtype_of(dtype_name)
     if not Dtype(dtype_name).is_8bit:
         qkv = tuple(torch.randn(shape, device=device, dtype=dtype) for _ in range(3))
         return Operands(qkv, {}, qkv)

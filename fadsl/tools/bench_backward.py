@@ -16,6 +16,7 @@ from __future__ import annotations
 import sys
 from typing import Callable
 
+from ..runtime.arguments import torch_dtype_of
 from ..runtime.attention import FlashAttention
 from .bench import (
     DEFAULT_HEADS,
@@ -59,7 +60,7 @@ def run(
             raise ValueError(f"{each.config.name} has no backward block: nothing to time")
     if name not in {d.value for d in kern.config.dtypes}:
         raise ValueError(f"{kern.config.name} is not built for {name}")
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[name]
+    dtype = torch_dtype_of(name)
     d = kern.config.head_dim
     backends = _backends()
     fa4 = _flash_attention_4()  # its autograd runs FA4's backward

@@ -23,6 +23,7 @@ import sys
 from typing import Callable
 
 from ..ir import Dtype
+from ..runtime.arguments import torch_dtype_of
 from ..runtime.attention import FlashAttention
 from .bench import _backends, fp8_bound, median_times, ratio_table
 
@@ -138,8 +139,7 @@ def run(
 
     name = dtype_name or kern.config.dtypes[0].value
     eight = Dtype(name).is_8bit
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "e4m3": torch.float8_e4m3fn,
-             "e5m2": torch.float8_e5m2}[name]  # fmt: skip
+    dtype = torch_dtype_of(name)
     d = kern.config.head_dim
     page = kern.config.features.kv_cache
     scale = d**-0.5

@@ -31,6 +31,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import torch  # noqa: E402
 
 import fadsl  # noqa: E402
+from fadsl.runtime.arguments import torch_dtype_of  # noqa: E402
 from fadsl.runtime.attention import arch_of  # noqa: E402
 from fadsl.tools import clocks  # noqa: E402
 
@@ -135,7 +136,7 @@ def main() -> int:
         kerns.append(fadsl.load(renamed, verbose=False))
     d, causal = base.config.head_dim, base.config.mask.value == "causal"
     heads = 2048 // d
-    tdtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype.value]
+    tdtype = torch_dtype_of(dtype)
     labels = [" ".join(f"{k}={v}" for k, v in s.items()) for s in sets] + list(args.against)
     for seqlen in map(int, args.seqlens.split(",")):
         batch = max(1, 16384 // seqlen)

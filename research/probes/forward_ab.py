@@ -26,6 +26,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import torch  # noqa: E402
 
 import fadsl  # noqa: E402
+from fadsl.runtime.arguments import torch_dtype_of  # noqa: E402
 from fadsl.runtime.attention import arch_of  # noqa: E402
 
 from backward_ab import modifier_inputs, print_rounds, rotated_rounds  # noqa: E402
@@ -53,7 +54,7 @@ def main() -> int:
     keep = base.config.modifiers is not None and base.config.modifiers.keep is not None
     causal = base.config.mask.value == "causal" or keep  # (a keep counted as causal work)
     heads = args.heads or 2048 // d
-    tdtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype.value]
+    tdtype = torch_dtype_of(dtype)
     labels = [" ".join(f"{k}={v}" for k, v in s.items()) for s in sets]
     for seqlen in map(int, args.seqlens.split(",")):
         batch = max(1, 16384 // seqlen)

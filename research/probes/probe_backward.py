@@ -35,6 +35,7 @@ import os
 import torch
 
 import fadsl
+from fadsl.runtime.arguments import torch_dtype_of
 from fadsl.runtime.attention import arch_of
 from fadsl.tools.bench import median_times
 
@@ -56,7 +57,7 @@ def main() -> None:
     d = kern.config.head_dim
     causal = kern.config.mask.value == "causal"
     heads = 2048 // d
-    torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype.value]
+    torch_dtype = torch_dtype_of(dtype)
     print(f"== {name} backward, {defines or 'no defines'}", flush=True)
     for seqlen in map(int, args.seqlens.split(",")):
         batch = max(1, 16384 // seqlen)
