@@ -65,6 +65,7 @@ TARGET = Target(
         "swizzle",
         "stages",
         "q_slots",
+        "ctas_per_sm",
         "registers",
         "pingpong",
         "overlap",

@@ -36,6 +36,9 @@ CAPABILITIES = Capabilities(
 )
 
 REGISTERS_PER_SM = 65536
+# shared memory the hardware keeps for each resident CTA (CUDA C++ Programming Guide, compute
+# capability 9.0: 1 KB a block), beside its dynamic SMEM
+SMEM_RESERVED_PER_CTA = 1024
 SETMAXNREG_RANGE = (24, 256)  # multiples of 8
 REGISTER_UNIT = 8  # a warp's registers are allocated 256 at a time: 8 a thread
 HEAD_DIMS = (64, 128, 256)
@@ -135,11 +138,12 @@ SYNC_MODEL = SyncModel(
 )
 
 
-def launch_registers(threads: int) -> int:
+def launch_registers(threads: int, ctas_per_sm: int = 1) -> int:
     """Registers each thread of a CTA of ``threads`` holds at launch under
-    ``__launch_bounds__(threads, 1)``: the most that fit the SM, in whole allocation units
-    (ptxas's count for a kernel with setmaxnreg; 384 threads: 168, not 170)."""
-    fit = min(SETMAXNREG_RANGE[1], REGISTERS_PER_SM // threads)
+    ``__launch_bounds__(threads, ctas_per_sm)``: the most that fit the SM ``ctas_per_sm``
+    times, in whole allocation units (ptxas's count for a kernel with setmaxnreg; 384
+    threads: 168, not 170; 256 threads, two CTAs: 128)."""
+    fit = min(SETMAXNREG_RANGE[1], REGISTERS_PER_SM // (threads * ctas_per_sm))
     return fit - fit % REGISTER_UNIT
 
 
@@ -149,10 +153,17 @@ def registers_asked(producer_regs: int, consumers: int, consumer_regs: int) -> i
     return WARPGROUP_THREADS * (producer_regs + consumers * consumer_regs)
 
 
-def register_pool(threads: int) -> int:
+def smem_limit(ctas_per_sm: int = 1) -> int:
+    """The dynamic SMEM a CTA may use when ``ctas_per_sm`` of them share an SM (each with
+    the hardware's reserved kilobyte): sm_90a's 227 KB for one."""
+    share = CAPABILITIES.smem_per_sm // ctas_per_sm - SMEM_RESERVED_PER_CTA
+    return min(CAPABILITIES.smem_per_cta, share)
+
+
+def register_pool(threads: int, ctas_per_sm: int = 1) -> int:
     """The CTA's register pool: setmaxnreg.dec returns registers to it and setmaxnreg.inc
     waits until it holds what it asks for, so the roles' counts must fit it, not the SM."""
-    return threads * launch_registers(threads)
+    return threads * launch_registers(threads, ctas_per_sm)
 
 
 def default_registers(consumers: int) -> tuple[int, int]:

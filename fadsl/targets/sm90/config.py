@@ -55,6 +55,9 @@ class Sm90Config(TargetConfig):
     # `splits auto`: every tile split over its K/V blocks, a combine kernel after (split_kv
     # is set too: the pieces' schedule and proof are the split tail's)
     split_all: bool = False
+    # `ctas_per_sm 2`: two CTAs of the kernel resident on an SM (__launch_bounds__' minimum:
+    # half the register file each at launch); the persistent grid counts them
+    ctas_per_sm: int = 1
 
     @property
     def scheduler(self) -> str:
@@ -91,6 +94,7 @@ class Sm90Config(TargetConfig):
             + (f" kv_cache={self.kv_cache}" if self.kv_cache >= 0 else "")
             + (" pack_gqa=on" if self.pack_gqa else "")
             + (" splits=auto" if self.split_all else "")
+            + (f" ctas_per_sm={self.ctas_per_sm}" if self.ctas_per_sm > 1 else "")
             + (f" alone_of={self.alone_of}" if self.alone_of else "")
         )
 
@@ -103,7 +107,7 @@ _TEXT = re.compile(
     r"(?: q_slots=(?P<q_slots>\d+))?(?P<split_kv> tail=split_kv)?(?: cluster=(?P<cluster>\d+))?"
     r"(?: softcap=(?P<softcap>\d+))?(?P<varlen> varlen=on)?"
     r"(?: kv_cache=(?P<kv_cache>\d+))?(?P<pack_gqa> pack_gqa=on)?(?P<split_all> splits=auto)?"
-    r"(?: alone_of=(?P<alone_of>\S+))?$"
+    r"(?: ctas_per_sm=(?P<ctas_per_sm>\d+))?(?: alone_of=(?P<alone_of>\S+))?$"
 )
 
 
@@ -134,4 +138,5 @@ def read_config(line: str) -> Sm90Config | None:
         kv_cache=int(m["kv_cache"]) if m["kv_cache"] is not None else -1,
         pack_gqa=m["pack_gqa"] is not None,
         split_all=m["split_all"] is not None,
+        ctas_per_sm=int(m["ctas_per_sm"] or 1),
     )

@@ -315,7 +315,8 @@ def context(kernel: Kernel, dtype: Dtype) -> dict[str, Any]:
         "stages": hw.stages,
         "producer_regs": hw.producer_regs,
         "consumer_regs": hw.consumer_regs,
-        "launch_regs": launch_registers(cfg.threads),
+        "launch_regs": launch_registers(cfg.threads, hw.ctas_per_sm),
+        "ctas_per_sm": hw.ctas_per_sm,  # __launch_bounds__' minimum CTAs an SM
         "pingpong": hw.pingpong,
         "persistent": hw.persistent,
         "overlap": hw.overlap,

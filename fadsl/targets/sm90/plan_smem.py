@@ -27,6 +27,7 @@ from ...errors import Diagnostic, SpecError
 from ...ir import Buffer, Kernel, Mode, Region
 from ...ir.ops import Op
 from ...passes.plan_smem import flow, live_text, occupancy
+from .caps import smem_limit
 
 TILE_ALIGN = 1024
 BASE_SLACK = 1024  # dynamic SMEM is only 16-byte aligned: the kernel rounds its base up
@@ -63,7 +64,8 @@ def plan_smem(kernel: Kernel, target: targets.Target) -> Kernel:
         regions.append(Region(index, offset, size, (name,), ()))
         offset += size
     o = bufs["O"]
-    limit = target.capabilities.smem_per_cta
+    ctas = kernel.config.ext.ctas_per_sm
+    limit = smem_limit(ctas)  # `ctas_per_sm 2`: the plan fits the SM twice
     bars = mbarrier_count(kernel, o_aliased=False)
     if offset + _aligned(o.nbytes) + 8 * bars + BASE_SLACK <= limit:
         # Room for O's own bytes: the next tile's V loads need not wait for this tile's O
@@ -119,12 +121,13 @@ def plan_smem(kernel: Kernel, target: targets.Target) -> Kernel:
             )
     total = offset + 8 * bars + BASE_SLACK
     if total > limit:
+        shared = f" with ctas_per_sm {ctas} ({ctas} CTAs an SM)" if ctas > 1 else ""
         raise SpecError(
             [
                 Diagnostic(
-                    kernel.config.loc_of("tile"),
+                    kernel.config.loc_of("ctas_per_sm_value" if ctas > 1 else "tile"),
                     f"the SMEM plan needs {total} bytes per CTA, over {target.name}'s limit "
-                    f"of {limit} bytes; use fewer stages or a smaller B_c",
+                    f"of {limit} bytes{shared}; use fewer stages or a smaller B_c",
                 )
             ]
         )

@@ -95,6 +95,8 @@ def check_lines(kernel: Kernel, lines: list[tuple[str, str]]) -> list[tuple[str,
     out.append(("stages", f"{hw.stages} (K and V rings of {hw.stages} slots, mbarrier pipeline)"))
     if hw.q_slots > 1:
         out.append(("q_slots", f"{hw.q_slots} (Q in a ring of {hw.q_slots} tiles)"))
+    if hw.ctas_per_sm > 1:
+        out.append(("per SM", f"{hw.ctas_per_sm} CTAs at once (ctas_per_sm {hw.ctas_per_sm})"))
     out.append(
         (
             "schedule",
@@ -141,7 +143,8 @@ def register_cap(kernel: Kernel, caps: Capabilities) -> tuple[int, str]:
     threads = kernel.config.threads
     return hw.consumer_regs, (
         "the consumers' setmaxnreg.inc; the compiler's count is the launch allocation "
-        f"before setmaxnreg: {threads} threads x {launch_registers(threads)}, the CTA's pool"
+        f"before setmaxnreg: {threads} threads x {launch_registers(threads, hw.ctas_per_sm)}, "
+        "the CTA's pool"
     )
 
 
@@ -263,8 +266,9 @@ def explain_data(kernel: Kernel) -> dict[str, Any]:
             ],
             "registers_per_sm": {
                 "used": registers_asked(hw.producer_regs, hw.consumers, hw.consumer_regs),
-                "available": register_pool(WARPGROUP_THREADS * (1 + hw.consumers)),
+                "available": register_pool(WARPGROUP_THREADS * (1 + hw.consumers), hw.ctas_per_sm),
             },
+            **({"ctas_per_sm": hw.ctas_per_sm} if hw.ctas_per_sm > 1 else {}),
             "stages": hw.stages,
             "q_slots": hw.q_slots,
             # 8-bit kernels: the producer warps transpose V into Vt (fp8-forward.md §3.3)
@@ -344,7 +348,12 @@ def explain_sections(data: Mapping[str, Any]) -> list[str]:
         f"each (B_r = {data['block_r']})",
         f"  registers  {producer['threads']} x {producer['setmaxnreg']} + "
         f"{consumers['threads']} x {consumers['setmaxnreg']} = {regs['used']} of the CTA's "
-        f"launch allocation, {regs['available']}",
+        f"launch allocation, {regs['available']}"
+        + (
+            f" (ctas_per_sm {ws['ctas_per_sm']}: that many CTAs share an SM's 65536)"
+            if ws.get("ctas_per_sm", 1) > 1
+            else ""
+        ),
         f"  stages     {ws['stages']}: "
         f"{'K, V and Vt' if ws.get('transpose_v') else 'K and V'} each in a ring of "
         f"{ws['stages']} slots",

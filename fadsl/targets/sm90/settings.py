@@ -25,6 +25,15 @@ def q_slots(c: Checks, setting: Setting) -> int | None:
     return count(c, setting, 1, 2)
 
 
+def ctas_per_sm(c: Checks, setting: Setting) -> int | None:
+    """`ctas_per_sm N` (sm_90a): the CTAs of the attention kernel an SM holds at once (its
+    __launch_bounds__' minimum, which halves the registers a thread launches with at 2; the
+    setmaxnreg split and the SMEM plan must fit N times); 1 without the line."""
+    if setting.values:
+        c.key_locs["ctas_per_sm_value"] = setting.values[0].loc
+    return count(c, setting, 1, 2)
+
+
 def cluster(c: Checks, setting: Setting) -> int | None:
     """`cluster N` (sm_90a): CTAs per cluster, which share the tiles in smem[cluster]
     (1: none; 2: each CTA loads half of every K/V block and multicasts it into both)."""
@@ -151,6 +160,7 @@ def output(c: Checks, setting: Setting) -> Dtype | None:
 
 SETTINGS: dict[str, Callable[[Checks, Setting], object]] = {
     "q_slots": q_slots,
+    "ctas_per_sm": ctas_per_sm,
     "warpgroups": warpgroups,
     "registers": registers,
     "pingpong": on_off,

@@ -36,11 +36,13 @@ from .caps import (
     REGISTER_UNIT,
     ROWS_PER_CONSUMER,
     SETMAXNREG_RANGE,
+    SMEM_RESERVED_PER_CTA,
     WARPGROUP_THREADS,
     default_registers,
     launch_registers,
     register_pool,
     registers_asked,
+    smem_limit,
 )
 
 SCOPES = {Role.Q: Scope.WARPGROUP, Role.K: Scope.CTA, Role.V: Scope.CTA, Role.O: Scope.WARPGROUP}
@@ -134,6 +136,7 @@ def validate(c: Checks, tensors: dict[Role, Tensor]) -> bool:
             f"sm_90a's {CAPABILITIES.smem_per_cta}; {advice}",
         )
         ok = False
+    ok = _ctas_per_sm(c, need) and ok
     ok = _registers(c, consumers, head_dim, block_c) and ok
     ok = _knobs(c, consumers) and ok
     ok = (validate_fp8(c) if fp8 else _output_of_16_bits(c)) and ok
@@ -278,6 +281,23 @@ def _scopes(c: Checks, tensors: dict[Role, Tensor]) -> bool:
     return True
 
 
+def _ctas_per_sm(c: Checks, smem: int) -> bool:
+    """`ctas_per_sm N`: N copies of the SMEM plan (``smem`` bytes at least: its tiles,
+    barriers and alignment slack; plan_smem checks the placed plan the same way) fit the
+    SM's shared memory, each with the kilobyte the hardware reserves a CTA."""
+    ctas = c.values.get("ctas_per_sm", 1)
+    if ctas == 1 or smem <= smem_limit(ctas):
+        return True
+    c.error(
+        c.key_locs["ctas_per_sm_value"],
+        f"ctas_per_sm {ctas}: the SMEM plan needs at least {smem} bytes a CTA, over the "
+        f"{smem_limit(ctas)} each of {ctas} CTAs may have ({CAPABILITIES.smem_per_sm} an SM, "
+        f"{SMEM_RESERVED_PER_CTA} of it reserved a CTA); use ctas_per_sm 1, fewer stages or "
+        "a smaller B_c",
+    )
+    return False
+
+
 def _registers(c: Checks, consumers: int, head_dim: int, block_c: int) -> bool:
     regs = c.values.get("registers") or dict(
         zip(("producer", "consumers"), default_registers(consumers))
@@ -296,7 +316,8 @@ def _registers(c: Checks, consumers: int, head_dim: int, block_c: int) -> bool:
         return False
     total = registers_asked(regs["producer"], consumers, regs["consumers"])
     threads = WARPGROUP_THREADS * (1 + consumers)
-    pool = register_pool(threads)
+    ctas = c.values.get("ctas_per_sm", 1)
+    pool = register_pool(threads, ctas)
     if total > pool:
         room = (pool - registers_asked(regs["producer"], 0, 0)) // (WARPGROUP_THREADS * consumers)
         room -= room % REGISTER_UNIT
@@ -309,8 +330,10 @@ def _registers(c: Checks, consumers: int, head_dim: int, block_c: int) -> bool:
             c.key_locs.get("registers.consumers", c.decl.loc),
             f"128 x {regs['producer']} + 128 x {consumers} x {regs['consumers']} = {total} "
             f"registers, over the CTA's pool of {pool} ({threads} threads launch with "
-            f"{launch_registers(threads)} each; setmaxnreg only moves registers within it, "
-            f"and setmaxnreg.inc would wait forever); {fits}",
+            f"{launch_registers(threads, ctas)} each"
+            + (f" at ctas_per_sm {ctas}" if ctas > 1 else "")
+            + f"; setmaxnreg only moves registers within it, and setmaxnreg.inc would wait "
+            f"forever); {fits}",
         )
         return False
     overlap = c.values.get("overlap", True)
@@ -419,6 +442,7 @@ def configure(c: Checks) -> Config:
             kv_cache=v.get("kv_cache", -1),
             pack_gqa=v.get("pack_gqa", False),
             split_all=v.get("splits", False),
+            ctas_per_sm=v.get("ctas_per_sm", 1),
         ),
         out_dtype=out_dtype(c),
     )

@@ -108,7 +108,9 @@ def choose_splits(kernel: Kernel, a, device_index: int, asked: int | None) -> in
     """Pieces per tile: the call's num_splits, or as many as fill the SMs in one wave where
     the tiles are fewer than the SMs, each of MIN_BLOCKS_PER_SPLIT K/V blocks or more (one
     of WIDE_BLOCK keys or more), over the cache's capacity (the lengths stay on the device).
-    1 without `splits auto`."""
+    1 without `splits auto`. Counted in SMs whatever `ctas_per_sm` says: pieces planned for
+    two CTAs an SM ran 4-7 % slower at 1 x 8k and 1 x 128k (H200, 2026-12-04,
+    research/probes/decode_two_ctas.py; docs/serving.md)."""
     if not kernel.config.ext.split_all:
         return 1
     blocks = -(-capacity(kernel, a) // kernel.config.block_c)
@@ -134,8 +136,8 @@ def partial_floats(kernel: Kernel, a, splits: int) -> int:
 def kvcache_grid(kernel: Kernel, a) -> tuple[int, int, int]:
     count = tiles(kernel, a) * a.splits
     check_tile_count(count, "tiles (and pieces)")
-    if kernel.config.ext.persistent:
-        count = min(count, sm_count(a.q.device.index))
+    if kernel.config.ext.persistent:  # `ctas_per_sm` CTAs an SM (the pieces: choose_splits)
+        count = min(count, sm_count(a.q.device.index) * kernel.config.ext.ctas_per_sm)
     return (max(count, 1), 1, 1)
 
 

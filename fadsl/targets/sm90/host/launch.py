@@ -72,11 +72,11 @@ def tile_count(kernel: Kernel, a: Args) -> int:
     return m_blocks(kernel, seqlen_q, cluster) * heads_q * batch
 
 
-def resident_ctas(device_index: int, cluster: int) -> int:
-    """A persistent grid's CTAs: one per SM, whole clusters only. (An H100 or H200 runs 66
-    clusters of 2 at once, every SM: tests/test_gpu_sm90.py checks it with
-    cuOccupancyMaxActiveClusters.)"""
-    return sm_count(device_index) // cluster * cluster
+def resident_ctas(device_index: int, cluster: int, ctas_per_sm: int = 1) -> int:
+    """A persistent grid's CTAs: ``ctas_per_sm`` per SM (the spec's `ctas_per_sm`), whole
+    clusters only. (An H100 or H200 runs 66 clusters of 2 at once, every SM:
+    tests/test_gpu_sm90.py checks it with cuOccupancyMaxActiveClusters.)"""
+    return sm_count(device_index) * ctas_per_sm // cluster * cluster
 
 
 def tile_grid(kernel: Kernel, a: Args) -> tuple[int, int, int]:
@@ -91,7 +91,7 @@ def tile_grid(kernel: Kernel, a: Args) -> tuple[int, int, int]:
         tiles = start + (tiles - start) * splits  # work items: whole tiles, then pieces
     if hopper is not None and hopper.persistent:
         cluster = launch_cluster(kernel, a.q.shape[1], a.k.shape[1])
-        tiles = min(tiles, resident_ctas(a.q.device.index, cluster))
+        tiles = min(tiles, resident_ctas(a.q.device.index, cluster, hopper.ctas_per_sm))
     return (tiles, 1, 1)
 
 

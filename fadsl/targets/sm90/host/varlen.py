@@ -93,12 +93,12 @@ def tile_bound(kernel: Kernel, a: VarlenArgs) -> int:
 
 
 def varlen_grid(kernel: Kernel, a: VarlenArgs) -> tuple[int, int, int]:
-    """The attention kernel's grid: one CTA per SM at most (persistent), else one per tile
-    the list may hold (those past its count return at once)."""
+    """The attention kernel's grid: `ctas_per_sm` CTAs per SM at most (persistent), else one
+    per tile the list may hold (those past its count return at once)."""
     tiles = max(1, tile_bound(kernel, a))
     check_tile_count(tiles, f"tiles at most of {kernel.config.block_r} rows x heads")
     if kernel.config.ext.persistent:
-        tiles = min(tiles, sm_count(a.q.device.index))
+        tiles = min(tiles, sm_count(a.q.device.index) * kernel.config.ext.ctas_per_sm)
     return (tiles, 1, 1)
 
 
