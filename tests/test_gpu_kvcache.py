@@ -50,6 +50,8 @@ SPECS = {
     ),
     "paged64_nopack": _variant("fa3_decode_paged.fa", "kv_p64_nopack", pack_gqa="off"),
     "contiguous_nosplit": _variant("fa3_decode.fa", "kv_whole", splits="off"),
+    # two CTAs an SM (`ctas_per_sm 2`: half the register file each at launch)
+    "paged64_two_ctas": (SPEC_DIR / "fa3_decode_paged_two_ctas.fa").read_text(),
 }
 LENGTHS = [0, 1, 63, 64, 65, 1000, 3000]
 HEADS = [(32, 8), (8, 8), (8, 1)]
@@ -164,6 +166,28 @@ def test_long_cache_batch_one_splits_over_the_sms():
     out, lse = kern.kvcache(q, k, v, seqlens, table, return_lse=True)
     torch.cuda.synchronize()
     check(kern, q, keys, 128**-0.5, out, lse)
+
+
+def test_two_ctas_an_sm_give_the_one_cta_kernels_bits():
+    """More tiles than two CTAs an SM hold (48 x 8 K/V heads, persistent CTAs looping): the
+    `ctas_per_sm 2` kernel, whose persistent grid is twice the SMs, writes exactly the bits
+    of the example's one-CTA kernel (each tile's blocks in the same order), in whole tiles
+    and in pieces."""
+    one, two = kernel("paged64"), kernel("paged64_two_ctas")
+    assert two.config.ext.ctas_per_sm == 2
+    lengths = [(97 * b) % 2900 + (b % 3) for b in range(48)]
+    k, v, seqlens, table, keys = make_cache(one, lengths, 8, 128, torch.bfloat16, 3000, seed=5)
+    q = torch.randn(len(lengths), 1, 32, 128, device="cuda", dtype=torch.bfloat16)
+    for splits in (None, 2):
+        outs = []
+        for kern in (one, two):
+            out = torch.full_like(q, float("nan"))
+            lse = torch.full((len(lengths), 32, 1), float("nan"), device="cuda")
+            kern.kvcache_forward(q, k, v, seqlens, table, 128**-0.5, splits, out, True, lse)
+            outs.append((out, lse))
+        torch.cuda.synchronize()
+        check(two, q, keys, 128**-0.5, *outs[1])
+        assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
 
 
 @pytest.mark.parametrize("paged", [False, True])

@@ -144,8 +144,9 @@ def test_every_sync_is_rendered_with_its_hazards(spec):
     compiled = compile_file(spec.relative_to(ROOT))
     text = render(compiled.kernel, compiled.target, compiled.file)[0].text
     assert f"from {spec.relative_to(ROOT)}" in text
+    ctas = compiled.kernel.config.ext.ctas_per_sm  # `ctas_per_sm`: the bounds' minimum
     assert re.search(
-        r'extern "C" __global__ void __launch_bounds__\(Cfg::kThreads, 1\) '
+        rf'extern "C" __global__ void __launch_bounds__\(Cfg::kThreads, {ctas}\) '
         r"\w+\(const __grid_constant__ FwdParamsSm90 P\)",
         text,
     )
