@@ -19,9 +19,13 @@ SWIZZLE = {64: "xor(3, 3, 3)", 96: "xor(2, 3, 3)", 128: "xor(3, 3, 4)"}
 OTHERS = {"d256": "fa2_hdim256", "pipelined": "fa2_pipelined"}
 # Not an example (yet): Q in a ring of two tiles (q_slots 2), run by the sm_90a GPU tests too.
 Q_RING = "tests/specs/sm90/fa3_q_ring.fa"
-# Not examples either, run like them: Q's ring, and FlashAttention-3's 128 x 176 tile at
-# head_dim 128 (B_c not a multiple of 64, O over the dead V ring).
-EXTRA_SM90 = (Q_RING, "tests/specs/bench/fa3_hopper_bc176.fa")
+# Not examples either, run like them: Q's ring, FlashAttention-3's 128 x 176 tile at head_dim
+# 128 (B_c not a multiple of 64, O over the dead V ring), and two CTAs an SM (ctas_per_sm 2).
+EXTRA_SM90 = (
+    Q_RING,
+    "tests/specs/bench/fa3_hopper_bc176.fa",
+    "tests/specs/bench/fa3_hdim64_causal_2cta.fa",
+)
 
 
 def is_8bit(text: str) -> bool:
