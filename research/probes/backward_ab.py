@@ -74,6 +74,19 @@ def modifier_inputs(kern, batch: int, heads: int, seqlen: int) -> dict:
     return made
 
 
+def print_errors(outs, inputs, dout, when: str) -> None:
+    """Each set's gradients against the control's (``outs[0]``), relative to their max."""
+    ref = torch.autograd.grad(outs[0], inputs, dout, retain_graph=True)
+    for i, o in enumerate(outs[1:], 1):
+        got = torch.autograd.grad(o, inputs, dout, retain_graph=True)
+        errs = [
+            ((a.float() - b.float()).abs().max() / a.float().abs().max()).item()
+            for a, b in zip(ref, got)
+        ]
+        shown = " / ".join(f"{e:.1e}" for e in errs)
+        print(f"  set {i} {when}: dq/dk/dv max error {shown} of max")
+
+
 def rotated_rounds(calls, flops: float, seconds: float, rounds: int) -> list[list[tuple]]:
     """Each of ``calls`` timed sustained (bwd_vs_fa4.sustained) in each of ``rounds``, the
     order rotated a place a round and reversed every other: per call, a (TF/s of ``flops``,
@@ -148,20 +161,15 @@ def main() -> int:
         dout = torch.randn(shape, device="cuda", dtype=tdtype)
         extra = modifier_inputs(base, batch, heads, seqlen)
         outs = [kern(q, k, v, **extra) for kern in kerns]
-        ref = torch.autograd.grad(outs[0], (q, k, v), dout, retain_graph=True)
-        for i, o in enumerate(outs[1:], 1):  # each set's gradients against the control's
-            got = torch.autograd.grad(o, (q, k, v), dout, retain_graph=True)
-            errs = [
-                ((a.float() - b.float()).abs().max() / a.float().abs().max()).item()
-                for a, b in zip(ref, got)
-            ]
-            shown = " / ".join(f"{e:.1e}" for e in errs)
-            print(f"  set {i} against the control: dq/dk/dv max error {shown} of max")
+        print_errors(outs, (q, k, v), dout, "against the control")
         calls = [
             (lambda o=o: torch.autograd.grad(o, (q, k, v), dout, retain_graph=True)) for o in outs
         ]
         flops = 2.5 * 4 * batch * heads * seqlen * seqlen * d * (0.5 if causal else 1.0)
         results = rotated_rounds(calls, flops, args.seconds, args.rounds)
+        # again after the timed calls: a build whose state outlives a call (a development
+        # build's counter) fails here, not at the first call
+        print_errors(outs, (q, k, v), dout, "after the timed calls")
         print(f"== {name}, {batch} x {seqlen}")
         print_rounds(results, labels)
     return 0
