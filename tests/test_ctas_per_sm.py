@@ -26,7 +26,13 @@ from fadsl.codegen.render import render
 from fadsl.errors import SpecError
 from fadsl.ir.printer import format_kernel
 from fadsl.pipeline import compile_source
-from fadsl.targets.sm90.caps import launch_registers, register_pool, smem_limit
+from fadsl.targets.sm90.caps import (
+    default_registers,
+    launch_registers,
+    register_pool,
+    registers_asked,
+    smem_limit,
+)
 from fadsl.targets.sm90.config import read_config
 
 PAGED = (ROOT / "examples" / "serving" / "fa3_decode_paged.fa").read_text()
@@ -160,3 +166,49 @@ def test_persistent_grids_count_two_ctas_an_sm_and_pieces_stay_per_sm(monkeypatc
     big = SimpleNamespace(q=torch.empty(40000, 4, 128, device="meta"), cu_seqlens_q=torch.empty(2))
     assert varlen.varlen_grid(varlen_two, big) == (264, 1, 1)
     assert varlen.varlen_grid(varlen_one, big) == (132, 1, 1)
+
+
+@pytest.mark.parametrize("consumers", [1, 2, 3])
+def test_the_default_split_fills_the_halved_pool_and_straddles_the_launch_count(consumers):
+    producer, consumer = default_registers(consumers, 2)
+    threads = 128 * (1 + consumers)
+    assert registers_asked(producer, consumers, consumer) <= register_pool(threads, 2)
+    assert producer <= launch_registers(threads, 2) <= consumer
+    assert default_registers(consumers) == default_registers(consumers, 1)
+
+
+def test_without_a_registers_line_two_ctas_take_the_halved_default():
+    text = ONE_CONSUMER_REGS.sub(r"\1ctas_per_sm 2", PAGED, count=1)
+    assert "registers" not in text.split("kernel", 1)[1].split("{", 1)[1].split("Q:")[0]
+    ext = compile_source(text, "s.fa").kernel.config.ext
+    assert (ext.producer_regs, ext.consumer_regs, ext.ctas_per_sm) == (40, 216, 2)
+
+
+def test_a_producer_over_the_launch_count_is_refused():
+    """setmaxnreg.dec only lowers: at two CTAs a thread launches with 128 registers, so a
+    producer of 152 (the pool's total would allow it beside consumers of 104) is refused."""
+    text = _two(PAGED.replace("head_dim   128", "head_dim   64"), "producer = 152, consumers = 104")
+    message = _refusal(text)
+    line = _line_of(text, "registers")
+    assert f"s.fa:{line}:" in message and "producer = 152: setmaxnreg.dec only lowers" in message
+    assert "launch with 128 each at ctas_per_sm 2; use producer = 128 or fewer" in message
+
+
+def test_a_split_tail_deals_its_last_round_over_two_ctas_an_sm(monkeypatch):
+    """`tail split_kv`: the whole rounds before the split are whole rounds of the grid, which
+    is twice the SMs (sm90_tiles.cuh's rule), and nothing is split where every tile fits."""
+    monkeypatch.setattr(launch, "sm_count", lambda index: 132)
+    text = (ROOT / "examples" / "fa3_hdim64.fa").read_text()
+    text = re.sub(r"^[ \t]*backward\s*\{[^}]*\}[^\n]*\n", "", text, flags=re.M)
+    one = compile_source(text, "s.fa").kernel
+    if not one.config.ext.split_kv:
+        pytest.skip("fa3_hdim64 no longer splits its tail")
+    ext = replace(one.config.ext, ctas_per_sm=2)
+    two = replace(one, config=replace(one.config, ext=ext))
+    assert launch.split_ctas(two, 0) == 264 and launch.split_ctas(one, 0) == 132
+    for tiles in (150, 264, 400, 1000):
+        start, splits = launch.split_plan(tiles, launch.split_ctas(two, 0), 64)
+        assert start == tiles // 264 * 264 or splits == 1, tiles  # whole rounds of 264
+    # 150 tiles: one part-full round of the 264-CTA grid, split (the SM count's plan kept
+    # 132 tiles whole, a round that is not the grid's)
+    assert launch.split_plan(150, 264, 64)[0] == 0 and launch.split_plan(150, 132, 64)[0] == 132

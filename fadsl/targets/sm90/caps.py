@@ -166,8 +166,12 @@ def register_pool(threads: int, ctas_per_sm: int = 1) -> int:
     return threads * launch_registers(threads, ctas_per_sm)
 
 
-def default_registers(consumers: int) -> tuple[int, int]:
-    """FlashAttention-3's setmaxnreg split (producer, consumer) for 1..3 consumer warpgroups."""
+def default_registers(consumers: int, ctas_per_sm: int = 1) -> tuple[int, int]:
+    """FlashAttention-3's setmaxnreg split (producer, consumer) for 1..3 consumer warpgroups;
+    at two CTAs an SM the split that fills the halved pool (launch allocation 128 / 80 / 64 a
+    thread), the producer under it and the consumers over it."""
+    if ctas_per_sm == 2:
+        return {1: (40, 216), 2: (24, 104), 3: (40, 72)}[consumers]
     return {1: (56, 256), 2: (24, 240), 3: (32, 160)}[consumers]
 
 

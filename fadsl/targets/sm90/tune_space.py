@@ -59,7 +59,7 @@ def settings(values: Values, base: Config) -> dict[str, str]:
     if consumers == hw.consumers:  # the spec's own split, which may not be the default
         producer_regs, consumer_regs = hw.producer_regs, hw.consumer_regs
     else:  # the split that fills the pool for this many consumers
-        producer_regs, consumer_regs = default_registers(consumers)
+        producer_regs, consumer_regs = default_registers(consumers, hw.ctas_per_sm)
     return {
         "tile": f"B_r = {ROWS_PER_CONSUMER * consumers}, B_c = {values['B_c']}",
         "warpgroups": f"producer = 1, consumers = {consumers}",

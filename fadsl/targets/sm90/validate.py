@@ -300,7 +300,7 @@ def _ctas_per_sm(c: Checks, smem: int) -> bool:
 
 def _registers(c: Checks, consumers: int, head_dim: int, block_c: int) -> bool:
     regs = c.values.get("registers") or dict(
-        zip(("producer", "consumers"), default_registers(consumers))
+        zip(("producer", "consumers"), default_registers(consumers, c.values.get("ctas_per_sm", 1)))
     )
     lo, hi = SETMAXNREG_RANGE
     ok = True
@@ -334,6 +334,16 @@ def _registers(c: Checks, consumers: int, head_dim: int, block_c: int) -> bool:
             + (f" at ctas_per_sm {ctas}" if ctas > 1 else "")
             + f"; setmaxnreg only moves registers within it, and setmaxnreg.inc would wait "
             f"forever); {fits}",
+        )
+        return False
+    launch = launch_registers(threads, ctas)
+    if regs["producer"] > launch:
+        c.error(
+            c.key_locs.get("registers.producer", c.decl.loc),
+            f"producer = {regs['producer']}: setmaxnreg.dec only lowers a thread's count, and "
+            f"{threads} threads launch with {launch} each"
+            + (f" at ctas_per_sm {ctas}" if ctas > 1 else "")
+            + f"; use producer = {launch} or fewer",
         )
         return False
     overlap = c.values.get("overlap", True)
@@ -408,7 +418,8 @@ def _knobs(c: Checks, consumers: int) -> bool:
 def configure(c: Checks) -> Config:
     v = c.values
     consumers = v["warpgroups"]["consumers"]
-    regs = v.get("registers") or dict(zip(("producer", "consumers"), default_registers(consumers)))
+    split = default_registers(consumers, v.get("ctas_per_sm", 1))
+    regs = v.get("registers") or dict(zip(("producer", "consumers"), split))
     return Config(
         name=c.decl.name.text,
         target=v["target"],

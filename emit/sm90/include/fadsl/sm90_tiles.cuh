@@ -14,7 +14,7 @@ struct TileCoord {
 // Which tiles this CTA runs, and in which order.  Tiles are numbered query block
 // fastest, then head, then batch, so that the CTAs running at once work on few heads and
 // share their K and V through L2.
-//   kPersistent (`scheduler persistent`): grid = min(tiles, SMs); CTA c runs steps
+//   kPersistent (`scheduler persistent`): grid = min(tiles, SMs x ctas_per_sm); CTA c runs steps
 //     s = 0, 1, ...  Without a mask, step s is tile c + s * gridDim.x.  Causal (and a
 //     `keep` without a mask: longest_tiles_first): tiles go in pairs of a head's long and
 //     short query block (m = num_m - 1 - i, then i: the pair's blocks add up to num_m + 1
