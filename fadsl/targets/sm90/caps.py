@@ -11,6 +11,7 @@ from __future__ import annotations
 from ...ir import WARPGROUP_THREADS, Dtype, Instr, Level, Scope
 from ...ir.syncmodel import AsyncKind, Signal, SyncKind, SyncModel, WaitRule
 from .. import Capabilities
+from ..archs import SM_LIMITS
 from ..common_syncs import SYNCTHREADS
 
 CAPABILITIES = Capabilities(
@@ -36,9 +37,8 @@ CAPABILITIES = Capabilities(
 )
 
 REGISTERS_PER_SM = 65536
-# shared memory the hardware keeps for each resident CTA (CUDA C++ Programming Guide, compute
-# capability 9.0: 1 KB a block), beside its dynamic SMEM
-SMEM_RESERVED_PER_CTA = 1024
+# shared memory the hardware keeps for each resident CTA, beside its dynamic SMEM (1 KB)
+SMEM_RESERVED_PER_CTA = SM_LIMITS["sm_90a"]["reserved"]
 SETMAXNREG_RANGE = (24, 256)  # multiples of 8
 REGISTER_UNIT = 8  # a warp's registers are allocated 256 at a time: 8 a thread
 HEAD_DIMS = (64, 128, 256)

@@ -115,6 +115,17 @@ def validate(c: Checks, tensors: dict[Role, Tensor]) -> bool:
     q_slots = v.get("q_slots", 1)
     fp8 = eight_bit(c)
     need = smem_bytes(block_r, block_c, head_dim, stages, q_slots, fp8)
+    ctas = v.get("ctas_per_sm", 1)
+    if ok and ctas > 1 and smem_limit(ctas) < need <= CAPABILITIES.smem_per_cta:
+        # one CTA would fit: it is the second that does not (plan_smem checks the placed plan)
+        c.error(
+            c.key_locs["ctas_per_sm_value"],
+            f"ctas_per_sm {ctas}: the SMEM plan needs at least {need} bytes a CTA, over the "
+            f"{smem_limit(ctas)} each of {ctas} CTAs may have ({CAPABILITIES.smem_per_sm} an "
+            f"SM, {SMEM_RESERVED_PER_CTA} of it reserved a CTA); use ctas_per_sm 1, fewer "
+            "stages or a smaller B_c",
+        )
+        ok = False
     if ok and need > CAPABILITIES.smem_per_cta:
         q_text = (
             f"Q {block_r}x{head_dim}" if q_slots == 1 else f"Q {q_slots} x {block_r}x{head_dim}"
@@ -136,7 +147,6 @@ def validate(c: Checks, tensors: dict[Role, Tensor]) -> bool:
             f"sm_90a's {CAPABILITIES.smem_per_cta}; {advice}",
         )
         ok = False
-    ok = _ctas_per_sm(c, need) and ok
     ok = _registers(c, consumers, head_dim, block_c) and ok
     ok = _knobs(c, consumers) and ok
     ok = (validate_fp8(c) if fp8 else _output_of_16_bits(c)) and ok
@@ -279,23 +289,6 @@ def _scopes(c: Checks, tensors: dict[Role, Tensor]) -> bool:
         )
         return False
     return True
-
-
-def _ctas_per_sm(c: Checks, smem: int) -> bool:
-    """`ctas_per_sm N`: N copies of the SMEM plan (``smem`` bytes at least: its tiles,
-    barriers and alignment slack; plan_smem checks the placed plan the same way) fit the
-    SM's shared memory, each with the kilobyte the hardware reserves a CTA."""
-    ctas = c.values.get("ctas_per_sm", 1)
-    if ctas == 1 or smem <= smem_limit(ctas):
-        return True
-    c.error(
-        c.key_locs["ctas_per_sm_value"],
-        f"ctas_per_sm {ctas}: the SMEM plan needs at least {smem} bytes a CTA, over the "
-        f"{smem_limit(ctas)} each of {ctas} CTAs may have ({CAPABILITIES.smem_per_sm} an SM, "
-        f"{SMEM_RESERVED_PER_CTA} of it reserved a CTA); use ctas_per_sm 1, fewer stages or "
-        "a smaller B_c",
-    )
-    return False
 
 
 def _registers(c: Checks, consumers: int, head_dim: int, block_c: int) -> bool:
