@@ -141,7 +141,7 @@ def test_the_compiler_builds_it_at_128_registers_without_spills():
 
 
 def test_persistent_grids_count_two_ctas_an_sm_and_pieces_stay_per_sm(monkeypatch):
-    for module in (launch, kvcache, varlen):
+    for module in (launch, kvcache):  # varlen's bound is launch.grid_ctas
         monkeypatch.setattr(module, "sm_count", lambda index: 132)
     two = compile_source(_two(), "s.fa").kernel
     one = compile_source(PAGED, "s.fa").kernel
@@ -205,9 +205,9 @@ def test_a_split_tail_deals_its_last_round_over_two_ctas_an_sm(monkeypatch):
         pytest.skip("fa3_hdim64 no longer splits its tail")
     ext = replace(one.config.ext, ctas_per_sm=2)
     two = replace(one, config=replace(one.config, ext=ext))
-    assert launch.split_ctas(two, 0) == 264 and launch.split_ctas(one, 0) == 132
+    assert launch.grid_ctas(two, 0) == 264 and launch.grid_ctas(one, 0) == 132
     for tiles in (150, 264, 400, 1000):
-        start, splits = launch.split_plan(tiles, launch.split_ctas(two, 0), 64)
+        start, splits = launch.split_plan(tiles, launch.grid_ctas(two, 0), 64)
         assert start == tiles // 264 * 264 or splits == 1, tiles  # whole rounds of 264
     # 150 tiles: one part-full round of the 264-CTA grid, split (the SM count's plan kept
     # 132 tiles whole, a round that is not the grid's)

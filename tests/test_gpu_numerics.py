@@ -33,7 +33,7 @@ import fadsl
 from fadsl.targets.sm90.host.launch import (
     PAIR_MIN_KV_BLOCKS,
     launch_cluster,
-    split_ctas,
+    grid_ctas,
     split_plan,
 )
 from gpu_specs import numerics_specs
@@ -162,7 +162,7 @@ def splits_of(kern, q, k) -> int:
         return 1
     tiles = q.shape[0] * q.shape[2] * -(-q.shape[1] // kern.config.block_r)
     blocks = -(-k.shape[1] // kern.config.block_c)
-    return split_plan(tiles, split_ctas(kern, q.device.index), blocks)[1]
+    return split_plan(tiles, grid_ctas(kern, q.device.index), blocks)[1]
 
 
 @pytest.mark.parametrize("name, dtype", CASES, ids=IDS)

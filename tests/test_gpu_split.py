@@ -40,7 +40,7 @@ def kern():
 def _plan(kern, batch, sq, sk, hq):
     tiles = -(-sq // kern.config.block_r) * hq * batch
     blocks = -(-sk // kern.config.block_c)
-    return params.split_plan(tiles, params.split_ctas(kern, 0), blocks)
+    return params.split_plan(tiles, params.grid_ctas(kern, 0), blocks)
 
 
 def _run(kern, q, k, v):

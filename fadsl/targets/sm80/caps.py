@@ -9,14 +9,15 @@ from __future__ import annotations
 from ...ir import Dtype, Instr, Level, Scope
 from ...ir.syncmodel import AsyncKind, SyncKind, SyncModel, WaitRule
 from .. import Capabilities
+from ..archs import SM_LIMITS
 from ..common_syncs import SYNCTHREADS
 
 CAPABILITIES = Capabilities(
     mma="mma.sync m16n8k16",
     smem_per_cta=163 * 1024,
-    smem_per_sm=164 * 1024,
+    smem_per_sm=SM_LIMITS["sm_80"]["smem"],
     registers_per_thread=255,
-    registers_per_sm=65536,
+    registers_per_sm=SM_LIMITS["sm_80"]["regs"],
     hop_instrs={
         (Level.GMEM, Level.SMEM): (Instr.CP_ASYNC,),
         (Level.SMEM, Level.RF): (Instr.LDMATRIX, Instr.LDMATRIX_TRANS),

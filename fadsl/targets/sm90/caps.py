@@ -17,9 +17,9 @@ from ..common_syncs import SYNCTHREADS
 CAPABILITIES = Capabilities(
     mma="wgmma.mma_async m64nNk16",
     smem_per_cta=227 * 1024,
-    smem_per_sm=228 * 1024,
+    smem_per_sm=SM_LIMITS["sm_90a"]["smem"],
     registers_per_thread=255,
-    registers_per_sm=65536,
+    registers_per_sm=SM_LIMITS["sm_90a"]["regs"],
     hop_instrs={
         (Level.GMEM, Level.SMEM): (Instr.TMA,),
         (Level.SMEM, Level.RF): (Instr.WGMMA,),
@@ -36,7 +36,7 @@ CAPABILITIES = Capabilities(
     dtypes=(Dtype.BF16, Dtype.FP16, Dtype.E4M3, Dtype.E5M2),
 )
 
-REGISTERS_PER_SM = 65536
+REGISTERS_PER_SM = CAPABILITIES.registers_per_sm
 # shared memory the hardware keeps for each resident CTA, beside its dynamic SMEM (1 KB)
 SMEM_RESERVED_PER_CTA = SM_LIMITS["sm_90a"]["reserved"]
 SETMAXNREG_RANGE = (24, 256)  # multiples of 8

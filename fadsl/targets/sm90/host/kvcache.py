@@ -44,6 +44,7 @@ from .launch import (
     VARLEN_TAIL,
     check_tile_count,
     fast_div,
+    grid_ctas,
 )
 
 COMBINE_SUFFIX = "_combine"  # the combine kernel's symbol after the attention kernel's
@@ -137,7 +138,7 @@ def kvcache_grid(kernel: Kernel, a) -> tuple[int, int, int]:
     count = tiles(kernel, a) * a.splits
     check_tile_count(count, "tiles (and pieces)")
     if kernel.config.ext.persistent:  # `ctas_per_sm` CTAs an SM (the pieces: choose_splits)
-        count = min(count, sm_count(a.q.device.index) * kernel.config.ext.ctas_per_sm)
+        count = min(count, grid_ctas(kernel, a.q.device.index))
     return (max(count, 1), 1, 1)
 
 

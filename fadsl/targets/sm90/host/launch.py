@@ -79,10 +79,11 @@ def resident_ctas(device_index: int, cluster: int, ctas_per_sm: int = 1) -> int:
     return sm_count(device_index) * ctas_per_sm // cluster * cluster
 
 
-def split_ctas(kernel: Kernel, device_index: int) -> int:
-    """The CTAs a `tail split_kv` plan deals its last round over: the persistent grid's,
-    `ctas_per_sm` an SM (split_kv and `cluster 2` do not combine: validate.py), so that the
-    whole rounds before it are whole rounds of the grid (sm90_tiles.cuh)."""
+def grid_ctas(kernel: Kernel, device_index: int) -> int:
+    """A persistent grid's CTAs without clusters, `ctas_per_sm` an SM: the varlen and KV-cache
+    grids' bound, and what a `tail split_kv` plan deals its last round over (split_kv and
+    `cluster 2` do not combine: validate.py), so that the whole rounds before it are whole
+    rounds of the grid (sm90_tiles.cuh)."""
     return sm_count(device_index) * kernel.config.ext.ctas_per_sm
 
 
@@ -94,9 +95,7 @@ def tile_grid(kernel: Kernel, a: Args) -> tuple[int, int, int]:
     check_tile_count(tiles, f"tiles of {kernel.config.block_r} rows x heads x batch")
     hopper = kernel.config.ext
     if hopper is not None and hopper.split_kv:
-        start, splits = split_plan(
-            tiles, split_ctas(kernel, a.q.device.index), kv_blocks(kernel, a)
-        )
+        start, splits = split_plan(tiles, grid_ctas(kernel, a.q.device.index), kv_blocks(kernel, a))
         tiles = start + (tiles - start) * splits  # work items: whole tiles, then pieces
     if hopper is not None and hopper.persistent:
         cluster = launch_cluster(kernel, a.q.shape[1], a.k.shape[1])
@@ -285,7 +284,7 @@ def split_tail(kernel: Kernel, a: Args) -> tuple[bytes, int]:
 
     cfg = kernel.config
     tiles = tile_count(kernel, a)
-    start, splits = split_plan(tiles, split_ctas(kernel, a.q.device.index), kv_blocks(kernel, a))
+    start, splits = split_plan(tiles, grid_ctas(kernel, a.q.device.index), kv_blocks(kernel, a))
     if splits == 1:
         return SPLIT_TAIL.pack(0, 0, start, 1), 1
     consumers = cfg.ext.consumers
@@ -324,7 +323,7 @@ def address_slots(kernel: Kernel, a: Args) -> tuple[AddressSlot, ...] | None:
     hopper = kernel.config.ext
     if hopper is not None and hopper.split_kv:
         tiles = tile_count(kernel, a)
-        if split_plan(tiles, split_ctas(kernel, a.q.device.index), kv_blocks(kernel, a))[1] > 1:
+        if split_plan(tiles, grid_ctas(kernel, a.q.device.index), kv_blocks(kernel, a))[1] > 1:
             return None
     if a.descales is None:
         slots = _address_slots(a.lse is not None)

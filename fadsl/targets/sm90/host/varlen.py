@@ -30,7 +30,6 @@ from ...launch import (
     KernelStep,
     Workspace,
     fwd_pointer_slots,
-    sm_count,
 )
 from ..caps import panel_columns
 from .fp8 import descale_slots, pack_descales
@@ -46,6 +45,7 @@ from .launch import (
     VARLEN_TAIL,
     check_tile_count,
     fast_div,
+    grid_ctas,
 )
 
 TILES_SUFFIX = "_varlen_tiles"  # the tile-list kernel's symbol after the attention kernel's
@@ -98,7 +98,7 @@ def varlen_grid(kernel: Kernel, a: VarlenArgs) -> tuple[int, int, int]:
     tiles = max(1, tile_bound(kernel, a))
     check_tile_count(tiles, f"tiles at most of {kernel.config.block_r} rows x heads")
     if kernel.config.ext.persistent:
-        tiles = min(tiles, sm_count(a.q.device.index) * kernel.config.ext.ctas_per_sm)
+        tiles = min(tiles, grid_ctas(kernel, a.q.device.index))
     return (tiles, 1, 1)
 
 
