@@ -85,6 +85,8 @@ def _setup(p: Params) -> tuple[Item, ...]:
                 ),
             )
         ),
+        # `late_v on`: V's own full barrier, the producer's expect_tx
+        *([Item(Kind.MBAR_INIT, mbar=Mbar.V_FULL, count=1, **init)] if p.late_v else []),
         *(
             Item(Kind.MBAR_INIT, mbar=mbar, slot=Index.ALTERNATE, count=p.consumer_threads, **init)
             for mbar in ((Mbar.DS_FULL, Mbar.DS_EMPTY) if p.dq_lag else ())
@@ -105,14 +107,14 @@ def _producer_sync(kind: Kind, phase: LoopPhase, source: CodeSite, **fields) -> 
 
 
 def _load_kv(p: Params, steps: tuple[Item, ...]) -> list[Item | str]:
-    """bwd_load_kv: kv_full armed with K's and V's bytes, then their loads."""
+    """bwd_load_kv: kv_full armed with K's and V's bytes (`late_v on`: K's), then their loads."""
     return [
         _producer_sync(
             Kind.MBAR_ARRIVE_EXPECT_TX,
             LoopPhase.BEFORE,
             CodeSite.LOAD_KV,
             mbar=Mbar.KV_FULL,
-            tx=2 * p.kv_bytes,
+            tx=(1 if p.late_v else 2) * p.kv_bytes,
             why="K's and V's bytes complete kv_full",
         ),
         *_names(steps, LoopPhase.BEFORE),  # K and V, panel by panel
@@ -164,8 +166,20 @@ def _producer(p: Params, steps: tuple[Item, ...]) -> list[Item | str]:
             tx=2 * p.q_bytes + 2 * p.row_floats_bytes,
             why="Q's, dO's, LSE's and D's bytes complete q_full",
         ),
-        *_names(steps, LoopPhase.LOOP),  # Q and dO panel by panel, LSE, D
-    ]
+        *_names(steps, LoopPhase.LOOP)[: 2 * p.panels + 2],  # Q and dO panel by panel, LSE, D
+        # `late_v on`: V in m-block 0, on its own barrier (bwd_load_v_late)
+        *(
+            [
+                Item(
+                    Kind.MBAR_ARRIVE_EXPECT_TX, Who.ELECTED, CodeSite.LOAD_V_LATE, LoopPhase.LOOP,
+                    guard=Guard.FIRST, mbar=Mbar.V_FULL, tx=p.kv_bytes,
+                ),
+                *_names(steps, LoopPhase.LOOP)[2 * p.panels + 2 :],
+            ]
+            if p.late_v
+            else []
+        ),
+    ]  # fmt: skip
 
 
 def _consumer(p: Params) -> list[Item | str]:
@@ -361,6 +375,11 @@ def _lag_consumer(p: Params) -> list[Item | str]:
         sync(Kind.WGMMA_FENCE, why="S^T, dP^T were accessed by ordinary code"),
         "S^T = K Q^T",
         sync(Kind.WGMMA_COMMIT),
+        *(
+            [sync(Kind.MBAR_WAIT, guard=Guard.FIRST, mbar=Mbar.V_FULL, parity=WaitParity.ZERO)]
+            if p.late_v
+            else []
+        ),  # `late_v on`: V landed, in the warpgroup's first pass
         "dP^T = V dO^T",
         sync(Kind.WGMMA_COMMIT),
         sync(Kind.WGMMA_WAIT, pending=1, why="S^T in registers"),
@@ -379,6 +398,16 @@ def _lag_consumer(p: Params) -> list[Item | str]:
         *_lagged_add(p, LoopPhase.LOOP),
         sync(Kind.WGMMA_WAIT, pending=0, why="dV and dK retired: Q, dO read"),
         sync(Kind.MBAR_ARRIVE, mbar=Mbar.Q_EMPTY, slot=Index.RING, why="WAR: the slot is free"),
+        *(
+            [
+                sync(
+                    Kind.MBAR_WAIT, LoopPhase.AFTER, guard=Guard.HAS_WORK, mbar=Mbar.V_FULL,
+                    parity=WaitParity.ZERO,
+                )
+            ]
+            if p.late_v
+            else []
+        ),  # `late_v on`: V landed (a peeled warpgroup's loop may not run)
         # `dv_out_first on`: dV's staging and TMA store first (the header's first dkv_store branch)
         *(_tma_epilogue(main)[:5] if p.dv_out_first else []),
         sync(Kind.MBAR_WAIT, LoopPhase.AFTER, why="RAW: the last dS^T stored", **full_wait),

@@ -75,9 +75,10 @@ def kernel_template(
     split: bool = False,
     persistent: bool = False,
     dq_lag: bool = False,
+    late_v: bool = False,
 ) -> str:
     """The template with each `{% if overlap %} A {% else %} B {% endif %}` (and `{% if split
-    %}`, `persistent`, `dq_lag`; `fused_convert` off) decided, the roles' functions named as emit.py names them, and
+    %}`, `persistent`, `dq_lag`, `late_v`; `fused_convert` off) decided, the roles' functions named as emit.py names them, and
     the Cfg's window, softcap and modifier constants (and the modifiers' struct, included from
     a template of its own; the barrier count of `persistent or dq_lag`) left out (no other
     `{% if %}` may decide which calls the kernel makes)."""
@@ -88,6 +89,9 @@ def kernel_template(
     # read against the plan of its own, finish.py, by tests/test_backward_fused_convert.py;
     # decided first, since its blocks sit inside `persistent`'s branches)
     for flag, value in (("fused_convert", False),) + flags + (("dq_lag", dq_lag),):
+        if flag == "dq_lag":  # (`late_v`'s Cfg constant goes with the others, below)
+            init = tag("if late_v") + r"(\s*mbar_init.*?)" + tag("endif")
+            decided = re.sub(init, lambda b: b[1] if late_v else "", decided, flags=re.S)
         branch = re.compile(
             tag(f"if {flag}") + r"(.*?)(?:" + tag("else") + r"(.*?))?" + tag("endif"), re.S
         )
@@ -104,7 +108,7 @@ def kernel_template(
     # the Cfg's constants of a window or a softcap: declarations, never calls
     constants = re.compile(
         tag(
-            "if (window|softcap|longest_first|varlen|dv_before_meeting|dq_writer|ds_stmatrix|dkv_tma|prefetch_kv|dv_out_first|peel_dead|modifiers|score|score_by_distance|score_grad|keep|keep_classes|learn|persistent or dq_lag|dq_first)"
+            "if (window|softcap|longest_first|varlen|dv_before_meeting|dq_writer|ds_stmatrix|dkv_tma|prefetch_kv|dv_out_first|peel_dead|late_v|modifiers|score|score_by_distance|score_grad|keep|keep_classes|learn|persistent or dq_lag|dq_first)"
         )
         + r"(.*?)"
         + tag("endif"),
@@ -213,7 +217,7 @@ def header_calls(
     headers = header + split_header + lag_header
     if role is WarpRole.SETUP:
         text = kernel_template(
-            params.overlap, template, params.split, params.persistent, params.dq_lag
+            params.overlap, template, params.split, params.persistent, params.dq_lag, params.late_v
         )
         pattern, source, who = KERNEL, CodeSite.KERNEL, Who.CTA
     elif role is WarpRole.CONSUMER:

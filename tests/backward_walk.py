@@ -33,6 +33,7 @@ INLINED = {
     "reduce_dq": CodeSite.REDUCE_DQ,
     "meet_and_issue_dq": CodeSite.MEET_AND_ISSUE_DQ,
     "bwd_load_kv": CodeSite.LOAD_KV,
+    "bwd_load_v_late": CodeSite.LOAD_V_LATE,  # `late_v on`
     "release_dq_ticket": CodeSite.RELEASE_DQ_TICKET,
     "issue_dq_lagged": CodeSite.ISSUE_DQ_LAGGED,
 }
@@ -123,6 +124,7 @@ MBARS = {"bwd_bar_kv": Mbar.KV_FULL, "bwd_bar_q_full": Mbar.Q_FULL}
 MBARS |= {"bwd_bar_q_empty": Mbar.Q_EMPTY, "bwd_bar_kv_empty": Mbar.KV_EMPTY}
 MBARS |= {"bwd_bar_do_full": Mbar.DO_FULL, "bwd_bar_do_empty": Mbar.DO_EMPTY}
 MBARS |= {"bwd_bar_ds_full": Mbar.DS_FULL, "bwd_bar_ds_empty": Mbar.DS_EMPTY}  # dq_lag
+MBARS |= {"bwd_bar_v_late": Mbar.V_FULL}  # `late_v on`
 # head_dim 256: a 64-column panel of K (B_c rows) or of a Q or dO slot (B_r rows)
 PANEL_BYTES = {StagedTile.K: "kBlockN*kRowBytes", StagedTile.Q: "kBlockM*kRowBytes"}
 PANEL_BYTES |= {StagedTile.DO: "kBlockM*kRowBytes"}
@@ -390,6 +392,7 @@ def walk_if(cond: str, constexpr: bool, then, other, walk: Walk) -> None:
     flags["Cfg::kPrefetchKv"] = walk.params.prefetch_kv
     flags["Cfg::kDvOutFirst"] = walk.params.dv_out_first
     flags["Cfg::kPeelDead"] = walk.params.peel_dead
+    flags["Cfg::kLateV"] = walk.params.late_v
     flags |= {f"!{name}": not value for name, value in flags.items()}
     if constexpr:  # a flag, its negation, or a conjunction of them
         chosen = then if all(flags[part] for part in cond.split("&&")) else other
@@ -410,6 +413,10 @@ def walk_if(cond: str, constexpr: bool, then, other, walk: Walk) -> None:
         "lane==0": dict(who=Who.WRITER_LANE0),
         # `dq_lag on`: the store into a dS^T buffer's waits for its previous use's readers
         "run_i>=2": dict(guard=Guard.REUSED),
+        # `late_v on`: V's load in the producer's m-block 0, its wait in a warpgroup's first
+        # pass of the loop (m-block 1 after a peeled m-block 0)
+        "i==0": dict(guard=Guard.FIRST),
+        "i==i_first": dict(guard=Guard.FIRST),
     }
     if cond == "P.dkv_store==kDkvStoreT":  # dK and dV by TMA, then return; under GQA (fp32
         # sums per K/V head) the st.global from registers after it, which no sync orders;

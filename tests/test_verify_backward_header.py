@@ -373,7 +373,7 @@ def test_the_header_agrees_on_layout_barriers_and_roles():
                 continue
             if name == "bwd_bar_kv_empty":  # `scheduler persistent`'s: kNumBars one more
                 continue
-            if "_ds_" in name:  # `dq_lag on`'s, after kv_empty: below
+            if "_ds_" in name or name == "bwd_bar_v_late":  # `dq_lag on`'s, `late_v on`'s: below
                 continue
             _, body = function(HEADER, rf"uint32_t {name}\(")
             (expr,) = re.findall(r"return ([^;]+);", body)
@@ -395,6 +395,12 @@ def test_the_header_agrees_on_layout_barriers_and_roles():
         assert squash(empty) == "returnbwd_bar_ds_full<Cfg>(smem,2+buf);"
         first = env["kNumBars"] + params.persistent
         assert [at(b) for b in range(4)] == [8 * (first + n) for n in range(4)]
+        # late_v's v_full: the word after dS^T's four (one tile per CTA: no kv_empty), which
+        # the template's kNumBars counts (one more with late_v)
+        if not params.persistent:
+            _, body = function(HEADER, r"uint32_t bwd_bar_v_late\(")
+            (expr,) = re.findall(r"return ([^;]+);", body)
+            assert evaluate(expr, env, smem=0) - env["kOffBar"] == 8 * (first + 4)
     for overlap in (False, True):
         split = squash(kernel_body(overlap))
         assert producer_function(overlap) == "bwd_producer"

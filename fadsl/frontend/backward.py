@@ -46,11 +46,13 @@ from ..spec.syntax import BackwardDecl, PathDecl, Setting, Word
 # `prefetch_kv on|off` fetches into the L2, with each CTA's last loads, the K and V of the
 # CTA launched a wave after it; `dv_out_first on|off` stages and stores dV (by TMA) before
 # the last m-block's dQ rather than after it; `peel_dead on|off` lets a consumer warpgroup
-# whose keys are all masked in its tile's first m-block skip that m-block's products.
+# whose keys are all masked in its tile's first m-block skip that m-block's products;
+# `late_v on|off` loads V after the first m-block's Q and dO (S^T's first wgmma waits for K
+# alone).
 KERNEL_KEYS = ("tile", "warpgroups", "registers", "stages")
 ON_OFF_KEYS = ("deterministic", "overlap", "early_dv", "dv_before_meeting", "longest_first")
 ON_OFF_KEYS += ("dq_writer", "dq_lag", "dq_first", "fused_convert", "prefetch_kv")
-ON_OFF_KEYS += ("dv_out_first", "peel_dead")
+ON_OFF_KEYS += ("dv_out_first", "peel_dead", "late_v")
 
 
 def backward_settings() -> dict[str, Callable[[Checks, Setting], object]]:

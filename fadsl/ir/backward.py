@@ -95,6 +95,10 @@ class Backward:
     # diagonal's second warpgroup at B_c 128) skips that m-block's products and hands over
     # a zero dS^T panel (sm90_bwd_lag.cuh, bwd_hand_over_dead)
     peel_dead: bool = False
+    # with dq_lag, one tile per CTA: K alone on the K/V barrier, V loaded after the first
+    # m-block's Q, dO, LSE and D on a barrier of its own, so S^T's first wgmma waits for K
+    # alone (sm90_bwd_producer.cuh, bwd_load_v_late)
+    late_v: bool = False
     # Every tensor's path, the defaults included, in the target's order. The IR's text form
     # leaves them out (the target admits one path per tensor): a kernel read back has none.
     tensors: tuple[BackwardTensor, ...] = ()
@@ -140,13 +144,14 @@ class Backward:
             + (" prefetch_kv=on" if self.prefetch_kv else "")
             + (" dv_out_first=on" if self.dv_out_first else "")
             + (" peel_dead=on" if self.peel_dead else "")
+            + (" late_v=on" if self.late_v else "")
         )
 
 
 _TEXT = re.compile(
     r"backward B_r=(?P<m>\d+) B_c=(?P<n>\d+) consumers=(?P<consumers>\d+) "
     r"regs=(?P<preg>\d+)/(?P<creg>\d+) stages=(?P<stages>\d+) "
-    r"deterministic=(?P<deterministic>on|off)(?P<overlap> overlap=on)?(?P<early_dv> early_dv=on)?(?P<dv_before_meeting> dv_before_meeting=on)?(?P<dq_lag> dq_lag=on)?(?P<dq_first> dq_first=on)?(?P<dq_red> dq=red.add)?(?P<longest_first> longest_first=on)?(?P<dq_writer> dq_writer=on)?(?P<ds_stmatrix> ds=stmatrix)?(?P<persistent> scheduler=persistent)?(?P<fused_convert> fused_convert=on)?(?P<dkv_tma> dkv=tma)?(?P<prefetch_kv> prefetch_kv=on)?(?P<dv_out_first> dv_out_first=on)?(?P<peel_dead> peel_dead=on)?$"
+    r"deterministic=(?P<deterministic>on|off)(?P<overlap> overlap=on)?(?P<early_dv> early_dv=on)?(?P<dv_before_meeting> dv_before_meeting=on)?(?P<dq_lag> dq_lag=on)?(?P<dq_first> dq_first=on)?(?P<dq_red> dq=red.add)?(?P<longest_first> longest_first=on)?(?P<dq_writer> dq_writer=on)?(?P<ds_stmatrix> ds=stmatrix)?(?P<persistent> scheduler=persistent)?(?P<fused_convert> fused_convert=on)?(?P<dkv_tma> dkv=tma)?(?P<prefetch_kv> prefetch_kv=on)?(?P<dv_out_first> dv_out_first=on)?(?P<peel_dead> peel_dead=on)?(?P<late_v> late_v=on)?$"
 )
 
 
@@ -181,5 +186,6 @@ def read_backward(line: str, loc: Loc) -> Backward:
         prefetch_kv=m["prefetch_kv"] is not None,
         dv_out_first=m["dv_out_first"] is not None,
         peel_dead=m["peel_dead"] is not None,
+        late_v=m["late_v"] is not None,
         loc=loc,
     )

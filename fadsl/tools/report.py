@@ -59,6 +59,7 @@ def _backward_line(kernel: Kernel) -> str:
         + (", prefetch_kv on" if b.prefetch_kv else "")
         + (", dv_out_first on" if b.dv_out_first else "")
         + (", peel_dead on" if b.peel_dead else "")
+        + (", late_v on" if b.late_v else "")
         + " (the spec's backward block; explain shows its plan)"
     )
 

@@ -258,6 +258,10 @@ struct BwdConfig {
   // masked in the tile's first m-block peels it (bwd_first_block_dead): no product, its dS^T
   // rows handed over as zeros
   static constexpr bool kPeelDead = false;
+  // `late_v on` (a generated Cfg sets it, with kDqLag and kNumBars one more, one tile per
+  // CTA): V loaded after the first m-block's ring slot, on a barrier of its own
+  // (bwd_load_v_late), waited before each warpgroup's first dP^T and after its loop
+  static constexpr bool kLateV = false;
   // `varlen on` (a generated Cfg sets it): packed sequences, cu_seqlens in the params; a CTA
   // per (n-block slot, query head) over the packed keys (bwd_block)
   static constexpr bool kVarlen = false;

@@ -32,8 +32,15 @@ __device__ __forceinline__ uint32_t bwd_bar_do_empty(uint32_t smem, int slot) {
   return smem + Cfg::kOffBar + 8 * (1 + 2 * Cfg::kStages + Cfg::kDoStages + slot);
 }
 
+// `late_v on` (Cfg::kLateV, with kDqLag, one tile per CTA): V's own barrier, the word after
+// dS^T's four (the template's kNumBars one more)
+template <class Cfg>
+__device__ __forceinline__ uint32_t bwd_bar_v_late(uint32_t smem) {
+  return smem + Cfg::kOffBar + 8 * (1 + 2 * Cfg::kStages + Cfg::kDoBars + 4);
+}
+
 // K and V of the n-block, once: 2 kKVBytes complete on kv_full (phase 0; `scheduler
-// persistent`: the tile's round, run.kv).
+// persistent`: the tile's round, run.kv); with kLateV K alone (V: bwd_load_v_late).
 template <class Cfg>
 __device__ __forceinline__ void bwd_load_kv(const BwdParamsSm90& P, uint32_t smem, const BwdBlock& b,
                                             const BwdRun& run = {}) {
@@ -43,12 +50,30 @@ __device__ __forceinline__ void bwd_load_kv(const BwdParamsSm90& P, uint32_t sme
     // fresh barrier passes parity 1 at once)
     mbar_wait_parity(bwd_bar_kv_empty<Cfg>(smem), (static_cast<uint32_t>(run.kv) & 1u) ^ 1u);
   }
-  mbar_arrive_expect_tx(bar_kv, 2 * Cfg::kKVBytes);
+  if constexpr (Cfg::kLateV) {
+    mbar_arrive_expect_tx(bar_kv, Cfg::kKVBytes);
+  } else {
+    mbar_arrive_expect_tx(bar_kv, 2 * Cfg::kKVBytes);
+  }
 #pragma unroll
   for (int panel = 0; panel < Cfg::kPanels; ++panel) {
     const uint32_t at = panel * Cfg::kBlockN * Cfg::kRowBytes;
     tma_load_4d(smem + Cfg::kOffK + at, &P.tma_k, bar_kv, 64 * panel, b.k_row0 + b.n0, b.head_kv, b.batch);
-    tma_load_4d(smem + Cfg::kOffV + at, &P.tma_v, bar_kv, 64 * panel, b.k_row0 + b.n0, b.head_kv, b.batch);
+    if constexpr (!Cfg::kLateV) tma_load_4d(smem + Cfg::kOffV + at, &P.tma_v, bar_kv, 64 * panel, b.k_row0 + b.n0, b.head_kv, b.batch);
+  }
+}
+
+// `late_v on`: V of the n-block, issued after m-block 0's Q, dO, LSE and D, so that S^T's
+// first wgmma waits for K's and the slot's bytes only (its kKVBytes complete on v_full,
+// phase 0; the consumers wait before their first dP^T and after the loop)
+template <class Cfg>
+__device__ __forceinline__ void bwd_load_v_late(const BwdParamsSm90& P, uint32_t smem, const BwdBlock& b) {
+  const uint32_t bar_v = bwd_bar_v_late<Cfg>(smem);
+  mbar_arrive_expect_tx(bar_v, Cfg::kKVBytes);
+#pragma unroll
+  for (int panel = 0; panel < Cfg::kPanels; ++panel) {
+    const uint32_t at = panel * Cfg::kBlockN * Cfg::kRowBytes;
+    tma_load_4d(smem + Cfg::kOffV + at, &P.tma_v, bar_v, 64 * panel, b.k_row0 + b.n0, b.head_kv, b.batch);
   }
 }
 
@@ -108,6 +133,9 @@ __device__ __forceinline__ void bwd_producer(const BwdParamsSm90& P, uint32_t sm
     const int64_t row0 = rows + static_cast<int64_t>(m) * Cfg::kBlockM;
     bulk_load(smem + Cfg::kOffLSE + slot * Cfg::kRowFloatsBytes, P.lse_log2 + row0, Cfg::kRowFloatsBytes, full);
     bulk_load(smem + Cfg::kOffD + slot * Cfg::kRowFloatsBytes, P.dpsum + row0, Cfg::kRowFloatsBytes, full);
+    if constexpr (Cfg::kLateV) {
+      if (i == 0) bwd_load_v_late<Cfg>(P, smem, b);  // (after the first slot's loads)
+    }
     FADSL_BWD_MARK(Cfg::kConsumerWGs, i, 2);
   }
   if constexpr (Cfg::kPrefetchKv) bwd_prefetch_later_kv<Cfg>(P);  // (right after this CTA's last loads)

@@ -62,4 +62,6 @@ def variant_lines(kernel: Kernel, windowed: bool, capped: bool, causal: bool) ->
         # `peel_dead on` (fa3_causal's) peels the lagged consumer, which a softcap's block
         # leaves; with a window it is refused (not timed or tested there, 2026-12-04)
         backward["peel_dead"] = "off"
+    if capped and backward.get("dq_lag") == "off" and kernel.backward.late_v:
+        backward["late_v"] = "off"  # (V late is the lagged consumer's, which a softcap's leaves)
     return VariantLines(settings, scopes, backward, backward_paths)

@@ -133,6 +133,7 @@ __device__ __forceinline__ void bwd_consumer_lagged(const BwdParamsSm90& P, uint
   static_assert(!Cfg::kDvOutFirst || Cfg::kDkvTma, "dv_out_first: it moves dV's TMA store");
   static_assert(!Cfg::kPeelDead || (!Cfg::kPersistent && !Cfg::kDqTransposed && !has_window<Cfg>()),
                 "peel_dead: one tile per CTA, dS^T's rows keys, no window (knobs.py)");
+  static_assert(!Cfg::kLateV || !Cfg::kPersistent, "late_v: V loaded once, for the CTA's one tile (knobs.py)");
   const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
   const int key0 = b.n0 + 64 * wg + 16 * warp + lane / 4;  // this thread's key row r = 0
   float dk[Cfg::kAccRegs], dv[Cfg::kAccRegs];
@@ -205,6 +206,10 @@ __device__ __forceinline__ void bwd_consumer_lagged(const BwdParamsSm90& P, uint
     wgmma_fence();  // s and dp were read by ordinary instructions in the previous m-block
     issue_keys_by_rows<Cfg>(s, k_wg, q_slot);
     wgmma_commit();
+    if constexpr (Cfg::kLateV) {
+      // RAW: V (loaded after m-block 0's slot) landed before this warpgroup's first dP^T reads it
+      if (i == i_first) mbar_wait_parity(bwd_bar_v_late<Cfg>(smem), 0u);
+    }
     issue_keys_by_rows<Cfg>(dp, v_wg, do_slot);
     wgmma_commit();
     wgmma_wait<1>();  // S^T in registers (dP^T's group may still run)
@@ -281,6 +286,11 @@ __device__ __forceinline__ void bwd_consumer_lagged(const BwdParamsSm90& P, uint
     mbar_arrive(bwd_bar_q_empty<Cfg>(smem, slot));
     m_prev = m;
     FADSL_BWD_MARK(wg, i, 9);
+  }
+  if constexpr (Cfg::kLateV) {
+    // RAW and WAW: V landed before dV is staged over it or the CTA ends (a peeled warpgroup
+    // of a one-m-block tile runs no loop pass; elsewhere the phase is complete: no wait)
+    if (b.m_count > 0) mbar_wait_parity(bwd_bar_v_late<Cfg>(smem), 0u);
   }
   if constexpr (Cfg::kDkvTma && Cfg::kDvOutFirst) {
     if (P.dkv_store == kDkvStoreT) {  // dV's store under the last dQ (GQA's fp32: from registers, below)

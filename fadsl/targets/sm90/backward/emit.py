@@ -133,6 +133,7 @@ def context(kernel: Kernel, dtype: Dtype) -> dict[str, Any]:
         "prefetch_kv": bwd.prefetch_kv,
         "dv_out_first": bwd.dv_out_first,
         "peel_dead": bwd.peel_dead,
+        "late_v": bwd.late_v,
         "causal": cfg.mask is Mask.CAUSAL,
         "mask": cfg.mask_text,  # the mask line's value, window included
         # the forward's sliding window and softcap: compile-time constants of the Cfg

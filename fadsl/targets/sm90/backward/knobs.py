@@ -13,7 +13,8 @@ is not built beside the rest, with what would work instead.
   tile per CTA, padded batches;
 - `prefetch_kv on` reads ahead in the grid's launch order, one tile per CTA;
 - `dv_out_first on` moves dV's TMA store, so it needs dK and dV by TMA;
-- `peel_dead on` peels the lagged consumer's first m-block, one tile per CTA, no window.
+- `peel_dead on` peels the lagged consumer's first m-block, one tile per CTA, no window;
+- `late_v on` loads V in the lagged consumer's first m-block, one tile per CTA.
 """
 
 from __future__ import annotations
@@ -70,7 +71,23 @@ def check_knobs(c: Checks, block: BackwardBlock, backward: Backward, head_dim: i
         ok = _refused(block, "dv_out_first", knob, why, "leave it off") and ok
     if backward.peel_dead:
         ok = _peel_dead(c, block, backward) and ok
+    if backward.late_v:
+        ok = _late_v(block, backward) and ok
     return ok
+
+
+def _late_v(block: BackwardBlock, backward: Backward) -> bool:
+    """`late_v on`: V on a barrier of its own, loaded after the first m-block's ring slot; built
+    in the lagged consumer (whose warpgroups wait for V before their first dP^T and once after
+    the loop, where dV may be staged over V), with one tile per CTA (a persistent CTA's V
+    would need its own empty barrier per tile)."""
+    why = []
+    if not backward.dq_lag:
+        why.append("dq_lag off (the lagged consumer waits for the late V: 'dq_lag on')")
+    if backward.persistent:
+        why.append("scheduler persistent (V is loaded once for the CTA's one tile)")
+    knob = "late_v on (V loaded after the first m-block's Q and dO, on a barrier of its own)"
+    return _refused(block, "late_v", knob, why, "leave it off")
 
 
 def _peel_dead(c: Checks, block: BackwardBlock, backward: Backward) -> bool:

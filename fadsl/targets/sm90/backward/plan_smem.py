@@ -123,6 +123,8 @@ def plan_smem(bwd: Backward, head_dim: int) -> BackwardSmem:
             bars = ((2 + 2 * s) * 8, "K/V full; Q/dO full and empty per slot; K/V empty")
         if bwd.dq_lag:  # dS^T's full and empty per buffer (sm90_bwd_lag.cuh)
             bars = (bars[0] + 4 * 8, bars[1] + "; dS^T full and empty per buffer")
+        if bwd.late_v:  # V's own full barrier (sm90_bwd_producer.cuh, bwd_load_v_late)
+            bars = (bars[0] + 8, bars[1] + "; V full")
         pds = (
             (
                 "dS",

@@ -80,6 +80,7 @@ class CodeSite(Enum):
 
     KERNEL = "the kernel body"
     LOAD_KV = "bwd_load_kv"  # both producers': K and V once
+    LOAD_V_LATE = "bwd_load_v_late"  # `late_v on`: V in the first m-block
     PRODUCER = "bwd_producer"
     CONSUMER = "bwd_consumer"
     PRODUCER_SPLIT = "bwd_producer_split"  # head_dim 256
@@ -123,6 +124,9 @@ class Guard(Enum):
     )
     # a dS^T buffer's reuse: from the CTA's running m-block index 2 on (run_i >= 2)
     REUSED = "from the running m-block 2 on (the buffer's previous use, i - 2)"
+    # `late_v on`: the loop's first pass (the producer's m-block 0; a consumer warpgroup's
+    # first m-block of the loop, 1 where `peel_dead on` peeled m-block 0)
+    FIRST = "in the loop's first pass (i == i_first)"
 
 
 class Kind(Enum):
@@ -178,6 +182,9 @@ class Mbar(Enum):
     # consumer thread's part stored (full), every consumer thread's dQ read retired (empty)
     DS_FULL = "ds_full"
     DS_EMPTY = "ds_empty"
+    # `late_v on`: V's bytes, loaded in the first m-block after its ring slot (K alone on
+    # kv_full)
+    V_FULL = "v_full"
 
 
 class Named(Enum):
@@ -338,6 +345,9 @@ class Params:
     # keys are all masked in the first m-block runs the PEELED items in its place (peel.py);
     # the proof covers every warpgroup peeled or not
     peel_dead: bool = False
+    # `late_v on` (with dq_lag, one tile per CTA): V loaded in the first m-block after the
+    # ring slot's loads, on v_full (K alone on kv_full)
+    late_v: bool = False
 
     @classmethod
     def of(cls, bwd: Backward, head_dim: int) -> Params:
@@ -362,6 +372,7 @@ class Params:
             prefetch_kv=bwd.prefetch_kv,
             dv_out_first=bwd.dv_out_first,
             peel_dead=bwd.peel_dead,
+            late_v=bwd.late_v,
         )
 
     def __post_init__(self) -> None:
@@ -395,6 +406,7 @@ class Params:
         assert not self.peel_dead or (
             self.dq_lag and not self.persistent and self.block_m % BLOCK_M == 0
         ), self
+        assert not self.late_v or (self.dq_lag and not self.persistent), self  # knobs.py
         if self.split:  # sm90_bwd_split.cuh's one order, dQ from registers
             assert self.consumers == 2 and self.block_m == BLOCK_M, self
             # (overlap off: so neither early_dv nor dv_before_meeting, which need it)
@@ -506,6 +518,7 @@ class Params:
         det += ", dK and dV by TMA" if self.dkv_tma else ""
         det += " (dV before the last dQ)" if self.dv_out_first else ""
         det += ", a dead first m-block peeled" if self.peel_dead else ""
+        det += ", V after the first m-block's loads" if self.late_v else ""
         det += ", a later CTA's K and V prefetched" if self.prefetch_kv else ""
         return (
             f"{self.consumers} consumer(s), {self.stages} stage(s), head_dim {self.head_dim}, "
@@ -591,7 +604,8 @@ def unrolled(
     previous m-block: in m-block i for i - 1 (none in m-block 0), after the loop for the
     last one (none when m_count = 0); a LAGGED_AFTER_FIRST one likewise, but never for
     m-block 0 (in m-block i >= 2, after the loop when m_count >= 2). A REUSED item runs
-    from the running index m0 + i = 2 on (m0: the m-blocks of the CTA's earlier tiles)."""
+    from the running index m0 + i = 2 on (m0: the m-blocks of the CTA's earlier tiles); a
+    FIRST one in the loop's first pass only (m-block 1 after a peeled m-block 0)."""
     out = []
     behind = (Guard.OWED, Guard.LAGGED, Guard.LAGGED_AFTER_FIRST)
     live = [x for x in items if x.guard is Guard.ALWAYS or m_count > 0]
@@ -607,7 +621,7 @@ def unrolled(
                 continue
             if x.guard is Guard.LAGGED_AFTER_FIRST and i < 2:
                 continue
-            if not _runs(x, i, m0):
+            if not _runs(x, i, m0) or (x.guard is Guard.FIRST and i != int(peel)):
                 continue
             out.append((x, i - 1 if x.guard in behind else i))
     after = [x for x in live if x.phase is LoopPhase.AFTER]

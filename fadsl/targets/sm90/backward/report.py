@@ -215,6 +215,7 @@ def backward_data(kernel: Kernel) -> dict[str, Any]:
             **({"prefetch_kv": True} if bwd.prefetch_kv else {}),
             **({"dv_out_first": True} if bwd.dv_out_first else {}),
             **({"peel_dead": True} if bwd.peel_dead else {}),
+            **({"late_v": True} if bwd.late_v else {}),
         },
         "paths": [{"tensor": t.role.value, "path": t.path_text()} for t in bwd.tensors],
         "roles": [
@@ -300,6 +301,11 @@ def backward_sections(data: Mapping[str, Any]) -> list[str]:
             "; peel_dead on (a warpgroup whose keys the first m-block masks skips its products "
             "there)"
             if s.get("peel_dead")
+            else ""
+        )
+        + (
+            "; late_v on (V loaded after the first m-block's Q and dO, on a barrier of its own)"
+            if s.get("late_v")
             else ""
         ),
         *(

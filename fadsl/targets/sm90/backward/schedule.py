@@ -13,7 +13,8 @@ order them is the pass's to find: nothing here says so.
 - the producer (bwd_producer, its elected thread, only when the CTA visits an m-block):
   K and V panel by panel once before the loop, completing on kv_full; per m-block Q and dO
   panel by panel into the ring slot, then LSE and D (bulk loads), completing on the slot's
-  q_full;
+  q_full; with ``late_v`` K alone before the loop, and V's panels in the first m-block
+  after the slot's loads, completing on v_full of their own (``Guard.FIRST``);
 - the consumer warpgroups (bwd_consumer, in its default order or with ``overlap`` the
   overlapped one, its helpers meet_and_issue_dq and reduce_dq inlined): dK and dV zeroed
   before the loop; per m-block the front (S^T, dP^T, P, dS, both packed to 16 bits, dS^T
@@ -100,8 +101,9 @@ def producer_steps(p: Params) -> tuple[Item, ...]:
         return _load(kind, phase, operand, name, **({"source": CodeSite.PRODUCER} | fields))
 
     out = []
+    once = (StagedTile.K,) if p.late_v else (StagedTile.K, StagedTile.V)
     for panel in range(p.panels):  # (in bwd_load_kv)
-        for buffer in (StagedTile.K, StagedTile.V):
+        for buffer in once:
             operand = Operand(buffer, part=Part.PANEL, panel=panel)
             name = f"{buffer.value} panel {panel} load"
             kv = dict(mbar=Mbar.KV_FULL, source=CodeSite.LOAD_KV)
@@ -117,6 +119,12 @@ def producer_steps(p: Params) -> tuple[Item, ...]:
     for buffer in (StagedTile.LSE, StagedTile.D):
         operand = Operand(buffer, Index.RING)
         out.append(load(Kind.BULK_LOAD, LoopPhase.LOOP, operand, f"{buffer.value} load", **ring))
+    if p.late_v:  # (bwd_load_v_late: in m-block 0, after its slot's loads)
+        late = dict(mbar=Mbar.V_FULL, source=CodeSite.LOAD_V_LATE)
+        for panel in range(p.panels):
+            operand = Operand(StagedTile.V, part=Part.PANEL, panel=panel)
+            v = load(Kind.TMA_LOAD, LoopPhase.LOOP, operand, f"V panel {panel} load", **late)
+            out.append(replace(v, guard=Guard.FIRST))
     return tuple(out)
 
 

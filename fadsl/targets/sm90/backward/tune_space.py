@@ -119,6 +119,7 @@ def label_of(bwd: Backward) -> str:
     label += ", K and V prefetched" if bwd.prefetch_kv else ""
     label += ", dV stored before the last dQ" if bwd.dv_out_first else ""
     label += ", dead first m-block peeled" if bwd.peel_dead else ""
+    label += ", V late" if bwd.late_v else ""
     return f"B_c {bwd.block_n}, {label}" if _split(bwd) else label
 
 
@@ -132,6 +133,7 @@ def knobs_of(bwd: Backward) -> tuple:
     knobs += ("prefetch K V",) if bwd.prefetch_kv else ()
     knobs += ("dV out first",) if bwd.dv_out_first else ()
     knobs += ("peel dead",) if bwd.peel_dead else ()
+    knobs += ("late V",) if bwd.late_v else ()
     return knobs + ((bwd.block_n,) if _split(bwd) else ())
 
 
@@ -144,11 +146,13 @@ def _flipped(base: Backward, key: str) -> BackwardCandidate:
 def _flips(base: Backward) -> tuple[BackwardCandidate, ...]:
     """`fused_convert` flipped where the block admits it (dQ by red.add, not deterministic:
     validate.py's), `prefetch_kv` where it runs a tile per CTA, `dv_out_first` where dK and
-    dV go by TMA, `peel_dead` where it peels the lagged consumer (knobs.py's _peel_dead)."""
+    dV go by TMA, `peel_dead` where it peels the lagged consumer (knobs.py's _peel_dead),
+    `late_v` where the lagged consumer runs a tile per CTA (knobs.py's _late_v)."""
     keys = ("fused_convert",) if base.dq_red and not base.deterministic else ()
     keys += () if base.persistent else ("prefetch_kv",)
     keys += ("dv_out_first",) if base.dkv_tma else ()
     keys += ("peel_dead",) if _peels(base.dq_lag, base.persistent, base.block_m) else ()
+    keys += ("late_v",) if base.dq_lag and not base.persistent else ()
     return tuple(_flipped(base, key) for key in keys)
 
 
@@ -186,9 +190,13 @@ def candidates(base: Backward, causal: bool) -> tuple[BackwardCandidate, ...]:
         peel = base.peel_dead and _peels(order.startswith("dq_lag"), base.persistent, block_m)
         if base.peel_dead and not peel:  # (the lagged consumer's, a tile per CTA)
             settings["peel_dead"] = "off"
+        late = base.late_v and tma  # (the lagged consumer's, a tile per CTA, as the TMA stores)
+        if base.late_v and not late:
+            settings["late_v"] = "off"
         label = _label(block_m, order, dq, stages, ds=ds, tma=tma)
         label += ", dV stored before the last dQ" if base.dv_out_first and tma else ""
         label += ", dead first m-block peeled" if peel else ""
+        label += ", V late" if late else ""
         out.append(BackwardCandidate(label, settings, paths))
         if writer:  # the same block at the writer's second register split
             producer, consumers = WRITER_REGISTERS
@@ -200,7 +208,7 @@ def candidates(base: Backward, causal: bool) -> tuple[BackwardCandidate, ...]:
         out.append(BackwardCandidate(label_of(base), {"longest_first": flipped}, {}))
     if not (base.deterministic or base.dq_writer):  # the input's block on the other scheduler
         scheduler = "grid" if base.persistent else "persistent"
-        plain = replace(base, prefetch_kv=False, dv_out_first=False, peel_dead=False)
+        plain = replace(base, prefetch_kv=False, dv_out_first=False, peel_dead=False, late_v=False)
         label = f"{label_of(plain)}, scheduler {scheduler}"
         # (persistent CTAs store dK and dV from registers: their next K and V reuse the tiles)
         stored = {GradRole.DK.value: None, GradRole.DV.value: None} if base.dkv_tma else {}
@@ -208,6 +216,7 @@ def candidates(base: Backward, causal: bool) -> tuple[BackwardCandidate, ...]:
         off = {"prefetch_kv": "off"} if base.prefetch_kv else {}
         off |= {"dv_out_first": "off"} if base.dv_out_first else {}
         off |= {"peel_dead": "off"} if base.peel_dead else {}  # (a tile per CTA)
+        off |= {"late_v": "off"} if base.late_v else {}  # (a tile per CTA)
         out.append(BackwardCandidate(label, {"scheduler": scheduler, **off}, stored))
     return tuple(out) + _flips(base)
 

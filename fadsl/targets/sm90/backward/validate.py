@@ -183,6 +183,7 @@ def validate_backward(c: Checks, block: BackwardBlock) -> Backward | None:
         prefetch_kv=block.values.get("prefetch_kv", False),
         dv_out_first=block.values.get("dv_out_first", False),
         peel_dead=block.values.get("peel_dead", False),
+        late_v=block.values.get("late_v", False),
         dq_red=_takes(tensors, GradRole.DQ, DQ_RED),
         ds_stmatrix=other_path(GradRole.DS, tile["B_r"], head_dim) is not None
         and _takes(tensors, GradRole.DS, DS_STMATRIX),

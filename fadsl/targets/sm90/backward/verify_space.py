@@ -60,7 +60,9 @@ def lag_space() -> tuple[Params, ...]:
     dV stored from registers or by TMA through the dead K and V tiles (dV's store after the
     last dQ, or before it: `dv_out_first on`); each also with dQ staged for the writer
     warps, deterministic or not; each 2-stage one whose dS^T keeps the keys as rows also with
-    `peel_dead on` (proven with each warpgroup peeled or not). The mask (causal or
+    `peel_dead on` (proven with each warpgroup peeled or not); each 2-stage one with dQ by
+    red.add, peeled or not, or staged for the writer warps (not deterministic) also with
+    `late_v on` (V on its own barrier, loaded in the first m-block). The mask (causal or
     not) changes no call of the plan: the m-block range is the host's, and the masked
     m-blocks run the same steps."""
     shapes = ((1, 64, BLOCK_M), (1, 128, BLOCK_M), (2, 128, BLOCK_M))
@@ -89,7 +91,13 @@ def lag_space() -> tuple[Params, ...]:
     peel = tuple(
         replace(p, peel_dead=True) for p in red + writer if p.stages == 2 and not p.dq_transposed
     )
-    return red + writer + peel
+    # `late_v on`: V loaded after the first m-block's slot, with or without the peel
+    late = tuple(
+        replace(p, late_v=True)
+        for p in red + writer + peel
+        if p.stages == 2 and not p.deterministic and (p.dq_red or not p.peel_dead)
+    )
+    return red + writer + peel + late
 
 
 def parameter_space() -> tuple[Params, ...]:

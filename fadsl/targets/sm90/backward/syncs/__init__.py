@@ -11,7 +11,8 @@ hazards it orders in its docstring:
 
 - mbarrier: the setup, the loads' full barriers (expect_tx with their bytes) and the ring's
   empty barriers (ring parity, the producer's flipped); with `scheduler persistent` K and
-  V's empty barrier per tile;
+  V's empty barrier per tile; with `late_v on` V's own barrier, waited in the loop's first
+  pass and after the loop;
 - wgmma: wgmma.fence, commit groups, wgmma.wait_group from the commit order;
 - named: the proxy fence and the barrier between st.shared and an async-proxy reader (the
   dS^T meeting, the staging before the reduce-add);
@@ -102,6 +103,7 @@ def _consumer(schedule: Protocol, economical: bool) -> tuple[Item, ...]:
         raise AssertionError("the loop's entry state does not settle")
 
     c = body
+    mbarrier.wait_once_after_loop(c, schedule)  # (`late_v on`: V)
     after = steps[LoopPhase.AFTER]
     # the last m-block's lagged steps (dq_lag's last dQ) end the m-blocks' work, then the
     # tile's: K and V freed (every wgmma reading them retired), the exit's bulk wait; with
@@ -178,6 +180,7 @@ def _syncs_before(c: Consumer, schedule: Protocol, steps: list[Item], k: int, ph
     mark = len(c.out)
     if phase is LoopPhase.LOOP:
         mbarrier.wait_full(c, schedule, step, phase)
+        mbarrier.wait_once_in_loop(c, schedule, step, phase)
     handover.wait_full(c, schedule, step, phase)
     bulk.before_write(c, step, phase)
     writer.before_write(c, schedule, step, phase)

@@ -15,6 +15,14 @@ ones.
   also read by ordinary code of every thread (LSE, D), each of which orders its own reads
   before its own arrival. The producer waits on it with the flipped parity before arming
   the slot, which a fresh barrier passes in the first round;
+- a load issued once in the loop's first pass (`late_v on`: V, after m-block 0's slot;
+  ``Guard.FIRST``) read by the consumers in the loop: each warpgroup waits on its barrier
+  with parity 0 before its first read, in its own first pass of the loop (``Guard.FIRST``:
+  m-block 1 where `peel_dead on` peeled m-block 0, whose products read nothing), and once
+  more right after the loop, for a CTA with work: a peeled warpgroup of a one-m-block tile
+  never runs the loop, and it may write the buffer after it (dV staged over V) and must
+  not end with the load in flight (the SMEM goes to the next CTA). The phase completes
+  once, so the second wait returns at once wherever the first ran;
 - `scheduler persistent` (``Params.persistent``: the program runs once per tile, the
   m-block index running on): what is loaded once per tile (K and V) is loaded again for the
   next tile once every consumer thread has read it (WAR across roles and tiles): after the
@@ -35,6 +43,7 @@ from dataclasses import dataclass
 from ..program import (
     RING_PARITY,
     WARPGROUP_THREADS,
+    Guard,
     Index,
     Item,
     Kind,
@@ -172,6 +181,43 @@ def wait_loaded_before_loop(c: Consumer, schedule: Protocol) -> None:
                 parity = WaitParity.TILE
             once = dict(guard=guard, mbar=t.full, parity=parity)
             c.place(sync(Kind.MBAR_WAIT, Who.WARPGROUP, c.home, LoopPhase.BEFORE, why, **once))
+
+
+def _issued_in_loop_once(schedule: Protocol) -> list[Transaction]:
+    """The transactions the producer issues in the loop's first pass only (`late_v on`)."""
+    found = []
+    for t in transactions(schedule):
+        if t.phase is LoopPhase.LOOP and not t.ring:
+            (guard,) = {x.guard for x in t.loads}
+            assert guard is Guard.FIRST, f"{t.buffers()}: once in the loop, in its first pass"
+            found.append(t)
+    return found
+
+
+def wait_once_in_loop(c: Consumer, schedule: Protocol, step: Item, phase: LoopPhase) -> None:
+    """Before the loop's first read of what the producer loads in its first pass: wait, in
+    the warpgroup's first pass of the loop."""
+    for t in _issued_in_loop_once(schedule):
+        if t.full in c.waited or not any(map(t.loaded, step.reads)):
+            continue
+        c.waited.add(t.full)
+        why = (
+            f"RAW: {t.buffers()} landed before {step.name} first reads them (loaded once: phase 0)"
+        )
+        once = dict(guard=Guard.FIRST, mbar=t.full, parity=WaitParity.ZERO)
+        c.place(sync(Kind.MBAR_WAIT, Who.WARPGROUP, c.home, phase, why, **once))
+
+
+def wait_once_after_loop(c: Consumer, schedule: Protocol) -> None:
+    """Right after the loop, for a CTA with work: the same wait again (a warpgroup whose loop
+    had no pass never waited, and the epilogue may write those bytes, or the CTA end)."""
+    for t in _issued_in_loop_once(schedule):
+        why = (
+            f"RAW and WAW: {t.buffers()} landed before the epilogue (a peeled warpgroup's "
+            "loop may not run) writes them or the CTA ends"
+        )
+        once = dict(guard=Guard.HAS_WORK, mbar=t.full, parity=WaitParity.ZERO)
+        c.place(sync(Kind.MBAR_WAIT, Who.WARPGROUP, c.home, LoopPhase.AFTER, why, **once))
 
 
 def release_tile(c: Consumer, schedule: Protocol) -> None:
