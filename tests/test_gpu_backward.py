@@ -141,6 +141,11 @@ VARIANTS += ("fa3_causal+dv_out_first", "fa3_hopper+dv_out_first", "fa3_hdim64_c
 PEEL_DEAD = ("fa3_causal-peel_dead", "fa3_causal-ds_stmatrix", "fa3_causal+dq_writer-dqred+dq_lag")
 PEEL_DEAD += ("fa3_hopper+br64+ds_stmatrix+peel_dead", "fa3_hdim64_causal+peel_dead")
 VARIANTS += PEEL_DEAD
+# `late_v on` (V loaded after the first m-block's slot, on its own barrier): fa3_causal's since
+# 2026-12-05, its twin without, without the peel, and the lagged examples that do not ship it
+LATE_V = ("fa3_causal-late_v", "fa3_causal-peel_dead", "fa3_hopper+late_v")
+LATE_V += ("fa3_hdim64_causal+late_v", "fa3_hdim64-persistent+late_v")
+VARIANTS += LATE_V
 CASES = [(n, d, s) for n in FORWARDS + PLAIN + VARIANTS for d in DTYPES for s in SHAPES]
 # head_dim 256 (sm90_bwd_split.cuh: B_r 64, each consumer S and dP of B_c / 2 keys, dK^T, dV^T
 # and dQ^T of its half of head_dim): the examples' B_c 80 and the B_c 64 fallback; seqlens off
@@ -184,7 +189,8 @@ def training_spec(name: str) -> str:
     ``+br64`` at head_dim 64, where dQ is split by keys) unless the name says ``+dq_lag``,
     and ``dq_first off`` wherever ``dq_lag`` ends up off; ``peel_dead on`` (fa3_causal's) ends
     up off where ``dq_lag`` does, with ``scheduler persistent`` or at B_r 80, unless the name
-    says ``+peel_dead``."""
+    says ``+peel_dead``; ``late_v on`` (fa3_causal's) ends up off where ``dq_lag`` does or
+    with ``scheduler persistent``, unless the name says ``+late_v``."""
     example, *switches = re.split(r"(?=[+-])", name)
     text = (EXAMPLES / f"{example}.fa").read_text()
     if "backward {" not in text:
@@ -242,6 +248,11 @@ def training_spec(name: str) -> str:
         "+peel_dead" not in switches
     ):
         block = re.sub(r"^(\s*)peel_dead\s+on\b", r"\1peel_dead off", block, flags=re.M)
+    # `late_v on`: the lagged consumer's, one tile per CTA
+    if (persistent or not re.search(r"^\s*dq_lag\s+on\b", block, re.M)) and (
+        "+late_v" not in switches
+    ):
+        block = re.sub(r"^(\s*)late_v\s+on\b", r"\1late_v off", block, flags=re.M)
     return head + "backward {" + block
 
 

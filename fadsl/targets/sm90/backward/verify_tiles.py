@@ -48,12 +48,12 @@ def tiles_unrolled(
 
 def persistent_space(space: tuple[Params, ...]) -> tuple[Params, ...]:
     """`scheduler persistent`'s configurations the tests prove (validate.py admits it without
-    deterministic mode, dQ writers, head_dim 256, dK and dV by TMA or peel_dead): each of
+    deterministic mode, dQ writers, head_dim 256, dK and dV by TMA, peel_dead or late_v): each of
     ``space``'s (verify.py's parameter_space) others with 2 stages and dS by st.shared, and
     the examples' blocks (fa3_hopper's B_r 80 with 3 stages, fa3_causal's with 2, the head_dim 64 ones' B_r 128
     with dS by stmatrix)."""
     keep = lambda p: not (
-        p.deterministic or p.dq_writer or p.split or p.dkv_tma or p.peel_dead
+        p.deterministic or p.dq_writer or p.split or p.dkv_tma or p.peel_dead or p.late_v
     )  # noqa: E731
     base = tuple(p for p in space if keep(p) and p.stages == 2 and not p.ds_stmatrix)
     examples = (
