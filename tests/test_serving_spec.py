@@ -18,6 +18,7 @@ import torch
 
 import fadsl
 import fadsl.targets.sm90.host.kvcache as kvcache
+import fadsl.targets.sm90.host.launch as sm90_launch
 import fadsl.targets.sm90.host.tma as tma
 import fadsl.targets.sm90.host.varlen as varlen
 from conftest import ROOT
@@ -303,7 +304,7 @@ def test_varlen_params_pack_packed_tensors_and_a_ragged_o_map(encoded):
 
 def test_varlen_grid_is_bounded_by_the_sms_and_the_pairs(monkeypatch):
     kernel = _kernel(VARLEN.read_text())  # B_r = 128, persistent
-    monkeypatch.setattr(varlen, "sm_count", lambda index: 132)
+    monkeypatch.setattr(sm90_launch, "sm_count", lambda index: 132)  # (launch.grid_ctas)
     a = SimpleNamespace(q=torch.empty(1000, 4, 128, device="meta"), cu_seqlens_q=torch.empty(9))
     assert varlen.tile_bound(kernel, a) == (1000 // 128 + 8) * 4
     assert varlen.varlen_grid(kernel, a) == (60, 1, 1)
@@ -385,6 +386,7 @@ def _shape(batch, capacity, paged=False, heads_q=32, splits=1):
 @pytest.mark.parametrize("paged", [False, True])
 def test_choose_splits_fills_one_wave_of_sms(monkeypatch, paged):
     monkeypatch.setattr(kvcache, "sm_count", lambda index: 132)
+    monkeypatch.setattr(sm90_launch, "sm_count", lambda index: 132)
     kernel = _kernel(PAGE if paged else DEC)
     one = _shape(1, 131072, paged)
     assert kvcache.tiles(kernel, one) == 8  # 4 packed rows a K/V head: one tile each
@@ -409,6 +411,7 @@ def test_choose_splits_fills_one_wave_of_sms(monkeypatch, paged):
 
 def test_choose_splits_is_one_without_splits_auto(monkeypatch):
     monkeypatch.setattr(kvcache, "sm_count", lambda index: 132)
+    monkeypatch.setattr(sm90_launch, "sm_count", lambda index: 132)
     kernel = _kernel(_swap(DEC, "splits     auto", "splits     off"))
     assert not kernel.config.ext.split_all and not kernel.config.ext.split_kv
     assert kvcache.choose_splits(kernel, _shape(1, 131072), 0, None) == 1
@@ -417,6 +420,7 @@ def test_choose_splits_is_one_without_splits_auto(monkeypatch):
 
 def test_kvcache_grids_and_partials(monkeypatch):
     monkeypatch.setattr(kvcache, "sm_count", lambda index: 132)
+    monkeypatch.setattr(sm90_launch, "sm_count", lambda index: 132)
     kernel = _kernel(DEC)
     a = _shape(2, 4096)
     assert kvcache.tiles(kernel, a) == 16
@@ -437,6 +441,7 @@ def test_a_split_call_launches_its_combine_as_a_programmatic_dependent(
     programmatic dependent (PDL: the combine waits for the pieces on the device); a call of
     one piece launches the attention kernel alone."""
     monkeypatch.setattr(kvcache, "sm_count", lambda index: 132)
+    monkeypatch.setattr(sm90_launch, "sm_count", lambda index: 132)
     kernel = _kernel(PAGE)
     a = _decode_args(kernel, batch=1, pages=64, max_pages=64)
     plan = kvcache.plan_kvcache(
