@@ -405,7 +405,7 @@ def _lag_consumer(p: Params) -> list[Item | str]:
                     parity=WaitParity.ZERO,
                 )
             ]
-            if p.late_v
+            if p.late_v and p.peel_dead
             else []
         ),  # `late_v on`: V landed (a peeled warpgroup's loop may not run)
         # `dv_out_first on`: dV's staging and TMA store first (the header's first dkv_store branch)

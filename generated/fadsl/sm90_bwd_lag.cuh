@@ -287,7 +287,7 @@ __device__ __forceinline__ void bwd_consumer_lagged(const BwdParamsSm90& P, uint
     m_prev = m;
     FADSL_BWD_MARK(wg, i, 9);
   }
-  if constexpr (Cfg::kLateV) {
+  if constexpr (Cfg::kLateV && Cfg::kPeelDead) {
     // RAW and WAW: V landed before dV is staged over it or the CTA ends (a peeled warpgroup
     // of a one-m-block tile runs no loop pass; elsewhere the phase is complete: no wait)
     if (b.m_count > 0) mbar_wait_parity(bwd_bar_v_late<Cfg>(smem), 0u);

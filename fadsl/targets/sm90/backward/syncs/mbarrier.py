@@ -18,11 +18,13 @@ ones.
 - a load issued once in the loop's first pass (`late_v on`: V, after m-block 0's slot;
   ``Guard.FIRST``) read by the consumers in the loop: each warpgroup waits on its barrier
   with parity 0 before its first read, in its own first pass of the loop (``Guard.FIRST``:
-  m-block 1 where `peel_dead on` peeled m-block 0, whose products read nothing), and once
-  more right after the loop, for a CTA with work: a peeled warpgroup of a one-m-block tile
-  never runs the loop, and it may write the buffer after it (dV staged over V) and must
-  not end with the load in flight (the SMEM goes to the next CTA). The phase completes
-  once, so the second wait returns at once wherever the first ran;
+  m-block 1 where `peel_dead on` peeled m-block 0, whose products read nothing); with
+  `peel_dead on` once more right after the loop, for a CTA with work: a peeled warpgroup
+  of a one-m-block tile never runs the loop, and it may write the buffer after it (dV
+  staged over V) and must not end with the load in flight (the SMEM goes to the next CTA).
+  The phase completes once, so that wait returns at once wherever the first ran; without
+  the peel every warpgroup of a CTA with work runs the loop's first pass, so none is
+  placed;
 - `scheduler persistent` (``Params.persistent``: the program runs once per tile, the
   m-block index running on): what is loaded once per tile (K and V) is loaded again for the
   next tile once every consumer thread has read it (WAR across roles and tiles): after the
@@ -209,8 +211,11 @@ def wait_once_in_loop(c: Consumer, schedule: Protocol, step: Item, phase: LoopPh
 
 
 def wait_once_after_loop(c: Consumer, schedule: Protocol) -> None:
-    """Right after the loop, for a CTA with work: the same wait again (a warpgroup whose loop
-    had no pass never waited, and the epilogue may write those bytes, or the CTA end)."""
+    """Right after the loop, for a CTA with work, where a warpgroup's loop may have no pass
+    (`peel_dead on`): the same wait again (that warpgroup never waited, and the epilogue may
+    write those bytes, or the CTA end)."""
+    if not schedule.params.peel_dead:
+        return
     for t in _issued_in_loop_once(schedule):
         why = (
             f"RAW and WAW: {t.buffers()} landed before the epilogue (a peeled warpgroup's "
