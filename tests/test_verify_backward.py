@@ -83,12 +83,22 @@ def test_the_cases_wrap_every_ring_slot_twice():
     # from registers or by TMA (dV's store after or before the last dQ), 24 of them with 2
     # stages by stmatrix; each again with the writer warps, and with 2 or 3 stages with them
     # in deterministic mode
+    # `late_v on`: each 2-stage one not in deterministic mode, peeled or not (peeled: dQ by
+    # red.add), once more
+    late = {p for p in PARAMS if p.late_v}
+    early = [p for p in PARAMS if not p.late_v]
+    late_base = {
+        p
+        for p in early
+        if p.dq_lag and p.stages == 2 and not p.deterministic and (p.dq_red or not p.peel_dead)
+    }
+    assert late and {replace(p, late_v=False) for p in late} == late_base
     # `peel_dead on`: each 2-stage one whose dS^T keeps the keys as rows, once more
-    peeled = {p for p in PARAMS if p.peel_dead}
-    two_stages = {p for p in PARAMS if p.dq_lag and p.stages == 2 and not p.dq_transposed}
+    peeled = {p for p in early if p.peel_dead}
+    two_stages = {p for p in early if p.dq_lag and p.stages == 2 and not p.dq_transposed}
     assert peeled and {replace(p, peel_dead=False) for p in peeled} == two_stages - peeled
-    lag_writers = [p for p in PARAMS if p.dq_lag and p.dq_writer and not p.peel_dead]
-    lag = [p for p in PARAMS if p.dq_lag and not p.dq_writer and not p.peel_dead]
+    lag_writers = [p for p in early if p.dq_lag and p.dq_writer and not p.peel_dead]
+    lag = [p for p in early if p.dq_lag and not p.dq_writer and not p.peel_dead]
     assert len(lag) == (5 * 3 + 4) * 2 * 3 and sum(p.ds_stmatrix for p in lag) == 24
     staged = dict(dq_red=True, dq_writer=False, deterministic=False)
     assert {replace(p, **staged) for p in lag_writers} == set(lag)
