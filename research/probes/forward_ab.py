@@ -13,6 +13,7 @@ a short median cannot settle: research/dynamic-tile-scheduler.md's development b
 Usage (a Hopper GPU): python3 -P research/probes/forward_ab.py examples/modifiers/prefix_lm.fa
   --sets "FADSL_NOTHING=1;FADSL_MY_EXPERIMENT=1" [--seqlens 4096,16384] [--seconds 1]
   [--rounds 2] [--heads 16]
+An 8-bit spec (e4m3, e5m2) runs on normal inputs cast to its dtype, with unit descales.
 """
 
 from __future__ import annotations
@@ -59,10 +60,17 @@ def main() -> int:
     for seqlen in map(int, args.seqlens.split(",")):
         batch = max(1, 16384 // seqlen)
         torch.manual_seed(0)
+        eight_bit = dtype.value in ("e4m3", "e5m2")
         q, k, v = (
-            torch.randn(batch, seqlen, heads, d, device="cuda", dtype=tdtype) for _ in range(3)
+            torch.randn(
+                batch, seqlen, heads, d, device="cuda", dtype=torch.float32 if eight_bit else tdtype
+            ).to(tdtype)
+            for _ in range(3)
         )
         extra = modifier_inputs(base, batch, heads, seqlen)
+        if eight_bit:  # 8-bit specs: unit descales per (batch, head), as FA3's convention
+            ones = torch.ones(batch, heads, device="cuda", dtype=torch.float32)
+            extra.update(q_descale=ones, k_descale=ones, v_descale=ones)
         outs = [kern(q, k, v, **extra) for kern in kerns]
         equal = ["yes" if torch.equal(outs[0], o) else "NO" for o in outs]
         calls = [(lambda kern=kern: kern(q, k, v, **extra)) for kern in kerns]

@@ -1,7 +1,9 @@
 """Print the consumers' mainloops of sm_90a specs as ptxas built them (fadsl/tools/sass.py).
 
-Usage: python research/probes/sass_loops.py SPEC... [--dtype bf16|fp16]
-For each spec: its cubin for sm_90a (NVRTC, through the cache), disassembled with nvdisasm;
+Usage: python research/probes/sass_loops.py SPEC... [--dtype bf16|fp16] [--define NAME=VALUE]...
+For each spec: its cubin for sm_90a (NVRTC, through the cache; with --define a development
+build with those defines, e.g. FADSL_EXP_PIN=1 after research/patches/softmax-pin.patch),
+disassembled with nvdisasm;
 then per mainloop (masked iterations first) its instructions, uniform-datapath ones, wgmma,
 2^x, and the softmax instructions issued before the P V wait (the softmax/P V overlap).
 Needs no GPU.
@@ -20,6 +22,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("specs", nargs="+")
     parser.add_argument("--dtype", default=None, help="bf16 or fp16 (default: the spec's first)")
+    parser.add_argument("--define", action="append", default=[], help="NAME=VALUE, repeatable")
     args = parser.parse_args()
     tool = sass.nvdisasm()
     if tool is None:
@@ -34,7 +37,15 @@ def main() -> int:
         if not dtypes:
             print(f"{spec}: does not compile {args.dtype}")
             return 2
-        text = sass.disassemble(kern.cubin(dtypes[0], "sm_90a").cubin, tool)
+        if args.define:
+            from fadsl.build import cache
+
+            defines = dict(d.split("=", 1) for d in args.define)
+            request = kern.request(dtypes[0], "sm_90a")
+            cubin = cache.development_build(request, defines).cubin
+        else:
+            cubin = kern.cubin(dtypes[0], "sm_90a").cubin
+        text = sass.disassemble(cubin, tool)
         for loop in sass.mainloops(text):
             overlap = sass.softmax_overlap(loop)
             print(
