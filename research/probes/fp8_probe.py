@@ -14,6 +14,7 @@ Variants (timing-only ones give wrong O; "exact" ones must match base bit for bi
   no_transpose  transpose_v returns at once (the producer keeps every sync)
   (--spec examples/fa3_fp8_hdim256.fa: the variants of that spec; on 2026-12-04 its
   no_transpose ran 1.57-1.65x base, which led to transpose_v_lean's x4 loads)
+  no_sum        the row sums' FADDs gone (timing only: what a sum by the tensor cores could save)
   slack8        kRescaleSlack 0.8 -> 8 (almost no O rescale; P clamps at 448: timing only)
   pin           exact: the K-slot release after online_softmax8, on !(l[0] < 0) (ptxas then
                 keeps every exponential between the S wait and the P V wait: 391 vs 67)
@@ -26,6 +27,7 @@ Variants (timing-only ones give wrong O; "exact" ones must match base bit for bi
   poly2, poly3, poly4, poly8  every K-th exponential of a row by a polynomial on the FMA pipe
                 (not exact: --check prints its distance from base)
   bf16          the shipped bf16 kernel (fadsl.attention), the reference
+  A+B           both variants' patches (source patches only), e.g. pin_clean+no_sum
 """
 
 from __future__ import annotations
@@ -121,6 +123,9 @@ PATCHES = {
     ],
     "no_transpose": [("sm90_fp8.cuh", TRANSPOSE_ENTRY, TRANSPOSE_ENTRY + "  return;  // PROBE\n")],
     "slack8": [("sm90_fp8.cuh", "kRescaleSlack = 0.8f;", "kRescaleSlack = 8.f;")],
+    # the row sums' FADDs gone (sum of the first column pair only): what a row sum taken by the
+    # tensor cores (a column of ones beside V's in Vt, P V at n + 8) would save at most
+    "no_sum": [("sm90.cuh", "      sum += x;\n", "      if (j == 0) sum += x;\n")],
     "pin": [("KERNEL", PIN_OLD, PIN_NEW)],
     "pin_clean": [("KERNEL", PIN_CLEAN_OLD, PIN_CLEAN_NEW)],
     "ilp2": [("sm90_fp8.cuh", UNIT_LOOP_OLD, UNIT_LOOP_ILP2)],
@@ -186,7 +191,7 @@ def build(kern, dtype, arch: str, variant: str, defines: dict | None = None):
     """The variant's cubin as the kernel's development build (use_development_build's way)."""
     from fadsl.build import cache, nvrtc
 
-    patches = PATCHES.get(variant, [])
+    patches = [x for part in variant.split("+") for x in PATCHES.get(part, [])]  # a+b: both
     request = kern.request(dtype, arch)
     text = request.text
     for where, old, new in patches:
