@@ -28,8 +28,8 @@ Variants (timing-only ones give wrong O; "exact" ones must match base bit for bi
                 (not exact: --check prints its distance from base)
   bf16          the shipped bf16 kernel (fadsl.attention), the reference
   A+B           both variants' patches (source patches only), e.g. pin_clean+no_sum
-  pin_define    exact: FADSL_EXP_PIN=1 (git apply research/patches/softmax-pin.patch first)
-  sum_mma       FADSL_EXP_SUM_MMA=1 (git apply research/patches/fp8-sum-mma.patch first): the
+  pin_define    exact: FADSL_EXP_PIN=1 (apply `git show 50cd6ec:research/patches/softmax-pin.patch`)
+  sum_mma       FADSL_EXP_SUM_MMA=1 (apply `git show 50cd6ec:research/patches/fp8-sum-mma.patch`): the
                 row sums by the tensor cores, P x 8 columns of e4m3 ones (not bitwise: --check
                 prints its distance from base)
 """
@@ -175,11 +175,12 @@ SPEC_EDITS = {
     "bc128": ("B_c = 192", "B_c = 128", None),
     "bc128s3": ("B_c = 192", "B_c = 128", ("stages     2", "stages     3")),
 }
-# Variants that are defines of a development build: apply their patch first (`git apply
-# research/patches/NAME.patch`); with both patches applied, "pin_define+sum_mma" sets both.
+# Variants that are defines of a development build: apply their patch first (`git show
+# 50cd6ec:research/patches/NAME.patch | git apply`; both timed without gain on 2026-12-05 and
+# removed); with both applied, "pin_define+sum_mma" sets both.
 DEFINES = {
-    "pin_define": {"FADSL_EXP_PIN": 1},  # research/patches/softmax-pin.patch
-    "sum_mma": {"FADSL_EXP_SUM_MMA": 1},  # research/patches/fp8-sum-mma.patch
+    "pin_define": {"FADSL_EXP_PIN": 1},  # softmax-pin.patch
+    "sum_mma": {"FADSL_EXP_SUM_MMA": 1},  # fp8-sum-mma.patch
 }
 EXACT = {"pin", "pin_clean", "pin_define", "ilp2", "vds_early", "fixes"}
 

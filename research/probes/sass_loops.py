@@ -15,6 +15,7 @@ import argparse
 import sys
 
 import fadsl
+from fadsl.build import cache
 from fadsl.tools import sass
 
 
@@ -38,8 +39,6 @@ def main() -> int:
             print(f"{spec}: does not compile {args.dtype}")
             return 2
         if args.define:
-            from fadsl.build import cache
-
             defines = dict(d.split("=", 1) for d in args.define)
             request = kern.request(dtypes[0], "sm_90a")
             cubin = cache.development_build(request, defines).cubin
