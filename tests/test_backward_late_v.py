@@ -77,6 +77,14 @@ def test_the_key_reaches_the_ir_the_cfg_and_the_smem_plan():
     }
 
 
+def test_a_modifier_examples_block_takes_it_by_name():
+    """training_spec finds examples/modifiers/NAME.fa too: prefix_lm's block with late_v (and
+    peel_dead) builds, the keep modifier kept."""
+    kernel = compile_source(training_spec("prefix_lm+late_v+peel_dead"), FILE).kernel
+    assert kernel.backward.late_v and kernel.backward.peel_dead and kernel.config.modifiers
+    assert not compile_source(training_spec("prefix_lm"), FILE).kernel.backward.late_v
+
+
 REFUSALS = {
     "fa3_causal-dq_lag+late_v": "dq_lag off",
     "fa3_causal+persistent+late_v": "scheduler persistent",

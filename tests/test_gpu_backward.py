@@ -168,8 +168,9 @@ _loaded: dict[str, object] = {}
 
 
 def training_spec(name: str) -> str:
-    """An example's spec text for training: ``NAME`` is the example with its own backward block
-    (or ``backward {}`` added where it has none); ``NAME+KEY`` / ``NAME-KEY`` (repeatable)
+    """An example's spec text for training: ``NAME`` is the example (examples/NAME.fa, else
+    examples/modifiers/NAME.fa) with its own backward block (or ``backward {}`` added where it
+    has none); ``NAME+KEY`` / ``NAME-KEY`` (repeatable)
     turns an on/off key of the block on / off (``fa3_causal-overlap+deterministic``);
     ``+br128`` / ``+br64`` / ``+br80`` sets the block's tile to B_r = 128 / 64 / 80 (B_c 128;
     at 80 dS goes ``rf -stmatrix-> smem``); ``+bc64`` sets head_dim 256's tile to B_r = 64,
@@ -192,7 +193,8 @@ def training_spec(name: str) -> str:
     says ``+peel_dead``; ``late_v on`` (fa3_causal's) ends up off where ``dq_lag`` does or
     with ``scheduler persistent``, unless the name says ``+late_v``."""
     example, *switches = re.split(r"(?=[+-])", name)
-    text = (EXAMPLES / f"{example}.fa").read_text()
+    path = EXAMPLES / f"{example}.fa"
+    text = (path if path.is_file() else EXAMPLES / "modifiers" / f"{example}.fa").read_text()
     if "backward {" not in text:
         body, close = text.rstrip().rsplit("}", 1)
         text = f"{body}  backward {{\n  }}\n}}{close}\n"
