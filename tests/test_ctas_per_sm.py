@@ -35,8 +35,14 @@ from fadsl.targets.sm90.caps import (
 )
 from fadsl.targets.sm90.config import read_config
 
-PAGED = (ROOT / "examples" / "serving" / "fa3_decode_paged.fa").read_text()
+SHIPPED = (ROOT / "examples" / "serving" / "fa3_decode_paged.fa").read_text()
 VARLEN = (ROOT / "examples" / "serving" / "fa3_varlen_causal.fa").read_text()
+# The example's registers and ctas_per_sm lines (with their comment's continuation lines)
+TWO_CTA_LINES = re.compile(
+    r"^(\s*)registers\s+producer = 40, consumers = 216.*\n\s*ctas_per_sm 2.*\n(?:\s+#.*\n)*", re.M
+)
+# The decode example at one CTA an SM (its split before ctas_per_sm 2 shipped)
+PAGED = TWO_CTA_LINES.sub(r"\1registers  producer = 56, consumers = 256\n", SHIPPED, count=1)
 ONE_CONSUMER_REGS = re.compile(r"^(\s*)registers\s+producer = 56, consumers = 256.*$", re.M)
 
 
@@ -60,6 +66,15 @@ def test_the_register_pool_and_smem_share_halve_at_two_ctas():
     assert launch_registers(384, 2) == 80 and register_pool(256, 2) == 256 * 128
     assert smem_limit(1) == 227 * 1024  # one CTA: sm_90a's per-CTA cap
     assert smem_limit(2) == 228 * 1024 // 2 - 1024  # each of two, less its reserved kilobyte
+
+
+def test_the_decode_example_ships_two_ctas_an_sm():
+    assert PAGED != SHIPPED and "ctas_per_sm" not in PAGED
+    shipped = compile_source(SHIPPED, "s.fa").kernel.config
+    assert replace(shipped, key_locs=()) == replace(
+        compile_source(_two(), "s.fa").kernel.config, key_locs=()
+    )
+    assert shipped.ext.ctas_per_sm == 2
 
 
 def test_the_key_reaches_the_config_and_its_ir_line():

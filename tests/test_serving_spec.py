@@ -144,11 +144,11 @@ REFUSALS = {
     "kv-tail": (TAIL, "tail", 14, "with kv_cache, split the K/V blocks with 'splits auto'"),
     "paged-48": (_paged("paged(48)"), "kv_cache", 20, "page size 48: expected '16', '32', '64'"),
     "paged-4096": (_paged("paged(4096)"), "kv_cache", 20, "page size 4096: expected"),
-    "paged-Bc-96": (
-        _swap(PAGE, "B_c = 64", "B_c = 96"),
+    "paged-Bc-48": (
+        _swap(PAGE, "B_c = 64", "B_c = 48"),
         "kv_cache",
         14,
-        "paged(64) with B_c = 96",
+        "paged(64) with B_c = 48",
     ),
     "paged-empty": (_paged("paged()"), "kv_cache", 14, "'paged' takes one number"),
     "kv-misspelt": (_paged("pagd(64)"), "kv_cache", 14, "expects 'contiguous' or 'paged(N)', not"),
@@ -193,6 +193,9 @@ def test_the_off_spellings_pass_a_backward_block(line):
 def test_paged_page_sizes_that_tile_b_c_either_way_are_accepted():
     for size, b_c in ((16, 128), (128, 128), (256, 128), (64, 64)):
         text = _swap(_paged(f"paged({size})"), "B_c = 64", f"B_c = {b_c}")
+        # one CTA an SM: two B_c = 128 rings do not fit an SM twice
+        text = re.sub(r"\n\s*ctas_per_sm 2.*\n(?:\s+#.*\n)*", "\n", text)
+        text = _swap(text, "producer = 40, consumers = 216", "producer = 56, consumers = 256")
         hw = _kernel(text).config.ext
         assert hw.kv_cache == size and _kernel(text).config.block_c == b_c
 
