@@ -20,6 +20,7 @@ import fadsl.targets.sm90.host.kvcache as kvcache
 import fadsl.targets.sm90.host.launch as launch
 import fadsl.targets.sm90.host.varlen as varlen
 from conftest import ROOT
+from decode_text import DECODE, one_cta
 from fadsl.cli import main
 from fadsl.build.spill_check import check_registers, find_compiler
 from fadsl.codegen.render import render
@@ -35,14 +36,8 @@ from fadsl.targets.sm90.caps import (
 )
 from fadsl.targets.sm90.config import read_config
 
-SHIPPED = (ROOT / "examples" / "serving" / "fa3_decode_paged.fa").read_text()
 VARLEN = (ROOT / "examples" / "serving" / "fa3_varlen_causal.fa").read_text()
-# The example's registers and ctas_per_sm lines (with their comment's continuation lines)
-TWO_CTA_LINES = re.compile(
-    r"^(\s*)registers\s+producer = 40, consumers = 216.*\n\s*ctas_per_sm 2.*\n(?:\s+#.*\n)*", re.M
-)
-# The decode example at one CTA an SM (its split before ctas_per_sm 2 shipped)
-PAGED = TWO_CTA_LINES.sub(r"\1registers  producer = 56, consumers = 256\n", SHIPPED, count=1)
+PAGED = one_cta(DECODE)  # the decode example at one CTA an SM
 ONE_CONSUMER_REGS = re.compile(r"^(\s*)registers\s+producer = 56, consumers = 256.*$", re.M)
 
 
@@ -69,8 +64,8 @@ def test_the_register_pool_and_smem_share_halve_at_two_ctas():
 
 
 def test_the_decode_example_ships_two_ctas_an_sm():
-    assert PAGED != SHIPPED and "ctas_per_sm" not in PAGED
-    shipped = compile_source(SHIPPED, "s.fa").kernel.config
+    assert PAGED != DECODE and "ctas_per_sm" not in PAGED
+    shipped = compile_source(DECODE, "s.fa").kernel.config
     assert replace(shipped, key_locs=()) == replace(
         compile_source(_two(), "s.fa").kernel.config, key_locs=()
     )

@@ -22,6 +22,7 @@ import fadsl.targets.sm90.host.launch as sm90_launch
 import fadsl.targets.sm90.host.tma as tma
 import fadsl.targets.sm90.host.varlen as varlen
 from conftest import ROOT
+from decode_text import one_cta
 from fadsl.cli import main
 from fadsl.errors import SpecError
 from fadsl.ir.printer import format_kernel
@@ -193,9 +194,7 @@ def test_the_off_spellings_pass_a_backward_block(line):
 def test_paged_page_sizes_that_tile_b_c_either_way_are_accepted():
     for size, b_c in ((16, 128), (128, 128), (256, 128), (64, 64)):
         text = _swap(_paged(f"paged({size})"), "B_c = 64", f"B_c = {b_c}")
-        # one CTA an SM: two B_c = 128 rings do not fit an SM twice
-        text = re.sub(r"\n\s*ctas_per_sm 2.*\n(?:\s+#.*\n)*", "\n", text)
-        text = _swap(text, "producer = 40, consumers = 216", "producer = 56, consumers = 256")
+        text = one_cta(text)  # two B_c = 128 rings do not fit an SM twice
         hw = _kernel(text).config.ext
         assert hw.kv_cache == size and _kernel(text).config.block_c == b_c
 
