@@ -9,9 +9,10 @@ TMA_DKV = "rf -stmatrix-> smem[warpgroup] -tma-> gmem"
 def unlagged(text: str) -> str:
     """The block with dQ added in its own m-block (`dq_lag off`) and dK, dV stored from
     registers (TMA's store is the lagged consumer's epilogue), no `peel_dead` (it peels the
-    lagged consumer)."""
+    lagged consumer) and no `late_v` (the lagged consumer waits for the late V)."""
     text = text.replace("    dq_lag     on\n", "")
-    text = "\n".join(x for x in text.split("\n") if not x.lstrip().startswith("peel_dead"))
+    lagged_only = ("peel_dead", "late_v")
+    text = "\n".join(x for x in text.split("\n") if not x.lstrip().startswith(lagged_only))
     return text.replace(TMA_DKV, "rf -st.global-> gmem")
 
 

@@ -82,7 +82,7 @@ def test_a_modifier_examples_block_takes_it_by_name():
     peel_dead) builds, the keep modifier kept."""
     kernel = compile_source(training_spec("prefix_lm+late_v+peel_dead"), FILE).kernel
     assert kernel.backward.late_v and kernel.backward.peel_dead and kernel.config.modifiers
-    assert not compile_source(training_spec("prefix_lm"), FILE).kernel.backward.late_v
+    assert not compile_source(training_spec("prefix_lm-late_v"), FILE).kernel.backward.late_v
 
 
 REFUSALS = {
