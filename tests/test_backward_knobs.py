@@ -5,7 +5,6 @@ tests/test_backward_spec.py)."""
 
 from __future__ import annotations
 
-
 import pytest
 
 from conftest import ROOT
