@@ -31,6 +31,10 @@ def _figures(values: list[float | None], digits: int) -> str:
     return " / ".join("-" if v is None else f"{v:.{digits}f}" for v in values)
 
 
+def _ratio(ours: float | None, theirs: float | None) -> float | None:
+    return None if ours is None or theirs is None else ours / theirs
+
+
 def table(cells: dict[str, dict[int, dict[str, float]]]) -> str:
     lines = [
         "| spec | seqlen | fadsl | cuDNN | FA4 | x cuDNN | x FA4 |",
@@ -39,13 +43,7 @@ def table(cells: dict[str, dict[int, dict[str, float]]]) -> str:
     for name, by_seqlen in cells.items():
         seqlens = sorted(by_seqlen)
         tf = {who: [by_seqlen[s].get(who) for s in seqlens] for who in CONTENDERS}
-        ratio = {
-            who: [
-                None if ours is None or theirs is None else ours / theirs
-                for ours, theirs in zip(tf["fadsl"], tf[who])
-            ]
-            for who in ("cudnn", "fa4")
-        }
+        ratio = {who: list(map(_ratio, tf["fadsl"], tf[who])) for who in ("cudnn", "fa4")}
         lengths = " / ".join(f"{s // 1024}k" if s % 1024 == 0 else str(s) for s in seqlens)
         lines.append(
             f"| {name} | {lengths} | {_figures(tf['fadsl'], 1)} | {_figures(tf['cudnn'], 1)} | "

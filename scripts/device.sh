@@ -47,9 +47,10 @@
 #   FADSL_NOTHING=1), timed sustained side by side at BWD_AB_SEQLENS (default 1024,4096,16384)
 #   with BWD_AB_AGAINST (spec files or training variants' names, e.g. fa3_causal+prefetch_kv: other
 #   backward blocks, as built) on the same tensors
-#   bwdcells: issue 44's twelve cells (BWD_CELLS, "NAME:SEQLEN ...", default the four training
-#   examples at 1k, 4k, 16k): research/probes/bwd_vs_fa4.py per cell (BWD_CELL_SECONDS, default
-#   0.4, two rounds), then the markdown table (scripts/backward_cells.py) in $OUT/bwd_cells.md
+#   bwdcells: issue 44's twelve cells, each example of BWD_CELL_SPECS (default the four training
+#   examples) at each of BWD_CELL_SEQLENS (default "1024 4096 16384"): research/probes/bwd_vs_fa4.py
+#   per cell (BWD_CELL_SECONDS, default 0.4, two rounds), then the markdown table
+#   (scripts/backward_cells.py) in $OUT/bwd_cells.md
 #   bwdtrace: scripts/backward_trace.py (the backward's m-block timeline) on each of
 #   BWD_TRACE_SPECS (spec files, or training variants' names as BWD_SPECS takes them, e.g.
 #   fa3_hopper+deterministic-dqred+s2; default the four training examples) at each of BWD_TRACE_SEQLENS
@@ -177,19 +178,19 @@ fi
 if [[ $steps == *" bwdcells "* ]]; then
   # issue 44's table: each cell's backward beside cuDNN's and FA4's (FA4 where this call carries
   # .fa4b after a fa4stage call), sustained, then the table by scripts/backward_cells.py
-  cells=()
-  for cell in ${BWD_CELLS:-fa3_causal:1024 fa3_causal:4096 fa3_causal:16384 fa3_hopper:1024 fa3_hopper:4096 fa3_hopper:16384 fa3_hdim64_causal:1024 fa3_hdim64_causal:4096 fa3_hdim64_causal:16384 fa3_hdim64:1024 fa3_hdim64:4096 fa3_hdim64:16384}; do
-    name=${cell%%:*} seqlen=${cell##*:}
-    echo "== $name $seqlen"
-    timeout 240 python3 -P research/probes/bwd_vs_fa4.py "examples/$name.fa" --seqlen "$seqlen" \
-      --seconds ${BWD_CELL_SECONDS:-0.4} --rounds 2 --json "$OUT/bwd_cell_${name}_$seqlen.json" 2>&1 \
-      | tee -a "$OUT/bwd_cells.log" | grep -E "^(fadsl|cudnn|fa4) "
-    status=$((status | ${PIPESTATUS[0]}))
-    cells+=("$OUT/bwd_cell_${name}_$seqlen.json")
+  cells=()  # the cells that wrote their figures
+  for name in ${BWD_CELL_SPECS:-fa3_causal fa3_hopper fa3_hdim64_causal fa3_hdim64}; do
+    for seqlen in ${BWD_CELL_SEQLENS:-1024 4096 16384}; do
+      echo "== $name $seqlen"
+      json=$OUT/bwd_cell_${name}_$seqlen.json
+      timeout 240 python3 -P research/probes/bwd_vs_fa4.py "examples/$name.fa" --seqlen "$seqlen" \
+        --seconds ${BWD_CELL_SECONDS:-0.4} --rounds 2 --json "$json" 2>&1 \
+        | tee -a "$OUT/bwd_cells.log" | grep -E "^(fadsl|cudnn|fa4) "
+      status=$((status | ${PIPESTATUS[0]}))
+      [[ -f $json ]] && cells+=("$json")
+    done
   done
-  existing=()
-  for f in "${cells[@]}"; do [[ -f $f ]] && existing+=("$f"); done
-  (( ${#existing[@]} )) && python3 scripts/backward_cells.py "${existing[@]}" | tee "$OUT/bwd_cells.md"
+  (( ${#cells[@]} )) && python3 scripts/backward_cells.py "${cells[@]}" | tee "$OUT/bwd_cells.md"
 fi
 if [[ $steps == *" bwdtrace "* ]]; then
   for spec in ${BWD_TRACE_SPECS:-examples/fa3_hopper.fa examples/fa3_causal.fa examples/fa3_hdim64.fa examples/fa3_hdim64_causal.fa}; do
