@@ -5,7 +5,7 @@
 #   comparison with SDPA FLASH, compute-sanitizer (racecheck, synccheck, memcheck) at a small
 #   shape, then the benchmarks if asked.
 # Usage (repo root, on the device):
-#   bash scripts/device.sh [fa4stage] [numerics] [backward] [bwdwindow] [bwdab] [bwdcells] [bwdtrace] [bwdvarlen] [varlen] [kvcache] [modifiers] [fp8] [distributed] [tests] [sanitize] [trace] [probe] [streamprobe] [bench ARGS...]
+#   bash scripts/device.sh [fa4stage] [numerics] [backward] [bwdwindow] [bwdab] [bwdcells] [fwdcells] [bwdtrace] [bwdvarlen] [varlen] [kvcache] [modifiers] [fp8] [distributed] [tests] [sanitize] [trace] [probe] [streamprobe] [bench ARGS...]
 #   modifiers: tests/test_gpu_modifiers.py, tests/test_gpu_modifiers_backward.py and
 #   tests/test_gpu_modifiers_learnable.py (score and keep modifiers, forward and backward,
 #   learnable inputs' gradients), then compute-sanitizer on
@@ -51,6 +51,8 @@
 #   examples) at each of BWD_CELL_SEQLENS (default "1024 4096 16384"): research/probes/bwd_vs_fa4.py
 #   per cell (BWD_CELL_SECONDS, default 0.4, two rounds), then the markdown table
 #   (scripts/backward_cells.py) in $OUT/bwd_cells.md
+#   fwdcells: issue 46's table, each of FWD_CELLS (NAME:SEQLENS, default the shipped forward
+#   examples at 1k-16k) by fadsl bench beside cuDNN, SDPA FLASH and FA4, into $OUT/fwd_cells.log
 #   bwdtrace: scripts/backward_trace.py (the backward's m-block timeline) on each of
 #   BWD_TRACE_SPECS (spec files, or training variants' names as BWD_SPECS takes them, e.g.
 #   fa3_hopper+deterministic-dqred+s2; default the four training examples) at each of BWD_TRACE_SEQLENS
@@ -191,6 +193,20 @@ if [[ $steps == *" bwdcells "* ]]; then
     done
   done
   (( ${#cells[@]} )) && python3 scripts/backward_cells.py "${cells[@]}" | tee "$OUT/bwd_cells.md"
+fi
+if [[ $steps == *" fwdcells "* ]]; then
+  # issue 46's table: each shipped forward example beside cuDNN, SDPA FLASH and FA4 (FA4 where
+  # this call carries .fa4b after a fa4stage call); NAME:SEQLENS picks the seqlens of a spec
+  # that serves only some (fa3_hdim64_causal_short below 4k); `causal` in the name: --causal
+  for cell in ${FWD_CELLS:-fa3_hdim64:1024,2048,4096,16384 fa3_hdim64_causal_short:1024,2048 \
+      fa3_hdim64_causal:4096,16384 fa3_hopper:1024,2048,4096,16384 fa3_causal:1024,2048,4096,16384 \
+      fa3_hdim256:1024,2048,4096,16384 fa3_hdim256_causal:1024,2048,4096,16384}; do
+    name=${cell%%:*}
+    echo "== $name ${cell#*:}"
+    timeout 240 python3 -P -m fadsl.cli bench "examples/$name.fa" $([[ $name == *causal* ]] && echo --causal) \
+      --hidden 2048 --seqlens "${cell#*:}" 2>&1 | tee -a "$OUT/fwd_cells.log" | tail -8
+    status=$((status | ${PIPESTATUS[0]}))
+  done
 fi
 if [[ $steps == *" bwdtrace "* ]]; then
   for spec in ${BWD_TRACE_SPECS:-examples/fa3_hopper.fa examples/fa3_causal.fa examples/fa3_hdim64.fa examples/fa3_hdim64_causal.fa}; do
