@@ -178,6 +178,21 @@ CASES = {
         "a second 'keep' line (the first is on line 10); a kernel takes one: combine them with and",
     ),
     "inputs_alone": ("input t : f32[heads]", 0, 3, "inputs are read by 'score' or 'keep' lines"),
+    # --- arithmetic out of range at every sequence length (shorter ones: test_modifiers_overflow)
+    "int_overflow": (
+        "score s + h * b",
+        0,
+        13,
+        "'h * b' may overflow an i32: it reaches 4.295e+09 with sequence lengths up to 1 and "
+        "batch and heads up to 65535, and an int wraps silently",
+    ),
+    "int_overflow_of_constants": ("keep 65536 * 65536 > q_idx", 0, 8, "'65536 * 65536' may"),
+    "float_overflow": (
+        "score s + 2.0 * 1e38 * 10.0",
+        0,
+        13,
+        "'2.0 * 1e38 * 10.0' may overflow to inf: it reaches 2e+39, past fp32's largest",
+    ),
 }
 
 

@@ -40,6 +40,21 @@ class Dim(Enum):
     SEQLEN_K = "seqlen_k"
 
 
+# The largest sizes a call may have; fadsl/runtime/arguments.py refuses larger ones. Sequence
+# lengths stay below 2^30 (rows are indexed by 32-bit ints, and two lengths are added), batch
+# and heads at most 65,535 (CUDA's grid in y and z). check_modifiers proves an expression's
+# arithmetic against them (fadsl/passes/modifiers/ranges.py, ``extremes``).
+SEQLEN_LIMIT = 2**30
+GRID_YZ_LIMIT = 65535
+DIM_MAX = {
+    Dim.BATCH: GRID_YZ_LIMIT,
+    Dim.HEADS: GRID_YZ_LIMIT,
+    Dim.HEADS_KV: GRID_YZ_LIMIT,
+    Dim.SEQLEN_Q: SEQLEN_LIMIT - 1,
+    Dim.SEQLEN_K: SEQLEN_LIMIT - 1,
+}
+
+
 @dataclass(frozen=True)
 class Blocks:
     """An input's dimension of ``cdiv(dim, block)`` entries, one per block of ``block``
@@ -370,6 +385,11 @@ class Modifiers:
     learn: tuple[str, ...] = ()
     # split_distance_term: f where score is s + f(b, h, q_idx - kv_idx), f dear to evaluate
     distance_term: Expr | None = None
+    # check_modifiers: the longest sequence length at which every value of the expressions
+    # stays in range (None: up to the runtime's own limit, SEQLEN_LIMIT), and the value that
+    # leaves it beyond ("'3 * q_idx' (line 12)"); the runtime refuses longer calls
+    longest: int | None = None
+    longest_why: str = ""
 
     def input(self, name: str) -> InputDecl | None:
         return next((i for i in self.inputs if i.name == name), None)

@@ -14,12 +14,7 @@ import numbers
 
 from .. import targets
 from ..ir import Config, Dtype
-from ..ir.expr import Dim, ExprType, InputDecl, dim_size
-
-GRID_YZ_LIMIT = 65535
-# The kernels index rows with 32-bit ints and add two sequence lengths: both stay below 2^30.
-SEQLEN_LIMIT = 2**30
-
+from ..ir.expr import GRID_YZ_LIMIT, SEQLEN_LIMIT, Dim, ExprType, InputDecl, dim_size
 
 # An input's elements are indexed with 32-bit ints (fadsl/targets/cuda_expr.py).
 INPUT_ELEMENTS_LIMIT = 2**31
@@ -79,6 +74,20 @@ def modifier_inputs(decls: tuple[InputDecl, ...], given: dict, q, k, kernel: str
             )
         found.append(t)
     return tuple(found)
+
+
+def check_longest(m, q, k, kernel: str) -> None:
+    """Refuses, naming q or k, a sequence longer than the spec's modifiers keep their values
+    in range for (``Modifiers.longest``, check_modifiers' bound: e.g. '3 * q_idx' leaves the
+    i32 range past 715,827,883 queries)."""
+    if m is None or m.longest is None:
+        return
+    for name, t in (("q", q), ("k", k)):
+        if t.shape[1] > m.longest:
+            raise ValueError(
+                f"{name}'s sequence length {t.shape[1]} is past {m.longest}, the longest at "
+                f"which kernel '{kernel}''s {m.longest_why} stays within its type's range"
+            )
 
 
 def check_scale(softmax_scale, head_dim: int) -> float:

@@ -10,7 +10,7 @@ Eager calls without gradients launch directly; with gradients, one autograd Func
 from __future__ import annotations
 
 from . import keep_classes
-from .arguments import modifier_inputs
+from .arguments import check_longest, modifier_inputs
 from .learnable import learning
 from .plans import stream_and_device
 
@@ -28,6 +28,7 @@ class ModifiedCalls:
                 f"kernel '{self.config.name}' has no keep (no score or mask modifiers): it "
                 "classes no tiles"
             )
+        check_longest(self.config.modifiers, q, k, self.config.name)
         tensors = modifier_inputs(self.config.modifiers.inputs, inputs, q, k, self.config.name)
         return keep_classes.make(self, q, k, tensors)
 
@@ -60,6 +61,7 @@ class ModifiedCalls:
                 return plan(q, k, v, tensors)
         if not decls:  # (a keyword the spec does not take: reported as Python would, first)
             modifier_inputs(decls, inputs, q, k, name)
+        check_longest(modifiers, q, k, name)
         tensors = modifier_inputs(decls, inputs, q, k, name)
         if classes is not None:
             keep_classes.check(self, classes, q, k, tensors)

@@ -232,6 +232,8 @@ def modifiers_data(m: Modifiers) -> dict[str, Any]:
             "by_pass": rule.by_pass,
             "per_head": rule.per_head,
         }
+    if m.longest is not None:  # (check_modifiers: arithmetic in range only up to it)
+        data["longest"] = {"seqlen": m.longest, "why": m.longest_why}
     return data
 
 
@@ -272,6 +274,12 @@ def modifiers_text(data: dict[str, Any]) -> list[str]:
                 "of its own over its tiles, each n-block skipping the EMPTY m-blocks at each "
                 "end of its range)"
             )
+    longest = data.get("longest")
+    if longest is not None:
+        out.append(
+            f"  calls of sequences up to {longest['seqlen']} only: past it {longest['why']} "
+            "leaves its type's range (the call refuses longer ones)"
+        )
     return out
 
 

@@ -18,6 +18,11 @@ token, all at once, as a SpecError:
   ``exp`` of more than 88 (fp32's largest exponent), ``log`` and ``log2`` of 0 or less, a
   division (``/``, ``//``, ``%``) by a divisor that may be 0 (docs/numerics.md says why:
   the softmax's rescale modes need every score finite or -inf);
+- integer arithmetic (``+``, ``-``, ``*``) that may leave the i32 range, or float arithmetic
+  that may pass fp32's largest number, in some call the runtime accepts (sequence lengths
+  below 2^30, batch and heads at most 65,535: fadsl/ir/expr.py's DIM_MAX); C++'s int
+  arithmetic would wrap silently. Values read from inputs are unbounded and pass: their
+  scale is the caller's, as in torch;
 - a `score` that is not a number, a `keep` that is not a truth value, an operator given
   the wrong types, a constant outside i32 or fp32, an input no expression reads.
 """
@@ -29,6 +34,7 @@ from dataclasses import replace
 
 from ...errors import Diagnostic, Loc, SpecError, suggest
 from ...ir.expr import (
+    DIM_MAX,
     SPEC_VARS,
     WHERE,
     Apply,
@@ -77,24 +83,55 @@ _ARITHMETIC = {BinOp.ADD, BinOp.SUB, BinOp.MUL}
 
 
 def check_modifiers(m: Modifiers) -> Modifiers:
-    """The modifiers resolved and typed, or a SpecError with every problem."""
-    checker = _Checker(m)
-    score = keep = None
-    if m.score is not None:
-        score = checker.top(m.score, "score")
-    if m.keep is not None:
-        keep = checker.top(m.keep, "keep")
-    checker.unused_inputs([e for e in (m.score, m.keep) if e is not None])
-    if checker.diagnostics:
-        raise SpecError(checker.diagnostics)
-    return replace(m, score=score, keep=keep)
+    """The modifiers resolved and typed, or a SpecError with every problem. Arithmetic that
+    stays in range only for shorter sequences than the runtime's limit is admitted with
+    ``longest``: the longest sequence length at which every value fits, which the runtime
+    enforces (fadsl/runtime/arguments.py, modifier_inputs)."""
+    checked = _Checker(m, DIM_MAX).run()
+    if not checked.diagnostics:
+        return checked.result()
+    shortest = _Checker(m, _tops(1)).run() if checked.overflows else checked
+    if shortest.diagnostics:
+        raise SpecError(shortest.diagnostics)
+    # bisection: a value's range only grows with the sequence lengths
+    passing, failing = shortest, checked
+    lo, hi = 1, DIM_MAX[Dim.SEQLEN_Q]  # lo fits, hi does not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        found = _Checker(m, _tops(mid)).run()
+        if found.diagnostics:
+            hi, failing = mid, found
+        else:
+            lo, passing = mid, found
+    what, loc = failing.overflows[0]
+    return replace(passing.result(), longest=lo, longest_why=f"'{what}' (line {loc.line})")
+
+
+def _tops(seqlen: int) -> dict:
+    """The largest sizes with sequences of at most ``seqlen``."""
+    return {**DIM_MAX, Dim.SEQLEN_Q: seqlen, Dim.SEQLEN_K: seqlen}
 
 
 class _Checker:
-    def __init__(self, m: Modifiers) -> None:
+    def __init__(self, m: Modifiers, tops: dict) -> None:
         self.m = m
+        self.tops = tops  # the largest sizes the ranges are taken over
         self.diagnostics: list[Diagnostic] = []
+        self.overflows: list[tuple[str, Loc]] = []  # the values found out of range
         self.line = ""
+        self.score = self.keep = None
+
+    def run(self) -> _Checker:
+        m = self.m
+        if m.score is not None:
+            self.score = self.top(m.score, "score")
+        if m.keep is not None:
+            self.keep = self.top(m.keep, "keep")
+        self.unused_inputs([e for e in (m.score, m.keep) if e is not None])
+        return self
+
+    def result(self) -> Modifiers:
+        return replace(self.m, score=self.score, keep=self.keep)
 
     def error(self, loc: Loc, message: str) -> None:
         self.diagnostics.append(Diagnostic(loc, message))
@@ -300,7 +337,7 @@ class _Checker:
         call = FnCall(fn, args, e.loc)
         match fn:
             case Fn.ABS:
-                return replace(call, type=numeric), rg.absolute(x)
+                return replace(call, type=numeric), rg.absolute(x, self.tops)
             case Fn.MIN:
                 return replace(call, type=numeric), rg.minimum(x, found[1])
             case Fn.MAX:
@@ -373,7 +410,7 @@ class _Checker:
         if x.type is BOOL:
             self.error(e.loc, f"'-' takes a number, but '{text(e.x)}' is a truth value")
             return node, rg.UNBOUNDED
-        return replace(node, type=x.type), rg.neg(found)
+        return replace(node, type=x.type), self.fits(e, x.type, rg.neg(found))
 
     def binary(self, e: Binary) -> tuple[Expr, rg.Interval]:
         (a, ra), (b, rb) = self.expr(e.a), self.expr(e.b)
@@ -407,10 +444,14 @@ class _Checker:
                 return node, rg.UNBOUNDED
         numeric = I32 if a.type is b.type is I32 else F32
         if op is BinOp.MUL and text(e.a) == text(e.b):  # one value squared: not negative
-            return replace(node, type=numeric), rg.square(ra)
+            return replace(node, type=numeric), self.fits(e, numeric, rg.square(ra, self.tops))
         if op in _ARITHMETIC:
-            combine = {BinOp.ADD: rg.add, BinOp.SUB: rg.sub, BinOp.MUL: rg.mul}[op]
-            return replace(node, type=numeric), combine(ra, rb)
+            found = (
+                rg.mul(ra, rb, self.tops)
+                if op is BinOp.MUL
+                else (rg.add if op is BinOp.ADD else rg.sub)(ra, rb)
+            )
+            return replace(node, type=numeric), self.fits(e, numeric, found)
         if op is not BinOp.DIV and numeric is not I32:
             self.error(
                 e.loc,
@@ -430,3 +471,40 @@ class _Checker:
             return replace(node, type=F32), rg.div(ra, rb)
         combine = rg.floordiv if op is BinOp.FLOORDIV else rg.mod
         return replace(node, type=I32), combine(ra, rb)
+
+    def fits(self, e: Expr, kind: ExprType, found: rg.Interval) -> rg.Interval:
+        """``found``, the range of ``e``'s value, where it fits ``kind`` (an i32, or a finite
+        f32) up to the checker's sizes; else an error at ``e`` and unbounded (so that no
+        enclosing expression repeats it)."""
+        lo, hi = rg.extremes(found, self.tops)  # -inf / inf where an input's element makes it
+        known = [v for v in (lo, hi) if math.isfinite(v)]
+        if kind is I32:
+            if all(-(INT_MAX + 1) <= v <= INT_MAX for v in known):
+                return found
+            why = (
+                "and an int wraps silently; compute it in f32 (1.0 * ...) or bound its "
+                "operands with min()"
+            )
+            what = "overflow an i32"
+        else:
+            if all(abs(v) <= FLOAT_MAX for v in known):
+                return found
+            why, what = "past fp32's largest number (about 3.4e38)", "overflow to inf"
+        sized = any(isinstance(n, Name) for n in walk(e))  # b, h, q_idx, kv_idx or a size
+        where = f" with {_limits(self.tops)}" if sized else ""
+        self.overflows.append((text(e), e.loc))
+        self.error(e.loc, f"'{text(e)}' may {what}: it reaches {_reach(lo, hi)}{where}, {why}")
+        return rg.UNBOUNDED
+
+
+def _limits(tops: dict) -> str:
+    """The sizes a range was taken over, as a message says them."""
+    seqlen = tops[Dim.SEQLEN_Q]
+    shown = "2^30 - 1" if seqlen == DIM_MAX[Dim.SEQLEN_Q] else f"{seqlen}"
+    return f"sequence lengths up to {shown} and batch and heads up to {tops[Dim.BATCH]}"
+
+
+def _reach(lo: float, hi: float) -> str:
+    """The value of largest magnitude of [lo, hi] that is a number, as the message shows it."""
+    v = max((x for x in (lo, hi) if math.isfinite(x)), key=abs)
+    return f"{v:.4g}" if abs(v) >= 1e6 else f"{v:g}"

@@ -7,7 +7,9 @@ size itself), and can a function produce inf or NaN from finite inputs (``exp`` 
 affine form ``c + sum(k_d d)`` over the sizes d (batch, heads, heads_kv, seqlen_q,
 seqlen_k), or None where nothing is known. A comparison of two bounds is decided only where
 it holds for every size of 1 or more; otherwise it is not proven, and the caller refuses.
-Scores (``s``) and the elements of inputs are finite but unbounded.
+Scores (``s``) and the elements of inputs are finite but unbounded. Where a number is needed
+(a product of two sizes' indices, whether a value fits an i32), a form is evaluated at the
+sizes a call may have, 1 up to fadsl/ir/expr.py's ``DIM_MAX`` (``extremes``).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ...ir.expr import Blocks, Dim
+from ...ir.expr import DIM_MAX, Blocks, Dim
 
 
 @dataclass(frozen=True)
@@ -46,6 +48,15 @@ class Affine:
         if self.terms and k != int(k):
             return None
         return Affine(self.const * k, tuple((d, int(c * k)) for d, c in self.terms if c * k))
+
+    def span(self, tops: dict = DIM_MAX) -> tuple[float, float]:
+        """Its least and largest values over every size from 1 to its top (``DIM_MAX``: every
+        size a call may have)."""
+        lo = hi = self.const
+        for d, k in self.terms:
+            top = d.of(tops[d.dim]) if isinstance(d, Blocks) else tops[d]
+            lo, hi = lo + min(k, k * top), hi + max(k, k * top)
+        return lo, hi
 
     def least(self) -> float:
         """Its least value over all sizes, or -inf where a size has a negative factor."""
@@ -157,18 +168,31 @@ def _numeric_or_unbounded(x: Interval) -> bool:
     return all(b is None or b.is_const for b in (x.lo, x.hi))
 
 
-def mul(x: Interval, y: Interval) -> Interval:
+def extremes(x: Interval, tops: dict = DIM_MAX) -> tuple[float, float]:
+    """The least and largest values ``x`` takes with every size from 1 to its top (-inf /
+    inf: unbounded there)."""
+    lo = -math.inf if x.lo is None else x.lo.span(tops)[0]
+    hi = math.inf if x.hi is None else x.hi.span(tops)[1]
+    return lo, hi
+
+
+def boxed(x: Interval, tops: dict = DIM_MAX) -> Interval:
+    """``x`` with numbers for bounds: its extremes up to ``tops`` (unbounded ends stay)."""
+    lo, hi = extremes(x, tops)
+    return Interval(None if lo == -math.inf else Affine(lo), None if hi == math.inf else Affine(hi))
+
+
+def mul(x: Interval, y: Interval, tops: dict = DIM_MAX) -> Interval:
     for a, b in ((x, y), (y, x)):
         if a.numeric and a.lo == a.hi:
             return _scale(b, a.lo.const)
-    if _numeric_or_unbounded(x) and _numeric_or_unbounded(y):
-        return _products(x, y, lambda a, b: a * b)
-    return UNBOUNDED
+    # a product of two sizes' values is no affine form: its corners up to the sizes' tops
+    return _products(boxed(x, tops), boxed(y, tops), lambda a, b: a * b)
 
 
-def square(x: Interval) -> Interval:
+def square(x: Interval, tops: dict = DIM_MAX) -> Interval:
     """x * x of one value: never negative."""
-    found = absolute(x)
+    found = boxed(absolute(x, tops), tops)
     if found.numeric:
         return Interval(Affine(found.lo.const**2), Affine(found.hi.const**2))
     return Interval(Affine(0), None)
@@ -264,14 +288,15 @@ def union(x: Interval, y: Interval) -> Interval:
     return Interval(lowest(x.lo, y.lo), highest(x.hi, y.hi))
 
 
-def absolute(x: Interval) -> Interval:
+def absolute(x: Interval, tops: dict = DIM_MAX) -> Interval:
     zero = Affine(0)
     if at_most(zero, x.lo):
         return x
     if at_most(x.hi, zero):
         return neg(x)
-    if x.numeric:
-        return Interval(zero, Affine(max(-x.lo.const, x.hi.const)))
+    found = boxed(x, tops)  # of unknown sign: its largest magnitude up to the tops
+    if found.numeric:
+        return Interval(zero, Affine(max(-found.lo.const, found.hi.const)))
     return Interval(zero, None)
 
 

@@ -13,11 +13,13 @@ on`, whose n-blocks visit every m-block of their range, the EMPTY ones masked)."
 from __future__ import annotations
 
 from ....ir import Kernel
+from ....ir.expr import (
+    GRID_YZ_LIMIT,
+)  # CUDA's grid in y and z: the pass's q blocks and rows of tiles
 from ...launch import KernelStep
 
 CLASSES_SUFFIX = "_keep_classes"  # the classing kernel's symbol after the attention kernel's
 CLASSES_THREADS = 128  # its CTA (__launch_bounds__(128, 1) in kernel.cu.j2)
-GRID_YZ_LIMIT = 65535  # CUDA's grid in y and z: the pass's q blocks and rows of tiles
 
 
 def plan_keep_classes(kernel: Kernel, q, k) -> tuple[tuple, KernelStep] | None:
