@@ -90,8 +90,10 @@ def check_modifiers(m: Modifiers) -> Modifiers:
     checked = _Checker(m, DIM_MAX).run()
     if not checked.diagnostics:
         return checked.result()
-    shortest = _Checker(m, _tops(1)).run() if checked.overflows else checked
-    if shortest.diagnostics:
+    if len(checked.overflows) < len(checked.diagnostics):  # other problems too: all of them
+        raise SpecError(checked.diagnostics)
+    shortest = _Checker(m, _tops(1)).run()
+    if shortest.diagnostics:  # out of range at every length
         raise SpecError(shortest.diagnostics)
     # bisection: a value's range only grows with the sequence lengths
     passing, failing = shortest, checked
@@ -103,6 +105,8 @@ def check_modifiers(m: Modifiers) -> Modifiers:
             hi, failing = mid, found
         else:
             lo, passing = mid, found
+    if not failing.overflows:  # (a range that shrank with the sizes: not expected)
+        raise SpecError(failing.diagnostics)
     what, loc = failing.overflows[0]
     return replace(passing.result(), longest=lo, longest_why=f"'{what}' (line {loc.line})")
 
@@ -118,6 +122,7 @@ class _Checker:
         self.tops = tops  # the largest sizes the ranges are taken over
         self.diagnostics: list[Diagnostic] = []
         self.overflows: list[tuple[str, Loc]] = []  # the values found out of range
+        self.overflowed: set[int] = set()  # their nodes (id), whose enclosing ones keep quiet
         self.line = ""
         self.score = self.keep = None
 
@@ -473,9 +478,9 @@ class _Checker:
         return replace(node, type=I32), combine(ra, rb)
 
     def fits(self, e: Expr, kind: ExprType, found: rg.Interval) -> rg.Interval:
-        """``found``, the range of ``e``'s value, where it fits ``kind`` (an i32, or a finite
-        f32) up to the checker's sizes; else an error at ``e`` and unbounded (so that no
-        enclosing expression repeats it)."""
+        """``found``, the range of ``e``'s value, with an error at ``e`` where it does not
+        fit ``kind`` (an i32, or a finite f32) up to the checker's sizes, unless a value
+        inside ``e`` has one already (the enclosing values' errors would repeat it)."""
         lo, hi = rg.extremes(found, self.tops)  # -inf / inf where an input's element makes it
         known = [v for v in (lo, hi) if math.isfinite(v)]
         if kind is I32:
@@ -490,11 +495,15 @@ class _Checker:
             if all(abs(v) <= FLOAT_MAX for v in known):
                 return found
             why, what = "past fp32's largest number (about 3.4e38)", "overflow to inf"
-        sized = any(isinstance(n, Name) for n in walk(e))  # b, h, q_idx, kv_idx or a size
+        inner = [n for n in walk(e) if n is not e]
+        self.overflowed.add(id(e))
+        if any(id(n) in self.overflowed for n in inner):
+            return found
+        sized = any(isinstance(n, Name) for n in inner)  # b, h, q_idx, kv_idx or a size
         where = f" with {_limits(self.tops)}" if sized else ""
         self.overflows.append((text(e), e.loc))
         self.error(e.loc, f"'{text(e)}' may {what}: it reaches {_reach(lo, hi)}{where}, {why}")
-        return rg.UNBOUNDED
+        return found
 
 
 def _limits(tops: dict) -> str:

@@ -1,0 +1,135 @@
+"""The checker's proofs hold: for random integer expressions used as an input's index,
+whatever check_modifiers accepts stays inside the input's dimension, never divides by zero,
+and keeps every integer value inside the i32 range, for every size a call may have (up to
+``Modifiers.longest``) and every index. The reference is Python's exact integers
+(tests/modifier_eval.py, Python's // and % as the kernel's floordiv and floormod): a load the
+proof lets through that reads outside its input would be an out-of-bounds read on the GPU."""
+
+from __future__ import annotations
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from fadsl.errors import SpecError
+from fadsl.ir.expr import (
+    DIM_MAX,
+    Binary,
+    Dim,
+    ExprType,
+    Load,
+    Unary,
+    dim_size,
+    walk,
+)
+from fadsl.pipeline import front_end
+from modifier_eval import evaluate
+from test_modifiers_front import spec
+
+INT_MIN, INT_MAX = -(2**31), 2**31 - 1
+LEAVES = ["q_idx", "kv_idx", "b", "h", "seqlen_q", "seqlen_k", "batch", "heads", "heads_kv"]
+DIMS = ["seqlen_k", "seqlen_q", "heads", "batch", "64", "cdiv(seqlen_q, 128)"]
+
+
+def combine(children):
+    two = st.tuples(children, children)
+    return st.one_of(
+        two.map(lambda t: f"({t[0]} + {t[1]})"),
+        two.map(lambda t: f"({t[0]} - {t[1]})"),
+        two.map(lambda t: f"({t[0]} * {t[1]})"),
+        st.tuples(children, st.integers(-3, 300)).map(lambda t: f"({t[0]} // {t[1]})"),
+        st.tuples(children, st.integers(-3, 300)).map(lambda t: f"({t[0]} % {t[1]})"),
+        two.map(lambda t: f"({t[0]} // {t[1]})"),
+        two.map(lambda t: f"min({t[0]}, {t[1]})"),
+        two.map(lambda t: f"max({t[0]}, {t[1]})"),
+        children.map(lambda a: f"abs({a})"),
+        children.map(lambda a: f"(-{a})"),
+        st.tuples(children, children, children).map(lambda t: f"clamp({t[0]}, {t[1]}, {t[2]})"),
+        st.tuples(children, children, children, children).map(
+            lambda t: f"where({t[0]} < {t[1]}, {t[2]}, {t[3]})"
+        ),
+    )
+
+
+EXPRS = st.recursive(
+    st.one_of(st.sampled_from(LEAVES), st.integers(-3, 300).map(str)), combine, max_leaves=6
+)
+# wrappers a spec writes to keep an index in range, and near misses of them
+WRAPS = [
+    "{e}",
+    "clamp({e}, 0, {last})",
+    "min({e}, {last})",
+    "max({e}, 0)",
+    "min(max({e}, 0), {last})",
+    "abs({e}) % 64",
+    "{e} // 128",
+    "max({e}, 0) // 128",
+]
+
+
+def checked_index(expr: str, dim: str):
+    """The typed index of ``t[expr]`` with ``t : f32[dim]``, or None where it is refused;
+    with the checked modifiers."""
+    last = f"{dim} - 1" if not dim.isdigit() else str(int(dim) - 1)
+    lines = f"input t : f32[{dim}]\n  score s + t[{expr.replace('{last}', last)}]"
+    try:
+        m = front_end(spec(lines), "mods.fa").config.modifiers
+    except SpecError:
+        return None
+    load = next(n for n in walk(m.score) if isinstance(n, Load))
+    return m, load
+
+
+def sizes_strategy(longest: int | None):
+    top = DIM_MAX[Dim.SEQLEN_Q] if longest is None else longest
+    seqlen = st.one_of(st.integers(1, 300), st.integers(1, top), st.just(top))
+    grid = st.one_of(st.integers(1, 20), st.just(DIM_MAX[Dim.BATCH]))
+    return st.fixed_dictionaries(
+        {
+            Dim.SEQLEN_Q: seqlen,
+            Dim.SEQLEN_K: seqlen,
+            Dim.BATCH: grid,
+            Dim.HEADS: grid,
+            Dim.HEADS_KV: grid,
+        }
+    )
+
+
+def index_value(size: int):
+    return st.one_of(st.just(0), st.just(size - 1), st.integers(0, size - 1))
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    expr=EXPRS,
+    wrap=st.sampled_from(WRAPS),
+    dim=st.sampled_from(DIMS),
+    data=st.data(),
+)
+def test_an_accepted_index_stays_inside_its_input(expr, wrap, dim, data):
+    found = checked_index(wrap.format(e=expr, last="{last}"), dim)
+    if found is None:
+        return  # refused: nothing to hold
+    m, load = found
+    index = load.indices[0]
+    for _ in range(4):
+        sizes = data.draw(sizes_strategy(m.longest))
+        env = {d.value: n for d, n in sizes.items()}
+        env |= {
+            "q_idx": data.draw(index_value(sizes[Dim.SEQLEN_Q])),
+            "kv_idx": data.draw(index_value(sizes[Dim.SEQLEN_K])),
+            "b": data.draw(index_value(sizes[Dim.BATCH])),
+            "h": data.draw(index_value(sizes[Dim.HEADS])),
+        }
+        for node in walk(index):  # every integer value the kernel computes fits an i32
+            if isinstance(node, (Binary, Unary)) and node.type is ExprType.I32:
+                value = evaluate(node, env)
+                assert INT_MIN <= value <= INT_MAX, (text_of(node), env)
+        value = evaluate(index, env)  # (a division by zero raises: a failure too)
+        extent = dim_size(m.input("t").dims[0], sizes)
+        assert 0 <= value < extent, (text_of(index), env, extent)
+
+
+def text_of(e) -> str:
+    from fadsl.ir.expr import text
+
+    return text(e)
