@@ -184,15 +184,6 @@ class Constraint:
         sign = 1 if self.lo is not None else -1  # F large satisfies F >= lo
         return (sign * _sign(self.q), sign * _sign(self.kv))
 
-    def negated(self) -> Constraint | None:
-        """The complement, where it is one constraint (one-sided ones)."""
-        if self.lo is not None and self.hi is not None:
-            return None
-        loc = (self.lo or self.hi).loc
-        if self.lo is not None:  # F < lo: F <= lo - 1
-            return Constraint(self.q, self.kv, None, b.sub(self.lo, b.const(1, loc), loc))
-        return Constraint(self.q, self.kv, b.add(self.hi, b.const(1, loc), loc), None)
-
 
 def _offset(e: Expr) -> tuple[str, int]:
     """``e`` as (the text of its part that is not a constant, the constant it adds)."""
