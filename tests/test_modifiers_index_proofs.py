@@ -7,6 +7,8 @@ proof lets through that reads outside its input would be an out-of-bounds read o
 
 from __future__ import annotations
 
+import re
+
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -30,23 +32,33 @@ LEAVES = ["q_idx", "kv_idx", "b", "h", "seqlen_q", "seqlen_k", "batch", "heads",
 DIMS = ["seqlen_k", "seqlen_q", "heads", "batch", "64", "cdiv(seqlen_q, 128)"]
 
 
+def forms(children, *templates: str):
+    """One of ``templates``, each a format string whose fields ({0}, {1}, ...) are filled with
+    ``children``'s expressions (a constant field: ``{c}``, a small integer)."""
+
+    def filled(template: str):
+        arity = len(set(re.findall(r"\{(\d)\}", template)))
+        parts = st.tuples(st.tuples(*[children] * arity), st.integers(-3, 300))
+        return parts.map(lambda t: template.format(*t[0], c=t[1]))
+
+    return st.one_of(*(filled(t) for t in templates))
+
+
 def combine(children):
-    two = st.tuples(children, children)
-    return st.one_of(
-        two.map(lambda t: f"({t[0]} + {t[1]})"),
-        two.map(lambda t: f"({t[0]} - {t[1]})"),
-        two.map(lambda t: f"({t[0]} * {t[1]})"),
-        st.tuples(children, st.integers(-3, 300)).map(lambda t: f"({t[0]} // {t[1]})"),
-        st.tuples(children, st.integers(-3, 300)).map(lambda t: f"({t[0]} % {t[1]})"),
-        two.map(lambda t: f"({t[0]} // {t[1]})"),
-        two.map(lambda t: f"min({t[0]}, {t[1]})"),
-        two.map(lambda t: f"max({t[0]}, {t[1]})"),
-        children.map(lambda a: f"abs({a})"),
-        children.map(lambda a: f"(-{a})"),
-        st.tuples(children, children, children).map(lambda t: f"clamp({t[0]}, {t[1]}, {t[2]})"),
-        st.tuples(children, children, children, children).map(
-            lambda t: f"where({t[0]} < {t[1]}, {t[2]}, {t[3]})"
-        ),
+    return forms(
+        children,
+        "({0} + {1})",
+        "({0} - {1})",
+        "({0} * {1})",
+        "({0} // {c})",
+        "({0} % {c})",
+        "({0} // {1})",
+        "min({0}, {1})",
+        "max({0}, {1})",
+        "abs({0})",
+        "(-{0})",
+        "clamp({0}, {1}, {2})",
+        "where({0} < {1}, {2}, {3})",
     )
 
 

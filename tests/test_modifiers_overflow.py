@@ -36,6 +36,8 @@ def longest_int(value_at) -> int:
         ("(kv_idx - q_idx) * (kv_idx - q_idx) < 4096", lambda n: (n - 1) ** 2),
         ("q_idx + kv_idx + seqlen_k + 5 > 0", lambda n: 3 * n + 3),
         ("min(q_idx, 1000) * kv_idx > 0", lambda n: min(n - 1, 1000) * (n - 1)),
+        # where's branches of no proven order: the larger of their tops bounds it
+        ("q_idx * where(q_idx < kv_idx, q_idx, seqlen_k) > 0", lambda n: (n - 1) * n),
     ],
 )
 def test_the_longest_length_is_where_the_widest_value_still_fits(keep, value_at):

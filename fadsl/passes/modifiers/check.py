@@ -344,11 +344,13 @@ class _Checker:
             case Fn.ABS:
                 return replace(call, type=numeric), rg.absolute(x, self.tops)
             case Fn.MIN:
-                return replace(call, type=numeric), rg.minimum(x, found[1])
+                return replace(call, type=numeric), rg.minimum(x, found[1], self.tops)
             case Fn.MAX:
-                return replace(call, type=numeric), rg.maximum(x, found[1])
+                return replace(call, type=numeric), rg.maximum(x, found[1], self.tops)
             case Fn.CLAMP:
-                return replace(call, type=numeric), rg.minimum(rg.maximum(x, found[1]), found[2])
+                return replace(call, type=numeric), rg.minimum(
+                    rg.maximum(x, found[1], self.tops), found[2], self.tops
+                )
             case Fn.EXP:
                 if not rg.at_most(x.hi, rg.Affine(EXP_LIMIT)):
                     self.error(
@@ -400,7 +402,7 @@ class _Checker:
             self.error(e.loc, "where()'s two values must both be numbers or both truth values")
             return node, rg.UNBOUNDED
         kind = BOOL if a.type is BOOL else I32 if a.type is b.type is I32 else F32
-        return replace(node, type=kind), rg.union(found[1], found[2])
+        return replace(node, type=kind), rg.union(found[1], found[2], self.tops)
 
     def unary(self, e: Unary) -> tuple[Expr, rg.Interval]:
         x, found = self.expr(e.x)
