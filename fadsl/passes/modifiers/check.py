@@ -86,7 +86,7 @@ def check_modifiers(m: Modifiers) -> Modifiers:
     """The modifiers resolved and typed, or a SpecError with every problem. Arithmetic that
     stays in range only for shorter sequences than the runtime's limit is admitted with
     ``longest``: the longest sequence length at which every value fits, which the runtime
-    enforces (fadsl/runtime/arguments.py, modifier_inputs)."""
+    enforces (fadsl/runtime/arguments.py, check_longest)."""
     checked = _Checker(m, DIM_MAX).run()
     if not checked.diagnostics:
         return checked.result()
