@@ -122,3 +122,15 @@ def test_explain_says_how_long_a_call_may_be(tmp_path):
     )
     plain = explain_text(compile_source(spec("keep 2 * q_idx >= kv_idx"), "mods.fa"))
     assert "calls of sequences up to" not in plain
+
+
+def test_a_loaded_kernel_refuses_the_longer_call_before_anything_runs():
+    import torch
+
+    import fadsl
+    from test_modifiers_front import spec
+
+    kern = fadsl.load(spec("keep q_idx * kv_idx % 7 != 3"))
+    q = torch.empty(1, 50000, 16, 128, dtype=torch.bfloat16, device="meta")
+    with pytest.raises(ValueError, match="^q's sequence length 50000 is past 46341, the longest"):
+        kern(q, q, q)
