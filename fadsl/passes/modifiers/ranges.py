@@ -273,37 +273,30 @@ def either(a: Affine | None, b: Affine | None) -> Affine | None:
     return a if a is not None else b
 
 
-def _least(a: Affine | None, b: Affine | None, tops: dict) -> Affine | None:
-    """The smaller of two lower bounds: the one proven smaller, else their least value up
-    to ``tops`` (None where either is unbounded)."""
-    found = lowest(a, b)
+def _outer(a: Affine | None, b: Affine | None, tops: dict, upper: bool) -> Affine | None:
+    """The looser of two bounds (the larger of two upper ones, the smaller of two lower
+    ones): the one proven so, else their extreme value up to ``tops`` (None where either
+    is unbounded)."""
+    found = highest(a, b) if upper else lowest(a, b)
     if found is not None or a is None or b is None:
         return found
-    return Affine(min(a.span(tops)[0], b.span(tops)[0]))
-
-
-def _most(a: Affine | None, b: Affine | None, tops: dict) -> Affine | None:
-    """The larger of two upper bounds: the one proven larger, else their largest value up
-    to ``tops`` (None where either is unbounded)."""
-    found = highest(a, b)
-    if found is not None or a is None or b is None:
-        return found
-    return Affine(max(a.span(tops)[1], b.span(tops)[1]))
+    pick, side = (max, 1) if upper else (min, 0)
+    return Affine(pick(a.span(tops)[side], b.span(tops)[side]))
 
 
 def minimum(x: Interval, y: Interval, tops: dict = DIM_MAX) -> Interval:
     # min(u, v) is at most u and at most v: the tighter upper bound where one is proven
     # tighter, else either known one (a number first, then v's: clamp(x, lo, hi)'s hi, which
     # a spec writes to fit the dimension it indexes)
-    return Interval(_least(x.lo, y.lo, tops), lowest(x.hi, y.hi) or either(y.hi, x.hi))
+    return Interval(_outer(x.lo, y.lo, tops, False), lowest(x.hi, y.hi) or either(y.hi, x.hi))
 
 
 def maximum(x: Interval, y: Interval, tops: dict = DIM_MAX) -> Interval:
-    return Interval(highest(x.lo, y.lo) or either(y.lo, x.lo), _most(x.hi, y.hi, tops))
+    return Interval(highest(x.lo, y.lo) or either(y.lo, x.lo), _outer(x.hi, y.hi, tops, True))
 
 
 def union(x: Interval, y: Interval, tops: dict = DIM_MAX) -> Interval:
-    return Interval(_least(x.lo, y.lo, tops), _most(x.hi, y.hi, tops))
+    return Interval(_outer(x.lo, y.lo, tops, False), _outer(x.hi, y.hi, tops, True))
 
 
 def absolute(x: Interval, tops: dict = DIM_MAX) -> Interval:
