@@ -21,6 +21,7 @@ from fadsl.ir.expr import (
     Load,
     Unary,
     dim_size,
+    text,
     walk,
 )
 from fadsl.pipeline import front_end
@@ -79,8 +80,8 @@ WRAPS = [
 
 
 def checked_index(expr: str, dim: str):
-    """The typed index of ``t[expr]`` with ``t : f32[dim]``, or None where it is refused;
-    with the checked modifiers."""
+    """(the checked modifiers, the typed load) of ``t[expr]`` with ``t : f32[dim]`` (``{last}``
+    in ``expr``: the dimension's last index), or None where the checker refuses it."""
     last = f"{dim} - 1" if not dim.isdigit() else str(int(dim) - 1)
     lines = f"input t : f32[{dim}]\n  score s + t[{expr.replace('{last}', last)}]"
     try:
@@ -135,13 +136,7 @@ def test_an_accepted_index_stays_inside_its_input(expr, wrap, dim, data):
         for node in walk(index):  # every integer value the kernel computes fits an i32
             if isinstance(node, (Binary, Unary)) and node.type is ExprType.I32:
                 value = evaluate(node, env)
-                assert INT_MIN <= value <= INT_MAX, (text_of(node), env)
+                assert INT_MIN <= value <= INT_MAX, (text(node), env)
         value = evaluate(index, env)  # (a division by zero raises: a failure too)
         extent = dim_size(m.input("t").dims[0], sizes)
-        assert 0 <= value < extent, (text_of(index), env, extent)
-
-
-def text_of(e) -> str:
-    from fadsl.ir.expr import text
-
-    return text(e)
+        assert 0 <= value < extent, (text(index), env, extent)
