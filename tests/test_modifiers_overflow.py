@@ -62,6 +62,8 @@ def test_float_arithmetic_gets_its_bound_too():
     assert m.longest == 341  # 340 x 1e36 < 3.4028e38 < 341 x 1e36
     assert m.longest_why == "'kv_idx * 1e36' (line 10)"
     assert modifiers("score s + 1.0 * q_idx * kv_idx").longest is None  # f32 all the way
+    # a quotient too: q_idx / 1e-30 passes 3.4028e38 past about 3.4e8 queries
+    assert 340_000_000 < modifiers("score s + q_idx / 1e-30").longest < 341_000_000
 
 
 def test_values_read_from_inputs_are_the_callers_scale():

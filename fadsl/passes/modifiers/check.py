@@ -19,10 +19,11 @@ token, all at once, as a SpecError:
   division (``/``, ``//``, ``%``) by a divisor that may be 0 (docs/numerics.md says why:
   the softmax's rescale modes need every score finite or -inf);
 - integer arithmetic (``+``, ``-``, ``*``) that may leave the i32 range, or float arithmetic
-  that may pass fp32's largest number, in some call the runtime accepts (sequence lengths
-  below 2^30, batch and heads at most 65,535: fadsl/ir/expr.py's DIM_MAX); C++'s int
-  arithmetic would wrap silently. Values read from inputs are unbounded and pass: their
-  scale is the caller's, as in torch;
+  (and ``/``) that may pass fp32's largest number, in some call the runtime accepts
+  (sequence lengths below 2^30, batch and heads at most 65,535: fadsl/ir/expr.py's DIM_MAX;
+  C++'s int arithmetic would wrap silently), at every length or past a bound that the call
+  enforces (``longest``). Values read from inputs are unbounded and pass: their scale is the
+  caller's, as in torch;
 - a `score` that is not a number, a `keep` that is not a truth value, an operator given
   the wrong types, a constant outside i32 or fp32, an input no expression reads.
 """
@@ -475,7 +476,7 @@ class _Checker:
             )
             return replace(node, type=F32 if op is BinOp.DIV else I32), rg.UNBOUNDED
         if op is BinOp.DIV:
-            return replace(node, type=F32), rg.div(ra, rb)
+            return replace(node, type=F32), self.fits(e, F32, rg.div(ra, rb))
         combine = rg.floordiv if op is BinOp.FLOORDIV else rg.mod
         return replace(node, type=I32), combine(ra, rb)
 
