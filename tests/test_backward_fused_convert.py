@@ -236,7 +236,8 @@ def test_the_knob_is_read_printed_and_read_back():
     plain = compile_source((EXAMPLES / "fa3_hopper.fa").read_text(), FILE)
     assert "fused_convert" not in explain_data(plain)["backward"]["settings"]
     assert "fused_convert" not in explain_text(plain)
-    assert bwd.text().endswith(" fused_convert=on dkv=tma")  # (fa3_hopper: dK, dV by TMA)
+    # (fa3_hopper: dK, dV by TMA, V late)
+    assert bwd.text().endswith(" fused_convert=on dkv=tma late_v=on")
     assert read_backward(bwd.text(), bwd.loc).fused_convert
     assert not compile_source(
         (EXAMPLES / "fa3_hopper.fa").read_text(), FILE

@@ -138,6 +138,7 @@ def test_dv_before_meeting_fits_its_registers_at_b_r_80_and_head_dim_64():
     hopper, hdim64 = (
         t.replace("    dq_lag     on\n", "    dq_lag     off\n") for t in (hopper, hdim64)
     )
+    hopper = hopper.replace("    late_v     on\n", "    late_v     off\n")  # (the lag's)
     # (dK and dV by TMA are the lagged consumer's: from registers without the lag)
     hopper = hopper.replace("rf -stmatrix-> smem[warpgroup] -tma-> gmem", "rf -st.global-> gmem")
     hdim64 = hdim64.replace("    dq_first   on\n", "    dq_first   off\n")

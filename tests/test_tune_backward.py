@@ -32,7 +32,7 @@ def variants_of(text: str):
 def test_rewrite_backward_sets_adds_and_removes_lines_of_the_block_only():
     text = rewrite_backward(
         HOPPER,
-        {"stages": "2", "early_dv": "off", "deterministic": "on", "dq_lag": "off"},
+        {"stages": "2", "early_dv": "off", "deterministic": "on", "dq_lag": "off", "late_v": "off"},
         {"dQ": None, "dK": None, "dV": None},
         "t",
     )
