@@ -1,7 +1,7 @@
 """How much `deterministic on`'s ordered dQ adds cost a backward launch without a mask, by
 the visit order and the launch's residency: a simulation (no GPU) of research/
 backward-dq-writer.md's hypothesis that the next (batch, head)'s early CTAs wait on n-blocks
-not yet launched.
+not yet launched (which it refutes at the measured shapes: that section says how).
 
 The model: CTAs launch in the grid's order ((batch, head) by (batch, head), n-blocks in
 order), one an SM, the next as soon as one ends. A CTA's consumer runs its M m-blocks at
@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import heapq
 import random
+import re
 
 HEADS = 32  # hidden 2048 at head_dim 64
 BLOCK = 128  # B_r = B_c = 128
@@ -148,6 +149,9 @@ def main() -> None:
     ap.add_argument("--epilogue", type=float, default=3.0)
     a = ap.parse_args()
     orders = a.orders.split(",")
+    for order in orders:  # (an unknown name would run as the ring)
+        if order not in ("ring", "norder") and not re.fullmatch(r"prefix[0-9]+", order):
+            ap.error(f"--orders: {order!r} is none of ring, norder, prefixS (S a count)")
     print(f"{'batch x seqlen':>15} {'default busy':>12} " + " ".join(f"{o:>16}" for o in orders))
     for shape in a.shapes.split(","):
         batch, seqlen = (int(v) for v in shape.split("x"))
