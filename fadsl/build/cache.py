@@ -189,11 +189,51 @@ def clear(folder: Path | None = None) -> int:
     return removed
 
 
+# What of emit/ a build reads (pyproject.toml's package data): headers, templates, sources.
+EMIT_SUFFIXES = (".cuh", ".j2", ".cu")
+
+
+def stale_emit(checkout: Path) -> list[str]:
+    """The files of ``checkout``/emit (headers, templates) whose text the imported fadsl does
+    not carry: where fadsl runs from an install (scripts/device.sh installs the tree it is
+    given) and the checkout was patched after it, a build renders and compiles the old text.
+    Empty where ``checkout`` has no emit/ folder or is the imported package's own."""
+    tree = checkout / "emit"
+    installed = _data.data_dir("emit")
+    if not tree.is_dir() or (isinstance(installed, Path) and installed.resolve() == tree.resolve()):
+        return []
+    stale = []
+    for path in sorted(tree.rglob("*")):
+        if path.suffix not in EMIT_SUFFIXES or not path.is_file():
+            continue
+        name = path.relative_to(tree).as_posix()
+        other = installed
+        for part in name.split("/"):
+            other = other.joinpath(part)
+        if not other.is_file() or other.read_text() != path.read_text():
+            stale.append(name)
+    return stale
+
+
 def development_build(request: Request, defines: dict[str, int]) -> Entry:
     """``request``'s source built with ``defines`` (#define NAME VALUE before it), outside the
     cache, which stays untouched: what a kernel's ``use_development_build`` runs in its place
-    (scripts/tile_trace.py; research/probes/: energy_probe.py, probe_decode_layout.py, probe_backward.py)."""
+    (scripts/tile_trace.py; research/probes/: energy_probe.py, probe_decode_layout.py, probe_backward.py).
+    Refused where the working folder is a checkout whose emit/ the imported fadsl does not
+    carry (stale_emit): the defines of a patch applied after the install would then name code
+    that is not built, and the build would silently run the old kernel (as the deterministic
+    writer's releaser and ticket experiments did until 2026-12-06: research/backward-dq-writer.md).
+    """
     import tempfile
+
+    stale = stale_emit(Path.cwd())
+    if stale:
+        shown = ", ".join(stale[:4]) + (f" and {len(stale) - 4} more" if len(stale) > 4 else "")
+        raise RuntimeError(
+            f"the imported fadsl ({_data.data_dir('emit')}) does not carry this checkout's "
+            f"emit/ ({shown} differ): install the checkout again after patching it (apply a "
+            "patch before scripts/device.sh), or a development build runs the old code"
+        )
 
     head = "".join(f"#define {name} {value}\n" for name, value in defines.items())
     with tempfile.TemporaryDirectory() as where:
