@@ -24,6 +24,13 @@ def data_dir(name: str) -> Traversable:
         return Path(__file__).resolve().parent.parent / name
 
 
+def join(root: Traversable, path: str) -> Traversable:
+    """``root/path``, one part at a time (older Traversables take one part per call)."""
+    for part in path.split("/"):
+        root = root.joinpath(part)
+    return root
+
+
 def cache_dir() -> Path:
     """The cache folder: $FADSL_CACHE_DIR, or ~/.cache/fadsl where it is unset or empty (the
     cubins, ptxas's reports and the compiled templates live under it)."""

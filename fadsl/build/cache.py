@@ -207,9 +207,7 @@ def stale_emit(checkout: Path) -> list[str]:
         if path.suffix not in EMIT_SUFFIXES or not path.is_file():
             continue
         name = path.relative_to(tree).as_posix()
-        other = installed
-        for part in name.split("/"):
-            other = other.joinpath(part)
+        other = _data.join(installed, name)
         if not other.is_file() or other.read_text() != path.read_text():
             stale.append(name)
     return stale

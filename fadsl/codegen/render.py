@@ -21,7 +21,7 @@ import jinja2
 
 from .._version import __version__
 from .. import targets
-from .._data import cache_dir, data_dir
+from .._data import cache_dir, data_dir, join
 from ..atomic import write_atomic
 from ..ir import Dtype, Kernel
 from ..ir.printer import format_kernel
@@ -37,20 +37,13 @@ class Source:
     text: str
 
 
-def _join(root: Traversable, path: str) -> Traversable:
-    """``root/path``, one part at a time (older Traversables take one part per call)."""
-    for part in path.split("/"):
-        root = root.joinpath(part)
-    return root
-
-
 def _header_files(packages: tuple[str, ...] | None = None) -> dict[str, Traversable]:
     """Every header a generated source may include (of ``packages``' targets, default
     all): name (as included) -> file."""
     emit = data_dir("emit")
     found: dict[str, Traversable] = {}
     for folder in ("common", *(targets.packages() if packages is None else packages)):
-        include = _join(emit, f"{folder}/include/fadsl")
+        include = join(emit, f"{folder}/include/fadsl")
         for entry in sorted(include.iterdir(), key=lambda e: e.name):
             if entry.name.endswith(".cuh"):
                 found[f"fadsl/{entry.name}"] = entry
@@ -73,7 +66,7 @@ def environment() -> jinja2.Environment:
     except OSError:  # a read-only home: no cache, only slower
         bytecode_cache = None
     return jinja2.Environment(
-        loader=jinja2.FunctionLoader(lambda name: _join(root, name).read_text()),
+        loader=jinja2.FunctionLoader(lambda name: join(root, name).read_text()),
         bytecode_cache=bytecode_cache,
         undefined=jinja2.StrictUndefined,
         trim_blocks=True,
