@@ -108,7 +108,7 @@ def kernel_template(
     # the Cfg's constants of a window or a softcap: declarations, never calls
     constants = re.compile(
         tag(
-            "if (window|softcap|longest_first|varlen|dv_before_meeting|dq_writer|ds_stmatrix|dkv_tma|prefetch_kv|dv_out_first|peel_dead|late_v|modifiers|score|score_by_distance|score_grad|keep|keep_classes|learn|persistent or dq_lag|dq_first)"
+            "if (window|softcap|longest_first|varlen|dv_before_meeting|dq_writer|dq_chains > 1|ds_stmatrix|dkv_tma|prefetch_kv|dv_out_first|peel_dead|late_v|modifiers|score|score_by_distance|score_grad|keep|keep_classes|learn|persistent or dq_lag|dq_first)"
         )
         + r"(.*?)"
         + tag("endif"),

@@ -88,6 +88,19 @@ LAGGED_WRITERS += (
     "fa3_hdim64_causal+deterministic+dq_writer-dqred+dq_lag",
 )
 VARIANTS += LAGGED_WRITERS
+# `dq_chains N` (the deterministic writer's tickets in N chains, summed by the conversion):
+# each split the writer takes (by queries, transposed, by panels), both masks, beside the lag;
+# 3 chains with setmaxnreg 32/232 (at 24 the writer spills 12 bytes, NVRTC 13.5, 2026-12-06)
+CHAINS = ("fa3_hdim64+deterministic+dq_writer-dqred+p32+chains2",)
+CHAINS += ("fa3_hdim64+deterministic+dq_writer-dqred+p32+chains3",)
+CHAINS += ("fa3_hdim64+deterministic+dq_writer-dqred+p32+chains4",)
+CHAINS += ("fa3_hdim64_causal+deterministic+dq_writer-dqred+chains2",)
+CHAINS += ("fa3_hopper+deterministic+dq_writer-dqred+s2+chains2",)
+CHAINS += ("fa3_hopper+br64+deterministic+dq_writer-dqred+chains2",)
+CHAINS += ("fa3_causal+deterministic+dq_writer-dqred+chains2",)
+CHAINS += ("fa3_hdim64+deterministic+dq_writer-dqred+dq_lag+chains2",)
+CHAINS += ("fa3_causal+deterministic+dq_writer-dqred+dq_lag+chains2",)
+VARIANTS += CHAINS
 # dS^T stored by stmatrix (four 8 x 8 blocks an instruction, the bytes st.shared stores; the
 # head_dim 64 examples' path since 2026-11-30, so their st.shared twins are the variants): dQ
 # by queries (head_dim 64's B_r 128, both masks), by head_dim panels (B_r 64, dQ added or
@@ -180,7 +193,8 @@ def training_spec(name: str) -> str:
     ``+dkv_tma`` / ``-dkv_tma`` gives dK and dV the path ``rf -stmatrix-> smem[warpgroup]
     -tma-> gmem`` / ``rf -st.global-> gmem`` (the first is refused, and so dropped, where
     ``dq_lag`` ends up off or ``scheduler persistent`` on, unless the name says ``+dkv_tma``);
-    ``+p32`` sets setmaxnreg to producer 32, consumers 232; ``+persistent`` / ``-persistent``
+    ``+p32`` sets setmaxnreg to producer 32, consumers 232; ``+chainsN`` (N 1 to 4) sets
+    ``dq_chains N``; ``+persistent`` / ``-persistent``
     sets the block's ``scheduler persistent`` / ``grid``; ``+dq_writer`` turns the writer
     warps on as any other key. An example whose block says ``scheduler persistent`` gets
     ``scheduler grid`` with ``+deterministic`` or ``+dq_writer`` (which persistent refuses)
@@ -208,6 +222,8 @@ def training_spec(name: str) -> str:
             block = _set_line(block, "tile", "tile B_r = 64, B_c = 64")
         elif switch[1:] in ("s2", "s3"):
             block = _set_line(block, "stages", f"stages {switch[2:]}")
+        elif re.fullmatch(r"\+chains[1-4]", switch):
+            block = _set_line(block, "dq_chains", f"dq_chains {switch[7:]}")
         elif switch[1:] == "p32":
             block = _set_line(block, "registers", "registers producer = 32, consumers = 232")
         elif switch[1:] == "ds_stmatrix":  # (after a +brNN, which sets dS's line too)
@@ -520,22 +536,24 @@ def test_cuda_graph_captures_forward_and_backward(name):
 
 
 DETERMINISTIC = (
-    "fa3_hopper+deterministic-dqred+s2",
-    "fa3_causal+deterministic-dqred",
-    "fa3_hopper+br64+deterministic-dqred",
-    "fa3_hdim64+deterministic-dqred",
-    "fa3_hdim64+br64+deterministic-dqred",
-    "fa3_causal+br64+deterministic+early_dv-dqred",
-    "fa3_causal+longest_first+deterministic-dqred",
-    # `dq_writer on`: the writer warps' ordered adds (both visit orders, by the shapes below)
-    "fa3_hopper+deterministic+dq_writer-dqred+s2",
-    "fa3_causal+deterministic+dq_writer-dqred",
-    "fa3_hopper+br64+deterministic+dq_writer-dqred",
-    "fa3_hdim64+deterministic+dq_writer-dqred+p32",
-    "fa3_hdim64_causal+deterministic+dq_writer-dqred",
-) + tuple(  # and beside `dq_lag on`
-    name for name in LAGGED_WRITERS if "deterministic" in name
-)
+    (
+        "fa3_hopper+deterministic-dqred+s2",
+        "fa3_causal+deterministic-dqred",
+        "fa3_hopper+br64+deterministic-dqred",
+        "fa3_hdim64+deterministic-dqred",
+        "fa3_hdim64+br64+deterministic-dqred",
+        "fa3_causal+br64+deterministic+early_dv-dqred",
+        "fa3_causal+longest_first+deterministic-dqred",
+        # `dq_writer on`: the writer warps' ordered adds (both visit orders, by the shapes below)
+        "fa3_hopper+deterministic+dq_writer-dqred+s2",
+        "fa3_causal+deterministic+dq_writer-dqred",
+        "fa3_hopper+br64+deterministic+dq_writer-dqred",
+        "fa3_hdim64+deterministic+dq_writer-dqred+p32",
+        "fa3_hdim64_causal+deterministic+dq_writer-dqred",
+    )
+    + tuple(name for name in LAGGED_WRITERS if "deterministic" in name)  # and beside `dq_lag on`
+    + CHAINS
+)  # (each chain in ticket order, the chains summed in chain order)
 
 
 # (batch, seqlen_q, seqlen_k, heads, heads_kv): 8 n-blocks a (batch, head), all on the GPU at

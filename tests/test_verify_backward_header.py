@@ -157,12 +157,12 @@ def test_an_edited_ds_store_is_caught(what, old, new):
         ),
         (
             "no release",
-            "st_release_gpu(dq_semaphore_share<Cfg>(P, accum_head, m, w), place + 1);",
+            "st_release_gpu(dq_semaphore_share<Cfg>(P, accum_head, m, w, chain), ticket + 1);",
             "",
         ),
         (
             "no acquire",
-            "while (ld_acquire_gpu(dq_semaphore_share<Cfg>(P, accum_head, m, w)) != place)",
+            "while (ld_acquire_gpu(dq_semaphore_share<Cfg>(P, accum_head, m, w, chain)) != ticket)",
             "",
         ),
         (

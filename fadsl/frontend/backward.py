@@ -27,7 +27,7 @@ from ..ir import (
     Scope,
 )
 from ..spec.checks import BackwardBlock, Checks, and_list
-from ..spec.readers import on_off, word_choice
+from ..spec.readers import count, on_off, word_choice
 from .settings import kernel_settings
 from ..spec.syntax import BackwardDecl, PathDecl, Setting, Word
 
@@ -48,7 +48,8 @@ from ..spec.syntax import BackwardDecl, PathDecl, Setting, Word
 # the last m-block's dQ rather than after it; `peel_dead on|off` lets a consumer warpgroup
 # whose keys are all masked in its tile's first m-block skip that m-block's products;
 # `late_v on|off` loads V after the first m-block's Q and dO (S^T's first wgmma waits for K
-# alone).
+# alone); `dq_chains N` (1 to 4, with `deterministic on` and `dq_writer on`) splits each
+# m-block's ordered dQ adds into N chains of tickets summed by the conversion.
 KERNEL_KEYS = ("tile", "warpgroups", "registers", "stages")
 ON_OFF_KEYS = ("deterministic", "overlap", "early_dv", "dv_before_meeting", "longest_first")
 ON_OFF_KEYS += ("dq_writer", "dq_lag", "dq_first", "fused_convert", "prefetch_kv")
@@ -60,12 +61,22 @@ def backward_settings() -> dict[str, Callable[[Checks, Setting], object]]:
     specialisation's keys)."""
     kernel = kernel_settings()
     keys = {**{key: kernel[key] for key in KERNEL_KEYS}, **{key: on_off for key in ON_OFF_KEYS}}
-    return keys | {"scheduler": _scheduler}
+    return keys | {"scheduler": _scheduler, "dq_chains": _dq_chains}
 
 
 def _scheduler(c: Checks, setting: Setting) -> bool | None:
     """The backward's `scheduler persistent` (True) or `grid` (False, the default)."""
     return word_choice(c, setting, {"persistent": True, "grid": False})
+
+
+# `dq_chains N`: at most 4 chains (each an m-block's accumulator more, in the workspace and
+# in the conversion's reads)
+MAX_DQ_CHAINS = 4
+
+
+def _dq_chains(c: Checks, setting: Setting) -> int | None:
+    """The backward's `dq_chains N`: chains of dQ tickets per (m-block, share)."""
+    return count(c, setting, 1, MAX_DQ_CHAINS)
 
 
 # The tensors the block may give a path: the forward's inputs and the backward's own.

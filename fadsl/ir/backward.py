@@ -70,6 +70,10 @@ class Backward:
     # dQ's staged share reduce-added by a writer warp of the producer warpgroup per consumer
     # (research/backward-dq-writer.md; sm90_bwd_writer.cuh, bwd_dq_writer)
     dq_writer: bool = False
+    # with deterministic and dq_writer: each (m-block, share) accumulator split into this many
+    # chains of tickets, place p adding into chain p mod N after place p - N, the conversion
+    # summing the chains in chain order (sm90_bwd_writer.cuh, bwd_dq_writer); 1: one chain
+    dq_chains: int = 1
     # dS's path is `rf -stmatrix-> smem[cta]` where dS^T keeps the keys as rows (not B_r 80):
     # its 8 x 8 blocks stored whole, four per stmatrix (sm90_bwd_ds.cuh, store_ds_stmatrix)
     ds_stmatrix: bool = False
@@ -137,6 +141,7 @@ class Backward:
             + (" dq=red.add" if self.dq_red else "")
             + (" longest_first=on" if self.longest_first else "")
             + (" dq_writer=on" if self.dq_writer else "")
+            + (f" dq_chains={self.dq_chains}" if self.dq_chains != 1 else "")
             + (" ds=stmatrix" if self.ds_stmatrix else "")
             + (" scheduler=persistent" if self.persistent else "")
             + (" fused_convert=on" if self.fused_convert else "")
@@ -151,7 +156,7 @@ class Backward:
 _TEXT = re.compile(
     r"backward B_r=(?P<m>\d+) B_c=(?P<n>\d+) consumers=(?P<consumers>\d+) "
     r"regs=(?P<preg>\d+)/(?P<creg>\d+) stages=(?P<stages>\d+) "
-    r"deterministic=(?P<deterministic>on|off)(?P<overlap> overlap=on)?(?P<early_dv> early_dv=on)?(?P<dv_before_meeting> dv_before_meeting=on)?(?P<dq_lag> dq_lag=on)?(?P<dq_first> dq_first=on)?(?P<dq_red> dq=red.add)?(?P<longest_first> longest_first=on)?(?P<dq_writer> dq_writer=on)?(?P<ds_stmatrix> ds=stmatrix)?(?P<persistent> scheduler=persistent)?(?P<fused_convert> fused_convert=on)?(?P<dkv_tma> dkv=tma)?(?P<prefetch_kv> prefetch_kv=on)?(?P<dv_out_first> dv_out_first=on)?(?P<peel_dead> peel_dead=on)?(?P<late_v> late_v=on)?$"
+    r"deterministic=(?P<deterministic>on|off)(?P<overlap> overlap=on)?(?P<early_dv> early_dv=on)?(?P<dv_before_meeting> dv_before_meeting=on)?(?P<dq_lag> dq_lag=on)?(?P<dq_first> dq_first=on)?(?P<dq_red> dq=red.add)?(?P<longest_first> longest_first=on)?(?P<dq_writer> dq_writer=on)?(?: dq_chains=(?P<dq_chains>\d+))?(?P<ds_stmatrix> ds=stmatrix)?(?P<persistent> scheduler=persistent)?(?P<fused_convert> fused_convert=on)?(?P<dkv_tma> dkv=tma)?(?P<prefetch_kv> prefetch_kv=on)?(?P<dv_out_first> dv_out_first=on)?(?P<peel_dead> peel_dead=on)?(?P<late_v> late_v=on)?$"
 )
 
 
@@ -179,6 +184,7 @@ def read_backward(line: str, loc: Loc) -> Backward:
         dq_red=m["dq_red"] is not None,
         longest_first=m["longest_first"] is not None,
         dq_writer=m["dq_writer"] is not None,
+        dq_chains=int(m["dq_chains"] or 1),
         ds_stmatrix=m["ds_stmatrix"] is not None,
         persistent=m["persistent"] is not None,
         fused_convert=m["fused_convert"] is not None,

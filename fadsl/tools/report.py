@@ -55,6 +55,7 @@ def _backward_line(kernel: Kernel) -> str:
         + (", early_dv on" if b.early_dv else "")
         + (", longest_first on" if b.longest_first else "")
         + (", dq_writer on" if b.dq_writer else "")
+        + (f", dq_chains {b.dq_chains}" if b.dq_chains != 1 else "")
         + (", dS by stmatrix" if b.ds_stmatrix else "")
         + (", prefetch_kv on" if b.prefetch_kv else "")
         + (", dv_out_first on" if b.dv_out_first else "")

@@ -240,6 +240,11 @@ struct BwdConfig {
   // with the ticket's acquire and release in deterministic mode, so that the consumer
   // waits for neither (research/backward-dq-writer.md)
   static constexpr bool kDqWriter = false;
+  // `dq_chains N` (a generated Cfg sets it; with kDeterministic and kDqWriter): each (m-block,
+  // share) accumulator and counter N times, place p adding into chain p mod N after place
+  // p - N, so that a writer waits for the add N places back rather than the one before; the
+  // conversion sums the chains in chain order (bwd_dq_writer, load_dq_chains)
+  static constexpr int kDqChains = 1;
   // `dS: rf -stmatrix-> smem[cta]` (a generated Cfg sets it; not where dQ is transposed or
   // head_dim split, whose dS stores are stmatrix .trans already): dS^T's 8 x 8 blocks stored
   // by stmatrix, four an instruction (store_ds_stmatrix), the bytes store_ds's st.shared write

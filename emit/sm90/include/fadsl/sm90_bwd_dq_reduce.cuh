@@ -36,12 +36,30 @@ __device__ __forceinline__ int64_t bwd_accum_head(const BwdParamsSm90& P, const 
                       : (static_cast<int64_t>(b.batch) * P.heads_q + b.head) * P.m_blocks;
 }
 
+// An m-block's floats in dQ's accumulator: B_r x head_dim per chain (`dq_chains N`: chain c's
+// at c B_r head_dim), and its ints among the counters: kDqSemaphores per chain.  Functions,
+// not Cfg members: a generated Cfg sets kDqChains after the base's members are fixed.
+template <class Cfg>
+__host__ __device__ constexpr int bwd_dq_block_floats() {
+  static_assert(Cfg::kDqChains >= 1 && Cfg::kDqChains <= 4, "dq_chains 1 to 4 (knobs.py)");
+  static_assert(Cfg::kDqChains == 1 || (Cfg::kDeterministic && Cfg::kDqWriter && !Cfg::kFusedConvert),
+                "dq_chains splits the writer warps' tickets: deterministic on, dq_writer on, no fused_convert");
+  return Cfg::kBlockM * Cfg::kHeadDim * Cfg::kDqChains;
+}
+template <class Cfg>
+__host__ __device__ constexpr int bwd_dq_counters() {
+  return Cfg::kDqSemaphores * Cfg::kDqChains;
+}
+
 // Share `share` of m-block m in dQ's fp32 accumulator, kDqFloats each (the consumers'
 // fragment order: bwd_convert_dq_row reads it back): warpgroup wg's, or at head_dim 256
-// head_dim panel `share` (warpgroup share / 2's slice share % 2).
+// head_dim panel `share` (warpgroup share / 2's slice share % 2); in chain `chain`'s copy of
+// the m-block (`dq_chains N`; 0 otherwise).
 template <class Cfg>
-__device__ __forceinline__ float* dq_accum_share(const BwdParamsSm90& P, int64_t accum_head, int m, int share) {
-  return P.dq_accum + (accum_head + m) * (Cfg::kBlockM * Cfg::kHeadDim) + (Cfg::kDqByKeys ? 0 : share * Cfg::kDqFloats);
+__device__ __forceinline__ float* dq_accum_share(const BwdParamsSm90& P, int64_t accum_head, int m, int share,
+                                                 int chain = 0) {
+  return P.dq_accum + (accum_head + m) * bwd_dq_block_floats<Cfg>() + chain * (Cfg::kBlockM * Cfg::kHeadDim) +
+         (Cfg::kDqByKeys ? 0 : share * Cfg::kDqFloats);
 }
 
 // `dQ: rf -red.add-> gmem`: the thread's dQ registers added into the accumulator, float4 q
@@ -114,10 +132,11 @@ __device__ __forceinline__ void release_dq_ticket(const DqTicket& owed) {
 }
 
 // The counter of share `share` of m-block m (`deterministic on`; one per m-block where the
-// shares are one, kDqByKeys: the caller adds no share then).
+// shares are one, kDqByKeys: the caller adds no share then), of chain `chain` (`dq_chains N`).
 template <class Cfg>
-__device__ __forceinline__ int* dq_semaphore_share(const BwdParamsSm90& P, int64_t accum_head, int m, int share) {
-  return P.dq_semaphore + (accum_head + m) * Cfg::kDqSemaphores + share;
+__device__ __forceinline__ int* dq_semaphore_share(const BwdParamsSm90& P, int64_t accum_head, int m, int share,
+                                                   int chain = 0) {
+  return P.dq_semaphore + (accum_head + m) * bwd_dq_counters<Cfg>() + chain * Cfg::kDqSemaphores + share;
 }
 
 // The warpgroup's dQ of m-block m (the CTA's i-th) added into the accumulator: from registers

@@ -130,8 +130,8 @@ __device__ __forceinline__ void bwd_preprocess_row(const BwdPrepParams& P) {
     // the m-block's semaphores (rows are m-blocks of B_r: seqlen_q_rounded / B_r per head)
     if (P.dq_semaphore != nullptr && row % Cfg::kBlockM == 0) {
 #pragma unroll
-      for (int share = 0; share < Cfg::kDqSemaphores; ++share) {
-        P.dq_semaphore[at / Cfg::kBlockM * Cfg::kDqSemaphores + share] = 0;
+      for (int share = 0; share < bwd_dq_counters<Cfg>(); ++share) {
+        P.dq_semaphore[at / Cfg::kBlockM * bwd_dq_counters<Cfg>() + share] = 0;
       }
     }
   }
@@ -142,9 +142,19 @@ __device__ __forceinline__ void bwd_preprocess_row(const BwdPrepParams& P) {
   // bwd_varlen_sequence's search assuming rising slots: P = 0, dS = 0, zeros added into an
   // accumulator nobody reads.)
   if (!bwd_chunk_holds_query<Cfg>(rows, chunk)) return;
-  // the row's head_dim floats of dQ's accumulator zeroed: 2 float4 per thread
-  float4* zero = reinterpret_cast<float4*>(P.dq_accum + at * Cfg::kHeadDim) + 2 * part;
-  zero[0] = zero[1] = make_float4(0.f, 0.f, 0.f, 0.f);
+  // the row's head_dim floats of dQ's accumulator zeroed: 2 float4 per thread (the m-block's
+  // B_r rows cover its B_r x head_dim floats; `dq_chains N`: in each chain's copy)
+  if constexpr (Cfg::kDqChains == 1) {
+    float4* zero = reinterpret_cast<float4*>(P.dq_accum + at * Cfg::kHeadDim) + 2 * part;
+    zero[0] = zero[1] = make_float4(0.f, 0.f, 0.f, 0.f);
+  } else {
+    float* block = P.dq_accum + at / Cfg::kBlockM * bwd_dq_block_floats<Cfg>() + at % Cfg::kBlockM * Cfg::kHeadDim;
+#pragma unroll
+    for (int chain = 0; chain < Cfg::kDqChains; ++chain) {
+      float4* zero = reinterpret_cast<float4*>(block + chain * (Cfg::kBlockM * Cfg::kHeadDim)) + 2 * part;
+      zero[0] = zero[1] = make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+  }
 }
 
 // The preprocess kernel's body: with `varlen on` first the gradients' rows outside every
@@ -196,6 +206,27 @@ __device__ __forceinline__ float4 load_dq_accum(const float* at) {
   return *reinterpret_cast<const float4*>(at);
 }
 
+// A float4 of the m-block's dQ sum at `at` in chain 0's copy: `dq_chains N` sums the N chains'
+// copies in chain order, ((c0 + c1) + c2) + c3, the same every run (each chain's own sum is
+// in ticket order); all N loads issued before the adds.
+template <class Cfg, bool kL2>
+__device__ __forceinline__ float4 load_dq_chains(const float* at) {
+  float4 part[Cfg::kDqChains];
+#pragma unroll
+  for (int chain = 0; chain < Cfg::kDqChains; ++chain) {
+    part[chain] = load_dq_accum<kL2>(at + chain * (Cfg::kBlockM * Cfg::kHeadDim));
+  }
+  float4 sum = part[0];
+#pragma unroll
+  for (int chain = 1; chain < Cfg::kDqChains; ++chain) {
+    sum.x += part[chain].x;
+    sum.y += part[chain].y;
+    sum.z += part[chain].z;
+    sum.w += part[chain].w;
+  }
+  return sum;
+}
+
 // A unit's place: row order, q (its rows q and q + 8 of the m-block); column order, q (the
 // first of its two q-groups), the share and the share's warp j.
 struct BwdDqUnit {
@@ -216,7 +247,7 @@ __device__ __forceinline__ void bwd_dq_unit_load(const float* chunk, const BwdDq
   if constexpr (bwd_dq_by_columns<Cfg>()) {
     const float* share = chunk + at.share * Cfg::kDqFloats;
 #pragma unroll
-    for (int half = 0; half < 2; ++half) v[half] = load_dq_accum<kL2>(share + ((at.q + half) * 128 + 32 * at.j + lane) * 4);
+    for (int half = 0; half < 2; ++half) v[half] = load_dq_chains<Cfg, kL2>(share + ((at.q + half) * 128 + 32 * at.j + lane) * 4);
   } else {
     const int u = at.q % 64;
 #pragma unroll
@@ -224,7 +255,7 @@ __device__ __forceinline__ void bwd_dq_unit_load(const float* chunk, const BwdDq
       const int col = 2 * lane + 64 * k;
       const int share = Cfg::kDqByQueries ? at.q / 64 : col / Cfg::kDqCols, c = col % Cfg::kDqCols;
       const int tid = 32 * (u / 16) + 4 * (u % 8) + (c % 8) / 2;
-      v[k] = load_dq_accum<kL2>(chunk + share * Cfg::kDqFloats + ((c / 8) * 128 + tid) * 4);
+      v[k] = load_dq_chains<Cfg, kL2>(chunk + share * Cfg::kDqFloats + ((c / 8) * 128 + tid) * 4);
     }
   }
 }
@@ -275,7 +306,7 @@ __device__ __forceinline__ void bwd_dq_unit_store(const BwdConvertParams& P, con
 template <class Cfg>
 __device__ __forceinline__ const float* bwd_dq_chunk(const BwdConvertParams& P, int head, int batch, int m_block) {
   return P.dq_accum + ((static_cast<int64_t>(batch) * P.heads_q + head) * P.m_blocks + m_block) *
-                          (Cfg::kBlockM * Cfg::kHeadDim);
+                          bwd_dq_block_floats<Cfg>();
 }
 template <class Cfg>
 __device__ __forceinline__ typename Cfg::T* bwd_dq_head(const BwdConvertParams& P, int head, int batch) {

@@ -81,6 +81,12 @@ def dq_semaphores(bwd: Backward, head_dim: int) -> int:
     return 1 if dq_by_keys(bwd, head_dim) else bwd.consumers
 
 
+def dq_counters(bwd: Backward, head_dim: int) -> int:
+    """The workspace's ints per m-block: `dq_chains N` gives each chain its kDqSemaphores
+    counters (sm90_bwd_dq_reduce.cuh's bwd_dq_counters)."""
+    return dq_semaphores(bwd, head_dim) * bwd.dq_chains
+
+
 # `fused_convert on`: the main kernel's CTAs convert dQ (sm90_bwd_convert.cuh) for calls of at
 # most this many queries; past it the host launches convert_dq as without the knob. The CTA
 # that completes a (batch, head)'s m-blocks converts them alone: about 768 bytes per query at
@@ -128,6 +134,7 @@ def context(kernel: Kernel, dtype: Dtype) -> dict[str, Any]:
         "varlen": cfg.features.varlen,
         "dq_red": bwd.dq_red,
         "dq_writer": bwd.dq_writer,
+        "dq_chains": bwd.dq_chains,
         "ds_stmatrix": bwd.ds_stmatrix,
         "dkv_tma": bwd.dkv_tma,
         "prefetch_kv": bwd.prefetch_kv,

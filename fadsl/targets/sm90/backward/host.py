@@ -37,7 +37,7 @@ from .emit import (
     AUX_THREADS,
     FUSED_CONVERT_MAX_QUERIES,
     convert_ctas,
-    dq_semaphores,
+    dq_counters,
     prep_rows_per_cta,
     smem_bytes,
 )
@@ -390,17 +390,17 @@ def sizes(kernel: Kernel, layout: _Layout, q, k) -> Sizes:
     dkv_store = DKV_STORE_T
     if group > 1:
         dkv_store = DKV_STORE_PARTIAL if bwd.deterministic else DKV_ADD_FP32
-    # `deterministic on`: one int per (batch, head, m-block, share), zeroed by the preprocess;
-    # `fused_convert on` counts each m-block's n-blocks done in share 0's
+    # `deterministic on`: one int per (batch, head, m-block, chain, share), zeroed by the
+    # preprocess; `fused_convert on` counts each m-block's n-blocks done in share 0's
     semaphores = 0
     if bwd.deterministic or fused:
-        semaphores = batch * heads_q * m_blocks * dq_semaphores(bwd, head_dim)
+        semaphores = batch * heads_q * m_blocks * dq_counters(bwd, head_dim)
     per_row = batch * heads_q * rows
     parts, floats = [], 0
     for name, count in (
         ("lse_log2", per_row),
         ("dpsum", per_row),
-        ("dq_accum", per_row * head_dim),
+        ("dq_accum", per_row * head_dim * bwd.dq_chains),  # `dq_chains N`: N per m-block
         ("semaphore", semaphores),
     ):
         if count:

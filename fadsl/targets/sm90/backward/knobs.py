@@ -5,6 +5,7 @@ is not built beside the rest, with what would work instead.
 - dQ by red.add is not ordered: not with `deterministic on` (a writer warp may make the
   ordered adds of a staged dQ);
 - `dq_writer on` needs dQ staged in shares of its own;
+- `dq_chains N` splits the writer warps' ordered adds, so it needs both;
 - `scheduler persistent` carries no per-CTA state but K, V and the dK, dV accumulators;
 - `dq_lag on` reorders the overlapped consumer with dQ from registers; `dq_first on` orders
   that lag;
@@ -41,6 +42,8 @@ def check_knobs(c: Checks, block: BackwardBlock, backward: Backward, head_dim: i
         ok = False
     if backward.dq_writer and head_dim in (64, 128):
         ok = _dq_writer(block, backward, head_dim) and ok
+    if backward.dq_chains != 1:
+        ok = _dq_chains(block, backward) and ok
     if backward.persistent:
         ok = _persistent(c, block, backward, head_dim) and ok
     if backward.dq_lag:
@@ -208,6 +211,18 @@ def _fused_convert(c: Checks, block: BackwardBlock, backward: Backward) -> bool:
         why.append("a keep modifier (its trimmed ranges are not in the count)")
     knob = "fused_convert on (dQ converted by the CTA that completes each m-block)"
     return _refused(block, "fused_convert", knob, why, "leave it off")
+
+
+def _dq_chains(block: BackwardBlock, backward: Backward) -> bool:
+    """`dq_chains N`: the writer warps' tickets of `deterministic on`, split into N chains
+    (sm90_bwd_writer.cuh); built for the writer warps' adds only."""
+    why = []
+    if not backward.deterministic:
+        why.append("deterministic off (the chains order dQ's adds: 'deterministic on')")
+    if not backward.dq_writer:
+        why.append("dq_writer off (the writer warps take each chain's ticket: 'dq_writer on')")
+    knob = f"dq_chains {backward.dq_chains} (dQ's ordered adds in {backward.dq_chains} chains of tickets)"
+    return _refused(block, "dq_chains", knob, why, "use dq_chains 1 (the default)")
 
 
 def _dq_writer(block: BackwardBlock, backward: Backward, head_dim: int) -> bool:

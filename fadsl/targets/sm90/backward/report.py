@@ -208,6 +208,7 @@ def backward_data(kernel: Kernel) -> dict[str, Any]:
             ),  # (only where on: older JSON keeps its keys)
             **({"dq_first": True} if bwd.dq_first else {}),
             **({"fused_convert": True} if bwd.fused_convert else {}),
+            **({"dq_chains": bwd.dq_chains} if bwd.dq_chains != 1 else {}),
             # (only where packed: the forward's sections name varlen the same way)
             **({"varlen": True} if kernel.config.features.varlen else {}),
             **({"ds_stmatrix": True} if bwd.ds_stmatrix else {}),  # (dS's path: stmatrix)
@@ -279,6 +280,12 @@ def backward_sections(data: Mapping[str, Any]) -> list[str]:
             "; fused_convert on (dQ converted by the CTA that completes each m-block, no "
             f"convert_dq up to {FUSED_CONVERT_MAX_QUERIES} queries)"
             if s.get("fused_convert")
+            else ""
+        )
+        + (
+            f"; dq_chains {s['dq_chains']} (dQ's ordered adds in {s['dq_chains']} chains of "
+            "tickets per share, summed in chain order by the conversion)"
+            if s.get("dq_chains")
             else ""
         )
         + (

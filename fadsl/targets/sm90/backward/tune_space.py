@@ -120,7 +120,12 @@ def label_of(bwd: Backward) -> str:
     label += ", dV stored before the last dQ" if bwd.dv_out_first else ""
     label += ", dead first m-block peeled" if bwd.peel_dead else ""
     label += ", V late" if bwd.late_v else ""
+    label += _chains_label(bwd.dq_chains)
     return f"B_c {bwd.block_n}, {label}" if _split(bwd) else label
+
+
+def _chains_label(chains: int) -> str:
+    return f", dQ tickets in {chains} chains" if chains != 1 else ""
 
 
 def knobs_of(bwd: Backward) -> tuple:
@@ -134,6 +139,7 @@ def knobs_of(bwd: Backward) -> tuple:
     knobs += ("dV out first",) if bwd.dv_out_first else ()
     knobs += ("peel dead",) if bwd.peel_dead else ()
     knobs += ("late V",) if bwd.late_v else ()
+    knobs += (f"dQ chains {bwd.dq_chains}",) if bwd.dq_chains != 1 else ()
     return knobs + ((bwd.block_n,) if _split(bwd) else ())
 
 
@@ -147,13 +153,19 @@ def _flips(base: Backward) -> tuple[BackwardCandidate, ...]:
     """`fused_convert` flipped where the block admits it (dQ by red.add, not deterministic:
     validate.py's), `prefetch_kv` where it runs a tile per CTA, `dv_out_first` where dK and
     dV go by TMA, `peel_dead` where it peels the lagged consumer (knobs.py's _peel_dead),
-    `late_v` where the lagged consumer runs a tile per CTA (knobs.py's _late_v)."""
+    `late_v` where the lagged consumer runs a tile per CTA (knobs.py's _late_v); with the
+    deterministic writer warps, one chain of dQ tickets against two (`dq_chains`)."""
     keys = ("fused_convert",) if base.dq_red and not base.deterministic else ()
     keys += () if base.persistent else ("prefetch_kv",)
     keys += ("dv_out_first",) if base.dkv_tma else ()
     keys += ("peel_dead",) if _peels(base.dq_lag, base.persistent, base.block_m) else ()
     keys += ("late_v",) if base.dq_lag and not base.persistent else ()
-    return tuple(_flipped(base, key) for key in keys)
+    flips = tuple(_flipped(base, key) for key in keys)
+    if base.deterministic and base.dq_writer:  # one chain of dQ tickets against two
+        chains = 2 if base.dq_chains == 1 else 1
+        label = label_of(replace(base, dq_chains=chains))
+        flips += (BackwardCandidate(label, {"dq_chains": str(chains)}, {}),)
+    return flips
 
 
 def candidates(base: Backward, causal: bool) -> tuple[BackwardCandidate, ...]:
@@ -177,6 +189,8 @@ def candidates(base: Backward, causal: bool) -> tuple[BackwardCandidate, ...]:
         path, writer = DQ_CHOICES[dq]
         if writer or base.dq_writer:
             settings["dq_writer"] = "on" if writer else "off"
+        if base.dq_chains != 1 and not writer:  # (the chains are the writer warps')
+            settings["dq_chains"] = "1"
         paths = {GradRole.DQ.value: path}
         if ds:
             paths[GradRole.DS.value] = DS_STMATRIX
@@ -197,11 +211,13 @@ def candidates(base: Backward, causal: bool) -> tuple[BackwardCandidate, ...]:
         label += ", dV stored before the last dQ" if base.dv_out_first and tma else ""
         label += ", dead first m-block peeled" if peel else ""
         label += ", V late" if late else ""
+        label += _chains_label(base.dq_chains) if writer else ""
         out.append(BackwardCandidate(label, settings, paths))
         if writer:  # the same block at the writer's second register split
             producer, consumers = WRITER_REGISTERS
             regs = {"registers": f"producer = {producer}, consumers = {consumers}"}
             label = _label(block_m, order, dq, stages, registers=WRITER_REGISTERS, ds=ds, tma=tma)
+            label += _chains_label(base.dq_chains)
             out.append(BackwardCandidate(label, {**settings, **regs}, paths))
     if causal:  # the input's block in the other CTA order
         flipped = "off" if base.longest_first else "on"

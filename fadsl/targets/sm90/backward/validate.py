@@ -178,6 +178,7 @@ def validate_backward(c: Checks, block: BackwardBlock) -> Backward | None:
         dq_first=block.values.get("dq_first", False),
         longest_first=block.values.get("longest_first", False),
         dq_writer=block.values.get("dq_writer", False),
+        dq_chains=block.values.get("dq_chains", 1),
         persistent=block.values.get("scheduler", False),
         fused_convert=block.values.get("fused_convert", False),
         prefetch_kv=block.values.get("prefetch_kv", False),
