@@ -90,6 +90,8 @@ TRACED = {
     "store_keys_t": Kind.ST_SHARED,
     "stage_dq": Kind.ST_SHARED,
     "bulk_reduce_add_f32": Kind.BULK_REDUCE_ADD,
+    # (the writer's: a store for its chain's first ticket, else the reduce-add; one bulk group)
+    "bulk_store_or_add_f32": Kind.BULK_REDUCE_ADD,
     "red_add_dq": Kind.RED_GLOBAL,
     "store_grad_kv": Kind.STORE_GLOBAL,
     "store_grad_kv_t": Kind.STORE_GLOBAL,
@@ -104,6 +106,7 @@ SMEM_ARGS |= {"bwd_probs": (3, 8), "bwd_grad_scores": (3,), "store_ds": (0,), "s
 SMEM_ARGS |= {"load_row_pairs": (0,)}
 # (an argument naming registers, such as the row values loaded ahead, reads no SMEM)
 SMEM_ARGS |= {"bulk_reduce_add_f32": (1,), "tma_load_4d": (0,), "bulk_load": (0,)}
+SMEM_ARGS |= {"bulk_store_or_add_f32": (1,)}
 SMEM_ARGS |= {"issue_rows_by_keys": (1, 2), "issue_grad_panel_t": (1, 2)}
 SMEM_ARGS |= {"issue_dq_panel_t": (1, 2), "bwd_probs_rows": (3,), "bwd_grad_scores_rows": (3,)}
 SMEM_ARGS |= {"store_keys_t": (0,), "store_ds_stmatrix": (0,)}

@@ -227,3 +227,34 @@ def test_the_chained_kernels_build_without_spills(name):
     assert compiled.kernel.backward.dq_chains > 1
     assert check_registers(compiled, recording, why).ran
     assert seen and not any(u.spills or u.wgmma_serialized for u in seen), seen
+
+
+def test_the_writers_chains_start_with_a_store_and_unwritten_chains_read_zero():
+    """With the deterministic writer warps (bwd_dq_stored_first) each chain's ticket 0 stores
+    (tests/test_writer_ticket_header.py: the store's condition), so the preprocess zeroes
+    only the counters, and the conversion reads a chain whose share-0 counter stayed 0 as
+    zeros; elsewhere every chain is zeroed and read. The conversion's counters travel third
+    among its pointers, where the host packs them."""
+    reduce = (HEADER / "sm90_bwd_dq_reduce.cuh").read_text()
+    first = _function(reduce, "bwd_dq_stored_first")
+    assert "return Cfg::kDeterministic && Cfg::kDqWriter;" in first
+    store = _function(reduce, "bulk_store_or_add_f32")
+    assert re.search(r"if \(store\) \{\s*bulk_store_f32\(dst, smem_src, bytes\);", store)
+    prep = (HEADER / "sm90_bwd_prep.cuh").read_text()
+    row = _function(prep, "bwd_preprocess_row")
+    skip = row.index("if constexpr (bwd_dq_stored_first<Cfg>()) {\n    return;")
+    assert skip < row.index("zero[0] = zero[1]") and row.index("P.dq_semaphore[") < skip
+    written = _function(prep, "bwd_dq_written")
+    assert "if constexpr (bwd_dq_stored_first<Cfg>())" in written
+    assert "counts[chain * Cfg::kDqSemaphores] != 0" in written
+    assert "return bwd_dq_all_chains<Cfg>();" in written
+    chains = _function(prep, "load_dq_chains")
+    assert "(written >> chain) & 1u ? load_dq_accum<kL2>(" in chains
+    assert ": make_float4(0.f, 0.f, 0.f, 0.f);" in chains
+    header = (HEADER / "sm90_bwd.cuh").read_text()
+    fields = header[header.index("struct BwdConvertParams {") :]
+    fields = fields[: fields.index("};")]
+    pointers = re.findall(r"^\s*(?:const )?\w+\* (\w+);", fields, re.M)
+    assert pointers[:3] == ["dq_accum", "dq", "dq_semaphore"], pointers
+    assert host.CONVERT_ADDRESSES == ("dq_accum", "dq", "semaphore")
+    assert host.CONVERT.size == 80 and "sizeof(BwdConvertParams) == 80" in header

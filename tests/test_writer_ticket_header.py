@@ -54,8 +54,12 @@ def test_the_writer_acquires_and_releases_its_own_counter_and_place():
 
 def test_the_writer_adds_its_own_share_from_its_own_staging():
     body = _writer_body()
-    adds = _calls(body, "bulk_reduce_add_f32")
-    assert adds == ["dq_accum_share<Cfg>(P, accum_head, m, w, chain), stage, Cfg::kDqFloats * 4"]
+    adds = [" ".join(a.split()) for a in _calls(body, "bulk_store_or_add_f32")]
+    assert adds == [
+        "dq_accum_share<Cfg>(P, accum_head, m, w, chain), stage, Cfg::kDqFloats * 4,"
+        " bwd_dq_stored_first<Cfg>() && ticket == 0"
+    ]
+    assert not _calls(body, "bulk_reduce_add_f32")
     assert "const uint32_t stage = bwd_dq_stage<Cfg>(smem, w);" in body
     # the m-block is the consumers' (bwd_m_block over the same block): m-block 0's before
     # the loop, i + 1's at the end of iteration i

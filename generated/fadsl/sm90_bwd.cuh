@@ -154,13 +154,16 @@ static_assert(__builtin_offsetof(BwdParamsSm90, dq) == 760 && __builtin_offsetof
 struct BwdConvertParams {
   const float* dq_accum;
   void* dq;
+  // the deterministic writer's counters (bwd_dq_stored_first: a chain whose count is 0 was
+  // never stored into, bwd_dq_written); null otherwise
+  const int* dq_semaphore;
   int64_t dq_batch_stride, dq_row_stride, dq_head_stride;  // elements
   int seqlen_q, m_blocks, heads_q;
   float softmax_scale;
   const int* cu_seqlens_q;  // `varlen on` (null otherwise): BwdParamsSm90's
   int sequences;
 };
-static_assert(sizeof(BwdPrepParams) == 208 && sizeof(BwdConvertParams) == 72,
+static_assert(sizeof(BwdPrepParams) == 208 && sizeof(BwdConvertParams) == 80,
               "the host's layouts (fadsl/targets/sm90/backward/host.py)");
 
 // ---------------------------------------------------------------------------
@@ -240,6 +243,11 @@ struct BwdConfig {
   // with the ticket's acquire and release in deterministic mode, so that the consumer
   // waits for neither (research/backward-dq-writer.md)
   static constexpr bool kDqWriter = false;
+  // `dq_chains N` (a generated Cfg sets it; with kDeterministic and kDqWriter): each (m-block,
+  // share) accumulator and counter N times, place p adding into chain p mod N after place
+  // p - N, so that a writer waits for the add N places back rather than the one before; the
+  // conversion sums the chains in chain order (bwd_dq_writer, load_dq_chains)
+  static constexpr int kDqChains = 1;
   // `dS: rf -stmatrix-> smem[cta]` (a generated Cfg sets it; not where dQ is transposed or
   // head_dim split, whose dS stores are stmatrix .trans already): dS^T's 8 x 8 blocks stored
   // by stmatrix, four an instruction (store_ds_stmatrix), the bytes store_ds's st.shared write

@@ -36,12 +36,54 @@ __device__ __forceinline__ int64_t bwd_accum_head(const BwdParamsSm90& P, const 
                       : (static_cast<int64_t>(b.batch) * P.heads_q + b.head) * P.m_blocks;
 }
 
+// An m-block's floats in dQ's accumulator: B_r x head_dim per chain (`dq_chains N`: chain c's
+// at c B_r head_dim), and its ints among the counters: kDqSemaphores per chain.  Functions,
+// not Cfg members: a generated Cfg sets kDqChains after the base's members are fixed.
+template <class Cfg>
+__host__ __device__ constexpr int bwd_dq_block_floats() {
+  static_assert(Cfg::kDqChains >= 1 && Cfg::kDqChains <= 4, "dq_chains 1 to 4 (knobs.py)");
+  static_assert(Cfg::kDqChains == 1 || (Cfg::kDeterministic && Cfg::kDqWriter && !Cfg::kFusedConvert),
+                "dq_chains splits the writer warps' tickets: deterministic on, dq_writer on, no fused_convert");
+  return Cfg::kBlockM * Cfg::kHeadDim * Cfg::kDqChains;
+}
+template <class Cfg>
+__host__ __device__ constexpr int bwd_dq_counters() {
+  return Cfg::kDqSemaphores * Cfg::kDqChains;
+}
+
+// The deterministic writer warps' chains start in memory nobody zeroed: each chain's ticket 0
+// stores its share (bulk_store_or_add_f32), the later tickets add onto it, the preprocess
+// zeroes only the counters, and the conversion reads a chain whose counter is still 0 (no
+// n-block reached the m-block: rows no key reaches, a keep's empty m-blocks) as zeros.  The
+// stores save the accumulator's zeroing, half of the preprocess's bytes (about 45 us of 16k
+// tokens x 16 heads at head_dim 128 on an H100, per chain).  The sum is the zeroed one's
+// bit for bit but for a first share's -0 (stored, 0 + -0 = +0 added: equal values) and its
+// subnormals (stored, flushed by an add into 0: the store is the exact one).
+template <class Cfg>
+__host__ __device__ constexpr bool bwd_dq_stored_first() {
+  return Cfg::kDeterministic && Cfg::kDqWriter;
+}
+
+// The writer's add of its staged share into the accumulator: a bulk store where `store` (its
+// chain's first ticket, bwd_dq_stored_first), else a bulk reduce-add; the same bulk group
+// either way (the waits after it name both).
+__device__ __forceinline__ void bulk_store_or_add_f32(float* dst, uint32_t smem_src, uint32_t bytes, bool store) {
+  if (store) {
+    bulk_store_f32(dst, smem_src, bytes);
+  } else {
+    bulk_reduce_add_f32(dst, smem_src, bytes);
+  }
+}
+
 // Share `share` of m-block m in dQ's fp32 accumulator, kDqFloats each (the consumers'
 // fragment order: bwd_convert_dq_row reads it back): warpgroup wg's, or at head_dim 256
-// head_dim panel `share` (warpgroup share / 2's slice share % 2).
+// head_dim panel `share` (warpgroup share / 2's slice share % 2); in chain `chain`'s copy of
+// the m-block (`dq_chains N`; 0 otherwise).
 template <class Cfg>
-__device__ __forceinline__ float* dq_accum_share(const BwdParamsSm90& P, int64_t accum_head, int m, int share) {
-  return P.dq_accum + (accum_head + m) * (Cfg::kBlockM * Cfg::kHeadDim) + (Cfg::kDqByKeys ? 0 : share * Cfg::kDqFloats);
+__device__ __forceinline__ float* dq_accum_share(const BwdParamsSm90& P, int64_t accum_head, int m, int share,
+                                                 int chain = 0) {
+  return P.dq_accum + (accum_head + m) * bwd_dq_block_floats<Cfg>() + chain * (Cfg::kBlockM * Cfg::kHeadDim) +
+         (Cfg::kDqByKeys ? 0 : share * Cfg::kDqFloats);
 }
 
 // `dQ: rf -red.add-> gmem`: the thread's dQ registers added into the accumulator, float4 q
@@ -114,10 +156,11 @@ __device__ __forceinline__ void release_dq_ticket(const DqTicket& owed) {
 }
 
 // The counter of share `share` of m-block m (`deterministic on`; one per m-block where the
-// shares are one, kDqByKeys: the caller adds no share then).
+// shares are one, kDqByKeys: the caller adds no share then), of chain `chain` (`dq_chains N`).
 template <class Cfg>
-__device__ __forceinline__ int* dq_semaphore_share(const BwdParamsSm90& P, int64_t accum_head, int m, int share) {
-  return P.dq_semaphore + (accum_head + m) * Cfg::kDqSemaphores + share;
+__device__ __forceinline__ int* dq_semaphore_share(const BwdParamsSm90& P, int64_t accum_head, int m, int share,
+                                                   int chain = 0) {
+  return P.dq_semaphore + (accum_head + m) * bwd_dq_counters<Cfg>() + chain * Cfg::kDqSemaphores + share;
 }
 
 // The warpgroup's dQ of m-block m (the CTA's i-th) added into the accumulator: from registers

@@ -130,8 +130,8 @@ __device__ __forceinline__ void bwd_preprocess_row(const BwdPrepParams& P) {
     // the m-block's semaphores (rows are m-blocks of B_r: seqlen_q_rounded / B_r per head)
     if (P.dq_semaphore != nullptr && row % Cfg::kBlockM == 0) {
 #pragma unroll
-      for (int share = 0; share < Cfg::kDqSemaphores; ++share) {
-        P.dq_semaphore[at / Cfg::kBlockM * Cfg::kDqSemaphores + share] = 0;
+      for (int share = 0; share < bwd_dq_counters<Cfg>(); ++share) {
+        P.dq_semaphore[at / Cfg::kBlockM * bwd_dq_counters<Cfg>() + share] = 0;
       }
     }
   }
@@ -142,9 +142,22 @@ __device__ __forceinline__ void bwd_preprocess_row(const BwdPrepParams& P) {
   // bwd_varlen_sequence's search assuming rising slots: P = 0, dS = 0, zeros added into an
   // accumulator nobody reads.)
   if (!bwd_chunk_holds_query<Cfg>(rows, chunk)) return;
-  // the row's head_dim floats of dQ's accumulator zeroed: 2 float4 per thread
-  float4* zero = reinterpret_cast<float4*>(P.dq_accum + at * Cfg::kHeadDim) + 2 * part;
-  zero[0] = zero[1] = make_float4(0.f, 0.f, 0.f, 0.f);
+  // the row's head_dim floats of dQ's accumulator zeroed: 2 float4 per thread (the m-block's
+  // B_r rows cover its B_r x head_dim floats; `dq_chains N`: in each chain's copy); not where
+  // each chain's first ticket stores (bwd_dq_stored_first)
+  if constexpr (bwd_dq_stored_first<Cfg>()) {
+    return;
+  } else if constexpr (Cfg::kDqChains == 1) {
+    float4* zero = reinterpret_cast<float4*>(P.dq_accum + at * Cfg::kHeadDim) + 2 * part;
+    zero[0] = zero[1] = make_float4(0.f, 0.f, 0.f, 0.f);
+  } else {
+    float* block = P.dq_accum + at / Cfg::kBlockM * bwd_dq_block_floats<Cfg>() + at % Cfg::kBlockM * Cfg::kHeadDim;
+#pragma unroll
+    for (int chain = 0; chain < Cfg::kDqChains; ++chain) {
+      float4* zero = reinterpret_cast<float4*>(block + chain * (Cfg::kBlockM * Cfg::kHeadDim)) + 2 * part;
+      zero[0] = zero[1] = make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+  }
 }
 
 // The preprocess kernel's body: with `varlen on` first the gradients' rows outside every
@@ -196,6 +209,29 @@ __device__ __forceinline__ float4 load_dq_accum(const float* at) {
   return *reinterpret_cast<const float4*>(at);
 }
 
+// A float4 of the m-block's dQ sum at `at` in chain 0's copy: `dq_chains N` sums the N chains'
+// copies in chain order, ((c0 + c1) + c2) + c3, the same every run (each chain's own sum is
+// in ticket order); all N loads issued before the adds.  `written`: bit c set where chain c
+// holds a sum (bwd_dq_written), zeros read for the others.
+template <class Cfg, bool kL2>
+__device__ __forceinline__ float4 load_dq_chains(const float* at, unsigned written) {
+  float4 part[Cfg::kDqChains];
+#pragma unroll
+  for (int chain = 0; chain < Cfg::kDqChains; ++chain) {
+    part[chain] = (written >> chain) & 1u ? load_dq_accum<kL2>(at + chain * (Cfg::kBlockM * Cfg::kHeadDim))
+                                          : make_float4(0.f, 0.f, 0.f, 0.f);
+  }
+  float4 sum = part[0];
+#pragma unroll
+  for (int chain = 1; chain < Cfg::kDqChains; ++chain) {
+    sum.x += part[chain].x;
+    sum.y += part[chain].y;
+    sum.z += part[chain].z;
+    sum.w += part[chain].w;
+  }
+  return sum;
+}
+
 // A unit's place: row order, q (its rows q and q + 8 of the m-block); column order, q (the
 // first of its two q-groups), the share and the share's warp j.
 struct BwdDqUnit {
@@ -210,13 +246,38 @@ __device__ __forceinline__ BwdDqUnit bwd_dq_unit(int unit) {
   return {16 * (unit / 8) + unit % 8, 0, 0};
 }
 
+// Every chain of an m-block: the mask where the accumulator was zeroed (or converted in the
+// main kernel, which bwd_dq_stored_first excludes).
+template <class Cfg>
+__host__ __device__ constexpr unsigned bwd_dq_all_chains() {
+  return (1u << Cfg::kDqChains) - 1u;
+}
+
+// The chains of m-block `chunk_index` (the accumulator's m-block index, bwd_dq_chunk's) that
+// hold a sum: where each chain's first ticket stores (bwd_dq_stored_first), those whose
+// share-0 counter moved (every n-block that adds into an m-block adds every share); else all.
+template <class Cfg>
+__device__ __forceinline__ unsigned bwd_dq_written(const BwdConvertParams& P, int64_t chunk_index) {
+  if constexpr (bwd_dq_stored_first<Cfg>()) {
+    const int* counts = P.dq_semaphore + chunk_index * bwd_dq_counters<Cfg>();
+    unsigned written = 0u;
+#pragma unroll
+    for (int chain = 0; chain < Cfg::kDqChains; ++chain) {
+      if (counts[chain * Cfg::kDqSemaphores] != 0) written |= 1u << chain;
+    }
+    return written;
+  } else {
+    return bwd_dq_all_chains<Cfg>();
+  }
+}
+
 template <class Cfg, bool kL2 = false>
 __device__ __forceinline__ void bwd_dq_unit_load(const float* chunk, const BwdDqUnit& at, int lane,
-                                                 float4 (&v)[bwd_dq_unit_vectors<Cfg>()]) {
+                                                 float4 (&v)[bwd_dq_unit_vectors<Cfg>()], unsigned written) {
   if constexpr (bwd_dq_by_columns<Cfg>()) {
     const float* share = chunk + at.share * Cfg::kDqFloats;
 #pragma unroll
-    for (int half = 0; half < 2; ++half) v[half] = load_dq_accum<kL2>(share + ((at.q + half) * 128 + 32 * at.j + lane) * 4);
+    for (int half = 0; half < 2; ++half) v[half] = load_dq_chains<Cfg, kL2>(share + ((at.q + half) * 128 + 32 * at.j + lane) * 4, written);
   } else {
     const int u = at.q % 64;
 #pragma unroll
@@ -224,7 +285,7 @@ __device__ __forceinline__ void bwd_dq_unit_load(const float* chunk, const BwdDq
       const int col = 2 * lane + 64 * k;
       const int share = Cfg::kDqByQueries ? at.q / 64 : col / Cfg::kDqCols, c = col % Cfg::kDqCols;
       const int tid = 32 * (u / 16) + 4 * (u % 8) + (c % 8) / 2;
-      v[k] = load_dq_accum<kL2>(chunk + share * Cfg::kDqFloats + ((c / 8) * 128 + tid) * 4);
+      v[k] = load_dq_chains<Cfg, kL2>(chunk + share * Cfg::kDqFloats + ((c / 8) * 128 + tid) * 4, written);
     }
   }
 }
@@ -271,11 +332,14 @@ __device__ __forceinline__ void bwd_dq_unit_store(const BwdConvertParams& P, con
   }
 }
 
-// m-block m_block's accumulator of (batch, head), and that head's dQ.
+// m-block m_block of (batch, head) among the accumulator's (and the counters') m-blocks, its
+// accumulator, and that head's dQ.
+__device__ __forceinline__ int64_t bwd_dq_chunk_index(const BwdConvertParams& P, int head, int batch, int m_block) {
+  return (static_cast<int64_t>(batch) * P.heads_q + head) * P.m_blocks + m_block;
+}
 template <class Cfg>
 __device__ __forceinline__ const float* bwd_dq_chunk(const BwdConvertParams& P, int head, int batch, int m_block) {
-  return P.dq_accum + ((static_cast<int64_t>(batch) * P.heads_q + head) * P.m_blocks + m_block) *
-                          (Cfg::kBlockM * Cfg::kHeadDim);
+  return P.dq_accum + bwd_dq_chunk_index(P, head, batch, m_block) * bwd_dq_block_floats<Cfg>();
 }
 template <class Cfg>
 __device__ __forceinline__ typename Cfg::T* bwd_dq_head(const BwdConvertParams& P, int head, int batch) {
@@ -285,15 +349,16 @@ __device__ __forceinline__ typename Cfg::T* bwd_dq_head(const BwdConvertParams& 
 // The convert_dq kernel: a CTA per 16 rows of an m-block (the host's grid: m_blocks B_r / 16
 // CTAs per (head, batch)), 8 warps: row order, warp w the pair (w, w + 8); column order, the
 // 128 threads of warpgroup g the units of shares g + 2 r (r < head_dim / 128), warp w as j = w % 4.
-// The kernel's m-block `m_block` of (batch, head): its rows, accumulator and dQ for `convert`
-// (a padding slot, or an m-block past the end: nothing).
+// The kernel's m-block `m_block` of (batch, head): its rows, accumulator, dQ and written chains
+// (bwd_dq_written) for `convert` (a padding slot, or an m-block past the end: nothing).
 template <class Cfg, class Convert>
 __device__ __forceinline__ void bwd_convert_dq_block(const BwdConvertParams& P, int m_block, Convert&& convert) {
   const int head = blockIdx.y, batch = blockIdx.z;
   if (m_block >= P.m_blocks) return;
   const BwdQueryRows rows = bwd_query_rows<Cfg>(P.cu_seqlens_q, P.sequences, P.seqlen_q, m_block);
   if (!bwd_chunk_holds_query<Cfg>(rows, m_block)) return;  // a padding slot: nothing to write
-  convert(rows, bwd_dq_chunk<Cfg>(P, head, batch, m_block), bwd_dq_head<Cfg>(P, head, batch));
+  const unsigned written = bwd_dq_written<Cfg>(P, bwd_dq_chunk_index(P, head, batch, m_block));
+  convert(rows, bwd_dq_chunk<Cfg>(P, head, batch, m_block), bwd_dq_head<Cfg>(P, head, batch), written);
 }
 
 template <class Cfg>
@@ -302,20 +367,22 @@ __device__ __forceinline__ void bwd_convert_dq_row(const BwdConvertParams& P) {
   float4 v[bwd_dq_unit_vectors<Cfg>()];
   if constexpr (bwd_dq_by_columns<Cfg>()) {
     const int row0 = blockIdx.x * 16, m_block = row0 / Cfg::kBlockM;
-    bwd_convert_dq_block<Cfg>(P, m_block, [&](const BwdQueryRows& rows, const float* chunk, typename Cfg::T* dq) {
+    bwd_convert_dq_block<Cfg>(P, m_block, [&](const BwdQueryRows& rows, const float* chunk, typename Cfg::T* dq,
+                                                  unsigned written) {
 #pragma unroll
       for (int round = 0; round < Cfg::kHeadDim / 128; ++round) {
         const int tid = threadIdx.x % 128;
         const BwdDqUnit at{(row0 % Cfg::kBlockM) / 8, static_cast<int>(threadIdx.x / 128) + 2 * round, tid / 32};
-        bwd_dq_unit_load<Cfg>(chunk, at, lane, v);
+        bwd_dq_unit_load<Cfg>(chunk, at, lane, v, written);
         bwd_dq_unit_store<Cfg>(P, rows, dq, m_block * Cfg::kBlockM, at, lane, v);
       }
     });
   } else {
     const int row = blockIdx.x * 16 + threadIdx.x / 32, m_block = row / Cfg::kBlockM;  // (and row + 8)
-    bwd_convert_dq_block<Cfg>(P, m_block, [&](const BwdQueryRows& rows, const float* chunk, typename Cfg::T* dq) {
+    bwd_convert_dq_block<Cfg>(P, m_block, [&](const BwdQueryRows& rows, const float* chunk, typename Cfg::T* dq,
+                                                  unsigned written) {
       const BwdDqUnit at{row % Cfg::kBlockM, 0, 0};
-      bwd_dq_unit_load<Cfg>(chunk, at, lane, v);
+      bwd_dq_unit_load<Cfg>(chunk, at, lane, v, written);
       bwd_dq_unit_store<Cfg>(P, rows, dq, row - at.q, at, lane, v);
     });
   }
@@ -336,7 +403,9 @@ __device__ __forceinline__ void bwd_convert_m_block(const BwdConvertParams& P, i
     float4 v[kBatch][bwd_dq_unit_vectors<Cfg>()];
 #pragma unroll
     for (int k = 0; k < kBatch; ++k) {
-      if (first + k < kUnits) bwd_dq_unit_load<Cfg, true>(chunk, bwd_dq_unit<Cfg>(first + k), lane, v[k]);
+      if (first + k < kUnits) {
+        bwd_dq_unit_load<Cfg, true>(chunk, bwd_dq_unit<Cfg>(first + k), lane, v[k], bwd_dq_all_chains<Cfg>());
+      }
     }
 #pragma unroll
     for (int k = 0; k < kBatch; ++k) {

@@ -12,14 +12,25 @@
 // Deadlock-free: the consumer waits on its writer only at the empty barrier, for the read of
 // m-block i - 1; the writer on its consumer only at the full barrier of the same m-block; the
 // ring is the producer's alone, so the consumer runs at most one m-block ahead.  Across CTAs
-// (deterministic) writer w at m-block m waits for the place before it, whose writer releases
-// it before it waits on anything again (the next full barrier): an induction on (place,
-// m-block), with bwd_dq_place's argument that the place before launched earlier or (without
-// a mask, in visit order) is resident.
+// (deterministic) writer w at m-block m waits for the place before it in its chain (p - 1;
+// `dq_chains N`: p - N), whose writer releases it before it waits on anything again (the
+// next full barrier): an induction on (place, m-block), with bwd_dq_place's argument that
+// every earlier place launched earlier or (without a mask, in visit order) is resident.
 // fadsl/targets/sm90/backward/verify.py and verify_writer.py prove the plan it runs.
 #pragma once
 
 namespace fadsl::sm90 {
+
+// `dq_chains N`: place p adds into chain p mod N as its ticket p / N (with N = 1, chain 0 and
+// ticket p); unsigned, as places are never negative, for a multiply-shift.
+template <class Cfg>
+__device__ __forceinline__ int bwd_dq_chain(int place) {
+  return static_cast<int>(static_cast<unsigned>(place) % Cfg::kDqChains);
+}
+template <class Cfg>
+__device__ __forceinline__ int bwd_dq_ticket(int place) {
+  return static_cast<int>(static_cast<unsigned>(place) / Cfg::kDqChains);
+}
 
 // Writer w's loop over the block's m-blocks, in the consumers' order (bwd_m_block); its
 // place, counter and destination are the consumer's (bwd_dq_place, dq_semaphore_share,
@@ -40,12 +51,16 @@ __device__ __forceinline__ void bwd_dq_writer(const BwdParamsSm90& P, uint32_t s
     // RAW: consumer w's staging written and fenced (its fence.proxy.async, then bar.arrive)
     named_bar_sync(Cfg::kBarDqFull + w, 160);
     if (lane == 0) {
+      const int chain = bwd_dq_chain<Cfg>(place), ticket = bwd_dq_ticket<Cfg>(place);
       if constexpr (Cfg::kDeterministic) {
-        // WAW on the share's accumulator: the adds of the places before this one done
-        while (ld_acquire_gpu(dq_semaphore_share<Cfg>(P, accum_head, m, w)) != place) __nanosleep(32);
+        // WAW on the chain's accumulator: the adds of its tickets before this one done (the
+        // places p - N, p - 2N, ...)
+        while (ld_acquire_gpu(dq_semaphore_share<Cfg>(P, accum_head, m, w, chain)) != ticket) __nanosleep(32);
         fence_proxy_async_global();  // the ticket's acquire (generic) before the adds (async proxy)
       }
-      bulk_reduce_add_f32(dq_accum_share<Cfg>(P, accum_head, m, w), stage, Cfg::kDqFloats * 4);
+      // (a chain's ticket 0 stores: nothing zeroed it, bwd_dq_stored_first)
+      bulk_store_or_add_f32(dq_accum_share<Cfg>(P, accum_head, m, w, chain), stage, Cfg::kDqFloats * 4,
+                            bwd_dq_stored_first<Cfg>() && ticket == 0);
       tma_store_commit();         // the add's bulk group, which the waits below name
     }
     // m-block i + 1's index and place, found while the add reads the staging: off the chain of
@@ -63,9 +78,13 @@ __device__ __forceinline__ void bwd_dq_writer(const BwdParamsSm90& P, uint32_t s
     if (i + 1 < b.m_count) named_bar_arrive(Cfg::kBarDqEmpty + w, 160);
     if constexpr (Cfg::kDeterministic) {
       if (lane == 0) {
+        // (chain and ticket found again, not held over the waits: held, they spilled 8 bytes
+        // at fa3_hopper's 24/240 with dq_chains 2, NVRTC 13.5, 2026-12-06)
+        const int chain = bwd_dq_chain<Cfg>(place), ticket = bwd_dq_ticket<Cfg>(place);
         bulk_wait_all();  // the writer's adds performed in global memory
         fence_proxy_async_global();  // the async proxy's adds before the release
-        st_release_gpu(dq_semaphore_share<Cfg>(P, accum_head, m, w), place + 1);  // WAW: the next place may add
+        // WAW: the chain's next ticket (place p + N) may add
+        st_release_gpu(dq_semaphore_share<Cfg>(P, accum_head, m, w, chain), ticket + 1);
       }
       // the warp converged after lane 0's release, before the next m-block's bar.sync: bar.sync
       // is .aligned (every lane executes it together), which the compiler's reconvergence after

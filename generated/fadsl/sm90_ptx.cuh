@@ -541,6 +541,14 @@ __device__ __forceinline__ void bulk_reduce_add_f32(float* dst, uint32_t smem_sr
                : "memory");
 }
 
+// global[i] = smem[i] for `bytes` / 4 floats: bulk_reduce_add_f32's store twin (the same
+// proxy, bulk groups and waits), for the first add into memory nobody zeroed.
+__device__ __forceinline__ void bulk_store_f32(float* dst, uint32_t smem_src, uint32_t bytes) {
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n" ::"l"(reinterpret_cast<uint64_t>(dst)),
+               "r"(smem_src), "r"(bytes)
+               : "memory");
+}
+
 // Wait until this thread's bulk groups have completed (their global writes performed).
 __device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
 

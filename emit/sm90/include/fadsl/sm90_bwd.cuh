@@ -154,13 +154,16 @@ static_assert(__builtin_offsetof(BwdParamsSm90, dq) == 760 && __builtin_offsetof
 struct BwdConvertParams {
   const float* dq_accum;
   void* dq;
+  // the deterministic writer's counters (bwd_dq_stored_first: a chain whose count is 0 was
+  // never stored into, bwd_dq_written); null otherwise
+  const int* dq_semaphore;
   int64_t dq_batch_stride, dq_row_stride, dq_head_stride;  // elements
   int seqlen_q, m_blocks, heads_q;
   float softmax_scale;
   const int* cu_seqlens_q;  // `varlen on` (null otherwise): BwdParamsSm90's
   int sequences;
 };
-static_assert(sizeof(BwdPrepParams) == 208 && sizeof(BwdConvertParams) == 72,
+static_assert(sizeof(BwdPrepParams) == 208 && sizeof(BwdConvertParams) == 80,
               "the host's layouts (fadsl/targets/sm90/backward/host.py)");
 
 // ---------------------------------------------------------------------------

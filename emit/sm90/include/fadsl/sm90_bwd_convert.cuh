@@ -25,6 +25,7 @@ __device__ __forceinline__ BwdConvertParams bwd_convert_view(const BwdParamsSm90
   BwdConvertParams c;
   c.dq_accum = P.dq_accum;
   c.dq = P.dq;
+  c.dq_semaphore = nullptr;  // (fused_convert: no deterministic writer, every chain zeroed)
   c.dq_batch_stride = P.dq_batch_stride;
   c.dq_row_stride = P.dq_row_stride;
   c.dq_head_stride = P.dq_head_stride;

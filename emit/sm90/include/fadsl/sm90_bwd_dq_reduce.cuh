@@ -51,6 +51,30 @@ __host__ __device__ constexpr int bwd_dq_counters() {
   return Cfg::kDqSemaphores * Cfg::kDqChains;
 }
 
+// The deterministic writer warps' chains start in memory nobody zeroed: each chain's ticket 0
+// stores its share (bulk_store_or_add_f32), the later tickets add onto it, the preprocess
+// zeroes only the counters, and the conversion reads a chain whose counter is still 0 (no
+// n-block reached the m-block: rows no key reaches, a keep's empty m-blocks) as zeros.  The
+// stores save the accumulator's zeroing, half of the preprocess's bytes (about 45 us of 16k
+// tokens x 16 heads at head_dim 128 on an H100, per chain).  The sum is the zeroed one's
+// bit for bit but for a first share's -0 (stored, 0 + -0 = +0 added: equal values) and its
+// subnormals (stored, flushed by an add into 0: the store is the exact one).
+template <class Cfg>
+__host__ __device__ constexpr bool bwd_dq_stored_first() {
+  return Cfg::kDeterministic && Cfg::kDqWriter;
+}
+
+// The writer's add of its staged share into the accumulator: a bulk store where `store` (its
+// chain's first ticket, bwd_dq_stored_first), else a bulk reduce-add; the same bulk group
+// either way (the waits after it name both).
+__device__ __forceinline__ void bulk_store_or_add_f32(float* dst, uint32_t smem_src, uint32_t bytes, bool store) {
+  if (store) {
+    bulk_store_f32(dst, smem_src, bytes);
+  } else {
+    bulk_reduce_add_f32(dst, smem_src, bytes);
+  }
+}
+
 // Share `share` of m-block m in dQ's fp32 accumulator, kDqFloats each (the consumers'
 // fragment order: bwd_convert_dq_row reads it back): warpgroup wg's, or at head_dim 256
 // head_dim panel `share` (warpgroup share / 2's slice share % 2); in chain `chain`'s copy of

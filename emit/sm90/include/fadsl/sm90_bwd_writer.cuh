@@ -58,7 +58,9 @@ __device__ __forceinline__ void bwd_dq_writer(const BwdParamsSm90& P, uint32_t s
         while (ld_acquire_gpu(dq_semaphore_share<Cfg>(P, accum_head, m, w, chain)) != ticket) __nanosleep(32);
         fence_proxy_async_global();  // the ticket's acquire (generic) before the adds (async proxy)
       }
-      bulk_reduce_add_f32(dq_accum_share<Cfg>(P, accum_head, m, w, chain), stage, Cfg::kDqFloats * 4);
+      // (a chain's ticket 0 stores: nothing zeroed it, bwd_dq_stored_first)
+      bulk_store_or_add_f32(dq_accum_share<Cfg>(P, accum_head, m, w, chain), stage, Cfg::kDqFloats * 4,
+                            bwd_dq_stored_first<Cfg>() && ticket == 0);
       tma_store_commit();         // the add's bulk group, which the waits below name
     }
     // m-block i + 1's index and place, found while the add reads the staging: off the chain of

@@ -67,17 +67,18 @@ DKV_BOX_ROWS = 64
 # BwdPrepParams: 8 pointers, 8 int64 strides, 3 ints, the varlen pointer and int, then the
 # varlen gradients to zero outside the sequences (4 pointers, 3 ints); 208 bytes.
 PREP = struct.Struct("<8Q8q3i4xQi4x4Q3i4x")
-# BwdConvertParams: 2 pointers, 3 int64 strides, 3 ints, a float, the varlen pointer and int.
-CONVERT = struct.Struct("<2Q3q3ifQi4x")
+# BwdConvertParams: 3 pointers (the counters: the deterministic writer's chains, else 0), 3
+# int64 strides, 3 ints, a float, the varlen pointer and int; 80 bytes.
+CONVERT = struct.Struct("<3Q3q3ifQi4x")
 LOG2E = 1.4426950408889634
 # The address fields of each struct by name, in packing order (prepare_call packs them, and a
 # launch plan's slots are made from the same names: launch_plan.py): PREP's first 8 fields,
-# the main kernel's four tensor maps and MAIN_FIELDS' first 6, CONVERT's first 2; then the
+# the main kernel's four tensor maps and MAIN_FIELDS' first 6, CONVERT's first 3; then the
 # modifiers' inputs (INPUT_SOURCES) at MODIFIERS_OFFSET and dq at FUSED_OFFSET.
 PREP_ADDRESSES = ("out", "dout", "lse", "dlse", "lse_log2", "dpsum", "dq_accum", "semaphore")
 MAIN_MAPS = ("q", "k", "v", "dout")
 MAIN_ADDRESSES = ("lse_log2", "dpsum", "dq_accum", "dk", "dv", "semaphore")
-CONVERT_ADDRESSES = ("dq_accum", "dq")
+CONVERT_ADDRESSES = ("dq_accum", "dq", "semaphore")
 ADDRESS_NAMES = (*PREP_ADDRESSES, "q", "k", "v", "dq", "dk", "dv")
 
 
