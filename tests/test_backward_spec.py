@@ -123,6 +123,7 @@ def test_the_full_block_lowers_to_the_ir():
         "dv_out_first": False,
         "peel_dead": False,
         "late_v": False,
+        "dq_chains": 1,
     }
     assert bwd.loc == Loc(FILE, *where(text, "  backward {", "backward"))
     assert bwd.loc_of("stages") == Loc(FILE, *where(text, "stages     3"))
@@ -235,7 +236,7 @@ LOCATED = [
     ("producer = 24, consumers = 240\n    stages", "producer = 24, consumers = 244\n    stages", "consumers = 244", "244", "the backward's consumers take setmaxnreg 24 to 240, a multiple of 8, not 244"),
     ("producer = 24, consumers = 240\n    stages", "producer = 24, consumers = 248\n    stages", "consumers = 248", "248", "not 248"),
     ("deterministic off", "deterministic maybe", "deterministic maybe", "maybe", "unknown deterministic 'maybe'; expected 'on' or 'off'"),
-    ("deterministic off", "stage 3", "stage 3", "stage", "unknown key 'stage' in the backward block; it takes 'tile', 'warpgroups', 'registers', 'stages', 'deterministic', 'overlap', 'early_dv', 'dv_before_meeting', 'longest_first', 'dq_writer', 'dq_lag', 'dq_first', 'fused_convert', 'prefetch_kv', 'dv_out_first', 'peel_dead', 'late_v' and 'scheduler' (did you mean 'stages'?)"),
+    ("deterministic off", "stage 3", "stage 3", "stage", "unknown key 'stage' in the backward block; it takes 'tile', 'warpgroups', 'registers', 'stages', 'deterministic', 'overlap', 'early_dv', 'dv_before_meeting', 'longest_first', 'dq_writer', 'dq_lag', 'dq_first', 'fused_convert', 'prefetch_kv', 'dv_out_first', 'peel_dead', 'late_v', 'scheduler' and 'dq_chains' (did you mean 'stages'?)"),
     ("deterministic off", "mask causal", "mask causal", "mask", "'mask' is a setting of the kernel, not of its backward block"),
     ("deterministic off", "stages 3", "stages 3", "stages", "duplicate key 'stages' in the backward block (first set at line"),
     ("dV:  rf -st.global-> gmem", "dW:  rf -st.global-> gmem", "dW:", "dW", "unknown tensor 'dW' in the backward block; it moves Q, K, V, dO, LSE, D, P, dS, dQ, dK and dV"),
