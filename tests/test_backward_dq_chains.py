@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from conftest import ROOT
-from fadsl.build.spill_check import check_registers, find_compiler
+from register_usage import assert_no_spills, kernel_usages
 from fadsl.codegen.render import render_backward
 from fadsl.errors import SpecError
 from fadsl.targets import target_of
@@ -213,20 +213,9 @@ def test_the_tuner_flips_the_chains_of_the_deterministic_writer():
     ],
 )
 def test_the_chained_kernels_build_without_spills(name):
-    compiler, why = find_compiler()
-    if compiler is None:
-        pytest.skip(why)
-    seen = []
-
-    def recording(source, arch):
-        usage = compiler(source, arch)
-        seen.append(usage)
-        return usage
-
     compiled = compile_source(training_spec(name), FILE)
     assert compiled.kernel.backward.dq_chains > 1
-    assert check_registers(compiled, recording, why).ran
-    assert seen and not any(u.spills or u.wgmma_serialized for u in seen), seen
+    assert_no_spills(kernel_usages(compiled))
 
 
 def test_the_writers_chains_start_with_a_store_and_unwritten_chains_read_zero():

@@ -24,7 +24,8 @@ import pytest
 from conftest import ROOT
 from host_program import run_host_program
 from fadsl.build.nvrtc import compile_cubin
-from fadsl.build.spill_check import check_registers, find_compiler
+from fadsl.build.spill_check import find_compiler
+from register_usage import assert_no_spills, kernel_usages
 from fadsl.codegen.render import render_backward
 from fadsl.errors import SpecError
 from fadsl.ir import Mask, Window
@@ -280,19 +281,7 @@ def test_a_keep_modifier_is_refused_and_a_score_is_not():
 
 @pytest.mark.parametrize("example", ["fa3_hopper", "fa3_causal", "fa3_hdim64", "fa3_hdim64_causal"])
 def test_the_fused_kernels_build_without_spills(example):
-    compiler, name = find_compiler()
-    if compiler is None:
-        pytest.skip(name)
-    seen = []
-
-    def recording(source, arch):
-        usage = compiler(source, arch)
-        seen.append(usage)
-        return usage
-
-    compiled = compile_source(fused(example), FILE)
-    assert check_registers(compiled, recording, name).ran
-    assert seen and not any(u.spills or u.wgmma_serialized for u in seen), seen
+    assert_no_spills(kernel_usages(compile_source(fused(example), FILE)))
 
 
 # --- the host's launches ------------------------------------------------------------------

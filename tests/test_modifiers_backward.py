@@ -17,6 +17,7 @@ import torch
 from block_text import deterministic as deterministic_block, unlagged
 from conftest import ROOT
 from fadsl.build.spill_check import check_registers, find_compiler
+from register_usage import assert_no_spills, kernel_usages
 from fadsl.codegen.render import render_backward
 from fadsl.errors import SpecError
 from fadsl.pipeline import compile_source
@@ -164,20 +165,10 @@ VARIANTS = variants()
 @pytest.mark.nvcc
 @pytest.mark.parametrize("name", VARIANTS)
 def test_the_backward_builds_without_spills(name):
-    compiler, why = find_compiler()
-    if compiler is None:
-        pytest.skip(why)
-    seen = []
-
-    def recording(source, arch):
-        usage = compiler(source, arch)
-        seen.append((source.kernel_name, usage))
-        return usage
-
-    assert check_registers(compile_source(VARIANTS[name], f"{name}.fa"), recording, why).ran
-    backward = [usage for kernel, usage in seen if "_bwd_" in kernel]
+    seen = kernel_usages(compile_source(VARIANTS[name], f"{name}.fa"))
+    backward = [(kernel, usage) for kernel, usage in seen if "_bwd_" in kernel]
     assert len(backward) >= 2, seen  # bf16 and fp16
-    assert not any(u.spills or u.wgmma_serialized for u in backward), backward
+    assert_no_spills(backward)
 
 
 @pytest.mark.nvcc
