@@ -9,6 +9,7 @@ import pytest
 
 from conftest import ROOT
 from fadsl.build.spill_check import check_registers, find_compiler
+from register_usage import assert_no_spills, kernel_usages
 from fadsl.codegen.render import render_backward
 from fadsl.errors import SpecError
 from fadsl.ir.backward import read_backward as read_backward_ir
@@ -121,16 +122,7 @@ def test_dv_before_meeting_fits_its_registers_at_b_r_80_and_head_dim_64():
     at head_dim 64 B_r 128 ptxas (NVRTC 13.0) neither spills nor serializes the wgmma, so
     the check passes. Issued before the store (until 2026-11-30) both got note C7512
     (tests/test_spill_check.py: the refusal of a serialized kernel)."""
-    compiler, name = find_compiler()
-    if compiler is None:
-        pytest.skip(name)
     seen = []
-
-    def recording(source, arch):
-        usage = compiler(source, arch)
-        seen.append((source.kernel_name, usage))
-        return usage
-
     hopper = (ROOT / "examples" / "fa3_hopper.fa").read_text()
     hopper = hopper.replace("    early_dv   off", "    early_dv   off\n    dv_before_meeting on")
     hdim64 = (ROOT / "examples" / "fa3_hdim64.fa").read_text()
@@ -146,10 +138,10 @@ def test_dv_before_meeting_fits_its_registers_at_b_r_80_and_head_dim_64():
     for text in (hopper, hdim64):
         compiled = compile_source(text, FILE)
         assert compiled.kernel.backward.dv_before_meeting
-        assert check_registers(compiled, recording, name).ran
-    backward = [usage for kernel, usage in seen if "bwd" in kernel]
+        seen += kernel_usages(compiled)
+    backward = [(kernel, usage) for kernel, usage in seen if "bwd" in kernel]
     assert len(backward) >= 4, seen  # bf16 and fp16 of each
-    assert not any(u.wgmma_serialized or u.spills for u in backward), backward
+    assert_no_spills(backward)
 
 
 def test_the_dq_writer_variants_fit_their_registers():

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from backward_header import HEADER, TEMPLATE, expected_calls, header_calls, kernel_body, squash
-from fadsl.build.spill_check import check_registers, find_compiler
+from register_usage import assert_no_spills, kernel_usages
 from fadsl.errors import SpecError
 from fadsl.ir.backward import read_backward
 from fadsl.pipeline import compile_source
@@ -201,20 +201,11 @@ def test_an_edited_persistent_header_is_caught(what, old, new):
 
 
 def test_the_examples_build_persistent_without_spills():
-    compiler, name = find_compiler()
-    if compiler is None:
-        pytest.skip(name)
     seen = []
-
-    def recording(source, arch):
-        usage = compiler(source, arch)
-        seen.append((source.kernel_name, usage))
-        return usage
-
     for example in EXAMPLES:
         result = compiled(f"{example}+persistent")
         assert result.kernel.backward.persistent
-        assert check_registers(result, recording, name).ran, example
-    backward = [usage for kernel, usage in seen if "bwd" in kernel]
+        seen += kernel_usages(result)
+    backward = [(kernel, usage) for kernel, usage in seen if "bwd" in kernel]
     assert len(backward) >= 2 * len(EXAMPLES), seen
-    assert not any(u.spills or u.wgmma_serialized for u in backward), backward
+    assert_no_spills(backward)
