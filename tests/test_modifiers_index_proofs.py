@@ -140,3 +140,13 @@ def test_an_accepted_index_stays_inside_its_input(expr, wrap, dim, data):
         value = evaluate(index, env)  # (a division by zero raises: a failure too)
         extent = dim_size(m.input("t").dims[0], sizes)
         assert 0 <= value < extent, (text(index), env, extent)
+
+
+def test_a_floor_division_by_a_negative_constant_is_bounded():
+    """q_idx // -1 ranges down to -(seqlen_q - 1), so its product with q_idx may overflow an
+    i32 and is refused (it was taken for unbounded, which the i32 check lets through: the
+    hypothesis search above found it, 2026-12-06); by a positive constant it stays taken."""
+    assert checked_index("clamp(q_idx * abs(q_idx // -1), 0, {last})", "seqlen_k") is None
+    assert checked_index("clamp(q_idx * abs(q_idx // -3), 0, {last})", "seqlen_k") is None
+    assert checked_index("clamp(q_idx // -1 + kv_idx, 0, {last})", "seqlen_k") is not None
+    assert checked_index("clamp(q_idx // 2 * 3, 0, {last})", "seqlen_k") is not None

@@ -477,8 +477,8 @@ class _Checker:
             return replace(node, type=F32 if op is BinOp.DIV else I32), rg.UNBOUNDED
         if op is BinOp.DIV:
             return replace(node, type=F32), self.fits(e, F32, rg.div(ra, rb))
-        combine = rg.floordiv if op is BinOp.FLOORDIV else rg.mod
-        return replace(node, type=I32), combine(ra, rb)
+        found = rg.floordiv(ra, rb, self.tops) if op is BinOp.FLOORDIV else rg.mod(ra, rb)
+        return replace(node, type=I32), found
 
     def fits(self, e: Expr, kind: ExprType, found: rg.Interval) -> rg.Interval:
         """``found``, the range of ``e``'s value, with an error at ``e`` where it does not

@@ -207,13 +207,17 @@ def div(x: Interval, y: Interval) -> Interval:
     return UNBOUNDED
 
 
-def floordiv(x: Interval, y: Interval) -> Interval:
+def floordiv(x: Interval, y: Interval, tops: dict = DIM_MAX) -> Interval:
     if y.numeric and y.lo.const == y.hi.const and y.lo.const == int(y.lo.const) > 0:
         found = _index_blocks(x, int(y.lo.const))
         if found is not None:
             return found
-    if not (_numeric_or_unbounded(x) and y.numeric):
+    if not y.numeric:
         return UNBOUNDED
+    # a size's affine bounds: their extremes up to the tops (q_idx // -1 reaches -(2^30 - 2);
+    # unbounded here, `abs(q_idx // -1) * q_idx` passed the i32 check, found by
+    # tests/test_modifiers_index_proofs.py's hypothesis search, 2026-12-06)
+    x = x if _numeric_or_unbounded(x) else boxed(x, tops)
     q = div(x, y)
     return Interval(
         None if q.lo is None else Affine(math.floor(q.lo.const)),
