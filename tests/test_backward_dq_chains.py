@@ -172,10 +172,12 @@ def test_the_preprocess_zeroes_and_the_conversion_sums_every_chain():
     """The preprocess zeroes each chain's copy of a row and the counters of every chain; the
     conversion's loads go through load_dq_chains, which sums the chains in chain order."""
     prep = (HEADER / "sm90_bwd_prep.cuh").read_text()
-    zero = prep[prep.index("if constexpr (Cfg::kDqChains == 1) {") :]
+    # (chains past one are the deterministic writer's, whose first tickets store: the
+    # accumulator's zeroing is one chain's alone)
+    zero = prep[prep.index("if constexpr (!bwd_dq_stored_first<Cfg>()) {") :]
     zero = zero[: zero.index("\n}\n")]
-    assert "for (int chain = 0; chain < Cfg::kDqChains; ++chain)" in zero
-    assert "block + chain * (Cfg::kBlockM * Cfg::kHeadDim)" in zero
+    assert 'static_assert(Cfg::kDqChains == 1, "more chains than one' in zero
+    assert "P.dq_accum + at * Cfg::kHeadDim" in zero
     assert "share < bwd_dq_counters<Cfg>()" in prep
     loads = _function(prep, "bwd_dq_unit_load")
     assert loads.count("load_dq_chains<Cfg, kL2>(") == 2 and "load_dq_accum" not in loads
@@ -231,7 +233,7 @@ def test_the_writers_chains_start_with_a_store_and_unwritten_chains_read_zero():
     assert re.search(r"if \(store\) \{\s*bulk_store_f32\(dst, smem_src, bytes\);", store)
     prep = (HEADER / "sm90_bwd_prep.cuh").read_text()
     row = _function(prep, "bwd_preprocess_row")
-    skip = row.index("if constexpr (bwd_dq_stored_first<Cfg>()) {\n    return;")
+    skip = row.index("if constexpr (!bwd_dq_stored_first<Cfg>()) {")
     assert skip < row.index("zero[0] = zero[1]") and row.index("P.dq_semaphore[") < skip
     written = _function(prep, "bwd_dq_written")
     assert "if constexpr (bwd_dq_stored_first<Cfg>())" in written

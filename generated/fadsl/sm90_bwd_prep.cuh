@@ -142,21 +142,12 @@ __device__ __forceinline__ void bwd_preprocess_row(const BwdPrepParams& P) {
   // bwd_varlen_sequence's search assuming rising slots: P = 0, dS = 0, zeros added into an
   // accumulator nobody reads.)
   if (!bwd_chunk_holds_query<Cfg>(rows, chunk)) return;
-  // the row's head_dim floats of dQ's accumulator zeroed: 2 float4 per thread (the m-block's
-  // B_r rows cover its B_r x head_dim floats; `dq_chains N`: in each chain's copy); not where
-  // each chain's first ticket stores (bwd_dq_stored_first)
-  if constexpr (bwd_dq_stored_first<Cfg>()) {
-    return;
-  } else if constexpr (Cfg::kDqChains == 1) {
+  // the row's head_dim floats of dQ's accumulator zeroed: 2 float4 per thread; not where each
+  // chain's first ticket stores (bwd_dq_stored_first: every block with `dq_chains N`)
+  if constexpr (!bwd_dq_stored_first<Cfg>()) {
+    static_assert(Cfg::kDqChains == 1, "more chains than one are the deterministic writer's, stored first");
     float4* zero = reinterpret_cast<float4*>(P.dq_accum + at * Cfg::kHeadDim) + 2 * part;
     zero[0] = zero[1] = make_float4(0.f, 0.f, 0.f, 0.f);
-  } else {
-    float* block = P.dq_accum + at / Cfg::kBlockM * bwd_dq_block_floats<Cfg>() + at % Cfg::kBlockM * Cfg::kHeadDim;
-#pragma unroll
-    for (int chain = 0; chain < Cfg::kDqChains; ++chain) {
-      float4* zero = reinterpret_cast<float4*>(block + chain * (Cfg::kBlockM * Cfg::kHeadDim)) + 2 * part;
-      zero[0] = zero[1] = make_float4(0.f, 0.f, 0.f, 0.f);
-    }
   }
 }
 
