@@ -10,6 +10,7 @@ import math
 
 import pytest
 
+from fadsl.errors import SpecError
 from fadsl.ir.expr import DIM_MAX, SEQLEN_LIMIT, Blocks, Dim
 from fadsl.passes.modifiers import ranges as rg
 from fadsl.runtime.arguments import check_longest
@@ -64,6 +65,38 @@ def test_float_arithmetic_gets_its_bound_too():
     assert modifiers("score s + 1.0 * q_idx * kv_idx").longest is None  # f32 all the way
     # a quotient too: q_idx / 1e-30 passes 3.4028e38 past about 3.4e8 queries
     assert 340_000_000 < modifiers("score s + q_idx / 1e-30").longest < 341_000_000
+
+
+@pytest.mark.parametrize(
+    "keep, value_at",
+    [
+        # a float factor, a floor, a quotient or remainder by a size: each once unbounded,
+        # so an i32 product of it passed (2026-12-06)
+        ("floor(q_idx * 3.0) * 2 > 0", lambda n: 6 * (n - 1)),
+        ("floor(q_idx / 3) * q_idx * 7 > 0", lambda n: (n - 1) // 3 * (n - 1) * 7),
+        ("q_idx // max(kv_idx, 1) * q_idx * q_idx > 0", lambda n: (n - 1) ** 3),
+        ("q_idx % max(kv_idx, 1) * q_idx * q_idx > 0", lambda n: (n - 2) * (n - 1) ** 2),
+    ],
+)
+def test_a_size_through_a_float_a_floor_or_a_size_divisor_is_bounded(keep, value_at):
+    m = modifiers(f"keep {keep}")
+    want = longest_int(value_at)
+    assert m.longest is not None and abs(m.longest - want) <= want // 1000 + 1, (m.longest, want)
+
+
+def test_a_floor_past_the_i32_range_is_refused_or_bounded():
+    # the float-to-int conversion saturates: floor(1e20) would be 2^31 - 1, a wrong value
+    with pytest.raises(SpecError, match="may overflow an i32"):
+        modifiers("score s + 1.0 * floor(1e20 * 1.0)")
+    m = modifiers("score s + 1.0 * floor(q_idx * 3.0)")  # 3 x (2^30 - 1) > 2^31 - 1
+    assert m.longest == longest_int(lambda n: 3 * (n - 1))
+    assert modifiers("score s + 1.0 * floor(q_idx * 1.5)").longest is None  # 1.61e9 fits
+
+
+def test_exp_past_floats_is_a_located_error():
+    # exp(1000.0)'s value bound was math.exp(1000): an OverflowError, not the spec's error
+    with pytest.raises(SpecError, match="exp\\(\\) of '1000.0' may overflow"):
+        modifiers("score s + exp(1000.0)")
 
 
 def test_values_read_from_inputs_are_the_callers_scale():

@@ -360,9 +360,8 @@ class _Checker:
                         f"over {x.text()}, and exp of more than {EXP_LIMIT:g} is past fp32's "
                         f"largest number; bound it, e.g. exp(min({text(e.args[0])}, 80))",
                     )
-                return replace(call, type=F32), rg.Interval(
-                    rg.monotone(x, math.exp).lo or rg.Affine(0), rg.monotone(x, math.exp).hi
-                )
+                found = rg.monotone(x, math.exp, self.tops)
+                return replace(call, type=F32), rg.Interval(found.lo or rg.Affine(0), found.hi)
             case Fn.LOG | Fn.LOG2:
                 if not rg.below(rg.Affine(0), x.lo):
                     self.error(
@@ -373,14 +372,17 @@ class _Checker:
                     )
                     return replace(call, type=F32), rg.UNBOUNDED
                 f = math.log if fn is Fn.LOG else math.log2
-                return replace(call, type=F32), rg.monotone(x, f)
+                return replace(call, type=F32), rg.monotone(x, f, self.tops)
             case Fn.TANH:
-                found = rg.monotone(x, math.tanh)
+                found = rg.monotone(x, math.tanh, self.tops)
                 return replace(call, type=F32), rg.Interval(
                     found.lo or rg.Affine(-1), found.hi or rg.Affine(1)
                 )
             case Fn.FLOOR:
-                return replace(call, type=I32), rg.monotone(x, math.floor)
+                # the conversion to an int saturates past the i32 range: a wrong value, so refused
+                return replace(call, type=I32), self.fits(
+                    e, I32, rg.monotone(x, math.floor, self.tops)
+                )
         raise AssertionError(fn)
 
     def where(self, e: Apply, args, found) -> tuple[Expr, rg.Interval]:
@@ -476,8 +478,10 @@ class _Checker:
             )
             return replace(node, type=F32 if op is BinOp.DIV else I32), rg.UNBOUNDED
         if op is BinOp.DIV:
-            return replace(node, type=F32), self.fits(e, F32, rg.div(ra, rb))
-        found = rg.floordiv(ra, rb, self.tops) if op is BinOp.FLOORDIV else rg.mod(ra, rb)
+            return replace(node, type=F32), self.fits(e, F32, rg.div(ra, rb, self.tops))
+        found = (
+            rg.floordiv(ra, rb, self.tops) if op is BinOp.FLOORDIV else rg.mod(ra, rb, self.tops)
+        )
         return replace(node, type=I32), found
 
     def fits(self, e: Expr, kind: ExprType, found: rg.Interval) -> rg.Interval:

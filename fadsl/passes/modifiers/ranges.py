@@ -151,6 +151,13 @@ def _scale(x: Interval, k: float) -> Interval:
     return Interval(lo, hi) if k >= 0 else Interval(hi, lo)
 
 
+def _scalable(x: Interval, k: float) -> bool:
+    """``k`` times each known bound of ``x`` is an affine form (a size keeps a whole factor):
+    else the product is boxed (q_idx * 1.5 reaches 1.5 x 2^30; unbounded here, it passed the
+    i32 check under a floor, 2026-12-06)."""
+    return all(b is None or b.scaled(k) is not None for b in (x.lo, x.hi))
+
+
 def _products(x: Interval, y: Interval, op) -> Interval:
     """Numeric bounds: the extremes of ``op`` over the corners (inf where unbounded)."""
     xs = (-math.inf if x.lo is None else x.lo.const, math.inf if x.hi is None else x.hi.const)
@@ -184,7 +191,7 @@ def boxed(x: Interval, tops: dict = DIM_MAX) -> Interval:
 
 def mul(x: Interval, y: Interval, tops: dict = DIM_MAX) -> Interval:
     for a, b in ((x, y), (y, x)):
-        if a.numeric and a.lo == a.hi:
+        if a.numeric and a.lo == a.hi and _scalable(b, a.lo.const):
             return _scale(b, a.lo.const)
     # a product of two sizes' values is no affine form: its corners up to the sizes' tops
     return _products(boxed(x, tops), boxed(y, tops), lambda a, b: a * b)
@@ -198,13 +205,16 @@ def square(x: Interval, tops: dict = DIM_MAX) -> Interval:
     return Interval(Affine(0), None)
 
 
-def div(x: Interval, y: Interval) -> Interval:
-    """x / y where y excludes 0 (the caller checks)."""
-    if y.numeric and y.lo == y.hi:
-        return _scale(x, 1 / y.lo.const)
-    if _numeric_or_unbounded(x) and y.numeric:
-        return _products(x, y, lambda a, b: a / b)
-    return UNBOUNDED
+def div(x: Interval, y: Interval, tops: dict = DIM_MAX) -> Interval:
+    """x / y where y excludes 0 (the caller checks, so y's extremes keep its sign)."""
+    if y.numeric and y.lo == y.hi and not _numeric_or_unbounded(x) and _scalable(x, 1 / y.lo.const):
+        return _scale(x, 1 / y.lo.const)  # (a number's quotient by a/b: 237 * (1 / 237) < 1)
+    # sizes' affine bounds boxed to their extremes up to the tops
+    x = x if _numeric_or_unbounded(x) else boxed(x, tops)
+    y = y if y.numeric else boxed(y, tops)
+    if not y.numeric:  # an unbounded divisor: the quotient may be anything near 0
+        return UNBOUNDED
+    return _products(x, y, lambda a, b: a / b)
 
 
 def floordiv(x: Interval, y: Interval, tops: dict = DIM_MAX) -> Interval:
@@ -212,17 +222,15 @@ def floordiv(x: Interval, y: Interval, tops: dict = DIM_MAX) -> Interval:
         found = _index_blocks(x, int(y.lo.const))
         if found is not None:
             return found
-    if not y.numeric:
-        return UNBOUNDED
     # a size's affine bounds: their extremes up to the tops (q_idx // -1 reaches -(2^30 - 2);
     # unbounded here, `abs(q_idx // -1) * q_idx` passed the i32 check, found by
     # tests/test_modifiers_index_proofs.py's hypothesis search, 2026-12-06)
     x = x if _numeric_or_unbounded(x) else boxed(x, tops)
-    q = div(x, y)
-    return Interval(
-        None if q.lo is None else Affine(math.floor(q.lo.const)),
-        None if q.hi is None else Affine(math.floor(q.hi.const)),
-    )
+    y = y if y.numeric else boxed(y, tops)
+    if not y.numeric:
+        return UNBOUNDED
+    # exact on integers (a float quotient's floor may be off by one past 2^53)
+    return _products(x, y, lambda a, b: a // b if math.isfinite(a) else a / b)
 
 
 def _index_blocks(x: Interval, block: int) -> Interval | None:
@@ -241,8 +249,9 @@ def _index_blocks(x: Interval, block: int) -> Interval | None:
     return Interval(Affine(lo.const // block), Affine.size(Blocks(size, block), -1))
 
 
-def mod(x: Interval, y: Interval) -> Interval:
+def mod(x: Interval, y: Interval, tops: dict = DIM_MAX) -> Interval:
     """Python's %: the sign of the divisor, below it in magnitude."""
+    y = y if y.numeric else boxed(y, tops)
     if y.numeric and y.lo.const > 0:
         return Interval(Affine(0), Affine(y.hi.const - 1))
     if y.numeric and y.hi.const < 0:
@@ -315,9 +324,17 @@ def absolute(x: Interval, tops: dict = DIM_MAX) -> Interval:
     return Interval(zero, None)
 
 
-def monotone(x: Interval, f) -> Interval:
-    """An increasing function of numeric bounds (exp, log, floor, tanh); unbounded ends stay
-    unbounded (the caller knows the function's own range)."""
-    lo = None if x.lo is None or not x.lo.is_const else Affine(f(x.lo.const))
-    hi = None if x.hi is None or not x.hi.is_const else Affine(f(x.hi.const))
-    return Interval(lo, hi)
+def monotone(x: Interval, f, tops: dict = DIM_MAX) -> Interval:
+    """An increasing function (exp, log, floor, tanh) of ``x``'s extremes up to the tops;
+    unbounded ends, and values past a float's range (exp of 1000), stay unbounded (the
+    caller knows the function's own range and refuses what overflows)."""
+
+    def bound(v: float) -> Affine | None:
+        try:
+            found = f(v)
+        except OverflowError:
+            return None
+        return Affine(found) if math.isfinite(found) else None
+
+    lo, hi = extremes(x, tops)
+    return Interval(None if lo == -math.inf else bound(lo), None if hi == math.inf else bound(hi))
