@@ -28,7 +28,7 @@
 #   fa4stage came first and this one carries .fa4b)
 #   backward: tests/test_gpu_backward.py and test_gpu_backward_variants.py (windows, softcap), then the backward timed (fadsl bench --backward)
 #   for each example named in BWD_SPECS (NAME: with `backward {}` added; NAME+KEY...: those keys
-#   on, e.g. fa3_causal+overlap; see tests/test_gpu_backward.py training_spec) at BWD_SEQLENS;
+#   on, e.g. fa3_causal+overlap; see tests/training_specs.py) at BWD_SEQLENS;
 #   NAME=VAR1,VAR2 times the variants VAR1, VAR2 on the same tensors (--against); every spec
 #   is built first, in parallel (scripts/prebuild.py --backward)
 #   bwdwindow: scripts/window_backward_bench.py: fadsl.attention's backward with a causal window of
@@ -139,7 +139,7 @@ if [[ $steps == *" backward "* ]]; then
   echo "prebuild (backward): $((SECONDS - start)) s"
   [[ ${BWD_TESTS:-1} == 1 ]] && checked backward tests/test_gpu_backward.py scripts/sanitize_backward.py -x tests/test_gpu_backward_variants.py
   for name in $names; do
-    python3 -P -c "import sys; sys.path.insert(0, 'tests'); from test_gpu_backward import training_spec; open('/tmp/$name.fa', 'w').write(training_spec('$name'))"
+    python3 -P -c "import sys; sys.path.insert(0, 'tests'); from training_specs import training_spec; open('/tmp/$name.fa', 'w').write(training_spec('$name'))"
   done
   for group in ${BWD_SPECS:-}; do
     name=${group%%=*}
@@ -211,7 +211,7 @@ fi
 if [[ $steps == *" bwdtrace "* ]]; then
   for spec in ${BWD_TRACE_SPECS:-examples/fa3_hopper.fa examples/fa3_causal.fa examples/fa3_hdim64.fa examples/fa3_hdim64_causal.fa}; do
     if [[ ! -f $spec ]]; then  # a training variant's name, as BWD_SPECS takes (NAME+KEY...)
-      python3 -P -c "import sys; sys.path.insert(0, 'tests'); from test_gpu_backward import training_spec; open('/tmp/$spec.fa', 'w').write(training_spec('$spec'))"
+      python3 -P -c "import sys; sys.path.insert(0, 'tests'); from training_specs import training_spec; open('/tmp/$spec.fa', 'w').write(training_spec('$spec'))"
       spec=/tmp/$spec.fa
     fi
     for seqlen in ${BWD_TRACE_SEQLENS:-1024 16384}; do

@@ -4,7 +4,7 @@ windowed specs of tests/gpu_specs.py, for the local GPU's
 architecture (or the one given: python3 scripts/prebuild.py sm_90a).
 
 ``python3 scripts/prebuild.py --backward [NAME ...]`` builds instead the forward and backward
-cubins of tests/test_gpu_backward.py's training specs (its training_spec names: every one
+cubins of tests/test_gpu_backward.py's training specs (tests/training_specs.py's names: every one
 the tests and scripts/sanitize_backward.py load, and the NAMEs given, e.g. the variants a
 backward bench times); ``--backward-only NAME ...`` builds the NAMEs alone."""
 
@@ -30,7 +30,7 @@ def build(job: tuple[str, str, str]) -> str:
 
 
 def build_training(job: tuple[str, str, str]) -> str:
-    from test_gpu_backward import training_spec
+    from training_specs import training_spec
 
     import fadsl
     from fadsl.ir import Dtype

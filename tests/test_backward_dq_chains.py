@@ -28,7 +28,7 @@ from fadsl.pipeline import compile_source
 from fadsl.targets.sm90.backward import host
 from fadsl.targets.sm90.backward.tune_space import candidates, knobs_of, label_of
 from fadsl.tools.report import explain_data, explain_text
-from test_gpu_backward import training_spec
+from training_specs import training_spec
 
 FILE = "chains.fa"
 WRITER = "fa3_hdim64+deterministic+dq_writer-dqred+p32"

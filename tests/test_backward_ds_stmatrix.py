@@ -27,7 +27,8 @@ from fadsl.build.spill_check import check_registers, find_compiler
 from fadsl.codegen.render import render_backward
 from fadsl.errors import SpecError
 from fadsl.pipeline import compile_source
-from test_gpu_backward import DS_STMATRIX, training_spec
+from test_gpu_backward import DS_STMATRIX
+from training_specs import training_spec
 from host_program import run_host_program
 
 ROW_BYTES = 128  # a key's row of one 64-query panel (the 128-byte swizzle's row)

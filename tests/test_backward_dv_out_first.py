@@ -27,7 +27,7 @@ from fadsl.targets.sm90.backward.protocol import protocol
 from fadsl.targets.sm90.backward.tune_space import candidates
 from fadsl.targets.sm90.backward.verify import check_protocol
 from fadsl.tools import sass
-from test_gpu_backward import training_spec
+from training_specs import training_spec
 
 FILE = "dv_out_first.fa"
 # the lagged consumer's dQ splits with dK and dV by TMA: transposed (B_r 80), by head_dim

@@ -153,7 +153,7 @@ def test_the_dq_writer_variants_fit_their_registers():
     compiler, name = find_compiler()
     if compiler is None:
         pytest.skip(name)
-    from test_gpu_backward import training_spec
+    from training_specs import training_spec
 
     names = [f"{e}+{det}dq_writer-dqred" for e in ("fa3_causal", "fa3_hdim64_causal")
              for det in ("", "deterministic+")]  # fmt: skip

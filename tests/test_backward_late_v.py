@@ -37,7 +37,7 @@ from fadsl.targets.sm90.backward.protocol import protocol
 from fadsl.targets.sm90.backward.verify import check_protocol
 from fadsl.targets.sm90.backward.verify_space import parameter_space
 from fadsl.targets.sm90.variants import variant_lines
-from test_gpu_backward import training_spec
+from training_specs import training_spec
 from test_verify_backward_header import expected_calls
 
 FILE = "late_v.fa"

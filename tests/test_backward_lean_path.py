@@ -40,7 +40,7 @@ def m_block_loop(spec):
     import fadsl
     from fadsl.ir import Dtype
     from fadsl.tools import sass
-    from test_gpu_backward import training_spec
+    from training_specs import training_spec
 
     tool = sass.nvdisasm()
     if tool is None or not nvrtc_available():

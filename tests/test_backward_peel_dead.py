@@ -35,7 +35,7 @@ from fadsl.targets.sm90.backward.program import (
 from fadsl.targets.sm90.backward.protocol import protocol
 from fadsl.targets.sm90.backward.verify import check_protocol, peel_cases
 from fadsl.targets.sm90.backward.verify_space import parameter_space
-from test_gpu_backward import training_spec
+from training_specs import training_spec
 
 ROOT = Path(__file__).resolve().parents[1]
 

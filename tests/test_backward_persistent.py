@@ -25,7 +25,7 @@ from fadsl.targets.sm90.backward.verify import (
     persistent_space,
     tile_counts,
 )
-from test_gpu_backward import training_spec
+from training_specs import training_spec
 
 FILE = "persistent.fa"
 EXAMPLES = ("fa3_hopper", "fa3_causal", "fa3_hdim64", "fa3_hdim64_causal")

@@ -20,7 +20,7 @@ import torch
 import fadsl
 import fake_cuda
 from conftest import ROOT
-from test_gpu_backward import training_spec
+from training_specs import training_spec
 
 from fadsl.runtime.plans import PlanCache
 from fadsl.targets.sm90.backward import host, launch_plan

@@ -25,7 +25,7 @@ from fadsl.targets.sm90.backward.program import Params, WarpRole
 from fadsl.targets.sm90.backward.protocol import protocol
 from fadsl.targets.sm90.backward.tune_space import candidates
 from fadsl.tools import sass
-from test_gpu_backward import training_spec
+from training_specs import training_spec
 
 FILE = "prefetch.fa"
 EXAMPLES = ("fa3_hopper", "fa3_causal", "fa3_hdim64_causal")

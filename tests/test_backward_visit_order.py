@@ -10,7 +10,7 @@ import pytest
 
 import fadsl
 from fadsl.targets.sm90.backward import host
-from test_gpu_backward import training_spec
+from training_specs import training_spec
 from test_gpu_backward_variants import spec_text
 
 

@@ -13,7 +13,7 @@ import torch
 
 import fadsl
 from conftest import ROOT
-from test_gpu_backward import training_spec
+from training_specs import training_spec
 
 from fadsl.runtime.plans import PlanCache
 

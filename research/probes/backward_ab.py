@@ -13,7 +13,7 @@ Usage (a Hopper GPU): python3 -P research/probes/backward_ab.py examples/fa3_hop
   [--against OTHER.fa ...]
 --against: other specs of the same head_dim and mask (another backward block), each timed
 as shipped beside the sets, on the same tensors: a spec file, or a training variant's name
-as tests/test_gpu_backward.py's training_spec reads it (fa3_causal+prefetch_kv); the
+as tests/training_specs.py's training_spec reads it (fa3_causal+prefetch_kv); the
 energy per call is printed too (at the board's power cap a backward's speed is its work
 per joule). A spec with score or mask modifiers (examples/modifiers/) gets its inputs from
 modifier_inputs, the same for every contender (so the --against specs declare the same).
@@ -43,7 +43,7 @@ def _spec_text(spec: str) -> str:
     if pathlib.Path(spec).is_file():
         return pathlib.Path(spec).read_text()
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "tests"))
-    from test_gpu_backward import training_spec
+    from training_specs import training_spec
 
     return training_spec(spec)
 
