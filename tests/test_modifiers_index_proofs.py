@@ -3,7 +3,9 @@ whatever check_modifiers accepts stays inside the input's dimension, never divid
 and keeps every integer value inside the i32 range, for every size a call may have (up to
 ``Modifiers.longest``) and every index. The reference is Python's exact integers
 (tests/modifier_eval.py, Python's // and % as the kernel's floordiv and floormod): a load the
-proof lets through that reads outside its input would be an out-of-bounds read on the GPU."""
+proof lets through that reads outside its input would be an out-of-bounds read on the GPU.
+Likewise for values with floats and floors in them (a score): every int the kernel computes
+fits an i32 (a floor's conversion included), every float stays below fp32's largest."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from fadsl.ir.expr import (
     Binary,
     Dim,
     ExprType,
+    FnCall,
     Load,
     Unary,
     dim_size,
@@ -94,7 +97,7 @@ def checked_index(expr: str, dim: str):
 
 def sizes_strategy(longest: int | None):
     top = DIM_MAX[Dim.SEQLEN_Q] if longest is None else longest
-    seqlen = st.one_of(st.integers(1, 300), st.integers(1, top), st.just(top))
+    seqlen = st.one_of(st.integers(1, min(300, top)), st.integers(1, top), st.just(top))
     grid = st.one_of(st.integers(1, 20), st.just(DIM_MAX[Dim.BATCH]))
     return st.fixed_dictionaries(
         {
@@ -150,3 +153,60 @@ def test_a_floor_division_by_a_negative_constant_is_bounded():
     assert checked_index("clamp(q_idx * abs(q_idx // -3), 0, {last})", "seqlen_k") is None
     assert checked_index("clamp(q_idx // -1 + kv_idx, 0, {last})", "seqlen_k") is not None
     assert checked_index("clamp(q_idx // 2 * 3, 0, {last})", "seqlen_k") is not None
+
+
+FLOAT_MAX = 3.4028234663852886e38
+
+
+def combine_floats(children):
+    """combine's integer forms and forms through floats: a float factor, a quotient, a floor,
+    exp and log of bounded arguments."""
+    return st.one_of(
+        combine(children),
+        forms(
+            children,
+            "floor({0} * 1.5)",
+            "floor({0} * 3.0)",
+            "floor({0} / {1})",
+            "floor({0} / 7)",
+            "({0} * 1.0e30)",
+            "floor({0} * 2.5e8)",
+            "floor(exp(min({0}, 80)))",
+            "floor(log(max({0}, 1)) * {c})",
+            "floor(tanh({0}) * 1.0e10)",
+        ),
+    )
+
+
+VALUES = st.recursive(
+    st.one_of(st.sampled_from(LEAVES), st.integers(-3, 300).map(str)),
+    combine_floats,
+    max_leaves=5,
+)
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=list(HealthCheck))
+@given(expr=VALUES, data=st.data())
+def test_an_accepted_value_fits_its_type(expr, data):
+    try:
+        m = front_end(spec(f"score s + 1.0 * ({expr})"), "mods.fa").config.modifiers
+    except SpecError:
+        return  # refused: nothing to hold
+    for _ in range(4):
+        sizes = data.draw(sizes_strategy(m.longest))
+        env = {d.value: n for d, n in sizes.items()}
+        env |= {
+            "s": 0.0,
+            "q_idx": data.draw(index_value(sizes[Dim.SEQLEN_Q])),
+            "kv_idx": data.draw(index_value(sizes[Dim.SEQLEN_K])),
+            "b": data.draw(index_value(sizes[Dim.BATCH])),
+            "h": data.draw(index_value(sizes[Dim.HEADS])),
+        }
+        for node in walk(m.score):
+            if not isinstance(node, (Binary, Unary, FnCall)) or node.type is ExprType.BOOL:
+                continue
+            value = evaluate(node, env)  # (a division by zero raises: a failure too)
+            if node.type is ExprType.I32:
+                assert INT_MIN <= value <= INT_MAX, (text(node), env, m.longest)
+            else:
+                assert abs(value) <= FLOAT_MAX, (text(node), env, m.longest)
