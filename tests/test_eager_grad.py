@@ -128,7 +128,7 @@ def test_fadsl_attention_eagerly_matches_its_op(calls, monkeypatch):
     kern = fadsl.load(CAUSAL, verbose=False)
     picked = []
 
-    def attention_kernel(q, causal, window_size=(-1, -1), softcap=0.0):
+    def attention_kernel(q, causal, window_size=(-1, -1), softcap=0.0, deterministic=False):
         picked.append((causal, tuple(window_size), softcap))
         return kern
 

@@ -458,13 +458,17 @@ def stable_and_right(name: str, shape: tuple, runs: int, seed: int) -> None:
     """``runs`` backwards of spec ``name`` on the same tensors give bitwise-identical dQ, dK
     and dV, within FlashAttention's rule of the float32 reference."""
     kern = kernel(name)
-    d = kern.config.head_dim
     causal = kern.config.mask.value == "causal"
+    stable_and_right_call(kern, kern.config.head_dim, causal, shape, runs, seed)
+
+
+def stable_and_right_call(call, d: int, causal: bool, shape: tuple, runs: int, seed: int):
+    """stable_and_right of ``call(q, k, v)`` (head_dim ``d``, the mask ``causal``)."""
     q, k, v, dout = inputs(shape, torch.bfloat16, d, seed=seed)
     grads = []
     for _ in range(runs):
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-        kern(*leaves).backward(dout)
+        call(*leaves).backward(dout)
         grads.append([t.grad for t in leaves])
     for later in grads[1:]:
         for a, b in zip(grads[0], later):
@@ -589,3 +593,21 @@ def test_fused_convert_matches_its_unfused_twin(name, shape):
         assert a.isfinite().all(), f"{what}: not finite"
         scale = b.abs().max().item() + 1e-6
         assert torch.allclose(a, b, rtol=2e-2, atol=2e-3 * scale), f"{what} differs"
+
+
+@pytest.mark.parametrize("shape", DETERMINISTIC_SHAPES, ids=["visit_order", "n_block_order"])
+@pytest.mark.parametrize("head_dim, causal", [(64, False), (64, True), (128, False), (128, True)])
+def test_public_deterministic_gradients(head_dim, causal, shape):
+    """fadsl.attention(..., deterministic=True): the shipped spec's deterministic twin
+    (fadsl/targets/sm90/variants.py), eagerly and through torch.compile(fullgraph=True)."""
+
+    def call(q, k, v):
+        return fadsl.attention(q, k, v, causal=causal, deterministic=True)
+
+    stable_and_right_call(call, head_dim, causal, shape, runs=10, seed=11)
+    q, k, v, dout = inputs(shape, torch.bfloat16, head_dim, seed=12)
+    eager, compiled = ([t.clone().requires_grad_() for t in (q, k, v)] for _ in range(2))
+    call(*eager).backward(dout)
+    torch.compile(call, fullgraph=True)(*compiled).backward(dout)
+    for a, b in zip(eager, compiled):
+        assert torch.equal(a.grad, b.grad)  # the same kernels: bitwise

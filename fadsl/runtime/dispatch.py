@@ -64,31 +64,46 @@ def _short_or(name: str, short: tuple[int, str] | None, seqlen_q) -> str:
     return name
 
 
-def attention_kernel(q, causal: bool, window_size=(-1, -1), softcap=0.0) -> FlashAttention:
+def attention_kernel(
+    q, causal: bool, window_size=(-1, -1), softcap=0.0, deterministic: bool = False
+) -> FlashAttention:
     """The shipped spec's kernel for q's GPU, head dimension, mask and query length (a spec
     for short queries where the target ships one), loaded once (then built once and cached
-    like any spec); with a sliding window or a softcap, its variant (attention_variant),
-    chosen once per (device, spec, mask, window, softcap)."""
+    like any spec); with a sliding window, a softcap or ``deterministic`` (a backward whose
+    gradients are bitwise the same run to run), its variant (attention_variant), chosen once
+    per (device, spec, mask, window, softcap, deterministic)."""
     # int(head_dim): under torch.compile(dynamic=True) a size is a SymInt; the kernel is
     # chosen by its value (a guard), as a spec's own head_dim is fixed; seqlen_q is only
     # compared with the short spec's limit (shipped_spec)
     window = tuple(window_size) if isinstance(window_size, (tuple, list)) else window_size
     capability, head_dim = device_capability(q.device), int(q.shape[-1])
     name = shipped_spec(capability, head_dim, causal, q.shape[1])
-    if window == (-1, -1) and type(softcap) in (int, float) and softcap == 0:
+    plain = window == (-1, -1) and type(softcap) in (int, float) and softcap == 0
+    if plain and deterministic is False:
         return _shipped(name)
-    key = ("attention", q.device, name, *_typed(causal, window, softcap))
+    key = ("attention", q.device, name, *_typed(causal, window, softcap, deterministic))
 
     def choose() -> FlashAttention:
         base = data_dir("examples").joinpath(f"{name}.fa").read_text()
-        variant, text = attention_variant(name, base, causal, window_size, softcap)
+        asked = f"window_size={tuple(window_size)}, softcap={softcap}"
+        if deterministic is not False:
+            if type(deterministic) is not bool:
+                raise TypeError(f"deterministic must be True or False, got {deterministic!r}")
+            if not plain:
+                raise ValueError(
+                    f"deterministic=True with {asked}: deterministic backward blocks are "
+                    "built for the plain masks (no window, no softcap) so far"
+                )
+            asked = "deterministic=True"
         try:
+            variant, text = attention_variant(
+                name, base, causal, window_size, softcap, deterministic=deterministic
+            )
             return load(text, verbose=False)
-        except SpecError as err:  # e.g. a target that has no sliding window or softcap
-            first = err.diagnostics[0].message if err.diagnostics else str(err)
+        except (SpecError, ValueError) as err:  # e.g. a target without a window or softcap
+            first = err.diagnostics[0].message if getattr(err, "diagnostics", None) else str(err)
             raise ValueError(
-                f"window_size={tuple(window_size)}, softcap={softcap}: the shipped spec "
-                f"{name} cannot take them on this GPU ({first})"
+                f"{asked}: the shipped spec {name} cannot take them on this GPU ({first})"
             ) from None
 
     return _chosen(key, choose)
@@ -207,13 +222,21 @@ def _shipped(name: str) -> FlashAttention:
     return kern
 
 
-def attention_variant(name: str, base: str, causal: bool, window_size, softcap) -> tuple[str, str]:
+def attention_variant(
+    name: str, base: str, causal: bool, window_size, softcap, deterministic: bool = False
+) -> tuple[str, str]:
     """(name, text) of the shipped spec ``base`` with a call's mask and softcap
     (serving_settings, which checks them) and the lines its target needs beside them
     (``Target.variant_lines``; sm_90a: `cluster 1` with K and V per CTA and `tail whole`
-    for a window, 2 consumer warpgroups and a B_r 64 backward for a softcap)."""
+    for a window, 2 consumer warpgroups and a B_r 64 backward for a softcap, the ordered
+    dQ adds' backward block for ``deterministic``)."""
     settings = serving_settings(causal, window_size, softcap)
-    return variant_name(name, settings), _with_lines(name, base, settings, causal, forward=True)
+    text = _with_lines(name, base, settings, causal, forward=True, deterministic=deterministic)
+    return _named(name, settings, deterministic), text
+
+
+def _named(name: str, settings: dict[str, str], deterministic: bool) -> str:
+    return variant_name(name, {**settings, **({"bwd": "deterministic"} if deterministic else {})})
 
 
 def serving_variant(name: str, settings: dict[str, str]) -> str:
@@ -224,16 +247,25 @@ def serving_variant(name: str, settings: dict[str, str]) -> str:
     return _with_lines(name, base, settings, causal, forward=False)
 
 
-def _with_lines(name: str, base: str, settings: dict[str, str], causal: bool, forward: bool) -> str:
+def _with_lines(
+    name: str,
+    base: str,
+    settings: dict[str, str],
+    causal: bool,
+    forward: bool,
+    deterministic: bool = False,
+) -> str:
     """``base`` with the call's ``settings`` and the target's variant lines (the forward's
     too where ``forward``: the serving specs take the call's lines alone there)."""
-    variant = variant_name(name, settings)
+    variant = _named(name, settings, deterministic)
     windowed, capped = "window" in settings["mask"], "softcap" in settings
     lines = None
-    if windowed or capped:  # (a call without either writes its lines without parsing the spec)
+    if windowed or capped or deterministic:  # (else the call's lines, the spec not parsed)
         kernel = front_end(base, f"{name}.fa")
         hook = targets.get(kernel.config.target).variant_lines
-        lines = hook(kernel, windowed, capped, causal) if hook is not None else None
+        if hook is None and deterministic:
+            raise ValueError(f"target {kernel.config.target} has no deterministic backward")
+        lines = hook(kernel, windowed, capped, causal, deterministic) if hook else None
     if lines is None:
         return rewrite(base, settings, {}, variant)
     text = rewrite(

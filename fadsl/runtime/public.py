@@ -74,6 +74,7 @@ def attention(
     window_size=(-1, -1),
     softcap=0.0,
     return_lse=False,
+    deterministic=False,
 ):
     """softmax(q k^T * softmax_scale [+ causal mask]) v through a shipped spec for q's GPU.
 
@@ -93,10 +94,15 @@ def attention(
     or a softcap runs the shipped spec's variant with them (built on its first call).
     Returns out, or (out, lse) with ``return_lse`` (lse: float32, natural log, shape
     (batch, heads_q, seqlen_q)). Gradients flow through q, k and v (and the LSE) where the
-    shipped spec has a backward, windows and softcap included. torch.compile(fullgraph=True)
+    shipped spec has a backward, windows and softcap included. deterministic: the gradients
+    bitwise the same run to run (dQ's adds in a fixed order: the shipped spec's backward
+    with `deterministic on`, docs/backward.md; about 0.88-0.96x the default's speed; no
+    window or softcap with it). torch.compile(fullgraph=True)
     traces it. The same checks and messages as a loaded spec's call.
     """
     key = None
+    if deterministic is not False:  # (checked before any plan: a plan's key leaves it out)
+        _check_flag("deterministic", deterministic)
     plain = q_descale is None and k_descale is None and v_descale is None and out_dtype is None
     if plain and not torch.compiler.is_compiling():  # a call of a signature met before
         key, plan = planned.attention_lookup(q, k, v, causal, softmax_scale, window_size,
@@ -117,7 +123,7 @@ def attention(
     if grad or compiling:
         check_scale(softmax_scale, 1)  # (named here, not by the op's schema)
     if grad and not compiling:  # eagerly: the kernels without the dispatcher (eager_grad.py)
-        kern = dispatch.attention_kernel(q, causal, (left, right), float(softcap))
+        kern = dispatch.attention_kernel(q, causal, (left, right), float(softcap), deterministic)
         if kern.has_backward:  # (else the op, whose backward says there is none)
             scale = check_scale(softmax_scale, kern.config.head_dim)
             out, lse = eager_grad.attention(kern, scale, q, k, v)
@@ -125,8 +131,9 @@ def attention(
     if grad or compiling:
         # with gradients the LSE is saved for the backward whether or not the caller asked
         out, lse = public_ops.attention(
-            q, k, v, causal, softmax_scale, left, right, float(softcap), return_lse or grad
-        )
+            q, k, v, causal, softmax_scale, left, right, float(softcap), return_lse or grad,
+            deterministic,
+        )  # fmt: skip
         return (out, lse) if return_lse else out
     return planned.attention_call(key, q, k, v, causal, softmax_scale, return_lse, window_size,
                                   softcap)  # fmt: skip

@@ -145,7 +145,9 @@ def attention(
     window_right: int,
     softcap: float,
     with_lse: bool,
+    deterministic: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    # (the forward is the same kernel either way: `deterministic` picks the backward's block)
     window = concrete(window_left, window_right)
     (cap,) = concrete(softcap)
     if with_lse:
@@ -154,9 +156,10 @@ def attention(
 
 
 @attention.register_fake
-def _(q, k, v, causal, softmax_scale, window_left, window_right, softcap, with_lse):
+def _(q, k, v, causal, softmax_scale, window_left, window_right, softcap, with_lse,
+      deterministic=False):  # fmt: skip
     kern = dispatch.attention_kernel(
-        q, causal, concrete(window_left, window_right), *concrete(softcap)
+        q, causal, concrete(window_left, window_right), *concrete(softcap), deterministic
     )
     check_scale(softmax_scale, kern.config.head_dim)
     kern.check_inputs(q, k, v)
@@ -179,21 +182,23 @@ def attention_backward(
     window_left: int,
     window_right: int,
     softcap: float,
+    deterministic: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    kern = _with_backward(q, causal, window_left, window_right, softcap)
+    kern = _with_backward(q, causal, window_left, window_right, softcap, deterministic)
     scale = check_scale(softmax_scale, kern.config.head_dim)
     return kern.backward(q, k, v, out, lse, dout, dlse, scale)
 
 
 @attention_backward.register_fake
-def _(q, k, v, out, lse, dout, dlse, causal, softmax_scale, window_left, window_right, softcap):
-    _with_backward(q, causal, window_left, window_right, softcap)
+def _(q, k, v, out, lse, dout, dlse, causal, softmax_scale, window_left, window_right, softcap,
+      deterministic=False):  # fmt: skip
+    _with_backward(q, causal, window_left, window_right, softcap, deterministic)
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
-def _with_backward(q, causal: bool, window_left, window_right, softcap):
+def _with_backward(q, causal: bool, window_left, window_right, softcap, deterministic=False):
     window = concrete(window_left, window_right)
-    kern = dispatch.attention_kernel(q, causal, window, *concrete(softcap))
+    kern = dispatch.attention_kernel(q, causal, window, *concrete(softcap), deterministic)
     if not kern.has_backward:
         raise RuntimeError(
             f"fadsl.attention: the spec it runs here ({kern.config.name}) has no backward "
@@ -204,8 +209,9 @@ def _with_backward(q, causal: bool, window_left, window_right, softcap):
 
 
 def _save(ctx, inputs, output) -> None:
-    q, k, v, causal, softmax_scale, window_left, window_right, softcap, _ = inputs
+    q, k, v, causal, softmax_scale, window_left, window_right, softcap, _, *deterministic = inputs
     out, lse = output
+    ctx.deterministic = bool(deterministic and deterministic[0])
     ctx.causal, ctx.softmax_scale = causal, softmax_scale
     ctx.window, ctx.softcap = (window_left, window_right), softcap
     ctx.save_for_backward(q, k, v, out, lse)
@@ -220,9 +226,9 @@ def _attention_grad(ctx, grad_out, grad_lse):
         )
     dq, dk, dv = attention_backward(
         q, k, v, out, lse, grad_out, grad_lse, ctx.causal, ctx.softmax_scale, *ctx.window,
-        ctx.softcap,
+        ctx.softcap, ctx.deterministic,
     )  # fmt: skip
-    return dq, dk, dv, None, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, None, None
 
 
 attention.register_autograd(_attention_grad, setup_context=_save)

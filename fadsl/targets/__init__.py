@@ -197,7 +197,7 @@ class Target:
     # The lines a compiled spec needs beside a call's sliding window or softcap
     # (kernel, windowed, capped, causal) -> VariantLines; None: the spec takes the call's mask
     # and softcap lines alone.
-    variant_lines: Callable[[Kernel, bool, bool, bool], VariantLines] | None = None
+    variant_lines: Callable[[Kernel, bool, bool, bool, bool], VariantLines] | None = None
 
 
 def names() -> tuple[str, ...]:

@@ -1,14 +1,15 @@
 """How an sm_90a spec takes a call's sliding window or softcap (fadsl.attention's variants of
 the shipped examples, and the serving calls' of the serving specs): the lines besides the
 mask and softcap lines themselves that the target's sharing and registers need
-(``Target.variant_lines``; fadsl/runtime/dispatch.py writes them into the spec's text)."""
+(``Target.variant_lines``; fadsl/runtime/dispatch.py writes them into the spec's text); and
+the backward block a call's ``deterministic=True`` runs."""
 
 from __future__ import annotations
 
-from ...ir import GradRole, Kernel
+from ...ir import GradRole, Kernel, Mask
 from .. import VariantLines
 from .backward.plan_smem import split_head_dim
-from .backward.validate import PATHS
+from .backward.validate import PATHS, TRANSPOSED_BLOCK_M, WIDE_BLOCK_M
 
 # A window runs neither CTA pairs (`cluster 2`: their K/V blocks are shared, a window's are
 # each tile's own) nor split tiles (`tail split_kv`)
@@ -34,9 +35,58 @@ SOFTCAP_ORDER = {True: "on", False: "off"}  # causal -> `overlap`
 # no spill, NVRTC 13.5, tests/test_backward_hdim256_build.py), so its block is left alone.
 
 
-def variant_lines(kernel: Kernel, windowed: bool, capped: bool, causal: bool) -> VariantLines:
+# Deterministic mode: dQ's adds ordered by the writer warps (staged dQ), each example's block
+# as timed fastest (research/probes/backward_ab.py, deterministic x the example, H100,
+# 2026-12-06, docs/performance.md): causal blocks keep their lag (0.92-0.96x at 4k and 16k);
+# the others meet at dS^T (the lag's order loses with the ordered adds), B_r 80 with 2 stages
+# (0.90-0.93x), head_dim 64 at B_r 128 with the writer's 32 registers (at 24 it spills); head
+# dim 64 adds in two chains of tickets (0.88-0.90x, one chain 0.85-0.86x); a persistent
+# block runs on the grid (the ordered adds refuse it).
+DETERMINISTIC = {"deterministic": "on", "dq_writer": "on", "fused_convert": "off"}
+DETERMINISTIC_MEETING = {"dq_lag": "off", "dq_first": "off", "late_v": "off", "peel_dead": "off"}
+DETERMINISTIC_STAGES = {TRANSPOSED_BLOCK_M: "2"}
+DETERMINISTIC_REGISTERS = {WIDE_BLOCK_M: "producer = 32, consumers = 232"}
+DETERMINISTIC_CHAINS = {64: "2"}  # head_dim -> dq_chains
+
+
+def deterministic_lines(kernel: Kernel) -> tuple[dict[str, str], dict[str, str]]:
+    """The backward block's settings and paths (tensor -> path text) of ``kernel``'s
+    deterministic twin (DETERMINISTIC above)."""
+    bwd, cfg = kernel.backward, kernel.config
+    settings = dict(DETERMINISTIC)
+    paths = {GradRole.DQ.value: PATHS[GradRole.DQ].text()}  # staged: the writer adds it
+    if bwd.persistent:
+        settings["scheduler"] = "grid"
+    if not (bwd.dq_lag and cfg.mask is Mask.CAUSAL):
+        settings |= DETERMINISTIC_MEETING
+        # dK and dV from registers: their TMA path is the lagged consumer's
+        paths |= {g.value: PATHS[g].text() for g in (GradRole.DK, GradRole.DV)}
+        if bwd.block_m in DETERMINISTIC_STAGES:
+            settings["stages"] = DETERMINISTIC_STAGES[bwd.block_m]
+        if bwd.block_m in DETERMINISTIC_REGISTERS:
+            settings["registers"] = DETERMINISTIC_REGISTERS[bwd.block_m]
+    if cfg.head_dim in DETERMINISTIC_CHAINS:
+        settings["dq_chains"] = DETERMINISTIC_CHAINS[cfg.head_dim]
+    return settings, paths
+
+
+def variant_lines(
+    kernel: Kernel, windowed: bool, capped: bool, causal: bool, deterministic: bool = False
+) -> VariantLines:
     """The lines ``kernel`` (a shipped spec, as compiled) needs beside a call's window
-    (``windowed``) or softcap (``capped``), forward and backward."""
+    (``windowed``) or softcap (``capped``), forward and backward; with ``deterministic`` (a
+    call without either) its deterministic twin's backward block."""
+    if deterministic:
+        if windowed or capped or kernel.backward is None:
+            raise ValueError("deterministic backward blocks are built for the plain masks")
+        if split_head_dim(kernel.config.head_dim):
+            raise ValueError(
+                f"head_dim {kernel.config.head_dim}'s backward adds dQ from registers (its "
+                "staging does not fit in SMEM), so its adds cannot be ordered: no deterministic "
+                "mode there"
+            )
+        backward, backward_paths = deterministic_lines(kernel)
+        return VariantLines({}, {}, backward, backward_paths)
     cfg = kernel.config
     ext = cfg.ext
     settings: dict[str, str] = {}
