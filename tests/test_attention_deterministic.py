@@ -94,3 +94,20 @@ def test_the_plain_call_keeps_the_shipped_kernel(hopper):
     assert det.config.name == "fa3_hopper_nomask_deterministic"
     assert det.compiled.kernel.backward.deterministic
     assert dispatch.attention_kernel(FakeQ(), False, (-1, -1), 0.0, True) is det  # cached
+
+
+def test_the_flag_is_checked_without_gradients_too():
+    # (a forward-only call runs the plain forward, but the refusal must not depend on it)
+    t = torch.zeros(1, 4, 2, 128)
+    with pytest.raises(ValueError, match="deterministic=True with window_size=\\(128, 0\\)"):
+        fadsl.attention(t, t, t, window_size=(128, 0), deterministic=True)
+    with pytest.raises(ValueError, match="softcap=30"):
+        fadsl.attention(t, t, t, softcap=30, deterministic=True)
+
+
+def test_a_bad_window_keeps_its_own_message(hopper):
+    with pytest.raises(ValueError) as err:
+        dispatch.attention_kernel(FakeQ(), False, (-5, 2), 0.0)
+    assert str(err.value).startswith("window_size must hold -1")
+    with pytest.raises(TypeError, match="window_size must be a pair of ints"):
+        dispatch.attention_kernel(FakeQ(), False, 5, 0.0)

@@ -85,16 +85,8 @@ def attention_kernel(
 
     def choose() -> FlashAttention:
         base = data_dir("examples").joinpath(f"{name}.fa").read_text()
-        asked = f"window_size={tuple(window_size)}, softcap={softcap}"
-        if deterministic is not False:
-            if type(deterministic) is not bool:
-                raise TypeError(f"deterministic must be True or False, got {deterministic!r}")
-            if not plain:
-                raise ValueError(
-                    f"deterministic=True with {asked}: deterministic backward blocks are "
-                    "built for the plain masks (no window, no softcap) so far"
-                )
-            asked = "deterministic=True"
+        check_deterministic(deterministic, window_size, softcap)
+        serving_settings(causal, window_size, softcap)  # (checked first: its own messages)
         try:
             variant, text = attention_variant(
                 name, base, causal, window_size, softcap, deterministic=deterministic
@@ -102,8 +94,10 @@ def attention_kernel(
             return load(text, verbose=False)
         except (SpecError, ValueError) as err:  # e.g. a target without a window or softcap
             first = err.diagnostics[0].message if getattr(err, "diagnostics", None) else str(err)
+            asked = f"window_size={tuple(window_size)}, softcap={softcap}"
             raise ValueError(
-                f"{asked}: the shipped spec {name} cannot take them on this GPU ({first})"
+                f"{'deterministic=True' if deterministic else asked}: the shipped spec {name} "
+                f"cannot take them on this GPU ({first})"
             ) from None
 
     return _chosen(key, choose)
@@ -220,6 +214,22 @@ def _shipped(name: str) -> FlashAttention:
         text = data_dir("examples").joinpath(f"{name}.fa").read_text()
         kern = _LOADED[name] = load(text, verbose=False)
     return kern
+
+
+def check_deterministic(deterministic, window_size, softcap) -> None:
+    """A call's ``deterministic`` flag: a bool, and only with the plain masks (the
+    deterministic twins have no window or softcap yet)."""
+    if deterministic is False:
+        return
+    if type(deterministic) is not bool:
+        raise TypeError(f"deterministic must be True or False, got {deterministic!r}")
+    window = tuple(window_size) if isinstance(window_size, (tuple, list)) else window_size
+    if window != (-1, -1) or softcap:
+        raise ValueError(
+            f"deterministic=True with window_size={window_size}, softcap={softcap}: "
+            "deterministic backward blocks are built for the plain masks (no window, no "
+            "softcap) so far"
+        )
 
 
 def attention_variant(
