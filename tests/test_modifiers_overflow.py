@@ -93,6 +93,13 @@ def test_a_floor_past_the_i32_range_is_refused_or_bounded():
     assert modifiers("score s + 1.0 * floor(q_idx * 1.5)").longest is None  # 1.61e9 fits
 
 
+@pytest.mark.parametrize("expr", ["(q_idx - 2147483647 - 1) // -1", "abs(q_idx - 2147483647 - 1)"])
+def test_a_quotient_or_abs_past_the_i32_range_is_refused(expr):
+    # -2^31 // -1 and abs(-2^31) are 2^31: no i32 (found by a review, 2026-12-06)
+    with pytest.raises(SpecError, match="may overflow an i32"):
+        modifiers(f"score s + 1.0 * ({expr})")
+
+
 def test_exp_past_floats_is_a_located_error():
     # exp(1000.0)'s value bound was math.exp(1000): an OverflowError, not the spec's error
     with pytest.raises(SpecError, match="exp\\(\\) of '1000.0' may overflow"):

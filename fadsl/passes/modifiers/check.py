@@ -342,8 +342,8 @@ class _Checker:
         numeric = I32 if all(a.type is I32 for a in args) else F32
         call = FnCall(fn, args, e.loc)
         match fn:
-            case Fn.ABS:
-                return replace(call, type=numeric), rg.absolute(x, self.tops)
+            case Fn.ABS:  # (abs of -2^31 is no i32)
+                return replace(call, type=numeric), self.fits(e, numeric, rg.absolute(x, self.tops))
             case Fn.MIN:
                 return replace(call, type=numeric), rg.minimum(x, found[1], self.tops)
             case Fn.MAX:
@@ -479,10 +479,10 @@ class _Checker:
             return replace(node, type=F32 if op is BinOp.DIV else I32), rg.UNBOUNDED
         if op is BinOp.DIV:
             return replace(node, type=F32), self.fits(e, F32, rg.div(ra, rb, self.tops))
-        found = (
-            rg.floordiv(ra, rb, self.tops) if op is BinOp.FLOORDIV else rg.mod(ra, rb, self.tops)
-        )
-        return replace(node, type=I32), found
+        if op is BinOp.MOD:
+            return replace(node, type=I32), rg.mod(ra, rb, self.tops)
+        # (-2^31 // -1 is no i32)
+        return replace(node, type=I32), self.fits(e, I32, rg.floordiv(ra, rb, self.tops))
 
     def fits(self, e: Expr, kind: ExprType, found: rg.Interval) -> rg.Interval:
         """``found``, the range of ``e``'s value, with an error at ``e`` where it does not
