@@ -78,14 +78,13 @@ def attention_kernel(
     window = tuple(window_size) if isinstance(window_size, (tuple, list)) else window_size
     capability, head_dim = device_capability(q.device), int(q.shape[-1])
     name = shipped_spec(capability, head_dim, causal, q.shape[1])
-    plain = window == (-1, -1) and type(softcap) in (int, float) and softcap == 0
-    if plain and deterministic is False:
+    check_deterministic(deterministic, window_size, softcap)
+    if window == (-1, -1) and type(softcap) in (int, float) and softcap == 0 and not deterministic:
         return _shipped(name)
     key = ("attention", q.device, name, *_typed(causal, window, softcap, deterministic))
 
     def choose() -> FlashAttention:
         base = data_dir("examples").joinpath(f"{name}.fa").read_text()
-        check_deterministic(deterministic, window_size, softcap)
         serving_settings(causal, window_size, softcap)  # (checked first: its own messages)
         try:
             variant, text = attention_variant(

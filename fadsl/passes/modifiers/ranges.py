@@ -209,12 +209,15 @@ def div(x: Interval, y: Interval, tops: dict = DIM_MAX) -> Interval:
     """x / y where y excludes 0 (the caller checks, so y's extremes keep its sign)."""
     if y.numeric and y.lo == y.hi and not _numeric_or_unbounded(x) and _scalable(x, 1 / y.lo.const):
         return _scale(x, 1 / y.lo.const)  # (a number's quotient by a/b: 237 * (1 / 237) < 1)
-    # sizes' affine bounds boxed to their extremes up to the tops
+    return _quotients(x, y, tops, lambda a, b: a / b)
+
+
+def _quotients(x: Interval, y: Interval, tops: dict, op) -> Interval:
+    """``op`` (a quotient) over the corners of x's and y's bounds, sizes' affine bounds boxed
+    to their extremes up to the tops; unbounded where y is (anything near 0 divides)."""
     x = x if _numeric_or_unbounded(x) else boxed(x, tops)
     y = y if y.numeric else boxed(y, tops)
-    if not y.numeric:  # an unbounded divisor: the quotient may be anything near 0
-        return UNBOUNDED
-    return _products(x, y, lambda a, b: a / b)
+    return _products(x, y, op) if y.numeric else UNBOUNDED
 
 
 def floordiv(x: Interval, y: Interval, tops: dict = DIM_MAX) -> Interval:
@@ -225,12 +228,8 @@ def floordiv(x: Interval, y: Interval, tops: dict = DIM_MAX) -> Interval:
     # a size's affine bounds: their extremes up to the tops (q_idx // -1 reaches -(2^30 - 2);
     # unbounded here, `abs(q_idx // -1) * q_idx` passed the i32 check, found by
     # tests/test_modifiers_index_proofs.py's hypothesis search, 2026-12-06)
-    x = x if _numeric_or_unbounded(x) else boxed(x, tops)
-    y = y if y.numeric else boxed(y, tops)
-    if not y.numeric:
-        return UNBOUNDED
     # exact on integers (a float quotient's floor may be off by one past 2^53)
-    return _products(x, y, lambda a, b: a // b if math.isfinite(a) else a / b)
+    return _quotients(x, y, tops, lambda a, b: a // b if math.isfinite(a) else a / b)
 
 
 def _index_blocks(x: Interval, block: int) -> Interval | None:

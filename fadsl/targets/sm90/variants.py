@@ -77,7 +77,9 @@ def variant_lines(
     (``windowed``) or softcap (``capped``), forward and backward; with ``deterministic`` (a
     call without either) its deterministic twin's backward block."""
     if deterministic:
-        if windowed or capped or kernel.backward is None:
+        if kernel.backward is None:
+            raise ValueError(f"{kernel.config.name} has no backward block to make deterministic")
+        if windowed or capped:  # (dispatch.check_deterministic refuses these calls first)
             raise ValueError("deterministic backward blocks are built for the plain masks")
         if split_head_dim(kernel.config.head_dim):
             raise ValueError(
