@@ -101,8 +101,8 @@ def attention(
     traces it. The same checks and messages as a loaded spec's call.
     """
     key = None
-    # (checked before any plan: a plan's key leaves it out)
-    dispatch.check_deterministic(deterministic, window_size, softcap)
+    if deterministic is not False:  # (checked before any plan: a plan's key leaves it out)
+        dispatch.check_deterministic(deterministic, window_size, softcap)
     plain = q_descale is None and k_descale is None and v_descale is None and out_dtype is None
     if plain and not torch.compiler.is_compiling():  # a call of a signature met before
         key, plan = planned.attention_lookup(q, k, v, causal, softmax_scale, window_size,
