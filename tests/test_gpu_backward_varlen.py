@@ -71,7 +71,7 @@ _specs: dict[str, object] = {}
 
 def spec(name: str):
     """A shipped serving spec as is (``fa3_varlen_causal``), or a variant of its backward
-    block in tests/test_gpu_backward.py's ``training_spec`` syntax
+    block in tests/training_specs.py's ``training_spec`` syntax
     (``fa3_varlen_causal+br64+early_dv-dqred``)."""
     if name not in _specs:
         plain = "+" not in name and "-" not in name
